@@ -1,0 +1,113 @@
+// The parameter-server client used by each worker of a job.
+#ifndef DEEPNEX_PS_CLIENT_H_
+#define DEEPNEX_PS_CLIENT_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "deepnex/status.h"
+#include "deepnex/tensor.h"
+
+namespace deepnex::ps {
+
+struct ClientOptions {
+  // host:port of every server of the job, in the same order on every worker
+  // (it decides placement).
+  std::vector<std::string> servers;
+  // This worker's id, 0..num_workers-1. Default: 0
+  int worker_id = 0;
+  // Largest partition a tensor is cut into; the first init of a tensor fixes
+  // its partitioning for every client. Default: 4 MiB
+  uint64_t partition_bytes = 4ull << 20;
+  // Partitions bound for one server are batched into requests of about this
+  // many bytes, all in flight at once. Default: 4 MiB
+  uint64_t request_bytes = 4ull << 20;
+  // Deadline of each operation, retries included. Default: 60 s
+  std::chrono::milliseconds timeout{60000};
+  // First delay between retries of an Unavailable call; doubles each time.
+  // Default: 50 ms
+  std::chrono::milliseconds retry_backoff{50};
+  // TCP connections per server. Default: 2
+  int connections_per_server = 2;
+  // Bearer token, or a file holding it. Default: none
+  std::string token;
+  std::string token_file;
+  // TLS: PEM root certificates to verify the servers. Empty: plaintext.
+  std::string tls_ca_file;
+};
+
+// A named tensor in a push, pull or init.
+struct NamedTensor {
+  std::string key;
+  TensorView view;
+};
+
+// Shape and dtype of a tensor held by the servers.
+struct TensorInfo {
+  std::string key;
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+};
+
+// An operation in flight. Wait() may be called from any thread, repeatedly.
+class PendingOp {
+ public:
+  virtual ~PendingOp() = default;
+  // Waits up to `timeout` for the operation; DeadlineExceeded if it is still
+  // running then (it keeps running), else the operation's status.
+  virtual absl::Status Wait(std::chrono::milliseconds timeout) = 0;
+  // Waits without a limit of its own (the operation has its deadline).
+  virtual absl::Status Wait() = 0;
+  virtual bool Done() const = 0;
+};
+
+// A worker's connection to the job's parameter servers.
+// Thread-safe: operations may be issued from several threads; a push and
+// a pull of the same key from different threads are not ordered.
+class Client {
+ public:
+  static absl::StatusOr<std::unique_ptr<Client>> Create(
+      const ClientOptions& options);
+  virtual ~Client() = default;
+
+  // Creates the tensors. For each key the first init wins on every server;
+  // later inits of the same shape and dtype are no-ops (then pull to get the
+  // winner's values), of another shape or dtype InvalidArgument.
+  // Returns once every tensor is fully initialized on its servers.
+  virtual absl::Status Init(const std::vector<NamedTensor>& tensors) = 0;
+
+  // Sync mode: joins this worker's next round of each key. Async mode:
+  // applied at once. Each call is applied exactly once even when retried.
+  virtual absl::Status Push(const std::vector<NamedTensor>& grads) = 0;
+  // Into the caller's tensors. Sync mode: waits until the round of this
+  // worker's last push of each key has been applied.
+  virtual absl::Status Pull(const std::vector<NamedTensor>& out) = 0;
+  // Push then pull into `out` (same keys or others).
+  virtual absl::Status PushPull(const std::vector<NamedTensor>& grads,
+                                const std::vector<NamedTensor>& out) = 0;
+
+  // Asynchronous variants: the tensors must stay alive and unchanged (the
+  // outputs untouched) until the returned op is done.
+  virtual std::shared_ptr<PendingOp> PushAsync(
+      const std::vector<NamedTensor>& grads) = 0;
+  virtual std::shared_ptr<PendingOp> PullAsync(
+      const std::vector<NamedTensor>& out) = 0;
+  virtual std::shared_ptr<PendingOp> PushPullAsync(
+      const std::vector<NamedTensor>& grads,
+      const std::vector<NamedTensor>& out) = 0;
+
+  // Shape and dtype of each key (NotFound for a key never initialized).
+  virtual absl::StatusOr<std::vector<TensorInfo>> Describe(
+      const std::vector<std::string>& keys) = 0;
+
+  virtual int worker_id() const = 0;
+  // Ends the session; later calls are FailedPrecondition. Idempotent.
+  virtual absl::Status Close() = 0;
+};
+
+}  // namespace deepnex::ps
+
+#endif  // DEEPNEX_PS_CLIENT_H_
