@@ -1,1 +1,745 @@
-// placeholder: being written
+#include "deepnex/ps/client.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <queue>
+#include <thread>
+#include <unordered_map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include <grpcpp/generic/generic_stub.h>
+
+#include "core/grpc_util.h"
+#include "deepnex/ps.grpc.pb.h"
+#include "ps/plan.h"
+
+namespace deepnex::ps {
+namespace {
+
+namespace pb = ::deepnex::ps::proto;
+using Clock = std::chrono::system_clock;
+
+constexpr char kPushMethod[] = "/deepnex.ps.proto.ParameterServer/Push";
+constexpr char kPullMethod[] = "/deepnex.ps.proto.ParameterServer/Pull";
+constexpr char kWritePartsMethod[] =
+    "/deepnex.ps.proto.ParameterServer/WriteParts";
+
+// Runs callbacks after a delay on one thread of its own (retry backoff).
+class Timer {
+ public:
+  Timer() : thread_([this] { Run(); }) {}
+  ~Timer() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void After(std::chrono::milliseconds delay, std::function<void()> fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push({Clock::now() + delay, seq_++, std::move(fn)});
+    cv_.notify_all();
+  }
+
+ private:
+  struct Item {
+    Clock::time_point when;
+    uint64_t seq;
+    std::function<void()> fn;
+    bool operator>(const Item& o) const {
+      return when != o.when ? when > o.when : seq > o.seq;
+    }
+  };
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      if (queue_.empty()) {
+        cv_.wait(lock);
+      } else if (Clock::now() < queue_.top().when) {
+        cv_.wait_until(lock, queue_.top().when);
+      } else {
+        auto fn = queue_.top().fn;
+        queue_.pop();
+        lock.unlock();
+        fn();
+        lock.lock();
+      }
+    }
+    // Pending retries fail fast rather than vanish.
+    while (!queue_.empty()) {
+      auto fn = queue_.top().fn;
+      queue_.pop();
+      lock.unlock();
+      fn();
+      lock.lock();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::priority_queue<Item, std::vector<Item>, std::greater<Item>> queue_;
+  uint64_t seq_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// An operation made of requests in flight; done when the last one is.
+class Op final : public PendingOp {
+ public:
+  explicit Op(int outstanding) : outstanding_(outstanding) {
+    if (outstanding == 0) done_ = true;
+  }
+  // Adds requests to an op that is still held open by another.
+  void Add(int n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    outstanding_ += n;
+  }
+  void RequestDone(const absl::Status& status) {
+    std::vector<std::function<void(const absl::Status&)>> then;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!status.ok() && status_.ok()) status_ = status;
+      if (--outstanding_ > 0) return;
+      done_ = true;
+      then.swap(then_);
+      cv_.notify_all();
+    }
+    for (auto& fn : then) fn(status_);
+  }
+  // Runs `fn` with the final status once done (at once if already done).
+  void Then(std::function<void(const absl::Status&)> fn) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!done_) {
+      then_.push_back(std::move(fn));
+      return;
+    }
+    lock.unlock();
+    fn(status_);
+  }
+  absl::Status Wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, timeout, [this] { return done_; })) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "operation still running after ", timeout.count(), " ms"));
+    }
+    return status_;
+  }
+  absl::Status Wait() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return done_; });
+    return status_;
+  }
+  bool Done() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  int outstanding_;
+  bool done_ = false;
+  absl::Status status_;
+  std::vector<std::function<void(const absl::Status&)>> then_;
+};
+
+std::shared_ptr<Op> FailedOp(const absl::Status& status) {
+  auto op = std::make_shared<Op>(1);
+  op->RequestDone(status);
+  return op;
+}
+
+// What a client knows of a tensor: its meta and the last round it pushed.
+struct KeyState {
+  pb::TensorMeta meta;
+  uint64_t round = 0;
+};
+
+// One slice of a tensor travelling to or from a server.
+struct Piece {
+  pb::Slice slice;
+  char* data;  // the slice's bytes in the caller's tensor
+  uint64_t bytes;
+};
+
+class ClientImpl final : public Client {
+ public:
+  ClientImpl(const ClientOptions& options, std::string token)
+      : options_(options), token_(std::move(token)) {}
+
+  // Requests in flight call back into this object: wait for them (a closed
+  // client fails its pending retries at once).
+  ~ClientImpl() override {
+    closed_ = true;
+    std::unique_lock<std::mutex> lock(inflight_mu_);
+    inflight_cv_.wait(lock, [this] { return inflight_ == 0; });
+  }
+
+  absl::Status Connect() {
+    DEEPNEX_ASSIGN_OR_RETURN(auto credentials,
+                             MakeChannelCredentials(options_.tls_ca_file));
+    for (const std::string& address : options_.servers) {
+      std::vector<Connection> conns;
+      for (int i = 0; i < options_.connections_per_server; ++i) {
+        Connection c;
+        c.channel = MakeChannel(address, credentials);
+        c.generic = std::make_unique<grpc::GenericStub>(c.channel);
+        c.stub = pb::ParameterServer::NewStub(c.channel);
+        conns.push_back(std::move(c));
+      }
+      servers_.push_back(std::move(conns));
+    }
+    for (size_t s = 0; s < servers_.size(); ++s) {
+      pb::RegisterRequest req;
+      req.set_worker_id(options_.worker_id);
+      pb::RegisterReply reply;
+      DEEPNEX_RETURN_IF_ERROR(Unary(s, "register", req, &reply,
+                                    &pb::ParameterServer::Stub::Register));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Init(const std::vector<NamedTensor>& tensors) override {
+    DEEPNEX_RETURN_IF_ERROR(CheckOpen());
+    const Clock::time_point deadline = Clock::now() + options_.timeout;
+    std::vector<std::string> keys;
+    std::vector<std::pair<pb::TensorMeta, const TensorView*>> won;
+    for (const NamedTensor& t : tensors) {
+      if (t.key.empty()) return absl::InvalidArgumentError("init: empty key");
+      if (!IsFloatingPoint(t.view.dtype)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "init of \"%s\": dtype %s; parameters must be float32, float64, "
+            "float16 or bfloat16",
+            t.key, DTypeName(t.view.dtype)));
+      }
+      pb::ClaimRequest req;
+      req.set_worker_id(options_.worker_id);
+      pb::TensorMeta* meta = req.mutable_meta();
+      meta->set_key(t.key);
+      meta->set_dtype(static_cast<int>(t.view.dtype));
+      for (int64_t d : t.view.shape) meta->add_shape(d);
+      meta->set_num_parts(NumParts(t.view.NumElements(), DTypeSize(t.view.dtype),
+                                   options_.partition_bytes));
+      pb::ClaimReply reply;
+      DEEPNEX_RETURN_IF_ERROR(Unary(Primary(t.key), "init", req, &reply,
+                                    &pb::ParameterServer::Stub::Claim));
+      if (reply.won()) won.push_back({reply.meta(), &t.view});
+      keys.push_back(t.key);
+    }
+    if (!won.empty()) {
+      DEEPNEX_RETURN_IF_ERROR(WriteParts(won)->Wait());
+      for (const auto& [meta, view] : won) {
+        pb::CommitRequest req;
+        req.set_key(meta.key());
+        pb::CommitReply reply;
+        DEEPNEX_RETURN_IF_ERROR(Unary(Primary(meta.key()), "init", req, &reply,
+                                      &pb::ParameterServer::Stub::Commit));
+      }
+    }
+    // Whoever lost waits for the winner's values to be complete.
+    auto backoff = std::chrono::milliseconds(5);
+    while (true) {
+      DEEPNEX_ASSIGN_OR_RETURN(auto metas, FetchMetas(keys));
+      std::vector<std::string> pending;
+      for (const auto& m : metas) {
+        if (!m.ready()) pending.push_back(m.key());
+      }
+      if (pending.empty()) {
+        Remember(metas);
+        return absl::OkStatus();
+      }
+      if (Clock::now() + backoff > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "init: still waiting for the first initializer of \"",
+            absl::StrJoin(pending, "\", \""), "\" after ",
+            options_.timeout.count(), " ms"));
+      }
+      std::this_thread::sleep_for(backoff);
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+    }
+  }
+
+  absl::Status Push(const std::vector<NamedTensor>& grads) override {
+    return PushAsync(grads)->Wait();
+  }
+  absl::Status Pull(const std::vector<NamedTensor>& out) override {
+    return PullAsync(out)->Wait();
+  }
+  absl::Status PushPull(const std::vector<NamedTensor>& grads,
+                        const std::vector<NamedTensor>& out) override {
+    return PushPullAsync(grads, out)->Wait();
+  }
+
+  std::shared_ptr<PendingOp> PushAsync(
+      const std::vector<NamedTensor>& grads) override {
+    return StartPush(grads);
+  }
+
+  std::shared_ptr<PendingOp> PullAsync(
+      const std::vector<NamedTensor>& out) override {
+    return StartPull(out);
+  }
+
+  std::shared_ptr<PendingOp> PushPullAsync(
+      const std::vector<NamedTensor>& grads,
+      const std::vector<NamedTensor>& out) override {
+    // Validate the pull before anything is pushed.
+    absl::Status s = Prepare("pull", out, /*pushing=*/false, nullptr);
+    if (!s.ok()) return FailedOp(s);
+    auto push = StartPush(grads);
+    auto result = std::make_shared<Op>(1);
+    push->Then([this, result, out](const absl::Status& status) {
+      if (!status.ok()) return result->RequestDone(status);
+      StartPull(out, result.get(), result);
+    });
+    return result;
+  }
+
+  absl::StatusOr<std::vector<TensorInfo>> Describe(
+      const std::vector<std::string>& keys) override {
+    DEEPNEX_RETURN_IF_ERROR(CheckOpen());
+    DEEPNEX_ASSIGN_OR_RETURN(auto metas, FetchMetas(keys));
+    Remember(metas);
+    std::vector<TensorInfo> infos;
+    for (const auto& m : metas) {
+      TensorInfo info;
+      info.key = m.key();
+      info.dtype = static_cast<DType>(m.dtype());
+      info.shape.assign(m.shape().begin(), m.shape().end());
+      infos.push_back(std::move(info));
+    }
+    return infos;
+  }
+
+  int worker_id() const override { return options_.worker_id; }
+
+  absl::Status Close() override {
+    closed_ = true;
+    return absl::OkStatus();
+  }
+
+ private:
+  struct Connection {
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<grpc::GenericStub> generic;
+    std::unique_ptr<pb::ParameterServer::Stub> stub;
+  };
+
+  // A framed request to one server, retried on Unavailable until the
+  // operation's deadline.
+  struct Request {
+    std::shared_ptr<Op> op;
+    size_t server;
+    const char* method;
+    const char* what;
+    grpc::ByteBuffer request;
+    grpc::ByteBuffer response;
+    std::unique_ptr<grpc::ClientContext> ctx;
+    Clock::time_point deadline;
+    std::chrono::milliseconds backoff;
+    std::function<absl::Status(const grpc::ByteBuffer&)> on_reply;
+  };
+
+  absl::Status CheckOpen() const {
+    if (closed_) return absl::FailedPreconditionError("the client is closed");
+    return absl::OkStatus();
+  }
+
+  size_t Primary(const std::string& key) const {
+    return ServerOf(key, 0, static_cast<int>(servers_.size()));
+  }
+
+  const Connection& Pick(size_t server) {
+    const auto& conns = servers_[server];
+    return conns[next_conn_.fetch_add(1, std::memory_order_relaxed) % conns.size()];
+  }
+
+  void PrepareContext(grpc::ClientContext* ctx, Clock::time_point deadline) const {
+    ctx->set_deadline(deadline);
+    if (!token_.empty()) ctx->AddMetadata(kAuthorizationKey, BearerValue(token_));
+  }
+
+  // Transport failures get the server's address; errors the server sent
+  // already say what was wrong.
+  absl::Status CallError(const grpc::Status& s, size_t server, const char* what) const {
+    absl::Status status = ToAbslStatus(s);
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+        s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return absl::Status(status.code(),
+                          absl::StrCat(what, " to ", options_.servers[server],
+                                       ": ", status.message()));
+    }
+    return status;
+  }
+
+  // A blocking control call with retries on Unavailable.
+  template <typename Req, typename Resp>
+  absl::Status Unary(size_t server, const char* what, const Req& req, Resp* resp,
+                     grpc::Status (pb::ParameterServer::Stub::*method)(
+                         grpc::ClientContext*, const Req&, Resp*)) {
+    const Clock::time_point deadline = Clock::now() + options_.timeout;
+    auto backoff = options_.retry_backoff;
+    while (true) {
+      grpc::ClientContext ctx;
+      PrepareContext(&ctx, deadline);
+      grpc::Status s = (Pick(server).stub.get()->*method)(&ctx, req, resp);
+      if (s.ok()) return absl::OkStatus();
+      if (s.error_code() != grpc::StatusCode::UNAVAILABLE ||
+          Clock::now() + backoff >= deadline) {
+        return CallError(s, server, what);
+      }
+      std::this_thread::sleep_for(backoff);
+      backoff *= 2;
+    }
+  }
+
+  void Send(std::shared_ptr<Request> r) {
+    {
+      std::lock_guard<std::mutex> lock(inflight_mu_);
+      ++inflight_;
+    }
+    Attempt(std::move(r));
+  }
+
+  void Attempt(std::shared_ptr<Request> r) {
+    if (closed_) {
+      return Complete(r, absl::CancelledError(
+                             absl::StrCat(r->what, ": the client was closed")));
+    }
+    r->ctx = std::make_unique<grpc::ClientContext>();
+    PrepareContext(r->ctx.get(), r->deadline);
+    r->response.Clear();
+    Pick(r->server).generic->UnaryCall(
+        r->ctx.get(), r->method, grpc::StubOptions(), &r->request, &r->response,
+        [this, r](grpc::Status s) { OnReply(r, s); });
+  }
+
+  void OnReply(const std::shared_ptr<Request>& r, const grpc::Status& s) {
+    if (s.ok()) {
+      return Complete(r, r->on_reply ? r->on_reply(r->response) : absl::OkStatus());
+    }
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE &&
+        Clock::now() + r->backoff < r->deadline) {
+      auto delay = r->backoff;
+      r->backoff *= 2;
+      timer_.After(delay, [this, r] { Attempt(r); });
+      return;
+    }
+    Complete(r, CallError(s, r->server, r->what));
+  }
+
+  void Complete(const std::shared_ptr<Request>& r, const absl::Status& status) {
+    r->op->RequestDone(status);
+    std::lock_guard<std::mutex> lock(inflight_mu_);
+    if (--inflight_ == 0) inflight_cv_.notify_all();
+  }
+
+  std::shared_ptr<Request> NewRequest(std::shared_ptr<Op> op, size_t server,
+                                      const char* method, const char* what,
+                                      Clock::time_point deadline) {
+    auto r = std::make_shared<Request>();
+    r->op = std::move(op);
+    r->server = server;
+    r->method = method;
+    r->what = what;
+    r->deadline = deadline;
+    r->backoff = options_.retry_backoff;
+    return r;
+  }
+
+  // Metas of `keys`, one Describe per server holding their first parts.
+  absl::StatusOr<std::vector<pb::TensorMeta>> FetchMetas(
+      const std::vector<std::string>& keys) {
+    std::map<size_t, pb::DescribeRequest> by_server;
+    for (const std::string& key : keys) {
+      auto& req = by_server[Primary(key)];
+      req.set_worker_id(options_.worker_id);
+      req.add_keys(key);
+    }
+    std::unordered_map<std::string, pb::TensorMeta> found;
+    for (const auto& [server, req] : by_server) {
+      pb::DescribeReply reply;
+      DEEPNEX_RETURN_IF_ERROR(Unary(server, "describe", req, &reply,
+                                    &pb::ParameterServer::Stub::Describe));
+      for (const auto& m : reply.metas()) found[m.key()] = m;
+    }
+    std::vector<pb::TensorMeta> metas;
+    for (const std::string& key : keys) metas.push_back(found[key]);
+    return metas;
+  }
+
+  void Remember(const std::vector<pb::TensorMeta>& metas) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& m : metas) {
+      auto [it, inserted] = keys_.try_emplace(m.key());
+      if (inserted) it->second.round = m.next_round() > 0 ? m.next_round() - 1 : 0;
+      it->second.meta = m;
+    }
+  }
+
+  // Checks each tensor against what the servers hold (describing keys this
+  // client has not seen) and cuts it into pieces; `pushing` takes a new
+  // round for each key.
+  absl::Status Prepare(const char* op, const std::vector<NamedTensor>& tensors,
+                       bool pushing, std::vector<Piece>* pieces) {
+    DEEPNEX_RETURN_IF_ERROR(CheckOpen());
+    std::vector<std::string> unknown;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& t : tensors) {
+        if (!keys_.count(t.key)) unknown.push_back(t.key);
+      }
+    }
+    if (!unknown.empty()) {
+      absl::StatusOr<std::vector<pb::TensorMeta>> metas = FetchMetas(unknown);
+      if (!metas.ok()) {
+        return absl::Status(metas.status().code(),
+                            absl::StrCat(op, ": ", metas.status().message()));
+      }
+      Remember(*metas);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& t : tensors) {
+      const KeyState& k = keys_.at(t.key);
+      DType dtype = static_cast<DType>(k.meta.dtype());
+      int64_t count = 1;
+      for (int64_t d : k.meta.shape()) count *= d;
+      if (t.view.dtype != dtype) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s of \"%s\": got %s values, the tensor is %s", op,
+                            t.key, DTypeName(t.view.dtype), DTypeName(dtype)));
+      }
+      if (t.view.NumElements() != count) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s of \"%s\": got %d %s values, the tensor has %d", op, t.key,
+            t.view.NumElements(), DTypeName(dtype), count));
+      }
+      if (count > 0 && t.view.data == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s of \"%s\": no data", op, t.key));
+      }
+    }
+    if (pieces == nullptr) return absl::OkStatus();
+    for (const auto& t : tensors) {
+      KeyState& k = keys_.at(t.key);
+      uint64_t version = pushing ? ++k.round : k.round;
+      CutIntoPieces(t, k.meta, version, pieces);
+    }
+    return absl::OkStatus();
+  }
+
+  static void CutIntoPieces(const NamedTensor& t, const pb::TensorMeta& meta,
+                            uint64_t version, std::vector<Piece>* pieces) {
+    const uint64_t elem = DTypeSize(t.view.dtype);
+    const uint64_t n = t.view.NumElements();
+    for (uint32_t part = 0; part < meta.num_parts(); ++part) {
+      PartRange r = PartOf(n, meta.num_parts(), part);
+      Piece p;
+      p.slice.set_key(t.key);
+      p.slice.set_part(part);
+      p.slice.set_offset(r.offset);
+      p.slice.set_count(r.count);
+      p.slice.set_dtype(meta.dtype());
+      p.slice.set_version(version);
+      p.data = static_cast<char*>(t.view.data) + r.offset * elem;
+      p.bytes = r.count * elem;
+      pieces->push_back(std::move(p));
+    }
+  }
+
+  // Groups pieces by server, then into batches of about request_bytes.
+  std::vector<std::pair<size_t, std::vector<const Piece*>>> Batch(
+      const std::vector<Piece>& pieces) const {
+    std::vector<std::vector<const Piece*>> per_server(servers_.size());
+    for (const Piece& p : pieces) {
+      per_server[ServerOf(p.slice.key(), p.slice.part(),
+                          static_cast<int>(servers_.size()))]
+          .push_back(&p);
+    }
+    std::vector<std::pair<size_t, std::vector<const Piece*>>> batches;
+    for (size_t s = 0; s < per_server.size(); ++s) {
+      std::vector<const Piece*> batch;
+      uint64_t bytes = 0;
+      for (const Piece* p : per_server[s]) {
+        if (!batch.empty() && bytes + p->bytes > options_.request_bytes) {
+          batches.push_back({s, std::move(batch)});
+          batch.clear();
+          bytes = 0;
+        }
+        batch.push_back(p);
+        bytes += p->bytes;
+      }
+      if (!batch.empty()) batches.push_back({s, std::move(batch)});
+    }
+    return batches;
+  }
+
+  // The payload points at the caller's memory, which the op's contract keeps
+  // alive and unchanged until the op is done.
+  static std::vector<grpc::Slice> PayloadOf(const std::vector<const Piece*>& batch) {
+    std::vector<grpc::Slice> payload;
+    for (const Piece* p : batch) {
+      payload.emplace_back(p->data, p->bytes, grpc::Slice::STATIC_SLICE);
+    }
+    return payload;
+  }
+
+  std::shared_ptr<Op> StartPush(const std::vector<NamedTensor>& grads) {
+    std::vector<Piece> pieces;
+    absl::Status s = Prepare("push", grads, /*pushing=*/true, &pieces);
+    if (!s.ok()) return FailedOp(s);
+    auto batches = Batch(pieces);
+    auto op = std::make_shared<Op>(static_cast<int>(batches.size()));
+    // A push refused or lost by some server leaves this client's rounds of
+    // those keys unknown: forget them, so the next use asks the servers.
+    std::vector<std::string> keys;
+    for (const auto& g : grads) keys.push_back(g.key);
+    op->Then([this, keys = std::move(keys)](const absl::Status& status) {
+      if (status.ok()) return;
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& key : keys) keys_.erase(key);
+    });
+    const Clock::time_point deadline = Clock::now() + options_.timeout;
+    for (auto& [server, batch] : batches) {
+      pb::PushHeader header;
+      header.set_worker_id(options_.worker_id);
+      for (const Piece* p : batch) *header.add_slices() = p->slice;
+      auto r = NewRequest(op, server, kPushMethod, "push", deadline);
+      r->request = EncodeFramed(header, PayloadOf(batch));
+      Send(std::move(r));
+    }
+    return op;
+  }
+
+  // Starts a pull; with `into`, its requests join that op (which the caller
+  // holds open with one request of its own, released here).
+  std::shared_ptr<Op> StartPull(const std::vector<NamedTensor>& out,
+                                Op* into = nullptr,
+                                std::shared_ptr<Op> into_ref = nullptr) {
+    std::vector<Piece> pieces;
+    absl::Status s = Prepare("pull", out, /*pushing=*/false, &pieces);
+    if (!s.ok()) {
+      if (into) into->RequestDone(s);
+      return FailedOp(s);
+    }
+    auto batches = Batch(pieces);
+    std::shared_ptr<Op> op = into_ref;
+    if (op) {
+      op->Add(static_cast<int>(batches.size()));
+    } else {
+      op = std::make_shared<Op>(static_cast<int>(batches.size()));
+    }
+    const Clock::time_point deadline = Clock::now() + options_.timeout;
+    for (auto& [server, batch] : batches) {
+      pb::PullRequest req;
+      req.set_worker_id(options_.worker_id);
+      std::vector<std::pair<char*, uint64_t>> dst;
+      for (const Piece* p : batch) {
+        *req.add_slices() = p->slice;
+        dst.push_back({p->data, p->bytes});
+      }
+      auto r = NewRequest(op, server, kPullMethod, "pull", deadline);
+      std::string bytes = req.SerializeAsString();
+      grpc::Slice slice(bytes);
+      r->request = grpc::ByteBuffer(&slice, 1);
+      r->on_reply = [dst = std::move(dst)](const grpc::ByteBuffer& reply) {
+        pb::PullHeader header;
+        PayloadReader payload;
+        DEEPNEX_RETURN_IF_ERROR(DecodeFramed(reply, &header, &payload));
+        uint64_t need = 0;
+        for (const auto& d : dst) need += d.second;
+        if (payload.remaining() != need) {
+          return absl::InternalError(absl::StrFormat(
+              "pull: the reply holds %d bytes, expected %d", payload.remaining(), need));
+        }
+        for (const auto& [ptr, n] : dst) payload.Read(ptr, n);
+        return absl::OkStatus();
+      };
+      Send(std::move(r));
+    }
+    if (into) into->RequestDone(absl::OkStatus());
+    return op;
+  }
+
+  std::shared_ptr<Op> WriteParts(
+      const std::vector<std::pair<pb::TensorMeta, const TensorView*>>& won) {
+    std::vector<Piece> pieces;
+    std::unordered_map<std::string, const pb::TensorMeta*> metas;
+    for (const auto& [meta, view] : won) {
+      CutIntoPieces({meta.key(), *view}, meta, 0, &pieces);
+      metas[meta.key()] = &meta;
+    }
+    auto batches = Batch(pieces);
+    auto op = std::make_shared<Op>(static_cast<int>(batches.size()));
+    const Clock::time_point deadline = Clock::now() + options_.timeout;
+    for (auto& [server, batch] : batches) {
+      pb::WritePartsHeader header;
+      header.set_worker_id(options_.worker_id);
+      for (const Piece* p : batch) {
+        *header.add_slices() = p->slice;
+        *header.add_metas() = *metas[p->slice.key()];
+      }
+      auto r = NewRequest(op, server, kWritePartsMethod, "init", deadline);
+      r->request = EncodeFramed(header, PayloadOf(batch));
+      Send(std::move(r));
+    }
+    return op;
+  }
+
+  const ClientOptions options_;
+  const std::string token_;
+  std::vector<std::vector<Connection>> servers_;
+  std::atomic<uint64_t> next_conn_{0};
+  std::atomic<bool> closed_{false};
+  Timer timer_;
+  std::mutex mu_;
+  std::unordered_map<std::string, KeyState> keys_;
+  std::mutex inflight_mu_;
+  std::condition_variable inflight_cv_;
+  int inflight_ = 0;  // requests sent and not yet completed
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Create(
+    const ClientOptions& options) {
+  if (options.servers.empty()) {
+    return absl::InvalidArgumentError("servers: empty (give at least one host:port)");
+  }
+  for (const auto& s : options.servers) {
+    if (s.empty() || s.find(':') == std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("servers: \"", s, "\" is not host:port"));
+    }
+  }
+  if (options.worker_id < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker_id=", options.worker_id, ": must be >= 0"));
+  }
+  if (options.partition_bytes < 8 || options.request_bytes < 8) {
+    return absl::InvalidArgumentError(
+        "partition_bytes and request_bytes must be at least 8");
+  }
+  if (options.connections_per_server < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "connections_per_server=", options.connections_per_server,
+        ": must be at least 1"));
+  }
+  if (options.timeout.count() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "timeout=", options.timeout.count(), "ms: must be positive"));
+  }
+  DEEPNEX_ASSIGN_OR_RETURN(std::string token,
+                           ResolveClientToken(options.token, options.token_file));
+  TuneMallocForLargeBuffers();
+  auto client = std::make_unique<ClientImpl>(options, std::move(token));
+  DEEPNEX_RETURN_IF_ERROR(client->Connect());
+  return std::unique_ptr<Client>(std::move(client));
+}
+
+}  // namespace deepnex::ps

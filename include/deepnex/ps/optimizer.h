@@ -31,7 +31,8 @@ struct OptimizerConfig {
   // Adam / AdamW moment decay rates. Default: 0.9, 0.999
   double beta1 = 0.9;
   double beta2 = 0.999;
-  // Adam / AdamW / Adagrad denominator term. Default: 1e-8 (Adagrad: 1e-10)
+  // Adam / AdamW / Adagrad denominator term. Default: 1e-8 (deepnex-ps and
+  // Python's Adagrad default to 1e-10, as torch does)
   double eps = 1e-8;
   // Adagrad's starting accumulator. Default: 0
   double initial_accumulator = 0.0;

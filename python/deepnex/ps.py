@@ -1,0 +1,312 @@
+"""Parameter server: ``deepnex.ps.Server`` and ``deepnex.ps.Client``.
+
+A server holds partitions of named dense tensors and applies a server-side
+optimizer to the gradients workers push::
+
+    server = deepnex.ps.Server(address="127.0.0.1:0", mode="sync", num_workers=2,
+                               optimizer=deepnex.ps.SGD(lr=0.1))
+    client = deepnex.ps.Client([server.address], worker_id=0)
+    client.init({"w": np.zeros((4, 3), np.float32)})
+    client.push({"w": grad})
+    params = client.pull(["w"])
+
+Arrays are numpy arrays or CPU torch tensors, passed without copies: a wrong
+dtype, a non-contiguous array or a read-only output raises
+``InvalidArgumentError`` (a ``ValueError``) instead of copying.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _C
+from .errors import InvalidArgumentError
+
+__all__ = [
+    "Server", "Client", "PendingOp",
+    "SGD", "Adam", "AdamW", "Adagrad", "Sum", "Assign",
+]
+
+
+# ---- optimizers (applied by the server)
+
+@dataclass(frozen=True)
+class SGD:
+    """torch.optim.SGD's rule: momentum, Nesterov and L2 weight decay."""
+    lr: float = 0.01
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+    def _config(self):
+        return _C.ps.OptimizerConfig("sgd", lr=self.lr, momentum=self.momentum,
+                                     nesterov=self.nesterov,
+                                     weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True)
+class Adam:
+    """torch.optim.Adam's rule; weight_decay is L2 added to the gradient."""
+    lr: float = 0.001
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    _kind = "adam"
+
+    def _config(self):
+        return _C.ps.OptimizerConfig(self._kind, lr=self.lr, beta1=self.betas[0],
+                                     beta2=self.betas[1], eps=self.eps,
+                                     weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True)
+class AdamW(Adam):
+    """torch.optim.AdamW's rule: decoupled weight decay (default 0.01)."""
+    weight_decay: float = 0.01
+    _kind = "adamw"
+
+
+@dataclass(frozen=True)
+class Adagrad:
+    """torch.optim.Adagrad's rule."""
+    lr: float = 0.01
+    eps: float = 1e-10
+    weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+
+    def _config(self):
+        return _C.ps.OptimizerConfig(
+            "adagrad", lr=self.lr, eps=self.eps, weight_decay=self.weight_decay,
+            initial_accumulator=self.initial_accumulator_value)
+
+
+@dataclass(frozen=True)
+class Sum:
+    """Pure aggregation: values += the round's aggregate (or each push)."""
+
+    def _config(self):
+        return _C.ps.OptimizerConfig("sum")
+
+
+@dataclass(frozen=True)
+class Assign:
+    """values = the round's aggregate (async: the latest push)."""
+
+    def _config(self):
+        return _C.ps.OptimizerConfig("assign")
+
+
+_OPTIMIZERS = {"sgd": SGD, "adam": Adam, "adamw": AdamW, "adagrad": Adagrad,
+               "sum": Sum, "assign": Assign}
+
+
+def _optimizer_config(optimizer):
+    if optimizer is None:
+        optimizer = SGD()
+    elif isinstance(optimizer, str):
+        if optimizer not in _OPTIMIZERS:
+            raise InvalidArgumentError(f"optimizer: unknown {optimizer!r} "
+                                       f"(one of {', '.join(_OPTIMIZERS)})")
+        optimizer = _OPTIMIZERS[optimizer]()
+    if not hasattr(optimizer, "_config"):
+        raise TypeError(f"optimizer: expected deepnex.ps.SGD, Adam, ... or a name, "
+                        f"got {type(optimizer).__name__}")
+    return optimizer._config()
+
+
+# ---- arrays in and out
+
+def _buffer(key, x):
+    """(key, buffer, dtype override) for the C++ layer; never copies."""
+    if isinstance(x, np.ndarray):
+        return (key, x, None)
+    if type(x).__module__.startswith("torch"):
+        import torch
+        if x.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"{key!r}: a {x.device.type} tensor; the parameter server takes CPU tensors")
+        t = x.detach()
+        if t.dtype == torch.bfloat16:
+            return (key, t.view(torch.int16).numpy(), "bfloat16")
+        return (key, t.numpy(), None)
+    raise TypeError(f"{key!r}: expected a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+def _buffers(tensors, known=None):
+    """The C++ layer's arguments; numpy has no bfloat16, so uint16 arrays
+    stand for the keys `known` says are bfloat16."""
+    if not isinstance(tensors, dict):
+        raise TypeError(f"expected a dict of name -> array, got {type(tensors).__name__}")
+    args = [_buffer(k, v) for k, v in tensors.items()]
+    if known:
+        args = [(k, b, "bfloat16" if a is None and known.get(k, ("",))[0] == "bfloat16"
+                 and b.dtype == np.uint16 else a) for k, b, a in args]
+    return args
+
+
+def byte_size(value, field):
+    """An int of bytes from an int or a string such as "4MiB"."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if value < 0:
+            raise InvalidArgumentError(f"{field}: {value} is negative")
+        return int(value)
+    return _C.parse_byte_size(str(value), field)
+
+
+_NUMPY = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
+          "bfloat16": np.uint16}
+
+
+class PendingOp:
+    """An operation in flight; ``wait(timeout=None)`` returns its result
+    (a dict of arrays for pulls, None for pushes) or raises its error;
+    ``TimeoutError`` (DeadlineExceededError) if it is still running then."""
+
+    def __init__(self, op, result=None):
+        self._op = op
+        self._result = result
+
+    def wait(self, timeout=None):
+        self._op.wait(timeout)
+        return self._result
+
+    def done(self):
+        return self._op.done()
+
+
+# ---- server and client
+
+class Server:
+    """A parameter server, serving on return until ``stop()``.
+
+    mode: "sync" (a round completes when all ``num_workers`` pushed, and the
+    optimizer is applied once to their mean or sum, by ``reduction``) or
+    "async" (each push applied at once). ``reject_nonfinite``: refuse
+    gradients holding NaN/Inf. ``token`` or ``token_file``: bearer-token auth.
+    ``tls_cert_file``/``tls_key_file``: serve TLS.
+    """
+
+    def __init__(self, address="127.0.0.1:0", mode="sync", num_workers=1,
+                 optimizer=None, reduction="mean", reject_nonfinite=True,
+                 max_message_bytes="256MiB", token=None, token_file=None,
+                 job_id="", tls_cert_file=None, tls_key_file=None):
+        self._server = _C.ps.Server(
+            address=address, mode=mode, num_workers=num_workers,
+            reduction=reduction, optimizer=_optimizer_config(optimizer),
+            reject_nonfinite=reject_nonfinite,
+            max_message_bytes=byte_size(max_message_bytes, "max_message_bytes"),
+            token=token or "", token_file=token_file or "", job_id=job_id or "",
+            tls_cert_file=tls_cert_file or "", tls_key_file=tls_key_file or "")
+
+    @property
+    def address(self):
+        """host:port, with the port the OS picked for port 0."""
+        return self._server.address
+
+    @property
+    def port(self):
+        return self._server.port
+
+    def stop(self):
+        self._server.stop()
+
+    def wait(self):
+        """Blocks until stop() is called from another thread."""
+        self._server.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class Client:
+    """A worker's connection to the job's parameter servers.
+
+    servers: "host:port" strings, in the same order on every worker.
+    timeout: seconds for each operation (retries on Unavailable included).
+    """
+
+    def __init__(self, servers, worker_id=0, partition_bytes="4MiB",
+                 request_bytes="4MiB", timeout=60.0, connections_per_server=2,
+                 token=None, token_file=None, tls_ca_file=None):
+        if isinstance(servers, str):
+            servers = [s for s in servers.split(",") if s]
+        self._client = _C.ps.Client(
+            servers=list(servers), worker_id=worker_id,
+            partition_bytes=byte_size(partition_bytes, "partition_bytes"),
+            request_bytes=byte_size(request_bytes, "request_bytes"),
+            timeout=float(timeout), connections_per_server=connections_per_server,
+            token=token or "", token_file=token_file or "",
+            tls_ca_file=tls_ca_file or "")
+        self._shapes = {}
+
+    @property
+    def worker_id(self):
+        return self._client.worker_id
+
+    def init(self, tensors):
+        """Creates the tensors; the first init of each key wins."""
+        self._client.init(_buffers(tensors))
+
+    def push(self, grads):
+        """Sync: joins this worker's next round. Async: applied at once."""
+        self._client.push(self._args(grads))
+
+    def pull(self, keys):
+        """A dict of new arrays. Sync: waits for this worker's last round."""
+        out = self._new_arrays(keys)
+        self.pull_into(out)
+        return out
+
+    def pull_into(self, out):
+        """Pulls into the caller's arrays (writable, contiguous, right dtype)."""
+        self._client.pull_into(self._args(out))
+
+    def push_pull(self, grads, keys=None):
+        """Pushes, then pulls `keys` (default: the pushed keys) as a dict."""
+        out = self._new_arrays(list(grads) if keys is None else keys)
+        self._client.push_pull_into(self._args(grads), self._args(out))
+        return out
+
+    def push_async(self, grads):
+        return PendingOp(self._client.push_async(self._args(grads)))
+
+    def pull_async(self, keys):
+        out = self._new_arrays(keys)
+        return PendingOp(self._client.pull_into_async(self._args(out)), out)
+
+    def pull_into_async(self, out):
+        return PendingOp(self._client.pull_into_async(self._args(out)), out)
+
+    def push_pull_async(self, grads, keys=None):
+        out = self._new_arrays(list(grads) if keys is None else keys)
+        return PendingOp(
+            self._client.push_pull_into_async(self._args(grads), self._args(out)), out)
+
+    def describe(self, keys):
+        """{key: (dtype name, shape)} of tensors on the servers."""
+        return {k: (dtype, tuple(shape))
+                for k, dtype, shape in self._client.describe(list(keys))}
+
+    def close(self):
+        self._client.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _args(self, tensors):
+        return _buffers(tensors, self._shapes)
+
+    def _new_arrays(self, keys):
+        if isinstance(keys, str):
+            keys = [keys]
+        missing = [k for k in keys if k not in self._shapes]
+        if missing:
+            self._shapes.update(self.describe(missing))
+        return {k: np.empty(self._shapes[k][1], _NUMPY[self._shapes[k][0]])
+                for k in keys}

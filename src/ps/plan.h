@@ -1,0 +1,54 @@
+// How a tensor is cut into partitions and which server holds each one.
+// Every client computes the same plan from (key, element count, number of
+// parts, number of servers), so no directory service is needed.
+#ifndef DEEPNEX_PS_PLAN_H_
+#define DEEPNEX_PS_PLAN_H_
+
+#include <cstdint>
+#include <string>
+
+namespace deepnex::ps {
+
+struct PartRange {
+  uint64_t offset = 0;  // first element
+  uint64_t count = 0;   // elements
+};
+
+// Parts of at most `partition_bytes` (at least one part, even when empty).
+inline uint32_t NumParts(uint64_t num_elements, uint64_t elem_size,
+                         uint64_t partition_bytes) {
+  uint64_t bytes = num_elements * elem_size;
+  uint64_t per_part = partition_bytes < elem_size ? elem_size : partition_bytes;
+  uint64_t parts = (bytes + per_part - 1) / per_part;
+  return parts == 0 ? 1 : static_cast<uint32_t>(parts);
+}
+
+// Part `part` of `num_parts` nearly equal parts (the first ones one larger).
+inline PartRange PartOf(uint64_t num_elements, uint32_t num_parts,
+                        uint32_t part) {
+  uint64_t base = num_elements / num_parts, extra = num_elements % num_parts;
+  PartRange r;
+  r.offset = part * base + (part < extra ? part : extra);
+  r.count = base + (part < extra ? 1 : 0);
+  return r;
+}
+
+// FNV-1a: stable across processes and builds, unlike std::hash.
+inline uint64_t KeyHash(const std::string& key) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : key) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// Consecutive parts of a tensor go to consecutive servers, so a large
+// tensor is spread over all of them.
+inline int ServerOf(const std::string& key, uint32_t part, int num_servers) {
+  return static_cast<int>((KeyHash(key) + part) % num_servers);
+}
+
+}  // namespace deepnex::ps
+
+#endif  // DEEPNEX_PS_PLAN_H_

@@ -1,0 +1,453 @@
+// Parameter server end to end: servers and workers as threads on 127.0.0.1.
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <thread>
+
+#include "deepnex/ps/client.h"
+#include "deepnex/ps/server.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "test_matchers.h"
+
+namespace deepnex::ps {
+namespace {
+
+using ::deepnex::test::IsOk;
+using ::deepnex::test::StatusIs;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+
+struct Cluster {
+  std::vector<std::unique_ptr<Server>> servers;
+  std::vector<std::string> addresses;
+};
+
+Cluster StartServers(int n, ServerOptions options) {
+  Cluster c;
+  for (int i = 0; i < n; ++i) {
+    auto server = Server::Create(options);
+    EXPECT_THAT(server.status(), IsOk());
+    c.addresses.push_back((*server)->address());
+    c.servers.push_back(std::move(*server));
+  }
+  return c;
+}
+
+std::unique_ptr<Client> Connect(const Cluster& c, int worker,
+                                ClientOptions options = {}) {
+  options.servers = c.addresses;
+  options.worker_id = worker;
+  auto client = Client::Create(options);
+  EXPECT_THAT(client.status(), IsOk());
+  return client.ok() ? std::move(*client) : nullptr;
+}
+
+NamedTensor View(const std::string& key, std::vector<float>& v) {
+  return {key, TensorView(v.data(), DType::kFloat32,
+                          {static_cast<int64_t>(v.size())})};
+}
+
+// Small partitions so that a 1000-element tensor spans both servers.
+ClientOptions SmallParts() {
+  ClientOptions o;
+  o.partition_bytes = 512;
+  o.request_bytes = 1024;
+  return o;
+}
+
+float Grad(int worker, int round, size_t j) {
+  return static_cast<float>((worker + 1) * round * static_cast<int>(j % 7 + 1));
+}
+
+class SyncTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(SyncTest, EveryWorkerPullsTheExactValuesAfterEachRound) {
+  const int workers = GetParam();
+  const int rounds = 5;
+  const size_t n = 1000;
+  ServerOptions so;
+  so.mode = Mode::kSync;
+  so.num_workers = workers;
+  so.reduction = Reduction::kMean;
+  so.optimizer.lr = 0.5;
+  Cluster c = StartServers(2, so);
+
+  std::vector<float> init(n);
+  for (size_t j = 0; j < n; ++j) init[j] = static_cast<float>(j);
+  // The exact trajectory: mean over workers of (w+1)*r*(j%7+1) is
+  // r*(j%7+1)*(workers+1)/2, a multiple of 0.5 that float32 holds exactly.
+  std::vector<std::vector<float>> expected(rounds + 1, init);
+  for (int r = 1; r <= rounds; ++r) {
+    for (size_t j = 0; j < n; ++j) {
+      double mean = 0;
+      for (int w = 0; w < workers; ++w) mean += Grad(w, r, j);
+      mean /= workers;
+      expected[r][j] = static_cast<float>(expected[r - 1][j] - 0.5 * mean);
+    }
+  }
+
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> failures(workers);
+  for (int w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      auto client = Connect(c, w, SmallParts());
+      std::vector<float> values = init, bias(3, 0.0f);
+      absl::Status s = client->Init({View("w", values), View("b", bias)});
+      std::vector<float> got(n), grad(n), bgot(3);
+      if (s.ok()) s = client->Pull({View("w", got)});
+      if (s.ok() && got != init) s = absl::InternalError("init values differ");
+      for (int r = 1; r <= rounds && s.ok(); ++r) {
+        for (size_t j = 0; j < n; ++j) grad[j] = Grad(w, r, j);
+        s = client->PushPull({View("w", grad)}, {View("w", got)});
+        if (s.ok() && got != expected[r]) {
+          s = absl::InternalError(absl::StrCat("worker ", w, " round ", r, " differs"));
+        }
+      }
+      failures[w] = s;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int w = 0; w < workers; ++w) {
+    EXPECT_THAT(failures[w], IsOk()) << "worker " << w;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Workers, SyncTest, ::testing::Values(2, 4));
+
+TEST(PsTest, FirstInitWinsAndEveryWorkerSeesTheSameValues) {
+  ServerOptions so;
+  so.num_workers = 4;
+  Cluster c = StartServers(2, so);
+  std::vector<std::vector<float>> seen(4, std::vector<float>(1000));
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 4; ++w) {
+    threads.emplace_back([&, w] {
+      auto client = Connect(c, w, SmallParts());
+      std::vector<float> mine(1000, static_cast<float>(w));
+      ASSERT_THAT(client->Init({View("w", mine)}), IsOk());
+      ASSERT_THAT(client->Pull({View("w", seen[w])}), IsOk());
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int w = 1; w < 4; ++w) EXPECT_EQ(seen[w], seen[0]);
+  // The values are one worker's, not a mix of parts from several.
+  EXPECT_EQ(seen[0], std::vector<float>(1000, seen[0][0]));
+}
+
+TEST(PsTest, AsyncAppliesEveryPushExactly) {
+  ServerOptions so;
+  so.mode = Mode::kAsync;
+  so.num_workers = 3;
+  so.optimizer.lr = 0.25;
+  Cluster c = StartServers(2, so);
+  const size_t n = 1000;
+  const int pushes = 10;
+  std::vector<float> init(n, 100.0f);
+  {
+    auto client = Connect(c, 0, SmallParts());
+    ASSERT_THAT(client->Init({View("w", init)}), IsOk());
+  }
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 3; ++w) {
+    threads.emplace_back([&, w] {
+      auto client = Connect(c, w, SmallParts());
+      std::vector<float> grad(n);
+      for (int r = 1; r <= pushes; ++r) {
+        for (size_t j = 0; j < n; ++j) grad[j] = Grad(w, r, j);
+        ASSERT_THAT(client->Push({View("w", grad)}), IsOk());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  auto client = Connect(c, 0, SmallParts());
+  std::vector<float> got(n), expected(n, 100.0f);
+  for (size_t j = 0; j < n; ++j) {
+    for (int w = 0; w < 3; ++w) {
+      for (int r = 1; r <= pushes; ++r) expected[j] -= 0.25f * Grad(w, r, j);
+    }
+  }
+  ASSERT_THAT(client->Pull({View("w", got)}), IsOk());
+  EXPECT_EQ(got, expected);
+}
+
+TEST(PsTest, LargeTensorRoundTripsAcrossThreeServers) {
+  Cluster c = StartServers(3, {});
+  ClientOptions co;
+  co.partition_bytes = 256 << 10;
+  co.request_bytes = 512 << 10;
+  auto client = Connect(c, 0, co);
+  const size_t n = (3 << 20) / 4 + 13;  // 3 MiB and a bit: 13 parts
+  std::vector<float> values(n), got(n);
+  for (size_t j = 0; j < n; ++j) values[j] = static_cast<float>(j) * 0.5f - 7.0f;
+  std::vector<double> dvalues(n / 3), dgot(n / 3);
+  for (size_t j = 0; j < dvalues.size(); ++j) dvalues[j] = 1.0 / (j + 1);
+  ASSERT_THAT(
+      client->Init({View("big", values),
+                    {"f64", TensorView(dvalues.data(), DType::kFloat64,
+                                       {static_cast<int64_t>(dvalues.size())})}}),
+      IsOk());
+  ASSERT_THAT(client->Pull({View("big", got),
+                            {"f64", TensorView(dgot.data(), DType::kFloat64,
+                                               {static_cast<int64_t>(dgot.size())})}}),
+              IsOk());
+  EXPECT_EQ(got, values);
+  EXPECT_EQ(dgot, dvalues);
+  auto info = client->Describe({"big"});
+  ASSERT_THAT(info.status(), IsOk());
+  EXPECT_EQ((*info)[0].shape, std::vector<int64_t>{static_cast<int64_t>(n)});
+}
+
+TEST(PsTest, HalfPrecisionTensorsKeepFloat32State) {
+  ServerOptions so;
+  so.mode = Mode::kAsync;
+  so.optimizer.kind = OptimizerKind::kSum;
+  Cluster c = StartServers(1, so);
+  auto client = Connect(c, 0);
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    std::string key = DTypeName(dtype);
+    auto to = dtype == DType::kFloat16 ? FloatToHalf : FloatToBFloat16;
+    auto from = dtype == DType::kFloat16 ? HalfToFloat : BFloat16ToFloat;
+    std::vector<uint16_t> init = {to(1.0f), to(-2.0f), to(0.5f)};
+    std::vector<uint16_t> grad = {to(1.0f), to(1.0f), to(0.25f)};
+    std::vector<uint16_t> got(3);
+    ASSERT_THAT(client->Init({{key, TensorView(init.data(), dtype, {3})}}), IsOk());
+    ASSERT_THAT(client->PushPull({{key, TensorView(grad.data(), dtype, {3})}},
+                                 {{key, TensorView(got.data(), dtype, {3})}}),
+                IsOk());
+    EXPECT_EQ(from(got[0]), 2.0f);
+    EXPECT_EQ(from(got[1]), -1.0f);
+    EXPECT_EQ(from(got[2]), 0.75f);
+  }
+}
+
+TEST(PsTest, AsyncOpsCanBeWaitedWithATimeout) {
+  ServerOptions so;
+  so.num_workers = 2;  // sync: worker 0's pull waits for worker 1
+  Cluster c = StartServers(1, so);
+  auto w0 = Connect(c, 0);
+  auto w1 = Connect(c, 1);
+  std::vector<float> v = {1, 2, 3}, g0 = {2, 2, 2}, g1 = {4, 4, 4}, got(3);
+  ASSERT_THAT(w0->Init({View("w", v)}), IsOk());
+  ASSERT_THAT(w0->Push({View("w", g0)}), IsOk());
+  auto pull = w0->PullAsync({View("w", got)});
+  EXPECT_THAT(pull->Wait(std::chrono::milliseconds(100)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_FALSE(pull->Done());
+  ASSERT_THAT(w1->PushAsync({View("w", g1)})->Wait(), IsOk());
+  ASSERT_THAT(pull->Wait(std::chrono::seconds(10)), IsOk());
+  // mean of 2 and 4 is 3; sgd lr 0.01
+  EXPECT_EQ(got, (std::vector<float>{1 - 0.01f * 3, 2 - 0.01f * 3, 3 - 0.01f * 3}));
+}
+
+// ---- bad input: each refused with a clear error; the server keeps
+// serving and its values are unchanged.
+
+class BadInputTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ServerOptions so;
+    so.num_workers = 2;
+    so.mode = Mode::kAsync;
+    so.optimizer.lr = 1.0;
+    so.max_message_bytes = 64 << 10;
+    cluster_ = StartServers(1, so);
+    client_ = Connect(cluster_, 0);
+    ASSERT_THAT(client_->Init({View("fc1.weight", values_)}), IsOk());
+  }
+
+  void ExpectUnchanged() {
+    std::vector<float> got(values_.size());
+    ASSERT_THAT(client_->Pull({View("fc1.weight", got)}), IsOk());
+    EXPECT_EQ(got, values_);
+  }
+
+  std::vector<float> values_ = std::vector<float>(8192, 1.5f);
+  Cluster cluster_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(BadInputTest, PushWithWrongElementCount) {
+  std::vector<float> grad(4096, 1.0f);
+  EXPECT_THAT(client_->Push({View("fc1.weight", grad)}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("push of \"fc1.weight\": got 4096 float32 values, "
+                                 "the tensor has 8192")));
+  ExpectUnchanged();
+}
+
+TEST_F(BadInputTest, PushWithWrongDtype) {
+  std::vector<double> grad(8192, 1.0);
+  EXPECT_THAT(client_->Push({{"fc1.weight", TensorView(grad.data(), DType::kFloat64, {8192})}}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("got float64 values, the tensor is float32")));
+  ExpectUnchanged();
+}
+
+TEST_F(BadInputTest, UnknownKeyAndPullBeforeInit) {
+  std::vector<float> x(4);
+  EXPECT_THAT(client_->Push({View("nope", x)}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("\"nope\"")));
+  EXPECT_THAT(client_->Pull({View("later", x)}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("\"later\"")));
+  ExpectUnchanged();
+}
+
+TEST_F(BadInputTest, SecondInitWithAnotherShape) {
+  std::vector<float> other(8192, 9.0f);
+  EXPECT_THAT(
+      client_->Init({{"fc1.weight", TensorView(other.data(), DType::kFloat32, {64, 128})}}),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("[64, 128] float32 differs from the existing [8192] float32")));
+  // Same shape: a no-op, the first values stay.
+  EXPECT_THAT(client_->Init({View("fc1.weight", other)}), IsOk());
+  ExpectUnchanged();
+}
+
+TEST_F(BadInputTest, WorkerIdOutOfRange) {
+  ClientOptions co;
+  co.servers = cluster_.addresses;
+  co.worker_id = 2;
+  EXPECT_THAT(Client::Create(co).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("worker_id 2 is outside 0..1")));
+  ExpectUnchanged();
+}
+
+TEST_F(BadInputTest, MessageOverTheSizeLimit) {
+  ClientOptions co;
+  co.partition_bytes = 1 << 20;
+  co.request_bytes = 1 << 20;
+  auto big_client = Connect(cluster_, 1, co);
+  std::vector<float> big(64 << 10, 1.0f);  // 256 KiB in one request
+  EXPECT_THAT(big_client->Init({View("big", big)}),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  std::vector<float> grad(8192, 1.0f);
+  EXPECT_THAT(big_client->Push({View("fc1.weight", grad)}), IsOk());
+  std::vector<float> got(8192);
+  ASSERT_THAT(client_->Pull({View("fc1.weight", got)}), IsOk());
+  EXPECT_EQ(got, std::vector<float>(8192, 0.5f));  // still serving, lr 1
+}
+
+TEST_F(BadInputTest, GarbledRequestBody) {
+  auto channel = grpc::CreateChannel(cluster_.addresses[0],
+                                     grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  for (const char* method : {"/deepnex.ps.proto.ParameterServer/Push",
+                             "/deepnex.ps.proto.ParameterServer/Pull",
+                             "/deepnex.ps.proto.ParameterServer/WriteParts"}) {
+    std::string junk = "\x0a\xff\xff\xff\x0fgarbage";
+    grpc::Slice slice(junk);
+    grpc::ByteBuffer request(&slice, 1), response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    grpc::Status status;
+    stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response,
+                   [&](grpc::Status s) {
+                     std::lock_guard<std::mutex> lock(mu);
+                     status = s;
+                     done = true;
+                     cv.notify_all();
+                   });
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
+    EXPECT_THAT(status.error_message(), HasSubstr("garbled")) << method;
+  }
+  ExpectUnchanged();
+}
+
+TEST_F(BadInputTest, NonFiniteGradientsAreRefusedByDefault) {
+  std::vector<float> grad(8192, 1.0f);
+  grad[17] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THAT(client_->Push({View("fc1.weight", grad)}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("\"fc1.weight\": the gradient holds NaN or Inf (element 17")));
+  grad[17] = std::numeric_limits<float>::infinity();
+  EXPECT_THAT(client_->Push({View("fc1.weight", grad)}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  ExpectUnchanged();
+}
+
+TEST(PsTest, NonFiniteGradientsAreAppliedWhenAccepted) {
+  ServerOptions so;
+  so.mode = Mode::kAsync;
+  so.reject_nonfinite = false;
+  so.optimizer.lr = 1.0;
+  Cluster c = StartServers(1, so);
+  auto client = Connect(c, 0);
+  std::vector<float> v = {1, 2}, g = {std::numeric_limits<float>::infinity(), 1}, got(2);
+  ASSERT_THAT(client->Init({View("w", v)}), IsOk());
+  ASSERT_THAT(client->PushPull({View("w", g)}, {View("w", got)}), IsOk());
+  EXPECT_TRUE(std::isinf(got[0]));
+  EXPECT_EQ(got[1], 1.0f);
+}
+
+TEST(PsTest, TokensAreChecked) {
+  ServerOptions so;
+  so.token = "s3cret";
+  Cluster c = StartServers(1, so);
+  ClientOptions co;
+  co.servers = c.addresses;
+  EXPECT_THAT(Client::Create(co).status(),
+              StatusIs(absl::StatusCode::kUnauthenticated));
+  co.token = "wrong";
+  EXPECT_THAT(Client::Create(co).status(),
+              StatusIs(absl::StatusCode::kUnauthenticated));
+  co.token = "s3cret";
+  auto client = Client::Create(co);
+  ASSERT_THAT(client.status(), IsOk());
+  std::vector<float> v = {1, 2};
+  EXPECT_THAT((*client)->Init({View("w", v)}), IsOk());
+}
+
+TEST(PsTest, JobScopedTokenOfAnotherJobIsPermissionDenied) {
+  std::string path = ::testing::TempDir() + "/ps_tokens.txt";
+  {
+    std::ofstream f(path);
+    f << "# token name role job\n"
+         "tok-a alice user job-a\n"
+         "tok-b bob user job-b\n";
+  }
+  ServerOptions so;
+  so.token_file = path;
+  so.job_id = "job-a";
+  Cluster c = StartServers(1, so);
+  ClientOptions co;
+  co.servers = c.addresses;
+  co.token = "tok-b";
+  EXPECT_THAT(Client::Create(co).status(),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  co.token = "tok-a";
+  EXPECT_THAT(Client::Create(co).status(), IsOk());
+  std::remove(path.c_str());
+}
+
+TEST(PsTest, ClosedClientRefusesCalls) {
+  Cluster c = StartServers(1, {});
+  auto client = Connect(c, 0);
+  ASSERT_THAT(client->Close(), IsOk());
+  std::vector<float> v = {1};
+  EXPECT_THAT(client->Init({View("w", v)}),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+TEST(PsTest, UnreachableServerIsUnavailableWithinTheTimeout) {
+  ClientOptions co;
+  co.servers = {"127.0.0.1:1"};
+  co.timeout = std::chrono::milliseconds(500);
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_THAT(Client::Create(co).status(),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("127.0.0.1:1")));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
+}  // namespace
+}  // namespace deepnex::ps
