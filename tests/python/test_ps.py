@@ -1,0 +1,342 @@
+"""deepnex.ps from Python: servers and workers as threads and as processes."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import deepnex
+from deepnex import ps
+
+BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
+PS_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-ps")
+
+
+def run_workers(n, fn):
+    """Runs fn(worker) on n threads; re-raises the first failure."""
+    errors = [None] * n
+
+    def body(w):
+        try:
+            fn(w)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors[w] = e
+
+    threads = [threading.Thread(target=body, args=(w,)) for w in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive(), "worker thread hung"
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+def grad(worker, step, shape):
+    """Integer-valued gradients, exact in float32."""
+    return ((worker + 1) * step * (np.arange(np.prod(shape)) % 5 - 2)).reshape(shape).astype(np.float32)
+
+
+# ---- numpy references of torch.optim's rules
+
+def adam_reference(w, grads, lr, b1, b2, eps, wd=0.0, decoupled=False):
+    w = w.astype(np.float64).copy()
+    m = np.zeros_like(w)
+    v = np.zeros_like(w)
+    for t, g in enumerate(grads, start=1):
+        g = g.astype(np.float64)
+        if decoupled:
+            w *= 1 - lr * wd
+        else:
+            g = g + wd * w
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        mhat = m / (1 - b1 ** t)
+        vhat = v / (1 - b2 ** t)
+        w -= lr * mhat / (np.sqrt(vhat) + eps)
+    return w
+
+
+def adagrad_reference(w, grads, lr, eps):
+    w = w.astype(np.float64).copy()
+    s = np.zeros_like(w)
+    for g in grads:
+        g = g.astype(np.float64)
+        s += g * g
+        w -= lr * g / (np.sqrt(s) + eps)
+    return w
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_sync_sgd_exact_with_two_servers(workers):
+    shape, steps, lr = (37, 11), 4, 0.5
+    init = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    servers = [ps.Server(mode="sync", num_workers=workers, optimizer=ps.SGD(lr=lr),
+                         reduction="sum") for _ in range(2)]
+    try:
+        addrs = [s.address for s in servers]
+        expected = [init.copy()]
+        for t in range(1, steps + 1):
+            total = sum(grad(w, t, shape) for w in range(workers))
+            expected.append(expected[-1] - lr * total)
+
+        def worker(w):
+            with ps.Client(addrs, worker_id=w, partition_bytes=256) as c:
+                c.init({"w": init})
+                np.testing.assert_array_equal(c.pull(["w"])["w"], init)
+                for t in range(1, steps + 1):
+                    got = c.push_pull({"w": grad(w, t, shape)})["w"]
+                    np.testing.assert_array_equal(got, expected[t])
+
+        run_workers(workers, worker)
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.mark.parametrize("opt,reference", [
+    (ps.Adam(lr=0.01, betas=(0.9, 0.99), eps=1e-8),
+     lambda w, gs: adam_reference(w, gs, 0.01, 0.9, 0.99, 1e-8)),
+    (ps.AdamW(lr=0.01, weight_decay=0.1),
+     lambda w, gs: adam_reference(w, gs, 0.01, 0.9, 0.999, 1e-8, 0.1, decoupled=True)),
+    (ps.Adam(lr=0.01, weight_decay=0.05),
+     lambda w, gs: adam_reference(w, gs, 0.01, 0.9, 0.999, 1e-8, 0.05)),
+    (ps.Adagrad(lr=0.1), lambda w, gs: adagrad_reference(w, gs, 0.1, 1e-10)),
+])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_sync_optimizers_match_numpy(opt, reference, dtype):
+    workers, steps, shape = 2, 6, (300,)
+    rng = np.random.default_rng(7)
+    init = rng.standard_normal(shape).astype(dtype)
+    grads = [[rng.standard_normal(shape).astype(dtype) for _ in range(steps)]
+             for _ in range(workers)]
+    means = [(grads[0][t].astype(np.float64) + grads[1][t]) / 2 for t in range(steps)]
+    expected = reference(init, means)
+    # float64 parameters are updated in float64 and match to 1e-6 relative
+    # (in fact to ~1e-12); float32 ones are rounded to float32 every step, so
+    # they match to float32's resolution, about 1e-6 absolute at these values.
+    tolerance = dict(rtol=1e-6, atol=0) if dtype == np.float64 else dict(rtol=1e-6, atol=1e-6)
+    with ps.Server(mode="sync", num_workers=workers, optimizer=opt) as server:
+        results = [None] * workers
+
+        def worker(w):
+            with ps.Client([server.address], worker_id=w) as c:
+                c.init({"p": init})
+                for t in range(steps):
+                    results[w] = c.push_pull({"p": grads[w][t]})["p"]
+
+        run_workers(workers, worker)
+    for r in results:
+        assert r.dtype == dtype
+        np.testing.assert_allclose(r, expected, **tolerance)
+
+
+def test_async_final_values_exact():
+    workers, steps, lr, shape = 3, 8, 0.25, (1000,)
+    init = np.full(shape, 10.0, np.float32)
+    with ps.Server(mode="async", num_workers=workers, optimizer=ps.SGD(lr=lr)) as server:
+        def worker(w):
+            with ps.Client([server.address], worker_id=w, partition_bytes="1KiB") as c:
+                c.init({"w": init})
+                handles = [c.push_async({"w": grad(w, t, shape)}) for t in range(1, steps + 1)]
+                for h in handles:
+                    h.wait(timeout=30)
+
+        run_workers(workers, worker)
+        with ps.Client([server.address], worker_id=0) as c:
+            got = c.pull("w")["w"]
+    total = sum(grad(w, t, shape) for w in range(workers) for t in range(1, steps + 1))
+    np.testing.assert_array_equal(got, init - lr * total)
+
+
+def test_large_tensor_round_trips_across_three_servers():
+    servers = [ps.Server(mode="async") for _ in range(3)]
+    try:
+        x = (np.arange(3 * 2**20 // 4 + 5, dtype=np.float32) * 0.5).reshape(-1)
+        with ps.Client([s.address for s in servers], partition_bytes="256KiB") as c:
+            c.init({"x": x})
+            out = np.empty_like(x)
+            c.pull_into({"x": out})
+            np.testing.assert_array_equal(out, x)
+            assert c.describe(["x"]) == {"x": ("float32", x.shape)}
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_pull_into_writes_the_callers_array_and_torch_tensors_work():
+    torch = pytest.importorskip("torch")
+    with ps.Server(mode="async", optimizer=ps.Sum()) as server, \
+            ps.Client([server.address]) as c:
+        c.init({"t": torch.ones(2, 3)})
+        c.push({"t": torch.full((2, 3), 2.0)})
+        out = torch.zeros(2, 3)
+        c.pull_into({"t": out})
+        assert torch.equal(out, torch.full((2, 3), 3.0))
+
+
+def test_bad_arrays_raise_without_copying():
+    with ps.Server(mode="async") as server, ps.Client([server.address]) as c:
+        c.init({"w": np.zeros((4, 4), np.float32)})
+        with pytest.raises(deepnex.InvalidArgumentError, match="float64 values, the tensor is float32"):
+            c.push({"w": np.zeros((4, 4), np.float64)})
+        with pytest.raises(ValueError, match="contiguous"):
+            c.push({"w": np.zeros((4, 8), np.float32)[:, ::2]})
+        ro = np.zeros((4, 4), np.float32)
+        ro.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            c.pull_into({"w": ro})
+        with pytest.raises(deepnex.InvalidArgumentError, match="got 8 float32 values, the tensor has 16"):
+            c.pull_into({"w": np.zeros(8, np.float32)})
+        with pytest.raises(KeyError):
+            c.pull(["missing"])
+        np.testing.assert_array_equal(c.pull("w")["w"], np.zeros((4, 4), np.float32))
+
+
+def test_nonfinite_refused_or_accepted_by_option():
+    g = np.array([1.0, np.nan], np.float32)
+    with ps.Server(mode="async") as server, ps.Client([server.address]) as c:
+        c.init({"w": np.zeros(2, np.float32)})
+        with pytest.raises(deepnex.InvalidArgumentError, match="NaN or Inf"):
+            c.push({"w": g})
+        np.testing.assert_array_equal(c.pull("w")["w"], [0, 0])
+    with ps.Server(mode="async", reject_nonfinite=False, optimizer=ps.Sum()) as server, \
+            ps.Client([server.address]) as c:
+        c.init({"w": np.zeros(2, np.float32)})
+        c.push({"w": g})
+        assert np.isnan(c.pull("w")["w"][1])
+
+
+def test_worker_id_outside_range():
+    with ps.Server(num_workers=2) as server:
+        with pytest.raises(deepnex.InvalidArgumentError, match="worker_id 2 is outside 0..1"):
+            ps.Client([server.address], worker_id=2)
+
+
+def test_tokens_string_and_file(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    with ps.Server(token_file=str(token_file)) as server:
+        with pytest.raises(deepnex.UnauthenticatedError):
+            ps.Client([server.address])
+        with pytest.raises(PermissionError):
+            ps.Client([server.address], token="wrong")
+        with ps.Client([server.address], token="s3cret") as c:
+            c.init({"w": np.zeros(1, np.float32)})
+        with ps.Client([server.address], token_file=str(token_file)) as c:
+            assert c.describe(["w"]) == {"w": ("float32", (1,))}
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+def test_tls(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    with ps.Server(tls_cert_file=str(cert), tls_key_file=str(key)) as server:
+        with ps.Client([server.address], tls_ca_file=str(cert)) as c:
+            c.init({"w": np.ones(3, np.float32)})
+            np.testing.assert_array_equal(c.pull("w")["w"], np.ones(3))
+        with pytest.raises(deepnex.UnavailableError):
+            ps.Client([server.address], timeout=1.0)  # plaintext to a TLS server
+
+
+def test_optimizer_arguments_are_validated():
+    with pytest.raises(deepnex.InvalidArgumentError, match="lr=-1"):
+        ps.Server(optimizer=ps.SGD(lr=-1))
+    with pytest.raises(deepnex.InvalidArgumentError, match="mode"):
+        ps.Server(mode="bulk")
+    with pytest.raises(deepnex.InvalidArgumentError, match="optimizer"):
+        ps.Server(optimizer="lbfgs")
+
+
+# ---- processes: the deepnex-ps daemon and worker processes
+
+WORKER = textwrap.dedent("""
+    import sys, numpy as np, deepnex
+    addrs, w, workers, steps = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    c = deepnex.ps.Client(addrs, worker_id=w, partition_bytes=512, timeout=60)
+    c.init({"w": np.zeros(1000, np.float32)})
+    for t in range(1, steps + 1):
+        g = np.full(1000, (w + 1) * t, np.float32)
+        out = c.push_pull({"w": g})["w"]
+    expected = -0.5 * sum((v + 1) * t for v in range(workers) for t in range(1, steps + 1))
+    assert (out == expected).all(), (out[:4], expected)
+    print("ok", w)
+""")
+
+
+def start_daemon(*args):
+    if not os.path.exists(PS_BIN):
+        pytest.skip(f"{PS_BIN} not built")
+    proc = subprocess.Popen([PS_BIN, "--listen", "127.0.0.1:0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("deepnex-ps listening on "), line + proc.stderr.read()
+    return proc, line.split()[3]
+
+
+def stop_daemon(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("workers,servers", [(2, 1), (4, 2)])
+def test_sync_workers_as_processes_against_daemons(workers, servers):
+    daemons = [start_daemon("--mode", "sync", "--workers", str(workers), "--optimizer", "sgd",
+                            "--lr", "0.5", "--reduction", "sum") for _ in range(servers)]
+    try:
+        addrs = ",".join(a for _, a in daemons)
+        procs = [subprocess.Popen([sys.executable, "-c", WORKER, addrs, str(w), str(workers), "5"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for w in range(workers)]
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=120)
+            finally:
+                p.kill()
+            assert p.returncode == 0, out
+    finally:
+        for proc, _ in daemons:
+            stop_daemon(proc)
+
+
+def test_daemon_help_and_bad_flags():
+    if not os.path.exists(PS_BIN):
+        pytest.skip(f"{PS_BIN} not built")
+    out = subprocess.run([PS_BIN, "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0
+    for flag in ["--listen", "--mode", "--workers", "--optimizer", "--lr", "--token-file",
+                 "--momentum", "--reduction", "--accept-nonfinite", "--max-message", "--tls-cert"]:
+        assert flag in out.stdout
+    for argv, needle in [(["--bogus"], "unknown flag"), (["--workers", "x"], "--workers"),
+                         (["--mode", "bulk"], "mode"), (["--optimizer", "lbfgs"], "lbfgs"),
+                         (["--lr", "-1"], "lr"), (["--max-message", "12XB"], "12XB"),
+                         (["--workers", "0"], "num_workers"), (["--lr"], "needs a value")]:
+        bad = subprocess.run([PS_BIN, *argv], capture_output=True, text=True, timeout=30)
+        assert bad.returncode == 2, (argv, bad.stderr)
+        assert needle in bad.stderr and bad.stderr.count("\n") == 1, (argv, bad.stderr)
+
+
+def test_daemon_with_token_file(tmp_path):
+    token_file = tmp_path / "tokens"
+    token_file.write_text("tok-a alice user\n")
+    proc, addr = start_daemon("--token-file", str(token_file), "--mode", "async")
+    try:
+        with pytest.raises(deepnex.UnauthenticatedError):
+            ps.Client([addr], timeout=5)
+        with ps.Client([addr], token="tok-a") as c:
+            c.init({"w": np.zeros(2, np.float32)})
+    finally:
+        stop_daemon(proc)
