@@ -17,9 +17,9 @@ namespace deepnex {
 enum class AuthRole { kUser, kAdmin };
 
 struct Identity {
-  std::string name;          // user (or job) name
+  std::string name;  // user (or job) name
   AuthRole role = AuthRole::kUser;
-  std::string job;           // empty: not scoped to a job
+  std::string job;  // empty: not scoped to a job
 };
 
 // Thread-compatible: build it, then share it read-only.
@@ -29,25 +29,38 @@ class TokenTable {
   TokenTable() = default;
 
   // One token that grants `role` to `name` (for a job-scoped token, `job`).
+  // An empty token, or one with whitespace, gives an empty table (auth
+  // disabled): build tables from user input with FromOptions, which checks.
   static TokenTable Single(const std::string& token,
                            const std::string& name = "user",
                            AuthRole role = AuthRole::kUser,
                            const std::string& job = "");
-  // Reads a token file. Either a single token on its own (one line), or lines
-  // "TOKEN NAME ROLE [JOB]" with ROLE user|admin; '#' starts a comment.
-  // InvalidArgument naming the file and line for a malformed line.
+  // Reads a token file. Either a single token on its own (one line; name
+  // "user", role user), or lines "TOKEN NAME ROLE [JOB]" with ROLE
+  // user|admin; a field starting with '#' starts a comment, blank lines are
+  // skipped. InvalidArgument naming the file and line (never the token) for a
+  // malformed line, and for a file without tokens; AlreadyExists for a
+  // duplicate token; NotFound / PermissionDenied when it cannot be opened.
   static absl::StatusOr<TokenTable> FromFile(const std::string& path);
   // Token string and token file are alternatives: both empty gives an empty
   // table, both set is InvalidArgument.
   static absl::StatusOr<TokenTable> FromOptions(const std::string& token,
                                                 const std::string& token_file);
 
+  // InvalidArgument for an empty token, a token with whitespace or an empty
+  // name; AlreadyExists for a token already in the table.
   absl::Status Add(const std::string& token, Identity identity);
   bool enabled() const { return !tokens_.empty(); }
 
   // `authorization` is the metadata value ("Bearer <token>"), empty if the
-  // call had none. With `job` non-empty, a token scoped to another job is
-  // PermissionDenied. With `require_admin`, a user token is PermissionDenied.
+  // call had none; the scheme is case-insensitive. Missing token:
+  // Unauthenticated "missing bearer token (authorization metadata)"; unknown
+  // token: Unauthenticated "invalid token". With `job` non-empty, a token
+  // scoped to another job is PermissionDenied naming both jobs (a token
+  // without a job may act on any job). With `require_admin`, a user token is
+  // PermissionDenied. Tokens are compared in constant time and never appear
+  // in messages. With auth disabled (empty table) every call gets
+  // Identity{"anonymous", kAdmin, ""}.
   absl::StatusOr<Identity> Authenticate(const std::string& authorization,
                                         const std::string& job = "",
                                         bool require_admin = false) const;
@@ -56,8 +69,9 @@ class TokenTable {
   std::map<std::string, Identity> tokens_;
 };
 
-// Reads a token the way clients take it: `token` itself, or the first line
-// of `token_file` (trimmed). Both empty gives "".
+// Reads a token the way clients take it: `token` itself (trimmed), or the
+// first line of `token_file` (trimmed), which must hold the token alone.
+// Both empty gives ""; both set is InvalidArgument.
 absl::StatusOr<std::string> ResolveClientToken(const std::string& token,
                                                const std::string& token_file);
 

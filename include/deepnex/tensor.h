@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "deepnex/status.h"
@@ -22,17 +23,20 @@ enum class DType : int {
   kUInt8 = 7,
 };
 
-// Bytes per element of `dtype`.
+// Bytes per element of `dtype` (0 for a value outside the enum).
 size_t DTypeSize(DType dtype);
-// "float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8".
+// "float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8";
+// "invalid" for a value outside the enum.
 const char* DTypeName(DType dtype);
-// Inverse of DTypeName; also accepts numpy's short names ("f4", "<f4", ...)
-// is not its job: bindings map buffer formats themselves.
+// Inverse of DTypeName: exactly the names above. Numpy's short names ("f4",
+// "<f4") and buffer formats are not accepted; bindings map those themselves.
+// InvalidArgument naming the text for anything else.
 absl::StatusOr<DType> ParseDType(const std::string& name);
 bool IsValidDType(int value);
 bool IsFloatingPoint(DType dtype);
 
-// IEEE half and bfloat16 conversions (round to nearest even).
+// IEEE half and bfloat16 conversions. Narrowing rounds to nearest even,
+// overflows to infinity, and keeps infinities and NaNs (a NaN stays a NaN).
 float HalfToFloat(uint16_t h);
 uint16_t FloatToHalf(float f);
 float BFloat16ToFloat(uint16_t b);
@@ -54,7 +58,7 @@ struct TensorView {
   size_t NumBytes() const { return NumElements() * DTypeSize(dtype); }
 };
 
-// "[4, 3] float32"
+// "[4, 3] float32"; a scalar is "[] float32".
 std::string DescribeShape(const std::vector<int64_t>& shape, DType dtype);
 
 }  // namespace deepnex

@@ -1,0 +1,37 @@
+"""The deepnex command line: ``python3 -m deepnex`` or ``deepnex``."""
+
+import argparse
+import sys
+from typing import List, Optional
+
+
+def _version(args: argparse.Namespace) -> int:
+    import deepnex
+
+    print(f"deepnex {deepnex.__version__}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; parts add their subcommands here."""
+    parser = argparse.ArgumentParser(
+        prog="deepnex",
+        description="deepnex: data-parallel training on shared GPU machines.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    version = commands.add_parser("version", help="print the version")
+    version.set_defaults(func=_version)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+#include "deepnex/units.h"
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "test_matchers.h"
+
+namespace deepnex {
+namespace {
+
+using ::deepnex::test::IsOk;
+using ::deepnex::test::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr uint64_t kKiB = 1024;
+constexpr uint64_t kMiB = kKiB * 1024;
+constexpr uint64_t kGiB = kMiB * 1024;
+constexpr uint64_t kTiB = kGiB * 1024;
+constexpr uint64_t kPiB = kTiB * 1024;
+constexpr uint64_t kEiB = kPiB * 1024;
+constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+
+struct Good {
+  const char* text;
+  uint64_t bytes;
+};
+
+class ParseByteSizeGoodTest : public ::testing::TestWithParam<Good> {};
+
+TEST_P(ParseByteSizeGoodTest, Parses) {
+  absl::StatusOr<uint64_t> got = ParseByteSize(GetParam().text, "memory");
+  ASSERT_THAT(got, IsOk());
+  EXPECT_EQ(*got, GetParam().bytes) << GetParam().text;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Units, ParseByteSizeGoodTest,
+    ::testing::Values(
+        Good{"0", 0}, Good{"4096", 4096}, Good{"0B", 0}, Good{"17B", 17},
+        Good{"8GiB", 8 * kGiB}, Good{"512M", 512 * kMiB},
+        Good{"1.5G", 3 * kGiB / 2}, Good{"10 KiB", 10 * kKiB},
+        Good{"10   KiB", 10 * kKiB}, Good{"  7k  ", 7 * kKiB},
+        Good{"1KB", 1000}, Good{"1kb", 1000}, Good{"3MB", 3000000},
+        Good{"2GB", 2000000000}, Good{"1TB", 1000000000000},
+        Good{"1PB", 1000000000000000}, Good{"1EB", 1000000000000000000},
+        Good{"1K", kKiB}, Good{"1kib", kKiB}, Good{"1KIB", kKiB},
+        Good{"2Mi", 2 * kMiB}, Good{"1T", kTiB}, Good{"1TiB", kTiB},
+        Good{"1P", kPiB}, Good{"1PiB", kPiB}, Good{"1E", kEiB},
+        Good{"15EiB", 15 * kEiB},
+        // Fractions round down to whole bytes.
+        Good{"0.5KiB", 512}, Good{"1.0009765625K", 1025},
+        Good{"1.0009765624K", 1024}, Good{"0.001KB", 1}, Good{"0.0009KB", 0},
+        Good{"007", 7}, Good{"1.0", 1}, Good{"2.000B", 2},
+        // 1/3 GiB, to many more digits than a double holds.
+        Good{"0.333333333333333333333333333333333333G", kGiB / 3},
+        // Exactly 2^-60 EiB is one byte; one digit less is not.
+        Good{"0.000000000000000000867361737988403547205962240695953369140625E",
+             1},
+        Good{"0.00000000000000000086736173798840354720596224069595336914062E",
+             0},
+        // Large integers stay exact (a double would round these).
+        Good{"18446744073709551615", kMax},
+        Good{"9007199254740993", 9007199254740993ULL},
+        Good{"15.999999999999999999EiB", 18446744073709551614ULL},
+        Good{"16383.999999999999999PiB", kMax - 1}));
+
+TEST(ParseByteSizeTest, LargestValues) {
+  EXPECT_THAT(ParseByteSize("18014398509481983K"), IsOk());
+  EXPECT_EQ(*ParseByteSize("18014398509481983K"), kMax - 1023);
+  EXPECT_EQ(*ParseByteSize("18446744073709551.615KB"), kMax);
+}
+
+struct Bad {
+  const char* text;
+  const char* why;  // the parenthesised reason, or a part of it
+};
+
+class ParseByteSizeBadTest : public ::testing::TestWithParam<Bad> {};
+
+TEST_P(ParseByteSizeBadTest, IsInvalidArgumentNamingFieldAndValue) {
+  const Bad& bad = GetParam();
+  EXPECT_THAT(ParseByteSize(bad.text, "memory"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr(std::string("memory: \"") + bad.text +
+                                       "\" is not a byte size ("),
+                             HasSubstr(bad.why))));
+}
+
+constexpr char kTooLarge[] =
+    "too large; the largest byte size is "
+    "18446744073709551615";
+
+INSTANTIATE_TEST_SUITE_P(
+    Inputs, ParseByteSizeBadTest,
+    ::testing::Values(
+        Bad{"", "empty"}, Bad{"   ", "empty"}, Bad{"-1G", "negative"},
+        Bad{"-0", "negative"}, Bad{"+1G", "no number"}, Bad{"abc", "no number"},
+        Bad{"G", "no number"}, Bad{"nan", "no number"}, Bad{"NaN", "no number"},
+        Bad{"inf", "no number"}, Bad{"-inf", "negative"},
+        Bad{"infinity", "no number"}, Bad{".5G", "digits on both sides"},
+        Bad{"1.G", "digits on both sides"}, Bad{"1.5", "a fraction of a byte"},
+        Bad{"1.5B", "a fraction of a byte"}, Bad{"0.1", "a fraction of a byte"},
+        Bad{"1e9", "unknown unit \"e9\""}, Bad{"0x10", "unknown unit \"x10\""},
+        Bad{"1,5G", "unknown unit \",5G\""}, Bad{"1.2.3G", "unknown unit"},
+        Bad{"5 G B", "unknown unit \"G B\""}, Bad{"20000PiB", kTooLarge},
+        Bad{"18446744073709551616", kTooLarge},
+        Bad{"99999999999999999999999", kTooLarge}, Bad{"16EiB", kTooLarge},
+        Bad{"16E", kTooLarge}, Bad{"18446744073709551.616KB", kTooLarge},
+        Bad{"16384PiB", kTooLarge}));
+
+TEST(ParseByteSizeTest, UnknownUnitMessageListsUnits) {
+  EXPECT_THAT(
+      ParseByteSize("12XB", "memory"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               "memory: \"12XB\" is not a byte size (unknown unit \"XB\"; use "
+               "B, KiB, MiB, GiB, TiB, PiB, EiB, K, M, G, T, P, E, KB, MB, "
+               "GB, TB, PB or EB)"));
+}
+
+TEST(ParseByteSizeTest, DefaultFieldIsSize) {
+  EXPECT_THAT(ParseByteSize("-1G"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "size: \"-1G\" is not a byte size (negative)"));
+}
+
+TEST(ParseByteSizeTest, QuotesUnprintableTextEscaped) {
+  EXPECT_THAT(ParseByteSize(std::string("1\"G\n", 4), "m"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("m: \"1\\\"G\\n\" is not a byte size")));
+}
+
+TEST(FormatByteSizeTest, ShortestExactBinaryUnit) {
+  EXPECT_EQ(FormatByteSize(0), "0B");
+  EXPECT_EQ(FormatByteSize(1), "1B");
+  EXPECT_EQ(FormatByteSize(1000), "1000B");
+  EXPECT_EQ(FormatByteSize(1023), "1023B");
+  EXPECT_EQ(FormatByteSize(1024), "1KiB");
+  EXPECT_EQ(FormatByteSize(1536), "1536B");
+  EXPECT_EQ(FormatByteSize(3 * kKiB), "3KiB");
+  EXPECT_EQ(FormatByteSize(1025 * kKiB), "1025KiB");
+  EXPECT_EQ(FormatByteSize(512 * kMiB), "512MiB");
+  EXPECT_EQ(FormatByteSize(8 * kGiB), "8GiB");
+  EXPECT_EQ(FormatByteSize(8589934592ULL), "8GiB");
+  EXPECT_EQ(FormatByteSize(2 * kTiB), "2TiB");
+  EXPECT_EQ(FormatByteSize(kPiB), "1PiB");
+  EXPECT_EQ(FormatByteSize(15 * kEiB), "15EiB");
+  EXPECT_EQ(FormatByteSize(1024 * kPiB), "1EiB");
+  EXPECT_EQ(FormatByteSize(kMax), "18446744073709551615B");
+}
+
+TEST(FormatByteSizeTest, RoundTrips) {
+  for (uint64_t bytes : {uint64_t{0}, uint64_t{1}, uint64_t{1000}, kKiB,
+                         1536 * kMiB, 8 * kGiB, 15 * kEiB, kMax, kMax - 1023}) {
+    absl::StatusOr<uint64_t> back = ParseByteSize(FormatByteSize(bytes));
+    ASSERT_THAT(back, IsOk()) << FormatByteSize(bytes);
+    EXPECT_EQ(*back, bytes);
+  }
+}
+
+}  // namespace
+}  // namespace deepnex

@@ -1,0 +1,449 @@
+"""Tests of deepnex's core bindings: byte sizes, errors, the job context and
+zero-copy buffer views."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import deepnex
+from deepnex import _C, errors
+
+GiB = 1 << 30
+
+
+# --- byte sizes -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("8GiB", 8 * GiB),
+        ("512M", 512 << 20),
+        ("1.5G", 3 * GiB // 2),
+        ("4096", 4096),
+        ("10 KiB", 10 << 10),
+        ("1KB", 1000),
+        ("0", 0),
+        ("18446744073709551615", 2**64 - 1),
+        ("9007199254740993", 9007199254740993),  # not a double
+    ],
+)
+def test_parse_byte_size(text, expected):
+    assert deepnex.parse_byte_size(text) == expected
+    assert type(deepnex.parse_byte_size(text)) is int
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("", "empty"),
+        ("-1G", "negative"),
+        ("12XB", 'unknown unit "XB"; use B, KiB, MiB, GiB'),
+        ("abc", "no number"),
+        ("nan", "no number"),
+        ("inf", "no number"),
+        ("1.5", "a fraction of a byte"),
+        ("20000PiB", "too large"),
+        ("18446744073709551616", "too large"),
+    ],
+)
+def test_parse_byte_size_refuses(text, why):
+    with pytest.raises(deepnex.InvalidArgumentError) as info:
+        deepnex.parse_byte_size(text, "memory")
+    message = str(info.value)
+    assert message.startswith(f'memory: "{text}" is not a byte size (')
+    assert why in message
+    assert info.value.code == "INVALID_ARGUMENT"
+    assert isinstance(info.value, ValueError)
+
+
+def test_parse_byte_size_default_field_and_keywords():
+    with pytest.raises(ValueError, match=r'^size: "x" is not a byte size'):
+        deepnex.parse_byte_size("x")
+    assert deepnex.parse_byte_size(text="2K", field="f") == 2048
+
+
+def test_format_byte_size():
+    assert deepnex.format_byte_size(8 * GiB) == "8GiB"
+    assert deepnex.format_byte_size(1000) == "1000B"
+    assert deepnex.format_byte_size(0) == "0B"
+    assert deepnex.format_byte_size(2**64 - 1) == "18446744073709551615B"
+    for n in (0, 1, 1536, 8 * GiB, 2**64 - 1):
+        assert deepnex.parse_byte_size(deepnex.format_byte_size(n)) == n
+
+
+@pytest.mark.parametrize("bad", [-1, 2**64])
+def test_format_byte_size_refuses_out_of_range(bad):
+    with pytest.raises(deepnex.InvalidArgumentError, match=f"bytes={bad} is not"):
+        deepnex.format_byte_size(bad)
+
+
+def test_format_byte_size_refuses_non_int():
+    with pytest.raises(TypeError):
+        deepnex.format_byte_size(1.5)
+
+
+# --- dtypes -----------------------------------------------------------------
+
+
+def test_dtypes():
+    assert _C.DTYPE_NAMES == (
+        "float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8",
+    )
+    assert deepnex.DType.bfloat16.name == "bfloat16"
+    assert int(deepnex.DType.float32) == 1 and int(deepnex.DType.uint8) == 7
+    assert _C.parse_dtype("int64") == deepnex.DType.int64
+    assert [_C.dtype_size(_C.parse_dtype(n)) for n in _C.DTYPE_NAMES] == [
+        4, 8, 2, 2, 4, 8, 1,
+    ]
+    with pytest.raises(deepnex.InvalidArgumentError, match='dtype "f4" is unknown'):
+        _C.parse_dtype("f4")
+
+
+# --- errors -----------------------------------------------------------------
+
+# (class, code name, code number, builtin base or None)
+ERRORS = [
+    (errors.CancelledError, "CANCELLED", 1, None),
+    (errors.UnknownError, "UNKNOWN", 2, None),
+    (errors.InvalidArgumentError, "INVALID_ARGUMENT", 3, ValueError),
+    (errors.DeadlineExceededError, "DEADLINE_EXCEEDED", 4, TimeoutError),
+    (errors.NotFoundError, "NOT_FOUND", 5, KeyError),
+    (errors.AlreadyExistsError, "ALREADY_EXISTS", 6, None),
+    (errors.PermissionDeniedError, "PERMISSION_DENIED", 7, PermissionError),
+    (errors.ResourceExhaustedError, "RESOURCE_EXHAUSTED", 8, None),
+    (errors.FailedPreconditionError, "FAILED_PRECONDITION", 9, None),
+    (errors.AbortedError, "ABORTED", 10, None),
+    (errors.OutOfRangeError, "OUT_OF_RANGE", 11, IndexError),
+    (errors.UnimplementedError, "UNIMPLEMENTED", 12, NotImplementedError),
+    (errors.InternalError, "INTERNAL", 13, None),
+    (errors.UnavailableError, "UNAVAILABLE", 14, ConnectionError),
+    (errors.DataLossError, "DATA_LOSS", 15, None),
+    (errors.UnauthenticatedError, "UNAUTHENTICATED", 16, PermissionError),
+]
+
+
+@pytest.mark.parametrize("cls, name, value, builtin", ERRORS)
+def test_error_classes(cls, name, value, builtin):
+    assert issubclass(cls, deepnex.DeepnexError)
+    assert issubclass(cls, Exception)
+    if builtin is not None:
+        assert issubclass(cls, builtin)
+    assert cls.code == name and cls.code_value == value
+    assert errors.error_for_code(name) is cls
+    assert errors.error_for_code(value) is cls
+    assert getattr(deepnex, cls.__name__) is cls
+    e = cls("what went wrong")
+    assert str(e) == "what went wrong"
+    assert e.code == name
+
+
+@pytest.mark.parametrize("cls, name, value, builtin", ERRORS)
+def test_status_from_cpp_raises_the_matching_class(cls, name, value, builtin):
+    with pytest.raises(cls) as info:
+        _C._raise_status(value, f'thing "x" failed ({name})')
+    assert type(info.value) is cls
+    assert info.value.code == name
+    assert str(info.value) == f'thing "x" failed ({name})'
+    if builtin is not None:
+        assert isinstance(info.value, builtin)
+
+
+def test_only_builtins_that_fit():
+    assert not issubclass(errors.AlreadyExistsError, (ValueError, KeyError))
+    assert not issubclass(errors.InternalError, RuntimeError)
+    assert not issubclass(deepnex.InvalidArgumentError, KeyError)
+
+
+def test_not_found_str_is_not_repr_quoted():
+    e = errors.NotFoundError('key "fc1" is not there')
+    assert str(e) == 'key "fc1" is not there'
+    assert e.args == ('key "fc1" is not there',)
+
+
+def test_error_for_unknown_code():
+    assert errors.error_for_code("NO_SUCH") is errors.UnknownError
+    assert errors.error_for_code("invalid_argument") is errors.InvalidArgumentError
+    assert errors.error_for_code(0) is errors.UnknownError
+    assert errors.error_for_code(99) is errors.UnknownError
+    assert _C._raise_status(0, "ok") is None
+
+
+def test_errors_are_catchable_as_deepnex_error():
+    with pytest.raises(deepnex.DeepnexError):
+        deepnex.parse_byte_size("bad")
+
+
+# --- the job context --------------------------------------------------------
+
+
+def test_init_minimal(job_env):
+    ctx = deepnex.init()
+    assert isinstance(ctx, deepnex.Context)
+    assert ctx.job_id == "mnist-42"
+    assert ctx.role == "worker"
+    assert (ctx.rank, ctx.world_size, ctx.local_rank) == (1, 4, 0)
+    assert ctx.ps_addrs == []
+    assert ctx.store_addr == ""
+    assert ctx.token == ""
+    assert ctx.cuda_visible_devices == ""
+    assert ctx.nvidia_visible_devices == ""
+    assert ctx.gpu_memory_limit is None
+
+
+def test_init_full(job_env):
+    job_env.setenv("DEEPNEX_ROLE", "ps")
+    job_env.setenv("DEEPNEX_LOCAL_RANK", "1")
+    job_env.setenv("DEEPNEX_PS_ADDRS", "ps-0:7000,[::1]:7001")
+    job_env.setenv("DEEPNEX_STORE_ADDR", "10.0.0.1:29500")
+    job_env.setenv("DEEPNEX_TOKEN", "s3cret")
+    job_env.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    job_env.setenv("NVIDIA_VISIBLE_DEVICES", "GPU-a,GPU-b")
+    job_env.setenv("DEEPNEX_GPU_MEMORY_LIMIT", "1.5GiB")
+    ctx = deepnex.init()
+    assert ctx.role == "ps"
+    assert ctx.local_rank == 1
+    assert ctx.ps_addrs == ["ps-0:7000", "[::1]:7001"]
+    assert ctx.token == "s3cret"
+    assert ctx.cuda_visible_devices == "0,1"
+    assert ctx.nvidia_visible_devices == "GPU-a,GPU-b"
+    assert ctx.gpu_memory_limit == 3 * GiB // 2
+    assert "s3cret" not in repr(ctx)
+    assert "job_id='mnist-42'" in repr(ctx)
+    env = ctx.to_env()
+    assert env == {
+        "DEEPNEX_JOB_ID": "mnist-42",
+        "DEEPNEX_ROLE": "ps",
+        "DEEPNEX_RANK": "1",
+        "DEEPNEX_WORLD_SIZE": "4",
+        "DEEPNEX_LOCAL_RANK": "1",
+        "DEEPNEX_PS_ADDRS": "ps-0:7000,[::1]:7001",
+        "DEEPNEX_STORE_ADDR": "10.0.0.1:29500",
+        "DEEPNEX_TOKEN": "s3cret",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "NVIDIA_VISIBLE_DEVICES": "GPU-a,GPU-b",
+        "DEEPNEX_GPU_MEMORY_LIMIT": "1610612736",
+        "RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+    }
+    assert deepnex.init(env).to_env() == env
+
+
+def test_context_is_read_only(job_env):
+    ctx = deepnex.init()
+    with pytest.raises(AttributeError):
+        ctx.rank = 3
+    with pytest.raises(TypeError):
+        deepnex.Context()
+
+
+def test_from_env_with_a_mapping(clean_job_env):
+    ctx = deepnex.Context.from_env(
+        {"DEEPNEX_JOB_ID": "j", "DEEPNEX_ROLE": "chief", "DEEPNEX_RANK": "0",
+         "DEEPNEX_WORLD_SIZE": "1"}
+    )
+    assert (ctx.job_id, ctx.role, ctx.rank, ctx.world_size) == ("j", "chief", 0, 1)
+
+
+@pytest.mark.parametrize(
+    "name", ["DEEPNEX_JOB_ID", "DEEPNEX_ROLE", "DEEPNEX_RANK", "DEEPNEX_WORLD_SIZE"]
+)
+def test_init_missing_variable(job_env, name):
+    job_env.delenv(name)
+    with pytest.raises(deepnex.InvalidArgumentError) as info:
+        deepnex.init()
+    assert str(info.value) == (
+        f"{name} is not set (the job environment is given by a deepnex launcher)"
+    )
+    assert info.value.code == "INVALID_ARGUMENT"
+
+
+def test_init_with_no_environment_at_all(clean_job_env):
+    with pytest.raises(ValueError, match="^DEEPNEX_JOB_ID is not set"):
+        deepnex.init()
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("DEEPNEX_RANK", "x", 'DEEPNEX_RANK="x" is not an integer'),
+        ("DEEPNEX_RANK", "4", 'DEEPNEX_RANK="4" is out of range: must be '
+                              "0 <= rank < DEEPNEX_WORLD_SIZE (4)"),
+        ("DEEPNEX_WORLD_SIZE", "0", 'DEEPNEX_WORLD_SIZE="0" must be at least 1'),
+        ("DEEPNEX_ROLE", "boss",
+         'DEEPNEX_ROLE="boss" is not a role (use worker, ps or chief)'),
+        ("DEEPNEX_LOCAL_RANK", "-1", 'DEEPNEX_LOCAL_RANK="-1" must not be negative'),
+        ("DEEPNEX_PS_ADDRS", "ps-0:0",
+         'DEEPNEX_PS_ADDRS="ps-0:0" has entry "ps-0:0", which has port "0" '
+         "(must be 1..65535)"),
+        ("DEEPNEX_PS_ADDRS", ":7000",
+         'DEEPNEX_PS_ADDRS=":7000" has entry ":7000", which has an empty host '
+         "(expected host:port)"),
+        ("DEEPNEX_GPU_MEMORY_LIMIT", "12XB",
+         'DEEPNEX_GPU_MEMORY_LIMIT: "12XB" is not a byte size (unknown unit "XB"'),
+        ("DEEPNEX_JOB_ID", "", "DEEPNEX_JOB_ID is set but empty"),
+    ],
+)
+def test_init_malformed_variable(job_env, name, value, message):
+    job_env.setenv(name, value)
+    with pytest.raises(deepnex.InvalidArgumentError) as info:
+        deepnex.init()
+    assert str(info.value).startswith(message)
+
+
+# --- buffer views -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, name",
+    [
+        (np.float32, "float32"),
+        (np.float64, "float64"),
+        (np.float16, "float16"),
+        (np.int32, "int32"),
+        (np.int64, "int64"),
+        (np.uint8, "uint8"),
+        (np.intc, "int32"),
+        (np.longlong, "int64"),
+    ],
+)
+def test_view_is_the_arrays_memory(dtype, name):
+    a = np.zeros((3, 4), dtype=dtype)
+    got_name, shape, address, nbytes = _C._view_info(a, True)
+    assert got_name == name
+    assert shape == (3, 4)
+    assert address == a.ctypes.data
+    assert nbytes == a.nbytes
+
+
+def test_view_shapes():
+    assert _C._view_info(np.float32(1.0).reshape(()))[1] == ()
+    assert _C._view_info(np.zeros(0, np.float32))[1] == (0,)
+    # Size-1 and empty dimensions may carry any stride.
+    a = np.zeros((4, 6), np.float32)
+    assert _C._view_info(a[:1, :])[2] == a.ctypes.data
+    assert _C._view_info(a[1:2, :])[2] == a.ctypes.data + 24
+    assert _C._view_info(a[:, 2:2])[1] == (4, 0)
+    # A contiguous slice is fine and points into the parent.
+    assert _C._view_info(a[2:])[2] == a.ctypes.data + 2 * 24
+
+
+def test_view_works_on_other_buffer_exporters():
+    b = bytearray(b"\x01\x02\x03")
+    assert _C._view_info(b, True)[:2] == ("uint8", (3,))
+    m = memoryview(np.arange(6, dtype=np.int64))
+    assert _C._view_info(m)[:2] == ("int64", (6,))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda a: a.T,
+        lambda a: a[:, ::2],
+        lambda a: a[::2],
+        lambda a: np.asfortranarray(a),
+    ],
+)
+def test_non_contiguous_raises_and_never_copies(make):
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)
+    with pytest.raises(deepnex.InvalidArgumentError,
+                       match=r"^array: the array is not C-contiguous \(shape "
+                             r"\[.*\], strides \[.*\] bytes\); deepnex never copies"):
+        _C._view_info(make(a))
+
+
+def test_read_only_output_raises():
+    a = np.zeros(4, np.float32)
+    a.setflags(write=False)
+    assert _C._view_info(a, False)[2] == a.ctypes.data
+    with pytest.raises(deepnex.InvalidArgumentError,
+                       match="^array: the array is read-only, but deepnex writes"):
+        _C._view_info(a, True)
+    with pytest.raises(ValueError, match="read-only"):
+        _C._view_info(b"abc", True)
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.int8, np.uint16, np.int16, np.uint32, np.uint64, np.bool_,
+              np.complex64]
+)
+def test_unsupported_dtype_raises(dtype):
+    with pytest.raises(deepnex.InvalidArgumentError, match="^array: "):
+        _C._view_info(np.zeros(3, dtype=dtype))
+
+
+def test_big_endian_raises():
+    a = np.zeros(3, dtype=">f4")
+    with pytest.raises(deepnex.InvalidArgumentError, match="big-endian"):
+        _C._view_info(a)
+
+
+def test_dtype_override():
+    bits = np.zeros(5, np.uint16)
+    name, shape, address, nbytes = _C._view_info(bits, True, deepnex.DType.bfloat16)
+    assert (name, shape, address, nbytes) == ("bfloat16", (5,), bits.ctypes.data, 10)
+    assert _C._view_info(bits.view(np.int16), False, deepnex.DType.bfloat16)[0] == (
+        "bfloat16"
+    )
+    f = np.zeros(5, np.float32)
+    assert _C._view_info(f, False, deepnex.DType.float32)[0] == "float32"
+    with pytest.raises(deepnex.InvalidArgumentError,
+                       match="^array: got float32 values, expected float64$"):
+        _C._view_info(f, False, deepnex.DType.float64)
+    with pytest.raises(deepnex.InvalidArgumentError,
+                       match="got float32 values, expected bfloat16"):
+        _C._view_info(f, False, deepnex.DType.bfloat16)
+    with pytest.raises(deepnex.InvalidArgumentError, match="taken only as bfloat16"):
+        _C._view_info(bits)
+
+
+def test_torch_tensors_through_to_buffer():
+    torch = pytest.importorskip("torch")
+    from deepnex._buffers import to_buffer
+
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    buf, dtype = to_buffer(t, "t")
+    assert dtype is None
+    assert _C._view_info(buf, True)[:3] == ("float32", (2, 3), t.data_ptr())
+
+    w = torch.zeros(4, requires_grad=True)
+    assert _C._view_info(to_buffer(w, "w")[0])[2] == w.data_ptr()
+
+    b = torch.zeros(3, 2, dtype=torch.bfloat16)
+    buf, dtype = to_buffer(b, "b")
+    assert dtype == deepnex.DType.bfloat16
+    assert _C._view_info(buf, True, dtype)[:3] == ("bfloat16", (3, 2), b.data_ptr())
+
+    with pytest.raises(deepnex.InvalidArgumentError, match="not C-contiguous"):
+        _C._view_info(to_buffer(t.t(), "t")[0])
+
+    a = np.zeros(2, np.float32)
+    assert to_buffer(a, "a") == (a, None)
+
+
+def test_import_is_light():
+    code = (
+        "import sys, deepnex; "
+        "bad = [m for m in ('torch',) if m in sys.modules]; "
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_version_and_cli():
+    assert deepnex.__version__ == _C.__version__
+    assert deepnex.__version__.count(".") == 2
+    out = subprocess.run([sys.executable, "-m", "deepnex", "version"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout == f"deepnex {deepnex.__version__}\n"
+    out = subprocess.run([sys.executable, "-m", "deepnex"], capture_output=True,
+                         text=True)
+    assert out.returncode == 2
+    assert "usage: deepnex" in out.stdout
