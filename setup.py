@@ -6,7 +6,7 @@ In the style of pybind/cmake_example. CMake builds the target _C (and with it
 libdeepnex); both land in the package directory, _C finding libdeepnex.so.N
 next to itself through its $ORIGIN rpath. Environment knobs:
 CMAKE_BUILD_PARALLEL_LEVEL (default 2), DEEPNEX_CMAKE_ARGS (extra -D...),
-DEEPNEX_BUILD_TYPE (default Release).
+DEEPNEX_BUILD_TYPE (default RelWithDebInfo, as scripts/build.sh, so ccache shares objects).
 """
 
 import os
@@ -46,7 +46,7 @@ class CMakeBuild(build_ext):
 
         build_dir = Path(self.build_temp).resolve() / "cmake"
         build_dir.mkdir(parents=True, exist_ok=True)
-        build_type = os.environ.get("DEEPNEX_BUILD_TYPE", "Release")
+        build_type = os.environ.get("DEEPNEX_BUILD_TYPE", "RelWithDebInfo")
 
         configure = [
             "cmake",
