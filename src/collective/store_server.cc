@@ -1,0 +1,412 @@
+// The rendezvous store's server: a map of keys to bytes, guarded by one
+// mutex, and waiting reads parked as callback-API reactors (no thread held
+// per waiter) until their keys are set, their deadline passes or the client
+// goes away.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <queue>
+#include <thread>
+#include <unordered_map>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/grpc_util.h"
+#include "deepnex/auth.h"
+#include "deepnex/collective/store.h"
+#include "deepnex/store.grpc.pb.h"
+
+namespace deepnex::collective {
+namespace {
+
+namespace pb = ::deepnex::collective::proto;
+using Clock = std::chrono::steady_clock;
+
+// A Get that waits for keys. Finished exactly once, by whichever of
+// completion, expiry or cancellation claims it first.
+struct Waiter {
+  grpc::ServerUnaryReactor* reactor = nullptr;
+  pb::GetReply* reply = nullptr;
+  std::vector<std::string> keys;
+  bool values = true;
+  int64_t wait_ms = 0;
+  std::atomic<bool> finished{false};
+  bool Claim() { return !finished.exchange(true); }
+};
+
+class WaiterReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit WaiterReactor(std::shared_ptr<Waiter> waiter) : waiter_(std::move(waiter)) {
+    waiter_->reactor = this;
+  }
+  void OnCancel() override {
+    if (waiter_->Claim()) Finish(grpc::Status(grpc::StatusCode::CANCELLED, "call cancelled"));
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  std::shared_ptr<Waiter> waiter_;
+};
+
+// Expires waiters at their deadline, on one thread of its own.
+class Expiry {
+ public:
+  explicit Expiry(std::function<void(const std::shared_ptr<Waiter>&)> expire)
+      : expire_(std::move(expire)), thread_([this] { Run(); }) {}
+  ~Expiry() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void Add(Clock::time_point when, std::weak_ptr<Waiter> waiter) {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push({when, seq_++, std::move(waiter)});
+    cv_.notify_all();
+  }
+
+ private:
+  struct Item {
+    Clock::time_point when;
+    uint64_t seq;
+    std::weak_ptr<Waiter> waiter;
+    bool operator>(const Item& o) const {
+      return when != o.when ? when > o.when : seq > o.seq;
+    }
+  };
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      if (queue_.empty()) {
+        cv_.wait(lock);
+      } else if (Clock::now() < queue_.top().when) {
+        cv_.wait_until(lock, queue_.top().when);
+      } else {
+        auto waiter = queue_.top().waiter.lock();
+        queue_.pop();
+        if (!waiter) continue;
+        lock.unlock();
+        expire_(waiter);
+        lock.lock();
+      }
+    }
+  }
+  std::function<void(const std::shared_ptr<Waiter>&)> expire_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::priority_queue<Item, std::vector<Item>, std::greater<Item>> queue_;
+  uint64_t seq_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status) {
+  auto* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+std::string QuoteKeys(const std::vector<std::string>& keys) {
+  return absl::StrCat("\"", absl::StrJoin(keys, "\", \""), "\"");
+}
+
+// The map and its handlers. Thread-safe: `mu_` guards the map and the
+// watcher lists; reactors are finished outside it.
+class Service final : public pb::Store::CallbackService {
+ public:
+  Service(const StoreServerOptions& options, TokenTable tokens)
+      : options_(options),
+        tokens_(std::move(tokens)),
+        expiry_([this](const std::shared_ptr<Waiter>& w) { Expire(w); }) {}
+
+  size_t size() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return kv_.size();
+  }
+
+  grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* ctx, const pb::SetRequest* req,
+                                pb::SetReply*) override {
+    absl::Status s = CheckKeys(*ctx, {req->key()});
+    if (s.ok()) s = CheckValue(req->key(), req->value());
+    if (!s.ok()) return Reply(ctx, s);
+    Finishes done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      kv_[req->key()] = req->value();
+      Notify(req->key(), &done);
+    }
+    RunFinishes(done);
+    return Reply(ctx, absl::OkStatus());
+  }
+
+  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* ctx, const pb::GetRequest* req,
+                                pb::GetReply* reply) override {
+    std::vector<std::string> keys(req->keys().begin(), req->keys().end());
+    absl::Status s = CheckKeys(*ctx, keys);
+    if (!s.ok()) return Reply(ctx, s);
+    std::unique_lock<std::mutex> lock(mu_);
+    std::vector<std::string> missing = Missing(keys);
+    if (missing.empty()) {
+      if (req->values()) {
+        for (const std::string& k : keys) reply->add_values(kv_[k]);
+      }
+      lock.unlock();
+      return Reply(ctx, absl::OkStatus());
+    }
+    if (req->wait_ms() <= 0) {
+      lock.unlock();
+      return Reply(ctx, absl::NotFoundError(absl::StrCat("no key ", QuoteKeys(missing))));
+    }
+    auto waiter = std::make_shared<Waiter>();
+    waiter->reply = reply;
+    waiter->keys = std::move(keys);
+    waiter->values = req->values();
+    waiter->wait_ms = req->wait_ms();
+    auto* reactor = new WaiterReactor(waiter);
+    Watch(waiter, missing);
+    lock.unlock();
+    expiry_.Add(Clock::now() + std::chrono::milliseconds(req->wait_ms()), waiter);
+    return reactor;
+  }
+
+  grpc::ServerUnaryReactor* Add(grpc::CallbackServerContext* ctx, const pb::AddRequest* req,
+                                pb::AddReply* reply) override {
+    absl::Status s = CheckKeys(*ctx, {req->key()});
+    if (!s.ok()) return Reply(ctx, s);
+    Finishes done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      int64_t value = 0;
+      auto it = kv_.find(req->key());
+      if (it != kv_.end() && !absl::SimpleAtoi(it->second, &value)) {
+        s = absl::InvalidArgumentError(absl::StrCat(
+            "add to \"", req->key(), "\": its value is not a decimal integer"));
+      } else {
+        value += req->delta();
+        kv_[req->key()] = absl::StrCat(value);
+        reply->set_value(value);
+        Notify(req->key(), &done);
+      }
+    }
+    RunFinishes(done);
+    return Reply(ctx, s);
+  }
+
+  grpc::ServerUnaryReactor* CompareSet(grpc::CallbackServerContext* ctx,
+                                       const pb::CompareSetRequest* req,
+                                       pb::CompareSetReply* reply) override {
+    absl::Status s = CheckKeys(*ctx, {req->key()});
+    if (s.ok()) s = CheckValue(req->key(), req->desired());
+    if (!s.ok()) return Reply(ctx, s);
+    Finishes done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = kv_.find(req->key());
+      bool swap = it == kv_.end() ? req->expected().empty() : it->second == req->expected();
+      if (swap) {
+        kv_[req->key()] = req->desired();
+        Notify(req->key(), &done);
+        reply->set_value(req->desired());
+      } else if (it != kv_.end()) {
+        reply->set_value(it->second);
+      }
+      reply->set_swapped(swap);
+    }
+    RunFinishes(done);
+    return Reply(ctx, absl::OkStatus());
+  }
+
+  grpc::ServerUnaryReactor* Delete(grpc::CallbackServerContext* ctx,
+                                   const pb::DeleteRequest* req,
+                                   pb::DeleteReply* reply) override {
+    absl::Status s = CheckKeys(*ctx, {req->key()});
+    if (s.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      reply->set_deleted(kv_.erase(req->key()) > 0);
+    }
+    return Reply(ctx, s);
+  }
+
+  grpc::ServerUnaryReactor* Check(grpc::CallbackServerContext* ctx, const pb::CheckRequest* req,
+                                  pb::CheckReply* reply) override {
+    std::vector<std::string> keys(req->keys().begin(), req->keys().end());
+    absl::Status s = CheckKeys(*ctx, keys);
+    if (s.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const std::string& k : keys) reply->add_present(kv_.count(k) > 0);
+    }
+    return Reply(ctx, s);
+  }
+
+ private:
+  using Finishes = std::vector<std::pair<grpc::ServerUnaryReactor*, grpc::Status>>;
+
+  static void RunFinishes(const Finishes& done) {
+    for (const auto& [reactor, status] : done) reactor->Finish(status);
+  }
+
+  absl::Status CheckKeys(const grpc::ServerContextBase& ctx,
+                         const std::vector<std::string>& keys) const {
+    DEEPNEX_ASSIGN_OR_RETURN(Identity who, AuthenticateCall(tokens_, ctx));
+    if (keys.empty()) return absl::InvalidArgumentError("no keys given");
+    for (const std::string& k : keys) {
+      if (k.empty()) return absl::InvalidArgumentError("empty key");
+      if (!who.job.empty() && k.rfind(who.job + "/", 0) != 0) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "key \"", k, "\" is outside job \"", who.job, "\" (keys must start with \"",
+            who.job, "/\")"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckValue(const std::string& key, const std::string& value) const {
+    if (value.size() > options_.max_value_bytes) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("value of \"", key, "\": ", value.size(), " bytes, the store takes at most ",
+                       options_.max_value_bytes));
+    }
+    return absl::OkStatus();
+  }
+
+  // REQUIRES: mu_ held.
+  std::vector<std::string> Missing(const std::vector<std::string>& keys) const {
+    std::vector<std::string> missing;
+    for (const std::string& k : keys) {
+      if (kv_.count(k) == 0) missing.push_back(k);
+    }
+    return missing;
+  }
+
+  // REQUIRES: mu_ held.
+  void Watch(const std::shared_ptr<Waiter>& waiter, const std::vector<std::string>& keys) {
+    for (const std::string& k : keys) {
+      auto& list = watchers_[k];
+      if (std::find(list.begin(), list.end(), waiter) == list.end()) list.push_back(waiter);
+    }
+  }
+
+  // `key` was written: waiters watching it complete if nothing else is
+  // missing, else watch what is. REQUIRES: mu_ held.
+  void Notify(const std::string& key, Finishes* done) {
+    auto it = watchers_.find(key);
+    if (it == watchers_.end()) return;
+    std::vector<std::shared_ptr<Waiter>> list = std::move(it->second);
+    watchers_.erase(it);
+    for (auto& w : list) {
+      if (w->finished.load()) continue;
+      std::vector<std::string> missing = Missing(w->keys);
+      if (!missing.empty()) {
+        Watch(w, missing);  // a key set earlier was deleted since
+        continue;
+      }
+      if (!w->Claim()) continue;
+      if (w->values) {
+        for (const std::string& k : w->keys) w->reply->add_values(kv_[k]);
+      }
+      done->push_back({w->reactor, grpc::Status::OK});
+    }
+  }
+
+  void Expire(const std::shared_ptr<Waiter>& w) {
+    grpc::Status status;
+    bool finish = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const std::string& k : w->keys) {
+        auto it = watchers_.find(k);
+        if (it == watchers_.end()) continue;
+        auto& list = it->second;
+        list.erase(std::remove(list.begin(), list.end(), w), list.end());
+        if (list.empty()) watchers_.erase(it);
+      }
+      if (w->Claim()) {
+        finish = true;
+        status = grpc::Status(
+            grpc::StatusCode::DEADLINE_EXCEEDED,
+            absl::StrCat("waited ", w->wait_ms, " ms; still missing: ", QuoteKeys(Missing(w->keys))));
+      }
+    }
+    if (finish) w->reactor->Finish(status);
+  }
+
+  const StoreServerOptions options_;
+  const TokenTable tokens_;
+  mutable std::mutex mu_;
+  std::unordered_map<std::string, std::string> kv_;
+  std::unordered_map<std::string, std::vector<std::shared_ptr<Waiter>>> watchers_;
+  Expiry expiry_;  // last: its thread calls Expire, so it stops first
+};
+
+class StoreServerImpl final : public StoreServer {
+ public:
+  StoreServerImpl(const StoreServerOptions& options, TokenTable tokens)
+      : service_(options, std::move(tokens)) {}
+  ~StoreServerImpl() override { Stop(); }
+
+  absl::Status Start(const StoreServerOptions& options) {
+    DEEPNEX_ASSIGN_OR_RETURN(auto credentials,
+                             MakeServerCredentials(options.tls_cert_file, options.tls_key_file));
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(options.address, credentials, &port_);
+    builder.SetMaxReceiveMessageSize(
+        static_cast<int>(std::min<uint64_t>(options.max_value_bytes + (1 << 20), INT32_MAX)));
+    builder.SetMaxSendMessageSize(-1);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+    if (!server_ || port_ == 0) {
+      return absl::UnavailableError(absl::StrCat("cannot listen on \"", options.address, "\""));
+    }
+    host_ = options.address.substr(0, options.address.rfind(':'));
+    return absl::OkStatus();
+  }
+
+  std::string address() const override { return absl::StrCat(host_, ":", port_); }
+  int port() const override { return port_; }
+  size_t size() const override { return service_.size(); }
+
+  void Stop() override {
+    std::call_once(stop_once_, [this] {
+      if (server_) {
+        server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+        server_->Wait();
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      stopped_ = true;
+      cv_.notify_all();
+    });
+  }
+
+  void Wait() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return stopped_; });
+  }
+
+ private:
+  Service service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::string host_;
+  std::once_flag stop_once_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopped_ = false;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Create(
+    const StoreServerOptions& options) {
+  if (options.address.empty()) return absl::InvalidArgumentError("address is empty");
+  DEEPNEX_ASSIGN_OR_RETURN(TokenTable tokens,
+                           TokenTable::FromOptions(options.token, options.token_file));
+  auto server = std::make_unique<StoreServerImpl>(options, std::move(tokens));
+  DEEPNEX_RETURN_IF_ERROR(server->Start(options));
+  return std::unique_ptr<StoreServer>(std::move(server));
+}
+
+}  // namespace deepnex::collective

@@ -1,0 +1,225 @@
+#include "deepnex/collective/store.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include "test_matchers.h"
+
+namespace deepnex::collective {
+namespace {
+
+using ::deepnex::test::IsOk;
+using ::deepnex::test::StatusIs;
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using std::chrono::milliseconds;
+
+std::unique_ptr<StoreServer> StartServer(StoreServerOptions options = {}) {
+  auto server = StoreServer::Create(options);
+  EXPECT_THAT(server, IsOk());
+  return server.ok() ? std::move(*server) : nullptr;
+}
+
+std::unique_ptr<StoreClient> Connect(const std::string& address, const std::string& prefix = "",
+                                     const std::string& token = "",
+                                     milliseconds timeout = milliseconds(5000)) {
+  StoreClientOptions o;
+  o.address = address;
+  o.prefix = prefix;
+  o.token = token;
+  o.timeout = timeout;
+  auto client = StoreClient::Create(o);
+  EXPECT_THAT(client, IsOk());
+  return client.ok() ? std::move(*client) : nullptr;
+}
+
+TEST(StoreTest, SetGetDeleteCheck) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  EXPECT_NE(server->port(), 0);
+  auto c = Connect(server->address());
+  ASSERT_OK(c->Set("a", std::string("x\0y", 3)));
+  ASSERT_OK_AND_ASSIGN(std::string v, c->Get("a"));
+  EXPECT_EQ(v, std::string("x\0y", 3));
+  ASSERT_OK(c->Set("a", ""));
+  ASSERT_OK_AND_ASSIGN(v, c->Get("a"));
+  EXPECT_EQ(v, "");
+  ASSERT_OK_AND_ASSIGN(auto present, c->Check({"a", "b"}));
+  EXPECT_THAT(present, ElementsAre(true, false));
+  ASSERT_OK_AND_ASSIGN(bool deleted, c->Delete("a"));
+  EXPECT_TRUE(deleted);
+  ASSERT_OK_AND_ASSIGN(deleted, c->Delete("a"));
+  EXPECT_FALSE(deleted);
+  EXPECT_EQ(server->size(), 0u);
+  EXPECT_THAT(c->Set("", "v"), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(StoreTest, GetWaitsForTheKey) {
+  auto server = StartServer();
+  auto a = Connect(server->address());
+  auto b = Connect(server->address());
+  std::thread setter([&] {
+    std::this_thread::sleep_for(milliseconds(100));
+    EXPECT_OK(b->Set("late", "here"));
+  });
+  auto start = std::chrono::steady_clock::now();
+  ASSERT_OK_AND_ASSIGN(std::string v, a->Get("late", milliseconds(5000)));
+  EXPECT_EQ(v, "here");
+  EXPECT_GE(std::chrono::steady_clock::now() - start, milliseconds(90));
+  setter.join();
+}
+
+TEST(StoreTest, MultiGetAndWaitNameTheMissingKeys) {
+  auto server = StartServer();
+  auto c = Connect(server->address(), "job1");
+  ASSERT_OK(c->Set("k0", "0"));
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_THAT(c->MultiGet({"k0", "k1", "k2"}, milliseconds(200)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       AllOf(HasSubstr("\"job1/k1\""), HasSubstr("\"job1/k2\""),
+                             testing::Not(HasSubstr("k0")))));
+  auto elapsed = std::chrono::steady_clock::now() - start;
+  EXPECT_GE(elapsed, milliseconds(190));
+  EXPECT_LT(elapsed, milliseconds(1100));
+  EXPECT_THAT(c->Wait({"k0", "k3"}, milliseconds(50)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("\"job1/k3\"")));
+  // Many waiters, completed by one set each.
+  std::vector<std::thread> waiters;
+  std::atomic<int> ok{0};
+  for (int i = 0; i < 8; ++i) {
+    waiters.emplace_back([&] {
+      auto w = Connect(server->address(), "job1");
+      if (w->Wait({"k1", "k2"}, milliseconds(5000)).ok()) ++ok;
+    });
+  }
+  std::this_thread::sleep_for(milliseconds(100));
+  ASSERT_OK(c->Set("k1", "1"));
+  ASSERT_OK(c->Set("k2", "2"));
+  for (auto& t : waiters) t.join();
+  EXPECT_EQ(ok.load(), 8);
+  ASSERT_OK_AND_ASSIGN(auto values, c->MultiGet({"k2", "k0", "k1"}, milliseconds(10)));
+  EXPECT_THAT(values, ElementsAre("2", "0", "1"));
+}
+
+TEST(StoreTest, AddIsAtomic) {
+  auto server = StartServer();
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      auto c = Connect(server->address());
+      for (int i = 0; i < 50; ++i) EXPECT_OK(c->Add("n", 1).status());
+    });
+  }
+  for (auto& t : threads) t.join();
+  auto c = Connect(server->address());
+  ASSERT_OK_AND_ASSIGN(int64_t n, c->Add("n", 0));
+  EXPECT_EQ(n, 200);
+  ASSERT_OK_AND_ASSIGN(n, c->Add("n", -201));
+  EXPECT_EQ(n, -1);
+  ASSERT_OK(c->Set("text", "abc"));
+  EXPECT_THAT(c->Add("text", 1), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("text")));
+}
+
+TEST(StoreTest, CompareSet) {
+  auto server = StartServer();
+  auto c = Connect(server->address());
+  ASSERT_OK_AND_ASSIGN(std::string v, c->CompareSet("k", "", "first"));
+  EXPECT_EQ(v, "first");
+  ASSERT_OK_AND_ASSIGN(v, c->CompareSet("k", "", "second"));
+  EXPECT_EQ(v, "first");
+  ASSERT_OK_AND_ASSIGN(v, c->CompareSet("k", "first", "third"));
+  EXPECT_EQ(v, "third");
+  ASSERT_OK_AND_ASSIGN(v, c->CompareSet("missing", "x", "y"));
+  EXPECT_EQ(v, "");
+  ASSERT_OK_AND_ASSIGN(auto present, c->Check({"missing"}));
+  EXPECT_THAT(present, ElementsAre(false));
+}
+
+TEST(StoreTest, PrefixesSeparateJobs) {
+  auto server = StartServer();
+  auto a = Connect(server->address(), "jobA");
+  auto b = Connect(server->address(), "jobB");
+  auto raw = Connect(server->address());
+  ASSERT_OK(a->Set("k", "A"));
+  ASSERT_OK(b->Set("k", "B"));
+  ASSERT_OK_AND_ASSIGN(std::string v, a->Get("k"));
+  EXPECT_EQ(v, "A");
+  ASSERT_OK_AND_ASSIGN(v, raw->Get("jobB/k"));
+  EXPECT_EQ(v, "B");
+}
+
+TEST(StoreTest, TokenAuth) {
+  std::string file = testing::TempDir() + "/store_tokens";
+  {
+    std::ofstream out(file);
+    out << "admintok root admin\njobtok alice user job7\n";
+  }
+  StoreServerOptions o;
+  o.token_file = file;
+  auto server = StartServer(o);
+  ASSERT_NE(server, nullptr);
+  EXPECT_THAT(Connect(server->address())->Set("k", "v"),
+              StatusIs(absl::StatusCode::kUnauthenticated));
+  EXPECT_THAT(Connect(server->address(), "", "wrong")->Set("k", "v"),
+              StatusIs(absl::StatusCode::kUnauthenticated));
+  EXPECT_OK(Connect(server->address(), "", "admintok")->Set("k", "v"));
+  EXPECT_OK(Connect(server->address(), "job7", "jobtok")->Set("k", "v"));
+  EXPECT_THAT(Connect(server->address(), "job8", "jobtok")->Set("k", "v"),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("job7")));
+  std::remove(file.c_str());
+}
+
+TEST(StoreTest, UnreachableStoreIsDeadlineExceededWithinTheTimeout) {
+  // A port that was free a moment ago.
+  std::string address;
+  {
+    auto server = StartServer();
+    address = server->address();
+  }
+  auto c = Connect(address, "", "", milliseconds(300));
+  auto start = std::chrono::steady_clock::now();
+  absl::Status s = c->Set("k", "v");
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr(address)));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(3000));
+}
+
+TEST(StoreTest, ClientStartedBeforeTheServerWaitsForIt) {
+  // Pick a port, release it, then start the store on it shortly after the
+  // client's first call.
+  int port;
+  {
+    auto probe = StartServer();
+    port = probe->port();
+  }
+  std::string address = "127.0.0.1:" + std::to_string(port);
+  std::unique_ptr<StoreServer> server;
+  std::thread starter([&] {
+    std::this_thread::sleep_for(milliseconds(200));
+    StoreServerOptions o;
+    o.address = address;
+    server = StartServer(o);
+  });
+  auto c = Connect(address, "", "", milliseconds(10000));
+  EXPECT_OK(c->Set("k", "v"));
+  starter.join();
+}
+
+TEST(StoreTest, StopEndsWaitingReads) {
+  auto server = StartServer();
+  auto c = Connect(server->address());
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(milliseconds(100));
+    server->Stop();
+  });
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(c->Get("never", milliseconds(20000)).ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(5000));
+  stopper.join();
+}
+
+}  // namespace
+}  // namespace deepnex::collective
