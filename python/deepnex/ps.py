@@ -179,24 +179,49 @@ class PendingOp:
 class Server:
     """A parameter server, serving on return until ``stop()``.
 
-    mode: "sync" (a round completes when all ``num_workers`` pushed, and the
-    optimizer is applied once to their mean or sum, by ``reduction``) or
-    "async" (each push applied at once). ``reject_nonfinite``: refuse
-    gradients holding NaN/Inf. ``token`` or ``token_file``: bearer-token auth.
-    ``tls_cert_file``/``tls_key_file``: serve TLS.
+    mode: "sync" (a round completes when every live worker of
+    ``num_workers`` pushed, and the optimizer is applied once to their mean
+    or sum, by ``reduction``), "ssp" (as sync, but a worker may run
+    ``staleness`` rounds ahead of the slowest) or "async" (each push applied
+    at once). ``reject_nonfinite``: refuse gradients holding NaN/Inf.
+    ``token`` or ``token_file``: bearer-token auth. ``tls_cert_file`` /
+    ``tls_key_file``: serve TLS.
+
+    Membership: workers hold leases renewed by their clients' heartbeats;
+    after ``lease_timeout`` seconds without one, ``lease_policy`` "shrink"
+    completes rounds without the worker (``keep_dead_contributions``: keep
+    or drop what it pushed into open rounds), "abort" fails the waiting calls
+    with ``AbortedError`` naming it.
+
+    Checkpoints: ``checkpoint(dir)``, or periodic into ``checkpoint_dir``
+    every ``checkpoint_every_rounds`` rounds or ``checkpoint_interval``
+    seconds, as ``<dir>/<name>.ckpt``; ``restore=dir`` starts from one.
+    ``metrics_address="127.0.0.1:0"`` serves Prometheus text (see
+    ``metrics_port``).
     """
 
     def __init__(self, address="127.0.0.1:0", mode="sync", num_workers=1,
-                 optimizer=None, reduction="mean", reject_nonfinite=True,
-                 max_message_bytes="256MiB", token=None, token_file=None,
-                 job_id="", tls_cert_file=None, tls_key_file=None):
+                 optimizer=None, reduction="mean", staleness=0,
+                 reject_nonfinite=True, max_message_bytes="256MiB", token=None,
+                 token_file=None, job_id="", tls_cert_file=None, tls_key_file=None,
+                 lease_timeout=10.0, lease_policy="shrink",
+                 keep_dead_contributions=True, name="ps", checkpoint_dir=None,
+                 checkpoint_every_rounds=0, checkpoint_interval=0.0, restore=None,
+                 metrics_address=None, _drop_push_replies=0):
         self._server = _C.ps.Server(
-            address=address, mode=mode, num_workers=num_workers,
+            address=address, mode=mode, num_workers=num_workers, staleness=staleness,
             reduction=reduction, optimizer=_optimizer_config(optimizer),
             reject_nonfinite=reject_nonfinite,
             max_message_bytes=byte_size(max_message_bytes, "max_message_bytes"),
             token=token or "", token_file=token_file or "", job_id=job_id or "",
-            tls_cert_file=tls_cert_file or "", tls_key_file=tls_key_file or "")
+            tls_cert_file=tls_cert_file or "", tls_key_file=tls_key_file or "",
+            lease_timeout=float(lease_timeout), lease_policy=lease_policy,
+            keep_dead_contributions=keep_dead_contributions, name=name,
+            checkpoint_dir=str(checkpoint_dir or ""),
+            checkpoint_every_rounds=checkpoint_every_rounds,
+            checkpoint_interval=float(checkpoint_interval),
+            restore_dir=str(restore or ""), metrics_address=metrics_address or "",
+            drop_push_replies_for_testing=_drop_push_replies)
 
     @property
     def address(self):
@@ -206,6 +231,20 @@ class Server:
     @property
     def port(self):
         return self._server.port
+
+    @property
+    def metrics_port(self):
+        """The port serving /metrics, 0 when metrics_address was not given."""
+        return self._server.metrics_port
+
+    def metrics_text(self):
+        """The server's metrics as Prometheus text."""
+        return self._server.metrics_text()
+
+    def checkpoint(self, dir, timeout=60.0):
+        """Writes <dir>/<name>.ckpt atomically, cut at a round boundary in
+        sync and ssp modes; returns the round it holds."""
+        return self._server.checkpoint(str(dir), float(timeout))
 
     def stop(self):
         self._server.stop()
@@ -230,7 +269,7 @@ class Client:
 
     def __init__(self, servers, worker_id=0, partition_bytes="4MiB",
                  request_bytes="4MiB", timeout=60.0, connections_per_server=2,
-                 token=None, token_file=None, tls_ca_file=None):
+                 token=None, token_file=None, tls_ca_file=None, heartbeat=True):
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
         self._client = _C.ps.Client(
@@ -239,7 +278,7 @@ class Client:
             request_bytes=byte_size(request_bytes, "request_bytes"),
             timeout=float(timeout), connections_per_server=connections_per_server,
             token=token or "", token_file=token_file or "",
-            tls_ca_file=tls_ca_file or "")
+            tls_ca_file=tls_ca_file or "", heartbeat=heartbeat)
         self._shapes = {}
 
     @property
@@ -288,9 +327,26 @@ class Client:
     def describe(self, keys):
         """{key: (dtype name, shape)} of tensors on the servers."""
         return {k: (dtype, tuple(shape))
-                for k, dtype, shape in self._client.describe(list(keys))}
+                for k, dtype, shape, _ in self._client.describe(list(keys))}
+
+    def version(self, key):
+        """Updates applied to `key` (rounds in sync/ssp, pushes in async).
+        After a server restart from a checkpoint, training resumes at
+        version + 1."""
+        return self._client.describe([key])[0][3]
+
+    def stats(self):
+        """One dict of counters per server (pushes, pulls, bytes, rounds,
+        round latency, live workers, lease expiries, per-worker state and
+        staleness, and the Prometheus text)."""
+        return self._client.stats()
+
+    def checkpoint(self, dir):
+        """Asks every server to checkpoint into `dir`; their rounds."""
+        return self._client.checkpoint(str(dir))
 
     def close(self):
+        """Leaves the job: the servers stop waiting for this worker."""
         self._client.close()
 
     def __enter__(self):

@@ -1,6 +1,7 @@
 // deepnex._C.ps: the parameter-server classes. The Python layer
 // (python/deepnex/ps.py) turns dicts of arrays into the (key, buffer, dtype)
 // lists these take.
+#include <algorithm>
 #include <chrono>
 #include <memory>
 
@@ -108,15 +109,33 @@ void RegisterPs(py::module_& parent) {
 
   py::class_<Server>(m, "Server")
       .def(py::init([](const std::string& address, const std::string& mode, int num_workers,
-                       const std::string& reduction, const OptimizerConfig& optimizer,
-                       bool reject_nonfinite, uint64_t max_message_bytes,
-                       const std::string& token, const std::string& token_file,
-                       const std::string& job_id, const std::string& tls_cert_file,
-                       const std::string& tls_key_file) {
+                       int staleness, const std::string& reduction,
+                       const OptimizerConfig& optimizer, bool reject_nonfinite,
+                       uint64_t max_message_bytes, const std::string& token,
+                       const std::string& token_file, const std::string& job_id,
+                       const std::string& tls_cert_file, const std::string& tls_key_file,
+                       double lease_timeout, const std::string& lease_policy,
+                       bool keep_dead_contributions, const std::string& name,
+                       const std::string& checkpoint_dir, uint64_t checkpoint_every_rounds,
+                       double checkpoint_interval, const std::string& restore_dir,
+                       const std::string& metrics_address,
+                       int drop_push_replies_for_testing) {
              ServerOptions o;
              o.address = address;
              o.mode = Unwrap(ps::ParseMode(mode));
              o.num_workers = num_workers;
+             o.staleness = staleness;
+             o.lease_timeout = Millis(lease_timeout, "lease_timeout");
+             o.lease_policy = Unwrap(ps::ParseLeasePolicy(lease_policy));
+             o.keep_dead_contributions = keep_dead_contributions;
+             o.name = name;
+             o.checkpoint_dir = checkpoint_dir;
+             o.checkpoint_every_rounds = checkpoint_every_rounds;
+             o.checkpoint_interval = std::chrono::milliseconds(
+                 static_cast<int64_t>(std::max(0.0, checkpoint_interval) * 1000));
+             o.restore_dir = restore_dir;
+             o.metrics_address = metrics_address;
+             o.drop_push_replies_for_testing = drop_push_replies_for_testing;
              o.reduction = Unwrap(ps::ParseReduction(reduction));
              o.optimizer = optimizer;
              o.reject_nonfinite = reject_nonfinite;
@@ -129,12 +148,29 @@ void RegisterPs(py::module_& parent) {
              py::gil_scoped_release release;
              return Unwrap(Server::Create(o));
            }),
-           py::arg("address"), py::arg("mode"), py::arg("num_workers"), py::arg("reduction"),
-           py::arg("optimizer"), py::arg("reject_nonfinite"), py::arg("max_message_bytes"),
-           py::arg("token"), py::arg("token_file"), py::arg("job_id"),
-           py::arg("tls_cert_file"), py::arg("tls_key_file"))
+           py::arg("address"), py::arg("mode"), py::arg("num_workers"), py::arg("staleness"),
+           py::arg("reduction"), py::arg("optimizer"), py::arg("reject_nonfinite"),
+           py::arg("max_message_bytes"), py::arg("token"), py::arg("token_file"),
+           py::arg("job_id"), py::arg("tls_cert_file"), py::arg("tls_key_file"),
+           py::arg("lease_timeout"), py::arg("lease_policy"),
+           py::arg("keep_dead_contributions"), py::arg("name"), py::arg("checkpoint_dir"),
+           py::arg("checkpoint_every_rounds"), py::arg("checkpoint_interval"),
+           py::arg("restore_dir"), py::arg("metrics_address"),
+           py::arg("drop_push_replies_for_testing"))
       .def_property_readonly("address", &Server::address)
       .def_property_readonly("port", &Server::port)
+      .def_property_readonly("metrics_port", &Server::metrics_port)
+      .def("metrics_text", &Server::MetricsText)
+      .def("checkpoint",
+           [](Server& s, const std::string& dir, double timeout) {
+             absl::StatusOr<uint64_t> round;
+             {
+               py::gil_scoped_release release;
+               round = s.Checkpoint(dir, Millis(timeout, "timeout"));
+             }
+             return Unwrap(std::move(round));
+           },
+           py::arg("dir"), py::arg("timeout") = 60.0)
       .def("stop", &Server::Stop, py::call_guard<py::gil_scoped_release>())
       .def("wait", &Server::Wait, py::call_guard<py::gil_scoped_release>());
 
@@ -146,8 +182,10 @@ void RegisterPs(py::module_& parent) {
       .def(py::init([](const std::vector<std::string>& servers, int worker_id,
                        uint64_t partition_bytes, uint64_t request_bytes, double timeout,
                        int connections_per_server, const std::string& token,
-                       const std::string& token_file, const std::string& tls_ca_file) {
+                       const std::string& token_file, const std::string& tls_ca_file,
+                       bool heartbeat) {
              ClientOptions o;
+             o.heartbeat = heartbeat;
              o.servers = servers;
              o.worker_id = worker_id;
              o.partition_bytes = partition_bytes;
@@ -162,7 +200,8 @@ void RegisterPs(py::module_& parent) {
            }),
            py::arg("servers"), py::arg("worker_id"), py::arg("partition_bytes"),
            py::arg("request_bytes"), py::arg("timeout"), py::arg("connections_per_server"),
-           py::arg("token"), py::arg("token_file"), py::arg("tls_ca_file"))
+           py::arg("token"), py::arg("token_file"), py::arg("tls_ca_file"),
+           py::arg("heartbeat"))
       .def("init",
            [](Client& c, const TensorArgs& tensors) {
              Views v = ViewsOf(tensors, false, "init");
@@ -237,11 +276,62 @@ void RegisterPs(py::module_& parent) {
                py::gil_scoped_release release;
                infos = c.Describe(keys);
              }
-             std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>> out;
+             std::vector<std::tuple<std::string, std::string, std::vector<int64_t>, uint64_t>> out;
              for (const auto& i : Unwrap(std::move(infos))) {
-               out.emplace_back(i.key, DTypeName(i.dtype), i.shape);
+               out.emplace_back(i.key, DTypeName(i.dtype), i.shape, i.version);
              }
              return out;
+           })
+      .def("stats",
+           [](Client& c) {
+             absl::StatusOr<std::vector<ps::ServerStats>> stats;
+             {
+               py::gil_scoped_release release;
+               stats = c.Stats();
+             }
+             py::list out;
+             for (const auto& s : Unwrap(std::move(stats))) {
+               py::dict d;
+               d["address"] = s.address;
+               d["mode"] = s.mode;
+               d["staleness"] = s.staleness;
+               d["num_workers"] = s.num_workers;
+               d["live_workers"] = s.live_workers;
+               d["pushes"] = s.pushes;
+               d["pulls"] = s.pulls;
+               d["bytes_in"] = s.bytes_in;
+               d["bytes_out"] = s.bytes_out;
+               d["rounds"] = s.rounds;
+               d["round_latency_p50"] = s.round_latency_p50;
+               d["round_latency_p99"] = s.round_latency_p99;
+               d["lease_expiries"] = s.lease_expiries;
+               d["checkpoints"] = s.checkpoints;
+               d["min_version"] = s.min_version;
+               d["max_version"] = s.max_version;
+               py::list workers;
+               for (const auto& w : s.workers) {
+                 py::dict wd;
+                 wd["worker"] = w.worker;
+                 wd["state"] = w.state;
+                 wd["pushes"] = w.pushes;
+                 wd["max_lead"] = w.max_lead;
+                 wd["late_pushes"] = w.late_pushes;
+                 workers.append(wd);
+               }
+               d["workers"] = workers;
+               d["prometheus"] = s.prometheus;
+               out.append(d);
+             }
+             return out;
+           })
+      .def("checkpoint",
+           [](Client& c, const std::string& dir) {
+             absl::StatusOr<std::vector<uint64_t>> rounds;
+             {
+               py::gil_scoped_release release;
+               rounds = c.Checkpoint(dir);
+             }
+             return Unwrap(std::move(rounds));
            })
       .def_property_readonly("worker_id", &Client::worker_id)
       .def("close", [](Client& c) { CheckStatus(c.Close()); });

@@ -1,5 +1,7 @@
 #include "core/grpc_util.h"
 
+#include "core/file_util.h"
+
 #include <google/protobuf/message_lite.h>
 #include <malloc.h>
 
@@ -41,19 +43,6 @@ absl::StatusOr<Identity> AuthenticateCall(const TokenTable& tokens,
   return tokens.Authenticate(value, job, require_admin);
 }
 
-absl::StatusOr<std::string> ReadFileToString(const std::string& path,
-                                             const std::string& what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::NotFoundError(
-        absl::StrCat(what, " \"", path, "\" cannot be read: ",
-                     std::strerror(errno)));
-  }
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
-}
-
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const std::string& cert_file, const std::string& key_file) {
   if (cert_file.empty() && key_file.empty()) {
@@ -64,9 +53,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
         "TLS needs both tls_cert_file and tls_key_file");
   }
   DEEPNEX_ASSIGN_OR_RETURN(std::string cert,
-                           ReadFileToString(cert_file, "tls_cert_file"));
+                           ReadWholeFile(cert_file, "tls_cert_file"));
   DEEPNEX_ASSIGN_OR_RETURN(std::string key,
-                           ReadFileToString(key_file, "tls_key_file"));
+                           ReadWholeFile(key_file, "tls_key_file"));
   grpc::SslServerCredentialsOptions options;
   options.pem_key_cert_pairs.push_back({key, cert});
   return grpc::SslServerCredentials(options);
@@ -76,7 +65,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>>
 MakeChannelCredentials(const std::string& ca_file) {
   if (ca_file.empty()) return grpc::InsecureChannelCredentials();
   DEEPNEX_ASSIGN_OR_RETURN(std::string ca,
-                           ReadFileToString(ca_file, "tls_ca_file"));
+                           ReadWholeFile(ca_file, "tls_ca_file"));
   grpc::SslCredentialsOptions options;
   options.pem_root_certs = ca;
   return grpc::SslCredentials(options);

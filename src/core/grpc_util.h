@@ -50,10 +50,6 @@ std::shared_ptr<grpc::Channel> MakeChannel(
     const std::string& address,
     const std::shared_ptr<grpc::ChannelCredentials>& credentials);
 
-// Reads file contents; NotFound/InvalidArgument naming `what` and the path.
-absl::StatusOr<std::string> ReadFileToString(const std::string& path,
-                                             const std::string& what);
-
 // ---- Framed messages: `message M { Header header = 1; bytes payload = 2; }`
 //
 // The header is a small protobuf; the payload is sent as slices that point

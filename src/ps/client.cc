@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 #include <queue>
+#include <random>
 #include <thread>
 #include <unordered_map>
 
@@ -13,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include <grpcpp/generic/generic_stub.h>
+#include <unistd.h>
 
 #include "core/grpc_util.h"
 #include "deepnex/ps.grpc.pb.h"
@@ -154,11 +156,20 @@ std::shared_ptr<Op> FailedOp(const absl::Status& status) {
   return op;
 }
 
-// What a client knows of a tensor: its meta and the last round it pushed.
+// What a client knows of a tensor: its meta and how many times this
+// incarnation pushed it.
 struct KeyState {
   pb::TensorMeta meta;
-  uint64_t round = 0;
+  uint64_t seq = 0;
 };
+
+uint64_t NewIncarnation() {
+  static std::atomic<uint64_t> counter{0};
+  std::random_device rd;
+  uint64_t v = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+               (static_cast<uint64_t>(getpid()) << 16) ^ ++counter;
+  return v == 0 ? 1 : v;
+}
 
 // One slice of a tensor travelling to or from a server.
 struct Piece {
@@ -175,7 +186,7 @@ class ClientImpl final : public Client {
   // Requests in flight call back into this object: wait for them (a closed
   // client fails its pending retries at once).
   ~ClientImpl() override {
-    closed_ = true;
+    Close().IgnoreError();
     std::unique_lock<std::mutex> lock(inflight_mu_);
     inflight_cv_.wait(lock, [this] { return inflight_ == 0; });
   }
@@ -194,18 +205,14 @@ class ClientImpl final : public Client {
       }
       servers_.push_back(std::move(conns));
     }
-    for (size_t s = 0; s < servers_.size(); ++s) {
-      pb::RegisterRequest req;
-      req.set_worker_id(options_.worker_id);
-      pb::RegisterReply reply;
-      DEEPNEX_RETURN_IF_ERROR(Unary(s, "register", req, &reply,
-                                    &pb::ParameterServer::Stub::Register));
-    }
+    DEEPNEX_RETURN_IF_ERROR(RegisterEverywhere());
+    if (options_.heartbeat) heartbeat_ = std::thread([this] { Heartbeats(); });
     return absl::OkStatus();
   }
 
   absl::Status Init(const std::vector<NamedTensor>& tensors) override {
     DEEPNEX_RETURN_IF_ERROR(CheckOpen());
+    DEEPNEX_RETURN_IF_ERROR(EnsureRegistered());
     const Clock::time_point deadline = Clock::now() + options_.timeout;
     std::vector<std::string> keys;
     std::vector<std::pair<pb::TensorMeta, const TensorView*>> won;
@@ -311,15 +318,80 @@ class ClientImpl final : public Client {
       info.key = m.key();
       info.dtype = static_cast<DType>(m.dtype());
       info.shape.assign(m.shape().begin(), m.shape().end());
+      info.version = m.version();
       infos.push_back(std::move(info));
     }
     return infos;
   }
 
+  absl::StatusOr<std::vector<ServerStats>> Stats() override {
+    DEEPNEX_RETURN_IF_ERROR(CheckOpen());
+    std::vector<ServerStats> all;
+    for (size_t s = 0; s < servers_.size(); ++s) {
+      pb::StatsReply r;
+      DEEPNEX_RETURN_IF_ERROR(
+          Unary(s, "stats", pb::StatsRequest(), &r, &pb::ParameterServer::Stub::Stats));
+      ServerStats st;
+      st.address = options_.servers[s];
+      st.mode = r.mode();
+      st.staleness = r.staleness();
+      st.num_workers = r.num_workers();
+      st.live_workers = r.live_workers();
+      st.pushes = r.pushes();
+      st.pulls = r.pulls();
+      st.bytes_in = r.bytes_in();
+      st.bytes_out = r.bytes_out();
+      st.rounds = r.rounds();
+      st.round_latency_p50 = r.round_latency_p50();
+      st.round_latency_p99 = r.round_latency_p99();
+      st.lease_expiries = r.lease_expiries();
+      st.checkpoints = r.checkpoints();
+      st.min_version = r.min_version();
+      st.max_version = r.max_version();
+      for (const auto& w : r.workers()) {
+        st.workers.push_back({w.worker(), w.state(), w.pushes(), w.max_lead(), w.late_pushes()});
+      }
+      st.prometheus = r.prometheus();
+      all.push_back(std::move(st));
+    }
+    return all;
+  }
+
+  absl::StatusOr<std::vector<uint64_t>> Checkpoint(const std::string& dir) override {
+    DEEPNEX_RETURN_IF_ERROR(CheckOpen());
+    std::vector<uint64_t> rounds;
+    for (size_t s = 0; s < servers_.size(); ++s) {
+      pb::CheckpointRequest req;
+      req.set_dir(dir);
+      req.set_timeout_ms(options_.timeout.count());
+      pb::CheckpointReply reply;
+      DEEPNEX_RETURN_IF_ERROR(
+          Unary(s, "checkpoint", req, &reply, &pb::ParameterServer::Stub::Checkpoint));
+      rounds.push_back(reply.round());
+    }
+    return rounds;
+  }
+
   int worker_id() const override { return options_.worker_id; }
 
   absl::Status Close() override {
-    closed_ = true;
+    if (closed_.exchange(true)) return absl::OkStatus();
+    {
+      std::lock_guard<std::mutex> lock(heartbeat_mu_);
+      heartbeat_stop_ = true;
+    }
+    heartbeat_cv_.notify_all();
+    if (heartbeat_.joinable()) heartbeat_.join();
+    // Leaving is a courtesy: a server that is gone expires the lease anyway.
+    for (size_t s = 0; s < servers_.size() && incarnation_.load() != 0; ++s) {
+      pb::LeaveRequest req;
+      req.set_worker_id(options_.worker_id);
+      req.set_incarnation(incarnation_.load());
+      pb::LeaveReply reply;
+      grpc::ClientContext ctx;
+      PrepareContext(&ctx, Clock::now() + std::chrono::seconds(2));
+      Pick(s).stub->Leave(&ctx, req, &reply);
+    }
     return absl::OkStatus();
   }
 
@@ -348,6 +420,61 @@ class ClientImpl final : public Client {
   absl::Status CheckOpen() const {
     if (closed_) return absl::FailedPreconditionError("the client is closed");
     return absl::OkStatus();
+  }
+
+  // Takes this worker's lease on every server as a new incarnation.
+  absl::Status RegisterEverywhere() {
+    uint64_t incarnation = NewIncarnation();
+    for (size_t s = 0; s < servers_.size(); ++s) {
+      pb::RegisterRequest req;
+      req.set_worker_id(options_.worker_id);
+      req.set_incarnation(incarnation);
+      pb::RegisterReply reply;
+      DEEPNEX_RETURN_IF_ERROR(
+          Unary(s, "register", req, &reply, &pb::ParameterServer::Stub::Register));
+      heartbeat_interval_ = std::chrono::milliseconds(reply.heartbeat_interval_ms());
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    incarnation_ = incarnation;
+    for (auto& [key, k] : keys_) k.seq = 0;  // seqs count per incarnation
+    stale_ = false;
+    return absl::OkStatus();
+  }
+
+  // After a failure that leaves this incarnation's pushes uncertain, or a
+  // lease the servers gave up on, the next operation registers anew.
+  absl::Status EnsureRegistered() {
+    std::lock_guard<std::mutex> lock(register_mu_);
+    {
+      std::lock_guard<std::mutex> state(mu_);
+      if (!stale_) return absl::OkStatus();
+    }
+    return RegisterEverywhere();
+  }
+
+  void MarkStale() {
+    std::lock_guard<std::mutex> lock(mu_);
+    stale_ = true;
+  }
+
+  void Heartbeats() {
+    std::unique_lock<std::mutex> lock(heartbeat_mu_);
+    while (!heartbeat_stop_) {
+      heartbeat_cv_.wait_for(lock, heartbeat_interval_.load());
+      if (heartbeat_stop_) break;
+      lock.unlock();
+      for (size_t s = 0; s < servers_.size(); ++s) {
+        pb::HeartbeatRequest req;
+        req.set_worker_id(options_.worker_id);
+        req.set_incarnation(incarnation_.load());
+        pb::HeartbeatReply reply;
+        grpc::ClientContext ctx;
+        PrepareContext(&ctx, Clock::now() + heartbeat_interval_.load() * 2);
+        grpc::Status st = Pick(s).stub->Heartbeat(&ctx, req, &reply);
+        if (st.error_code() == grpc::StatusCode::ABORTED) MarkStale();
+      }
+      lock.lock();
+    }
   }
 
   size_t Primary(const std::string& key) const {
@@ -456,11 +583,7 @@ class ClientImpl final : public Client {
   absl::StatusOr<std::vector<pb::TensorMeta>> FetchMetas(
       const std::vector<std::string>& keys) {
     std::map<size_t, pb::DescribeRequest> by_server;
-    for (const std::string& key : keys) {
-      auto& req = by_server[Primary(key)];
-      req.set_worker_id(options_.worker_id);
-      req.add_keys(key);
-    }
+    for (const std::string& key : keys) by_server[Primary(key)].add_keys(key);
     std::unordered_map<std::string, pb::TensorMeta> found;
     for (const auto& [server, req] : by_server) {
       pb::DescribeReply reply;
@@ -475,11 +598,7 @@ class ClientImpl final : public Client {
 
   void Remember(const std::vector<pb::TensorMeta>& metas) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& m : metas) {
-      auto [it, inserted] = keys_.try_emplace(m.key());
-      if (inserted) it->second.round = m.next_round() > 0 ? m.next_round() - 1 : 0;
-      it->second.meta = m;
-    }
+    for (const auto& m : metas) keys_[m.key()].meta = m;
   }
 
   // Checks each tensor against what the servers hold (describing keys this
@@ -488,6 +607,7 @@ class ClientImpl final : public Client {
   absl::Status Prepare(const char* op, const std::vector<NamedTensor>& tensors,
                        bool pushing, std::vector<Piece>* pieces) {
     DEEPNEX_RETURN_IF_ERROR(CheckOpen());
+    DEEPNEX_RETURN_IF_ERROR(EnsureRegistered());
     std::vector<std::string> unknown;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -527,14 +647,13 @@ class ClientImpl final : public Client {
     if (pieces == nullptr) return absl::OkStatus();
     for (const auto& t : tensors) {
       KeyState& k = keys_.at(t.key);
-      uint64_t version = pushing ? ++k.round : k.round;
-      CutIntoPieces(t, k.meta, version, pieces);
+      CutIntoPieces(t, k.meta, pushing ? ++k.seq : k.seq, pieces);
     }
     return absl::OkStatus();
   }
 
   static void CutIntoPieces(const NamedTensor& t, const pb::TensorMeta& meta,
-                            uint64_t version, std::vector<Piece>* pieces) {
+                            uint64_t seq, std::vector<Piece>* pieces) {
     const uint64_t elem = DTypeSize(t.view.dtype);
     const uint64_t n = t.view.NumElements();
     for (uint32_t part = 0; part < meta.num_parts(); ++part) {
@@ -545,7 +664,7 @@ class ClientImpl final : public Client {
       p.slice.set_offset(r.offset);
       p.slice.set_count(r.count);
       p.slice.set_dtype(meta.dtype());
-      p.slice.set_version(version);
+      p.slice.set_seq(seq);
       p.data = static_cast<char*>(t.view.data) + r.offset * elem;
       p.bytes = r.count * elem;
       pieces->push_back(std::move(p));
@@ -595,19 +714,16 @@ class ClientImpl final : public Client {
     if (!s.ok()) return FailedOp(s);
     auto batches = Batch(pieces);
     auto op = std::make_shared<Op>(static_cast<int>(batches.size()));
-    // A push refused or lost by some server leaves this client's rounds of
-    // those keys unknown: forget them, so the next use asks the servers.
-    std::vector<std::string> keys;
-    for (const auto& g : grads) keys.push_back(g.key);
-    op->Then([this, keys = std::move(keys)](const absl::Status& status) {
-      if (status.ok()) return;
-      std::lock_guard<std::mutex> lock(mu_);
-      for (const auto& key : keys) keys_.erase(key);
+    // A push refused or lost by some server, after others may have applied
+    // it, leaves this incarnation's seqs uncertain: start a new one.
+    op->Then([this](const absl::Status& status) {
+      if (!status.ok()) MarkStale();
     });
     const Clock::time_point deadline = Clock::now() + options_.timeout;
     for (auto& [server, batch] : batches) {
       pb::PushHeader header;
       header.set_worker_id(options_.worker_id);
+      header.set_incarnation(incarnation_.load());
       for (const Piece* p : batch) *header.add_slices() = p->slice;
       auto r = NewRequest(op, server, kPushMethod, "push", deadline);
       r->request = EncodeFramed(header, PayloadOf(batch));
@@ -629,6 +745,9 @@ class ClientImpl final : public Client {
     }
     auto batches = Batch(pieces);
     std::shared_ptr<Op> op = into_ref;
+    auto mark = [this](const absl::Status& status) {
+      if (absl::IsAborted(status)) MarkStale();
+    };
     if (op) {
       op->Add(static_cast<int>(batches.size()));
     } else {
@@ -638,6 +757,7 @@ class ClientImpl final : public Client {
     for (auto& [server, batch] : batches) {
       pb::PullRequest req;
       req.set_worker_id(options_.worker_id);
+      req.set_incarnation(incarnation_.load());
       std::vector<std::pair<char*, uint64_t>> dst;
       for (const Piece* p : batch) {
         *req.add_slices() = p->slice;
@@ -662,6 +782,7 @@ class ClientImpl final : public Client {
       };
       Send(std::move(r));
     }
+    op->Then(mark);
     if (into) into->RequestDone(absl::OkStatus());
     return op;
   }
@@ -702,6 +823,14 @@ class ClientImpl final : public Client {
   std::mutex inflight_mu_;
   std::condition_variable inflight_cv_;
   int inflight_ = 0;  // requests sent and not yet completed
+  std::atomic<uint64_t> incarnation_{0};
+  bool stale_ = false;  // guarded by mu_
+  std::mutex register_mu_;
+  std::atomic<std::chrono::milliseconds> heartbeat_interval_{std::chrono::milliseconds(1000)};
+  std::mutex heartbeat_mu_;
+  std::condition_variable heartbeat_cv_;
+  bool heartbeat_stop_ = false;
+  std::thread heartbeat_;
 };
 
 }  // namespace

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <chrono>
+#include <deque>
 #include <list>
 #include <mutex>
 
@@ -84,8 +86,7 @@ class TypedPartition final : public Partition {
       : Partition(dtype, offset, count),
         config_(config),
         values_(count),
-        next_round_(config.num_workers, 1),
-        contributed_(config.num_workers, false) {
+        workers_(config.num_workers) {
     if (UsesFirstMoment(config.optimizer)) m_.assign(count, T(0));
     if (UsesSecondMoment(config.optimizer)) {
       v_.assign(count, static_cast<T>(config.optimizer.kind ==
@@ -93,7 +94,6 @@ class TypedPartition final : public Partition {
                                           ? config.optimizer.initial_accumulator
                                           : 0.0));
     }
-    if (config.mode == Mode::kSync) acc_.assign(count, T(0));
   }
 
   void Write(PayloadReader* payload) override {
@@ -123,38 +123,107 @@ class TypedPartition final : public Partition {
     return status;
   }
 
-  void Push(int worker, uint64_t round, PayloadReader* payload,
-            std::shared_ptr<PushSink> sink, size_t slice,
-            Completions* done) override {
+  void Push(int worker, uint64_t incarnation, uint64_t seq, PayloadReader* payload,
+            std::shared_ptr<PushSink> sink, size_t slice, Completions* done) override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (round < next_round_[worker]) {  // a retry of an applied push
+    auto fail = [&](absl::Status s) {
+      payload->Skip(bytes());
+      done->push_back([sink, s] { sink->Fail(s); });
+    };
+    absl::Status bound = Bind(worker, incarnation);
+    if (!bound.ok()) return fail(bound);
+    WorkerState& ws = workers_[worker];
+    if (seq < ws.next_seq) {  // a retry of an applied push
       payload->Skip(bytes());
       done->push_back([sink, slice] { sink->SliceApplied(slice); });
       return;
     }
-    if (!Eligible(worker, round)) {
-      Deferred d{worker, round, sink, slice, std::vector<T>(count_)};
+    if (seq > ws.next_seq && ws.restored) return fail(Lost(worker, ws));
+    if (!Eligible(worker, seq)) {
+      Deferred d{worker, seq, sink, slice, std::vector<T>(count_)};
       ForEachChunk<T>(dtype_, count_, payload, [&](const T* g, uint64_t at, size_t n) {
         std::copy(g, g + n, d.grad.begin() + at);
       });
       deferred_.push_back(std::move(d));
       return;
     }
-    ForEachChunk<T>(dtype_, count_, payload, [&](const T* g, uint64_t at, size_t n) {
-      Consume(g, at, n);
-    });
-    Finish(worker, done);
+    Accept(worker, payload, nullptr, done);
     done->push_back([sink, slice] { sink->SliceApplied(slice); });
-    DrainDeferred(done);
+    Progress(done);
   }
 
-  void Pull(uint64_t min_version, std::shared_ptr<PullSink> sink, size_t slice,
-            Completions* done) override {
+  void Pull(int worker, uint64_t incarnation, uint64_t last_seq,
+            std::shared_ptr<PullSink> sink, size_t slice, Completions* done) override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (version_ >= min_version) {
-      CopyOut(sink, slice, done);
-    } else {
-      waiters_.push_back({min_version, std::move(sink), slice});
+    absl::Status bound = Bind(worker, incarnation);
+    if (!bound.ok()) {
+      done->push_back([sink, bound] { sink->Fail(bound); });
+      return;
+    }
+    WorkerState& ws = workers_[worker];
+    if (last_seq >= ws.next_seq && ws.restored) {
+      absl::Status lost = Lost(worker, ws);
+      done->push_back([sink, lost] { sink->Fail(lost); });
+      return;
+    }
+    Waiter w{worker, 0, 0, std::move(sink), slice};
+    if (last_seq > 0) {
+      if (config_.mode == Mode::kAsync) {
+        w.min_seq = last_seq;  // read your own writes
+      } else {
+        uint64_t round = ws.first_round + last_seq - 1;
+        w.min_version = round > static_cast<uint64_t>(config_.staleness)
+                            ? round - config_.staleness
+                            : 0;
+      }
+    }
+    if (Ready(w)) {
+      CopyOut(w, done);
+      return;
+    }
+    std::string reason = config_.membership->AbortReason();
+    if (!reason.empty()) {
+      done->push_back([sink = w.sink, reason] { sink->Fail(absl::AbortedError(reason)); });
+      return;
+    }
+    waiters_.push_back(std::move(w));
+  }
+
+  void MembershipChanged(Completions* done) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    Progress(done);
+  }
+
+  void FailWaiters(const absl::Status& status, Completions* done) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    FailAll(status, done);
+  }
+
+  void SnapshotAt(uint64_t round, std::function<void(PartitionState)> fn,
+                  Completions* done) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (config_.mode == Mode::kAsync || version_ >= round) {
+      done->push_back([fn, state = Snapshot()]() mutable { fn(std::move(state)); });
+      return;
+    }
+    snapshots_.push_back({round, std::move(fn)});
+  }
+
+  void Restore(const PartitionState& state) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    version_ = state.version;
+    step_ = state.step;
+    auto load = [](const std::string& raw, std::vector<T>* out) {
+      if (raw.empty()) return;
+      out->resize(raw.size() / sizeof(T));
+      std::memcpy(out->data(), raw.data(), raw.size());
+    };
+    load(state.values, &values_);
+    load(state.m, &m_);
+    load(state.v, &v_);
+    for (size_t w = 0; w < workers_.size() && w < state.workers.size(); ++w) {
+      workers_[w] = {state.workers[w].incarnation, state.workers[w].first_round,
+                     state.workers[w].next_seq, /*restored=*/true};
     }
   }
 
@@ -163,101 +232,226 @@ class TypedPartition final : public Partition {
     return version_;
   }
 
-  uint64_t next_round(int worker) const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return next_round_[worker];
-  }
-
-  void DropWaiters() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    waiters_.clear();
-    deferred_.clear();
-  }
-
  private:
+  struct WorkerState {
+    uint64_t incarnation = 0;  // the client whose seqs these are
+    uint64_t first_round = 1;  // the round of its seq 1
+    uint64_t next_seq = 1;     // the seq it pushes next
+    bool restored = false;     // from a checkpoint: later seqs may be lost
+  };
   struct Waiter {
+    int worker;
     uint64_t min_version;
+    uint64_t min_seq;
     std::shared_ptr<PullSink> sink;
     size_t slice;
   };
   struct Deferred {
     int worker;
-    uint64_t round;
+    uint64_t seq;
     std::shared_ptr<PushSink> sink;
     size_t slice;
     std::vector<T> grad;
   };
+  // A round that some worker pushed into and that is not applied yet.
+  struct Round {
+    std::vector<T> sum;                  // keep policy: every contribution
+    std::vector<std::vector<T>> by_worker;  // drop policy: each worker's
+    std::vector<char> contributed;
+    int contributions = 0;
+    std::chrono::steady_clock::time_point opened;
+  };
+  struct SnapshotRequest {
+    uint64_t round;
+    std::function<void(PartitionState)> fn;
+  };
 
-  // REQUIRES: mu_ held, round >= next_round_[worker].
-  bool Eligible(int worker, uint64_t round) const {
-    if (round != next_round_[worker]) return false;  // an earlier one is missing
-    return config_.mode == Mode::kAsync || round == version_ + 1;
-  }
-
-  // Adds a chunk of gradient: into the round's accumulator (sync) or the
-  // values through the optimizer (async). REQUIRES: mu_ held.
-  void Consume(const T* g, uint64_t at, size_t n) {
-    if (config_.mode == Mode::kAsync) {
-      ApplyUpdate<T>(config_.optimizer, step_ + 1, T(1), values_.data() + at, g,
-                     m_.empty() ? nullptr : m_.data() + at,
-                     v_.empty() ? nullptr : v_.data() + at, n);
-      return;
-    }
-    T* acc = acc_.data() + at;
-    if (contributions_ == 0) {
-      std::copy(g, g + n, acc);
-    } else {
-      for (size_t i = 0; i < n; ++i) acc[i] += g[i];
-    }
-  }
-
-  // Records worker's push as complete; closes a round when it is full.
+  // Ties `worker`'s state here to the client `incarnation`, starting a
+  // newly registered one at the first round it has not pushed into.
   // REQUIRES: mu_ held.
-  void Finish(int worker, Completions* done) {
-    ++next_round_[worker];
+  absl::Status Bind(int worker, uint64_t incarnation) {
+    WorkerState& ws = workers_[worker];
+    if (ws.incarnation == incarnation) return absl::OkStatus();
+    if (config_.membership->Incarnation(worker) != incarnation) {
+      return absl::AbortedError(absl::StrFormat(
+          "worker %d: this client is not the registered one (the worker was "
+          "registered again, or the server restarted); register again",
+          worker));
+    }
+    uint64_t next_round = ws.incarnation ? ws.first_round + ws.next_seq - 1 : 1;
+    ws = {incarnation, std::max(next_round, version_ + 1), 1, false};
+    return absl::OkStatus();
+  }
+
+  absl::Status Lost(int worker, const WorkerState& ws) const {
+    return absl::AbortedError(absl::StrFormat(
+        "worker %d: the server restarted from a checkpoint at round %d and "
+        "lost this worker's later pushes; continue from round %d",
+        worker, version_, version_ + 1));
+  }
+
+  uint64_t RoundOf(int worker, uint64_t seq) const {
+    return workers_[worker].first_round + seq - 1;
+  }
+
+  // REQUIRES: mu_ held, seq >= next_seq.
+  bool Eligible(int worker, uint64_t seq) const {
+    if (seq != workers_[worker].next_seq) return false;  // an earlier one is missing
+    if (config_.mode == Mode::kAsync) return true;
+    return RoundOf(worker, seq) <= version_ + 1 + config_.staleness;
+  }
+
+  // Takes the worker's next push from `payload` or `grad`. A push for a
+  // round already applied without it (its lease had expired) is dropped.
+  // REQUIRES: mu_ held, Eligible().
+  void Accept(int worker, PayloadReader* payload, const std::vector<T>* grad,
+              Completions* done) {
+    WorkerState& ws = workers_[worker];
+    uint64_t round = ws.first_round + ws.next_seq - 1;
+    ++ws.next_seq;
     if (config_.mode == Mode::kAsync) {
+      Each(payload, grad, [&](const T* g, uint64_t at, size_t n) {
+        ApplyUpdate<T>(config_.optimizer, step_ + 1, T(1), values_.data() + at, g,
+                       m_.empty() ? nullptr : m_.data() + at,
+                       v_.empty() ? nullptr : v_.data() + at, n);
+      });
       ++step_;
       ++version_;
-      ReleaseWaiters(done);
       return;
     }
-    contributed_[worker] = true;
-    if (++contributions_ < config_.num_workers) return;
-    T scale = config_.reduction == Reduction::kMean
-                  ? T(1) / static_cast<T>(config_.num_workers)
-                  : T(1);
-    ++step_;
-    ApplyUpdate<T>(config_.optimizer, step_, scale, values_.data(), acc_.data(),
-                   m_.empty() ? nullptr : m_.data(),
-                   v_.empty() ? nullptr : v_.data(), count_);
-    contributions_ = 0;
-    std::fill(contributed_.begin(), contributed_.end(), false);
-    ++version_;
+    if (round <= version_) {
+      if (payload) payload->Skip(bytes());
+      if (config_.observer) config_.observer->LatePush(worker);
+      return;
+    }
+    while (open_.size() < round - version_) open_.emplace_back();
+    Round& r = open_[round - version_ - 1];
+    if (r.contributed.empty()) {
+      r.contributed.assign(config_.num_workers, 0);
+      r.opened = std::chrono::steady_clock::now();
+    }
+    if (config_.keep_dead_contributions) {
+      bool first = r.contributions == 0;
+      if (first) r.sum.resize(count_);
+      Each(payload, grad, [&](const T* g, uint64_t at, size_t n) {
+        T* acc = r.sum.data() + at;
+        if (first) {
+          std::copy(g, g + n, acc);
+        } else {
+          for (size_t i = 0; i < n; ++i) acc[i] += g[i];
+        }
+      });
+    } else {
+      if (r.by_worker.empty()) r.by_worker.resize(config_.num_workers);
+      std::vector<T>& mine = r.by_worker[worker];
+      mine.resize(count_);
+      Each(payload, grad, [&](const T* g, uint64_t at, size_t n) {
+        std::copy(g, g + n, mine.begin() + at);
+      });
+    }
+    r.contributed[worker] = 1;
+    ++r.contributions;
+  }
+
+  template <typename Fn>
+  void Each(PayloadReader* payload, const std::vector<T>* grad, Fn fn) {
+    if (payload) {
+      ForEachChunk<T>(dtype_, count_, payload, fn);
+    } else {
+      fn(grad->data(), 0, count_);
+    }
+  }
+
+  // Completes every round that can complete, releases the pulls it
+  // satisfies and takes deferred pushes that became eligible, until nothing
+  // moves. REQUIRES: mu_ held.
+  void Progress(Completions* done) {
+    std::string reason = config_.membership->AbortReason();
+    if (!reason.empty()) {
+      FailAll(absl::AbortedError(reason), done);
+      return;
+    }
+    bool moved = true;
+    while (moved) {
+      moved = false;
+      while (!open_.empty() && RoundReady(open_.front())) {
+        CompleteRound(done);
+        moved = true;
+      }
+      for (auto it = deferred_.begin(); it != deferred_.end();) {
+        if (it->sink->Finished()) {
+          it = deferred_.erase(it);
+        } else if (Eligible(it->worker, it->seq)) {
+          Accept(it->worker, nullptr, &it->grad, done);
+          done->push_back([sink = it->sink, slice = it->slice] {
+            sink->SliceApplied(slice);
+          });
+          it = deferred_.erase(it);
+          moved = true;
+        } else {
+          ++it;
+        }
+      }
+    }
     ReleaseWaiters(done);
   }
 
-  // Applies deferred pushes that have become eligible. REQUIRES: mu_ held.
-  void DrainDeferred(Completions* done) {
-    bool progress = true;
-    while (progress && !deferred_.empty()) {
-      progress = false;
-      for (auto it = deferred_.begin(); it != deferred_.end(); ++it) {
-        if (it->sink->Finished()) {
-          deferred_.erase(it);
-          progress = true;
-          break;
+  // REQUIRES: mu_ held.
+  bool RoundReady(const Round& r) const {
+    if (r.contributions == 0) return false;
+    for (int w = 0; w < config_.num_workers; ++w) {
+      if (!r.contributed[w] && config_.membership->Required(w)) return false;
+    }
+    return true;
+  }
+
+  // REQUIRES: mu_ held, RoundReady(open_.front()).
+  void CompleteRound(Completions* done) {
+    Round r = std::move(open_.front());
+    open_.pop_front();
+    int used = r.contributions;
+    if (!config_.keep_dead_contributions) {
+      used = 0;
+      r.sum.assign(count_, T(0));
+      for (int w = 0; w < config_.num_workers; ++w) {
+        if (!r.contributed[w] ||
+            config_.membership->state(w) == Membership::State::kDead) {
+          continue;
         }
-        if (!Eligible(it->worker, it->round)) continue;
-        Consume(it->grad.data(), 0, count_);
-        Finish(it->worker, done);
-        done->push_back([sink = it->sink, slice = it->slice] {
-          sink->SliceApplied(slice);
-        });
-        deferred_.erase(it);
-        progress = true;
-        break;
+        const std::vector<T>& g = r.by_worker[w];
+        for (uint64_t i = 0; i < count_; ++i) r.sum[i] += g[i];
+        ++used;
       }
     }
+    if (used > 0) {
+      T scale = config_.reduction == Reduction::kMean ? T(1) / static_cast<T>(used) : T(1);
+      ++step_;
+      ApplyUpdate<T>(config_.optimizer, step_, scale, values_.data(), r.sum.data(),
+                     m_.empty() ? nullptr : m_.data(), v_.empty() ? nullptr : v_.data(),
+                     count_);
+    }
+    ++version_;
+    if (config_.observer) {
+      double latency = std::chrono::duration<double>(
+                           std::chrono::steady_clock::now() - r.opened)
+                           .count();
+      done->push_back([obs = config_.observer, latency] { obs->RoundCompleted(latency); });
+    }
+    for (auto it = snapshots_.begin(); it != snapshots_.end();) {
+      if (it->round == version_) {
+        done->push_back([fn = std::move(it->fn), state = Snapshot()]() mutable {
+          fn(std::move(state));
+        });
+        it = snapshots_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  // REQUIRES: mu_ held.
+  bool Ready(const Waiter& w) const {
+    return version_ >= w.min_version && workers_[w.worker].next_seq > w.min_seq;
   }
 
   // REQUIRES: mu_ held.
@@ -265,8 +459,8 @@ class TypedPartition final : public Partition {
     for (auto it = waiters_.begin(); it != waiters_.end();) {
       if (it->sink->Finished()) {
         it = waiters_.erase(it);
-      } else if (version_ >= it->min_version) {
-        CopyOut(it->sink, it->slice, done);
+      } else if (Ready(*it)) {
+        CopyOut(*it, done);
         it = waiters_.erase(it);
       } else {
         ++it;
@@ -275,24 +469,64 @@ class TypedPartition final : public Partition {
   }
 
   // REQUIRES: mu_ held.
-  void CopyOut(const std::shared_ptr<PullSink>& sink, size_t slice,
-               Completions* done) {
-    FromCompute<T>(dtype_, values_.data(), sink->Destination(slice), count_);
-    done->push_back([sink, slice, v = version_] { sink->SliceReady(slice, v); });
+  void FailAll(const absl::Status& status, Completions* done) {
+    for (auto& w : waiters_) done->push_back([sink = w.sink, status] { sink->Fail(status); });
+    for (auto& d : deferred_) done->push_back([sink = d.sink, status] { sink->Fail(status); });
+    waiters_.clear();
+    deferred_.clear();
+  }
+
+  // REQUIRES: mu_ held.
+  void CopyOut(const Waiter& w, Completions* done) {
+    FromCompute<T>(dtype_, values_.data(), w.sink->Destination(w.slice), count_);
+    if (config_.observer && config_.mode != Mode::kAsync) {
+      const WorkerState& ws = workers_[w.worker];
+      uint64_t clock = ws.first_round + ws.next_seq - 2;  // last round pushed
+      uint64_t lead = clock > version_ ? clock - version_ : 0;
+      done->push_back([obs = config_.observer, worker = w.worker, lead] {
+        obs->PullServed(worker, lead);
+      });
+    }
+    done->push_back([sink = w.sink, slice = w.slice, v = version_] {
+      sink->SliceReady(slice, v);
+    });
+  }
+
+  // The state at the current round boundary: open rounds are left out, and
+  // each worker's seqs are cut back to the last round included.
+  // REQUIRES: mu_ held.
+  PartitionState Snapshot() const {
+    PartitionState s;
+    s.version = version_;
+    s.step = step_;
+    auto raw = [](const std::vector<T>& v) {
+      return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+    };
+    s.values = raw(values_);
+    s.m = raw(m_);
+    s.v = raw(v_);
+    for (const WorkerState& ws : workers_) {
+      uint64_t next_seq = ws.next_seq;
+      if (config_.mode != Mode::kAsync && ws.incarnation != 0) {
+        uint64_t cut = version_ + 2 > ws.first_round ? version_ + 2 - ws.first_round : 1;
+        next_seq = std::min(next_seq, cut);
+      }
+      s.workers.push_back({ws.incarnation, ws.first_round, next_seq});
+    }
+    return s;
   }
 
   const PartitionConfig config_;
   mutable std::mutex mu_;
   std::vector<T> values_;
-  std::vector<T> m_, v_;          // optimizer moments (empty when unused)
-  std::vector<T> acc_;            // sync: the open round's sum
-  uint64_t version_ = 0;          // updates applied
-  uint64_t step_ = 0;             // optimizer steps taken
-  std::vector<uint64_t> next_round_;  // per worker
-  std::vector<bool> contributed_;     // sync: who pushed into the open round
-  int contributions_ = 0;
+  std::vector<T> m_, v_;  // optimizer moments (empty when unused)
+  uint64_t version_ = 0;  // rounds (sync, ssp) or pushes (async) applied
+  uint64_t step_ = 0;     // optimizer steps taken
+  std::vector<WorkerState> workers_;
+  std::deque<Round> open_;  // open_[i] is round version_ + 1 + i
   std::list<Waiter> waiters_;
   std::list<Deferred> deferred_;
+  std::list<SnapshotRequest> snapshots_;
 };
 
 }  // namespace

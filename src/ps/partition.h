@@ -1,5 +1,5 @@
 // One partition of one tensor on a parameter server: its values, optimizer
-// state, the open round's accumulator, and the calls waiting on it.
+// state, the open rounds' aggregates, and the calls waiting on it.
 #ifndef DEEPNEX_PS_PARTITION_H_
 #define DEEPNEX_PS_PARTITION_H_
 
@@ -13,6 +13,7 @@
 #include "deepnex/ps/optimizer.h"
 #include "deepnex/ps/server.h"
 #include "deepnex/tensor.h"
+#include "ps/membership.h"
 
 namespace deepnex::ps {
 
@@ -25,6 +26,7 @@ class PullSink {
   virtual char* Destination(size_t slice) = 0;
   // The slice has been copied; `version` is the partition's then.
   virtual void SliceReady(size_t slice, uint64_t version) = 0;
+  virtual void Fail(const absl::Status& status) = 0;
   virtual bool Finished() const = 0;
 };
 
@@ -32,17 +34,49 @@ class PushSink {
  public:
   virtual ~PushSink() = default;
   virtual void SliceApplied(size_t slice) = 0;
+  virtual void Fail(const absl::Status& status) = 0;
   virtual bool Finished() const = 0;
 };
 
 // Callbacks to run once the partition's lock is released.
 using Completions = std::vector<std::function<void()>>;
 
+// What partitions report for the server's metrics. Thread-safe.
+class PartitionObserver {
+ public:
+  virtual ~PartitionObserver() = default;
+  virtual void RoundCompleted(double latency_seconds) = 0;
+  // A pull of `worker` served while it was `lead` rounds ahead of the
+  // partition's applied version.
+  virtual void PullServed(int worker, uint64_t lead) = 0;
+  virtual void LatePush(int worker) = 0;
+};
+
 struct PartitionConfig {
   Mode mode = Mode::kSync;
   int num_workers = 1;
+  // Rounds a worker may run ahead of the slowest (0 in sync mode).
+  int staleness = 0;
   Reduction reduction = Reduction::kMean;
   OptimizerConfig optimizer;
+  // When a worker's lease expires, keep (true) or drop what it pushed into
+  // rounds still open.
+  bool keep_dead_contributions = true;
+  const Membership* membership = nullptr;
+  PartitionObserver* observer = nullptr;
+};
+
+// A partition's state at a round boundary, as a checkpoint stores it.
+struct PartitionState {
+  uint64_t version = 0;
+  uint64_t step = 0;
+  std::string values, m, v;  // raw compute-type arrays (float or double)
+  struct Worker {
+    uint64_t incarnation = 0;
+    uint64_t first_round = 1;
+    uint64_t next_seq = 1;
+  };
+  std::vector<Worker> workers;
 };
 
 // Thread-safe; every method takes the partition's own lock, so calls on
@@ -64,22 +98,34 @@ class Partition {
   // Reads the next bytes() of `payload`; InvalidArgument (naming the first
   // bad element) if any value is NaN or Inf.
   virtual absl::Status CheckFinite(PayloadReader* payload) const = 0;
-  // Consumes the next bytes() of `payload` as worker `worker`'s gradient for
-  // its round `round` (1-based, per worker). A round already applied is
-  // acknowledged and ignored (a retry); a round ahead of what the mode
-  // allows is kept until it may be applied, and acknowledged then.
-  virtual void Push(int worker, uint64_t round, PayloadReader* payload,
-                    std::shared_ptr<PushSink> sink, size_t slice,
-                    Completions* done) = 0;
-  // Copies the values into the sink once version >= min_version.
-  virtual void Pull(uint64_t min_version, std::shared_ptr<PullSink> sink,
+  // Consumes the next bytes() of `payload` as push number `seq` (1-based,
+  // per key) of worker `worker`'s client `incarnation`. A seq already
+  // applied is acknowledged and ignored (a retry); one that must wait (an
+  // earlier seq missing, or a round too far ahead of the slowest worker) is
+  // kept and acknowledged once applied.
+  virtual void Push(int worker, uint64_t incarnation, uint64_t seq,
+                    PayloadReader* payload, std::shared_ptr<PushSink> sink,
                     size_t slice, Completions* done) = 0;
+  // Copies the values into the sink once they include what the worker's
+  // push `last_seq` requires: its round minus the staleness (sync, ssp), the
+  // push itself (async). last_seq 0: at once.
+  virtual void Pull(int worker, uint64_t incarnation, uint64_t last_seq,
+                    std::shared_ptr<PullSink> sink, size_t slice,
+                    Completions* done) = 0;
+  // Re-evaluates open rounds after a lease expired or a worker left.
+  virtual void MembershipChanged(Completions* done) = 0;
+  // Fails every waiting call with `status`.
+  virtual void FailWaiters(const absl::Status& status, Completions* done) = 0;
+
+  // Asks for the state at the end of round `round` (sync, ssp; at once in
+  // async mode, or when the partition is there already): `fn` gets it, from
+  // whichever thread completes that round, after the lock is released.
+  virtual void SnapshotAt(uint64_t round,
+                          std::function<void(PartitionState)> fn,
+                          Completions* done) = 0;
+  virtual void Restore(const PartitionState& state) = 0;
 
   virtual uint64_t version() const = 0;
-  // The round worker `worker` pushes next.
-  virtual uint64_t next_round(int worker) const = 0;
-  // Drops waiting calls (their sinks are failed by the caller).
-  virtual void DropWaiters() = 0;
 
  protected:
   Partition(DType dtype, uint64_t offset, uint64_t count)

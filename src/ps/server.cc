@@ -1,16 +1,22 @@
 #include "deepnex/ps/server.h"
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <thread>
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/file_util.h"
 #include "core/grpc_util.h"
 #include "deepnex/auth.h"
+#include "deepnex/metrics.h"
 #include "deepnex/ps.grpc.pb.h"
+#include "ps/membership.h"
 #include "ps/partition.h"
 
 namespace deepnex::ps {
@@ -18,16 +24,29 @@ namespace deepnex::ps {
 const char* ModeName(Mode mode) {
   switch (mode) {
     case Mode::kSync: return "sync";
+    case Mode::kSsp: return "ssp";
     case Mode::kAsync: return "async";
   }
   return "?";
 }
 
 absl::StatusOr<Mode> ParseMode(const std::string& name) {
-  if (name == "sync") return Mode::kSync;
-  if (name == "async") return Mode::kAsync;
+  for (Mode m : {Mode::kSync, Mode::kSsp, Mode::kAsync}) {
+    if (name == ModeName(m)) return m;
+  }
   return absl::InvalidArgumentError(
-      absl::StrCat("mode: unknown \"", name, "\" (one of sync, async)"));
+      absl::StrCat("mode: unknown \"", name, "\" (one of sync, ssp, async)"));
+}
+
+const char* LeasePolicyName(LeasePolicy policy) {
+  return policy == LeasePolicy::kShrink ? "shrink" : "abort";
+}
+
+absl::StatusOr<LeasePolicy> ParseLeasePolicy(const std::string& name) {
+  if (name == "shrink") return LeasePolicy::kShrink;
+  if (name == "abort") return LeasePolicy::kAbort;
+  return absl::InvalidArgumentError(
+      absl::StrCat("lease policy: unknown \"", name, "\" (one of shrink, abort)"));
 }
 
 const char* ReductionName(Reduction reduction) {
@@ -42,14 +61,30 @@ absl::StatusOr<Reduction> ParseReduction(const std::string& name) {
 }
 
 absl::Status ServerOptions::Validate() const {
+  auto bad = [](const std::string& what) { return absl::InvalidArgumentError(what); };
   if (num_workers < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_workers=", num_workers, ": must be at least 1"));
+    return bad(absl::StrCat("num_workers=", num_workers, ": must be at least 1"));
   }
-  if (address.empty()) return absl::InvalidArgumentError("address is empty");
+  if (address.empty()) return bad("address is empty");
   if (max_message_bytes < 1024) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_message_bytes=", max_message_bytes, ": must be at least 1024"));
+    return bad(absl::StrCat("max_message_bytes=", max_message_bytes,
+                            ": must be at least 1024"));
+  }
+  if (staleness < 0) return bad(absl::StrCat("staleness=", staleness, ": must be >= 0"));
+  if (staleness > 0 && mode != Mode::kSsp) {
+    return bad(absl::StrCat("staleness=", staleness, ": only mode ssp takes a staleness (",
+                            ModeName(mode), " is ", mode == Mode::kSync ? "0" : "unbounded",
+                            ")"));
+  }
+  if (lease_timeout.count() <= 0) {
+    return bad(absl::StrCat("lease_timeout=", lease_timeout.count(), "ms: must be positive"));
+  }
+  if ((checkpoint_every_rounds > 0 || checkpoint_interval.count() > 0) &&
+      checkpoint_dir.empty()) {
+    return bad("periodic checkpoints need checkpoint_dir");
+  }
+  if (name.empty() || name.find('/') != std::string::npos) {
+    return bad(absl::StrCat("name=\"", name, "\": must be a plain file name"));
   }
   return optimizer.Validate();
 }
@@ -57,6 +92,14 @@ absl::Status ServerOptions::Validate() const {
 namespace {
 
 namespace pb = ::deepnex::ps::proto;
+using Clock = std::chrono::steady_clock;
+
+constexpr char kCheckpointMagic[] = "DNXPSCK1";
+constexpr uint32_t kCheckpointVersion = 1;
+
+std::string CheckpointPath(const std::string& dir, const std::string& name) {
+  return dir + "/" + name + ".ckpt";
+}
 
 // A call that may outlive its handler: it waits on partitions, which report
 // to it from other calls' threads. Finished exactly once, by whichever of
@@ -70,7 +113,7 @@ class Call {
   }
 
  protected:
-  // REQUIRES: the caller won `finished_`.
+  // True for the one caller that gets to finish the call.
   bool Claim() { return !finished_.exchange(true); }
   grpc::ServerUnaryReactor* reactor_ = nullptr;
 
@@ -95,14 +138,21 @@ class CallReactor final : public grpc::ServerUnaryReactor {
 
 class PushCall final : public Call, public PushSink {
  public:
-  explicit PushCall(size_t slices) : remaining_(slices) {}
+  // `lose_reply`: answer Unavailable once applied (testing hook).
+  PushCall(size_t slices, bool lose_reply)
+      : remaining_(slices), lose_reply_(lose_reply) {}
   void SliceApplied(size_t) override {
-    if (remaining_.fetch_sub(1) == 1 && Claim()) reactor_->Finish(grpc::Status::OK);
+    if (remaining_.fetch_sub(1) != 1 || !Claim()) return;
+    reactor_->Finish(lose_reply_ ? grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                                "reply dropped for testing")
+                                 : grpc::Status::OK);
   }
+  void Fail(const absl::Status& status) override { Call::Fail(status); }
   bool Finished() const override { return Call::Finished(); }
 
  private:
   std::atomic<size_t> remaining_;
+  const bool lose_reply_;
 };
 
 class PullCall final : public Call, public PullSink {
@@ -125,6 +175,7 @@ class PullCall final : public Call, public PullSink {
     *response_ = EncodeFramed(header, std::move(payload));
     reactor_->Finish(grpc::Status::OK);
   }
+  void Fail(const absl::Status& status) override { Call::Fail(status); }
   bool Finished() const override { return Call::Finished(); }
 
  private:
@@ -151,14 +202,78 @@ std::string ShapeString(const pb::TensorMeta& meta) {
   return DescribeShape(shape, static_cast<DType>(meta.dtype()));
 }
 
+void RunAll(Completions& done) {
+  for (auto& fn : done) fn();
+  done.clear();
+}
+
+// The server's metrics; partitions report into it.
+class ServerMetrics final : public PartitionObserver {
+ public:
+  explicit ServerMetrics(int num_workers)
+      : pushes(registry.GetCounter("deepnex_ps_pushes_total", "Push requests applied.")),
+        pulls(registry.GetCounter("deepnex_ps_pulls_total", "Pull requests served.")),
+        bytes_in(registry.GetCounter("deepnex_ps_bytes_in_total", "Tensor bytes received.")),
+        bytes_out(registry.GetCounter("deepnex_ps_bytes_out_total", "Tensor bytes sent.")),
+        rounds(registry.GetCounter("deepnex_ps_rounds_total",
+                                   "Rounds completed, summed over partitions.")),
+        round_latency(registry.GetHistogram(
+            "deepnex_ps_round_latency_seconds",
+            "From a round's first push to its update, per partition.",
+            Histogram::Exponential(1e-4, 2, 20))),
+        live_workers(registry.GetGauge("deepnex_ps_live_workers", "Workers holding a lease.")),
+        lease_expiries(registry.GetCounter("deepnex_ps_lease_expiries_total",
+                                           "Worker leases that expired.")),
+        checkpoints(registry.GetCounter("deepnex_ps_checkpoints_total",
+                                        "Checkpoints written.")) {
+    for (int w = 0; w < num_workers; ++w) {
+      Labels l{{"worker", std::to_string(w)}};
+      worker_pushes.push_back(registry.GetCounter("deepnex_ps_worker_pushes_total",
+                                                  "Push requests per worker.", l));
+      late.push_back(registry.GetCounter("deepnex_ps_late_pushes_total",
+                                         "Pushes for rounds completed without them.", l));
+      staleness.push_back(registry.GetHistogram(
+          "deepnex_ps_staleness_rounds",
+          "Rounds a worker was ahead of the applied version when its pull was served.",
+          {0, 1, 2, 3, 4, 8, 16, 32}, l));
+    }
+  }
+
+  void RoundCompleted(double latency) override {
+    rounds->Add();
+    round_latency->Observe(latency);
+  }
+  void PullServed(int worker, uint64_t lead) override {
+    staleness[worker]->Observe(static_cast<double>(lead));
+  }
+  void LatePush(int worker) override { late[worker]->Add(); }
+
+  MetricsRegistry registry;
+  Counter* pushes;
+  Counter* pulls;
+  Counter* bytes_in;
+  Counter* bytes_out;
+  Counter* rounds;
+  Histogram* round_latency;
+  Gauge* live_workers;
+  Counter* lease_expiries;
+  Counter* checkpoints;
+  std::vector<Counter*> worker_pushes, late;
+  std::vector<Histogram*> staleness;
+};
+
 using ServiceBase = pb::ParameterServer::WithCallbackMethod_Register<
-    pb::ParameterServer::WithCallbackMethod_Claim<
-        pb::ParameterServer::WithCallbackMethod_Commit<
-            pb::ParameterServer::WithCallbackMethod_Describe<
-                pb::ParameterServer::WithRawCallbackMethod_WriteParts<
-                    pb::ParameterServer::WithRawCallbackMethod_Push<
-                        pb::ParameterServer::WithRawCallbackMethod_Pull<
-                            pb::ParameterServer::Service>>>>>>>;
+    pb::ParameterServer::WithCallbackMethod_Heartbeat<
+        pb::ParameterServer::WithCallbackMethod_Leave<
+            pb::ParameterServer::WithCallbackMethod_Stats<
+                pb::ParameterServer::WithCallbackMethod_Checkpoint<
+                    pb::ParameterServer::WithCallbackMethod_Claim<
+                        pb::ParameterServer::WithCallbackMethod_Commit<
+                            pb::ParameterServer::WithCallbackMethod_Describe<
+                                pb::ParameterServer::WithRawCallbackMethod_WriteParts<
+                                    pb::ParameterServer::WithRawCallbackMethod_Push<
+                                        pb::ParameterServer::WithRawCallbackMethod_Pull<
+                                            pb::ParameterServer::Service>>>>>>>>>>>;
 
 // The tensors this server holds, and the RPC handlers over them.
 // Thread-safe: `mu_` guards the directory of tensors only; data operations
@@ -166,20 +281,82 @@ using ServiceBase = pb::ParameterServer::WithCallbackMethod_Register<
 class Service final : public ServiceBase {
  public:
   Service(const ServerOptions& options, TokenTable tokens)
-      : options_(options), tokens_(std::move(tokens)) {
+      : options_(options),
+        tokens_(std::move(tokens)),
+        membership_(options.num_workers, options.lease_timeout, options.lease_policy),
+        metrics_(options.num_workers),
+        drops_left_(options.drop_push_replies_for_testing) {
     config_.mode = options.mode;
     config_.num_workers = options.num_workers;
+    config_.staleness = options.mode == Mode::kSsp ? options.staleness : 0;
     config_.reduction = options.reduction;
     config_.optimizer = options.optimizer;
+    config_.keep_dead_contributions = options.keep_dead_contributions;
+    config_.membership = &membership_;
+    config_.observer = &metrics_;
   }
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
                                      const pb::RegisterRequest* req,
                                      pb::RegisterReply* reply) override {
     absl::Status s = CheckCall(*ctx, req->worker_id(), "register");
+    if (s.ok() && req->incarnation() == 0) {
+      s = absl::InvalidArgumentError("register: incarnation 0 is reserved");
+    }
     if (s.ok()) {
+      membership_.Register(req->worker_id(), req->incarnation());
+      metrics_.live_workers->Set(membership_.LiveCount());
       reply->set_num_workers(options_.num_workers);
       reply->set_mode(ModeName(options_.mode));
+      reply->set_staleness(config_.staleness);
+      reply->set_heartbeat_interval_ms(
+          std::max<int64_t>(1, options_.lease_timeout.count() / 4));
+    }
+    return Reply(ctx, s);
+  }
+
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
+                                      const pb::HeartbeatRequest* req,
+                                      pb::HeartbeatReply*) override {
+    absl::Status s = CheckCall(*ctx, req->worker_id(), "heartbeat");
+    if (s.ok()) s = membership_.Heartbeat(req->worker_id(), req->incarnation());
+    return Reply(ctx, s);
+  }
+
+  grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* ctx,
+                                  const pb::LeaveRequest* req, pb::LeaveReply*) override {
+    absl::Status s = CheckCall(*ctx, req->worker_id(), "leave");
+    if (s.ok()) {
+      membership_.Leave(req->worker_id(), req->incarnation());
+      metrics_.live_workers->Set(membership_.LiveCount());
+      MembershipChanged();
+    }
+    return Reply(ctx, s);
+  }
+
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const pb::StatsRequest*,
+                                  pb::StatsReply* reply) override {
+    absl::Status s = Authenticate(*ctx);
+    if (s.ok()) FillStats(reply);
+    return Reply(ctx, s);
+  }
+
+  grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* ctx,
+                                       const pb::CheckpointRequest* req,
+                                       pb::CheckpointReply* reply) override {
+    absl::Status s = Authenticate(*ctx);
+    if (s.ok()) {
+      // Writing may wait for a round boundary: off gRPC's callback threads.
+      auto* reactor = ctx->DefaultReactor();
+      std::thread([this, reactor, dir = req->dir(),
+                   timeout = std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms()
+                                                                         : 60000),
+                   reply] {
+        auto round = WriteCheckpoint(dir, timeout);
+        if (round.ok()) reply->set_round(*round);
+        reactor->Finish(ToGrpcStatus(round.status()));
+      }).detach();
+      return reactor;
     }
     return Reply(ctx, s);
   }
@@ -247,14 +424,18 @@ class Service final : public ServiceBase {
     *response = EmptyMessage();
     if (parts.empty()) return Reply(ctx, absl::OkStatus());
 
-    auto call = std::make_shared<PushCall>(parts.size());
+    metrics_.pushes->Add();
+    metrics_.worker_pushes[header.worker_id()]->Add();
+    metrics_.bytes_in->Add(payload.remaining());
+    bool lose_reply = drops_left_.load() > 0 && drops_left_.fetch_sub(1) > 0;
+    auto call = std::make_shared<PushCall>(parts.size(), lose_reply);
     auto* reactor = new CallReactor(call);
     Completions done;
     for (size_t i = 0; i < parts.size(); ++i) {
-      parts[i]->Push(header.worker_id(), header.slices(i).version(), &payload,
-                     call, i, &done);
+      parts[i]->Push(header.worker_id(), header.incarnation(), header.slices(i).seq(),
+                     &payload, call, i, &done);
     }
-    for (auto& fn : done) fn();
+    RunAll(done);
     return reactor;
   }
 
@@ -281,15 +462,191 @@ class Service final : public ServiceBase {
       offsets.push_back(total);
       total += p->bytes();
     }
+    metrics_.pulls->Add();
+    metrics_.bytes_out->Add(total);
     auto call = std::make_shared<PullCall>(std::move(offsets), total, response);
     auto* reactor = new CallReactor(call);
     Completions done;
     for (size_t i = 0; i < parts.size(); ++i) {
-      parts[i]->Pull(req.slices(i).version(), call, i, &done);
+      parts[i]->Pull(req.worker_id(), req.incarnation(), req.slices(i).seq(), call, i,
+                     &done);
     }
-    for (auto& fn : done) fn();
+    RunAll(done);
     return reactor;
   }
+
+  // Expires leases that ran out; rounds then shrink or abort.
+  void ExpireLeases() {
+    std::vector<int> expired = membership_.Expire(Clock::now());
+    if (expired.empty()) return;
+    metrics_.lease_expiries->Add(expired.size());
+    metrics_.live_workers->Set(membership_.LiveCount());
+    MembershipChanged();
+  }
+
+  // Fails every waiting call (the server is stopping).
+  void FailWaiters(const absl::Status& status) {
+    Completions done;
+    for (Partition* p : AllPartitions()) p->FailWaiters(status, &done);
+    RunAll(done);
+  }
+
+  // The highest version of any partition: the periodic checkpoint's clock.
+  uint64_t MaxVersion() {
+    uint64_t v = 0;
+    for (Partition* p : AllPartitions()) v = std::max(v, p->version());
+    return v;
+  }
+
+  absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
+                                           std::chrono::milliseconds timeout) {
+    std::lock_guard<std::mutex> one_at_a_time(checkpoint_mu_);
+    std::vector<std::pair<std::string, uint32_t>> names;
+    std::vector<Partition*> parts;
+    pb::CheckpointFile file;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [key, t] : tensors_) {
+        if (t.meta) *file.add_metas() = *t.meta;
+        for (auto& [part, p] : t.parts) {
+          names.push_back({key, part});
+          parts.push_back(p.get());
+        }
+      }
+    }
+    uint64_t round = 0;
+    for (Partition* p : parts) round = std::max(round, p->version());
+
+    struct Collector {
+      std::mutex mu;
+      std::condition_variable cv;
+      std::vector<std::optional<PartitionState>> states;
+      size_t remaining;
+    };
+    auto c = std::make_shared<Collector>();
+    c->states.resize(parts.size());
+    c->remaining = parts.size();
+    Completions done;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      parts[i]->SnapshotAt(round, [c, i](PartitionState s) {
+        std::lock_guard<std::mutex> lock(c->mu);
+        c->states[i] = std::move(s);
+        if (--c->remaining == 0) c->cv.notify_all();
+      }, &done);
+    }
+    RunAll(done);
+    {
+      std::unique_lock<std::mutex> lock(c->mu);
+      if (!c->cv.wait_for(lock, timeout, [&] { return c->remaining == 0; })) {
+        for (size_t i = 0; i < parts.size(); ++i) {
+          if (!c->states[i]) {
+            return absl::DeadlineExceededError(absl::StrFormat(
+                "checkpoint: \"%s\" part %d did not reach round %d within %d ms",
+                names[i].first, names[i].second, round, timeout.count()));
+          }
+        }
+      }
+    }
+    file.set_name(options_.name);
+    file.set_mode(ModeName(options_.mode));
+    file.set_num_workers(options_.num_workers);
+    file.set_round(round);
+    for (int w = 0; w < options_.num_workers; ++w) {
+      file.add_incarnations(membership_.Incarnation(w));
+    }
+    for (size_t i = 0; i < parts.size(); ++i) {
+      PartitionState& s = *c->states[i];
+      pb::PartitionRecord* r = file.add_parts();
+      r->set_key(names[i].first);
+      r->set_part(names[i].second);
+      r->set_offset(parts[i]->offset());
+      r->set_count(parts[i]->count());
+      r->set_dtype(static_cast<int>(parts[i]->dtype()));
+      r->set_version(s.version);
+      r->set_step(s.step);
+      r->set_values(std::move(s.values));
+      r->set_m(std::move(s.m));
+      r->set_v(std::move(s.v));
+      for (const auto& w : s.workers) {
+        auto* rw = r->add_workers();
+        rw->set_incarnation(w.incarnation);
+        rw->set_first_round(w.first_round);
+        rw->set_next_seq(w.next_seq);
+      }
+    }
+    std::string body;
+    if (!file.SerializeToString(&body)) {
+      return absl::ResourceExhaustedError(
+          "checkpoint: the state does not fit one protobuf message (2 GiB)");
+    }
+    DEEPNEX_RETURN_IF_ERROR(MakeDirectories(dir));
+    DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically(
+        CheckpointPath(dir, options_.name),
+        EncodeChecksummed(kCheckpointMagic, kCheckpointVersion, body)));
+    metrics_.checkpoints->Add();
+    return round;
+  }
+
+  // Loads <dir>/<name>.ckpt; nothing is changed unless all of it is good.
+  absl::Status Restore(const std::string& dir) {
+    std::string path = CheckpointPath(dir, options_.name);
+    DEEPNEX_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path, "checkpoint"));
+    DEEPNEX_ASSIGN_OR_RETURN(
+        std::string body, DecodeChecksummed(kCheckpointMagic, kCheckpointVersion, bytes,
+                                            absl::StrCat("checkpoint \"", path, "\"")));
+    pb::CheckpointFile file;
+    if (!file.ParseFromString(body)) {
+      return absl::DataLossError(absl::StrCat("checkpoint \"", path, "\" does not parse"));
+    }
+    if (file.mode() != ModeName(options_.mode) ||
+        file.num_workers() != options_.num_workers) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "checkpoint \"%s\" is of a %s server with %d workers, this one is %s with %d",
+          path, file.mode(), file.num_workers(), ModeName(options_.mode),
+          options_.num_workers));
+    }
+    std::unordered_map<std::string, Tensor> tensors;
+    for (const auto& meta : file.metas()) {
+      tensors[meta.key()].meta = std::make_unique<pb::TensorMeta>(meta);
+    }
+    for (const auto& r : file.parts()) {
+      if (!IsValidDType(r.dtype())) {
+        return absl::DataLossError(absl::StrCat("checkpoint \"", path, "\": bad dtype"));
+      }
+      DType dtype = static_cast<DType>(r.dtype());
+      size_t elem = dtype == DType::kFloat64 ? 8 : 4;  // the compute type
+      if (r.values().size() != r.count() * elem ||
+          (!r.m().empty() && r.m().size() != r.values().size()) ||
+          (!r.v().empty() && r.v().size() != r.values().size())) {
+        return absl::DataLossError(absl::StrFormat(
+            "checkpoint \"%s\": \"%s\" part %d has the wrong number of values", path,
+            r.key(), r.part()));
+      }
+      PartitionState s;
+      s.version = r.version();
+      s.step = r.step();
+      s.values = r.values();
+      s.m = r.m();
+      s.v = r.v();
+      for (const auto& w : r.workers()) {
+        s.workers.push_back({w.incarnation(), w.first_round(), w.next_seq()});
+      }
+      auto part = Partition::Create(config_, dtype, r.offset(), r.count());
+      part->Restore(s);
+      tensors[r.key()].parts[r.part()] = std::move(part);
+    }
+    // Clients that were connected keep their leases (fresh ones), so that a
+    // push retried across the restart is recognised and applied once.
+    for (int w = 0; w < file.incarnations_size() && w < options_.num_workers; ++w) {
+      if (file.incarnations(w) != 0) membership_.Register(w, file.incarnations(w));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    tensors_ = std::move(tensors);
+    return absl::OkStatus();
+  }
+
+  std::string MetricsText() const { return metrics_.registry.PrometheusText(); }
+  const MetricsRegistry* registry() const { return &metrics_.registry; }
 
  private:
   struct Tensor {
@@ -297,6 +654,56 @@ class Service final : public ServiceBase {
     int claimed_by = -1;
     std::map<uint32_t, std::unique_ptr<Partition>> parts;
   };
+
+  std::vector<Partition*> AllPartitions() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<Partition*> all;
+    for (auto& [key, t] : tensors_) {
+      for (auto& [part, p] : t.parts) all.push_back(p.get());
+    }
+    return all;
+  }
+
+  void MembershipChanged() {
+    Completions done;
+    for (Partition* p : AllPartitions()) p->MembershipChanged(&done);
+    RunAll(done);
+  }
+
+  void FillStats(pb::StatsReply* reply) {
+    reply->set_mode(ModeName(options_.mode));
+    reply->set_staleness(config_.staleness);
+    reply->set_num_workers(options_.num_workers);
+    reply->set_live_workers(membership_.LiveCount());
+    reply->set_pushes(metrics_.pushes->value());
+    reply->set_pulls(metrics_.pulls->value());
+    reply->set_bytes_in(metrics_.bytes_in->value());
+    reply->set_bytes_out(metrics_.bytes_out->value());
+    reply->set_rounds(metrics_.rounds->value());
+    Histogram::Snapshot latency = metrics_.round_latency->Get();
+    reply->set_round_latency_p50(latency.Quantile(0.5));
+    reply->set_round_latency_p99(latency.Quantile(0.99));
+    reply->set_lease_expiries(metrics_.lease_expiries->value());
+    reply->set_checkpoints(metrics_.checkpoints->value());
+    uint64_t lo = UINT64_MAX, hi = 0;
+    for (Partition* p : AllPartitions()) {
+      uint64_t v = p->version();
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+    }
+    reply->set_min_version(lo == UINT64_MAX ? 0 : lo);
+    reply->set_max_version(hi);
+    static const char* kStates[] = {"expected", "live", "dead", "left"};
+    for (int w = 0; w < options_.num_workers; ++w) {
+      pb::WorkerStats* ws = reply->add_workers();
+      ws->set_worker(w);
+      ws->set_state(kStates[static_cast<int>(membership_.state(w))]);
+      ws->set_pushes(metrics_.worker_pushes[w]->value());
+      ws->set_max_lead(static_cast<uint64_t>(metrics_.staleness[w]->Get().max));
+      ws->set_late_pushes(metrics_.late[w]->value());
+    }
+    reply->set_prometheus(MetricsText());
+  }
 
   absl::Status Authenticate(const grpc::ServerContextBase& ctx) const {
     return AuthenticateCall(tokens_, ctx, options_.job_id).status();
@@ -461,7 +868,7 @@ class Service final : public ServiceBase {
   absl::Status DoDescribe(const grpc::ServerContextBase& ctx,
                           const pb::DescribeRequest& req,
                           pb::DescribeReply* reply) {
-    DEEPNEX_RETURN_IF_ERROR(CheckCall(ctx, req.worker_id(), "describe"));
+    DEEPNEX_RETURN_IF_ERROR(Authenticate(ctx));
     std::lock_guard<std::mutex> lock(mu_);
     for (const std::string& key : req.keys()) {
       auto it = tensors_.find(key);
@@ -472,58 +879,71 @@ class Service final : public ServiceBase {
       pb::TensorMeta* meta = reply->add_metas();
       *meta = *it->second.meta;
       auto part0 = it->second.parts.find(0);
-      if (part0 != it->second.parts.end()) {
-        meta->set_version(part0->second->version());
-        meta->set_next_round(part0->second->next_round(req.worker_id()));
-      }
+      if (part0 != it->second.parts.end()) meta->set_version(part0->second->version());
     }
     return absl::OkStatus();
   }
 
   const ServerOptions options_;
   const TokenTable tokens_;
+  Membership membership_;
+  ServerMetrics metrics_;
   PartitionConfig config_;
+  std::atomic<int> drops_left_;
   std::mutex mu_;
   std::unordered_map<std::string, Tensor> tensors_;
+  std::mutex checkpoint_mu_;
 };
 
 class ServerImpl final : public Server {
  public:
   ServerImpl(const ServerOptions& options, TokenTable tokens)
-      : service_(options, std::move(tokens)) {}
+      : options_(options), service_(options, std::move(tokens)) {}
   ~ServerImpl() override { Stop(); }
 
-  absl::Status Start(const ServerOptions& options) {
+  absl::Status Start() {
+    if (!options_.restore_dir.empty()) {
+      DEEPNEX_RETURN_IF_ERROR(service_.Restore(options_.restore_dir));
+    }
     DEEPNEX_ASSIGN_OR_RETURN(
         auto credentials,
-        MakeServerCredentials(options.tls_cert_file, options.tls_key_file));
+        MakeServerCredentials(options_.tls_cert_file, options_.tls_key_file));
     grpc::ServerBuilder builder;
-    builder.AddListeningPort(options.address, credentials, &port_);
+    builder.AddListeningPort(options_.address, credentials, &port_);
     builder.SetMaxReceiveMessageSize(
-        static_cast<int>(std::min<uint64_t>(options.max_message_bytes, INT32_MAX)));
+        static_cast<int>(std::min<uint64_t>(options_.max_message_bytes, INT32_MAX)));
     builder.SetMaxSendMessageSize(-1);
     builder.RegisterService(&service_);
     server_ = builder.BuildAndStart();
     if (!server_ || port_ == 0) {
       return absl::UnavailableError(
-          absl::StrCat("cannot listen on \"", options.address, "\""));
+          absl::StrCat("cannot listen on \"", options_.address, "\""));
     }
-    host_ = options.address.substr(0, options.address.rfind(':'));
+    host_ = options_.address.substr(0, options_.address.rfind(':'));
+    if (!options_.metrics_address.empty()) {
+      DEEPNEX_ASSIGN_OR_RETURN(
+          metrics_http_, MetricsHttpServer::Create(service_.registry(),
+                                                   options_.metrics_address));
+    }
+    background_ = std::thread([this] { Background(); });
     return absl::OkStatus();
   }
 
-  std::string address() const override {
-    return absl::StrCat(host_, ":", port_);
-  }
+  std::string address() const override { return absl::StrCat(host_, ":", port_); }
   int port() const override { return port_; }
 
   void Stop() override {
     std::call_once(stop_once_, [this] {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stopping_ = true;
+      }
+      cv_.notify_all();
+      if (background_.joinable()) background_.join();
+      if (metrics_http_) metrics_http_->Stop();
       if (!server_) return;
-      // Calls still waiting (pulls for a round that will not come) are
-      // cancelled after a short grace.
-      server_->Shutdown(std::chrono::system_clock::now() +
-                        std::chrono::milliseconds(200));
+      service_.FailWaiters(absl::UnavailableError("the parameter server is stopping"));
+      server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
       server_->Wait();
       std::lock_guard<std::mutex> lock(mu_);
       stopped_ = true;
@@ -536,28 +956,66 @@ class ServerImpl final : public Server {
     cv_.wait(lock, [this] { return stopped_; });
   }
 
+  absl::StatusOr<uint64_t> Checkpoint(const std::string& dir,
+                                      std::chrono::milliseconds timeout) override {
+    return service_.WriteCheckpoint(dir, timeout);
+  }
+
+  int metrics_port() const override { return metrics_http_ ? metrics_http_->port() : 0; }
+  std::string MetricsText() const override { return service_.MetricsText(); }
+
  private:
+  // Expires leases and writes periodic checkpoints until Stop().
+  void Background() {
+    const auto tick = std::clamp(options_.lease_timeout / 4, std::chrono::milliseconds(5),
+                                 std::chrono::milliseconds(250));
+    auto last_checkpoint = Clock::now();
+    const uint64_t every = options_.checkpoint_every_rounds *
+                           (options_.mode == Mode::kAsync ? options_.num_workers : 1);
+    uint64_t next_round = every;
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stopping_) {
+      cv_.wait_for(lock, tick);
+      if (stopping_) break;
+      lock.unlock();
+      service_.ExpireLeases();
+      bool due = options_.checkpoint_interval.count() > 0 &&
+                 Clock::now() - last_checkpoint >= options_.checkpoint_interval;
+      if (every > 0 && service_.MaxVersion() >= next_round) due = true;
+      if (due) {
+        auto round = service_.WriteCheckpoint(options_.checkpoint_dir, std::chrono::seconds(30));
+        if (round.ok()) {
+          last_checkpoint = Clock::now();
+          if (every > 0) next_round = (*round / every + 1) * every;
+        }
+      }
+      lock.lock();
+    }
+  }
+
+  const ServerOptions options_;
   Service service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<MetricsHttpServer> metrics_http_;
   int port_ = 0;
   std::string host_;
   std::once_flag stop_once_;
   std::mutex mu_;
   std::condition_variable cv_;
+  bool stopping_ = false;
   bool stopped_ = false;
+  std::thread background_;
 };
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Server>> Server::Create(
-    const ServerOptions& options) {
+absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& options) {
   DEEPNEX_RETURN_IF_ERROR(options.Validate());
-  DEEPNEX_ASSIGN_OR_RETURN(
-      TokenTable tokens,
-      TokenTable::FromOptions(options.token, options.token_file));
+  DEEPNEX_ASSIGN_OR_RETURN(TokenTable tokens,
+                           TokenTable::FromOptions(options.token, options.token_file));
   TuneMallocForLargeBuffers();
   auto server = std::make_unique<ServerImpl>(options, std::move(tokens));
-  DEEPNEX_RETURN_IF_ERROR(server->Start(options));
+  DEEPNEX_RETURN_IF_ERROR(server->Start());
   return std::unique_ptr<Server>(std::move(server));
 }
 

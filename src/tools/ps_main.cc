@@ -21,9 +21,20 @@ Runs one parameter server of a deepnex job. Prints
 flags:
   --listen HOST:PORT      address to listen on; port 0 picks a free one
                           (default 127.0.0.1:0)
-  --mode sync|async       sync: a round completes when every worker pushed;
-                          async: each push is applied at once (default sync)
+  --mode sync|ssp|async   sync: a round completes when every live worker pushed;
+                          ssp: as sync, a worker may run --staleness rounds
+                          ahead of the slowest; async: each push is applied at
+                          once (default sync)
+  --staleness S           ssp: rounds a worker may run ahead (default 0)
   --workers N             workers of the job, ids 0..N-1 (default 1)
+  --lease-timeout SECS    a worker without a heartbeat this long is dead
+                          (default 10)
+  --lease-policy shrink|abort
+                          a dead worker's rounds complete without it (shrink)
+                          or fail with Aborted naming it (abort) (default shrink)
+  --drop-dead-contributions
+                          shrink: drop what a dead worker pushed into open
+                          rounds (default: keep it)
   --reduction mean|sum    sync: how a round combines gradients (default mean)
   --optimizer NAME        sgd, adam, adamw, adagrad, sum or assign (default sgd)
   --lr X                  learning rate (default 0.01)
@@ -38,6 +49,16 @@ flags:
   --token-file F          file with the token, or lines "TOKEN NAME ROLE [JOB]"
   --job ID                job id; tokens scoped to other jobs are refused
   --tls-cert F --tls-key F   serve TLS with this PEM certificate and key
+  --name NAME             this server's name; its checkpoint is DIR/NAME.ckpt
+                          (default ps)
+  --checkpoint-dir DIR    where periodic checkpoints go
+  --checkpoint-every N    checkpoint at the first round boundary after every N
+                          rounds (async: N x workers pushes)
+  --checkpoint-interval SECS  checkpoint every SECS seconds
+  --restore DIR           start from DIR/NAME.ckpt (values, optimizer state,
+                          rounds, push sequences)
+  --metrics-port P        serve Prometheus text at http://HOST:P/metrics, HOST
+                          that of --listen (0 picks a port)
   --help                  show this text
 )";
 
@@ -64,6 +85,12 @@ int ParseInt(const std::string& flag, const std::string& text) {
   return static_cast<int>(v);
 }
 
+std::chrono::milliseconds Millis(const std::string& flag, const std::string& text) {
+  double seconds = ParseNumber(flag, text);
+  if (!(seconds > 0)) Die(flag + ": \"" + text + "\" must be positive seconds");
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
 template <typename T>
 T OrDie(absl::StatusOr<T> v) {
   if (!v.ok()) Die(std::string(v.status().message()));
@@ -76,6 +103,7 @@ int main(int argc, char** argv) {
   using deepnex::ps::ServerOptions;
   ServerOptions options;
   bool eps_given = false;
+  int metrics_port = -1;
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
@@ -118,10 +146,28 @@ int main(int argc, char** argv) {
     else if (flag == "--job") options.job_id = next();
     else if (flag == "--tls-cert") options.tls_cert_file = next();
     else if (flag == "--tls-key") options.tls_key_file = next();
+    else if (flag == "--staleness") options.staleness = ParseInt(flag, next());
+    else if (flag == "--lease-timeout") options.lease_timeout = Millis(flag, next());
+    else if (flag == "--lease-policy")
+      options.lease_policy = OrDie(deepnex::ps::ParseLeasePolicy(next()));
+    else if (flag == "--drop-dead-contributions") options.keep_dead_contributions = false;
+    else if (flag == "--name") options.name = next();
+    else if (flag == "--checkpoint-dir") options.checkpoint_dir = next();
+    else if (flag == "--checkpoint-every") {
+      int n = ParseInt(flag, next());
+      if (n < 0) Die("--checkpoint-every: must be >= 0");
+      options.checkpoint_every_rounds = n;
+    } else if (flag == "--checkpoint-interval") options.checkpoint_interval = Millis(flag, next());
+    else if (flag == "--restore") options.restore_dir = next();
+    else if (flag == "--metrics-port") metrics_port = ParseInt(flag, next());
     else Die("unknown flag \"" + flag + "\"");
   }
   if (options.optimizer.kind == deepnex::ps::OptimizerKind::kAdagrad && !eps_given) {
     options.optimizer.eps = 1e-10;
+  }
+  if (metrics_port >= 0) {
+    options.metrics_address =
+        options.address.substr(0, options.address.rfind(':')) + ":" + std::to_string(metrics_port);
   }
   if (absl::Status s = options.Validate(); !s.ok()) Die(std::string(s.message()));
 
@@ -140,6 +186,11 @@ int main(int argc, char** argv) {
   std::printf("deepnex-ps listening on %s (mode %s, %d workers, %s)\n",
               (*server)->address().c_str(), deepnex::ps::ModeName(options.mode),
               options.num_workers, options.optimizer.ToString().c_str());
+  if ((*server)->metrics_port() > 0) {
+    std::printf("deepnex-ps metrics on http://%s:%d/metrics\n",
+                options.address.substr(0, options.address.rfind(':')).c_str(),
+                (*server)->metrics_port());
+  }
   std::fflush(stdout);
   std::thread waiter([&] {
     int sig = 0;

@@ -37,6 +37,9 @@ struct ClientOptions {
   std::string token_file;
   // TLS: PEM root certificates to verify the servers. Empty: plaintext.
   std::string tls_ca_file;
+  // Renew this worker's lease on every server from a thread of the client's,
+  // at the interval the servers ask for. Default: true
+  bool heartbeat = true;
 };
 
 // A named tensor in a push, pull or init.
@@ -50,6 +53,33 @@ struct TensorInfo {
   std::string key;
   DType dtype = DType::kFloat32;
   std::vector<int64_t> shape;
+  // Updates applied to its first partition: rounds (sync, ssp) or pushes
+  // (async). After a server restart, training resumes at version + 1.
+  uint64_t version = 0;
+};
+
+// One server's counters, as Client::Stats() reads them.
+struct WorkerStats {
+  int worker = 0;
+  std::string state;        // "expected", "live", "dead" or "left"
+  uint64_t pushes = 0;
+  uint64_t max_lead = 0;    // most rounds ahead of the applied version at a pull
+  uint64_t late_pushes = 0; // pushes for rounds completed without them
+};
+struct ServerStats {
+  std::string address;
+  std::string mode;
+  int staleness = 0;
+  int num_workers = 0;
+  int live_workers = 0;
+  uint64_t pushes = 0, pulls = 0, bytes_in = 0, bytes_out = 0;
+  uint64_t rounds = 0;  // completed, summed over partitions
+  double round_latency_p50 = 0, round_latency_p99 = 0;  // seconds
+  uint64_t lease_expiries = 0;
+  uint64_t checkpoints = 0;
+  uint64_t min_version = 0, max_version = 0;
+  std::vector<WorkerStats> workers;
+  std::string prometheus;  // the server's metrics as Prometheus text
 };
 
 // An operation in flight. Wait() may be called from any thread, repeatedly.
@@ -65,6 +95,13 @@ class PendingOp {
 };
 
 // A worker's connection to the job's parameter servers.
+//
+// Each client is one incarnation of its worker id: it registers with every
+// server, holds a lease there by heartbeats, and numbers its pushes of each
+// key so that a retried push is applied once. When a push fails after it
+// was sent, or a server says the lease expired or that it restarted, the
+// client registers again as a new incarnation, which joins at the first
+// round it has not pushed into.
 // Thread-safe: operations may be issued from several threads; a push and
 // a pull of the same key from different threads are not ordered.
 class Client {
@@ -79,11 +116,13 @@ class Client {
   // Returns once every tensor is fully initialized on its servers.
   virtual absl::Status Init(const std::vector<NamedTensor>& tensors) = 0;
 
-  // Sync mode: joins this worker's next round of each key. Async mode:
-  // applied at once. Each call is applied exactly once even when retried.
+  // Sync and ssp modes: joins this worker's next round of each key (ssp: a
+  // round more than `staleness` ahead of the slowest worker waits). Async
+  // mode: applied at once. Applied exactly once even when retried.
   virtual absl::Status Push(const std::vector<NamedTensor>& grads) = 0;
   // Into the caller's tensors. Sync mode: waits until the round of this
-  // worker's last push of each key has been applied.
+  // worker's last push of each key has been applied; ssp: that round minus
+  // the staleness; async: until this worker's last push is applied.
   virtual absl::Status Pull(const std::vector<NamedTensor>& out) = 0;
   // Push then pull into `out` (same keys or others).
   virtual absl::Status PushPull(const std::vector<NamedTensor>& grads,
@@ -103,8 +142,15 @@ class Client {
   virtual absl::StatusOr<std::vector<TensorInfo>> Describe(
       const std::vector<std::string>& keys) = 0;
 
+  // Every server's counters, in the order of ClientOptions::servers.
+  virtual absl::StatusOr<std::vector<ServerStats>> Stats() = 0;
+  // Asks every server to checkpoint into `dir` (see Server::Checkpoint);
+  // returns the round each one cut at.
+  virtual absl::StatusOr<std::vector<uint64_t>> Checkpoint(const std::string& dir) = 0;
+
   virtual int worker_id() const = 0;
-  // Ends the session; later calls are FailedPrecondition. Idempotent.
+  // Leaves the job cleanly (the servers stop waiting for this worker) and
+  // ends the session; later calls are FailedPrecondition. Idempotent.
   virtual absl::Status Close() = 0;
 };
 

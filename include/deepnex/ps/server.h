@@ -15,10 +15,19 @@ namespace deepnex::ps {
 
 enum class Mode {
   kSync,   // a round completes when every worker pushed for it
+  kSsp,    // as sync, but a worker may run `staleness` rounds ahead
   kAsync,  // each push is applied at once
 };
 const char* ModeName(Mode mode);
 absl::StatusOr<Mode> ParseMode(const std::string& name);
+
+// What a server does when a worker's lease expires in sync or ssp mode.
+enum class LeasePolicy {
+  kShrink,  // rounds complete with the workers left
+  kAbort,   // every waiting call fails with Aborted naming the worker
+};
+const char* LeasePolicyName(LeasePolicy policy);
+absl::StatusOr<LeasePolicy> ParseLeasePolicy(const std::string& name);
 
 // How a sync round combines the workers' gradients before the optimizer.
 enum class Reduction { kMean, kSum };
@@ -33,9 +42,21 @@ struct ServerOptions {
   Mode mode = Mode::kSync;
   // Workers taking part; worker ids are 0..num_workers-1. Default: 1
   int num_workers = 1;
+  // kSsp: rounds a worker may run ahead of the slowest live worker; a
+  // worker that has pushed round c waits (in pull) until round c - staleness
+  // is applied. Must be 0 in sync mode. Default: 0
+  int staleness = 0;
   // Sync mode: mean or sum of the round's gradients. Default: kMean
   Reduction reduction = Reduction::kMean;
   OptimizerConfig optimizer;
+  // A worker's lease ends this long after its last heartbeat (clients
+  // heartbeat at a quarter of it). Default: 10 s
+  std::chrono::milliseconds lease_timeout{10000};
+  // Default: kShrink
+  LeasePolicy lease_policy = LeasePolicy::kShrink;
+  // kShrink: what a dead worker pushed into rounds still open is kept
+  // (true) or dropped. Default: true
+  bool keep_dead_contributions = true;
   // Refuse gradients holding NaN or Inf (InvalidArgument); when false they
   // are applied as given. Default: true
   bool reject_nonfinite = true;
@@ -52,6 +73,27 @@ struct ServerOptions {
   // TLS: PEM certificate chain and private key. Both empty: plaintext.
   std::string tls_cert_file;
   std::string tls_key_file;
+
+  // This server's name among the job's servers; its checkpoint file is
+  // <dir>/<name>.ckpt. Default: "ps"
+  std::string name = "ps";
+  // Where periodic checkpoints go. Default: "" (none)
+  std::string checkpoint_dir;
+  // Checkpoint every N rounds (sync, ssp: cut when round N, 2N, ... is
+  // applied; async: every N * num_workers pushes). 0: off. Default: 0
+  uint64_t checkpoint_every_rounds = 0;
+  // Checkpoint every this long. 0: off. Default: 0
+  std::chrono::milliseconds checkpoint_interval{0};
+  // Start from <restore_dir>/<name>.ckpt: values, optimizer state, rounds
+  // and the workers' push sequences. Default: "" (start empty)
+  std::string restore_dir;
+  // Serve Prometheus text at http://<metrics_address>/metrics ("host:port",
+  // port 0 picks one). Default: "" (off)
+  std::string metrics_address;
+
+  // Testing only: the first N pushes applied answer Unavailable, as if
+  // their replies were lost, so that clients retry them. Default: 0
+  int drop_push_replies_for_testing = 0;
 
   // InvalidArgument naming the field for a bad value.
   absl::Status Validate() const;
@@ -73,6 +115,18 @@ class Server {
   virtual void Stop() = 0;
   // Blocks until Stop() (from another thread or a signal handler's thread).
   virtual void Wait() = 0;
+
+  // Writes a checkpoint to <dir>/<name>.ckpt atomically (temp file, fsync,
+  // rename; the previous one stays until the new one is complete). In sync
+  // and ssp modes it is cut at a round boundary: the latest round applied
+  // on any partition, waiting up to `timeout` for the others to reach it.
+  // Returns the round it holds.
+  virtual absl::StatusOr<uint64_t> Checkpoint(
+      const std::string& dir,
+      std::chrono::milliseconds timeout = std::chrono::seconds(60)) = 0;
+  // The port serving /metrics (0 if off) and the text it serves.
+  virtual int metrics_port() const = 0;
+  virtual std::string MetricsText() const = 0;
 };
 
 }  // namespace deepnex::ps
