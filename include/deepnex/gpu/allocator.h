@@ -1,0 +1,152 @@
+// deepnex::gpu::Allocator: hands out GPUs, CPU cores and host memory of a set
+// of nodes to users, with exclusive and shared node modes, quotas, a priority
+// queue, gangs and leases; optionally persistent through a crash-safe ledger.
+//
+//   ASSIGN_OR_RETURN(auto alloc, Allocator::Create({.state_dir = "/var/lib/x"}));
+//   alloc->AddNode(node);
+//   ASSIGN_OR_RETURN(Allocation a, alloc->Allocate(request));
+//   ... launch with a.env ...
+//   alloc->Release(a.id);
+#ifndef DEEPNEX_GPU_ALLOCATOR_H_
+#define DEEPNEX_GPU_ALLOCATOR_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "deepnex/gpu/types.h"
+#include "deepnex/status.h"
+
+namespace deepnex::gpu {
+
+struct AllocatorOptions {
+  // Empty: state lives in memory only. Otherwise the directory (created if
+  // missing) of the ledger: every change is in a write-ahead log, fsynced
+  // before the call returns, and Create replays it. One Allocator per
+  // directory at a time (a second is refused with FailedPrecondition).
+  std::string state_dir;
+  // fsync before acknowledging. Turning it off keeps the log but loses the
+  // last changes on a machine crash (not on a process crash).
+  // Default: true
+  bool fsync = true;
+  // Write a snapshot and drop the log behind it every this many records;
+  // 0 never (Compact() still works).
+  // Default: 100000
+  uint64_t snapshot_every = 100000;
+  // How often the lease reaper looks at leases at least.
+  // Default: 100ms
+  std::chrono::milliseconds lease_check_interval{100};
+};
+
+// Per call of Allocate.
+struct AllocateOptions {
+  // true: a request within quota but over free capacity waits in the queue
+  // (priority, then FIFO). false: it is refused with ResourceExhausted.
+  // Default: true
+  bool wait = true;
+  // How long to wait in the queue; zero waits until granted.
+  // Default: 0
+  std::chrono::milliseconds timeout{0};
+};
+
+// How SetNodeMode treats a node that holds GPU allocations of its current mode.
+enum class ModeSwitch {
+  // FailedPrecondition naming the allocations.
+  kRefuse,
+  // The node takes no new GPU allocations and switches when they are gone.
+  kWhenDrained,
+};
+
+// Thread-safe: any thread may call any method at any time. Allocate may block
+// (the queue); every other call returns after its ledger record is durable.
+class Allocator {
+ public:
+  static absl::StatusOr<std::unique_ptr<Allocator>> Create(
+      const AllocatorOptions& options = {});
+  // Wakes queued requests (they fail with Cancelled) and closes the ledger.
+  ~Allocator();
+  Allocator(const Allocator&) = delete;
+  Allocator& operator=(const Allocator&) = delete;
+
+  // ---- nodes (admin)
+  // InvalidArgument naming the field for a bad node; AlreadyExists for a
+  // duplicate name or GPU UUID.
+  absl::Status AddNode(const Node& node);
+  // FailedPrecondition naming the allocations when the node is not empty.
+  absl::Status RemoveNode(const std::string& name);
+  // See ModeSwitch. Setting the mode a node has is a no-op (and cancels a
+  // pending switch).
+  absl::Status SetNodeMode(const std::string& name, Mode mode,
+                           ModeSwitch when = ModeSwitch::kRefuse);
+  // A cordoned node keeps its allocations and takes no new ones.
+  absl::Status Cordon(const std::string& name);
+  absl::Status Uncordon(const std::string& name);
+  // Cordons the node and marks it draining; with `release`, also releases
+  // every allocation on it (reason "node drained").
+  absl::Status Drain(const std::string& name, bool release = false);
+
+  // ---- quotas (admin)
+  // Sets `user`'s quota. Allowed below what the user holds now: then the
+  // returned note says so (new grants are refused until usage drops);
+  // otherwise the note is empty.
+  absl::StatusOr<std::string> SetQuota(const std::string& user,
+                                       const Quota& quota);
+  // The quota of users without their own; default: unlimited.
+  absl::StatusOr<std::string> SetDefaultQuota(const Quota& quota);
+  absl::Status ClearQuota(const std::string& user);
+  // The quota that applies to `user` (theirs, else the default).
+  Quota GetQuota(const std::string& user) const;
+  Usage GetUsage(const std::string& user) const;
+
+  // ---- allocations
+  // A request with replicas == 1. InvalidArgument for a bad request (and for
+  // replicas > 1: use AllocateGang); NotFound for an unknown node or a
+  // selector no node matches; ResourceExhausted over quota (naming it),
+  // when no node could ever hold it, or with wait=false over free capacity;
+  // FailedPrecondition for a shared request that only exclusive nodes could
+  // hold (and vice versa); DeadlineExceeded when the timeout ran out.
+  absl::StatusOr<Allocation> Allocate(const Request& request,
+                                      const AllocateOptions& options = {});
+  // All `request.replicas` parts, or an error and nothing.
+  absl::StatusOr<std::vector<Allocation>> AllocateGang(
+      const Request& request, const AllocateOptions& options = {});
+  // Releases an allocation, or every part of a gang given the gang id.
+  // Idempotent: an id that was released (or never existed) is OK.
+  absl::Status Release(const std::string& id);
+  // Extends the lease by its length from now. NotFound for an unknown id,
+  // FailedPrecondition for an allocation without a lease.
+  absl::StatusOr<Allocation> Renew(const std::string& id);
+
+  // ---- views
+  std::vector<NodeInfo> Nodes() const;
+  absl::StatusOr<NodeInfo> GetNode(const std::string& name) const;
+  // Every allocation, or `user`'s; ordered by id.
+  std::vector<Allocation> Allocations(const std::string& user = "") const;
+  absl::StatusOr<Allocation> GetAllocation(const std::string& id) const;
+  // Requests waiting in the queue.
+  size_t QueueLength() const;
+
+  // ---- persistence and checks
+  // Writes a snapshot and drops the log behind it (no-op in memory).
+  absl::Status Compact();
+  // Records written to the ledger since this Allocator was created (0 in
+  // memory); a call that changes nothing writes none.
+  uint64_t LedgerRecords() const;
+  // A canonical serialization of the whole state: equal strings, equal state.
+  std::string StateDigest() const;
+  // Recomputes every counter from the allocations; Internal naming the first
+  // inconsistency (double-booked exclusive GPU, overcommitted memory, ...).
+  absl::Status CheckInvariants() const;
+
+  class Impl;
+
+ private:
+  explicit Allocator(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace deepnex::gpu
+
+#endif  // DEEPNEX_GPU_ALLOCATOR_H_

@@ -1,0 +1,107 @@
+// The allocator's crash-safe ledger: a write-ahead log of opaque records,
+// each framed with its length, a CRC-32C and a sequence number, plus
+// snapshots that let the log behind them be dropped. Private to libdeepnex.
+//
+// Files in the state directory:
+//   LOCK                      flock()ed while a Ledger is open
+//   snap-<seq>.snap           the state after record <seq> (newest wins)
+//   wal-<first seq>.log       records, appended; a new file per open/snapshot
+//
+// Durability: Append buffers a record under the caller's lock and returns
+// its sequence number; Sync(seq) returns once it is on disk. Concurrent
+// Syncs share one write and one fsync (group commit): the first caller
+// writes everything buffered so far, the others wait for it.
+//
+// Recovery (Open): the newest snapshot, then every logged record after it,
+// in order. A bad record at the very end of the newest log file (short, or
+// failing its checksum with nothing valid after it) is a torn write that was
+// never acknowledged: it is dropped and the file truncated. Any other damage
+// -- a bad record with records after it, a gap in the sequence, a bad
+// snapshot -- is DataLoss naming the file and offset: the ledger never
+// starts from a silently partial state.
+#ifndef DEEPNEX_GPU_LEDGER_H_
+#define DEEPNEX_GPU_LEDGER_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "deepnex/status.h"
+
+namespace deepnex::gpu {
+
+struct LedgerOptions {
+  // fsync (fdatasync) before Sync returns.
+  bool fsync = true;
+};
+
+struct LedgerRecovery {
+  uint64_t snapshot_seq = 0;     // 0: no snapshot
+  uint64_t snapshot_records = 0;
+  uint64_t log_records = 0;      // replayed after the snapshot
+  uint64_t torn_bytes = 0;       // dropped from the tail of the last log
+  std::string ToString() const;
+};
+
+// Thread-safe.
+class Ledger {
+ public:
+  using ApplyFn = std::function<absl::Status(const std::string& record)>;
+
+  // Opens (creating) `dir` and replays it through `apply`, snapshot records
+  // first. FailedPrecondition when another Ledger holds the directory.
+  static absl::StatusOr<std::unique_ptr<Ledger>> Open(
+      const std::string& dir, const LedgerOptions& options,
+      const ApplyFn& apply, LedgerRecovery* recovery = nullptr);
+  ~Ledger();
+
+  // Buffers `record`; returns its sequence number (1, 2, ...).
+  uint64_t Append(const std::string& record);
+  // Returns once record `seq` is durable, or the sticky error of a failed
+  // write (every later Sync fails too).
+  absl::Status Sync(uint64_t seq);
+  // Makes everything appended durable, writes a snapshot holding `records`
+  // (the state as of the last appended record), starts a new log file and
+  // deletes the older files. REQUIRES: no concurrent Append.
+  absl::Status Snapshot(const std::vector<std::string>& records);
+
+  uint64_t last_seq() const;
+  uint64_t records_since_snapshot() const;
+  // Writes (each with one fsync) so far: fewer than Syncs under concurrency.
+  uint64_t flushes() const;
+
+  // Every record of the log files in `dir` after the newest snapshot, with
+  // its sequence number (for tests and tools; no lock, no truncation).
+  static absl::StatusOr<std::vector<std::pair<uint64_t, std::string>>>
+  ReadLog(const std::string& dir);
+
+ private:
+  Ledger(std::string dir, LedgerOptions options);
+  absl::Status StartLogFile(uint64_t first_seq);
+  absl::Status FlushLocked(std::unique_lock<std::mutex>& lock);
+
+  const std::string dir_;
+  const LedgerOptions options_;
+  int lock_fd_ = -1;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  int fd_ = -1;
+  std::string log_path_;
+  std::string buffer_;        // appended, not yet written
+  uint64_t appended_ = 0;     // last appended seq
+  uint64_t durable_ = 0;      // last durable seq
+  uint64_t snapshot_seq_ = 0;
+  uint64_t flushes_ = 0;
+  bool syncing_ = false;
+  absl::Status error_;
+};
+
+}  // namespace deepnex::gpu
+
+#endif  // DEEPNEX_GPU_LEDGER_H_

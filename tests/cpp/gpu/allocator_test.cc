@@ -1,0 +1,408 @@
+// deepnex::gpu::Allocator: placement, modes, queue, gang, quotas, leases.
+#include "deepnex/gpu/allocator.h"
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gpu/gpu_test_util.h"
+#include "gtest/gtest.h"
+#include "test_matchers.h"
+
+namespace deepnex::gpu {
+namespace {
+
+using ::deepnex::test::StatusIs;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using namespace ::deepnex::gpu::test;  // NOLINT
+using namespace std::chrono_literals;   // NOLINT
+
+std::unique_ptr<Allocator> NewAllocator(AllocatorOptions o = {}) {
+  auto a = Allocator::Create(o);
+  EXPECT_TRUE(a.ok()) << a.status();
+  return std::move(a).value();
+}
+
+std::vector<int> Indices(const Allocation& a) {
+  std::vector<int> v;
+  for (const auto& g : a.gpus) v.push_back(g.index);
+  return v;
+}
+
+// Waits (up to 10s) until `pred` holds.
+template <class Pred>
+bool Eventually(Pred pred) {
+  auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(2ms);
+  }
+  return pred();
+}
+
+TEST(Allocator, ExclusiveGrantsWholeGpusWithEnv) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 8)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(Exclusive("alice", 2, 4, 16 * kGiB)));
+  EXPECT_EQ(a.id, "a1");
+  EXPECT_EQ(a.user, "alice");
+  EXPECT_EQ(a.node, "n1");
+  EXPECT_THAT(Indices(a), ElementsAre(0, 1));
+  for (const auto& g : a.gpus) {
+    EXPECT_TRUE(g.exclusive);
+    EXPECT_EQ(g.memory, 80 * kGiB);
+  }
+  EXPECT_EQ(a.env.at("CUDA_VISIBLE_DEVICES"), "0,1");
+  EXPECT_EQ(a.env.at("NVIDIA_VISIBLE_DEVICES"), "GPU-n1-0,GPU-n1-1");
+  EXPECT_EQ(a.env.count("DEEPNEX_GPU_MEMORY_LIMIT"), 0u);
+  ASSERT_OK_AND_ASSIGN(NodeInfo n, alloc->GetNode("n1"));
+  EXPECT_EQ(n.cpus_used, 4);
+  EXPECT_EQ(n.memory_used, 16 * kGiB);
+  EXPECT_EQ(n.gpus_free(), 6);
+  Usage u = alloc->GetUsage("alice");
+  EXPECT_EQ(u.gpus, 2);
+  EXPECT_EQ(u.gpu_memory, 160 * kGiB);
+  ASSERT_OK(alloc->Release(a.id));
+  ASSERT_OK(alloc->Release(a.id));  // idempotent
+  ASSERT_OK_AND_ASSIGN(n, alloc->GetNode("n1"));
+  EXPECT_EQ(n.gpus_free(), 8);
+  EXPECT_EQ(n.cpus_used, 0);
+  EXPECT_OK(alloc->CheckInvariants());
+}
+
+TEST(Allocator, CpuOnlyRequestGetsNoGpus) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 2)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(Exclusive("alice", 0, 8, kGiB)));
+  EXPECT_TRUE(a.gpus.empty());
+  EXPECT_EQ(a.env.at("CUDA_VISIBLE_DEVICES"), "");
+  EXPECT_EQ(a.env.at("NVIDIA_VISIBLE_DEVICES"), "void");
+}
+
+TEST(Allocator, SharedPacksByMemoryBestFit) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("s1", 2, 80 * kGiB, Mode::kShared)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(Shared("alice", 1, 30 * kGiB)));
+  EXPECT_THAT(Indices(a), ElementsAre(0));
+  EXPECT_FALSE(a.gpus[0].exclusive);
+  EXPECT_EQ(a.gpus[0].memory, 30 * kGiB);
+  EXPECT_EQ(a.env.at("DEEPNEX_GPU_MEMORY_LIMIT"), std::to_string(30 * kGiB));
+  // GPU 0 has 50GiB free: 60GiB goes to GPU 1.
+  ASSERT_OK_AND_ASSIGN(Allocation b, alloc->Allocate(Shared("bob", 1, 60 * kGiB)));
+  EXPECT_THAT(Indices(b), ElementsAre(1));
+  // Free: GPU 0 50GiB, GPU 1 20GiB. 15GiB fits best on GPU 1.
+  ASSERT_OK_AND_ASSIGN(Allocation c, alloc->Allocate(Shared("carol", 1, 15 * kGiB)));
+  EXPECT_THAT(Indices(c), ElementsAre(1));
+  // 50GiB fits exactly on GPU 0; then nothing is left for 6GiB.
+  ASSERT_OK_AND_ASSIGN(Allocation d, alloc->Allocate(Shared("dave", 1, 50 * kGiB)));
+  EXPECT_THAT(Indices(d), ElementsAre(0));
+  EXPECT_THAT(alloc->Allocate(Shared("erin", 1, 6 * kGiB), NoWait()),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("wait=false")));
+  ASSERT_OK_AND_ASSIGN(Allocation e, alloc->Allocate(Shared("erin", 1, 5 * kGiB)));
+  EXPECT_THAT(Indices(e), ElementsAre(1));
+  ASSERT_OK_AND_ASSIGN(NodeInfo n, alloc->GetNode("s1"));
+  EXPECT_THAT(n.gpu_memory_used, ElementsAre(80 * kGiB, 80 * kGiB));
+  EXPECT_OK(alloc->CheckInvariants());
+}
+
+TEST(Allocator, PacksUnlessSpreadAsked) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 8)));
+  ASSERT_OK(alloc->AddNode(MakeNode("n2", 8)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(Exclusive("alice", 1)));
+  ASSERT_OK_AND_ASSIGN(Allocation b, alloc->Allocate(Exclusive("alice", 1)));
+  EXPECT_EQ(a.node, b.node);
+  Request r = Exclusive("alice", 1);
+  r.spread = true;
+  ASSERT_OK_AND_ASSIGN(Allocation c, alloc->Allocate(r));
+  EXPECT_NE(c.node, a.node);
+}
+
+TEST(Allocator, MultiGpuRequestPrefersOneSwitchThenNuma) {
+  auto alloc = NewAllocator();
+  Node node = MakeNode("n1", 8);
+  for (int i = 0; i < 8; ++i) {
+    node.gpus[i].switch_id = i / 4;
+    node.gpus[i].numa_node = i / 4;
+  }
+  ASSERT_OK(alloc->AddNode(node));
+  ASSERT_OK_AND_ASSIGN(Allocation one, alloc->Allocate(Exclusive("alice", 1)));
+  EXPECT_THAT(Indices(one), ElementsAre(0));
+  // GPUs 1-3 (switch 0) cannot hold 4: the whole of switch 1.
+  ASSERT_OK_AND_ASSIGN(Allocation four, alloc->Allocate(Exclusive("alice", 4)));
+  EXPECT_THAT(Indices(four), ElementsAre(4, 5, 6, 7));
+  ASSERT_OK(alloc->Release(four.id));
+  // 2 GPUs: the smallest switch group that holds them (switch 0: 1, 2, 3).
+  ASSERT_OK_AND_ASSIGN(Allocation two, alloc->Allocate(Exclusive("alice", 2)));
+  EXPECT_THAT(Indices(two), ElementsAre(1, 2));
+}
+
+TEST(Allocator, CpusAndMemoryArePerNode) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 4, 80 * kGiB, Mode::kExclusive, 8, 32 * kGiB)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(Exclusive("alice", 1, 6, 8 * kGiB)));
+  EXPECT_THAT(alloc->Allocate(Exclusive("bob", 1, 4, kGiB), NoWait()),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(alloc->Allocate(Exclusive("bob", 1, 2, 25 * kGiB), NoWait()),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  ASSERT_OK_AND_ASSIGN(Allocation b, alloc->Allocate(Exclusive("bob", 1, 2, 24 * kGiB)));
+  ASSERT_OK_AND_ASSIGN(NodeInfo n, alloc->GetNode("n1"));
+  EXPECT_EQ(n.cpus_used, 8);
+  EXPECT_EQ(n.memory_used, 32 * kGiB);
+  EXPECT_OK(alloc->CheckInvariants());
+}
+
+TEST(Allocator, LabelSelectorAndNodeChoice) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(
+      MakeNode("a", 8, 40 * kGiB, Mode::kExclusive, 64, 512 * kGiB, {{"gpu", "a100"}})));
+  ASSERT_OK(alloc->AddNode(
+      MakeNode("h", 8, 80 * kGiB, Mode::kExclusive, 64, 512 * kGiB, {{"gpu", "h100"}})));
+  Request r = Exclusive("alice", 2);
+  r.selector = {{"gpu", "h100"}};
+  ASSERT_OK_AND_ASSIGN(Allocation x, alloc->Allocate(r));
+  EXPECT_EQ(x.node, "h");
+  r.selector.clear();
+  r.node = "a";
+  ASSERT_OK_AND_ASSIGN(Allocation y, alloc->Allocate(r));
+  EXPECT_EQ(y.node, "a");
+  // Exclusive gpu_memory is a minimum: only the 80GiB GPUs qualify.
+  Request big = Exclusive("alice", 1);
+  big.gpu_memory = 60 * kGiB;
+  ASSERT_OK_AND_ASSIGN(Allocation z, alloc->Allocate(big));
+  EXPECT_EQ(z.node, "h");
+}
+
+TEST(Allocator, QueueGrantsByPriorityThenFifo) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 1)));
+  ASSERT_OK_AND_ASSIGN(Allocation held, alloc->Allocate(Exclusive("root", 1)));
+  std::mutex mu;
+  std::vector<std::string> order;
+  std::vector<std::thread> threads;
+  std::vector<std::string> ids(3);
+  const int priorities[3] = {0, 0, 5};
+  for (int i = 0; i < 3; ++i) {
+    threads.emplace_back([&, i] {
+      Request r = Exclusive("u" + std::to_string(i), 1);
+      r.priority = priorities[i];
+      AllocateOptions o;
+      o.timeout = 20s;
+      auto a = alloc->Allocate(r, o);
+      ASSERT_TRUE(a.ok()) << a.status();
+      std::lock_guard<std::mutex> lock(mu);
+      order.push_back(a->user);
+      ids[i] = a->id;
+    });
+    ASSERT_TRUE(Eventually([&] { return alloc->QueueLength() == static_cast<size_t>(i + 1); }));
+  }
+  std::string last = held.id;
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_OK(alloc->Release(last));
+    ASSERT_TRUE(Eventually([&] {
+      std::lock_guard<std::mutex> lock(mu);
+      return order.size() == static_cast<size_t>(k + 1);
+    }));
+    std::lock_guard<std::mutex> lock(mu);
+    int who = order.back()[1] - '0';
+    last = ids[who];
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_THAT(order, ElementsAre("u2", "u0", "u1"));
+  EXPECT_EQ(alloc->QueueLength(), 0u);
+}
+
+TEST(Allocator, QueueTimeoutAndWaitFalse) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 1)));
+  ASSERT_OK_AND_ASSIGN(Allocation held, alloc->Allocate(Exclusive("root", 1)));
+  const std::string before = alloc->StateDigest();
+  AllocateOptions o;
+  o.timeout = 100ms;
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_THAT(alloc->Allocate(Exclusive("alice", 1), o),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("timeout: waited 100ms")));
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 100ms);
+  EXPECT_THAT(alloc->Allocate(Exclusive("alice", 1), NoWait()),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("wait=false")));
+  EXPECT_EQ(alloc->QueueLength(), 0u);
+  EXPECT_EQ(alloc->StateDigest(), before);
+}
+
+TEST(Allocator, GangIsAllOrNothing) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 4)));
+  ASSERT_OK(alloc->AddNode(MakeNode("n2", 4)));
+  Request r = Exclusive("alice", 2);
+  r.replicas = 3;
+  ASSERT_OK_AND_ASSIGN(std::vector<Allocation> parts, alloc->AllocateGang(r));
+  ASSERT_EQ(parts.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(parts[i].gang, "g1");
+    EXPECT_EQ(parts[i].replica, i);
+    EXPECT_EQ(parts[i].gpus.size(), 2u);
+  }
+  // 2 GPUs left; a gang of 2 x 2 cannot fit: nothing is granted.
+  const std::string before = alloc->StateDigest();
+  r.replicas = 2;
+  EXPECT_THAT(alloc->AllocateGang(r, NoWait()), StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(alloc->StateDigest(), before);
+  EXPECT_EQ(alloc->Allocations().size(), 3u);
+  // Queued gang is granted once the first gang goes (released by gang id).
+  std::thread waiter([&] {
+    AllocateOptions o;
+    o.timeout = 20s;
+    auto g = alloc->AllocateGang(r, o);
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_EQ(g->size(), 2u);
+  });
+  ASSERT_TRUE(Eventually([&] { return alloc->QueueLength() == 1; }));
+  ASSERT_OK(alloc->Release("g1"));
+  waiter.join();
+  EXPECT_EQ(alloc->Allocations().size(), 2u);
+  EXPECT_THAT(alloc->Allocate(r), StatusIs(absl::StatusCode::kInvalidArgument,
+                                           HasSubstr("replicas=2")));
+  EXPECT_OK(alloc->CheckInvariants());
+}
+
+TEST(Allocator, QuotaRefusesAndNamesIt) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 8)));
+  ASSERT_OK(alloc->AddNode(MakeNode("s1", 8, 80 * kGiB, Mode::kShared)));
+  Quota q;
+  q.gpus = 2;
+  q.gpu_memory = 200 * kGiB;
+  ASSERT_OK_AND_ASSIGN(std::string note, alloc->SetQuota("alice", q));
+  EXPECT_EQ(note, "");
+  ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(Exclusive("alice", 2)));
+  EXPECT_THAT(alloc->Allocate(Exclusive("alice", 1)),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("quota of alice: gpus 2 in use + 1 requested > quota 2")));
+  ASSERT_OK(alloc->Release(a.id));
+  // Exclusive GPUs count their whole memory: 3 x 80GiB > 200GiB.
+  q.gpus = 8;
+  ASSERT_OK(alloc->SetQuota("alice", q).status());
+  EXPECT_THAT(alloc->Allocate(Exclusive("alice", 3)),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("gpu_memory")));
+  EXPECT_EQ(alloc->Allocations().size(), 0u);
+  // The default quota applies to users without their own.
+  Quota d;
+  d.cpus = 4;
+  ASSERT_OK(alloc->SetDefaultQuota(d).status());
+  EXPECT_THAT(alloc->Allocate(Exclusive("bob", 0, 5)),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("default quota of bob: cpus 0 in use + 5 requested > quota 4")));
+  EXPECT_OK(alloc->Allocate(Exclusive("bob", 0, 4)).status());
+  EXPECT_OK(alloc->CheckInvariants());
+}
+
+TEST(Allocator, QuotaBelowCurrentUseIsAllowedAndBlocksNewGrants) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 8)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(Exclusive("alice", 4)));
+  Quota q;
+  q.gpus = 2;
+  ASSERT_OK_AND_ASSIGN(std::string note, alloc->SetQuota("alice", q));
+  EXPECT_THAT(note, HasSubstr("quota of alice is below current use (gpus 4 > 2)"));
+  EXPECT_EQ(alloc->Allocations("alice").size(), 1u);  // kept
+  EXPECT_THAT(alloc->Allocate(Exclusive("alice", 1)),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("below current use")));
+  ASSERT_OK(alloc->Release(a.id));
+  EXPECT_OK(alloc->Allocate(Exclusive("alice", 2)).status());
+}
+
+TEST(Allocator, ModeSwitchRefusedNamesAllocations) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 2, 80 * kGiB, Mode::kShared)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(Shared("alice", 1, 10 * kGiB)));
+  const std::string before = alloc->StateDigest();
+  EXPECT_THAT(alloc->SetNodeMode("n1", Mode::kExclusive),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("node n1 holds shared allocations a1 (alice)")));
+  EXPECT_EQ(alloc->StateDigest(), before);
+  ASSERT_OK(alloc->Release(a.id));
+  ASSERT_OK(alloc->SetNodeMode("n1", Mode::kExclusive));
+  ASSERT_OK_AND_ASSIGN(Allocation b, alloc->Allocate(Exclusive("alice", 2)));
+  EXPECT_TRUE(b.gpus[0].exclusive);
+}
+
+TEST(Allocator, ModeSwitchWhenDrainedTakesEffectAfterRelease) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 2, 80 * kGiB, Mode::kShared)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(Shared("alice", 1, 10 * kGiB)));
+  ASSERT_OK(alloc->SetNodeMode("n1", Mode::kExclusive, ModeSwitch::kWhenDrained));
+  ASSERT_OK_AND_ASSIGN(NodeInfo n, alloc->GetNode("n1"));
+  EXPECT_EQ(n.mode, Mode::kShared);
+  ASSERT_TRUE(n.pending_mode.has_value());
+  EXPECT_EQ(*n.pending_mode, Mode::kExclusive);
+  // No new shared grants while it drains; an exclusive one waits.
+  EXPECT_THAT(alloc->Allocate(Shared("bob", 1, kGiB), NoWait()),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  std::thread waiter([&] {
+    AllocateOptions o;
+    o.timeout = 20s;
+    auto b = alloc->Allocate(Exclusive("bob", 2), o);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(b->node, "n1");
+  });
+  ASSERT_TRUE(Eventually([&] { return alloc->QueueLength() == 1; }));
+  ASSERT_OK(alloc->Release(a.id));
+  waiter.join();
+  ASSERT_OK_AND_ASSIGN(n, alloc->GetNode("n1"));
+  EXPECT_EQ(n.mode, Mode::kExclusive);
+  EXPECT_FALSE(n.pending_mode.has_value());
+  EXPECT_OK(alloc->CheckInvariants());
+}
+
+TEST(Allocator, LeaseExpiresUnlessRenewed) {
+  AllocatorOptions o;
+  o.lease_check_interval = 10ms;
+  auto alloc = NewAllocator(o);
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 1)));
+  Request r = Exclusive("alice", 1);
+  r.lease = 300ms;
+  ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(r));
+  EXPECT_GT(a.expires_at_ms, 0);
+  for (int i = 0; i < 4; ++i) {
+    std::this_thread::sleep_for(100ms);
+    ASSERT_OK(alloc->Renew(a.id).status());
+  }
+  EXPECT_OK(alloc->GetAllocation(a.id).status());
+  ASSERT_TRUE(Eventually([&] { return alloc->Allocations().empty(); }));
+  EXPECT_THAT(alloc->Renew(a.id), StatusIs(absl::StatusCode::kNotFound, HasSubstr(a.id)));
+  ASSERT_OK_AND_ASSIGN(NodeInfo n, alloc->GetNode("n1"));
+  EXPECT_EQ(n.gpus_free(), 1);
+  ASSERT_OK_AND_ASSIGN(Allocation b, alloc->Allocate(Exclusive("alice", 1)));
+  EXPECT_THAT(alloc->Renew(b.id), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                           HasSubstr("has no lease")));
+}
+
+TEST(Allocator, CordonDrainAndRemoveNode) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 2)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(Exclusive("alice", 1)));
+  ASSERT_OK(alloc->Cordon("n1"));
+  EXPECT_THAT(alloc->Allocate(Exclusive("alice", 1), NoWait()),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  ASSERT_OK(alloc->Uncordon("n1"));
+  ASSERT_OK_AND_ASSIGN(Allocation b, alloc->Allocate(Exclusive("alice", 1)));
+  EXPECT_THAT(alloc->RemoveNode("n1"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("holds a1, a2")));
+  ASSERT_OK(alloc->Drain("n1"));
+  ASSERT_OK_AND_ASSIGN(NodeInfo n, alloc->GetNode("n1"));
+  EXPECT_TRUE(n.cordoned);
+  EXPECT_TRUE(n.draining);
+  EXPECT_EQ(n.allocation_ids.size(), 2u);
+  ASSERT_OK(alloc->Drain("n1", /*release=*/true));
+  EXPECT_TRUE(alloc->Allocations().empty());
+  ASSERT_OK(alloc->RemoveNode("n1"));
+  EXPECT_TRUE(alloc->Nodes().empty());
+  EXPECT_THAT(alloc->GetNode("n1"), StatusIs(absl::StatusCode::kNotFound));
+}
+
+}  // namespace
+}  // namespace deepnex::gpu

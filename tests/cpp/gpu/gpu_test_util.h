@@ -1,0 +1,84 @@
+// Helpers shared by the gpu allocator tests.
+#ifndef DEEPNEX_TESTS_GPU_GPU_TEST_UTIL_H_
+#define DEEPNEX_TESTS_GPU_GPU_TEST_UTIL_H_
+
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "deepnex/gpu/allocator.h"
+#include "deepnex/gpu/types.h"
+
+namespace deepnex::gpu::test {
+
+inline constexpr uint64_t kGiB = uint64_t{1} << 30;
+
+inline Node MakeNode(const std::string& name, int gpus, uint64_t gpu_memory = 80 * kGiB,
+                     Mode mode = Mode::kExclusive, int cpus = 64, uint64_t memory = 512 * kGiB,
+                     std::map<std::string, std::string> labels = {}) {
+  Node n;
+  n.name = name;
+  for (int i = 0; i < gpus; ++i) {
+    Gpu g;
+    g.memory = gpu_memory;
+    n.gpus.push_back(g);
+  }
+  n.cpus = cpus;
+  n.memory = memory;
+  n.mode = mode;
+  n.labels = std::move(labels);
+  return n;
+}
+
+inline Request Shared(const std::string& user, int gpus, uint64_t gpu_memory, int cpus = 0,
+                      uint64_t memory = 0) {
+  Request r;
+  r.user = user;
+  r.gpus = gpus;
+  r.mode = Mode::kShared;
+  r.gpu_memory = gpu_memory;
+  r.cpus = cpus;
+  r.memory = memory;
+  return r;
+}
+
+inline Request Exclusive(const std::string& user, int gpus, int cpus = 0, uint64_t memory = 0) {
+  Request r;
+  r.user = user;
+  r.gpus = gpus;
+  r.mode = Mode::kExclusive;
+  r.cpus = cpus;
+  r.memory = memory;
+  return r;
+}
+
+inline AllocateOptions NoWait() {
+  AllocateOptions o;
+  o.wait = false;
+  return o;
+}
+
+// A fresh directory under TMPDIR, removed with the object.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "deepnex_gpu_XXXXXX").string();
+    path_ = mkdtemp(tmpl.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+}  // namespace deepnex::gpu::test
+
+#endif  // DEEPNEX_TESTS_GPU_GPU_TEST_UTIL_H_
