@@ -1,0 +1,146 @@
+#include "deepnex/collective/communicator.h"
+
+#include "absl/strings/str_cat.h"
+#include "collective/work.h"
+
+namespace deepnex::collective {
+
+const char* ReduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kMean: return "mean";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kProd: return "prod";
+  }
+  return "?";
+}
+
+absl::StatusOr<ReduceOp> ParseReduceOp(const std::string& name) {
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMean, ReduceOp::kMax, ReduceOp::kMin,
+                      ReduceOp::kProd}) {
+    if (name == ReduceOpName(op)) return op;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("op: unknown \"", name, "\" (one of sum, mean, max, min, prod)"));
+}
+
+const char* BackendName(Backend backend) {
+  switch (backend) {
+    case Backend::kAuto: return "auto";
+    case Backend::kCpu: return "cpu";
+    case Backend::kNccl: return "nccl";
+  }
+  return "?";
+}
+
+absl::StatusOr<Backend> ParseBackend(const std::string& name) {
+  for (Backend b : {Backend::kAuto, Backend::kCpu, Backend::kNccl}) {
+    if (name == BackendName(b)) return b;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("backend: unknown \"", name, "\" (one of auto, cpu, nccl)"));
+}
+
+const char* TransportName(Transport transport) {
+  switch (transport) {
+    case Transport::kAuto: return "auto";
+    case Transport::kTcp: return "tcp";
+    case Transport::kShm: return "shm";
+  }
+  return "?";
+}
+
+absl::StatusOr<Transport> ParseTransport(const std::string& name) {
+  for (Transport t : {Transport::kAuto, Transport::kTcp, Transport::kShm}) {
+    if (name == TransportName(t)) return t;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("transport: unknown \"", name, "\" (one of auto, tcp, shm)"));
+}
+
+absl::Status CommunicatorOptions::Validate() const {
+  if (world_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("world_size=", world_size, ": must be >= 1"));
+  }
+  if (rank < 0 || rank >= world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank=", rank, ": must be in 0..", world_size - 1));
+  }
+  if (store_address.empty() && world_size > 1) {
+    return absl::InvalidArgumentError("store_address is empty");
+  }
+  if (timeout.count() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("timeout=", timeout.count(), " ms: must be positive"));
+  }
+  if (connections_per_peer < 1 || connections_per_peer > 16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("connections_per_peer=", connections_per_peer, ": must be 1..16"));
+  }
+  if (shm_channels < 1 || shm_channels > 16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm_channels=", shm_channels, ": must be 1..16"));
+  }
+  if (shm_buffer_bytes < 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm_buffer_bytes=", shm_buffer_bytes, ": must be at least 4096"));
+  }
+  return absl::OkStatus();
+}
+
+void WorkImpl::Finish(absl::Status status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  status_ = std::move(status);
+  done_ = true;
+  cv_.notify_all();
+}
+
+absl::Status WorkImpl::Wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [this] { return done_; })) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("collective still running after ", timeout.count(), " ms"));
+  }
+  return status_;
+}
+
+absl::Status WorkImpl::Wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return done_; });
+  return status_;
+}
+
+bool WorkImpl::Done() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+std::shared_ptr<Work> FinishedWork(absl::Status status) {
+  auto work = std::make_shared<WorkImpl>();
+  work->Finish(std::move(status));
+  return work;
+}
+
+absl::StatusOr<std::unique_ptr<StoreClient>> ConnectStore(const CommunicatorOptions& options) {
+  StoreClientOptions o;
+  o.address = options.store_address;
+  o.prefix = options.prefix;
+  o.timeout = options.timeout;
+  o.token = options.token;
+  o.token_file = options.token_file;
+  return StoreClient::Create(o);
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
+    const CommunicatorOptions& options) {
+  DEEPNEX_RETURN_IF_ERROR(options.Validate());
+  switch (options.backend) {
+    case Backend::kAuto:
+    case Backend::kCpu: return CreateCpuCommunicator(options);
+    case Backend::kNccl: return CreateNcclCommunicator(options);
+  }
+  return absl::InvalidArgumentError("unknown backend");
+}
+
+}  // namespace deepnex::collective

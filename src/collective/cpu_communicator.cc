@@ -1,0 +1,891 @@
+// The cpu backend: ring collectives over Links (TCP or shared memory).
+//
+// Allreduce is a ring reduce-scatter followed by a ring allgather, run as one
+// pipelined stream per stripe: each step's chunk is sent as soon as the bytes
+// it depends on have been received and reduced, so reduction overlaps the
+// transfer. A tensor is striped over several links (connections or shm
+// rings), each driven by its own thread. Every collective starts with a tiny
+// header exchange around the ring, so that ranks disagreeing on the
+// collective fail together with InvalidArgument.
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "collective/reduce.h"
+#include "collective/transport.h"
+#include "collective/work.h"
+
+namespace deepnex::collective {
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr uint32_t kHelloMagic = 0x64786831;   // "dxh1"
+constexpr uint32_t kHeaderMagic = 0x64786331;  // "dxc1"
+// Below this many bytes per stripe a collective uses fewer stripes.
+constexpr size_t kMinStripeBytes = 256 << 10;
+
+enum class Kind : uint8_t { kAllReduce = 1, kBroadcast, kAllGather, kReduceScatter, kBarrier };
+
+const char* KindName(Kind kind) {
+  switch (kind) {
+    case Kind::kAllReduce: return "allreduce";
+    case Kind::kBroadcast: return "broadcast";
+    case Kind::kAllGather: return "allgather";
+    case Kind::kReduceScatter: return "reduce_scatter";
+    case Kind::kBarrier: return "barrier";
+  }
+  return "?";
+}
+
+struct Header {
+  uint32_t magic = kHeaderMagic;
+  uint8_t kind = 0;
+  uint8_t dtype = 0;
+  uint8_t op = 0;
+  uint8_t invalid = 0;
+  int32_t root = 0;
+  uint32_t pad = 0;
+  uint64_t count = 0;
+  uint64_t seq = 0;
+  bool SameCall(const Header& o) const {
+    return kind == o.kind && dtype == o.dtype && op == o.op && root == o.root && count == o.count;
+  }
+  std::string Describe() const {
+    std::string s = KindName(static_cast<Kind>(kind));
+    if (kind == static_cast<uint8_t>(Kind::kBarrier)) return s;
+    absl::StrAppend(&s, " of ", count, " ",
+                    IsValidDType(dtype) ? DTypeName(static_cast<DType>(dtype)) : "invalid");
+    if (kind == static_cast<uint8_t>(Kind::kBroadcast)) {
+      absl::StrAppend(&s, " from root ", root);
+    } else if (kind != static_cast<uint8_t>(Kind::kAllGather)) {
+      absl::StrAppend(&s, " (", ReduceOpName(static_cast<ReduceOp>(op)), ")");
+    }
+    return s;
+  }
+};
+static_assert(sizeof(Header) == 32, "header layout");
+
+struct Hello {
+  uint32_t magic;
+  int32_t rank;
+  int32_t index;
+  int32_t pad;
+  uint64_t nonce;  // the listener's, from the store
+};
+
+// What a rank publishes in the store.
+struct RankInfo {
+  std::string host;
+  int port = 0;
+  std::string host_id;
+  std::string shm;  // segment name, or "-"
+  uint64_t nonce = 0;
+};
+
+std::string Encode(const RankInfo& info) {
+  return absl::StrCat(info.host, " ", info.port, " ", info.host_id, " ", info.shm, " ", info.nonce);
+}
+
+absl::StatusOr<RankInfo> Decode(int rank, const std::string& text) {
+  std::vector<std::string> f = absl::StrSplit(text, ' ');
+  RankInfo info;
+  if (f.size() != 5 || !absl::SimpleAtoi(f[1], &info.port) || !absl::SimpleAtoi(f[4], &info.nonce)) {
+    return absl::InternalError(absl::StrCat("rank ", rank, " published a garbled address: \"",
+                                            text, "\""));
+  }
+  info.host = f[0];
+  info.host_id = f[2];
+  info.shm = f[3];
+  return info;
+}
+
+bool SupportedDType(DType d) {
+  switch (d) {
+    case DType::kFloat32:
+    case DType::kFloat64:
+    case DType::kFloat16:
+    case DType::kBFloat16:
+    case DType::kInt32:
+    case DType::kInt64: return true;
+    default: return false;
+  }
+}
+
+std::string RankName(int r) { return absl::StrCat("rank ", r); }
+
+// Runs jobs on helper threads, one per extra stripe; job 0 runs on the caller.
+class StripePool {
+ public:
+  explicit StripePool(int helpers) {
+    slots_.resize(helpers);
+    for (int i = 0; i < helpers; ++i) threads_.emplace_back([this, i] { Loop(i); });
+  }
+  ~StripePool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  std::vector<absl::Status> Run(const std::vector<std::function<absl::Status()>>& jobs) {
+    std::vector<absl::Status> results(jobs.size());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_ = static_cast<int>(jobs.size()) - 1;
+      for (size_t i = 1; i < jobs.size(); ++i) {
+        slots_[i - 1] = [&, i] { results[i] = jobs[i](); };
+      }
+    }
+    cv_.notify_all();
+    if (!jobs.empty()) results[0] = jobs[0]();
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [this] { return pending_ == 0; });
+    return results;
+  }
+
+ private:
+  void Loop(int i) {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return stop_ || slots_[i] != nullptr; });
+      if (stop_) return;
+      auto job = std::move(slots_[i]);
+      slots_[i] = nullptr;
+      lock.unlock();
+      job();
+      lock.lock();
+      if (--pending_ == 0) done_cv_.notify_all();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::vector<std::function<void()>> slots_;
+  int pending_ = 0;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+// One stripe's part of a ring collective: chunk c is (pointer, bytes).
+struct RingPlan {
+  int n = 1, r = 0;
+  int steps = 0;     // steps of the stream
+  int rs_steps = 0;  // the first rs_steps reduce; the rest copy
+  int shift = 0;     // step t sends chunk (r - t + shift) mod n
+  std::vector<std::pair<char*, size_t>> chunks;
+  DType dtype = DType::kFloat32;
+  size_t esize = 4;
+  ReduceOp op = ReduceOp::kSum;
+};
+
+absl::Status RunRing(Link& link, const RingPlan& p, SteadyClock::time_point deadline) {
+  auto chunk = [&](int t) -> const std::pair<char*, size_t>& {
+    return p.chunks[((p.r - t + p.shift) % p.n + 2 * p.n) % p.n];
+  };
+  const bool mean = p.op == ReduceOp::kMean;
+  int st = 0, rt = 0;          // send / receive step
+  size_t soff = 0, roff = 0;   // bytes done within the step's chunk
+  auto allowed = [&]() -> size_t {
+    if (st == 0 || rt >= st) return chunk(st).second;
+    return rt == st - 1 ? roff : 0;
+  };
+  while (st < p.steps || rt < p.steps) {
+    bool progress = false;
+    while (st < p.steps) {
+      const auto& [ptr, len] = chunk(st);
+      size_t limit = allowed();
+      if (soff < limit) {
+        DEEPNEX_ASSIGN_OR_RETURN(size_t n, link.TrySend(ptr + soff, limit - soff));
+        if (n == 0) break;
+        soff += n;
+        progress = true;
+      }
+      if (soff == len) {
+        ++st;
+        soff = 0;
+        continue;
+      }
+      break;
+    }
+    while (rt < p.steps) {
+      const auto& [ptr, len] = chunk(rt + 1);
+      if (roff == len) {
+        ++rt;
+        roff = 0;
+        progress = true;
+        continue;
+      }
+      if (rt < p.rs_steps) {
+        DEEPNEX_ASSIGN_OR_RETURN(auto span, link.Peek(p.esize));
+        if (span.second == 0) break;
+        size_t k = std::min(span.second / p.esize, (len - roff) / p.esize);
+        ReduceInto(p.dtype, p.op, ptr + roff, span.first, k);
+        if (mean && rt == p.rs_steps - 1) DivideInPlace(p.dtype, ptr + roff, k, p.n);
+        link.Consume(k * p.esize);
+        roff += k * p.esize;
+      } else {
+        DEEPNEX_ASSIGN_OR_RETURN(size_t n, link.TryRecv(ptr + roff, len - roff));
+        if (n == 0) break;
+        roff += n;
+      }
+      progress = true;
+    }
+    if (!progress) {
+      bool want_send = st < p.steps && soff < allowed();
+      DEEPNEX_RETURN_IF_ERROR(link.Wait(want_send, rt < p.steps, deadline));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Pipelined chain from the root: each rank forwards what it has received.
+absl::Status RunBroadcast(Link& link, int n, int r, int root, char* ptr, size_t len,
+                          SteadyClock::time_point deadline) {
+  const int pos = (r - root + n) % n;
+  const bool recv = pos > 0, send = pos < n - 1;
+  size_t got = recv ? 0 : len, sent = send ? 0 : len;
+  while (got < len || sent < len) {
+    bool progress = false;
+    if (sent < got) {
+      DEEPNEX_ASSIGN_OR_RETURN(size_t k, link.TrySend(ptr + sent, got - sent));
+      sent += k;
+      progress |= k > 0;
+    }
+    if (got < len) {
+      DEEPNEX_ASSIGN_OR_RETURN(size_t k, link.TryRecv(ptr + got, len - got));
+      got += k;
+      progress |= k > 0;
+    }
+    if (!progress) DEEPNEX_RETURN_IF_ERROR(link.Wait(sent < got, got < len, deadline));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SendAll(Link& link, const char* p, size_t n, SteadyClock::time_point deadline) {
+  while (n > 0) {
+    DEEPNEX_ASSIGN_OR_RETURN(size_t k, link.TrySend(p, n));
+    p += k;
+    n -= k;
+    if (n > 0 && k == 0) DEEPNEX_RETURN_IF_ERROR(link.Wait(true, false, deadline));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RecvAll(Link& link, char* p, size_t n, SteadyClock::time_point deadline) {
+  while (n > 0) {
+    DEEPNEX_ASSIGN_OR_RETURN(size_t k, link.TryRecv(p, n));
+    p += k;
+    n -= k;
+    if (n > 0 && k == 0) DEEPNEX_RETURN_IF_ERROR(link.Wait(false, true, deadline));
+  }
+  return absl::OkStatus();
+}
+
+// Splits [0, count) into `parts` near-equal ranges; returns range i.
+std::pair<size_t, size_t> Part(size_t count, int parts, int i) {
+  size_t begin = count * i / parts, end = count * (i + 1) / parts;
+  return {begin, end - begin};
+}
+
+class CpuCommunicator final : public Communicator {
+ public:
+  explicit CpuCommunicator(const CommunicatorOptions& options) : o_(options) {}
+
+  ~CpuCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closing_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+    for (auto& link : links_) link->Interrupt();
+    links_.clear();
+    for (int fd : ctl_fds_) close(fd);
+  }
+
+  absl::Status Init(Transport transport);
+
+  std::shared_ptr<Work> AllReduceAsync(const TensorView& t, ReduceOp op) override {
+    return Enqueue([this, t, op] { return DoAllReduce(t, op); });
+  }
+  std::shared_ptr<Work> BroadcastAsync(const TensorView& t, int root) override {
+    return Enqueue([this, t, root] { return DoBroadcast(t, root); });
+  }
+  std::shared_ptr<Work> AllGatherAsync(const TensorView& in, const TensorView& out) override {
+    return Enqueue([this, in, out] { return DoAllGather(in, out); });
+  }
+  std::shared_ptr<Work> ReduceScatterAsync(const TensorView& in, const TensorView& out,
+                                           ReduceOp op) override {
+    return Enqueue([this, in, out, op] { return DoReduceScatter(in, out, op); });
+  }
+  std::shared_ptr<Work> BarrierAsync() override {
+    return Enqueue([this] {
+      Header h;
+      h.kind = static_cast<uint8_t>(Kind::kBarrier);
+      return Exchange(h, absl::OkStatus(), Deadline());
+    });
+  }
+
+  void Abort() override {
+    if (aborted_.exchange(true)) return;
+    Break(absl::AbortedError("the communicator was aborted"));
+  }
+
+  int rank() const override { return o_.rank; }
+  int world_size() const override { return o_.world_size; }
+  Backend backend() const override { return Backend::kCpu; }
+  std::string transport() const override { return transport_name_; }
+
+ private:
+  std::shared_ptr<Work> Enqueue(std::function<absl::Status()> fn) {
+    auto work = std::make_shared<WorkImpl>();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closing_) {
+        work->Finish(absl::FailedPreconditionError("the communicator is closed"));
+        return work;
+      }
+      queue_.push_back({std::move(fn), work});
+    }
+    cv_.notify_all();
+    return work;
+  }
+
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [this] { return closing_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      auto item = std::move(queue_.front());
+      queue_.pop_front();
+      bool closing = closing_;
+      lock.unlock();
+      absl::Status s = closing ? absl::AbortedError("the communicator was destroyed")
+                               : Run(item.fn);
+      item.work->Finish(s);
+      lock.lock();
+    }
+  }
+
+  absl::Status Run(const std::function<absl::Status()>& fn) {
+    {
+      std::lock_guard<std::mutex> lock(broken_mu_);
+      if (!broken_.ok()) {
+        return absl::AbortedError(
+            absl::StrCat("the communicator is broken by an earlier error: ", broken_.message()));
+      }
+    }
+    absl::Status s = fn();
+    // InvalidArgument comes from the header check, which left every rank in
+    // step; anything else leaves the streams in an unknown state.
+    if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) Break(s);
+    if (aborted_.load() && s.ok()) s = absl::AbortedError("the communicator was aborted");
+    return s;
+  }
+
+  void Break(const absl::Status& s) {
+    {
+      std::lock_guard<std::mutex> lock(broken_mu_);
+      if (broken_.ok()) broken_ = s;
+    }
+    stop_.store(true);
+    for (auto& link : links_) link->Interrupt();
+    for (int fd : ctl_fds_) shutdown(fd, SHUT_RDWR);
+  }
+
+  SteadyClock::time_point Deadline() const { return SteadyClock::now() + o_.timeout; }
+
+  // Every rank learns every rank's header, passed around the ring; all of
+  // them then agree on whether the call is valid.
+  absl::Status Exchange(Header mine, const absl::Status& local, SteadyClock::time_point deadline) {
+    mine.seq = ++seq_;
+    mine.invalid = local.ok() ? 0 : 1;
+    const int n = o_.world_size, r = o_.rank;
+    const std::string what = KindName(static_cast<Kind>(mine.kind));
+    if (n > 1) {
+      std::vector<Header> all(n);
+      all[r] = mine;
+      Link& link = *links_[0];
+      absl::Status s = SendAll(link, reinterpret_cast<const char*>(&mine), sizeof(mine), deadline);
+      for (int step = 0; s.ok() && step < n - 1; ++step) {
+        Header& h = all[(r - 1 - step + n) % n];
+        s = RecvAll(link, reinterpret_cast<char*>(&h), sizeof(h), deadline);
+        if (s.ok() && h.magic != kHeaderMagic) {
+          s = absl::InternalError("garbled collective header from the left neighbour");
+        }
+        if (s.ok() && step < n - 2) {
+          s = SendAll(link, reinterpret_cast<const char*>(&h), sizeof(h), deadline);
+        }
+      }
+      if (!s.ok()) return Annotate(what, s);
+      if (!local.ok()) return local;
+      std::vector<std::string> bad;
+      for (int i = 0; i < n; ++i) {
+        if (all[i].invalid) bad.push_back(absl::StrCat(i));
+      }
+      if (!bad.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": invalid arguments on rank ", absl::StrJoin(bad, ", "), "; nothing was done"));
+      }
+      bool same = true;
+      for (int i = 0; i < n; ++i) same = same && all[i].SameCall(all[0]);
+      if (!same) {
+        std::string desc;
+        for (int i = 0; i < n; ++i) {
+          absl::StrAppend(&desc, i ? "; " : "", "rank ", i, ": ", all[i].Describe());
+        }
+        return absl::InvalidArgumentError(
+            absl::StrCat("ranks disagree on the collective (", desc, "); nothing was done"));
+      }
+    }
+    return local;
+  }
+
+  absl::Status Annotate(const std::string& what, const absl::Status& s) const {
+    if (stop_.load() && aborted_.load()) return absl::AbortedError("the communicator was aborted");
+    return absl::Status(s.code(), absl::StrCat(what, " on rank ", o_.rank, ": ", s.message()));
+  }
+
+  absl::Status CheckTensor(const char* what, const TensorView& t) const {
+    if (!SupportedDType(t.dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": dtype ", DTypeName(t.dtype),
+          " is not supported (float32, float64, float16, bfloat16, int32, int64)"));
+    }
+    if (t.data == nullptr && t.NumElements() > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": null data"));
+    }
+    return absl::OkStatus();
+  }
+
+  int StripesFor(size_t bytes) const {
+    return static_cast<int>(std::clamp<size_t>(bytes / kMinStripeBytes, 1, links_.size()));
+  }
+
+  // Runs `plan_for(stripe, stripes)` on each stripe in parallel.
+  absl::Status RunStripes(const std::string& what, int stripes,
+                          const std::function<absl::Status(Link&, int, int)>& job) {
+    std::vector<std::function<absl::Status()>> jobs;
+    for (int k = 0; k < stripes; ++k) {
+      jobs.push_back([this, k, stripes, &job] {
+        absl::Status s = job(*links_[k], k, stripes);
+        if (!s.ok()) Break(s);  // wakes the other stripes
+        return s;
+      });
+    }
+    std::vector<absl::Status> results = pool_->Run(jobs);
+    // The first real error, not the Aborted of stripes woken by it.
+    absl::Status first;
+    {
+      std::lock_guard<std::mutex> lock(broken_mu_);
+      first = broken_;
+    }
+    for (const absl::Status& s : results) {
+      if (!s.ok()) return Annotate(what, first.ok() ? s : first);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status DoAllReduce(const TensorView& t, ReduceOp op) {
+    Header h;
+    h.kind = static_cast<uint8_t>(Kind::kAllReduce);
+    h.dtype = static_cast<uint8_t>(t.dtype);
+    h.op = static_cast<uint8_t>(op);
+    h.count = t.NumElements();
+    auto deadline = Deadline();
+    DEEPNEX_RETURN_IF_ERROR(Exchange(h, CheckTensor("allreduce", t), deadline));
+    const int n = o_.world_size;
+    const size_t esize = DTypeSize(t.dtype), count = h.count;
+    char* base = static_cast<char*>(t.data);
+    if (n == 1 || count == 0) return absl::OkStatus();
+    return RunStripes("allreduce", StripesFor(count * esize), [&](Link& link, int k, int stripes) {
+      RingPlan p;
+      p.n = n;
+      p.r = o_.rank;
+      p.steps = 2 * (n - 1);
+      p.rs_steps = n - 1;
+      p.dtype = t.dtype;
+      p.esize = esize;
+      p.op = op;
+      for (int c = 0; c < n; ++c) {
+        auto [cb, cn] = Part(count, n, c);
+        auto [sb, sn] = Part(cn, stripes, k);
+        p.chunks.push_back({base + (cb + sb) * esize, sn * esize});
+      }
+      return RunRing(link, p, deadline);
+    });
+  }
+
+  absl::Status DoReduceScatter(const TensorView& in, const TensorView& out, ReduceOp op) {
+    const int n = o_.world_size;
+    absl::Status local = CheckTensor("reduce_scatter", in);
+    if (local.ok()) local = CheckTensor("reduce_scatter", out);
+    if (local.ok() && (in.dtype != out.dtype ||
+                       in.NumElements() != out.NumElements() * static_cast<int64_t>(n))) {
+      local = absl::InvalidArgumentError(absl::StrCat(
+          "reduce_scatter: the input holds ", in.NumElements(), " ", DTypeName(in.dtype),
+          ", the output ", out.NumElements(), " ", DTypeName(out.dtype), "; the input must hold ",
+          n, " x the output's elements, of the same dtype"));
+    }
+    Header h;
+    h.kind = static_cast<uint8_t>(Kind::kReduceScatter);
+    h.dtype = static_cast<uint8_t>(out.dtype);
+    h.op = static_cast<uint8_t>(op);
+    h.count = out.NumElements();
+    auto deadline = Deadline();
+    DEEPNEX_RETURN_IF_ERROR(Exchange(h, local, deadline));
+    const size_t esize = DTypeSize(out.dtype), m = h.count;
+    if (m == 0) return absl::OkStatus();
+    if (n == 1) {
+      std::memmove(out.data, in.data, m * esize);
+      return absl::OkStatus();
+    }
+    scratch_.resize(m * n * esize);
+    std::memcpy(scratch_.data(), in.data, scratch_.size());
+    char* base = scratch_.data();
+    DEEPNEX_RETURN_IF_ERROR(
+        RunStripes("reduce_scatter", StripesFor(m * esize * n), [&](Link& link, int k, int stripes) {
+          RingPlan p;
+          p.n = n;
+          p.r = o_.rank;
+          p.steps = n - 1;
+          p.rs_steps = n - 1;
+          p.shift = -1;
+          p.dtype = out.dtype;
+          p.esize = esize;
+          p.op = op;
+          for (int c = 0; c < n; ++c) {
+            auto [sb, sn] = Part(m, stripes, k);
+            p.chunks.push_back({base + (c * m + sb) * esize, sn * esize});
+          }
+          return RunRing(link, p, deadline);
+        }));
+    std::memcpy(out.data, base + o_.rank * m * esize, m * esize);
+    return absl::OkStatus();
+  }
+
+  absl::Status DoAllGather(const TensorView& in, const TensorView& out) {
+    const int n = o_.world_size;
+    absl::Status local = CheckTensor("allgather", in);
+    if (local.ok()) local = CheckTensor("allgather", out);
+    if (local.ok() && (in.dtype != out.dtype ||
+                       out.NumElements() != in.NumElements() * static_cast<int64_t>(n))) {
+      local = absl::InvalidArgumentError(absl::StrCat(
+          "allgather: the input holds ", in.NumElements(), " ", DTypeName(in.dtype),
+          ", the output ", out.NumElements(), " ", DTypeName(out.dtype), "; the output must hold ",
+          n, " x the input's elements, of the same dtype"));
+    }
+    Header h;
+    h.kind = static_cast<uint8_t>(Kind::kAllGather);
+    h.dtype = static_cast<uint8_t>(in.dtype);
+    h.count = in.NumElements();
+    auto deadline = Deadline();
+    DEEPNEX_RETURN_IF_ERROR(Exchange(h, local, deadline));
+    const size_t esize = DTypeSize(in.dtype), m = h.count;
+    if (m == 0) return absl::OkStatus();
+    char* base = static_cast<char*>(out.data);
+    std::memmove(base + o_.rank * m * esize, in.data, m * esize);
+    if (n == 1) return absl::OkStatus();
+    return RunStripes("allgather", StripesFor(m * esize * n), [&](Link& link, int k, int stripes) {
+      RingPlan p;
+      p.n = n;
+      p.r = o_.rank;
+      p.steps = n - 1;
+      p.rs_steps = 0;
+      p.dtype = in.dtype;
+      p.esize = esize;
+      for (int c = 0; c < n; ++c) {
+        auto [sb, sn] = Part(m, stripes, k);
+        p.chunks.push_back({base + (c * m + sb) * esize, sn * esize});
+      }
+      return RunRing(link, p, deadline);
+    });
+  }
+
+  absl::Status DoBroadcast(const TensorView& t, int root) {
+    const int n = o_.world_size;
+    absl::Status local = CheckTensor("broadcast", t);
+    if (local.ok() && (root < 0 || root >= n)) {
+      local = absl::InvalidArgumentError(
+          absl::StrCat("broadcast: root ", root, " is outside 0..", n - 1));
+    }
+    Header h;
+    h.kind = static_cast<uint8_t>(Kind::kBroadcast);
+    h.dtype = static_cast<uint8_t>(t.dtype);
+    h.root = root;
+    h.count = t.NumElements();
+    auto deadline = Deadline();
+    DEEPNEX_RETURN_IF_ERROR(Exchange(h, local, deadline));
+    const size_t bytes = h.count * DTypeSize(t.dtype);
+    if (n == 1 || bytes == 0) return absl::OkStatus();
+    char* base = static_cast<char*>(t.data);
+    const size_t esize = DTypeSize(t.dtype);
+    return RunStripes("broadcast", StripesFor(bytes), [&](Link& link, int k, int stripes) {
+      auto [sb, sn] = Part(h.count, stripes, k);
+      return RunBroadcast(link, n, o_.rank, root, base + sb * esize, sn * esize, deadline);
+    });
+  }
+
+  struct Item {
+    std::function<absl::Status()> fn;
+    std::shared_ptr<WorkImpl> work;
+  };
+
+  const CommunicatorOptions o_;
+  std::vector<std::unique_ptr<Link>> links_;
+  std::vector<int> ctl_fds_;
+  std::vector<std::unique_ptr<ShmSegment>> segments_;
+  std::unique_ptr<StripePool> pool_;
+  std::string transport_name_;
+  std::vector<char> scratch_;
+  uint64_t seq_ = 0;
+
+  std::atomic<bool> aborted_{false};
+  std::atomic<bool> stop_{false};  // links are told to stop waiting
+  std::mutex broken_mu_;
+  absl::Status broken_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Item> queue_;
+  bool closing_ = false;
+  std::thread worker_;
+};
+
+absl::Status CpuCommunicator::Init(Transport transport) {
+  const int n = o_.world_size, r = o_.rank;
+  if (n == 1) {
+    pool_ = std::make_unique<StripePool>(0);
+    worker_ = std::thread([this] { Loop(); });
+    return absl::OkStatus();
+  }
+  const auto deadline = Deadline();
+  DEEPNEX_ASSIGN_OR_RETURN(auto store, ConnectStore(o_));
+  // Each rank counts the communicators it joined under this prefix, so a
+  // reused prefix never reads a previous communicator's addresses.
+  DEEPNEX_ASSIGN_OR_RETURN(int64_t generation, store->Add(absl::StrCat("gen/", r), 1));
+  auto key = [&](int rank) { return absl::StrCat("c", generation, "/rank/", rank); };
+
+  RankInfo mine;
+  std::string store_host = o_.store_address.substr(0, o_.store_address.rfind(':'));
+  mine.host = !o_.host.empty() ? o_.host : LocalAddressFor(store_host);
+  DEEPNEX_ASSIGN_OR_RETURN(int listen_fd, ListenTcp(mine.host, &mine.port));
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{listen_fd};
+  mine.host_id = HostId();
+  std::random_device rd;
+  mine.nonce = (uint64_t{rd()} << 32) | rd();
+  const int stripes_tcp = o_.connections_per_peer;
+  std::unique_ptr<ShmSegment> own_segment;
+  mine.shm = "-";
+  if (transport != Transport::kTcp) {
+    auto seg = ShmSegment::Create(std::max(o_.shm_channels, stripes_tcp), o_.shm_buffer_bytes);
+    if (seg.ok()) {
+      own_segment = std::move(*seg);
+      mine.shm = own_segment->name();
+    } else if (transport == Transport::kShm) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("transport shm: cannot create a shared-memory segment: ",
+                       seg.status().message()));
+    }
+  }
+  DEEPNEX_RETURN_IF_ERROR(store->Set(key(r), Encode(mine)));
+
+  std::vector<std::string> keys;
+  for (int i = 0; i < n; ++i) keys.push_back(key(i));
+  auto values = store->MultiGet(keys, std::chrono::duration_cast<milliseconds>(
+                                          deadline - SteadyClock::now()));
+  if (!values.ok()) {
+    if (values.status().code() != absl::StatusCode::kDeadlineExceeded) return values.status();
+    std::vector<std::string> missing;
+    auto present = store->Check(keys);
+    if (present.ok()) {
+      for (int i = 0; i < n; ++i) {
+        if (!(*present)[i]) missing.push_back(absl::StrCat(i));
+      }
+    }
+    return absl::DeadlineExceededError(absl::StrCat(
+        "communicator \"", o_.prefix, "\" of ", n, " ranks: rank ",
+        missing.empty() ? "?" : absl::StrJoin(missing, ", "), " did not arrive at the store ",
+        o_.store_address, " within ", o_.timeout.count(), " ms"));
+  }
+  std::vector<RankInfo> infos;
+  for (int i = 0; i < n; ++i) {
+    DEEPNEX_ASSIGN_OR_RETURN(RankInfo info, Decode(i, (*values)[i]));
+    infos.push_back(std::move(info));
+  }
+  auto edge_shm = [&](int a, int b) {
+    return transport != Transport::kTcp && infos[a].shm != "-" && infos[b].shm != "-" &&
+           infos[a].host_id == infos[b].host_id;
+  };
+  const int left = (r - 1 + n) % n, right = (r + 1) % n;
+  bool all_shm = true;
+  for (int i = 0; i < n; ++i) all_shm = all_shm && edge_shm(i, (i + 1) % n);
+  if (transport == Transport::kShm && (!edge_shm(r, right) || !edge_shm(left, r))) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "transport shm: rank ", r, "'s ring neighbours are not all on this host (or cannot "
+        "share memory); use tcp or auto"));
+  }
+  const bool shm_out = edge_shm(r, right), shm_in = edge_shm(left, r);
+  const int stripes = all_shm ? o_.shm_channels : stripes_tcp;
+  transport_name_ = shm_out && shm_in ? "shm" : (!shm_out && !shm_in ? "tcp" : "shm+tcp");
+
+  // Connect to the right neighbour, then accept the left one's connections.
+  std::vector<int> out(shm_out ? 1 : stripes, -1), in(shm_in ? 1 : stripes, -1);
+  auto close_all = [&] {
+    for (int fd : out) if (fd >= 0) close(fd);
+    for (int fd : in) if (fd >= 0) close(fd);
+  };
+  for (size_t i = 0; i < out.size(); ++i) {
+    auto fd = ConnectTcp(infos[right].host, infos[right].port, deadline);
+    if (!fd.ok()) {
+      close_all();
+      return absl::Status(fd.status().code(),
+                          absl::StrCat("rank ", r, " connecting to rank ", right, ": ",
+                                       fd.status().message()));
+    }
+    out[i] = *fd;
+    Hello hello{kHelloMagic, r, static_cast<int32_t>(i), 0, infos[right].nonce};
+    absl::Status s = WriteFully(out[i], &hello, sizeof(hello), deadline, RankName(right));
+    if (!s.ok()) {
+      close_all();
+      return s;
+    }
+  }
+  for (size_t got = 0; got < in.size();) {
+    auto fd = AcceptTcp(listen_fd, deadline);
+    if (!fd.ok()) {
+      close_all();
+      if (fd.status().code() == absl::StatusCode::kDeadlineExceeded) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "rank ", r, ": rank ", left, " did not connect within ", o_.timeout.count(), " ms"));
+      }
+      return fd.status();
+    }
+    Hello hello{};
+    absl::Status s = ReadFully(*fd, &hello, sizeof(hello), deadline, RankName(left));
+    if (!s.ok() || hello.magic != kHelloMagic || hello.rank != left || hello.nonce != mine.nonce ||
+        hello.index < 0 || hello.index >= static_cast<int>(in.size()) || in[hello.index] >= 0) {
+      close(*fd);  // a stray or stale connection
+      continue;
+    }
+    in[hello.index] = *fd;
+    ++got;
+  }
+
+  // Map the neighbours' segments, tell them so, then drop our segment's name:
+  // from here on nothing is left in /dev/shm even if a process dies.
+  ShmSegment* right_seg = nullptr;
+  ShmSegment* left_seg = nullptr;
+  absl::Status s;
+  if (shm_out || shm_in) {
+    if (own_segment == nullptr) s = absl::InternalError("shared memory without a segment");
+    if (s.ok() && shm_out) {
+      auto seg = ShmSegment::Open(infos[right].shm);
+      if (seg.ok()) {
+        right_seg = seg->get();
+        segments_.push_back(std::move(*seg));
+      } else {
+        s = seg.status();
+      }
+    }
+    if (s.ok() && shm_in) {
+      if (left == right && right_seg != nullptr) {
+        left_seg = right_seg;
+      } else {
+        auto seg = ShmSegment::Open(infos[left].shm);
+        if (seg.ok()) {
+          left_seg = seg->get();
+          segments_.push_back(std::move(*seg));
+        } else {
+          s = seg.status();
+        }
+      }
+    }
+  }
+  char ack = s.ok() ? 'M' : 'X';
+  if (s.ok()) s = WriteFully(out[0], &ack, 1, deadline, RankName(right));
+  if (s.ok()) s = WriteFully(in[0], &ack, 1, deadline, RankName(left));
+  char a1 = 0, a2 = 0;
+  if (s.ok()) s = ReadFully(out[0], &a1, 1, deadline, RankName(right));
+  if (s.ok()) s = ReadFully(in[0], &a2, 1, deadline, RankName(left));
+  if (s.ok() && (a1 != 'M' || a2 != 'M')) {
+    s = absl::UnavailableError("a neighbour could not map the shared-memory segment");
+  }
+  if (own_segment != nullptr) own_segment->Unlink();
+  if (!s.ok()) {
+    close_all();
+    return absl::Status(s.code(), absl::StrCat("rank ", r, " joining: ", s.message()));
+  }
+  ShmSegment* my_seg = own_segment.get();
+  if (own_segment != nullptr) segments_.push_back(std::move(own_segment));
+
+  for (int k = 0; k < stripes; ++k) {
+    LinkConfig c;
+    c.left_name = RankName(left);
+    c.right_name = RankName(right);
+    if (shm_out) {
+      c.send_ring = right_seg->ring(k);
+      c.right_bell = right_seg->bell(k);
+      c.send_ctl_fd = out[0];
+    } else {
+      c.send_fd = out[k];
+    }
+    if (shm_in) {
+      c.recv_ring = my_seg->ring(k);
+      c.left_bell = left_seg->bell(k);
+      c.recv_ctl_fd = in[0];
+    } else {
+      c.recv_fd = in[k];
+    }
+    if (my_seg != nullptr) c.my_bell = my_seg->bell(k);
+    links_.push_back(std::make_unique<Link>(c, &stop_));
+  }
+  if (shm_out) ctl_fds_.push_back(out[0]);
+  if (shm_in) ctl_fds_.push_back(in[0]);
+  pool_ = std::make_unique<StripePool>(stripes - 1);
+  worker_ = std::thread([this] { Loop(); });
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Communicator>> CreateCpuCommunicator(
+    const CommunicatorOptions& options) {
+  Transport transport = options.transport;
+  if (const char* env = std::getenv("DEEPNEX_COLLECTIVE_TRANSPORT"); env && *env) {
+    auto t = ParseTransport(env);
+    if (!t.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("DEEPNEX_COLLECTIVE_TRANSPORT=\"", env, "\": ", t.status().message()));
+    }
+    transport = *t;
+  }
+  auto comm = std::make_unique<CpuCommunicator>(options);
+  DEEPNEX_RETURN_IF_ERROR(comm->Init(transport));
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
+
+#if !DEEPNEX_HAVE_NCCL
+absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const CommunicatorOptions&) {
+  return absl::FailedPreconditionError(
+      "backend nccl: this build of deepnex has no NCCL (built without DEEPNEX_WITH_NCCL)");
+}
+#endif
+
+}  // namespace deepnex::collective

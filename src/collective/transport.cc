@@ -1,0 +1,545 @@
+#include "collective/transport.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+
+namespace deepnex::collective {
+
+using std::chrono::duration_cast;
+using std::chrono::milliseconds;
+
+namespace {
+
+absl::Status Errno(const std::string& what) {
+  int e = errno;
+  return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(e)));
+}
+
+int MillisUntil(SteadyClock::time_point deadline, int cap_ms) {
+  auto left = duration_cast<milliseconds>(deadline - SteadyClock::now()).count();
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left, cap_ms)));
+}
+
+absl::StatusOr<sockaddr_in> Resolve(const std::string& host, int port) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) == 1) return addr;
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  addrinfo* res = nullptr;
+  int rc = getaddrinfo(host.c_str(), nullptr, &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot resolve host \"", host, "\": ", gai_strerror(rc)));
+  }
+  addr.sin_addr = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
+  freeaddrinfo(res);
+  return addr;
+}
+
+void TuneSocket(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+long Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
+}
+
+}  // namespace
+
+absl::StatusOr<int> ListenTcp(const std::string& host, int* port) {
+  DEEPNEX_ASSIGN_OR_RETURN(sockaddr_in addr, Resolve(host, 0));
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return Errno("socket");
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || listen(fd, 128) != 0) {
+    absl::Status s = Errno(absl::StrCat("listen on ", host));
+    close(fd);
+    return s;
+  }
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  *port = ntohs(addr.sin_port);
+  return fd;
+}
+
+absl::StatusOr<int> ConnectTcp(const std::string& host, int port,
+                               SteadyClock::time_point deadline) {
+  DEEPNEX_ASSIGN_OR_RETURN(sockaddr_in addr, Resolve(host, port));
+  while (true) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return Errno("socket");
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+      TuneSocket(fd);
+      return fd;
+    }
+    absl::Status s = Errno(absl::StrCat("connect to ", host, ":", port));
+    close(fd);
+    if (SteadyClock::now() + milliseconds(20) >= deadline) return s;
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+}
+
+absl::StatusOr<int> AcceptTcp(int listen_fd, SteadyClock::time_point deadline) {
+  while (true) {
+    pollfd p{listen_fd, POLLIN, 0};
+    int timeout = MillisUntil(deadline, 1000);
+    int rc = poll(&p, 1, timeout);
+    if (rc > 0) {
+      int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) {
+        TuneSocket(fd);
+        return fd;
+      }
+      if (errno != EAGAIN && errno != EINTR) return Errno("accept");
+    } else if (rc < 0 && errno != EINTR) {
+      return Errno("poll");
+    }
+    if (SteadyClock::now() >= deadline) {
+      return absl::DeadlineExceededError("no connection arrived");
+    }
+  }
+}
+
+absl::Status WriteFully(int fd, const void* data, size_t n, SteadyClock::time_point deadline,
+                        const std::string& peer) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+      p += w;
+      n -= w;
+      continue;
+    }
+    if (w < 0 && errno != EAGAIN && errno != EINTR) return Errno(absl::StrCat("send to ", peer));
+    pollfd pf{fd, POLLOUT, 0};
+    if (SteadyClock::now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("send to ", peer, " timed out"));
+    }
+    poll(&pf, 1, MillisUntil(deadline, 1000));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadFully(int fd, void* data, size_t n, SteadyClock::time_point deadline,
+                       const std::string& peer) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    ssize_t r = recv(fd, p, n, MSG_DONTWAIT);
+    if (r > 0) {
+      p += r;
+      n -= r;
+      continue;
+    }
+    if (r == 0) return absl::UnavailableError(absl::StrCat(peer, " closed the connection"));
+    if (errno != EAGAIN && errno != EINTR) return Errno(absl::StrCat("receive from ", peer));
+    if (SteadyClock::now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("receive from ", peer, " timed out"));
+    }
+    pollfd pf{fd, POLLIN, 0};
+    poll(&pf, 1, MillisUntil(deadline, 1000));
+  }
+  return absl::OkStatus();
+}
+
+void SetNonBlocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+std::string LocalAddressFor(const std::string& host) {
+  auto addr = Resolve(host, 9);
+  if (!addr.ok()) return "127.0.0.1";
+  int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return "127.0.0.1";
+  std::string out = "127.0.0.1";
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) == 0) {
+    sockaddr_in local{};
+    socklen_t len = sizeof(local);
+    char text[INET_ADDRSTRLEN];
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+        inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text)) != nullptr) {
+      out = text;
+    }
+  }
+  close(fd);
+  return out;
+}
+
+std::string HostId() {
+  char name[256] = {0};
+  gethostname(name, sizeof(name) - 1);
+  std::string boot;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::getline(in, boot);
+  return absl::StrCat(name, "/", boot);
+}
+
+// ---- shared memory
+
+struct ShmSegment::Ring {
+  // Written by the producer (the left neighbour of the segment's owner).
+  alignas(64) std::atomic<uint64_t> head;
+  // Written by the consumer (the owner).
+  alignas(64) std::atomic<uint64_t> tail;
+  alignas(64) uint64_t capacity;
+  // `capacity` bytes of data follow.
+  char* data() { return reinterpret_cast<char*>(this) + 192; }
+};
+static_assert(sizeof(ShmSegment::Ring) == 192, "ring header layout");
+
+struct ShmSegment::Bell {
+  alignas(64) std::atomic<uint32_t> seq;
+  std::atomic<uint32_t> sleeping;
+};
+
+namespace {
+
+constexpr uint64_t kMagic = 0x6465657078736d31ull;  // "deepxsm1"
+
+struct SegmentHeader {
+  uint64_t magic;
+  uint32_t stripes;
+  uint32_t pad;
+  uint64_t ring_bytes;
+};
+
+constexpr size_t kBellsOffset = 64;
+constexpr size_t kBellSize = 64;
+constexpr size_t kMaxStripes = 16;
+constexpr size_t kRingsOffset = kBellsOffset + kBellSize * kMaxStripes;
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Create(int stripes, uint64_t ring_bytes) {
+  if (stripes < 1 || stripes > static_cast<int>(kMaxStripes)) {
+    return absl::InvalidArgumentError(absl::StrCat("shm_channels=", stripes, ": must be 1..16"));
+  }
+  ring_bytes = (ring_bytes + 63) & ~uint64_t{63};
+  std::random_device rd;
+  std::string name = absl::StrCat("/deepnex-coll-", getpid(), "-", rd(), rd());
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) return Errno(absl::StrCat("shm_open ", name));
+  size_t ring_stride = sizeof(Ring) + ring_bytes;
+  size_t size = kRingsOffset + ring_stride * stripes;
+  std::unique_ptr<ShmSegment> seg(new ShmSegment());
+  seg->name_ = name;
+  seg->owner_ = true;
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    absl::Status s = Errno(absl::StrCat("ftruncate ", name, " to ", size, " bytes"));
+    close(fd);
+    return s;  // seg's destructor unlinks
+  }
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) return Errno(absl::StrCat("mmap ", name));
+  seg->base_ = static_cast<char*>(base);
+  seg->size_ = size;
+  auto* header = reinterpret_cast<SegmentHeader*>(seg->base_);
+  header->stripes = stripes;
+  header->ring_bytes = ring_bytes;
+  for (int k = 0; k < stripes; ++k) {
+    Ring* r = seg->ring(k);
+    r->head.store(0);
+    r->tail.store(0);
+    r->capacity = ring_bytes;
+    Bell* b = seg->bell(k);
+    b->seq.store(0);
+    b->sleeping.store(0);
+  }
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  header->magic = kMagic;
+  return seg;
+}
+
+absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Open(const std::string& name) {
+  int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) return Errno(absl::StrCat("shm_open ", name));
+  struct stat st;
+  if (fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kRingsOffset)) {
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("shared-memory segment ", name, " is truncated"));
+  }
+  void* base = mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) return Errno(absl::StrCat("mmap ", name));
+  std::unique_ptr<ShmSegment> seg(new ShmSegment());
+  seg->name_ = name;
+  seg->base_ = static_cast<char*>(base);
+  seg->size_ = st.st_size;
+  auto* header = reinterpret_cast<SegmentHeader*>(seg->base_);
+  if (header->magic != kMagic) {
+    return absl::UnavailableError(absl::StrCat("shared-memory segment ", name, " is not ready"));
+  }
+  return seg;
+}
+
+ShmSegment::~ShmSegment() {
+  if (owner_) Unlink();
+  if (base_ != nullptr) munmap(base_, size_);
+}
+
+void ShmSegment::Unlink() {
+  if (owner_ && !unlinked_) {
+    shm_unlink(name_.c_str());
+    unlinked_ = true;
+  }
+}
+
+int ShmSegment::stripes() const { return reinterpret_cast<SegmentHeader*>(base_)->stripes; }
+
+ShmSegment::Ring* ShmSegment::ring(int stripe) {
+  auto* header = reinterpret_cast<SegmentHeader*>(base_);
+  size_t stride = sizeof(Ring) + header->ring_bytes;
+  return reinterpret_cast<Ring*>(base_ + kRingsOffset + stride * stripe);
+}
+
+ShmSegment::Bell* ShmSegment::bell(int stripe) {
+  return reinterpret_cast<Bell*>(base_ + kBellsOffset + kBellSize * stripe);
+}
+
+// ---- Link
+
+namespace {
+constexpr size_t kTcpBuffer = 512 << 10;
+}
+
+Link::Link(const LinkConfig& config, const std::atomic<bool>* aborted)
+    : c_(config), aborted_(aborted) {
+  if (c_.recv_fd >= 0) {
+    buf_cap_ = kTcpBuffer;
+    buf_.reset(new char[buf_cap_]);
+  }
+  if (c_.send_fd >= 0) SetNonBlocking(c_.send_fd);
+  if (c_.recv_fd >= 0) SetNonBlocking(c_.recv_fd);
+}
+
+Link::~Link() {
+  if (c_.send_fd >= 0) close(c_.send_fd);
+  if (c_.recv_fd >= 0) close(c_.recv_fd);
+}
+
+void Link::Interrupt() {
+  if (c_.send_fd >= 0) shutdown(c_.send_fd, SHUT_RDWR);
+  if (c_.recv_fd >= 0) shutdown(c_.recv_fd, SHUT_RDWR);
+  if (c_.my_bell != nullptr) {
+    c_.my_bell->seq.fetch_add(1);
+    Futex(&c_.my_bell->seq, FUTEX_WAKE, INT32_MAX, nullptr);
+  }
+}
+
+void Link::RingBell(ShmSegment::Bell* bell) {
+  if (bell == nullptr) return;
+  bell->seq.fetch_add(1);
+  if (bell->sleeping.load() != 0) Futex(&bell->seq, FUTEX_WAKE, INT32_MAX, nullptr);
+}
+
+absl::StatusOr<size_t> Link::TrySend(const char* data, size_t n) {
+  if (c_.send_ring != nullptr) {
+    auto* r = c_.send_ring;
+    uint64_t head = r->head.load(std::memory_order_relaxed);
+    uint64_t tail = r->tail.load(std::memory_order_acquire);
+    uint64_t cap = r->capacity;
+    size_t take = std::min<uint64_t>(n, cap - (head - tail));
+    if (take == 0) return 0;
+    size_t off = head % cap;
+    size_t first = std::min<size_t>(take, cap - off);
+    std::memcpy(r->data() + off, data, first);
+    if (take > first) std::memcpy(r->data(), data + first, take - first);
+    r->head.store(head + take, std::memory_order_release);
+    RingBell(c_.right_bell);
+    return take;
+  }
+  ssize_t w = send(c_.send_fd, data, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (w >= 0) return static_cast<size_t>(w);
+  if (errno == EAGAIN || errno == EINTR) return 0;
+  return Errno(absl::StrCat("send to ", c_.right_name));
+}
+
+absl::StatusOr<size_t> Link::TryRecv(char* dst, size_t n) {
+  if (c_.recv_ring != nullptr) {
+    auto* r = c_.recv_ring;
+    uint64_t tail = r->tail.load(std::memory_order_relaxed);
+    uint64_t head = r->head.load(std::memory_order_acquire);
+    uint64_t cap = r->capacity;
+    size_t take = std::min<uint64_t>(n, head - tail);
+    if (take == 0) return 0;
+    size_t off = tail % cap;
+    size_t first = std::min<size_t>(take, cap - off);
+    std::memcpy(dst, r->data() + off, first);
+    if (take > first) std::memcpy(dst + first, r->data(), take - first);
+    r->tail.store(tail + take, std::memory_order_release);
+    RingBell(c_.left_bell);
+    return take;
+  }
+  size_t got = 0;
+  if (buf_end_ > buf_begin_) {
+    got = std::min(n, buf_end_ - buf_begin_);
+    std::memcpy(dst, buf_.get() + buf_begin_, got);
+    buf_begin_ += got;
+    if (got == n) return got;
+  }
+  ssize_t r = recv(c_.recv_fd, dst + got, n - got, MSG_DONTWAIT);
+  if (r > 0) return got + r;
+  if (r == 0) {
+    return absl::UnavailableError(absl::StrCat(c_.left_name, " closed the connection"));
+  }
+  if (errno == EAGAIN || errno == EINTR) return got;
+  return Errno(absl::StrCat("receive from ", c_.left_name));
+}
+
+absl::StatusOr<std::pair<const char*, size_t>> Link::Peek(size_t min_bytes) {
+  if (c_.recv_ring != nullptr) {
+    auto* r = c_.recv_ring;
+    uint64_t tail = r->tail.load(std::memory_order_relaxed);
+    uint64_t head = r->head.load(std::memory_order_acquire);
+    uint64_t cap = r->capacity;
+    size_t avail = head - tail;
+    if (avail < min_bytes) return std::make_pair<const char*, size_t>(nullptr, 0);
+    size_t off = tail % cap;
+    size_t contiguous = std::min<size_t>(avail, cap - off);
+    if (contiguous >= min_bytes) return std::make_pair<const char*, size_t>(r->data() + off, size_t{contiguous});
+    // An element straddles the end of the ring.
+    std::memcpy(bounce_, r->data() + off, contiguous);
+    std::memcpy(bounce_ + contiguous, r->data(), min_bytes - contiguous);
+    bounced_ = min_bytes;
+    return std::make_pair<const char*, size_t>(bounce_, size_t{min_bytes});
+  }
+  if (buf_end_ - buf_begin_ < min_bytes || buf_end_ == buf_begin_) {
+    if (buf_begin_ > 0) {
+      std::memmove(buf_.get(), buf_.get() + buf_begin_, buf_end_ - buf_begin_);
+      buf_end_ -= buf_begin_;
+      buf_begin_ = 0;
+    }
+    ssize_t r = recv(c_.recv_fd, buf_.get() + buf_end_, buf_cap_ - buf_end_, MSG_DONTWAIT);
+    if (r > 0) {
+      buf_end_ += r;
+    } else if (r == 0) {
+      return absl::UnavailableError(absl::StrCat(c_.left_name, " closed the connection"));
+    } else if (errno != EAGAIN && errno != EINTR) {
+      return Errno(absl::StrCat("receive from ", c_.left_name));
+    }
+  }
+  size_t avail = buf_end_ - buf_begin_;
+  if (avail < min_bytes || avail == 0) return std::make_pair<const char*, size_t>(nullptr, 0);
+  return std::make_pair<const char*, size_t>(buf_.get() + buf_begin_, size_t{avail});
+}
+
+void Link::Consume(size_t n) {
+  if (c_.recv_ring != nullptr) {
+    // A bounced element is consumed whole; otherwise n bytes in place.
+    bounced_ = 0;
+    c_.recv_ring->tail.fetch_add(n, std::memory_order_release);
+    RingBell(c_.left_bell);
+    return;
+  }
+  buf_begin_ += n;
+  if (buf_begin_ == buf_end_) buf_begin_ = buf_end_ = 0;
+}
+
+bool Link::ShmSendReady() const {
+  auto* r = c_.send_ring;
+  return r->head.load(std::memory_order_relaxed) - r->tail.load(std::memory_order_acquire) <
+         r->capacity;
+}
+
+bool Link::ShmRecvReady() const {
+  auto* r = c_.recv_ring;
+  return r->head.load(std::memory_order_acquire) != r->tail.load(std::memory_order_relaxed);
+}
+
+absl::Status Link::CheckCtl(bool check_send, bool check_recv) const {
+  pollfd p[2];
+  int n = 0;
+  const std::string* names[2];
+  if (check_send && c_.send_ring != nullptr && c_.send_ctl_fd >= 0) {
+    names[n] = &c_.right_name;
+    p[n++] = {c_.send_ctl_fd, POLLIN | POLLRDHUP, 0};
+  }
+  if (check_recv && c_.recv_ring != nullptr && c_.recv_ctl_fd >= 0) {
+    names[n] = &c_.left_name;
+    p[n++] = {c_.recv_ctl_fd, POLLIN | POLLRDHUP, 0};
+  }
+  if (n == 0 || poll(p, n, 0) <= 0) return absl::OkStatus();
+  for (int i = 0; i < n; ++i) {
+    if (p[i].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLIN)) {
+      return absl::UnavailableError(absl::StrCat(*names[i], " closed its connection (it left or died)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A neighbour that wrote its last bytes and then left is not an error until
+// those bytes are read.
+absl::Status Link::CheckCtlAfterRings(bool shm_send, bool shm_recv) const {
+  absl::Status s = CheckCtl(shm_send, shm_recv);
+  if (!s.ok() && ((shm_send && ShmSendReady()) || (shm_recv && ShmRecvReady()))) {
+    return absl::OkStatus();
+  }
+  return s;
+}
+
+absl::Status Link::Wait(bool want_send, bool want_recv, SteadyClock::time_point deadline) {
+  const bool shm_send = want_send && c_.send_ring != nullptr;
+  const bool shm_recv = want_recv && c_.recv_ring != nullptr;
+  const bool tcp_send = want_send && c_.send_ring == nullptr;
+  const bool tcp_recv = want_recv && c_.recv_ring == nullptr;
+  int spins = 0;
+  while (true) {
+    if (aborted_->load()) return absl::AbortedError("the communicator was aborted");
+    if ((shm_send && ShmSendReady()) || (shm_recv && ShmRecvReady())) return absl::OkStatus();
+    if (SteadyClock::now() >= deadline) {
+      return absl::DeadlineExceededError("timed out waiting for a neighbour");
+    }
+    if (tcp_send || tcp_recv) {
+      pollfd p[2];
+      int n = 0;
+      if (tcp_send) p[n++] = {c_.send_fd, POLLOUT, 0};
+      if (tcp_recv) p[n++] = {c_.recv_fd, POLLIN, 0};
+      // Mixed links poll the sockets briefly and look at the rings between.
+      int cap = (shm_send || shm_recv) ? 1 : 200;
+      int rc = poll(p, n, MillisUntil(deadline, cap));
+      if (rc > 0) return absl::OkStatus();
+      if (rc < 0 && errno != EINTR) return Errno("poll");
+      if (shm_send || shm_recv) DEEPNEX_RETURN_IF_ERROR(CheckCtlAfterRings(shm_send, shm_recv));
+      continue;
+    }
+    // Shared memory only: spin briefly, then sleep on this rank's doorbell.
+    if (++spins < 200) {
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+      continue;
+    }
+    auto* bell = c_.my_bell;
+    bell->sleeping.store(1);
+    uint32_t seq = bell->seq.load();
+    if ((shm_send && ShmSendReady()) || (shm_recv && ShmRecvReady()) || aborted_->load()) {
+      bell->sleeping.store(0);
+      continue;
+    }
+    timespec ts{0, 20 * 1000 * 1000};
+    Futex(&bell->seq, FUTEX_WAIT, seq, &ts);
+    bell->sleeping.store(0);
+    DEEPNEX_RETURN_IF_ERROR(CheckCtlAfterRings(shm_send, shm_recv));
+  }
+}
+
+}  // namespace deepnex::collective

@@ -1,0 +1,384 @@
+// Ranks run as threads over a StoreServer on 127.0.0.1; inputs are
+// integer-valued so every result is exact.
+#include "deepnex/collective/communicator.h"
+
+#include <dirent.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "deepnex/collective/store.h"
+#include "test_matchers.h"
+
+namespace deepnex::collective {
+namespace {
+
+using ::deepnex::test::IsOk;
+using ::deepnex::test::StatusIs;
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
+using std::chrono::milliseconds;
+
+const DType kDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16,
+                         DType::kBFloat16, DType::kInt32, DType::kInt64};
+const ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kMean, ReduceOp::kMax, ReduceOp::kMin,
+                         ReduceOp::kProd};
+
+// Values are kept as doubles and stored in the tensor's dtype.
+void Store(DType d, void* base, size_t i, double v) {
+  char* p = static_cast<char*>(base);
+  switch (d) {
+    case DType::kFloat32: reinterpret_cast<float*>(p)[i] = static_cast<float>(v); break;
+    case DType::kFloat64: reinterpret_cast<double*>(p)[i] = v; break;
+    case DType::kFloat16: reinterpret_cast<uint16_t*>(p)[i] = FloatToHalf(static_cast<float>(v)); break;
+    case DType::kBFloat16:
+      reinterpret_cast<uint16_t*>(p)[i] = FloatToBFloat16(static_cast<float>(v));
+      break;
+    case DType::kInt32: reinterpret_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
+    case DType::kInt64: reinterpret_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
+    default: break;
+  }
+}
+
+double Load(DType d, const void* base, size_t i) {
+  const char* p = static_cast<const char*>(base);
+  switch (d) {
+    case DType::kFloat32: return reinterpret_cast<const float*>(p)[i];
+    case DType::kFloat64: return reinterpret_cast<const double*>(p)[i];
+    case DType::kFloat16: return HalfToFloat(reinterpret_cast<const uint16_t*>(p)[i]);
+    case DType::kBFloat16: return BFloat16ToFloat(reinterpret_cast<const uint16_t*>(p)[i]);
+    case DType::kInt32: return reinterpret_cast<const int32_t*>(p)[i];
+    case DType::kInt64: return static_cast<double>(reinterpret_cast<const int64_t*>(p)[i]);
+    default: return NAN;
+  }
+}
+
+// What the tensor's dtype makes of `v` (rounding), read back as a double.
+double Round(DType d, double v) {
+  char buf[8];
+  Store(d, buf, 0, v);
+  return Load(d, buf, 0);
+}
+
+double Input(ReduceOp op, int rank, size_t i) {
+  if (op == ReduceOp::kProd) return static_cast<double>((i + rank) % 3 + 1);
+  double v = static_cast<double>((i * 7 + rank * 3) % 11) + rank;
+  return (i % 2) ? -v : v;
+}
+
+double Expected(DType d, ReduceOp op, int n, size_t i) {
+  double acc = Input(op, 0, i);
+  for (int r = 1; r < n; ++r) {
+    double v = Input(op, r, i);
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kMean: acc += v; break;
+      case ReduceOp::kProd: acc *= v; break;
+      case ReduceOp::kMax: acc = std::max(acc, v); break;
+      case ReduceOp::kMin: acc = std::min(acc, v); break;
+    }
+  }
+  if (op == ReduceOp::kMean) {
+    if (d == DType::kInt32 || d == DType::kInt64) return std::trunc(acc / n);
+    if (d == DType::kFloat64) return acc / n;
+    return Round(d, static_cast<float>(acc) / static_cast<float>(n));
+  }
+  return acc;
+}
+
+class CommunicatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto server = StoreServer::Create({});
+    ASSERT_THAT(server, IsOk());
+    store_ = std::move(*server);
+  }
+
+  CommunicatorOptions Options(int rank, int n, const std::string& prefix) {
+    CommunicatorOptions o;
+    o.rank = rank;
+    o.world_size = n;
+    o.store_address = store_->address();
+    o.prefix = prefix;
+    o.timeout = milliseconds(20000);
+    return o;
+  }
+
+  // Creates `n` communicators concurrently (as ranks must) and runs `body`
+  // on each rank's thread.
+  void RunRanks(int n, const std::function<void(int, Communicator&)>& body,
+                const std::function<void(CommunicatorOptions&)>& tweak = nullptr) {
+    std::string prefix = absl::StrCat("t", counter_++);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        CommunicatorOptions o = Options(r, n, prefix);
+        if (tweak) tweak(o);
+        auto comm = Communicator::Create(o);
+        ASSERT_THAT(comm, IsOk()) << "rank " << r;
+        body(r, **comm);
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+
+  std::unique_ptr<StoreServer> store_;
+  int counter_ = 0;
+};
+
+TEST_F(CommunicatorTest, AllReduceEveryDTypeOpAndSize) {
+  const size_t sizes[] = {0, 1, 2, 7, 13, 1021, 65537};
+  for (int n = 1; n <= 4; ++n) {
+    RunRanks(n, [&](int rank, Communicator& comm) {
+      for (DType d : kDTypes) {
+        for (ReduceOp op : kOps) {
+          for (size_t count : sizes) {
+            std::vector<char> buf(count * DTypeSize(d) + 1);
+            for (size_t i = 0; i < count; ++i) Store(d, buf.data(), i, Input(op, rank, i));
+            TensorView t(buf.data(), d, {static_cast<int64_t>(count)});
+            ASSERT_OK(comm.AllReduce(t, op)) << DTypeName(d) << " " << ReduceOpName(op);
+            for (size_t i = 0; i < count; ++i) {
+              ASSERT_EQ(Load(d, buf.data(), i), Expected(d, op, n, i))
+                  << "world " << n << " rank " << rank << " " << DTypeName(d) << " "
+                  << ReduceOpName(op) << " count " << count << " element " << i;
+            }
+          }
+        }
+      }
+    });
+  }
+}
+
+TEST_F(CommunicatorTest, LargeAllReduceOverBothTransports) {
+  const size_t count = (64ull << 20) / 4 + 3;  // 64 MiB and a bit, float32
+  for (const char* transport : {"tcp", "shm"}) {
+    RunRanks(
+        2,
+        [&](int rank, Communicator& comm) {
+          EXPECT_EQ(comm.transport(), transport);
+          std::vector<float> x(count);
+          for (size_t i = 0; i < count; ++i) x[i] = static_cast<float>((i % 1000) * (rank + 1));
+          ASSERT_OK(comm.AllReduce(TensorView(x.data(), DType::kFloat32, {int64_t(count)}),
+                                   ReduceOp::kSum));
+          for (size_t i = 0; i < count; ++i) {
+            ASSERT_EQ(x[i], static_cast<float>((i % 1000) * 3)) << i;
+          }
+        },
+        [&](CommunicatorOptions& o) { o.transport = *ParseTransport(transport); });
+  }
+}
+
+TEST_F(CommunicatorTest, TransportsForcedAndSegmentsRemoved) {
+  for (const char* transport : {"tcp", "shm"}) {
+    for (int n : {2, 3}) {
+      RunRanks(
+          n,
+          [&](int rank, Communicator& comm) {
+            EXPECT_EQ(comm.transport(), transport);
+            std::vector<int64_t> x(300001, rank + 1);
+            ASSERT_OK(comm.AllReduce(TensorView(x.data(), DType::kInt64, {int64_t(x.size())}),
+                                     ReduceOp::kSum));
+            for (int64_t v : x) ASSERT_EQ(v, n * (n + 1) / 2);
+          },
+          [&](CommunicatorOptions& o) {
+            o.transport = *ParseTransport(transport);
+            o.shm_buffer_bytes = 64 << 10;  // many wrap-arounds
+          });
+    }
+  }
+  // Nothing of ours is left in /dev/shm.
+  std::string mine = absl::StrCat("deepnex-coll-", getpid(), "-");
+  DIR* dir = opendir("/dev/shm");
+  ASSERT_NE(dir, nullptr);
+  while (dirent* e = readdir(dir)) {
+    EXPECT_NE(std::string(e->d_name).rfind(mine, 0), 0u) << e->d_name;
+  }
+  closedir(dir);
+}
+
+TEST_F(CommunicatorTest, BroadcastAllGatherReduceScatter) {
+  for (int n = 1; n <= 4; ++n) {
+    RunRanks(n, [&](int rank, Communicator& comm) {
+      for (DType d : kDTypes) {
+        for (size_t count : {size_t{0}, size_t{1}, size_t{5}, size_t{1031}, size_t{200003}}) {
+          const size_t es = DTypeSize(d);
+          // broadcast from every root
+          for (int root = 0; root < n; ++root) {
+            std::vector<char> b(count * es + 1);
+            for (size_t i = 0; i < count; ++i) Store(d, b.data(), i, rank == root ? (i % 50) + root : -1);
+            ASSERT_OK(comm.Broadcast(TensorView(b.data(), d, {int64_t(count)}), root));
+            for (size_t i = 0; i < count; ++i) {
+              ASSERT_EQ(Load(d, b.data(), i), double((i % 50) + root)) << DTypeName(d) << " " << i;
+            }
+          }
+          // allgather
+          std::vector<char> in(count * es + 1), out(n * count * es + 1);
+          for (size_t i = 0; i < count; ++i) Store(d, in.data(), i, (i % 13) + 20 * rank);
+          ASSERT_OK(comm.AllGather(TensorView(in.data(), d, {int64_t(count)}),
+                                   TensorView(out.data(), d, {n, int64_t(count)})));
+          for (int r = 0; r < n; ++r) {
+            for (size_t i = 0; i < count; ++i) {
+              ASSERT_EQ(Load(d, out.data(), r * count + i), double((i % 13) + 20 * r));
+            }
+          }
+          // reduce_scatter: block b of rank r holds b + r + (i % 5)
+          std::vector<char> rin(n * count * es + 1), rout(count * es + 1);
+          for (int b = 0; b < n; ++b) {
+            for (size_t i = 0; i < count; ++i) Store(d, rin.data(), b * count + i, b + rank + (i % 5));
+          }
+          std::vector<char> before = rin;
+          ASSERT_OK(comm.ReduceScatter(TensorView(rin.data(), d, {int64_t(n * count)}),
+                                       TensorView(rout.data(), d, {int64_t(count)}),
+                                       ReduceOp::kSum));
+          EXPECT_EQ(before, rin);  // the input is left alone
+          for (size_t i = 0; i < count; ++i) {
+            double want = 0;
+            for (int r = 0; r < n; ++r) want += rank + r + (i % 5);
+            ASSERT_EQ(Load(d, rout.data(), i), want) << DTypeName(d) << " " << i;
+          }
+        }
+      }
+      ASSERT_OK(comm.Barrier());
+    });
+  }
+}
+
+TEST_F(CommunicatorTest, AsyncCollectivesRunInOrder) {
+  RunRanks(3, [&](int rank, Communicator& comm) {
+    std::vector<std::vector<float>> xs(8, std::vector<float>(10007));
+    std::vector<std::shared_ptr<Work>> works;
+    for (size_t k = 0; k < xs.size(); ++k) {
+      for (auto& v : xs[k]) v = static_cast<float>(k + rank);
+      works.push_back(comm.AllReduceAsync(
+          TensorView(xs[k].data(), DType::kFloat32, {int64_t(xs[k].size())}), ReduceOp::kSum));
+    }
+    works.push_back(comm.BarrierAsync());
+    for (auto& w : works) ASSERT_OK(w->Wait(milliseconds(20000)));
+    for (size_t k = 0; k < xs.size(); ++k) {
+      for (float v : xs[k]) ASSERT_EQ(v, static_cast<float>(3 * k + 3));
+    }
+    EXPECT_TRUE(works.back()->Done());
+  });
+}
+
+TEST_F(CommunicatorTest, MismatchedCallsFailOnEveryRankAndLeaveItUsable) {
+  RunRanks(3, [&](int rank, Communicator& comm) {
+    std::vector<float> x(100 + (rank == 1 ? 1 : 0), 1.0f);
+    EXPECT_THAT(comm.AllReduce(TensorView(x.data(), DType::kFloat32, {int64_t(x.size())})),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank 1: allreduce of 101")));
+    std::vector<int32_t> y(100, 1);
+    DType d = rank == 2 ? DType::kFloat32 : DType::kInt32;
+    EXPECT_THAT(comm.AllReduce(TensorView(y.data(), d, {100})),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("disagree")));
+    // A different collective on one rank.
+    absl::Status s = rank == 0 ? comm.Broadcast(TensorView(y.data(), DType::kInt32, {100}), 0)
+                               : comm.AllReduce(TensorView(y.data(), DType::kInt32, {100}));
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("broadcast")));
+    // A locally invalid call (bad root) fails everywhere too.
+    EXPECT_THAT(comm.Broadcast(TensorView(y.data(), DType::kInt32, {100}), rank == 0 ? 7 : 0),
+                StatusIs(absl::StatusCode::kInvalidArgument));
+    // Still usable.
+    ASSERT_OK(comm.AllReduce(TensorView(y.data(), DType::kInt32, {100})));
+    EXPECT_EQ(y[0], 3);
+  });
+}
+
+TEST_F(CommunicatorTest, MissingRankAtInitIsDeadlineExceededNamingIt) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      CommunicatorOptions o = Options(r, 4, "missing");
+      o.timeout = milliseconds(1000);
+      auto start = std::chrono::steady_clock::now();
+      auto comm = Communicator::Create(o);
+      EXPECT_THAT(comm, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("rank 2, 3")));
+      EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(4000));
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+TEST_F(CommunicatorTest, RankLeavingMidCollectiveFailsTheOthersQuickly) {
+  for (const char* transport : {"tcp", "shm"}) {
+    RunRanks(
+        3,
+        [&](int rank, Communicator& comm) {
+          std::vector<float> x(4 << 20, 1.0f);
+          TensorView t(x.data(), DType::kFloat32, {int64_t(x.size())});
+          if (rank == 2) {
+            auto work = comm.AllReduceAsync(t, ReduceOp::kSum);
+            std::this_thread::sleep_for(milliseconds(5));
+            comm.Abort();  // as if the process died: its connections close
+            EXPECT_THAT(work->Wait(), StatusIs(absl::StatusCode::kAborted));
+            return;
+          }
+          auto start = std::chrono::steady_clock::now();
+          absl::Status s = comm.AllReduce(t, ReduceOp::kSum);
+          // A rank may also have finished before the abort reached it; then
+          // the next collective fails.
+          if (s.ok()) s = comm.AllReduce(t, ReduceOp::kSum);
+          EXPECT_THAT(s.code(), AnyOf(absl::StatusCode::kUnavailable, absl::StatusCode::kAborted))
+              << s;
+          EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(10000));
+          EXPECT_THAT(comm.Barrier(), StatusIs(absl::StatusCode::kAborted));
+        },
+        [&](CommunicatorOptions& o) { o.transport = *ParseTransport(transport); });
+  }
+}
+
+TEST_F(CommunicatorTest, StalledRankIsDeadlineExceeded) {
+  RunRanks(
+      2,
+      [&](int rank, Communicator& comm) {
+        if (rank == 1) {
+          std::this_thread::sleep_for(milliseconds(1500));
+          return;
+        }
+        std::vector<float> x(1000, 1.0f);
+        auto start = std::chrono::steady_clock::now();
+        EXPECT_THAT(comm.AllReduce(TensorView(x.data(), DType::kFloat32, {1000})),
+                    StatusIs(absl::StatusCode::kDeadlineExceeded));
+        EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(3000));
+      },
+      [](CommunicatorOptions& o) { o.timeout = milliseconds(700); });
+}
+
+TEST(CommunicatorOptionsTest, Validation) {
+  CommunicatorOptions o;
+  o.world_size = 2;
+  o.rank = 2;
+  EXPECT_THAT(Communicator::Create(o), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank=2")));
+  o.rank = 0;
+  EXPECT_THAT(Communicator::Create(o),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("store_address")));
+  EXPECT_THAT(ParseReduceOp("avg"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("avg")));
+  EXPECT_THAT(ParseBackend("mpi"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParseTransport("rdma"), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(CommunicatorOptionsTest, UnsupportedDTypeIsInvalidArgument) {
+  CommunicatorOptions o;
+  ASSERT_OK_AND_ASSIGN(auto comm, Communicator::Create(o));
+  uint8_t b[4] = {1, 2, 3, 4};
+  EXPECT_THAT(comm->AllReduce(TensorView(b, DType::kUInt8, {4})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("uint8")));
+  float x[3] = {1, 2, 3};
+  ASSERT_OK(comm->AllReduce(TensorView(x, DType::kFloat32, {3}), ReduceOp::kMean));
+  EXPECT_EQ(x[2], 3.0f);
+}
+
+TEST(CommunicatorNcclTest, NcclWithoutADeviceIsFailedPrecondition) {
+  CommunicatorOptions o;
+  o.backend = Backend::kNccl;
+  auto comm = Communicator::Create(o);
+  if (comm.ok()) GTEST_SKIP() << "a GPU is present; the gpu-labelled tests cover nccl";
+  EXPECT_THAT(comm, StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+}  // namespace
+}  // namespace deepnex::collective
