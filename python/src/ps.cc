@@ -306,6 +306,7 @@ void RegisterPs(py::module_& parent) {
                d["round_latency_p99"] = s.round_latency_p99;
                d["lease_expiries"] = s.lease_expiries;
                d["checkpoints"] = s.checkpoints;
+               d["checkpoint_round"] = s.checkpoint_round;
                d["min_version"] = s.min_version;
                d["max_version"] = s.max_version;
                py::list workers;

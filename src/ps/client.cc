@@ -26,6 +26,8 @@ namespace {
 namespace pb = ::deepnex::ps::proto;
 using Clock = std::chrono::system_clock;
 
+constexpr int kObserverId = -1;
+
 constexpr char kPushMethod[] = "/deepnex.ps.proto.ParameterServer/Push";
 constexpr char kPullMethod[] = "/deepnex.ps.proto.ParameterServer/Pull";
 constexpr char kWritePartsMethod[] =
@@ -205,6 +207,7 @@ class ClientImpl final : public Client {
       }
       servers_.push_back(std::move(conns));
     }
+    if (observer()) return absl::OkStatus();
     DEEPNEX_RETURN_IF_ERROR(RegisterEverywhere());
     if (options_.heartbeat) heartbeat_ = std::thread([this] { Heartbeats(); });
     return absl::OkStatus();
@@ -212,6 +215,7 @@ class ClientImpl final : public Client {
 
   absl::Status Init(const std::vector<NamedTensor>& tensors) override {
     DEEPNEX_RETURN_IF_ERROR(CheckOpen());
+    DEEPNEX_RETURN_IF_ERROR(CheckWriter("init"));
     DEEPNEX_RETURN_IF_ERROR(EnsureRegistered());
     const Clock::time_point deadline = Clock::now() + options_.timeout;
     std::vector<std::string> keys;
@@ -346,6 +350,7 @@ class ClientImpl final : public Client {
       st.round_latency_p99 = r.round_latency_p99();
       st.lease_expiries = r.lease_expiries();
       st.checkpoints = r.checkpoints();
+      st.checkpoint_round = r.checkpoint_round();
       st.min_version = r.min_version();
       st.max_version = r.max_version();
       for (const auto& w : r.workers()) {
@@ -419,6 +424,16 @@ class ClientImpl final : public Client {
 
   absl::Status CheckOpen() const {
     if (closed_) return absl::FailedPreconditionError("the client is closed");
+    return absl::OkStatus();
+  }
+
+  bool observer() const { return options_.worker_id == kObserverId; }
+
+  absl::Status CheckWriter(const char* op) const {
+    if (observer()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(op, ": an observer (worker_id -1) only reads"));
+    }
     return absl::OkStatus();
   }
 
@@ -710,7 +725,8 @@ class ClientImpl final : public Client {
 
   std::shared_ptr<Op> StartPush(const std::vector<NamedTensor>& grads) {
     std::vector<Piece> pieces;
-    absl::Status s = Prepare("push", grads, /*pushing=*/true, &pieces);
+    absl::Status s = CheckWriter("push");
+    if (s.ok()) s = Prepare("push", grads, /*pushing=*/true, &pieces);
     if (!s.ok()) return FailedOp(s);
     auto batches = Batch(pieces);
     auto op = std::make_shared<Op>(static_cast<int>(batches.size()));
@@ -846,9 +862,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(
           absl::StrCat("servers: \"", s, "\" is not host:port"));
     }
   }
-  if (options.worker_id < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("worker_id=", options.worker_id, ": must be >= 0"));
+  if (options.worker_id < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "worker_id=", options.worker_id, ": must be >= 0, or -1 for an observer"));
   }
   if (options.partition_bytes < 8 || options.request_bytes < 8) {
     return absl::InvalidArgumentError(

@@ -155,6 +155,10 @@ class TypedPartition final : public Partition {
   void Pull(int worker, uint64_t incarnation, uint64_t last_seq,
             std::shared_ptr<PullSink> sink, size_t slice, Completions* done) override {
     std::lock_guard<std::mutex> lock(mu_);
+    if (worker == kObserver) {  // reads the values as they are
+      CopyOut(Waiter{worker, 0, 0, std::move(sink), slice}, done);
+      return;
+    }
     absl::Status bound = Bind(worker, incarnation);
     if (!bound.ok()) {
       done->push_back([sink, bound] { sink->Fail(bound); });
@@ -317,6 +321,7 @@ class TypedPartition final : public Partition {
       });
       ++step_;
       ++version_;
+      MaybeSnapshot(done);
       return;
     }
     if (round <= version_) {
@@ -437,6 +442,7 @@ class TypedPartition final : public Partition {
                            .count();
       done->push_back([obs = config_.observer, latency] { obs->RoundCompleted(latency); });
     }
+    MaybeSnapshot(done);
     for (auto it = snapshots_.begin(); it != snapshots_.end();) {
       if (it->round == version_) {
         done->push_back([fn = std::move(it->fn), state = Snapshot()]() mutable {
@@ -447,6 +453,14 @@ class TypedPartition final : public Partition {
         ++it;
       }
     }
+  }
+
+  // REQUIRES: mu_ held.
+  void MaybeSnapshot(Completions* done) {
+    if (config_.snapshot_every == 0 || version_ % config_.snapshot_every != 0) return;
+    done->push_back([sink = config_.snapshots, self = this, state = Snapshot()]() mutable {
+      sink->Periodic(self, std::move(state));
+    });
   }
 
   // REQUIRES: mu_ held.
@@ -479,7 +493,7 @@ class TypedPartition final : public Partition {
   // REQUIRES: mu_ held.
   void CopyOut(const Waiter& w, Completions* done) {
     FromCompute<T>(dtype_, values_.data(), w.sink->Destination(w.slice), count_);
-    if (config_.observer && config_.mode != Mode::kAsync) {
+    if (config_.observer && config_.mode != Mode::kAsync && w.worker != kObserver) {
       const WorkerState& ws = workers_[w.worker];
       uint64_t clock = ws.first_round + ws.next_seq - 2;  // last round pushed
       uint64_t lead = clock > version_ ? clock - version_ : 0;

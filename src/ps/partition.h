@@ -38,6 +38,9 @@ class PushSink {
   virtual bool Finished() const = 0;
 };
 
+// The worker id of a client that only reads (ClientOptions::worker_id -1).
+inline constexpr int kObserver = -1;
+
 // Callbacks to run once the partition's lock is released.
 using Completions = std::vector<std::function<void()>>;
 
@@ -52,6 +55,17 @@ class PartitionObserver {
   virtual void LatePush(int worker) = 0;
 };
 
+class Partition;
+struct PartitionState;
+
+// Receives the snapshots partitions take every PartitionConfig::
+// snapshot_every updates. Thread-safe.
+class SnapshotSink {
+ public:
+  virtual ~SnapshotSink() = default;
+  virtual void Periodic(const Partition* partition, PartitionState state) = 0;
+};
+
 struct PartitionConfig {
   Mode mode = Mode::kSync;
   int num_workers = 1;
@@ -64,6 +78,10 @@ struct PartitionConfig {
   bool keep_dead_contributions = true;
   const Membership* membership = nullptr;
   PartitionObserver* observer = nullptr;
+  // Take a snapshot for `snapshots` whenever the version reaches a multiple
+  // of this (0: never).
+  uint64_t snapshot_every = 0;
+  SnapshotSink* snapshots = nullptr;
 };
 
 // A partition's state at a round boundary, as a checkpoint stores it.
@@ -108,7 +126,7 @@ class Partition {
                     size_t slice, Completions* done) = 0;
   // Copies the values into the sink once they include what the worker's
   // push `last_seq` requires: its round minus the staleness (sync, ssp), the
-  // push itself (async). last_seq 0: at once.
+  // push itself (async). last_seq 0, or worker kObserver: at once.
   virtual void Pull(int worker, uint64_t incarnation, uint64_t last_seq,
                     std::shared_ptr<PullSink> sink, size_t slice,
                     Completions* done) = 0;

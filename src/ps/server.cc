@@ -1,6 +1,7 @@
 #include "deepnex/ps/server.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <atomic>
 #include <condition_variable>
 #include <map>
@@ -225,7 +226,9 @@ class ServerMetrics final : public PartitionObserver {
         lease_expiries(registry.GetCounter("deepnex_ps_lease_expiries_total",
                                            "Worker leases that expired.")),
         checkpoints(registry.GetCounter("deepnex_ps_checkpoints_total",
-                                        "Checkpoints written.")) {
+                                        "Checkpoints written.")),
+        checkpoint_round(registry.GetGauge("deepnex_ps_checkpoint_round",
+                                           "The round of the last checkpoint written.")) {
     for (int w = 0; w < num_workers; ++w) {
       Labels l{{"worker", std::to_string(w)}};
       worker_pushes.push_back(registry.GetCounter("deepnex_ps_worker_pushes_total",
@@ -258,6 +261,7 @@ class ServerMetrics final : public PartitionObserver {
   Gauge* live_workers;
   Counter* lease_expiries;
   Counter* checkpoints;
+  Gauge* checkpoint_round;
   std::vector<Counter*> worker_pushes, late;
   std::vector<Histogram*> staleness;
 };
@@ -278,7 +282,7 @@ using ServiceBase = pb::ParameterServer::WithCallbackMethod_Register<
 // The tensors this server holds, and the RPC handlers over them.
 // Thread-safe: `mu_` guards the directory of tensors only; data operations
 // lock the partitions they touch.
-class Service final : public ServiceBase {
+class Service final : public ServiceBase, public SnapshotSink {
  public:
   Service(const ServerOptions& options, TokenTable tokens)
       : options_(options),
@@ -294,6 +298,51 @@ class Service final : public ServiceBase {
     config_.keep_dead_contributions = options.keep_dead_contributions;
     config_.membership = &membership_;
     config_.observer = &metrics_;
+    if (options.checkpoint_every_rounds > 0) {
+      config_.snapshot_every =
+          options.checkpoint_every_rounds *
+          (options.mode == Mode::kAsync ? options.num_workers : 1);
+      config_.snapshots = this;
+    }
+  }
+
+  // Collects the partitions' periodic snapshots; once every partition has
+  // given the same version, they form a checkpoint (see WritePeriodic).
+  void Periodic(const Partition* partition, PartitionState state) override {
+    std::lock_guard<std::mutex> lock(periodic_mu_);
+    uint64_t version = state.version;
+    if (version <= last_periodic_) return;
+    periodic_[version][partition] = std::move(state);
+  }
+
+  // Writes the newest complete set of periodic snapshots, if any.
+  absl::Status WritePeriodic() {
+    std::vector<std::pair<std::string, uint32_t>> names;
+    std::vector<Partition*> parts;
+    pb::CheckpointFile file = Directory(&names, &parts);
+    std::map<const Partition*, PartitionState> states;
+    uint64_t round = 0;
+    {
+      std::lock_guard<std::mutex> lock(periodic_mu_);
+      for (auto it = periodic_.rbegin(); it != periodic_.rend(); ++it) {
+        if (it->second.size() == parts.size()) {
+          round = it->first;
+          states = std::move(it->second);
+          break;
+        }
+      }
+      if (round == 0) return absl::OkStatus();
+      last_periodic_ = round;
+      periodic_.erase(periodic_.begin(), periodic_.upper_bound(round));
+    }
+    std::vector<PartitionState> ordered;
+    for (Partition* p : parts) {
+      auto it = states.find(p);
+      if (it == states.end()) return absl::OkStatus();  // the set of partitions changed
+      ordered.push_back(std::move(it->second));
+    }
+    return Write(options_.checkpoint_dir, round, std::move(file), names, parts,
+                 std::move(ordered));
   }
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
@@ -452,7 +501,7 @@ class Service final : public ServiceBase {
         s = absl::InvalidArgumentError("garbled request body: bad pull request");
       }
     }
-    if (s.ok()) s = CheckWorker(req.worker_id(), "pull");
+    if (s.ok() && req.worker_id() != kObserver) s = CheckWorker(req.worker_id(), "pull");
     if (s.ok()) s = Resolve("pull", req.slices(), &parts, nullptr);
     if (!s.ok()) return Reply(ctx, s);
 
@@ -491,29 +540,11 @@ class Service final : public ServiceBase {
     RunAll(done);
   }
 
-  // The highest version of any partition: the periodic checkpoint's clock.
-  uint64_t MaxVersion() {
-    uint64_t v = 0;
-    for (Partition* p : AllPartitions()) v = std::max(v, p->version());
-    return v;
-  }
-
   absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
                                            std::chrono::milliseconds timeout) {
-    std::lock_guard<std::mutex> one_at_a_time(checkpoint_mu_);
     std::vector<std::pair<std::string, uint32_t>> names;
     std::vector<Partition*> parts;
-    pb::CheckpointFile file;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto& [key, t] : tensors_) {
-        if (t.meta) *file.add_metas() = *t.meta;
-        for (auto& [part, p] : t.parts) {
-          names.push_back({key, part});
-          parts.push_back(p.get());
-        }
-      }
-    }
+    pb::CheckpointFile file = Directory(&names, &parts);
     uint64_t round = 0;
     for (Partition* p : parts) round = std::max(round, p->version());
 
@@ -535,6 +566,7 @@ class Service final : public ServiceBase {
       }, &done);
     }
     RunAll(done);
+    std::vector<PartitionState> states;
     {
       std::unique_lock<std::mutex> lock(c->mu);
       if (!c->cv.wait_for(lock, timeout, [&] { return c->remaining == 0; })) {
@@ -546,44 +578,9 @@ class Service final : public ServiceBase {
           }
         }
       }
+      for (auto& st : c->states) states.push_back(std::move(*st));
     }
-    file.set_name(options_.name);
-    file.set_mode(ModeName(options_.mode));
-    file.set_num_workers(options_.num_workers);
-    file.set_round(round);
-    for (int w = 0; w < options_.num_workers; ++w) {
-      file.add_incarnations(membership_.Incarnation(w));
-    }
-    for (size_t i = 0; i < parts.size(); ++i) {
-      PartitionState& s = *c->states[i];
-      pb::PartitionRecord* r = file.add_parts();
-      r->set_key(names[i].first);
-      r->set_part(names[i].second);
-      r->set_offset(parts[i]->offset());
-      r->set_count(parts[i]->count());
-      r->set_dtype(static_cast<int>(parts[i]->dtype()));
-      r->set_version(s.version);
-      r->set_step(s.step);
-      r->set_values(std::move(s.values));
-      r->set_m(std::move(s.m));
-      r->set_v(std::move(s.v));
-      for (const auto& w : s.workers) {
-        auto* rw = r->add_workers();
-        rw->set_incarnation(w.incarnation);
-        rw->set_first_round(w.first_round);
-        rw->set_next_seq(w.next_seq);
-      }
-    }
-    std::string body;
-    if (!file.SerializeToString(&body)) {
-      return absl::ResourceExhaustedError(
-          "checkpoint: the state does not fit one protobuf message (2 GiB)");
-    }
-    DEEPNEX_RETURN_IF_ERROR(MakeDirectories(dir));
-    DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically(
-        CheckpointPath(dir, options_.name),
-        EncodeChecksummed(kCheckpointMagic, kCheckpointVersion, body)));
-    metrics_.checkpoints->Add();
+    DEEPNEX_RETURN_IF_ERROR(Write(dir, round, std::move(file), names, parts, std::move(states)));
     return round;
   }
 
@@ -655,6 +652,67 @@ class Service final : public ServiceBase {
     std::map<uint32_t, std::unique_ptr<Partition>> parts;
   };
 
+  // The metas, and the partitions with their (key, part), as they stand.
+  pb::CheckpointFile Directory(std::vector<std::pair<std::string, uint32_t>>* names,
+                               std::vector<Partition*>* parts) {
+    pb::CheckpointFile file;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, t] : tensors_) {
+      if (t.meta) *file.add_metas() = *t.meta;
+      for (auto& [part, p] : t.parts) {
+        names->push_back({key, part});
+        parts->push_back(p.get());
+      }
+    }
+    return file;
+  }
+
+  absl::Status Write(const std::string& dir, uint64_t round, pb::CheckpointFile file,
+                     const std::vector<std::pair<std::string, uint32_t>>& names,
+                     const std::vector<Partition*>& parts,
+                     std::vector<PartitionState> states) {
+    std::lock_guard<std::mutex> one_at_a_time(checkpoint_mu_);
+    file.set_name(options_.name);
+    file.set_mode(ModeName(options_.mode));
+    file.set_num_workers(options_.num_workers);
+    file.set_round(round);
+    for (int w = 0; w < options_.num_workers; ++w) {
+      file.add_incarnations(membership_.Incarnation(w));
+    }
+    for (size_t i = 0; i < parts.size(); ++i) {
+      PartitionState& s = states[i];
+      pb::PartitionRecord* r = file.add_parts();
+      r->set_key(names[i].first);
+      r->set_part(names[i].second);
+      r->set_offset(parts[i]->offset());
+      r->set_count(parts[i]->count());
+      r->set_dtype(static_cast<int>(parts[i]->dtype()));
+      r->set_version(s.version);
+      r->set_step(s.step);
+      r->set_values(std::move(s.values));
+      r->set_m(std::move(s.m));
+      r->set_v(std::move(s.v));
+      for (const auto& w : s.workers) {
+        auto* rw = r->add_workers();
+        rw->set_incarnation(w.incarnation);
+        rw->set_first_round(w.first_round);
+        rw->set_next_seq(w.next_seq);
+      }
+    }
+    std::string body;
+    if (!file.SerializeToString(&body)) {
+      return absl::ResourceExhaustedError(
+          "checkpoint: the state does not fit one protobuf message (2 GiB)");
+    }
+    DEEPNEX_RETURN_IF_ERROR(MakeDirectories(dir));
+    DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically(
+        CheckpointPath(dir, options_.name),
+        EncodeChecksummed(kCheckpointMagic, kCheckpointVersion, body)));
+    metrics_.checkpoints->Add();
+    metrics_.checkpoint_round->Set(static_cast<double>(round));
+    return absl::OkStatus();
+  }
+
   std::vector<Partition*> AllPartitions() {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<Partition*> all;
@@ -685,6 +743,7 @@ class Service final : public ServiceBase {
     reply->set_round_latency_p99(latency.Quantile(0.99));
     reply->set_lease_expiries(metrics_.lease_expiries->value());
     reply->set_checkpoints(metrics_.checkpoints->value());
+    reply->set_checkpoint_round(static_cast<uint64_t>(metrics_.checkpoint_round->value()));
     uint64_t lo = UINT64_MAX, hi = 0;
     for (Partition* p : AllPartitions()) {
       uint64_t v = p->version();
@@ -892,7 +951,10 @@ class Service final : public ServiceBase {
   std::atomic<int> drops_left_;
   std::mutex mu_;
   std::unordered_map<std::string, Tensor> tensors_;
-  std::mutex checkpoint_mu_;
+  std::mutex checkpoint_mu_;  // one checkpoint written at a time
+  std::mutex periodic_mu_;
+  std::map<uint64_t, std::map<const Partition*, PartitionState>> periodic_;
+  uint64_t last_periodic_ = 0;
 };
 
 class ServerImpl final : public Server {
@@ -970,26 +1032,29 @@ class ServerImpl final : public Server {
     const auto tick = std::clamp(options_.lease_timeout / 4, std::chrono::milliseconds(5),
                                  std::chrono::milliseconds(250));
     auto last_checkpoint = Clock::now();
-    const uint64_t every = options_.checkpoint_every_rounds *
-                           (options_.mode == Mode::kAsync ? options_.num_workers : 1);
-    uint64_t next_round = every;
     std::unique_lock<std::mutex> lock(mu_);
     while (!stopping_) {
       cv_.wait_for(lock, tick);
       if (stopping_) break;
       lock.unlock();
       service_.ExpireLeases();
-      bool due = options_.checkpoint_interval.count() > 0 &&
-                 Clock::now() - last_checkpoint >= options_.checkpoint_interval;
-      if (every > 0 && service_.MaxVersion() >= next_round) due = true;
-      if (due) {
-        auto round = service_.WriteCheckpoint(options_.checkpoint_dir, std::chrono::seconds(30));
-        if (round.ok()) {
-          last_checkpoint = Clock::now();
-          if (every > 0) next_round = (*round / every + 1) * every;
-        }
+      if (options_.checkpoint_every_rounds > 0) Report(service_.WritePeriodic());
+      if (options_.checkpoint_interval.count() > 0 &&
+          Clock::now() - last_checkpoint >= options_.checkpoint_interval) {
+        Report(service_.WriteCheckpoint(options_.checkpoint_dir, std::chrono::seconds(30))
+                   .status());
+        last_checkpoint = Clock::now();
       }
       lock.lock();
+    }
+  }
+
+  // A periodic checkpoint that failed leaves the previous one in place;
+  // say so where an operator looks, and try again next time.
+  void Report(const absl::Status& status) {
+    if (!status.ok()) {
+      std::fprintf(stderr, "deepnex ps %s: periodic checkpoint failed: %s\n",
+                   options_.name.c_str(), std::string(status.message()).c_str());
     }
   }
 

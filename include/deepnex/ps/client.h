@@ -17,7 +17,8 @@ struct ClientOptions {
   // host:port of every server of the job, in the same order on every worker
   // (it decides placement).
   std::vector<std::string> servers;
-  // This worker's id, 0..num_workers-1. Default: 0
+  // This worker's id, 0..num_workers-1, or -1 for an observer that only
+  // reads (pull, describe, stats) and never joins the job. Default: 0
   int worker_id = 0;
   // Largest partition a tensor is cut into; the first init of a tensor fixes
   // its partitioning for every client. Default: 4 MiB
@@ -77,6 +78,7 @@ struct ServerStats {
   double round_latency_p50 = 0, round_latency_p99 = 0;  // seconds
   uint64_t lease_expiries = 0;
   uint64_t checkpoints = 0;
+  uint64_t checkpoint_round = 0;  // the round of the last checkpoint written
   uint64_t min_version = 0, max_version = 0;
   std::vector<WorkerStats> workers;
   std::string prometheus;  // the server's metrics as Prometheus text

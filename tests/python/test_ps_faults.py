@@ -1,0 +1,423 @@
+"""The parameter server under faults: dead and rejoining workers, bounded
+staleness, lost replies, server crashes with checkpoints, and metrics."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+import deepnex
+from deepnex import ps
+
+BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
+                           os.path.join(os.path.dirname(__file__), "..", "..", "build"))
+PS_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-ps")
+N = 64  # elements per tensor
+
+
+def g(worker, step):
+    """Integer-valued gradients: sums of them are exact in float32."""
+    return np.full(N, (worker + 1) * (step % 7 + 1), np.float32)
+
+
+def run_threads(fns, timeout=120):
+    errors = [None] * len(fns)
+
+    def body(i):
+        try:
+            fns[i]()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors[i] = e
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a worker thread hung"
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+# ---- a worker process that can die, and one that rejoins
+
+WORKER = textwrap.dedent("""
+    import os, signal, sys, time, numpy as np, deepnex
+    addr, w, steps, die_after, gate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    def g(worker, step):
+        return np.full(64, (worker + 1) * (step % 7 + 1), np.float32)
+    c = deepnex.ps.Client([addr], worker_id=w, timeout=60)
+    c.init({"w": np.zeros(64, np.float32)})
+    first = c.version("w") + 1           # a rejoining worker catches up
+    print(f"joined {first} {time.time()}", flush=True)
+    if gate != "-" and w == 2:
+        open(gate, "w").close()          # tell the others it is registered
+    for t in range(first, steps + 1):
+        try:
+            out = c.push_pull({"w": g(w, t)})["w"]
+        except deepnex.AbortedError as e:
+            print(f"aborted {t} {time.time()} {e}", flush=True)
+            sys.exit(3)
+        print(f"step {t} {time.time()}", flush=True)
+        if t == die_after:
+            print(f"dying {time.time()}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if gate != "-" and w != 2 and t == int(os.environ.get("GATE_AFTER", "0")):
+            deadline = time.time() + 60
+            while not os.path.exists(gate) and time.time() < deadline:
+                time.sleep(0.01)
+    c.close()
+    print("final " + " ".join(str(x) for x in out[:4]), flush=True)
+""")
+
+
+def spawn(addr, w, steps, die_after=-1, gate="-", env=None):
+    return subprocess.Popen([sys.executable, "-c", WORKER, addr, str(w), str(steps),
+                             str(die_after), gate],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def finish(proc, timeout=120):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail("worker hung:\n" + out)
+    return proc.returncode, out
+
+
+def times(out, word):
+    return {int(m.group(1)): float(m.group(2))
+            for m in re.finditer(rf"^{word} (\d+) ([\d.]+)", out, re.M)}
+
+
+def test_dead_worker_shrinks_the_round_and_rejoins_with_exact_values(tmp_path):
+    lease, k, steps = 1.5, 3, 8
+    gate = str(tmp_path / "rejoined")
+    with ps.Server(mode="sync", num_workers=3, optimizer=ps.SGD(lr=0.5), reduction="sum",
+                   lease_timeout=lease, lease_policy="shrink") as server:
+        env = {"GATE_AFTER": str(k + 1)}
+        others = [spawn(server.address, w, steps, gate=gate, env=env) for w in (0, 1)]
+        victim = spawn(server.address, 2, steps, die_after=k)
+        code, vout = finish(victim)
+        assert code == -signal.SIGKILL, vout
+        died = float(re.search(r"^dying ([\d.]+)", vout, re.M).group(1))
+        # The others complete round k+1 without worker 2 once its lease expires.
+        deadline = time.time() + 30
+        while server_version(server) < k + 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert server_version(server) >= k + 1
+        rejoined = spawn(server.address, 2, steps, gate=gate)
+        results = [finish(p) for p in others + [rejoined]]
+        for code, out in results:
+            assert code == 0, out
+        step_times = times(results[0][1], "step")
+        assert step_times[k + 1] - died < lease + 1.0, (step_times, died)
+        first = int(re.search(r"^joined (\d+)", results[2][1], re.M).group(1))
+        assert first > k + 1
+        stats = ps.Client([server.address], worker_id=-1).stats()[0]
+        assert stats["lease_expiries"] >= 1
+    # Rounds 1..steps from workers 0 and 1, 1..k and first..steps from worker 2.
+    total = sum(g(w, t) for w in (0, 1) for t in range(1, steps + 1))
+    total += sum(g(2, t) for t in list(range(1, k + 1)) + list(range(first, steps + 1)))
+    expected = -0.5 * total
+    for code, out in results:
+        final = np.array(re.search(r"^final (.*)$", out, re.M).group(1).split(), np.float32)
+        np.testing.assert_array_equal(final, expected[:4])
+
+
+def server_version(server):
+    with ps.Client([server.address], worker_id=-1) as c:
+        return c.stats()[0]["min_version"]
+
+
+def test_dead_worker_aborts_the_round_under_abort_policy():
+    lease, k = 1.0, 2
+    with ps.Server(mode="sync", num_workers=3, optimizer=ps.SGD(lr=0.5),
+                   lease_timeout=lease, lease_policy="abort") as server:
+        others = [spawn(server.address, w, 10) for w in (0, 1)]
+        victim = spawn(server.address, 2, 10, die_after=k)
+        code, vout = finish(victim)
+        died = float(re.search(r"^dying ([\d.]+)", vout, re.M).group(1))
+        for p in others:
+            code, out = finish(p)
+            assert code == 3, out
+            m = re.search(r"^aborted (\d+) ([\d.]+) (.*)$", out, re.M)
+            assert int(m.group(1)) == k + 1
+            assert "worker 2" in m.group(3)
+            assert float(m.group(2)) - died < lease + 1.0
+
+
+def test_ssp_bounds_the_lead_of_fast_workers_and_values_stay_exact():
+    workers, steps, s = 3, 24, 2
+    with ps.Server(mode="ssp", staleness=s, num_workers=workers, optimizer=ps.SGD(lr=0.25),
+                   reduction="sum") as server:
+        finals = [None] * workers
+
+        def worker(w):
+            def run():
+                with ps.Client([server.address], worker_id=w) as c:
+                    c.init({"w": np.zeros(N, np.float32)})
+                    for t in range(1, steps + 1):
+                        if w == 0:
+                            time.sleep(0.02)  # the slow one
+                        c.push({"w": g(w, t)})
+                        finals[w] = c.pull("w")["w"]
+                    # Bounded staleness: only the slowest sees the last round.
+            return run
+
+        run_threads([worker(w) for w in range(workers)])
+        with ps.Client([server.address], worker_id=-1) as c:
+            stats = c.stats()[0]
+            final = c.pull("w")["w"]
+    leads = {ws["worker"]: ws["max_lead"] for ws in stats["workers"]}
+    assert all(lead <= s for lead in leads.values()), leads
+    assert leads[1] >= 1 and leads[2] >= 1, leads  # the fast ones ran ahead
+    total = sum(g(w, t) for w in range(workers) for t in range(1, steps + 1))
+    np.testing.assert_array_equal(final, -0.25 * total)
+    np.testing.assert_array_equal(finals[0], -0.25 * total)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_push_whose_reply_is_lost_is_applied_once(mode):
+    with ps.Server(mode=mode, optimizer=ps.SGD(lr=1.0), _drop_push_replies=1) as server, \
+            ps.Client([server.address]) as c:
+        c.init({"w": np.zeros(N, np.float32)})
+        c.push({"w": g(0, 1)})          # applied; the reply is lost; the retry is a no-op
+        np.testing.assert_array_equal(c.pull("w")["w"], -g(0, 1))
+        c.push({"w": g(0, 2)})
+        np.testing.assert_array_equal(c.pull("w")["w"], -g(0, 1) - g(0, 2))
+        assert c.stats()[0]["pushes"] == 3  # the lost one, its retry, the next
+
+
+def test_checkpoint_restore_continues_exactly(tmp_path):
+    """Sync Adam with 2 workers: a restored server continues bit for bit."""
+    steps, cut = 12, 5
+    rng = np.random.default_rng(3)
+    grads = [[rng.standard_normal(N).astype(np.float32) for _ in range(steps + 1)]
+             for _ in range(2)]
+    init = rng.standard_normal(N).astype(np.float32)
+    opt = ps.Adam(lr=0.01)
+
+    def train(server, first, last, seen):
+        def worker(w):
+            def run():
+                with ps.Client([server.address], worker_id=w) as c:
+                    c.init({"w": init})
+                    for t in range(first, last + 1):
+                        seen[(w, t)] = c.push_pull({"w": grads[w][t]})["w"]
+            return run
+        run_threads([worker(0), worker(1)])
+
+    reference = {}
+    with ps.Server(mode="sync", num_workers=2, optimizer=opt) as server:
+        train(server, 1, steps, reference)
+
+    seen = {}
+    with ps.Server(mode="sync", num_workers=2, optimizer=opt) as server:
+        train(server, 1, cut, seen)
+        assert server.checkpoint(tmp_path) == cut
+    with ps.Server(mode="sync", num_workers=2, optimizer=opt, restore=tmp_path) as server:
+        with ps.Client([server.address], worker_id=-1) as c:
+            assert c.version("w") == cut
+            np.testing.assert_array_equal(c.pull("w")["w"], reference[(0, cut)])
+        train(server, cut + 1, steps, seen)
+    for w in range(2):
+        np.testing.assert_array_equal(seen[(w, steps)], reference[(w, steps)])
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_daemon(*args):
+    if not os.path.exists(PS_BIN):
+        pytest.skip(f"{PS_BIN} not built")
+    proc = subprocess.Popen([PS_BIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("deepnex-ps listening on "), line + proc.stderr.read()
+    return proc
+
+
+def test_server_killed_mid_training_restarts_from_its_checkpoint(tmp_path):
+    """kill -9 of deepnex-ps; restarted with --restore, the workers see the
+    round counter, values and optimizer state of the last checkpoint and
+    train on to exactly the uninterrupted result."""
+    steps, pause = 14, 9
+    rng = np.random.default_rng(5)
+    grads = [[rng.standard_normal(N).astype(np.float32) for _ in range(steps + 1)]
+             for _ in range(2)]
+    init = rng.standard_normal(N).astype(np.float32)
+    reference = {}
+    with ps.Server(mode="sync", num_workers=2, optimizer=ps.Adam(lr=0.01)) as server:
+        def ref(w):
+            def run():
+                with ps.Client([server.address], worker_id=w) as c:
+                    c.init({"w": init})
+                    for t in range(1, steps + 1):
+                        reference[(w, t)] = c.push_pull({"w": grads[w][t]})["w"]
+            return run
+        run_threads([ref(0), ref(1)])
+
+    address = f"127.0.0.1:{free_port()}"
+    flags = ["--listen", address, "--mode", "sync", "--workers", "2", "--optimizer", "adam",
+             "--lr", "0.01", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4"]
+    daemon = start_daemon(*flags)
+    paused = threading.Barrier(3)
+    resume = threading.Event()
+    final, resumed_at = {}, {}
+
+    def worker(w):
+        def run():
+            with ps.Client([address], worker_id=w, timeout=30) as c:
+                c.init({"w": init})
+                t = 1
+                while t <= steps:
+                    if t == pause + 1 and not resume.is_set():
+                        paused.wait(timeout=60)
+                        resume.wait(timeout=60)
+                    try:
+                        final[w] = c.push_pull({"w": grads[w][t]})["w"]
+                        t += 1
+                    except deepnex.AbortedError:
+                        # The server came back from a checkpoint: go on from there.
+                        t = c.version("w") + 1
+                        resumed_at[w] = t
+        return run
+
+    threads = threading.Thread(target=run_threads, args=([worker(0), worker(1)],))
+    threads.start()
+    try:
+        paused.wait(timeout=60)  # both workers finished round `pause`
+        with ps.Client([address], worker_id=-1) as c:
+            deadline = time.time() + 10
+            while c.stats()[0]["checkpoint_round"] < 8 and time.time() < deadline:
+                time.sleep(0.02)  # the periodic checkpoints cut at rounds 4 and 8
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait()
+        daemon = start_daemon(*flags, "--restore", str(tmp_path))
+        with ps.Client([address], worker_id=-1) as c:
+            round_ = c.version("w")
+            assert round_ == 8  # the last periodic checkpoint
+            np.testing.assert_array_equal(c.pull("w")["w"], reference[(0, round_)])
+        resume.set()
+        threads.join(120)
+        assert not threads.is_alive()
+    finally:
+        resume.set()
+        daemon.kill()
+        daemon.wait()
+    assert resumed_at == {0: round_ + 1, 1: round_ + 1}
+    for w in range(2):
+        np.testing.assert_array_equal(final[w], reference[(w, steps)])
+
+
+def test_damaged_checkpoints_are_refused(tmp_path):
+    with ps.Server(mode="async", optimizer=ps.Adam()) as server, \
+            ps.Client([server.address]) as c:
+        c.init({"w": np.arange(N, dtype=np.float32)})
+        c.push({"w": g(0, 1)})
+        server.checkpoint(tmp_path)
+    path = tmp_path / "ps.ckpt"
+    good = path.read_bytes()
+    with ps.Server(mode="async", optimizer=ps.Adam(), restore=tmp_path) as server:
+        with ps.Client([server.address], worker_id=-1) as c:
+            assert c.version("w") == 1
+    path.write_bytes(good[: len(good) // 2])
+    with pytest.raises(deepnex.DataLossError, match="truncated"):
+        ps.Server(mode="async", optimizer=ps.Adam(), restore=tmp_path)
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x10
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(deepnex.DataLossError, match="checksum"):
+        ps.Server(mode="async", optimizer=ps.Adam(), restore=tmp_path)
+    path.write_bytes(good)
+    with pytest.raises(deepnex.FailedPreconditionError, match="async server with 1 workers"):
+        ps.Server(mode="sync", optimizer=ps.Adam(), restore=tmp_path)
+
+
+def test_a_failed_checkpoint_keeps_the_previous_one(tmp_path):
+    with ps.Server(mode="async") as server, ps.Client([server.address]) as c:
+        c.init({"w": np.ones(N, np.float32)})
+        server.checkpoint(tmp_path)
+        good = (tmp_path / "ps.ckpt").read_bytes()
+        (tmp_path / "ps.ckpt.tmp").mkdir()  # the next write cannot create its temp file
+        c.push({"w": g(0, 1)})
+        with pytest.raises(deepnex.DeepnexError):
+            server.checkpoint(tmp_path)
+        assert (tmp_path / "ps.ckpt").read_bytes() == good
+
+
+PROM_LINE = re.compile(
+    r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="[^"]*",?)*\})? '
+    r'(-?[0-9.e+-]+|\+Inf|NaN)$')
+
+
+def parse_prometheus(text):
+    samples, types = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            types[name] = kind
+        elif line and not line.startswith("#"):
+            assert PROM_LINE.match(line), line
+            key, value = line.rsplit(" ", 1)
+            samples[key] = float(value)
+    return samples, types
+
+
+def test_metrics_endpoint_serves_prometheus_text():
+    with ps.Server(mode="sync", num_workers=1, metrics_address="127.0.0.1:0") as server, \
+            ps.Client([server.address]) as c:
+        c.init({"w": np.zeros(N, np.float32)})
+        for t in range(1, 4):
+            c.push_pull({"w": g(0, t)})
+        assert server.metrics_port > 0
+        text = urllib.request.urlopen(
+            f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    samples, types = parse_prometheus(text)
+    assert types["deepnex_ps_pushes_total"] == "counter"
+    assert types["deepnex_ps_round_latency_seconds"] == "histogram"
+    assert samples["deepnex_ps_pushes_total"] == 3
+    assert samples["deepnex_ps_rounds_total"] == 3
+    assert samples["deepnex_ps_live_workers"] == 1
+    assert samples['deepnex_ps_round_latency_seconds_bucket{le="+Inf"}'] == 3
+    assert samples["deepnex_ps_bytes_in_total"] == 3 * N * 4
+
+
+def test_daemon_metrics_port_and_fault_flags(tmp_path):
+    daemon = start_daemon("--listen", "127.0.0.1:0", "--mode", "ssp", "--staleness", "2",
+                          "--workers", "2", "--lease-timeout", "2", "--lease-policy", "abort",
+                          "--metrics-port", "0", "--checkpoint-dir", str(tmp_path),
+                          "--checkpoint-interval", "0.2", "--name", "ps0")
+    try:
+        line = daemon.stdout.readline()
+        m = re.search(r"metrics on http://([\d.]+:\d+)/metrics", line)
+        assert m, line
+        text = urllib.request.urlopen(f"http://{m.group(1)}/metrics", timeout=10).read().decode()
+        parse_prometheus(text)
+        deadline = time.time() + 10
+        while not (tmp_path / "ps0.ckpt").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "ps0.ckpt").exists()
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=10)
+    bad = subprocess.run([PS_BIN, "--mode", "sync", "--staleness", "2"], capture_output=True,
+                         text=True, timeout=30)
+    assert bad.returncode == 2 and "staleness" in bad.stderr
