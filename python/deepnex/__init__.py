@@ -61,6 +61,8 @@ except ModuleNotFoundError as _e:
     if _e.name != "deepnex.ps":
         raise
 
+from deepnex import gpu  # noqa: E402  (GPU allocation)
+
 __all__ = [
     "__version__",
     "Context",

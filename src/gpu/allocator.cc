@@ -899,8 +899,8 @@ class Allocator::Impl {
     }
     if (moded.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "mode=", ModeName(r.mode), ": a ", ModeName(r.mode), " request needs a ",
-          ModeName(r.mode), " node, and every node that could take it is ",
+          "mode=", ModeName(r.mode), ": a ", ModeName(r.mode), " request needs ",
+          r.mode == Mode::kExclusive ? "an " : "a ", ModeName(r.mode), " node, and every node that could take it is ",
           ModeName(r.mode == Mode::kShared ? Mode::kExclusive : Mode::kShared), " (",
           NameList(other), ")"));
     }

@@ -1,0 +1,284 @@
+"""GPU allocation: ``deepnex.gpu.Allocator`` and its values.
+
+    alloc = deepnex.gpu.Allocator()                  # in memory
+    alloc = deepnex.gpu.Allocator(state_dir="/var/lib/deepnex")  # persistent
+    alloc.add_node(deepnex.gpu.Node("n1", gpus=[deepnex.gpu.Gpu(memory="80GiB")] * 8,
+                                    cpus=64, memory="512GiB", mode="shared"))
+    a = alloc.allocate(deepnex.gpu.Request(user="alice", gpus=2, mode="shared",
+                                           gpu_memory="10GiB", cpus=4, memory="16GiB"))
+    a.id, a.node, a.gpus, a.env
+    alloc.release(a.id)                              # idempotent
+
+Sizes are ints (bytes) or strings such as "80GiB". Errors are
+``deepnex.DeepnexError`` subclasses: a bad value is InvalidArgumentError (a
+ValueError) naming the field; over quota, or no free capacity with
+``wait=False``, is ResourceExhaustedError; a queue timeout is
+DeadlineExceededError (a TimeoutError).
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from . import _C
+from .errors import InvalidArgumentError
+
+__all__ = [
+    "Allocator", "Gpu", "Node", "Request", "Allocation", "GrantedGpu", "NodeInfo",
+    "discover", "local_node", "load_nodes", "parse_nodes",
+]
+
+Allocation = _C.gpu.Allocation
+GrantedGpu = _C.gpu.GrantedGpu
+NodeInfo = _C.gpu.NodeInfo
+
+
+def _bytes(value, name):
+    """An int of bytes from an int or a string such as "80GiB"."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{name}: expected a byte size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidArgumentError(f"{name}={value}: must be >= 0")
+        return value
+    if isinstance(value, str):
+        return _C.parse_byte_size(value, name)
+    raise InvalidArgumentError(
+        f"{name}: expected a byte size such as \"80GiB\" or an int, got {value!r}")
+
+
+def _int(value, name):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name}: expected an int, got {value!r}")
+    return value
+
+
+def _seconds(value, name):
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidArgumentError(f"{name}={value!r}: must be a positive number of seconds")
+    return float(value)
+
+
+@dataclass
+class Gpu:
+    """One GPU of a node. ``uuid`` None: the allocator names it
+    "GPU-<node>-<index>"; ``index`` None: its position in the node's list."""
+    memory: object
+    uuid: Optional[str] = None
+    name: str = ""
+    index: Optional[int] = None
+    numa_node: int = -1
+    switch_id: int = -1
+    pci_bus_id: str = ""
+
+    def _args(self, where):
+        return (_bytes(self.memory, f"{where}.memory"), self.uuid or "", self.name,
+                -1 if self.index is None else _int(self.index, f"{where}.index"),
+                _int(self.numa_node, f"{where}.numa_node"),
+                _int(self.switch_id, f"{where}.switch_id"), self.pci_bus_id)
+
+
+@dataclass
+class Node:
+    """A machine whose GPUs, CPU cores and memory the allocator hands out.
+    mode: "exclusive" (a GPU per allocation) or "shared" (GPU memory shared)."""
+    name: str
+    gpus: Sequence[Gpu] = ()
+    cpus: int = 0
+    memory: object = 0
+    mode: str = "exclusive"
+    labels: Dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def _from_dict(cls, d):
+        return cls(d["name"], [Gpu(memory=g["memory"], uuid=g["uuid"] or None, name=g["name"],
+                                   index=g["index"] if g["index"] >= 0 else None,
+                                   numa_node=g["numa_node"], switch_id=g["switch_id"],
+                                   pci_bus_id=g["pci_bus_id"]) for g in d["gpus"]],
+                   d["cpus"], d["memory"], d["mode"], dict(d["labels"]))
+
+
+@dataclass
+class Request:
+    """What a user asks for. ``gpu_memory``: per GPU, required for shared
+    GPUs; for exclusive ones the least memory a GPU must have. ``replicas``
+    > 1 is a gang: all parts or none. ``lease``: seconds; the holder renews
+    it (``Allocator.renew``) or the allocation is released."""
+    user: str
+    gpus: int = 0
+    mode: str = "exclusive"
+    gpu_memory: object = 0
+    cpus: int = 0
+    memory: object = 0
+    selector: Dict[str, str] = field(default_factory=dict)
+    node: Optional[str] = None
+    priority: int = 0
+    replicas: int = 1
+    spread: bool = False
+    lease: Optional[float] = None
+
+
+class Allocator:
+    """Hands out GPUs, CPU cores and memory of its nodes; thread-safe.
+
+    ``state_dir``: persist every change in a crash-safe ledger there (fsynced
+    before each call returns, replayed on the next start); None keeps state
+    in memory.
+    """
+
+    def __init__(self, state_dir=None, fsync=True, snapshot_every=100000,
+                 lease_check_interval=0.1):
+        self._a = _C.gpu.Allocator(
+            state_dir=state_dir or "", fsync=bool(fsync),
+            snapshot_every=_int(snapshot_every, "snapshot_every"),
+            lease_check_interval=_seconds(lease_check_interval, "lease_check_interval"))
+
+    # ---- nodes (admin)
+
+    def add_node(self, node: Node):
+        if not isinstance(node, Node):
+            raise TypeError(f"add_node: expected deepnex.gpu.Node, got {type(node).__name__}")
+        where = f"node {node.name}"
+        gpus = []
+        for i, g in enumerate(node.gpus):
+            if not isinstance(g, Gpu):
+                raise TypeError(f"{where}: gpus[{i}]: expected deepnex.gpu.Gpu, "
+                                f"got {type(g).__name__}")
+            gpus.append(g._args(f"{where}: gpus[{i}]"))
+        self._a.add_node(name=node.name, gpus=gpus, cpus=_int(node.cpus, f"{where}: cpus"),
+                         memory=_bytes(node.memory, f"{where}: memory"), mode=node.mode,
+                         labels=dict(node.labels or {}))
+
+    def remove_node(self, name):
+        """Refused (FailedPreconditionError) while the node holds allocations."""
+        self._a.remove_node(name)
+
+    def set_node_mode(self, name, mode, when_drained=False):
+        """Switch a node to "exclusive" or "shared". A node holding GPU
+        allocations of its current mode refuses (FailedPreconditionError naming
+        them), or with ``when_drained=True`` switches once they are released."""
+        self._a.set_node_mode(name=name, mode=mode, when_drained=bool(when_drained))
+
+    def cordon(self, name):
+        self._a.cordon(name)
+
+    def uncordon(self, name):
+        self._a.uncordon(name)
+
+    def drain(self, name, release=False):
+        """Cordon the node and mark it draining; ``release=True`` also
+        releases its allocations."""
+        self._a.drain(name=name, release=bool(release))
+
+    def nodes(self) -> List[NodeInfo]:
+        return self._a.nodes()
+
+    def node(self, name) -> NodeInfo:
+        return self._a.node(name)
+
+    # ---- quotas (admin)
+
+    def set_quota(self, user, gpus=None, gpu_memory=None, cpus=None, memory=None) -> str:
+        """Set ``user``'s quota (None: unlimited). Allowed below what the user
+        holds; then the returned note says so and new grants are refused until
+        use drops. Returns "" otherwise."""
+        if not user:
+            raise InvalidArgumentError("user: empty (use set_default_quota)")
+        return self._set_quota(user, gpus, gpu_memory, cpus, memory)
+
+    def set_default_quota(self, gpus=None, gpu_memory=None, cpus=None, memory=None) -> str:
+        """The quota of users without their own."""
+        return self._set_quota("", gpus, gpu_memory, cpus, memory)
+
+    def _set_quota(self, user, gpus, gpu_memory, cpus, memory):
+        who = f"quota of {user or 'default'}"
+        return self._a.set_quota(
+            user=user,
+            gpus=None if gpus is None else _int(gpus, f"{who}: gpus"),
+            gpu_memory=None if gpu_memory is None else _bytes(gpu_memory, f"{who}: gpu_memory"),
+            cpus=None if cpus is None else _int(cpus, f"{who}: cpus"),
+            memory=None if memory is None else _bytes(memory, f"{who}: memory"))
+
+    def clear_quota(self, user):
+        self._a.clear_quota(user)
+
+    def quota(self, user) -> dict:
+        return self._a.quota(user)
+
+    def usage(self, user) -> dict:
+        return self._a.usage(user)
+
+    # ---- allocations
+
+    def allocate(self, request: Request, wait=True, timeout=None):
+        """Grant ``request``: an Allocation, or for a gang (replicas > 1) the
+        list of its parts. Over free capacity it waits in the queue (priority,
+        then FIFO) up to ``timeout`` seconds (None: until granted);
+        ``wait=False`` raises ResourceExhaustedError instead."""
+        if not isinstance(request, Request):
+            raise TypeError(f"allocate: expected deepnex.gpu.Request, "
+                            f"got {type(request).__name__}")
+        r = request
+        parts = self._a.allocate(
+            user=r.user, gpus=_int(r.gpus, "gpus"), mode=r.mode,
+            gpu_memory=_bytes(r.gpu_memory, "gpu_memory"), cpus=_int(r.cpus, "cpus"),
+            memory=_bytes(r.memory, "memory"), selector=dict(r.selector or {}),
+            node=r.node or "", priority=_int(r.priority, "priority"),
+            replicas=_int(r.replicas, "replicas"), spread=bool(r.spread),
+            lease=_seconds(r.lease, "lease"), wait=bool(wait),
+            timeout=_seconds(timeout, "timeout"))
+        return parts if r.replicas != 1 else parts[0]
+
+    def release(self, id):  # noqa: A002 - the issue's name
+        """Release an allocation (or a whole gang by its gang id). Idempotent."""
+        self._a.release(id)
+
+    def renew(self, id) -> Allocation:  # noqa: A002
+        return self._a.renew(id)
+
+    def allocations(self, user=None) -> List[Allocation]:
+        return self._a.allocations(user or "")
+
+    def allocation(self, id) -> Allocation:  # noqa: A002
+        return self._a.allocation(id)
+
+    def queue_length(self) -> int:
+        return self._a.queue_length()
+
+    # ---- persistence and checks
+
+    def compact(self):
+        """Write a snapshot and drop the log behind it."""
+        self._a.compact()
+
+    def check_invariants(self):
+        """Raises InternalError on any inconsistency (for tests)."""
+        self._a.check_invariants()
+
+    def _digest(self) -> bytes:
+        return self._a.state_digest()
+
+    def _ledger_records(self) -> int:
+        return self._a.ledger_records()
+
+
+def discover(library="libnvidia-ml.so.1") -> dict:
+    """This machine's GPUs through NVML: {"gpus": [...], "links": [[...]],
+    "driver_version", "summary"}; without the driver, no GPUs and summary
+    "0 GPUs (NVML not found)"."""
+    return _C.gpu.discover(library)
+
+
+def local_node(name=None, mode="exclusive") -> Node:
+    """This machine as a Node (host name, discovered GPUs, CPU cores, memory)."""
+    return Node._from_dict(_C.gpu.local_node(name or "", mode))
+
+
+def load_nodes(path) -> List[Node]:
+    """Nodes declared in a JSON file (see include/deepnex/gpu/discovery.h)."""
+    return [Node._from_dict(d) for d in _C.gpu.load_nodes(str(path))]
+
+
+def parse_nodes(text, source="<string>") -> List[Node]:
+    return [Node._from_dict(d) for d in _C.gpu.parse_nodes(text, source)]

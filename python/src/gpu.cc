@@ -1,0 +1,356 @@
+// deepnex._C.gpu: the GPU allocator. The Python layer (python/deepnex/gpu.py)
+// turns byte sizes such as "80GiB" and mode names into the plain values
+// these take.
+#include <chrono>
+#include <memory>
+
+#include "common.h"
+#include "deepnex/gpu/allocator.h"
+#include "deepnex/gpu/discovery.h"
+#include "deepnex/units.h"
+
+namespace deepnex::python {
+namespace {
+
+using gpu::Allocation;
+using gpu::Allocator;
+using gpu::GrantedGpu;
+using gpu::Mode;
+using gpu::NodeInfo;
+
+using Labels = std::map<std::string, std::string>;
+// (memory, uuid, name, index, numa_node, switch_id, pci_bus_id)
+using GpuArgs = std::tuple<uint64_t, std::string, std::string, int, int, int, std::string>;
+
+Mode ModeOf(const std::string& mode, const char* field) { return Unwrap(gpu::ParseMode(mode, field)); }
+
+gpu::Node MakeNode(const std::string& name, const std::vector<GpuArgs>& gpus, int cpus,
+                   uint64_t memory, const std::string& mode, const Labels& labels) {
+  gpu::Node n;
+  n.name = name;
+  for (const auto& [mem, uuid, gname, index, numa, sw, pci] : gpus) {
+    gpu::Gpu g;
+    g.memory = mem;
+    g.uuid = uuid;
+    g.name = gname;
+    g.index = index;
+    g.numa_node = numa;
+    g.switch_id = sw;
+    g.pci_bus_id = pci;
+    n.gpus.push_back(std::move(g));
+  }
+  n.cpus = cpus;
+  n.memory = memory;
+  n.mode = ModeOf(mode, "mode");
+  n.labels = labels;
+  return n;
+}
+
+py::dict GpuDict(const gpu::Gpu& g) {
+  py::dict d;
+  d["index"] = g.index;
+  d["uuid"] = g.uuid;
+  d["name"] = g.name;
+  d["memory"] = g.memory;
+  d["pci_bus_id"] = g.pci_bus_id;
+  d["numa_node"] = g.numa_node;
+  d["switch_id"] = g.switch_id;
+  return d;
+}
+
+py::dict NodeDict(const gpu::Node& n) {
+  py::dict d;
+  d["name"] = n.name;
+  py::list gpus;
+  for (const auto& g : n.gpus) gpus.append(GpuDict(g));
+  d["gpus"] = gpus;
+  d["cpus"] = n.cpus;
+  d["memory"] = n.memory;
+  d["mode"] = gpu::ModeName(n.mode);
+  d["labels"] = n.labels;
+  return d;
+}
+
+std::optional<int64_t> OptCount(const std::optional<int64_t>& v) { return v; }
+
+gpu::Quota MakeQuota(std::optional<int64_t> gpus, std::optional<uint64_t> gpu_memory,
+                     std::optional<int64_t> cpus, std::optional<uint64_t> memory) {
+  gpu::Quota q;
+  q.gpus = gpus;
+  q.gpu_memory = gpu_memory;
+  q.cpus = cpus;
+  q.memory = memory;
+  return q;
+}
+
+}  // namespace
+
+void RegisterGpu(py::module_& parent) {
+  py::module_ m = parent.def_submodule("gpu", "GPU allocation (C++ core)");
+
+  py::class_<GrantedGpu>(m, "GrantedGpu")
+      .def_readonly("index", &GrantedGpu::index)
+      .def_readonly("uuid", &GrantedGpu::uuid)
+      .def_readonly("memory", &GrantedGpu::memory)
+      .def_readonly("exclusive", &GrantedGpu::exclusive)
+      .def("__repr__", [](const GrantedGpu& g) {
+        return "GrantedGpu(index=" + std::to_string(g.index) + ", uuid='" + g.uuid +
+               "', memory=" + FormatByteSize(g.memory) +
+               (g.exclusive ? ", exclusive)" : ", shared)");
+      });
+
+  py::class_<Allocation>(m, "Allocation")
+      .def_readonly("id", &Allocation::id)
+      .def_readonly("user", &Allocation::user)
+      .def_readonly("node", &Allocation::node)
+      .def_readonly("gpus", &Allocation::gpus)
+      .def_readonly("cpus", &Allocation::cpus)
+      .def_readonly("memory", &Allocation::memory)
+      .def_readonly("priority", &Allocation::priority)
+      .def_readonly("gang", &Allocation::gang)
+      .def_readonly("replica", &Allocation::replica)
+      .def_property_readonly("lease", [](const Allocation& a) -> std::optional<double> {
+        if (a.lease_ms == 0) return std::nullopt;
+        return a.lease_ms / 1000.0;
+      })
+      .def_property_readonly("expires_at", [](const Allocation& a) -> std::optional<double> {
+        if (a.expires_at_ms == 0) return std::nullopt;
+        return a.expires_at_ms / 1000.0;
+      })
+      .def_readonly("env", &Allocation::env)
+      .def("__repr__", [](const Allocation& a) { return "Allocation(" + a.ToString() + ")"; });
+
+  py::class_<NodeInfo>(m, "NodeInfo")
+      .def_property_readonly("name", [](const NodeInfo& n) { return n.node.name; })
+      .def_property_readonly("node", [](const NodeInfo& n) { return NodeDict(n.node); })
+      .def_property_readonly("mode", [](const NodeInfo& n) { return gpu::ModeName(n.mode); })
+      .def_property_readonly("pending_mode", [](const NodeInfo& n) -> std::optional<std::string> {
+        if (!n.pending_mode) return std::nullopt;
+        return std::string(gpu::ModeName(*n.pending_mode));
+      })
+      .def_readonly("cordoned", &NodeInfo::cordoned)
+      .def_readonly("draining", &NodeInfo::draining)
+      .def_property_readonly("gpus", [](const NodeInfo& n) {
+        py::list out;
+        for (size_t i = 0; i < n.node.gpus.size(); ++i) {
+          py::dict d = GpuDict(n.node.gpus[i]);
+          d["memory_used"] = n.gpu_memory_used[i];
+          d["allocations"] = n.gpu_allocations[i];
+          out.append(d);
+        }
+        return out;
+      })
+      .def_property_readonly("gpus_free", &NodeInfo::gpus_free)
+      .def_property_readonly("cpus", [](const NodeInfo& n) { return n.node.cpus; })
+      .def_property_readonly("memory", [](const NodeInfo& n) { return n.node.memory; })
+      .def_readonly("cpus_used", &NodeInfo::cpus_used)
+      .def_readonly("memory_used", &NodeInfo::memory_used)
+      .def_property_readonly("labels", [](const NodeInfo& n) { return n.node.labels; })
+      .def_readonly("allocation_ids", &NodeInfo::allocation_ids)
+      .def("__repr__", [](const NodeInfo& n) {
+        return "NodeInfo(name='" + n.node.name + "', mode=" + gpu::ModeName(n.mode) +
+               ", gpus_free=" + std::to_string(n.gpus_free()) + "/" +
+               std::to_string(n.node.gpus.size()) + ", cpus_used=" +
+               std::to_string(n.cpus_used) + "/" + std::to_string(n.node.cpus) +
+               (n.cordoned ? ", cordoned" : "") + ")";
+      });
+
+  py::class_<Allocator>(m, "Allocator")
+      .def(py::init([](const std::string& state_dir, bool fsync, uint64_t snapshot_every,
+                       double lease_check_interval) {
+             gpu::AllocatorOptions o;
+             o.state_dir = state_dir;
+             o.fsync = fsync;
+             o.snapshot_every = snapshot_every;
+             o.lease_check_interval =
+                 std::chrono::milliseconds(static_cast<int64_t>(lease_check_interval * 1000));
+             py::gil_scoped_release release;
+             return Unwrap(Allocator::Create(o));
+           }),
+           py::arg("state_dir"), py::arg("fsync"), py::arg("snapshot_every"),
+           py::arg("lease_check_interval"))
+      .def(
+          "add_node",
+          [](Allocator& a, const std::string& name, const std::vector<GpuArgs>& gpus, int cpus,
+             uint64_t memory, const std::string& mode, const Labels& labels) {
+            gpu::Node n = MakeNode(name, gpus, cpus, memory, mode, labels);
+            py::gil_scoped_release release;
+            CheckStatus(a.AddNode(n));
+          },
+          py::arg("name"), py::arg("gpus"), py::arg("cpus"), py::arg("memory"), py::arg("mode"),
+          py::arg("labels"))
+      .def(
+          "remove_node",
+          [](Allocator& a, const std::string& name) { CheckStatus(a.RemoveNode(name)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_node_mode",
+          [](Allocator& a, const std::string& name, const std::string& mode, bool when_drained) {
+            Mode m = ModeOf(mode, "mode");
+            py::gil_scoped_release release;
+            CheckStatus(a.SetNodeMode(
+                name, m, when_drained ? gpu::ModeSwitch::kWhenDrained : gpu::ModeSwitch::kRefuse));
+          },
+          py::arg("name"), py::arg("mode"), py::arg("when_drained"))
+      .def(
+          "cordon", [](Allocator& a, const std::string& name) { CheckStatus(a.Cordon(name)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "uncordon", [](Allocator& a, const std::string& name) { CheckStatus(a.Uncordon(name)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "drain",
+          [](Allocator& a, const std::string& name, bool release) {
+            CheckStatus(a.Drain(name, release));
+          },
+          py::arg("name"), py::arg("release"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_quota",
+          [](Allocator& a, const std::string& user, std::optional<int64_t> gpus,
+             std::optional<uint64_t> gpu_memory, std::optional<int64_t> cpus,
+             std::optional<uint64_t> memory) {
+            gpu::Quota q = MakeQuota(gpus, gpu_memory, cpus, memory);
+            py::gil_scoped_release release;
+            return user.empty() ? Unwrap(a.SetDefaultQuota(q)) : Unwrap(a.SetQuota(user, q));
+          },
+          py::arg("user"), py::arg("gpus"), py::arg("gpu_memory"), py::arg("cpus"),
+          py::arg("memory"))
+      .def(
+          "clear_quota",
+          [](Allocator& a, const std::string& user) { CheckStatus(a.ClearQuota(user)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def("quota",
+           [](const Allocator& a, const std::string& user) {
+             gpu::Quota q = a.GetQuota(user);
+             py::dict d;
+             d["gpus"] = OptCount(q.gpus);
+             d["gpu_memory"] = q.gpu_memory;
+             d["cpus"] = OptCount(q.cpus);
+             d["memory"] = q.memory;
+             return d;
+           })
+      .def("usage",
+           [](const Allocator& a, const std::string& user) {
+             gpu::Usage u = a.GetUsage(user);
+             py::dict d;
+             d["gpus"] = u.gpus;
+             d["gpu_memory"] = u.gpu_memory;
+             d["cpus"] = u.cpus;
+             d["memory"] = u.memory;
+             return d;
+           })
+      .def(
+          "allocate",
+          [](Allocator& a, const std::string& user, int gpus, const std::string& mode,
+             uint64_t gpu_memory, int cpus, uint64_t memory, const Labels& selector,
+             const std::string& node, int priority, int replicas, bool spread, double lease,
+             bool wait, double timeout) {
+            gpu::Request r;
+            r.user = user;
+            r.gpus = gpus;
+            r.mode = ModeOf(mode, "mode");
+            r.gpu_memory = gpu_memory;
+            r.cpus = cpus;
+            r.memory = memory;
+            r.selector = selector;
+            r.node = node;
+            r.priority = priority;
+            r.replicas = replicas;
+            r.spread = spread;
+            r.lease = std::chrono::milliseconds(static_cast<int64_t>(lease * 1000));
+            gpu::AllocateOptions o;
+            o.wait = wait;
+            o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
+            py::gil_scoped_release release;
+            return Unwrap(a.AllocateGang(r, o));
+          },
+          py::arg("user"), py::arg("gpus"), py::arg("mode"), py::arg("gpu_memory"),
+          py::arg("cpus"), py::arg("memory"), py::arg("selector"), py::arg("node"),
+          py::arg("priority"), py::arg("replicas"), py::arg("spread"), py::arg("lease"),
+          py::arg("wait"), py::arg("timeout"))
+      .def(
+          "release", [](Allocator& a, const std::string& id) { CheckStatus(a.Release(id)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "renew", [](Allocator& a, const std::string& id) { return Unwrap(a.Renew(id)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def("nodes", &Allocator::Nodes, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "node", [](const Allocator& a, const std::string& name) { return Unwrap(a.GetNode(name)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def("allocations", &Allocator::Allocations, py::arg("user"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "allocation",
+          [](const Allocator& a, const std::string& id) { return Unwrap(a.GetAllocation(id)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def("queue_length", &Allocator::QueueLength)
+      .def(
+          "compact", [](Allocator& a) { CheckStatus(a.Compact()); },
+          py::call_guard<py::gil_scoped_release>())
+      .def("ledger_records", &Allocator::LedgerRecords)
+      .def("state_digest", [](const Allocator& a) { return py::bytes(a.StateDigest()); })
+      .def(
+          "check_invariants", [](const Allocator& a) { CheckStatus(a.CheckInvariants()); },
+          py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "discover",
+      [](const std::string& library) {
+        gpu::LocalGpus local;
+        {
+          py::gil_scoped_release release;
+          local = gpu::DiscoverLocalGpus(library);
+        }
+        py::dict d;
+        py::list gpus;
+        for (const auto& g : local.gpus) gpus.append(GpuDict(g));
+        d["gpus"] = gpus;
+        py::list links;
+        for (const auto& row : local.links) {
+          py::list r;
+          for (auto l : row) r.append(gpu::GpuLinkName(l));
+          links.append(r);
+        }
+        d["links"] = links;
+        d["driver_version"] = local.driver_version;
+        d["summary"] = local.summary;
+        return d;
+      },
+      py::arg("library"));
+  m.def(
+      "local_node",
+      [](const std::string& name, const std::string& mode) {
+        Mode md = ModeOf(mode, "mode");
+        gpu::Node n;
+        {
+          py::gil_scoped_release release;
+          n = Unwrap(gpu::LocalNode(name, md));
+        }
+        return NodeDict(n);
+      },
+      py::arg("name"), py::arg("mode"));
+  m.def(
+      "load_nodes",
+      [](const std::string& path) {
+        std::vector<gpu::Node> nodes;
+        {
+          py::gil_scoped_release release;
+          nodes = Unwrap(gpu::LoadNodesFile(path));
+        }
+        py::list out;
+        for (const auto& n : nodes) out.append(NodeDict(n));
+        return out;
+      },
+      py::arg("path"));
+  m.def(
+      "parse_nodes",
+      [](const std::string& text, const std::string& source) {
+        py::list out;
+        for (const auto& n : Unwrap(gpu::ParseNodesJson(text, source))) out.append(NodeDict(n));
+        return out;
+      },
+      py::arg("text"), py::arg("source"));
+}
+
+}  // namespace deepnex::python
