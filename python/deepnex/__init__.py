@@ -54,6 +54,8 @@ def init(environ=None) -> "Context":
     return _C.Context.from_env(environ)
 
 
+from deepnex import collective  # noqa: E402
+
 # The parameter server's Python layer is optional while it is being written.
 try:
     from deepnex import ps

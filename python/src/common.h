@@ -23,6 +23,7 @@ namespace py = pybind11;
 // first.
 void RegisterCore(py::module_& m);
 void RegisterPs(py::module_& m);
+void RegisterCollective(py::module_& m);
 void RegisterGpu(py::module_& m);
 
 // A C++ exception carrying a non-OK status. RegisterCore installs a

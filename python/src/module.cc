@@ -11,5 +11,6 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = DEEPNEX_VERSION;
   deepnex::python::RegisterCore(m);
   deepnex::python::RegisterPs(m);
+  deepnex::python::RegisterCollective(m);
   deepnex::python::RegisterGpu(m);
 }

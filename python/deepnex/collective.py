@@ -1,0 +1,235 @@
+"""Collectives: ``deepnex.collective.Store``, ``StoreClient`` and ``Communicator``.
+
+A rendezvous store lets the ranks of a job find each other; a communicator
+runs allreduce, broadcast, allgather, reduce_scatter and barrier among them::
+
+    store = deepnex.collective.Store("127.0.0.1:0")        # serving on return
+    comm = deepnex.collective.Communicator(rank, world_size, store=store.address)
+    comm.allreduce(grad, op="mean")                         # in place
+    gathered = comm.allgather(x)                            # (world_size, *x.shape)
+    work = comm.allreduce_async(grad); work.wait(timeout=10)
+
+Arrays are numpy arrays or CPU torch tensors, used without copies: a wrong
+dtype, a non-contiguous array or a read-only output raises
+``InvalidArgumentError`` (a ``ValueError``) instead of copying.
+"""
+
+import numpy as np
+
+from . import _C
+from .errors import InvalidArgumentError
+
+__all__ = ["Store", "StoreClient", "Communicator", "Work"]
+
+
+def _seconds(timeout, default):
+    return float(default if timeout is None else timeout)
+
+
+class Store:
+    """A rendezvous store served from this process until ``stop()``."""
+
+    def __init__(self, address="127.0.0.1:0", token=None, token_file=None,
+                 max_value_bytes=64 << 20):
+        self._server = _C.collective.StoreServer(
+            address=address, token=token or "", token_file=token_file or "",
+            max_value_bytes=int(max_value_bytes))
+
+    @property
+    def address(self):
+        """host:port, with the port the OS picked for port 0."""
+        return self._server.address
+
+    @property
+    def port(self):
+        return self._server.port
+
+    def __len__(self):
+        return len(self._server)
+
+    def stop(self):
+        self._server.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class StoreClient:
+    """A connection to a store. Keys are prefixed with ``prefix + "/"``.
+
+    Values are bytes (str is encoded as UTF-8). ``get`` and ``wait`` wait up
+    to ``timeout`` seconds (default: the client's) for missing keys, then raise
+    ``DeadlineExceededError`` (a ``TimeoutError``) naming them.
+    """
+
+    def __init__(self, address, prefix="", timeout=30.0, token=None, token_file=None):
+        self._timeout = float(timeout)
+        self._client = _C.collective.StoreClient(
+            address=address, prefix=prefix, timeout=self._timeout,
+            token=token or "", token_file=token_file or "")
+
+    @staticmethod
+    def _bytes(value):
+        return value.encode() if isinstance(value, str) else bytes(value)
+
+    def set(self, key, value):
+        self._client.set(key, self._bytes(value))
+
+    def get(self, key, timeout=None):
+        return self._client.get([key], _seconds(timeout, self._timeout))[0]
+
+    def multi_get(self, keys, timeout=None):
+        return self._client.get(list(keys), _seconds(timeout, self._timeout))
+
+    def add(self, key, delta=1):
+        return self._client.add(key, int(delta))
+
+    def compare_set(self, key, expected, desired):
+        """Sets key to desired if its value is expected (or it is missing and
+        expected is empty); returns the value after the call."""
+        return self._client.compare_set(key, self._bytes(expected), self._bytes(desired))
+
+    def delete(self, key):
+        return self._client.delete(key)
+
+    def wait(self, keys, timeout=None):
+        self._client.wait(list(keys), _seconds(timeout, self._timeout))
+
+    def check(self, keys):
+        return self._client.check(list(keys))
+
+    @property
+    def address(self):
+        return self._client.address
+
+
+def _buffer(x, what):
+    """(buffer, dtype override, original) for the C++ layer; never copies."""
+    if isinstance(x, np.ndarray):
+        return x, None
+    if type(x).__module__.startswith("torch"):
+        import torch
+        if x.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"{what}: a {x.device.type} tensor; the cpu backend takes CPU tensors")
+        t = x.detach()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy(), "bfloat16"
+        return t.numpy(), None
+    raise TypeError(f"{what}: expected a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+def _empty_like(x, shape):
+    if isinstance(x, np.ndarray):
+        return np.empty(shape, dtype=x.dtype)
+    import torch
+    return torch.empty(shape, dtype=x.dtype)
+
+
+class Work:
+    """A collective in flight: ``wait(timeout=None)`` returns its result (the
+    tensor or array) or raises its error; ``TimeoutError``
+    (DeadlineExceededError) if it is still running then."""
+
+    def __init__(self, work, result=None):
+        self._work = work
+        self._result = result
+
+    def wait(self, timeout=None):
+        self._work.wait(timeout)
+        return self._result
+
+    def done(self):
+        return self._work.done()
+
+
+class Communicator:
+    """This process's member of a communicator of ``world_size`` ranks.
+
+    store: host:port of the rendezvous store; prefix: the communicator's
+    namespace there (communicators sharing a store at once need different
+    prefixes). backend: "auto" (= "cpu"), "cpu" or "nccl". timeout: seconds
+    for init and for each collective. transport (cpu): "auto" (shared memory
+    between ranks on one host, TCP otherwise), "tcp" or "shm"; the variable
+    DEEPNEX_COLLECTIVE_TRANSPORT overrides it.
+    """
+
+    def __init__(self, rank, world_size, store="", backend="auto", timeout=30.0,
+                 prefix="deepnex", transport="auto", connections_per_peer=2,
+                 shm_channels=2, token=None, token_file=None, device=-1):
+        self._comm = _C.collective.Communicator(
+            rank=int(rank), world_size=int(world_size), store=store, prefix=prefix,
+            backend=backend, timeout=float(timeout), transport=transport,
+            connections_per_peer=int(connections_per_peer), shm_channels=int(shm_channels),
+            token=token or "", token_file=token_file or "", device=int(device))
+
+    @classmethod
+    def from_context(cls, context=None, **kwargs):
+        """A communicator of the job's workers, from ``deepnex.init()``'s
+        context (rank, world size, store address, token)."""
+        if context is None:
+            from . import init
+            context = init()
+        kwargs.setdefault("token", getattr(context, "token", None) or None)
+        kwargs.setdefault("prefix", getattr(context, "job_id", "") or "deepnex")
+        return cls(context.rank, context.world_size, store=context.store_addr, **kwargs)
+
+    rank = property(lambda self: self._comm.rank)
+    world_size = property(lambda self: self._comm.world_size)
+    backend = property(lambda self: self._comm.backend)
+    transport = property(lambda self: self._comm.transport)
+
+    def allreduce_async(self, x, op="sum"):
+        b, dtype = _buffer(x, "allreduce")
+        return Work(self._comm.allreduce_async(b, dtype, op), x)
+
+    def broadcast_async(self, x, root=0):
+        b, dtype = _buffer(x, "broadcast")
+        return Work(self._comm.broadcast_async(b, dtype, int(root)), x)
+
+    def allgather_async(self, x):
+        out = _empty_like(x, (self.world_size, *tuple(x.shape)))
+        bi, dtype = _buffer(x, "allgather")
+        bo, _ = _buffer(out, "allgather")
+        return Work(self._comm.allgather_async(bi, bo, dtype), out)
+
+    def reduce_scatter_async(self, x, op="sum"):
+        shape = tuple(x.shape)
+        if not shape or shape[0] % self.world_size:
+            raise InvalidArgumentError(
+                f"reduce_scatter: the first dimension of a {list(shape)} tensor must be a "
+                f"multiple of world_size {self.world_size}")
+        out = _empty_like(x, (shape[0] // self.world_size, *shape[1:]))
+        bi, dtype = _buffer(x, "reduce_scatter")
+        bo, _ = _buffer(out, "reduce_scatter")
+        return Work(self._comm.reduce_scatter_async(bi, bo, dtype, op), out)
+
+    def barrier_async(self):
+        return Work(self._comm.barrier_async())
+
+    def allreduce(self, x, op="sum"):
+        """In place; returns x."""
+        return self.allreduce_async(x, op).wait()
+
+    def broadcast(self, x, root=0):
+        """In place: every rank ends with root's x; returns x."""
+        return self.broadcast_async(x, root).wait()
+
+    def allgather(self, x):
+        """A new array (world_size, *x.shape) of every rank's x."""
+        return self.allgather_async(x).wait()
+
+    def reduce_scatter(self, x, op="sum"):
+        """x's first dimension is split into world_size blocks; returns the
+        reduction of block `rank` over all ranks."""
+        return self.reduce_scatter_async(x, op).wait()
+
+    def barrier(self):
+        self.barrier_async().wait()
+
+    def abort(self):
+        """Breaks the communicator; the other ranks see this rank leave."""
+        self._comm.abort()

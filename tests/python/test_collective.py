@@ -1,0 +1,250 @@
+"""deepnex.collective: the rendezvous store and communicators, with ranks as
+threads and as processes on 127.0.0.1. Inputs are integer-valued so results
+are exact."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import deepnex
+from deepnex import collective
+
+
+@pytest.fixture
+def store():
+    s = collective.Store("127.0.0.1:0")
+    yield s
+    s.stop()
+
+
+_prefix_counter = [0]
+
+
+def run_ranks(store, n, body, **kwargs):
+    """Runs body(rank, comm) on n threads; re-raises the first failure."""
+    _prefix_counter[0] += 1
+    prefix = f"py{os.getpid()}-{_prefix_counter[0]}"
+    errors = [None] * n
+
+    def rank_main(r):
+        try:
+            comm = collective.Communicator(r, n, store=store.address, prefix=prefix,
+                                           timeout=20.0, **kwargs)
+            body(r, comm)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+def test_store_operations(store):
+    c = collective.StoreClient(store.address, prefix="job", timeout=5.0)
+    c.set("a", b"x\x00y")
+    assert c.get("a") == b"x\x00y"
+    c.set("s", "text")
+    assert c.get("s") == b"text"
+    assert c.add("n", 2) == 2 and c.add("n", 3) == 5
+    assert c.compare_set("k", b"", b"first") == b"first"
+    assert c.compare_set("k", b"nope", b"second") == b"first"
+    assert c.check(["a", "missing"]) == [True, False]
+    assert c.delete("a") and not c.delete("a")
+    with pytest.raises(TimeoutError, match="job/missing"):
+        c.get("missing", timeout=0.2)
+    with pytest.raises(deepnex.DeadlineExceededError, match="job/m2"):
+        c.wait(["s", "m2"], timeout=0.1)
+    raw = collective.StoreClient(store.address)
+    assert raw.get("job/s") == b"text"
+
+
+def test_store_get_waits_for_a_later_set(store):
+    c = collective.StoreClient(store.address)
+    t = threading.Timer(0.1, lambda: collective.StoreClient(store.address).set("late", b"v"))
+    t.start()
+    assert c.get("late", timeout=5) == b"v"
+    t.join()
+
+
+def test_store_token():
+    with collective.Store("127.0.0.1:0", token="s3cret") as s:
+        with pytest.raises(PermissionError):
+            collective.StoreClient(s.address).set("k", b"v")
+        collective.StoreClient(s.address, token="s3cret").set("k", b"v")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_allreduce_every_dtype_and_op(store, n):
+    def body(r, comm):
+        for dtype in (np.float32, np.float64, np.float16, np.int32, np.int64):
+            for op in ("sum", "mean", "max", "min", "prod"):
+                for size in (0, 1, 7, 1001):
+                    i = np.arange(size)
+                    vals = [((i + k) % 3 + 1) if op == "prod" else (i * 7 + 3 * k) % 11 + k
+                            for k in range(n)]
+                    x = vals[r].astype(dtype)
+                    out = comm.allreduce(x, op=op)
+                    assert out is x
+                    stack = np.stack(vals).astype(np.float64)
+                    want = {"sum": stack.sum(0), "prod": stack.prod(0), "max": stack.max(0),
+                            "min": stack.min(0), "mean": stack.sum(0)}[op]
+                    if op == "mean":
+                        if np.issubdtype(dtype, np.integer):
+                            want = np.trunc(want / n)
+                        elif dtype == np.float64:
+                            want = want / n
+                        else:
+                            want = (want.astype(np.float32) / np.float32(n)).astype(dtype)
+                    np.testing.assert_array_equal(x, want.astype(dtype),
+                                                  err_msg=f"{dtype} {op} {size}")
+    run_ranks(store, n, body)
+
+
+def test_broadcast_allgather_reduce_scatter_async(store):
+    n = 3
+
+    def body(r, comm):
+        x = np.full((4, 5), r, np.float32)
+        comm.broadcast(x, root=2)
+        assert (x == 2).all()
+        g = comm.allgather(np.full(7, r + 1, np.int64))
+        assert g.shape == (3, 7)
+        np.testing.assert_array_equal(g[:, 0], [1, 2, 3])
+        y = np.arange(6 * 2, dtype=np.float64).reshape(6, 2) + r
+        out = comm.reduce_scatter(y)
+        assert out.shape == (2, 2)
+        np.testing.assert_array_equal(out, 3 * np.arange(12).reshape(6, 2)[2 * r:2 * r + 2] + 3)
+        works = [comm.allreduce_async(np.full(1000, r + k, np.float32)) for k in range(5)]
+        for k, w in enumerate(works):
+            assert (w.wait(timeout=20) == 3 * k + 3).all()
+        comm.barrier()
+        assert comm.rank == r and comm.world_size == 3
+    run_ranks(store, n, body)
+
+
+def test_torch_tensors_without_copies(store):
+    torch = pytest.importorskip("torch")
+
+    def body(r, comm):
+        t = torch.full((3, 1000), float(r + 1))
+        ptr = t.data_ptr()
+        assert comm.allreduce(t) is t
+        assert t.data_ptr() == ptr and (t == 3).all()
+        b = torch.full((513,), float(r + 2), dtype=torch.bfloat16)
+        comm.allreduce(b, op="max")
+        assert (b == 3).all()
+        g = comm.allgather(torch.tensor([r, r], dtype=torch.int32))
+        assert isinstance(g, torch.Tensor) and g.tolist() == [[0, 0], [1, 1]]
+    run_ranks(store, 2, body)
+
+
+def test_bad_input_and_mismatch_raise_on_every_rank(store):
+    def body(r, comm):
+        with pytest.raises(ValueError, match="contiguous"):
+            comm.allreduce(np.zeros((4, 4), np.float32)[:, 1])
+        with pytest.raises(ValueError, match="read-only"):
+            a = np.zeros(4, np.float32)
+            a.setflags(write=False)
+            comm.allreduce(a)
+        with pytest.raises(deepnex.InvalidArgumentError, match="disagree"):
+            comm.allreduce(np.zeros(10 + r, np.float32))
+        with pytest.raises(ValueError, match="multiple of world_size"):
+            comm.reduce_scatter(np.zeros(3, np.float32))
+        x = np.ones(3, np.float32)
+        comm.allreduce(x)
+        assert (x == 2).all()
+    run_ranks(store, 2, body)
+
+
+def test_missing_rank_is_timeout_naming_it(store):
+    with pytest.raises(TimeoutError, match="rank 1"):
+        collective.Communicator(0, 2, store=store.address, prefix="lonely", timeout=0.5)
+
+
+def test_nccl_without_a_device_is_failed_precondition(store):
+    try:
+        collective.Communicator(0, 1, store=store.address, backend="nccl")
+    except deepnex.FailedPreconditionError:
+        return
+    pytest.skip("a GPU is present")
+
+
+RANK_SCRIPT = r"""
+import sys, numpy as np
+from deepnex import collective
+addr, rank, n, transport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+comm = collective.Communicator(rank, n, store=addr, prefix="procs-" + transport, timeout=20,
+                               transport=transport)
+x = np.arange(1 << 20, dtype=np.float32) % 97 + rank
+comm.allreduce(x)
+want = n * (np.arange(1 << 20, dtype=np.float32) % 97) + n * (n - 1) / 2
+assert (x == want).all(), "wrong sum"
+g = comm.allgather(np.array([rank], np.int64))
+assert g.ravel().tolist() == list(range(n))
+print("ok", comm.transport)
+"""
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_ranks_as_processes(store, transport):
+    n = 3
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, store.address, str(r), str(n),
+                               transport],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(n)]
+    try:
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+        assert out.strip() == f"ok {transport}", out
+    leftovers = [f for f in os.listdir("/dev/shm")
+                 if any(f.startswith(f"deepnex-coll-{p.pid}-") for p in procs)]
+    assert leftovers == []
+
+
+DYING_SCRIPT = r"""
+import os, sys, numpy as np
+from deepnex import collective
+addr, rank = sys.argv[1], int(sys.argv[2])
+comm = collective.Communicator(rank, 3, store=addr, prefix="dying", timeout=30)
+x = np.ones(8 << 20, np.float32)
+if rank == 2:
+    comm.barrier()
+    os._exit(3)          # dies without a word, mid-job
+comm.barrier()
+try:
+    comm.allreduce(x)
+    comm.allreduce(x)
+except (ConnectionError, deepnex_errors) as e:
+    print("failed", type(e).__name__)
+    sys.exit(0)
+print("no error")
+""".replace("deepnex_errors", "__import__('deepnex').AbortedError")
+
+
+def test_dead_process_fails_the_others_within_the_timeout(store):
+    procs = [subprocess.Popen([sys.executable, "-c", DYING_SCRIPT, store.address, str(r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(3)]
+    try:
+        outs = [p.communicate(timeout=25)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[2].returncode == 3
+    for out in outs[:2]:
+        assert out.startswith("failed"), out
