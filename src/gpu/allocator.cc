@@ -138,7 +138,7 @@ struct NodeState {
   // What Index() inserted, so Unindex() removes exactly that.
   bool in_excl = false;
   std::pair<int, int> excl_key;
-  std::vector<std::tuple<uint64_t, int, int>> shared_keys;
+  std::vector<uint64_t> shared_free;  // per GPU: its key in shared_, 0 if absent
   uint32_t tried = 0;
 };
 
@@ -454,8 +454,10 @@ class Allocator::Impl {
   void Unindex(NodeState* n) {
     if (n->in_excl) excl_.erase(n->excl_key);
     n->in_excl = false;
-    for (const auto& k : n->shared_keys) shared_.erase(k);
-    n->shared_keys.clear();
+    for (size_t i = 0; i < n->shared_free.size(); ++i) {
+      if (n->shared_free[i] > 0) shared_.erase({n->shared_free[i], n->id, static_cast<int>(i)});
+      n->shared_free[i] = 0;
+    }
   }
 
   void Index(NodeState* n) {
@@ -469,16 +471,27 @@ class Allocator::Impl {
     } else {
       for (size_t i = 0; i < n->spec.gpus.size(); ++i) {
         uint64_t free = n->spec.gpus[i].memory - n->used_mem[i];
-        if (free > 0) {
-          n->shared_keys.emplace_back(free, n->id, static_cast<int>(i));
-          shared_.insert(n->shared_keys.back());
-        }
+        n->shared_free[i] = free;
+        if (free > 0) shared_.emplace(free, n->id, static_cast<int>(i));
       }
     }
   }
 
+  // A grant or release on a shared node that stays schedulable only moves the
+  // keys of the GPUs it touched (the hot path; Unindex/Index move them all).
+  bool FastReindex(const NodeState* n) const {
+    return n->mode == Mode::kShared && !n->cordoned && !n->pending;
+  }
+  void ReindexGpu(NodeState* n, int i) {
+    uint64_t& key = n->shared_free[i];
+    if (key > 0) shared_.erase({key, n->id, i});
+    key = n->spec.gpus[i].memory - n->used_mem[i];
+    if (key > 0) shared_.emplace(key, n->id, i);
+  }
+
   void ApplyAddNode(std::unique_ptr<NodeState> n) {
     const size_t g = n->spec.gpus.size();
+    n->shared_free.assign(g, 0);
     n->used_mem.assign(g, 0);
     n->count.assign(g, 0);
     n->free_gpus = static_cast<int>(g);
@@ -537,7 +550,8 @@ class Allocator::Impl {
   void ApplyGrant(AllocRec r) {
     NodeState* n = FindNode(r.a.node);
     FillAllocation(*n, &r);
-    Unindex(n);
+    const bool fast = FastReindex(n);
+    if (!fast) Unindex(n);
     Usage& u = usage_[r.a.user];
     for (size_t i = 0; i < r.pos.size(); ++i) {
       int p = r.pos[i];
@@ -553,7 +567,11 @@ class Allocator::Impl {
     n->mem_used += r.a.memory;
     if (!r.pos.empty()) ++n->gpu_allocs;
     n->allocs.insert(r.num);
-    Index(n);
+    if (fast) {
+      for (int p : r.pos) ReindexGpu(n, p);
+    } else {
+      Index(n);
+    }
     next_id_ = std::max(next_id_, r.num + 1);
     uint64_t gang;
     if (!r.a.gang.empty() && ParseId(r.a.gang, 'g', &gang)) {
@@ -570,7 +588,8 @@ class Allocator::Impl {
     if (it == allocs_.end()) return;
     const AllocRec& r = it->second;
     NodeState* n = FindNode(r.a.node);
-    Unindex(n);
+    const bool fast = FastReindex(n);
+    if (!fast) Unindex(n);
     Usage& u = usage_[r.a.user];
     for (size_t i = 0; i < r.pos.size(); ++i) {
       int p = r.pos[i];
@@ -587,7 +606,11 @@ class Allocator::Impl {
     n->mem_used -= r.a.memory;
     if (!r.pos.empty()) --n->gpu_allocs;
     n->allocs.erase(num);
-    Index(n);
+    if (fast) {
+      for (int p : r.pos) ReindexGpu(n, p);
+    } else {
+      Index(n);
+    }
     if (!r.a.gang.empty()) {
       auto g = gangs_.find(r.a.gang);
       if (g != gangs_.end()) {
@@ -755,9 +778,13 @@ class Allocator::Impl {
       // Best fit: the GPUs with the least free memory that still fits (most
       // free when spreading); index order breaks ties.
       auto free = [&](int i) { return gpus[i].memory - n->used_mem[i]; };
-      std::stable_sort(cand.begin(), cand.end(), [&](int a, int b) {
-        return r.spread ? free(a) > free(b) : free(a) < free(b);
-      });
+      auto before = [&](int a, int b) { return r.spread ? free(a) > free(b) : free(a) < free(b); };
+      for (size_t i = 1; i < cand.size(); ++i) {  // stable insertion sort: few GPUs
+        int x = cand[i];
+        size_t j = i;
+        for (; j > 0 && before(x, cand[j - 1]); --j) cand[j] = cand[j - 1];
+        cand[j] = x;
+      }
     }
     if (r.gpus > 1) {
       // Prefer one switch, then one NUMA node: the smallest group that holds
@@ -923,13 +950,14 @@ class Allocator::Impl {
 
   absl::Status CheckQuota(const std::string& user, int64_t gpus, uint64_t gpu_memory,
                           int64_t cpus, uint64_t memory) const {
+    if (quotas_.empty() && default_quota_ == Quota{}) return absl::OkStatus();
     const Quota q = QuotaFor(user);
     Usage u;
     auto it = usage_.find(user);
     if (it != usage_.end()) u = it->second;
-    const char* which = quotas_.count(user) ? "quota" : "default quota";
     auto refuse = [&](const char* field, const std::string& used, const std::string& asked,
                       const std::string& limit, bool below) {
+      const char* which = quotas_.count(user) ? "quota" : "default quota";
       std::string s = absl::StrCat(which, " of ", user, ": ", field, " ", used,
                                    " in use + ", asked, " requested > quota ", limit);
       if (below) {
@@ -1033,10 +1061,10 @@ class Allocator::Impl {
     out->clear();
     for (uint64_t num : placed) {
       const AllocRec& rec = allocs_.at(num);
-      EncodeAlloc(e, rec);
+      if (ledger_) EncodeAlloc(e, rec);
       out->push_back(rec.a);
     }
-    *seq = LogLocked(record);
+    *seq = ledger_ ? LogLocked(record) : 0;
     if (r.lease.count() > 0) reaper_cv_.notify_all();
     return Outcome::kGranted;
   }
@@ -1137,7 +1165,7 @@ class Allocator::Impl {
       if (it != allocs_.end()) touched.insert(FindNode(it->second.a.node));
       ApplyRelease(num);
     }
-    uint64_t seq = LogLocked(ReleaseRecord(nums, reason));
+    uint64_t seq = ledger_ ? LogLocked(ReleaseRecord(nums, reason)) : 0;
     for (NodeState* n : touched) {
       if (n->pending && n->gpu_allocs == 0) {
         Mode m = *n->pending;
