@@ -57,7 +57,7 @@ struct Flags {
       stderr,
       "usage: ps_bench_worker --server HOST:PORT[,HOST:PORT...] "
       "[--worker-id N] [--workers N] [--mb N] [--partitions N] [--rounds N] "
-      "[--warmup N] [--op pushpull|push-pull] [--mode async|sync] "
+      "[--warmup N] [--op pushpull|push-pull] [--mode async|sync|ssp] "
       "[--connections N] [--request-mb N] [--timeout-s N] [--sync-start]\n");
   std::exit(2);
 }
@@ -107,7 +107,8 @@ Flags ParseFlags(int argc, char** argv) {
   }
   if (f.servers.empty() || f.servers[0].empty()) Usage("--server is required");
   if (f.op != "pushpull" && f.op != "push-pull") Usage("--op: pushpull or push-pull");
-  if (f.mode != "async" && f.mode != "sync") Usage("--mode: async or sync");
+  if (f.mode != "async" && f.mode != "sync" && f.mode != "ssp")
+    Usage("--mode: async, sync or ssp");
   if (f.rounds < 1 || f.partitions < 1 || f.mb < 1 || f.timeout_s < 1)
     Usage("--rounds, --partitions, --mb and --timeout-s must be positive");
   if (((f.mb << 20) / 4) % f.partitions != 0)
