@@ -28,6 +28,8 @@ int main(int argc, char** argv) {
     else if (f == "--prefix") o.prefix = v;
     else if (f == "--transport") o.transport = *deepnex::collective::ParseTransport(v);
     else if (f == "--min-time") min_time = std::atof(v.c_str());
+    else if (f == "--connections") o.connections_per_peer = std::atoi(v.c_str());
+    else if (f == "--channels") o.shm_channels = std::atoi(v.c_str());
     else if (f == "--sizes") {
       for (char* p = std::strtok(v.data(), ","); p; p = std::strtok(nullptr, ","))
         sizes.push_back(std::strtoull(p, nullptr, 10));
