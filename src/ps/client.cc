@@ -296,19 +296,23 @@ class ClientImpl final : public Client {
     return StartPull(out);
   }
 
+  // The pulls go out with the pushes: each server holds a pull until the
+  // push it must see is applied, so the two directions overlap on the wire.
   std::shared_ptr<PendingOp> PushPullAsync(
       const std::vector<NamedTensor>& grads,
       const std::vector<NamedTensor>& out) override {
-    // Validate the pull before anything is pushed.
-    absl::Status s = Prepare("pull", out, /*pushing=*/false, nullptr);
+    std::vector<Piece> push, pull;
+    absl::Status s = CheckWriter("push");
+    if (s.ok()) s = Prepare("pull", out, /*pushing=*/false, nullptr);
+    if (s.ok()) s = Prepare("push", grads, /*pushing=*/true, &push);
+    if (s.ok()) s = Prepare("pull", out, /*pushing=*/false, &pull);
     if (!s.ok()) return FailedOp(s);
-    auto push = StartPush(grads);
-    auto result = std::make_shared<Op>(1);
-    push->Then([this, result, out](const absl::Status& status) {
-      if (!status.ok()) return result->RequestDone(status);
-      StartPull(out, result.get(), result);
+    auto op = NewOp(/*pushes=*/true);
+    auto pulls = SendPull(pull, op);
+    SendPush(push, op, [pulls] {
+      for (const auto& r : pulls) r->Cancel();  // they would wait in vain
     });
-    return result;
+    return Release(op);
   }
 
   absl::StatusOr<std::vector<TensorInfo>> Describe(
@@ -420,6 +424,16 @@ class ClientImpl final : public Client {
     Clock::time_point deadline;
     std::chrono::milliseconds backoff;
     std::function<absl::Status(const grpc::ByteBuffer&)> on_reply;
+    // Runs when the request fails for good (before the op hears of it).
+    std::function<void()> on_failure;
+    std::mutex mu;            // guards ctx and cancelled against Cancel()
+    bool cancelled = false;
+
+    void Cancel() {
+      std::lock_guard<std::mutex> lock(mu);
+      cancelled = true;
+      if (ctx) ctx->TryCancel();
+    }
   };
 
   absl::Status CheckOpen() const {
@@ -549,9 +563,11 @@ class ClientImpl final : public Client {
   }
 
   void Attempt(std::shared_ptr<Request> r) {
-    if (closed_) {
-      return Complete(r, absl::CancelledError(
-                             absl::StrCat(r->what, ": the client was closed")));
+    std::unique_lock<std::mutex> lock(r->mu);
+    if (closed_ || r->cancelled) {
+      lock.unlock();
+      return Complete(r, absl::CancelledError(absl::StrCat(
+          r->what, closed_ ? ": the client was closed" : ": cancelled")));
     }
     r->ctx = std::make_unique<grpc::ClientContext>();
     PrepareContext(r->ctx.get(), r->deadline);
@@ -576,6 +592,7 @@ class ClientImpl final : public Client {
   }
 
   void Complete(const std::shared_ptr<Request>& r, const absl::Status& status) {
+    if (!status.ok() && r->on_failure) r->on_failure();
     r->op->RequestDone(status);
     std::lock_guard<std::mutex> lock(inflight_mu_);
     if (--inflight_ == 0) inflight_cv_.notify_all();
@@ -728,13 +745,41 @@ class ClientImpl final : public Client {
     absl::Status s = CheckWriter("push");
     if (s.ok()) s = Prepare("push", grads, /*pushing=*/true, &pieces);
     if (!s.ok()) return FailedOp(s);
-    auto batches = Batch(pieces);
-    auto op = std::make_shared<Op>(static_cast<int>(batches.size()));
-    // A push refused or lost by some server, after others may have applied
-    // it, leaves this incarnation's seqs uncertain: start a new one.
-    op->Then([this](const absl::Status& status) {
-      if (!status.ok()) MarkStale();
+    auto op = NewOp(/*pushes=*/true);
+    SendPush(pieces, op, nullptr);
+    return Release(op);
+  }
+
+  std::shared_ptr<Op> StartPull(const std::vector<NamedTensor>& out) {
+    std::vector<Piece> pieces;
+    absl::Status s = Prepare("pull", out, /*pushing=*/false, &pieces);
+    if (!s.ok()) return FailedOp(s);
+    auto op = NewOp(/*pushes=*/false);
+    SendPull(pieces, op);
+    return Release(op);
+  }
+
+  // An op held open by one placeholder request while its requests are sent.
+  // A failed push may leave this incarnation's seqs uncertain (applied by
+  // one server, refused by another), and Aborted says the servers gave up
+  // on it: either way the next operation registers anew.
+  std::shared_ptr<Op> NewOp(bool pushes) {
+    auto op = std::make_shared<Op>(1);
+    op->Then([this, pushes](const absl::Status& status) {
+      if (!status.ok() && (pushes || absl::IsAborted(status))) MarkStale();
     });
+    return op;
+  }
+
+  std::shared_ptr<Op> Release(std::shared_ptr<Op> op) {
+    op->RequestDone(absl::OkStatus());
+    return op;
+  }
+
+  void SendPush(const std::vector<Piece>& pieces, const std::shared_ptr<Op>& op,
+                std::function<void()> on_failure) {
+    auto batches = Batch(pieces);
+    op->Add(static_cast<int>(batches.size()));
     const Clock::time_point deadline = Clock::now() + options_.timeout;
     for (auto& [server, batch] : batches) {
       pb::PushHeader header;
@@ -743,33 +788,17 @@ class ClientImpl final : public Client {
       for (const Piece* p : batch) *header.add_slices() = p->slice;
       auto r = NewRequest(op, server, kPushMethod, "push", deadline);
       r->request = EncodeFramed(header, PayloadOf(batch));
+      r->on_failure = on_failure;
       Send(std::move(r));
     }
-    return op;
   }
 
-  // Starts a pull; with `into`, its requests join that op (which the caller
-  // holds open with one request of its own, released here).
-  std::shared_ptr<Op> StartPull(const std::vector<NamedTensor>& out,
-                                Op* into = nullptr,
-                                std::shared_ptr<Op> into_ref = nullptr) {
-    std::vector<Piece> pieces;
-    absl::Status s = Prepare("pull", out, /*pushing=*/false, &pieces);
-    if (!s.ok()) {
-      if (into) into->RequestDone(s);
-      return FailedOp(s);
-    }
+  std::vector<std::shared_ptr<Request>> SendPull(const std::vector<Piece>& pieces,
+                                                 const std::shared_ptr<Op>& op) {
     auto batches = Batch(pieces);
-    std::shared_ptr<Op> op = into_ref;
-    auto mark = [this](const absl::Status& status) {
-      if (absl::IsAborted(status)) MarkStale();
-    };
-    if (op) {
-      op->Add(static_cast<int>(batches.size()));
-    } else {
-      op = std::make_shared<Op>(static_cast<int>(batches.size()));
-    }
+    op->Add(static_cast<int>(batches.size()));
     const Clock::time_point deadline = Clock::now() + options_.timeout;
+    std::vector<std::shared_ptr<Request>> sent;
     for (auto& [server, batch] : batches) {
       pb::PullRequest req;
       req.set_worker_id(options_.worker_id);
@@ -796,11 +825,10 @@ class ClientImpl final : public Client {
         for (const auto& [ptr, n] : dst) payload.Read(ptr, n);
         return absl::OkStatus();
       };
+      sent.push_back(r);
       Send(std::move(r));
     }
-    op->Then(mark);
-    if (into) into->RequestDone(absl::OkStatus());
-    return op;
+    return sent;
   }
 
   std::shared_ptr<Op> WriteParts(

@@ -67,12 +67,19 @@ void ForEachChunk(DType dtype, uint64_t count, PayloadReader* payload, Fn fn) {
   thread_local std::vector<char> raw;
   thread_local std::vector<T> values;
   const size_t elem = DTypeSize(dtype);
-  raw.resize(kChunkElems * elem);
-  values.resize(kChunkElems);
+  if (raw.size() < kChunkElems * elem) raw.resize(kChunkElems * elem);
+  if (values.size() < kChunkElems) values.resize(kChunkElems);
+  // Stored as the compute type (float32 as float, float64 as double): read
+  // straight into the chunk, no conversion pass.
+  const bool direct = elem == sizeof(T);
   for (uint64_t done = 0; done < count;) {
     size_t n = static_cast<size_t>(std::min<uint64_t>(kChunkElems, count - done));
-    payload->Read(raw.data(), n * elem);
-    ToCompute<T>(dtype, raw.data(), values.data(), n);
+    if (direct) {
+      payload->Read(values.data(), n * elem);
+    } else {
+      payload->Read(raw.data(), n * elem);
+      ToCompute<T>(dtype, raw.data(), values.data(), n);
+    }
     fn(values.data(), done, n);
     done += n;
   }
