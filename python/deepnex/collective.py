@@ -19,7 +19,7 @@ import numpy as np
 from . import _C
 from .errors import InvalidArgumentError
 
-__all__ = ["Store", "StoreClient", "Communicator", "Work"]
+__all__ = ["Store", "StoreClient", "Communicator", "Work", "GradientBucketer"]
 
 
 def _seconds(timeout, default):
@@ -122,11 +122,33 @@ def _buffer(x, what):
     raise TypeError(f"{what}: expected a numpy array or a torch tensor, got {type(x).__name__}")
 
 
+_TORCH_DTYPES = {"float32": "float32", "float64": "float64", "float16": "float16",
+                 "bfloat16": "bfloat16", "int32": "int32", "int64": "int64"}
+
+
+def _cuda(x):
+    """A CUDA torch tensor's (address, dtype name, numel), after the work
+    queued on torch's current stream (which wrote x) has finished."""
+    if not x.is_contiguous():
+        raise InvalidArgumentError("the tensor is not contiguous; deepnex never copies: "
+                                   "pass x.contiguous()")
+    name = str(x.dtype).replace("torch.", "")
+    if name not in _TORCH_DTYPES:
+        raise InvalidArgumentError(f"dtype {name} is not supported")
+    import torch
+    torch.cuda.current_stream(x.device).synchronize()
+    return x.data_ptr(), name, x.numel()
+
+
+def _is_cuda(x):
+    return type(x).__module__.startswith("torch") and x.device.type == "cuda"
+
+
 def _empty_like(x, shape):
     if isinstance(x, np.ndarray):
         return np.empty(shape, dtype=x.dtype)
     import torch
-    return torch.empty(shape, dtype=x.dtype)
+    return torch.empty(shape, dtype=x.dtype, device=x.device)
 
 
 class Work:
@@ -134,9 +156,10 @@ class Work:
     tensor or array) or raises its error; ``TimeoutError``
     (DeadlineExceededError) if it is still running then."""
 
-    def __init__(self, work, result=None):
+    def __init__(self, work, result=None, keep=None):
         self._work = work
         self._result = result
+        self._keep = keep  # an input the collective reads (CUDA tensors)
 
     def wait(self, timeout=None):
         self._work.wait(timeout)
@@ -183,15 +206,24 @@ class Communicator:
     transport = property(lambda self: self._comm.transport)
 
     def allreduce_async(self, x, op="sum"):
+        if _is_cuda(x):
+            ptr, dtype, n = _cuda(x)
+            return Work(self._comm.allreduce_raw_async(ptr, dtype, n, op), x)
         b, dtype = _buffer(x, "allreduce")
         return Work(self._comm.allreduce_async(b, dtype, op), x)
 
     def broadcast_async(self, x, root=0):
+        if _is_cuda(x):
+            ptr, dtype, n = _cuda(x)
+            return Work(self._comm.broadcast_raw_async(ptr, dtype, n, int(root)), x)
         b, dtype = _buffer(x, "broadcast")
         return Work(self._comm.broadcast_async(b, dtype, int(root)), x)
 
     def allgather_async(self, x):
         out = _empty_like(x, (self.world_size, *tuple(x.shape)))
+        if _is_cuda(x):
+            ptr, dtype, n = _cuda(x)
+            return Work(self._comm.allgather_raw_async(ptr, out.data_ptr(), dtype, n), out, keep=x)
         bi, dtype = _buffer(x, "allgather")
         bo, _ = _buffer(out, "allgather")
         return Work(self._comm.allgather_async(bi, bo, dtype), out)
@@ -203,6 +235,10 @@ class Communicator:
                 f"reduce_scatter: the first dimension of a {list(shape)} tensor must be a "
                 f"multiple of world_size {self.world_size}")
         out = _empty_like(x, (shape[0] // self.world_size, *shape[1:]))
+        if _is_cuda(x):
+            ptr, dtype, _ = _cuda(x)
+            return Work(self._comm.reduce_scatter_raw_async(ptr, out.data_ptr(), dtype,
+                                                            out.numel(), op), out, keep=x)
         bi, dtype = _buffer(x, "reduce_scatter")
         bo, _ = _buffer(out, "reduce_scatter")
         return Work(self._comm.reduce_scatter_async(bi, bo, dtype, op), out)
@@ -233,3 +269,43 @@ class Communicator:
     def abort(self):
         """Breaks the communicator; the other ranks see this rank leave."""
         self._comm.abort()
+
+
+class GradientBucketer:
+    """Allreduces many tensors (e.g. gradients) in buckets of about
+    ``bucket_bytes`` (default 25 MiB), bucket by bucket and asynchronously, as
+    PyTorch DDP does. Buckets fill in reverse order of ``tensors`` (backward
+    produces gradients last layer first) and start, in order, as soon as all
+    their tensors are marked ready; ``wait()`` writes the results back::
+
+        b = GradientBucketer(comm, [p.grad for p in model.parameters()])
+        # from backward hooks: b.mark_ready(i) ... or at the end:
+        b.mark_all_ready()
+        b.wait()                      # grads now hold the mean over ranks
+
+    CPU arrays/tensors; they must stay the same objects across rounds.
+    """
+
+    def __init__(self, comm, tensors, bucket_bytes=25 << 20, op="mean"):
+        from .ps import byte_size
+        args = [_buffer(t, f"tensor {i}") for i, t in enumerate(tensors)]
+        self._tensors = list(tensors)
+        self._b = _C.collective.GradientBucketer(
+            comm._comm, args, bucket_bytes=byte_size(bucket_bytes, "bucket_bytes"), op=op)
+
+    def mark_ready(self, index):
+        self._b.mark_ready(int(index))
+
+    def mark_all_ready(self):
+        self._b.mark_all_ready()
+
+    def wait(self):
+        self._b.wait()
+
+    @property
+    def num_buckets(self):
+        return self._b.num_buckets
+
+    @property
+    def bucket_of(self):
+        return list(self._b.bucket_of)

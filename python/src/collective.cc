@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "common.h"
+#include "deepnex/collective/bucketing.h"
 #include "deepnex/collective/communicator.h"
 #include "deepnex/collective/store.h"
 
@@ -63,6 +64,19 @@ class PyWork {
 
 using Buf = py::buffer;
 using As = std::optional<std::string>;
+
+// A view of device (or any) memory given as an address, for CUDA tensors,
+// which have no buffer protocol. The Python layer keeps the tensor alive.
+TensorView RawView(uintptr_t ptr, const std::string& dtype, int64_t count) {
+  return TensorView(reinterpret_cast<void*>(ptr), Unwrap(ParseDType(dtype)), {count});
+}
+
+// A bucketer and the buffers it reads and writes, pinned for its lifetime.
+struct PyBucketer {
+  py::object comm;  // keeps the Communicator alive
+  std::vector<BufferView> buffers;
+  std::unique_ptr<collective::GradientBucketer> bucketer;
+};
 
 }  // namespace
 
@@ -228,7 +242,71 @@ void RegisterCollective(py::module_& parent) {
            })
       .def("barrier_async",
            [](Communicator& c) { return std::make_unique<PyWork>(c.BarrierAsync(), std::vector<BufferView>{}); })
+      .def("allreduce_raw_async",
+           [](Communicator& c, uintptr_t ptr, const std::string& dtype, int64_t count,
+              const std::string& op) {
+             auto reduce = Unwrap(collective::ParseReduceOp(op));
+             return std::make_unique<PyWork>(c.AllReduceAsync(RawView(ptr, dtype, count), reduce),
+                                             std::vector<BufferView>{});
+           })
+      .def("broadcast_raw_async",
+           [](Communicator& c, uintptr_t ptr, const std::string& dtype, int64_t count, int root) {
+             return std::make_unique<PyWork>(c.BroadcastAsync(RawView(ptr, dtype, count), root),
+                                             std::vector<BufferView>{});
+           })
+      .def("allgather_raw_async",
+           [](Communicator& c, uintptr_t in, uintptr_t out, const std::string& dtype, int64_t count) {
+             return std::make_unique<PyWork>(
+                 c.AllGatherAsync(RawView(in, dtype, count),
+                                  RawView(out, dtype, count * c.world_size())),
+                 std::vector<BufferView>{});
+           })
+      .def("reduce_scatter_raw_async",
+           [](Communicator& c, uintptr_t in, uintptr_t out, const std::string& dtype,
+              int64_t count, const std::string& op) {
+             auto reduce = Unwrap(collective::ParseReduceOp(op));
+             return std::make_unique<PyWork>(
+                 c.ReduceScatterAsync(RawView(in, dtype, count * c.world_size()),
+                                      RawView(out, dtype, count), reduce),
+                 std::vector<BufferView>{});
+           })
       .def("abort", &Communicator::Abort, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<PyBucketer>(m, "GradientBucketer")
+      .def(py::init([](py::object comm, const std::vector<std::pair<Buf, As>>& tensors,
+                       uint64_t bucket_bytes, const std::string& op) {
+             auto b = std::make_unique<PyBucketer>();
+             b->comm = comm;
+             std::vector<TensorView> views;
+             for (size_t i = 0; i < tensors.size(); ++i) {
+               std::string what = "bucketed tensor " + std::to_string(i);
+               b->buffers.push_back(View(tensors[i].first, tensors[i].second, true, what.c_str()));
+               views.push_back(b->buffers.back().view);
+             }
+             collective::BucketOptions o;
+             o.bucket_bytes = bucket_bytes;
+             o.op = Unwrap(collective::ParseReduceOp(op));
+             b->bucketer = Unwrap(collective::GradientBucketer::Create(
+                 &comm.cast<Communicator&>(), std::move(views), o));
+             return b;
+           }),
+           py::arg("comm"), py::arg("tensors"), py::arg("bucket_bytes"), py::arg("op"))
+      .def("mark_ready",
+           [](PyBucketer& b, size_t i) { CheckStatus(b.bucketer->MarkReady(i)); })
+      .def("mark_all_ready", [](PyBucketer& b) { CheckStatus(b.bucketer->MarkAllReady()); })
+      .def("wait",
+           [](PyBucketer& b) {
+             absl::Status s;
+             {
+               py::gil_scoped_release release;
+               s = b.bucketer->Wait();
+             }
+             CheckStatus(s);
+           })
+      .def_property_readonly("num_buckets",
+                             [](const PyBucketer& b) { return b.bucketer->num_buckets(); })
+      .def_property_readonly("bucket_of",
+                             [](const PyBucketer& b) { return b.bucketer->BucketOf(); });
 }
 
 }  // namespace deepnex::python

@@ -248,3 +248,34 @@ def test_dead_process_fails_the_others_within_the_timeout(store):
     assert procs[2].returncode == 3
     for out in outs[:2]:
         assert out.startswith("failed"), out
+
+
+def test_gradient_bucketer(store):
+    def body(r, comm):
+        grads = [np.full(100 + 13 * k, float(r + k), np.float32) for k in range(20)]
+        grads += [np.full(50, r, np.int64)]
+        b = collective.GradientBucketer(comm, grads, bucket_bytes="2KiB", op="mean")
+        assert b.num_buckets > 3
+        for k in reversed(range(len(grads))):
+            b.mark_ready(k)
+        b.wait()
+        for k in range(20):
+            assert (grads[k] == 0.5 + k).all(), k
+        assert (grads[20] == 0).all()      # int mean truncates: (0 + 1) // 2
+        with pytest.raises(ValueError, match="already marked"):
+            b.mark_ready(0)
+            b.mark_ready(0)
+        b.mark_all_ready()
+        b.wait()
+    run_ranks(store, 2, body)
+
+
+def test_communicator_from_the_job_context(store, job_env):
+    job_env.setenv("DEEPNEX_STORE_ADDR", store.address)
+    job_env.setenv("DEEPNEX_RANK", "0")
+    job_env.setenv("DEEPNEX_WORLD_SIZE", "1")
+    comm = collective.Communicator.from_context()
+    assert comm.world_size == 1 and comm.rank == 0
+    x = np.arange(4, dtype=np.float64)
+    comm.allreduce(x)
+    np.testing.assert_array_equal(x, np.arange(4))
