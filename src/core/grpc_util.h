@@ -67,6 +67,25 @@ class PayloadReader {
   // Copies the next `n` bytes into `dst`; false if fewer remain.
   bool Read(void* dst, uint64_t n);
   bool Skip(uint64_t n);
+  // Passes the next `n` bytes to fn(data, size) span by span, in place,
+  // without copying; false if fewer remain.
+  template <typename Fn>
+  bool Visit(uint64_t n, Fn fn) {
+    if (n > remaining_) return false;
+    remaining_ -= n;
+    while (n > 0) {
+      const grpc::Slice& s = slices_[slice_];
+      size_t take = n < s.size() - offset_ ? n : s.size() - offset_;
+      fn(reinterpret_cast<const char*>(s.begin()) + offset_, take);
+      n -= take;
+      offset_ += take;
+      if (offset_ == s.size()) {
+        ++slice_;
+        offset_ = 0;
+      }
+    }
+    return true;
+  }
 
  private:
   friend absl::Status DecodeFramed(const grpc::ByteBuffer&,

@@ -96,29 +96,34 @@ class Timer {
 class Op final : public PendingOp {
  public:
   explicit Op(int outstanding) : outstanding_(outstanding) {
-    if (outstanding == 0) done_ = true;
+    if (outstanding == 0) finishing_ = done_ = true;
   }
   // Adds requests to an op that is still held open by another.
   void Add(int n) {
     std::lock_guard<std::mutex> lock(mu_);
     outstanding_ += n;
   }
+  // The continuations run before waiters wake, so that what they change
+  // (e.g. the client's registration) is in place when Wait() returns.
   void RequestDone(const absl::Status& status) {
     std::vector<std::function<void(const absl::Status&)>> then;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!status.ok() && status_.ok()) status_ = status;
       if (--outstanding_ > 0) return;
-      done_ = true;
+      finishing_ = true;
       then.swap(then_);
-      cv_.notify_all();
     }
     for (auto& fn : then) fn(status_);
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    cv_.notify_all();
   }
-  // Runs `fn` with the final status once done (at once if already done).
+  // Runs `fn` with the final status once the requests are done (at once if
+  // they are).
   void Then(std::function<void(const absl::Status&)> fn) {
     std::unique_lock<std::mutex> lock(mu_);
-    if (!done_) {
+    if (!finishing_) {
       then_.push_back(std::move(fn));
       return;
     }
@@ -147,6 +152,7 @@ class Op final : public PendingOp {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   int outstanding_;
+  bool finishing_ = false;  // the last request is done; continuations run
   bool done_ = false;
   absl::Status status_;
   std::vector<std::function<void(const absl::Status&)>> then_;

@@ -85,6 +85,65 @@ void ForEachChunk(DType dtype, uint64_t count, PayloadReader* payload, Fn fn) {
   }
 }
 
+// NaN and Inf are the values whose exponent bits are all ones.
+template <typename Bits>
+bool NonFinite(const char* p, Bits exponent) {
+  Bits b;
+  std::memcpy(&b, p, sizeof(Bits));
+  return (b & exponent) == exponent;
+}
+
+bool NonFiniteAt(DType dtype, const char* p) {
+  switch (dtype) {
+    case DType::kFloat64: return NonFinite<uint64_t>(p, 0x7ff0000000000000ull);
+    case DType::kFloat16: return NonFinite<uint16_t>(p, 0x7c00);
+    case DType::kBFloat16: return NonFinite<uint16_t>(p, 0x7f80);
+    default: return NonFinite<uint32_t>(p, 0x7f800000u);
+  }
+}
+
+// Scans the next `count` elements of `payload` in place (the bytes are read
+// once, not copied): a gradient is refused before any of it is applied, so
+// this pass comes on top of the one that applies it.
+absl::Status CheckFiniteBits(DType dtype, uint64_t offset, uint64_t count,
+                             PayloadReader* payload) {
+  const size_t elem = DTypeSize(dtype);
+  char carry[8];
+  size_t carried = 0;    // bytes of an element split across two spans
+  uint64_t index = 0;    // elements checked so far
+  int64_t bad = -1;
+  payload->Visit(count * elem, [&](const char* p, size_t n) {
+    if (bad >= 0) return;
+    if (carried > 0) {
+      size_t take = std::min(elem - carried, n);
+      std::memcpy(carry + carried, p, take);
+      carried += take;
+      p += take;
+      n -= take;
+      if (carried < elem) return;
+      if (NonFiniteAt(dtype, carry)) bad = index;
+      ++index;
+      carried = 0;
+    }
+    size_t whole = n / elem;
+    bool any = false;
+    for (size_t i = 0; i < whole; ++i) any |= NonFiniteAt(dtype, p + i * elem);
+    if (any && bad < 0) {
+      for (size_t i = 0; i < whole; ++i) {
+        if (NonFiniteAt(dtype, p + i * elem)) {
+          bad = index + i;
+          break;
+        }
+      }
+    }
+    index += whole;
+    carried = n - whole * elem;
+    std::memcpy(carry, p + whole * elem, carried);
+  });
+  if (bad < 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat("element %d is NaN or Inf", offset + bad));
+}
+
 template <typename T>
 class TypedPartition final : public Partition {
  public:
@@ -111,23 +170,7 @@ class TypedPartition final : public Partition {
   }
 
   absl::Status CheckFinite(PayloadReader* payload) const override {
-    absl::Status status;
-    ForEachChunk<T>(dtype_, count_, payload, [&](const T* g, uint64_t at, size_t n) {
-      if (!status.ok()) return;
-      // x * 0 is NaN exactly for NaN and Inf; the sum vectorizes, and the
-      // element is looked for only when there is one.
-      T probe = 0;
-      for (size_t i = 0; i < n; ++i) probe += g[i] * T(0);
-      if (probe == T(0)) return;
-      for (size_t i = 0; i < n; ++i) {
-        if (!std::isfinite(g[i])) {
-          status = absl::InvalidArgumentError(absl::StrFormat(
-              "element %d is %g", offset_ + at + i, static_cast<double>(g[i])));
-          return;
-        }
-      }
-    });
-    return status;
+    return CheckFiniteBits(dtype_, offset_, count_, payload);
   }
 
   void Push(int worker, uint64_t incarnation, uint64_t seq, PayloadReader* payload,

@@ -376,6 +376,28 @@ TEST_F(BadInputTest, NonFiniteGradientsAreRefusedByDefault) {
   ExpectUnchanged();
 }
 
+TEST(PsTest, NonFiniteFoundAnywhereInALargeOrHalfPrecisionPush) {
+  ServerOptions so;
+  so.mode = Mode::kAsync;
+  Cluster c = StartServers(1, so);
+  auto client = Connect(c, 0);
+  // 1 M floats arrive in many slices; the bad one is near the end.
+  std::vector<float> v(1 << 20, 0.0f), g(1 << 20, 1.0f);
+  g[(1 << 20) - 3] = -std::numeric_limits<float>::infinity();
+  ASSERT_THAT(client->Init({View("big", v)}), IsOk());
+  EXPECT_THAT(client->Push({View("big", g)}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("element 1048573 is NaN or Inf")));
+  std::vector<uint16_t> h(5, FloatToHalf(1.0f)), hg(5, FloatToHalf(1.0f));
+  hg[4] = 0x7e00;  // a half NaN
+  ASSERT_THAT(client->Init({{"h", TensorView(h.data(), DType::kFloat16, {5})}}), IsOk());
+  EXPECT_THAT(client->Push({{"h", TensorView(hg.data(), DType::kFloat16, {5})}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("element 4")));
+  std::vector<float> got(1 << 20);
+  ASSERT_THAT(client->Pull({View("big", got)}), IsOk());
+  EXPECT_EQ(got, v);
+}
+
 TEST(PsTest, NonFiniteGradientsAreAppliedWhenAccepted) {
   ServerOptions so;
   so.mode = Mode::kAsync;
