@@ -187,7 +187,8 @@ class Server:
     ``token`` or ``token_file``: bearer-token auth. ``tls_cert_file`` /
     ``tls_key_file``: serve TLS.
 
-    Membership: workers hold leases renewed by their clients' heartbeats;
+    Membership: workers hold leases renewed by their clients' heartbeats
+    (every ``heartbeat_interval`` seconds; 0: a quarter of the lease);
     after ``lease_timeout`` seconds without one, ``lease_policy`` "shrink"
     completes rounds without the worker (``keep_dead_contributions``: keep
     or drop what it pushed into open rounds), "abort" fails the waiting calls
@@ -204,7 +205,7 @@ class Server:
                  optimizer=None, reduction="mean", staleness=0,
                  reject_nonfinite=True, max_message_bytes="256MiB", token=None,
                  token_file=None, job_id="", tls_cert_file=None, tls_key_file=None,
-                 lease_timeout=10.0, lease_policy="shrink",
+                 lease_timeout=10.0, heartbeat_interval=0.0, lease_policy="shrink",
                  keep_dead_contributions=True, name="ps", checkpoint_dir=None,
                  checkpoint_every_rounds=0, checkpoint_interval=0.0, restore=None,
                  metrics_address=None, _drop_push_replies=0):
@@ -215,7 +216,8 @@ class Server:
             max_message_bytes=byte_size(max_message_bytes, "max_message_bytes"),
             token=token or "", token_file=token_file or "", job_id=job_id or "",
             tls_cert_file=tls_cert_file or "", tls_key_file=tls_key_file or "",
-            lease_timeout=float(lease_timeout), lease_policy=lease_policy,
+            lease_timeout=float(lease_timeout),
+            heartbeat_interval=float(heartbeat_interval), lease_policy=lease_policy,
             keep_dead_contributions=keep_dead_contributions, name=name,
             checkpoint_dir=str(checkpoint_dir or ""),
             checkpoint_every_rounds=checkpoint_every_rounds,

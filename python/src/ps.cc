@@ -114,7 +114,8 @@ void RegisterPs(py::module_& parent) {
                        uint64_t max_message_bytes, const std::string& token,
                        const std::string& token_file, const std::string& job_id,
                        const std::string& tls_cert_file, const std::string& tls_key_file,
-                       double lease_timeout, const std::string& lease_policy,
+                       double lease_timeout, double heartbeat_interval,
+                       const std::string& lease_policy,
                        bool keep_dead_contributions, const std::string& name,
                        const std::string& checkpoint_dir, uint64_t checkpoint_every_rounds,
                        double checkpoint_interval, const std::string& restore_dir,
@@ -126,6 +127,8 @@ void RegisterPs(py::module_& parent) {
              o.num_workers = num_workers;
              o.staleness = staleness;
              o.lease_timeout = Millis(lease_timeout, "lease_timeout");
+             o.heartbeat_interval = std::chrono::milliseconds(
+                 static_cast<int64_t>(std::max(0.0, heartbeat_interval) * 1000));
              o.lease_policy = Unwrap(ps::ParseLeasePolicy(lease_policy));
              o.keep_dead_contributions = keep_dead_contributions;
              o.name = name;
@@ -152,7 +155,7 @@ void RegisterPs(py::module_& parent) {
            py::arg("reduction"), py::arg("optimizer"), py::arg("reject_nonfinite"),
            py::arg("max_message_bytes"), py::arg("token"), py::arg("token_file"),
            py::arg("job_id"), py::arg("tls_cert_file"), py::arg("tls_key_file"),
-           py::arg("lease_timeout"), py::arg("lease_policy"),
+           py::arg("lease_timeout"), py::arg("heartbeat_interval"), py::arg("lease_policy"),
            py::arg("keep_dead_contributions"), py::arg("name"), py::arg("checkpoint_dir"),
            py::arg("checkpoint_every_rounds"), py::arg("checkpoint_interval"),
            py::arg("restore_dir"), py::arg("metrics_address"),

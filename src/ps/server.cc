@@ -80,6 +80,11 @@ absl::Status ServerOptions::Validate() const {
   if (lease_timeout.count() <= 0) {
     return bad(absl::StrCat("lease_timeout=", lease_timeout.count(), "ms: must be positive"));
   }
+  if (heartbeat_interval.count() < 0 || heartbeat_interval >= lease_timeout) {
+    return bad(absl::StrCat("heartbeat_interval=", heartbeat_interval.count(),
+                            "ms: must be >= 0 and below lease_timeout (",
+                            lease_timeout.count(), "ms)"));
+  }
   if ((checkpoint_every_rounds > 0 || checkpoint_interval.count() > 0) &&
       checkpoint_dir.empty()) {
     return bad("periodic checkpoints need checkpoint_dir");
@@ -359,7 +364,9 @@ class Service final : public ServiceBase, public SnapshotSink {
       reply->set_mode(ModeName(options_.mode));
       reply->set_staleness(config_.staleness);
       reply->set_heartbeat_interval_ms(
-          std::max<int64_t>(1, options_.lease_timeout.count() / 4));
+          options_.heartbeat_interval.count() > 0
+              ? options_.heartbeat_interval.count()
+              : std::max<int64_t>(1, options_.lease_timeout.count() / 4));
     }
     return Reply(ctx, s);
   }

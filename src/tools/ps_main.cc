@@ -29,6 +29,8 @@ flags:
   --workers N             workers of the job, ids 0..N-1 (default 1)
   --lease-timeout SECS    a worker without a heartbeat this long is dead
                           (default 10)
+  --heartbeat-interval SECS  how often clients renew their lease (default a
+                          quarter of the lease timeout)
   --lease-policy shrink|abort
                           a dead worker's rounds complete without it (shrink)
                           or fail with Aborted naming it (abort) (default shrink)
@@ -148,6 +150,7 @@ int main(int argc, char** argv) {
     else if (flag == "--tls-key") options.tls_key_file = next();
     else if (flag == "--staleness") options.staleness = ParseInt(flag, next());
     else if (flag == "--lease-timeout") options.lease_timeout = Millis(flag, next());
+    else if (flag == "--heartbeat-interval") options.heartbeat_interval = Millis(flag, next());
     else if (flag == "--lease-policy")
       options.lease_policy = OrDie(deepnex::ps::ParseLeasePolicy(next()));
     else if (flag == "--drop-dead-contributions") options.keep_dead_contributions = false;

@@ -146,7 +146,8 @@ def server_version(server):
 def test_dead_worker_aborts_the_round_under_abort_policy():
     lease, k = 1.0, 2
     with ps.Server(mode="sync", num_workers=3, optimizer=ps.SGD(lr=0.5),
-                   lease_timeout=lease, lease_policy="abort") as server:
+                   lease_timeout=lease, heartbeat_interval=0.1,
+                   lease_policy="abort") as server:
         others = [spawn(server.address, w, 10) for w in (0, 1)]
         victim = spawn(server.address, 2, 10, die_after=k)
         code, vout = finish(victim)
@@ -421,3 +422,6 @@ def test_daemon_metrics_port_and_fault_flags(tmp_path):
     bad = subprocess.run([PS_BIN, "--mode", "sync", "--staleness", "2"], capture_output=True,
                          text=True, timeout=30)
     assert bad.returncode == 2 and "staleness" in bad.stderr
+    bad = subprocess.run([PS_BIN, "--lease-timeout", "1", "--heartbeat-interval", "2"],
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "heartbeat_interval" in bad.stderr

@@ -49,9 +49,11 @@ struct ServerOptions {
   // Sync mode: mean or sum of the round's gradients. Default: kMean
   Reduction reduction = Reduction::kMean;
   OptimizerConfig optimizer;
-  // A worker's lease ends this long after its last heartbeat (clients
-  // heartbeat at a quarter of it). Default: 10 s
+  // A worker's lease ends this long after its last heartbeat. Default: 10 s
   std::chrono::milliseconds lease_timeout{10000};
+  // How often clients renew their leases (the server tells them when they
+  // register). 0: a quarter of lease_timeout. Default: 0
+  std::chrono::milliseconds heartbeat_interval{0};
   // Default: kShrink
   LeasePolicy lease_policy = LeasePolicy::kShrink;
   // kShrink: what a dead worker pushed into rounds still open is kept
