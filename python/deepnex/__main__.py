@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     version = commands.add_parser("version", help="print the version")
     version.set_defaults(func=_version)
+    from deepnex import _cli_gpu  # nodes, alloc, release, quota, node, ...
+
+    _cli_gpu.add_commands(commands)
     return parser
 
 

@@ -23,7 +23,7 @@ from . import _C
 from .errors import InvalidArgumentError
 
 __all__ = [
-    "Allocator", "Gpu", "Node", "Request", "Allocation", "GrantedGpu", "NodeInfo",
+    "Allocator", "CentralClient", "Gpu", "Node", "Request", "Allocation", "GrantedGpu", "NodeInfo",
     "discover", "local_node", "load_nodes", "parse_nodes",
 ]
 
@@ -282,3 +282,37 @@ def load_nodes(path) -> List[Node]:
 
 def parse_nodes(text, source="<string>") -> List[Node]:
     return [Node._from_dict(d) for d in _C.gpu.parse_nodes(text, source)]
+
+
+class CentralClient:
+    """The Allocator's methods against deepnex-central over gRPC.
+
+    ``token`` / ``token_file``: the caller's bearer token; a user token acts
+    on its own allocations only (another user's is PermissionDeniedError),
+    node, mode and quota changes need an admin token. ``timeout``: seconds
+    per call (a waiting allocate adds its own timeout).
+    """
+
+    def __init__(self, address, token=None, token_file=None, tls_ca_file=None, timeout=30.0):
+        self._a = _C.gpu.CentralClient(
+            address=address, token=token or "", token_file=token_file or "",
+            tls_ca_file=tls_ca_file or "", timeout=_seconds(timeout, "timeout"))
+
+    add_node = Allocator.add_node
+    remove_node = Allocator.remove_node
+    set_node_mode = Allocator.set_node_mode
+    cordon = Allocator.cordon
+    uncordon = Allocator.uncordon
+    drain = Allocator.drain
+    nodes = Allocator.nodes
+    set_quota = Allocator.set_quota
+    set_default_quota = Allocator.set_default_quota
+    _set_quota = Allocator._set_quota
+    allocate = Allocator.allocate
+    release = Allocator.release
+    renew = Allocator.renew
+    allocations = Allocator.allocations
+
+    def metrics(self) -> str:
+        """Prometheus text: GPU memory per GPU, GPUs by mode, queue, counters."""
+        return self._a.metrics()

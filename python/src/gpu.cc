@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "deepnex/gpu/allocator.h"
+#include "deepnex/gpu/central.h"
 #include "deepnex/gpu/discovery.h"
 #include "deepnex/units.h"
 
@@ -83,6 +84,96 @@ gpu::Quota MakeQuota(std::optional<int64_t> gpus, std::optional<uint64_t> gpu_me
   return q;
 }
 
+template <class T>
+T Val(T v) {
+  return v;
+}
+template <class T>
+T Val(absl::StatusOr<T> v) {
+  return Unwrap(std::move(v));
+}
+
+// The methods Allocator and CentralClient share, with the same signatures.
+template <class Api, class Class>
+void BindApi(Class& c) {
+  c.def(
+       "add_node",
+       [](Api& a, const std::string& name, const std::vector<GpuArgs>& gpus, int cpus,
+          uint64_t memory, const std::string& mode, const Labels& labels) {
+         gpu::Node n = MakeNode(name, gpus, cpus, memory, mode, labels);
+         py::gil_scoped_release release;
+         CheckStatus(a.AddNode(n));
+       },
+       py::arg("name"), py::arg("gpus"), py::arg("cpus"), py::arg("memory"), py::arg("mode"),
+       py::arg("labels"))
+      .def(
+          "remove_node",
+          [](Api& a, const std::string& name) { CheckStatus(a.RemoveNode(name)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_node_mode",
+          [](Api& a, const std::string& name, const std::string& mode, bool when_drained) {
+            Mode m = ModeOf(mode, "mode");
+            py::gil_scoped_release release;
+            CheckStatus(a.SetNodeMode(
+                name, m, when_drained ? gpu::ModeSwitch::kWhenDrained : gpu::ModeSwitch::kRefuse));
+          },
+          py::arg("name"), py::arg("mode"), py::arg("when_drained"))
+      .def(
+          "cordon", [](Api& a, const std::string& name) { CheckStatus(a.Cordon(name)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "uncordon", [](Api& a, const std::string& name) { CheckStatus(a.Uncordon(name)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "drain",
+          [](Api& a, const std::string& name, bool release) {
+            CheckStatus(a.Drain(name, release));
+          },
+          py::arg("name"), py::arg("release"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "allocate",
+          [](Api& a, const std::string& user, int gpus, const std::string& mode,
+             uint64_t gpu_memory, int cpus, uint64_t memory, const Labels& selector,
+             const std::string& node, int priority, int replicas, bool spread, double lease,
+             bool wait, double timeout) {
+            gpu::Request r;
+            r.user = user;
+            r.gpus = gpus;
+            r.mode = ModeOf(mode, "mode");
+            r.gpu_memory = gpu_memory;
+            r.cpus = cpus;
+            r.memory = memory;
+            r.selector = selector;
+            r.node = node;
+            r.priority = priority;
+            r.replicas = replicas;
+            r.spread = spread;
+            r.lease = std::chrono::milliseconds(static_cast<int64_t>(lease * 1000));
+            gpu::AllocateOptions o;
+            o.wait = wait;
+            o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
+            py::gil_scoped_release release;
+            return Unwrap(a.AllocateGang(r, o));
+          },
+          py::arg("user"), py::arg("gpus"), py::arg("mode"), py::arg("gpu_memory"),
+          py::arg("cpus"), py::arg("memory"), py::arg("selector"), py::arg("node"),
+          py::arg("priority"), py::arg("replicas"), py::arg("spread"), py::arg("lease"),
+          py::arg("wait"), py::arg("timeout"))
+      .def(
+          "release", [](Api& a, const std::string& id) { CheckStatus(a.Release(id)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "renew", [](Api& a, const std::string& id) { return Unwrap(a.Renew(id)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "nodes", [](Api& a) { return Val(a.Nodes()); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "allocations", [](Api& a, const std::string& user) { return Val(a.Allocations(user)); },
+          py::arg("user"), py::call_guard<py::gil_scoped_release>());
+}
+
 }  // namespace
 
 void RegisterGpu(py::module_& parent) {
@@ -155,7 +246,8 @@ void RegisterGpu(py::module_& parent) {
                (n.cordoned ? ", cordoned" : "") + ")";
       });
 
-  py::class_<Allocator>(m, "Allocator")
+  py::class_<Allocator> allocator(m, "Allocator");
+  allocator
       .def(py::init([](const std::string& state_dir, bool fsync, uint64_t snapshot_every,
                        double lease_check_interval) {
              gpu::AllocatorOptions o;
@@ -169,41 +261,6 @@ void RegisterGpu(py::module_& parent) {
            }),
            py::arg("state_dir"), py::arg("fsync"), py::arg("snapshot_every"),
            py::arg("lease_check_interval"))
-      .def(
-          "add_node",
-          [](Allocator& a, const std::string& name, const std::vector<GpuArgs>& gpus, int cpus,
-             uint64_t memory, const std::string& mode, const Labels& labels) {
-            gpu::Node n = MakeNode(name, gpus, cpus, memory, mode, labels);
-            py::gil_scoped_release release;
-            CheckStatus(a.AddNode(n));
-          },
-          py::arg("name"), py::arg("gpus"), py::arg("cpus"), py::arg("memory"), py::arg("mode"),
-          py::arg("labels"))
-      .def(
-          "remove_node",
-          [](Allocator& a, const std::string& name) { CheckStatus(a.RemoveNode(name)); },
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "set_node_mode",
-          [](Allocator& a, const std::string& name, const std::string& mode, bool when_drained) {
-            Mode m = ModeOf(mode, "mode");
-            py::gil_scoped_release release;
-            CheckStatus(a.SetNodeMode(
-                name, m, when_drained ? gpu::ModeSwitch::kWhenDrained : gpu::ModeSwitch::kRefuse));
-          },
-          py::arg("name"), py::arg("mode"), py::arg("when_drained"))
-      .def(
-          "cordon", [](Allocator& a, const std::string& name) { CheckStatus(a.Cordon(name)); },
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "uncordon", [](Allocator& a, const std::string& name) { CheckStatus(a.Uncordon(name)); },
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "drain",
-          [](Allocator& a, const std::string& name, bool release) {
-            CheckStatus(a.Drain(name, release));
-          },
-          py::arg("name"), py::arg("release"), py::call_guard<py::gil_scoped_release>())
       .def(
           "set_quota",
           [](Allocator& a, const std::string& user, std::optional<int64_t> gpus,
@@ -240,46 +297,8 @@ void RegisterGpu(py::module_& parent) {
              return d;
            })
       .def(
-          "allocate",
-          [](Allocator& a, const std::string& user, int gpus, const std::string& mode,
-             uint64_t gpu_memory, int cpus, uint64_t memory, const Labels& selector,
-             const std::string& node, int priority, int replicas, bool spread, double lease,
-             bool wait, double timeout) {
-            gpu::Request r;
-            r.user = user;
-            r.gpus = gpus;
-            r.mode = ModeOf(mode, "mode");
-            r.gpu_memory = gpu_memory;
-            r.cpus = cpus;
-            r.memory = memory;
-            r.selector = selector;
-            r.node = node;
-            r.priority = priority;
-            r.replicas = replicas;
-            r.spread = spread;
-            r.lease = std::chrono::milliseconds(static_cast<int64_t>(lease * 1000));
-            gpu::AllocateOptions o;
-            o.wait = wait;
-            o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
-            py::gil_scoped_release release;
-            return Unwrap(a.AllocateGang(r, o));
-          },
-          py::arg("user"), py::arg("gpus"), py::arg("mode"), py::arg("gpu_memory"),
-          py::arg("cpus"), py::arg("memory"), py::arg("selector"), py::arg("node"),
-          py::arg("priority"), py::arg("replicas"), py::arg("spread"), py::arg("lease"),
-          py::arg("wait"), py::arg("timeout"))
-      .def(
-          "release", [](Allocator& a, const std::string& id) { CheckStatus(a.Release(id)); },
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "renew", [](Allocator& a, const std::string& id) { return Unwrap(a.Renew(id)); },
-          py::call_guard<py::gil_scoped_release>())
-      .def("nodes", &Allocator::Nodes, py::call_guard<py::gil_scoped_release>())
-      .def(
           "node", [](const Allocator& a, const std::string& name) { return Unwrap(a.GetNode(name)); },
           py::call_guard<py::gil_scoped_release>())
-      .def("allocations", &Allocator::Allocations, py::arg("user"),
-           py::call_guard<py::gil_scoped_release>())
       .def(
           "allocation",
           [](const Allocator& a, const std::string& id) { return Unwrap(a.GetAllocation(id)); },
@@ -293,6 +312,39 @@ void RegisterGpu(py::module_& parent) {
       .def(
           "check_invariants", [](const Allocator& a) { CheckStatus(a.CheckInvariants()); },
           py::call_guard<py::gil_scoped_release>());
+  BindApi<Allocator>(allocator);
+
+  py::class_<gpu::CentralClient> central(m, "CentralClient");
+  central
+      .def(py::init([](const std::string& address, const std::string& token,
+                       const std::string& token_file, const std::string& tls_ca_file,
+                       double timeout) {
+             gpu::CentralClientOptions o;
+             o.address = address;
+             o.token = token;
+             o.token_file = token_file;
+             o.tls_ca_file = tls_ca_file;
+             o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
+             py::gil_scoped_release release;
+             return Unwrap(gpu::CentralClient::Create(o));
+           }),
+           py::arg("address"), py::arg("token"), py::arg("token_file"), py::arg("tls_ca_file"),
+           py::arg("timeout"))
+      .def(
+          "set_quota",
+          [](gpu::CentralClient& a, const std::string& user, std::optional<int64_t> gpus,
+             std::optional<uint64_t> gpu_memory, std::optional<int64_t> cpus,
+             std::optional<uint64_t> memory) {
+            gpu::Quota q = MakeQuota(gpus, gpu_memory, cpus, memory);
+            py::gil_scoped_release release;
+            return Unwrap(a.SetQuota(user, q));
+          },
+          py::arg("user"), py::arg("gpus"), py::arg("gpu_memory"), py::arg("cpus"),
+          py::arg("memory"))
+      .def(
+          "metrics", [](gpu::CentralClient& a) { return Unwrap(a.Metrics()); },
+          py::call_guard<py::gil_scoped_release>());
+  BindApi<gpu::CentralClient>(central);
 
   m.def(
       "discover",

@@ -176,13 +176,16 @@ class Allocator::Impl {
   }
 
   ~Impl() {
+    Shutdown();
+    if (reaper_.joinable()) reaper_.join();
+  }
+
+  void Shutdown() {
     std::unique_lock<std::mutex> lock(mu_);
     stopping_ = true;
     queue_cv_.notify_all();
     reaper_cv_.notify_all();
     while (active_waiters_ > 0) queue_cv_.wait(lock);
-    lock.unlock();
-    if (reaper_.joinable()) reaper_.join();
   }
 
   // ---- records: encoding
@@ -1675,6 +1678,8 @@ absl::StatusOr<Allocation> Allocator::GetAllocation(const std::string& id) const
   }
   return it->second.a;
 }
+
+void Allocator::Shutdown() { impl_->Shutdown(); }
 
 size_t Allocator::QueueLength() const {
   std::lock_guard<std::mutex> lock(impl_->mu_);

@@ -226,3 +226,90 @@ def test_discovery_and_node_files(tmp_path):
     with pytest.raises(ValueError, match=r"nodes\[0\].gpus.memory"):
         gpu.parse_nodes('{"nodes": [{"name": "a", "cpus": 1, "memory": 1,'
                         ' "gpus": {"count": 1, "memory": "1XB"}}]}')
+
+
+# ---- deepnex-central: the daemon, CentralClient and the CLI
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
+                           os.path.join(os.path.dirname(__file__), "..", "..", "build"))
+CENTRAL_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-central")
+
+
+@pytest.fixture
+def central(tmp_path):
+    if not os.path.exists(CENTRAL_BIN):
+        pytest.skip(f"{CENTRAL_BIN} not built")
+    tokens = tmp_path / "tokens"
+    tokens.write_text("admintok root admin\nalicetok alice user\nbobtok bob user\n")
+    nodes = tmp_path / "nodes.json"
+    nodes.write_text('{"nodes": [{"name": "n1", "cpus": 16, "memory": "64GiB", "mode": "shared",'
+                     ' "gpus": {"count": 2, "memory": "80GiB"}}]}')
+    proc = subprocess.Popen([CENTRAL_BIN, "--listen", "127.0.0.1:0", "--token-file", str(tokens),
+                             "--nodes", str(nodes), "--state-dir", str(tmp_path / "state")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("deepnex-central listening on "), line + proc.stderr.read()
+    yield line.split()[3]
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_central_client_same_surface_and_ownership(central):
+    admin = gpu.CentralClient(central, token="admintok")
+    alice = gpu.CentralClient(central, token="alicetok")
+    bob = gpu.CentralClient(central, token="bobtok")
+    a = alice.allocate(gpu.Request(user="alice", gpus=1, mode="shared", gpu_memory="10GiB",
+                                   cpus=2))
+    assert a.user == "alice" and a.env["DEEPNEX_GPU_MEMORY_LIMIT"] == str(10 * GiB)
+    with pytest.raises(PermissionError, match="user bob cannot release a1: it belongs to alice"):
+        bob.release(a.id)
+    assert bob.allocations() == []
+    assert [x.id for x in alice.allocations()] == [a.id]
+    with pytest.raises(deepnex.PermissionDeniedError):
+        alice.set_node_mode("n1", "exclusive")
+    with pytest.raises(deepnex.FailedPreconditionError, match="holds shared allocations a1"):
+        admin.set_node_mode("n1", "exclusive")
+    admin.set_quota("bob", gpus=0)
+    with pytest.raises(deepnex.ResourceExhaustedError, match="quota of bob"):
+        bob.allocate(gpu.Request(user="bob", gpus=1, mode="shared", gpu_memory="1GiB"))
+    alice.release(a.id)
+    alice.release(a.id)
+    assert "deepnex_grants_total 1" in admin.metrics()
+    [n] = admin.nodes()
+    assert (n.name, n.mode, n.gpus_free) == ("n1", "shared", 2)
+
+
+def run_cli(*args, central, token="admintok"):
+    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN=token)
+    return subprocess.run([sys.executable, "-m", "deepnex", *args], env=env, text=True,
+                          capture_output=True, timeout=60)
+
+
+def test_cli_against_central(central):
+    out = run_cli("alloc", "--gpus", "2", "--mode", "shared", "--gpu-memory", "10GiB",
+                  central=central, token="alicetok")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("a1 user=alice node=n1 gpus=[0:10GiB shared, 1:10GiB shared]")
+    assert "CUDA_VISIBLE_DEVICES=0,1" in out.stdout
+    table = run_cli("nodes", central=central)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split()[:3] == ["NODE", "MODE", "STATE"]
+    assert lines[1].split()[:4] == ["n1", "shared", "ready", "2/2"]
+    denied = run_cli("release", "a1", central=central, token="bobtok")
+    assert denied.returncode == 1 and "cannot release a1" in denied.stderr
+    assert run_cli("release", "a1", central=central, token="alicetok").returncode == 0
+    out = run_cli("quota", "alice", "--gpus", "4", central=central)
+    assert out.returncode == 0 and "quota of alice set" in out.stdout
+    assert run_cli("node", "mode", "n1", "exclusive", central=central).returncode == 0
+    assert run_cli("node", "cordon", "n1", central=central).returncode == 0
+    assert "cordoned" in run_cli("nodes", central=central).stdout
+    metrics = run_cli("metrics", central=central)
+    assert "deepnex_queue_length 0" in metrics.stdout

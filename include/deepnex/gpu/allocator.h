@@ -127,6 +127,10 @@ class Allocator {
   absl::StatusOr<Allocation> GetAllocation(const std::string& id) const;
   // Requests waiting in the queue.
   size_t QueueLength() const;
+  // Fails every queued request with Cancelled and returns once their calls
+  // have left; later Allocate calls fail with Cancelled and leases stop
+  // expiring. Other calls keep working. The destructor does this too.
+  void Shutdown();
 
   // ---- persistence and checks
   // Writes a snapshot and drops the log behind it (no-op in memory).

@@ -1,0 +1,100 @@
+// deepnex-central: the GPU allocator as a gRPC service shared by many users,
+// and its client.
+//
+// Every call carries a bearer token (auth.h). A user token acts as its user:
+// it allocates for itself, sees and releases only its own allocations (another
+// user's is PermissionDenied). Node, mode and quota changes are admin-only.
+// Without tokens every caller is an admin.
+#ifndef DEEPNEX_GPU_CENTRAL_H_
+#define DEEPNEX_GPU_CENTRAL_H_
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "deepnex/gpu/allocator.h"
+#include "deepnex/gpu/types.h"
+#include "deepnex/status.h"
+
+namespace deepnex::gpu {
+
+struct CentralServerOptions {
+  // Where to listen; port 0 lets the OS pick (see address()).
+  // Default: "127.0.0.1:0"
+  std::string address = "127.0.0.1:0";
+  // The allocator behind the service (state_dir makes it persistent).
+  AllocatorOptions allocator;
+  // Bearer token (one user, role admin) or a token file (see auth.h).
+  std::string token;
+  std::string token_file;
+  // TLS: PEM certificate chain and private key. Both empty: plaintext.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+};
+
+// A running service. Thread-safe; serves until Stop().
+class CentralServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<CentralServer>> Create(
+      const CentralServerOptions& options);
+  virtual ~CentralServer() = default;
+
+  // "host:port" with the port actually bound.
+  virtual std::string address() const = 0;
+  virtual int port() const = 0;
+  // The allocator served, for in-process administration.
+  virtual Allocator& allocator() = 0;
+  // Prometheus text: per node and GPU memory allocated/free, GPUs by mode,
+  // queue length, grants, releases, refusals.
+  virtual std::string MetricsText() const = 0;
+  // Stops serving; waiting allocations end with an error. Idempotent.
+  virtual void Stop() = 0;
+  virtual void Wait() = 0;
+};
+
+struct CentralClientOptions {
+  // host:port of deepnex-central.
+  std::string address;
+  std::string token;
+  std::string token_file;
+  std::string tls_ca_file;
+  // Deadline of every call but a waiting Allocate (its own timeout, plus
+  // this).
+  // Default: 30s
+  std::chrono::milliseconds timeout{30000};
+};
+
+// The Allocator's methods over gRPC. Thread-safe.
+class CentralClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<CentralClient>> Create(
+      const CentralClientOptions& options);
+  virtual ~CentralClient() = default;
+
+  virtual absl::Status AddNode(const Node& node) = 0;
+  virtual absl::Status RemoveNode(const std::string& name) = 0;
+  virtual absl::Status SetNodeMode(const std::string& name, Mode mode,
+                                   ModeSwitch when = ModeSwitch::kRefuse) = 0;
+  virtual absl::Status Cordon(const std::string& name) = 0;
+  virtual absl::Status Uncordon(const std::string& name) = 0;
+  virtual absl::Status Drain(const std::string& name, bool release = false) = 0;
+  // `user` empty: the default quota.
+  virtual absl::StatusOr<std::string> SetQuota(const std::string& user,
+                                               const Quota& quota) = 0;
+  // `request.user` empty: the caller's user.
+  virtual absl::StatusOr<Allocation> Allocate(const Request& request,
+                                              const AllocateOptions& options = {}) = 0;
+  virtual absl::StatusOr<std::vector<Allocation>> AllocateGang(
+      const Request& request, const AllocateOptions& options = {}) = 0;
+  virtual absl::Status Release(const std::string& id) = 0;
+  virtual absl::StatusOr<Allocation> Renew(const std::string& id) = 0;
+  // A user sees only their own; `user` filters (admins).
+  virtual absl::StatusOr<std::vector<Allocation>> Allocations(const std::string& user = "") = 0;
+  virtual absl::StatusOr<std::vector<NodeInfo>> Nodes() = 0;
+  virtual absl::StatusOr<std::string> Metrics() = 0;
+};
+
+}  // namespace deepnex::gpu
+
+#endif  // DEEPNEX_GPU_CENTRAL_H_

@@ -1,0 +1,354 @@
+// deepnex-central's service: the Allocator behind token auth, on gRPC's
+// callback API. Calls that may wait in the allocator's queue run on a thread
+// of their own, so a waiting request holds no gRPC thread; every other call
+// runs inline (it waits at most for its ledger fsync).
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "core/grpc_util.h"
+#include "deepnex/auth.h"
+#include "deepnex/central.grpc.pb.h"
+#include "deepnex/gpu/central.h"
+#include "gpu/central_convert.h"
+
+namespace deepnex::gpu {
+namespace {
+
+grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status) {
+  auto* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+class Service final : public pb::Central::CallbackService {
+ public:
+  Service(std::unique_ptr<Allocator> alloc, TokenTable tokens)
+      : alloc_(std::move(alloc)), tokens_(std::move(tokens)) {}
+
+  Allocator& allocator() { return *alloc_; }
+
+  // Waits for the threads of waiting Allocate calls; the allocator's
+  // destructor (after this) fails any that still wait.
+  void Shutdown() {
+    std::unique_lock<std::mutex> lock(mu_);
+    stopping_ = true;
+    cv_.wait(lock, [this] { return waiting_ == 0; });
+  }
+
+  std::string MetricsText() const {
+    std::string out;
+    auto gauge = [&](const char* name, const char* help) {
+      absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " gauge\n");
+    };
+    std::vector<NodeInfo> nodes = alloc_->Nodes();
+    gauge("deepnex_gpu_memory_allocated_bytes", "GPU memory granted, per GPU.");
+    for (const auto& n : nodes) {
+      for (size_t i = 0; i < n.node.gpus.size(); ++i) {
+        absl::StrAppend(&out, "deepnex_gpu_memory_allocated_bytes{node=\"", n.node.name,
+                        "\",gpu=\"", n.node.gpus[i].index, "\",mode=\"", ModeName(n.mode),
+                        "\"} ", n.gpu_memory_used[i], "\n");
+      }
+    }
+    gauge("deepnex_gpu_memory_free_bytes", "GPU memory not granted, per GPU.");
+    for (const auto& n : nodes) {
+      for (size_t i = 0; i < n.node.gpus.size(); ++i) {
+        absl::StrAppend(&out, "deepnex_gpu_memory_free_bytes{node=\"", n.node.name, "\",gpu=\"",
+                        n.node.gpus[i].index, "\",mode=\"", ModeName(n.mode), "\"} ",
+                        n.node.gpus[i].memory - n.gpu_memory_used[i], "\n");
+      }
+    }
+    gauge("deepnex_node_gpus", "GPUs per node by mode and state (used: holding an allocation).");
+    for (const auto& n : nodes) {
+      int free = n.gpus_free();
+      absl::StrAppend(&out, "deepnex_node_gpus{node=\"", n.node.name, "\",mode=\"",
+                      ModeName(n.mode), "\",state=\"used\"} ",
+                      static_cast<int>(n.node.gpus.size()) - free, "\n");
+      absl::StrAppend(&out, "deepnex_node_gpus{node=\"", n.node.name, "\",mode=\"",
+                      ModeName(n.mode), "\",state=\"free\"} ", free, "\n");
+    }
+    gauge("deepnex_queue_length", "Requests waiting for capacity.");
+    absl::StrAppend(&out, "deepnex_queue_length ", alloc_->QueueLength(), "\n");
+    auto counter = [&](const char* name, const char* help, uint64_t v) {
+      absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " counter\n", name,
+                      " ", v, "\n");
+    };
+    counter("deepnex_grants_total", "Allocations granted.", grants_.load());
+    counter("deepnex_releases_total", "Release calls that succeeded.", releases_.load());
+    counter("deepnex_refusals_total", "Allocate calls refused (quota, capacity, bad input).",
+            refusals_.load());
+    return out;
+  }
+
+  // ---- admin
+
+  grpc::ServerUnaryReactor* AddNode(grpc::CallbackServerContext* ctx, const pb::Node* req,
+                                    pb::Empty*) override {
+    absl::Status s = Admin(*ctx);
+    if (s.ok()) {
+      auto node = FromProto(*req);
+      s = node.ok() ? alloc_->AddNode(*node) : node.status();
+    }
+    return Reply(ctx, s);
+  }
+  grpc::ServerUnaryReactor* RemoveNode(grpc::CallbackServerContext* ctx,
+                                       const pb::NameRequest* req, pb::Empty*) override {
+    absl::Status s = Admin(*ctx);
+    return Reply(ctx, s.ok() ? alloc_->RemoveNode(req->name()) : s);
+  }
+  grpc::ServerUnaryReactor* SetNodeMode(grpc::CallbackServerContext* ctx,
+                                        const pb::ModeRequest* req, pb::Empty*) override {
+    absl::Status s = Admin(*ctx);
+    if (s.ok()) {
+      auto mode = ParseMode(req->mode(), "mode");
+      s = mode.ok() ? alloc_->SetNodeMode(req->name(), *mode,
+                                          req->when_drained() ? ModeSwitch::kWhenDrained
+                                                              : ModeSwitch::kRefuse)
+                    : mode.status();
+    }
+    return Reply(ctx, s);
+  }
+  grpc::ServerUnaryReactor* Cordon(grpc::CallbackServerContext* ctx, const pb::NameRequest* req,
+                                   pb::Empty*) override {
+    absl::Status s = Admin(*ctx);
+    return Reply(ctx, s.ok() ? alloc_->Cordon(req->name()) : s);
+  }
+  grpc::ServerUnaryReactor* Uncordon(grpc::CallbackServerContext* ctx,
+                                     const pb::NameRequest* req, pb::Empty*) override {
+    absl::Status s = Admin(*ctx);
+    return Reply(ctx, s.ok() ? alloc_->Uncordon(req->name()) : s);
+  }
+  grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* ctx, const pb::DrainRequest* req,
+                                  pb::Empty*) override {
+    absl::Status s = Admin(*ctx);
+    return Reply(ctx, s.ok() ? alloc_->Drain(req->name(), req->release()) : s);
+  }
+  grpc::ServerUnaryReactor* SetQuota(grpc::CallbackServerContext* ctx,
+                                     const pb::QuotaRequest* req, pb::NoteReply* reply) override {
+    absl::Status s = Admin(*ctx);
+    if (s.ok()) {
+      Quota q = FromProto(req->quota());
+      auto note = req->user().empty() ? alloc_->SetDefaultQuota(q)
+                                       : alloc_->SetQuota(req->user(), q);
+      if (note.ok()) reply->set_note(*note);
+      s = note.status();
+    }
+    return Reply(ctx, s);
+  }
+
+  // ---- users
+
+  grpc::ServerUnaryReactor* Allocate(grpc::CallbackServerContext* ctx, const pb::Request* req,
+                                     pb::Allocations* reply) override {
+    auto who = Who(*ctx);
+    if (!who.ok()) return Reply(ctx, who.status());
+    AllocateOptions options;
+    auto request = FromProto(*req, &options);
+    if (!request.ok()) return Reply(ctx, request.status());
+    if (request->user.empty()) request->user = who->name;
+    if (who->role != AuthRole::kAdmin && request->user != who->name) {
+      return Reply(ctx, absl::PermissionDeniedError(
+                            absl::StrCat("user ", who->name, " cannot allocate for user ",
+                                         request->user)));
+    }
+    if (!options.wait) {
+      return Reply(ctx, Grant(*request, options, reply));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return Reply(ctx, absl::UnavailableError("deepnex-central is stopping"));
+      ++waiting_;
+    }
+    auto* reactor = ctx->DefaultReactor();
+    std::thread([this, reactor, r = *request, options, reply] {
+      absl::Status s = Grant(r, options, reply);
+      reactor->Finish(ToGrpcStatus(s));
+      std::lock_guard<std::mutex> lock(mu_);
+      --waiting_;
+      cv_.notify_all();
+    }).detach();
+    return reactor;
+  }
+
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx, const pb::IdRequest* req,
+                                    pb::Empty*) override {
+    absl::Status s = Owner(*ctx, req->id(), "release");
+    if (s.ok()) s = alloc_->Release(req->id());
+    if (s.ok()) ++releases_;
+    return Reply(ctx, s);
+  }
+
+  grpc::ServerUnaryReactor* Renew(grpc::CallbackServerContext* ctx, const pb::IdRequest* req,
+                                  pb::Allocation* reply) override {
+    absl::Status s = Owner(*ctx, req->id(), "renew");
+    if (s.ok()) {
+      auto a = alloc_->Renew(req->id());
+      if (a.ok()) ToProto(*a, reply);
+      s = a.status();
+    }
+    return Reply(ctx, s);
+  }
+
+  grpc::ServerUnaryReactor* ListAllocations(grpc::CallbackServerContext* ctx,
+                                            const pb::AllocationsRequest* req,
+                                            pb::Allocations* reply) override {
+    auto who = Who(*ctx);
+    if (!who.ok()) return Reply(ctx, who.status());
+    std::string user = req->user();
+    if (who->role != AuthRole::kAdmin) {
+      if (!user.empty() && user != who->name) {
+        return Reply(ctx, absl::PermissionDeniedError(absl::StrCat(
+                              "user ", who->name, " cannot list the allocations of ", user)));
+      }
+      user = who->name;
+    }
+    for (const auto& a : alloc_->Allocations(user)) ToProto(a, reply->add_allocations());
+    return Reply(ctx, absl::OkStatus());
+  }
+
+  grpc::ServerUnaryReactor* ListNodes(grpc::CallbackServerContext* ctx, const pb::Empty*,
+                                      pb::Nodes* reply) override {
+    auto who = Who(*ctx);
+    if (!who.ok()) return Reply(ctx, who.status());
+    for (const auto& n : alloc_->Nodes()) ToProto(n, reply->add_nodes());
+    return Reply(ctx, absl::OkStatus());
+  }
+
+  grpc::ServerUnaryReactor* Metrics(grpc::CallbackServerContext* ctx, const pb::Empty*,
+                                    pb::MetricsReply* reply) override {
+    auto who = Who(*ctx);
+    if (!who.ok()) return Reply(ctx, who.status());
+    reply->set_text(MetricsText());
+    return Reply(ctx, absl::OkStatus());
+  }
+
+ private:
+  // Without tokens every caller is an administrator.
+  absl::StatusOr<Identity> Who(const grpc::ServerContextBase& ctx) const {
+    if (!tokens_.enabled()) return Identity{"anonymous", AuthRole::kAdmin, ""};
+    return AuthenticateCall(tokens_, ctx);
+  }
+
+  absl::Status Admin(const grpc::ServerContextBase& ctx) const {
+    return AuthenticateCall(tokens_, ctx, "", /*require_admin=*/true).status();
+  }
+
+  // A user may act only on their own allocations (an admin on any).
+  absl::Status Owner(const grpc::ServerContextBase& ctx, const std::string& id,
+                     const char* what) const {
+    DEEPNEX_ASSIGN_OR_RETURN(Identity who, Who(ctx));
+    if (who.role == AuthRole::kAdmin) return absl::OkStatus();
+    auto a = alloc_->GetAllocation(id);
+    if (a.ok() && a->user != who.name) {
+      return absl::PermissionDeniedError(absl::StrCat("user ", who.name, " cannot ", what, " ",
+                                                      id, ": it belongs to ", a->user));
+    }
+    // A gang id: every part must be the caller's.
+    if (!a.ok() && !id.empty() && id[0] == 'g') {
+      for (const auto& x : alloc_->Allocations()) {
+        if (x.gang == id && x.user != who.name) {
+          return absl::PermissionDeniedError(absl::StrCat(
+              "user ", who.name, " cannot ", what, " ", id, ": it belongs to ", x.user));
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Grant(const Request& r, const AllocateOptions& o, pb::Allocations* reply) {
+    auto parts = alloc_->AllocateGang(r, o);
+    if (!parts.ok()) {
+      ++refusals_;
+      return parts.status();
+    }
+    grants_ += parts->size();
+    for (const auto& a : *parts) ToProto(a, reply->add_allocations());
+    return absl::OkStatus();
+  }
+
+  std::unique_ptr<Allocator> alloc_;
+  const TokenTable tokens_;
+  std::atomic<uint64_t> grants_{0}, releases_{0}, refusals_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int waiting_ = 0;
+  bool stopping_ = false;
+};
+
+class CentralServerImpl final : public CentralServer {
+ public:
+  explicit CentralServerImpl(std::unique_ptr<Service> service) : service_(std::move(service)) {}
+  ~CentralServerImpl() override { Stop(); }
+
+  absl::Status Start(const CentralServerOptions& options) {
+    DEEPNEX_ASSIGN_OR_RETURN(auto credentials,
+                             MakeServerCredentials(options.tls_cert_file, options.tls_key_file));
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(options.address, credentials, &port_);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    if (!server_ || port_ == 0) {
+      return absl::UnavailableError(absl::StrCat("cannot listen on \"", options.address, "\""));
+    }
+    host_ = options.address.substr(0, options.address.rfind(':'));
+    return absl::OkStatus();
+  }
+
+  std::string address() const override { return absl::StrCat(host_, ":", port_); }
+  int port() const override { return port_; }
+  Allocator& allocator() override { return service_->allocator(); }
+  std::string MetricsText() const override { return service_->MetricsText(); }
+
+  void Stop() override {
+    std::call_once(stop_once_, [this] {
+      // Waiting allocations fail with Cancelled and finish their calls
+      // before gRPC shuts down (which waits for every open call).
+      service_->allocator().Shutdown();
+      service_->Shutdown();
+      if (server_) {
+        server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+        server_->Wait();
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      stopped_ = true;
+      cv_.notify_all();
+    });
+  }
+
+  void Wait() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return stopped_; });
+  }
+
+ private:
+  std::unique_ptr<Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::string host_;
+  std::once_flag stop_once_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopped_ = false;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CentralServer>> CentralServer::Create(
+    const CentralServerOptions& options) {
+  if (options.address.empty()) return absl::InvalidArgumentError("address is empty");
+  DEEPNEX_ASSIGN_OR_RETURN(TokenTable tokens,
+                           TokenTable::FromOptions(options.token, options.token_file));
+  if (!options.token.empty()) {
+    // A single token is the administrator's.
+    tokens = TokenTable::Single(options.token, "admin", AuthRole::kAdmin);
+  }
+  DEEPNEX_ASSIGN_OR_RETURN(auto alloc, Allocator::Create(options.allocator));
+  auto server = std::make_unique<CentralServerImpl>(
+      std::make_unique<Service>(std::move(alloc), std::move(tokens)));
+  DEEPNEX_RETURN_IF_ERROR(server->Start(options));
+  return std::unique_ptr<CentralServer>(std::move(server));
+}
+
+}  // namespace deepnex::gpu
