@@ -8,7 +8,8 @@
 // about half full, for a mix of exclusive (1-8 GPUs) and shared (1-2 GPUs,
 // 4-40GiB) requests; in memory, and with the ledger on (fsync per
 // acknowledged call, group commit across threads; and without fsync, which
-// survives a process crash but not a machine crash). Median of --reps runs.
+// survives a process crash but not a machine crash); and through
+// deepnex-central over loopback, 8 client threads. Median of --reps runs.
 // Fragmentation: the same random stream of shared requests and releases fed
 // to the allocator (best fit) and to a first-fit baseline; then refusals,
 // wholly free GPUs and the free memory stranded on partly used GPUs.
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "deepnex/gpu/allocator.h"
+#include "deepnex/gpu/central.h"
 
 using namespace deepnex::gpu;  // NOLINT
 using Clock = std::chrono::steady_clock;
@@ -109,7 +111,10 @@ struct Throughput {
 
 // Each thread keeps its own live allocations; every step allocates one
 // request (wait=false) and releases one live allocation at random.
-Throughput Measure(Allocator& alloc, int threads, double seconds, uint64_t seed) {
+// `make_api(t)` gives thread t the object to call (the allocator itself, or
+// a CentralClient of its own).
+template <class MakeApi>
+Throughput Measure(MakeApi make_api, int threads, double seconds, uint64_t seed) {
   std::atomic<bool> stop{false}, go{false};
   std::atomic<int> filled{0};
   std::atomic<uint64_t> pairs{0}, refused{0};
@@ -118,6 +123,8 @@ Throughput Measure(Allocator& alloc, int threads, double seconds, uint64_t seed)
   nowait.wait = false;
   for (int t = 0; t < threads; ++t) {
     ts.emplace_back([&, t] {
+      auto api = make_api(t);
+      auto& alloc = *api;
       std::vector<Request> pool = RequestPool(seed * 131 + t, 4096);
       std::mt19937_64 rng(seed + t);
       std::vector<std::string> live;
@@ -347,12 +354,48 @@ int main(int argc, char** argv) {
         std::filesystem::remove_all(dir);
       }
       auto alloc = Build(f, dir, c.fsync);
-      Throughput t = Measure(*alloc, c.threads, f.seconds, 100 + rep);
+      Allocator* raw = alloc.get();
+      Throughput t = Measure([raw](int) { return raw; }, c.threads, f.seconds, 100 + rep);
       rates.push_back(t.pairs_per_s);
       refused.push_back(t.refused);
       std::fprintf(stderr, "  %s run %d: %.0f pairs/s\n", c.name, rep + 1, t.pairs_per_s);
     }
     std::printf("%-30s %16.0f %9.1f%%\n", c.name, Median(rates), 100 * Median(refused));
+  }
+  // Through deepnex-central over loopback: one CentralClient per thread.
+  for (bool ledger : {false, true}) {
+    const char* name = ledger ? "central, ledger + fsync, 8 thr" : "central, in memory, 8 thr";
+    std::vector<double> rates, refused;
+    for (int rep = 0; rep < f.reps; ++rep) {
+      CentralServerOptions so;
+      if (ledger) {
+        so.allocator.state_dir = f.dir + "/central";
+        std::filesystem::remove_all(so.allocator.state_dir);
+      }
+      auto server = CentralServer::Create(so);
+      if (!server.ok()) {
+        std::fprintf(stderr, "alloc_bench: %s\n", server.status().ToString().c_str());
+        return 1;
+      }
+      for (int i = 0; i < f.nodes; ++i) {
+        (void)(*server)->allocator().AddNode(
+            MakeNode(i, f.gpus, i % 2 ? Mode::kShared : Mode::kExclusive));
+      }
+      const std::string address = (*server)->address();
+      Throughput t = Measure(
+          [&](int) {
+            CentralClientOptions co;
+            co.address = address;
+            auto c = CentralClient::Create(co);
+            if (!c.ok()) std::exit(1);
+            return std::move(c).value();
+          },
+          8, f.seconds, 200 + rep);
+      rates.push_back(t.pairs_per_s);
+      refused.push_back(t.refused);
+      std::fprintf(stderr, "  %s run %d: %.0f pairs/s\n", name, rep + 1, t.pairs_per_s);
+    }
+    std::printf("%-30s %16.0f %9.1f%%\n", name, Median(rates), 100 * Median(refused));
   }
   std::filesystem::remove_all(f.dir);
 
