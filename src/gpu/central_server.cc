@@ -25,8 +25,11 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::St
 
 class Service final : public pb::Central::CallbackService {
  public:
-  Service(std::unique_ptr<Allocator> alloc, TokenTable tokens)
-      : alloc_(std::move(alloc)), tokens_(std::move(tokens)) {}
+  // `offload`: run grants and releases on threads of their own, so that
+  // calls waiting for the ledger's fsync hold no gRPC thread and concurrent
+  // calls share fsyncs (group commit).
+  Service(std::unique_ptr<Allocator> alloc, TokenTable tokens, bool offload)
+      : alloc_(std::move(alloc)), tokens_(std::move(tokens)), offload_(offload) {}
 
   Allocator& allocator() { return *alloc_; }
 
@@ -153,17 +156,23 @@ class Service final : public pb::Central::CallbackService {
                             absl::StrCat("user ", who->name, " cannot allocate for user ",
                                          request->user)));
     }
-    if (!options.wait) {
+    if (!options.wait && !offload_) {
       return Reply(ctx, Grant(*request, options, reply));
     }
+    return Offload(ctx, [this, r = *request, options, reply] { return Grant(r, options, reply); });
+  }
+
+  // Runs `fn` on a thread of its own and finishes the call with its status.
+  template <class Fn>
+  grpc::ServerUnaryReactor* Offload(grpc::CallbackServerContext* ctx, Fn fn) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) return Reply(ctx, absl::UnavailableError("deepnex-central is stopping"));
       ++waiting_;
     }
     auto* reactor = ctx->DefaultReactor();
-    std::thread([this, reactor, r = *request, options, reply] {
-      absl::Status s = Grant(r, options, reply);
+    std::thread([this, reactor, fn = std::move(fn)]() mutable {
+      absl::Status s = fn();
       reactor->Finish(ToGrpcStatus(s));
       std::lock_guard<std::mutex> lock(mu_);
       --waiting_;
@@ -175,9 +184,13 @@ class Service final : public pb::Central::CallbackService {
   grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx, const pb::IdRequest* req,
                                     pb::Empty*) override {
     absl::Status s = Owner(*ctx, req->id(), "release");
-    if (s.ok()) s = alloc_->Release(req->id());
-    if (s.ok()) ++releases_;
-    return Reply(ctx, s);
+    if (!s.ok()) return Reply(ctx, s);
+    auto release = [this, id = req->id()] {
+      absl::Status r = alloc_->Release(id);
+      if (r.ok()) ++releases_;
+      return r;
+    };
+    return offload_ ? Offload(ctx, release) : Reply(ctx, release());
   }
 
   grpc::ServerUnaryReactor* Renew(grpc::CallbackServerContext* ctx, const pb::IdRequest* req,
@@ -270,6 +283,7 @@ class Service final : public pb::Central::CallbackService {
 
   std::unique_ptr<Allocator> alloc_;
   const TokenTable tokens_;
+  const bool offload_;
   std::atomic<uint64_t> grants_{0}, releases_{0}, refusals_{0};
   std::mutex mu_;
   std::condition_variable cv_;
@@ -346,7 +360,8 @@ absl::StatusOr<std::unique_ptr<CentralServer>> CentralServer::Create(
   }
   DEEPNEX_ASSIGN_OR_RETURN(auto alloc, Allocator::Create(options.allocator));
   auto server = std::make_unique<CentralServerImpl>(
-      std::make_unique<Service>(std::move(alloc), std::move(tokens)));
+      std::make_unique<Service>(std::move(alloc), std::move(tokens),
+                                /*offload=*/!options.allocator.state_dir.empty()));
   DEEPNEX_RETURN_IF_ERROR(server->Start(options));
   return std::unique_ptr<CentralServer>(std::move(server));
 }
