@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -496,6 +497,10 @@ absl::Status Link::CheckCtlAfterRings(bool shm_send, bool shm_recv) const {
   return s;
 }
 
+// sched_yield rounds before sleeping: tens of microseconds, which covers a
+// neighbour's turnaround on small collectives.
+constexpr int kYieldRounds = 200;
+
 absl::Status Link::Wait(bool want_send, bool want_recv, SteadyClock::time_point deadline) {
   const bool shm_send = want_send && c_.send_ring != nullptr;
   const bool shm_recv = want_recv && c_.recv_ring != nullptr;
@@ -521,11 +526,16 @@ absl::Status Link::Wait(bool want_send, bool want_recv, SteadyClock::time_point 
       if (shm_send || shm_recv) DEEPNEX_RETURN_IF_ERROR(CheckCtlAfterRings(shm_send, shm_recv));
       continue;
     }
-    // Shared memory only: spin briefly, then sleep on this rank's doorbell.
-    if (++spins < 200) {
+    // Shared memory only: spin briefly, then yield the core for a while
+    // (the neighbour may need it), then sleep on this rank's doorbell.
+    if (++spins < 100) {
 #if defined(__x86_64__)
       __builtin_ia32_pause();
 #endif
+      continue;
+    }
+    if (spins < 100 + kYieldRounds) {
+      sched_yield();
       continue;
     }
     auto* bell = c_.my_bell;
