@@ -40,7 +40,9 @@ struct AllocatorOptions {
   std::chrono::milliseconds lease_check_interval{100};
 };
 
-// Per call of Allocate.
+// Per call of Allocate. The queue is strict (no backfill): while a request
+// waits, a later request of lower or equal priority waits behind it even if
+// it would fit, so large requests are not starved by small ones.
 struct AllocateOptions {
   // true: a request within quota but over free capacity waits in the queue
   // (priority, then FIFO). false: it is refused with ResourceExhausted.
