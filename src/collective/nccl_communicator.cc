@@ -103,8 +103,23 @@ class NcclCommunicator final : public Communicator {
       if (broken_) {
         ncclCommAbort(comm_);
       } else {
-        ncclCommFinalize(comm_);
-        ncclCommDestroy(comm_);
+        // Non-blocking communicators finalize asynchronously: wait (bounded)
+        // before destroying, else abort.
+        ncclResult_t r = ncclCommFinalize(comm_);
+        ncclResult_t state = ncclInProgress;
+        auto until = Clock::now() + std::chrono::seconds(10);
+        while (r == ncclSuccess || r == ncclInProgress) {
+          if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess || state != ncclInProgress ||
+              Clock::now() > until) {
+            break;
+          }
+          std::this_thread::sleep_for(milliseconds(1));
+        }
+        if (state == ncclSuccess) {
+          ncclCommDestroy(comm_);
+        } else {
+          ncclCommAbort(comm_);
+        }
       }
     }
     if (header_dev_ != nullptr) cudaFree(header_dev_);
