@@ -2,8 +2,15 @@
 // callback API. Calls that may wait in the allocator's queue run on a thread
 // of their own, so a waiting request holds no gRPC thread; every other call
 // runs inline (it waits at most for its ledger fsync).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -291,6 +298,102 @@ class Service final : public pb::Central::CallbackService {
   bool stopping_ = false;
 };
 
+// GET /metrics over HTTP/1.1 (one request per connection) on a thread of
+// its own, for Prometheus scrapers.
+class MetricsHttp {
+ public:
+  explicit MetricsHttp(std::function<std::string()> text) : text_(std::move(text)) {}
+  ~MetricsHttp() { Stop(); }
+
+  absl::Status Start(const std::string& address) {
+    const size_t colon = address.rfind(':');
+    if (colon == std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("metrics_address \"", address, "\": expected HOST:PORT"));
+    }
+    std::string host = address.substr(0, colon);
+    if (host == "localhost") host = "127.0.0.1";
+    if (host.empty() || host == "*") host = "0.0.0.0";
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    int port = 0;
+    try {
+      port = std::stoi(address.substr(colon + 1));
+    } catch (...) {
+      port = -1;
+    }
+    if (port < 0 || port > 65535 || inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("metrics_address \"", address, "\": expected IPv4HOST:PORT"));
+    }
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int one = 1;
+    setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (fd_ < 0 || bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        listen(fd_, 16) != 0) {
+      return absl::UnavailableError(absl::StrCat("metrics: cannot listen on \"", address, "\""));
+    }
+    socklen_t len = sizeof(addr);
+    getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this] { Run(); });
+    return absl::OkStatus();
+  }
+  int port() const { return port_; }
+  void Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  void Run() {
+    while (!stop_) {
+      pollfd p{fd_, POLLIN, 0};
+      if (poll(&p, 1, 100) <= 0) continue;
+      int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c < 0) continue;
+      timeval tv{2, 0};
+      setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+      std::string req;
+      char buf[2048];
+      while (req.find("\r\n\r\n") == std::string::npos && req.size() < 16384) {
+        ssize_t n = recv(c, buf, sizeof(buf), 0);
+        if (n <= 0) break;
+        req.append(buf, static_cast<size_t>(n));
+      }
+      std::string body, status = "200 OK";
+      if (req.rfind("GET /metrics", 0) == 0) {
+        body = text_();
+      } else {
+        status = "404 Not Found";
+        body = "GET /metrics\n";
+      }
+      std::string resp = absl::StrCat("HTTP/1.1 ", status,
+                                      "\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                                      "Content-Length: ", body.size(),
+                                      "\r\nConnection: close\r\n\r\n", body);
+      const char* q = resp.data();
+      size_t left = resp.size();
+      while (left > 0) {
+        ssize_t w = send(c, q, left, MSG_NOSIGNAL);
+        if (w <= 0) break;
+        q += w;
+        left -= static_cast<size_t>(w);
+      }
+      close(c);
+    }
+  }
+
+  std::function<std::string()> text_;
+  int fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
 class CentralServerImpl final : public CentralServer {
  public:
   explicit CentralServerImpl(std::unique_ptr<Service> service) : service_(std::move(service)) {}
@@ -307,9 +410,14 @@ class CentralServerImpl final : public CentralServer {
       return absl::UnavailableError(absl::StrCat("cannot listen on \"", options.address, "\""));
     }
     host_ = options.address.substr(0, options.address.rfind(':'));
+    if (!options.metrics_address.empty()) {
+      metrics_ = std::make_unique<MetricsHttp>([this] { return service_->MetricsText(); });
+      DEEPNEX_RETURN_IF_ERROR(metrics_->Start(options.metrics_address));
+    }
     return absl::OkStatus();
   }
 
+  int metrics_port() const override { return metrics_ ? metrics_->port() : 0; }
   std::string address() const override { return absl::StrCat(host_, ":", port_); }
   int port() const override { return port_; }
   Allocator& allocator() override { return service_->allocator(); }
@@ -317,6 +425,7 @@ class CentralServerImpl final : public CentralServer {
 
   void Stop() override {
     std::call_once(stop_once_, [this] {
+      if (metrics_) metrics_->Stop();
       // Waiting allocations fail with Cancelled and finish their calls
       // before gRPC shuts down (which waits for every open call).
       service_->allocator().Shutdown();
@@ -338,6 +447,7 @@ class CentralServerImpl final : public CentralServer {
 
  private:
   std::unique_ptr<Service> service_;
+  std::unique_ptr<MetricsHttp> metrics_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::string host_;

@@ -31,6 +31,7 @@ flags:
   --token T               the administrator's bearer token
   --token-file F          lines "TOKEN NAME ROLE" (ROLE user|admin)
   --tls-cert F --tls-key F   serve TLS with this PEM certificate and key
+  --metrics-listen HOST:PORT  serve Prometheus text at GET /metrics (plain HTTP)
   --help                  show this text
 )";
 
@@ -82,6 +83,8 @@ int main(int argc, char** argv) {
       options.tls_cert_file = next();
     } else if (flag == "--tls-key") {
       options.tls_key_file = next();
+    } else if (flag == "--metrics-listen") {
+      options.metrics_address = next();
     } else {
       Die("unknown flag \"" + flag + "\"");
     }
@@ -125,6 +128,11 @@ int main(int argc, char** argv) {
       std::cerr << "deepnex-central: " << s.message() << "\n";
       return 1;
     }
+  }
+  if ((*server)->metrics_port() != 0) {
+    std::cerr << "deepnex-central: metrics at http://"
+              << options.metrics_address.substr(0, options.metrics_address.rfind(':')) << ":"
+              << (*server)->metrics_port() << "/metrics\n";
   }
   std::printf("deepnex-central listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);

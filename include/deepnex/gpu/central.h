@@ -31,6 +31,9 @@ struct CentralServerOptions {
   // TLS: PEM certificate chain and private key. Both empty: plaintext.
   std::string tls_cert_file;
   std::string tls_key_file;
+  // Also serve MetricsText() as GET /metrics over plain HTTP here
+  // ("127.0.0.1:0" picks a port; see metrics_port()). Empty: no HTTP.
+  std::string metrics_address;
 };
 
 // A running service. Thread-safe; serves until Stop().
@@ -48,6 +51,8 @@ class CentralServer {
   // Prometheus text: per node and GPU memory allocated/free, GPUs by mode,
   // queue length, grants, releases, refusals.
   virtual std::string MetricsText() const = 0;
+  // The HTTP metrics port, 0 without metrics_address.
+  virtual int metrics_port() const = 0;
   // Stops serving; waiting allocations end with an error. Idempotent.
   virtual void Stop() = 0;
   virtual void Wait() = 0;

@@ -2,7 +2,10 @@
 // across the wire, the queue, metrics, and kill -9 of the daemon mid-stream.
 #include "deepnex/gpu/central.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -151,6 +154,44 @@ TEST_F(Central, StopFailsWaitingAllocations) {
   server_->Stop();
   waiter.join();
   EXPECT_FALSE(status.ok());
+}
+
+std::string HttpGet(int port, const std::string& path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return "connect failed";
+  }
+  std::string req = "GET " + path + " HTTP/1.1\r\nHost: x\r\n\r\n";
+  (void)send(fd, req.data(), req.size(), 0);
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
+  close(fd);
+  return out;
+}
+
+TEST(CentralMetrics, ServedOverHttp) {
+  CentralServerOptions o;
+  o.metrics_address = "127.0.0.1:0";
+  ASSERT_OK_AND_ASSIGN(auto server, CentralServer::Create(o));
+  ASSERT_GT(server->metrics_port(), 0);
+  ASSERT_OK(server->allocator().AddNode(MakeNode("n1", 2, 80 * kGiB, Mode::kShared)));
+  CentralClientOptions co;
+  co.address = server->address();
+  ASSERT_OK_AND_ASSIGN(auto client, CentralClient::Create(co));
+  ASSERT_OK(client->Allocate(Shared("alice", 1, 30 * kGiB)).status());
+  std::string resp = HttpGet(server->metrics_port(), "/metrics");
+  EXPECT_THAT(resp, HasSubstr("HTTP/1.1 200 OK\r\n"));
+  EXPECT_THAT(resp, HasSubstr("deepnex_grants_total 1\n"));
+  EXPECT_THAT(resp, HasSubstr(
+      "deepnex_gpu_memory_allocated_bytes{node=\"n1\",gpu=\"0\",mode=\"shared\"} 32212254720\n"));
+  EXPECT_THAT(HttpGet(server->metrics_port(), "/other"), HasSubstr("404 Not Found"));
 }
 
 #ifdef DEEPNEX_CENTRAL_BIN
