@@ -132,8 +132,8 @@ def test_lease_expires_unless_renewed():
     alloc = gpu.Allocator(lease_check_interval=0.01)
     alloc.add_node(shared_node())
     a = alloc.allocate(gpu.Request(user="alice", gpus=1, mode="shared", gpu_memory="1GiB",
-                                   lease=0.3))
-    assert a.lease == 0.3 and a.expires_at > time.time()
+                                   lease=1.0))
+    assert a.lease == 1.0 and a.expires_at > time.time()
     for _ in range(3):
         time.sleep(0.1)
         alloc.renew(a.id)

@@ -150,7 +150,11 @@ TEST_F(Central, StopFailsWaitingAllocations) {
     status = bob_->Allocate(Exclusive("", 1)).status();
     done = true;
   });
-  while (server_->allocator().QueueLength() == 0) std::this_thread::sleep_for(2ms);
+  auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (server_->allocator().QueueLength() == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(2ms);
+  }
+  ASSERT_EQ(server_->allocator().QueueLength(), 1u);
   server_->Stop();
   waiter.join();
   EXPECT_FALSE(status.ok());
