@@ -313,3 +313,19 @@ def test_cli_against_central(central):
     assert "cordoned" in run_cli("nodes", central=central).stdout
     metrics = run_cli("metrics", central=central)
     assert "deepnex_queue_length 0" in metrics.stdout
+
+
+def test_central_gang_and_lease(central):
+    alice = gpu.CentralClient(central, token="alicetok")
+    parts = alice.allocate(gpu.Request(user="alice", gpus=1, mode="shared", gpu_memory="1GiB",
+                                       replicas=2))
+    assert [p.replica for p in parts] == [0, 1] and parts[0].gang == parts[1].gang
+    alice.release(parts[0].gang)
+    assert alice.allocations() == []
+    a = alice.allocate(gpu.Request(user="alice", gpus=1, mode="shared", gpu_memory="1GiB",
+                                   lease=30))
+    renewed = alice.renew(a.id)
+    assert renewed.expires_at >= a.expires_at
+    with pytest.raises(TimeoutError):
+        alice.allocate(gpu.Request(user="alice", gpus=2, mode="shared", gpu_memory="80GiB"),
+                       timeout=0.1)

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <fstream>
 #include <mutex>
+#include <random>
 #include <set>
 #include <thread>
 
@@ -158,6 +159,44 @@ TEST_F(Central, StopFailsWaitingAllocations) {
   server_->Stop();
   waiter.join();
   EXPECT_FALSE(status.ok());
+}
+
+// 8 clients over the wire, random grants and releases, with the ledger on.
+TEST_F(Central, ConcurrentClientsKeepTheInvariants) {
+  ASSERT_OK(admin_->AddNode(MakeNode("s2", 8, 80 * kGiB, Mode::kShared)));
+  ASSERT_OK(admin_->AddNode(MakeNode("x2", 8)));
+  std::vector<std::thread> threads;
+  std::atomic<int> granted{0};
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      auto client = Client(t % 2 ? "alicetok" : "bobtok");
+      std::mt19937 rng(t);
+      std::vector<std::string> held;
+      AllocateOptions nowait;
+      nowait.wait = false;
+      for (int op = 0; op < 150; ++op) {
+        if (!held.empty() && rng() % 2) {
+          ASSERT_OK(client->Release(held.back()));
+          held.pop_back();
+          continue;
+        }
+        Request r = rng() % 2 ? Shared("", 1 + rng() % 2, (1 + rng() % 30) * kGiB)
+                              : Exclusive("", 1 + rng() % 2);
+        auto a = client->Allocate(r, nowait);
+        if (a.ok()) {
+          held.push_back(a->id);
+          ++granted;
+        } else {
+          ASSERT_EQ(a.status().code(), absl::StatusCode::kResourceExhausted) << a.status();
+        }
+      }
+      for (const auto& id : held) ASSERT_OK(client->Release(id));
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_GT(granted.load(), 100);
+  EXPECT_OK(server_->allocator().CheckInvariants());
+  EXPECT_TRUE(server_->allocator().Allocations().empty());
 }
 
 std::string HttpGet(int port, const std::string& path) {
