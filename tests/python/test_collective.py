@@ -182,7 +182,7 @@ RANK_SCRIPT = r"""
 import sys, numpy as np
 from deepnex import collective
 addr, rank, n, transport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-comm = collective.Communicator(rank, n, store=addr, prefix="procs-" + transport, timeout=20,
+comm = collective.Communicator(rank, n, store=addr, prefix=f"procs-{transport}-{n}", timeout=20,
                                transport=transport)
 x = np.arange(1 << 20, dtype=np.float32) % 97 + rank
 comm.allreduce(x)
@@ -190,13 +190,22 @@ want = n * (np.arange(1 << 20, dtype=np.float32) % 97) + n * (n - 1) / 2
 assert (x == want).all(), "wrong sum"
 g = comm.allgather(np.array([rank], np.int64))
 assert g.ravel().tolist() == list(range(n))
+for dtype in (np.float16, np.float64, np.int32, np.int64):
+    b = np.full(1001, rank, dtype)
+    comm.broadcast(b, root=n - 1)
+    assert (b == n - 1).all(), "broadcast"
+    y = np.tile(np.arange(n, dtype=dtype)[:, None], (1, 33)) + rank
+    out = comm.reduce_scatter(y, op="max")
+    assert (out == rank + n - 1).all(), "reduce_scatter"
+    m = np.full(77, rank + 1, dtype)
+    comm.allreduce(m, op="min")
+    assert (m == 1).all(), "allreduce min"
 print("ok", comm.transport)
 """
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_ranks_as_processes(store, transport):
-    n = 3
+@pytest.mark.parametrize("transport,n", [("tcp", 3), ("shm", 3), ("tcp", 2), ("shm", 4)])
+def test_ranks_as_processes(store, transport, n):
     procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, store.address, str(r), str(n),
                                transport],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
