@@ -1447,11 +1447,13 @@ absl::Status Allocator::SetNodeMode(const std::string& name, Mode mode, ModeSwit
 }
 
 namespace {
+// `keep_draining`: the node's draining flag stays as it is.
 absl::Status SetFlags(Allocator::Impl& m, const std::string& name, bool cordoned,
-                      bool draining, bool release) {
+                      bool draining, bool release, bool keep_draining = false) {
   std::unique_lock<std::mutex> lock(m.mu_);
   NodeState* n = m.FindNode(name);
   if (n == nullptr) return NoNode(name);
+  if (keep_draining) draining = n->draining;
   uint64_t seq = 0;
   if (n->cordoned != cordoned || n->draining != draining) {
     m.ApplyNodeFlags(n, cordoned, draining);
@@ -1468,12 +1470,7 @@ absl::Status SetFlags(Allocator::Impl& m, const std::string& name, bool cordoned
 }  // namespace
 
 absl::Status Allocator::Cordon(const std::string& name) {
-  std::unique_lock<std::mutex> lock(impl_->mu_);
-  NodeState* n = impl_->FindNode(name);
-  if (n == nullptr) return NoNode(name);
-  bool draining = n->draining;
-  lock.unlock();
-  return SetFlags(*impl_, name, true, draining, false);
+  return SetFlags(*impl_, name, true, false, false, /*keep_draining=*/true);
 }
 
 absl::Status Allocator::Uncordon(const std::string& name) {
