@@ -89,6 +89,17 @@ absl::Status CommunicatorOptions::Validate() const {
   return absl::OkStatus();
 }
 
+CommunicatorOptions CommunicatorOptions::FromContext(const Context& context) {
+  CommunicatorOptions o;
+  o.rank = context.rank;
+  o.world_size = context.world_size;
+  o.store_address = context.store_addr;
+  o.token = context.token;
+  if (!context.job_id.empty()) o.prefix = context.job_id;
+  o.device = context.local_rank;
+  return o;
+}
+
 void WorkImpl::Finish(absl::Status status) {
   std::lock_guard<std::mutex> lock(mu_);
   status_ = std::move(status);

@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 
+#include "deepnex/env.h"
 #include "deepnex/status.h"
 #include "deepnex/tensor.h"
 
@@ -79,6 +80,11 @@ struct CommunicatorOptions {
 
   // InvalidArgument naming the field for a bad value.
   absl::Status Validate() const;
+
+  // The options of a communicator of the job's workers, from the job
+  // environment (deepnex::Context::FromEnv()): rank, world size, the store
+  // address and token, the job id as prefix and the local rank's device.
+  static CommunicatorOptions FromContext(const Context& context);
 };
 
 // A collective in flight. Wait may be called from any thread, repeatedly.

@@ -372,6 +372,24 @@ TEST(CommunicatorOptionsTest, UnsupportedDTypeIsInvalidArgument) {
   EXPECT_EQ(x[2], 3.0f);
 }
 
+TEST(CommunicatorOptionsTest, FromContext) {
+  Context c;
+  c.job_id = "mnist-7";
+  c.rank = 2;
+  c.world_size = 4;
+  c.local_rank = 1;
+  c.store_addr = "10.0.0.1:29500";
+  c.token = "tok";
+  CommunicatorOptions o = CommunicatorOptions::FromContext(c);
+  EXPECT_EQ(o.rank, 2);
+  EXPECT_EQ(o.world_size, 4);
+  EXPECT_EQ(o.store_address, "10.0.0.1:29500");
+  EXPECT_EQ(o.prefix, "mnist-7");
+  EXPECT_EQ(o.token, "tok");
+  EXPECT_EQ(o.device, 1);
+  EXPECT_OK(o.Validate());
+}
+
 TEST(CommunicatorNcclTest, NcclWithoutADeviceIsFailedPrecondition) {
   CommunicatorOptions o;
   o.backend = Backend::kNccl;
