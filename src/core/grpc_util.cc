@@ -35,7 +35,6 @@ absl::StatusOr<Identity> AuthenticateCall(const TokenTable& tokens,
                                           const grpc::ServerContextBase& ctx,
                                           const std::string& job,
                                           bool require_admin) {
-  if (!tokens.enabled()) return Identity{};
   const auto& metadata = ctx.client_metadata();
   auto it = metadata.find(kAuthorizationKey);
   std::string value;

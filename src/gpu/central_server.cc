@@ -247,7 +247,6 @@ class Service final : public pb::Central::CallbackService {
  private:
   // Without tokens every caller is an administrator.
   absl::StatusOr<Identity> Who(const grpc::ServerContextBase& ctx) const {
-    if (!tokens_.enabled()) return Identity{"anonymous", AuthRole::kAdmin, ""};
     return AuthenticateCall(tokens_, ctx);
   }
 

@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu/codec.h"
-#include "gpu/crc32c.h"
+#include "core/file_util.h"
 
 namespace deepnex::gpu {
 namespace {
@@ -48,25 +48,6 @@ absl::Status SyncDir(const std::string& dir) {
   ::close(fd);
   if (rc != 0) return absl::InternalError(Errno("ledger: fsync of", dir));
   return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) return absl::InternalError(Errno("ledger: opening", path));
-  std::string out;
-  char buf[1 << 16];
-  while (true) {
-    ssize_t r = ::read(fd, buf, sizeof(buf));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      ::close(fd);
-      return absl::InternalError(Errno("ledger: reading", path));
-    }
-    if (r == 0) break;
-    out.append(buf, static_cast<size_t>(r));
-  }
-  ::close(fd);
-  return out;
 }
 
 // Files named <prefix><20 digits><suffix>, by number.
@@ -118,7 +99,7 @@ struct LogScan {
 // Reads one log file. A bad tail of the last file is torn (see ledger.h);
 // any other damage is DataLoss.
 absl::Status ScanLog(const std::string& path, bool is_last, LogScan* scan) {
-  absl::StatusOr<std::string> read = ReadWholeFile(path);
+  absl::StatusOr<std::string> read = ReadWholeFile(path, "ledger file");
   if (!read.ok()) return read.status();
   const std::string& data = *read;
   scan->size = data.size();
@@ -188,7 +169,7 @@ absl::Status ScanLog(const std::string& path, bool is_last, LogScan* scan) {
 }
 
 absl::StatusOr<std::vector<std::string>> ReadSnapshot(const std::string& path, uint64_t seq) {
-  absl::StatusOr<std::string> read = ReadWholeFile(path);
+  absl::StatusOr<std::string> read = ReadWholeFile(path, "ledger file");
   if (!read.ok()) return read.status();
   const std::string& data = *read;
   const size_t head = kMagicLen + 8 + 8 + 4 + 8;
@@ -405,18 +386,9 @@ absl::Status Ledger::Snapshot(const std::vector<std::string>& records) {
   fe.Fixed64(body.size());
   file += body;
   const std::string path = Numbered(dir_, "snap-", seq, ".snap");
-  const std::string tmp = path + ".tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return absl::InternalError(Errno("ledger: creating", tmp));
-  absl::Status s = WriteAll(fd, file.data(), file.size(), tmp);
-  if (s.ok() && ::fsync(fd) != 0) s = absl::InternalError(Errno("ledger: fsync of", tmp));
-  ::close(fd);
-  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
-    s = absl::InternalError(Errno("ledger: renaming", tmp));
-  }
-  if (s.ok()) s = SyncDir(dir_);
+  absl::Status s = WriteFileAtomically(path, file);
   if (!s.ok()) {
-    ::unlink(tmp.c_str());
+    ::unlink((path + ".tmp").c_str());
     return s;
   }
   snapshot_seq_ = seq;

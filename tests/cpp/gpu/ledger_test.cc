@@ -20,7 +20,6 @@
 
 #include "deepnex/gpu/allocator.h"
 #include "gmock/gmock.h"
-#include "gpu/crc32c.h"
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
 #include "test_matchers.h"
@@ -74,15 +73,6 @@ struct Collected {
     };
   }
 };
-
-TEST(Crc32c, KnownValues) {
-  EXPECT_EQ(Crc32c("123456789", 9), 0xE3069283u);
-  EXPECT_EQ(Crc32c("", 0), 0u);
-  std::string data(1000, 'x');
-  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 7);
-  EXPECT_EQ(Crc32c(data.data() + 10, data.size() - 10, Crc32c(data.data(), 10)),
-            Crc32c(data.data(), data.size()));
-}
 
 TEST(Ledger, ReplaysWhatWasSynced) {
   TempDir dir;
