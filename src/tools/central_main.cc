@@ -1,14 +1,11 @@
 // deepnex-central: the GPU allocator as a service for many users, as a daemon.
-#include <signal.h>
-
 #include <cstdio>
-#include <cstdlib>
 #include <iostream>
 #include <string>
-#include <thread>
 
 #include "deepnex/gpu/central.h"
 #include "deepnex/gpu/discovery.h"
+#include "tools/daemon.h"
 
 namespace {
 
@@ -35,61 +32,27 @@ flags:
   --help                  show this text
 )";
 
-[[noreturn]] void Die(const std::string& message) {
-  std::cerr << "deepnex-central: " << message << " (see --help)\n";
-  std::exit(2);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   deepnex::gpu::CentralServerOptions options;
   std::string nodes_file;
   bool local = false;
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") {
-      std::cout << kUsage;
-      return 0;
-    }
-    std::string value;
-    bool has_value = false;
-    auto eq = flag.find('=');
-    if (flag.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-      has_value = true;
-    }
-    auto next = [&]() -> std::string {
-      if (has_value) return value;
-      if (i + 1 >= argc) Die(flag + " needs a value");
-      return argv[++i];
-    };
-    if (flag == "--listen") {
-      options.address = next();
-    } else if (flag == "--state-dir") {
-      options.allocator.state_dir = next();
-    } else if (flag == "--no-fsync") {
-      options.allocator.fsync = false;
-    } else if (flag == "--nodes") {
-      nodes_file = next();
-    } else if (flag == "--local") {
-      local = true;
-    } else if (flag == "--token") {
-      options.token = next();
-    } else if (flag == "--token-file") {
-      options.token_file = next();
-    } else if (flag == "--tls-cert") {
-      options.tls_cert_file = next();
-    } else if (flag == "--tls-key") {
-      options.tls_key_file = next();
-    } else if (flag == "--metrics-listen") {
-      options.metrics_address = next();
-    } else {
-      Die("unknown flag \"" + flag + "\"");
-    }
+  deepnex::tools::Flags flags("deepnex-central", kUsage, argc, argv);
+  while (flags.Next()) {
+    if (flags.Is("--listen")) options.address = flags.Value();
+    else if (flags.Is("--state-dir")) options.allocator.state_dir = flags.Value();
+    else if (flags.Is("--no-fsync")) options.allocator.fsync = false;
+    else if (flags.Is("--nodes")) nodes_file = flags.Value();
+    else if (flags.Is("--local")) local = true;
+    else if (flags.Is("--token")) options.token = flags.Value();
+    else if (flags.Is("--token-file")) options.token_file = flags.Value();
+    else if (flags.Is("--tls-cert")) options.tls_cert_file = flags.Value();
+    else if (flags.Is("--tls-key")) options.tls_key_file = flags.Value();
+    else if (flags.Is("--metrics-listen")) options.metrics_address = flags.Value();
+    else flags.Unknown();
   }
-  if (options.address.empty()) Die("--listen is empty");
+  if (options.address.empty()) flags.Die("--listen is empty");
   std::vector<deepnex::gpu::Node> nodes;
   if (!nodes_file.empty()) {
     auto parsed = deepnex::gpu::LoadNodesFile(nodes_file);
@@ -110,12 +73,7 @@ int main(int argc, char** argv) {
     nodes.push_back(std::move(*node));
   }
 
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-
+  deepnex::tools::SignalStop signals;
   auto server = deepnex::gpu::CentralServer::Create(options);
   if (!server.ok()) {
     std::cerr << "deepnex-central: " << server.status().message() << "\n";
@@ -136,12 +94,6 @@ int main(int argc, char** argv) {
   }
   std::printf("deepnex-central listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);
-  std::thread waiter([&] {
-    int sig = 0;
-    sigwait(&signals, &sig);
-    (*server)->Stop();
-  });
-  (*server)->Wait();
-  waiter.join();
+  signals.Serve(**server);
   return 0;
 }

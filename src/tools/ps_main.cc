@@ -1,15 +1,11 @@
 // deepnex-ps: one parameter server of a job, as a daemon.
-#include <signal.h>
-
 #include <cstdio>
-#include <cstdlib>
 #include <iostream>
-#include <map>
 #include <string>
-#include <thread>
 
 #include "deepnex/ps/server.h"
 #include "deepnex/units.h"
+#include "tools/daemon.h"
 
 namespace {
 
@@ -64,41 +60,6 @@ flags:
   --help                  show this text
 )";
 
-[[noreturn]] void Die(const std::string& message) {
-  std::cerr << "deepnex-ps: " << message << " (see --help)\n";
-  std::exit(2);
-}
-
-double ParseNumber(const std::string& flag, const std::string& text) {
-  char* end = nullptr;
-  double v = std::strtod(text.c_str(), &end);
-  if (text.empty() || *end != '\0') {
-    Die(flag + ": \"" + text + "\" is not a number");
-  }
-  return v;
-}
-
-int ParseInt(const std::string& flag, const std::string& text) {
-  char* end = nullptr;
-  long v = std::strtol(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || v < INT32_MIN || v > INT32_MAX) {
-    Die(flag + ": \"" + text + "\" is not an integer");
-  }
-  return static_cast<int>(v);
-}
-
-std::chrono::milliseconds Millis(const std::string& flag, const std::string& text) {
-  double seconds = ParseNumber(flag, text);
-  if (!(seconds > 0)) Die(flag + ": \"" + text + "\" must be positive seconds");
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-}
-
-template <typename T>
-T OrDie(absl::StatusOr<T> v) {
-  if (!v.ok()) Die(std::string(v.status().message()));
-  return *std::move(v);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -106,81 +67,56 @@ int main(int argc, char** argv) {
   ServerOptions options;
   bool eps_given = false;
   int metrics_port = -1;
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") {
-      std::cout << kUsage;
-      return 0;
-    }
-    std::string value;
-    auto eq = flag.find('=');
-    if (flag.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-    }
-    auto next = [&]() -> std::string {
-      if (!value.empty()) return value;
-      if (i + 1 >= argc) Die(flag + " needs a value");
-      return argv[++i];
-    };
-    if (flag == "--listen") options.address = next();
-    else if (flag == "--mode") options.mode = OrDie(deepnex::ps::ParseMode(next()));
-    else if (flag == "--workers") options.num_workers = ParseInt(flag, next());
-    else if (flag == "--reduction")
-      options.reduction = OrDie(deepnex::ps::ParseReduction(next()));
-    else if (flag == "--optimizer")
-      options.optimizer.kind = OrDie(deepnex::ps::ParseOptimizerKind(next()));
-    else if (flag == "--lr") options.optimizer.lr = ParseNumber(flag, next());
-    else if (flag == "--momentum") options.optimizer.momentum = ParseNumber(flag, next());
-    else if (flag == "--nesterov") options.optimizer.nesterov = true;
-    else if (flag == "--weight-decay")
-      options.optimizer.weight_decay = ParseNumber(flag, next());
-    else if (flag == "--beta1") options.optimizer.beta1 = ParseNumber(flag, next());
-    else if (flag == "--beta2") options.optimizer.beta2 = ParseNumber(flag, next());
-    else if (flag == "--eps") {
-      options.optimizer.eps = ParseNumber(flag, next());
+  deepnex::tools::Flags flags("deepnex-ps", kUsage, argc, argv);
+  while (flags.Next()) {
+    if (flags.Is("--listen")) options.address = flags.Value();
+    else if (flags.Is("--mode")) options.mode = flags.OrDie(deepnex::ps::ParseMode(flags.Value()));
+    else if (flags.Is("--workers")) options.num_workers = flags.Int();
+    else if (flags.Is("--reduction"))
+      options.reduction = flags.OrDie(deepnex::ps::ParseReduction(flags.Value()));
+    else if (flags.Is("--optimizer"))
+      options.optimizer.kind = flags.OrDie(deepnex::ps::ParseOptimizerKind(flags.Value()));
+    else if (flags.Is("--lr")) options.optimizer.lr = flags.Number();
+    else if (flags.Is("--momentum")) options.optimizer.momentum = flags.Number();
+    else if (flags.Is("--nesterov")) options.optimizer.nesterov = true;
+    else if (flags.Is("--weight-decay")) options.optimizer.weight_decay = flags.Number();
+    else if (flags.Is("--beta1")) options.optimizer.beta1 = flags.Number();
+    else if (flags.Is("--beta2")) options.optimizer.beta2 = flags.Number();
+    else if (flags.Is("--eps")) {
+      options.optimizer.eps = flags.Number();
       eps_given = true;
-    } else if (flag == "--accept-nonfinite") options.reject_nonfinite = false;
-    else if (flag == "--max-message")
-      options.max_message_bytes = OrDie(deepnex::ParseByteSize(next(), "--max-message"));
-    else if (flag == "--token") options.token = next();
-    else if (flag == "--token-file") options.token_file = next();
-    else if (flag == "--job") options.job_id = next();
-    else if (flag == "--tls-cert") options.tls_cert_file = next();
-    else if (flag == "--tls-key") options.tls_key_file = next();
-    else if (flag == "--staleness") options.staleness = ParseInt(flag, next());
-    else if (flag == "--lease-timeout") options.lease_timeout = Millis(flag, next());
-    else if (flag == "--heartbeat-interval") options.heartbeat_interval = Millis(flag, next());
-    else if (flag == "--lease-policy")
-      options.lease_policy = OrDie(deepnex::ps::ParseLeasePolicy(next()));
-    else if (flag == "--drop-dead-contributions") options.keep_dead_contributions = false;
-    else if (flag == "--name") options.name = next();
-    else if (flag == "--checkpoint-dir") options.checkpoint_dir = next();
-    else if (flag == "--checkpoint-every") {
-      int n = ParseInt(flag, next());
-      if (n < 0) Die("--checkpoint-every: must be >= 0");
+    } else if (flags.Is("--accept-nonfinite")) options.reject_nonfinite = false;
+    else if (flags.Is("--max-message")) options.max_message_bytes = flags.Bytes();
+    else if (flags.Is("--token")) options.token = flags.Value();
+    else if (flags.Is("--token-file")) options.token_file = flags.Value();
+    else if (flags.Is("--job")) options.job_id = flags.Value();
+    else if (flags.Is("--tls-cert")) options.tls_cert_file = flags.Value();
+    else if (flags.Is("--tls-key")) options.tls_key_file = flags.Value();
+    else if (flags.Is("--staleness")) options.staleness = flags.Int();
+    else if (flags.Is("--lease-timeout")) options.lease_timeout = flags.Seconds();
+    else if (flags.Is("--heartbeat-interval")) options.heartbeat_interval = flags.Seconds();
+    else if (flags.Is("--lease-policy"))
+      options.lease_policy = flags.OrDie(deepnex::ps::ParseLeasePolicy(flags.Value()));
+    else if (flags.Is("--drop-dead-contributions")) options.keep_dead_contributions = false;
+    else if (flags.Is("--name")) options.name = flags.Value();
+    else if (flags.Is("--checkpoint-dir")) options.checkpoint_dir = flags.Value();
+    else if (flags.Is("--checkpoint-every")) {
+      int n = flags.Int();
+      if (n < 0) flags.Die("--checkpoint-every: must be >= 0");
       options.checkpoint_every_rounds = n;
-    } else if (flag == "--checkpoint-interval") options.checkpoint_interval = Millis(flag, next());
-    else if (flag == "--restore") options.restore_dir = next();
-    else if (flag == "--metrics-port") metrics_port = ParseInt(flag, next());
-    else Die("unknown flag \"" + flag + "\"");
+    } else if (flags.Is("--checkpoint-interval")) options.checkpoint_interval = flags.Seconds();
+    else if (flags.Is("--restore")) options.restore_dir = flags.Value();
+    else if (flags.Is("--metrics-port")) metrics_port = flags.Int();
+    else flags.Unknown();
   }
   if (options.optimizer.kind == deepnex::ps::OptimizerKind::kAdagrad && !eps_given) {
     options.optimizer.eps = 1e-10;
   }
-  if (metrics_port >= 0) {
-    options.metrics_address =
-        options.address.substr(0, options.address.rfind(':')) + ":" + std::to_string(metrics_port);
-  }
-  if (absl::Status s = options.Validate(); !s.ok()) Die(std::string(s.message()));
+  const std::string host = options.address.substr(0, options.address.rfind(':'));
+  if (metrics_port >= 0) options.metrics_address = host + ":" + std::to_string(metrics_port);
+  if (absl::Status s = options.Validate(); !s.ok()) flags.Die(std::string(s.message()));
 
-  // Signals are taken by a thread of ours, so the gRPC threads never see them.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-
+  deepnex::tools::SignalStop signals;
   auto server = deepnex::ps::Server::Create(options);
   if (!server.ok()) {
     std::cerr << "deepnex-ps: " << server.status().message() << "\n";
@@ -190,17 +126,10 @@ int main(int argc, char** argv) {
               (*server)->address().c_str(), deepnex::ps::ModeName(options.mode),
               options.num_workers, options.optimizer.ToString().c_str());
   if ((*server)->metrics_port() > 0) {
-    std::printf("deepnex-ps metrics on http://%s:%d/metrics\n",
-                options.address.substr(0, options.address.rfind(':')).c_str(),
+    std::printf("deepnex-ps metrics on http://%s:%d/metrics\n", host.c_str(),
                 (*server)->metrics_port());
   }
   std::fflush(stdout);
-  std::thread waiter([&] {
-    int sig = 0;
-    sigwait(&signals, &sig);
-    (*server)->Stop();
-  });
-  (*server)->Wait();
-  waiter.join();
+  signals.Serve(**server);
   return 0;
 }

@@ -1,14 +1,10 @@
 // deepnex-store: a job's rendezvous store, as a daemon.
-#include <signal.h>
-
 #include <cstdio>
-#include <cstdlib>
 #include <iostream>
 #include <string>
-#include <thread>
 
 #include "deepnex/collective/store.h"
-#include "deepnex/units.h"
+#include "tools/daemon.h"
 
 namespace {
 
@@ -29,61 +25,23 @@ flags:
   --help                  show this text
 )";
 
-[[noreturn]] void Die(const std::string& message) {
-  std::cerr << "deepnex-store: " << message << " (see --help)\n";
-  std::exit(2);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   deepnex::collective::StoreServerOptions options;
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") {
-      std::cout << kUsage;
-      return 0;
-    }
-    std::string value;
-    bool has_value = false;
-    auto eq = flag.find('=');
-    if (flag.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-      has_value = true;
-    }
-    auto next = [&]() -> std::string {
-      if (has_value) return value;
-      if (i + 1 >= argc) Die(flag + " needs a value");
-      return argv[++i];
-    };
-    if (flag == "--listen") {
-      options.address = next();
-    } else if (flag == "--token") {
-      options.token = next();
-    } else if (flag == "--token-file") {
-      options.token_file = next();
-    } else if (flag == "--max-value") {
-      auto v = deepnex::ParseByteSize(next(), "--max-value");
-      if (!v.ok()) Die(std::string(v.status().message()));
-      options.max_value_bytes = *v;
-    } else if (flag == "--tls-cert") {
-      options.tls_cert_file = next();
-    } else if (flag == "--tls-key") {
-      options.tls_key_file = next();
-    } else {
-      Die("unknown flag \"" + flag + "\"");
-    }
+  deepnex::tools::Flags flags("deepnex-store", kUsage, argc, argv);
+  while (flags.Next()) {
+    if (flags.Is("--listen")) options.address = flags.Value();
+    else if (flags.Is("--token")) options.token = flags.Value();
+    else if (flags.Is("--token-file")) options.token_file = flags.Value();
+    else if (flags.Is("--max-value")) options.max_value_bytes = flags.Bytes();
+    else if (flags.Is("--tls-cert")) options.tls_cert_file = flags.Value();
+    else if (flags.Is("--tls-key")) options.tls_key_file = flags.Value();
+    else flags.Unknown();
   }
-  if (options.address.empty()) Die("--listen is empty");
+  if (options.address.empty()) flags.Die("--listen is empty");
 
-  // Signals are taken by a thread of ours, so the gRPC threads never see them.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-
+  deepnex::tools::SignalStop signals;
   auto server = deepnex::collective::StoreServer::Create(options);
   if (!server.ok()) {
     std::cerr << "deepnex-store: " << server.status().message() << "\n";
@@ -91,12 +49,6 @@ int main(int argc, char** argv) {
   }
   std::printf("deepnex-store listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);
-  std::thread waiter([&] {
-    int sig = 0;
-    sigwait(&signals, &sig);
-    (*server)->Stop();
-  });
-  (*server)->Wait();
-  waiter.join();
+  signals.Serve(**server);
   return 0;
 }
