@@ -266,12 +266,15 @@ class Client:
     """A worker's connection to the job's parameter servers.
 
     servers: "host:port" strings, in the same order on every worker.
-    timeout: seconds for each operation (retries on Unavailable included).
+    worker_id: 0..num_workers-1, or -1 for an observer that only reads.
+    timeout: seconds for each operation (retries on Unavailable included);
+    retry_backoff: the first pause before a retry, doubling each time.
     """
 
     def __init__(self, servers, worker_id=0, partition_bytes="4MiB",
                  request_bytes="4MiB", timeout=60.0, connections_per_server=2,
-                 token=None, token_file=None, tls_ca_file=None, heartbeat=True):
+                 token=None, token_file=None, tls_ca_file=None, heartbeat=True,
+                 retry_backoff=0.05):
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
         self._client = _C.ps.Client(
@@ -280,7 +283,8 @@ class Client:
             request_bytes=byte_size(request_bytes, "request_bytes"),
             timeout=float(timeout), connections_per_server=connections_per_server,
             token=token or "", token_file=token_file or "",
-            tls_ca_file=tls_ca_file or "", heartbeat=heartbeat)
+            tls_ca_file=tls_ca_file or "", heartbeat=heartbeat,
+            retry_backoff=float(retry_backoff))
         self._shapes = {}
 
     @property

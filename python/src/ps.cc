@@ -186,9 +186,10 @@ void RegisterPs(py::module_& parent) {
                        uint64_t partition_bytes, uint64_t request_bytes, double timeout,
                        int connections_per_server, const std::string& token,
                        const std::string& token_file, const std::string& tls_ca_file,
-                       bool heartbeat) {
+                       bool heartbeat, double retry_backoff) {
              ClientOptions o;
              o.heartbeat = heartbeat;
+             o.retry_backoff = Millis(retry_backoff, "retry_backoff");
              o.servers = servers;
              o.worker_id = worker_id;
              o.partition_bytes = partition_bytes;
@@ -204,7 +205,7 @@ void RegisterPs(py::module_& parent) {
            py::arg("servers"), py::arg("worker_id"), py::arg("partition_bytes"),
            py::arg("request_bytes"), py::arg("timeout"), py::arg("connections_per_server"),
            py::arg("token"), py::arg("token_file"), py::arg("tls_ca_file"),
-           py::arg("heartbeat"))
+           py::arg("heartbeat"), py::arg("retry_backoff"))
       .def("init",
            [](Client& c, const TensorArgs& tensors) {
              Views v = ViewsOf(tensors, false, "init");

@@ -203,6 +203,30 @@ def test_push_whose_reply_is_lost_is_applied_once(mode):
         assert c.stats()[0]["pushes"] == 3  # the lost one, its retry, the next
 
 
+def test_a_push_retried_across_a_server_restart_is_applied_once(tmp_path):
+    """The push is applied and checkpointed, its reply is lost and the server
+    restarts from the checkpoint; the client's retry is recognised."""
+    opts = dict(mode="async", optimizer=ps.SGD(lr=1.0))
+    server = ps.Server(_drop_push_replies=1, **opts)
+    address = server.address
+    try:
+        c = ps.Client([address], retry_backoff=2.0, timeout=30)
+        c.init({"w": np.zeros(N, np.float32)})
+        pending = c.push_async({"w": g(0, 1)})
+        with ps.Client([address], worker_id=-1) as observer:
+            deadline = time.time() + 10
+            while observer.stats()[0]["pushes"] < 1 and time.time() < deadline:
+                time.sleep(0.01)
+        server.checkpoint(tmp_path)  # holds the push, whose reply was lost
+        server.stop()
+        server = ps.Server(address=address, restore=tmp_path, **opts)
+        pending.wait(timeout=30)     # the retry, to the restored server
+        np.testing.assert_array_equal(c.pull("w")["w"], -g(0, 1))
+        c.close()
+    finally:
+        server.stop()
+
+
 def test_checkpoint_restore_continues_exactly(tmp_path):
     """Sync Adam with 2 workers: a restored server continues bit for bit."""
     steps, cut = 12, 5
