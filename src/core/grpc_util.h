@@ -105,10 +105,10 @@ absl::Status DecodeFramed(const grpc::ByteBuffer& buffer,
 // A heap buffer handed to gRPC as a slice; freed when gRPC lets go of it.
 grpc::Slice OwnedSlice(std::unique_ptr<char[]> data, size_t size);
 
-// Raises glibc's mmap and trim thresholds so that multi-MiB tensor buffers
-// are reused instead of mapped and unmapped each round (thousands of page
-// faults per round otherwise). Process-wide; called once by servers and
-// clients.
+// Makes glibc reuse multi-MiB tensor buffers instead of mapping and
+// unmapping them each round (thousands of page faults per round otherwise):
+// higher mmap and trim thresholds, and one arena. Process-wide; called once
+// by servers and clients.
 void TuneMallocForLargeBuffers();
 
 }  // namespace deepnex

@@ -85,6 +85,8 @@ void ForEachChunk(DType dtype, uint64_t count, PayloadReader* payload, Fn fn) {
   }
 }
 
+using Bits64 = uint64_t;
+
 // NaN and Inf are the values whose exponent bits are all ones.
 template <typename Bits>
 bool NonFinite(const char* p, Bits exponent) {
@@ -93,12 +95,37 @@ bool NonFinite(const char* p, Bits exponent) {
   return (b & exponent) == exponent;
 }
 
-bool NonFiniteAt(DType dtype, const char* p) {
+// Whether any of `n` elements at `p` is NaN or Inf; a loop of its own per
+// width so that it vectorizes.
+template <typename Bits>
+bool AnyNonFinite(const char* p, size_t n, Bits exponent) {
+  bool any = false;
+  for (size_t i = 0; i < n; ++i) any |= NonFinite<Bits>(p + i * sizeof(Bits), exponent);
+  return any;
+}
+
+Bits64 ExponentMask(DType dtype) {
   switch (dtype) {
-    case DType::kFloat64: return NonFinite<uint64_t>(p, 0x7ff0000000000000ull);
-    case DType::kFloat16: return NonFinite<uint16_t>(p, 0x7c00);
-    case DType::kBFloat16: return NonFinite<uint16_t>(p, 0x7f80);
-    default: return NonFinite<uint32_t>(p, 0x7f800000u);
+    case DType::kFloat64: return 0x7ff0000000000000ull;
+    case DType::kFloat16: return 0x7c00;
+    case DType::kBFloat16: return 0x7f80;
+    default: return 0x7f800000u;
+  }
+}
+
+bool NonFiniteAt(DType dtype, const char* p) {
+  switch (DTypeSize(dtype)) {
+    case 8: return NonFinite<uint64_t>(p, ExponentMask(dtype));
+    case 2: return NonFinite<uint16_t>(p, static_cast<uint16_t>(ExponentMask(dtype)));
+    default: return NonFinite<uint32_t>(p, static_cast<uint32_t>(ExponentMask(dtype)));
+  }
+}
+
+bool AnyNonFiniteAt(DType dtype, const char* p, size_t n) {
+  switch (DTypeSize(dtype)) {
+    case 8: return AnyNonFinite<uint64_t>(p, n, ExponentMask(dtype));
+    case 2: return AnyNonFinite<uint16_t>(p, n, static_cast<uint16_t>(ExponentMask(dtype)));
+    default: return AnyNonFinite<uint32_t>(p, n, static_cast<uint32_t>(ExponentMask(dtype)));
   }
 }
 
@@ -126,9 +153,7 @@ absl::Status CheckFiniteBits(DType dtype, uint64_t offset, uint64_t count,
       carried = 0;
     }
     size_t whole = n / elem;
-    bool any = false;
-    for (size_t i = 0; i < whole; ++i) any |= NonFiniteAt(dtype, p + i * elem);
-    if (any && bad < 0) {
+    if (AnyNonFiniteAt(dtype, p, whole) && bad < 0) {
       for (size_t i = 0; i < whole; ++i) {
         if (NonFiniteAt(dtype, p + i * elem)) {
           bad = index + i;
