@@ -109,7 +109,8 @@ class Op final : public PendingOp {
     std::vector<std::function<void(const absl::Status&)>> then;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!status.ok() && status_.ok()) status_ = status;
+      // The first error wins, except over a cancellation it caused.
+      if (!status.ok() && (status_.ok() || absl::IsCancelled(status_))) status_ = status;
       if (--outstanding_ > 0) return;
       finishing_ = true;
       then.swap(then_);
@@ -598,8 +599,10 @@ class ClientImpl final : public Client {
   }
 
   void Complete(const std::shared_ptr<Request>& r, const absl::Status& status) {
-    if (!status.ok() && r->on_failure) r->on_failure();
+    // The op hears of the failure before the requests it cancels do.
+    auto on_failure = status.ok() ? nullptr : r->on_failure;
     r->op->RequestDone(status);
+    if (on_failure) on_failure();
     std::lock_guard<std::mutex> lock(inflight_mu_);
     if (--inflight_ == 0) inflight_cv_.notify_all();
   }
