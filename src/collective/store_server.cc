@@ -6,7 +6,6 @@
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
-#include <queue>
 #include <thread>
 #include <unordered_map>
 
@@ -14,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/grpc_util.h"
+#include "core/timer.h"
 #include "deepnex/auth.h"
 #include "deepnex/collective/store.h"
 #include "deepnex/store.grpc.pb.h"
@@ -50,60 +50,6 @@ class WaiterReactor final : public grpc::ServerUnaryReactor {
   std::shared_ptr<Waiter> waiter_;
 };
 
-// Expires waiters at their deadline, on one thread of its own.
-class Expiry {
- public:
-  explicit Expiry(std::function<void(const std::shared_ptr<Waiter>&)> expire)
-      : expire_(std::move(expire)), thread_([this] { Run(); }) {}
-  ~Expiry() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  void Add(Clock::time_point when, std::weak_ptr<Waiter> waiter) {
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push({when, seq_++, std::move(waiter)});
-    cv_.notify_all();
-  }
-
- private:
-  struct Item {
-    Clock::time_point when;
-    uint64_t seq;
-    std::weak_ptr<Waiter> waiter;
-    bool operator>(const Item& o) const {
-      return when != o.when ? when > o.when : seq > o.seq;
-    }
-  };
-  void Run() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
-      if (queue_.empty()) {
-        cv_.wait(lock);
-      } else if (Clock::now() < queue_.top().when) {
-        cv_.wait_until(lock, queue_.top().when);
-      } else {
-        auto waiter = queue_.top().waiter.lock();
-        queue_.pop();
-        if (!waiter) continue;
-        lock.unlock();
-        expire_(waiter);
-        lock.lock();
-      }
-    }
-  }
-  std::function<void(const std::shared_ptr<Waiter>&)> expire_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::priority_queue<Item, std::vector<Item>, std::greater<Item>> queue_;
-  uint64_t seq_ = 0;
-  bool stop_ = false;
-  std::thread thread_;
-};
-
 grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status) {
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
@@ -120,8 +66,7 @@ class Service final : public pb::Store::CallbackService {
  public:
   Service(const StoreServerOptions& options, TokenTable tokens)
       : options_(options),
-        tokens_(std::move(tokens)),
-        expiry_([this](const std::shared_ptr<Waiter>& w) { Expire(w); }) {}
+        tokens_(std::move(tokens)) {}
 
   size_t size() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -169,7 +114,10 @@ class Service final : public pb::Store::CallbackService {
     auto* reactor = new WaiterReactor(waiter);
     Watch(waiter, missing);
     lock.unlock();
-    expiry_.Add(Clock::now() + std::chrono::milliseconds(req->wait_ms()), waiter);
+    expiry_.At(Clock::now() + std::chrono::milliseconds(req->wait_ms()),
+               [this, weak = std::weak_ptr<Waiter>(waiter)] {
+                 if (auto w = weak.lock()) Expire(w);
+               });
     return reactor;
   }
 
@@ -339,7 +287,7 @@ class Service final : public pb::Store::CallbackService {
   mutable std::mutex mu_;
   std::unordered_map<std::string, std::string> kv_;
   std::unordered_map<std::string, std::vector<std::shared_ptr<Waiter>>> watchers_;
-  Expiry expiry_;  // last: its thread calls Expire, so it stops first
+  Timer expiry_;  // last: its thread calls Expire, so it stops first
 };
 
 class StoreServerImpl final : public StoreServer {

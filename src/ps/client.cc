@@ -5,7 +5,6 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
-#include <queue>
 #include <random>
 #include <thread>
 #include <unordered_map>
@@ -17,6 +16,7 @@
 #include <unistd.h>
 
 #include "core/grpc_util.h"
+#include "core/timer.h"
 #include "deepnex/ps.grpc.pb.h"
 #include "ps/plan.h"
 
@@ -32,65 +32,6 @@ constexpr char kPushMethod[] = "/deepnex.ps.proto.ParameterServer/Push";
 constexpr char kPullMethod[] = "/deepnex.ps.proto.ParameterServer/Pull";
 constexpr char kWritePartsMethod[] =
     "/deepnex.ps.proto.ParameterServer/WriteParts";
-
-// Runs callbacks after a delay on one thread of its own (retry backoff).
-class Timer {
- public:
-  Timer() : thread_([this] { Run(); }) {}
-  ~Timer() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  void After(std::chrono::milliseconds delay, std::function<void()> fn) {
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push({Clock::now() + delay, seq_++, std::move(fn)});
-    cv_.notify_all();
-  }
-
- private:
-  struct Item {
-    Clock::time_point when;
-    uint64_t seq;
-    std::function<void()> fn;
-    bool operator>(const Item& o) const {
-      return when != o.when ? when > o.when : seq > o.seq;
-    }
-  };
-  void Run() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
-      if (queue_.empty()) {
-        cv_.wait(lock);
-      } else if (Clock::now() < queue_.top().when) {
-        cv_.wait_until(lock, queue_.top().when);
-      } else {
-        auto fn = queue_.top().fn;
-        queue_.pop();
-        lock.unlock();
-        fn();
-        lock.lock();
-      }
-    }
-    // Pending retries fail fast rather than vanish.
-    while (!queue_.empty()) {
-      auto fn = queue_.top().fn;
-      queue_.pop();
-      lock.unlock();
-      fn();
-      lock.lock();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::priority_queue<Item, std::vector<Item>, std::greater<Item>> queue_;
-  uint64_t seq_ = 0;
-  bool stop_ = false;
-  std::thread thread_;
-};
 
 // An operation made of requests in flight; done when the last one is.
 class Op final : public PendingOp {
