@@ -1,0 +1,250 @@
+// deepnex::launch: start an application in its own container (or process)
+// with exactly the GPUs, CPU and memory it was granted, supervise it under a
+// restart policy, and report what it uses.
+//
+//   DEEPNEX_ASSIGN_OR_RETURN(auto launcher, Launcher::Create({.backend = "oci"}));
+//   ContainerSpec spec;
+//   spec.name = "w0"; spec.command = {"python3", "train.py"};
+//   spec.cpus = 1; spec.memory = 256 << 20; spec.allocation = grant;
+//   DEEPNEX_ASSIGN_OR_RETURN(auto h, launcher->Start(spec));
+//   DEEPNEX_ASSIGN_OR_RETURN(ExitStatus e, h->Wait(std::chrono::seconds(60)));
+//
+// Backends: "process" (the embedded default: fork/exec with cgroup limits),
+// "oci" (runc), "docker" (the Docker Engine REST API over its unix socket),
+// "slurm" (sbatch/squeue/sacct/scancel), "kubernetes" (Pods through the API
+// server's REST API). The launcher never decides placement: GPUs come from
+// the spec's gpu::Allocation.
+#ifndef DEEPNEX_LAUNCH_LAUNCHER_H_
+#define DEEPNEX_LAUNCH_LAUNCHER_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "deepnex/gpu/types.h"
+#include "deepnex/status.h"
+
+namespace deepnex::launch {
+
+// A bind mount into the container. Both paths must be absolute; the source
+// must lie under one of LauncherOptions::allowed_mount_roots.
+struct Mount {
+  std::string source;
+  std::string target;
+  bool read_only = true;
+};
+
+// When a task that ended is started again.
+struct RestartPolicy {
+  enum class Kind { kNever, kOnFailure, kAlways };
+  Kind kind = Kind::kNever;
+  // on-failure: restarts allowed after the first run (3: up to 4 runs in
+  // all); always: -1 is unlimited.
+  int max_restarts = 0;
+  // Delay before restart k (k = 1, 2, ...) is backoff * 2^(k-1), at most
+  // max_backoff.
+  std::chrono::milliseconds backoff{100};
+  std::chrono::milliseconds max_backoff{10000};
+
+  // "never", "on-failure" (unlimited), "on-failure:N", "always",
+  // "always:N". Anything else is InvalidArgument naming the value.
+  static absl::StatusOr<RestartPolicy> Parse(const std::string& text);
+  std::string ToString() const;
+};
+
+// What to run and with which resources. Plain value.
+struct ContainerSpec {
+  // Unique among the launcher's live containers; [a-zA-Z0-9][a-zA-Z0-9_.-]*,
+  // at most 63 characters (a Kubernetes name must also be lowercase: the
+  // kubernetes backend lowercases it).
+  std::string name;
+  // "host" (the host's /usr, /etc, /opt read-only, so the host's Python
+  // runs), a rootfs directory, an OCI image layout directory (oci), or an
+  // image reference (docker, kubernetes). The process backend ignores it
+  // unless it is a directory, which it refuses (it cannot chroot).
+  std::string image = "host";
+  // argv; command[0] is looked up on PATH (the spec's env PATH, else the
+  // launcher's) and must exist: a missing command is NotFound at Start.
+  std::vector<std::string> command;
+  std::map<std::string, std::string> env;
+  // Absolute; empty: "/" in a container, the launcher's cwd for a process.
+  std::string working_dir;
+  std::vector<Mount> mounts;
+  // CPU cores (fractional: a CFS quota); 0: unlimited.
+  double cpus = 0;
+  // Host memory limit in bytes; 0: unlimited; otherwise at least
+  // LauncherOptions::min_memory.
+  uint64_t memory = 0;
+  // Maximum number of processes; 0: unlimited.
+  int64_t pids_limit = 0;
+  // The grant this container runs on: its GPUs' device nodes are the only
+  // ones allowed, its env (CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES,
+  // DEEPNEX_GPU_MEMORY_LIMIT) is applied, and cpus/memory default to it.
+  std::optional<gpu::Allocation> allocation;
+  // The user the container runs for; with an allocation it must be the
+  // allocation's user (PermissionDenied otherwise). Empty: the allocation's.
+  std::string user;
+  // Free-form; the launcher adds deepnex.launcher=<launcher id> and
+  // deepnex.name=<name> so that Cleanup can find what it started.
+  std::map<std::string, std::string> labels;
+  RestartPolicy restart;
+  // No network namespace sharing: only loopback (oci, docker).
+  bool network_none = false;
+};
+
+// How one run of a container ended.
+enum class ExitReason { kExited, kSignaled, kOomKilled, kLost };
+const char* ExitReasonName(ExitReason reason);  // "exited", "signaled", ...
+
+struct ExitStatus {
+  ExitReason reason = ExitReason::kExited;
+  int code = 0;    // exited: the exit code
+  int signal = 0;  // signaled (and oom_killed: usually 9)
+  // Restarts done before this (final) status; 0 if it ran once.
+  int restarts = 0;
+  bool ok() const { return reason == ExitReason::kExited && code == 0; }
+  std::string ToString() const;  // "exited(3)", "signaled(SIGKILL)", ...
+};
+
+enum class State { kStarting, kRunning, kRestarting, kStopped, kExited };
+const char* StateName(State state);  // "starting", "running", ...
+
+struct ContainerStatus {
+  std::string name;
+  std::string id;  // the backend's id (pid, runc id, docker id, job id, pod)
+  State state = State::kStarting;
+  int restarts = 0;
+  std::optional<ExitStatus> last_exit;  // of the latest run that ended
+  std::chrono::system_clock::time_point started_at{};
+};
+
+// What a container uses now. Fields a backend cannot see stay 0.
+struct Usage {
+  double cpu_seconds = 0;
+  uint64_t memory = 0;       // bytes now
+  uint64_t memory_peak = 0;  // bytes, highest seen
+  int64_t pids = 0;
+  // GPU memory in bytes by GPU index, through NVML where present.
+  std::map<int, uint64_t> gpu_memory;
+};
+
+// One started container. Thread-safe.
+class Handle {
+ public:
+  virtual ~Handle() = default;
+  virtual const ContainerSpec& spec() const = 0;
+  virtual ContainerStatus Status() = 0;
+  // Waits until the container has ended for good (its restart policy gives
+  // up, or Stop). DeadlineExceeded naming the container if it is still
+  // running after `timeout`.
+  virtual absl::StatusOr<ExitStatus> Wait(std::chrono::milliseconds timeout) = 0;
+  // SIGTERM to every process of the container, SIGKILL after `grace`; no
+  // restart follows. Idempotent.
+  virtual absl::Status Stop(std::chrono::milliseconds grace) = 0;
+  // stdout and stderr so far, interleaved, across restarts.
+  virtual absl::StatusOr<std::string> Logs() = 0;
+  // Calls `sink` with new output as it comes until the container ends for
+  // good or `sink` returns false.
+  virtual absl::Status FollowLogs(const std::function<bool(const std::string&)>& sink) = 0;
+  virtual absl::StatusOr<launch::Usage> Usage() = 0;
+};
+
+struct OciOptions {
+  std::string runc = "runc";
+  // runc --root; empty: <state_dir>/runc.
+  std::string root;
+};
+
+struct DockerOptions {
+  // unix socket path of the Docker Engine API (or podman's service).
+  std::string socket = "/var/run/docker.sock";
+  std::string api_version = "v1.41";
+};
+
+struct SlurmOptions {
+  std::string partition;  // empty: the cluster's default
+  std::string bin_dir;    // where sbatch etc. are; empty: PATH
+  // Extra environment for the Slurm commands (e.g. SLURM_CONF).
+  std::map<std::string, std::string> env;
+  std::chrono::milliseconds poll{200};
+};
+
+struct KubernetesOptions {
+  // A kubeconfig file; empty: in-cluster (service-account token and CA
+  // under /var/run/secrets/kubernetes.io/serviceaccount), unless server is set.
+  std::string kubeconfig;
+  // Overrides: API server URL (http:// or https://), bearer token, CA file.
+  std::string server;
+  std::string token;
+  std::string ca_file;
+  std::string namespace_ = "default";
+  // "pod" or "job".
+  std::string kind = "pod";
+  // Extended resource that carries shared GPU memory, in MiB.
+  std::string shared_gpu_memory_resource = "deepnex.io/gpu-memory";
+  std::chrono::milliseconds poll{200};
+};
+
+struct LauncherOptions {
+  // "process", "oci", "docker", "slurm" or "kubernetes".
+  std::string backend = "process";
+  // Where logs, bundles and records go; empty: a fresh directory under
+  // $TMPDIR that is removed with the launcher.
+  std::string state_dir;
+  // Names this launcher in the labels of what it starts; Cleanup(id) sweeps
+  // what a launcher with that id left behind. Empty: random.
+  std::string id;
+  // Mount sources must lie under one of these; empty list: "/" (any).
+  std::vector<std::string> allowed_mount_roots;
+  // A memory limit below this is InvalidArgument.
+  uint64_t min_memory = 4 << 20;
+  // Parent of the containers' cgroups, relative to each controller's root
+  // (process and oci). Empty: "deepnex".
+  std::string cgroup_parent;
+  OciOptions oci;
+  DockerOptions docker;
+  SlurmOptions slurm;
+  KubernetesOptions kubernetes;
+};
+
+// Starts and supervises containers on one backend. Thread-safe. Destroying
+// it stops every container it still runs (grace 1 s).
+class Launcher {
+ public:
+  // InvalidArgument for an unknown backend; FailedPrecondition when the
+  // backend's engine is not usable here (runc missing, socket not there),
+  // naming what is missing.
+  static absl::StatusOr<std::unique_ptr<Launcher>> Create(const LauncherOptions& options);
+  virtual ~Launcher() = default;
+
+  virtual const std::string& backend() const = 0;
+  virtual const std::string& id() const = 0;
+  // Validates the spec (bad input: InvalidArgument naming the field and
+  // value; NotFound for a command or image that does not exist;
+  // PermissionDenied for another user's allocation), then starts it.
+  virtual absl::StatusOr<std::shared_ptr<Handle>> Start(const ContainerSpec& spec) = 0;
+  // The containers this launcher started that are not yet removed.
+  virtual std::vector<std::shared_ptr<Handle>> List() = 0;
+  // Looks one up by name.
+  virtual absl::StatusOr<std::shared_ptr<Handle>> Get(const std::string& name) = 0;
+  // Forgets a container that has ended (its logs and records go too).
+  virtual absl::Status Remove(const std::string& name) = 0;
+  // Kills and removes everything labelled deepnex.launcher=<launcher_id> on
+  // this backend: processes, containers, cgroups, bundles, jobs. For the
+  // leftovers of a launcher that crashed. Returns how many were swept.
+  virtual absl::StatusOr<int> Cleanup(const std::string& launcher_id) = 0;
+};
+
+// The backends this build and machine can use now, with the reason for each
+// that cannot (for tests and `deepnex ps`): {"process": "", "oci": "runc not
+// found on PATH", ...}.
+std::map<std::string, std::string> ProbeBackends(const LauncherOptions& options);
+
+}  // namespace deepnex::launch
+
+#endif  // DEEPNEX_LAUNCH_LAUNCHER_H_

@@ -1,0 +1,75 @@
+// The interface every launch backend implements (private to src/launch).
+// The generic Launcher (launcher.cc) validates specs, composes the
+// environment, supervises restarts and keeps logs across runs; a backend
+// only starts one run of a fully resolved spec and watches it.
+#ifndef DEEPNEX_LAUNCH_BACKEND_H_
+#define DEEPNEX_LAUNCH_BACKEND_H_
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "deepnex/launch/launcher.h"
+
+namespace deepnex::launch {
+
+// Where and as what one run starts.
+struct RunContext {
+  std::string launcher_id;
+  // Unique per run: "<launcher_id>-<name>-<attempt>", usable as a runc id,
+  // container name, job name or (lowercased) pod name.
+  std::string run_name;
+  // A private directory for this run (bundle, log files); exists.
+  std::string dir;
+  int attempt = 0;  // 0 for the first run
+  // The spec's labels plus deepnex.launcher and deepnex.name.
+  std::map<std::string, std::string> labels;
+};
+
+// One run of a container. Thread-safe: Wait runs on the supervisor thread
+// while Stop, Logs and Usage come from users' threads.
+class Run {
+ public:
+  virtual ~Run() = default;
+  // The backend's id for the run (pid, runc id, container id, job id, pod).
+  virtual std::string id() const = 0;
+  // Blocks until the run has ended or `timeout` passed (nullopt). An error
+  // only when the backend cannot tell (then the supervisor reports "lost").
+  virtual absl::StatusOr<std::optional<ExitStatus>> Wait(std::chrono::milliseconds timeout) = 0;
+  // SIGTERM (or the engine's graceful stop) to every process of the run,
+  // SIGKILL after `grace`. Returns without waiting for the end.
+  virtual absl::Status Stop(std::chrono::milliseconds grace) = 0;
+  // This run's stdout and stderr so far.
+  virtual absl::StatusOr<std::string> Logs() = 0;
+  virtual absl::StatusOr<launch::Usage> Usage() = 0;
+  // After the run ended: deletes what it holds (cgroup, container, bundle,
+  // job record). Idempotent.
+  virtual absl::Status Remove() = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  // Backend-specific checks of a spec that already passed the generic ones
+  // (image exists, command found in the image, resources expressible).
+  virtual absl::Status Check(const ContainerSpec& spec) = 0;
+  // Starts one run. `spec.env` is complete (allocation env and job env
+  // merged), spec.cpus/memory are resolved against the allocation.
+  virtual absl::StatusOr<std::unique_ptr<Run>> Start(const ContainerSpec& spec,
+                                                     const RunContext& context) = 0;
+  // Kills and removes everything labelled deepnex.launcher=`launcher_id`.
+  virtual absl::StatusOr<int> Cleanup(const std::string& launcher_id) = 0;
+};
+
+// FailedPrecondition naming what is missing when the engine is unusable.
+absl::StatusOr<std::unique_ptr<Backend>> MakeProcessBackend(const LauncherOptions& options);
+absl::StatusOr<std::unique_ptr<Backend>> MakeOciBackend(const LauncherOptions& options);
+absl::StatusOr<std::unique_ptr<Backend>> MakeDockerBackend(const LauncherOptions& options);
+absl::StatusOr<std::unique_ptr<Backend>> MakeSlurmBackend(const LauncherOptions& options);
+absl::StatusOr<std::unique_ptr<Backend>> MakeKubernetesBackend(const LauncherOptions& options);
+
+}  // namespace deepnex::launch
+
+#endif  // DEEPNEX_LAUNCH_BACKEND_H_

@@ -1,0 +1,62 @@
+// Control groups for the process and oci backends: create one per container
+// with CPU, memory and pids limits, read its usage and OOM kills, kill every
+// process in it, remove it. cgroup v1 (cpu, cpuacct, memory, pids
+// controllers, each its own hierarchy) and v2 (the unified tree).
+#ifndef DEEPNEX_LAUNCH_CGROUP_H_
+#define DEEPNEX_LAUNCH_CGROUP_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "deepnex/launch/launcher.h"
+
+namespace deepnex::launch {
+
+struct CgroupLimits {
+  double cpus = 0;          // 0: unlimited
+  uint64_t memory = 0;      // bytes; 0: unlimited (swap is limited alike)
+  int64_t pids = 0;         // 0: unlimited
+};
+
+// One container's cgroup, `path` relative to each controller's root as this
+// process sees it (the first line of /proc/self/cgroup for each controller
+// is the base), e.g. "deepnex/<run_name>". Thread-safe for reads.
+class Cgroup {
+ public:
+  // Whether cgroups can be created here at all, and why not.
+  static absl::Status Usable();
+  // Creates the cgroup (and parents) with `limits`. FailedPrecondition when
+  // the tree is not writable.
+  static absl::StatusOr<std::unique_ptr<Cgroup>> Create(const std::string& path,
+                                                        const CgroupLimits& limits);
+  // Wraps one that exists (e.g. made by runc from cgroupsPath). NotFound.
+  static absl::StatusOr<std::unique_ptr<Cgroup>> Open(const std::string& path);
+  // The child cgroup names under `parent` (for Cleanup), on any controller.
+  static std::vector<std::string> Children(const std::string& parent);
+
+  const std::string& path() const { return path_; }
+  // The cgroup-relative path that runc's linux.cgroupsPath takes.
+  absl::Status AddProcess(pid_t pid);
+  std::vector<pid_t> Processes();
+  launch::Usage ReadUsage();
+  // Whether the kernel's OOM killer killed a process in it (v1:
+  // memory.oom_control oom_kill, else memory.failcnt at the limit; v2:
+  // memory.events oom_kill).
+  bool OomKilled();
+  // SIGKILL to every process in it until it is empty (freezer where present).
+  absl::Status KillAll();
+  // Kills what is left, then removes the directories. Idempotent.
+  absl::Status Remove();
+
+ private:
+  explicit Cgroup(std::string path) : path_(std::move(path)) {}
+  std::string path_;
+};
+
+}  // namespace deepnex::launch
+
+#endif  // DEEPNEX_LAUNCH_CGROUP_H_
