@@ -10,7 +10,13 @@ packages=(
   libgtest-dev libgmock-dev
   pybind11-dev python3-dev python3-numpy python3-pytest python3-venv python3-pip
   python3-setuptools python3-wheel
-  python3-torch
+  python3-torch python3-sklearn python3-matplotlib
+  # launch backends, each driven for real by the tests (see ENGINES.md)
+  runc podman busybox-static
+  slurmctld slurmd slurm-client munge
+  python3-kubernetes python3-yaml
+  # peers for the benchmarks
+  openmpi-bin libopenmpi-dev
 )
 
 missing=()
