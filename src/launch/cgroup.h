@@ -38,8 +38,8 @@ class Cgroup {
   // The child cgroup names under `parent` (for Cleanup), on any controller.
   static std::vector<std::string> Children(const std::string& parent);
 
+  // Relative to the controllers' roots, as runc's linux.cgroupsPath takes it.
   const std::string& path() const { return path_; }
-  // The cgroup-relative path that runc's linux.cgroupsPath takes.
   absl::Status AddProcess(pid_t pid);
   std::vector<pid_t> Processes();
   launch::Usage ReadUsage();
