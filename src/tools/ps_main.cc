@@ -1,4 +1,6 @@
 // deepnex-ps: one parameter server of a job, as a daemon.
+#include <unistd.h>
+
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -53,6 +55,8 @@ flags:
   --checkpoint-every N    checkpoint at the first round boundary after every N
                           rounds (async: N x workers pushes)
   --checkpoint-interval SECS  checkpoint every SECS seconds
+  --restore-if-present    with --restore: start empty when DIR/NAME.ckpt is not
+                          there yet (a server restarted by a policy)
   --restore DIR           start from DIR/NAME.ckpt (values, optimizer state,
                           rounds, push sequences)
   --metrics-port P        serve Prometheus text at http://HOST:P/metrics, HOST
@@ -67,6 +71,7 @@ int main(int argc, char** argv) {
   ServerOptions options;
   bool eps_given = false;
   int metrics_port = -1;
+  bool restore_if_present = false;
   deepnex::tools::Flags flags("deepnex-ps", kUsage, argc, argv);
   while (flags.Next()) {
     if (flags.Is("--listen")) options.address = flags.Value();
@@ -106,11 +111,16 @@ int main(int argc, char** argv) {
       options.checkpoint_every_rounds = n;
     } else if (flags.Is("--checkpoint-interval")) options.checkpoint_interval = flags.Seconds();
     else if (flags.Is("--restore")) options.restore_dir = flags.Value();
+    else if (flags.Is("--restore-if-present")) restore_if_present = true;
     else if (flags.Is("--metrics-port")) metrics_port = flags.Int();
     else flags.Unknown();
   }
   if (options.optimizer.kind == deepnex::ps::OptimizerKind::kAdagrad && !eps_given) {
     options.optimizer.eps = 1e-10;
+  }
+  if (restore_if_present && !options.restore_dir.empty() &&
+      access((options.restore_dir + "/" + options.name + ".ckpt").c_str(), F_OK) != 0) {
+    options.restore_dir.clear();
   }
   const std::string host = options.address.substr(0, options.address.rfind(':'));
   if (metrics_port >= 0) options.metrics_address = host + ":" + std::to_string(metrics_port);
