@@ -64,6 +64,7 @@ except ModuleNotFoundError as _e:
         raise
 
 from deepnex import gpu  # noqa: E402  (GPU allocation)
+from deepnex import data  # noqa: E402  (data sharding)
 
 __all__ = [
     "__version__",

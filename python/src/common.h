@@ -25,6 +25,7 @@ void RegisterCore(py::module_& m);
 void RegisterPs(py::module_& m);
 void RegisterCollective(py::module_& m);
 void RegisterGpu(py::module_& m);
+void RegisterData(py::module_& m);
 
 // A C++ exception carrying a non-OK status. RegisterCore installs a
 // translator that raises it in Python as the deepnex.errors class for its

@@ -13,4 +13,5 @@ PYBIND11_MODULE(_C, m) {
   deepnex::python::RegisterPs(m);
   deepnex::python::RegisterCollective(m);
   deepnex::python::RegisterGpu(m);
+  deepnex::python::RegisterData(m);
 }

@@ -1,0 +1,104 @@
+"""Data sharding: ``deepnex.data.Sharder``.
+
+Each worker of a job reads its own equal share of a dataset's indices,
+reshuffled every epoch the same way on every rank::
+
+    ctx = deepnex.init()
+    sharder = deepnex.data.Sharder(len(dataset), ctx.world_size, ctx.rank, seed=0)
+    for epoch in range(epochs):
+        for batch in sharder.batches(64):       # numpy int64 arrays of indices
+            train_step(x[batch], y[batch])
+
+Iterating (``for i in sharder``, ``sharder.batches(n)``) yields the rest of
+the current epoch, from the cursor ``state()`` = (epoch, position), and moves
+the cursor as it goes: to (epoch + 1, 0) once the epoch's last index has been
+handed out. Save ``state()`` with a checkpoint and pass it back
+(``Sharder(..., state=s)`` or ``load_state(s)``) to resume exactly where the
+job stopped.
+"""
+
+from . import _C
+
+__all__ = ["Sharder"]
+
+
+class Sharder:
+    """Shard ``shard`` of ``num_shards`` over the indices [0, size).
+
+    shuffle: a new permutation every epoch, drawn from (seed, epoch) by
+    splitmix64 and Fisher-Yates, identical on every rank and platform; the
+    shard is a contiguous block of it. False keeps the dataset's order.
+    remainder: "pad" (default; every shard has ceil(size / num_shards)
+    indices, repeating a few from the start of the permutation) or "drop"
+    (floor(size / num_shards), leaving out the rest).
+
+    Bad input (num_shards <= 0, shard out of range, size 0, size <
+    num_shards with "drop") raises InvalidArgumentError (a ValueError)
+    naming the field and the value.
+    """
+
+    def __init__(self, size, num_shards=1, shard=0, shuffle=True, seed=0,
+                 remainder="pad", state=None):
+        self._s = _C.data.Sharder(size=int(size), num_shards=int(num_shards),
+                                  shard=int(shard), shuffle=bool(shuffle),
+                                  seed=int(seed) & (2**64 - 1), remainder=str(remainder))
+        if state is not None:
+            self.load_state(state)
+
+    @classmethod
+    def from_context(cls, size, context=None, **kwargs):
+        """This worker's shard: rank of world_size from ``deepnex.init()``."""
+        if context is None:
+            from . import init
+            context = init()
+        return cls(size, context.world_size, context.rank, **kwargs)
+
+    def __len__(self):
+        """Indices per epoch."""
+        return self._s.shard_size
+
+    @property
+    def epoch(self):
+        return self._s.epoch
+
+    @property
+    def position(self):
+        return self._s.position
+
+    def state(self):
+        """(epoch, position): what has been handed out so far."""
+        return (self._s.epoch, self._s.position)
+
+    def load_state(self, state):
+        """Moves the cursor to (epoch, position); position == len(self)
+        means the epoch is done."""
+        epoch, position = state
+        self._s.seek(int(epoch), int(position))
+
+    def set_epoch(self, epoch):
+        """Starts ``epoch`` from its beginning (as torch's DistributedSampler)."""
+        self._s.seek(int(epoch), 0)
+
+    def permutation(self, epoch=None):
+        """The whole dataset's order in ``epoch`` (default: the current one)."""
+        return self._s.permutation(self.epoch if epoch is None else int(epoch))
+
+    def indices(self, epoch=None):
+        """This shard's indices in ``epoch`` (default: the current one)."""
+        return self._s.indices(self.epoch if epoch is None else int(epoch))
+
+    def batches(self, batch_size, drop_last=False):
+        """Yields the rest of the current epoch as int64 arrays of at most
+        ``batch_size`` indices; ``drop_last`` skips a final short one."""
+        epoch = self.epoch
+        while self.epoch == epoch:
+            batch = self._s.next(int(batch_size))
+            if drop_last and len(batch) < batch_size:
+                continue
+            yield batch
+
+    def __iter__(self):
+        """Yields the rest of the current epoch's indices as ints, moving the
+        cursor one index at a time so that state() is exact mid-epoch."""
+        for batch in self.batches(1):
+            yield int(batch[0])

@@ -1,0 +1,118 @@
+"""deepnex.data.Sharder: disjoint equal shards, deterministic per-epoch
+shuffles (checked against an independent splitmix64 + Fisher-Yates), and
+exact resume."""
+
+import numpy as np
+import pytest
+
+import deepnex
+from deepnex.data import Sharder
+
+M64 = 2**64 - 1
+
+
+def splitmix64(state):
+    """(new state, output), as src/data/sharder.cc computes it."""
+    state = (state + 0x9E3779B97F4A7C15) & M64
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return state, z ^ (z >> 31)
+
+
+def reference_permutation(size, seed, epoch):
+    a = splitmix64(seed)[1]
+    b = splitmix64(epoch ^ 0x5851F42D4C957F2D)[1]
+    state = a ^ ((b * 0xFF51AFD7ED558CCD) & M64)
+    order = list(range(size))
+    for i in range(size - 1, 0, -1):
+        bound = i + 1
+        threshold = (2**64 - bound) % bound
+        while True:
+            state, x = splitmix64(state)
+            if x >= threshold:
+                break
+        j = x % bound
+        order[i], order[j] = order[j], order[i]
+    return order
+
+
+def test_permutation_matches_an_independent_implementation():
+    for size, seed, epoch in [(10, 42, 0), (97, 0, 3), (1000, 2**63 + 5, 12)]:
+        s = Sharder(size, seed=seed)
+        assert s.permutation(epoch).tolist() == reference_permutation(size, seed, epoch)
+    # The C++ test pins the same values.
+    assert Sharder(10, seed=42).permutation(0).tolist() == reference_permutation(10, 42, 0)
+
+
+@pytest.mark.parametrize("remainder,per_shard", [("drop", 25), ("pad", 26)])
+def test_shards_are_disjoint_equal_and_cover_the_range(remainder, per_shard):
+    shards = [Sharder(103, 4, k, seed=9, remainder=remainder) for k in range(4)]
+    for epoch in (0, 1, 7):
+        parts = [s.indices(epoch).tolist() for s in shards]
+        assert [len(p) for p in parts] == [per_shard] * 4
+        flat = sum(parts, [])
+        if remainder == "drop":
+            assert len(set(flat)) == 100 and set(flat) <= set(range(103))
+        else:
+            assert set(flat) == set(range(103)) and len(flat) == 104
+
+
+def test_same_seed_same_order_other_epoch_or_seed_differs():
+    a, b = Sharder(500, 2, 1, seed=3), Sharder(500, 2, 1, seed=3)
+    assert a.indices(4).tolist() == b.indices(4).tolist()
+    assert a.indices(4).tolist() != a.indices(5).tolist()
+    assert a.indices(4).tolist() != Sharder(500, 2, 1, seed=4).indices(4).tolist()
+
+
+def test_no_shuffle_is_contiguous():
+    assert Sharder(10, 3, 1, shuffle=False, remainder="drop").indices(0).tolist() == [3, 4, 5]
+
+
+def test_iteration_walks_epochs_and_batches():
+    s = Sharder(20, 2, 0, seed=1)
+    e0, e1 = s.indices(0).tolist(), s.indices(1).tolist()
+    batches = [b.tolist() for b in s.batches(4)]
+    assert batches == [e0[0:4], e0[4:8], e0[8:10]]
+    assert s.state() == (1, 0)
+    assert [b.tolist() for b in s.batches(4, drop_last=True)] == [e1[0:4], e1[4:8]]
+    assert s.state() == (2, 0)
+    assert list(s) == s.indices(2).tolist()
+    s.set_epoch(1)
+    assert next(iter(s)) == e1[0]
+
+
+def test_resume_from_a_saved_state_gives_exactly_the_rest():
+    s = Sharder(50, 3, 2, seed=5, remainder="drop")
+    it = iter(s)
+    taken = [next(it) for _ in range(7)]
+    state = s.state()
+    assert state == (0, 7)
+    rest = list(Sharder(50, 3, 2, seed=5, remainder="drop", state=state))
+    assert taken + rest == s.indices(0).tolist()
+
+
+def test_bad_inputs_name_field_and_value():
+    with pytest.raises(deepnex.InvalidArgumentError, match="num_shards: 0"):
+        Sharder(10, 0, 0)
+    with pytest.raises(ValueError, match=r"shard: 2 is out of range \[0, 2\)"):
+        Sharder(10, 2, 2)
+    with pytest.raises(ValueError, match="shard: -1"):
+        Sharder(10, 2, -1)
+    with pytest.raises(ValueError, match="size: 1 is below num_shards 2"):
+        Sharder(1, 2, 0, remainder="drop")
+    with pytest.raises(ValueError, match="size: -5 is negative"):
+        Sharder(-5, 1, 0)
+    with pytest.raises(ValueError, match='remainder: "keep"'):
+        Sharder(10, remainder="keep")
+    s = Sharder(10, 2, 0)
+    with pytest.raises(ValueError, match="position: 6 is past"):
+        s.load_state((0, 6))
+    with pytest.raises(ValueError, match="batch_size: 0"):
+        next(s.batches(0))
+
+
+def test_from_context(job_env):
+    s = Sharder.from_context(40, seed=1)   # rank 1 of 4
+    assert s.indices(0).tolist() == Sharder(40, 4, 1, seed=1).indices(0).tolist()
+    assert len(s) == 10
