@@ -174,7 +174,10 @@ class Communicator:
 
     store: host:port of the rendezvous store; prefix: the communicator's
     namespace there (communicators sharing a store at once need different
-    prefixes). backend: "auto" (= "cpu"), "cpu" or "nccl". timeout: seconds
+    prefixes). backend: "auto" (host arrays and tensors go through the cpu
+    backend; CUDA tensors through an nccl communicator of the same ranks,
+    created at the first CUDA collective, as torch's "cpu:gloo,cuda:nccl"
+    does), "cpu" or "nccl". timeout: seconds
     for init and for each collective. transport (cpu): "auto" (shared memory
     between ranks on one host, TCP otherwise), "tcp" or "shm"; the variable
     DEEPNEX_COLLECTIVE_TRANSPORT overrides it.
@@ -183,11 +186,26 @@ class Communicator:
     def __init__(self, rank, world_size, store="", backend="auto", timeout=30.0,
                  prefix="deepnex", transport="auto", connections_per_peer=2,
                  shm_channels=2, token=None, token_file=None, device=-1):
-        self._comm = _C.collective.Communicator(
-            rank=int(rank), world_size=int(world_size), store=store, prefix=prefix,
-            backend=backend, timeout=float(timeout), transport=transport,
-            connections_per_peer=int(connections_per_peer), shm_channels=int(shm_channels),
-            token=token or "", token_file=token_file or "", device=int(device))
+        args = dict(rank=int(rank), world_size=int(world_size), store=store, prefix=prefix,
+                    backend=backend, timeout=float(timeout), transport=transport,
+                    connections_per_peer=int(connections_per_peer),
+                    shm_channels=int(shm_channels), token=token or "",
+                    token_file=token_file or "", device=int(device))
+        self._comm = _C.collective.Communicator(**args)
+        self._nccl = None
+        self._nccl_args = None
+        if backend == "auto":
+            self._nccl_args = dict(args, backend="nccl", prefix=f"{prefix}/nccl")
+
+    def _cuda_comm(self):
+        """The communicator CUDA tensors go through: this one, or with
+        backend "auto" the nccl one, made on first use. Every rank makes it
+        in the same collective, so the rendezvous lines up."""
+        if self._nccl_args is None:
+            return self._comm
+        if self._nccl is None:
+            self._nccl = _C.collective.Communicator(**self._nccl_args)
+        return self._nccl
 
     @classmethod
     def from_context(cls, context=None, **kwargs):
@@ -208,14 +226,14 @@ class Communicator:
     def allreduce_async(self, x, op="sum"):
         if _is_cuda(x):
             ptr, dtype, n = _cuda(x)
-            return Work(self._comm.allreduce_raw_async(ptr, dtype, n, op), x)
+            return Work(self._cuda_comm().allreduce_raw_async(ptr, dtype, n, op), x)
         b, dtype = _buffer(x, "allreduce")
         return Work(self._comm.allreduce_async(b, dtype, op), x)
 
     def broadcast_async(self, x, root=0):
         if _is_cuda(x):
             ptr, dtype, n = _cuda(x)
-            return Work(self._comm.broadcast_raw_async(ptr, dtype, n, int(root)), x)
+            return Work(self._cuda_comm().broadcast_raw_async(ptr, dtype, n, int(root)), x)
         b, dtype = _buffer(x, "broadcast")
         return Work(self._comm.broadcast_async(b, dtype, int(root)), x)
 
@@ -223,7 +241,7 @@ class Communicator:
         out = _empty_like(x, (self.world_size, *tuple(x.shape)))
         if _is_cuda(x):
             ptr, dtype, n = _cuda(x)
-            return Work(self._comm.allgather_raw_async(ptr, out.data_ptr(), dtype, n), out, keep=x)
+            return Work(self._cuda_comm().allgather_raw_async(ptr, out.data_ptr(), dtype, n), out, keep=x)
         bi, dtype = _buffer(x, "allgather")
         bo, _ = _buffer(out, "allgather")
         return Work(self._comm.allgather_async(bi, bo, dtype), out)
@@ -237,7 +255,7 @@ class Communicator:
         out = _empty_like(x, (shape[0] // self.world_size, *shape[1:]))
         if _is_cuda(x):
             ptr, dtype, _ = _cuda(x)
-            return Work(self._comm.reduce_scatter_raw_async(ptr, out.data_ptr(), dtype,
+            return Work(self._cuda_comm().reduce_scatter_raw_async(ptr, out.data_ptr(), dtype,
                                                             out.numel(), op), out, keep=x)
         bi, dtype = _buffer(x, "reduce_scatter")
         bo, _ = _buffer(out, "reduce_scatter")
@@ -269,6 +287,8 @@ class Communicator:
     def abort(self):
         """Breaks the communicator; the other ranks see this rank leave."""
         self._comm.abort()
+        if self._nccl is not None:
+            self._nccl.abort()
 
 
 class GradientBucketer:

@@ -178,6 +178,24 @@ def test_nccl_without_a_device_is_failed_precondition(store):
     pytest.skip("a GPU is present")
 
 
+def test_auto_backend_sends_host_arrays_through_cpu_and_cuda_tensors_through_nccl(store):
+    comm = collective.Communicator(0, 1, store=store.address, prefix="auto1")
+    assert comm.backend == "cpu"
+    x = np.arange(4, dtype=np.float32)
+    comm.allreduce(x)
+    assert (x == np.arange(4)).all()
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        # The nccl communicator is made lazily: without a device the first
+        # CUDA collective would be where it fails, and no host call got there.
+        assert comm._nccl is None
+        return
+    y = torch.ones(4, device="cuda")
+    comm.allreduce(y)
+    assert comm._nccl is not None and comm._nccl.backend == "nccl"
+    assert y.tolist() == [1.0] * 4
+
+
 RANK_SCRIPT = r"""
 import sys, numpy as np
 from deepnex import collective
