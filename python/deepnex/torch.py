@@ -1,0 +1,286 @@
+"""PyTorch integration: ``deepnex.torch``.
+
+Parameter server (BytePS-style)::
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)      # used for zero_grad only
+    opt = deepnex.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    loss.backward(); opt.step(); opt.zero_grad()
+
+``step()`` pushes every gradient and pulls the new parameters in one round
+trip (push_pull); the servers' optimizer (``deepnex run --optimizer sgd
+--lr ...``, or deepnex.ps.Server(optimizer=...)) makes the update, so the
+wrapped optimizer's own step and hyperparameters are not used: it is kept for
+zero_grad(), param_groups and the code that expects an optimizer. The servers
+start from rank 0's parameters, which every worker pulls on construction.
+
+Allreduce (torch DDP-style)::
+
+    model = deepnex.torch.DistributedDataParallel(model)   # broadcasts rank 0's parameters
+    loss = loss_fn(model(x), y); loss.backward()           # grads averaged over workers
+    opt.step()
+
+Gradients are allreduced in buckets of ``bucket_size`` (25 MiB) as backward
+produces them (last layer first), and backward() returns with the averaged
+gradients in ``p.grad``, as with torch.nn.parallel.DistributedDataParallel.
+
+``broadcast_parameters(model.state_dict(), root_rank=0)`` copies rank 0's
+tensors to every worker, in place.
+
+CPU tensors go through the parameter server and the cpu collectives without
+copies; CUDA tensors are staged through host memory for the parameter server
+and allreduced one tensor at a time by the nccl communicator (no buckets).
+"""
+
+import time
+
+import numpy as np
+import torch
+
+import deepnex
+from . import collective as _collective
+from . import ps as _ps
+from .errors import InvalidArgumentError, NotFoundError
+
+__all__ = ["DistributedOptimizer", "DistributedDataParallel", "broadcast_parameters",
+           "default_communicator"]
+
+_default = {"comm": None}
+
+
+def default_communicator():
+    """The job's communicator of all workers (from deepnex.init()), made on
+    first use and shared."""
+    if _default["comm"] is None:
+        _default["comm"] = _collective.Communicator.from_context()
+    return _default["comm"]
+
+
+def _named_tensors(params):
+    """[(name, tensor)] from a state_dict, a dict, named_parameters() or a
+    list of tensors (named by position)."""
+    if isinstance(params, dict):
+        return list(params.items())
+    items = list(params)
+    if items and isinstance(items[0], tuple):
+        return items
+    return [(str(i), t) for i, t in enumerate(items)]
+
+
+def broadcast_parameters(params, root_rank=0, communicator=None):
+    """Overwrites every tensor in `params` (a state_dict, named_parameters(),
+    a dict or a list of tensors) with root_rank's, in place; every worker
+    must pass the same names, shapes and dtypes in the same order."""
+    comm = communicator or default_communicator()
+    for name, t in _named_tensors(params):
+        if not torch.is_tensor(t):
+            raise TypeError(f"broadcast_parameters: {name!r} is a {type(t).__name__}, "
+                            f"not a tensor")
+        with torch.no_grad():
+            data = t.data
+            if data.is_contiguous():
+                comm.broadcast(data, root=root_rank)
+            else:
+                staged = data.contiguous()
+                comm.broadcast(staged, root=root_rank)
+                data.copy_(staged)
+
+
+def _param_names(optimizer, named_parameters):
+    if named_parameters is not None:
+        named = list(named_parameters)
+        names = {id(p): n for n, p in named}
+        if len(names) != len(named):
+            raise InvalidArgumentError("named_parameters: a parameter appears twice")
+        if len(set(names.values())) != len(named):
+            raise InvalidArgumentError("named_parameters: two parameters share a name")
+    else:
+        names = {}
+    out = []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if named_parameters is not None and id(p) not in names:
+                raise InvalidArgumentError(
+                    f"named_parameters: the optimizer's parameter {i} of group {g} "
+                    f"(shape {list(p.shape)}) is not among them")
+            out.append((names.get(id(p), f"param_group{g}.{i}"), p))
+    return out
+
+
+class DistributedOptimizer:
+    """Wraps `optimizer`: step() sends the gradients to the parameter servers
+    and loads the parameters they return. See the module's documentation.
+
+    named_parameters: model.named_parameters(), whose names become the
+    servers' keys (default: "param_group<g>.<i>"). client: a
+    deepnex.ps.Client (default: one for this worker from deepnex.init()).
+    A parameter without a gradient in a step pushes zeros, so that sync
+    rounds still complete. timeout: seconds ranks other than root_rank wait
+    for root_rank's initial parameters.
+    """
+
+    def __init__(self, optimizer, named_parameters=None, client=None, root_rank=0,
+                 timeout=60.0):
+        self._optimizer = optimizer
+        self._params = _param_names(optimizer, named_parameters)
+        if client is None:
+            ctx = deepnex.init()
+            client = _ps.Client(ctx.ps_addrs, worker_id=ctx.rank, token=ctx.token or None)
+            self._owns_client = True
+        else:
+            self._owns_client = False
+        self.client = client
+        # Host tensors the client reads and writes: the parameters themselves
+        # on CPU, staging copies for CUDA ones.
+        self._host = {n: p.data if p.device.type == "cpu" else p.detach().cpu()
+                      for n, p in self._params}
+        keys = [n for n, _ in self._params]
+        if client.worker_id == root_rank:
+            client.init(self._host)
+        else:
+            self._wait_for(keys, timeout)
+        self._load(client.pull(keys))
+
+    def _wait_for(self, keys, timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client.describe(keys)
+                return
+            except NotFoundError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def _load(self, values):
+        with torch.no_grad():
+            for name, p in self._params:
+                p.data.copy_(torch.from_numpy(values[name]))
+
+    def step(self, closure=None):
+        """Pushes the gradients, loads the servers' new parameters; returns
+        the closure's loss if one is given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = {}
+        for name, p in self._params:
+            if p.grad is None:
+                grads[name] = np.zeros(tuple(p.shape), _numpy_dtype(p))
+            elif p.grad.device.type == "cpu":
+                grads[name] = p.grad.detach().contiguous()
+            else:
+                grads[name] = p.grad.detach().cpu()
+        self._load(self.client.push_pull(grads))
+        return loss
+
+    def synchronize(self):
+        """Nothing to wait for: step() returns with the new parameters."""
+
+    def zero_grad(self, *args, **kwargs):
+        self._optimizer.zero_grad(*args, **kwargs)
+
+    def close(self):
+        """Leaves the job (the servers stop waiting for this worker)."""
+        if self._owns_client:
+            self.client.close()
+
+    @property
+    def param_groups(self):
+        return self._optimizer.param_groups
+
+    def state_dict(self):
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self._optimizer.load_state_dict(state)
+
+
+def _numpy_dtype(t):
+    return torch.empty((), dtype=t.dtype).numpy().dtype
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wraps `module` so that backward() averages its gradients over the
+    job's workers, allreducing them in buckets as they are produced.
+
+    communicator: a deepnex.collective.Communicator (default: the job's,
+    default_communicator()). bucket_size: bytes or "25MiB".
+    sync_parameters: first copy rank 0's parameters and buffers to every
+    worker (as torch's DDP does). One backward per optimizer step: gradient accumulation over
+    several backward passes would allreduce each of them.
+    """
+
+    def __init__(self, module, communicator=None, bucket_size="25MiB",
+                 sync_parameters=True):
+        super().__init__()
+        self.module = module
+        self.communicator = communicator or default_communicator()
+        if sync_parameters:
+            broadcast_parameters(module.state_dict(), 0, self.communicator)
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        if not self._params:
+            raise InvalidArgumentError("DistributedDataParallel: the module has no "
+                                       "parameter that requires a gradient")
+        self._cuda = self._params[0].device.type == "cuda"
+        if any((p.device.type == "cuda") != self._cuda for p in self._params):
+            raise InvalidArgumentError("DistributedDataParallel: parameters on CPU and CUDA mixed")
+        # The bucketer works on fixed tensors: each parameter's gradient
+        # lives in a buffer of ours, which p.grad is made to be.
+        self._grads = [torch.zeros_like(p) for p in self._params]
+        self._bucketer = None if self._cuda else _collective.GradientBucketer(
+            self.communicator, self._grads, bucket_bytes=bucket_size, op="mean")
+        self._works = []
+        self._ready = [False] * len(self._params)
+        self._pending = False
+        self._hooks = []
+        for i, p in enumerate(self._params):
+            # AccumulateGrad runs after the gradient has been added to p.grad.
+            acc = p.expand_as(p).grad_fn.next_functions[0][0]
+            acc.register_hook(self._make_hook(i))
+            self._hooks.append(acc)  # keeps the node, and so the hook, alive
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _adopt(self, i):
+        p, buf = self._params[i], self._grads[i]
+        if p.grad is None:
+            buf.zero_()
+        elif p.grad is not buf:
+            buf.copy_(p.grad)
+        p.grad = buf
+
+    def _make_hook(self, i):
+        def hook(*unused):
+            if not self._pending:
+                self._pending = True
+                torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
+            self._adopt(i)
+            self._ready[i] = True
+            if self._cuda:
+                self._works.append(self.communicator.allreduce_async(self._grads[i], op="mean"))
+            else:
+                self._bucketer.mark_ready(i)
+        return hook
+
+    def synchronize(self):
+        """Waits for this step's allreduces (backward() calls it at its end);
+        parameters that got no gradient contribute zeros."""
+        if not self._pending:
+            return
+        for i, ready in enumerate(self._ready):
+            if not ready:
+                self._adopt(i)
+                if self._cuda:
+                    self._works.append(
+                        self.communicator.allreduce_async(self._grads[i], op="mean"))
+        if self._cuda:
+            for w in self._works:
+                w.wait()
+            self._works = []
+        else:
+            self._bucketer.mark_all_ready()
+            self._bucketer.wait()
+        self._ready = [False] * len(self._params)
+        self._pending = False

@@ -1,0 +1,184 @@
+"""deepnex.torch: DistributedOptimizer through a parameter server,
+DistributedDataParallel's bucketed allreduce and broadcast_parameters, with
+2 workers as threads and integer-valued data, so results are exact."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import deepnex  # noqa: E402
+import deepnex.torch as dtorch  # noqa: E402
+from deepnex import collective  # noqa: E402
+
+_counter = [0]
+
+
+def run_workers(n, body):
+    """body(rank) on n threads; re-raises the first failure."""
+    errors = [None] * n
+
+    def main(r):
+        try:
+            body(r)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors[r] = e
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), "a worker hung"
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+@pytest.fixture
+def store():
+    s = collective.Store("127.0.0.1:0")
+    yield s
+    s.stop()
+
+
+def communicators(store, n):
+    """rank -> that rank's member of a new communicator of n ranks."""
+    _counter[0] += 1
+    prefix = f"torch{os.getpid()}-{_counter[0]}"
+    return lambda rank: collective.Communicator(rank, n, store=store.address, timeout=20.0,
+                                                prefix=prefix)
+
+
+def model(rank):
+    """Two layers whose initial values differ by rank (integers)."""
+    m = torch.nn.Sequential(torch.nn.Linear(3, 2, bias=True), torch.nn.Linear(2, 1, bias=False))
+    with torch.no_grad():
+        for i, p in enumerate(m.parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape)
+                    + 10 * rank + i)
+    return m
+
+
+def test_distributed_optimizer_averages_gradients_on_the_server():
+    n = 2
+    with deepnex.ps.Server(mode="sync", num_workers=n,
+                           optimizer=deepnex.ps.SGD(lr=0.5)) as server:
+        finals = [None] * n
+
+        def worker(rank):
+            m = torch.nn.Linear(4, 1, bias=False)
+            with torch.no_grad():
+                m.weight.copy_(torch.full((1, 4), float(rank + 1)))
+            client = deepnex.ps.Client([server.address], worker_id=rank)
+            opt = dtorch.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=99.0),
+                                              named_parameters=m.named_parameters(),
+                                              client=client)
+            # Every worker starts from rank 0's parameters.
+            assert m.weight.tolist() == [[1.0, 1.0, 1.0, 1.0]]
+            for step in range(3):
+                opt.zero_grad()
+                x = torch.tensor([[1.0, 2.0, 3.0, 4.0]]) * (rank + 1 + step)
+                m(x).sum().backward()          # grad = x
+                opt.step()
+            finals[rank] = m.weight.detach().clone()
+            assert set(client.describe(["weight"])) == {"weight"}
+            client.close()
+
+        run_workers(n, worker)
+    # Round s: mean grad = [1,2,3,4] * (1.5 + s); w -= 0.5 * that.
+    expected = torch.tensor([[1.0, 1.0, 1.0, 1.0]]) - 0.5 * torch.tensor(
+        [[1.0, 2.0, 3.0, 4.0]]) * (1.5 + 2.5 + 3.5)
+    assert torch.equal(finals[0], expected) and torch.equal(finals[1], expected)
+
+
+def test_distributed_optimizer_rejects_unnamed_parameters():
+    m = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="not among them"):
+        dtorch.DistributedOptimizer(opt, named_parameters=[("weight", m.weight)],
+                                    client=object())
+
+
+@pytest.mark.parametrize("bucket_size", [16, "25MiB"])
+def test_ddp_averages_gradients_exactly(store, bucket_size):
+    n = 2
+    inputs = [torch.tensor([[1.0, 2.0, 3.0], [0.0, 1.0, 1.0]]) * (r + 1) for r in range(n)]
+    # Reference: rank 0's parameters (the broadcast), the mean of the ranks' grads.
+    ref = []
+    for r in range(n):
+        m = model(0)
+        m(inputs[r]).sum().backward()
+        ref.append([p.grad.clone() for p in m.parameters()])
+    expected = [(a + b) / 2 for a, b in zip(*ref)]
+    got = [None] * n
+    communicator = communicators(store, n)
+
+    def worker(rank):
+        m = model(rank)
+        ddp = dtorch.DistributedDataParallel(m, communicator=communicator(rank),
+                                             bucket_size=bucket_size)
+        for step in range(2):
+            # Both zero_grad styles: grads set to None, and zeroed in place.
+            for p in m.parameters():
+                if step == 0:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+            ddp(inputs[rank]).sum().backward()
+            got[rank] = [p.grad.clone() for p in m.parameters()]
+            for a, b in zip(got[rank], expected):
+                assert torch.equal(a, b), (step, a, b)
+        assert [p.tolist() for p in m.parameters()] == [p.tolist() for p in model(0).parameters()]
+
+    run_workers(n, worker)
+
+
+def test_ddp_unused_parameter_contributes_zeros(store):
+    n = 2
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(2, 1, bias=False)
+            self.b = torch.nn.Linear(2, 1, bias=False)
+
+        def forward(self, x, use_b):
+            return self.b(x) if use_b else self.a(x)
+
+    grads = [None] * n
+    communicator = communicators(store, n)
+
+    def worker(rank):
+        m = TwoHeads()
+        ddp = dtorch.DistributedDataParallel(m, communicator=communicator(rank))
+        ddp(torch.tensor([[2.0, 4.0]]), use_b=rank == 1).sum().backward()
+        grads[rank] = (m.a.weight.grad.tolist(), m.b.weight.grad.tolist())
+
+    run_workers(n, worker)
+    assert grads[0] == grads[1] == ([[1.0, 2.0]], [[1.0, 2.0]])
+
+
+def test_broadcast_parameters_state_dict_and_lists(store):
+    n = 2
+    got = [None] * n
+    communicator = communicators(store, n)
+
+    def worker(rank):
+        comm = communicator(rank)
+        m = torch.nn.BatchNorm1d(3)
+        with torch.no_grad():
+            m.weight.fill_(rank + 1)
+            m.running_mean.fill_(rank + 5)
+            m.num_batches_tracked.fill_(rank + 7)
+        dtorch.broadcast_parameters(m.state_dict(), root_rank=1, communicator=comm)
+        t = torch.arange(6.0).reshape(2, 3).t() * (rank + 1)   # not contiguous
+        dtorch.broadcast_parameters([t], root_rank=0, communicator=comm)
+        got[rank] = (m.weight.tolist(), m.running_mean.tolist(),
+                     int(m.num_batches_tracked), t.tolist())
+
+    run_workers(n, worker)
+    assert got[0] == got[1] == ([2.0] * 3, [6.0] * 3, 8, [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]])
