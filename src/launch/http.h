@@ -1,0 +1,154 @@
+// A small blocking HTTP/1.1 client for the engines' REST APIs: the Docker
+// Engine API over a unix socket and the Kubernetes API server over TCP with
+// TLS. One connection per request (Connection: close), so one client may be
+// shared by any number of threads. Private to src/launch.
+#ifndef DEEPNEX_LAUNCH_HTTP_H_
+#define DEEPNEX_LAUNCH_HTTP_H_
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <type_traits>
+
+#include <nlohmann/json.hpp>
+
+#include "deepnex/status.h"
+
+typedef struct ssl_ctx_st SSL_CTX;
+
+namespace deepnex::launch {
+
+struct HttpClientOptions {
+  // "unix:/path/to.sock", "http://host:port[/prefix]" or
+  // "https://host:port[/prefix]".
+  std::string endpoint;
+  // https: the CAs to trust, as a PEM file and/or PEM text; both empty: the
+  // system's default CAs.
+  std::string ca_file;
+  std::string ca_pem;
+  // https: skip verifying the server's certificate (kubeconfig's
+  // insecure-skip-tls-verify).
+  bool insecure_skip_verify = false;
+  // https: a client certificate and its key, as files or PEM text.
+  std::string client_cert_file;
+  std::string client_key_file;
+  std::string client_cert_pem;
+  std::string client_key_pem;
+  // Sent as "Authorization: Bearer <token>" when not empty.
+  std::string bearer_token;
+  std::chrono::milliseconds connect_timeout{5000};
+  // The longest wait for the next bytes of a response.
+  std::chrono::milliseconds read_timeout{30000};
+};
+
+struct HttpResponse {
+  int status = 0;
+  // Header names lowercased.
+  std::map<std::string, std::string> headers;
+  std::string body;
+};
+
+// Lets another thread abort a call that blocks in Stream (a Docker wait, a
+// log follow). Thread-safe.
+class HttpCancel {
+ public:
+  HttpCancel();
+  ~HttpCancel();
+  HttpCancel(const HttpCancel&) = delete;
+  HttpCancel& operator=(const HttpCancel&) = delete;
+  // Every call blocked on this token, and every later one, ends with
+  // Cancelled.
+  void Cancel();
+  int fd() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// Thread-safe.
+class HttpClient {
+ public:
+  // InvalidArgument for a malformed endpoint; InvalidArgument naming the file
+  // for a CA or client certificate that does not load.
+  static absl::StatusOr<std::unique_ptr<HttpClient>> Create(const HttpClientOptions& options);
+  ~HttpClient();
+
+  const std::string& endpoint() const { return options_.endpoint; }
+
+  // Sends `method` to `path` (with its query; the endpoint's prefix is put
+  // before it) with `body` as application/json when not empty, and returns
+  // the whole response whatever its status. Unavailable when the server
+  // cannot be reached, DeadlineExceeded when it stops answering.
+  absl::StatusOr<HttpResponse> Send(const std::string& method, const std::string& path,
+                                    const std::string& body = "");
+  // Send, then the body of a 2xx response; any other status is an error
+  // whose code follows the HTTP status (404 NotFound, 401 Unauthenticated,
+  // 409 AlreadyExists, ...) and whose message names the method, the URL,
+  // the status and the server's message.
+  absl::StatusOr<std::string> Call(const std::string& method, const std::string& path,
+                                   const std::string& body = "");
+  // Like Call, but hands the body to `sink` piece by piece as it arrives
+  // (chunked or not) until it ends or `sink` returns false. `read_timeout`
+  // replaces the client's (zero: wait forever); `cancel`, if given, aborts
+  // the call with Cancelled.
+  absl::Status Stream(const std::string& method, const std::string& path,
+                      const std::string& body,
+                      const std::function<bool(const std::string&)>& sink,
+                      std::chrono::milliseconds read_timeout, HttpCancel* cancel = nullptr);
+
+  // The error Call returns for a non-2xx `response`.
+  absl::Status ErrorFor(const std::string& method, const std::string& path,
+                        const HttpResponse& response) const;
+
+ private:
+  class Connection;
+  struct Target {
+    bool unix_socket = false;
+    bool tls = false;
+    std::string host;  // or the socket path
+    int port = 0;
+    std::string prefix;  // path prefix, no trailing '/'
+  };
+
+  HttpClient(HttpClientOptions options, Target target, SSL_CTX* ssl_ctx)
+      : options_(std::move(options)), target_(std::move(target)), ssl_ctx_(ssl_ctx) {}
+  absl::StatusOr<std::unique_ptr<Connection>> Connect(HttpCancel* cancel) const;
+  // Sends the request and reads the status line and headers; the body is
+  // left on the connection.
+  absl::StatusOr<std::unique_ptr<Connection>> Begin(const std::string& method,
+                                                    const std::string& path,
+                                                    const std::string& body,
+                                                    std::chrono::milliseconds read_timeout,
+                                                    HttpCancel* cancel, HttpResponse* head);
+  std::string Url(const std::string& path) const;
+
+  const HttpClientOptions options_;
+  const Target target_;
+  SSL_CTX* const ssl_ctx_;  // owned; null without TLS
+};
+
+// `text` percent-encoded for a URL's path segment or query value.
+std::string UrlEncode(const std::string& text);
+
+// Reading JSON replies without exceptions: `j[key]` when `j` is an object
+// that has it, else null.
+const nlohmann::json& JsonField(const nlohmann::json& j, const std::string& key);
+// `j[key]` as a T (bool, a number or std::string) when it has that type,
+// else `fallback`.
+template <typename T>
+T JsonValue(const nlohmann::json& j, const std::string& key, T fallback) {
+  const nlohmann::json& v = JsonField(j, key);
+  if constexpr (std::is_same_v<T, bool>) {
+    return v.is_boolean() ? v.get<bool>() : fallback;
+  } else if constexpr (std::is_arithmetic_v<T>) {
+    return v.is_number() ? v.get<T>() : fallback;
+  } else {
+    return v.is_string() ? v.get<std::string>() : fallback;
+  }
+}
+
+}  // namespace deepnex::launch
+
+#endif  // DEEPNEX_LAUNCH_HTTP_H_
