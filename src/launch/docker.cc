@@ -175,8 +175,10 @@ class DockerRun : public Run {
         },
         std::chrono::milliseconds(0), &cancel_);
     if (absl::IsCancelled(waited)) return;
-    absl::StatusOr<ExitStatus> result = waited;
-    if (waited.ok()) {
+    absl::StatusOr<ExitStatus> result = ExitStatus{};
+    if (!waited.ok()) {
+      result = waited;
+    } else {
       auto inspected = http_->Call("GET", Path("/json"));
       const json info = inspected.ok() ? json::parse(*inspected, nullptr, false) : json();
       const json& state = JsonField(info, "State");

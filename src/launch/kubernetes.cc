@@ -252,7 +252,9 @@ json PodSpec(const ContainerSpec& spec, const KubernetesOptions& options) {
   container["image"] = spec.image;
   json command = json::array();
   for (const std::string& arg : spec.command) command.push_back(NoExpansion(arg));
-  container["command"] = command;
+  // args, not command: like `docker run IMAGE ARGV...`, the image's entrypoint
+  // (an environment wrapper in many GPU images) still runs first.
+  container["args"] = command;
   json env = json::array();
   for (const auto& [name, value] : EngineEnv(spec)) {
     json var = json::object();

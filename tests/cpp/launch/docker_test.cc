@@ -1,0 +1,352 @@
+// The docker backend against a real Docker Engine API: podman's service,
+// started by tests/launch/podman.sh (the ctest fixture sets
+// DEEPNEX_TEST_DOCKER_SOCKET and DEEPNEX_TEST_DOCKER_IMAGE). Each test skips
+// with the reason where there is none. The request body for GPUs is checked
+// without an engine.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "launch/backend.h"
+#include "launch/docker.h"
+#include "launch/http.h"
+#include "test_matchers.h"
+
+namespace deepnex::launch {
+namespace {
+
+using ::deepnex::test::IsOk;
+using ::deepnex::test::StatusIs;
+using ::testing::HasSubstr;
+using json = nlohmann::json;
+using namespace std::chrono_literals;
+
+std::string Env(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? "" : v;
+}
+
+// A fresh launcher id per test, so that Cleanup sweeps only its own.
+std::string NewLauncherId() {
+  static int counter = 0;
+  return "dtest" + std::to_string(getpid()) + "x" + std::to_string(++counter);
+}
+
+class DockerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    socket_ = Env("DEEPNEX_TEST_DOCKER_SOCKET");
+    image_ = Env("DEEPNEX_TEST_DOCKER_IMAGE");
+    if (socket_.empty() || image_.empty()) {
+      GTEST_SKIP() << "DEEPNEX_TEST_DOCKER_SOCKET/IMAGE unset: no Docker API here "
+                      "(tests/launch/podman.sh start DIR provides one)";
+    }
+    LauncherOptions options;
+    options.docker.socket = socket_;
+    auto backend = MakeDockerBackend(options);
+    if (absl::IsFailedPrecondition(backend.status())) {
+      GTEST_SKIP() << backend.status().message();
+    }
+    ASSERT_THAT(backend, IsOk());
+    backend_ = std::move(*backend);
+    HttpClientOptions http;
+    http.endpoint = "unix:" + socket_;
+    auto client = HttpClient::Create(http);
+    ASSERT_THAT(client, IsOk());
+    http_ = std::move(*client);
+    launcher_id_ = NewLauncherId();
+  }
+
+  void TearDown() override {
+    if (backend_ != nullptr) {
+      runs_.clear();
+      EXPECT_THAT(backend_->Cleanup(launcher_id_), IsOk());
+    }
+  }
+
+  ContainerSpec Spec(const std::string& name, std::vector<std::string> command) {
+    ContainerSpec spec;
+    spec.name = name;
+    spec.image = image_;
+    spec.command = std::move(command);
+    spec.network_none = true;
+    return spec;
+  }
+
+  RunContext Context(const ContainerSpec& spec) {
+    RunContext context;
+    context.launcher_id = launcher_id_;
+    context.run_name = launcher_id_ + "-" + spec.name + "-0";
+    context.dir = ::testing::TempDir();
+    context.labels = spec.labels;
+    context.labels["deepnex.launcher"] = launcher_id_;
+    context.labels["deepnex.name"] = spec.name;
+    return context;
+  }
+
+  // Starts `spec`; the run is kept for TearDown's Cleanup to sweep.
+  launch::Run* Start(const ContainerSpec& spec) {
+    auto run = backend_->Start(spec, Context(spec));
+    EXPECT_THAT(run, IsOk());
+    if (!run.ok()) return nullptr;
+    runs_.push_back(std::move(*run));
+    return runs_.back().get();
+  }
+
+  ExitStatus WaitFor(launch::Run* run) {
+    auto exit = run->Wait(30s);
+    EXPECT_THAT(exit, IsOk());
+    if (!exit.ok() || !exit->has_value()) {
+      ADD_FAILURE() << "container " << run->id() << " still running after 30 s";
+      return ExitStatus{ExitReason::kLost};
+    }
+    return **exit;
+  }
+
+  // The engine's own view of a container (GET /containers/{id}/json).
+  json Inspect(const std::string& id) {
+    auto body = http_->Call("GET", "/v1.41/containers/" + id + "/json");
+    EXPECT_THAT(body, IsOk());
+    return body.ok() ? json::parse(*body) : json();
+  }
+
+  // The ids of the containers labelled with this test's launcher id.
+  std::vector<std::string> Labelled() {
+    json filters = {{"label", json::array({"deepnex.launcher=" + launcher_id_})}};
+    auto body = http_->Call("GET", "/v1.41/containers/json?all=1&filters=" +
+                                       UrlEncode(filters.dump()));
+    EXPECT_THAT(body, IsOk());
+    std::vector<std::string> ids;
+    if (body.ok()) {
+      for (const json& c : json::parse(*body)) ids.push_back(c["Id"].get<std::string>());
+    }
+    return ids;
+  }
+
+  std::string socket_;
+  std::string image_;
+  std::string launcher_id_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<HttpClient> http_;
+  std::vector<std::unique_ptr<launch::Run>> runs_;
+};
+
+TEST_F(DockerTest, EnvExitCodeAndLogs) {
+  ContainerSpec spec = Spec("env", {"sh", "-c", "echo A=$A; echo oops >&2; exit 3"});
+  spec.env["A"] = "a b$c";
+  spec.working_dir = "/tmp";
+  launch::Run* run = Start(spec);
+  ASSERT_NE(run, nullptr);
+  ExitStatus exit = WaitFor(run);
+  EXPECT_EQ(exit.reason, ExitReason::kExited);
+  EXPECT_EQ(exit.code, 3);
+  auto logs = run->Logs();
+  ASSERT_THAT(logs, IsOk());
+  // Demultiplexed: no 8-byte frame headers, both streams.
+  EXPECT_THAT(*logs, HasSubstr("A=a b$c\n"));
+  EXPECT_THAT(*logs, HasSubstr("oops\n"));
+  EXPECT_EQ(logs->size(), std::string("A=a b$c\noops\n").size());
+}
+
+TEST_F(DockerTest, LimitsLabelsAndMountsReachTheEngine) {
+  char dir_template[] = "/tmp/deepnex-docker-test-XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  std::ofstream(dir + "/in") << "from the host\n";
+  ContainerSpec spec =
+      Spec("limits", {"sh", "-c", "cat /data/in; echo x > /data/out || echo read-only; pwd"});
+  spec.memory = 64 << 20;
+  spec.cpus = 0.5;
+  spec.pids_limit = 32;
+  spec.working_dir = "/data";
+  spec.labels["team"] = "vision";
+  spec.mounts.push_back({dir, "/data", true});
+  launch::Run* run = Start(spec);
+  ASSERT_NE(run, nullptr);
+  ExitStatus exit = WaitFor(run);
+  EXPECT_TRUE(exit.ok()) << exit.ToString();
+  auto logs = run->Logs();
+  ASSERT_THAT(logs, IsOk());
+  EXPECT_THAT(*logs, HasSubstr("from the host\n"));
+  EXPECT_THAT(*logs, HasSubstr("read-only\n"));
+  EXPECT_THAT(*logs, HasSubstr("/data\n"));
+  struct stat st;
+  EXPECT_NE(stat((dir + "/out").c_str(), &st), 0) << "the read-only mount was written";
+
+  json info = Inspect(run->id());
+  const json& host = info["HostConfig"];
+  EXPECT_EQ(host["Memory"].get<int64_t>(), 64 << 20);
+  EXPECT_EQ(host["NanoCpus"].get<int64_t>(), 500000000);
+  EXPECT_EQ(host["PidsLimit"].get<int64_t>(), 32);
+  EXPECT_EQ(host["NetworkMode"].get<std::string>(), "none");
+  EXPECT_TRUE(host["ReadonlyRootfs"].get<bool>());
+  EXPECT_EQ(info["Config"]["Labels"]["deepnex.launcher"].get<std::string>(), launcher_id_);
+  EXPECT_EQ(info["Config"]["Labels"]["deepnex.name"].get<std::string>(), "limits");
+  EXPECT_EQ(info["Config"]["Labels"]["team"].get<std::string>(), "vision");
+  EXPECT_THAT(run->Remove(), IsOk());
+  std::remove((dir + "/in").c_str());
+  rmdir(dir.c_str());
+}
+
+TEST_F(DockerTest, MemoryHogEndsAsTheEngineReportsIt) {
+  ContainerSpec spec = Spec("hog", {"sh", "-c", "exec tail /dev/zero"});
+  spec.memory = 16 << 20;
+  launch::Run* run = Start(spec);
+  ASSERT_NE(run, nullptr);
+  ExitStatus exit = WaitFor(run);
+  // The kernel's OOM killer sends SIGKILL: 128 + 9. Docker says OOMKilled;
+  // podman on cgroup v1 does not, and then it stays a plain exit code.
+  EXPECT_EQ(exit.code, 137);
+  if (Inspect(run->id())["State"]["OOMKilled"].get<bool>()) {
+    EXPECT_EQ(exit.reason, ExitReason::kOomKilled);
+    EXPECT_EQ(exit.signal, 9);
+  } else {
+    EXPECT_EQ(exit.reason, ExitReason::kExited);
+  }
+}
+
+TEST_F(DockerTest, StopSendsTermThenKillAfterGrace) {
+  // PID 1 ignores TERM without a handler; this one ignores it outright.
+  launch::Run* stubborn = Start(Spec("stubborn", {"sh", "-c", "trap '' TERM; while :; do sleep 0.1; done"}));
+  // This one exits 7 on TERM.
+  launch::Run* polite = Start(Spec("polite", {"sh", "-c", "trap 'exit 7' TERM; while :; do sleep 0.1; done"}));
+  ASSERT_NE(stubborn, nullptr);
+  ASSERT_NE(polite, nullptr);
+  auto running = stubborn->Wait(300ms);
+  ASSERT_THAT(running, IsOk());
+  EXPECT_FALSE(running->has_value());
+
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_THAT(stubborn->Stop(1500ms), IsOk());
+  ASSERT_THAT(polite->Stop(10s), IsOk());
+  ExitStatus polite_exit = WaitFor(polite);
+  EXPECT_EQ(polite_exit.reason, ExitReason::kExited);
+  EXPECT_EQ(polite_exit.code, 7);
+  ExitStatus stubborn_exit = WaitFor(stubborn);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_EQ(stubborn_exit.reason, ExitReason::kSignaled);
+  EXPECT_EQ(stubborn_exit.signal, 9);
+  EXPECT_GE(took, 1400ms);
+  EXPECT_LT(took, 15s);
+  // Idempotent, also once it ended.
+  EXPECT_THAT(stubborn->Stop(1s), IsOk());
+}
+
+TEST_F(DockerTest, UsageOfARunningContainer) {
+  launch::Run* run = Start(Spec("busy", {"sh", "-c", "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done; sleep 30"}));
+  ASSERT_NE(run, nullptr);
+  std::this_thread::sleep_for(1s);
+  auto usage = run->Usage();
+  ASSERT_THAT(usage, IsOk());
+  EXPECT_GT(usage->cpu_seconds, 0);
+  EXPECT_GT(usage->memory, 0u);
+  EXPECT_GE(usage->memory_peak, usage->memory);
+  EXPECT_GE(usage->pids, 1);
+  EXPECT_THAT(run->Stop(0ms), IsOk());
+  WaitFor(run);
+}
+
+TEST_F(DockerTest, RemoveAndCleanupLeaveNoContainer) {
+  launch::Run* done = Start(Spec("done", {"true"}));
+  ASSERT_NE(done, nullptr);
+  WaitFor(done);
+  const std::string done_id = done->id();
+  EXPECT_THAT(done->Remove(), IsOk());
+  EXPECT_THAT(done->Remove(), IsOk());  // idempotent
+  EXPECT_THAT(http_->Call("GET", "/v1.41/containers/" + done_id + "/json"),
+              StatusIs(absl::StatusCode::kNotFound));
+
+  // What a crashed launcher leaves: one running, one ended.
+  ASSERT_NE(Start(Spec("left1", {"sleep", "300"})), nullptr);
+  launch::Run* ended = Start(Spec("left2", {"true"}));
+  ASSERT_NE(ended, nullptr);
+  WaitFor(ended);
+  EXPECT_EQ(Labelled().size(), 2u);
+  auto swept = backend_->Cleanup(launcher_id_);
+  ASSERT_THAT(swept, IsOk());
+  EXPECT_EQ(*swept, 2);
+  EXPECT_TRUE(Labelled().empty());
+  // The runs' waiters see their containers go.
+  runs_.clear();
+}
+
+TEST_F(DockerTest, MissingImageIsNotFoundNamingIt) {
+  ContainerSpec spec = Spec("x", {"true"});
+  spec.image = "localhost/no-such-image:1";
+  EXPECT_THAT(backend_->Check(spec),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("localhost/no-such-image:1")));
+  spec.image = "bad image";
+  EXPECT_THAT(backend_->Check(spec),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.image")));
+  spec.image = image_;
+  EXPECT_THAT(backend_->Check(spec), IsOk());
+}
+
+TEST_F(DockerTest, MissingCommandIsNotFoundAtStartAndLeavesNothing) {
+  ContainerSpec spec = Spec("nocmd", {"no-such-command", "arg"});
+  auto run = backend_->Start(spec, Context(spec));
+  EXPECT_THAT(run, StatusIs(absl::StatusCode::kNotFound, HasSubstr("\"no-such-command\"")));
+  EXPECT_TRUE(Labelled().empty());
+}
+
+TEST(DockerBackendTest, MissingSocketIsFailedPreconditionNamingIt) {
+  LauncherOptions options;
+  options.docker.socket = "/nonexistent/docker.sock";
+  EXPECT_THAT(MakeDockerBackend(options),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("/nonexistent/docker.sock")));
+}
+
+TEST(DockerBodyTest, TwoGpuAllocationGivesDeviceRequestsAndLimits) {
+  ContainerSpec spec;
+  spec.name = "w0";
+  spec.image = "nvcr.io/nvidia/pytorch:24.01-py3";
+  spec.command = {"python3", "train.py"};
+  spec.cpus = 2.5;
+  spec.memory = 1ull << 30;
+  spec.pids_limit = 100;
+  spec.mounts.push_back({"/data/set", "/data", true});
+  spec.mounts.push_back({"/scratch/w0", "/out", false});
+  gpu::Allocation a;
+  a.id = "a1";
+  a.user = "ann";
+  a.gpus = {{2, "GPU-aaaa", 80ull << 30, true}, {3, "GPU-bbbb", 80ull << 30, true}};
+  a.env = {{"CUDA_VISIBLE_DEVICES", "2,3"}, {"NVIDIA_VISIBLE_DEVICES", "GPU-aaaa,GPU-bbbb"}};
+  spec.allocation = a;
+  spec.env = a.env;
+  spec.env["DEEPNEX_RANK"] = "0";
+  RunContext context;
+  context.run_name = "l1-w0-0";
+  context.labels = {{"deepnex.launcher", "l1"}, {"deepnex.name", "w0"}};
+
+  json body = json::parse(DockerCreateBody(spec, context));
+  EXPECT_EQ(body["HostConfig"]["DeviceRequests"],
+            json::parse(R"([{"Driver": "nvidia", "DeviceIDs": ["GPU-aaaa", "GPU-bbbb"],
+                             "Capabilities": [["gpu"]]}])"));
+  // Inside the container the two GPUs are 0 and 1; the engine sets
+  // NVIDIA_VISIBLE_DEVICES from DeviceIDs.
+  EXPECT_EQ(body["Env"], json::parse(R"(["CUDA_VISIBLE_DEVICES=0,1", "DEEPNEX_RANK=0"])"));
+  EXPECT_EQ(body["Image"], spec.image);
+  EXPECT_EQ(body["Cmd"], json::parse(R"(["python3", "train.py"])"));
+  EXPECT_EQ(body["Labels"], json::parse(R"({"deepnex.launcher": "l1", "deepnex.name": "w0"})"));
+  EXPECT_EQ(body["HostConfig"]["Memory"], 1ull << 30);
+  EXPECT_EQ(body["HostConfig"]["MemorySwap"], 1ull << 30);
+  EXPECT_EQ(body["HostConfig"]["NanoCpus"], 2500000000ll);
+  EXPECT_EQ(body["HostConfig"]["PidsLimit"], 100);
+  EXPECT_EQ(body["HostConfig"]["Binds"],
+            json::parse(R"(["/data/set:/data:ro", "/scratch/w0:/out"])"));
+  EXPECT_FALSE(body["HostConfig"].contains("NetworkMode"));
+
+  // Without GPUs: no DeviceRequests, the env as given.
+  spec.allocation.reset();
+  body = json::parse(DockerCreateBody(spec, context));
+  EXPECT_FALSE(body["HostConfig"].contains("DeviceRequests"));
+  EXPECT_EQ(body["Env"][0], "CUDA_VISIBLE_DEVICES=2,3");
+}
+
+}  // namespace
+}  // namespace deepnex::launch
