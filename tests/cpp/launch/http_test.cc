@@ -1,0 +1,297 @@
+// The launch backends' HTTP client against a scripted server in the test
+// (127.0.0.1 on a port the kernel picks, and a unix socket): body framings,
+// errors, timeouts, cancellation. TLS is tested from Python
+// (tests/python/test_launch_kubernetes.py) with a certificate made there.
+#include "launch/http.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "test_matchers.h"
+
+namespace deepnex::launch {
+namespace {
+
+using ::deepnex::test::IsOk;
+using ::deepnex::test::StatusIs;
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+// Answers each connection from a table of raw responses keyed by request
+// path; "/echo" sends the request back as the body; "/hang" sends headers
+// and then nothing until the test ends.
+class ScriptedServer {
+ public:
+  explicit ScriptedServer(std::map<std::string, std::string> responses, bool unix_socket = false)
+      : responses_(std::move(responses)) {
+    if (unix_socket) {
+      path_ = ::testing::TempDir() + "/http_test." + std::to_string(getpid()) + ".sock";
+      unlink(path_.c_str());
+      fd_ = socket(AF_UNIX, SOCK_STREAM, 0);
+      sockaddr_un addr{};
+      addr.sun_family = AF_UNIX;
+      strncpy(addr.sun_path, path_.c_str(), sizeof(addr.sun_path) - 1);
+      EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    } else {
+      fd_ = socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+      socklen_t len = sizeof(addr);
+      getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+      port_ = ntohs(addr.sin_port);
+    }
+    EXPECT_EQ(listen(fd_, 16), 0);
+    thread_ = std::thread([this] { Serve(); });
+  }
+
+  ~ScriptedServer() {
+    stopping_ = true;
+    shutdown(fd_, SHUT_RDWR);
+    close(fd_);
+    thread_.join();
+    if (!path_.empty()) unlink(path_.c_str());
+  }
+
+  std::string endpoint() const {
+    return path_.empty() ? "http://127.0.0.1:" + std::to_string(port_) : "unix:" + path_;
+  }
+
+ private:
+  void Serve() {
+    std::vector<std::thread> handlers;
+    while (!stopping_) {
+      int c = accept(fd_, nullptr, nullptr);
+      if (c < 0) break;
+      handlers.emplace_back([this, c] { Handle(c); });
+    }
+    for (auto& h : handlers) h.join();
+  }
+
+  void Handle(int c) {
+    std::string request;
+    char buf[4096];
+    size_t header_end;
+    while ((header_end = request.find("\r\n\r\n")) == std::string::npos) {
+      ssize_t n = recv(c, buf, sizeof(buf), 0);
+      if (n <= 0) break;
+      request.append(buf, n);
+    }
+    size_t length_at = request.find("Content-Length: ");
+    if (length_at != std::string::npos && header_end != std::string::npos) {
+      size_t want = header_end + 4 + std::stoul(request.substr(length_at + 16));
+      while (request.size() < want) {
+        ssize_t n = recv(c, buf, sizeof(buf), 0);
+        if (n <= 0) break;
+        request.append(buf, n);
+      }
+    }
+    const std::string path = request.substr(request.find(' ') + 1,
+                                            request.find(" HTTP/") - request.find(' ') - 1);
+    std::string reply;
+    if (path == "/echo") {
+      reply = "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(request.size()) +
+              "\r\n\r\n" + request;
+    } else if (path == "/hang") {
+      reply = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
+    } else {
+      auto it = responses_.find(path);
+      reply = it != responses_.end() ? it->second
+                                     : "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n";
+    }
+    send(c, reply.data(), reply.size(), MSG_NOSIGNAL);
+    if (path == "/hang") {
+      while (!stopping_) std::this_thread::sleep_for(10ms);
+    }
+    close(c);
+  }
+
+  const std::map<std::string, std::string> responses_;
+  int fd_ = -1;
+  int port_ = 0;
+  std::string path_;
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
+const std::map<std::string, std::string> kResponses = {
+    {"/length", "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Thing: a\r\nx-thing: b\r\n\r\nhello"},
+    {"/chunked",
+     "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+     "5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\nX-Trailer: t\r\n\r\n"},
+    {"/to-close", "HTTP/1.1 200 OK\r\n\r\nuntil the end"},
+    {"/continue", "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok"},
+    {"/missing",
+     "HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: 29\r\n\r\n"
+     "{\"message\":\"no such thing\"}\r\n"},
+    {"/denied", "HTTP/1.1 401 Unauthorized\r\nContent-Length: 12\r\n\r\nUnauthorized"},
+    {"/conflict", "HTTP/1.1 409 Conflict\r\nContent-Length: 0\r\n\r\n"},
+    {"/garbage", "SSH-2.0-OpenSSH\r\n\r\n"},
+    {"/short", "HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\nonly this"},
+};
+
+std::unique_ptr<HttpClient> Client(const std::string& endpoint,
+                                   std::chrono::milliseconds read_timeout = 5s) {
+  HttpClientOptions options;
+  options.endpoint = endpoint;
+  options.bearer_token = "s3cret";
+  options.read_timeout = read_timeout;
+  auto client = HttpClient::Create(options);
+  EXPECT_THAT(client, IsOk());
+  return client.ok() ? std::move(*client) : nullptr;
+}
+
+TEST(HttpClientTest, BodyFramings) {
+  ScriptedServer server(kResponses);
+  auto client = Client(server.endpoint());
+  auto r = client->Send("GET", "/length");
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(r->body, "hello");
+  EXPECT_EQ(r->headers["x-thing"], "a, b");
+  EXPECT_THAT(client->Call("GET", "/chunked"), IsOk());
+  EXPECT_EQ(*client->Call("GET", "/chunked"), "hello, world");
+  EXPECT_EQ(*client->Call("GET", "/to-close"), "until the end");
+  auto created = client->Send("POST", "/continue", "{}");
+  ASSERT_THAT(created, IsOk());
+  EXPECT_EQ(created->status, 201);
+  EXPECT_EQ(created->body, "ok");
+}
+
+TEST(HttpClientTest, SendsTokenJsonBodyAndLength) {
+  ScriptedServer server(kResponses);
+  auto client = Client(server.endpoint());
+  auto echoed = client->Call("POST", "/echo", R"({"a":1})");
+  ASSERT_THAT(echoed, IsOk());
+  EXPECT_THAT(*echoed, HasSubstr("POST /echo HTTP/1.1\r\n"));
+  EXPECT_THAT(*echoed, HasSubstr("Authorization: Bearer s3cret\r\n"));
+  EXPECT_THAT(*echoed, HasSubstr("Content-Type: application/json\r\n"));
+  EXPECT_THAT(*echoed, HasSubstr("Content-Length: 7\r\n"));
+  EXPECT_THAT(*echoed, HasSubstr("\r\n\r\n{\"a\":1}"));
+  // A body-less POST still says its length (Docker's start wants it).
+  EXPECT_THAT(*client->Call("POST", "/echo"), HasSubstr("Content-Length: 0\r\n"));
+}
+
+TEST(HttpClientTest, PrefixOfTheEndpointIsKept) {
+  ScriptedServer server(std::map<std::string, std::string>{
+      {"/k8s/clusters/c1/api", "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nv1"}});
+  auto client = Client(server.endpoint() + "/k8s/clusters/c1/");
+  EXPECT_EQ(*client->Call("GET", "/api"), "v1");
+}
+
+TEST(HttpClientTest, ErrorsNameMethodUrlStatusAndMessage) {
+  ScriptedServer server(kResponses);
+  auto client = Client(server.endpoint());
+  const std::string url = server.endpoint();
+  EXPECT_THAT(client->Call("DELETE", "/missing"),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstr("DELETE " + url + "/missing: HTTP 404: no such thing")));
+  EXPECT_THAT(client->Call("GET", "/denied"),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("HTTP 401: Unauthorized")));
+  EXPECT_THAT(client->Call("POST", "/conflict"), StatusIs(absl::StatusCode::kAlreadyExists));
+  EXPECT_THAT(client->Call("GET", "/garbage"),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("not an HTTP response")));
+  EXPECT_THAT(client->Call("GET", "/short"),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("GET " + url + "/short")));
+  // Send hands back any status as it is.
+  auto r = client->Send("GET", "/missing");
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->status, 404);
+}
+
+TEST(HttpClientTest, RefusedConnectionIsUnavailable) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);  // nothing listens there now
+  auto client = Client("http://127.0.0.1:" + std::to_string(ntohs(addr.sin_port)));
+  EXPECT_THAT(client->Call("GET", "/"),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("Connection refused")));
+}
+
+TEST(HttpClientTest, SilentServerIsDeadlineExceeded) {
+  ScriptedServer server(kResponses);
+  auto client = Client(server.endpoint(), 200ms);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_THAT(client->Call("GET", "/hang"), StatusIs(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+}
+
+TEST(HttpClientTest, StreamDeliversPiecesStopsOnRequestAndCancels) {
+  ScriptedServer server(kResponses);
+  auto client = Client(server.endpoint());
+  std::string got;
+  ASSERT_THAT(client->Stream("GET", "/chunked", "",
+                             [&](const std::string& piece) {
+                               got += piece;
+                               return true;
+                             },
+                             1s),
+              IsOk());
+  EXPECT_EQ(got, "hello, world");
+  int pieces = 0;
+  ASSERT_THAT(client->Stream("GET", "/chunked", "",
+                             [&](const std::string&) { return ++pieces < 1; }, 1s),
+              IsOk());
+  EXPECT_EQ(pieces, 1);
+  EXPECT_THAT(client->Stream("GET", "/missing", "", [](const std::string&) { return true; }, 1s),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no such thing")));
+
+  // No read timeout: only the cancel ends it.
+  HttpCancel cancel;
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(200ms);
+    cancel.Cancel();
+  });
+  EXPECT_THAT(client->Stream("POST", "/hang", "", [](const std::string&) { return true; },
+                             std::chrono::milliseconds(0), &cancel),
+              StatusIs(absl::StatusCode::kCancelled));
+  canceller.join();
+}
+
+TEST(HttpClientTest, UnixSocket) {
+  ScriptedServer server(kResponses, /*unix_socket=*/true);
+  auto client = Client(server.endpoint());
+  EXPECT_EQ(*client->Call("GET", "/chunked"), "hello, world");
+  EXPECT_THAT(client->Call("GET", "/missing"),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstr("GET " + server.endpoint() + ":/missing")));
+}
+
+TEST(HttpClientTest, BadEndpointsAndCertificates) {
+  HttpClientOptions options;
+  for (const char* bad : {"ftp://x", "unix:relative.sock", "http://h:99999", "http://:80", "x"}) {
+    options.endpoint = bad;
+    EXPECT_THAT(HttpClient::Create(options),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(bad)));
+  }
+  options.endpoint = "https://127.0.0.1:1";
+  options.ca_file = "/nonexistent/ca.crt";
+  EXPECT_THAT(HttpClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("/nonexistent/ca.crt")));
+  options.ca_file.clear();
+  options.ca_pem = "not a certificate";
+  EXPECT_THAT(HttpClient::Create(options), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(UrlEncodeTest, ReservedCharacters) {
+  EXPECT_EQ(UrlEncode("deepnex.launcher=a b,!job-name"),
+            "deepnex.launcher%3Da%20b%2C%21job-name");
+  EXPECT_EQ(UrlEncode("{\"label\":[\"x\"]}"), "%7B%22label%22%3A%5B%22x%22%5D%7D");
+}
+
+}  // namespace
+}  // namespace deepnex::launch
