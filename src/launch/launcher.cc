@@ -1,10 +1,765 @@
-// PLACEHOLDER until the generic launcher is written.
+// The generic Launcher: validates specs, composes the environment, starts
+// runs on a Backend and supervises them under the restart policy; keeps logs
+// across runs and a JSON record per container for `deepnex ps`.
 #include "deepnex/launch/launcher.h"
 
-namespace deepnex::launch {
+#include <limits.h>
+#include <stdlib.h>
+#include <unistd.h>
 
-absl::StatusOr<std::unique_ptr<Launcher>> Launcher::Create(const LauncherOptions&) {
-  return absl::UnimplementedError("the launcher is not written yet");
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "core/file_util.h"
+#include "deepnex/units.h"
+#include "launch/backend.h"
+#include "launch/util.h"
+#include "nlohmann/json.hpp"
+
+namespace deepnex::launch {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Factory = absl::StatusOr<std::unique_ptr<Backend>> (*)(const LauncherOptions&);
+
+struct BackendEntry {
+  const char* name;
+  Factory make;
+};
+constexpr BackendEntry kBackends[] = {
+    {"process", MakeProcessBackend}, {"oci", MakeOciBackend},
+    {"docker", MakeDockerBackend},   {"slurm", MakeSlurmBackend},
+    {"kubernetes", MakeKubernetesBackend},
+};
+
+// The variables that carry the GPU grant: a spec may repeat them but not
+// change them.
+constexpr const char* kGrantEnv[] = {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
+                                     "DEEPNEX_GPU_MEMORY_LIMIT"};
+constexpr char kLauncherLabel[] = "deepnex.launcher";
+constexpr char kNameLabel[] = "deepnex.name";
+// How often the supervisor looks at a run and FollowLogs at the log.
+constexpr std::chrono::milliseconds kPoll{100};
+
+// The backends that can cgroup a container the way Cgroup::Open finds it:
+// "<cgroup parent>/<run name>".
+bool CgroupNamedByRun(const std::string& backend) {
+  return backend == "process" || backend == "oci";
+}
+
+bool IsNameChar(char c, bool first) {
+  return std::isalnum(static_cast<unsigned char>(c)) ||
+         (!first && (c == '_' || c == '.' || c == '-'));
+}
+
+absl::Status CheckName(const std::string& field, const std::string& name, size_t max) {
+  bool ok = !name.empty() && name.size() <= max;
+  for (size_t i = 0; ok && i < name.size(); ++i) ok = IsNameChar(name[i], i == 0);
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": \"", name, "\" is not a valid name ([a-zA-Z0-9][a-zA-Z0-9_.-]*, at most ", max,
+      " characters)"));
+}
+
+// `path` is absolute and has no "." or ".." component.
+absl::Status CheckAbsoluteNormal(const std::string& field, const std::string& path) {
+  if (!absl::StartsWith(path, "/")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": \"", path, "\" is not an absolute path"));
+  }
+  for (absl::string_view part : absl::StrSplit(path, '/')) {
+    if (part == "." || part == "..") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": \"", path, "\" is not lexically normal (has a \"", part, "\" component)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::optional<std::string> RealPath(const std::string& path) {
+  char buf[PATH_MAX];
+  if (realpath(path.c_str(), buf) == nullptr) return std::nullopt;
+  return std::string(buf);
+}
+
+bool IsUnder(const std::string& path, const std::string& root) {
+  return root == "/" || path == root || absl::StartsWith(path, root + "/");
+}
+
+absl::Status CheckMount(const LauncherOptions& options, size_t i, const Mount& m) {
+  const std::string field = absl::StrCat("spec.mounts[", i, "]");
+  DEEPNEX_RETURN_IF_ERROR(CheckAbsoluteNormal(field + ".source", m.source));
+  DEEPNEX_RETURN_IF_ERROR(CheckAbsoluteNormal(field + ".target", m.target));
+  std::optional<std::string> real = RealPath(m.source);
+  if (!real) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".source: \"", m.source, "\" does not exist"));
+  }
+  std::vector<std::string> roots = options.allowed_mount_roots;
+  if (roots.empty()) roots.push_back("/");
+  for (const std::string& root : roots) {
+    std::optional<std::string> real_root = RealPath(root);
+    if (real_root && IsUnder(*real, *real_root)) return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ".source: \"", m.source, "\"", *real == m.source ? "" : " (\"" + *real + "\")",
+      " is outside the allowed mount roots [", absl::StrJoin(roots, ", "), "]"));
+}
+
+// Checks a spec and resolves it against its allocation: the user, cpus and
+// memory default to the grant's, its env is the grant's plus the spec's, the
+// launcher's labels are added.
+absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
+                                      const std::string& launcher_id, ContainerSpec spec) {
+  DEEPNEX_RETURN_IF_ERROR(CheckName("spec.name", spec.name, 63));
+  if (spec.command.empty() || spec.command[0].empty()) {
+    return absl::InvalidArgumentError("spec.command: empty (give at least the program)");
+  }
+  if (!spec.working_dir.empty()) {
+    DEEPNEX_RETURN_IF_ERROR(CheckAbsoluteNormal("spec.working_dir", spec.working_dir));
+  }
+  for (size_t i = 0; i < spec.mounts.size(); ++i) {
+    DEEPNEX_RETURN_IF_ERROR(CheckMount(options, i, spec.mounts[i]));
+  }
+  for (const auto& [key, value] : spec.env) {
+    if (key.empty() || key.find('=') != std::string::npos ||
+        key.find('\0') != std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec.env: \"", key, "\" is not a variable name"));
+    }
+  }
+  if (spec.memory != 0 && spec.memory < options.min_memory) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.memory: ", spec.memory,
+                                                   " bytes is below the minimum ",
+                                                   FormatByteSize(options.min_memory)));
+  }
+  if (!std::isfinite(spec.cpus) || spec.cpus < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.cpus: ", spec.cpus, " is not a non-negative number of cores"));
+  }
+  if (spec.pids_limit < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.pids_limit: ", spec.pids_limit, " is negative"));
+  }
+  if (spec.restart.max_restarts < -1 || spec.restart.backoff.count() < 0 ||
+      spec.restart.max_backoff < spec.restart.backoff) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.restart: max_restarts ", spec.restart.max_restarts, ", backoff ",
+        spec.restart.backoff.count(), " ms, max_backoff ", spec.restart.max_backoff.count(),
+        " ms is not a policy (max_restarts >= -1, 0 <= backoff <= max_backoff)"));
+  }
+  for (const char* key : {kLauncherLabel, kNameLabel}) {
+    if (spec.labels.count(key)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec.labels: \"", key, "\" is set by the launcher"));
+    }
+  }
+  spec.labels[kLauncherLabel] = launcher_id;
+  spec.labels[kNameLabel] = spec.name;
+  if (!spec.allocation) return spec;
+
+  const gpu::Allocation& a = *spec.allocation;
+  if (spec.user.empty()) spec.user = a.user;
+  if (spec.user != a.user) {
+    return absl::PermissionDeniedError(absl::StrCat("spec.user \"", spec.user,
+                                                    "\" may not use allocation \"", a.id,
+                                                    "\" of user \"", a.user, "\""));
+  }
+  if (spec.cpus == 0) spec.cpus = a.cpus;
+  if (a.cpus > 0 && spec.cpus > a.cpus) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.cpus: ", spec.cpus,
+                                                   " is more than allocation \"", a.id,
+                                                   "\" grants (", a.cpus, ")"));
+  }
+  if (spec.memory == 0) spec.memory = a.memory;
+  if (a.memory > 0 && spec.memory > a.memory) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.memory: ", FormatByteSize(spec.memory), " is more than allocation \"", a.id,
+        "\" grants (", FormatByteSize(a.memory), ")"));
+  }
+  for (const char* key : kGrantEnv) {
+    auto want = spec.env.find(key);
+    if (want == spec.env.end()) continue;
+    auto granted = a.env.find(key);
+    if (granted == a.env.end() || granted->second != want->second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.env: ", key, "=\"", want->second, "\" contradicts allocation \"", a.id,
+          "\" (", granted == a.env.end() ? "unset" : "\"" + granted->second + "\"", ")"));
+    }
+  }
+  std::map<std::string, std::string> env = a.env;
+  for (const auto& [k, v] : spec.env) env[k] = v;
+  spec.env = std::move(env);
+  return spec;
+}
+
+bool ShouldRestart(const RestartPolicy& policy, const ExitStatus& e, int restarts) {
+  const bool more = policy.max_restarts < 0 || restarts < policy.max_restarts;
+  switch (policy.kind) {
+    case RestartPolicy::Kind::kNever:
+      return false;
+    case RestartPolicy::Kind::kOnFailure:
+      return !e.ok() && more;
+    case RestartPolicy::Kind::kAlways:
+      return more;
+  }
+  return false;
+}
+
+std::chrono::milliseconds Backoff(const RestartPolicy& policy, int restart) {
+  double ms = static_cast<double>(policy.backoff.count()) * std::ldexp(1.0, restart - 1);
+  return std::chrono::milliseconds(static_cast<int64_t>(
+      std::min(ms, static_cast<double>(policy.max_backoff.count()))));
+}
+
+// Where a launcher keeps one container: its record and logs, and a directory
+// per run.
+struct Paths {
+  std::string dir;
+  std::string record() const { return dir + "/record.json"; }
+  std::string logs() const { return dir + "/logs"; }
+  std::string run(int attempt) const { return absl::StrCat(dir, "/run-", attempt); }
+};
+
+struct LauncherInfo {
+  std::string id;
+  std::string backend;
+  std::string cgroup_parent;
+};
+
+class Container : public Handle {
+ public:
+  Container(ContainerSpec spec, Backend* backend, LauncherInfo info, Paths paths)
+      : spec_(std::move(spec)), backend_(backend), info_(std::move(info)),
+        paths_(std::move(paths)) {}
+
+  ~Container() override { Join(); }
+
+  // Starts the first run; on success the supervisor thread takes over.
+  absl::Status Begin() {
+    DEEPNEX_ASSIGN_OR_RETURN(std::shared_ptr<Run> run, StartRun(0));
+    std::lock_guard<std::mutex> lock(mu_);
+    started_at_ = std::chrono::system_clock::now();
+    SetRunLocked(run);
+    // A Stop from List() or the destructor may have come before the run.
+    if (stop_requested_) run->Stop(std::chrono::milliseconds(0)).IgnoreError();
+    thread_ = std::thread([this] { Supervise(); });
+    return absl::OkStatus();
+  }
+
+  void Join() {
+    if (thread_.joinable()) thread_.join();
+  }
+
+  bool Ended() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return final_.has_value();
+  }
+
+  const ContainerSpec& spec() const override { return spec_; }
+
+  ContainerStatus Status() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ContainerStatus s;
+    s.name = spec_.name;
+    s.id = run_id_;
+    s.state = state_;
+    s.restarts = restarts_;
+    s.last_exit = last_exit_;
+    s.started_at = started_at_;
+    return s;
+  }
+
+  absl::StatusOr<ExitStatus> Wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, timeout, [&] { return final_.has_value(); })) {
+      return absl::DeadlineExceededError(absl::StrCat("container \"", spec_.name,
+                                                      "\" still running after ",
+                                                      timeout.count(), " ms"));
+    }
+    return *final_;
+  }
+
+  absl::Status Stop(std::chrono::milliseconds grace) override {
+    std::shared_ptr<Run> run;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_requested_ = true;
+      run = run_;
+    }
+    cv_.notify_all();
+    if (run) DEEPNEX_RETURN_IF_ERROR(run->Stop(grace));
+    // The backend's SIGKILL comes at `grace`; allow for the engine to notice.
+    return Wait(grace + std::chrono::seconds(10)).status();
+  }
+
+  absl::StatusOr<std::string> Logs() override {
+    std::lock_guard<std::mutex> lock(logs_mu_);
+    std::string logs;
+    std::ifstream in(paths_.logs(), std::ios::binary);
+    if (in) logs.assign(std::istreambuf_iterator<char>(in), {});
+    if (logs_run_) {
+      DEEPNEX_ASSIGN_OR_RETURN(std::string current, logs_run_->Logs());
+      logs += current;
+    }
+    return logs;
+  }
+
+  absl::Status FollowLogs(const std::function<bool(const std::string&)>& sink) override {
+    size_t sent = 0;
+    while (true) {
+      // Read `ended` first: the logs read after it hold everything then.
+      bool ended = Ended();
+      DEEPNEX_ASSIGN_OR_RETURN(std::string logs, Logs());
+      if (logs.size() > sent) {
+        if (!sink(logs.substr(sent))) return absl::OkStatus();
+        sent = logs.size();
+      }
+      if (ended) return absl::OkStatus();
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, kPoll, [&] { return final_.has_value(); });
+    }
+  }
+
+  absl::StatusOr<launch::Usage> Usage() override {
+    std::shared_ptr<Run> run;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      run = run_;
+      if (!run) return last_usage_;
+    }
+    return run->Usage();
+  }
+
+  // Deletes the container's directory; REQUIRES: ended.
+  void RemoveFiles() {
+    std::error_code ignored;
+    std::filesystem::remove_all(paths_.dir, ignored);
+  }
+
+ private:
+  absl::StatusOr<std::shared_ptr<Run>> StartRun(int attempt) {
+    RunContext context;
+    context.launcher_id = info_.id;
+    context.run_name = RunName(info_.id, spec_.name, attempt);
+    context.dir = paths_.run(attempt);
+    context.attempt = attempt;
+    context.labels = spec_.labels;
+    DEEPNEX_RETURN_IF_ERROR(MakeDirectories(context.dir));
+    DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<Run> run, backend_->Start(spec_, context));
+    run_name_ = context.run_name;
+    return std::shared_ptr<Run>(std::move(run));
+  }
+
+  void SetRunLocked(std::shared_ptr<Run> run) {
+    run_ = run;
+    run_id_ = run->id();
+    state_ = State::kRunning;
+    {
+      std::lock_guard<std::mutex> logs_lock(logs_mu_);
+      logs_run_ = run;
+    }
+    WriteRecordLocked();
+  }
+
+  // Waits for the run to end and takes its logs and final usage; then the
+  // run's resources go.
+  ExitStatus Finish(const std::shared_ptr<Run>& run, int attempt) {
+    ExitStatus e;
+    while (true) {
+      absl::StatusOr<std::optional<ExitStatus>> r = run->Wait(kPoll * 5);
+      if (!r.ok()) {
+        e.reason = ExitReason::kLost;
+        AppendLog(absl::StrCat("deepnex: lost run ", run->id(), ": ", r.status().ToString(), "\n"));
+        break;
+      }
+      if (r->has_value()) {
+        e = **r;
+        break;
+      }
+    }
+    absl::StatusOr<launch::Usage> usage = run->Usage();
+    {
+      std::lock_guard<std::mutex> logs_lock(logs_mu_);
+      absl::StatusOr<std::string> logs = run->Logs();
+      AppendLogLocked(logs.ok() ? *logs : "deepnex: logs lost: " + logs.status().ToString() + "\n");
+      logs_run_.reset();
+    }
+    run->Remove().IgnoreError();
+    std::error_code ignored;
+    std::filesystem::remove_all(paths_.run(attempt), ignored);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (usage.ok()) last_usage_ = *usage;
+    run_.reset();
+    return e;
+  }
+
+  void Supervise() {
+    std::shared_ptr<Run> run;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      run = run_;
+    }
+    for (int attempt = 0;; ++attempt) {
+      ExitStatus e = Finish(run, attempt);
+      std::unique_lock<std::mutex> lock(mu_);
+      e.restarts = restarts_;
+      last_exit_ = e;
+      if (stop_requested_ || !ShouldRestart(spec_.restart, e, restarts_)) {
+        EndLocked(e);
+        return;
+      }
+      state_ = State::kRestarting;
+      WriteRecordLocked();
+      cv_.wait_for(lock, Backoff(spec_.restart, restarts_ + 1), [&] { return stop_requested_; });
+      if (stop_requested_) {
+        EndLocked(e);
+        return;
+      }
+      ++restarts_;
+      lock.unlock();
+      absl::StatusOr<std::shared_ptr<Run>> next = StartRun(attempt + 1);
+      lock.lock();
+      if (!next.ok()) {
+        AppendLog(absl::StrCat("deepnex: restart ", restarts_, " failed: ",
+                               next.status().ToString(), "\n"));
+        ExitStatus lost;
+        lost.reason = ExitReason::kLost;
+        lost.restarts = restarts_;
+        last_exit_ = lost;
+        EndLocked(lost);
+        return;
+      }
+      run = *next;
+      SetRunLocked(run);
+      if (stop_requested_) run->Stop(std::chrono::milliseconds(0)).IgnoreError();
+    }
+  }
+
+  void EndLocked(const ExitStatus& e) {
+    final_ = e;
+    state_ = stop_requested_ ? State::kStopped : State::kExited;
+    WriteRecordLocked();
+    cv_.notify_all();
+  }
+
+  void AppendLog(const std::string& text) {
+    std::lock_guard<std::mutex> logs_lock(logs_mu_);
+    AppendLogLocked(text);
+  }
+  void AppendLogLocked(const std::string& text) {
+    std::ofstream out(paths_.logs(), std::ios::binary | std::ios::app);
+    out << text;
+  }
+
+  // The record `deepnex ps` reads; best effort (a full disk must not stop
+  // supervision).
+  void WriteRecordLocked() {
+    nlohmann::json r;
+    r["name"] = spec_.name;
+    r["launcher_id"] = info_.id;
+    r["launcher_pid"] = getpid();
+    r["backend"] = info_.backend;
+    r["state"] = StateName(state_);
+    r["restarts"] = restarts_;
+    r["id"] = run_id_;
+    r["run_name"] = run_name_;
+    if (CgroupNamedByRun(info_.backend)) r["cgroup"] = info_.cgroup_parent + "/" + run_name_;
+    r["image"] = spec_.image;
+    r["command"] = spec_.command;
+    r["user"] = spec_.user;
+    r["cpus"] = spec_.cpus;
+    r["memory"] = spec_.memory;
+    r["pids_limit"] = spec_.pids_limit;
+    r["restart"] = spec_.restart.ToString();
+    std::vector<int> gpus;
+    if (spec_.allocation) {
+      r["allocation"] = spec_.allocation->id;
+      for (const gpu::GrantedGpu& g : spec_.allocation->gpus) gpus.push_back(g.index);
+    }
+    r["gpus"] = gpus;
+    r["started_at"] = std::chrono::duration<double>(started_at_.time_since_epoch()).count();
+    if (last_exit_) r["last_exit"] = last_exit_->ToString();
+    r["usage"] = {{"cpu_seconds", last_usage_.cpu_seconds},
+                  {"memory", last_usage_.memory},
+                  {"memory_peak", last_usage_.memory_peak},
+                  {"pids", last_usage_.pids}};
+    WriteFileAtomically(paths_.record(), r.dump(1) + "\n").IgnoreError();
+  }
+
+  const ContainerSpec spec_;
+  Backend* const backend_;
+  const LauncherInfo info_;
+  const Paths paths_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::shared_ptr<Run> run_;
+  std::string run_id_, run_name_;
+  State state_ = State::kStarting;
+  int restarts_ = 0;
+  bool stop_requested_ = false;
+  std::optional<ExitStatus> last_exit_, final_;
+  std::chrono::system_clock::time_point started_at_;
+  launch::Usage last_usage_;
+  std::thread thread_;
+
+  // Held while logs move from a run to the file, so Logs() never sees them
+  // twice or not at all.
+  std::mutex logs_mu_;
+  std::shared_ptr<Run> logs_run_;
+};
+
+class LauncherImpl : public Launcher {
+ public:
+  LauncherImpl(LauncherOptions options, bool owns_state_dir, std::unique_ptr<Backend> backend)
+      : options_(std::move(options)), owns_state_dir_(owns_state_dir),
+        backend_(std::move(backend)) {}
+
+  ~LauncherImpl() override {
+    std::map<std::string, std::shared_ptr<Container>> containers;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      containers.swap(containers_);
+    }
+    for (auto& [name, c] : containers) c->Stop(std::chrono::seconds(1)).IgnoreError();
+    for (auto& [name, c] : containers) c->Join();
+    if (owns_state_dir_) {
+      std::error_code ignored;
+      std::filesystem::remove_all(options_.state_dir, ignored);
+    }
+  }
+
+  const std::string& backend() const override { return options_.backend; }
+  const std::string& id() const override { return options_.id; }
+
+  absl::StatusOr<std::shared_ptr<Handle>> Start(const ContainerSpec& given) override {
+    DEEPNEX_ASSIGN_OR_RETURN(ContainerSpec spec, Resolve(options_, options_.id, given));
+    DEEPNEX_RETURN_IF_ERROR(backend_->Check(spec));
+    Paths paths{absl::StrCat(options_.state_dir, "/containers/", spec.name)};
+    auto container = std::make_shared<Container>(
+        spec, backend_.get(),
+        LauncherInfo{options_.id, options_.backend, CgroupParent(options_)}, paths);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (containers_.count(spec.name)) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "spec.name: container \"", spec.name, "\" exists (Remove it after it ended)"));
+      }
+      containers_[spec.name] = container;
+    }
+    absl::Status begun = container->Begin();
+    if (!begun.ok()) {
+      container->RemoveFiles();
+      std::lock_guard<std::mutex> lock(mu_);
+      containers_.erase(spec.name);
+      return begun;
+    }
+    return std::shared_ptr<Handle>(container);
+  }
+
+  std::vector<std::shared_ptr<Handle>> List() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::shared_ptr<Handle>> all;
+    for (auto& [name, c] : containers_) all.push_back(c);
+    return all;
+  }
+
+  absl::StatusOr<std::shared_ptr<Handle>> Get(const std::string& name) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = containers_.find(name);
+    if (it == containers_.end()) {
+      return absl::NotFoundError(absl::StrCat("no container \"", name, "\""));
+    }
+    return std::shared_ptr<Handle>(it->second);
+  }
+
+  absl::Status Remove(const std::string& name) override {
+    std::shared_ptr<Container> c;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = containers_.find(name);
+      if (it == containers_.end()) {
+        return absl::NotFoundError(absl::StrCat("no container \"", name, "\""));
+      }
+      if (!it->second->Ended()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("container \"", name, "\" is still running; Stop it first"));
+      }
+      c = it->second;
+      containers_.erase(it);
+    }
+    c->Join();
+    c->RemoveFiles();
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<int> Cleanup(const std::string& launcher_id) override {
+    DEEPNEX_RETURN_IF_ERROR(CheckName("launcher_id", launcher_id, 32));
+    return backend_->Cleanup(launcher_id);
+  }
+
+ private:
+  const LauncherOptions options_;
+  const bool owns_state_dir_;
+  const std::unique_ptr<Backend> backend_;
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<Container>> containers_;
+};
+
+Factory FindFactory(const std::string& name) {
+  for (const BackendEntry& b : kBackends) {
+    if (name == b.name) return b.make;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<std::string> MakeTempDir() {
+  const char* tmp = getenv("TMPDIR");
+  std::string templ = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp",
+                                   "/deepnex-launch-XXXXXX");
+  if (mkdtemp(templ.data()) == nullptr) {
+    return absl::InternalError(absl::StrCat("mkdtemp ", templ, ": ", strerror(errno)));
+  }
+  return templ;
+}
+
+}  // namespace
+
+const char* ExitReasonName(ExitReason reason) {
+  switch (reason) {
+    case ExitReason::kExited:
+      return "exited";
+    case ExitReason::kSignaled:
+      return "signaled";
+    case ExitReason::kOomKilled:
+      return "oom_killed";
+    case ExitReason::kLost:
+      return "lost";
+  }
+  return "?";
+}
+
+const char* StateName(State state) {
+  switch (state) {
+    case State::kStarting:
+      return "starting";
+    case State::kRunning:
+      return "running";
+    case State::kRestarting:
+      return "restarting";
+    case State::kStopped:
+      return "stopped";
+    case State::kExited:
+      return "exited";
+  }
+  return "?";
+}
+
+std::string ExitStatus::ToString() const {
+  std::string s = ExitReasonName(reason);
+  if (reason == ExitReason::kExited) absl::StrAppend(&s, "(", code, ")");
+  if (reason == ExitReason::kSignaled) absl::StrAppend(&s, "(", SignalName(signal), ")");
+  if (restarts > 0) absl::StrAppend(&s, " after ", restarts, restarts == 1 ? " restart" : " restarts");
+  return s;
+}
+
+absl::StatusOr<RestartPolicy> RestartPolicy::Parse(const std::string& text) {
+  RestartPolicy p;
+  std::vector<std::string> parts = absl::StrSplit(text, absl::MaxSplits(':', 1));
+  const std::string& kind = parts[0];
+  bool ok = true;
+  if (kind == "never") {
+    p.kind = Kind::kNever;
+    ok = parts.size() == 1;
+  } else if (kind == "on-failure" || kind == "always") {
+    p.kind = kind == "always" ? Kind::kAlways : Kind::kOnFailure;
+    p.max_restarts = -1;
+    if (parts.size() == 2) {
+      ok = absl::SimpleAtoi(parts[1], &p.max_restarts) && p.max_restarts >= 0 &&
+           !absl::StartsWith(parts[1], "+");
+    }
+  } else {
+    ok = false;
+  }
+  if (!ok) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "restart: \"", text, "\" is not a restart policy (never, on-failure[:N], always[:N])"));
+  }
+  return p;
+}
+
+std::string RestartPolicy::ToString() const {
+  std::string s = kind == Kind::kNever ? "never" : kind == Kind::kAlways ? "always" : "on-failure";
+  if (kind != Kind::kNever && max_restarts >= 0) absl::StrAppend(&s, ":", max_restarts);
+  return s;
+}
+
+absl::StatusOr<std::unique_ptr<Launcher>> Launcher::Create(const LauncherOptions& given) {
+  LauncherOptions options = given;
+  Factory make = FindFactory(options.backend);
+  if (make == nullptr) {
+    std::vector<std::string> names;
+    for (const BackendEntry& b : kBackends) names.push_back(b.name);
+    return absl::InvalidArgumentError(absl::StrCat("backend: \"", options.backend,
+                                                   "\" is not one of ",
+                                                   absl::StrJoin(names, ", ")));
+  }
+  if (options.id.empty()) options.id = RandomHex(6);
+  DEEPNEX_RETURN_IF_ERROR(CheckName("id", options.id, 32));
+  if (absl::StartsWith(options.cgroup_parent, "/") ||
+      !CheckAbsoluteNormal("cgroup_parent", "/" + options.cgroup_parent).ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cgroup_parent: \"", options.cgroup_parent,
+        "\" is not a relative path without \".\" or \"..\" components"));
+  }
+  const bool owns_state_dir = options.state_dir.empty();
+  if (owns_state_dir) {
+    DEEPNEX_ASSIGN_OR_RETURN(options.state_dir, MakeTempDir());
+  } else {
+    DEEPNEX_RETURN_IF_ERROR(MakeDirectories(options.state_dir));
+  }
+  absl::StatusOr<std::unique_ptr<Backend>> backend = make(options);
+  if (!backend.ok()) {
+    if (owns_state_dir) {
+      std::error_code ignored;
+      std::filesystem::remove_all(options.state_dir, ignored);
+    }
+    return backend.status();
+  }
+  return std::unique_ptr<Launcher>(
+      new LauncherImpl(std::move(options), owns_state_dir, std::move(*backend)));
+}
+
+std::map<std::string, std::string> ProbeBackends(const LauncherOptions& options) {
+  std::map<std::string, std::string> reasons;
+  LauncherOptions probe = options;
+  absl::StatusOr<std::string> tmp;
+  if (probe.state_dir.empty()) {
+    tmp = MakeTempDir();
+    if (tmp.ok()) probe.state_dir = *tmp;
+  }
+  if (probe.id.empty()) probe.id = "probe";
+  for (const BackendEntry& b : kBackends) {
+    probe.backend = b.name;
+    absl::StatusOr<std::unique_ptr<Backend>> backend = b.make(probe);
+    reasons[b.name] = backend.ok() ? "" : std::string(backend.status().message());
+  }
+  if (tmp.ok()) {
+    std::error_code ignored;
+    std::filesystem::remove_all(*tmp, ignored);
+  }
+  return reasons;
 }
 
 }  // namespace deepnex::launch

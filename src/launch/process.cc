@@ -1,10 +1,376 @@
-// PLACEHOLDER until the process backend is written.
+// The "process" backend: fork/exec on this host, in a session and process
+// group of its own, with a cgroup of its own (CPU, memory and pids limits)
+// where the cgroup tree is writable; stdout and stderr go to a file in the
+// run's directory.
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <mutex>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/file_util.h"
 #include "launch/backend.h"
+#include "launch/cgroup.h"
+#include "launch/util.h"
+
+#ifndef CLOSE_RANGE_CLOEXEC
+#define CLOSE_RANGE_CLOEXEC (1U << 2)
+#endif
 
 namespace deepnex::launch {
+namespace {
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeProcessBackend(const LauncherOptions&) {
-  return absl::UnimplementedError("the process backend is not written yet");
+using Clock = std::chrono::steady_clock;
+
+constexpr char kLogFile[] = "output.log";
+
+// What the child reports through its close-on-exec pipe when it cannot get
+// as far as exec.
+struct ChildError {
+  enum Stage : int { kChdir = 1, kExec = 2 } stage;
+  int error;
+};
+
+// From the forked child (async-signal-safe): tells the parent why, and ends.
+void ReportAndExit(int fd, ChildError::Stage stage) {
+  ChildError e{stage, errno};
+  (void)!write(fd, &e, sizeof(e));
+  _exit(127);
+}
+
+// argv/envp for execve, built before fork so the child allocates nothing.
+struct CStrings {
+  explicit CStrings(std::vector<std::string> s) : strings(std::move(s)) {
+    for (std::string& x : strings) pointers.push_back(x.data());
+    pointers.push_back(nullptr);
+  }
+  std::vector<std::string> strings;
+  std::vector<char*> pointers;
+};
+
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept {
+    reset(o.release());
+    return *this;
+  }
+  ~Fd() { reset(); }
+  int get() const { return fd_; }
+  int release() {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+  void reset(int fd = -1) {
+    if (fd_ >= 0) close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_;
+};
+
+absl::Status ErrnoError(const std::string& what) {
+  return absl::InternalError(absl::StrCat(what, ": ", strerror(errno)));
+}
+
+class ProcessRun : public Run {
+ public:
+  ProcessRun(pid_t pid, Fd pidfd, std::unique_ptr<Cgroup> cgroup, std::string log_path)
+      : pid_(pid), pidfd_(std::move(pidfd)), cgroup_(std::move(cgroup)),
+        log_path_(std::move(log_path)) {}
+
+  ~ProcessRun() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!exit_) {
+      KillTreeLocked(SIGKILL);
+      int status;
+      waitpid(pid_, &status, 0);
+    }
+    if (cgroup_) cgroup_->Remove().IgnoreError();
+  }
+
+  std::string id() const override { return std::to_string(pid_); }
+
+  // Also delivers the SIGKILL that Stop scheduled: the supervisor calls
+  // Wait in short slices for as long as the run lives.
+  absl::StatusOr<std::optional<ExitStatus>> Wait(std::chrono::milliseconds timeout) override {
+    const auto deadline = Clock::now() + timeout;
+    while (true) {
+      auto slice = deadline;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (exit_) return exit_;
+        if (ReapLocked()) return exit_;
+        if (kill_at_) {
+          if (Clock::now() >= *kill_at_) {
+            KillTreeLocked(SIGKILL);
+            kill_at_.reset();
+          } else {
+            slice = std::min(slice, *kill_at_);
+          }
+        }
+      }
+      const auto now = Clock::now();
+      if (now >= deadline) return std::nullopt;
+      int ms = static_cast<int>(
+          std::chrono::duration_cast<std::chrono::milliseconds>(slice - now).count()) + 1;
+      if (pidfd_.get() >= 0) {
+        struct pollfd p = {pidfd_.get(), POLLIN, 0};
+        poll(&p, 1, ms);
+      } else {
+        usleep(std::min(ms, 10) * 1000);
+      }
+    }
+  }
+
+  absl::Status Stop(std::chrono::milliseconds grace) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (exit_) return absl::OkStatus();
+    if (grace.count() <= 0) {
+      KillTreeLocked(SIGKILL);
+      return absl::OkStatus();
+    }
+    KillTreeLocked(SIGTERM);
+    auto at = Clock::now() + grace;
+    if (!kill_at_ || at < *kill_at_) kill_at_ = at;
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::string> Logs() override {
+    return ReadWholeFile(log_path_, "log of process " + id());
+  }
+
+  absl::StatusOr<launch::Usage> Usage() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cgroup_) return cgroup_->ReadUsage();
+    if (!exit_) {
+      launch::Usage now = ProcUsage(ProcessGroupMembers(pid_));
+      now.memory_peak = std::max(now.memory_peak, last_usage_.memory_peak);
+      now.cpu_seconds = std::max(now.cpu_seconds, last_usage_.cpu_seconds);
+      last_usage_ = now;
+    }
+    return last_usage_;
+  }
+
+  absl::Status Remove() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!exit_) {
+      KillTreeLocked(SIGKILL);
+      int status;
+      if (waitpid(pid_, &status, 0) == pid_) exit_ = ExitStatusFromWait(status);
+    }
+    if (!cgroup_) return absl::OkStatus();
+    last_usage_ = cgroup_->ReadUsage();
+    absl::Status removed = cgroup_->Remove();
+    cgroup_.reset();
+    return removed;
+  }
+
+ private:
+  // Whether the process has ended; then exit_ is set and whatever it left
+  // behind in its group or cgroup is killed, as a container's are when its
+  // init ends.
+  bool ReapLocked() {
+    int status;
+    pid_t r = waitpid(pid_, &status, WNOHANG);
+    if (r == 0) return false;
+    ExitStatus e;
+    if (r == pid_) {
+      e = ExitStatusFromWait(status);
+    } else {
+      e.reason = ExitReason::kLost;
+    }
+    if (cgroup_ && e.reason == ExitReason::kSignaled && e.signal == SIGKILL &&
+        cgroup_->OomKilled()) {
+      e.reason = ExitReason::kOomKilled;
+    }
+    exit_ = e;
+    KillTreeLocked(SIGKILL);
+    pidfd_.reset();
+    return true;
+  }
+
+  // `signal` to the process group and, with a cgroup, to every process in it
+  // (a child may have left the group with setsid).
+  void KillTreeLocked(int signal) {
+    // The group's id stays reserved while any member lives, so this cannot
+    // hit a stranger even after the leader was reaped.
+    kill(-pid_, signal);
+    if (!cgroup_) return;
+    if (signal == SIGKILL) {
+      cgroup_->KillAll().IgnoreError();
+    } else {
+      for (pid_t p : cgroup_->Processes()) kill(p, signal);
+    }
+  }
+
+  const pid_t pid_;
+  std::mutex mu_;
+  Fd pidfd_;
+  std::unique_ptr<Cgroup> cgroup_;
+  const std::string log_path_;
+  std::optional<ExitStatus> exit_;
+  std::optional<Clock::time_point> kill_at_;
+  launch::Usage last_usage_;
+};
+
+class ProcessBackend : public Backend {
+ public:
+  explicit ProcessBackend(const LauncherOptions& options)
+      : cgroup_parent_(CgroupParent(options)), cgroups_(Cgroup::Usable()) {}
+
+  absl::Status Check(const ContainerSpec& spec) override {
+    if (absl::StartsWith(spec.image, "/")) {
+      struct stat st;
+      if (stat(spec.image.c_str(), &st) != 0) {
+        return absl::NotFoundError(
+            absl::StrCat("spec.image: \"", spec.image, "\" does not exist"));
+      }
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.image: \"", spec.image,
+          "\" is a path; the process backend runs on the host and cannot use an image "
+          "(use image \"host\", or the oci backend)"));
+    }
+    if (!spec.working_dir.empty()) {
+      struct stat st;
+      if (stat(spec.working_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+        return absl::NotFoundError(absl::StrCat("spec.working_dir: \"", spec.working_dir,
+                                                "\" is not a directory on this host"));
+      }
+    }
+    return FindOnPath(spec.command[0], PathOf(spec.env)).status();
+  }
+
+  absl::StatusOr<std::unique_ptr<Run>> Start(const ContainerSpec& spec,
+                                             const RunContext& context) override {
+    DEEPNEX_ASSIGN_OR_RETURN(std::string exe, FindOnPath(spec.command[0], PathOf(spec.env)));
+    std::map<std::string, std::string> env = spec.env;
+    env.emplace("PATH", PathOf(spec.env));
+    env[kLauncherIdEnv] = context.launcher_id;
+    std::vector<std::string> env_strings;
+    for (const auto& [k, v] : env) env_strings.push_back(k + "=" + v);
+    CStrings argv(spec.command), envp(std::move(env_strings));
+
+    std::unique_ptr<Cgroup> cgroup;
+    if (cgroups_.ok()) {
+      CgroupLimits limits{spec.cpus, spec.memory, spec.pids_limit};
+      DEEPNEX_ASSIGN_OR_RETURN(
+          cgroup, Cgroup::Create(cgroup_parent_ + "/" + context.run_name, limits));
+    }
+
+    const std::string log_path = context.dir + "/" + kLogFile;
+    Fd log(open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+    if (log.get() < 0) return ErrnoError("cannot open " + log_path);
+    Fd devnull(open("/dev/null", O_RDONLY | O_CLOEXEC));
+    int go[2], err[2];
+    if (pipe2(go, O_CLOEXEC) != 0) return ErrnoError("pipe2");
+    Fd go_read(go[0]), go_write(go[1]);
+    if (pipe2(err, O_CLOEXEC) != 0) return ErrnoError("pipe2");
+    Fd err_read(err[0]), err_write(err[1]);
+    struct rlimit core;
+    getrlimit(RLIMIT_CORE, &core);
+    core.rlim_cur = 0;  // no core files from containers filling the disk
+    const char* workdir = spec.working_dir.empty() ? nullptr : spec.working_dir.c_str();
+    sigset_t no_signals;
+    sigemptyset(&no_signals);
+
+    pid_t pid = fork();
+    if (pid < 0) return ErrnoError("fork");
+    if (pid == 0) {
+      // Only async-signal-safe calls from here: other threads may have held
+      // locks at fork.
+      sigprocmask(SIG_SETMASK, &no_signals, nullptr);
+      for (int s = 1; s < NSIG; ++s) signal(s, SIG_DFL);
+      setsid();
+      char c;
+      // The parent puts us into the cgroup before we run anything.
+      if (read(go_read.get(), &c, 1) != 1) _exit(127);
+      dup2(devnull.get(), 0);
+      dup2(log.get(), 1);
+      dup2(log.get(), 2);
+      if (workdir != nullptr && chdir(workdir) != 0) ReportAndExit(err_write.get(), ChildError::kChdir);
+      setrlimit(RLIMIT_CORE, &core);
+      syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC);
+      execve(exe.c_str(), argv.pointers.data(), envp.pointers.data());
+      ReportAndExit(err_write.get(), ChildError::kExec);
+    }
+    go_read.reset();
+    err_write.reset();
+    Fd pidfd(static_cast<int>(syscall(SYS_pidfd_open, pid, 0)));
+    absl::Status joined = cgroup ? cgroup->AddProcess(pid) : absl::OkStatus();
+    if (!joined.ok()) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+      cgroup->Remove().IgnoreError();
+      return joined;
+    }
+    (void)!write(go_write.get(), "g", 1);
+    go_write.reset();
+    ChildError child;
+    ssize_t n;
+    do {
+      n = read(err_read.get(), &child, sizeof(child));
+    } while (n < 0 && errno == EINTR);
+    if (n == static_cast<ssize_t>(sizeof(child))) {
+      waitpid(pid, nullptr, 0);
+      if (cgroup) cgroup->Remove().IgnoreError();
+      if (child.stage == ChildError::kChdir) {
+        return absl::NotFoundError(absl::StrCat("spec.working_dir: cannot enter \"",
+                                                spec.working_dir, "\": ", strerror(child.error)));
+      }
+      std::string msg = absl::StrCat("command \"", spec.command[0], "\": exec ", exe,
+                                     " failed: ", strerror(child.error));
+      if (child.error == ENOENT) return absl::NotFoundError(msg);
+      if (child.error == EACCES) return absl::PermissionDeniedError(msg);
+      return absl::FailedPreconditionError(msg);
+    }
+    return std::unique_ptr<Run>(
+        new ProcessRun(pid, std::move(pidfd), std::move(cgroup), log_path));
+  }
+
+  absl::StatusOr<int> Cleanup(const std::string& launcher_id) override {
+    int swept = 0;
+    absl::Status first;
+    const std::string prefix = launcher_id + "-";
+    for (const std::string& child : Cgroup::Children(cgroup_parent_)) {
+      if (!absl::StartsWith(child, prefix)) continue;
+      auto cg = Cgroup::Open(cgroup_parent_ + "/" + child);
+      absl::Status removed = cg.ok() ? (*cg)->Remove() : cg.status();
+      if (removed.ok()) ++swept;
+      first.Update(removed);
+    }
+    // Without cgroups (or for a process that left its cgroup) the label in
+    // the environment is what finds them.
+    for (pid_t pid : ProcessesWithEnv(kLauncherIdEnv, launcher_id)) {
+      if (pid == getpid() || !ProcessAlive(pid)) continue;
+      if (kill(pid, SIGKILL) == 0) ++swept;
+    }
+    if (!first.ok()) return first;
+    return swept;
+  }
+
+ private:
+  const std::string cgroup_parent_;
+  const absl::Status cgroups_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeProcessBackend(const LauncherOptions& options) {
+  return std::unique_ptr<Backend>(new ProcessBackend(options));
 }
 
 }  // namespace deepnex::launch

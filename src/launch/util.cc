@@ -1,0 +1,186 @@
+#include "launch/util.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/match.h"
+#include "absl/strings/ascii.h"
+
+namespace deepnex::launch {
+namespace {
+
+constexpr char kDefaultPath[] = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin";
+
+bool IsExecutableFile(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+         access(path.c_str(), X_OK) == 0;
+}
+
+std::vector<pid_t> AllPids() {
+  std::vector<pid_t> pids;
+  DIR* dir = opendir("/proc");
+  if (dir == nullptr) return pids;
+  while (struct dirent* e = readdir(dir)) {
+    int pid;
+    if (absl::SimpleAtoi(e->d_name, &pid) && pid > 0) pids.push_back(pid);
+  }
+  closedir(dir);
+  return pids;
+}
+
+// The fields of /proc/<pid>/stat after the command (which may hold spaces),
+// starting with field 3 (state) at index 0.
+std::vector<std::string> StatFields(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(in, line)) return {};
+  size_t close = line.rfind(')');
+  if (close == std::string::npos) return {};
+  return absl::StrSplit(line.substr(close + 1), ' ', absl::SkipEmpty());
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> FindOnPath(const std::string& command,
+                                       const std::string& path_env) {
+  if (command.find('/') != std::string::npos) {
+    if (IsExecutableFile(command)) return command;
+    return absl::NotFoundError(
+        absl::StrCat("command \"", command, "\" not found or not executable"));
+  }
+  if (!command.empty()) {
+    for (absl::string_view dir : absl::StrSplit(path_env, ':')) {
+      std::string candidate = absl::StrCat(dir.empty() ? "." : dir, "/", command);
+      if (IsExecutableFile(candidate)) return candidate;
+    }
+  }
+  return absl::NotFoundError(
+      absl::StrCat("command \"", command, "\" not found on PATH=", path_env));
+}
+
+std::string PathOf(const std::map<std::string, std::string>& env) {
+  auto it = env.find("PATH");
+  if (it != env.end()) return it->second;
+  const char* own = getenv("PATH");
+  return own != nullptr && *own != '\0' ? own : kDefaultPath;
+}
+
+std::string CgroupParent(const LauncherOptions& options) {
+  return options.cgroup_parent.empty() ? "deepnex" : options.cgroup_parent;
+}
+
+std::string RunName(const std::string& launcher_id, const std::string& name, int attempt) {
+  return absl::StrCat(launcher_id, "-", name, "-", attempt);
+}
+
+ExitStatus ExitStatusFromWait(int wait_status) {
+  ExitStatus e;
+  if (WIFSIGNALED(wait_status)) {
+    e.reason = ExitReason::kSignaled;
+    e.signal = WTERMSIG(wait_status);
+  } else {
+    e.reason = ExitReason::kExited;
+    e.code = WEXITSTATUS(wait_status);
+  }
+  return e;
+}
+
+std::string SignalName(int signal) {
+  const char* abbrev = sigabbrev_np(signal);
+  if (abbrev == nullptr) return absl::StrCat("signal ", signal);
+  return absl::StrCat("SIG", abbrev);
+}
+
+std::string RandomHex(int n) {
+  std::random_device rd;
+  std::string out;
+  static const char kDigits[] = "0123456789abcdef";
+  for (int i = 0; i < n; ++i) {
+    unsigned byte = rd() & 0xff;
+    out += kDigits[byte >> 4];
+    out += kDigits[byte & 0xf];
+  }
+  return out;
+}
+
+std::vector<pid_t> ProcessesWithEnv(const std::string& key, const std::string& value) {
+  const std::string needle = key + "=" + value;
+  std::vector<pid_t> found;
+  for (pid_t pid : AllPids()) {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/environ", std::ios::binary);
+    std::string entry;
+    while (std::getline(in, entry, '\0')) {
+      if (entry == needle) {
+        found.push_back(pid);
+        break;
+      }
+    }
+  }
+  return found;
+}
+
+launch::Usage ProcUsage(const std::vector<pid_t>& pids) {
+  launch::Usage u;
+  const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  for (pid_t pid : pids) {
+    std::vector<std::string> f = StatFields(pid);
+    if (f.empty() || f[0] == "Z") continue;
+    // Fields 14-17 (utime, stime, cutime, cstime) and 24 (rss, pages).
+    if (f.size() < 22) continue;
+    uint64_t t[4] = {0, 0, 0, 0};
+    for (int i = 0; i < 4; ++i) (void)absl::SimpleAtoi(f[11 + i], &t[i]);
+    uint64_t rss = 0;
+    (void)absl::SimpleAtoi(f[21], &rss);
+    u.cpu_seconds += static_cast<double>(t[0] + t[1] + t[2] + t[3]) / ticks;
+    u.memory += rss * page;
+    ++u.pids;
+    std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      uint64_t kib;
+      if (absl::StartsWith(line, "VmHWM:") &&
+          absl::SimpleAtoi(absl::StripAsciiWhitespace(absl::StripSuffix(
+                               absl::string_view(line).substr(6), "kB")),
+                           &kib)) {
+        u.memory_peak = std::max(u.memory_peak, kib << 10);
+      }
+    }
+  }
+  u.memory_peak = std::max(u.memory_peak, u.memory);
+  return u;
+}
+
+bool ProcessAlive(pid_t pid) {
+  std::vector<std::string> f = StatFields(pid);
+  return !f.empty() && f[0] != "Z" && f[0] != "X";
+}
+
+std::vector<pid_t> ProcessGroupMembers(pid_t pgid) {
+  std::vector<pid_t> members;
+  for (pid_t pid : AllPids()) {
+    std::vector<std::string> f = StatFields(pid);
+    int group;
+    // Field 5 (pgrp).
+    if (f.size() > 2 && f[0] != "Z" && absl::SimpleAtoi(f[2], &group) && group == pgid) {
+      members.push_back(pid);
+    }
+  }
+  return members;
+}
+
+}  // namespace deepnex::launch

@@ -1,0 +1,62 @@
+// Small helpers shared by the launch backends (private to src/launch).
+#ifndef DEEPNEX_LAUNCH_UTIL_H_
+#define DEEPNEX_LAUNCH_UTIL_H_
+
+#include <sys/types.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "deepnex/launch/launcher.h"
+
+namespace deepnex::launch {
+
+// The variable every process a launcher starts carries, so that the
+// leftovers of a launcher that crashed can be found through /proc.
+inline constexpr char kLauncherIdEnv[] = "DEEPNEX_LAUNCHER_ID";
+
+// The executable `command` names: itself if it contains a '/', else the first
+// executable regular file in the ':'-separated `path_env`. NotFound:
+//   command "foo" not found on PATH=/usr/bin:/bin
+absl::StatusOr<std::string> FindOnPath(const std::string& command,
+                                       const std::string& path_env);
+
+// The PATH a spec's processes search: its env's, else this process's, else
+// a default.
+std::string PathOf(const std::map<std::string, std::string>& env);
+
+// options.cgroup_parent, or "deepnex" when empty.
+std::string CgroupParent(const LauncherOptions& options);
+
+// "<launcher_id>-<name>-<attempt>" (see RunContext::run_name).
+std::string RunName(const std::string& launcher_id, const std::string& name, int attempt);
+
+// A status from waitpid(2): exited(code) or signaled(signal).
+ExitStatus ExitStatusFromWait(int wait_status);
+
+// "SIGKILL" for 9; "signal 99" for one without a name.
+std::string SignalName(int signal);
+
+// `n` random bytes as 2n lowercase hex digits.
+std::string RandomHex(int n);
+
+// The pids of the processes whose environment holds `key`=`value` (those
+// this process may read).
+std::vector<pid_t> ProcessesWithEnv(const std::string& key, const std::string& value);
+
+// CPU time, resident memory and count of the processes in `pids`, from
+// /proc (a process that vanished counts 0). memory_peak is the largest of
+// their VmHWM.
+launch::Usage ProcUsage(const std::vector<pid_t>& pids);
+
+// Whether `pid` exists and is not a zombie (PID 1 here may never reap
+// orphans, so a killed process can linger as one).
+bool ProcessAlive(pid_t pid);
+
+// The live processes whose process group is `pgid`.
+std::vector<pid_t> ProcessGroupMembers(pid_t pgid);
+
+}  // namespace deepnex::launch
+
+#endif  // DEEPNEX_LAUNCH_UTIL_H_

@@ -1,0 +1,145 @@
+// Shared by the launch tests: which backends can run here and how, and small
+// helpers to watch the processes a container starts.
+//
+// FixtureFor(backend) is the one hook per backend. The contract tests in
+// launcher_test.cc run against every backend whose fixture has no `skip`:
+// each backend's branch fills LauncherOptions (engine socket, Slurm env, ...)
+// and the image its containers use, from environment variables that the
+// ctest fixture starting the engine sets (see tests/cpp/CMakeLists.txt), or
+// says in `skip` why the backend cannot run.
+#ifndef DEEPNEX_TESTS_LAUNCH_LAUNCH_TEST_UTIL_H_
+#define DEEPNEX_TESTS_LAUNCH_LAUNCH_TEST_UTIL_H_
+
+#include <dirent.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "deepnex/launch/launcher.h"
+
+namespace deepnex::launch::test {
+
+struct BackendFixture {
+  LauncherOptions options;
+  // The image of every contract test's container; commands are plain POSIX
+  // sh and busybox-level tools, so a busybox image serves.
+  std::string image = "host";
+  // An image that does not exist (the bad-input test); empty: the backend
+  // has no image to be missing.
+  std::string missing_image;
+  // Whether the containers' cgroups are "<cgroup_parent>/<run name>" under
+  // this process's cgroups, so the tests can look for leftovers there.
+  bool cgroups = false;
+  // Non-empty: why the backend cannot run here (the test skips with it).
+  std::string skip;
+};
+
+inline std::string EnvOr(const char* name, const std::string& fallback = "") {
+  const char* v = getenv(name);
+  return v != nullptr ? v : fallback;
+}
+
+inline BackendFixture FixtureFor(const std::string& backend) {
+  BackendFixture f;
+  f.options.backend = backend;
+  if (backend == "process") {
+    f.missing_image = "/nonexistent/deepnex-rootfs";
+    f.cgroups = true;
+  } else if (backend == "oci") {
+    f.missing_image = "/nonexistent/deepnex-rootfs";
+    f.cgroups = true;
+    f.skip = ProbeBackends(f.options)["oci"];
+  } else if (backend == "docker") {
+    f.options.docker.socket = EnvOr("DEEPNEX_TEST_DOCKER_SOCKET");
+    f.image = EnvOr("DEEPNEX_TEST_DOCKER_IMAGE");
+    f.missing_image = "localhost/deepnex-no-such-image:latest";
+    if (f.options.docker.socket.empty() || f.image.empty()) {
+      f.skip = "DEEPNEX_TEST_DOCKER_SOCKET and DEEPNEX_TEST_DOCKER_IMAGE are not set "
+               "(the ctest fixture that starts podman's service sets them)";
+    }
+  } else if (backend == "slurm") {
+    const std::string conf = EnvOr("DEEPNEX_TEST_SLURM_CONF");
+    if (conf.empty()) {
+      f.skip = "DEEPNEX_TEST_SLURM_CONF is not set (the ctest fixture that starts Slurm sets it)";
+    } else {
+      f.options.slurm.env["SLURM_CONF"] = conf;
+    }
+  } else {
+    f.skip = "no test fixture for backend \"" + backend + "\"";
+  }
+  return f;
+}
+
+// A fresh directory under $TMPDIR, removed with everything in it at scope
+// exit.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    std::string templ = EnvOr("TMPDIR", "/tmp") + "/deepnex-launch-test-XXXXXX";
+    if (mkdtemp(templ.data()) != nullptr) path_ = templ;
+  }
+  ~ScratchDir() {
+    if (!path_.empty()) std::system(("rm -rf '" + path_ + "'").c_str());
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// A token unlikely to appear in any other process's command line, so a test
+// can find the processes its container started on this host (inside any
+// namespace) by their argv.
+inline std::string UniqueToken() {
+  std::random_device rd;
+  return std::to_string(100000 + rd() % 800000000);
+}
+
+// The live (not zombie) processes on this host with `token` in their argv.
+inline std::vector<pid_t> ProcessesWithArg(const std::string& token) {
+  std::vector<pid_t> found;
+  DIR* dir = opendir("/proc");
+  if (dir == nullptr) return found;
+  while (struct dirent* e = readdir(dir)) {
+    const pid_t pid = atoi(e->d_name);
+    if (pid <= 0 || pid == getpid()) continue;
+    const std::string base = std::string("/proc/") + e->d_name;
+    std::ifstream stat(base + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    size_t close = line.rfind(')');
+    if (close == std::string::npos || close + 2 >= line.size() || line[close + 2] == 'Z') continue;
+    std::ifstream in(base + "/cmdline", std::ios::binary);
+    std::string arg;
+    while (std::getline(in, arg, '\0')) {
+      if (arg.find(token) != std::string::npos) {
+        found.push_back(pid);
+        break;
+      }
+    }
+  }
+  closedir(dir);
+  return found;
+}
+
+// Polls `done` every 20 ms until it is true or `timeout` passed.
+inline bool WaitUntil(const std::function<bool()>& done, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
+}  // namespace deepnex::launch::test
+
+#endif  // DEEPNEX_TESTS_LAUNCH_LAUNCH_TEST_UTIL_H_

@@ -1,0 +1,624 @@
+// The launcher's contract, run against every backend that can start here
+// (LaunchContract), the process backend's own behaviour, and the bad inputs
+// of the launch issue.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <thread>
+
+#include "deepnex/launch/launcher.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "launch/cgroup.h"
+#include "launch/util.h"
+#include "launch/launch_test_util.h"
+#include "test_matchers.h"
+
+namespace deepnex::launch {
+namespace {
+
+using ::deepnex::test::IsOk;
+using ::deepnex::test::StatusIs;
+using ::testing::AnyOf;
+using ::testing::Eq;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Not;
+using namespace std::chrono_literals;
+using test::BackendFixture;
+using test::FixtureFor;
+
+constexpr auto kWait = 60s;
+
+int Count(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+gpu::Allocation TwoGpus(const std::string& user) {
+  gpu::Allocation a;
+  a.id = "a-7";
+  a.user = user;
+  a.node = "n0";
+  a.gpus = {{0, "GPU-test-0", 16ull << 30, true}, {1, "GPU-test-1", 16ull << 30, true}};
+  a.cpus = 1;
+  a.memory = 256 << 20;
+  a.env = {{"CUDA_VISIBLE_DEVICES", "0,1"},
+           {"NVIDIA_VISIBLE_DEVICES", "GPU-test-0,GPU-test-1"}};
+  return a;
+}
+
+// The cgroups a launcher with id `launcher_id` has under the parent.
+std::vector<std::string> CgroupsOf(const std::string& launcher_id) {
+  std::vector<std::string> mine;
+  for (const std::string& c : Cgroup::Children("deepnex")) {
+    if (c.rfind(launcher_id + "-", 0) == 0) mine.push_back(c);
+  }
+  return mine;
+}
+
+class LaunchContract : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    fixture_ = FixtureFor(GetParam());
+    if (!fixture_.skip.empty()) GTEST_SKIP() << GetParam() << ": " << fixture_.skip;
+    auto launcher = Launcher::Create(fixture_.options);
+    ASSERT_THAT(launcher, IsOk());
+    launcher_ = std::move(*launcher);
+  }
+
+  void TearDown() override {
+    if (!launcher_) return;
+    const std::string id = launcher_->id();
+    launcher_.reset();
+    // Whatever a test left, the destructor must have stopped.
+    if (fixture_.cgroups) EXPECT_THAT(CgroupsOf(id), IsEmpty());
+  }
+
+  ContainerSpec Spec(const std::string& name, const std::string& script) {
+    ContainerSpec spec;
+    spec.name = name;
+    spec.image = fixture_.image;
+    spec.command = {"sh", "-c", script};
+    return spec;
+  }
+
+  std::shared_ptr<Handle> StartOk(const ContainerSpec& spec) {
+    auto h = launcher_->Start(spec);
+    EXPECT_THAT(h, IsOk());
+    return h.ok() ? *h : nullptr;
+  }
+
+  BackendFixture fixture_;
+  std::unique_ptr<Launcher> launcher_;
+};
+
+TEST_P(LaunchContract, ExitCodePropagates) {
+  auto h = StartOk(Spec("exit3", "echo hello; exit 3"));
+  ASSERT_NE(h, nullptr);
+  ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(kWait));
+  EXPECT_EQ(e.reason, ExitReason::kExited);
+  EXPECT_EQ(e.code, 3);
+  EXPECT_EQ(e.restarts, 0);
+  EXPECT_EQ(e.ToString(), "exited(3)");
+  EXPECT_EQ(h->Status().state, State::kExited);
+  ASSERT_OK_AND_ASSIGN(std::string logs, h->Logs());
+  EXPECT_EQ(logs, "hello\n");
+}
+
+TEST_P(LaunchContract, EnvAsGranted) {
+  ContainerSpec spec = Spec("env", "echo \"C=$CUDA_VISIBLE_DEVICES N=$NVIDIA_VISIBLE_DEVICES F=$FOO\"");
+  spec.allocation = TwoGpus("alice");
+  spec.env = {{"FOO", "bar baz"}};
+  auto h = StartOk(spec);
+  ASSERT_NE(h, nullptr);
+  EXPECT_EQ(h->spec().user, "alice");
+  EXPECT_EQ(h->spec().cpus, 1);
+  EXPECT_EQ(h->spec().memory, 256u << 20);
+  ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(kWait));
+  EXPECT_TRUE(e.ok()) << e.ToString();
+  ASSERT_OK_AND_ASSIGN(std::string logs, h->Logs());
+  EXPECT_EQ(logs, "C=0,1 N=GPU-test-0,GPU-test-1 F=bar baz\n");
+}
+
+TEST_P(LaunchContract, StopEndsItSignaled) {
+  auto h = StartOk(Spec("sleeper", "exec sleep 1000"));
+  ASSERT_NE(h, nullptr);
+  ASSERT_THAT(h->Stop(500ms), IsOk());
+  ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(1s));
+  EXPECT_EQ(e.reason, ExitReason::kSignaled) << e.ToString();
+  EXPECT_THAT(e.signal, AnyOf(Eq(SIGTERM), Eq(SIGKILL)));
+  EXPECT_EQ(h->Status().state, State::kStopped);
+  EXPECT_THAT(h->Stop(500ms), IsOk());  // idempotent
+}
+
+TEST_P(LaunchContract, PastMemoryLimitIsOomKilled) {
+  // The shell holds the 64 MB command substitution itself.
+  ContainerSpec spec = Spec("hog", "x=$(head -c 64000000 /dev/zero | tr '\\0' a); echo ${#x}");
+  spec.memory = 16 << 20;
+  auto h = StartOk(spec);
+  ASSERT_NE(h, nullptr);
+  ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(kWait));
+  EXPECT_EQ(e.reason, ExitReason::kOomKilled) << e.ToString();
+  EXPECT_EQ(e.ToString(), "oom_killed");
+}
+
+TEST_P(LaunchContract, OnFailureRestartsExactlyThreeTimes) {
+  ContainerSpec spec = Spec("flaky", "echo run; exit 1");
+  ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("on-failure:3"));
+  spec.restart.backoff = 10ms;
+  auto h = StartOk(spec);
+  ASSERT_NE(h, nullptr);
+  ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(kWait));
+  EXPECT_EQ(e.reason, ExitReason::kExited);
+  EXPECT_EQ(e.code, 1);
+  EXPECT_EQ(e.restarts, 3);
+  EXPECT_EQ(e.ToString(), "exited(1) after 3 restarts");
+  ContainerStatus s = h->Status();
+  EXPECT_EQ(s.restarts, 3);
+  EXPECT_EQ(s.state, State::kExited);
+  ASSERT_OK_AND_ASSIGN(std::string logs, h->Logs());
+  EXPECT_EQ(logs, "run\nrun\nrun\nrun\n");  // four runs, logs kept across them
+}
+
+TEST_P(LaunchContract, StopKillsTheWholeProcessTree) {
+  const std::string token = test::UniqueToken();
+  // A child shell and a grandchild sleep, neither ignoring anything.
+  auto h = StartOk(Spec("tree", "sh -c 'sleep " + token + " & wait' & sleep " + token + "1 & wait"));
+  ASSERT_NE(h, nullptr);
+  // sh -c '...', its sleep, and the direct sleep.
+  ASSERT_TRUE(test::WaitUntil([&] { return test::ProcessesWithArg(token).size() >= 3; }, 30s))
+      << test::ProcessesWithArg(token).size() << " processes seen";
+  ASSERT_THAT(h->Stop(500ms), IsOk());
+  EXPECT_THAT(test::ProcessesWithArg(token), IsEmpty());
+}
+
+TEST_P(LaunchContract, UsageOfABusyContainer) {
+  ContainerSpec spec = Spec("busy", "while :; do :; done");
+  spec.cpus = 0.5;
+  auto h = StartOk(spec);
+  ASSERT_NE(h, nullptr);
+  Usage u;
+  ASSERT_TRUE(test::WaitUntil(
+      [&] {
+        auto got = h->Usage();
+        if (got.ok()) u = *got;
+        return u.cpu_seconds >= 0.2;
+      },
+      30s))
+      << "cpu_seconds " << u.cpu_seconds;
+  EXPECT_GT(u.memory, 0u);
+  EXPECT_GE(u.memory_peak, u.memory);
+  EXPECT_GE(u.pids, 1);
+  ASSERT_THAT(h->Stop(200ms), IsOk());
+}
+
+TEST_P(LaunchContract, NothingLeftAfterStopRemoveCleanup) {
+  const std::string token = test::UniqueToken();
+  auto h = StartOk(Spec("left", "sleep " + token + " & wait"));
+  ASSERT_NE(h, nullptr);
+  ASSERT_TRUE(test::WaitUntil([&] { return !test::ProcessesWithArg(token).empty(); }, 30s));
+  EXPECT_THAT(launcher_->Remove("left"), StatusIs(absl::StatusCode::kFailedPrecondition));
+  ASSERT_THAT(h->Stop(200ms), IsOk());
+  ASSERT_THAT(launcher_->Remove("left"), IsOk());
+  EXPECT_THAT(launcher_->Get("left"), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(launcher_->List(), IsEmpty());
+  ASSERT_OK_AND_ASSIGN(int swept, launcher_->Cleanup(launcher_->id()));
+  EXPECT_EQ(swept, 0);  // Stop and Remove left nothing to sweep
+  EXPECT_THAT(test::ProcessesWithArg(token), IsEmpty());
+  if (fixture_.cgroups) EXPECT_THAT(CgroupsOf(launcher_->id()), IsEmpty());
+}
+
+TEST_P(LaunchContract, BadInputsAreRefusedAndTheLauncherGoesOn) {
+  ContainerSpec good = Spec("good", "exit 0");
+  test::ScratchDir scratch;
+
+  ContainerSpec spec = good;
+  spec.command = {"deepnex-no-such-command", "x"};
+  EXPECT_THAT(launcher_->Start(spec),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("deepnex-no-such-command")));
+
+  if (!fixture_.missing_image.empty()) {
+    spec = good;
+    spec.image = fixture_.missing_image;
+    EXPECT_THAT(launcher_->Start(spec), StatusIs(absl::StatusCode::kNotFound));
+  }
+
+  spec = good;
+  spec.memory = 1024;
+  EXPECT_THAT(launcher_->Start(spec),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("spec.memory: 1024 bytes is below the minimum 4MiB")));
+
+  spec = good;
+  spec.mounts = {{"data", "/data", true}};
+  EXPECT_THAT(launcher_->Start(spec),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("spec.mounts[0].source: \"data\" is not an absolute path")));
+  spec.mounts = {{scratch.path(), "data", true}};
+  EXPECT_THAT(launcher_->Start(spec),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("spec.mounts[0].target: \"data\" is not an absolute path")));
+
+  spec = good;
+  spec.allocation = TwoGpus("alice");
+  spec.user = "bob";
+  EXPECT_THAT(launcher_->Start(spec),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("spec.user \"bob\" may not use allocation \"a-7\" of user "
+                                 "\"alice\"")));
+
+  auto h = StartOk(good);
+  ASSERT_NE(h, nullptr);
+  ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(kWait));
+  EXPECT_TRUE(e.ok()) << e.ToString();
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, LaunchContract,
+                         ::testing::Values("process", "oci", "docker", "slurm"),
+                         [](const auto& info) { return info.param; });
+
+// The generic checks of Start and the process backend's own behaviour.
+class ProcessLauncherTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Make({}); }
+  void TearDown() override {
+    if (!launcher_) return;
+    const std::string id = launcher_->id();
+    launcher_.reset();
+    EXPECT_THAT(CgroupsOf(id), IsEmpty());
+  }
+
+  void Make(LauncherOptions options) {
+    options.backend = "process";
+    launcher_.reset();
+    auto launcher = Launcher::Create(options);
+    ASSERT_THAT(launcher, IsOk());
+    launcher_ = std::move(*launcher);
+  }
+
+  static ContainerSpec Spec(const std::string& name, const std::string& script) {
+    ContainerSpec spec;
+    spec.name = name;
+    spec.command = {"sh", "-c", script};
+    return spec;
+  }
+
+  ExitStatus Run(const ContainerSpec& spec, std::string* logs = nullptr) {
+    auto h = launcher_->Start(spec);
+    EXPECT_THAT(h, IsOk());
+    if (!h.ok()) return {ExitReason::kLost};
+    auto e = (*h)->Wait(kWait);
+    EXPECT_THAT(e, IsOk());
+    if (logs != nullptr) *logs = (*h)->Logs().value_or("");
+    EXPECT_THAT(launcher_->Remove(spec.name), IsOk());
+    return e.value_or(ExitStatus{ExitReason::kLost});
+  }
+
+  void ExpectStartFails(const ContainerSpec& spec, absl::StatusCode code,
+                        const std::string& message) {
+    EXPECT_THAT(launcher_->Start(spec), StatusIs(code, HasSubstr(message)));
+    EXPECT_THAT(launcher_->Get(spec.name), StatusIs(absl::StatusCode::kNotFound));
+  }
+
+  std::unique_ptr<Launcher> launcher_;
+  test::ScratchDir scratch_;
+};
+
+TEST_F(ProcessLauncherTest, EnvIsExactlyTheSpecsPlusPathAndLauncherId) {
+  ContainerSpec spec = Spec("env", "env | sort; pwd");
+  spec.env = {{"A", "1"}, {"B", "two words"}};
+  spec.working_dir = scratch_.path();
+  std::string logs;
+  EXPECT_TRUE(Run(spec, &logs).ok());
+  std::string path = getenv("PATH");
+  EXPECT_EQ(logs, "A=1\nB=two words\nDEEPNEX_LAUNCHER_ID=" + launcher_->id() + "\nPATH=" +
+                      path + "\nPWD=" + scratch_.path() + "\n" + scratch_.path() + "\n");
+}
+
+TEST_F(ProcessLauncherTest, SignaledBySelf) {
+  ExitStatus e = Run(Spec("self", "kill -USR1 $$"));
+  EXPECT_EQ(e.reason, ExitReason::kSignaled);
+  EXPECT_EQ(e.signal, SIGUSR1);
+  EXPECT_EQ(e.ToString(), "signaled(SIGUSR1)");
+}
+
+TEST_F(ProcessLauncherTest, CommandNotFoundIsNotFoundAtStartNotExit127) {
+  ContainerSpec spec = Spec("nf", "");
+  spec.command = {"deepnex-no-such-command"};
+  ExpectStartFails(spec, absl::StatusCode::kNotFound,
+                   "command \"deepnex-no-such-command\" not found on PATH=");
+  spec.env["PATH"] = scratch_.path();
+  spec.command = {"sh", "-c", "true"};
+  ExpectStartFails(spec, absl::StatusCode::kNotFound,
+                   "command \"sh\" not found on PATH=" + scratch_.path());
+  // Present but not executable.
+  const std::string file = scratch_.path() + "/not-executable";
+  std::ofstream(file) << "#!/bin/sh\n";
+  spec.env.clear();
+  spec.command = {file};
+  ExpectStartFails(spec, absl::StatusCode::kNotFound, "not found or not executable");
+  // Executable, but exec itself fails: reported at Start, not as exit 127.
+  const std::string bad_interp = scratch_.path() + "/bad-interpreter";
+  std::ofstream(bad_interp) << "#!/nonexistent/interpreter\n";
+  chmod(bad_interp.c_str(), 0755);
+  spec.command = {bad_interp};
+  ExpectStartFails(spec, absl::StatusCode::kNotFound, "exec " + bad_interp + " failed");
+  EXPECT_TRUE(Run(Spec("good", "exit 0")).ok());
+}
+
+TEST_F(ProcessLauncherTest, ImagesAreRefused) {
+  ContainerSpec spec = Spec("img", "exit 0");
+  spec.image = "/nonexistent/deepnex-rootfs";
+  ExpectStartFails(spec, absl::StatusCode::kNotFound,
+                   "spec.image: \"/nonexistent/deepnex-rootfs\" does not exist");
+  spec.image = scratch_.path();
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "cannot use an image");
+  EXPECT_TRUE(Run(Spec("good", "exit 0")).ok());
+}
+
+TEST_F(ProcessLauncherTest, BadSpecFields) {
+  ContainerSpec spec = Spec("ok", "exit 0");
+  spec.name = "-starts-with-dash";
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "spec.name: \"-starts-with-dash\"");
+  spec.name = std::string(64, 'a');
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "at most 63 characters");
+  spec = Spec("ok", "exit 0");
+  spec.command.clear();
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "spec.command: empty");
+  spec = Spec("ok", "exit 0");
+  spec.working_dir = "relative/dir";
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.working_dir: \"relative/dir\" is not an absolute path");
+  spec = Spec("ok", "exit 0");
+  spec.cpus = -1;
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "spec.cpus: -1");
+  spec.cpus = std::numeric_limits<double>::quiet_NaN();
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "spec.cpus: nan");
+  spec = Spec("ok", "exit 0");
+  spec.pids_limit = -5;
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "spec.pids_limit: -5 is negative");
+  spec = Spec("ok", "exit 0");
+  spec.labels["deepnex.launcher"] = "other";
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.labels: \"deepnex.launcher\" is set by the launcher");
+  spec = Spec("ok", "exit 0");
+  spec.env["A=B"] = "c";
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "spec.env: \"A=B\"");
+  EXPECT_TRUE(Run(Spec("ok", "exit 0")).ok());
+}
+
+TEST_F(ProcessLauncherTest, AllocationChecks) {
+  ContainerSpec spec = Spec("gpu", "exit 0");
+  spec.allocation = TwoGpus("alice");
+  spec.env["CUDA_VISIBLE_DEVICES"] = "0,1,2";
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.env: CUDA_VISIBLE_DEVICES=\"0,1,2\" contradicts allocation \"a-7\" "
+                   "(\"0,1\")");
+  spec.env = {{"DEEPNEX_GPU_MEMORY_LIMIT", "1"}};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "(unset)");
+  spec.env = {{"CUDA_VISIBLE_DEVICES", "0,1"}};  // repeating the grant is fine
+  spec.cpus = 2;
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.cpus: 2 is more than allocation \"a-7\" grants (1)");
+  spec.cpus = 0;
+  spec.memory = 1ull << 30;
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.memory: 1GiB is more than allocation \"a-7\" grants (256MiB)");
+  spec.memory = 0;
+  spec.user = "bob";
+  ExpectStartFails(spec, absl::StatusCode::kPermissionDenied, "\"bob\" may not use");
+  spec.user = "alice";
+  EXPECT_TRUE(Run(spec).ok());
+}
+
+TEST_F(ProcessLauncherTest, MountsOutsideTheAllowedRootsOrNotNormal) {
+  LauncherOptions options;
+  options.allowed_mount_roots = {scratch_.path()};
+  Make(options);
+  ASSERT_EQ(mkdir((scratch_.path() + "/data").c_str(), 0755), 0);
+  ASSERT_EQ(symlink("/etc", (scratch_.path() + "/escape").c_str()), 0);
+  ContainerSpec spec = Spec("m", "exit 0");
+  spec.mounts = {{"/etc", "/etc", true}};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.mounts[0].source: \"/etc\" is outside the allowed mount roots [" +
+                       scratch_.path() + "]");
+  spec.mounts = {{scratch_.path() + "/escape", "/x", true}};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "(\"/etc\") is outside");
+  spec.mounts = {{scratch_.path() + "/data/../../", "/x", true}};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "is not lexically normal");
+  spec.mounts = {{scratch_.path() + "/missing", "/x", true}};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "does not exist");
+  spec.mounts = {{scratch_.path() + "/data", "/x/../y", true}};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.mounts[0].target: \"/x/../y\" is not lexically normal");
+  spec.mounts = {{scratch_.path() + "/data", "/data", false}};
+  EXPECT_TRUE(Run(spec).ok());
+}
+
+TEST_F(ProcessLauncherTest, NamesAreUniqueUntilRemoved) {
+  auto h = launcher_->Start(Spec("dup", "sleep 1000"));
+  ASSERT_THAT(h, IsOk());
+  EXPECT_THAT(launcher_->Start(Spec("dup", "exit 0")),
+              StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("\"dup\"")));
+  ASSERT_EQ(launcher_->List().size(), 1u);
+  ASSERT_OK_AND_ASSIGN(auto got, launcher_->Get("dup"));
+  EXPECT_EQ(got, *h);
+  EXPECT_THAT((*h)->Wait(50ms), StatusIs(absl::StatusCode::kDeadlineExceeded,
+                                         HasSubstr("container \"dup\" still running")));
+  ASSERT_THAT((*h)->Stop(1s), IsOk());
+  ASSERT_THAT(launcher_->Remove("dup"), IsOk());
+  EXPECT_TRUE(Run(Spec("dup", "exit 0")).ok());
+}
+
+TEST_F(ProcessLauncherTest, CpuLimitHolds) {
+  ContainerSpec spec = Spec("capped", "while :; do :; done");
+  spec.cpus = 0.2;
+  ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(spec));
+  const auto start = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(1500ms);
+  ASSERT_OK_AND_ASSIGN(Usage u, h->Usage());
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GT(u.cpu_seconds, 0.05);
+  EXPECT_LT(u.cpu_seconds, 0.2 * wall + 0.15) << "wall " << wall;
+  ASSERT_THAT(h->Stop(0ms), IsOk());
+}
+
+TEST_F(ProcessLauncherTest, PidsLimitHolds) {
+  ContainerSpec spec = Spec("forky", "for i in 1 2 3 4 5 6 7 8; do sleep 5 & done; wait; echo done");
+  spec.pids_limit = 4;
+  std::string logs;
+  Run(spec, &logs);
+  EXPECT_THAT(logs, HasSubstr("fork"));
+}
+
+TEST_F(ProcessLauncherTest, AlwaysRestartsUntilStopped) {
+  ContainerSpec spec = Spec("again", "echo x; exit 0");
+  ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("always"));
+  spec.restart.backoff = 1ms;
+  spec.restart.max_backoff = 5ms;
+  ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(spec));
+  ASSERT_TRUE(test::WaitUntil([&] { return h->Status().restarts >= 3; }, 30s));
+  ASSERT_THAT(h->Stop(1s), IsOk());
+  ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(1s));
+  EXPECT_GE(e.restarts, 3);
+  EXPECT_EQ(h->Status().state, State::kStopped);
+  ASSERT_OK_AND_ASSIGN(std::string logs, h->Logs());
+  EXPECT_GE(Count(logs, "x\n"), 4);
+}
+
+TEST_F(ProcessLauncherTest, OnFailureDoesNotRestartSuccess) {
+  ContainerSpec spec = Spec("fine", "exit 0");
+  ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("on-failure:3"));
+  ExitStatus e = Run(spec);
+  EXPECT_TRUE(e.ok());
+  EXPECT_EQ(e.restarts, 0);
+}
+
+TEST_F(ProcessLauncherTest, FollowLogsSeesEverythingAcrossRestarts) {
+  ContainerSpec spec = Spec("talk", "echo a; sleep 0.2; echo b; exit 1");
+  ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("on-failure:1"));
+  spec.restart.backoff = 10ms;
+  ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(spec));
+  std::string seen;
+  ASSERT_THAT(h->FollowLogs([&](const std::string& s) {
+    seen += s;
+    return true;
+  }),
+              IsOk());
+  EXPECT_EQ(seen, "a\nb\na\nb\n");
+}
+
+TEST_F(ProcessLauncherTest, RecordForPs) {
+  LauncherOptions options;
+  options.state_dir = scratch_.path() + "/state";
+  Make(options);
+  ContainerSpec spec = Spec("rec", "sleep 1000");
+  spec.allocation = TwoGpus("alice");
+  ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(spec));
+  std::ifstream in(options.state_dir + "/containers/rec/record.json");
+  std::string record((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_THAT(record, HasSubstr("\"state\": \"running\""));
+  EXPECT_THAT(record, HasSubstr("\"cgroup\": \"deepnex/" + launcher_->id() + "-rec-0\""));
+  ASSERT_THAT(h->Stop(1s), IsOk());
+  ASSERT_THAT(launcher_->Remove("rec"), IsOk());
+  struct stat st;
+  EXPECT_NE(stat((options.state_dir + "/containers/rec").c_str(), &st), 0);
+}
+
+TEST_F(ProcessLauncherTest, TempStateDirGoesWithTheLauncher) {
+  ContainerSpec spec = Spec("t", "exit 0");
+  ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(spec));
+  ASSERT_THAT(h->Wait(kWait), IsOk());
+  launcher_.reset();
+  EXPECT_THAT(h->Logs(), IsOk());  // the handle outlives its launcher
+  EXPECT_EQ(h->Status().state, State::kExited);
+}
+
+// The child of the crash test: a launcher that starts a container and is
+// killed.
+void StartAndDie(const std::string& id, const std::string& state_dir, const std::string& token) {
+  LauncherOptions options;
+  options.id = id;
+  options.state_dir = state_dir;
+  auto launcher = Launcher::Create(options);
+  if (!launcher.ok()) _exit(1);
+  ContainerSpec spec;
+  spec.name = "orphan";
+  spec.command = {"sh", "-c", "sleep " + token + " & wait"};
+  if (!(*launcher)->Start(spec).ok()) _exit(2);
+  test::WaitUntil([&] { return test::ProcessesWithArg(token).size() >= 2; }, 30s);
+  raise(SIGKILL);
+}
+
+// A launcher killed with SIGKILL leaves a running container: Cleanup(its id)
+// from another launcher sweeps the process and its cgroup.
+TEST(LauncherCrash, CleanupSweepsAKilledLaunchersOrphans) {
+  const std::string id = "crash" + test::UniqueToken();
+  const std::string token = test::UniqueToken();
+  test::ScratchDir scratch;
+  EXPECT_EXIT(StartAndDie(id, scratch.path(), token), ::testing::KilledBySignal(SIGKILL), "");
+  ASSERT_EQ(test::ProcessesWithArg(token).size(), 2u);  // sh -c "sleep <token> & wait", sleep
+  ASSERT_THAT(CgroupsOf(id), Not(IsEmpty()));
+  ASSERT_OK_AND_ASSIGN(auto launcher, Launcher::Create({}));
+  ASSERT_OK_AND_ASSIGN(int swept, launcher->Cleanup(id));
+  EXPECT_GE(swept, 1);
+  EXPECT_TRUE(test::WaitUntil([&] { return test::ProcessesWithArg(token).empty(); }, 5s));
+  EXPECT_THAT(CgroupsOf(id), IsEmpty());
+  EXPECT_THAT(ProcessesWithEnv(kLauncherIdEnv, id), IsEmpty());
+  EXPECT_THAT(launcher->Cleanup("../x"), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(RestartPolicyTest, ParseAndToString) {
+  for (const char* text : {"never", "on-failure", "on-failure:0", "on-failure:3", "always", "always:2"}) {
+    ASSERT_OK_AND_ASSIGN(RestartPolicy p, RestartPolicy::Parse(text));
+    EXPECT_EQ(p.ToString(), text);
+  }
+  ASSERT_OK_AND_ASSIGN(RestartPolicy p, RestartPolicy::Parse("on-failure:3"));
+  EXPECT_EQ(p.kind, RestartPolicy::Kind::kOnFailure);
+  EXPECT_EQ(p.max_restarts, 3);
+  ASSERT_OK_AND_ASSIGN(p, RestartPolicy::Parse("on-failure"));
+  EXPECT_EQ(p.max_restarts, -1);
+  for (const char* bad : {"", "sometimes", "on-failure:", "on-failure:-1", "on-failure:x",
+                          "never:1", "always:+2"}) {
+    EXPECT_THAT(RestartPolicy::Parse(bad),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("restart: \"" + std::string(bad) + "\" is not a restart policy")));
+  }
+}
+
+TEST(LauncherCreateTest, UnknownBackendNamesTheKnownOnes) {
+  LauncherOptions options;
+  options.backend = "lxc";
+  EXPECT_THAT(Launcher::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("backend: \"lxc\" is not one of process, oci, docker, slurm, "
+                                 "kubernetes")));
+  options.backend = "process";
+  options.id = "bad id";
+  EXPECT_THAT(Launcher::Create(options), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                  HasSubstr("id: \"bad id\"")));
+  options.id = "";
+  options.cgroup_parent = "../up";
+  EXPECT_THAT(Launcher::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cgroup_parent")));
+  EXPECT_EQ(ProbeBackends({})["process"], "");
+}
+
+TEST(LaunchUtilTest, FindOnPathAndExitStatus) {
+  EXPECT_THAT(FindOnPath("sh", "/nonexistent:/bin"), IsOk());
+  EXPECT_THAT(FindOnPath("nope", "/a:/b"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("command \"nope\" not found on PATH=/a:/b")));
+  ExitStatus e = ExitStatusFromWait(0x0300);  // exit(3)
+  EXPECT_EQ(e.ToString(), "exited(3)");
+  e = ExitStatusFromWait(SIGKILL);
+  EXPECT_EQ(e.ToString(), "signaled(SIGKILL)");
+  EXPECT_EQ(RunName("l1", "w0", 2), "l1-w0-2");
+}
+
+}  // namespace
+}  // namespace deepnex::launch
