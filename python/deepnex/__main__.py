@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     from deepnex import _cli_gpu  # nodes, alloc, release, quota, node, ...
 
     _cli_gpu.add_commands(commands)
+    from deepnex import _cli_launch  # ps
+
+    _cli_launch.add_commands(commands)
     from deepnex import _cli_tune  # tune
 
     _cli_tune.add_commands(commands)

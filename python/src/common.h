@@ -26,6 +26,7 @@ void RegisterPs(py::module_& m);
 void RegisterCollective(py::module_& m);
 void RegisterGpu(py::module_& m);
 void RegisterData(py::module_& m);
+void RegisterLaunch(py::module_& m);
 
 // A C++ exception carrying a non-OK status. RegisterCore installs a
 // translator that raises it in Python as the deepnex.errors class for its

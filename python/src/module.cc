@@ -14,4 +14,5 @@ PYBIND11_MODULE(_C, m) {
   deepnex::python::RegisterCollective(m);
   deepnex::python::RegisterGpu(m);
   deepnex::python::RegisterData(m);
+  deepnex::python::RegisterLaunch(m);
 }

@@ -291,6 +291,13 @@ class Container : public Handle {
   }
 
   absl::Status Stop(std::chrono::milliseconds grace) override {
+    DEEPNEX_RETURN_IF_ERROR(RequestStop(grace));
+    // The backend's SIGKILL comes at `grace`; allow for the engine to notice.
+    return Wait(grace + std::chrono::seconds(10)).status();
+  }
+
+  // Stop without waiting for the end.
+  absl::Status RequestStop(std::chrono::milliseconds grace) {
     std::shared_ptr<Run> run;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -298,9 +305,7 @@ class Container : public Handle {
       run = run_;
     }
     cv_.notify_all();
-    if (run) DEEPNEX_RETURN_IF_ERROR(run->Stop(grace));
-    // The backend's SIGKILL comes at `grace`; allow for the engine to notice.
-    return Wait(grace + std::chrono::seconds(10)).status();
+    return run ? run->Stop(grace) : absl::OkStatus();
   }
 
   absl::StatusOr<std::string> Logs() override {
@@ -532,7 +537,8 @@ class LauncherImpl : public Launcher {
       std::lock_guard<std::mutex> lock(mu_);
       containers.swap(containers_);
     }
-    for (auto& [name, c] : containers) c->Stop(std::chrono::seconds(1)).IgnoreError();
+    // All at once, so N containers take one grace period, not N.
+    for (auto& [name, c] : containers) c->RequestStop(std::chrono::seconds(1)).IgnoreError();
     for (auto& [name, c] : containers) c->Join();
     if (owns_state_dir_) {
       std::error_code ignored;

@@ -1,0 +1,218 @@
+"""Container launch and supervision: ``deepnex.launch.Launcher``.
+
+    launcher = deepnex.launch.Launcher("oci")   # or "process", "docker", "slurm", "kubernetes"
+    h = launcher.start(deepnex.launch.ContainerSpec(
+        name="w0", image="host", command=["python3", "train.py"],
+        cpus=1, memory="256MiB", env={"A": "1"}, allocation=a, restart="on-failure:2"))
+    e = h.wait(timeout=60)   # ExitStatus: e.reason "exited" | "signaled" | "oom_killed" | "lost",
+                             # e.code, e.signal, e.restarts, e.ok
+    h.logs(), h.usage(), h.status(), h.stop()
+
+Keyword options of Launcher are LauncherOptions' fields (state_dir, id,
+allowed_mount_roots, min_memory, cgroup_parent) and the backends' (runc,
+runc_root, docker_socket, docker_api_version, slurm_partition, slurm_bin_dir,
+slurm_env, kubeconfig, server, token, ca_file, namespace, kind,
+shared_gpu_memory_resource). Sizes are ints (bytes) or strings such as
+"256MiB"; durations are seconds. Errors are ``deepnex.DeepnexError``
+subclasses: a bad spec is InvalidArgumentError (a ValueError) naming the
+field, a missing command or image NotFoundError, another user's allocation
+PermissionDeniedError, a wait that times out DeadlineExceededError.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+from . import _C
+from .errors import InvalidArgumentError
+
+__all__ = [
+    "Launcher", "ContainerSpec", "Mount", "Handle", "Usage", "ExitStatus", "ContainerStatus",
+    "probe_backends",
+]
+
+ExitStatus = _C.launch.ExitStatus
+ContainerStatus = _C.launch.ContainerStatus
+
+# A wait without a timeout: long enough to be forever, small enough for
+# std::chrono::milliseconds.
+_FOREVER = 10 * 365 * 24 * 3600.0
+
+
+def _bytes(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidArgumentError(
+            f"{name}: expected a byte size such as \"256MiB\" or an int, got {value!r}")
+    if isinstance(value, str):
+        return _C.parse_byte_size(value, name)
+    if value < 0:
+        raise InvalidArgumentError(f"{name}: {value} is negative")
+    return value
+
+
+@dataclass
+class Mount:
+    """A bind mount; both paths absolute, the source under an allowed root."""
+    source: str
+    target: str
+    read_only: bool = True
+
+
+@dataclass
+class ContainerSpec:
+    """What to run and with which resources (see deepnex/launch/launcher.h).
+
+    ``mounts`` holds Mount values or (source, target[, read_only]) tuples;
+    ``restart`` is "never", "on-failure[:N]" or "always[:N]", with
+    ``backoff`` seconds before the first restart, doubling up to
+    ``max_backoff``; ``allocation`` is a deepnex.gpu Allocation.
+    """
+    name: str
+    command: Sequence[str]
+    image: str = "host"
+    env: Dict[str, str] = field(default_factory=dict)
+    working_dir: str = ""
+    mounts: List[Union[Mount, Tuple]] = field(default_factory=list)
+    cpus: float = 0
+    memory: Union[int, str] = 0
+    pids_limit: int = 0
+    allocation: Optional[object] = None
+    user: str = ""
+    labels: Dict[str, str] = field(default_factory=dict)
+    restart: str = "never"
+    backoff: float = 0.1
+    max_backoff: float = 10.0
+    network_none: bool = False
+
+    def _args(self):
+        mounts = []
+        for i, m in enumerate(self.mounts):
+            if isinstance(m, Mount):
+                mounts.append((m.source, m.target, m.read_only))
+            elif isinstance(m, (tuple, list)) and len(m) in (2, 3):
+                mounts.append((m[0], m[1], bool(m[2]) if len(m) == 3 else True))
+            else:
+                raise InvalidArgumentError(
+                    f"spec.mounts[{i}]: expected a Mount or (source, target[, read_only]), got {m!r}")
+        if isinstance(self.command, str):
+            raise InvalidArgumentError(
+                f"spec.command: expected a list of arguments, got the string {self.command!r}")
+        return dict(
+            name=self.name, image=self.image, command=list(self.command), env=dict(self.env),
+            working_dir=self.working_dir, mounts=mounts, cpus=float(self.cpus),
+            memory=_bytes(self.memory, "spec.memory"), pids_limit=int(self.pids_limit),
+            allocation=self.allocation, user=self.user, labels=dict(self.labels),
+            restart=self.restart, backoff=float(self.backoff),
+            max_backoff=float(self.max_backoff), network_none=bool(self.network_none))
+
+
+@dataclass
+class Usage:
+    """What a container uses now; fields a backend cannot see are 0."""
+    cpu_seconds: float = 0.0
+    memory: int = 0
+    memory_peak: int = 0
+    pids: int = 0
+    gpu_memory: Dict[int, int] = field(default_factory=dict)
+
+
+class Handle:
+    """One started container. Thread-safe."""
+
+    def __init__(self, handle):
+        self._h = handle
+
+    @property
+    def name(self) -> str:
+        return self._h.name
+
+    @property
+    def env(self) -> Dict[str, str]:
+        """The environment it runs with (the allocation's plus the spec's)."""
+        return self._h.env
+
+    def status(self) -> ContainerStatus:
+        return self._h.status()
+
+    def wait(self, timeout: Optional[float] = None) -> ExitStatus:
+        """Waits until it ended for good; DeadlineExceededError after timeout seconds."""
+        return self._h.wait(_FOREVER if timeout is None else timeout)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM, SIGKILL after grace seconds, no restart; returns when it ended."""
+        self._h.stop(grace)
+
+    def logs(self) -> str:
+        """stdout and stderr so far, across restarts."""
+        return self._h.logs().decode("utf-8", errors="replace")
+
+    def follow_logs(self, sink: Callable[[str], Optional[bool]]) -> None:
+        """Calls sink with new output until it ends for good or sink returns False."""
+        self._h.follow_logs(lambda b: sink(b.decode("utf-8", errors="replace")))
+
+    def usage(self) -> Usage:
+        return Usage(**self._h.usage())
+
+    def __repr__(self):
+        s = self.status()
+        return f"Handle({s.name!r}, {s.state}, restarts={s.restarts})"
+
+
+def _options(options):
+    out = dict(options)
+    if "min_memory" in out and out["min_memory"] is not None:
+        out["min_memory"] = _bytes(out["min_memory"], "min_memory")
+    if out.get("allowed_mount_roots") is not None:
+        out["allowed_mount_roots"] = list(out["allowed_mount_roots"])
+    return out
+
+
+class Launcher:
+    """Starts and supervises containers on one backend. Thread-safe.
+
+    Closing it (close(), or the end of a with block) stops every container it
+    still runs.
+    """
+
+    def __init__(self, backend: str = "process", **options):
+        self._l = _C.launch.Launcher(backend=backend, **_options(options))
+
+    @property
+    def id(self) -> str:
+        return self._l.id
+
+    @property
+    def backend(self) -> str:
+        return self._l.backend
+
+    def start(self, spec: ContainerSpec) -> Handle:
+        if not isinstance(spec, ContainerSpec):
+            raise InvalidArgumentError(f"start: expected a ContainerSpec, got {spec!r}")
+        return Handle(self._l.start(**spec._args()))
+
+    def list(self) -> List[Handle]:
+        return [Handle(h) for h in self._l.list()]
+
+    def get(self, name: str) -> Handle:
+        return Handle(self._l.get(name))
+
+    def remove(self, name: str) -> None:
+        """Forgets a container that ended, with its logs and record."""
+        self._l.remove(name)
+
+    def cleanup(self, launcher_id: str) -> int:
+        """Kills and removes what a launcher with this id left; returns how many."""
+        return self._l.cleanup(launcher_id)
+
+    def close(self) -> None:
+        self._l = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def probe_backends(**options) -> Dict[str, str]:
+    """{backend: ""} for those usable here, else the reason it is not."""
+    return _C.launch.probe_backends(**_options(options))

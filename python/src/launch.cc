@@ -1,0 +1,249 @@
+// deepnex._C.launch: container launch and supervision. The Python layer
+// (python/deepnex/launch.py) turns byte sizes, mount tuples and restart
+// policies into the plain values these take.
+#include <chrono>
+#include <memory>
+
+#include "common.h"
+#include "deepnex/gpu/types.h"
+#include "deepnex/launch/launcher.h"
+#include "launch/cgroup.h"
+#include "launch/util.h"
+
+namespace deepnex::python {
+namespace {
+
+using launch::ContainerSpec;
+using launch::ExitStatus;
+using launch::Handle;
+using launch::Launcher;
+using launch::LauncherOptions;
+using StrMap = std::map<std::string, std::string>;
+// (source, target, read_only)
+using MountArgs = std::tuple<std::string, std::string, bool>;
+
+std::chrono::milliseconds Ms(double seconds) {
+  if (!(seconds >= 0)) {
+    ThrowStatus(absl::InvalidArgumentError("a duration must be >= 0 seconds"));
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+LauncherOptions MakeOptions(const py::kwargs& kw) {
+  LauncherOptions o;
+  for (auto item : kw) {
+    const std::string key = py::str(item.first);
+    py::handle v = item.second;
+    if (v.is_none()) continue;
+    if (key == "backend") o.backend = v.cast<std::string>();
+    else if (key == "state_dir") o.state_dir = v.cast<std::string>();
+    else if (key == "id") o.id = v.cast<std::string>();
+    else if (key == "allowed_mount_roots") o.allowed_mount_roots = v.cast<std::vector<std::string>>();
+    else if (key == "min_memory") o.min_memory = v.cast<uint64_t>();
+    else if (key == "cgroup_parent") o.cgroup_parent = v.cast<std::string>();
+    else if (key == "runc") o.oci.runc = v.cast<std::string>();
+    else if (key == "runc_root") o.oci.root = v.cast<std::string>();
+    else if (key == "docker_socket") o.docker.socket = v.cast<std::string>();
+    else if (key == "docker_api_version") o.docker.api_version = v.cast<std::string>();
+    else if (key == "slurm_partition") o.slurm.partition = v.cast<std::string>();
+    else if (key == "slurm_bin_dir") o.slurm.bin_dir = v.cast<std::string>();
+    else if (key == "slurm_env") o.slurm.env = v.cast<StrMap>();
+    else if (key == "kubeconfig") o.kubernetes.kubeconfig = v.cast<std::string>();
+    else if (key == "server") o.kubernetes.server = v.cast<std::string>();
+    else if (key == "token") o.kubernetes.token = v.cast<std::string>();
+    else if (key == "ca_file") o.kubernetes.ca_file = v.cast<std::string>();
+    else if (key == "namespace") o.kubernetes.namespace_ = v.cast<std::string>();
+    else if (key == "kind") o.kubernetes.kind = v.cast<std::string>();
+    else if (key == "shared_gpu_memory_resource") o.kubernetes.shared_gpu_memory_resource = v.cast<std::string>();
+    else ThrowStatus(absl::InvalidArgumentError("Launcher: unknown option \"" + key + "\""));
+  }
+  return o;
+}
+
+ContainerSpec MakeSpec(const std::string& name, const std::string& image,
+                       const std::vector<std::string>& command, const StrMap& env,
+                       const std::string& working_dir, const std::vector<MountArgs>& mounts,
+                       double cpus, uint64_t memory, int64_t pids_limit,
+                       std::optional<gpu::Allocation> allocation, const std::string& user,
+                       const StrMap& labels, const std::string& restart, double backoff,
+                       double max_backoff, bool network_none) {
+  ContainerSpec s;
+  s.name = name;
+  s.image = image;
+  s.command = command;
+  s.env = env;
+  s.working_dir = working_dir;
+  for (const auto& [source, target, read_only] : mounts) s.mounts.push_back({source, target, read_only});
+  s.cpus = cpus;
+  s.memory = memory;
+  s.pids_limit = pids_limit;
+  s.allocation = std::move(allocation);
+  s.user = user;
+  s.labels = labels;
+  s.restart = Unwrap(launch::RestartPolicy::Parse(restart));
+  s.restart.backoff = Ms(backoff);
+  s.restart.max_backoff = Ms(max_backoff);
+  s.network_none = network_none;
+  return s;
+}
+
+py::dict UsageDict(const launch::Usage& u) {
+  py::dict d;
+  d["cpu_seconds"] = u.cpu_seconds;
+  d["memory"] = u.memory;
+  d["memory_peak"] = u.memory_peak;
+  d["pids"] = u.pids;
+  d["gpu_memory"] = u.gpu_memory;
+  return d;
+}
+
+// What `deepnex ps` shows for a container of a record: its cgroup's usage
+// where it has one, else its process group's from /proc.
+py::object RecordedUsage(const std::string& cgroup, int64_t pid) {
+  std::optional<launch::Usage> u;
+  {
+    py::gil_scoped_release release;
+    if (!cgroup.empty()) {
+      auto cg = launch::Cgroup::Open(cgroup);
+      if (cg.ok()) u = (*cg)->ReadUsage();
+    }
+    if (!u && pid > 0 && launch::ProcessAlive(static_cast<pid_t>(pid))) {
+      u = launch::ProcUsage(launch::ProcessGroupMembers(static_cast<pid_t>(pid)));
+    }
+  }
+  if (!u) return py::none();
+  return UsageDict(*u);
+}
+
+}  // namespace
+
+void RegisterLaunch(py::module_& parent) {
+  py::module_ m = parent.def_submodule("launch", "container launch and supervision (C++ core)");
+
+  py::class_<ExitStatus>(m, "ExitStatus")
+      .def_property_readonly("reason",
+                             [](const ExitStatus& e) { return launch::ExitReasonName(e.reason); })
+      .def_readonly("code", &ExitStatus::code)
+      .def_readonly("signal", &ExitStatus::signal)
+      .def_readonly("restarts", &ExitStatus::restarts)
+      .def_property_readonly("ok", &ExitStatus::ok)
+      .def("__str__", &ExitStatus::ToString)
+      .def("__repr__", [](const ExitStatus& e) { return "ExitStatus(" + e.ToString() + ")"; });
+
+  py::class_<launch::ContainerStatus>(m, "ContainerStatus")
+      .def_readonly("name", &launch::ContainerStatus::name)
+      .def_readonly("id", &launch::ContainerStatus::id)
+      .def_property_readonly("state", [](const launch::ContainerStatus& s) {
+        return launch::StateName(s.state);
+      })
+      .def_readonly("restarts", &launch::ContainerStatus::restarts)
+      .def_readonly("last_exit", &launch::ContainerStatus::last_exit)
+      .def_property_readonly("started_at", [](const launch::ContainerStatus& s) {
+        return std::chrono::duration<double>(s.started_at.time_since_epoch()).count();
+      })
+      .def("__repr__", [](const launch::ContainerStatus& s) {
+        return "ContainerStatus(" + s.name + ", " + launch::StateName(s.state) + ", restarts " +
+               std::to_string(s.restarts) + ")";
+      });
+
+  py::class_<Handle, std::shared_ptr<Handle>>(m, "Handle")
+      .def_property_readonly("name", [](const Handle& h) { return h.spec().name; })
+      .def_property_readonly("user", [](const Handle& h) { return h.spec().user; })
+      .def_property_readonly("cpus", [](const Handle& h) { return h.spec().cpus; })
+      .def_property_readonly("memory", [](const Handle& h) { return h.spec().memory; })
+      .def_property_readonly("env", [](const Handle& h) { return h.spec().env; })
+      .def_property_readonly("labels", [](const Handle& h) { return h.spec().labels; })
+      .def("status", &Handle::Status, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "wait",
+          [](Handle& h, double timeout) {
+            auto d = Ms(timeout);
+            py::gil_scoped_release release;
+            return Unwrap(h.Wait(d));
+          },
+          py::arg("timeout"))
+      .def(
+          "stop",
+          [](Handle& h, double grace) {
+            auto d = Ms(grace);
+            py::gil_scoped_release release;
+            CheckStatus(h.Stop(d));
+          },
+          py::arg("grace") = 10.0)
+      .def(
+          "logs",
+          [](Handle& h) {
+            std::string logs;
+            {
+              py::gil_scoped_release release;
+              logs = Unwrap(h.Logs());
+            }
+            return py::bytes(logs);
+          })
+      .def(
+          "follow_logs",
+          [](Handle& h, py::function sink) {
+            py::gil_scoped_release release;
+            CheckStatus(h.FollowLogs([&](const std::string& chunk) {
+              py::gil_scoped_acquire acquire;
+              py::object more = sink(py::bytes(chunk));
+              return more.is_none() || more.cast<bool>();
+            }));
+          },
+          py::arg("sink"))
+      .def("usage", [](Handle& h) {
+        launch::Usage u;
+        {
+          py::gil_scoped_release release;
+          u = Unwrap(h.Usage());
+        }
+        return UsageDict(u);
+      });
+
+  py::class_<Launcher>(m, "Launcher")
+      .def(py::init([](py::kwargs kw) {
+        LauncherOptions o = MakeOptions(kw);
+        py::gil_scoped_release release;
+        return Unwrap(Launcher::Create(o));
+      }))
+      .def_property_readonly("backend", &Launcher::backend)
+      .def_property_readonly("id", &Launcher::id)
+      .def(
+          "start",
+          [](Launcher& l, const std::string& name, const std::string& image,
+             const std::vector<std::string>& command, const StrMap& env,
+             const std::string& working_dir, const std::vector<MountArgs>& mounts, double cpus,
+             uint64_t memory, int64_t pids_limit, std::optional<gpu::Allocation> allocation,
+             const std::string& user, const StrMap& labels, const std::string& restart,
+             double backoff, double max_backoff, bool network_none) {
+            ContainerSpec spec = MakeSpec(name, image, command, env, working_dir, mounts, cpus,
+                                          memory, pids_limit, std::move(allocation), user,
+                                          labels, restart, backoff, max_backoff, network_none);
+            py::gil_scoped_release release;
+            return Unwrap(l.Start(spec));
+          },
+          py::arg("name"), py::arg("image"), py::arg("command"), py::arg("env"),
+          py::arg("working_dir"), py::arg("mounts"), py::arg("cpus"), py::arg("memory"),
+          py::arg("pids_limit"), py::arg("allocation"), py::arg("user"), py::arg("labels"),
+          py::arg("restart"), py::arg("backoff"), py::arg("max_backoff"),
+          py::arg("network_none"))
+      .def("list", &Launcher::List, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "get", [](Launcher& l, const std::string& name) { return Unwrap(l.Get(name)); },
+          py::arg("name"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "remove", [](Launcher& l, const std::string& name) { CheckStatus(l.Remove(name)); },
+          py::arg("name"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "cleanup", [](Launcher& l, const std::string& id) { return Unwrap(l.Cleanup(id)); },
+          py::arg("launcher_id"), py::call_guard<py::gil_scoped_release>());
+
+  m.def("probe_backends", [](py::kwargs kw) {
+    LauncherOptions o = MakeOptions(kw);
+    py::gil_scoped_release release;
+    return launch::ProbeBackends(o);
+  });
+  m.def("recorded_usage", &RecordedUsage, py::arg("cgroup"), py::arg("pid"));
+}
+
+}  // namespace deepnex::python

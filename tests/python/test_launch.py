@@ -1,0 +1,185 @@
+"""deepnex.launch on the process backend: the issue's example, supervision,
+and each bad input raising the right deepnex error."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import deepnex
+from deepnex import launch
+
+
+def allocation(user="alice", gpus=2):
+    alloc = deepnex.gpu.Allocator()
+    alloc.add_node(deepnex.gpu.Node("n1", gpus=[deepnex.gpu.Gpu(memory="16GiB")] * 4,
+                                    cpus=4, memory="8GiB"))
+    return alloc.allocate(deepnex.gpu.Request(user=user, gpus=gpus, cpus=1, memory="256MiB"))
+
+
+def alive(pid):
+    """Whether pid runs (a zombie that nobody reaps does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    with launch.Launcher("process", state_dir=str(tmp_path / "state"),
+                         allowed_mount_roots=[str(tmp_path)]) as l:
+        yield l
+
+
+def test_issue_example(launcher):
+    a = allocation()
+    h = launcher.start(launch.ContainerSpec(
+        name="w0", image="host",
+        command=[sys.executable, "-c",
+                 "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['X'])"],
+        cpus=1, memory="256MiB", env={"X": "y"}, allocation=a, restart="on-failure:2"))
+    assert h.name == "w0"
+    e = h.wait(timeout=60)
+    assert (e.reason, e.code, e.signal, e.restarts, e.ok) == ("exited", 0, 0, 0, True)
+    assert h.logs() == a.env["CUDA_VISIBLE_DEVICES"] + " y\n"
+    assert h.status().state == "exited"
+    assert h.env["NVIDIA_VISIBLE_DEVICES"] == a.env["NVIDIA_VISIBLE_DEVICES"]
+    u = h.usage()
+    assert u.cpu_seconds > 0 and u.memory_peak > 0
+    h.stop()  # idempotent after the end
+
+
+def test_restarts_logs_and_stop(launcher):
+    h = launcher.start(launch.ContainerSpec(name="flaky", command=["sh", "-c", "echo r; exit 4"],
+                                            restart="on-failure:3", backoff=0.01))
+    e = h.wait(timeout=60)
+    assert (e.reason, e.code, e.restarts) == ("exited", 4, 3)
+    assert str(e) == "exited(4) after 3 restarts"
+    assert h.logs() == "r\n" * 4
+    s = launcher.start(launch.ContainerSpec(name="sleeper", command=["sleep", "1000"]))
+    with pytest.raises(deepnex.DeadlineExceededError, match='"sleeper" still running'):
+        s.wait(timeout=0.05)
+    s.stop(grace=1)
+    e = s.wait(timeout=1)
+    assert (e.reason, e.signal) == ("signaled", 15)
+    assert s.status().state == "stopped"
+    assert sorted(h.name for h in launcher.list()) == ["flaky", "sleeper"]
+    assert launcher.get("flaky").name == "flaky"
+    launcher.remove("flaky")
+    with pytest.raises(deepnex.NotFoundError):
+        launcher.get("flaky")
+
+
+def test_oom_killed(launcher):
+    h = launcher.start(launch.ContainerSpec(
+        name="hog", command=["sh", "-c", "x=$(head -c 64000000 /dev/zero | tr '\\0' a); echo ${#x}"],
+        memory=16 << 20))
+    assert h.wait(timeout=60).reason == "oom_killed"
+
+
+def test_follow_logs(launcher):
+    h = launcher.start(launch.ContainerSpec(name="talk", command=["sh", "-c", "echo a; sleep 0.1; echo b"]))
+    seen = []
+    h.follow_logs(seen.append)
+    assert "".join(seen) == "a\nb\n"
+
+
+def test_mounts_as_values_and_tuples(launcher, tmp_path):
+    (tmp_path / "data").mkdir()
+    spec = launch.ContainerSpec(name="m", command=["true"],
+                                mounts=[launch.Mount(str(tmp_path / "data"), "/data"),
+                                        (str(tmp_path / "data"), "/data2", False)])
+    assert launcher.start(spec).wait(timeout=60).ok
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(command=["deepnex-no-such-command"]), deepnex.NotFoundError,
+     'command "deepnex-no-such-command" not found on PATH='),
+    (dict(image="/nonexistent/rootfs"), deepnex.NotFoundError, 'spec.image: "/nonexistent/rootfs" does not exist'),
+    (dict(memory="1KiB"), deepnex.InvalidArgumentError,
+     "spec.memory: 1024 bytes is below the minimum 4MiB"),
+    (dict(memory="lots"), deepnex.InvalidArgumentError, 'spec.memory: "lots" is not a byte size'),
+    (dict(mounts=[("data", "/data")]), deepnex.InvalidArgumentError,
+     'spec.mounts[0].source: "data" is not an absolute path'),
+    (dict(mounts=[("/etc", "/etc")]), deepnex.InvalidArgumentError,
+     'spec.mounts[0].source: "/etc" is outside the allowed mount roots'),
+    (dict(allocation="other"), deepnex.PermissionDeniedError,
+     'spec.user "bob" may not use allocation'),
+    (dict(restart="sometimes"), deepnex.InvalidArgumentError,
+     'restart: "sometimes" is not a restart policy'),
+    (dict(name="bad name"), deepnex.InvalidArgumentError, 'spec.name: "bad name"'),
+    (dict(command="true"), deepnex.InvalidArgumentError, "expected a list of arguments"),
+])
+def test_bad_input(launcher, change, error, message):
+    if change.get("allocation") == "other":
+        change = dict(allocation=allocation(user="alice"), user="bob")
+    spec = launch.ContainerSpec(**{**dict(name="bad", command=["true"]), **change})
+    with pytest.raises(error) as e:
+        launcher.start(spec)
+    assert message in str(e.value)
+    # The launcher goes on.
+    assert launcher.start(launch.ContainerSpec(name="good", command=["true"])).wait(timeout=60).ok
+
+
+def test_launcher_options():
+    with pytest.raises(deepnex.InvalidArgumentError, match='backend: "lxc" is not one of'):
+        launch.Launcher("lxc")
+    with pytest.raises(deepnex.InvalidArgumentError, match='unknown option "colour"'):
+        launch.Launcher("process", colour="red")
+    with launch.Launcher("process", id="opt1", min_memory="64MiB", cgroup_parent="deepnex") as l:
+        assert (l.id, l.backend) == ("opt1", "process")
+        with pytest.raises(deepnex.InvalidArgumentError, match="below the minimum 64MiB"):
+            l.start(launch.ContainerSpec(name="x", command=["true"], memory="32MiB"))
+    probe = launch.probe_backends()
+    assert probe["process"] == ""
+    assert set(probe) == {"process", "oci", "docker", "slurm", "kubernetes"}
+
+
+def test_cleanup_after_a_launcher_is_killed(tmp_path):
+    """A Python process that launched a container is SIGKILLed; cleanup(id)
+    sweeps the orphan."""
+    script = (
+        "import sys, time, deepnex\n"
+        "from deepnex import launch\n"
+        f"l = launch.Launcher('process', id='pycrash', state_dir={str(tmp_path)!r})\n"
+        "h = l.start(launch.ContainerSpec(name='o', command=['sleep', '987654']))\n"
+        "print(h.status().id, flush=True)\n"
+        "time.sleep(1000)\n")
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(p.stdout.readline())
+    finally:
+        p.kill()
+        p.wait()
+    assert os.path.exists(f"/proc/{pid}")
+    record = json.load(open(tmp_path / "containers" / "o" / "record.json"))
+    assert (record["state"], record["launcher_id"], record["id"]) == ("running", "pycrash", str(pid))
+    with launch.Launcher("process") as l:
+        assert l.cleanup("pycrash") >= 1
+    assert not alive(pid)
+
+
+def test_ps_table(tmp_path):
+    state = tmp_path / "state"
+    with launch.Launcher("process", state_dir=str(state)) as l:
+        busy = l.start(launch.ContainerSpec(name="busy", command=["sh", "-c", "while :; do :; done"],
+                                            cpus=0.5, memory="64MiB", allocation=allocation()))
+        done = l.start(launch.ContainerSpec(name="done", command=["sh", "-c", "exit 2"]))
+        done.wait(timeout=60)
+        while busy.usage().cpu_seconds < 0.1:
+            pass
+        out = subprocess.run([sys.executable, "-m", "deepnex", "ps", "--state-dir", str(state)],
+                             check=True, capture_output=True, text=True).stdout
+    lines = out.splitlines()
+    assert lines[0].split() == ["NAME", "BACKEND", "STATE", "RESTARTS", "GPUS", "CPUS", "MEMORY",
+                                "LIMIT", "CPU", "SECONDS", "MEMORY", "NOW/PEAK", "LAST", "EXIT"]
+    busy_row = lines[1].split()
+    assert busy_row[:7] == ["busy", "process", "running", "0", "0,1", "0.5", "64MiB"]
+    assert float(busy_row[7]) >= 0.1
+    done_row = lines[2].split()
+    assert done_row[:7] + done_row[-1:] == ["done", "process", "exited", "0", "-", "-", "-",
+                                            "exited(2)"]
