@@ -139,6 +139,7 @@ class ProcessRun : public Run {
   absl::Status Stop(std::chrono::milliseconds grace) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (exit_) return absl::OkStatus();
+    stopped_ = true;
     if (grace.count() <= 0) {
       KillTreeLocked(SIGKILL);
       return absl::OkStatus();
@@ -193,7 +194,8 @@ class ProcessRun : public Run {
     } else {
       e.reason = ExitReason::kLost;
     }
-    if (cgroup_ && e.reason == ExitReason::kSignaled && e.signal == SIGKILL &&
+    // After a Stop the SIGKILL is most likely ours, whatever the cgroup saw.
+    if (cgroup_ && !stopped_ && e.reason == ExitReason::kSignaled && e.signal == SIGKILL &&
         cgroup_->OomKilled()) {
       e.reason = ExitReason::kOomKilled;
     }
@@ -224,6 +226,7 @@ class ProcessRun : public Run {
   const std::string log_path_;
   std::optional<ExitStatus> exit_;
   std::optional<Clock::time_point> kill_at_;
+  bool stopped_ = false;
   launch::Usage last_usage_;
 };
 

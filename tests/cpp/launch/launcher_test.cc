@@ -491,6 +491,36 @@ TEST_F(ProcessLauncherTest, AlwaysRestartsUntilStopped) {
   EXPECT_GE(Count(logs, "x\n"), 4);
 }
 
+TEST_F(ProcessLauncherTest, StopDuringBackoffEndsAtOnce) {
+  ContainerSpec spec = Spec("slow", "exit 1");
+  ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("on-failure"));
+  spec.restart.backoff = 60s;
+  spec.restart.max_backoff = 60s;
+  ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(spec));
+  ASSERT_TRUE(test::WaitUntil([&] { return h->Status().state == State::kRestarting; }, 30s));
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_THAT(h->Stop(1s), IsOk());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(0ms));
+  EXPECT_EQ(e.ToString(), "exited(1)");
+  EXPECT_EQ(h->Status().state, State::kStopped);
+}
+
+TEST_F(ProcessLauncherTest, DestructorStopsEverythingAtOnce) {
+  const std::string token = test::UniqueToken();
+  for (const char* name : {"a", "b", "c"}) {
+    // Ignores SIGTERM, so each needs the SIGKILL after the 1 s grace.
+    ASSERT_THAT(launcher_->Start(Spec(name, "trap '' TERM; sleep " + token + " & wait")), IsOk());
+  }
+  ASSERT_TRUE(test::WaitUntil([&] { return test::ProcessesWithArg(token).size() >= 6; }, 30s));
+  const auto start = std::chrono::steady_clock::now();
+  const std::string id = launcher_->id();
+  launcher_.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2500ms);
+  EXPECT_THAT(test::ProcessesWithArg(token), IsEmpty());
+  EXPECT_THAT(CgroupsOf(id), IsEmpty());
+}
+
 TEST_F(ProcessLauncherTest, OnFailureDoesNotRestartSuccess) {
   ContainerSpec spec = Spec("fine", "exit 0");
   ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("on-failure:3"));
@@ -618,6 +648,17 @@ TEST(LaunchUtilTest, FindOnPathAndExitStatus) {
   e = ExitStatusFromWait(SIGKILL);
   EXPECT_EQ(e.ToString(), "signaled(SIGKILL)");
   EXPECT_EQ(RunName("l1", "w0", 2), "l1-w0-2");
+}
+
+TEST(LaunchUtilTest, ProcUsageOfThisProcess) {
+  volatile uint64_t spin = 0;
+  for (int i = 0; i < 50000000; ++i) spin = spin + i;
+  Usage u = ProcUsage(ProcessGroupMembers(getpgrp()));
+  EXPECT_GT(u.cpu_seconds, 0);
+  EXPECT_GT(u.memory, 0u);
+  EXPECT_GE(u.memory_peak, u.memory);
+  EXPECT_GE(u.pids, 1);
+  EXPECT_EQ(ProcUsage({}).pids, 0);
 }
 
 }  // namespace
