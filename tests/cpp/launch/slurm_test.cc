@@ -1,0 +1,447 @@
+// The slurm backend against a real one-node Slurm 22.05 with 4 GPU devices
+// (tests/launch/slurm.sh, a ctest fixture, starts it and sets
+// DEEPNEX_TEST_SLURM_CONF). The backend is driven directly; the launcher's
+// contract cases for "slurm" are in launcher_test.cc.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <set>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "core/file_util.h"
+#include "deepnex/launch/launcher.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "launch/backend.h"
+#include "launch/command.h"
+#include "launch/launch_test_util.h"
+#include "launch/util.h"
+#include "test_matchers.h"
+
+namespace deepnex::launch {
+namespace {
+
+using ::deepnex::test::IsOk;
+using ::deepnex::test::StatusIs;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using namespace std::chrono_literals;
+
+constexpr auto kJobEnd = 30s;
+
+LauncherOptions Options(const std::string& conf) {
+  LauncherOptions o;
+  o.backend = "slurm";
+  o.id = "slurmtest" + RandomHex(4);
+  o.slurm.env = {{"SLURM_CONF", conf}};
+  o.slurm.poll = 100ms;
+  return o;
+}
+
+ContainerSpec Sh(const std::string& name, const std::string& script) {
+  ContainerSpec spec;
+  spec.name = name;
+  spec.command = {"sh", "-c", script};
+  return spec;
+}
+
+// A resolved spec on `n` GPUs whose allocation names indices the cluster
+// does not have, so that the job's CUDA_VISIBLE_DEVICES can only be Slurm's.
+ContainerSpec OnGpus(ContainerSpec spec, int n) {
+  gpu::Allocation a;
+  a.id = "a-1";
+  a.user = "alice";
+  std::string indices, uuids;
+  for (int i = 0; i < n; ++i) {
+    a.gpus.push_back({10 + i, absl::StrCat("GPU-x-", 10 + i), 16ull << 30, true});
+    absl::StrAppend(&indices, i > 0 ? "," : "", 10 + i);
+    absl::StrAppend(&uuids, i > 0 ? "," : "", "GPU-x-", 10 + i);
+  }
+  spec.allocation = a;
+  spec.env["CUDA_VISIBLE_DEVICES"] = indices;
+  spec.env["NVIDIA_VISIBLE_DEVICES"] = uuids;
+  return spec;
+}
+
+std::set<std::string> Split(const std::string& list) {
+  return absl::StrSplit(list, ',', absl::SkipEmpty());
+}
+
+class SlurmTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    conf_ = test::EnvOr("DEEPNEX_TEST_SLURM_CONF");
+    if (conf_.empty()) {
+      GTEST_SKIP() << "DEEPNEX_TEST_SLURM_CONF is not set (the ctest fixture "
+                      "slurm_cluster_start sets it)";
+    }
+    struct stat st;
+    if (stat(conf_.c_str(), &st) != 0) {
+      GTEST_SKIP() << conf_ << " does not exist: tests/launch/slurm.sh could not start "
+                   << "a cluster here (its output in the slurm_cluster_start test says why)";
+    }
+    options_ = Options(conf_);
+    ASSERT_OK_AND_ASSIGN(backend_, MakeSlurmBackend(options_));
+    // A job of an earlier test may still be on its way out with GPUs held.
+    ASSERT_TRUE(test::WaitUntil([&] { return Squeue({"-o", "%i"}).empty(); }, 20s))
+        << "jobs still queued: " << Squeue({"-o", "%i %T %j"});
+  }
+
+  void TearDown() override {
+    if (backend_ != nullptr) EXPECT_THAT(backend_->Cleanup(options_.id), IsOk());
+  }
+
+  // Output of `squeue -h <args>` on the test cluster.
+  std::string Squeue(const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {"/usr/bin/squeue", "-h"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    absl::StatusOr<CommandResult> r = RunCommand(argv, {"SLURM_CONF=" + conf_}, 30s);
+    EXPECT_THAT(r, IsOk());
+    if (!r.ok()) return "";
+    EXPECT_TRUE(r->ok()) << DescribeFailure(argv, *r);
+    return std::string(absl::StripAsciiWhitespace(r->out));
+  }
+
+  // squeue's state of a job: PENDING, RUNNING, COMPLETED, ...
+  std::string JobState(const launch::Run& run) { return Squeue({"-t", "all", "-j", run.id(), "-o", "%T"}); }
+
+  // `scontrol show job -o` of a job.
+  std::string JobRecord(const launch::Run& run) {
+    std::vector<std::string> argv = {"/usr/bin/scontrol", "show", "job", "-o", run.id()};
+    absl::StatusOr<CommandResult> r = RunCommand(argv, {"SLURM_CONF=" + conf_}, 30s);
+    EXPECT_THAT(r, IsOk());
+    return r.ok() ? r->out : "";
+  }
+
+  std::unique_ptr<launch::Run> StartOk(const ContainerSpec& spec, Backend* backend = nullptr,
+                               const std::string& launcher_id = "") {
+    RunContext context;
+    context.launcher_id = launcher_id.empty() ? options_.id : launcher_id;
+    context.run_name = RunName(context.launcher_id, spec.name, 0);
+    context.dir = scratch_.path() + "/" + context.run_name;
+    context.labels = spec.labels;
+    context.labels["deepnex.launcher"] = context.launcher_id;
+    context.labels["deepnex.name"] = spec.name;
+    EXPECT_EQ(mkdir(context.dir.c_str(), 0755), 0);
+    Backend* b = backend != nullptr ? backend : backend_.get();
+    EXPECT_THAT(b->Check(spec), IsOk());
+    absl::StatusOr<std::unique_ptr<launch::Run>> run = b->Start(spec, context);
+    EXPECT_THAT(run, IsOk());
+    return run.ok() ? std::move(*run) : nullptr;
+  }
+
+  ExitStatus WaitEnd(launch::Run& run) {
+    absl::StatusOr<std::optional<ExitStatus>> e = run.Wait(kJobEnd);
+    EXPECT_THAT(e, IsOk());
+    if (!e.ok() || !e->has_value()) {
+      ADD_FAILURE() << "job " << run.id() << " still " << JobState(run) << " after 30 s";
+      return ExitStatus{ExitReason::kLost};
+    }
+    return **e;
+  }
+
+  std::string LogsOf(launch::Run& run) {
+    absl::StatusOr<std::string> logs = run.Logs();
+    EXPECT_THAT(logs, IsOk());
+    return logs.ok() ? *logs : "";
+  }
+
+  std::string conf_;
+  LauncherOptions options_;
+  std::unique_ptr<Backend> backend_;
+  test::ScratchDir scratch_;
+};
+
+TEST_F(SlurmTest, GresGivesTheJobTwoOfTheClustersGpus) {
+  auto run = StartOk(OnGpus(Sh("gpus", "echo \"C=$CUDA_VISIBLE_DEVICES N=${NVIDIA_VISIBLE_DEVICES-unset}\""), 2));
+  ASSERT_NE(run, nullptr);
+  EXPECT_THAT(JobRecord(*run), HasSubstr("TresPerNode=gres:gpu:2"));
+  ExitStatus e = WaitEnd(*run);
+  EXPECT_TRUE(e.ok()) << e.ToString();
+  // Slurm chose the GPUs: its indices, not the allocation's 10,11.
+  const std::string logs = LogsOf(*run);
+  absl::string_view rest = logs;
+  ASSERT_TRUE(absl::ConsumePrefix(&rest, "C=")) << logs;
+  std::pair<std::string, std::string> parts = absl::StrSplit(rest, " N=");
+  std::set<std::string> gpus = Split(parts.first);
+  EXPECT_EQ(gpus.size(), 2u) << parts.first;
+  for (const std::string& g : gpus) EXPECT_TRUE(g >= "0" && g <= "3" && g.size() == 1) << g;
+  EXPECT_EQ(parts.second, "unset\n");
+}
+
+TEST_F(SlurmTest, ThirdTwoGpuJobWaitsUntilOneEnds) {
+  const std::string go = scratch_.path() + "/go";
+  // Runs until its file appears (at most 30 s).
+  auto holder = [&](const std::string& name) {
+    return OnGpus(Sh(name, "echo $CUDA_VISIBLE_DEVICES; i=0; while [ ! -e " + go + name +
+                               " ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done"),
+                  2);
+  };
+  auto first = StartOk(holder("first"));
+  auto second = StartOk(holder("second"));
+  ASSERT_NE(first, nullptr);
+  ASSERT_NE(second, nullptr);
+  ASSERT_TRUE(test::WaitUntil(
+      [&] { return JobState(*first) == "RUNNING" && JobState(*second) == "RUNNING"; }, 20s))
+      << JobState(*first) << " " << JobState(*second);
+  auto third = StartOk(OnGpus(Sh("third", "echo $CUDA_VISIBLE_DEVICES"), 2));
+  auto fourth = StartOk(OnGpus(Sh("fourth", "echo never"), 2));
+  ASSERT_NE(third, nullptr);
+  ASSERT_NE(fourth, nullptr);
+  ASSERT_THAT(third->Wait(2s), IsOk());
+  EXPECT_EQ(JobState(*third), "PENDING");
+  EXPECT_THAT(Squeue({"-j", third->id(), "-o", "%r"}), HasSubstr("Resources"));
+  EXPECT_EQ(LogsOf(*third), "");
+
+  // A pending job stopped never runs.
+  ASSERT_THAT(fourth->Stop(1s), IsOk());
+  ExitStatus stopped = WaitEnd(*fourth);
+  EXPECT_EQ(stopped.reason, ExitReason::kSignaled) << stopped.ToString();
+  EXPECT_EQ(stopped.signal, SIGTERM);
+  EXPECT_EQ(LogsOf(*fourth), "");
+
+  ASSERT_TRUE(test::WaitUntil([&] { return !LogsOf(*first).empty() && !LogsOf(*second).empty(); },
+                              10s));
+  std::set<std::string> a = Split(std::string(absl::StripAsciiWhitespace(LogsOf(*first))));
+  std::set<std::string> b = Split(std::string(absl::StripAsciiWhitespace(LogsOf(*second))));
+  std::set<std::string> all = a;
+  all.insert(b.begin(), b.end());
+  EXPECT_EQ(all, (std::set<std::string>{"0", "1", "2", "3"}));
+
+  ASSERT_EQ(close(creat((go + "first").c_str(), 0644)), 0);
+  EXPECT_TRUE(WaitEnd(*first).ok());
+  EXPECT_TRUE(WaitEnd(*third).ok());
+  // The third got the GPUs the first gave back.
+  EXPECT_EQ(Split(std::string(absl::StripAsciiWhitespace(LogsOf(*third)))), a);
+  EXPECT_EQ(JobState(*second), "RUNNING");
+  ASSERT_EQ(close(creat((go + "second").c_str(), 0644)), 0);
+  EXPECT_TRUE(WaitEnd(*second).ok());
+}
+
+TEST_F(SlurmTest, ExitCodesAndSignals) {
+  auto zero = StartOk(Sh("zero", "echo out; echo err >&2"));
+  auto three = StartOk(Sh("three", "exit 3"));
+  auto killed = StartOk(Sh("killed", "kill -KILL $$"));
+  auto segv = StartOk(Sh("segv", "kill -SEGV $$"));
+  ASSERT_NE(zero, nullptr);
+  ASSERT_NE(three, nullptr);
+  ASSERT_NE(killed, nullptr);
+  ASSERT_NE(segv, nullptr);
+  EXPECT_EQ(WaitEnd(*zero).ToString(), "exited(0)");
+  EXPECT_EQ(LogsOf(*zero), "out\nerr\n");
+  EXPECT_EQ(WaitEnd(*three).ToString(), "exited(3)");
+  ExitStatus k = WaitEnd(*killed);
+  EXPECT_EQ(k.reason, ExitReason::kSignaled);
+  EXPECT_EQ(k.signal, SIGKILL);
+  ExitStatus s = WaitEnd(*segv);
+  EXPECT_EQ(s.reason, ExitReason::kSignaled);
+  EXPECT_EQ(s.signal, SIGSEGV);
+  // Waiting again answers from what was seen.
+  EXPECT_THAT(three->Wait(0ms), IsOk());
+}
+
+TEST_F(SlurmTest, StopCancelsAndKillsTheTree) {
+  const std::string token = test::UniqueToken();
+  auto run = StartOk(Sh("tree", "sh -c 'sleep " + token + " & wait' & sleep " + token + "1 & wait"));
+  ASSERT_NE(run, nullptr);
+  // The job's shell, the child shell and two sleeps all carry the token.
+  ASSERT_TRUE(test::WaitUntil([&] { return test::ProcessesWithArg(token).size() == 4; }, 20s))
+      << test::ProcessesWithArg(token).size() << " processes";
+  ASSERT_OK_AND_ASSIGN(Usage u, run->Usage());
+  EXPECT_EQ(u.pids, 4);
+  EXPECT_GT(u.memory, 0u);
+  EXPECT_GE(u.memory_peak, u.memory);
+  ASSERT_THAT(run->Stop(1s), IsOk());
+  ExitStatus e = WaitEnd(*run);
+  EXPECT_EQ(e.reason, ExitReason::kSignaled) << e.ToString();
+  EXPECT_EQ(e.signal, SIGTERM);
+  EXPECT_EQ(JobState(*run), "CANCELLED");
+  EXPECT_THAT(test::ProcessesWithArg(token), IsEmpty());
+  EXPECT_THAT(run->Stop(1s), IsOk());  // idempotent
+  EXPECT_THAT(run->Remove(), IsOk());
+}
+
+TEST_F(SlurmTest, ProcessesIgnoringSigtermAreKilledAfterKillWait) {
+  const std::string token = test::UniqueToken();
+  auto run = StartOk(Sh("stubborn", "trap '' TERM; sleep " + token + " & sleep " + token + "1; wait"));
+  ASSERT_NE(run, nullptr);
+  ASSERT_TRUE(test::WaitUntil([&] { return test::ProcessesWithArg(token).size() >= 2; }, 20s));
+  const auto stop = std::chrono::steady_clock::now();
+  ASSERT_THAT(run->Stop(0ms), IsOk());
+  ExitStatus e = WaitEnd(*run);
+  EXPECT_EQ(e.reason, ExitReason::kSignaled) << e.ToString();
+  EXPECT_EQ(e.signal, SIGKILL);
+  // The cluster's KillWait is 2 s; Slurm took about 5 s in all when measured.
+  EXPECT_LT(std::chrono::steady_clock::now() - stop, 15s);
+  EXPECT_THAT(test::ProcessesWithArg(token), IsEmpty());
+}
+
+TEST_F(SlurmTest, CleanupFindsJobsByLabel) {
+  LauncherOptions other = options_;
+  other.id = options_.id + "x";  // shares the prefix, must not match
+  const std::string loop = "i=0; while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done";
+  ContainerSpec spec = Sh("a", loop);
+  spec.labels = {{"team", "x y"}};
+  auto a = StartOk(spec);
+  auto b = StartOk(Sh("b", loop));
+  auto c = StartOk(Sh("c", loop), backend_.get(), other.id);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  ASSERT_NE(c, nullptr);
+  EXPECT_THAT(JobRecord(*a), HasSubstr("Comment=deepnex.launcher=" + options_.id +
+                                       ",deepnex.name=a,team=x y"));
+  ASSERT_OK_AND_ASSIGN(int swept, backend_->Cleanup(options_.id));
+  EXPECT_EQ(swept, 2);
+  EXPECT_EQ(WaitEnd(*a).ToString(), "signaled(SIGTERM)");
+  EXPECT_EQ(WaitEnd(*b).ToString(), "signaled(SIGTERM)");
+  EXPECT_THAT(c->Wait(0ms), IsOk());
+  EXPECT_EQ(c->Wait(0ms)->has_value(), false);
+  ASSERT_OK_AND_ASSIGN(swept, backend_->Cleanup(options_.id));
+  EXPECT_EQ(swept, 0);
+  ASSERT_OK_AND_ASSIGN(swept, backend_->Cleanup(other.id));
+  EXPECT_EQ(swept, 1);
+  EXPECT_EQ(WaitEnd(*c).reason, ExitReason::kSignaled);
+}
+
+TEST_F(SlurmTest, EnvPassedExactly) {
+  ASSERT_EQ(setenv("DEEPNEX_SLURM_TEST_CANARY", "leaked", 1), 0);
+  ContainerSpec spec;
+  spec.name = "env";
+  spec.command = {"env", "-0"};
+  spec.env = {{"PLAIN", "x"},
+              {"QUOTES", "it's \"q\" $HOME `id` \\ ; | & *"},
+              {"NEWLINE", "a\nb"},
+              {"EMPTY", ""},
+              {"dotted.name", "v"},
+              {"PATH", "/usr/bin:/bin"}};
+  auto run = StartOk(spec);
+  unsetenv("DEEPNEX_SLURM_TEST_CANARY");
+  ASSERT_NE(run, nullptr);
+  EXPECT_TRUE(WaitEnd(*run).ok());
+  std::map<std::string, std::string> got;
+  for (absl::string_view entry : absl::StrSplit(LogsOf(*run), '\0', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(entry, absl::MaxSplits('=', 1));
+    got.insert(kv);
+  }
+  std::map<std::string, std::string> expected = spec.env;
+  expected[kLauncherIdEnv] = options_.id;
+  std::map<std::string, std::string> ours, slurms;
+  for (const auto& [k, v] : got) {
+    (expected.count(k) ? ours : slurms)[k] = v;
+  }
+  EXPECT_EQ(ours, expected);
+  // Everything else is Slurm's own.
+  std::set<std::string> others;
+  for (const auto& [k, v] : slurms) {
+    if (!absl::StartsWith(k, "SLURM")) others.insert(k);
+  }
+  // PWD: the job script's shell exports it.
+  EXPECT_EQ(others, (std::set<std::string>{"ENVIRONMENT", "HOSTNAME", "PWD", "TMPDIR"}));
+  EXPECT_EQ(slurms["SLURM_JOB_ID"], run->id());
+}
+
+TEST_F(SlurmTest, ResourcesAndPlacementFlags) {
+  ContainerSpec spec = Sh("res", "pwd");
+  spec.cpus = 1.5;
+  spec.memory = (300 << 20) + 1;
+  spec.working_dir = scratch_.path();
+  auto run = StartOk(spec);
+  ASSERT_NE(run, nullptr);
+  std::string record = JobRecord(*run);
+  EXPECT_THAT(record, HasSubstr("NumCPUs=2"));
+  EXPECT_THAT(record, HasSubstr("MinMemoryNode=301M"));
+  EXPECT_THAT(record, HasSubstr("JobName=" + RunName(options_.id, "res", 0)));
+  EXPECT_THAT(record, HasSubstr("Partition=debug"));
+  EXPECT_THAT(record, HasSubstr("Requeue=0"));
+  EXPECT_TRUE(WaitEnd(*run).ok());
+  EXPECT_EQ(LogsOf(*run), scratch_.path() + "\n");
+}
+
+TEST_F(SlurmTest, SpecsSlurmCannotRunAreRefused) {
+  ContainerSpec spec = Sh("bad", "true");
+  spec.image = "/nonexistent/rootfs";
+  EXPECT_THAT(backend_->Check(spec), StatusIs(absl::StatusCode::kNotFound, HasSubstr("spec.image")));
+  spec.image = "/";
+  EXPECT_THAT(backend_->Check(spec),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("use image \"host\"")));
+  spec.image = "host";
+  spec.mounts = {{"/tmp", "/data", true}};
+  EXPECT_THAT(backend_->Check(spec),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.mounts")));
+  spec.mounts.clear();
+  spec.network_none = true;
+  EXPECT_THAT(backend_->Check(spec),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.network_none")));
+  spec.network_none = false;
+  spec.pids_limit = 10;
+  EXPECT_THAT(backend_->Check(spec),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.pids_limit: 10")));
+  spec.pids_limit = 0;
+  spec.command = {"deepnex-no-such-command"};
+  EXPECT_THAT(backend_->Check(spec),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("deepnex-no-such-command")));
+
+  // More GPUs than the cluster has: sbatch refuses, and says so.
+  RunContext context{options_.id, RunName(options_.id, "big", 0), scratch_.path(), 0, {}};
+  EXPECT_THAT(backend_->Start(OnGpus(Sh("big", "true"), 5), context),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("--gres=gpu:5")));
+}
+
+TEST_F(SlurmTest, UnusableClusterIsFailedPreconditionNamingWhatIsMissing) {
+  LauncherOptions o = options_;
+  o.slurm.bin_dir = scratch_.path();
+  EXPECT_THAT(MakeSlurmBackend(o),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("slurm: sbatch not found in bin_dir " + scratch_.path())));
+  o = options_;
+  o.slurm.env["SLURM_CONF"] = scratch_.path() + "/missing.conf";
+  EXPECT_THAT(MakeSlurmBackend(o),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("slurm: SLURM_CONF=" + scratch_.path() + "/missing.conf "
+                                 "does not exist")));
+
+  // The cluster's config with the controller on a port where nobody listens
+  // (bound, so nobody else takes it) and a 1 s message timeout instead of 10.
+  int port_holder = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(port_holder, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(bind(port_holder, reinterpret_cast<sockaddr*>(&addr), len), 0);
+  ASSERT_EQ(getsockname(port_holder, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  ASSERT_OK_AND_ASSIGN(std::string config, ReadWholeFile(conf_, "slurm.conf"));
+  std::string dead;
+  for (absl::string_view line : absl::StrSplit(config, '\n')) {
+    if (!absl::StartsWith(line, "SlurmctldPort=")) absl::StrAppend(&dead, line, "\n");
+  }
+  absl::StrAppend(&dead, "SlurmctldPort=", ntohs(addr.sin_port), "\nMessageTimeout=1\n");
+  ASSERT_OK(WriteFileAtomically(scratch_.path() + "/slurm.conf", dead));
+  o.slurm.env["SLURM_CONF"] = scratch_.path() + "/slurm.conf";
+  EXPECT_THAT(MakeSlurmBackend(o),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("slurm: the controller does not answer: ")));
+  close(port_holder);
+
+  o = options_;
+  o.slurm.partition = "nosuch";
+  EXPECT_THAT(MakeSlurmBackend(o),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("partition \"nosuch\" does not exist (partitions: debug)")));
+  o.slurm.partition = "debug";
+  EXPECT_THAT(MakeSlurmBackend(o), IsOk());
+}
+
+}  // namespace
+}  // namespace deepnex::launch

@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# Starts or stops a one-node Slurm 22.05 cluster with 4 GPU devices for the
+# slurm launch tests (../shared/docs/ENGINES.md has how it was worked out).
+#
+#   tests/launch/slurm.sh start DIR   # DIR/env then holds SLURM_CONF=DIR/slurm.conf
+#   tests/launch/slurm.sh stop DIR
+#
+# Everything lives in the scratch directory DIR: the config, state, spool,
+# logs, the GPU device nodes (mknod: gres refuses plain files) and a munged of
+# its own on a private socket, so that the cluster shares nothing with the
+# machine's munged or another cluster. The daemons listen on ports the kernel
+# picked. `start` first stops whatever an earlier run in DIR left (also after
+# a crash that lost the PID files), so it can be run twice. Where Slurm or
+# munge is not installed, or we may not mknod, `start` says so and exits 0
+# without writing DIR/env: the tests then skip with that reason.
+#
+# Killed daemons stay zombies here (PID 1 does not reap); they hold nothing.
+set -euo pipefail
+
+usage() { echo "usage: $0 start|stop DIR" >&2; exit 2; }
+[[ $# -eq 2 ]] || usage
+action=$1
+dir=$2
+[[ $dir == /* ]] || { echo "slurm.sh: DIR must be absolute, got $dir" >&2; exit 2; }
+dir=${dir%/}
+sbin=${SLURM_SBIN:-/usr/sbin}
+bin=${SLURM_BIN:-/usr/bin}
+PYTHON=${PYTHON:-/usr/bin/python3}
+
+# Processes that belong to this cluster: those whose command line or open
+# files name $dir (the daemons, slurmstepd with its log, job scripts in the
+# spool). Zombies and this shell are left out.
+cluster_pids() {
+  local pid
+  {
+    grep -lsF -- "$dir/" /proc/[0-9]*/cmdline | cut -d/ -f3 || true
+    find /proc/[0-9]*/fd -lname "$dir/*" 2>/dev/null | cut -d/ -f3 || true
+  } | sort -u | while read -r pid; do
+    if [[ $pid != "$$" && $pid != "$BASHPID" &&
+          $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) =~ ^[^Z]$ ]]; then
+      echo "$pid"
+    fi
+  done
+}
+
+stop() {
+  if [[ -f $dir/slurm.conf ]] && [[ -n $(cluster_pids) ]]; then
+    # Cancel jobs first so that slurmstepd kills their process trees.
+    SLURM_CONF=$dir/slurm.conf timeout 5 "$bin/scancel" --full --signal=KILL \
+      --user="$(id -un)" >/dev/null 2>&1 || true
+  fi
+  local pids tries
+  for sig in TERM KILL; do
+    pids=$(cluster_pids)
+    [[ -z $pids ]] && break
+    # shellcheck disable=SC2086
+    kill -s "$sig" $pids 2>/dev/null || true
+    for tries in $(seq 30); do
+      [[ -z $(cluster_pids) ]] && break
+      sleep 0.1
+    done
+  done
+  pids=$(cluster_pids)
+  if [[ -n $pids ]]; then
+    echo "slurm.sh: processes of $dir still alive: $pids" >&2
+    return 1
+  fi
+  rm -rf "$dir"
+}
+
+# Prints a reason when this machine cannot run the cluster.
+missing() {
+  local f
+  for f in "$sbin/slurmctld" "$sbin/slurmd" "$sbin/munged" "$sbin/mungekey" \
+           "$bin/sbatch" "$bin/sinfo" "$bin/squeue" "$bin/scancel" "$bin/scontrol"; do
+    [[ -x $f ]] || { echo "$f not found (apt-get install slurmctld slurmd slurm-client munge)"; return; }
+  done
+  id munge >/dev/null 2>&1 || { echo "no munge user"; return; }
+  [[ $(id -u) == 0 ]] || { echo "not root: slurmd and mknod need root"; return; }
+  [[ -x $PYTHON ]] || { echo "$PYTHON not found (picks free ports)"; return; }
+}
+
+# Two TCP ports free now on this host.
+free_ports() {
+  "$PYTHON" - <<'EOF'
+import socket
+socks = [socket.socket() for _ in range(2)]
+for s in socks:
+    s.bind(("", 0))
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+EOF
+}
+
+wait_idle() {
+  local state=""
+  for _ in $(seq 300); do
+    state=$(SLURM_CONF=$dir/slurm.conf timeout 5 "$bin/sinfo" -h -o %t 2>/dev/null || true)
+    [[ $state == idle ]] && return 0
+    sleep 0.1
+  done
+  echo "slurm.sh: node not idle after 30 s (state: ${state:-no answer})" >&2
+  return 1
+}
+
+start() {
+  local why
+  why=$(missing)
+  if [[ -n $why ]]; then
+    echo "slurm.sh: cannot start a Slurm cluster here: $why; the slurm tests will skip"
+    stop
+    return 0
+  fi
+  stop
+  local host
+  host=$(hostname -s)
+  mkdir -p "$dir"/{state,spool,log,dev,munge}
+  local i
+  for i in 0 1 2 3; do mknod "$dir/dev/nvidia$i" c 195 "$i"; done
+  # munged checks that every directory above its socket is searchable by all
+  # and that its key is the munge user's alone.
+  chmod 755 "$dir" "$dir/munge"
+  mungekey --create --keyfile="$dir/munge/munge.key" >/dev/null
+  chown -R munge:munge "$dir/munge"
+  local socket=$dir/munge/munge.socket
+  if (( ${#socket} > 100 )); then
+    echo "slurm.sh: $socket is too long for a unix socket; use a shorter DIR" >&2
+    return 1
+  fi
+  runuser -u munge -- "$sbin/munged" --socket="$socket" --key-file="$dir/munge/munge.key" \
+    --pid-file="$dir/munge/munged.pid" --log-file="$dir/munge/munged.log" \
+    --seed-file="$dir/munge/munged.seed"
+  local ports
+  read -r -a ports <<<"$(free_ports)"
+  # batch_sched_delay=0: schedule a batch job at submit, not up to 3 s later.
+  # config_overrides: 8 CPUs on a smaller machine, so that CPU cores never
+  # keep a test's jobs pending; nothing enforces them (task/none).
+  cat >"$dir/slurm.conf" <<EOF
+ClusterName=ci
+SlurmctldHost=$host
+SlurmctldPort=${ports[0]}
+SlurmdPort=${ports[1]}
+SlurmUser=root
+AuthType=auth/munge
+AuthInfo=socket=$socket
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool
+SlurmctldPidFile=$dir/slurmctld.pid
+SlurmdPidFile=$dir/slurmd.pid
+SlurmctldLogFile=$dir/log/slurmctld.log
+SlurmdLogFile=$dir/log/slurmd.log
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+GresTypes=gpu
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+ReturnToService=2
+SchedulerParameters=batch_sched_delay=0
+SlurmdParameters=config_overrides
+KillWait=2
+NodeName=$host CPUs=8 RealMemory=2000 Gres=gpu:4 State=UNKNOWN
+PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
+EOF
+  cat >"$dir/gres.conf" <<EOF
+AutoDetect=off
+Name=gpu File=$dir/dev/nvidia[0-3]
+EOF
+  "$sbin/slurmctld" -f "$dir/slurm.conf"
+  "$sbin/slurmd" -f "$dir/slurm.conf"
+  if ! wait_idle; then
+    tail -n 20 "$dir/log/slurmctld.log" "$dir/log/slurmd.log" >&2 || true
+    stop || true
+    return 1
+  fi
+  printf 'munged %s\nslurmctld %s\nslurmd %s\n' "$(cat "$dir/munge/munged.pid")" \
+    "$(cat "$dir/slurmctld.pid")" "$(cat "$dir/slurmd.pid")" >"$dir/pids"
+  echo "SLURM_CONF=$dir/slurm.conf" >"$dir/env"
+  echo "slurm.sh: cluster up, SLURM_CONF=$dir/slurm.conf"
+}
+
+case $action in
+  start) start ;;
+  stop) stop ;;
+  *) usage ;;
+esac
