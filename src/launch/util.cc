@@ -183,4 +183,22 @@ std::vector<pid_t> ProcessGroupMembers(pid_t pgid) {
   return members;
 }
 
+void ExportUsage(Launcher& launcher, MetricsRegistry& registry) {
+  for (const std::shared_ptr<Handle>& h : launcher.List()) {
+    absl::StatusOr<launch::Usage> u = h->Usage();
+    if (!u.ok()) continue;
+    const Labels labels = {{"container", h->spec().name}, {"backend", launcher.backend()}};
+    registry.GetGauge("deepnex_container_cpu_seconds", "CPU time the container used.", labels)
+        ->Set(u->cpu_seconds);
+    registry.GetGauge("deepnex_container_memory_bytes", "Memory the container uses now.", labels)
+        ->Set(static_cast<double>(u->memory));
+    registry
+        .GetGauge("deepnex_container_memory_peak_bytes", "The most memory the container used.",
+                  labels)
+        ->Set(static_cast<double>(u->memory_peak));
+    registry.GetGauge("deepnex_container_pids", "Processes in the container.", labels)
+        ->Set(static_cast<double>(u->pids));
+  }
+}
+
 }  // namespace deepnex::launch

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "deepnex/launch/launcher.h"
+#include "deepnex/metrics.h"
 
 namespace deepnex::launch {
 
@@ -56,6 +57,12 @@ bool ProcessAlive(pid_t pid);
 
 // The live processes whose process group is `pgid`.
 std::vector<pid_t> ProcessGroupMembers(pid_t pgid);
+
+// Sets gauges deepnex_container_cpu_seconds, _memory_bytes,
+// _memory_peak_bytes and _pids, labelled container=<name>, from the usage of
+// each container `launcher` holds; for a server (deepnex-central) to call
+// before it renders its metrics.
+void ExportUsage(Launcher& launcher, MetricsRegistry& registry);
 
 }  // namespace deepnex::launch
 

@@ -521,6 +521,20 @@ TEST_F(ProcessLauncherTest, DestructorStopsEverythingAtOnce) {
   EXPECT_THAT(CgroupsOf(id), IsEmpty());
 }
 
+TEST_F(ProcessLauncherTest, UsageAsMetrics) {
+  ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(Spec("spin", "while :; do :; done")));
+  ASSERT_TRUE(test::WaitUntil([&] { return h->Usage().value_or(Usage{}).cpu_seconds > 0.05; }, 30s));
+  MetricsRegistry registry;
+  ExportUsage(*launcher_, registry);
+  const std::string text = registry.PrometheusText();
+  EXPECT_THAT(text, HasSubstr("deepnex_container_cpu_seconds{backend=\"process\",container=\"spin\"} "));
+  EXPECT_THAT(text, HasSubstr("deepnex_container_pids{backend=\"process\",container=\"spin\"} 1\n"));
+  EXPECT_GT(registry.GetGauge("deepnex_container_cpu_seconds", "", {{"backend", "process"}, {"container", "spin"}})
+                ->value(),
+            0.05);
+  ASSERT_THAT(h->Stop(0ms), IsOk());
+}
+
 TEST_F(ProcessLauncherTest, OnFailureDoesNotRestartSuccess) {
   ContainerSpec spec = Spec("fine", "exit 0");
   ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("on-failure:3"));
