@@ -11,15 +11,12 @@
 
 namespace deepnex::launch {
 
-// `spec.env` as such an engine should get it. The engine sets
-// NVIDIA_VISIBLE_DEVICES for the GPUs it mounts (a value from the spec would
-// fight it, or on Kubernetes name GPUs of another node), and inside the
-// container the granted GPUs are numbered from 0, so CUDA_VISIBLE_DEVICES
-// becomes 0..n-1 instead of the host's indices.
+// `spec.env` as such an engine should get it: inside the container the
+// granted GPUs are numbered from 0, so CUDA_VISIBLE_DEVICES becomes 0..n-1
+// instead of the host's indices.
 inline std::map<std::string, std::string> EngineEnv(const ContainerSpec& spec) {
   std::map<std::string, std::string> env = spec.env;
   if (!spec.allocation.has_value() || spec.allocation->gpus.empty()) return env;
-  env.erase("NVIDIA_VISIBLE_DEVICES");
   std::string visible;
   for (size_t i = 0; i < spec.allocation->gpus.size(); ++i) {
     if (i > 0) visible += ',';

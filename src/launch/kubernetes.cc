@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 
 #include "absl/strings/ascii.h"
@@ -255,8 +256,16 @@ json PodSpec(const ContainerSpec& spec, const KubernetesOptions& options) {
   // args, not command: like `docker run IMAGE ARGV...`, the image's entrypoint
   // (an environment wrapper in many GPU images) still runs first.
   container["args"] = command;
+  std::map<std::string, std::string> engine_env = EngineEnv(spec);
+  // The device plugin picks the node's GPUs and sets NVIDIA_VISIBLE_DEVICES
+  // for them; the allocation's UUIDs would name GPUs of another node (or,
+  // with the NVIDIA runtime's environment strategy, expose GPUs the pod was
+  // not given).
+  if (spec.allocation.has_value() && !spec.allocation->gpus.empty()) {
+    engine_env.erase("NVIDIA_VISIBLE_DEVICES");
+  }
   json env = json::array();
-  for (const auto& [name, value] : EngineEnv(spec)) {
+  for (const auto& [name, value] : engine_env) {
     json var = json::object();
     var["name"] = name;
     var["value"] = NoExpansion(value);

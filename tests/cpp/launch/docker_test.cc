@@ -327,9 +327,9 @@ TEST(DockerBodyTest, TwoGpuAllocationGivesDeviceRequestsAndLimits) {
   EXPECT_EQ(body["HostConfig"]["DeviceRequests"],
             json::parse(R"([{"Driver": "nvidia", "DeviceIDs": ["GPU-aaaa", "GPU-bbbb"],
                              "Capabilities": [["gpu"]]}])"));
-  // Inside the container the two GPUs are 0 and 1; the engine sets
-  // NVIDIA_VISIBLE_DEVICES from DeviceIDs.
-  EXPECT_EQ(body["Env"], json::parse(R"(["CUDA_VISIBLE_DEVICES=0,1", "DEEPNEX_RANK=0"])"));
+  // Inside the container the two GPUs are 0 and 1.
+  EXPECT_EQ(body["Env"], json::parse(R"(["CUDA_VISIBLE_DEVICES=0,1", "DEEPNEX_RANK=0",
+                                         "NVIDIA_VISIBLE_DEVICES=GPU-aaaa,GPU-bbbb"])"));
   EXPECT_EQ(body["Image"], spec.image);
   EXPECT_EQ(body["Cmd"], json::parse(R"(["python3", "train.py"])"));
   EXPECT_EQ(body["Labels"], json::parse(R"({"deepnex.launcher": "l1", "deepnex.name": "w0"})"));
