@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -27,8 +28,14 @@ namespace {
 
 // The controllers a container's cgroup joins on v1, each its own hierarchy
 // (some may be co-mounted and share a directory). freezer is optional: it
-// only makes KillAll race-free against fork.
-const char* const kV1Controllers[] = {"cpu", "cpuacct", "memory", "pids", "freezer"};
+// only makes KillAll race-free against fork; devices only matters with
+// gpu_minors.
+const char* const kV1Controllers[] = {"cpu", "cpuacct", "memory", "pids", "freezer", "devices"};
+// The NVIDIA driver's character device major; GPUs are minors below those
+// of its control nodes (nvidia-modeset 254, nvidiactl 255), which every CUDA
+// process opens.
+constexpr int kNvidiaMajor = 195;
+constexpr int kNvidiaControlMinors[] = {254, 255};
 const char* const kRequired[] = {"cpu", "memory", "pids"};
 
 // Where this process's cgroups are: per controller, the absolute directory
@@ -242,6 +249,26 @@ absl::Status ApplyLimits(const std::string& path, const CgroupLimits& limits) {
       if (Exists(mem + "/memory.memsw.limit_in_bytes")) {
         DEEPNEX_RETURN_IF_ERROR(WriteFile(mem + "/memory.memsw.limit_in_bytes", bytes));
       }
+    }
+  }
+  if (limits.gpu_minors) {
+    if (v2) {
+      return absl::FailedPreconditionError(
+          "restricting GPU device nodes needs the cgroup v1 devices controller");
+    }
+    const std::string dev = DirOf(path, "devices");
+    if (dev.empty()) {
+      return absl::FailedPreconditionError(
+          "restricting GPU device nodes needs the cgroup v1 devices controller, which is not "
+          "mounted");
+    }
+    // The cgroup inherits allow-all, where an allow entry cannot punch a
+    // hole into a wider deny: deny each GPU minor that was not granted.
+    const std::vector<int>& granted = *limits.gpu_minors;
+    for (int minor = 0; minor < kNvidiaControlMinors[0]; ++minor) {
+      if (std::find(granted.begin(), granted.end(), minor) != granted.end()) continue;
+      DEEPNEX_RETURN_IF_ERROR(WriteFile(dev + "/devices.deny",
+                                        absl::StrCat("c ", kNvidiaMajor, ":", minor, " rwm")));
     }
   }
   if (limits.pids > 0) {

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,11 @@ struct CgroupLimits {
   double cpus = 0;          // 0: unlimited
   uint64_t memory = 0;      // bytes; 0: unlimited (swap is limited alike)
   int64_t pids = 0;         // 0: unlimited
+  // Set: of the NVIDIA GPU device nodes (/dev/nvidiaN, major 195) only
+  // these minors may be opened, besides nvidiactl; unset: no restriction.
+  // v1 only (v2 controls devices with eBPF programs, which this does not
+  // load): on v2 a set value is FailedPrecondition.
+  std::optional<std::vector<int>> gpu_minors;
 };
 
 // One container's cgroup, `path` relative to each controller's root as this

@@ -270,6 +270,12 @@ class ProcessBackend : public Backend {
     std::unique_ptr<Cgroup> cgroup;
     if (cgroups_.ok()) {
       CgroupLimits limits{spec.cpus, spec.memory, spec.pids_limit};
+      // The grant's GPUs only (index = the device node's minor, as
+      // nvidia-smi numbers them); without an allocation GPUs are not managed.
+      if (spec.allocation) {
+        limits.gpu_minors.emplace();
+        for (const gpu::GrantedGpu& g : spec.allocation->gpus) limits.gpu_minors->push_back(g.index);
+      }
       DEEPNEX_ASSIGN_OR_RETURN(
           cgroup, Cgroup::Create(cgroup_parent_ + "/" + context.run_name, limits));
     }

@@ -3,6 +3,7 @@
 // of the launch issue.
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -66,6 +67,12 @@ class LaunchContract : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     fixture_ = FixtureFor(GetParam());
     if (!fixture_.skip.empty()) GTEST_SKIP() << GetParam() << ": " << fixture_.skip;
+    // "EnvAsGranted/slurm" -> "EnvAsGranted".
+    std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    name = name.substr(0, name.find('/'));
+    if (auto it = fixture_.unsupported.find(name); it != fixture_.unsupported.end()) {
+      GTEST_SKIP() << GetParam() << ": " << it->second;
+    }
     auto launcher = Launcher::Create(fixture_.options);
     ASSERT_THAT(launcher, IsOk());
     launcher_ = std::move(*launcher);
@@ -122,7 +129,7 @@ TEST_P(LaunchContract, EnvAsGranted) {
   ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(kWait));
   EXPECT_TRUE(e.ok()) << e.ToString();
   ASSERT_OK_AND_ASSIGN(std::string logs, h->Logs());
-  EXPECT_EQ(logs, "C=0,1 N=GPU-test-0,GPU-test-1 F=bar baz\n");
+  EXPECT_EQ(logs, fixture_.granted_gpu_env + " F=bar baz\n");
 }
 
 TEST_P(LaunchContract, StopEndsItSignaled) {
@@ -533,6 +540,26 @@ TEST_F(ProcessLauncherTest, UsageAsMetrics) {
                 ->value(),
             0.05);
   ASSERT_THAT(h->Stop(0ms), IsOk());
+}
+
+// Device nodes of a driver that is not loaded: opening an allowed one fails
+// with ENXIO, a denied one with EPERM from the devices cgroup.
+TEST_F(ProcessLauncherTest, OnlyTheGrantedGpuDeviceNodes) {
+  for (int i = 0; i < 3; ++i) {
+    const std::string node = scratch_.path() + "/nvidia" + std::to_string(i);
+    if (mknod(node.c_str(), S_IFCHR | 0666, makedev(195, i)) != 0) {
+      GTEST_SKIP() << "cannot mknod " << node << ": " << strerror(errno);
+    }
+  }
+  const std::string script = "for i in 0 1 2; do cat " + scratch_.path() + "/nvidia$i 2>&1 | grep -o 'No such device or address\\|Operation not permitted'; done";
+  ContainerSpec spec = Spec("gpus", script);
+  spec.allocation = TwoGpus("alice");
+  std::string logs;
+  Run(spec, &logs);
+  EXPECT_EQ(logs, "No such device or address\nNo such device or address\nOperation not permitted\n");
+  // No allocation: GPUs are not managed.
+  Run(Spec("any", script), &logs);
+  EXPECT_EQ(logs, "No such device or address\nNo such device or address\nNo such device or address\n");
 }
 
 TEST_F(ProcessLauncherTest, OnFailureDoesNotRestartSuccess) {
