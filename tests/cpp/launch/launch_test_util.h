@@ -18,12 +18,14 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "deepnex/launch/launcher.h"
+#include "launch/cgroup.h"
 
 namespace deepnex::launch::test {
 
@@ -35,11 +37,20 @@ struct BackendFixture {
   // An image that does not exist (the bad-input test); empty: the backend
   // has no image to be missing.
   std::string missing_image;
+  // Whether the backend enforces spec.memory here, so that a container
+  // past it ends oom_killed (the OOM test skips otherwise, with the reason).
+  bool memory_limits = true;
   // Whether the containers' cgroups are "<cgroup_parent>/<run name>" under
   // this process's cgroups, so the tests can look for leftovers there.
   bool cgroups = false;
   // Non-empty: why the backend cannot run here (the test skips with it).
   std::string skip;
+  // Contract cases that cannot hold on this backend, by test name, with why
+  // (the case skips with it).
+  std::map<std::string, std::string> unsupported;
+  // What EnvAsGranted's container prints of its GPU variables for a grant
+  // of GPUs 0 and 1.
+  std::string granted_gpu_env = "C=0,1 N=GPU-test-0,GPU-test-1";
 };
 
 inline std::string EnvOr(const char* name, const std::string& fallback = "") {
@@ -52,7 +63,8 @@ inline BackendFixture FixtureFor(const std::string& backend) {
   f.options.backend = backend;
   if (backend == "process") {
     f.missing_image = "/nonexistent/deepnex-rootfs";
-    f.cgroups = true;
+    // Without a writable cgroup tree it runs plain processes, unlimited.
+    f.cgroups = f.memory_limits = Cgroup::Usable().ok();
   } else if (backend == "oci") {
     f.missing_image = "/nonexistent/deepnex-rootfs";
     f.cgroups = true;
@@ -72,6 +84,13 @@ inline BackendFixture FixtureFor(const std::string& backend) {
     } else {
       f.options.slurm.env["SLURM_CONF"] = conf;
     }
+    // Slurm picks the GPUs and sets CUDA_VISIBLE_DEVICES itself (0,1 on the
+    // idle test cluster); the grant's UUIDs may name other GPUs, so
+    // NVIDIA_VISIBLE_DEVICES is not passed on.
+    f.granted_gpu_env = "C=0,1 N=";
+    f.unsupported["PastMemoryLimitIsOomKilled"] =
+        "the test cluster does not enforce --mem (TaskPlugin=task/none, no memory cgroup), "
+        "so nothing is OOM-killed";
   } else {
     f.skip = "no test fixture for backend \"" + backend + "\"";
   }
