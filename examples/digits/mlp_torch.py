@@ -1,0 +1,58 @@
+"""Digits classification with a PyTorch MLP, data-parallel through deepnex:
+deepnex.torch.DistributedOptimizer (parameter server: sync, ssp:S, async) or
+deepnex.torch.DistributedDataParallel (allreduce).
+
+    python3 examples/digits/mlp_torch.py --mode allreduce   # 2 workers here
+    deepnex run --workers 2 --ps 1 --mode sync -- python3 examples/digits/mlp_torch.py --mode sync
+    torchrun --nproc-per-node 2 examples/digits/mlp_torch.py --mode allreduce
+
+Each worker trains on its deepnex.data.Sharder shard of the training set;
+rank 0 prints the loss and test accuracy every epoch and a summary line.
+"""
+
+import torch
+
+import deepnex
+import deepnex.torch
+from digits_common import Progress, job_context, load_data, parse_args
+
+
+def main():
+    args = parse_args(__doc__.split("\n\n")[0], lr=0.1)
+    ctx = job_context(args, __file__)
+    torch.manual_seed(args.seed + ctx.rank)  # different on purpose: rank 0's win
+    torch.set_num_threads(1)
+    x_train, y_train, x_test, y_test = (torch.from_numpy(a) for a in load_data())
+    model = torch.nn.Sequential(torch.nn.Linear(64, args.hidden), torch.nn.ReLU(),
+                                torch.nn.Linear(args.hidden, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    if args.mode == "allreduce":
+        model = deepnex.torch.DistributedDataParallel(
+            model, communicator=deepnex.collective.Communicator.from_context(ctx))
+    else:
+        # The servers apply SGD; opt is used for zero_grad.
+        opt = deepnex.torch.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(), root_rank=0)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    sharder = deepnex.data.Sharder.from_context(len(y_train), ctx, seed=args.seed)
+    progress = Progress("digits mlp_torch", args, ctx, len(y_train))
+    for epoch in range(1, args.epochs + 1):
+        total, batches = 0.0, 0
+        for batch in sharder.batches(args.batch_size):
+            batch = torch.from_numpy(batch)
+            opt.zero_grad()
+            loss = loss_fn(model(x_train[batch]), y_train[batch])
+            loss.backward()
+            opt.step()
+            total, batches = total + loss.item(), batches + 1
+        with torch.no_grad():
+            acc = (model(x_test).argmax(dim=1) == y_test).float().mean().item()
+        if progress.report(epoch, total / batches, acc):
+            break
+    if hasattr(opt, "close"):
+        opt.close()
+    return progress.finish()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
