@@ -2,7 +2,6 @@
 shuffles (checked against an independent splitmix64 + Fisher-Yates), and
 exact resume."""
 
-import numpy as np
 import pytest
 
 import deepnex

@@ -5,7 +5,6 @@ DistributedDataParallel's bucketed allreduce and broadcast_parameters, with
 import os
 import threading
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

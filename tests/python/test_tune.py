@@ -10,7 +10,6 @@ import textwrap
 
 import pytest
 
-import deepnex
 from deepnex import tune
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
