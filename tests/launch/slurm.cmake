@@ -18,13 +18,14 @@ set_tests_properties(slurm_cluster_stop PROPERTIES FIXTURES_CLEANUP slurm TIMEOU
 # The gtest cases are only known when ctest runs (gtest_discover_tests), so a
 # file that ctest includes after the discovered tests gives every slurm case
 # the fixture and the cluster's config: all of launch_slurm_test, and the
-# contract cases of launch_test instantiated for "slurm". RESOURCE_LOCK: the
+# contract cases of launch_test instantiated for "slurm" (named
+# "Suite.Case/slurm  # GetParam() = ..."). RESOURCE_LOCK: the
 # cases count the cluster's 4 GPUs, so they run one at a time.
 set(_deepnex_slurm_props "${CMAKE_CURRENT_BINARY_DIR}/slurm_fixture.cmake")
 file(WRITE "${_deepnex_slurm_props}" "
 set(_slurm_tests \${launch_slurm_test_TESTS})
 foreach(t IN LISTS launch_test_TESTS)
-  if(t MATCHES \"/slurm$\")
+  if(t MATCHES \"/slurm( |$)\")
     list(APPEND _slurm_tests \"\${t}\")
   endif()
 endforeach()

@@ -33,6 +33,8 @@ namespace {
 
 using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
+using ::testing::AnyOf;
+using ::testing::Eq;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using namespace std::chrono_literals;
@@ -280,9 +282,12 @@ TEST_F(SlurmTest, ProcessesIgnoringSigtermAreKilledAfterKillWait) {
   ASSERT_THAT(run->Stop(0ms), IsOk());
   ExitStatus e = WaitEnd(*run);
   EXPECT_EQ(e.reason, ExitReason::kSignaled) << e.ToString();
-  EXPECT_EQ(e.signal, SIGKILL);
-  // The cluster's KillWait is 2 s; Slurm took about 5 s in all when measured.
-  EXPECT_LT(std::chrono::steady_clock::now() - stop, 15s);
+  // Slurm records SIGKILL or, racing with its own cancel, SIGTERM.
+  EXPECT_THAT(e.signal, AnyOf(Eq(SIGTERM), Eq(SIGKILL)));
+  // Not before the cluster's KillWait of 2 s; about 5 s in all when measured.
+  const auto took = std::chrono::steady_clock::now() - stop;
+  EXPECT_GE(took, 2s);
+  EXPECT_LT(took, 15s);
   EXPECT_THAT(test::ProcessesWithArg(token), IsEmpty());
 }
 
