@@ -573,6 +573,27 @@ TEST_F(ProcessLauncherTest, OnlyTheGrantedGpuDeviceNodes) {
   EXPECT_EQ(logs, "No such device or address\nNo such device or address\nNo such device or address\n");
 }
 
+TEST_F(ProcessLauncherTest, StopKillsWhatLeftTheProcessGroup) {
+  if (SkipWithoutCgroups()) GTEST_SKIP() << "needs a writable cgroup tree";
+  const std::string token = test::UniqueToken();
+  ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(Spec("escape", "setsid sleep " + token + " & wait")));
+  ASSERT_TRUE(test::WaitUntil([&] { return test::ProcessesWithArg(token).size() >= 2; }, 30s));
+  ASSERT_THAT(h->Stop(200ms), IsOk());
+  EXPECT_THAT(test::ProcessesWithArg(token), IsEmpty());
+}
+
+// A process outside any cgroup is found by the launcher id in its
+// environment.
+TEST_F(ProcessLauncherTest, CleanupFindsProcessesByTheirEnvironment) {
+  const std::string id = "envsweep" + test::UniqueToken();
+  const std::string token = test::UniqueToken();
+  ASSERT_EQ(std::system((std::string(kLauncherIdEnv) + "=" + id + " sleep " + token + " &").c_str()), 0);
+  ASSERT_TRUE(test::WaitUntil([&] { return test::ProcessesWithArg(token).size() == 1; }, 10s));
+  ASSERT_OK_AND_ASSIGN(int swept, launcher_->Cleanup(id));
+  EXPECT_EQ(swept, 1);
+  EXPECT_TRUE(test::WaitUntil([&] { return test::ProcessesWithArg(token).empty(); }, 5s));
+}
+
 TEST_F(ProcessLauncherTest, OnFailureDoesNotRestartSuccess) {
   ContainerSpec spec = Spec("fine", "exit 0");
   ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("on-failure:3"));
