@@ -10,16 +10,17 @@ Each worker trains on its deepnex.data.Sharder shard of the training set;
 rank 0 prints the loss and test accuracy every epoch and a summary line.
 """
 
-import torch
-
 import deepnex
-import deepnex.torch
 from digits_common import Progress, job_context, load_data, parse_args
 
 
 def main():
     args = parse_args(__doc__.split("\n\n")[0], lr=0.1)
     ctx = job_context(args, __file__)
+    # Imported here: the process that only starts the workers does without.
+    import torch
+
+    import deepnex.torch
     torch.manual_seed(args.seed + ctx.rank)  # different on purpose: rank 0's win
     torch.set_num_threads(1)
     x_train, y_train, x_test, y_test = (torch.from_numpy(a) for a in load_data())
