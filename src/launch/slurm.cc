@@ -147,9 +147,18 @@ class SlurmClient {
       std::pair<std::string, std::string> kv = absl::StrSplit(*e, absl::MaxSplits('=', 1));
       env.insert(kv);
     }
-    std::map<std::string, std::string> submit_env = options.env;
-    if (auto conf = env.find("SLURM_CONF"); conf != env.end()) submit_env.insert(*conf);
     for (const auto& [k, v] : options.env) env[k] = v;
+    std::map<std::string, std::string> submit_env = options.env;
+    if (auto conf = env.find("SLURM_CONF"); conf != env.end()) {
+      // Slurm's commands take about a minute to give up on a config file
+      // that is not there.
+      struct stat st;
+      if (stat(conf->second.c_str(), &st) != 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("slurm: SLURM_CONF=", conf->second, " does not exist"));
+      }
+      submit_env.insert(*conf);
+    }
     for (const auto& [k, v] : env) client->env_.push_back(k + "=" + v);
     for (const auto& [k, v] : submit_env) client->submit_env_.push_back(k + "=" + v);
     return client;
@@ -171,22 +180,25 @@ class SlurmClient {
   // Its stdout, or FailedPrecondition naming the command line and its stderr.
   absl::StatusOr<std::string> Call(const std::string& tool,
                                    const std::vector<std::string>& args) const {
-    DEEPNEX_ASSIGN_OR_RETURN(CommandResult r, Run(tool, args));
-    if (!r.ok()) return absl::FailedPreconditionError(DescribeFailure(Argv(tool, args), r));
-    return r.out;
+    return Output(Argv(tool, args), env_);
   }
 
   // sbatch, whose environment becomes the job's: only the options' env
   // (and SLURM_CONF) goes in.
   absl::StatusOr<std::string> Submit(const std::vector<std::string>& args) const {
-    std::vector<std::string> argv = Argv("sbatch", args);
-    DEEPNEX_ASSIGN_OR_RETURN(CommandResult r, RunCommand(argv, submit_env_, kCommandTimeout));
-    if (!r.ok()) return absl::FailedPreconditionError(DescribeFailure(argv, r));
-    return r.out;
+    return Output(Argv("sbatch", args), submit_env_);
   }
 
  private:
   SlurmClient() = default;
+
+  static absl::StatusOr<std::string> Output(const std::vector<std::string>& argv,
+                                            const std::vector<std::string>& env) {
+    DEEPNEX_ASSIGN_OR_RETURN(CommandResult r, RunCommand(argv, env, kCommandTimeout));
+    if (!r.ok()) return absl::FailedPreconditionError(DescribeFailure(argv, r));
+    return r.out;
+  }
+
   std::map<std::string, std::string> tools_;
   std::vector<std::string> env_;
   std::vector<std::string> submit_env_;
@@ -223,7 +235,8 @@ class SlurmRun : public Run {
     }
   }
 
-  // scancel of a job that has ended succeeds too.
+  // `grace` is the cluster's KillWait (see the top of this file). scancel
+  // of a job that has ended succeeds too.
   absl::Status Stop(std::chrono::milliseconds) override {
     if (Ended()) return absl::OkStatus();
     return client_->Call("scancel", {job_id_}).status();
@@ -427,28 +440,14 @@ class SlurmBackend : public Backend {
 absl::StatusOr<std::unique_ptr<Backend>> MakeSlurmBackend(const LauncherOptions& options) {
   DEEPNEX_ASSIGN_OR_RETURN(std::shared_ptr<const SlurmClient> client,
                            SlurmClient::Create(options.slurm));
-  // Slurm's commands take about a minute to give up on a config file that
-  // is not there.
-  auto conf = options.slurm.env.find("SLURM_CONF");
-  const char* own_conf = getenv("SLURM_CONF");
-  const std::string conf_path = conf != options.slurm.env.end() ? conf->second
-                                : own_conf != nullptr         ? own_conf
-                                                              : "";
-  struct stat st;
-  if (!conf_path.empty() && stat(conf_path.c_str(), &st) != 0) {
+  absl::StatusOr<std::string> listed = client->Call("sinfo", {"-h", "-o", "%R"});
+  if (!listed.ok()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("slurm: SLURM_CONF=", conf_path, " does not exist"));
-  }
-  absl::StatusOr<CommandResult> r = client->Run("sinfo", {"-h", "-o", "%R"});
-  if (!r.ok() || !r->ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "slurm: the controller does not answer: ",
-        r.ok() ? DescribeFailure(client->Argv("sinfo", {"-h", "-o", "%R"}), *r)
-               : r.status().message()));
+        absl::StrCat("slurm: the controller does not answer: ", listed.status().message()));
   }
   if (!options.slurm.partition.empty()) {
     std::vector<std::string> partitions =
-        absl::StrSplit(absl::StripAsciiWhitespace(r->out), '\n', absl::SkipEmpty());
+        absl::StrSplit(absl::StripAsciiWhitespace(*listed), '\n', absl::SkipEmpty());
     if (std::find(partitions.begin(), partitions.end(), options.slurm.partition) ==
         partitions.end()) {
       return absl::FailedPreconditionError(
