@@ -1,0 +1,444 @@
+// The oci backend against real runc containers: the bundle it writes, and
+// what a process inside sees and suffers (env, devices, read-only root, no
+// new privileges, OOM kill, Stop of a whole process tree, Cleanup), plus
+// images from a rootfs directory and from an OCI image layout.
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "launch/backend.h"
+#include "launch/cgroup.h"
+#include "launch/util.h"
+#include "test_matchers.h"
+
+namespace deepnex::launch {
+namespace {
+
+using ::deepnex::test::IsOk;
+using ::deepnex::test::StatusIs;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Runs a bash script; its exit status.
+int Bash(const std::string& script) {
+  return system(("bash -euc '" + script + "' >/dev/null 2>&1").c_str());
+}
+
+// The ids of the containers in runc root `root`.
+std::vector<std::string> RuncIds(const std::string& root) {
+  std::string ids;
+  FILE* p = popen(("runc --root " + root + " list -q 2>/dev/null").c_str(), "r");
+  char buf[256];
+  while (p != nullptr && fgets(buf, sizeof buf, p) != nullptr) ids += buf;
+  if (p != nullptr) pclose(p);
+  return absl::StrSplit(ids, '\n', absl::SkipEmpty());
+}
+
+class OciTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/deepnex-oci-test-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    options_.backend = "oci";
+    options_.state_dir = dir_ + "/state";
+    options_.id = "ocitest" + RandomHex(4);
+    options_.cgroup_parent = "deepnex-oci-test";
+    fs::create_directories(options_.state_dir);
+    absl::StatusOr<std::unique_ptr<Backend>> backend = MakeOciBackend(options_);
+    if (absl::IsFailedPrecondition(backend.status())) {
+      GTEST_SKIP() << "oci backend not usable here: " << backend.status().message();
+    }
+    ASSERT_THAT(backend, IsOk());
+    backend_ = std::move(*backend);
+  }
+
+  void TearDown() override {
+    runs_.clear();  // kills what still runs, deletes the containers
+    if (backend_ != nullptr) {
+      EXPECT_THAT(backend_->Cleanup(options_.id), IsOk());
+      EXPECT_THAT(RuncIds(options_.state_dir + "/runc"), ElementsAre());
+      EXPECT_THAT(OurCgroups(), ElementsAre());
+      // The shared parent goes when empty; a test running beside keeps it.
+      absl::StatusOr<std::unique_ptr<Cgroup>> parent = Cgroup::Open(options_.cgroup_parent);
+      if (parent.ok() && Cgroup::Children(options_.cgroup_parent).empty()) {
+        (*parent)->Remove().IgnoreError();
+      }
+    }
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+
+  std::vector<std::string> OurCgroups() {
+    std::vector<std::string> ours;
+    for (const std::string& c : Cgroup::Children(options_.cgroup_parent)) {
+      if (absl::StartsWith(c, options_.id + "-")) ours.push_back(c);
+    }
+    return ours;
+  }
+
+  ContainerSpec Spec(const std::string& name, std::vector<std::string> command) {
+    ContainerSpec spec;
+    spec.name = name;
+    spec.command = std::move(command);
+    return spec;
+  }
+
+  RunContext Context(const ContainerSpec& spec) {
+    RunContext c;
+    c.launcher_id = options_.id;
+    c.run_name = RunName(options_.id, spec.name, 0);
+    c.dir = absl::StrCat(options_.state_dir, "/runs/", c.run_name);
+    fs::create_directories(c.dir);
+    c.labels = spec.labels;
+    c.labels["deepnex.launcher"] = options_.id;
+    c.labels["deepnex.name"] = spec.name;
+    return c;
+  }
+
+  // Checks and starts `spec`; the run stays owned by the fixture.
+  absl::StatusOr<launch::Run*> Start(const ContainerSpec& spec) {
+    DEEPNEX_RETURN_IF_ERROR(backend_->Check(spec));
+    RunContext context = Context(spec);
+    DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<launch::Run> run, backend_->Start(spec, context));
+    runs_.push_back(std::move(run));
+    return runs_.back().get();
+  }
+
+  // Starts `spec`, waits for its end; its exit status and output.
+  std::pair<ExitStatus, std::string> RunToEnd(const ContainerSpec& spec) {
+    absl::StatusOr<launch::Run*> run = Start(spec);
+    EXPECT_THAT(run, IsOk());
+    if (!run.ok()) return {};
+    absl::StatusOr<std::optional<ExitStatus>> end = (*run)->Wait(seconds(30));
+    EXPECT_THAT(end, IsOk());
+    EXPECT_TRUE(end.ok() && end->has_value()) << spec.name << " still runs after 30 s";
+    absl::StatusOr<std::string> logs = (*run)->Logs();
+    EXPECT_THAT(logs, IsOk());
+    return {end.ok() && end->has_value() ? **end : ExitStatus{ExitReason::kLost},
+            logs.ok() ? *logs : ""};
+  }
+
+  json Config(const ContainerSpec& spec) {
+    return json::parse(ReadFile(Context(spec).dir + "/config.json"));
+  }
+
+  std::string dir_;
+  LauncherOptions options_;
+  std::unique_ptr<Backend> backend_;
+  std::vector<std::unique_ptr<launch::Run>> runs_;
+};
+
+TEST_F(OciTest, EnvHostnameAndExitCode) {
+  ContainerSpec spec = Spec("w0", {"sh", "-c", "echo \"X=$X\"; hostname; exit 3"});
+  spec.env["X"] = "hello world";
+  auto [exit, logs] = RunToEnd(spec);
+  EXPECT_EQ(exit.ToString(), "exited(3)");
+  EXPECT_EQ(logs, "X=hello world\nw0\n");
+}
+
+TEST_F(OciTest, ReadOnlyRootWritableTmpNoNewPrivilegesFewCapabilities) {
+  auto [exit, logs] = RunToEnd(Spec(
+      "ro", {"sh", "-c",
+             "touch /x 2>/dev/null && echo root-writable; touch /tmp/y && echo tmp-ok; "
+             "echo hi >/dev/null && echo devnull-ok; grep -E '^(NoNewPrivs|CapEff)' "
+             "/proc/self/status; test -e /sys/fs/cgroup/memory || echo no-cgroupfs"}));
+  EXPECT_TRUE(exit.ok()) << exit.ToString();
+  // CapEff 0x20000420: CAP_AUDIT_WRITE, CAP_KILL, CAP_NET_BIND_SERVICE only.
+  EXPECT_EQ(logs,
+            "tmp-ok\ndevnull-ok\nCapEff:\t0000000020000420\nNoNewPrivs:\t1\nno-cgroupfs\n");
+}
+
+TEST_F(OciTest, NoGpuDevicesWithoutAGrant) {
+  auto [exit, logs] = RunToEnd(Spec("nogpu", {"sh", "-c", "ls /dev | grep -c nvidia"}));
+  EXPECT_EQ(logs, "0\n");
+}
+
+TEST_F(OciTest, OnlyTheGrantedGpusDeviceNodes) {
+  ContainerSpec spec = Spec("gpu", {"sh", "-c", "ls /dev | grep nvidia; stat -c %t:%T /dev/nvidia3"});
+  gpu::Allocation a;
+  a.user = "alice";
+  a.gpus = {{1, "GPU-a", 1 << 30, true}, {3, "GPU-b", 1 << 30, true}};
+  spec.allocation = a;
+  auto [exit, logs] = RunToEnd(spec);
+  EXPECT_TRUE(exit.ok()) << exit.ToString() << " " << logs;
+  // The nodes runc made from the config; major 195 is c3 in hex.
+  std::string expected = "nvidia1\nnvidia3\n";
+  const bool ctl = access("/dev/nvidiactl", F_OK) == 0, uvm = access("/dev/nvidia-uvm", F_OK) == 0;
+  if (uvm) expected += "nvidia-uvm\n";
+  if (ctl) expected += "nvidiactl\n";
+  EXPECT_EQ(logs, expected + "c3:3\n");
+
+  json config = Config(spec);
+  std::vector<std::string> paths;
+  for (const json& d : config["linux"]["devices"]) {
+    paths.push_back(d["path"]);
+    if (d["path"] == "/dev/nvidia1" || d["path"] == "/dev/nvidia3") {
+      EXPECT_EQ(d["type"], "c");
+      EXPECT_EQ(d["major"], 195);
+      EXPECT_EQ(d["minor"], d["path"] == "/dev/nvidia1" ? 1 : 3);
+    }
+  }
+  std::vector<std::string> want = {"/dev/nvidia1", "/dev/nvidia3"};
+  if (ctl) want.push_back("/dev/nvidiactl");
+  if (uvm) want.push_back("/dev/nvidia-uvm");
+  EXPECT_EQ(paths, want);
+  // Deny everything first, then allow the default char devices and exactly
+  // the granted GPUs among major 195.
+  const json& rules = config["linux"]["resources"]["devices"];
+  ASSERT_GE(rules.size(), 3u);
+  EXPECT_EQ(rules[0], json({{"allow", false}, {"access", "rwm"}}));
+  std::vector<int> gpu_minors;
+  for (const json& r : rules) {
+    if (r.value("major", -1) == 195) {
+      EXPECT_TRUE(r["allow"].get<bool>());
+      gpu_minors.push_back(r["minor"]);
+    }
+  }
+  std::vector<int> want_minors = {1, 3};
+  if (ctl) want_minors.push_back(255);
+  EXPECT_EQ(gpu_minors, want_minors);
+  EXPECT_THAT(rules.dump(), HasSubstr(R"({"access":"rwm","allow":true,"major":1,"minor":3,"type":"c"})"));
+}
+
+TEST_F(OciTest, BundleCarriesLimitsNamespacesAndLabels) {
+  ContainerSpec spec = Spec("cfg", {"true"});
+  spec.memory = 64 << 20;
+  spec.cpus = 0.5;
+  spec.pids_limit = 50;
+  spec.labels["team"] = "vision";
+  spec.mounts = {{dir_, "/data", true}};
+  ASSERT_THAT(Start(spec), IsOk());
+  json config = Config(spec);
+  const json& lx = config["linux"];
+  EXPECT_EQ(lx["resources"]["memory"], json({{"limit", 64 << 20}, {"swap", 64 << 20}}));
+  EXPECT_EQ(lx["resources"]["cpu"], json({{"period", 100000}, {"quota", 50000}}));
+  EXPECT_EQ(lx["resources"]["pids"], json({{"limit", 50}}));
+  EXPECT_EQ(lx["cgroupsPath"], "deepnex-oci-test/" + Context(spec).run_name);
+  EXPECT_EQ(lx["namespaces"].dump(),
+            R"([{"type":"pid"},{"type":"mount"},{"type":"uts"},{"type":"ipc"}])");
+  EXPECT_THAT(lx["maskedPaths"].dump(), HasSubstr("/proc/kcore"));
+  EXPECT_THAT(lx["readonlyPaths"].dump(), HasSubstr("/proc/sys"));
+  EXPECT_EQ(config["annotations"],
+            json({{"deepnex.launcher", options_.id}, {"deepnex.name", "cfg"}, {"team", "vision"}}));
+  EXPECT_TRUE(config["root"]["readonly"].get<bool>());
+  EXPECT_TRUE(config["process"]["noNewPrivileges"].get<bool>());
+  struct rlimit nofile;
+  getrlimit(RLIMIT_NOFILE, &nofile);
+  for (const json& r : config["process"]["rlimits"]) {
+    EXPECT_LE(r["hard"].get<uint64_t>(), nofile.rlim_max) << r.dump();
+  }
+  std::vector<std::string> targets;
+  for (const json& m : config["mounts"]) targets.push_back(m["destination"]);
+  EXPECT_THAT(targets, Not(testing::Contains("/sys/fs/cgroup")));
+  EXPECT_EQ(config["mounts"].back(),
+            json({{"destination", "/data"},
+                  {"type", "bind"},
+                  {"source", dir_},
+                  {"options", {"rbind", "nosuid", "nodev", "ro"}}}));
+}
+
+TEST_F(OciTest, NetworkNoneLeavesOnlyLoopback) {
+  ContainerSpec spec = Spec("net", {"ls", "/sys/class/net"});
+  spec.network_none = true;
+  auto [exit, logs] = RunToEnd(spec);
+  EXPECT_EQ(logs, "lo\n");
+}
+
+TEST_F(OciTest, MemoryPastTheLimitIsOomKilled) {
+  ContainerSpec spec = Spec(
+      "hog", {"python3", "-c", "b = []\nwhile True: b.append(bytearray(1 << 20))"});
+  spec.memory = 32 << 20;
+  auto [exit, logs] = RunToEnd(spec);
+  EXPECT_EQ(exit.reason, ExitReason::kOomKilled) << exit.ToString() << " " << logs;
+  EXPECT_EQ(exit.signal, SIGKILL);
+  ASSERT_OK_AND_ASSIGN(Usage usage, runs_.back()->Usage());
+  EXPECT_GE(usage.memory_peak, 30u << 20);
+  EXPECT_LE(usage.memory_peak, 32u << 20);
+}
+
+TEST_F(OciTest, StopEndsTheWholeTreeWithTerm) {
+  ASSERT_OK_AND_ASSIGN(launch::Run * run, Start(Spec("tree", {"sh", "-c", "sleep 1000 & sleep 1000 & wait"})));
+  ASSERT_OK_AND_ASSIGN(std::optional<ExitStatus> early, run->Wait(milliseconds(200)));
+  EXPECT_FALSE(early.has_value());
+  ASSERT_OK_AND_ASSIGN(Usage usage, run->Usage());
+  EXPECT_EQ(usage.pids, 3);
+  ASSERT_OK_AND_ASSIGN(auto cg, Cgroup::Open(options_.cgroup_parent + "/" + run->id()));
+  EXPECT_EQ(cg->Processes().size(), 3u);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_THAT(run->Stop(seconds(20)), IsOk());
+  ASSERT_OK_AND_ASSIGN(std::optional<ExitStatus> end, run->Wait(seconds(10)));
+  ASSERT_TRUE(end.has_value());
+  // The sleeps die of the TERM, then sh's wait returns: no KILL needed.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, seconds(10));
+  EXPECT_EQ(end->ToString(), "exited(0)");
+  EXPECT_THAT(cg->Processes(), ElementsAre());
+}
+
+TEST_F(OciTest, StopKillsATreeThatIgnoresTerm) {
+  ASSERT_OK_AND_ASSIGN(launch::Run * run, Start(Spec("stubborn", {"sh", "-c",
+                                                         "trap \"\" TERM; sleep 1000 & "
+                                                         "sleep 1000 & wait"})));
+  ASSERT_OK_AND_ASSIGN(auto cg, Cgroup::Open(options_.cgroup_parent + "/" + run->id()));
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_THAT(run->Stop(milliseconds(300)), IsOk());
+  ASSERT_THAT(run->Stop(milliseconds(300)), IsOk());  // idempotent
+  ASSERT_OK_AND_ASSIGN(std::optional<ExitStatus> end, run->Wait(seconds(10)));
+  ASSERT_TRUE(end.has_value());
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, milliseconds(300));
+  EXPECT_EQ(end->ToString(), "signaled(SIGKILL)");
+  EXPECT_THAT(cg->Processes(), ElementsAre());
+  EXPECT_THAT(run->Remove(), IsOk());
+  EXPECT_THAT(Cgroup::Open(options_.cgroup_parent + "/" + run->id()),
+              StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(RuncIds(options_.state_dir + "/runc"), ElementsAre());
+}
+
+TEST_F(OciTest, CleanupSweepsWhatACrashedLauncherLeft) {
+  // A launcher process that starts two containers and dies without a word.
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto backend = MakeOciBackend(options_);
+    if (!backend.ok()) _exit(2);
+    for (const char* name : {"a", "b"}) {
+      ContainerSpec spec = Spec(name, {"sleep", "1000"});
+      auto run = (*backend)->Start(spec, Context(spec));
+      if (!run.ok()) _exit(3);
+      run->release();
+    }
+    kill(getpid(), SIGKILL);
+  }
+  int status;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "the child launcher failed: " << status;
+  EXPECT_EQ(RuncIds(options_.state_dir + "/runc").size(), 2u);
+  EXPECT_EQ(OurCgroups().size(), 2u);
+  ASSERT_OK_AND_ASSIGN(int others, backend_->Cleanup("someone-else"));
+  EXPECT_EQ(others, 0);
+  ASSERT_OK_AND_ASSIGN(int swept, backend_->Cleanup(options_.id));
+  EXPECT_EQ(swept, 2);
+  EXPECT_THAT(RuncIds(options_.state_dir + "/runc"), ElementsAre());
+  EXPECT_THAT(OurCgroups(), ElementsAre());
+  // The bundles went too.
+  EXPECT_FALSE(fs::exists(options_.state_dir + "/runs/" + RunName(options_.id, "a", 0)));
+}
+
+TEST_F(OciTest, BadImagesAndCommands) {
+  ContainerSpec spec = Spec("bad", {"true"});
+  spec.image = dir_ + "/no-such-image";
+  EXPECT_THAT(backend_->Check(spec),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr(dir_ + "/no-such-image")));
+  spec.image = "busybox:latest";
+  EXPECT_THAT(backend_->Check(spec),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("busybox:latest")));
+  spec.image = "host";
+  spec.command = {"no-such-command-xyz"};
+  EXPECT_THAT(backend_->Check(spec),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no-such-command-xyz")));
+  // On the host, not in the host image: /root is not bound in.
+  const std::string script = dir_ + "/tool.sh";
+  ASSERT_EQ(Bash("printf \"#!/bin/sh\\necho tool\\n\" > " + script + "; chmod +x " + script), 0);
+  spec.command = {script};
+  EXPECT_THAT(backend_->Check(spec), StatusIs(absl::StatusCode::kNotFound, HasSubstr(script)));
+  // ...unless a mount brings it in.
+  spec.mounts = {{dir_, "/work", true}};
+  spec.command = {"/work/tool.sh"};
+  EXPECT_THAT(backend_->Check(spec), IsOk());
+  auto [exit, logs] = RunToEnd(spec);
+  EXPECT_EQ(logs, "tool\n");
+}
+
+// A one-binary rootfs: busybox-static and links for the applets the tests use.
+absl::Status MakeBusyboxRootfs(const std::string& dir) {
+  if (access("/bin/busybox", X_OK) != 0) {
+    return absl::FailedPreconditionError("/bin/busybox (busybox-static) is not installed");
+  }
+  if (Bash("mkdir -p " + dir + "/bin && cp /bin/busybox " + dir +
+           "/bin/ && for a in sh ls cat; do ln -s busybox " + dir + "/bin/$a; done") != 0) {
+    return absl::InternalError("cannot make " + dir);
+  }
+  return absl::OkStatus();
+}
+
+TEST_F(OciTest, RootfsDirectoryImage) {
+  const std::string rootfs = dir_ + "/rootfs";
+  absl::Status made = MakeBusyboxRootfs(rootfs);
+  if (absl::IsFailedPrecondition(made)) GTEST_SKIP() << made.message();
+  ASSERT_THAT(made, IsOk());
+  ContainerSpec spec = Spec("bb", {"sh", "-c", "echo in-busybox; test -e /usr/bin/python3 || echo no-python"});
+  spec.image = rootfs;
+  spec.env["PATH"] = "/bin";
+  auto [exit, logs] = RunToEnd(spec);
+  EXPECT_EQ(logs, "in-busybox\nno-python\n");
+  spec.command = {"python3"};
+  EXPECT_THAT(backend_->Check(spec), StatusIs(absl::StatusCode::kNotFound, HasSubstr("PATH=/bin")));
+}
+
+TEST_F(OciTest, OciImageLayoutWithWhiteouts) {
+  const std::string base = dir_ + "/layer1", top = dir_ + "/layer2", layout = dir_ + "/layout";
+  absl::Status made = MakeBusyboxRootfs(base);
+  if (absl::IsFailedPrecondition(made)) GTEST_SKIP() << made.message();
+  ASSERT_THAT(made, IsOk());
+  // Layer 1: busybox, /etc/old, /var/cache/x; layer 2 (gzipped): /etc/new,
+  // deletes /etc/old, makes /var/cache opaque.
+  const std::string script = absl::StrCat(
+      "B=", base, "; T=", top, "; L=", layout, "\n",
+      R"(mkdir -p $B/etc $B/var/cache $T/etc $T/var/cache $L/blobs/sha256
+echo old > $B/etc/old; echo x > $B/var/cache/x
+echo new > $T/etc/new; : > $T/etc/.wh.old; : > $T/var/cache/.wh..wh..opq; echo y > $T/var/cache/y
+blob() { d=$(sha256sum "$1" | cut -d" " -f1); mv "$1" $L/blobs/sha256/$d; echo $d; }
+tar -C $B -cf $L/l1 .; l1=$(blob $L/l1); s1=$(stat -c %s $L/blobs/sha256/$l1)
+tar -C $T -czf $L/l2 .; l2=$(blob $L/l2); s2=$(stat -c %s $L/blobs/sha256/$l2)
+echo "{}" > $L/c; c=$(blob $L/c)
+printf "{\"schemaVersion\":2,\"mediaType\":\"application/vnd.oci.image.manifest.v1+json\",\"config\":{\"mediaType\":\"application/vnd.oci.image.config.v1+json\",\"digest\":\"sha256:%s\",\"size\":3},\"layers\":[{\"mediaType\":\"application/vnd.oci.image.layer.v1.tar\",\"digest\":\"sha256:%s\",\"size\":%s},{\"mediaType\":\"application/vnd.oci.image.layer.v1.tar+gzip\",\"digest\":\"sha256:%s\",\"size\":%s}]}" $c $l1 $s1 $l2 $s2 > $L/m
+m=$(blob $L/m)
+printf "{\"schemaVersion\":2,\"manifests\":[{\"mediaType\":\"application/vnd.oci.image.manifest.v1+json\",\"digest\":\"sha256:%s\",\"size\":1}]}" $m > $L/index.json
+echo "{\"imageLayoutVersion\":\"1.0.0\"}" > $L/oci-layout)");
+  ASSERT_EQ(Bash(script), 0);
+  ContainerSpec spec = Spec("layout", {"sh", "-c", "ls /etc /var/cache; cat /etc/new"});
+  spec.image = layout;
+  spec.env["PATH"] = "/bin";
+  auto [exit, logs] = RunToEnd(spec);
+  EXPECT_TRUE(exit.ok()) << exit.ToString() << " " << logs;
+  EXPECT_EQ(logs, "/etc:\nnew\n\n/var/cache:\ny\nnew\n");
+  // Unpacked once, under the state dir, keyed by the manifest digest.
+  int unpacked = 0;
+  for (const auto& e : fs::directory_iterator(options_.state_dir + "/oci/images")) {
+    EXPECT_TRUE(absl::StartsWith(e.path().filename().string(), "sha256-")) << e.path();
+    ++unpacked;
+  }
+  EXPECT_EQ(unpacked, 1);
+  spec.command = {"python3"};
+  EXPECT_THAT(backend_->Check(spec), StatusIs(absl::StatusCode::kNotFound));
+}
+
+}  // namespace
+}  // namespace deepnex::launch
