@@ -59,7 +59,18 @@ def _live(record):
 
 
 def _size(n):
+    """A limit, exactly ("256MiB")."""
     return _C.format_byte_size(int(n)) if n else "-"
+
+
+def _amount(n):
+    """A measured size, to three figures ("12.3MiB")."""
+    if not n:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f}{unit}" if unit == "B" or n >= 100 else f"{n:.3g}{unit}"
+        n /= 1024
 
 
 def rows(records):
@@ -73,7 +84,7 @@ def rows(records):
             r.get("name", "?"), r.get("backend", "?"), state, str(r.get("restarts", 0)), gpus,
             f"{cpus:g}" if cpus else "-", _size(r.get("memory", 0)),
             f"{u.get('cpu_seconds', 0):.2f}",
-            f"{_size(u.get('memory', 0))}/{_size(u.get('memory_peak', 0))}",
+            f"{_amount(u.get('memory', 0))}/{_amount(u.get('memory_peak', 0))}",
             r.get("last_exit", "-")))
     return out
 
