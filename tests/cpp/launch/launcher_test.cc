@@ -594,6 +594,16 @@ TEST_F(ProcessLauncherTest, CleanupFindsProcessesByTheirEnvironment) {
   EXPECT_TRUE(test::WaitUntil([&] { return test::ProcessesWithArg(token).empty(); }, 5s));
 }
 
+TEST_F(ProcessLauncherTest, BackoffDoublesPerRestart) {
+  ContainerSpec spec = Spec("backoff", "exit 1");
+  ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("on-failure:3"));
+  spec.restart.backoff = 100ms;
+  const auto start = std::chrono::steady_clock::now();
+  ExitStatus e = Run(spec);
+  EXPECT_EQ(e.restarts, 3);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 100ms + 200ms + 400ms);
+}
+
 TEST_F(ProcessLauncherTest, OnFailureDoesNotRestartSuccess) {
   ContainerSpec spec = Spec("fine", "exit 0");
   ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("on-failure:3"));
