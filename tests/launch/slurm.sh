@@ -134,9 +134,11 @@ start() {
   # batch_sched_delay=0: schedule a batch job at submit, not up to 3 s later.
   # config_overrides: 8 CPUs on a smaller machine, so that CPU cores never
   # keep a test's jobs pending; nothing enforces them (task/none).
+  # 127.0.0.1: the host name need not resolve. KillWait=2: scancel'd
+  # processes that ignore SIGTERM get SIGKILL after 2 s, not 30.
   cat >"$dir/slurm.conf" <<EOF
 ClusterName=ci
-SlurmctldHost=$host
+SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=${ports[0]}
 SlurmdPort=${ports[1]}
 SlurmUser=root
@@ -160,7 +162,7 @@ ReturnToService=2
 SchedulerParameters=batch_sched_delay=0
 SlurmdParameters=config_overrides
 KillWait=2
-NodeName=$host CPUs=8 RealMemory=2000 Gres=gpu:4 State=UNKNOWN
+NodeName=$host NodeAddr=127.0.0.1 CPUs=8 RealMemory=2000 Gres=gpu:4 State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF
   cat >"$dir/gres.conf" <<EOF
