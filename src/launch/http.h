@@ -133,7 +133,8 @@ class HttpClient {
 std::string UrlEncode(const std::string& text);
 
 // Reading JSON replies without exceptions: `j[key]` when `j` is an object
-// that has it, else null.
+// that has it, else null. The reference lives as long as `j`: never pass a
+// temporary.
 const nlohmann::json& JsonField(const nlohmann::json& j, const std::string& key);
 // `j[key]` as a T (bool, a number or std::string) when it has that type,
 // else `fallback`.

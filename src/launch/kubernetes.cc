@@ -515,7 +515,8 @@ class KubernetesRun : public Run {
         std::string listed,
         http_->Call("GET", absl::StrCat("/api/v1/namespaces/", ns_, "/pods?labelSelector=",
                                         UrlEncode("job-name=" + name_))));
-    const json& items = JsonField(json::parse(listed, nullptr, false), "items");
+    const json list = json::parse(listed, nullptr, false);
+    const json& items = JsonField(list, "items");
     if (!items.is_array() || items.empty()) return std::string();
     std::lock_guard<std::mutex> lock(mu_);
     pod_ = JsonValue<std::string>(JsonField(items[0], "metadata"), "name", "");
@@ -555,8 +556,8 @@ class KubernetesRun : public Run {
       } else if (j->status != 200) {
         return http_->ErrorFor("GET", JobPath(), *j);
       } else {
-        const json& conditions =
-            JsonField(JsonField(json::parse(j->body, nullptr, false), "status"), "conditions");
+        const json job = json::parse(j->body, nullptr, false);
+        const json& conditions = JsonField(JsonField(job, "status"), "conditions");
         for (const json& c : conditions.is_array() ? conditions : json::array()) {
           if (JsonValue<std::string>(c, "type", "") == "Failed" &&
               JsonValue<std::string>(c, "status", "") == "True") {
@@ -646,7 +647,8 @@ class KubernetesBackend : public Backend {
     DEEPNEX_ASSIGN_OR_RETURN(
         std::string listed,
         http_->Call("GET", collection + "?labelSelector=" + UrlEncode(selector)));
-    const json& items = JsonField(json::parse(listed, nullptr, false), "items");
+    const json list = json::parse(listed, nullptr, false);
+    const json& items = JsonField(list, "items");
     int deleted = 0;
     for (const json& item : items.is_array() ? items : json::array()) {
       const std::string name = JsonValue<std::string>(JsonField(item, "metadata"), "name", "");

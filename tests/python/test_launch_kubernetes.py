@@ -1,0 +1,632 @@
+"""deepnex.launch's kubernetes backend against an API server played by the
+test (no kube-apiserver is packaged here): an HTTP server on 127.0.0.1 that
+checks paths, verbs and the bearer token, validates every manifest it gets
+against the Kubernetes models of python3-kubernetes, and runs pods through
+Pending -> Running -> Succeeded/Failed as each test scripts them."""
+
+import base64
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import deepnex
+from deepnex import launch
+
+kubernetes = pytest.importorskip("kubernetes", reason="python3-kubernetes validates the manifests")
+
+TOKEN = "t0ken"
+MiB = 1 << 20
+
+# ---------------------------------------------------------------------------
+# Offline manifest validation against the Kubernetes models.
+
+_PRIMITIVES = {"str": str, "int": int, "bool": bool, "float": (int, float)}
+
+
+def build_model(value, type_name, where):
+    """`value` (parsed JSON) as the python3-kubernetes model `type_name`.
+
+    Walks each model's openapi_types and attribute_map, so that a field the
+    model does not have fails (the models' own deserializer drops it
+    silently); constructing the model fails on a missing required field.
+    """
+    if type_name in _PRIMITIVES:
+        ok = isinstance(value, _PRIMITIVES[type_name]) and not (
+            type_name != "bool" and isinstance(value, bool))
+        assert ok, f"{where}: expected {type_name}, got {value!r}"
+        return value
+    if type_name in ("object", "datetime", "date"):
+        return value
+    if type_name.startswith("list["):
+        assert isinstance(value, list), f"{where}: expected a list, got {value!r}"
+        inner = type_name[5:-1]
+        return [build_model(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if type_name.startswith("dict("):
+        assert isinstance(value, dict), f"{where}: expected an object, got {value!r}"
+        inner = type_name[5:-1].split(", ", 1)[1]
+        return {k: build_model(v, inner, f"{where}.{k}") for k, v in value.items()}
+    cls = getattr(kubernetes.client, type_name)
+    assert isinstance(value, dict), f"{where}: expected a {type_name} object, got {value!r}"
+    by_json = {v: k for k, v in cls.attribute_map.items()}
+    unknown = sorted(set(value) - set(by_json))
+    assert not unknown, f"{where}: {type_name} has no field {unknown}"
+    kwargs = {by_json[k]: build_model(v, cls.openapi_types[by_json[k]], f"{where}.{k}")
+              for k, v in value.items()}
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a required field is missing
+        raise AssertionError(f"{where}: {e}") from None
+
+
+def test_validator_rejects_unknown_and_missing_fields():
+    good = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+            "spec": {"containers": [{"name": "main", "image": "busybox"}]}}
+    build_model(good, "V1Pod", "pod")
+    with pytest.raises(AssertionError, match=r"pod.spec.containers\[0\]: V1Container has no field \['imagee'\]"):
+        build_model({**good, "spec": {"containers": [{"name": "main", "imagee": "x"}]}},
+                    "V1Pod", "pod")
+    with pytest.raises(AssertionError, match="must not be `None`"):
+        build_model({**good, "spec": {"containers": [{"image": "busybox"}]}}, "V1Pod", "pod")
+    with pytest.raises(AssertionError, match="expected int"):
+        build_model({"backoffLimit": "0", "template": {}}, "V1JobSpec", "job.spec")
+
+
+# ---------------------------------------------------------------------------
+# The fake API server.
+
+def selector_matches(selector, labels):
+    for term in filter(None, (selector or "").split(",")):
+        if term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif "=" in term:
+            k, v = term.split("=", 1)
+            if labels.get(k) != v:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+class Outcome:
+    """How a scripted pod ends: after `running_polls` GETs in Running, with
+    `exit_code` and `reason` (None: it runs until deleted); `phase_only`:
+    the pod fails without a container status (eviction)."""
+
+    def __init__(self, exit_code=0, reason=None, logs="", running_polls=1, forever=False,
+                 phase_only=None):
+        self.exit_code = exit_code
+        self.reason = reason or ("Completed" if exit_code == 0 else "Error")
+        self.logs = logs
+        self.running_polls = running_polls
+        self.forever = forever
+        self.phase_only = phase_only
+
+
+class FakeApiServer:
+    def __init__(self, tls_cert=None, tls_key=None):
+        self.lock = threading.Lock()
+        self.pods = {}       # (namespace, name) -> pod
+        self.jobs = {}       # (namespace, name) -> job
+        self.polls = {}      # (namespace, pod name) -> GETs so far
+        self.outcomes = {}   # pod name (a job's: the job's name) -> Outcome
+        self.requests = []   # (method, path, query, body)
+        self.errors = []     # what the server refused; a test fails on any
+        server = self
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), type(
+            "Handler", (_Handler,), {"api": server}))
+        self.scheme = "http"
+        if tls_cert:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(tls_cert, tls_key)
+            self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
+            self.scheme = "https"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self):
+        return f"{self.scheme}://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=10)
+
+    def sent(self, method, path_part=""):
+        with self.lock:
+            return [r for r in self.requests if r[0] == method and path_part in r[1]]
+
+    # -- object lifecycle --------------------------------------------------
+
+    def add_pod(self, namespace, pod, owner_job=None):
+        meta = pod["metadata"]
+        meta.setdefault("namespace", namespace)
+        meta["uid"] = f"uid-{meta['name']}"
+        if owner_job:
+            meta.setdefault("labels", {})["job-name"] = owner_job
+            meta["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job",
+                                        "name": owner_job, "uid": f"uid-{owner_job}"}]
+        pod["status"] = {"phase": "Pending", "containerStatuses": [{
+            "name": "main", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
+            "state": {"waiting": {"reason": "ContainerCreating"}}}]}
+        self.pods[(namespace, meta["name"])] = pod
+
+    def advance(self, namespace, name):
+        """One GET's worth of progress for the pod."""
+        pod = self.pods[(namespace, name)]
+        n = self.polls.get((namespace, name), 0) + 1
+        self.polls[(namespace, name)] = n
+        job = pod["metadata"].get("labels", {}).get("job-name")
+        outcome = self.outcomes.get(job or name) or Outcome()
+        status = pod["status"]
+        if n == 1:
+            return  # still Pending
+        if outcome.phase_only:
+            status["phase"] = outcome.phase_only
+            status["reason"] = "Evicted"
+            status.pop("containerStatuses", None)
+        elif outcome.forever or n <= 1 + outcome.running_polls:
+            status["phase"] = "Running"
+            status["containerStatuses"][0]["state"] = {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
+        else:
+            status["phase"] = "Succeeded" if outcome.exit_code == 0 else "Failed"
+            status["containerStatuses"][0]["state"] = {"terminated": {
+                "exitCode": outcome.exit_code, "reason": outcome.reason}}
+        if job and (self.namespace_job(namespace, job)) and status["phase"] in ("Succeeded", "Failed"):
+            self.namespace_job(namespace, job)["status"] = {"conditions": [{
+                "type": "Complete" if status["phase"] == "Succeeded" else "Failed",
+                "status": "True"}]}
+
+    def namespace_job(self, namespace, name):
+        return self.jobs.get((namespace, name))
+
+
+def _status(code, reason, message):
+    return code, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                  "message": message, "reason": reason, "code": code}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    api = None  # the FakeApiServer
+
+    def log_message(self, *args):
+        pass
+
+    def _reply(self, code, body, content_type="application/json"):
+        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _handle(self, method):
+        api = self.api
+        url = urllib.parse.urlsplit(self.path)
+        query = dict(urllib.parse.parse_qsl(url.query))
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        body = json.loads(raw) if raw else None
+        with api.lock:
+            api.requests.append((method, url.path, query, body))
+            if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+                return self._reply(*_status(401, "Unauthorized", "Unauthorized"))
+            if body is not None and self.headers.get("Content-Type") != "application/json":
+                api.errors.append(f"{method} {url.path}: Content-Type "
+                                  f"{self.headers.get('Content-Type')!r}")
+            try:
+                code, reply = self._route(method, url.path, query, body)
+            except AssertionError as e:
+                api.errors.append(f"{method} {url.path}: {e}")
+                code, reply = _status(422, "Invalid", str(e))
+        if isinstance(reply, str):
+            return self._reply(code, reply, "text/plain")
+        return self._reply(code, reply)
+
+    def _route(self, method, path, query, body):
+        api = self.api
+        parts = path.strip("/").split("/")
+        # /api/v1/namespaces/NS/pods[/NAME[/log]]
+        if parts[:2] == ["api", "v1"] and len(parts) >= 5 and parts[2] == "namespaces" \
+                and parts[4] == "pods":
+            return self._pods(method, parts[3], parts[5:], query, body)
+        if parts[:3] == ["apis", "batch", "v1"] and len(parts) >= 6 and parts[3] == "namespaces" \
+                and parts[5] == "jobs":
+            return self._jobs(method, parts[4], parts[6:], query, body)
+        if parts[:3] == ["apis", "metrics.k8s.io", "v1beta1"] and method == "GET":
+            ns, name = parts[4], parts[6]
+            pod = api.pods.get((ns, name))
+            if pod is None or pod["status"]["phase"] != "Running":
+                return _status(404, "NotFound", f"podmetrics \"{name}\" not found")
+            return 200, {"kind": "PodMetrics", "metadata": {"name": name}, "containers": [
+                {"name": "main", "usage": {"cpu": "1000000n", "memory": "2048Ki"}}]}
+        raise AssertionError(f"no such API path {path}")
+
+    def _pods(self, method, ns, rest, query, body):
+        api = self.api
+        if not rest and method == "GET":
+            items = [p for (n, _), p in api.pods.items()
+                     if n == ns and selector_matches(query.get("labelSelector"),
+                                                     p["metadata"].get("labels", {}))]
+            return 200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}
+        if not rest and method == "POST":
+            build_model(body, "V1Pod", "pod")
+            assert body["apiVersion"] == "v1" and body["kind"] == "Pod", body
+            assert body["metadata"]["namespace"] == ns, body["metadata"]
+            name = body["metadata"]["name"]
+            if (ns, name) in api.pods:
+                return _status(409, "AlreadyExists", f"pods \"{name}\" already exists")
+            api.add_pod(ns, json.loads(json.dumps(body)))
+            return 201, api.pods[(ns, name)]
+        name = rest[0]
+        pod = api.pods.get((ns, name))
+        if pod is None:
+            return _status(404, "NotFound", f"pods \"{name}\" not found")
+        if rest[1:] == ["log"] and method == "GET":
+            if pod["status"]["phase"] == "Pending":
+                return _status(400, "BadRequest", "container \"main\" is waiting to start")
+            job = pod["metadata"].get("labels", {}).get("job-name")
+            outcome = api.outcomes.get(job or name) or Outcome()
+            return 200, outcome.logs
+        if rest[1:]:
+            raise AssertionError(f"no such pod subresource {rest[1:]}")
+        if method == "GET":
+            api.advance(ns, name)
+            return 200, pod
+        if method == "DELETE":
+            assert "gracePeriodSeconds" in query, f"DELETE pod without gracePeriodSeconds: {query}"
+            del api.pods[(ns, name)]
+            return 200, pod
+        raise AssertionError(f"{method} on a pod")
+
+    def _jobs(self, method, ns, rest, query, body):
+        api = self.api
+        if not rest and method == "GET":
+            items = [j for (n, _), j in api.jobs.items()
+                     if n == ns and selector_matches(query.get("labelSelector"),
+                                                     j["metadata"].get("labels", {}))]
+            return 200, {"kind": "JobList", "apiVersion": "batch/v1", "metadata": {}, "items": items}
+        if not rest and method == "POST":
+            build_model(body, "V1Job", "job")
+            assert body["apiVersion"] == "batch/v1" and body["kind"] == "Job", body
+            name = body["metadata"]["name"]
+            job = json.loads(json.dumps(body))
+            job["status"] = {}
+            api.jobs[(ns, name)] = job
+            # The job controller: one pod from the template.
+            template = body["spec"]["template"]
+            pod = {"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": f"{name}-x7k2p",
+                                "labels": dict(template["metadata"]["labels"])},
+                   "spec": json.loads(json.dumps(template["spec"]))}
+            api.add_pod(ns, pod, owner_job=name)
+            return 201, job
+        name = rest[0]
+        job = api.jobs.get((ns, name))
+        if job is None:
+            return _status(404, "NotFound", f"jobs.batch \"{name}\" not found")
+        if method == "GET":
+            return 200, job
+        if method == "DELETE":
+            policy = query.get("propagationPolicy")
+            assert policy in ("Background", "Foreground", "Orphan"), query
+            del api.jobs[(ns, name)]
+            if policy != "Orphan":
+                for key in [k for k, p in api.pods.items()
+                            if p["metadata"].get("labels", {}).get("job-name") == name]:
+                    del api.pods[key]
+            return 200, job
+        raise AssertionError(f"{method} on a job")
+
+    def do_GET(self):
+        self._handle("GET")
+
+    def do_POST(self):
+        self._handle("POST")
+
+    def do_DELETE(self):
+        self._handle("DELETE")
+
+
+@pytest.fixture
+def api():
+    server = FakeApiServer()
+    yield server
+    server.close()
+    assert server.errors == []
+
+
+def k8s_launcher(api, **options):
+    options.setdefault("token", TOKEN)
+    options.setdefault("namespace", "team-a")
+    return launch.Launcher("kubernetes", server=api.url, id="kt1", **options)
+
+
+def spec(name, command=("sh", "-c", "true"), **kw):
+    kw.setdefault("image", "busybox:1.36")
+    return launch.ContainerSpec(name=name, command=list(command), **kw)
+
+
+def allocation(mode="exclusive", gpus=2, **request):
+    alloc = deepnex.gpu.Allocator()
+    alloc.add_node(deepnex.gpu.Node("n1", gpus=[deepnex.gpu.Gpu(memory="16GiB")] * 4,
+                                    cpus=8, memory="32GiB", mode=mode))
+    return alloc.allocate(deepnex.gpu.Request(user="alice", gpus=gpus, mode=mode, cpus=2,
+                                              memory="1GiB", **request))
+
+
+def created_pod(api, ns="team-a"):
+    posts = api.sent("POST", f"/api/v1/namespaces/{ns}/pods")
+    assert len(posts) == 1, posts
+    return posts[0][3]
+
+
+# ---------------------------------------------------------------------------
+# Tests.
+
+def test_pod_runs_to_its_exit_code_with_the_manifest_asked_for(api, tmp_path):
+    api.outcomes["kt1-w0-0"] = Outcome(exit_code=3, logs="hi\n", running_polls=2)
+    with k8s_launcher(api) as launcher:
+        h = launcher.start(spec(
+            "w0", ["sh", "-c", "echo $(HOME) $$ > /dev/null; echo hi; exit 3"],
+            env={"A": "1", "B": "$(A)"}, working_dir="/work", cpus=0.5, memory="64MiB",
+            mounts=[(str(tmp_path), "/data")], labels={"team": "vision"}))
+        e = h.wait(timeout=30)
+        assert (e.reason, e.code, e.restarts) == ("exited", 3, 0)
+        assert h.logs() == "hi\n"
+
+    pod = created_pod(api)
+    labels = {"deepnex.launcher": "kt1", "deepnex.name": "w0", "team": "vision"}
+    assert pod["metadata"] == {"name": "kt1-w0-0", "namespace": "team-a", "labels": labels}
+    pod_spec = pod["spec"]
+    assert pod_spec["restartPolicy"] == "Never"
+    assert pod_spec["automountServiceAccountToken"] is False
+    [c] = pod_spec["containers"]
+    assert c["image"] == "busybox:1.36"
+    # $ doubled: Kubernetes would expand $(VAR) and fold $$.
+    assert c["args"] == ["sh", "-c", "echo $$(HOME) $$$$ > /dev/null; echo hi; exit 3"]
+    assert "command" not in c
+    env = {v["name"]: v["value"] for v in c["env"]}
+    assert env["A"] == "1" and env["B"] == "$$(A)"
+    assert c["workingDir"] == "/work"
+    quantities = {"cpu": "500m", "memory": str(64 * MiB)}
+    assert c["resources"] == {"requests": quantities, "limits": quantities}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True}
+    assert c["volumeMounts"] == [{"name": "mount-0", "mountPath": "/data", "readOnly": True},
+                                 {"name": "tmp", "mountPath": "/tmp"}]
+    assert pod_spec["volumes"] == [{"name": "mount-0", "hostPath": {"path": str(tmp_path)}},
+                                   {"name": "tmp", "emptyDir": {}}]
+    # Ended: the supervisor removed the pod.
+    deletes = api.sent("DELETE", "/pods/kt1-w0-0")
+    assert [d[2] for d in deletes] == [{"gracePeriodSeconds": "0"}]
+    assert api.pods == {}
+
+
+def test_success_oom_and_eviction(api):
+    api.outcomes["kt1-ok-0"] = Outcome(exit_code=0)
+    api.outcomes["kt1-hog-0"] = Outcome(exit_code=137, reason="OOMKilled")
+    api.outcomes["kt1-evicted-0"] = Outcome(phase_only="Failed")
+    with k8s_launcher(api) as launcher:
+        ok = launcher.start(spec("ok"))
+        hog = launcher.start(spec("hog", memory="16MiB"))
+        evicted = launcher.start(spec("evicted"))
+        e = ok.wait(timeout=30)
+        assert e.ok and str(e) == "exited(0)"
+        e = hog.wait(timeout=30)
+        assert (e.reason, e.code, e.signal) == ("oom_killed", 137, 9)
+        assert evicted.wait(timeout=30).reason == "lost"
+
+
+def test_stop_deletes_the_pod_with_the_grace(api):
+    api.outcomes["kt1-server-0"] = Outcome(forever=True, logs="serving\n")
+    with k8s_launcher(api) as launcher:
+        h = launcher.start(spec("server", ["sleep", "1000"]))
+        deadline = time.time() + 10
+        while time.time() < deadline and h.status().state != "running":
+            time.sleep(0.05)
+        with pytest.raises(deepnex.DeadlineExceededError):
+            h.wait(timeout=0.5)
+        usage = h.usage()  # from the metrics API while it runs
+        assert usage.memory == 2048 * 1024 and usage.memory_peak == 2048 * 1024
+        h.stop(grace=2.5)
+        e = h.wait(timeout=10)
+        assert (e.reason, e.signal) == ("signaled", 15)
+        # The logs were read before the pod went.
+        assert h.logs() == "serving\n"
+    deletes = api.sent("DELETE", "/pods/kt1-server-0")
+    assert deletes[0][2] == {"gracePeriodSeconds": "3"}
+
+
+def test_exclusive_gpus_are_nvidia_gpu_limits(api):
+    a = allocation(gpus=2)
+    api.outcomes["kt1-gpu-0"] = Outcome()
+    with k8s_launcher(api) as launcher:
+        assert launcher.start(spec("gpu", allocation=a)).wait(timeout=30).ok
+    [c] = created_pod(api)["spec"]["containers"]
+    quantities = {"cpu": "2000m", "memory": str(1024 * MiB), "nvidia.com/gpu": "2"}
+    assert c["resources"] == {"requests": quantities, "limits": quantities}
+    env = {v["name"]: v["value"] for v in c["env"]}
+    # The device plugin chooses the node's GPUs and sets NVIDIA_VISIBLE_DEVICES.
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert "NVIDIA_VISIBLE_DEVICES" not in env
+
+
+def test_shared_gpu_memory_is_the_extended_resource(api):
+    a = allocation(mode="shared", gpus=1, gpu_memory="3GiB")
+    api.outcomes["kt1-small-0"] = Outcome()
+    with k8s_launcher(api, shared_gpu_memory_resource="example.com/gpu-mem") as launcher:
+        assert launcher.start(spec("small", allocation=a)).wait(timeout=30).ok
+    [c] = created_pod(api)["spec"]["containers"]
+    quantities = {"cpu": "2000m", "memory": str(1024 * MiB), "example.com/gpu-mem": "3072"}
+    assert c["resources"] == {"requests": quantities, "limits": quantities}
+    env = {v["name"]: v["value"] for v in c["env"]}
+    assert env["DEEPNEX_GPU_MEMORY_LIMIT"] == str(3 << 30)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_job_kind_runs_a_batch_job_of_one_pod(api):
+    api.outcomes["kt1-train-0"] = Outcome(exit_code=2, logs="step 1\n")
+    with k8s_launcher(api, kind="job") as launcher:
+        h = launcher.start(spec("train", labels={"team": "nlp"}))
+        e = h.wait(timeout=30)
+        assert (e.reason, e.code) == ("exited", 2)
+        assert h.logs() == "step 1\n"
+    [post] = api.sent("POST", "/apis/batch/v1/namespaces/team-a/jobs")
+    job = post[3]
+    labels = {"deepnex.launcher": "kt1", "deepnex.name": "train", "team": "nlp"}
+    assert job["metadata"] == {"name": "kt1-train-0", "namespace": "team-a", "labels": labels}
+    assert job["spec"]["backoffLimit"] == 0
+    assert job["spec"]["template"]["metadata"] == {"labels": labels}
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    # Its pod was found through the job controller's label.
+    assert any(r[2].get("labelSelector") == "job-name=kt1-train-0"
+               for r in api.sent("GET", "/api/v1/namespaces/team-a/pods"))
+    # Removed with its pod.
+    deletes = api.sent("DELETE", "/jobs/kt1-train-0")
+    assert deletes[-1][2]["propagationPolicy"] == "Background"
+    assert api.jobs == {} and api.pods == {}
+
+
+def test_stop_of_a_job_orphans_its_pod_then_deletes_it_with_the_grace(api):
+    api.outcomes["kt1-long-0"] = Outcome(forever=True)
+    with k8s_launcher(api, kind="job") as launcher:
+        h = launcher.start(spec("long"))
+        with pytest.raises(deepnex.DeadlineExceededError):
+            h.wait(timeout=0.6)
+        h.stop(grace=1)
+        assert h.wait(timeout=10).reason == "signaled"
+    assert api.sent("DELETE", "/jobs/kt1-long-0")[0][2] == {"propagationPolicy": "Orphan"}
+    assert api.sent("DELETE", "/pods/kt1-long-0-x7k2p")[0][2] == {"gracePeriodSeconds": "1"}
+    assert api.pods == {}
+
+
+def test_wrong_token_is_unauthenticated(api):
+    with pytest.raises(deepnex.UnauthenticatedError, match="HTTP 401: Unauthorized"):
+        k8s_launcher(api, token="wrong")
+    assert api.requests[-1][1] == "/api/v1/namespaces/team-a/pods"
+
+
+def test_unreachable_server_is_failed_precondition():
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(deepnex.FailedPreconditionError, match="does not answer"):
+        launch.Launcher("kubernetes", server=f"http://127.0.0.1:{port}", token=TOKEN)
+
+
+def test_specs_a_pod_cannot_express_are_refused(api):
+    with k8s_launcher(api) as launcher:
+        with pytest.raises(deepnex.InvalidArgumentError, match="spec.network_none"):
+            launcher.start(spec("isolated", network_none=True))
+        with pytest.raises(deepnex.InvalidArgumentError, match="spec.image"):
+            launcher.start(spec("hosty", image="host"))
+        with pytest.raises(deepnex.InvalidArgumentError, match="spec.labels"):
+            launcher.start(spec("labelled", labels={"team": "a b"}))
+        with pytest.raises(deepnex.InvalidArgumentError, match='spec.name: "w_"'):
+            launcher.start(spec("w_"))
+        assert api.sent("POST") == []
+    with pytest.raises(deepnex.InvalidArgumentError, match="kubernetes.kind"):
+        k8s_launcher(api, kind="deployment")
+
+
+def test_cleanup_sweeps_what_a_crashed_launcher_left(api):
+    left = {"deepnex.launcher": "gone1", "deepnex.name": "x"}
+    for name in ("gone1-a-0", "gone1-b-3"):
+        api.add_pod("team-a", {"metadata": {"name": name, "labels": dict(left)}, "spec": {}})
+    api.jobs[("team-a", "gone1-j-0")] = {"metadata": {"name": "gone1-j-0", "labels": dict(left)}}
+    api.add_pod("team-a", {"metadata": {"name": "gone1-j-0-abcde", "labels": dict(left)},
+                           "spec": {}}, owner_job="gone1-j-0")
+    other = {"deepnex.launcher": "other", "deepnex.name": "y"}
+    api.add_pod("team-a", {"metadata": {"name": "other-y-0", "labels": other}, "spec": {}})
+    with k8s_launcher(api) as launcher:
+        # Two pods and a job (its pod goes with it).
+        assert launcher.cleanup("gone1") == 3
+    assert list(api.pods) == [("team-a", "other-y-0")]
+    assert api.jobs == {}
+
+
+def _make_cert(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=deepnex-test", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+@pytest.fixture
+def tls_api(tmp_path):
+    cert, key = _make_cert(tmp_path)
+    server = FakeApiServer(tls_cert=str(cert), tls_key=str(key))
+    server.cert = cert
+    yield server
+    server.close()
+    assert server.errors == []
+
+
+def test_tls_with_the_ca_file_and_not_without(tls_api):
+    tls_api.outcomes["kt1-w0-0"] = Outcome(logs="over tls\n")
+    with k8s_launcher(tls_api, ca_file=str(tls_api.cert)) as launcher:
+        h = launcher.start(spec("w0"))
+        assert h.wait(timeout=30).ok
+        assert h.logs() == "over tls\n"
+    # The system CAs do not know the test's certificate.
+    with pytest.raises(deepnex.FailedPreconditionError, match="certificate"):
+        k8s_launcher(tls_api)
+
+
+def test_kubeconfig_current_context_with_ca_data_token_and_namespace(tls_api, tmp_path):
+    ca_data = base64.b64encode(tls_api.cert.read_bytes()).decode()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(f"""
+apiVersion: v1
+kind: Config
+current-context: ci
+clusters:
+- name: elsewhere
+  cluster:
+    server: https://192.0.2.1:6443
+- name: local
+  cluster:
+    server: {tls_api.url}
+    certificate-authority-data: {ca_data}
+users:
+- name: robot
+  user:
+    token: {TOKEN}
+contexts:
+- name: other
+  context: {{cluster: elsewhere, user: robot}}
+- name: ci
+  context:
+    cluster: local
+    user: robot
+    namespace: ml
+""")
+    tls_api.outcomes["kt1-w1-0"] = Outcome()
+    with launch.Launcher("kubernetes", kubeconfig=str(kubeconfig), id="kt1") as launcher:
+        assert launcher.start(spec("w1")).wait(timeout=30).ok
+    created_pod(tls_api, ns="ml")
+
+    # A token file beside it, named relative to the kubeconfig.
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    kubeconfig.write_text(kubeconfig.read_text().replace(f"token: {TOKEN}", "tokenFile: token"))
+    with launch.Launcher("kubernetes", kubeconfig=str(kubeconfig), id="kt2") as launcher:
+        assert launcher.backend == "kubernetes"
+
+    kubeconfig.write_text(kubeconfig.read_text().replace("current-context: ci",
+                                                         "current-context: nope"))
+    with pytest.raises(deepnex.InvalidArgumentError, match='no context named "nope"'):
+        launch.Launcher("kubernetes", kubeconfig=str(kubeconfig))
