@@ -3,6 +3,7 @@
 // of the launch issue.
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
@@ -685,6 +686,40 @@ TEST(LauncherCrash, CleanupSweepsAKilledLaunchersOrphans) {
   EXPECT_THAT(CgroupsOf(id), IsEmpty());
   EXPECT_THAT(ProcessesWithEnv(kLauncherIdEnv, id), IsEmpty());
   EXPECT_THAT(launcher->Cleanup("../x"), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(CgroupTest, LifeCycle) {
+  absl::Status usable = Cgroup::Usable();
+  if (!usable.ok()) GTEST_SKIP() << usable;
+  const std::string path = "deepnex/cgtest-" + test::UniqueToken();
+  EXPECT_THAT(Cgroup::Open(path), StatusIs(absl::StatusCode::kNotFound, HasSubstr(path)));
+  ASSERT_OK_AND_ASSIGN(auto cg, Cgroup::Create(path, {0.5, 32 << 20, 10, std::nullopt}));
+  EXPECT_EQ(cg->path(), path);
+  EXPECT_THAT(Cgroup::Open(path), IsOk());
+  const std::string name = path.substr(path.find('/') + 1);
+  EXPECT_THAT(Cgroup::Children("deepnex"), ::testing::Contains(name));
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    // Waits to be moved, then forks a grandchild: both must die.
+    usleep(100000);
+    if (fork() == 0) pause();
+    pause();
+    _exit(0);
+  }
+  ASSERT_THAT(cg->AddProcess(pid), IsOk());
+  ASSERT_TRUE(test::WaitUntil([&] { return cg->Processes().size() == 2; }, 10s));
+  Usage u = cg->ReadUsage();
+  EXPECT_EQ(u.pids, 2);
+  EXPECT_FALSE(cg->OomKilled());
+  ASSERT_THAT(cg->KillAll(), IsOk());
+  EXPECT_THAT(cg->Processes(), IsEmpty());
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  ASSERT_THAT(cg->Remove(), IsOk());
+  EXPECT_THAT(cg->Remove(), IsOk());  // idempotent
+  EXPECT_THAT(Cgroup::Open(path), StatusIs(absl::StatusCode::kNotFound));
 }
 
 TEST(RestartPolicyTest, ParseAndToString) {
