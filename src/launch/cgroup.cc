@@ -301,6 +301,23 @@ absl::Status Cgroup::Usable() {
       return absl::FailedPreconditionError(
           absl::StrCat("cgroup ", l.unified, " is not writable: ", strerror(errno)));
     }
+    // v2 lets a cgroup with processes (ours, unless it is the root) hand
+    // controllers to children only if that was set up before (delegation).
+    std::optional<std::string> delegated = ReadFile(l.unified + "/cgroup.subtree_control");
+    std::set<std::string> given;
+    if (delegated) {
+      for (absl::string_view c : absl::StrSplit(*delegated, absl::ByAnyChar(" \n"), absl::SkipEmpty())) {
+        given.emplace(c);
+      }
+    }
+    const bool root = !Exists(l.unified + "/cgroup.type");
+    for (const char* c : kRequired) {
+      if (!root && !given.count(c)) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "cgroup v2: ", l.unified, " does not delegate controller ", c,
+            " to its children (cgroup.subtree_control) and, holding this process, cannot"));
+      }
+    }
     return absl::OkStatus();
   }
   for (const char* c : kRequired) {
