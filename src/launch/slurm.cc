@@ -53,6 +53,8 @@ namespace deepnex::launch {
 namespace {
 
 constexpr auto kCommandTimeout = std::chrono::seconds(30);
+// How long squeue/scontrol may fail before Wait gives up on a job.
+constexpr auto kUnreachableFor = std::chrono::seconds(30);
 constexpr char kLogFile[] = "output.log";
 constexpr char kScriptFile[] = "job.sh";
 constexpr char kLauncherLabel[] = "deepnex.launcher";
@@ -223,13 +225,24 @@ class SlurmRun : public Run {
         std::lock_guard<std::mutex> lock(mu_);
         if (exit_.has_value()) return exit_;
       }
-      DEEPNEX_ASSIGN_OR_RETURN(std::optional<ExitStatus> e, Poll());
-      if (e.has_value()) {
+      absl::StatusOr<std::optional<ExitStatus>> e = Poll();
+      const auto now = std::chrono::steady_clock::now();
+      {
         std::lock_guard<std::mutex> lock(mu_);
-        exit_ = e;
-        return e;
+        if (!e.ok()) {
+          // A busy or restarting controller answers again soon; only a long
+          // silence means we cannot tell any more (and the run is lost).
+          if (!failing_since_.has_value()) failing_since_ = now;
+          if (now - *failing_since_ >= kUnreachableFor) return e.status();
+        } else {
+          failing_since_.reset();
+          if (e->has_value()) {
+            exit_ = *e;
+            return exit_;
+          }
+        }
       }
-      auto left = deadline - std::chrono::steady_clock::now();
+      auto left = deadline - now;
       if (left <= std::chrono::milliseconds(0)) return std::nullopt;
       std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(left, poll_));
     }
@@ -313,6 +326,8 @@ class SlurmRun : public Run {
   const std::chrono::milliseconds poll_;
   std::mutex mu_;
   std::optional<ExitStatus> exit_;
+  // When Slurm's commands began to fail, while they do.
+  std::optional<std::chrono::steady_clock::time_point> failing_since_;
   uint64_t peak_ = 0;
 };
 

@@ -101,6 +101,29 @@ class SlurmTest : public ::testing::Test {
 
   void TearDown() override {
     if (backend_ != nullptr) EXPECT_THAT(backend_->Cleanup(options_.id), IsOk());
+    if (port_holder_ >= 0) close(port_holder_);
+  }
+
+  // The cluster's config with the controller on a port where nobody listens
+  // (bound, so nobody else takes it) and a 1 s message timeout instead of 10.
+  std::string DeadConf() {
+    if (port_holder_ < 0) {
+      port_holder_ = socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      socklen_t len = sizeof addr;
+      EXPECT_EQ(bind(port_holder_, reinterpret_cast<sockaddr*>(&addr), len), 0);
+      EXPECT_EQ(getsockname(port_holder_, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+      dead_port_ = ntohs(addr.sin_port);
+    }
+    absl::StatusOr<std::string> config = ReadWholeFile(conf_, "slurm.conf");
+    EXPECT_THAT(config, IsOk());
+    std::string dead;
+    for (absl::string_view line : absl::StrSplit(config.value_or(""), '\n')) {
+      if (!absl::StartsWith(line, "SlurmctldPort=")) absl::StrAppend(&dead, line, "\n");
+    }
+    return absl::StrCat(dead, "SlurmctldPort=", dead_port_, "\nMessageTimeout=1\n");
   }
 
   // Output of `squeue -h <args>` on the test cluster.
@@ -162,6 +185,8 @@ class SlurmTest : public ::testing::Test {
   LauncherOptions options_;
   std::unique_ptr<Backend> backend_;
   test::ScratchDir scratch_;
+  int port_holder_ = -1;
+  int dead_port_ = 0;
 };
 
 TEST_F(SlurmTest, GresGivesTheJobTwoOfTheClustersGpus) {
@@ -372,6 +397,32 @@ TEST_F(SlurmTest, ResourcesAndPlacementFlags) {
   EXPECT_EQ(LogsOf(*run), scratch_.path() + "\n");
 }
 
+TEST_F(SlurmTest, ControllerSilentForAWhileIsNotALostJob) {
+  // A backend on a copy of the config, which the test then breaks and mends.
+  const std::string conf = scratch_.path() + "/copy.conf";
+  ASSERT_OK_AND_ASSIGN(std::string config, ReadWholeFile(conf_, "slurm.conf"));
+  ASSERT_OK(WriteFileAtomically(conf, config));
+  LauncherOptions o = options_;
+  o.slurm.env["SLURM_CONF"] = conf;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Backend> backend, MakeSlurmBackend(o));
+  const std::string go = scratch_.path() + "/go";
+  auto run = StartOk(Sh("patient", "i=0; while [ ! -e " + go + " ] && [ $i -lt 300 ]; do "
+                                   "sleep 0.1; i=$((i+1)); done"),
+                     backend.get());
+  ASSERT_NE(run, nullptr);
+  ASSERT_TRUE(test::WaitUntil([&] { return JobState(*run) == "RUNNING"; }, 20s));
+
+  ASSERT_OK(WriteFileAtomically(conf, DeadConf()));
+  absl::StatusOr<std::optional<ExitStatus>> e = run->Wait(1s);
+  ASSERT_THAT(e, IsOk());
+  EXPECT_FALSE(e->has_value());
+  EXPECT_EQ(JobState(*run), "RUNNING");
+
+  ASSERT_OK(WriteFileAtomically(conf, config));
+  ASSERT_EQ(close(creat(go.c_str(), 0644)), 0);
+  EXPECT_EQ(WaitEnd(*run).ToString(), "exited(0)");
+}
+
 TEST_F(SlurmTest, SpecsSlurmCannotRunAreRefused) {
   ContainerSpec spec = Sh("bad", "true");
   spec.image = "/nonexistent/rootfs";
@@ -416,28 +467,11 @@ TEST_F(SlurmTest, UnusableClusterIsFailedPreconditionNamingWhatIsMissing) {
                        HasSubstr("slurm: SLURM_CONF=" + scratch_.path() + "/missing.conf "
                                  "does not exist")));
 
-  // The cluster's config with the controller on a port where nobody listens
-  // (bound, so nobody else takes it) and a 1 s message timeout instead of 10.
-  int port_holder = socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(port_holder, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  ASSERT_EQ(bind(port_holder, reinterpret_cast<sockaddr*>(&addr), len), 0);
-  ASSERT_EQ(getsockname(port_holder, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  ASSERT_OK_AND_ASSIGN(std::string config, ReadWholeFile(conf_, "slurm.conf"));
-  std::string dead;
-  for (absl::string_view line : absl::StrSplit(config, '\n')) {
-    if (!absl::StartsWith(line, "SlurmctldPort=")) absl::StrAppend(&dead, line, "\n");
-  }
-  absl::StrAppend(&dead, "SlurmctldPort=", ntohs(addr.sin_port), "\nMessageTimeout=1\n");
-  ASSERT_OK(WriteFileAtomically(scratch_.path() + "/slurm.conf", dead));
-  o.slurm.env["SLURM_CONF"] = scratch_.path() + "/slurm.conf";
+  o.slurm.env["SLURM_CONF"] = scratch_.path() + "/dead.conf";
+  ASSERT_OK(WriteFileAtomically(o.slurm.env["SLURM_CONF"], DeadConf()));
   EXPECT_THAT(MakeSlurmBackend(o),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("slurm: the controller does not answer: ")));
-  close(port_holder);
 
   o = options_;
   o.slurm.partition = "nosuch";
