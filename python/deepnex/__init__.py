@@ -66,6 +66,7 @@ except ModuleNotFoundError as _e:
 from deepnex import gpu  # noqa: E402  (GPU allocation)
 from deepnex import data  # noqa: E402  (data sharding)
 from deepnex import launch  # noqa: E402  (container launch)
+from deepnex import job  # noqa: E402  (deepnex run)
 
 __all__ = [
     "__version__",

@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     from deepnex import _cli_tune  # tune
 
     _cli_tune.add_commands(commands)
+    from deepnex import _cli_job  # run, top
+
+    _cli_job.add_commands(commands)
     return parser
 
 

@@ -15,6 +15,10 @@
 #include "deepnex/status.h"
 #include "deepnex/tensor.h"
 
+namespace deepnex::launch {
+struct LauncherOptions;
+}  // namespace deepnex::launch
+
 namespace deepnex::python {
 
 namespace py = pybind11;
@@ -27,6 +31,11 @@ void RegisterCollective(py::module_& m);
 void RegisterGpu(py::module_& m);
 void RegisterData(py::module_& m);
 void RegisterLaunch(py::module_& m);
+void RegisterJob(py::module_& m);
+
+// Launcher options from Python keywords (backend, state_dir, runc,
+// docker_socket, ...; see python/deepnex/launch.py); shared by launch and job.
+launch::LauncherOptions LauncherOptionsFromPython(const py::dict& kw);
 
 // A C++ exception carrying a non-OK status. RegisterCore installs a
 // translator that raises it in Python as the deepnex.errors class for its

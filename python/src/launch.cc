@@ -29,36 +29,6 @@ std::chrono::milliseconds Ms(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
-LauncherOptions MakeOptions(const py::kwargs& kw) {
-  LauncherOptions o;
-  for (auto item : kw) {
-    const std::string key = py::str(item.first);
-    py::handle v = item.second;
-    if (v.is_none()) continue;
-    if (key == "backend") o.backend = v.cast<std::string>();
-    else if (key == "state_dir") o.state_dir = v.cast<std::string>();
-    else if (key == "id") o.id = v.cast<std::string>();
-    else if (key == "allowed_mount_roots") o.allowed_mount_roots = v.cast<std::vector<std::string>>();
-    else if (key == "min_memory") o.min_memory = v.cast<uint64_t>();
-    else if (key == "cgroup_parent") o.cgroup_parent = v.cast<std::string>();
-    else if (key == "runc") o.oci.runc = v.cast<std::string>();
-    else if (key == "runc_root") o.oci.root = v.cast<std::string>();
-    else if (key == "docker_socket") o.docker.socket = v.cast<std::string>();
-    else if (key == "docker_api_version") o.docker.api_version = v.cast<std::string>();
-    else if (key == "slurm_partition") o.slurm.partition = v.cast<std::string>();
-    else if (key == "slurm_bin_dir") o.slurm.bin_dir = v.cast<std::string>();
-    else if (key == "slurm_env") o.slurm.env = v.cast<StrMap>();
-    else if (key == "kubeconfig") o.kubernetes.kubeconfig = v.cast<std::string>();
-    else if (key == "server") o.kubernetes.server = v.cast<std::string>();
-    else if (key == "token") o.kubernetes.token = v.cast<std::string>();
-    else if (key == "ca_file") o.kubernetes.ca_file = v.cast<std::string>();
-    else if (key == "namespace") o.kubernetes.namespace_ = v.cast<std::string>();
-    else if (key == "kind") o.kubernetes.kind = v.cast<std::string>();
-    else if (key == "shared_gpu_memory_resource") o.kubernetes.shared_gpu_memory_resource = v.cast<std::string>();
-    else ThrowStatus(absl::InvalidArgumentError("Launcher: unknown option \"" + key + "\""));
-  }
-  return o;
-}
 
 ContainerSpec MakeSpec(const std::string& name, const std::string& image,
                        const std::vector<std::string>& command, const StrMap& env,
@@ -116,6 +86,38 @@ py::object RecordedUsage(const std::string& cgroup, int64_t pid) {
 }
 
 }  // namespace
+
+launch::LauncherOptions LauncherOptionsFromPython(const py::dict& kw) {
+  using launch::LauncherOptions;
+  LauncherOptions o;
+  for (auto item : kw) {
+    const std::string key = py::str(item.first);
+    py::handle v = item.second;
+    if (v.is_none()) continue;
+    if (key == "backend") o.backend = v.cast<std::string>();
+    else if (key == "state_dir") o.state_dir = v.cast<std::string>();
+    else if (key == "id") o.id = v.cast<std::string>();
+    else if (key == "allowed_mount_roots") o.allowed_mount_roots = v.cast<std::vector<std::string>>();
+    else if (key == "min_memory") o.min_memory = v.cast<uint64_t>();
+    else if (key == "cgroup_parent") o.cgroup_parent = v.cast<std::string>();
+    else if (key == "runc") o.oci.runc = v.cast<std::string>();
+    else if (key == "runc_root") o.oci.root = v.cast<std::string>();
+    else if (key == "docker_socket") o.docker.socket = v.cast<std::string>();
+    else if (key == "docker_api_version") o.docker.api_version = v.cast<std::string>();
+    else if (key == "slurm_partition") o.slurm.partition = v.cast<std::string>();
+    else if (key == "slurm_bin_dir") o.slurm.bin_dir = v.cast<std::string>();
+    else if (key == "slurm_env") o.slurm.env = v.cast<StrMap>();
+    else if (key == "kubeconfig") o.kubernetes.kubeconfig = v.cast<std::string>();
+    else if (key == "server") o.kubernetes.server = v.cast<std::string>();
+    else if (key == "token") o.kubernetes.token = v.cast<std::string>();
+    else if (key == "ca_file") o.kubernetes.ca_file = v.cast<std::string>();
+    else if (key == "namespace") o.kubernetes.namespace_ = v.cast<std::string>();
+    else if (key == "kind") o.kubernetes.kind = v.cast<std::string>();
+    else if (key == "shared_gpu_memory_resource") o.kubernetes.shared_gpu_memory_resource = v.cast<std::string>();
+    else ThrowStatus(absl::InvalidArgumentError("Launcher: unknown option \"" + key + "\""));
+  }
+  return o;
+}
 
 void RegisterLaunch(py::module_& parent) {
   py::module_ m = parent.def_submodule("launch", "container launch and supervision (C++ core)");
@@ -202,7 +204,7 @@ void RegisterLaunch(py::module_& parent) {
 
   py::class_<Launcher>(m, "Launcher")
       .def(py::init([](py::kwargs kw) {
-        LauncherOptions o = MakeOptions(kw);
+        LauncherOptions o = LauncherOptionsFromPython(kw);
         py::gil_scoped_release release;
         return Unwrap(Launcher::Create(o));
       }))
@@ -239,7 +241,7 @@ void RegisterLaunch(py::module_& parent) {
           py::arg("launcher_id"), py::call_guard<py::gil_scoped_release>());
 
   m.def("probe_backends", [](py::kwargs kw) {
-    LauncherOptions o = MakeOptions(kw);
+    LauncherOptions o = LauncherOptionsFromPython(kw);
     py::gil_scoped_release release;
     return launch::ProbeBackends(o);
   });

@@ -15,4 +15,5 @@ PYBIND11_MODULE(_C, m) {
   deepnex::python::RegisterGpu(m);
   deepnex::python::RegisterData(m);
   deepnex::python::RegisterLaunch(m);
+  deepnex::python::RegisterJob(m);
 }

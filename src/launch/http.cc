@@ -35,6 +35,17 @@ std::string OpenSslError() {
   return message;
 }
 
+// Why SSL_read/SSL_write/SSL_connect returned `ret`: OpenSSL's queue, else
+// the socket's errno (a server that refuses the handshake often just closes).
+std::string TlsError(SSL* ssl, int ret) {
+  const int saved_errno = errno;
+  if (ERR_peek_error() != 0) return OpenSslError();
+  if (SSL_get_error(ssl, ret) == SSL_ERROR_SYSCALL && saved_errno != 0) {
+    return strerror(saved_errno);
+  }
+  return "the server closed the TLS connection";
+}
+
 absl::StatusCode CodeForHttpStatus(int status) {
   switch (status) {
     case 400:
@@ -199,7 +210,7 @@ class HttpClient::Connection {
             X509_verify_cert_error_string(verify)));
       }
       return absl::UnavailableError(
-          absl::StrCat("TLS handshake with ", what_, ": ", OpenSslError()));
+          absl::StrCat("TLS handshake with ", what_, ": ", TlsError(ssl_, r)));
     }
   }
 
@@ -217,7 +228,7 @@ class HttpClient::Connection {
         } else {
           int err = SSL_get_error(ssl_, r);
           if (err != SSL_ERROR_WANT_READ && err != SSL_ERROR_WANT_WRITE) {
-            return absl::UnavailableError(absl::StrCat("sending to ", what_, ": ", OpenSslError()));
+            return absl::UnavailableError(absl::StrCat("sending to ", what_, ": ", TlsError(ssl_, r)));
           }
           want = err == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT;
           n = -1;
@@ -255,7 +266,7 @@ class HttpClient::Connection {
           if (err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0) return false;
           if (err != SSL_ERROR_WANT_READ && err != SSL_ERROR_WANT_WRITE) {
             return absl::UnavailableError(
-                absl::StrCat("reading from ", what_, ": ", OpenSslError()));
+                absl::StrCat("reading from ", what_, ": ", TlsError(ssl_, r)));
           }
           want = err == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT;
           n = -1;

@@ -112,7 +112,7 @@ class Outcome:
 
 
 class FakeApiServer:
-    def __init__(self, tls_cert=None, tls_key=None):
+    def __init__(self, tls_cert=None, tls_key=None, client_ca=None):
         self.lock = threading.Lock()
         self.pods = {}       # (namespace, name) -> pod
         self.jobs = {}       # (namespace, name) -> job
@@ -127,6 +127,10 @@ class FakeApiServer:
         if tls_cert:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             ctx.load_cert_chain(tls_cert, tls_key)
+            if client_ca:
+                # A client certificate signed by client_ca authenticates.
+                ctx.verify_mode = ssl.CERT_REQUIRED
+                ctx.load_verify_locations(client_ca)
             self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
             self.scheme = "https"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -218,7 +222,9 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(raw) if raw else None
         with api.lock:
             api.requests.append((method, url.path, query, body))
-            if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+            with_cert = isinstance(self.connection, ssl.SSLSocket) and \
+                self.connection.getpeercert()
+            if self.headers.get("Authorization") != f"Bearer {TOKEN}" and not with_cert:
                 return self._reply(*_status(401, "Unauthorized", "Unauthorized"))
             if body is not None and self.headers.get("Content-Type") != "application/json":
                 api.errors.append(f"{method} {url.path}: Content-Type "
@@ -555,10 +561,10 @@ def test_cleanup_sweeps_what_a_crashed_launcher_left(api):
     assert api.jobs == {}
 
 
-def _make_cert(tmp_path):
+def _make_cert(tmp_path, name="server"):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
-    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
+    cert, key = tmp_path / f"{name}.crt", tmp_path / f"{name}.key"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=deepnex-test", "-addext", "subjectAltName=IP:127.0.0.1",
                     "-keyout", str(key), "-out", str(cert)],
@@ -630,3 +636,37 @@ contexts:
                                                          "current-context: nope"))
     with pytest.raises(deepnex.InvalidArgumentError, match='no context named "nope"'):
         launch.Launcher("kubernetes", kubeconfig=str(kubeconfig))
+
+
+def test_kubeconfig_client_certificate(tmp_path):
+    server_cert, server_key = _make_cert(tmp_path)
+    client_cert, client_key = _make_cert(tmp_path, "client")
+    api = FakeApiServer(tls_cert=str(server_cert), tls_key=str(server_key),
+                        client_ca=str(client_cert))
+    try:
+        def b64(path):
+            return base64.b64encode(path.read_bytes()).decode()
+        kubeconfig = tmp_path / "kubeconfig"
+        # The CA as a file named relative to the kubeconfig; no token.
+        kubeconfig.write_text(f"""
+apiVersion: v1
+kind: Config
+current-context: c
+clusters: [{{name: k, cluster: {{server: "{api.url}", certificate-authority: server.crt}}}}]
+users:
+- name: u
+  user:
+    client-certificate-data: {b64(client_cert)}
+    client-key-data: {b64(client_key)}
+contexts: [{{name: c, context: {{cluster: k, user: u}}}}]
+""")
+        api.outcomes["kt1-w0-0"] = Outcome()
+        with launch.Launcher("kubernetes", kubeconfig=str(kubeconfig), id="kt1") as launcher:
+            assert launcher.start(spec("w0")).wait(timeout=30).ok
+        created_pod(api, ns="default")
+        # Without the certificate the server does not let it in.
+        with pytest.raises(deepnex.FailedPreconditionError, match="does not answer"):
+            launch.Launcher("kubernetes", server=api.url, ca_file=str(server_cert))
+        assert api.errors == []
+    finally:
+        api.close()

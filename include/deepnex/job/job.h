@@ -1,0 +1,118 @@
+// deepnex::job: one call from allocation to a trained model. A Job allocates
+// GPUs, CPU and memory for its workers (a local allocator over this machine,
+// or deepnex-central), serves the job's rendezvous store, starts its
+// parameter servers and workers through a launch backend with the job
+// environment of ARCHITECTURE.md, streams their output with rank prefixes,
+// supervises them under a restart policy, and releases everything at the end.
+//
+//   JobOptions o;
+//   o.command = {"python3", "train.py"};
+//   o.workers = 2; o.mode = "sync";
+//   DEEPNEX_ASSIGN_OR_RETURN(JobResult r, RunJob(o));   // r.exit_code
+#ifndef DEEPNEX_JOB_JOB_H_
+#define DEEPNEX_JOB_JOB_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "deepnex/gpu/types.h"
+#include "deepnex/launch/launcher.h"
+#include "deepnex/status.h"
+
+namespace deepnex::job {
+
+struct JobOptions {
+  // The job id (DEEPNEX_JOB_ID), [a-z0-9][a-z0-9-]*; empty: "job-<random>".
+  std::string name;
+  // Each worker's argv.
+  std::vector<std::string> command;
+  int workers = 1;
+  // Parameter servers; -1: one for the PS modes, none for allreduce.
+  int ps = -1;
+  // "sync", "ssp:S" (S >= 0 rounds of staleness), "async" or "allreduce".
+  std::string mode = "sync";
+  // Per worker: GPUs (0: CPU only), their mode, and the GPU memory each
+  // needs (shared mode only).
+  int gpus_per_worker = 0;
+  gpu::Mode gpu_mode = gpu::Mode::kExclusive;
+  uint64_t gpu_memory = 0;
+  // Per worker (and per parameter server): CPU cores (0: unlimited) and host
+  // memory (0: unlimited).
+  double cpus = 1;
+  uint64_t memory = 0;
+  // The user the allocations are for; empty: $USER, else "root".
+  std::string user;
+  // host:port of deepnex-central and its token; empty: a local allocator
+  // over this machine (its discovered GPUs, cores and memory).
+  std::string central;
+  std::string central_token;
+  // Which backend starts the containers, and its options.
+  launch::LauncherOptions launcher;
+  // Applied to workers and parameter servers alike.
+  launch::RestartPolicy restart;
+  // Parameter servers checkpoint here after every round and restore from it
+  // when they restart. Empty: no checkpoints.
+  std::string checkpoint_dir;
+  // The parameter servers' optimizer: sgd, adam, adamw or adagrad, and its
+  // learning rate.
+  std::string optimizer = "sgd";
+  double lr = 0.01;
+  // SGD momentum (0: none).
+  double momentum = 0;
+  // The deepnex-ps program; empty: $DEEPNEX_PS_BIN, then the PATH.
+  std::string ps_binary;
+  // Where running jobs register for `deepnex top`: <registry_dir>/<name>/
+  // holds job.json and, unless launcher.state_dir is set, the launcher's
+  // state; removed when the job ends. Empty: $DEEPNEX_RUN_DIR, else
+  // /tmp/deepnex-<uid>/jobs.
+  std::string registry_dir;
+  // Extra environment for every worker, and the workers' working directory
+  // (empty: this process's).
+  std::map<std::string, std::string> env;
+  std::string working_dir;
+  // Receives every line the job's processes print, with who printed it
+  // ("worker 0", "ps 1"). Default: written to stdout as "[worker 0] line".
+  std::function<void(const std::string& who, const std::string& line)> output;
+};
+
+struct JobResult {
+  // 0 when every worker exited 0; else the first failing worker's code
+  // (128 + signal for a signal, 137 for an OOM kill, 1 if lost or stopped).
+  int exit_code = 0;
+  std::vector<launch::ExitStatus> workers;
+  double seconds = 0;
+};
+
+// One job. Thread-safe: Stop may come from a signal-handling thread while
+// another waits.
+class Job {
+ public:
+  // Validates the options: InvalidArgument naming the field and value.
+  static absl::StatusOr<std::unique_ptr<Job>> Create(const JobOptions& options);
+  virtual ~Job() = default;
+
+  virtual const std::string& name() const = 0;
+  // Allocates and starts everything; on an error releases what it took.
+  virtual absl::Status Start() = 0;
+  // Until every worker has ended for good; then stops the parameter servers
+  // and releases the allocations. DeadlineExceeded after `timeout` (the job
+  // keeps running).
+  virtual absl::StatusOr<JobResult> Wait(std::chrono::milliseconds timeout) = 0;
+  // Stops every container and releases every allocation. Idempotent.
+  virtual absl::Status Stop() = 0;
+  // The job's containers (parameter servers first, then workers by rank).
+  virtual std::vector<std::shared_ptr<launch::Handle>> Containers() = 0;
+  virtual std::vector<gpu::Allocation> Allocations() = 0;
+};
+
+// Create + Start + Wait (no timeout); stops the job on every path.
+absl::StatusOr<JobResult> RunJob(const JobOptions& options);
+
+}  // namespace deepnex::job
+
+#endif  // DEEPNEX_JOB_JOB_H_

@@ -1,0 +1,168 @@
+"""The job commands of the deepnex CLI:
+
+    deepnex run [--workers N] [--ps M] [--mode sync|ssp:S|async|allreduce]
+                [--gpus-per-worker K --gpu-mode exclusive|shared --gpu-memory 8GiB]
+                [--cpus C --memory 4GiB] [--backend process|oci|docker|slurm|kubernetes]
+                [--central ADDR] [--restart on-failure:3] [--checkpoint-dir D]
+                [--optimizer sgd|adam|adagrad --lr LR [--momentum M]] -- python3 train.py ARGS
+    deepnex top                 the jobs running on this machine, their GPUs and usage
+
+``deepnex run`` exits with the job's exit code; Ctrl-C or SIGTERM stops the
+job, releases its allocations and exits 130 / 143.
+"""
+
+import argparse
+import os
+import signal
+import sys
+
+
+def _run(args) -> int:
+    from deepnex import DeepnexError, job
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("deepnex run: no command (deepnex run [flags] -- python3 train.py ...)",
+              file=sys.stderr)
+        return 2
+    options = dict(workers=args.workers, ps=args.ps, mode=args.mode,
+                   gpus_per_worker=args.gpus_per_worker, gpu_mode=args.gpu_mode,
+                   gpu_memory=args.gpu_memory or 0, cpus=args.cpus, memory=args.memory or 0,
+                   backend=args.backend, central=args.central,
+                   central_token=args.token or os.environ.get("DEEPNEX_TOKEN"),
+                   restart=args.restart, checkpoint_dir=args.checkpoint_dir,
+                   optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, name=args.name)
+    if args.state_dir:
+        options["state_dir"] = args.state_dir
+    try:
+        j = job.Job(command, **options)
+    except DeepnexError as e:
+        print(f"deepnex run: {e}", file=sys.stderr)
+        return 2
+
+    stopped = {}
+
+    def on_signal(signum, frame):
+        stopped["signal"] = signum
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        j.start()
+        print(f"deepnex run: job {j.name}: {args.workers} workers, mode {args.mode}, "
+              f"backend {args.backend}", file=sys.stderr)
+        result = j.wait()
+    except KeyboardInterrupt:
+        j.stop()
+        signum = stopped.get("signal", signal.SIGINT)
+        print(f"deepnex run: job {j.name} stopped by {signal.Signals(signum).name}; "
+              "everything released", file=sys.stderr)
+        return 128 + signum
+    except DeepnexError as e:
+        j.stop()
+        print(f"deepnex run: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    for rank, e in enumerate(result.workers):
+        restarts = f", {e.restarts} restarts" if e.restarts else ""
+        print(f"deepnex run: worker {rank}: {e.reason}"
+              f"({e.code if e.reason == 'exited' else e.signal}){restarts}", file=sys.stderr)
+    print(f"deepnex run: job {j.name} exited {result.exit_code} after {result.seconds:.1f} s",
+          file=sys.stderr)
+    return result.exit_code
+
+
+def _registry():
+    return os.environ.get("DEEPNEX_RUN_DIR") or f"/tmp/deepnex-{os.getuid()}/jobs"
+
+
+def running_jobs(registry=None):
+    """The records (job.json) of the jobs whose `deepnex run` is alive."""
+    import glob
+    import json
+
+    from deepnex._cli_launch import _alive
+    jobs = []
+    for path in sorted(glob.glob(os.path.join(registry or _registry(), "*", "job.json"))):
+        try:
+            with open(path) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            continue  # being written or removed
+        if _alive(record.get("pid", 0)):
+            jobs.append(record)
+    return jobs
+
+
+def top_text(registry=None):
+    """What one screen of `deepnex top` shows."""
+    import time
+
+    from deepnex._cli_launch import format_table, read_records, rows
+    jobs = running_jobs(registry)
+    if not jobs:
+        return "no deepnex jobs running"
+    out = []
+    for j in jobs:
+        gpus = sorted({f"{a['node']}:{g}" for a in j.get("allocations", []) for g in a["gpus"]})
+        uptime = int(time.time() - j.get("started_at", time.time()))
+        out.append(f"job {j['name']}  user {j.get('user', '?')}  mode {j.get('mode')}  "
+                   f"workers {j.get('workers')}  ps {j.get('ps')}  backend {j.get('backend')}  "
+                   f"up {uptime // 60}m{uptime % 60:02d}s  gpus {','.join(gpus) or '-'}")
+        out.append(format_table(rows(read_records(j["state_dir"]))))
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def _top(args) -> int:
+    import time
+    if args.once:
+        print(top_text(args.run_dir))
+        return 0
+    try:
+        while True:
+            sys.stdout.write("\x1b[H\x1b[2J" + top_text(args.run_dir) + "\n")
+            sys.stdout.flush()
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+def add_commands(commands) -> None:
+    run = commands.add_parser(
+        "run", help="run a training script data-parallel: allocate, launch, supervise",
+        description="Runs COMMAND as the workers of a data-parallel job.",
+        usage="deepnex run [options] -- COMMAND [ARGS ...]")
+    run.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    run.add_argument("--ps", type=int, default=None,
+                     help="parameter servers (default 1, or 0 with --mode allreduce)")
+    run.add_argument("--mode", default="sync", help="sync, ssp:S, async or allreduce")
+    run.add_argument("--gpus-per-worker", type=int, default=0)
+    run.add_argument("--gpu-mode", default="exclusive", choices=["exclusive", "shared"])
+    run.add_argument("--gpu-memory", default=None, help="GPU memory per GPU, shared mode (8GiB)")
+    run.add_argument("--cpus", type=float, default=1, help="CPU cores per worker (default 1)")
+    run.add_argument("--memory", default=None, help="memory per worker (4GiB); default unlimited")
+    run.add_argument("--backend", default="process",
+                     choices=["process", "oci", "docker", "slurm", "kubernetes"])
+    run.add_argument("--central", default=os.environ.get("DEEPNEX_CENTRAL"),
+                     help="deepnex-central address (default: a local allocator)")
+    run.add_argument("--token", default=None, help="token for deepnex-central")
+    run.add_argument("--restart", default="never", help="never, on-failure[:N] or always")
+    run.add_argument("--checkpoint-dir", default=None,
+                     help="parameter servers checkpoint here and restore when restarted")
+    run.add_argument("--optimizer", default="sgd", help="sgd, adam, adamw or adagrad")
+    run.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    run.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
+    run.add_argument("--name", default=None, help="job id (default job-<random>)")
+    run.add_argument("--state-dir", default=None, help="where logs and records go")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND")
+    run.set_defaults(func=_run)
+
+    top = commands.add_parser("top", help="the jobs running here: containers, GPUs, CPU, memory")
+    top.add_argument("--once", action="store_true", help="print once instead of refreshing")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    top.add_argument("--run-dir", default=None,
+                     help="where jobs register (default $DEEPNEX_RUN_DIR or /tmp/deepnex-UID/jobs)")
+    top.set_defaults(func=_top)

@@ -1,0 +1,120 @@
+"""Jobs: one call from allocation to a trained model.
+
+    import deepnex
+    result = deepnex.job.run(["python3", "train.py"], workers=2, mode="sync")
+    result.exit_code, result.workers, result.seconds
+
+``run`` allocates the workers' GPUs, CPU cores and memory (a local allocator
+over this machine, or deepnex-central with ``central=ADDR``), serves the
+job's rendezvous store, starts the parameter servers and the workers through
+a launch backend with the job environment (DEEPNEX_RANK, DEEPNEX_PS_ADDRS,
+... and torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), prints their
+output prefixed with "[worker 0]" / "[ps 0]", restarts them under
+``restart`` and releases everything when the workers are done, on an error,
+or on KeyboardInterrupt.
+"""
+
+import os
+import shutil
+import sys
+from typing import Callable, Dict, List, Optional, Sequence
+
+from . import _C
+from .errors import DeadlineExceededError
+from .launch import _bytes, _options
+
+__all__ = ["Job", "JobResult", "run"]
+
+JobResult = _C.job.JobResult
+
+
+def _ps_binary() -> Optional[str]:
+    """deepnex-ps: $DEEPNEX_PS_BIN, the one shipped beside the package, the
+    build tree's (DEEPNEX_BUILD_DIR), then PATH."""
+    candidates = [os.environ.get("DEEPNEX_PS_BIN"),
+                  os.path.join(os.path.dirname(__file__), "bin", "deepnex-ps")]
+    build = os.environ.get("DEEPNEX_BUILD_DIR")
+    if build:
+        candidates.append(os.path.join(build, "bin", "deepnex-ps"))
+    # The build tree: <build>/python/deepnex/job.py -> <build>/bin/deepnex-ps.
+    candidates.append(os.path.join(os.path.dirname(__file__), "..", "..", "bin", "deepnex-ps"))
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return os.path.abspath(c)
+    return shutil.which("deepnex-ps")
+
+
+class Job:
+    """A started job; see ``run``. ``stop()`` may be called from any thread."""
+
+    def __init__(self, command: Sequence[str], *, workers: int = 1, ps: Optional[int] = None,
+                 mode: str = "sync", gpus_per_worker: int = 0, gpu_mode: str = "exclusive",
+                 gpu_memory=0, cpus: float = 1, memory=0, backend: str = "process",
+                 central: Optional[str] = None, central_token: Optional[str] = None,
+                 restart: str = "never", checkpoint_dir: Optional[str] = None,
+                 optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.0, name: Optional[str] = None,
+                 user: Optional[str] = None, env: Optional[Dict[str, str]] = None,
+                 working_dir: Optional[str] = None,
+                 output: Optional[Callable[[str, str], None]] = None, **launcher_options):
+        if output is None:
+            def output(who, line):
+                sys.stdout.write(f"[{who}] {line}\n")
+                sys.stdout.flush()
+        self._job = _C.job.Job(
+            command=list(command), workers=workers, ps=-1 if ps is None else ps, mode=mode,
+            gpus_per_worker=gpus_per_worker, gpu_mode=gpu_mode,
+            gpu_memory=_bytes(gpu_memory, "gpu_memory"), cpus=float(cpus),
+            memory=_bytes(memory, "memory"), user=user or "", central=central or "",
+            central_token=central_token or "",
+            launcher=dict(_options(launcher_options), backend=backend), restart=restart,
+            checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
+            optimizer=optimizer, lr=lr, momentum=momentum, ps_binary=_ps_binary() or "", env=dict(env or {}),
+            working_dir=working_dir or "", name=name or "", output=output)
+
+    @property
+    def name(self) -> str:
+        return self._job.name
+
+    def start(self) -> "Job":
+        self._job.start()
+        return self
+
+    def wait(self, timeout: Optional[float] = None) -> JobResult:
+        """Until every worker has ended; then the job is stopped and
+        released. Waits in short slices so that Ctrl-C reaches Python."""
+        import time
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = 0.2 if deadline is None else max(0.001, min(0.2, deadline - time.monotonic()))
+            try:
+                return self._job.wait(step)
+            except DeadlineExceededError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    def stop(self) -> None:
+        self._job.stop()
+
+    def containers(self):
+        return self._job.containers()
+
+    def allocations(self):
+        return self._job.allocations()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def run(command: Sequence[str], **options) -> JobResult:
+    """Starts a job, waits for it and returns its JobResult (exit_code,
+    workers' ExitStatus, seconds). Stops and releases everything on every
+    path, KeyboardInterrupt included. Options: see ``Job``."""
+    job = Job(command, **options)
+    try:
+        job.start()
+        return job.wait()
+    finally:
+        job.stop()

@@ -1,0 +1,165 @@
+// deepnex::job::Job on the process backend with real deepnex-ps servers.
+#include "deepnex/job/job.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <set>
+
+#include "launch/util.h"
+#include "test_matchers.h"
+
+namespace deepnex::job {
+namespace {
+
+using ::deepnex::test::IsOk;
+using ::deepnex::test::StatusIs;
+using ::testing::HasSubstr;
+using std::chrono::milliseconds;
+
+// Every line a job printed, by who printed it.
+struct Output {
+  std::mutex mu;
+  std::multimap<std::string, std::string> lines;
+  std::function<void(const std::string&, const std::string&)> Sink() {
+    return [this](const std::string& who, const std::string& line) {
+      std::lock_guard<std::mutex> lock(mu);
+      lines.emplace(who, line);
+    };
+  }
+  std::vector<std::string> Of(const std::string& who) {
+    std::lock_guard<std::mutex> lock(mu);
+    std::vector<std::string> out;
+    auto [b, e] = lines.equal_range(who);
+    for (auto it = b; it != e; ++it) out.push_back(it->second);
+    return out;
+  }
+};
+
+class JobTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("deepnex-job-test-" + std::to_string(getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  JobOptions Options(std::vector<std::string> command) {
+    JobOptions o;
+    o.command = std::move(command);
+    o.ps_binary = DEEPNEX_PS_BIN;
+    o.cpus = 0;
+    o.launcher.state_dir = (dir_ / "state").string();
+    o.output = out_.Sink();
+    return o;
+  }
+
+  std::filesystem::path dir_;
+  Output out_;
+};
+
+TEST_F(JobTest, WorkersGetTheJobEnvironmentAndTheirOutputIsPrefixed) {
+  JobOptions o = Options({"sh", "-c",
+                          "echo rank=$DEEPNEX_RANK/$DEEPNEX_WORLD_SIZE job=$DEEPNEX_JOB_ID "
+                          "ps=${DEEPNEX_PS_ADDRS:+yes} store=${DEEPNEX_STORE_ADDR:+yes} "
+                          "torch=$RANK/$WORLD_SIZE"});
+  o.name = "envjob";
+  o.workers = 2;
+  ASSERT_OK_AND_ASSIGN(JobResult r, RunJob(o));
+  EXPECT_EQ(r.exit_code, 0);
+  ASSERT_EQ(r.workers.size(), 2u);
+  EXPECT_TRUE(r.workers[0].ok() && r.workers[1].ok());
+  EXPECT_THAT(out_.Of("worker 0"),
+              ::testing::Contains("rank=0/2 job=envjob ps=yes store=yes torch=0/2"));
+  EXPECT_THAT(out_.Of("worker 1"),
+              ::testing::Contains("rank=1/2 job=envjob ps=yes store=yes torch=1/2"));
+  EXPECT_THAT(out_.Of("ps 0"), ::testing::Contains(HasSubstr("deepnex-ps listening on")));
+}
+
+TEST_F(JobTest, AllreduceModeStartsNoParameterServer) {
+  JobOptions o = Options({"sh", "-c", "echo ps=[$DEEPNEX_PS_ADDRS]"});
+  o.mode = "allreduce";
+  ASSERT_OK_AND_ASSIGN(JobResult r, RunJob(o));
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_THAT(out_.Of("worker 0"), ::testing::Contains("ps=[]"));
+  EXPECT_TRUE(out_.Of("ps 0").empty());
+}
+
+TEST_F(JobTest, AFailedWorkerEndsTheJobWithItsCodeAndStopsTheOthers) {
+  JobOptions o = Options({"sh", "-c", "if [ $DEEPNEX_RANK = 1 ]; then exit 3; fi; sleep 60"});
+  o.workers = 2;
+  auto start = std::chrono::steady_clock::now();
+  ASSERT_OK_AND_ASSIGN(JobResult r, RunJob(o));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  EXPECT_EQ(r.exit_code, 3);
+  EXPECT_EQ(r.workers[1].reason, launch::ExitReason::kExited);
+  EXPECT_EQ(r.workers[1].code, 3);
+  EXPECT_EQ(r.workers[0].reason, launch::ExitReason::kSignaled);
+}
+
+TEST_F(JobTest, AWorkerThatFailsOnceIsRestartedUnderOnFailure) {
+  std::string marker = (dir_ / "failed-once").string();
+  JobOptions o = Options(
+      {"sh", "-c", "if [ ! -e " + marker + " ]; then touch " + marker + "; exit 5; fi; echo again"});
+  ASSERT_OK_AND_ASSIGN(o.restart, launch::RestartPolicy::Parse("on-failure:2"));
+  o.restart.backoff = milliseconds(10);
+  ASSERT_OK_AND_ASSIGN(JobResult r, RunJob(o));
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(r.workers[0].restarts, 1);
+  EXPECT_THAT(out_.Of("worker 0"), ::testing::Contains("again"));
+}
+
+TEST_F(JobTest, StopEndsEveryProcessAndReleasesTheAllocations) {
+  JobOptions o = Options({"sh", "-c", "sleep 600 & sleep 600"});
+  o.name = "stopjob" + std::to_string(getpid());
+  o.workers = 2;
+  ASSERT_OK_AND_ASSIGN(auto job, Job::Create(o));
+  ASSERT_THAT(job->Start(), IsOk());
+  EXPECT_EQ(job->Allocations().size(), 2u);
+  EXPECT_EQ(job->Containers().size(), 3u);  // ps0, worker0, worker1
+  EXPECT_THAT(job->Wait(milliseconds(200)), StatusIs(absl::StatusCode::kDeadlineExceeded));
+  ASSERT_THAT(job->Stop(), IsOk());
+  EXPECT_TRUE(job->Allocations().empty());
+  EXPECT_THAT(launch::ProcessesWithEnv(launch::kLauncherIdEnv, o.name), ::testing::IsEmpty());
+  EXPECT_THAT(job->Stop(), IsOk());  // idempotent
+}
+
+TEST_F(JobTest, MoreWorkersThanTheMachineHoldsIsRefusedNotQueued) {
+  JobOptions o = Options({"true"});
+  o.workers = 1000;
+  o.cpus = 1;
+  EXPECT_THAT(RunJob(o), StatusIs(absl::StatusCode::kResourceExhausted));
+}
+
+TEST_F(JobTest, BadOptionsNameTheFieldAndValue) {
+  struct Case {
+    std::function<void(JobOptions&)> edit;
+    std::string message;
+  };
+  std::vector<Case> cases = {
+      {[](JobOptions& o) { o.workers = 0; }, "workers: 0"},
+      {[](JobOptions& o) { o.mode = "gossip"; }, "mode: \"gossip\""},
+      {[](JobOptions& o) { o.mode = "ssp:x"; }, "mode: \"ssp:x\""},
+      {[](JobOptions& o) { o.name = "Bad_Name"; }, "name: \"Bad_Name\""},
+      {[](JobOptions& o) { o.command.clear(); }, "command: empty"},
+      {[](JobOptions& o) { o.lr = -1; }, "lr: -1"},
+      {[](JobOptions& o) { o.ps = 0; }, "ps: 0"},
+      {[](JobOptions& o) { o.cpus = -2; }, "cpus: -2"},
+  };
+  for (const auto& c : cases) {
+    JobOptions o = Options({"true"});
+    c.edit(o);
+    EXPECT_THAT(Job::Create(o), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)))
+        << c.message;
+  }
+  JobOptions o = Options({"true"});
+  o.ps_binary = "/nonexistent/deepnex-ps";
+  EXPECT_THAT(Job::Create(o), StatusIs(absl::StatusCode::kNotFound, HasSubstr("deepnex-ps")));
+}
+
+}  // namespace
+}  // namespace deepnex::job
