@@ -269,7 +269,10 @@ class ProcessBackend : public Backend {
 
     std::unique_ptr<Cgroup> cgroup;
     if (cgroups_.ok()) {
-      CgroupLimits limits{spec.cpus, spec.memory, spec.pids_limit};
+      CgroupLimits limits;
+      limits.cpus = spec.cpus;
+      limits.memory = spec.memory;
+      limits.pids = spec.pids_limit;
       // The grant's GPUs only (index = the device node's minor, as
       // nvidia-smi numbers them); without an allocation GPUs are not managed.
       if (spec.allocation) {
