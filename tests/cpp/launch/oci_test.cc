@@ -316,6 +316,9 @@ TEST_F(OciTest, StopKillsATreeThatIgnoresTerm) {
   EXPECT_EQ(end->ToString(), "signaled(SIGKILL)");
   EXPECT_THAT(cg->Processes(), ElementsAre());
   EXPECT_THAT(run->Remove(), IsOk());
+  // Cleanup waits for the deletes Remove queued; then nothing is left.
+  ASSERT_OK_AND_ASSIGN(int swept, backend_->Cleanup(options_.id));
+  EXPECT_EQ(swept, 0);
   EXPECT_THAT(Cgroup::Open(options_.cgroup_parent + "/" + run->id()),
               StatusIs(absl::StatusCode::kNotFound));
   EXPECT_THAT(RuncIds(options_.state_dir + "/runc"), ElementsAre());

@@ -1,0 +1,379 @@
+// launch_bench: start-to-running and start-to-exit latency of a trivial
+// container (`true`), per launch backend, beside the same container started
+// by hand with plain `runc run`, in one run and interleaved.
+//
+//   launch_bench [--n 20] [--backends process,oci,docker,slurm] [--csv FILE]
+//                [--docker-socket PATH] [--docker-image REF] [--slurm-conf FILE]
+//
+// Each round starts one container per backend, then one by hand: the peer is
+// `runc run --pid-file` fork/exec'ed on a bundle whose config.json is the one
+// the oci backend wrote (copied from a container of its own, with a fresh
+// cgroup per run), so it does the same work minus deepnex. Running: when
+// Start returns with the state running (the peer: when runc writes the pid
+// file); exit: when Wait returns (the peer: when `runc run` exits).
+// docker and slurm run when given their socket / slurm.conf (flags, or
+// DEEPNEX_DOCKER_SOCKET / SLURM_CONF), else they are skipped with the reason.
+#include <fcntl.h>
+#include <poll.h>
+#include <spawn.h>
+#include <sys/inotify.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "deepnex/launch/launcher.h"
+
+using deepnex::launch::ContainerSpec;
+using deepnex::launch::Launcher;
+using deepnex::launch::LauncherOptions;
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+extern char** environ;
+
+namespace {
+
+constexpr char kPeer[] = "runc (plain)";
+
+struct Flags {
+  int n = 20;
+  std::vector<std::string> backends = {"process", "oci", "docker", "slurm"};
+  std::string csv;
+  std::string docker_socket;
+  std::string docker_image = "localhost/busybox:latest";
+  std::string slurm_conf;
+};
+
+struct Sample {
+  double running_ms = 0;
+  double exit_ms = 0;
+};
+
+double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+double Quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const double pos = q * (v.size() - 1);
+  const size_t lo = static_cast<size_t>(pos);
+  const size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (pos - lo);
+}
+
+std::string Env(const char* name) {
+  const char* v = getenv(name);
+  return v == nullptr ? "" : v;
+}
+
+// One backend through the public Launcher API.
+class BackendRunner {
+ public:
+  static std::optional<BackendRunner> Make(const std::string& backend, const Flags& flags,
+                                           const std::string& state_dir, std::string* why) {
+    LauncherOptions options;
+    options.backend = backend;
+    options.state_dir = state_dir + "/" + backend;
+    options.cgroup_parent = "deepnex-launch-bench";
+    ContainerSpec spec;
+    spec.command = {"true"};
+    if (backend == "docker") {
+      options.docker.socket =
+          !flags.docker_socket.empty() ? flags.docker_socket : Env("DEEPNEX_DOCKER_SOCKET");
+      if (options.docker.socket.empty()) {
+        *why = "no --docker-socket (or DEEPNEX_DOCKER_SOCKET) given";
+        return std::nullopt;
+      }
+      spec.image = flags.docker_image;
+    }
+    if (backend == "slurm") {
+      const std::string conf = !flags.slurm_conf.empty() ? flags.slurm_conf : Env("SLURM_CONF");
+      if (conf.empty()) {
+        *why = "no --slurm-conf (or SLURM_CONF) given";
+        return std::nullopt;
+      }
+      options.slurm.env["SLURM_CONF"] = conf;
+    }
+    fs::create_directories(options.state_dir);
+    absl::StatusOr<std::unique_ptr<Launcher>> launcher = Launcher::Create(options);
+    if (!launcher.ok()) {
+      *why = std::string(launcher.status().message());
+      return std::nullopt;
+    }
+    return BackendRunner(std::move(*launcher), std::move(spec), options.state_dir);
+  }
+
+  absl::StatusOr<Sample> Once(int i) {
+    ContainerSpec spec = spec_;
+    spec.name = "bench" + std::to_string(i);
+    Sample s;
+    const Clock::time_point t0 = Clock::now();
+    absl::StatusOr<std::shared_ptr<deepnex::launch::Handle>> h = launcher_->Start(spec);
+    if (!h.ok()) return h.status();
+    // A backend may report running a moment after Start returns.
+    while ((*h)->Status().state == deepnex::launch::State::kStarting) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    s.running_ms = Ms(Clock::now() - t0);
+    absl::StatusOr<deepnex::launch::ExitStatus> e = (*h)->Wait(std::chrono::seconds(60));
+    if (!e.ok()) return e.status();
+    s.exit_ms = Ms(Clock::now() - t0);
+    if (!e->ok()) {
+      return absl::InternalError(spec.name + " ended " + e->ToString());
+    }
+    absl::Status removed = launcher_->Remove(spec.name);
+    if (!removed.ok()) return removed;
+    return s;
+  }
+
+  // The config.json the backend writes for `spec` (oci): read from the
+  // bundle of a container kept running while it is looked for.
+  absl::StatusOr<std::string> BundleConfig() {
+    ContainerSpec spec = spec_;
+    spec.name = "bundle-probe";
+    spec.command = {"sleep", "60"};
+    absl::StatusOr<std::shared_ptr<deepnex::launch::Handle>> h = launcher_->Start(spec);
+    if (!h.ok()) return h.status();
+    std::string found;
+    for (const fs::directory_entry& e : fs::recursive_directory_iterator(state_dir_)) {
+      if (e.path().filename() == "config.json" &&
+          e.path().string().find("bundle-probe") != std::string::npos) {
+        std::ifstream in(e.path());
+        std::stringstream ss;
+        ss << in.rdbuf();
+        found = ss.str();
+      }
+    }
+    (*h)->Stop(std::chrono::milliseconds(100)).IgnoreError();
+    (*h)->Wait(std::chrono::seconds(30)).IgnoreError();
+    launcher_->Remove(spec.name).IgnoreError();
+    if (found.empty()) return absl::NotFoundError("no config.json of bundle-probe under " + state_dir_);
+    return found;
+  }
+
+ private:
+  BackendRunner(std::unique_ptr<Launcher> launcher, ContainerSpec spec, std::string state_dir)
+      : launcher_(std::move(launcher)), spec_(std::move(spec)), state_dir_(std::move(state_dir)) {}
+
+  std::shared_ptr<Launcher> launcher_;
+  ContainerSpec spec_;
+  std::string state_dir_;
+};
+
+// `runc run` by hand on a bundle with the oci backend's config.
+class PlainRunc {
+ public:
+  PlainRunc(std::string dir, std::string config) : dir_(std::move(dir)) {
+    config_ = nlohmann::json::parse(config);
+    config_["process"]["args"] = {"true"};
+    config_["annotations"] = nlohmann::json::object();
+    fs::create_directories(dir_ + "/root");
+  }
+
+  absl::StatusOr<Sample> Once(int i) {
+    const std::string id = "launch-bench-plain-" + std::to_string(getpid()) + "-" + std::to_string(i);
+    const std::string bundle = dir_ + "/" + id;
+    fs::create_directories(bundle);
+    config_["linux"]["cgroupsPath"] = "deepnex-launch-bench/" + id;
+    config_["hostname"] = id.substr(0, 63);
+    std::ofstream(bundle + "/config.json") << config_.dump(1);
+    const std::string pid_file = bundle + "/pid";
+    int inotify = inotify_init1(IN_CLOEXEC);
+    inotify_add_watch(inotify, bundle.c_str(), IN_MOVED_TO | IN_CREATE);
+    std::vector<std::string> argv = {"runc",     "--root",     dir_ + "/root", "run",
+                                     "--bundle", bundle,       "--pid-file",   pid_file, id};
+    std::vector<char*> args;
+    for (std::string& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_addopen(&actions, 1, (bundle + "/log").c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+
+    Sample s;
+    const Clock::time_point t0 = Clock::now();
+    pid_t pid;
+    int rc = posix_spawnp(&pid, "runc", &actions, nullptr, args.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (rc != 0) {
+      close(inotify);
+      return absl::InternalError(std::string("runc: ") + strerror(rc));
+    }
+    bool exited = false;
+    int status = 0;
+    while (access(pid_file.c_str(), F_OK) != 0) {
+      if (waitpid(pid, &status, WNOHANG) == pid) {
+        exited = true;
+        break;
+      }
+      // The pid file, or at the latest 1 ms later a look at whether runc failed.
+      struct pollfd p = {inotify, POLLIN, 0};
+      char buf[4096];
+      if (poll(&p, 1, 1) > 0) read(inotify, buf, sizeof buf);
+    }
+    s.running_ms = Ms(Clock::now() - t0);
+    if (!exited) waitpid(pid, &status, 0);
+    s.exit_ms = Ms(Clock::now() - t0);
+    close(inotify);
+    std::error_code ec;
+    fs::remove_all(bundle, ec);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      return absl::InternalError("plain runc run of " + id + " failed with wait status " +
+                                 std::to_string(status));
+    }
+    return s;
+  }
+
+ private:
+  std::string dir_;
+  nlohmann::json config_;
+};
+
+Flags ParseFlags(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        fprintf(stderr, "%s needs a value\n", a.c_str());
+        exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--n") {
+      f.n = atoi(value().c_str());
+    } else if (a == "--backends") {
+      f.backends.clear();
+      std::stringstream ss(value());
+      for (std::string b; std::getline(ss, b, ',');) f.backends.push_back(b);
+    } else if (a == "--csv") {
+      f.csv = value();
+    } else if (a == "--docker-socket") {
+      f.docker_socket = value();
+    } else if (a == "--docker-image") {
+      f.docker_image = value();
+    } else if (a == "--slurm-conf") {
+      f.slurm_conf = value();
+    } else {
+      fprintf(stderr,
+              "usage: launch_bench [--n 20] [--backends process,oci,docker,slurm] [--csv FILE]\n"
+              "                    [--docker-socket PATH] [--docker-image REF] [--slurm-conf FILE]\n");
+      exit(2);
+    }
+  }
+  return f;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Flags flags = ParseFlags(argc, argv);
+  char tmpl[] = "/tmp/deepnex-launch-bench-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) {
+    perror("mkdtemp");
+    return 1;
+  }
+  const std::string dir = tmpl;
+
+  // Backends in the order given, then the peer.
+  std::vector<std::string> names;
+  std::map<std::string, BackendRunner> runners;
+  std::optional<PlainRunc> peer;
+  for (const std::string& b : flags.backends) {
+    std::string why;
+    std::optional<BackendRunner> r = BackendRunner::Make(b, flags, dir, &why);
+    if (!r) {
+      printf("skipping %s: %s\n", b.c_str(), why.c_str());
+      continue;
+    }
+    if (b == "oci") {
+      absl::StatusOr<std::string> config = r->BundleConfig();
+      if (!config.ok()) {
+        printf("skipping %s and %s: %s\n", b.c_str(), kPeer, config.status().ToString().c_str());
+        continue;
+      }
+      peer.emplace(dir + "/plain", *config);
+    }
+    names.push_back(b);
+    runners.emplace(b, std::move(*r));
+  }
+  if (peer) names.push_back(kPeer);
+  if (names.empty()) {
+    printf("no backend can start here\n");
+    return 1;
+  }
+
+  std::map<std::string, std::vector<Sample>> samples;
+  std::map<std::string, std::string> failed;
+  fprintf(stderr, "%d rounds of %zu:", flags.n, names.size());
+  for (int i = 0; i < flags.n; ++i) {
+    for (const std::string& name : names) {
+      if (failed.count(name)) continue;
+      absl::StatusOr<Sample> s =
+          name == kPeer ? peer->Once(i) : runners.find(name)->second.Once(i);
+      if (!s.ok()) {
+        failed[name] = s.status().ToString();
+        continue;
+      }
+      samples[name].push_back(*s);
+    }
+    fprintf(stderr, " %d", i + 1);
+  }
+  fprintf(stderr, "\n");
+
+  auto column = [&](const std::string& name, double Sample::*field) {
+    std::vector<double> v;
+    for (const Sample& s : samples[name]) v.push_back(s.*field);
+    return v;
+  };
+  const double peer_run = peer ? Quantile(column(kPeer, &Sample::running_ms), 0.5) : 0;
+  const double peer_exit = peer ? Quantile(column(kPeer, &Sample::exit_ms), 0.5) : 0;
+  printf("\nlatency of a container running `true`, ms (n rounds, interleaved)\n");
+  printf("%-14s %4s %10s %10s %10s %10s %11s %11s\n", "backend", "n", "run p50", "run p90",
+         "exit p50", "exit p90", "run/runc", "exit/runc");
+  for (const std::string& name : names) {
+    if (failed.count(name)) printf("%s failed: %s\n", name.c_str(), failed[name].c_str());
+    if (samples[name].empty()) continue;
+    std::vector<double> run = column(name, &Sample::running_ms);
+    std::vector<double> exit = column(name, &Sample::exit_ms);
+    char ratio_run[32] = "-", ratio_exit[32] = "-";
+    if (peer_run > 0) {
+      snprintf(ratio_run, sizeof ratio_run, "%.2fx", Quantile(run, 0.5) / peer_run);
+      snprintf(ratio_exit, sizeof ratio_exit, "%.2fx", Quantile(exit, 0.5) / peer_exit);
+    }
+    printf("%-14s %4zu %10.1f %10.1f %10.1f %10.1f %11s %11s\n", name.c_str(), run.size(),
+           Quantile(run, 0.5), Quantile(run, 0.9), Quantile(exit, 0.5), Quantile(exit, 0.9),
+           ratio_run, ratio_exit);
+  }
+  if (!flags.csv.empty()) {
+    std::ofstream csv(flags.csv);
+    csv << "backend,round,start_to_running_ms,start_to_exit_ms\n";
+    for (const std::string& name : names) {
+      for (size_t i = 0; i < samples[name].size(); ++i) {
+        csv << name << "," << i << "," << samples[name][i].running_ms << ","
+            << samples[name][i].exit_ms << "\n";
+      }
+    }
+  }
+  runners.clear();
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  return failed.empty() ? 0 : 1;
+}
