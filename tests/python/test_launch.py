@@ -189,3 +189,16 @@ def test_ps_table(tmp_path):
     done_row = lines[2].split()
     assert done_row[:7] + done_row[-1:] == ["done", "process", "exited", "0", "-", "-", "-",
                                             "exited(2)"]
+
+
+def test_blocking_calls_release_the_gil(launcher):
+    import threading
+    h = launcher.start(launch.ContainerSpec(name="long", command=["sleep", "1000"]))
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(h.wait(timeout=30)))
+    waiter.start()
+    # With the GIL held by wait, this thread could not get here to stop it.
+    h.stop(grace=1)
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    assert result[0].reason == "signaled"
