@@ -75,6 +75,12 @@ ContainerSpec OnGpus(ContainerSpec spec, int n) {
   return spec;
 }
 
+// How a cancelled job that was running ends: SIGTERM, or SIGKILL that Slurm
+// sends itself after KillWait when a process has not died of SIGTERM by then
+// (it ignores it, or a loaded machine is slow). Slurm's record may also say
+// SIGTERM for a process that only SIGKILL ended.
+::testing::Matcher<int> CancelSignal() { return AnyOf(Eq(SIGTERM), Eq(SIGKILL)); }
+
 std::set<std::string> Split(const std::string& list) {
   return absl::StrSplit(list, ',', absl::SkipEmpty());
 }
@@ -291,7 +297,7 @@ TEST_F(SlurmTest, StopCancelsAndKillsTheTree) {
   ASSERT_THAT(run->Stop(1s), IsOk());
   ExitStatus e = WaitEnd(*run);
   EXPECT_EQ(e.reason, ExitReason::kSignaled) << e.ToString();
-  EXPECT_EQ(e.signal, SIGTERM);
+  EXPECT_THAT(e.signal, CancelSignal());
   EXPECT_EQ(JobState(*run), "CANCELLED");
   EXPECT_THAT(test::ProcessesWithArg(token), IsEmpty());
   EXPECT_THAT(run->Stop(1s), IsOk());  // idempotent
@@ -307,8 +313,7 @@ TEST_F(SlurmTest, ProcessesIgnoringSigtermAreKilledAfterKillWait) {
   ASSERT_THAT(run->Stop(0ms), IsOk());
   ExitStatus e = WaitEnd(*run);
   EXPECT_EQ(e.reason, ExitReason::kSignaled) << e.ToString();
-  // Slurm records SIGKILL or, racing with its own cancel, SIGTERM.
-  EXPECT_THAT(e.signal, AnyOf(Eq(SIGTERM), Eq(SIGKILL)));
+  EXPECT_THAT(e.signal, CancelSignal());
   // Not before the cluster's KillWait of 2 s; about 5 s in all when measured.
   const auto took = std::chrono::steady_clock::now() - stop;
   EXPECT_GE(took, 2s);
@@ -332,8 +337,11 @@ TEST_F(SlurmTest, CleanupFindsJobsByLabel) {
                                        ",deepnex.name=a,team=x y"));
   ASSERT_OK_AND_ASSIGN(int swept, backend_->Cleanup(options_.id));
   EXPECT_EQ(swept, 2);
-  EXPECT_EQ(WaitEnd(*a).ToString(), "signaled(SIGTERM)");
-  EXPECT_EQ(WaitEnd(*b).ToString(), "signaled(SIGTERM)");
+  for (launch::Run* r : {a.get(), b.get()}) {
+    ExitStatus e = WaitEnd(*r);
+    EXPECT_EQ(e.reason, ExitReason::kSignaled) << e.ToString();
+    EXPECT_THAT(e.signal, CancelSignal());
+  }
   EXPECT_THAT(c->Wait(0ms), IsOk());
   EXPECT_EQ(c->Wait(0ms)->has_value(), false);
   ASSERT_OK_AND_ASSIGN(swept, backend_->Cleanup(options_.id));
