@@ -267,22 +267,6 @@ class ProcessBackend : public Backend {
     for (const auto& [k, v] : env) env_strings.push_back(k + "=" + v);
     CStrings argv(spec.command), envp(std::move(env_strings));
 
-    std::unique_ptr<Cgroup> cgroup;
-    if (cgroups_.ok()) {
-      CgroupLimits limits;
-      limits.cpus = spec.cpus;
-      limits.memory = spec.memory;
-      limits.pids = spec.pids_limit;
-      // The grant's GPUs only (index = the device node's minor, as
-      // nvidia-smi numbers them); without an allocation GPUs are not managed.
-      if (spec.allocation) {
-        limits.gpu_minors.emplace();
-        for (const gpu::GrantedGpu& g : spec.allocation->gpus) limits.gpu_minors->push_back(g.index);
-      }
-      DEEPNEX_ASSIGN_OR_RETURN(
-          cgroup, Cgroup::Create(cgroup_parent_ + "/" + context.run_name, limits));
-    }
-
     const std::string log_path = context.dir + "/" + kLogFile;
     Fd log(open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
     if (log.get() < 0) return ErrnoError("cannot open " + log_path);
@@ -299,8 +283,29 @@ class ProcessBackend : public Backend {
     sigset_t no_signals;
     sigemptyset(&no_signals);
 
+    // Last before fork, so that no error above leaves a cgroup behind.
+    std::unique_ptr<Cgroup> cgroup;
+    if (cgroups_.ok()) {
+      CgroupLimits limits;
+      limits.cpus = spec.cpus;
+      limits.memory = spec.memory;
+      limits.pids = spec.pids_limit;
+      // The grant's GPUs only (index = the device node's minor, as
+      // nvidia-smi numbers them); without an allocation GPUs are not managed.
+      if (spec.allocation) {
+        limits.gpu_minors.emplace();
+        for (const gpu::GrantedGpu& g : spec.allocation->gpus) limits.gpu_minors->push_back(g.index);
+      }
+      DEEPNEX_ASSIGN_OR_RETURN(
+          cgroup, Cgroup::Create(cgroup_parent_ + "/" + context.run_name, limits));
+    }
+
     pid_t pid = fork();
-    if (pid < 0) return ErrnoError("fork");
+    if (pid < 0) {
+      absl::Status failed = ErrnoError("fork");
+      if (cgroup) cgroup->Remove().IgnoreError();
+      return failed;
+    }
     if (pid == 0) {
       // Only async-signal-safe calls from here: other threads may have held
       // locks at fork.
