@@ -14,8 +14,11 @@ import deepnex.tune
 
 def parse_args(description, lr):
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--mode", default="sync",
-                    help="sync, ssp:S, async (parameter server) or allreduce (default sync)")
+    ap.add_argument("--mode", default=None,
+                    help="sync, ssp:S, async (parameter server) or allreduce. Under deepnex "
+                         "run the default follows the job: the parameter servers (whose mode "
+                         "is deepnex run's --mode) when it has any, else allreduce; started "
+                         "by hand: sync")
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--batch-size", type=int, default=32, help="per worker")
     ap.add_argument("--lr", type=float, default=lr)
@@ -54,8 +57,12 @@ def job_context(args, script):
     """
     env = os.environ
     if "DEEPNEX_JOB_ID" in env:
-        return deepnex.init()
+        ctx = deepnex.init()
+        if args.mode is None:
+            args.mode = "ps" if ctx.ps_addrs else "allreduce"
+        return ctx
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+        args.mode = args.mode or "allreduce"
         if args.mode != "allreduce":
             sys.exit(f"{script}: with only torchrun's variables, use --mode allreduce "
                      f"(the parameter-server modes need deepnex run)")
@@ -69,6 +76,7 @@ def job_context(args, script):
             "DEEPNEX_LOCAL_RANK": env.get("LOCAL_RANK", "0"),
             "DEEPNEX_STORE_ADDR": store_addr})
     from deepnex._local import run_local
+    args.mode = args.mode or "sync"
     print(f"{os.path.basename(script)}: no job environment; starting {args.workers} "
           f"workers, mode {args.mode}, on this machine", flush=True)
     codes = run_local([sys.executable, os.path.abspath(script)] + sys.argv[1:],

@@ -86,11 +86,11 @@ class Job:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             step = 0.2 if deadline is None else max(0.001, min(0.2, deadline - time.monotonic()))
-            try:
-                return self._job.wait(step)
-            except DeadlineExceededError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
+            result = self._job.wait(step)
+            if result is not None:
+                return result
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlineExceededError(f"job {self.name} is still running")
 
     def stop(self) -> None:
         self._job.stop()

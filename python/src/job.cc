@@ -79,10 +79,15 @@ void RegisterJob(py::module_& parent) {
       .def_property_readonly("name", &Job::name)
       .def("start", [](Job& j) { CheckStatus(j.Start()); },
            py::call_guard<py::gil_scoped_release>())
+      // None while the job runs: a status exception translated while a
+      // Ctrl-C is pending would come out as RuntimeError, not
+      // KeyboardInterrupt.
       .def(
           "wait",
-          [](Job& j, double timeout) {
-            return Unwrap(j.Wait(std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000))));
+          [](Job& j, double timeout) -> std::optional<JobResult> {
+            auto r = j.Wait(std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
+            if (absl::IsDeadlineExceeded(r.status())) return std::nullopt;
+            return Unwrap(std::move(r));
           },
           py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
       .def("stop", [](Job& j) { CheckStatus(j.Stop()); },
