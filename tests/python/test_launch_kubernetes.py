@@ -6,6 +6,7 @@ Pending -> Running -> Succeeded/Failed as each test scripts them."""
 
 import base64
 import json
+import os
 import shutil
 import socket
 import ssl
@@ -670,3 +671,17 @@ contexts: [{{name: c, context: {{cluster: k, user: u}}}}]
         assert api.errors == []
     finally:
         api.close()
+
+
+def test_in_cluster_without_a_service_account_says_what_is_missing(monkeypatch):
+    if os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount"):
+        pytest.skip("this machine runs in a Kubernetes pod")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_PORT", raising=False)
+    with pytest.raises(deepnex.FailedPreconditionError, match="KUBERNETES_SERVICE_HOST"):
+        launch.Launcher("kubernetes")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    with pytest.raises(deepnex.NotFoundError,
+                       match="/var/run/secrets/kubernetes.io/serviceaccount/token"):
+        launch.Launcher("kubernetes")
