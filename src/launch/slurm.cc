@@ -30,8 +30,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
-#include <cstdlib>
+#include <algorithm>
 #include <mutex>
 #include <thread>
 
