@@ -273,6 +273,7 @@ json PodSpec(const ContainerSpec& spec, const KubernetesOptions& options) {
   }
   if (!env.empty()) container["env"] = env;
   if (!spec.working_dir.empty()) container["workingDir"] = spec.working_dir;
+  // spec.pids_limit has no per-pod field: the kubelet's podPidsLimit caps it.
   json resources = Resources(spec, options);
   if (!resources.empty()) container["resources"] = resources;
   json security = json::object();
