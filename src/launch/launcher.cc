@@ -377,8 +377,8 @@ class Container : public Handle {
     WriteRecordLocked();
   }
 
-  // Waits for the run to end and takes its logs and final usage; then the
-  // run's resources go.
+  // Waits for the run to end and takes its logs and final usage. The run's
+  // resources stay until Release.
   ExitStatus Finish(const std::shared_ptr<Run>& run, int attempt) {
     ExitStatus e;
     while (true) {
@@ -400,13 +400,20 @@ class Container : public Handle {
       AppendLogLocked(logs.ok() ? *logs : "deepnex: logs lost: " + logs.status().ToString() + "\n");
       logs_run_.reset();
     }
-    run->Remove().IgnoreError();
-    std::error_code ignored;
-    std::filesystem::remove_all(paths_.run(attempt), ignored);
     std::lock_guard<std::mutex> lock(mu_);
     if (usage.ok()) last_usage_ = *usage;
     run_.reset();
     return e;
+  }
+
+  // Deletes what an ended run holds (container, cgroup, bundle). After the
+  // final run this happens once Wait has been answered: runc's delete alone
+  // costs a runc start, and waiters need not pay it. Join (which Remove and
+  // the launcher's destructor call first) waits for it.
+  void Release(const std::shared_ptr<Run>& run, int attempt) {
+    run->Remove().IgnoreError();
+    std::error_code ignored;
+    std::filesystem::remove_all(paths_.run(attempt), ignored);
   }
 
   void Supervise() {
@@ -422,10 +429,15 @@ class Container : public Handle {
       last_exit_ = e;
       if (stop_requested_ || !ShouldRestart(spec_.restart, e, restarts_)) {
         EndLocked(e);
+        lock.unlock();
+        Release(run, attempt);
         return;
       }
       state_ = State::kRestarting;
       WriteRecordLocked();
+      lock.unlock();
+      Release(run, attempt);
+      lock.lock();
       cv_.wait_for(lock, Backoff(spec_.restart, restarts_ + 1), [&] { return stop_requested_; });
       if (stop_requested_) {
         EndLocked(e);

@@ -666,6 +666,11 @@ class OciRun : public Run {
     if (!deleted.ok() && !absl::StrContains(deleted.status().message(), "does not exist")) {
       return deleted.status();
     }
+    // runc delete can leave the cgroup of a stopped container in hierarchies
+    // it did not create it in; whatever is left goes here.
+    if (absl::StatusOr<std::unique_ptr<Cgroup>> cg = Cgroup::Open(cgroup_path_); cg.ok()) {
+      (*cg)->Remove().IgnoreError();
+    }
     for (const char* file : {"/config.json", "/pid"}) unlink((dir_ + file).c_str());
     return absl::OkStatus();
   }
