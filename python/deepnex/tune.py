@@ -1,14 +1,14 @@
 """Hyperparameter search: ``deepnex.tune`` (and ``deepnex tune``).
 
-A search runs a training command once per configuration (a trial), up to
-``max_concurrent`` trials at once, and ends in a results table, a CSV and
+A search runs a training command once per configuration (a trial), as many
+at once as the machine's capacity (and ``max_concurrent``) allows, and ends in a results table, a CSV and
 the best configuration::
 
     from deepnex import tune
     results = tune.run(
         ["python3", "examples/digits/mlp_numpy.py", "--mode", "allreduce"],
         space={"lr": tune.loguniform(0.01, 0.5), "hidden": tune.choice([32, 64, 128])},
-        metric="accuracy", mode="max", num_samples=8, max_concurrent=2,
+        metric="accuracy", mode="max", num_samples=8,
         scheduler=tune.ASHA(max_t=12))
     results.best.config
 
@@ -28,8 +28,15 @@ In a multi-worker trial every worker calls report() at the same steps, one of
 them (rank 0) with the metrics: all of them get the same answer.
 
 Trials are started by a runner, ``runner(trial_id, argv, env, log_path)`` ->
-an object with poll(), wait() and kill() (a subprocess.Popen by default), so
-a launcher can run each trial as a job on allocated resources.
+an object with poll(), wait() and kill(). The default, ``job_runner()``,
+runs each trial as a deepnex job (deepnex.job.Job: allocated cores and GPUs,
+its workers started with the job environment, parameter servers in the PS
+modes) and starts a trial only when its workers fit on the machine beside the
+running trials', so trials run in parallel up to the machine's capacity::
+
+    tune.run(cmd, space, runner=tune.job_runner(workers=2, mode="sync"))
+
+``subprocess_runner`` runs each trial as one plain child process.
 """
 
 import ast
@@ -39,16 +46,18 @@ import json
 import math
 import os
 import random
+import secrets
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-from .errors import DeadlineExceededError, InvalidArgumentError
+from .errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError
 
 __all__ = ["uniform", "loguniform", "randint", "choice", "grid", "ASHA", "run",
-           "report", "get_config", "generate_configs", "parse_space", "Trial", "Results"]
+           "report", "get_config", "generate_configs", "parse_space", "Trial", "Results",
+           "job_runner", "subprocess_runner"]
 
 ENV_STORE = "DEEPNEX_TUNE_STORE"
 ENV_TRIAL = "DEEPNEX_TUNE_TRIAL"
@@ -320,6 +329,163 @@ def subprocess_runner(trial_id, argv, env, log_path):
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
+# Configuration keys that also configure a trial job's parameter servers
+# (deepnex run's --optimizer, --lr, --momentum).
+_SERVER_OPTIONS = ("optimizer", "lr", "momentum")
+
+
+class _Capacity:
+    """The machine's cores and GPUs as the local allocator counts them,
+    shared by the trials of one job_runner. Each Job's allocator sees the
+    whole machine, so this is what keeps concurrent trials within it: a
+    trial waits, in arrival order, until its gang fits beside the running
+    ones."""
+
+    def __init__(self, gpu_mode):
+        from . import gpu
+        node = gpu.local_node(mode=gpu_mode)
+        self.total = (node.cpus, len(node.gpus) if gpu_mode == "exclusive" else 0)
+        self.used = [0, 0]
+        self.queue = []
+        self.cond = threading.Condition()
+
+    def acquire(self, need):
+        if any(n > t for n, t in zip(need, self.total)):
+            raise ResourceExhaustedError(
+                f"a trial needs {need[0]} cores and {need[1]} GPUs; this machine has "
+                f"{self.total[0]} cores and {self.total[1]} GPUs")
+        ticket = object()
+        with self.cond:
+            self.queue.append(ticket)
+            try:
+                while not (self.queue[0] is ticket and all(
+                        u + n <= t for u, n, t in zip(self.used, need, self.total))):
+                    self.cond.wait()
+            finally:
+                self.queue.remove(ticket)
+                self.cond.notify_all()
+            self.used = [u + n for u, n in zip(self.used, need)]
+
+    def release(self, need):
+        with self.cond:
+            self.used = [u - n for u, n in zip(self.used, need)]
+            self.cond.notify_all()
+
+
+class _JobTrial:
+    """A trial's job as the search sees it: poll(), wait(), kill()."""
+
+    def __init__(self, job, on_end):
+        self._job, self._on_end = job, on_end
+        self._code = None
+
+    def poll(self):
+        if self._code is None:
+            try:
+                self._end(self._job.wait(timeout=0.01))
+            except DeadlineExceededError:
+                pass
+        return self._code
+
+    def wait(self):
+        if self._code is None:
+            self._end(self._job.wait())
+        return self._code
+
+    def kill(self):
+        self._job.stop()
+
+    def _end(self, result):
+        # A job that was stopped exits 0 (nothing failed); a trial whose
+        # workers were killed reads as a killed process does: -signal.
+        signals = [w.signal for w in result.workers if w.reason == "signaled"]
+        self._code = result.exit_code or (-signals[0] if signals else 0)
+        self._job.stop()
+        self._on_end()
+
+
+class _Log:
+    """A trial's log file, written by the job's output threads."""
+
+    def __init__(self, path):
+        self._file = open(path, "w")
+        self._lock = threading.Lock()
+
+    def write(self, who, line):
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(f"[{who}] {line}\n")
+                self._file.flush()
+
+    def close(self):
+        with self._lock:
+            self._file.close()
+
+
+def job_runner(workers=1, mode="allreduce", ps=None, cpus=1, gpus_per_worker=0,
+               gpu_mode="exclusive", retry_interval=1.0, **job_options):
+    """A runner that runs each trial as a deepnex job: ``workers`` workers
+    in ``mode`` (sync, ssp:S, async with parameter servers; allreduce
+    without), each with ``cpus`` cores and ``gpus_per_worker`` GPUs; other
+    options go to deepnex.job.Job (backend, memory, central, restart, ...).
+    A trial's configuration values for optimizer, lr and momentum also go to
+    its parameter servers, which apply the updates in the PS modes.
+
+    With the local allocator a trial starts once its workers' cores and GPUs
+    fit beside the running trials' (trials wait, in order); a trial that
+    could never fit on this machine fails. With ``central`` deepnex-central
+    queues the trial's gang. A start refused for lack of resources
+    (ResourceExhausted) is retried every ``retry_interval`` seconds."""
+    from . import job as job_module
+    capacity = None
+    need = (workers * max(1, math.ceil(cpus)), workers * gpus_per_worker)
+    lock = threading.Lock()
+
+    def runner(trial_id, argv, env, log_path):
+        nonlocal capacity
+        config = json.loads(env.get(ENV_CONFIG, "{}"))
+        options = dict(job_options)
+        options.update({k: config[k] for k in _SERVER_OPTIONS if k in config})
+        # The job's processes inherit this process's environment; the
+        # trial's own variables come on top.
+        extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        if not options.get("central"):
+            with lock:
+                if capacity is None:
+                    capacity = _Capacity(gpu_mode)
+            capacity.acquire(need)
+        released = []
+
+        def release():
+            if capacity is not None and not released:
+                released.append(True)
+                capacity.release(need)
+
+        log = _Log(log_path)
+        try:
+            while True:
+                job = job_module.Job(argv, workers=workers, mode=mode, ps=ps, cpus=cpus,
+                                     gpus_per_worker=gpus_per_worker, gpu_mode=gpu_mode,
+                                     env=extra, name=f"trial-{trial_id}-{secrets.token_hex(3)}",
+                                     output=log.write, **options)
+                try:
+                    job.start()
+                    break
+                except ResourceExhaustedError:
+                    time.sleep(retry_interval)
+        except BaseException:
+            log.close()
+            release()
+            raise
+
+        def on_end():
+            log.close()
+            release()
+        return _JobTrial(job, on_end)
+
+    return runner
+
+
 def _config_args(config):
     args = []
     for k, v in config.items():
@@ -332,7 +498,7 @@ class _Search:
                  out):
         from .collective import Store
         self.command, self.metric, self.mode = list(command), metric, mode
-        self.scheduler, self.runner = scheduler, runner or subprocess_runner
+        self.scheduler, self.runner = scheduler, runner or job_runner()
         self.env, self.out_dir, self.stop_grace, self.out = env, out_dir, stop_grace, out
         self.store = Store("127.0.0.1:0")
         self.lock = threading.Lock()
@@ -348,9 +514,9 @@ class _Search:
         env.update({ENV_STORE: self.store.address, ENV_TRIAL: str(trial.id),
                     ENV_CONFIG: json.dumps(trial.config)})
         trial.log_path = os.path.join(self.out_dir, f"trial_{trial.id}.log")
-        trial.status = "running"
         handle = self.runner(trial.id, self.command + _config_args(trial.config), env,
                              trial.log_path)
+        trial.status = "running"
         client = StoreClient(self.store.address, prefix=f"tune/{trial.id}")
         stopped_at = None
         while True:
@@ -391,7 +557,7 @@ class _Search:
 
 
 def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=None,
-        max_concurrent=2, seed=0, out_dir="tune-results", runner=None, env=None,
+        max_concurrent=None, seed=0, out_dir="tune-results", runner=None, env=None,
         stop_grace=30.0, out=None):
     """Runs the search and returns its Results; prints a line per report,
     then the table and the best configuration, and writes
@@ -399,18 +565,23 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
 
     scheduler: ASHA(...) or None (every trial runs to its end). A trial that
     goes on running stop_grace seconds after being told to stop is killed.
+    runner: how a trial starts (default job_runner(): a 1-worker allreduce
+    job). max_concurrent: a limit of the search's own; None: as many trials
+    at once as the runner admits (job_runner: what fits on the machine;
+    subprocess_runner: every trial).
     """
     if mode not in ("max", "min"):
         raise InvalidArgumentError(f'mode: "{mode}" is not max or min')
-    if max_concurrent < 1:
+    if max_concurrent is not None and max_concurrent < 1:
         raise InvalidArgumentError(f"max_concurrent: {max_concurrent} must be at least 1")
     out = out or sys.stdout
     os.makedirs(out_dir, exist_ok=True)
     trials = [Trial(i, c) for i, c in enumerate(generate_configs(space, num_samples, seed))]
     search = _Search(command, metric, mode, scheduler, runner, env, out_dir, stop_grace, out)
-    search.say(f"tune: {len(trials)} trials, {max_concurrent} at a time, "
-               f"metric {metric} ({mode})")
-    slots = threading.Semaphore(max_concurrent)
+    search.say(f"tune: {len(trials)} trials, "
+               f"{'up to capacity' if max_concurrent is None else f'{max_concurrent} at a time'}"
+               f", metric {metric} ({mode})")
+    slots = threading.Semaphore(max_concurrent or max(1, len(trials)))
     threads = []
 
     def body(trial):

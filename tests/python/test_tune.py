@@ -5,8 +5,10 @@ import csv
 import json
 import os
 import random
+import signal
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -117,12 +119,13 @@ TRIAL = textwrap.dedent("""
     ap.add_argument("--x", type=float)
     ap.add_argument("--fail-at", type=float, default=-1)
     ap.add_argument("--barrier-dir", default="")
+    ap.add_argument("--barrier-wait", type=float, default=30)
     args = ap.parse_args()
     assert tune.get_config()["x"] == args.x
     trial = os.environ["DEEPNEX_TUNE_TRIAL"]
     if args.barrier_dir:
         open(os.path.join(args.barrier_dir, trial), "w").close()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + args.barrier_wait
         while (int(trial) < 2 and len(os.listdir(args.barrier_dir)) < 2
                and time.monotonic() < deadline):
             time.sleep(0.02)
@@ -176,10 +179,92 @@ def test_trials_run_in_parallel_up_to_capacity(trial_script, tmp_path):
     barrier.mkdir()
     results = tune.run(trial_script, {"x": tune.grid([1.0, 2.0, 3.0]),
                                       "barrier_dir": str(barrier)},
-                       metric="score", max_concurrent=2, out_dir=str(tmp_path / "out"))
+                       metric="score", max_concurrent=2, out_dir=str(tmp_path / "out"),
+                       runner=tune.subprocess_runner)
     assert [t.status for t in results.trials] == ["completed"] * 3
     running = [t.last["running"] for t in results.trials]
     assert running[:2] == [2.0, 2.0] and max(running) <= 2
+
+
+# ---- trials as jobs
+
+def _cores():
+    from deepnex import gpu
+    return gpu.local_node().cpus
+
+
+def test_job_runner_runs_trials_up_to_the_machines_cores(trial_script, tmp_path):
+    """The default runner: each trial a job of one 1-core worker; as many
+    at once as the machine has cores, the rest wait for a finished one."""
+    cores = _cores()
+    barrier = tmp_path / "running"
+    barrier.mkdir()
+    # Trials 0 and 1 wait (up to 30 s) for each other, so where two fit
+    # they overlap; the third waits for a core.
+    results = tune.run(trial_script, {"x": tune.grid([1.0, 2.0, 3.0]),
+                                      "barrier_dir": str(barrier)},
+                       metric="score", out_dir=str(tmp_path / "out"))
+    assert [t.status for t in results.trials] == ["completed"] * 3
+    running = [t.last["running"] for t in results.trials]
+    assert max(running) <= min(cores, 3)
+    if cores >= 2:
+        assert running[:2] == [2.0, 2.0]
+
+
+def test_job_runner_waits_for_cores_and_fails_what_never_fits(trial_script, tmp_path):
+    cores = _cores()
+    barrier = tmp_path / "running"
+    barrier.mkdir()
+    # Each trial takes every core: they run one at a time instead of failing
+    # (each waits 2 s for a peer that does not come).
+    results = tune.run(trial_script, {"x": tune.grid([1.0, 2.0]), "barrier_dir": str(barrier),
+                                      "barrier_wait": 2.0},
+                       metric="score", out_dir=str(tmp_path / "a"),
+                       runner=tune.job_runner(workers=1, cpus=cores))
+    assert [t.status for t in results.trials] == ["completed"] * 2
+    assert [t.last["running"] for t in results.trials] == [1.0, 1.0]
+    results = tune.run(trial_script, {"x": 1.0}, metric="score", out_dir=str(tmp_path / "b"),
+                       runner=tune.job_runner(workers=1, cpus=cores + 1))
+    status = results.trials[0].status
+    assert status.startswith(f"failed (a trial needs {cores + 1} cores and 0 GPUs; "
+                             f"this machine has {cores} cores"), status
+
+
+def test_job_runner_exit_code_stop_and_worker_prefix(trial_script, tmp_path):
+    results = tune.run(trial_script, {"x": tune.grid([4.0, 3.0, 2.0]), "fail_at": 2.0},
+                       metric="score", max_concurrent=1,
+                       scheduler=tune.ASHA(metric="score", min_t=1, max_t=9, eta=3),
+                       out_dir=str(tmp_path), runner=tune.job_runner(workers=1))
+    assert [(t.status, t.last.get("step")) for t in results.trials] == [
+        ("completed", 9), ("stopped", 1), ("failed (exit 3)", None)]
+    assert "[worker 0] told to stop at 1" in (tmp_path / "trial_1.log").read_text()
+
+
+HANG = textwrap.dedent("""
+    import time
+    from deepnex import tune
+    tune.report(step=1, score=1.0)
+    time.sleep(600)
+""")
+
+
+class StopAll:
+    """A scheduler that stops every trial at its first report."""
+
+    def on_result(self, trial, t, value):
+        return "stop"
+
+
+def test_job_runner_kills_a_trial_that_ignores_stop(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    start = time.monotonic()
+    results = tune.run([sys.executable, str(script)], {"x": 1.0}, metric="score",
+                       stop_grace=1.0, scheduler=StopAll(), out_dir=str(tmp_path),
+                       runner=tune.job_runner())
+    assert time.monotonic() - start < 60
+    trial = results.trials[0]
+    assert (trial.status, trial.exit_code) == ("stopped", -signal.SIGTERM)
 
 
 def test_report_outside_a_search_is_a_no_op(monkeypatch):
@@ -198,6 +283,31 @@ def test_cli_parses_a_search(tmp_path, trial_script):
 
 
 # ---- digits
+
+def test_cli_trials_as_two_worker_ps_jobs(tmp_path):
+    """deepnex tune --workers-per-trial 2 --job-mode sync: each trial a job
+    with a parameter server that applies the configuration's lr."""
+    pytest.importorskip("sklearn")
+    from deepnex import job
+    if job._ps_binary() is None:
+        pytest.skip("deepnex-ps not found (set DEEPNEX_BUILD_DIR)")
+    if _cores() < 2:
+        pytest.skip("a 2-worker trial needs 2 cores")
+    from deepnex.__main__ import main
+    script = os.path.join(ROOT, "examples", "digits", "mlp_numpy.py")
+    out = tmp_path / "ps"
+    code = main(["tune", "--space", "lr=grid([0.2])", "--space", "momentum=0.9",
+                 "--samples", "1", "--workers-per-trial", "2", "--job-mode", "sync",
+                 "--cpus", "0", "--out", str(out), "--", sys.executable, script, "--epochs", "4"])
+    assert code == 0
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["status"], r["steps"]) for r in rows] == [("completed", "4")]
+    assert float(rows[0]["accuracy"]) >= 0.9
+    log = (out / "trial_0.log").read_text()
+    assert "mode sync, 2 workers, sgd(lr=0.2, momentum=0.9" in log, log
+    assert "summary: digits mlp_numpy mode=ps workers=2 epochs=4" in log, log
+
 
 def test_search_on_digits_reaches_095(tmp_path):
     pytest.importorskip("sklearn")
