@@ -7,9 +7,14 @@ One chart per CSV, <out>/<csv name>.png. Known layouts:
 
   ps_bench --csv: goodput (GB/s) against workers, a line for deepnex in
       each mode and one for each peer (torch rpc, torch rpc+malloc, raw TCP).
-  anything else (launch_bench, scaling, ...): the first column is x; every
-      other numeric column is a series. A non-numeric column other than the
-      first (e.g. "mode") splits the rows into one series per value.
+  scaling --csv: two panels against workers, samples/s and time to the
+      target accuracy, a line per model and mode.
+  launch_bench --csv: the median start-to-running and start-to-exit
+      latency of each backend as bars, every round as a dot.
+  anything else (allreduce_bench, ...): the first column is x (a log axis
+      where it spans 100x or more); every other numeric column is a series.
+      A non-numeric column other than the first (e.g. "mode") splits the
+      rows into one series per value.
 """
 
 import argparse
@@ -23,6 +28,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 PS_BENCH_COLUMNS = {"workers", "mode", "deepnex_gbps", "torch_rpc_gbps", "raw_tcp_gbps"}
+SCALING_COLUMNS = {"workers", "model", "mode", "samples_per_s", "time_to_target_s"}
+LAUNCH_BENCH_COLUMNS = {"backend", "round", "start_to_running_ms", "start_to_exit_ms"}
 
 
 def _number(text):
@@ -71,30 +78,94 @@ def series_of(rows):
             label = f"{group} {c}".strip() if group else c
             out.setdefault(label, []).append((_number(r[x_col]) if _number(r[x_col]) is not None
                                                else r[x_col], y))
-    return out, (x_col, numeric[0] if len(numeric) == 1 else "value")
+    units = {c.rsplit("_", 1)[-1] for c in numeric}
+    ylabel = (numeric[0] if len(numeric) == 1
+              else {"gbps": "GB/s", "ms": "ms"}.get(units.pop(), "value") if len(units) == 1
+              else "value")
+    return out, (x_col, ylabel)
+
+
+def draw_lines(ax, series, xlabel, ylabel):
+    categorical = any(isinstance(x, str) for pts in series.values() for x, _ in pts)
+    xs_all = [x for pts in series.values() for x, y in pts if y is not None]
+    for label, points in series.items():
+        points = [(x, y) for x, y in points if y is not None]
+        if not points:
+            continue
+        if not categorical:
+            points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    if (not categorical and xs_all and min(xs_all) > 0
+            and max(xs_all) >= 100 * min(xs_all)):
+        ax.set_xscale("log")
+    elif not categorical and all(float(x).is_integer() for x in xs_all):
+        ax.set_xticks(sorted(set(xs_all)))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def scaling_series(rows, column):
+    out = {}
+    for r in rows:
+        out.setdefault(f"{r['model']} {r['mode']}", []).append(
+            (_number(r["workers"]), _number(r[column])))
+    return out
+
+
+def draw_scaling(fig, rows, title):
+    left, right = fig.subplots(1, 2)
+    draw_lines(left, scaling_series(rows, "samples_per_s"), "workers", "samples/s")
+    draw_lines(right, scaling_series(rows, "time_to_target_s"), "workers",
+               "time to target accuracy, s")
+    fig.suptitle(title)
+
+
+def draw_launch_bench(fig, rows, title):
+    ax = fig.subplots()
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    metrics = (("start_to_running_ms", "start to running"), ("start_to_exit_ms", "start to exit"))
+    width = 0.8 / len(metrics)
+    for i, (column, label) in enumerate(metrics):
+        for j, b in enumerate(backends):
+            values = sorted(v for v in (_number(r[column]) for r in rows if r["backend"] == b)
+                            if v is not None)
+            if not values:
+                continue
+            x = j + (i - (len(metrics) - 1) / 2) * width
+            ax.bar(x, values[len(values) // 2], width, color=f"C{i}",
+                   label=label if j == 0 else None)
+            ax.plot([x] * len(values), values, "k.", markersize=3)
+    ax.set_xticks(range(len(backends)))
+    ax.set_xticklabels(backends)
+    ax.set_ylabel("latency, ms (bar: median; dots: rounds)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize="small")
+    ax.set_title(title)
 
 
 def plot(path, out_dir):
     rows = read_csv(path)
-    series, (xlabel, ylabel) = series_of(rows)
-    if not series:
-        raise ValueError(f"{path}: no numeric column to plot")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    categorical = any(isinstance(x, str) for pts in series.values() for x, _ in pts)
-    for label, points in series.items():
-        points = [(x, y) for x, y in points if y is not None]
-        if not categorical:
-            points.sort()
-        xs, ys = [p[0] for p in points], [p[1] for p in points]
-        ax.plot(xs, ys, marker="o", label=label)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(os.path.splitext(os.path.basename(path))[0])
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    columns = set(rows[0].keys())
+    title = os.path.splitext(os.path.basename(path))[0]
+    if SCALING_COLUMNS <= columns:
+        fig = plt.figure(figsize=(11, 4.5))
+        draw_scaling(fig, rows, title)
+    elif LAUNCH_BENCH_COLUMNS <= columns:
+        fig = plt.figure(figsize=(7, 4.5))
+        draw_launch_bench(fig, rows, title)
+    else:
+        series, (xlabel, ylabel) = series_of(rows)
+        if not series:
+            raise ValueError(f"{path}: no numeric column to plot")
+        fig = plt.figure(figsize=(7, 4.5))
+        ax = fig.subplots()
+        draw_lines(ax, series, xlabel, ylabel)
+        ax.set_title(title)
     fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
-    target = os.path.join(out_dir, os.path.splitext(os.path.basename(path))[0] + ".png")
+    target = os.path.join(out_dir, title + ".png")
     fig.savefig(target, dpi=120)
     plt.close(fig)
     return target
