@@ -124,8 +124,10 @@ def jobs(tmp_path):
         if j.proc.poll() is None:
             j.proc.kill()
             j.proc.wait()
-        for pid in job_processes(j.name):
-            os.kill(pid, signal.SIGKILL)
+        # What a `deepnex run` killed by the test above left: processes and
+        # cgroups, found by its launcher id (the job's name).
+        with deepnex.launch.Launcher("process") as sweeper:
+            sweeper.cleanup(j.name)
 
 
 def digits(*extra):
