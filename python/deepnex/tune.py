@@ -502,6 +502,16 @@ class _Search:
         self.env, self.out_dir, self.stop_grace, self.out = env, out_dir, stop_grace, out
         self.store = Store("127.0.0.1:0")
         self.lock = threading.Lock()
+        self.running = {}      # trial id -> handle
+        self.stopping = False
+
+    def kill_all(self):
+        """Ends every running trial (on Ctrl-C: no trial job outlives the search)."""
+        with self.lock:
+            self.stopping = True
+            handles = list(self.running.values())
+        for h in handles:
+            h.kill()
 
     def say(self, line):
         with self.lock:
@@ -516,6 +526,11 @@ class _Search:
         trial.log_path = os.path.join(self.out_dir, f"trial_{trial.id}.log")
         handle = self.runner(trial.id, self.command + _config_args(trial.config), env,
                              trial.log_path)
+        with self.lock:
+            self.running[trial.id] = handle
+            stopping = self.stopping
+        if stopping:
+            handle.kill()
         trial.status = "running"
         client = StoreClient(self.store.address, prefix=f"tune/{trial.id}")
         stopped_at = None
@@ -544,6 +559,8 @@ class _Search:
             if decision == "stop" and stopped_at is None:
                 stopped_at = time.monotonic()
         trial.exit_code = handle.wait()
+        with self.lock:
+            del self.running[trial.id]
         max_t = getattr(self.scheduler, "max_t", None)
         early = (stopped_at is not None
                  and not (max_t is not None and trial.last.get("step", 0) >= max_t))
@@ -601,6 +618,9 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
             threads.append(t)
         for t in threads:
             t.join()
+    except BaseException:
+        search.kill_all()
+        raise
     finally:
         search.store.stop()
     results = Results(trials, metric, mode, os.path.join(out_dir, "results.csv"))

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -265,6 +266,48 @@ def test_job_runner_kills_a_trial_that_ignores_stop(tmp_path):
     assert time.monotonic() - start < 60
     trial = results.trials[0]
     assert (trial.status, trial.exit_code) == ("stopped", -signal.SIGTERM)
+
+
+def _processes_with(marker):
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.append(int(entry))
+        except OSError:
+            pass
+    return pids
+
+
+def test_ctrl_c_ends_the_running_trial_jobs(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    marker = f"TUNE_TEST_MARK=m{os.getpid()}x{time.monotonic_ns()}"
+    driver = (f"import sys; from deepnex import tune; "
+              f"tune.run([sys.executable, {str(script)!r}], {{'x': 1.0}}, metric='score', "
+              f"out_dir={str(tmp_path)!r})")
+    env = dict(os.environ, **dict([marker.split("=", 1)]))
+    p = subprocess.Popen([sys.executable, "-c", driver], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in p.stdout:
+            if "trial 0 step 1" in line:
+                break
+        trial_pids = [q for q in _processes_with(marker) if q != p.pid]
+        assert trial_pids, "the trial's worker should be running"
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) != 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    deadline = time.monotonic() + 10
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_with(marker) == []
 
 
 def test_report_outside_a_search_is_a_no_op(monkeypatch):
