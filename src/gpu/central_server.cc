@@ -20,6 +20,7 @@
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/gpu/central.h"
 #include "gpu/central_convert.h"
+#include "gpu/central_server.h"
 
 namespace deepnex::gpu {
 namespace {
@@ -39,6 +40,7 @@ class Service final : public pb::Central::CallbackService {
       : alloc_(std::move(alloc)), tokens_(std::move(tokens)), offload_(offload) {}
 
   Allocator& allocator() { return *alloc_; }
+  const TokenTable& tokens() const { return tokens_; }
 
   // Waits for the threads of waiting Allocate calls; the allocator's
   // destructor (after this) fails any that still wait.
@@ -398,12 +400,18 @@ class CentralServerImpl final : public CentralServer {
   explicit CentralServerImpl(std::unique_ptr<Service> service) : service_(std::move(service)) {}
   ~CentralServerImpl() override { Stop(); }
 
-  absl::Status Start(const CentralServerOptions& options) {
+  absl::Status Start(const CentralServerOptions& options,
+                     const CentralExtensionFactory& extension) {
     DEEPNEX_ASSIGN_OR_RETURN(auto credentials,
                              MakeServerCredentials(options.tls_cert_file, options.tls_key_file));
     grpc::ServerBuilder builder;
     builder.AddListeningPort(options.address, credentials, &port_);
     builder.RegisterService(service_.get());
+    if (extension) {
+      DEEPNEX_ASSIGN_OR_RETURN(extension_,
+                               extension(service_->allocator(), service_->tokens()));
+      builder.RegisterService(extension_->service());
+    }
     server_ = builder.BuildAndStart();
     if (!server_ || port_ == 0) {
       return absl::UnavailableError(absl::StrCat("cannot listen on \"", options.address, "\""));
@@ -424,6 +432,7 @@ class CentralServerImpl final : public CentralServer {
 
   void Stop() override {
     std::call_once(stop_once_, [this] {
+      if (extension_) extension_->Shutdown();
       if (metrics_) metrics_->Stop();
       // Waiting allocations fail with Cancelled and finish their calls
       // before gRPC shuts down (which waits for every open call).
@@ -446,6 +455,8 @@ class CentralServerImpl final : public CentralServer {
 
  private:
   std::unique_ptr<Service> service_;
+  // After service_: it uses the service's allocator and tokens.
+  std::unique_ptr<CentralExtension> extension_;
   std::unique_ptr<MetricsHttp> metrics_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
@@ -460,6 +471,11 @@ class CentralServerImpl final : public CentralServer {
 
 absl::StatusOr<std::unique_ptr<CentralServer>> CentralServer::Create(
     const CentralServerOptions& options) {
+  return CreateCentralServer(options, nullptr);
+}
+
+absl::StatusOr<std::unique_ptr<CentralServer>> CreateCentralServer(
+    const CentralServerOptions& options, const CentralExtensionFactory& extension) {
   if (options.address.empty()) return absl::InvalidArgumentError("address is empty");
   DEEPNEX_ASSIGN_OR_RETURN(TokenTable tokens,
                            TokenTable::FromOptions(options.token, options.token_file));
@@ -471,7 +487,7 @@ absl::StatusOr<std::unique_ptr<CentralServer>> CentralServer::Create(
   auto server = std::make_unique<CentralServerImpl>(
       std::make_unique<Service>(std::move(alloc), std::move(tokens),
                                 /*offload=*/!options.allocator.state_dir.empty()));
-  DEEPNEX_RETURN_IF_ERROR(server->Start(options));
+  DEEPNEX_RETURN_IF_ERROR(server->Start(options, extension));
   return std::unique_ptr<CentralServer>(std::move(server));
 }
 

@@ -1,0 +1,101 @@
+// The launcher of deepnex-central: users start, list, stop and read the logs
+// of their own containers, each on one of their allocations; when a
+// container ends for good (its restart policy gives up, or Stop) and no other
+// container runs on its allocation, the allocation is released.
+//
+// This lives in launch, not gpu, because it needs both (launch uses gpu's
+// Allocation; gpu must not depend on launch): CreateCentralServer below is
+// gpu::CentralServer with a Containers service added on the same port.
+//
+//   DEEPNEX_ASSIGN_OR_RETURN(auto client, launch::CentralClient::Create({.address = addr}));
+//   ContainerSpec spec;
+//   spec.name = "w0"; spec.command = {"python3", "train.py"};
+//   DEEPNEX_ASSIGN_OR_RETURN(CentralContainer c, client->StartContainer(spec, grant.id));
+#ifndef DEEPNEX_LAUNCH_CENTRAL_H_
+#define DEEPNEX_LAUNCH_CENTRAL_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "deepnex/gpu/central.h"
+#include "deepnex/launch/launcher.h"
+#include "deepnex/status.h"
+
+namespace deepnex::launch {
+
+// deepnex-central with a launcher on `launcher`'s backend. Container names
+// are per user: the launcher runs them as "<user>.<name>".
+absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
+    const gpu::CentralServerOptions& options, const LauncherOptions& launcher);
+
+// One container as deepnex-central reports it.
+struct CentralContainer {
+  std::string name;  // as its user named it
+  std::string user;
+  std::string allocation_id;
+  std::string backend;
+  std::string id;  // the backend's id
+  State state = State::kStarting;
+  int restarts = 0;
+  std::string last_exit;  // ExitStatus::ToString(); empty before a run ended
+  std::vector<int> gpus;
+  double cpus = 0;
+  uint64_t memory = 0;
+  Usage usage;  // no GPU memory
+  std::chrono::system_clock::time_point started_at{};
+  // Its allocation was released (it ended and was the last one on it).
+  bool allocation_released = false;
+};
+
+// A piece of a container's log.
+struct LogChunk {
+  std::string data;
+  uint64_t next_offset = 0;
+  // The container ended for good and `data` reaches the end of its log.
+  bool ended = false;
+};
+
+// The Containers service of deepnex-central. Options (address, token, TLS,
+// per-call timeout) are gpu::CentralClient's. A user sees and acts on their
+// own containers only: another user's is NotFound, as if it did not exist.
+// `user` arguments are for admins ("": the caller's own). Thread-safe.
+class CentralClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<CentralClient>> Create(
+      const gpu::CentralClientOptions& options);
+  virtual ~CentralClient() = default;
+
+  // Starts `spec` on allocation `allocation_id`: NotFound for an unknown id,
+  // PermissionDenied for another user's. The allocation applies as in
+  // Launcher::Start (spec.allocation and spec.mounts must be empty;
+  // spec.user is the allocation's). A name whose container ended is reused.
+  virtual absl::StatusOr<CentralContainer> StartContainer(const ContainerSpec& spec,
+                                                          const std::string& allocation_id) = 0;
+  // The caller's containers, ordered by user and name; admins see everyone's
+  // unless `user` filters.
+  virtual absl::StatusOr<std::vector<CentralContainer>> ListContainers(
+      const std::string& user = "") = 0;
+  // SIGTERM, SIGKILL after `grace`, no restart; returns once it ended (its
+  // allocation released as above).
+  virtual absl::StatusOr<CentralContainer> StopContainer(
+      const std::string& name, std::chrono::milliseconds grace = std::chrono::seconds(10),
+      const std::string& user = "") = 0;
+  // The log from byte `offset` on (at most 1 MiB per call).
+  virtual absl::StatusOr<LogChunk> ContainerLogs(const std::string& name, uint64_t offset = 0,
+                                                 const std::string& user = "") = 0;
+  // Calls `sink` with the log from the start and new output as it comes
+  // (polling every `poll`) until the container ended for good and all of its
+  // log was passed, or `sink` returns false.
+  virtual absl::Status FollowContainerLogs(
+      const std::string& name, const std::function<bool(const std::string&)>& sink,
+      std::chrono::milliseconds poll = std::chrono::milliseconds(200),
+      const std::string& user = "") = 0;
+};
+
+}  // namespace deepnex::launch
+
+#endif  // DEEPNEX_LAUNCH_CENTRAL_H_

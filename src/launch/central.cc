@@ -1,0 +1,527 @@
+// deepnex-central's Containers service and its client. The service is a
+// gpu::CentralExtension: gpu serves it beside the allocator without knowing
+// about launch. One watcher thread per container waits for its end for good
+// and then releases its allocation, unless another container still runs on
+// it. Calls that may block (Start, Stop) run on threads of their own.
+#include <algorithm>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "core/grpc_util.h"
+#include "deepnex/central.grpc.pb.h"
+#include "deepnex/launch/central.h"
+#include "gpu/central_server.h"
+
+namespace deepnex::launch {
+namespace {
+
+namespace pb = ::deepnex::gpu::proto;
+
+constexpr uint64_t kMaxLogChunk = 1 << 20;
+constexpr size_t kMaxNameLength = 63;
+// How long a watcher waits for a container's end: for good.
+constexpr std::chrono::milliseconds kForever = std::chrono::hours(24 * 365 * 10);
+// Stopping every container when the service shuts down.
+constexpr std::chrono::milliseconds kShutdownGrace{1000};
+
+bool PlainUserName(const std::string& user) {
+  if (user.empty()) return false;
+  for (char c : user) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-') return false;
+  }
+  return true;
+}
+
+// The launcher's name for `user`'s container `name`: "<user>.<name>" (a
+// plain user name has no '.', so two users' names never meet); other user
+// names are hex-encoded.
+std::string LauncherName(const std::string& user, const std::string& name) {
+  return absl::StrCat(PlainUserName(user) ? user : absl::StrCat("x", absl::BytesToHexString(user)),
+                      ".", name);
+}
+
+absl::StatusOr<ContainerSpec> SpecFromProto(const pb::ContainerSpec& p) {
+  ContainerSpec s;
+  s.name = p.name();
+  if (!p.image().empty()) s.image = p.image();
+  s.command.assign(p.command().begin(), p.command().end());
+  for (const auto& [k, v] : p.env()) s.env[k] = v;
+  s.working_dir = p.working_dir();
+  s.cpus = p.cpus();
+  s.memory = p.memory();
+  s.pids_limit = p.pids_limit();
+  for (const auto& [k, v] : p.labels()) s.labels[k] = v;
+  DEEPNEX_ASSIGN_OR_RETURN(s.restart,
+                           RestartPolicy::Parse(p.restart().empty() ? "never" : p.restart()));
+  if (p.backoff_ms() > 0) s.restart.backoff = std::chrono::milliseconds(p.backoff_ms());
+  if (p.max_backoff_ms() > 0) s.restart.max_backoff = std::chrono::milliseconds(p.max_backoff_ms());
+  s.network_none = p.network_none();
+  return s;
+}
+
+void SpecToProto(const ContainerSpec& s, pb::ContainerSpec* p) {
+  p->set_name(s.name);
+  p->set_image(s.image);
+  for (const auto& c : s.command) p->add_command(c);
+  for (const auto& [k, v] : s.env) (*p->mutable_env())[k] = v;
+  p->set_working_dir(s.working_dir);
+  p->set_cpus(s.cpus);
+  p->set_memory(s.memory);
+  p->set_pids_limit(s.pids_limit);
+  for (const auto& [k, v] : s.labels) (*p->mutable_labels())[k] = v;
+  p->set_restart(s.restart.ToString());
+  p->set_backoff_ms(s.restart.backoff.count());
+  p->set_max_backoff_ms(s.restart.max_backoff.count());
+  p->set_network_none(s.network_none);
+}
+
+absl::StatusOr<State> ParseState(const std::string& name) {
+  for (State s : {State::kStarting, State::kRunning, State::kRestarting, State::kStopped,
+                  State::kExited}) {
+    if (name == StateName(s)) return s;
+  }
+  return absl::InternalError(absl::StrCat("deepnex-central sent the unknown state \"", name, "\""));
+}
+
+absl::StatusOr<CentralContainer> FromProto(const pb::ContainerInfo& p) {
+  CentralContainer c;
+  c.name = p.name();
+  c.user = p.user();
+  c.allocation_id = p.allocation_id();
+  c.backend = p.backend();
+  c.id = p.id();
+  DEEPNEX_ASSIGN_OR_RETURN(c.state, ParseState(p.state()));
+  c.restarts = p.restarts();
+  c.last_exit = p.last_exit();
+  c.gpus.assign(p.gpus().begin(), p.gpus().end());
+  c.cpus = p.cpus();
+  c.memory = p.memory();
+  c.usage.cpu_seconds = p.usage().cpu_seconds();
+  c.usage.memory = p.usage().memory();
+  c.usage.memory_peak = p.usage().memory_peak();
+  c.usage.pids = p.usage().pids();
+  c.started_at = std::chrono::system_clock::time_point(
+      std::chrono::duration_cast<std::chrono::system_clock::duration>(
+          std::chrono::duration<double>(p.started_at())));
+  c.allocation_released = p.allocation_released();
+  return c;
+}
+
+bool Ended(State s) { return s == State::kStopped || s == State::kExited; }
+
+class ContainersService final : public pb::Containers::CallbackService,
+                                public gpu::CentralExtension {
+ public:
+  ContainersService(gpu::Allocator& alloc, const TokenTable& tokens,
+                    std::unique_ptr<Launcher> launcher)
+      : alloc_(alloc), tokens_(tokens), launcher_(std::move(launcher)) {}
+  ~ContainersService() override { Shutdown(); }
+
+  grpc::Service* service() override { return this; }
+
+  void Shutdown() override {
+    std::vector<std::shared_ptr<Entry>> entries;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (stopping_) return;
+      stopping_ = true;
+      cv_.wait(lock, [this] { return calls_ == 0; });
+      for (auto& [key, e] : entries_) entries.push_back(e);
+    }
+    // All at once, so N containers take one grace period, not N.
+    std::vector<std::thread> stops;
+    for (auto& e : entries) {
+      if (e->handle) stops.emplace_back([h = e->handle] { h->Stop(kShutdownGrace).IgnoreError(); });
+    }
+    for (auto& t : stops) t.join();
+    for (auto& e : entries) {
+      if (e->watcher.joinable()) e->watcher.join();
+    }
+  }
+
+  grpc::ServerUnaryReactor* StartContainer(grpc::CallbackServerContext* ctx,
+                                           const pb::StartContainerRequest* req,
+                                           pb::ContainerInfo* reply) override {
+    return Offload(ctx, [this, ctx, req, reply] { return Start(*ctx, *req, reply); });
+  }
+
+  grpc::ServerUnaryReactor* ListContainers(grpc::CallbackServerContext* ctx,
+                                           const pb::ListContainersRequest* req,
+                                           pb::ContainerList* reply) override {
+    absl::Status s = [&]() -> absl::Status {
+      DEEPNEX_ASSIGN_OR_RETURN(Identity who, AuthenticateCall(tokens_, *ctx));
+      std::string user = req->user();
+      if (who.role != AuthRole::kAdmin) {
+        if (!user.empty() && user != who.name) {
+          return absl::PermissionDeniedError(absl::StrCat(
+              "user ", who.name, " cannot list the containers of ", user));
+        }
+        user = who.name;
+      }
+      std::vector<std::shared_ptr<Entry>> entries;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (auto& [key, e] : entries_) {
+          if (e->handle && (user.empty() || key.first == user)) entries.push_back(e);
+        }
+      }
+      for (auto& e : entries) Describe(*e, reply->add_containers());
+      return absl::OkStatus();
+    }();
+    return Reply(ctx, s);
+  }
+
+  grpc::ServerUnaryReactor* StopContainer(grpc::CallbackServerContext* ctx,
+                                          const pb::StopContainerRequest* req,
+                                          pb::ContainerInfo* reply) override {
+    return Offload(ctx, [this, ctx, req, reply]() -> absl::Status {
+      DEEPNEX_ASSIGN_OR_RETURN(auto e, Find(*ctx, req->user(), req->name()));
+      auto grace = std::chrono::milliseconds(std::max<int64_t>(0, req->grace_ms()));
+      DEEPNEX_RETURN_IF_ERROR(e->handle->Stop(grace));
+      // The reply shows the allocation as the watcher leaves it.
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return e->ended; });
+      lock.unlock();
+      Describe(*e, reply);
+      return absl::OkStatus();
+    });
+  }
+
+  grpc::ServerUnaryReactor* ContainerLogs(grpc::CallbackServerContext* ctx,
+                                          const pb::ContainerLogsRequest* req,
+                                          pb::ContainerLogsReply* reply) override {
+    absl::Status s = [&]() -> absl::Status {
+      DEEPNEX_ASSIGN_OR_RETURN(auto e, Find(*ctx, req->user(), req->name()));
+      // Ended before the read: the log read is complete.
+      const bool ended = Ended(e->handle->Status().state);
+      DEEPNEX_ASSIGN_OR_RETURN(std::string logs, e->handle->Logs());
+      const uint64_t from = std::min<uint64_t>(req->offset(), logs.size());
+      const uint64_t n = std::min<uint64_t>(logs.size() - from, kMaxLogChunk);
+      reply->set_data(logs.substr(from, n));
+      reply->set_next_offset(from + n);
+      reply->set_ended(ended && from + n == logs.size());
+      return absl::OkStatus();
+    }();
+    return Reply(ctx, s);
+  }
+
+ private:
+  struct Entry {
+    std::string user, name, allocation_id;
+    std::shared_ptr<Handle> handle;  // null while it starts
+    std::thread watcher;
+    bool ended = false;              // for good; set by the watcher
+    bool allocation_released = false;
+  };
+  using Key = std::pair<std::string, std::string>;  // (user, name)
+
+  static grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx,
+                                         const absl::Status& status) {
+    auto* reactor = ctx->DefaultReactor();
+    reactor->Finish(ToGrpcStatus(status));
+    return reactor;
+  }
+
+  // Runs `fn` on a thread of its own and finishes the call with its status.
+  template <class Fn>
+  grpc::ServerUnaryReactor* Offload(grpc::CallbackServerContext* ctx, Fn fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return Reply(ctx, absl::UnavailableError("deepnex-central is stopping"));
+      ++calls_;
+    }
+    auto* reactor = ctx->DefaultReactor();
+    std::thread([this, reactor, fn = std::move(fn)]() mutable {
+      absl::Status s = fn();
+      reactor->Finish(ToGrpcStatus(s));
+      std::lock_guard<std::mutex> lock(mu_);
+      --calls_;
+      cv_.notify_all();
+    }).detach();
+    return reactor;
+  }
+
+  // The container `name` of `user` (admins) or of the caller. Another
+  // user's is NotFound, as if it did not exist.
+  absl::StatusOr<std::shared_ptr<Entry>> Find(const grpc::ServerContextBase& ctx,
+                                              const std::string& user, const std::string& name) {
+    DEEPNEX_ASSIGN_OR_RETURN(Identity who, AuthenticateCall(tokens_, ctx));
+    std::string owner = who.name;
+    if (!user.empty() && user != who.name) {
+      if (who.role != AuthRole::kAdmin) {
+        return absl::PermissionDeniedError(
+            absl::StrCat("user ", who.name, " cannot act on the containers of ", user));
+      }
+      owner = user;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(Key{owner, name});
+    if (it == entries_.end() || !it->second->handle) {
+      return absl::NotFoundError(
+          absl::StrCat("no container \"", name, "\" of user ", owner));
+    }
+    return it->second;
+  }
+
+  absl::Status Start(const grpc::ServerContextBase& ctx, const pb::StartContainerRequest& req,
+                     pb::ContainerInfo* reply) {
+    DEEPNEX_ASSIGN_OR_RETURN(Identity who, AuthenticateCall(tokens_, ctx));
+    if (req.allocation_id().empty()) {
+      return absl::InvalidArgumentError("allocation_id is empty");
+    }
+    DEEPNEX_ASSIGN_OR_RETURN(gpu::Allocation a, alloc_.GetAllocation(req.allocation_id()));
+    if (who.role != AuthRole::kAdmin && a.user != who.name) {
+      return absl::PermissionDeniedError(absl::StrCat("user ", who.name, " cannot start a container on allocation ",
+                                                      a.id, ": it belongs to ", a.user));
+    }
+    DEEPNEX_ASSIGN_OR_RETURN(ContainerSpec spec, SpecFromProto(req.spec()));
+    const std::string name = spec.name;
+    const std::string launcher_name = LauncherName(a.user, name);
+    if (name.empty() || launcher_name.size() > kMaxNameLength) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.name: \"", name, "\" must be 1 to ",
+          kMaxNameLength - (launcher_name.size() - name.size()),
+          " characters for user ", a.user));
+    }
+    spec.name = launcher_name;
+    spec.user = a.user;
+    spec.allocation = a;
+    spec.labels["deepnex.user"] = a.user;
+
+    auto entry = std::make_shared<Entry>();
+    entry->user = a.user;
+    entry->name = name;
+    entry->allocation_id = a.id;
+    std::shared_ptr<Entry> previous;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = entries_.find(Key{a.user, name});
+      if (it != entries_.end()) {
+        if (!it->second->ended) {
+          return absl::AlreadyExistsError(absl::StrCat(
+              "spec.name: container \"", name, "\" of user ", a.user, " exists and has not ended"));
+        }
+        previous = it->second;
+      }
+      entries_[Key{a.user, name}] = entry;
+    }
+    if (previous) {
+      previous->watcher.join();
+      launcher_->Remove(launcher_name).IgnoreError();
+    }
+    auto handle = launcher_->Start(spec);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!handle.ok()) {
+        entries_.erase(Key{a.user, name});
+        return handle.status();
+      }
+      entry->handle = *handle;
+      entry->watcher = std::thread([this, entry] { Watch(entry); });
+    }
+    Describe(*entry, reply);
+    return absl::OkStatus();
+  }
+
+  // Waits for the container's end for good, then releases its allocation
+  // unless another container still runs on it.
+  void Watch(const std::shared_ptr<Entry>& e) {
+    e->handle->Wait(kForever).IgnoreError();
+    std::unique_lock<std::mutex> lock(mu_);
+    e->ended = true;
+    bool shared = false;
+    for (auto& [key, other] : entries_) {
+      if (other != e && other->allocation_id == e->allocation_id && !other->ended) shared = true;
+    }
+    if (!shared) {
+      lock.unlock();
+      absl::Status s = alloc_.Release(e->allocation_id);
+      lock.lock();
+      // NotFound: its user released it already.
+      e->allocation_released = s.ok() || absl::IsNotFound(s);
+    }
+    cv_.notify_all();
+  }
+
+  // Reads the handle outside mu_: Usage may read cgroups or ask an engine.
+  void Describe(Entry& e, pb::ContainerInfo* p) {
+    const ContainerSpec& spec = e.handle->spec();
+    ContainerStatus st = e.handle->Status();
+    p->set_name(e.name);
+    p->set_user(e.user);
+    p->set_allocation_id(e.allocation_id);
+    p->set_backend(launcher_->backend());
+    p->set_id(st.id);
+    p->set_state(StateName(st.state));
+    p->set_restarts(st.restarts);
+    if (st.last_exit) p->set_last_exit(st.last_exit->ToString());
+    if (spec.allocation) {
+      for (const auto& g : spec.allocation->gpus) p->add_gpus(g.index);
+    }
+    p->set_cpus(spec.cpus);
+    p->set_memory(spec.memory);
+    auto u = e.handle->Usage();
+    if (u.ok()) {
+      p->mutable_usage()->set_cpu_seconds(u->cpu_seconds);
+      p->mutable_usage()->set_memory(u->memory);
+      p->mutable_usage()->set_memory_peak(u->memory_peak);
+      p->mutable_usage()->set_pids(u->pids);
+    }
+    p->set_started_at(std::chrono::duration<double>(st.started_at.time_since_epoch()).count());
+    std::lock_guard<std::mutex> lock(mu_);
+    p->set_allocation_released(e.allocation_released);
+  }
+
+  gpu::Allocator& alloc_;
+  const TokenTable& tokens_;
+  const std::unique_ptr<Launcher> launcher_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<Key, std::shared_ptr<Entry>> entries_;
+  int calls_ = 0;
+  bool stopping_ = false;
+};
+
+class CentralClientImpl final : public CentralClient {
+ public:
+  CentralClientImpl(const gpu::CentralClientOptions& options, std::string token)
+      : options_(options), token_(std::move(token)) {}
+
+  absl::Status Connect() {
+    DEEPNEX_ASSIGN_OR_RETURN(auto credentials, MakeChannelCredentials(options_.tls_ca_file));
+    stub_ = pb::Containers::NewStub(MakeChannel(options_.address, credentials));
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<CentralContainer> StartContainer(const ContainerSpec& spec,
+                                                  const std::string& allocation_id) override {
+    if (spec.allocation) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.allocation: deepnex-central applies allocation ", allocation_id,
+          "; leave the spec's empty"));
+    }
+    if (!spec.mounts.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.mounts: ", spec.mounts.size(),
+          " mounts given; deepnex-central does not mount its host's paths"));
+    }
+    pb::StartContainerRequest req;
+    SpecToProto(spec, req.mutable_spec());
+    req.set_allocation_id(allocation_id);
+    pb::ContainerInfo reply;
+    DEEPNEX_RETURN_IF_ERROR(
+        Call([&](auto* ctx) { return stub_->StartContainer(ctx, req, &reply); }));
+    return FromProto(reply);
+  }
+
+  absl::StatusOr<std::vector<CentralContainer>> ListContainers(const std::string& user) override {
+    pb::ListContainersRequest req;
+    req.set_user(user);
+    pb::ContainerList reply;
+    DEEPNEX_RETURN_IF_ERROR(
+        Call([&](auto* ctx) { return stub_->ListContainers(ctx, req, &reply); }));
+    std::vector<CentralContainer> out;
+    for (const auto& c : reply.containers()) {
+      DEEPNEX_ASSIGN_OR_RETURN(CentralContainer x, FromProto(c));
+      out.push_back(std::move(x));
+    }
+    return out;
+  }
+
+  absl::StatusOr<CentralContainer> StopContainer(const std::string& name,
+                                                 std::chrono::milliseconds grace,
+                                                 const std::string& user) override {
+    pb::StopContainerRequest req;
+    req.set_name(name);
+    req.set_grace_ms(grace.count());
+    req.set_user(user);
+    pb::ContainerInfo reply;
+    DEEPNEX_RETURN_IF_ERROR(Call(
+        [&](auto* ctx) { return stub_->StopContainer(ctx, req, &reply); }, grace));
+    return FromProto(reply);
+  }
+
+  absl::StatusOr<LogChunk> ContainerLogs(const std::string& name, uint64_t offset,
+                                         const std::string& user) override {
+    pb::ContainerLogsRequest req;
+    req.set_name(name);
+    req.set_offset(offset);
+    req.set_user(user);
+    pb::ContainerLogsReply reply;
+    DEEPNEX_RETURN_IF_ERROR(
+        Call([&](auto* ctx) { return stub_->ContainerLogs(ctx, req, &reply); }));
+    return LogChunk{reply.data(), reply.next_offset(), reply.ended()};
+  }
+
+  absl::Status FollowContainerLogs(const std::string& name,
+                                   const std::function<bool(const std::string&)>& sink,
+                                   std::chrono::milliseconds poll,
+                                   const std::string& user) override {
+    uint64_t offset = 0;
+    while (true) {
+      DEEPNEX_ASSIGN_OR_RETURN(LogChunk chunk, ContainerLogs(name, offset, user));
+      offset = chunk.next_offset;
+      if (!chunk.data.empty() && !sink(chunk.data)) return absl::OkStatus();
+      if (chunk.ended) return absl::OkStatus();
+      // A full chunk: more is there already.
+      if (chunk.data.size() < kMaxLogChunk) std::this_thread::sleep_for(poll);
+    }
+  }
+
+ private:
+  // `extra`: time the call may take on top of the client's timeout.
+  template <class Fn>
+  absl::Status Call(Fn fn, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) {
+    const std::chrono::milliseconds timeout = options_.timeout + extra;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+    ctx.set_wait_for_ready(true);
+    if (!token_.empty()) ctx.AddMetadata(kAuthorizationKey, BearerValue(token_));
+    grpc::Status s = fn(&ctx);
+    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+        s.error_message() == "Deadline Exceeded") {
+      return absl::UnavailableError(absl::StrCat("deepnex-central at ", options_.address,
+                                                 " did not answer within ", timeout.count(), "ms"));
+    }
+    if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "deepnex-central at ", options_.address, " has no launcher: ", s.error_message()));
+    }
+    return ToAbslStatus(s);
+  }
+
+  const gpu::CentralClientOptions options_;
+  const std::string token_;
+  std::unique_ptr<pb::Containers::Stub> stub_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
+    const gpu::CentralServerOptions& options, const LauncherOptions& launcher) {
+  DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<Launcher> l, Launcher::Create(launcher));
+  // The factory runs once, inside the call below.
+  auto extension = [&l](gpu::Allocator& alloc, const TokenTable& tokens)
+      -> absl::StatusOr<std::unique_ptr<gpu::CentralExtension>> {
+    return std::make_unique<ContainersService>(alloc, tokens, std::move(l));
+  };
+  return gpu::CreateCentralServer(options, extension);
+}
+
+absl::StatusOr<std::unique_ptr<CentralClient>> CentralClient::Create(
+    const gpu::CentralClientOptions& options) {
+  if (options.address.empty()) return absl::InvalidArgumentError("address is empty");
+  DEEPNEX_ASSIGN_OR_RETURN(std::string token,
+                           ResolveClientToken(options.token, options.token_file));
+  auto client = std::make_unique<CentralClientImpl>(options, std::move(token));
+  DEEPNEX_RETURN_IF_ERROR(client->Connect());
+  return std::unique_ptr<CentralClient>(std::move(client));
+}
+
+}  // namespace deepnex::launch
