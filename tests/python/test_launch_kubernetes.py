@@ -5,6 +5,7 @@ against the Kubernetes models of python3-kubernetes, and runs pods through
 Pending -> Running -> Succeeded/Failed as each test scripts them."""
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -145,6 +146,21 @@ class FakeApiServer:
         self.httpd.shutdown()
         self.httpd.server_close()
         self.thread.join(timeout=10)
+
+    def wait_removed(self, timeout=15):
+        """Until each pod and job created was deleted the way Run::Remove does."""
+        deadline = time.time() + timeout
+        while True:
+            with self.lock:
+                made = {(r[1].rsplit("/", 1)[1], r[3]["metadata"]["name"]) for r in self.requests
+                        if r[0] == "POST" and r[3]}
+                gone = {tuple(r[1].rsplit("/", 2)[1:]) for r in self.requests
+                        if r[0] == "DELETE" and (r[2].get("gracePeriodSeconds") == "0" or
+                                                 r[2].get("propagationPolicy") == "Background")}
+            if made <= gone:
+                return
+            assert time.time() < deadline, f"not removed: {made - gone}"
+            time.sleep(0.05)
 
     def sent(self, method, path_part=""):
         with self.lock:
@@ -358,6 +374,16 @@ def k8s_launcher(api, **options):
     return launch.Launcher("kubernetes", server=api.url, id="kt1", **options)
 
 
+@contextlib.contextmanager
+def settled(api, launcher):
+    """`launcher` as a context that, before closing it, waits until the
+    supervisor removed every pod and job it made: the binding destroys a
+    launcher holding the GIL, which this in-process server needs to answer."""
+    with launcher:
+        yield launcher
+        api.wait_removed()
+
+
 def spec(name, command=("sh", "-c", "true"), **kw):
     kw.setdefault("image", "busybox:1.36")
     return launch.ContainerSpec(name=name, command=list(command), **kw)
@@ -382,7 +408,7 @@ def created_pod(api, ns="team-a"):
 
 def test_pod_runs_to_its_exit_code_with_the_manifest_asked_for(api, tmp_path):
     api.outcomes["kt1-w0-0"] = Outcome(exit_code=3, logs="hi\n", running_polls=2)
-    with k8s_launcher(api) as launcher:
+    with settled(api, k8s_launcher(api)) as launcher:
         h = launcher.start(spec(
             "w0", ["sh", "-c", "echo $(HOME) $$ > /dev/null; echo hi; exit 3"],
             env={"A": "1", "B": "$(A)"}, working_dir="/work", cpus=0.5, memory="64MiB",
@@ -423,7 +449,7 @@ def test_success_oom_and_eviction(api):
     api.outcomes["kt1-ok-0"] = Outcome(exit_code=0)
     api.outcomes["kt1-hog-0"] = Outcome(exit_code=137, reason="OOMKilled")
     api.outcomes["kt1-evicted-0"] = Outcome(phase_only="Failed")
-    with k8s_launcher(api) as launcher:
+    with settled(api, k8s_launcher(api)) as launcher:
         ok = launcher.start(spec("ok"))
         hog = launcher.start(spec("hog", memory="16MiB"))
         evicted = launcher.start(spec("evicted"))
@@ -436,7 +462,7 @@ def test_success_oom_and_eviction(api):
 
 def test_stop_deletes_the_pod_with_the_grace(api):
     api.outcomes["kt1-server-0"] = Outcome(forever=True, logs="serving\n")
-    with k8s_launcher(api) as launcher:
+    with settled(api, k8s_launcher(api)) as launcher:
         h = launcher.start(spec("server", ["sleep", "1000"]))
         deadline = time.time() + 10
         while time.time() < deadline and h.status().state != "running":
@@ -457,7 +483,7 @@ def test_stop_deletes_the_pod_with_the_grace(api):
 def test_exclusive_gpus_are_nvidia_gpu_limits(api):
     a = allocation(gpus=2)
     api.outcomes["kt1-gpu-0"] = Outcome()
-    with k8s_launcher(api) as launcher:
+    with settled(api, k8s_launcher(api)) as launcher:
         assert launcher.start(spec("gpu", allocation=a)).wait(timeout=30).ok
     [c] = created_pod(api)["spec"]["containers"]
     quantities = {"cpu": "2000m", "memory": str(1024 * MiB), "nvidia.com/gpu": "2"}
@@ -471,7 +497,8 @@ def test_exclusive_gpus_are_nvidia_gpu_limits(api):
 def test_shared_gpu_memory_is_the_extended_resource(api):
     a = allocation(mode="shared", gpus=1, gpu_memory="3GiB")
     api.outcomes["kt1-small-0"] = Outcome()
-    with k8s_launcher(api, shared_gpu_memory_resource="example.com/gpu-mem") as launcher:
+    launcher = k8s_launcher(api, shared_gpu_memory_resource="example.com/gpu-mem")
+    with settled(api, launcher):
         assert launcher.start(spec("small", allocation=a)).wait(timeout=30).ok
     [c] = created_pod(api)["spec"]["containers"]
     quantities = {"cpu": "2000m", "memory": str(1024 * MiB), "example.com/gpu-mem": "3072"}
@@ -483,7 +510,7 @@ def test_shared_gpu_memory_is_the_extended_resource(api):
 
 def test_job_kind_runs_a_batch_job_of_one_pod(api):
     api.outcomes["kt1-train-0"] = Outcome(exit_code=2, logs="step 1\n")
-    with k8s_launcher(api, kind="job") as launcher:
+    with settled(api, k8s_launcher(api, kind="job")) as launcher:
         h = launcher.start(spec("train", labels={"team": "nlp"}))
         e = h.wait(timeout=30)
         assert (e.reason, e.code) == ("exited", 2)
@@ -506,7 +533,7 @@ def test_job_kind_runs_a_batch_job_of_one_pod(api):
 
 def test_stop_of_a_job_orphans_its_pod_then_deletes_it_with_the_grace(api):
     api.outcomes["kt1-long-0"] = Outcome(forever=True)
-    with k8s_launcher(api, kind="job") as launcher:
+    with settled(api, k8s_launcher(api, kind="job")) as launcher:
         h = launcher.start(spec("long"))
         with pytest.raises(deepnex.DeadlineExceededError):
             h.wait(timeout=0.6)
@@ -532,7 +559,7 @@ def test_unreachable_server_is_failed_precondition():
 
 
 def test_specs_a_pod_cannot_express_are_refused(api):
-    with k8s_launcher(api) as launcher:
+    with settled(api, k8s_launcher(api)) as launcher:
         with pytest.raises(deepnex.InvalidArgumentError, match="spec.network_none"):
             launcher.start(spec("isolated", network_none=True))
         with pytest.raises(deepnex.InvalidArgumentError, match="spec.image"):
@@ -555,7 +582,7 @@ def test_cleanup_sweeps_what_a_crashed_launcher_left(api):
                            "spec": {}}, owner_job="gone1-j-0")
     other = {"deepnex.launcher": "other", "deepnex.name": "y"}
     api.add_pod("team-a", {"metadata": {"name": "other-y-0", "labels": other}, "spec": {}})
-    with k8s_launcher(api) as launcher:
+    with settled(api, k8s_launcher(api)) as launcher:
         # Two pods and a job (its pod goes with it).
         assert launcher.cleanup("gone1") == 3
     assert list(api.pods) == [("team-a", "other-y-0")]
@@ -585,7 +612,7 @@ def tls_api(tmp_path):
 
 def test_tls_with_the_ca_file_and_not_without(tls_api):
     tls_api.outcomes["kt1-w0-0"] = Outcome(logs="over tls\n")
-    with k8s_launcher(tls_api, ca_file=str(tls_api.cert)) as launcher:
+    with settled(tls_api, k8s_launcher(tls_api, ca_file=str(tls_api.cert))) as launcher:
         h = launcher.start(spec("w0"))
         assert h.wait(timeout=30).ok
         assert h.logs() == "over tls\n"
@@ -623,7 +650,8 @@ contexts:
     namespace: ml
 """)
     tls_api.outcomes["kt1-w1-0"] = Outcome()
-    with launch.Launcher("kubernetes", kubeconfig=str(kubeconfig), id="kt1") as launcher:
+    with settled(tls_api, launch.Launcher("kubernetes", kubeconfig=str(kubeconfig),
+                                         id="kt1")) as launcher:
         assert launcher.start(spec("w1")).wait(timeout=30).ok
     created_pod(tls_api, ns="ml")
 
@@ -662,7 +690,8 @@ users:
 contexts: [{{name: c, context: {{cluster: k, user: u}}}}]
 """)
         api.outcomes["kt1-w0-0"] = Outcome()
-        with launch.Launcher("kubernetes", kubeconfig=str(kubeconfig), id="kt1") as launcher:
+        with settled(api, launch.Launcher("kubernetes", kubeconfig=str(kubeconfig),
+                                          id="kt1")) as launcher:
             assert launcher.start(spec("w0")).wait(timeout=30).ok
         created_pod(api, ns="default")
         # Without the certificate the server does not let it in.
