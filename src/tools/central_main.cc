@@ -5,6 +5,7 @@
 
 #include "deepnex/gpu/central.h"
 #include "deepnex/gpu/discovery.h"
+#include "deepnex/launch/central.h"
 #include "tools/daemon.h"
 
 namespace {
@@ -12,8 +13,11 @@ namespace {
 constexpr char kUsage[] = R"(usage: deepnex-central [flags]
 
 Serves a GPU allocator (exclusive and shared nodes, quotas, queue, gangs,
-leases) over gRPC. Prints "deepnex-central listening on HOST:PORT" once it
-serves; stops on SIGINT/SIGTERM.
+leases) and a launcher (users start, list, stop and read the logs of their
+own containers on their allocations; an allocation is released when the
+last container on it ends for good) over gRPC. Prints "deepnex-central
+listening on HOST:PORT" once it serves; stops on SIGINT/SIGTERM, stopping
+every container it runs.
 
 flags:
   --listen HOST:PORT      address to listen on; port 0 picks a free one
@@ -29,6 +33,11 @@ flags:
   --token-file F          lines "TOKEN NAME ROLE" (ROLE user|admin)
   --tls-cert F --tls-key F   serve TLS with this PEM certificate and key
   --metrics-listen HOST:PORT  serve Prometheus text at GET /metrics (plain HTTP)
+  --launch-backend B      the launcher's backend: process (default), oci,
+                          docker, slurm or kubernetes (engine options as the
+                          launcher's defaults)
+  --launch-state-dir D    the launcher's logs and records (for `deepnex ps
+                          --state-dir D`); default: a temporary directory
   --help                  show this text
 )";
 
@@ -36,6 +45,7 @@ flags:
 
 int main(int argc, char** argv) {
   deepnex::gpu::CentralServerOptions options;
+  deepnex::launch::LauncherOptions launcher;
   std::string nodes_file;
   bool local = false;
   deepnex::tools::Flags flags("deepnex-central", kUsage, argc, argv);
@@ -50,6 +60,8 @@ int main(int argc, char** argv) {
     else if (flags.Is("--tls-cert")) options.tls_cert_file = flags.Value();
     else if (flags.Is("--tls-key")) options.tls_key_file = flags.Value();
     else if (flags.Is("--metrics-listen")) options.metrics_address = flags.Value();
+    else if (flags.Is("--launch-backend")) launcher.backend = flags.Value();
+    else if (flags.Is("--launch-state-dir")) launcher.state_dir = flags.Value();
     else flags.Unknown();
   }
   if (options.address.empty()) flags.Die("--listen is empty");
@@ -74,7 +86,7 @@ int main(int argc, char** argv) {
   }
 
   deepnex::tools::SignalStop signals;
-  auto server = deepnex::gpu::CentralServer::Create(options);
+  auto server = deepnex::launch::CreateCentralServer(options, launcher);
   if (!server.ok()) {
     std::cerr << "deepnex-central: " << server.status().message() << "\n";
     return 1;
