@@ -8,6 +8,7 @@
 #include <cctype>
 #include <fstream>
 #include <functional>
+#include <mutex>
 #include <numeric>
 #include <set>
 
@@ -84,7 +85,57 @@ GpuLink FromTopologyLevel(int level) {
   }
 }
 
+// nvmlProcessInfo_t as nvmlDeviceGetComputeRunningProcesses_v3 fills it.
+struct NvmlProcessInfo {
+  unsigned int pid;
+  unsigned long long used_gpu_memory;
+  unsigned int gpu_instance_id, compute_instance_id;
+};
+constexpr nvmlReturn_t kNvmlInsufficientSize = 7;
+
 }  // namespace
+
+std::map<int, std::map<int64_t, uint64_t>> GpuMemoryByProcess(const std::string& library) {
+  // Loaded once and never unloaded: sampled every few seconds per container.
+  struct Loaded {
+    Nvml nvml;
+    nvmlReturn_t (*GetProcesses)(nvmlDevice_t, unsigned*, NvmlProcessInfo*) = nullptr;
+    bool ok = false;
+  };
+  static std::mutex mu;
+  static std::map<std::string, Loaded> loaded;
+  std::lock_guard<std::mutex> lock(mu);
+  auto [it, fresh] = loaded.try_emplace(library);
+  Loaded& l = it->second;
+  if (fresh) {
+    l.nvml.lib = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
+    l.ok = l.nvml.lib != nullptr && l.nvml.Load(&l.nvml.Init, "nvmlInit_v2") &&
+           l.nvml.Load(&l.nvml.GetCount, "nvmlDeviceGetCount_v2") &&
+           l.nvml.Load(&l.nvml.GetHandle, "nvmlDeviceGetHandleByIndex_v2") &&
+           l.nvml.Load(&l.GetProcesses, "nvmlDeviceGetComputeRunningProcesses_v3") &&
+           l.nvml.Init() == kNvmlSuccess;
+  }
+  std::map<int, std::map<int64_t, uint64_t>> out;
+  unsigned count = 0;
+  if (!l.ok || l.nvml.GetCount(&count) != kNvmlSuccess) return out;
+  for (unsigned i = 0; i < count; ++i) {
+    nvmlDevice_t dev;
+    if (l.nvml.GetHandle(i, &dev) != kNvmlSuccess) continue;
+    std::vector<NvmlProcessInfo> procs(16);
+    unsigned n = static_cast<unsigned>(procs.size());
+    nvmlReturn_t rc;
+    // The list may grow between the calls; ask again with what NVML said.
+    while ((rc = l.GetProcesses(dev, &n, procs.data())) == kNvmlInsufficientSize) {
+      procs.resize(n + 8);
+      n = static_cast<unsigned>(procs.size());
+    }
+    if (rc != kNvmlSuccess) continue;
+    for (unsigned k = 0; k < n; ++k) {
+      out[static_cast<int>(i)][procs[k].pid] += procs[k].used_gpu_memory;
+    }
+  }
+  return out;
+}
 
 const char* GpuLinkName(GpuLink link) {
   switch (link) {

@@ -1,4 +1,5 @@
 #include "launch/cgroup.h"
+#include "launch/util.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -406,6 +407,7 @@ launch::Usage Cgroup::ReadUsage() {
     u.memory = ReadUint(dir + "/memory.current").value_or(0);
     u.memory_peak = ReadUint(dir + "/memory.peak").value_or(u.memory);
     u.pids = ReadUint(dir + "/pids.current").value_or(0);
+    u.gpu_memory = GpuMemoryOf(Processes());
     return u;
   }
   u.cpu_seconds = ReadUint(DirOf(path_, "cpuacct") + "/cpuacct.usage").value_or(0) / 1e9;
@@ -413,6 +415,7 @@ launch::Usage Cgroup::ReadUsage() {
   u.memory = ReadUint(mem + "/memory.usage_in_bytes").value_or(0);
   u.memory_peak = ReadUint(mem + "/memory.max_usage_in_bytes").value_or(u.memory);
   u.pids = ReadUint(DirOf(path_, "pids") + "/pids.current").value_or(0);
+  u.gpu_memory = GpuMemoryOf(Processes());
   return u;
 }
 

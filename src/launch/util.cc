@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <set>
 #include <sstream>
 
 #include "absl/strings/numbers.h"
@@ -18,6 +19,7 @@
 #include "absl/strings/strip.h"
 #include "absl/strings/match.h"
 #include "absl/strings/ascii.h"
+#include "deepnex/gpu/discovery.h"
 
 namespace deepnex::launch {
 namespace {
@@ -162,7 +164,20 @@ launch::Usage ProcUsage(const std::vector<pid_t>& pids) {
     }
   }
   u.memory_peak = std::max(u.memory_peak, u.memory);
+  u.gpu_memory = GpuMemoryOf(pids);
   return u;
+}
+
+std::map<int, uint64_t> GpuMemoryOf(const std::vector<pid_t>& pids) {
+  std::map<int, uint64_t> out;
+  if (pids.empty()) return out;
+  const std::set<int64_t> mine(pids.begin(), pids.end());
+  for (const auto& [gpu, by_pid] : gpu::GpuMemoryByProcess()) {
+    for (const auto& [pid, bytes] : by_pid) {
+      if (mine.count(pid)) out[gpu] += bytes;
+    }
+  }
+  return out;
 }
 
 bool ProcessAlive(pid_t pid) {

@@ -55,6 +55,9 @@ launch::Usage ProcUsage(const std::vector<pid_t>& pids);
 // orphans, so a killed process can linger as one).
 bool ProcessAlive(pid_t pid);
 
+// GPU memory of `pids`, by GPU index, through NVML; empty without a driver.
+std::map<int, uint64_t> GpuMemoryOf(const std::vector<pid_t>& pids);
+
 // The live processes whose process group is `pgid`.
 std::vector<pid_t> ProcessGroupMembers(pid_t pgid);
 

@@ -4,6 +4,8 @@
 #ifndef DEEPNEX_GPU_DISCOVERY_H_
 #define DEEPNEX_GPU_DISCOVERY_H_
 
+#include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -39,6 +41,12 @@ struct LocalGpus {
 // The GPUs of this machine. Never an error for a missing driver: then no
 // GPUs and a summary that says why. `library` is the NVML to dlopen.
 LocalGpus DiscoverLocalGpus(const std::string& library = "libnvidia-ml.so.1");
+
+// The GPU memory each process uses now, by GPU index then pid, through NVML
+// (its compute processes). Empty without a driver. NVML is loaded and
+// initialised once per process and kept, as this is called per usage sample.
+std::map<int, std::map<int64_t, uint64_t>> GpuMemoryByProcess(
+    const std::string& library = "libnvidia-ml.so.1");
 
 // This machine as a node: `name` (empty: the host name), its discovered
 // GPUs, its online CPU cores and physical memory.

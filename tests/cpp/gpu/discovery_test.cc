@@ -2,6 +2,7 @@
 #include "deepnex/gpu/discovery.h"
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <fstream>
 
@@ -24,6 +25,17 @@ TEST(Discovery, MissingNvmlIsZeroGpusNotAnError) {
   EXPECT_TRUE(local.gpus.empty());
   EXPECT_TRUE(local.links.empty());
   EXPECT_EQ(local.summary, "0 GPUs (NVML not found)");
+}
+
+TEST(Discovery, GpuMemoryByProcessWithoutNvmlIsEmpty) {
+  EXPECT_TRUE(GpuMemoryByProcess("libnvidia-ml-that-does-not-exist.so.1").empty());
+  // Asked again, the cached failure answers the same.
+  EXPECT_TRUE(GpuMemoryByProcess("libnvidia-ml-that-does-not-exist.so.1").empty());
+  // This process holds no CUDA context, so NVML (where present) lists no
+  // memory of it.
+  for (const auto& [gpu, by_pid] : GpuMemoryByProcess()) {
+    EXPECT_EQ(by_pid.count(getpid()), 0u) << "GPU " << gpu;
+  }
 }
 
 TEST(Discovery, ThisMachine) {
