@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "deepnex/gpu/types.h"
+#include "deepnex/launch/central.h"
 #include "deepnex/launch/launcher.h"
 #include "launch/cgroup.h"
 #include "launch/util.h"
@@ -83,6 +84,122 @@ py::object RecordedUsage(const std::string& cgroup, int64_t pid) {
   }
   if (!u) return py::none();
   return UsageDict(*u);
+}
+
+// A container deepnex-central reports, shaped as a launcher's record (see
+// python/deepnex/_cli_launch.py) so that `deepnex ps` shows both alike.
+py::dict CentralRecord(const launch::CentralContainer& c) {
+  py::dict d;
+  d["name"] = c.name;
+  d["user"] = c.user;
+  d["allocation"] = c.allocation_id;
+  d["backend"] = c.backend;
+  d["id"] = c.id;
+  d["state"] = launch::StateName(c.state);
+  d["restarts"] = c.restarts;
+  if (!c.last_exit.empty()) d["last_exit"] = c.last_exit;
+  d["gpus"] = c.gpus;
+  d["cpus"] = c.cpus;
+  d["memory"] = c.memory;
+  d["usage"] = UsageDict(c.usage);
+  d["started_at"] = std::chrono::duration<double>(c.started_at.time_since_epoch()).count();
+  d["allocation_released"] = c.allocation_released;
+  return d;
+}
+
+void RegisterCentralClient(py::module_& m) {
+  py::class_<launch::CentralClient>(m, "CentralClient")
+      .def(py::init([](const std::string& address, const std::string& token,
+                       const std::string& token_file, const std::string& tls_ca_file,
+                       double timeout) {
+             gpu::CentralClientOptions o;
+             o.address = address;
+             o.token = token;
+             o.token_file = token_file;
+             o.tls_ca_file = tls_ca_file;
+             o.timeout = Ms(timeout);
+             return Unwrap(launch::CentralClient::Create(o));
+           }),
+           py::arg("address"), py::arg("token") = "", py::arg("token_file") = "",
+           py::arg("tls_ca_file") = "", py::arg("timeout") = 30.0)
+      .def(
+          "start",
+          [](launch::CentralClient& c, const std::string& allocation_id, const std::string& name,
+             const std::string& image, const std::vector<std::string>& command,
+             const StrMap& env, const std::string& working_dir,
+             const std::vector<MountArgs>& mounts, double cpus, uint64_t memory,
+             int64_t pids_limit, std::optional<gpu::Allocation> allocation,
+             const std::string& user, const StrMap& labels, const std::string& restart,
+             double backoff, double max_backoff, bool network_none) {
+            ContainerSpec spec = MakeSpec(name, image, command, env, working_dir, mounts, cpus,
+                                          memory, pids_limit, std::move(allocation), user,
+                                          labels, restart, backoff, max_backoff, network_none);
+            launch::CentralContainer got;
+            {
+              py::gil_scoped_release release;
+              got = Unwrap(c.StartContainer(spec, allocation_id));
+            }
+            return CentralRecord(got);
+          },
+          py::arg("allocation_id"), py::arg("name"), py::arg("image"), py::arg("command"),
+          py::arg("env"), py::arg("working_dir"), py::arg("mounts"), py::arg("cpus"),
+          py::arg("memory"), py::arg("pids_limit"), py::arg("allocation"), py::arg("user"),
+          py::arg("labels"), py::arg("restart"), py::arg("backoff"), py::arg("max_backoff"),
+          py::arg("network_none"))
+      .def(
+          "list",
+          [](launch::CentralClient& c, const std::string& user) {
+            std::vector<launch::CentralContainer> got;
+            {
+              py::gil_scoped_release release;
+              got = Unwrap(c.ListContainers(user));
+            }
+            py::list out;
+            for (const auto& x : got) out.append(CentralRecord(x));
+            return out;
+          },
+          py::arg("user") = "")
+      .def(
+          "stop",
+          [](launch::CentralClient& c, const std::string& name, double grace,
+             const std::string& user) {
+            auto d = Ms(grace);
+            launch::CentralContainer got;
+            {
+              py::gil_scoped_release release;
+              got = Unwrap(c.StopContainer(name, d, user));
+            }
+            return CentralRecord(got);
+          },
+          py::arg("name"), py::arg("grace") = 10.0, py::arg("user") = "")
+      .def(
+          "logs",
+          [](launch::CentralClient& c, const std::string& name, uint64_t offset,
+             const std::string& user) {
+            launch::LogChunk chunk;
+            {
+              py::gil_scoped_release release;
+              chunk = Unwrap(c.ContainerLogs(name, offset, user));
+            }
+            return py::make_tuple(py::bytes(chunk.data), chunk.next_offset, chunk.ended);
+          },
+          py::arg("name"), py::arg("offset") = 0, py::arg("user") = "")
+      .def(
+          "follow_logs",
+          [](launch::CentralClient& c, const std::string& name, py::function sink, double poll,
+             const std::string& user) {
+            auto every = Ms(poll);
+            py::gil_scoped_release release;
+            CheckStatus(c.FollowContainerLogs(
+                name,
+                [&](const std::string& chunk) {
+                  py::gil_scoped_acquire acquire;
+                  py::object more = sink(py::bytes(chunk));
+                  return more.is_none() || more.cast<bool>();
+                },
+                every, user));
+          },
+          py::arg("name"), py::arg("sink"), py::arg("poll") = 0.2, py::arg("user") = "");
 }
 
 }  // namespace
@@ -202,11 +319,11 @@ void RegisterLaunch(py::module_& parent) {
         return UsageDict(u);
       });
 
-  py::class_<Launcher>(m, "Launcher")
+  py::class_<Launcher, GilFreeHolder<Launcher>>(m, "Launcher")
       .def(py::init([](py::kwargs kw) {
         LauncherOptions o = LauncherOptionsFromPython(kw);
         py::gil_scoped_release release;
-        return Unwrap(Launcher::Create(o));
+        return GilFree(Unwrap(Launcher::Create(o)));
       }))
       .def_property_readonly("backend", &Launcher::backend)
       .def_property_readonly("id", &Launcher::id)
@@ -246,6 +363,7 @@ void RegisterLaunch(py::module_& parent) {
     return launch::ProbeBackends(o);
   });
   m.def("recorded_usage", &RecordedUsage, py::arg("cgroup"), py::arg("pid"));
+  RegisterCentralClient(m);
 }
 
 }  // namespace deepnex::python
