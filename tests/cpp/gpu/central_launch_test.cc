@@ -1,0 +1,248 @@
+// deepnex-central's launcher on the process backend: users start, list, stop
+// and read the logs of their own containers on their own allocations, and an
+// allocation is released when the last container on it ends for good.
+#include "deepnex/launch/central.h"
+
+#include <signal.h>
+
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gpu/gpu_test_util.h"
+#include "gtest/gtest.h"
+#include "test_matchers.h"
+
+namespace deepnex::launch {
+namespace {
+
+using ::deepnex::gpu::Allocation;
+using ::deepnex::gpu::CentralClientOptions;
+using ::deepnex::gpu::CentralServerOptions;
+using ::deepnex::gpu::test::Exclusive;
+using ::deepnex::gpu::test::MakeNode;
+using ::deepnex::gpu::test::TempDir;
+using ::deepnex::test::StatusIs;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;  // NOLINT
+
+class CentralLaunch : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string tokens = dir_.path() + "/tokens";
+    std::ofstream(tokens) << "admintok root admin\nalicetok alice user\nbobtok bob user\n";
+    CentralServerOptions o;
+    o.token_file = tokens;
+    LauncherOptions l;
+    l.backend = "process";
+    l.state_dir = dir_.path() + "/launch";
+    ASSERT_OK_AND_ASSIGN(server_, CreateCentralServer(o, l));
+    admin_ = Gpu("admintok");
+    alice_gpu_ = Gpu("alicetok");
+    bob_gpu_ = Gpu("bobtok");
+    admin_c_ = Containers("admintok");
+    alice_ = Containers("alicetok");
+    bob_ = Containers("bobtok");
+    ASSERT_OK(admin_->AddNode(MakeNode("x1", 2)));
+  }
+
+  CentralClientOptions Options(const std::string& token) {
+    CentralClientOptions o;
+    o.address = server_->address();
+    o.token = token;
+    o.timeout = 10s;
+    return o;
+  }
+  std::unique_ptr<gpu::CentralClient> Gpu(const std::string& token) {
+    auto c = gpu::CentralClient::Create(Options(token));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return std::move(c).value();
+  }
+  std::unique_ptr<CentralClient> Containers(const std::string& token) {
+    auto c = CentralClient::Create(Options(token));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return std::move(c).value();
+  }
+
+  static ContainerSpec Spec(const std::string& name, std::vector<std::string> command) {
+    ContainerSpec s;
+    s.name = name;
+    s.command = std::move(command);
+    return s;
+  }
+
+  // `client`'s container `name` once `done` holds for it (20 s at most).
+  static CentralContainer Await(CentralClient& client, const std::string& name,
+                                const std::function<bool(const CentralContainer&)>& done) {
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    CentralContainer last;
+    while (std::chrono::steady_clock::now() < deadline) {
+      auto list = client.ListContainers();
+      EXPECT_TRUE(list.ok()) << list.status();
+      if (!list.ok()) return last;
+      for (const auto& c : *list) {
+        if (c.name == name) last = c;
+      }
+      if (last.name == name && done(last)) return last;
+      std::this_thread::sleep_for(20ms);
+    }
+    ADD_FAILURE() << "container " << name << " stayed " << StateName(last.state);
+    return last;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<gpu::CentralServer> server_;
+  std::unique_ptr<gpu::CentralClient> admin_, alice_gpu_, bob_gpu_;
+  std::unique_ptr<CentralClient> admin_c_, alice_, bob_;
+};
+
+TEST_F(CentralLaunch, RunsListsLogsAndReleasesTheAllocationAtItsEnd) {
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
+  const std::string gate = dir_.path() + "/gate";
+  ASSERT_OK_AND_ASSIGN(
+      CentralContainer started,
+      alice_->StartContainer(
+          Spec("w0", {"sh", "-c",
+                      "echo hello $CUDA_VISIBLE_DEVICES; while [ ! -e " + gate +
+                          " ]; do sleep 0.02; done; echo bye; exit 3"}),
+          a.id));
+  EXPECT_EQ(started.name, "w0");
+  EXPECT_EQ(started.user, "alice");
+  EXPECT_EQ(started.allocation_id, a.id);
+  EXPECT_EQ(started.backend, "process");
+
+  CentralContainer running =
+      Await(*alice_, "w0", [](const CentralContainer& c) { return c.state == State::kRunning; });
+  EXPECT_EQ(running.restarts, 0);
+  EXPECT_THAT(running.gpus, ElementsAre(a.gpus[0].index));
+  EXPECT_FALSE(running.allocation_released);
+  ASSERT_OK_AND_ASSIGN(auto held, alice_gpu_->Allocations());
+  ASSERT_EQ(held.size(), 1u);
+
+  std::ofstream(gate) << "";
+  CentralContainer ended = Await(*alice_, "w0", [](const CentralContainer& c) {
+    return c.state == State::kExited && c.allocation_released;
+  });
+  EXPECT_EQ(ended.last_exit, "exited(3)");
+  ASSERT_OK_AND_ASSIGN(LogChunk logs, alice_->ContainerLogs("w0"));
+  EXPECT_EQ(logs.data, "hello " + a.env.at("CUDA_VISIBLE_DEVICES") + "\nbye\n");
+  EXPECT_TRUE(logs.ended);
+  EXPECT_EQ(logs.next_offset, logs.data.size());
+  ASSERT_OK_AND_ASSIGN(LogChunk tail, alice_->ContainerLogs("w0", 6));
+  EXPECT_EQ(tail.data, logs.data.substr(6));
+  ASSERT_OK_AND_ASSIGN(held, alice_gpu_->Allocations());
+  EXPECT_TRUE(held.empty());
+  EXPECT_THAT(server_->allocator().GetAllocation(a.id), StatusIs(absl::StatusCode::kNotFound));
+}
+
+TEST_F(CentralLaunch, FollowPassesTheWholeLogUntilTheEnd) {
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK(alice_
+                ->StartContainer(Spec("w0", {"sh", "-c", "for i in 1 2 3; do echo $i; sleep 0.1; done"}),
+                                 a.id)
+                .status());
+  std::string got;
+  ASSERT_OK(alice_->FollowContainerLogs("w0", [&](const std::string& chunk) {
+    got += chunk;
+    return true;
+  }, 20ms));
+  EXPECT_EQ(got, "1\n2\n3\n");
+}
+
+TEST_F(CentralLaunch, StopEndsItAndReleasesTheAllocation) {
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK(alice_->StartContainer(Spec("w0", {"sleep", "60"}), a.id).status());
+  Await(*alice_, "w0", [](const CentralContainer& c) { return c.state == State::kRunning; });
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_OK_AND_ASSIGN(CentralContainer stopped, alice_->StopContainer("w0", 2s));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);  // sleep ends at SIGTERM
+  EXPECT_EQ(stopped.state, State::kStopped);
+  EXPECT_EQ(stopped.last_exit, "signaled(SIGTERM)");
+  EXPECT_TRUE(stopped.allocation_released);
+  ASSERT_OK_AND_ASSIGN(auto held, alice_gpu_->Allocations());
+  EXPECT_TRUE(held.empty());
+  // Its name is free again, on a new allocation.
+  ASSERT_OK_AND_ASSIGN(Allocation b, alice_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK_AND_ASSIGN(CentralContainer again,
+                       alice_->StartContainer(Spec("w0", {"true"}), b.id));
+  EXPECT_EQ(again.allocation_id, b.id);
+}
+
+TEST_F(CentralLaunch, TheAllocationOutlivesAllButTheLastContainerOnIt) {
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK(alice_->StartContainer(Spec("ps", {"sleep", "60"}), a.id).status());
+  ASSERT_OK(alice_->StartContainer(Spec("w0", {"true"}), a.id).status());
+  CentralContainer w0 = Await(*alice_, "w0", [](const CentralContainer& c) {
+    return c.state == State::kExited;
+  });
+  EXPECT_FALSE(w0.allocation_released);
+  ASSERT_OK(server_->allocator().GetAllocation(a.id).status());
+  ASSERT_OK_AND_ASSIGN(CentralContainer ps, alice_->StopContainer("ps", 1s));
+  EXPECT_TRUE(ps.allocation_released);
+  EXPECT_THAT(server_->allocator().GetAllocation(a.id), StatusIs(absl::StatusCode::kNotFound));
+}
+
+TEST_F(CentralLaunch, AnotherUsersAllocationIsRefusedAndAnUnknownOneNotFound) {
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
+  EXPECT_THAT(bob_->StartContainer(Spec("w0", {"true"}), a.id),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("user bob cannot start a container on allocation " + a.id +
+                                 ": it belongs to alice")));
+  EXPECT_THAT(alice_->StartContainer(Spec("w0", {"true"}), "a999"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("\"a999\" does not exist")));
+  EXPECT_THAT(alice_->StartContainer(Spec("w0", {"true"}), ""),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("allocation_id is empty")));
+  ContainerSpec with_mount = Spec("w0", {"true"});
+  with_mount.mounts.push_back({"/tmp", "/data", true});
+  EXPECT_THAT(alice_->StartContainer(with_mount, a.id),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.mounts")));
+  // A spec the launcher refuses leaves nothing behind.
+  EXPECT_THAT(alice_->StartContainer(Spec("w0", {"/no/such/command"}), a.id),
+              StatusIs(absl::StatusCode::kNotFound));
+  ASSERT_OK_AND_ASSIGN(auto mine, alice_->ListContainers());
+  EXPECT_TRUE(mine.empty());
+  ASSERT_OK(server_->allocator().GetAllocation(a.id).status());
+}
+
+TEST_F(CentralLaunch, AnotherUsersContainerIsInvisibleAndNamesArePerUser) {
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK_AND_ASSIGN(Allocation b, bob_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK(alice_->StartContainer(Spec("w0", {"sleep", "60"}), a.id).status());
+  ASSERT_OK_AND_ASSIGN(auto bobs, bob_->ListContainers());
+  EXPECT_TRUE(bobs.empty());
+  EXPECT_THAT(bob_->ListContainers("alice"), StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(bob_->StopContainer("w0", 1s),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no container \"w0\" of user bob")));
+  EXPECT_THAT(bob_->StopContainer("w0", 1s, "alice"),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(bob_->ContainerLogs("w0"), StatusIs(absl::StatusCode::kNotFound));
+  // Bob's own "w0" is another container.
+  ASSERT_OK(bob_->StartContainer(Spec("w0", {"sh", "-c", "echo bob"}), b.id).status());
+  EXPECT_THAT(alice_->StartContainer(Spec("w0", {"true"}), a.id),
+              StatusIs(absl::StatusCode::kAlreadyExists));
+  ASSERT_OK_AND_ASSIGN(auto all, admin_c_->ListContainers());
+  ASSERT_EQ(all.size(), 2u);
+  EXPECT_EQ(all[0].user, "alice");
+  EXPECT_EQ(all[1].user, "bob");
+  Await(*bob_, "w0", [](const CentralContainer& c) { return c.state == State::kExited; });
+  Await(*alice_, "w0", [](const CentralContainer& c) { return c.state == State::kRunning; });
+  // An admin stops anyone's.
+  ASSERT_OK_AND_ASSIGN(CentralContainer stopped, admin_c_->StopContainer("w0", 1s, "alice"));
+  EXPECT_EQ(stopped.state, State::kStopped);
+}
+
+TEST_F(CentralLaunch, StoppingTheServerStopsItsContainersAndReleases) {
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK_AND_ASSIGN(CentralContainer c,
+                       alice_->StartContainer(Spec("w0", {"sleep", "60"}), a.id));
+  const pid_t pid = std::stoi(c.id);
+  server_->Stop();
+  EXPECT_THAT(server_->allocator().GetAllocation(a.id), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_NE(kill(pid, 0), 0) << "pid " << pid << " outlived the server";
+}
+
+}  // namespace
+}  // namespace deepnex::launch
