@@ -17,7 +17,17 @@ import os
 import sys
 
 
-def _client(args):
+def add_central_args(p):
+    """The options every command against deepnex-central takes."""
+    p.add_argument("--central", help="host:port of deepnex-central ($DEEPNEX_CENTRAL)")
+    p.add_argument("--token", help="bearer token ($DEEPNEX_TOKEN)")
+    p.add_argument("--token-file")
+    p.add_argument("--tls-ca-file")
+    p.add_argument("--call-timeout", type=float, default=30.0, help="seconds per call")
+
+
+def client(args):
+    """A deepnex.gpu.CentralClient from add_central_args' options."""
     from deepnex import gpu
     address = args.central or os.environ.get("DEEPNEX_CENTRAL")
     if not address:
@@ -35,7 +45,7 @@ def _size(n):
 def _nodes(args):
     rows = [("NODE", "MODE", "STATE", "GPUS USED/ALL", "GPU MEMORY USED/ALL", "CPUS USED/ALL",
              "MEMORY USED/ALL")]
-    for n in _client(args).nodes():
+    for n in client(args).nodes():
         state = "draining" if n.draining else "cordoned" if n.cordoned else "ready"
         if n.pending_mode:
             state += f" (-> {n.pending_mode})"
@@ -72,26 +82,26 @@ def _alloc(args):
                           gpu_memory=args.gpu_memory, cpus=args.cpus, memory=args.memory,
                           selector=selector, node=args.node, priority=args.priority,
                           replicas=args.replicas, spread=args.spread, lease=args.lease)
-    got = _client(args).allocate(request, wait=not args.no_wait, timeout=args.timeout)
+    got = client(args).allocate(request, wait=not args.no_wait, timeout=args.timeout)
     for a in got if isinstance(got, list) else [got]:
         _print_allocation(a)
     return 0
 
 
 def _release(args):
-    _client(args).release(args.id)
+    client(args).release(args.id)
     print(f"released {args.id}")
     return 0
 
 
 def _allocations(args):
-    for a in _client(args).allocations(user=args.user):
+    for a in client(args).allocations(user=args.user):
         _print_allocation(a)
     return 0
 
 
 def _quota(args):
-    c = _client(args)
+    c = client(args)
     kw = dict(gpus=args.gpus, gpu_memory=args.gpu_memory, cpus=args.cpus, memory=args.memory)
     note = c.set_default_quota(**kw) if args.user == "default" else c.set_quota(args.user, **kw)
     print(note or f"quota of {args.user} set")
@@ -99,7 +109,7 @@ def _quota(args):
 
 
 def _node(args):
-    c = _client(args)
+    c = client(args)
     if args.action == "mode":
         if not args.mode:
             raise SystemExit("deepnex: node mode NAME exclusive|shared")
@@ -114,11 +124,12 @@ def _node(args):
 
 
 def _metrics(args):
-    sys.stdout.write(_client(args).metrics())
+    sys.stdout.write(client(args).metrics())
     return 0
 
 
-def _guard(fn):
+def guard(fn):
+    """fn(args), with a DeepnexError printed as one line and exit code 1."""
     def run(args):
         from deepnex import DeepnexError
         try:
@@ -133,12 +144,8 @@ def add_commands(commands):
     """Adds the GPU subcommands to the CLI's subparsers."""
     def sub(name, fn, help):
         p = commands.add_parser(name, help=help)
-        p.add_argument("--central", help="host:port of deepnex-central ($DEEPNEX_CENTRAL)")
-        p.add_argument("--token", help="bearer token ($DEEPNEX_TOKEN)")
-        p.add_argument("--token-file")
-        p.add_argument("--tls-ca-file")
-        p.add_argument("--call-timeout", type=float, default=30.0, help="seconds per call")
-        p.set_defaults(func=_guard(fn))
+        add_central_args(p)
+        p.set_defaults(func=guard(fn))
         return p
 
     sub("nodes", _nodes, "table of nodes, modes, GPUs used/free, memory")

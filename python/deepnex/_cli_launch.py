@@ -1,6 +1,16 @@
-"""``deepnex ps``: a table of the containers that launchers run.
+"""``deepnex ps``: a table of the containers that launchers run; and the
+containers of deepnex-central's launcher.
 
     deepnex ps --state-dir D       (or $DEEPNEX_STATE_DIR)
+    deepnex ps --central ADDR      (or $DEEPNEX_CENTRAL): the caller's containers there
+    deepnex launch --central ADDR --alloc ID [--name N] [--cpus C] [--memory M]
+                   [--restart P] [--env K=V] -- CMD ...
+    deepnex logs NAME [--follow]
+    deepnex stop NAME [--grace S]
+
+The commands against deepnex-central take its address and token as the GPU
+commands do (--central, --token, --token-file or $DEEPNEX_CENTRAL,
+$DEEPNEX_TOKEN).
 
 Each Launcher keeps a JSON record per container under
 ``<state_dir>/containers/<name>/record.json``; ps reads them and the usage
@@ -12,9 +22,12 @@ rows() turns records into the table's rows, so a server that holds the same
 records (deepnex-central) can serve the same table.
 """
 
+import argparse
 import glob
 import json
 import os
+import secrets
+import sys
 
 from deepnex import _C
 
@@ -47,8 +60,9 @@ def _live(record):
     """The record's state and usage as they are now."""
     state = record.get("state", "?")
     usage = record.get("usage") or {}
-    if state in ("starting", "running", "restarting"):
-        if not _alive(record.get("launcher_pid", 0)):
+    # deepnex-central's records (no launcher_pid) come with live state and usage.
+    if state in ("starting", "running", "restarting") and "launcher_pid" in record:
+        if not _alive(record["launcher_pid"]):
             state = "orphaned"
         pid = int(record["id"]) if record.get("backend") == "process" and str(
             record.get("id", "")).isdigit() else 0
@@ -95,14 +109,95 @@ def format_table(table):
 
 
 def _ps(args):
-    state_dir = args.state_dir or os.environ.get("DEEPNEX_STATE_DIR")
-    if not state_dir:
-        raise SystemExit("deepnex: no launcher state directory (--state-dir or $DEEPNEX_STATE_DIR)")
-    print(format_table(rows(read_records(state_dir))))
+    state_dir = None if args.central else args.state_dir or os.environ.get("DEEPNEX_STATE_DIR")
+    if state_dir:
+        print(format_table(rows(read_records(state_dir))))
+        return 0
+    if not (args.central or os.environ.get("DEEPNEX_CENTRAL")):
+        raise SystemExit("deepnex: no launcher state directory (--state-dir or $DEEPNEX_STATE_DIR)"
+                         " and no central address (--central or $DEEPNEX_CENTRAL)")
+    from deepnex import _cli_gpu
+    records = _cli_gpu.client(args).containers()
+    if len({r["user"] for r in records}) > 1:  # an admin's view: say whose
+        records = [dict(r, name=f"{r['user']}/{r['name']}") for r in records]
+    print(format_table(rows(records)))
+    return 0
+
+
+def _pairs(items, flag):
+    out = {}
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"deepnex: {flag} {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _launch(args):
+    from deepnex import _cli_gpu, launch
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        raise SystemExit("deepnex: launch: no command (deepnex launch ... -- CMD ...)")
+    name = args.name or f"{os.path.basename(command[0])[:40]}-{secrets.token_hex(3)}"
+    spec = launch.ContainerSpec(
+        name=name, command=command, image=args.image, env=_pairs(args.env, "--env"),
+        working_dir=args.workdir or "", cpus=args.cpus, memory=args.memory,
+        pids_limit=args.pids_limit, labels=_pairs(args.label, "--label"), restart=args.restart)
+    c = _cli_gpu.client(args).start_container(spec, args.alloc)
+    print(f"{c['name']} {c['state']} on {c['allocation']} ({c['backend']} {c['id']})")
+    return 0
+
+
+def _logs(args):
+    from deepnex import _cli_gpu
+    logs = _cli_gpu.client(args).container_logs(args.name, follow=args.follow, user=args.user)
+    for piece in logs if args.follow else [logs]:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    return 0
+
+
+def _stop(args):
+    from deepnex import _cli_gpu
+    c = _cli_gpu.client(args).stop_container(args.name, grace=args.grace, user=args.user)
+    released = ", allocation released" if c["allocation_released"] else ""
+    print(f"{c['name']} {c['state']} {c.get('last_exit', '')}{released}".replace("  ", " "))
     return 0
 
 
 def add_commands(commands):
+    from deepnex._cli_gpu import add_central_args, guard
     ps = commands.add_parser("ps", help="a table of containers: state, GPUs, CPU and memory")
     ps.add_argument("--state-dir", help="the launchers' state_dir (default $DEEPNEX_STATE_DIR)")
-    ps.set_defaults(func=_ps)
+    add_central_args(ps)
+    ps.set_defaults(func=guard(_ps))
+
+    p = commands.add_parser("launch", help="start a container on an allocation of deepnex-central")
+    add_central_args(p)
+    p.add_argument("--alloc", required=True, help="the allocation id it runs on (yours)")
+    p.add_argument("--name", help="default: the command's name and a random suffix")
+    p.add_argument("--image", default="host")
+    p.add_argument("--cpus", type=float, default=0, help="cores (default: the allocation's)")
+    p.add_argument("--memory", default=0, help="e.g. 256MiB (default: the allocation's)")
+    p.add_argument("--pids-limit", type=int, default=0)
+    p.add_argument("--restart", default="never", help="never, on-failure[:N], always[:N]")
+    p.add_argument("--env", action="append", help="KEY=VALUE (repeatable)")
+    p.add_argument("--label", action="append", help="KEY=VALUE (repeatable)")
+    p.add_argument("--workdir")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARG ...")
+    p.set_defaults(func=guard(_launch))
+
+    p = commands.add_parser("logs", help="a container's output on deepnex-central")
+    add_central_args(p)
+    p.add_argument("name")
+    p.add_argument("--follow", "-f", action="store_true", help="until it ends for good")
+    p.add_argument("--user", help="whose container (admins)")
+    p.set_defaults(func=guard(_logs))
+
+    p = commands.add_parser("stop", help="stop a container on deepnex-central")
+    add_central_args(p)
+    p.add_argument("name")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds before SIGKILL")
+    p.add_argument("--user", help="whose container (admins)")
+    p.set_defaults(func=guard(_stop))

@@ -294,9 +294,11 @@ class CentralClient:
     """
 
     def __init__(self, address, token=None, token_file=None, tls_ca_file=None, timeout=30.0):
-        self._a = _C.gpu.CentralClient(
-            address=address, token=token or "", token_file=token_file or "",
-            tls_ca_file=tls_ca_file or "", timeout=_seconds(timeout, "timeout"))
+        options = dict(address=address, token=token or "", token_file=token_file or "",
+                       tls_ca_file=tls_ca_file or "", timeout=_seconds(timeout, "timeout"))
+        self._a = _C.gpu.CentralClient(**options)
+        # The launcher's calls (the Containers service on the same address).
+        self._c = _C.launch.CentralClient(**options)
 
     add_node = Allocator.add_node
     remove_node = Allocator.remove_node
@@ -316,3 +318,63 @@ class CentralClient:
     def metrics(self) -> str:
         """Prometheus text: GPU memory per GPU, GPUs by mode, queue, counters."""
         return self._a.metrics()
+
+    # ---- the launcher: containers on the caller's allocations
+    #
+    # Containers are reported as dicts shaped like a launcher's record (name,
+    # user, allocation, backend, id, state, restarts, last_exit, gpus, cpus,
+    # memory, usage, started_at, allocation_released), so that
+    # deepnex._cli_launch.rows() tables them. Names are per user; another
+    # user's container is NotFoundError. `user` arguments are for admins.
+
+    def start_container(self, spec, allocation) -> dict:
+        """Starts a deepnex.launch.ContainerSpec (its allocation None, no
+        mounts) on `allocation` (an id or an Allocation), which must be the
+        caller's (PermissionDeniedError otherwise; NotFoundError for an
+        unknown id). When it ends for good, and no other container runs on
+        the allocation, deepnex-central releases the allocation."""
+        from .launch import ContainerSpec
+        if not isinstance(spec, ContainerSpec):
+            raise InvalidArgumentError(
+                f"start_container: expected a deepnex.launch.ContainerSpec, got {spec!r}")
+        allocation_id = allocation if isinstance(allocation, str) else allocation.id
+        return self._c.start(allocation_id=allocation_id, **spec._args())
+
+    def containers(self, user=None) -> List[dict]:
+        """The caller's containers (admins: everyone's, or `user`'s)."""
+        return self._c.list(user or "")
+
+    def stop_container(self, name, grace=10.0, user=None) -> dict:
+        """SIGTERM, SIGKILL after grace seconds, no restart; returns once it
+        ended, with its allocation released as above."""
+        return self._c.stop(name, float(grace), user or "")
+
+    def container_logs(self, name, follow=False, user=None, poll=0.2):
+        """The container's stdout and stderr so far, across restarts. With
+        follow: an iterator of the log's pieces, from the start, as they come,
+        until the container ended for good."""
+        if follow:
+            return self._follow(name, user or "", poll)
+        out, offset, ended = [], 0, False
+        while not ended:
+            data, offset, ended = self._c.logs(name, offset, user or "")
+            if not data:
+                break
+            out.append(data)
+        return b"".join(out).decode("utf-8", errors="replace")
+
+    def _follow(self, name, user, poll):
+        import codecs
+        import time
+        # A character may span two pieces.
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        offset = 0
+        while True:
+            data, offset, ended = self._c.logs(name, offset, user)
+            text = decoder.decode(data, final=ended)
+            if text:
+                yield text
+            if ended:
+                return
+            if not data:
+                time.sleep(poll)
