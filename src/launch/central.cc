@@ -13,6 +13,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "core/grpc_util.h"
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/launch/central.h"
@@ -320,7 +321,11 @@ class ContainersService final : public pb::Containers::CallbackService,
       std::lock_guard<std::mutex> lock(mu_);
       if (!handle.ok()) {
         entries_.erase(Key{a.user, name});
-        return handle.status();
+        // Named as its user named it.
+        return absl::Status(handle.status().code(),
+                            absl::StrReplaceAll(handle.status().message(),
+                                                {{absl::StrCat("\"", launcher_name, "\""),
+                                                  absl::StrCat("\"", name, "\"")}}));
       }
       entry->handle = *handle;
       entry->watcher = std::thread([this, entry] { Watch(entry); });

@@ -25,8 +25,10 @@ using ::deepnex::gpu::test::Exclusive;
 using ::deepnex::gpu::test::MakeNode;
 using ::deepnex::gpu::test::TempDir;
 using ::deepnex::test::StatusIs;
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using namespace std::chrono_literals;  // NOLINT
 
 class CentralLaunch : public ::testing::Test {
@@ -199,6 +201,13 @@ TEST_F(CentralLaunch, AnotherUsersAllocationIsRefusedAndAnUnknownOneNotFound) {
   with_mount.mounts.push_back({"/tmp", "/data", true});
   EXPECT_THAT(alice_->StartContainer(with_mount, a.id),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.mounts")));
+  // The launcher's errors name the container as its user did.
+  EXPECT_THAT(alice_->StartContainer(Spec("bad name", {"true"}), a.id),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("spec.name: \"bad name\""), Not(HasSubstr("alice.")))));
+  EXPECT_THAT(alice_->StartContainer(Spec(std::string(58, 'x'), {"true"}), a.id),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("must be 1 to 57 characters for user alice")));
   // A spec the launcher refuses leaves nothing behind.
   EXPECT_THAT(alice_->StartContainer(Spec("w0", {"/no/such/command"}), a.id),
               StatusIs(absl::StatusCode::kNotFound));
