@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <exception>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -32,6 +33,23 @@ void RegisterGpu(py::module_& m);
 void RegisterData(py::module_& m);
 void RegisterLaunch(py::module_& m);
 void RegisterJob(py::module_& m);
+
+// The holder of a bound object whose destructor blocks on threads that may
+// call into Python (a launcher's supervisors, a job's log pumps): the GIL is
+// released while it runs, or those threads could never finish.
+template <class T>
+struct ReleaseGilDeleter {
+  void operator()(T* p) const {
+    py::gil_scoped_release release;
+    delete p;
+  }
+};
+template <class T>
+using GilFreeHolder = std::unique_ptr<T, ReleaseGilDeleter<T>>;
+template <class T>
+GilFreeHolder<T> GilFree(std::unique_ptr<T> p) {
+  return GilFreeHolder<T>(p.release());
+}
 
 // Launcher options from Python keywords (backend, state_dir, runc,
 // docker_socket, ...; see python/deepnex/launch.py); shared by launch and job.

@@ -24,7 +24,7 @@ void RegisterJob(py::module_& parent) {
                std::to_string(r.workers.size()) + " workers)";
       });
 
-  py::class_<Job>(m, "Job")
+  py::class_<Job, GilFreeHolder<Job>>(m, "Job")
       .def(py::init([](std::vector<std::string> command, int workers, int ps,
                        std::string mode, int gpus_per_worker, std::string gpu_mode,
                        uint64_t gpu_memory, double cpus, uint64_t memory, std::string user,
@@ -58,7 +58,12 @@ void RegisterJob(py::module_& parent) {
              if (!output.is_none()) {
                // Called from the job's log threads: take the GIL, and keep a
                // failing callback from killing them.
-               auto fn = std::make_shared<py::object>(output);
+               // The job (and this function) may be destroyed without the
+               // GIL (GilFreeHolder): dropping the callable must take it.
+               std::shared_ptr<py::object> fn(new py::object(output), [](py::object* f) {
+                 py::gil_scoped_acquire gil;
+                 delete f;
+               });
                o.output = [fn](const std::string& who, const std::string& line) {
                  py::gil_scoped_acquire gil;
                  try {
@@ -68,7 +73,7 @@ void RegisterJob(py::module_& parent) {
                  }
                };
              }
-             return Unwrap(Job::Create(o));
+             return GilFree(Unwrap(Job::Create(o)));
            }),
            py::kw_only(), py::arg("command"), py::arg("workers"), py::arg("ps"), py::arg("mode"),
            py::arg("gpus_per_worker"), py::arg("gpu_mode"), py::arg("gpu_memory"),
