@@ -2,7 +2,8 @@
 // gpu::CentralExtension: gpu serves it beside the allocator without knowing
 // about launch. One watcher thread per container waits for its end for good
 // and then releases its allocation, unless another container still runs on
-// it. Calls that may block (Start, Stop) run on threads of their own.
+// it; a reaper stops containers whose allocation went away under them. Calls
+// that may block (Start, Stop) run on threads of their own.
 #include <algorithm>
 #include <condition_variable>
 #include <map>
@@ -30,6 +31,10 @@ constexpr size_t kMaxNameLength = 63;
 constexpr std::chrono::milliseconds kForever = std::chrono::hours(24 * 365 * 10);
 // Stopping every container when the service shuts down.
 constexpr std::chrono::milliseconds kShutdownGrace{1000};
+// How often running containers' allocations are checked, and the grace of
+// those stopped because theirs is gone.
+constexpr std::chrono::milliseconds kReapEvery{500};
+constexpr std::chrono::milliseconds kReapGrace{5000};
 
 bool PlainUserName(const std::string& user) {
   if (user.empty()) return false;
@@ -121,7 +126,8 @@ class ContainersService final : public pb::Containers::CallbackService,
  public:
   ContainersService(gpu::Allocator& alloc, const TokenTable& tokens,
                     std::unique_ptr<Launcher> launcher)
-      : alloc_(alloc), tokens_(tokens), launcher_(std::move(launcher)) {}
+      : alloc_(alloc), tokens_(tokens), launcher_(std::move(launcher)),
+        reaper_([this] { Reap(); }) {}
   ~ContainersService() override { Shutdown(); }
 
   grpc::Service* service() override { return this; }
@@ -132,9 +138,11 @@ class ContainersService final : public pb::Containers::CallbackService,
       std::unique_lock<std::mutex> lock(mu_);
       if (stopping_) return;
       stopping_ = true;
+      cv_.notify_all();
       cv_.wait(lock, [this] { return calls_ == 0; });
       for (auto& [key, e] : entries_) entries.push_back(e);
     }
+    reaper_.join();
     // All at once, so N containers take one grace period, not N.
     std::vector<std::thread> stops;
     for (auto& e : entries) {
@@ -354,6 +362,26 @@ class ContainersService final : public pb::Containers::CallbackService,
     cv_.notify_all();
   }
 
+  // Stops the containers whose allocation is gone (released by its user or
+  // an admin, or its lease expired), so that they hold no GPU that the
+  // allocator may grant again.
+  void Reap() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_for(lock, kReapEvery, [this] { return stopping_; })) {
+      std::vector<std::shared_ptr<Entry>> live;
+      for (auto& [key, e] : entries_) {
+        if (e->handle && !e->ended) live.push_back(e);
+      }
+      lock.unlock();
+      for (auto& e : live) {
+        if (absl::IsNotFound(alloc_.GetAllocation(e->allocation_id).status())) {
+          e->handle->Stop(kReapGrace).IgnoreError();
+        }
+      }
+      lock.lock();
+    }
+  }
+
   // Reads the handle outside mu_: Usage may read cgroups or ask an engine.
   void Describe(Entry& e, pb::ContainerInfo* p) {
     const ContainerSpec& spec = e.handle->spec();
@@ -391,6 +419,7 @@ class ContainersService final : public pb::Containers::CallbackService,
   std::map<Key, std::shared_ptr<Entry>> entries_;
   int calls_ = 0;
   bool stopping_ = false;
+  std::thread reaper_;  // last: it uses the members above
 };
 
 class CentralClientImpl final : public CentralClient {

@@ -1,7 +1,9 @@
 // The launcher of deepnex-central: users start, list, stop and read the logs
 // of their own containers, each on one of their allocations; when a
 // container ends for good (its restart policy gives up, or Stop) and no other
-// container runs on its allocation, the allocation is released.
+// container runs on its allocation, the allocation is released. A container
+// whose allocation goes away under it (released, lease expired) is stopped
+// within a second, so that it holds no GPU the allocator grants again.
 //
 // This lives in launch, not gpu, because it needs both (launch uses gpu's
 // Allocation; gpu must not depend on launch): CreateCentralServer below is

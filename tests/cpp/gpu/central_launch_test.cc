@@ -187,6 +187,17 @@ TEST_F(CentralLaunch, TheAllocationOutlivesAllButTheLastContainerOnIt) {
   EXPECT_THAT(server_->allocator().GetAllocation(a.id), StatusIs(absl::StatusCode::kNotFound));
 }
 
+TEST_F(CentralLaunch, AContainerWhoseAllocationIsReleasedIsStopped) {
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK(alice_->StartContainer(Spec("w0", {"sleep", "60"}), a.id).status());
+  Await(*alice_, "w0", [](const CentralContainer& c) { return c.state == State::kRunning; });
+  ASSERT_OK(alice_gpu_->Release(a.id));
+  CentralContainer stopped = Await(*alice_, "w0", [](const CentralContainer& c) {
+    return c.state == State::kStopped && c.allocation_released;
+  });
+  EXPECT_EQ(stopped.last_exit, "signaled(SIGTERM)");
+}
+
 TEST_F(CentralLaunch, AnotherUsersAllocationIsRefusedAndAnUnknownOneNotFound) {
   ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
   EXPECT_THAT(bob_->StartContainer(Spec("w0", {"true"}), a.id),
