@@ -4,7 +4,10 @@
 
 In the style of pybind/cmake_example. CMake builds the target _C (and with it
 libdeepnex); both land in the package directory, _C finding libdeepnex.so.N
-next to itself through its $ORIGIN rpath. Environment knobs:
+next to itself through its $ORIGIN rpath. The daemons deepnex-ps,
+deepnex-store and deepnex-central land in deepnex/bin/ (where deepnex.job
+looks for deepnex-ps first), finding the same libdeepnex.so.N through
+$ORIGIN/.. . Environment knobs:
 CMAKE_BUILD_PARALLEL_LEVEL (default 2), DEEPNEX_CMAKE_ARGS (extra -D...),
 DEEPNEX_BUILD_TYPE (default RelWithDebInfo, as scripts/build.sh, so ccache shares objects).
 """
@@ -21,6 +24,9 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+# Programs shipped in deepnex/bin/: `deepnex run` starts deepnex-ps for the
+# parameter-server modes.
+TOOLS = ("deepnex-ps", "deepnex-store", "deepnex-central")
 
 
 def project_version() -> str:
@@ -59,14 +65,16 @@ class CMakeBuild(build_ext):
             "-DDEEPNEX_BUILD_BENCHMARKS=OFF",
             "-DDEEPNEX_BUILD_PYTHON=ON",
             # Only $ORIGIN in _C's rpath: the installed copy must find the
-            # libdeepnex.so.N next to it, never a build directory.
+            # libdeepnex.so.N next to it, never a build directory. The
+            # programs (no rpath of their own) sit one level below it.
             "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+            "-DCMAKE_INSTALL_RPATH=$ORIGIN/..",
         ]
         if shutil.which("ninja") and not (build_dir / "CMakeCache.txt").exists():
             configure += ["-G", "Ninja"]
         configure += shlex.split(os.environ.get("DEEPNEX_CMAKE_ARGS", ""))
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", "2")
-        build = ["cmake", "--build", str(build_dir), "--target", "_C", "-j", jobs]
+        build = ["cmake", "--build", str(build_dir), "--target", "_C", *TOOLS, "-j", jobs]
 
         subprocess.run(configure, check=True)
         subprocess.run(build, check=True)
@@ -86,6 +94,11 @@ class CMakeBuild(build_ext):
             raise RuntimeError(f"expected one libdeepnex.so.N in {build_dir}/lib, "
                                f"found {sonames}")
         shutil.copyfile(sonames[0], package_dir / sonames[0].name)
+
+        bin_dir = package_dir / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        for tool in TOOLS:
+            shutil.copy2(build_dir / "bin" / tool, bin_dir / tool)
 
 
 entry_points = {}
