@@ -195,7 +195,7 @@ class ContainersService final : public pb::Containers::CallbackService,
       DEEPNEX_RETURN_IF_ERROR(e->handle->Stop(grace));
       // The reply shows the allocation as the watcher leaves it.
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return e->ended; });
+      cv_.wait(lock, [&] { return e->watched; });
       lock.unlock();
       Describe(*e, reply);
       return absl::OkStatus();
@@ -227,6 +227,7 @@ class ContainersService final : public pb::Containers::CallbackService,
     std::thread watcher;
     bool ended = false;              // for good; set by the watcher
     bool allocation_released = false;
+    bool watched = false;            // the watcher is done (after the release)
   };
   using Key = std::pair<std::string, std::string>;  // (user, name)
 
@@ -359,6 +360,7 @@ class ContainersService final : public pb::Containers::CallbackService,
       // NotFound: its user released it already.
       e->allocation_released = s.ok() || absl::IsNotFound(s);
     }
+    e->watched = true;
     cv_.notify_all();
   }
 

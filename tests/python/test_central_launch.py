@@ -81,7 +81,7 @@ def test_stop_releases_and_follow_reads_to_the_end(central):
     a = alice.allocate(gpu.Request(user="", gpus=1))
     alice.start_container(launch.ContainerSpec(name="ps", command=["sleep", "60"]), a.id)
     await_container(alice, "ps", lambda c: c["state"] == "running")
-    stopped = alice.stop_container("ps", grace=2)
+    stopped = alice.stop_container("ps", grace=10)
     assert (stopped["state"], stopped["last_exit"], stopped["allocation_released"]) == (
         "stopped", "signaled(SIGTERM)", True)
     assert alice.allocations() == []
@@ -141,7 +141,7 @@ def test_cli_launch_ps_logs_stop(central):
     assert (logs.returncode, logs.stdout) == (0, "hello\n")
     denied = run_cli("stop", "w0", "--central", central, token="bobtok")
     assert denied.returncode == 1 and 'no container "w0" of user bob' in denied.stderr
-    out = run_cli("stop", "w0", "--grace", "2", "--central", central)
+    out = run_cli("stop", "w0", "--grace", "10", "--central", central)
     assert (out.returncode, out.stdout) == (0, "w0 stopped signaled(SIGTERM), allocation released\n")
     follow = run_cli("logs", "w0", "--follow", "--central", central)
     assert (follow.returncode, follow.stdout) == (0, "hello\n")

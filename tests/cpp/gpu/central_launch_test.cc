@@ -158,9 +158,8 @@ TEST_F(CentralLaunch, StopEndsItAndReleasesTheAllocation) {
   ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
   ASSERT_OK(alice_->StartContainer(Spec("w0", {"sleep", "60"}), a.id).status());
   Await(*alice_, "w0", [](const CentralContainer& c) { return c.state == State::kRunning; });
-  const auto t0 = std::chrono::steady_clock::now();
-  ASSERT_OK_AND_ASSIGN(CentralContainer stopped, alice_->StopContainer("w0", 2s));
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);  // sleep ends at SIGTERM
+  // A long grace: under load SIGKILL would come before sleep ends at SIGTERM.
+  ASSERT_OK_AND_ASSIGN(CentralContainer stopped, alice_->StopContainer("w0", 10s));
   EXPECT_EQ(stopped.state, State::kStopped);
   EXPECT_EQ(stopped.last_exit, "signaled(SIGTERM)");
   EXPECT_TRUE(stopped.allocation_released);
