@@ -22,7 +22,9 @@ def parse_args(description, lr):
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--batch-size", type=int, default=32, help="per worker")
     ap.add_argument("--lr", type=float, default=lr)
-    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--momentum", type=float, default=None,
+                    help="SGD momentum (default 0.9; 0.7 in the async and ssp modes, where "
+                         "stale gradients with high momentum can diverge)")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-accuracy", type=float, default=0.0,
@@ -46,6 +48,11 @@ def load_data():
     return x[:cut], y[:cut], x[cut:], y[cut:]
 
 
+def _default_momentum(args):
+    if args.momentum is None:
+        args.momentum = 0.7 if args.mode.split(":")[0] in ("async", "ssp") else 0.9
+
+
 def job_context(args, script):
     """This worker's deepnex.Context. Without a launcher's environment the
     script starts its own job on this machine (a store, args.ps parameter
@@ -60,9 +67,11 @@ def job_context(args, script):
         ctx = deepnex.init()
         if args.mode is None:
             args.mode = "ps" if ctx.ps_addrs else "allreduce"
+        _default_momentum(args)
         return ctx
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
         args.mode = args.mode or "allreduce"
+        _default_momentum(args)
         if args.mode != "allreduce":
             sys.exit(f"{script}: with only torchrun's variables, use --mode allreduce "
                      f"(the parameter-server modes need deepnex run)")
@@ -77,6 +86,7 @@ def job_context(args, script):
             "DEEPNEX_STORE_ADDR": store_addr})
     from deepnex._local import run_local
     args.mode = args.mode or "sync"
+    _default_momentum(args)
     print(f"{os.path.basename(script)}: no job environment; starting {args.workers} "
           f"workers, mode {args.mode}, on this machine", flush=True)
     codes = run_local([sys.executable, os.path.abspath(script)] + sys.argv[1:],

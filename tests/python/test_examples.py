@@ -35,8 +35,11 @@ def test_digits_reaches_090_with_2_workers(script, mode):
     pytest.importorskip("sklearn")
     if script == "mlp_torch.py":
         pytest.importorskip("torch")
+    # Async applies each worker's stale gradient on its own: it needs more
+    # epochs to settle above 0.9 (measured 0.92-0.95 at 8).
+    epochs = "8" if mode == "async" else "6"
     code, out = run_example([os.path.join(DIGITS, script), "--mode", mode, "--workers", "2",
-                             "--epochs", "6", "--min-accuracy", "0.9"])
+                             "--epochs", epochs, "--min-accuracy", "0.9"])
     summary = SUMMARY.search(out)
     assert code == 0 and summary, out
     assert summary.group(1) == "2" and summary.group(2) == "6"
