@@ -1,7 +1,8 @@
 // alloc_bench: throughput of deepnex::gpu::Allocator and the fragmentation of
 // its best-fit placement against a first-fit baseline, in one run.
 //
-//   alloc_bench [--nodes 1000] [--gpus 8] [--seconds 1.5] [--reps 3] [--dir D]
+//   alloc_bench [--nodes 1000] [--gpus 8] [--seconds 1.5] [--reps 3]
+//               [--window 32] [--only NAME] [--dir D]
 //
 // Cluster: --nodes nodes of --gpus 80GiB GPUs, half exclusive, half shared.
 // Throughput: allocate+release pairs per second against a cluster kept
@@ -9,7 +10,11 @@
 // 4-40GiB) requests; in memory, and with the ledger on (fsync per
 // acknowledged call, group commit across threads; and without fsync, which
 // survives a process crash but not a machine crash); and through
-// deepnex-central over loopback, 8 client threads. Median of --reps runs.
+// deepnex-central over loopback, 8 client threads. Each thread makes
+// blocking calls, or keeps --window steps in flight through the
+// asynchronous calls (AllocateGangAsync/ReleaseAsync), as a scheduler
+// serving many jobs would. Median of --reps runs. --only runs the cases
+// whose name contains NAME ("fragmentation" is one).
 // Fragmentation: the same random stream of shared requests and releases fed
 // to the allocator (best fit) and to a first-fit baseline; then refusals,
 // wholly free GPUs and the free memory stranded on partly used GPUs.
@@ -18,10 +23,12 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -43,6 +50,8 @@ struct Flags {
   double seconds = 1.5;
   int reps = 3;
   std::string dir = "/tmp/deepnex_alloc_bench";
+  int window = 32;
+  std::string only;  // run only the cases whose name contains this
 };
 
 Node MakeNode(int i, int gpus, Mode mode) {
@@ -112,9 +121,10 @@ struct Throughput {
 // Each thread keeps its own live allocations; every step allocates one
 // request (wait=false) and releases one live allocation at random.
 // `make_api(t)` gives thread t the object to call (the allocator itself, or
-// a CentralClient of its own).
+// a CentralClient of its own). window 0: blocking calls, one step at a time;
+// window W: the asynchronous calls, W steps in flight per thread.
 template <class MakeApi>
-Throughput Measure(MakeApi make_api, int threads, double seconds, uint64_t seed) {
+Throughput Measure(MakeApi make_api, int threads, int window, double seconds, uint64_t seed) {
   std::atomic<bool> stop{false}, go{false};
   std::atomic<int> filled{0};
   std::atomic<uint64_t> pairs{0}, refused{0};
@@ -138,25 +148,61 @@ Throughput Measure(MakeApi make_api, int threads, double seconds, uint64_t seed)
       }
       ++filled;
       while (!go.load()) std::this_thread::yield();
-      uint64_t mine = 0, mine_refused = 0;
+      // Under mu once the callbacks run, on threads of the API's.
+      std::mutex mu;
+      std::condition_variable cv;
+      int in_flight = 0;
+      auto take_live = [&]() -> std::string {  // REQUIRES: mu held or no callbacks
+        if (live.empty()) return "";
+        size_t i = rng() % live.size();
+        std::string id = std::move(live[i]);
+        live[i] = std::move(live.back());
+        live.pop_back();
+        return id;
+      };
       while (!stop.load(std::memory_order_relaxed)) {
-        auto a = alloc.Allocate(pool[k++ % pool.size()], nowait);
-        if (a.ok()) {
-          live.push_back(std::move(a->id));
-        } else {
-          ++mine_refused;
+        const Request& r = pool[k++ % pool.size()];
+        if (window == 0) {
+          auto a = alloc.Allocate(r, nowait);
+          if (a.ok()) {
+            live.push_back(std::move(a->id));
+          } else {
+            refused.fetch_add(1, std::memory_order_relaxed);
+          }
+          std::string id = take_live();
+          if (!id.empty()) (void)alloc.Release(id);
+          pairs.fetch_add(1, std::memory_order_relaxed);
+          continue;
         }
-        if (!live.empty()) {
-          size_t i = rng() % live.size();
-          (void)alloc.Release(live[i]);
-          live[i] = std::move(live.back());
-          live.pop_back();
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          cv.wait(lock, [&] { return in_flight < window; });
+          ++in_flight;
         }
-        ++mine;
+        alloc.AllocateGangAsync(r, nowait, [&](absl::StatusOr<std::vector<Allocation>> a) {
+          std::string id;
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            if (a.ok()) {
+              live.push_back(std::move(a->front().id));
+            } else {
+              refused.fetch_add(1, std::memory_order_relaxed);
+            }
+            id = take_live();
+          }
+          alloc.ReleaseAsync(id, [&](absl::Status) {
+            pairs.fetch_add(1, std::memory_order_relaxed);
+            std::lock_guard<std::mutex> lock(mu);
+            --in_flight;
+            cv.notify_all();
+          });
+        });
+      }
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return in_flight == 0; });
       }
       for (const auto& id : live) (void)alloc.Release(id);
-      pairs += mine;
-      refused += mine_refused;
     });
   }
   // Measure only once every thread has filled its share.
@@ -164,11 +210,13 @@ Throughput Measure(MakeApi make_api, int threads, double seconds, uint64_t seed)
   auto t0 = Clock::now();
   go = true;
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
-  stop = true;
+  // What completed until now counts; what is in flight finishes uncounted.
+  const double done = static_cast<double>(pairs.load());
+  const double no = static_cast<double>(refused.load());
   double elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
+  stop = true;
   for (auto& t : ts) t.join();
-  return {static_cast<double>(pairs) / elapsed,
-          pairs ? static_cast<double>(refused) / static_cast<double>(pairs) : 0};
+  return {done / elapsed, done > 0 ? no / done : 0};
 }
 
 double Median(std::vector<double> v) {
@@ -321,31 +369,45 @@ int main(int argc, char** argv) {
     else if (a == "--seconds") f.seconds = std::stod(next());
     else if (a == "--reps") f.reps = std::stoi(next());
     else if (a == "--dir") f.dir = next();
+    else if (a == "--window") f.window = std::stoi(next());
+    else if (a == "--only") f.only = next();
     else {
       std::fprintf(stderr,
-                   "usage: alloc_bench [--nodes N] [--gpus G] [--seconds S] [--reps R] [--dir D]\n");
+                   "usage: alloc_bench [--nodes N] [--gpus G] [--seconds S] [--reps R] "
+                   "[--window W] [--only NAME] [--dir D]\n");
       return a == "--help" ? 0 : 2;
     }
   }
   std::printf("alloc_bench: %d nodes x %d GPUs (80GiB; half exclusive, half shared), "
               "%.1fs x %d runs each, median\n", f.nodes, f.gpus, f.seconds, f.reps);
+  // threads x window: blocking calls from each thread (window 0), or
+  // --window asynchronous steps in flight per thread.
   struct Case {
-    const char* name;
+    std::string name;
+    bool central;
     bool ledger;
     bool fsync;
     int threads;
+    int window;
   };
+  const std::string async = " x " + std::to_string(f.window) + " async";
   const Case cases[] = {
-      {"in memory, 1 thread", false, false, 1},
-      {"in memory, 8 threads", false, false, 8},
-      {"ledger, no fsync, 1 thread", true, false, 1},
-      {"ledger, no fsync, 8 threads", true, false, 8},
-      {"ledger + fsync, 1 thread", true, true, 1},
-      {"ledger + fsync, 8 threads", true, true, 8},
-      {"ledger + fsync, 64 threads", true, true, 64},
+      {"in memory, 1 thread", false, false, false, 1, 0},
+      {"in memory, 8 threads", false, false, false, 8, 0},
+      {"ledger, no fsync, 1 thread", false, true, false, 1, 0},
+      {"ledger, no fsync, 8 threads", false, true, false, 8, 0},
+      {"ledger + fsync, 1 thread", false, true, true, 1, 0},
+      {"ledger + fsync, 8 threads", false, true, true, 8, 0},
+      {"ledger + fsync, 64 threads", false, true, true, 64, 0},
+      {"ledger + fsync, 8 thr" + async, false, true, true, 8, f.window},
+      {"central, in memory, 8 thr", true, false, false, 8, 0},
+      {"central, ledger + fsync, 8 thr", true, true, true, 8, 0},
+      {"central, in memory, 8 thr" + async, true, false, false, 8, f.window},
+      {"central, ledger + fsync, 8 thr" + async, true, true, true, 8, f.window},
   };
-  std::printf("\n%-30s %16s %10s\n", "allocate+release", "pairs/s", "refused");
+  std::printf("\n%-42s %12s %10s\n", "allocate+release", "pairs/s", "refused");
   for (const Case& c : cases) {
+    if (c.name.find(f.only) == std::string::npos) continue;
     std::vector<double> rates, refused;
     for (int rep = 0; rep < f.reps; ++rep) {
       std::string dir;
@@ -353,52 +415,46 @@ int main(int argc, char** argv) {
         dir = f.dir + "/run";
         std::filesystem::remove_all(dir);
       }
-      auto alloc = Build(f, dir, c.fsync);
-      Allocator* raw = alloc.get();
-      Throughput t = Measure([raw](int) { return raw; }, c.threads, f.seconds, 100 + rep);
+      Throughput t;
+      const uint64_t seed = 100 + rep;
+      if (!c.central) {
+        auto alloc = Build(f, dir, c.fsync);
+        Allocator* raw = alloc.get();
+        t = Measure([raw](int) { return raw; }, c.threads, c.window, f.seconds, seed);
+      } else {
+        // Over loopback: one CentralClient per thread.
+        CentralServerOptions so;
+        so.allocator.state_dir = dir;
+        so.allocator.fsync = c.fsync;
+        auto server = CentralServer::Create(so);
+        if (!server.ok()) {
+          std::fprintf(stderr, "alloc_bench: %s\n", server.status().ToString().c_str());
+          return 1;
+        }
+        for (int i = 0; i < f.nodes; ++i) {
+          (void)(*server)->allocator().AddNode(
+              MakeNode(i, f.gpus, i % 2 ? Mode::kShared : Mode::kExclusive));
+        }
+        const std::string address = (*server)->address();
+        t = Measure(
+            [&](int) {
+              CentralClientOptions co;
+              co.address = address;
+              auto client = CentralClient::Create(co);
+              if (!client.ok()) std::exit(1);
+              return std::move(client).value();
+            },
+            c.threads, c.window, f.seconds, seed);
+      }
       rates.push_back(t.pairs_per_s);
       refused.push_back(t.refused);
-      std::fprintf(stderr, "  %s run %d: %.0f pairs/s\n", c.name, rep + 1, t.pairs_per_s);
+      std::fprintf(stderr, "  %s run %d: %.0f pairs/s\n", c.name.c_str(), rep + 1, t.pairs_per_s);
     }
-    std::printf("%-30s %16.0f %9.1f%%\n", c.name, Median(rates), 100 * Median(refused));
-  }
-  // Through deepnex-central over loopback: one CentralClient per thread.
-  for (bool ledger : {false, true}) {
-    const char* name = ledger ? "central, ledger + fsync, 8 thr" : "central, in memory, 8 thr";
-    std::vector<double> rates, refused;
-    for (int rep = 0; rep < f.reps; ++rep) {
-      CentralServerOptions so;
-      if (ledger) {
-        so.allocator.state_dir = f.dir + "/central";
-        std::filesystem::remove_all(so.allocator.state_dir);
-      }
-      auto server = CentralServer::Create(so);
-      if (!server.ok()) {
-        std::fprintf(stderr, "alloc_bench: %s\n", server.status().ToString().c_str());
-        return 1;
-      }
-      for (int i = 0; i < f.nodes; ++i) {
-        (void)(*server)->allocator().AddNode(
-            MakeNode(i, f.gpus, i % 2 ? Mode::kShared : Mode::kExclusive));
-      }
-      const std::string address = (*server)->address();
-      Throughput t = Measure(
-          [&](int) {
-            CentralClientOptions co;
-            co.address = address;
-            auto c = CentralClient::Create(co);
-            if (!c.ok()) std::exit(1);
-            return std::move(c).value();
-          },
-          8, f.seconds, 200 + rep);
-      rates.push_back(t.pairs_per_s);
-      refused.push_back(t.refused);
-      std::fprintf(stderr, "  %s run %d: %.0f pairs/s\n", name, rep + 1, t.pairs_per_s);
-    }
-    std::printf("%-30s %16.0f %9.1f%%\n", name, Median(rates), 100 * Median(refused));
+    std::printf("%-42s %12.0f %9.1f%%\n", c.name.c_str(), Median(rates), 100 * Median(refused));
   }
   std::filesystem::remove_all(f.dir);
 
+  if (std::string("fragmentation").find(f.only) == std::string::npos) return 0;
   std::fprintf(stderr, "  fragmentation workload...\n");
   Frag best, first;
   Fragmentation(f, &best, &first);

@@ -150,6 +150,7 @@ struct AllocRec {
 
 struct Waiter {
   Request request;
+  std::pair<int64_t, uint64_t> key;  // in the queue: -priority, arrival
   bool done = false;
   absl::Status status;
   std::vector<Allocation> result;
@@ -1086,64 +1087,144 @@ class Allocator::Impl {
     if (any) queue_cv_.notify_all();
   }
 
-  absl::StatusOr<std::vector<Allocation>> Allocate(const Request& r, const AllocateOptions& o) {
+  enum class Admission { kGranted, kRefused, kQueued };
+
+  static absl::Status ValidateAllocate(const Request& r, const AllocateOptions& o) {
     DEEPNEX_RETURN_IF_ERROR(ValidateRequest(r));
     if (o.timeout.count() < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("timeout=", o.timeout.count(), "ms must be >= 0"));
     }
-    std::unique_lock<std::mutex> lock(mu_);
-    if (stopping_) return absl::CancelledError("the allocator is shutting down");
-    DEEPNEX_RETURN_IF_ERROR(Broken());
-    std::vector<Allocation> out;
-    uint64_t seq = 0;
-    absl::Status status;
+    return absl::OkStatus();
+  }
+
+  // Under mu_: grants `r` now (w->result, w->seq), refuses it (w->status),
+  // or queues `w` to wait for capacity (o.wait).
+  Admission Admit(const Request& r, const AllocateOptions& o, Waiter* w) {
+    if (stopping_) {
+      w->status = absl::CancelledError("the allocator is shutting down");
+      return Admission::kRefused;
+    }
+    w->status = Broken();
+    if (!w->status.ok()) return Admission::kRefused;
     if (queue_.empty()) {
-      Outcome oc = TryGrant(r, &out, &seq, &status);
-      if (oc == Outcome::kGranted) {
-        lock.unlock();
-        DEEPNEX_RETURN_IF_ERROR(Durable(seq));
-        return out;
+      Outcome oc = TryGrant(r, &w->result, &w->seq, &w->status);
+      if (oc == Outcome::kGranted) return Admission::kGranted;
+      if (oc == Outcome::kFailed) return Admission::kRefused;
+      if (!o.wait) {
+        w->status = Busy(r, 0);
+        return Admission::kRefused;
       }
-      if (oc == Outcome::kFailed) return status;
-      if (!o.wait) return Busy(r, 0);
     }
-    Waiter w;
-    w.request = r;
-    const std::pair<int64_t, uint64_t> key{-static_cast<int64_t>(r.priority), next_order_++};
-    queue_.emplace(key, &w);
+    w->request = r;
+    w->key = {-static_cast<int64_t>(r.priority), next_order_++};
+    queue_.emplace(w->key, w);
     Pump();
-    if (!w.done && !o.wait) {
-      size_t ahead = std::distance(queue_.begin(), queue_.find(key));
-      queue_.erase(key);
+    if (w->done) return w->status.ok() ? Admission::kGranted : Admission::kRefused;
+    if (!o.wait) {
+      size_t ahead = std::distance(queue_.begin(), queue_.find(w->key));
+      queue_.erase(w->key);
       Pump();
-      return Busy(r, ahead);
+      w->status = Busy(r, ahead);
+      return Admission::kRefused;
     }
-    ++active_waiters_;
+    return Admission::kQueued;
+  }
+
+  // Under mu_ (`lock`), with active_waiters_ counting the caller: waits
+  // until Pump grants or refuses `w`, its timeout runs out or the allocator
+  // stops; the outcome is in `w`.
+  void AwaitQueued(std::unique_lock<std::mutex>& lock, Waiter* w, const AllocateOptions& o) {
     const auto deadline = std::chrono::steady_clock::now() + o.timeout;
-    while (!w.done && !stopping_) {
+    while (!w->done && !stopping_) {
       if (o.timeout.count() > 0) {
-        if (queue_cv_.wait_until(lock, deadline) == std::cv_status::timeout && !w.done) break;
+        if (queue_cv_.wait_until(lock, deadline) == std::cv_status::timeout && !w->done) break;
       } else {
         queue_cv_.wait(lock);
       }
     }
-    --active_waiters_;
-    if (!w.done) {
-      size_t ahead = std::distance(queue_.begin(), queue_.find(key));
-      queue_.erase(key);
+    if (!w->done) {
+      size_t ahead = std::distance(queue_.begin(), queue_.find(w->key));
+      queue_.erase(w->key);
       Pump();
-      queue_cv_.notify_all();  // the destructor may wait for active_waiters_
-      if (stopping_) return absl::CancelledError("the allocator shut down while the request waited");
-      return absl::DeadlineExceededError(absl::StrCat(
-          "timeout: waited ", o.timeout.count(), "ms in the queue (", Describe(r), "; ", ahead,
-          " request(s) ahead of it) without free capacity"));
+      w->status = stopping_
+                      ? absl::CancelledError("the allocator shut down while the request waited")
+                      : absl::DeadlineExceededError(absl::StrCat(
+                            "timeout: waited ", o.timeout.count(), "ms in the queue (",
+                            Describe(w->request), "; ", ahead,
+                            " request(s) ahead of it) without free capacity"));
     }
-    queue_cv_.notify_all();
+  }
+
+  absl::StatusOr<std::vector<Allocation>> Allocate(const Request& r, const AllocateOptions& o) {
+    DEEPNEX_RETURN_IF_ERROR(ValidateAllocate(r, o));
+    Waiter w;
+    std::unique_lock<std::mutex> lock(mu_);
+    if (Admit(r, o, &w) == Admission::kQueued) {
+      ++active_waiters_;
+      AwaitQueued(lock, &w, o);
+      --active_waiters_;
+      queue_cv_.notify_all();  // Shutdown may wait for active_waiters_
+    }
     lock.unlock();
     if (!w.status.ok()) return w.status;
     DEEPNEX_RETURN_IF_ERROR(Durable(w.seq));
     return std::move(w.result);
+  }
+
+  void AllocateAsync(const Request& r, const AllocateOptions& o, Allocator::AllocateDone done) {
+    absl::Status valid = ValidateAllocate(r, o);
+    if (!valid.ok()) return done(valid);
+    auto w = std::make_shared<Waiter>();
+    std::unique_lock<std::mutex> lock(mu_);
+    if (Admit(r, o, w.get()) != Admission::kQueued) {
+      lock.unlock();
+      return Answer(std::move(*w), std::move(done));
+    }
+    // Waiting for capacity may take long: on a thread of its own, which
+    // Shutdown waits for. The request holds its place in the queue already.
+    ++active_waiters_;
+    std::thread([this, w, o, done = std::move(done)]() mutable {
+      std::unique_lock<std::mutex> lock(mu_);
+      AwaitQueued(lock, w.get(), o);
+      lock.unlock();
+      Answer(std::move(*w), std::move(done));
+      lock.lock();
+      --active_waiters_;
+      queue_cv_.notify_all();
+    }).detach();
+  }
+
+  // Calls `done` with the outcome in `w` once a grant is durable.
+  void Answer(Waiter w, Allocator::AllocateDone done) {
+    if (!w.status.ok()) return done(w.status);
+    if (!ledger_ || w.seq == 0) return done(std::move(w.result));
+    ledger_->WhenDurable(w.seq, [done = std::move(done), result = std::move(w.result)](
+                                    absl::Status s) mutable {
+      if (s.ok()) {
+        done(std::move(result));
+      } else {
+        done(s);
+      }
+    });
+  }
+
+  // Under mu_: releases allocation or gang `id`; *seq is what to make
+  // durable before acknowledging.
+  absl::Status ReleaseId(const std::string& id, uint64_t* seq) {
+    uint64_t num;
+    std::vector<uint64_t> nums;
+    if (ParseId(id, 'a', &num)) {
+      if (allocs_.count(num)) nums.push_back(num);
+    } else if (ParseId(id, 'g', &num)) {
+      auto it = gangs_.find(id);
+      if (it != gangs_.end()) nums = it->second;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("id \"", id, "\" is not an allocation id (a<N>) or a gang id (g<N>)"));
+    }
+    *seq = ReleaseLocked(nums, "released");
+    return absl::OkStatus();
   }
 
   absl::Status Busy(const Request& r, size_t ahead) const {
@@ -1599,22 +1680,28 @@ absl::StatusOr<std::vector<Allocation>> Allocator::AllocateGang(const Request& r
 }
 
 absl::Status Allocator::Release(const std::string& id) {
-  Impl& m = *impl_;
-  uint64_t num;
-  std::vector<uint64_t> nums;
-  std::unique_lock<std::mutex> lock(m.mu_);
-  if (ParseId(id, 'a', &num)) {
-    if (m.allocs_.count(num)) nums.push_back(num);
-  } else if (ParseId(id, 'g', &num)) {
-    auto it = m.gangs_.find(id);
-    if (it != m.gangs_.end()) nums = it->second;
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("id \"", id, "\" is not an allocation id (a<N>) or a gang id (g<N>)"));
+  uint64_t seq = 0;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu_);
+    DEEPNEX_RETURN_IF_ERROR(impl_->ReleaseId(id, &seq));
   }
-  uint64_t seq = m.ReleaseLocked(nums, "released");
-  lock.unlock();
-  return m.Durable(seq);
+  return impl_->Durable(seq);
+}
+
+void Allocator::AllocateGangAsync(const Request& request, const AllocateOptions& options,
+                                  AllocateDone done) {
+  impl_->AllocateAsync(request, options, std::move(done));
+}
+
+void Allocator::ReleaseAsync(const std::string& id, Done done) {
+  uint64_t seq = 0;
+  absl::Status s;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu_);
+    s = impl_->ReleaseId(id, &seq);
+  }
+  if (!s.ok() || !impl_->ledger_ || seq == 0) return done(s);
+  impl_->ledger_->WhenDurable(seq, std::move(done));
 }
 
 absl::StatusOr<Allocation> Allocator::Renew(const std::string& id) {

@@ -1,5 +1,11 @@
 // CentralClient: blocking unary calls to deepnex-central, each with a
 // deadline; a waiting Allocate gets its own timeout plus the client's.
+// The asynchronous Allocate and Release travel in Batch calls: while
+// kBatchesInFlight batches are out, new ops gather and leave together when
+// one returns, so a client with many calls in flight pays for few RPCs.
+#include <condition_variable>
+#include <mutex>
+
 #include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
 #include "deepnex/central.grpc.pb.h"
@@ -9,10 +15,25 @@
 namespace deepnex::gpu {
 namespace {
 
+// Two: one batch on the wire while the next gathers behind it.
+constexpr int kBatchesInFlight = 2;
+
+std::vector<Allocation> AllocationsFrom(const google::protobuf::RepeatedPtrField<pb::Allocation>& as) {
+  std::vector<Allocation> out;
+  for (const auto& a : as) out.push_back(FromProto(a));
+  return out;
+}
+
 class CentralClientImpl final : public CentralClient {
  public:
   CentralClientImpl(const CentralClientOptions& options, std::string token)
       : options_(options), token_(std::move(token)) {}
+
+  // Waits for the asynchronous calls in flight (each has a deadline).
+  ~CentralClientImpl() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return calls_ == 0; });
+  }
 
   absl::Status Connect() {
     DEEPNEX_ASSIGN_OR_RETURN(auto credentials, MakeChannelCredentials(options_.tls_ca_file));
@@ -82,19 +103,10 @@ class CentralClientImpl final : public CentralClient {
     pb::Request req;
     ToProto(request, options, &req);
     pb::Allocations reply;
-    // A waiting call without a timeout has no deadline of its own.
-    std::chrono::milliseconds deadline =
-        !options.wait ? options_.timeout
-        : options.timeout.count() > 0 ? options.timeout + options_.timeout
-                                      : std::chrono::hours(24 * 365);
-    DEEPNEX_RETURN_IF_ERROR(
-        Call(deadline, [&](auto* ctx) { return stub_->Allocate(ctx, req, &reply); }));
-    if (reply.allocations_size() == 0) {
-      return absl::InternalError("deepnex-central granted no allocations");
-    }
-    std::vector<Allocation> out;
-    for (const auto& a : reply.allocations()) out.push_back(FromProto(a));
-    return out;
+    DEEPNEX_RETURN_IF_ERROR(Call(AllocateDeadline(options),
+                                 [&](auto* ctx) { return stub_->Allocate(ctx, req, &reply); }));
+    if (reply.allocations_size() == 0) return NoneGranted();
+    return AllocationsFrom(reply.allocations());
   }
   absl::Status Release(const std::string& id) override {
     pb::IdRequest req;
@@ -116,9 +128,7 @@ class CentralClientImpl final : public CentralClient {
     pb::Allocations reply;
     DEEPNEX_RETURN_IF_ERROR(Call(
         options_.timeout, [&](auto* ctx) { return stub_->ListAllocations(ctx, req, &reply); }));
-    std::vector<Allocation> out;
-    for (const auto& a : reply.allocations()) out.push_back(FromProto(a));
-    return out;
+    return AllocationsFrom(reply.allocations());
   }
   absl::StatusOr<std::vector<NodeInfo>> Nodes() override {
     pb::Empty req;
@@ -140,24 +150,145 @@ class CentralClientImpl final : public CentralClient {
     return reply.text();
   }
 
+  void AllocateGangAsync(const Request& request, const AllocateOptions& options,
+                         Allocator::AllocateDone done) override {
+    Pending p;
+    ToProto(request, options, p.op.mutable_allocate());
+    p.done = [done = std::move(done)](absl::Status s, pb::BatchResult* r) {
+      if (s.ok() && r->allocations_size() == 0) s = NoneGranted();
+      if (!s.ok()) return done(s);
+      done(AllocationsFrom(r->allocations()));
+    };
+    if (!options.wait) return Enqueue(std::move(p));
+    // It may wait in the queue: a batch of its own, with its own deadline.
+    std::vector<Pending> alone;
+    alone.push_back(std::move(p));
+    SendBatch(std::move(alone), AllocateDeadline(options), /*coalesced=*/false);
+  }
+
+  void ReleaseAsync(const std::string& id, Allocator::Done done) override {
+    Pending p;
+    p.op.set_release(id);
+    p.done = [done = std::move(done)](const absl::Status& s, pb::BatchResult*) { done(s); };
+    Enqueue(std::move(p));
+  }
+
  private:
-  template <class Fn>
-  absl::Status Call(std::chrono::milliseconds timeout, Fn fn) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + timeout);
-    ctx.set_wait_for_ready(true);
-    if (!token_.empty()) ctx.AddMetadata(kAuthorizationKey, BearerValue(token_));
-    grpc::Status s = fn(&ctx);
-    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && s.error_message() == "Deadline Exceeded") {
+  // An op of a Batch call and what to do with its result (`r` is null when
+  // the call failed as a whole, `s` says why).
+  struct Pending {
+    pb::BatchOp op;
+    std::function<void(absl::Status s, pb::BatchResult* r)> done;
+  };
+
+  static absl::Status NoneGranted() {
+    return absl::InternalError("deepnex-central granted no allocations");
+  }
+
+  // A waiting call without a timeout has no deadline of its own.
+  std::chrono::milliseconds AllocateDeadline(const AllocateOptions& options) const {
+    return !options.wait                 ? options_.timeout
+           : options.timeout.count() > 0 ? options.timeout + options_.timeout
+                                         : std::chrono::hours(24 * 365);
+  }
+
+  void Prepare(grpc::ClientContext* ctx, std::chrono::milliseconds timeout) const {
+    ctx->set_deadline(std::chrono::system_clock::now() + timeout);
+    ctx->set_wait_for_ready(true);
+    if (!token_.empty()) ctx->AddMetadata(kAuthorizationKey, BearerValue(token_));
+  }
+
+  absl::Status Finished(const grpc::Status& s, std::chrono::milliseconds timeout) const {
+    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+        s.error_message() == "Deadline Exceeded") {
       return absl::UnavailableError(absl::StrCat("deepnex-central at ", options_.address,
                                                  " did not answer within ", timeout.count(), "ms"));
     }
     return ToAbslStatus(s);
   }
 
+  template <class Fn>
+  absl::Status Call(std::chrono::milliseconds timeout, Fn fn) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, timeout);
+    return Finished(fn(&ctx), timeout);
+  }
+
+  // Sends `p` now if fewer than kBatchesInFlight batches are out, else with
+  // the next batch.
+  void Enqueue(Pending p) {
+    std::vector<Pending> batch;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queued_.push_back(std::move(p));
+      if (batches_ >= kBatchesInFlight) return;
+      ++batches_;
+      batch.swap(queued_);
+    }
+    SendBatch(std::move(batch), options_.timeout, /*coalesced=*/true);
+  }
+
+  // One Batch call. A coalesced one holds a slot of kBatchesInFlight; when
+  // it returns, what queued meanwhile leaves in the next.
+  void SendBatch(std::vector<Pending> ops, std::chrono::milliseconds timeout, bool coalesced) {
+    struct BatchCall {
+      grpc::ClientContext ctx;
+      pb::BatchRequest req;
+      pb::BatchReply reply;
+      std::vector<Pending> ops;
+    };
+    auto* call = new BatchCall;
+    Prepare(&call->ctx, timeout);
+    for (auto& p : ops) call->req.add_ops()->Swap(&p.op);
+    call->ops = std::move(ops);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++calls_;
+    }
+    stub_->async()->Batch(
+        &call->ctx, &call->req, &call->reply, [this, call, timeout, coalesced](grpc::Status gs) {
+          absl::Status s = Finished(gs, timeout);
+          const int n = static_cast<int>(call->ops.size());
+          if (s.ok() && call->reply.results_size() != n) {
+            s = absl::InternalError(absl::StrCat("deepnex-central answered ",
+                                                 call->reply.results_size(), " of ", n, " ops"));
+          }
+          for (int i = 0; i < n; ++i) {
+            if (!s.ok()) {
+              call->ops[i].done(s, nullptr);
+              continue;
+            }
+            pb::BatchResult* r = call->reply.mutable_results(i);
+            call->ops[i].done(absl::Status(static_cast<absl::StatusCode>(r->code()), r->message()),
+                              r);
+          }
+          delete call;
+          std::vector<Pending> next;
+          if (coalesced) {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (queued_.empty()) {
+              --batches_;
+            } else {
+              next.swap(queued_);
+            }
+          }
+          // Counts itself in calls_ before this call stops counting, so the
+          // destructor cannot miss it.
+          if (!next.empty()) SendBatch(std::move(next), options_.timeout, /*coalesced=*/true);
+          std::lock_guard<std::mutex> lock(mu_);
+          --calls_;
+          cv_.notify_all();
+        });
+  }
+
   const CentralClientOptions options_;
   const std::string token_;
   std::unique_ptr<pb::Central::Stub> stub_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Pending> queued_;  // for the next coalesced batch
+  int batches_ = 0;              // coalesced batches in flight
+  int calls_ = 0;                // Batch calls in flight
 };
 
 }  // namespace

@@ -1,7 +1,7 @@
 // deepnex-central's service: the Allocator behind token auth, on gRPC's
-// callback API. Calls that may wait in the allocator's queue run on a thread
-// of their own, so a waiting request holds no gRPC thread; every other call
-// runs inline (it waits at most for its ledger fsync).
+// callback API. Allocate and Release use the allocator's asynchronous forms,
+// so no gRPC thread waits for a ledger fsync or the queue, and calls in
+// flight together share fsyncs; every other call runs inline.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -33,22 +33,11 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::St
 
 class Service final : public pb::Central::CallbackService {
  public:
-  // `offload`: run grants and releases on threads of their own, so that
-  // calls waiting for the ledger's fsync hold no gRPC thread and concurrent
-  // calls share fsyncs (group commit).
-  Service(std::unique_ptr<Allocator> alloc, TokenTable tokens, bool offload)
-      : alloc_(std::move(alloc)), tokens_(std::move(tokens)), offload_(offload) {}
+  Service(std::unique_ptr<Allocator> alloc, TokenTable tokens)
+      : alloc_(std::move(alloc)), tokens_(std::move(tokens)) {}
 
   Allocator& allocator() { return *alloc_; }
   const TokenTable& tokens() const { return tokens_; }
-
-  // Waits for the threads of waiting Allocate calls; the allocator's
-  // destructor (after this) fails any that still wait.
-  void Shutdown() {
-    std::unique_lock<std::mutex> lock(mu_);
-    stopping_ = true;
-    cv_.wait(lock, [this] { return waiting_ == 0; });
-  }
 
   std::string MetricsText() const {
     std::string out;
@@ -156,55 +145,66 @@ class Service final : public pb::Central::CallbackService {
                                      pb::Allocations* reply) override {
     auto who = Who(*ctx);
     if (!who.ok()) return Reply(ctx, who.status());
-    AllocateOptions options;
-    auto request = FromProto(*req, &options);
-    if (!request.ok()) return Reply(ctx, request.status());
-    if (request->user.empty()) request->user = who->name;
-    if (who->role != AuthRole::kAdmin && request->user != who->name) {
-      return Reply(ctx, absl::PermissionDeniedError(
-                            absl::StrCat("user ", who->name, " cannot allocate for user ",
-                                         request->user)));
-    }
-    if (!options.wait && !offload_) {
-      return Reply(ctx, Grant(*request, options, reply));
-    }
-    return Offload(ctx, [this, r = *request, options, reply] { return Grant(r, options, reply); });
-  }
-
-  // Runs `fn` on a thread of its own and finishes the call with its status.
-  template <class Fn>
-  grpc::ServerUnaryReactor* Offload(grpc::CallbackServerContext* ctx, Fn fn) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) return Reply(ctx, absl::UnavailableError("deepnex-central is stopping"));
-      ++waiting_;
-    }
     auto* reactor = ctx->DefaultReactor();
-    std::thread([this, reactor, fn = std::move(fn)]() mutable {
-      absl::Status s = fn();
-      reactor->Finish(ToGrpcStatus(s));
-      std::lock_guard<std::mutex> lock(mu_);
-      --waiting_;
-      cv_.notify_all();
-    }).detach();
+    AllocateFor(*who, *req, [reactor, reply](absl::StatusOr<std::vector<Allocation>> parts) {
+      if (parts.ok()) {
+        for (const auto& a : *parts) ToProto(a, reply->add_allocations());
+      }
+      reactor->Finish(ToGrpcStatus(parts.status()));
+    });
     return reactor;
   }
 
   grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx, const pb::IdRequest* req,
                                     pb::Empty*) override {
-    absl::Status s = Owner(*ctx, req->id(), "release");
-    if (!s.ok()) return Reply(ctx, s);
-    auto release = [this, id = req->id()] {
-      absl::Status r = alloc_->Release(id);
-      if (r.ok()) ++releases_;
-      return r;
+    auto who = Who(*ctx);
+    if (!who.ok()) return Reply(ctx, who.status());
+    auto* reactor = ctx->DefaultReactor();
+    ReleaseFor(*who, req->id(), [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); });
+    return reactor;
+  }
+
+  // Each op as if it came alone; the call ends with the last one.
+  grpc::ServerUnaryReactor* Batch(grpc::CallbackServerContext* ctx, const pb::BatchRequest* req,
+                                  pb::BatchReply* reply) override {
+    auto who = Who(*ctx);
+    if (!who.ok()) return Reply(ctx, who.status());
+    auto* reactor = ctx->DefaultReactor();
+    const int n = req->ops_size();
+    if (n == 0) return Reply(ctx, absl::OkStatus());
+    for (int i = 0; i < n; ++i) reply->add_results();
+    // Ops finish on different threads; the last one ends the call.
+    auto left = std::make_shared<std::atomic<int>>(n);
+    auto finish_one = [reactor, reply, left](int i, const absl::Status& s) {
+      pb::BatchResult* r = reply->mutable_results(i);
+      r->set_code(static_cast<int>(s.code()));
+      r->set_message(std::string(s.message()));
+      if (left->fetch_sub(1) == 1) reactor->Finish(grpc::Status::OK);
     };
-    return offload_ ? Offload(ctx, release) : Reply(ctx, release());
+    for (int i = 0; i < n; ++i) {
+      const pb::BatchOp& op = req->ops(i);
+      if (op.has_allocate()) {
+        AllocateFor(*who, op.allocate(),
+                    [reply, finish_one, i](absl::StatusOr<std::vector<Allocation>> parts) {
+                      if (parts.ok()) {
+                        auto* out = reply->mutable_results(i)->mutable_allocations();
+                        for (const auto& a : *parts) ToProto(a, out->Add());
+                      }
+                      finish_one(i, parts.status());
+                    });
+      } else if (op.op_case() == pb::BatchOp::kRelease) {
+        ReleaseFor(*who, op.release(), [finish_one, i](absl::Status s) { finish_one(i, s); });
+      } else {
+        finish_one(i, absl::InvalidArgumentError(absl::StrCat("batch op ", i, " is empty")));
+      }
+    }
+    return reactor;
   }
 
   grpc::ServerUnaryReactor* Renew(grpc::CallbackServerContext* ctx, const pb::IdRequest* req,
                                   pb::Allocation* reply) override {
-    absl::Status s = Owner(*ctx, req->id(), "renew");
+    auto who = Who(*ctx);
+    absl::Status s = who.ok() ? Owner(*who, req->id(), "renew") : who.status();
     if (s.ok()) {
       auto a = alloc_->Renew(req->id());
       if (a.ok()) ToProto(*a, reply);
@@ -257,9 +257,7 @@ class Service final : public pb::Central::CallbackService {
   }
 
   // A user may act only on their own allocations (an admin on any).
-  absl::Status Owner(const grpc::ServerContextBase& ctx, const std::string& id,
-                     const char* what) const {
-    DEEPNEX_ASSIGN_OR_RETURN(Identity who, Who(ctx));
+  absl::Status Owner(const Identity& who, const std::string& id, const char* what) const {
     if (who.role == AuthRole::kAdmin) return absl::OkStatus();
     auto a = alloc_->GetAllocation(id);
     if (a.ok() && a->user != who.name) {
@@ -278,25 +276,40 @@ class Service final : public pb::Central::CallbackService {
     return absl::OkStatus();
   }
 
-  absl::Status Grant(const Request& r, const AllocateOptions& o, pb::Allocations* reply) {
-    auto parts = alloc_->AllocateGang(r, o);
-    if (!parts.ok()) {
-      ++refusals_;
-      return parts.status();
+  // Allocate for `who` (a user allocates for themselves only).
+  void AllocateFor(const Identity& who, const pb::Request& req, Allocator::AllocateDone done) {
+    AllocateOptions options;
+    auto request = FromProto(req, &options);
+    if (!request.ok()) return done(request.status());
+    if (request->user.empty()) request->user = who.name;
+    if (who.role != AuthRole::kAdmin && request->user != who.name) {
+      return done(absl::PermissionDeniedError(
+          absl::StrCat("user ", who.name, " cannot allocate for user ", request->user)));
     }
-    grants_ += parts->size();
-    for (const auto& a : *parts) ToProto(a, reply->add_allocations());
-    return absl::OkStatus();
+    alloc_->AllocateGangAsync(
+        *request, options,
+        [this, done = std::move(done)](absl::StatusOr<std::vector<Allocation>> parts) {
+          if (parts.ok()) {
+            grants_ += parts->size();
+          } else {
+            ++refusals_;
+          }
+          done(std::move(parts));
+        });
+  }
+
+  void ReleaseFor(const Identity& who, const std::string& id, Allocator::Done done) {
+    absl::Status s = Owner(who, id, "release");
+    if (!s.ok()) return done(s);
+    alloc_->ReleaseAsync(id, [this, done = std::move(done)](absl::Status s) {
+      if (s.ok()) ++releases_;
+      done(s);
+    });
   }
 
   std::unique_ptr<Allocator> alloc_;
   const TokenTable tokens_;
-  const bool offload_;
   std::atomic<uint64_t> grants_{0}, releases_{0}, refusals_{0};
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int waiting_ = 0;
-  bool stopping_ = false;
 };
 
 // GET /metrics over HTTP/1.1 (one request per connection) on a thread of
@@ -437,7 +450,6 @@ class CentralServerImpl final : public CentralServer {
       // Waiting allocations fail with Cancelled and finish their calls
       // before gRPC shuts down (which waits for every open call).
       service_->allocator().Shutdown();
-      service_->Shutdown();
       if (server_) {
         server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
         server_->Wait();
@@ -485,8 +497,7 @@ absl::StatusOr<std::unique_ptr<CentralServer>> CreateCentralServer(
   }
   DEEPNEX_ASSIGN_OR_RETURN(auto alloc, Allocator::Create(options.allocator));
   auto server = std::make_unique<CentralServerImpl>(
-      std::make_unique<Service>(std::move(alloc), std::move(tokens),
-                                /*offload=*/!options.allocator.state_dir.empty()));
+      std::make_unique<Service>(std::move(alloc), std::move(tokens)));
   DEEPNEX_RETURN_IF_ERROR(server->Start(options, extension));
   return std::unique_ptr<CentralServer>(std::move(server));
 }

@@ -227,6 +227,13 @@ Ledger::Ledger(std::string dir, LedgerOptions options)
 
 Ledger::~Ledger() {
   {
+    // The flusher answers every callback before it returns.
+    std::lock_guard<std::mutex> lock(mu_);
+    closing_ = true;
+    flusher_cv_.notify_all();
+  }
+  if (flusher_.joinable()) flusher_.join();
+  {
     std::unique_lock<std::mutex> lock(mu_);
     while (syncing_) cv_.wait(lock);
     if (!buffer_.empty() && error_.ok()) FlushLocked(lock).IgnoreError();
@@ -301,6 +308,8 @@ absl::StatusOr<std::unique_ptr<Ledger>> Ledger::Open(const std::string& dir,
   ledger->snapshot_seq_ = rec.snapshot_seq;
   DEEPNEX_RETURN_IF_ERROR(ledger->StartLogFile(last + 1));
   if (recovery != nullptr) *recovery = rec;
+  Ledger* raw = ledger.get();
+  ledger->flusher_ = std::thread([raw] { raw->FlushLoop(); });
   return ledger;
 }
 
@@ -349,6 +358,7 @@ absl::Status Ledger::FlushLocked(std::unique_lock<std::mutex>& lock) {
     error_ = s;
   }
   cv_.notify_all();
+  if (!callbacks_.empty()) flusher_cv_.notify_all();
   return s;
 }
 
@@ -362,6 +372,44 @@ absl::Status Ledger::Sync(uint64_t seq) {
       continue;
     }
     cv_.wait(lock);
+  }
+}
+
+void Ledger::WhenDurable(uint64_t seq, DurableFn fn) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!error_.ok() || durable_ >= seq) {
+    absl::Status status = error_;
+    lock.unlock();
+    fn(status);
+    return;
+  }
+  callbacks_.emplace(seq, std::move(fn));
+  flusher_cv_.notify_all();
+}
+
+void Ledger::FlushLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    // Answer what is durable (everything once a write failed) ...
+    auto end = error_.ok() ? callbacks_.upper_bound(durable_) : callbacks_.end();
+    if (end != callbacks_.begin()) {
+      std::vector<DurableFn> ready;
+      for (auto it = callbacks_.begin(); it != end; ++it) ready.push_back(std::move(it->second));
+      callbacks_.erase(callbacks_.begin(), end);
+      const absl::Status status = error_;
+      lock.unlock();
+      for (auto& fn : ready) fn(status);
+      lock.lock();
+      continue;
+    }
+    // ... then write for the rest, unless a Sync is writing already: what
+    // gathered during this write goes in the next one.
+    if (!callbacks_.empty() && !syncing_) {
+      FlushLocked(lock).IgnoreError();  // error_ answers the callbacks
+      continue;
+    }
+    if (closing_ && callbacks_.empty()) return;
+    flusher_cv_.wait(lock);
   }
 }
 

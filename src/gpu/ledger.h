@@ -10,7 +10,10 @@
 // Durability: Append buffers a record under the caller's lock and returns
 // its sequence number; Sync(seq) returns once it is on disk. Concurrent
 // Syncs share one write and one fsync (group commit): the first caller
-// writes everything buffered so far, the others wait for it.
+// writes everything buffered so far, the others wait for it. WhenDurable is
+// the asynchronous form: the ledger's own thread does the write for the
+// callbacks waiting, and while its fsync runs the next records gather, so a
+// server with many calls in flight needs no thread per call.
 //
 // Recovery (Open): the newest snapshot, then every logged record after it,
 // in order. A bad record at the very end of the newest log file (short, or
@@ -25,9 +28,11 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -52,6 +57,7 @@ struct LedgerRecovery {
 class Ledger {
  public:
   using ApplyFn = std::function<absl::Status(const std::string& record)>;
+  using DurableFn = std::function<void(absl::Status)>;
 
   // Opens (creating) `dir` and replays it through `apply`, snapshot records
   // first. FailedPrecondition when another Ledger holds the directory.
@@ -65,6 +71,11 @@ class Ledger {
   // Returns once record `seq` is durable, or the sticky error of a failed
   // write (every later Sync fails too).
   absl::Status Sync(uint64_t seq);
+  // Calls `fn` once record `seq` is durable (OK) or a write failed (the
+  // sticky error): at once on this thread if that is known now, otherwise on
+  // the ledger's thread, with no lock held. `fn` should be quick; it may call
+  // any method (Sync writes for itself, so it cannot wait on this thread).
+  void WhenDurable(uint64_t seq, DurableFn fn);
   // Makes everything appended durable, writes a snapshot holding `records`
   // (the state as of the last appended record), starts a new log file and
   // deletes the older files. REQUIRES: no concurrent Append.
@@ -84,6 +95,8 @@ class Ledger {
   Ledger(std::string dir, LedgerOptions options);
   absl::Status StartLogFile(uint64_t first_seq);
   absl::Status FlushLocked(std::unique_lock<std::mutex>& lock);
+  // The ledger's thread: writes for WhenDurable callbacks and runs them.
+  void FlushLoop();
 
   const std::string dir_;
   const LedgerOptions options_;
@@ -100,6 +113,10 @@ class Ledger {
   uint64_t flushes_ = 0;
   bool syncing_ = false;
   absl::Status error_;
+  std::multimap<uint64_t, DurableFn> callbacks_;  // by seq
+  std::condition_variable flusher_cv_;
+  bool closing_ = false;
+  std::thread flusher_;  // last: it starts once the rest is set up
 };
 
 }  // namespace deepnex::gpu

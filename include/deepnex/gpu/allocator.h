@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,6 +64,7 @@ enum class ModeSwitch {
 
 // Thread-safe: any thread may call any method at any time. Allocate may block
 // (the queue); every other call returns after its ledger record is durable.
+// AllocateGangAsync and ReleaseAsync never block.
 class Allocator {
  public:
   static absl::StatusOr<std::unique_ptr<Allocator>> Create(
@@ -120,6 +122,19 @@ class Allocator {
   // Extends the lease by its length from now. NotFound for an unknown id,
   // FailedPrecondition for an allocation without a lease.
   absl::StatusOr<Allocation> Renew(const std::string& id);
+
+  // ---- asynchronous forms, for a server that keeps many calls in flight
+  // without a thread each: with the ledger on, their fsyncs are shared
+  // (group commit). `done` runs exactly once, with what the blocking form
+  // would return, and no lock held: on this thread when the answer is known
+  // at once (a refusal; any answer in memory), on the ledger's thread once a
+  // change is durable, or on a thread of its own for a request that waited
+  // in the queue. It should be quick; it may call any method.
+  using AllocateDone = std::function<void(absl::StatusOr<std::vector<Allocation>>)>;
+  using Done = std::function<void(absl::Status)>;
+  void AllocateGangAsync(const Request& request, const AllocateOptions& options,
+                         AllocateDone done);
+  void ReleaseAsync(const std::string& id, Done done);
 
   // ---- views
   std::vector<NodeInfo> Nodes() const;

@@ -94,6 +94,13 @@ class CentralClient {
       const Request& request, const AllocateOptions& options = {}) = 0;
   virtual absl::Status Release(const std::string& id) = 0;
   virtual absl::StatusOr<Allocation> Renew(const std::string& id) = 0;
+  // Asynchronous forms (see Allocator::AllocateGangAsync): `done` runs once,
+  // on a gRPC thread. Calls in flight together travel in one RPC, so a
+  // client that keeps many in flight is far faster than blocking threads.
+  // A waiting Allocate (options.wait) travels alone, with its own deadline.
+  virtual void AllocateGangAsync(const Request& request, const AllocateOptions& options,
+                                 Allocator::AllocateDone done) = 0;
+  virtual void ReleaseAsync(const std::string& id, Allocator::Done done) = 0;
   // A user sees only their own; `user` filters (admins).
   virtual absl::StatusOr<std::vector<Allocation>> Allocations(const std::string& user = "") = 0;
   virtual absl::StatusOr<std::vector<NodeInfo>> Nodes() = 0;

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <fstream>
 #include <mutex>
 #include <random>
@@ -238,9 +239,10 @@ TEST(CentralMetrics, ServedOverHttp) {
 }
 
 #ifdef DEEPNEX_CENTRAL_BIN
-// kill -9 of the daemon while 4 clients stream grants; then the ledger holds
-// every acknowledged grant and at most the 4 in flight besides.
-TEST(CentralCrash, KillNineKeepsEveryAcknowledgedGrant) {
+// kill -9 of the daemon while 4 clients stream grants, each with `window`
+// asynchronous calls in flight (0: blocking calls); then the ledger holds
+// every acknowledged grant and at most those in flight besides.
+void KillNineDuringGrants(int window) {
   TempDir dir;
   const std::string nodes = dir.path() + "/nodes.json";
   std::ofstream(nodes) << R"({"nodes": [{"name": "n1", "cpus": 1000000, "memory": "1PiB",
@@ -275,18 +277,36 @@ TEST(CentralCrash, KillNineKeepsEveryAcknowledgedGrant) {
     threads.emplace_back([&, t] {
       auto client = CentralClient::Create(o);
       ASSERT_TRUE(client.ok());
+      std::condition_variable cv;
+      int in_flight = 0;
       for (int i = 0; !stop; ++i) {
         Request r = i % 2 ? Shared("u" + std::to_string(t), 1, 1 << 20)
                           : Exclusive("u" + std::to_string(t), 0, 1);
-        auto a = (*client)->Allocate(r);
-        if (!a.ok()) {  // the daemon is gone
+        auto answered = [&](absl::StatusOr<std::vector<Allocation>> a) {
           std::lock_guard<std::mutex> lock(mu);
-          last_error = a.status();
-          break;
+          if (a.ok()) {
+            acked.insert(a->front().id);
+          } else {  // the daemon is gone
+            last_error = a.status();
+          }
+          --in_flight;
+          cv.notify_all();
+        };
+        std::unique_lock<std::mutex> lock(mu);
+        if (!last_error.ok()) break;
+        ++in_flight;
+        if (window == 0) {
+          lock.unlock();
+          auto a = (*client)->Allocate(r);
+          answered(a.ok() ? absl::StatusOr<std::vector<Allocation>>({*a}) : a.status());
+          continue;
         }
-        std::lock_guard<std::mutex> lock(mu);
-        acked.insert(a->id);
+        cv.wait(lock, [&] { return in_flight <= window || !last_error.ok(); });
+        lock.unlock();
+        (*client)->AllocateGangAsync(r, NoWait(), answered);
       }
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return in_flight == 0; });
     });
   }
   auto deadline = std::chrono::steady_clock::now() + 60s;
@@ -312,11 +332,15 @@ TEST(CentralCrash, KillNineKeepsEveryAcknowledgedGrant) {
   for (const auto& id : acked) EXPECT_TRUE(present.count(id)) << id << " was acknowledged";
   size_t extra = 0;
   for (const auto& id : present) extra += !acked.count(id);
-  EXPECT_LE(extra, 4u);
+  EXPECT_LE(extra, size_t{4} * std::max(window, 1));
   EXPECT_OK(alloc->CheckInvariants());
   std::cout << acked.size() << " acknowledged grants through deepnex-central, " << extra
             << " durable but unacknowledged\n";
 }
+
+TEST(CentralCrash, KillNineKeepsEveryAcknowledgedGrant) { KillNineDuringGrants(0); }
+
+TEST(CentralCrash, KillNineKeepsEveryAcknowledgedAsyncGrant) { KillNineDuringGrants(16); }
 #endif
 
 }  // namespace
