@@ -176,7 +176,8 @@ Throughput Measure(MakeApi make_api, int threads, int window, double seconds, ui
         }
         {
           std::unique_lock<std::mutex> lock(mu);
-          cv.wait(lock, [&] { return in_flight < window; });
+          // Refill in bursts: wake once half the window has drained.
+          if (in_flight >= window) cv.wait(lock, [&] { return in_flight <= window / 2; });
           ++in_flight;
         }
         alloc.AllocateGangAsync(r, nowait, [&](absl::StatusOr<std::vector<Allocation>> a) {
@@ -193,8 +194,7 @@ Throughput Measure(MakeApi make_api, int threads, int window, double seconds, ui
           alloc.ReleaseAsync(id, [&](absl::Status) {
             pairs.fetch_add(1, std::memory_order_relaxed);
             std::lock_guard<std::mutex> lock(mu);
-            --in_flight;
-            cv.notify_all();
+            if (--in_flight <= window / 2) cv.notify_all();
           });
         });
       }
