@@ -155,6 +155,10 @@ struct Waiter {
   absl::Status status;
   std::vector<Allocation> result;
   uint64_t seq = 0;
+  // An asynchronous waiter's answer, and its timeout (0: none) and deadline.
+  Allocator::AllocateDone answer;
+  std::chrono::milliseconds timeout{0};
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
 };
 
 enum class Outcome { kGranted, kBusy, kFailed };
@@ -184,9 +188,25 @@ class Allocator::Impl {
   void Shutdown() {
     std::unique_lock<std::mutex> lock(mu_);
     stopping_ = true;
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      Waiter* w = it->second;
+      if (!w->answer) {  // a blocking waiter leaves by itself
+        ++it;
+        continue;
+      }
+      it = queue_.erase(it);
+      w->status = Cancelled();
+      Resolved(w);
+    }
     queue_cv_.notify_all();
     reaper_cv_.notify_all();
     while (active_waiters_ > 0) queue_cv_.wait(lock);
+    // The reaper has stopped answering: what is left is answered here.
+    AnswerResolved(lock);
+  }
+
+  static absl::Status Cancelled() {
+    return absl::CancelledError("the allocator shut down while the request waited");
   }
 
   // ---- records: encoding
@@ -1081,10 +1101,44 @@ class Allocator::Impl {
       Outcome o = TryGrant(w->request, &w->result, &w->seq, &w->status);
       if (o == Outcome::kBusy) break;
       queue_.erase(queue_.begin());
-      w->done = true;
+      Resolved(w);
       any = true;
     }
     if (any) queue_cv_.notify_all();
+  }
+
+  // Under mu_: `w` left the queue with its outcome. A blocking waiter sees
+  // `done`; an asynchronous one is answered by the reaper thread.
+  void Resolved(Waiter* w) {
+    w->done = true;
+    if (w->answer) {
+      resolved_.push_back(w);
+      reaper_cv_.notify_all();
+    }
+  }
+
+  // Under mu_ (`lock`, released meanwhile): answers the asynchronous waiters
+  // that left the queue.
+  void AnswerResolved(std::unique_lock<std::mutex>& lock) {
+    if (resolved_.empty()) return;
+    std::vector<Waiter*> ready;
+    ready.swap(resolved_);
+    ++active_waiters_;  // Shutdown waits for these answers
+    lock.unlock();
+    for (Waiter* raw : ready) {
+      std::unique_ptr<Waiter> w(raw);
+      Allocator::AllocateDone done = std::move(w->answer);
+      Answer(std::move(*w), std::move(done));
+    }
+    lock.lock();
+    --active_waiters_;
+    queue_cv_.notify_all();
+  }
+
+  absl::Status TimedOut(const Waiter& w, size_t ahead) const {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "timeout: waited ", w.timeout.count(), "ms in the queue (", Describe(w.request), "; ",
+        ahead, " request(s) ahead of it) without free capacity"));
   }
 
   enum class Admission { kGranted, kRefused, kQueued };
@@ -1118,6 +1172,8 @@ class Allocator::Impl {
     }
     w->request = r;
     w->key = {-static_cast<int64_t>(r.priority), next_order_++};
+    w->timeout = o.timeout;
+    if (o.timeout.count() > 0) w->deadline = std::chrono::steady_clock::now() + o.timeout;
     queue_.emplace(w->key, w);
     Pump();
     if (w->done) return w->status.ok() ? Admission::kGranted : Admission::kRefused;
@@ -1132,13 +1188,12 @@ class Allocator::Impl {
   }
 
   // Under mu_ (`lock`), with active_waiters_ counting the caller: waits
-  // until Pump grants or refuses `w`, its timeout runs out or the allocator
-  // stops; the outcome is in `w`.
-  void AwaitQueued(std::unique_lock<std::mutex>& lock, Waiter* w, const AllocateOptions& o) {
-    const auto deadline = std::chrono::steady_clock::now() + o.timeout;
+  // until Pump grants or refuses blocking waiter `w`, its timeout runs out or
+  // the allocator stops; the outcome is in `w`.
+  void AwaitQueued(std::unique_lock<std::mutex>& lock, Waiter* w) {
     while (!w->done && !stopping_) {
-      if (o.timeout.count() > 0) {
-        if (queue_cv_.wait_until(lock, deadline) == std::cv_status::timeout && !w->done) break;
+      if (w->timeout.count() > 0) {
+        if (queue_cv_.wait_until(lock, w->deadline) == std::cv_status::timeout && !w->done) break;
       } else {
         queue_cv_.wait(lock);
       }
@@ -1147,12 +1202,7 @@ class Allocator::Impl {
       size_t ahead = std::distance(queue_.begin(), queue_.find(w->key));
       queue_.erase(w->key);
       Pump();
-      w->status = stopping_
-                      ? absl::CancelledError("the allocator shut down while the request waited")
-                      : absl::DeadlineExceededError(absl::StrCat(
-                            "timeout: waited ", o.timeout.count(), "ms in the queue (",
-                            Describe(w->request), "; ", ahead,
-                            " request(s) ahead of it) without free capacity"));
+      w->status = stopping_ ? Cancelled() : TimedOut(*w, ahead);
     }
   }
 
@@ -1162,7 +1212,7 @@ class Allocator::Impl {
     std::unique_lock<std::mutex> lock(mu_);
     if (Admit(r, o, &w) == Admission::kQueued) {
       ++active_waiters_;
-      AwaitQueued(lock, &w, o);
+      AwaitQueued(lock, &w);
       --active_waiters_;
       queue_cv_.notify_all();  // Shutdown may wait for active_waiters_
     }
@@ -1175,24 +1225,17 @@ class Allocator::Impl {
   void AllocateAsync(const Request& r, const AllocateOptions& o, Allocator::AllocateDone done) {
     absl::Status valid = ValidateAllocate(r, o);
     if (!valid.ok()) return done(valid);
-    auto w = std::make_shared<Waiter>();
+    auto w = std::make_unique<Waiter>();
     std::unique_lock<std::mutex> lock(mu_);
     if (Admit(r, o, w.get()) != Admission::kQueued) {
       lock.unlock();
       return Answer(std::move(*w), std::move(done));
     }
-    // Waiting for capacity may take long: on a thread of its own, which
-    // Shutdown waits for. The request holds its place in the queue already.
-    ++active_waiters_;
-    std::thread([this, w, o, done = std::move(done)]() mutable {
-      std::unique_lock<std::mutex> lock(mu_);
-      AwaitQueued(lock, w.get(), o);
-      lock.unlock();
-      Answer(std::move(*w), std::move(done));
-      lock.lock();
-      --active_waiters_;
-      queue_cv_.notify_all();
-    }).detach();
+    // It holds its place in the queue; Resolved hands it to the reaper
+    // thread, which also times it out.
+    w->answer = std::move(done);
+    if (w->timeout.count() > 0) reaper_cv_.notify_all();
+    w.release();  // owned by the queue, then by resolved_
   }
 
   // Calls `done` with the outcome in `w` once a grant is durable.
@@ -1261,9 +1304,36 @@ class Allocator::Impl {
     return seq;
   }
 
+  // The reaper thread: expires leases, times out and answers asynchronous
+  // waiters.
   void ReapLoop() {
     std::unique_lock<std::mutex> lock(mu_);
     while (!stopping_) {
+      if (!resolved_.empty()) {
+        AnswerResolved(lock);
+        continue;
+      }
+      const auto steady_now = std::chrono::steady_clock::now();
+      auto next_deadline = std::chrono::steady_clock::time_point::max();
+      bool timed_out = false;
+      size_t ahead = 0;
+      for (auto it = queue_.begin(); it != queue_.end();) {
+        Waiter* w = it->second;
+        if (w->answer && w->deadline <= steady_now) {
+          it = queue_.erase(it);
+          w->status = TimedOut(*w, ahead);
+          Resolved(w);
+          timed_out = true;
+          continue;
+        }
+        if (w->answer) next_deadline = std::min(next_deadline, w->deadline);
+        ++ahead;
+        ++it;
+      }
+      if (timed_out) {
+        Pump();  // what waited behind them may fit now
+        continue;
+      }
       const int64_t now = NowMs();
       std::vector<uint64_t> expired;
       for (auto it = leases_.begin(); it != leases_.end() && it->first <= now; ++it) {
@@ -1278,6 +1348,10 @@ class Allocator::Impl {
       }
       int64_t wait_ms = options_.lease_check_interval.count();
       if (!leases_.empty()) wait_ms = std::min(wait_ms, leases_.begin()->first - now);
+      if (next_deadline != std::chrono::steady_clock::time_point::max()) {
+        wait_ms = std::min<int64_t>(
+            wait_ms, std::chrono::ceil<std::chrono::milliseconds>(next_deadline - steady_now).count());
+      }
       reaper_cv_.wait_for(lock, std::chrono::milliseconds(std::max<int64_t>(wait_ms, 1)));
     }
   }
@@ -1404,6 +1478,7 @@ class Allocator::Impl {
   std::thread reaper_;
   bool stopping_ = false;
   int active_waiters_ = 0;
+  std::vector<Waiter*> resolved_;  // asynchronous waiters to answer (owned)
 
   std::vector<std::unique_ptr<NodeState>> slots_;  // by NodeState::id
   std::map<std::string, NodeState*> by_name_;
@@ -1487,7 +1562,7 @@ absl::Status Allocator::RemoveNode(const std::string& name) {
     absl::Status why = m.Infeasible(it->second->request);
     if (!why.ok()) {
       it->second->status = why;
-      it->second->done = true;
+      m.Resolved(it->second);
       it = m.queue_.erase(it);
     } else {
       ++it;

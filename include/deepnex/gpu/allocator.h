@@ -127,9 +127,9 @@ class Allocator {
   // without a thread each: with the ledger on, their fsyncs are shared
   // (group commit). `done` runs exactly once, with what the blocking form
   // would return, and no lock held: on this thread when the answer is known
-  // at once (a refusal; any answer in memory), on the ledger's thread once a
-  // change is durable, or on a thread of its own for a request that waited
-  // in the queue. It should be quick; it may call any method.
+  // at once (a refusal; any answer in memory), else on the ledger's thread
+  // (once the change is durable) or the allocator's lease thread (a request
+  // that waited in the queue). It should be quick; it may call any method.
   using AllocateDone = std::function<void(absl::StatusOr<std::vector<Allocation>>)>;
   using Done = std::function<void(absl::Status)>;
   void AllocateGangAsync(const Request& request, const AllocateOptions& options,

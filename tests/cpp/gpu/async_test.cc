@@ -279,6 +279,22 @@ TEST(AllocatorAsync, WaitingRequestsQueueTimeOutAndAreCancelled) {
   EXPECT_OK(alloc->CheckInvariants());
 }
 
+// Removing the only node that could hold a waiting request answers it.
+TEST(AllocatorAsync, WaiterThatNoNodeCanHoldAnyMoreIsAnswered) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("small", 1)));
+  ASSERT_OK(alloc->AddNode(MakeNode("big", 4)));
+  ASSERT_OK(alloc->Cordon("big"));
+  Answers<Grants> grants;
+  alloc->AllocateGangAsync(Exclusive("alice", 4), {}, grants.Slot("4 gpus"));
+  ASSERT_EQ(alloc->QueueLength(), 1u);
+  EXPECT_EQ(grants.size(), 0u);
+  ASSERT_OK(alloc->RemoveNode("big"));
+  ASSERT_TRUE(grants.Wait(1));
+  EXPECT_THAT(grants["4 gpus"], StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(alloc->QueueLength(), 0u);
+}
+
 // A callback may call the blocking methods, even on the ledger's thread.
 TEST(AllocatorAsync, CallbacksMayCallBlockingMethods) {
   TempDir dir;
