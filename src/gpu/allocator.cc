@@ -1222,20 +1222,39 @@ class Allocator::Impl {
     return std::move(w.result);
   }
 
-  void AllocateAsync(const Request& r, const AllocateOptions& o, Allocator::AllocateDone done) {
+  uint64_t AllocateAsync(const Request& r, const AllocateOptions& o,
+                         Allocator::AllocateDone done) {
     absl::Status valid = ValidateAllocate(r, o);
-    if (!valid.ok()) return done(valid);
+    if (!valid.ok()) {
+      done(valid);
+      return 0;
+    }
     auto w = std::make_unique<Waiter>();
     std::unique_lock<std::mutex> lock(mu_);
     if (Admit(r, o, w.get()) != Admission::kQueued) {
       lock.unlock();
-      return Answer(std::move(*w), std::move(done));
+      Answer(std::move(*w), std::move(done));
+      return 0;
     }
     // It holds its place in the queue; Resolved hands it to the reaper
     // thread, which also times it out.
     w->answer = std::move(done);
     if (w->timeout.count() > 0) reaper_cv_.notify_all();
-    w.release();  // owned by the queue, then by resolved_
+    return w.release()->key.second;  // owned by the queue, then by resolved_
+  }
+
+  bool Withdraw(uint64_t ticket) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+      Waiter* w = it->second;
+      if (it->first.second != ticket || !w->answer) continue;
+      queue_.erase(it);
+      w->status = absl::CancelledError("the request was withdrawn from the queue");
+      Resolved(w);
+      Pump();  // what waited behind it may fit now
+      return true;
+    }
+    return false;
   }
 
   // Calls `done` with the outcome in `w` once a grant is durable.
@@ -1497,7 +1516,7 @@ class Allocator::Impl {
   std::set<std::pair<int64_t, uint64_t>> leases_;  // (expires at, allocation)
 
   std::map<std::pair<int64_t, uint64_t>, Waiter*> queue_;  // (-priority, order)
-  uint64_t next_order_ = 0;
+  uint64_t next_order_ = 1;  // also an asynchronous waiter's ticket
 };
 
 // ---------------------------------------------------------------------------
@@ -1763,10 +1782,12 @@ absl::Status Allocator::Release(const std::string& id) {
   return impl_->Durable(seq);
 }
 
-void Allocator::AllocateGangAsync(const Request& request, const AllocateOptions& options,
-                                  AllocateDone done) {
-  impl_->AllocateAsync(request, options, std::move(done));
+uint64_t Allocator::AllocateGangAsync(const Request& request, const AllocateOptions& options,
+                                      AllocateDone done) {
+  return impl_->AllocateAsync(request, options, std::move(done));
 }
+
+bool Allocator::Withdraw(uint64_t ticket) { return impl_->Withdraw(ticket); }
 
 void Allocator::ReleaseAsync(const std::string& id, Done done) {
   uint64_t seq = 0;

@@ -5,6 +5,7 @@
 // one returns, so a client with many calls in flight pays for few RPCs.
 #include <condition_variable>
 #include <mutex>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
@@ -29,10 +30,14 @@ class CentralClientImpl final : public CentralClient {
   CentralClientImpl(const CentralClientOptions& options, std::string token)
       : options_(options), token_(std::move(token)) {}
 
-  // Waits for the asynchronous calls in flight (each has a deadline).
+  // Cancels the asynchronous calls in flight (their ops are answered
+  // Cancelled, or with the answer that crossed the cancel) and waits for
+  // their answers.
   ~CentralClientImpl() override {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return calls_ == 0; });
+    closing_ = true;
+    for (grpc::ClientContext* ctx : in_flight_) ctx->TryCancel();
+    cv_.wait(lock, [this] { return in_flight_.empty(); });
   }
 
   absl::Status Connect() {
@@ -243,7 +248,7 @@ class CentralClientImpl final : public CentralClient {
     call->ops = std::move(ops);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      ++calls_;
+      in_flight_.insert(&call->ctx);
     }
     stub_->async()->Batch(
         &call->ctx, &call->req, &call->reply, [this, call, timeout, coalesced](grpc::Status gs) {
@@ -262,21 +267,27 @@ class CentralClientImpl final : public CentralClient {
             call->ops[i].done(absl::Status(static_cast<absl::StatusCode>(r->code()), r->message()),
                               r);
           }
-          delete call;
           std::vector<Pending> next;
+          bool closing = false;
           if (coalesced) {
             std::lock_guard<std::mutex> lock(mu_);
+            closing = closing_;
             if (queued_.empty()) {
               --batches_;
             } else {
               next.swap(queued_);
             }
           }
-          // Counts itself in calls_ before this call stops counting, so the
-          // destructor cannot miss it.
-          if (!next.empty()) SendBatch(std::move(next), options_.timeout, /*coalesced=*/true);
+          if (closing) {
+            for (auto& p : next) p.done(absl::CancelledError("the CentralClient was destroyed"), nullptr);
+          } else if (!next.empty()) {
+            // In flight before this call leaves in_flight_, so the
+            // destructor cannot miss it.
+            SendBatch(std::move(next), options_.timeout, /*coalesced=*/true);
+          }
           std::lock_guard<std::mutex> lock(mu_);
-          --calls_;
+          in_flight_.erase(&call->ctx);
+          delete call;
           cv_.notify_all();
         });
   }
@@ -288,7 +299,8 @@ class CentralClientImpl final : public CentralClient {
   std::condition_variable cv_;
   std::vector<Pending> queued_;  // for the next coalesced batch
   int batches_ = 0;              // coalesced batches in flight
-  int calls_ = 0;                // Batch calls in flight
+  std::set<grpc::ClientContext*> in_flight_;  // Batch calls
+  bool closing_ = false;         // the destructor runs
 };
 
 }  // namespace

@@ -31,8 +31,54 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::St
   return reactor;
 }
 
+class Service;
+
+// One Allocate or Batch call: its ops run through the allocator's
+// asynchronous forms and the call finishes with the last answer. A cancel
+// from the client (gone, or past its deadline) withdraws the ops still
+// waiting in the queue -- a strict queue must not wait for the dead -- and a
+// grant that crosses the cancel is released, since nobody would learn its id.
+class OpsReactor final : public grpc::ServerUnaryReactor {
+ public:
+  // `ops`: how many ops the call starts; Started() once they all have.
+  OpsReactor(Service* service, grpc::CallbackServerContext* ctx, int ops)
+      : service_(service), ctx_(ctx), left_(ops + 1) {}
+
+  using AllocateReply = std::function<void(const absl::StatusOr<std::vector<Allocation>>&)>;
+  using ReleaseReply = std::function<void(const absl::Status&)>;
+  void Allocate(const Identity& who, const pb::Request& req, AllocateReply reply);
+  void Release(const Identity& who, const std::string& id, ReleaseReply reply);
+  // An op answered without the allocator.
+  void Skip() { OneDone(); }
+  void Started() { OneDone(); }
+  // The call's status (a batch's is OK: each op has its own).
+  void set_status(const absl::Status& s) { status_ = ToGrpcStatus(s); }
+
+  void OnCancel() override;
+  void OnDone() override { delete this; }
+
+ private:
+  void OneDone() {
+    if (left_.fetch_sub(1) == 1) Finish(status_);
+  }
+  bool cancelled() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cancelled_ || ctx_->IsCancelled();
+  }
+
+  Service* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  std::atomic<int> left_;  // ops unanswered, +1 until Started()
+  grpc::Status status_;
+  std::mutex mu_;
+  bool cancelled_ = false;
+  std::vector<uint64_t> tickets_;  // ops waiting in the allocator's queue
+};
+
 class Service final : public pb::Central::CallbackService {
  public:
+  friend class OpsReactor;
+
   Service(std::unique_ptr<Allocator> alloc, TokenTable tokens)
       : alloc_(std::move(alloc)), tokens_(std::move(tokens)) {}
 
@@ -145,14 +191,15 @@ class Service final : public pb::Central::CallbackService {
                                      pb::Allocations* reply) override {
     auto who = Who(*ctx);
     if (!who.ok()) return Reply(ctx, who.status());
-    auto* reactor = ctx->DefaultReactor();
-    AllocateFor(*who, *req, [reactor, reply](absl::StatusOr<std::vector<Allocation>> parts) {
+    auto* ops = new OpsReactor(this, ctx, 1);
+    ops->Allocate(*who, *req, [ops, reply](const absl::StatusOr<std::vector<Allocation>>& parts) {
       if (parts.ok()) {
         for (const auto& a : *parts) ToProto(a, reply->add_allocations());
       }
-      reactor->Finish(ToGrpcStatus(parts.status()));
+      ops->set_status(parts.status());
     });
-    return reactor;
+    ops->Started();
+    return ops;
   }
 
   grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx, const pb::IdRequest* req,
@@ -169,36 +216,34 @@ class Service final : public pb::Central::CallbackService {
                                   pb::BatchReply* reply) override {
     auto who = Who(*ctx);
     if (!who.ok()) return Reply(ctx, who.status());
-    auto* reactor = ctx->DefaultReactor();
     const int n = req->ops_size();
-    if (n == 0) return Reply(ctx, absl::OkStatus());
     for (int i = 0; i < n; ++i) reply->add_results();
-    // Ops finish on different threads; the last one ends the call.
-    auto left = std::make_shared<std::atomic<int>>(n);
-    auto finish_one = [reactor, reply, left](int i, const absl::Status& s) {
+    auto* ops = new OpsReactor(this, ctx, n);
+    // Answers arrive on different threads, each to its own result.
+    auto result = [reply](int i, const absl::Status& s) {
       pb::BatchResult* r = reply->mutable_results(i);
       r->set_code(static_cast<int>(s.code()));
       r->set_message(std::string(s.message()));
-      if (left->fetch_sub(1) == 1) reactor->Finish(grpc::Status::OK);
+      return r;
     };
     for (int i = 0; i < n; ++i) {
       const pb::BatchOp& op = req->ops(i);
       if (op.has_allocate()) {
-        AllocateFor(*who, op.allocate(),
-                    [reply, finish_one, i](absl::StatusOr<std::vector<Allocation>> parts) {
-                      if (parts.ok()) {
-                        auto* out = reply->mutable_results(i)->mutable_allocations();
-                        for (const auto& a : *parts) ToProto(a, out->Add());
-                      }
-                      finish_one(i, parts.status());
-                    });
+        ops->Allocate(*who, op.allocate(),
+                      [result, i](const absl::StatusOr<std::vector<Allocation>>& parts) {
+                        pb::BatchResult* r = result(i, parts.status());
+                        if (!parts.ok()) return;
+                        for (const auto& a : *parts) ToProto(a, r->add_allocations());
+                      });
       } else if (op.op_case() == pb::BatchOp::kRelease) {
-        ReleaseFor(*who, op.release(), [finish_one, i](absl::Status s) { finish_one(i, s); });
+        ops->Release(*who, op.release(), [result, i](const absl::Status& s) { result(i, s); });
       } else {
-        finish_one(i, absl::InvalidArgumentError(absl::StrCat("batch op ", i, " is empty")));
+        result(i, absl::InvalidArgumentError(absl::StrCat("batch op ", i, " is empty")));
+        ops->Skip();
       }
     }
-    return reactor;
+    ops->Started();
+    return ops;
   }
 
   grpc::ServerUnaryReactor* Renew(grpc::CallbackServerContext* ctx, const pb::IdRequest* req,
@@ -276,17 +321,22 @@ class Service final : public pb::Central::CallbackService {
     return absl::OkStatus();
   }
 
-  // Allocate for `who` (a user allocates for themselves only).
-  void AllocateFor(const Identity& who, const pb::Request& req, Allocator::AllocateDone done) {
+  // Allocate for `who` (a user allocates for themselves only). Returns the
+  // allocator's ticket of a request left waiting in the queue, else 0.
+  uint64_t AllocateFor(const Identity& who, const pb::Request& req, Allocator::AllocateDone done) {
     AllocateOptions options;
     auto request = FromProto(req, &options);
-    if (!request.ok()) return done(request.status());
+    if (!request.ok()) {
+      done(request.status());
+      return 0;
+    }
     if (request->user.empty()) request->user = who.name;
     if (who.role != AuthRole::kAdmin && request->user != who.name) {
-      return done(absl::PermissionDeniedError(
+      done(absl::PermissionDeniedError(
           absl::StrCat("user ", who.name, " cannot allocate for user ", request->user)));
+      return 0;
     }
-    alloc_->AllocateGangAsync(
+    return alloc_->AllocateGangAsync(
         *request, options,
         [this, done = std::move(done)](absl::StatusOr<std::vector<Allocation>> parts) {
           if (parts.ok()) {
@@ -311,6 +361,44 @@ class Service final : public pb::Central::CallbackService {
   const TokenTable tokens_;
   std::atomic<uint64_t> grants_{0}, releases_{0}, refusals_{0};
 };
+
+void OpsReactor::Allocate(const Identity& who, const pb::Request& req, AllocateReply reply) {
+  const uint64_t ticket = service_->AllocateFor(
+      who, req, [this, reply = std::move(reply)](absl::StatusOr<std::vector<Allocation>> parts) {
+        if (parts.ok() && cancelled()) {
+          for (const auto& a : *parts) service_->allocator().ReleaseAsync(a.id, [](absl::Status) {});
+          parts = absl::CancelledError("the call was cancelled; its grant is released");
+        }
+        reply(parts);
+        OneDone();
+      });
+  if (ticket == 0) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!cancelled_) {
+      tickets_.push_back(ticket);
+      return;
+    }
+  }
+  service_->allocator().Withdraw(ticket);  // OnCancel came first
+}
+
+void OpsReactor::Release(const Identity& who, const std::string& id, ReleaseReply reply) {
+  service_->ReleaseFor(who, id, [this, reply = std::move(reply)](absl::Status s) {
+    reply(s);
+    OneDone();
+  });
+}
+
+void OpsReactor::OnCancel() {
+  std::vector<uint64_t> tickets;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancelled_ = true;
+    tickets.swap(tickets_);
+  }
+  for (uint64_t t : tickets) service_->allocator().Withdraw(t);
+}
 
 // GET /metrics over HTTP/1.1 (one request per connection) on a thread of
 // its own, for Prometheus scrapers.

@@ -132,8 +132,14 @@ class Allocator {
   // that waited in the queue). It should be quick; it may call any method.
   using AllocateDone = std::function<void(absl::StatusOr<std::vector<Allocation>>)>;
   using Done = std::function<void(absl::Status)>;
-  void AllocateGangAsync(const Request& request, const AllocateOptions& options,
-                         AllocateDone done);
+  // Returns a ticket for Withdraw while the request waits in the queue; 0
+  // when it was answered at once.
+  uint64_t AllocateGangAsync(const Request& request, const AllocateOptions& options,
+                             AllocateDone done);
+  // Takes a request that AllocateGangAsync left waiting out of the queue
+  // (its caller is gone, say); it is answered Cancelled. False when it waits
+  // no more (granted, refused, timed out or withdrawn already).
+  bool Withdraw(uint64_t ticket);
   void ReleaseAsync(const std::string& id, Done done);
 
   // ---- views

@@ -279,6 +279,31 @@ TEST(AllocatorAsync, WaitingRequestsQueueTimeOutAndAreCancelled) {
   EXPECT_OK(alloc->CheckInvariants());
 }
 
+// A withdrawn request leaves the queue, is answered Cancelled, and what
+// waited behind it moves up.
+TEST(AllocatorAsync, WithdrawTakesAWaitingRequestOutOfTheQueue) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 2)));
+  ASSERT_OK_AND_ASSIGN(Allocation one, alloc->Allocate(Exclusive("root", 1)));
+  Answers<Grants> grants;
+  EXPECT_EQ(alloc->AllocateGangAsync(Exclusive("now", 1), {}, grants.Slot("now")), 0u);
+  const uint64_t big = alloc->AllocateGangAsync(Exclusive("big", 2), {}, grants.Slot("big"));
+  EXPECT_NE(big, 0u);
+  // Strict queue: this would fit on the freed GPU but waits behind "big".
+  ASSERT_OK(alloc->Release(one.id));
+  const uint64_t small = alloc->AllocateGangAsync(Exclusive("small", 1), {}, grants.Slot("small"));
+  EXPECT_NE(small, 0u);
+  EXPECT_EQ(alloc->QueueLength(), 2u);
+  EXPECT_TRUE(alloc->Withdraw(big));
+  EXPECT_FALSE(alloc->Withdraw(big));
+  ASSERT_TRUE(grants.Wait(3));
+  EXPECT_THAT(grants["big"], StatusIs(absl::StatusCode::kCancelled, HasSubstr("withdrawn")));
+  ASSERT_OK(grants["small"].status());
+  EXPECT_FALSE(alloc->Withdraw(small));  // granted already
+  EXPECT_EQ(alloc->QueueLength(), 0u);
+  EXPECT_OK(alloc->CheckInvariants());
+}
+
 // Removing the only node that could hold a waiting request answers it.
 TEST(AllocatorAsync, WaiterThatNoNodeCanHoldAnyMoreIsAnswered) {
   auto alloc = NewAllocator();
@@ -453,7 +478,9 @@ TEST_F(CentralAsync, WaitingCallsAreAnsweredAndStopFailsThem) {
   auto alice = Client("alicetok");
   ASSERT_OK_AND_ASSIGN(auto held, alice->AllocateGang(Exclusive("", 8)));
   Answers<Grants> grants;
+  // Each travels alone: queue them one after the other, for a known order.
   alice->AllocateGangAsync(Exclusive("", 8), {}, grants.Slot("next"));
+  while (server_->allocator().QueueLength() < 1) std::this_thread::sleep_for(1ms);
   alice->AllocateGangAsync(Exclusive("", 8), {}, grants.Slot("last"));
   while (server_->allocator().QueueLength() < 2) std::this_thread::sleep_for(1ms);
   Answers<absl::Status> released;
@@ -466,6 +493,25 @@ TEST_F(CentralAsync, WaitingCallsAreAnsweredAndStopFailsThem) {
   ASSERT_TRUE(grants.Wait(2));
   EXPECT_FALSE(grants["last"].ok());
   alice.reset();  // nothing in flight: returns
+}
+
+// Destroying a client cancels what it has in flight: a call waiting in the
+// queue is answered Cancelled and leaves the queue.
+TEST_F(CentralAsync, DestroyingTheClientCancelsItsCalls) {
+  auto alice = Client("alicetok");
+  ASSERT_OK(alice->AllocateGang(Exclusive("", 8)).status());
+  Answers<Grants> grants;
+  alice->AllocateGangAsync(Exclusive("", 8), {}, grants.Slot("waiting"));
+  while (server_->allocator().QueueLength() < 1) std::this_thread::sleep_for(1ms);
+  alice.reset();
+  ASSERT_EQ(grants.size(), 1u);
+  EXPECT_THAT(grants["waiting"], StatusIs(absl::StatusCode::kCancelled));
+  // The server sees the cancel and drops the request from its queue.
+  auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (server_->allocator().QueueLength() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(2ms);
+  }
+  EXPECT_EQ(server_->allocator().QueueLength(), 0u);
 }
 
 }  // namespace
