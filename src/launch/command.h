@@ -30,11 +30,42 @@ struct CommandResult {
   bool ok() const { return WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0; }
 };
 
-// Runs `argv` (argv[0] a path) with stdin from /dev/null and `env` ("K=V")
-// as its whole environment, until it ends; SIGKILL after `timeout`, then
-// DeadlineExceeded naming the command line. The child starts with default
-// signal dispositions and an empty mask whatever this process's threads use,
-// in a process group of its own (a terminal's ^C for us is not for it).
+// Starts `argv` (argv[0] a path) with stdin from /dev/null, stdout and
+// stderr into `out` and `err`, and `envp` as its environment. The child
+// starts with default signal dispositions and an empty mask whatever this
+// process's threads use, in a process group of its own (a terminal's ^C for
+// us is not for it).
+inline absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, char* const* envp,
+                                   int out, int err) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_adddup2(&actions, out, 1);
+  posix_spawn_file_actions_adddup2(&actions, err, 2);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none, all;
+  sigemptyset(&none);
+  sigfillset(&all);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &all);
+  posix_spawnattr_setpgroup(&attr, 0);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK |
+                                      POSIX_SPAWN_SETSIGDEF);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid;
+  int rc = posix_spawn(&pid, args[0], &actions, &attr, args.data(), envp);
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  if (rc != 0) return absl::InternalError(absl::StrCat("cannot start ", argv[0], ": ", strerror(rc)));
+  return pid;
+}
+
+// Runs `argv` (argv[0] a path) as Spawn does, with `env` ("K=V") as its
+// whole environment, until it ends; SIGKILL after `timeout`, then
+// DeadlineExceeded naming the command line.
 inline absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
                                                 const std::vector<std::string>& env,
                                                 std::chrono::milliseconds timeout) {
@@ -47,39 +78,18 @@ inline absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& 
     close(out_pipe[1]);
     return absl::InternalError(absl::StrCat("pipe2: ", strerror(errno)));
   }
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_adddup2(&actions, out_pipe[1], 1);
-  posix_spawn_file_actions_adddup2(&actions, err_pipe[1], 2);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t none, all;
-  sigemptyset(&none);
-  sigfillset(&all);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setsigdefault(&attr, &all);
-  posix_spawnattr_setpgroup(&attr, 0);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK |
-                                      POSIX_SPAWN_SETSIGDEF);
-  auto pointers = [](const std::vector<std::string>& strings) {
-    std::vector<char*> p;
-    for (const std::string& s : strings) p.push_back(const_cast<char*>(s.c_str()));
-    p.push_back(nullptr);
-    return p;
-  };
-  std::vector<char*> args = pointers(argv), envp = pointers(env);
-  pid_t pid;
-  int rc = posix_spawn(&pid, args[0], &actions, &attr, args.data(), envp.data());
-  posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
+  std::vector<char*> envp;
+  for (const std::string& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+  absl::StatusOr<pid_t> spawned = Spawn(argv, envp.data(), out_pipe[1], err_pipe[1]);
   close(out_pipe[1]);
   close(err_pipe[1]);
-  if (rc != 0) {
+  if (!spawned.ok()) {
     close(out_pipe[0]);
     close(err_pipe[0]);
-    return absl::InternalError(absl::StrCat("cannot start ", argv[0], ": ", strerror(rc)));
+    return spawned.status();
   }
+  const pid_t pid = *spawned;
   CommandResult result;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   bool killed = false;

@@ -11,7 +11,6 @@
 #include <linux/openat2.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/inotify.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -89,39 +88,6 @@ class Fd {
  private:
   int fd_;
 };
-
-// Starts `argv` (argv[0] a path) with stdin from /dev/null, stdout and
-// stderr into `out` and `err`, in a process group of its own (a terminal's
-// ^C for the launcher is not the container's) and with default signal
-// dispositions and an empty mask whatever this process's threads use.
-absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, int out, int err) {
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_adddup2(&actions, out, 1);
-  posix_spawn_file_actions_adddup2(&actions, err, 2);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t none, all;
-  sigemptyset(&none);
-  sigfillset(&all);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setsigdefault(&attr, &all);
-  posix_spawnattr_setpgroup(&attr, 0);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK |
-                                      POSIX_SPAWN_SETSIGDEF);
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid;
-  int rc = posix_spawn(&pid, args[0], &actions, &attr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
-  if (rc != 0) {
-    return absl::InternalError(absl::StrCat("cannot start ", argv[0], ": ", Errno(rc)));
-  }
-  return pid;
-}
 
 // Waits for child `pid` to end; its wait status.
 int Reap(pid_t pid) {
@@ -765,7 +731,7 @@ class OciBackend : public Backend {
     }
     const std::vector<std::string> argv = runc_.Argv(
         {"run", "--keep", "--bundle", context.dir, "--pid-file", pid_file, context.run_name});
-    DEEPNEX_ASSIGN_OR_RETURN(pid_t pid, Spawn(argv, log_fd.get(), log_fd.get()));
+    DEEPNEX_ASSIGN_OR_RETURN(pid_t pid, Spawn(argv, environ, log_fd.get(), log_fd.get()));
     Fd pidfd(static_cast<int>(syscall(SYS_pidfd_open, pid, 0)));
     if (pidfd.get() < 0) {
       const int err = errno;
