@@ -4,17 +4,25 @@
 // and then releases its allocation, unless another container still runs on
 // it; a reaper stops containers whose allocation went away under them. Calls
 // that may block (Start, Stop) run on threads of their own.
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <condition_variable>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <thread>
 #include <utility>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "core/file_util.h"
 #include "core/grpc_util.h"
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/launch/central.h"
@@ -537,14 +545,58 @@ class CentralClientImpl final : public CentralClient {
   std::unique_ptr<pb::Containers::Stub> stub_;
 };
 
+// See CreateCentralServer. A record whose launcher pid is alive belongs to a
+// launcher that still runs (one state_dir may serve several).
+absl::Status SweepOrphans(Launcher& launcher, gpu::Allocator& alloc, const std::string& state_dir,
+                          std::vector<std::string>* swept) {
+  struct Orphan {
+    std::string dir, allocation;
+  };
+  std::map<std::string, std::vector<Orphan>> by_launcher;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(state_dir + "/containers", ec)) {
+    auto text = ReadWholeFile(entry.path().string() + "/record.json", "container record");
+    if (!text.ok()) continue;  // not a container's directory
+    nlohmann::json r = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+    if (!r.is_object()) continue;
+    const std::string id = r.value("launcher_id", "");
+    const int pid = r.value("launcher_pid", 0);
+    if (id.empty() || id == launcher.id()) continue;
+    if (pid > 0 && (pid == getpid() || kill(pid, 0) == 0)) continue;
+    by_launcher[id].push_back({entry.path().string(), r.value("allocation", "")});
+  }
+  for (const auto& [id, orphans] : by_launcher) {
+    DEEPNEX_ASSIGN_OR_RETURN(int objects, launcher.Cleanup(id));
+    std::vector<std::string> released;
+    for (const Orphan& o : orphans) {
+      if (!o.allocation.empty() && alloc.GetAllocation(o.allocation).ok()) {
+        DEEPNEX_RETURN_IF_ERROR(alloc.Release(o.allocation));
+        released.push_back(o.allocation);
+      }
+      std::filesystem::remove_all(o.dir, ec);
+    }
+    if (swept != nullptr) {
+      swept->push_back(absl::StrCat(
+          "swept ", orphans.size(), " container(s) of launcher ", id, " (no longer running; ",
+          objects, " process(es) or engine object(s) removed)",
+          released.empty() ? "" : absl::StrCat(", released ", absl::StrJoin(released, ", "))));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
-    const gpu::CentralServerOptions& options, const LauncherOptions& launcher) {
+    const gpu::CentralServerOptions& options, const LauncherOptions& launcher,
+    std::vector<std::string>* swept) {
   DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<Launcher> l, Launcher::Create(launcher));
-  // The factory runs once, inside the call below.
-  auto extension = [&l](gpu::Allocator& alloc, const TokenTable& tokens)
+  // The factory runs once, inside the call below, before the server serves.
+  auto extension = [&](gpu::Allocator& alloc, const TokenTable& tokens)
       -> absl::StatusOr<std::unique_ptr<gpu::CentralExtension>> {
+    if (!launcher.state_dir.empty()) {
+      DEEPNEX_RETURN_IF_ERROR(SweepOrphans(*l, alloc, launcher.state_dir, swept));
+    }
     return std::make_unique<ContainersService>(alloc, tokens, std::move(l));
   };
   return gpu::CreateCentralServer(options, extension);

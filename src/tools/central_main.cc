@@ -37,7 +37,10 @@ flags:
                           docker, slurm or kubernetes (engine options as the
                           launcher's defaults)
   --launch-state-dir D    the launcher's logs and records (for `deepnex ps
-                          --state-dir D`); default: a temporary directory
+                          --state-dir D`); default: a temporary directory.
+                          Containers that a crashed deepnex-central left
+                          there are stopped, and their allocations released,
+                          at start
   --help                  show this text
 )";
 
@@ -86,11 +89,13 @@ int main(int argc, char** argv) {
   }
 
   deepnex::tools::SignalStop signals;
-  auto server = deepnex::launch::CreateCentralServer(options, launcher);
+  std::vector<std::string> swept;
+  auto server = deepnex::launch::CreateCentralServer(options, launcher, &swept);
   if (!server.ok()) {
     std::cerr << "deepnex-central: " << server.status().message() << "\n";
     return 1;
   }
+  for (const auto& line : swept) std::cerr << "deepnex-central: " << line << "\n";
   for (const auto& n : nodes) {
     if ((*server)->allocator().GetNode(n.name).ok()) continue;  // kept in the ledger
     absl::Status s = (*server)->allocator().AddNode(n);

@@ -31,8 +31,17 @@ namespace deepnex::launch {
 
 // deepnex-central with a launcher on `launcher`'s backend. Container names
 // are per user: the launcher runs them as "<user>.<name>".
+//
+// A deepnex-central that crashed leaves its containers running on
+// allocations that the ledger still holds, and nothing would stop them: once
+// their users released those, the GPUs would be granted twice. So before it
+// serves, the containers recorded in `launcher.state_dir` by a launcher that
+// no longer runs are swept (Launcher::Cleanup of its id), their allocations
+// released and their records removed; `swept` (optional) gets a line for
+// each launcher swept.
 absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
-    const gpu::CentralServerOptions& options, const LauncherOptions& launcher);
+    const gpu::CentralServerOptions& options, const LauncherOptions& launcher,
+    std::vector<std::string>* swept = nullptr);
 
 // One container as deepnex-central reports it.
 struct CentralContainer {

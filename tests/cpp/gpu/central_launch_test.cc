@@ -4,8 +4,10 @@
 #include "deepnex/launch/central.h"
 
 #include <signal.h>
+#include <sys/wait.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <thread>
@@ -262,6 +264,61 @@ TEST_F(CentralLaunch, StoppingTheServerStopsItsContainersAndReleases) {
   EXPECT_THAT(server_->allocator().GetAllocation(a.id), StatusIs(absl::StatusCode::kNotFound));
   EXPECT_NE(kill(pid, 0), 0) << "pid " << pid << " outlived the server";
 }
+
+#ifdef DEEPNEX_CENTRAL_BIN
+// kill -9 of deepnex-central leaves its container running on an allocation
+// the ledger keeps. The next deepnex-central on the same state directories
+// stops it, releases the allocation and drops its record before serving.
+TEST(CentralLaunchCrash, RestartSweepsWhatTheCrashedRunLeft) {
+  using gpu::test::CentralDaemon;
+  using gpu::test::StartCentralDaemon;
+  TempDir dir;
+  const std::string nodes = dir.path() + "/nodes.json";
+  std::ofstream(nodes) << R"({"nodes": [{"name": "x1", "cpus": 8, "memory": "16GiB",
+      "mode": "exclusive", "gpus": {"count": 2, "memory": "80GiB"}}]})";
+  const std::vector<std::string> args = {"--state-dir", dir.path() + "/state",
+                                         "--launch-state-dir", dir.path() + "/launch",
+                                         "--nodes", nodes};
+  CentralDaemon first = StartCentralDaemon(args);
+  ASSERT_FALSE(first.address.empty());
+  CentralClientOptions o;
+  o.address = first.address;
+  o.timeout = 10s;
+  ASSERT_OK_AND_ASSIGN(auto gpus, gpu::CentralClient::Create(o));
+  ASSERT_OK_AND_ASSIGN(auto containers, CentralClient::Create(o));
+  ASSERT_OK_AND_ASSIGN(Allocation a, gpus->Allocate(Exclusive("alice", 1)));
+  ContainerSpec spec;
+  spec.name = "w0";
+  spec.command = {"sleep", "600"};
+  ASSERT_OK_AND_ASSIGN(CentralContainer c, containers->StartContainer(spec, a.id));
+  const pid_t orphan = std::stoi(c.id);
+  const std::string record_dir = dir.path() + "/launch/containers/alice.w0";
+  ASSERT_TRUE(std::filesystem::exists(record_dir));
+  kill(first.pid, SIGKILL);
+  waitpid(first.pid, nullptr, 0);
+  gpus.reset();
+  containers.reset();
+  ASSERT_EQ(kill(orphan, 0), 0) << "the container did not outlive the crash";
+
+  CentralDaemon second = StartCentralDaemon(args);
+  ASSERT_FALSE(second.address.empty());
+  o.address = second.address;
+  ASSERT_OK_AND_ASSIGN(gpus, gpu::CentralClient::Create(o));
+  // Swept before serving; init reaps the orphan soon after.
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (kill(orphan, 0) == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_NE(kill(orphan, 0), 0) << "pid " << orphan << " outlived the restart";
+  ASSERT_OK_AND_ASSIGN(auto held, gpus->Allocations());
+  EXPECT_TRUE(held.empty()) << held.size() << " allocations left, the first " << held[0].id;
+  EXPECT_FALSE(std::filesystem::exists(record_dir));
+  // The GPUs are free again, both of them.
+  EXPECT_OK(gpus->Allocate(Exclusive("bob", 2)).status());
+  kill(second.pid, SIGTERM);
+  waitpid(second.pid, nullptr, 0);
+}
+#endif
 
 }  // namespace
 }  // namespace deepnex::launch

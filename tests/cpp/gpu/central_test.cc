@@ -247,26 +247,12 @@ void KillNineDuringGrants(int window) {
   const std::string nodes = dir.path() + "/nodes.json";
   std::ofstream(nodes) << R"({"nodes": [{"name": "n1", "cpus": 1000000, "memory": "1PiB",
       "mode": "shared", "gpus": {"count": 8, "memory": "80GiB"}}]})";
-  int out[2];
-  ASSERT_EQ(pipe(out), 0);
-  pid_t pid = fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    dup2(out[1], 1);
-    close(out[0]);
-    const std::string state = dir.path() + "/state";
-    execl(DEEPNEX_CENTRAL_BIN, DEEPNEX_CENTRAL_BIN, "--listen", "127.0.0.1:0", "--state-dir",
-          state.c_str(), "--nodes", nodes.c_str(), static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  close(out[1]);
-  std::string line;
-  char c;
-  while (read(out[0], &c, 1) == 1 && c != '\n') line += c;
-  const std::string prefix = "deepnex-central listening on ";
-  ASSERT_EQ(line.rfind(prefix, 0), 0u) << line;
+  const CentralDaemon daemon = StartCentralDaemon(
+      {"--state-dir", dir.path() + "/state", "--nodes", nodes});
+  const pid_t pid = daemon.pid;
+  ASSERT_FALSE(daemon.address.empty());
   CentralClientOptions o;
-  o.address = line.substr(prefix.size());
+  o.address = daemon.address;
   o.timeout = 5s;
   std::mutex mu;
   std::set<std::string> acked;
@@ -322,7 +308,6 @@ void KillNineDuringGrants(int window) {
   waitpid(pid, &status, 0);
   stop = true;
   for (auto& t : threads) t.join();
-  close(out[0]);
   ASSERT_GE(acked.size(), 300u) << last_error;
   AllocatorOptions ao;
   ao.state_dir = dir.path() + "/state";

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "deepnex/gpu/allocator.h"
 #include "deepnex/gpu/types.h"
@@ -78,6 +79,40 @@ class TempDir {
  private:
   std::string path_;
 };
+
+#ifdef DEEPNEX_CENTRAL_BIN
+// The deepnex-central binary, started with `--listen 127.0.0.1:0` and `args`.
+// `address` is empty when it did not come up. The caller signals and reaps it.
+struct CentralDaemon {
+  pid_t pid = -1;
+  std::string address;
+};
+
+inline CentralDaemon StartCentralDaemon(std::vector<std::string> args) {
+  args.insert(args.begin(), {DEEPNEX_CENTRAL_BIN, "--listen", "127.0.0.1:0"});
+  int out[2];
+  if (pipe(out) != 0) return {};
+  CentralDaemon d;
+  d.pid = fork();
+  if (d.pid == 0) {
+    dup2(out[1], 1);
+    close(out[0]);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(out[1]);
+  std::string line;
+  char c;
+  while (read(out[0], &c, 1) == 1 && c != '\n') line += c;
+  close(out[0]);
+  const std::string prefix = "deepnex-central listening on ";
+  if (line.rfind(prefix, 0) == 0) d.address = line.substr(prefix.size());
+  return d;
+}
+#endif
 
 }  // namespace deepnex::gpu::test
 
