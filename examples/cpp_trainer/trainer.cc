@@ -15,8 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "deepnex/ps/client.h"
-#include "deepnex/ps/server.h"
+#include "deepnex/deepnex.h"
 
 namespace {
 
