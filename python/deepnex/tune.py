@@ -39,11 +39,12 @@ run() raises ``Interrupted`` (a KeyboardInterrupt); ``deepnex tune`` exits
 Trials are started by a runner, ``runner(trial_id, argv, env, log_path)`` ->
 an object with poll(), wait() and kill() (kill: stop it, waiting out its
 grace period). A runner may have cancel(): an interrupted search calls it,
-and the starts then waiting for resources raise CancelledError. The default, ``job_runner()``,
-runs each trial as a deepnex job (deepnex.job.Job: allocated cores and GPUs,
-its workers started with the job environment, parameter servers in the PS
-modes) and starts a trial only when its workers fit on the machine beside the
-running trials', so trials run in parallel up to the machine's capacity::
+and the starts then waiting for resources raise CancelledError. The
+default, ``job_runner()``, runs each trial as a deepnex job
+(deepnex.job.Job: allocated cores and GPUs, its workers started with the job
+environment, parameter servers in the PS modes) and starts a trial only when
+its workers fit on the machine beside the running trials', so trials run in
+parallel up to the machine's capacity::
 
     tune.run(cmd, space, runner=tune.job_runner(workers=2, mode="sync"))
 
@@ -278,12 +279,13 @@ class ASHA:
 
 _report_state = {"client": None, "count": 0}
 
-# A live search answers a call at once; one that has not answered within
-# this many seconds is gone (killed, or ended while its trial went on).
-_REACH_TIMEOUT = 3.0
+# A live search answers a call at once (its store is served by C++ threads,
+# whatever its Python threads do); one that has not answered within this
+# many seconds is gone (killed, or ended while its trial went on).
+_REACH_TIMEOUT = 2.0
 # How long report() waits for a decision between checks that the search is
 # still there: with _REACH_TIMEOUT (and the store's 1 s grace on a wait),
-# a trial learns that its search is gone within 5 s.
+# a trial learns that its search is gone within 3.5 s, and exits within 5.
 _DECISION_SLICE = 0.5
 
 
@@ -401,10 +403,6 @@ class _ProcessTrial:
 
     def __init__(self, popen):
         self._p = popen
-
-    @property
-    def pid(self):
-        return self._p.pid
 
     def poll(self):
         return self._p.poll()
@@ -702,10 +700,8 @@ class _Status:
     def started(self, trial):
         self._changed(f"trial {trial.id} {trial.status}: {_params(trial.config)}")
 
-    def reported(self, trial):
-        self._changed(None)
-
-    def stopping(self, trial):
+    def updated(self):
+        """A trial reported or was told to stop: the table's business only."""
         self._changed(None)
 
     def ended(self, trial):
@@ -829,14 +825,14 @@ class _Search:
         self.status.started(trial)
         client = StoreClient(self.store.address, prefix=f"tune/{trial.id}")
         stopped_at = None
-        interrupted = False
+        interrupted = killed = False
         while True:
             if self.interrupted is not None and not interrupted:
                 # Stopping a job waits out its grace period: each trial's
                 # thread stops its own, so they stop together.
                 interrupted = True
                 trial.status = "stopping"
-                self.status.stopping(trial)
+                self.status.updated()
                 handle.kill()
             try:
                 record = json.loads(client.get(f"report/{len(trial.results)}", timeout=0.2))
@@ -846,7 +842,9 @@ class _Search:
                     if client.check([f"report/{len(trial.results)}"])[0]:
                         continue
                     break
-                if stopped_at is not None and time.monotonic() - stopped_at > self.stop_grace:
+                if (stopped_at is not None and not killed
+                        and time.monotonic() - stopped_at > self.stop_grace):
+                    killed = True
                     handle.kill()
                 continue
             trial.results.append(record)
@@ -861,9 +859,7 @@ class _Search:
             if decision == "stop" and stopped_at is None and not interrupted:
                 stopped_at = time.monotonic()
                 trial.status = "stopping"
-                self.status.stopping(trial)
-            else:
-                self.status.reported(trial)
+            self.status.updated()
         trial.exit_code = handle.wait()
         with self.lock:
             del self.running[trial.id]
@@ -956,9 +952,9 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
 def _run_trials(search, trials, max_concurrent, signals):
     """Starts a thread per trial as slots free up and waits for them,
     acting on the signals received meanwhile."""
-    search.status.say(f"tune: {len(trials)} trials, "
-                      f"{'up to capacity' if max_concurrent is None else f'{max_concurrent} at a time'}"
-                      f", metric {search.metric} ({search.mode})")
+    at_once = "up to capacity" if max_concurrent is None else f"{max_concurrent} at a time"
+    search.status.say(f"tune: {len(trials)} trials, {at_once}, metric {search.metric} "
+                      f"({search.mode})")
     slots = threading.Semaphore(max_concurrent or max(1, len(trials)))
     threads = []
 
