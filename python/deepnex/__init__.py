@@ -67,6 +67,7 @@ from deepnex import gpu  # noqa: E402  (GPU allocation)
 from deepnex import data  # noqa: E402  (data sharding)
 from deepnex import launch  # noqa: E402  (container launch)
 from deepnex import job  # noqa: E402  (deepnex run)
+from deepnex import tune  # noqa: E402  (hyperparameter search; no torch)
 
 __all__ = [
     "__version__",

@@ -27,12 +27,24 @@ should then end. Outside a search report() does nothing and returns False.
 In a multi-worker trial every worker calls report() at the same steps, one of
 them (rank 0) with the metrics: all of them get the same answer.
 
+While trials run, the search shows their status (trial, state, last
+metric, parameters): a table redrawn in place on a terminal, otherwise a
+line when a trial starts and one when it ends. Ctrl-C (SIGINT) or SIGTERM
+ends a search cleanly: no trial is started any more, the running ones are
+stopped (SIGTERM, SIGKILL after a grace period) and their allocations
+released, results.csv and best.json are written for what finished, and
+run() raises ``Interrupted`` (a KeyboardInterrupt); ``deepnex tune`` exits
+130 or 143. A trial whose search is gone fails in report() within 5 s.
+
 Trials are started by a runner, ``runner(trial_id, argv, env, log_path)`` ->
-an object with poll(), wait() and kill(). The default, ``job_runner()``,
-runs each trial as a deepnex job (deepnex.job.Job: allocated cores and GPUs,
-its workers started with the job environment, parameter servers in the PS
-modes) and starts a trial only when its workers fit on the machine beside the
-running trials', so trials run in parallel up to the machine's capacity::
+an object with poll(), wait() and kill() (kill: stop it, waiting out its
+grace period). A runner may have cancel(): an interrupted search calls it,
+and the starts then waiting for resources raise CancelledError. The
+default, ``job_runner()``, runs each trial as a deepnex job
+(deepnex.job.Job: allocated cores and GPUs, its workers started with the job
+environment, parameter servers in the PS modes) and starts a trial only when
+its workers fit on the machine beside the running trials', so trials run in
+parallel up to the machine's capacity::
 
     tune.run(cmd, space, runner=tune.job_runner(workers=2, mode="sync"))
 
@@ -47,17 +59,20 @@ import math
 import os
 import random
 import secrets
+import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-from .errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError
+from .errors import (CancelledError, DeadlineExceededError, InvalidArgumentError,
+                     ResourceExhaustedError, UnavailableError)
 
 __all__ = ["uniform", "loguniform", "randint", "choice", "grid", "ASHA", "run",
            "report", "get_config", "generate_configs", "parse_space", "Trial", "Results",
-           "job_runner", "subprocess_runner"]
+           "Interrupted", "job_runner", "subprocess_runner"]
 
 ENV_STORE = "DEEPNEX_TUNE_STORE"
 ENV_TRIAL = "DEEPNEX_TUNE_TRIAL"
@@ -264,6 +279,15 @@ class ASHA:
 
 _report_state = {"client": None, "count": 0}
 
+# A live search answers a call at once (its store is served by C++ threads,
+# whatever its Python threads do); one that has not answered within this
+# many seconds is gone (killed, or ended while its trial went on).
+_REACH_TIMEOUT = 2.0
+# How long report() waits for a decision between checks that the search is
+# still there: with _REACH_TIMEOUT (and the store's 1 s grace on a wait),
+# a trial learns that its search is gone within 3.5 s, and exits within 5.
+_DECISION_SLICE = 0.5
+
 
 def get_config():
     """This trial's configuration ({} outside a search)."""
@@ -273,21 +297,41 @@ def get_config():
 def report(step, timeout=600.0, **metrics):
     """Reports `metrics` at `step` to the search running this trial; returns
     True when the trial should stop. Outside a search: False. Workers without
-    metrics (ranks other than 0) wait for the answer to rank 0's report of
-    the same step."""
+    metrics (ranks other than 0) wait, up to `timeout` seconds, for the
+    answer to rank 0's report of the same step. A search that is gone
+    (killed, or ended) raises UnavailableError within 5 s, so that the trial
+    ends rather than training on for nobody."""
     address, trial = os.environ.get(ENV_STORE), os.environ.get(ENV_TRIAL)
     if not address or not trial:
         return False
     from .collective import StoreClient
     if _report_state["client"] is None:
         _report_state["client"] = StoreClient(address, prefix=f"tune/{trial}",
-                                              timeout=timeout)
+                                              timeout=_REACH_TIMEOUT)
     client = _report_state["client"]
-    if metrics:
-        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        client.set(f"report/{_report_state['count']}", json.dumps(record))
-        _report_state["count"] += 1
-    return client.get(f"decision/{step}") == b"stop"
+    deadline = time.monotonic() + timeout
+    try:
+        if metrics:
+            record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+            client.set(f"report/{_report_state['count']}", json.dumps(record))
+            _report_state["count"] += 1
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return client.get(f"decision/{step}",
+                                  timeout=max(0.001, min(_DECISION_SLICE, left))) == b"stop"
+            except DeadlineExceededError:
+                if left <= _DECISION_SLICE:
+                    break
+                # No answer yet, or no search: check() tells them apart.
+                client.check([f"decision/{step}"])
+    except (DeadlineExceededError, UnavailableError, CancelledError) as e:
+        raise UnavailableError(
+            f"tune.report(step={step}): the search at {address} that runs trial {trial} "
+            f"does not answer ({e}); the trial should end") from None
+    raise DeadlineExceededError(
+        f"tune.report(step={step}): no decision within {timeout:g} s (does rank 0 report "
+        f"step {step}?)")
 
 
 # ---- running a search
@@ -296,7 +340,10 @@ def report(step, timeout=600.0, **metrics):
 class Trial:
     id: int
     config: dict
-    status: str = "pending"      # running, completed, stopped, failed (exit N)
+    # pending, running, stopping (told to stop, not ended yet), then one of
+    # completed, stopped (early, by the scheduler), failed (exit N),
+    # interrupted (ended by Ctrl-C / SIGTERM), not started.
+    status: str = "pending"
     results: list = field(default_factory=list)
     log_path: str = ""
     exit_code: int = None
@@ -305,6 +352,12 @@ class Trial:
     def last(self):
         return self.results[-1] if self.results else {}
 
+    @property
+    def finished(self):
+        """Whether the trial ran to an end of its own (or the scheduler's)."""
+        return self.status not in ("pending", "running", "stopping", "interrupted",
+                                   "not started")
+
 
 @dataclass
 class Results:
@@ -312,21 +365,77 @@ class Results:
     metric: str
     mode: str
     csv_path: str
+    interrupted: str = None     # "SIGINT" or "SIGTERM" when a signal ended the search
 
     @property
     def best(self):
-        """The trial whose last reported metric is best (None if none reported)."""
-        scored = [t for t in self.trials if self.metric in t.last]
+        """The finished trial whose last reported metric is best (None if
+        none reported)."""
+        scored = [t for t in self.trials if t.finished and self.metric in t.last]
         if not scored:
             return None
         sign = 1 if self.mode == "max" else -1
         return max(scored, key=lambda t: sign * t.last[self.metric])
 
 
+class Interrupted(KeyboardInterrupt):
+    """Raised by run() when SIGINT (Ctrl-C) or SIGTERM ended the search,
+    after the running trials were stopped and results.csv and best.json
+    written for the finished ones. A KeyboardInterrupt, so that a script's
+    Ctrl-C handling still applies. ``signal``: the signal's number,
+    ``exit_code``: 128 + it (130, 143), ``results``: the Results."""
+
+    def __init__(self, signum, results):
+        finished = sum(1 for t in results.trials if t.finished)
+        super().__init__(f"tune: interrupted by {signal.Signals(signum).name}: {finished} of "
+                         f"{len(results.trials)} trials finished; results in {results.csv_path}")
+        self.signal, self.exit_code, self.results = signum, 128 + signum, results
+
+
+# How long a trial has to end after SIGTERM before it is killed: as long as
+# a job's workers get (deepnex.job's Stop).
+_KILL_GRACE = 2.0
+
+
+class _ProcessTrial:
+    """A plain trial process, in a process group of its own: a Ctrl-C at
+    the terminal reaches the search only, which stops its trials itself."""
+
+    def __init__(self, popen):
+        self._p = popen
+
+    def poll(self):
+        return self._p.poll()
+
+    def wait(self):
+        return self._p.wait()
+
+    def kill(self):
+        """SIGTERM to the trial's process group; SIGKILL after the grace period."""
+        if self._p.poll() is not None:
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            self._p.wait(timeout=_KILL_GRACE)
+        except subprocess.TimeoutExpired:
+            self._signal(signal.SIGKILL)
+            self._p.wait()
+
+    def _signal(self, sig):
+        try:
+            os.killpg(self._p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def subprocess_runner(trial_id, argv, env, log_path):
-    """The default runner: the trial as a child process, output to log_path."""
+    """A runner: the trial as one child process (its own process group),
+    output to log_path."""
     with open(log_path, "w") as log:
-        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return _ProcessTrial(subprocess.Popen(argv, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL,
+                                              start_new_session=True))
 
 
 # Configuration keys that also configure a trial job's parameter servers
@@ -349,7 +458,9 @@ class _Capacity:
         self.queue = []
         self.cond = threading.Condition()
 
-    def acquire(self, need):
+    def acquire(self, need, cancelled):
+        """Waits until `need` fits; CancelledError once cancelled() is true
+        (checked whenever wake() or a release wakes the waiters)."""
         if any(n > t for n, t in zip(need, self.total)):
             raise ResourceExhaustedError(
                 f"a trial needs {need[0]} cores and {need[1]} GPUs; this machine has "
@@ -360,6 +471,9 @@ class _Capacity:
             try:
                 while not (self.queue[0] is ticket and all(
                         u + n <= t for u, n, t in zip(self.used, need, self.total))):
+                    if cancelled():
+                        raise CancelledError("the trial's start was cancelled while it "
+                                             "waited for cores and GPUs")
                     self.cond.wait()
             finally:
                 self.queue.remove(ticket)
@@ -369,6 +483,10 @@ class _Capacity:
     def release(self, need):
         with self.cond:
             self.used = [u - n for u, n in zip(self.used, need)]
+            self.cond.notify_all()
+
+    def wake(self):
+        with self.cond:
             self.cond.notify_all()
 
 
@@ -393,7 +511,10 @@ class _JobTrial:
         return self._code
 
     def kill(self):
-        self._job.stop()
+        """Stops the job: SIGTERM, SIGKILL after its grace period, and its
+        allocations released."""
+        if self._code is None:
+            self._job.stop()
 
     def _end(self, result):
         # A job that was stopped exits 0 (nothing failed); a trial whose
@@ -401,6 +522,9 @@ class _JobTrial:
         signals = [w.signal for w in result.workers if w.reason == "signaled"]
         self._code = result.exit_code or (-signals[0] if signals else 0)
         self._job.stop()
+        # Dropping the job removes its directory (trial-*) under the run
+        # directory now, not whenever the handle is collected.
+        self._job = None
         self._on_end()
 
 
@@ -422,57 +546,81 @@ class _Log:
             self._file.close()
 
 
-def job_runner(workers=1, mode="allreduce", ps=None, cpus=1, gpus_per_worker=0,
-               gpu_mode="exclusive", retry_interval=1.0, **job_options):
-    """A runner that runs each trial as a deepnex job: ``workers`` workers
-    in ``mode`` (sync, ssp:S, async with parameter servers; allreduce
-    without), each with ``cpus`` cores and ``gpus_per_worker`` GPUs; other
-    options go to deepnex.job.Job (backend, memory, central, restart, ...).
-    A trial's configuration values for optimizer, lr and momentum also go to
-    its parameter servers, which apply the updates in the PS modes.
+_MODES = ("sync", "async", "allreduce")
 
-    With the local allocator a trial starts once its workers' cores and GPUs
-    fit beside the running trials' (trials wait, in order); a trial that
-    could never fit on this machine fails. With ``central`` deepnex-central
-    queues the trial's gang. A start refused for lack of resources
-    (ResourceExhausted) is retried every ``retry_interval`` seconds."""
-    from . import job as job_module
-    capacity = None
-    need = (workers * max(1, math.ceil(cpus)), workers * gpus_per_worker)
-    lock = threading.Lock()
 
-    def runner(trial_id, argv, env, log_path):
-        nonlocal capacity
+def _check_mode(mode):
+    """`mode` if it is a job's training mode (sync, ssp:S, async, allreduce)."""
+    staleness = mode[4:] if isinstance(mode, str) and mode.startswith("ssp:") else None
+    if mode in _MODES or (staleness is not None and staleness.isdigit()):
+        return mode
+    raise InvalidArgumentError(f'mode: "{mode}" is not sync, ssp:S (S >= 0), async or allreduce')
+
+
+class _JobRunner:
+    """job_runner()'s runner: each call starts a trial's job."""
+
+    def __init__(self, workers, mode, ps, cpus, gpus_per_worker, gpu_mode, retry_interval,
+                 job_options):
+        self._job_options = dict(workers=workers, mode=_check_mode(mode), ps=ps, cpus=cpus,
+                                 gpus_per_worker=gpus_per_worker, gpu_mode=gpu_mode,
+                                 **job_options)
+        self._need = (workers * max(1, math.ceil(cpus)), workers * gpus_per_worker)
+        self._gpu_mode, self._retry_interval = gpu_mode, retry_interval
+        self._capacity = None
+        self._lock = threading.Lock()
+        # cancel() counts up; a start that began before a cancel() gives up.
+        self._cancels = 0
+
+    def cancel(self):
+        """Starts in progress (waiting for cores and GPUs, or retrying a
+        refused start) raise CancelledError; later ones go ahead."""
+        with self._lock:
+            self._cancels += 1
+            capacity = self._capacity
+        if capacity is not None:
+            capacity.wake()
+
+    def __call__(self, trial_id, argv, env, log_path):
+        from . import job as job_module
+        cancels = self._cancels
+
+        def cancelled():
+            return self._cancels != cancels
         config = json.loads(env.get(ENV_CONFIG, "{}"))
-        options = dict(job_options)
+        options = dict(self._job_options)
         options.update({k: config[k] for k in _SERVER_OPTIONS if k in config})
         # The job's processes inherit this process's environment; the
         # trial's own variables come on top.
         extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        capacity = None
         if not options.get("central"):
-            with lock:
-                if capacity is None:
-                    capacity = _Capacity(gpu_mode)
-            capacity.acquire(need)
+            with self._lock:
+                if self._capacity is None:
+                    self._capacity = _Capacity(self._gpu_mode)
+                capacity = self._capacity
+            capacity.acquire(self._need, cancelled)
         released = []
 
         def release():
             if capacity is not None and not released:
                 released.append(True)
-                capacity.release(need)
+                capacity.release(self._need)
 
         log = _Log(log_path)
         try:
             while True:
-                job = job_module.Job(argv, workers=workers, mode=mode, ps=ps, cpus=cpus,
-                                     gpus_per_worker=gpus_per_worker, gpu_mode=gpu_mode,
-                                     env=extra, name=f"trial-{trial_id}-{secrets.token_hex(3)}",
+                job = job_module.Job(argv, env=extra,
+                                     name=f"trial-{trial_id}-{secrets.token_hex(3)}",
                                      output=log.write, **options)
                 try:
                     job.start()
                     break
                 except ResourceExhaustedError:
-                    time.sleep(retry_interval)
+                    if cancelled():
+                        raise CancelledError("the trial's start was cancelled while its job "
+                                             "waited for resources") from None
+                    time.sleep(self._retry_interval)
         except BaseException:
             log.close()
             release()
@@ -483,7 +631,25 @@ def job_runner(workers=1, mode="allreduce", ps=None, cpus=1, gpus_per_worker=0,
             release()
         return _JobTrial(job, on_end)
 
-    return runner
+
+def job_runner(workers=1, mode="allreduce", ps=None, cpus=1, gpus_per_worker=0,
+               gpu_mode="exclusive", retry_interval=1.0, **job_options):
+    """A runner that runs each trial as a deepnex job: ``workers`` workers
+    in ``mode`` (sync, ssp:S, async with parameter servers; allreduce
+    without), each with ``cpus`` cores and ``gpus_per_worker`` GPUs; other
+    options go to deepnex.job.Job (backend, memory, central, central_token,
+    restart, ...). A trial's configuration values for optimizer, lr and
+    momentum also go to its parameter servers, which apply the updates in
+    the PS modes.
+
+    With the local allocator a trial starts once its workers' cores and GPUs
+    fit beside the running trials' (trials wait, in order); a trial that
+    could never fit on this machine fails. With ``central`` deepnex-central
+    queues the trial's gang. A start refused for lack of resources
+    (ResourceExhausted) is retried every ``retry_interval`` seconds. The
+    runner's cancel() ends the waits of starts in progress."""
+    return _JobRunner(workers, mode, ps, cpus, gpus_per_worker, gpu_mode, retry_interval,
+                      job_options)
 
 
 def _config_args(config):
@@ -493,29 +659,153 @@ def _config_args(config):
     return args
 
 
+def _shown(value):
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _params(config):
+    return " ".join(f"{k}={_shown(v)}" for k, v in config.items())
+
+
+class _Status:
+    """What the search shows while trials run. On a terminal: a table (trial,
+    state, step, metric, parameters) redrawn in place a few times a second.
+    Otherwise (a pipe, a log): a line when a trial starts and one when it
+    ends, never one per report. Lines given to say() stay above the table.
+    Thread-safe."""
+
+    REFRESH = 0.25   # seconds between redraws of a changed table
+
+    def __init__(self, trials, metric, out):
+        self.trials, self.metric, self.out = trials, metric, out
+        try:
+            self.tty = out.isatty() and os.environ.get("TERM") != "dumb"
+        except (AttributeError, ValueError):
+            self.tty = False
+        self._lock = threading.Lock()
+        self._drawn = 0          # lines of the table on the screen now
+        self._dirty = False
+        self._closed = threading.Event()
+        self._thread = None
+        if self.tty:
+            self._thread = threading.Thread(target=self._refresh, daemon=True)
+            self._thread.start()
+
+    def say(self, line):
+        with self._lock:
+            self._erase()
+            print(line, file=self.out, flush=True)
+            self._dirty = True
+
+    def started(self, trial):
+        self._changed(f"trial {trial.id} {trial.status}: {_params(trial.config)}")
+
+    def updated(self):
+        """A trial reported or was told to stop: the table's business only."""
+        self._changed(None)
+
+    def ended(self, trial):
+        line = f"trial {trial.id} {trial.status}"
+        if trial.results:
+            line += f" at step {_shown(trial.last.get('step'))}"
+            if self.metric in trial.last:
+                line += f": {self.metric}={_shown(trial.last[self.metric])}"
+        self._changed(line)
+
+    def close(self):
+        """Stops redrawing and takes the table off the screen."""
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            self._erase()
+
+    def _changed(self, line):
+        with self._lock:
+            if self.tty:
+                self._dirty = True
+            elif line is not None:
+                print(line, file=self.out, flush=True)
+
+    def _refresh(self):
+        while not self._closed.wait(self.REFRESH):
+            with self._lock:
+                if self._dirty:
+                    self._erase()
+                    self._draw()
+
+    def _erase(self):
+        if self._drawn:
+            # To the first line of the table, then clear to the end of the screen.
+            self.out.write(f"\x1b[{self._drawn}F\x1b[J")
+            self.out.flush()
+            self._drawn = 0
+
+    def _draw(self):
+        size = shutil.get_terminal_size()
+        trials = self.trials
+        counts = {}
+        for t in trials:
+            counts[t.status.split(" ")[0]] = counts.get(t.status.split(" ")[0], 0) + 1
+        head = "tune: " + ", ".join(f"{n} {state}" for state, n in counts.items())
+        rows = [["trial", "state", "step", self.metric, "parameters"]]
+        room = max(3, size.lines - 4)
+        shown = trials
+        if len(trials) > room:
+            # The running ones first, then the finished, then the pending.
+            order = {"running": 0, "stopping": 0, "pending": 2}
+            shown = sorted(sorted(trials, key=lambda t: order.get(t.status, 1))[:room - 1],
+                           key=lambda t: t.id)
+        for t in shown:
+            rows.append([str(t.id), t.status, _shown(t.last.get("step", "")),
+                         _shown(t.last.get(self.metric, "")), _params(t.config)])
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4]
+                          for r in rows]
+        if len(shown) < len(trials):
+            lines.append(f"... {len(trials) - len(shown)} more")
+        # A line that wraps would throw the cursor arithmetic off.
+        lines = [line[:max(1, size.columns - 1)] for line in lines]
+        self.out.write("\n".join(lines) + "\n")
+        self.out.flush()
+        self._drawn, self._dirty = len(lines), False
+
+
 class _Search:
     def __init__(self, command, metric, mode, scheduler, runner, env, out_dir, stop_grace,
-                 out):
+                 status):
         from .collective import Store
         self.command, self.metric, self.mode = list(command), metric, mode
         self.scheduler, self.runner = scheduler, runner or job_runner()
-        self.env, self.out_dir, self.stop_grace, self.out = env, out_dir, stop_grace, out
+        self.env, self.out_dir, self.stop_grace = env, out_dir, stop_grace
+        self.status = status
         self.store = Store("127.0.0.1:0")
         self.lock = threading.Lock()
         self.running = {}      # trial id -> handle
-        self.stopping = False
+        self.interrupted = None   # the signal that ended the search early
+
+    def interrupt(self, signum):
+        """Ends the search early: no trial starts any more, and each running
+        trial's thread stops it (kill(): SIGTERM, SIGKILL after a grace period)."""
+        with self.lock:
+            if self.interrupted is not None:
+                return
+            self.interrupted = signum
+            running = len(self.running)
+        pending = sum(1 for t in self.status.trials if t.status == "pending")
+        self.status.say(f"tune: {signal.Signals(signum).name}: stopping {running} running "
+                        f"trial{'' if running == 1 else 's'}; {pending} not started")
+        cancel = getattr(self.runner, "cancel", None)
+        if cancel is not None:
+            cancel()
 
     def kill_all(self):
-        """Ends every running trial (on Ctrl-C: no trial job outlives the search)."""
+        """Ends every running trial now, from this thread (when the search
+        cannot wait for its trials' threads to do it)."""
         with self.lock:
-            self.stopping = True
             handles = list(self.running.values())
         for h in handles:
             h.kill()
-
-    def say(self, line):
-        with self.lock:
-            print(line, file=self.out, flush=True)
 
     def run_trial(self, trial):
         from .collective import StoreClient
@@ -524,17 +814,26 @@ class _Search:
         env.update({ENV_STORE: self.store.address, ENV_TRIAL: str(trial.id),
                     ENV_CONFIG: json.dumps(trial.config)})
         trial.log_path = os.path.join(self.out_dir, f"trial_{trial.id}.log")
+        if self.interrupted is not None:
+            trial.status = "not started"
+            return
         handle = self.runner(trial.id, self.command + _config_args(trial.config), env,
                              trial.log_path)
         with self.lock:
             self.running[trial.id] = handle
-            stopping = self.stopping
-        if stopping:
-            handle.kill()
         trial.status = "running"
+        self.status.started(trial)
         client = StoreClient(self.store.address, prefix=f"tune/{trial.id}")
         stopped_at = None
+        interrupted = killed = False
         while True:
+            if self.interrupted is not None and not interrupted:
+                # Stopping a job waits out its grace period: each trial's
+                # thread stops its own, so they stop together.
+                interrupted = True
+                trial.status = "stopping"
+                self.status.updated()
+                handle.kill()
             try:
                 record = json.loads(client.get(f"report/{len(trial.results)}", timeout=0.2))
             except DeadlineExceededError:
@@ -543,21 +842,24 @@ class _Search:
                     if client.check([f"report/{len(trial.results)}"])[0]:
                         continue
                     break
-                if stopped_at is not None and time.monotonic() - stopped_at > self.stop_grace:
+                if (stopped_at is not None and not killed
+                        and time.monotonic() - stopped_at > self.stop_grace):
+                    killed = True
                     handle.kill()
                 continue
             trial.results.append(record)
             decision = "continue"
-            if self.scheduler is not None and self.metric in record:
+            if self.interrupted is not None:
+                decision = "stop"
+            elif self.scheduler is not None and self.metric in record:
                 with self.lock:
                     decision = self.scheduler.on_result(trial.id, record["step"],
                                                         record[self.metric])
             client.set(f"decision/{record['step']}", decision)
-            shown = " ".join(f"{k}={v:.4g}" for k, v in record.items() if k != "step")
-            self.say(f"trial {trial.id} step {record['step']}: {shown}"
-                     + ("  -> stop" if decision == "stop" else ""))
-            if decision == "stop" and stopped_at is None:
+            if decision == "stop" and stopped_at is None and not interrupted:
                 stopped_at = time.monotonic()
+                trial.status = "stopping"
+            self.status.updated()
         trial.exit_code = handle.wait()
         with self.lock:
             del self.running[trial.id]
@@ -566,19 +868,43 @@ class _Search:
                  and not (max_t is not None and trial.last.get("step", 0) >= max_t))
         if early:
             trial.status = "stopped"
+        elif interrupted:
+            trial.status = "interrupted"
         elif trial.exit_code == 0:
             trial.status = "completed"
         else:
             trial.status = f"failed (exit {trial.exit_code})"
-        self.say(f"trial {trial.id} {trial.status}")
+        self.status.ended(trial)
+
+
+class _Signals:
+    """SIGINT and SIGTERM, while a search runs in the main thread: the
+    handler only notes the signal (it runs between two bytecodes of the main
+    thread, which may hold any lock); the search's loop acts on it."""
+
+    def __init__(self):
+        self.received = []
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._note)
+
+    def _note(self, signum, frame):
+        self.received.append(signum)
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=None,
         max_concurrent=None, seed=0, out_dir="tune-results", runner=None, env=None,
         stop_grace=30.0, out=None):
-    """Runs the search and returns its Results; prints a line per report,
-    then the table and the best configuration, and writes
-    <out_dir>/results.csv, <out_dir>/best.json and each trial's log.
+    """Runs the search and returns its Results; shows the trials' status
+    while they run (see the module's doc), then prints the table and the
+    best configuration, and writes <out_dir>/results.csv, <out_dir>/best.json
+    and each trial's log.
 
     scheduler: ASHA(...) or None (every trial runs to its end). A trial that
     goes on running stop_grace seconds after being told to stop is killed.
@@ -586,6 +912,12 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
     job). max_concurrent: a limit of the search's own; None: as many trials
     at once as the runner admits (job_runner: what fits on the machine;
     subprocess_runner: every trial).
+
+    SIGINT (Ctrl-C) or SIGTERM, when run() runs in the main thread: no trial
+    starts any more, the running ones are stopped, results.csv and best.json
+    are written for the finished ones (the interrupted ones are in the CSV
+    with status "interrupted"), and run() raises Interrupted. A second
+    signal stops the waiting for the trials' threads.
     """
     if mode not in ("max", "min"):
         raise InvalidArgumentError(f'mode: "{mode}" is not max or min')
@@ -594,46 +926,94 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
     out = out or sys.stdout
     os.makedirs(out_dir, exist_ok=True)
     trials = [Trial(i, c) for i, c in enumerate(generate_configs(space, num_samples, seed))]
-    search = _Search(command, metric, mode, scheduler, runner, env, out_dir, stop_grace, out)
-    search.say(f"tune: {len(trials)} trials, "
-               f"{'up to capacity' if max_concurrent is None else f'{max_concurrent} at a time'}"
-               f", metric {metric} ({mode})")
+    status = _Status(trials, metric, out)
+    signals = _Signals()
+    search = None
+    try:
+        try:
+            search = _Search(command, metric, mode, scheduler, runner, env, out_dir,
+                             stop_grace, status)
+            _run_trials(search, trials, max_concurrent, signals)
+        finally:
+            if search is not None:
+                search.store.stop()
+            status.close()
+        results = Results(trials, metric, mode, os.path.join(out_dir, "results.csv"))
+        if search.interrupted is not None:
+            results.interrupted = signal.Signals(search.interrupted).name
+        _write_results(results, out_dir, out)
+    finally:
+        signals.restore()
+    if search.interrupted is not None:
+        raise Interrupted(search.interrupted, results)
+    return results
+
+
+def _run_trials(search, trials, max_concurrent, signals):
+    """Starts a thread per trial as slots free up and waits for them,
+    acting on the signals received meanwhile."""
+    at_once = "up to capacity" if max_concurrent is None else f"{max_concurrent} at a time"
+    search.status.say(f"tune: {len(trials)} trials, {at_once}, metric {search.metric} "
+                      f"({search.mode})")
     slots = threading.Semaphore(max_concurrent or max(1, len(trials)))
     threads = []
 
     def body(trial):
         try:
             search.run_trial(trial)
+        except CancelledError:
+            trial.status = "not started"
         except Exception as e:  # noqa: BLE001 - the search goes on without it
             trial.status = f"failed ({e})"
-            search.say(f"trial {trial.id} failed: {e}")
+            search.status.ended(trial)
         finally:
             slots.release()
 
+    def signalled():
+        if signals.received and search.interrupted is None:
+            search.interrupt(signals.received[0])
+        return search.interrupted is not None
+
     try:
         for trial in trials:
-            slots.acquire()
+            while not slots.acquire(timeout=0.1):
+                if signalled():
+                    break
+            if signalled():
+                break
             t = threading.Thread(target=body, args=(trial,), daemon=True)
             t.start()
             threads.append(t)
         for t in threads:
-            t.join()
+            while t.is_alive():
+                t.join(timeout=0.1)
+                # A second signal: the user will not wait any longer.
+                if signalled() and len(signals.received) > 1:
+                    return
     except BaseException:
+        # Not a signal the search handles (e.g. KeyboardInterrupt outside
+        # the main thread's handlers): no trial job outlives the search.
+        search.interrupted = search.interrupted or signal.SIGINT
         search.kill_all()
         raise
     finally:
-        search.store.stop()
-    results = Results(trials, metric, mode, os.path.join(out_dir, "results.csv"))
-    _write_results(results, out_dir, out)
-    return results
+        if search.interrupted is not None:
+            for t in trials:
+                if t.status == "pending":
+                    t.status = "not started"
+                elif t.status in ("running", "stopping"):
+                    # Only where the search stopped waiting for them.
+                    t.status = "interrupted"
 
 
 def _write_results(results, out_dir, out):
-    keys = list(dict.fromkeys(k for t in results.trials for k in t.config))
-    metrics = list(dict.fromkeys(k for t in results.trials for k in t.last if k != "step"))
+    """The table (trials that started), results.csv, best.json and the summary."""
+    shown = [t for t in results.trials if t.status != "not started"]
+    keys = list(dict.fromkeys(k for t in shown for k in t.config))
+    metrics = list(dict.fromkeys(k for t in shown for k in t.last if k != "step"))
     header = ["trial", "status", "steps"] + keys + metrics
     rows = []
-    for t in results.trials:
+    for t in shown:
         cell = lambda v: f"{v:.6g}" if isinstance(v, float) else str(v)  # noqa: E731
         rows.append([str(t.id), t.status, str(t.last.get("step", ""))]
                     + [cell(t.config.get(k, "")) for k in keys]
@@ -648,12 +1028,17 @@ def _write_results(results, out_dir, out):
         print("  ".join(c.ljust(n) for c, n in zip(r, widths)).rstrip(), file=out)
     best = results.best
     if best is None:
-        print(f"\nno trial reported {results.metric}", file=out)
-        return
-    with open(os.path.join(out_dir, "best.json"), "w") as f:
-        json.dump({"trial": best.id, "config": best.config, "result": best.last}, f, indent=1)
-    shown = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
-                     for k, v in best.config.items())
-    print(f"\nbest: trial {best.id} {results.metric}={best.last[results.metric]:.4f} "
-          f"config: {shown}", file=out)
+        print(f"\nno finished trial reported {results.metric}", file=out)
+    else:
+        with open(os.path.join(out_dir, "best.json"), "w") as f:
+            json.dump({"trial": best.id, "config": best.config, "result": best.last}, f,
+                      indent=1)
+        shown_config = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                                for k, v in best.config.items())
+        print(f"\nbest: trial {best.id} {results.metric}={best.last[results.metric]:.4f} "
+              f"config: {shown_config}", file=out)
+    if results.interrupted:
+        finished = sum(1 for t in results.trials if t.finished)
+        print(f"tune: interrupted by {results.interrupted}: {finished} of "
+              f"{len(results.trials)} trials finished", file=out)
     print(f"results: {results.csv_path}", file=out, flush=True)

@@ -45,31 +45,111 @@ def test_scaling_parses_throughput_and_the_first_epoch_at_the_target():
         scaling.parse_output(OUTPUT.rsplit("[worker 0] summary", 1)[0], 0.9)
 
 
-def test_plot_draws_scaling_launch_bench_and_allreduce_bench_csvs(tmp_path):
+def _plot_module():
     pytest.importorskip("matplotlib")
     sys.path.insert(0, BENCH)
     try:
         import plot
     finally:
         sys.path.pop(0)
-    csvs = {
-        "scaling.csv": "workers,model,mode,samples_per_s,time_to_target_s,final_accuracy,"
-                       "speedup,job_s\n1,numpy,sync,11840,0.12,0.93,1.0,10.2\n"
-                       "2,numpy,sync,5068,,0.89,0.43,16.3\n",
-        "launch.csv": "backend,round,start_to_running_ms,start_to_exit_ms\n"
-                      "process,0,100.4,134.7\nprocess,1,121.4,278.2\noci,0,440,680\n",
-        "allreduce.csv": "size_bytes,shm_busbw_gbps,tcp_busbw_gbps\n4096,0.01,0.02\n"
-                         "1048576,1.2,1.3\n",
-    }
-    for name, text in csvs.items():
+    return plot
+
+
+CSVS = {
+    "scaling.csv": "workers,model,mode,samples_per_s,time_to_target_s,final_accuracy,"
+                   "speedup,job_s\n1,numpy,sync,11840,0.12,0.93,1.0,10.2\n"
+                   "2,numpy,sync,5068,,0.89,0.43,16.3\n",
+    "launch.csv": "backend,round,start_to_running_ms,start_to_exit_ms\n"
+                  "process,0,100.4,134.7\nprocess,1,121.4,278.2\noci,0,440,680\n"
+                  "oci,1,450,690\n",
+    "allreduce.csv": "size_bytes,ranks,host,shm_busbw_gbps,tcp_busbw_gbps,gloo_busbw_gbps,"
+                     "mpi_busbw_gbps\n1024,2,node7,0.01,0.02,0.01,0.01\n"
+                     "1048576,2,node7,1.2,1.3,0.5,0.9\n67108864,2,node7,6.0,3.0,1.0,4.0\n",
+    "ps.csv": "workers,mode,mb,partitions,rounds,repeat,deepnex_gbps,torch_rpc_gbps,"
+              "torch_rpc_malloc_gbps,raw_tcp_gbps,ratio_torch,ratio_torch_malloc,ratio_tcp\n"
+              "1,async,64,8,20,1,3.0,1.0,1.5,4.0,3,2,0.75\n"
+              "2,async,64,8,20,1,4.0,1.25,1.5,5.0,3.2,2.67,0.8\n",
+    "alloc.csv": "size_bytes,alloc_ms,release_ms\n1024,0.5,0.25\n1048576,1.5,1.25\n",
+}
+
+
+@pytest.fixture
+def charts(tmp_path):
+    """{csv name: (path, Figure)} for the sample CSVs; figures closed after."""
+    plot = _plot_module()
+    import matplotlib.pyplot as plt
+    out = {}
+    for name, text in CSVS.items():
         (tmp_path / name).write_text(text)
-    series, labels = plot.series_of(plot.read_csv(tmp_path / "allreduce.csv"))
-    assert series["shm_busbw_gbps"] == [(4096.0, 0.01), (1048576.0, 1.2)]
-    assert labels == ("size_bytes", "GB/s")
-    assert plot.scaling_series(plot.read_csv(tmp_path / "scaling.csv"), "time_to_target_s") == {
-        "numpy sync": [(1.0, 0.12), (2.0, None)]}
+        out[name] = (tmp_path / name, plot.figure(tmp_path / name))
+    yield plot, out
+    for _, fig in out.values():
+        plt.close(fig)
+
+
+def _ticks(ax):
+    return [t.get_text() for t in ax.get_xticklabels()]
+
+
+def _legend(ax):
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_plot_allreduce_chart_says_what_where_and_names_the_peers(charts):
+    plot, figs = charts
+    (ax,) = figs["allreduce.csv"][1].axes
+    assert ax.get_title() == ("allreduce bus bandwidth, float32 sum\n"
+                              "2 ranks on one host (node7); higher is better")
+    assert ax.get_xscale() == "log"
+    assert _ticks(ax) == ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB",
+                          "16 MiB", "64 MiB"]
+    assert ax.get_xlabel() == "message size (log scale)"
+    assert ax.get_ylabel() == "bus bandwidth, GB/s (1e9 B/s)"
+    assert _legend(ax) == ["deepnex shm", "deepnex tcp", "torch gloo", "Open MPI"]
+    assert plot.allreduce_series(plot.read_csv(figs["allreduce.csv"][0]))["deepnex shm"] == [
+        (1024.0, 0.01), (1048576.0, 1.2), (67108864.0, 6.0)]
+    assert [plot.human_bytes(n) for n in (512, 1024, 1536, 64 << 20, 1 << 30)] == [
+        "512 B", "1 KiB", "1.5 KiB", "64 MiB", "1 GiB"]
+
+
+def test_plot_titles_of_ps_scaling_launch_and_generic_charts(charts):
+    plot, figs = charts
+    (ax,) = figs["ps.csv"][1].axes
+    assert ax.get_title() == ("parameter server push+pull goodput, 64 MiB float32 model in 8 "
+                              "partitions\n1 server and 1-2 workers on one host (127.0.0.1), "
+                              "median of 20 rounds")
+    assert (ax.get_xlabel(), ax.get_ylabel(), ax.get_xscale()) == (
+        "workers", "goodput, GB/s", "linear")
+    assert _ticks(ax) == ["1", "2"]
+    assert _legend(ax) == ["deepnex async", "torch rpc", "torch rpc + malloc",
+                           "raw TCP (loopback ceiling)"]
+    fig = figs["scaling.csv"][1]
+    assert fig._suptitle.get_text() == ("digits MLP under deepnex run: 1-2 workers on one host "
+                                        "(local allocator, process backend)")
+    left, right = fig.axes
+    assert (left.get_ylabel(), right.get_ylabel()) == ("training throughput, samples/s",
+                                                       "time to target accuracy, s")
+    assert _legend(left) == ["NumPy MLP, sync PS"]
+    assert plot.scaling_series(plot.read_csv(figs["scaling.csv"][0]), "time_to_target_s") == {
+        "NumPy MLP, sync PS": [(1.0, 0.12), (2.0, None)]}
+    (ax,) = figs["launch.csv"][1].axes
+    assert ax.get_title() == ("launch latency of a trivial container (true) by backend\n"
+                              "one host, 2 rounds each; lower is better")
+    assert _ticks(ax) == ["deepnex process", "deepnex oci (runc)"]
+    # Unknown CSVs: the file name, a size axis for bytes, the unit on the axis.
+    (ax,) = figs["alloc.csv"][1].axes
+    assert (ax.get_title(), ax.get_xscale(), ax.get_xlabel(), ax.get_ylabel()) == (
+        "alloc", "log", "size (log scale)", "ms")
+    assert _ticks(ax) == ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB"]
+    assert _legend(ax) == ["alloc", "release"]
+
+
+def test_plot_writes_a_png_per_csv(charts, tmp_path):
+    plot, figs = charts
     out = tmp_path / "png"
-    assert plot.main([str(tmp_path / n) for n in csvs] + ["--out", str(out)]) == 0
-    for name in csvs:
+    assert plot.main([str(path) for path, _ in figs.values()] + ["--out", str(out)]) == 0
+    for name in CSVS:
         png = out / name.replace(".csv", ".png")
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "empty.csv").write_text("size_bytes,x_gbps\n")
+    assert plot.main([str(tmp_path / "empty.csv"), "--out", str(out)]) == 1

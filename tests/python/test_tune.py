@@ -1,14 +1,20 @@
 """deepnex.tune: search spaces, ASHA's promotions (exact), searches with
 stand-in trials, and a search on the digits example reaching 0.95."""
 
+import argparse
 import csv
+import fcntl
+import io
 import json
 import os
 import random
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import textwrap
+import threading
 import time
 
 import pytest
@@ -294,7 +300,7 @@ def test_ctrl_c_ends_the_running_trial_jobs(tmp_path):
                          stderr=subprocess.STDOUT, text=True)
     try:
         for line in p.stdout:
-            if "trial 0 step 1" in line:
+            if line.startswith("trial 0 running"):
                 break
         trial_pids = [q for q in _processes_with(marker) if q != p.pid]
         assert trial_pids, "the trial's worker should be running"
@@ -308,6 +314,302 @@ def test_ctrl_c_ends_the_running_trial_jobs(tmp_path):
     while _processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _processes_with(marker) == []
+
+
+def _wait_for(condition, what, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _processes_running(needle):
+    """Pids whose command line contains `needle` (zombies excluded)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle.encode() in cmdline and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+MARKED = textwrap.dedent("""
+    import argparse, os, signal, time
+    from deepnex import tune
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--x", type=float)
+    ap.add_argument("--marks")
+    args = ap.parse_args()
+    trial = os.environ["DEEPNEX_TUNE_TRIAL"]
+    if args.x >= 3:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # only SIGKILL ends it
+    steps = 2 if args.x == 1 else 10 ** 6
+    for step in range(1, steps + 1):
+        tune.report(step=step, score=args.x * step)
+        open(os.path.join(args.marks, f"reported-{trial}"), "a").close()
+        time.sleep(0.05 if args.x == 1 else 0.2)
+""")
+
+
+def _spawn_on_a_terminal(argv, env):
+    """argv in a session of its own whose controlling terminal is a new
+    pty; returns (process, master fd, output chunks read by a thread)."""
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+
+    def controlling_terminal():
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    p = subprocess.Popen(argv, env=env, stdin=slave, stdout=slave, stderr=slave,
+                         start_new_session=True, preexec_fn=controlling_terminal)
+    os.close(slave)
+    chunks = []
+
+    def drain():
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:   # EIO: every holder of the slave has closed it
+                return
+            if not data:
+                return
+            chunks.append(data)
+    threading.Thread(target=drain, daemon=True).start()
+    return p, master, chunks
+
+
+@pytest.mark.parametrize("how, code", [("ctrl-c", 130), ("sigterm", 143)])
+def test_interrupt_stops_the_search_cleanly(tmp_path, how, code):
+    """deepnex tune on a terminal, 4 slow trials, 2 at a time; once trial 0
+    has finished and trials 1 and 2 run: Ctrl-C (typed at the terminal) or
+    SIGTERM. Trial 2 ignores SIGTERM, so only the grace period's SIGKILL
+    ends it."""
+    script = tmp_path / "marked_trial.py"
+    script.write_text(MARKED)
+    marks, out, run_dir = tmp_path / "marks", tmp_path / "out", tmp_path / "run"
+    marks.mkdir()
+    env = dict(os.environ, DEEPNEX_RUN_DIR=str(run_dir))
+    argv = [sys.executable, "-m", "deepnex", "tune", "--space", "x=grid([1.0, 2.0, 3.0, 4.0])",
+            "--space", f"marks={str(marks)!r}", "--samples", "1", "--metric", "score",
+            "--max-concurrent", "2", "--out", str(out), "--", sys.executable, str(script)]
+    p, master, chunks = _spawn_on_a_terminal(argv, env)
+    try:
+        _wait_for(lambda: (marks / "reported-1").exists() and (marks / "reported-2").exists()
+                  or p.poll() is not None, "trials 1 and 2 to report")
+        assert p.poll() is None, b"".join(chunks).decode(errors="replace")
+        if how == "ctrl-c":
+            os.write(master, b"\x03")   # the terminal sends SIGINT to its foreground group
+        else:
+            p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == code
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        os.close(master)
+    printed = b"".join(chunks).decode(errors="replace")
+    name = "SIGINT" if how == "ctrl-c" else "SIGTERM"
+    assert "Traceback" not in printed, printed
+    assert f"tune: {name}: stopping 2 running trials; 1 not started" in printed, printed
+    assert f"tune: interrupted by {name}: 1 of 4 trials finished" in printed, printed
+    with open(out / "results.csv") as f:
+        rows = [(r["trial"], r["status"], r["x"]) for r in csv.DictReader(f)]
+    assert rows == [("0", "completed", "1"), ("1", "interrupted", "2"),
+                    ("2", "interrupted", "3")]
+    best = json.loads((out / "best.json").read_text())
+    assert (best["trial"], best["result"]) == (0, {"step": 2, "score": 2.0})
+    # The trials' job directories went with their jobs, and no trial
+    # process outlives the grace period.
+    assert [d for d in os.listdir(run_dir) if d.startswith("trial-")] == []
+    _wait_for(lambda: _processes_running(str(script)) == [], "the trial processes to end",
+              timeout=15)
+
+
+SLEEPER = textwrap.dedent("""
+    import argparse, os, time
+    from deepnex import tune
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--x", type=float)
+    ap.add_argument("--marks")
+    args = ap.parse_args()
+    tune.report(step=1, score=args.x)
+    open(os.path.join(args.marks, os.environ["DEEPNEX_TUNE_TRIAL"]), "w").close()
+    time.sleep(600)
+""")
+
+
+def test_sigint_cancels_the_start_of_a_trial_waiting_for_cores(tmp_path, monkeypatch):
+    """In-process tune.run: trial 0 takes every core, trial 1 waits for
+    them; SIGINT ends trial 0 and cancels trial 1's wait, and run() raises
+    Interrupted after writing the results."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    marks, run_dir = tmp_path / "marks", tmp_path / "run"
+    marks.mkdir()
+    monkeypatch.setenv("DEEPNEX_RUN_DIR", str(run_dir))
+    handler = signal.getsignal(signal.SIGINT)
+
+    def interrupt():
+        _wait_for(lambda: (marks / "0").exists(), "trial 0 to report")
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=interrupt, daemon=True).start()
+    out = io.StringIO()
+    with pytest.raises(tune.Interrupted) as info:
+        tune.run([sys.executable, str(script)], {"x": tune.grid([1.0, 2.0]),
+                                                 "marks": str(marks)},
+                 metric="score", out_dir=str(tmp_path / "out"), out=out,
+                 runner=tune.job_runner(cpus=_cores()))
+    assert (info.value.signal, info.value.exit_code) == (signal.SIGINT, 130)
+    results = info.value.results
+    assert [t.status for t in results.trials] == ["interrupted", "not started"]
+    assert (results.interrupted, results.best) == ("SIGINT", None)
+    with open(tmp_path / "out" / "results.csv") as f:
+        assert [(r["trial"], r["status"]) for r in csv.DictReader(f)] == [("0", "interrupted")]
+    assert not (tmp_path / "out" / "best.json").exists()
+    assert [d for d in os.listdir(run_dir) if d.startswith("trial-")] == []
+    assert "tune: SIGINT: stopping 1 running trial; 1 not started" in out.getvalue()
+    # The search's handler is gone with it.
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
+REPORTS_200 = textwrap.dedent("""
+    import os, sys, time
+    from deepnex import tune
+    flag = sys.argv[sys.argv.index("--flag") + 1] if "--flag" in sys.argv else None
+    for step in range(1, 201):
+        tune.report(step=step, score=float(step))
+        if flag and step == 1:
+            # Until the terminal has shown this trial running.
+            deadline = time.monotonic() + 60
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.01)
+""")
+
+
+def test_status_off_a_terminal_is_a_line_per_state_change(tmp_path):
+    script = tmp_path / "reports.py"
+    script.write_text(REPORTS_200)
+    out = io.StringIO()
+    tune.run([sys.executable, str(script)], {"x": 1.0}, metric="score",
+             out_dir=str(tmp_path), runner=tune.subprocess_runner, out=out)
+    assert out.getvalue().splitlines() == [
+        "tune: 1 trials, up to capacity, metric score (max)",
+        "trial 0 running: x=1",
+        "trial 0 completed at step 200: score=200",
+        "",
+        "trial  status     steps  x  score",
+        "0      completed  200    1  200",
+        "",
+        "best: trial 0 score=200.0000 config: x=1",
+        f"results: {tmp_path}/results.csv"]
+
+
+class _Terminal(io.StringIO):
+    """An output that says it is a terminal; creates `flag` once a table
+    showing a trial running has been drawn."""
+
+    def __init__(self, flag):
+        super().__init__()
+        self.flag = flag
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        if "\n0      running" in text:
+            open(self.flag, "w").close()
+        return super().write(text)
+
+
+def test_status_on_a_terminal_is_a_table_redrawn_in_place(tmp_path):
+    script = tmp_path / "reports.py"
+    script.write_text(REPORTS_200)
+    flag = tmp_path / "shown"
+    out = _Terminal(flag)
+    tune.run([sys.executable, str(script)], {"flag": str(flag)}, metric="score",
+             out_dir=str(tmp_path / "out"), runner=tune.subprocess_runner, out=out)
+    text = out.getvalue()
+    assert flag.exists()
+    assert text.startswith("tune: 1 trials, up to capacity, metric score (max)\n"
+                           "tune: 1 running\ntrial  state    step  score  parameters\n"
+                           "0      running  ")
+    # Each redraw and the end take the table off the screen (cursor up to its
+    # first line, clear below); what stays is the results table.
+    frames = text.split("\x1b[3F\x1b[J")
+    assert len(frames) >= 2
+    assert frames[-1].splitlines()[:3] == ["", "trial  status     steps  flag" + " " * (
+        len(str(flag)) - 4) + "  score", f"0      completed  200    {flag}  200"]
+
+
+KEEPS_REPORTING = textwrap.dedent("""
+    import sys
+    from deepnex import tune
+    print("reporting", flush=True)
+    step = 0
+    while True:
+        step += 1
+        tune.report(step=step, score=1.0)
+""")
+
+
+def test_report_fails_within_5s_once_the_search_is_gone(tmp_path):
+    from deepnex.collective import Store, StoreClient
+    script = tmp_path / "keeps_reporting.py"
+    script.write_text(KEEPS_REPORTING)
+    store = Store("127.0.0.1:0")
+    env = dict(os.environ, DEEPNEX_TUNE_STORE=store.address, DEEPNEX_TUNE_TRIAL="0",
+               DEEPNEX_TUNE_CONFIG="{}")
+
+    def start():
+        p = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        assert p.stdout.readline() == "reporting\n"
+        return p
+
+    def ends_within_5s(p):
+        gone = time.monotonic()
+        try:
+            p.wait(timeout=20)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        took = time.monotonic() - gone
+        err = p.stderr.read()
+        assert p.returncode == 1, err
+        assert took < 5.0, took
+        return err
+
+    # The search goes while the trial waits for the answer to a report.
+    p = start()
+    client = StoreClient(store.address, prefix="tune/0")
+    for k in range(3):
+        record = json.loads(client.get(f"report/{k}", timeout=60))
+        client.set(f"decision/{record['step']}", "continue")
+    client.get("report/3", timeout=60)
+    store.stop()
+    err = ends_within_5s(p)
+    assert (f"tune.report(step=4): the search at {store.address} that runs trial 0 "
+            "does not answer") in err, err
+    # The search is gone before the trial's first report.
+    err = ends_within_5s(start())
+    assert (f"tune.report(step=1): the search at {store.address} that runs trial 0 "
+            "does not answer") in err, err
+
+
+def test_import_deepnex_makes_tune_available_without_torch():
+    code = ("import sys, deepnex; assert callable(deepnex.tune.run); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
 
 
 def test_report_outside_a_search_is_a_no_op(monkeypatch):
@@ -325,10 +627,84 @@ def test_cli_parses_a_search(tmp_path, trial_script):
         assert [r["status"] for r in csv.DictReader(f)] == ["completed", "completed"]
 
 
+def _tune_cli(monkeypatch, argv):
+    """Runs `deepnex tune argv -- true` with tune.run and tune.job_runner
+    replaced; returns (code, run's kwargs, job_runner's kwargs)."""
+    from deepnex.__main__ import main
+    seen = {}
+
+    def fake_runner(**kwargs):
+        seen["job_runner"] = kwargs
+        return "runner"
+
+    def fake_run(command, space, **kwargs):
+        seen["run"] = kwargs
+        return tune.Results([], kwargs["metric"], kwargs["mode"], "x.csv")
+    monkeypatch.setattr(tune, "job_runner", fake_runner)
+    monkeypatch.setattr(tune, "run", fake_run)
+    code = main(["tune", "--space", "x=1", *argv, "--", "true"])
+    return code, seen.get("run"), seen.get("job_runner")
+
+
+def test_cli_mode_is_the_training_mode_and_direction_the_metrics(monkeypatch, capsys):
+    code, run, runner = _tune_cli(monkeypatch, ["--mode", "ssp:2", "--direction", "min"])
+    assert (code, run["mode"], runner["mode"]) == (1, "min", "ssp:2")
+    assert capsys.readouterr().err == ""
+    _, run, runner = _tune_cli(monkeypatch, [])
+    assert (run["mode"], runner["mode"]) == ("max", "allreduce")
+    # The old spellings still work, with a one-line warning each.
+    _, run, runner = _tune_cli(monkeypatch, ["--mode", "min"])
+    assert (run["mode"], runner["mode"]) == ("min", "allreduce")
+    assert capsys.readouterr().err == (
+        "deepnex tune: --mode min is deprecated for the metric's direction: use --direction "
+        "min (--mode is now the trials' training mode)\n")
+    _, run, runner = _tune_cli(monkeypatch, ["--job-mode", "async"])
+    assert (run["mode"], runner["mode"]) == ("max", "async")
+    assert capsys.readouterr().err == "deepnex tune: --job-mode is deprecated: use --mode async\n"
+    for argv, message in [
+            (["--mode", "max", "--direction", "min"],
+             "deepnex tune: --mode max and --direction min disagree"),
+            (["--mode", "sync", "--job-mode", "async"],
+             "deepnex tune: --mode sync and --job-mode async disagree"),
+            (["--token", "t", "--token-file", "f"],
+             "deepnex tune: --token and --token-file f were both given; give one")]:
+        with pytest.raises(SystemExit) as info:
+            _tune_cli(monkeypatch, argv)
+        assert str(info.value) == message
+    from deepnex.__main__ import main
+    monkeypatch.undo()   # the real job_runner checks the mode
+    with pytest.raises(SystemExit) as info:
+        main(["tune", "--mode", "fast", "--", "true"])
+    assert str(info.value) == ('deepnex tune: mode: "fast" is not sync, ssp:S (S >= 0), async '
+                               'or allreduce')
+
+
+def test_cli_token_or_token_file_for_central(monkeypatch, tmp_path):
+    monkeypatch.delenv("DEEPNEX_TOKEN", raising=False)
+    _, _, runner = _tune_cli(monkeypatch, ["--central", "h:1", "--token-file", "tok"])
+    assert (runner["central"], runner["central_token_file"]) == ("h:1", "tok")
+    assert "central_token" not in runner
+    _, _, runner = _tune_cli(monkeypatch, ["--central", "h:1", "--token", "s3cret"])
+    assert (runner["central_token"], "central_token_file" in runner) == ("s3cret", False)
+    monkeypatch.setenv("DEEPNEX_TOKEN", "from-env")
+    _, _, runner = _tune_cli(monkeypatch, ["--central", "h:1"])
+    assert runner["central_token"] == "from-env"
+
+
+def test_every_tune_flag_has_help():
+    from deepnex.__main__ import build_parser
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction))
+    parser = commands.choices["tune"]
+    assert [a.option_strings or a.dest for a in parser._actions if not a.help] == []
+    assert "deprecated" in next(a.help for a in parser._actions
+                                if "--job-mode" in a.option_strings)
+
+
 # ---- digits
 
 def test_cli_trials_as_two_worker_ps_jobs(tmp_path):
-    """deepnex tune --workers-per-trial 2 --job-mode sync: each trial a job
+    """deepnex tune --workers-per-trial 2 --mode sync: each trial a job
     with a parameter server that applies the configuration's lr."""
     pytest.importorskip("sklearn")
     from deepnex import job
@@ -340,7 +716,7 @@ def test_cli_trials_as_two_worker_ps_jobs(tmp_path):
     script = os.path.join(ROOT, "examples", "digits", "mlp_numpy.py")
     out = tmp_path / "ps"
     code = main(["tune", "--space", "lr=grid([0.2])", "--space", "momentum=0.9",
-                 "--samples", "1", "--workers-per-trial", "2", "--job-mode", "sync",
+                 "--samples", "1", "--workers-per-trial", "2", "--mode", "sync",
                  "--cpus", "0", "--out", str(out), "--", sys.executable, script, "--epochs", "4"])
     assert code == 0
     with open(out / "results.csv") as f:
