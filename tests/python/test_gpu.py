@@ -375,6 +375,7 @@ def _cells(line):
 def _quota_row(stdout, user):
     """The cells of `user`'s row in a `deepnex quota` table."""
     lines = stdout.splitlines()
+    lines = lines[next(i for i, line in enumerate(lines) if line.startswith("USER ")):]
     assert _cells(lines[0]) == ["USER", "QUOTA", "GPUS USED/LIMIT", "GPU MEMORY USED/LIMIT",
                                 "CPUS USED/LIMIT", "MEMORY USED/LIMIT"], lines[0]
     [row] = [_cells(line) for line in lines[1:] if _cells(line)[0] == user]
