@@ -1015,7 +1015,8 @@ class Allocator::Impl {
     };
     std::vector<std::string> short_of;
     if (r.gpus > most_gpus) {
-      std::string gpus = absl::StrCat(r.gpus, " ", ModeName(r.mode), " GPU", r.gpus == 1 ? "" : "s");
+      std::string gpus =
+          absl::StrCat(r.gpus, " ", ModeName(r.mode), " GPU", r.gpus == 1 ? "" : "s");
       if (!excl) absl::StrAppend(&gpus, " with ", FormatByteSize(r.gpu_memory), " free");
       short_of.push_back(gpus + free(std::to_string(most_gpus), most_gpus == 0));
     }
