@@ -1,10 +1,14 @@
 """The GPU commands of the deepnex CLI, against deepnex-central:
 
     deepnex nodes                       a table of nodes, modes, GPUs, memory
-    deepnex alloc --gpus 2 --mode shared --gpu-memory 10GiB
+    deepnex alloc --gpus 2 --gpu-mode shared --gpu-memory 10GiB   (prints where it waits)
     deepnex release ID
-    deepnex allocations [--user U]
-    deepnex quota USER --gpus 4 --gpu-memory 40GiB   (USER "default": the default)
+    deepnex allocations [--user U] [--pending]
+    deepnex queue [--user U]            the waiting requests, in order, and why they wait
+    deepnex quota                       every user's quota beside usage (admin)
+    deepnex quota USER                  USER's quota beside usage (USER "default": the default)
+    deepnex quota USER --gpus 4 --gpu-memory 40GiB --cpus none   sets the limits given;
+                                        "none" clears one, the others stay
     deepnex node mode NAME exclusive|shared [--when-drained]
     deepnex node cordon|uncordon|remove NAME ; deepnex node drain NAME [--release]
     deepnex metrics
@@ -13,16 +17,18 @@ The address is --central or $DEEPNEX_CENTRAL; the token --token,
 --token-file or $DEEPNEX_TOKEN.
 """
 
+import argparse
 import os
 import sys
+import threading
 
 
 def add_central_args(p):
     """The options every command against deepnex-central takes."""
     p.add_argument("--central", help="host:port of deepnex-central ($DEEPNEX_CENTRAL)")
     p.add_argument("--token", help="bearer token ($DEEPNEX_TOKEN)")
-    p.add_argument("--token-file")
-    p.add_argument("--tls-ca-file")
+    p.add_argument("--token-file", help="file holding the bearer token")
+    p.add_argument("--tls-ca-file", help="PEM CA certificate to verify deepnex-central's TLS")
     p.add_argument("--call-timeout", type=float, default=30.0, help="seconds per call")
 
 
@@ -55,10 +61,23 @@ def _nodes(args):
         rows.append((n.name, n.mode, state, f"{len(gpus) - n.gpus_free}/{len(gpus)}",
                      f"{_size(used_mem)}/{_size(total_mem)}", f"{n.cpus_used}/{n.cpus}",
                      f"{_size(n.memory_used)}/{_size(n.memory)}"))
+    _table(rows)
+    return 0
+
+
+def _table(rows):
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    return 0
+
+
+def _duration(seconds):
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _print_allocation(a):
@@ -78,14 +97,80 @@ def _alloc(args):
         if not eq:
             raise SystemExit(f"deepnex: --selector {item!r}: expected KEY=VALUE")
         selector[key] = value
-    request = gpu.Request(user=args.user or "", gpus=args.gpus, mode=args.mode,
+    request = gpu.Request(user=args.user or "", gpus=args.gpus, mode=args.gpu_mode,
                           gpu_memory=args.gpu_memory, cpus=args.cpus, memory=args.memory,
                           selector=selector, node=args.node, priority=args.priority,
                           replicas=args.replicas, spread=args.spread, lease=args.lease)
-    got = client(args).allocate(request, wait=not args.no_wait, timeout=args.timeout)
+    c = client(args)
+    watch = None
+    if not args.no_wait:
+        watch = _QueueWatch(c, request)
+        watch.start()
+    try:
+        got = c.allocate(request, wait=not args.no_wait, timeout=args.timeout)
+    finally:
+        if watch:
+            watch.stop()
     for a in got if isinstance(got, list) else [got]:
         _print_allocation(a)
     return 0
+
+
+class _QueueWatch:
+    """Polls deepnex-central's queue while `deepnex alloc` waits, and prints
+    where its request waits and why ("queued at position N: REASON") to
+    stderr, once and again whenever that changes.
+
+    The allocate call does not learn its place in the queue, so the request
+    is recognized as the entry that was not there before it was sent and has
+    its user, sizes and priority."""
+
+    def __init__(self, c, request, poll=0.5):
+        from deepnex import DeepnexError
+        self._c, self._r, self._poll = c, request, poll
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        try:
+            self._before = {p["id"] for p in c.pending()}
+        except DeepnexError:
+            self._before = None  # no view of the queue: print nothing
+
+    def _mine(self, p):
+        r = self._r
+        return (p["id"] not in self._before and (not r.user or p["user"] == r.user) and
+                (p["gpus"], p["mode"], p["cpus"], p["replicas"], p["priority"]) ==
+                (r.gpus, r.mode, r.cpus, r.replicas, r.priority))
+
+    def _run(self):
+        from deepnex import DeepnexError
+        mine, shown, delay = None, None, 0
+        while not self._stopped.wait(delay):
+            delay = self._poll
+            try:
+                pending = self._c.pending()
+            except DeepnexError:
+                return
+            if mine is None:
+                found = [p for p in pending if self._mine(p)]
+                if not found:
+                    continue
+                mine = found[0]["id"]
+            entry = next((p for p in pending if p["id"] == mine), None)
+            if entry is None:
+                return  # granted or refused: allocate returns
+            now = (entry["position"], entry["reason"])
+            if now != shown:
+                shown = now
+                print(f"queued at position {now[0]}: {now[1]}", file=sys.stderr, flush=True)
+
+    def start(self):
+        if self._before is not None:
+            self._thread.start()
+
+    def stop(self):
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
 
 def _release(args):
@@ -95,16 +180,92 @@ def _release(args):
 
 
 def _allocations(args):
+    if args.pending:
+        return _queue(args)
+    rows = [("ID", "USER", "JOB", "NODE", "MODE", "GPU INDICES", "GPU MEMORY", "CPUS", "MEMORY",
+             "GANG")]
     for a in client(args).allocations(user=args.user):
-        _print_allocation(a)
+        mode = "-" if not a.gpus else "exclusive" if a.gpus[0].exclusive else "shared"
+        # Allocations carry no job name (gpu::Request has no labels), so JOB
+        # reads "-" for now.
+        rows.append((a.id, a.user, "-", a.node, mode,
+                     ",".join(str(g.index) for g in a.gpus) or "-",
+                     _size(a.gpus[0].memory) if a.gpus else "-", str(a.cpus), _size(a.memory),
+                     f"{a.gang}/{a.replica}" if a.gang else "-"))
+    _table(rows)
     return 0
+
+
+def _queue(args):
+    rows = [("POS", "ID", "USER", "GPUS", "MODE", "GPU MEMORY", "CPUS", "MEMORY", "REPLICAS",
+             "PRIORITY", "WAITED", "REASON")]
+    for p in client(args).pending(user=args.user):
+        rows.append((str(p["position"]), p["id"], p["user"], str(p["gpus"]),
+                     p["mode"] if p["gpus"] else "-",
+                     _size(p["gpu_memory"]) if p["gpu_memory"] else "-", str(p["cpus"]),
+                     _size(p["memory"]) if p["memory"] else "-", str(p["replicas"]),
+                     str(p["priority"]),
+                     _duration(p["waited"]), p["reason"]))
+    _table(rows)
+    return 0
+
+
+_LIMITS = ("gpus", "gpu_memory", "cpus", "memory")
+_UNSET = object()  # a limit flag not given
+
+
+def _limit(kind):
+    """An argparse type: "none" (no limit) or a count / byte size."""
+    def parse(text):
+        if text == "none":
+            return None
+        if kind == "count":
+            try:
+                return int(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"expected a count or none, got {text!r}") from None
+        return text  # a byte size, checked by set_quota
+    return parse
+
+
+def _quota_rows(entries):
+    def cell(e, key):
+        limit, used = e["quota"][key], e["usage"][key]
+        fmt = str if key in ("gpus", "cpus") else _size
+        used = fmt(used) if e["user"] else "-"  # the default quota has no usage
+        return f"{used}/{'unlimited' if limit is None else fmt(limit)}"
+    rows = [("USER", "QUOTA", "GPUS USED/LIMIT", "GPU MEMORY USED/LIMIT", "CPUS USED/LIMIT",
+             "MEMORY USED/LIMIT")]
+    for e in entries:
+        rows.append((e["user"] or "default", "own" if e["own"] else "default",
+                     *(cell(e, k) for k in _LIMITS)))
+    return rows
 
 
 def _quota(args):
     c = client(args)
-    kw = dict(gpus=args.gpus, gpu_memory=args.gpu_memory, cpus=args.cpus, memory=args.memory)
-    note = c.set_default_quota(**kw) if args.user == "default" else c.set_quota(args.user, **kw)
-    print(note or f"quota of {args.user} set")
+    default = args.user == "default"
+
+    def current():
+        if args.user is None:
+            return c.quotas()
+        if default:
+            return [e for e in c.quotas() if not e["user"]]
+        return c.quotas(user=args.user)
+
+    given = {k: getattr(args, k) for k in _LIMITS if getattr(args, k) is not _UNSET}
+    if given and args.user is None:
+        raise SystemExit("deepnex: quota: name the USER (or 'default') whose limits to set")
+    if given:
+        # The limits not named stay as they are: only "none" clears one.
+        [entry] = current()
+        limits = dict(entry["quota"], **given)
+        note = c.set_default_quota(**limits) if default else c.set_quota(args.user, **limits)
+        print(f"quota of {args.user} set")
+        if note:
+            print(note)
+    _table(_quota_rows(current()))
     return 0
 
 
@@ -114,12 +275,21 @@ def _node(args):
         if not args.mode:
             raise SystemExit("deepnex: node mode NAME exclusive|shared")
         c.set_node_mode(args.name, args.mode, when_drained=args.when_drained)
-    elif args.action == "drain":
+        [info] = [n for n in c.nodes() if n.name == args.name]
+        if info.pending_mode:
+            print(f"node {args.name}: switch to {info.pending_mode} pending; the node takes no "
+                  f"new GPU allocations and switches once its {info.mode} ones are released")
+        else:
+            print(f"node {args.name}: mode {info.mode}")
+        return 0
+    if args.action == "drain":
         c.drain(args.name, release=args.release)
+        done = "drained, its allocations released" if args.release else "draining (cordoned)"
     else:
         getattr(c, {"cordon": "cordon", "uncordon": "uncordon",
                     "remove": "remove_node"}[args.action])(args.name)
-    print(f"node {args.name}: {args.action} done")
+        done = {"cordon": "cordoned", "uncordon": "uncordoned", "remove": "removed"}[args.action]
+    print(f"node {args.name}: {done}")
     return 0
 
 
@@ -140,6 +310,14 @@ def guard(fn):
     return run
 
 
+class _DeprecatedMode(argparse.Action):
+    """alloc's old --mode: still works, with a warning to use --gpu-mode."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print("deepnex: --mode is deprecated; use --gpu-mode", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def add_commands(commands):
     """Adds the GPU subcommands to the CLI's subparsers."""
     def sub(name, fn, help):
@@ -149,35 +327,63 @@ def add_commands(commands):
         return p
 
     sub("nodes", _nodes, "table of nodes, modes, GPUs used/free, memory")
-    p = sub("alloc", _alloc, "allocate GPUs, CPU cores and memory")
-    p.add_argument("--user", help="default: the token's user")
-    p.add_argument("--gpus", type=int, default=0)
-    p.add_argument("--mode", default="exclusive", choices=["exclusive", "shared"])
-    p.add_argument("--gpu-memory", default=0, help="per GPU, e.g. 10GiB")
-    p.add_argument("--cpus", type=int, default=0)
-    p.add_argument("--memory", default=0, help="host memory, e.g. 16GiB")
-    p.add_argument("--selector", action="append", help="KEY=VALUE (repeatable)")
-    p.add_argument("--node")
-    p.add_argument("--priority", type=int, default=0)
-    p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--spread", action="store_true")
-    p.add_argument("--lease", type=float, help="seconds")
+    p = sub("alloc", _alloc, "allocate GPUs, CPU cores and memory; while the request waits, "
+                             "print its place in the queue and why")
+    p.add_argument("--user", help="whom to allocate for (admins); default: the token's user")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs per part (default 0: CPU only)")
+    p.add_argument("--gpu-mode", default="exclusive", choices=["exclusive", "shared"],
+                   help="exclusive: whole GPUs; shared: --gpu-memory of each GPU "
+                        "(default exclusive)")
+    p.add_argument("--mode", dest="gpu_mode", choices=["exclusive", "shared"],
+                   action=_DeprecatedMode, default=argparse.SUPPRESS,
+                   help="deprecated alias of --gpu-mode")
+    p.add_argument("--gpu-memory", default=0,
+                   help="per GPU, e.g. 10GiB: what a shared GPU grants, the least an exclusive "
+                        "one must have")
+    p.add_argument("--cpus", type=int, default=0, help="CPU cores per part")
+    p.add_argument("--memory", default=0, help="host memory per part, e.g. 16GiB")
+    p.add_argument("--selector", action="append",
+                   help="KEY=VALUE node label the node must have (repeatable)")
+    p.add_argument("--node", help="only this node")
+    p.add_argument("--priority", type=int, default=0, help="higher waits ahead in the queue")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="parts of a gang, granted all together or not at all")
+    p.add_argument("--spread", action="store_true",
+                   help="prefer the emptiest node instead of packing")
+    p.add_argument("--lease", type=float,
+                   help="seconds; the allocation is released unless renewed within them")
     p.add_argument("--no-wait", action="store_true", help="refuse instead of queueing")
-    p.add_argument("--timeout", type=float, help="seconds to wait in the queue")
+    p.add_argument("--timeout", type=float, help="seconds to wait in the queue (default: no limit)")
     p = sub("release", _release, "release an allocation (or a gang) by id")
-    p.add_argument("id")
-    p = sub("allocations", _allocations, "list allocations")
-    p.add_argument("--user")
-    p = sub("quota", _quota, "set a user's quota (USER 'default': the default quota)")
-    p.add_argument("user")
-    p.add_argument("--gpus", type=int)
-    p.add_argument("--gpu-memory")
-    p.add_argument("--cpus", type=int)
-    p.add_argument("--memory")
+    p.add_argument("id", help="allocation id (a<N>) or gang id (g<N>)")
+    p = sub("allocations", _allocations, "table of allocations (--pending: waiting requests)")
+    p.add_argument("--user", help="only this user's (a user token sees only its own)")
+    p.add_argument("--pending", action="store_true",
+                   help="list the requests waiting in the queue instead (as deepnex queue)")
+    p = sub("queue", _queue, "table of the requests waiting in the queue, in order, with why "
+                             "each waits")
+    p.add_argument("--user", help="only this user's (a user token sees only its own)")
+    p = sub("quota", _quota, "show quotas beside usage, or set a user's limits")
+    p.add_argument("user", nargs="?",
+                   help="whose quota ('default': the default quota); none: every user's "
+                        "(admins)")
+    p.add_argument("--gpus", type=_limit("count"), default=_UNSET,
+                   help="most GPUs held at once, or none for no limit")
+    p.add_argument("--gpu-memory", type=_limit("size"), default=_UNSET,
+                   help="most GPU memory held at once, e.g. 40GiB, or none")
+    p.add_argument("--cpus", type=_limit("count"), default=_UNSET,
+                   help="most CPU cores held at once, or none")
+    p.add_argument("--memory", type=_limit("size"), default=_UNSET,
+                   help="most host memory held at once, e.g. 128GiB, or none")
     p = sub("node", _node, "change a node: mode, cordon, uncordon, drain, remove")
-    p.add_argument("action", choices=["mode", "cordon", "uncordon", "drain", "remove"])
-    p.add_argument("name")
-    p.add_argument("mode", nargs="?", choices=["exclusive", "shared"])
-    p.add_argument("--when-drained", action="store_true")
-    p.add_argument("--release", action="store_true")
+    p.add_argument("action", choices=["mode", "cordon", "uncordon", "drain", "remove"],
+                   help="what to do")
+    p.add_argument("name", help="the node")
+    p.add_argument("mode", nargs="?", choices=["exclusive", "shared"],
+                   help="the GPU mode to switch to (action mode)")
+    p.add_argument("--when-drained", action="store_true",
+                   help="mode: if the node holds GPU allocations, switch once they are released "
+                        "instead of refusing")
+    p.add_argument("--release", action="store_true",
+                   help="drain: also release every allocation on the node")
     sub("metrics", _metrics, "Prometheus text metrics")

@@ -209,6 +209,25 @@ class Allocator:
     def usage(self, user) -> dict:
         return self._a.usage(user)
 
+    def quotas(self, user=None) -> List[dict]:
+        """Quotas beside usage: dicts {"user", "own", "quota", "usage"},
+        where "quota" and "usage" are dicts of gpus, gpu_memory, cpus and
+        memory (a quota's None: unlimited) and "own" says whether the user
+        has a quota of their own (else the default applies). ``user`` None:
+        the default quota first (user ""), then every user with a quota or
+        holding something; otherwise that user alone. Through
+        deepnex-central a user token sees only its own."""
+        return self._a.quotas(user or "")
+
+    def pending(self, user=None) -> List[dict]:
+        """The queue in order: dicts {"position" (1-based, in the whole
+        queue), "id", "user", "gpus", "mode", "gpu_memory", "cpus", "memory",
+        "replicas", "priority", "node", "selector", "waited" (seconds),
+        "reason"}; "reason" says why it waits, e.g. "waiting for 2 exclusive
+        GPUs (0 free on any eligible node)" or "behind 3 requests". ``user``
+        filters; through deepnex-central a user sees only their own."""
+        return self._a.pending(user or "")
+
     # ---- allocations
 
     def allocate(self, request: Request, wait=True, timeout=None):
@@ -314,6 +333,8 @@ class CentralClient:
     release = Allocator.release
     renew = Allocator.renew
     allocations = Allocator.allocations
+    quotas = Allocator.quotas
+    pending = Allocator.pending
 
     def metrics(self) -> str:
         """Prometheus text: GPU memory per GPU, GPUs by mode, queue, counters."""

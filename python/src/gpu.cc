@@ -72,7 +72,60 @@ py::dict NodeDict(const gpu::Node& n) {
   return d;
 }
 
-std::optional<int64_t> OptCount(const std::optional<int64_t>& v) { return v; }
+py::dict QuotaDict(const gpu::Quota& q) {
+  py::dict d;
+  d["gpus"] = q.gpus;
+  d["gpu_memory"] = q.gpu_memory;
+  d["cpus"] = q.cpus;
+  d["memory"] = q.memory;
+  return d;
+}
+
+py::dict UsageDict(const gpu::Usage& u) {
+  py::dict d;
+  d["gpus"] = u.gpus;
+  d["gpu_memory"] = u.gpu_memory;
+  d["cpus"] = u.cpus;
+  d["memory"] = u.memory;
+  return d;
+}
+
+py::list QuotaList(const std::vector<gpu::UserQuota>& quotas) {
+  py::list out;
+  for (const auto& q : quotas) {
+    py::dict d;
+    d["user"] = q.user;
+    d["own"] = q.own;
+    d["quota"] = QuotaDict(q.quota);
+    d["usage"] = UsageDict(q.usage);
+    out.append(d);
+  }
+  return out;
+}
+
+py::list PendingList(const std::vector<gpu::PendingRequest>& pending) {
+  py::list out;
+  for (const auto& p : pending) {
+    const gpu::Request& r = p.request;
+    py::dict d;
+    d["position"] = p.position;
+    d["id"] = p.id;
+    d["user"] = r.user;
+    d["gpus"] = r.gpus;
+    d["mode"] = gpu::ModeName(r.mode);
+    d["gpu_memory"] = r.gpu_memory;
+    d["cpus"] = r.cpus;
+    d["memory"] = r.memory;
+    d["replicas"] = r.replicas;
+    d["priority"] = r.priority;
+    d["node"] = r.node;
+    d["selector"] = r.selector;
+    d["waited"] = p.waited.count() / 1000.0;
+    d["reason"] = p.reason;
+    out.append(d);
+  }
+  return out;
+}
 
 gpu::Quota MakeQuota(std::optional<int64_t> gpus, std::optional<uint64_t> gpu_memory,
                      std::optional<int64_t> cpus, std::optional<uint64_t> memory) {
@@ -171,7 +224,29 @@ void BindApi(Class& c) {
           py::call_guard<py::gil_scoped_release>())
       .def(
           "allocations", [](Api& a, const std::string& user) { return Val(a.Allocations(user)); },
-          py::arg("user"), py::call_guard<py::gil_scoped_release>());
+          py::arg("user"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "quotas",
+          [](Api& a, const std::string& user) {
+            std::vector<gpu::UserQuota> quotas;
+            {
+              py::gil_scoped_release release;
+              quotas = Val(a.Quotas(user));
+            }
+            return QuotaList(quotas);
+          },
+          py::arg("user"))
+      .def(
+          "pending",
+          [](Api& a, const std::string& user) {
+            std::vector<gpu::PendingRequest> pending;
+            {
+              py::gil_scoped_release release;
+              pending = Val(a.Pending(user));
+            }
+            return PendingList(pending);
+          },
+          py::arg("user"));
 }
 
 }  // namespace
@@ -277,25 +352,9 @@ void RegisterGpu(py::module_& parent) {
           [](Allocator& a, const std::string& user) { CheckStatus(a.ClearQuota(user)); },
           py::call_guard<py::gil_scoped_release>())
       .def("quota",
-           [](const Allocator& a, const std::string& user) {
-             gpu::Quota q = a.GetQuota(user);
-             py::dict d;
-             d["gpus"] = OptCount(q.gpus);
-             d["gpu_memory"] = q.gpu_memory;
-             d["cpus"] = OptCount(q.cpus);
-             d["memory"] = q.memory;
-             return d;
-           })
+           [](const Allocator& a, const std::string& user) { return QuotaDict(a.GetQuota(user)); })
       .def("usage",
-           [](const Allocator& a, const std::string& user) {
-             gpu::Usage u = a.GetUsage(user);
-             py::dict d;
-             d["gpus"] = u.gpus;
-             d["gpu_memory"] = u.gpu_memory;
-             d["cpus"] = u.cpus;
-             d["memory"] = u.memory;
-             return d;
-           })
+           [](const Allocator& a, const std::string& user) { return UsageDict(a.GetUsage(user)); })
       .def(
           "node", [](const Allocator& a, const std::string& name) { return Unwrap(a.GetNode(name)); },
           py::call_guard<py::gil_scoped_release>())

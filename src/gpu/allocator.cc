@@ -159,6 +159,8 @@ struct Waiter {
   Allocator::AllocateDone answer;
   std::chrono::milliseconds timeout{0};
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  // When it joined the queue (Pending reports how long it waited).
+  std::chrono::steady_clock::time_point queued_at;
 };
 
 enum class Outcome { kGranted, kBusy, kFailed };
@@ -967,6 +969,114 @@ class Allocator::Impl {
         " node(s) match, none has that many GPUs, cpus and memory"));
   }
 
+  // Under mu_: why one part of queued request `r` does not fit now, naming
+  // the resource that is short on the nodes that could take it; empty when
+  // one part fits (it waits only for its turn).
+  std::string Shortage(const Request& r) const {
+    const bool excl = r.mode == Mode::kExclusive;
+    int matching = 0, eligible = 0, most_gpus = 0, most_cpus = 0;
+    uint64_t most_memory = 0;
+    bool fits = false;
+    for (const auto& [name, n] : by_name_) {
+      if (!r.node.empty() && name != r.node) continue;
+      bool labeled = true;
+      for (const auto& [k, v] : r.selector) {
+        auto it = n->spec.labels.find(k);
+        labeled &= it != n->spec.labels.end() && it->second == v;
+      }
+      if (!labeled) continue;
+      ++matching;
+      if (n->cordoned || (r.gpus > 0 && (n->pending || n->mode != r.mode))) continue;
+      ++eligible;
+      int gpus = 0;
+      for (size_t i = 0; i < n->spec.gpus.size(); ++i) {
+        const uint64_t memory = n->spec.gpus[i].memory;
+        gpus += excl ? (n->count[i] == 0 && memory >= r.gpu_memory)
+                     : (memory - n->used_mem[i] >= r.gpu_memory);
+      }
+      const int cpus = n->spec.cpus - n->cpus_used;
+      const uint64_t memory = n->spec.memory - n->mem_used;
+      most_gpus = std::max(most_gpus, gpus);
+      most_cpus = std::max(most_cpus, cpus);
+      most_memory = std::max(most_memory, memory);
+      fits |= gpus >= r.gpus && cpus >= r.cpus && memory >= r.memory;
+    }
+    if (eligible == 0) {
+      return absl::StrCat("waiting for a node to take it (", matching,
+                          " matching node(s), all cordoned or switching mode)");
+    }
+    if (fits) {
+      if (r.replicas == 1) return "";
+      return absl::StrCat("waiting for room for all ", r.replicas, " parts of the gang at once");
+    }
+    auto free = [](const std::string& most, bool none) {
+      return none ? std::string(" (0 free on any eligible node)")
+                  : absl::StrCat(" (at most ", most, " free on an eligible node)");
+    };
+    std::vector<std::string> short_of;
+    if (r.gpus > most_gpus) {
+      std::string gpus =
+          absl::StrCat(r.gpus, " ", ModeName(r.mode), " GPU", r.gpus == 1 ? "" : "s");
+      if (!excl) absl::StrAppend(&gpus, " with ", FormatByteSize(r.gpu_memory), " free");
+      short_of.push_back(gpus + free(std::to_string(most_gpus), most_gpus == 0));
+    }
+    if (r.cpus > most_cpus) {
+      short_of.push_back(absl::StrCat(r.cpus, " cpus", free(std::to_string(most_cpus),
+                                                             most_cpus == 0)));
+    }
+    if (r.memory > most_memory) {
+      short_of.push_back(absl::StrCat(FormatByteSize(r.memory), " memory",
+                                      free(FormatByteSize(most_memory), most_memory == 0)));
+    }
+    if (short_of.empty()) {
+      // Each resource is free somewhere, but on no node all together.
+      std::vector<std::string> asked;
+      if (r.gpus > 0) asked.push_back(absl::StrCat(r.gpus, " ", ModeName(r.mode), " GPUs"));
+      if (r.cpus > 0) asked.push_back(absl::StrCat(r.cpus, " cpus"));
+      if (r.memory > 0) asked.push_back(absl::StrCat(FormatByteSize(r.memory), " memory"));
+      return absl::StrCat("waiting for one node with ", absl::StrJoin(asked, ", "),
+                          " free at once");
+    }
+    return absl::StrCat("waiting for ", absl::StrJoin(short_of, " and "));
+  }
+
+  std::vector<PendingRequest> Pending(const std::string& user) const {
+    std::vector<PendingRequest> out;
+    const auto now = std::chrono::steady_clock::now();
+    size_t position = 0;
+    for (const auto& [key, w] : queue_) {
+      ++position;
+      if (!user.empty() && w->request.user != user) continue;
+      PendingRequest p;
+      p.position = position;
+      p.id = absl::StrCat("q", key.second);
+      p.request = w->request;
+      p.waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - w->queued_at);
+      const size_t ahead = position - 1;
+      std::string behind =
+          ahead == 0 ? "" : absl::StrCat("behind ", ahead, ahead == 1 ? " request" : " requests");
+      std::string short_of = Shortage(w->request);
+      if (short_of.empty()) {
+        // The head fits only between a change and the Pump that follows it.
+        p.reason = behind.empty() ? "being granted" : behind;
+      } else {
+        p.reason = behind.empty() ? short_of : absl::StrCat(short_of, "; ", behind);
+      }
+      out.push_back(std::move(p));
+    }
+    return out;
+  }
+
+  UserQuota QuotaEntry(const std::string& user) const {
+    UserQuota q;
+    q.user = user;
+    q.own = quotas_.count(user) > 0;
+    q.quota = QuotaFor(user);
+    auto it = usage_.find(user);
+    if (it != usage_.end()) q.usage = it->second;
+    return q;
+  }
+
   Quota QuotaFor(const std::string& user) const {
     auto it = quotas_.find(user);
     return it == quotas_.end() ? default_quota_ : it->second;
@@ -1173,7 +1283,8 @@ class Allocator::Impl {
     w->request = r;
     w->key = {-static_cast<int64_t>(r.priority), next_order_++};
     w->timeout = o.timeout;
-    if (o.timeout.count() > 0) w->deadline = std::chrono::steady_clock::now() + o.timeout;
+    w->queued_at = std::chrono::steady_clock::now();
+    if (o.timeout.count() > 0) w->deadline = w->queued_at + o.timeout;
     queue_.emplace(w->key, w);
     Pump();
     if (w->done) return w->status.ok() ? Admission::kGranted : Admission::kRefused;
@@ -1610,7 +1721,7 @@ absl::Status Allocator::SetNodeMode(const std::string& name, Mode mode, ModeSwit
     }
     return absl::FailedPreconditionError(absl::StrCat(
         "node ", name, " holds ", ModeName(n->mode), " allocations ", NameList(ids),
-        "; release them first, or switch with ModeSwitch::kWhenDrained"));
+        "; release them first, or switch when they are drained (--when-drained)"));
   } else {
     if (n->pending && *n->pending == mode) return absl::OkStatus();
     m.ApplySetMode(n, mode, true);
@@ -1758,6 +1869,21 @@ Usage Allocator::GetUsage(const std::string& user) const {
   return it == impl_->usage_.end() ? Usage{} : it->second;
 }
 
+std::vector<UserQuota> Allocator::Quotas(const std::string& user) const {
+  const Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu_);
+  if (!user.empty()) return {m.QuotaEntry(user)};
+  std::vector<UserQuota> out;
+  UserQuota d;
+  d.quota = m.default_quota_;
+  out.push_back(d);
+  std::set<std::string> users;
+  for (const auto& [u, q] : m.quotas_) users.insert(u);
+  for (const auto& [u, usage] : m.usage_) users.insert(u);
+  for (const auto& u : users) out.push_back(m.QuotaEntry(u));
+  return out;
+}
+
 absl::StatusOr<Allocation> Allocator::Allocate(const Request& request,
                                                const AllocateOptions& options) {
   if (request.replicas != 1) {
@@ -1864,6 +1990,11 @@ void Allocator::Shutdown() { impl_->Shutdown(); }
 size_t Allocator::QueueLength() const {
   std::lock_guard<std::mutex> lock(impl_->mu_);
   return impl_->queue_.size();
+}
+
+std::vector<PendingRequest> Allocator::Pending(const std::string& user) const {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  return impl_->Pending(user);
 }
 
 absl::Status Allocator::Compact() {

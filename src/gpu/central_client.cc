@@ -94,6 +94,29 @@ class CentralClientImpl final : public CentralClient {
         Call(options_.timeout, [&](auto* ctx) { return stub_->SetQuota(ctx, req, &reply); }));
     return reply.note();
   }
+  absl::StatusOr<std::vector<UserQuota>> Quotas(const std::string& user) override {
+    pb::QuotasRequest req;
+    req.set_user(user);
+    pb::Quotas reply;
+    DEEPNEX_RETURN_IF_ERROR(
+        Call(options_.timeout, [&](auto* ctx) { return stub_->GetQuotas(ctx, req, &reply); }));
+    std::vector<UserQuota> out;
+    for (const auto& q : reply.quotas()) out.push_back(FromProto(q));
+    return out;
+  }
+  absl::StatusOr<std::vector<PendingRequest>> Pending(const std::string& user) override {
+    pb::PendingRequestsRequest req;
+    req.set_user(user);
+    pb::PendingRequests reply;
+    DEEPNEX_RETURN_IF_ERROR(
+        Call(options_.timeout, [&](auto* ctx) { return stub_->ListPending(ctx, req, &reply); }));
+    std::vector<PendingRequest> out;
+    for (const auto& p : reply.pending()) {
+      DEEPNEX_ASSIGN_OR_RETURN(PendingRequest r, FromProto(p));
+      out.push_back(std::move(r));
+    }
+    return out;
+  }
   absl::StatusOr<Allocation> Allocate(const Request& request,
                                       const AllocateOptions& options) override {
     if (request.replicas != 1) {
@@ -157,7 +180,7 @@ class CentralClientImpl final : public CentralClient {
 
   void AllocateGangAsync(const Request& request, const AllocateOptions& options,
                          Allocator::AllocateDone done) override {
-    Pending p;
+    QueuedOp p;
     ToProto(request, options, p.op.mutable_allocate());
     p.done = [done = std::move(done)](absl::Status s, pb::BatchResult* r) {
       if (s.ok() && r->allocations_size() == 0) s = NoneGranted();
@@ -166,13 +189,13 @@ class CentralClientImpl final : public CentralClient {
     };
     if (!options.wait) return Enqueue(std::move(p));
     // It may wait in the queue: a batch of its own, with its own deadline.
-    std::vector<Pending> alone;
+    std::vector<QueuedOp> alone;
     alone.push_back(std::move(p));
     SendBatch(std::move(alone), AllocateDeadline(options), /*coalesced=*/false);
   }
 
   void ReleaseAsync(const std::string& id, Allocator::Done done) override {
-    Pending p;
+    QueuedOp p;
     p.op.set_release(id);
     p.done = [done = std::move(done)](const absl::Status& s, pb::BatchResult*) { done(s); };
     Enqueue(std::move(p));
@@ -181,7 +204,7 @@ class CentralClientImpl final : public CentralClient {
  private:
   // An op of a Batch call and what to do with its result (`r` is null when
   // the call failed as a whole, `s` says why).
-  struct Pending {
+  struct QueuedOp {
     pb::BatchOp op;
     std::function<void(absl::Status s, pb::BatchResult* r)> done;
   };
@@ -221,8 +244,8 @@ class CentralClientImpl final : public CentralClient {
 
   // Sends `p` now if fewer than kBatchesInFlight batches are out, else with
   // the next batch.
-  void Enqueue(Pending p) {
-    std::vector<Pending> batch;
+  void Enqueue(QueuedOp p) {
+    std::vector<QueuedOp> batch;
     {
       std::lock_guard<std::mutex> lock(mu_);
       queued_.push_back(std::move(p));
@@ -235,12 +258,12 @@ class CentralClientImpl final : public CentralClient {
 
   // One Batch call. A coalesced one holds a slot of kBatchesInFlight; when
   // it returns, what queued meanwhile leaves in the next.
-  void SendBatch(std::vector<Pending> ops, std::chrono::milliseconds timeout, bool coalesced) {
+  void SendBatch(std::vector<QueuedOp> ops, std::chrono::milliseconds timeout, bool coalesced) {
     struct BatchCall {
       grpc::ClientContext ctx;
       pb::BatchRequest req;
       pb::BatchReply reply;
-      std::vector<Pending> ops;
+      std::vector<QueuedOp> ops;
     };
     auto* call = new BatchCall;
     Prepare(&call->ctx, timeout);
@@ -267,7 +290,7 @@ class CentralClientImpl final : public CentralClient {
             call->ops[i].done(absl::Status(static_cast<absl::StatusCode>(r->code()), r->message()),
                               r);
           }
-          std::vector<Pending> next;
+          std::vector<QueuedOp> next;
           bool closing = false;
           if (coalesced) {
             std::lock_guard<std::mutex> lock(mu_);
@@ -297,7 +320,7 @@ class CentralClientImpl final : public CentralClient {
   std::unique_ptr<pb::Central::Stub> stub_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<Pending> queued_;  // for the next coalesced batch
+  std::vector<QueuedOp> queued_;  // for the next coalesced batch
   int batches_ = 0;              // coalesced batches in flight
   std::set<grpc::ClientContext*> in_flight_;  // Batch calls
   bool closing_ = false;         // the destructor runs

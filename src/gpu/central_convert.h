@@ -185,6 +185,58 @@ inline Quota FromProto(const pb::Quota& p) {
   return q;
 }
 
+inline void ToProto(const Usage& u, pb::Usage* p) {
+  p->set_gpus(u.gpus);
+  p->set_gpu_memory(u.gpu_memory);
+  p->set_cpus(u.cpus);
+  p->set_memory(u.memory);
+}
+
+inline Usage FromProto(const pb::Usage& p) {
+  Usage u;
+  u.gpus = p.gpus();
+  u.gpu_memory = p.gpu_memory();
+  u.cpus = p.cpus();
+  u.memory = p.memory();
+  return u;
+}
+
+inline void ToProto(const UserQuota& q, pb::UserQuota* p) {
+  p->set_user(q.user);
+  ToProto(q.quota, p->mutable_quota());
+  p->set_own(q.own);
+  ToProto(q.usage, p->mutable_usage());
+}
+
+inline UserQuota FromProto(const pb::UserQuota& p) {
+  UserQuota q;
+  q.user = p.user();
+  q.quota = FromProto(p.quota());
+  q.own = p.own();
+  q.usage = FromProto(p.usage());
+  return q;
+}
+
+inline void ToProto(const PendingRequest& r, pb::PendingRequest* p) {
+  p->set_position(r.position);
+  p->set_id(r.id);
+  ToProto(r.request, AllocateOptions{}, p->mutable_request());
+  p->mutable_request()->clear_wait();
+  p->set_waited_ms(r.waited.count());
+  p->set_reason(r.reason);
+}
+
+inline absl::StatusOr<PendingRequest> FromProto(const pb::PendingRequest& p) {
+  PendingRequest r;
+  r.position = p.position();
+  r.id = p.id();
+  AllocateOptions unused;
+  DEEPNEX_ASSIGN_OR_RETURN(r.request, FromProto(p.request(), &unused));
+  r.waited = std::chrono::milliseconds(p.waited_ms());
+  r.reason = p.reason();
+  return r;
+}
+
 }  // namespace deepnex::gpu
 
 #endif  // DEEPNEX_GPU_CENTRAL_CONVERT_H_

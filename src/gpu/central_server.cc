@@ -187,6 +187,23 @@ class Service final : public pb::Central::CallbackService {
 
   // ---- users
 
+  grpc::ServerUnaryReactor* GetQuotas(grpc::CallbackServerContext* ctx,
+                                      const pb::QuotasRequest* req, pb::Quotas* reply) override {
+    auto user = Whose(*ctx, req->user(), "see the quota of");
+    if (!user.ok()) return Reply(ctx, user.status());
+    for (const auto& q : alloc_->Quotas(*user)) ToProto(q, reply->add_quotas());
+    return Reply(ctx, absl::OkStatus());
+  }
+
+  grpc::ServerUnaryReactor* ListPending(grpc::CallbackServerContext* ctx,
+                                        const pb::PendingRequestsRequest* req,
+                                        pb::PendingRequests* reply) override {
+    auto user = Whose(*ctx, req->user(), "list the waiting requests of");
+    if (!user.ok()) return Reply(ctx, user.status());
+    for (const auto& p : alloc_->Pending(*user)) ToProto(p, reply->add_pending());
+    return Reply(ctx, absl::OkStatus());
+  }
+
   grpc::ServerUnaryReactor* Allocate(grpc::CallbackServerContext* ctx, const pb::Request* req,
                                      pb::Allocations* reply) override {
     auto who = Who(*ctx);
@@ -295,6 +312,19 @@ class Service final : public pb::Central::CallbackService {
   // Without tokens every caller is an administrator.
   absl::StatusOr<Identity> Who(const grpc::ServerContextBase& ctx) const {
     return AuthenticateCall(tokens_, ctx);
+  }
+
+  // The user whose records a view call may read: `user` for an admin ("":
+  // everyone); a user reads only their own.
+  absl::StatusOr<std::string> Whose(const grpc::ServerContextBase& ctx, const std::string& user,
+                                    const char* what) const {
+    DEEPNEX_ASSIGN_OR_RETURN(Identity who, Who(ctx));
+    if (who.role == AuthRole::kAdmin) return user;
+    if (!user.empty() && user != who.name) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("user ", who.name, " cannot ", what, " ", user));
+    }
+    return who.name;
   }
 
   absl::Status Admin(const grpc::ServerContextBase& ctx) const {

@@ -231,6 +231,7 @@ def test_discovery_and_node_files(tmp_path):
 # ---- deepnex-central: the daemon, CentralClient and the CLI
 
 import os  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -293,7 +294,7 @@ def run_cli(*args, central, token="admintok"):
 
 
 def test_cli_against_central(central):
-    out = run_cli("alloc", "--gpus", "2", "--mode", "shared", "--gpu-memory", "10GiB",
+    out = run_cli("alloc", "--gpus", "2", "--gpu-mode", "shared", "--gpu-memory", "10GiB",
                   central=central, token="alicetok")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("a1 user=alice node=n1 gpus=[0:10GiB shared, 1:10GiB shared]")
@@ -308,7 +309,8 @@ def test_cli_against_central(central):
     assert run_cli("release", "a1", central=central, token="alicetok").returncode == 0
     out = run_cli("quota", "alice", "--gpus", "4", central=central)
     assert out.returncode == 0 and "quota of alice set" in out.stdout
-    assert run_cli("node", "mode", "n1", "exclusive", central=central).returncode == 0
+    out = run_cli("node", "mode", "n1", "exclusive", central=central)
+    assert out.returncode == 0 and out.stdout == "node n1: mode exclusive\n"
     assert run_cli("node", "cordon", "n1", central=central).returncode == 0
     assert "cordoned" in run_cli("nodes", central=central).stdout
     metrics = run_cli("metrics", central=central)
@@ -329,3 +331,188 @@ def test_central_gang_and_lease(central):
     with pytest.raises(TimeoutError):
         alice.allocate(gpu.Request(user="alice", gpus=2, mode="shared", gpu_memory="80GiB"),
                        timeout=0.1)
+
+
+def test_allocator_quotas_and_pending():
+    alloc = gpu.Allocator()
+    alloc.add_node(gpu.Node("n1", gpus=[gpu.Gpu(memory="80GiB")], cpus=4, memory="8GiB"))
+    alloc.set_default_quota(cpus=4)
+    alloc.set_quota("alice", gpus=2)
+    held = alloc.allocate(gpu.Request(user="alice", gpus=1))
+    assert alloc.quotas() == [
+        {"user": "", "own": False,
+         "quota": {"gpus": None, "gpu_memory": None, "cpus": 4, "memory": None},
+         "usage": {"gpus": 0, "gpu_memory": 0, "cpus": 0, "memory": 0}},
+        {"user": "alice", "own": True,
+         "quota": {"gpus": 2, "gpu_memory": None, "cpus": None, "memory": None},
+         "usage": {"gpus": 1, "gpu_memory": 80 * GiB, "cpus": 0, "memory": 0}}]
+    assert [q["user"] for q in alloc.quotas(user="bob")] == ["bob"]
+    got = []
+    t = threading.Thread(target=lambda: got.append(
+        alloc.allocate(gpu.Request(user="bob", gpus=1, cpus=2, priority=3), timeout=20)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while alloc.queue_length() == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    [p] = alloc.pending()
+    waited = p.pop("waited")
+    assert 0 <= waited < 20
+    assert p == {"position": 1, "id": "q1", "user": "bob", "gpus": 1, "mode": "exclusive",
+                 "gpu_memory": 0, "cpus": 2, "memory": 0, "replicas": 1, "priority": 3,
+                 "node": "", "selector": {},
+                 "reason": "waiting for 1 exclusive GPU (0 free on any eligible node)"}
+    assert alloc.pending(user="alice") == []
+    alloc.release(held.id)
+    t.join(20)
+    assert got and got[0].user == "bob" and alloc.pending() == []
+
+
+def _cells(line):
+    """The cells of a CLI table's line (columns are 2+ spaces apart)."""
+    return re.split(r" {2,}", line.strip())
+
+
+def _quota_row(stdout, user):
+    """The cells of `user`'s row in a `deepnex quota` table."""
+    lines = stdout.splitlines()
+    lines = lines[next(i for i, line in enumerate(lines) if line.startswith("USER ")):]
+    assert _cells(lines[0]) == ["USER", "QUOTA", "GPUS USED/LIMIT", "GPU MEMORY USED/LIMIT",
+                                "CPUS USED/LIMIT", "MEMORY USED/LIMIT"], lines[0]
+    [row] = [_cells(line) for line in lines[1:] if _cells(line)[0] == user]
+    return row
+
+
+def test_cli_quota_shows_sets_and_clears(central):
+    admin = gpu.CentralClient(central, token="admintok")
+    out = run_cli("quota", "alice", "--gpus", "4", "--cpus", "8", central=central)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("quota of alice set\n")
+    assert admin.quotas(user="alice")[0]["quota"] == {"gpus": 4, "gpu_memory": None, "cpus": 8,
+                                                      "memory": None}
+    assert run_cli("alloc", "--gpus", "1", "--gpu-mode", "shared", "--gpu-memory", "10GiB",
+                   "--cpus", "2", central=central, token="alicetok").returncode == 0
+    # No limit flags: it shows the quota beside usage and changes nothing.
+    before = admin.quotas()
+    out = run_cli("quota", "alice", central=central)
+    assert out.returncode == 0, out.stderr
+    assert "set" not in out.stdout
+    row = _quota_row(out.stdout, "alice")
+    assert (row[:3], row[4]) == (["alice", "own", "1/4"], "2/8")
+    assert len(out.stdout.splitlines()) == 2
+    assert admin.quotas() == before
+    # A user sees their own; another user's is refused.
+    out = run_cli("quota", "alice", central=central, token="alicetok")
+    assert out.returncode == 0 and _quota_row(out.stdout, "alice")[2] == "1/4"
+    out = run_cli("quota", "bob", central=central, token="alicetok")
+    assert out.returncode == 1 and "user alice cannot see the quota of bob" in out.stderr
+    # Clearing needs an explicit none; the other limits stay.
+    out = run_cli("quota", "alice", "--gpus", "none", central=central)
+    assert out.returncode == 0, out.stderr
+    assert admin.quotas(user="alice")[0]["quota"] == {"gpus": None, "gpu_memory": None,
+                                                      "cpus": 8, "memory": None}
+    assert _quota_row(out.stdout, "alice")[2] == "1/unlimited"
+    # Every user (admin), the default first; bob holds nothing and has no quota.
+    run_cli("quota", "default", "--gpus", "1", central=central)
+    out = run_cli("quota", central=central)
+    assert out.returncode == 0, out.stderr
+    assert [_cells(line)[0] for line in out.stdout.splitlines()[1:]] == ["default", "alice"]
+    assert _quota_row(out.stdout, "default")[:3] == ["default", "default", "-/1"]
+    out = run_cli("quota", "bob", central=central)
+    assert _quota_row(out.stdout, "bob")[:3] == ["bob", "default", "0/1"]
+    bad = run_cli("quota", "alice", "--gpus", "many", central=central)
+    assert bad.returncode == 2
+    assert "argument --gpus: expected a count or none, got 'many'" in bad.stderr
+    assert admin.quotas(user="alice")[0]["quota"]["cpus"] == 8
+
+
+def _lines_of(stream, into):
+    for line in stream:
+        into.append(line)
+
+
+def test_cli_alloc_prints_where_it_waits_and_queue_lists_it(central):
+    bob = gpu.CentralClient(central, token="bobtok")
+    held = bob.allocate(gpu.Request(user="bob", gpus=2, mode="shared", gpu_memory="80GiB"))
+    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
+    proc = subprocess.Popen([sys.executable, "-m", "deepnex", "alloc", "--gpus", "1",
+                             "--gpu-mode", "shared", "--gpu-memory", "10GiB", "--priority", "2"],
+                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err = []
+    reader = threading.Thread(target=_lines_of, args=(proc.stderr, err), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not err and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        assert err, "no queued line"
+        assert err[0].startswith("queued at position 1: waiting for 1 shared GPU with "), err
+        assert err[0].endswith(" free (0 free on any eligible node)\n"), err
+        for args in (["queue"], ["allocations", "--pending"]):
+            out = run_cli(*args, central=central)
+            assert out.returncode == 0, out.stderr
+            lines = out.stdout.splitlines()
+            assert _cells(lines[0]) == ["POS", "ID", "USER", "GPUS", "MODE", "GPU MEMORY", "CPUS",
+                                        "MEMORY", "REPLICAS", "PRIORITY", "WAITED", "REASON"]
+            assert len(lines) == 2
+            row = _cells(lines[1])
+            assert row[:5] == ["1", "q1", "alice", "1", "shared"]
+            assert row[6:10] == ["0", "-", "1", "2"]  # cpus, memory, replicas, priority
+            assert row[10].endswith("s")
+            assert row[11].startswith("waiting for 1 shared GPU with ")
+            assert row[11].endswith(" free (0 free on any eligible node)")
+        # bob sees only his own waiting requests: none.
+        out = run_cli("queue", central=central, token="bobtok")
+        assert out.returncode == 0 and _cells(out.stdout.splitlines()[0])[0] == "POS"
+        assert len(out.stdout.splitlines()) == 1
+        bob.release(held.id)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(10)
+    assert proc.returncode == 0, err
+    assert out.startswith("a2 user=alice node=n1 ")
+    assert len(err) == 1, err  # printed once: the place did not change
+
+
+def test_cli_allocations_table_node_messages_and_mode_alias(central):
+    out = run_cli("alloc", "--gpus", "1", "--mode", "shared", "--gpu-memory", "10GiB",
+                  "--cpus", "2", central=central, token="alicetok")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == "deepnex: --mode is deprecated; use --gpu-mode\n"
+    assert out.stdout.startswith("a1 user=alice node=n1 gpus=[0:")
+    out = run_cli("allocations", central=central)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert _cells(lines[0]) == ["ID", "USER", "JOB", "NODE", "MODE", "GPU INDICES", "GPU MEMORY",
+                                "CPUS", "MEMORY", "GANG"]
+    assert len(lines) == 2
+    row = _cells(lines[1])
+    assert row[:6] == ["a1", "alice", "-", "n1", "shared", "0"]
+    assert (row[7], row[9]) == ("2", "-")
+    out = run_cli("node", "mode", "n1", "exclusive", "--when-drained", central=central)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ("node n1: switch to exclusive pending; the node takes no new GPU "
+                          "allocations and switches once its shared ones are released\n")
+    out = run_cli("node", "mode", "n1", "exclusive", central=central)
+    assert out.returncode == 1
+    assert "switch when they are drained (--when-drained)" in out.stderr
+    assert "ModeSwitch" not in out.stderr
+    assert run_cli("node", "cordon", "n1", central=central).stdout == "node n1: cordoned\n"
+    assert run_cli("node", "drain", "n1", "--release", central=central).stdout == (
+        "node n1: drained, its allocations released\n")
+
+
+def test_every_gpu_cli_flag_has_help():
+    import argparse
+    from deepnex import _cli_gpu
+    commands = argparse.ArgumentParser().add_subparsers()
+    _cli_gpu.add_commands(commands)
+    missing = [f"{name} {action.dest}" for name, parser in commands.choices.items()
+               for action in parser._actions
+               if not isinstance(action, argparse._HelpAction) and not action.help]
+    assert missing == []
+    alloc = commands.choices["alloc"]
+    assert alloc.parse_args(["--gpu-mode", "shared"]).gpu_mode == "shared"
+    assert alloc.parse_args([]).gpu_mode == "exclusive"

@@ -62,6 +62,32 @@ enum class ModeSwitch {
   kWhenDrained,
 };
 
+// A user's quota beside what the user holds (Allocator::Quotas).
+struct UserQuota {
+  // Empty: the default quota (usage is then zero).
+  std::string user;
+  // The quota that applies: the user's own, else the default.
+  Quota quota;
+  // True when the user has a quota of their own (SetQuota).
+  bool own = false;
+  Usage usage;
+};
+
+// A request waiting in the queue (Allocator::Pending).
+struct PendingRequest {
+  // 1-based place in the queue (priority, then arrival).
+  size_t position = 0;
+  // The queue's ticket for it ("q<N>"); stable while it waits.
+  std::string id;
+  Request request;
+  // How long it has waited so far.
+  std::chrono::milliseconds waited{0};
+  // Why it waits, a short phrase: the resource that is short ("waiting for 2
+  // exclusive GPUs (at most 1 free on an eligible node)") and/or the requests
+  // queued ahead of it ("behind 3 requests").
+  std::string reason;
+};
+
 // Thread-safe: any thread may call any method at any time. Allocate may block
 // (the queue); every other call returns after its ledger record is durable.
 // AllocateGangAsync and ReleaseAsync never block.
@@ -103,6 +129,10 @@ class Allocator {
   // The quota that applies to `user` (theirs, else the default).
   Quota GetQuota(const std::string& user) const;
   Usage GetUsage(const std::string& user) const;
+  // `user` empty: the default quota first (user ""), then every user with a
+  // quota of their own or holding something, by name. Otherwise that user's
+  // entry alone (the default quota when they have none).
+  std::vector<UserQuota> Quotas(const std::string& user = "") const;
 
   // ---- allocations
   // A request with replicas == 1. InvalidArgument for a bad request (and for
@@ -150,6 +180,9 @@ class Allocator {
   absl::StatusOr<Allocation> GetAllocation(const std::string& id) const;
   // Requests waiting in the queue.
   size_t QueueLength() const;
+  // The queue in order, with why each entry waits; `user` filters (the
+  // positions stay those in the whole queue).
+  std::vector<PendingRequest> Pending(const std::string& user = "") const;
   // Fails every queued request with Cancelled and returns once their calls
   // have left; later Allocate calls fail with Cancelled and leases stop
   // expiring. Other calls keep working. The destructor does this too.

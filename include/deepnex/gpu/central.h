@@ -87,6 +87,12 @@ class CentralClient {
   // `user` empty: the default quota.
   virtual absl::StatusOr<std::string> SetQuota(const std::string& user,
                                                const Quota& quota) = 0;
+  // Quotas with usage (see Allocator::Quotas). A user token sees only its
+  // own (PermissionDenied for another user's); `user` empty then means the
+  // caller.
+  virtual absl::StatusOr<std::vector<UserQuota>> Quotas(const std::string& user = "") = 0;
+  // The queue (see Allocator::Pending); a user sees only their own requests.
+  virtual absl::StatusOr<std::vector<PendingRequest>> Pending(const std::string& user = "") = 0;
   // `request.user` empty: the caller's user.
   virtual absl::StatusOr<Allocation> Allocate(const Request& request,
                                               const AllocateOptions& options = {}) = 0;

@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
@@ -214,6 +215,107 @@ TEST(Allocator, QueueGrantsByPriorityThenFifo) {
   for (auto& t : threads) t.join();
   EXPECT_THAT(order, ElementsAre("u2", "u0", "u1"));
   EXPECT_EQ(alloc->QueueLength(), 0u);
+}
+
+TEST(Allocator, PendingSaysWhereAndWhyEachRequestWaits) {
+  std::mutex mu;
+  std::vector<std::string> granted;  // outlives the allocator and its answers
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 2, 80 * kGiB, Mode::kExclusive, 8, 64 * kGiB)));
+  ASSERT_OK_AND_ASSIGN(Allocation held, alloc->Allocate(Exclusive("root", 2, 6)));
+  auto queue = [&](const Request& r) {
+    alloc->AllocateGangAsync(r, {}, [&](absl::StatusOr<std::vector<Allocation>> parts) {
+      std::lock_guard<std::mutex> lock(mu);
+      granted.push_back(parts.ok() ? parts->front().user : std::string(parts.status().message()));
+    });
+  };
+  queue(Exclusive("alice", 2));
+  queue(Exclusive("bob", 0, 4));
+  queue(Exclusive("carol", 0, 1));  // fits now, but the queue is strict
+  Request eve = Exclusive("eve", 1);
+  eve.priority = 5;
+  queue(eve);
+  ASSERT_EQ(alloc->QueueLength(), 4u);
+  std::vector<PendingRequest> pending = alloc->Pending();
+  ASSERT_EQ(pending.size(), 4u);
+  std::vector<std::string> got;
+  for (const auto& p : pending) {
+    got.push_back(absl::StrCat(p.position, " ", p.id, " ", p.request.user, ": ", p.reason));
+    EXPECT_GE(p.waited.count(), 0);
+  }
+  EXPECT_THAT(got,
+              ElementsAre("1 q4 eve: waiting for 1 exclusive GPU (0 free on any eligible node)",
+                          "2 q1 alice: waiting for 2 exclusive GPUs (0 free on any eligible "
+                          "node); behind 1 request",
+                          "3 q2 bob: waiting for 4 cpus (at most 2 free on an eligible node); "
+                          "behind 2 requests",
+                          "4 q3 carol: behind 3 requests"));
+  EXPECT_EQ(pending[1].request.gpus, 2);
+  EXPECT_EQ(pending[0].request.priority, 5);
+  // A user's view keeps the positions in the whole queue.
+  std::vector<PendingRequest> bobs = alloc->Pending("bob");
+  ASSERT_EQ(bobs.size(), 1u);
+  EXPECT_EQ(bobs[0].position, 3u);
+  EXPECT_EQ(bobs[0].request.cpus, 4);
+  EXPECT_TRUE(alloc->Pending("nobody").empty());
+  // A cordoned node is no place to wait for.
+  ASSERT_OK(alloc->Cordon("n1"));
+  EXPECT_EQ(alloc->Pending()[0].reason,
+            "waiting for a node to take it (1 matching node(s), all cordoned or switching mode)");
+  ASSERT_OK(alloc->Uncordon("n1"));
+  ASSERT_OK(alloc->Release(held.id));
+  // eve (1 GPU), then alice (2) waits for eve's GPU, bob and carol behind her.
+  ASSERT_TRUE(Eventually([&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return granted.size() == 1;
+  }));
+  pending = alloc->Pending();
+  ASSERT_EQ(pending.size(), 3u);
+  EXPECT_EQ(pending[0].reason,
+            "waiting for 2 exclusive GPUs (at most 1 free on an eligible node)");
+  alloc->Shutdown();
+  EXPECT_TRUE(alloc->Pending().empty());
+}
+
+TEST(Allocator, QuotasListLimitsBesideUsage) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 4)));
+  Quota d;
+  d.cpus = 4;
+  ASSERT_OK(alloc->SetDefaultQuota(d).status());
+  Quota q;
+  q.gpus = 2;
+  ASSERT_OK(alloc->SetQuota("alice", q).status());
+  ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(Exclusive("alice", 1)));
+  ASSERT_OK(alloc->Allocate(Exclusive("bob", 1, 3)).status());
+  std::vector<UserQuota> all = alloc->Quotas();
+  ASSERT_EQ(all.size(), 3u);
+  EXPECT_EQ(all[0].user, "");
+  EXPECT_EQ(all[0].quota, d);
+  EXPECT_FALSE(all[0].own);
+  EXPECT_EQ(all[0].usage.gpus, 0);
+  EXPECT_EQ(all[1].user, "alice");
+  EXPECT_TRUE(all[1].own);
+  EXPECT_EQ(all[1].quota, q);
+  EXPECT_EQ(all[1].usage.gpus, 1);
+  EXPECT_EQ(all[1].usage.gpu_memory, 80 * kGiB);
+  EXPECT_EQ(all[2].user, "bob");
+  EXPECT_FALSE(all[2].own);
+  EXPECT_EQ(all[2].quota, d);  // the default applies
+  EXPECT_EQ(all[2].usage.cpus, 3);
+  // One user, even one the allocator never saw.
+  std::vector<UserQuota> carol = alloc->Quotas("carol");
+  ASSERT_EQ(carol.size(), 1u);
+  EXPECT_EQ(carol[0].user, "carol");
+  EXPECT_FALSE(carol[0].own);
+  EXPECT_EQ(carol[0].quota, d);
+  EXPECT_EQ(carol[0].usage.gpus, 0);
+  // Without a quota of their own and holding nothing, a user is not listed.
+  ASSERT_OK(alloc->ClearQuota("alice"));
+  ASSERT_OK(alloc->Release(a.id));
+  all = alloc->Quotas();
+  ASSERT_EQ(all.size(), 2u);
+  EXPECT_EQ(all[1].user, "bob");
 }
 
 TEST(Allocator, QueueTimeoutAndWaitFalse) {

@@ -144,6 +144,65 @@ TEST_F(Central, QueueWaitsAcrossTheWireAndMetricsCount) {
       "deepnex_gpu_memory_free_bytes{node=\"s1\",gpu=\"0\",mode=\"shared\"} 85899345920\n"));
 }
 
+TEST_F(Central, QuotasAndQueueAreVisibleToTheirUsers) {
+  Quota q;
+  q.gpus = 2;
+  ASSERT_OK(admin_->SetQuota("alice", q).status());
+  ASSERT_OK_AND_ASSIGN(Allocation held, alice_->Allocate(Exclusive("", 1)));
+  ASSERT_OK_AND_ASSIGN(std::vector<UserQuota> mine, alice_->Quotas());
+  ASSERT_EQ(mine.size(), 1u);
+  EXPECT_EQ(mine[0].user, "alice");
+  EXPECT_TRUE(mine[0].own);
+  EXPECT_EQ(mine[0].quota, q);
+  EXPECT_EQ(mine[0].usage.gpus, 1);
+  EXPECT_EQ(mine[0].usage.gpu_memory, 80 * kGiB);
+  EXPECT_THAT(alice_->Quotas("bob"),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("user alice cannot see the quota of bob")));
+  ASSERT_OK_AND_ASSIGN(std::vector<UserQuota> all, admin_->Quotas());
+  ASSERT_EQ(all.size(), 2u);
+  EXPECT_EQ(all[0].user, "");
+  EXPECT_EQ(all[1].user, "alice");
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  absl::Status status;
+  AllocateOptions o;
+  o.timeout = 20s;
+  bob_->AllocateGangAsync(Exclusive("", 1), o,
+                          [&](absl::StatusOr<std::vector<Allocation>> parts) {
+                            std::lock_guard<std::mutex> lock(mu);
+                            status = parts.status();
+                            done = true;
+                            cv.notify_all();
+                          });
+  auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (server_->allocator().QueueLength() == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(2ms);
+  }
+  ASSERT_EQ(server_->allocator().QueueLength(), 1u);
+  ASSERT_OK_AND_ASSIGN(std::vector<PendingRequest> bobs, bob_->Pending());
+  ASSERT_EQ(bobs.size(), 1u);
+  EXPECT_EQ(bobs[0].position, 1u);
+  EXPECT_EQ(bobs[0].id, "q1");
+  EXPECT_EQ(bobs[0].request.user, "bob");
+  EXPECT_EQ(bobs[0].request.gpus, 1);
+  EXPECT_EQ(bobs[0].request.mode, Mode::kExclusive);
+  EXPECT_EQ(bobs[0].reason, "waiting for 1 exclusive GPU (0 free on any eligible node)");
+  ASSERT_OK_AND_ASSIGN(std::vector<PendingRequest> alices, alice_->Pending());
+  EXPECT_TRUE(alices.empty());
+  EXPECT_THAT(alice_->Pending("bob"),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("user alice cannot list the waiting requests of bob")));
+  ASSERT_OK_AND_ASSIGN(std::vector<PendingRequest> everyone, admin_->Pending());
+  ASSERT_EQ(everyone.size(), 1u);
+  ASSERT_OK(alice_->Release(held.id));
+  std::unique_lock<std::mutex> lock(mu);
+  ASSERT_TRUE(cv.wait_for(lock, 20s, [&] { return done; }));
+  EXPECT_OK(status);
+}
+
 TEST_F(Central, StopFailsWaitingAllocations) {
   ASSERT_OK(alice_->Allocate(Exclusive("", 1)).status());
   std::atomic<bool> done{false};
