@@ -104,7 +104,8 @@ void RegisterJob(py::module_& parent) {
            py::kw_only(), py::arg("command"), py::arg("workers"), py::arg("ps"), py::arg("mode"),
            py::arg("gpus_per_worker"), py::arg("gpu_mode"), py::arg("gpu_memory"),
            py::arg("cpus"), py::arg("memory"), py::arg("user"), py::arg("central"),
-           py::arg("central_token"), py::arg("central_token_file"), py::arg("launcher"), py::arg("restart"),
+           py::arg("central_token"), py::arg("central_token_file"), py::arg("launcher"),
+           py::arg("restart"),
            py::arg("checkpoint_dir"), py::arg("optimizer"), py::arg("lr"), py::arg("momentum"), py::arg("ps_binary"),
            py::arg("env"), py::arg("working_dir"), py::arg("name"), py::arg("output"),
            py::arg("on_event"))

@@ -89,9 +89,11 @@ TEST_F(JobTest, WorkersGetTheJobEnvironmentAndTheirOutputIsPrefixed) {
   ASSERT_EQ(r.workers.size(), 2u);
   EXPECT_TRUE(r.workers[0].ok() && r.workers[1].ok());
   EXPECT_THAT(out_.Of("worker 0"),
-              ::testing::Contains("rank=0/2 job=envjob ps=yes store=yes torch=0/2 local=0/2 omp=5"));
+              ::testing::Contains(
+                  "rank=0/2 job=envjob ps=yes store=yes torch=0/2 local=0/2 omp=5"));
   EXPECT_THAT(out_.Of("worker 1"),
-              ::testing::Contains("rank=1/2 job=envjob ps=yes store=yes torch=1/2 local=1/2 omp=5"));
+              ::testing::Contains(
+                  "rank=1/2 job=envjob ps=yes store=yes torch=1/2 local=1/2 omp=5"));
   EXPECT_THAT(out_.Of("ps 0"), ::testing::Contains(HasSubstr("deepnex-ps listening on")));
 }
 
