@@ -3,18 +3,24 @@
     deepnex run [--workers N] [--ps M] [--mode sync|ssp:S|async|allreduce]
                 [--gpus-per-worker K --gpu-mode exclusive|shared --gpu-memory 8GiB]
                 [--cpus C --memory 4GiB] [--backend process|oci|docker|slurm|kubernetes]
-                [--central ADDR] [--restart on-failure:3] [--checkpoint-dir D]
+                [--central ADDR [--token T | --token-file F] [--user U]]
+                [--restart on-failure:3] [--checkpoint-dir D]
                 [--optimizer sgd|adam|adagrad --lr LR [--momentum M]] -- python3 train.py ARGS
     deepnex top                 the jobs running on this machine, their GPUs and usage
 
 ``deepnex run`` exits with the job's exit code; Ctrl-C or SIGTERM stops the
-job, releases its allocations and exits 130 / 143.
+job, releases its allocations and exits 130 / 143. With --central it
+allocates as the token's user.
 """
 
 import argparse
 import os
 import signal
 import sys
+
+
+def _notice(message):
+    print(f"deepnex run: {message}", file=sys.stderr, flush=True)
 
 
 def _run(args) -> int:
@@ -29,10 +35,13 @@ def _run(args) -> int:
     options = dict(workers=args.workers, ps=args.ps, mode=args.mode,
                    gpus_per_worker=args.gpus_per_worker, gpu_mode=args.gpu_mode,
                    gpu_memory=args.gpu_memory or 0, cpus=args.cpus, memory=args.memory or 0,
-                   backend=args.backend, central=args.central,
-                   central_token=args.token or os.environ.get("DEEPNEX_TOKEN"),
+                   backend=args.backend, central=args.central, user=args.user,
+                   central_token=args.token or (None if args.token_file
+                                                else os.environ.get("DEEPNEX_TOKEN")),
+                   central_token_file=args.token_file,
                    restart=args.restart, checkpoint_dir=args.checkpoint_dir,
-                   optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, name=args.name)
+                   optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, name=args.name,
+                   on_event=_notice)
     if args.state_dir:
         options["state_dir"] = args.state_dir
     try:
@@ -66,9 +75,7 @@ def _run(args) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     for rank, e in enumerate(result.workers):
-        restarts = f", {e.restarts} restarts" if e.restarts else ""
-        print(f"deepnex run: worker {rank}: {e.reason}"
-              f"({e.code if e.reason == 'exited' else e.signal}){restarts}", file=sys.stderr)
+        print(f"deepnex run: worker {rank}: {e}", file=sys.stderr)
     print(f"deepnex run: job {j.name} exited {result.exit_code} after {result.seconds:.1f} s",
           file=sys.stderr)
     return result.exit_code
@@ -135,29 +142,46 @@ def add_commands(commands) -> None:
         "run", help="run a training script data-parallel: allocate, launch, supervise",
         description="Runs COMMAND as the workers of a data-parallel job.",
         usage="deepnex run [options] -- COMMAND [ARGS ...]")
-    run.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    run.add_argument("--workers", "--nproc-per-node", dest="workers", type=int, default=1,
+                     help="worker processes (default 1); --nproc-per-node as in torchrun")
     run.add_argument("--ps", type=int, default=None,
                      help="parameter servers (default 1, or 0 with --mode allreduce)")
-    run.add_argument("--mode", default="sync", help="sync, ssp:S, async or allreduce")
-    run.add_argument("--gpus-per-worker", type=int, default=0)
-    run.add_argument("--gpu-mode", default="exclusive", choices=["exclusive", "shared"])
+    run.add_argument("--mode", default="sync",
+                     help="training mode: sync, ssp:S, async or allreduce (default sync)")
+    run.add_argument("--gpus-per-worker", type=int, default=0,
+                     help="GPUs per worker (default 0: CPU only)")
+    run.add_argument("--gpu-mode", default="exclusive", choices=["exclusive", "shared"],
+                     help="whole GPUs, or a share of one's memory (default exclusive)")
     run.add_argument("--gpu-memory", default=None, help="GPU memory per GPU, shared mode (8GiB)")
-    run.add_argument("--cpus", type=float, default=1, help="CPU cores per worker (default 1)")
+    run.add_argument("--cpus", type=float, default=1,
+                     help="CPU cores per worker (default 1); OMP_NUM_THREADS follows it")
     run.add_argument("--memory", default=None, help="memory per worker (4GiB); default unlimited")
     run.add_argument("--backend", default="process",
-                     choices=["process", "oci", "docker", "slurm", "kubernetes"])
+                     choices=["process", "oci", "docker", "slurm", "kubernetes"],
+                     help="what starts the containers (default process)")
     run.add_argument("--central", default=os.environ.get("DEEPNEX_CENTRAL"),
-                     help="deepnex-central address (default: a local allocator)")
-    run.add_argument("--token", default=None, help="token for deepnex-central")
-    run.add_argument("--restart", default="never", help="never, on-failure[:N] or always")
+                     help="host:port of deepnex-central (default $DEEPNEX_CENTRAL; "
+                          "unset: a local allocator over this machine)")
+    run.add_argument("--token", default=None,
+                     help="deepnex-central token; it decides the user (default $DEEPNEX_TOKEN)")
+    run.add_argument("--token-file", default=None, help="file holding the deepnex-central token")
+    run.add_argument("--user", default=None,
+                     help="user to allocate for (default: the token's with --central, else "
+                          "$USER); a user token is refused any user but its own")
+    run.add_argument("--restart", default="never",
+                     help="never, on-failure[:N] or always[:N] (default never)")
     run.add_argument("--checkpoint-dir", default=None,
                      help="parameter servers checkpoint here and restore when restarted")
-    run.add_argument("--optimizer", default="sgd", help="sgd, adam, adamw or adagrad")
+    run.add_argument("--optimizer", default="sgd",
+                     help="parameter servers' optimizer: sgd, adam, adamw or adagrad (default sgd)")
     run.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     run.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
     run.add_argument("--name", default=None, help="job id (default job-<random>)")
-    run.add_argument("--state-dir", default=None, help="where logs and records go")
-    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND")
+    run.add_argument("--state-dir", default=None,
+                     help="where the containers' logs and records go (default: in the run "
+                          "directory, removed at the end)")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                     help="each worker's command and its arguments")
     run.set_defaults(func=_run)
 
     top = commands.add_parser("top", help="the jobs running here: containers, GPUs, CPU, memory")

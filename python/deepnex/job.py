@@ -51,25 +51,35 @@ class Job:
                  mode: str = "sync", gpus_per_worker: int = 0, gpu_mode: str = "exclusive",
                  gpu_memory=0, cpus: float = 1, memory=0, backend: str = "process",
                  central: Optional[str] = None, central_token: Optional[str] = None,
+                 central_token_file: Optional[str] = None,
                  restart: str = "never", checkpoint_dir: Optional[str] = None,
                  optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.0, name: Optional[str] = None,
                  user: Optional[str] = None, env: Optional[Dict[str, str]] = None,
                  working_dir: Optional[str] = None,
-                 output: Optional[Callable[[str, str], None]] = None, **launcher_options):
+                 output: Optional[Callable[[str, str], None]] = None,
+                 on_event: Optional[Callable[[str], None]] = None, **launcher_options):
+        """``user``: empty with ``central``: the token's user. ``output(who,
+        line)`` gets what the processes print, ``on_event(message)`` what
+        happens to them ("worker 1 exited(1); restarting (1/2) in 0.1s";
+        default: stderr)."""
         if output is None:
             def output(who, line):
                 sys.stdout.write(f"[{who}] {line}\n")
                 sys.stdout.flush()
+        if on_event is None:
+            def on_event(message):
+                sys.stderr.write(message + "\n")
+                sys.stderr.flush()
         self._job = _C.job.Job(
             command=list(command), workers=workers, ps=-1 if ps is None else ps, mode=mode,
             gpus_per_worker=gpus_per_worker, gpu_mode=gpu_mode,
             gpu_memory=_bytes(gpu_memory, "gpu_memory"), cpus=float(cpus),
             memory=_bytes(memory, "memory"), user=user or "", central=central or "",
-            central_token=central_token or "",
+            central_token=central_token or "", central_token_file=central_token_file or "",
             launcher=dict(_options(launcher_options), backend=backend), restart=restart,
             checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
             optimizer=optimizer, lr=lr, momentum=momentum, ps_binary=_ps_binary() or "", env=dict(env or {}),
-            working_dir=working_dir or "", name=name or "", output=output)
+            working_dir=working_dir or "", name=name or "", output=output, on_event=on_event)
 
     @property
     def name(self) -> str:

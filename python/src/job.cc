@@ -8,6 +8,39 @@
 #include "deepnex/launch/launcher.h"
 
 namespace deepnex::python {
+namespace {
+
+// A Python callable the job calls from its own threads (log followers,
+// supervisors): it takes the GIL, and a failing callable cannot kill those
+// threads. The job (and so this) may be destroyed without the GIL
+// (GilFreeHolder): dropping the callable takes it. REQUIRES: constructed
+// with the GIL held.
+class Callback {
+ public:
+  Callback(py::object callable, const char* what)
+      : fn_(new py::object(std::move(callable)),
+            [](py::object* f) {
+              py::gil_scoped_acquire gil;
+              delete f;
+            }),
+        what_(what) {}
+
+  template <typename... Args>
+  void operator()(const Args&... args) const {
+    py::gil_scoped_acquire gil;
+    try {
+      (*fn_)(args...);
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable(what_);
+    }
+  }
+
+ private:
+  std::shared_ptr<py::object> fn_;
+  const char* what_;
+};
+
+}  // namespace
 
 void RegisterJob(py::module_& parent) {
   py::module_ m = parent.def_submodule("job", "jobs: allocate, launch, supervise (C++ core)");
@@ -28,10 +61,12 @@ void RegisterJob(py::module_& parent) {
       .def(py::init([](std::vector<std::string> command, int workers, int ps,
                        std::string mode, int gpus_per_worker, std::string gpu_mode,
                        uint64_t gpu_memory, double cpus, uint64_t memory, std::string user,
-                       std::string central, std::string central_token, py::dict launcher,
+                       std::string central, std::string central_token,
+                       std::string central_token_file, py::dict launcher,
                        std::string restart, std::string checkpoint_dir, std::string optimizer,
                        double lr, double momentum, std::string ps_binary, std::map<std::string, std::string> env,
-                       std::string working_dir, std::string name, py::object output) {
+                       std::string working_dir, std::string name, py::object output,
+                       py::object on_event) {
              JobOptions o;
              o.command = std::move(command);
              o.workers = workers;
@@ -45,6 +80,7 @@ void RegisterJob(py::module_& parent) {
              o.user = std::move(user);
              o.central = std::move(central);
              o.central_token = std::move(central_token);
+             o.central_token_file = std::move(central_token_file);
              o.launcher = LauncherOptionsFromPython(launcher);
              o.restart = Unwrap(launch::RestartPolicy::Parse(restart));
              o.checkpoint_dir = std::move(checkpoint_dir);
@@ -56,31 +92,23 @@ void RegisterJob(py::module_& parent) {
              o.working_dir = std::move(working_dir);
              o.name = std::move(name);
              if (!output.is_none()) {
-               // Called from the job's log threads: take the GIL, and keep a
-               // failing callback from killing them.
-               // The job (and this function) may be destroyed without the
-               // GIL (GilFreeHolder): dropping the callable must take it.
-               std::shared_ptr<py::object> fn(new py::object(output), [](py::object* f) {
-                 py::gil_scoped_acquire gil;
-                 delete f;
-               });
-               o.output = [fn](const std::string& who, const std::string& line) {
-                 py::gil_scoped_acquire gil;
-                 try {
-                   (*fn)(who, line);
-                 } catch (py::error_already_set& e) {
-                   e.discard_as_unraisable("deepnex job output");
-                 }
-               };
+               o.output = [fn = Callback(output, "deepnex job output")](
+                              const std::string& who, const std::string& line) { fn(who, line); };
+             }
+             if (!on_event.is_none()) {
+               o.on_event = [fn = Callback(on_event, "deepnex job on_event")](
+                                const std::string& message) { fn(message); };
              }
              return GilFree(Unwrap(Job::Create(o)));
            }),
            py::kw_only(), py::arg("command"), py::arg("workers"), py::arg("ps"), py::arg("mode"),
            py::arg("gpus_per_worker"), py::arg("gpu_mode"), py::arg("gpu_memory"),
            py::arg("cpus"), py::arg("memory"), py::arg("user"), py::arg("central"),
-           py::arg("central_token"), py::arg("launcher"), py::arg("restart"),
+           py::arg("central_token"), py::arg("central_token_file"), py::arg("launcher"),
+           py::arg("restart"),
            py::arg("checkpoint_dir"), py::arg("optimizer"), py::arg("lr"), py::arg("momentum"), py::arg("ps_binary"),
-           py::arg("env"), py::arg("working_dir"), py::arg("name"), py::arg("output"))
+           py::arg("env"), py::arg("working_dir"), py::arg("name"), py::arg("output"),
+           py::arg("on_event"))
       .def_property_readonly("name", &Job::name)
       .def("start", [](Job& j) { CheckStatus(j.Start()); },
            py::call_guard<py::gil_scoped_release>())

@@ -89,8 +89,8 @@ std::map<std::string, std::string> InheritedEnv() {
       continue;
     }
     if (key == "CUDA_VISIBLE_DEVICES" || key == "NVIDIA_VISIBLE_DEVICES" || key == "RANK" ||
-        key == "WORLD_SIZE" || key == "LOCAL_RANK" || key == "MASTER_ADDR" ||
-        key == "MASTER_PORT") {
+        key == "WORLD_SIZE" || key == "LOCAL_RANK" || key == "LOCAL_WORLD_SIZE" ||
+        key == "MASTER_ADDR" || key == "MASTER_PORT") {
       continue;
     }
     env[key] = kv.substr(eq + 1);
@@ -122,6 +122,7 @@ class AllocationSource {
       gpu::CentralClientOptions co;
       co.address = o.central;
       co.token = o.central_token;
+      co.token_file = o.central_token_file;
       DEEPNEX_ASSIGN_OR_RETURN(a->central_, gpu::CentralClient::Create(co));
     }
     return a;
@@ -204,7 +205,9 @@ class JobImpl : public Job {
     if (!(o_.momentum >= 0 && o_.momentum < 1)) {
       return absl::InvalidArgumentError(absl::StrCat("momentum: ", o_.momentum, " is not in [0, 1)"));
     }
-    if (o_.user.empty()) {
+    // deepnex-central knows who the token is; only a local allocator needs
+    // to be told.
+    if (o_.user.empty() && o_.central.empty()) {
       const char* user = getenv("USER");
       o_.user = user != nullptr && *user != '\0' ? user : "root";
     }
@@ -221,6 +224,9 @@ class JobImpl : public Job {
         std::lock_guard<std::mutex> lock(mu);
         std::cout << "[" << who << "] " << line << std::endl;
       };
+    }
+    if (!o_.on_event) {
+      o_.on_event = [](const std::string& message) { std::cerr << message << std::endl; };
     }
     if (o_.launcher.id.empty()) o_.launcher.id = o_.name;
     if (o_.registry_dir.empty()) {
@@ -325,6 +331,8 @@ class JobImpl : public Job {
     request.memory = o_.memory;
     request.replicas = o_.workers;
     DEEPNEX_ASSIGN_OR_RETURN(grants_, allocations_->Gang(request));
+    // The containers run for whom the allocations are (the token's user).
+    if (o_.user.empty() && !grants_.empty()) o_.user = grants_[0].user;
 
     token_ = launch::RandomHex(16);
     collective::StoreServerOptions so;
@@ -347,20 +355,35 @@ class JobImpl : public Job {
     std::map<std::string, std::string> base = InheritedEnv();
     for (const auto& [k, v] : o_.env) base[k] = v;
     for (int rank = 0; rank < o_.workers; ++rank) {
+      // As torchrun: the rank and count of this worker among those on its
+      // node.
+      int local_rank = 0, local_world_size = 0;
+      for (int other = 0; other < o_.workers; ++other) {
+        if (grants_[other].node != grants_[rank].node) continue;
+        if (other < rank) ++local_rank;
+        ++local_world_size;
+      }
       Context ctx;
       ctx.job_id = o_.name;
       ctx.role = Role::kWorker;
       ctx.rank = rank;
       ctx.world_size = o_.workers;
-      ctx.local_rank = rank;
+      ctx.local_rank = local_rank;
       ctx.ps_addrs = ps_addrs;
       ctx.store_addr = store_->address();
       ctx.token = token_;
       launch::ContainerSpec spec;
-      spec.name = absl::StrCat("worker", rank);
+      spec.name = absl::StrCat(o_.name, "-worker", rank);
       spec.command = o_.command;
       spec.env = base;
       for (const auto& [k, v] : ctx.ToEnv()) spec.env[k] = v;
+      spec.env["LOCAL_WORLD_SIZE"] = absl::StrCat(local_world_size);
+      // torchrun's default keeps N workers from each starting a thread per
+      // core of the machine; here a worker gets the cores it was granted.
+      if (!base.count("OMP_NUM_THREADS")) {
+        double cores = o_.cpus > 0 ? o_.cpus : grants_[rank].cpus;
+        spec.env["OMP_NUM_THREADS"] = absl::StrCat(std::max(1, static_cast<int>(cores)));
+      }
       // torchrun's rank 0 serves its own TCPStore on MASTER_PORT, so that
       // must be a free port, not the job's store.
       spec.env["MASTER_PORT"] = absl::StrCat(master_port);
@@ -405,12 +428,14 @@ class JobImpl : public Job {
 
   launch::ContainerSpec PsSpec(int i, const std::string& addr) {
     launch::ContainerSpec spec;
-    spec.name = absl::StrCat("ps", i);
+    spec.name = absl::StrCat(o_.name, "-ps", i);
+    // The server's own name (its checkpoint is <dir>/ps<i>.ckpt) stays the
+    // same across jobs, so a new job can restore an old job's checkpoint.
     std::vector<std::string>& c = spec.command;
     c = {o_.ps_binary, "--listen", addr, "--mode", ps_mode_, "--workers",
          absl::StrCat(o_.workers), "--optimizer", o_.optimizer, "--lr", absl::StrCat(o_.lr),
-         "--momentum", absl::StrCat(o_.momentum), "--token", token_, "--job", o_.name,
-         "--name", spec.name};
+         "--momentum", absl::StrCat(o_.momentum), "--job", o_.name,
+         "--name", absl::StrCat("ps", i)};
     if (ps_mode_ == "ssp") {
       c.insert(c.end(), {"--staleness", absl::StrCat(staleness_)});
     }
@@ -421,6 +446,9 @@ class JobImpl : public Job {
                          "--restore", o_.checkpoint_dir, "--restore-if-present"});
     }
     spec.env = InheritedEnv();
+    // Not on the command line, which every user of the machine can read in
+    // /proc; deepnex-ps reads $DEEPNEX_TOKEN.
+    spec.env["DEEPNEX_TOKEN"] = token_;
     spec.working_dir = CurrentDir();
     spec.user = o_.user;
     spec.cpus = o_.cpus;
@@ -430,8 +458,13 @@ class JobImpl : public Job {
     return spec;
   }
 
-  absl::StatusOr<std::shared_ptr<launch::Handle>> StartContainer(const launch::ContainerSpec& spec,
+  // Starts `spec` as `who` ("worker 0"): its output and restarts are told
+  // under that name.
+  absl::StatusOr<std::shared_ptr<launch::Handle>> StartContainer(launch::ContainerSpec spec,
                                                                  const std::string& who) {
+    spec.on_restart = [this, who](const launch::RestartEvent& e) {
+      o_.on_event(absl::StrCat(who, " ", e.ToString()));
+    };
     DEEPNEX_ASSIGN_OR_RETURN(std::shared_ptr<launch::Handle> h, launcher_->Start(spec));
     handles_.push_back(h);
     log_threads_.emplace_back([this, h, who] {

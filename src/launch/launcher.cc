@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/file_util.h"
@@ -247,6 +248,10 @@ class Container : public Handle {
 
   // Starts the first run; on success the supervisor thread takes over.
   absl::Status Begin() {
+    // A state_dir reused by a later launcher may hold a container of this
+    // name from before: its logs are not this container's.
+    DEEPNEX_RETURN_IF_ERROR(MakeDirectories(paths_.dir));
+    std::ofstream(paths_.logs(), std::ios::binary | std::ios::trunc);
     DEEPNEX_ASSIGN_OR_RETURN(std::shared_ptr<Run> run, StartRun(0));
     std::lock_guard<std::mutex> lock(mu_);
     started_at_ = std::chrono::system_clock::now();
@@ -435,10 +440,15 @@ class Container : public Handle {
       }
       state_ = State::kRestarting;
       WriteRecordLocked();
+      RestartEvent event{spec_.name, e, restarts_ + 1, spec_.restart.max_restarts,
+                         Backoff(spec_.restart, restarts_ + 1)};
       lock.unlock();
+      // Told as it happens, so that a crash loop is visible while it runs,
+      // not only in the final status.
+      if (spec_.on_restart) spec_.on_restart(event);
       Release(run, attempt);
       lock.lock();
-      cv_.wait_for(lock, Backoff(spec_.restart, restarts_ + 1), [&] { return stop_requested_; });
+      cv_.wait_for(lock, event.delay, [&] { return stop_requested_; });
       if (stop_requested_) {
         EndLocked(e);
         return;
@@ -652,6 +662,15 @@ absl::StatusOr<std::string> MakeTempDir() {
   return templ;
 }
 
+// How one run ended, without the restarts: the one spelling of an exit
+// everywhere (records, CLIs, restart notices).
+std::string RunEnd(const ExitStatus& e) {
+  std::string s = ExitReasonName(e.reason);
+  if (e.reason == ExitReason::kExited) absl::StrAppend(&s, "(", e.code, ")");
+  if (e.reason == ExitReason::kSignaled) absl::StrAppend(&s, "(", SignalName(e.signal), ")");
+  return s;
+}
+
 }  // namespace
 
 const char* ExitReasonName(ExitReason reason) {
@@ -685,10 +704,15 @@ const char* StateName(State state) {
 }
 
 std::string ExitStatus::ToString() const {
-  std::string s = ExitReasonName(reason);
-  if (reason == ExitReason::kExited) absl::StrAppend(&s, "(", code, ")");
-  if (reason == ExitReason::kSignaled) absl::StrAppend(&s, "(", SignalName(signal), ")");
+  std::string s = RunEnd(*this);
   if (restarts > 0) absl::StrAppend(&s, " after ", restarts, restarts == 1 ? " restart" : " restarts");
+  return s;
+}
+
+std::string RestartEvent::ToString() const {
+  std::string s = absl::StrCat(RunEnd(exit), "; restarting (", restart);
+  if (max_restarts >= 0) absl::StrAppend(&s, "/", max_restarts);
+  absl::StrAppend(&s, ") in ", absl::StrFormat("%.1f", delay.count() / 1000.0), "s");
   return s;
 }
 

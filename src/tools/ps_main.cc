@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 
@@ -45,7 +46,9 @@ flags:
   --eps X                 Adam/AdamW/Adagrad epsilon (default 1e-8; adagrad 1e-10)
   --accept-nonfinite      apply gradients holding NaN/Inf instead of refusing them
   --max-message SIZE      largest request accepted, e.g. 256MiB (default 256MiB)
-  --token T               bearer token every call must carry
+  --token T               bearer token every call must carry (default
+                          $DEEPNEX_TOKEN, which unlike a flag other users
+                          cannot read in /proc)
   --token-file F          file with the token, or lines "TOKEN NAME ROLE [JOB]"
   --job ID                job id; tokens scoped to other jobs are refused
   --tls-cert F --tls-key F   serve TLS with this PEM certificate and key
@@ -114,6 +117,10 @@ int main(int argc, char** argv) {
     else if (flags.Is("--restore-if-present")) restore_if_present = true;
     else if (flags.Is("--metrics-port")) metrics_port = flags.Int();
     else flags.Unknown();
+  }
+  if (options.token.empty() && options.token_file.empty()) {
+    const char* token = getenv("DEEPNEX_TOKEN");
+    if (token != nullptr) options.token = token;
   }
   if (options.optimizer.kind == deepnex::ps::OptimizerKind::kAdagrad && !eps_given) {
     options.optimizer.eps = 1e-10;

@@ -69,9 +69,10 @@ def ps_server_pids(name):
 class RunningJob:
     """`deepnex run` in a subprocess; its output collected line by line."""
 
-    def __init__(self, tmp_path, args, command):
-        self.name = "t" + uuid.uuid4().hex[:10]
-        env = dict(os.environ, DEEPNEX_RUN_DIR=str(tmp_path / "run"), PYTHONUNBUFFERED="1")
+    def __init__(self, tmp_path, args, command, name=None, env=None):
+        self.name = name or "t" + uuid.uuid4().hex[:10]
+        env = dict(os.environ if env is None else env, DEEPNEX_RUN_DIR=str(tmp_path / "run"),
+                   PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "deepnex", "run", "--name", self.name] + args + ["--"] + command,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -115,8 +116,8 @@ class RunningJob:
 def jobs(tmp_path):
     started = []
 
-    def start(args, command):
-        j = RunningJob(tmp_path, args, command)
+    def start(args, command, **kwargs):
+        j = RunningJob(tmp_path, args, command, **kwargs)
         started.append(j)
         return j
     yield start
@@ -180,7 +181,9 @@ def test_a_killed_worker_is_restarted_and_the_job_still_reaches_accuracy(jobs):
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
     assert j.wait() == 0, j.output()
-    assert re.search(r"worker 1: exited\(0\), 1 restarts", j.output()), j.output()
+    assert "deepnex run: worker 1 signaled(SIGKILL); restarting (1/3) in 0.1s" in j.lines, \
+        j.output()
+    assert "deepnex run: worker 1: exited(0) after 1 restart" in j.lines, j.output()
 
 
 def test_a_killed_parameter_server_restarts_from_its_checkpoint(jobs, tmp_path):
@@ -214,3 +217,166 @@ def test_job_run_from_python(tmp_path, monkeypatch):
     assert result.exit_code == 0
     assert [e.reason for e in result.workers] == ["exited", "exited"]
     assert sorted(lines) == [("worker 0", "rank 0"), ("worker 1", "rank 1")]
+
+
+def test_restarts_are_told_as_they_happen_and_spelt_as_exit_statuses(jobs, tmp_path):
+    # Worker 1's first run is killed, its second exits 1, its third waits
+    # for the gate and succeeds.
+    gate, killed, failed = (tmp_path / n for n in ("gate", "killed", "failed"))
+    script = (f'if [ "$DEEPNEX_RANK" = 0 ]; then exit 0; fi; '
+              f'if [ ! -e {killed} ]; then touch {killed}; kill -KILL $$; fi; '
+              f'if [ ! -e {failed} ]; then touch {failed}; exit 1; fi; '
+              f'while [ ! -e {gate} ]; do sleep 0.05; done')
+    j = jobs(["--workers", "2", "--mode", "allreduce", "--restart", "on-failure:3"],
+             ["sh", "-c", script])
+    j.await_line(r"^deepnex run: worker 1 exited\(1\); restarting \(2/3\) in 0\.2s$")
+    assert j.proc.poll() is None  # told while the job runs, not in its summary
+    restarts = [line for line in j.lines if "restarting" in line]
+    assert restarts == ["deepnex run: worker 1 signaled(SIGKILL); restarting (1/3) in 0.1s",
+                        "deepnex run: worker 1 exited(1); restarting (2/3) in 0.2s"]
+    gate.write_text("")
+    assert j.wait(60) == 0, j.output()
+    assert "deepnex run: worker 0: exited(0)" in j.lines, j.output()
+    assert "deepnex run: worker 1: exited(0) after 2 restarts" in j.lines, j.output()
+
+
+def test_a_worker_killed_for_good_is_summarised_by_signal_name(jobs):
+    j = jobs(["--mode", "allreduce"], ["sh", "-c", "kill -KILL $$"])
+    assert j.wait(60) == 128 + signal.SIGKILL, j.output()
+    assert "deepnex run: worker 0: signaled(SIGKILL)" in j.lines, j.output()
+
+
+def test_a_reused_state_dir_does_not_replay_the_last_runs_logs(jobs, tmp_path):
+    state = tmp_path / "state"
+    name = "t" + uuid.uuid4().hex[:10]
+    first = jobs(["--mode", "sync", "--state-dir", str(state)],
+                 ["sh", "-c", "echo first run"], name=name)
+    assert first.wait(60) == 0, first.output()
+    assert "[worker 0] first run" in first.lines
+    # Containers are named by their job.
+    assert sorted(os.listdir(state / "containers")) == [f"{name}-ps0", f"{name}-worker0"]
+    second = jobs(["--mode", "sync", "--state-dir", str(state)],
+                  ["sh", "-c", "echo second run"], name=name)
+    assert second.wait(60) == 0, second.output()
+    assert "[worker 0] second run" in second.lines
+    assert not [line for line in second.lines if "first run" in line], second.output()
+    # One deepnex-ps start, this run's.
+    assert len([line for line in second.lines if "deepnex-ps listening on" in line]) == 1
+
+
+def test_torchrun_names_local_world_size_and_omp_threads(jobs):
+    show = ["sh", "-c", "echo local=$LOCAL_RANK/$LOCAL_WORLD_SIZE omp=$OMP_NUM_THREADS"]
+    unset = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    j = jobs(["--nproc-per-node", "2", "--mode", "allreduce", "--cpus", "1"], show, env=unset)
+    assert j.wait(60) == 0, j.output()
+    assert sorted(line for line in j.lines if "local=" in line) == [
+        "[worker 0] local=0/2 omp=1", "[worker 1] local=1/2 omp=1"]
+    # A user's own OMP_NUM_THREADS stays.
+    j = jobs(["--workers", "1", "--mode", "allreduce"], show,
+             env=dict(os.environ, OMP_NUM_THREADS="3"))
+    assert j.wait(60) == 0, j.output()
+    assert "[worker 0] local=0/1 omp=3" in j.lines, j.output()
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("a worker with 2 cores needs 2 cores")
+    j = jobs(["--workers", "1", "--mode", "allreduce", "--cpus", "2"], show, env=unset)
+    assert j.wait(60) == 0, j.output()
+    assert "[worker 0] local=0/1 omp=2" in j.lines, j.output()
+
+
+def test_the_ps_token_is_in_its_environment_not_on_its_command_line(jobs, tmp_path):
+    gate = tmp_path / "gate"
+    j = jobs(["--workers", "1", "--mode", "sync"],
+             ["sh", "-c", f"echo up; while [ ! -e {gate} ]; do sleep 0.05; done"])
+    j.await_line(r"^\[worker 0\] up")
+    workers = job_processes(j.name, DEEPNEX_RANK="0")
+    assert workers
+    worker_env = _environ(workers[0])
+    token = worker_env["DEEPNEX_TOKEN"]
+    [ps_pid] = ps_server_pids(j.name)
+    cmdline = _cmdline(ps_pid)
+    assert not [a for a in cmdline if token.encode() in a or a.startswith(b"--token")], cmdline
+    assert _environ(ps_pid)["DEEPNEX_TOKEN"] == token
+    # And the server holds to it.
+    address = worker_env["DEEPNEX_PS_ADDRS"]
+    with pytest.raises(deepnex.UnauthenticatedError):
+        deepnex.ps.Client([address], worker_id=-1, timeout=10).stats()
+    with deepnex.ps.Client([address], worker_id=-1, token=token, timeout=10) as c:
+        c.stats()
+    gate.write_text("")
+    assert j.wait(60) == 0, j.output()
+
+
+def _cli_parsers():
+    import argparse
+
+    from deepnex import _cli_job
+    commands = argparse.ArgumentParser().add_subparsers()
+    _cli_job.add_commands(commands)
+    return commands.choices
+
+
+def test_every_flag_of_run_and_top_has_help_and_run_names_its_environment():
+    for command, parser in _cli_parsers().items():
+        for action in parser._actions:
+            assert action.help, f"{command} {action.option_strings or action.dest}: no help"
+    run = _cli_parsers()["run"]
+    text = run.format_help()
+    for needle in ("$DEEPNEX_CENTRAL", "$DEEPNEX_TOKEN", "--token-file", "--nproc-per-node",
+                   "--mode", "--user"):
+        assert needle in text, needle
+    args = run.parse_args(["--nproc-per-node", "3", "--", "true"])
+    assert args.workers == 3
+
+
+CENTRAL_BIN = os.path.join(os.environ.get("DEEPNEX_BUILD_DIR", os.path.join(HERE, "..", "..",
+                                                                              "build")),
+                           "bin", "deepnex-central")
+
+
+@pytest.fixture
+def central(tmp_path):
+    """deepnex-central with a token file: alicetok is user alice."""
+    if not os.path.exists(CENTRAL_BIN):
+        pytest.skip(f"{CENTRAL_BIN} not built")
+    tokens = tmp_path / "tokens"
+    tokens.write_text("admintok root admin\nalicetok alice user\n")
+    nodes = tmp_path / "nodes.json"
+    nodes.write_text('{"nodes": [{"name": "n1", "cpus": 8, "memory": "16GiB",'
+                     ' "mode": "exclusive", "gpus": {"count": 2, "memory": "80GiB"}}]}')
+    proc = subprocess.Popen([CENTRAL_BIN, "--listen", "127.0.0.1:0", "--token-file", str(tokens),
+                             "--nodes", str(nodes)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("deepnex-central listening on "), line + proc.stderr.read()
+    yield line.split()[3]
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def test_run_with_central_allocates_as_the_tokens_user(jobs, central, tmp_path):
+    alice = deepnex.gpu.CentralClient(central, token="alicetok", timeout=10)
+    token_file = tmp_path / "alice.token"
+    token_file.write_text("alicetok\n")
+    gate = tmp_path / "gate"
+    env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_TOKEN"}
+    env["USER"] = "root"  # not alice: the token decides
+    j = jobs(["--central", central, "--token-file", str(token_file), "--workers", "2",
+              "--mode", "allreduce"],
+             ["sh", "-c", f"echo up; while [ ! -e {gate} ]; do sleep 0.05; done"], env=env)
+    j.await_line(r"^\[worker 1\] up")
+    assert sorted(a.user for a in alice.allocations()) == ["alice", "alice"]
+    gate.write_text("")
+    assert j.wait(60) == 0, j.output()
+    assert alice.allocations() == []  # released
+
+
+def test_run_with_central_refuses_a_user_that_is_not_the_tokens(jobs, central):
+    # The address and token from the environment, as `deepnex run --help` says.
+    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
+    j = jobs(["--user", "root", "--mode", "allreduce"], ["true"], env=env)
+    assert j.wait(60) == 1, j.output()
+    assert "user alice cannot allocate for user root" in j.output()

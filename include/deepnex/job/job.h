@@ -45,12 +45,16 @@ struct JobOptions {
   // memory (0: unlimited).
   double cpus = 1;
   uint64_t memory = 0;
-  // The user the allocations are for; empty: $USER, else "root".
+  // The user the allocations are for. Empty: with `central`, the token's
+  // user (deepnex-central decides; a user that is not the token's is
+  // PermissionDenied there, naming both); else $USER, else "root".
   std::string user;
-  // host:port of deepnex-central and its token; empty: a local allocator
-  // over this machine (its discovered GPUs, cores and memory).
+  // host:port of deepnex-central and its token, or a file holding it; empty
+  // central: a local allocator over this machine (its discovered GPUs, cores
+  // and memory).
   std::string central;
   std::string central_token;
+  std::string central_token_file;
   // Which backend starts the containers, and its options.
   launch::LauncherOptions launcher;
   // Applied to workers and parameter servers alike.
@@ -78,6 +82,10 @@ struct JobOptions {
   // Receives every line the job's processes print, with who printed it
   // ("worker 0", "ps 1"). Default: written to stdout as "[worker 0] line".
   std::function<void(const std::string& who, const std::string& line)> output;
+  // Receives what happens to the job's processes as it happens:
+  // "worker 1 exited(1); restarting (1/2) in 1.0s". Default: written to
+  // stderr.
+  std::function<void(const std::string& message)> on_event;
 };
 
 struct JobResult {

@@ -57,6 +57,8 @@ struct RestartPolicy {
   std::string ToString() const;
 };
 
+struct RestartEvent;  // below, with ExitStatus
+
 // What to run and with which resources. Plain value.
 struct ContainerSpec {
   // Unique among the launcher's live containers; [a-zA-Z0-9][a-zA-Z0-9_.-]*,
@@ -93,6 +95,10 @@ struct ContainerSpec {
   // deepnex.name=<name> so that Cleanup can find what it started.
   std::map<std::string, std::string> labels;
   RestartPolicy restart;
+  // Called on each restart decision, before the backoff, from the
+  // container's supervisor thread; it must not block. Not sent to remote
+  // launchers (deepnex-central).
+  std::function<void(const RestartEvent&)> on_restart;
   // No network namespace sharing: only loopback (oci, docker).
   bool network_none = false;
 };
@@ -108,7 +114,21 @@ struct ExitStatus {
   // Restarts done before this (final) status; 0 if it ran once.
   int restarts = 0;
   bool ok() const { return reason == ExitReason::kExited && code == 0; }
-  std::string ToString() const;  // "exited(3)", "signaled(SIGKILL)", ...
+  // "exited(3)", "signaled(SIGKILL)", "oom_killed" or "lost", then
+  // " after N restarts" when restarts > 0.
+  std::string ToString() const;
+};
+
+// The supervisor's decision to start a container again, as it is taken.
+struct RestartEvent {
+  std::string name;       // the container's
+  ExitStatus exit;        // how the run ended
+  int restart = 0;        // which restart follows: 1, 2, ...
+  int max_restarts = -1;  // the policy's; -1: unlimited
+  std::chrono::milliseconds delay{0};  // the backoff before it
+  // "exited(1); restarting (1/2) in 1.0s"; unlimited: "signaled(SIGKILL);
+  // restarting (3) in 0.4s".
+  std::string ToString() const;
 };
 
 enum class State { kStarting, kRunning, kRestarting, kStopped, kExited };

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "launch/util.h"
 #include "test_matchers.h"
@@ -29,6 +30,17 @@ struct Output {
       lines.emplace(who, line);
     };
   }
+  std::function<void(const std::string&)> EventSink() {
+    return [this](const std::string& message) {
+      std::lock_guard<std::mutex> lock(mu);
+      events.push_back(message);
+    };
+  }
+  std::vector<std::string> Events() {
+    std::lock_guard<std::mutex> lock(mu);
+    return events;
+  }
+  std::vector<std::string> events;
   std::vector<std::string> Of(const std::string& who) {
     std::lock_guard<std::mutex> lock(mu);
     std::vector<std::string> out;
@@ -55,6 +67,7 @@ class JobTest : public ::testing::Test {
     o.cpus = 0;
     o.launcher.state_dir = (dir_ / "state").string();
     o.output = out_.Sink();
+    o.on_event = out_.EventSink();
     return o;
   }
 
@@ -66,18 +79,40 @@ TEST_F(JobTest, WorkersGetTheJobEnvironmentAndTheirOutputIsPrefixed) {
   JobOptions o = Options({"sh", "-c",
                           "echo rank=$DEEPNEX_RANK/$DEEPNEX_WORLD_SIZE job=$DEEPNEX_JOB_ID "
                           "ps=${DEEPNEX_PS_ADDRS:+yes} store=${DEEPNEX_STORE_ADDR:+yes} "
-                          "torch=$RANK/$WORLD_SIZE"});
+                          "torch=$RANK/$WORLD_SIZE local=$LOCAL_RANK/$LOCAL_WORLD_SIZE "
+                          "omp=$OMP_NUM_THREADS"});
   o.name = "envjob";
   o.workers = 2;
+  o.env = {{"OMP_NUM_THREADS", "5"}};  // the user's, kept
   ASSERT_OK_AND_ASSIGN(JobResult r, RunJob(o));
   EXPECT_EQ(r.exit_code, 0);
   ASSERT_EQ(r.workers.size(), 2u);
   EXPECT_TRUE(r.workers[0].ok() && r.workers[1].ok());
   EXPECT_THAT(out_.Of("worker 0"),
-              ::testing::Contains("rank=0/2 job=envjob ps=yes store=yes torch=0/2"));
+              ::testing::Contains(
+                  "rank=0/2 job=envjob ps=yes store=yes torch=0/2 local=0/2 omp=5"));
   EXPECT_THAT(out_.Of("worker 1"),
-              ::testing::Contains("rank=1/2 job=envjob ps=yes store=yes torch=1/2"));
+              ::testing::Contains(
+                  "rank=1/2 job=envjob ps=yes store=yes torch=1/2 local=1/2 omp=5"));
   EXPECT_THAT(out_.Of("ps 0"), ::testing::Contains(HasSubstr("deepnex-ps listening on")));
+}
+
+// torchrun's variable, from the cores granted per worker (cpus 0: the
+// allocator's one core), rounded down.
+TEST_F(JobTest, OmpThreadsAreTheCoresGrantedPerWorker) {
+  unsetenv("OMP_NUM_THREADS");
+  std::vector<double> cpus = {0};
+  if (std::thread::hardware_concurrency() >= 2) cpus.insert(cpus.end(), {1.5, 2});
+  for (double c : cpus) {
+    JobOptions o = Options({"sh", "-c", "echo omp=$OMP_NUM_THREADS"});
+    o.mode = "allreduce";
+    o.cpus = c;
+    ASSERT_OK_AND_ASSIGN(JobResult r, RunJob(o));
+    EXPECT_EQ(r.exit_code, 0);
+  }
+  std::vector<std::string> want = {"omp=1", "omp=1", "omp=2"};
+  want.resize(cpus.size());
+  EXPECT_EQ(out_.Of("worker 0"), want);
 }
 
 TEST_F(JobTest, AllreduceModeStartsNoParameterServer) {
@@ -106,11 +141,14 @@ TEST_F(JobTest, AWorkerThatFailsOnceIsRestartedUnderOnFailure) {
   JobOptions o = Options(
       {"sh", "-c", "if [ ! -e " + marker + " ]; then touch " + marker + "; exit 5; fi; echo again"});
   ASSERT_OK_AND_ASSIGN(o.restart, launch::RestartPolicy::Parse("on-failure:2"));
-  o.restart.backoff = milliseconds(10);
+  o.restart.backoff = milliseconds(100);
+  o.mode = "allreduce";
   ASSERT_OK_AND_ASSIGN(JobResult r, RunJob(o));
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_EQ(r.workers[0].restarts, 1);
   EXPECT_THAT(out_.Of("worker 0"), ::testing::Contains("again"));
+  EXPECT_THAT(out_.Events(),
+              ::testing::ElementsAre("worker 0 exited(5); restarting (1/2) in 0.1s"));
 }
 
 TEST_F(JobTest, StopEndsEveryProcessAndReleasesTheAllocations) {
@@ -120,7 +158,11 @@ TEST_F(JobTest, StopEndsEveryProcessAndReleasesTheAllocations) {
   ASSERT_OK_AND_ASSIGN(auto job, Job::Create(o));
   ASSERT_THAT(job->Start(), IsOk());
   EXPECT_EQ(job->Allocations().size(), 2u);
-  EXPECT_EQ(job->Containers().size(), 3u);  // ps0, worker0, worker1
+  std::vector<std::string> names;
+  for (const auto& h : job->Containers()) names.push_back(h->spec().name);
+  // Named by the job, so that jobs sharing a state_dir or an engine differ.
+  EXPECT_THAT(names, ::testing::ElementsAre(o.name + "-ps0", o.name + "-worker0",
+                                            o.name + "-worker1"));
   EXPECT_THAT(job->Wait(milliseconds(200)), StatusIs(absl::StatusCode::kDeadlineExceeded));
   ASSERT_THAT(job->Stop(), IsOk());
   EXPECT_TRUE(job->Allocations().empty());

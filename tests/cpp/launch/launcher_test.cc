@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <mutex>
 #include <thread>
 
 #include "deepnex/launch/launcher.h"
@@ -159,7 +160,13 @@ TEST_P(LaunchContract, PastMemoryLimitIsOomKilled) {
 TEST_P(LaunchContract, OnFailureRestartsExactlyThreeTimes) {
   ContainerSpec spec = Spec("flaky", "echo run; exit 1");
   ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("on-failure:3"));
-  spec.restart.backoff = 10ms;
+  spec.restart.backoff = 100ms;
+  std::mutex mu;
+  std::vector<std::string> told;
+  spec.on_restart = [&](const RestartEvent& event) {
+    std::lock_guard<std::mutex> lock(mu);
+    told.push_back(event.name + " " + event.ToString());
+  };
   auto h = StartOk(spec);
   ASSERT_NE(h, nullptr);
   ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(kWait));
@@ -172,6 +179,10 @@ TEST_P(LaunchContract, OnFailureRestartsExactlyThreeTimes) {
   EXPECT_EQ(s.state, State::kExited);
   ASSERT_OK_AND_ASSIGN(std::string logs, h->Logs());
   EXPECT_EQ(logs, "run\nrun\nrun\nrun\n");  // four runs, logs kept across them
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_THAT(told, ::testing::ElementsAre("flaky exited(1); restarting (1/3) in 0.1s",
+                                           "flaky exited(1); restarting (2/3) in 0.2s",
+                                           "flaky exited(1); restarting (3/3) in 0.4s"));
 }
 
 TEST_P(LaunchContract, StopKillsTheWholeProcessTree) {
@@ -607,6 +618,43 @@ TEST_F(ProcessLauncherTest, BackoffDoublesPerRestart) {
   EXPECT_GE(std::chrono::steady_clock::now() - start, 100ms + 200ms + 400ms);
 }
 
+// Each restart is told as it is decided, before the next run starts.
+TEST_F(ProcessLauncherTest, RestartIsToldBeforeTheNextRun) {
+  const std::string marker = scratch_.path() + "/ran";
+  ContainerSpec spec = Spec("once", "if [ -e " + marker + " ]; then exit 0; fi; touch " +
+                                        marker + "; kill -KILL $$");
+  ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("on-failure"));
+  spec.restart.backoff = 1000ms;
+  std::vector<std::string> told;
+  std::vector<bool> next_run_started;
+  spec.on_restart = [&](const RestartEvent& event) {
+    told.push_back(event.ToString());
+    next_run_started.push_back(launcher_->Get("once").value()->Status().restarts > 0);
+  };
+  ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(spec));
+  ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(kWait));
+  EXPECT_EQ(e.ToString(), "exited(0) after 1 restart");
+  EXPECT_THAT(told, ::testing::ElementsAre("signaled(SIGKILL); restarting (1) in 1.0s"));
+  EXPECT_THAT(next_run_started, ::testing::ElementsAre(false));
+}
+
+// A state_dir used again: a container's logs are its own, not those of the
+// one of that name before.
+TEST_F(ProcessLauncherTest, LogsStartEmptyInAReusedStateDir) {
+  LauncherOptions options;
+  options.state_dir = scratch_.path() + "/state";
+  Make(options);
+  std::string logs;
+  ASSERT_TRUE(Run(Spec("w0", "echo first"), &logs).ok());
+  EXPECT_EQ(logs, "first\n");
+  // What a launcher that ended without Remove leaves behind.
+  ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(Spec("w1", "echo first")));
+  ASSERT_THAT(h->Wait(kWait), IsOk());
+  Make(options);
+  ASSERT_TRUE(Run(Spec("w1", "echo second"), &logs).ok());
+  EXPECT_EQ(logs, "second\n");
+}
+
 TEST_F(ProcessLauncherTest, OnFailureDoesNotRestartSuccess) {
   ContainerSpec spec = Spec("fine", "exit 0");
   ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("on-failure:3"));
@@ -740,6 +788,28 @@ TEST(RestartPolicyTest, ParseAndToString) {
                 StatusIs(absl::StatusCode::kInvalidArgument,
                          HasSubstr("restart: \"" + std::string(bad) + "\" is not a restart policy")));
   }
+}
+
+TEST(RestartEventTest, ToStringSpellsTheExitAsExitStatusDoes) {
+  using std::chrono::milliseconds;
+  RestartEvent exited{"w1", ExitStatus{ExitReason::kExited, 1}, 1, 2, milliseconds(1000)};
+  EXPECT_EQ(exited.ToString(), "exited(1); restarting (1/2) in 1.0s");
+  RestartEvent killed{"w1", ExitStatus{ExitReason::kSignaled, 0, SIGKILL}, 1, 3,
+                      milliseconds(1000)};
+  EXPECT_EQ(killed.ToString(), "signaled(SIGKILL); restarting (1/3) in 1.0s");
+  // The exit of one run: what came before is the restart's number.
+  killed.exit.restarts = 2;
+  killed.restart = 3;
+  killed.delay = milliseconds(400);
+  EXPECT_EQ(killed.ToString(), "signaled(SIGKILL); restarting (3/3) in 0.4s");
+  RestartEvent oom{"w1", ExitStatus{ExitReason::kOomKilled, 0, SIGKILL}, 4, -1,
+                   milliseconds(10000)};
+  EXPECT_EQ(oom.ToString(), "oom_killed; restarting (4) in 10.0s");
+  RestartEvent lost{"w1", ExitStatus{ExitReason::kLost}, 2, 5, milliseconds(200)};
+  EXPECT_EQ(lost.ToString(), "lost; restarting (2/5) in 0.2s");
+  EXPECT_EQ((ExitStatus{ExitReason::kSignaled, 0, SIGKILL, 1}).ToString(),
+            "signaled(SIGKILL) after 1 restart");
+  EXPECT_EQ((ExitStatus{ExitReason::kLost}).ToString(), "lost");
 }
 
 TEST(LauncherCreateTest, UnknownBackendNamesTheKnownOnes) {
