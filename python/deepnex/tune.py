@@ -612,7 +612,11 @@ class _JobRunner:
             while True:
                 job = job_module.Job(argv, env=extra,
                                      name=f"trial-{trial_id}-{secrets.token_hex(3)}",
-                                     output=log.write, **options)
+                                     output=log.write,
+                                     # Restarts go to the trial's log: stderr
+                                     # would break the live status table.
+                                     on_event=lambda message: log.write("job", message),
+                                     **options)
                 try:
                     job.start()
                     break
