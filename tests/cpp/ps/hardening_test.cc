@@ -334,7 +334,7 @@ TEST_F(PullLimitTest, RepliesHeldForOneConnectionAreBoundedAndFreedWhenItGoes) {
   ASSERT_TRUE(WaitFor([&] {
     return wire.Count(grpc::StatusCode::RESOURCE_EXHAUSTED) == 392;
   })) << wire.Count(grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_EQ(wire.Pending(), 8 + 0);
+  EXPECT_EQ(wire.Pending(), 8);  // held, waiting for round 1
   EXPECT_THAT(wire.FirstMessage(grpc::StatusCode::RESOURCE_EXHAUSTED),
               HasSubstr("already has 8388608 bytes of pull replies held on the server, "
                         "and 1048576 more would pass max_pending_reply_bytes (8388608)"));
@@ -350,46 +350,77 @@ TEST_F(PullLimitTest, RepliesHeldForOneConnectionAreBoundedAndFreedWhenItGoes) {
   }));
 }
 
+// A pull sent as a stream whose reply is never read: the client's
+// transport stops taking the reply once the stream's window is full, and the
+// rest stays on the server.
+class UnreadPull final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  UnreadPull(grpc::GenericStub* stub, const grpc::ByteBuffer& request) : request_(request) {
+    stub->PrepareBidiStreamingCall(&ctx_, kPull, grpc::StubOptions(), this);
+    StartWriteLast(&request_, grpc::WriteOptions());
+    StartCall();
+  }
+  void Cancel() { ctx_.TryCancel(); }
+  void OnDone(const grpc::Status& s) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    status_ = s;
+    done_ = true;
+    cv_.notify_all();
+  }
+  grpc::Status Await() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return done_; });
+    return status_;
+  }
+  bool done() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_;
+  }
+  // The call's code once done; OK before.
+  grpc::StatusCode code() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_ ? status_.error_code() : grpc::StatusCode::OK;
+  }
+
+ private:
+  grpc::ClientContext ctx_;
+  grpc::ByteBuffer request_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  grpc::Status status_;
+};
+
 TEST_F(PullLimitTest, UnreadRepliesCountAgainstTheirConnection) {
   ServerOptions so;
   so.max_pending_reply_bytes = 8 << 20;
   StartWith(so);
-  // Replies that are ready at once but never read: the client's completion
-  // queue is never polled, so its transport stops taking the bytes.
-  auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+  // A fixed 64 KiB stream window: a 1 MiB reply that is not read stays on
+  // the server.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
+  auto channel = grpc::CreateCustomChannel(server_->address(),
+                                           grpc::InsecureChannelCredentials(), args);
   grpc::GenericStub stub(channel);
-  grpc::CompletionQueue cq;
-  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
-  std::vector<std::unique_ptr<grpc::GenericClientAsyncResponseReader>> calls;
-  std::vector<grpc::ByteBuffer> replies(400);
-  std::vector<grpc::Status> statuses(400);
-  for (int i = 0; i < 400; ++i) {
-    contexts.push_back(std::make_unique<grpc::ClientContext>());
-    calls.push_back(stub.PrepareUnaryCall(contexts.back().get(), kPull,
-                                          Plain(PullOf(1)), &cq));
-    calls.back()->StartCall();
+  constexpr int kPulls = 400;
+  std::vector<std::unique_ptr<UnreadPull>> pulls;
+  for (int i = 0; i < kPulls; ++i) {
+    pulls.push_back(std::make_unique<UnreadPull>(&stub, Plain(PullOf(1))));
   }
-  EXPECT_TRUE(WaitFor([&] {
-    return Metric(*server_, "deepnex_ps_pending_reply_bytes") >= 8 << 20;
-  }));
-  EXPECT_LE(Metric(*server_, "deepnex_ps_pending_reply_bytes"), 8 << 20);
-  for (auto& c : contexts) c->TryCancel();
-  for (int i = 0; i < 400; ++i) calls[i]->Finish(&replies[i], &statuses[i], &calls[i]);
-  for (int i = 0; i < 400; ++i) {
-    void* tag;
-    bool ok;
-    ASSERT_TRUE(cq.Next(&tag, &ok));
-  }
-  cq.Shutdown();
-  void* tag;
-  bool ok;
-  while (cq.Next(&tag, &ok)) {
-  }
-  int exhausted = 0;
-  for (const auto& st : statuses) {
-    exhausted += st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
-  }
-  EXPECT_GE(exhausted, 300);
+  auto exhausted = [&] {
+    int n = 0;
+    for (auto& p : pulls) n += p->code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
+    return n;
+  };
+  ASSERT_TRUE(WaitFor([&] { return exhausted() == kPulls - 8; })) << exhausted();
+  EXPECT_EQ(Metric(*server_, "deepnex_ps_pending_reply_bytes"), 8 << 20);
+  int done = 0;
+  for (auto& p : pulls) done += p->done();
+  EXPECT_EQ(done, kPulls - 8);  // the 8 held are unread, not finished
+
+  for (auto& p : pulls) p->Cancel();
+  for (auto& p : pulls) p->Await();
   EXPECT_TRUE(WaitFor([&] {
     return Metric(*server_, "deepnex_ps_pending_reply_bytes") == 0;
   }));
