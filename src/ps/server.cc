@@ -466,8 +466,8 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
                  reply] {
       auto round = WriteCheckpoint(dir, timeout);
       if (round.ok()) reply->set_round(*round);
+      checkpoint_calls_.fetch_sub(1);  // before Finish lets the server stop
       reactor->Finish(ToGrpcStatus(round.status()));
-      checkpoint_calls_.fetch_sub(1);
     }).detach();
     return reactor;
   }
@@ -838,7 +838,7 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
     if (!who.job.empty() && options_.job_id.empty()) {
       return absl::PermissionDeniedError(absl::StrCat(
           "the token of \"", who.name, "\" is for job \"", who.job,
-          "\", and this parameter server belongs to no job (start it with --job)"));
+          "\", and this parameter server belongs to no job (job_id, --job)"));
     }
     return who;
   }
@@ -908,7 +908,7 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
             "name each once",
             req.slices(i).key(), req.slices(i).part(), it->second, i));
       }
-      // Each part holds at most max_message_bytes, so this does not wrap.
+      // *total stays within cap, so cap - *total does not wrap.
       if (parts[i]->bytes() > cap - *total) {
         return absl::ResourceExhaustedError(absl::StrFormat(
             "pull: the reply would hold more than %d bytes (max_pull_reply_bytes) "
