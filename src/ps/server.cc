@@ -678,7 +678,8 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
       }
       DType dtype = static_cast<DType>(r.dtype());
       size_t elem = dtype == DType::kFloat64 ? 8 : 4;  // the compute type
-      if (r.values().size() != r.count() * elem ||
+      // Compared by division: a count from the file must not wrap a product.
+      if (r.values().size() % elem != 0 || r.values().size() / elem != r.count() ||
           (!r.m().empty() && r.m().size() != r.values().size()) ||
           (!r.v().empty() && r.v().size() != r.values().size())) {
         return absl::DataLossError(absl::StrFormat(

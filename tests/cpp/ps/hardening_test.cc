@@ -524,6 +524,18 @@ TEST_F(CheckpointTest, ANameIsWrittenInsideTheCheckpointDirAndAPathIsRefused) {
   ASSERT_THAT(client->Checkpoint(""), IsOk());
   EXPECT_TRUE(Exists(dir_ + "/ps.ckpt"));
 
+  // The wait is the server's thread's: bounded.
+  pb::CheckpointRequest req;
+  req.set_name("late");
+  req.set_timeout_ms(1ull << 63);
+  pb::CheckpointReply reply;
+  grpc::ClientContext ctx;
+  Wire wire(server->address());
+  grpc::Status s = wire.stub().Checkpoint(&ctx, req, &reply);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("timeout_ms 9223372036854775808 is over an hour"));
+  EXPECT_FALSE(Exists(dir_ + "/late"));
+
   // A server without a checkpoint_dir writes nowhere on request.
   auto bare = Start({});
   auto other = Connect(*bare, 0);
