@@ -358,12 +358,13 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
   absl::Status Take(int worker, uint64_t bytes) override {
     std::lock_guard<std::mutex> lock(limits_mu_);
     uint64_t& held = deferred_bytes_[worker];
-    if (bytes > options_.max_deferred_push_bytes - std::min(held, options_.max_deferred_push_bytes)) {
+    const uint64_t cap = options_.max_deferred_push_bytes;
+    if (held > cap || bytes > cap - held) {
       return absl::ResourceExhaustedError(absl::StrFormat(
           "push: worker %d already has %d bytes of pushes kept waiting for an "
           "earlier push or round, and %d more would pass max_deferred_push_bytes "
           "(%d); send pushes in seq order and wait for their replies",
-          worker, held, bytes, options_.max_deferred_push_bytes));
+          worker, held, bytes, cap));
     }
     held += bytes;
     metrics_.deferred_push_bytes->Add(static_cast<double>(bytes));
@@ -929,7 +930,7 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
     std::lock_guard<std::mutex> lock(limits_mu_);
     uint64_t& held = pending_by_peer_[peer];
     const uint64_t cap = options_.max_pending_reply_bytes;
-    if (held > 0 && bytes > cap - std::min(held, cap)) {
+    if (held > 0 && (held > cap || bytes > cap - held)) {
       return absl::ResourceExhaustedError(absl::StrFormat(
           "pull: this connection (%s) already has %d bytes of pull replies held on "
           "the server, and %d more would pass max_pending_reply_bytes (%d); read "

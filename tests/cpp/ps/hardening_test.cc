@@ -38,6 +38,7 @@ using ::testing::HasSubstr;
 constexpr char kPush[] = "/deepnex.ps.proto.ParameterServer/Push";
 constexpr char kPull[] = "/deepnex.ps.proto.ParameterServer/Pull";
 constexpr char kWriteParts[] = "/deepnex.ps.proto.ParameterServer/WriteParts";
+constexpr char kCheckpoint[] = "/deepnex.ps.proto.ParameterServer/Checkpoint";
 
 NamedTensor View(const std::string& key, std::vector<float>& v) {
   return {key, TensorView(v.data(), DType::kFloat32, {static_cast<int64_t>(v.size())})};
@@ -286,6 +287,20 @@ TEST_F(PullLimitTest, APullNamingASliceTwiceIsRefused) {
   EXPECT_THAT(client_->Pull({View("w", got), View("w", got)}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("pull: \"w\" is named more than once")));
+}
+
+TEST_F(PullLimitTest, APullSeqThatWouldWrapTheRoundIsRefused) {
+  StartWith({});
+  Wire wire(server_->address());
+  pb::RegisterRequest reg;
+  reg.set_worker_id(0);
+  reg.set_incarnation(7);
+  pb::RegisterReply reg_reply;
+  grpc::ClientContext reg_ctx;
+  ASSERT_TRUE(wire.stub().Register(&reg_ctx, reg, &reg_reply).ok());
+  grpc::Status s = wire.Call1(kPull, Plain(PullOf(1, 0, 7, ~0ull)));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("pull: seq 18446744073709551615 is out of range"));
 }
 
 TEST_F(PullLimitTest, APullReplyOverTheCapIsRefused) {
@@ -541,6 +556,33 @@ TEST_F(CheckpointTest, ANameIsWrittenInsideTheCheckpointDirAndAPathIsRefused) {
   auto other = Connect(*bare, 0);
   EXPECT_THAT(other->Checkpoint("snap-1"),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no checkpoint_dir")));
+}
+
+TEST_F(CheckpointTest, AtMostFourCheckpointCallsWaitAtOnce) {
+  ServerOptions so;
+  so.checkpoint_dir = dir_;
+  so.num_workers = 2;
+  auto server = Start(so);
+  auto c0 = Connect(*server, 0);
+  auto c1 = Connect(*server, 1);
+  std::vector<float> v(4, 0.0f);
+  ASSERT_THAT(c0->Init({View("a", v), View("b", v)}), IsOk());
+  // "a" completes round 1 and "b" waits for worker 1, so a checkpoint, cut
+  // at round 1, waits for "b".
+  ASSERT_THAT(c0->Push({View("a", v), View("b", v)}), IsOk());
+  ASSERT_THAT(c1->Push({View("a", v)}), IsOk());
+  Wire wire(server->address());
+  pb::CheckpointRequest req;
+  req.set_name("cut");
+  req.set_timeout_ms(60000);
+  for (int i = 0; i < 5; ++i) wire.Start(kCheckpoint, Plain(req));
+  ASSERT_TRUE(WaitFor([&] { return wire.Count(grpc::StatusCode::RESOURCE_EXHAUSTED) == 1; }));
+  EXPECT_THAT(wire.FirstMessage(grpc::StatusCode::RESOURCE_EXHAUSTED),
+              HasSubstr("checkpoint: 4 checkpoint calls are already in progress"));
+  EXPECT_EQ(wire.Pending(), 4);
+  ASSERT_THAT(c1->Push({View("b", v)}), IsOk());
+  ASSERT_TRUE(WaitFor([&] { return wire.Count(grpc::StatusCode::OK) == 4; }));
+  EXPECT_TRUE(Exists(dir_ + "/cut/ps.ckpt"));
 }
 
 TEST_F(CheckpointTest, CheckpointNeedsAnAdminOrTheJobsToken) {
