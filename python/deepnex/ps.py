@@ -197,13 +197,22 @@ class Server:
     Checkpoints: ``checkpoint(dir)``, or periodic into ``checkpoint_dir``
     every ``checkpoint_every_rounds`` rounds or ``checkpoint_interval``
     seconds, as ``<dir>/<name>.ckpt``; ``restore=dir`` starts from one.
+    A client's ``checkpoint(name)`` writes only inside ``checkpoint_dir``.
+
+    Limits on what clients may make the server hold: a pull reply of at most
+    ``max_pull_reply_bytes`` (None: ``max_message_bytes``), pull replies
+    held per connection up to ``max_pending_reply_bytes``, and pushes kept
+    out of order per worker up to ``max_deferred_push_bytes``; past them a
+    call fails with ``ResourceExhaustedError``.
     ``metrics_address="127.0.0.1:0"`` serves Prometheus text (see
     ``metrics_port``).
     """
 
     def __init__(self, address="127.0.0.1:0", mode="sync", num_workers=1,
                  optimizer=None, reduction="mean", staleness=0,
-                 reject_nonfinite=True, max_message_bytes="256MiB", token=None,
+                 reject_nonfinite=True, max_message_bytes="256MiB",
+                 max_pull_reply_bytes=None, max_pending_reply_bytes="1GiB",
+                 max_deferred_push_bytes="256MiB", token=None,
                  token_file=None, job_id="", tls_cert_file=None, tls_key_file=None,
                  lease_timeout=10.0, heartbeat_interval=0.0, lease_policy="shrink",
                  keep_dead_contributions=True, name="ps", checkpoint_dir=None,
@@ -214,6 +223,12 @@ class Server:
             reduction=reduction, optimizer=_optimizer_config(optimizer),
             reject_nonfinite=reject_nonfinite,
             max_message_bytes=byte_size(max_message_bytes, "max_message_bytes"),
+            max_pull_reply_bytes=(byte_size(max_pull_reply_bytes, "max_pull_reply_bytes")
+                                  if max_pull_reply_bytes is not None else 0),
+            max_pending_reply_bytes=byte_size(max_pending_reply_bytes,
+                                              "max_pending_reply_bytes"),
+            max_deferred_push_bytes=byte_size(max_deferred_push_bytes,
+                                              "max_deferred_push_bytes"),
             token=token or "", token_file=token_file or "", job_id=job_id or "",
             tls_cert_file=tls_cert_file or "", tls_key_file=tls_key_file or "",
             lease_timeout=float(lease_timeout),
@@ -347,9 +362,13 @@ class Client:
         staleness, and the Prometheus text)."""
         return self._client.stats()
 
-    def checkpoint(self, dir):
-        """Asks every server to checkpoint into `dir`; their rounds."""
-        return self._client.checkpoint(str(dir))
+    def checkpoint(self, name=""):
+        """Asks every server to checkpoint into ``<checkpoint_dir>/<name>``,
+        inside the server's own ``checkpoint_dir`` ("": that directory
+        itself); returns their rounds. `name` is a plain name, never a path
+        (``InvalidArgumentError``); it takes an admin token or the job's
+        (``PermissionDeniedError``)."""
+        return self._client.checkpoint(str(name))
 
     def close(self):
         """Leaves the job: the servers stop waiting for this worker."""

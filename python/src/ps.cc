@@ -111,7 +111,9 @@ void RegisterPs(py::module_& parent) {
       .def(py::init([](const std::string& address, const std::string& mode, int num_workers,
                        int staleness, const std::string& reduction,
                        const OptimizerConfig& optimizer, bool reject_nonfinite,
-                       uint64_t max_message_bytes, const std::string& token,
+                       uint64_t max_message_bytes, uint64_t max_pull_reply_bytes,
+                       uint64_t max_pending_reply_bytes, uint64_t max_deferred_push_bytes,
+                       const std::string& token,
                        const std::string& token_file, const std::string& job_id,
                        const std::string& tls_cert_file, const std::string& tls_key_file,
                        double lease_timeout, double heartbeat_interval,
@@ -143,6 +145,9 @@ void RegisterPs(py::module_& parent) {
              o.optimizer = optimizer;
              o.reject_nonfinite = reject_nonfinite;
              o.max_message_bytes = max_message_bytes;
+             o.max_pull_reply_bytes = max_pull_reply_bytes;
+             o.max_pending_reply_bytes = max_pending_reply_bytes;
+             o.max_deferred_push_bytes = max_deferred_push_bytes;
              o.token = token;
              o.token_file = token_file;
              o.job_id = job_id;
@@ -153,7 +158,9 @@ void RegisterPs(py::module_& parent) {
            }),
            py::arg("address"), py::arg("mode"), py::arg("num_workers"), py::arg("staleness"),
            py::arg("reduction"), py::arg("optimizer"), py::arg("reject_nonfinite"),
-           py::arg("max_message_bytes"), py::arg("token"), py::arg("token_file"),
+           py::arg("max_message_bytes"), py::arg("max_pull_reply_bytes"),
+           py::arg("max_pending_reply_bytes"), py::arg("max_deferred_push_bytes"),
+           py::arg("token"), py::arg("token_file"),
            py::arg("job_id"), py::arg("tls_cert_file"), py::arg("tls_key_file"),
            py::arg("lease_timeout"), py::arg("heartbeat_interval"), py::arg("lease_policy"),
            py::arg("keep_dead_contributions"), py::arg("name"), py::arg("checkpoint_dir"),
@@ -330,14 +337,15 @@ void RegisterPs(py::module_& parent) {
              return out;
            })
       .def("checkpoint",
-           [](Client& c, const std::string& dir) {
+           [](Client& c, const std::string& name) {
              absl::StatusOr<std::vector<uint64_t>> rounds;
              {
                py::gil_scoped_release release;
-               rounds = c.Checkpoint(dir);
+               rounds = c.Checkpoint(name);
              }
              return Unwrap(std::move(rounds));
-           })
+           },
+           py::arg("name"))
       .def_property_readonly("worker_id", &Client::worker_id)
       .def("close", [](Client& c) { CheckStatus(c.Close()); });
 }

@@ -314,13 +314,14 @@ class ClientImpl final : public Client {
     return all;
   }
 
-  absl::StatusOr<std::vector<uint64_t>> Checkpoint(const std::string& dir) override {
+  absl::StatusOr<std::vector<uint64_t>> Checkpoint(const std::string& name) override {
     DEEPNEX_RETURN_IF_ERROR(CheckOpen());
     std::vector<uint64_t> rounds;
     for (size_t s = 0; s < servers_.size(); ++s) {
       pb::CheckpointRequest req;
-      req.set_dir(dir);
-      req.set_timeout_ms(options_.timeout.count());
+      req.set_name(name);
+      // Servers wait at most an hour for a round boundary.
+      req.set_timeout_ms(std::min<int64_t>(options_.timeout.count(), 3600 * 1000));
       pb::CheckpointReply reply;
       DEEPNEX_RETURN_IF_ERROR(
           Unary(s, "checkpoint", req, &reply, &pb::ParameterServer::Stub::Checkpoint));
@@ -624,6 +625,16 @@ class ClientImpl final : public Client {
       if (count > 0 && t.view.data == nullptr) {
         return absl::InvalidArgumentError(
             absl::StrFormat("%s of \"%s\": no data", op, t.key));
+      }
+    }
+    if (!pushing) {
+      // The servers refuse a pull naming a partition twice.
+      std::unordered_map<std::string, int> seen;
+      for (const auto& t : tensors) {
+        if (++seen[t.key] == 2) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "%s: \"%s\" is named more than once; pull it once and copy", op, t.key));
+        }
       }
     }
     if (pieces == nullptr) return absl::OkStatus();

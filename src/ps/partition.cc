@@ -5,6 +5,8 @@
 #include <cstring>
 #include <chrono>
 #include <deque>
+#include <iterator>
+#include <limits>
 #include <list>
 #include <mutex>
 
@@ -215,6 +217,14 @@ class TypedPartition final : public Partition {
     }
     if (seq > ws.next_seq && ws.restored) return fail(Lost(worker, ws));
     if (!Eligible(worker, seq)) {
+      // Pushes whose callers went are dropped here too, so that a worker
+      // that keeps sending out of order is held to what is still wanted.
+      DropFinishedLocked();
+      const uint64_t kept = count_ * sizeof(T);
+      if (config_.deferred_limit != nullptr) {
+        absl::Status taken = config_.deferred_limit->Take(worker, kept);
+        if (!taken.ok()) return fail(taken);
+      }
       Deferred d{worker, seq, sink, slice, std::vector<T>(count_)};
       ForEachChunk<T>(dtype_, count_, payload, [&](const T* g, uint64_t at, size_t n) {
         std::copy(g, g + n, d.grad.begin() + at);
@@ -245,6 +255,12 @@ class TypedPartition final : public Partition {
       done->push_back([sink, lost] { sink->Fail(lost); });
       return;
     }
+    if (last_seq > std::numeric_limits<uint64_t>::max() - ws.first_round) {
+      absl::Status bad = absl::InvalidArgumentError(
+          absl::StrFormat("pull: seq %d is out of range", last_seq));
+      done->push_back([sink, bad] { sink->Fail(bad); });
+      return;
+    }
     Waiter w{worker, 0, 0, std::move(sink), slice};
     if (last_seq > 0) {
       if (config_.mode == Mode::kAsync) {
@@ -265,6 +281,7 @@ class TypedPartition final : public Partition {
       done->push_back([sink = w.sink, reason] { sink->Fail(absl::AbortedError(reason)); });
       return;
     }
+    DropFinishedLocked();
     waiters_.push_back(std::move(w));
   }
 
@@ -276,6 +293,11 @@ class TypedPartition final : public Partition {
   void FailWaiters(const absl::Status& status, Completions* done) override {
     std::lock_guard<std::mutex> lock(mu_);
     FailAll(status, done);
+  }
+
+  void DropFinished() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    DropFinishedLocked();
   }
 
   void SnapshotAt(uint64_t round, std::function<void(PartitionState)> fn,
@@ -460,13 +482,13 @@ class TypedPartition final : public Partition {
       }
       for (auto it = deferred_.begin(); it != deferred_.end();) {
         if (it->sink->Finished()) {
-          it = deferred_.erase(it);
+          it = EraseDeferred(it);
         } else if (Eligible(it->worker, it->seq)) {
           Accept(it->worker, nullptr, &it->grad, done);
           done->push_back([sink = it->sink, slice = it->slice] {
             sink->SliceApplied(slice);
           });
-          it = deferred_.erase(it);
+          it = EraseDeferred(it);
           moved = true;
         } else {
           ++it;
@@ -562,7 +584,24 @@ class TypedPartition final : public Partition {
     for (auto& w : waiters_) done->push_back([sink = w.sink, status] { sink->Fail(status); });
     for (auto& d : deferred_) done->push_back([sink = d.sink, status] { sink->Fail(status); });
     waiters_.clear();
-    deferred_.clear();
+    while (!deferred_.empty()) EraseDeferred(deferred_.begin());
+  }
+
+  // REQUIRES: mu_ held.
+  typename std::list<Deferred>::iterator EraseDeferred(
+      typename std::list<Deferred>::iterator it) {
+    if (config_.deferred_limit != nullptr) {
+      config_.deferred_limit->Give(it->worker, it->grad.size() * sizeof(T));
+    }
+    return deferred_.erase(it);
+  }
+
+  // REQUIRES: mu_ held.
+  void DropFinishedLocked() {
+    waiters_.remove_if([](const Waiter& w) { return w.sink->Finished(); });
+    for (auto it = deferred_.begin(); it != deferred_.end();) {
+      it = it->sink->Finished() ? EraseDeferred(it) : std::next(it);
+    }
   }
 
   // REQUIRES: mu_ held.

@@ -55,6 +55,17 @@ class PartitionObserver {
   virtual void LatePush(int worker) = 0;
 };
 
+// Bounds the bytes of the pushes each worker has kept waiting on the server
+// (ServerOptions::max_deferred_push_bytes). Thread-safe.
+class DeferredLimit {
+ public:
+  virtual ~DeferredLimit() = default;
+  // Takes `bytes` of `worker`'s allowance; ResourceExhausted (naming the
+  // worker and the cap) when it would pass the cap, and nothing is taken.
+  virtual absl::Status Take(int worker, uint64_t bytes) = 0;
+  virtual void Give(int worker, uint64_t bytes) = 0;
+};
+
 class Partition;
 struct PartitionState;
 
@@ -82,6 +93,8 @@ struct PartitionConfig {
   // of this (0: never).
   uint64_t snapshot_every = 0;
   SnapshotSink* snapshots = nullptr;
+  // Where deferred pushes take their bytes from (nullptr: unbounded).
+  DeferredLimit* deferred_limit = nullptr;
 };
 
 // A partition's state at a round boundary, as a checkpoint stores it.
@@ -120,7 +133,7 @@ class Partition {
   // per key) of worker `worker`'s client `incarnation`. A seq already
   // applied is acknowledged and ignored (a retry); one that must wait (an
   // earlier seq missing, or a round too far ahead of the slowest worker) is
-  // kept and acknowledged once applied.
+  // kept, within the worker's deferred_limit, and acknowledged once applied.
   virtual void Push(int worker, uint64_t incarnation, uint64_t seq,
                     PayloadReader* payload, std::shared_ptr<PushSink> sink,
                     size_t slice, Completions* done) = 0;
@@ -134,6 +147,9 @@ class Partition {
   virtual void MembershipChanged(Completions* done) = 0;
   // Fails every waiting call with `status`.
   virtual void FailWaiters(const absl::Status& status, Completions* done) = 0;
+  // Forgets the waiting pulls and kept pushes whose calls have finished
+  // (cancelled, or failed elsewhere), so that their memory goes with them.
+  virtual void DropFinished() = 0;
 
   // Asks for the state at the end of round `round` (sync, ssp; at once in
   // async mode, or when the partition is there already): `fn` gets it, from

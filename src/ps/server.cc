@@ -4,12 +4,16 @@
 #include <cstdio>
 #include <atomic>
 #include <condition_variable>
+#include <functional>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
 #include <unordered_map>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/file_util.h"
@@ -19,6 +23,7 @@
 #include "deepnex/ps.grpc.pb.h"
 #include "ps/membership.h"
 #include "ps/partition.h"
+#include "ps/plan.h"
 
 namespace deepnex::ps {
 
@@ -71,6 +76,8 @@ absl::Status ServerOptions::Validate() const {
     return bad(absl::StrCat("max_message_bytes=", max_message_bytes,
                             ": must be at least 1024"));
   }
+  if (max_pending_reply_bytes == 0) return bad("max_pending_reply_bytes=0: must be positive");
+  if (max_deferred_push_bytes == 0) return bad("max_deferred_push_bytes=0: must be positive");
   if (staleness < 0) return bad(absl::StrCat("staleness=", staleness, ": must be >= 0"));
   if (staleness > 0 && mode != Mode::kSsp) {
     return bad(absl::StrCat("staleness=", staleness, ": only mode ssp takes a staleness (",
@@ -115,8 +122,14 @@ class Call {
   virtual ~Call() = default;
   bool Finished() const { return finished_.load(std::memory_order_acquire); }
   void Fail(const absl::Status& status) {
-    if (!finished_.exchange(true)) reactor_->Finish(ToGrpcStatus(status));
+    if (finished_.exchange(true)) return;
+    failed_.store(true, std::memory_order_release);
+    reactor_->Finish(ToGrpcStatus(status));
   }
+  // Runs once gRPC is done with the call (its reply sent, or the call
+  // cancelled); `failed` says whether it ended in an error, which may leave
+  // parts of it behind in partitions.
+  void OnDone(std::function<void(bool failed)> fn) { on_done_ = std::move(fn); }
 
  protected:
   // True for the one caller that gets to finish the call.
@@ -126,6 +139,8 @@ class Call {
  private:
   friend class CallReactor;
   std::atomic<bool> finished_{false};
+  std::atomic<bool> failed_{false};
+  std::function<void(bool)> on_done_;
 };
 
 // Owns the Call until gRPC is done with it; a cancelled call (client gone,
@@ -136,7 +151,10 @@ class CallReactor final : public grpc::ServerUnaryReactor {
     call_->reactor_ = this;
   }
   void OnCancel() override { call_->Fail(absl::CancelledError("call cancelled")); }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    if (call_->on_done_) call_->on_done_(call_->failed_.load(std::memory_order_acquire));
+    delete this;
+  }
 
  private:
   std::shared_ptr<Call> call_;
@@ -166,11 +184,15 @@ class PullCall final : public Call, public PullSink {
   PullCall(std::vector<uint64_t> offsets, uint64_t total, grpc::ByteBuffer* response)
       : offsets_(std::move(offsets)),
         total_(total),
-        buffer_(new char[total]),
         versions_(offsets_.size()),
         remaining_(offsets_.size()),
         response_(response) {}
-  char* Destination(size_t slice) override { return buffer_.get() + offsets_[slice]; }
+  // The buffer is made when the first values arrive, so that a pull waiting
+  // for its round holds no reply memory.
+  char* Destination(size_t slice) override {
+    std::call_once(allocated_, [this] { buffer_.reset(new char[total_]); });
+    return buffer_.get() + offsets_[slice];
+  }
   void SliceReady(size_t slice, uint64_t version) override {
     versions_[slice] = version;
     if (remaining_.fetch_sub(1) != 1 || !Claim()) return;
@@ -187,6 +209,7 @@ class PullCall final : public Call, public PullSink {
  private:
   const std::vector<uint64_t> offsets_;
   const uint64_t total_;
+  std::once_flag allocated_;
   std::unique_ptr<char[]> buffer_;
   std::vector<uint64_t> versions_;  // each written by one partition, once
   std::atomic<size_t> remaining_;
@@ -233,7 +256,13 @@ class ServerMetrics final : public PartitionObserver {
         checkpoints(registry.GetCounter("deepnex_ps_checkpoints_total",
                                         "Checkpoints written.")),
         checkpoint_round(registry.GetGauge("deepnex_ps_checkpoint_round",
-                                           "The round of the last checkpoint written.")) {
+                                           "The round of the last checkpoint written.")),
+        pending_reply_bytes(registry.GetGauge(
+            "deepnex_ps_pending_reply_bytes",
+            "Pull reply bytes held for clients: waiting pulls and unread replies.")),
+        deferred_push_bytes(registry.GetGauge(
+            "deepnex_ps_deferred_push_bytes",
+            "Bytes of pushes kept until an earlier push or round arrives.")) {
     for (int w = 0; w < num_workers; ++w) {
       Labels l{{"worker", std::to_string(w)}};
       worker_pushes.push_back(registry.GetCounter("deepnex_ps_worker_pushes_total",
@@ -267,6 +296,8 @@ class ServerMetrics final : public PartitionObserver {
   Counter* lease_expiries;
   Counter* checkpoints;
   Gauge* checkpoint_round;
+  Gauge* pending_reply_bytes;
+  Gauge* deferred_push_bytes;
   std::vector<Counter*> worker_pushes, late;
   std::vector<Histogram*> staleness;
 };
@@ -287,14 +318,17 @@ using ServiceBase = pb::ParameterServer::WithCallbackMethod_Register<
 // The tensors this server holds, and the RPC handlers over them.
 // Thread-safe: `mu_` guards the directory of tensors only; data operations
 // lock the partitions they touch.
-class Service final : public ServiceBase, public SnapshotSink {
+class Service final : public ServiceBase, public SnapshotSink, public DeferredLimit {
  public:
-  Service(const ServerOptions& options, TokenTable tokens)
+  // `job_token`: the table holds the job's token alone (see ServerOptions).
+  Service(const ServerOptions& options, TokenTable tokens, bool job_token)
       : options_(options),
         tokens_(std::move(tokens)),
+        job_token_(job_token),
         membership_(options.num_workers, options.lease_timeout, options.lease_policy),
         metrics_(options.num_workers),
-        drops_left_(options.drop_push_replies_for_testing) {
+        drops_left_(options.drop_push_replies_for_testing),
+        deferred_bytes_(options.num_workers, 0) {
     config_.mode = options.mode;
     config_.num_workers = options.num_workers;
     config_.staleness = options.mode == Mode::kSsp ? options.staleness : 0;
@@ -303,6 +337,7 @@ class Service final : public ServiceBase, public SnapshotSink {
     config_.keep_dead_contributions = options.keep_dead_contributions;
     config_.membership = &membership_;
     config_.observer = &metrics_;
+    config_.deferred_limit = this;
     if (options.checkpoint_every_rounds > 0) {
       config_.snapshot_every =
           options.checkpoint_every_rounds *
@@ -318,6 +353,28 @@ class Service final : public ServiceBase, public SnapshotSink {
     uint64_t version = state.version;
     if (version <= last_periodic_) return;
     periodic_[version][partition] = std::move(state);
+  }
+
+  absl::Status Take(int worker, uint64_t bytes) override {
+    std::lock_guard<std::mutex> lock(limits_mu_);
+    uint64_t& held = deferred_bytes_[worker];
+    const uint64_t cap = options_.max_deferred_push_bytes;
+    if (held > cap || bytes > cap - held) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "push: worker %d already has %d bytes of pushes kept waiting for an "
+          "earlier push or round, and %d more would pass max_deferred_push_bytes "
+          "(%d); send pushes in seq order and wait for their replies",
+          worker, held, bytes, cap));
+    }
+    held += bytes;
+    metrics_.deferred_push_bytes->Add(static_cast<double>(bytes));
+    return absl::OkStatus();
+  }
+
+  void Give(int worker, uint64_t bytes) override {
+    std::lock_guard<std::mutex> lock(limits_mu_);
+    deferred_bytes_[worker] -= bytes;
+    metrics_.deferred_push_bytes->Add(-static_cast<double>(bytes));
   }
 
   // Writes the newest complete set of periodic snapshots, if any.
@@ -400,21 +457,20 @@ class Service final : public ServiceBase, public SnapshotSink {
   grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* ctx,
                                        const pb::CheckpointRequest* req,
                                        pb::CheckpointReply* reply) override {
-    absl::Status s = Authenticate(*ctx);
-    if (s.ok()) {
-      // Writing may wait for a round boundary: off gRPC's callback threads.
-      auto* reactor = ctx->DefaultReactor();
-      std::thread([this, reactor, dir = req->dir(),
-                   timeout = std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms()
-                                                                         : 60000),
-                   reply] {
-        auto round = WriteCheckpoint(dir, timeout);
-        if (round.ok()) reply->set_round(*round);
-        reactor->Finish(ToGrpcStatus(round.status()));
-      }).detach();
-      return reactor;
-    }
-    return Reply(ctx, s);
+    absl::StatusOr<std::string> dir = CheckpointTarget(*ctx, *req);
+    if (!dir.ok()) return Reply(ctx, dir.status());
+    // Writing may wait for a round boundary: off gRPC's callback threads.
+    auto* reactor = ctx->DefaultReactor();
+    std::thread([this, reactor, dir = *std::move(dir),
+                 timeout = std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms()
+                                                                       : 60000),
+                 reply] {
+      auto round = WriteCheckpoint(dir, timeout);
+      if (round.ok()) reply->set_round(*round);
+      checkpoint_calls_.fetch_sub(1);  // before Finish lets the server stop
+      reactor->Finish(ToGrpcStatus(round.status()));
+    }).detach();
+    return reactor;
   }
 
   grpc::ServerUnaryReactor* Claim(grpc::CallbackServerContext* ctx,
@@ -485,6 +541,7 @@ class Service final : public ServiceBase, public SnapshotSink {
     metrics_.bytes_in->Add(payload.remaining());
     bool lose_reply = drops_left_.load() > 0 && drops_left_.fetch_sub(1) > 0;
     auto call = std::make_shared<PushCall>(parts.size(), lose_reply);
+    call->OnDone([parts](bool failed) { DropFinished(parts, failed); });
     auto* reactor = new CallReactor(call);
     Completions done;
     for (size_t i = 0; i < parts.size(); ++i) {
@@ -510,17 +567,20 @@ class Service final : public ServiceBase, public SnapshotSink {
     }
     if (s.ok() && req.worker_id() != kObserver) s = CheckWorker(req.worker_id(), "pull");
     if (s.ok()) s = Resolve("pull", req.slices(), &parts, nullptr);
-    if (!s.ok()) return Reply(ctx, s);
-
     std::vector<uint64_t> offsets;
     uint64_t total = 0;
-    for (Partition* p : parts) {
-      offsets.push_back(total);
-      total += p->bytes();
-    }
+    if (s.ok()) s = PullLayout(req, parts, &offsets, &total);
+    const std::string peer = ctx->peer();
+    if (s.ok()) s = HoldReply(peer, total);
+    if (!s.ok()) return Reply(ctx, s);
+
     metrics_.pulls->Add();
     metrics_.bytes_out->Add(total);
     auto call = std::make_shared<PullCall>(std::move(offsets), total, response);
+    call->OnDone([this, parts, peer, total](bool failed) {
+      ReleaseReply(peer, total);
+      DropFinished(parts, failed);
+    });
     auto* reactor = new CallReactor(call);
     Completions done;
     for (size_t i = 0; i < parts.size(); ++i) {
@@ -619,7 +679,8 @@ class Service final : public ServiceBase, public SnapshotSink {
       }
       DType dtype = static_cast<DType>(r.dtype());
       size_t elem = dtype == DType::kFloat64 ? 8 : 4;  // the compute type
-      if (r.values().size() != r.count() * elem ||
+      // Compared by division: a count from the file must not wrap a product.
+      if (r.values().size() % elem != 0 || r.values().size() / elem != r.count() ||
           (!r.m().empty() && r.m().size() != r.values().size()) ||
           (!r.v().empty() && r.v().size() != r.values().size())) {
         return absl::DataLossError(absl::StrFormat(
@@ -771,8 +832,131 @@ class Service final : public ServiceBase, public SnapshotSink {
     reply->set_prometheus(MetricsText());
   }
 
+  // Who is calling. TokenTable lets a job-scoped token act on any job when
+  // the server names none; here a job's token reaches only its job's
+  // servers, so without a job_id no job-scoped token is taken.
+  absl::StatusOr<Identity> Caller(const grpc::ServerContextBase& ctx) const {
+    DEEPNEX_ASSIGN_OR_RETURN(Identity who, AuthenticateCall(tokens_, ctx, options_.job_id));
+    if (!who.job.empty() && options_.job_id.empty()) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "the token of \"", who.name, "\" is for job \"", who.job,
+          "\", and this parameter server belongs to no job (job_id, --job)"));
+    }
+    return who;
+  }
+
   absl::Status Authenticate(const grpc::ServerContextBase& ctx) const {
-    return AuthenticateCall(tokens_, ctx, options_.job_id).status();
+    return Caller(ctx).status();
+  }
+
+  // Where a Checkpoint call may write: a directory inside checkpoint_dir,
+  // for an admin or the job's token. Counts the call in checkpoint_calls_
+  // when it returns a directory.
+  absl::StatusOr<std::string> CheckpointTarget(const grpc::ServerContextBase& ctx,
+                                               const pb::CheckpointRequest& req) {
+    DEEPNEX_ASSIGN_OR_RETURN(Identity who, Caller(ctx));
+    if (who.role != AuthRole::kAdmin && who.job.empty() && !job_token_) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "checkpoint: \"", who.name,
+          "\" is neither an admin nor this job's token; checkpoints need one of them"));
+    }
+    if (options_.checkpoint_dir.empty()) {
+      return absl::FailedPreconditionError(
+          "checkpoint: this server has no checkpoint_dir (--checkpoint-dir), the "
+          "only place it writes checkpoints to when asked over the wire");
+    }
+    const std::string& name = req.name();
+    bool plain = name.size() <= 255 && name != "." && name != "..";
+    for (char c : name) {
+      plain = plain && (absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' ||
+                        c == '-' || c == '_');
+    }
+    if (!plain) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "checkpoint: name \"", absl::CHexEscape(name.substr(0, 300)),
+          "\" is not a plain name (letters, digits, '.', '-', '_'; not \".\" or "
+          "\"..\"; at most 255): it names a directory inside the server's "
+          "checkpoint_dir, never a path"));
+    }
+    constexpr uint64_t kMaxTimeoutMs = 3600 * 1000;
+    if (req.timeout_ms() > kMaxTimeoutMs) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "checkpoint: timeout_ms %d is over an hour (%d)", req.timeout_ms(), kMaxTimeoutMs));
+    }
+    // Each call waits on a thread of its own.
+    constexpr int kMaxCheckpointCalls = 4;
+    if (checkpoint_calls_.fetch_add(1) >= kMaxCheckpointCalls) {
+      checkpoint_calls_.fetch_sub(1);
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "checkpoint: %d checkpoint calls are already in progress", kMaxCheckpointCalls));
+    }
+    return name.empty() ? options_.checkpoint_dir
+                        : absl::StrCat(options_.checkpoint_dir, "/", name);
+  }
+
+  // Where each slice's values go in the reply, and its size: within
+  // max_pull_reply_bytes, and each partition named once (a slice repeated
+  // would copy the same values again for nothing).
+  absl::Status PullLayout(const pb::PullRequest& req, const std::vector<Partition*>& parts,
+                          std::vector<uint64_t>* offsets, uint64_t* total) const {
+    const uint64_t cap = options_.max_pull_reply_bytes > 0 ? options_.max_pull_reply_bytes
+                                                           : options_.max_message_bytes;
+    std::unordered_map<const Partition*, int> seen;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      auto [it, fresh] = seen.emplace(parts[i], static_cast<int>(i));
+      if (!fresh) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "pull of \"%s\" part %d: slices %d and %d name the same partition; "
+            "name each once",
+            req.slices(i).key(), req.slices(i).part(), it->second, i));
+      }
+      // *total stays within cap, so cap - *total does not wrap.
+      if (parts[i]->bytes() > cap - *total) {
+        return absl::ResourceExhaustedError(absl::StrFormat(
+            "pull: the reply would hold more than %d bytes (max_pull_reply_bytes) "
+            "at slice %d (\"%s\" part %d); pull fewer slices at a time",
+            cap, i, req.slices(i).key(), req.slices(i).part()));
+      }
+      offsets->push_back(*total);
+      *total += parts[i]->bytes();
+    }
+    return absl::OkStatus();
+  }
+
+  // Counts `bytes` of pull replies against the connection `peer`, refused
+  // past max_pending_reply_bytes unless the connection holds none.
+  absl::Status HoldReply(const std::string& peer, uint64_t bytes) {
+    if (bytes == 0) return absl::OkStatus();
+    std::lock_guard<std::mutex> lock(limits_mu_);
+    uint64_t& held = pending_by_peer_[peer];
+    const uint64_t cap = options_.max_pending_reply_bytes;
+    if (held > 0 && (held > cap || bytes > cap - held)) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "pull: this connection (%s) already has %d bytes of pull replies held on "
+          "the server, and %d more would pass max_pending_reply_bytes (%d); read "
+          "the replies, or wait for them, before pulling more",
+          peer, held, bytes, cap));
+    }
+    held += bytes;
+    metrics_.pending_reply_bytes->Add(static_cast<double>(bytes));
+    return absl::OkStatus();
+  }
+
+  void ReleaseReply(const std::string& peer, uint64_t bytes) {
+    if (bytes == 0) return;
+    std::lock_guard<std::mutex> lock(limits_mu_);
+    auto it = pending_by_peer_.find(peer);
+    it->second -= bytes;
+    if (it->second == 0) pending_by_peer_.erase(it);
+    metrics_.pending_reply_bytes->Add(-static_cast<double>(bytes));
+  }
+
+  // A call that failed (cancelled, say) may have left a waiting pull or a
+  // kept push in its partitions; drop them now rather than when the
+  // partition next moves, which may be never.
+  static void DropFinished(const std::vector<Partition*>& parts, bool failed) {
+    if (!failed) return;
+    for (Partition* p : parts) p->DropFinished();
   }
 
   absl::Status CheckWorker(int worker, const char* op) const {
@@ -823,11 +1007,10 @@ class Service final : public ServiceBase, public SnapshotSink {
         }
         if (slice.offset() != part->offset() || slice.count() != part->count()) {
           return absl::InvalidArgumentError(absl::StrFormat(
-              "%s of \"%s\" part %d: got elements [%d, %d), the part holds "
-              "[%d, %d)",
-              op, slice.key(), slice.part(), slice.offset(),
-              slice.offset() + slice.count(), part->offset(),
-              part->offset() + part->count()));
+              "%s of \"%s\" part %d: got %d elements at offset %d, the part "
+              "holds %d at offset %d",
+              op, slice.key(), slice.part(), slice.count(), slice.offset(),
+              part->count(), part->offset()));
         }
         bytes += part->bytes();
         parts->push_back(part);
@@ -901,16 +1084,21 @@ class Service final : public ServiceBase, public SnapshotSink {
     DEEPNEX_RETURN_IF_ERROR(DecodeFramed(request, &header, &payload));
     DEEPNEX_RETURN_IF_ERROR(CheckWorker(header.worker_id(), "init"));
     if (header.slices_size() != header.metas_size()) {
-      return absl::InvalidArgumentError("init: slices and metas differ in number");
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "init: %d slices and %d metas; they go in pairs", header.slices_size(),
+          header.metas_size()));
     }
+    // Every slice is checked, and the sizes added up without wrapping,
+    // before anything is made.
     uint64_t bytes = 0;
-    for (const pb::Slice& slice : header.slices()) {
-      if (!IsValidDType(slice.dtype()) ||
-          !IsFloatingPoint(static_cast<DType>(slice.dtype()))) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "init of \"%s\": bad dtype %d", slice.key(), slice.dtype()));
+    for (int i = 0; i < header.slices_size(); ++i) {
+      DEEPNEX_ASSIGN_OR_RETURN(uint64_t slice_bytes,
+                               CheckWrittenSlice(header.slices(i), header.metas(i)));
+      if (slice_bytes > std::numeric_limits<uint64_t>::max() - bytes) {
+        return absl::InvalidArgumentError(
+            "init: the slices' sizes add up to more than 2^64 bytes");
       }
-      bytes += slice.count() * DTypeSize(static_cast<DType>(slice.dtype()));
+      bytes += slice_bytes;
     }
     if (bytes != payload.remaining()) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -920,15 +1108,63 @@ class Service final : public ServiceBase, public SnapshotSink {
     std::lock_guard<std::mutex> lock(mu_);
     for (const pb::Slice& slice : header.slices()) {
       DType dtype = static_cast<DType>(slice.dtype());
-      auto& part = tensors_[slice.key()].parts[slice.part()];
-      if (part) {  // first init wins
-        payload.Skip(slice.count() * DTypeSize(dtype));
+      auto t = tensors_.find(slice.key());
+      if (t != tensors_.end() && t->second.parts.count(slice.part()) != 0) {
+        payload.Skip(slice.count() * DTypeSize(dtype));  // first init wins
         continue;
       }
-      part = Partition::Create(config_, dtype, slice.offset(), slice.count());
+      // Made and filled before it is entered, so that a failure leaves no
+      // entry behind.
+      std::unique_ptr<Partition> part =
+          Partition::Create(config_, dtype, slice.offset(), slice.count());
       part->Write(&payload);
+      tensors_[slice.key()].parts[slice.part()] = std::move(part);
     }
     return absl::OkStatus();
+  }
+
+  // A WriteParts slice must be the part its meta's partitioning gives;
+  // returns its size in bytes.
+  static absl::StatusOr<uint64_t> CheckWrittenSlice(const pb::Slice& slice,
+                                                    const pb::TensorMeta& meta) {
+    auto bad = [&](const std::string& what) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "init of \"%s\" part %d: %s", slice.key(), slice.part(), what));
+    };
+    if (slice.key().empty()) return bad("empty key");
+    if (meta.key() != slice.key()) {
+      return bad(absl::StrCat("its meta is of \"", meta.key(), "\""));
+    }
+    if (!IsValidDType(slice.dtype()) ||
+        !IsFloatingPoint(static_cast<DType>(slice.dtype()))) {
+      return bad(absl::StrCat("bad dtype ", slice.dtype()));
+    }
+    if (meta.dtype() != slice.dtype()) {
+      return bad(absl::StrCat("dtype ", slice.dtype(), ", its meta says ", meta.dtype()));
+    }
+    if (slice.part() >= meta.num_parts()) {
+      return bad(absl::StrCat("outside the tensor's ", meta.num_parts(), " parts"));
+    }
+    uint64_t elements = 1;
+    for (int64_t d : meta.shape()) {
+      if (d < 0) return bad(absl::StrCat("negative dimension ", d));
+      if (__builtin_mul_overflow(elements, static_cast<uint64_t>(d), &elements)) {
+        return bad(absl::StrCat("shape ", ShapeString(meta), " has more than 2^64 elements"));
+      }
+    }
+    PartRange range = PartOf(elements, meta.num_parts(), slice.part());
+    if (slice.offset() != range.offset || slice.count() != range.count) {
+      return bad(absl::StrFormat(
+          "got %d elements at offset %d; %d parts of %s make it %d at offset %d",
+          slice.count(), slice.offset(), meta.num_parts(), ShapeString(meta),
+          range.count, range.offset));
+    }
+    uint64_t bytes;
+    if (__builtin_mul_overflow(slice.count(), DTypeSize(static_cast<DType>(slice.dtype())),
+                               &bytes)) {
+      return bad(absl::StrCat(slice.count(), " elements are more than 2^64 bytes"));
+    }
+    return bytes;
   }
 
   absl::Status DoDescribe(const grpc::ServerContextBase& ctx,
@@ -952,10 +1188,17 @@ class Service final : public ServiceBase, public SnapshotSink {
 
   const ServerOptions options_;
   const TokenTable tokens_;
+  const bool job_token_;
   Membership membership_;
   ServerMetrics metrics_;
   PartitionConfig config_;
   std::atomic<int> drops_left_;
+  std::atomic<int> checkpoint_calls_{0};  // Checkpoint RPCs in progress
+  std::mutex limits_mu_;
+  std::vector<uint64_t> deferred_bytes_;  // per worker; guarded by limits_mu_
+  // Pull reply bytes held per connection ("ipv4:host:port"); guarded by
+  // limits_mu_.
+  std::unordered_map<std::string, uint64_t> pending_by_peer_;
   std::mutex mu_;
   std::unordered_map<std::string, Tensor> tensors_;
   std::mutex checkpoint_mu_;  // one checkpoint written at a time
@@ -966,8 +1209,8 @@ class Service final : public ServiceBase, public SnapshotSink {
 
 class ServerImpl final : public Server {
  public:
-  ServerImpl(const ServerOptions& options, TokenTable tokens)
-      : options_(options), service_(options, std::move(tokens)) {}
+  ServerImpl(const ServerOptions& options, TokenTable tokens, bool job_token)
+      : options_(options), service_(options, std::move(tokens), job_token) {}
   ~ServerImpl() override { Stop(); }
 
   absl::Status Start() {
@@ -1085,8 +1328,17 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   DEEPNEX_RETURN_IF_ERROR(options.Validate());
   DEEPNEX_ASSIGN_OR_RETURN(TokenTable tokens,
                            TokenTable::FromOptions(options.token, options.token_file));
+  // A token given alone is the job's (what its launcher hands every
+  // process); a token file of named lines has admins, users and jobs. A
+  // file's first line that is one field and a token of the table can only
+  // be a file of the token alone, as a line of a table has three fields.
+  bool job_token = !options.token.empty();
+  if (!job_token && !options.token_file.empty()) {
+    absl::StatusOr<std::string> lone = ResolveClientToken("", options.token_file);
+    job_token = lone.ok() && tokens.Authenticate(BearerValue(*lone)).ok();
+  }
   TuneMallocForLargeBuffers();
-  auto server = std::make_unique<ServerImpl>(options, std::move(tokens));
+  auto server = std::make_unique<ServerImpl>(options, std::move(tokens), job_token);
   DEEPNEX_RETURN_IF_ERROR(server->Start());
   return std::unique_ptr<Server>(std::move(server));
 }

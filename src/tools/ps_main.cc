@@ -54,7 +54,9 @@ flags:
   --tls-cert F --tls-key F   serve TLS with this PEM certificate and key
   --name NAME             this server's name; its checkpoint is DIR/NAME.ckpt
                           (default ps)
-  --checkpoint-dir DIR    where periodic checkpoints go
+  --checkpoint-dir DIR    where periodic checkpoints go, and the only place a
+                          client's checkpoint call may write (DIR/NAME; an
+                          admin or the job's token; refused without it)
   --checkpoint-every N    checkpoint at the first round boundary after every N
                           rounds (async: N x workers pushes)
   --checkpoint-interval SECS  checkpoint every SECS seconds

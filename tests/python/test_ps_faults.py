@@ -276,6 +276,7 @@ def start_daemon(*args):
                             text=True)
     line = proc.stdout.readline()
     assert line.startswith("deepnex-ps listening on "), line + proc.stderr.read()
+    proc.address = line.split()[3]  # the port bound, also for --listen HOST:0
     return proc
 
 
@@ -386,6 +387,45 @@ def test_a_failed_checkpoint_keeps_the_previous_one(tmp_path):
         with pytest.raises(deepnex.DeepnexError):
             server.checkpoint(tmp_path)
         assert (tmp_path / "ps.ckpt").read_bytes() == good
+
+
+def test_client_checkpoints_by_name_inside_the_daemons_checkpoint_dir(tmp_path):
+    """A checkpoint call from the wire names a directory inside the server's
+    --checkpoint-dir, never a path, and takes an admin or the job's token."""
+    ckpt = tmp_path / "ckpt"
+    tokens = tmp_path / "tokens"
+    tokens.write_text("tok-admin root admin\ntok-alice alice user\ntok-a runner user job-a\n")
+    daemon = start_daemon("--listen", "127.0.0.1:0", "--token-file", str(tokens),
+                          "--job", "job-a", "--checkpoint-dir", str(ckpt))
+    try:
+        with ps.Client([daemon.address], token="tok-a") as c:
+            c.init({"w": np.ones(N, np.float32)})
+            for bad in (str(tmp_path / "elsewhere"), "../elsewhere", "a/b", ".."):
+                with pytest.raises(deepnex.InvalidArgumentError, match="not a plain name"):
+                    c.checkpoint(bad)
+            assert not (tmp_path / "elsewhere").exists()
+            assert c.checkpoint("before-upgrade") == [0]
+            assert (ckpt / "before-upgrade" / "ps.ckpt").is_file()
+            assert c.checkpoint() == [0]
+            assert (ckpt / "ps.ckpt").is_file()
+        with ps.Client([daemon.address], worker_id=-1, token="tok-alice") as c:
+            with pytest.raises(deepnex.PermissionDeniedError, match="neither an admin"):
+                c.checkpoint("mine")
+        assert not (ckpt / "mine").exists()
+        with ps.Client([daemon.address], worker_id=-1, token="tok-admin") as c:
+            assert c.checkpoint("mine") == [0]
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=10)
+
+
+def test_a_pull_reply_over_the_cap_is_refused():
+    with ps.Server(mode="async", max_pull_reply_bytes="1KiB") as server, \
+            ps.Client([server.address], partition_bytes="4KiB") as c:
+        c.init({"small": np.zeros(N, np.float32), "big": np.zeros(1024, np.float32)})
+        assert c.pull(["small"])["small"].shape == (N,)
+        with pytest.raises(deepnex.ResourceExhaustedError, match="max_pull_reply_bytes"):
+            c.pull(["big"])
 
 
 PROM_LINE = re.compile(

@@ -146,9 +146,13 @@ class Client {
 
   // Every server's counters, in the order of ClientOptions::servers.
   virtual absl::StatusOr<std::vector<ServerStats>> Stats() = 0;
-  // Asks every server to checkpoint into `dir` (see Server::Checkpoint);
-  // returns the round each one cut at.
-  virtual absl::StatusOr<std::vector<uint64_t>> Checkpoint(const std::string& dir) = 0;
+  // Asks every server to checkpoint (see Server::Checkpoint) into
+  // <checkpoint_dir>/<name>, checkpoint_dir being the server's own
+  // (--checkpoint-dir); "" names checkpoint_dir itself, where periodic
+  // checkpoints go. `name` is one path component of letters, digits, '.',
+  // '-' and '_', not "." or "..". Needs an admin token or the job's token.
+  // Returns the round each server cut at.
+  virtual absl::StatusOr<std::vector<uint64_t>> Checkpoint(const std::string& name) = 0;
 
   virtual int worker_id() const = 0;
   // Leaves the job cleanly (the servers stop waiting for this worker) and

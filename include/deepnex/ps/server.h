@@ -65,12 +65,27 @@ struct ServerOptions {
   // Largest request the server accepts; larger ones are ResourceExhausted.
   // Default: 256 MiB
   uint64_t max_message_bytes = 256ull << 20;
+  // Largest pull reply: a pull whose slices add up to more is
+  // ResourceExhausted. 0: max_message_bytes. Default: 0
+  uint64_t max_pull_reply_bytes = 0;
+  // Pull reply bytes that one client connection may have held on the
+  // server: pulls waiting for their round, and replies the client has not
+  // read yet. A pull past it is ResourceExhausted; a connection with none
+  // held may always pull one reply. Default: 1 GiB
+  uint64_t max_pending_reply_bytes = 1ull << 30;
+  // Bytes of pushes that one worker may have the server keep for later (a
+  // push whose earlier seq of the key has not arrived, or an ssp round too
+  // far ahead); a push past it is ResourceExhausted. Kept pushes are dropped
+  // when their callers go. Default: 256 MiB
+  uint64_t max_deferred_push_bytes = 256ull << 20;
   // Bearer token every call must carry, or a token file (see auth.h).
-  // Both empty: no auth. Default: ""
+  // Both empty: no auth. A token given alone (token, or a file holding only
+  // it) is the job's token. Default: ""
   std::string token;
   std::string token_file;
   // The job this server belongs to; job-scoped tokens of other jobs are
-  // refused. Default: "" (any)
+  // refused, and so are all job-scoped tokens when it is empty.
+  // Default: "" (none)
   std::string job_id;
   // TLS: PEM certificate chain and private key. Both empty: plaintext.
   std::string tls_cert_file;
@@ -79,7 +94,9 @@ struct ServerOptions {
   // This server's name among the job's servers; its checkpoint file is
   // <dir>/<name>.ckpt. Default: "ps"
   std::string name = "ps";
-  // Where periodic checkpoints go. Default: "" (none)
+  // Where periodic checkpoints go, and the only place a Checkpoint call
+  // from the wire may write: it names a directory inside this one (see
+  // Client::Checkpoint). Default: "" (none; such calls are refused)
   std::string checkpoint_dir;
   // Checkpoint every N rounds (sync, ssp: cut when round N, 2N, ... is
   // applied; async: every N * num_workers pushes). 0: off. Default: 0
@@ -122,7 +139,9 @@ class Server {
   // rename; the previous one stays until the new one is complete). In sync
   // and ssp modes it is cut at a round boundary: the latest round applied
   // on any partition, waiting up to `timeout` for the others to reach it.
-  // Returns the round it holds.
+  // Returns the round it holds. `dir` is the embedding program's choice;
+  // calls from the wire (Client::Checkpoint) only name a directory inside
+  // ServerOptions::checkpoint_dir.
   virtual absl::StatusOr<uint64_t> Checkpoint(
       const std::string& dir,
       std::chrono::milliseconds timeout = std::chrono::seconds(60)) = 0;
