@@ -1,5 +1,6 @@
 #include "core/grpc_util.h"
 
+#include <grpcpp/generic/async_generic_service.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -39,12 +40,22 @@ int ClosedPort() {
   return ntohs(addr.sin_port);
 }
 
-// A gRPC server without services on `address` (its own port when 0).
-std::unique_ptr<grpc::Server> StartServer(const std::string& address, int* port) {
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
-  return builder.BuildAndStart();
-}
+// A gRPC server on `address` (its own port when 0) that answers every
+// method UNIMPLEMENTED; gRPC starts no server without a service.
+struct TestServer {
+  explicit TestServer(const std::string& address) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
+    builder.RegisterCallbackGenericService(&service);
+    server = builder.BuildAndStart();
+  }
+  ~TestServer() {
+    if (server) server->Shutdown();
+  }
+  grpc::CallbackGenericService service;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+};
 
 TEST(ValidateAddressTest, AcceptsHostPortAndUnixSockets) {
   for (const char* good : {"127.0.0.1:7070", "localhost:1", "node-7.example_x.org:65535",
@@ -113,18 +124,16 @@ TEST(DialTest, DefaultConnectTimeoutFailsWithinAFewSeconds) {
 TEST(DialTest, ServerStartedShortlyAfterTheClientIsReached) {
   const int port = ClosedPort();
   const std::string address = "127.0.0.1:" + std::to_string(port);
-  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<TestServer> server;
   std::thread starter([&] {
     std::this_thread::sleep_for(milliseconds(500));
-    int bound = 0;
-    server = StartServer(address, &bound);
-    EXPECT_EQ(bound, port);
+    server = std::make_unique<TestServer>(address);
+    EXPECT_EQ(server->port, port);
   });
   auto channel = Dial("store", address, grpc::InsecureChannelCredentials(), milliseconds(5000));
   starter.join();
   ASSERT_THAT(channel, IsOk());
   EXPECT_EQ((*channel)->GetState(false), GRPC_CHANNEL_READY);
-  if (server) server->Shutdown();
 }
 
 // Runs `child` in a forked process (its exit code the result) and waits for
@@ -146,11 +155,10 @@ int RunForked(const std::function<int()>& child) {
 }
 
 TEST(ForkTest, ChildOfAProcessUsingGrpcIsRefusedAtOnceAndTheParentGoesOn) {
-  int port = 0;
   ASSERT_THAT(CheckForkSafe("test server"), IsOk());
-  auto server = StartServer("127.0.0.1:0", &port);
-  ASSERT_NE(port, 0);
-  const std::string address = "127.0.0.1:" + std::to_string(port);
+  TestServer server("127.0.0.1:0");
+  ASSERT_NE(server.port, 0);
+  const std::string address = "127.0.0.1:" + std::to_string(server.port);
   ASSERT_THAT(Dial("store", address, grpc::InsecureChannelCredentials()), IsOk());
   const pid_t parent = getpid();
 
@@ -174,7 +182,6 @@ TEST(ForkTest, ChildOfAProcessUsingGrpcIsRefusedAtOnceAndTheParentGoesOn) {
   // The child never touched the epoll set it shares with this process.
   EXPECT_THAT(CheckForkSafe("store client"), IsOk());
   EXPECT_THAT(Dial("store", address, grpc::InsecureChannelCredentials()), IsOk());
-  server->Shutdown();
 }
 
 }  // namespace
