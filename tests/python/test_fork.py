@@ -8,6 +8,7 @@ and prints what happened as JSON; the children run with timeouts.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -54,10 +55,19 @@ PRELUDE = textwrap.dedent("""
 def run_script(tmp_path, body):
     script = tmp_path / "script.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=180, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # In a session of its own: a child that hung is killed with its parent
+    # (it would hold the output pipes open).
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=str(tmp_path),
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the script did not finish in 180 s:\n{out}{err}")
+    assert proc.returncode == 0, out + err
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_child_forked_after_a_store_is_refused_and_the_parent_goes_on(tmp_path):
