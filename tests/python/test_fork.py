@@ -133,6 +133,27 @@ def test_child_forked_after_a_ps_client_is_refused_and_the_parent_goes_on(tmp_pa
     assert r["parent"] == [[3.0] * 4, [3.0] * 4]
 
 
+def test_child_forked_after_a_communicator_is_refused_and_the_parent_goes_on(tmp_path):
+    r = run_script(tmp_path, """
+        def child(comm):
+            return {"inherited_allreduce": attempt(lambda: comm.allreduce(np.ones(4, np.float32)))}
+
+        if __name__ == "__main__":
+            store = collective.Store("127.0.0.1:0")
+            comm = collective.Communicator(0, 1, store=store.address, timeout=10)
+            r = run(multiprocessing.get_context("fork"), child, comm)
+            x = np.ones(4, np.float32)
+            comm.allreduce(x, op="sum")
+            r["parent"] = x.tolist()
+            r["parent_pid"] = os.getpid()
+            print(json.dumps(r))
+    """)
+    why = WHY.format(child=r["pid"], parent=r["parent_pid"])
+    assert r["exitcode"] == 0
+    assert r["out"] == {"inherited_allreduce": ["FailedPreconditionError", f"communicator: {why}"]}
+    assert r["parent"] == [1.0] * 4
+
+
 def test_spawned_child_works_as_the_error_advises(tmp_path):
     r = run_script(tmp_path, """
         def child(address):
