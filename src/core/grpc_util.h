@@ -68,7 +68,7 @@ absl::Status ValidateAddress(const std::string& what, const std::string& address
 inline constexpr std::chrono::milliseconds kConnectTimeout{5000};
 
 // A connected channel (see MakeChannel) to the server `what` (e.g.
-// "deepnex-central") at `address`. Checks the address (ValidateAddress) and
+// "central", named so in errors) at `address`. Checks the address (ValidateAddress) and
 // fork safety (CheckForkSafe), then connects within `connect_timeout`,
 // retrying with the channel's backoff while nothing answers; then
 // Unavailable with gRPC's reason, e.g. "... Connection refused". Calls on
@@ -82,7 +82,7 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(
 // ---- fork()
 //
 // gRPC 1.51 does not survive fork() once it runs: its fork handlers give up
-// while a callback server or client polls (always, in deepnex), so a child
+// while a callback server or client polls, as deepnex's do, so a child
 // that touched it would hang, and its sockets would land in the epoll set it
 // shares with its parent, which then crashes on the child's events. So a
 // process forked after its parent started gRPC refuses deepnex's gRPC work
