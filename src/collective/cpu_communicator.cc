@@ -26,6 +26,7 @@
 #include "collective/reduce.h"
 #include "collective/transport.h"
 #include "collective/work.h"
+#include "core/grpc_util.h"
 
 namespace deepnex::collective {
 namespace {
@@ -352,6 +353,11 @@ class CpuCommunicator final : public Communicator {
  private:
   std::shared_ptr<Work> Enqueue(std::function<absl::Status()> fn) {
     auto work = std::make_shared<WorkImpl>();
+    // In a forked child the thread that runs the queue is gone.
+    if (absl::Status s = CheckForkSafe("communicator"); !s.ok()) {
+      work->Finish(s);
+      return work;
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (closing_) {

@@ -1,6 +1,8 @@
 // The rendezvous store's client: blocking unary calls with a deadline each.
-// Calls wait for the channel to connect (wait_for_ready) within their
-// deadline, so ranks may start before the store does.
+// Create connects first, retrying for up to kConnectTimeout, so ranks may
+// start a little before the store does while a wrong address fails fast;
+// later calls wait for a lost connection (wait_for_ready) within their
+// deadline.
 #include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
 #include "deepnex/collective/store.h"
@@ -23,7 +25,9 @@ class StoreClientImpl final : public StoreClient {
 
   absl::Status Connect() {
     DEEPNEX_ASSIGN_OR_RETURN(auto credentials, MakeChannelCredentials(options_.tls_ca_file));
-    stub_ = pb::Store::NewStub(MakeChannel(options_.address, credentials));
+    DEEPNEX_ASSIGN_OR_RETURN(auto channel, Dial("store", options_.address, credentials,
+                                                std::min(options_.timeout, kConnectTimeout)));
+    stub_ = pb::Store::NewStub(channel);
     return absl::OkStatus();
   }
 
@@ -130,6 +134,7 @@ class StoreClientImpl final : public StoreClient {
 
   template <typename Fn>
   absl::Status Call(const char* what, std::chrono::milliseconds timeout, Fn&& fn) {
+    DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("store client"));
     grpc::ClientContext ctx;
     ctx.set_deadline(Clock::now() + timeout);
     ctx.set_wait_for_ready(true);
@@ -157,7 +162,6 @@ class StoreClientImpl final : public StoreClient {
 
 absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Create(
     const StoreClientOptions& options) {
-  if (options.address.empty()) return absl::InvalidArgumentError("store address is empty");
   if (options.timeout.count() <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("timeout=", options.timeout.count(), " ms: must be positive"));

@@ -297,6 +297,7 @@ class StoreServerImpl final : public StoreServer {
   ~StoreServerImpl() override { Stop(); }
 
   absl::Status Start(const StoreServerOptions& options) {
+    DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("store server"));
     DEEPNEX_ASSIGN_OR_RETURN(auto credentials,
                              MakeServerCredentials(options.tls_cert_file, options.tls_key_file));
     grpc::ServerBuilder builder;

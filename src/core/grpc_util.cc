@@ -3,14 +3,22 @@
 #include "core/file_util.h"
 
 #include <google/protobuf/message_lite.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <malloc.h>
+#include <pthread.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <mutex>
 #include <sstream>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace deepnex {
@@ -77,7 +85,136 @@ std::shared_ptr<grpc::Channel> MakeChannel(
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   return grpc::CreateCustomChannel(address, credentials, args);
+}
+
+// ---- dialing
+
+absl::Status ValidateAddress(const std::string& what, const std::string& address) {
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " \"", address, "\": ", why,
+                                                   why.empty() ? "" : "; ",
+                                                   "expected HOST:PORT (e.g. 127.0.0.1:7070)"));
+  };
+  if (address.empty()) return bad("empty");
+  if (absl::StartsWith(address, "unix:")) {
+    return address.size() > 5 ? absl::OkStatus() : bad("no socket path after unix:");
+  }
+  if (address.find("://") != std::string::npos) return bad("");
+  std::string host, port;
+  if (absl::StartsWith(address, "[")) {
+    const size_t close = address.find(']');
+    if (close == std::string::npos || address.compare(close + 1, 1, ":") != 0) {
+      return bad("no port after the bracketed IPv6 address");
+    }
+    host = address.substr(1, close - 1);
+    port = address.substr(close + 2);
+    if (host.empty() || host.find_first_not_of("0123456789abcdefABCDEF:.") != std::string::npos) {
+      return bad(absl::StrCat("\"", host, "\" is not an IPv6 address"));
+    }
+  } else {
+    const size_t colon = address.rfind(':');
+    if (colon == std::string::npos) return bad("no port");
+    host = address.substr(0, colon);
+    port = address.substr(colon + 1);
+    if (host.empty()) return bad("no host");
+    if (host.find(':') != std::string::npos) {
+      return bad("an IPv6 address goes in brackets, as in [::1]:7070");
+    }
+    for (char c : host) {
+      if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '-' &&
+          c != '_') {
+        return bad(absl::StrCat("host \"", host, "\" is not a name or an IP address"));
+      }
+    }
+  }
+  if (port.empty()) return bad("no port");
+  int value = 0;
+  if (port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos ||
+      !absl::SimpleAtoi(port, &value)) {
+    return bad(absl::StrCat("port \"", port, "\" is not a number"));
+  }
+  if (value < 1 || value > 65535) return bad(absl::StrCat("port ", value, " is not in 1-65535"));
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Why `channel` is not connected, from a call that does not wait for a
+// connection (the channel itself keeps no reason): gRPC's last connection
+// error, e.g. "failed to connect to all addresses; last error: UNKNOWN:
+// ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused".
+// Empty if the call reached a server after all.
+std::string WhyNotConnected(const std::shared_ptr<grpc::Channel>& channel) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  grpc::Slice empty("");
+  grpc::ByteBuffer request(&empty, 1), response;
+  std::promise<grpc::Status> done;
+  // No deepnex service has this method: a server that answers says UNIMPLEMENTED.
+  stub.UnaryCall(&ctx, "/deepnex.Dial/Probe", grpc::StubOptions(), &request, &response,
+                 [&done](grpc::Status s) { done.set_value(std::move(s)); });
+  grpc::Status s = done.get_future().get();
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) return s.error_message();
+  if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    return "still connecting (is the host unreachable, or dropping packets?)";
+  }
+  return "";
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(
+    const std::string& what, const std::string& address,
+    const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+    std::chrono::milliseconds connect_timeout) {
+  DEEPNEX_RETURN_IF_ERROR(ValidateAddress(absl::StrCat(what, " address"), address));
+  DEEPNEX_RETURN_IF_ERROR(CheckForkSafe(absl::StrCat("dialing ", what, " at ", address)));
+  std::shared_ptr<grpc::Channel> channel = MakeChannel(address, credentials);
+  if (channel->WaitForConnected(std::chrono::system_clock::now() + connect_timeout)) {
+    return channel;
+  }
+  std::string why = WhyNotConnected(channel);
+  if (why.empty()) return channel;
+  return absl::UnavailableError(absl::StrCat(what, " at ", address, ": no connection within ",
+                                             connect_timeout.count(), " ms: ", why));
+}
+
+// ---- fork
+
+namespace {
+
+std::atomic<bool> grpc_started{false};
+// In a child forked after gRPC started: the parent's pid; else 0.
+std::atomic<pid_t> forked_from{0};
+
+// Runs in the child of every fork(), where only async-signal-safe work is
+// allowed: two atomics and getppid.
+void AfterForkInChild() {
+  if (grpc_started.load() && forked_from.load() == 0) forked_from.store(getppid());
+}
+
+}  // namespace
+
+absl::Status CheckForkSafe(const std::string& what) {
+  const pid_t parent = forked_from.load(std::memory_order_relaxed);
+  if (parent != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": this process (pid ", getpid(), ") was forked from pid ", parent,
+        " after that process had started gRPC, which does not survive fork(); start the "
+        "processes that use deepnex with multiprocessing.get_context(\"spawn\") or "
+        "multiprocessing.set_start_method(\"spawn\"), or fork before creating any deepnex "
+        "server or client"));
+  }
+  static std::once_flag once;
+  std::call_once(once, [] {
+    pthread_atfork(nullptr, nullptr, &AfterForkInChild);
+    grpc_started.store(true);
+  });
+  return absl::OkStatus();
 }
 
 // ---- framing

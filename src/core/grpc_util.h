@@ -8,6 +8,7 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/slice.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -45,10 +46,53 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>>
 MakeChannelCredentials(const std::string& ca_file);
 
 // A channel with its own TCP connection (channels with equal arguments
-// otherwise share one) and no receive-size limit.
+// otherwise share one), no receive-size limit, and reconnection attempts
+// from 100 ms apart up to 2 s apart (gRPC's default backoff grows to 120 s,
+// which would keep a client from a restarted server for minutes).
 std::shared_ptr<grpc::Channel> MakeChannel(
     const std::string& address,
     const std::shared_ptr<grpc::ChannelCredentials>& credentials);
+
+// ---- Dialing: what every client does with its address first.
+
+// The address forms a client accepts: "HOST:PORT" (a name, an IPv4 address
+// or a bracketed IPv6 address, and a port 1-65535) or "unix:PATH".
+// InvalidArgument otherwise, naming `what` (e.g. "central address"), the
+// address and the expected form:
+//   central address "http://127.0.0.1:7070": expected HOST:PORT (e.g. 127.0.0.1:7070)
+absl::Status ValidateAddress(const std::string& what, const std::string& address);
+
+// How long a client's first contact with its server may take. Long enough
+// for a server started next to its clients; a never-reachable address fails
+// in this time instead of each call's full deadline.
+inline constexpr std::chrono::milliseconds kConnectTimeout{5000};
+
+// A connected channel (see MakeChannel) to the server `what` (e.g.
+// "central", named so in errors) at `address`. Checks the address (ValidateAddress) and
+// fork safety (CheckForkSafe), then connects within `connect_timeout`,
+// retrying with the channel's backoff while nothing answers; then
+// Unavailable with gRPC's reason, e.g. "... Connection refused". Calls on
+// the channel keep their own deadlines and retries for a server that goes
+// away later.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(
+    const std::string& what, const std::string& address,
+    const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+    std::chrono::milliseconds connect_timeout = kConnectTimeout);
+
+// ---- fork()
+//
+// gRPC 1.51 does not survive fork() once it runs: its fork handlers give up
+// while a callback server or client polls, as deepnex's do, so a child
+// that touched it would hang, and its sockets would land in the epoll set it
+// shares with its parent, which then crashes on the child's events. So a
+// process forked after its parent started gRPC refuses deepnex's gRPC work
+// with FailedPrecondition (and never touches gRPC), and the parent goes on.
+
+// FailedPrecondition naming `what` (e.g. "store client") in a process forked
+// from one that had started gRPC; otherwise OK, and fork() from now on
+// yields such processes. Call before creating a channel or server, and
+// before each call on an object a child may have inherited.
+absl::Status CheckForkSafe(const std::string& what);
 
 // ---- Framed messages: `message M { Header header = 1; bytes payload = 2; }`
 //

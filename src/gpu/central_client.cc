@@ -42,7 +42,9 @@ class CentralClientImpl final : public CentralClient {
 
   absl::Status Connect() {
     DEEPNEX_ASSIGN_OR_RETURN(auto credentials, MakeChannelCredentials(options_.tls_ca_file));
-    stub_ = pb::Central::NewStub(MakeChannel(options_.address, credentials));
+    DEEPNEX_ASSIGN_OR_RETURN(auto channel, Dial("central", options_.address, credentials,
+                                                std::min(options_.timeout, kConnectTimeout)));
+    stub_ = pb::Central::NewStub(channel);
     return absl::OkStatus();
   }
 
@@ -180,6 +182,7 @@ class CentralClientImpl final : public CentralClient {
 
   void AllocateGangAsync(const Request& request, const AllocateOptions& options,
                          Allocator::AllocateDone done) override {
+    if (absl::Status s = CheckForkSafe("central client"); !s.ok()) return done(s);
     QueuedOp p;
     ToProto(request, options, p.op.mutable_allocate());
     p.done = [done = std::move(done)](absl::Status s, pb::BatchResult* r) {
@@ -195,6 +198,7 @@ class CentralClientImpl final : public CentralClient {
   }
 
   void ReleaseAsync(const std::string& id, Allocator::Done done) override {
+    if (absl::Status s = CheckForkSafe("central client"); !s.ok()) return done(s);
     QueuedOp p;
     p.op.set_release(id);
     p.done = [done = std::move(done)](const absl::Status& s, pb::BatchResult*) { done(s); };
@@ -237,6 +241,7 @@ class CentralClientImpl final : public CentralClient {
 
   template <class Fn>
   absl::Status Call(std::chrono::milliseconds timeout, Fn fn) {
+    DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("central client"));
     grpc::ClientContext ctx;
     Prepare(&ctx, timeout);
     return Finished(fn(&ctx), timeout);
@@ -330,7 +335,6 @@ class CentralClientImpl final : public CentralClient {
 
 absl::StatusOr<std::unique_ptr<CentralClient>> CentralClient::Create(
     const CentralClientOptions& options) {
-  if (options.address.empty()) return absl::InvalidArgumentError("address is empty");
   DEEPNEX_ASSIGN_OR_RETURN(std::string token,
                            ResolveClientToken(options.token, options.token_file));
   auto client = std::make_unique<CentralClientImpl>(options, std::move(token));

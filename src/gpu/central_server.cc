@@ -533,6 +533,7 @@ class CentralServerImpl final : public CentralServer {
 
   absl::Status Start(const CentralServerOptions& options,
                      const CentralExtensionFactory& extension) {
+    DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("central server"));
     DEEPNEX_ASSIGN_OR_RETURN(auto credentials,
                              MakeServerCredentials(options.tls_cert_file, options.tls_key_file));
     grpc::ServerBuilder builder;

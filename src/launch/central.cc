@@ -439,7 +439,9 @@ class CentralClientImpl final : public CentralClient {
 
   absl::Status Connect() {
     DEEPNEX_ASSIGN_OR_RETURN(auto credentials, MakeChannelCredentials(options_.tls_ca_file));
-    stub_ = pb::Containers::NewStub(MakeChannel(options_.address, credentials));
+    DEEPNEX_ASSIGN_OR_RETURN(auto channel, Dial("central", options_.address, credentials,
+                                                std::min(options_.timeout, kConnectTimeout)));
+    stub_ = pb::Containers::NewStub(channel);
     return absl::OkStatus();
   }
 
@@ -522,6 +524,7 @@ class CentralClientImpl final : public CentralClient {
   // `extra`: time the call may take on top of the client's timeout.
   template <class Fn>
   absl::Status Call(Fn fn, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) {
+    DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("central client"));
     const std::chrono::milliseconds timeout = options_.timeout + extra;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + timeout);
@@ -604,7 +607,6 @@ absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
 
 absl::StatusOr<std::unique_ptr<CentralClient>> CentralClient::Create(
     const gpu::CentralClientOptions& options) {
-  if (options.address.empty()) return absl::InvalidArgumentError("address is empty");
   DEEPNEX_ASSIGN_OR_RETURN(std::string token,
                            ResolveClientToken(options.token, options.token_file));
   auto client = std::make_unique<CentralClientImpl>(options, std::move(token));

@@ -148,7 +148,15 @@ class ClientImpl final : public Client {
       std::vector<Connection> conns;
       for (int i = 0; i < options_.connections_per_server; ++i) {
         Connection c;
-        c.channel = MakeChannel(address, credentials);
+        // The first connection proves the address; the others to it connect
+        // as they are used.
+        if (i == 0) {
+          DEEPNEX_ASSIGN_OR_RETURN(c.channel,
+                                   Dial("ps server", address, credentials,
+                                        std::min(options_.timeout, kConnectTimeout)));
+        } else {
+          c.channel = MakeChannel(address, credentials);
+        }
         c.generic = std::make_unique<grpc::GenericStub>(c.channel);
         c.stub = pb::ParameterServer::NewStub(c.channel);
         conns.push_back(std::move(c));
@@ -333,6 +341,12 @@ class ClientImpl final : public Client {
   int worker_id() const override { return options_.worker_id; }
 
   absl::Status Close() override {
+    if (absl::Status s = CheckForkSafe("ps client"); !s.ok()) {
+      // A forked child: the heartbeat thread is the parent's, joining it
+      // would wait forever, and Leave would touch gRPC.
+      if (heartbeat_.joinable()) heartbeat_.detach();
+      return s;
+    }
     if (closed_.exchange(true)) return absl::OkStatus();
     {
       std::lock_guard<std::mutex> lock(heartbeat_mu_);
@@ -387,7 +401,7 @@ class ClientImpl final : public Client {
 
   absl::Status CheckOpen() const {
     if (closed_) return absl::FailedPreconditionError("the client is closed");
-    return absl::OkStatus();
+    return CheckForkSafe("ps client");
   }
 
   bool observer() const { return options_.worker_id == kObserverId; }
@@ -845,11 +859,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(
   if (options.servers.empty()) {
     return absl::InvalidArgumentError("servers: empty (give at least one host:port)");
   }
+  // All of them before dialing any, so that a typo is refused at once.
   for (const auto& s : options.servers) {
-    if (s.empty() || s.find(':') == std::string::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("servers: \"", s, "\" is not host:port"));
-    }
+    DEEPNEX_RETURN_IF_ERROR(ValidateAddress("ps server address", s));
   }
   if (options.worker_id < -1) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -1214,6 +1214,7 @@ class ServerImpl final : public Server {
   ~ServerImpl() override { Stop(); }
 
   absl::Status Start() {
+    DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("ps server"));
     if (!options_.restore_dir.empty()) {
       DEEPNEX_RETURN_IF_ERROR(service_.Restore(options_.restore_dir));
     }

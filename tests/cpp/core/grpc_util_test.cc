@@ -1,0 +1,188 @@
+#include "core/grpc_util.h"
+
+#include <grpcpp/generic/async_generic_service.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <functional>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+
+#include "test_matchers.h"
+
+namespace deepnex {
+namespace {
+
+using ::deepnex::test::IsOk;
+using ::deepnex::test::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+// A port the OS considered free a moment ago; nothing listens on it.
+int ClosedPort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// A gRPC server on `address` (its own port when 0) that answers every
+// method UNIMPLEMENTED; gRPC starts no server without a service.
+struct TestServer {
+  explicit TestServer(const std::string& address) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
+    builder.RegisterCallbackGenericService(&service);
+    server = builder.BuildAndStart();
+  }
+  ~TestServer() {
+    if (server) server->Shutdown();
+  }
+  grpc::CallbackGenericService service;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+};
+
+TEST(ValidateAddressTest, AcceptsHostPortAndUnixSockets) {
+  for (const char* good : {"127.0.0.1:7070", "localhost:1", "node-7.example_x.org:65535",
+                           "[::1]:7070", "[fe80::1:2]:80", "unix:/run/deepnex/store.sock"}) {
+    EXPECT_THAT(ValidateAddress("central address", good), IsOk()) << good;
+  }
+}
+
+TEST(ValidateAddressTest, RefusesEachMalformedFormNamingItAndTheExpectedForm) {
+  const std::string expected = "expected HOST:PORT (e.g. 127.0.0.1:7070)";
+  const std::pair<const char*, std::string> cases[] = {
+      {"http://127.0.0.1:7070", ""},
+      {"127.0.0.1", "no port; "},
+      {":70700", "no host; "},
+      {"127.0.0.1:70700", "port 70700 is not in 1-65535; "},
+      {"127.0.0.1:0", "port 0 is not in 1-65535; "},
+      {"127.0.0.1:", "no port; "},
+      {"127.0.0.1:80a", "port \"80a\" is not a number; "},
+      {"127.0.0.1:123456", "port \"123456\" is not a number; "},
+      {"::1:7070", "an IPv6 address goes in brackets, as in [::1]:7070; "},
+      {"[::1]", "no port after the bracketed IPv6 address; "},
+      {"[zz]:80", "\"zz\" is not an IPv6 address; "},
+      {"my host:80", "host \"my host\" is not a name or an IP address; "},
+      {"", "empty; "},
+      {"unix:", "no socket path after unix:; "},
+  };
+  for (const auto& [address, why] : cases) {
+    absl::Status s = ValidateAddress("central address", address);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << address;
+    EXPECT_EQ(s.message(),
+              absl::StrCat("central address \"", address, "\": ", why, expected));
+  }
+}
+
+TEST(DialTest, MalformedAddressIsRefusedWithoutDialing) {
+  auto start = Clock::now();
+  EXPECT_THAT(Dial("store", "http://127.0.0.1:7070", grpc::InsecureChannelCredentials()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("store address \"http://127.0.0.1:7070\": expected HOST:PORT")));
+  EXPECT_LT(Clock::now() - start, milliseconds(500));
+}
+
+TEST(DialTest, ClosedPortIsUnavailableSayingConnectionRefusedAfterTheConnectTimeout) {
+  const std::string address = "127.0.0.1:" + std::to_string(ClosedPort());
+  auto start = Clock::now();
+  auto channel = Dial("store", address, grpc::InsecureChannelCredentials(), milliseconds(1000));
+  auto took = Clock::now() - start;
+  EXPECT_THAT(channel, StatusIs(absl::StatusCode::kUnavailable,
+                                AllOf(StartsWith("store at " + address +
+                                                 ": no connection within 1000 ms: "),
+                                      HasSubstr("Connection refused"))));
+  // It kept trying for the connect timeout, not for a call's deadline.
+  EXPECT_GE(took, milliseconds(1000));
+  EXPECT_LT(took, milliseconds(3000));
+}
+
+TEST(DialTest, DefaultConnectTimeoutFailsWithinAFewSeconds) {
+  const std::string address = "127.0.0.1:" + std::to_string(ClosedPort());
+  auto start = Clock::now();
+  EXPECT_THAT(Dial("central", address, grpc::InsecureChannelCredentials()),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr("central at " + address + ": no connection within 5000 ms")));
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(8));
+}
+
+TEST(DialTest, ServerStartedShortlyAfterTheClientIsReached) {
+  const int port = ClosedPort();
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  std::unique_ptr<TestServer> server;
+  std::thread starter([&] {
+    std::this_thread::sleep_for(milliseconds(500));
+    server = std::make_unique<TestServer>(address);
+    EXPECT_EQ(server->port, port);
+  });
+  auto channel = Dial("store", address, grpc::InsecureChannelCredentials(), milliseconds(5000));
+  starter.join();
+  ASSERT_THAT(channel, IsOk());
+  EXPECT_EQ((*channel)->GetState(false), GRPC_CHANNEL_READY);
+}
+
+// Runs `child` in a forked process (its exit code the result) and waits for
+// it with a deadline; -1 if it did not finish in time.
+int RunForked(const std::function<int()>& child) {
+  pid_t pid = fork();
+  if (pid == 0) _exit(child());
+  auto deadline = Clock::now() + std::chrono::seconds(20);
+  while (Clock::now() < deadline) {
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  return -1;
+}
+
+TEST(ForkTest, ChildOfAProcessUsingGrpcIsRefusedAtOnceAndTheParentGoesOn) {
+  ASSERT_THAT(CheckForkSafe("test server"), IsOk());
+  TestServer server("127.0.0.1:0");
+  ASSERT_NE(server.port, 0);
+  const std::string address = "127.0.0.1:" + std::to_string(server.port);
+  ASSERT_THAT(Dial("store", address, grpc::InsecureChannelCredentials()), IsOk());
+  const pid_t parent = getpid();
+
+  // 0: both refused with the message below; 1: a wrong status.
+  int code = RunForked([&] {
+    const std::string why = absl::StrCat(
+        "this process (pid ", getpid(), ") was forked from pid ", parent,
+        " after that process had started gRPC, which does not survive fork(); start the "
+        "processes that use deepnex with multiprocessing.get_context(\"spawn\") or "
+        "multiprocessing.set_start_method(\"spawn\"), or fork before creating any deepnex "
+        "server or client");
+    absl::Status check = CheckForkSafe("store client");
+    auto dial = Dial("store", address, grpc::InsecureChannelCredentials());
+    bool ok = check.code() == absl::StatusCode::kFailedPrecondition &&
+              check.message() == "store client: " + why &&
+              dial.status().code() == absl::StatusCode::kFailedPrecondition &&
+              dial.status().message() == "dialing store at " + address + ": " + why;
+    return ok ? 0 : 1;
+  });
+  EXPECT_EQ(code, 0);
+  // The child never touched the epoll set it shares with this process.
+  EXPECT_THAT(CheckForkSafe("store client"), IsOk());
+  EXPECT_THAT(Dial("store", address, grpc::InsecureChannelCredentials()), IsOk());
+}
+
+}  // namespace
+}  // namespace deepnex
