@@ -109,7 +109,10 @@ for applet in sys.stdin.read().split():
     --storage-driver=vfs --tmpdir "$dir/tmp" system service --time=0 "unix://$dir/podman.sock" \
     >"$dir/service.log" 2>&1 &
   echo $! >"$dir/service.pid"
-  for _ in $(seq 100); do
+  # A deadline, not a count of tries: on a busy machine each ping (a Python)
+  # takes a while, and so does podman's start.
+  local deadline=$((SECONDS + 60))
+  while (( SECONDS < deadline )); do
     if [[ -S $dir/podman.sock ]] && ping_service; then
       {
         echo "DEEPNEX_TEST_DOCKER_SOCKET=$dir/podman.sock"
@@ -121,7 +124,7 @@ for applet in sys.stdin.read().split():
     sleep 0.1
   done
   kill -KILL "$(cat "$dir/service.pid")" 2>/dev/null || true
-  cannot "the service did not answer /_ping within 10 s: $(tail -1 "$dir/service.log")"
+  cannot "the service did not answer /_ping within 60 s: $(tail -1 "$dir/service.log")"
 }
 
 case $action in

@@ -10,7 +10,7 @@ add_test(NAME slurm_cluster_start
          COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/slurm.sh start ${DEEPNEX_TEST_SLURM_DIR})
 add_test(NAME slurm_cluster_stop
          COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/slurm.sh stop ${DEEPNEX_TEST_SLURM_DIR})
-set_tests_properties(slurm_cluster_start PROPERTIES FIXTURES_SETUP slurm TIMEOUT 60
+set_tests_properties(slurm_cluster_start PROPERTIES FIXTURES_SETUP slurm TIMEOUT 180
                      RESOURCE_LOCK slurm)
 set_tests_properties(slurm_cluster_stop PROPERTIES FIXTURES_CLEANUP slurm TIMEOUT 60
                      RESOURCE_LOCK slurm)

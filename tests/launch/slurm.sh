@@ -92,13 +92,13 @@ EOF
 }
 
 wait_idle() {
-  local state=""
-  for _ in $(seq 300); do
+  local state="" deadline=$((SECONDS + 120))
+  while (( SECONDS < deadline )); do
     state=$(SLURM_CONF=$dir/slurm.conf timeout 5 "$bin/sinfo" -h -o %t 2>/dev/null || true)
     [[ $state == idle ]] && return 0
     sleep 0.1
   done
-  echo "slurm.sh: node not idle after 30 s (state: ${state:-no answer})" >&2
+  echo "slurm.sh: node not idle after 120 s (state: ${state:-no answer})" >&2
   return 1
 }
 

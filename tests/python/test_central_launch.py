@@ -9,6 +9,7 @@ import time
 import pytest
 
 import deepnex
+from _wait import wait_for
 from deepnex import gpu, launch
 
 BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
@@ -45,7 +46,7 @@ def clients(address):
             gpu.CentralClient(address, token="bobtok", timeout=10))
 
 
-def await_container(client, name, done, timeout=20):
+def await_container(client, name, done, timeout=60):
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
@@ -130,6 +131,8 @@ def test_cli_launch_ps_logs_stop(central):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"w0 running on {a.id} (process ")
     await_container(alice, "w0", lambda c: c["usage"]["memory"] > 0)
+    # Running is not having written: wait for the echo before the CLI reads it.
+    wait_for(lambda: alice.container_logs("w0") == "hello\n", "w0's hello in its log")
     table = run_cli("ps", "--central", central).stdout.splitlines()
     assert table[0].split()[:4] == ["NAME", "BACKEND", "STATE", "RESTARTS"]
     row = table[1].split()

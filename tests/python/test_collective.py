@@ -43,6 +43,7 @@ def run_ranks(store, n, body, **kwargs):
         t.start()
     for t in threads:
         t.join(60)
+        assert not t.is_alive(), "a rank hung"
     for e in errors:
         if e is not None:
             raise e
@@ -71,7 +72,7 @@ def test_store_get_waits_for_a_later_set(store):
     c = collective.StoreClient(store.address)
     t = threading.Timer(0.1, lambda: collective.StoreClient(store.address).set("late", b"v"))
     t.start()
-    assert c.get("late", timeout=5) == b"v"
+    assert c.get("late", timeout=60) == b"v"
     t.join()
 
 

@@ -17,6 +17,7 @@ import uuid
 import pytest
 
 import deepnex
+from _wait import wait_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DIGITS = os.path.join(HERE, "..", "..", "examples", "digits", "mlp_numpy.py")
@@ -152,7 +153,9 @@ def test_the_job_exit_code_is_the_failing_workers(jobs):
     j = jobs(["--workers", "2", "--mode", "allreduce"],
              ["sh", "-c", 'if [ "$DEEPNEX_RANK" = 1 ]; then exit 7; fi; sleep 60'])
     assert j.wait(60) == 7, j.output()
-    assert job_processes(j.name) == []
+    # The workers' other processes were killed, not waited for: they vanish
+    # a moment later.
+    wait_for(lambda: job_processes(j.name) == [], "the job's processes to end")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -160,16 +163,16 @@ def test_a_signal_stops_the_job_and_leaves_nothing_behind(jobs, tmp_path, signum
     j = jobs(["--workers", "2", "--mode", "sync"],
              ["sh", "-c", "echo up; sleep 600 & sleep 600"])
     j.await_line(r"^\[worker 1\] up")
-    assert len(job_processes(j.name)) >= 5  # ps0, 2 x (sh + 2 sleeps)
+    # Worker 1's "up" says nothing of worker 0, nor of the sleeps after echo.
+    wait_for(lambda: len(job_processes(j.name)) >= 5,  # ps0, 2 x (sh + 2 sleeps)
+             lambda: f"5 processes of the job, saw {job_processes(j.name)}")
     record = tmp_path / "run" / j.name / "job.json"
-    deadline = time.monotonic() + 30
-    while not record.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)  # written once every container has started
-    assert record.exists()
+    # Written once every container has started.
+    wait_for(record.exists, f"{record}")
     j.proc.send_signal(signum)
-    assert j.wait(30) == 128 + signum, j.output()
+    assert j.wait(60) == 128 + signum, j.output()
     assert "everything released" in j.output()
-    assert job_processes(j.name) == []
+    wait_for(lambda: job_processes(j.name) == [], "the job's processes to end")
     assert not os.path.exists(tmp_path / "run" / j.name)
 
 
@@ -191,7 +194,9 @@ def test_a_killed_parameter_server_restarts_from_its_checkpoint(jobs, tmp_path):
     j = jobs(SYNC + ["--restart", "on-failure:3", "--checkpoint-dir", str(ckpt)],
              digits("--epochs", "30"))
     j.await_line(r"^\[worker 0\] epoch +2 ")
-    assert os.path.exists(ckpt / "ps0.ckpt")
+    # Periodic checkpoints come from a background tick, not from the epochs.
+    wait_for(lambda: os.path.exists(ckpt / "ps0.ckpt"), f"{ckpt / 'ps0.ckpt'}",
+             timeout=120)
     pids = ps_server_pids(j.name)
     assert len(pids) == 1
     os.kill(pids[0], signal.SIGKILL)

@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import deepnex
+from _wait import wait_for
 from deepnex import launch
 
 kubernetes = pytest.importorskip("kubernetes", reason="python3-kubernetes validates the manifests")
@@ -147,7 +148,7 @@ class FakeApiServer:
         self.httpd.server_close()
         self.thread.join(timeout=10)
 
-    def wait_removed(self, timeout=15):
+    def wait_removed(self, timeout=60):
         """Until each pod and job created was deleted the way Run::Remove does."""
         deadline = time.time() + timeout
         while True:
@@ -464,9 +465,7 @@ def test_stop_deletes_the_pod_with_the_grace(api):
     api.outcomes["kt1-server-0"] = Outcome(forever=True, logs="serving\n")
     with settled(api, k8s_launcher(api)) as launcher:
         h = launcher.start(spec("server", ["sleep", "1000"]))
-        deadline = time.time() + 10
-        while time.time() < deadline and h.status().state != "running":
-            time.sleep(0.05)
+        wait_for(lambda: h.status().state == "running", "the pod to run")
         with pytest.raises(deepnex.DeadlineExceededError):
             h.wait(timeout=0.5)
         usage = h.usage()  # from the metrics API while it runs

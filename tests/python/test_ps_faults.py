@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import deepnex
+from _wait import wait_for
 from deepnex import ps
 
 BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
@@ -115,10 +116,7 @@ def test_dead_worker_shrinks_the_round_and_rejoins_with_exact_values(tmp_path):
         assert code == -signal.SIGKILL, vout
         died = float(re.search(r"^dying ([\d.]+)", vout, re.M).group(1))
         # The others complete round k+1 without worker 2 once its lease expires.
-        deadline = time.time() + 30
-        while server_version(server) < k + 1 and time.time() < deadline:
-            time.sleep(0.05)
-        assert server_version(server) >= k + 1
+        wait_for(lambda: server_version(server) >= k + 1, f"round {k + 1} without worker 2")
         rejoined = spawn(server.address, 2, steps, gate=gate)
         results = [finish(p) for p in others + [rejoined]]
         for code, out in results:
@@ -166,6 +164,8 @@ def test_ssp_bounds_the_lead_of_fast_workers_and_values_stay_exact():
     with ps.Server(mode="ssp", staleness=s, num_workers=workers, optimizer=ps.SGD(lr=0.25),
                    reduction="sum") as server:
         finals = [None] * workers
+        pulled = [0] * workers  # the last round each worker pulled
+        progress = threading.Condition()
 
         def worker(w):
             def run():
@@ -173,9 +173,16 @@ def test_ssp_bounds_the_lead_of_fast_workers_and_values_stay_exact():
                     c.init({"w": np.zeros(N, np.float32)})
                     for t in range(1, steps + 1):
                         if w == 0:
-                            time.sleep(0.02)  # the slow one
+                            # The slow one: it pushes round t once the others pulled
+                            # theirs, a round ahead of it (a sleep would not say so).
+                            with progress:
+                                assert progress.wait_for(lambda: min(pulled[1:]) >= t, 60), \
+                                    f"workers 1 and 2 did not pull round {t}: {pulled}"
                         c.push({"w": g(w, t)})
                         finals[w] = c.pull("w")["w"]
+                        with progress:
+                            pulled[w] = t
+                            progress.notify_all()
                     # Bounded staleness: only the slowest sees the last round.
             return run
 
@@ -214,9 +221,7 @@ def test_a_push_retried_across_a_server_restart_is_applied_once(tmp_path):
         c.init({"w": np.zeros(N, np.float32)})
         pending = c.push_async({"w": g(0, 1)})
         with ps.Client([address], worker_id=-1) as observer:
-            deadline = time.time() + 10
-            while observer.stats()[0]["pushes"] < 1 and time.time() < deadline:
-                time.sleep(0.01)
+            wait_for(lambda: observer.stats()[0]["pushes"] >= 1, "the push to reach the server")
         server.checkpoint(tmp_path)  # holds the push, whose reply was lost
         server.stop()
         server = ps.Server(address=address, restore=tmp_path, **opts)
@@ -331,9 +336,8 @@ def test_server_killed_mid_training_restarts_from_its_checkpoint(tmp_path):
     try:
         paused.wait(timeout=60)  # both workers finished round `pause`
         with ps.Client([address], worker_id=-1) as c:
-            deadline = time.time() + 10
-            while c.stats()[0]["checkpoint_round"] < 8 and time.time() < deadline:
-                time.sleep(0.02)  # the periodic checkpoints cut at rounds 4 and 8
+            # The periodic checkpoints cut at rounds 4 and 8, written in the background.
+            wait_for(lambda: c.stats()[0]["checkpoint_round"] >= 8, "the checkpoint of round 8")
         daemon.send_signal(signal.SIGKILL)
         daemon.wait()
         daemon = start_daemon(*flags, "--restore", str(tmp_path))
@@ -476,10 +480,7 @@ def test_daemon_metrics_port_and_fault_flags(tmp_path):
         assert m, line
         text = urllib.request.urlopen(f"http://{m.group(1)}/metrics", timeout=10).read().decode()
         parse_prometheus(text)
-        deadline = time.time() + 10
-        while not (tmp_path / "ps0.ckpt").exists() and time.time() < deadline:
-            time.sleep(0.05)
-        assert (tmp_path / "ps0.ckpt").exists()
+        wait_for((tmp_path / "ps0.ckpt").exists, "the periodic checkpoint ps0.ckpt")
     finally:
         daemon.terminate()
         daemon.wait(timeout=10)

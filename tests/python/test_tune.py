@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from _wait import wait_for
 from deepnex import tune
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -133,10 +134,14 @@ TRIAL = textwrap.dedent("""
     if args.barrier_dir:
         open(os.path.join(args.barrier_dir, trial), "w").close()
         deadline = time.monotonic() + args.barrier_wait
-        while (int(trial) < 2 and len(os.listdir(args.barrier_dir)) < 2
-               and time.monotonic() < deadline):
+        # Trials 0 and 1 wait for each other; `running` is what ended the wait.
+        while True:
+            running = len([f for f in os.listdir(args.barrier_dir) if f.isdigit()])
+            if int(trial) >= 2 or running >= 2 or time.monotonic() >= deadline:
+                break
             time.sleep(0.02)
-        running = len(os.listdir(args.barrier_dir))
+        if running >= 2:
+            open(os.path.join(args.barrier_dir, "saw" + trial), "w").close()
     if args.x == args.fail_at:
         sys.exit(3)
     for step in range(1, 10):
@@ -147,6 +152,12 @@ TRIAL = textwrap.dedent("""
             print("told to stop at", step)
             break
     if args.barrier_dir:
+        # One that saw its peer stays until the peer saw it too: a trial that
+        # came second and finished at once would be gone before the first looked.
+        peer = os.path.join(args.barrier_dir, "saw" + str(1 - int(trial)))
+        while (int(trial) < 2 and running >= 2 and not os.path.exists(peer)
+               and time.monotonic() < deadline + args.barrier_wait):
+            time.sleep(0.02)
         os.remove(os.path.join(args.barrier_dir, trial))
 """)
 
@@ -310,10 +321,8 @@ def test_ctrl_c_ends_the_running_trial_jobs(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
-    deadline = time.monotonic() + 10
-    while _processes_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _processes_with(marker) == []
+    wait_for(lambda: _processes_with(marker) == [],
+             lambda: f"the trial's processes to end, left: {_processes_with(marker)}")
 
 
 def _wait_for(condition, what, timeout=60.0):

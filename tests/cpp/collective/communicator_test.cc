@@ -14,12 +14,14 @@
 #include "absl/strings/str_cat.h"
 #include "deepnex/collective/store.h"
 #include "test_matchers.h"
+#include "test_util.h"
 
 namespace deepnex::collective {
 namespace {
 
 using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
+using ::deepnex::test::WaitFor;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using std::chrono::milliseconds;
@@ -332,11 +334,15 @@ TEST_F(CommunicatorTest, RankLeavingMidCollectiveFailsTheOthersQuickly) {
 }
 
 TEST_F(CommunicatorTest, StalledRankIsDeadlineExceeded) {
+  // Rank 1 stalls until rank 0's collective has ended: had it left first (a
+  // fixed stall, on a loaded machine), rank 0 would see it gone instead.
+  std::atomic<bool> ended{false};
   RunRanks(
       2,
       [&](int rank, Communicator& comm) {
         if (rank == 1) {
-          std::this_thread::sleep_for(milliseconds(1500));
+          EXPECT_TRUE(WaitFor([&] { return ended.load(); }, milliseconds(60000),
+                              "rank 0's AllReduce to end"));
           return;
         }
         std::vector<float> x(1000, 1.0f);
@@ -344,6 +350,7 @@ TEST_F(CommunicatorTest, StalledRankIsDeadlineExceeded) {
         EXPECT_THAT(comm.AllReduce(TensorView(x.data(), DType::kFloat32, {1000})),
                     StatusIs(absl::StatusCode::kDeadlineExceeded));
         EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(3000));
+        ended = true;
       },
       [](CommunicatorOptions& o) { o.timeout = milliseconds(700); });
 }

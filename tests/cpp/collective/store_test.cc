@@ -62,12 +62,14 @@ TEST(StoreTest, GetWaitsForTheKey) {
   auto server = StartServer();
   auto a = Connect(server->address());
   auto b = Connect(server->address());
+  // Taken before the setter starts its 100 ms: a late start of this thread
+  // cannot shorten what the Get is seen to wait.
+  auto start = std::chrono::steady_clock::now();
   std::thread setter([&] {
     std::this_thread::sleep_for(milliseconds(100));
     EXPECT_OK(b->Set("late", "here"));
   });
-  auto start = std::chrono::steady_clock::now();
-  ASSERT_OK_AND_ASSIGN(std::string v, a->Get("late", milliseconds(5000)));
+  ASSERT_OK_AND_ASSIGN(std::string v, a->Get("late", milliseconds(60000)));
   EXPECT_EQ(v, "here");
   EXPECT_GE(std::chrono::steady_clock::now() - start, milliseconds(90));
   setter.join();
@@ -93,7 +95,7 @@ TEST(StoreTest, MultiGetAndWaitNameTheMissingKeys) {
   for (int i = 0; i < 8; ++i) {
     waiters.emplace_back([&] {
       auto w = Connect(server->address(), "job1");
-      if (w->Wait({"k1", "k2"}, milliseconds(5000)).ok()) ++ok;
+      if (w->Wait({"k1", "k2"}, milliseconds(60000)).ok()) ++ok;
     });
   }
   std::this_thread::sleep_for(milliseconds(100));
@@ -207,7 +209,7 @@ TEST(StoreTest, ClientStartedBeforeTheServerWaitsForIt) {
     o.address = address;
     server = StartServer(o);
   });
-  auto c = Connect(address, "", "", milliseconds(10000));
+  auto c = Connect(address, "", "", milliseconds(60000));
   EXPECT_OK(c->Set("k", "v"));
   starter.join();
 }
@@ -215,8 +217,12 @@ TEST(StoreTest, ClientStartedBeforeTheServerWaitsForIt) {
 TEST(StoreTest, StopEndsWaitingReads) {
   auto server = StartServer();
   auto c = Connect(server->address());
+  // Connected first, so that the Get below is on the wire at once: one sent
+  // after the Stop would wait for the store to come back. (The server shows
+  // no waiting reads to wait for, hence the pause before the Stop.)
+  ASSERT_OK(c->Set("connected", "1"));
   std::thread stopper([&] {
-    std::this_thread::sleep_for(milliseconds(100));
+    std::this_thread::sleep_for(milliseconds(500));
     server->Stop();
   });
   auto start = std::chrono::steady_clock::now();

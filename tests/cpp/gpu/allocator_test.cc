@@ -12,6 +12,7 @@
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
 #include "test_matchers.h"
+#include "test_util.h"
 
 namespace deepnex::gpu {
 namespace {
@@ -34,15 +35,10 @@ std::vector<int> Indices(const Allocation& a) {
   return v;
 }
 
-// Waits (up to 10s) until `pred` holds.
+// Waits (up to 60s, for a loaded machine) until `pred` holds.
 template <class Pred>
-bool Eventually(Pred pred) {
-  auto deadline = std::chrono::steady_clock::now() + 10s;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(2ms);
-  }
-  return pred();
+::testing::AssertionResult Eventually(Pred pred) {
+  return ::deepnex::test::WaitFor(pred, 60s, "the condition");
 }
 
 TEST(Allocator, ExclusiveGrantsWholeGpusWithEnv) {

@@ -20,11 +20,13 @@
 #include "gpu/ledger.h"
 #include "gtest/gtest.h"
 #include "test_matchers.h"
+#include "test_util.h"
 
 namespace deepnex::gpu {
 namespace {
 
 using ::deepnex::test::StatusIs;
+using ::deepnex::test::WaitFor;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using namespace ::deepnex::gpu::test;  // NOLINT
@@ -247,7 +249,7 @@ TEST(AllocatorAsync, WaitingRequestsQueueTimeOutAndAreCancelled) {
     auto a = alloc->Allocate(Exclusive("second", 1));
     grants.Slot("second")(a.ok() ? Grants(std::vector<Allocation>{*a}) : Grants(a.status()));
   });
-  while (alloc->QueueLength() < 2) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(WaitFor([&] { return alloc->QueueLength() >= 2; }, 60s, "first and second queued"));
   Request urgent = Exclusive("urgent", 1);
   urgent.priority = 5;
   alloc->AllocateGangAsync(urgent, {}, grants.Slot("urgent"));
@@ -272,7 +274,7 @@ TEST(AllocatorAsync, WaitingRequestsQueueTimeOutAndAreCancelled) {
   EXPECT_THAT(order, ElementsAre("urgent", "first", "second"));
 
   alloc->AllocateGangAsync(Exclusive("late", 1), {}, grants.Slot("late"));
-  while (alloc->QueueLength() < 1) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(WaitFor([&] { return alloc->QueueLength() >= 1; }, 60s, "late queued"));
   alloc->Shutdown();  // returns once the waiter was answered
   EXPECT_EQ(grants.size(), 5u);
   EXPECT_THAT(grants["late"], StatusIs(absl::StatusCode::kCancelled));
@@ -480,9 +482,11 @@ TEST_F(CentralAsync, WaitingCallsAreAnsweredAndStopFailsThem) {
   Answers<Grants> grants;
   // Each travels alone: queue them one after the other, for a known order.
   alice->AllocateGangAsync(Exclusive("", 8), {}, grants.Slot("next"));
-  while (server_->allocator().QueueLength() < 1) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(WaitFor([&] { return server_->allocator().QueueLength() >= 1; }, 60s,
+                      "next queued"));
   alice->AllocateGangAsync(Exclusive("", 8), {}, grants.Slot("last"));
-  while (server_->allocator().QueueLength() < 2) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(WaitFor([&] { return server_->allocator().QueueLength() >= 2; }, 60s,
+                      "last queued"));
   Answers<absl::Status> released;
   alice->ReleaseAsync(held.front().id, released.Slot("held"));
   ASSERT_TRUE(grants.Wait(1));
@@ -502,16 +506,14 @@ TEST_F(CentralAsync, DestroyingTheClientCancelsItsCalls) {
   ASSERT_OK(alice->AllocateGang(Exclusive("", 8)).status());
   Answers<Grants> grants;
   alice->AllocateGangAsync(Exclusive("", 8), {}, grants.Slot("waiting"));
-  while (server_->allocator().QueueLength() < 1) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(WaitFor([&] { return server_->allocator().QueueLength() >= 1; }, 60s,
+                      "waiting queued"));
   alice.reset();
   ASSERT_EQ(grants.size(), 1u);
   EXPECT_THAT(grants["waiting"], StatusIs(absl::StatusCode::kCancelled));
   // The server sees the cancel and drops the request from its queue.
-  auto deadline = std::chrono::steady_clock::now() + 10s;
-  while (server_->allocator().QueueLength() > 0 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(2ms);
-  }
-  EXPECT_EQ(server_->allocator().QueueLength(), 0u);
+  EXPECT_TRUE(WaitFor([&] { return server_->allocator().QueueLength() == 0; }, 60s,
+                      "the cancelled request to leave the queue"));
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
 #include "test_matchers.h"
+#include "test_util.h"
 
 namespace deepnex::launch {
 namespace {
@@ -78,10 +79,10 @@ class CentralLaunch : public ::testing::Test {
     return s;
   }
 
-  // `client`'s container `name` once `done` holds for it (20 s at most).
+  // `client`'s container `name` once `done` holds for it (60 s at most).
   static CentralContainer Await(CentralClient& client, const std::string& name,
                                 const std::function<bool(const CentralContainer&)>& done) {
-    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
     CentralContainer last;
     while (std::chrono::steady_clock::now() < deadline) {
       auto list = client.ListContainers();
@@ -305,11 +306,9 @@ TEST(CentralLaunchCrash, RestartSweepsWhatTheCrashedRunLeft) {
   o.address = second.address;
   ASSERT_OK_AND_ASSIGN(gpus, gpu::CentralClient::Create(o));
   // Swept before serving; init reaps the orphan soon after.
-  const auto deadline = std::chrono::steady_clock::now() + 10s;
-  while (kill(orphan, 0) == 0 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(10ms);
-  }
-  EXPECT_NE(kill(orphan, 0), 0) << "pid " << orphan << " outlived the restart";
+  EXPECT_TRUE(::deepnex::test::WaitFor([&] { return kill(orphan, 0) != 0; }, 60s,
+                                       "pid " + std::to_string(orphan) + " to end"))
+      << "it outlived the restart";
   ASSERT_OK_AND_ASSIGN(auto held, gpus->Allocations());
   EXPECT_TRUE(held.empty()) << held.size() << " allocations left, the first " << held[0].id;
   EXPECT_FALSE(std::filesystem::exists(record_dir));

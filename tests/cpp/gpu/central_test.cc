@@ -22,11 +22,13 @@
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
 #include "test_matchers.h"
+#include "test_util.h"
 
 namespace deepnex::gpu {
 namespace {
 
 using ::deepnex::test::StatusIs;
+using ::deepnex::test::WaitFor;
 using ::testing::HasSubstr;
 using namespace ::deepnex::gpu::test;  // NOLINT
 using namespace std::chrono_literals;   // NOLINT
@@ -121,16 +123,13 @@ TEST_F(Central, QueueWaitsAcrossTheWireAndMetricsCount) {
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("wait=false")));
   std::thread waiter([&] {
     AllocateOptions o;
-    o.timeout = 20s;
+    o.timeout = 60s;
     auto b = bob_->Allocate(Exclusive("", 1), o);
     ASSERT_TRUE(b.ok()) << b.status();
     EXPECT_EQ(b->user, "bob");
   });
-  auto deadline = std::chrono::steady_clock::now() + 10s;
-  while (server_->allocator().QueueLength() == 0 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(2ms);
-  }
-  ASSERT_EQ(server_->allocator().QueueLength(), 1u);
+  ASSERT_TRUE(WaitFor([&] { return server_->allocator().QueueLength() == 1; }, 60s,
+                      "bob's request in the queue"));
   ASSERT_OK(alice_->Release(held.id));
   waiter.join();
   ASSERT_OK_AND_ASSIGN(std::string text, bob_->Metrics());
@@ -211,11 +210,8 @@ TEST_F(Central, StopFailsWaitingAllocations) {
     status = bob_->Allocate(Exclusive("", 1)).status();
     done = true;
   });
-  auto deadline = std::chrono::steady_clock::now() + 10s;
-  while (server_->allocator().QueueLength() == 0 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(2ms);
-  }
-  ASSERT_EQ(server_->allocator().QueueLength(), 1u);
+  ASSERT_TRUE(WaitFor([&] { return server_->allocator().QueueLength() == 1; }, 60s,
+                      "bob's request in the queue"));
   server_->Stop();
   waiter.join();
   EXPECT_FALSE(status.ok());

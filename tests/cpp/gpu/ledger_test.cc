@@ -23,6 +23,7 @@
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
 #include "test_matchers.h"
+#include "test_util.h"
 
 namespace deepnex::gpu {
 namespace {
@@ -365,11 +366,8 @@ TEST(AllocatorLedger, LeaseExpiryIsInTheLedger) {
   Request r = Exclusive("alice", 1);
   r.lease = 50ms;
   ASSERT_OK(alloc->Allocate(r).status());
-  auto deadline = std::chrono::steady_clock::now() + 10s;
-  while (!alloc->Allocations().empty() && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(5ms);
-  }
-  EXPECT_TRUE(alloc->Allocations().empty());
+  EXPECT_TRUE(::deepnex::test::WaitFor([&] { return alloc->Allocations().empty(); }, 60s,
+                                       "the lease to expire"));
   alloc.reset();
   ASSERT_OK_AND_ASSIGN(auto records, Ledger::ReadLog(dir.path()));
   bool found = false;

@@ -11,12 +11,14 @@
 
 #include "launch/util.h"
 #include "test_matchers.h"
+#include "test_util.h"
 
 namespace deepnex::job {
 namespace {
 
 using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
+using ::deepnex::test::WaitFor;
 using ::testing::HasSubstr;
 using std::chrono::milliseconds;
 
@@ -166,7 +168,12 @@ TEST_F(JobTest, StopEndsEveryProcessAndReleasesTheAllocations) {
   EXPECT_THAT(job->Wait(milliseconds(200)), StatusIs(absl::StatusCode::kDeadlineExceeded));
   ASSERT_THAT(job->Stop(), IsOk());
   EXPECT_TRUE(job->Allocations().empty());
-  EXPECT_THAT(launch::ProcessesWithEnv(launch::kLauncherIdEnv, o.name), ::testing::IsEmpty());
+  // Stop waits for each container's first process; the background sleeps
+  // were killed, not waited for, and go a moment later.
+  EXPECT_TRUE(WaitFor(
+      [&] { return launch::ProcessesWithEnv(launch::kLauncherIdEnv, o.name).empty(); },
+      std::chrono::seconds(60), "the job's processes to end"))
+      << launch::ProcessesWithEnv(launch::kLauncherIdEnv, o.name).size() << " left";
   EXPECT_THAT(job->Stop(), IsOk());  // idempotent
 }
 

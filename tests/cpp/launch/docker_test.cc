@@ -17,6 +17,7 @@
 #include "launch/docker.h"
 #include "launch/http.h"
 #include "test_matchers.h"
+#include "test_util.h"
 
 namespace deepnex::launch {
 namespace {
@@ -241,8 +242,14 @@ TEST_F(DockerTest, StopSendsTermThenKillAfterGrace) {
 TEST_F(DockerTest, UsageOfARunningContainer) {
   launch::Run* run = Start(Spec("busy", {"sh", "-c", "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done; sleep 30"}));
   ASSERT_NE(run, nullptr);
-  std::this_thread::sleep_for(1s);
-  auto usage = run->Usage();
+  // The engine's stats lag the container's start: wait for its first CPU time.
+  absl::StatusOr<Usage> usage;
+  ASSERT_TRUE(::deepnex::test::WaitFor(
+      [&] {
+        usage = run->Usage();
+        return !usage.ok() || usage->cpu_seconds > 0;
+      },
+      60s, "CPU time in the busy container's stats"));
   ASSERT_THAT(usage, IsOk());
   EXPECT_GT(usage->cpu_seconds, 0);
   EXPECT_GT(usage->memory, 0u);

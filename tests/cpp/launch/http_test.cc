@@ -239,15 +239,15 @@ TEST(HttpClientTest, StreamDeliversPiecesStopsOnRequestAndCancels) {
                                got += piece;
                                return true;
                              },
-                             1s),
+                             30s),
               IsOk());
   EXPECT_EQ(got, "hello, world");
   int pieces = 0;
   ASSERT_THAT(client->Stream("GET", "/chunked", "",
-                             [&](const std::string&) { return ++pieces < 1; }, 1s),
+                             [&](const std::string&) { return ++pieces < 1; }, 30s),
               IsOk());
   EXPECT_EQ(pieces, 1);
-  EXPECT_THAT(client->Stream("GET", "/missing", "", [](const std::string&) { return true; }, 1s),
+  EXPECT_THAT(client->Stream("GET", "/missing", "", [](const std::string&) { return true; }, 30s),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("no such thing")));
 
   // No read timeout: only the cancel ends it.

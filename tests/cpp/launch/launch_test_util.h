@@ -26,6 +26,7 @@
 
 #include "deepnex/launch/launcher.h"
 #include "launch/cgroup.h"
+#include "test_util.h"
 
 namespace deepnex::launch::test {
 
@@ -155,14 +156,10 @@ inline std::vector<pid_t> ProcessesWithArg(const std::string& token) {
   return found;
 }
 
-// Polls `done` every 20 ms until it is true or `timeout` passed.
+// Whether `done` held within `timeout` (see ::deepnex::test::WaitFor, which
+// also says what was awaited).
 inline bool WaitUntil(const std::function<bool()>& done, std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return true;
+  return static_cast<bool>(::deepnex::test::WaitFor(done, timeout, ""));
 }
 
 }  // namespace deepnex::launch::test

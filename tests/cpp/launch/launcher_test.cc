@@ -25,6 +25,7 @@ namespace {
 
 using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
+using ::deepnex::test::WaitFor;
 using ::testing::AnyOf;
 using ::testing::Eq;
 using ::testing::HasSubstr;
@@ -138,7 +139,7 @@ TEST_P(LaunchContract, StopEndsItSignaled) {
   auto h = StartOk(Spec("sleeper", "exec sleep 1000"));
   ASSERT_NE(h, nullptr);
   ASSERT_THAT(h->Stop(500ms), IsOk());
-  ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(1s));
+  ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(kWait));
   EXPECT_EQ(e.reason, ExitReason::kSignaled) << e.ToString();
   EXPECT_THAT(e.signal, AnyOf(Eq(SIGTERM), Eq(SIGKILL)));
   EXPECT_EQ(h->Status().state, State::kStopped);
@@ -194,7 +195,11 @@ TEST_P(LaunchContract, StopKillsTheWholeProcessTree) {
   ASSERT_TRUE(test::WaitUntil([&] { return test::ProcessesWithArg(token).size() >= 3; }, 30s))
       << test::ProcessesWithArg(token).size() << " processes seen";
   ASSERT_THAT(h->Stop(500ms), IsOk());
-  EXPECT_THAT(test::ProcessesWithArg(token), IsEmpty());
+  // Stop returns once the container's first process ended; the others were
+  // signalled, and may take a moment to go.
+  EXPECT_TRUE(WaitFor([&] { return test::ProcessesWithArg(token).empty(); }, kWait,
+                      "the tree's processes to end"))
+      << test::ProcessesWithArg(token).size() << " left";
 }
 
 TEST_P(LaunchContract, UsageOfABusyContainer) {
@@ -227,9 +232,11 @@ TEST_P(LaunchContract, NothingLeftAfterStopRemoveCleanup) {
   ASSERT_THAT(launcher_->Remove("left"), IsOk());
   EXPECT_THAT(launcher_->Get("left"), StatusIs(absl::StatusCode::kNotFound));
   EXPECT_THAT(launcher_->List(), IsEmpty());
+  // Killed, the sleep may still be on its way out; Cleanup would count it.
+  EXPECT_TRUE(WaitFor([&] { return test::ProcessesWithArg(token).empty(); }, kWait,
+                      "the sleep to end"));
   ASSERT_OK_AND_ASSIGN(int swept, launcher_->Cleanup(launcher_->id()));
   EXPECT_EQ(swept, 0);  // Stop and Remove left nothing to sweep
-  EXPECT_THAT(test::ProcessesWithArg(token), IsEmpty());
   if (fixture_.cgroups) EXPECT_THAT(CgroupsOf(launcher_->id()), IsEmpty());
 }
 
@@ -513,7 +520,7 @@ TEST_F(ProcessLauncherTest, AlwaysRestartsUntilStopped) {
   ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(spec));
   ASSERT_TRUE(test::WaitUntil([&] { return h->Status().restarts >= 3; }, 30s));
   ASSERT_THAT(h->Stop(1s), IsOk());
-  ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(1s));
+  ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(kWait));
   EXPECT_GE(e.restarts, 3);
   EXPECT_EQ(h->Status().state, State::kStopped);
   ASSERT_OK_AND_ASSIGN(std::string logs, h->Logs());
@@ -547,7 +554,10 @@ TEST_F(ProcessLauncherTest, DestructorStopsEverythingAtOnce) {
   const std::string id = launcher_->id();
   launcher_.reset();
   EXPECT_LT(std::chrono::steady_clock::now() - start, 2500ms);
-  EXPECT_THAT(test::ProcessesWithArg(token), IsEmpty());
+  // Each container's first process was reaped; its sleep was killed, not
+  // waited for.
+  EXPECT_TRUE(WaitFor([&] { return test::ProcessesWithArg(token).empty(); }, kWait,
+                      "the sleeps to end"));
   EXPECT_THAT(CgroupsOf(id), IsEmpty());
 }
 
@@ -592,7 +602,8 @@ TEST_F(ProcessLauncherTest, StopKillsWhatLeftTheProcessGroup) {
   ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(Spec("escape", "setsid sleep " + token + " & wait")));
   ASSERT_TRUE(test::WaitUntil([&] { return test::ProcessesWithArg(token).size() >= 2; }, 30s));
   ASSERT_THAT(h->Stop(200ms), IsOk());
-  EXPECT_THAT(test::ProcessesWithArg(token), IsEmpty());
+  EXPECT_TRUE(WaitFor([&] { return test::ProcessesWithArg(token).empty(); }, kWait,
+                      "the setsid sleep to end"));
 }
 
 // A process outside any cgroup is found by the launcher id in its
@@ -602,10 +613,10 @@ TEST_F(ProcessLauncherTest, CleanupFindsProcessesByTheirEnvironment) {
   const std::string token = test::UniqueToken();
   ASSERT_EQ(std::system((std::string(kLauncherIdEnv) + "=" + id + " sleep " + token + " &").c_str()), 0);
   // The sleep itself, once exec'd (before, the shell's fork has no such env).
-  ASSERT_TRUE(test::WaitUntil([&] { return ProcessesWithEnv(kLauncherIdEnv, id).size() == 1; }, 10s));
+  ASSERT_TRUE(test::WaitUntil([&] { return ProcessesWithEnv(kLauncherIdEnv, id).size() == 1; }, kWait));
   ASSERT_OK_AND_ASSIGN(int swept, launcher_->Cleanup(id));
   EXPECT_EQ(swept, 1);
-  EXPECT_TRUE(test::WaitUntil([&] { return test::ProcessesWithArg(token).empty(); }, 5s));
+  EXPECT_TRUE(test::WaitUntil([&] { return test::ProcessesWithArg(token).empty(); }, kWait));
 }
 
 TEST_F(ProcessLauncherTest, BackoffDoublesPerRestart) {
@@ -732,7 +743,7 @@ TEST(LauncherCrash, CleanupSweepsAKilledLaunchersOrphans) {
   ASSERT_OK_AND_ASSIGN(auto launcher, Launcher::Create({}));
   ASSERT_OK_AND_ASSIGN(int swept, launcher->Cleanup(id));
   EXPECT_GE(swept, 1);
-  EXPECT_TRUE(test::WaitUntil([&] { return test::ProcessesWithArg(token).empty(); }, 5s));
+  EXPECT_TRUE(test::WaitUntil([&] { return test::ProcessesWithArg(token).empty(); }, kWait));
   EXPECT_THAT(CgroupsOf(id), IsEmpty());
   EXPECT_THAT(ProcessesWithEnv(kLauncherIdEnv, id), IsEmpty());
   EXPECT_THAT(launcher->Cleanup("../x"), StatusIs(absl::StatusCode::kInvalidArgument));
@@ -748,16 +759,24 @@ TEST(CgroupTest, LifeCycle) {
   EXPECT_THAT(Cgroup::Open(path), IsOk());
   const std::string name = path.substr(path.find('/') + 1);
   EXPECT_THAT(Cgroup::Children("deepnex"), ::testing::Contains(name));
+  int moved[2];
+  ASSERT_EQ(pipe(moved), 0);
   pid_t pid = fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
-    // Waits to be moved, then forks a grandchild: both must die.
-    usleep(100000);
+    // Waits until it was moved (a byte on the pipe), then forks a grandchild
+    // inside the cgroup: both must die.
+    close(moved[1]);
+    char byte;
+    if (read(moved[0], &byte, 1) != 1) _exit(1);
     if (fork() == 0) pause();
     pause();
     _exit(0);
   }
+  close(moved[0]);
   ASSERT_THAT(cg->AddProcess(pid), IsOk());
+  ASSERT_EQ(write(moved[1], "m", 1), 1);
+  close(moved[1]);
   ASSERT_TRUE(test::WaitUntil([&] { return cg->Processes().size() == 2; }, 10s));
   Usage u = cg->ReadUsage();
   EXPECT_EQ(u.pids, 2);

@@ -25,12 +25,14 @@
 #include "launch/cgroup.h"
 #include "launch/util.h"
 #include "test_matchers.h"
+#include "test_util.h"
 
 namespace deepnex::launch {
 namespace {
 
 using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
+using ::deepnex::test::WaitFor;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -288,10 +290,12 @@ TEST_F(OciTest, StopEndsTheWholeTreeWithTerm) {
   ASSERT_OK_AND_ASSIGN(launch::Run * run, Start(Spec("tree", {"sh", "-c", "sleep 1000 & sleep 1000 & wait"})));
   ASSERT_OK_AND_ASSIGN(std::optional<ExitStatus> early, run->Wait(milliseconds(200)));
   EXPECT_FALSE(early.has_value());
+  ASSERT_OK_AND_ASSIGN(auto cg, Cgroup::Open(options_.cgroup_parent + "/" + run->id()));
+  // 200 ms in, sh may not have forked both sleeps yet on a loaded machine.
+  EXPECT_TRUE(WaitFor([&] { return cg->Processes().size() == 3; }, seconds(60),
+                      "sh and its two sleeps in the cgroup"));
   ASSERT_OK_AND_ASSIGN(Usage usage, run->Usage());
   EXPECT_EQ(usage.pids, 3);
-  ASSERT_OK_AND_ASSIGN(auto cg, Cgroup::Open(options_.cgroup_parent + "/" + run->id()));
-  EXPECT_EQ(cg->Processes().size(), 3u);
   const auto t0 = std::chrono::steady_clock::now();
   ASSERT_THAT(run->Stop(seconds(20)), IsOk());
   ASSERT_OK_AND_ASSIGN(std::optional<ExitStatus> end, run->Wait(seconds(10)));
