@@ -5,8 +5,10 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-/usr/bin/python3}
 BUILD=${BUILD:-$root/build}
-# ccache keys on paths relative to the repository, so clones share a cache.
-export CCACHE_BASEDIR=$root
+# ccache keys on paths relative to the repository, so clones (CI's among
+# them) share a cache; without NOHASHDIR the build directory's own path is
+# hashed (it is in the debug info), and no clone ever hits.
+export CCACHE_BASEDIR=$root CCACHE_NOHASHDIR=true
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 if [[ ! -f "$BUILD/CMakeCache.txt" ]]; then

@@ -22,6 +22,6 @@ echo "== Python package: pip install into a venv, then the Python tests again"
 venv=$(mktemp -d)
 trap 'rm -rf "$venv"' EXIT
 "$PYTHON" -m venv --system-site-packages "$venv"
-CCACHE_BASEDIR=$root "$venv/bin/python" -m pip install -q --no-build-isolation --no-index "$root"
+CCACHE_BASEDIR=$root CCACHE_NOHASHDIR=true "$venv/bin/python" -m pip install -q --no-build-isolation --no-index "$root"
 (cd "$venv" && "$venv/bin/python" -c 'import deepnex, sys; assert deepnex.__file__.startswith(sys.prefix), deepnex.__file__')
 (cd "$venv" && "$venv/bin/python" -m pytest -q -p no:cacheprovider "$root/tests/python")
