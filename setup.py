@@ -7,7 +7,8 @@ libdeepnex); both land in the package directory, _C finding libdeepnex.so.N
 next to itself through its $ORIGIN rpath. The daemons deepnex-ps,
 deepnex-store and deepnex-central land in deepnex/bin/ (where deepnex.job
 looks for deepnex-ps first), finding the same libdeepnex.so.N through
-$ORIGIN/.. . Environment knobs:
+$ORIGIN/.. ; console entry points of the same names put them on PATH.
+Environment knobs:
 CMAKE_BUILD_PARALLEL_LEVEL (default 2), DEEPNEX_CMAKE_ARGS (extra -D...),
 DEEPNEX_BUILD_TYPE (default RelWithDebInfo, as scripts/build.sh, so ccache shares objects).
 """
@@ -101,9 +102,14 @@ class CMakeBuild(build_ext):
             shutil.copy2(build_dir / "bin" / tool, bin_dir / tool)
 
 
-entry_points = {}
-if (ROOT / "python" / "deepnex" / "__main__.py").exists():
-    entry_points["console_scripts"] = ["deepnex = deepnex.__main__:main"]
+# `deepnex` and, on PATH after `pip install`, the daemons: each entry point
+# execs the program in deepnex/bin/.
+entry_points = {"console_scripts": [
+    "deepnex = deepnex.__main__:main",
+    "deepnex-central = deepnex.__main__:central",
+    "deepnex-ps = deepnex.__main__:ps",
+    "deepnex-store = deepnex.__main__:store",
+]}
 
 setup(
     name="deepnex",

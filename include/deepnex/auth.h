@@ -54,7 +54,8 @@ class TokenTable {
 
   // `authorization` is the metadata value ("Bearer <token>"), empty if the
   // call had none; the scheme is case-insensitive. Missing token:
-  // Unauthenticated "missing bearer token (authorization metadata)"; unknown
+  // Unauthenticated "missing bearer token (authorization metadata); give one
+  // with --token, ..."; unknown
   // token: Unauthenticated "invalid token". With `job` non-empty, a token
   // scoped to another job is PermissionDenied naming both jobs (a token
   // without a job may act on any job). With `require_admin`, a user token is

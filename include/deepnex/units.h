@@ -1,4 +1,11 @@
-// Byte sizes as users write them: "8GiB", "512M", "1.5G", "4096".
+// Byte sizes as users write them: "8GiB", "512M", "1.5G", "10GB", "4096".
+//
+// The rule, the same for every flag, environment variable, Python argument
+// and nodes file: K, M, G, T, P, E and KiB..EiB (also Ki..Ei) are powers of
+// 1024; KB, MB, GB, TB, PB, EB are powers of 1000 ("10GB" is 10000000000
+// bytes); units are case-insensitive and may follow the number after spaces
+// ("24 GB" == "24GB"). Sizes are shown in binary units with one decimal:
+// "9.3GiB" for 10GB, "16GiB" when exact.
 #ifndef DEEPNEX_UNITS_H_
 #define DEEPNEX_UNITS_H_
 
@@ -21,9 +28,12 @@ namespace deepnex {
 absl::StatusOr<uint64_t> ParseByteSize(const std::string& text,
                                        const std::string& field = "size");
 
-// Shortest exact form in binary units, an integer count of the largest unit
-// that divides `bytes`: 8589934592 -> "8GiB", 1536 -> "1536B", 1000 -> "1000B",
-// 0 -> "0B". ParseByteSize reads it back.
+// For people: below 1KiB, bytes ("1000B", "0B"); otherwise the largest of
+// KiB, MiB, GiB, TiB, PiB, EiB that is at most `bytes`, as an integer when
+// exact (8589934592 -> "8GiB") and else rounded to one decimal, half up
+// (10000000000 -> "9.3GiB", 1536 -> "1.5KiB", 1025 -> "1.0KiB": the ".0"
+// marks a rounded figure). ParseByteSize reads it back exactly only when
+// it is exact.
 std::string FormatByteSize(uint64_t bytes);
 
 }  // namespace deepnex

@@ -1,6 +1,7 @@
 """The deepnex command line: ``python3 -m deepnex`` or ``deepnex``."""
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -43,6 +44,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help()
         return 2
     return args.func(args)
+
+
+def _exec_program(name: str) -> None:
+    """Replaces this process with the daemon `name` that the package ships in
+    deepnex/bin/, passing on the arguments: the console entry points
+    deepnex-central, deepnex-ps and deepnex-store (see setup.py)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", name)
+    if not os.access(path, os.X_OK):
+        raise SystemExit(f"{name}: {path} is missing; reinstall the deepnex package")
+    os.execv(path, [path, *sys.argv[1:]])
+
+
+def central() -> None:
+    _exec_program("deepnex-central")
+
+
+def ps() -> None:
+    _exec_program("deepnex-ps")
+
+
+def store() -> None:
+    _exec_program("deepnex-store")
 
 
 if __name__ == "__main__":

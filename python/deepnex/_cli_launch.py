@@ -5,7 +5,8 @@ containers of deepnex-central's launcher.
     deepnex ps --central ADDR      (or $DEEPNEX_CENTRAL): the caller's containers there
     deepnex launch --central ADDR --alloc ID [--name N] [--cpus C] [--memory M]
                    [--restart P] [--env K=V] -- CMD ...
-    deepnex logs NAME [--follow]
+    deepnex logs NAME [--follow]   (--follow: then "container NAME <how it
+                                    ended>" on stderr, and its exit code)
     deepnex stop NAME [--grace S]
 
 The commands against deepnex-central take its address and token as the GPU
@@ -26,13 +27,15 @@ import argparse
 import glob
 import json
 import os
+import re
 import secrets
+import signal
 import sys
 
 from deepnex import _C
 
-HEADER = ("NAME", "BACKEND", "STATE", "RESTARTS", "GPUS", "CPUS", "MEMORY LIMIT", "CPU SECONDS",
-          "MEMORY NOW/PEAK", "LAST EXIT")
+HEADER = ("NAME", "BACKEND", "STATE", "RESTARTS", "GPU INDICES", "CPUS", "MEMORY LIMIT",
+          "CPU SECONDS", "MEMORY NOW/PEAK", "LAST EXIT")
 
 
 def read_records(state_dir):
@@ -73,18 +76,8 @@ def _live(record):
 
 
 def _size(n):
-    """A limit, exactly ("256MiB")."""
+    """A limit or a measured size ("256MiB", "12.3MiB"); "-" for none."""
     return _C.format_byte_size(int(n)) if n else "-"
-
-
-def _amount(n):
-    """A measured size, to three figures ("12.3MiB")."""
-    if not n:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f}{unit}" if unit == "B" or n >= 100 else f"{n:.3g}{unit}"
-        n /= 1024
 
 
 def rows(records):
@@ -98,7 +91,7 @@ def rows(records):
             r.get("name", "?"), r.get("backend", "?"), state, str(r.get("restarts", 0)), gpus,
             f"{cpus:g}" if cpus else "-", _size(r.get("memory", 0)),
             f"{u.get('cpu_seconds', 0):.2f}",
-            f"{_amount(u.get('memory', 0))}/{_amount(u.get('memory_peak', 0))}",
+            f"{_size(u.get('memory', 0))}/{_size(u.get('memory_peak', 0))}",
             r.get("last_exit", "-")))
     return out
 
@@ -111,6 +104,10 @@ def format_table(table):
 def _ps(args):
     state_dir = None if args.central else args.state_dir or os.environ.get("DEEPNEX_STATE_DIR")
     if state_dir:
+        # A mistyped directory is not an empty launcher.
+        if not os.path.isdir(state_dir):
+            given = "--state-dir" if args.state_dir else "$DEEPNEX_STATE_DIR"
+            raise SystemExit(f"deepnex: ps: {given} {state_dir!r} is not a directory")
         print(format_table(rows(read_records(state_dir))))
         return 0
     if not (args.central or os.environ.get("DEEPNEX_CENTRAL")):
@@ -149,13 +146,39 @@ def _launch(args):
     return 0
 
 
+def exit_code(last_exit):
+    """The shell's exit code for a container's last exit ("exited(3)",
+    "signaled(SIGTERM)", "oom_killed", "lost", maybe with " after N
+    restarts"): the code; 128 + the signal; 1 for anything else."""
+    m = re.match(r"(\w+)(?:\((.*?)\))?", last_exit or "")
+    reason, arg = (m[1], m[2]) if m else ("", None)
+    if reason == "exited" and arg is not None and arg.isdigit():
+        return int(arg)
+    if reason == "signaled" and arg:
+        number = arg[len("signal "):] if arg.startswith("signal ") else None
+        if number is not None and number.isdigit():
+            return 128 + int(number)
+        if arg in signal.Signals.__members__:
+            return 128 + signal.Signals[arg].value
+    return 1
+
+
 def _logs(args):
     from deepnex import _cli_gpu
-    logs = _cli_gpu.client(args).container_logs(args.name, follow=args.follow, user=args.user)
+    client = _cli_gpu.client(args)
+    logs = client.container_logs(args.name, follow=args.follow, user=args.user)
     for piece in logs if args.follow else [logs]:
         sys.stdout.write(piece)
         sys.stdout.flush()
-    return 0
+    if not args.follow:
+        return 0
+    # Followed to its end for good: say how it ended, and end the same way,
+    # so that `deepnex logs -f NAME && next` chains on the container.
+    c = next((c for c in client.containers(user=args.user) if c["name"] == args.name), None)
+    last_exit = (c or {}).get("last_exit", "")
+    print(f"container {args.name} {last_exit or (c or {}).get('state', 'gone')}",
+          file=sys.stderr, flush=True)
+    return exit_code(last_exit)
 
 
 def _stop(args):
@@ -169,7 +192,9 @@ def _stop(args):
 def add_commands(commands):
     from deepnex._cli_gpu import add_central_args, guard
     ps = commands.add_parser("ps", help="a table of containers: state, GPUs, CPU and memory")
-    ps.add_argument("--state-dir", help="the launchers' state_dir (default $DEEPNEX_STATE_DIR)")
+    ps.add_argument("--state-dir",
+                    help="the launchers' state_dir, an existing directory (default "
+                    "$DEEPNEX_STATE_DIR); without it, deepnex-central's containers")
     add_central_args(ps)
     ps.set_defaults(func=guard(_ps))
 
@@ -177,10 +202,13 @@ def add_commands(commands):
     add_central_args(p)
     p.add_argument("--alloc", required=True, help="the allocation id it runs on (yours)")
     p.add_argument("--name", help="default: the command's name and a random suffix")
-    p.add_argument("--image", default="host")
+    p.add_argument("--image", default="host",
+                   help="host (default: the host's /usr, /etc, /opt read-only), a rootfs or "
+                   "OCI layout directory (oci), or an image reference (docker, kubernetes)")
     p.add_argument("--cpus", type=float, default=0, help="cores (default: the allocation's)")
     p.add_argument("--memory", default=0, help="e.g. 256MiB (default: the allocation's)")
-    p.add_argument("--pids-limit", type=int, default=0)
+    p.add_argument("--pids-limit", type=int, default=0,
+                   help="most processes at once (default 0: no limit)")
     p.add_argument("--restart", default="never", help="never, on-failure[:N], always[:N]")
     p.add_argument("--env", action="append", help="KEY=VALUE (repeatable)")
     p.add_argument("--label", action="append", help="KEY=VALUE (repeatable)")
@@ -190,14 +218,17 @@ def add_commands(commands):
 
     p = commands.add_parser("logs", help="a container's output on deepnex-central")
     add_central_args(p)
-    p.add_argument("name")
-    p.add_argument("--follow", "-f", action="store_true", help="until it ends for good")
+    p.add_argument("name", help="the container's name")
+    p.add_argument("--follow", "-f", action="store_true",
+                   help="until it ends for good; then print \"container NAME exited(N)\" (or "
+                   "how it ended) on stderr and exit with its code (128+N for signal N, 1 "
+                   "when lost or OOM-killed)")
     p.add_argument("--user", help="whose container (admins)")
     p.set_defaults(func=guard(_logs))
 
     p = commands.add_parser("stop", help="stop a container on deepnex-central")
     add_central_args(p)
-    p.add_argument("name")
+    p.add_argument("name", help="the container's name")
     p.add_argument("--grace", type=float, default=10.0, help="seconds before SIGKILL")
     p.add_argument("--user", help="whose container (admins)")
     p.set_defaults(func=guard(_stop))

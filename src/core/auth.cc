@@ -168,6 +168,11 @@ absl::Status TokenTable::Add(const std::string& token, Identity identity) {
   return absl::OkStatus();
 }
 
+// Read by whoever ran the client: say how to give a token.
+constexpr char kMissingToken[] =
+    "missing bearer token (authorization metadata); give one with --token, "
+    "--token-file or $DEEPNEX_TOKEN (token= or token_file= in code)";
+
 absl::StatusOr<Identity> TokenTable::Authenticate(
     const std::string& authorization, const std::string& job,
     bool require_admin) const {
@@ -175,13 +180,11 @@ absl::StatusOr<Identity> TokenTable::Authenticate(
 
   absl::string_view value = absl::StripAsciiWhitespace(authorization);
   if (value.empty()) {
-    return absl::UnauthenticatedError(
-        "missing bearer token (authorization metadata)");
+    return absl::UnauthenticatedError(kMissingToken);
   }
   constexpr absl::string_view kScheme = "bearer ";
   if (absl::EqualsIgnoreCase(value, "bearer")) {
-    return absl::UnauthenticatedError(
-        "missing bearer token (authorization metadata)");
+    return absl::UnauthenticatedError(kMissingToken);
   }
   if (!absl::StartsWithIgnoreCase(value, kScheme)) {
     return absl::UnauthenticatedError(

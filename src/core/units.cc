@@ -97,6 +97,9 @@ absl::StatusOr<uint64_t> ParseByteSize(const std::string& text,
                         "a number needs digits on both sides of '.'");
   }
 
+  if (i < s.size() && s[i] == '.') {
+    return NotAByteSize(field, text, "a number has at most one '.'");
+  }
   absl::string_view suffix = absl::StripLeadingAsciiWhitespace(s.substr(i));
   uint64_t multiplier = 1;
   if (!suffix.empty()) {
@@ -142,11 +145,23 @@ std::string FormatByteSize(uint64_t bytes) {
   static constexpr const char* kNames[] = {"B",   "KiB", "MiB", "GiB",
                                            "TiB", "PiB", "EiB"};
   int unit = 0;
-  while (bytes != 0 && bytes % 1024 == 0 && unit < 6) {
-    bytes /= 1024;
+  while (unit < 6 && bytes >= (uint64_t{1} << (10 * (unit + 1)))) ++unit;
+  if (unit == 0) return absl::StrCat(bytes, "B");
+  const uint64_t size = uint64_t{1} << (10 * unit);
+  if (bytes % size == 0) return absl::StrCat(bytes / size, kNames[unit]);
+  // Tenths, rounded half up; 1023.96MiB rounds to 1024.0MiB, shown as the
+  // next unit's "1.0GiB" so that a unit never reaches 1024 of itself.
+  auto tenths = [&](uint64_t unit_size) {
+    return static_cast<uint64_t>(
+        (static_cast<unsigned __int128>(bytes) * 10 + unit_size / 2) / unit_size);
+  };
+  uint64_t t = tenths(size);
+  if (t >= 10240 && unit < 6) {
     ++unit;
+    t = tenths(size << 10);
   }
-  return absl::StrCat(bytes, kNames[unit]);
+  // An inexact size keeps its ".0" ("1.0GiB" is not exactly 1GiB).
+  return absl::StrCat(t / 10, ".", t % 10, kNames[unit]);
 }
 
 }  // namespace deepnex

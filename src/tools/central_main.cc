@@ -33,9 +33,10 @@ flags:
   --token-file F          lines "TOKEN NAME ROLE" (ROLE user|admin)
   --tls-cert F --tls-key F   serve TLS with this PEM certificate and key
   --metrics-listen HOST:PORT  serve Prometheus text at GET /metrics (plain HTTP)
-  --launch-backend B      the launcher's backend: process (default), oci,
+  --backend B             the launcher's backend: process (default), oci,
                           docker, slurm or kubernetes (engine options as the
                           launcher's defaults)
+  --launch-backend B      the same as --backend (its former name)
   --launch-state-dir D    the launcher's logs and records (for `deepnex ps
                           --state-dir D`); default: a temporary directory.
                           Containers that a crashed deepnex-central left
@@ -63,7 +64,8 @@ int main(int argc, char** argv) {
     else if (flags.Is("--tls-cert")) options.tls_cert_file = flags.Value();
     else if (flags.Is("--tls-key")) options.tls_key_file = flags.Value();
     else if (flags.Is("--metrics-listen")) options.metrics_address = flags.Value();
-    else if (flags.Is("--launch-backend")) launcher.backend = flags.Value();
+    else if (flags.Is("--backend") || flags.Is("--launch-backend"))
+      launcher.backend = flags.Value();
     else if (flags.Is("--launch-state-dir")) launcher.state_dir = flags.Value();
     else flags.Unknown();
   }

@@ -147,7 +147,8 @@ def test_cli_launch_ps_logs_stop(central):
     out = run_cli("stop", "w0", "--grace", "10", "--central", central)
     assert (out.returncode, out.stdout) == (0, "w0 stopped signaled(SIGTERM), allocation released\n")
     follow = run_cli("logs", "w0", "--follow", "--central", central)
-    assert (follow.returncode, follow.stdout) == (0, "hello\n")
+    assert (follow.returncode, follow.stdout) == (128 + 15, "hello\n")
+    assert follow.stderr == "container w0 signaled(SIGTERM)\n"
     assert alice.allocations() == []
     missing = run_cli("launch", "--central", central, "--alloc", "a999", "--", "true")
     assert missing.returncode == 1 and '"a999" does not exist' in missing.stderr

@@ -1,6 +1,8 @@
 """Tests of deepnex's core bindings: byte sizes, errors, the job context and
 zero-copy buffer views."""
 
+import os
+import re
 import subprocess
 import sys
 
@@ -25,6 +27,8 @@ GiB = 1 << 30
         ("4096", 4096),
         ("10 KiB", 10 << 10),
         ("1KB", 1000),
+        ("10gb", 10_000_000_000),  # decimal units, any case: --gpu-memory 10gb
+        ("24 GB", 24_000_000_000),  # a nodes file's "24 GB" as the CLI's "24GB"
         ("0", 0),
         ("18446744073709551615", 2**64 - 1),
         ("9007199254740993", 9007199254740993),  # not a double
@@ -41,6 +45,9 @@ def test_parse_byte_size(text, expected):
         ("", "empty"),
         ("-1G", "negative"),
         ("12XB", 'unknown unit "XB"; use B, KiB, MiB, GiB'),
+        ("10 XB", 'unknown unit "XB"'),
+        ("1.5.2G", "a number has at most one '.'"),
+        ("99999999999999TiB", "too large"),
         ("abc", "no number"),
         ("nan", "no number"),
         ("inf", "no number"),
@@ -67,10 +74,16 @@ def test_parse_byte_size_default_field_and_keywords():
 
 def test_format_byte_size():
     assert deepnex.format_byte_size(8 * GiB) == "8GiB"
+    assert deepnex.format_byte_size(16 * GiB) == "16GiB"
     assert deepnex.format_byte_size(1000) == "1000B"
     assert deepnex.format_byte_size(0) == "0B"
-    assert deepnex.format_byte_size(2**64 - 1) == "18446744073709551615B"
-    for n in (0, 1, 1536, 8 * GiB, 2**64 - 1):
+    # Inexact sizes: one decimal in the largest binary unit that fits.
+    assert deepnex.format_byte_size(deepnex.parse_byte_size("10gb")) == "9.3GiB"
+    assert deepnex.format_byte_size(24_000_000_000) == "22.4GiB"
+    assert deepnex.format_byte_size(1536) == "1.5KiB"
+    assert deepnex.format_byte_size(GiB + 1) == "1.0GiB"
+    assert deepnex.format_byte_size(2**64 - 1) == "16.0EiB"
+    for n in (0, 1, 1000, 1536, 8 * GiB, 3 * GiB // 2):
         assert deepnex.parse_byte_size(deepnex.format_byte_size(n)) == n
 
 
@@ -83,6 +96,57 @@ def test_format_byte_size_refuses_out_of_range(bad):
 def test_format_byte_size_refuses_non_int():
     with pytest.raises(TypeError):
         deepnex.format_byte_size(1.5)
+
+
+# --- the daemons and their entry points -------------------------------------
+
+TOOLS_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src", "tools")
+
+
+def _program(tool):
+    """The built daemon: the package's deepnex/bin/ or the build tree's bin/."""
+    for d in (os.path.join(os.path.dirname(os.path.abspath(deepnex.__file__)), "bin"),
+              os.path.join(os.environ.get("DEEPNEX_BUILD_DIR", ""), "bin")):
+        if os.access(os.path.join(d, tool), os.X_OK):
+            return os.path.join(d, tool)
+    pytest.skip(f"{tool} is not built")
+
+
+@pytest.mark.parametrize("tool", ["deepnex-central", "deepnex-ps", "deepnex-store"])
+def test_every_daemon_flag_is_in_its_help(tool):
+    source = open(os.path.join(TOOLS_SOURCE, tool[len("deepnex-"):] + "_main.cc")).read()
+    accepted = set(re.findall(r'flags\.Is\("(--[a-z0-9-]+)"\)', source))
+    assert "--listen" in accepted
+    out = subprocess.run([_program(tool), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    # Each flag starts a line of the flag list ("  --flag ...") or follows
+    # another on it ("--tls-cert F --tls-key F").
+    listed = set(re.findall(r"(?m)(?:^  |  | [A-Z]+ )(--[a-z0-9-]+)", out.stdout))
+    assert accepted - listed == set(), out.stdout
+
+
+def test_central_backend_flag_and_its_alias():
+    central = _program("deepnex-central")
+    for flag in ("--backend", "--launch-backend"):
+        out = subprocess.run([central, "--listen", "127.0.0.1:0", flag, "nosuch"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and '"nosuch"' in out.stderr, (flag, out.stderr)
+
+
+def test_the_entry_point_names_a_missing_program(tmp_path):
+    """A package whose deepnex/bin/ lost a program: the entry point says which."""
+    fake = tmp_path / "deepnex"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    main = os.path.join(os.path.dirname(os.path.abspath(deepnex.__file__)), "__main__.py")
+    (fake / "__main__.py").write_text(open(main).read())
+    out = subprocess.run(
+        [sys.executable, "-c", "from deepnex.__main__ import store; store()"],
+        env=dict(os.environ, PYTHONPATH=str(tmp_path)), cwd=tmp_path, capture_output=True,
+        text=True, timeout=60)
+    missing = fake / "bin" / "deepnex-store"
+    assert (out.returncode, out.stderr) == (
+        1, f"deepnex-store: {missing} is missing; reinstall the deepnex package\n")
 
 
 # --- dtypes -----------------------------------------------------------------

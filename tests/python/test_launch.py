@@ -10,7 +10,10 @@ import pytest
 
 import deepnex
 from _wait import wait_for
-from deepnex import launch
+from deepnex import gpu, launch
+from deepnex._cli_launch import exit_code
+# deepnex-central (process backend) for `deepnex logs`; the fixture is named here to use it.
+from test_central_launch import central, clients, run_cli  # noqa: F401
 
 
 def allocation(user="alice", gpus=2):
@@ -183,14 +186,69 @@ def test_ps_table(tmp_path):
         out = subprocess.run([sys.executable, "-m", "deepnex", "ps", "--state-dir", str(state)],
                              check=True, capture_output=True, text=True).stdout
     lines = out.splitlines()
-    assert lines[0].split() == ["NAME", "BACKEND", "STATE", "RESTARTS", "GPUS", "CPUS", "MEMORY",
-                                "LIMIT", "CPU", "SECONDS", "MEMORY", "NOW/PEAK", "LAST", "EXIT"]
+    assert lines[0].split() == ["NAME", "BACKEND", "STATE", "RESTARTS", "GPU", "INDICES", "CPUS",
+                                "MEMORY", "LIMIT", "CPU", "SECONDS", "MEMORY", "NOW/PEAK", "LAST",
+                                "EXIT"]
     busy_row = lines[1].split()
     assert busy_row[:7] == ["busy", "process", "running", "0", "0,1", "0.5", "64MiB"]
     assert float(busy_row[7]) >= 0.1
+    # Measured memory in the same unit rule as limits: "<n>[.d]<unit>".
+    for amount in busy_row[8].split("/"):
+        assert amount == "-" or deepnex.parse_byte_size(amount) > 0, busy_row
     done_row = lines[2].split()
     assert done_row[:7] + done_row[-1:] == ["done", "process", "exited", "0", "-", "-", "-",
                                             "exited(2)"]
+
+
+@pytest.mark.parametrize("from_env", [False, True])
+def test_ps_refuses_a_state_dir_that_does_not_exist(tmp_path, from_env):
+    missing = str(tmp_path / "nonexistent")
+    env = {k: v for k, v in os.environ.items() if k not in ("DEEPNEX_CENTRAL", "DEEPNEX_STATE_DIR")}
+    args = [sys.executable, "-m", "deepnex", "ps"]
+    if from_env:
+        env["DEEPNEX_STATE_DIR"] = missing
+    else:
+        args += ["--state-dir", missing]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    given = "$DEEPNEX_STATE_DIR" if from_env else "--state-dir"
+    assert (out.returncode, out.stdout, out.stderr) == (
+        1, "", f"deepnex: ps: {given} {missing!r} is not a directory\n")
+
+
+def test_ps_of_an_empty_state_dir_is_an_empty_table(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "deepnex", "ps", "--state-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stderr) == (0, "")
+    assert out.stdout.split() == ["NAME", "BACKEND", "STATE", "RESTARTS", "GPU", "INDICES", "CPUS",
+                                  "MEMORY", "LIMIT", "CPU", "SECONDS", "MEMORY", "NOW/PEAK",
+                                  "LAST", "EXIT"]
+
+
+@pytest.mark.parametrize("last_exit, code", [
+    ("exited(0)", 0), ("exited(3)", 3), ("exited(3) after 2 restarts", 3),
+    ("signaled(SIGTERM)", 143), ("signaled(SIGKILL) after 1 restart", 137),
+    ("signaled(signal 42)", 170), ("oom_killed", 1), ("lost", 1), ("", 1), (None, 1)])
+def test_logs_exit_code(last_exit, code):
+    assert exit_code(last_exit) == code
+
+
+@pytest.mark.parametrize("name, script, code, last_exit", [
+    ("ok", "echo out; exit 0", 0, "exited(0)"),
+    ("bad", "echo out; echo err >&2; exit 3", 3, "exited(3)"),
+    ("killed", "echo out; kill -KILL $$", 137, "signaled(SIGKILL)"),
+])
+def test_logs_follow_ends_with_the_containers_status(central, name, script, code, last_exit):
+    alice, _ = clients(central)
+    a = alice.allocate(gpu.Request(user="", gpus=1))
+    started = run_cli("launch", "--central", central, "--alloc", a.id, "--name", name, "--",
+                      "sh", "-c", script)
+    assert started.returncode == 0, started.stderr
+    follow = run_cli("logs", name, "-f", "--central", central)
+    assert (follow.returncode, follow.stderr) == (code, f"container {name} {last_exit}\n")
+    assert follow.stdout.startswith("out\n"), follow.stdout
+    # Without --follow: the output only, and 0 (the read succeeded).
+    plain = run_cli("logs", name, "--central", central)
+    assert (plain.returncode, plain.stdout, plain.stderr) == (0, follow.stdout, "")
 
 
 def test_blocking_calls_release_the_gil(launcher):
@@ -204,3 +262,21 @@ def test_blocking_calls_release_the_gil(launcher):
     waiter.join(timeout=30)
     assert not waiter.is_alive()
     assert result[0].reason == "signaled"
+
+
+def test_every_container_command_flag_has_help():
+    import argparse
+    from deepnex.__main__ import build_parser
+    from deepnex._cli_gpu import add_central_args
+    # The shared central flags are _cli_gpu's, and --mount/--workdir the
+    # launch change's: each is checked with its own code.
+    shared = argparse.ArgumentParser()
+    add_central_args(shared)
+    theirs = {s for a in shared._actions for s in a.option_strings} | {"--mount", "--workdir"}
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices
+    for name in ("ps", "launch", "logs", "stop"):
+        for action in commands[name]._actions:
+            if isinstance(action, argparse._HelpAction) or theirs & set(action.option_strings):
+                continue
+            assert action.help, (name, action.option_strings or action.dest)

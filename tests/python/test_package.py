@@ -1,13 +1,15 @@
 """The pip-installed package carries what `deepnex run` needs: deepnex-ps,
 deepnex-store and deepnex-central in deepnex/bin/, finding the
-libdeepnex.so.N beside _C. Runs only against an installed package (the
-venv pass of scripts/test.sh), not the build tree."""
+libdeepnex.so.N beside _C, and puts them on PATH as console scripts. Runs
+only against an installed package (the venv pass of scripts/test.sh), not
+the build tree."""
 
 import glob
 import os
 import re
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -42,3 +44,21 @@ def test_deepnex_run_with_parameter_servers_from_the_package_alone(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "[worker 0] rank 0" in p.stdout and "[worker 1] rank 1" in p.stdout, p.stdout
     assert "[ps 0] deepnex-ps listening on" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_pip_puts_the_programs_on_path(tool, tmp_path):
+    scripts = sysconfig.get_path("scripts")
+    script = os.path.join(scripts, tool)
+    assert os.access(script, os.X_OK), script
+    env = dict(os.environ, PATH=scripts + os.pathsep + os.environ.get("PATH", ""))
+    # By name, as a user types it: the entry point execs the packaged program.
+    out = subprocess.run([tool, "--help"], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert (out.returncode, out.stderr) == (0, ""), out.stderr
+    assert out.stdout.startswith(f"usage: {tool} [flags]\n"), out.stdout
+    bad = subprocess.run([tool, "--no-such-flag"], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert (bad.returncode, bad.stderr) == (
+        2, f'{tool}: unknown flag "--no-such-flag" (see --help)\n')
+

@@ -20,7 +20,9 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-constexpr char kMissing[] = "missing bearer token (authorization metadata)";
+constexpr char kMissing[] =
+    "missing bearer token (authorization metadata); give one with --token, "
+    "--token-file or $DEEPNEX_TOKEN (token= or token_file= in code)";
 
 // A file under the test's temporary directory, removed at the end.
 class TempFile {

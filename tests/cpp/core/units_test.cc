@@ -46,6 +46,11 @@ INSTANTIATE_TEST_SUITE_P(
         Good{"10   KiB", 10 * kKiB}, Good{"  7k  ", 7 * kKiB},
         Good{"1KB", 1000}, Good{"1kb", 1000}, Good{"3MB", 3000000},
         Good{"2GB", 2000000000}, Good{"1TB", 1000000000000},
+        // Decimal units, any case, a space or none: what the CLI's
+        // "--gpu-memory 10gb" and a nodes file's "24 GB" mean.
+        Good{"10gb", 10000000000}, Good{"10GB", 10000000000},
+        Good{"24 GB", 24000000000}, Good{" 24 GB", 24000000000},
+        Good{"24GB", 24000000000}, Good{"24 gB", 24000000000},
         Good{"1PB", 1000000000000000}, Good{"1EB", 1000000000000000000},
         Good{"1K", kKiB}, Good{"1kib", kKiB}, Good{"1KIB", kKiB},
         Good{"2Mi", 2 * kMiB}, Good{"1T", kTiB}, Good{"1TiB", kTiB},
@@ -105,7 +110,11 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{"1.G", "digits on both sides"}, Bad{"1.5", "a fraction of a byte"},
         Bad{"1.5B", "a fraction of a byte"}, Bad{"0.1", "a fraction of a byte"},
         Bad{"1e9", "unknown unit \"e9\""}, Bad{"0x10", "unknown unit \"x10\""},
-        Bad{"1,5G", "unknown unit \",5G\""}, Bad{"1.2.3G", "unknown unit"},
+        Bad{"1,5G", "unknown unit \",5G\""},
+        Bad{"1.2.3G", "a number has at most one '.'"},
+        Bad{"1.5.2G", "a number has at most one '.'"},
+        Bad{"10 XB", "unknown unit \"XB\""},
+        Bad{"99999999999999TiB", kTooLarge},
         Bad{"5 G B", "unknown unit \"G B\""}, Bad{"20000PiB", kTooLarge},
         Bad{"18446744073709551616", kTooLarge},
         Bad{"99999999999999999999999", kTooLarge}, Bad{"16EiB", kTooLarge},
@@ -133,32 +142,58 @@ TEST(ParseByteSizeTest, QuotesUnprintableTextEscaped) {
                        HasSubstr("m: \"1\\\"G\\n\" is not a byte size")));
 }
 
-TEST(FormatByteSizeTest, ShortestExactBinaryUnit) {
+TEST(FormatByteSizeTest, BytesBelowOneKiB) {
   EXPECT_EQ(FormatByteSize(0), "0B");
   EXPECT_EQ(FormatByteSize(1), "1B");
   EXPECT_EQ(FormatByteSize(1000), "1000B");
   EXPECT_EQ(FormatByteSize(1023), "1023B");
+}
+
+TEST(FormatByteSizeTest, ExactMultiplesAreIntegers) {
   EXPECT_EQ(FormatByteSize(1024), "1KiB");
-  EXPECT_EQ(FormatByteSize(1536), "1536B");
   EXPECT_EQ(FormatByteSize(3 * kKiB), "3KiB");
-  EXPECT_EQ(FormatByteSize(1025 * kKiB), "1025KiB");
   EXPECT_EQ(FormatByteSize(512 * kMiB), "512MiB");
   EXPECT_EQ(FormatByteSize(8 * kGiB), "8GiB");
   EXPECT_EQ(FormatByteSize(8589934592ULL), "8GiB");
+  EXPECT_EQ(FormatByteSize(16 * kGiB), "16GiB");
   EXPECT_EQ(FormatByteSize(2 * kTiB), "2TiB");
   EXPECT_EQ(FormatByteSize(kPiB), "1PiB");
   EXPECT_EQ(FormatByteSize(15 * kEiB), "15EiB");
   EXPECT_EQ(FormatByteSize(1024 * kPiB), "1EiB");
-  EXPECT_EQ(FormatByteSize(kMax), "18446744073709551615B");
 }
 
-TEST(FormatByteSizeTest, RoundTrips) {
+TEST(FormatByteSizeTest, OthersOneDecimalInTheLargestUnitThatFits) {
+  EXPECT_EQ(FormatByteSize(10000000000), "9.3GiB");  // "10GB"
+  EXPECT_EQ(FormatByteSize(24000000000), "22.4GiB");  // "24 GB"
+  EXPECT_EQ(FormatByteSize(1536), "1.5KiB");
+  EXPECT_EQ(FormatByteSize(1536 * kMiB), "1.5GiB");
+  EXPECT_EQ(FormatByteSize(1000000), "976.6KiB");  // "1MB"
+  EXPECT_EQ(FormatByteSize(100000000), "95.4MiB");  // "100MB"
+  // Rounded, and so not exact: the ".0" says so.
+  EXPECT_EQ(FormatByteSize(1025), "1.0KiB");
+  EXPECT_EQ(FormatByteSize(kGiB + 1), "1.0GiB");
+  EXPECT_EQ(FormatByteSize(1025 * kKiB), "1.0MiB");  // was "1025KiB"
+  // Half up: 1.05KiB is 1075.2 bytes.
+  EXPECT_EQ(FormatByteSize(1075), "1.0KiB");
+  EXPECT_EQ(FormatByteSize(1076), "1.1KiB");
+  // Rounding up to 1024 of a unit shows the next unit.
+  EXPECT_EQ(FormatByteSize(kGiB - 1), "1.0GiB");
+  EXPECT_EQ(FormatByteSize(kMiB - 1), "1.0MiB");
+  EXPECT_EQ(FormatByteSize(kMiB - 52), "1023.9KiB");
+  EXPECT_EQ(FormatByteSize(kMax), "16.0EiB");
+  EXPECT_EQ(FormatByteSize(kMax - 1023), "16.0EiB");
+}
+
+TEST(FormatByteSizeTest, ExactFormsRoundTrip) {
   for (uint64_t bytes : {uint64_t{0}, uint64_t{1}, uint64_t{1000}, kKiB,
-                         1536 * kMiB, 8 * kGiB, 15 * kEiB, kMax, kMax - 1023}) {
+                         1536 * kMiB, 8 * kGiB, 15 * kEiB}) {
     absl::StatusOr<uint64_t> back = ParseByteSize(FormatByteSize(bytes));
     ASSERT_THAT(back, IsOk()) << FormatByteSize(bytes);
     EXPECT_EQ(*back, bytes);
   }
+  // A rounded form reads back within half a tenth of its unit.
+  ASSERT_THAT(ParseByteSize(FormatByteSize(10000000000)), IsOk());
+  EXPECT_EQ(*ParseByteSize(FormatByteSize(10000000000)), 9985798963ULL);  // 9.3GiB
 }
 
 }  // namespace

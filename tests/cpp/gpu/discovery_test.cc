@@ -6,7 +6,9 @@
 
 #include <fstream>
 
+#include "absl/strings/str_cat.h"
 #include "deepnex/gpu/allocator.h"
+#include "deepnex/units.h"
 #include "gmock/gmock.h"
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
@@ -129,6 +131,30 @@ TEST(NodesFile, BadFieldsNameThePathAndValue) {
   EXPECT_THAT(parse(R"({"name": 7, "cpus": 4, "memory": "8GiB"})"),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("nodes[1].name: expected a string, got 7")));
+}
+
+// A size means in a nodes file what it means to the CLI (ParseByteSize):
+// "24 GB" is 24 * 1000^3 bytes, shown as 22.4GiB.
+TEST(NodesFile, SizesAreReadAsTheCliReadsThem) {
+  ASSERT_OK_AND_ASSIGN(
+      std::vector<Node> nodes,
+      ParseNodesJson(R"({"nodes": [{"name": "n", "cpus": 4, "memory": " 24 GB",
+                                    "gpus": {"count": 2, "memory": "24 GB"}}]})",
+                     "f.json"));
+  ASSERT_OK_AND_ASSIGN(uint64_t cli, ParseByteSize("24GB", "--gpu-memory"));
+  EXPECT_EQ(cli, 24000000000u);
+  EXPECT_EQ(nodes[0].memory, cli);
+  ASSERT_EQ(nodes[0].gpus.size(), 2u);
+  EXPECT_EQ(nodes[0].gpus[1].memory, cli);
+  EXPECT_EQ(FormatByteSize(nodes[0].gpus[1].memory), "22.4GiB");
+  for (const char* bad : {"10 XB", "-1G", "1.5.2G", "99999999999999TiB"}) {
+    EXPECT_THAT(ParseNodesJson(absl::StrCat(R"({"nodes": [{"name": "n", "cpus": 4, "memory": ")",
+                                            bad, R"("}]})"),
+                               "f.json"),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(absl::StrCat("f.json: nodes[0].memory: \"", bad,
+                                                "\" is not a byte size ("))));
+  }
 }
 
 TEST(NodesFile, LoadsAFileAndRefusesAMissingOne) {
