@@ -3,6 +3,7 @@
     deepnex run [--workers N] [--ps M] [--mode sync|ssp:S|async|allreduce]
                 [--gpus-per-worker K --gpu-mode exclusive|shared --gpu-memory 8GiB]
                 [--cpus C --memory 4GiB] [--backend process|oci|docker|slurm|kubernetes]
+                [--mount SRC:DST[:ro] ... --workdir D]
                 [--central ADDR] [--restart on-failure:3] [--checkpoint-dir D]
                 [--optimizer sgd|adam|adagrad --lr LR [--momentum M]] -- python3 train.py ARGS
     deepnex top                 the jobs running on this machine, their GPUs and usage
@@ -18,7 +19,7 @@ import sys
 
 
 def _run(args) -> int:
-    from deepnex import DeepnexError, job
+    from deepnex import DeepnexError, job, launch
     command = list(args.cmd)
     if command and command[0] == "--":
         command = command[1:]
@@ -26,7 +27,12 @@ def _run(args) -> int:
         print("deepnex run: no command (deepnex run [flags] -- python3 train.py ...)",
               file=sys.stderr)
         return 2
-    options = dict(workers=args.workers, ps=args.ps, mode=args.mode,
+    try:
+        mounts = [launch.Mount.parse(m) for m in args.mount or []]
+    except DeepnexError as e:
+        print(f"deepnex run: {e}", file=sys.stderr)
+        return 2
+    options = dict(mounts=mounts, working_dir=args.workdir, workers=args.workers, ps=args.ps, mode=args.mode,
                    gpus_per_worker=args.gpus_per_worker, gpu_mode=args.gpu_mode,
                    gpu_memory=args.gpu_memory or 0, cpus=args.cpus, memory=args.memory or 0,
                    backend=args.backend, central=args.central,
@@ -157,6 +163,11 @@ def add_commands(commands) -> None:
     run.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
     run.add_argument("--name", default=None, help="job id (default job-<random>)")
     run.add_argument("--state-dir", default=None, help="where logs and records go")
+    run.add_argument("--mount", action="append", metavar="SRC:DST[:ro]",
+                     help="bind host path SRC at DST in every container (repeatable): the code, "
+                          "data and deepnex that a container backend's image lacks")
+    run.add_argument("--workdir", default=None,
+                     help="the workers' working directory (default: the current one)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND")
     run.set_defaults(func=_run)
 

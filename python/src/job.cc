@@ -31,7 +31,9 @@ void RegisterJob(py::module_& parent) {
                        std::string central, std::string central_token, py::dict launcher,
                        std::string restart, std::string checkpoint_dir, std::string optimizer,
                        double lr, double momentum, std::string ps_binary, std::map<std::string, std::string> env,
-                       std::string working_dir, std::string name, py::object output) {
+                       std::string working_dir,
+                       std::vector<std::tuple<std::string, std::string, bool>> mounts,
+                       std::string name, py::object output) {
              JobOptions o;
              o.command = std::move(command);
              o.workers = workers;
@@ -54,6 +56,9 @@ void RegisterJob(py::module_& parent) {
              o.ps_binary = std::move(ps_binary);
              o.env = std::move(env);
              o.working_dir = std::move(working_dir);
+             for (auto& [source, target, read_only] : mounts) {
+               o.mounts.push_back({std::move(source), std::move(target), read_only});
+             }
              o.name = std::move(name);
              if (!output.is_none()) {
                // Called from the job's log threads: take the GIL, and keep a
@@ -80,7 +85,8 @@ void RegisterJob(py::module_& parent) {
            py::arg("cpus"), py::arg("memory"), py::arg("user"), py::arg("central"),
            py::arg("central_token"), py::arg("launcher"), py::arg("restart"),
            py::arg("checkpoint_dir"), py::arg("optimizer"), py::arg("lr"), py::arg("momentum"), py::arg("ps_binary"),
-           py::arg("env"), py::arg("working_dir"), py::arg("name"), py::arg("output"))
+           py::arg("env"), py::arg("working_dir"), py::arg("mounts"), py::arg("name"),
+           py::arg("output"))
       .def_property_readonly("name", &Job::name)
       .def("start", [](Job& j) { CheckStatus(j.Start()); },
            py::call_guard<py::gil_scoped_release>())

@@ -365,6 +365,7 @@ class JobImpl : public Job {
       // must be a free port, not the job's store.
       spec.env["MASTER_PORT"] = absl::StrCat(master_port);
       spec.working_dir = o_.working_dir.empty() ? CurrentDir() : o_.working_dir;
+      spec.mounts = o_.mounts;
       spec.allocation = grants_[rank];
       spec.user = o_.user;
       spec.cpus = o_.cpus;
@@ -421,7 +422,8 @@ class JobImpl : public Job {
                          "--restore", o_.checkpoint_dir, "--restore-if-present"});
     }
     spec.env = InheritedEnv();
-    spec.working_dir = CurrentDir();
+    spec.working_dir = o_.working_dir.empty() ? CurrentDir() : o_.working_dir;
+    spec.mounts = o_.mounts;
     spec.user = o_.user;
     spec.cpus = o_.cpus;
     spec.restart = o_.restart;

@@ -75,6 +75,11 @@ struct JobOptions {
   // (empty: this process's).
   std::map<std::string, std::string> env;
   std::string working_dir;
+  // Bind mounts for every container of the job, workers and parameter
+  // servers: what a container backend's image lacks (the code, the data,
+  // deepnex itself). The working directory must be in the image or under
+  // one of them.
+  std::vector<launch::Mount> mounts;
   // Receives every line the job's processes print, with who printed it
   // ("worker 0", "ps 1"). Default: written to stdout as "[worker 0] line".
   std::function<void(const std::string& who, const std::string& line)> output;

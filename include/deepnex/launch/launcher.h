@@ -31,8 +31,13 @@
 
 namespace deepnex::launch {
 
-// A bind mount into the container. Both paths must be absolute; the source
-// must lie under one of LauncherOptions::allowed_mount_roots.
+// A bind mount of a host path into the container. Both paths are absolute
+// without "." or ".." components; the source must exist and its real path
+// (symlinks resolved) lie under one of LauncherOptions::allowed_mount_roots;
+// the launcher mounts that real path. The target may not be "/" or lie
+// under the runtime's /proc, /dev or /sys. The process backend, which has
+// the host's file system, takes only mounts that change nothing: source and
+// target the same directory, not read-only.
 struct Mount {
   std::string source;
   std::string target;
@@ -73,6 +78,8 @@ struct ContainerSpec {
   std::vector<std::string> command;
   std::map<std::string, std::string> env;
   // Absolute; empty: "/" in a container, the launcher's cwd for a process.
+  // It must exist where the command runs (in the image, or through one of
+  // the mounts): NotFound otherwise.
   std::string working_dir;
   std::vector<Mount> mounts;
   // CPU cores (fractional: a CFS quota); 0: unlimited.
@@ -158,6 +165,12 @@ struct OciOptions {
   std::string runc = "runc";
   // runc --root; empty: <state_dir>/runc.
   std::string root;
+  // The init each container runs as its PID 1, with the command as its
+  // child: it forwards SIGTERM to the command's process group (a PID 1
+  // without a handler ignores it) and reaps orphans. A statically linked
+  // tini, looked up on PATH and bound in read-only at /dev/init (Debian:
+  // apt-get install tini). "none": the command itself is PID 1.
+  std::string init = "tini-static";
 };
 
 struct DockerOptions {
@@ -194,12 +207,14 @@ struct LauncherOptions {
   // "process", "oci", "docker", "slurm" or "kubernetes".
   std::string backend = "process";
   // Where logs, bundles and records go; empty: a fresh directory under
-  // $TMPDIR that is removed with the launcher.
+  // $TMPDIR that is removed with the launcher. A relative one is made
+  // absolute (against the current directory) by Launcher::Create.
   std::string state_dir;
   // Names this launcher in the labels of what it starts; Cleanup(id) sweeps
   // what a launcher with that id left behind. Empty: random.
   std::string id;
-  // Mount sources must lie under one of these; empty list: "/" (any).
+  // Mount sources must lie under one of these (PermissionDenied
+  // otherwise); empty list: "/" (any).
   std::vector<std::string> allowed_mount_roots;
   // A memory limit below this is InvalidArgument.
   uint64_t min_memory = 4 << 20;
