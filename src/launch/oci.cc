@@ -207,7 +207,7 @@ class ContainerTree {
         continue;
       }
       done.push_back(std::move(part));
-      if (!Lstat(done, &st)) return Missing(done, "", errno);
+      if (int err = Lstat(done, &st)) return Missing(done, "", err);
       if (S_ISLNK(st.st_mode)) {
         if (++links > kMaxSymlinks) {
           return Missing(done, absl::StrCat("more than ", kMaxSymlinks, " symlinks"), ELOOP);
@@ -223,7 +223,7 @@ class ContainerTree {
     }
     // Again: a trailing ".." leaves the walk on a directory it has not
     // stat'ed; `done` holds no symlink now.
-    if (!Lstat(done, &st)) return Missing(done, "", errno);
+    if (int err = Lstat(done, &st)) return Missing(done, "", err);
     return st;
   }
 
@@ -260,21 +260,18 @@ class ContainerTree {
     return rootfs_ + path;
   }
 
-  // lstat of container path `parts`; false with errno set when it fails.
-  bool Lstat(const std::vector<std::string>& parts, struct stat* st) const {
+  // lstat of container path `parts`: 0, or the errno of its failure.
+  int Lstat(const std::vector<std::string>& parts, struct stat* st) const {
     bool top = false;
     const std::string host = HostPath(parts, &top);
     if (host.empty()) {
-      if (!top) {
-        errno = ENOENT;  // nothing is in the runtime's file systems yet
-        return false;
-      }
+      if (!top) return ENOENT;  // nothing is in the runtime's file systems yet
       memset(st, 0, sizeof *st);
       st->st_mode = S_IFDIR | 0755;
-      return true;
+      return 0;
     }
     // The source of a bind is resolved on the host, as runc does.
-    return (top ? stat(host.c_str(), st) : lstat(host.c_str(), st)) == 0;
+    return (top ? stat(host.c_str(), st) : lstat(host.c_str(), st)) == 0 ? 0 : errno;
   }
 
   absl::StatusOr<std::string> ReadLink(const std::vector<std::string>& parts) const {
@@ -282,7 +279,10 @@ class ContainerTree {
     const std::string host = HostPath(parts, &top);
     char buf[PATH_MAX];
     ssize_t n = readlink(host.c_str(), buf, sizeof buf);
-    if (n < 0 || n == sizeof buf) return Missing(parts, "cannot read the symlink", errno);
+    if (n < 0 || n == sizeof buf) {
+      const int err = n < 0 ? errno : ENAMETOOLONG;
+      return Missing(parts, "cannot read the symlink", err);
+    }
     return std::string(buf, n);
   }
 
@@ -578,8 +578,11 @@ json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext&
                 const std::string& cgroup_path, const std::string& init) {
   std::vector<std::string> args = spec.command;
   if (!init.empty()) {
-    // -g: a signal for the init goes to the command's whole process group.
-    args.insert(args.begin(), {kInitPath, "-g", "--"});
+    // Not tini's -g (signals to the command's process group): tini sets that
+    // group up in the child after the fork, and a signal that comes first
+    // (runc init leaves a SIGURG pending across its exec) finds no group,
+    // is lost and logged into the command's output.
+    args.insert(args.begin(), {kInitPath, "--"});
   }
   json env = json::array();
   for (const auto& [k, v] : spec.env) env.push_back(absl::StrCat(k, "=", v));
@@ -693,8 +696,9 @@ class OciRun : public Run {
   absl::Status Stop(std::chrono::milliseconds grace) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (ended_ || killer_.joinable()) return absl::OkStatus();
-    // The init passes the TERM on to the command's process group, once.
-    // Without one, --all: the command is PID 1 and ignores a TERM it has no
+    // The init passes the TERM on to the command; when that ends, the
+    // kernel kills what is left in the container's PID namespace. Without
+    // an init, --all: the command is PID 1 and ignores a TERM it has no
     // handler for; its children do not.
     std::vector<std::string> kill = {"kill", id_, "TERM"};
     if (!init_) kill.insert(kill.begin() + 1, "--all");

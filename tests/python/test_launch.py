@@ -237,6 +237,28 @@ def test_blocking_calls_release_the_gil(launcher):
     assert result[0].reason == "signaled"
 
 
+def run_cli(tmp_path, *args):
+    env = dict(os.environ, DEEPNEX_RUN_DIR=str(tmp_path / "run"))
+    return subprocess.run([sys.executable, "-m", "deepnex", "run", *args], env=env, text=True,
+                          capture_output=True, timeout=120, cwd=tmp_path)
+
+
+def test_run_mount_and_workdir_flags_on_the_process_backend(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    out = run_cli(tmp_path, "--mode", "allreduce", "--mount", f"{work}:{work}", "--workdir",
+                  str(work), "--", "sh", "-c", "pwd")
+    assert out.returncode == 0, out.stderr
+    assert f"[worker 0] {work}\n" in out.stdout
+    refused = run_cli(tmp_path, "--mode", "allreduce", "--mount", f"{work}:/work", "--", "true")
+    assert refused.returncode == 1
+    assert (f'spec.mounts[0]: the process backend runs on the host\'s files and cannot mount '
+            f'"{work}" at "/work"') in refused.stderr
+    bad = run_cli(tmp_path, "--mount", "nocolon", "--", "true")
+    assert (bad.returncode, bad.stderr) == (
+        2, "deepnex run: --mount 'nocolon': expected SRC:DST or SRC:DST:ro\n")
+
+
 # ---------------------------------------------------------------------------
 # The oci backend (runc as root, tini as the containers' init).
 

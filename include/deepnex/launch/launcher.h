@@ -166,8 +166,9 @@ struct OciOptions {
   // runc --root; empty: <state_dir>/runc.
   std::string root;
   // The init each container runs as its PID 1, with the command as its
-  // child: it forwards SIGTERM to the command's process group (a PID 1
-  // without a handler ignores it) and reaps orphans. A statically linked
+  // child: it forwards Stop's SIGTERM to the command (a PID 1 without a
+  // handler ignores it) and reaps orphans; what is left when the command
+  // ends is killed with the container. A statically linked
   // tini, looked up on PATH and bound in read-only at /dev/init (Debian:
   // apt-get install tini). "none": the command itself is PID 1.
   std::string init = "tini-static";
