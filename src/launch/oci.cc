@@ -241,42 +241,52 @@ class ContainerTree {
         absl::StrCat(Join(parts), ": ", why.empty() ? "" : why + ": ", Errno(err)));
   }
 
-  // The host path under which container path `parts` is, "" when it lies in
-  // one of the runtime's file systems; `top`: it is the mount point itself.
-  std::string HostPath(const std::vector<std::string>& parts, bool* top) const {
+  // Where container path `parts` lies: under mounts_[mount] (-1: the
+  // rootfs) at host path `host`, "" in one of the runtime's file systems;
+  // `top`: it is that mount's mount point.
+  struct Where {
+    std::string host;
+    bool top = false;
+    int mount = -1;
+  };
+  Where Locate(const std::vector<std::string>& parts) const {
     const std::string path = Join(parts);
-    for (auto m = mounts_.rbegin(); m != mounts_.rend(); ++m) {
-      const std::string& target = m->first;
-      if (path == target) {
-        *top = true;
-        return m->second;
-      }
+    for (int i = static_cast<int>(mounts_.size()) - 1; i >= 0; --i) {
+      const auto& [target, source] = mounts_[i];
+      if (path == target) return {source, true, i};
       if (absl::StartsWith(path, target == "/" ? "/" : target + "/")) {
-        *top = false;
-        return m->second.empty() ? "" : m->second + path.substr(target.size());
+        return {source.empty() ? "" : source + path.substr(target.size()), false, i};
       }
     }
-    *top = parts.empty();
-    return rootfs_ + path;
+    return {rootfs_ + path, parts.empty(), -1};
   }
 
   // lstat of container path `parts`: 0, or the errno of its failure.
   int Lstat(const std::vector<std::string>& parts, struct stat* st) const {
-    bool top = false;
-    const std::string host = HostPath(parts, &top);
-    if (host.empty()) {
-      if (!top) return ENOENT;  // nothing is in the runtime's file systems yet
-      memset(st, 0, sizeof *st);
-      st->st_mode = S_IFDIR | 0755;
+    const Where where = Locate(parts);
+    int err = 0;
+    if (where.host.empty()) {
+      err = where.top ? 0 : ENOENT;  // nothing is in the runtime's file systems yet
+    } else if ((where.top ? stat(where.host.c_str(), st) : lstat(where.host.c_str(), st)) != 0) {
+      // The source of a bind is resolved on the host, as runc does.
+      err = errno;
+    } else {
       return 0;
     }
-    // The source of a bind is resolved on the host, as runc does.
-    return (top ? stat(host.c_str(), st) : lstat(host.c_str(), st)) == 0 ? 0 : errno;
+    // runc makes the directories leading to a later mount's mount point.
+    const std::string prefix = Join(parts) + (parts.empty() ? "" : "/");
+    for (size_t i = where.mount + 1; err == ENOENT && i < mounts_.size(); ++i) {
+      if (absl::StartsWith(mounts_[i].first, prefix)) err = 0;
+    }
+    if (err == 0) {
+      memset(st, 0, sizeof *st);
+      st->st_mode = S_IFDIR | 0755;
+    }
+    return err;
   }
 
   absl::StatusOr<std::string> ReadLink(const std::vector<std::string>& parts) const {
-    bool top = false;
-    const std::string host = HostPath(parts, &top);
+    const std::string host = Locate(parts).host;
     char buf[PATH_MAX];
     ssize_t n = readlink(host.c_str(), buf, sizeof buf);
     if (n < 0 || n == sizeof buf) {

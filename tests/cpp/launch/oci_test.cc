@@ -463,6 +463,21 @@ TEST_F(OciTest, LinksInAMountResolveInTheContainer) {
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("spec.working_dir: \"" + dir_)));
 }
 
+// runc makes the directories on the way to a mount point, also in its
+// own empty /tmp; nothing else appears there.
+TEST_F(OciTest, TheWayToAMountPointExists) {
+  ASSERT_EQ(Bash("mkdir -p " + dir_ + "/m && touch " + dir_ + "/m/f"), 0);
+  ContainerSpec spec = Spec("way", {"sh", "-c", "pwd; ls; ls data"});
+  spec.mounts = {{dir_ + "/m", "/tmp/deep/data", true}};
+  spec.working_dir = "/tmp/deep";
+  ASSERT_THAT(backend_->Check(spec), IsOk());
+  EXPECT_EQ(RunToEnd(spec).second, "/tmp/deep\ndata\nf\n");
+  spec.working_dir = "/tmp/deep/other";
+  EXPECT_THAT(backend_->Check(spec),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstr("(/tmp/deep/other: No such file or directory)")));
+}
+
 TEST_F(OciTest, StopEndsACommandThatHandlesTermAtOnce) {
   // PID 1 of the container is the init: the command gets the TERM, which
   // a PID 1 without a handler would ignore until the KILL.
