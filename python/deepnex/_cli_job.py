@@ -32,8 +32,8 @@ def _run(args) -> int:
     except DeepnexError as e:
         print(f"deepnex run: {e}", file=sys.stderr)
         return 2
-    options = dict(mounts=mounts, working_dir=args.workdir, workers=args.workers, ps=args.ps, mode=args.mode,
-                   gpus_per_worker=args.gpus_per_worker, gpu_mode=args.gpu_mode,
+    options = dict(mounts=mounts, working_dir=args.workdir, workers=args.workers, ps=args.ps,
+                   mode=args.mode, gpus_per_worker=args.gpus_per_worker, gpu_mode=args.gpu_mode,
                    gpu_memory=args.gpu_memory or 0, cpus=args.cpus, memory=args.memory or 0,
                    backend=args.backend, central=args.central,
                    central_token=args.token or os.environ.get("DEEPNEX_TOKEN"),
@@ -167,7 +167,7 @@ def add_commands(commands) -> None:
                      help="bind host path SRC at DST in every container (repeatable): the code, "
                           "data and deepnex that a container backend's image lacks")
     run.add_argument("--workdir", default=None,
-                     help="the workers' working directory (default: the current one)")
+                     help="the containers' working directory (default: the current one)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND")
     run.set_defaults(func=_run)
 

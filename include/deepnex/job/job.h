@@ -71,8 +71,8 @@ struct JobOptions {
   // state; removed when the job ends. Empty: $DEEPNEX_RUN_DIR, else
   // /tmp/deepnex-<uid>/jobs.
   std::string registry_dir;
-  // Extra environment for every worker, and the workers' working directory
-  // (empty: this process's).
+  // Extra environment for every worker, and the working directory of the
+  // workers and parameter servers (empty: this process's).
   std::map<std::string, std::string> env;
   std::string working_dir;
   // Bind mounts for every container of the job, workers and parameter

@@ -150,8 +150,9 @@ class Handle {
   // up, or Stop). DeadlineExceeded naming the container if it is still
   // running after `timeout`.
   virtual absl::StatusOr<ExitStatus> Wait(std::chrono::milliseconds timeout) = 0;
-  // SIGTERM to every process of the container, SIGKILL after `grace`; no
-  // restart follows. Idempotent.
+  // SIGTERM to every process of the container (oci: to the command, through
+  // its init; the rest go with it), SIGKILL after `grace`; no restart
+  // follows. Idempotent.
   virtual absl::Status Stop(std::chrono::milliseconds grace) = 0;
   // stdout and stderr so far, interleaved, across restarts.
   virtual absl::StatusOr<std::string> Logs() = 0;
