@@ -12,7 +12,7 @@ packages=(
   python3-setuptools python3-wheel
   python3-torch python3-sklearn python3-matplotlib
   # launch backends, each driven for real by the tests (see ENGINES.md)
-  runc podman busybox-static
+  runc tini podman busybox-static
   slurmctld slurmd slurm-client munge
   python3-kubernetes python3-yaml
   # peers for the benchmarks

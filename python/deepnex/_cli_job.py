@@ -3,6 +3,7 @@
     deepnex run [--workers N] [--ps M] [--mode sync|ssp:S|async|allreduce]
                 [--gpus-per-worker K --gpu-mode exclusive|shared --gpu-memory 8GiB]
                 [--cpus C --memory 4GiB] [--backend process|oci|docker|slurm|kubernetes]
+                [--mount SRC:DST[:ro] ... --workdir D]
                 [--central ADDR [--token T | --token-file F] [--user U]]
                 [--restart on-failure:3] [--checkpoint-dir D]
                 [--optimizer sgd|adam|adagrad --lr LR [--momentum M]] -- python3 train.py ARGS
@@ -24,7 +25,7 @@ def _notice(message):
 
 
 def _run(args) -> int:
-    from deepnex import DeepnexError, job
+    from deepnex import DeepnexError, job, launch
     command = list(args.cmd)
     if command and command[0] == "--":
         command = command[1:]
@@ -32,8 +33,13 @@ def _run(args) -> int:
         print("deepnex run: no command (deepnex run [flags] -- python3 train.py ...)",
               file=sys.stderr)
         return 2
-    options = dict(workers=args.workers, ps=args.ps, mode=args.mode,
-                   gpus_per_worker=args.gpus_per_worker, gpu_mode=args.gpu_mode,
+    try:
+        mounts = [launch.Mount.parse(m) for m in args.mount or []]
+    except DeepnexError as e:
+        print(f"deepnex run: {e}", file=sys.stderr)
+        return 2
+    options = dict(mounts=mounts, working_dir=args.workdir, workers=args.workers, ps=args.ps,
+                   mode=args.mode, gpus_per_worker=args.gpus_per_worker, gpu_mode=args.gpu_mode,
                    gpu_memory=args.gpu_memory or 0, cpus=args.cpus, memory=args.memory or 0,
                    backend=args.backend, central=args.central, user=args.user,
                    central_token=args.token or (None if args.token_file
@@ -180,6 +186,11 @@ def add_commands(commands) -> None:
     run.add_argument("--state-dir", default=None,
                      help="where the containers' logs and records go (default: in the run "
                           "directory, removed at the end)")
+    run.add_argument("--mount", action="append", metavar="SRC:DST[:ro]",
+                     help="bind host path SRC at DST in every container (repeatable): the code, "
+                          "data and deepnex that a container backend's image lacks")
+    run.add_argument("--workdir", default=None,
+                     help="the containers' working directory (default: the current one)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                      help="each worker's command and its arguments")
     run.set_defaults(func=_run)

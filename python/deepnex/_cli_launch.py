@@ -4,7 +4,7 @@ containers of deepnex-central's launcher.
     deepnex ps --state-dir D       (or $DEEPNEX_STATE_DIR)
     deepnex ps --central ADDR      (or $DEEPNEX_CENTRAL): the caller's containers there
     deepnex launch --central ADDR --alloc ID [--name N] [--cpus C] [--memory M]
-                   [--restart P] [--env K=V] -- CMD ...
+                   [--restart P] [--env K=V] [--mount SRC:DST[:ro]] [--workdir D] -- CMD ...
     deepnex logs NAME [--follow]   (--follow: then "container NAME <how it
                                     ended>" on stderr, and its exit code)
     deepnex stop NAME [--grace S]
@@ -139,7 +139,8 @@ def _launch(args):
     name = args.name or f"{os.path.basename(command[0])[:40]}-{secrets.token_hex(3)}"
     spec = launch.ContainerSpec(
         name=name, command=command, image=args.image, env=_pairs(args.env, "--env"),
-        working_dir=args.workdir or "", cpus=args.cpus, memory=args.memory,
+        working_dir=args.workdir or "", mounts=[launch.Mount.parse(m) for m in args.mount or []],
+        cpus=args.cpus, memory=args.memory,
         pids_limit=args.pids_limit, labels=_pairs(args.label, "--label"), restart=args.restart)
     c = _cli_gpu.client(args).start_container(spec, args.alloc)
     print(f"{c['name']} {c['state']} on {c['allocation']} ({c['backend']} {c['id']})")
@@ -212,7 +213,10 @@ def add_commands(commands):
     p.add_argument("--restart", default="never", help="never, on-failure[:N], always[:N]")
     p.add_argument("--env", action="append", help="KEY=VALUE (repeatable)")
     p.add_argument("--label", action="append", help="KEY=VALUE (repeatable)")
-    p.add_argument("--workdir")
+    p.add_argument("--mount", action="append", metavar="SRC:DST[:ro]",
+                   help="bind host path SRC at DST (repeatable); deepnex-central allows only "
+                        "sources under its --allow-mount directories")
+    p.add_argument("--workdir", help="the command's working directory in the container")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARG ...")
     p.set_defaults(func=guard(_launch))
 

@@ -349,8 +349,9 @@ class CentralClient:
     # user's container is NotFoundError. `user` arguments are for admins.
 
     def start_container(self, spec, allocation) -> dict:
-        """Starts a deepnex.launch.ContainerSpec (its allocation None, no
-        mounts) on `allocation` (an id or an Allocation), which must be the
+        """Starts a deepnex.launch.ContainerSpec (its allocation None; mounts
+        only from under the server's --allow-mount directories) on
+        `allocation` (an id or an Allocation), which must be the
         caller's (PermissionDeniedError otherwise; NotFoundError for an
         unknown id). When it ends for good, and no other container runs on
         the allocation, deepnex-central releases the allocation."""

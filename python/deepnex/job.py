@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from . import _C
 from .errors import DeadlineExceededError
-from .launch import _bytes, _options
+from .launch import _bytes, _mount_args, _options
 
 __all__ = ["Job", "JobResult", "run"]
 
@@ -55,7 +55,7 @@ class Job:
                  restart: str = "never", checkpoint_dir: Optional[str] = None,
                  optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.0, name: Optional[str] = None,
                  user: Optional[str] = None, env: Optional[Dict[str, str]] = None,
-                 working_dir: Optional[str] = None,
+                 working_dir: Optional[str] = None, mounts: Sequence = (),
                  output: Optional[Callable[[str, str], None]] = None,
                  on_event: Optional[Callable[[str], None]] = None, **launcher_options):
         """``user``: empty with ``central``: the token's user. ``output(who,
@@ -79,7 +79,8 @@ class Job:
             launcher=dict(_options(launcher_options), backend=backend), restart=restart,
             checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
             optimizer=optimizer, lr=lr, momentum=momentum, ps_binary=_ps_binary() or "", env=dict(env or {}),
-            working_dir=working_dir or "", name=name or "", output=output, on_event=on_event)
+            working_dir=working_dir or "", mounts=_mount_args(mounts), name=name or "",
+            output=output, on_event=on_event)
 
     @property
     def name(self) -> str:

@@ -10,7 +10,7 @@
 
 Keyword options of Launcher are LauncherOptions' fields (state_dir, id,
 allowed_mount_roots, min_memory, cgroup_parent) and the backends' (runc,
-runc_root, docker_socket, docker_api_version, slurm_partition, slurm_bin_dir,
+runc_root, oci_init, docker_socket, docker_api_version, slurm_partition, slurm_bin_dir,
 slurm_env, kubeconfig, server, token, ca_file, namespace, kind,
 shared_gpu_memory_resource). Sizes are ints (bytes) or strings such as
 "256MiB"; durations are seconds. Errors are ``deepnex.DeepnexError``
@@ -19,6 +19,7 @@ field, a missing command or image NotFoundError, another user's allocation
 PermissionDeniedError, a wait that times out DeadlineExceededError.
 """
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -51,10 +52,35 @@ def _bytes(value, name):
 
 @dataclass
 class Mount:
-    """A bind mount; both paths absolute, the source under an allowed root."""
+    """A bind mount; both paths absolute, the source under an allowed root.
+    The process backend takes only a writable mount of a path onto itself."""
     source: str
     target: str
     read_only: bool = True
+
+    @classmethod
+    def parse(cls, text: str, flag: str = "--mount") -> "Mount":
+        """From the command line's SRC:DST[:ro|:rw] (writable unless :ro); a
+        relative SRC is taken from the current directory."""
+        parts = text.split(":")
+        mode = parts.pop() if len(parts) == 3 else "rw"
+        if len(parts) != 2 or not parts[0] or not parts[1] or mode not in ("ro", "rw"):
+            raise InvalidArgumentError(f"{flag} {text!r}: expected SRC:DST or SRC:DST:ro")
+        return cls(os.path.abspath(parts[0]), parts[1], mode == "ro")
+
+
+def _mount_args(mounts):
+    """(source, target, read_only) tuples for the C++ layer."""
+    out = []
+    for i, m in enumerate(mounts):
+        if isinstance(m, Mount):
+            out.append((m.source, m.target, m.read_only))
+        elif isinstance(m, (tuple, list)) and len(m) in (2, 3):
+            out.append((m[0], m[1], bool(m[2]) if len(m) == 3 else True))
+        else:
+            raise InvalidArgumentError(
+                f"spec.mounts[{i}]: expected a Mount or (source, target[, read_only]), got {m!r}")
+    return out
 
 
 @dataclass
@@ -84,15 +110,7 @@ class ContainerSpec:
     network_none: bool = False
 
     def _args(self):
-        mounts = []
-        for i, m in enumerate(self.mounts):
-            if isinstance(m, Mount):
-                mounts.append((m.source, m.target, m.read_only))
-            elif isinstance(m, (tuple, list)) and len(m) in (2, 3):
-                mounts.append((m[0], m[1], bool(m[2]) if len(m) == 3 else True))
-            else:
-                raise InvalidArgumentError(
-                    f"spec.mounts[{i}]: expected a Mount or (source, target[, read_only]), got {m!r}")
+        mounts = _mount_args(self.mounts)
         if isinstance(self.command, str):
             raise InvalidArgumentError(
                 f"spec.command: expected a list of arguments, got the string {self.command!r}")

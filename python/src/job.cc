@@ -65,8 +65,9 @@ void RegisterJob(py::module_& parent) {
                        std::string central_token_file, py::dict launcher,
                        std::string restart, std::string checkpoint_dir, std::string optimizer,
                        double lr, double momentum, std::string ps_binary, std::map<std::string, std::string> env,
-                       std::string working_dir, std::string name, py::object output,
-                       py::object on_event) {
+                       std::string working_dir,
+                       std::vector<std::tuple<std::string, std::string, bool>> mounts,
+                       std::string name, py::object output, py::object on_event) {
              JobOptions o;
              o.command = std::move(command);
              o.workers = workers;
@@ -90,6 +91,9 @@ void RegisterJob(py::module_& parent) {
              o.ps_binary = std::move(ps_binary);
              o.env = std::move(env);
              o.working_dir = std::move(working_dir);
+             for (auto& [source, target, read_only] : mounts) {
+               o.mounts.push_back({std::move(source), std::move(target), read_only});
+             }
              o.name = std::move(name);
              if (!output.is_none()) {
                o.output = [fn = Callback(output, "deepnex job output")](
@@ -107,8 +111,8 @@ void RegisterJob(py::module_& parent) {
            py::arg("central_token"), py::arg("central_token_file"), py::arg("launcher"),
            py::arg("restart"),
            py::arg("checkpoint_dir"), py::arg("optimizer"), py::arg("lr"), py::arg("momentum"), py::arg("ps_binary"),
-           py::arg("env"), py::arg("working_dir"), py::arg("name"), py::arg("output"),
-           py::arg("on_event"))
+           py::arg("env"), py::arg("working_dir"), py::arg("mounts"), py::arg("name"),
+           py::arg("output"), py::arg("on_event"))
       .def_property_readonly("name", &Job::name)
       .def("start", [](Job& j) { CheckStatus(j.Start()); },
            py::call_guard<py::gil_scoped_release>())

@@ -219,6 +219,7 @@ launch::LauncherOptions LauncherOptionsFromPython(const py::dict& kw) {
     else if (key == "cgroup_parent") o.cgroup_parent = v.cast<std::string>();
     else if (key == "runc") o.oci.runc = v.cast<std::string>();
     else if (key == "runc_root") o.oci.root = v.cast<std::string>();
+    else if (key == "oci_init") o.oci.init = v.cast<std::string>();
     else if (key == "docker_socket") o.docker.socket = v.cast<std::string>();
     else if (key == "docker_api_version") o.docker.api_version = v.cast<std::string>();
     else if (key == "slurm_partition") o.slurm.partition = v.cast<std::string>();

@@ -388,6 +388,7 @@ class JobImpl : public Job {
       // must be a free port, not the job's store.
       spec.env["MASTER_PORT"] = absl::StrCat(master_port);
       spec.working_dir = o_.working_dir.empty() ? CurrentDir() : o_.working_dir;
+      spec.mounts = o_.mounts;
       spec.allocation = grants_[rank];
       spec.user = o_.user;
       spec.cpus = o_.cpus;
@@ -449,7 +450,8 @@ class JobImpl : public Job {
     // Not on the command line, which every user of the machine can read in
     // /proc; deepnex-ps reads $DEEPNEX_TOKEN.
     spec.env["DEEPNEX_TOKEN"] = token_;
-    spec.working_dir = CurrentDir();
+    spec.working_dir = o_.working_dir.empty() ? CurrentDir() : o_.working_dir;
+    spec.mounts = o_.mounts;
     spec.user = o_.user;
     spec.cpus = o_.cpus;
     spec.restart = o_.restart;

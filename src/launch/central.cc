@@ -76,6 +76,7 @@ absl::StatusOr<ContainerSpec> SpecFromProto(const pb::ContainerSpec& p) {
   if (p.backoff_ms() > 0) s.restart.backoff = std::chrono::milliseconds(p.backoff_ms());
   if (p.max_backoff_ms() > 0) s.restart.max_backoff = std::chrono::milliseconds(p.max_backoff_ms());
   s.network_none = p.network_none();
+  for (const pb::Mount& m : p.mounts()) s.mounts.push_back({m.source(), m.target(), m.read_only()});
   return s;
 }
 
@@ -93,6 +94,12 @@ void SpecToProto(const ContainerSpec& s, pb::ContainerSpec* p) {
   p->set_backoff_ms(s.restart.backoff.count());
   p->set_max_backoff_ms(s.restart.max_backoff.count());
   p->set_network_none(s.network_none);
+  for (const Mount& m : s.mounts) {
+    pb::Mount* pm = p->add_mounts();
+    pm->set_source(m.source);
+    pm->set_target(m.target);
+    pm->set_read_only(m.read_only);
+  }
 }
 
 absl::StatusOr<State> ParseState(const std::string& name) {
@@ -132,10 +139,12 @@ bool Ended(State s) { return s == State::kStopped || s == State::kExited; }
 class ContainersService final : public pb::Containers::CallbackService,
                                 public gpu::CentralExtension {
  public:
+  // `mounts_allowed`: the launcher has allowed_mount_roots (which it
+  // enforces); without, deepnex-central refuses every mount.
   ContainersService(gpu::Allocator& alloc, const TokenTable& tokens,
-                    std::unique_ptr<Launcher> launcher)
+                    std::unique_ptr<Launcher> launcher, bool mounts_allowed)
       : alloc_(alloc), tokens_(tokens), launcher_(std::move(launcher)),
-        reaper_([this] { Reap(); }) {}
+        mounts_allowed_(mounts_allowed), reaper_([this] { Reap(); }) {}
   ~ContainersService() override { Shutdown(); }
 
   grpc::Service* service() override { return this; }
@@ -299,6 +308,11 @@ class ContainersService final : public pb::Containers::CallbackService,
                                                       a.id, ": it belongs to ", a.user));
     }
     DEEPNEX_ASSIGN_OR_RETURN(ContainerSpec spec, SpecFromProto(req.spec()));
+    if (!spec.mounts.empty() && !mounts_allowed_) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "spec.mounts[0].source: \"", spec.mounts[0].source,
+          "\": this deepnex-central allows no mounts (its --allow-mount is not set)"));
+    }
     const std::string name = spec.name;
     const std::string launcher_name = LauncherName(a.user, name);
     if (name.empty() || launcher_name.size() > kMaxNameLength) {
@@ -424,6 +438,7 @@ class ContainersService final : public pb::Containers::CallbackService,
   gpu::Allocator& alloc_;
   const TokenTable& tokens_;
   const std::unique_ptr<Launcher> launcher_;
+  const bool mounts_allowed_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<Key, std::shared_ptr<Entry>> entries_;
@@ -451,11 +466,6 @@ class CentralClientImpl final : public CentralClient {
       return absl::InvalidArgumentError(absl::StrCat(
           "spec.allocation: deepnex-central applies allocation ", allocation_id,
           "; leave the spec's empty"));
-    }
-    if (!spec.mounts.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "spec.mounts: ", spec.mounts.size(),
-          " mounts given; deepnex-central does not mount its host's paths"));
     }
     pb::StartContainerRequest req;
     SpecToProto(spec, req.mutable_spec());
@@ -600,7 +610,8 @@ absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
     if (!launcher.state_dir.empty()) {
       DEEPNEX_RETURN_IF_ERROR(SweepOrphans(*l, alloc, launcher.state_dir, swept));
     }
-    return std::make_unique<ContainersService>(alloc, tokens, std::move(l));
+    return std::make_unique<ContainersService>(alloc, tokens, std::move(l),
+                                               !launcher.allowed_mount_roots.empty());
   };
   return gpu::CreateCentralServer(options, extension);
 }

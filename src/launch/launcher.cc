@@ -97,10 +97,30 @@ bool IsUnder(const std::string& path, const std::string& root) {
   return root == "/" || path == root || absl::StartsWith(path, root + "/");
 }
 
-absl::Status CheckMount(const LauncherOptions& options, size_t i, const Mount& m) {
+// The container paths that the runtime itself mounts: a mount over them
+// would hide what runc, the devices allowed and the kernel's views need.
+constexpr const char* kRuntimeDirs[] = {"/proc", "/dev", "/sys"};
+
+// Checks mount `i` and sets its source to the real path that was checked, so
+// that the backend mounts what was allowed even if a symlink on the way is
+// changed afterwards.
+absl::Status CheckMount(const LauncherOptions& options, size_t i, Mount& m) {
   const std::string field = absl::StrCat("spec.mounts[", i, "]");
   DEEPNEX_RETURN_IF_ERROR(CheckAbsoluteNormal(field + ".source", m.source));
   DEEPNEX_RETURN_IF_ERROR(CheckAbsoluteNormal(field + ".target", m.target));
+  std::string target = std::filesystem::path(m.target).lexically_normal().string();
+  while (target.size() > 1 && target.back() == '/') target.pop_back();
+  if (target == "/") {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".target: \"", m.target, "\" would cover the container's root"));
+  }
+  for (const char* dir : kRuntimeDirs) {
+    if (IsUnder(target, dir)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".target: \"", m.target,
+                                                     "\" is over the container's ", dir,
+                                                     ", which the runtime mounts"));
+    }
+  }
   std::optional<std::string> real = RealPath(m.source);
   if (!real) {
     return absl::InvalidArgumentError(
@@ -110,9 +130,12 @@ absl::Status CheckMount(const LauncherOptions& options, size_t i, const Mount& m
   if (roots.empty()) roots.push_back("/");
   for (const std::string& root : roots) {
     std::optional<std::string> real_root = RealPath(root);
-    if (real_root && IsUnder(*real, *real_root)) return absl::OkStatus();
+    if (real_root && IsUnder(*real, *real_root)) {
+      m.source = *real;
+      return absl::OkStatus();
+    }
   }
-  return absl::InvalidArgumentError(absl::StrCat(
+  return absl::PermissionDeniedError(absl::StrCat(
       field, ".source: \"", m.source, "\"", *real == m.source ? "" : " (\"" + *real + "\")",
       " is outside the allowed mount roots [", absl::StrJoin(roots, ", "), "]"));
 }
@@ -770,6 +793,13 @@ absl::StatusOr<std::unique_ptr<Launcher>> Launcher::Create(const LauncherOptions
     DEEPNEX_ASSIGN_OR_RETURN(options.state_dir, MakeTempDir());
   } else {
     DEEPNEX_RETURN_IF_ERROR(MakeDirectories(options.state_dir));
+  }
+  // Absolute, so that paths derived from it mean the same to the engines
+  // (runc resolves a bundle's rootfs against the bundle) and after a chdir.
+  for (std::string* dir : {&options.state_dir, &options.oci.root}) {
+    std::error_code ec;
+    std::filesystem::path absolute = std::filesystem::absolute(*dir, ec);
+    if (!dir->empty() && !ec) *dir = absolute.lexically_normal().string();
   }
   absl::StatusOr<std::unique_ptr<Backend>> backend = make(options);
   if (!backend.ok()) {

@@ -26,6 +26,7 @@
 #include <map>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <mutex>
 #include <set>
@@ -59,6 +60,9 @@ constexpr char kContainerPath[] =
 constexpr auto kStartTimeout = std::chrono::seconds(30);
 // How long one runc call other than `run` may take.
 constexpr auto kCommandTimeout = std::chrono::seconds(30);
+// Where the init (OciOptions::init) is bound in: the runtime's tmpfs, so
+// that no image gets a mount point written into it.
+constexpr char kInitPath[] = "/dev/init";
 
 // The host directories the "host" image shows read-only, and its symlinks
 // into them (the layout of a merged-/usr Debian).
@@ -158,72 +162,172 @@ Fd OpenInRoot(int root_fd, const std::string& path, uint64_t flags) {
   return Fd(static_cast<int>(syscall(SYS_openat2, root_fd, path.c_str(), &how, sizeof how)));
 }
 
-bool IsExecutable(int fd) {
-  struct stat st;
-  return fd >= 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (st.st_mode & 0111) != 0;
+bool IsExecutable(const struct stat& st) {
+  return S_ISREG(st.st_mode) && (st.st_mode & 0111) != 0;
 }
 
-bool IsExecutableFile(const std::string& path) {
-  Fd fd(open(path.c_str(), O_PATH | O_CLOEXEC));
-  return IsExecutable(fd.get());
-}
-
-// Whether `path` (absolute, as the container sees it) is an executable
-// file in the container: through one of `mounts`, one of the host image's
-// host directories, or the image's rootfs.
-bool ExecutableIn(const Image& image, int root_fd, const std::vector<Mount>& mounts,
-                  const std::string& path) {
-  const fs::path p = fs::path(path).lexically_normal();
-  auto under = [&p](const std::string& dir, std::string* rest) {
-    fs::path rel = p.lexically_relative(dir);
-    if (rel.empty() || *rel.begin() == "..") return false;
-    *rest = rel == "." ? "" : rel.string();
-    return true;
-  };
-  std::string rest;
-  // The mount added last shadows the others.
-  for (auto m = mounts.rbegin(); m != mounts.rend(); ++m) {
-    if (under(m->target, &rest)) return IsExecutableFile(m->source + "/" + rest);
+// The container's file tree as it will be, seen from the host before the
+// container exists: the image's rootfs under the bundle's mounts. Binds
+// show their host source; the runtime's own file systems (proc, the tmpfs
+// of /dev and /tmp, ...) are empty here. Paths resolve as the kernel
+// resolves them inside the container: component by component, symlinks
+// followed, an absolute link or ".." from the container's root and never
+// above it, at most kMaxSymlinks links per lookup.
+class ContainerTree {
+ public:
+  // `mounts`: the bundle's "mounts", in order (a later one covers an
+  // earlier one's subtree).
+  ContainerTree(std::string rootfs, const json& mounts) : rootfs_(std::move(rootfs)) {
+    for (const json& m : mounts) {
+      const std::string source = m.value("type", "") == "bind" ? m.value("source", "") : "";
+      mounts_.push_back({fs::path(m.value("destination", "/")).lexically_normal().string(),
+                         source});
+    }
   }
-  if (image.host) {
-    std::string host_path = p.string();
-    for (const auto& link : kHostLinks) {
-      if (under(std::string("/") + link[0], &rest)) {
-        host_path = absl::StrCat("/", link[1], rest.empty() ? "" : "/", rest);
+
+  // What `path` names in the container (relative paths start at `cwd`),
+  // with symlinks followed; NotFound saying why there is nothing.
+  absl::StatusOr<struct stat> Stat(const std::string& path, const std::string& cwd = "/") const {
+    std::vector<std::string> done;  // resolved components, none a symlink
+    std::deque<std::string> todo;
+    auto prepend = [&todo](const std::string& p) {
+      std::vector<std::string> parts = absl::StrSplit(p, '/', absl::SkipEmpty());
+      todo.insert(todo.begin(), parts.begin(), parts.end());
+    };
+    prepend(path);
+    if (path.empty() || path[0] != '/') prepend(cwd);
+    int links = 0;
+    struct stat st;
+    while (!todo.empty()) {
+      std::string part = std::move(todo.front());
+      todo.pop_front();
+      if (part == ".") continue;
+      if (part == "..") {
+        if (!done.empty()) done.pop_back();
+        continue;
+      }
+      done.push_back(std::move(part));
+      if (int err = Lstat(done, &st)) return Missing(done, "", err);
+      if (S_ISLNK(st.st_mode)) {
+        if (++links > kMaxSymlinks) {
+          return Missing(done, absl::StrCat("more than ", kMaxSymlinks, " symlinks"), ELOOP);
+        }
+        absl::StatusOr<std::string> target = ReadLink(done);
+        if (!target.ok()) return target.status();
+        done.pop_back();
+        if (absl::StartsWith(*target, "/")) done.clear();
+        prepend(*target);
+        continue;
+      }
+      if (!todo.empty() && !S_ISDIR(st.st_mode)) return Missing(done, "", ENOTDIR);
+    }
+    // Again: a trailing ".." leaves the walk on a directory it has not
+    // stat'ed; `done` holds no symlink now.
+    if (int err = Lstat(done, &st)) return Missing(done, "", err);
+    return st;
+  }
+
+ private:
+  // The kernel's limit on the symlinks of one lookup (MAXSYMLINKS).
+  static constexpr int kMaxSymlinks = 40;
+
+  static std::string Join(const std::vector<std::string>& parts) {
+    return "/" + absl::StrJoin(parts, "/");
+  }
+
+  static absl::Status Missing(const std::vector<std::string>& parts, const std::string& why,
+                              int err) {
+    return absl::NotFoundError(
+        absl::StrCat(Join(parts), ": ", why.empty() ? "" : why + ": ", Errno(err)));
+  }
+
+  // Where container path `parts` lies: under mounts_[mount] (-1: the
+  // rootfs) at host path `host`, "" in one of the runtime's file systems;
+  // `top`: it is that mount's mount point.
+  struct Where {
+    std::string host;
+    bool top = false;
+    int mount = -1;
+  };
+  Where Locate(const std::vector<std::string>& parts) const {
+    const std::string path = Join(parts);
+    for (int i = static_cast<int>(mounts_.size()) - 1; i >= 0; --i) {
+      const auto& [target, source] = mounts_[i];
+      if (path == target) return {source, true, i};
+      if (absl::StartsWith(path, target == "/" ? "/" : target + "/")) {
+        return {source.empty() ? "" : source + path.substr(target.size()), false, i};
       }
     }
-    for (const char* dir : kHostDirs) {
-      if (under(dir, &rest)) return IsExecutableFile(host_path);
-    }
-    return false;
+    return {rootfs_ + path, parts.empty(), -1};
   }
-  return IsExecutable(OpenInRoot(root_fd, p.string(), O_PATH).get());
-}
 
-// NotFound unless `spec.command[0]` is an executable in the container,
-// looked up on the spec's PATH (runc's default without one) as runc would.
-absl::Status FindCommand(const Image& image, const ContainerSpec& spec) {
-  const std::string& command = spec.command[0];
-  Fd root_fd(open(image.rootfs.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-  if (root_fd.get() < 0) {
-    return absl::NotFoundError(absl::StrCat("image ", spec.image, ": cannot open ",
-                                            image.rootfs, ": ", Errno(errno)));
+  // lstat of container path `parts`: 0, or the errno of its failure.
+  int Lstat(const std::vector<std::string>& parts, struct stat* st) const {
+    const Where where = Locate(parts);
+    int err = 0;
+    if (where.host.empty()) {
+      err = where.top ? 0 : ENOENT;  // nothing is in the runtime's file systems yet
+    } else if ((where.top ? stat(where.host.c_str(), st) : lstat(where.host.c_str(), st)) != 0) {
+      // The source of a bind is resolved on the host, as runc does.
+      err = errno;
+    } else {
+      return 0;
+    }
+    // runc makes the directories leading to a later mount's mount point.
+    const std::string prefix = Join(parts) + (parts.empty() ? "" : "/");
+    for (size_t i = where.mount + 1; err == ENOENT && i < mounts_.size(); ++i) {
+      if (absl::StartsWith(mounts_[i].first, prefix)) err = 0;
+    }
+    if (err == 0) {
+      memset(st, 0, sizeof *st);
+      st->st_mode = S_IFDIR | 0755;
+    }
+    return err;
   }
+
+  absl::StatusOr<std::string> ReadLink(const std::vector<std::string>& parts) const {
+    const std::string host = Locate(parts).host;
+    char buf[PATH_MAX];
+    ssize_t n = readlink(host.c_str(), buf, sizeof buf);
+    if (n < 0 || n == sizeof buf) {
+      const int err = n < 0 ? errno : ENAMETOOLONG;
+      return Missing(parts, "cannot read the symlink", err);
+    }
+    return std::string(buf, n);
+  }
+
+  std::string rootfs_;
+  std::vector<std::pair<std::string, std::string>> mounts_;  // (target, bind source or "")
+};
+
+// NotFound unless `spec.command[0]` is an executable file in the container,
+// looked up on the spec's PATH (runc's default without one) as runc would,
+// and the working directory is a directory there.
+absl::Status CheckInImage(const ContainerTree& tree, const ContainerSpec& spec) {
+  const std::string cwd = spec.working_dir.empty() ? "/" : spec.working_dir;
+  if (!spec.working_dir.empty()) {
+    absl::StatusOr<struct stat> st = tree.Stat(spec.working_dir);
+    if (!st.ok() || !S_ISDIR(st->st_mode)) {
+      return absl::NotFoundError(absl::StrCat(
+          "spec.working_dir: \"", spec.working_dir, "\" is not a directory in image ", spec.image,
+          " (", st.ok() ? "not a directory" : st.status().message(),
+          "); a mount can bring a host directory in"));
+    }
+  }
+  const std::string& command = spec.command[0];
   auto env_path = spec.env.find("PATH");
   const std::string path = env_path != spec.env.end() ? env_path->second : kContainerPath;
   if (command.find('/') != std::string::npos) {
-    const std::string cwd = spec.working_dir.empty() ? "/" : spec.working_dir;
-    const std::string full = command[0] == '/' ? command : cwd + "/" + command;
-    if (ExecutableIn(image, root_fd.get(), spec.mounts, full)) return absl::OkStatus();
-    return absl::NotFoundError(absl::StrCat("command \"", command,
-                                            "\" is not an executable file in image ",
-                                            spec.image));
+    absl::StatusOr<struct stat> st = tree.Stat(command, cwd);
+    if (st.ok() && IsExecutable(*st)) return absl::OkStatus();
+    return absl::NotFoundError(absl::StrCat(
+        "command \"", command, "\" is not an executable file in image ", spec.image,
+        st.ok() ? "" : absl::StrCat(" (", st.status().message(), ")")));
   }
   for (absl::string_view dir : absl::StrSplit(path, ':', absl::SkipEmpty())) {
     if (dir[0] != '/') continue;  // runc resolves PATH before the cwd exists
-    if (ExecutableIn(image, root_fd.get(), spec.mounts, absl::StrCat(dir, "/", command))) {
-      return absl::OkStatus();
-    }
+    absl::StatusOr<struct stat> st = tree.Stat(absl::StrCat(dir, "/", command));
+    if (st.ok() && IsExecutable(*st)) return absl::OkStatus();
   }
   return absl::NotFoundError(absl::StrCat("command \"", command, "\" not found in image ",
                                           spec.image, " on PATH=", path));
@@ -439,7 +543,8 @@ json Capabilities() {
   return {{"bounding", caps}, {"effective", caps}, {"permitted", caps}};
 }
 
-json Mounts(const Image& image, const ContainerSpec& spec) {
+// `init` (a host path, or "" for none): bound in at kInitPath.
+json Mounts(const Image& image, const ContainerSpec& spec, const std::string& init) {
   json mounts = {
       {{"destination", "/proc"}, {"type", "proc"}, {"source", "proc"}},
       {{"destination", "/dev"},
@@ -469,6 +574,7 @@ json Mounts(const Image& image, const ContainerSpec& spec) {
        {"source", "tmpfs"},
        {"options", {"nosuid", "nodev", "mode=1777"}}},
   };
+  if (!init.empty()) mounts.push_back(Bind(init, kInitPath, true));
   if (image.host) {
     for (const char* dir : kHostDirs) {
       if (fs::is_directory(dir)) mounts.push_back(Bind(dir, dir, true));
@@ -479,7 +585,15 @@ json Mounts(const Image& image, const ContainerSpec& spec) {
 }
 
 json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext& context,
-                const std::string& cgroup_path) {
+                const std::string& cgroup_path, const std::string& init) {
+  std::vector<std::string> args = spec.command;
+  if (!init.empty()) {
+    // Not tini's -g (signals to the command's process group): tini sets that
+    // group up in the child after the fork, and a signal that comes first
+    // (runc init leaves a SIGURG pending across its exec) finds no group,
+    // is lost and logged into the command's output.
+    args.insert(args.begin(), {kInitPath, "--"});
+  }
   json env = json::array();
   for (const auto& [k, v] : spec.env) env.push_back(absl::StrCat(k, "=", v));
   if (!spec.env.count("PATH")) env.push_back(absl::StrCat("PATH=", kContainerPath));
@@ -492,7 +606,7 @@ json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext&
       {"process",
        {{"terminal", false},
         {"user", {{"uid", 0}, {"gid", 0}}},
-        {"args", spec.command},
+        {"args", args},
         {"env", env},
         {"cwd", spec.working_dir.empty() ? "/" : spec.working_dir},
         {"capabilities", Capabilities()},
@@ -501,7 +615,7 @@ json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext&
         {"noNewPrivileges", true}}},
       {"root", {{"path", image.rootfs}, {"readonly", true}}},
       {"hostname", spec.name},
-      {"mounts", Mounts(image, spec)},
+      {"mounts", Mounts(image, spec, init)},
       {"annotations", context.labels},
   };
   json& lx = config["linux"];
@@ -548,12 +662,14 @@ json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext&
 
 class OciRun : public Run {
  public:
-  OciRun(Runc runc, std::string id, std::string dir, std::string cgroup_path, pid_t pid,
-         Fd pidfd)
+  // `init`: the container's PID 1 is the init, with the command under it.
+  OciRun(Runc runc, std::string id, std::string dir, std::string cgroup_path, bool init,
+         pid_t pid, Fd pidfd)
       : runc_(std::move(runc)),
         id_(std::move(id)),
         dir_(std::move(dir)),
         cgroup_path_(std::move(cgroup_path)),
+        init_(init),
         pid_(pid),
         pidfd_(std::move(pidfd)) {}
 
@@ -590,9 +706,13 @@ class OciRun : public Run {
   absl::Status Stop(std::chrono::milliseconds grace) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (ended_ || killer_.joinable()) return absl::OkStatus();
-    // --all: the container's PID 1 ignores a TERM it has no handler for,
-    // its children do not.
-    runc_.Call({"kill", "--all", id_, "TERM"}).IgnoreError();
+    // The init passes the TERM on to the command; when that ends, the
+    // kernel kills what is left in the container's PID namespace. Without
+    // an init, --all: the command is PID 1 and ignores a TERM it has no
+    // handler for; its children do not.
+    std::vector<std::string> kill = {"kill", id_, "TERM"};
+    if (!init_) kill.insert(kill.begin() + 1, "--all");
+    runc_.Call(kill).IgnoreError();
     killer_ = std::thread([this, grace] {
       struct pollfd p = {pidfd_.get(), POLLIN, 0};
       if (poll(&p, 1, static_cast<int>(grace.count())) == 0) {
@@ -680,6 +800,7 @@ class OciRun : public Run {
   const std::string id_;
   const std::string dir_;
   const std::string cgroup_path_;
+  const bool init_;
   const pid_t pid_;  // of `runc run`
   Fd pidfd_;
 
@@ -697,15 +818,17 @@ class OciRun : public Run {
 
 class OciBackend : public Backend {
  public:
-  OciBackend(const LauncherOptions& options, std::string runc_binary)
+  // `init`: the init's host path, "" for none.
+  OciBackend(const LauncherOptions& options, std::string runc_binary, std::string init)
       : runc_(std::move(runc_binary),
               options.oci.root.empty() ? options.state_dir + "/runc" : options.oci.root),
         state_dir_(options.state_dir),
-        cgroup_parent_(CgroupParent(options)) {}
+        cgroup_parent_(CgroupParent(options)),
+        init_(std::move(init)) {}
 
   absl::Status Check(const ContainerSpec& spec) override {
     DEEPNEX_ASSIGN_OR_RETURN(Image image, ResolveImage(spec.image));
-    return FindCommand(image, spec);
+    return CheckInImage(ContainerTree(image.rootfs, Mounts(image, spec, init_)), spec);
   }
 
   absl::StatusOr<std::unique_ptr<Run>> Start(const ContainerSpec& spec,
@@ -715,7 +838,7 @@ class OciBackend : public Backend {
     const std::string pid_file = context.dir + "/pid";
     unlink(pid_file.c_str());
     DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically(
-        context.dir + "/config.json", MakeConfig(image, spec, context, cgroup_path).dump(1)));
+        context.dir + "/config.json", MakeConfig(image, spec, context, cgroup_path, init_).dump(1)));
 
     // runc writes the pid file (to a temporary name, then renamed) once the
     // command runs: watch for it rather than poll.
@@ -739,8 +862,8 @@ class OciBackend : public Backend {
       Reap(pid);
       return absl::InternalError("pidfd_open: " + Errno(err));
     }
-    auto run = std::make_unique<OciRun>(runc_, context.run_name, context.dir, cgroup_path, pid,
-                                        std::move(pidfd));
+    auto run = std::make_unique<OciRun>(runc_, context.run_name, context.dir, cgroup_path,
+                                        !init_.empty(), pid, std::move(pidfd));
 
     const auto deadline = std::chrono::steady_clock::now() + kStartTimeout;
     while (access(pid_file.c_str(), F_OK) != 0) {
@@ -833,6 +956,7 @@ class OciBackend : public Backend {
   const Runc runc_;
   const std::string state_dir_;
   const std::string cgroup_parent_;
+  const std::string init_;
 
   std::mutex mu_;  // guards the image state below
   bool host_ready_ = false;
@@ -865,7 +989,17 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeOciBackend(const LauncherOptions& o
   if (options.state_dir.empty()) {
     return absl::InvalidArgumentError("the oci backend needs options.state_dir");
   }
-  return std::make_unique<OciBackend>(options, *runc);
+  std::string init;
+  if (options.oci.init != "none") {
+    absl::StatusOr<std::string> found = FindOnPath(options.oci.init, PathOf({}));
+    if (!found.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "oci.init: \"", options.oci.init, "\" is not usable (", found.status().message(),
+          "); install tini (Debian: apt-get install tini) or set it to \"none\""));
+    }
+    init = fs::absolute(*found).string();  // a bind's source
+  }
+  return std::make_unique<OciBackend>(options, *runc, init);
 }
 
 }  // namespace deepnex::launch

@@ -4,8 +4,10 @@
 // run's directory.
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
 #include <signal.h>
+#include <stdlib.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -246,6 +248,18 @@ class ProcessBackend : public Backend {
           "spec.image: \"", spec.image,
           "\" is a path; the process backend runs on the host and cannot use an image "
           "(use image \"host\", or the oci backend)"));
+    }
+    // A process sees the host's files: a mount that would change nothing is
+    // taken, any other refused rather than silently not made.
+    for (size_t i = 0; i < spec.mounts.size(); ++i) {
+      const Mount& m = spec.mounts[i];
+      char target[PATH_MAX];
+      if (m.read_only || realpath(m.target.c_str(), target) == nullptr || m.source != target) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "spec.mounts[", i, "]: the process backend runs on the host's files and cannot mount \"",
+            m.source, "\" at \"", m.target, "\"", m.read_only ? " read-only" : "",
+            "; it takes only a writable mount of a path onto itself, which changes nothing"));
+      }
     }
     if (!spec.working_dir.empty()) {
       struct stat st;

@@ -1,5 +1,9 @@
 // deepnex-central: the GPU allocator as a service for many users, as a daemon.
+#include <limits.h>
+#include <stdlib.h>
+
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <string>
 
@@ -42,6 +46,9 @@ flags:
                           Containers that a crashed deepnex-central left
                           there are stopped, and their allocations released,
                           at start
+  --allow-mount DIR       users may mount host paths under DIR into their
+                          containers (repeatable; symlinks are resolved before
+                          the check); without it, no mounts at all
   --help                  show this text
 )";
 
@@ -67,9 +74,18 @@ int main(int argc, char** argv) {
     else if (flags.Is("--backend") || flags.Is("--launch-backend"))
       launcher.backend = flags.Value();
     else if (flags.Is("--launch-state-dir")) launcher.state_dir = flags.Value();
+    else if (flags.Is("--allow-mount")) launcher.allowed_mount_roots.push_back(flags.Value());
     else flags.Unknown();
   }
   if (options.address.empty()) flags.Die("--listen is empty");
+  for (std::string& dir : launcher.allowed_mount_roots) {
+    // Fixed now: a relative one would follow the cwd; a typo would allow nothing.
+    char real[PATH_MAX];
+    if (realpath(dir.c_str(), real) == nullptr || !std::filesystem::is_directory(real)) {
+      flags.Die("--allow-mount \"" + dir + "\": not a directory");
+    }
+    dir = real;
+  }
   std::vector<deepnex::gpu::Node> nodes;
   if (!nodes_file.empty()) {
     auto parsed = deepnex::gpu::LoadNodesFile(nodes_file);

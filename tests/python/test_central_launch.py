@@ -17,8 +17,8 @@ BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
 CENTRAL_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-central")
 
 
-@pytest.fixture
-def central(tmp_path):
+def start_central(tmp_path, *extra, backend="process", state_dir=None, cwd=None):
+    """deepnex-central with a launcher; (process, address)."""
     if not os.path.exists(CENTRAL_BIN):
         pytest.skip(f"{CENTRAL_BIN} not built")
     tokens = tmp_path / "tokens"
@@ -26,19 +26,33 @@ def central(tmp_path):
     nodes = tmp_path / "nodes.json"
     nodes.write_text('{"nodes": [{"name": "n1", "cpus": 16, "memory": "64GiB",'
                      ' "mode": "exclusive", "gpus": {"count": 2, "memory": "80GiB"}}]}')
-    proc = subprocess.Popen([CENTRAL_BIN, "--listen", "127.0.0.1:0", "--token-file", str(tokens),
-                             "--nodes", str(nodes), "--launch-backend", "process",
-                             "--launch-state-dir", str(tmp_path / "launch")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([os.path.abspath(CENTRAL_BIN), "--listen", "127.0.0.1:0",
+                             "--token-file", str(tokens), "--nodes", str(nodes),
+                             "--launch-backend", backend,
+                             "--launch-state-dir", state_dir or str(tmp_path / "launch"), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
     line = proc.stdout.readline()
-    assert line.startswith("deepnex-central listening on "), line + proc.stderr.read()
-    yield line.split()[3]
+    if not line.startswith("deepnex-central listening on "):
+        proc.kill()
+        proc.wait()
+        pytest.fail(line + proc.stderr.read())
+    return proc, line.split()[3]
+
+
+def stop_central(proc):
     proc.terminate()
     try:
         proc.wait(timeout=15)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def central(tmp_path):
+    proc, address = start_central(tmp_path)
+    yield address
+    stop_central(proc)
 
 
 def clients(address):
@@ -152,3 +166,93 @@ def test_cli_launch_ps_logs_stop(central):
     assert alice.allocations() == []
     missing = run_cli("launch", "--central", central, "--alloc", "a999", "--", "true")
     assert missing.returncode == 1 and '"a999" does not exist' in missing.stderr
+
+
+def test_mounts_are_refused_without_allow_mount(central, tmp_path):
+    alice, _ = clients(central)
+    a = alice.allocate(gpu.Request(user="", gpus=1))
+    with pytest.raises(deepnex.PermissionDeniedError) as e:
+        alice.start_container(launch.ContainerSpec(
+            name="m", command=["true"], mounts=[(str(tmp_path), str(tmp_path), False)]), a)
+    assert str(e.value) == (f'spec.mounts[0].source: "{tmp_path}": this deepnex-central allows '
+                            f'no mounts (its --allow-mount is not set)')
+    alice.release(a.id)
+
+
+def test_mounts_only_under_allow_mount(tmp_path):
+    allowed, other = tmp_path / "allowed", tmp_path / "other"
+    (allowed / "data").mkdir(parents=True)
+    other.mkdir()
+    (allowed / "data" / "f").write_text("in-data\n")
+    (allowed / "escape").symlink_to(other)
+    proc, address = start_central(tmp_path, "--allow-mount", str(allowed))
+    try:
+        alice, _ = clients(address)
+        a = alice.allocate(gpu.Request(user="", gpus=1))
+        data = str(allowed / "data")
+        # The CLI, with --workdir: the process backend takes a mount onto itself.
+        out = run_cli("launch", "--central", address, "--alloc", a.id, "--name", "m",
+                      "--mount", f"{data}:{data}", "--workdir", data, "--",
+                      "sh", "-c", "pwd; cat f")
+        assert out.returncode == 0, out.stderr
+        done = await_container(alice, "m", lambda c: c["allocation_released"])
+        assert done["last_exit"] == "exited(0)"
+        assert alice.container_logs("m") == f"{data}\nin-data\n"
+        b = alice.allocate(gpu.Request(user="", gpus=1))
+        for source, real in [(str(other), ""), (str(allowed / "escape"), f' ("{other}")')]:
+            with pytest.raises(deepnex.PermissionDeniedError) as e:
+                alice.start_container(launch.ContainerSpec(
+                    name="m2", command=["true"], mounts=[(source, source, False)]), b)
+            assert str(e.value) == (f'spec.mounts[0].source: "{source}"{real} is outside the '
+                                    f'allowed mount roots [{allowed}]')
+        bad = run_cli("launch", "--central", address, "--alloc", b.id, "--mount", "nocolon",
+                      "--", "true")
+        assert (bad.returncode, bad.stderr) == (
+            1, "deepnex: --mount 'nocolon': expected SRC:DST or SRC:DST:ro\n")
+    finally:
+        stop_central(proc)
+
+
+def test_allow_mount_must_be_a_directory(tmp_path):
+    if not os.path.exists(CENTRAL_BIN):
+        pytest.skip(f"{CENTRAL_BIN} not built")
+    out = subprocess.run([CENTRAL_BIN, "--allow-mount", str(tmp_path / "missing")],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0
+    assert f'--allow-mount "{tmp_path / "missing"}": not a directory' in out.stderr
+
+
+@pytest.mark.skipif(launch.probe_backends().get("oci", "") != "",
+                    reason="oci backend not usable here (needs root, runc and tini)")
+def test_oci_with_a_relative_state_dir_mounts_and_a_quick_stop(tmp_path):
+    """deepnex-central on the oci backend, started with a relative
+    --launch-state-dir: a container reads through an allowed mount, and one
+    that handles SIGTERM stops at once (the init passes the TERM on)."""
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "f").write_text("through-the-mount\n")
+    proc, address = start_central(tmp_path, "--allow-mount", str(allowed), backend="oci",
+                                  state_dir="rel-launch", cwd=str(tmp_path))
+    try:
+        alice, _ = clients(address)
+        a = alice.allocate(gpu.Request(user="", gpus=1))
+        alice.start_container(launch.ContainerSpec(
+            name="r", command=["cat", "/in/f"], mounts=[launch.Mount(str(allowed), "/in")]), a)
+        done = await_container(alice, "r", lambda c: c["allocation_released"], timeout=60)
+        assert done["last_exit"] == "exited(0)"
+        assert alice.container_logs("r") == "through-the-mount\n"
+        assert (tmp_path / "rel-launch" / "containers").is_dir()
+        b = alice.allocate(gpu.Request(user="", gpus=1))
+        alice.start_container(launch.ContainerSpec(
+            name="t", command=["python3", "-c",
+                               "import signal, sys, time\n"
+                               "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+                               "print('up', flush=True)\n"
+                               "time.sleep(1000)"]), b)
+        await_container(alice, "t", lambda c: alice.container_logs("t") == "up\n", timeout=60)
+        t0 = time.monotonic()
+        stopped = alice.stop_container("t", grace=20)
+        assert time.monotonic() - t0 < 5
+        assert (stopped["state"], stopped["last_exit"]) == ("stopped", "exited(0)")
+    finally:
+        stop_central(proc)

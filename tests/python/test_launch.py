@@ -3,8 +3,10 @@ and each bad input raising the right deepnex error."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -100,11 +102,40 @@ def test_follow_logs(launcher):
 
 
 def test_mounts_as_values_and_tuples(launcher, tmp_path):
+    data = str(tmp_path / "data")
     (tmp_path / "data").mkdir()
-    spec = launch.ContainerSpec(name="m", command=["true"],
-                                mounts=[launch.Mount(str(tmp_path / "data"), "/data"),
-                                        (str(tmp_path / "data"), "/data2", False)])
-    assert launcher.start(spec).wait(timeout=60).ok
+    (tmp_path / "data" / "f").write_text("in-data\n")
+    # The process backend takes only mounts onto themselves, writable.
+    spec = launch.ContainerSpec(name="m", command=["cat", data + "/f"],
+                                mounts=[launch.Mount(data, data, read_only=False),
+                                        (data, data, False)])
+    h = launcher.start(spec)
+    assert h.wait(timeout=60).ok
+    assert h.logs() == "in-data\n"
+    for mount, why in [((data, "/data", False), ""), ((data, data), " read-only")]:
+        with pytest.raises(deepnex.InvalidArgumentError) as e:
+            launcher.start(launch.ContainerSpec(name="m2", command=["true"], mounts=[mount]))
+        assert str(e.value) == (
+            f'spec.mounts[0]: the process backend runs on the host\'s files and cannot mount '
+            f'"{data}" at "{mount[1]}"{why}; it takes only a writable mount of a path onto '
+            f'itself, which changes nothing')
+
+
+@pytest.mark.parametrize("text, want", [
+    ("/a:/b", launch.Mount("/a", "/b", False)),
+    ("/a:/b:ro", launch.Mount("/a", "/b", True)),
+    ("/a:/b:rw", launch.Mount("/a", "/b", False)),
+    ("rel/x:/b", launch.Mount(os.path.join(os.getcwd(), "rel/x"), "/b", False)),
+])
+def test_mount_parse(text, want):
+    assert launch.Mount.parse(text) == want
+
+
+@pytest.mark.parametrize("text", ["/a", "/a:/b:rx", ":/b", "/a:", "/a:/b:ro:x"])
+def test_mount_parse_refuses(text):
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        launch.Mount.parse(text)
+    assert str(e.value) == f"--mount {text!r}: expected SRC:DST or SRC:DST:ro"
 
 
 @pytest.mark.parametrize("change, error, message", [
@@ -116,8 +147,10 @@ def test_mounts_as_values_and_tuples(launcher, tmp_path):
     (dict(memory="lots"), deepnex.InvalidArgumentError, 'spec.memory: "lots" is not a byte size'),
     (dict(mounts=[("data", "/data")]), deepnex.InvalidArgumentError,
      'spec.mounts[0].source: "data" is not an absolute path'),
-    (dict(mounts=[("/etc", "/etc")]), deepnex.InvalidArgumentError,
+    (dict(mounts=[("/etc", "/etc")]), deepnex.PermissionDeniedError,
      'spec.mounts[0].source: "/etc" is outside the allowed mount roots'),
+    (dict(mounts=[("/etc", "/dev/x")]), deepnex.InvalidArgumentError,
+     'spec.mounts[0].target: "/dev/x" is over the container\'s /dev, which the runtime mounts'),
     (dict(allocation="other"), deepnex.PermissionDeniedError,
      'spec.user "bob" may not use allocation'),
     (dict(restart="sometimes"), deepnex.InvalidArgumentError,
@@ -267,16 +300,99 @@ def test_blocking_calls_release_the_gil(launcher):
 def test_every_container_command_flag_has_help():
     import argparse
     from deepnex.__main__ import build_parser
-    from deepnex._cli_gpu import add_central_args
-    # The shared central flags are _cli_gpu's, and --mount/--workdir the
-    # launch change's: each is checked with its own code.
-    shared = argparse.ArgumentParser()
-    add_central_args(shared)
-    theirs = {s for a in shared._actions for s in a.option_strings} | {"--mount", "--workdir"}
     commands = next(a for a in build_parser()._actions
                     if isinstance(a, argparse._SubParsersAction)).choices
     for name in ("ps", "launch", "logs", "stop"):
         for action in commands[name]._actions:
-            if isinstance(action, argparse._HelpAction) or theirs & set(action.option_strings):
+            if isinstance(action, argparse._HelpAction):
                 continue
             assert action.help, (name, action.option_strings or action.dest)
+
+
+def run_job_cli(tmp_path, *args):
+    env = dict(os.environ, DEEPNEX_RUN_DIR=str(tmp_path / "run"))
+    return subprocess.run([sys.executable, "-m", "deepnex", "run", *args], env=env, text=True,
+                          capture_output=True, timeout=120, cwd=tmp_path)
+
+
+def test_run_mount_and_workdir_flags_on_the_process_backend(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    out = run_job_cli(tmp_path, "--mode", "allreduce", "--mount", f"{work}:{work}", "--workdir",
+                  str(work), "--", "sh", "-c", "pwd")
+    assert out.returncode == 0, out.stderr
+    assert f"[worker 0] {work}\n" in out.stdout
+    refused = run_job_cli(tmp_path, "--mode", "allreduce", "--mount", f"{work}:/work", "--", "true")
+    assert refused.returncode == 1
+    assert (f'spec.mounts[0]: the process backend runs on the host\'s files and cannot mount '
+            f'"{work}" at "/work"') in refused.stderr
+    bad = run_job_cli(tmp_path, "--mount", "nocolon", "--", "true")
+    assert (bad.returncode, bad.stderr) == (
+        2, "deepnex run: --mount 'nocolon': expected SRC:DST or SRC:DST:ro\n")
+
+
+# ---------------------------------------------------------------------------
+# The oci backend (runc as root, tini as the containers' init).
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DIGITS = os.path.join(ROOT, "examples", "digits", "mlp_numpy.py")
+OCI_UNUSABLE = launch.probe_backends().get("oci", "")
+needs_oci = pytest.mark.skipif(OCI_UNUSABLE != "", reason=f"oci backend: {OCI_UNUSABLE}")
+
+
+def deepnex_mounts():
+    """--mount flags that bring this checkout and its build tree (deepnex,
+    deepnex-ps, libdeepnex) into a host-image container at the same paths."""
+    build = os.path.abspath(os.environ.get("DEEPNEX_BUILD_DIR") or os.path.join(ROOT, "build"))
+    dirs = [ROOT] + ([] if build.startswith(ROOT + os.sep) else [build])
+    return [arg for d in dirs for arg in ("--mount", f"{d}:{d}:ro")]
+
+
+@needs_oci
+def test_run_trains_digits_in_oci_containers(tmp_path):
+    """README's digits example through `deepnex run --backend oci`, as the
+    process backend runs it: the workers and the parameter server in runc
+    containers of the host image, the code mounted in, a relative state dir."""
+    pytest.importorskip("sklearn")
+    if deepnex.job._ps_binary() is None:
+        pytest.skip("deepnex-ps not found (set DEEPNEX_BUILD_DIR)")
+    name = "oci" + uuid.uuid4().hex[:8]
+    env = dict(os.environ, DEEPNEX_RUN_DIR=str(tmp_path / "run"), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "deepnex", "run", "--name", name, "--backend", "oci",
+           "--state-dir", "state", *deepnex_mounts(), "--mount", f"{tmp_path}:{tmp_path}",
+           "--workers", "2", "--mode", "sync", "--lr", "0.1", "--momentum", "0.9",
+           "--", sys.executable, DIGITS, "--min-accuracy", "0.9", "--epochs", "6"]
+    try:
+        out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=400)
+        text = out.stdout + out.stderr
+        assert out.returncode == 0, text
+        assert f"job {name}: 2 workers, mode sync, backend oci" in text
+        assert re.search(r"^\[ps 0\] deepnex-ps listening on 127\.0\.0\.1:\d+", text, re.M), text
+        summary = re.search(r"^\[worker 0\] summary: digits mlp_numpy mode=ps .*"
+                            r"test_accuracy=([0-9.]+)", text, re.M)
+        assert summary and float(summary.group(1)) >= 0.9, text
+    finally:
+        # The relative --state-dir was taken from the job's cwd; nothing of
+        # the job is left there.
+        with launch.Launcher("oci", state_dir=str(tmp_path / "state")) as sweeper:
+            assert sweeper.cleanup(name) == 0
+
+
+@needs_oci
+def test_oci_mounts_and_workdir(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "in.txt").write_text("hello\n")
+    with launch.Launcher("oci", state_dir=str(tmp_path / "state")) as l:
+        h = l.start(launch.ContainerSpec(
+            name="m", command=["sh", "-c", "pwd; cat in.txt; echo out > /w/out.txt; "
+                               "touch /r/x 2>/dev/null || echo read-only"],
+            mounts=[launch.Mount(str(data), "/w", read_only=False),
+                    launch.Mount(str(data), "/r")],
+            working_dir="/w"))
+        e = h.wait(timeout=60)
+        assert e.ok, h.logs()
+        assert h.logs() == "/w\nhello\nread-only\n"
+    assert (data / "out.txt").read_text() == "out\n"
+    assert not (data / "x").exists()

@@ -75,10 +75,15 @@ struct JobOptions {
   // state; removed when the job ends. Empty: $DEEPNEX_RUN_DIR, else
   // /tmp/deepnex-<uid>/jobs.
   std::string registry_dir;
-  // Extra environment for every worker, and the workers' working directory
-  // (empty: this process's).
+  // Extra environment for every worker, and the working directory of the
+  // workers and parameter servers (empty: this process's).
   std::map<std::string, std::string> env;
   std::string working_dir;
+  // Bind mounts for every container of the job, workers and parameter
+  // servers: what a container backend's image lacks (the code, the data,
+  // deepnex itself). The working directory must be in the image or under
+  // one of them.
+  std::vector<launch::Mount> mounts;
   // Receives every line the job's processes print, with who printed it
   // ("worker 0", "ps 1"). Default: written to stdout as "[worker 0] line".
   std::function<void(const std::string& who, const std::string& line)> output;

@@ -30,7 +30,10 @@
 namespace deepnex::launch {
 
 // deepnex-central with a launcher on `launcher`'s backend. Container names
-// are per user: the launcher runs them as "<user>.<name>".
+// are per user: the launcher runs them as "<user>.<name>". Users may mount
+// only paths under `launcher.allowed_mount_roots` (symlinks resolved first);
+// when it is empty, no mount at all (PermissionDenied), unlike a Launcher's,
+// where empty means anywhere.
 //
 // A deepnex-central that crashed leaves its containers running on
 // allocations that the ledger still holds, and nothing would stop them: once
@@ -82,8 +85,9 @@ class CentralClient {
 
   // Starts `spec` on allocation `allocation_id`: NotFound for an unknown id,
   // PermissionDenied for another user's. The allocation applies as in
-  // Launcher::Start (spec.allocation and spec.mounts must be empty;
-  // spec.user is the allocation's). A name whose container ended is reused.
+  // Launcher::Start (spec.allocation must be empty, spec.mounts are
+  // subject to the server's --allow-mount directories; spec.user is the
+  // allocation's). A name whose container ended is reused.
   virtual absl::StatusOr<CentralContainer> StartContainer(const ContainerSpec& spec,
                                                           const std::string& allocation_id) = 0;
   // The caller's containers, ordered by user and name; admins see everyone's

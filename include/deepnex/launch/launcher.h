@@ -31,8 +31,13 @@
 
 namespace deepnex::launch {
 
-// A bind mount into the container. Both paths must be absolute; the source
-// must lie under one of LauncherOptions::allowed_mount_roots.
+// A bind mount of a host path into the container. Both paths are absolute
+// without "." or ".." components; the source must exist and its real path
+// (symlinks resolved) lie under one of LauncherOptions::allowed_mount_roots;
+// the launcher mounts that real path. The target may not be "/" or lie
+// under the runtime's /proc, /dev or /sys. The process backend, which has
+// the host's file system, takes only mounts that change nothing: source and
+// target the same directory, not read-only.
 struct Mount {
   std::string source;
   std::string target;
@@ -75,6 +80,8 @@ struct ContainerSpec {
   std::vector<std::string> command;
   std::map<std::string, std::string> env;
   // Absolute; empty: "/" in a container, the launcher's cwd for a process.
+  // It must exist where the command runs (in the image, or through one of
+  // the mounts): NotFound otherwise.
   std::string working_dir;
   std::vector<Mount> mounts;
   // CPU cores (fractional: a CFS quota); 0: unlimited.
@@ -163,8 +170,9 @@ class Handle {
   // up, or Stop). DeadlineExceeded naming the container if it is still
   // running after `timeout`.
   virtual absl::StatusOr<ExitStatus> Wait(std::chrono::milliseconds timeout) = 0;
-  // SIGTERM to every process of the container, SIGKILL after `grace`; no
-  // restart follows. Idempotent.
+  // SIGTERM to every process of the container (oci: to the command, through
+  // its init; the rest go with it), SIGKILL after `grace`; no restart
+  // follows. Idempotent.
   virtual absl::Status Stop(std::chrono::milliseconds grace) = 0;
   // stdout and stderr so far, interleaved, across restarts.
   virtual absl::StatusOr<std::string> Logs() = 0;
@@ -178,6 +186,13 @@ struct OciOptions {
   std::string runc = "runc";
   // runc --root; empty: <state_dir>/runc.
   std::string root;
+  // The init each container runs as its PID 1, with the command as its
+  // child: it forwards Stop's SIGTERM to the command (a PID 1 without a
+  // handler ignores it) and reaps orphans; what is left when the command
+  // ends is killed with the container. A statically linked
+  // tini, looked up on PATH and bound in read-only at /dev/init (Debian:
+  // apt-get install tini). "none": the command itself is PID 1.
+  std::string init = "tini-static";
 };
 
 struct DockerOptions {
@@ -214,12 +229,14 @@ struct LauncherOptions {
   // "process", "oci", "docker", "slurm" or "kubernetes".
   std::string backend = "process";
   // Where logs, bundles and records go; empty: a fresh directory under
-  // $TMPDIR that is removed with the launcher.
+  // $TMPDIR that is removed with the launcher. A relative one is made
+  // absolute (against the current directory) by Launcher::Create.
   std::string state_dir;
   // Names this launcher in the labels of what it starts; Cleanup(id) sweeps
   // what a launcher with that id left behind. Empty: random.
   std::string id;
-  // Mount sources must lie under one of these; empty list: "/" (any).
+  // Mount sources must lie under one of these (PermissionDenied
+  // otherwise); empty list: "/" (any).
   std::vector<std::string> allowed_mount_roots;
   // A memory limit below this is InvalidArgument.
   uint64_t min_memory = 4 << 20;

@@ -1,6 +1,7 @@
 // The launcher's contract, run against every backend that can start here
 // (LaunchContract), the process backend's own behaviour, and the bad inputs
 // of the launch issue.
+#include <limits.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -8,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <thread>
@@ -458,20 +460,79 @@ TEST_F(ProcessLauncherTest, MountsOutsideTheAllowedRootsOrNotNormal) {
   ASSERT_EQ(symlink("/etc", (scratch_.path() + "/escape").c_str()), 0);
   ContainerSpec spec = Spec("m", "exit 0");
   spec.mounts = {{"/etc", "/etc", true}};
-  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+  ExpectStartFails(spec, absl::StatusCode::kPermissionDenied,
                    "spec.mounts[0].source: \"/etc\" is outside the allowed mount roots [" +
                        scratch_.path() + "]");
+  // Checked where the symlink leads.
   spec.mounts = {{scratch_.path() + "/escape", "/x", true}};
-  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "(\"/etc\") is outside");
+  ExpectStartFails(spec, absl::StatusCode::kPermissionDenied,
+                   "spec.mounts[0].source: \"" + scratch_.path() +
+                       "/escape\" (\"/etc\") is outside");
   spec.mounts = {{scratch_.path() + "/data/../../", "/x", true}};
   ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "is not lexically normal");
   spec.mounts = {{scratch_.path() + "/missing", "/x", true}};
-  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "does not exist");
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.mounts[0].source: \"" + scratch_.path() + "/missing\" does not exist");
   spec.mounts = {{scratch_.path() + "/data", "/x/../y", true}};
   ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
                    "spec.mounts[0].target: \"/x/../y\" is not lexically normal");
-  spec.mounts = {{scratch_.path() + "/data", "/data", false}};
+  const std::pair<std::string, std::string> runtime[] = {
+      {"/proc", "/proc"}, {"/dev/", "/dev"}, {"/dev/shm", "/dev"}, {"/sys/fs/cgroup", "/sys"}};
+  for (const auto& [target, dir] : runtime) {
+    spec.mounts = {{scratch_.path() + "/data", target, true}};
+    ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                     "spec.mounts[0].target: \"" + target + "\" is over the container's " + dir +
+                         ", which the runtime mounts");
+  }
+  spec.mounts = {{scratch_.path() + "/data", "/", true}};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.mounts[0].target: \"/\" would cover the container's root");
+  spec.mounts = {{scratch_.path() + "/data", "/devices", true}};  // not /dev
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "the process backend");
+}
+
+// A process has the host's files: a mount is taken only where it changes
+// nothing, so that one command line serves the process and oci backends.
+TEST_F(ProcessLauncherTest, OnlyMountsOntoThemselves) {
+  const std::string data = scratch_.path() + "/data";
+  ASSERT_EQ(mkdir(data.c_str(), 0755), 0);
+  ASSERT_EQ(symlink(data.c_str(), (scratch_.path() + "/link").c_str()), 0);
+  ContainerSpec spec = Spec("m", "cat " + data + "/f");
+  std::ofstream(data + "/f") << "in-data\n";
+  spec.mounts = {{data, data, false}};
+  std::string logs;
+  EXPECT_TRUE(Run(spec, &logs).ok());
+  EXPECT_EQ(logs, "in-data\n");
+  // The same directory under another name is still itself.
+  spec.mounts = {{scratch_.path() + "/link", data, false}};
   EXPECT_TRUE(Run(spec).ok());
+  spec.mounts = {{data, "/data", false}};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.mounts[0]: the process backend runs on the host's files and cannot "
+                   "mount \"" + data + "\" at \"/data\"; it takes only a writable mount of a "
+                   "path onto itself");
+  spec.mounts = {{data, data, true}};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "cannot mount \"" + data + "\" at \"" + data + "\" read-only");
+}
+
+// Made absolute at Create: the launcher's files stay where they were meant
+// to be after the process changes its directory.
+TEST_F(ProcessLauncherTest, ARelativeStateDirIsMadeAbsolute) {
+  char cwd[PATH_MAX];
+  ASSERT_NE(getcwd(cwd, sizeof cwd), nullptr);
+  ASSERT_EQ(chdir(scratch_.path().c_str()), 0);
+  LauncherOptions options;
+  options.state_dir = "state";
+  Make(options);
+  ASSERT_EQ(chdir("/"), 0);
+  std::string logs;
+  EXPECT_TRUE(Run(Spec("rel", "echo hi"), &logs).ok());
+  ASSERT_EQ(chdir(cwd), 0);
+  EXPECT_EQ(logs, "hi\n");
+  auto h = launcher_->Start(Spec("kept", "exit 0"));
+  ASSERT_THAT(h, IsOk());
+  EXPECT_TRUE(std::filesystem::exists(scratch_.path() + "/state/containers/kept/record.json"));
 }
 
 TEST_F(ProcessLauncherTest, NamesAreUniqueUntilRemoved) {
