@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -193,6 +194,62 @@ TEST(Ledger, LastRecordWithBadChecksumIsTorn) {
   EXPECT_THAT(c.records, ElementsAre("first"));
   EXPECT_EQ(rec.torn_bytes, 16u + 6u);
   EXPECT_EQ(rec.torn_records, 1u);
+}
+
+// A write that fails (here: past RLIMIT_FSIZE, no root needed) fails every
+// record not yet durable, for good; Recover replays the durable ones and
+// the ledger takes records again, under fresh tickets.
+TEST(Ledger, FailedWriteLosesItsRecordsAndRecoverResumes) {
+  TempDir dir;
+  Collected c;
+  ASSERT_OK_AND_ASSIGN(auto ledger, Ledger::Open(dir.path(), {}, c.fn()));
+  EXPECT_EQ(ledger->Append("one"), 1u);
+  ASSERT_OK(ledger->Sync(1));
+  const std::string log = Files(dir.path(), "wal-").at(0);
+  const uint64_t durable_size = fs::file_size(log);
+
+  struct rlimit old_limit;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  auto old_handler = signal(SIGXFSZ, SIG_IGN);  // write() then fails with EFBIG
+  struct rlimit small = old_limit;
+  small.rlim_cur = durable_size + 20;  // the 16-byte header and 4 bytes
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  const uint64_t lost = ledger->Append("two-is-too-long");
+  EXPECT_EQ(lost, 2u);
+  absl::Status failed = ledger->Sync(lost);
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  signal(SIGXFSZ, old_handler);
+  EXPECT_THAT(failed, StatusIs(absl::StatusCode::kInternal,
+                               AllOf(HasSubstr("ledger: writing " + log), HasSubstr("too large"))));
+  EXPECT_TRUE(ledger->failed());
+  EXPECT_EQ(fs::file_size(log), durable_size);  // the partial write was cut off
+  // Until Recover, records appended on the lost state fail too.
+  const uint64_t also_lost = ledger->Append("three");
+  EXPECT_EQ(also_lost, 3u);
+  EXPECT_THAT(ledger->Sync(also_lost), StatusIs(absl::StatusCode::kInternal));
+  std::promise<absl::Status> async;
+  ledger->WhenDurable(also_lost, [&](absl::Status s) { async.set_value(s); });
+  EXPECT_THAT(async.get_future().get(), StatusIs(absl::StatusCode::kInternal));
+
+  Collected replayed;
+  ASSERT_OK(ledger->Recover(replayed.fn()));
+  EXPECT_THAT(replayed.records, ElementsAre("one"));
+  EXPECT_FALSE(ledger->failed());
+  EXPECT_EQ(ledger->last_seq(), 1u);
+  // Sequence number 2 again, under ticket 4: tickets 2 and 3 stay lost.
+  const uint64_t next = ledger->Append("four");
+  EXPECT_EQ(next, 4u);
+  ASSERT_OK(ledger->Sync(next));
+  EXPECT_EQ(ledger->last_seq(), 2u);
+  EXPECT_THAT(ledger->Sync(lost), StatusIs(absl::StatusCode::kInternal, HasSubstr("too large")));
+  EXPECT_THAT(ledger->Sync(also_lost), StatusIs(absl::StatusCode::kInternal));
+  std::promise<absl::Status> ok;
+  ledger->WhenDurable(next, [&](absl::Status s) { ok.set_value(s); });
+  EXPECT_OK(ok.get_future().get());
+  ledger.reset();
+  Collected again;
+  ASSERT_OK(Ledger::Open(dir.path(), {}, again.fn()).status());
+  EXPECT_THAT(again.records, ElementsAre("one", "four"));
 }
 
 // A clean close seals the file, so damage to its last record is DataLoss,
