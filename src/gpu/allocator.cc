@@ -2048,9 +2048,16 @@ std::vector<PendingRequest> Allocator::Pending(const std::string& user) const {
 }
 
 absl::Status Allocator::Compact() {
-  std::lock_guard<std::mutex> lock(impl_->mu_);
-  if (!impl_->ledger_) return absl::OkStatus();
-  return impl_->ledger_->Snapshot(impl_->SnapshotRecords());
+  absl::Status s;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu_);
+    if (!impl_->ledger_) return absl::OkStatus();
+    s = impl_->ledger_->Snapshot(impl_->SnapshotRecords());
+  }
+  // If writing out the log before the snapshot failed, what it held is lost
+  // (a snapshot file that failed loses nothing: RollBack then does nothing).
+  if (!s.ok()) impl_->RollBack();
+  return s;
 }
 
 uint64_t Allocator::LedgerRecords() const {

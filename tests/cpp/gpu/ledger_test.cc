@@ -673,6 +673,10 @@ TEST_F(LedgerFullDisk, FailedWritesLeaveMemoryAsItWasAndSpaceComesBack) {
   EXPECT_THAT(future.get(), StatusIs(absl::StatusCode::kInternal));
   EXPECT_EQ(Ids(*alloc), before);
   EXPECT_TRUE(alloc->Allocations("carol").empty());
+  // A snapshot that does not fit loses nothing and breaks nothing.
+  EXPECT_THAT(alloc->Compact(), StatusIs(absl::StatusCode::kInternal,
+                                         HasSubstr("No space left on device")));
+  EXPECT_EQ(Ids(*alloc), before);
 
   // Space again: the next calls succeed, without reopening.
   Free();
@@ -688,6 +692,7 @@ TEST_F(LedgerFullDisk, FailedWritesLeaveMemoryAsItWasAndSpaceComesBack) {
   after.push_back(next.id);
   EXPECT_EQ(Ids(*alloc), after);
   EXPECT_OK(alloc->CheckInvariants());
+  ASSERT_OK(alloc->Compact());
   const std::string digest = alloc->StateDigest();
   alloc.reset();
   // What memory held is exactly what is durable.
