@@ -374,7 +374,9 @@ absl::StatusOr<std::unique_ptr<Ledger>> Ledger::Open(const std::string& dir,
   std::unique_ptr<Ledger> ledger(new Ledger(dir, options));
   const std::string lock_path = dir + "/LOCK";
   ledger->lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (ledger->lock_fd_ < 0) return absl::InvalidArgumentError(Errno("state_dir: cannot open", lock_path));
+  if (ledger->lock_fd_ < 0) {
+    return absl::InvalidArgumentError(Errno("state_dir: cannot open", lock_path));
+  }
   if (::flock(ledger->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "state_dir \"", dir, "\" is in use by another allocator (", lock_path, " is locked)"));
@@ -512,7 +514,9 @@ absl::Status Ledger::Recover(const ApplyFn& apply) {
     error_ = s;
     return s;
   }
-  if (appended_ > durable_) lost_.push_back({durable_ + skipped_ + 1, appended_ + skipped_, error_});
+  if (appended_ > durable_) {
+    lost_.push_back({durable_ + skipped_ + 1, appended_ + skipped_, error_});
+  }
   skipped_ += appended_ - durable_;
   appended_ = durable_;
   buffer_.clear();

@@ -637,7 +637,8 @@ TEST_F(LedgerFullDisk, FailedWritesLeaveMemoryAsItWasAndSpaceComesBack) {
   const std::string state = mnt_ + "/state";
   auto alloc = Open(state);
   ASSERT_NE(alloc, nullptr);
-  ASSERT_OK(alloc->AddNode(MakeNode("n1", 8, 80 * kGiB, Mode::kShared, 1 << 20, uint64_t{1} << 50)));
+  ASSERT_OK(
+      alloc->AddNode(MakeNode("n1", 8, 80 * kGiB, Mode::kShared, 1 << 20, uint64_t{1} << 50)));
   // A gang, so that its release record is longer than a grant to "bob":
   // once a grant no longer fits the log file's last page, neither does it.
   Request gang = Shared("alice", 1, kGiB);
