@@ -185,6 +185,9 @@ class Allocator::Impl {
   ~Impl() {
     Shutdown();
     if (reaper_.joinable()) reaper_.join();
+    // Its last callbacks run while the rest is alive; reset() clears
+    // ledger_ before deleting, so a RollBack they start sees no ledger.
+    ledger_.reset();
   }
 
   void Shutdown() {
@@ -660,22 +663,66 @@ class Allocator::Impl {
 
   // ---- logging
 
-  // Appends under mu_; returns the sequence number to Sync (0 in memory).
+  // Appends under mu_, after applying the change in memory; returns the
+  // ledger ticket to make durable before acknowledging (0 in memory). If
+  // that write fails, RollBack undoes the change before anyone is told.
   uint64_t LogLocked(const std::string& record) {
     if (!ledger_) return 0;
     ++records_;
     uint64_t seq = ledger_->Append(record);
-    if (options_.snapshot_every > 0 &&
-        ledger_->records_since_snapshot() >= options_.snapshot_every) {
-      absl::Status s = ledger_->Snapshot(SnapshotRecords());
-      if (!s.ok()) snapshot_error_ = s;  // the log still holds everything
+    const uint64_t since = ledger_->records_since_snapshot();
+    // A failed snapshot is retried every snapshot_every records, not on
+    // each one: the log still holds everything (a full disk fails it fast,
+    // but writing the state out is not free).
+    if (options_.snapshot_every > 0 && since >= options_.snapshot_every &&
+        since % options_.snapshot_every == 0) {
+      ledger_->Snapshot(SnapshotRecords()).IgnoreError();
     }
     return seq;
   }
 
+  // Waits until ticket `seq` is durable; if its write failed, memory is
+  // rolled back to the durable state before the error returns.
   absl::Status Durable(uint64_t seq) {
     if (!ledger_ || seq == 0) return absl::OkStatus();
-    return ledger_->Sync(seq);
+    absl::Status s = ledger_->Sync(seq);
+    if (!s.ok()) RollBack();
+    return s;
+  }
+
+  // The asynchronous Durable: `done` hears once the rollback is done.
+  void WhenDurable(uint64_t seq, Allocator::Done done) {
+    ledger_->WhenDurable(seq, [this, done = std::move(done)](absl::Status s) {
+      if (!s.ok()) RollBack();
+      done(s);
+    });
+  }
+
+  // After a failed ledger write (takes mu_): rebuilds memory from the
+  // durable records, so that no grant, release or other change the write
+  // lost stays applied, and lets the ledger take records again -- when the
+  // disk has space again the next call succeeds. Every change made since
+  // the failure was built on lost ones, and the ledger failed it too.
+  void RollBack() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!ledger_ || !ledger_->failed()) return;  // rolled back already, or closing
+    slots_.clear();
+    by_name_.clear();
+    uuids_.clear();
+    excl_.clear();
+    shared_.clear();
+    allocs_.clear();
+    gangs_.clear();
+    usage_.clear();
+    quotas_.clear();
+    default_quota_ = Quota{};
+    next_id_ = next_gang_ = 1;
+    leases_.clear();
+    absl::Status s = ledger_->Recover([this](const std::string& r) { return ApplyRecord(r); });
+    if (!s.ok()) ledger_error_ = s;  // Broken() refuses every change from now on
+    Pump();  // what the lost changes held may fit the queue now
+    queue_cv_.notify_all();
+    reaper_cv_.notify_all();
   }
 
   std::vector<std::string> SnapshotRecords() const {
@@ -1372,8 +1419,8 @@ class Allocator::Impl {
   void Answer(Waiter w, Allocator::AllocateDone done) {
     if (!w.status.ok()) return done(w.status);
     if (!ledger_ || w.seq == 0) return done(std::move(w.result));
-    ledger_->WhenDurable(w.seq, [done = std::move(done), result = std::move(w.result)](
-                                    absl::Status s) mutable {
+    WhenDurable(w.seq, [done = std::move(done), result = std::move(w.result)](
+                           absl::Status s) mutable {
       if (s.ok()) {
         done(std::move(result));
       } else {
@@ -1407,9 +1454,9 @@ class Allocator::Impl {
   }
 
   absl::Status Broken() const {
-    if (snapshot_error_.ok()) return absl::OkStatus();
-    return absl::Status(snapshot_error_.code(),
-                        absl::StrCat("the ledger failed: ", snapshot_error_.message()));
+    if (ledger_error_.ok()) return absl::OkStatus();
+    return absl::Status(ledger_error_.code(),
+                        absl::StrCat("the ledger failed: ", ledger_error_.message()));
   }
 
   // Releases `nums`, applies pending mode switches they complete, grants
@@ -1472,8 +1519,11 @@ class Allocator::Impl {
       if (!expired.empty()) {
         uint64_t seq = ReleaseLocked(expired, "lease expired");
         lock.unlock();
-        Durable(seq).IgnoreError();
+        const bool logged = Durable(seq).ok();
         lock.lock();
+        // A failed write rolled the expiry back: retry it after the usual
+        // interval rather than spin on a full disk.
+        if (!logged) reaper_cv_.wait_for(lock, options_.lease_check_interval);
         continue;
       }
       int64_t wait_ms = options_.lease_check_interval.count();
@@ -1600,7 +1650,7 @@ class Allocator::Impl {
   LedgerRecovery recovery_;
   std::unique_ptr<Ledger> ledger_;
   uint64_t records_ = 0;
-  absl::Status snapshot_error_;
+  absl::Status ledger_error_;  // the ledger cannot go on: a restart must repair it
 
   mutable std::mutex mu_;
   std::condition_variable queue_cv_;
@@ -1923,7 +1973,7 @@ void Allocator::ReleaseAsync(const std::string& id, Done done) {
     s = impl_->ReleaseId(id, &seq);
   }
   if (!s.ok() || !impl_->ledger_ || seq == 0) return done(s);
-  impl_->ledger_->WhenDurable(seq, std::move(done));
+  impl_->WhenDurable(seq, std::move(done));
 }
 
 absl::StatusOr<Allocation> Allocator::Renew(const std::string& id) {
@@ -1998,14 +2048,26 @@ std::vector<PendingRequest> Allocator::Pending(const std::string& user) const {
 }
 
 absl::Status Allocator::Compact() {
-  std::lock_guard<std::mutex> lock(impl_->mu_);
-  if (!impl_->ledger_) return absl::OkStatus();
-  return impl_->ledger_->Snapshot(impl_->SnapshotRecords());
+  absl::Status s;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu_);
+    if (!impl_->ledger_) return absl::OkStatus();
+    s = impl_->ledger_->Snapshot(impl_->SnapshotRecords());
+  }
+  // If writing out the log before the snapshot failed, what it held is lost
+  // (a snapshot file that failed loses nothing: RollBack then does nothing).
+  if (!s.ok()) impl_->RollBack();
+  return s;
 }
 
 uint64_t Allocator::LedgerRecords() const {
   std::lock_guard<std::mutex> lock(impl_->mu_);
   return impl_->records_;
+}
+
+LedgerReport Allocator::Recovered() const {
+  const LedgerRecovery& r = impl_->recovery_;  // set once, by Create
+  return {r.snapshot_records, r.log_records, r.torn_records, r.torn_bytes};
 }
 
 std::string Allocator::StateDigest() const {

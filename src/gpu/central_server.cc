@@ -126,6 +126,18 @@ class Service final : public pb::Central::CallbackService {
     counter("deepnex_releases_total", "Release calls that succeeded.", releases_.load());
     counter("deepnex_refusals_total", "Allocate calls refused (quota, capacity, bad input).",
             refusals_.load());
+    const LedgerReport ledger = alloc_->Recovered();
+    gauge("deepnex_ledger_recovered_records",
+          "Ledger records replayed at start, from the snapshot and from the log.");
+    absl::StrAppend(&out, "deepnex_ledger_recovered_records{source=\"snapshot\"} ",
+                    ledger.snapshot_records, "\n");
+    absl::StrAppend(&out, "deepnex_ledger_recovered_records{source=\"log\"} ",
+                    ledger.log_records, "\n");
+    gauge("deepnex_ledger_torn_records",
+          "Records dropped at start from a torn tail of the newest log file (never acknowledged).");
+    absl::StrAppend(&out, "deepnex_ledger_torn_records ", ledger.torn_records, "\n");
+    gauge("deepnex_ledger_torn_bytes", "Bytes of that torn tail.");
+    absl::StrAppend(&out, "deepnex_ledger_torn_bytes ", ledger.torn_bytes, "\n");
     return out;
   }
 

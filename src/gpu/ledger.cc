@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <map>
 
@@ -89,15 +90,52 @@ void AppendFrame(std::string* out, uint64_t seq, const std::string& record) {
   out->append(record);
 }
 
+// The frame a clean close ends the newest log file with: sequence number
+// 0, no payload. Records are numbered from 1, so it is never a record.
+std::string SealFrame() {
+  std::string out;
+  AppendFrame(&out, 0, "");
+  return out;
+}
+
+// Whether a well-formed frame (length in range, whole, checksum right)
+// starts at `off`; *len is then its payload length.
+bool FrameAt(const std::string& data, size_t off, uint32_t* len) {
+  if (off > data.size() || data.size() - off < kFrameHeader) return false;
+  const uint32_t l = LoadFixed32(data.data() + off);
+  if (l > kMaxRecord || kFrameHeader + l > data.size() - off) return false;
+  if (LoadFixed32(data.data() + off + 4) != Crc32c(data.data() + off + 8, 8 + l)) return false;
+  *len = l;
+  return true;
+}
+
 struct LogScan {
   std::vector<std::pair<uint64_t, std::string>> records;
   uint64_t valid_end = 0;   // bytes of good records (incl. the header)
   uint64_t size = 0;
   bool torn = false;
+  uint64_t torn_records = 0;  // frames (whole or partial) in the torn tail
 };
 
-// Reads one log file. A bad tail of the last file is torn (see ledger.h);
-// any other damage is DataLoss.
+// Frames, whole or cut short, in the torn tail `data[off, end)`: zeros
+// (preallocated blocks) hold none.
+uint64_t TornRecords(const std::string& data, size_t off) {
+  if (std::all_of(data.begin() + off, data.end(), [](char c) { return c == 0; })) return 0;
+  uint64_t n = 0;
+  while (off < data.size()) {
+    ++n;
+    const size_t left = data.size() - off;
+    if (left < kFrameHeader) break;
+    const uint32_t len = LoadFixed32(data.data() + off);
+    if (len > kMaxRecord) break;
+    off += std::min<size_t>(left, kFrameHeader + len);
+  }
+  return n;
+}
+
+// Reads one log file. Only a bad tail of the newest file, unsealed and with
+// no well-formed frame anywhere after the damage, is torn (see ledger.h);
+// any other damage is DataLoss naming the file and offset.
 absl::Status ScanLog(const std::string& path, bool is_last, LogScan* scan) {
   absl::StatusOr<std::string> read = ReadWholeFile(path, "ledger file");
   if (!read.ok()) return read.status();
@@ -118,29 +156,18 @@ absl::Status ScanLog(const std::string& path, bool is_last, LogScan* scan) {
   size_t off = kMagicLen;
   uint64_t prev_seq = 0;
   while (off < data.size()) {
-    const size_t left = data.size() - off;
-    std::string problem;
-    bool short_frame = false;
     uint32_t len = 0;
-    if (left < kFrameHeader) {
-      short_frame = true;
-      problem = absl::StrCat("a ", left, "-byte fragment of a record header");
-    } else {
-      len = LoadFixed32(data.data() + off);
-      if (len > kMaxRecord) {
-        problem = absl::StrCat("a record length of ", len, " bytes");
-      } else if (kFrameHeader + len > left) {
-        short_frame = true;
-        problem = absl::StrCat("a record of ", len, " bytes with only ", left - kFrameHeader,
-                               " present");
-      } else {
-        uint32_t want = LoadFixed32(data.data() + off + 4);
-        uint32_t got = Crc32c(data.data() + off + 8, 8 + len);
-        if (want != got) problem = "a checksum mismatch";
+    if (FrameAt(data, off, &len)) {
+      const uint64_t seq = LoadFixed64(data.data() + off + 8);
+      if (seq == 0) {  // the seal: the writer closed the file cleanly
+        if (len != 0 || off + kFrameHeader != data.size()) {
+          return absl::DataLossError(absl::StrCat(
+              "ledger ", path, " at offset ", off, ": ", data.size() - off - kFrameHeader - len,
+              " bytes follow the end-of-file seal (after record ", prev_seq, ")"));
+        }
+        scan->valid_end = data.size();
+        return absl::OkStatus();
       }
-    }
-    if (problem.empty()) {
-      uint64_t seq = LoadFixed64(data.data() + off + 8);
       if (prev_seq != 0 && seq != prev_seq + 1) {
         return absl::DataLossError(absl::StrCat("ledger ", path, " at offset ", off,
                                                 ": record ", seq, " follows record ", prev_seq));
@@ -151,18 +178,37 @@ absl::Status ScanLog(const std::string& path, bool is_last, LogScan* scan) {
       scan->valid_end = off;
       continue;
     }
-    // A write cut short by a crash leaves a short frame, a frame that ends
-    // the file, or zeros (preallocated blocks) after the last good record.
-    const bool ends_file = !short_frame && len <= kMaxRecord && off + kFrameHeader + len == data.size();
-    const bool zeros = std::all_of(data.begin() + off, data.end(), [](char c) { return c == 0; });
-    if (is_last && (short_frame || ends_file || zeros)) {
+    const size_t left = data.size() - off;
+    std::string problem;
+    if (left < kFrameHeader) {
+      problem = absl::StrCat("a ", left, "-byte fragment of a record header");
+    } else if (len = LoadFixed32(data.data() + off); len > kMaxRecord) {
+      problem = absl::StrCat("a record length of ", len, " bytes");
+    } else if (kFrameHeader + len > left) {
+      problem = absl::StrCat("a record of ", len, " bytes with only ", left - kFrameHeader,
+                             " present");
+    } else {
+      problem = "a checksum mismatch";
+    }
+    // A write cut short by a crash leaves one bad stretch at the end of the
+    // file and nothing after it. A well-formed frame (a record or the seal)
+    // after the bad one proves later writes landed, so the bad one was
+    // written -- and acknowledged -- before them: it is damage, not a tear.
+    size_t next = off + 1;
+    while (next < data.size() && !FrameAt(data, next, &len)) ++next;
+    if (is_last && next >= data.size()) {
       scan->torn = true;
       scan->valid_end = off;
+      scan->torn_records = TornRecords(data, off);
       return absl::OkStatus();
     }
+    const std::string why =
+        next < data.size()
+            ? absl::StrCat("a well-formed record frame follows at offset ", next)
+            : absl::StrCat(left, " bytes follow in a log file that is not the newest");
     return absl::DataLossError(absl::StrCat(
         "ledger ", path, " is damaged at offset ", off, " (after record ", prev_seq, "): ",
-        problem, ", and ", left, " bytes follow; refusing to replay a partial history"));
+        problem, "; ", why, "; refusing to replay a partial history"));
   }
   scan->valid_end = data.size();
   return absl::OkStatus();
@@ -198,15 +244,8 @@ absl::StatusOr<std::vector<std::string>> ReadSnapshot(const std::string& path, u
 }
 
 absl::Status MakeDirs(const std::string& dir) {
-  std::string path;
-  for (size_t i = 0; i <= dir.size(); ++i) {
-    if (i == dir.size() || (dir[i] == '/' && i > 0)) {
-      path = dir.substr(0, i);
-      if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) {
-        return absl::InvalidArgumentError(Errno("state_dir: cannot create", path));
-      }
-    }
-  }
+  absl::Status made = MakeDirectories(dir);
+  if (!made.ok()) return absl::InvalidArgumentError(absl::StrCat("state_dir: ", made.message()));
   struct stat st;
   if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
     return absl::InvalidArgumentError(absl::StrCat("state_dir: \"", dir, "\" is not a directory"));
@@ -218,8 +257,8 @@ absl::Status MakeDirs(const std::string& dir) {
 
 std::string LedgerRecovery::ToString() const {
   return absl::StrCat("snapshot at record ", snapshot_seq, " (", snapshot_records,
-                      " records), ", log_records, " log records replayed, ", torn_bytes,
-                      " torn bytes dropped");
+                      " records), ", log_records, " log records replayed, ", torn_records,
+                      " torn records (", torn_bytes, " bytes) dropped from the tail");
 }
 
 Ledger::Ledger(std::string dir, LedgerOptions options)
@@ -237,25 +276,22 @@ Ledger::~Ledger() {
     std::unique_lock<std::mutex> lock(mu_);
     while (syncing_) cv_.wait(lock);
     if (!buffer_.empty() && error_.ok()) FlushLocked(lock).IgnoreError();
+    // The seal tells the next Open that this file ends here: damage to its
+    // last records is then DataLoss, never a torn tail to drop.
+    if (fd_ >= 0 && error_.ok()) {
+      const std::string seal = SealFrame();
+      if (WriteAll(fd_, seal.data(), seal.size(), log_path_).ok() && options_.fsync) {
+        ::fdatasync(fd_);
+      }
+    }
   }
   if (fd_ >= 0) ::close(fd_);
   if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
 }
 
-absl::StatusOr<std::unique_ptr<Ledger>> Ledger::Open(const std::string& dir,
-                                                     const LedgerOptions& options,
-                                                     const ApplyFn& apply,
-                                                     LedgerRecovery* recovery) {
-  DEEPNEX_RETURN_IF_ERROR(MakeDirs(dir));
-  std::unique_ptr<Ledger> ledger(new Ledger(dir, options));
-  const std::string lock_path = dir + "/LOCK";
-  ledger->lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (ledger->lock_fd_ < 0) return absl::InvalidArgumentError(Errno("state_dir: cannot open", lock_path));
-  if (::flock(ledger->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "state_dir \"", dir, "\" is in use by another allocator (", lock_path, " is locked)"));
-  }
-  LedgerRecovery rec;
+absl::Status Ledger::Replay(const std::string& dir, const ApplyFn& apply, bool repair,
+                            LedgerRecovery* recovery, uint64_t* last) {
+  LedgerRecovery& rec = *recovery;
   auto snaps = ListFiles(dir, "snap-", ".snap");
   if (!snaps.empty()) {
     auto newest = std::prev(snaps.end());
@@ -270,16 +306,32 @@ absl::StatusOr<std::unique_ptr<Ledger>> Ledger::Open(const std::string& dir,
     rec.snapshot_seq = newest->first;
     rec.snapshot_records = records.size();
   }
-  uint64_t last = rec.snapshot_seq;
+  *last = rec.snapshot_seq;
   auto logs = ListFiles(dir, "wal-", ".log");
+  std::string prev_path = snaps.empty() ? "" : std::prev(snaps.end())->second;
   for (auto it = logs.begin(); it != logs.end(); ++it) {
     const bool is_last = std::next(it) == logs.end();
+    // Each file's name is its first record's number, so the files form an
+    // unbroken sequence; a gap is a lost file, even when the file after it
+    // is empty (as the one an Open starts is).
+    if (it->first > *last + 1) {
+      return absl::DataLossError(absl::StrCat(
+          "ledger ", dir, ": records ", *last + 1, " to ", it->first - 1, " are missing: ",
+          prev_path.empty() ? "there is no earlier log file or snapshot"
+                            : absl::StrCat(prev_path, " ends at record ", *last),
+          ", and ", it->second, " starts at record ", it->first));
+    }
     LogScan scan;
     DEEPNEX_RETURN_IF_ERROR(ScanLog(it->second, is_last, &scan));
+    if (!scan.records.empty() && scan.records.front().first != it->first) {
+      return absl::DataLossError(absl::StrCat("ledger ", it->second, ": its first record is ",
+                                              scan.records.front().first,
+                                              ", its name says ", it->first));
+    }
     for (auto& [seq, r] : scan.records) {
       if (seq <= rec.snapshot_seq) continue;
-      if (seq != last + 1) {
-        return absl::DataLossError(absl::StrCat("ledger ", it->second, ": records ", last + 1,
+      if (seq != *last + 1) {
+        return absl::DataLossError(absl::StrCat("ledger ", it->second, ": records ", *last + 1,
                                                 " to ", seq - 1, " are missing"));
       }
       absl::Status s = apply(r);
@@ -287,11 +339,13 @@ absl::StatusOr<std::unique_ptr<Ledger>> Ledger::Open(const std::string& dir,
         return absl::DataLossError(absl::StrCat("ledger ", it->second, ": replay of record ",
                                                 seq, " failed: ", s.message()));
       }
-      last = seq;
+      *last = seq;
       ++rec.log_records;
     }
-    if (scan.torn) {
+    prev_path = it->second;
+    if (scan.torn && repair) {
       rec.torn_bytes = scan.size - scan.valid_end;
+      rec.torn_records = scan.torn_records;
       if (scan.valid_end < kMagicLen) {  // not even a header: nothing to keep
         ::unlink(it->second.c_str());
         continue;
@@ -304,6 +358,32 @@ absl::StatusOr<std::unique_ptr<Ledger>> Ledger::Open(const std::string& dir,
       ::close(fd);
     }
   }
+  if (repair && rec.torn_bytes > 0) {
+    // Unacknowledged by construction, but an operator should see it.
+    std::fprintf(stderr, "deepnex ledger %s: recovered: %s\n", dir.c_str(),
+                 rec.ToString().c_str());
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Ledger>> Ledger::Open(const std::string& dir,
+                                                     const LedgerOptions& options,
+                                                     const ApplyFn& apply,
+                                                     LedgerRecovery* recovery) {
+  DEEPNEX_RETURN_IF_ERROR(MakeDirs(dir));
+  std::unique_ptr<Ledger> ledger(new Ledger(dir, options));
+  const std::string lock_path = dir + "/LOCK";
+  ledger->lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (ledger->lock_fd_ < 0) {
+    return absl::InvalidArgumentError(Errno("state_dir: cannot open", lock_path));
+  }
+  if (::flock(ledger->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "state_dir \"", dir, "\" is in use by another allocator (", lock_path, " is locked)"));
+  }
+  LedgerRecovery rec;
+  uint64_t last = 0;
+  DEEPNEX_RETURN_IF_ERROR(Replay(dir, apply, /*repair=*/true, &rec, &last));
   ledger->appended_ = ledger->durable_ = last;
   ledger->snapshot_seq_ = rec.snapshot_seq;
   DEEPNEX_RETURN_IF_ERROR(ledger->StartLogFile(last + 1));
@@ -322,11 +402,13 @@ absl::Status Ledger::StartLogFile(uint64_t first_seq) {
   if (s.ok()) s = SyncDir(dir_);
   if (!s.ok()) {
     ::close(fd);
+    ::unlink(path.c_str());  // an empty newest file would hide the one in use
     return s;
   }
   if (fd_ >= 0) ::close(fd_);
   fd_ = fd;
   log_path_ = path;
+  durable_bytes_ = kMagicLen;
   return absl::OkStatus();
 }
 
@@ -334,7 +416,7 @@ uint64_t Ledger::Append(const std::string& record) {
   std::lock_guard<std::mutex> lock(mu_);
   ++appended_;
   AppendFrame(&buffer_, appended_, record);
-  return appended_;
+  return appended_ + skipped_;
 }
 
 absl::Status Ledger::FlushLocked(std::unique_lock<std::mutex>& lock) {
@@ -343,6 +425,7 @@ absl::Status Ledger::FlushLocked(std::unique_lock<std::mutex>& lock) {
   std::string data;
   data.swap(buffer_);
   const uint64_t target = appended_;
+  const uint64_t durable_bytes = durable_bytes_;
   const int fd = fd_;
   const std::string path = log_path_;
   lock.unlock();
@@ -350,62 +433,121 @@ absl::Status Ledger::FlushLocked(std::unique_lock<std::mutex>& lock) {
   if (s.ok() && options_.fsync && ::fdatasync(fd) != 0) {
     s = absl::InternalError(Errno("ledger: fdatasync of", path));
   }
+  bool repaired = true;
+  if (!s.ok()) {
+    // Cut off what part of the batch landed, so that the file holds exactly
+    // the durable records and later writes follow them.
+    if (::ftruncate(fd, static_cast<off_t>(durable_bytes)) != 0) {
+      repaired = false;
+      s = absl::InternalError(absl::StrCat(
+          s.message(), "; then cutting it back to ", durable_bytes,
+          " bytes failed: ", std::strerror(errno)));
+    }
+  }
   lock.lock();
   syncing_ = false;
   if (s.ok()) {
     durable_ = std::max(durable_, target);
+    durable_bytes_ = durable_bytes + data.size();
   } else {
     error_ = s;
+    broken_ = broken_ || !repaired;
   }
   cv_.notify_all();
   if (!callbacks_.empty()) flusher_cv_.notify_all();
   return s;
 }
 
-absl::Status Ledger::Sync(uint64_t seq) {
+std::optional<absl::Status> Ledger::OutcomeLocked(uint64_t ticket) const {
+  for (const Lost& l : lost_) {
+    if (ticket >= l.first && ticket <= l.last) return l.status;
+  }
+  if (ticket <= durable_ + skipped_) return absl::OkStatus();
+  if (!error_.ok()) return error_;
+  return std::nullopt;
+}
+
+absl::Status Ledger::Sync(uint64_t ticket) {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    if (!error_.ok()) return error_;
-    if (durable_ >= seq) return absl::OkStatus();
+    if (std::optional<absl::Status> outcome = OutcomeLocked(ticket)) return *outcome;
     if (!syncing_) {
-      FlushLocked(lock).IgnoreError();  // the loop reports error_
+      FlushLocked(lock).IgnoreError();  // the loop reports the outcome
       continue;
     }
     cv_.wait(lock);
   }
 }
 
-void Ledger::WhenDurable(uint64_t seq, DurableFn fn) {
+void Ledger::WhenDurable(uint64_t ticket, DurableFn fn) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (!error_.ok() || durable_ >= seq) {
-    absl::Status status = error_;
+  if (std::optional<absl::Status> outcome = OutcomeLocked(ticket)) {
     lock.unlock();
-    fn(status);
+    fn(*outcome);
     return;
   }
-  callbacks_.emplace(seq, std::move(fn));
+  callbacks_.emplace(ticket, std::move(fn));
   flusher_cv_.notify_all();
+}
+
+bool Ledger::failed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !error_.ok();
+}
+
+absl::Status Ledger::Recover(const ApplyFn& apply) {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (syncing_) cv_.wait(lock);
+  if (error_.ok()) return absl::OkStatus();
+  if (broken_) return error_;
+  // No write runs while error_ is set, and the file was cut back to durable
+  // records: replaying it gives exactly the acknowledged state.
+  LedgerRecovery rec;
+  uint64_t last = 0;
+  absl::Status s = Replay(dir_, apply, /*repair=*/false, &rec, &last);
+  if (s.ok() && last != durable_) {
+    s = absl::DataLossError(absl::StrCat("ledger ", dir_, ": re-reading after a failed write gave ",
+                                         last, " records, ", durable_, " are durable"));
+  }
+  if (!s.ok()) {
+    broken_ = true;
+    error_ = s;
+    return s;
+  }
+  if (appended_ > durable_) {
+    lost_.push_back({durable_ + skipped_ + 1, appended_ + skipped_, error_});
+  }
+  skipped_ += appended_ - durable_;
+  appended_ = durable_;
+  buffer_.clear();
+  error_ = absl::OkStatus();
+  cv_.notify_all();
+  flusher_cv_.notify_all();
+  return absl::OkStatus();
 }
 
 void Ledger::FlushLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    // Answer what is durable (everything once a write failed) ...
-    auto end = error_.ok() ? callbacks_.upper_bound(durable_) : callbacks_.end();
-    if (end != callbacks_.begin()) {
-      std::vector<DurableFn> ready;
-      for (auto it = callbacks_.begin(); it != end; ++it) ready.push_back(std::move(it->second));
-      callbacks_.erase(callbacks_.begin(), end);
-      const absl::Status status = error_;
+    // Answer what is decided: callbacks are in ticket order, and once one
+    // is still to be written, so are those after it ...
+    std::vector<std::pair<DurableFn, absl::Status>> ready;
+    while (!callbacks_.empty()) {
+      std::optional<absl::Status> outcome = OutcomeLocked(callbacks_.begin()->first);
+      if (!outcome) break;
+      ready.emplace_back(std::move(callbacks_.begin()->second), *std::move(outcome));
+      callbacks_.erase(callbacks_.begin());
+    }
+    if (!ready.empty()) {
       lock.unlock();
-      for (auto& fn : ready) fn(status);
+      for (auto& [fn, status] : ready) fn(status);
       lock.lock();
       continue;
     }
     // ... then write for the rest, unless a Sync is writing already: what
     // gathered during this write goes in the next one.
     if (!callbacks_.empty() && !syncing_) {
-      FlushLocked(lock).IgnoreError();  // error_ answers the callbacks
+      FlushLocked(lock).IgnoreError();  // the outcome answers the callbacks
       continue;
     }
     if (closing_ && callbacks_.empty()) return;

@@ -41,6 +41,17 @@ struct AllocatorOptions {
   std::chrono::milliseconds lease_check_interval{100};
 };
 
+// What Allocator::Create replayed from state_dir, and what it dropped: a
+// torn tail of the newest log file, a write that a crash cut short and that
+// was never acknowledged. All zero in memory. Logged to stderr when a tail
+// was dropped, and served as metrics by deepnex-central.
+struct LedgerReport {
+  uint64_t snapshot_records = 0;
+  uint64_t log_records = 0;   // replayed after the snapshot
+  uint64_t torn_records = 0;  // frames, whole or cut short
+  uint64_t torn_bytes = 0;
+};
+
 // Per call of Allocate. The queue is strict (no backfill): while a request
 // waits, a later request of lower or equal priority waits behind it even if
 // it would fit, so large requests are not starved by small ones.
@@ -194,6 +205,8 @@ class Allocator {
   // Records written to the ledger since this Allocator was created (0 in
   // memory); a call that changes nothing writes none.
   uint64_t LedgerRecords() const;
+  // What Create recovered from state_dir.
+  LedgerReport Recovered() const;
   // A canonical serialization of the whole state: equal strings, equal state.
   std::string StateDigest() const;
   // Recomputes every counter from the allocations; Internal naming the first

@@ -5,6 +5,8 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -13,12 +15,15 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "deepnex/gpu/allocator.h"
+#include "deepnex/gpu/central.h"
 #include "gmock/gmock.h"
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
@@ -63,6 +68,19 @@ std::string LastLogWithRecords(const std::string& dir) {
     if (fs::file_size(p) > 8) last = p;
   }
   return last;
+}
+
+// The 16-byte frame a clean close ends the newest log file with.
+constexpr size_t kSealBytes = 16;
+
+// Strips the seal from `log`, leaving the file as a crash would have: only
+// an unsealed file can have a torn tail.
+std::string Unseal(const std::string& log) {
+  std::string data = ReadAll(log);
+  EXPECT_GE(data.size(), 8 + kSealBytes);
+  data.resize(data.size() - kSealBytes);
+  WriteAll(log, data);
+  return data;
 }
 
 struct Collected {
@@ -141,7 +159,7 @@ TEST(Ledger, TornTailIsDroppedAndTruncated) {
     ASSERT_OK(ledger->Sync(3));
   }
   const std::string log = LastLogWithRecords(dir.path());
-  const std::string good = ReadAll(log);
+  const std::string good = Unseal(log);
   // A frame header cut short, as a crash mid-write leaves it.
   WriteAll(log, good + std::string("\x20\x00\x00\x00\x11\x22", 6));
   {
@@ -150,6 +168,10 @@ TEST(Ledger, TornTailIsDroppedAndTruncated) {
     ASSERT_OK_AND_ASSIGN(auto ledger, Ledger::Open(dir.path(), {}, c.fn(), &rec));
     EXPECT_THAT(c.records, ElementsAre("record0", "record1", "record2"));
     EXPECT_EQ(rec.torn_bytes, 6u);
+    EXPECT_EQ(rec.torn_records, 1u);
+    EXPECT_EQ(rec.ToString(),
+              "snapshot at record 0 (0 records), 3 log records replayed, 1 torn records "
+              "(6 bytes) dropped from the tail");
   }
   EXPECT_EQ(ReadAll(log), good);
 }
@@ -164,7 +186,7 @@ TEST(Ledger, LastRecordWithBadChecksumIsTorn) {
     ASSERT_OK(ledger->Sync(2));
   }
   const std::string log = LastLogWithRecords(dir.path());
-  std::string data = ReadAll(log);
+  std::string data = Unseal(log);
   data[data.size() - 1] ^= 0x40;  // the last payload byte of "second"
   WriteAll(log, data);
   Collected c;
@@ -172,6 +194,185 @@ TEST(Ledger, LastRecordWithBadChecksumIsTorn) {
   ASSERT_OK(Ledger::Open(dir.path(), {}, c.fn(), &rec).status());
   EXPECT_THAT(c.records, ElementsAre("first"));
   EXPECT_EQ(rec.torn_bytes, 16u + 6u);
+  EXPECT_EQ(rec.torn_records, 1u);
+}
+
+// A write that fails (here: past RLIMIT_FSIZE, no root needed) fails every
+// record not yet durable, for good; Recover replays the durable ones and
+// the ledger takes records again, under fresh tickets.
+TEST(Ledger, FailedWriteLosesItsRecordsAndRecoverResumes) {
+  TempDir dir;
+  Collected c;
+  ASSERT_OK_AND_ASSIGN(auto ledger, Ledger::Open(dir.path(), {}, c.fn()));
+  EXPECT_EQ(ledger->Append("one"), 1u);
+  ASSERT_OK(ledger->Sync(1));
+  const std::string log = Files(dir.path(), "wal-").at(0);
+  const uint64_t durable_size = fs::file_size(log);
+
+  struct rlimit old_limit;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  auto old_handler = signal(SIGXFSZ, SIG_IGN);  // write() then fails with EFBIG
+  struct rlimit small = old_limit;
+  small.rlim_cur = durable_size + 20;  // the 16-byte header and 4 bytes
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  const uint64_t lost = ledger->Append("two-is-too-long");
+  EXPECT_EQ(lost, 2u);
+  absl::Status failed = ledger->Sync(lost);
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  signal(SIGXFSZ, old_handler);
+  EXPECT_THAT(failed, StatusIs(absl::StatusCode::kInternal,
+                               AllOf(HasSubstr("ledger: writing " + log), HasSubstr("too large"))));
+  EXPECT_TRUE(ledger->failed());
+  EXPECT_EQ(fs::file_size(log), durable_size);  // the partial write was cut off
+  // Until Recover, records appended on the lost state fail too.
+  const uint64_t also_lost = ledger->Append("three");
+  EXPECT_EQ(also_lost, 3u);
+  EXPECT_THAT(ledger->Sync(also_lost), StatusIs(absl::StatusCode::kInternal));
+  std::promise<absl::Status> async;
+  ledger->WhenDurable(also_lost, [&](absl::Status s) { async.set_value(s); });
+  EXPECT_THAT(async.get_future().get(), StatusIs(absl::StatusCode::kInternal));
+
+  Collected replayed;
+  ASSERT_OK(ledger->Recover(replayed.fn()));
+  EXPECT_THAT(replayed.records, ElementsAre("one"));
+  EXPECT_FALSE(ledger->failed());
+  EXPECT_EQ(ledger->last_seq(), 1u);
+  // Sequence number 2 again, under ticket 4: tickets 2 and 3 stay lost.
+  const uint64_t next = ledger->Append("four");
+  EXPECT_EQ(next, 4u);
+  ASSERT_OK(ledger->Sync(next));
+  EXPECT_EQ(ledger->last_seq(), 2u);
+  EXPECT_THAT(ledger->Sync(lost), StatusIs(absl::StatusCode::kInternal, HasSubstr("too large")));
+  EXPECT_THAT(ledger->Sync(also_lost), StatusIs(absl::StatusCode::kInternal));
+  std::promise<absl::Status> ok;
+  ledger->WhenDurable(next, [&](absl::Status s) { ok.set_value(s); });
+  EXPECT_OK(ok.get_future().get());
+  ledger.reset();
+  Collected again;
+  ASSERT_OK(Ledger::Open(dir.path(), {}, again.fn()).status());
+  EXPECT_THAT(again.records, ElementsAre("one", "four"));
+}
+
+// A clean close seals the file, so damage to its last record is DataLoss,
+// not a torn tail to drop silently.
+TEST(Ledger, SealedLastRecordWithBadChecksumIsDataLoss) {
+  TempDir dir;
+  {
+    Collected c;
+    ASSERT_OK_AND_ASSIGN(auto ledger, Ledger::Open(dir.path(), {}, c.fn()));
+    ledger->Append("first");
+    ledger->Append("second");
+    ASSERT_OK(ledger->Sync(2));
+  }
+  const std::string log = LastLogWithRecords(dir.path());
+  std::string data = ReadAll(log);
+  data[data.size() - kSealBytes - 1] ^= 0x40;  // the last payload byte of "second"
+  WriteAll(log, data);
+  Collected c;
+  EXPECT_THAT(Ledger::Open(dir.path(), {}, c.fn()),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(log), HasSubstr("damaged at offset 29"),
+                             HasSubstr("a well-formed record frame follows at offset 51"))));
+}
+
+// A length past the end of the file used to read as a torn tail and drop
+// every record; a well-formed frame after it proves otherwise.
+TEST(Ledger, FlippedLengthFieldIsDataLossNamingFileAndOffset) {
+  for (bool sealed : {true, false}) {
+    SCOPED_TRACE(sealed ? "sealed" : "unsealed (as after a crash)");
+    TempDir dir;
+    {
+      Collected c;
+      ASSERT_OK_AND_ASSIGN(auto ledger, Ledger::Open(dir.path(), {}, c.fn()));
+      for (int i = 0; i < 80; ++i) ledger->Append("grant-" + std::to_string(100 + i));
+      ASSERT_OK(ledger->Sync(80));
+    }
+    const std::string log = LastLogWithRecords(dir.path());
+    if (!sealed) Unseal(log);
+    std::string data = ReadAll(log);
+    data[8 + 2] ^= 0x01;  // record 1's length: 9 -> 65545, past the end of the file
+    WriteAll(log, data);
+    Collected c;
+    EXPECT_THAT(Ledger::Open(dir.path(), {}, c.fn()),
+                StatusIs(absl::StatusCode::kDataLoss,
+                         AllOf(HasSubstr(log), HasSubstr("damaged at offset 8 (after record 0)"),
+                               HasSubstr("a record of 65545 bytes with only"),
+                               HasSubstr("a well-formed record frame follows at offset 33"))));
+    EXPECT_TRUE(c.records.empty());
+    EXPECT_EQ(ReadAll(log), data);  // nothing truncated
+  }
+}
+
+// Every single-byte flip of a small, cleanly closed newest log file: the
+// ledger opens with exactly the acknowledged records, or refuses.
+TEST(Ledger, EveryByteFlipOfTheNewestLogIsDataLossOrExact) {
+  TempDir dir;
+  const std::vector<std::string> acked = {"alpha", "bravo-2", "charlie-33"};
+  {
+    Collected c;
+    ASSERT_OK_AND_ASSIGN(auto ledger, Ledger::Open(dir.path(), {}, c.fn()));
+    for (const auto& r : acked) ledger->Append(r);
+    ASSERT_OK(ledger->Sync(3));
+  }
+  const std::string log = LastLogWithRecords(dir.path());
+  const std::string name = fs::path(log).filename().string();
+  const std::string good = ReadAll(log);
+  ASSERT_EQ(good.size(), 8u + 3 * 16 + 5 + 7 + 10 + kSealBytes);
+  int refused = 0, exact = 0;
+  for (size_t off = 0; off < good.size(); ++off) {
+    for (unsigned char mask : {0x01, 0x80, 0xff}) {
+      SCOPED_TRACE(testing::Message() << "offset " << off << " xor " << int{mask});
+      TempDir copy;
+      std::string bad = good;
+      bad[off] = static_cast<char>(bad[off] ^ mask);
+      WriteAll(copy.path() + "/" + name, bad);
+      Collected c;
+      auto ledger = Ledger::Open(copy.path(), {}, c.fn());
+      if (ledger.ok()) {
+        EXPECT_EQ(c.records, acked);
+        ++exact;
+      } else {
+        EXPECT_THAT(ledger, StatusIs(absl::StatusCode::kDataLoss, HasSubstr(name)));
+        ++refused;
+      }
+    }
+  }
+  // Flips in the seal leave every record intact; all others are refused.
+  EXPECT_EQ(exact, 3 * static_cast<int>(kSealBytes));
+  EXPECT_EQ(refused, 3 * static_cast<int>(good.size() - kSealBytes));
+}
+
+// Each log file's name is its first record's number: a deleted file leaves a
+// gap, even with the empty file a restart starts after it.
+TEST(Ledger, DeletedNewestLogIsDataLossNamingTheGap) {
+  TempDir dir;
+  for (int session = 0; session < 3; ++session) {
+    Collected c;
+    ASSERT_OK_AND_ASSIGN(auto ledger, Ledger::Open(dir.path(), {}, c.fn()));
+    ASSERT_EQ(c.records.size(), size_t(40 * session));
+    if (session == 2) break;
+    uint64_t seq = 0;
+    for (int i = 0; i < 40; ++i) seq = ledger->Append("grant-" + std::to_string(i));
+    ASSERT_OK(ledger->Sync(seq));
+  }
+  const std::vector<std::string> logs = Files(dir.path(), "wal-");
+  ASSERT_EQ(logs.size(), 3u);  // records 1-40, 41-80, and the empty one after
+  EXPECT_THAT(logs[1], HasSubstr("wal-00000000000000000041.log"));
+  EXPECT_THAT(logs[2], HasSubstr("wal-00000000000000000081.log"));
+  fs::remove(logs[1]);
+  Collected c;
+  EXPECT_THAT(Ledger::Open(dir.path(), {}, c.fn()),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr("records 41 to 80 are missing"),
+                             HasSubstr(logs[0] + " ends at record 40"),
+                             HasSubstr(logs[2] + " starts at record 81"))));
+  // The oldest file deleted: the gap is before it.
+  TempDir dir2;
+  fs::copy_file(logs[2], dir2.path() + "/" + fs::path(logs[2]).filename().string());
+  EXPECT_THAT(Ledger::Open(dir2.path(), {}, c.fn()),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("records 1 to 80 are missing: there is no earlier log file or "
+                                 "snapshot")));
 }
 
 TEST(Ledger, DamageInTheMiddleIsDataLoss) {
@@ -342,12 +543,25 @@ TEST(AllocatorLedger, TornTailAndDamagedMiddle) {
     digest = alloc->StateDigest();
   }
   const std::string log = LastLogWithRecords(dir.path());
-  const std::string good = ReadAll(log);
+  const std::string good = Unseal(log);
   WriteAll(log, good + std::string(11, '\x07'));
   {
-    auto alloc = Open(dir.path());
-    ASSERT_NE(alloc, nullptr);
-    EXPECT_EQ(alloc->StateDigest(), digest);
+    CentralServerOptions o;
+    o.allocator.state_dir = dir.path();
+    ASSERT_OK_AND_ASSIGN(auto server, CentralServer::Create(o));
+    EXPECT_EQ(server->allocator().StateDigest(), digest);
+    const LedgerReport report = server->allocator().Recovered();
+    EXPECT_EQ(report.snapshot_records, 0u);
+    EXPECT_GT(report.log_records, 10u);
+    EXPECT_EQ(report.torn_records, 1u);
+    EXPECT_EQ(report.torn_bytes, 11u);
+    const std::string metrics = server->MetricsText();
+    EXPECT_THAT(metrics, HasSubstr("\ndeepnex_ledger_torn_records 1\n"));
+    EXPECT_THAT(metrics, HasSubstr("\ndeepnex_ledger_torn_bytes 11\n"));
+    EXPECT_THAT(metrics,
+                HasSubstr(absl::StrCat("\ndeepnex_ledger_recovered_records{source=\"log\"} ",
+                                       report.log_records, "\n")));
+    server->Stop();
   }
   std::string bad = ReadAll(log);
   bad[40] ^= 0x10;
@@ -373,6 +587,118 @@ TEST(AllocatorLedger, LeaseExpiryIsInTheLedger) {
   bool found = false;
   for (const auto& [seq, r] : records) found |= r.find("lease expired") != std::string::npos;
   EXPECT_TRUE(found);
+}
+
+// ---- a full disk, then space again: a small tmpfs (root only).
+
+class LedgerFullDisk : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (geteuid() != 0) GTEST_SKIP() << "mounting a tmpfs needs root";
+    std::string tmpl = (fs::temp_directory_path() / "deepnex_full_XXXXXX").string();
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+    mnt_ = tmpl;
+    if (mount("tmpfs", mnt_.c_str(), "tmpfs", 0, "size=64k") != 0) {
+      GTEST_SKIP() << "mount -t tmpfs -o size=64k " << mnt_ << ": " << std::strerror(errno);
+    }
+    mounted_ = true;
+  }
+  void TearDown() override {
+    if (mounted_) EXPECT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0) << std::strerror(errno);
+    if (!mnt_.empty()) fs::remove(mnt_);
+  }
+  // Writes a file until the disk is full.
+  void Fill() {
+    int fd = open((mnt_ + "/filler").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    ASSERT_GE(fd, 0);
+    const std::string block(4096, 'x');
+    for (int i = 0; i < 1000 && write(fd, block.data(), block.size()) > 0; ++i) {
+    }
+    while (write(fd, "x", 1) > 0) {
+    }
+    EXPECT_EQ(errno, ENOSPC);
+    close(fd);
+  }
+  void Free() { ASSERT_TRUE(fs::remove(mnt_ + "/filler")); }
+
+  std::string mnt_;
+  bool mounted_ = false;
+};
+
+std::vector<std::string> Ids(const Allocator& alloc) {
+  std::vector<std::string> ids;
+  for (const auto& a : alloc.Allocations()) ids.push_back(a.id);
+  return ids;
+}
+
+TEST_F(LedgerFullDisk, FailedWritesLeaveMemoryAsItWasAndSpaceComesBack) {
+  const std::string state = mnt_ + "/state";
+  auto alloc = Open(state);
+  ASSERT_NE(alloc, nullptr);
+  ASSERT_OK(
+      alloc->AddNode(MakeNode("n1", 8, 80 * kGiB, Mode::kShared, 1 << 20, uint64_t{1} << 50)));
+  // A gang, so that its release record is longer than a grant to "bob":
+  // once a grant no longer fits the log file's last page, neither does it.
+  Request gang = Shared("alice", 1, kGiB);
+  gang.replicas = 40;
+  ASSERT_OK_AND_ASSIGN(std::vector<Allocation> kept_parts, alloc->AllocateGang(gang));
+  const std::string kept = kept_parts.at(0).gang;
+  Fill();
+  // The log file's last page may still take a few records: grant until a
+  // write fails, then memory must be as it was before that call.
+  std::vector<std::string> before;
+  absl::Status failed;
+  for (int i = 0; i < 2000 && failed.ok(); ++i) {
+    before = Ids(*alloc);
+    absl::StatusOr<Allocation> a = alloc->Allocate(Shared("bob", 1, 1 << 20));
+    failed = a.status();
+  }
+  EXPECT_THAT(failed, StatusIs(absl::StatusCode::kInternal,
+                               AllOf(HasSubstr("ledger: writing " + state + "/wal-"),
+                                     HasSubstr("No space left on device"))));
+  EXPECT_EQ(Ids(*alloc), before);
+  EXPECT_OK(alloc->CheckInvariants());
+  // Still full: a release fails and the allocation stays listed.
+  EXPECT_THAT(alloc->Release(kept), StatusIs(absl::StatusCode::kInternal,
+                                             HasSubstr("No space left on device")));
+  EXPECT_EQ(Ids(*alloc), before);
+  EXPECT_EQ(alloc->Allocations("alice").size(), 40u);
+  // So does an asynchronous grant.
+  std::promise<absl::StatusOr<std::vector<Allocation>>> got;
+  alloc->AllocateGangAsync(Shared("carol", 1, 1 << 20), {},
+                           [&](absl::StatusOr<std::vector<Allocation>> r) { got.set_value(r); });
+  auto future = got.get_future();
+  ASSERT_EQ(future.wait_for(30s), std::future_status::ready);
+  EXPECT_THAT(future.get(), StatusIs(absl::StatusCode::kInternal));
+  EXPECT_EQ(Ids(*alloc), before);
+  EXPECT_TRUE(alloc->Allocations("carol").empty());
+  // A snapshot that does not fit loses nothing and breaks nothing.
+  EXPECT_THAT(alloc->Compact(), StatusIs(absl::StatusCode::kInternal,
+                                         HasSubstr("No space left on device")));
+  EXPECT_EQ(Ids(*alloc), before);
+
+  // Space again: the next calls succeed, without reopening.
+  Free();
+  ASSERT_OK_AND_ASSIGN(Allocation next, alloc->Allocate(Shared("bob", 1, 1 << 20)));
+  ASSERT_OK(alloc->Release(kept));
+  std::vector<std::string> after;
+  for (const auto& id : before) {
+    if (std::none_of(kept_parts.begin(), kept_parts.end(),
+                     [&](const Allocation& a) { return a.id == id; })) {
+      after.push_back(id);
+    }
+  }
+  after.push_back(next.id);
+  EXPECT_EQ(Ids(*alloc), after);
+  EXPECT_OK(alloc->CheckInvariants());
+  ASSERT_OK(alloc->Compact());
+  const std::string digest = alloc->StateDigest();
+  alloc.reset();
+  // What memory held is exactly what is durable.
+  alloc = Open(state);
+  ASSERT_NE(alloc, nullptr);
+  EXPECT_EQ(alloc->StateDigest(), digest);
+  alloc.reset();
 }
 
 // A child process streams grants, printing each id once Allocate returned
