@@ -1009,8 +1009,9 @@ class Allocator::Impl {
   }
 
   bool HeadReserved() const {
-    return !queue_.empty() && std::chrono::steady_clock::now() - queue_.begin()->second->queued_at >=
-                                  options_.reservation_after;
+    if (queue_.empty()) return false;
+    const auto waited = std::chrono::steady_clock::now() - queue_.begin()->second->queued_at;
+    return waited >= options_.reservation_after;
   }
 
   std::string Describe(const Request& r) const {

@@ -153,7 +153,7 @@ def test_persistent_state_survives_restart(tmp_path):
     digest = alloc._digest()
     with pytest.raises(deepnex.FailedPreconditionError, match="in use"):
         gpu.Allocator(state_dir=str(tmp_path))
-    del alloc
+    alloc = None  # closes the ledger for the reopen
     again = gpu.Allocator(state_dir=str(tmp_path))
     assert again._digest() == digest
     assert [x.id for x in again.allocations(user="alice")] == [a.id]
@@ -377,7 +377,7 @@ def test_priority_cap_and_backfill_in_process(tmp_path):
         alloc.release(a.id)
     t.join(20)
     assert got and got[0].cpus == 16
-    del alloc
+    alloc = None  # closes the ledger for the reopen
     again = gpu.Allocator(state_dir=str(tmp_path / "state"))
     assert again.quota("boss")["max_priority"] == 2**31 - 1
     with pytest.raises(deepnex.InvalidArgumentError, match=r"reservation_after=-1: must be"):

@@ -3,13 +3,16 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
+#include "gpu/codec.h"
 #include "gpu/gpu_test_util.h"
+#include "gpu/ledger.h"
 #include "gtest/gtest.h"
 #include "test_matchers.h"
 
@@ -450,6 +453,44 @@ TEST(Allocator, ReservationKeepsTheHeadsGpusAndLeavesTheRest) {
   alloc->Shutdown();
 }
 
+// A waiting request that its quota (or priority cap) now refuses leaves the
+// queue with the error, and its reservation with it.
+TEST(Allocator, QuotaBlockedRequestsNeverBlockOthers) {
+  AllocatorOptions o;
+  o.reservation_after = 0ms;
+  auto alloc = NewAllocator(o);
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 2)));
+  Quota boss;
+  boss.max_priority = 9;
+  ASSERT_OK(alloc->SetQuota("boss", boss).status());
+  ASSERT_OK_AND_ASSIGN(Allocation held, alloc->Allocate(Exclusive("root", 1)));
+  std::mutex mu;
+  std::map<std::string, absl::Status> answers;
+  auto queue = [&](const Request& r) {
+    alloc->AllocateGangAsync(r, {}, [&, user = r.user](absl::StatusOr<std::vector<Allocation>> a) {
+      std::lock_guard<std::mutex> lock(mu);
+      answers[user] = a.status();
+    });
+  };
+  Request head = Exclusive("boss", 2);
+  head.priority = 9;
+  queue(head);
+  queue(Exclusive("bob", 1));  // the free GPU is the head's
+  ASSERT_EQ(alloc->QueueLength(), 2u);
+  boss.max_priority = 0;
+  ASSERT_OK(alloc->SetQuota("boss", boss).status());
+  ASSERT_TRUE(Eventually([&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return answers.size() == 2;
+  }));
+  EXPECT_THAT(answers["boss"],
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("priority=9 is above boss's maximum priority 0")));
+  EXPECT_OK(answers["bob"]);
+  EXPECT_EQ(alloc->QueueLength(), 0u);
+  ASSERT_OK(alloc->Release(held.id));
+}
+
 TEST(Allocator, QuotasListLimitsBesideUsage) {
   auto alloc = NewAllocator();
   ASSERT_OK(alloc->AddNode(MakeNode("n1", 4)));
@@ -578,6 +619,35 @@ TEST(Allocator, QuotaMaxPrioritySurvivesALedgerReopen) {
                          HasSubstr("priority=0 is above bob's maximum priority -2")));
     if (!from_snapshot) ASSERT_OK(alloc->Compact());  // the next round reads it
   }
+}
+
+// A quota record written before max_priority existed (it ends after the
+// memory limit) still replays, with the default cap 0.
+TEST(Allocator, QuotaRecordFromBeforeMaxPriorityReplays) {
+  TempDir dir;
+  {
+    ASSERT_OK_AND_ASSIGN(auto ledger, Ledger::Open(dir.path(), {}, [](const std::string&) {
+                           return absl::OkStatus();
+                         }));
+    std::string record;
+    Encoder e(&record);
+    e.U8(5);  // kSetQuota
+    e.U8(0);  // a user's, not the default
+    e.Str("alice");
+    e.U8(1);  // gpus = 3
+    e.Signed(3);
+    e.U8(0);  // gpu_memory, cpus, memory unset
+    e.U8(0);
+    e.U8(0);
+    ASSERT_OK(ledger->Sync(ledger->Append(record)));
+  }
+  AllocatorOptions o;
+  o.state_dir = dir.path();
+  auto alloc = NewAllocator(o);
+  Quota want;
+  want.gpus = 3;
+  EXPECT_EQ(alloc->GetQuota("alice"), want);
+  EXPECT_EQ(alloc->GetQuota("alice").max_priority, 0);
 }
 
 TEST(Allocator, QuotaRefusesAndNamesIt) {
