@@ -50,8 +50,64 @@ def init(environ=None) -> "Context":
     ``environ`` is a mapping to read instead of os.environ. Raises
     InvalidArgumentError (a ValueError) naming a missing or malformed
     variable, e.g. ``DEEPNEX_RANK="x" is not an integer``.
+
+    In shared GPU mode (``DEEPNEX_GPU_MEMORY_LIMIT`` set) the limit is handed
+    to the frameworks this process has imported already (neither is imported
+    here, so import yours first): PyTorch gets
+    ``torch.cuda.set_per_process_memory_fraction(limit / total memory)`` on
+    every visible GPU, TensorFlow memory growth and a logical device of
+    ``limit`` on every visible GPU. One log line (logger "deepnex") says what
+    was applied. The frameworks enforce it in their allocators only: hard
+    enforcement needs a CUDA driver hook.
     """
-    return _C.Context.from_env(environ)
+    ctx = _C.Context.from_env(environ)
+    if ctx.gpu_memory_limit is not None:
+        _apply_gpu_memory_limit(ctx.gpu_memory_limit)
+    return ctx
+
+
+def _apply_gpu_memory_limit(limit):
+    import logging
+    import sys
+
+    done, problems = [], []
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if torch.cuda.is_available():
+            fractions = []
+            for i in range(torch.cuda.device_count()):
+                total = torch.cuda.get_device_properties(i).total_memory
+                fraction = min(1.0, limit / total)
+                torch.cuda.set_per_process_memory_fraction(fraction, i)
+                fractions.append(f"{fraction:.4g}")
+            done.append(f"PyTorch (memory fraction {', '.join(fractions)} on "
+                        f"{len(fractions)} GPU(s))")
+        else:
+            problems.append("PyTorch sees no CUDA device")
+    tf = sys.modules.get("tensorflow")
+    if tf is not None:
+        gpus = tf.config.list_physical_devices("GPU")
+        megabytes = max(1, limit >> 20)  # TensorFlow's memory_limit is in MiB
+        try:
+            # Growth first: TensorFlow refuses it once a logical device is set.
+            for g in gpus:
+                tf.config.experimental.set_memory_growth(g, True)
+            for g in gpus:
+                tf.config.set_logical_device_configuration(
+                    g, [tf.config.LogicalDeviceConfiguration(memory_limit=megabytes)])
+            done.append(f"TensorFlow (memory growth and a {megabytes}MiB logical device on "
+                        f"{len(gpus)} GPU(s))")
+        except RuntimeError as e:  # its GPUs were initialized before init()
+            problems.append(f"TensorFlow refused it ({e})")
+    what = f"DEEPNEX_GPU_MEMORY_LIMIT={format_byte_size(limit)} per GPU"
+    if not done and not problems:
+        problems.append("neither torch nor tensorflow is imported yet")
+    line = f"deepnex: {what} applied to {' and '.join(done)}" if done else f"deepnex: {what}"
+    if problems:
+        line += f"{'; ' if done else ' not applied: '}{'; '.join(problems)}"
+    logging.getLogger("deepnex").info(
+        "%s (the frameworks' allocators enforce it; hard enforcement needs a CUDA driver hook)",
+        line)
 
 
 from deepnex import collective  # noqa: E402

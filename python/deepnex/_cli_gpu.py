@@ -9,6 +9,7 @@
     deepnex quota USER                  USER's quota beside usage (USER "default": the default)
     deepnex quota USER --gpus 4 --gpu-memory 40GiB --cpus none   sets the limits given;
                                         "none" clears one, the others stay
+    deepnex quota USER --max-priority 10   the highest priority USER may ask for (default 0)
     deepnex node mode NAME exclusive|shared [--when-drained]
     deepnex node cordon|uncordon|remove NAME ; deepnex node drain NAME [--release]
     deepnex metrics
@@ -236,10 +237,10 @@ def _quota_rows(entries):
         used = fmt(used) if e["user"] else "-"  # the default quota has no usage
         return f"{used}/{'unlimited' if limit is None else fmt(limit)}"
     rows = [("USER", "QUOTA", "GPUS USED/LIMIT", "GPU MEMORY USED/LIMIT", "CPUS USED/LIMIT",
-             "MEMORY USED/LIMIT")]
+             "MEMORY USED/LIMIT", "MAX PRIORITY")]
     for e in entries:
         rows.append((e["user"] or "default", "own" if e["own"] else "default",
-                     *(cell(e, k) for k in _LIMITS)))
+                     *(cell(e, k) for k in _LIMITS), str(e["quota"]["max_priority"])))
     return rows
 
 
@@ -254,7 +255,8 @@ def _quota(args):
             return [e for e in c.quotas() if not e["user"]]
         return c.quotas(user=args.user)
 
-    given = {k: getattr(args, k) for k in _LIMITS if getattr(args, k) is not _UNSET}
+    given = {k: getattr(args, k) for k in _LIMITS + ("max_priority",)
+             if getattr(args, k) is not _UNSET}
     if given and args.user is None:
         raise SystemExit("deepnex: quota: name the USER (or 'default') whose limits to set")
     if given:
@@ -375,6 +377,8 @@ def add_commands(commands):
                    help="most CPU cores held at once, or none")
     p.add_argument("--memory", type=_limit("size"), default=_UNSET,
                    help="most host memory held at once, e.g. 128GiB, or none")
+    p.add_argument("--max-priority", type=int, default=_UNSET,
+                   help="the highest priority the user may ask for (default 0; higher is refused)")
     p = sub("node", _node, "change a node: mode, cordon, uncordon, drain, remove")
     p.add_argument("action", choices=["mode", "cordon", "uncordon", "drain", "remove"],
                    help="what to do")

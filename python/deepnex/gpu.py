@@ -52,6 +52,13 @@ def _int(value, name):
     return value
 
 
+def _int32(value, name):
+    value = _int(value, name)
+    if not -2**31 <= value < 2**31:
+        raise InvalidArgumentError(f"{name}={value}: must fit in 32 bits")
+    return value
+
+
 def _seconds(value, name):
     if value is None:
         return 0.0
@@ -124,15 +131,22 @@ class Allocator:
 
     ``state_dir``: persist every change in a crash-safe ledger there (fsynced
     before each call returns, replayed on the next start); None keeps state
-    in memory.
+    in memory. ``reservation_after``: seconds the head of the queue waits
+    before the capacity it needs is reserved; until then requests behind it
+    that fit are granted (backfill); 0 reserves at once.
     """
 
     def __init__(self, state_dir=None, fsync=True, snapshot_every=100000,
-                 lease_check_interval=0.1):
+                 lease_check_interval=0.1, reservation_after=300.0):
+        if (isinstance(reservation_after, bool) or
+                not isinstance(reservation_after, (int, float)) or not reservation_after >= 0):
+            raise InvalidArgumentError(
+                f"reservation_after={reservation_after!r}: must be a number of seconds >= 0")
         self._a = _C.gpu.Allocator(
             state_dir=state_dir or "", fsync=bool(fsync),
             snapshot_every=_int(snapshot_every, "snapshot_every"),
-            lease_check_interval=_seconds(lease_check_interval, "lease_check_interval"))
+            lease_check_interval=_seconds(lease_check_interval, "lease_check_interval"),
+            reservation_after=float(reservation_after))
 
     # ---- nodes (admin)
 
@@ -179,26 +193,30 @@ class Allocator:
 
     # ---- quotas (admin)
 
-    def set_quota(self, user, gpus=None, gpu_memory=None, cpus=None, memory=None) -> str:
+    def set_quota(self, user, gpus=None, gpu_memory=None, cpus=None, memory=None,
+                  max_priority=0) -> str:
         """Set ``user``'s quota (None: unlimited). Allowed below what the user
         holds; then the returned note says so and new grants are refused until
-        use drops. Returns "" otherwise."""
+        use drops. Returns "" otherwise. ``max_priority``: the highest
+        request priority the user may ask for (above it: PermissionError)."""
         if not user:
             raise InvalidArgumentError("user: empty (use set_default_quota)")
-        return self._set_quota(user, gpus, gpu_memory, cpus, memory)
+        return self._set_quota(user, gpus, gpu_memory, cpus, memory, max_priority)
 
-    def set_default_quota(self, gpus=None, gpu_memory=None, cpus=None, memory=None) -> str:
+    def set_default_quota(self, gpus=None, gpu_memory=None, cpus=None, memory=None,
+                          max_priority=0) -> str:
         """The quota of users without their own."""
-        return self._set_quota("", gpus, gpu_memory, cpus, memory)
+        return self._set_quota("", gpus, gpu_memory, cpus, memory, max_priority)
 
-    def _set_quota(self, user, gpus, gpu_memory, cpus, memory):
+    def _set_quota(self, user, gpus, gpu_memory, cpus, memory, max_priority):
         who = f"quota of {user or 'default'}"
         return self._a.set_quota(
             user=user,
             gpus=None if gpus is None else _int(gpus, f"{who}: gpus"),
             gpu_memory=None if gpu_memory is None else _bytes(gpu_memory, f"{who}: gpu_memory"),
             cpus=None if cpus is None else _int(cpus, f"{who}: cpus"),
-            memory=None if memory is None else _bytes(memory, f"{who}: memory"))
+            memory=None if memory is None else _bytes(memory, f"{who}: memory"),
+            max_priority=_int32(max_priority, f"{who}: max_priority"))
 
     def clear_quota(self, user):
         self._a.clear_quota(user)
@@ -233,8 +251,10 @@ class Allocator:
     def allocate(self, request: Request, wait=True, timeout=None):
         """Grant ``request``: an Allocation, or for a gang (replicas > 1) the
         list of its parts. Over free capacity it waits in the queue (priority,
-        then FIFO) up to ``timeout`` seconds (None: until granted);
-        ``wait=False`` raises ResourceExhaustedError instead."""
+        then FIFO, with backfill: see the Allocator's ``reservation_after``) up
+        to ``timeout`` seconds (None: until granted); ``wait=False`` raises
+        ResourceExhaustedError instead. A priority above the user's quota
+        ``max_priority`` raises PermissionDeniedError."""
         if not isinstance(request, Request):
             raise TypeError(f"allocate: expected deepnex.gpu.Request, "
                             f"got {type(request).__name__}")

@@ -78,6 +78,7 @@ py::dict QuotaDict(const gpu::Quota& q) {
   d["gpu_memory"] = q.gpu_memory;
   d["cpus"] = q.cpus;
   d["memory"] = q.memory;
+  d["max_priority"] = q.max_priority;
   return d;
 }
 
@@ -128,12 +129,14 @@ py::list PendingList(const std::vector<gpu::PendingRequest>& pending) {
 }
 
 gpu::Quota MakeQuota(std::optional<int64_t> gpus, std::optional<uint64_t> gpu_memory,
-                     std::optional<int64_t> cpus, std::optional<uint64_t> memory) {
+                     std::optional<int64_t> cpus, std::optional<uint64_t> memory,
+                     int max_priority) {
   gpu::Quota q;
   q.gpus = gpus;
   q.gpu_memory = gpu_memory;
   q.cpus = cpus;
   q.memory = memory;
+  q.max_priority = max_priority;
   return q;
 }
 
@@ -324,29 +327,31 @@ void RegisterGpu(py::module_& parent) {
   py::class_<Allocator> allocator(m, "Allocator");
   allocator
       .def(py::init([](const std::string& state_dir, bool fsync, uint64_t snapshot_every,
-                       double lease_check_interval) {
+                       double lease_check_interval, double reservation_after) {
              gpu::AllocatorOptions o;
              o.state_dir = state_dir;
              o.fsync = fsync;
              o.snapshot_every = snapshot_every;
              o.lease_check_interval =
                  std::chrono::milliseconds(static_cast<int64_t>(lease_check_interval * 1000));
+             o.reservation_after =
+                 std::chrono::milliseconds(static_cast<int64_t>(reservation_after * 1000));
              py::gil_scoped_release release;
              return Unwrap(Allocator::Create(o));
            }),
            py::arg("state_dir"), py::arg("fsync"), py::arg("snapshot_every"),
-           py::arg("lease_check_interval"))
+           py::arg("lease_check_interval"), py::arg("reservation_after"))
       .def(
           "set_quota",
           [](Allocator& a, const std::string& user, std::optional<int64_t> gpus,
              std::optional<uint64_t> gpu_memory, std::optional<int64_t> cpus,
-             std::optional<uint64_t> memory) {
-            gpu::Quota q = MakeQuota(gpus, gpu_memory, cpus, memory);
+             std::optional<uint64_t> memory, int max_priority) {
+            gpu::Quota q = MakeQuota(gpus, gpu_memory, cpus, memory, max_priority);
             py::gil_scoped_release release;
             return user.empty() ? Unwrap(a.SetDefaultQuota(q)) : Unwrap(a.SetQuota(user, q));
           },
           py::arg("user"), py::arg("gpus"), py::arg("gpu_memory"), py::arg("cpus"),
-          py::arg("memory"))
+          py::arg("memory"), py::arg("max_priority"))
       .def(
           "clear_quota",
           [](Allocator& a, const std::string& user) { CheckStatus(a.ClearQuota(user)); },
@@ -393,13 +398,13 @@ void RegisterGpu(py::module_& parent) {
           "set_quota",
           [](gpu::CentralClient& a, const std::string& user, std::optional<int64_t> gpus,
              std::optional<uint64_t> gpu_memory, std::optional<int64_t> cpus,
-             std::optional<uint64_t> memory) {
-            gpu::Quota q = MakeQuota(gpus, gpu_memory, cpus, memory);
+             std::optional<uint64_t> memory, int max_priority) {
+            gpu::Quota q = MakeQuota(gpus, gpu_memory, cpus, memory, max_priority);
             py::gil_scoped_release release;
             return Unwrap(a.SetQuota(user, q));
           },
           py::arg("user"), py::arg("gpus"), py::arg("gpu_memory"), py::arg("cpus"),
-          py::arg("memory"))
+          py::arg("memory"), py::arg("max_priority"))
       .def(
           "metrics", [](gpu::CentralClient& a) { return Unwrap(a.Metrics()); },
           py::call_guard<py::gil_scoped_release>());

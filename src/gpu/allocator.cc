@@ -88,6 +88,9 @@ void EncodeQuota(Encoder& e, const Quota& q) {
   if (q.cpus) e.Signed(*q.cpus);
   e.U8(q.memory.has_value());
   if (q.memory) e.Varint(*q.memory);
+  // Appended last: a quota record ends with the quota, so records written
+  // before max_priority existed decode with the default 0.
+  e.Signed(q.max_priority);
 }
 
 bool DecodeQuota(Decoder& d, Quota* q) {
@@ -114,7 +117,9 @@ bool DecodeQuota(Decoder& d, Quota* q) {
     if (!d.Varint(&u)) return false;
     q->memory = u;
   }
-  return true;
+  // Absent in records from before max_priority (the quota ends the record).
+  if (d.done()) return true;
+  return d.Int(&q->max_priority);
 }
 
 }  // namespace
@@ -146,6 +151,15 @@ struct AllocRec {
   Allocation a;
   uint64_t num = 0;
   std::vector<int> pos;  // GPU positions in the node's spec
+};
+
+// Capacity of one node kept for the head of the queue (Allocator::Impl::Reserve).
+struct Hold {
+  int cpus = 0;
+  uint64_t memory = 0;
+  // Per GPU position (empty: none): memory held; a held exclusive GPU is
+  // held whole.
+  std::vector<uint64_t> gpu;
 };
 
 struct Waiter {
@@ -825,10 +839,32 @@ class Allocator::Impl {
 
   // ---- placement
 
+  // What is free on `n` for others than the head of the queue: its free
+  // capacity less what held_ keeps for the head there.
+  const Hold* HoldOn(const NodeState* n) const {
+    if (held_.empty()) return nullptr;
+    auto it = held_.find(n);
+    return it == held_.end() ? nullptr : &it->second;
+  }
+  static int FreeCpus(const NodeState* n, const Hold* h) {
+    return n->spec.cpus - n->cpus_used - (h ? h->cpus : 0);
+  }
+  static uint64_t FreeMemory(const NodeState* n, const Hold* h) {
+    const uint64_t free = n->spec.memory - n->mem_used, held = h ? h->memory : 0;
+    return free > held ? free - held : 0;
+  }
+  static uint64_t FreeGpuMemory(const NodeState* n, const Hold* h, int i) {
+    const uint64_t free = n->spec.gpus[i].memory - n->used_mem[i];
+    const uint64_t held = h && !h->gpu.empty() ? h->gpu[i] : 0;
+    return free > held ? free - held : 0;
+  }
+  static bool GpuHeld(const Hold* h, int i) { return h && !h->gpu.empty() && h->gpu[i] > 0; }
+
   bool FitOnNode(NodeState* n, const Request& r, std::vector<int>* pos) const {
     if (n->cordoned) return false;
-    if (n->spec.cpus - n->cpus_used < r.cpus) return false;
-    if (n->spec.memory - n->mem_used < r.memory) return false;
+    const Hold* h = HoldOn(n);
+    if (FreeCpus(n, h) < r.cpus) return false;
+    if (FreeMemory(n, h) < r.memory) return false;
     for (const auto& [k, v] : r.selector) {
       auto it = n->spec.labels.find(k);
       if (it == n->spec.labels.end() || it->second != v) return false;
@@ -841,16 +877,17 @@ class Allocator::Impl {
     cand.reserve(gpus.size());
     const bool excl = r.mode == Mode::kExclusive;
     for (size_t i = 0; i < gpus.size(); ++i) {
-      if (excl ? (n->count[i] == 0 && gpus[i].memory >= r.gpu_memory)
-               : (gpus[i].memory - n->used_mem[i] >= r.gpu_memory)) {
-        cand.push_back(static_cast<int>(i));
+      const int k = static_cast<int>(i);
+      if (excl ? (n->count[i] == 0 && gpus[i].memory >= r.gpu_memory && !GpuHeld(h, k))
+               : (FreeGpuMemory(n, h, k) >= r.gpu_memory)) {
+        cand.push_back(k);
       }
     }
     if (static_cast<int>(cand.size()) < r.gpus) return false;
     if (!excl) {
       // Best fit: the GPUs with the least free memory that still fits (most
       // free when spreading); index order breaks ties.
-      auto free = [&](int i) { return gpus[i].memory - n->used_mem[i]; };
+      auto free = [&](int i) { return FreeGpuMemory(n, h, i); };
       auto before = [&](int a, int b) { return r.spread ? free(a) > free(b) : free(a) < free(b); };
       for (size_t i = 1; i < cand.size(); ++i) {  // stable insertion sort: few GPUs
         int x = cand[i];
@@ -936,6 +973,92 @@ class Allocator::Impl {
       }
     }
     return nullptr;
+  }
+
+  // `n` could take a part of `r` by its name, labels, state and mode.
+  static bool Eligible(const NodeState& n, const Request& r) {
+    if (!r.node.empty() && n.spec.name != r.node) return false;
+    for (const auto& [k, v] : r.selector) {
+      auto it = n.spec.labels.find(k);
+      if (it == n.spec.labels.end() || it->second != v) return false;
+    }
+    return !n.cordoned && (r.gpus == 0 || (!n.pending && n.mode == r.mode));
+  }
+
+  // Under mu_: keeps the capacity that the head of the queue `r` needs out of
+  // others' reach (held_), part by part, on its best node: of the nodes that
+  // could ever hold the part, the one where least of it is missing now (GPUs,
+  // then cpus, then memory). Exclusive GPUs are held whole, free ones first;
+  // a busy one is held too, so that it is the head's when it frees.
+  void Reserve(const Request& r) {
+    const bool excl = r.mode == Mode::kExclusive;
+    for (int part = 0; part < r.replicas; ++part) {
+      NodeState* best = nullptr;
+      std::tuple<int, int, uint64_t> best_missing;
+      std::vector<int> best_gpus;
+      for (const auto& [name, n] : by_name_) {
+        if (!Eligible(*n, r)) continue;
+        const Hold* h = HoldOn(n);
+        const int held_cpus = h ? h->cpus : 0;
+        const uint64_t held_memory = h ? h->memory : 0;
+        if (n->spec.cpus - held_cpus < r.cpus || n->spec.memory < held_memory ||
+            n->spec.memory - held_memory < r.memory) {
+          continue;
+        }
+        // GPUs it could ever take, those free now first (most free memory
+        // first when shared).
+        std::vector<int> gpus;
+        int ready = 0;
+        for (size_t i = 0; i < n->spec.gpus.size(); ++i) {
+          const int k = static_cast<int>(i);
+          const uint64_t memory = n->spec.gpus[i].memory;
+          if (excl) {
+            if (memory < r.gpu_memory || GpuHeld(h, k)) continue;
+            ready += n->count[i] == 0;
+          } else {
+            const uint64_t held = h && !h->gpu.empty() ? h->gpu[i] : 0;
+            if (memory - std::min(memory, held) < r.gpu_memory) continue;
+            ready += FreeGpuMemory(n, h, k) >= r.gpu_memory;
+          }
+          gpus.push_back(k);
+        }
+        if (static_cast<int>(gpus.size()) < r.gpus) continue;
+        std::stable_sort(gpus.begin(), gpus.end(), [&](int a, int b) {
+          if (excl) return n->count[a] == 0 && n->count[b] != 0;
+          return FreeGpuMemory(n, h, a) > FreeGpuMemory(n, h, b);
+        });
+        gpus.resize(r.gpus);
+        const uint64_t free_memory = FreeMemory(n, h);
+        std::tuple<int, int, uint64_t> missing{
+            std::max(0, r.gpus - ready), std::max(0, r.cpus - FreeCpus(n, h)),
+            r.memory > free_memory ? r.memory - free_memory : 0};
+        if (best == nullptr || missing < best_missing) {
+          best = n;
+          best_missing = missing;
+          best_gpus = std::move(gpus);
+        }
+      }
+      if (best == nullptr) return;  // Infeasible refuses it at its next try
+      Hold& h = held_[best];
+      h.cpus += r.cpus;
+      h.memory += r.memory;
+      h.gpu.resize(best->spec.gpus.size(), 0);
+      for (int i : best_gpus) h.gpu[i] += excl ? best->spec.gpus[i].memory : r.gpu_memory;
+    }
+  }
+
+  // Under mu_: reserves for `head`, the first request of the queue, once it
+  // has waited reservation_after.
+  void HoldFor(const Waiter& head) {
+    if (std::chrono::steady_clock::now() - head.queued_at >= options_.reservation_after) {
+      Reserve(head.request);
+    }
+  }
+
+  bool HeadReserved() const {
+    if (queue_.empty()) return false;
+    const auto waited = std::chrono::steady_clock::now() - queue_.begin()->second->queued_at;
+    return waited >= options_.reservation_after;
   }
 
   std::string Describe(const Request& r) const {
@@ -1104,8 +1227,17 @@ class Allocator::Impl {
           ahead == 0 ? "" : absl::StrCat("behind ", ahead, ahead == 1 ? " request" : " requests");
       std::string short_of = Shortage(w->request);
       if (short_of.empty()) {
-        // The head fits only between a change and the Pump that follows it.
-        p.reason = behind.empty() ? "being granted" : behind;
+        // The head fits only between a change and the Pump that follows it;
+        // a later request that fits is held back only by the head's reservation.
+        if (behind.empty()) {
+          p.reason = "being granted";
+        } else if (HeadReserved()) {
+          p.reason = absl::StrCat("held back: the capacity it fits in is reserved for q",
+                                  queue_.begin()->first.second,
+                                  ", which has waited longer than reservation_after; ", behind);
+        } else {
+          p.reason = behind;
+        }
       } else {
         p.reason = behind.empty() ? short_of : absl::StrCat(short_of, "; ", behind);
       }
@@ -1171,6 +1303,14 @@ class Allocator::Impl {
                    absl::Status* status) {
     const int64_t parts = r.replicas;
     const bool shared = r.mode == Mode::kShared;
+    const int max_priority = QuotaFor(r.user).max_priority;
+    if (r.priority > max_priority) {
+      *status = absl::PermissionDeniedError(absl::StrCat(
+          "priority=", r.priority, " is above ", r.user, "'s maximum priority ", max_priority,
+          " (", quotas_.count(r.user) ? "their quota" : "the default quota",
+          "'s max_priority, which an admin sets)"));
+      return Outcome::kFailed;
+    }
     absl::Status q = CheckQuota(r.user, int64_t{r.gpus} * parts,
                                 shared ? r.gpu_memory * r.gpus * parts : 0,
                                 int64_t{r.cpus} * parts, r.memory * parts);
@@ -1250,17 +1390,27 @@ class Allocator::Impl {
     return Outcome::kGranted;
   }
 
-  // Grants queued requests in order (priority, then FIFO) while the head fits.
+  // Grants queued requests in order (priority, then FIFO), with backfill:
+  // behind a head that does not fit, every request that fits is granted, and
+  // once the head has waited reservation_after only in what its reservation
+  // leaves (Reserve). Refused requests (quota, priority) leave the queue.
   void Pump() {
     bool any = false;
-    while (!queue_.empty()) {
-      Waiter* w = queue_.begin()->second;
+    bool head = true;
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      Waiter* w = it->second;
       Outcome o = TryGrant(w->request, &w->result, &w->seq, &w->status);
-      if (o == Outcome::kBusy) break;
-      queue_.erase(queue_.begin());
+      if (o == Outcome::kBusy) {
+        if (head) HoldFor(*w);
+        head = false;
+        ++it;
+        continue;
+      }
+      it = queue_.erase(it);
       Resolved(w);
       any = true;
     }
+    held_.clear();
     if (any) queue_cv_.notify_all();
   }
 
@@ -1318,14 +1468,19 @@ class Allocator::Impl {
     }
     w->status = Broken();
     if (!w->status.ok()) return Admission::kRefused;
-    if (queue_.empty()) {
-      Outcome oc = TryGrant(r, &w->result, &w->seq, &w->status);
-      if (oc == Outcome::kGranted) return Admission::kGranted;
-      if (oc == Outcome::kFailed) return Admission::kRefused;
-      if (!o.wait) {
-        w->status = Busy(r, 0);
-        return Admission::kRefused;
-      }
+    // Every queued request is blocked (Pump ran after the last change), so
+    // `r` is either the new head or a backfill candidate: granted if it fits
+    // beside the head's reservation.
+    size_t ahead = 0;
+    for (const auto& [key, queued] : queue_) ahead += queued->request.priority >= r.priority;
+    if (ahead > 0) HoldFor(*queue_.begin()->second);
+    Outcome oc = TryGrant(r, &w->result, &w->seq, &w->status);
+    held_.clear();
+    if (oc == Outcome::kGranted) return Admission::kGranted;
+    if (oc == Outcome::kFailed) return Admission::kRefused;
+    if (!o.wait) {
+      w->status = Busy(r, ahead);
+      return Admission::kRefused;
     }
     w->request = r;
     w->key = {-static_cast<int64_t>(r.priority), next_order_++};
@@ -1333,15 +1488,9 @@ class Allocator::Impl {
     w->queued_at = std::chrono::steady_clock::now();
     if (o.timeout.count() > 0) w->deadline = w->queued_at + o.timeout;
     queue_.emplace(w->key, w);
-    Pump();
+    // A new head has no reservation yet: what the old one held back may fit.
+    if (ahead == 0 && queue_.size() > 1) Pump();
     if (w->done) return w->status.ok() ? Admission::kGranted : Admission::kRefused;
-    if (!o.wait) {
-      size_t ahead = std::distance(queue_.begin(), queue_.find(w->key));
-      queue_.erase(w->key);
-      Pump();
-      w->status = Busy(r, ahead);
-      return Admission::kRefused;
-    }
     return Admission::kQueued;
   }
 
@@ -1678,6 +1827,9 @@ class Allocator::Impl {
 
   std::map<std::pair<int64_t, uint64_t>, Waiter*> queue_;  // (-priority, order)
   uint64_t next_order_ = 1;  // also an asynchronous waiter's ticket
+  // The head's reservation (Reserve), per node; set only while Pump or Admit
+  // places the requests behind the head.
+  std::unordered_map<const NodeState*, Hold> held_;
 };
 
 // ---------------------------------------------------------------------------
@@ -1689,6 +1841,10 @@ absl::StatusOr<std::unique_ptr<Allocator>> Allocator::Create(const AllocatorOpti
   if (options.lease_check_interval.count() <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "lease_check_interval=", options.lease_check_interval.count(), "ms must be positive"));
+  }
+  if (options.reservation_after.count() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "reservation_after=", options.reservation_after.count(), "ms must be >= 0"));
   }
   auto impl = std::make_unique<Impl>(options);
   DEEPNEX_RETURN_IF_ERROR(impl->Open());

@@ -174,6 +174,7 @@ inline void ToProto(const Quota& q, pb::Quota* p) {
   p->set_cpus(q.cpus.value_or(0));
   p->set_has_memory(q.memory.has_value());
   p->set_memory(q.memory.value_or(0));
+  p->set_max_priority(q.max_priority);
 }
 
 inline Quota FromProto(const pb::Quota& p) {
@@ -182,6 +183,7 @@ inline Quota FromProto(const pb::Quota& p) {
   if (p.has_gpu_memory()) q.gpu_memory = p.gpu_memory();
   if (p.has_cpus()) q.cpus = p.cpus();
   if (p.has_memory()) q.memory = p.memory();
+  q.max_priority = p.max_priority();
   return q;
 }
 

@@ -39,7 +39,8 @@ std::string Quota::ToString() const {
     return v ? FormatByteSize(*v) : std::string("unlimited");
   };
   return absl::StrCat("gpus=", count(gpus), " gpu_memory=", bytes(gpu_memory),
-                      " cpus=", count(cpus), " memory=", bytes(memory));
+                      " cpus=", count(cpus), " memory=", bytes(memory),
+                      " max_priority=", max_priority);
 }
 
 int NodeInfo::gpus_free() const {

@@ -1,10 +1,15 @@
 """Tests of deepnex's core bindings: byte sizes, errors, the job context and
 zero-copy buffer views."""
 
+<<<<<<< HEAD
 import os
 import re
+=======
+import logging
+>>>>>>> h-queue
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -296,6 +301,86 @@ def test_init_full(job_env):
         "MASTER_PORT": "29500",
     }
     assert deepnex.init(env).to_env() == env
+
+
+# --- init() hands the shared-GPU memory limit to the frameworks -------------
+
+
+def fake_torch(calls, available=True, totals=(80 * GiB, 40 * GiB)):
+    """A stand-in for torch at its boundary: the CUDA calls init() makes."""
+    cuda = types.SimpleNamespace(
+        is_available=lambda: available,
+        device_count=lambda: len(totals),
+        get_device_properties=lambda i: types.SimpleNamespace(total_memory=totals[i]),
+        set_per_process_memory_fraction=lambda fraction, device: calls.append(
+            ("fraction", fraction, device)))
+    return types.SimpleNamespace(cuda=cuda)
+
+
+def fake_tensorflow(calls, gpus=("GPU:0", "GPU:1"), refuse=False):
+    """A stand-in for tensorflow's tf.config calls that init() makes."""
+    def growth(device, enable):
+        if refuse:
+            raise RuntimeError("Physical devices cannot be modified after being initialized")
+        calls.append(("growth", device, enable))
+
+    config = types.SimpleNamespace(
+        list_physical_devices=lambda kind: list(gpus) if kind == "GPU" else [],
+        experimental=types.SimpleNamespace(set_memory_growth=growth),
+        set_logical_device_configuration=lambda device, logical: calls.append(
+            ("logical", device, [c.memory_limit for c in logical])),
+        LogicalDeviceConfiguration=lambda memory_limit: types.SimpleNamespace(
+            memory_limit=memory_limit))
+    return types.SimpleNamespace(config=config)
+
+
+def test_init_applies_the_gpu_memory_limit_to_torch_and_tensorflow(job_env, caplog):
+    calls = []
+    job_env.setitem(sys.modules, "torch", fake_torch(calls))
+    job_env.setitem(sys.modules, "tensorflow", fake_tensorflow(calls))
+    job_env.setenv("DEEPNEX_GPU_MEMORY_LIMIT", "20GiB")
+    with caplog.at_level(logging.INFO, logger="deepnex"):
+        ctx = deepnex.init()
+    assert ctx.gpu_memory_limit == 20 * GiB
+    assert calls == [("fraction", 0.25, 0), ("fraction", 0.5, 1),
+                     ("growth", "GPU:0", True), ("growth", "GPU:1", True),
+                     ("logical", "GPU:0", [20480]), ("logical", "GPU:1", [20480])]
+    assert [r.getMessage() for r in caplog.records] == [
+        "deepnex: DEEPNEX_GPU_MEMORY_LIMIT=20GiB per GPU applied to PyTorch (memory fraction "
+        "0.25, 0.5 on 2 GPU(s)) and TensorFlow (memory growth and a 20480MiB logical device "
+        "on 2 GPU(s)) (the frameworks' allocators enforce it; hard enforcement needs a CUDA "
+        "driver hook)"]
+
+
+def test_init_says_when_the_limit_could_not_be_applied(job_env, caplog):
+    calls = []
+    job_env.delitem(sys.modules, "torch", raising=False)
+    job_env.delitem(sys.modules, "tensorflow", raising=False)
+    job_env.setenv("DEEPNEX_GPU_MEMORY_LIMIT", "1GiB")
+    with caplog.at_level(logging.INFO, logger="deepnex"):
+        deepnex.init()
+    assert "torch" not in sys.modules and "tensorflow" not in sys.modules  # never imported
+    assert caplog.records[-1].getMessage().startswith(
+        "deepnex: DEEPNEX_GPU_MEMORY_LIMIT=1GiB per GPU not applied: neither torch nor "
+        "tensorflow is imported yet (")
+    # A GPU-less torch and a TensorFlow that initialized its GPUs already.
+    job_env.setitem(sys.modules, "torch", fake_torch(calls, available=False))
+    job_env.setitem(sys.modules, "tensorflow", fake_tensorflow(calls, refuse=True))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="deepnex"):
+        deepnex.init()
+    assert calls == []
+    assert caplog.records[-1].getMessage().startswith(
+        "deepnex: DEEPNEX_GPU_MEMORY_LIMIT=1GiB per GPU not applied: PyTorch sees no CUDA "
+        "device; TensorFlow refused it (Physical devices cannot be modified after being "
+        "initialized) (")
+    # No limit (exclusive GPUs): the frameworks are left alone.
+    job_env.delenv("DEEPNEX_GPU_MEMORY_LIMIT")
+    job_env.setitem(sys.modules, "torch", fake_torch(calls))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="deepnex"):
+        deepnex.init()
+    assert calls == [] and caplog.records == []
 
 
 def test_context_is_read_only(job_env):

@@ -151,7 +151,7 @@ def test_persistent_state_survives_restart(tmp_path):
     digest = alloc._digest()
     with pytest.raises(deepnex.FailedPreconditionError, match="in use"):
         gpu.Allocator(state_dir=str(tmp_path))
-    del alloc
+    alloc = None  # closes the ledger for the reopen
     again = gpu.Allocator(state_dir=str(tmp_path))
     assert again._digest() == digest
     assert [x.id for x in again.allocations(user="alice")] == [a.id]
@@ -291,6 +291,25 @@ def run_cli(*args, central, token="admintok"):
                           capture_output=True, timeout=60)
 
 
+def test_priority_cap_through_central_with_a_user_token(central):
+    admin = gpu.CentralClient(central, token="admintok")
+    alice = gpu.CentralClient(central, token="alicetok")
+    req = gpu.Request(user="alice", gpus=1, mode="shared", gpu_memory="1GiB", priority=1)
+    with pytest.raises(deepnex.PermissionDeniedError,
+                       match=r"^priority=1 is above alice's maximum priority 0 \(the default "
+                             r"quota's max_priority, which an admin sets\)$"):
+        alice.allocate(req)
+    assert alice.allocations() == [] and admin.pending() == []
+    # A user cannot raise their own cap; an admin can.
+    with pytest.raises(deepnex.PermissionDeniedError):
+        alice.set_quota("alice", max_priority=9)
+    admin.set_quota("alice", max_priority=1)
+    assert alice.allocate(req).priority == 1
+    req.priority = 2
+    with pytest.raises(PermissionError, match="above alice's maximum priority 1 "):
+        alice.allocate(req)
+
+
 def test_cli_against_central(central):
     out = run_cli("alloc", "--gpus", "2", "--gpu-mode", "shared", "--gpu-memory", "10GiB",
                   central=central, token="alicetok")
@@ -331,18 +350,52 @@ def test_central_gang_and_lease(central):
                        timeout=0.1)
 
 
+def test_priority_cap_and_backfill_in_process(tmp_path):
+    alloc = gpu.Allocator(state_dir=str(tmp_path / "state"))
+    alloc.add_node(gpu.Node("n1", gpus=[], cpus=16, memory="8GiB"))
+    with pytest.raises(deepnex.PermissionDeniedError,
+                       match=r"^priority=2147483647 is above boss's maximum priority 0 "):
+        alloc.allocate(gpu.Request(user="boss", cpus=16, priority=2**31 - 1))
+    alloc.set_quota("boss", max_priority=2**31 - 1)
+    with pytest.raises(deepnex.InvalidArgumentError, match="max_priority=2147483648: must fit"):
+        alloc.set_quota("boss", max_priority=2**31)
+    held = alloc.allocate(gpu.Request(user="root", cpus=2))
+    got = []
+    t = threading.Thread(target=lambda: got.append(alloc.allocate(
+        gpu.Request(user="boss", cpus=16, priority=2**31 - 1), timeout=20)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while alloc.queue_length() == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert alloc.queue_length() == 1
+    # 14 free cpus are not held from small requests behind the head (backfill).
+    small = [alloc.allocate(gpu.Request(user=f"u{i}", cpus=1), wait=False) for i in range(14)]
+    alloc.release(held.id)
+    for a in small:
+        alloc.release(a.id)
+    t.join(20)
+    assert got and got[0].cpus == 16
+    alloc = None  # closes the ledger for the reopen
+    again = gpu.Allocator(state_dir=str(tmp_path / "state"))
+    assert again.quota("boss")["max_priority"] == 2**31 - 1
+    with pytest.raises(deepnex.InvalidArgumentError, match=r"reservation_after=-1: must be"):
+        gpu.Allocator(reservation_after=-1)
+
+
 def test_allocator_quotas_and_pending():
     alloc = gpu.Allocator()
     alloc.add_node(gpu.Node("n1", gpus=[gpu.Gpu(memory="80GiB")], cpus=4, memory="8GiB"))
-    alloc.set_default_quota(cpus=4)
+    alloc.set_default_quota(cpus=4, max_priority=3)
     alloc.set_quota("alice", gpus=2)
     held = alloc.allocate(gpu.Request(user="alice", gpus=1))
     assert alloc.quotas() == [
         {"user": "", "own": False,
-         "quota": {"gpus": None, "gpu_memory": None, "cpus": 4, "memory": None},
+         "quota": {"gpus": None, "gpu_memory": None, "cpus": 4, "memory": None,
+                   "max_priority": 3},
          "usage": {"gpus": 0, "gpu_memory": 0, "cpus": 0, "memory": 0}},
         {"user": "alice", "own": True,
-         "quota": {"gpus": 2, "gpu_memory": None, "cpus": None, "memory": None},
+         "quota": {"gpus": 2, "gpu_memory": None, "cpus": None, "memory": None,
+                   "max_priority": 0},
          "usage": {"gpus": 1, "gpu_memory": 80 * GiB, "cpus": 0, "memory": 0}}]
     assert [q["user"] for q in alloc.quotas(user="bob")] == ["bob"]
     got = []
@@ -375,7 +428,7 @@ def _quota_row(stdout, user):
     lines = stdout.splitlines()
     lines = lines[next(i for i, line in enumerate(lines) if line.startswith("USER ")):]
     assert _cells(lines[0]) == ["USER", "QUOTA", "GPUS USED/LIMIT", "GPU MEMORY USED/LIMIT",
-                                "CPUS USED/LIMIT", "MEMORY USED/LIMIT"], lines[0]
+                                "CPUS USED/LIMIT", "MEMORY USED/LIMIT", "MAX PRIORITY"], lines[0]
     [row] = [_cells(line) for line in lines[1:] if _cells(line)[0] == user]
     return row
 
@@ -386,7 +439,7 @@ def test_cli_quota_shows_sets_and_clears(central):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("quota of alice set\n")
     assert admin.quotas(user="alice")[0]["quota"] == {"gpus": 4, "gpu_memory": None, "cpus": 8,
-                                                      "memory": None}
+                                                      "memory": None, "max_priority": 0}
     assert run_cli("alloc", "--gpus", "1", "--gpu-mode", "shared", "--gpu-memory", "10GiB",
                    "--cpus", "2", central=central, token="alicetok").returncode == 0
     # No limit flags: it shows the quota beside usage and changes nothing.
@@ -407,7 +460,8 @@ def test_cli_quota_shows_sets_and_clears(central):
     out = run_cli("quota", "alice", "--gpus", "none", central=central)
     assert out.returncode == 0, out.stderr
     assert admin.quotas(user="alice")[0]["quota"] == {"gpus": None, "gpu_memory": None,
-                                                      "cpus": 8, "memory": None}
+                                                      "cpus": 8, "memory": None,
+                                                      "max_priority": 0}
     assert _quota_row(out.stdout, "alice")[2] == "1/unlimited"
     # Every user (admin), the default first; bob holds nothing and has no quota.
     run_cli("quota", "default", "--gpus", "1", central=central)
@@ -421,6 +475,13 @@ def test_cli_quota_shows_sets_and_clears(central):
     assert bad.returncode == 2
     assert "argument --gpus: expected a count or none, got 'many'" in bad.stderr
     assert admin.quotas(user="alice")[0]["quota"]["cpus"] == 8
+    # --max-priority sets the cap alone; the limits stay.
+    out = run_cli("quota", "alice", "--max-priority", "5", central=central)
+    assert out.returncode == 0, out.stderr
+    assert _quota_row(out.stdout, "alice")[6] == "5"
+    assert admin.quotas(user="alice")[0]["quota"] == {"gpus": None, "gpu_memory": None,
+                                                      "cpus": 8, "memory": None,
+                                                      "max_priority": 5}
 
 
 def _lines_of(stream, into):
@@ -431,6 +492,7 @@ def _lines_of(stream, into):
 def test_cli_alloc_prints_where_it_waits_and_queue_lists_it(central):
     bob = gpu.CentralClient(central, token="bobtok")
     held = bob.allocate(gpu.Request(user="bob", gpus=2, mode="shared", gpu_memory="80GiB"))
+    assert run_cli("quota", "alice", "--max-priority", "2", central=central).returncode == 0
     env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
     proc = subprocess.Popen([sys.executable, "-m", "deepnex", "alloc", "--gpus", "1",
                              "--gpu-mode", "shared", "--gpu-memory", "10GiB", "--priority", "2"],

@@ -39,6 +39,10 @@ struct AllocatorOptions {
   // How often the lease reaper looks at leases at least.
   // Default: 100ms
   std::chrono::milliseconds lease_check_interval{100};
+  // How long the head of the queue waits before its capacity is reserved
+  // (see "The queue" below); 0 reserves at once.
+  // Default: 5min
+  std::chrono::milliseconds reservation_after{std::chrono::minutes(5)};
 };
 
 // What Allocator::Create replayed from state_dir, and what it dropped: a
@@ -52,12 +56,33 @@ struct LedgerReport {
   uint64_t torn_bytes = 0;
 };
 
-// Per call of Allocate. The queue is strict (no backfill): while a request
-// waits, a later request of lower or equal priority waits behind it even if
-// it would fit, so large requests are not starved by small ones.
+// The queue. A request over free capacity waits (AllocateOptions::wait) in
+// order of priority, then arrival; its head is the first waiting request.
+// Allocations have no known end (leases aside), so whether a request delays
+// the head cannot be computed; the rule instead is backfill with a
+// reservation, as in Slurm:
+//  - A request that fits now is granted even with others waiting ahead of it
+//    (backfill), as long as the head has waited less than
+//    AllocatorOptions::reservation_after.
+//  - Once the head has waited longer, the capacity it needs on its best node
+//    (the eligible node where least of it is missing now) is reserved: a
+//    request behind it is granted only in what remains beyond that
+//    reservation. Exclusive GPUs are reserved whole, free ones first; shared
+//    ones by the head's gpu_memory; cpus and memory by amount.
+//  - Only the head reserves; when it is granted the next one becomes head.
+//  - A request refused by its quota or priority cap leaves the queue with
+//    the error, so it never blocks others.
+// Priority is policy: Request::priority may be at most the user's
+// Quota::max_priority (default 0), else PermissionDenied. The cap applies to
+// every caller of Allocate, admins included: the Allocator does not know who
+// calls, and deepnex-central passes every token's requests through it; an
+// admin who wants a user's work ahead raises that user's max_priority.
+
+// Per call of Allocate. See "The queue" above for the order and backfill.
 struct AllocateOptions {
-  // true: a request within quota but over free capacity waits in the queue
-  // (priority, then FIFO). false: it is refused with ResourceExhausted.
+  // true: a request within quota but over free capacity (or the head's
+  // reservation) waits in the queue. false: it is refused with
+  // ResourceExhausted.
   // Default: true
   bool wait = true;
   // How long to wait in the queue; zero waits until granted.
@@ -147,7 +172,8 @@ class Allocator {
 
   // ---- allocations
   // A request with replicas == 1. InvalidArgument for a bad request (and for
-  // replicas > 1: use AllocateGang); NotFound for an unknown node or a
+  // replicas > 1: use AllocateGang); PermissionDenied for a priority above
+  // the user's max_priority; NotFound for an unknown node or a
   // selector no node matches; ResourceExhausted over quota (naming it),
   // when no node could ever hold it, or with wait=false over free capacity;
   // FailedPrecondition for a shared request that only exclusive nodes could

@@ -77,7 +77,8 @@ struct Request {
   std::map<std::string, std::string> selector;
   // Only this node (empty: any).
   std::string node;
-  // Higher first in the queue; FIFO among equals.
+  // Higher first in the queue; FIFO among equals. At most the user's
+  // Quota::max_priority (default 0).
   int priority = 0;
   int replicas = 1;
   // Prefer the emptiest node instead of packing (best fit).
@@ -119,17 +120,23 @@ struct Allocation {
   std::string ToString() const;
 };
 
-// Limits on what one user holds at once; unset: unlimited.
+// Limits on what one user holds at once (unset: unlimited), and the highest
+// priority the user may ask for.
 struct Quota {
   std::optional<int64_t> gpus;
   std::optional<uint64_t> gpu_memory;
   std::optional<int64_t> cpus;
   std::optional<uint64_t> memory;
+  // A request with Request::priority above this is refused with
+  // PermissionDenied; lower and negative priorities are always allowed.
+  // Priority is the admin's policy, not the user's wish.
+  // Default: 0
+  int max_priority = 0;
 
   std::string ToString() const;
   bool operator==(const Quota& o) const {
     return gpus == o.gpus && gpu_memory == o.gpu_memory && cpus == o.cpus &&
-           memory == o.memory;
+           memory == o.memory && max_priority == o.max_priority;
   }
 };
 

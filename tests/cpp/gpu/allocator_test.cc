@@ -3,13 +3,16 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
+#include "gpu/codec.h"
 #include "gpu/gpu_test_util.h"
+#include "gpu/ledger.h"
 #include "gtest/gtest.h"
 #include "test_matchers.h"
 #include "test_util.h"
@@ -177,6 +180,9 @@ TEST(Allocator, LabelSelectorAndNodeChoice) {
 TEST(Allocator, QueueGrantsByPriorityThenFifo) {
   auto alloc = NewAllocator();
   ASSERT_OK(alloc->AddNode(MakeNode("n1", 1)));
+  Quota q;
+  q.max_priority = 5;
+  ASSERT_OK(alloc->SetDefaultQuota(q).status());
   ASSERT_OK_AND_ASSIGN(Allocation held, alloc->Allocate(Exclusive("root", 1)));
   std::mutex mu;
   std::vector<std::string> order;
@@ -218,6 +224,9 @@ TEST(Allocator, PendingSaysWhereAndWhyEachRequestWaits) {
   std::vector<std::string> granted;  // outlives the allocator and its answers
   auto alloc = NewAllocator();
   ASSERT_OK(alloc->AddNode(MakeNode("n1", 2, 80 * kGiB, Mode::kExclusive, 8, 64 * kGiB)));
+  Quota q;
+  q.max_priority = 5;
+  ASSERT_OK(alloc->SetDefaultQuota(q).status());
   ASSERT_OK_AND_ASSIGN(Allocation held, alloc->Allocate(Exclusive("root", 2, 6)));
   auto queue = [&](const Request& r) {
     alloc->AllocateGangAsync(r, {}, [&](absl::StatusOr<std::vector<Allocation>> parts) {
@@ -227,25 +236,28 @@ TEST(Allocator, PendingSaysWhereAndWhyEachRequestWaits) {
   };
   queue(Exclusive("alice", 2));
   queue(Exclusive("bob", 0, 4));
-  queue(Exclusive("carol", 0, 1));  // fits now, but the queue is strict
+  queue(Exclusive("carol", 0, 1));  // fits now: backfilled past alice and bob
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_THAT(granted, ElementsAre("carol"));
+  }
   Request eve = Exclusive("eve", 1);
   eve.priority = 5;
   queue(eve);
-  ASSERT_EQ(alloc->QueueLength(), 4u);
+  ASSERT_EQ(alloc->QueueLength(), 3u);
   std::vector<PendingRequest> pending = alloc->Pending();
-  ASSERT_EQ(pending.size(), 4u);
+  ASSERT_EQ(pending.size(), 3u);
   std::vector<std::string> got;
   for (const auto& p : pending) {
     got.push_back(absl::StrCat(p.position, " ", p.id, " ", p.request.user, ": ", p.reason));
     EXPECT_GE(p.waited.count(), 0);
   }
   EXPECT_THAT(got,
-              ElementsAre("1 q4 eve: waiting for 1 exclusive GPU (0 free on any eligible node)",
+              ElementsAre("1 q3 eve: waiting for 1 exclusive GPU (0 free on any eligible node)",
                           "2 q1 alice: waiting for 2 exclusive GPUs (0 free on any eligible "
                           "node); behind 1 request",
-                          "3 q2 bob: waiting for 4 cpus (at most 2 free on an eligible node); "
-                          "behind 2 requests",
-                          "4 q3 carol: behind 3 requests"));
+                          "3 q2 bob: waiting for 4 cpus (at most 1 free on an eligible node); "
+                          "behind 2 requests"));
   EXPECT_EQ(pending[1].request.gpus, 2);
   EXPECT_EQ(pending[0].request.priority, 5);
   // A user's view keeps the positions in the whole queue.
@@ -260,17 +272,219 @@ TEST(Allocator, PendingSaysWhereAndWhyEachRequestWaits) {
             "waiting for a node to take it (1 matching node(s), all cordoned or switching mode)");
   ASSERT_OK(alloc->Uncordon("n1"));
   ASSERT_OK(alloc->Release(held.id));
-  // eve (1 GPU), then alice (2) waits for eve's GPU, bob and carol behind her.
+  // eve (1 GPU); alice (2) waits for eve's GPU and bob's 4 cpus pass her.
   ASSERT_TRUE(Eventually([&] {
     std::lock_guard<std::mutex> lock(mu);
-    return granted.size() == 1;
+    return granted.size() == 3;
   }));
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_THAT(granted, ElementsAre("carol", "eve", "bob"));
+  }
   pending = alloc->Pending();
-  ASSERT_EQ(pending.size(), 3u);
+  ASSERT_EQ(pending.size(), 1u);
   EXPECT_EQ(pending[0].reason,
             "waiting for 2 exclusive GPUs (at most 1 free on an eligible node)");
   alloc->Shutdown();
   EXPECT_TRUE(alloc->Pending().empty());
+}
+
+TEST(Allocator, PriorityAboveTheUsersMaximumIsRefused) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 4)));
+  Request r = Exclusive("alice", 1);
+  r.priority = 1;
+  EXPECT_THAT(alloc->Allocate(r),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       "priority=1 is above alice's maximum priority 0 (the default quota's "
+                       "max_priority, which an admin sets)"));
+  r.priority = -3;  // lower than the maximum is always allowed
+  ASSERT_OK(alloc->Allocate(r).status());
+  Quota q;
+  q.max_priority = 3;
+  ASSERT_OK(alloc->SetQuota("alice", q).status());
+  r.priority = 3;
+  ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(r));
+  EXPECT_EQ(a.priority, 3);
+  r.priority = 4;
+  EXPECT_THAT(alloc->AllocateGang(r, NoWait()),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       "priority=4 is above alice's maximum priority 3 (their quota's "
+                       "max_priority, which an admin sets)"));
+  // Refused before it could queue, with or without free capacity.
+  ASSERT_OK(alloc->Allocate(Exclusive("bob", 2)).status());
+  r.priority = 2147483647;
+  EXPECT_THAT(alloc->Allocate(r), StatusIs(absl::StatusCode::kPermissionDenied,
+                                           HasSubstr("priority=2147483647 is above")));
+  EXPECT_EQ(alloc->QueueLength(), 0u);
+  EXPECT_EQ(alloc->GetQuota("bob").max_priority, 0);
+  EXPECT_EQ(alloc->GetQuota("alice").ToString(),
+            "gpus=unlimited gpu_memory=unlimited cpus=unlimited memory=unlimited max_priority=3");
+}
+
+// The issue's case: a request at priority 2^31-1 for a whole node no longer
+// holds 14 free cpus from everyone else's small requests.
+TEST(Allocator, SmallRequestsBackfillPastABlockedHead) {
+  auto alloc = NewAllocator();  // reservation_after: 5min
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 0, 80 * kGiB, Mode::kExclusive, 16, 64 * kGiB)));
+  Quota q;
+  q.max_priority = 2147483647;
+  ASSERT_OK(alloc->SetQuota("boss", q).status());
+  ASSERT_OK_AND_ASSIGN(Allocation held, alloc->Allocate(Exclusive("root", 0, 2)));
+  Request whole = Exclusive("boss", 0, 16);
+  whole.priority = 2147483647;
+  std::atomic<bool> answered{false};
+  std::string head_node;
+  alloc->AllocateGangAsync(whole, {}, [&](absl::StatusOr<std::vector<Allocation>> parts) {
+    head_node = parts.ok() ? parts->front().node : std::string(parts.status().message());
+    answered = true;
+  });
+  ASSERT_EQ(alloc->QueueLength(), 1u);
+  std::vector<std::string> small;
+  for (int i = 0; i < 14; ++i) {
+    ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(Exclusive("u" + std::to_string(i), 0, 1),
+                                                       NoWait()));
+    small.push_back(a.id);
+  }
+  EXPECT_THAT(alloc->Allocate(Exclusive("late", 0, 1), NoWait()),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("1 request(s) are queued ahead of it")));
+  EXPECT_EQ(alloc->QueueLength(), 1u);
+  EXPECT_FALSE(answered);
+  ASSERT_OK(alloc->Release(held.id));
+  for (const auto& id : small) ASSERT_OK(alloc->Release(id));
+  ASSERT_TRUE(Eventually([&] { return answered.load(); }));
+  EXPECT_EQ(head_node, "n1");
+  ASSERT_OK(alloc->CheckInvariants());
+}
+
+// Once the head has waited reservation_after, what it needs on its best node
+// is kept for it: requests behind it get only what remains beyond that.
+TEST(Allocator, HeadIsProtectedAfterReservationAfter) {
+  AllocatorOptions o;
+  o.reservation_after = 1s;
+  auto alloc = NewAllocator(o);
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 0, 80 * kGiB, Mode::kExclusive, 16, 64 * kGiB)));
+  ASSERT_OK(alloc->AddNode(MakeNode("n2", 0, 80 * kGiB, Mode::kExclusive, 4, 64 * kGiB)));
+  ASSERT_OK_AND_ASSIGN(Allocation held, alloc->Allocate(Exclusive("root", 0, 2)));
+  EXPECT_EQ(held.node, "n1");
+  std::mutex mu;
+  std::vector<std::string> granted;  // "user@node", in grant order
+  auto queue = [&](const Request& r) {
+    alloc->AllocateGangAsync(r, {}, [&](absl::StatusOr<std::vector<Allocation>> parts) {
+      std::lock_guard<std::mutex> lock(mu);
+      granted.push_back(parts.ok() ? parts->front().user + "@" + parts->front().node
+                                   : std::string(parts.status().message()));
+    });
+  };
+  queue(Exclusive("head", 0, 16));
+  // Before reservation_after: backfill onto n1, the head's node.
+  ASSERT_OK_AND_ASSIGN(Allocation early, alloc->Allocate(Exclusive("early", 0, 1), NoWait()));
+  EXPECT_EQ(early.node, "n1");
+  ASSERT_TRUE(Eventually([&] { return alloc->Pending()[0].waited >= 1s; }));
+  // After: n1's 13 free cpus are the head's; n2 is not reserved.
+  ASSERT_OK_AND_ASSIGN(Allocation late, alloc->Allocate(Exclusive("late", 0, 1), NoWait()));
+  EXPECT_EQ(late.node, "n2");
+  Request on_n1 = Exclusive("pinned", 0, 1);
+  on_n1.node = "n1";
+  EXPECT_THAT(alloc->Allocate(on_n1, NoWait()),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("1 request(s) are queued ahead of it")));
+  queue(on_n1);
+  std::vector<PendingRequest> pending = alloc->Pending();
+  ASSERT_EQ(pending.size(), 2u);
+  EXPECT_EQ(pending[1].reason,
+            "held back: the capacity it fits in is reserved for q1, which has waited longer "
+            "than reservation_after; behind 1 request");
+  // Releases go to the head first; pinned then waits for it.
+  ASSERT_OK(alloc->Release(held.id));
+  ASSERT_OK(alloc->Release(early.id));
+  ASSERT_TRUE(Eventually([&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return granted.size() == 1;
+  }));
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_THAT(granted, ElementsAre("head@n1"));
+  }
+  EXPECT_EQ(alloc->QueueLength(), 1u);
+  ASSERT_OK(alloc->CheckInvariants());
+  alloc->Shutdown();
+}
+
+// Exclusive GPUs are reserved whole, the free ones first; the head's
+// reservation leaves the rest of its node, and other nodes, to others.
+TEST(Allocator, ReservationKeepsTheHeadsGpusAndLeavesTheRest) {
+  AllocatorOptions o;
+  o.reservation_after = 0ms;  // reserve at once
+  auto alloc = NewAllocator(o);
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 4, 80 * kGiB, Mode::kExclusive, 8, 64 * kGiB)));
+  ASSERT_OK(alloc->AddNode(MakeNode("s1", 2, 40 * kGiB, Mode::kShared, 8, 64 * kGiB)));
+  ASSERT_OK_AND_ASSIGN(Allocation held, alloc->Allocate(Exclusive("root", 2, 2)));
+  ASSERT_OK_AND_ASSIGN(Allocation s0, alloc->Allocate(Shared("root", 1, 30 * kGiB)));
+  ASSERT_OK_AND_ASSIGN(Allocation s1, alloc->Allocate(Shared("root", 1, 35 * kGiB)));
+  ASSERT_EQ(s0.gpus[0].index, 0);
+  ASSERT_EQ(s1.gpus[0].index, 1);
+  std::atomic<int> answers{0};
+  auto count = [&](absl::StatusOr<std::vector<Allocation>>) { ++answers; };
+  alloc->AllocateGangAsync(Exclusive("head", 3, 4), {}, count);  // 2 GPUs free: waits
+  // Its 2 free GPUs and 4 of n1's 6 free cpus are held.
+  EXPECT_THAT(alloc->Allocate(Exclusive("gpu", 1), NoWait()),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  ASSERT_OK_AND_ASSIGN(Allocation cpus, alloc->Allocate(Exclusive("cpu", 0, 2), NoWait()));
+  EXPECT_EQ(cpus.node, "n1");
+  ASSERT_OK_AND_ASSIGN(Allocation more, alloc->Allocate(Exclusive("cpu", 0, 1), NoWait()));
+  EXPECT_EQ(more.node, "s1");  // n1's last 4 free cpus are the head's
+  alloc->AllocateGangAsync(Shared("shead", 1, 40 * kGiB), {}, count);
+  ASSERT_OK(alloc->Release(held.id));
+  ASSERT_TRUE(Eventually([&] { return answers == 1; }));
+  ASSERT_EQ(alloc->QueueLength(), 1u);
+  // shead (40GiB) heads the queue now: it is held on the GPU with most free
+  // memory (GPU 0, 10GiB free), and GPU 1's 5GiB stay open to others.
+  EXPECT_THAT(alloc->Allocate(Shared("small", 1, 10 * kGiB), NoWait()),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  ASSERT_OK_AND_ASSIGN(Allocation small, alloc->Allocate(Shared("small", 1, 5 * kGiB), NoWait()));
+  EXPECT_EQ(small.gpus[0].index, 1);
+  ASSERT_OK(alloc->CheckInvariants());
+  alloc->Shutdown();
+}
+
+// A waiting request that its quota (or priority cap) now refuses leaves the
+// queue with the error, and its reservation with it.
+TEST(Allocator, QuotaBlockedRequestsNeverBlockOthers) {
+  AllocatorOptions o;
+  o.reservation_after = 0ms;
+  auto alloc = NewAllocator(o);
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 2)));
+  Quota boss;
+  boss.max_priority = 9;
+  ASSERT_OK(alloc->SetQuota("boss", boss).status());
+  ASSERT_OK_AND_ASSIGN(Allocation held, alloc->Allocate(Exclusive("root", 1)));
+  std::mutex mu;
+  std::map<std::string, absl::Status> answers;
+  auto queue = [&](const Request& r) {
+    alloc->AllocateGangAsync(r, {}, [&, user = r.user](absl::StatusOr<std::vector<Allocation>> a) {
+      std::lock_guard<std::mutex> lock(mu);
+      answers[user] = a.status();
+    });
+  };
+  Request head = Exclusive("boss", 2);
+  head.priority = 9;
+  queue(head);
+  queue(Exclusive("bob", 1));  // the free GPU is the head's
+  ASSERT_EQ(alloc->QueueLength(), 2u);
+  boss.max_priority = 0;
+  ASSERT_OK(alloc->SetQuota("boss", boss).status());
+  ASSERT_TRUE(Eventually([&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return answers.size() == 2;
+  }));
+  EXPECT_THAT(answers["boss"],
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("priority=9 is above boss's maximum priority 0")));
+  EXPECT_OK(answers["bob"]);
+  EXPECT_EQ(alloc->QueueLength(), 0u);
+  ASSERT_OK(alloc->Release(held.id));
 }
 
 TEST(Allocator, QuotasListLimitsBesideUsage) {
@@ -365,6 +579,71 @@ TEST(Allocator, GangIsAllOrNothing) {
   EXPECT_THAT(alloc->Allocate(r), StatusIs(absl::StatusCode::kInvalidArgument,
                                            HasSubstr("replicas=2")));
   EXPECT_OK(alloc->CheckInvariants());
+}
+
+// max_priority is part of the quota record: it survives a reopen, from the
+// log and from a snapshot.
+TEST(Allocator, QuotaMaxPrioritySurvivesALedgerReopen) {
+  TempDir dir;
+  AllocatorOptions o;
+  o.state_dir = dir.path();
+  {
+    auto alloc = NewAllocator(o);
+    ASSERT_OK(alloc->AddNode(MakeNode("n1", 2)));
+    Quota q;
+    q.gpus = 1;
+    q.max_priority = 7;
+    ASSERT_OK(alloc->SetQuota("alice", q).status());
+    Quota d;
+    d.max_priority = -2;
+    ASSERT_OK(alloc->SetDefaultQuota(d).status());
+  }
+  for (bool from_snapshot : {false, true}) {
+    auto alloc = NewAllocator(o);
+    EXPECT_EQ(alloc->GetQuota("alice").max_priority, 7);
+    EXPECT_EQ(alloc->GetQuota("alice").gpus, 1);
+    EXPECT_EQ(alloc->GetQuota("bob").max_priority, -2);
+    Request r = Exclusive("alice", 1);
+    r.priority = 7;
+    ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(r));
+    ASSERT_OK(alloc->Release(a.id));
+    r.priority = 8;
+    EXPECT_THAT(alloc->Allocate(r), StatusIs(absl::StatusCode::kPermissionDenied,
+                                             HasSubstr("alice's maximum priority 7")));
+    EXPECT_THAT(alloc->Allocate(Exclusive("bob", 1)),
+                StatusIs(absl::StatusCode::kPermissionDenied,
+                         HasSubstr("priority=0 is above bob's maximum priority -2")));
+    if (!from_snapshot) ASSERT_OK(alloc->Compact());  // the next round reads it
+  }
+}
+
+// A quota record written before max_priority existed (it ends after the
+// memory limit) still replays, with the default cap 0.
+TEST(Allocator, QuotaRecordFromBeforeMaxPriorityReplays) {
+  TempDir dir;
+  {
+    ASSERT_OK_AND_ASSIGN(auto ledger, Ledger::Open(dir.path(), {}, [](const std::string&) {
+                           return absl::OkStatus();
+                         }));
+    std::string record;
+    Encoder e(&record);
+    e.U8(5);  // kSetQuota
+    e.U8(0);  // a user's, not the default
+    e.Str("alice");
+    e.U8(1);  // gpus = 3
+    e.Signed(3);
+    e.U8(0);  // gpu_memory, cpus, memory unset
+    e.U8(0);
+    e.U8(0);
+    ASSERT_OK(ledger->Sync(ledger->Append(record)));
+  }
+  AllocatorOptions o;
+  o.state_dir = dir.path();
+  auto alloc = NewAllocator(o);
+  Quota want;
+  want.gpus = 3;
+  EXPECT_EQ(alloc->GetQuota("alice"), want);
+  EXPECT_EQ(alloc->GetQuota("alice").max_priority, 0);
 }
 
 TEST(Allocator, QuotaRefusesAndNamesIt) {

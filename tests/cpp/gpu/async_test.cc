@@ -242,6 +242,9 @@ TEST(AllocatorAsync, WaitingRequestsQueueTimeOutAndAreCancelled) {
   TempDir dir;
   auto alloc = NewAllocator(dir.path());
   ASSERT_OK(alloc->AddNode(MakeNode("n1", 1)));
+  Quota q;
+  q.max_priority = 5;  // urgent's
+  ASSERT_OK(alloc->SetQuota("urgent", q).status());
   ASSERT_OK_AND_ASSIGN(Allocation held, alloc->Allocate(Exclusive("root", 1)));
   Answers<Grants> grants;
   alloc->AllocateGangAsync(Exclusive("first", 1), {}, grants.Slot("first"));
@@ -284,14 +287,16 @@ TEST(AllocatorAsync, WaitingRequestsQueueTimeOutAndAreCancelled) {
 // A withdrawn request leaves the queue, is answered Cancelled, and what
 // waited behind it moves up.
 TEST(AllocatorAsync, WithdrawTakesAWaitingRequestOutOfTheQueue) {
-  auto alloc = NewAllocator();
+  AllocatorOptions o;
+  o.reservation_after = std::chrono::milliseconds(0);  // "big" holds what frees
+  ASSERT_OK_AND_ASSIGN(auto alloc, Allocator::Create(o));
   ASSERT_OK(alloc->AddNode(MakeNode("n1", 2)));
   ASSERT_OK_AND_ASSIGN(Allocation one, alloc->Allocate(Exclusive("root", 1)));
   Answers<Grants> grants;
   EXPECT_EQ(alloc->AllocateGangAsync(Exclusive("now", 1), {}, grants.Slot("now")), 0u);
   const uint64_t big = alloc->AllocateGangAsync(Exclusive("big", 2), {}, grants.Slot("big"));
   EXPECT_NE(big, 0u);
-  // Strict queue: this would fit on the freed GPU but waits behind "big".
+  // This would fit on the freed GPU but waits: it is reserved for "big".
   ASSERT_OK(alloc->Release(one.id));
   const uint64_t small = alloc->AllocateGangAsync(Exclusive("small", 1), {}, grants.Slot("small"));
   EXPECT_NE(small, 0u);

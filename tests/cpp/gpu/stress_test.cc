@@ -75,6 +75,9 @@ class Bookings {
 };
 
 void RunClients(Allocator& alloc, Bookings& bookings, int clients, int ops, bool allow_wait) {
+  Quota q;
+  q.max_priority = 2;  // the priorities below
+  ASSERT_OK(alloc.SetDefaultQuota(q).status());
   std::atomic<int> granted{0}, refused{0};
   std::vector<std::thread> threads;
   for (int c = 0; c < clients; ++c) {
