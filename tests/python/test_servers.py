@@ -103,9 +103,9 @@ def test_a_second_server_in_process_on_a_taken_port_fails():
             ps.Server(address=server.address)
         assert str(e.value) == (f'ps server: cannot listen on "{server.address}": '
                                 "Address already in use")
-    with collective.StoreServer() as store:
+    with collective.Store() as store:
         with pytest.raises(deepnex.UnavailableError) as e:
-            collective.StoreServer(address=store.address)
+            collective.Store(address=store.address)
         assert str(e.value) == (f'store server: cannot listen on "{store.address}": '
                                 "Address already in use")
 
