@@ -134,7 +134,9 @@ TEST(MetricsTest, ASlowClientIsDroppedAndStallsNoScrape) {
     const std::string req = "GET /metrics HTTP/1.1\r\n\r\n";
     for (size_t i = 0; i < req.size() && !done; ++i) {
       if (send(slow, &req[i], 1, MSG_NOSIGNAL) != 1) break;
-      for (int t = 0; t < 9 && !done; ++t) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      for (int t = 0; t < 9 && !done; ++t) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
     }
   });
   for (int i = 0; i < 3; ++i) {
