@@ -4,7 +4,9 @@
 #define DEEPNEX_METRICS_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -101,12 +103,22 @@ class MetricsRegistry {
 };
 
 // Serves GET /metrics (the registry's Prometheus text) over plain HTTP/1.1
-// on its own thread. Thread-safe; Stop() is idempotent.
+// on its own thread, one request per connection, many connections at once.
+// A client that has not sent its whole request within kRequestDeadline of
+// connecting is dropped, so slow or silent clients never stall a scrape.
+// Thread-safe; Stop() is idempotent.
 class MetricsHttpServer {
  public:
-  // `address` is "host:port"; port 0 picks a free one.
+  // Per request, not per read: a client trickling bytes is dropped too.
+  static constexpr std::chrono::milliseconds kRequestDeadline{1000};
+
+  // `address` is "HOST:PORT" (an IPv4 address, "localhost", or empty or "*"
+  // for every interface); port 0 picks a free one.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Create(
       const MetricsRegistry* registry, const std::string& address);
+  // Serves what `text` returns, called on the server's thread per request.
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Create(
+      std::function<std::string()> text, const std::string& address);
   virtual ~MetricsHttpServer() = default;
   virtual int port() const = 0;
   virtual void Stop() = 0;

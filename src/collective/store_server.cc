@@ -301,15 +301,12 @@ class StoreServerImpl final : public StoreServer {
     DEEPNEX_ASSIGN_OR_RETURN(auto credentials,
                              MakeServerCredentials(options.tls_cert_file, options.tls_key_file));
     grpc::ServerBuilder builder;
-    builder.AddListeningPort(options.address, credentials, &port_);
     builder.SetMaxReceiveMessageSize(
         static_cast<int>(std::min<uint64_t>(options.max_value_bytes + (1 << 20), INT32_MAX)));
     builder.SetMaxSendMessageSize(-1);
     builder.RegisterService(&service_);
-    server_ = builder.BuildAndStart();
-    if (!server_ || port_ == 0) {
-      return absl::UnavailableError(absl::StrCat("cannot listen on \"", options.address, "\""));
-    }
+    DEEPNEX_ASSIGN_OR_RETURN(
+        server_, StartServer(builder, "store server", options.address, credentials, &port_));
     host_ = options.address.substr(0, options.address.rfind(':'));
     return absl::OkStatus();
   }

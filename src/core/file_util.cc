@@ -1,17 +1,23 @@
 #include "core/file_util.h"
 
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 namespace deepnex {
 namespace {
@@ -174,6 +180,69 @@ absl::Status MakeDirectories(const std::string& dir) {
         absl::StrCat("cannot create directory \"", dir, "\": ", ec.message()));
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+// The pid in a lock file if that process lives; 0 if the file holds none
+// (yet) or a dead one's (its holder may not have written its own yet).
+pid_t LiveHolder(int fd) {
+  char buf[32];
+  ssize_t n = pread(fd, buf, sizeof(buf) - 1, 0);
+  if (n <= 0) return 0;
+  int pid = 0;
+  if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(absl::string_view(buf, n)), &pid) ||
+      pid <= 0) {
+    return 0;
+  }
+  return kill(pid, 0) == 0 || errno == EPERM ? pid : 0;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DirectoryLock>> DirectoryLock::Acquire(const std::string& dir,
+                                                                      const std::string& file,
+                                                                      const std::string& what) {
+  DEEPNEX_RETURN_IF_ERROR(MakeDirectories(dir));
+  const std::string path = absl::StrCat(dir, "/", file);
+  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " \"", dir, "\": cannot open ", path, ": ", std::strerror(errno)));
+  }
+  // The holder writes its pid just after it locks: give it a moment.
+  pid_t holder = 0;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+  while (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK && errno != EINTR) {
+      absl::Status s = Errno("cannot lock", path);
+      close(fd);
+      return s;
+    }
+    holder = LiveHolder(fd);
+    if (holder != 0 || std::chrono::steady_clock::now() > give_up) {
+      close(fd);
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, " \"", dir, "\" is in use by ",
+                       holder != 0 ? absl::StrCat("pid ", holder) : "another process", " (",
+                       path, " is locked)"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const std::string pid = absl::StrCat(getpid(), "\n");
+  if (ftruncate(fd, 0) != 0 || pwrite(fd, pid.data(), pid.size(), 0) !=
+                                   static_cast<ssize_t>(pid.size())) {
+    absl::Status s = Errno("cannot write the pid into", path);
+    close(fd);
+    return s;
+  }
+  return std::unique_ptr<DirectoryLock>(new DirectoryLock(path, fd));
+}
+
+DirectoryLock::~DirectoryLock() {
+  // Emptied first, so that nobody reads this pid as the holder's after it.
+  (void)!ftruncate(fd_, 0);
+  close(fd_);
 }
 
 }  // namespace deepnex

@@ -1,10 +1,11 @@
-// Durable files: checksums and atomic replacement, for checkpoints and logs.
-// Private to libdeepnex.
+// Durable files: checksums and atomic replacement, for checkpoints and logs;
+// directory locks for the state of daemons. Private to libdeepnex.
 #ifndef DEEPNEX_CORE_FILE_UTIL_H_
 #define DEEPNEX_CORE_FILE_UTIL_H_
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "deepnex/status.h"
@@ -37,6 +38,33 @@ absl::StatusOr<std::string> ReadWholeFile(const std::string& path,
 
 // Creates `dir` and its parents if needed.
 absl::Status MakeDirectories(const std::string& dir);
+
+// An exclusive hold on a state directory, so that two daemons never write
+// one ledger or checkpoint: flock() on the file `dir/file`, which holds the
+// holder's pid. The kernel releases a flock when its holder exits however it
+// exits (kill -9 included), so a stale lock file never blocks a restart.
+// The lock is per open file, so a second DirectoryLock on the same file
+// fails in the same process too. Thread-compatible.
+class DirectoryLock {
+ public:
+  // Creates `dir` if needed and locks `dir/file` without waiting.
+  // FailedPrecondition naming `what`, the directory and the holder's pid when
+  // another holds it:
+  //   launcher state_dir "/var/lib/x" is in use by pid 4242 (/var/lib/x/launcher.lock is locked)
+  static absl::StatusOr<std::unique_ptr<DirectoryLock>> Acquire(const std::string& dir,
+                                                                const std::string& file,
+                                                                const std::string& what);
+  ~DirectoryLock();  // releases the lock
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+  const std::string& path() const { return path_; }
+
+ private:
+  DirectoryLock(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  const std::string path_;
+  const int fd_;
+};
 
 }  // namespace deepnex
 

@@ -5,11 +5,14 @@
 #include <google/protobuf/message_lite.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <malloc.h>
+#include <netdb.h>
 #include <pthread.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <future>
@@ -66,6 +69,65 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   grpc::SslServerCredentialsOptions options;
   options.pem_key_cert_pairs.push_back({key, cert});
   return grpc::SslServerCredentials(options);
+}
+
+namespace {
+
+// Binds what `address` resolves to as gRPC would, and lets go again: the
+// first failure's errno (*err) and reason, e.g. "Address already in use";
+// err 0 when every bind worked or the address is not HOST:PORT.
+std::string ProbeBind(const std::string& address, int* err) {
+  *err = 0;
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || address.rfind("unix:", 0) == 0) return "";
+  std::string host = address.substr(0, colon);
+  const std::string port = address.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found);
+      rc != 0) {
+    return gai_strerror(rc);
+  }
+  std::string why;
+  for (addrinfo* a = found; a != nullptr && *err == 0; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // as gRPC does
+    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      *err = errno;
+      why = std::strerror(errno);
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return why;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(
+    grpc::ServerBuilder& builder, const std::string& what, const std::string& address,
+    const std::shared_ptr<grpc::ServerCredentials>& credentials, int* port) {
+  auto cannot = [&](const std::string& why) {
+    return absl::UnavailableError(absl::StrCat(what, ": cannot listen on \"", address, "\": ",
+                                               why.empty() ? "gRPC could not bind it" : why));
+  };
+  // Refused before gRPC tries: it would log lines of its own, and serve on
+  // the other addresses of a name (localhost) when one of them is taken.
+  int err = 0;
+  const std::string why = ProbeBind(address, &err);
+  if (err == EADDRINUSE) return cannot(why);
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddListeningPort(address, credentials, port);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || *port == 0) return cannot(why);
+  return server;
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>>

@@ -41,6 +41,16 @@ absl::StatusOr<Identity> AuthenticateCall(const TokenTable& tokens,
 // Server credentials: TLS from PEM files when both are given, else insecure.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const std::string& cert_file, const std::string& key_file);
+// Starts the server `builder` describes (its services registered), listening
+// on `address` ("HOST:PORT"; port 0 picks one, put in *port). gRPC's
+// SO_REUSEPORT is off: by default a second server on a port another one
+// serves would start too, and clients would alternate between the two.
+// Unavailable naming `what` and the address when it cannot be bound:
+//   ps server: cannot listen on "127.0.0.1:7070": Address already in use
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(
+    grpc::ServerBuilder& builder, const std::string& what, const std::string& address,
+    const std::shared_ptr<grpc::ServerCredentials>& credentials, int* port);
+
 // Channel credentials: TLS verified against `ca_file` when given.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>>
 MakeChannelCredentials(const std::string& ca_file);

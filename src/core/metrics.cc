@@ -1,6 +1,7 @@
 #include "deepnex/metrics.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -164,11 +166,36 @@ std::string MetricsRegistry::PrometheusText() const {
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
+// A client that reads its response this slowly is dropped as well.
+constexpr std::chrono::milliseconds kResponseDeadline{10000};
+// Requests are a line and a few headers; a longer one is not a scrape.
+constexpr size_t kMaxRequestBytes = 8192;
+// Connections served at once; more wait in the listen backlog.
+constexpr size_t kMaxConnections = 64;
+
+std::string Response(const std::string& request, const std::function<std::string()>& text) {
+  std::string status = "200 OK", body;
+  const bool metrics = request.rfind("GET /metrics", 0) == 0 &&
+                       (request[12] == ' ' || request[12] == '?' || request[12] == '\r');
+  if (metrics) {
+    body = text();
+  } else {
+    status = "404 Not Found";
+    body = "deepnex serves GET /metrics\n";
+  }
+  return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: text/plain; version=0.0.4\r\n",
+                      "Content-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body);
+}
+
+// One thread polls the listening socket and every open connection
+// (non-blocking), each connection with its own deadline.
 class HttpServerImpl final : public MetricsHttpServer {
  public:
-  HttpServerImpl(const MetricsRegistry* registry, int fd, int port)
-      : registry_(registry), fd_(fd), port_(port) {
-    if (pipe(wake_) != 0) wake_[0] = wake_[1] = -1;
+  HttpServerImpl(std::function<std::string()> text, int fd, int port)
+      : text_(std::move(text)), fd_(fd), port_(port) {
+    if (pipe2(wake_, O_CLOEXEC) != 0) wake_[0] = wake_[1] = -1;
     thread_ = std::thread([this] { Serve(); });
   }
   ~HttpServerImpl() override { Stop(); }
@@ -183,47 +210,76 @@ class HttpServerImpl final : public MetricsHttpServer {
   }
 
  private:
+  struct Connection {
+    int fd;
+    Clock::time_point deadline;
+    std::string request, response;  // response: empty until the request is whole
+    size_t sent = 0;
+  };
+
   void Serve() {
+    std::vector<Connection> conns;
+    std::vector<pollfd> fds;
     while (!stopped_) {
-      pollfd fds[2] = {{fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
-      if (poll(fds, 2, 1000) <= 0 || (fds[1].revents & POLLIN)) continue;
-      int conn = accept(fd_, nullptr, nullptr);
-      if (conn < 0) continue;
-      Answer(conn);
-      close(conn);
+      const Clock::time_point now = Clock::now();
+      auto wait = std::chrono::milliseconds(1000);  // rechecks stopped_ without a pipe
+      fds.assign({{wake_[0], POLLIN, 0},
+                  {fd_, static_cast<short>(conns.size() < kMaxConnections ? POLLIN : 0), 0}});
+      for (const Connection& c : conns) {
+        fds.push_back({c.fd, static_cast<short>(c.response.empty() ? POLLIN : POLLOUT), 0});
+        wait = std::min(wait, std::chrono::ceil<std::chrono::milliseconds>(
+                                  std::max(c.deadline - now, Clock::duration::zero())));
+      }
+      if (poll(fds.data(), fds.size(), static_cast<int>(wait.count())) < 0 && errno != EINTR) {
+        break;
+      }
+      for (size_t i = 0; i < conns.size(); ++i) {
+        if (fds[i + 2].revents != 0 && !Progress(conns[i])) Drop(&conns[i]);
+      }
+      const Clock::time_point after = Clock::now();
+      for (Connection& c : conns) {
+        if (c.fd >= 0 && after >= c.deadline) Drop(&c);
+      }
+      conns.erase(std::remove_if(conns.begin(), conns.end(),
+                                 [](const Connection& c) { return c.fd < 0; }),
+                  conns.end());
+      while ((fds[1].revents & POLLIN) && conns.size() < kMaxConnections) {
+        const int c = accept4(fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (c < 0) break;
+        conns.push_back({c, after + kRequestDeadline, "", "", 0});
+      }
     }
+    for (Connection& c : conns) Drop(&c);
   }
 
-  // One request per connection; a slow or silent client is dropped after a
-  // second so that it cannot stall the exporter.
-  void Answer(int conn) {
-    timeval tv{1, 0};
-    setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    std::string request;
-    char buf[1024];
-    while (request.find("\r\n\r\n") == std::string::npos && request.size() < 8192) {
-      ssize_t n = recv(conn, buf, sizeof(buf), 0);
-      if (n <= 0) return;
-      request.append(buf, n);
+  // Reads or writes what the connection allows now; false once it is done
+  // (answered, closed by the peer, or broken).
+  bool Progress(Connection& c) {
+    if (c.response.empty()) {
+      char buf[2048];
+      const ssize_t n = recv(c.fd, buf, sizeof(buf), 0);
+      if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+      if (n == 0) return false;
+      c.request.append(buf, static_cast<size_t>(n));
+      if (c.request.find("\r\n\r\n") == std::string::npos) {
+        return c.request.size() <= kMaxRequestBytes;
+      }
+      c.response = Response(c.request, text_);
+      c.deadline = Clock::now() + kResponseDeadline;
     }
-    std::string status = "200 OK", body;
-    if (request.rfind("GET /metrics", 0) == 0) {
-      body = registry_->PrometheusText();
-    } else {
-      status = "404 Not Found";
-      body = "deepnex serves /metrics\n";
-    }
-    std::string response = absl::StrCat(
-        "HTTP/1.1 ", status, "\r\nContent-Type: text/plain; version=0.0.4\r\n",
-        "Content-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body);
-    for (size_t sent = 0; sent < response.size();) {
-      ssize_t n = send(conn, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
-      if (n <= 0) return;
-      sent += n;
-    }
+    const ssize_t n =
+        send(c.fd, c.response.data() + c.sent, c.response.size() - c.sent, MSG_NOSIGNAL);
+    if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    c.sent += static_cast<size_t>(n);
+    return c.sent < c.response.size();
   }
 
-  const MetricsRegistry* registry_;
+  static void Drop(Connection* c) {
+    close(c->fd);
+    c->fd = -1;
+  }
+
+  const std::function<std::string()> text_;
   const int fd_;
   const int port_;
   int wake_[2];
@@ -235,29 +291,37 @@ class HttpServerImpl final : public MetricsHttpServer {
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Create(
     const MetricsRegistry* registry, const std::string& address) {
-  auto colon = address.rfind(':');
-  if (colon == std::string::npos) {
+  return Create([registry] { return registry->PrometheusText(); }, address);
+}
+
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Create(
+    std::function<std::string()> text, const std::string& address) {
+  auto bad = [&] {
     return absl::InvalidArgumentError(
-        absl::StrCat("metrics address \"", address, "\" is not host:port"));
-  }
+        absl::StrCat("metrics address \"", address, "\": expected IPv4HOST:PORT"));
+  };
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return bad();
   std::string host = address.substr(0, colon);
-  int port = std::atoi(address.c_str() + colon + 1);
+  int port = -1;
+  if (!absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 || port > 65535) {
+    return bad();
+  }
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  if (host.empty() || host == "0.0.0.0") {
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (host.empty() || host == "*" || host == "0.0.0.0") {
     addr.sin_addr.s_addr = htonl(INADDR_ANY);
   } else if (host == "localhost") {
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   } else if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics address \"", address, "\": host must be an IPv4 address"));
+    return bad();
   }
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   int one = 1;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (fd >= 0) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      listen(fd, 16) != 0) {
+      listen(fd, 64) != 0) {
     std::string why = std::strerror(errno);
     if (fd >= 0) close(fd);
     return absl::UnavailableError(
@@ -266,7 +330,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Create(
   socklen_t len = sizeof(addr);
   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   return std::unique_ptr<MetricsHttpServer>(
-      new HttpServerImpl(registry, fd, ntohs(addr.sin_port)));
+      new HttpServerImpl(std::move(text), fd, ntohs(addr.sin_port)));
 }
 
 }  // namespace deepnex

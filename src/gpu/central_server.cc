@@ -2,23 +2,17 @@
 // callback API. Allocate and Release use the allocator's asynchronous forms,
 // so no gRPC thread waits for a ledger fsync or the queue, and calls in
 // flight together share fsyncs; every other call runs inline.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
 #include "deepnex/auth.h"
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/gpu/central.h"
+#include "deepnex/metrics.h"
 #include "gpu/central_convert.h"
 #include "gpu/central_server.h"
 
@@ -442,102 +436,6 @@ void OpsReactor::OnCancel() {
   for (uint64_t t : tickets) service_->allocator().Withdraw(t);
 }
 
-// GET /metrics over HTTP/1.1 (one request per connection) on a thread of
-// its own, for Prometheus scrapers.
-class MetricsHttp {
- public:
-  explicit MetricsHttp(std::function<std::string()> text) : text_(std::move(text)) {}
-  ~MetricsHttp() { Stop(); }
-
-  absl::Status Start(const std::string& address) {
-    const size_t colon = address.rfind(':');
-    if (colon == std::string::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("metrics_address \"", address, "\": expected HOST:PORT"));
-    }
-    std::string host = address.substr(0, colon);
-    if (host == "localhost") host = "127.0.0.1";
-    if (host.empty() || host == "*") host = "0.0.0.0";
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    int port = 0;
-    try {
-      port = std::stoi(address.substr(colon + 1));
-    } catch (...) {
-      port = -1;
-    }
-    if (port < 0 || port > 65535 || inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("metrics_address \"", address, "\": expected IPv4HOST:PORT"));
-    }
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    int one = 1;
-    setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (fd_ < 0 || bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-        listen(fd_, 16) != 0) {
-      return absl::UnavailableError(absl::StrCat("metrics: cannot listen on \"", address, "\""));
-    }
-    socklen_t len = sizeof(addr);
-    getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-    port_ = ntohs(addr.sin_port);
-    thread_ = std::thread([this] { Run(); });
-    return absl::OkStatus();
-  }
-  int port() const { return port_; }
-  void Stop() {
-    stop_ = true;
-    if (thread_.joinable()) thread_.join();
-    if (fd_ >= 0) close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  void Run() {
-    while (!stop_) {
-      pollfd p{fd_, POLLIN, 0};
-      if (poll(&p, 1, 100) <= 0) continue;
-      int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (c < 0) continue;
-      timeval tv{2, 0};
-      setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-      std::string req;
-      char buf[2048];
-      while (req.find("\r\n\r\n") == std::string::npos && req.size() < 16384) {
-        ssize_t n = recv(c, buf, sizeof(buf), 0);
-        if (n <= 0) break;
-        req.append(buf, static_cast<size_t>(n));
-      }
-      std::string body, status = "200 OK";
-      if (req.rfind("GET /metrics", 0) == 0) {
-        body = text_();
-      } else {
-        status = "404 Not Found";
-        body = "GET /metrics\n";
-      }
-      std::string resp = absl::StrCat("HTTP/1.1 ", status,
-                                      "\r\nContent-Type: text/plain; version=0.0.4\r\n"
-                                      "Content-Length: ", body.size(),
-                                      "\r\nConnection: close\r\n\r\n", body);
-      const char* q = resp.data();
-      size_t left = resp.size();
-      while (left > 0) {
-        ssize_t w = send(c, q, left, MSG_NOSIGNAL);
-        if (w <= 0) break;
-        q += w;
-        left -= static_cast<size_t>(w);
-      }
-      close(c);
-    }
-  }
-
-  std::function<std::string()> text_;
-  int fd_ = -1;
-  int port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
-};
-
 class CentralServerImpl final : public CentralServer {
  public:
   explicit CentralServerImpl(std::unique_ptr<Service> service) : service_(std::move(service)) {}
@@ -549,21 +447,19 @@ class CentralServerImpl final : public CentralServer {
     DEEPNEX_ASSIGN_OR_RETURN(auto credentials,
                              MakeServerCredentials(options.tls_cert_file, options.tls_key_file));
     grpc::ServerBuilder builder;
-    builder.AddListeningPort(options.address, credentials, &port_);
     builder.RegisterService(service_.get());
     if (extension) {
       DEEPNEX_ASSIGN_OR_RETURN(extension_,
                                extension(service_->allocator(), service_->tokens()));
       builder.RegisterService(extension_->service());
     }
-    server_ = builder.BuildAndStart();
-    if (!server_ || port_ == 0) {
-      return absl::UnavailableError(absl::StrCat("cannot listen on \"", options.address, "\""));
-    }
+    DEEPNEX_ASSIGN_OR_RETURN(
+        server_, StartServer(builder, "central server", options.address, credentials, &port_));
     host_ = options.address.substr(0, options.address.rfind(':'));
     if (!options.metrics_address.empty()) {
-      metrics_ = std::make_unique<MetricsHttp>([this] { return service_->MetricsText(); });
-      DEEPNEX_RETURN_IF_ERROR(metrics_->Start(options.metrics_address));
+      DEEPNEX_ASSIGN_OR_RETURN(
+          metrics_, MetricsHttpServer::Create([this] { return service_->MetricsText(); },
+                                              options.metrics_address));
     }
     return absl::OkStatus();
   }
@@ -600,7 +496,7 @@ class CentralServerImpl final : public CentralServer {
   std::unique_ptr<Service> service_;
   // After service_: it uses the service's allocator and tokens.
   std::unique_ptr<CentralExtension> extension_;
-  std::unique_ptr<MetricsHttp> metrics_;
+  std::unique_ptr<MetricsHttpServer> metrics_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::string host_;

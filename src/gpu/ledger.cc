@@ -286,7 +286,7 @@ Ledger::~Ledger() {
     }
   }
   if (fd_ >= 0) ::close(fd_);
-  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
+  lock_.reset();  // last: releases the flock
 }
 
 absl::Status Ledger::Replay(const std::string& dir, const ApplyFn& apply, bool repair,
@@ -372,15 +372,8 @@ absl::StatusOr<std::unique_ptr<Ledger>> Ledger::Open(const std::string& dir,
                                                      LedgerRecovery* recovery) {
   DEEPNEX_RETURN_IF_ERROR(MakeDirs(dir));
   std::unique_ptr<Ledger> ledger(new Ledger(dir, options));
-  const std::string lock_path = dir + "/LOCK";
-  ledger->lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (ledger->lock_fd_ < 0) {
-    return absl::InvalidArgumentError(Errno("state_dir: cannot open", lock_path));
-  }
-  if (::flock(ledger->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "state_dir \"", dir, "\" is in use by another allocator (", lock_path, " is locked)"));
-  }
+  DEEPNEX_ASSIGN_OR_RETURN(ledger->lock_,
+                           DirectoryLock::Acquire(dir, "LOCK", "allocator state_dir"));
   LedgerRecovery rec;
   uint64_t last = 0;
   DEEPNEX_RETURN_IF_ERROR(Replay(dir, apply, /*repair=*/true, &rec, &last));

@@ -41,6 +41,10 @@
 
 #include "deepnex/status.h"
 
+namespace deepnex {
+class DirectoryLock;
+}
+
 namespace deepnex::gpu {
 
 struct LedgerOptions {
@@ -124,7 +128,7 @@ class Ledger {
 
   const std::string dir_;
   const LedgerOptions options_;
-  int lock_fd_ = -1;
+  std::unique_ptr<DirectoryLock> lock_;  // on dir_/LOCK while open
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -572,9 +572,10 @@ class Container : public Handle {
 
 class LauncherImpl : public Launcher {
  public:
-  LauncherImpl(LauncherOptions options, bool owns_state_dir, std::unique_ptr<Backend> backend)
+  LauncherImpl(LauncherOptions options, bool owns_state_dir, std::unique_ptr<Backend> backend,
+               std::unique_ptr<DirectoryLock> state_lock)
       : options_(std::move(options)), owns_state_dir_(owns_state_dir),
-        backend_(std::move(backend)) {}
+        state_lock_(std::move(state_lock)), backend_(std::move(backend)) {}
 
   ~LauncherImpl() override {
     std::map<std::string, std::shared_ptr<Container>> containers;
@@ -663,6 +664,7 @@ class LauncherImpl : public Launcher {
  private:
   const LauncherOptions options_;
   const bool owns_state_dir_;
+  const std::unique_ptr<DirectoryLock> state_lock_;  // a given state_dir's; released last
   const std::unique_ptr<Backend> backend_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<Container>> containers_;
@@ -789,10 +791,14 @@ absl::StatusOr<std::unique_ptr<Launcher>> Launcher::Create(const LauncherOptions
         "\" is not a relative path without \".\" or \"..\" components"));
   }
   const bool owns_state_dir = options.state_dir.empty();
+  std::unique_ptr<DirectoryLock> state_lock;
   if (owns_state_dir) {
     DEEPNEX_ASSIGN_OR_RETURN(options.state_dir, MakeTempDir());
   } else {
-    DEEPNEX_RETURN_IF_ERROR(MakeDirectories(options.state_dir));
+    // Two launchers on one state_dir would take each other's container
+    // records (and sweep each other's containers as orphans).
+    DEEPNEX_ASSIGN_OR_RETURN(state_lock, DirectoryLock::Acquire(options.state_dir, "launcher.lock",
+                                                                "launcher state_dir"));
   }
   // Absolute, so that paths derived from it mean the same to the engines
   // (runc resolves a bundle's rootfs against the bundle) and after a chdir.
@@ -810,7 +816,8 @@ absl::StatusOr<std::unique_ptr<Launcher>> Launcher::Create(const LauncherOptions
     return backend.status();
   }
   return std::unique_ptr<Launcher>(
-      new LauncherImpl(std::move(options), owns_state_dir, std::move(*backend)));
+      new LauncherImpl(std::move(options), owns_state_dir, std::move(*backend),
+                       std::move(state_lock)));
 }
 
 std::map<std::string, std::string> ProbeBackends(const LauncherOptions& options) {

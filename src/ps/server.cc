@@ -1215,6 +1215,14 @@ class ServerImpl final : public Server {
 
   absl::Status Start() {
     DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("ps server"));
+    if (!options_.checkpoint_dir.empty()) {
+      // Per server name, not per directory: a job's servers share one
+      // directory, each writing its own NAME.ckpt.
+      DEEPNEX_ASSIGN_OR_RETURN(
+          checkpoint_lock_,
+          DirectoryLock::Acquire(options_.checkpoint_dir, options_.name + ".lock",
+                                 absl::StrCat("ps \"", options_.name, "\": checkpoint_dir")));
+    }
     if (!options_.restore_dir.empty()) {
       DEEPNEX_RETURN_IF_ERROR(service_.Restore(options_.restore_dir));
     }
@@ -1222,16 +1230,12 @@ class ServerImpl final : public Server {
         auto credentials,
         MakeServerCredentials(options_.tls_cert_file, options_.tls_key_file));
     grpc::ServerBuilder builder;
-    builder.AddListeningPort(options_.address, credentials, &port_);
     builder.SetMaxReceiveMessageSize(
         static_cast<int>(std::min<uint64_t>(options_.max_message_bytes, INT32_MAX)));
     builder.SetMaxSendMessageSize(-1);
     builder.RegisterService(&service_);
-    server_ = builder.BuildAndStart();
-    if (!server_ || port_ == 0) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot listen on \"", options_.address, "\""));
-    }
+    DEEPNEX_ASSIGN_OR_RETURN(
+        server_, StartServer(builder, "ps server", options_.address, credentials, &port_));
     host_ = options_.address.substr(0, options_.address.rfind(':'));
     if (!options_.metrics_address.empty()) {
       DEEPNEX_ASSIGN_OR_RETURN(
@@ -1310,6 +1314,7 @@ class ServerImpl final : public Server {
   }
 
   const ServerOptions options_;
+  std::unique_ptr<DirectoryLock> checkpoint_lock_;  // released last
   Service service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;

@@ -1,12 +1,9 @@
 """Tests of deepnex's core bindings: byte sizes, errors, the job context and
 zero-copy buffer views."""
 
-<<<<<<< HEAD
+import logging
 import os
 import re
-=======
-import logging
->>>>>>> h-queue
 import subprocess
 import sys
 import types

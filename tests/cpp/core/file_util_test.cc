@@ -1,5 +1,12 @@
 #include "core/file_util.h"
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -11,6 +18,26 @@ namespace {
 
 using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
+using ::testing::HasSubstr;
+
+// A fresh directory per test, removed after it.
+class LockDir {
+ public:
+  LockDir() {
+    std::string tmpl = ::testing::TempDir() + "/dirlock_XXXXXX";
+    path_ = mkdtemp(tmpl.data()) != nullptr ? tmpl : "";
+  }
+  ~LockDir() { std::filesystem::remove_all(path_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::string InUse(const std::string& dir, pid_t pid) {
+  return "state \"" + dir + "\" is in use by pid " + std::to_string(pid) + " (" + dir +
+         "/x.lock is locked)";
+}
 
 TEST(Crc32cTest, KnownVectors) {
   // RFC 3720, B.4: CRC-32C of 32 zero bytes and of "123456789".
@@ -32,6 +59,64 @@ TEST(FileUtilTest, AtomicWriteReplacesTheFile) {
   EXPECT_EQ(*got, "two");
   EXPECT_THAT(ReadWholeFile(dir + "/missing", "test file").status(),
               StatusIs(absl::StatusCode::kNotFound, ::testing::HasSubstr("missing")));
+}
+
+TEST(DirectoryLockTest, ASecondHolderFailsNamingTheFirstsPid) {
+  LockDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  const std::string sub = dir.path() + "/made";  // created by Acquire
+  ASSERT_OK_AND_ASSIGN(auto held, DirectoryLock::Acquire(sub, "x.lock", "state"));
+  EXPECT_EQ(held->path(), sub + "/x.lock");
+  std::ifstream in(sub + "/x.lock");
+  std::string pid;
+  std::getline(in, pid);
+  EXPECT_EQ(pid, std::to_string(getpid()));
+  // flock is per open file: the same process is refused as well.
+  EXPECT_THAT(DirectoryLock::Acquire(sub, "x.lock", "state"),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_EQ(DirectoryLock::Acquire(sub, "x.lock", "state").status().message(),
+            InUse(sub, getpid()));
+  // Another file in the same directory is another lock.
+  EXPECT_THAT(DirectoryLock::Acquire(sub, "y.lock", "state"), IsOk());
+  held.reset();
+  EXPECT_THAT(DirectoryLock::Acquire(sub, "x.lock", "state"), IsOk());
+}
+
+TEST(DirectoryLockTest, ALockIsFreeAfterItsHolderIsKilled) {
+  LockDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto lock = DirectoryLock::Acquire(dir.path(), "x.lock", "state");
+    char c = lock.ok() ? '1' : '0';
+    (void)!write(ready[1], &c, 1);
+    pause();
+    _exit(0);
+  }
+  close(ready[1]);
+  char c = 0;
+  ASSERT_EQ(read(ready[0], &c, 1), 1);
+  close(ready[0]);
+  ASSERT_EQ(c, '1');
+  EXPECT_EQ(DirectoryLock::Acquire(dir.path(), "x.lock", "state").status().message(),
+            InUse(dir.path(), child));
+  ASSERT_EQ(kill(child, SIGKILL), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status));
+  ASSERT_OK_AND_ASSIGN(auto lock, DirectoryLock::Acquire(dir.path(), "x.lock", "state"));
+}
+
+TEST(DirectoryLockTest, AnUnusableDirectoryNamesIt) {
+  LockDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  const std::string file = dir.path() + "/file";
+  std::ofstream(file) << "x";
+  EXPECT_THAT(DirectoryLock::Acquire(file, "x.lock", "state"),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr(file)));
 }
 
 }  // namespace

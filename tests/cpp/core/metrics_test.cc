@@ -5,7 +5,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -15,7 +17,37 @@ namespace deepnex {
 namespace {
 
 using ::deepnex::test::IsOk;
+using ::deepnex::test::StatusIs;
 using ::testing::HasSubstr;
+using Clock = std::chrono::steady_clock;
+
+int Connect(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  timeval tv{10, 0};  // no test waits on a dead server forever
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  return fd;
+}
+
+// The whole response to GET `path` (empty if the connection failed).
+std::string Get(int port, const std::string& path) {
+  int fd = Connect(port);
+  if (fd < 0) return "";
+  std::string req = "GET " + path + " HTTP/1.1\r\nHost: x\r\n\r\n";
+  (void)!send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+  std::string response;
+  char buf[4096];
+  for (ssize_t n; (n = recv(fd, buf, sizeof(buf), 0)) > 0;) response.append(buf, n);
+  close(fd);
+  return response;
+}
 
 TEST(MetricsTest, PrometheusText) {
   MetricsRegistry r;
@@ -59,6 +91,69 @@ TEST(MetricsTest, HttpServerServesMetrics) {
   EXPECT_THAT(response, HasSubstr("HTTP/1.1 200 OK"));
   EXPECT_THAT(response, HasSubstr("hits_total 1\n"));
   (*server)->Stop();
+}
+
+TEST(MetricsTest, HttpServerServesACallbacksText) {
+  int calls = 0;
+  ASSERT_OK_AND_ASSIGN(auto server, MetricsHttpServer::Create(
+                                        [&calls] { return "up " + std::to_string(++calls) + "\n"; },
+                                        "127.0.0.1:0"));
+  EXPECT_THAT(Get(server->port(), "/metrics"), HasSubstr("\r\n\r\nup 1\n"));
+  EXPECT_THAT(Get(server->port(), "/metrics?x=1"), HasSubstr("\r\n\r\nup 2\n"));
+  std::string other = Get(server->port(), "/metricsfoo");
+  EXPECT_THAT(other, HasSubstr("HTTP/1.1 404 Not Found\r\n"));
+  EXPECT_EQ(calls, 2);
+  server->Stop();
+  server->Stop();  // idempotent
+}
+
+TEST(MetricsTest, HttpServerAddressErrorsNameTheAddress) {
+  MetricsRegistry r;
+  for (const char* bad : {"nocolon", "127.0.0.1:x", "127.0.0.1:70000", "host.example:80"}) {
+    EXPECT_THAT(MetricsHttpServer::Create(&r, bad),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(std::string("metrics address \"") + bad + "\"")));
+  }
+  ASSERT_OK_AND_ASSIGN(auto first, MetricsHttpServer::Create(&r, "127.0.0.1:0"));
+  const std::string taken = "127.0.0.1:" + std::to_string(first->port());
+  EXPECT_EQ(MetricsHttpServer::Create(&r, taken).status().message(),
+            "metrics: cannot listen on \"" + taken + "\": Address already in use");
+}
+
+// A client that sends a byte every 0.9 s (each read within any per-read
+// timeout) is dropped 1 s after it connected, and never delays a scrape.
+TEST(MetricsTest, ASlowClientIsDroppedAndStallsNoScrape) {
+  MetricsRegistry r;
+  r.GetCounter("hits_total", "Hits.")->Add();
+  ASSERT_OK_AND_ASSIGN(auto server, MetricsHttpServer::Create(&r, "127.0.0.1:0"));
+  const int slow = Connect(server->port());
+  ASSERT_GE(slow, 0);
+  const Clock::time_point connected = Clock::now();
+  std::atomic<bool> done{false};
+  std::thread trickle([&] {
+    const std::string req = "GET /metrics HTTP/1.1\r\n\r\n";
+    for (size_t i = 0; i < req.size() && !done; ++i) {
+      if (send(slow, &req[i], 1, MSG_NOSIGNAL) != 1) break;
+      for (int t = 0; t < 9 && !done; ++t) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+  });
+  for (int i = 0; i < 3; ++i) {
+    const Clock::time_point start = Clock::now();
+    EXPECT_THAT(Get(server->port(), "/metrics"), HasSubstr("hits_total 1\n"));
+    EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(1500)) << "scrape " << i;
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  }
+  // Dropped without an answer.
+  char buf[64];
+  ssize_t n = recv(slow, buf, sizeof(buf), 0);
+  const auto dropped_after = Clock::now() - connected;
+  EXPECT_LE(n, 0);
+  EXPECT_LT(dropped_after, std::chrono::milliseconds(2500));
+  done = true;
+  trickle.join();
+  close(slow);
 }
 
 }  // namespace

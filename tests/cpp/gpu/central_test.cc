@@ -275,6 +275,19 @@ std::string HttpGet(int port, const std::string& path) {
   return out;
 }
 
+// gRPC would let a second server share the port (SO_REUSEPORT), and clients
+// would alternate between two allocators.
+TEST(CentralServerStart, ASecondServerOnATakenPortFailsNamingIt) {
+  CentralServerOptions o;
+  o.address = "127.0.0.1:0";
+  ASSERT_OK_AND_ASSIGN(auto first, CentralServer::Create(o));
+  o.address = first->address();
+  absl::StatusOr<std::unique_ptr<CentralServer>> second = CentralServer::Create(o);
+  EXPECT_THAT(second, StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_EQ(second.status().message(),
+            "central server: cannot listen on \"" + o.address + "\": Address already in use");
+}
+
 TEST(CentralMetrics, ServedOverHttp) {
   CentralServerOptions o;
   o.metrics_address = "127.0.0.1:0";

@@ -1,0 +1,227 @@
+"""One server per address and per state directory, and metrics endpoints that
+a slow client cannot stall (issue #12): the library's servers in process and
+the daemons deepnex-central, deepnex-ps and deepnex-store as subprocesses."""
+
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+import deepnex
+from deepnex import collective, launch, ps
+
+BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
+                           os.path.join(os.path.dirname(__file__), "..", "..", "build"))
+
+
+def binary(name):
+    path = os.path.join(BUILD_DIR, "bin", name)
+    if not os.path.exists(path):
+        pytest.skip(f"{path} not built")
+    return path
+
+
+def read_line(stream, deadline):
+    """One line of a daemon's output, or "" if none comes by `deadline`."""
+    line = ""
+    while not line.endswith("\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([stream], [], [], left)[0]:
+            return line
+        chunk = os.read(stream.fileno(), 1).decode()
+        if not chunk:
+            return line
+        line += chunk
+    return line
+
+
+class Daemon:
+    """A daemon started on its flags; `address` once it printed that it listens."""
+
+    def __init__(self, name, *args):
+        self.name = name
+        self.proc = subprocess.Popen([binary(name), *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+        line = read_line(self.proc.stdout, time.monotonic() + 30)
+        m = re.match(rf"{name} listening on (\S+)", line)
+        if not m:
+            self.kill()
+            raise AssertionError(f"{name} did not start: {line!r} {self.proc.stderr.read()!r}")
+        self.address = m.group(1)
+        self.pid = self.proc.pid
+
+    def kill(self, sig=signal.SIGKILL):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        self.proc.wait(timeout=30)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+@pytest.fixture
+def daemons():
+    started = []
+
+    def start(name, *args):
+        d = Daemon(name, *args)
+        started.append(d)
+        return d
+    yield start
+    for d in started:
+        d.kill()
+
+
+def refused(name, *args):
+    """(exit code, stderr) of a daemon that is expected to exit at once."""
+    r = subprocess.run([binary(name), *args], capture_output=True, text=True, timeout=60)
+    return r.returncode, r.stderr
+
+
+# ---- one server per address
+
+@pytest.mark.parametrize("name, what", [("deepnex-central", "central server"),
+                                        ("deepnex-ps", "ps server"),
+                                        ("deepnex-store", "store server")])
+def test_a_daemon_on_a_taken_port_fails_naming_the_address(daemons, name, what):
+    first = daemons(name, "--listen", "127.0.0.1:0")
+    code, err = refused(name, "--listen", first.address)
+    assert (code, err) == (1, f'{name}: {what}: cannot listen on "{first.address}": '
+                              "Address already in use\n")
+
+
+def test_a_second_server_in_process_on_a_taken_port_fails():
+    with ps.Server() as server:
+        with pytest.raises(deepnex.UnavailableError) as e:
+            ps.Server(address=server.address)
+        assert str(e.value) == (f'ps server: cannot listen on "{server.address}": '
+                                "Address already in use")
+    with collective.Store() as store:
+        with pytest.raises(deepnex.UnavailableError) as e:
+            collective.Store(address=store.address)
+        assert str(e.value) == (f'store server: cannot listen on "{store.address}": '
+                                "Address already in use")
+
+
+# ---- one daemon per state directory
+
+def test_central_state_dir_is_held_until_its_daemon_dies(daemons, tmp_path):
+    state = str(tmp_path / "state")
+    first = daemons("deepnex-central", "--listen", "127.0.0.1:0", "--state-dir", state)
+    code, err = refused("deepnex-central", "--listen", "127.0.0.1:0", "--state-dir", state)
+    assert (code, err) == (1, f'deepnex-central: allocator state_dir "{state}" is in use by '
+                              f"pid {first.pid} ({state}/LOCK is locked)\n")
+    first.kill(signal.SIGKILL)  # the kernel releases the flock
+    daemons("deepnex-central", "--listen", "127.0.0.1:0", "--state-dir", state)
+
+
+def test_ps_checkpoint_dir_is_held_per_server_name(daemons, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--checkpoint-dir", ckpt,
+                    "--name", "ps0")
+    # A job's servers share the directory, each with its own name.
+    daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--checkpoint-dir", ckpt, "--name", "ps1")
+    code, err = refused("deepnex-ps", "--listen", "127.0.0.1:0", "--checkpoint-dir", ckpt,
+                        "--name", "ps0")
+    assert (code, err) == (1, f'deepnex-ps: ps "ps0": checkpoint_dir "{ckpt}" is in use by '
+                              f"pid {first.pid} ({ckpt}/ps0.lock is locked)\n")
+    first.kill(signal.SIGKILL)
+    daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--checkpoint-dir", ckpt, "--name", "ps0")
+
+
+def test_a_second_launcher_on_a_state_dir_names_the_holder(tmp_path):
+    state = str(tmp_path / "state")
+    held = launch.Launcher("process", state_dir=state)
+    with pytest.raises(deepnex.FailedPreconditionError) as e:
+        launch.Launcher("process", state_dir=state)
+    assert str(e.value) == (f'launcher state_dir "{state}" is in use by pid {os.getpid()} '
+                            f"({state}/launcher.lock is locked)")
+    held.close()
+    launch.Launcher("process", state_dir=state).close()
+
+
+def test_a_killed_launchers_state_dir_is_free_again(tmp_path):
+    state = str(tmp_path / "state")
+    script = ("import sys, time\n"
+              "from deepnex import launch\n"
+              f"l = launch.Launcher('process', state_dir={state!r})\n"
+              "print('held', flush=True)\n"
+              "time.sleep(600)\n")
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                             start_new_session=True)
+    try:
+        assert read_line(child.stdout, time.monotonic() + 60) == "held\n"
+        with pytest.raises(deepnex.FailedPreconditionError, match=f"in use by pid {child.pid} "):
+            launch.Launcher("process", state_dir=state)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+        child.stdout.close()
+    launch.Launcher("process", state_dir=state).close()
+
+
+# ---- metrics endpoints
+
+def assert_slow_client_stalls_no_scrape(port):
+    """A client sending a byte every 0.9 s is dropped about 1 s after it
+    connects, and GET /metrics meanwhile answers within 1.5 s."""
+    slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+    connected = time.monotonic()
+    stop = threading.Event()
+
+    def trickle():
+        for b in b"GET /metrics HTTP/1.1\r\n\r\n":
+            try:
+                slow.send(bytes([b]))
+            except OSError:
+                return
+            if stop.wait(0.9):
+                return
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    try:
+        for i in range(3):
+            start = time.monotonic()
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+            took = time.monotonic() - start
+            assert b"# TYPE" in body
+            assert took < 1.5, f"scrape {i} took {took:.2f} s"
+            time.sleep(0.4)
+        try:
+            data = slow.recv(64)
+        except ConnectionResetError:
+            data = b""
+        assert data == b""  # dropped without an answer
+        assert time.monotonic() - connected < 2.5
+    finally:
+        stop.set()
+        sender.join(10)
+        slow.close()
+
+
+def test_a_slow_client_does_not_stall_centrals_metrics(tmp_path):
+    proc = subprocess.Popen([binary("deepnex-central"), "--listen", "127.0.0.1:0",
+                             "--metrics-listen", "127.0.0.1:0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        line = read_line(proc.stderr, time.monotonic() + 30)
+        m = re.search(r"metrics at http://127\.0\.0\.1:(\d+)/metrics", line)
+        assert m, line
+        assert_slow_client_stalls_no_scrape(int(m.group(1)))
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_a_slow_client_does_not_stall_the_ps_metrics():
+    with ps.Server(metrics_address="127.0.0.1:0") as server:
+        assert_slow_client_stalls_no_scrape(server.metrics_port)
