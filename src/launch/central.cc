@@ -134,8 +134,6 @@ absl::StatusOr<CentralContainer> FromProto(const pb::ContainerInfo& p) {
   return c;
 }
 
-bool Ended(State s) { return s == State::kStopped || s == State::kExited; }
-
 class ContainersService final : public pb::Containers::CallbackService,
                                 public gpu::CentralExtension {
  public:
@@ -224,14 +222,11 @@ class ContainersService final : public pb::Containers::CallbackService,
                                           pb::ContainerLogsReply* reply) override {
     absl::Status s = [&]() -> absl::Status {
       DEEPNEX_ASSIGN_OR_RETURN(auto e, Find(*ctx, req->user(), req->name()));
-      // Ended before the read: the log read is complete.
-      const bool ended = Ended(e->handle->Status().state);
-      DEEPNEX_ASSIGN_OR_RETURN(std::string logs, e->handle->Logs());
-      const uint64_t from = std::min<uint64_t>(req->offset(), logs.size());
-      const uint64_t n = std::min<uint64_t>(logs.size() - from, kMaxLogChunk);
-      reply->set_data(logs.substr(from, n));
-      reply->set_next_offset(from + n);
-      reply->set_ended(ended && from + n == logs.size());
+      // By offset, so that a big log never sits whole in central's memory.
+      DEEPNEX_ASSIGN_OR_RETURN(LogChunk chunk, e->handle->ReadLogs(req->offset(), kMaxLogChunk));
+      reply->set_data(std::move(chunk.data));
+      reply->set_next_offset(chunk.next_offset);
+      reply->set_ended(chunk.ended);
       return absl::OkStatus();
     }();
     return Reply(ctx, s);

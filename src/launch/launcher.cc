@@ -3,8 +3,10 @@
 // across runs and a JSON record per container for `deepnex ps`.
 #include "deepnex/launch/launcher.h"
 
+#include <fcntl.h>
 #include <limits.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -49,8 +51,14 @@ constexpr const char* kGrantEnv[] = {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEV
                                      "DEEPNEX_GPU_MEMORY_LIMIT"};
 constexpr char kLauncherLabel[] = "deepnex.launcher";
 constexpr char kNameLabel[] = "deepnex.name";
-// How often the supervisor looks at a run and FollowLogs at the log.
+// How often FollowLogs looks at the log; the supervisor looks at a run (and
+// moves its output into the container's log) every 5 of these.
 constexpr std::chrono::milliseconds kPoll{100};
+// Where a backend that writes a run's output to a file writes it, in the
+// run's directory (process, oci, slurm); the others serve it through Logs.
+constexpr char kRunLogFile[] = "output.log";
+// What one read or copy of a log holds in memory at most.
+constexpr uint64_t kLogChunk = 1 << 20;
 
 // The backends that can cgroup a container the way Cgroup::Open finds it:
 // "<cgroup parent>/<run name>".
@@ -171,6 +179,12 @@ absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
     return absl::InvalidArgumentError(
         absl::StrCat("spec.cpus: ", spec.cpus, " is not a non-negative number of cores"));
   }
+  if (spec.log_max_bytes > options.log_max_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.log_max_bytes: ", spec.log_max_bytes, " bytes is more than the launcher's limit ",
+        FormatByteSize(options.log_max_bytes)));
+  }
+  if (spec.log_max_bytes == 0) spec.log_max_bytes = options.log_max_bytes;
   if (spec.pids_limit < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.pids_limit: ", spec.pids_limit, " is negative"));
@@ -240,11 +254,89 @@ bool ShouldRestart(const RestartPolicy& policy, const ExitStatus& e, int restart
   return false;
 }
 
-std::chrono::milliseconds Backoff(const RestartPolicy& policy, int restart) {
-  double ms = static_cast<double>(policy.backoff.count()) * std::ldexp(1.0, restart - 1);
-  return std::chrono::milliseconds(static_cast<int64_t>(
-      std::min(ms, static_cast<double>(policy.max_backoff.count()))));
+// The crash-loop backoff before the `step`th restart since the last reset
+// (1, 2, ...): the policy's, but never below the launcher's floor and cap.
+std::chrono::milliseconds Backoff(const RestartPolicy& policy, const LauncherOptions& options,
+                                  int step) {
+  const auto base = std::max(policy.backoff, options.restart_backoff_floor);
+  const auto cap = std::max(policy.max_backoff, options.restart_backoff_cap);
+  double ms = static_cast<double>(base.count()) * std::ldexp(1.0, std::min(step, 64) - 1);
+  return std::chrono::milliseconds(
+      static_cast<int64_t>(std::min(ms, static_cast<double>(cap.count()))));
 }
+
+// A container's log across its runs: the file `path` and, once that reached
+// the limit, `path`.1 with the bytes before it. Offsets count every byte
+// appended since Reset. Not thread-safe: the container serializes calls.
+class RotatingLog {
+ public:
+  RotatingLog(std::string path, uint64_t limit) : path_(std::move(path)), limit_(limit) {}
+
+  // Starts empty (a reused state_dir may hold an earlier container's log).
+  void Reset() {
+    std::error_code ignored;
+    std::filesystem::remove(rotated(), ignored);
+    std::ofstream(path_, std::ios::binary | std::ios::trunc);
+    current_ = rotated_ = end_ = 0;
+  }
+
+  // Best effort: a full disk must not stop supervision.
+  void Append(const char* data, size_t n) {
+    while (n > 0) {
+      if (current_ >= limit_) {
+        std::error_code ignored;
+        std::filesystem::rename(path_, rotated(), ignored);
+        rotated_ = current_;
+        current_ = 0;
+      }
+      const size_t part = std::min<uint64_t>(n, limit_ - current_);
+      std::ofstream out(path_, std::ios::binary | std::ios::app);
+      out.write(data, part);
+      current_ += part;
+      end_ += part;
+      data += part;
+      n -= part;
+    }
+  }
+  void Append(const std::string& text) { Append(text.data(), text.size()); }
+
+  uint64_t begin() const { return end_ - current_ - rotated_; }
+  uint64_t end() const { return end_; }
+
+  // Up to `max` bytes from `offset`; REQUIRES: begin() <= offset <= end().
+  absl::StatusOr<std::string> Read(uint64_t offset, uint64_t max) {
+    std::string out;
+    const uint64_t boundary = end_ - current_;  // where `path_` starts
+    while (out.size() < max && offset < end_) {
+      const bool old = offset < boundary;
+      const std::string file = old ? rotated() : path_;
+      const uint64_t at = offset - (old ? begin() : boundary);
+      const uint64_t n = std::min<uint64_t>(max - out.size(), (old ? boundary : end_) - offset);
+      const int fd = open(file.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) {
+        return absl::InternalError(absl::StrCat("cannot open ", file, ": ", strerror(errno)));
+      }
+      const size_t had = out.size();
+      out.resize(had + n);
+      const ssize_t got = pread(fd, out.data() + had, n, static_cast<off_t>(at));
+      close(fd);
+      if (got <= 0) {
+        out.resize(had);
+        break;  // shorter than recorded: the disk refused some of it
+      }
+      out.resize(had + got);
+      offset += got;
+    }
+    return out;
+  }
+
+ private:
+  std::string rotated() const { return path_ + ".1"; }
+
+  const std::string path_;
+  const uint64_t limit_;
+  uint64_t current_ = 0, rotated_ = 0, end_ = 0;
+};
 
 // Where a launcher keeps one container: its record and logs, and a directory
 // per run.
@@ -259,13 +351,14 @@ struct LauncherInfo {
   std::string id;
   std::string backend;
   std::string cgroup_parent;
+  LauncherOptions options;  // for the crash-loop backoff
 };
 
 class Container : public Handle {
  public:
   Container(ContainerSpec spec, Backend* backend, LauncherInfo info, Paths paths)
       : spec_(std::move(spec)), backend_(backend), info_(std::move(info)),
-        paths_(std::move(paths)) {}
+        paths_(std::move(paths)), log_(paths_.logs(), spec_.log_max_bytes) {}
 
   ~Container() override { Join(); }
 
@@ -274,11 +367,14 @@ class Container : public Handle {
     // A state_dir reused by a later launcher may hold a container of this
     // name from before: its logs are not this container's.
     DEEPNEX_RETURN_IF_ERROR(MakeDirectories(paths_.dir));
-    std::ofstream(paths_.logs(), std::ios::binary | std::ios::trunc);
+    {
+      std::lock_guard<std::mutex> logs_lock(logs_mu_);
+      log_.Reset();
+    }
     DEEPNEX_ASSIGN_OR_RETURN(std::shared_ptr<Run> run, StartRun(0));
     std::lock_guard<std::mutex> lock(mu_);
     started_at_ = std::chrono::system_clock::now();
-    SetRunLocked(run);
+    SetRunLocked(run, 0);
     // A Stop from List() or the destructor may have come before the run.
     if (stop_requested_) run->Stop(std::chrono::milliseconds(0)).IgnoreError();
     thread_ = std::thread([this] { Supervise(); });
@@ -338,27 +434,32 @@ class Container : public Handle {
 
   absl::StatusOr<std::string> Logs() override {
     std::lock_guard<std::mutex> lock(logs_mu_);
-    std::string logs;
-    std::ifstream in(paths_.logs(), std::ios::binary);
-    if (in) logs.assign(std::istreambuf_iterator<char>(in), {});
-    if (logs_run_) {
-      DEEPNEX_ASSIGN_OR_RETURN(std::string current, logs_run_->Logs());
-      logs += current;
-    }
-    return logs;
+    PumpLocked(/*poll=*/false);
+    return log_.Read(log_.begin(), log_.end() - log_.begin());
+  }
+
+  absl::StatusOr<LogChunk> ReadLogs(uint64_t offset, uint64_t max_bytes) override {
+    // Read `ended` first: the log read after it holds everything then.
+    const bool ended = Ended();
+    std::lock_guard<std::mutex> lock(logs_mu_);
+    PumpLocked(/*poll=*/false);
+    const uint64_t from = std::clamp(offset, log_.begin(), log_.end());
+    LogChunk chunk;
+    DEEPNEX_ASSIGN_OR_RETURN(chunk.data, log_.Read(from, max_bytes));
+    chunk.next_offset = from + chunk.data.size();
+    chunk.ended = ended && chunk.next_offset == log_.end();
+    return chunk;
   }
 
   absl::Status FollowLogs(const std::function<bool(const std::string&)>& sink) override {
-    size_t sent = 0;
+    uint64_t offset = 0;
     while (true) {
-      // Read `ended` first: the logs read after it hold everything then.
-      bool ended = Ended();
-      DEEPNEX_ASSIGN_OR_RETURN(std::string logs, Logs());
-      if (logs.size() > sent) {
-        if (!sink(logs.substr(sent))) return absl::OkStatus();
-        sent = logs.size();
-      }
-      if (ended) return absl::OkStatus();
+      DEEPNEX_ASSIGN_OR_RETURN(LogChunk chunk, ReadLogs(offset, kLogChunk));
+      offset = chunk.next_offset;
+      if (!chunk.data.empty() && !sink(chunk.data)) return absl::OkStatus();
+      if (chunk.ended) return absl::OkStatus();
+      // A full chunk: more is there already.
+      if (chunk.data.size() == kLogChunk) continue;
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait_for(lock, kPoll, [&] { return final_.has_value(); });
     }
@@ -394,15 +495,56 @@ class Container : public Handle {
     return std::shared_ptr<Run>(std::move(run));
   }
 
-  void SetRunLocked(std::shared_ptr<Run> run) {
+  void SetRunLocked(std::shared_ptr<Run> run, int attempt) {
     run_ = run;
     run_id_ = run->id();
     state_ = State::kRunning;
+    run_started_ = Clock::now();
     {
       std::lock_guard<std::mutex> logs_lock(logs_mu_);
       logs_run_ = run;
+      run_log_path_ = paths_.run(attempt) + "/" + kRunLogFile;
+      pumped_ = punched_ = 0;
     }
     WriteRecordLocked();
+  }
+
+  // Moves the current run's new output into the container's log, so that
+  // the log limit holds while a run writes. A run whose backend writes a
+  // file is read from it by offset, a chunk at a time, and the part moved
+  // is punched out of it (its writer appends, so it keeps its place); the
+  // others' Logs is read only when asked (`poll` false), as each call may
+  // cost the engine a request. REQUIRES: logs_mu_.
+  void PumpLocked(bool poll) {
+    if (!logs_run_) return;
+    const int fd = open(run_log_path_.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+      if (poll) return;
+      absl::StatusOr<std::string> logs = logs_run_->Logs();
+      if (!logs.ok()) {
+        log_.Append("deepnex: logs lost: " + logs.status().ToString() + "\n");
+      } else if (logs->size() > pumped_) {
+        log_.Append(logs->data() + pumped_, logs->size() - pumped_);
+        pumped_ = logs->size();
+      }
+      return;
+    }
+    std::string buf(kLogChunk, '\0');
+    while (true) {
+      const ssize_t n = pread(fd, buf.data(), buf.size(), static_cast<off_t>(pumped_));
+      if (n <= 0) break;
+      log_.Append(buf.data(), n);
+      pumped_ += n;
+    }
+    // Whole blocks only; a filesystem without holes keeps the file whole.
+    const uint64_t block = 4096;
+    const uint64_t upto = pumped_ / block * block;
+    if (upto > punched_ &&
+        fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(punched_),
+                  static_cast<off_t>(upto - punched_)) == 0) {
+      punched_ = upto;
+    }
+    close(fd);
   }
 
   // Waits for the run to end and takes its logs and final usage. The run's
@@ -410,6 +552,10 @@ class Container : public Handle {
   ExitStatus Finish(const std::shared_ptr<Run>& run, int attempt) {
     ExitStatus e;
     while (true) {
+      {
+        std::lock_guard<std::mutex> logs_lock(logs_mu_);
+        PumpLocked(/*poll=*/true);
+      }
       absl::StatusOr<std::optional<ExitStatus>> r = run->Wait(kPoll * 5);
       if (!r.ok()) {
         e.reason = ExitReason::kLost;
@@ -424,8 +570,7 @@ class Container : public Handle {
     absl::StatusOr<launch::Usage> usage = run->Usage();
     {
       std::lock_guard<std::mutex> logs_lock(logs_mu_);
-      absl::StatusOr<std::string> logs = run->Logs();
-      AppendLogLocked(logs.ok() ? *logs : "deepnex: logs lost: " + logs.status().ToString() + "\n");
+      PumpLocked(/*poll=*/false);
       logs_run_.reset();
     }
     std::lock_guard<std::mutex> lock(mu_);
@@ -463,8 +608,12 @@ class Container : public Handle {
       }
       state_ = State::kRestarting;
       WriteRecordLocked();
+      // As kubelet: a run that stayed up long enough was healthy, and a
+      // crash after it starts the doubling over.
+      if (Clock::now() - run_started_ >= info_.options.restart_backoff_reset) backoff_step_ = 0;
+      ++backoff_step_;
       RestartEvent event{spec_.name, e, restarts_ + 1, spec_.restart.max_restarts,
-                         Backoff(spec_.restart, restarts_ + 1)};
+                         Backoff(spec_.restart, info_.options, backoff_step_)};
       lock.unlock();
       // Told as it happens, so that a crash loop is visible while it runs,
       // not only in the final status.
@@ -491,7 +640,7 @@ class Container : public Handle {
         return;
       }
       run = *next;
-      SetRunLocked(run);
+      SetRunLocked(run, attempt + 1);
       if (stop_requested_) run->Stop(std::chrono::milliseconds(0)).IgnoreError();
     }
   }
@@ -505,11 +654,7 @@ class Container : public Handle {
 
   void AppendLog(const std::string& text) {
     std::lock_guard<std::mutex> logs_lock(logs_mu_);
-    AppendLogLocked(text);
-  }
-  void AppendLogLocked(const std::string& text) {
-    std::ofstream out(paths_.logs(), std::ios::binary | std::ios::app);
-    out << text;
+    log_.Append(text);
   }
 
   // The record `deepnex ps` reads; best effort (a full disk must not stop
@@ -558,6 +703,8 @@ class Container : public Handle {
   std::string run_id_, run_name_;
   State state_ = State::kStarting;
   int restarts_ = 0;
+  int backoff_step_ = 0;  // restarts since the backoff last reset
+  Clock::time_point run_started_;
   bool stop_requested_ = false;
   std::optional<ExitStatus> last_exit_, final_;
   std::chrono::system_clock::time_point started_at_;
@@ -567,7 +714,11 @@ class Container : public Handle {
   // Held while logs move from a run to the file, so Logs() never sees them
   // twice or not at all.
   std::mutex logs_mu_;
+  RotatingLog log_;
   std::shared_ptr<Run> logs_run_;
+  std::string run_log_path_;
+  uint64_t pumped_ = 0;   // bytes of logs_run_'s output in log_
+  uint64_t punched_ = 0;  // bytes of its output file freed on disk
 };
 
 class LauncherImpl : public Launcher {
@@ -601,7 +752,7 @@ class LauncherImpl : public Launcher {
     Paths paths{absl::StrCat(options_.state_dir, "/containers/", spec.name)};
     auto container = std::make_shared<Container>(
         spec, backend_.get(),
-        LauncherInfo{options_.id, options_.backend, CgroupParent(options_)}, paths);
+        LauncherInfo{options_.id, options_.backend, CgroupParent(options_), options_}, paths);
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (containers_.count(spec.name)) {
@@ -781,6 +932,17 @@ absl::StatusOr<std::unique_ptr<Launcher>> Launcher::Create(const LauncherOptions
     return absl::InvalidArgumentError(absl::StrCat("backend: \"", options.backend,
                                                    "\" is not one of ",
                                                    absl::StrJoin(names, ", ")));
+  }
+  if (options.restart_backoff_floor.count() < 0 ||
+      options.restart_backoff_cap < options.restart_backoff_floor ||
+      options.restart_backoff_reset.count() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "restart_backoff: floor ", options.restart_backoff_floor.count(), " ms, cap ",
+        options.restart_backoff_cap.count(), " ms, reset ", options.restart_backoff_reset.count(),
+        " ms is not a backoff (0 <= floor <= cap, reset > 0)"));
+  }
+  if (options.log_max_bytes == 0) {
+    return absl::InvalidArgumentError("log_max_bytes: 0 is not a log limit (give at least 1 byte)");
   }
   if (options.id.empty()) options.id = RandomHex(6);
   DEEPNEX_RETURN_IF_ERROR(CheckName("id", options.id, 32));

@@ -49,10 +49,16 @@ def stop_central(proc):
 
 
 @pytest.fixture
-def central(tmp_path):
+def central_process(tmp_path):
+    """deepnex-central as a subprocess: (its address, its Popen)."""
     proc, address = start_central(tmp_path)
-    yield address
+    yield address, proc
     stop_central(proc)
+
+
+@pytest.fixture
+def central(central_process):
+    return central_process[0]
 
 
 def clients(address):
@@ -256,3 +262,60 @@ def test_oci_with_a_relative_state_dir_mounts_and_a_quick_stop(tmp_path):
         assert (stopped["state"], stopped["last_exit"]) == ("stopped", "exited(0)")
     finally:
         stop_central(proc)
+
+
+def memory_bytes(pid, field):
+    """VmRSS (now) or VmHWM (the peak since the last reset_peak)."""
+    with open(f"/proc/{pid}/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    return kib * 1024
+
+
+def reset_peak(pid):
+    # A whole-log read that is freed again would not show in VmRSS after it.
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def test_a_200mb_log_is_read_by_offset_and_central_stays_small(central_process):
+    address, proc = central_process
+    alice, _ = clients(address)
+    a = alice.allocate(gpu.Request(user="", gpus=1))
+    mib = 1 << 20
+    written = 200 * mib + len("\nEND\n")
+    alice.start_container(launch.ContainerSpec(
+        name="big", command=["sh", "-c", "head -c 209715200 /dev/zero | tr '\\0' x; "
+                                         "echo; echo END"]), a)
+    await_container(alice, "big", lambda c: c["state"] == "exited", timeout=120)
+    reset_peak(proc.pid)
+    before = memory_bytes(proc.pid, "VmRSS")
+    # The default 64 MiB limit keeps the last rotated file and the current
+    # one: from 128 MiB on.
+    offset, first, sizes, tail, ended = 0, None, [], b"", False
+    while not ended:
+        data, next_offset, ended = alice._c.logs("big", offset, "")
+        if first is None:
+            first = next_offset - len(data)
+        sizes.append(len(data))
+        tail = (tail + data)[-8:]
+        offset = next_offset
+    growth = memory_bytes(proc.pid, "VmHWM") - before
+    assert first == 128 * mib
+    assert offset == written
+    assert sum(sizes) == written - 128 * mib
+    assert max(sizes) == mib
+    assert tail == b"xxx\nEND\n"
+    assert growth < 64 * mib, f"central grew by {growth} bytes reading the log"
+
+
+def test_ps_shows_the_restarts_of_a_crash_loop(central):
+    alice, _ = clients(central)
+    a = alice.allocate(gpu.Request(user="", gpus=1))
+    out = run_cli("launch", "--central", central, "--alloc", a.id, "--name", "w0",
+                  "--restart", "on-failure:1", "--", "sh", "-c", "exit 3")
+    assert out.returncode == 0, out.stderr
+    # The crash-loop floor: 1 s before the restart.
+    ended = await_container(alice, "w0", lambda c: c["state"] == "exited")
+    assert (ended["restarts"], ended["last_exit"]) == (1, "exited(3) after 1 restart")
+    row = run_cli("ps", "--central", central).stdout.splitlines()[1].split()
+    assert row[:4] == ["w0", "process", "exited", "1"]

@@ -65,14 +65,6 @@ struct CentralContainer {
   bool allocation_released = false;
 };
 
-// A piece of a container's log.
-struct LogChunk {
-  std::string data;
-  uint64_t next_offset = 0;
-  // The container ended for good and `data` reaches the end of its log.
-  bool ended = false;
-};
-
 // The Containers service of deepnex-central. Options (address, token, TLS,
 // per-call timeout) are gpu::CentralClient's. A user sees and acts on their
 // own containers only: another user's is NotFound, as if it did not exist.
@@ -99,7 +91,7 @@ class CentralClient {
   virtual absl::StatusOr<CentralContainer> StopContainer(
       const std::string& name, std::chrono::milliseconds grace = std::chrono::seconds(10),
       const std::string& user = "") = 0;
-  // The log from byte `offset` on (at most 1 MiB per call).
+  // The log from byte `offset` on (at most 1 MiB per call; see LogChunk).
   virtual absl::StatusOr<LogChunk> ContainerLogs(const std::string& name, uint64_t offset = 0,
                                                  const std::string& user = "") = 0;
   // Calls `sink` with the log from the start and new output as it comes

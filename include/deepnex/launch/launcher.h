@@ -52,7 +52,9 @@ struct RestartPolicy {
   // all); always: -1 is unlimited.
   int max_restarts = 0;
   // Delay before restart k (k = 1, 2, ...) is backoff * 2^(k-1), at most
-  // max_backoff.
+  // max_backoff. The launcher's crash-loop backoff (LauncherOptions::
+  // restart_backoff_*) bounds both from below: a policy may ask for longer
+  // delays, never for shorter ones.
   std::chrono::milliseconds backoff{100};
   std::chrono::milliseconds max_backoff{10000};
 
@@ -108,6 +110,19 @@ struct ContainerSpec {
   std::function<void(const RestartEvent&)> on_restart;
   // No network namespace sharing: only loopback (oci, docker).
   bool network_none = false;
+  // The log rotates when it reaches this size (see LauncherOptions::
+  // log_max_bytes); 0: the launcher's. At most the launcher's.
+  uint64_t log_max_bytes = 0;
+};
+
+// A piece of a container's log. Offsets count every byte the container has
+// written since it started; what rotated away is gone, so a read from before
+// the oldest byte kept starts there (next_offset - data.size() > offset).
+struct LogChunk {
+  std::string data;
+  uint64_t next_offset = 0;
+  // The container ended for good and `data` reaches the end of its log.
+  bool ended = false;
 };
 
 // How one run of a container ended.
@@ -174,8 +189,12 @@ class Handle {
   // its init; the rest go with it), SIGKILL after `grace`; no restart
   // follows. Idempotent.
   virtual absl::Status Stop(std::chrono::milliseconds grace) = 0;
-  // stdout and stderr so far, interleaved, across restarts.
+  // stdout and stderr so far, interleaved, across restarts: as much as the
+  // log limit keeps (at most twice ContainerSpec::log_max_bytes).
   virtual absl::StatusOr<std::string> Logs() = 0;
+  // The log from `offset` on (see LogChunk), at most `max_bytes` of it;
+  // never reads more than that into memory.
+  virtual absl::StatusOr<LogChunk> ReadLogs(uint64_t offset, uint64_t max_bytes) = 0;
   // Calls `sink` with new output as it comes until the container ends for
   // good or `sink` returns false.
   virtual absl::Status FollowLogs(const std::function<bool(const std::string&)>& sink) = 0;
@@ -240,6 +259,17 @@ struct LauncherOptions {
   std::vector<std::string> allowed_mount_roots;
   // A memory limit below this is InvalidArgument.
   uint64_t min_memory = 4 << 20;
+  // The crash-loop backoff, as kubelet's: the delay before a restart is
+  // restart_backoff_floor, doubling per restart up to restart_backoff_cap,
+  // whatever a spec's RestartPolicy asks (it may ask for longer); a run that
+  // lasted restart_backoff_reset starts the doubling over. Restarts still
+  // count toward max_restarts. Defaults: 1 s, 5 min, 10 min.
+  std::chrono::milliseconds restart_backoff_floor{1000};
+  std::chrono::milliseconds restart_backoff_cap{5 * 60 * 1000};
+  std::chrono::milliseconds restart_backoff_reset{10 * 60 * 1000};
+  // A container's log rotates when it reaches this size, keeping one rotated
+  // file: at most twice this on disk per container. Default: 64 MiB.
+  uint64_t log_max_bytes = 64 << 20;
   // Parent of the containers' cgroups, relative to each controller's root
   // (process and oci). Empty: "deepnex".
   std::string cgroup_parent;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -72,6 +73,8 @@ class LaunchContract : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     fixture_ = FixtureFor(GetParam());
     if (!fixture_.skip.empty()) GTEST_SKIP() << GetParam() << ": " << fixture_.skip;
+    // The contract's restarts follow their policy's backoff exactly.
+    fixture_.options.restart_backoff_floor = 1ms;
     // "EnvAsGranted/slurm" -> "EnvAsGranted".
     std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
     name = name.substr(0, name.find('/'));
@@ -301,7 +304,15 @@ class ProcessLauncherTest : public ::testing::Test {
     return !usable.ok();
   }
 
-  void SetUp() override { Make({}); }
+  // Restarts as fast as a spec asks: most tests here are not about the
+  // crash-loop floor.
+  static LauncherOptions Fast() {
+    LauncherOptions options;
+    options.restart_backoff_floor = 1ms;
+    return options;
+  }
+
+  void SetUp() override { Make(Fast()); }
   void TearDown() override {
     if (!launcher_) return;
     const std::string id = launcher_->id();
@@ -727,6 +738,119 @@ TEST_F(ProcessLauncherTest, LogsStartEmptyInAReusedStateDir) {
   EXPECT_EQ(logs, "second\n");
 }
 
+// The spec asks for 1 ms; the launcher's default floor (1 s, doubling) holds:
+// restarts at about 1 s and 3 s, so at most 2 in 3 s.
+TEST_F(ProcessLauncherTest, CrashLoopBackoffHasAFloorWhateverTheSpecAsks) {
+  Make(LauncherOptions{});
+  ContainerSpec spec = Spec("storm", "exit 1");
+  ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("always"));
+  spec.restart.backoff = 1ms;
+  spec.restart.max_backoff = 1ms;
+  std::mutex mu;
+  std::vector<int64_t> delays;
+  spec.on_restart = [&](const RestartEvent& event) {
+    std::lock_guard<std::mutex> lock(mu);
+    delays.push_back(event.delay.count());
+  };
+  ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(spec));
+  std::this_thread::sleep_for(3s);  // the window the storm is measured in
+  const int restarts = h->Status().restarts;
+  ASSERT_THAT(h->Stop(1s), IsOk());
+  EXPECT_GE(restarts, 1);
+  EXPECT_LE(restarts, 2);
+  std::lock_guard<std::mutex> lock(mu);
+  ASSERT_GE(delays.size(), 2u);
+  EXPECT_EQ(delays[0], 1000);
+  EXPECT_EQ(delays[1], 2000);
+}
+
+// Doubling from the floor to the cap; a run that lasted `reset` starts it
+// over; a policy asking for more than the floor gets what it asks.
+TEST_F(ProcessLauncherTest, CrashLoopBackoffDoublesToTheCapAndResetsAfterAHealthyRun) {
+  LauncherOptions options;
+  options.restart_backoff_floor = 10ms;
+  options.restart_backoff_cap = 40ms;
+  options.restart_backoff_reset = 400ms;
+  Make(options);
+  const std::string count = scratch_.path() + "/count";
+  // Runs 1-5 and 7 fail at once, run 6 after 0.8 s, run 8 succeeds.
+  ContainerSpec spec = Spec("loop", "n=$(cat " + count + " 2>/dev/null || echo 0); n=$((n+1)); " +
+                                        "echo $n > " + count + "; " +
+                                        "if [ $n -eq 6 ]; then sleep 0.8; fi; " +
+                                        "if [ $n -ge 8 ]; then exit 0; fi; exit 1");
+  ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("on-failure"));
+  spec.restart.backoff = 1ms;
+  spec.restart.max_backoff = 2ms;
+  std::vector<int64_t> delays;
+  spec.on_restart = [&](const RestartEvent& event) { delays.push_back(event.delay.count()); };
+  ExitStatus e = Run(spec);
+  EXPECT_EQ(e.ToString(), "exited(0) after 7 restarts");
+  EXPECT_THAT(delays, ::testing::ElementsAre(10, 20, 40, 40, 40, 10, 20));
+
+  delays.clear();
+  std::remove(count.c_str());
+  spec.name = "longer";
+  spec.restart.backoff = 30ms;
+  spec.restart.max_backoff = 100ms;
+  e = Run(spec);
+  EXPECT_EQ(e.ToString(), "exited(0) after 7 restarts");
+  EXPECT_THAT(delays, ::testing::ElementsAre(30, 60, 100, 100, 100, 30, 60));
+}
+
+// On-disk bytes of the regular files under `dir` but its record.
+uint64_t LogBytesOnDisk(const std::string& dir) {
+  uint64_t total = 0;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {
+    struct stat st;
+    if (!entry.is_regular_file() || entry.path().filename() == "record.json" ||
+        stat(entry.path().c_str(), &st) != 0) {
+      continue;
+    }
+    total += static_cast<uint64_t>(st.st_blocks) * 512;
+  }
+  return total;
+}
+
+// 8 MiB written under a 64 KiB limit: at most 2 x 64 KiB on disk (the log
+// and one rotated file; the run's own output file is freed as it is read),
+// while it still runs; the newest output is kept and reads go by offset.
+TEST_F(ProcessLauncherTest, LogsAreBoundedAndKeepTheNewestOutput) {
+  constexpr uint64_t kLimit = 64 << 10;
+  constexpr uint64_t kWritten = (8 << 20) + 5;  // the x's, "\nEND\n"
+  LauncherOptions options = Fast();
+  options.state_dir = scratch_.path() + "/state";
+  options.log_max_bytes = 1 << 20;
+  Make(options);
+  ContainerSpec spec = Spec("big", "head -c 8388608 /dev/zero | tr '\\0' x; echo; echo END; "
+                                   "exec sleep 1000");
+  spec.log_max_bytes = kLimit;
+  ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(spec));
+  ASSERT_TRUE(test::WaitUntil(
+      [&] { return h->ReadLogs(kWritten, 1).value_or(LogChunk{}).next_offset == kWritten; },
+      kWait));
+  // 4 KiB: the part of the last block that the run's output file keeps.
+  EXPECT_LE(LogBytesOnDisk(options.state_dir + "/containers/big"), 2 * kLimit + 4096);
+  ASSERT_OK_AND_ASSIGN(std::string logs, h->Logs());
+  EXPECT_LE(logs.size(), 2 * kLimit);
+  EXPECT_GE(logs.size(), kLimit);
+  EXPECT_EQ(logs.substr(logs.size() - 6), "x\nEND\n");
+  EXPECT_EQ(logs.find_first_not_of('x'), logs.size() - 5);
+  // From 0: what is kept begins where the rotated file does.
+  ASSERT_OK_AND_ASSIGN(LogChunk first, h->ReadLogs(0, 100));
+  EXPECT_EQ(first.data, std::string(100, 'x'));
+  EXPECT_EQ(first.next_offset, kWritten - logs.size() + 100);
+  EXPECT_FALSE(first.ended);
+  ASSERT_OK_AND_ASSIGN(LogChunk tail, h->ReadLogs(kWritten - 4, 1 << 20));
+  EXPECT_EQ(tail.data, "END\n");
+  EXPECT_EQ(tail.next_offset, kWritten);
+  EXPECT_FALSE(tail.ended);
+  ASSERT_THAT(h->Stop(1s), IsOk());
+  ASSERT_OK_AND_ASSIGN(LogChunk after, h->ReadLogs(kWritten + 100, 1 << 20));
+  EXPECT_EQ(after.data, "");
+  EXPECT_EQ(after.next_offset, kWritten);
+  EXPECT_TRUE(after.ended);
+}
+
 TEST_F(ProcessLauncherTest, OnFailureDoesNotRestartSuccess) {
   ContainerSpec spec = Spec("fine", "exit 0");
   ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("on-failure:3"));
@@ -890,6 +1014,35 @@ TEST(RestartEventTest, ToStringSpellsTheExitAsExitStatusDoes) {
   EXPECT_EQ((ExitStatus{ExitReason::kSignaled, 0, SIGKILL, 1}).ToString(),
             "signaled(SIGKILL) after 1 restart");
   EXPECT_EQ((ExitStatus{ExitReason::kLost}).ToString(), "lost");
+}
+
+TEST(LauncherCreateTest, BadBackoffAndLogLimits) {
+  LauncherOptions options;
+  options.restart_backoff_floor = 2s;
+  options.restart_backoff_cap = 1s;
+  EXPECT_THAT(Launcher::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("restart_backoff: floor 2000 ms, cap 1000 ms, reset 600000 ms "
+                                 "is not a backoff")));
+  options = LauncherOptions{};
+  options.restart_backoff_reset = 0ms;
+  EXPECT_THAT(Launcher::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("reset 0 ms")));
+  options = LauncherOptions{};
+  options.log_max_bytes = 0;
+  EXPECT_THAT(Launcher::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("log_max_bytes: 0")));
+  options = LauncherOptions{};
+  options.log_max_bytes = 1 << 20;
+  ASSERT_OK_AND_ASSIGN(auto launcher, Launcher::Create(options));
+  ContainerSpec spec;
+  spec.name = "w";
+  spec.command = {"true"};
+  spec.log_max_bytes = (1 << 20) + 1;
+  EXPECT_THAT(launcher->Start(spec),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("spec.log_max_bytes: 1048577 bytes is more than the launcher's "
+                                 "limit 1MiB")));
 }
 
 TEST(LauncherCreateTest, UnknownBackendNamesTheKnownOnes) {
