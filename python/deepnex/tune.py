@@ -305,12 +305,13 @@ def report(step, timeout=600.0, **metrics):
     if not address or not trial:
         return False
     from .collective import StoreClient
-    if _report_state["client"] is None:
-        _report_state["client"] = StoreClient(address, prefix=f"tune/{trial}",
-                                              timeout=_REACH_TIMEOUT)
-    client = _report_state["client"]
     deadline = time.monotonic() + timeout
     try:
+        if _report_state["client"] is None:
+            # Connecting is the first contact: a search already gone fails here.
+            _report_state["client"] = StoreClient(address, prefix=f"tune/{trial}",
+                                                  timeout=_REACH_TIMEOUT)
+        client = _report_state["client"]
         if metrics:
             record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
             client.set(f"report/{_report_state['count']}", json.dumps(record))

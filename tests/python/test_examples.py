@@ -102,14 +102,14 @@ def test_plot_turns_benchmark_csvs_into_pngs(tmp_path):
         "2,async,64,16,20,1,3.3,0.6,0.8,5.0,5.5,4.1,0.7\n")
     series, labels = plot.series_of(plot.read_csv(ps))
     assert series["deepnex sync"] == [(1.0, 2.5), (2.0, 3.1)]
-    assert series["raw TCP"] == [(1.0, 4.0), (2.0, 5.0)]
+    assert series["raw TCP (loopback ceiling)"] == [(1.0, 4.0), (2.0, 5.0)]
     assert labels == ("workers", "goodput, GB/s")
     scaling = tmp_path / "scaling.csv"
     scaling.write_text("workers,mode,samples_per_s,seconds_to_090\n"
                        "1,sync,1000,4.0\n2,sync,1800,2.5\n1,allreduce,1200,3.5\n")
     series, _ = plot.series_of(plot.read_csv(scaling))
-    assert series["sync samples_per_s"] == [(1.0, 1000.0), (2.0, 1800.0)]
-    assert series["allreduce seconds_to_090"] == [(1.0, 3.5)]
+    assert series["sync samples per s"] == [(1.0, 1000.0), (2.0, 1800.0)]
+    assert series["allreduce seconds to 090"] == [(1.0, 3.5)]
     assert plot.main([str(ps), str(scaling), "--out", str(tmp_path / "png")]) == 0
     for name in ("ps.png", "scaling.png"):
         assert (tmp_path / "png" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -213,7 +213,7 @@ TEST_F(CentralLaunch, AnotherUsersAllocationIsRefusedAndAnUnknownOneNotFound) {
   ContainerSpec with_mount = Spec("w0", {"true"});
   with_mount.mounts.push_back({"/tmp", "/data", true});
   EXPECT_THAT(alice_->StartContainer(with_mount, a.id),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.mounts")));
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("spec.mounts")));
   // The launcher's errors name the container as its user did.
   EXPECT_THAT(alice_->StartContainer(Spec("bad name", {"true"}), a.id),
               StatusIs(absl::StatusCode::kInvalidArgument,
