@@ -84,7 +84,8 @@ def _duration(seconds):
 def _print_allocation(a):
     gpus = ", ".join(f"{g.index}:{_size(g.memory)}{'' if g.exclusive else ' shared'}"
                      for g in a.gpus) or "none"
-    print(f"{a.id} user={a.user} node={a.node} gpus=[{gpus}] cpus={a.cpus} "
+    job = f" job={a.job}" if a.job else ""
+    print(f"{a.id} user={a.user}{job} node={a.node} gpus=[{gpus}] cpus={a.cpus} "
           f"memory={_size(a.memory)}" + (f" gang={a.gang}/{a.replica}" if a.gang else ""))
     for k, v in sorted(a.env.items()):
         print(f"  {k}={v}")
@@ -101,7 +102,8 @@ def _alloc(args):
     request = gpu.Request(user=args.user or "", gpus=args.gpus, mode=args.gpu_mode,
                           gpu_memory=args.gpu_memory, cpus=args.cpus, memory=args.memory,
                           selector=selector, node=args.node, priority=args.priority,
-                          replicas=args.replicas, spread=args.spread, lease=args.lease)
+                          replicas=args.replicas, spread=args.spread, lease=args.lease,
+                          job=args.job)
     c = client(args)
     watch = None
     if not args.no_wait:
@@ -187,9 +189,7 @@ def _allocations(args):
              "GANG")]
     for a in client(args).allocations(user=args.user):
         mode = "-" if not a.gpus else "exclusive" if a.gpus[0].exclusive else "shared"
-        # Allocations carry no job name (gpu::Request has no labels), so JOB
-        # reads "-" for now.
-        rows.append((a.id, a.user, "-", a.node, mode,
+        rows.append((a.id, a.user, a.job or "-", a.node, mode,
                      ",".join(str(g.index) for g in a.gpus) or "-",
                      _size(a.gpus[0].memory) if a.gpus else "-", str(a.cpus), _size(a.memory),
                      f"{a.gang}/{a.replica}" if a.gang else "-"))
@@ -348,6 +348,7 @@ def add_commands(commands):
                    help="KEY=VALUE node label the node must have (repeatable)")
     p.add_argument("--node", help="only this node")
     p.add_argument("--priority", type=int, default=0, help="higher waits ahead in the queue")
+    p.add_argument("--job", help="the job it is for, shown by `deepnex allocations`")
     p.add_argument("--replicas", type=int, default=1,
                    help="parts of a gang, granted all together or not at all")
     p.add_argument("--spread", action="store_true",

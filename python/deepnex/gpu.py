@@ -124,6 +124,8 @@ class Request:
     replicas: int = 1
     spread: bool = False
     lease: Optional[float] = None
+    # The job it is for (deepnex run sets its job name); shown in listings.
+    job: Optional[str] = None
 
 
 class Allocator:
@@ -260,7 +262,7 @@ class Allocator:
                             f"got {type(request).__name__}")
         r = request
         parts = self._a.allocate(
-            user=r.user, gpus=_int(r.gpus, "gpus"), mode=r.mode,
+            user=r.user, job=r.job or "", gpus=_int(r.gpus, "gpus"), mode=r.mode,
             gpu_memory=_bytes(r.gpu_memory, "gpu_memory"), cpus=_int(r.cpus, "cpus"),
             memory=_bytes(r.memory, "memory"), selector=dict(r.selector or {}),
             node=r.node or "", priority=_int(r.priority, "priority"),

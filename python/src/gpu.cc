@@ -189,12 +189,14 @@ void BindApi(Class& c) {
           py::arg("name"), py::arg("release"), py::call_guard<py::gil_scoped_release>())
       .def(
           "allocate",
-          [](Api& a, const std::string& user, int gpus, const std::string& mode,
+          [](Api& a, const std::string& user, const std::string& job, int gpus,
+             const std::string& mode,
              uint64_t gpu_memory, int cpus, uint64_t memory, const Labels& selector,
              const std::string& node, int priority, int replicas, bool spread, double lease,
              bool wait, double timeout) {
             gpu::Request r;
             r.user = user;
+            r.job = job;
             r.gpus = gpus;
             r.mode = ModeOf(mode, "mode");
             r.gpu_memory = gpu_memory;
@@ -212,7 +214,7 @@ void BindApi(Class& c) {
             py::gil_scoped_release release;
             return Unwrap(a.AllocateGang(r, o));
           },
-          py::arg("user"), py::arg("gpus"), py::arg("mode"), py::arg("gpu_memory"),
+          py::arg("user"), py::arg("job"), py::arg("gpus"), py::arg("mode"), py::arg("gpu_memory"),
           py::arg("cpus"), py::arg("memory"), py::arg("selector"), py::arg("node"),
           py::arg("priority"), py::arg("replicas"), py::arg("spread"), py::arg("lease"),
           py::arg("wait"), py::arg("timeout"))
@@ -271,6 +273,7 @@ void RegisterGpu(py::module_& parent) {
   py::class_<Allocation>(m, "Allocation")
       .def_readonly("id", &Allocation::id)
       .def_readonly("user", &Allocation::user)
+      .def_readonly("job", &Allocation::job)
       .def_readonly("node", &Allocation::node)
       .def_readonly("gpus", &Allocation::gpus)
       .def_readonly("cpus", &Allocation::cpus)

@@ -276,6 +276,12 @@ class Allocator::Impl {
     e.Signed(a.expires_at_ms);
   }
 
+  // A grant record's parts may be followed by the job name of each part:
+  // a trailer, so that grant records written before jobs replay unchanged.
+  static void EncodeJobs(Encoder& e, const std::vector<Allocation>& parts) {
+    for (const Allocation& a : parts) e.Str(a.job);
+  }
+
   static bool DecodeAlloc(Decoder& d, AllocRec* r) {
     Allocation& a = r->a;
     uint64_t npos;
@@ -434,10 +440,17 @@ class Allocator::Impl {
       }
       case kGrant: {
         uint64_t parts;
-        if (!d.Varint(&parts)) return bad("grant");
-        for (uint64_t p = 0; p < parts; ++p) {
-          AllocRec r;
+        if (!d.Varint(&parts) || parts > 100000) return bad("grant");
+        std::vector<AllocRec> recs(parts);
+        for (AllocRec& r : recs) {
           if (!DecodeAlloc(d, &r)) return bad("grant");
+        }
+        if (!d.done()) {
+          for (AllocRec& r : recs) {
+            if (!d.Str(&r.a.job)) return bad("grant");
+          }
+        }
+        for (AllocRec& r : recs) {
           NodeState* n = FindNode(r.a.node);
           if (n == nullptr) {
             return absl::DataLossError(absl::StrCat("grant on unknown node ", r.a.node));
@@ -750,6 +763,7 @@ class Allocator::Impl {
       e.U8(kGrant);
       e.Varint(1);
       EncodeAlloc(e, r);
+      if (!r.a.job.empty()) EncodeJobs(e, {r.a});
       out.push_back(std::move(rec));
     }
     std::string ids;
@@ -816,6 +830,9 @@ class Allocator::Impl {
   static absl::Status ValidateRequest(const Request& r) {
     auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
     if (!ValidName(r.user)) return bad("user \"", r.user, "\": use 1-253 letters, digits, '-', '_', '.', '@'");
+    if (!r.job.empty() && !ValidName(r.job)) {
+      return bad("job \"", r.job, "\": use 1-253 letters, digits, '-', '_', '.', '@'");
+    }
     if (r.gpus < 0) return bad("gpus=", r.gpus, " must be >= 0");
     if (r.gpus > 4096) return bad("gpus=", r.gpus, " is more than any node has");
     if (r.cpus < 0) return bad("cpus=", r.cpus, " must be >= 0");
@@ -1341,6 +1358,7 @@ class Allocator::Impl {
       rec.pos = pos;
       Allocation& a = rec.a;
       a.user = r.user;
+      a.job = r.job;
       a.node = n->spec.name;
       for (int i : pos) {
         GrantedGpu g;
@@ -1385,6 +1403,7 @@ class Allocator::Impl {
       if (ledger_) EncodeAlloc(e, rec);
       out->push_back(rec.a);
     }
+    if (ledger_ && !r.job.empty()) EncodeJobs(e, *out);
     *seq = ledger_ ? LogLocked(record) : 0;
     if (r.lease.count() > 0) reaper_cv_.notify_all();
     return Outcome::kGranted;

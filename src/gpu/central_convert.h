@@ -88,6 +88,7 @@ inline void ToProto(const Allocation& a, pb::Allocation* p) {
   p->set_id(a.id);
   p->set_user(a.user);
   p->set_node(a.node);
+  p->set_job(a.job);
   for (const auto& g : a.gpus) {
     pb::GrantedGpu* q = p->add_gpus();
     q->set_index(g.index);
@@ -110,6 +111,7 @@ inline Allocation FromProto(const pb::Allocation& p) {
   a.id = p.id();
   a.user = p.user();
   a.node = p.node();
+  a.job = p.job();
   for (const auto& q : p.gpus()) {
     GrantedGpu g;
     g.index = q.index();
@@ -131,6 +133,7 @@ inline Allocation FromProto(const pb::Allocation& p) {
 
 inline void ToProto(const Request& r, const AllocateOptions& o, pb::Request* p) {
   p->set_user(r.user);
+  p->set_job(r.job);
   p->set_gpus(r.gpus);
   p->set_mode(ModeName(r.mode));
   p->set_gpu_memory(r.gpu_memory);
@@ -149,6 +152,7 @@ inline void ToProto(const Request& r, const AllocateOptions& o, pb::Request* p) 
 inline absl::StatusOr<Request> FromProto(const pb::Request& p, AllocateOptions* o) {
   Request r;
   r.user = p.user();
+  r.job = p.job();
   r.gpus = p.gpus();
   DEEPNEX_ASSIGN_OR_RETURN(r.mode, ParseMode(p.mode(), "mode"));
   r.gpu_memory = p.gpu_memory();

@@ -23,7 +23,8 @@ std::string Allocation::ToString() const {
     g.push_back(absl::StrCat(gpu.index, gpu.exclusive ? "" : ":", 
                              gpu.exclusive ? "" : FormatByteSize(gpu.memory)));
   }
-  std::string s = absl::StrCat(id, " user=", user, " node=", node, " gpus=[",
+  std::string s = absl::StrCat(id, " user=", user, job.empty() ? "" : " job=", job,
+                               " node=", node, " gpus=[",
                                absl::StrJoin(g, ","), "] cpus=", cpus,
                                " memory=", FormatByteSize(memory));
   if (!gang.empty()) absl::StrAppend(&s, " gang=", gang, "/", replica);

@@ -321,6 +321,7 @@ class JobImpl : public Job {
     DEEPNEX_ASSIGN_OR_RETURN(allocations_, AllocationSource::Create(o_));
     gpu::Request request;
     request.user = o_.user;
+    request.job = o_.name;
     request.gpus = o_.gpus_per_worker;
     request.mode = o_.gpu_mode;
     request.gpu_memory = o_.gpu_memory;

@@ -551,6 +551,13 @@ def test_cli_allocations_table_node_messages_and_mode_alias(central):
     row = _cells(lines[1])
     assert row[:6] == ["a1", "alice", "-", "n1", "shared", "0"]
     assert (row[7], row[9]) == ("2", "-")
+    out = run_cli("alloc", "--cpus", "1", "--job", "mnist-42", central=central, token="alicetok")
+    assert out.returncode == 0, out.stderr
+    out = run_cli("allocations", central=central)
+    assert [_cells(line)[:3] for line in out.stdout.splitlines()[1:]] == [
+        ["a1", "alice", "-"], ["a2", "alice", "mnist-42"]]
+    out = run_cli("alloc", "--cpus", "1", "--job", "no spaces", central=central, token="alicetok")
+    assert out.returncode == 1 and 'job "no spaces"' in out.stderr, out.stderr
     out = run_cli("node", "mode", "n1", "exclusive", "--when-drained", central=central)
     assert out.returncode == 0, out.stderr
     assert out.stdout == ("node n1: switch to exclusive pending; the node takes no new GPU "

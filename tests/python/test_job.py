@@ -373,7 +373,7 @@ def test_run_with_central_allocates_as_the_tokens_user(jobs, central, tmp_path):
               "--mode", "allreduce"],
              ["sh", "-c", f"echo up; while [ ! -e {gate} ]; do sleep 0.05; done"], env=env)
     j.await_line(r"^\[worker 1\] up")
-    assert sorted(a.user for a in alice.allocations()) == ["alice", "alice"]
+    assert sorted((a.user, a.job) for a in alice.allocations()) == [("alice", j.name)] * 2
     gate.write_text("")
     assert j.wait(60) == 0, j.output()
     assert alice.allocations() == []  # released

@@ -64,6 +64,9 @@ struct Node {
 // all.
 struct Request {
   std::string user;
+  // The job the request is for (deepnex run's job name), carried by its
+  // allocations and shown in listings; empty: none.
+  std::string job;
   // GPUs per part; 0 asks for CPU cores and memory only.
   int gpus = 0;
   Mode mode = Mode::kExclusive;
@@ -101,6 +104,8 @@ struct GrantedGpu {
 struct Allocation {
   std::string id;
   std::string user;
+  // Request::job; empty: none.
+  std::string job;
   std::string node;
   std::vector<GrantedGpu> gpus;
   int cpus = 0;

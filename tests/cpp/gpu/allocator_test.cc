@@ -617,6 +617,48 @@ TEST(Allocator, QuotaMaxPrioritySurvivesALedgerReopen) {
   }
 }
 
+// The job a request names is on its allocations, gang parts included, and
+// survives a reopen from the log and from a snapshot; a bad name is refused.
+TEST(Allocator, AllocationsCarryTheirJobAcrossAReopen) {
+  TempDir dir;
+  AllocatorOptions o;
+  o.state_dir = dir.path();
+  {
+    auto alloc = NewAllocator(o);
+    ASSERT_OK(alloc->AddNode(MakeNode("n1", 4)));
+    Request r = Exclusive("alice", 1);
+    r.job = "mnist-42";
+    r.replicas = 2;
+    ASSERT_OK_AND_ASSIGN(std::vector<Allocation> parts, alloc->AllocateGang(r));
+    ASSERT_EQ(parts.size(), 2u);
+    EXPECT_EQ(parts[0].job, "mnist-42");
+    EXPECT_EQ(parts[1].job, "mnist-42");
+    ASSERT_OK_AND_ASSIGN(Allocation plain, alloc->Allocate(Exclusive("bob", 1)));
+    EXPECT_EQ(plain.job, "");
+    r.job = "bad job";
+    r.replicas = 1;
+    EXPECT_THAT(alloc->Allocate(r), StatusIs(absl::StatusCode::kInvalidArgument,
+                                             HasSubstr("job \"bad job\"")));
+  }
+  for (bool from_snapshot : {false, true}) {
+    auto alloc = NewAllocator(o);
+    std::map<std::string, std::string> jobs;
+    for (const Allocation& a : alloc->Allocations()) jobs[a.user + "/" + a.id] = a.job;
+    ASSERT_EQ(jobs.size(), 3u) << from_snapshot;
+    int alice = 0;
+    for (const auto& [who, job] : jobs) {
+      if (who.rfind("alice/", 0) == 0) {
+        EXPECT_EQ(job, "mnist-42");
+        ++alice;
+      } else {
+        EXPECT_EQ(job, "");
+      }
+    }
+    EXPECT_EQ(alice, 2);
+    if (!from_snapshot) ASSERT_OK(alloc->Compact());  // the next round reads it
+  }
+}
+
 // A quota record written before max_priority existed (it ends after the
 // memory limit) still replays, with the default cap 0.
 TEST(Allocator, QuotaRecordFromBeforeMaxPriorityReplays) {
