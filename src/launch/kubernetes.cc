@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 #include "core/file_util.h"
 #include "launch/backend.h"
@@ -207,7 +208,16 @@ std::string ObjectName(const std::string& run_name) {
   std::string name;
   for (char c : run_name) name += IsAlnum(c) ? absl::ascii_tolower(c) : '-';
   while (!name.empty() && name.front() == '-') name.erase(0, 1);
-  if (name.size() > 63) name.resize(63);
+  if (name.size() > 63) {
+    // Cut to fit, and end with a hash of the whole name: names that differ
+    // only past the cut (a job's worker0 and worker1 under a long job name)
+    // stay distinct. FNV-1a, so the name is the same in every process.
+    uint64_t h = 14695981039346656037ull;
+    for (unsigned char c : run_name) h = (h ^ c) * 1099511628211ull;
+    name.resize(54);
+    while (!name.empty() && name.back() == '-') name.pop_back();
+    name += absl::StrFormat("-%08x", static_cast<uint32_t>(h ^ (h >> 32)));
+  }
   while (!name.empty() && name.back() == '-') name.pop_back();
   return name;
 }

@@ -8,6 +8,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import ssl
@@ -444,6 +445,22 @@ def test_pod_runs_to_its_exit_code_with_the_manifest_asked_for(api, tmp_path):
     deletes = api.sent("DELETE", "/pods/kt1-w0-0")
     assert [d[2] for d in deletes] == [{"gracePeriodSeconds": "0"}]
     assert api.pods == {}
+
+
+def test_long_names_stay_distinct_and_within_63_characters(api):
+    # A job's containers differ only at the end of their names; cut to
+    # Kubernetes' 63 characters they must not collide.
+    job = "j" * 32  # deepnex run's launcher id is its job name
+    names = [f"{job}-worker{i}" for i in range(2)]
+    with settled(api, launch.Launcher("kubernetes", server=api.url, id=job, token=TOKEN,
+                                      namespace="team-a")) as launcher:
+        for n in names:
+            assert launcher.start(spec(n, ["true"])).wait(timeout=30).reason == "exited"
+    made = [r[3]["metadata"]["name"] for r in api.requests
+            if r[0] == "POST" and r[1].endswith("/pods")]
+    assert len(made) == 2 and len(set(made)) == 2, made
+    assert all(len(m) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", m)
+               for m in made), made
 
 
 def test_success_oom_and_eviction(api):
