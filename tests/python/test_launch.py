@@ -341,10 +341,13 @@ needs_oci = pytest.mark.skipif(OCI_UNUSABLE != "", reason=f"oci backend: {OCI_UN
 
 
 def deepnex_mounts():
-    """--mount flags that bring this checkout and its build tree (deepnex,
+    """--mount flags that bring this checkout, its build tree and, when
+    deepnex is pip-installed into a venv, that venv (its python, deepnex,
     deepnex-ps, libdeepnex) into a host-image container at the same paths."""
     build = os.path.abspath(os.environ.get("DEEPNEX_BUILD_DIR") or os.path.join(ROOT, "build"))
     dirs = [ROOT] + ([] if build.startswith(ROOT + os.sep) else [build])
+    if sys.prefix != sys.base_prefix:
+        dirs.append(sys.prefix)
     return [arg for d in dirs for arg in ("--mount", f"{d}:{d}:ro")]
 
 
