@@ -8,44 +8,17 @@ import time
 
 import pytest
 
+import _central
 import deepnex
+from _central import CENTRAL_BIN, stop_central
 from _wait import wait_for
 from deepnex import gpu, launch
 
-BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
-                           os.path.join(os.path.dirname(__file__), "..", "..", "build"))
-CENTRAL_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-central")
-
-
 def start_central(tmp_path, *extra, backend="process", state_dir=None, cwd=None):
     """deepnex-central with a launcher; (process, address)."""
-    if not os.path.exists(CENTRAL_BIN):
-        pytest.skip(f"{CENTRAL_BIN} not built")
-    tokens = tmp_path / "tokens"
-    tokens.write_text("admintok root admin\nalicetok alice user\nbobtok bob user\n")
-    nodes = tmp_path / "nodes.json"
-    nodes.write_text('{"nodes": [{"name": "n1", "cpus": 16, "memory": "64GiB",'
-                     ' "mode": "exclusive", "gpus": {"count": 2, "memory": "80GiB"}}]}')
-    proc = subprocess.Popen([os.path.abspath(CENTRAL_BIN), "--listen", "127.0.0.1:0",
-                             "--token-file", str(tokens), "--nodes", str(nodes),
-                             "--launch-backend", backend,
-                             "--launch-state-dir", state_dir or str(tmp_path / "launch"), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
-    line = proc.stdout.readline()
-    if not line.startswith("deepnex-central listening on "):
-        proc.kill()
-        proc.wait()
-        pytest.fail(line + proc.stderr.read())
-    return proc, line.split()[3]
-
-
-def stop_central(proc):
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return _central.start_central(
+        tmp_path, "--launch-backend", backend,
+        "--launch-state-dir", state_dir or str(tmp_path / "launch"), *extra, cwd=cwd)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import time
 import pytest
 
 import deepnex
+from _central import start_central, stop_central
 from _wait import wait_for
 from deepnex import gpu
 
@@ -233,31 +234,13 @@ import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
-                           os.path.join(os.path.dirname(__file__), "..", "..", "build"))
-CENTRAL_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-central")
-
 
 @pytest.fixture
 def central(tmp_path):
-    if not os.path.exists(CENTRAL_BIN):
-        pytest.skip(f"{CENTRAL_BIN} not built")
-    tokens = tmp_path / "tokens"
-    tokens.write_text("admintok root admin\nalicetok alice user\nbobtok bob user\n")
-    nodes = tmp_path / "nodes.json"
-    nodes.write_text('{"nodes": [{"name": "n1", "cpus": 16, "memory": "64GiB", "mode": "shared",'
-                     ' "gpus": {"count": 2, "memory": "80GiB"}}]}')
-    proc = subprocess.Popen([CENTRAL_BIN, "--listen", "127.0.0.1:0", "--token-file", str(tokens),
-                             "--nodes", str(nodes), "--state-dir", str(tmp_path / "state")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line.startswith("deepnex-central listening on "), line + proc.stderr.read()
-    yield line.split()[3]
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    proc, address = start_central(tmp_path, "--state-dir", str(tmp_path / "state"),
+                                  mode="shared")
+    yield address
+    stop_central(proc)
 
 
 def test_central_client_same_surface_and_ownership(central):

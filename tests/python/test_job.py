@@ -17,6 +17,7 @@ import uuid
 import pytest
 
 import deepnex
+from _central import start_central, stop_central
 from _wait import wait_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -333,33 +334,12 @@ def test_every_flag_of_run_and_top_has_help_and_run_names_its_environment():
     assert args.workers == 3
 
 
-CENTRAL_BIN = os.path.join(os.environ.get("DEEPNEX_BUILD_DIR", os.path.join(HERE, "..", "..",
-                                                                              "build")),
-                           "bin", "deepnex-central")
-
-
 @pytest.fixture
 def central(tmp_path):
     """deepnex-central with a token file: alicetok is user alice."""
-    if not os.path.exists(CENTRAL_BIN):
-        pytest.skip(f"{CENTRAL_BIN} not built")
-    tokens = tmp_path / "tokens"
-    tokens.write_text("admintok root admin\nalicetok alice user\n")
-    nodes = tmp_path / "nodes.json"
-    nodes.write_text('{"nodes": [{"name": "n1", "cpus": 8, "memory": "16GiB",'
-                     ' "mode": "exclusive", "gpus": {"count": 2, "memory": "80GiB"}}]}')
-    proc = subprocess.Popen([CENTRAL_BIN, "--listen", "127.0.0.1:0", "--token-file", str(tokens),
-                             "--nodes", str(nodes)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line.startswith("deepnex-central listening on "), line + proc.stderr.read()
-    yield line.split()[3]
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    proc, address = start_central(tmp_path, cpus=8, memory="16GiB")
+    yield address
+    stop_central(proc)
 
 
 def test_run_with_central_allocates_as_the_tokens_user(jobs, central, tmp_path):
