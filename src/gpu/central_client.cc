@@ -226,7 +226,10 @@ class CentralClientImpl final : public CentralClient {
 
   void Prepare(grpc::ClientContext* ctx, std::chrono::milliseconds timeout) const {
     ctx->set_deadline(std::chrono::system_clock::now() + timeout);
-    ctx->set_wait_for_ready(true);
+    // A call bounded by the client's timeout rides out a reconnect. A call
+    // that may wait far longer (an Allocate queued without a timeout) must
+    // not wait for a server that is gone: it fails Unavailable instead.
+    ctx->set_wait_for_ready(timeout <= options_.timeout);
     if (!token_.empty()) ctx->AddMetadata(kAuthorizationKey, BearerValue(token_));
   }
 

@@ -394,6 +394,33 @@ void KillNineDuringGrants(int window) {
 TEST(CentralCrash, KillNineKeepsEveryAcknowledgedGrant) { KillNineDuringGrants(0); }
 
 TEST(CentralCrash, KillNineKeepsEveryAcknowledgedAsyncGrant) { KillNineDuringGrants(16); }
+
+// An Allocate that may wait without end (no timeout) is not also left
+// waiting for a deepnex-central that is gone: it fails Unavailable. (It had
+// waited for the server to come back, forever.)
+TEST(CentralCrash, AWaitingAllocateToAGoneCentralFailsAtOnce) {
+  TempDir dir;
+  const std::string nodes = dir.path() + "/nodes.json";
+  std::ofstream(nodes) << R"({"nodes": [{"name": "n1", "cpus": 4, "memory": "1GiB",
+      "mode": "exclusive", "gpus": {"count": 1, "memory": "80GiB"}}]})";
+  const CentralDaemon daemon = StartCentralDaemon({"--nodes", nodes});
+  ASSERT_FALSE(daemon.address.empty());
+  CentralClientOptions o;
+  o.address = daemon.address;
+  o.timeout = 5s;
+  ASSERT_OK_AND_ASSIGN(auto client, CentralClient::Create(o));
+  kill(daemon.pid, SIGKILL);
+  int status = 0;
+  waitpid(daemon.pid, &status, 0);
+  // The first call may still go out on the broken connection; the next
+  // ones find the channel reconnecting, which is where they waited.
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_THAT(client->Allocate(Exclusive("alice", 0, 1)),
+                StatusIs(absl::StatusCode::kUnavailable));
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 30s) << "call " << i;
+  }
+}
 #endif
 
 }  // namespace
