@@ -21,7 +21,10 @@ import sys
 
 
 def _notice(message):
-    print(f"deepnex run: {message}", file=sys.stderr, flush=True)
+    # One write per line: print() writes the text and its newline separately, and a
+    # worker's output line, written to the same pipe meanwhile, would land between.
+    sys.stderr.write(f"deepnex run: {message}\n")
+    sys.stderr.flush()
 
 
 def _run(args) -> int:
@@ -30,13 +33,12 @@ def _run(args) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        print("deepnex run: no command (deepnex run [flags] -- python3 train.py ...)",
-              file=sys.stderr)
+        _notice("no command (deepnex run [flags] -- python3 train.py ...)")
         return 2
     try:
         mounts = [launch.Mount.parse(m) for m in args.mount or []]
     except DeepnexError as e:
-        print(f"deepnex run: {e}", file=sys.stderr)
+        _notice(e)
         return 2
     options = dict(mounts=mounts, working_dir=args.workdir, workers=args.workers, ps=args.ps,
                    mode=args.mode, gpus_per_worker=args.gpus_per_worker, gpu_mode=args.gpu_mode,
@@ -53,7 +55,7 @@ def _run(args) -> int:
     try:
         j = job.Job(command, **options)
     except DeepnexError as e:
-        print(f"deepnex run: {e}", file=sys.stderr)
+        _notice(e)
         return 2
 
     stopped = {}
@@ -65,25 +67,24 @@ def _run(args) -> int:
     previous = signal.signal(signal.SIGTERM, on_signal)
     try:
         j.start()
-        print(f"deepnex run: job {j.name}: {args.workers} workers, mode {args.mode}, "
-              f"backend {args.backend}", file=sys.stderr)
+        _notice(f"job {j.name}: {args.workers} workers, mode {args.mode}, "
+                f"backend {args.backend}")
         result = j.wait()
     except KeyboardInterrupt:
         j.stop()
         signum = stopped.get("signal", signal.SIGINT)
-        print(f"deepnex run: job {j.name} stopped by {signal.Signals(signum).name}; "
-              "everything released", file=sys.stderr)
+        _notice(f"job {j.name} stopped by {signal.Signals(signum).name}; "
+                "everything released")
         return 128 + signum
     except DeepnexError as e:
         j.stop()
-        print(f"deepnex run: {e}", file=sys.stderr)
+        _notice(e)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
     for rank, e in enumerate(result.workers):
-        print(f"deepnex run: worker {rank}: {e}", file=sys.stderr)
-    print(f"deepnex run: job {j.name} exited {result.exit_code} after {result.seconds:.1f} s",
-          file=sys.stderr)
+        _notice(f"worker {rank}: {e}")
+    _notice(f"job {j.name} exited {result.exit_code} after {result.seconds:.1f} s")
     return result.exit_code
 
 

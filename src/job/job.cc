@@ -218,15 +218,15 @@ class JobImpl : public Job {
       }
       DEEPNEX_ASSIGN_OR_RETURN(o_.ps_binary, launch::FindOnPath(o_.ps_binary, launch::PathOf({})));
     }
+    // Each line is one write, so that lines from workers, parameter servers and the
+    // job itself, written to the same pipe, never interleave within a line.
     if (!o_.output) {
       o_.output = [](const std::string& who, const std::string& line) {
-        static std::mutex mu;
-        std::lock_guard<std::mutex> lock(mu);
-        std::cout << "[" << who << "] " << line << std::endl;
+        std::cout << absl::StrCat("[", who, "] ", line, "\n") << std::flush;
       };
     }
     if (!o_.on_event) {
-      o_.on_event = [](const std::string& message) { std::cerr << message << std::endl; };
+      o_.on_event = [](const std::string& message) { std::cerr << message + "\n"; };
     }
     if (o_.launcher.id.empty()) o_.launcher.id = o_.name;
     if (o_.registry_dir.empty()) {
