@@ -855,15 +855,18 @@ class _Search:
             trial.results.append(record)
             decision = "continue"
             if self.interrupted is not None:
+                # The loop's top stops the trial; it ends "interrupted", never
+                # "stopped" early by the scheduler, even when the signal came
+                # after that check.
                 decision = "stop"
             elif self.scheduler is not None and self.metric in record:
                 with self.lock:
                     decision = self.scheduler.on_result(trial.id, record["step"],
                                                         record[self.metric])
+                if decision == "stop" and stopped_at is None:
+                    stopped_at = time.monotonic()
+                    trial.status = "stopping"
             client.set(f"decision/{record['step']}", decision)
-            if decision == "stop" and stopped_at is None and not interrupted:
-                stopped_at = time.monotonic()
-                trial.status = "stopping"
             self.status.updated()
         trial.exit_code = handle.wait()
         with self.lock:

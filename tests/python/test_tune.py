@@ -441,6 +441,36 @@ def test_interrupt_stops_the_search_cleanly(tmp_path, how, code):
               timeout=15)
 
 
+def test_a_signal_during_a_report_ends_the_trial_interrupted_not_stopped(tmp_path, monkeypatch):
+    """The signal lands after a trial's thread checked for one and before it
+    answers the report it was reading: the trial still ends "interrupted"
+    (not finished), never "stopped" as if the scheduler had stopped it."""
+    from deepnex import collective
+    script = tmp_path / "trial.py"
+    script.write_text(SLEEPER)
+    searches = []
+    real_init = tune._Search.__init__
+
+    def remember(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        searches.append(self)
+
+    class SignalledWhileReading(collective.StoreClient):
+        def get(self, key, *args, **kwargs):
+            value = super().get(key, *args, **kwargs)
+            searches[0].interrupt(signal.SIGINT)
+            return value
+
+    monkeypatch.setattr(tune._Search, "__init__", remember)
+    monkeypatch.setattr(collective, "StoreClient", SignalledWhileReading)
+    with pytest.raises(tune.Interrupted) as e:
+        tune.run([sys.executable, str(script), "--marks", str(tmp_path)],
+                 {"x": tune.grid([1.0])}, metric="score", out_dir=str(tmp_path / "out"),
+                 runner=tune.subprocess_runner, stop_grace=2.0, out=io.StringIO())
+    assert [t.status for t in e.value.results.trials] == ["interrupted"]
+    assert "0 of 1 trials finished" in str(e.value)
+
+
 SLEEPER = textwrap.dedent("""
     import argparse, os, time
     from deepnex import tune
