@@ -48,12 +48,6 @@ class WaiterReactor final : public grpc::ServerUnaryReactor {
   std::shared_ptr<Waiter> waiter_;
 };
 
-grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status) {
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
 std::string QuoteKeys(const std::vector<std::string>& keys) {
   return absl::StrCat("\"", absl::StrJoin(keys, "\", \""), "\"");
 }

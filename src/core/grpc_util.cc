@@ -143,6 +143,12 @@ absl::StatusOr<std::unique_ptr<ServerHost>> ServerHost::Start(
       new ServerHost(std::move(server), address.substr(0, address.rfind(':')), port));
 }
 
+grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status) {
+  auto* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
 void ServerHost::Stop() {
   std::call_once(stop_once_, [this] {
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));

@@ -58,6 +58,10 @@ struct ServerHostOptions {
   uint64_t max_receive_bytes = 0;
 };
 
+// Finishes a unary callback call with `status` at once, and returns its
+// reactor: what a handler returns when it has its answer in hand.
+grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status);
+
 // A started gRPC server serving some services: building it on its address,
 // the port it bound, stopping it and waiting for that. The services are the
 // caller's and must outlive the host. Thread-safe; Stop() is idempotent.

@@ -18,12 +18,6 @@
 namespace deepnex::gpu {
 namespace {
 
-grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status) {
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
 class Service;
 
 // One Allocate or Batch call: its ops run through the allocator's

@@ -22,12 +22,6 @@ namespace {
 // A default-constructed ByteBuffer is not a message; gRPC refuses to send it.
 grpc::ByteBuffer EmptyMessage() { return grpc::ByteBuffer(nullptr, 0); }
 
-grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status) {
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
 std::string ShapeString(const pb::TensorMeta& meta) {
   std::vector<int64_t> shape(meta.shape().begin(), meta.shape().end());
   return DescribeShape(shape, static_cast<DType>(meta.dtype()));
