@@ -4,9 +4,7 @@
 // goes away.
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <mutex>
-#include <thread>
 #include <unordered_map>
 
 #include "absl/strings/numbers.h"
@@ -49,12 +47,6 @@ class WaiterReactor final : public grpc::ServerUnaryReactor {
  private:
   std::shared_ptr<Waiter> waiter_;
 };
-
-grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status) {
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
 
 std::string QuoteKeys(const std::vector<std::string>& keys) {
   return absl::StrCat("\"", absl::StrJoin(keys, "\", \""), "\"");
@@ -297,50 +289,27 @@ class StoreServerImpl final : public StoreServer {
   ~StoreServerImpl() override { Stop(); }
 
   absl::Status Start(const StoreServerOptions& options) {
-    DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("store server"));
-    DEEPNEX_ASSIGN_OR_RETURN(auto credentials,
-                             MakeServerCredentials(options.tls_cert_file, options.tls_key_file));
-    grpc::ServerBuilder builder;
-    builder.SetMaxReceiveMessageSize(
-        static_cast<int>(std::min<uint64_t>(options.max_value_bytes + (1 << 20), INT32_MAX)));
-    builder.SetMaxSendMessageSize(-1);
-    builder.RegisterService(&service_);
-    DEEPNEX_ASSIGN_OR_RETURN(
-        server_, StartServer(builder, "store server", options.address, credentials, &port_));
-    host_ = options.address.substr(0, options.address.rfind(':'));
+    ServerHostOptions host;
+    host.what = "store server";
+    host.address = options.address;
+    host.tls_cert_file = options.tls_cert_file;
+    host.tls_key_file = options.tls_key_file;
+    host.max_receive_bytes = options.max_value_bytes + (1 << 20);
+    DEEPNEX_ASSIGN_OR_RETURN(host_, ServerHost::Start(host, {&service_}));
     return absl::OkStatus();
   }
 
-  std::string address() const override { return absl::StrCat(host_, ":", port_); }
-  int port() const override { return port_; }
+  std::string address() const override { return host_->address(); }
+  int port() const override { return host_->port(); }
   size_t size() const override { return service_.size(); }
-
   void Stop() override {
-    std::call_once(stop_once_, [this] {
-      if (server_) {
-        server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
-        server_->Wait();
-      }
-      std::lock_guard<std::mutex> lock(mu_);
-      stopped_ = true;
-      cv_.notify_all();
-    });
+    if (host_) host_->Stop();
   }
-
-  void Wait() override {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return stopped_; });
-  }
+  void Wait() override { host_->Wait(); }
 
  private:
   Service service_;
-  std::unique_ptr<grpc::Server> server_;
-  int port_ = 0;
-  std::string host_;
-  std::once_flag stop_once_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stopped_ = false;
+  std::unique_ptr<ServerHost> host_;
 };
 
 }  // namespace

@@ -111,11 +111,15 @@ std::string ProbeBind(const std::string& address, int* err) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(
-    grpc::ServerBuilder& builder, const std::string& what, const std::string& address,
-    const std::shared_ptr<grpc::ServerCredentials>& credentials, int* port) {
+absl::StatusOr<std::unique_ptr<ServerHost>> ServerHost::Start(
+    const ServerHostOptions& options, const std::vector<grpc::Service*>& services) {
+  DEEPNEX_RETURN_IF_ERROR(CheckForkSafe(options.what));
+  DEEPNEX_ASSIGN_OR_RETURN(auto credentials,
+                           MakeServerCredentials(options.tls_cert_file, options.tls_key_file));
+  const std::string& address = options.address;
   auto cannot = [&](const std::string& why) {
-    return absl::UnavailableError(absl::StrCat(what, ": cannot listen on \"", address, "\": ",
+    return absl::UnavailableError(absl::StrCat(options.what, ": cannot listen on \"", address,
+                                               "\": ",
                                                why.empty() ? "gRPC could not bind it" : why));
   };
   // Refused before gRPC tries: it would log lines of its own, and serve on
@@ -123,11 +127,41 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(
   int err = 0;
   const std::string why = ProbeBind(address, &err);
   if (err == EADDRINUSE) return cannot(why);
+  grpc::ServerBuilder builder;
+  if (options.max_receive_bytes > 0) {
+    builder.SetMaxReceiveMessageSize(
+        static_cast<int>(std::min<uint64_t>(options.max_receive_bytes, INT32_MAX)));
+  }
+  builder.SetMaxSendMessageSize(-1);
+  for (grpc::Service* service : services) builder.RegisterService(service);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(address, credentials, port);
+  int port = 0;
+  builder.AddListeningPort(address, credentials, &port);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || *port == 0) return cannot(why);
-  return server;
+  if (server == nullptr || port == 0) return cannot(why);
+  return std::unique_ptr<ServerHost>(
+      new ServerHost(std::move(server), address.substr(0, address.rfind(':')), port));
+}
+
+grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status) {
+  auto* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+void ServerHost::Stop() {
+  std::call_once(stop_once_, [this] {
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+    server_->Wait();
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = true;
+    cv_.notify_all();
+  });
+}
+
+void ServerHost::Wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return stopped_; });
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>>

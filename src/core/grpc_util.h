@@ -9,8 +9,10 @@
 #include <grpcpp/support/slice.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -41,15 +43,63 @@ absl::StatusOr<Identity> AuthenticateCall(const TokenTable& tokens,
 // Server credentials: TLS from PEM files when both are given, else insecure.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const std::string& cert_file, const std::string& key_file);
-// Starts the server `builder` describes (its services registered), listening
-// on `address` ("HOST:PORT"; port 0 picks one, put in *port). gRPC's
-// SO_REUSEPORT is off: by default a second server on a port another one
-// serves would start too, and clients would alternate between the two.
-// Unavailable naming `what` and the address when it cannot be bound:
-//   ps server: cannot listen on "127.0.0.1:7070": Address already in use
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(
-    grpc::ServerBuilder& builder, const std::string& what, const std::string& address,
-    const std::shared_ptr<grpc::ServerCredentials>& credentials, int* port);
+// ---- Serving: the one scaffold of deepnex's gRPC servers (ps, store, central).
+
+// How a server listens. Plain fields with their defaults, as in ServerOptions.
+struct ServerHostOptions {
+  // Names the server in errors, e.g. "ps server".
+  std::string what;
+  // "HOST:PORT"; port 0 picks a free one.
+  std::string address;
+  // TLS from these PEM files when both are given, else insecure.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // The largest request accepted (capped at 2^31-1); 0: gRPC's 4 MiB.
+  uint64_t max_receive_bytes = 0;
+};
+
+// Finishes a unary callback call with `status` at once, and returns its
+// reactor: what a handler returns when it has its answer in hand.
+grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status);
+
+// A started gRPC server serving some services: building it on its address,
+// the port it bound, stopping it and waiting for that. The services are the
+// caller's and must outlive the host. Thread-safe; Stop() is idempotent.
+class ServerHost {
+ public:
+  // Refuses a process forked after gRPC started (CheckForkSafe), then serves
+  // `services` on options.address. gRPC's SO_REUSEPORT is off: by default a
+  // second server on a port another one serves would start too, and clients
+  // would alternate between the two. Unavailable naming `what` and the
+  // address when it cannot be bound:
+  //   ps server: cannot listen on "127.0.0.1:7070": Address already in use
+  static absl::StatusOr<std::unique_ptr<ServerHost>> Start(
+      const ServerHostOptions& options, const std::vector<grpc::Service*>& services);
+  ~ServerHost() { Stop(); }
+
+  // The address with the bound port, e.g. "127.0.0.1:41234".
+  std::string address() const { return host_ + ":" + std::to_string(port_); }
+  int port() const { return port_; }
+
+  // Stops taking calls, cancels those still open after 200 ms, and returns
+  // once every call has finished. Callers first end whatever their open
+  // calls wait for, so that these finish rather than being cancelled.
+  void Stop();
+  // Returns once Stop() has.
+  void Wait();
+
+ private:
+  ServerHost(std::unique_ptr<grpc::Server> server, std::string host, int port)
+      : server_(std::move(server)), host_(std::move(host)), port_(port) {}
+
+  const std::unique_ptr<grpc::Server> server_;
+  const std::string host_;
+  const int port_;
+  std::once_flag stop_once_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopped_ = false;  // guarded by mu_
+};
 
 // Channel credentials: TLS verified against `ca_file` when given.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>>

@@ -3,7 +3,6 @@
 // so no gRPC thread waits for a ledger fsync or the queue, and calls in
 // flight together share fsyncs; every other call runs inline.
 #include <atomic>
-#include <condition_variable>
 #include <functional>
 #include <mutex>
 
@@ -18,12 +17,6 @@
 
 namespace deepnex::gpu {
 namespace {
-
-grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status) {
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
 
 class Service;
 
@@ -74,65 +67,59 @@ class Service final : public pb::Central::CallbackService {
   friend class OpsReactor;
 
   Service(std::unique_ptr<Allocator> alloc, TokenTable tokens)
-      : alloc_(std::move(alloc)), tokens_(std::move(tokens)) {}
+      : alloc_(std::move(alloc)),
+        tokens_(std::move(tokens)),
+        grants_(registry_.GetCounter("deepnex_grants_total", "Allocations granted.")),
+        releases_(registry_.GetCounter("deepnex_releases_total",
+                                       "Release calls that succeeded.")),
+        refusals_(registry_.GetCounter("deepnex_refusals_total",
+                                       "Allocate calls refused (quota, capacity, bad input).")) {
+    const LedgerReport ledger = alloc_->Recovered();
+    const char* recovered_help =
+        "Ledger records replayed at start, from the snapshot and from the log.";
+    registry_.GetGauge("deepnex_ledger_recovered_records", recovered_help, {{"source", "snapshot"}})
+        ->Set(ledger.snapshot_records);
+    registry_.GetGauge("deepnex_ledger_recovered_records", recovered_help, {{"source", "log"}})
+        ->Set(ledger.log_records);
+    registry_
+        .GetGauge("deepnex_ledger_torn_records",
+                  "Records dropped at start from a torn tail of the newest log file (never "
+                  "acknowledged).")
+        ->Set(ledger.torn_records);
+    registry_.GetGauge("deepnex_ledger_torn_bytes", "Bytes of that torn tail.")
+        ->Set(ledger.torn_bytes);
+  }
 
   Allocator& allocator() { return *alloc_; }
   const TokenTable& tokens() const { return tokens_; }
 
   std::string MetricsText() const {
-    std::string out;
-    auto gauge = [&](const char* name, const char* help) {
-      absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " gauge\n");
-    };
-    std::vector<NodeInfo> nodes = alloc_->Nodes();
-    gauge("deepnex_gpu_memory_allocated_bytes", "GPU memory granted, per GPU.");
-    for (const auto& n : nodes) {
+    // The allocator's state goes into a registry made per scrape: a node
+    // removed, or moved to another mode, leaves no series behind.
+    MetricsRegistry now;
+    for (const auto& n : alloc_->Nodes()) {
+      const std::string mode = ModeName(n.mode);
       for (size_t i = 0; i < n.node.gpus.size(); ++i) {
-        absl::StrAppend(&out, "deepnex_gpu_memory_allocated_bytes{node=\"", n.node.name,
-                        "\",gpu=\"", n.node.gpus[i].index, "\",mode=\"", ModeName(n.mode),
-                        "\"} ", n.gpu_memory_used[i], "\n");
+        const Labels gpu{{"node", n.node.name},
+                         {"gpu", std::to_string(n.node.gpus[i].index)},
+                         {"mode", mode}};
+        now.GetGauge("deepnex_gpu_memory_allocated_bytes", "GPU memory granted, per GPU.", gpu)
+            ->Set(n.gpu_memory_used[i]);
+        now.GetGauge("deepnex_gpu_memory_free_bytes", "GPU memory not granted, per GPU.", gpu)
+            ->Set(n.node.gpus[i].memory - n.gpu_memory_used[i]);
       }
+      const char* gpus_help = "GPUs per node by mode and state (used: holding an allocation).";
+      const int free = n.gpus_free();
+      now.GetGauge("deepnex_node_gpus", gpus_help,
+                   {{"node", n.node.name}, {"mode", mode}, {"state", "used"}})
+          ->Set(static_cast<int>(n.node.gpus.size()) - free);
+      now.GetGauge("deepnex_node_gpus", gpus_help,
+                   {{"node", n.node.name}, {"mode", mode}, {"state", "free"}})
+          ->Set(free);
     }
-    gauge("deepnex_gpu_memory_free_bytes", "GPU memory not granted, per GPU.");
-    for (const auto& n : nodes) {
-      for (size_t i = 0; i < n.node.gpus.size(); ++i) {
-        absl::StrAppend(&out, "deepnex_gpu_memory_free_bytes{node=\"", n.node.name, "\",gpu=\"",
-                        n.node.gpus[i].index, "\",mode=\"", ModeName(n.mode), "\"} ",
-                        n.node.gpus[i].memory - n.gpu_memory_used[i], "\n");
-      }
-    }
-    gauge("deepnex_node_gpus", "GPUs per node by mode and state (used: holding an allocation).");
-    for (const auto& n : nodes) {
-      int free = n.gpus_free();
-      absl::StrAppend(&out, "deepnex_node_gpus{node=\"", n.node.name, "\",mode=\"",
-                      ModeName(n.mode), "\",state=\"used\"} ",
-                      static_cast<int>(n.node.gpus.size()) - free, "\n");
-      absl::StrAppend(&out, "deepnex_node_gpus{node=\"", n.node.name, "\",mode=\"",
-                      ModeName(n.mode), "\",state=\"free\"} ", free, "\n");
-    }
-    gauge("deepnex_queue_length", "Requests waiting for capacity.");
-    absl::StrAppend(&out, "deepnex_queue_length ", alloc_->QueueLength(), "\n");
-    auto counter = [&](const char* name, const char* help, uint64_t v) {
-      absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " counter\n", name,
-                      " ", v, "\n");
-    };
-    counter("deepnex_grants_total", "Allocations granted.", grants_.load());
-    counter("deepnex_releases_total", "Release calls that succeeded.", releases_.load());
-    counter("deepnex_refusals_total", "Allocate calls refused (quota, capacity, bad input).",
-            refusals_.load());
-    const LedgerReport ledger = alloc_->Recovered();
-    gauge("deepnex_ledger_recovered_records",
-          "Ledger records replayed at start, from the snapshot and from the log.");
-    absl::StrAppend(&out, "deepnex_ledger_recovered_records{source=\"snapshot\"} ",
-                    ledger.snapshot_records, "\n");
-    absl::StrAppend(&out, "deepnex_ledger_recovered_records{source=\"log\"} ",
-                    ledger.log_records, "\n");
-    gauge("deepnex_ledger_torn_records",
-          "Records dropped at start from a torn tail of the newest log file (never acknowledged).");
-    absl::StrAppend(&out, "deepnex_ledger_torn_records ", ledger.torn_records, "\n");
-    gauge("deepnex_ledger_torn_bytes", "Bytes of that torn tail.");
-    absl::StrAppend(&out, "deepnex_ledger_torn_bytes ", ledger.torn_bytes, "\n");
-    return out;
+    now.GetGauge("deepnex_queue_length", "Requests waiting for capacity.")
+        ->Set(alloc_->QueueLength());
+    return registry_.PrometheusText() + now.PrometheusText();
   }
 
   // ---- admin
@@ -376,9 +363,9 @@ class Service final : public pb::Central::CallbackService {
         *request, options,
         [this, done = std::move(done)](absl::StatusOr<std::vector<Allocation>> parts) {
           if (parts.ok()) {
-            grants_ += parts->size();
+            grants_->Add(parts->size());
           } else {
-            ++refusals_;
+            refusals_->Add();
           }
           done(std::move(parts));
         });
@@ -388,14 +375,18 @@ class Service final : public pb::Central::CallbackService {
     absl::Status s = Owner(who, id, "release");
     if (!s.ok()) return done(s);
     alloc_->ReleaseAsync(id, [this, done = std::move(done)](absl::Status s) {
-      if (s.ok()) ++releases_;
+      if (s.ok()) releases_->Add();
       done(s);
     });
   }
 
   std::unique_ptr<Allocator> alloc_;
   const TokenTable tokens_;
-  std::atomic<uint64_t> grants_{0}, releases_{0}, refusals_{0};
+  // Counts calls, and holds what the ledger recovered at start.
+  MetricsRegistry registry_;
+  Counter* const grants_;
+  Counter* const releases_;
+  Counter* const refusals_;
 };
 
 void OpsReactor::Allocate(const Identity& who, const pb::Request& req, AllocateReply reply) {
@@ -443,19 +434,18 @@ class CentralServerImpl final : public CentralServer {
 
   absl::Status Start(const CentralServerOptions& options,
                      const CentralExtensionFactory& extension) {
-    DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("central server"));
-    DEEPNEX_ASSIGN_OR_RETURN(auto credentials,
-                             MakeServerCredentials(options.tls_cert_file, options.tls_key_file));
-    grpc::ServerBuilder builder;
-    builder.RegisterService(service_.get());
+    std::vector<grpc::Service*> services = {service_.get()};
     if (extension) {
       DEEPNEX_ASSIGN_OR_RETURN(extension_,
                                extension(service_->allocator(), service_->tokens()));
-      builder.RegisterService(extension_->service());
+      services.push_back(extension_->service());
     }
-    DEEPNEX_ASSIGN_OR_RETURN(
-        server_, StartServer(builder, "central server", options.address, credentials, &port_));
-    host_ = options.address.substr(0, options.address.rfind(':'));
+    ServerHostOptions host;
+    host.what = "central server";
+    host.address = options.address;
+    host.tls_cert_file = options.tls_cert_file;
+    host.tls_key_file = options.tls_key_file;
+    DEEPNEX_ASSIGN_OR_RETURN(host_, ServerHost::Start(host, services));
     if (!options.metrics_address.empty()) {
       DEEPNEX_ASSIGN_OR_RETURN(
           metrics_, MetricsHttpServer::Create([this] { return service_->MetricsText(); },
@@ -465,8 +455,8 @@ class CentralServerImpl final : public CentralServer {
   }
 
   int metrics_port() const override { return metrics_ ? metrics_->port() : 0; }
-  std::string address() const override { return absl::StrCat(host_, ":", port_); }
-  int port() const override { return port_; }
+  std::string address() const override { return host_->address(); }
+  int port() const override { return host_->port(); }
   Allocator& allocator() override { return service_->allocator(); }
   std::string MetricsText() const override { return service_->MetricsText(); }
 
@@ -477,33 +467,19 @@ class CentralServerImpl final : public CentralServer {
       // Waiting allocations fail with Cancelled and finish their calls
       // before gRPC shuts down (which waits for every open call).
       service_->allocator().Shutdown();
-      if (server_) {
-        server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
-        server_->Wait();
-      }
-      std::lock_guard<std::mutex> lock(mu_);
-      stopped_ = true;
-      cv_.notify_all();
+      if (host_) host_->Stop();
     });
   }
 
-  void Wait() override {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return stopped_; });
-  }
+  void Wait() override { host_->Wait(); }
 
  private:
   std::unique_ptr<Service> service_;
   // After service_: it uses the service's allocator and tokens.
   std::unique_ptr<CentralExtension> extension_;
   std::unique_ptr<MetricsHttpServer> metrics_;
-  std::unique_ptr<grpc::Server> server_;
-  int port_ = 0;
-  std::string host_;
+  std::unique_ptr<ServerHost> host_;
   std::once_flag stop_once_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stopped_ = false;
 };
 
 }  // namespace

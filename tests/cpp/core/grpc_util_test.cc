@@ -1,14 +1,20 @@
 #include "core/grpc_util.h"
 
 #include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/impl/codegen/server_callback_handlers.h>
+#include <grpcpp/impl/rpc_method.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <functional>
+#include <future>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -136,6 +142,104 @@ TEST(DialTest, ServerStartedShortlyAfterTheClientIsReached) {
   EXPECT_EQ((*channel)->GetState(false), GRPC_CHANNEL_READY);
 }
 
+// ---- ServerHost
+
+// A service of one method, "/deepnex.test.Echo/Echo", that answers with the
+// request's bytes. The ServerHost tests serve it: gRPC starts no server
+// without a method to serve.
+class EchoService final : public grpc::Service {
+ public:
+  static constexpr char kMethod[] = "/deepnex.test.Echo/Echo";
+  EchoService() {
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        kMethod, grpc::internal::RpcMethod::NORMAL_RPC, nullptr));
+    MarkMethodRawCallback(
+        0, new grpc::internal::CallbackUnaryHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
+               [](grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                  grpc::ByteBuffer* response) {
+                 *response = *request;
+                 auto* reactor = ctx->DefaultReactor();
+                 reactor->Finish(grpc::Status::OK);
+                 return reactor;
+               }));
+  }
+};
+
+// Calls Echo with `bytes` bytes on `channel`: its status.
+grpc::Status Echo(const std::shared_ptr<grpc::Channel>& channel, size_t bytes) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Slice slice(std::string(bytes, 'x'));
+  grpc::ByteBuffer request(&slice, 1), response;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, EchoService::kMethod, grpc::StubOptions(), &request, &response,
+                 [&done](grpc::Status s) { done.set_value(std::move(s)); });
+  return done.get_future().get();
+}
+
+ServerHostOptions HostOptions(const std::string& address) {
+  ServerHostOptions o;
+  o.what = "test server";
+  o.address = address;
+  return o;
+}
+
+TEST(ServerHostTest, ListensOnThePortItPickedAndSaysSo) {
+  EchoService service;
+  ASSERT_OK_AND_ASSIGN(auto host, ServerHost::Start(HostOptions("127.0.0.1:0"), {&service}));
+  ASSERT_GT(host->port(), 0);
+  EXPECT_EQ(host->address(), "127.0.0.1:" + std::to_string(host->port()));
+  EXPECT_THAT(Dial("test", host->address(), grpc::InsecureChannelCredentials()), IsOk());
+}
+
+TEST(ServerHostTest, ASecondHostOnATakenPortFailsNamingItAndTheAddress) {
+  EchoService service, other;
+  ASSERT_OK_AND_ASSIGN(auto first, ServerHost::Start(HostOptions("127.0.0.1:0"), {&service}));
+  auto second = ServerHost::Start(HostOptions(first->address()), {&other});
+  EXPECT_THAT(second, StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_EQ(second.status().message(),
+            "test server: cannot listen on \"" + first->address() + "\": Address already in use");
+}
+
+TEST(ServerHostTest, RequestsOverMaxReceiveBytesAreRefused) {
+  EchoService service;
+  ServerHostOptions o = HostOptions("127.0.0.1:0");
+  o.max_receive_bytes = 64 << 10;
+  ASSERT_OK_AND_ASSIGN(auto host, ServerHost::Start(o, {&service}));
+  ASSERT_OK_AND_ASSIGN(auto channel,
+                       Dial("test", host->address(), grpc::InsecureChannelCredentials()));
+  EXPECT_TRUE(Echo(channel, 60 << 10).ok());
+  EXPECT_EQ(Echo(channel, 70 << 10).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+}
+
+TEST(ServerHostTest, TlsWithOnlyACertificateIsRefused) {
+  EchoService service;
+  ServerHostOptions o = HostOptions("127.0.0.1:0");
+  o.tls_cert_file = "/nonexistent/cert.pem";
+  auto host = ServerHost::Start(o, {&service});
+  EXPECT_THAT(host, StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(host.status().message(), "TLS needs both tls_cert_file and tls_key_file");
+}
+
+TEST(ServerHostTest, WaitReturnsOnceStopHasAndThePortIsClosed) {
+  EchoService service;
+  ASSERT_OK_AND_ASSIGN(auto host, ServerHost::Start(HostOptions("127.0.0.1:0"), {&service}));
+  std::atomic<bool> waited{false};
+  std::thread waiter([&] {
+    host->Wait();
+    waited = true;
+  });
+  EXPECT_FALSE(waited.load());
+  host->Stop();
+  waiter.join();
+  EXPECT_TRUE(waited.load());
+  host->Stop();  // idempotent
+  host->Wait();  // returns at once after Stop
+  EXPECT_THAT(Dial("test", host->address(), grpc::InsecureChannelCredentials(), milliseconds(300)),
+              StatusIs(absl::StatusCode::kUnavailable));
+}
+
 // Runs `child` in a forked process (its exit code the result) and waits for
 // it with a deadline; -1 if it did not finish in time.
 int RunForked(const std::function<int()>& child) {
@@ -162,7 +266,7 @@ TEST(ForkTest, ChildOfAProcessUsingGrpcIsRefusedAtOnceAndTheParentGoesOn) {
   ASSERT_THAT(Dial("store", address, grpc::InsecureChannelCredentials()), IsOk());
   const pid_t parent = getpid();
 
-  // 0: both refused with the message below; 1: a wrong status.
+  // 0: all refused with the message below; 1: a wrong status.
   int code = RunForked([&] {
     const std::string why = absl::StrCat(
         "this process (pid ", getpid(), ") was forked from pid ", parent,
@@ -171,11 +275,15 @@ TEST(ForkTest, ChildOfAProcessUsingGrpcIsRefusedAtOnceAndTheParentGoesOn) {
         "multiprocessing.set_start_method(\"spawn\"), or fork before creating any deepnex "
         "server or client");
     absl::Status check = CheckForkSafe("store client");
+    EchoService service;
+    auto host = ServerHost::Start(HostOptions("127.0.0.1:0"), {&service});
     auto dial = Dial("store", address, grpc::InsecureChannelCredentials());
     bool ok = check.code() == absl::StatusCode::kFailedPrecondition &&
               check.message() == "store client: " + why &&
               dial.status().code() == absl::StatusCode::kFailedPrecondition &&
-              dial.status().message() == "dialing store at " + address + ": " + why;
+              dial.status().message() == "dialing store at " + address + ": " + why &&
+              host.status().code() == absl::StatusCode::kFailedPrecondition &&
+              host.status().message() == "test server: " + why;
     return ok ? 0 : 1;
   });
   EXPECT_EQ(code, 0);

@@ -30,6 +30,7 @@ namespace {
 using ::deepnex::test::StatusIs;
 using ::deepnex::test::WaitFor;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using namespace ::deepnex::gpu::test;  // NOLINT
 using namespace std::chrono_literals;   // NOLINT
 
@@ -138,9 +139,23 @@ TEST_F(Central, QueueWaitsAcrossTheWireAndMetricsCount) {
   EXPECT_THAT(text, HasSubstr("deepnex_releases_total 1\n"));
   EXPECT_THAT(text, HasSubstr("deepnex_queue_length 0\n"));
   EXPECT_THAT(text, HasSubstr(
-      "deepnex_node_gpus{node=\"x1\",mode=\"exclusive\",state=\"used\"} 1\n"));
+      "deepnex_node_gpus{mode=\"exclusive\",node=\"x1\",state=\"used\"} 1\n"));
   EXPECT_THAT(text, HasSubstr(
-      "deepnex_gpu_memory_free_bytes{node=\"s1\",gpu=\"0\",mode=\"shared\"} 85899345920\n"));
+      "deepnex_gpu_memory_free_bytes{gpu=\"0\",mode=\"shared\",node=\"s1\"} 85899345920\n"));
+}
+
+// The allocator's gauges are read anew per scrape: a removed node leaves
+// no series behind, and the counters keep counting.
+TEST_F(Central, MetricsOfARemovedNodeAreGone) {
+  ASSERT_OK_AND_ASSIGN(std::string before, admin_->Metrics());
+  EXPECT_THAT(before,
+              HasSubstr("deepnex_node_gpus{mode=\"exclusive\",node=\"x1\",state=\"free\"} 1\n"));
+  ASSERT_OK(admin_->RemoveNode("x1"));
+  ASSERT_OK_AND_ASSIGN(std::string after, admin_->Metrics());
+  EXPECT_THAT(after, Not(HasSubstr("node=\"x1\"")));
+  EXPECT_THAT(after,
+              HasSubstr("deepnex_node_gpus{mode=\"shared\",node=\"s1\",state=\"free\"} 2\n"));
+  EXPECT_THAT(after, HasSubstr("deepnex_grants_total 0\n"));
 }
 
 TEST_F(Central, QuotasAndQueueAreVisibleToTheirUsers) {
@@ -302,7 +317,7 @@ TEST(CentralMetrics, ServedOverHttp) {
   EXPECT_THAT(resp, HasSubstr("HTTP/1.1 200 OK\r\n"));
   EXPECT_THAT(resp, HasSubstr("deepnex_grants_total 1\n"));
   EXPECT_THAT(resp, HasSubstr(
-      "deepnex_gpu_memory_allocated_bytes{node=\"n1\",gpu=\"0\",mode=\"shared\"} 32212254720\n"));
+      "deepnex_gpu_memory_allocated_bytes{gpu=\"0\",mode=\"shared\",node=\"n1\"} 32212254720\n"));
   EXPECT_THAT(HttpGet(server->metrics_port(), "/other"), HasSubstr("404 Not Found"));
 }
 

@@ -1,0 +1,125 @@
+// The Push and Pull calls that outlive their handlers: a Call waits on the
+// partitions it names, which report to it from other calls' threads.
+// Private to ps/service.cc.
+#ifndef DEEPNEX_PS_CALLS_H_
+#define DEEPNEX_PS_CALLS_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "core/grpc_util.h"
+#include "deepnex/ps.pb.h"
+#include "ps/partition.h"
+
+namespace deepnex::ps {
+
+// A call that may outlive its handler: it waits on partitions, which report
+// to it from other calls' threads. Finished exactly once, by whichever of
+// completion, failure or cancellation comes first.
+class Call {
+ public:
+  virtual ~Call() = default;
+  bool Finished() const { return finished_.load(std::memory_order_acquire); }
+  void Fail(const absl::Status& status) {
+    if (finished_.exchange(true)) return;
+    failed_.store(true, std::memory_order_release);
+    reactor_->Finish(ToGrpcStatus(status));
+  }
+  // Runs once gRPC is done with the call (its reply sent, or the call
+  // cancelled); `failed` says whether it ended in an error, which may leave
+  // parts of it behind in partitions.
+  void OnDone(std::function<void(bool failed)> fn) { on_done_ = std::move(fn); }
+
+ protected:
+  // True for the one caller that gets to finish the call.
+  bool Claim() { return !finished_.exchange(true); }
+  grpc::ServerUnaryReactor* reactor_ = nullptr;
+
+ private:
+  friend class CallReactor;
+  std::atomic<bool> finished_{false};
+  std::atomic<bool> failed_{false};
+  std::function<void(bool)> on_done_;
+};
+
+// Owns the Call until gRPC is done with it; a cancelled call (client gone,
+// deadline passed) is finished so that the server never waits on it.
+class CallReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit CallReactor(std::shared_ptr<Call> call) : call_(std::move(call)) {
+    call_->reactor_ = this;
+  }
+  void OnCancel() override { call_->Fail(absl::CancelledError("call cancelled")); }
+  void OnDone() override {
+    if (call_->on_done_) call_->on_done_(call_->failed_.load(std::memory_order_acquire));
+    delete this;
+  }
+
+ private:
+  std::shared_ptr<Call> call_;
+};
+
+class PushCall final : public Call, public PushSink {
+ public:
+  // `lose_reply`: answer Unavailable once applied (testing hook).
+  PushCall(size_t slices, bool lose_reply) : remaining_(slices), lose_reply_(lose_reply) {}
+  void SliceApplied(size_t) override {
+    if (remaining_.fetch_sub(1) != 1 || !Claim()) return;
+    reactor_->Finish(lose_reply_
+                         ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "reply dropped for testing")
+                         : grpc::Status::OK);
+  }
+  void Fail(const absl::Status& status) override { Call::Fail(status); }
+  bool Finished() const override { return Call::Finished(); }
+
+ private:
+  std::atomic<size_t> remaining_;
+  const bool lose_reply_;
+};
+
+class PullCall final : public Call, public PullSink {
+ public:
+  PullCall(std::vector<uint64_t> offsets, uint64_t total, grpc::ByteBuffer* response)
+      : offsets_(std::move(offsets)),
+        total_(total),
+        versions_(offsets_.size()),
+        remaining_(offsets_.size()),
+        response_(response) {}
+  // The buffer is made when the first values arrive, so that a pull waiting
+  // for its round holds no reply memory.
+  char* Destination(size_t slice) override {
+    std::call_once(allocated_, [this] { buffer_.reset(new char[total_]); });
+    return buffer_.get() + offsets_[slice];
+  }
+  void SliceReady(size_t slice, uint64_t version) override {
+    versions_[slice] = version;
+    if (remaining_.fetch_sub(1) != 1 || !Claim()) return;
+    proto::PullHeader header;
+    for (uint64_t v : versions_) header.add_versions(v);
+    std::vector<grpc::Slice> payload;
+    payload.push_back(OwnedSlice(std::move(buffer_), total_));
+    *response_ = EncodeFramed(header, std::move(payload));
+    reactor_->Finish(grpc::Status::OK);
+  }
+  void Fail(const absl::Status& status) override { Call::Fail(status); }
+  bool Finished() const override { return Call::Finished(); }
+
+ private:
+  const std::vector<uint64_t> offsets_;
+  const uint64_t total_;
+  std::once_flag allocated_;
+  std::unique_ptr<char[]> buffer_;
+  std::vector<uint64_t> versions_;  // each written by one partition, once
+  std::atomic<size_t> remaining_;
+  grpc::ByteBuffer* const response_;
+};
+
+}  // namespace deepnex::ps
+
+#endif  // DEEPNEX_PS_CALLS_H_

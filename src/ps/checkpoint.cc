@@ -1,0 +1,117 @@
+#include "ps/checkpoint.h"
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/file_util.h"
+
+namespace deepnex::ps {
+namespace {
+
+constexpr char kCheckpointMagic[] = "DNXPSCK1";
+constexpr uint32_t kCheckpointVersion = 1;
+
+}  // namespace
+
+std::string CheckpointPath(const std::string& dir, const std::string& name) {
+  return dir + "/" + name + ".ckpt";
+}
+
+void AddPartitionRecord(const std::string& key, uint32_t part, const Partition& partition,
+                        PartitionState state, proto::CheckpointFile* file) {
+  proto::PartitionRecord* r = file->add_parts();
+  r->set_key(key);
+  r->set_part(part);
+  r->set_offset(partition.offset());
+  r->set_count(partition.count());
+  r->set_dtype(static_cast<int>(partition.dtype()));
+  r->set_version(state.version);
+  r->set_step(state.step);
+  r->set_values(std::move(state.values));
+  r->set_m(std::move(state.m));
+  r->set_v(std::move(state.v));
+  for (const auto& w : state.workers) {
+    auto* rw = r->add_workers();
+    rw->set_incarnation(w.incarnation);
+    rw->set_first_round(w.first_round);
+    rw->set_next_seq(w.next_seq);
+  }
+}
+
+absl::Status WriteCheckpointFile(const std::string& dir, const proto::CheckpointFile& file) {
+  std::string body;
+  if (!file.SerializeToString(&body)) {
+    return absl::ResourceExhaustedError(
+        "checkpoint: the state does not fit one protobuf message (2 GiB)");
+  }
+  DEEPNEX_RETURN_IF_ERROR(MakeDirectories(dir));
+  return WriteFileAtomically(CheckpointPath(dir, file.name()),
+                             EncodeChecksummed(kCheckpointMagic, kCheckpointVersion, body));
+}
+
+absl::StatusOr<proto::CheckpointFile> ReadCheckpointFile(const std::string& dir,
+                                                         const std::string& name, Mode mode,
+                                                         int num_workers) {
+  const std::string path = CheckpointPath(dir, name);
+  DEEPNEX_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path, "checkpoint"));
+  DEEPNEX_ASSIGN_OR_RETURN(
+      std::string body, DecodeChecksummed(kCheckpointMagic, kCheckpointVersion, bytes,
+                                          absl::StrCat("checkpoint \"", path, "\"")));
+  proto::CheckpointFile file;
+  if (!file.ParseFromString(body)) {
+    return absl::DataLossError(absl::StrCat("checkpoint \"", path, "\" does not parse"));
+  }
+  if (file.mode() != ModeName(mode) || file.num_workers() != num_workers) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "checkpoint \"%s\" is of a %s server with %d workers, this one is %s with %d", path,
+        file.mode(), file.num_workers(), ModeName(mode), num_workers));
+  }
+  for (const auto& r : file.parts()) {
+    if (!IsValidDType(r.dtype())) {
+      return absl::DataLossError(absl::StrCat("checkpoint \"", path, "\": bad dtype"));
+    }
+    size_t elem = static_cast<DType>(r.dtype()) == DType::kFloat64 ? 8 : 4;  // the compute type
+    // Compared by division: a count from the file must not wrap a product.
+    if (r.values().size() % elem != 0 || r.values().size() / elem != r.count() ||
+        (!r.m().empty() && r.m().size() != r.values().size()) ||
+        (!r.v().empty() && r.v().size() != r.values().size())) {
+      return absl::DataLossError(absl::StrFormat(
+          "checkpoint \"%s\": \"%s\" part %d has the wrong number of values", path, r.key(),
+          r.part()));
+    }
+  }
+  return file;
+}
+
+PartitionState StateOf(const proto::PartitionRecord& record) {
+  PartitionState s;
+  s.version = record.version();
+  s.step = record.step();
+  s.values = record.values();
+  s.m = record.m();
+  s.v = record.v();
+  for (const auto& w : record.workers()) {
+    s.workers.push_back({w.incarnation(), w.first_round(), w.next_seq()});
+  }
+  return s;
+}
+
+absl::StatusOr<std::string> CheckpointDirFor(const std::string& checkpoint_dir,
+                                             const std::string& name) {
+  bool plain = name.size() <= 255 && name != "." && name != "..";
+  for (char c : name) {
+    plain = plain && (absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' ||
+                      c == '-' || c == '_');
+  }
+  if (!plain) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint: name \"", absl::CHexEscape(name.substr(0, 300)),
+        "\" is not a plain name (letters, digits, '.', '-', '_'; not \".\" or "
+        "\"..\"; at most 255): it names a directory inside the server's "
+        "checkpoint_dir, never a path"));
+  }
+  return name.empty() ? checkpoint_dir : absl::StrCat(checkpoint_dir, "/", name);
+}
+
+}  // namespace deepnex::ps

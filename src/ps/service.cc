@@ -1,0 +1,775 @@
+#include "ps/service.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <limits>
+#include <optional>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "ps/calls.h"
+#include "ps/checkpoint.h"
+#include "ps/plan.h"
+
+namespace deepnex::ps {
+
+namespace pb = ::deepnex::ps::proto;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// A default-constructed ByteBuffer is not a message; gRPC refuses to send it.
+grpc::ByteBuffer EmptyMessage() { return grpc::ByteBuffer(nullptr, 0); }
+
+std::string ShapeString(const pb::TensorMeta& meta) {
+  std::vector<int64_t> shape(meta.shape().begin(), meta.shape().end());
+  return DescribeShape(shape, static_cast<DType>(meta.dtype()));
+}
+
+void RunAll(Completions& done) {
+  for (auto& fn : done) fn();
+  done.clear();
+}
+
+}  // namespace
+
+Service::Service(const ServerOptions& options, TokenTable tokens, bool job_token)
+    : options_(options),
+      tokens_(std::move(tokens)),
+      job_token_(job_token),
+      membership_(options.num_workers, options.lease_timeout, options.lease_policy),
+      metrics_(options.num_workers),
+      drops_left_(options.drop_push_replies_for_testing),
+      deferred_bytes_(options.num_workers, 0) {
+  config_.mode = options.mode;
+  config_.num_workers = options.num_workers;
+  config_.staleness = options.mode == Mode::kSsp ? options.staleness : 0;
+  config_.reduction = options.reduction;
+  config_.optimizer = options.optimizer;
+  config_.keep_dead_contributions = options.keep_dead_contributions;
+  config_.membership = &membership_;
+  config_.observer = &metrics_;
+  config_.deferred_limit = this;
+  if (options.checkpoint_every_rounds > 0) {
+    config_.snapshot_every =
+        options.checkpoint_every_rounds * (options.mode == Mode::kAsync ? options.num_workers : 1);
+    config_.snapshots = this;
+  }
+}
+
+void Service::Periodic(const Partition* partition, PartitionState state) {
+  std::lock_guard<std::mutex> lock(periodic_mu_);
+  uint64_t version = state.version;
+  if (version <= last_periodic_) return;
+  periodic_[version][partition] = std::move(state);
+}
+
+absl::Status Service::Take(int worker, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(limits_mu_);
+  uint64_t& held = deferred_bytes_[worker];
+  const uint64_t cap = options_.max_deferred_push_bytes;
+  if (held > cap || bytes > cap - held) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("push: worker %d already has %d bytes of pushes kept waiting for an "
+                        "earlier push or round, and %d more would pass max_deferred_push_bytes "
+                        "(%d); send pushes in seq order and wait for their replies",
+                        worker, held, bytes, cap));
+  }
+  held += bytes;
+  metrics_.deferred_push_bytes->Add(static_cast<double>(bytes));
+  return absl::OkStatus();
+}
+
+void Service::Give(int worker, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(limits_mu_);
+  deferred_bytes_[worker] -= bytes;
+  metrics_.deferred_push_bytes->Add(-static_cast<double>(bytes));
+}
+
+absl::Status Service::WritePeriodic() {
+  std::vector<std::pair<std::string, uint32_t>> names;
+  std::vector<Partition*> parts;
+  pb::CheckpointFile file = Directory(&names, &parts);
+  std::map<const Partition*, PartitionState> states;
+  uint64_t round = 0;
+  {
+    std::lock_guard<std::mutex> lock(periodic_mu_);
+    for (auto it = periodic_.rbegin(); it != periodic_.rend(); ++it) {
+      if (it->second.size() == parts.size()) {
+        round = it->first;
+        states = std::move(it->second);
+        break;
+      }
+    }
+    if (round == 0) return absl::OkStatus();
+    last_periodic_ = round;
+    periodic_.erase(periodic_.begin(), periodic_.upper_bound(round));
+  }
+  std::vector<PartitionState> ordered;
+  for (Partition* p : parts) {
+    auto it = states.find(p);
+    if (it == states.end()) return absl::OkStatus();  // the set of partitions changed
+    ordered.push_back(std::move(it->second));
+  }
+  return Write(options_.checkpoint_dir, round, std::move(file), names, parts, std::move(ordered));
+}
+
+grpc::ServerUnaryReactor* Service::Register(grpc::CallbackServerContext* ctx,
+                                            const pb::RegisterRequest* req,
+                                            pb::RegisterReply* reply) {
+  absl::Status s = CheckCall(*ctx, req->worker_id(), "register");
+  if (s.ok() && req->incarnation() == 0) {
+    s = absl::InvalidArgumentError("register: incarnation 0 is reserved");
+  }
+  if (s.ok()) {
+    membership_.Register(req->worker_id(), req->incarnation());
+    metrics_.live_workers->Set(membership_.LiveCount());
+    reply->set_num_workers(options_.num_workers);
+    reply->set_mode(ModeName(options_.mode));
+    reply->set_staleness(config_.staleness);
+    reply->set_heartbeat_interval_ms(
+        options_.heartbeat_interval.count() > 0
+            ? options_.heartbeat_interval.count()
+            : std::max<int64_t>(1, options_.lease_timeout.count() / 4));
+  }
+  return Reply(ctx, s);
+}
+
+grpc::ServerUnaryReactor* Service::Heartbeat(grpc::CallbackServerContext* ctx,
+                                             const pb::HeartbeatRequest* req, pb::HeartbeatReply*) {
+  absl::Status s = CheckCall(*ctx, req->worker_id(), "heartbeat");
+  if (s.ok()) s = membership_.Heartbeat(req->worker_id(), req->incarnation());
+  return Reply(ctx, s);
+}
+
+grpc::ServerUnaryReactor* Service::Leave(grpc::CallbackServerContext* ctx,
+                                         const pb::LeaveRequest* req, pb::LeaveReply*) {
+  absl::Status s = CheckCall(*ctx, req->worker_id(), "leave");
+  if (s.ok()) {
+    membership_.Leave(req->worker_id(), req->incarnation());
+    metrics_.live_workers->Set(membership_.LiveCount());
+    MembershipChanged();
+  }
+  return Reply(ctx, s);
+}
+
+grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext* ctx, const pb::StatsRequest*,
+                                         pb::StatsReply* reply) {
+  absl::Status s = Authenticate(*ctx);
+  if (s.ok()) FillStats(reply);
+  return Reply(ctx, s);
+}
+
+grpc::ServerUnaryReactor* Service::Checkpoint(grpc::CallbackServerContext* ctx,
+                                              const pb::CheckpointRequest* req,
+                                              pb::CheckpointReply* reply) {
+  absl::StatusOr<std::string> dir = CheckpointTarget(*ctx, *req);
+  if (!dir.ok()) return Reply(ctx, dir.status());
+  // Writing may wait for a round boundary: off gRPC's callback threads.
+  auto* reactor = ctx->DefaultReactor();
+  std::thread([this, reactor, dir = *std::move(dir),
+               timeout = std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 60000),
+               reply] {
+    auto round = WriteCheckpoint(dir, timeout);
+    if (round.ok()) reply->set_round(*round);
+    checkpoint_calls_.fetch_sub(1);  // before Finish lets the server stop
+    reactor->Finish(ToGrpcStatus(round.status()));
+  }).detach();
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* Service::Claim(grpc::CallbackServerContext* ctx,
+                                         const pb::ClaimRequest* req, pb::ClaimReply* reply) {
+  return Reply(ctx, DoClaim(*ctx, *req, reply));
+}
+
+grpc::ServerUnaryReactor* Service::Commit(grpc::CallbackServerContext* ctx,
+                                          const pb::CommitRequest* req, pb::CommitReply*) {
+  absl::Status s = Authenticate(*ctx);
+  if (s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = tensors_.find(req->key());
+    if (it == tensors_.end() || !it->second.meta) {
+      s = absl::NotFoundError(
+          absl::StrCat("commit of \"", req->key(), "\": the tensor was never claimed"));
+    } else {
+      it->second.meta->set_ready(true);
+    }
+  }
+  return Reply(ctx, s);
+}
+
+grpc::ServerUnaryReactor* Service::Describe(grpc::CallbackServerContext* ctx,
+                                            const pb::DescribeRequest* req,
+                                            pb::DescribeReply* reply) {
+  return Reply(ctx, DoDescribe(*ctx, *req, reply));
+}
+
+grpc::ServerUnaryReactor* Service::WriteParts(grpc::CallbackServerContext* ctx,
+                                              const grpc::ByteBuffer* request,
+                                              grpc::ByteBuffer* response) {
+  absl::Status s = DoWriteParts(*ctx, *request);
+  if (s.ok()) *response = EmptyMessage();
+  return Reply(ctx, s);
+}
+
+grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) {
+  pb::PushHeader header;
+  PayloadReader payload;
+  std::vector<Partition*> parts;
+  absl::Status s = Authenticate(*ctx);
+  if (s.ok()) s = DecodeFramed(*request, &header, &payload);
+  if (s.ok()) s = CheckWorker(header.worker_id(), "push");
+  if (s.ok()) s = Resolve("push", header.slices(), &parts, &payload);
+  if (s.ok() && options_.reject_nonfinite) {
+    PayloadReader check = payload;
+    for (size_t i = 0; i < parts.size() && s.ok(); ++i) {
+      absl::Status finite = parts[i]->CheckFinite(&check);
+      if (!finite.ok()) {
+        s = absl::InvalidArgumentError(absl::StrCat(
+            "push of \"", header.slices(i).key(), "\": the gradient holds NaN or Inf (",
+            finite.message(), "); refused, nothing applied"));
+      }
+    }
+  }
+  if (!s.ok()) return Reply(ctx, s);
+  *response = EmptyMessage();
+  if (parts.empty()) return Reply(ctx, absl::OkStatus());
+
+  metrics_.pushes->Add();
+  metrics_.worker_pushes[header.worker_id()]->Add();
+  metrics_.bytes_in->Add(payload.remaining());
+  bool lose_reply = drops_left_.load() > 0 && drops_left_.fetch_sub(1) > 0;
+  auto call = std::make_shared<PushCall>(parts.size(), lose_reply);
+  call->OnDone([parts](bool failed) { DropFinished(parts, failed); });
+  auto* reactor = new CallReactor(call);
+  Completions done;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    parts[i]->Push(header.worker_id(), header.incarnation(), header.slices(i).seq(), &payload, call,
+                   i, &done);
+  }
+  RunAll(done);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* Service::Pull(grpc::CallbackServerContext* ctx,
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) {
+  pb::PullRequest req;
+  std::vector<Partition*> parts;
+  absl::Status s = Authenticate(*ctx);
+  if (s.ok()) {
+    grpc::Slice whole;
+    if (!request->DumpToSingleSlice(&whole).ok() ||
+        !req.ParseFromArray(whole.begin(), static_cast<int>(whole.size()))) {
+      s = absl::InvalidArgumentError("garbled request body: bad pull request");
+    }
+  }
+  if (s.ok() && req.worker_id() != kObserver) s = CheckWorker(req.worker_id(), "pull");
+  if (s.ok()) s = Resolve("pull", req.slices(), &parts, nullptr);
+  std::vector<uint64_t> offsets;
+  uint64_t total = 0;
+  if (s.ok()) s = PullLayout(req, parts, &offsets, &total);
+  const std::string peer = ctx->peer();
+  if (s.ok()) s = HoldReply(peer, total);
+  if (!s.ok()) return Reply(ctx, s);
+
+  metrics_.pulls->Add();
+  metrics_.bytes_out->Add(total);
+  auto call = std::make_shared<PullCall>(std::move(offsets), total, response);
+  call->OnDone([this, parts, peer, total](bool failed) {
+    ReleaseReply(peer, total);
+    DropFinished(parts, failed);
+  });
+  auto* reactor = new CallReactor(call);
+  Completions done;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    parts[i]->Pull(req.worker_id(), req.incarnation(), req.slices(i).seq(), call, i, &done);
+  }
+  RunAll(done);
+  return reactor;
+}
+
+void Service::ExpireLeases() {
+  std::vector<int> expired = membership_.Expire(Clock::now());
+  if (expired.empty()) return;
+  metrics_.lease_expiries->Add(expired.size());
+  metrics_.live_workers->Set(membership_.LiveCount());
+  MembershipChanged();
+}
+
+void Service::FailWaiters(const absl::Status& status) {
+  Completions done;
+  for (Partition* p : AllPartitions()) p->FailWaiters(status, &done);
+  RunAll(done);
+}
+
+absl::StatusOr<uint64_t> Service::WriteCheckpoint(const std::string& dir,
+                                                  std::chrono::milliseconds timeout) {
+  std::vector<std::pair<std::string, uint32_t>> names;
+  std::vector<Partition*> parts;
+  pb::CheckpointFile file = Directory(&names, &parts);
+  uint64_t round = 0;
+  for (Partition* p : parts) round = std::max(round, p->version());
+
+  struct Collector {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<std::optional<PartitionState>> states;
+    size_t remaining;
+  };
+  auto c = std::make_shared<Collector>();
+  c->states.resize(parts.size());
+  c->remaining = parts.size();
+  Completions done;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    parts[i]->SnapshotAt(
+        round,
+        [c, i](PartitionState s) {
+          std::lock_guard<std::mutex> lock(c->mu);
+          c->states[i] = std::move(s);
+          if (--c->remaining == 0) c->cv.notify_all();
+        },
+        &done);
+  }
+  RunAll(done);
+  std::vector<PartitionState> states;
+  {
+    std::unique_lock<std::mutex> lock(c->mu);
+    if (!c->cv.wait_for(lock, timeout, [&] { return c->remaining == 0; })) {
+      for (size_t i = 0; i < parts.size(); ++i) {
+        if (!c->states[i]) {
+          return absl::DeadlineExceededError(
+              absl::StrFormat("checkpoint: \"%s\" part %d did not reach round %d within %d ms",
+                              names[i].first, names[i].second, round, timeout.count()));
+        }
+      }
+    }
+    for (auto& st : c->states) states.push_back(std::move(*st));
+  }
+  DEEPNEX_RETURN_IF_ERROR(Write(dir, round, std::move(file), names, parts, std::move(states)));
+  return round;
+}
+
+absl::Status Service::Restore(const std::string& dir) {
+  DEEPNEX_ASSIGN_OR_RETURN(
+      pb::CheckpointFile file,
+      ReadCheckpointFile(dir, options_.name, options_.mode, options_.num_workers));
+  std::unordered_map<std::string, Tensor> tensors;
+  for (const auto& meta : file.metas()) {
+    tensors[meta.key()].meta = std::make_unique<pb::TensorMeta>(meta);
+  }
+  for (const auto& r : file.parts()) {
+    auto part = Partition::Create(config_, static_cast<DType>(r.dtype()), r.offset(), r.count());
+    part->Restore(StateOf(r));
+    tensors[r.key()].parts[r.part()] = std::move(part);
+  }
+  // Clients that were connected keep their leases (fresh ones), so that a
+  // push retried across the restart is recognised and applied once.
+  for (int w = 0; w < file.incarnations_size() && w < options_.num_workers; ++w) {
+    if (file.incarnations(w) != 0) membership_.Register(w, file.incarnations(w));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  tensors_ = std::move(tensors);
+  return absl::OkStatus();
+}
+
+pb::CheckpointFile Service::Directory(std::vector<std::pair<std::string, uint32_t>>* names,
+                                      std::vector<Partition*>* parts) {
+  pb::CheckpointFile file;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [key, t] : tensors_) {
+    if (t.meta) *file.add_metas() = *t.meta;
+    for (auto& [part, p] : t.parts) {
+      names->push_back({key, part});
+      parts->push_back(p.get());
+    }
+  }
+  return file;
+}
+
+absl::Status Service::Write(const std::string& dir, uint64_t round, pb::CheckpointFile file,
+                            const std::vector<std::pair<std::string, uint32_t>>& names,
+                            const std::vector<Partition*>& parts,
+                            std::vector<PartitionState> states) {
+  std::lock_guard<std::mutex> one_at_a_time(checkpoint_mu_);
+  file.set_name(options_.name);
+  file.set_mode(ModeName(options_.mode));
+  file.set_num_workers(options_.num_workers);
+  file.set_round(round);
+  for (int w = 0; w < options_.num_workers; ++w) {
+    file.add_incarnations(membership_.Incarnation(w));
+  }
+  for (size_t i = 0; i < parts.size(); ++i) {
+    AddPartitionRecord(names[i].first, names[i].second, *parts[i], std::move(states[i]), &file);
+  }
+  DEEPNEX_RETURN_IF_ERROR(WriteCheckpointFile(dir, file));
+  metrics_.checkpoints->Add();
+  metrics_.checkpoint_round->Set(static_cast<double>(round));
+  return absl::OkStatus();
+}
+
+std::vector<Partition*> Service::AllPartitions() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Partition*> all;
+  for (auto& [key, t] : tensors_) {
+    for (auto& [part, p] : t.parts) all.push_back(p.get());
+  }
+  return all;
+}
+
+void Service::MembershipChanged() {
+  Completions done;
+  for (Partition* p : AllPartitions()) p->MembershipChanged(&done);
+  RunAll(done);
+}
+
+void Service::FillStats(pb::StatsReply* reply) {
+  reply->set_mode(ModeName(options_.mode));
+  reply->set_staleness(config_.staleness);
+  reply->set_num_workers(options_.num_workers);
+  reply->set_live_workers(membership_.LiveCount());
+  reply->set_pushes(metrics_.pushes->value());
+  reply->set_pulls(metrics_.pulls->value());
+  reply->set_bytes_in(metrics_.bytes_in->value());
+  reply->set_bytes_out(metrics_.bytes_out->value());
+  reply->set_rounds(metrics_.rounds->value());
+  Histogram::Snapshot latency = metrics_.round_latency->Get();
+  reply->set_round_latency_p50(latency.Quantile(0.5));
+  reply->set_round_latency_p99(latency.Quantile(0.99));
+  reply->set_lease_expiries(metrics_.lease_expiries->value());
+  reply->set_checkpoints(metrics_.checkpoints->value());
+  reply->set_checkpoint_round(static_cast<uint64_t>(metrics_.checkpoint_round->value()));
+  uint64_t lo = UINT64_MAX, hi = 0;
+  for (Partition* p : AllPartitions()) {
+    uint64_t v = p->version();
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  }
+  reply->set_min_version(lo == UINT64_MAX ? 0 : lo);
+  reply->set_max_version(hi);
+  static const char* kStates[] = {"expected", "live", "dead", "left"};
+  for (int w = 0; w < options_.num_workers; ++w) {
+    pb::WorkerStats* ws = reply->add_workers();
+    ws->set_worker(w);
+    ws->set_state(kStates[static_cast<int>(membership_.state(w))]);
+    ws->set_pushes(metrics_.worker_pushes[w]->value());
+    ws->set_max_lead(static_cast<uint64_t>(metrics_.staleness[w]->Get().max));
+    ws->set_late_pushes(metrics_.late[w]->value());
+  }
+  reply->set_prometheus(MetricsText());
+}
+
+absl::StatusOr<Identity> Service::Caller(const grpc::ServerContextBase& ctx) const {
+  DEEPNEX_ASSIGN_OR_RETURN(Identity who, AuthenticateCall(tokens_, ctx, options_.job_id));
+  if (!who.job.empty() && options_.job_id.empty()) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("the token of \"", who.name, "\" is for job \"", who.job,
+                     "\", and this parameter server belongs to no job (job_id, --job)"));
+  }
+  return who;
+}
+
+absl::Status Service::Authenticate(const grpc::ServerContextBase& ctx) const {
+  return Caller(ctx).status();
+}
+
+absl::StatusOr<std::string> Service::CheckpointTarget(const grpc::ServerContextBase& ctx,
+                                                      const pb::CheckpointRequest& req) {
+  DEEPNEX_ASSIGN_OR_RETURN(Identity who, Caller(ctx));
+  if (who.role != AuthRole::kAdmin && who.job.empty() && !job_token_) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("checkpoint: \"", who.name,
+                     "\" is neither an admin nor this job's token; checkpoints need one of them"));
+  }
+  if (options_.checkpoint_dir.empty()) {
+    return absl::FailedPreconditionError(
+        "checkpoint: this server has no checkpoint_dir (--checkpoint-dir), the "
+        "only place it writes checkpoints to when asked over the wire");
+  }
+  DEEPNEX_ASSIGN_OR_RETURN(std::string dir, CheckpointDirFor(options_.checkpoint_dir, req.name()));
+  constexpr uint64_t kMaxTimeoutMs = 3600 * 1000;
+  if (req.timeout_ms() > kMaxTimeoutMs) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "checkpoint: timeout_ms %d is over an hour (%d)", req.timeout_ms(), kMaxTimeoutMs));
+  }
+  // Each call waits on a thread of its own.
+  constexpr int kMaxCheckpointCalls = 4;
+  if (checkpoint_calls_.fetch_add(1) >= kMaxCheckpointCalls) {
+    checkpoint_calls_.fetch_sub(1);
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "checkpoint: %d checkpoint calls are already in progress", kMaxCheckpointCalls));
+  }
+  return dir;
+}
+
+absl::Status Service::PullLayout(const pb::PullRequest& req, const std::vector<Partition*>& parts,
+                                 std::vector<uint64_t>* offsets, uint64_t* total) const {
+  const uint64_t cap = options_.max_pull_reply_bytes > 0 ? options_.max_pull_reply_bytes
+                                                         : options_.max_message_bytes;
+  std::unordered_map<const Partition*, int> seen;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    auto [it, fresh] = seen.emplace(parts[i], static_cast<int>(i));
+    if (!fresh) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("pull of \"%s\" part %d: slices %d and %d name the same partition; "
+                          "name each once",
+                          req.slices(i).key(), req.slices(i).part(), it->second, i));
+    }
+    // *total stays within cap, so cap - *total does not wrap.
+    if (parts[i]->bytes() > cap - *total) {
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("pull: the reply would hold more than %d bytes (max_pull_reply_bytes) "
+                          "at slice %d (\"%s\" part %d); pull fewer slices at a time",
+                          cap, i, req.slices(i).key(), req.slices(i).part()));
+    }
+    offsets->push_back(*total);
+    *total += parts[i]->bytes();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Service::HoldReply(const std::string& peer, uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(limits_mu_);
+  uint64_t& held = pending_by_peer_[peer];
+  const uint64_t cap = options_.max_pending_reply_bytes;
+  if (held > 0 && (held > cap || bytes > cap - held)) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("pull: this connection (%s) already has %d bytes of pull replies held on "
+                        "the server, and %d more would pass max_pending_reply_bytes (%d); read "
+                        "the replies, or wait for them, before pulling more",
+                        peer, held, bytes, cap));
+  }
+  held += bytes;
+  metrics_.pending_reply_bytes->Add(static_cast<double>(bytes));
+  return absl::OkStatus();
+}
+
+void Service::ReleaseReply(const std::string& peer, uint64_t bytes) {
+  if (bytes == 0) return;
+  std::lock_guard<std::mutex> lock(limits_mu_);
+  auto it = pending_by_peer_.find(peer);
+  it->second -= bytes;
+  if (it->second == 0) pending_by_peer_.erase(it);
+  metrics_.pending_reply_bytes->Add(-static_cast<double>(bytes));
+}
+
+void Service::DropFinished(const std::vector<Partition*>& parts, bool failed) {
+  if (!failed) return;
+  for (Partition* p : parts) p->DropFinished();
+}
+
+absl::Status Service::CheckWorker(int worker, const char* op) const {
+  if (worker < 0 || worker >= options_.num_workers) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: worker_id %d is outside 0..%d (the server has %d workers)", op, worker,
+                        options_.num_workers - 1, options_.num_workers));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Service::CheckCall(const grpc::ServerContextBase& ctx, int worker,
+                                const char* op) const {
+  DEEPNEX_RETURN_IF_ERROR(Authenticate(ctx));
+  return CheckWorker(worker, op);
+}
+
+absl::Status Service::Resolve(const char* op,
+                              const google::protobuf::RepeatedPtrField<pb::Slice>& slices,
+                              std::vector<Partition*>* parts, const PayloadReader* payload) {
+  uint64_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const pb::Slice& slice : slices) {
+      auto it = tensors_.find(slice.key());
+      Partition* part = nullptr;
+      if (it != tensors_.end()) {
+        auto p = it->second.parts.find(slice.part());
+        if (p != it->second.parts.end()) part = p->second.get();
+      }
+      if (part == nullptr) {
+        return absl::NotFoundError(
+            absl::StrFormat("%s of \"%s\": no such tensor (part %d is not on this server; "
+                            "init it first)",
+                            op, slice.key(), slice.part()));
+      }
+      if (!IsValidDType(slice.dtype()) || static_cast<DType>(slice.dtype()) != part->dtype()) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s of \"%s\": got %s values, the tensor is %s", op, slice.key(),
+            IsValidDType(slice.dtype()) ? DTypeName(static_cast<DType>(slice.dtype()))
+                                        : absl::StrCat("dtype ", slice.dtype()).c_str(),
+            DTypeName(part->dtype())));
+      }
+      if (slice.offset() != part->offset() || slice.count() != part->count()) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s of \"%s\" part %d: got %d elements at offset %d, the part "
+                            "holds %d at offset %d",
+                            op, slice.key(), slice.part(), slice.count(), slice.offset(),
+                            part->count(), part->offset()));
+      }
+      bytes += part->bytes();
+      parts->push_back(part);
+    }
+  }
+  if (payload != nullptr && payload->remaining() != bytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: the payload holds %d bytes, the slices need %d", op, payload->remaining(), bytes));
+  }
+  if (parts->empty() && payload == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": no slices"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Service::DoClaim(const grpc::ServerContextBase& ctx, const pb::ClaimRequest& req,
+                              pb::ClaimReply* reply) {
+  DEEPNEX_RETURN_IF_ERROR(CheckCall(ctx, req.worker_id(), "init"));
+  const pb::TensorMeta& meta = req.meta();
+  if (meta.key().empty()) return absl::InvalidArgumentError("init: empty key");
+  if (!IsValidDType(meta.dtype())) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("init of \"%s\": unknown dtype %d", meta.key(), meta.dtype()));
+  }
+  if (!IsFloatingPoint(static_cast<DType>(meta.dtype()))) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("init of \"%s\": dtype %s; parameters must be float32, float64, "
+                        "float16 or bfloat16",
+                        meta.key(), DTypeName(static_cast<DType>(meta.dtype()))));
+  }
+  for (int64_t d : meta.shape()) {
+    if (d < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("init of \"%s\": negative dimension %d", meta.key(), d));
+    }
+  }
+  if (meta.num_parts() < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat("init of \"%s\": num_parts 0", meta.key()));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  Tensor& t = tensors_[meta.key()];
+  if (!t.meta) {
+    t.meta = std::make_unique<pb::TensorMeta>(meta);
+    t.meta->set_ready(false);
+    t.claimed_by = req.worker_id();
+    reply->set_won(true);
+  } else {
+    bool same = t.meta->dtype() == meta.dtype() && t.meta->shape_size() == meta.shape_size() &&
+                std::equal(meta.shape().begin(), meta.shape().end(), t.meta->shape().begin());
+    if (!same) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("init of \"%s\": %s differs from the existing %s", meta.key(),
+                          ShapeString(meta), ShapeString(*t.meta)));
+    }
+    // The claimer itself, restarted or retrying, writes again.
+    reply->set_won(!t.meta->ready() && t.claimed_by == req.worker_id());
+  }
+  *reply->mutable_meta() = *t.meta;
+  return absl::OkStatus();
+}
+
+absl::Status Service::DoWriteParts(const grpc::ServerContextBase& ctx,
+                                   const grpc::ByteBuffer& request) {
+  DEEPNEX_RETURN_IF_ERROR(Authenticate(ctx));
+  pb::WritePartsHeader header;
+  PayloadReader payload;
+  DEEPNEX_RETURN_IF_ERROR(DecodeFramed(request, &header, &payload));
+  DEEPNEX_RETURN_IF_ERROR(CheckWorker(header.worker_id(), "init"));
+  if (header.slices_size() != header.metas_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("init: %d slices and %d metas; they go in pairs", header.slices_size(),
+                        header.metas_size()));
+  }
+  // Every slice is checked, and the sizes added up without wrapping,
+  // before anything is made.
+  uint64_t bytes = 0;
+  for (int i = 0; i < header.slices_size(); ++i) {
+    DEEPNEX_ASSIGN_OR_RETURN(uint64_t slice_bytes,
+                             CheckWrittenSlice(header.slices(i), header.metas(i)));
+    if (slice_bytes > std::numeric_limits<uint64_t>::max() - bytes) {
+      return absl::InvalidArgumentError("init: the slices' sizes add up to more than 2^64 bytes");
+    }
+    bytes += slice_bytes;
+  }
+  if (bytes != payload.remaining()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "init: the payload holds %d bytes, the slices need %d", payload.remaining(), bytes));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const pb::Slice& slice : header.slices()) {
+    DType dtype = static_cast<DType>(slice.dtype());
+    auto t = tensors_.find(slice.key());
+    if (t != tensors_.end() && t->second.parts.count(slice.part()) != 0) {
+      payload.Skip(slice.count() * DTypeSize(dtype));  // first init wins
+      continue;
+    }
+    // Made and filled before it is entered, so that a failure leaves no
+    // entry behind.
+    std::unique_ptr<Partition> part =
+        Partition::Create(config_, dtype, slice.offset(), slice.count());
+    part->Write(&payload);
+    tensors_[slice.key()].parts[slice.part()] = std::move(part);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> Service::CheckWrittenSlice(const pb::Slice& slice,
+                                                    const pb::TensorMeta& meta) {
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("init of \"%s\" part %d: %s", slice.key(), slice.part(), what));
+  };
+  if (slice.key().empty()) return bad("empty key");
+  if (meta.key() != slice.key()) {
+    return bad(absl::StrCat("its meta is of \"", meta.key(), "\""));
+  }
+  if (!IsValidDType(slice.dtype()) || !IsFloatingPoint(static_cast<DType>(slice.dtype()))) {
+    return bad(absl::StrCat("bad dtype ", slice.dtype()));
+  }
+  if (meta.dtype() != slice.dtype()) {
+    return bad(absl::StrCat("dtype ", slice.dtype(), ", its meta says ", meta.dtype()));
+  }
+  if (slice.part() >= meta.num_parts()) {
+    return bad(absl::StrCat("outside the tensor's ", meta.num_parts(), " parts"));
+  }
+  uint64_t elements = 1;
+  for (int64_t d : meta.shape()) {
+    if (d < 0) return bad(absl::StrCat("negative dimension ", d));
+    if (__builtin_mul_overflow(elements, static_cast<uint64_t>(d), &elements)) {
+      return bad(absl::StrCat("shape ", ShapeString(meta), " has more than 2^64 elements"));
+    }
+  }
+  PartRange range = PartOf(elements, meta.num_parts(), slice.part());
+  if (slice.offset() != range.offset || slice.count() != range.count) {
+    return bad(absl::StrFormat(
+        "got %d elements at offset %d; %d parts of %s make it %d at offset %d", slice.count(),
+        slice.offset(), meta.num_parts(), ShapeString(meta), range.count, range.offset));
+  }
+  uint64_t bytes;
+  if (__builtin_mul_overflow(slice.count(), DTypeSize(static_cast<DType>(slice.dtype())), &bytes)) {
+    return bad(absl::StrCat(slice.count(), " elements are more than 2^64 bytes"));
+  }
+  return bytes;
+}
+
+absl::Status Service::DoDescribe(const grpc::ServerContextBase& ctx, const pb::DescribeRequest& req,
+                                 pb::DescribeReply* reply) {
+  DEEPNEX_RETURN_IF_ERROR(Authenticate(ctx));
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const std::string& key : req.keys()) {
+    auto it = tensors_.find(key);
+    if (it == tensors_.end() || !it->second.meta) {
+      return absl::NotFoundError(absl::StrCat("no tensor \"", key, "\" (init it first)"));
+    }
+    pb::TensorMeta* meta = reply->add_metas();
+    *meta = *it->second.meta;
+    auto part0 = it->second.parts.find(0);
+    if (part0 != it->second.parts.end()) meta->set_version(part0->second->version());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace deepnex::ps

@@ -1,0 +1,212 @@
+// The parameter server's gRPC service: the tensors it holds, the RPC
+// handlers over them, and the checkpoints it takes of them (the file itself
+// is ps/checkpoint.h's). Private to libdeepnex; ServerImpl (server.cc)
+// serves it and drives its leases and periodic checkpoints.
+#ifndef DEEPNEX_PS_SERVICE_H_
+#define DEEPNEX_PS_SERVICE_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "core/grpc_util.h"
+#include "deepnex/auth.h"
+#include "deepnex/metrics.h"
+#include "deepnex/ps.grpc.pb.h"
+#include "deepnex/ps/server.h"
+#include "ps/membership.h"
+#include "ps/partition.h"
+#include "ps/server_metrics.h"
+
+namespace deepnex::ps {
+
+using ServiceBase = proto::ParameterServer::WithCallbackMethod_Register<
+    proto::ParameterServer::WithCallbackMethod_Heartbeat<
+        proto::ParameterServer::WithCallbackMethod_Leave<
+            proto::ParameterServer::WithCallbackMethod_Stats<
+                proto::ParameterServer::WithCallbackMethod_Checkpoint<
+                    proto::ParameterServer::WithCallbackMethod_Claim<
+                        proto::ParameterServer::WithCallbackMethod_Commit<
+                            proto::ParameterServer::WithCallbackMethod_Describe<
+                                proto::ParameterServer::WithRawCallbackMethod_WriteParts<
+                                    proto::ParameterServer::WithRawCallbackMethod_Push<
+                                        proto::ParameterServer::WithRawCallbackMethod_Pull<
+                                            proto::ParameterServer::Service>>>>>>>>>>>;
+
+// The tensors this server holds, and the RPC handlers over them.
+// Thread-safe: `mu_` guards the directory of tensors only; data operations
+// lock the partitions they touch.
+class Service final : public ServiceBase, public SnapshotSink, public DeferredLimit {
+ public:
+  // `job_token`: the table holds the job's token alone (see ServerOptions).
+  Service(const ServerOptions& options, TokenTable tokens, bool job_token);
+
+  // Collects the partitions' periodic snapshots; once every partition has
+  // given the same version, they form a checkpoint (see WritePeriodic).
+  void Periodic(const Partition* partition, PartitionState state) override;
+
+  absl::Status Take(int worker, uint64_t bytes) override;
+
+  void Give(int worker, uint64_t bytes) override;
+
+  // Writes the newest complete set of periodic snapshots, if any.
+  absl::Status WritePeriodic();
+
+  grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
+                                     const proto::RegisterRequest* req,
+                                     proto::RegisterReply* reply) override;
+
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
+                                      const proto::HeartbeatRequest* req,
+                                      proto::HeartbeatReply*) override;
+
+  grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* ctx, const proto::LeaveRequest* req,
+                                  proto::LeaveReply*) override;
+
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const proto::StatsRequest*,
+                                  proto::StatsReply* reply) override;
+
+  grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* ctx,
+                                       const proto::CheckpointRequest* req,
+                                       proto::CheckpointReply* reply) override;
+
+  grpc::ServerUnaryReactor* Claim(grpc::CallbackServerContext* ctx, const proto::ClaimRequest* req,
+                                  proto::ClaimReply* reply) override;
+
+  grpc::ServerUnaryReactor* Commit(grpc::CallbackServerContext* ctx,
+                                   const proto::CommitRequest* req, proto::CommitReply*) override;
+
+  grpc::ServerUnaryReactor* Describe(grpc::CallbackServerContext* ctx,
+                                     const proto::DescribeRequest* req,
+                                     proto::DescribeReply* reply) override;
+
+  grpc::ServerUnaryReactor* WriteParts(grpc::CallbackServerContext* ctx,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
+
+  grpc::ServerUnaryReactor* Push(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
+
+  grpc::ServerUnaryReactor* Pull(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
+
+  // Expires leases that ran out; rounds then shrink or abort.
+  void ExpireLeases();
+
+  // Fails every waiting call (the server is stopping).
+  void FailWaiters(const absl::Status& status);
+
+  absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
+                                           std::chrono::milliseconds timeout);
+
+  // Loads <dir>/<name>.ckpt; nothing is changed unless all of it is good.
+  absl::Status Restore(const std::string& dir);
+
+  std::string MetricsText() const { return metrics_.registry.PrometheusText(); }
+  const MetricsRegistry* registry() const { return &metrics_.registry; }
+
+ private:
+  struct Tensor {
+    std::unique_ptr<proto::TensorMeta> meta;  // on the server holding part 0
+    int claimed_by = -1;
+    std::map<uint32_t, std::unique_ptr<Partition>> parts;
+  };
+
+  // The metas, and the partitions with their (key, part), as they stand.
+  proto::CheckpointFile Directory(std::vector<std::pair<std::string, uint32_t>>* names,
+                                  std::vector<Partition*>* parts);
+
+  absl::Status Write(const std::string& dir, uint64_t round, proto::CheckpointFile file,
+                     const std::vector<std::pair<std::string, uint32_t>>& names,
+                     const std::vector<Partition*>& parts, std::vector<PartitionState> states);
+
+  std::vector<Partition*> AllPartitions();
+
+  void MembershipChanged();
+
+  void FillStats(proto::StatsReply* reply);
+
+  // Who is calling. TokenTable lets a job-scoped token act on any job when
+  // the server names none; here a job's token reaches only its job's
+  // servers, so without a job_id no job-scoped token is taken.
+  absl::StatusOr<Identity> Caller(const grpc::ServerContextBase& ctx) const;
+
+  absl::Status Authenticate(const grpc::ServerContextBase& ctx) const;
+
+  // Where a Checkpoint call may write: a directory inside checkpoint_dir,
+  // for an admin or the job's token. Counts the call in checkpoint_calls_
+  // when it returns a directory.
+  absl::StatusOr<std::string> CheckpointTarget(const grpc::ServerContextBase& ctx,
+                                               const proto::CheckpointRequest& req);
+
+  // Where each slice's values go in the reply, and its size: within
+  // max_pull_reply_bytes, and each partition named once (a slice repeated
+  // would copy the same values again for nothing).
+  absl::Status PullLayout(const proto::PullRequest& req, const std::vector<Partition*>& parts,
+                          std::vector<uint64_t>* offsets, uint64_t* total) const;
+
+  // Counts `bytes` of pull replies against the connection `peer`, refused
+  // past max_pending_reply_bytes unless the connection holds none.
+  absl::Status HoldReply(const std::string& peer, uint64_t bytes);
+
+  void ReleaseReply(const std::string& peer, uint64_t bytes);
+
+  // A call that failed (cancelled, say) may have left a waiting pull or a
+  // kept push in its partitions; drop them now rather than when the
+  // partition next moves, which may be never.
+  static void DropFinished(const std::vector<Partition*>& parts, bool failed);
+
+  absl::Status CheckWorker(int worker, const char* op) const;
+
+  absl::Status CheckCall(const grpc::ServerContextBase& ctx, int worker, const char* op) const;
+
+  // Finds each slice's partition and checks the slice against it; with
+  // `payload`, also that it holds exactly the slices' bytes.
+  absl::Status Resolve(const char* op,
+                       const google::protobuf::RepeatedPtrField<proto::Slice>& slices,
+                       std::vector<Partition*>* parts, const PayloadReader* payload);
+
+  absl::Status DoClaim(const grpc::ServerContextBase& ctx, const proto::ClaimRequest& req,
+                       proto::ClaimReply* reply);
+
+  absl::Status DoWriteParts(const grpc::ServerContextBase& ctx, const grpc::ByteBuffer& request);
+
+  // A WriteParts slice must be the part its meta's partitioning gives;
+  // returns its size in bytes.
+  static absl::StatusOr<uint64_t> CheckWrittenSlice(const proto::Slice& slice,
+                                                    const proto::TensorMeta& meta);
+
+  absl::Status DoDescribe(const grpc::ServerContextBase& ctx, const proto::DescribeRequest& req,
+                          proto::DescribeReply* reply);
+
+  const ServerOptions options_;
+  const TokenTable tokens_;
+  const bool job_token_;
+  Membership membership_;
+  ServerMetrics metrics_;
+  PartitionConfig config_;
+  std::atomic<int> drops_left_;
+  std::atomic<int> checkpoint_calls_{0};  // Checkpoint RPCs in progress
+  std::mutex limits_mu_;
+  std::vector<uint64_t> deferred_bytes_;  // per worker; guarded by limits_mu_
+  // Pull reply bytes held per connection ("ipv4:host:port"); guarded by
+  // limits_mu_.
+  std::unordered_map<std::string, uint64_t> pending_by_peer_;
+  std::mutex mu_;
+  std::unordered_map<std::string, Tensor> tensors_;
+  std::mutex checkpoint_mu_;  // one checkpoint written at a time
+  std::mutex periodic_mu_;
+  std::map<uint64_t, std::map<const Partition*, PartitionState>> periodic_;
+  uint64_t last_periodic_ = 0;
+};
+
+}  // namespace deepnex::ps
+
+#endif  // DEEPNEX_PS_SERVICE_H_
