@@ -1,7 +1,6 @@
 #include "launch/http.h"
 
 #include <curl/curl.h>
-#include <errno.h>
 #include <sys/eventfd.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -145,12 +144,14 @@ absl::Status CurlError(CURL* easy, CURLcode rc, const char* detail, const std::s
           "TLS handshake with ", what, ": server certificate rejected: ", why));
     case CURLE_SSL_CONNECT_ERROR:
       return absl::UnavailableError(absl::StrCat("TLS handshake with ", what, ": ", why));
+    // The PEM texts passed LoadPem's check, but OpenSSL refused them.
     case CURLE_SSL_CERTPROBLEM:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "TLS with ", what, ": the client certificate and key do not load or do not match: ",
+          why));
     case CURLE_SSL_CACERT_BADFILE:
-      // The PEM texts passed LoadPem's check but OpenSSL refused them, or
-      // the client key does not match its certificate.
       return absl::InvalidArgumentError(
-          absl::StrCat("TLS with ", what, ": the certificates do not load: ", why));
+          absl::StrCat("TLS with ", what, ": the CA certificates do not load: ", why));
     case CURLE_UNSUPPORTED_PROTOCOL:  // the schemes were checked at Create
     case CURLE_WEIRD_SERVER_REPLY:
       return absl::UnavailableError(absl::StrCat("not an HTTP response: ", why));

@@ -69,7 +69,9 @@ class HttpCancel {
 class HttpClient {
  public:
   // InvalidArgument for a malformed endpoint; InvalidArgument naming the file
-  // for a CA or client certificate that does not load.
+  // for a CA or client certificate that does not read or holds no PEM. (A
+  // PEM that OpenSSL refuses, or a key that is not the certificate's, shows
+  // at the first call, as InvalidArgument too.)
   static absl::StatusOr<std::unique_ptr<HttpClient>> Create(const HttpClientOptions& options);
 
   const std::string& endpoint() const { return options_.endpoint; }
