@@ -6,7 +6,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config git ccache
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libssl-dev nlohmann-json3-dev libyaml-cpp-dev
+  libabsl-dev libssl-dev libcurl4-openssl-dev nlohmann-json3-dev libyaml-cpp-dev
   libgtest-dev libgmock-dev
   pybind11-dev python3-dev python3-numpy python3-pytest python3-venv python3-pip
   python3-setuptools python3-wheel

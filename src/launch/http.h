@@ -1,7 +1,7 @@
 // A small blocking HTTP/1.1 client for the engines' REST APIs: the Docker
 // Engine API over a unix socket and the Kubernetes API server over TCP with
-// TLS. One connection per request (Connection: close), so one client may be
-// shared by any number of threads. Private to src/launch.
+// TLS, on libcurl. One connection per request (Connection: close), so one
+// client may be shared by any number of threads. Private to src/launch.
 #ifndef DEEPNEX_LAUNCH_HTTP_H_
 #define DEEPNEX_LAUNCH_HTTP_H_
 
@@ -15,8 +15,6 @@
 #include <nlohmann/json.hpp>
 
 #include "deepnex/status.h"
-
-typedef struct ssl_ctx_st SSL_CTX;
 
 namespace deepnex::launch {
 
@@ -71,9 +69,10 @@ class HttpCancel {
 class HttpClient {
  public:
   // InvalidArgument for a malformed endpoint; InvalidArgument naming the file
-  // for a CA or client certificate that does not load.
+  // for a CA or client certificate that does not read or holds no PEM. (A
+  // PEM that OpenSSL refuses, or a key that is not the certificate's, shows
+  // at the first call, as InvalidArgument too.)
   static absl::StatusOr<std::unique_ptr<HttpClient>> Create(const HttpClientOptions& options);
-  ~HttpClient();
 
   const std::string& endpoint() const { return options_.endpoint; }
 
@@ -103,30 +102,33 @@ class HttpClient {
                         const HttpResponse& response) const;
 
  private:
-  class Connection;
   struct Target {
     bool unix_socket = false;
     bool tls = false;
     std::string host;  // or the socket path
     int port = 0;
-    std::string prefix;  // path prefix, no trailing '/'
+  };
+  // https: the PEM texts handed to libcurl, read from the files at Create.
+  struct Pems {
+    std::string ca;  // empty: the system's CAs
+    std::string client_cert;
+    std::string client_key;
   };
 
-  HttpClient(HttpClientOptions options, Target target, SSL_CTX* ssl_ctx)
-      : options_(std::move(options)), target_(std::move(target)), ssl_ctx_(ssl_ctx) {}
-  absl::StatusOr<std::unique_ptr<Connection>> Connect(HttpCancel* cancel) const;
-  // Sends the request and reads the status line and headers; the body is
-  // left on the connection.
-  absl::StatusOr<std::unique_ptr<Connection>> Begin(const std::string& method,
-                                                    const std::string& path,
-                                                    const std::string& body,
-                                                    std::chrono::milliseconds read_timeout,
-                                                    HttpCancel* cancel, HttpResponse* head);
+  HttpClient(HttpClientOptions options, Target target, Pems pems)
+      : options_(std::move(options)), target_(std::move(target)), pems_(std::move(pems)) {}
+  // Runs one request: the final response's status and headers into `head`,
+  // its body piece by piece into `body` (which returns false to stop
+  // reading, not an error). Errors name the method and the URL.
+  absl::Status Perform(const std::string& method, const std::string& path,
+                       const std::string& body, std::chrono::milliseconds read_timeout,
+                       HttpCancel* cancel, HttpResponse* head,
+                       const std::function<bool(const std::string&)>& body_sink) const;
   std::string Url(const std::string& path) const;
 
   const HttpClientOptions options_;
   const Target target_;
-  SSL_CTX* const ssl_ctx_;  // owned; null without TLS
+  const Pems pems_;
 };
 
 // `text` percent-encoded for a URL's path segment or query value.

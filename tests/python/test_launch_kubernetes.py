@@ -713,6 +713,10 @@ contexts: [{{name: c, context: {{cluster: k, user: u}}}}]
         # Without the certificate the server does not let it in.
         with pytest.raises(deepnex.FailedPreconditionError, match="does not answer"):
             launch.Launcher("kubernetes", server=api.url, ca_file=str(server_cert))
+        # A key that is not the certificate's is the kubeconfig's fault.
+        kubeconfig.write_text(kubeconfig.read_text().replace(b64(client_key), b64(server_key)))
+        with pytest.raises(deepnex.InvalidArgumentError, match="client certificate"):
+            launch.Launcher("kubernetes", kubeconfig=str(kubeconfig))
         assert api.errors == []
     finally:
         api.close()

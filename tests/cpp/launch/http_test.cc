@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -260,6 +261,11 @@ TEST(HttpClientTest, StreamDeliversPiecesStopsOnRequestAndCancels) {
                              std::chrono::milliseconds(0), &cancel),
               StatusIs(absl::StatusCode::kCancelled));
   canceller.join();
+  // A cancelled token ends every later call too, one that would succeed
+  // included.
+  EXPECT_THAT(client->Stream("GET", "/chunked", "", [](const std::string&) { return true; }, 30s,
+                             &cancel),
+              StatusIs(absl::StatusCode::kCancelled));
 }
 
 TEST(HttpClientTest, UnixSocket) {
@@ -273,18 +279,56 @@ TEST(HttpClientTest, UnixSocket) {
 
 TEST(HttpClientTest, BadEndpointsAndCertificates) {
   HttpClientOptions options;
-  for (const char* bad : {"ftp://x", "unix:relative.sock", "http://h:99999", "http://:80", "x"}) {
+  // A socket path that does not fit a sockaddr_un fails here, not at the
+  // first call.
+  const std::string too_long = "unix:/" + std::string(120, 's') + ".sock";
+  for (const std::string bad :
+       {"ftp://x", "unix:relative.sock", "http://h:99999", "http://:80", "x", too_long.c_str()}) {
     options.endpoint = bad;
     EXPECT_THAT(HttpClient::Create(options),
                 StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(bad)));
   }
+  EXPECT_THAT(HttpClient::Create(options), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                    HasSubstr("must be under 108 bytes")));
   options.endpoint = "https://127.0.0.1:1";
   options.ca_file = "/nonexistent/ca.crt";
   EXPECT_THAT(HttpClient::Create(options),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("/nonexistent/ca.crt")));
+  const std::string not_pem = ::testing::TempDir() + "/http_test_not_pem." + std::to_string(getpid());
+  {
+    std::ofstream(not_pem) << "not a certificate\n";
+  }
+  options.ca_file = not_pem;
+  EXPECT_THAT(HttpClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("CA file \"" + not_pem + "\": no PEM certificate in it")));
   options.ca_file.clear();
   options.ca_pem = "not a certificate";
-  EXPECT_THAT(HttpClient::Create(options), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(HttpClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("CA data: no PEM certificate in it")));
+  options.ca_pem.clear();
+  // Client certificates: files win over PEM text, and each names itself.
+  options.client_cert_pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+  options.client_key_pem = "a key";
+  EXPECT_THAT(HttpClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("client key data: no PEM private key in it")));
+  options.client_cert_file = not_pem;
+  EXPECT_THAT(HttpClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("client certificate file \"" + not_pem + "\": no PEM")));
+  {
+    std::ofstream(not_pem) << options.client_cert_pem;
+  }
+  options.client_key_file = "/nonexistent/client.key";
+  EXPECT_THAT(HttpClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("client key file \"/nonexistent/client.key\" cannot be read")));
+  unlink(not_pem.c_str());
+  // None of it matters without TLS.
+  options.endpoint = "http://127.0.0.1:1";
+  EXPECT_THAT(HttpClient::Create(options), IsOk());
 }
 
 TEST(UrlEncodeTest, ReservedCharacters) {
