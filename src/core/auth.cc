@@ -214,6 +214,14 @@ absl::StatusOr<Identity> TokenTable::Authenticate(
   return *found;
 }
 
+absl::Status CheckJob(const Identity& who, const std::string& job,
+                      const std::string& what) {
+  if (who.Reaches(job)) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      "the token of ", Quote(who.name), " is for job ", Quote(who.job), "; ",
+      what, job.empty() ? " is of no job" : absl::StrCat(" is of job ", Quote(job))));
+}
+
 absl::StatusOr<std::string> ResolveClientToken(const std::string& token,
                                                const std::string& token_file) {
   if (!token.empty() && !token_file.empty()) {
