@@ -316,6 +316,51 @@ def test_ps_pull_reply_cap_from_its_flag(daemons):
             '("big" part 0)') in str(e.value)
 
 
+def test_ps_pending_replies_cap_from_its_flag(daemons):
+    """Worker 0's pulls wait for round 1, which worker 1 has not pushed: the
+    connection holds the first reply, and a second past the cap is refused."""
+    np = pytest.importorskip("numpy")
+    server = daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--workers", "2",
+                     "--max-pending-replies", "1KiB", env=ps_env())
+    w0 = ps.Client([server.address], worker_id=0, timeout=30, connections_per_server=1)
+    w1 = ps.Client([server.address], worker_id=1, timeout=30, connections_per_server=1)
+    w0.init({"w": np.zeros(1024, np.float32)})  # a 4 KiB reply
+    w0.push({"w": np.ones(1024, np.float32)})
+    held = w0.pull_async(["w"])
+    # Held on the server before the next pull goes.
+    deadline = time.monotonic() + 30
+    while ("deepnex_ps_pending_reply_bytes 4096\n" not in w1.stats()[0]["prometheus"] and
+           time.monotonic() < deadline):
+        time.sleep(0.01)
+    with pytest.raises(deepnex.ResourceExhaustedError) as e:
+        w0.pull(["w"])
+    assert ("already has 4096 bytes of pull replies held on the server, and 4096 more would "
+            "pass max_pending_reply_bytes (1024)") in str(e.value)
+    w1.push({"w": np.ones(1024, np.float32)})
+    assert held.wait(timeout=30)["w"].shape == (1024,)
+
+
+def test_ps_deferred_pushes_cap_from_its_flag(daemons):
+    """ssp with staleness 0: worker 0's round-2 push waits for round 1 (which
+    worker 1 has not pushed), kept on the server; a third is past the cap."""
+    np = pytest.importorskip("numpy")
+    server = daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--workers", "2", "--mode", "ssp",
+                     "--max-deferred-pushes", "4KiB", env=ps_env())
+    w0 = ps.Client([server.address], worker_id=0, timeout=30, connections_per_server=1)
+    w0.init({"w": np.zeros(1024, np.float32)})  # 4 KiB per push
+    grad = {"w": np.ones(1024, np.float32)}
+    for _ in range(2):
+        w0.push_async(grad)
+    deadline = time.monotonic() + 30
+    while ("deepnex_ps_deferred_push_bytes 4096\n" not in w0.stats()[0]["prometheus"] and
+           time.monotonic() < deadline):
+        time.sleep(0.01)
+    with pytest.raises(deepnex.ResourceExhaustedError) as e:
+        w0.push(grad)
+    assert ("push: worker 0 already has 4096 bytes of pushes kept waiting for an earlier push "
+            "or round, and 4096 more would pass max_deferred_push_bytes (4096)") in str(e.value)
+
+
 @pytest.mark.parametrize("flags, backfills", [((), True), (("--reservation-after", "0"), False)])
 def test_central_reservation_after_from_its_flag(tmp_path, flags, backfills):
     """By default a request that fits backfills past the waiting head; with
