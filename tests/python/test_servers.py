@@ -349,8 +349,7 @@ def test_ps_deferred_pushes_cap_from_its_flag(daemons):
     w0 = ps.Client([server.address], worker_id=0, timeout=30, connections_per_server=1)
     w0.init({"w": np.zeros(1024, np.float32)})  # 4 KiB per push
     grad = {"w": np.ones(1024, np.float32)}
-    for _ in range(2):
-        w0.push_async(grad)
+    kept = [w0.push_async(grad) for _ in range(2)]
     deadline = time.monotonic() + 30
     while ("deepnex_ps_deferred_push_bytes 4096\n" not in w0.stats()[0]["prometheus"] and
            time.monotonic() < deadline):
@@ -359,6 +358,10 @@ def test_ps_deferred_pushes_cap_from_its_flag(daemons):
         w0.push(grad)
     assert ("push: worker 0 already has 4096 bytes of pushes kept waiting for an earlier push "
             "or round, and 4096 more would pass max_deferred_push_bytes (4096)") in str(e.value)
+    # Round 1 completes, and the kept push with it.
+    ps.Client([server.address], worker_id=1, timeout=30).push(grad)
+    for op in kept:
+        op.wait(timeout=30)
 
 
 @pytest.mark.parametrize("flags, backfills", [((), True), (("--reservation-after", "0"), False)])
