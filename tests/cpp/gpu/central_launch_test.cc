@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <thread>
 
 #include "gmock/gmock.h"
@@ -401,7 +402,25 @@ TEST_F(CentralLaunch, AJobTokenIsConfinedToItsJob) {
   ASSERT_OK_AND_ASSIGN(auto admin_listed, j1_admin->Allocations());
   ASSERT_EQ(admin_listed.size(), 1u);
   EXPECT_EQ(admin_listed[0].id, mine.id);
+
+  // Both GPUs are held: alice's next request (of no job) waits, unseen by j1.
+  // Shared: on a failed assert the answer may come after the test returned.
+  auto granted = std::make_shared<std::promise<absl::StatusOr<std::vector<Allocation>>>>();
+  alice_gpu_->AllocateGangAsync(Exclusive("", 1, 1, kGrantMemory), gpu::AllocateOptions(),
+                                [granted](auto parts) { granted->set_value(std::move(parts)); });
+  EXPECT_TRUE(::deepnex::test::WaitFor(
+      [&] {
+        auto pending = alice_gpu_->Pending();
+        return pending.ok() && pending->size() == 1;
+      },
+      10s, "alice's request to wait"));
+  ASSERT_OK_AND_ASSIGN(auto j1_pending, j1_gpu->Pending());
+  EXPECT_TRUE(j1_pending.empty());
   ASSERT_OK(j1_gpu->Release(mine.id));
+  ASSERT_OK_AND_ASSIGN(auto later, granted->get_future().get());
+  ASSERT_EQ(later.size(), 1u);
+  EXPECT_EQ(later[0].job, "");
+  ASSERT_OK(alice_gpu_->Release(later[0].id));
   ASSERT_OK(alice_gpu_->Release(plain.id));
 }
 
