@@ -201,7 +201,7 @@ absl::StatusOr<Identity> TokenTable::Authenticate(
   }
   if (found == nullptr) return absl::UnauthenticatedError("invalid token");
 
-  if (!job.empty() && !found->job.empty() && found->job != job) {
+  if (!job.empty() && !found->Reaches(job)) {
     return absl::PermissionDeniedError(
         absl::StrCat("the token of ", Quote(found->name), " is for job ",
                      Quote(found->job), ", not job ", Quote(job)));
