@@ -350,7 +350,8 @@ def test_a_job_token_reaches_only_its_jobs_containers(central):
     for call in (lambda: job.stop_container("other"), lambda: job.container_logs("other")):
         with pytest.raises(deepnex.PermissionDeniedError) as e:
             call()
-        assert str(e.value) == 'the token of "alice" is for job "j1"; container "other" is of no job'
+        assert str(e.value) == ('the token of "alice" is for job "j1"; container "other" is '
+                                'of no job')
     job.stop_container("w0", grace=1)
     alice.stop_container("other", grace=1)
     assert alice.allocations() == []

@@ -281,7 +281,8 @@ def test_a_job_token_on_central_reaches_only_its_job(central):
     assert sorted(a.id for a in alice.allocations()) == sorted([plain.id, mine.id])
     with pytest.raises(deepnex.PermissionDeniedError) as e:
         job.release(plain.id)
-    assert str(e.value) == f'the token of "alice" is for job "j1"; allocation {plain.id} is of no job'
+    assert str(e.value) == (f'the token of "alice" is for job "j1"; allocation {plain.id} '
+                            f'is of no job')
     assert len(alice.allocations()) == 2
     # A job's admin token is still confined: no node calls, its job's allocations only.
     job_admin = gpu.CentralClient(central, token="j1admintok")
