@@ -20,6 +20,11 @@ struct Identity {
   std::string name;  // user (or job) name
   AuthRole role = AuthRole::kUser;
   std::string job;  // empty: not scoped to a job
+
+  // Whether this identity may act on what belongs to `job` ("": no job).
+  bool Reaches(const std::string& other_job) const {
+    return job.empty() || job == other_job;
+  }
 };
 
 // Thread-compatible: build it, then share it read-only.
@@ -69,6 +74,13 @@ class TokenTable {
  private:
   std::map<std::string, Identity> tokens_;
 };
+
+// Confines a job-scoped token to its job: OK when `who` has no job or
+// `job` (the job of what the call acts on, "" for none) is its job, else
+// PermissionDenied naming both and `what` ("allocation a3"):
+//   the token of "alice" is for job "j1"; allocation a3 is of job "j2"
+absl::Status CheckJob(const Identity& who, const std::string& job,
+                      const std::string& what);
 
 // Reads a token the way clients take it: `token` itself (trimmed), or the
 // first line of `token_file` (trimmed), which must hold the token alone.

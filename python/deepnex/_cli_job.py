@@ -162,7 +162,9 @@ def add_commands(commands) -> None:
     run.add_argument("--gpu-memory", default=None, help="GPU memory per GPU, shared mode (8GiB)")
     run.add_argument("--cpus", type=float, default=1,
                      help="CPU cores per worker (default 1); OMP_NUM_THREADS follows it")
-    run.add_argument("--memory", default=None, help="memory per worker (4GiB); default unlimited")
+    run.add_argument("--memory", default=None,
+                     help="memory per worker (4GiB); default: an equal share of this "
+                          "machine's, and required with --central")
     run.add_argument("--backend", default="process",
                      choices=["process", "oci", "docker", "slurm", "kubernetes"],
                      help="what starts the containers (default process)")

@@ -201,7 +201,7 @@ absl::StatusOr<Identity> TokenTable::Authenticate(
   }
   if (found == nullptr) return absl::UnauthenticatedError("invalid token");
 
-  if (!job.empty() && !found->job.empty() && found->job != job) {
+  if (!job.empty() && !found->Reaches(job)) {
     return absl::PermissionDeniedError(
         absl::StrCat("the token of ", Quote(found->name), " is for job ",
                      Quote(found->job), ", not job ", Quote(job)));
@@ -212,6 +212,14 @@ absl::StatusOr<Identity> TokenTable::Authenticate(
                      " is not an admin (this call requires the admin role)"));
   }
   return *found;
+}
+
+absl::Status CheckJob(const Identity& who, const std::string& job,
+                      const std::string& what) {
+  if (who.Reaches(job)) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      "the token of ", Quote(who.name), " is for job ", Quote(who.job), "; ",
+      what, job.empty() ? " is of no job" : absl::StrCat(" is of job ", Quote(job))));
 }
 
 absl::StatusOr<std::string> ResolveClientToken(const std::string& token,

@@ -191,9 +191,13 @@ class Service final : public pb::Central::CallbackService {
   grpc::ServerUnaryReactor* ListPending(grpc::CallbackServerContext* ctx,
                                         const pb::PendingRequestsRequest* req,
                                         pb::PendingRequests* reply) override {
+    auto who = Who(*ctx);
+    if (!who.ok()) return Reply(ctx, who.status());
     auto user = Whose(*ctx, req->user(), "list the waiting requests of");
     if (!user.ok()) return Reply(ctx, user.status());
-    for (const auto& p : alloc_->Pending(*user)) ToProto(p, reply->add_pending());
+    for (const auto& p : alloc_->Pending(*user)) {
+      if (who->Reaches(p.request.job)) ToProto(p, reply->add_pending());
+    }
     return Reply(ctx, absl::OkStatus());
   }
 
@@ -281,7 +285,9 @@ class Service final : public pb::Central::CallbackService {
       }
       user = who->name;
     }
-    for (const auto& a : alloc_->Allocations(user)) ToProto(a, reply->add_allocations());
+    for (const auto& a : alloc_->Allocations(user)) {
+      if (who->Reaches(a.job)) ToProto(a, reply->add_allocations());
+    }
     return Reply(ctx, absl::OkStatus());
   }
 
@@ -320,14 +326,32 @@ class Service final : public pb::Central::CallbackService {
     return who.name;
   }
 
+  // A job's token reaches only its job, never the nodes or quotas.
   absl::Status Admin(const grpc::ServerContextBase& ctx) const {
-    return AuthenticateCall(tokens_, ctx, "", /*require_admin=*/true).status();
+    DEEPNEX_ASSIGN_OR_RETURN(Identity who,
+                             AuthenticateCall(tokens_, ctx, "", /*require_admin=*/true));
+    if (!who.job.empty()) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "the token of \"", who.name, "\" is for job \"", who.job,
+          "\"; node and quota calls need a token without a job"));
+    }
+    return absl::OkStatus();
   }
 
-  // A user may act only on their own allocations (an admin on any).
+  // A user may act only on their own allocations (an admin on any), and a
+  // job's token only on that job's.
   absl::Status Owner(const Identity& who, const std::string& id, const char* what) const {
-    if (who.role == AuthRole::kAdmin) return absl::OkStatus();
     auto a = alloc_->GetAllocation(id);
+    if (a.ok()) {
+      DEEPNEX_RETURN_IF_ERROR(CheckJob(who, a->job, "allocation " + id));
+    } else if (!who.job.empty()) {
+      for (const auto& x : alloc_->Allocations()) {
+        if (x.gang == id) {
+          DEEPNEX_RETURN_IF_ERROR(CheckJob(who, x.job, "allocation " + x.id + " of gang " + id));
+        }
+      }
+    }
+    if (who.role == AuthRole::kAdmin) return absl::OkStatus();
     if (a.ok() && a->user != who.name) {
       return absl::PermissionDeniedError(absl::StrCat("user ", who.name, " cannot ", what, " ",
                                                       id, ": it belongs to ", a->user));
@@ -357,6 +381,12 @@ class Service final : public pb::Central::CallbackService {
     if (who.role != AuthRole::kAdmin && request->user != who.name) {
       done(absl::PermissionDeniedError(
           absl::StrCat("user ", who.name, " cannot allocate for user ", request->user)));
+      return 0;
+    }
+    // A job's token allocates for its job only.
+    if (request->job.empty()) request->job = who.job;
+    if (absl::Status s = CheckJob(who, request->job, "the request"); !s.ok()) {
+      done(s);
       return 0;
     }
     return alloc_->AllocateGangAsync(

@@ -118,6 +118,7 @@ class AllocationSource {
       DEEPNEX_ASSIGN_OR_RETURN(a->local_, gpu::Allocator::Create());
       DEEPNEX_ASSIGN_OR_RETURN(gpu::Node node, gpu::LocalNode("", o.gpu_mode));
       DEEPNEX_RETURN_IF_ERROR(a->local_->AddNode(node));
+      a->local_memory_ = node.memory;
     } else {
       gpu::CentralClientOptions co;
       co.address = o.central;
@@ -143,8 +144,14 @@ class AllocationSource {
     return local_ != nullptr ? local_->Release(id) : central_->Release(id);
   }
 
+  // The memory a worker asks for when the job names none: a grant of none
+  // starts no container, so locally an equal share of this machine's;
+  // deepnex-central grants only what is asked (0, and the start says so).
+  uint64_t DefaultMemory(int workers) const { return local_memory_ / std::max(1, workers); }
+
  private:
   AllocationSource() = default;
+  uint64_t local_memory_ = 0;
   std::unique_ptr<gpu::Allocator> local_;
   std::unique_ptr<gpu::CentralClient> central_;
 };
@@ -329,7 +336,7 @@ class JobImpl : public Job {
     // when its container is not limited (cpus 0), so that a machine is not
     // oversubscribed by jobs that did not say.
     request.cpus = std::max(1, static_cast<int>(std::ceil(o_.cpus)));
-    request.memory = o_.memory;
+    request.memory = o_.memory != 0 ? o_.memory : allocations_->DefaultMemory(o_.workers);
     request.replicas = o_.workers;
     DEEPNEX_ASSIGN_OR_RETURN(grants_, allocations_->Gang(request));
     // The containers run for whom the allocations are (the token's user).

@@ -26,6 +26,7 @@
 #include "core/grpc_util.h"
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/launch/central.h"
+#include "deepnex/units.h"
 #include "gpu/central_server.h"
 
 namespace deepnex::launch {
@@ -192,7 +193,9 @@ class ContainersService final : public pb::Containers::CallbackService,
       {
         std::lock_guard<std::mutex> lock(mu_);
         for (auto& [key, e] : entries_) {
-          if (e->handle && (user.empty() || key.first == user)) entries.push_back(e);
+          if (e->handle && (user.empty() || key.first == user) && who.Reaches(e->job)) {
+            entries.push_back(e);
+          }
         }
       }
       for (auto& e : entries) Describe(*e, reply->add_containers());
@@ -235,6 +238,10 @@ class ContainersService final : public pb::Containers::CallbackService,
  private:
   struct Entry {
     std::string user, name, allocation_id;
+    std::string job;  // the allocation's
+    // What it holds of its allocation's CPUs and memory until it ends.
+    double cpus = 0;
+    uint64_t memory = 0;
     std::shared_ptr<Handle> handle;  // null while it starts
     std::thread watcher;
     bool ended = false;              // for good; set by the watcher
@@ -288,6 +295,8 @@ class ContainersService final : public pb::Containers::CallbackService,
       return absl::NotFoundError(
           absl::StrCat("no container \"", name, "\" of user ", owner));
     }
+    DEEPNEX_RETURN_IF_ERROR(
+        CheckJob(who, it->second->job, absl::StrCat("container \"", name, "\"")));
     return it->second;
   }
 
@@ -302,6 +311,7 @@ class ContainersService final : public pb::Containers::CallbackService,
       return absl::PermissionDeniedError(absl::StrCat("user ", who.name, " cannot start a container on allocation ",
                                                       a.id, ": it belongs to ", a.user));
     }
+    DEEPNEX_RETURN_IF_ERROR(CheckJob(who, a.job, "allocation " + a.id));
     DEEPNEX_ASSIGN_OR_RETURN(ContainerSpec spec, SpecFromProto(req.spec()));
     if (!spec.mounts.empty() && !mounts_allowed_) {
       return absl::PermissionDeniedError(absl::StrCat(
@@ -325,6 +335,10 @@ class ContainersService final : public pb::Containers::CallbackService,
     entry->user = a.user;
     entry->name = name;
     entry->allocation_id = a.id;
+    entry->job = a.job;
+    // As the launcher resolves them: no limit takes the grant's whole.
+    entry->cpus = spec.cpus != 0 ? spec.cpus : a.cpus;
+    entry->memory = spec.memory != 0 ? spec.memory : a.memory;
     std::shared_ptr<Entry> previous;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -336,6 +350,7 @@ class ContainersService final : public pb::Containers::CallbackService,
         }
         previous = it->second;
       }
+      DEEPNEX_RETURN_IF_ERROR(FitsGrantLocked(a, spec, *entry));
       entries_[Key{a.user, name}] = entry;
     }
     if (previous) {
@@ -357,6 +372,40 @@ class ContainersService final : public pb::Containers::CallbackService,
       entry->watcher = std::thread([this, entry] { Watch(entry); });
     }
     Describe(*entry, reply);
+    return absl::OkStatus();
+  }
+
+  // The grant's CPUs and memory bound the sum over its containers that have
+  // not ended for good (starting, running or restarting), `e` included.
+  // A spec over the grant on its own is left to the launcher's message.
+  absl::Status FitsGrantLocked(const gpu::Allocation& a, const ContainerSpec& spec,
+                               const Entry& e) {
+    double cpus = e.cpus;
+    uint64_t memory = e.memory;
+    for (const auto& [key, other] : entries_) {
+      if (other->allocation_id == a.id && !other->ended) {
+        cpus += other->cpus;
+        memory += other->memory;
+      }
+    }
+    // Why a second container without limits does not fit.
+    auto whole = [](bool unlimited, const std::string& what) {
+      return unlimited ? absl::StrCat(" (without ", what, " a container takes the grant's whole)")
+                       : std::string();
+    };
+    // Slack for sums of fractional cores (0.1 ten times).
+    constexpr double kSlack = 1e-9;
+    if (e.cpus <= a.cpus && cpus > a.cpus + kSlack) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "spec.cpus: allocation \"", a.id, "\" grants ", a.cpus,
+          " CPUs; its running containers would use ", cpus, whole(spec.cpus == 0, "spec.cpus")));
+    }
+    if (e.memory <= a.memory && memory > a.memory) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "spec.memory: allocation \"", a.id, "\" grants ", FormatByteSize(a.memory),
+          "; its running containers would use ", FormatByteSize(memory),
+          whole(spec.memory == 0, "spec.memory")));
+    }
     return absl::OkStatus();
   }
 

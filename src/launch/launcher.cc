@@ -149,8 +149,8 @@ absl::Status CheckMount(const LauncherOptions& options, size_t i, Mount& m) {
 }
 
 // Checks a spec and resolves it against its allocation: the user, cpus and
-// memory default to the grant's, its env is the grant's plus the spec's, the
-// launcher's labels are added.
+// memory default to the grant's and may not exceed it, its env is the grant's
+// plus the spec's, the launcher's labels are added.
 absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
                                       const std::string& launcher_id, ContainerSpec spec) {
   DEEPNEX_RETURN_IF_ERROR(CheckName("spec.name", spec.name, 63));
@@ -213,14 +213,27 @@ absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
                                                     "\" may not use allocation \"", a.id,
                                                     "\" of user \"", a.user, "\""));
   }
+  // A grant's CPUs and memory bound its containers: a grant of 0 is none,
+  // never "unlimited" (a container without a limit would escape the quota
+  // that the grant was counted against), and every container needs some.
   if (spec.cpus == 0) spec.cpus = a.cpus;
-  if (a.cpus > 0 && spec.cpus > a.cpus) {
+  if (spec.cpus == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.cpus: allocation \"", a.id,
+        "\" grants 0 CPUs, and a container needs some (allocate with cpus > 0)"));
+  }
+  if (spec.cpus > a.cpus) {
     return absl::InvalidArgumentError(absl::StrCat("spec.cpus: ", spec.cpus,
                                                    " is more than allocation \"", a.id,
                                                    "\" grants (", a.cpus, ")"));
   }
   if (spec.memory == 0) spec.memory = a.memory;
-  if (a.memory > 0 && spec.memory > a.memory) {
+  if (spec.memory == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.memory: allocation \"", a.id,
+        "\" grants no memory, and a container needs some (allocate with memory > 0)"));
+  }
+  if (spec.memory > a.memory) {
     return absl::InvalidArgumentError(absl::StrCat(
         "spec.memory: ", FormatByteSize(spec.memory), " is more than allocation \"", a.id,
         "\" grants (", FormatByteSize(a.memory), ")"));

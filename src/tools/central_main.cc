@@ -7,6 +7,7 @@
 #include <iostream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "deepnex/gpu/central.h"
 #include "deepnex/gpu/discovery.h"
 #include "deepnex/launch/central.h"
@@ -30,11 +31,17 @@ flags:
                           it, state lives in memory only
   --no-fsync              do not fsync the ledger (survives a process crash,
                           not a machine crash)
+  --reservation-after SECS  how long the head of the queue waits before the
+                          capacity it needs is reserved and requests behind
+                          it no longer backfill it; 0 reserves at once
+                          (default 300)
   --nodes F               add the nodes declared in the JSON file F that the
                           allocator does not have yet
   --local                 add this machine (GPUs found through NVML) as a node
   --token T               the administrator's bearer token
-  --token-file F          lines "TOKEN NAME ROLE" (ROLE user|admin)
+  --token-file F          lines "TOKEN NAME ROLE [JOB]" (ROLE user|admin); a
+                          token with a JOB reaches only that job's
+                          allocations and containers
   --tls-cert F --tls-key F   serve TLS with this PEM certificate and key
   --metrics-listen HOST:PORT  serve Prometheus text at GET /metrics (plain HTTP)
   --backend B             the launcher's backend: process (default), oci,
@@ -64,7 +71,16 @@ int main(int argc, char** argv) {
     if (flags.Is("--listen")) options.address = flags.Value();
     else if (flags.Is("--state-dir")) options.allocator.state_dir = flags.Value();
     else if (flags.Is("--no-fsync")) options.allocator.fsync = false;
-    else if (flags.Is("--nodes")) nodes_file = flags.Value();
+    else if (flags.Is("--reservation-after")) {
+      const std::string flag = flags.flag();
+      const double s = flags.Number();
+      // Past ~1e13 s the milliseconds overflow; no queue waits that long.
+      if (!(s >= 0 && s <= 1e12)) {
+        flags.Die(absl::StrCat(flag, ": ", s, " is not a number of seconds from 0 to 1e12"));
+      }
+      options.allocator.reservation_after =
+          std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+    }    else if (flags.Is("--nodes")) nodes_file = flags.Value();
     else if (flags.Is("--local")) local = true;
     else if (flags.Is("--token")) options.token = flags.Value();
     else if (flags.Is("--token-file")) options.token_file = flags.Value();

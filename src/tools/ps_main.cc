@@ -46,11 +46,21 @@ flags:
   --eps X                 Adam/AdamW/Adagrad epsilon (default 1e-8; adagrad 1e-10)
   --accept-nonfinite      apply gradients holding NaN/Inf instead of refusing them
   --max-message SIZE      largest request accepted, e.g. 256MiB (default 256MiB)
+  --max-pull-reply SIZE   largest pull reply; a pull of more is refused
+                          (default --max-message)
+  --max-pending-replies SIZE  pull reply bytes one client connection may have
+                          held on the server, waiting or unread (default 1GiB)
+  --max-deferred-pushes SIZE  push bytes one worker may have the server keep
+                          for later (out of order, or ssp rounds ahead)
+                          (default 256MiB)
   --token T               bearer token every call must carry (default
                           $DEEPNEX_TOKEN, which unlike a flag other users
                           cannot read in /proc)
   --token-file F          file with the token, or lines "TOKEN NAME ROLE [JOB]"
-  --job ID                job id; tokens scoped to other jobs are refused
+  --job ID                the job this server belongs to: tokens scoped to
+                          other jobs are refused (default $DEEPNEX_JOB_ID, set
+                          by deepnex's launchers; with neither, every
+                          job-scoped token is refused)
   --tls-cert F --tls-key F   serve TLS with this PEM certificate and key
   --name NAME             this server's name; its checkpoint is DIR/NAME.ckpt
                           (default ps)
@@ -78,6 +88,13 @@ int main(int argc, char** argv) {
   int metrics_port = -1;
   bool restore_if_present = false;
   deepnex::tools::Flags flags("deepnex-ps", kUsage, argc, argv);
+  // A cap of 0 would refuse everything: named as the flag, not the field.
+  auto positive_bytes = [&flags] {
+    const std::string flag = flags.flag();
+    uint64_t v = flags.Bytes();
+    if (v == 0) flags.Die(flag + ": 0 bytes would refuse everything (must be more than 0)");
+    return v;
+  };
   while (flags.Next()) {
     if (flags.Is("--listen")) options.address = flags.Value();
     else if (flags.Is("--mode")) options.mode = flags.OrDie(deepnex::ps::ParseMode(flags.Value()));
@@ -97,6 +114,11 @@ int main(int argc, char** argv) {
       eps_given = true;
     } else if (flags.Is("--accept-nonfinite")) options.reject_nonfinite = false;
     else if (flags.Is("--max-message")) options.max_message_bytes = flags.Bytes();
+    else if (flags.Is("--max-pull-reply")) options.max_pull_reply_bytes = flags.Bytes();
+    else if (flags.Is("--max-pending-replies"))
+      options.max_pending_reply_bytes = positive_bytes();
+    else if (flags.Is("--max-deferred-pushes"))
+      options.max_deferred_push_bytes = positive_bytes();
     else if (flags.Is("--token")) options.token = flags.Value();
     else if (flags.Is("--token-file")) options.token_file = flags.Value();
     else if (flags.Is("--job")) options.job_id = flags.Value();
@@ -123,6 +145,12 @@ int main(int argc, char** argv) {
   if (options.token.empty() && options.token_file.empty()) {
     const char* token = getenv("DEEPNEX_TOKEN");
     if (token != nullptr) options.token = token;
+  }
+  // A server that a launcher started with the job environment belongs to
+  // that job, so a job-scoped token of another job is refused there too.
+  if (options.job_id.empty()) {
+    const char* job = getenv("DEEPNEX_JOB_ID");
+    if (job != nullptr) options.job_id = job;
   }
   if (options.optimizer.kind == deepnex::ps::OptimizerKind::kAdagrad && !eps_given) {
     options.optimizer.eps = 1e-10;

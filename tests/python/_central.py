@@ -4,7 +4,8 @@
     ...
     stop_central(proc)
 
-Tokens: admintok (root, admin), alicetok (alice), bobtok (bob). One node, n1,
+Tokens: admintok (root, admin), alicetok (alice), bobtok (bob), and for job
+j1 only, j1tok (alice) and j1admintok (root, admin). One node, n1,
 with 2 GPUs of 80GiB. Skips the test when the daemon is not built.
 """
 
@@ -16,7 +17,8 @@ import pytest
 BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
                            os.path.join(os.path.dirname(__file__), "..", "..", "build"))
 CENTRAL_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-central")
-TOKENS = "admintok root admin\nalicetok alice user\nbobtok bob user\n"
+TOKENS = ("admintok root admin\nalicetok alice user\nbobtok bob user\n"
+          "j1tok alice user j1\nj1admintok root admin j1\n")
 
 
 def start_central(tmp_path, *extra, mode="exclusive", cpus=16, memory="64GiB", cwd=None):

@@ -34,6 +34,12 @@ def central(central_process):
     return central_process[0]
 
 
+def grant(cpus=1, memory="256MiB", gpus=1):
+    """A request whose grant a container can run on: a grant's CPUs and
+    memory bound its containers, and 0 grants none."""
+    return gpu.Request(user="", gpus=gpus, cpus=cpus, memory=memory)
+
+
 def clients(address):
     return (gpu.CentralClient(address, token="alicetok", timeout=10),
             gpu.CentralClient(address, token="bobtok", timeout=10))
@@ -52,7 +58,7 @@ def await_container(client, name, done, timeout=60):
 
 def test_start_list_logs_and_release_at_the_end(central, tmp_path):
     alice, _ = clients(central)
-    a = alice.allocate(gpu.Request(user="", gpus=1))
+    a = alice.allocate(grant())
     gate = tmp_path / "gate"
     c = alice.start_container(launch.ContainerSpec(
         name="w0", command=["sh", "-c", f"echo hi $CUDA_VISIBLE_DEVICES; "
@@ -72,14 +78,14 @@ def test_start_list_logs_and_release_at_the_end(central, tmp_path):
 
 def test_stop_releases_and_follow_reads_to_the_end(central):
     alice, _ = clients(central)
-    a = alice.allocate(gpu.Request(user="", gpus=1))
+    a = alice.allocate(grant())
     alice.start_container(launch.ContainerSpec(name="ps", command=["sleep", "60"]), a.id)
     await_container(alice, "ps", lambda c: c["state"] == "running")
     stopped = alice.stop_container("ps", grace=10)
     assert (stopped["state"], stopped["last_exit"], stopped["allocation_released"]) == (
         "stopped", "signaled(SIGTERM)", True)
     assert alice.allocations() == []
-    b = alice.allocate(gpu.Request(user="", gpus=1))
+    b = alice.allocate(grant())
     alice.start_container(launch.ContainerSpec(
         name="w1", command=["sh", "-c", "for i in 1 2 3; do echo $i; sleep 0.1; done"]), b)
     assert "".join(alice.container_logs("w1", follow=True)) == "1\n2\n3\n"
@@ -87,7 +93,7 @@ def test_stop_releases_and_follow_reads_to_the_end(central):
 
 def test_other_users_allocations_and_containers(central):
     alice, bob = clients(central)
-    a = alice.allocate(gpu.Request(user="", gpus=1))
+    a = alice.allocate(grant())
     spec = launch.ContainerSpec(name="w0", command=["sleep", "60"])
     with pytest.raises(PermissionError, match=f"user bob cannot start a container on "
                                               f"allocation {a.id}: it belongs to alice"):
@@ -117,7 +123,7 @@ def run_cli(*args, token="alicetok"):
 
 def test_cli_launch_ps_logs_stop(central):
     alice, _ = clients(central)
-    a = alice.allocate(gpu.Request(user="", gpus=1))
+    a = alice.allocate(grant())
     out = run_cli("launch", "--central", central, "--alloc", a.id, "--name", "w0",
                   "--memory", "64MiB", "--restart", "on-failure:2", "--",
                   "sh", "-c", "echo hello; sleep 60")
@@ -149,7 +155,7 @@ def test_cli_launch_ps_logs_stop(central):
 
 def test_mounts_are_refused_without_allow_mount(central, tmp_path):
     alice, _ = clients(central)
-    a = alice.allocate(gpu.Request(user="", gpus=1))
+    a = alice.allocate(grant())
     with pytest.raises(deepnex.PermissionDeniedError) as e:
         alice.start_container(launch.ContainerSpec(
             name="m", command=["true"], mounts=[(str(tmp_path), str(tmp_path), False)]), a)
@@ -167,7 +173,7 @@ def test_mounts_only_under_allow_mount(tmp_path):
     proc, address = start_central(tmp_path, "--allow-mount", str(allowed))
     try:
         alice, _ = clients(address)
-        a = alice.allocate(gpu.Request(user="", gpus=1))
+        a = alice.allocate(grant())
         data = str(allowed / "data")
         # The CLI, with --workdir: the process backend takes a mount onto itself.
         out = run_cli("launch", "--central", address, "--alloc", a.id, "--name", "m",
@@ -177,7 +183,7 @@ def test_mounts_only_under_allow_mount(tmp_path):
         done = await_container(alice, "m", lambda c: c["allocation_released"])
         assert done["last_exit"] == "exited(0)"
         assert alice.container_logs("m") == f"{data}\nin-data\n"
-        b = alice.allocate(gpu.Request(user="", gpus=1))
+        b = alice.allocate(grant())
         for source, real in [(str(other), ""), (str(allowed / "escape"), f' ("{other}")')]:
             with pytest.raises(deepnex.PermissionDeniedError) as e:
                 alice.start_container(launch.ContainerSpec(
@@ -214,14 +220,14 @@ def test_oci_with_a_relative_state_dir_mounts_and_a_quick_stop(tmp_path):
                                   state_dir="rel-launch", cwd=str(tmp_path))
     try:
         alice, _ = clients(address)
-        a = alice.allocate(gpu.Request(user="", gpus=1))
+        a = alice.allocate(grant())
         alice.start_container(launch.ContainerSpec(
             name="r", command=["cat", "/in/f"], mounts=[launch.Mount(str(allowed), "/in")]), a)
         done = await_container(alice, "r", lambda c: c["allocation_released"], timeout=60)
         assert done["last_exit"] == "exited(0)"
         assert alice.container_logs("r") == "through-the-mount\n"
         assert (tmp_path / "rel-launch" / "containers").is_dir()
-        b = alice.allocate(gpu.Request(user="", gpus=1))
+        b = alice.allocate(grant())
         alice.start_container(launch.ContainerSpec(
             name="t", command=["python3", "-c",
                                "import signal, sys, time\n"
@@ -253,7 +259,7 @@ def reset_peak(pid):
 def test_a_200mb_log_is_read_by_offset_and_central_stays_small(central_process):
     address, proc = central_process
     alice, _ = clients(address)
-    a = alice.allocate(gpu.Request(user="", gpus=1))
+    a = alice.allocate(grant())
     mib = 1 << 20
     written = 200 * mib + len("\nEND\n")
     alice.start_container(launch.ContainerSpec(
@@ -283,7 +289,7 @@ def test_a_200mb_log_is_read_by_offset_and_central_stays_small(central_process):
 
 def test_ps_shows_the_restarts_of_a_crash_loop(central):
     alice, _ = clients(central)
-    a = alice.allocate(gpu.Request(user="", gpus=1))
+    a = alice.allocate(grant())
     out = run_cli("launch", "--central", central, "--alloc", a.id, "--name", "w0",
                   "--restart", "on-failure:1", "--", "sh", "-c", "exit 3")
     assert out.returncode == 0, out.stderr
@@ -292,3 +298,60 @@ def test_ps_shows_the_restarts_of_a_crash_loop(central):
     assert (ended["restarts"], ended["last_exit"]) == (1, "exited(3) after 1 restart")
     row = run_cli("ps", "--central", central).stdout.splitlines()[1].split()
     assert row[:4] == ["w0", "process", "exited", "1"]
+
+
+def sleeper(name, **limits):
+    return launch.ContainerSpec(name=name, command=["sleep", "60"], **limits)
+
+
+def test_the_three_quota_bypasses_are_closed(central):
+    """#12: under a quota of 2 CPUs and 512 MiB, no container without a
+    memory limit, none with 64 CPUs on a 0-CPU grant, and not 60 one-CPU
+    containers on one 1-CPU grant."""
+    admin = gpu.CentralClient(central, token="admintok", timeout=10)
+    alice, _ = clients(central)
+    admin.set_quota("alice", cpus=2, memory="512MiB")
+    no_memory = alice.allocate(grant(cpus=1, memory=0))
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        alice.start_container(sleeper("nolimit"), no_memory)
+    assert str(e.value) == (f'spec.memory: allocation "{no_memory.id}" grants no memory, and a '
+                            f'container needs some (allocate with memory > 0)')
+    no_cpus = alice.allocate(grant(cpus=0))
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        alice.start_container(sleeper("many", cpus=64), no_cpus)
+    assert str(e.value) == f'spec.cpus: 64 is more than allocation "{no_cpus.id}" grants (0)'
+    alice.release(no_memory.id)
+    alice.release(no_cpus.id)
+    one = alice.allocate(grant(cpus=1))
+    alice.start_container(sleeper("c0", cpus=1, memory="64MiB"), one)
+    with pytest.raises(deepnex.ResourceExhaustedError) as e:
+        alice.start_container(sleeper("c1", cpus=1, memory="64MiB"), one)
+    assert str(e.value) == (f'spec.cpus: allocation "{one.id}" grants 1 CPUs; its running '
+                            f'containers would use 2')
+    assert [c["name"] for c in alice.containers()] == ["c0"]
+    alice.stop_container("c0", grace=1)
+    assert alice.allocations() == []
+
+
+def test_a_job_token_reaches_only_its_jobs_containers(central):
+    alice, _ = clients(central)
+    job = gpu.CentralClient(central, token="j1tok", timeout=10)
+    plain = alice.allocate(grant())
+    mine = job.allocate(grant())
+    assert mine.job == "j1"
+    alice.start_container(sleeper("other"), plain)
+    with pytest.raises(deepnex.PermissionDeniedError) as e:
+        job.start_container(sleeper("w0"), plain)
+    assert str(e.value) == (f'the token of "alice" is for job "j1"; allocation {plain.id} '
+                            f'is of no job')
+    job.start_container(sleeper("w0"), mine)
+    assert [c["name"] for c in job.containers()] == ["w0"]
+    assert sorted(c["name"] for c in alice.containers()) == ["other", "w0"]
+    for call in (lambda: job.stop_container("other"), lambda: job.container_logs("other")):
+        with pytest.raises(deepnex.PermissionDeniedError) as e:
+            call()
+        assert str(e.value) == ('the token of "alice" is for job "j1"; container "other" is '
+                                'of no job')
+    job.stop_container("w0", grace=1)
+    alice.stop_container("other", grace=1)
+    assert alice.allocations() == []

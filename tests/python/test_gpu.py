@@ -268,6 +268,33 @@ def test_central_client_same_surface_and_ownership(central):
     assert (n.name, n.mode, n.gpus_free) == ("n1", "shared", 2)
 
 
+def test_a_job_token_on_central_reaches_only_its_job(central):
+    alice = gpu.CentralClient(central, token="alicetok")
+    job = gpu.CentralClient(central, token="j1tok")
+    plain = alice.allocate(gpu.Request(user="alice", gpus=1, mode="shared", gpu_memory="1GiB"))
+    mine = job.allocate(gpu.Request(user="", gpus=1, mode="shared", gpu_memory="1GiB"))
+    assert (mine.user, mine.job) == ("alice", "j1")
+    with pytest.raises(deepnex.PermissionDeniedError) as e:
+        job.allocate(gpu.Request(user="", job="j2", gpus=1, mode="shared", gpu_memory="1GiB"))
+    assert str(e.value) == 'the token of "alice" is for job "j1"; the request is of job "j2"'
+    assert [a.id for a in job.allocations()] == [mine.id]
+    assert sorted(a.id for a in alice.allocations()) == sorted([plain.id, mine.id])
+    with pytest.raises(deepnex.PermissionDeniedError) as e:
+        job.release(plain.id)
+    assert str(e.value) == (f'the token of "alice" is for job "j1"; allocation {plain.id} '
+                            f'is of no job')
+    assert len(alice.allocations()) == 2
+    # A job's admin token is still confined: no node calls, its job's allocations only.
+    job_admin = gpu.CentralClient(central, token="j1admintok")
+    with pytest.raises(deepnex.PermissionDeniedError) as e:
+        job_admin.cordon("n1")
+    assert str(e.value) == ('the token of "root" is for job "j1"; node and quota calls need a '
+                            'token without a job')
+    assert [a.id for a in job_admin.allocations()] == [mine.id]
+    job.release(mine.id)
+    alice.release(plain.id)
+
+
 def run_cli(*args, central, token="admintok"):
     env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN=token)
     return subprocess.run([sys.executable, "-m", "deepnex", *args], env=env, text=True,

@@ -350,7 +350,7 @@ def test_run_with_central_allocates_as_the_tokens_user(jobs, central, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_TOKEN"}
     env["USER"] = "root"  # not alice: the token decides
     j = jobs(["--central", central, "--token-file", str(token_file), "--workers", "2",
-              "--mode", "allreduce"],
+              "--mode", "allreduce", "--memory", "64MiB"],
              ["sh", "-c", f"echo up; while [ ! -e {gate} ]; do sleep 0.05; done"], env=env)
     j.await_line(r"^\[worker 1\] up")
     assert sorted((a.user, a.job) for a in alice.allocations()) == [("alice", j.name)] * 2

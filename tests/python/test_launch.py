@@ -272,7 +272,7 @@ def test_logs_exit_code(last_exit, code):
 ])
 def test_logs_follow_ends_with_the_containers_status(central, name, script, code, last_exit):
     alice, _ = clients(central)
-    a = alice.allocate(gpu.Request(user="", gpus=1))
+    a = alice.allocate(gpu.Request(user="", gpus=1, cpus=1, memory="256MiB"))
     started = run_cli("launch", "--central", central, "--alloc", a.id, "--name", name, "--",
                       "sh", "-c", script)
     assert started.returncode == 0, started.stderr

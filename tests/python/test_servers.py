@@ -46,10 +46,10 @@ def read_line(stream, deadline):
 class Daemon:
     """A daemon started on its flags; `address` once it printed that it listens."""
 
-    def __init__(self, name, *args):
+    def __init__(self, name, *args, env=None):
         self.name = name
         self.proc = subprocess.Popen([binary(name), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+                                     stderr=subprocess.PIPE, start_new_session=True, env=env)
         line = read_line(self.proc.stdout, time.monotonic() + 30)
         m = re.match(rf"{name} listening on (\S+)", line)
         if not m:
@@ -70,8 +70,8 @@ class Daemon:
 def daemons():
     started = []
 
-    def start(name, *args):
-        d = Daemon(name, *args)
+    def start(name, *args, env=None):
+        d = Daemon(name, *args, env=env)
         started.append(d)
         return d
     yield start
@@ -225,3 +225,173 @@ def test_a_slow_client_does_not_stall_centrals_metrics(tmp_path):
 def test_a_slow_client_does_not_stall_the_ps_metrics():
     with ps.Server(metrics_address="127.0.0.1:0") as server:
         assert_slow_client_stalls_no_scrape(server.metrics_port)
+
+
+# ---- job-scoped tokens on deepnex-ps
+
+PS_TOKENS = "atok runner-a user job-a\nbtok runner-b user job-b\nroottok root admin\n"
+
+
+def ps_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("DEEPNEX_JOB_ID", "DEEPNEX_TOKEN")}
+    env.update(extra)
+    return env
+
+
+def ps_stats(address, token):
+    return ps.Client([address], worker_id=-1, heartbeat=False, timeout=10, token=token).stats()
+
+
+def test_ps_without_job_belongs_to_the_job_of_its_environment(daemons, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(PS_TOKENS)
+    server = daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--token-file", str(tokens),
+                     env=ps_env(DEEPNEX_JOB_ID="job-a"))
+    assert len(ps_stats(server.address, "atok")) == 1
+    assert len(ps_stats(server.address, "roottok")) == 1
+    with pytest.raises(deepnex.PermissionDeniedError) as e:
+        ps_stats(server.address, "btok")
+    assert 'the token of "runner-b" is for job "job-b", not job "job-a"' in str(e.value)
+
+
+def test_ps_without_job_or_job_environment_refuses_every_job_token(daemons, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(PS_TOKENS)
+    server = daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--token-file", str(tokens),
+                     env=ps_env())
+    assert len(ps_stats(server.address, "roottok")) == 1
+    for token, runner, job in (("atok", "runner-a", "job-a"), ("btok", "runner-b", "job-b")):
+        with pytest.raises(deepnex.PermissionDeniedError) as e:
+            ps_stats(server.address, token)
+        assert (f'the token of "{runner}" is for job "{job}", and this parameter server '
+                f'belongs to no job') in str(e.value)
+
+
+def test_ps_job_flag_wins_over_the_environment(daemons, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(PS_TOKENS)
+    server = daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--token-file", str(tokens),
+                     "--job", "job-b", env=ps_env(DEEPNEX_JOB_ID="job-a"))
+    assert len(ps_stats(server.address, "btok")) == 1
+    with pytest.raises(deepnex.PermissionDeniedError, match='not job "job-b"'):
+        ps_stats(server.address, "atok")
+
+
+# ---- flags of the new caps
+
+@pytest.mark.parametrize("name, args, message", [
+    ("deepnex-central", ["--reservation-after", "-1"],
+     "--reservation-after: -1 is not a number of seconds from 0 to 1e12"),
+    ("deepnex-central", ["--reservation-after", "inf"],
+     "--reservation-after: inf is not a number of seconds from 0 to 1e12"),
+    ("deepnex-central", ["--reservation-after", "soon"],
+     '--reservation-after: "soon" is not a number'),
+    ("deepnex-ps", ["--max-pull-reply", "-3"],
+     '--max-pull-reply: "-3" is not a byte size (negative)'),
+    ("deepnex-ps", ["--max-pending-replies", "0"],
+     "--max-pending-replies: 0 bytes would refuse everything (must be more than 0)"),
+    ("deepnex-ps", ["--max-deferred-pushes", "0KiB"],
+     "--max-deferred-pushes: 0 bytes would refuse everything (must be more than 0)"),
+    ("deepnex-ps", ["--max-deferred-pushes", "lots"],
+     '--max-deferred-pushes: "lots" is not a byte size'),
+])
+def test_a_bad_cap_flag_is_one_line_naming_it(name, args, message):
+    code, err = refused(name, "--listen", "127.0.0.1:0", *args)
+    assert code == 2
+    assert err.startswith(f"{name}: {message}") and err.endswith(" (see --help)\n"), err
+    assert err.count("\n") == 1
+
+
+def test_ps_pull_reply_cap_from_its_flag(daemons):
+    server = daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--max-pull-reply", "1KiB",
+                     "--max-pending-replies", "64KiB", "--max-deferred-pushes", "64KiB",
+                     env=ps_env())
+    c = ps.Client([server.address], timeout=10)
+    np = pytest.importorskip("numpy")
+    c.init({"small": np.zeros(256, np.float32), "big": np.zeros(257, np.float32)})
+    assert c.pull(["small"])["small"].shape == (256,)
+    with pytest.raises(deepnex.ResourceExhaustedError) as e:
+        c.pull(["big"])
+    assert ('pull: the reply would hold more than 1024 bytes (max_pull_reply_bytes) at slice 0 '
+            '("big" part 0)') in str(e.value)
+
+
+def test_ps_pending_replies_cap_from_its_flag(daemons):
+    """Worker 0's pulls wait for round 1, which worker 1 has not pushed: the
+    connection holds the first reply, and a second past the cap is refused."""
+    np = pytest.importorskip("numpy")
+    server = daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--workers", "2",
+                     "--max-pending-replies", "1KiB", env=ps_env())
+    w0 = ps.Client([server.address], worker_id=0, timeout=30, connections_per_server=1)
+    w1 = ps.Client([server.address], worker_id=1, timeout=30, connections_per_server=1)
+    w0.init({"w": np.zeros(1024, np.float32)})  # a 4 KiB reply
+    w0.push({"w": np.ones(1024, np.float32)})
+    held = w0.pull_async(["w"])
+    # Held on the server before the next pull goes.
+    deadline = time.monotonic() + 30
+    while ("deepnex_ps_pending_reply_bytes 4096\n" not in w1.stats()[0]["prometheus"] and
+           time.monotonic() < deadline):
+        time.sleep(0.01)
+    with pytest.raises(deepnex.ResourceExhaustedError) as e:
+        w0.pull(["w"])
+    assert ("already has 4096 bytes of pull replies held on the server, and 4096 more would "
+            "pass max_pending_reply_bytes (1024)") in str(e.value)
+    w1.push({"w": np.ones(1024, np.float32)})
+    assert held.wait(timeout=30)["w"].shape == (1024,)
+
+
+def test_ps_deferred_pushes_cap_from_its_flag(daemons):
+    """ssp with staleness 0: worker 0's round-2 push waits for round 1 (which
+    worker 1 has not pushed), kept on the server; a third is past the cap."""
+    np = pytest.importorskip("numpy")
+    server = daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--workers", "2", "--mode", "ssp",
+                     "--max-deferred-pushes", "4KiB", env=ps_env())
+    w0 = ps.Client([server.address], worker_id=0, timeout=30, connections_per_server=1)
+    w0.init({"w": np.zeros(1024, np.float32)})  # 4 KiB per push
+    grad = {"w": np.ones(1024, np.float32)}
+    kept = [w0.push_async(grad) for _ in range(2)]
+    deadline = time.monotonic() + 30
+    while ("deepnex_ps_deferred_push_bytes 4096\n" not in w0.stats()[0]["prometheus"] and
+           time.monotonic() < deadline):
+        time.sleep(0.01)
+    with pytest.raises(deepnex.ResourceExhaustedError) as e:
+        w0.push(grad)
+    assert ("push: worker 0 already has 4096 bytes of pushes kept waiting for an earlier push "
+            "or round, and 4096 more would pass max_deferred_push_bytes (4096)") in str(e.value)
+    # Round 1 completes, and the kept push with it.
+    ps.Client([server.address], worker_id=1, timeout=30).push(grad)
+    for op in kept:
+        op.wait(timeout=30)
+
+
+@pytest.mark.parametrize("flags, backfills", [((), True), (("--reservation-after", "0"), False)])
+def test_central_reservation_after_from_its_flag(tmp_path, flags, backfills):
+    """By default a request that fits backfills past the waiting head; with
+    --reservation-after 0 the head reserves what it needs at once."""
+    import _central
+    from deepnex import gpu
+    proc, address = _central.start_central(tmp_path, *flags, cpus=4, memory="8GiB")
+    try:
+        admin = gpu.CentralClient(address, token="admintok", timeout=10)
+        held = admin.allocate(gpu.Request(user="a", cpus=3, memory="1GiB"))
+        head = threading.Thread(
+            target=lambda: admin.allocate(gpu.Request(user="b", cpus=2, memory="1GiB"),
+                                          timeout=30),
+            daemon=True)
+        head.start()
+        deadline = time.monotonic() + 30
+        while not admin.pending() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(admin.pending()) == 1
+        behind = gpu.Request(user="c", cpus=1, memory="1GiB")
+        if backfills:
+            admin.release(admin.allocate(behind, wait=False).id)
+        else:
+            with pytest.raises(deepnex.ResourceExhaustedError,
+                               match="1 request\\(s\\) are queued ahead of it"):
+                admin.allocate(behind, wait=False)
+        admin.release(held.id)
+        head.join(timeout=30)
+        assert not head.is_alive()
+    finally:
+        _central.stop_central(proc)

@@ -42,7 +42,8 @@ struct JobOptions {
   gpu::Mode gpu_mode = gpu::Mode::kExclusive;
   uint64_t gpu_memory = 0;
   // Per worker (and per parameter server): CPU cores (0: unlimited) and host
-  // memory (0: unlimited).
+  // memory (0: with a local allocator an equal share of the machine's; with
+  // deepnex-central, none, which starts no worker: give it there).
   double cpus = 1;
   uint64_t memory = 0;
   // The user the allocations are for. Empty: with `central`, the token's

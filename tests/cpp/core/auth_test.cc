@@ -117,6 +117,23 @@ TEST(TokenTableTest, JobScope) {
   EXPECT_THAT(other.status().message(), Not(HasSubstr("tok-a")));
 }
 
+// What a job-scoped identity may act on: only what belongs to its job.
+TEST(CheckJobTest, AJobTokenReachesOnlyItsJob) {
+  const Identity scoped{"alice", AuthRole::kUser, "j1"};
+  EXPECT_THAT(CheckJob(scoped, "j1", "allocation a1"), IsOk());
+  EXPECT_THAT(CheckJob(scoped, "j2", "allocation a1"),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       "the token of \"alice\" is for job \"j1\"; allocation a1 is of "
+                       "job \"j2\""));
+  EXPECT_THAT(CheckJob(scoped, "", "container \"w0\""),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       "the token of \"alice\" is for job \"j1\"; container \"w0\" is of "
+                       "no job"));
+  const Identity plain{"alice", AuthRole::kUser, ""};
+  EXPECT_THAT(CheckJob(plain, "j2", "allocation a1"), IsOk());
+  EXPECT_THAT(CheckJob(plain, "", "allocation a1"), IsOk());
+}
+
 TEST(TokenTableTest, AdminOnly) {
   TokenTable table;
   ASSERT_THAT(table.Add("user-tok", Identity{"bob"}), IsOk());

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <thread>
 
 #include "gmock/gmock.h"
@@ -34,11 +35,15 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 using namespace std::chrono_literals;  // NOLINT
 
+// Every container needs a grant's CPUs and memory (0 grants none).
+constexpr uint64_t kGrantMemory = 256 << 20;
+
 class CentralLaunch : public ::testing::Test {
  protected:
   void SetUp() override {
     const std::string tokens = dir_.path() + "/tokens";
-    std::ofstream(tokens) << "admintok root admin\nalicetok alice user\nbobtok bob user\n";
+    std::ofstream(tokens) << "admintok root admin\nalicetok alice user\nbobtok bob user\n"
+                             "j1tok alice user j1\nj1admintok root admin j1\n";
     CentralServerOptions o;
     o.token_file = tokens;
     LauncherOptions l;
@@ -78,6 +83,12 @@ class CentralLaunch : public ::testing::Test {
     s.command = std::move(command);
     return s;
   }
+  // One CPU and kGrantMemory: half of a grant of 2 and 2 * kGrantMemory.
+  static ContainerSpec Half(ContainerSpec s) {
+    s.cpus = 1;
+    s.memory = kGrantMemory;
+    return s;
+  }
 
   // `client`'s container `name` once `done` holds for it (60 s at most).
   static CentralContainer Await(CentralClient& client, const std::string& name,
@@ -105,7 +116,7 @@ class CentralLaunch : public ::testing::Test {
 };
 
 TEST_F(CentralLaunch, RunsListsLogsAndReleasesTheAllocationAtItsEnd) {
-  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1, 1, kGrantMemory)));
   const std::string gate = dir_.path() + "/gate";
   ASSERT_OK_AND_ASSIGN(
       CentralContainer started,
@@ -144,7 +155,7 @@ TEST_F(CentralLaunch, RunsListsLogsAndReleasesTheAllocationAtItsEnd) {
 }
 
 TEST_F(CentralLaunch, FollowPassesTheWholeLogUntilTheEnd) {
-  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1, 1, kGrantMemory)));
   ASSERT_OK(alice_
                 ->StartContainer(Spec("w0", {"sh", "-c", "for i in 1 2 3; do echo $i; sleep 0.1; done"}),
                                  a.id)
@@ -158,7 +169,7 @@ TEST_F(CentralLaunch, FollowPassesTheWholeLogUntilTheEnd) {
 }
 
 TEST_F(CentralLaunch, StopEndsItAndReleasesTheAllocation) {
-  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1, 1, kGrantMemory)));
   ASSERT_OK(alice_->StartContainer(Spec("w0", {"sleep", "60"}), a.id).status());
   Await(*alice_, "w0", [](const CentralContainer& c) { return c.state == State::kRunning; });
   // A long grace: under load SIGKILL would come before sleep ends at SIGTERM.
@@ -169,16 +180,16 @@ TEST_F(CentralLaunch, StopEndsItAndReleasesTheAllocation) {
   ASSERT_OK_AND_ASSIGN(auto held, alice_gpu_->Allocations());
   EXPECT_TRUE(held.empty());
   // Its name is free again, on a new allocation.
-  ASSERT_OK_AND_ASSIGN(Allocation b, alice_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK_AND_ASSIGN(Allocation b, alice_gpu_->Allocate(Exclusive("", 1, 1, kGrantMemory)));
   ASSERT_OK_AND_ASSIGN(CentralContainer again,
                        alice_->StartContainer(Spec("w0", {"true"}), b.id));
   EXPECT_EQ(again.allocation_id, b.id);
 }
 
 TEST_F(CentralLaunch, TheAllocationOutlivesAllButTheLastContainerOnIt) {
-  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
-  ASSERT_OK(alice_->StartContainer(Spec("ps", {"sleep", "60"}), a.id).status());
-  ASSERT_OK(alice_->StartContainer(Spec("w0", {"true"}), a.id).status());
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1, 2, 2 * kGrantMemory)));
+  ASSERT_OK(alice_->StartContainer(Half(Spec("ps", {"sleep", "60"})), a.id).status());
+  ASSERT_OK(alice_->StartContainer(Half(Spec("w0", {"true"})), a.id).status());
   CentralContainer w0 = Await(*alice_, "w0", [](const CentralContainer& c) {
     return c.state == State::kExited;
   });
@@ -190,7 +201,7 @@ TEST_F(CentralLaunch, TheAllocationOutlivesAllButTheLastContainerOnIt) {
 }
 
 TEST_F(CentralLaunch, AContainerWhoseAllocationIsReleasedIsStopped) {
-  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1, 1, kGrantMemory)));
   ASSERT_OK(alice_->StartContainer(Spec("w0", {"sleep", "60"}), a.id).status());
   Await(*alice_, "w0", [](const CentralContainer& c) { return c.state == State::kRunning; });
   ASSERT_OK(alice_gpu_->Release(a.id));
@@ -201,7 +212,7 @@ TEST_F(CentralLaunch, AContainerWhoseAllocationIsReleasedIsStopped) {
 }
 
 TEST_F(CentralLaunch, AnotherUsersAllocationIsRefusedAndAnUnknownOneNotFound) {
-  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1, 1, kGrantMemory)));
   EXPECT_THAT(bob_->StartContainer(Spec("w0", {"true"}), a.id),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        HasSubstr("user bob cannot start a container on allocation " + a.id +
@@ -230,8 +241,8 @@ TEST_F(CentralLaunch, AnotherUsersAllocationIsRefusedAndAnUnknownOneNotFound) {
 }
 
 TEST_F(CentralLaunch, AnotherUsersContainerIsInvisibleAndNamesArePerUser) {
-  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
-  ASSERT_OK_AND_ASSIGN(Allocation b, bob_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1, 1, kGrantMemory)));
+  ASSERT_OK_AND_ASSIGN(Allocation b, bob_gpu_->Allocate(Exclusive("", 1, 1, kGrantMemory)));
   ASSERT_OK(alice_->StartContainer(Spec("w0", {"sleep", "60"}), a.id).status());
   ASSERT_OK_AND_ASSIGN(auto bobs, bob_->ListContainers());
   EXPECT_TRUE(bobs.empty());
@@ -257,13 +268,160 @@ TEST_F(CentralLaunch, AnotherUsersContainerIsInvisibleAndNamesArePerUser) {
 }
 
 TEST_F(CentralLaunch, StoppingTheServerStopsItsContainersAndReleases) {
-  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1, 1, kGrantMemory)));
   ASSERT_OK_AND_ASSIGN(CentralContainer c,
                        alice_->StartContainer(Spec("w0", {"sleep", "60"}), a.id));
   const pid_t pid = std::stoi(c.id);
   server_->Stop();
   EXPECT_THAT(server_->allocator().GetAllocation(a.id), StatusIs(absl::StatusCode::kNotFound));
   EXPECT_NE(kill(pid, 0), 0) << "pid " << pid << " outlived the server";
+}
+
+// #12: the CPUs and memory of a grant bound the sum over its containers
+// that have not ended for good; one that ends frees its share.
+TEST_F(CentralLaunch, AGrantBoundsTheSumOfItsRunningContainers) {
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 0, 2, 2 * kGrantMemory)));
+  ContainerSpec w0 = Half(Spec("w0", {"sleep", "60"}));
+  ASSERT_OK(alice_->StartContainer(w0, a.id).status());
+  ContainerSpec w1 = Half(Spec("w1", {"sleep", "60"}));
+  w1.cpus = 0.5;
+  ASSERT_OK(alice_->StartContainer(w1, a.id).status());
+  // The issue's 60 one-CPU containers on one grant: the next one over.
+  ContainerSpec w2 = Half(Spec("w2", {"sleep", "60"}));
+  EXPECT_THAT(alice_->StartContainer(w2, a.id),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       "spec.cpus: allocation \"" + a.id +
+                           "\" grants 2 CPUs; its running containers would use 2.5"));
+  w2.cpus = 0.5;
+  w2.memory = 4 << 20;
+  EXPECT_THAT(alice_->StartContainer(w2, a.id),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       "spec.memory: allocation \"" + a.id +
+                           "\" grants 512MiB; its running containers would use 516MiB"));
+  // A stopped container frees its share; the allocation stays for w0.
+  ASSERT_OK_AND_ASSIGN(CentralContainer stopped, alice_->StopContainer("w1", 1s));
+  EXPECT_FALSE(stopped.allocation_released);
+  ASSERT_OK_AND_ASSIGN(CentralContainer c, alice_->StartContainer(w2, a.id));
+  EXPECT_EQ(c.cpus, 0.5);
+  EXPECT_EQ(c.memory, 4u << 20);
+  ASSERT_OK(alice_gpu_->Release(a.id));
+}
+
+// A spec without limits takes the grant's whole, so a second one does not
+// fit, and the refusal says why.
+TEST_F(CentralLaunch, ASecondContainerWithoutLimitsOnOneGrantIsRefused) {
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1, 1, kGrantMemory)));
+  ASSERT_OK_AND_ASSIGN(CentralContainer c,
+                       alice_->StartContainer(Spec("u0", {"sleep", "60"}), a.id));
+  EXPECT_EQ(c.cpus, 1);
+  EXPECT_EQ(c.memory, kGrantMemory);
+  EXPECT_THAT(alice_->StartContainer(Spec("u1", {"sleep", "60"}), a.id),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       "spec.cpus: allocation \"" + a.id +
+                           "\" grants 1 CPUs; its running containers would use 2 (without "
+                           "spec.cpus a container takes the grant's whole)"));
+  ContainerSpec small = Spec("u1", {"sleep", "60"});
+  small.cpus = 0.001;
+  EXPECT_THAT(alice_->StartContainer(small, a.id),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("its running containers would use 1.001")));
+  ASSERT_OK_AND_ASSIGN(auto listed, alice_->ListContainers());
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].name, "u0");
+  ASSERT_OK(alice_gpu_->Release(a.id));
+}
+
+// A grant of 0 CPUs or 0 memory is none: the issue's 64 CPUs on a 0-CPU
+// grant and a container without a memory limit are refused.
+TEST_F(CentralLaunch, AGrantOfNoCpusOrNoMemoryStartsNothing) {
+  ASSERT_OK_AND_ASSIGN(Allocation no_cpus, alice_gpu_->Allocate(Exclusive("", 1, 0, kGrantMemory)));
+  EXPECT_THAT(alice_->StartContainer(Spec("w0", {"true"}), no_cpus.id),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "spec.cpus: allocation \"" + no_cpus.id +
+                           "\" grants 0 CPUs, and a container needs some (allocate with "
+                           "cpus > 0)"));
+  ContainerSpec many = Spec("w0", {"true"});
+  many.cpus = 64;
+  EXPECT_THAT(alice_->StartContainer(many, no_cpus.id),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "spec.cpus: 64 is more than allocation \"" + no_cpus.id + "\" grants (0)"));
+  ASSERT_OK_AND_ASSIGN(Allocation no_memory, alice_gpu_->Allocate(Exclusive("", 1, 1, 0)));
+  EXPECT_THAT(alice_->StartContainer(Spec("w0", {"true"}), no_memory.id),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "spec.memory: allocation \"" + no_memory.id +
+                           "\" grants no memory, and a container needs some (allocate with "
+                           "memory > 0)"));
+  ASSERT_OK_AND_ASSIGN(auto listed, alice_->ListContainers());
+  EXPECT_TRUE(listed.empty());
+}
+
+// A job-scoped token reaches only its job's allocations and containers,
+// and no node or quota call even with the admin role.
+TEST_F(CentralLaunch, AJobTokenIsConfinedToItsJob) {
+  auto j1_gpu = Gpu("j1tok");
+  auto j1 = Containers("j1tok");
+  ASSERT_OK_AND_ASSIGN(Allocation plain, alice_gpu_->Allocate(Exclusive("", 1, 1, kGrantMemory)));
+  gpu::Request r = Exclusive("", 1, 1, kGrantMemory);
+  ASSERT_OK_AND_ASSIGN(Allocation mine, j1_gpu->Allocate(r));
+  EXPECT_EQ(mine.user, "alice");
+  EXPECT_EQ(mine.job, "j1");
+  r.job = "j2";
+  EXPECT_THAT(j1_gpu->Allocate(r),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       "the token of \"alice\" is for job \"j1\"; the request is of job \"j2\""));
+  ASSERT_OK_AND_ASSIGN(auto listed, j1_gpu->Allocations());
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].id, mine.id);
+  ASSERT_OK_AND_ASSIGN(auto all, alice_gpu_->Allocations());
+  EXPECT_EQ(all.size(), 2u);
+  const std::string not_plain =
+      "the token of \"alice\" is for job \"j1\"; allocation " + plain.id + " is of no job";
+  EXPECT_THAT(j1_gpu->Renew(plain.id), StatusIs(absl::StatusCode::kPermissionDenied, not_plain));
+  EXPECT_THAT(j1_gpu->Release(plain.id),
+              StatusIs(absl::StatusCode::kPermissionDenied, not_plain));
+
+  ASSERT_OK(alice_->StartContainer(Spec("other", {"sleep", "60"}), plain.id).status());
+  EXPECT_THAT(j1->StartContainer(Spec("w0", {"sleep", "60"}), plain.id),
+              StatusIs(absl::StatusCode::kPermissionDenied, not_plain));
+  ASSERT_OK(j1->StartContainer(Spec("w0", {"sleep", "60"}), mine.id).status());
+  ASSERT_OK_AND_ASSIGN(auto containers, j1->ListContainers());
+  ASSERT_EQ(containers.size(), 1u);
+  EXPECT_EQ(containers[0].name, "w0");
+  const std::string not_other =
+      "the token of \"alice\" is for job \"j1\"; container \"other\" is of no job";
+  EXPECT_THAT(j1->StopContainer("other", 1s),
+              StatusIs(absl::StatusCode::kPermissionDenied, not_other));
+  EXPECT_THAT(j1->ContainerLogs("other"),
+              StatusIs(absl::StatusCode::kPermissionDenied, not_other));
+
+  auto j1_admin = Gpu("j1admintok");
+  EXPECT_THAT(j1_admin->Cordon("x1"),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       "the token of \"root\" is for job \"j1\"; node and quota calls need a "
+                       "token without a job"));
+  ASSERT_OK_AND_ASSIGN(auto admin_listed, j1_admin->Allocations());
+  ASSERT_EQ(admin_listed.size(), 1u);
+  EXPECT_EQ(admin_listed[0].id, mine.id);
+
+  // Both GPUs are held: alice's next request (of no job) waits, unseen by j1.
+  // Shared: on a failed assert the answer may come after the test returned.
+  auto granted = std::make_shared<std::promise<absl::StatusOr<std::vector<Allocation>>>>();
+  alice_gpu_->AllocateGangAsync(Exclusive("", 1, 1, kGrantMemory), gpu::AllocateOptions(),
+                                [granted](auto parts) { granted->set_value(std::move(parts)); });
+  EXPECT_TRUE(::deepnex::test::WaitFor(
+      [&] {
+        auto pending = alice_gpu_->Pending();
+        return pending.ok() && pending->size() == 1;
+      },
+      10s, "alice's request to wait"));
+  ASSERT_OK_AND_ASSIGN(auto j1_pending, j1_gpu->Pending());
+  EXPECT_TRUE(j1_pending.empty());
+  ASSERT_OK(j1_gpu->Release(mine.id));
+  ASSERT_OK_AND_ASSIGN(auto later, granted->get_future().get());
+  ASSERT_EQ(later.size(), 1u);
+  EXPECT_EQ(later[0].job, "");
+  ASSERT_OK(alice_gpu_->Release(later[0].id));
+  ASSERT_OK(alice_gpu_->Release(plain.id));
 }
 
 #ifdef DEEPNEX_CENTRAL_BIN
@@ -287,7 +445,7 @@ TEST(CentralLaunchCrash, RestartSweepsWhatTheCrashedRunLeft) {
   o.timeout = 10s;
   ASSERT_OK_AND_ASSIGN(auto gpus, gpu::CentralClient::Create(o));
   ASSERT_OK_AND_ASSIGN(auto containers, CentralClient::Create(o));
-  ASSERT_OK_AND_ASSIGN(Allocation a, gpus->Allocate(Exclusive("alice", 1)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, gpus->Allocate(Exclusive("alice", 1, 1, kGrantMemory)));
   ContainerSpec spec;
   spec.name = "w0";
   spec.command = {"sleep", "600"};

@@ -463,6 +463,48 @@ TEST_F(ProcessLauncherTest, AllocationChecks) {
   EXPECT_TRUE(Run(spec).ok());
 }
 
+// A grant of 0 CPUs or 0 memory is none, never "unlimited" (#12): a spec
+// without limits is refused, and so is any limit above 0.
+TEST_F(ProcessLauncherTest, AGrantOfZeroCpusOrMemoryStartsNothing) {
+  ContainerSpec spec = Spec("gpu", "exit 0");
+  spec.allocation = TwoGpus("alice");
+  spec.allocation->cpus = 0;
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.cpus: allocation \"a-7\" grants 0 CPUs, and a container needs some "
+                   "(allocate with cpus > 0)");
+  spec.cpus = 64;
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.cpus: 64 is more than allocation \"a-7\" grants (0)");
+  spec.cpus = 0;
+  spec.allocation = TwoGpus("alice");
+  spec.allocation->memory = 0;
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.memory: allocation \"a-7\" grants no memory, and a container needs "
+                   "some (allocate with memory > 0)");
+  spec.memory = 64 << 20;
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.memory: 64MiB is more than allocation \"a-7\" grants (0B)");
+}
+
+// A spec without limits gets the grant's whole CPUs and memory; one within
+// the grant keeps its own.
+TEST_F(ProcessLauncherTest, ASpecWithoutLimitsGetsTheGrants) {
+  ContainerSpec spec = Spec("all", "exit 0");
+  spec.allocation = TwoGpus("alice");
+  spec.allocation->cpus = 2;
+  ASSERT_OK_AND_ASSIGN(auto all, launcher_->Start(spec));
+  EXPECT_EQ(all->spec().cpus, 2);
+  EXPECT_EQ(all->spec().memory, 256u << 20);
+  spec.name = "part";
+  spec.cpus = 0.5;
+  spec.memory = 64 << 20;
+  ASSERT_OK_AND_ASSIGN(auto part, launcher_->Start(spec));
+  EXPECT_EQ(part->spec().cpus, 0.5);
+  EXPECT_EQ(part->spec().memory, 64u << 20);
+  ASSERT_OK(all->Wait(kWait).status());
+  ASSERT_OK(part->Wait(kWait).status());
+}
+
 TEST_F(ProcessLauncherTest, MountsOutsideTheAllowedRootsOrNotNormal) {
   LauncherOptions options;
   options.allowed_mount_roots = {scratch_.path()};
