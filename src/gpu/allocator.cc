@@ -10,28 +10,17 @@
 #include <tuple>
 #include <unordered_map>
 #include <unordered_set>
+#include <variant>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "deepnex/units.h"
+#include "gpu/allocator_records.h"
 #include "gpu/codec.h"
 #include "gpu/ledger.h"
 
 namespace deepnex::gpu {
 namespace {
-
-enum RecordType : uint8_t {
-  kAddNode = 1,
-  kRemoveNode = 2,
-  kSetMode = 3,
-  kNodeFlags = 4,
-  kSetQuota = 5,
-  kClearQuota = 6,
-  kGrant = 7,
-  kRelease = 8,
-  kRenew = 9,
-  kNextIds = 10,
-};
 
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -64,64 +53,6 @@ std::string NameList(const std::vector<std::string>& names, size_t max = 8) {
   return s;
 }
 
-std::string AllocId(uint64_t n) { return absl::StrCat("a", n); }
-std::string GangId(uint64_t n) { return absl::StrCat("g", n); }
-
-// "a17" -> 17 with prefix 'a'; false for anything else.
-bool ParseId(const std::string& id, char prefix, uint64_t* n) {
-  if (id.size() < 2 || id.size() > 20 || id[0] != prefix) return false;
-  uint64_t v = 0;
-  for (size_t i = 1; i < id.size(); ++i) {
-    if (!isdigit(static_cast<unsigned char>(id[i]))) return false;
-    v = v * 10 + static_cast<uint64_t>(id[i] - '0');
-  }
-  *n = v;
-  return true;
-}
-
-void EncodeQuota(Encoder& e, const Quota& q) {
-  e.U8(q.gpus.has_value());
-  if (q.gpus) e.Signed(*q.gpus);
-  e.U8(q.gpu_memory.has_value());
-  if (q.gpu_memory) e.Varint(*q.gpu_memory);
-  e.U8(q.cpus.has_value());
-  if (q.cpus) e.Signed(*q.cpus);
-  e.U8(q.memory.has_value());
-  if (q.memory) e.Varint(*q.memory);
-  // Appended last: a quota record ends with the quota, so records written
-  // before max_priority existed decode with the default 0.
-  e.Signed(q.max_priority);
-}
-
-bool DecodeQuota(Decoder& d, Quota* q) {
-  uint8_t has;
-  int64_t s;
-  uint64_t u;
-  if (!d.U8(&has)) return false;
-  if (has) {
-    if (!d.Signed(&s)) return false;
-    q->gpus = s;
-  }
-  if (!d.U8(&has)) return false;
-  if (has) {
-    if (!d.Varint(&u)) return false;
-    q->gpu_memory = u;
-  }
-  if (!d.U8(&has)) return false;
-  if (has) {
-    if (!d.Signed(&s)) return false;
-    q->cpus = s;
-  }
-  if (!d.U8(&has)) return false;
-  if (has) {
-    if (!d.Varint(&u)) return false;
-    q->memory = u;
-  }
-  // Absent in records from before max_priority (the quota ends the record).
-  if (d.done()) return true;
-  return d.Int(&q->max_priority);
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -145,12 +76,6 @@ struct NodeState {
   std::pair<int, int> excl_key;
   std::vector<uint64_t> shared_free;  // per GPU: its key in shared_, 0 if absent
   uint32_t tried = 0;
-};
-
-struct AllocRec {
-  Allocation a;
-  uint64_t num = 0;
-  std::vector<int> pos;  // GPU positions in the node's spec
 };
 
 // Capacity of one node kept for the head of the queue (Allocator::Impl::Reserve).
@@ -228,276 +153,103 @@ class Allocator::Impl {
     return absl::CancelledError("the allocator shut down while the request waited");
   }
 
-  // ---- records: encoding
+  // ---- records: applying (replay; live changes call the same Apply*
+  // functions, so a replayed state equals the live one)
 
-  static void EncodeNode(Encoder& e, const NodeState& n) {
-    const Node& s = n.spec;
-    e.Str(s.name);
-    e.Signed(s.cpus);
-    e.Varint(s.memory);
-    e.U8(static_cast<uint8_t>(n.mode));
-    e.U8(n.pending ? 1 + static_cast<uint8_t>(*n.pending) : 0);
-    e.U8(n.cordoned);
-    e.U8(n.draining);
-    e.Varint(s.labels.size());
-    for (const auto& [k, v] : s.labels) {
-      e.Str(k);
-      e.Str(v);
+  absl::Status ApplyRecord(const std::string& bytes) {
+    Record record;
+    DEEPNEX_RETURN_IF_ERROR(DecodeRecord(bytes, &record));
+    return std::visit([this](auto&& r) { return Replay(std::move(r)); }, std::move(record));
+  }
+
+  absl::Status Replay(NodeRecord r) {
+    if (by_name_.count(r.spec.name)) {
+      return absl::DataLossError(absl::StrCat("node ", r.spec.name, " added twice"));
     }
-    e.Varint(s.gpus.size());
-    for (const auto& g : s.gpus) {
-      e.Signed(g.index);
-      e.Str(g.uuid);
-      e.Str(g.name);
-      e.Varint(g.memory);
-      e.Str(g.pci_bus_id);
-      e.Signed(g.numa_node);
-      e.Signed(g.switch_id);
+    auto n = std::make_unique<NodeState>();
+    n->spec = std::move(r.spec);
+    n->mode = n->spec.mode;
+    n->pending = r.pending;
+    n->cordoned = r.cordoned;
+    n->draining = r.draining;
+    ApplyAddNode(std::move(n));
+    return absl::OkStatus();
+  }
+
+  absl::Status Replay(RemoveNodeRecord r) {
+    NodeState* n = FindNode(r.name);
+    if (n == nullptr || !n->allocs.empty()) {
+      return absl::DataLossError(absl::StrCat("remove of unknown or busy node ", r.name));
     }
+    ApplyRemoveNode(n);
+    return absl::OkStatus();
   }
 
-  static void EncodeAlloc(Encoder& e, const AllocRec& r) {
-    const Allocation& a = r.a;
-    e.Varint(r.num);
-    e.Str(a.user);
-    e.Str(a.node);
-    e.Varint(r.pos.size());
-    for (size_t i = 0; i < r.pos.size(); ++i) {
-      e.Varint(static_cast<uint64_t>(r.pos[i]));
-      e.Varint(a.gpus[i].memory);
-      e.U8(a.gpus[i].exclusive);
+  absl::Status Replay(ModeRecord r) {
+    NodeState* n = FindNode(r.name);
+    if (n == nullptr) return absl::DataLossError(absl::StrCat("mode of unknown node ", r.name));
+    ApplySetMode(n, r.mode, r.pending);
+    return absl::OkStatus();
+  }
+
+  absl::Status Replay(FlagsRecord r) {
+    NodeState* n = FindNode(r.name);
+    if (n == nullptr) return absl::DataLossError(absl::StrCat("flags of unknown node ", r.name));
+    ApplyNodeFlags(n, r.cordoned, r.draining);
+    return absl::OkStatus();
+  }
+
+  absl::Status Replay(QuotaRecord r) {
+    if (r.is_default) {
+      default_quota_ = r.quota;
+    } else {
+      quotas_[r.user] = r.quota;
     }
-    e.Signed(a.cpus);
-    e.Varint(a.memory);
-    e.Signed(a.priority);
-    e.Str(a.gang);
-    e.Signed(a.replica);
-    e.Signed(a.lease_ms);
-    e.Signed(a.expires_at_ms);
+    return absl::OkStatus();
   }
 
-  // A grant record's parts may be followed by the job name of each part:
-  // a trailer, so that grant records written before jobs replay unchanged.
-  static void EncodeJobs(Encoder& e, const std::vector<Allocation>& parts) {
-    for (const Allocation& a : parts) e.Str(a.job);
+  absl::Status Replay(ClearQuotaRecord r) {
+    quotas_.erase(r.user);
+    return absl::OkStatus();
   }
 
-  static bool DecodeAlloc(Decoder& d, AllocRec* r) {
-    Allocation& a = r->a;
-    uint64_t npos;
-    if (!d.Varint(&r->num) || !d.Str(&a.user) || !d.Str(&a.node) || !d.Varint(&npos) ||
-        npos > 4096) {
-      return false;
+  absl::Status Replay(GrantRecord grant) {
+    for (AllocRec& r : grant.parts) {
+      NodeState* n = FindNode(r.a.node);
+      if (n == nullptr) {
+        return absl::DataLossError(absl::StrCat("grant on unknown node ", r.a.node));
+      }
+      for (size_t i = 0; i < r.pos.size(); ++i) {
+        int pos = r.pos[i];
+        if (pos >= static_cast<int>(n->spec.gpus.size()) ||
+            (r.a.gpus[i].exclusive && n->count[pos] > 0) ||
+            n->used_mem[pos] + r.a.gpus[i].memory > n->spec.gpus[pos].memory) {
+          return absl::DataLossError(absl::StrCat("grant a", r.num, " overbooks GPU ", pos,
+                                                  " of node ", r.a.node));
+        }
+      }
+      if (allocs_.count(r.num)) {
+        return absl::DataLossError(absl::StrCat("allocation a", r.num, " granted twice"));
+      }
+      ApplyGrant(std::move(r));
     }
-    for (uint64_t i = 0; i < npos; ++i) {
-      uint64_t pos, mem;
-      uint8_t excl;
-      if (!d.Varint(&pos) || !d.Varint(&mem) || !d.U8(&excl) || pos > 4096) return false;
-      r->pos.push_back(static_cast<int>(pos));
-      GrantedGpu g;
-      g.memory = mem;
-      g.exclusive = excl != 0;
-      a.gpus.push_back(g);
-    }
-    return d.Int(&a.cpus) && d.Varint(&a.memory) && d.Int(&a.priority) && d.Str(&a.gang) &&
-           d.Int(&a.replica) && d.Signed(&a.lease_ms) && d.Signed(&a.expires_at_ms);
+    return absl::OkStatus();
   }
 
-  std::string NodeRecord(const NodeState& n) const {
-    std::string r;
-    Encoder e(&r);
-    e.U8(kAddNode);
-    EncodeNode(e, n);
-    return r;
-  }
-  static std::string ModeRecord(const std::string& name, Mode mode, bool pending) {
-    std::string r;
-    Encoder e(&r);
-    e.U8(kSetMode);
-    e.Str(name);
-    e.U8(static_cast<uint8_t>(mode));
-    e.U8(pending);
-    return r;
-  }
-  static std::string FlagsRecord(const std::string& name, bool cordoned, bool draining) {
-    std::string r;
-    Encoder e(&r);
-    e.U8(kNodeFlags);
-    e.Str(name);
-    e.U8(cordoned);
-    e.U8(draining);
-    return r;
-  }
-  static std::string QuotaRecord(bool is_default, const std::string& user, const Quota& q) {
-    std::string r;
-    Encoder e(&r);
-    e.U8(kSetQuota);
-    e.U8(is_default);
-    e.Str(user);
-    EncodeQuota(e, q);
-    return r;
-  }
-  static std::string ReleaseRecord(const std::vector<uint64_t>& nums, const std::string& reason) {
-    std::string r;
-    Encoder e(&r);
-    e.U8(kRelease);
-    e.Varint(nums.size());
-    for (uint64_t n : nums) e.Varint(n);
-    e.Str(reason);
-    return r;
+  absl::Status Replay(ReleaseRecord r) {
+    for (uint64_t num : r.nums) ApplyRelease(num);
+    return absl::OkStatus();
   }
 
-  // ---- records: decoding and applying (replay; live changes call the same
-  // Apply* functions, so a replayed state equals the live one)
+  absl::Status Replay(RenewRecord r) {
+    ApplyRenew(r.num, r.expires_at_ms);
+    return absl::OkStatus();
+  }
 
-  absl::Status ApplyRecord(const std::string& record) {
-    Decoder d(record.data(), record.size());
-    auto bad = [](const char* what) {
-      return absl::DataLossError(absl::StrCat("malformed ", what, " record"));
-    };
-    uint8_t type;
-    if (!d.U8(&type)) return bad("empty");
-    switch (type) {
-      case kAddNode: {
-        auto n = std::make_unique<NodeState>();
-        uint8_t mode, pending, cordoned, draining;
-        uint64_t count;
-        Node& s = n->spec;
-        if (!d.Str(&s.name) || !d.Int(&s.cpus) || !d.Varint(&s.memory) || !d.U8(&mode) ||
-            !d.U8(&pending) || !d.U8(&cordoned) || !d.U8(&draining) || !d.Varint(&count)) {
-          return bad("node");
-        }
-        for (uint64_t i = 0; i < count; ++i) {
-          std::string k, v;
-          if (!d.Str(&k) || !d.Str(&v)) return bad("node");
-          s.labels[k] = v;
-        }
-        if (!d.Varint(&count)) return bad("node");
-        for (uint64_t i = 0; i < count; ++i) {
-          Gpu g;
-          if (!d.Int(&g.index) || !d.Str(&g.uuid) || !d.Str(&g.name) || !d.Varint(&g.memory) ||
-              !d.Str(&g.pci_bus_id) || !d.Int(&g.numa_node) || !d.Int(&g.switch_id)) {
-            return bad("node");
-          }
-          s.gpus.push_back(std::move(g));
-        }
-        s.mode = static_cast<Mode>(mode);
-        n->mode = s.mode;
-        if (pending) n->pending = static_cast<Mode>(pending - 1);
-        n->cordoned = cordoned;
-        n->draining = draining;
-        if (by_name_.count(s.name)) {
-          return absl::DataLossError(absl::StrCat("node ", s.name, " added twice"));
-        }
-        ApplyAddNode(std::move(n));
-        return absl::OkStatus();
-      }
-      case kRemoveNode: {
-        std::string name;
-        if (!d.Str(&name)) return bad("remove-node");
-        NodeState* n = FindNode(name);
-        if (n == nullptr || !n->allocs.empty()) {
-          return absl::DataLossError(absl::StrCat("remove of unknown or busy node ", name));
-        }
-        ApplyRemoveNode(n);
-        return absl::OkStatus();
-      }
-      case kSetMode: {
-        std::string name;
-        uint8_t mode, pending;
-        if (!d.Str(&name) || !d.U8(&mode) || !d.U8(&pending)) return bad("mode");
-        NodeState* n = FindNode(name);
-        if (n == nullptr) return absl::DataLossError(absl::StrCat("mode of unknown node ", name));
-        ApplySetMode(n, static_cast<Mode>(mode), pending != 0);
-        return absl::OkStatus();
-      }
-      case kNodeFlags: {
-        std::string name;
-        uint8_t cordoned, draining;
-        if (!d.Str(&name) || !d.U8(&cordoned) || !d.U8(&draining)) return bad("node-flags");
-        NodeState* n = FindNode(name);
-        if (n == nullptr) return absl::DataLossError(absl::StrCat("flags of unknown node ", name));
-        ApplyNodeFlags(n, cordoned, draining);
-        return absl::OkStatus();
-      }
-      case kSetQuota: {
-        uint8_t is_default;
-        std::string user;
-        Quota q;
-        if (!d.U8(&is_default) || !d.Str(&user) || !DecodeQuota(d, &q)) return bad("quota");
-        if (is_default) {
-          default_quota_ = q;
-        } else {
-          quotas_[user] = q;
-        }
-        return absl::OkStatus();
-      }
-      case kClearQuota: {
-        std::string user;
-        if (!d.Str(&user)) return bad("quota");
-        quotas_.erase(user);
-        return absl::OkStatus();
-      }
-      case kGrant: {
-        uint64_t parts;
-        if (!d.Varint(&parts) || parts > 100000) return bad("grant");
-        std::vector<AllocRec> recs(parts);
-        for (AllocRec& r : recs) {
-          if (!DecodeAlloc(d, &r)) return bad("grant");
-        }
-        if (!d.done()) {
-          for (AllocRec& r : recs) {
-            if (!d.Str(&r.a.job)) return bad("grant");
-          }
-        }
-        for (AllocRec& r : recs) {
-          NodeState* n = FindNode(r.a.node);
-          if (n == nullptr) {
-            return absl::DataLossError(absl::StrCat("grant on unknown node ", r.a.node));
-          }
-          for (size_t i = 0; i < r.pos.size(); ++i) {
-            int pos = r.pos[i];
-            if (pos >= static_cast<int>(n->spec.gpus.size()) ||
-                (r.a.gpus[i].exclusive && n->count[pos] > 0) ||
-                n->used_mem[pos] + r.a.gpus[i].memory > n->spec.gpus[pos].memory) {
-              return absl::DataLossError(absl::StrCat("grant a", r.num, " overbooks GPU ", pos,
-                                                      " of node ", r.a.node));
-            }
-          }
-          if (allocs_.count(r.num)) {
-            return absl::DataLossError(absl::StrCat("allocation a", r.num, " granted twice"));
-          }
-          ApplyGrant(std::move(r));
-        }
-        return absl::OkStatus();
-      }
-      case kRelease: {
-        uint64_t count;
-        if (!d.Varint(&count)) return bad("release");
-        for (uint64_t i = 0; i < count; ++i) {
-          uint64_t num;
-          if (!d.Varint(&num)) return bad("release");
-          ApplyRelease(num);
-        }
-        return absl::OkStatus();
-      }
-      case kRenew: {
-        uint64_t num;
-        int64_t expires;
-        if (!d.Varint(&num) || !d.Signed(&expires)) return bad("renew");
-        ApplyRenew(num, expires);
-        return absl::OkStatus();
-      }
-      case kNextIds: {
-        uint64_t a, g;
-        if (!d.Varint(&a) || !d.Varint(&g)) return bad("next-ids");
-        next_id_ = std::max(next_id_, a);
-        next_gang_ = std::max(next_gang_, g);
-        return absl::OkStatus();
-      }
-      default:
-        return absl::DataLossError(absl::StrCat("unknown record type ", int(type)));
-    }
+  absl::Status Replay(NextIdsRecord r) {
+    next_id_ = std::max(next_id_, r.next_id);
+    next_gang_ = std::max(next_gang_, r.next_gang);
+    return absl::OkStatus();
   }
 
   // ---- state changes
@@ -752,26 +504,26 @@ class Allocator::Impl {
     reaper_cv_.notify_all();
   }
 
+  // The record that adds `n` as it is now (AddNode, snapshots).
+  static NodeRecord RecordOf(const NodeState& n) {
+    NodeRecord r;
+    r.spec = n.spec;
+    r.spec.mode = n.mode;
+    r.pending = n.pending;
+    r.cordoned = n.cordoned;
+    r.draining = n.draining;
+    return r;
+  }
+
   std::vector<std::string> SnapshotRecords() const {
     std::vector<std::string> out;
-    for (const auto& [name, n] : by_name_) out.push_back(NodeRecord(*n));
-    if (!(default_quota_ == Quota{})) out.push_back(QuotaRecord(true, "", default_quota_));
-    for (const auto& [user, q] : quotas_) out.push_back(QuotaRecord(false, user, q));
-    for (const auto& [num, r] : allocs_) {
-      std::string rec;
-      Encoder e(&rec);
-      e.U8(kGrant);
-      e.Varint(1);
-      EncodeAlloc(e, r);
-      if (!r.a.job.empty()) EncodeJobs(e, {r.a});
-      out.push_back(std::move(rec));
+    for (const auto& [name, n] : by_name_) out.push_back(Encode(RecordOf(*n)));
+    if (!(default_quota_ == Quota{})) {
+      out.push_back(Encode(QuotaRecord{true, "", default_quota_}));
     }
-    std::string ids;
-    Encoder e(&ids);
-    e.U8(kNextIds);
-    e.Varint(next_id_);
-    e.Varint(next_gang_);
-    out.push_back(std::move(ids));
+    for (const auto& [user, q] : quotas_) out.push_back(Encode(QuotaRecord{false, user, q}));
+    for (const auto& [num, r] : allocs_) out.push_back(Encode(GrantRecord{{r}}));
+    out.push_back(Encode(NextIdsRecord{next_id_, next_gang_}));
     return out;
   }
 
@@ -1393,18 +1145,14 @@ class Allocator::Impl {
         return Outcome::kFailed;
       }
     }
-    std::string record;
-    Encoder e(&record);
-    e.U8(kGrant);
-    e.Varint(placed.size());
+    GrantRecord grant;
     out->clear();
     for (uint64_t num : placed) {
       const AllocRec& rec = allocs_.at(num);
-      if (ledger_) EncodeAlloc(e, rec);
+      if (ledger_) grant.parts.push_back(rec);
       out->push_back(rec.a);
     }
-    if (ledger_ && !r.job.empty()) EncodeJobs(e, *out);
-    *seq = ledger_ ? LogLocked(record) : 0;
+    *seq = ledger_ ? LogLocked(Encode(grant)) : 0;
     if (r.lease.count() > 0) reaper_cv_.notify_all();
     return Outcome::kGranted;
   }
@@ -1637,12 +1385,12 @@ class Allocator::Impl {
       if (it != allocs_.end()) touched.insert(FindNode(it->second.a.node));
       ApplyRelease(num);
     }
-    uint64_t seq = ledger_ ? LogLocked(ReleaseRecord(nums, reason)) : 0;
+    uint64_t seq = ledger_ ? LogLocked(Encode(ReleaseRecord{nums, reason})) : 0;
     for (NodeState* n : touched) {
       if (n->pending && n->gpu_allocs == 0) {
         Mode m = *n->pending;
         ApplySetMode(n, m, false);
-        seq = LogLocked(ModeRecord(n->spec.name, m, false));
+        seq = LogLocked(Encode(ModeRecord{n->spec.name, m, false}));
       }
     }
     Pump();
@@ -1887,7 +1635,7 @@ absl::Status Allocator::AddNode(const Node& node) {
   n->mode = n->spec.mode;
   NodeState* raw = n.get();
   m.ApplyAddNode(std::move(n));
-  uint64_t seq = m.LogLocked(m.NodeRecord(*raw));
+  uint64_t seq = m.LogLocked(Encode(m.RecordOf(*raw)));
   m.Pump();
   lock.unlock();
   return m.Durable(seq);
@@ -1906,11 +1654,7 @@ absl::Status Allocator::RemoveNode(const std::string& name) {
         "; release or drain them first"));
   }
   m.ApplyRemoveNode(n);
-  std::string r;
-  Encoder e(&r);
-  e.U8(kRemoveNode);
-  e.Str(name);
-  uint64_t seq = m.LogLocked(r);
+  uint64_t seq = m.LogLocked(Encode(RemoveNodeRecord{name}));
   // Requests that only this node could hold can never be granted now.
   m.Pump();
   for (auto it = m.queue_.begin(); it != m.queue_.end();) {
@@ -1951,7 +1695,7 @@ absl::Status Allocator::SetNodeMode(const std::string& name, Mode mode, ModeSwit
     if (n->pending && *n->pending == mode) return absl::OkStatus();
     m.ApplySetMode(n, mode, true);
   }
-  uint64_t seq = m.LogLocked(m.ModeRecord(name, mode, n->pending.has_value()));
+  uint64_t seq = m.LogLocked(Encode(ModeRecord{name, mode, n->pending.has_value()}));
   m.Pump();
   lock.unlock();
   return m.Durable(seq);
@@ -1968,7 +1712,7 @@ absl::Status SetFlags(Allocator::Impl& m, const std::string& name, bool cordoned
   uint64_t seq = 0;
   if (n->cordoned != cordoned || n->draining != draining) {
     m.ApplyNodeFlags(n, cordoned, draining);
-    seq = m.LogLocked(m.FlagsRecord(name, cordoned, draining));
+    seq = m.LogLocked(Encode(FlagsRecord{name, cordoned, draining}));
   }
   if (release && !n->allocs.empty()) {
     std::vector<uint64_t> nums(n->allocs.begin(), n->allocs.end());
@@ -2035,7 +1779,7 @@ absl::StatusOr<std::string> Allocator::SetQuota(const std::string& user, const Q
   uint64_t seq = 0;
   if (it == m.quotas_.end() || !(it->second == quota)) {
     m.quotas_[user] = quota;
-    seq = m.LogLocked(m.QuotaRecord(false, user, quota));
+    seq = m.LogLocked(Encode(QuotaRecord{false, user, quota}));
   }
   Usage u;
   auto ui = m.usage_.find(user);
@@ -2053,7 +1797,7 @@ absl::StatusOr<std::string> Allocator::SetDefaultQuota(const Quota& quota) {
   uint64_t seq = 0;
   if (!(m.default_quota_ == quota)) {
     m.default_quota_ = quota;
-    seq = m.LogLocked(m.QuotaRecord(true, "", quota));
+    seq = m.LogLocked(Encode(QuotaRecord{true, "", quota}));
   }
   std::vector<std::string> notes;
   for (const auto& [user, u] : m.usage_) {
@@ -2073,11 +1817,7 @@ absl::Status Allocator::ClearQuota(const std::string& user) {
   std::unique_lock<std::mutex> lock(m.mu_);
   if (!m.quotas_.count(user)) return absl::OkStatus();
   m.quotas_.erase(user);
-  std::string r;
-  Encoder e(&r);
-  e.U8(kClearQuota);
-  e.Str(user);
-  uint64_t seq = m.LogLocked(r);
+  uint64_t seq = m.LogLocked(Encode(ClearQuotaRecord{user}));
   m.Pump();
   lock.unlock();
   return m.Durable(seq);
@@ -2165,12 +1905,7 @@ absl::StatusOr<Allocation> Allocator::Renew(const std::string& id) {
   }
   const int64_t expires = NowMs() + it->second.a.lease_ms;
   m.ApplyRenew(num, expires);
-  std::string r;
-  Encoder e(&r);
-  e.U8(kRenew);
-  e.Varint(num);
-  e.Signed(expires);
-  uint64_t seq = m.LogLocked(r);
+  uint64_t seq = m.LogLocked(Encode(RenewRecord{num, expires}));
   Allocation a = it->second.a;
   lock.unlock();
   DEEPNEX_RETURN_IF_ERROR(m.Durable(seq));
