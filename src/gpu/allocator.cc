@@ -18,6 +18,7 @@
 #include "gpu/allocator_records.h"
 #include "gpu/codec.h"
 #include "gpu/ledger.h"
+#include "gpu/placement.h"
 
 namespace deepnex::gpu {
 namespace {
@@ -28,64 +29,9 @@ int64_t NowMs() {
       .count();
 }
 
-bool ValidName(const std::string& s) {
-  if (s.empty() || s.size() > 253) return false;
-  for (char c : s) {
-    if (!(isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' ||
-          c == '@')) {
-      return false;
-    }
-  }
-  return true;
-}
-
-std::string Selector(const std::map<std::string, std::string>& sel) {
-  std::vector<std::string> parts;
-  for (const auto& [k, v] : sel) parts.push_back(absl::StrCat(k, "=", v));
-  return absl::StrCat("{", absl::StrJoin(parts, ","), "}");
-}
-
-std::string NameList(const std::vector<std::string>& names, size_t max = 8) {
-  std::vector<std::string> shown(names.begin(),
-                                 names.begin() + std::min(names.size(), max));
-  std::string s = absl::StrJoin(shown, ", ");
-  if (names.size() > max) absl::StrAppend(&s, ", ... (", names.size(), " in all)");
-  return s;
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------
-
-struct NodeState {
-  int id = 0;
-  Node spec;  // GPU indices and UUIDs filled in
-  Mode mode = Mode::kExclusive;
-  std::optional<Mode> pending;
-  bool cordoned = false;
-  bool draining = false;
-  std::vector<uint64_t> used_mem;
-  std::vector<int> count;
-  int cpus_used = 0;
-  uint64_t mem_used = 0;
-  int free_gpus = 0;
-  int gpu_allocs = 0;
-  std::set<uint64_t> allocs;
-  // What Index() inserted, so Unindex() removes exactly that.
-  bool in_excl = false;
-  std::pair<int, int> excl_key;
-  std::vector<uint64_t> shared_free;  // per GPU: its key in shared_, 0 if absent
-  uint32_t tried = 0;
-};
-
-// Capacity of one node kept for the head of the queue (Allocator::Impl::Reserve).
-struct Hold {
-  int cpus = 0;
-  uint64_t memory = 0;
-  // Per GPU position (empty: none): memory held; a held exclusive GPU is
-  // held whole.
-  std::vector<uint64_t> gpu;
-};
 
 struct Waiter {
   Request request;
@@ -163,7 +109,7 @@ class Allocator::Impl {
   }
 
   absl::Status Replay(NodeRecord r) {
-    if (by_name_.count(r.spec.name)) {
+    if (placement_.nodes().count(r.spec.name)) {
       return absl::DataLossError(absl::StrCat("node ", r.spec.name, " added twice"));
     }
     auto n = std::make_unique<NodeState>();
@@ -172,30 +118,30 @@ class Allocator::Impl {
     n->pending = r.pending;
     n->cordoned = r.cordoned;
     n->draining = r.draining;
-    ApplyAddNode(std::move(n));
+    placement_.Add(std::move(n));
     return absl::OkStatus();
   }
 
   absl::Status Replay(RemoveNodeRecord r) {
-    NodeState* n = FindNode(r.name);
+    NodeState* n = placement_.Find(r.name);
     if (n == nullptr || !n->allocs.empty()) {
       return absl::DataLossError(absl::StrCat("remove of unknown or busy node ", r.name));
     }
-    ApplyRemoveNode(n);
+    placement_.Remove(n);
     return absl::OkStatus();
   }
 
   absl::Status Replay(ModeRecord r) {
-    NodeState* n = FindNode(r.name);
+    NodeState* n = placement_.Find(r.name);
     if (n == nullptr) return absl::DataLossError(absl::StrCat("mode of unknown node ", r.name));
-    ApplySetMode(n, r.mode, r.pending);
+    placement_.SetMode(n, r.mode, r.pending);
     return absl::OkStatus();
   }
 
   absl::Status Replay(FlagsRecord r) {
-    NodeState* n = FindNode(r.name);
+    NodeState* n = placement_.Find(r.name);
     if (n == nullptr) return absl::DataLossError(absl::StrCat("flags of unknown node ", r.name));
-    ApplyNodeFlags(n, r.cordoned, r.draining);
+    placement_.SetFlags(n, r.cordoned, r.draining);
     return absl::OkStatus();
   }
 
@@ -215,7 +161,7 @@ class Allocator::Impl {
 
   absl::Status Replay(GrantRecord grant) {
     for (AllocRec& r : grant.parts) {
-      NodeState* n = FindNode(r.a.node);
+      NodeState* n = placement_.Find(r.a.node);
       if (n == nullptr) {
         return absl::DataLossError(absl::StrCat("grant on unknown node ", r.a.node));
       }
@@ -254,132 +200,13 @@ class Allocator::Impl {
 
   // ---- state changes
 
-  NodeState* FindNode(const std::string& name) const {
-    auto it = by_name_.find(name);
-    return it == by_name_.end() ? nullptr : it->second;
-  }
-
-  void Unindex(NodeState* n) {
-    if (n->in_excl) excl_.erase(n->excl_key);
-    n->in_excl = false;
-    for (size_t i = 0; i < n->shared_free.size(); ++i) {
-      if (n->shared_free[i] > 0) shared_.erase({n->shared_free[i], n->id, static_cast<int>(i)});
-      n->shared_free[i] = 0;
-    }
-  }
-
-  void Index(NodeState* n) {
-    if (n->cordoned || n->pending) return;
-    if (n->mode == Mode::kExclusive) {
-      if (n->free_gpus > 0) {
-        n->excl_key = {n->free_gpus, n->id};
-        excl_.insert(n->excl_key);
-        n->in_excl = true;
-      }
-    } else {
-      for (size_t i = 0; i < n->spec.gpus.size(); ++i) {
-        uint64_t free = n->spec.gpus[i].memory - n->used_mem[i];
-        n->shared_free[i] = free;
-        if (free > 0) shared_.emplace(free, n->id, static_cast<int>(i));
-      }
-    }
-  }
-
-  // A grant or release on a shared node that stays schedulable only moves the
-  // keys of the GPUs it touched (the hot path; Unindex/Index move them all).
-  bool FastReindex(const NodeState* n) const {
-    return n->mode == Mode::kShared && !n->cordoned && !n->pending;
-  }
-  void ReindexGpu(NodeState* n, int i) {
-    uint64_t& key = n->shared_free[i];
-    if (key > 0) shared_.erase({key, n->id, i});
-    key = n->spec.gpus[i].memory - n->used_mem[i];
-    if (key > 0) shared_.emplace(key, n->id, i);
-  }
-
-  void ApplyAddNode(std::unique_ptr<NodeState> n) {
-    const size_t g = n->spec.gpus.size();
-    n->shared_free.assign(g, 0);
-    n->used_mem.assign(g, 0);
-    n->count.assign(g, 0);
-    n->free_gpus = static_cast<int>(g);
-    n->id = static_cast<int>(slots_.size());
-    for (const auto& gpu : n->spec.gpus) uuids_[gpu.uuid] = n->spec.name;
-    by_name_[n->spec.name] = n.get();
-    Index(n.get());
-    slots_.push_back(std::move(n));
-  }
-
-  void ApplyRemoveNode(NodeState* n) {
-    Unindex(n);
-    for (const auto& gpu : n->spec.gpus) uuids_.erase(gpu.uuid);
-    by_name_.erase(n->spec.name);
-    slots_[n->id].reset();
-  }
-
-  void ApplySetMode(NodeState* n, Mode mode, bool pending) {
-    Unindex(n);
-    if (pending) {
-      n->pending = mode;
-    } else {
-      n->mode = mode;
-      n->spec.mode = mode;
-      n->pending.reset();
-    }
-    Index(n);
-  }
-
-  void ApplyNodeFlags(NodeState* n, bool cordoned, bool draining) {
-    Unindex(n);
-    n->cordoned = cordoned;
-    n->draining = draining;
-    Index(n);
-  }
-
-  void FillAllocation(const NodeState& n, AllocRec* r) const {
-    Allocation& a = r->a;
-    a.id = AllocId(r->num);
-    std::vector<std::string> idx, uuids;
-    bool shared = false;
-    for (size_t i = 0; i < r->pos.size(); ++i) {
-      const Gpu& g = n.spec.gpus[r->pos[i]];
-      a.gpus[i].index = g.index;
-      a.gpus[i].uuid = g.uuid;
-      idx.push_back(std::to_string(g.index));
-      uuids.push_back(g.uuid);
-      shared |= !a.gpus[i].exclusive;
-    }
-    a.env.clear();
-    a.env["CUDA_VISIBLE_DEVICES"] = absl::StrJoin(idx, ",");
-    a.env["NVIDIA_VISIBLE_DEVICES"] = uuids.empty() ? "void" : absl::StrJoin(uuids, ",");
-    if (shared) a.env["DEEPNEX_GPU_MEMORY_LIMIT"] = std::to_string(a.gpus[0].memory);
-  }
-
   void ApplyGrant(AllocRec r) {
-    NodeState* n = FindNode(r.a.node);
-    FillAllocation(*n, &r);
-    const bool fast = FastReindex(n);
-    if (!fast) Unindex(n);
+    placement_.Book(placement_.Find(r.a.node), &r);
     Usage& u = usage_[r.a.user];
-    for (size_t i = 0; i < r.pos.size(); ++i) {
-      int p = r.pos[i];
-      if (n->count[p] == 0) --n->free_gpus;
-      ++n->count[p];
-      n->used_mem[p] += r.a.gpus[i].memory;
-      u.gpu_memory += r.a.gpus[i].memory;
-    }
+    for (const GrantedGpu& g : r.a.gpus) u.gpu_memory += g.memory;
     u.gpus += static_cast<int64_t>(r.pos.size());
     u.cpus += r.a.cpus;
     u.memory += r.a.memory;
-    n->cpus_used += r.a.cpus;
-    n->mem_used += r.a.memory;
-    if (!r.pos.empty()) ++n->gpu_allocs;
-    n->allocs.insert(r.num);
-    if (fast) {
-      for (int p : r.pos) ReindexGpu(n, p);
-    } else {
-      Index(n);
-    }
     next_id_ = std::max(next_id_, r.num + 1);
     uint64_t gang;
     if (!r.a.gang.empty() && ParseId(r.a.gang, 'g', &gang)) {
@@ -395,30 +222,13 @@ class Allocator::Impl {
     auto it = allocs_.find(num);
     if (it == allocs_.end()) return;
     const AllocRec& r = it->second;
-    NodeState* n = FindNode(r.a.node);
-    const bool fast = FastReindex(n);
-    if (!fast) Unindex(n);
+    placement_.Unbook(placement_.Find(r.a.node), r);
     Usage& u = usage_[r.a.user];
-    for (size_t i = 0; i < r.pos.size(); ++i) {
-      int p = r.pos[i];
-      --n->count[p];
-      if (n->count[p] == 0) ++n->free_gpus;
-      n->used_mem[p] -= r.a.gpus[i].memory;
-      u.gpu_memory -= r.a.gpus[i].memory;
-    }
+    for (const GrantedGpu& g : r.a.gpus) u.gpu_memory -= g.memory;
     u.gpus -= static_cast<int64_t>(r.pos.size());
     u.cpus -= r.a.cpus;
     u.memory -= r.a.memory;
     if (u.gpus == 0 && u.cpus == 0 && u.memory == 0 && u.gpu_memory == 0) usage_.erase(r.a.user);
-    n->cpus_used -= r.a.cpus;
-    n->mem_used -= r.a.memory;
-    if (!r.pos.empty()) --n->gpu_allocs;
-    n->allocs.erase(num);
-    if (fast) {
-      for (int p : r.pos) ReindexGpu(n, p);
-    } else {
-      Index(n);
-    }
     if (!r.a.gang.empty()) {
       auto g = gangs_.find(r.a.gang);
       if (g != gangs_.end()) {
@@ -485,11 +295,7 @@ class Allocator::Impl {
   void RollBack() {
     std::lock_guard<std::mutex> lock(mu_);
     if (!ledger_ || !ledger_->failed()) return;  // rolled back already, or closing
-    slots_.clear();
-    by_name_.clear();
-    uuids_.clear();
-    excl_.clear();
-    shared_.clear();
+    placement_.Clear();
     allocs_.clear();
     gangs_.clear();
     usage_.clear();
@@ -517,7 +323,7 @@ class Allocator::Impl {
 
   std::vector<std::string> SnapshotRecords() const {
     std::vector<std::string> out;
-    for (const auto& [name, n] : by_name_) out.push_back(Encode(RecordOf(*n)));
+    for (const auto& [name, n] : placement_.nodes()) out.push_back(Encode(RecordOf(*n)));
     if (!(default_quota_ == Quota{})) {
       out.push_back(Encode(QuotaRecord{true, "", default_quota_}));
     }
@@ -528,56 +334,6 @@ class Allocator::Impl {
   }
 
   // ---- validation
-
-  absl::Status ValidateNode(Node* node) const {
-    const std::string& name = node->name;
-    if (!ValidName(name)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "node name \"", name, "\": use 1-253 letters, digits, '-', '_', '.'"));
-    }
-    if (FindNode(name) != nullptr) {
-      return absl::AlreadyExistsError(absl::StrCat("node ", name, " already exists"));
-    }
-    if (node->cpus <= 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("node ", name, ": cpus=", node->cpus, " must be positive"));
-    }
-    if (node->memory == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("node ", name, ": memory=0 must be positive"));
-    }
-    std::set<int> indices;
-    std::set<std::string> uuids;
-    for (size_t i = 0; i < node->gpus.size(); ++i) {
-      Gpu& g = node->gpus[i];
-      if (g.memory == 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("node ", name, ": gpus[", i, "].memory=0 must be positive"));
-      }
-      if (g.index < 0) g.index = static_cast<int>(i);
-      if (!indices.insert(g.index).second) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("node ", name, ": gpus[", i, "].index=", g.index, " is used twice"));
-      }
-      if (g.uuid.empty()) g.uuid = absl::StrCat("GPU-", name, "-", g.index);
-      if (!uuids.insert(g.uuid).second) {
-        return absl::AlreadyExistsError(
-            absl::StrCat("node ", name, ": gpus[", i, "].uuid=", g.uuid, " is used twice"));
-      }
-      auto other = uuids_.find(g.uuid);
-      if (other != uuids_.end()) {
-        return absl::AlreadyExistsError(absl::StrCat("node ", name, ": gpus[", i, "].uuid=",
-                                                     g.uuid, " is already on node ",
-                                                     other->second));
-      }
-    }
-    for (const auto& [k, v] : node->labels) {
-      if (k.empty()) {
-        return absl::InvalidArgumentError(absl::StrCat("node ", name, ": a label has an empty key"));
-      }
-    }
-    return absl::OkStatus();
-  }
 
   static absl::Status ValidateRequest(const Request& r) {
     auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
@@ -606,221 +362,13 @@ class Allocator::Impl {
     return absl::OkStatus();
   }
 
-  // ---- placement
-
-  // What is free on `n` for others than the head of the queue: its free
-  // capacity less what held_ keeps for the head there.
-  const Hold* HoldOn(const NodeState* n) const {
-    if (held_.empty()) return nullptr;
-    auto it = held_.find(n);
-    return it == held_.end() ? nullptr : &it->second;
-  }
-  static int FreeCpus(const NodeState* n, const Hold* h) {
-    return n->spec.cpus - n->cpus_used - (h ? h->cpus : 0);
-  }
-  static uint64_t FreeMemory(const NodeState* n, const Hold* h) {
-    const uint64_t free = n->spec.memory - n->mem_used, held = h ? h->memory : 0;
-    return free > held ? free - held : 0;
-  }
-  static uint64_t FreeGpuMemory(const NodeState* n, const Hold* h, int i) {
-    const uint64_t free = n->spec.gpus[i].memory - n->used_mem[i];
-    const uint64_t held = h && !h->gpu.empty() ? h->gpu[i] : 0;
-    return free > held ? free - held : 0;
-  }
-  static bool GpuHeld(const Hold* h, int i) { return h && !h->gpu.empty() && h->gpu[i] > 0; }
-
-  bool FitOnNode(NodeState* n, const Request& r, std::vector<int>* pos) const {
-    if (n->cordoned) return false;
-    const Hold* h = HoldOn(n);
-    if (FreeCpus(n, h) < r.cpus) return false;
-    if (FreeMemory(n, h) < r.memory) return false;
-    for (const auto& [k, v] : r.selector) {
-      auto it = n->spec.labels.find(k);
-      if (it == n->spec.labels.end() || it->second != v) return false;
-    }
-    pos->clear();
-    if (r.gpus == 0) return true;
-    if (n->pending || n->mode != r.mode) return false;
-    const auto& gpus = n->spec.gpus;
-    std::vector<int> cand;
-    cand.reserve(gpus.size());
-    const bool excl = r.mode == Mode::kExclusive;
-    for (size_t i = 0; i < gpus.size(); ++i) {
-      const int k = static_cast<int>(i);
-      if (excl ? (n->count[i] == 0 && gpus[i].memory >= r.gpu_memory && !GpuHeld(h, k))
-               : (FreeGpuMemory(n, h, k) >= r.gpu_memory)) {
-        cand.push_back(k);
-      }
-    }
-    if (static_cast<int>(cand.size()) < r.gpus) return false;
-    if (!excl) {
-      // Best fit: the GPUs with the least free memory that still fits (most
-      // free when spreading); index order breaks ties.
-      auto free = [&](int i) { return FreeGpuMemory(n, h, i); };
-      auto before = [&](int a, int b) { return r.spread ? free(a) > free(b) : free(a) < free(b); };
-      for (size_t i = 1; i < cand.size(); ++i) {  // stable insertion sort: few GPUs
-        int x = cand[i];
-        size_t j = i;
-        for (; j > 0 && before(x, cand[j - 1]); --j) cand[j] = cand[j - 1];
-        cand[j] = x;
-      }
-    }
-    if (r.gpus > 1) {
-      // Prefer one switch, then one NUMA node: the smallest group that holds
-      // the whole request keeps larger groups whole for larger requests.
-      for (int level = 0; level < 2; ++level) {
-        std::map<int, std::vector<int>> groups;
-        for (int i : cand) {
-          int key = level == 0 ? gpus[i].switch_id : gpus[i].numa_node;
-          if (key >= 0) groups[key].push_back(i);
-        }
-        const std::vector<int>* best = nullptr;
-        for (const auto& [key, members] : groups) {
-          if (static_cast<int>(members.size()) >= r.gpus &&
-              (best == nullptr || members.size() < best->size())) {
-            best = &members;
-          }
-        }
-        if (best != nullptr) {
-          pos->assign(best->begin(), best->begin() + r.gpus);
-          return true;
-        }
-      }
-    }
-    pos->assign(cand.begin(), cand.begin() + r.gpus);
-    return true;
-  }
-
-  NodeState* FindPlacement(const Request& r, std::vector<int>* pos) {
-    if (!r.node.empty()) {
-      NodeState* n = FindNode(r.node);
-      return n != nullptr && FitOnNode(n, r, pos) ? n : nullptr;
-    }
-    if (r.gpus == 0) {
-      NodeState* best = nullptr;
-      for (const auto& slot : slots_) {
-        NodeState* n = slot.get();
-        if (n == nullptr || !FitOnNode(n, r, pos)) continue;
-        if (!r.spread) return n;
-        if (best == nullptr || n->spec.cpus - n->cpus_used > best->spec.cpus - best->cpus_used) {
-          best = n;
-        }
-      }
-      if (best != nullptr) FitOnNode(best, r, pos);
-      return best;
-    }
-    if (r.mode == Mode::kExclusive) {
-      if (!r.spread) {
-        for (auto it = excl_.lower_bound({r.gpus, INT_MIN}); it != excl_.end(); ++it) {
-          NodeState* n = slots_[it->second].get();
-          if (FitOnNode(n, r, pos)) return n;
-        }
-      } else {
-        for (auto it = excl_.rbegin(); it != excl_.rend() && it->first >= r.gpus; ++it) {
-          NodeState* n = slots_[it->second].get();
-          if (FitOnNode(n, r, pos)) return n;
-        }
-      }
-      return nullptr;
-    }
-    const uint32_t gen = ++try_gen_;
-    auto visit = [&](int id) -> NodeState* {
-      NodeState* n = slots_[id].get();
-      if (n->tried == gen) return nullptr;
-      n->tried = gen;
-      return FitOnNode(n, r, pos) ? n : nullptr;
-    };
-    if (!r.spread) {
-      for (auto it = shared_.lower_bound({r.gpu_memory, INT_MIN, INT_MIN}); it != shared_.end();
-           ++it) {
-        if (NodeState* n = visit(std::get<1>(*it))) return n;
-      }
-    } else {
-      for (auto it = shared_.rbegin(); it != shared_.rend() && std::get<0>(*it) >= r.gpu_memory;
-           ++it) {
-        if (NodeState* n = visit(std::get<1>(*it))) return n;
-      }
-    }
-    return nullptr;
-  }
-
-  // `n` could take a part of `r` by its name, labels, state and mode.
-  static bool Eligible(const NodeState& n, const Request& r) {
-    if (!r.node.empty() && n.spec.name != r.node) return false;
-    for (const auto& [k, v] : r.selector) {
-      auto it = n.spec.labels.find(k);
-      if (it == n.spec.labels.end() || it->second != v) return false;
-    }
-    return !n.cordoned && (r.gpus == 0 || (!n.pending && n.mode == r.mode));
-  }
-
-  // Under mu_: keeps the capacity that the head of the queue `r` needs out of
-  // others' reach (held_), part by part, on its best node: of the nodes that
-  // could ever hold the part, the one where least of it is missing now (GPUs,
-  // then cpus, then memory). Exclusive GPUs are held whole, free ones first;
-  // a busy one is held too, so that it is the head's when it frees.
-  void Reserve(const Request& r) {
-    const bool excl = r.mode == Mode::kExclusive;
-    for (int part = 0; part < r.replicas; ++part) {
-      NodeState* best = nullptr;
-      std::tuple<int, int, uint64_t> best_missing;
-      std::vector<int> best_gpus;
-      for (const auto& [name, n] : by_name_) {
-        if (!Eligible(*n, r)) continue;
-        const Hold* h = HoldOn(n);
-        const int held_cpus = h ? h->cpus : 0;
-        const uint64_t held_memory = h ? h->memory : 0;
-        if (n->spec.cpus - held_cpus < r.cpus || n->spec.memory < held_memory ||
-            n->spec.memory - held_memory < r.memory) {
-          continue;
-        }
-        // GPUs it could ever take, those free now first (most free memory
-        // first when shared).
-        std::vector<int> gpus;
-        int ready = 0;
-        for (size_t i = 0; i < n->spec.gpus.size(); ++i) {
-          const int k = static_cast<int>(i);
-          const uint64_t memory = n->spec.gpus[i].memory;
-          if (excl) {
-            if (memory < r.gpu_memory || GpuHeld(h, k)) continue;
-            ready += n->count[i] == 0;
-          } else {
-            const uint64_t held = h && !h->gpu.empty() ? h->gpu[i] : 0;
-            if (memory - std::min(memory, held) < r.gpu_memory) continue;
-            ready += FreeGpuMemory(n, h, k) >= r.gpu_memory;
-          }
-          gpus.push_back(k);
-        }
-        if (static_cast<int>(gpus.size()) < r.gpus) continue;
-        std::stable_sort(gpus.begin(), gpus.end(), [&](int a, int b) {
-          if (excl) return n->count[a] == 0 && n->count[b] != 0;
-          return FreeGpuMemory(n, h, a) > FreeGpuMemory(n, h, b);
-        });
-        gpus.resize(r.gpus);
-        const uint64_t free_memory = FreeMemory(n, h);
-        std::tuple<int, int, uint64_t> missing{
-            std::max(0, r.gpus - ready), std::max(0, r.cpus - FreeCpus(n, h)),
-            r.memory > free_memory ? r.memory - free_memory : 0};
-        if (best == nullptr || missing < best_missing) {
-          best = n;
-          best_missing = missing;
-          best_gpus = std::move(gpus);
-        }
-      }
-      if (best == nullptr) return;  // Infeasible refuses it at its next try
-      Hold& h = held_[best];
-      h.cpus += r.cpus;
-      h.memory += r.memory;
-      h.gpu.resize(best->spec.gpus.size(), 0);
-      for (int i : best_gpus) h.gpu[i] += excl ? best->spec.gpus[i].memory : r.gpu_memory;
-    }
-  }
+  // ---- the queue
 
   // Under mu_: reserves for `head`, the first request of the queue, once it
   // has waited reservation_after.
   void HoldFor(const Waiter& head) {
     if (std::chrono::steady_clock::now() - head.queued_at >= options_.reservation_after) {
-      Reserve(head.request);
+      placement_.Reserve(head.request);
     }
   }
 
@@ -828,155 +376,6 @@ class Allocator::Impl {
     if (queue_.empty()) return false;
     const auto waited = std::chrono::steady_clock::now() - queue_.begin()->second->queued_at;
     return waited >= options_.reservation_after;
-  }
-
-  std::string Describe(const Request& r) const {
-    std::string s = absl::StrCat(r.user, " asks ");
-    if (r.replicas > 1) absl::StrAppend(&s, r.replicas, " x (");
-    absl::StrAppend(&s, r.gpus, " ", ModeName(r.mode), " GPUs");
-    if (r.gpu_memory > 0) absl::StrAppend(&s, " of ", FormatByteSize(r.gpu_memory));
-    absl::StrAppend(&s, ", ", r.cpus, " cpus, ", FormatByteSize(r.memory), " memory");
-    if (r.replicas > 1) absl::StrAppend(&s, ")");
-    return s;
-  }
-
-  // Why `r` can never be granted, or OK when it could be once capacity frees.
-  absl::Status Infeasible(const Request& r) const {
-    if (by_name_.empty()) {
-      return absl::FailedPreconditionError("the allocator has no nodes (add one with AddNode)");
-    }
-    if (r.gpus > 0) {
-      uint64_t largest = 0;
-      for (const auto& [name, n] : by_name_) {
-        for (const auto& g : n->spec.gpus) largest = std::max(largest, g.memory);
-      }
-      if (r.gpu_memory > largest) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "gpu_memory=", FormatByteSize(r.gpu_memory), " is larger than any GPU (the largest has ",
-            FormatByteSize(largest), ")"));
-      }
-    }
-    std::vector<const NodeState*> matched;
-    if (!r.node.empty()) {
-      const NodeState* n = FindNode(r.node);
-      if (n == nullptr) {
-        return absl::NotFoundError(absl::StrCat("node: no node named \"", r.node, "\""));
-      }
-      matched.push_back(n);
-    } else {
-      for (const auto& [name, n] : by_name_) matched.push_back(n);
-    }
-    std::vector<const NodeState*> labeled;
-    for (const NodeState* n : matched) {
-      bool ok = true;
-      for (const auto& [k, v] : r.selector) {
-        auto it = n->spec.labels.find(k);
-        ok &= it != n->spec.labels.end() && it->second == v;
-      }
-      if (ok) labeled.push_back(n);
-    }
-    if (labeled.empty()) {
-      return absl::NotFoundError(absl::StrCat("selector ", Selector(r.selector), ": no ",
-                                              r.node.empty() ? "node" : "such node",
-                                              " has these labels"));
-    }
-    std::vector<const NodeState*> moded;
-    std::vector<std::string> other;
-    for (const NodeState* n : labeled) {
-      if (r.gpus == 0 || n->mode == r.mode || (n->pending && *n->pending == r.mode)) {
-        moded.push_back(n);
-      } else {
-        other.push_back(n->spec.name);
-      }
-    }
-    if (moded.empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "mode=", ModeName(r.mode), ": a ", ModeName(r.mode), " request needs ",
-          r.mode == Mode::kExclusive ? "an " : "a ", ModeName(r.mode), " node, and every node that could take it is ",
-          ModeName(r.mode == Mode::kShared ? Mode::kExclusive : Mode::kShared), " (",
-          NameList(other), ")"));
-    }
-    for (const NodeState* n : moded) {
-      int fits = 0;
-      for (const auto& g : n->spec.gpus) fits += g.memory >= r.gpu_memory;
-      if (n->spec.cpus >= r.cpus && n->spec.memory >= r.memory && fits >= r.gpus) {
-        return absl::OkStatus();
-      }
-    }
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "no node can ever hold this request (", Describe(r), " per part): ", moded.size(),
-        " node(s) match, none has that many GPUs, cpus and memory"));
-  }
-
-  // Under mu_: why one part of queued request `r` does not fit now, naming
-  // the resource that is short on the nodes that could take it; empty when
-  // one part fits (it waits only for its turn).
-  std::string Shortage(const Request& r) const {
-    const bool excl = r.mode == Mode::kExclusive;
-    int matching = 0, eligible = 0, most_gpus = 0, most_cpus = 0;
-    uint64_t most_memory = 0;
-    bool fits = false;
-    for (const auto& [name, n] : by_name_) {
-      if (!r.node.empty() && name != r.node) continue;
-      bool labeled = true;
-      for (const auto& [k, v] : r.selector) {
-        auto it = n->spec.labels.find(k);
-        labeled &= it != n->spec.labels.end() && it->second == v;
-      }
-      if (!labeled) continue;
-      ++matching;
-      if (n->cordoned || (r.gpus > 0 && (n->pending || n->mode != r.mode))) continue;
-      ++eligible;
-      int gpus = 0;
-      for (size_t i = 0; i < n->spec.gpus.size(); ++i) {
-        const uint64_t memory = n->spec.gpus[i].memory;
-        gpus += excl ? (n->count[i] == 0 && memory >= r.gpu_memory)
-                     : (memory - n->used_mem[i] >= r.gpu_memory);
-      }
-      const int cpus = n->spec.cpus - n->cpus_used;
-      const uint64_t memory = n->spec.memory - n->mem_used;
-      most_gpus = std::max(most_gpus, gpus);
-      most_cpus = std::max(most_cpus, cpus);
-      most_memory = std::max(most_memory, memory);
-      fits |= gpus >= r.gpus && cpus >= r.cpus && memory >= r.memory;
-    }
-    if (eligible == 0) {
-      return absl::StrCat("waiting for a node to take it (", matching,
-                          " matching node(s), all cordoned or switching mode)");
-    }
-    if (fits) {
-      if (r.replicas == 1) return "";
-      return absl::StrCat("waiting for room for all ", r.replicas, " parts of the gang at once");
-    }
-    auto free = [](const std::string& most, bool none) {
-      return none ? std::string(" (0 free on any eligible node)")
-                  : absl::StrCat(" (at most ", most, " free on an eligible node)");
-    };
-    std::vector<std::string> short_of;
-    if (r.gpus > most_gpus) {
-      std::string gpus =
-          absl::StrCat(r.gpus, " ", ModeName(r.mode), " GPU", r.gpus == 1 ? "" : "s");
-      if (!excl) absl::StrAppend(&gpus, " with ", FormatByteSize(r.gpu_memory), " free");
-      short_of.push_back(gpus + free(std::to_string(most_gpus), most_gpus == 0));
-    }
-    if (r.cpus > most_cpus) {
-      short_of.push_back(absl::StrCat(r.cpus, " cpus", free(std::to_string(most_cpus),
-                                                             most_cpus == 0)));
-    }
-    if (r.memory > most_memory) {
-      short_of.push_back(absl::StrCat(FormatByteSize(r.memory), " memory",
-                                      free(FormatByteSize(most_memory), most_memory == 0)));
-    }
-    if (short_of.empty()) {
-      // Each resource is free somewhere, but on no node all together.
-      std::vector<std::string> asked;
-      if (r.gpus > 0) asked.push_back(absl::StrCat(r.gpus, " ", ModeName(r.mode), " GPUs"));
-      if (r.cpus > 0) asked.push_back(absl::StrCat(r.cpus, " cpus"));
-      if (r.memory > 0) asked.push_back(absl::StrCat(FormatByteSize(r.memory), " memory"));
-      return absl::StrCat("waiting for one node with ", absl::StrJoin(asked, ", "),
-                          " free at once");
-    }
-    return absl::StrCat("waiting for ", absl::StrJoin(short_of, " and "));
   }
 
   std::vector<PendingRequest> Pending(const std::string& user) const {
@@ -994,7 +393,7 @@ class Allocator::Impl {
       const size_t ahead = position - 1;
       std::string behind =
           ahead == 0 ? "" : absl::StrCat("behind ", ahead, ahead == 1 ? " request" : " requests");
-      std::string short_of = Shortage(w->request);
+      std::string short_of = placement_.Shortage(w->request);
       if (short_of.empty()) {
         // The head fits only between a change and the Pump that follows it;
         // a later request that fits is held back only by the head's reservation.
@@ -1093,12 +492,12 @@ class Allocator::Impl {
     std::vector<uint64_t> placed;
     std::vector<int> pos;
     for (int64_t p = 0; p < parts; ++p) {
-      NodeState* n = FindPlacement(r, &pos);
+      NodeState* n = placement_.Place(r, &pos);
       if (n == nullptr) {
         for (uint64_t num : placed) ApplyRelease(num);
         next_id_ = saved_id;
         next_gang_ = saved_gang;
-        absl::Status why = Infeasible(r);
+        absl::Status why = placement_.Infeasible(r);
         if (!why.ok()) {
           *status = why;
           return Outcome::kFailed;
@@ -1177,7 +576,7 @@ class Allocator::Impl {
       Resolved(w);
       any = true;
     }
-    held_.clear();
+    placement_.ClearReservations();
     if (any) queue_cv_.notify_all();
   }
 
@@ -1242,7 +641,7 @@ class Allocator::Impl {
     for (const auto& [key, queued] : queue_) ahead += queued->request.priority >= r.priority;
     if (ahead > 0) HoldFor(*queue_.begin()->second);
     Outcome oc = TryGrant(r, &w->result, &w->seq, &w->status);
-    held_.clear();
+    placement_.ClearReservations();
     if (oc == Outcome::kGranted) return Admission::kGranted;
     if (oc == Outcome::kFailed) return Admission::kRefused;
     if (!o.wait) {
@@ -1382,14 +781,14 @@ class Allocator::Impl {
     std::set<NodeState*> touched;
     for (uint64_t num : nums) {
       auto it = allocs_.find(num);
-      if (it != allocs_.end()) touched.insert(FindNode(it->second.a.node));
+      if (it != allocs_.end()) touched.insert(placement_.Find(it->second.a.node));
       ApplyRelease(num);
     }
     uint64_t seq = ledger_ ? LogLocked(Encode(ReleaseRecord{nums, reason})) : 0;
     for (NodeState* n : touched) {
       if (n->pending && n->gpu_allocs == 0) {
         Mode m = *n->pending;
-        ApplySetMode(n, m, false);
+        placement_.SetMode(n, m, false);
         seq = LogLocked(Encode(ModeRecord{n->spec.name, m, false}));
       }
     }
@@ -1452,36 +851,20 @@ class Allocator::Impl {
     }
   }
 
-  NodeInfo InfoOf(const NodeState& n) const {
-    NodeInfo info;
-    info.node = n.spec;
-    info.node.mode = n.mode;
-    info.mode = n.mode;
-    info.pending_mode = n.pending;
-    info.cordoned = n.cordoned;
-    info.draining = n.draining;
-    info.gpu_memory_used = n.used_mem;
-    info.gpu_allocations = n.count;
-    info.cpus_used = n.cpus_used;
-    info.memory_used = n.mem_used;
-    for (uint64_t num : n.allocs) info.allocation_ids.push_back(AllocId(num));
-    return info;
-  }
-
   absl::Status CheckInvariants() const {
     auto fail = [](auto... parts) { return absl::InternalError(absl::StrCat(parts...)); };
     std::map<const NodeState*, std::vector<uint64_t>> mem;
     std::map<const NodeState*, std::vector<int>> count, excl;
     std::map<const NodeState*, std::pair<int64_t, uint64_t>> host;
     std::map<std::string, Usage> usage;
-    for (const auto& [name, n] : by_name_) {
+    for (const auto& [name, n] : placement_.nodes()) {
       mem[n].assign(n->spec.gpus.size(), 0);
       count[n].assign(n->spec.gpus.size(), 0);
       excl[n].assign(n->spec.gpus.size(), 0);
       host[n] = {0, 0};
     }
     for (const auto& [num, r] : allocs_) {
-      const NodeState* n = FindNode(r.a.node);
+      const NodeState* n = placement_.Find(r.a.node);
       if (n == nullptr) return fail(r.a.id, " is on unknown node ", r.a.node);
       if (!n->allocs.count(num)) return fail(r.a.id, " missing from node ", r.a.node);
       Usage& u = usage[r.a.user];
@@ -1505,7 +888,7 @@ class Allocator::Impl {
     }
     std::set<std::pair<int, int>> want_excl;
     std::set<std::tuple<uint64_t, int, int>> want_shared;
-    for (const auto& [name, n] : by_name_) {
+    for (const auto& [name, n] : placement_.nodes()) {
       int free = 0, gpu_allocs = 0;
       for (size_t i = 0; i < n->spec.gpus.size(); ++i) {
         if (excl[n][i] > 0 && count[n][i] != 1) {
@@ -1550,7 +933,7 @@ class Allocator::Impl {
         }
       }
     }
-    if (want_excl != excl_ || want_shared != shared_) return fail("placement index is stale");
+    if (want_excl != placement_.exclusive_index() || want_shared != placement_.shared_index()) return fail("placement index is stale");
     for (const auto& [user, u] : usage) {
       auto it = usage_.find(user);
       if (it == usage_.end() || it->second.gpus != u.gpus || it->second.cpus != u.cpus ||
@@ -1576,12 +959,7 @@ class Allocator::Impl {
   int active_waiters_ = 0;
   std::vector<Waiter*> resolved_;  // asynchronous waiters to answer (owned)
 
-  std::vector<std::unique_ptr<NodeState>> slots_;  // by NodeState::id
-  std::map<std::string, NodeState*> by_name_;
-  std::unordered_map<std::string, std::string> uuids_;  // GPU UUID -> node
-  std::set<std::pair<int, int>> excl_;                  // (free GPUs, node id)
-  std::set<std::tuple<uint64_t, int, int>> shared_;     // (free memory, node id, GPU)
-  uint32_t try_gen_ = 0;
+  Placement placement_;
 
   std::map<uint64_t, AllocRec> allocs_;
   std::map<std::string, std::vector<uint64_t>> gangs_;
@@ -1594,9 +972,6 @@ class Allocator::Impl {
 
   std::map<std::pair<int64_t, uint64_t>, Waiter*> queue_;  // (-priority, order)
   uint64_t next_order_ = 1;  // also an asynchronous waiter's ticket
-  // The head's reservation (Reserve), per node; set only while Pump or Admit
-  // places the requests behind the head.
-  std::unordered_map<const NodeState*, Hold> held_;
 };
 
 // ---------------------------------------------------------------------------
@@ -1629,12 +1004,12 @@ absl::Status Allocator::AddNode(const Node& node) {
   Node spec = node;
   std::unique_lock<std::mutex> lock(m.mu_);
   DEEPNEX_RETURN_IF_ERROR(m.Broken());
-  DEEPNEX_RETURN_IF_ERROR(m.ValidateNode(&spec));
+  DEEPNEX_RETURN_IF_ERROR(m.placement_.Validate(&spec));
   auto n = std::make_unique<NodeState>();
   n->spec = std::move(spec);
   n->mode = n->spec.mode;
   NodeState* raw = n.get();
-  m.ApplyAddNode(std::move(n));
+  m.placement_.Add(std::move(n));
   uint64_t seq = m.LogLocked(Encode(m.RecordOf(*raw)));
   m.Pump();
   lock.unlock();
@@ -1644,7 +1019,7 @@ absl::Status Allocator::AddNode(const Node& node) {
 absl::Status Allocator::RemoveNode(const std::string& name) {
   Impl& m = *impl_;
   std::unique_lock<std::mutex> lock(m.mu_);
-  NodeState* n = m.FindNode(name);
+  NodeState* n = m.placement_.Find(name);
   if (n == nullptr) return NoNode(name);
   if (!n->allocs.empty()) {
     std::vector<std::string> ids;
@@ -1653,12 +1028,12 @@ absl::Status Allocator::RemoveNode(const std::string& name) {
         "node ", name, " is not empty: it holds ", NameList(ids),
         "; release or drain them first"));
   }
-  m.ApplyRemoveNode(n);
+  m.placement_.Remove(n);
   uint64_t seq = m.LogLocked(Encode(RemoveNodeRecord{name}));
   // Requests that only this node could hold can never be granted now.
   m.Pump();
   for (auto it = m.queue_.begin(); it != m.queue_.end();) {
-    absl::Status why = m.Infeasible(it->second->request);
+    absl::Status why = m.placement_.Infeasible(it->second->request);
     if (!why.ok()) {
       it->second->status = why;
       m.Resolved(it->second);
@@ -1675,13 +1050,13 @@ absl::Status Allocator::RemoveNode(const std::string& name) {
 absl::Status Allocator::SetNodeMode(const std::string& name, Mode mode, ModeSwitch when) {
   Impl& m = *impl_;
   std::unique_lock<std::mutex> lock(m.mu_);
-  NodeState* n = m.FindNode(name);
+  NodeState* n = m.placement_.Find(name);
   if (n == nullptr) return NoNode(name);
   if (n->mode == mode) {
     if (!n->pending) return absl::OkStatus();
-    m.ApplySetMode(n, mode, false);  // cancels the pending switch
+    m.placement_.SetMode(n, mode, false);  // cancels the pending switch
   } else if (n->gpu_allocs == 0) {
-    m.ApplySetMode(n, mode, false);
+    m.placement_.SetMode(n, mode, false);
   } else if (when == ModeSwitch::kRefuse) {
     std::vector<std::string> ids;
     for (uint64_t num : n->allocs) {
@@ -1693,7 +1068,7 @@ absl::Status Allocator::SetNodeMode(const std::string& name, Mode mode, ModeSwit
         "; release them first, or switch when they are drained (--when-drained)"));
   } else {
     if (n->pending && *n->pending == mode) return absl::OkStatus();
-    m.ApplySetMode(n, mode, true);
+    m.placement_.SetMode(n, mode, true);
   }
   uint64_t seq = m.LogLocked(Encode(ModeRecord{name, mode, n->pending.has_value()}));
   m.Pump();
@@ -1706,12 +1081,12 @@ namespace {
 absl::Status SetFlags(Allocator::Impl& m, const std::string& name, bool cordoned,
                       bool draining, bool release, bool keep_draining = false) {
   std::unique_lock<std::mutex> lock(m.mu_);
-  NodeState* n = m.FindNode(name);
+  NodeState* n = m.placement_.Find(name);
   if (n == nullptr) return NoNode(name);
   if (keep_draining) draining = n->draining;
   uint64_t seq = 0;
   if (n->cordoned != cordoned || n->draining != draining) {
-    m.ApplyNodeFlags(n, cordoned, draining);
+    m.placement_.SetFlags(n, cordoned, draining);
     seq = m.LogLocked(Encode(FlagsRecord{name, cordoned, draining}));
   }
   if (release && !n->allocs.empty()) {
@@ -1915,15 +1290,15 @@ absl::StatusOr<Allocation> Allocator::Renew(const std::string& id) {
 std::vector<NodeInfo> Allocator::Nodes() const {
   std::lock_guard<std::mutex> lock(impl_->mu_);
   std::vector<NodeInfo> out;
-  for (const auto& [name, n] : impl_->by_name_) out.push_back(impl_->InfoOf(*n));
+  for (const auto& [name, n] : impl_->placement_.nodes()) out.push_back(impl_->placement_.Info(*n));
   return out;
 }
 
 absl::StatusOr<NodeInfo> Allocator::GetNode(const std::string& name) const {
   std::lock_guard<std::mutex> lock(impl_->mu_);
-  NodeState* n = impl_->FindNode(name);
+  NodeState* n = impl_->placement_.Find(name);
   if (n == nullptr) return NoNode(name);
-  return impl_->InfoOf(*n);
+  return impl_->placement_.Info(*n);
 }
 
 std::vector<Allocation> Allocator::Allocations(const std::string& user) const {
