@@ -79,6 +79,33 @@ bool ValidName(const std::string& s) {
   return true;
 }
 
+absl::Status ValidateRequest(const Request& r) {
+  auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
+  if (!ValidName(r.user)) return bad("user \"", r.user, "\": use 1-253 letters, digits, '-', '_', '.', '@'");
+  if (!r.job.empty() && !ValidName(r.job)) {
+    return bad("job \"", r.job, "\": use 1-253 letters, digits, '-', '_', '.', '@'");
+  }
+  if (r.gpus < 0) return bad("gpus=", r.gpus, " must be >= 0");
+  if (r.gpus > 4096) return bad("gpus=", r.gpus, " is more than any node has");
+  if (r.cpus < 0) return bad("cpus=", r.cpus, " must be >= 0");
+  if (r.replicas < 1) return bad("replicas=", r.replicas, " must be >= 1");
+  if (r.replicas > 100000) return bad("replicas=", r.replicas, " is too many");
+  if (r.lease.count() < 0) return bad("lease=", r.lease.count(), "ms must be >= 0");
+  if (r.gpus > 0 && r.mode == Mode::kShared && r.gpu_memory == 0) {
+    return bad("gpu_memory=0B: a shared request must give the GPU memory it needs per GPU");
+  }
+  if (r.gpus == 0 && r.gpu_memory > 0) {
+    return bad("gpu_memory=", FormatByteSize(r.gpu_memory), " with gpus=0");
+  }
+  if (r.gpus == 0 && r.cpus == 0 && r.memory == 0) {
+    return bad("the request asks for nothing (gpus=0, cpus=0, memory=0B)");
+  }
+  for (const auto& [k, v] : r.selector) {
+    if (k.empty()) return bad("selector: a label has an empty key");
+  }
+  return absl::OkStatus();
+}
+
 std::string NameList(const std::vector<std::string>& names, size_t max) {
   std::vector<std::string> shown(names.begin(),
                                  names.begin() + std::min(names.size(), max));

@@ -56,6 +56,10 @@ struct Hold {
 
 // Node, user and job names: 1-253 letters, digits, '-', '_', '.', '@'.
 bool ValidName(const std::string& s);
+// InvalidArgument naming the field of a request that no node could make
+// sense of (a bad name, a negative or absurd count, a shared request without
+// its GPU memory, a request for nothing).
+absl::Status ValidateRequest(const Request& r);
 // "a1, a2, ... (12 in all)": at most `max` names.
 std::string NameList(const std::vector<std::string>& names, size_t max = 8);
 // "alice asks 2 x (1 exclusive GPUs, 4 cpus, 8GiB memory)", for messages.
