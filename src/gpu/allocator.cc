@@ -601,8 +601,9 @@ class Allocator::Impl {
       int64_t wait_ms = options_.lease_check_interval.count();
       if (!leases.empty()) wait_ms = std::min(wait_ms, leases.begin()->first - now);
       if (next_deadline != std::chrono::steady_clock::time_point::max()) {
+        const auto until = next_deadline - steady_now;
         wait_ms = std::min<int64_t>(
-            wait_ms, std::chrono::ceil<std::chrono::milliseconds>(next_deadline - steady_now).count());
+            wait_ms, std::chrono::ceil<std::chrono::milliseconds>(until).count());
       }
       reaper_cv_.wait_for(lock, std::chrono::milliseconds(std::max<int64_t>(wait_ms, 1)));
     }

@@ -228,7 +228,7 @@ NodeRecord AllocatorState::RecordOf(const NodeState& n) {
 }
 
 Outcome AllocatorState::Grant(const Request& r, std::vector<uint64_t>* granted,
-                             absl::Status* status) {
+                              absl::Status* status) {
   const int64_t parts = r.replicas;
   const bool shared = r.mode == Mode::kShared;
   const int max_priority = QuotaFor(r.user).max_priority;
@@ -325,8 +325,9 @@ UserQuota AllocatorState::QuotaEntry(const std::string& user) const {
   return q;
 }
 
-absl::Status AllocatorState::CheckQuota(const std::string& user, int64_t gpus, uint64_t gpu_memory,
-                        int64_t cpus, uint64_t memory) const {
+absl::Status AllocatorState::CheckQuota(const std::string& user, int64_t gpus,
+                                        uint64_t gpu_memory, int64_t cpus,
+                                        uint64_t memory) const {
   if (quotas_.empty() && default_quota_ == Quota{}) return absl::OkStatus();
   const Quota q = QuotaFor(user);
   Usage u;

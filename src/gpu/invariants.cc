@@ -94,7 +94,9 @@ absl::Status CheckInvariants(const Placement& placement,
       }
     }
   }
-  if (want_excl != placement.exclusive_index() || want_shared != placement.shared_index()) return fail("placement index is stale");
+  if (want_excl != placement.exclusive_index() || want_shared != placement.shared_index()) {
+    return fail("placement index is stale");
+  }
   for (const auto& [user, u] : usage) {
     auto it = usage_of.find(user);
     if (it == usage_of.end() || it->second.gpus != u.gpus || it->second.cpus != u.cpus ||

@@ -81,7 +81,9 @@ bool ValidName(const std::string& s) {
 
 absl::Status ValidateRequest(const Request& r) {
   auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
-  if (!ValidName(r.user)) return bad("user \"", r.user, "\": use 1-253 letters, digits, '-', '_', '.', '@'");
+  if (!ValidName(r.user)) {
+    return bad("user \"", r.user, "\": use 1-253 letters, digits, '-', '_', '.', '@'");
+  }
   if (!r.job.empty() && !ValidName(r.job)) {
     return bad("job \"", r.job, "\": use 1-253 letters, digits, '-', '_', '.', '@'");
   }
@@ -553,7 +555,8 @@ absl::Status Placement::Infeasible(const Request& r) const {
   if (moded.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "mode=", ModeName(r.mode), ": a ", ModeName(r.mode), " request needs ",
-        r.mode == Mode::kExclusive ? "an " : "a ", ModeName(r.mode), " node, and every node that could take it is ",
+        r.mode == Mode::kExclusive ? "an " : "a ", ModeName(r.mode),
+        " node, and every node that could take it is ",
         ModeName(r.mode == Mode::kShared ? Mode::kExclusive : Mode::kShared), " (",
         NameList(other), ")"));
   }
