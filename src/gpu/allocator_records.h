@@ -1,6 +1,6 @@
 // The allocator's ledger records: one struct per record type, each with its
 // EncodeTo and DecodeFrom (as leveldb's db/version_edit.h), apart from the
-// state that applies them (allocator.cc). Private to libdeepnex.
+// state that applies them (AllocatorState). Private to libdeepnex.
 //
 // The encoding is the ledger's format on disk (gpu/codec.h): a record is its
 // type byte, then its fields. Old state directories must replay, so a field
@@ -38,7 +38,7 @@ enum RecordType : uint8_t {
 // One allocation (one part of a gang) as the allocator keeps and logs it.
 struct AllocRec {
   // Its id, GPU indices and UUIDs and env are derived from `num`, `pos`
-  // and the node (filled in when applied); the rest is logged.
+  // and the node (Placement::Book fills them in); the rest is logged.
   Allocation a;
   uint64_t num = 0;
   std::vector<int> pos;  // GPU positions in the node's spec
