@@ -239,9 +239,8 @@ class Allocator {
   // inconsistency (double-booked exclusive GPU, overcommitted memory, ...).
   absl::Status CheckInvariants() const;
 
-  class Impl;
-
  private:
+  class Impl;
   explicit Allocator(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
