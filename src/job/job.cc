@@ -139,6 +139,12 @@ class AllocationSource {
       }
       for (gpu::Node node : nodes) {
         node.mode = o.gpu_mode;
+        // Slurm's GRES counts GPUs and says nothing of their memory: any
+        // request's memory fits, so only the count limits here, and the
+        // backend's scheduler holds the GPUs themselves.
+        for (gpu::Gpu& g : node.gpus) {
+          if (g.memory == 0) g.memory = uint64_t{1} << 50;
+        }
         DEEPNEX_RETURN_IF_ERROR(a->local_->AddNode(node));
       }
     } else {
