@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/grpc_util.h"
+#include "core/net.h"
 #include "core/timer.h"
 #include "deepnex/auth.h"
 #include "deepnex/collective/store.h"
@@ -292,6 +293,7 @@ class StoreServerImpl final : public StoreServer {
     ServerHostOptions host;
     host.what = "store server";
     host.address = options.address;
+    host.advertise = options.advertise;
     host.tls_cert_file = options.tls_cert_file;
     host.tls_key_file = options.tls_key_file;
     host.max_receive_bytes = options.max_value_bytes + (1 << 20);
@@ -317,6 +319,7 @@ class StoreServerImpl final : public StoreServer {
 absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Create(
     const StoreServerOptions& options) {
   if (options.address.empty()) return absl::InvalidArgumentError("address is empty");
+  DEEPNEX_RETURN_IF_ERROR(ValidateAdvertiseHost("advertise", options.advertise));
   DEEPNEX_ASSIGN_OR_RETURN(TokenTable tokens,
                            TokenTable::FromOptions(options.token, options.token_file));
   auto server = std::make_unique<StoreServerImpl>(options, std::move(tokens));

@@ -1,6 +1,7 @@
 #include "core/grpc_util.h"
 
 #include "core/file_util.h"
+#include "core/net.h"
 
 #include <google/protobuf/message_lite.h>
 #include <grpcpp/generic/generic_stub.h>
@@ -139,8 +140,8 @@ absl::StatusOr<std::unique_ptr<ServerHost>> ServerHost::Start(
   builder.AddListeningPort(address, credentials, &port);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) return cannot(why);
-  return std::unique_ptr<ServerHost>(
-      new ServerHost(std::move(server), address.substr(0, address.rfind(':')), port));
+  return std::unique_ptr<ServerHost>(new ServerHost(
+      std::move(server), AdvertisedAddress(address, options.advertise, port), port));
 }
 
 grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status) {

@@ -51,6 +51,9 @@ struct ServerHostOptions {
   std::string what;
   // "HOST:PORT"; port 0 picks a free one.
   std::string address;
+  // The host peers dial (AdvertisedAddress in core/net.h); empty: the listen
+  // host, or this host's primary address when that is a wildcard.
+  std::string advertise;
   // TLS from these PEM files when both are given, else insecure.
   std::string tls_cert_file;
   std::string tls_key_file;
@@ -77,8 +80,9 @@ class ServerHost {
       const ServerHostOptions& options, const std::vector<grpc::Service*>& services);
   ~ServerHost() { Stop(); }
 
-  // The address with the bound port, e.g. "127.0.0.1:41234".
-  std::string address() const { return host_ + ":" + std::to_string(port_); }
+  // The address peers dial, with the bound port, e.g. "127.0.0.1:41234";
+  // never a wildcard.
+  const std::string& address() const { return address_; }
   int port() const { return port_; }
 
   // Stops taking calls, cancels those still open after 200 ms, and returns
@@ -89,11 +93,11 @@ class ServerHost {
   void Wait();
 
  private:
-  ServerHost(std::unique_ptr<grpc::Server> server, std::string host, int port)
-      : server_(std::move(server)), host_(std::move(host)), port_(port) {}
+  ServerHost(std::unique_ptr<grpc::Server> server, std::string address, int port)
+      : server_(std::move(server)), address_(std::move(address)), port_(port) {}
 
   const std::unique_ptr<grpc::Server> server_;
-  const std::string host_;
+  const std::string address_;
   const int port_;
   std::once_flag stop_once_;
   std::mutex mu_;

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
+#include "core/net.h"
 #include "deepnex/auth.h"
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/gpu/central.h"
@@ -473,6 +474,7 @@ class CentralServerImpl final : public CentralServer {
     ServerHostOptions host;
     host.what = "central server";
     host.address = options.address;
+    host.advertise = options.advertise;
     host.tls_cert_file = options.tls_cert_file;
     host.tls_key_file = options.tls_key_file;
     DEEPNEX_ASSIGN_OR_RETURN(host_, ServerHost::Start(host, services));
@@ -522,6 +524,7 @@ absl::StatusOr<std::unique_ptr<CentralServer>> CentralServer::Create(
 absl::StatusOr<std::unique_ptr<CentralServer>> CreateCentralServer(
     const CentralServerOptions& options, const CentralExtensionFactory& extension) {
   if (options.address.empty()) return absl::InvalidArgumentError("address is empty");
+  DEEPNEX_RETURN_IF_ERROR(ValidateAdvertiseHost("advertise", options.advertise));
   DEEPNEX_ASSIGN_OR_RETURN(TokenTable tokens,
                            TokenTable::FromOptions(options.token, options.token_file));
   if (!options.token.empty()) {

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/file_util.h"
 #include "core/grpc_util.h"
+#include "core/net.h"
 #include "deepnex/auth.h"
 #include "deepnex/metrics.h"
 #include "ps/service.h"
@@ -60,6 +61,7 @@ absl::Status ServerOptions::Validate() const {
     return bad(absl::StrCat("num_workers=", num_workers, ": must be at least 1"));
   }
   if (address.empty()) return bad("address is empty");
+  DEEPNEX_RETURN_IF_ERROR(ValidateAdvertiseHost("advertise", advertise));
   if (max_message_bytes < 1024) {
     return bad(absl::StrCat("max_message_bytes=", max_message_bytes,
                             ": must be at least 1024"));
@@ -115,6 +117,7 @@ class ServerImpl final : public Server {
     ServerHostOptions host;
     host.what = "ps server";
     host.address = options_.address;
+    host.advertise = options_.advertise;
     host.tls_cert_file = options_.tls_cert_file;
     host.tls_key_file = options_.tls_key_file;
     host.max_receive_bytes = options_.max_message_bytes;
