@@ -577,7 +577,7 @@ class JobImpl : public Job {
   // job that runs).
   void WriteRecord() {
     nlohmann::json allocations = nlohmann::json::array();
-    for (const auto& a : grants_) {
+    for (const auto& a : Allocations()) {
       nlohmann::json gpus = nlohmann::json::array();
       for (const auto& g : a.gpus) gpus.push_back(g.index);
       allocations.push_back({{"id", a.id}, {"node", a.node}, {"gpus", gpus},
