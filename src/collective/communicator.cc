@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "collective/work.h"
+#include "core/net.h"
 
 namespace deepnex::collective {
 
@@ -86,7 +87,8 @@ absl::Status CommunicatorOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("shm_buffer_bytes=", shm_buffer_bytes, ": must be at least 4096"));
   }
-  return absl::OkStatus();
+  // Told to the other ranks, who dial it.
+  return ValidateAdvertiseHost("host", host);
 }
 
 CommunicatorOptions CommunicatorOptions::FromContext(const Context& context) {

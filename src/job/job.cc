@@ -46,7 +46,9 @@ bool ValidJobName(const std::string& name) {
 
 // A port the OS considers free now. The parameter servers listen on fixed
 // ports (not :0) so that one restarted by its policy comes back where the
-// workers already look for it.
+// workers already look for it. For a server on another node this is only a
+// likely free port there; one that is taken ends the server at once, and
+// the job with "ended before serving".
 absl::StatusOr<int> ReservePort() {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", strerror(errno)));
@@ -586,7 +588,7 @@ class JobImpl : public Job {
   // job that runs).
   void WriteRecord() {
     nlohmann::json allocations = nlohmann::json::array();
-    for (const auto& a : grants_) {
+    for (const auto& a : Allocations()) {
       nlohmann::json gpus = nlohmann::json::array();
       for (const auto& g : a.gpus) gpus.push_back(g.index);
       allocations.push_back({{"id", a.id}, {"node", a.node}, {"gpus", gpus},

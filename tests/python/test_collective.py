@@ -323,6 +323,10 @@ def test_host_is_the_address_other_ranks_reach_this_one_at(store):
         collective.Communicator(0, 2, store=store.address, prefix="badhost", timeout=5,
                                 host="deepnex-no-such-host.invalid")
     assert 'cannot resolve host "deepnex-no-such-host.invalid"' in str(e.value)
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        collective.Communicator(0, 2, store=store.address, prefix="badhost", timeout=5,
+                                host="0.0.0.0")
+    assert str(e.value) == 'host "0.0.0.0": peers cannot dial a wildcard address'
 
 
 def _private_dev_shm_prefix():

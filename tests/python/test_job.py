@@ -435,3 +435,18 @@ def test_run_with_central_refuses_a_node_that_is_not_this_host(jobs, tmp_path):
         assert alice.allocations() == []
     finally:
         stop_central(proc)
+
+
+def test_nodes_and_advertise_address_from_python(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEEPNEX_RUN_DIR", str(tmp_path / "run"))
+    lines = []
+    result = deepnex.job.run(["sh", "-c", "echo $DEEPNEX_STORE_ADDR $MASTER_ADDR"], workers=1,
+                             nodes=1, mode="allreduce", advertise_address="localhost",
+                             output=lambda who, line: lines.append(line))
+    assert result.exit_code == 0
+    [line] = lines
+    assert re.fullmatch(r"localhost:\d+ localhost", line), line
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        deepnex.job.run(["true"], workers=2, nodes=2, mode="allreduce")
+    assert str(e.value).startswith("nodes: 2: the process backend runs every container on this "
+                                   "host"), str(e.value)

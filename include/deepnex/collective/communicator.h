@@ -36,7 +36,9 @@ absl::StatusOr<Backend> ParseBackend(const std::string& name);
 
 // How the cpu backend moves bytes between ring neighbours.
 enum class Transport {
-  kAuto,  // shared memory between ranks on one host, TCP otherwise
+  kAuto,  // shared memory between ranks on one host that can map each
+          // other's segments (tried at init; a pair that cannot, e.g. one
+          // with its own /dev/shm, says so on stderr), TCP otherwise
   kTcp,   // TCP always
   kShm,   // shared memory; FailedPrecondition if a neighbour is on another host
 };
