@@ -56,3 +56,32 @@ def job_env(clean_job_env):
     clean_job_env.setenv("DEEPNEX_RANK", "1")
     clean_job_env.setenv("DEEPNEX_WORLD_SIZE", "4")
     return clean_job_env
+
+
+@pytest.fixture(scope="session")
+def _simulated_hosts():
+    """Why simulated hosts cannot be made here (None when they can); the
+    first test that wants them also removes what a killed run left."""
+    import _hosts
+    why = _hosts.unavailable()
+    if why is None:
+        _hosts.cleanup_leftovers()
+    return why
+
+
+@pytest.fixture
+def make_hosts(_simulated_hosts, request):
+    """make_hosts({"h1": 11, "h2": 12}): simulated hosts 10.77.0.11 and .12
+    (tests/python/_hosts.py), up, and torn down with everything running on
+    them when the test ends, passed or failed. Skips without root or the
+    tools."""
+    if _simulated_hosts:
+        pytest.skip(_simulated_hosts)
+    import _hosts
+
+    def make(hosts):
+        h = _hosts.Hosts(hosts)
+        request.addfinalizer(h.down)
+        return h.up()
+
+    return make

@@ -1,0 +1,296 @@
+"""deepnex across simulated hosts (tests/python/_hosts.py): network and UTS
+namespaces on a bridge in 10.77.0.0/24, on this one machine. The harness
+itself, collectives and the parameter server between hosts, and partitions.
+Everything skips without root (the make_hosts fixture says why).
+
+Each test's processes run on its hosts through the harness and die with
+them, whether the test passes or fails. There is no delay emulation (no
+netem in this kernel): partitions drop packets, so peers see timeouts."""
+
+import os
+import re
+import select
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import _hosts
+from _wait import wait_for
+
+BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
+                           os.path.join(os.path.dirname(__file__), "..", "..", "build"))
+PS_BIN = os.path.abspath(os.path.join(BUILD_DIR, "bin", "deepnex-ps"))
+STORE_BIN = os.path.abspath(os.path.join(BUILD_DIR, "bin", "deepnex-store"))
+PY = sys.executable
+
+
+def read_line(proc, timeout=30):
+    """The next line of proc's stdout, failing the test after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    line = ""
+    while not line.endswith("\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+            pytest.fail(f"waited {timeout} s for a line from {proc.args}; got {line!r}")
+        chunk = proc.stdout.readline()
+        if not chunk:
+            pytest.fail(f"{proc.args} exited {proc.wait()} before a line; got {line!r}")
+        line += chunk
+    return line
+
+
+def start_daemon(hosts, host, binary, *args):
+    """binary --listen <host's address>:0 args on host; (Popen, address)."""
+    if not os.path.exists(binary):
+        pytest.skip(f"{binary} not built")
+    proc = hosts.popen(host, [binary, "--listen", f"{hosts.address(host)}:0", *args],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = read_line(proc)
+    name = os.path.basename(binary)
+    assert line.startswith(f"{name} listening on {hosts.address(host)}:"), line
+    return proc, line.split()[3]
+
+
+def finish(proc, timeout=90):
+    """(exit code, output) of proc; kills it and fails after `timeout` s."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"{proc.args} hung; output:\n{out}")
+    return proc.returncode, out
+
+
+# ---- the harness
+
+TCP_ECHO = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket()
+    s.bind((sys.argv[1], 0))
+    s.listen()
+    print(s.getsockname()[1], flush=True)
+    while True:
+        c, peer = s.accept()
+        c.sendall(f"{socket.gethostname()} saw {peer[0]}\\n".encode())
+        c.close()
+""")
+
+DIAL = textwrap.dedent("""
+    import socket, sys
+    try:
+        c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
+        print(c.makefile().readline().strip())
+    except OSError as e:
+        print(type(e).__name__)
+""")
+
+
+def dial(hosts, host, target, port, timeout=5.0):
+    """What host `host` gets when it dials target:port: the peer's greeting,
+    or the name of the error."""
+    return hosts.run(host, [PY, "-c", DIAL, target, str(port), str(timeout)],
+                     timeout=timeout + 30).stdout.strip()
+
+
+def test_hosts_have_their_own_names_and_addresses_and_talk_over_tcp(make_hosts):
+    hosts = make_hosts({"h1": 11, "h2": 12})
+    assert hosts.run("h1", ["hostname"]).stdout == "h1\n"
+    assert hosts.run("h2", ["hostname"]).stdout == "h2\n"
+    assert hosts.run("h1", ["hostname", "-I"]).stdout.split() == ["10.77.0.11"]
+    # Each host's /etc/hosts names every simulated host; the machine's is untouched.
+    assert hosts.run("h2", ["getent", "hosts", "h1"]).stdout.split() == ["10.77.0.11", "h1"]
+    assert subprocess.run(["getent", "hosts", "h1"], capture_output=True).returncode != 0
+    echo = hosts.popen("h2", [PY, "-c", TCP_ECHO, "0.0.0.0"], stdout=subprocess.PIPE, text=True)
+    port = int(read_line(echo))
+    assert dial(hosts, "h1", "h2", port) == "h2 saw 10.77.0.11"
+    assert dial(hosts, "h1", "10.77.0.12", port) == "h2 saw 10.77.0.11"
+    # The machine itself has no route into the simulated network.
+    r = subprocess.run([PY, "-c", DIAL, "10.77.0.12", str(port), "1"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.stdout.strip() != "h2 saw 10.77.0.11"
+
+
+def test_partition_and_heal_one_host_or_one_link(make_hosts):
+    hosts = make_hosts({"h1": 11, "h2": 12, "h3": 13})
+    echo = hosts.popen("h2", [PY, "-c", TCP_ECHO, "10.77.0.12"], stdout=subprocess.PIPE,
+                       text=True)
+    port = int(read_line(echo))
+    hosts.partition("h2")
+    # Dropped, not refused: the dialer times out.
+    assert dial(hosts, "h1", "h2", port, timeout=1) == "TimeoutError"
+    assert dial(hosts, "h3", "h2", port, timeout=1) == "TimeoutError"
+    # h2's own loopback and its own address still work.
+    assert dial(hosts, "h2", "10.77.0.12", port) == "h2 saw 10.77.0.12"
+    hosts.heal()
+    assert dial(hosts, "h1", "h2", port) == "h2 saw 10.77.0.11"
+    hosts.partition("h2", "h1")
+    assert dial(hosts, "h1", "h2", port, timeout=1) == "TimeoutError"
+    assert dial(hosts, "h3", "h2", port) == "h2 saw 10.77.0.13"
+    hosts.heal("h2")
+    assert dial(hosts, "h1", "h2", port) == "h2 saw 10.77.0.11"
+
+
+SINK = textwrap.dedent("""
+    import socket, sys, time
+    s = socket.socket()
+    s.bind((sys.argv[1], 0))
+    s.listen()
+    print(s.getsockname()[1], flush=True)
+    c, _ = s.accept()
+    n, start = 0, None
+    while True:
+        b = c.recv(1 << 20)
+        if not b:
+            break
+        start = start or time.monotonic()
+        n += len(b)
+    print(n / (time.monotonic() - start), flush=True)
+""")
+
+SOURCE = textwrap.dedent("""
+    import socket, sys
+    c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
+    buf = b"x" * (1 << 20)
+    for _ in range(int(sys.argv[3])):
+        c.sendall(buf)
+    c.close()
+""")
+
+
+def test_bandwidth_cap_holds_a_link_to_its_rate(make_hosts):
+    hosts = make_hosts({"h1": 11, "h2": 12})
+    hosts.cap("h1", "200mbit")
+    sink = hosts.popen("h2", [PY, "-c", SINK, "10.77.0.12"], stdout=subprocess.PIPE, text=True)
+    port = read_line(sink).strip()
+    hosts.run("h1", [PY, "-c", SOURCE, "10.77.0.12", port, "12"])
+    rate = float(read_line(sink))
+    # 200 Mbit/s is 25 MB/s; uncapped, the link moves 600+ MB/s here.
+    assert 15e6 < rate < 30e6, rate
+    hosts.cap("h1", None)
+
+
+def test_leftovers_of_a_killed_run_are_removed_and_live_ones_kept(make_hosts):
+    live = make_hosts({"h1": 11})
+    # `_hosts.py up` hands its hosts to its parent, a shell that then exits:
+    # exactly what a killed test run leaves.
+    out = subprocess.run(["sh", "-c", f"{PY} {_hosts.__file__} up a=21"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.strip()
+    tag = os.path.basename(out)
+    assert os.path.exists(f"/run/netns/{tag}-a")
+    removed = _hosts.cleanup_leftovers()
+    assert tag in removed and live.tag not in removed
+    assert not os.path.exists(f"/run/netns/{tag}-a") and not os.path.exists(out)
+    assert subprocess.run(["ip", "link", "show", f"{tag}b"], capture_output=True).returncode != 0
+    assert live.run("h1", ["hostname"]).stdout == "h1\n"
+
+
+# ---- collectives across hosts
+
+RANK = textwrap.dedent("""
+    import sys, time, numpy as np, deepnex
+    from deepnex import collective
+    store, r, n, prefix, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
+    comm = collective.Communicator(r, n, store=store, prefix=prefix, timeout=timeout)
+    print("transport", comm.transport, flush=True)
+    for dtype in (np.float32, np.float64, np.float16, np.int32, np.int64):
+        for op in ("sum", "mean", "max", "min", "prod"):
+            for size in (0, 1, 7, 1001, 300007):
+                i = np.arange(size)
+                vals = [((i + k) % 3 + 1) if op == "prod" else (i * 7 + 3 * k) % 11 + k
+                        for k in range(n)]
+                x = vals[r].astype(dtype)
+                comm.allreduce(x, op=op)
+                stack = np.stack(vals).astype(np.float64)
+                want = {"sum": stack.sum(0), "prod": stack.prod(0), "max": stack.max(0),
+                        "min": stack.min(0), "mean": stack.sum(0)}[op]
+                if op == "mean":
+                    if np.issubdtype(dtype, np.integer):
+                        want = np.trunc(want / n)
+                    elif dtype == np.float64:
+                        want = want / n
+                    else:
+                        want = (want.astype(np.float32) / np.float32(n)).astype(dtype)
+                np.testing.assert_array_equal(x, want.astype(dtype), err_msg=f"{dtype} {op} {size}")
+    x = np.full((4, 5), r, np.float32)
+    comm.broadcast(x, root=n - 1)
+    assert (x == n - 1).all()
+    g = comm.allgather(np.full(7, r + 1, np.int64))
+    np.testing.assert_array_equal(g[:, 0], np.arange(1, n + 1))
+    y = np.arange(2 * n * 2, dtype=np.float64).reshape(2 * n, 2) + r
+    out = comm.reduce_scatter(y)
+    np.testing.assert_array_equal(out, n * np.arange(4 * n).reshape(2 * n, 2)[2 * r:2 * r + 2] + n * (n - 1) / 2)
+    comm.barrier()
+    if len(sys.argv) > 6:            # then wait for a partition, and time the failure
+        open(sys.argv[6] + f".{r}", "w").close()
+        while not __import__("os").path.exists(sys.argv[6]):
+            time.sleep(0.01)
+        start = time.monotonic()
+        try:
+            comm.allreduce(np.ones(1 << 20, np.float32))
+            print("no error", flush=True)
+        except (deepnex.DeadlineExceededError, deepnex.UnavailableError) as e:
+            print(f"failed {type(e).__name__} {time.monotonic() - start:.1f} {e}", flush=True)
+            sys.exit(3)
+    print("ok", flush=True)
+""")
+
+
+def start_ranks(hosts, placement, store, prefix, timeout=30, extra=(), private_shm=False):
+    """One rank process per entry of placement (the host of rank r)."""
+    n = len(placement)
+    return [hosts.popen(host, [PY, "-c", RANK, store, str(r), str(n), prefix, str(timeout),
+                               *extra],
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        private_shm=private_shm)
+            for r, host in enumerate(placement)]
+
+
+def test_collectives_across_three_hosts_are_exact_over_shm_and_tcp(make_hosts):
+    """Ranks 0 and 1 on h1 (shared memory between them), rank 2 on h2 (TCP),
+    the store on h3."""
+    hosts = make_hosts({"h1": 11, "h2": 12, "h3": 13})
+    store, store_addr = start_daemon(hosts, "h3", STORE_BIN)
+    ranks = start_ranks(hosts, ["h1", "h1", "h2"], store_addr, "x3")
+    results = [finish(p) for p in ranks]
+    for code, out in results:
+        assert code == 0 and out.endswith("ok\n"), out
+    transports = [re.search(r"^transport (\S+)", out, re.M).group(1) for _, out in results]
+    # The ring 0 -> 1 -> 2 -> 0: only the edge inside h1 is shared memory.
+    assert transports == ["shm+tcp", "shm+tcp", "tcp"]
+
+
+def test_ranks_that_cannot_share_memory_fall_back_to_tcp(make_hosts):
+    """Two ranks on one host name whose /dev/shm are private to each (as two
+    containers with the same hostname): the shm probe fails and they use
+    TCP, with exact results."""
+    hosts = make_hosts({"h1": 11, "h2": 12})
+    store, store_addr = start_daemon(hosts, "h2", STORE_BIN)
+    ranks = start_ranks(hosts, ["h1", "h1"], store_addr, "private", private_shm=True)
+    results = [finish(p) for p in ranks]
+    for code, out in results:
+        assert code == 0 and out.endswith("ok\n"), out
+        assert re.search(r"^transport tcp$", out, re.M), out
+
+
+def test_a_partitioned_rank_fails_every_rank_within_the_timeout(make_hosts, tmp_path):
+    hosts = make_hosts({"h1": 11, "h2": 12, "h3": 13})
+    store, store_addr = start_daemon(hosts, "h3", STORE_BIN)
+    gate = str(tmp_path / "partitioned")
+    timeout = 5
+    ranks = start_ranks(hosts, ["h1", "h2"], store_addr, "part", timeout=timeout,
+                        extra=[gate])
+    wait_for(lambda: all(os.path.exists(f"{gate}.{r}") or ranks[r].poll() is not None
+                         for r in range(2)), "both ranks past their first collectives")
+    hosts.partition("h2")
+    open(gate, "w").close()
+    for p in ranks:
+        code, out = finish(p, timeout=timeout + 30)
+        assert code == 3, out
+        m = re.search(r"^failed (\S+) ([\d.]+)", out, re.M)
+        # Within the collective's timeout (and a margin for a loaded machine).
+        assert float(m.group(2)) <= timeout + 3, out
