@@ -294,3 +294,119 @@ def test_a_partitioned_rank_fails_every_rank_within_the_timeout(make_hosts, tmp_
         m = re.search(r"^failed (\S+) ([\d.]+)", out, re.M)
         # Within the collective's timeout (and a margin for a loaded machine).
         assert float(m.group(2)) <= timeout + 3, out
+
+
+# ---- the parameter server across hosts
+
+WORKER = textwrap.dedent("""
+    import os, sys, time, numpy as np, deepnex
+    addrs, w, steps, timeout = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    gate, pause_before = (sys.argv[5], int(sys.argv[6])) if len(sys.argv) > 6 else ("", 0)
+    c = deepnex.ps.Client(addrs, worker_id=w, partition_bytes=512, timeout=timeout)
+    c.init({"w": np.zeros(1000, np.float32)})
+    for t in range(1, steps + 1):
+        if t == pause_before:        # the test partitions a host here
+            open(f"{gate}.{w}", "w").close()
+            while not os.path.exists(gate):
+                time.sleep(0.01)
+        start = time.monotonic()
+        try:
+            out = c.push_pull({"w": np.full(1000, (w + 1) * t, np.float32)})["w"]
+        except deepnex.DeepnexError as e:
+            print(f"failed {t} {type(e).__name__} {time.monotonic() - start:.1f} {e}", flush=True)
+            sys.exit(3)
+        print(f"step {t} {time.monotonic() - start:.1f}", flush=True)
+    print("final " + " ".join(str(x) for x in np.unique(out)), flush=True)
+""")
+
+
+def start_workers(hosts, placement, addrs, steps, timeout=60, gate=None, pause_before=0):
+    extra = [gate, str(pause_before)] if gate else []
+    return [hosts.popen(host, [PY, "-c", WORKER, ",".join(addrs), str(w), str(steps),
+                               str(timeout), *extra],
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for w, host in enumerate(placement)]
+
+
+def final(out):
+    return [float(v) for v in re.search(r"^final (.*)$", out, re.M).group(1).split()]
+
+
+def step_seconds(out, t):
+    return float(re.search(rf"^step {t} ([\d.]+)$", out, re.M).group(1))
+
+
+def test_two_servers_on_two_hosts_and_workers_on_a_third_are_exact(make_hosts):
+    hosts = make_hosts({"h1": 11, "h2": 12, "h3": 13})
+    servers = [start_daemon(hosts, h, PS_BIN, "--mode", "sync", "--workers", "2",
+                            "--optimizer", "sgd", "--lr", "0.5", "--reduction", "sum")
+               for h in ("h1", "h2")]
+    addrs = [a for _, a in servers]
+    assert [a.rsplit(":", 1)[0] for a in addrs] == ["10.77.0.11", "10.77.0.12"]
+    steps = 6
+    results = [finish(p) for p in start_workers(hosts, ["h3", "h3"], addrs, steps)]
+    for code, out in results:
+        assert code == 0, out
+        # 1000 float32 in 512-byte partitions: 8 of them, over both servers.
+        assert final(out) == [-0.5 * sum(3 * t for t in range(1, steps + 1))], out
+
+
+@pytest.mark.parametrize("policy", ["shrink", "abort"])
+def test_a_partitioned_worker_host_expires_its_lease_and_never_hangs_the_round(
+        make_hosts, tmp_path, policy):
+    """Worker 0 on h2, worker 1 on h3, the server on h1; h3 is cut off
+    before round k+1. Shrink: the round completes without worker 1 once its
+    lease expires, and worker 0 finishes with exact values. Abort: worker 0's
+    round fails naming worker 1. Worker 1 fails within its own deadline."""
+    hosts = make_hosts({"h1": 11, "h2": 12, "h3": 13})
+    lease, k, steps, timeout = 2.0, 3, 6, 8
+    _, addr = start_daemon(hosts, "h1", PS_BIN, "--mode", "sync", "--workers", "2",
+                           "--optimizer", "sgd", "--lr", "0.5", "--reduction", "sum",
+                           "--lease-timeout", str(lease), "--lease-policy", policy)
+    gate = str(tmp_path / "partitioned")
+    workers = start_workers(hosts, ["h2", "h3"], [addr], steps, timeout=timeout, gate=gate,
+                            pause_before=k + 1)
+    wait_for(lambda: all(os.path.exists(f"{gate}.{w}") or workers[w].poll() is not None
+                         for w in range(2)), "both workers done with round k")
+    hosts.partition("h3")
+    open(gate, "w").close()
+    code, out = finish(workers[0], timeout=timeout + 30)
+    if policy == "shrink":
+        assert code == 0, out
+        # Rounds 1..k from both (1 + 2), k+1.. from worker 0 alone.
+        expected = -0.5 * (sum(3 * t for t in range(1, k + 1)) + sum(range(k + 1, steps + 1)))
+        assert final(out) == [expected], out
+        assert step_seconds(out, k + 1) <= lease + 2, out
+    else:
+        assert code == 3, out
+        m = re.search(r"^failed (\d+) (\S+) ([\d.]+) (.*)$", out, re.M)
+        assert (int(m.group(1)), m.group(2)) == (k + 1, "AbortedError"), out
+        assert "worker 1" in m.group(4) and float(m.group(3)) <= lease + 2, out
+    code, out = finish(workers[1], timeout=timeout + 30)
+    assert code == 3, out
+    m = re.search(r"^failed (\d+) (\S+) ([\d.]+) (.*)$", out, re.M)
+    assert int(m.group(1)) == k + 1, out
+    assert m.group(2) in ("DeadlineExceededError", "UnavailableError"), out
+    assert float(m.group(3)) <= timeout + 3, out
+
+
+def test_workers_of_a_partitioned_server_host_fail_in_time_naming_it(make_hosts, tmp_path):
+    hosts = make_hosts({"h1": 11, "h2": 12})
+    k, steps, timeout = 2, 5, 5
+    _, addr = start_daemon(hosts, "h1", PS_BIN, "--mode", "sync", "--workers", "2",
+                           "--optimizer", "sgd", "--lr", "0.5", "--reduction", "sum")
+    gate = str(tmp_path / "partitioned")
+    workers = start_workers(hosts, ["h2", "h2"], [addr], steps, timeout=timeout, gate=gate,
+                            pause_before=k + 1)
+    wait_for(lambda: all(os.path.exists(f"{gate}.{w}") or workers[w].poll() is not None
+                         for w in range(2)), "both workers done with round k")
+    hosts.partition("h1")
+    open(gate, "w").close()
+    for p in workers:
+        code, out = finish(p, timeout=timeout + 30)
+        assert code == 3, out
+        m = re.search(r"^failed (\d+) (\S+) ([\d.]+) (.*)$", out, re.M)
+        assert int(m.group(1)) == k + 1, out
+        assert m.group(2) in ("DeadlineExceededError", "UnavailableError"), out
+        assert float(m.group(3)) <= timeout + 3, out
+        assert addr in m.group(4), out
