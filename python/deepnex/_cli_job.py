@@ -1,10 +1,11 @@
 """The job commands of the deepnex CLI:
 
-    deepnex run [--workers N] [--ps M] [--mode sync|ssp:S|async|allreduce]
+    deepnex run [--workers N [--nodes K]] [--ps M] [--mode sync|ssp:S|async|allreduce]
                 [--gpus-per-worker K --gpu-mode exclusive|shared --gpu-memory 8GiB]
                 [--cpus C --memory 4GiB] [--backend process|oci|docker|slurm|kubernetes]
                 [--mount SRC:DST[:ro] ... --workdir D]
                 [--central ADDR [--token T | --token-file F] [--user U]]
+                [--advertise-address ADDR]
                 [--restart on-failure:3] [--checkpoint-dir D]
                 [--optimizer sgd|adam|adagrad --lr LR [--momentum M]] -- python3 train.py ARGS
     deepnex top                 the jobs running on this machine, their GPUs and usage
@@ -40,7 +41,8 @@ def _run(args) -> int:
     except DeepnexError as e:
         _notice(e)
         return 2
-    options = dict(mounts=mounts, working_dir=args.workdir, workers=args.workers, ps=args.ps,
+    options = dict(mounts=mounts, working_dir=args.workdir, workers=args.workers,
+                   nodes=args.nodes, advertise_address=args.advertise_address, ps=args.ps,
                    mode=args.mode, gpus_per_worker=args.gpus_per_worker, gpu_mode=args.gpu_mode,
                    gpu_memory=args.gpu_memory or 0, cpus=args.cpus, memory=args.memory or 0,
                    backend=args.backend, central=args.central, user=args.user,
@@ -151,6 +153,14 @@ def add_commands(commands) -> None:
         usage="deepnex run [options] -- COMMAND [ARGS ...]")
     run.add_argument("--workers", "--nproc-per-node", dest="workers", type=int, default=1,
                      help="worker processes (default 1); --nproc-per-node as in torchrun")
+    run.add_argument("--nodes", type=int, default=0,
+                     help="spread the workers over N nodes, as evenly as possible, as srun -N "
+                          "(a backend that places on nodes: slurm, kubernetes); parameter "
+                          "servers go to the same nodes (default: where they fit)")
+    run.add_argument("--advertise-address", default=None, metavar="ADDR",
+                     help="the host the job's processes reach this one at (its store, "
+                          "MASTER_ADDR); default 127.0.0.1 when the whole job is local, else "
+                          "this host's primary address")
     run.add_argument("--ps", type=int, default=None,
                      help="parameter servers (default 1, or 0 with --mode allreduce)")
     run.add_argument("--mode", default="sync",

@@ -27,13 +27,16 @@ def _seconds(timeout, default):
 
 
 class Store:
-    """A rendezvous store served from this process until ``stop()``."""
+    """A rendezvous store served from this process until ``stop()``.
+
+    ``advertise`` is the host peers dial, put in ``address`` (default: the
+    listen host; for "0.0.0.0" or "[::]" this host's primary address)."""
 
     def __init__(self, address="127.0.0.1:0", token=None, token_file=None,
-                 max_value_bytes=64 << 20):
+                 max_value_bytes=64 << 20, advertise=None):
         self._server = _C.collective.StoreServer(
             address=address, token=token or "", token_file=token_file or "",
-            max_value_bytes=int(max_value_bytes))
+            max_value_bytes=int(max_value_bytes), advertise=advertise or "")
 
     @property
     def address(self):
@@ -179,18 +182,20 @@ class Communicator:
     created at the first CUDA collective, as torch's "cpu:gloo,cuda:nccl"
     does), "cpu" or "nccl". timeout: seconds
     for init and for each collective. transport (cpu): "auto" (shared memory
-    between ranks on one host, TCP otherwise), "tcp" or "shm"; the variable
-    DEEPNEX_COLLECTIVE_TRANSPORT overrides it.
+    between ranks on one host that can open each other's segments, TCP
+    otherwise), "tcp" or "shm"; the variable DEEPNEX_COLLECTIVE_TRANSPORT
+    overrides it. host (cpu): the address other ranks reach this one at
+    (default: this host's address on the route to the store).
     """
 
     def __init__(self, rank, world_size, store="", backend="auto", timeout=30.0,
                  prefix="deepnex", transport="auto", connections_per_peer=2,
-                 shm_channels=2, token=None, token_file=None, device=-1):
+                 shm_channels=2, token=None, token_file=None, device=-1, host=None):
         args = dict(rank=int(rank), world_size=int(world_size), store=store, prefix=prefix,
                     backend=backend, timeout=float(timeout), transport=transport,
                     connections_per_peer=int(connections_per_peer),
                     shm_channels=int(shm_channels), token=token or "",
-                    token_file=token_file or "", device=int(device))
+                    token_file=token_file or "", device=int(device), host=host or "")
         self._comm = _C.collective.Communicator(**args)
         self._nccl = None
         self._nccl_args = None

@@ -47,7 +47,8 @@ def _ps_binary() -> Optional[str]:
 class Job:
     """A started job; see ``run``. ``stop()`` may be called from any thread."""
 
-    def __init__(self, command: Sequence[str], *, workers: int = 1, ps: Optional[int] = None,
+    def __init__(self, command: Sequence[str], *, workers: int = 1, nodes: int = 0,
+                 ps: Optional[int] = None,
                  mode: str = "sync", gpus_per_worker: int = 0, gpu_mode: str = "exclusive",
                  gpu_memory=0, cpus: float = 1, memory=0, backend: str = "process",
                  central: Optional[str] = None, central_token: Optional[str] = None,
@@ -57,8 +58,13 @@ class Job:
                  user: Optional[str] = None, env: Optional[Dict[str, str]] = None,
                  working_dir: Optional[str] = None, mounts: Sequence = (),
                  output: Optional[Callable[[str, str], None]] = None,
-                 on_event: Optional[Callable[[str], None]] = None, **launcher_options):
-        """``user``: empty with ``central``: the token's user. ``output(who,
+                 on_event: Optional[Callable[[str], None]] = None,
+                 advertise_address: Optional[str] = None, **launcher_options):
+        """``nodes``: spread the workers over this many nodes (0: where they
+        fit). ``advertise_address``: the host the job's processes reach this
+        process's store at (default: 127.0.0.1 when the whole job is local,
+        else this host's primary address).
+        ``user``: empty with ``central``: the token's user. ``output(who,
         line)`` gets what the processes print, ``on_event(message)`` what
         happens to them ("worker 1 exited(1); restarting (1/2) in 0.1s";
         default: stderr)."""
@@ -71,7 +77,8 @@ class Job:
                 sys.stderr.write(message + "\n")
                 sys.stderr.flush()
         self._job = _C.job.Job(
-            command=list(command), workers=workers, ps=-1 if ps is None else ps, mode=mode,
+            command=list(command), workers=workers, nodes=nodes,
+            ps=-1 if ps is None else ps, mode=mode,
             gpus_per_worker=gpus_per_worker, gpu_mode=gpu_mode,
             gpu_memory=_bytes(gpu_memory, "gpu_memory"), cpus=float(cpus),
             memory=_bytes(memory, "memory"), user=user or "", central=central or "",
@@ -80,7 +87,7 @@ class Job:
             checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
             optimizer=optimizer, lr=lr, momentum=momentum, ps_binary=_ps_binary() or "", env=dict(env or {}),
             working_dir=working_dir or "", mounts=_mount_args(mounts), name=name or "",
-            output=output, on_event=on_event)
+            output=output, on_event=on_event, advertise_address=advertise_address or "")
 
     @property
     def name(self) -> str:

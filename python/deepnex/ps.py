@@ -205,7 +205,9 @@ class Server:
     out of order per worker up to ``max_deferred_push_bytes``; past them a
     call fails with ``ResourceExhaustedError``.
     ``metrics_address="127.0.0.1:0"`` serves Prometheus text (see
-    ``metrics_port``).
+    ``metrics_port``). ``advertise`` is the host peers dial, put in
+    ``address`` (default: the listen host; for "0.0.0.0" or "[::]" this
+    host's primary address).
     """
 
     def __init__(self, address="127.0.0.1:0", mode="sync", num_workers=1,
@@ -217,9 +219,9 @@ class Server:
                  lease_timeout=10.0, heartbeat_interval=0.0, lease_policy="shrink",
                  keep_dead_contributions=True, name="ps", checkpoint_dir=None,
                  checkpoint_every_rounds=0, checkpoint_interval=0.0, restore=None,
-                 metrics_address=None, _drop_push_replies=0):
+                 metrics_address=None, advertise=None, _drop_push_replies=0):
         self._server = _C.ps.Server(
-            address=address, mode=mode, num_workers=num_workers, staleness=staleness,
+            address=address, advertise=advertise or "", mode=mode, num_workers=num_workers, staleness=staleness,
             reduction=reduction, optimizer=_optimizer_config(optimizer),
             reject_nonfinite=reject_nonfinite,
             max_message_bytes=byte_size(max_message_bytes, "max_message_bytes"),

@@ -85,9 +85,11 @@ void RegisterCollective(py::module_& parent) {
 
   py::class_<StoreServer>(m, "StoreServer")
       .def(py::init([](const std::string& address, const std::string& token,
-                       const std::string& token_file, uint64_t max_value_bytes) {
+                       const std::string& token_file, uint64_t max_value_bytes,
+                       const std::string& advertise) {
              StoreServerOptions o;
              o.address = address;
+             o.advertise = advertise;
              o.token = token;
              o.token_file = token_file;
              o.max_value_bytes = max_value_bytes;
@@ -95,7 +97,7 @@ void RegisterCollective(py::module_& parent) {
              return Unwrap(StoreServer::Create(o));
            }),
            py::arg("address"), py::arg("token"), py::arg("token_file"),
-           py::arg("max_value_bytes"))
+           py::arg("max_value_bytes"), py::arg("advertise") = "")
       .def_property_readonly("address", &StoreServer::address)
       .def_property_readonly("port", &StoreServer::port)
       .def("__len__", &StoreServer::size)
@@ -182,8 +184,10 @@ void RegisterCollective(py::module_& parent) {
       .def(py::init([](int rank, int world_size, const std::string& store,
                        const std::string& prefix, const std::string& backend, double timeout,
                        const std::string& transport, int connections_per_peer, int shm_channels,
-                       const std::string& token, const std::string& token_file, int device) {
+                       const std::string& token, const std::string& token_file, int device,
+                       const std::string& host) {
              CommunicatorOptions o;
+             o.host = host;
              o.rank = rank;
              o.world_size = world_size;
              o.store_address = store;
@@ -202,7 +206,7 @@ void RegisterCollective(py::module_& parent) {
            py::arg("rank"), py::arg("world_size"), py::arg("store"), py::arg("prefix"),
            py::arg("backend"), py::arg("timeout"), py::arg("transport"),
            py::arg("connections_per_peer"), py::arg("shm_channels"), py::arg("token"),
-           py::arg("token_file"), py::arg("device"))
+           py::arg("token_file"), py::arg("device"), py::arg("host") = "")
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world_size", &Communicator::world_size)
       .def_property_readonly("backend",

@@ -58,7 +58,7 @@ void RegisterJob(py::module_& parent) {
       });
 
   py::class_<Job, GilFreeHolder<Job>>(m, "Job")
-      .def(py::init([](std::vector<std::string> command, int workers, int ps,
+      .def(py::init([](std::vector<std::string> command, int workers, int nodes, int ps,
                        std::string mode, int gpus_per_worker, std::string gpu_mode,
                        uint64_t gpu_memory, double cpus, uint64_t memory, std::string user,
                        std::string central, std::string central_token,
@@ -67,10 +67,13 @@ void RegisterJob(py::module_& parent) {
                        double lr, double momentum, std::string ps_binary, std::map<std::string, std::string> env,
                        std::string working_dir,
                        std::vector<std::tuple<std::string, std::string, bool>> mounts,
-                       std::string name, py::object output, py::object on_event) {
+                       std::string name, py::object output, py::object on_event,
+                       std::string advertise_address) {
              JobOptions o;
              o.command = std::move(command);
              o.workers = workers;
+             o.nodes = nodes;
+             o.advertise_address = std::move(advertise_address);
              o.ps = ps;
              o.mode = std::move(mode);
              o.gpus_per_worker = gpus_per_worker;
@@ -105,14 +108,15 @@ void RegisterJob(py::module_& parent) {
              }
              return GilFree(Unwrap(Job::Create(o)));
            }),
-           py::kw_only(), py::arg("command"), py::arg("workers"), py::arg("ps"), py::arg("mode"),
+           py::kw_only(), py::arg("command"), py::arg("workers"), py::arg("nodes") = 0,
+           py::arg("ps"), py::arg("mode"),
            py::arg("gpus_per_worker"), py::arg("gpu_mode"), py::arg("gpu_memory"),
            py::arg("cpus"), py::arg("memory"), py::arg("user"), py::arg("central"),
            py::arg("central_token"), py::arg("central_token_file"), py::arg("launcher"),
            py::arg("restart"),
            py::arg("checkpoint_dir"), py::arg("optimizer"), py::arg("lr"), py::arg("momentum"), py::arg("ps_binary"),
            py::arg("env"), py::arg("working_dir"), py::arg("mounts"), py::arg("name"),
-           py::arg("output"), py::arg("on_event"))
+           py::arg("output"), py::arg("on_event"), py::arg("advertise_address") = "")
       .def_property_readonly("name", &Job::name)
       .def("start", [](Job& j) { CheckStatus(j.Start()); },
            py::call_guard<py::gil_scoped_release>())

@@ -122,9 +122,10 @@ void RegisterPs(py::module_& parent) {
                        const std::string& checkpoint_dir, uint64_t checkpoint_every_rounds,
                        double checkpoint_interval, const std::string& restore_dir,
                        const std::string& metrics_address,
-                       int drop_push_replies_for_testing) {
+                       int drop_push_replies_for_testing, const std::string& advertise) {
              ServerOptions o;
              o.address = address;
+             o.advertise = advertise;
              o.mode = Unwrap(ps::ParseMode(mode));
              o.num_workers = num_workers;
              o.staleness = staleness;
@@ -166,7 +167,7 @@ void RegisterPs(py::module_& parent) {
            py::arg("keep_dead_contributions"), py::arg("name"), py::arg("checkpoint_dir"),
            py::arg("checkpoint_every_rounds"), py::arg("checkpoint_interval"),
            py::arg("restore_dir"), py::arg("metrics_address"),
-           py::arg("drop_push_replies_for_testing"))
+           py::arg("drop_push_replies_for_testing"), py::arg("advertise") = "")
       .def_property_readonly("address", &Server::address)
       .def_property_readonly("port", &Server::port)
       .def_property_readonly("metrics_port", &Server::metrics_port)

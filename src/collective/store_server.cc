@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/grpc_util.h"
+#include "core/net.h"
 #include "core/timer.h"
 #include "deepnex/auth.h"
 #include "deepnex/collective/store.h"
@@ -307,11 +308,11 @@ class StoreServerImpl final : public StoreServer {
     builder.RegisterService(&service_);
     DEEPNEX_ASSIGN_OR_RETURN(
         server_, StartServer(builder, "store server", options.address, credentials, &port_));
-    host_ = options.address.substr(0, options.address.rfind(':'));
+    address_ = AdvertisedAddress(options.address, options.advertise, port_);
     return absl::OkStatus();
   }
 
-  std::string address() const override { return absl::StrCat(host_, ":", port_); }
+  std::string address() const override { return address_; }
   int port() const override { return port_; }
   size_t size() const override { return service_.size(); }
 
@@ -336,7 +337,7 @@ class StoreServerImpl final : public StoreServer {
   Service service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
-  std::string host_;
+  std::string address_;  // what peers dial (see AdvertisedAddress)
   std::once_flag stop_once_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -348,6 +349,7 @@ class StoreServerImpl final : public StoreServer {
 absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Create(
     const StoreServerOptions& options) {
   if (options.address.empty()) return absl::InvalidArgumentError("address is empty");
+  DEEPNEX_RETURN_IF_ERROR(ValidateAdvertiseHost("advertise", options.advertise));
   DEEPNEX_ASSIGN_OR_RETURN(TokenTable tokens,
                            TokenTable::FromOptions(options.token, options.token_file));
   auto server = std::make_unique<StoreServerImpl>(options, std::move(tokens));

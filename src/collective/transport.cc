@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "core/net.h"
 
 namespace deepnex::collective {
 
@@ -40,24 +41,6 @@ int MillisUntil(SteadyClock::time_point deadline, int cap_ms) {
   return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left, cap_ms)));
 }
 
-absl::StatusOr<sockaddr_in> Resolve(const std::string& host, int port) {
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) == 1) return addr;
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  addrinfo* res = nullptr;
-  int rc = getaddrinfo(host.c_str(), nullptr, &hints, &res);
-  if (rc != 0 || res == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot resolve host \"", host, "\": ", gai_strerror(rc)));
-  }
-  addr.sin_addr = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
-  freeaddrinfo(res);
-  return addr;
-}
-
 void TuneSocket(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -70,7 +53,7 @@ long Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* 
 }  // namespace
 
 absl::StatusOr<int> ListenTcp(const std::string& host, int* port) {
-  DEEPNEX_ASSIGN_OR_RETURN(sockaddr_in addr, Resolve(host, 0));
+  DEEPNEX_ASSIGN_OR_RETURN(sockaddr_in addr, ResolveIPv4(host, 0));
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return Errno("socket");
   if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || listen(fd, 128) != 0) {
@@ -86,7 +69,7 @@ absl::StatusOr<int> ListenTcp(const std::string& host, int* port) {
 
 absl::StatusOr<int> ConnectTcp(const std::string& host, int port,
                                SteadyClock::time_point deadline) {
-  DEEPNEX_ASSIGN_OR_RETURN(sockaddr_in addr, Resolve(host, port));
+  DEEPNEX_ASSIGN_OR_RETURN(sockaddr_in addr, ResolveIPv4(host, port));
   while (true) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return Errno("socket");
@@ -166,22 +149,8 @@ absl::Status ReadFully(int fd, void* data, size_t n, SteadyClock::time_point dea
 void SetNonBlocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
 std::string LocalAddressFor(const std::string& host) {
-  auto addr = Resolve(host, 9);
-  if (!addr.ok()) return "127.0.0.1";
-  int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return "127.0.0.1";
-  std::string out = "127.0.0.1";
-  if (connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) == 0) {
-    sockaddr_in local{};
-    socklen_t len = sizeof(local);
-    char text[INET_ADDRSTRLEN];
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
-        inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text)) != nullptr) {
-      out = text;
-    }
-  }
-  close(fd);
-  return out;
+  std::string routed = RouteSourceAddress(host);
+  return routed.empty() ? "127.0.0.1" : routed;
 }
 
 std::string HostId() {

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
+#include "core/net.h"
 #include "deepnex/auth.h"
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/gpu/central.h"
@@ -455,7 +456,7 @@ class CentralServerImpl final : public CentralServer {
     }
     DEEPNEX_ASSIGN_OR_RETURN(
         server_, StartServer(builder, "central server", options.address, credentials, &port_));
-    host_ = options.address.substr(0, options.address.rfind(':'));
+    address_ = AdvertisedAddress(options.address, options.advertise, port_);
     if (!options.metrics_address.empty()) {
       DEEPNEX_ASSIGN_OR_RETURN(
           metrics_, MetricsHttpServer::Create([this] { return service_->MetricsText(); },
@@ -465,7 +466,7 @@ class CentralServerImpl final : public CentralServer {
   }
 
   int metrics_port() const override { return metrics_ ? metrics_->port() : 0; }
-  std::string address() const override { return absl::StrCat(host_, ":", port_); }
+  std::string address() const override { return address_; }
   int port() const override { return port_; }
   Allocator& allocator() override { return service_->allocator(); }
   std::string MetricsText() const override { return service_->MetricsText(); }
@@ -499,7 +500,7 @@ class CentralServerImpl final : public CentralServer {
   std::unique_ptr<MetricsHttpServer> metrics_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
-  std::string host_;
+  std::string address_;  // what peers dial (see AdvertisedAddress)
   std::once_flag stop_once_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -516,6 +517,7 @@ absl::StatusOr<std::unique_ptr<CentralServer>> CentralServer::Create(
 absl::StatusOr<std::unique_ptr<CentralServer>> CreateCentralServer(
     const CentralServerOptions& options, const CentralExtensionFactory& extension) {
   if (options.address.empty()) return absl::InvalidArgumentError("address is empty");
+  DEEPNEX_RETURN_IF_ERROR(ValidateAdvertiseHost("advertise", options.advertise));
   DEEPNEX_ASSIGN_OR_RETURN(TokenTable tokens,
                            TokenTable::FromOptions(options.token, options.token_file));
   if (!options.token.empty()) {

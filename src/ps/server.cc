@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "core/file_util.h"
 #include "core/grpc_util.h"
+#include "core/net.h"
 #include "deepnex/auth.h"
 #include "deepnex/metrics.h"
 #include "deepnex/ps.grpc.pb.h"
@@ -72,6 +73,7 @@ absl::Status ServerOptions::Validate() const {
     return bad(absl::StrCat("num_workers=", num_workers, ": must be at least 1"));
   }
   if (address.empty()) return bad("address is empty");
+  DEEPNEX_RETURN_IF_ERROR(ValidateAdvertiseHost("advertise", advertise));
   if (max_message_bytes < 1024) {
     return bad(absl::StrCat("max_message_bytes=", max_message_bytes,
                             ": must be at least 1024"));
@@ -1236,7 +1238,7 @@ class ServerImpl final : public Server {
     builder.RegisterService(&service_);
     DEEPNEX_ASSIGN_OR_RETURN(
         server_, StartServer(builder, "ps server", options_.address, credentials, &port_));
-    host_ = options_.address.substr(0, options_.address.rfind(':'));
+    address_ = AdvertisedAddress(options_.address, options_.advertise, port_);
     if (!options_.metrics_address.empty()) {
       DEEPNEX_ASSIGN_OR_RETURN(
           metrics_http_, MetricsHttpServer::Create(service_.registry(),
@@ -1246,7 +1248,7 @@ class ServerImpl final : public Server {
     return absl::OkStatus();
   }
 
-  std::string address() const override { return absl::StrCat(host_, ":", port_); }
+  std::string address() const override { return address_; }
   int port() const override { return port_; }
 
   void Stop() override {
@@ -1319,7 +1321,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   int port_ = 0;
-  std::string host_;
+  std::string address_;  // what peers dial (see AdvertisedAddress)
   std::once_flag stop_once_;
   std::mutex mu_;
   std::condition_variable cv_;

@@ -26,6 +26,9 @@ every container it runs.
 flags:
   --listen HOST:PORT      address to listen on; port 0 picks a free one
                           (default 127.0.0.1:0)
+  --advertise HOST        the host peers dial, printed in "listening on"
+                          (default: the --listen host; for 0.0.0.0 or [::],
+                          this host's primary address)
   --state-dir D           keep the allocator's crash-safe ledger in D; without
                           it, state lives in memory only
   --no-fsync              do not fsync the ledger (survives a process crash,
@@ -62,6 +65,7 @@ int main(int argc, char** argv) {
   deepnex::tools::Flags flags("deepnex-central", kUsage, argc, argv);
   while (flags.Next()) {
     if (flags.Is("--listen")) options.address = flags.Value();
+    else if (flags.Is("--advertise")) options.advertise = flags.Value();
     else if (flags.Is("--state-dir")) options.allocator.state_dir = flags.Value();
     else if (flags.Is("--no-fsync")) options.allocator.fsync = false;
     else if (flags.Is("--nodes")) nodes_file = flags.Value();

@@ -20,6 +20,9 @@ Runs one parameter server of a deepnex job. Prints
 flags:
   --listen HOST:PORT      address to listen on; port 0 picks a free one
                           (default 127.0.0.1:0)
+  --advertise HOST        the host peers dial, printed in "listening on"
+                          (default: the --listen host; for 0.0.0.0 or [::],
+                          this host's primary address)
   --mode sync|ssp|async   sync: a round completes when every live worker pushed;
                           ssp: as sync, a worker may run --staleness rounds
                           ahead of the slowest; async: each push is applied at
@@ -80,6 +83,7 @@ int main(int argc, char** argv) {
   deepnex::tools::Flags flags("deepnex-ps", kUsage, argc, argv);
   while (flags.Next()) {
     if (flags.Is("--listen")) options.address = flags.Value();
+    else if (flags.Is("--advertise")) options.advertise = flags.Value();
     else if (flags.Is("--mode")) options.mode = flags.OrDie(deepnex::ps::ParseMode(flags.Value()));
     else if (flags.Is("--workers")) options.num_workers = flags.Int();
     else if (flags.Is("--reduction"))

@@ -17,6 +17,9 @@ on SIGINT/SIGTERM.
 flags:
   --listen HOST:PORT      address to listen on; port 0 picks a free one
                           (default 127.0.0.1:0)
+  --advertise HOST        the host peers dial, printed in "listening on"
+                          (default: the --listen host; for 0.0.0.0 or [::],
+                          this host's primary address)
   --token T               bearer token every call must carry
   --token-file F          file with the token, or lines "TOKEN NAME ROLE [JOB]";
                           a job-scoped token only reaches keys under "JOB/"
@@ -32,6 +35,7 @@ int main(int argc, char** argv) {
   deepnex::tools::Flags flags("deepnex-store", kUsage, argc, argv);
   while (flags.Next()) {
     if (flags.Is("--listen")) options.address = flags.Value();
+    else if (flags.Is("--advertise")) options.advertise = flags.Value();
     else if (flags.Is("--token")) options.token = flags.Value();
     else if (flags.Is("--token-file")) options.token_file = flags.Value();
     else if (flags.Is("--max-value")) options.max_value_bytes = flags.Bytes();

@@ -22,6 +22,12 @@ struct StoreServerOptions {
   // Where to listen; port 0 lets the OS pick (see StoreServer::address()).
   // Default: "127.0.0.1:0"
   std::string address = "127.0.0.1:0";
+  // The host (a name or an address, no port) peers dial, advertised by
+  // address(). Empty: the listen host, or for a wildcard listen host
+  // (0.0.0.0, [::]) this host's primary address: the source of the route to
+  // $DEEPNEX_STORE_ADDR or $DEEPNEX_CENTRAL, else the first non-loopback
+  // address. Default: ""
+  std::string advertise;
   // Bearer token every call must carry, or a token file (see auth.h). A
   // job-scoped token may only touch keys under "<job>/". Both empty: no auth.
   std::string token;

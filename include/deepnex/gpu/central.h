@@ -23,6 +23,12 @@ struct CentralServerOptions {
   // Where to listen; port 0 lets the OS pick (see address()).
   // Default: "127.0.0.1:0"
   std::string address = "127.0.0.1:0";
+  // The host (a name or an address, no port) peers dial, advertised by
+  // address(). Empty: the listen host, or for a wildcard listen host
+  // (0.0.0.0, [::]) this host's primary address: the source of the route to
+  // $DEEPNEX_STORE_ADDR or $DEEPNEX_CENTRAL, else the first non-loopback
+  // address. Default: ""
+  std::string advertise;
   // The allocator behind the service (state_dir makes it persistent).
   AllocatorOptions allocator;
   // Bearer token (one user, role admin) or a token file (see auth.h).

@@ -32,6 +32,18 @@ struct JobOptions {
   // Each worker's argv.
   std::vector<std::string> command;
   int workers = 1;
+  // Nodes the workers are spread over, as evenly as possible (as srun -N):
+  // with W workers on N nodes, the first W % N nodes get one more. The
+  // parameter servers go to the same nodes, server i to node i % N. 0: the
+  // allocator packs the workers where they fit. More than 1 needs a launch
+  // backend that places on other nodes (slurm, kubernetes).
+  int nodes = 0;
+  // The host (a name or an address) on which the job's processes reach
+  // this process's rendezvous store and, for workers on other nodes, the
+  // address MASTER_ADDR names. Empty: 127.0.0.1 when every process of the
+  // job runs on this host; else this host's primary address (the source of
+  // the route to deepnex-central, else the first non-loopback address).
+  std::string advertise_address;
   // Parameter servers; -1: one for the PS modes, none for allreduce.
   int ps = -1;
   // "sync", "ssp:S" (S >= 0 rounds of staleness), "async" or "allreduce".

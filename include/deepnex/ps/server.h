@@ -38,6 +38,12 @@ struct ServerOptions {
   // Where to listen; port 0 lets the OS pick (see Server::address()).
   // Default: "127.0.0.1:0"
   std::string address = "127.0.0.1:0";
+  // The host (a name or an address, no port) peers dial, advertised by
+  // address(). Empty: the listen host, or for a wildcard listen host
+  // (0.0.0.0, [::]) this host's primary address: the source of the route to
+  // $DEEPNEX_STORE_ADDR or $DEEPNEX_CENTRAL, else the first non-loopback
+  // address. Default: ""
+  std::string advertise;
   // Default: kSync
   Mode mode = Mode::kSync;
   // Workers taking part; worker ids are 0..num_workers-1. Default: 1
