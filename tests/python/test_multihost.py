@@ -43,15 +43,18 @@ def read_line(proc, timeout=30):
     return line
 
 
-def start_daemon(hosts, host, binary, *args):
-    """binary --listen <host's address>:0 args on host; (Popen, address)."""
+def start_daemon(hosts, host, binary, *args, listen=None, advertised=None):
+    """binary --listen LISTEN args on host (LISTEN: the host's address, port
+    0); (Popen, the address it says it listens on, which starts with
+    `advertised`, by default the host's address)."""
     if not os.path.exists(binary):
         pytest.skip(f"{binary} not built")
-    proc = hosts.popen(host, [binary, "--listen", f"{hosts.address(host)}:0", *args],
+    listen = listen or f"{hosts.address(host)}:0"
+    proc = hosts.popen(host, [binary, "--listen", listen, *args],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     line = read_line(proc)
     name = os.path.basename(binary)
-    assert line.startswith(f"{name} listening on {hosts.address(host)}:"), line
+    assert line.startswith(f"{name} listening on {advertised or hosts.address(host)}:"), line
     return proc, line.split()[3]
 
 
@@ -410,3 +413,72 @@ def test_workers_of_a_partitioned_server_host_fail_in_time_naming_it(make_hosts,
         assert m.group(2) in ("DeadlineExceededError", "UnavailableError"), out
         assert float(m.group(3)) <= timeout + 3, out
         assert addr in m.group(4), out
+
+
+# ---- advertised addresses
+
+STORE_CLIENT = textwrap.dedent("""
+    import sys
+    from deepnex import collective
+    c = collective.StoreClient(sys.argv[1], timeout=10)
+    c.set("k", sys.argv[2])
+    print(c.get("k").decode())
+""")
+
+IN_PROCESS_SERVER = textwrap.dedent("""
+    import sys, time
+    from deepnex import ps
+    s = ps.Server(sys.argv[1], mode="sync", num_workers=1, optimizer=ps.SGD(lr=0.5),
+                  reduction="sum", advertise=sys.argv[2] or None)
+    print(s.address, flush=True)
+    time.sleep(3600)
+""")
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0"])
+def test_a_daemon_on_the_wildcard_advertises_an_address_other_hosts_dial(make_hosts, listen):
+    hosts = make_hosts({"h1": 11, "h2": 12})
+    # Its only non-loopback address, not the wildcard.
+    _, addr = start_daemon(hosts, "h1", PS_BIN, "--mode", "sync", "--workers", "1",
+                           "--optimizer", "sgd", "--lr", "0.5", "--reduction", "sum",
+                           listen=listen, advertised="10.77.0.11")
+    code, out = finish(start_workers(hosts, ["h2"], [addr], 3)[0])
+    assert code == 0 and final(out) == [-0.5 * (1 + 2 + 3)], out
+    # Or by name, resolved on the dialing host from its /etc/hosts.
+    _, addr = start_daemon(hosts, "h1", STORE_BIN, "--advertise", "h1", listen=listen,
+                           advertised="h1")
+    assert hosts.run("h2", [PY, "-c", STORE_CLIENT, addr, "v1"]).stdout == "v1\n"
+
+
+def test_in_process_servers_and_ranks_advertise_what_they_are_told(make_hosts):
+    hosts = make_hosts({"h1": 11, "h2": 12, "h3": 13})
+    server = hosts.popen("h1", [PY, "-c", IN_PROCESS_SERVER, "0.0.0.0:0", ""],
+                         stdout=subprocess.PIPE, text=True)
+    addr = read_line(server).strip()
+    assert addr.startswith("10.77.0.11:"), addr
+    named = hosts.popen("h1", [PY, "-c", IN_PROCESS_SERVER, "0.0.0.0:0", "h1"],
+                        stdout=subprocess.PIPE, text=True)
+    named_addr = read_line(named).strip()
+    assert named_addr.startswith("h1:"), named_addr
+    for a in (addr, named_addr):
+        code, out = finish(start_workers(hosts, ["h2"], [a], 2)[0])
+        assert code == 0 and final(out) == [-0.5 * (1 + 2)], out
+    # A rank told its host by name: the others dial it there.
+    store, store_addr = start_daemon(hosts, "h3", STORE_BIN)
+    ranks = [hosts.popen(h, [PY, "-c", RANK_WITH_HOST, store_addr, str(r), h],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r, h in enumerate(["h1", "h2"])]
+    for p in ranks:
+        code, out = finish(p)
+        assert code == 0 and out == "3.0\n", out
+
+
+RANK_WITH_HOST = textwrap.dedent("""
+    import sys, numpy as np
+    from deepnex import collective
+    comm = collective.Communicator(int(sys.argv[2]), 2, store=sys.argv[1], prefix="named",
+                                   timeout=20, host=sys.argv[3])
+    x = np.full(1000, comm.rank + 1, np.float32)
+    comm.allreduce(x)
+    print(np.unique(x)[0])
+""")
