@@ -69,6 +69,15 @@ def finish(proc, timeout=90):
     return proc.returncode, out
 
 
+def partition_at_gate(hosts, procs, gate, host):
+    """Once every process of procs waits at the gate (process i made
+    gate.i) or has exited, cuts `host` off, then opens the gate."""
+    wait_for(lambda: all(os.path.exists(f"{gate}.{i}") or p.poll() is not None
+                         for i, p in enumerate(procs)), f"every process at the gate {gate}")
+    hosts.partition(host)
+    open(gate, "w").close()
+
+
 # ---- the harness
 
 TCP_ECHO = textwrap.dedent("""
@@ -197,28 +206,18 @@ def test_leftovers_of_a_killed_run_are_removed_and_live_ones_kept(make_hosts):
 RANK = textwrap.dedent("""
     import sys, time, numpy as np, deepnex
     from deepnex import collective
+    sys.path.insert(0, TESTS)
+    from _exact import DTYPES, OPS, allreduce_case
     store, r, n, prefix, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
     comm = collective.Communicator(r, n, store=store, prefix=prefix, timeout=timeout)
     print("transport", comm.transport, flush=True)
-    for dtype in (np.float32, np.float64, np.float16, np.int32, np.int64):
-        for op in ("sum", "mean", "max", "min", "prod"):
+    for dtype in DTYPES:
+        for op in OPS:
             for size in (0, 1, 7, 1001, 300007):
-                i = np.arange(size)
-                vals = [((i + k) % 3 + 1) if op == "prod" else (i * 7 + 3 * k) % 11 + k
-                        for k in range(n)]
-                x = vals[r].astype(dtype)
+                inputs, want = allreduce_case(op, dtype, size, n)
+                x = inputs[r]
                 comm.allreduce(x, op=op)
-                stack = np.stack(vals).astype(np.float64)
-                want = {"sum": stack.sum(0), "prod": stack.prod(0), "max": stack.max(0),
-                        "min": stack.min(0), "mean": stack.sum(0)}[op]
-                if op == "mean":
-                    if np.issubdtype(dtype, np.integer):
-                        want = np.trunc(want / n)
-                    elif dtype == np.float64:
-                        want = want / n
-                    else:
-                        want = (want.astype(np.float32) / np.float32(n)).astype(dtype)
-                np.testing.assert_array_equal(x, want.astype(dtype), err_msg=f"{dtype} {op} {size}")
+                np.testing.assert_array_equal(x, want, err_msg=f"{dtype} {op} {size}")
     x = np.full((4, 5), r, np.float32)
     comm.broadcast(x, root=n - 1)
     assert (x == n - 1).all()
@@ -240,7 +239,7 @@ RANK = textwrap.dedent("""
             print(f"failed {type(e).__name__} {time.monotonic() - start:.1f} {e}", flush=True)
             sys.exit(3)
     print("ok", flush=True)
-""")
+""").replace("TESTS", repr(os.path.dirname(os.path.abspath(__file__))))
 
 
 def start_ranks(hosts, placement, store, prefix, timeout=30, extra=(), private_shm=False):
@@ -287,10 +286,7 @@ def test_a_partitioned_rank_fails_every_rank_within_the_timeout(make_hosts, tmp_
     timeout = 5
     ranks = start_ranks(hosts, ["h1", "h2"], store_addr, "part", timeout=timeout,
                         extra=[gate])
-    wait_for(lambda: all(os.path.exists(f"{gate}.{r}") or ranks[r].poll() is not None
-                         for r in range(2)), "both ranks past their first collectives")
-    hosts.partition("h2")
-    open(gate, "w").close()
+    partition_at_gate(hosts, ranks, gate, "h2")
     for p in ranks:
         code, out = finish(p, timeout=timeout + 30)
         assert code == 3, out
@@ -339,6 +335,19 @@ def step_seconds(out, t):
     return float(re.search(rf"^step {t} ([\d.]+)$", out, re.M).group(1))
 
 
+def failed_in_time(proc, step, timeout):
+    """Asserts that the worker proc failed at `step` with DeadlineExceeded or
+    Unavailable within its `timeout` (and a margin for a loaded machine);
+    returns the error's message."""
+    code, out = finish(proc, timeout=timeout + 30)
+    assert code == 3, out
+    m = re.search(r"^failed (\d+) (\S+) ([\d.]+) (.*)$", out, re.M)
+    assert int(m.group(1)) == step, out
+    assert m.group(2) in ("DeadlineExceededError", "UnavailableError"), out
+    assert float(m.group(3)) <= timeout + 3, out
+    return m.group(4)
+
+
 def test_two_servers_on_two_hosts_and_workers_on_a_third_are_exact(make_hosts):
     hosts = make_hosts({"h1": 11, "h2": 12, "h3": 13})
     servers = [start_daemon(hosts, h, PS_BIN, "--mode", "sync", "--workers", "2",
@@ -369,10 +378,7 @@ def test_a_partitioned_worker_host_expires_its_lease_and_never_hangs_the_round(
     gate = str(tmp_path / "partitioned")
     workers = start_workers(hosts, ["h2", "h3"], [addr], steps, timeout=timeout, gate=gate,
                             pause_before=k + 1)
-    wait_for(lambda: all(os.path.exists(f"{gate}.{w}") or workers[w].poll() is not None
-                         for w in range(2)), "both workers done with round k")
-    hosts.partition("h3")
-    open(gate, "w").close()
+    partition_at_gate(hosts, workers, gate, "h3")
     code, out = finish(workers[0], timeout=timeout + 30)
     if policy == "shrink":
         assert code == 0, out
@@ -385,12 +391,7 @@ def test_a_partitioned_worker_host_expires_its_lease_and_never_hangs_the_round(
         m = re.search(r"^failed (\d+) (\S+) ([\d.]+) (.*)$", out, re.M)
         assert (int(m.group(1)), m.group(2)) == (k + 1, "AbortedError"), out
         assert "worker 1" in m.group(4) and float(m.group(3)) <= lease + 2, out
-    code, out = finish(workers[1], timeout=timeout + 30)
-    assert code == 3, out
-    m = re.search(r"^failed (\d+) (\S+) ([\d.]+) (.*)$", out, re.M)
-    assert int(m.group(1)) == k + 1, out
-    assert m.group(2) in ("DeadlineExceededError", "UnavailableError"), out
-    assert float(m.group(3)) <= timeout + 3, out
+    failed_in_time(workers[1], k + 1, timeout)
 
 
 def test_workers_of_a_partitioned_server_host_fail_in_time_naming_it(make_hosts, tmp_path):
@@ -401,18 +402,10 @@ def test_workers_of_a_partitioned_server_host_fail_in_time_naming_it(make_hosts,
     gate = str(tmp_path / "partitioned")
     workers = start_workers(hosts, ["h2", "h2"], [addr], steps, timeout=timeout, gate=gate,
                             pause_before=k + 1)
-    wait_for(lambda: all(os.path.exists(f"{gate}.{w}") or workers[w].poll() is not None
-                         for w in range(2)), "both workers done with round k")
-    hosts.partition("h1")
-    open(gate, "w").close()
+    partition_at_gate(hosts, workers, gate, "h1")
     for p in workers:
-        code, out = finish(p, timeout=timeout + 30)
-        assert code == 3, out
-        m = re.search(r"^failed (\d+) (\S+) ([\d.]+) (.*)$", out, re.M)
-        assert int(m.group(1)) == k + 1, out
-        assert m.group(2) in ("DeadlineExceededError", "UnavailableError"), out
-        assert float(m.group(3)) <= timeout + 3, out
-        assert addr in m.group(4), out
+        message = failed_in_time(p, k + 1, timeout)
+        assert addr in message, message
 
 
 # ---- advertised addresses
