@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -735,11 +736,58 @@ absl::Status CpuCommunicator::Init(Transport transport) {
     DEEPNEX_ASSIGN_OR_RETURN(RankInfo info, Decode(i, (*values)[i]));
     infos.push_back(std::move(info));
   }
-  auto edge_shm = [&](int a, int b) {
+  // Ranks a and b = a + 1 may share memory when they say they are on one
+  // host. Whether they can is found out by trying: a rank on the same host
+  // by hostname and boot id may still have a /dev/shm of its own (a
+  // container, a mount namespace), and then the pair uses TCP.
+  auto candidate = [&](int a, int b) {
     return transport != Transport::kTcp && infos[a].shm != "-" && infos[b].shm != "-" &&
            infos[a].host_id == infos[b].host_id;
   };
   const int left = (r - 1 + n) % n, right = (r + 1) % n;
+  bool any_candidate = false;
+  for (int i = 0; i < n; ++i) any_candidate = any_candidate || candidate(i, (i + 1) % n);
+  std::unique_ptr<ShmSegment> right_probe, left_probe;
+  std::vector<std::string> probes(n, "--");
+  if (any_candidate) {
+    // Every rank takes part (the decision must be the same everywhere):
+    // "RL", R and L '1' when this rank mapped its right and left
+    // neighbour's segment, '0' when it could not, '-' when not a candidate.
+    std::string mine_probe = "--";
+    auto map_segment = [&](int peer, std::unique_ptr<ShmSegment>* seg) -> char {
+      auto opened = ShmSegment::Open(infos[peer].shm);
+      if (opened.ok()) {
+        *seg = std::move(*opened);
+        return '1';
+      }
+      std::fprintf(stderr,
+                   "deepnex collective \"%s\": rank %d cannot map rank %d's shared memory "
+                   "(%s); using TCP between them\n",
+                   o_.prefix.c_str(), r, peer, std::string(opened.status().message()).c_str());
+      return '0';
+    };
+    if (candidate(r, right)) mine_probe[0] = map_segment(right, &right_probe);
+    if (candidate(left, r)) {
+      mine_probe[1] = left == right && candidate(r, right) ? mine_probe[0]
+                                                           : map_segment(left, &left_probe);
+    }
+    auto probe_key = [&](int rank) { return absl::StrCat("c", generation, "/probe/", rank); };
+    DEEPNEX_RETURN_IF_ERROR(store->Set(probe_key(r), mine_probe));
+    std::vector<std::string> probe_keys;
+    for (int i = 0; i < n; ++i) probe_keys.push_back(probe_key(i));
+    DEEPNEX_ASSIGN_OR_RETURN(probes, store->MultiGet(probe_keys, std::chrono::duration_cast<milliseconds>(
+                                                                     deadline - SteadyClock::now())));
+    for (int i = 0; i < n; ++i) {
+      if (probes[i].size() != 2) {
+        return absl::InternalError(absl::StrCat("rank ", i, "'s shared-memory probe \"",
+                                                probes[i], "\" is not two characters"));
+      }
+    }
+  }
+  // a writes into b's rings and b rings a's bells: both must have mapped.
+  auto edge_shm = [&](int a, int b) {
+    return candidate(a, b) && probes[a][0] == '1' && probes[b][1] == '1';
+  };
   bool all_shm = true;
   for (int i = 0; i < n; ++i) all_shm = all_shm && edge_shm(i, (i + 1) % n);
   if (transport == Transport::kShm && (!edge_shm(r, right) || !edge_shm(left, r))) {
@@ -794,33 +842,26 @@ absl::Status CpuCommunicator::Init(Transport transport) {
     ++got;
   }
 
-  // Map the neighbours' segments, tell them so, then drop our segment's name:
-  // from here on nothing is left in /dev/shm even if a process dies.
+  // Keep the neighbours' segments the probe mapped, tell them so, then drop
+  // our segment's name: from here on nothing is left in /dev/shm even if a
+  // process dies.
   ShmSegment* right_seg = nullptr;
   ShmSegment* left_seg = nullptr;
   absl::Status s;
   if (shm_out || shm_in) {
     if (own_segment == nullptr) s = absl::InternalError("shared memory without a segment");
     if (s.ok() && shm_out) {
-      auto seg = ShmSegment::Open(infos[right].shm);
-      if (seg.ok()) {
-        right_seg = seg->get();
-        segments_.push_back(std::move(*seg));
-      } else {
-        s = seg.status();
-      }
+      right_seg = right_probe.get();
+      segments_.push_back(std::move(right_probe));
     }
     if (s.ok() && shm_in) {
       if (left == right && right_seg != nullptr) {
         left_seg = right_seg;
+      } else if (left_probe != nullptr) {
+        left_seg = left_probe.get();
+        segments_.push_back(std::move(left_probe));
       } else {
-        auto seg = ShmSegment::Open(infos[left].shm);
-        if (seg.ok()) {
-          left_seg = seg->get();
-          segments_.push_back(std::move(*seg));
-        } else {
-          s = seg.status();
-        }
+        s = absl::InternalError("shared memory from the left without its segment");
       }
     }
   }

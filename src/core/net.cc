@@ -112,7 +112,7 @@ std::string PrimaryAddress(const std::string& peer) {
 
 std::string AdvertisedAddress(const std::string& listen_address, const std::string& advertise,
                               int port) {
-  if (!advertise.empty()) return JoinHostPort(HostOf(advertise), port);
+  if (!advertise.empty()) return JoinHostPort(advertise, port);
   const std::string host = HostOf(listen_address);
   if (!IsWildcardHost(host)) return JoinHostPort(host, port);
   std::string peer;

@@ -22,6 +22,7 @@
 #include "deepnex/gpu/central.h"
 #include "deepnex/gpu/discovery.h"
 #include "core/file_util.h"
+#include "core/net.h"
 #include "launch/util.h"
 #include "nlohmann/json.hpp"
 
@@ -63,16 +64,29 @@ absl::StatusOr<int> ReservePort() {
   return ntohs(addr.sin_port);
 }
 
-bool Connects(int port) {
+bool Connects(const std::string& host, int port) {
+  absl::StatusOr<sockaddr_in> addr = ResolveIPv4(host, port);
+  if (!addr.ok()) return false;
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return false;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = htons(port);
-  bool ok = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  bool ok = connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) == 0;
   close(fd);
   return ok;
+}
+
+// This machine's node name, as the local allocator names it (gpu::LocalNode).
+std::string ThisHost() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+// How many of `workers` go to each of `nodes` nodes: as srun -N, as evenly as
+// possible, the first ones one more.
+std::vector<int> SpreadCounts(int workers, int nodes) {
+  std::vector<int> counts(nodes, workers / nodes);
+  for (int i = 0; i < workers % nodes; ++i) ++counts[i];
+  return counts;
 }
 
 // The job's processes inherit this process's environment, as mpirun's and
@@ -112,12 +126,21 @@ int ExitCodeOf(const launch::ExitStatus& e) {
 // deepnex-central.
 class AllocationSource {
  public:
-  static absl::StatusOr<std::unique_ptr<AllocationSource>> Create(const JobOptions& o) {
+  // `nodes`: the launch backend's nodes (Launcher::Nodes); empty: the local
+  // allocator hands out this machine.
+  static absl::StatusOr<std::unique_ptr<AllocationSource>> Create(
+      const JobOptions& o, const std::vector<gpu::Node>& nodes) {
     auto a = std::unique_ptr<AllocationSource>(new AllocationSource);
     if (o.central.empty()) {
       DEEPNEX_ASSIGN_OR_RETURN(a->local_, gpu::Allocator::Create());
-      DEEPNEX_ASSIGN_OR_RETURN(gpu::Node node, gpu::LocalNode("", o.gpu_mode));
-      DEEPNEX_RETURN_IF_ERROR(a->local_->AddNode(node));
+      if (nodes.empty()) {
+        DEEPNEX_ASSIGN_OR_RETURN(gpu::Node node, gpu::LocalNode("", o.gpu_mode));
+        DEEPNEX_RETURN_IF_ERROR(a->local_->AddNode(node));
+      }
+      for (gpu::Node node : nodes) {
+        node.mode = o.gpu_mode;
+        DEEPNEX_RETURN_IF_ERROR(a->local_->AddNode(node));
+      }
     } else {
       gpu::CentralClientOptions co;
       co.address = o.central;
@@ -141,6 +164,63 @@ class AllocationSource {
 
   absl::Status Release(const std::string& id) {
     return local_ != nullptr ? local_->Release(id) : central_->Release(id);
+  }
+
+  // The nodes that take allocations now, in the allocator's order.
+  absl::StatusOr<std::vector<std::string>> NodeNames() {
+    std::vector<gpu::NodeInfo> infos;
+    if (local_ != nullptr) {
+      infos = local_->Nodes();
+    } else {
+      DEEPNEX_ASSIGN_OR_RETURN(infos, central_->Nodes());
+    }
+    std::vector<std::string> names;
+    for (const gpu::NodeInfo& n : infos) {
+      if (!n.cordoned && !n.draining) names.push_back(n.node.name);
+    }
+    return names;
+  }
+
+  // `request` (a gang of `request.replicas`) spread over `nodes` nodes as
+  // SpreadCounts says: one gang per node, on the first nodes that take it,
+  // in rank order; all of it or nothing. Fills `used` with the nodes taken.
+  absl::StatusOr<std::vector<gpu::Allocation>> Spread(gpu::Request request, int nodes,
+                                                      std::vector<std::string>* used) {
+    DEEPNEX_ASSIGN_OR_RETURN(std::vector<std::string> names, NodeNames());
+    std::vector<gpu::Allocation> granted;
+    auto release = [&] {
+      for (const auto& a : granted) Release(a.id).IgnoreError();
+    };
+    size_t next = 0;
+    for (int count : SpreadCounts(request.replicas, nodes)) {
+      absl::Status last = absl::ResourceExhaustedError("no node left");
+      bool placed = false;
+      while (!placed && next < names.size()) {
+        gpu::Request part = request;
+        part.replicas = count;
+        part.node = names[next++];
+        // deepnex-central would queue a part that does not fit now: the
+        // next node is tried instead, as with the local allocator.
+        gpu::AllocateOptions now;
+        now.wait = false;
+        absl::StatusOr<std::vector<gpu::Allocation>> got =
+            local_ != nullptr ? local_->AllocateGang(part, now) : central_->AllocateGang(part, now);
+        if (got.ok()) {
+          granted.insert(granted.end(), got->begin(), got->end());
+          used->push_back(part.node);
+          placed = true;
+        } else {
+          last = got.status();
+        }
+      }
+      if (!placed) {
+        release();
+        return absl::Status(last.code(), absl::StrCat(
+            "nodes: ", nodes, ": no ", nodes, " of the ", names.size(), " nodes take ",
+            request.replicas, " workers spread over them: ", last.message()));
+      }
+    }
+    return granted;
   }
 
  private:
@@ -171,6 +251,14 @@ class JobImpl : public Job {
     if (o_.workers < 1) {
       return absl::InvalidArgumentError(absl::StrCat("workers: ", o_.workers, " is below 1"));
     }
+    if (o_.nodes < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("nodes: ", o_.nodes, " is below 0"));
+    }
+    if (o_.nodes > o_.workers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "nodes: ", o_.nodes, " is more than the ", o_.workers, " workers to spread over them"));
+    }
+    DEEPNEX_RETURN_IF_ERROR(ValidateAdvertiseHost("advertise_address", o_.advertise_address));
     std::string mode = o_.mode;
     if (mode.rfind("ssp:", 0) == 0) {
       int staleness = -1;
@@ -298,12 +386,13 @@ class JobImpl : public Job {
     for (auto& t : log_threads_) t.join();
     log_threads_.clear();
     if (allocations_ != nullptr) {
-      for (const auto& a : grants_) {
+      for (const auto& a : Allocations()) {
         absl::Status s = allocations_->Release(a.id);
         if (first.ok()) first = s;
       }
     }
     grants_.clear();
+    ps_grants_.clear();
     if (store_ != nullptr) store_->Stop();
     // Off `deepnex top`; the directory itself goes with the launcher, which
     // keeps its logs there until then.
@@ -313,12 +402,28 @@ class JobImpl : public Job {
   }
 
   std::vector<std::shared_ptr<launch::Handle>> Containers() override { return handles_; }
-  std::vector<gpu::Allocation> Allocations() override { return grants_; }
+  // The workers' allocations by rank, then the parameter servers'.
+  std::vector<gpu::Allocation> Allocations() override {
+    std::vector<gpu::Allocation> all = grants_;
+    all.insert(all.end(), ps_grants_.begin(), ps_grants_.end());
+    return all;
+  }
 
  private:
   absl::Status StartAll() {
     started_ = Clock::now();
-    DEEPNEX_ASSIGN_OR_RETURN(allocations_, AllocationSource::Create(o_));
+    DEEPNEX_ASSIGN_OR_RETURN(launcher_, launch::Launcher::Create(o_.launcher));
+    // Slurm and Kubernetes place on their nodes; the other backends run
+    // everything on this host.
+    DEEPNEX_ASSIGN_OR_RETURN(std::vector<gpu::Node> backend_nodes, launcher_->Nodes());
+    placed_ = !backend_nodes.empty();
+    if (!placed_ && o_.nodes > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "nodes: ", o_.nodes, ": the ", o_.launcher.backend,
+          " backend runs every container on this host; spreading over nodes needs a backend "
+          "that places on them (slurm, kubernetes)"));
+    }
+    DEEPNEX_ASSIGN_OR_RETURN(allocations_, AllocationSource::Create(o_, backend_nodes));
     gpu::Request request;
     request.user = o_.user;
     request.job = o_.name;
@@ -331,26 +436,79 @@ class JobImpl : public Job {
     request.cpus = std::max(1, static_cast<int>(std::ceil(o_.cpus)));
     request.memory = o_.memory;
     request.replicas = o_.workers;
-    DEEPNEX_ASSIGN_OR_RETURN(grants_, allocations_->Gang(request));
+    std::vector<std::string> nodes_used;
+    if (o_.nodes > 0) {
+      DEEPNEX_ASSIGN_OR_RETURN(grants_, allocations_->Spread(request, o_.nodes, &nodes_used));
+    } else {
+      DEEPNEX_ASSIGN_OR_RETURN(grants_, allocations_->Gang(request));
+      for (const auto& g : grants_) {
+        if (std::find(nodes_used.begin(), nodes_used.end(), g.node) == nodes_used.end()) {
+          nodes_used.push_back(g.node);
+        }
+      }
+    }
     // The containers run for whom the allocations are (the token's user).
     if (o_.user.empty() && !grants_.empty()) o_.user = grants_[0].user;
+    if (!placed_) {
+      // deepnex-central may grant another node; a backend that runs here
+      // cannot go there (a deepnex-agent on that node will), and running it
+      // here would use what another job was granted.
+      const std::string here = ThisHost();
+      for (size_t rank = 0; rank < grants_.size(); ++rank) {
+        if (grants_[rank].node != here) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "worker ", rank, ": allocation ", grants_[rank].id, " is on node \"",
+              grants_[rank].node, "\", not on this host (\"", here, "\"), and the ",
+              o_.launcher.backend, " backend runs containers on this host only; use a backend "
+              "that places on nodes (slurm, kubernetes) or run deepnex run on that node"));
+        }
+      }
+    }
+    // The parameter servers go to the workers' nodes, server i to the i-th
+    // (round robin), each with the CPUs and memory of a worker.
+    if (placed_) {
+      for (int i = 0; i < o_.ps; ++i) {
+        gpu::Request ps = request;
+        ps.gpus = 0;
+        ps.gpu_memory = 0;
+        ps.replicas = 1;
+        ps.node = nodes_used[i % nodes_used.size()];
+        DEEPNEX_ASSIGN_OR_RETURN(std::vector<gpu::Allocation> got, allocations_->Gang(ps));
+        ps_grants_.push_back(got[0]);
+      }
+    }
 
+    // Everything local: loopback, as before. Otherwise every interface, and
+    // the address the other hosts reach this one at.
+    const bool local = !placed_ && o_.advertise_address.empty();
+    std::string advertise = o_.advertise_address;
+    if (!local && advertise.empty()) advertise = PrimaryAddress(HostOf(o_.central));
     token_ = launch::RandomHex(16);
     collective::StoreServerOptions so;
     so.token = token_;
+    so.address = local ? "127.0.0.1:0" : "0.0.0.0:0";
+    so.advertise = advertise;
     DEEPNEX_ASSIGN_OR_RETURN(store_, collective::StoreServer::Create(so));
-    DEEPNEX_ASSIGN_OR_RETURN(launcher_, launch::Launcher::Create(o_.launcher));
 
     std::vector<std::string> ps_addrs;
-    std::vector<int> ps_ports;
     for (int i = 0; i < o_.ps; ++i) {
       DEEPNEX_ASSIGN_OR_RETURN(int port, ReservePort());
-      ps_ports.push_back(port);
-      ps_addrs.push_back(absl::StrCat("127.0.0.1:", port));
-      DEEPNEX_RETURN_IF_ERROR(
-          StartContainer(PsSpec(i, ps_addrs.back()), absl::StrCat("ps ", i)).status());
+      const std::string who = absl::StrCat("ps ", i);
+      launch::ContainerSpec spec = PsSpec(i, JoinHostPort(local ? "127.0.0.1" : "0.0.0.0", port));
+      if (placed_) {
+        spec.allocation = ps_grants_[i];
+        // What deepnex-ps advertises routes towards the job's store.
+        spec.env["DEEPNEX_STORE_ADDR"] = store_->address();
+      } else if (!local) {
+        spec.command.insert(spec.command.end(), {"--advertise", advertise});
+      }
+      DEEPNEX_RETURN_IF_ERROR(StartContainer(spec, who).status());
+      // On another node, the server says where it can be reached.
+      ps_addrs.push_back(placed_ ? "" : JoinHostPort(local ? "127.0.0.1" : advertise, port));
     }
-    for (int port : ps_ports) DEEPNEX_RETURN_IF_ERROR(AwaitPort(port));
+    for (int i = 0; i < o_.ps; ++i) {
+      DEEPNEX_ASSIGN_OR_RETURN(ps_addrs[i], AwaitServer(absl::StrCat("ps ", i), ps_addrs[i]));
+    }
 
     DEEPNEX_ASSIGN_OR_RETURN(int master_port, ReservePort());
     std::map<std::string, std::string> base = InheritedEnv();
@@ -386,8 +544,10 @@ class JobImpl : public Job {
         spec.env["OMP_NUM_THREADS"] = absl::StrCat(std::max(1, static_cast<int>(cores)));
       }
       // torchrun's rank 0 serves its own TCPStore on MASTER_PORT, so that
-      // must be a free port, not the job's store.
+      // must be a free port, not the job's store; and on MASTER_ADDR, which
+      // is rank 0's node when the backend placed the workers.
       spec.env["MASTER_PORT"] = absl::StrCat(master_port);
+      if (placed_) spec.env["MASTER_ADDR"] = grants_[0].node;
       spec.working_dir = o_.working_dir.empty() ? CurrentDir() : o_.working_dir;
       spec.mounts = o_.mounts;
       spec.allocation = grants_[rank];
@@ -461,6 +621,16 @@ class JobImpl : public Job {
     return spec;
   }
 
+  // Keeps where the server `who` says it listens, for AwaitServer.
+  void NoteListening(const std::string& who, const std::string& line) {
+    static constexpr char kListening[] = "deepnex-ps listening on ";
+    if (line.rfind(kListening, 0) != 0) return;
+    std::string address = line.substr(sizeof(kListening) - 1);
+    address = address.substr(0, address.find(' '));
+    std::lock_guard<std::mutex> lock(listening_mu_);
+    listening_[who] = address;
+  }
+
   // Starts `spec` as `who` ("worker 0"): its output and restarts are told
   // under that name.
   absl::StatusOr<std::shared_ptr<launch::Handle>> StartContainer(launch::ContainerSpec spec,
@@ -476,8 +646,10 @@ class JobImpl : public Job {
          partial += chunk;
          size_t nl;
          while ((nl = partial.find('\n')) != std::string::npos) {
-           o_.output(who, partial.substr(0, nl));
+           const std::string line = partial.substr(0, nl);
            partial.erase(0, nl + 1);
+           NoteListening(who, line);
+           o_.output(who, line);
          }
          return true;
        }).IgnoreError();
@@ -486,9 +658,26 @@ class JobImpl : public Job {
     return h;
   }
 
-  absl::Status AwaitPort(int port) {
+  // Waits until the server `who` ("ps 0") at `address` accepts connections;
+  // `address` empty: until it printed where it listens ("deepnex-ps
+  // listening on HOST:PORT ...", as it does on another node), then there.
+  // Returns the address.
+  absl::StatusOr<std::string> AwaitServer(const std::string& who, std::string address) {
     auto deadline = Clock::now() + std::chrono::seconds(30);
-    while (!Connects(port)) {
+    for (;;) {
+      if (address.empty()) {
+        std::lock_guard<std::mutex> lock(listening_mu_);
+        auto it = listening_.find(who);
+        if (it != listening_.end()) address = it->second;
+      }
+      if (!address.empty()) {
+        const size_t colon = address.rfind(':');
+        int port = 0;
+        if (absl::SimpleAtoi(address.substr(colon + 1), &port) &&
+            Connects(HostOf(address), port)) {
+          return address;
+        }
+      }
       for (const auto& h : handles_) {
         launch::ContainerStatus st = h->Status();
         if (st.state == launch::State::kExited) {
@@ -498,12 +687,13 @@ class JobImpl : public Job {
         }
       }
       if (Clock::now() > deadline) {
-        return absl::DeadlineExceededError(
-            absl::StrCat("parameter server on 127.0.0.1:", port, " did not serve within 30 s"));
+        return absl::DeadlineExceededError(absl::StrCat(
+            "parameter server ", who, address.empty() ? " did not say where it listens"
+                                                      : " on " + address + " did not serve",
+            " within 30 s"));
       }
       std::this_thread::sleep_for(milliseconds(20));
     }
-    return absl::OkStatus();
   }
 
   static std::string CurrentDir() {
@@ -518,7 +708,13 @@ class JobImpl : public Job {
   std::string job_dir_;
   Clock::time_point started_;
   std::unique_ptr<AllocationSource> allocations_;
-  std::vector<gpu::Allocation> grants_;
+  std::vector<gpu::Allocation> grants_;     // the workers', by rank
+  std::vector<gpu::Allocation> ps_grants_;  // the parameter servers' (placed_ only)
+  // The backend places containers on nodes (Launcher::Nodes), not on this
+  // host.
+  bool placed_ = false;
+  std::mutex listening_mu_;
+  std::map<std::string, std::string> listening_;  // who -> the address it printed
   std::unique_ptr<collective::StoreServer> store_;
   std::unique_ptr<launch::Launcher> launcher_;
   std::vector<std::shared_ptr<launch::Handle>> handles_;

@@ -61,6 +61,8 @@ class Backend {
                                                      const RunContext& context) = 0;
   // Kills and removes everything labelled deepnex.launcher=`launcher_id`.
   virtual absl::StatusOr<int> Cleanup(const std::string& launcher_id) = 0;
+  // See Launcher::Nodes. Default: none, the backend runs on this host.
+  virtual absl::StatusOr<std::vector<gpu::Node>> Nodes() { return std::vector<gpu::Node>{}; }
 };
 
 // FailedPrecondition naming what is missing when the engine is unusable.

@@ -1,6 +1,7 @@
 // The kubernetes backend: one Pod (or a Job of one pod) per run, through the
-// API server's REST API. The cluster's scheduler places it; the allocation
-// gives the resources it asks for: nvidia.com/gpu for exclusive GPUs, an
+// API server's REST API. A run with an allocation goes to the allocation's
+// node (nodeName); without one, the cluster's scheduler places it. The
+// allocation gives the resources it asks for: nvidia.com/gpu for exclusive GPUs, an
 // extended resource in MiB for shared GPU memory.
 #include <yaml-cpp/yaml.h>
 
@@ -323,6 +324,11 @@ json PodSpec(const ContainerSpec& spec, const KubernetesOptions& options) {
   pod["automountServiceAccountToken"] = false;
   pod["containers"] = json::array({container});
   pod["volumes"] = volumes;
+  // The allocation decided the node (ARCHITECTURE: a launcher never decides
+  // placement); nodeName binds the pod there without the scheduler.
+  if (spec.allocation.has_value() && !spec.allocation->node.empty()) {
+    pod["nodeName"] = spec.allocation->node;
+  }
   return pod;
 }
 

@@ -812,6 +812,8 @@ class LauncherImpl : public Launcher {
     return backend_->Cleanup(launcher_id);
   }
 
+  absl::StatusOr<std::vector<gpu::Node>> Nodes() override { return backend_->Nodes(); }
+
  private:
   const LauncherOptions options_;
   const bool owns_state_dir_;

@@ -416,6 +416,11 @@ class SlurmBackend : public Backend {
       args.push_back(absl::StrCat("--mem=", (spec.memory + (1 << 20) - 1) >> 20, "M"));
     }
     if (gpus > 0) args.push_back(absl::StrCat("--gres=gpu:", gpus));
+    // The allocation chose the node (see Nodes); Slurm refuses a node it
+    // does not know ("Invalid node name specified").
+    if (spec.allocation.has_value() && !spec.allocation->node.empty()) {
+      args.push_back("--nodelist=" + spec.allocation->node);
+    }
     if (!options_.partition.empty()) args.push_back("--partition=" + options_.partition);
     args.push_back(script_path);
     DEEPNEX_ASSIGN_OR_RETURN(std::string out, client_->Submit(args));
@@ -444,6 +449,60 @@ class SlurmBackend : public Backend {
     if (ids.empty()) return 0;
     DEEPNEX_RETURN_IF_ERROR(client_->Call("scancel", ids).status());
     return static_cast<int>(ids.size());
+  }
+
+  // The partition's nodes that take jobs, from `sinfo -N`: one line per
+  // node and partition, "NAME CPUS MEMORY_MB GRES STATE", GRES as
+  // "gpu:2", "gpu:a100:2(S:0-1)" or "(null)".
+  absl::StatusOr<std::vector<gpu::Node>> Nodes() override {
+    std::vector<std::string> args = {"-h", "-N", "-o", "%N %c %m %G %t"};
+    if (!options_.partition.empty()) args.push_back("--partition=" + options_.partition);
+    DEEPNEX_ASSIGN_OR_RETURN(std::string out, client_->Call("sinfo", args));
+    std::vector<gpu::Node> nodes;
+    for (absl::string_view line : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
+      std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      if (f.size() != 5) {
+        return absl::InternalError(absl::StrCat("slurm: sinfo printed \"", line,
+                                                "\", not NAME CPUS MEMORY GRES STATE"));
+      }
+      // down, drained, failing or not responding (a trailing '*').
+      const std::string& state = f[4];
+      if (absl::StartsWith(state, "down") || absl::StartsWith(state, "drain") ||
+          absl::StartsWith(state, "fail") || absl::EndsWith(state, "*")) {
+        continue;
+      }
+      if (std::any_of(nodes.begin(), nodes.end(),
+                      [&](const gpu::Node& n) { return n.name == f[0]; })) {
+        continue;
+      }
+      gpu::Node node;
+      node.name = f[0];
+      int64_t memory_mb = 0;
+      if (!absl::SimpleAtoi(f[1], &node.cpus) || !absl::SimpleAtoi(f[2], &memory_mb)) {
+        return absl::InternalError(absl::StrCat("slurm: sinfo printed \"", line,
+                                                "\": CPUS and MEMORY are not numbers"));
+      }
+      node.memory = static_cast<uint64_t>(memory_mb) << 20;
+      for (absl::string_view gres : absl::StrSplit(f[3], ',')) {
+        if (!absl::ConsumePrefix(&gres, "gpu:")) continue;
+        gres = gres.substr(0, gres.find('('));
+        int count = 0;
+        if (absl::SimpleAtoi(gres.substr(gres.rfind(':') + 1), &count)) {
+          for (int i = 0; i < count; ++i) {
+            gpu::Gpu g;
+            g.index = i;
+            node.gpus.push_back(g);
+          }
+        }
+      }
+      nodes.push_back(std::move(node));
+    }
+    if (nodes.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "slurm: no node takes jobs", options_.partition.empty() ? "" : " in partition ",
+          options_.partition, " (sinfo -N lists none up)"));
+    }
+    return nodes;
   }
 
  private:

@@ -19,15 +19,16 @@ CENTRAL_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-central")
 TOKENS = "admintok root admin\nalicetok alice user\nbobtok bob user\n"
 
 
-def start_central(tmp_path, *extra, mode="exclusive", cpus=16, memory="64GiB", cwd=None):
-    """deepnex-central listening on 127.0.0.1:0 with `extra` flags; (its
-    Popen, its address)."""
+def start_central(tmp_path, *extra, mode="exclusive", cpus=16, memory="64GiB", cwd=None,
+                  node="n1"):
+    """deepnex-central listening on 127.0.0.1:0 with `extra` flags and one
+    node called `node`; (its Popen, its address)."""
     if not os.path.exists(CENTRAL_BIN):
         pytest.skip(f"{CENTRAL_BIN} not built")
     tokens = tmp_path / "tokens"
     tokens.write_text(TOKENS)
     nodes = tmp_path / "nodes.json"
-    nodes.write_text(f'{{"nodes": [{{"name": "n1", "cpus": {cpus}, "memory": "{memory}",'
+    nodes.write_text(f'{{"nodes": [{{"name": "{node}", "cpus": {cpus}, "memory": "{memory}",'
                      f' "mode": "{mode}", "gpus": {{"count": 2, "memory": "80GiB"}}}}]}}')
     proc = subprocess.Popen([os.path.abspath(CENTRAL_BIN), "--listen", "127.0.0.1:0",
                              "--token-file", str(tokens), "--nodes", str(nodes), *extra],

@@ -295,3 +295,60 @@ def test_communicator_from_the_job_context(store, job_env):
     x = np.arange(4, dtype=np.float64)
     comm.allreduce(x)
     np.testing.assert_array_equal(x, np.arange(4))
+
+
+def test_host_is_the_address_other_ranks_reach_this_one_at(store):
+    def body(r, comm):
+        x = np.full(1000, r + 1, np.int64)
+        comm.allreduce(x)
+        assert (x == 3).all()
+        assert comm.transport == "tcp"
+
+    # An address, and a name from /etc/hosts (the system resolver).
+    run_ranks(store, 2, body, transport="tcp", host="127.0.0.1")
+    run_ranks(store, 2, body, transport="tcp", host="localhost")
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        collective.Communicator(0, 2, store=store.address, prefix="badhost", timeout=5,
+                                host="deepnex-no-such-host.invalid")
+    assert 'cannot resolve host "deepnex-no-such-host.invalid"' in str(e.value)
+
+
+def _private_dev_shm_prefix():
+    """The argv prefix that runs a command with a /dev/shm of its own (a mount
+    namespace with a fresh tmpfs there), or None where that is not allowed."""
+    prefix = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh"]
+    try:
+        ok = subprocess.run(prefix + ["true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return prefix if ok else None
+
+
+def test_shm_falls_back_to_tcp_for_a_rank_with_its_own_dev_shm(store):
+    prefix = _private_dev_shm_prefix()
+    if prefix is None:
+        pytest.skip("cannot give a process its own /dev/shm here (needs root and unshare -m)")
+    # Rank 1 has the same hostname as 0 and 2 but cannot open their segments,
+    # nor they its: 0 <-> 1 and 1 <-> 2 go over TCP, 2 -> 0 over shared memory.
+    n = 3
+    procs = []
+    for r in range(n):
+        argv = [sys.executable, "-c", RANK_SCRIPT, store.address, str(r), str(n), "auto"]
+        procs.append(subprocess.Popen(prefix + argv if r == 1 else argv, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err
+    assert [out.strip() for out, _ in outs] == ["ok shm+tcp", "ok tcp", "ok shm+tcp"]
+    said = [err for _, err in outs]
+    assert 'deepnex collective "procs-auto-3": rank 1 cannot map rank 2\'s shared memory' in said[1]
+    assert 'deepnex collective "procs-auto-3": rank 1 cannot map rank 0\'s shared memory' in said[1]
+    assert "rank 0 cannot map rank 1's shared memory" in said[0]
+    assert "rank 2 cannot map rank 1's shared memory" in said[2]
+    assert "rank 0's" not in said[2] and "rank 2's" not in said[0]
+    assert "); using TCP between them" in said[0]

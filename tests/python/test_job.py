@@ -8,6 +8,7 @@ DEEPNEX_RUN_DIR; processes are found through /proc by the job's variables.
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -336,8 +337,9 @@ def test_every_flag_of_run_and_top_has_help_and_run_names_its_environment():
 
 @pytest.fixture
 def central(tmp_path):
-    """deepnex-central with a token file: alicetok is user alice."""
-    proc, address = start_central(tmp_path, cpus=8, memory="16GiB")
+    """deepnex-central with a token file: alicetok is user alice. Its node is
+    this host, where the process backend runs the job."""
+    proc, address = start_central(tmp_path, cpus=8, memory="16GiB", node=socket.gethostname())
     yield address
     stop_central(proc)
 
@@ -365,3 +367,71 @@ def test_run_with_central_refuses_a_user_that_is_not_the_tokens(jobs, central):
     j = jobs(["--user", "root", "--mode", "allreduce"], ["true"], env=env)
     assert j.wait(60) == 1, j.output()
     assert "user alice cannot allocate for user root" in j.output()
+
+
+def test_nodes_are_checked_and_a_this_host_backend_refuses_to_spread(jobs):
+    j = jobs(["--workers", "2", "--nodes", "3", "--mode", "allreduce"], ["true"])
+    assert j.wait(60) == 2, j.output()
+    assert "nodes: 3 is more than the 2 workers to spread over them" in j.output()
+    j = jobs(["--workers", "2", "--nodes", "-1", "--mode", "allreduce"], ["true"])
+    assert j.wait(60) == 2, j.output()
+    assert "nodes: -1 is below 0" in j.output()
+    j = jobs(["--workers", "2", "--nodes", "2", "--mode", "allreduce"], ["true"])
+    assert j.wait(60) == 1, j.output()
+    assert ("nodes: 2: the process backend runs every container on this host; spreading over "
+            "nodes needs a backend that places on them (slurm, kubernetes)") in j.output()
+    j = jobs(["--workers", "2", "--nodes", "1", "--mode", "allreduce"], ["true"])
+    assert j.wait(60) == 0, j.output()
+
+
+REACH = [sys.executable, "-c", """
+import os, deepnex
+ctx = deepnex.init()
+deepnex.collective.StoreClient(ctx.store_addr, token=ctx.token, timeout=10).set("k", "v")
+deepnex.ps.Client(ctx.ps_addrs, worker_id=-1, token=ctx.token, timeout=10).stats()
+print("reached store", ctx.store_addr, "ps", ",".join(ctx.ps_addrs),
+      "master", os.environ["MASTER_ADDR"])
+"""]
+
+
+def test_a_local_job_stays_on_loopback(jobs):
+    j = jobs(["--workers", "1", "--mode", "sync"], REACH)
+    assert j.wait(60) == 0, j.output()
+    [line] = [x for x in j.lines if "reached" in x]
+    assert re.fullmatch(r"\[worker 0\] reached store 127\.0\.0\.1:\d+ ps 127\.0\.0\.1:\d+ "
+                        r"master 127\.0\.0\.1", line), line
+
+
+def test_advertise_address_is_what_the_workers_dial(jobs):
+    # A name works as well as an address: the workers resolve it with the
+    # system resolver.
+    j = jobs(["--workers", "1", "--mode", "sync", "--advertise-address", "localhost"], REACH)
+    assert j.wait(60) == 0, j.output()
+    [line] = [x for x in j.lines if "reached" in x]
+    assert re.fullmatch(r"\[worker 0\] reached store localhost:\d+ ps localhost:\d+ "
+                        r"master localhost", line), line
+    # The server listens on every interface and says where to dial it.
+    assert any(re.search(r"^\[ps 0\] deepnex-ps listening on localhost:\d+ ", x)
+               for x in j.lines), j.output()
+    j = jobs(["--advertise-address", "0.0.0.0", "--mode", "allreduce"], ["true"])
+    assert j.wait(60) == 2, j.output()
+    assert 'advertise_address "0.0.0.0": peers cannot dial a wildcard address' in j.output()
+
+
+def test_run_with_central_refuses_a_node_that_is_not_this_host(jobs, tmp_path):
+    proc, address = start_central(tmp_path, cpus=8, memory="16GiB", node="n1")
+    try:
+        env = dict(os.environ, DEEPNEX_CENTRAL=address, DEEPNEX_TOKEN="alicetok")
+        j = jobs(["--workers", "2", "--mode", "allreduce"], ["echo", "ran"], env=env)
+        assert j.wait(60) == 1, j.output()
+        assert re.search(
+            r'worker 0: allocation \S+ is on node "n1", not on this host \("'
+            + re.escape(socket.gethostname()) + r'"\), and the process backend runs containers '
+            r"on this host only; use a backend that places on nodes \(slurm, kubernetes\) or "
+            r"run deepnex run on that node", j.output()), j.output()
+        assert not any("ran" in x for x in j.lines), j.output()
+        # Nothing held.
+        alice = deepnex.gpu.CentralClient(address, token="alicetok", timeout=10)
+        assert alice.allocations() == []
+    finally:
+        stop_central(proc)

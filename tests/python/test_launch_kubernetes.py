@@ -510,6 +510,19 @@ def test_exclusive_gpus_are_nvidia_gpu_limits(api):
     assert "NVIDIA_VISIBLE_DEVICES" not in env
 
 
+def test_pod_goes_to_the_allocations_node(api):
+    api.outcomes["kt1-placed-0"] = Outcome()
+    api.outcomes["kt1-free-0"] = Outcome()
+    with settled(api, k8s_launcher(api)) as launcher:
+        assert launcher.start(spec("placed", allocation=allocation(gpus=1))).wait(timeout=30).ok
+        assert launcher.start(spec("free")).wait(timeout=30).ok
+    posts = api.sent("POST", "/api/v1/namespaces/team-a/pods")
+    pods = {p[3]["metadata"]["name"]: p[3]["spec"] for p in posts}
+    assert pods["kt1-placed-0"]["nodeName"] == "n1"
+    # Without an allocation the cluster's scheduler chooses.
+    assert "nodeName" not in pods["kt1-free-0"]
+
+
 def test_shared_gpu_memory_is_the_extended_resource(api):
     a = allocation(mode="shared", gpus=1, gpu_memory="3GiB")
     api.outcomes["kt1-small-0"] = Outcome()

@@ -132,6 +132,8 @@ class Job {
   virtual absl::Status Stop() = 0;
   // The job's containers (parameter servers first, then workers by rank).
   virtual std::vector<std::shared_ptr<launch::Handle>> Containers() = 0;
+  // The workers' allocations by rank, then the parameter servers' (which
+  // have their own only where the backend places on nodes).
   virtual std::vector<gpu::Allocation> Allocations() = 0;
 };
 

@@ -305,6 +305,11 @@ class Launcher {
   // this backend: processes, containers, cgroups, bundles, jobs. For the
   // leftovers of a launcher that crashed. Returns how many were swept.
   virtual absl::StatusOr<int> Cleanup(const std::string& launcher_id) = 0;
+  // The nodes this backend places containers on, by the names a spec's
+  // allocation gives in `node`, with their CPUs, memory and GPUs: Slurm's
+  // nodes (of the partition) for slurm. Empty for the backends that run
+  // every container on this host (process, oci, docker).
+  virtual absl::StatusOr<std::vector<gpu::Node>> Nodes() = 0;
 };
 
 // The backends this build and machine can use now, with the reason for each

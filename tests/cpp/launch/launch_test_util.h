@@ -52,6 +52,8 @@ struct BackendFixture {
   // What EnvAsGranted's container prints of its GPU variables for a grant
   // of GPUs 0 and 1.
   std::string granted_gpu_env = "C=0,1 N=GPU-test-0,GPU-test-1";
+  // The node of EnvAsGranted's grant: one the backend can place on.
+  std::string node = "n0";
 };
 
 inline std::string EnvOr(const char* name, const std::string& fallback = "") {
@@ -95,6 +97,11 @@ inline BackendFixture FixtureFor(const std::string& backend) {
     // idle test cluster); the grant's UUIDs may name other GPUs, so
     // NVIDIA_VISIBLE_DEVICES is not passed on.
     f.granted_gpu_env = "C=0,1 N=";
+    // The job goes to the grant's node (--nodelist): the test cluster's one
+    // node, named as tests/launch/slurm.sh names it (hostname -s).
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    f.node = std::string(host).substr(0, std::string(host).find('.'));
     f.unsupported["PastMemoryLimitIsOomKilled"] =
         "the test cluster does not enforce --mem (TaskPlugin=task/none, no memory cgroup), "
         "so nothing is OOM-killed";

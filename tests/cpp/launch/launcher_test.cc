@@ -128,6 +128,7 @@ TEST_P(LaunchContract, ExitCodePropagates) {
 TEST_P(LaunchContract, EnvAsGranted) {
   ContainerSpec spec = Spec("env", "echo \"C=$CUDA_VISIBLE_DEVICES N=$NVIDIA_VISIBLE_DEVICES F=$FOO\"");
   spec.allocation = TwoGpus("alice");
+  spec.allocation->node = fixture_.node;
   spec.env = {{"FOO", "bar baz"}};
   auto h = StartOk(spec);
   ASSERT_NE(h, nullptr);

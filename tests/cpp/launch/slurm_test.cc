@@ -34,6 +34,7 @@ namespace {
 using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
 using ::deepnex::test::WaitFor;
+using ::testing::AllOf;
 using ::testing::AnyOf;
 using ::testing::Eq;
 using ::testing::HasSubstr;
@@ -410,6 +411,37 @@ TEST_F(SlurmTest, ResourcesAndPlacementFlags) {
   EXPECT_THAT(record, HasSubstr("Requeue=0"));
   EXPECT_TRUE(WaitEnd(*run).ok());
   EXPECT_EQ(LogsOf(*run), scratch_.path() + "\n");
+}
+
+TEST_F(SlurmTest, NodesAreTheClustersAndTheAllocationsNodeIsTheNodelist) {
+  // tests/launch/slurm.sh: one node, named `hostname -s`, 8 CPUs, 2000 MB,
+  // 4 GPUs.
+  const std::string host = FixtureFor("slurm").node;
+  ASSERT_OK_AND_ASSIGN(std::vector<gpu::Node> nodes, backend_->Nodes());
+  ASSERT_EQ(nodes.size(), 1u);
+  EXPECT_EQ(nodes[0].name, host);
+  EXPECT_EQ(nodes[0].cpus, 8);
+  EXPECT_EQ(nodes[0].memory, 2000ull << 20);
+  EXPECT_EQ(nodes[0].gpus.size(), 4u);
+
+  ContainerSpec spec = OnGpus(Sh("placed", "true"), 1);
+  spec.allocation->node = host;
+  auto run = StartOk(spec);
+  ASSERT_NE(run, nullptr);
+  EXPECT_THAT(JobRecord(*run), HasSubstr("ReqNodeList=" + host + " "));
+  EXPECT_TRUE(WaitEnd(*run).ok());
+
+  // A node Slurm does not have is refused, not run elsewhere.
+  spec.allocation->node = "deepnex-no-such-node";
+  RunContext context;
+  context.launcher_id = options_.id;
+  context.run_name = RunName(options_.id, "nowhere", 0);
+  context.dir = scratch_.path() + "/" + context.run_name;
+  ASSERT_EQ(mkdir(context.dir.c_str(), 0755), 0);
+  EXPECT_THAT(backend_->Start(spec, context),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("--nodelist=deepnex-no-such-node"),
+                             HasSubstr("Invalid node name"))));
 }
 
 TEST_F(SlurmTest, ControllerSilentForAWhileIsNotALostJob) {
