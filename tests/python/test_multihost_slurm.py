@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from _wait import wait_for
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
 
@@ -50,3 +52,61 @@ def test_digits_trains_with_workers_on_both_nodes(slurm_two_nodes, mode, ps):
     assert placed == {"0": "n1", "1": "n2"}, out
     acc = float(re.search(r"summary: .* test_accuracy=([0-9.]+)", out).group(1))
     assert acc >= 0.9, out
+
+
+LOSABLE = """
+import os, socket, sys, time
+from deepnex import collective
+rank, gate = os.environ["DEEPNEX_RANK"], sys.argv[1]
+store = os.environ["DEEPNEX_STORE_ADDR"]
+kw = dict(prefix=os.environ["DEEPNEX_JOB_ID"], token=os.environ.get("DEEPNEX_TOKEN"))
+print(f"rank {rank} on {socket.gethostname()}", flush=True)
+if rank == "1" and not os.path.exists(gate + ".lost"):
+    open(gate + ".1", "w").close()       # the test cuts n2 off now
+    while not os.path.exists(gate):
+        time.sleep(0.01)
+    try:
+        collective.StoreClient(store, timeout=3, **kw).set("back", "1")
+        print("not partitioned", flush=True)
+    except (TimeoutError, ConnectionError) as e:
+        print(f"lost {type(e).__name__}", flush=True)
+    open(gate + ".lost", "w").close()
+    sys.exit(1)
+c = collective.StoreClient(store, timeout=60, **kw)
+if rank == "1":
+    c.set("back", "1")
+else:
+    c.get("back", timeout=90)            # from worker 1 once it is back
+print(f"rank {rank} done", flush=True)
+"""
+
+
+def test_a_worker_lost_with_its_host_restarts_there_once_healed(slurm_two_nodes, tmp_path):
+    """Worker 1's host n2 is cut off: its calls to the job's store on head
+    fail and it exits 1. Once n2 is healed Slurm hears of the exit, and
+    --restart on-failure:1 starts worker 1 again on n2, which finishes."""
+    hosts, env = slurm_two_nodes
+    gate = str(tmp_path / "partitioned")
+    p = hosts.popen("head", [PY, "-m", "deepnex", "run", "--backend", "slurm", "--nodes", "2",
+                             "--workers", "2", "--ps", "0", "--mode", "allreduce",
+                             "--restart", "on-failure:1", "--", PY, "-c", LOSABLE, gate],
+                    env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    text=True)
+    try:
+        wait_for(lambda: os.path.exists(gate + ".1") or p.poll() is not None,
+                 "worker 1 at the gate")
+        hosts.partition("n2")
+        open(gate, "w").close()
+        wait_for(lambda: os.path.exists(gate + ".lost") or p.poll() is not None,
+                 "worker 1 to give up")
+        hosts.heal()
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.terminate()
+            p.communicate(timeout=60)
+    assert p.returncode == 0, out
+    assert re.search(r"^\[worker 1\] lost (DeadlineExceededError|UnavailableError)$", out, re.M), out
+    assert "worker 1 exited(1); restarting (1/1)" in out, out
+    assert re.findall(r"^\[worker 1\] rank 1 on (\S+)$", out, re.M) == ["n2", "n2"], out
+    assert "[worker 0] rank 0 done" in out and "[worker 1] rank 1 done" in out, out
