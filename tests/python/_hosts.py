@@ -96,9 +96,17 @@ class Hosts:
                 raise ValueError(f"host name {name!r}: letters, digits, _; at most 12")
             if not 1 <= int(octet) <= 254:
                 raise ValueError(f"host {name}: octet {octet} outside 1..254")
+        if len({int(o) for o in hosts.values()}) != len(hosts):
+            raise ValueError(f"hosts {hosts}: two hosts share an address")
         if tag is None:
+            # dnx<pid><n in letters>: unique on the machine while this
+            # process lives, and short enough for interface names (15).
             _counter[0] += 1
-            tag = f"dnx{os.getpid()}{chr(ord('a') + (_counter[0] - 1) % 26)}"
+            n, letters = _counter[0], ""
+            while n:
+                n, r = divmod(n - 1, 26)
+                letters = chr(ord("a") + r) + letters
+            tag = f"dnx{os.getpid()}{letters}"
         self.tag = tag
         self.hosts = {name: f"{SUBNET}.{int(octet)}" for name, octet in hosts.items()}
         self.dir = os.path.join(STATE_ROOT, tag)
