@@ -155,7 +155,7 @@ def add_commands(commands) -> None:
                      help="worker processes (default 1); --nproc-per-node as in torchrun")
     run.add_argument("--nodes", type=int, default=0,
                      help="spread the workers over N nodes, as evenly as possible, as srun -N "
-                          "(a backend that places on nodes: slurm, kubernetes); parameter "
+                          "(a backend that places on nodes: slurm); parameter "
                           "servers go to the same nodes (default: where they fit)")
     run.add_argument("--advertise-address", default=None, metavar="ADDR",
                      help="the host the job's processes reach this one at (its store, "

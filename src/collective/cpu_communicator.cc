@@ -775,8 +775,8 @@ absl::Status CpuCommunicator::Init(Transport transport) {
     DEEPNEX_RETURN_IF_ERROR(store->Set(probe_key(r), mine_probe));
     std::vector<std::string> probe_keys;
     for (int i = 0; i < n; ++i) probe_keys.push_back(probe_key(i));
-    DEEPNEX_ASSIGN_OR_RETURN(probes, store->MultiGet(probe_keys, std::chrono::duration_cast<milliseconds>(
-                                                                     deadline - SteadyClock::now())));
+    const auto left_ms = std::chrono::duration_cast<milliseconds>(deadline - SteadyClock::now());
+    DEEPNEX_ASSIGN_OR_RETURN(probes, store->MultiGet(probe_keys, left_ms));
     for (int i = 0; i < n; ++i) {
       if (probes[i].size() != 2) {
         return absl::InternalError(absl::StrCat("rank ", i, "'s shared-memory probe \"",

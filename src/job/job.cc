@@ -139,6 +139,12 @@ class AllocationSource {
       }
       for (gpu::Node node : nodes) {
         node.mode = o.gpu_mode;
+        // Slurm's GRES counts GPUs and says nothing of their memory: any
+        // request's memory fits, so only the count limits here, and the
+        // backend's scheduler holds the GPUs themselves.
+        for (gpu::Gpu& g : node.gpus) {
+          if (g.memory == 0) g.memory = uint64_t{1} << 50;
+        }
         DEEPNEX_RETURN_IF_ERROR(a->local_->AddNode(node));
       }
     } else {
@@ -413,15 +419,16 @@ class JobImpl : public Job {
   absl::Status StartAll() {
     started_ = Clock::now();
     DEEPNEX_ASSIGN_OR_RETURN(launcher_, launch::Launcher::Create(o_.launcher));
-    // Slurm and Kubernetes place on their nodes; the other backends run
-    // everything on this host.
+    // Slurm places on its nodes; the other backends run everything on this
+    // host (the kubernetes one lists no nodes yet, and takes a job's
+    // containers only with an image, which deepnex run does not give).
     DEEPNEX_ASSIGN_OR_RETURN(std::vector<gpu::Node> backend_nodes, launcher_->Nodes());
     placed_ = !backend_nodes.empty();
     if (!placed_ && o_.nodes > 1) {
       return absl::InvalidArgumentError(absl::StrCat(
           "nodes: ", o_.nodes, ": the ", o_.launcher.backend,
           " backend runs every container on this host; spreading over nodes needs a backend "
-          "that places on them (slurm, kubernetes)"));
+          "that places on them (slurm)"));
     }
     DEEPNEX_ASSIGN_OR_RETURN(allocations_, AllocationSource::Create(o_, backend_nodes));
     gpu::Request request;
@@ -460,7 +467,7 @@ class JobImpl : public Job {
               "worker ", rank, ": allocation ", grants_[rank].id, " is on node \"",
               grants_[rank].node, "\", not on this host (\"", here, "\"), and the ",
               o_.launcher.backend, " backend runs containers on this host only; use a backend "
-              "that places on nodes (slurm, kubernetes) or run deepnex run on that node"));
+              "that places on nodes (slurm) or run deepnex run on that node"));
         }
       }
     }

@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 deepnex = pytest.importorskip("deepnex")
+from _central import stop_central as stop  # noqa: E402 - ends any daemon: TERM, then KILL
 from deepnex import collective, gpu, ps  # noqa: E402
 
 BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
@@ -46,15 +47,6 @@ def start(daemon, *flags):
         proc.kill()
         pytest.fail(line + proc.communicate(timeout=10)[1])
     return proc, m.group(1)
-
-
-def stop(proc):
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def split(address):

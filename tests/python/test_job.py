@@ -379,7 +379,7 @@ def test_nodes_are_checked_and_a_this_host_backend_refuses_to_spread(jobs):
     j = jobs(["--workers", "2", "--nodes", "2", "--mode", "allreduce"], ["true"])
     assert j.wait(60) == 1, j.output()
     assert ("nodes: 2: the process backend runs every container on this host; spreading over "
-            "nodes needs a backend that places on them (slurm, kubernetes)") in j.output()
+            "nodes needs a backend that places on them (slurm)") in j.output()
     j = jobs(["--workers", "2", "--nodes", "1", "--mode", "allreduce"], ["true"])
     assert j.wait(60) == 0, j.output()
 
@@ -427,7 +427,7 @@ def test_run_with_central_refuses_a_node_that_is_not_this_host(jobs, tmp_path):
         assert re.search(
             r'worker 0: allocation \S+ is on node "n1", not on this host \("'
             + re.escape(socket.gethostname()) + r'"\), and the process backend runs containers '
-            r"on this host only; use a backend that places on nodes \(slurm, kubernetes\) or "
+            r"on this host only; use a backend that places on nodes \(slurm\) or "
             r"run deepnex run on that node", j.output()), j.output()
         assert not any("ran" in x for x in j.lines), j.output()
         # Nothing held.

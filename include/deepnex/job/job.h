@@ -36,7 +36,7 @@ struct JobOptions {
   // with W workers on N nodes, the first W % N nodes get one more. The
   // parameter servers go to the same nodes, server i to node i % N. 0: the
   // allocator packs the workers where they fit. More than 1 needs a launch
-  // backend that places on other nodes (slurm, kubernetes).
+  // backend that places on other nodes (slurm).
   int nodes = 0;
   // The host (a name or an address) on which the job's processes reach
   // this process's rendezvous store and, for workers on other nodes, the

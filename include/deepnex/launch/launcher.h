@@ -308,7 +308,9 @@ class Launcher {
   // The nodes this backend places containers on, by the names a spec's
   // allocation gives in `node`, with their CPUs, memory and GPUs: Slurm's
   // nodes (of the partition) for slurm. Empty for the backends that run
-  // every container on this host (process, oci, docker).
+  // every container on this host (process, oci, docker), and for kubernetes
+  // (not listed yet: a run goes to its allocation's node, or where the
+  // cluster's scheduler puts it).
   virtual absl::StatusOr<std::vector<gpu::Node>> Nodes() = 0;
 };
 

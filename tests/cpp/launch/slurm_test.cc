@@ -416,7 +416,7 @@ TEST_F(SlurmTest, ResourcesAndPlacementFlags) {
 TEST_F(SlurmTest, NodesAreTheClustersAndTheAllocationsNodeIsTheNodelist) {
   // tests/launch/slurm.sh: one node, named `hostname -s`, 8 CPUs, 2000 MB,
   // 4 GPUs.
-  const std::string host = FixtureFor("slurm").node;
+  const std::string host = test::FixtureFor("slurm").node;
   ASSERT_OK_AND_ASSIGN(std::vector<gpu::Node> nodes, backend_->Nodes());
   ASSERT_EQ(nodes.size(), 1u);
   EXPECT_EQ(nodes[0].name, host);
