@@ -376,17 +376,19 @@ def test_a_partitioned_worker_host_expires_its_lease_and_never_hangs_the_round(
                             pause_before=k + 1)
     partition_at_gate(hosts, workers, gate, "h3")
     code, out = finish(workers[0], timeout=timeout + 30)
+    # Round k+1 ends once the lease expires (a margin for a loaded machine),
+    # well before worker 0's own call deadline.
     if policy == "shrink":
         assert code == 0, out
         # Rounds 1..k from both (1 + 2), k+1.. from worker 0 alone.
         expected = -0.5 * (sum(3 * t for t in range(1, k + 1)) + sum(range(k + 1, steps + 1)))
         assert final(out) == [expected], out
-        assert step_seconds(out, k + 1) <= lease + 2, out
+        assert step_seconds(out, k + 1) <= lease + 4, out
     else:
         assert code == 3, out
         m = re.search(r"^failed (\d+) (\S+) ([\d.]+) (.*)$", out, re.M)
         assert (int(m.group(1)), m.group(2)) == (k + 1, "AbortedError"), out
-        assert "worker 1" in m.group(4) and float(m.group(3)) <= lease + 2, out
+        assert "worker 1" in m.group(4) and float(m.group(3)) <= lease + 4, out
     failed_in_time(workers[1], k + 1, timeout)
 
 
