@@ -4,6 +4,7 @@ Times float32 allreduces exactly as allreduce_bench_worker does (warm-up,
 barrier before each timed run, median) and prints "SIZE_BYTES MEDIAN_SECONDS"
 from rank 0.
 """
+import os
 import sys
 import time
 
@@ -15,7 +16,9 @@ def main():
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     sizes = [int(s) for s in sys.argv[4].split(",")]
     min_time = float(sys.argv[5]) if len(sys.argv) > 5 else 0.3
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    # MASTER_ADDR: rank 0's host when the ranks are on different hosts.
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank,
                             world_size=world)
     for nbytes in sizes:
         x = torch.ones(nbytes // 4, dtype=torch.float32)

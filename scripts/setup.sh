@@ -14,6 +14,8 @@ packages=(
   # launch backends, each driven for real by the tests (see ENGINES.md)
   runc tini podman busybox-static
   slurmctld slurmd slurm-client munge
+  # simulated hosts for the cross-host tests (tests/python/_hosts.py)
+  iproute2 iptables util-linux
   python3-kubernetes python3-yaml
   # peers for the benchmarks
   openmpi-bin libopenmpi-dev

@@ -56,3 +56,61 @@ def job_env(clean_job_env):
     clean_job_env.setenv("DEEPNEX_RANK", "1")
     clean_job_env.setenv("DEEPNEX_WORLD_SIZE", "4")
     return clean_job_env
+
+
+@pytest.fixture(scope="session")
+def _simulated_hosts():
+    """Why simulated hosts cannot be made here (None when they can); the
+    first test that wants them also removes what a killed run left."""
+    import _hosts
+    why = _hosts.unavailable()
+    if why is None:
+        _hosts.cleanup_leftovers()
+    return why
+
+
+@pytest.fixture
+def make_hosts(_simulated_hosts, request):
+    """make_hosts({"h1": 11, "h2": 12}): simulated hosts 10.77.0.11 and .12
+    (tests/python/_hosts.py), up, and torn down with everything running on
+    them when the test ends, passed or failed. Skips without root or the
+    tools."""
+    if _simulated_hosts:
+        pytest.skip(_simulated_hosts)
+    import _hosts
+
+    def make(hosts):
+        h = _hosts.Hosts(hosts)
+        request.addfinalizer(h.down)
+        return h.up()
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def slurm_two_nodes(_simulated_hosts, request):
+    """A 2-node Slurm on simulated hosts: slurmctld on head (10.77.0.13),
+    slurmd on n1 (10.77.0.11) and n2 (10.77.0.12), 2 GPU devices each, made
+    by tests/launch/slurm.sh. Returns (hosts, env): run Slurm commands and
+    jobs on head with env (SLURM_CONF). Torn down after the module's tests;
+    skips where Slurm, munge or simulated hosts are missing."""
+    if _simulated_hosts:
+        pytest.skip(_simulated_hosts)
+    import subprocess
+
+    import _hosts
+    hosts = _hosts.Hosts({"head": 13, "n1": 11, "n2": 12})
+    request.addfinalizer(hosts.down)
+    hosts.up()
+    script = os.path.join(os.path.dirname(__file__), "..", "launch", "slurm.sh")
+    # Inside the hosts' directory, so that a killed run's cluster goes with
+    # its hosts (cleanup_leftovers).
+    cluster = os.path.join(hosts.dir, "slurm")
+    request.addfinalizer(lambda: subprocess.run(["bash", script, "stop", cluster],
+                                                capture_output=True, timeout=120))
+    r = subprocess.run(["bash", script, "start", cluster, hosts.dir], capture_output=True,
+                       text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    if not os.path.exists(os.path.join(cluster, "env")):
+        pytest.skip(r.stdout.strip())
+    return hosts, dict(os.environ, SLURM_CONF=os.path.join(cluster, "slurm.conf"))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import deepnex
+from _exact import DTYPES, OPS, allreduce_case
 from deepnex import collective
 
 
@@ -86,27 +87,14 @@ def test_store_token():
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_allreduce_every_dtype_and_op(store, n):
     def body(r, comm):
-        for dtype in (np.float32, np.float64, np.float16, np.int32, np.int64):
-            for op in ("sum", "mean", "max", "min", "prod"):
+        for dtype in DTYPES:
+            for op in OPS:
                 for size in (0, 1, 7, 1001):
-                    i = np.arange(size)
-                    vals = [((i + k) % 3 + 1) if op == "prod" else (i * 7 + 3 * k) % 11 + k
-                            for k in range(n)]
-                    x = vals[r].astype(dtype)
+                    inputs, want = allreduce_case(op, dtype, size, n)
+                    x = inputs[r]
                     out = comm.allreduce(x, op=op)
                     assert out is x
-                    stack = np.stack(vals).astype(np.float64)
-                    want = {"sum": stack.sum(0), "prod": stack.prod(0), "max": stack.max(0),
-                            "min": stack.min(0), "mean": stack.sum(0)}[op]
-                    if op == "mean":
-                        if np.issubdtype(dtype, np.integer):
-                            want = np.trunc(want / n)
-                        elif dtype == np.float64:
-                            want = want / n
-                        else:
-                            want = (want.astype(np.float32) / np.float32(n)).astype(dtype)
-                    np.testing.assert_array_equal(x, want.astype(dtype),
-                                                  err_msg=f"{dtype} {op} {size}")
+                    np.testing.assert_array_equal(x, want, err_msg=f"{dtype} {op} {size}")
     run_ranks(store, n, body)
 
 
