@@ -21,6 +21,8 @@
 #include "absl/strings/ascii.h"
 #include "deepnex/gpu/discovery.h"
 
+extern char** environ;
+
 namespace deepnex::launch {
 namespace {
 
@@ -72,6 +74,12 @@ absl::StatusOr<std::string> FindOnPath(const std::string& command,
   }
   return absl::NotFoundError(
       absl::StrCat("command \"", command, "\" not found on PATH=", path_env));
+}
+
+std::vector<std::string> OwnEnv() {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+  return env;
 }
 
 std::string PathOf(const std::map<std::string, std::string>& env) {

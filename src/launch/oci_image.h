@@ -1,0 +1,56 @@
+// The oci backend's images (private to src/launch): where a container's
+// root file system comes from ("host", a rootfs directory, an OCI image
+// layout unpacked once), and whether a command exists in it.
+#ifndef DEEPNEX_LAUNCH_OCI_IMAGE_H_
+#define DEEPNEX_LAUNCH_OCI_IMAGE_H_
+
+#include <map>
+#include <mutex>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "deepnex/launch/launcher.h"
+
+namespace deepnex::launch {
+
+// The PATH inside a container whose spec sets none (runc spec's).
+inline constexpr char kContainerPath[] =
+    "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+// The host directories the "host" image shows read-only.
+inline const char* const kHostDirs[] = {"/usr", "/etc", "/opt"};
+
+// Where a container's files come from.
+struct Image {
+  std::string rootfs;  // absolute
+  bool host = false;   // the "host" image: kHostDirs are bound in
+};
+
+// NotFound unless `spec.command[0]` is an executable file in the container
+// (the image's rootfs under the bundle's `mounts`), looked up on the spec's
+// PATH (runc's default without one) as runc would, and the working
+// directory is a directory there.
+absl::Status CheckInImage(const Image& image, const nlohmann::json& mounts,
+                          const ContainerSpec& spec);
+
+// Resolves a spec's image to a rootfs, preparing it on first use: the
+// "host" image's empty root, an OCI layout's unpacked layers (cached under
+// <state_dir>/oci). Thread-safe.
+class ImageStore {
+ public:
+  explicit ImageStore(std::string state_dir) : state_dir_(std::move(state_dir)) {}
+
+  // The rootfs of `image`: NotFound naming it when it does not exist.
+  absl::StatusOr<Image> Resolve(const std::string& image);
+
+ private:
+  const std::string state_dir_;
+  std::mutex mu_;  // guards the state below
+  bool host_ready_ = false;
+  std::map<std::string, std::string> layouts_;  // layout dir -> unpacked rootfs
+};
+
+}  // namespace deepnex::launch
+
+#endif  // DEEPNEX_LAUNCH_OCI_IMAGE_H_
