@@ -395,6 +395,8 @@ class JobImpl : public Job {
       spec.cpus = o_.cpus;
       spec.memory = o_.memory;
       spec.restart = o_.restart;
+      // The job's store and parameter servers listen on this host.
+      spec.host_network = true;
       spec.labels["deepnex.job"] = o_.name;
       spec.labels["deepnex.role"] = "worker";
       DEEPNEX_ASSIGN_OR_RETURN(auto h, StartContainer(spec, absl::StrCat("worker ", rank)));

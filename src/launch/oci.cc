@@ -266,17 +266,25 @@ class OciBackend : public Backend {
 
   absl::Status Check(const ContainerSpec& spec) override {
     DEEPNEX_ASSIGN_OR_RETURN(Image image, images_.Resolve(spec.image));
-    return CheckInImage(image, Mounts(image, spec, init_), spec);
+    return CheckInImage(image, Mounts(image, spec, MakeBundle(spec, "")), spec);
   }
 
   absl::StatusOr<std::unique_ptr<Run>> Start(const ContainerSpec& spec,
                                              const RunContext& context) override {
     DEEPNEX_ASSIGN_OR_RETURN(Image image, images_.Resolve(spec.image));
-    const std::string cgroup_path = absl::StrCat(cgroup_parent_, "/", context.run_name);
+    const Bundle bundle = MakeBundle(spec, context.run_name);
     const std::string pid_file = context.dir + "/pid";
     unlink(pid_file.c_str());
+    std::string resolv_conf;
+    if (spec.host_network) {
+      resolv_conf = ReadWholeFile("/etc/resolv.conf", "resolv.conf").value_or("");
+    }
+    DEEPNEX_RETURN_IF_ERROR(WriteEtc(context.dir + "/etc", image,
+                                     EtcFiles(spec, bundle, resolv_conf)));
+    Bundle with_etc = bundle;
+    with_etc.etc_dir = context.dir + "/etc";
     DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically(
-        context.dir + "/config.json", MakeConfig(image, spec, context, cgroup_path, init_).dump(1)));
+        context.dir + "/config.json", MakeConfig(image, spec, context, with_etc).dump(1)));
 
     // runc writes the pid file (to a temporary name, then renamed) once the
     // command runs: watch for it rather than poll.
@@ -300,7 +308,7 @@ class OciBackend : public Backend {
       Reap(pid);
       return absl::InternalError("pidfd_open: " + Errno(err));
     }
-    auto run = std::make_unique<OciRun>(runc_, context.run_name, context.dir, cgroup_path,
+    auto run = std::make_unique<OciRun>(runc_, context.run_name, context.dir, bundle.cgroup_path,
                                         !init_.empty(), pid, std::move(pidfd));
 
     const auto deadline = std::chrono::steady_clock::now() + kStartTimeout;
@@ -360,6 +368,16 @@ class OciBackend : public Backend {
   }
 
  private:
+  // The bundle of run `run_name` of `spec`, without its /etc.
+  Bundle MakeBundle(const ContainerSpec& spec, const std::string& run_name) const {
+    Bundle b;
+    b.cgroup_path = absl::StrCat(cgroup_parent_, "/", run_name);
+    b.init = init_;
+    b.uid = spec.run_as ? spec.run_as->uid : geteuid();
+    b.gid = spec.run_as ? spec.run_as->gid : getegid();
+    return b;
+  }
+
   const Runc runc_;
   const std::string cgroup_parent_;
   const std::string init_;

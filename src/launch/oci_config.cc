@@ -1,20 +1,28 @@
 #include "launch/oci_config.h"
 
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "core/file_util.h"
 
 namespace deepnex::launch {
 namespace {
 
 using json = nlohmann::json;
 namespace fs = std::filesystem;
+
+// Debian's nobody and nogroup.
+constexpr uint32_t kNobody = 65534;
 
 json DeviceRule(bool allow, const char* type, int64_t major, int64_t minor) {
   json rule = {{"allow", allow}, {"access", "rwm"}};
@@ -62,15 +70,28 @@ json Bind(const std::string& source, const std::string& target, bool read_only) 
   return {{"destination", target}, {"type", "bind"}, {"source", source}, {"options", options}};
 }
 
-json Capabilities() {
-  // runc spec's default set; everything else is dropped.
-  const json caps = {"CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"};
+// runc spec's default set for root; everything else is dropped. Another
+// uid gets none: runc would otherwise hand it these.
+json Capabilities(uint32_t uid) {
+  const json caps = uid == 0 ? json{"CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"}
+                             : json::array();
   return {{"bounding", caps}, {"effective", caps}, {"permitted", caps}};
+}
+
+// The user's name in the container.
+std::string UserName(const ContainerSpec& spec, uint32_t uid) {
+  if (uid == 0) return "root";
+  return spec.run_as && !spec.run_as->user.empty() ? spec.run_as->user : "user";
+}
+
+std::string Home(const ContainerSpec& spec, uint32_t uid) {
+  if (spec.run_as && !spec.run_as->home.empty()) return spec.run_as->home;
+  return uid == 0 ? "/root" : "/";
 }
 
 }  // namespace
 
-json Mounts(const Image& image, const ContainerSpec& spec, const std::string& init) {
+json Mounts(const Image& image, const ContainerSpec& spec, const Bundle& bundle) {
   json mounts = {
       {{"destination", "/proc"}, {"type", "proc"}, {"source", "proc"}},
       {{"destination", "/dev"},
@@ -100,20 +121,26 @@ json Mounts(const Image& image, const ContainerSpec& spec, const std::string& in
        {"source", "tmpfs"},
        {"options", {"nosuid", "nodev", "mode=1777"}}},
   };
-  if (!init.empty()) mounts.push_back(Bind(init, kInitPath, true));
+  if (!bundle.init.empty()) mounts.push_back(Bind(bundle.init, kInitPath, true));
   if (image.host) {
     for (const char* dir : kHostDirs) {
       if (fs::is_directory(dir)) mounts.push_back(Bind(dir, dir, true));
     }
+  }
+  // Over the image's /etc, so that no image (nor the host's) decides who
+  // the users are.
+  mounts.push_back(Bind(bundle.etc_dir, "/etc", true));
+  for (const EtcEntry& e : image.etc) {
+    if (e.link.empty()) mounts.push_back(Bind(e.source, "/etc/" + e.name, true));
   }
   for (const Mount& m : spec.mounts) mounts.push_back(Bind(m.source, m.target, m.read_only));
   return mounts;
 }
 
 json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext& context,
-                const std::string& cgroup_path, const std::string& init) {
+                const Bundle& bundle) {
   std::vector<std::string> args = spec.command;
-  if (!init.empty()) {
+  if (!bundle.init.empty()) {
     // Not tini's -g (signals to the command's process group): tini sets that
     // group up in the child after the fork, and a signal that comes first
     // (runc init leaves a SIGURG pending across its exec) finds no group,
@@ -123,6 +150,7 @@ json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext&
   json env = json::array();
   for (const auto& [k, v] : spec.env) env.push_back(absl::StrCat(k, "=", v));
   if (!spec.env.count("PATH")) env.push_back(absl::StrCat("PATH=", kContainerPath));
+  if (!spec.env.count("HOME")) env.push_back("HOME=" + Home(spec, bundle.uid));
   // Never above the current hard limit: raising it needs CAP_SYS_RESOURCE.
   struct rlimit nofile;
   getrlimit(RLIMIT_NOFILE, &nofile);
@@ -131,24 +159,25 @@ json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext&
       {"ociVersion", "1.0.2"},
       {"process",
        {{"terminal", false},
-        {"user", {{"uid", 0}, {"gid", 0}}},
+        {"user", {{"uid", bundle.uid}, {"gid", bundle.gid}}},
         {"args", args},
         {"env", env},
         {"cwd", spec.working_dir.empty() ? "/" : spec.working_dir},
-        {"capabilities", Capabilities()},
+        {"capabilities", Capabilities(bundle.uid)},
         {"rlimits",
          {{{"type", "RLIMIT_NOFILE"}, {"soft", soft}, {"hard", uint64_t{nofile.rlim_max}}}}},
         {"noNewPrivileges", true}}},
       {"root", {{"path", image.rootfs}, {"readonly", true}}},
       {"hostname", spec.name},
-      {"mounts", Mounts(image, spec, init)},
+      {"mounts", Mounts(image, spec, bundle)},
       {"annotations", context.labels},
   };
   json& lx = config["linux"];
-  lx["cgroupsPath"] = cgroup_path;
+  lx["cgroupsPath"] = bundle.cgroup_path;
   json namespaces = json::array();
   for (const char* ns : {"pid", "mount", "uts", "ipc"}) namespaces.push_back({{"type", ns}});
-  if (spec.network_none) namespaces.push_back({{"type", "network"}});
+  // A new network namespace has only a loopback, which runc brings up.
+  if (!spec.host_network) namespaces.push_back({{"type", "network"}});
   lx["namespaces"] = namespaces;
   lx["maskedPaths"] = {"/proc/acpi",         "/proc/asound",      "/proc/kcore",
                           "/proc/keys",         "/proc/latency_stats", "/proc/timer_list",
@@ -179,8 +208,61 @@ json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext&
     resources["cpu"] = {{"period", period},
                         {"quota", std::max<int64_t>(1000, std::llround(spec.cpus * period))}};
   }
-  if (spec.pids_limit > 0) resources["pids"] = {{"limit", spec.pids_limit}};
+  resources["pids"] = {{"limit", spec.pids_limit > 0 ? spec.pids_limit : kDefaultPidsLimit}};
   return config;
+}
+
+std::map<std::string, std::string> EtcFiles(const ContainerSpec& spec, const Bundle& bundle,
+                                            const std::string& resolv_conf) {
+  const std::string user = UserName(spec, bundle.uid);
+  std::string passwd = "root:x:0:0:root:/root:/bin/sh\n";
+  std::string group = "root:x:0:\n";
+  if (bundle.uid != 0 && bundle.uid != kNobody) {
+    absl::StrAppend(&passwd, user, ":x:", bundle.uid, ":", bundle.gid, ":", user, ":",
+                    Home(spec, bundle.uid), ":/bin/sh\n");
+  }
+  if (bundle.gid != 0 && bundle.gid != kNobody) absl::StrAppend(&group, user, ":x:", bundle.gid, ":\n");
+  absl::StrAppend(&passwd, "nobody:x:", kNobody, ":", kNobody, ":nobody:/nonexistent:/usr/sbin/nologin\n");
+  absl::StrAppend(&group, "nogroup:x:", kNobody, ":\n");
+  return {
+      {"passwd", passwd},
+      {"group", group},
+      {"hosts", absl::StrCat("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+                             "127.0.1.1\t", spec.name, "\n")},
+      {"hostname", spec.name + "\n"},
+      {"resolv.conf", spec.host_network ? resolv_conf : ""},
+      {"nsswitch.conf", "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\n"},
+  };
+}
+
+absl::Status WriteEtc(const std::string& dir, const Image& image,
+                      const std::map<std::string, std::string>& files) {
+  if (mkdir(dir.c_str(), 0755) != 0) {
+    return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", strerror(errno)));
+  }
+  auto failed = [](const std::string& path) {
+    return absl::InternalError(absl::StrCat("cannot create ", path, ": ", strerror(errno)));
+  };
+  for (const EtcEntry& e : image.etc) {
+    const std::string path = absl::StrCat(dir, "/", e.name);
+    if (!e.link.empty()) {
+      if (symlink(e.link.c_str(), path.c_str()) != 0) return failed(path);
+    } else if (e.dir) {
+      if (mkdir(path.c_str(), 0755) != 0) return failed(path);
+    } else {
+      const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+      if (fd < 0) return failed(path);
+      close(fd);
+    }
+  }
+  for (const auto& [name, text] : files) {
+    const std::string path = absl::StrCat(dir, "/", name);
+    DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically(path, text));
+    // Whatever the launcher's umask: the container's user reads them.
+    if (chmod(path.c_str(), 0644) != 0) return failed(path);
+  }
+  if (chmod(dir.c_str(), 0755) != 0) return failed(dir);
+  return absl::OkStatus();
 }
 
 }  // namespace deepnex::launch

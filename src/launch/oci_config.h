@@ -5,6 +5,8 @@
 #ifndef DEEPNEX_LAUNCH_OCI_CONFIG_H_
 #define DEEPNEX_LAUNCH_OCI_CONFIG_H_
 
+#include <cstdint>
+#include <map>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -19,14 +21,45 @@ namespace deepnex::launch {
 // that no image gets a mount point written into it.
 inline constexpr char kInitPath[] = "/dev/init";
 
-// The bundle's "mounts": the runtime's file systems, the init (`init`: its
-// host path, "" for none), the host image's directories, the spec's mounts.
-nlohmann::json Mounts(const Image& image, const ContainerSpec& spec, const std::string& init);
+// The pids limit of a container whose spec sets none: a fork bomb stays in
+// its container.
+inline constexpr int64_t kDefaultPidsLimit = 4096;
 
-// The whole config.json for one run of `spec` in cgroup `cgroup_path`.
+// What one run's bundle is made of besides its spec and image.
+struct Bundle {
+  std::string cgroup_path;
+  // The init's host path (bound in at kInitPath); "" for none.
+  std::string init;
+  // The generated /etc on the host (see WriteEtc), bound in read-only over
+  // the image's; "" while a spec is only checked.
+  std::string etc_dir;
+  // Whom the command runs as (RunAs, else the launcher's own ids). Any uid
+  // but 0 runs with no capabilities at all.
+  uint32_t uid = 0;
+  uint32_t gid = 0;
+};
+
+// The bundle's "mounts": the runtime's file systems, the init, the host
+// image's directories, the generated /etc with the image's entries
+// (Image::etc) in it, then the spec's mounts.
+nlohmann::json Mounts(const Image& image, const ContainerSpec& spec, const Bundle& bundle);
+
+// The whole config.json for one run of `spec`.
 nlohmann::json MakeConfig(const Image& image, const ContainerSpec& spec,
-                          const RunContext& context, const std::string& cgroup_path,
-                          const std::string& init);
+                          const RunContext& context, const Bundle& bundle);
+
+// The files of a container's generated /etc (kGeneratedEtc), by name:
+// passwd and group with root, nobody and the user the command runs as,
+// hosts with localhost and the container's hostname, `resolv_conf` (the
+// host's with the host network, else empty: a private network has no
+// DNS server to reach).
+std::map<std::string, std::string> EtcFiles(const ContainerSpec& spec, const Bundle& bundle,
+                                            const std::string& resolv_conf);
+
+// Writes the generated /etc into the new directory `dir`: `files`, a mount
+// point for each bound entry of `image`'s /etc, its symlinks made again.
+absl::Status WriteEtc(const std::string& dir, const Image& image,
+                      const std::map<std::string, std::string>& files);
 
 }  // namespace deepnex::launch
 

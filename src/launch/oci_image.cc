@@ -33,7 +33,68 @@ namespace fs = std::filesystem;
 const char* const kHostLinks[][2] = {
     {"bin", "usr/bin"}, {"lib", "usr/lib"}, {"lib64", "usr/lib64"}, {"sbin", "usr/sbin"}};
 
+// What the "host" image shows of the host's /etc: what programs need to
+// run (on Debian many commands are symlinks through /etc/alternatives), and
+// nothing that names the host's users or holds a secret.
+const char* const kHostEtc[] = {
+    "alternatives", "ca-certificates", "ca-certificates.conf", "gai.conf", "host.conf",
+    "ld.so.cache",  "ld.so.conf",      "ld.so.conf.d",         "localtime", "mime.types",
+    "protocols",    "services",        "ssl",                  "terminfo",  "timezone"};
+
 std::string Errno(int err) { return strerror(err); }
+
+// `name` in directory `dir` as an EtcEntry; false for what cannot be one
+// (a socket, a device, what vanished).
+bool MakeEtcEntry(const std::string& dir, const std::string& name, EtcEntry* entry) {
+  const std::string path = absl::StrCat(dir, "/", name);
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) return false;
+  entry->name = name;
+  if (S_ISLNK(st.st_mode)) {
+    char target[PATH_MAX];
+    const ssize_t n = readlink(path.c_str(), target, sizeof target);
+    if (n <= 0 || n == sizeof target) return false;
+    entry->link.assign(target, n);
+    return true;
+  }
+  if (!S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode)) return false;
+  entry->source = path;
+  entry->dir = S_ISDIR(st.st_mode);
+  return true;
+}
+
+// The entries of `image`'s /etc that show in its containers (see EtcEntry).
+// A rootfs whose /etc is not a directory (a symlink could point anywhere
+// on the host) shows none.
+std::vector<EtcEntry> EtcOf(const Image& image) {
+  std::vector<EtcEntry> entries;
+  EtcEntry e;
+  if (image.host) {
+    for (const char* name : kHostEtc) {
+      if (MakeEtcEntry("/etc", name, &e)) entries.push_back(std::move(e));
+      e = EtcEntry();
+    }
+    return entries;
+  }
+  const std::string etc = image.rootfs + "/etc";
+  struct stat st;
+  if (lstat(etc.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return entries;
+  std::error_code ec;
+  std::vector<std::string> names;
+  for (const fs::directory_entry& d : fs::directory_iterator(etc, ec)) {
+    names.push_back(d.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  for (const std::string& name : names) {
+    if (std::find(std::begin(kGeneratedEtc), std::end(kGeneratedEtc), name) !=
+        std::end(kGeneratedEtc)) {
+      continue;
+    }
+    if (MakeEtcEntry(etc, name, &e)) entries.push_back(std::move(e));
+    e = EtcEntry();
+  }
+  return entries;
+}
 
 // Opens `path` (absolute, as the container sees it) inside `root_fd` with
 // symlinks and ".." resolved as if `root_fd` were "/".
@@ -376,6 +437,12 @@ absl::Status CheckInImage(const Image& image, const json& mounts, const Containe
 }
 
 absl::StatusOr<Image> ImageStore::Resolve(const std::string& image) {
+  DEEPNEX_ASSIGN_OR_RETURN(Image resolved, Find(image));
+  resolved.etc = EtcOf(resolved);
+  return resolved;
+}
+
+absl::StatusOr<Image> ImageStore::Find(const std::string& image) {
   std::lock_guard<std::mutex> lock(mu_);
   if (image == "host") {
     const std::string rootfs = state_dir_ + "/oci/host";
@@ -383,7 +450,7 @@ absl::StatusOr<Image> ImageStore::Resolve(const std::string& image) {
       DEEPNEX_RETURN_IF_ERROR(MakeHostRootfs(rootfs));
       host_ready_ = true;
     }
-    return Image{rootfs, true};
+    return Image{rootfs, true, {}};
   }
   if (image.empty() || image[0] != '/') {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -397,12 +464,12 @@ absl::StatusOr<Image> ImageStore::Resolve(const std::string& image) {
   if (!fs::is_directory(image, ec)) {
     return absl::InvalidArgumentError(absl::StrCat("spec.image: ", image, " is not a directory"));
   }
-  if (!fs::exists(image + "/oci-layout", ec)) return Image{image, false};
+  if (!fs::exists(image + "/oci-layout", ec)) return Image{image, false, {}};
   auto cached = layouts_.find(image);
-  if (cached != layouts_.end()) return Image{cached->second, false};
+  if (cached != layouts_.end()) return Image{cached->second, false, {}};
   DEEPNEX_ASSIGN_OR_RETURN(std::string rootfs, UnpackLayout(image, state_dir_ + "/oci/images"));
   layouts_[image] = rootfs;
-  return Image{rootfs, false};
+  return Image{rootfs, false, {}};
 }
 
 }  // namespace deepnex::launch

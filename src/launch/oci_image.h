@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -18,14 +19,32 @@ namespace deepnex::launch {
 inline constexpr char kContainerPath[] =
     "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
-// The host directories the "host" image shows read-only.
-inline const char* const kHostDirs[] = {"/usr", "/etc", "/opt"};
+// The host directories the "host" image shows read-only. Not /etc: every
+// container gets a generated one (see EtcEntry).
+inline const char* const kHostDirs[] = {"/usr", "/opt"};
+
+// One entry of an image's own /etc that shows through the /etc generated
+// for a container: the whole of a rootfs image's /etc but the generated
+// files, and of the host's only what programs need to run (the dynamic
+// linker's cache, alternatives, certificates, time zone, ...), never its
+// users, groups, secrets or configuration.
+struct EtcEntry {
+  std::string name;    // in /etc
+  std::string source;  // a host directory or file, bound in read-only
+  bool dir = false;
+  std::string link;    // a symlink instead: made again, with this target
+};
 
 // Where a container's files come from.
 struct Image {
   std::string rootfs;  // absolute
   bool host = false;   // the "host" image: kHostDirs are bound in
+  std::vector<EtcEntry> etc;
 };
+
+// The files generated in every container's /etc, which no image provides.
+inline const char* const kGeneratedEtc[] = {"passwd", "group",         "hosts",
+                                            "hostname", "resolv.conf", "nsswitch.conf"};
 
 // NotFound unless `spec.command[0]` is an executable file in the container
 // (the image's rootfs under the bundle's `mounts`), looked up on the spec's
@@ -45,6 +64,9 @@ class ImageStore {
   absl::StatusOr<Image> Resolve(const std::string& image);
 
  private:
+  // Resolve without the /etc entries.
+  absl::StatusOr<Image> Find(const std::string& image);
+
   const std::string state_dir_;
   std::mutex mu_;  // guards the state below
   bool host_ready_ = false;

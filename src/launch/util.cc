@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -74,6 +75,13 @@ absl::StatusOr<std::string> FindOnPath(const std::string& command,
   }
   return absl::NotFoundError(
       absl::StrCat("command \"", command, "\" not found on PATH=", path_env));
+}
+
+bool IsPasswdName(const std::string& name) {
+  return !name.empty() && name.size() <= 32 && (name[0] == '_' || absl::ascii_islower(name[0])) &&
+         std::all_of(name.begin(), name.end(), [](char c) {
+           return absl::ascii_islower(c) || absl::ascii_isdigit(c) || c == '_' || c == '-';
+         });
 }
 
 std::vector<std::string> OwnEnv() {

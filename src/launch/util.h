@@ -44,6 +44,10 @@ class Fd {
 // This process's environment, for the engine commands it runs.
 std::vector<std::string> OwnEnv();
 
+// Whether `name` can be a user's name in an /etc/passwd:
+// [a-z_][a-z0-9_-]*, at most 32 characters.
+bool IsPasswdName(const std::string& name);
+
 // The executable `command` names: itself if it contains a '/', else the first
 // executable regular file in the ':'-separated `path_env`. NotFound:
 //   command "foo" not found on PATH=/usr/bin:/bin

@@ -4,6 +4,8 @@
 #include "deepnex/launch/central.h"
 
 #include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <sys/wait.h>
 
 #include <chrono>
@@ -44,7 +46,13 @@ class CentralLaunch : public ::testing::Test {
     LauncherOptions l;
     l.backend = "process";
     l.state_dir = dir_.path() + "/launch";
-    ASSERT_OK_AND_ASSIGN(server_, CreateCentralServer(o, l));
+    // Users' containers run as nobody (as root) or as this test's own uid;
+    // they reach the gate files in dir_ by name.
+    ContainerPolicy policy;
+    const RunAs as = geteuid() == 0 ? RunAs{65534, 65534} : RunAs{geteuid(), getegid()};
+    policy.users = {{"alice", as}, {"bob", as}};
+    ASSERT_EQ(chmod(dir_.path().c_str(), 0711), 0);
+    ASSERT_OK_AND_ASSIGN(server_, CreateCentralServer(o, l, policy));
     admin_ = Gpu("admintok");
     alice_gpu_ = Gpu("alicetok");
     bob_gpu_ = Gpu("bobtok");

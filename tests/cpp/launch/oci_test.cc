@@ -248,7 +248,7 @@ TEST_F(OciTest, BundleCarriesLimitsNamespacesAndLabels) {
   EXPECT_EQ(lx["resources"]["pids"], json({{"limit", 50}}));
   EXPECT_EQ(lx["cgroupsPath"], "deepnex-oci-test/" + Context(spec).run_name);
   EXPECT_EQ(lx["namespaces"].dump(),
-            R"([{"type":"pid"},{"type":"mount"},{"type":"uts"},{"type":"ipc"}])");
+            R"([{"type":"pid"},{"type":"mount"},{"type":"uts"},{"type":"ipc"},{"type":"network"}])");
   EXPECT_THAT(lx["maskedPaths"].dump(), HasSubstr("/proc/kcore"));
   EXPECT_THAT(lx["readonlyPaths"].dump(), HasSubstr("/proc/sys"));
   EXPECT_EQ(config["annotations"],
@@ -413,15 +413,16 @@ TEST_F(OciTest, CommandLookupFollowsTheImagesSymlinks) {
                        HasSubstr("command \"/bin/deepnex-no-such-command\" is not an executable "
                                  "file in image host (/usr/bin/deepnex-no-such-command: No "
                                  "such file or directory)")));
-  spec.command = {"/etc/passwd/x"};
+  // The host's /etc shows only what programs need, ld.so.cache among it.
+  spec.command = {"/etc/ld.so.cache/x"};
   EXPECT_THAT(backend_->Check(spec),
-              StatusIs(absl::StatusCode::kNotFound, HasSubstr("/etc/passwd: Not a directory")));
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("/etc/ld.so.cache: Not a directory")));
   // A directory or a file without x bits is not a command.
   spec.command = {"/bin"};
   EXPECT_THAT(backend_->Check(spec), StatusIs(absl::StatusCode::kNotFound));
-  spec.command = {"/etc/passwd"};
+  spec.command = {"/etc/ld.so.cache"};
   struct stat st;
-  ASSERT_EQ(stat("/etc/passwd", &st), 0);
+  ASSERT_EQ(stat("/etc/ld.so.cache", &st), 0);
   ASSERT_EQ(st.st_mode & 0111, 0u);
   EXPECT_THAT(backend_->Check(spec), StatusIs(absl::StatusCode::kNotFound));
   // The runtime's /tmp is an empty tmpfs whatever the host's holds.
@@ -666,7 +667,10 @@ echo "{\"imageLayoutVersion\":\"1.0.0\"}" > $L/oci-layout)");
   spec.env["PATH"] = "/bin";
   auto [exit, logs] = RunToEnd(spec);
   EXPECT_TRUE(exit.ok()) << exit.ToString() << " " << logs;
-  EXPECT_EQ(logs, "/etc:\nnew\n\n/var/cache:\ny\nnew\n");
+  // The image's /etc under the generated files.
+  EXPECT_EQ(logs,
+            "/etc:\ngroup\nhostname\nhosts\nnew\nnsswitch.conf\npasswd\nresolv.conf\n\n"
+            "/var/cache:\ny\nnew\n");
   // Unpacked once, under the state dir, keyed by the manifest digest.
   int unpacked = 0;
   for (const auto& e : fs::directory_iterator(options_.state_dir + "/oci/images")) {
