@@ -395,8 +395,6 @@ class JobImpl : public Job {
       spec.cpus = o_.cpus;
       spec.memory = o_.memory;
       spec.restart = o_.restart;
-      // The job's store and parameter servers listen on this host.
-      spec.host_network = true;
       spec.labels["deepnex.job"] = o_.name;
       spec.labels["deepnex.role"] = "worker";
       DEEPNEX_ASSIGN_OR_RETURN(auto h, StartContainer(spec, absl::StrCat("worker ", rank)));
@@ -467,6 +465,8 @@ class JobImpl : public Job {
   // under that name.
   absl::StatusOr<std::shared_ptr<launch::Handle>> StartContainer(launch::ContainerSpec spec,
                                                                  const std::string& who) {
+    // The job's store and parameter servers listen on this host's addresses.
+    spec.host_network = true;
     spec.on_restart = [this, who](const launch::RestartEvent& e) {
       o_.on_event(absl::StrCat(who, " ", e.ToString()));
     };

@@ -279,8 +279,7 @@ class OciBackend : public Backend {
     if (spec.host_network) {
       resolv_conf = ReadWholeFile("/etc/resolv.conf", "resolv.conf").value_or("");
     }
-    DEEPNEX_RETURN_IF_ERROR(WriteEtc(context.dir + "/etc", image,
-                                     EtcFiles(spec, bundle, resolv_conf)));
+    DEEPNEX_RETURN_IF_ERROR(WriteEtc(context.dir + "/etc", EtcFiles(spec, bundle, resolv_conf)));
     Bundle with_etc = bundle;
     with_etc.etc_dir = context.dir + "/etc";
     DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically(

@@ -127,11 +127,14 @@ json Mounts(const Image& image, const ContainerSpec& spec, const Bundle& bundle)
       if (fs::is_directory(dir)) mounts.push_back(Bind(dir, dir, true));
     }
   }
-  // Over the image's /etc, so that no image (nor the host's) decides who
-  // the users are.
-  mounts.push_back(Bind(bundle.etc_dir, "/etc", true));
-  for (const EtcEntry& e : image.etc) {
-    if (e.link.empty()) mounts.push_back(Bind(e.source, "/etc/" + e.name, true));
+  for (const EtcEntry& e : image.etc) mounts.push_back(Bind(e.source, "/etc/" + e.name, true));
+  // Over the image's own, so that no image (nor the host) decides who the
+  // users are. File by file: a bind of a directory over the image's /etc
+  // would also cover the image's entries that runc binds from under it.
+  if (!bundle.etc_dir.empty()) {
+    for (const char* name : kGeneratedEtc) {
+      mounts.push_back(Bind(absl::StrCat(bundle.etc_dir, "/", name), absl::StrCat("/etc/", name), true));
+    }
   }
   for (const Mount& m : spec.mounts) mounts.push_back(Bind(m.source, m.target, m.read_only));
   return mounts;
@@ -217,13 +220,18 @@ std::map<std::string, std::string> EtcFiles(const ContainerSpec& spec, const Bun
   const std::string user = UserName(spec, bundle.uid);
   std::string passwd = "root:x:0:0:root:/root:/bin/sh\n";
   std::string group = "root:x:0:\n";
-  if (bundle.uid != 0 && bundle.uid != kNobody) {
+  // The user's own line takes the place of nobody's when the user is
+  // mapped to nobody, so that `id -un` names them.
+  if (bundle.uid != 0) {
     absl::StrAppend(&passwd, user, ":x:", bundle.uid, ":", bundle.gid, ":", user, ":",
                     Home(spec, bundle.uid), ":/bin/sh\n");
   }
-  if (bundle.gid != 0 && bundle.gid != kNobody) absl::StrAppend(&group, user, ":x:", bundle.gid, ":\n");
-  absl::StrAppend(&passwd, "nobody:x:", kNobody, ":", kNobody, ":nobody:/nonexistent:/usr/sbin/nologin\n");
-  absl::StrAppend(&group, "nogroup:x:", kNobody, ":\n");
+  if (bundle.gid != 0) absl::StrAppend(&group, user, ":x:", bundle.gid, ":\n");
+  if (bundle.uid != kNobody) {
+    absl::StrAppend(&passwd, "nobody:x:", kNobody, ":", kNobody,
+                    ":nobody:/nonexistent:/usr/sbin/nologin\n");
+  }
+  if (bundle.gid != kNobody) absl::StrAppend(&group, "nogroup:x:", kNobody, ":\n");
   return {
       {"passwd", passwd},
       {"group", group},
@@ -235,33 +243,17 @@ std::map<std::string, std::string> EtcFiles(const ContainerSpec& spec, const Bun
   };
 }
 
-absl::Status WriteEtc(const std::string& dir, const Image& image,
-                      const std::map<std::string, std::string>& files) {
-  if (mkdir(dir.c_str(), 0755) != 0) {
-    return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", strerror(errno)));
-  }
+absl::Status WriteEtc(const std::string& dir, const std::map<std::string, std::string>& files) {
   auto failed = [](const std::string& path) {
     return absl::InternalError(absl::StrCat("cannot create ", path, ": ", strerror(errno)));
   };
-  for (const EtcEntry& e : image.etc) {
-    const std::string path = absl::StrCat(dir, "/", e.name);
-    if (!e.link.empty()) {
-      if (symlink(e.link.c_str(), path.c_str()) != 0) return failed(path);
-    } else if (e.dir) {
-      if (mkdir(path.c_str(), 0755) != 0) return failed(path);
-    } else {
-      const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-      if (fd < 0) return failed(path);
-      close(fd);
-    }
-  }
+  if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return failed(dir);
   for (const auto& [name, text] : files) {
     const std::string path = absl::StrCat(dir, "/", name);
     DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically(path, text));
     // Whatever the launcher's umask: the container's user reads them.
     if (chmod(path.c_str(), 0644) != 0) return failed(path);
   }
-  if (chmod(dir.c_str(), 0755) != 0) return failed(dir);
   return absl::OkStatus();
 }
 

@@ -30,8 +30,8 @@ struct Bundle {
   std::string cgroup_path;
   // The init's host path (bound in at kInitPath); "" for none.
   std::string init;
-  // The generated /etc on the host (see WriteEtc), bound in read-only over
-  // the image's; "" while a spec is only checked.
+  // The generated /etc files' host directory (see WriteEtc), bound in
+  // read-only over the image's; "" while a spec is only checked.
   std::string etc_dir;
   // Whom the command runs as (RunAs, else the launcher's own ids). Any uid
   // but 0 runs with no capabilities at all.
@@ -40,8 +40,8 @@ struct Bundle {
 };
 
 // The bundle's "mounts": the runtime's file systems, the init, the host
-// image's directories, the generated /etc with the image's entries
-// (Image::etc) in it, then the spec's mounts.
+// image's directories and /etc entries, the generated /etc files, then the
+// spec's mounts.
 nlohmann::json Mounts(const Image& image, const ContainerSpec& spec, const Bundle& bundle);
 
 // The whole config.json for one run of `spec`.
@@ -56,10 +56,8 @@ nlohmann::json MakeConfig(const Image& image, const ContainerSpec& spec,
 std::map<std::string, std::string> EtcFiles(const ContainerSpec& spec, const Bundle& bundle,
                                             const std::string& resolv_conf);
 
-// Writes the generated /etc into the new directory `dir`: `files`, a mount
-// point for each bound entry of `image`'s /etc, its symlinks made again.
-absl::Status WriteEtc(const std::string& dir, const Image& image,
-                      const std::map<std::string, std::string>& files);
+// Writes `files` (EtcFiles) into directory `dir`, made if missing.
+absl::Status WriteEtc(const std::string& dir, const std::map<std::string, std::string>& files);
 
 }  // namespace deepnex::launch
 

@@ -43,55 +43,26 @@ const char* const kHostEtc[] = {
 
 std::string Errno(int err) { return strerror(err); }
 
-// `name` in directory `dir` as an EtcEntry; false for what cannot be one
-// (a socket, a device, what vanished).
-bool MakeEtcEntry(const std::string& dir, const std::string& name, EtcEntry* entry) {
-  const std::string path = absl::StrCat(dir, "/", name);
-  struct stat st;
-  if (lstat(path.c_str(), &st) != 0) return false;
-  entry->name = name;
-  if (S_ISLNK(st.st_mode)) {
-    char target[PATH_MAX];
-    const ssize_t n = readlink(path.c_str(), target, sizeof target);
-    if (n <= 0 || n == sizeof target) return false;
-    entry->link.assign(target, n);
-    return true;
-  }
-  if (!S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode)) return false;
-  entry->source = path;
-  entry->dir = S_ISDIR(st.st_mode);
-  return true;
-}
-
-// The entries of `image`'s /etc that show in its containers (see EtcEntry).
-// A rootfs whose /etc is not a directory (a symlink could point anywhere
-// on the host) shows none.
-std::vector<EtcEntry> EtcOf(const Image& image) {
+// The host's /etc entries of kHostEtc as the host image shows them: the
+// directories and files (to bind in); the symlinks are made in `rootfs`'s
+// /etc, where they resolve in the container.
+absl::StatusOr<std::vector<EtcEntry>> HostEtc(const std::string& rootfs) {
   std::vector<EtcEntry> entries;
-  EtcEntry e;
-  if (image.host) {
-    for (const char* name : kHostEtc) {
-      if (MakeEtcEntry("/etc", name, &e)) entries.push_back(std::move(e));
-      e = EtcEntry();
+  for (const char* name : kHostEtc) {
+    const std::string path = absl::StrCat("/etc/", name);
+    struct stat st;
+    if (lstat(path.c_str(), &st) != 0) continue;
+    if (S_ISLNK(st.st_mode)) {
+      char target[PATH_MAX];
+      const ssize_t n = readlink(path.c_str(), target, sizeof target);
+      if (n <= 0 || n == sizeof target) continue;
+      const std::string at = absl::StrCat(rootfs, "/etc/", name);
+      if (symlink(std::string(target, n).c_str(), at.c_str()) != 0 && errno != EEXIST) {
+        return absl::InternalError(absl::StrCat("cannot create ", at, ": ", Errno(errno)));
+      }
+    } else if (S_ISDIR(st.st_mode) || S_ISREG(st.st_mode)) {
+      entries.push_back({name, path});
     }
-    return entries;
-  }
-  const std::string etc = image.rootfs + "/etc";
-  struct stat st;
-  if (lstat(etc.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return entries;
-  std::error_code ec;
-  std::vector<std::string> names;
-  for (const fs::directory_entry& d : fs::directory_iterator(etc, ec)) {
-    names.push_back(d.path().filename().string());
-  }
-  std::sort(names.begin(), names.end());
-  for (const std::string& name : names) {
-    if (std::find(std::begin(kGeneratedEtc), std::end(kGeneratedEtc), name) !=
-        std::end(kGeneratedEtc)) {
-      continue;
-    }
-    if (MakeEtcEntry(etc, name, &e)) entries.push_back(std::move(e));
-    e = EtcEntry();
   }
   return entries;
 }
@@ -437,20 +408,15 @@ absl::Status CheckInImage(const Image& image, const json& mounts, const Containe
 }
 
 absl::StatusOr<Image> ImageStore::Resolve(const std::string& image) {
-  DEEPNEX_ASSIGN_OR_RETURN(Image resolved, Find(image));
-  resolved.etc = EtcOf(resolved);
-  return resolved;
-}
-
-absl::StatusOr<Image> ImageStore::Find(const std::string& image) {
   std::lock_guard<std::mutex> lock(mu_);
   if (image == "host") {
     const std::string rootfs = state_dir_ + "/oci/host";
     if (!host_ready_) {
       DEEPNEX_RETURN_IF_ERROR(MakeHostRootfs(rootfs));
+      DEEPNEX_ASSIGN_OR_RETURN(host_etc_, HostEtc(rootfs));
       host_ready_ = true;
     }
-    return Image{rootfs, true, {}};
+    return Image{rootfs, true, host_etc_};
   }
   if (image.empty() || image[0] != '/') {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -23,26 +23,24 @@ inline constexpr char kContainerPath[] =
 // container gets a generated one (see EtcEntry).
 inline const char* const kHostDirs[] = {"/usr", "/opt"};
 
-// One entry of an image's own /etc that shows through the /etc generated
-// for a container: the whole of a rootfs image's /etc but the generated
-// files, and of the host's only what programs need to run (the dynamic
-// linker's cache, alternatives, certificates, time zone, ...), never its
-// users, groups, secrets or configuration.
+// An entry of the host's /etc that the host image shows: only what
+// programs need to run (the dynamic linker's cache, alternatives,
+// certificates, time zone, ...), never the host's users, groups, secrets
+// or configuration.
 struct EtcEntry {
   std::string name;    // in /etc
-  std::string source;  // a host directory or file, bound in read-only
-  bool dir = false;
-  std::string link;    // a symlink instead: made again, with this target
+  std::string source;  // the host directory or file, bound in read-only
 };
 
 // Where a container's files come from.
 struct Image {
   std::string rootfs;  // absolute
   bool host = false;   // the "host" image: kHostDirs are bound in
-  std::vector<EtcEntry> etc;
+  std::vector<EtcEntry> etc;  // host image: what it shows of the host's /etc
 };
 
-// The files generated in every container's /etc, which no image provides.
+// The files generated for every container, bound read-only over its
+// image's /etc (the host image's is empty but for its EtcEntries).
 inline const char* const kGeneratedEtc[] = {"passwd", "group",         "hosts",
                                             "hostname", "resolv.conf", "nsswitch.conf"};
 
@@ -64,12 +62,10 @@ class ImageStore {
   absl::StatusOr<Image> Resolve(const std::string& image);
 
  private:
-  // Resolve without the /etc entries.
-  absl::StatusOr<Image> Find(const std::string& image);
-
   const std::string state_dir_;
   std::mutex mu_;  // guards the state below
   bool host_ready_ = false;
+  std::vector<EtcEntry> host_etc_;
   std::map<std::string, std::string> layouts_;  // layout dir -> unpacked rootfs
 };
 
