@@ -14,6 +14,7 @@
 #include <functional>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
@@ -285,9 +286,10 @@ TEST(CentralLaunchCrash, RestartSweepsWhatTheCrashedRunLeft) {
   const std::string nodes = dir.path() + "/nodes.json";
   std::ofstream(nodes) << R"({"nodes": [{"name": "x1", "cpus": 8, "memory": "16GiB",
       "mode": "exclusive", "gpus": {"count": 2, "memory": "80GiB"}}]})";
+  const std::string ids = geteuid() == 0 ? "65534:65534" : absl::StrCat(geteuid(), ":", getegid());
   const std::vector<std::string> args = {"--state-dir", dir.path() + "/state",
                                          "--launch-state-dir", dir.path() + "/launch",
-                                         "--nodes", nodes};
+                                         "--nodes", nodes, "--user", "alice=" + ids};
   CentralDaemon first = StartCentralDaemon(args);
   ASSERT_FALSE(first.address.empty());
   CentralClientOptions o;
