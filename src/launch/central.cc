@@ -688,8 +688,9 @@ absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
     }
     if (geteuid() != 0 && (r.uid != geteuid() || r.gid != getegid())) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "users: ", user, " maps to uid ", r.uid, " gid ", r.gid, ", but deepnex-central runs as uid ",
-          geteuid(), " gid ", getegid(), " and only root can run containers as another user"));
+          "users: ", user, " maps to uid ", r.uid, " gid ", r.gid,
+          ", but deepnex-central runs as uid ", geteuid(), " gid ", getegid(),
+          " and only root can run containers as another user"));
     }
   }
   DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<Launcher> l, Launcher::Create(launcher));

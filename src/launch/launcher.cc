@@ -973,6 +973,14 @@ absl::StatusOr<std::unique_ptr<Launcher>> Launcher::Create(const LauncherOptions
         options.restart_backoff_cap.count(), " ms, reset ", options.restart_backoff_reset.count(),
         " ms is not a backoff (0 <= floor <= cap, reset > 0)"));
   }
+  for (const auto& [name, dir] : options.images) {
+    if (name.empty() || absl::StartsWith(name, "/") ||
+        (dir != "host" && !absl::StartsWith(dir, "/"))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "images: \"", name, "\" -> \"", dir,
+          "\" is not a name (not a path) for \"host\" or an absolute directory"));
+    }
+  }
   if (options.log_max_bytes == 0) {
     return absl::InvalidArgumentError("log_max_bytes: 0 is not a log limit (give at least 1 byte)");
   }

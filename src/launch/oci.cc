@@ -266,24 +266,22 @@ class OciBackend : public Backend {
 
   absl::Status Check(const ContainerSpec& spec) override {
     DEEPNEX_ASSIGN_OR_RETURN(Image image, images_.Resolve(spec.image));
-    return CheckInImage(image, Mounts(image, spec, MakeBundle(spec, "")), spec);
+    return CheckInImage(image, Mounts(image, spec, MakeBundle(spec, nullptr)), spec);
   }
 
   absl::StatusOr<std::unique_ptr<Run>> Start(const ContainerSpec& spec,
                                              const RunContext& context) override {
     DEEPNEX_ASSIGN_OR_RETURN(Image image, images_.Resolve(spec.image));
-    const Bundle bundle = MakeBundle(spec, context.run_name);
+    const Bundle bundle = MakeBundle(spec, &context);
     const std::string pid_file = context.dir + "/pid";
     unlink(pid_file.c_str());
     std::string resolv_conf;
     if (spec.host_network) {
       resolv_conf = ReadWholeFile("/etc/resolv.conf", "resolv.conf").value_or("");
     }
-    DEEPNEX_RETURN_IF_ERROR(WriteEtc(context.dir + "/etc", EtcFiles(spec, bundle, resolv_conf)));
-    Bundle with_etc = bundle;
-    with_etc.etc_dir = context.dir + "/etc";
+    DEEPNEX_RETURN_IF_ERROR(WriteEtc(bundle.etc_dir, EtcFiles(spec, bundle, resolv_conf)));
     DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically(
-        context.dir + "/config.json", MakeConfig(image, spec, context, with_etc).dump(1)));
+        context.dir + "/config.json", MakeConfig(image, spec, context, bundle).dump(1)));
 
     // runc writes the pid file (to a temporary name, then renamed) once the
     // command runs: watch for it rather than poll.
@@ -367,10 +365,14 @@ class OciBackend : public Backend {
   }
 
  private:
-  // The bundle of run `run_name` of `spec`, without its /etc.
-  Bundle MakeBundle(const ContainerSpec& spec, const std::string& run_name) const {
+  // The bundle of a run of `spec`; without `context` (a spec being
+  // checked), no cgroup and no generated /etc.
+  Bundle MakeBundle(const ContainerSpec& spec, const RunContext* context) const {
     Bundle b;
-    b.cgroup_path = absl::StrCat(cgroup_parent_, "/", run_name);
+    if (context != nullptr) {
+      b.cgroup_path = absl::StrCat(cgroup_parent_, "/", context->run_name);
+      b.etc_dir = context->dir + "/etc";
+    }
     b.init = init_;
     b.uid = spec.run_as ? spec.run_as->uid : geteuid();
     b.gid = spec.run_as ? spec.run_as->gid : getegid();

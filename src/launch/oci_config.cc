@@ -133,7 +133,8 @@ json Mounts(const Image& image, const ContainerSpec& spec, const Bundle& bundle)
   // would also cover the image's entries that runc binds from under it.
   if (!bundle.etc_dir.empty()) {
     for (const char* name : kGeneratedEtc) {
-      mounts.push_back(Bind(absl::StrCat(bundle.etc_dir, "/", name), absl::StrCat("/etc/", name), true));
+      mounts.push_back(
+          Bind(absl::StrCat(bundle.etc_dir, "/", name), absl::StrCat("/etc/", name), true));
     }
   }
   for (const Mount& m : spec.mounts) mounts.push_back(Bind(m.source, m.target, m.read_only));

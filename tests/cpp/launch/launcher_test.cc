@@ -467,7 +467,8 @@ TEST_F(ProcessLauncherTest, BadRunAsAndNetworkFields) {
 // A launcher's own uid needs no privilege: the user's own scripts keep
 // running as themselves, with no new privileges.
 TEST_F(ProcessLauncherTest, RunAsTheLaunchersOwnIds) {
-  ContainerSpec spec = Spec("me", "id -u; id -g; echo $HOME $USER; grep NoNewPrivs /proc/self/status");
+  ContainerSpec spec =
+      Spec("me", "id -u; id -g; echo $HOME $USER; grep NoNewPrivs /proc/self/status");
   spec.run_as = RunAs{geteuid(), getegid(), "me", "/home/me"};
   std::string logs;
   EXPECT_TRUE(Run(spec, &logs).ok()) << logs;
@@ -1089,6 +1090,17 @@ TEST(RestartEventTest, ToStringSpellsTheExitAsExitStatusDoes) {
   EXPECT_EQ((ExitStatus{ExitReason::kSignaled, 0, SIGKILL, 1}).ToString(),
             "signaled(SIGKILL) after 1 restart");
   EXPECT_EQ((ExitStatus{ExitReason::kLost}).ToString(), "lost");
+}
+
+TEST(LauncherCreateTest, BadNamedImages) {
+  for (const auto& [name, dir] : std::vector<std::pair<std::string, std::string>>{
+           {"", "host"}, {"/abs", "host"}, {"base", "relative/dir"}}) {
+    LauncherOptions options;
+    options.images = {{name, dir}};
+    EXPECT_THAT(Launcher::Create(options),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("images: \"" + name + "\" -> \"" + dir + "\" is not a name")));
+  }
 }
 
 TEST(LauncherCreateTest, BadBackoffAndLogLimits) {

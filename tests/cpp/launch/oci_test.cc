@@ -419,7 +419,8 @@ TEST_F(OciTest, CommandLookupFollowsTheImagesSymlinks) {
   // The host's /etc shows only what programs need, ld.so.cache among it.
   spec.command = {"/etc/ld.so.cache/x"};
   EXPECT_THAT(backend_->Check(spec),
-              StatusIs(absl::StatusCode::kNotFound, HasSubstr("/etc/ld.so.cache: Not a directory")));
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstr("/etc/ld.so.cache: Not a directory")));
   // A directory or a file without x bits is not a command.
   spec.command = {"/bin"};
   EXPECT_THAT(backend_->Check(spec), StatusIs(absl::StatusCode::kNotFound));
@@ -785,7 +786,8 @@ TEST(OciConfig, HostImageShowsOnlyItsEtcEntries) {
 
 TEST(OciConfig, GeneratedEtcNamesTheUserAndTheHost) {
   ContainerSpec spec = ConfigSpec();
-  std::map<std::string, std::string> files = EtcFiles(spec, ConfigBundle(), "nameserver 10.0.0.1\n");
+  std::map<std::string, std::string> files =
+      EtcFiles(spec, ConfigBundle(), "nameserver 10.0.0.1\n");
   EXPECT_EQ(files, (std::map<std::string, std::string>{
                        {"passwd",
                         "root:x:0:0:root:/root:/bin/sh\n"
