@@ -163,6 +163,11 @@ json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext&
       {"ociVersion", "1.0.2"},
       {"process",
        {{"terminal", false},
+        // The user's own uid on the host, without a user namespace: files
+        // the user mounts in keep their owner, and runc's init (which must
+        // be root inside a user namespace) would need a second host uid
+        // mapped. Without capabilities and with no new privileges, root in
+        // a user namespace would add no barrier this uid lacks.
         {"user", {{"uid", bundle.uid}, {"gid", bundle.gid}}},
         {"args", args},
         {"env", env},

@@ -154,6 +154,14 @@ class OciTest : public ::testing::Test {
             logs.ok() ? *logs : ""};
   }
 
+  // The output of `spec` run as `run_as`, which must succeed.
+  std::string OutputAs(ContainerSpec spec, const RunAs& run_as) {
+    spec.run_as = run_as;
+    auto [exit, logs] = RunToEnd(spec);
+    EXPECT_TRUE(exit.ok()) << exit.ToString() << " " << logs;
+    return logs;
+  }
+
   json Config(const ContainerSpec& spec) {
     return json::parse(ReadFile(Context(spec).dir + "/config.json"));
   }
@@ -826,10 +834,7 @@ TEST_F(OciTest, RunsAsTheGivenUserWithNoCapabilities) {
              "id -u; id -g; id -un; echo $HOME; grep -E '^Cap(Prm|Eff|Bnd)' /proc/self/status; "
              "python3 -c \"import socket; socket.socket().bind(('127.0.0.1', 999))\" "
              "2>/dev/null || echo no-port-999"});
-  spec.run_as = RunAs{4242, 4242, "alice", "/home/alice"};
-  auto [exit, logs] = RunToEnd(spec);
-  EXPECT_TRUE(exit.ok()) << exit.ToString() << " " << logs;
-  EXPECT_EQ(logs,
+  EXPECT_EQ(OutputAs(spec, RunAs{4242, 4242, "alice", "/home/alice"}),
             "4242\n4242\nalice\n/home/alice\nCapPrm:\t0000000000000000\n"
             "CapEff:\t0000000000000000\nCapBnd:\t0000000000000000\nno-port-999\n");
 }
@@ -842,10 +847,7 @@ TEST_F(OciTest, NoHostEtc) {
               "cat /etc/shadow 2>/dev/null || echo no-shadow; "
               "ls /etc/gshadow /etc/sudoers /etc/ssh 2>/dev/null | wc -l; cat /etc/passwd; "
               "python3 -c \"print('python-runs')\""});
-  spec.run_as = RunAs{4242, 4242, "alice", ""};
-  auto [exit, logs] = RunToEnd(spec);
-  EXPECT_TRUE(exit.ok()) << exit.ToString() << " " << logs;
-  EXPECT_EQ(logs,
+  EXPECT_EQ(OutputAs(spec, RunAs{4242, 4242, "alice", ""}),
             "no-shadow\n0\nroot:x:0:0:root:/root:/bin/sh\nalice:x:4242:4242:alice:/:/bin/sh\n"
             "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\npython-runs\n");
 }
