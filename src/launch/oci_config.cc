@@ -163,11 +163,11 @@ json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext&
       {"ociVersion", "1.0.2"},
       {"process",
        {{"terminal", false},
-        // The user's own uid on the host, without a user namespace: files
-        // the user mounts in keep their owner, and runc's init (which must
-        // be root inside a user namespace) would need a second host uid
-        // mapped. Without capabilities and with no new privileges, root in
-        // a user namespace would add no barrier this uid lacks.
+        // The user's own uid on the host, with no capabilities and no new
+        // privileges. No user namespace (yet): it would only add depth, and
+        // needs more than a mapping here: runc's init must be root inside
+        // it (a second host uid mapped to 0), sysfs cannot be mounted in
+        // it with the host network, and GPU nodes must then be bound in.
         {"user", {{"uid", bundle.uid}, {"gid", bundle.gid}}},
         {"args", args},
         {"env", env},
