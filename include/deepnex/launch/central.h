@@ -107,7 +107,10 @@ class CentralClient {
   // PermissionDenied for another user's. The allocation applies as in
   // Launcher::Start (spec.allocation must be empty, spec.mounts are
   // subject to the server's --allow-mount directories; spec.user is the
-  // allocation's). A name whose container ended is reused.
+  // allocation's), and so does the server's ContainerPolicy: the container
+  // runs as the user's mapped uid, and a user without one, an image not in
+  // the server's catalog or a host_network the user is not allowed is
+  // PermissionDenied. A name whose container ended is reused.
   virtual absl::StatusOr<CentralContainer> StartContainer(const ContainerSpec& spec,
                                                           const std::string& allocation_id) = 0;
   // The caller's containers, ordered by user and name; admins see everyone's
