@@ -141,7 +141,8 @@ def _launch(args):
         name=name, command=command, image=args.image, env=_pairs(args.env, "--env"),
         working_dir=args.workdir or "", mounts=[launch.Mount.parse(m) for m in args.mount or []],
         cpus=args.cpus, memory=args.memory,
-        pids_limit=args.pids_limit, labels=_pairs(args.label, "--label"), restart=args.restart)
+        pids_limit=args.pids_limit, labels=_pairs(args.label, "--label"), restart=args.restart,
+        host_network=args.host_network)
     c = _cli_gpu.client(args).start_container(spec, args.alloc)
     print(f"{c['name']} {c['state']} on {c['allocation']} ({c['backend']} {c['id']})")
     return 0
@@ -204,8 +205,8 @@ def add_commands(commands):
     p.add_argument("--alloc", required=True, help="the allocation id it runs on (yours)")
     p.add_argument("--name", help="default: the command's name and a random suffix")
     p.add_argument("--image", default="host",
-                   help="host (default: the host's /usr, /etc, /opt read-only), a rootfs or "
-                   "OCI layout directory (oci), or an image reference (docker, kubernetes)")
+                   help="a name from deepnex-central's --image list (default: host, the "
+                   "host's /usr and /opt read-only, where the admin lists it)")
     p.add_argument("--cpus", type=float, default=0, help="cores (default: the allocation's)")
     p.add_argument("--memory", default=0, help="e.g. 256MiB (default: the allocation's)")
     p.add_argument("--pids-limit", type=int, default=0,
@@ -217,6 +218,10 @@ def add_commands(commands):
                    help="bind host path SRC at DST (repeatable); deepnex-central allows only "
                         "sources under its --allow-mount directories")
     p.add_argument("--workdir", help="the command's working directory in the container")
+    p.add_argument("--host-network", action="store_true",
+                   help="oci: share the host's network (deepnex-central allows it only to "
+                        "the users its --allow-host-network names); default: a private "
+                        "network with only its own loopback")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARG ...")
     p.set_defaults(func=guard(_launch))
 

@@ -90,7 +90,8 @@ class ContainerSpec:
     ``mounts`` holds Mount values or (source, target[, read_only]) tuples;
     ``restart`` is "never", "on-failure[:N]" or "always[:N]", with
     ``backoff`` seconds before the first restart, doubling up to
-    ``max_backoff``; ``allocation`` is a deepnex.gpu Allocation.
+    ``max_backoff``; ``allocation`` is a deepnex.gpu Allocation; ``host_network``
+    (oci) shares the host's network instead of a private one with only loopback.
     """
     name: str
     command: Sequence[str]
@@ -108,6 +109,7 @@ class ContainerSpec:
     backoff: float = 0.1
     max_backoff: float = 10.0
     network_none: bool = False
+    host_network: bool = False
 
     def _args(self):
         mounts = _mount_args(self.mounts)
@@ -120,7 +122,8 @@ class ContainerSpec:
             memory=_bytes(self.memory, "spec.memory"), pids_limit=int(self.pids_limit),
             allocation=self.allocation, user=self.user, labels=dict(self.labels),
             restart=self.restart, backoff=float(self.backoff),
-            max_backoff=float(self.max_backoff), network_none=bool(self.network_none))
+            max_backoff=float(self.max_backoff), network_none=bool(self.network_none),
+            host_network=bool(self.host_network))
 
 
 @dataclass

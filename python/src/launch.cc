@@ -37,7 +37,7 @@ ContainerSpec MakeSpec(const std::string& name, const std::string& image,
                        double cpus, uint64_t memory, int64_t pids_limit,
                        std::optional<gpu::Allocation> allocation, const std::string& user,
                        const StrMap& labels, const std::string& restart, double backoff,
-                       double max_backoff, bool network_none) {
+                       double max_backoff, bool network_none, bool host_network) {
   ContainerSpec s;
   s.name = name;
   s.image = image;
@@ -55,6 +55,7 @@ ContainerSpec MakeSpec(const std::string& name, const std::string& image,
   s.restart.backoff = Ms(backoff);
   s.restart.max_backoff = Ms(max_backoff);
   s.network_none = network_none;
+  s.host_network = host_network;
   return s;
 }
 
@@ -130,10 +131,12 @@ void RegisterCentralClient(py::module_& m) {
              const std::vector<MountArgs>& mounts, double cpus, uint64_t memory,
              int64_t pids_limit, std::optional<gpu::Allocation> allocation,
              const std::string& user, const StrMap& labels, const std::string& restart,
-             double backoff, double max_backoff, bool network_none) {
+             double backoff, double max_backoff, bool network_none,
+             bool host_network) {
             ContainerSpec spec = MakeSpec(name, image, command, env, working_dir, mounts, cpus,
                                           memory, pids_limit, std::move(allocation), user,
-                                          labels, restart, backoff, max_backoff, network_none);
+                                          labels, restart, backoff, max_backoff, network_none,
+                                          host_network);
             launch::CentralContainer got;
             {
               py::gil_scoped_release release;
@@ -145,7 +148,7 @@ void RegisterCentralClient(py::module_& m) {
           py::arg("env"), py::arg("working_dir"), py::arg("mounts"), py::arg("cpus"),
           py::arg("memory"), py::arg("pids_limit"), py::arg("allocation"), py::arg("user"),
           py::arg("labels"), py::arg("restart"), py::arg("backoff"), py::arg("max_backoff"),
-          py::arg("network_none"))
+          py::arg("network_none"), py::arg("host_network"))
       .def(
           "list",
           [](launch::CentralClient& c, const std::string& user) {
@@ -335,10 +338,12 @@ void RegisterLaunch(py::module_& parent) {
              const std::string& working_dir, const std::vector<MountArgs>& mounts, double cpus,
              uint64_t memory, int64_t pids_limit, std::optional<gpu::Allocation> allocation,
              const std::string& user, const StrMap& labels, const std::string& restart,
-             double backoff, double max_backoff, bool network_none) {
+             double backoff, double max_backoff, bool network_none,
+             bool host_network) {
             ContainerSpec spec = MakeSpec(name, image, command, env, working_dir, mounts, cpus,
                                           memory, pids_limit, std::move(allocation), user,
-                                          labels, restart, backoff, max_backoff, network_none);
+                                          labels, restart, backoff, max_backoff, network_none,
+                                          host_network);
             py::gil_scoped_release release;
             return Unwrap(l.Start(spec));
           },
@@ -346,7 +351,7 @@ void RegisterLaunch(py::module_& parent) {
           py::arg("working_dir"), py::arg("mounts"), py::arg("cpus"), py::arg("memory"),
           py::arg("pids_limit"), py::arg("allocation"), py::arg("user"), py::arg("labels"),
           py::arg("restart"), py::arg("backoff"), py::arg("max_backoff"),
-          py::arg("network_none"))
+          py::arg("network_none"), py::arg("host_network"))
       .def("list", &Launcher::List, py::call_guard<py::gil_scoped_release>())
       .def(
           "get", [](Launcher& l, const std::string& name) { return Unwrap(l.Get(name)); },

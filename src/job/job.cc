@@ -655,6 +655,8 @@ class JobImpl : public Job {
   // under that name.
   absl::StatusOr<std::shared_ptr<launch::Handle>> StartContainer(launch::ContainerSpec spec,
                                                                  const std::string& who) {
+    // The job's store and parameter servers listen on this host's addresses.
+    spec.host_network = true;
     spec.on_restart = [this, who](const launch::RestartEvent& e) {
       o_.on_event(absl::StrCat(who, " ", e.ToString()));
     };

@@ -5,13 +5,17 @@
 // it; a reaper stops containers whose allocation went away under them. Calls
 // that may block (Start, Stop) run on threads of their own.
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <condition_variable>
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -19,15 +23,19 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "core/file_util.h"
 #include "core/grpc_util.h"
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/launch/central.h"
 #include "deepnex/units.h"
 #include "gpu/central_server.h"
+#include "launch/util.h"
 
 namespace deepnex::launch {
 namespace {
@@ -77,6 +85,7 @@ absl::StatusOr<ContainerSpec> SpecFromProto(const pb::ContainerSpec& p) {
   if (p.backoff_ms() > 0) s.restart.backoff = std::chrono::milliseconds(p.backoff_ms());
   if (p.max_backoff_ms() > 0) s.restart.max_backoff = std::chrono::milliseconds(p.max_backoff_ms());
   s.network_none = p.network_none();
+  s.host_network = p.host_network();
   for (const pb::Mount& m : p.mounts()) s.mounts.push_back({m.source(), m.target(), m.read_only()});
   return s;
 }
@@ -95,6 +104,7 @@ void SpecToProto(const ContainerSpec& s, pb::ContainerSpec* p) {
   p->set_backoff_ms(s.restart.backoff.count());
   p->set_max_backoff_ms(s.restart.max_backoff.count());
   p->set_network_none(s.network_none);
+  p->set_host_network(s.host_network);
   for (const Mount& m : s.mounts) {
     pb::Mount* pm = p->add_mounts();
     pm->set_source(m.source);
@@ -140,10 +150,13 @@ class ContainersService final : public pb::Containers::CallbackService,
  public:
   // `mounts_allowed`: the launcher has allowed_mount_roots (which it
   // enforces); without, deepnex-central refuses every mount.
+  // `images`: the names users may give as an image.
   ContainersService(gpu::Allocator& alloc, const TokenTable& tokens,
-                    std::unique_ptr<Launcher> launcher, bool mounts_allowed)
+                    std::unique_ptr<Launcher> launcher, bool mounts_allowed,
+                    std::set<std::string> images, ContainerPolicy policy)
       : alloc_(alloc), tokens_(tokens), launcher_(std::move(launcher)),
-        mounts_allowed_(mounts_allowed), reaper_([this] { Reap(); }) {}
+        mounts_allowed_(mounts_allowed), images_(std::move(images)),
+        policy_(std::move(policy)), reaper_([this] { Reap(); }) {}
   ~ContainersService() override { Shutdown(); }
 
   grpc::Service* service() override { return this; }
@@ -318,6 +331,7 @@ class ContainersService final : public pb::Containers::CallbackService,
           "spec.mounts[0].source: \"", spec.mounts[0].source,
           "\": this deepnex-central allows no mounts (its --allow-mount is not set)"));
     }
+    DEEPNEX_RETURN_IF_ERROR(ApplyPolicy(a.user, &spec));
     const std::string name = spec.name;
     const std::string launcher_name = LauncherName(a.user, name);
     if (name.empty() || launcher_name.size() > kMaxNameLength) {
@@ -409,6 +423,31 @@ class ContainersService final : public pb::Containers::CallbackService,
     return absl::OkStatus();
   }
 
+  // Runs `user`'s `spec` as their mapped identity, with an image from the
+  // catalog and the host network only where the policy allows them.
+  absl::Status ApplyPolicy(const std::string& user, ContainerSpec* spec) const {
+    auto identity = policy_.users.find(user);
+    if (identity == policy_.users.end()) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "user ", user, " has no uid on this deepnex-central (its --user or --users-file), "
+          "so their containers cannot run"));
+    }
+    spec->run_as = identity->second;
+    const bool host_on_process = launcher_->backend() == "process" && spec->image == "host";
+    if (!images_.count(spec->image) && !host_on_process) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "spec.image: \"", spec->image, "\" is not one of this deepnex-central's images [",
+          absl::StrJoin(images_, ", "), "] (its --image)"));
+    }
+    if (spec->host_network && !policy_.host_network_users.count("*") &&
+        !policy_.host_network_users.count(user)) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "spec.host_network: user ", user,
+          " may not use the host's network on this deepnex-central (its --allow-host-network)"));
+    }
+    return absl::OkStatus();
+  }
+
   // Waits for the container's end for good, then releases its allocation
   // unless another container still runs on it.
   void Watch(const std::shared_ptr<Entry>& e) {
@@ -483,6 +522,8 @@ class ContainersService final : public pb::Containers::CallbackService,
   const TokenTable& tokens_;
   const std::unique_ptr<Launcher> launcher_;
   const bool mounts_allowed_;
+  const std::set<std::string> images_;
+  const ContainerPolicy policy_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<Key, std::shared_ptr<Entry>> entries_;
@@ -644,10 +685,72 @@ absl::Status SweepOrphans(Launcher& launcher, gpu::Allocator& alloc, const std::
 
 }  // namespace
 
+absl::StatusOr<std::map<std::string, RunAs>> LoadUsersFile(const std::string& path) {
+  DEEPNEX_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(path, "users file"));
+  std::map<std::string, RunAs> users;
+  int number = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++number;
+    line = absl::StripAsciiWhitespace(line.substr(0, line.find('#')));
+    if (line.empty()) continue;
+    std::vector<std::string> f = absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    std::string ids;
+    if (f.size() == 3) ids = absl::StrCat(f[1], ":", f[2]);
+    if (f.size() == 2) ids = f[1];
+    absl::Status added = ids.empty() ? absl::InvalidArgumentError("")
+                                     : AddUserMapping(absl::StrCat(f[0], "=", ids), &users);
+    if (!added.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "users file ", path, " line ", number, ": \"", line,
+          "\" is not \"NAME UID GID\" or \"NAME UID:GID\" with a new NAME"));
+    }
+  }
+  return users;
+}
+
+absl::Status AddUserMapping(const std::string& text, std::map<std::string, RunAs>* users) {
+  const size_t eq = text.rfind('=');
+  const std::string name = text.substr(0, eq == std::string::npos ? 0 : eq);
+  std::vector<std::string> ids =
+      absl::StrSplit(eq == std::string::npos ? "" : text.substr(eq + 1), ':');
+  RunAs r;
+  if (name.empty() || ids.size() != 2 || !absl::SimpleAtoi(ids[0], &r.uid) ||
+      !absl::SimpleAtoi(ids[1], &r.gid) || users->count(name)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("user mapping \"", text, "\" is not NAME=UID:GID with a new NAME"));
+  }
+  // /etc/passwd's name in an oci container; "user" where it cannot be one.
+  if (IsPasswdName(name)) r.user = name;
+  (*users)[name] = r;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
     const gpu::CentralServerOptions& options, const LauncherOptions& launcher,
-    std::vector<std::string>* swept) {
+    const ContainerPolicy& policy, std::vector<std::string>* swept) {
+  for (const auto& [user, r] : policy.users) {
+    // Root's groups reach what the daemon itself holds.
+    if (r.uid == 0 || r.gid == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "users: ", user, " maps to uid ", r.uid, " gid ", r.gid,
+          "; containers never run as root or in its group"));
+    }
+    if (geteuid() != 0 && (r.uid != geteuid() || r.gid != getegid())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "users: ", user, " maps to uid ", r.uid, " gid ", r.gid,
+          ", but deepnex-central runs as uid ", geteuid(), " gid ", getegid(),
+          " and only root can run containers as another user"));
+    }
+  }
   DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<Launcher> l, Launcher::Create(launcher));
+  // Logs and records of every user's containers: the daemon's alone, as
+  // the process backend's containers run on this host's files.
+  if (!launcher.state_dir.empty() && chmod(launcher.state_dir.c_str(), 0700) != 0) {
+    return absl::InternalError(
+        absl::StrCat("cannot chmod ", launcher.state_dir, ": ", strerror(errno)));
+  }
+  std::set<std::string> images;
+  for (const auto& [name, dir] : launcher.images) images.insert(name);
   // The factory runs once, inside the call below, before the server serves.
   auto extension = [&](gpu::Allocator& alloc, const TokenTable& tokens)
       -> absl::StatusOr<std::unique_ptr<gpu::CentralExtension>> {
@@ -655,7 +758,8 @@ absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
       DEEPNEX_RETURN_IF_ERROR(SweepOrphans(*l, alloc, launcher.state_dir, swept));
     }
     return std::make_unique<ContainersService>(alloc, tokens, std::move(l),
-                                               !launcher.allowed_mount_roots.empty());
+                                               !launcher.allowed_mount_roots.empty(),
+                                               std::move(images), policy);
   };
   return gpu::CreateCentralServer(options, extension);
 }

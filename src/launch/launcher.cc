@@ -148,6 +148,30 @@ absl::Status CheckMount(const LauncherOptions& options, size_t i, Mount& m) {
       " is outside the allowed mount roots [", absl::StrJoin(roots, ", "), "]"));
 }
 
+// Whether `backend` can run a container as `run_as`: the user name goes
+// into an oci container's /etc/passwd, and becoming another uid needs root.
+absl::Status CheckRunAs(const std::string& backend, const RunAs& run_as) {
+  if (backend != "process" && backend != "oci") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.run_as: uid ", run_as.uid, ": the ", backend,
+        " backend cannot run a container as another user (process and oci can)"));
+  }
+  if (!run_as.user.empty() && !IsPasswdName(run_as.user)) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.run_as.user: \"", run_as.user,
+                                                   "\" is not a user name ([a-z_][a-z0-9_-]*, "
+                                                   "at most 32 characters)"));
+  }
+  if (!run_as.home.empty()) {
+    DEEPNEX_RETURN_IF_ERROR(CheckAbsoluteNormal("spec.run_as.home", run_as.home));
+  }
+  if (geteuid() != 0 && (run_as.uid != geteuid() || run_as.gid != getegid())) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "spec.run_as: uid ", run_as.uid, " gid ", run_as.gid, ": this launcher runs as uid ",
+        geteuid(), " gid ", getegid(), " and only root may run containers as another user"));
+  }
+  return absl::OkStatus();
+}
+
 // Checks a spec and resolves it against its allocation: the user, cpus and
 // memory default to the grant's and may not exceed it, its env is the grant's
 // plus the spec's, the launcher's labels are added.
@@ -195,6 +219,14 @@ absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
         "spec.restart: max_restarts ", spec.restart.max_restarts, ", backoff ",
         spec.restart.backoff.count(), " ms, max_backoff ", spec.restart.max_backoff.count(),
         " ms is not a policy (max_restarts >= -1, 0 <= backoff <= max_backoff)"));
+  }
+  if (spec.network_none && spec.host_network) {
+    return absl::InvalidArgumentError(
+        "spec.host_network: true contradicts spec.network_none: true");
+  }
+  if (spec.run_as) DEEPNEX_RETURN_IF_ERROR(CheckRunAs(options.backend, *spec.run_as));
+  if (auto named = options.images.find(spec.image); named != options.images.end()) {
+    spec.image = named->second;
   }
   for (const char* key : {kLauncherLabel, kNameLabel}) {
     if (spec.labels.count(key)) {
@@ -955,6 +987,14 @@ absl::StatusOr<std::unique_ptr<Launcher>> Launcher::Create(const LauncherOptions
         "restart_backoff: floor ", options.restart_backoff_floor.count(), " ms, cap ",
         options.restart_backoff_cap.count(), " ms, reset ", options.restart_backoff_reset.count(),
         " ms is not a backoff (0 <= floor <= cap, reset > 0)"));
+  }
+  for (const auto& [name, dir] : options.images) {
+    if (name.empty() || absl::StartsWith(name, "/") ||
+        (dir != "host" && !absl::StartsWith(dir, "/"))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "images: \"", name, "\" -> \"", dir,
+          "\" is not a name (not a path) for \"host\" or an absolute directory"));
+    }
   }
   if (options.log_max_bytes == 0) {
     return absl::InvalidArgumentError("log_max_bytes: 0 is not a log limit (give at least 1 byte)");

@@ -4,10 +4,12 @@
 // run's directory.
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <limits.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -39,7 +41,7 @@ constexpr char kLogFile[] = "output.log";
 // What the child reports through its close-on-exec pipe when it cannot get
 // as far as exec.
 struct ChildError {
-  enum Stage : int { kChdir = 1, kExec = 2 } stage;
+  enum Stage : int { kChdir = 1, kExec = 2, kIdentity = 3 } stage;
   int error;
 };
 
@@ -58,30 +60,6 @@ struct CStrings {
   }
   std::vector<std::string> strings;
   std::vector<char*> pointers;
-};
-
-class Fd {
- public:
-  explicit Fd(int fd = -1) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(o.release()) {}
-  Fd& operator=(Fd&& o) noexcept {
-    reset(o.release());
-    return *this;
-  }
-  ~Fd() { reset(); }
-  int get() const { return fd_; }
-  int release() {
-    int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-  void reset(int fd = -1) {
-    if (fd_ >= 0) close(fd_);
-    fd_ = fd;
-  }
-
- private:
-  int fd_;
 };
 
 absl::Status ErrnoError(const std::string& what) {
@@ -276,6 +254,10 @@ class ProcessBackend : public Backend {
     DEEPNEX_ASSIGN_OR_RETURN(std::string exe, FindOnPath(spec.command[0], PathOf(spec.env)));
     std::map<std::string, std::string> env = spec.env;
     env.emplace("PATH", PathOf(spec.env));
+    if (spec.run_as) {
+      env.emplace("HOME", spec.run_as->home.empty() ? "/" : spec.run_as->home);
+      if (!spec.run_as->user.empty()) env.emplace("USER", spec.run_as->user);
+    }
     env[kLauncherIdEnv] = context.launcher_id;
     std::vector<std::string> env_strings;
     for (const auto& [k, v] : env) env_strings.push_back(k + "=" + v);
@@ -296,6 +278,12 @@ class ProcessBackend : public Backend {
     const char* workdir = spec.working_dir.empty() ? nullptr : spec.working_dir.c_str();
     sigset_t no_signals;
     sigemptyset(&no_signals);
+    // The identity to take in the child: only root may drop its
+    // supplementary groups; anyone may "become" their own uid and gid.
+    const bool become = spec.run_as.has_value();
+    const uid_t uid = become ? spec.run_as->uid : 0;
+    const gid_t gid = become ? spec.run_as->gid : 0;
+    const bool set_groups = become && geteuid() == 0;
 
     // Last before fork, so that no error above leaves a cgroup behind.
     std::unique_ptr<Cgroup> cgroup;
@@ -332,6 +320,16 @@ class ProcessBackend : public Backend {
       dup2(devnull.get(), 0);
       dup2(log.get(), 1);
       dup2(log.get(), 2);
+      // Before the chdir, so that the directory is entered as the user. A
+      // root that setuid()s to another uid loses every capability;
+      // no-new-privileges keeps setuid binaries from giving them back.
+      if (become) {
+        if ((set_groups && setgroups(1, &gid) != 0) || setgid(gid) != 0 || setuid(uid) != 0 ||
+            prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 ||
+            prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) {
+          ReportAndExit(err_write.get(), ChildError::kIdentity);
+        }
+      }
       if (workdir != nullptr && chdir(workdir) != 0) ReportAndExit(err_write.get(), ChildError::kChdir);
       setrlimit(RLIMIT_CORE, &core);
       syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC);
@@ -358,6 +356,11 @@ class ProcessBackend : public Backend {
     if (n == static_cast<ssize_t>(sizeof(child))) {
       waitpid(pid, nullptr, 0);
       if (cgroup) cgroup->Remove().IgnoreError();
+      if (child.stage == ChildError::kIdentity) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("spec.run_as: cannot run as uid ", uid, " gid ", gid, ": ",
+                         strerror(child.error)));
+      }
       if (child.stage == ChildError::kChdir) {
         return absl::NotFoundError(absl::StrCat("spec.working_dir: cannot enter \"",
                                                 spec.working_dir, "\": ", strerror(child.error)));

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -20,6 +21,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/ascii.h"
 #include "deepnex/gpu/discovery.h"
+
+extern char** environ;
 
 namespace deepnex::launch {
 namespace {
@@ -72,6 +75,19 @@ absl::StatusOr<std::string> FindOnPath(const std::string& command,
   }
   return absl::NotFoundError(
       absl::StrCat("command \"", command, "\" not found on PATH=", path_env));
+}
+
+bool IsPasswdName(const std::string& name) {
+  return !name.empty() && name.size() <= 32 && (name[0] == '_' || absl::ascii_islower(name[0])) &&
+         std::all_of(name.begin(), name.end(), [](char c) {
+           return absl::ascii_islower(c) || absl::ascii_isdigit(c) || c == '_' || c == '-';
+         });
+}
+
+std::vector<std::string> OwnEnv() {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+  return env;
 }
 
 std::string PathOf(const std::map<std::string, std::string>& env) {

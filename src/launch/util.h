@@ -3,6 +3,9 @@
 #define DEEPNEX_LAUNCH_UTIL_H_
 
 #include <sys/types.h>
+#include <unistd.h>
+
+#include <utility>
 
 #include <map>
 #include <string>
@@ -16,6 +19,34 @@ namespace deepnex::launch {
 // The variable every process a launcher starts carries, so that the
 // leftovers of a launcher that crashed can be found through /proc.
 inline constexpr char kLauncherIdEnv[] = "DEEPNEX_LAUNCHER_ID";
+
+// Owns a file descriptor: closes it when destroyed or reset.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept {
+    reset(o.release());
+    return *this;
+  }
+  ~Fd() { reset(); }
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+  void reset(int fd = -1) {
+    if (fd_ >= 0) close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_;
+};
+
+// This process's environment, for the engine commands it runs.
+std::vector<std::string> OwnEnv();
+
+// Whether `name` can be a user's name in an /etc/passwd:
+// [a-z_][a-z0-9_-]*, at most 32 characters.
+bool IsPasswdName(const std::string& name);
 
 // The executable `command` names: itself if it contains a '/', else the first
 // executable regular file in the ':'-separated `path_env`. NotFound:

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "deepnex/gpu/central.h"
@@ -59,6 +60,19 @@ flags:
   --allow-mount DIR       users may mount host paths under DIR into their
                           containers (repeatable; symlinks are resolved before
                           the check); without it, no mounts at all
+  --user NAME=UID:GID     run NAME's containers as UID:GID, with no
+                          capabilities (repeatable; never 0). A user with no
+                          mapping can allocate but not start containers
+  --users-file F          the same from F: lines "NAME UID GID" or
+                          "NAME UID:GID", # comments
+  --image NAME=DIR        users may run image NAME: DIR is a rootfs directory
+                          or an OCI image layout, or "host" for the host's
+                          /usr and /opt (repeatable); users give only these
+                          names, never a path. The process backend always
+                          takes "host"
+  --allow-host-network USER  USER's oci containers may use the host's network
+                          (repeatable; "*": everyone's); otherwise each gets a
+                          private network with only its own loopback
   --help                  show this text
 )";
 
@@ -67,6 +81,8 @@ flags:
 int main(int argc, char** argv) {
   deepnex::gpu::CentralServerOptions options;
   deepnex::launch::LauncherOptions launcher;
+  deepnex::launch::ContainerPolicy policy;
+  std::vector<std::string> users_files;
   std::string nodes_file;
   bool local = false;
   deepnex::tools::Flags flags("deepnex-central", kUsage, argc, argv);
@@ -95,7 +111,44 @@ int main(int argc, char** argv) {
       launcher.backend = flags.Value();
     else if (flags.Is("--launch-state-dir")) launcher.state_dir = flags.Value();
     else if (flags.Is("--allow-mount")) launcher.allowed_mount_roots.push_back(flags.Value());
-    else flags.Unknown();
+    else if (flags.Is("--user")) {
+      absl::Status added = deepnex::launch::AddUserMapping(flags.Value(), &policy.users);
+      if (!added.ok()) flags.Die("--user: " + std::string(added.message()));
+    } else if (flags.Is("--users-file")) {
+      users_files.push_back(flags.Value());
+    } else if (flags.Is("--image")) {
+      const std::string value = flags.Value();
+      const size_t eq = value.find('=');
+      const std::string name = value.substr(0, eq);
+      const std::string dir = eq == std::string::npos ? "" : value.substr(eq + 1);
+      char real[PATH_MAX];
+      if (name.empty() || name[0] == '/' || launcher.images.count(name)) {
+        flags.Die("--image \"" + value +
+                  "\": expected NAME=DIR with a new NAME that is not a path");
+      }
+      if (dir == "host") {
+        launcher.images[name] = dir;
+      } else if (dir.empty() || dir[0] != '/' || realpath(dir.c_str(), real) == nullptr ||
+                 !std::filesystem::is_directory(real)) {
+        flags.Die("--image \"" + value + "\": \"" + dir +
+                  "\" is not an absolute directory or \"host\"");
+      } else {
+        launcher.images[name] = real;
+      }
+    } else if (flags.Is("--allow-host-network")) {
+      policy.host_network_users.insert(flags.Value());
+    } else {
+      flags.Unknown();
+    }
+  }
+  for (const std::string& file : users_files) {
+    auto users = deepnex::launch::LoadUsersFile(file);
+    if (!users.ok()) flags.Die(std::string(users.status().message()));
+    for (auto& [name, r] : *users) {
+      if (!policy.users.emplace(name, r).second) {
+        flags.Die("--users-file " + file + ": user " + name + " is mapped twice");
+      }
+    }
   }
   if (options.address.empty()) flags.Die("--listen is empty");
   for (std::string& dir : launcher.allowed_mount_roots) {
@@ -128,7 +181,7 @@ int main(int argc, char** argv) {
 
   deepnex::tools::SignalStop signals;
   std::vector<std::string> swept;
-  auto server = deepnex::launch::CreateCentralServer(options, launcher, &swept);
+  auto server = deepnex::launch::CreateCentralServer(options, launcher, policy, &swept);
   if (!server.ok()) {
     std::cerr << "deepnex-central: " << server.status().message() << "\n";
     return 1;

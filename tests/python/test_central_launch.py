@@ -2,8 +2,11 @@
 containers on the caller's own allocations, released when they end for good."""
 
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -14,11 +17,32 @@ from _central import CENTRAL_BIN, stop_central
 from _wait import wait_for
 from deepnex import gpu, launch
 
-def start_central(tmp_path, *extra, backend="process", state_dir=None, cwd=None):
-    """deepnex-central with a launcher; (process, address)."""
+# The uid:gid that users' containers run as: nobody's when the tests run as
+# root (central refuses uid 0), else the tests' own (the only one a
+# deepnex-central that is not root can run as).
+AS_ROOT = os.geteuid() == 0
+USER_IDS = "65534:65534" if AS_ROOT else f"{os.geteuid()}:{os.getegid()}"
+needs_root = pytest.mark.skipif(not AS_ROOT, reason="running as another uid needs root")
+
+
+def start_central(tmp_path, *extra, backend="process", state_dir=None, cwd=None,
+                  users=("alice", "bob")):
+    """deepnex-central with a launcher that runs `users`' containers as
+    USER_IDS; (process, address)."""
+    mappings = [arg for user in users for arg in ("--user", f"{user}={USER_IDS}")]
     return _central.start_central(
         tmp_path, "--launch-backend", backend,
-        "--launch-state-dir", state_dir or str(tmp_path / "launch"), *extra, cwd=cwd)
+        "--launch-state-dir", state_dir or str(tmp_path / "launch"), *mappings, *extra, cwd=cwd)
+
+
+@pytest.fixture
+def open_dir():
+    """A directory that users' processes (running as nobody) can reach:
+    pytest's tmp_path lies under a directory only root can enter."""
+    path = tempfile.mkdtemp(prefix="deepnex-central-test-")
+    os.chmod(path, 0o755)
+    yield pathlib.Path(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -56,10 +80,10 @@ def await_container(client, name, done, timeout=60):
     pytest.fail(f"container {name}: {last}")
 
 
-def test_start_list_logs_and_release_at_the_end(central, tmp_path):
+def test_start_list_logs_and_release_at_the_end(central, open_dir):
     alice, _ = clients(central)
     a = alice.allocate(grant())
-    gate = tmp_path / "gate"
+    gate = open_dir / "gate"
     c = alice.start_container(launch.ContainerSpec(
         name="w0", command=["sh", "-c", f"echo hi $CUDA_VISIBLE_DEVICES; "
                                         f"while [ ! -e {gate} ]; do sleep 0.02; done; exit 2"]),
@@ -164,8 +188,8 @@ def test_mounts_are_refused_without_allow_mount(central, tmp_path):
     alice.release(a.id)
 
 
-def test_mounts_only_under_allow_mount(tmp_path):
-    allowed, other = tmp_path / "allowed", tmp_path / "other"
+def test_mounts_only_under_allow_mount(tmp_path, open_dir):
+    allowed, other = open_dir / "allowed", open_dir / "other"
     (allowed / "data").mkdir(parents=True)
     other.mkdir()
     (allowed / "data" / "f").write_text("in-data\n")
@@ -216,8 +240,8 @@ def test_oci_with_a_relative_state_dir_mounts_and_a_quick_stop(tmp_path):
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     (allowed / "f").write_text("through-the-mount\n")
-    proc, address = start_central(tmp_path, "--allow-mount", str(allowed), backend="oci",
-                                  state_dir="rel-launch", cwd=str(tmp_path))
+    proc, address = start_central(tmp_path, "--allow-mount", str(allowed), "--image", "host=host",
+                                  backend="oci", state_dir="rel-launch", cwd=str(tmp_path))
     try:
         alice, _ = clients(address)
         a = alice.allocate(grant())
@@ -239,6 +263,14 @@ def test_oci_with_a_relative_state_dir_mounts_and_a_quick_stop(tmp_path):
         stopped = alice.stop_container("t", grace=20)
         assert time.monotonic() - t0 < 5
         assert (stopped["state"], stopped["last_exit"]) == ("stopped", "exited(0)")
+        # As the user's uid, with a generated /etc: the host's shadow is not there.
+        c = alice.allocate(gpu.Request(user="", gpus=1))
+        alice.start_container(launch.ContainerSpec(
+            name="who", command=["sh", "-c", "id -u; cat /etc/shadow 2>/dev/null || echo no-shadow; "
+                                             "grep alice /etc/passwd"]), c)
+        await_container(alice, "who", lambda c: c["allocation_released"], timeout=60)
+        assert alice.container_logs("who") == (
+            "65534\nno-shadow\nalice:x:65534:65534:alice:/:/bin/sh\n")
     finally:
         stop_central(proc)
 
@@ -355,3 +387,111 @@ def test_a_job_token_reaches_only_its_jobs_containers(central):
     job.stop_container("w0", grace=1)
     alice.stop_container("other", grace=1)
     assert alice.allocations() == []
+
+
+@needs_root
+def test_a_users_process_runs_as_their_uid_and_reads_nothing_of_centrals(tmp_path, open_dir):
+    """On the process backend a user's container once ran as root and read
+    the admin token."""
+    tokens = tmp_path / "tokens"
+    proc, address = start_central(tmp_path)
+    try:
+        os.chmod(tokens, 0o600)
+        # Even where every directory on the way is open, the files are not.
+        state = tmp_path / "launch"
+        alice, _ = clients(address)
+        a = alice.allocate(gpu.Request(user="", gpus=1))
+        alice.start_container(launch.ContainerSpec(
+            name="who", command=["sh", "-c", f"id -u; id -G; cat {tokens} 2>/dev/null || echo no-token; "
+                                             f"ls {state} 2>/dev/null || echo no-state; "
+                                             "grep CapEff /proc/self/status"]), a)
+        done = await_container(alice, "who", lambda c: c["allocation_released"])
+        assert done["last_exit"] == "exited(0)"
+        assert alice.container_logs("who") == (
+            "65534\n65534\nno-token\nno-state\nCapEff:\t0000000000000000\n")
+        assert oct(os.stat(state).st_mode & 0o777) == "0o700"
+    finally:
+        stop_central(proc)
+
+
+def test_a_user_without_a_uid_can_allocate_but_not_start(tmp_path):
+    proc, address = start_central(tmp_path, users=("alice",))
+    try:
+        _, bob = clients(address)
+        b = bob.allocate(gpu.Request(user="", gpus=1))
+        with pytest.raises(deepnex.PermissionDeniedError) as e:
+            bob.start_container(launch.ContainerSpec(name="w0", command=["true"]), b)
+        assert str(e.value) == ("user bob has no uid on this deepnex-central (its --user or "
+                                "--users-file), so their containers cannot run")
+        assert bob.containers() == []
+    finally:
+        stop_central(proc)
+
+
+def test_users_file_maps_users_and_root_is_refused(tmp_path, open_dir):
+    uid, gid = USER_IDS.split(":")
+    users = tmp_path / "users"
+    users.write_text(f"# deepnex user, uid, gid\nalice {uid} {gid}\n\nbob {uid}:{gid}  # bob\n")
+    proc, address = start_central(tmp_path, "--users-file", str(users), users=())
+    try:
+        alice, bob = clients(address)
+        for name, client in (("a", alice), ("b", bob)):
+            grant = client.allocate(gpu.Request(user="", gpus=1))
+            client.start_container(launch.ContainerSpec(name=name, command=["id", "-u"]), grant)
+            await_container(client, name, lambda c: c["allocation_released"])
+            assert client.container_logs(name) == f"{uid}\n"
+    finally:
+        stop_central(proc)
+    for flags, message in [
+            (["--user", "root=0:0"],
+             "users: root maps to uid 0 gid 0; containers never run as root or in its group"),
+            (["--user", "alice=1000:0"],
+             "users: alice maps to uid 1000 gid 0; containers never run as root or in its group"),
+            (["--user", "alice=x:1"], 'user mapping "alice=x:1" is not NAME=UID:GID with a new NAME')]:
+        out = subprocess.run([CENTRAL_BIN, *flags], capture_output=True, text=True, timeout=30)
+        assert out.returncode != 0 and message in out.stderr, (flags, out.stderr)
+    users.write_text("alice 1000\n")
+    out = subprocess.run([CENTRAL_BIN, "--users-file", str(users)], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode != 0
+    assert (f'users file {users} line 1: "alice 1000" is not "NAME UID GID" or "NAME UID:GID" '
+            f'with a new NAME') in out.stderr
+
+
+def test_images_only_from_the_catalog_and_host_network_only_where_allowed(tmp_path):
+    """A user once ran any host directory as an image, and reached the
+    host's loopback."""
+    rootfs = tmp_path / "rootfs"
+    rootfs.mkdir()
+    proc, address = start_central(tmp_path, "--image", f"base={rootfs}",
+                                  "--allow-host-network", "alice")
+    try:
+        alice, bob = clients(address)
+        a = alice.allocate(gpu.Request(user="", gpus=1))
+        for image in (str(rootfs), "/", "other"):
+            with pytest.raises(deepnex.PermissionDeniedError) as e:
+                alice.start_container(launch.ContainerSpec(name="i", command=["true"],
+                                                           image=image), a)
+            assert str(e.value) == (f'spec.image: "{image}" is not one of this '
+                                    f"deepnex-central's images [base] (its --image)")
+        b = bob.allocate(gpu.Request(user="", gpus=1))
+        with pytest.raises(deepnex.PermissionDeniedError) as e:
+            bob.start_container(launch.ContainerSpec(name="n", command=["true"],
+                                                     host_network=True), b)
+        assert str(e.value) == ("spec.host_network: user bob may not use the host's network on "
+                                "this deepnex-central (its --allow-host-network)")
+        out = run_cli("launch", "--central", address, "--alloc", b.id, "--host-network", "--",
+                      "true", token="bobtok")
+        assert out.returncode == 1 and "spec.host_network: user bob may not" in out.stderr
+        # The process backend runs on the host's files: "host" needs no listing.
+        alice.start_container(launch.ContainerSpec(name="n", command=["true"],
+                                                   host_network=True), a)
+        assert await_container(alice, "n", lambda c: c["allocation_released"])["last_exit"] == \
+            "exited(0)"
+    finally:
+        stop_central(proc)
+    bad = subprocess.run([CENTRAL_BIN, "--image", "base=relative/dir"], capture_output=True,
+                         text=True, timeout=30)
+    assert bad.returncode != 0
+    assert '--image "base=relative/dir": "relative/dir" is not an absolute directory or "host"' \
+        in bad.stderr

@@ -19,7 +19,9 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -28,6 +30,25 @@
 #include "deepnex/status.h"
 
 namespace deepnex::launch {
+
+// Whom deepnex-central runs its users' containers as, and what they may ask
+// for beyond their grant.
+struct ContainerPolicy {
+  // Each user's identity. Neither uid nor gid may be 0, and a
+  // deepnex-central that does not run as root can map users only to its
+  // own uid and gid (InvalidArgument naming the user).
+  std::map<std::string, RunAs> users;
+  // The users whose containers may use the host's network
+  // (ContainerSpec::host_network); "*": every user.
+  std::set<std::string> host_network_users;
+};
+
+// Parses a users file: lines "NAME UID GID" or "NAME UID:GID", '#'
+// comments and blank lines ignored. InvalidArgument naming the line.
+absl::StatusOr<std::map<std::string, RunAs>> LoadUsersFile(const std::string& path);
+
+// Parses one "NAME=UID:GID" into `users`; InvalidArgument naming it.
+absl::Status AddUserMapping(const std::string& text, std::map<std::string, RunAs>* users);
 
 // deepnex-central with a launcher on `launcher`'s backend. Container names
 // are per user: the launcher runs them as "<user>.<name>". Users may mount
@@ -42,9 +63,16 @@ namespace deepnex::launch {
 // no longer runs are swept (Launcher::Cleanup of its id), their allocations
 // released and their records removed; `swept` (optional) gets a line for
 // each launcher swept.
+//
+// Users' containers never run as root: `policy.users` maps each user to the
+// uid and gid their containers run as (RunAs), and a user without one can
+// allocate but not start a container (PermissionDenied naming the user).
+// Images come only from `launcher.images` (a path or another name is
+// PermissionDenied naming the catalog; the process backend, which runs on
+// the host's files, always takes "host").
 absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
     const gpu::CentralServerOptions& options, const LauncherOptions& launcher,
-    std::vector<std::string>* swept = nullptr);
+    const ContainerPolicy& policy, std::vector<std::string>* swept = nullptr);
 
 // One container as deepnex-central reports it.
 struct CentralContainer {
@@ -79,7 +107,10 @@ class CentralClient {
   // PermissionDenied for another user's. The allocation applies as in
   // Launcher::Start (spec.allocation must be empty, spec.mounts are
   // subject to the server's --allow-mount directories; spec.user is the
-  // allocation's). A name whose container ended is reused.
+  // allocation's), and so does the server's ContainerPolicy: the container
+  // runs as the user's mapped uid, and a user without one, an image not in
+  // the server's catalog or a host_network the user is not allowed is
+  // PermissionDenied. A name whose container ended is reused.
   virtual absl::StatusOr<CentralContainer> StartContainer(const ContainerSpec& spec,
                                                           const std::string& allocation_id) = 0;
   // The caller's containers, ordered by user and name; admins see everyone's

@@ -66,16 +66,31 @@ struct RestartPolicy {
 
 struct RestartEvent;  // below, with ExitStatus
 
+// The identity a container's processes run as: no capabilities, no new
+// privileges, the groups `gid` only.
+struct RunAs {
+  uint32_t uid = 0;
+  uint32_t gid = 0;
+  // The name an oci container's /etc/passwd gives `uid` ([a-z_][a-z0-9_-]*,
+  // at most 32 characters); empty: "user".
+  std::string user;
+  // Its home: HOME unless the spec's env sets it, and /etc/passwd's.
+  // Absolute; empty: "/".
+  std::string home;
+};
+
 // What to run and with which resources. Plain value.
 struct ContainerSpec {
   // Unique among the launcher's live containers; [a-zA-Z0-9][a-zA-Z0-9_.-]*,
   // at most 63 characters (a Kubernetes name must also be lowercase: the
   // kubernetes backend lowercases it).
   std::string name;
-  // "host" (the host's /usr, /etc, /opt read-only, so the host's Python
-  // runs), a rootfs directory, an OCI image layout directory (oci), or an
-  // image reference (docker, kubernetes). The process backend ignores it
-  // unless it is a directory, which it refuses (it cannot chroot).
+  // "host" (the host's /usr and /opt read-only, so the host's Python runs;
+  // oci gives every image a generated /etc, never the host's), a rootfs
+  // directory, an OCI image layout directory (oci), an image reference
+  // (docker, kubernetes), or a name in LauncherOptions::images. The process
+  // backend ignores it unless it is a directory, which it refuses (it
+  // cannot chroot).
   std::string image = "host";
   // argv; command[0] is looked up on PATH (the spec's env PATH, else the
   // launcher's) and must exist: a missing command is NotFound at Start.
@@ -91,7 +106,7 @@ struct ContainerSpec {
   // Host memory limit in bytes; 0: unlimited; otherwise at least
   // LauncherOptions::min_memory.
   uint64_t memory = 0;
-  // Maximum number of processes; 0: unlimited.
+  // Maximum number of processes; 0: unlimited (oci: 4096).
   int64_t pids_limit = 0;
   // The grant this container runs on: its GPUs' device nodes are the only
   // ones allowed, its env (CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES,
@@ -110,6 +125,17 @@ struct ContainerSpec {
   std::function<void(const RestartEvent&)> on_restart;
   // No network namespace sharing: only loopback (oci, docker).
   bool network_none = false;
+  // oci: the host's network namespace; otherwise the container gets a
+  // private one with only its own loopback (it reaches no host port).
+  // deepnex-central allows it only to the users its --allow-host-network
+  // names. Contradicts network_none.
+  bool host_network = false;
+  // Whom the processes run as (process and oci backends). Set by whoever
+  // owns the launcher, never by a remote user: deepnex-central sets it
+  // from its user map. Unset: the launcher's own uid and gid (a Launcher
+  // in a user's own script runs as that user). A uid other than the
+  // launcher's needs a launcher running as root (PermissionDenied).
+  std::optional<RunAs> run_as;
   // The log rotates when it reaches this size (see LauncherOptions::
   // log_max_bytes); 0: the launcher's. At most the launcher's.
   uint64_t log_max_bytes = 0;
@@ -270,6 +296,10 @@ struct LauncherOptions {
   // A container's log rotates when it reaches this size, keeping one rotated
   // file: at most twice this on disk per container. Default: 64 MiB.
   uint64_t log_max_bytes = 64 << 20;
+  // Named images: a spec whose image is a name here runs the directory it
+  // maps to (a rootfs or an OCI image layout; "host": the host image).
+  // deepnex-central takes only these names from its users.
+  std::map<std::string, std::string> images;
   // Parent of the containers' cgroups, relative to each controller's root
   // (process and oci). Empty: "deepnex".
   std::string cgroup_parent;

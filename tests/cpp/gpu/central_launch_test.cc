@@ -4,6 +4,8 @@
 #include "deepnex/launch/central.h"
 
 #include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <sys/wait.h>
 
 #include <chrono>
@@ -13,6 +15,7 @@
 #include <future>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
@@ -49,7 +52,13 @@ class CentralLaunch : public ::testing::Test {
     LauncherOptions l;
     l.backend = "process";
     l.state_dir = dir_.path() + "/launch";
-    ASSERT_OK_AND_ASSIGN(server_, CreateCentralServer(o, l));
+    // Users' containers run as nobody (as root) or as this test's own uid;
+    // they reach the gate files in dir_ by name.
+    ContainerPolicy policy;
+    const RunAs as = geteuid() == 0 ? RunAs{65534, 65534} : RunAs{geteuid(), getegid()};
+    policy.users = {{"alice", as}, {"bob", as}};
+    ASSERT_EQ(chmod(dir_.path().c_str(), 0711), 0);
+    ASSERT_OK_AND_ASSIGN(server_, CreateCentralServer(o, l, policy));
     admin_ = Gpu("admintok");
     alice_gpu_ = Gpu("alicetok");
     bob_gpu_ = Gpu("bobtok");
@@ -435,9 +444,10 @@ TEST(CentralLaunchCrash, RestartSweepsWhatTheCrashedRunLeft) {
   const std::string nodes = dir.path() + "/nodes.json";
   std::ofstream(nodes) << R"({"nodes": [{"name": "x1", "cpus": 8, "memory": "16GiB",
       "mode": "exclusive", "gpus": {"count": 2, "memory": "80GiB"}}]})";
+  const std::string ids = geteuid() == 0 ? "65534:65534" : absl::StrCat(geteuid(), ":", getegid());
   const std::vector<std::string> args = {"--state-dir", dir.path() + "/state",
                                          "--launch-state-dir", dir.path() + "/launch",
-                                         "--nodes", nodes};
+                                         "--nodes", nodes, "--user", "alice=" + ids};
   CentralDaemon first = StartCentralDaemon(args);
   ASSERT_FALSE(first.address.empty());
   CentralClientOptions o;

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "deepnex/launch/launcher.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -438,6 +439,81 @@ TEST_F(ProcessLauncherTest, BadSpecFields) {
   spec.env["A=B"] = "c";
   ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "spec.env: \"A=B\"");
   EXPECT_TRUE(Run(Spec("ok", "exit 0")).ok());
+}
+
+TEST_F(ProcessLauncherTest, BadRunAsAndNetworkFields) {
+  ContainerSpec spec = Spec("ok", "exit 0");
+  spec.run_as = RunAs{geteuid(), getegid(), "Not A Name", ""};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.run_as.user: \"Not A Name\" is not a user name ([a-z_][a-z0-9_-]*, "
+                   "at most 32 characters)");
+  spec.run_as = RunAs{geteuid(), getegid(), "alice", "relative"};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.run_as.home: \"relative\" is not an absolute path");
+  spec = Spec("ok", "exit 0");
+  spec.network_none = true;
+  spec.host_network = true;
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.host_network: true contradicts spec.network_none: true");
+  if (geteuid() != 0) {
+    spec = Spec("ok", "exit 0");
+    spec.run_as = RunAs{geteuid() + 1, getegid(), "", ""};
+    ExpectStartFails(spec, absl::StatusCode::kPermissionDenied,
+                     absl::StrCat("spec.run_as: uid ", geteuid() + 1, " gid ", getegid(),
+                                  ": this launcher runs as uid ", geteuid()));
+  }
+  EXPECT_TRUE(Run(Spec("ok", "exit 0")).ok());
+}
+
+// A launcher's own uid needs no privilege: the user's own scripts keep
+// running as themselves, with no new privileges.
+TEST_F(ProcessLauncherTest, RunAsTheLaunchersOwnIds) {
+  ContainerSpec spec =
+      Spec("me", "id -u; id -g; echo $HOME $USER; grep NoNewPrivs /proc/self/status");
+  spec.run_as = RunAs{geteuid(), getegid(), "me", "/home/me"};
+  std::string logs;
+  EXPECT_TRUE(Run(spec, &logs).ok()) << logs;
+  EXPECT_EQ(logs, absl::StrCat(geteuid(), "\n", getegid(), "\n/home/me me\nNoNewPrivs:\t1\n"));
+}
+
+// The process backend as central drives it: root's launcher runs a user's
+// process as that user's uid, which reads none of root's files and holds no
+// capability.
+TEST_F(ProcessLauncherTest, RunAsAnotherUidDropsRoot) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run as another uid";
+  const std::string secret = scratch_.path() + "/token";
+  std::ofstream(secret) << "admintok root admin\n";
+  ASSERT_EQ(chmod(secret.c_str(), 0600), 0);
+  ASSERT_EQ(chmod(scratch_.path().c_str(), 0755), 0);
+  ContainerSpec spec = Spec("nobody", "id -u; id -G; cat " + secret +
+                                          " 2>/dev/null || echo denied; "
+                                          "grep -E '^(CapEff|NoNewPrivs)' /proc/self/status");
+  spec.run_as = RunAs{65534, 65534, "", ""};
+  std::string logs;
+  EXPECT_TRUE(Run(spec, &logs).ok()) << logs;
+  EXPECT_EQ(logs, "65534\n65534\ndenied\nCapEff:\t0000000000000000\nNoNewPrivs:\t1\n");
+  // Its working directory is entered as the user.
+  spec = Spec("nobody", "pwd");
+  spec.run_as = RunAs{65534, 65534, "", ""};
+  ASSERT_EQ(chmod(scratch_.path().c_str(), 0700), 0);
+  spec.working_dir = scratch_.path();
+  ExpectStartFails(spec, absl::StatusCode::kNotFound,
+                   "spec.working_dir: cannot enter \"" + scratch_.path() + "\": Permission denied");
+}
+
+TEST_F(ProcessLauncherTest, NamedImages) {
+  LauncherOptions options = Fast();
+  options.images = {{"base", "host"}, {"rootfs", scratch_.path()}};
+  Make(options);
+  ContainerSpec spec = Spec("named", "echo ran");
+  spec.image = "base";
+  std::string logs;
+  EXPECT_TRUE(Run(spec, &logs).ok());
+  EXPECT_EQ(logs, "ran\n");
+  // The name stands for its directory, which a process cannot use.
+  spec.image = "rootfs";
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.image: \"" + scratch_.path() + "\" is a path");
 }
 
 TEST_F(ProcessLauncherTest, AllocationChecks) {
@@ -1057,6 +1133,17 @@ TEST(RestartEventTest, ToStringSpellsTheExitAsExitStatusDoes) {
   EXPECT_EQ((ExitStatus{ExitReason::kSignaled, 0, SIGKILL, 1}).ToString(),
             "signaled(SIGKILL) after 1 restart");
   EXPECT_EQ((ExitStatus{ExitReason::kLost}).ToString(), "lost");
+}
+
+TEST(LauncherCreateTest, BadNamedImages) {
+  for (const auto& [name, dir] : std::vector<std::pair<std::string, std::string>>{
+           {"", "host"}, {"/abs", "host"}, {"base", "relative/dir"}}) {
+    LauncherOptions options;
+    options.images = {{name, dir}};
+    EXPECT_THAT(Launcher::Create(options),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("images: \"" + name + "\" -> \"" + dir + "\" is not a name")));
+  }
 }
 
 TEST(LauncherCreateTest, BadBackoffAndLogLimits) {

@@ -5,7 +5,9 @@
 #include <limits.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <netinet/in.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -25,6 +27,7 @@
 #include "gtest/gtest.h"
 #include "launch/backend.h"
 #include "launch/cgroup.h"
+#include "launch/oci_config.h"
 #include "launch/util.h"
 #include "deepnex/launch/launcher.h"
 #include "test_matchers.h"
@@ -151,6 +154,14 @@ class OciTest : public ::testing::Test {
             logs.ok() ? *logs : ""};
   }
 
+  // The output of `spec` run as `run_as`, which must succeed.
+  std::string OutputAs(ContainerSpec spec, const RunAs& run_as) {
+    spec.run_as = run_as;
+    auto [exit, logs] = RunToEnd(spec);
+    EXPECT_TRUE(exit.ok()) << exit.ToString() << " " << logs;
+    return logs;
+  }
+
   json Config(const ContainerSpec& spec) {
     return json::parse(ReadFile(Context(spec).dir + "/config.json"));
   }
@@ -248,7 +259,7 @@ TEST_F(OciTest, BundleCarriesLimitsNamespacesAndLabels) {
   EXPECT_EQ(lx["resources"]["pids"], json({{"limit", 50}}));
   EXPECT_EQ(lx["cgroupsPath"], "deepnex-oci-test/" + Context(spec).run_name);
   EXPECT_EQ(lx["namespaces"].dump(),
-            R"([{"type":"pid"},{"type":"mount"},{"type":"uts"},{"type":"ipc"}])");
+            R"([{"type":"pid"},{"type":"mount"},{"type":"uts"},{"type":"ipc"},{"type":"network"}])");
   EXPECT_THAT(lx["maskedPaths"].dump(), HasSubstr("/proc/kcore"));
   EXPECT_THAT(lx["readonlyPaths"].dump(), HasSubstr("/proc/sys"));
   EXPECT_EQ(config["annotations"],
@@ -413,15 +424,17 @@ TEST_F(OciTest, CommandLookupFollowsTheImagesSymlinks) {
                        HasSubstr("command \"/bin/deepnex-no-such-command\" is not an executable "
                                  "file in image host (/usr/bin/deepnex-no-such-command: No "
                                  "such file or directory)")));
-  spec.command = {"/etc/passwd/x"};
+  // The host's /etc shows only what programs need, ld.so.cache among it.
+  spec.command = {"/etc/ld.so.cache/x"};
   EXPECT_THAT(backend_->Check(spec),
-              StatusIs(absl::StatusCode::kNotFound, HasSubstr("/etc/passwd: Not a directory")));
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstr("/etc/ld.so.cache: Not a directory")));
   // A directory or a file without x bits is not a command.
   spec.command = {"/bin"};
   EXPECT_THAT(backend_->Check(spec), StatusIs(absl::StatusCode::kNotFound));
-  spec.command = {"/etc/passwd"};
+  spec.command = {"/etc/ld.so.cache"};
   struct stat st;
-  ASSERT_EQ(stat("/etc/passwd", &st), 0);
+  ASSERT_EQ(stat("/etc/ld.so.cache", &st), 0);
   ASSERT_EQ(st.st_mode & 0111, 0u);
   EXPECT_THAT(backend_->Check(spec), StatusIs(absl::StatusCode::kNotFound));
   // The runtime's /tmp is an empty tmpfs whatever the host's holds.
@@ -666,7 +679,10 @@ echo "{\"imageLayoutVersion\":\"1.0.0\"}" > $L/oci-layout)");
   spec.env["PATH"] = "/bin";
   auto [exit, logs] = RunToEnd(spec);
   EXPECT_TRUE(exit.ok()) << exit.ToString() << " " << logs;
-  EXPECT_EQ(logs, "/etc:\nnew\n\n/var/cache:\ny\nnew\n");
+  // The image's /etc under the generated files.
+  EXPECT_EQ(logs,
+            "/etc:\ngroup\nhostname\nhosts\nnew\nnsswitch.conf\npasswd\nresolv.conf\n\n"
+            "/var/cache:\ny\nnew\n");
   // Unpacked once, under the state dir, keyed by the manifest digest.
   int unpacked = 0;
   for (const auto& e : fs::directory_iterator(options_.state_dir + "/oci/images")) {
@@ -676,6 +692,195 @@ echo "{\"imageLayoutVersion\":\"1.0.0\"}" > $L/oci-layout)");
   EXPECT_EQ(unpacked, 1);
   spec.command = {"python3"};
   EXPECT_THAT(backend_->Check(spec), StatusIs(absl::StatusCode::kNotFound));
+}
+
+// --- The bundle as a pure function: no root, no runc.
+
+ContainerSpec ConfigSpec() {
+  ContainerSpec spec;
+  spec.name = "alice.w0";
+  spec.command = {"true"};
+  spec.run_as = RunAs{4242, 4343, "alice", "/home/alice"};
+  return spec;
+}
+
+Bundle ConfigBundle() {
+  Bundle b;
+  b.cgroup_path = "deepnex/r0";
+  b.etc_dir = "/state/run-0/etc";
+  b.uid = 4242;
+  b.gid = 4343;
+  return b;
+}
+
+RunContext ConfigContext() {
+  RunContext c;
+  c.run_name = "r0";
+  c.labels = {{"deepnex.name", "alice.w0"}};
+  return c;
+}
+
+// "source>destination" of each bind in `mounts`.
+std::vector<std::string> Binds(const json& mounts) {
+  std::vector<std::string> binds;
+  for (const json& m : mounts) {
+    if (m["type"] == "bind") {
+      binds.push_back(m["source"].get<std::string>() + ">" + m["destination"].get<std::string>());
+    }
+  }
+  return binds;
+}
+
+TEST(OciConfig, TheUserWithoutCapabilitiesPrivateNetworkAndDefaultPidsLimit) {
+  const Image image{"/images/base", false, {}};
+  const json config = MakeConfig(image, ConfigSpec(), ConfigContext(), ConfigBundle());
+  EXPECT_EQ(config["process"]["user"], json({{"uid", 4242}, {"gid", 4343}}));
+  EXPECT_EQ(config["process"]["capabilities"],
+            json({{"bounding", json::array()},
+                  {"effective", json::array()},
+                  {"permitted", json::array()}}));
+  EXPECT_TRUE(config["process"]["noNewPrivileges"].get<bool>());
+  EXPECT_EQ(config["process"]["env"],
+            json({"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                  "HOME=/home/alice"}));
+  EXPECT_EQ(config["linux"]["namespaces"].dump(),
+            R"([{"type":"pid"},{"type":"mount"},{"type":"uts"},{"type":"ipc"},{"type":"network"}])");
+  EXPECT_EQ(config["linux"]["resources"]["pids"], json({{"limit", 4096}}));
+  EXPECT_EQ(config["root"], json({{"path", "/images/base"}, {"readonly", true}}));
+  // The generated files, read-only, over the image's /etc.
+  EXPECT_EQ(Binds(config["mounts"]),
+            (std::vector<std::string>{"/state/run-0/etc/passwd>/etc/passwd",
+                                      "/state/run-0/etc/group>/etc/group",
+                                      "/state/run-0/etc/hosts>/etc/hosts",
+                                      "/state/run-0/etc/hostname>/etc/hostname",
+                                      "/state/run-0/etc/resolv.conf>/etc/resolv.conf",
+                                      "/state/run-0/etc/nsswitch.conf>/etc/nsswitch.conf"}));
+  EXPECT_EQ(config["mounts"].back()["options"], json({"rbind", "nosuid", "nodev", "ro"}));
+
+  ContainerSpec spec = ConfigSpec();
+  spec.host_network = true;
+  spec.pids_limit = 10;
+  const json shared = MakeConfig(image, spec, ConfigContext(), ConfigBundle());
+  EXPECT_EQ(shared["linux"]["namespaces"].dump(),
+            R"([{"type":"pid"},{"type":"mount"},{"type":"uts"},{"type":"ipc"}])");
+  EXPECT_EQ(shared["linux"]["resources"]["pids"], json({{"limit", 10}}));
+}
+
+TEST(OciConfig, RootKeepsRuncsDefaultCapabilities) {
+  ContainerSpec spec = ConfigSpec();
+  spec.run_as.reset();
+  Bundle bundle = ConfigBundle();
+  bundle.uid = bundle.gid = 0;
+  const json config = MakeConfig(Image{"/images/base", false, {}}, spec, ConfigContext(), bundle);
+  const json caps = {"CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"};
+  EXPECT_EQ(config["process"]["capabilities"],
+            json({{"bounding", caps}, {"effective", caps}, {"permitted", caps}}));
+  EXPECT_EQ(config["process"]["user"], json({{"uid", 0}, {"gid", 0}}));
+}
+
+// The host image shows the host's /usr and /opt, and of its /etc only its
+// EtcEntries; while a spec is only checked there are no generated files.
+TEST(OciConfig, HostImageShowsOnlyItsEtcEntries) {
+  const Image image{"/state/oci/host", true, {{"ssl", "/etc/ssl"}}};
+  Bundle bundle = ConfigBundle();
+  bundle.etc_dir.clear();
+  std::vector<std::string> want;
+  for (const char* dir : {"/usr", "/opt"}) {
+    if (fs::is_directory(dir)) want.push_back(std::string(dir) + ">" + dir);
+  }
+  want.push_back("/etc/ssl>/etc/ssl");
+  EXPECT_EQ(Binds(Mounts(image, ConfigSpec(), bundle)), want);
+}
+
+TEST(OciConfig, GeneratedEtcNamesTheUserAndTheHost) {
+  ContainerSpec spec = ConfigSpec();
+  std::map<std::string, std::string> files =
+      EtcFiles(spec, ConfigBundle(), "nameserver 10.0.0.1\n");
+  EXPECT_EQ(files, (std::map<std::string, std::string>{
+                       {"passwd",
+                        "root:x:0:0:root:/root:/bin/sh\n"
+                        "alice:x:4242:4343:alice:/home/alice:/bin/sh\n"
+                        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"},
+                       {"group", "root:x:0:\nalice:x:4343:\nnogroup:x:65534:\n"},
+                       {"hosts",
+                        "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+                        "127.0.1.1\talice.w0\n"},
+                       {"hostname", "alice.w0\n"},
+                       {"resolv.conf", ""},
+                       {"nsswitch.conf",
+                        "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\n"}}));
+  // With the host network, the host's DNS servers are reachable.
+  spec.host_network = true;
+  EXPECT_EQ(EtcFiles(spec, ConfigBundle(), "nameserver 10.0.0.1\n")["resolv.conf"],
+            "nameserver 10.0.0.1\n");
+  // Without a name: "user"; mapped to nobody, the user takes nobody's line.
+  spec.run_as->user.clear();
+  EXPECT_THAT(EtcFiles(spec, ConfigBundle(), "")["passwd"],
+              HasSubstr("\nuser:x:4242:4343:user:/home/alice:/bin/sh\n"));
+  Bundle nobody = ConfigBundle();
+  nobody.uid = nobody.gid = 65534;
+  spec.run_as->user = "alice";
+  files = EtcFiles(spec, nobody, "");
+  EXPECT_EQ(files["passwd"],
+            "root:x:0:0:root:/root:/bin/sh\nalice:x:65534:65534:alice:/home/alice:/bin/sh\n");
+  EXPECT_EQ(files["group"], "root:x:0:\nalice:x:65534:\n");
+}
+
+// --- What a container's process can reach (root and runc).
+
+TEST_F(OciTest, RunsAsTheGivenUserWithNoCapabilities) {
+  ContainerSpec spec = Spec(
+      "as", {"sh", "-c",
+             "id -u; id -g; id -un; echo $HOME; grep -E '^Cap(Prm|Eff|Bnd)' /proc/self/status; "
+             "python3 -c \"import socket; socket.socket().bind(('127.0.0.1', 999))\" "
+             "2>/dev/null || echo no-port-999"});
+  EXPECT_EQ(OutputAs(spec, RunAs{4242, 4242, "alice", "/home/alice"}),
+            "4242\n4242\nalice\n/home/alice\nCapPrm:\t0000000000000000\n"
+            "CapEff:\t0000000000000000\nCapBnd:\t0000000000000000\nno-port-999\n");
+}
+
+// The host image's /etc is generated: no host users, no shadow, yet the
+// host's programs run.
+TEST_F(OciTest, NoHostEtc) {
+  ContainerSpec spec = Spec(
+      "etc", {"sh", "-c",
+              "cat /etc/shadow 2>/dev/null || echo no-shadow; "
+              "ls /etc/gshadow /etc/sudoers /etc/ssh 2>/dev/null | wc -l; cat /etc/passwd; "
+              "python3 -c \"print('python-runs')\""});
+  EXPECT_EQ(OutputAs(spec, RunAs{4242, 4242, "alice", ""}),
+            "no-shadow\n0\nroot:x:0:0:root:/root:/bin/sh\nalice:x:4242:4242:alice:/:/bin/sh\n"
+            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\npython-runs\n");
+}
+
+// A private network by default: its own loopback works, a port on the
+// host's loopback is out of reach; the host network reaches it.
+TEST_F(OciTest, PrivateNetworkReachesNoHostPort) {
+  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  struct sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(listener, 16), 0);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string script = absl::StrCat(
+      "import socket\n"
+      "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+      "socket.create_connection(s.getsockname(), timeout=5).close(); print('own-loopback')\n"
+      "try:\n"
+      "    socket.create_connection(('127.0.0.1', ", ntohs(addr.sin_port), "), timeout=5)\n"
+      "    print('host-port')\n"
+      "except OSError:\n"
+      "    print('no-host-port')\n");
+  for (bool host : {false, true}) {
+    ContainerSpec spec = Spec(host ? "shared" : "private", {"python3", "-c", script});
+    spec.run_as = RunAs{4242, 4242, "", ""};
+    spec.host_network = host;
+    EXPECT_EQ(RunToEnd(spec).second, host ? "own-loopback\nhost-port\n"
+                                          : "own-loopback\nno-host-port\n");
+  }
+  close(listener);
 }
 
 }  // namespace
