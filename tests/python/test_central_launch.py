@@ -264,7 +264,7 @@ def test_oci_with_a_relative_state_dir_mounts_and_a_quick_stop(tmp_path):
         assert time.monotonic() - t0 < 5
         assert (stopped["state"], stopped["last_exit"]) == ("stopped", "exited(0)")
         # As the user's uid, with a generated /etc: the host's shadow is not there.
-        c = alice.allocate(gpu.Request(user="", gpus=1))
+        c = alice.allocate(grant())
         alice.start_container(launch.ContainerSpec(
             name="who", command=["sh", "-c", "id -u; cat /etc/shadow 2>/dev/null || echo no-shadow; "
                                              "grep alice /etc/passwd"]), c)
@@ -400,7 +400,7 @@ def test_a_users_process_runs_as_their_uid_and_reads_nothing_of_centrals(tmp_pat
         # Even where every directory on the way is open, the files are not.
         state = tmp_path / "launch"
         alice, _ = clients(address)
-        a = alice.allocate(gpu.Request(user="", gpus=1))
+        a = alice.allocate(grant())
         alice.start_container(launch.ContainerSpec(
             name="who", command=["sh", "-c", f"id -u; id -G; cat {tokens} 2>/dev/null || echo no-token; "
                                              f"ls {state} 2>/dev/null || echo no-state; "
@@ -418,7 +418,7 @@ def test_a_user_without_a_uid_can_allocate_but_not_start(tmp_path):
     proc, address = start_central(tmp_path, users=("alice",))
     try:
         _, bob = clients(address)
-        b = bob.allocate(gpu.Request(user="", gpus=1))
+        b = bob.allocate(grant())
         with pytest.raises(deepnex.PermissionDeniedError) as e:
             bob.start_container(launch.ContainerSpec(name="w0", command=["true"]), b)
         assert str(e.value) == ("user bob has no uid on this deepnex-central (its --user or "
@@ -436,8 +436,8 @@ def test_users_file_maps_users_and_root_is_refused(tmp_path, open_dir):
     try:
         alice, bob = clients(address)
         for name, client in (("a", alice), ("b", bob)):
-            grant = client.allocate(gpu.Request(user="", gpus=1))
-            client.start_container(launch.ContainerSpec(name=name, command=["id", "-u"]), grant)
+            a = client.allocate(grant())
+            client.start_container(launch.ContainerSpec(name=name, command=["id", "-u"]), a)
             await_container(client, name, lambda c: c["allocation_released"])
             assert client.container_logs(name) == f"{uid}\n"
     finally:
@@ -467,14 +467,14 @@ def test_images_only_from_the_catalog_and_host_network_only_where_allowed(tmp_pa
                                   "--allow-host-network", "alice")
     try:
         alice, bob = clients(address)
-        a = alice.allocate(gpu.Request(user="", gpus=1))
+        a = alice.allocate(grant())
         for image in (str(rootfs), "/", "other"):
             with pytest.raises(deepnex.PermissionDeniedError) as e:
                 alice.start_container(launch.ContainerSpec(name="i", command=["true"],
                                                            image=image), a)
             assert str(e.value) == (f'spec.image: "{image}" is not one of this '
                                     f"deepnex-central's images [base] (its --image)")
-        b = bob.allocate(gpu.Request(user="", gpus=1))
+        b = bob.allocate(grant())
         with pytest.raises(deepnex.PermissionDeniedError) as e:
             bob.start_container(launch.ContainerSpec(name="n", command=["true"],
                                                      host_network=True), b)
