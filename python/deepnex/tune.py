@@ -268,7 +268,7 @@ class _Sampler:
                                        f'{", ".join(SEARCHES)}')
         if num_samples < 1:
             raise InvalidArgumentError(f"num_samples: {num_samples} must be at least 1")
-        self.search = search
+        self.search, self.label = search, f"search {search}"
         if search == "grid":
             space = dict(space)
             for k, v in space.items():
@@ -1247,8 +1247,8 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
         journal = _tune_journal.Journal(path)
         journal.append({**head, "note": note or {}})
     if said:
-        journal_note = "" if search == "tpe" else " (Optuna is not importable)"
-        print(f"tune: search {search}{journal_note}", file=out, flush=True)
+        sampler.label += (" (the default)" if search == "tpe"
+                          else " (the default: Optuna is not importable)")
     status = _Status(trials, metric, out)
     signals = _Signals()
     state = None
@@ -1417,7 +1417,7 @@ def _run_trials(search, trials, max_concurrent, signals):
     done = len(trials) - len(again)
     resumed = f" ({done} finished before, {len(again)} to run again)" if trials else ""
     search.status.say(f"tune: {search.sampler.total} trials{resumed}, {at_once}, metric "
-                      f"{search.metric} ({search.mode})")
+                      f"{search.metric} ({search.mode}), {search.sampler.label}")
     slots = threading.Semaphore(max_concurrent or max(1, search.sampler.total))
     threads = []
 

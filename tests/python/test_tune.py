@@ -407,7 +407,8 @@ def test_interrupt_stops_the_search_cleanly(tmp_path, how, code):
     env = dict(os.environ, DEEPNEX_RUN_DIR=str(run_dir))
     argv = [sys.executable, "-m", "deepnex", "tune", "--space", "x=grid([1.0, 2.0, 3.0, 4.0])",
             "--space", f"marks={str(marks)!r}", "--samples", "1", "--metric", "score",
-            "--max-concurrent", "2", "--out", str(out), "--", sys.executable, str(script)]
+            "--no-asha", "--max-concurrent", "2", "--out", str(out), "--", sys.executable,
+            str(script)]
     p, master, chunks = _spawn_on_a_terminal(argv, env)
     try:
         _wait_for(lambda: (marks / "reported-1").exists() and (marks / "reported-2").exists()
@@ -532,6 +533,11 @@ REPORTS_200 = textwrap.dedent("""
 """)
 
 
+# How a search that was given no search method says which it uses.
+_DEFAULT_SEARCH = ("search tpe (the default)" if tune.default_search() == "tpe"
+                   else "search random (the default: Optuna is not importable)")
+
+
 def test_status_off_a_terminal_is_a_line_per_state_change(tmp_path):
     script = tmp_path / "reports.py"
     script.write_text(REPORTS_200)
@@ -539,7 +545,7 @@ def test_status_off_a_terminal_is_a_line_per_state_change(tmp_path):
     tune.run([sys.executable, str(script)], {"x": 1.0}, metric="score",
              out_dir=str(tmp_path), runner=tune.subprocess_runner, out=out)
     assert out.getvalue().splitlines() == [
-        "tune: 1 trials, up to capacity, metric score (max)",
+        f"tune: 1 trials, {os.cpu_count()} at a time, metric score (max), {_DEFAULT_SEARCH}",
         "trial 0 running: x=1",
         "trial 0 completed at step 200: score=200",
         "",
@@ -576,7 +582,8 @@ def test_status_on_a_terminal_is_a_table_redrawn_in_place(tmp_path):
              out_dir=str(tmp_path / "out"), runner=tune.subprocess_runner, out=out)
     text = out.getvalue()
     assert flag.exists()
-    assert text.startswith("tune: 1 trials, up to capacity, metric score (max)\n"
+    assert text.startswith(f"tune: 1 trials, {os.cpu_count()} at a time, metric score (max), "
+                           f"{_DEFAULT_SEARCH}\n"
                            "tune: 1 running\ntrial  state    step  score  parameters\n"
                            "0      running  ")
     # Each redraw and the end take the table off the screen (cursor up to its
@@ -628,7 +635,7 @@ def test_report_fails_within_5s_once_the_search_is_gone(tmp_path):
 
     # The search goes while the trial waits for the answer to a report.
     p = start()
-    client = StoreClient(store.address, prefix="tune/0")
+    client = StoreClient(store.address, prefix="tune/0/0")   # trial 0, attempt 0
     for k in range(3):
         record = json.loads(client.get(f"report/{k}", timeout=60))
         client.set(f"decision/{record['step']}", "continue")
@@ -660,7 +667,7 @@ def test_report_outside_a_search_is_a_no_op(monkeypatch):
 def test_cli_parses_a_search(tmp_path, trial_script):
     from deepnex.__main__ import main
     code = main(["tune", "--space", "x=grid([1.0, 2.0])", "--samples", "1", "--metric", "score",
-                 "--out", str(tmp_path / "cli"), "--", *trial_script])
+                 "--no-asha", "--out", str(tmp_path / "cli"), "--", *trial_script])
     assert code == 0
     with open(tmp_path / "cli" / "results.csv") as f:
         assert [r["status"] for r in csv.DictReader(f)] == ["completed", "completed"]
