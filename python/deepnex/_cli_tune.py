@@ -47,8 +47,8 @@ def _modes(args):
     return mode or "allreduce", direction or "max"
 
 
-# The options a resumed search takes from the command line rather than from
-# the search it continues.
+# The options a resumed search may take from its command line (where given)
+# rather than from the search it continues.
 _RESUME_OWN = ("resume", "retries", "max_concurrent", "func")
 
 
@@ -91,7 +91,7 @@ def _tune_or_raise(args):
         if recorded is None:
             raise SystemExit(f"deepnex tune: --resume {args.resume}: the search there was "
                              "not started by deepnex tune (resume it with tune.run)")
-        own = {k: v for k, v in vars(args).items() if k in _RESUME_OWN}
+        own = {k: v for k, v in vars(args).items() if k in _RESUME_OWN and v is not None}
         args = argparse.Namespace(**{**recorded, **own, "out": args.resume})
         command = [w for w in args.command[args.command[:1] == ["--"]:]]
     if not command:
@@ -124,9 +124,9 @@ def _tune_or_raise(args):
                            num_samples=args.samples, scheduler=scheduler,
                            max_concurrent=args.max_concurrent, seed=args.seed,
                            out_dir=args.out, runner=runner, search=args.search,
-                           retries=args.retries, resume=bool(args.resume),
+                           retries=args.retries or 0, resume=bool(args.resume),
                            note={"cli": {k: v for k, v in vars(args).items()
-                                         if k not in _RESUME_OWN}})
+                                         if k not in ("resume", "func")}})
     except tune.Interrupted as e:
         # The search has said what finished and where the results are.
         return e.exit_code
@@ -188,7 +188,7 @@ def add_commands(commands):
     p.add_argument("--min-t", type=int, default=1, help="ASHA's first rung (default 1)")
     p.add_argument("--max-t", type=int, default=None,
                    help="ASHA's budget in steps (default: the command's --epochs, else 100)")
-    p.add_argument("--retries", type=int, default=0,
+    p.add_argument("--retries", type=int, default=None,
                    help="run a failed trial again up to this many times (default 0)")
     p.add_argument("--resume", default=None, metavar="OUT",
                    help="continue the search in OUT: finished trials are kept, running "

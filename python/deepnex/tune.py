@@ -1028,8 +1028,8 @@ class _Search:
             failed = trial.status.startswith("failed (exit") and not trial.results
             self.early_failures[trial.id] = trial.exit_code if failed else None
             codes = set(self.early_failures.values())
-            if len(self.early_failures) < min(_EARLY, self.sampler.total) or codes != {
-                    trial.exit_code} or trial.exit_code is None:
+            if (len(self.early_failures) < _EARLY or codes != {trial.exit_code}
+                    or trial.exit_code is None):
                 return
         self.interrupt(message=(
             f"the first {len(self.early_failures)} trials all failed with exit code "
