@@ -544,9 +544,9 @@ class Results:
 
     @property
     def best(self):
-        """The finished trial whose last reported metric is best (None if
-        none reported)."""
-        scored = [t for t in self.trials if t.finished and not t.nonfinite
+        """The completed or stopped trial whose last reported metric is
+        best (None if none reported): never a failed one."""
+        scored = [t for t in self.trials if t.status in ("completed", "stopped")
                   and _finite(t.last.get(self.metric))]
         if not scored:
             return None
@@ -958,7 +958,7 @@ class _Status:
 
 class _Search:
     def __init__(self, command, metric, mode, scheduler, runner, env, out_dir, stop_grace,
-                 status, sampler, journal, retries):
+                 status, sampler, journal, retries, warm):
         from .collective import Store
         self.command, self.metric, self.mode = list(command), metric, mode
         self.scheduler, self.runner = scheduler, runner or job_runner()
@@ -972,6 +972,12 @@ class _Search:
         self.aborted = None       # why a check ended the search early
         self.reported = False     # whether any trial has reported yet
         self.early_failures = {}  # trial id (< _EARLY) -> exit code, for start-up failures
+        self.warm = _Warm(self.command, env, out_dir) if warm else None
+
+    def close(self):
+        self.store.stop()
+        if self.warm is not None:
+            self.warm.close()
 
     @property
     def stopping(self):
@@ -1049,8 +1055,10 @@ class _Search:
         if self.stopping:
             trial.status = "not started"
             return
-        handle = self.runner(trial.id, self.command + _config_args(trial.config), env,
-                             trial.log_path)
+        argv = self.command + _config_args(trial.config)
+        if self.warm is not None:
+            argv = self.warm.wrap(argv)
+        handle = self.runner(trial.id, argv, env, trial.log_path)
         with self.lock:
             self.running[trial.id] = handle
         trial.status, trial.results, trial.nonfinite = "running", [], False
@@ -1154,6 +1162,50 @@ def _tail(path, n):
     return lines[-n:]
 
 
+def _warm_wanted(command, warm):
+    """Whether trials start warm: a `python script.py` command, unless
+    warm is False (InvalidArgumentError when True for another command)."""
+    fits = (len(command) >= 2 and os.path.basename(command[0]).startswith("python")
+            and command[1].endswith(".py") and os.path.isfile(command[1]))
+    if warm and not fits:
+        raise InvalidArgumentError(f"warm: the command {command[:2]} is not python SCRIPT.py, "
+                                   "which warm trials need")
+    return fits if warm is None else bool(warm)
+
+
+class _Warm:
+    """The search's warm worker (deepnex/_tune_warm.py serve), started at
+    once so that it imports while the first trials start; trials that come
+    before it is ready wait for it."""
+
+    def __init__(self, command, env, out_dir):
+        import tempfile
+        from . import _tune_warm
+        self._dir = tempfile.mkdtemp(prefix="deepnex-tune-")
+        self.socket = os.path.join(self._dir, "warm.sock")
+        self._script = _tune_warm.__file__
+        self._python = command[0]
+        with open(os.path.join(out_dir, "warm.log"), "w") as log:
+            self._p = subprocess.Popen(
+                [self._python, self._script, "serve", self.socket, command[1]],
+                env={**os.environ, **(env or {})}, stdin=subprocess.PIPE, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wrap(self, argv):
+        """The command that runs argv through the warm worker."""
+        return [self._python, self._script, "run", self.socket] + argv
+
+    def close(self):
+        """Ends the warm worker (closing its stdin: it kills what it still runs)."""
+        self._p.stdin.close()
+        try:
+            self._p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._p.kill()
+            self._p.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
 class _Signals:
     """SIGINT and SIGTERM, while a search runs in the main thread: the
     handler only notes the signal (it runs between two bytecodes of the main
@@ -1177,7 +1229,8 @@ class _Signals:
 
 def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=None,
         max_concurrent=None, seed=0, out_dir="tune-results", runner=None, env=None,
-        stop_grace=30.0, out=None, search=None, retries=0, resume=False, note=None):
+        stop_grace=30.0, out=None, search=None, retries=0, resume=False, note=None,
+        warm=None):
     """Runs the search and returns its Results; shows the trials' status
     while they run (see the module's doc), then prints a summary (at most
     20 lines) and the best configuration, and writes <out_dir>/results.csv,
@@ -1203,6 +1256,12 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
     are retried while retries allow; no trial runs twice to its end.
     note: JSON data kept in the journal with the search (load(...).note);
     deepnex tune keeps its flags there for --resume.
+
+    warm: start trials warm (see _tune_warm): a warm worker imports what the
+    script imports once, and each trial's process is forked from it rather
+    than a fresh interpreter's (its environment, working directory, exit
+    code and log as a cold trial's). None: warm when the command is
+    ``python SCRIPT.py ...``; False: every trial a fresh interpreter.
 
     Checks: the search stops (FailedPreconditionError) when the first
     report lacks `metric`, or when the first 3 trials fail the same way
@@ -1255,12 +1314,13 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
     try:
         try:
             state = _Search(command, metric, mode, scheduler, runner, env, out_dir,
-                            stop_grace, status, sampler, journal, retries)
+                            stop_grace, status, sampler, journal, retries,
+                            _warm_wanted(command, warm))
             _run_trials(state, trials, max_concurrent, signals)
         finally:
             journal.close()
             if state is not None:
-                state.store.stop()
+                state.close()
             status.close()
         trials.sort(key=lambda t: t.id)
         trials += [Trial(i, {}, "not started") for i in range(len(trials), sampler.total)]
