@@ -125,6 +125,7 @@ def _tune_or_raise(args):
                            max_concurrent=args.max_concurrent, seed=args.seed,
                            out_dir=args.out, runner=runner, search=args.search,
                            retries=args.retries or 0, resume=bool(args.resume),
+                           warm=False if args.cold else None,
                            note={"cli": {k: v for k, v in vars(args).items()
                                          if k not in ("resume", "func")}})
     except tune.Interrupted as e:
@@ -171,6 +172,10 @@ def add_commands(commands):
                    help="bearer token for --central (default $DEEPNEX_TOKEN)")
     p.add_argument("--token-file", default=None, metavar="FILE",
                    help="read the token for --central from FILE instead")
+    p.add_argument("--cold", action="store_true",
+                   help="start each trial in a fresh interpreter (default for a python "
+                        "SCRIPT.py command: forked from a warm worker that has imported what "
+                        "the script imports)")
     p.add_argument("--plain", action="store_true",
                    help="run each trial as one plain process, not as a job")
     p.add_argument("--search", choices=("random", "grid", "tpe", "cmaes"), default=None,

@@ -1279,6 +1279,7 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
         raise InvalidArgumentError(f"max_concurrent: {max_concurrent} must be at least 1")
     if retries < 0:
         raise InvalidArgumentError(f"retries: {retries} must be at least 0")
+    warm = _warm_wanted(command, warm)
     if max_concurrent is None and runner is subprocess_runner:
         max_concurrent = os.cpu_count() or 1
     out = out or sys.stdout
@@ -1314,8 +1315,7 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
     try:
         try:
             state = _Search(command, metric, mode, scheduler, runner, env, out_dir,
-                            stop_grace, status, sampler, journal, retries,
-                            _warm_wanted(command, warm))
+                            stop_grace, status, sampler, journal, retries, warm)
             _run_trials(state, trials, max_concurrent, signals)
         finally:
             journal.close()

@@ -1116,3 +1116,75 @@ def test_show_load_and_plot_a_search(trial_script, tmp_path, capsys):
     assert main(["tune", "plot", str(out)]) == 0
     png = (out / "tune.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10000
+
+
+# ---- warm trials
+
+SHOWS = textwrap.dedent("""
+    import json, os, sys
+    from deepnex import tune
+    ap_x = float(sys.argv[sys.argv.index("--x") + 1])
+    env = {k: v for k, v in os.environ.items() if k.startswith(("DEEPNEX_TUNE", "SHOWN_"))}
+    print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": env}))
+    print("to stderr", file=sys.stderr, flush=True)
+    if ap_x == 2:
+        os.abort()     # dies of SIGABRT
+    tune.report(step=1, score=ap_x)
+    sys.exit(int(ap_x) % 2 * 5)   # x=1: exit 5, x=3: exit 5, x=4: exit 0
+""")
+
+
+def _shown_run(tmp_path, name, warm):
+    script = tmp_path / "shows.py"
+    script.write_text(SHOWS)
+    results = tune.run([sys.executable, str(script)], {"x": tune.grid([1.0, 2.0, 3.0, 4.0])},
+                       metric="score", max_concurrent=1, search="random", warm=warm,
+                       env={"SHOWN_VAR": "v"},
+                       out_dir=str(tmp_path / name), runner=tune.subprocess_runner,
+                       out=io.StringIO())
+    logs = []
+    for t in results.trials:
+        lines = open(t.log_path).read().splitlines()
+        shown = json.loads(lines[0])
+        shown["env"]["DEEPNEX_TUNE_STORE"] = "-"   # each search has its own
+        shown["env"]["DEEPNEX_TUNE_CHECKPOINT_DIR"] = os.path.relpath(
+            shown["env"]["DEEPNEX_TUNE_CHECKPOINT_DIR"], tmp_path / name)
+        logs.append((t.status, t.exit_code, shown, lines[1:]))
+    return logs
+
+
+def test_warm_trials_match_cold_ones_and_a_crash_spares_the_next(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cold = _shown_run(tmp_path, "cold", warm=False)
+    warm = _shown_run(tmp_path, "warm", warm=True)
+    assert warm == cold
+    assert [(status, code) for status, code, _, _ in warm] == [
+        ("failed (exit 5)", 5), (f"failed (exit {-signal.SIGABRT})", -signal.SIGABRT),
+        ("failed (exit 5)", 5), ("completed", 0)]
+    assert warm[3][2]["cwd"] == str(tmp_path)
+    assert warm[3][2]["env"]["SHOWN_VAR"] == "v"
+    assert warm[3][3] == ["to stderr"]
+    # Warm: each trial forked from the worker, which imported what shows.py imports.
+    assert (tmp_path / "warm" / "warm.log").read_text().startswith("warm: ready (")
+    assert not (tmp_path / "cold" / "warm.log").exists()
+
+
+def test_a_warm_trial_is_stopped_through_its_stand_in(tmp_path):
+    """kill() signals the trial's stand-in process, which passes the signal
+    on to the forked trial: ASHA's stop and a Ctrl-C reach it."""
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    results = tune.run([sys.executable, str(script)], {"x": 1.0}, metric="score",
+                       stop_grace=1.0, scheduler=StopAll(), out_dir=str(tmp_path),
+                       runner=tune.subprocess_runner, out=io.StringIO())
+    trial = results.trials[0]
+    assert (trial.status, trial.exit_code) == ("stopped", -signal.SIGTERM)
+    assert (tmp_path / "warm.log").exists()
+    _wait_for(lambda: _processes_running(str(script)) == [], "the trial to end", timeout=15)
+
+
+def test_warm_needs_a_python_script():
+    with pytest.raises(InvalidArgumentError) as info:
+        tune.run(["true"], {"x": 1}, warm=True, out=io.StringIO())
+    assert str(info.value) == ("warm: the command ['true'] is not python SCRIPT.py, which "
+                               "warm trials need")
