@@ -16,6 +16,7 @@ naming the file and the line's byte offset.
 import json
 import os
 import threading
+import time
 
 from .errors import DataLossError
 
@@ -60,6 +61,8 @@ class Journal:
             self._file.seek(keep)
 
     def append(self, record):
+        # "time": when it happened, for show and for timing a search.
+        record = {**record, "time": round(time.time(), 3)}
         line = json.dumps(record, separators=(",", ":")).encode() + b"\n"
         with self._lock:
             if self._file.closed:

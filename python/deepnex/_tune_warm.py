@@ -147,12 +147,22 @@ def serve(path, script):
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(128)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    for name in _imports(script):
+    here = os.path.dirname(os.path.abspath(script))
+    sys.path.insert(0, here)
+    # The script's imports, and those of its own modules beside it (which
+    # may import torch or sklearn only inside a function).
+    names, scanned = _imports(script), {script}
+    while names:
+        name = names.pop(0)
         try:
-            importlib.import_module(name)
+            module = importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - the trial will say it, cold or warm
             print(f"warm: import {name}: {type(e).__name__}: {e}", flush=True)
+            continue
+        path = getattr(module, "__file__", None) or ""
+        if os.path.dirname(os.path.abspath(path)) == here and path not in scanned:
+            scanned.add(path)
+            names += [n for n in _imports(path) if n not in sys.modules]
     threads = _threads()
     unsafe = (f"the warm worker has {threads} threads after importing what {script} "
               "imports; forking it could copy a lock held by another thread"
@@ -269,6 +279,10 @@ def _child(request, fds, sockets):
 
 
 if __name__ == "__main__":
+    # Run as a file, this module's directory (the deepnex package) comes
+    # first on sys.path, where its torch.py would shadow torch.
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        del sys.path[0]
     if len(sys.argv) >= 4 and sys.argv[1] == "serve":
         serve(sys.argv[2], sys.argv[3])
     elif len(sys.argv) >= 4 and sys.argv[1] == "run":

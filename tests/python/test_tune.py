@@ -982,7 +982,10 @@ def test_journal_drops_a_torn_tail_and_names_the_offset_of_damage(tmp_path):
     journal = _tune_journal.Journal(str(path), keep=keep)
     journal.append({"event": "start", "trial": 0})
     journal.close()
-    assert path.read_bytes().endswith(b'"trial":0}\n{"event":"start","trial":0}\n')
+    lines = path.read_bytes().split(b"\n")
+    assert lines[1:3] == [b'{"event":"trial","trial":0}', b'{"event":"start","trial":0,"time":'
+                          + lines[2].split(b'"time":')[1]]
+    assert lines[3:] == [b""]
     path.write_bytes(b'{"event":"search"}\n{"event":tri\n{"event":"end"}\n')
     with pytest.raises(DataLossError) as info:
         _tune_journal.read(str(path))
