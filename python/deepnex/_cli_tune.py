@@ -1,7 +1,7 @@
 """``deepnex tune``: hyperparameter search from the command line.
 
     deepnex tune --space 'lr=loguniform(0.01, 0.5)' --space 'hidden=choice([32, 64, 128])' \\
-        --samples 8 --asha --max-t 12 --out tune-digits \\
+        --samples 8 --out tune-digits \\
         -- python3 examples/digits/mlp_numpy.py --epochs 12
 
 Each trial runs the command with its configuration appended as --name value,
@@ -13,10 +13,20 @@ configuration's lr, momentum and optimizer also go to the servers. --plain
 runs each trial as one plain process instead. --metric is maximized, or
 minimized with --direction min.
 
+Configurations come from --search (tpe by default where Optuna is
+installed); ASHA stops poor trials (on by default, --max-t from the
+command's --epochs). A python SCRIPT.py command runs warm (--cold: fresh
+interpreters).
+
 While trials run, a status table is redrawn in place on a terminal (a line
 per trial start and end otherwise). Ctrl-C or SIGTERM stops the running
 trials, writes results.csv and best.json for the finished ones and exits 130
-or 143. See deepnex.tune.
+or 143. The search is journalled under --out: --resume OUT continues it.
+
+    deepnex tune show OUT     the trials, the best and each one's reports
+    deepnex tune plot OUT     OUT/tune.png: history, curves, parallel coordinates
+
+See deepnex.tune.
 """
 
 import os

@@ -13,10 +13,23 @@ the best configuration::
     results.best.config
 
 Search spaces: ``uniform(a, b)``, ``loguniform(a, b)``, ``randint(a, b)``
-(a <= n < b), ``choice([...])`` are sampled (random search); ``grid([...])``
-dimensions are expanded into every combination (grid search); plain values
-are passed as they are. ``num_samples`` configurations are drawn for each
-grid point.
+(a <= n < b), ``choice([...])`` are sampled; ``grid([...])`` dimensions are
+expanded into every combination; plain values are passed as they are.
+``num_samples`` configurations are drawn for each grid point, by the search
+method (``search=``): "tpe" or "cmaes", Optuna's samplers (ask and tell:
+each new trial's configuration is proposed from the trials that ended
+before; deepnex still runs the trials and decides on stopping them),
+"random", or "grid" (choice() dimensions gridded too). The default is tpe
+where Optuna is importable, random otherwise. ``seed`` reproduces a random
+or grid search, and a tpe or cmaes one whose trials run one at a time.
+
+A search is journalled in <out_dir>/journal.jsonl (trials, their starts,
+reports and decisions, their ends; fsync'd per record): ``run(...,
+resume=True)`` or ``deepnex tune --resume OUT`` continues it after a crash
+or a kill, and ``load(out_dir)``, ``show`` and ``plot`` read it. The
+sampler's history is the trials' configurations and results, told to it
+again on a resume. Trials whose command is ``python SCRIPT.py`` start warm
+(``warm=``): forked from a worker that imported what the script imports.
 
 A trial gets its configuration as ``--name value`` arguments (underscores in
 names become dashes) and as JSON in $DEEPNEX_TUNE_CONFIG (``get_config()``).
@@ -48,7 +61,8 @@ parallel up to the machine's capacity::
 
     tune.run(cmd, space, runner=tune.job_runner(workers=2, mode="sync"))
 
-``subprocess_runner`` runs each trial as one plain child process.
+``subprocess_runner`` runs each trial as one plain child process (as many
+at once as there are cores, unless max_concurrent says otherwise).
 """
 
 import ast
