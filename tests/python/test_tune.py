@@ -353,7 +353,8 @@ def _processes_running(needle):
     return pids
 
 
-MARKED = textwrap.dedent("""
+# A stand-in trial's start: its --x, the directory of its --marks, its id.
+MARKS_PREAMBLE = textwrap.dedent("""
     import argparse, os, signal, time
     from deepnex import tune
     ap = argparse.ArgumentParser()
@@ -361,6 +362,9 @@ MARKED = textwrap.dedent("""
     ap.add_argument("--marks")
     args = ap.parse_args()
     trial = os.environ["DEEPNEX_TUNE_TRIAL"]
+""")
+
+MARKED = MARKS_PREAMBLE + textwrap.dedent("""
     if args.x >= 3:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # only SIGKILL ends it
     steps = 2 if args.x == 1 else 10 ** 6
@@ -965,6 +969,23 @@ def test_tpe_proposes_the_same_configurations_for_the_same_seed():
     assert sum(late) / len(late) < sum(early) / len(early)
 
 
+def test_cmaes_and_grid_searches():
+    pytest.importorskip("optuna")
+    pytest.importorskip("cmaes")
+    sampler = tune._Sampler({"lr": tune.loguniform(1e-3, 1.0), "n": tune.randint(1, 9)}, 12,
+                            0, "cmaes")
+    for i in range(12):
+        config = sampler.config(i)
+        assert 1e-3 <= config["lr"] <= 1.0 and 1 <= config["n"] <= 8, config
+        sampler.tell(tune.Trial(i, config, "completed", [{"step": 1, "s": config["lr"]}]),
+                     "s", 1)
+    grid = tune._Sampler({"a": tune.choice([1, 2]), "b": tune.grid(["x", "y"]), "c": 0}, 1, 0,
+                         "grid")
+    assert [grid.config(i) for i in range(grid.total)] == [
+        {"a": 1, "b": "x", "c": 0}, {"a": 1, "b": "y", "c": 0}, {"a": 2, "b": "x", "c": 0},
+        {"a": 2, "b": "y", "c": 0}]
+
+
 def test_search_must_be_known():
     with pytest.raises(InvalidArgumentError) as info:
         tune._Sampler({"x": 1}, 1, 0, "bayes")
@@ -992,14 +1013,7 @@ def test_journal_drops_a_torn_tail_and_names_the_offset_of_damage(tmp_path):
     assert str(info.value).startswith(f"{path}: byte offset 19: damaged record")
 
 
-COUNTED = textwrap.dedent("""
-    import argparse, os, time
-    from deepnex import tune
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--x", type=float)
-    ap.add_argument("--marks")
-    args = ap.parse_args()
-    trial = os.environ["DEEPNEX_TUNE_TRIAL"]
+COUNTED = MARKS_PREAMBLE + textwrap.dedent("""
     open(os.path.join(args.marks, f"started-{trial}"), "a").close()
     for step in range(1, 4):
         tune.report(step=step, score=args.x * step)
