@@ -69,24 +69,29 @@ def run(path, argv):
         reply, _ = _receive(sock)
     except OSError:
         reply = None
-    if not reply or "pid" not in reply:
+    if not reply or not ("pid" in reply or "exit" in reply):
         _cold(argv, reply)
-    pid = reply["pid"]
+    # The child may say its exit code before the worker says its pid.
+    while "exit" not in reply:
+        pid = reply["pid"]
 
-    def forward(signum, frame):
-        try:
-            os.killpg(pid, signum)
-        except ProcessLookupError:
-            pass
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, forward)
-    while True:
-        try:
-            reply, _ = _receive(sock)
-            break
-        except InterruptedError:
-            continue
-    code = reply["exit"] if reply else -signal.SIGKILL
+        def forward(signum, frame):
+            try:
+                os.killpg(pid, signum)
+            except ProcessLookupError:
+                pass
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
+                    signal.SIGUSR2):
+            signal.signal(sig, forward)
+        while True:
+            try:
+                reply, _ = _receive(sock)
+                break
+            except InterruptedError:
+                continue
+        if reply is None:
+            reply = {"exit": -signal.SIGKILL}
+    code = reply["exit"]
     if code < 0:
         # Die of the child's signal, as the cold trial's process would have.
         signal.signal(-code, signal.SIG_DFL)
@@ -195,7 +200,7 @@ def serve(path, script):
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _child(request, fds, [listener, conn] + list(peers))
+                    _child(request, fds, conn, [listener] + list(peers))
                 for fd in fds:
                     os.close(fd)
                 children[pid], peers[conn] = conn, pid
@@ -230,8 +235,10 @@ def _kill_group(pid, sig):
         pass
 
 
-def _child(request, fds, sockets):
-    """In the forked child: becomes the trial's process and runs its script."""
+def _child(request, fds, conn, sockets):
+    """In the forked child: becomes the trial's process and runs its script;
+    tells the stand-in (conn) its exit code before it exits, since tearing
+    down a large process's memory takes longer than many a trial."""
     code = 1
     try:
         os.setpgid(0, 0)
@@ -274,6 +281,7 @@ def _child(request, fds, sockets):
         try:
             sys.stdout.flush()
             sys.stderr.flush()
+            _send(conn, {"exit": code & 0xFF})
         finally:
             os._exit(code & 0xFF)
 
