@@ -89,12 +89,16 @@ def run(path, argv):
                 break
             except InterruptedError:
                 continue
+            except OSError:   # the warm worker is gone, and the trial with it
+                reply = None
+                break
         if reply is None:
             reply = {"exit": -signal.SIGKILL}
     code = reply["exit"]
     if code < 0:
         # Die of the child's signal, as the cold trial's process would have.
-        signal.signal(-code, signal.SIG_DFL)
+        if -code != signal.SIGKILL:   # whose handler cannot be set
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code)
 
@@ -145,7 +149,10 @@ def _threads():
 def serve(path, script):
     """Imports the script's modules, then forks a child per request until
     stdin closes (the search is gone); the children go with it."""
+    import ctypes
     import importlib
+    global _libc
+    _libc = ctypes.CDLL(None, use_errno=True)
     # Listening before the imports: the first trials' connections wait in
     # the backlog until it accepts them, ready (or see it gone, and go cold).
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the search stops its trials itself
@@ -176,22 +183,37 @@ def serve(path, script):
           f"{'' if threads == 1 else 's'})", flush=True)
     children = {}    # pid -> its client's connection
     peers = {}       # connection -> child pid
+    try:
+        _serve(listener, children, peers, unsafe)
+    finally:
+        # However the worker ends, no trial outlives it.
+        for pid in children:
+            _kill_group(pid, signal.SIGKILL)
+
+
+def _serve(listener, children, peers, unsafe):
     while True:
         readable, _, _ = select.select([sys.stdin, listener] + list(peers), [], [], 0.02)
         for r in readable:
             if r is sys.stdin:
                 if not os.read(sys.stdin.fileno(), 4096):
-                    for pid in children:
-                        _kill_group(pid, signal.SIGKILL)
                     return
             elif r is listener:
                 conn, _ = listener.accept()
-                request, fds = _receive(conn, max_fds=3)
+                try:
+                    request, fds = _receive(conn, max_fds=3)
+                except OSError:   # a stand-in stopped as it asked
+                    request, fds = None, []
                 if request is None or len(fds) != 3:
+                    for fd in fds:
+                        os.close(fd)
                     conn.close()
                     continue
                 if unsafe:
-                    _send(conn, {"cold": unsafe})
+                    try:
+                        _send(conn, {"cold": unsafe})
+                    except OSError:
+                        pass
                     conn.close()
                     for fd in fds:
                         os.close(fd)
@@ -204,7 +226,12 @@ def serve(path, script):
                 for fd in fds:
                     os.close(fd)
                 children[pid], peers[conn] = conn, pid
-                _send(conn, {"pid": pid})
+                try:
+                    _send(conn, {"pid": pid})
+                except OSError:
+                    # The stand-in died (stopped) before it learnt its pid:
+                    # its hang-up, seen next round, ends the child.
+                    pass
             else:
                 # A client that went away (killed) takes its trial with it.
                 pid = peers.pop(r)
@@ -228,6 +255,10 @@ def serve(path, script):
                 conn.close()
 
 
+_libc = None
+_PR_SET_PDEATHSIG = 1
+
+
 def _kill_group(pid, sig):
     try:
         os.killpg(pid, sig)
@@ -241,6 +272,9 @@ def _child(request, fds, conn, sockets):
     down a large process's memory takes longer than many a trial."""
     code = 1
     try:
+        # Killed with the worker, should it be (it kills its children
+        # otherwise, but SIGKILL leaves it no time to).
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         os.setpgid(0, 0)
         for s in sockets:
             s.close()

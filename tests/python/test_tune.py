@@ -1205,3 +1205,50 @@ def test_warm_needs_a_python_script():
         tune.run(["true"], {"x": 1}, warm=True, out=io.StringIO())
     assert str(info.value) == ("warm: the command ['true'] is not python SCRIPT.py, which "
                                "warm trials need")
+
+
+SLEEPS = textwrap.dedent("""
+    import os, sys, time
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {os.getppid()}")
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(600)
+""")
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_warm_trial_ends_with_its_stand_in_or_its_worker(tmp_path):
+    """SIGKILL of the stand-in (a job's worker killed after its grace
+    period) or of the warm worker (the search's end) ends the forked trial."""
+    script = tmp_path / "sleeps.py"
+    script.write_text(SLEEPS)
+    warm = tune._Warm([sys.executable, str(script)], None, str(tmp_path))
+    try:
+        stand_ins = []
+        for name in ("a", "b"):
+            stand_ins.append(subprocess.Popen(warm.wrap([sys.executable, str(script),
+                                                         str(tmp_path / name)])))
+            wait_for(lambda: (tmp_path / name).exists(), f"trial {name} to start")
+        (a, worker), (b, _) = [map(int, (tmp_path / n).read_text().split()) for n in "ab"]
+        assert worker != stand_ins[0].pid
+        stand_ins[0].kill()
+        assert stand_ins[0].wait(timeout=30) == -signal.SIGKILL
+        wait_for(lambda: not _alive(a), "trial a to end with its stand-in")
+        assert _alive(b)
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: not _alive(b), "trial b to end with the warm worker")
+        # Its stand-in learns that the trial was killed.
+        assert stand_ins[1].wait(timeout=30) == -signal.SIGKILL
+    finally:
+        for p in stand_ins:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        warm.close()
