@@ -1,7 +1,7 @@
 """``deepnex tune``: hyperparameter search from the command line.
 
     deepnex tune --space 'lr=loguniform(0.01, 0.5)' --space 'hidden=choice([32, 64, 128])' \\
-        --samples 8 --asha --max-t 12 --out tune-digits \\
+        --samples 8 --out tune-digits \\
         -- python3 examples/digits/mlp_numpy.py --epochs 12
 
 Each trial runs the command with its configuration appended as --name value,
@@ -13,10 +13,20 @@ configuration's lr, momentum and optimizer also go to the servers. --plain
 runs each trial as one plain process instead. --metric is maximized, or
 minimized with --direction min.
 
+Configurations come from --search (tpe by default where Optuna is
+installed); ASHA stops poor trials (on by default, --max-t from the
+command's --epochs). A python SCRIPT.py command runs warm (--cold: fresh
+interpreters).
+
 While trials run, a status table is redrawn in place on a terminal (a line
 per trial start and end otherwise). Ctrl-C or SIGTERM stops the running
 trials, writes results.csv and best.json for the finished ones and exits 130
-or 143. See deepnex.tune.
+or 143. The search is journalled under --out: --resume OUT continues it.
+
+    deepnex tune show OUT     the trials, the best and each one's reports
+    deepnex tune plot OUT     OUT/tune.png: history, curves, parallel coordinates
+
+See deepnex.tune.
 """
 
 import os
@@ -47,44 +57,87 @@ def _modes(args):
     return mode or "allreduce", direction or "max"
 
 
+# The options a resumed search may take from its command line (where given)
+# rather than from the search it continues.
+_RESUME_OWN = ("resume", "retries", "max_concurrent", "func")
+
+
+def _epochs(command):
+    """The value of the training command's --epochs, if it has one."""
+    for i, word in enumerate(command):
+        value = (command[i + 1] if word == "--epochs" and i + 1 < len(command)
+                 else word[len("--epochs="):] if word.startswith("--epochs=") else None)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
 def _tune(args):
+    from deepnex.errors import DeepnexError
+    try:
+        return _tune_or_raise(args)
+    except DeepnexError as e:
+        # A bad flag, space or journal, or a check that stopped the search:
+        # one line, not a traceback.
+        raise SystemExit(f"deepnex tune: {e}") from None
+
+
+def _tune_or_raise(args):
+    import argparse
     from deepnex import tune
-    from deepnex.errors import InvalidArgumentError
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    elif command and command[0] in ("show", "plot"):
+        if len(command) != 2:
+            raise SystemExit(f"deepnex tune: usage: deepnex tune {command[0]} OUT")
+        if command[0] == "show":
+            tune.show(command[1])
+        else:
+            print(tune.plot(command[1]))
+        return 0
+    if args.resume:
+        recorded = tune.load(args.resume).note.get("cli")
+        if recorded is None:
+            raise SystemExit(f"deepnex tune: --resume {args.resume}: the search there was "
+                             "not started by deepnex tune (resume it with tune.run)")
+        own = {k: v for k, v in vars(args).items() if k in _RESUME_OWN and v is not None}
+        args = argparse.Namespace(**{**recorded, **own, "out": args.resume})
+        command = [w for w in args.command[args.command[:1] == ["--"]:]]
     if not command:
         raise SystemExit("deepnex tune: no command (put it after --)")
     mode, direction = _modes(args)
     if args.token and args.token_file:
         raise SystemExit(f"deepnex tune: --token and --token-file {args.token_file} were "
                          "both given; give one")
-    try:
-        space = tune.parse_space(args.space)
-        scheduler = None
-        if args.asha:
-            scheduler = tune.ASHA(metric=args.metric, mode=direction, min_t=args.min_t,
-                                  max_t=args.max_t, eta=args.eta)
-        if args.plain:
-            runner = tune.subprocess_runner
-        else:
-            options = {"backend": args.backend}
-            if args.central:
-                options["central"] = args.central
-                if args.token_file:
-                    options["central_token_file"] = args.token_file
-                else:
-                    options["central_token"] = args.token or os.environ.get("DEEPNEX_TOKEN")
-            runner = tune.job_runner(workers=args.workers_per_trial, mode=mode, ps=args.ps,
-                                     cpus=args.cpus, gpus_per_worker=args.gpus_per_worker,
-                                     **options)
-    except InvalidArgumentError as e:
-        raise SystemExit(f"deepnex tune: {e}") from None
+    space = tune.parse_space(args.space)
+    scheduler = None
+    if args.asha:
+        max_t = args.max_t or _epochs(command) or 100
+        scheduler = tune.ASHA(metric=args.metric, mode=direction, min_t=args.min_t,
+                              max_t=max_t, eta=args.eta)
+    if args.plain:
+        runner = tune.subprocess_runner
+    else:
+        options = {"backend": args.backend}
+        if args.central:
+            options["central"] = args.central
+            if args.token_file:
+                options["central_token_file"] = args.token_file
+            else:
+                options["central_token"] = args.token or os.environ.get("DEEPNEX_TOKEN")
+        runner = tune.job_runner(workers=args.workers_per_trial, mode=mode, ps=args.ps,
+                                 cpus=args.cpus, gpus_per_worker=args.gpus_per_worker,
+                                 **options)
     try:
         results = tune.run(command, space, metric=args.metric, mode=direction,
                            num_samples=args.samples, scheduler=scheduler,
                            max_concurrent=args.max_concurrent, seed=args.seed,
-                           out_dir=args.out, runner=runner)
+                           out_dir=args.out, runner=runner, search=args.search,
+                           retries=args.retries or 0, resume=bool(args.resume),
+                           warm=False if args.cold else None,
+                           note={"cli": {k: v for k, v in vars(args).items()
+                                         if k not in ("resume", "func")}})
     except tune.Interrupted as e:
         # The search has said what finished and where the results are.
         return e.exit_code
@@ -93,7 +146,8 @@ def _tune(args):
 
 def add_commands(commands):
     import argparse
-    p = commands.add_parser("tune", help="hyperparameter search (random, grid, ASHA)",
+    p = commands.add_parser("tune", help="hyperparameter search (random, grid, TPE, CMA-ES, "
+                                         "ASHA); tune show|plot OUT",
                             description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--space", action="append", default=[], metavar="NAME=EXPR",
@@ -111,7 +165,8 @@ def add_commands(commands):
                         "servers) or allreduce (default)")
     p.add_argument("--job-mode", default=None, help="deprecated: use --mode")
     p.add_argument("--max-concurrent", type=int, default=None,
-                   help="at most this many trials at once (default: as many as fit)")
+                   help="at most this many trials at once (default: as many as fit; with "
+                        "--plain, the local cores)")
     p.add_argument("--workers-per-trial", type=int, default=1,
                    help="workers in each trial's job (default 1)")
     p.add_argument("--ps", type=int, default=None,
@@ -127,13 +182,33 @@ def add_commands(commands):
                    help="bearer token for --central (default $DEEPNEX_TOKEN)")
     p.add_argument("--token-file", default=None, metavar="FILE",
                    help="read the token for --central from FILE instead")
+    p.add_argument("--cold", action="store_true",
+                   help="start each trial in a fresh interpreter (default for a python "
+                        "SCRIPT.py command: forked from a warm worker that has imported what "
+                        "the script imports)")
     p.add_argument("--plain", action="store_true",
                    help="run each trial as one plain process, not as a job")
+    p.add_argument("--search", choices=("random", "grid", "tpe", "cmaes"), default=None,
+                   help="how configurations are picked: random, grid (every choice), tpe or "
+                        "cmaes (Optuna's samplers, learning from the trials that ended; "
+                        "default tpe where Optuna is installed, else random)")
     p.add_argument("--seed", type=int, default=0,
-                   help="seed of the random search (default 0)")
-    p.add_argument("--asha", action="store_true", help="stop poor trials early (ASHA)")
+                   help="seed of the search (default 0). It reproduces the configurations "
+                        "of random and grid searches; of tpe and cmaes only with "
+                        "--max-concurrent 1 (with trials in parallel, what the model has "
+                        "seen depends on which ended first)")
+    p.add_argument("--asha", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop poor trials early (ASHA, on by default; --no-asha: every "
+                        "trial runs to its end)")
     p.add_argument("--min-t", type=int, default=1, help="ASHA's first rung (default 1)")
-    p.add_argument("--max-t", type=int, default=100, help="ASHA's budget (default 100)")
+    p.add_argument("--max-t", type=int, default=None,
+                   help="ASHA's budget in steps (default: the command's --epochs, else 100)")
+    p.add_argument("--retries", type=int, default=None,
+                   help="run a failed trial again up to this many times (default 0)")
+    p.add_argument("--resume", default=None, metavar="OUT",
+                   help="continue the search in OUT: finished trials are kept, running "
+                        "and interrupted ones start again, failed ones are retried "
+                        "(--retries)")
     p.add_argument("--eta", type=int, default=3, help="ASHA's reduction factor (default 3)")
     p.add_argument("--out", default="tune-results",
                    help="results directory (default tune-results)")

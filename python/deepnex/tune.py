@@ -13,10 +13,23 @@ the best configuration::
     results.best.config
 
 Search spaces: ``uniform(a, b)``, ``loguniform(a, b)``, ``randint(a, b)``
-(a <= n < b), ``choice([...])`` are sampled (random search); ``grid([...])``
-dimensions are expanded into every combination (grid search); plain values
-are passed as they are. ``num_samples`` configurations are drawn for each
-grid point.
+(a <= n < b), ``choice([...])`` are sampled; ``grid([...])`` dimensions are
+expanded into every combination; plain values are passed as they are.
+``num_samples`` configurations are drawn for each grid point, by the search
+method (``search=``): "tpe" or "cmaes", Optuna's samplers (ask and tell:
+each new trial's configuration is proposed from the trials that ended
+before; deepnex still runs the trials and decides on stopping them),
+"random", or "grid" (choice() dimensions gridded too). The default is tpe
+where Optuna is importable, random otherwise. ``seed`` reproduces a random
+or grid search, and a tpe or cmaes one whose trials run one at a time.
+
+A search is journalled in <out_dir>/journal.jsonl (trials, their starts,
+reports and decisions, their ends; fsync'd per record): ``run(...,
+resume=True)`` or ``deepnex tune --resume OUT`` continues it after a crash
+or a kill, and ``load(out_dir)``, ``show`` and ``plot`` read it. The
+sampler's history is the trials' configurations and results, told to it
+again on a resume. Trials whose command is ``python SCRIPT.py`` start warm
+(``warm=``): forked from a worker that imported what the script imports.
 
 A trial gets its configuration as ``--name value`` arguments (underscores in
 names become dashes) and as JSON in $DEEPNEX_TUNE_CONFIG (``get_config()``).
@@ -48,7 +61,8 @@ parallel up to the machine's capacity::
 
     tune.run(cmd, space, runner=tune.job_runner(workers=2, mode="sync"))
 
-``subprocess_runner`` runs each trial as one plain child process.
+``subprocess_runner`` runs each trial as one plain child process (as many
+at once as there are cores, unless max_concurrent says otherwise).
 """
 
 import ast
@@ -67,16 +81,21 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .errors import (CancelledError, DeadlineExceededError, InvalidArgumentError,
+from . import _tune_journal
+from .errors import (AlreadyExistsError, CancelledError, DeadlineExceededError,
+                     FailedPreconditionError, InvalidArgumentError, NotFoundError,
                      ResourceExhaustedError, UnavailableError)
 
 __all__ = ["uniform", "loguniform", "randint", "choice", "grid", "ASHA", "run",
-           "report", "get_config", "generate_configs", "parse_space", "Trial", "Results",
-           "Interrupted", "job_runner", "subprocess_runner"]
+           "report", "get_config", "checkpoint_dir", "generate_configs", "parse_space",
+           "Trial", "Results", "Interrupted", "job_runner", "subprocess_runner", "load",
+           "show", "plot", "default_search", "SEARCHES"]
 
 ENV_STORE = "DEEPNEX_TUNE_STORE"
 ENV_TRIAL = "DEEPNEX_TUNE_TRIAL"
 ENV_CONFIG = "DEEPNEX_TUNE_CONFIG"
+ENV_CHECKPOINT = "DEEPNEX_TUNE_CHECKPOINT_DIR"
+ENV_ATTEMPT = "DEEPNEX_TUNE_ATTEMPT"
 
 
 # ---- search spaces
@@ -223,6 +242,159 @@ def parse_space(specs):
     return space
 
 
+# ---- search methods: which configuration a new trial gets
+
+SEARCHES = ("random", "grid", "tpe", "cmaes")
+
+
+def default_search():
+    """"tpe" where Optuna is importable, "random" otherwise."""
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        return "random"
+    return "tpe"
+
+
+def _space_json(space):
+    """The space as the journal records it (a resume must get the same)."""
+    out = {}
+    for k, v in space.items():
+        if isinstance(v, (_Domain, _Grid)):
+            out[k] = [type(v).__name__.lstrip("_").lower(), list(getattr(v, "values", ()))
+                      or [v.low, v.high]]
+        else:
+            out[k] = ["value", v]
+    return json.loads(json.dumps(out))
+
+
+class _Sampler:
+    """Picks the configurations of a search: num_samples for each point of
+    the grid() dimensions. random: generate_configs (the i-th trial gets the
+    i-th configuration of the seed, however trials interleave). grid: every
+    choice() dimension is a grid dimension too. tpe, cmaes: Optuna's sampler
+    proposes the sampled dimensions from the trials that ended so far (ask
+    and tell); deepnex runs the trials and decides on stopping them."""
+
+    def __init__(self, space, num_samples, seed, search):
+        if search not in SEARCHES:
+            raise InvalidArgumentError(f'search: "{search}" is not one of '
+                                       f'{", ".join(SEARCHES)}')
+        if num_samples < 1:
+            raise InvalidArgumentError(f"num_samples: {num_samples} must be at least 1")
+        self.search, self.label = search, f"search {search}"
+        if search == "grid":
+            space = dict(space)
+            for k, v in space.items():
+                if isinstance(v, _Choice):
+                    space[k] = _Grid(v.values)
+                elif isinstance(v, _Domain):
+                    raise InvalidArgumentError(
+                        f"space: {k} is {_describe(v)}, which search grid cannot enumerate "
+                        f"(use grid([...]) or choice([...]), or search random or tpe)")
+        self.space, self.num_samples = space, num_samples
+        grid_keys = [k for k, v in space.items() if isinstance(v, _Grid)]
+        self._points = [dict(zip(grid_keys, p))
+                        for p in itertools.product(*(space[k].values for k in grid_keys))]
+        self.total = len(self._points) * num_samples
+        self._study = None
+        if search in ("random", "grid"):
+            self._configs = generate_configs(space, num_samples, seed)
+            return
+        try:
+            import optuna
+        except ImportError:
+            raise InvalidArgumentError(
+                f"search: {search} needs Optuna (Debian: python3-optuna); use search "
+                "random") from None
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self._optuna = optuna
+        self._dists = {k: _distribution(optuna, v) for k, v in space.items()
+                       if isinstance(v, _Domain)}
+        if search == "tpe":
+            sampler = optuna.samplers.TPESampler(seed=seed)
+        else:
+            try:
+                import cmaes  # noqa: F401
+            except ImportError:
+                raise InvalidArgumentError("search: cmaes needs the cmaes package "
+                                           "(Debian: python3-cmaes)") from None
+            import warnings
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # CmaEsSampler's "experimental" notes
+                sampler = optuna.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False)
+        self._study = optuna.create_study(direction="maximize", sampler=sampler)
+        self._asked = {}   # trial id -> Optuna's trial, until told
+
+    def config(self, trial_id):
+        """The configuration of the trial_id-th trial (ids from 0, in order)."""
+        if self._study is None:
+            return self._configs[trial_id]
+        config = {}
+        asked = self._study.ask(self._dists) if self._dists else None
+        if asked is not None:
+            self._asked[trial_id] = asked
+        point = self._points[trial_id // self.num_samples]
+        for k, v in self.space.items():
+            if isinstance(v, _Grid):
+                config[k] = point[k]
+            elif isinstance(v, _Domain):
+                config[k] = asked.params[k]
+            else:
+                config[k] = v
+        return config
+
+    def tell(self, trial, metric, sign):
+        """What `trial` came to (it ended for good), for the model: a
+        completed trial's value, a stopped one's as pruned with its
+        intermediate values, a failed one as failed. `sign`: 1 when the
+        metric is maximized, -1 when minimized (the study maximizes)."""
+        if self._study is None or not self._dists:
+            return
+        optuna = self._optuna
+        State = optuna.trial.TrialState
+        steps = {}
+        for r in trial.results:
+            v = r.get(metric)
+            if isinstance(v, float) and math.isfinite(v) and isinstance(r.get("step"), int):
+                steps[r["step"]] = sign * v
+        value = steps[max(steps)] if steps else None
+        if trial.status == "completed" and value is not None and not trial.nonfinite:
+            state = State.COMPLETE
+        elif trial.status == "stopped" and value is not None:
+            state, value = State.PRUNED, None
+        else:
+            state, value, steps = State.FAIL, None, {}
+        asked = self._asked.pop(trial.id, None)
+        if asked is not None:
+            for step, v in sorted(steps.items()):
+                asked.report(v, step)
+            self._study.tell(asked, value, state=state)
+            return
+        # A trial from before a resume: its history, as Optuna records it.
+        params = {k: trial.config[k] for k in self._dists}
+        self._study.add_trial(optuna.trial.create_trial(
+            params=params, distributions=self._dists, value=value, state=state,
+            intermediate_values=steps))
+
+
+def _distribution(optuna, domain):
+    d = optuna.distributions
+    if isinstance(domain, _Uniform):
+        return d.FloatDistribution(domain.low, domain.high)
+    if isinstance(domain, _LogUniform):
+        return d.FloatDistribution(domain.low, domain.high, log=True)
+    if isinstance(domain, _RandInt):
+        return d.IntDistribution(domain.low, domain.high - 1)
+    return d.CategoricalDistribution(domain.values)
+
+
+def _describe(domain):
+    if isinstance(domain, _Choice):
+        return f"choice({list(domain.values)})"
+    return f"{type(domain).__name__.lstrip('_').lower()}({domain.low}, {domain.high})"
+
+
 # ---- ASHA
 
 class ASHA:
@@ -294,6 +466,17 @@ def get_config():
     return json.loads(os.environ.get(ENV_CONFIG, "{}"))
 
 
+def checkpoint_dir():
+    """This trial's own directory for checkpoints (None outside a search):
+    <out>/checkpoints/trial_N, kept when the trial is restarted (a retry, a
+    resumed search), so that a script that saves its state there and loads
+    it at the start goes on where the last attempt was."""
+    path = os.environ.get(ENV_CHECKPOINT)
+    if path:
+        os.makedirs(path, exist_ok=True)
+    return path or None
+
+
 def report(step, timeout=600.0, **metrics):
     """Reports `metrics` at `step` to the search running this trial; returns
     True when the trial should stop. Outside a search: False. Workers without
@@ -309,7 +492,8 @@ def report(step, timeout=600.0, **metrics):
     try:
         if _report_state["client"] is None:
             # Connecting is the first contact: a search already gone fails here.
-            _report_state["client"] = StoreClient(address, prefix=f"tune/{trial}",
+            attempt = os.environ.get(ENV_ATTEMPT, "0")
+            _report_state["client"] = StoreClient(address, prefix=f"tune/{trial}/{attempt}",
                                                   timeout=_REACH_TIMEOUT)
         client = _report_state["client"]
         if metrics:
@@ -348,6 +532,9 @@ class Trial:
     results: list = field(default_factory=list)
     log_path: str = ""
     exit_code: int = None
+    attempts: int = 0
+    # A report whose metric was NaN or infinite: the trial failed.
+    nonfinite: bool = False
 
     @property
     def last(self):
@@ -367,16 +554,22 @@ class Results:
     mode: str
     csv_path: str
     interrupted: str = None     # "SIGINT" or "SIGTERM" when a signal ended the search
+    note: dict = field(default_factory=dict)   # run()'s note
 
     @property
     def best(self):
-        """The finished trial whose last reported metric is best (None if
-        none reported)."""
-        scored = [t for t in self.trials if t.finished and self.metric in t.last]
+        """The completed or stopped trial whose last reported metric is
+        best (None if none reported): never a failed one."""
+        scored = [t for t in self.trials if t.status in ("completed", "stopped")
+                  and _finite(t.last.get(self.metric))]
         if not scored:
             return None
         sign = 1 if self.mode == "max" else -1
         return max(scored, key=lambda t: sign * t.last[self.metric])
+
+
+def _finite(value):
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -660,7 +853,8 @@ def job_runner(workers=1, mode="allreduce", ps=None, cpus=1, gpus_per_worker=0,
 def _config_args(config):
     args = []
     for k, v in config.items():
-        args += [f"--{k.replace('_', '-')}", f"{v:.6g}" if isinstance(v, float) else str(v)]
+        # repr: the shortest string that reads back as the same float.
+        args += [f"--{k.replace('_', '-')}", repr(v) if isinstance(v, float) else str(v)]
     return args
 
 
@@ -778,28 +972,45 @@ class _Status:
 
 class _Search:
     def __init__(self, command, metric, mode, scheduler, runner, env, out_dir, stop_grace,
-                 status):
+                 status, sampler, journal, retries, warm):
         from .collective import Store
         self.command, self.metric, self.mode = list(command), metric, mode
         self.scheduler, self.runner = scheduler, runner or job_runner()
         self.env, self.out_dir, self.stop_grace = env, out_dir, stop_grace
-        self.status = status
+        self.status, self.sampler, self.journal = status, sampler, journal
+        self.retries = retries
         self.store = Store("127.0.0.1:0")
         self.lock = threading.Lock()
         self.running = {}      # trial id -> handle
         self.interrupted = None   # the signal that ended the search early
+        self.aborted = None       # why a check ended the search early
+        self.reported = False     # whether any trial has reported yet
+        self.early_failures = {}  # trial id (< _EARLY) -> exit code, for start-up failures
+        self.warm = _Warm(self.command, env, out_dir) if warm else None
 
-    def interrupt(self, signum):
-        """Ends the search early: no trial starts any more, and each running
-        trial's thread stops it (kill(): SIGTERM, SIGKILL after a grace period)."""
+    def close(self):
+        self.store.stop()
+        if self.warm is not None:
+            self.warm.close()
+
+    @property
+    def stopping(self):
+        return self.interrupted is not None or self.aborted is not None
+
+    def interrupt(self, signum=None, message=None):
+        """Ends the search early, for a signal or (message) a check that
+        failed: no trial starts any more, and each running trial's thread
+        stops it (kill(): SIGTERM, SIGKILL after a grace period)."""
         with self.lock:
-            if self.interrupted is not None:
+            if self.stopping:
                 return
-            self.interrupted = signum
+            self.interrupted, self.aborted = signum, message
             running = len(self.running)
-        pending = sum(1 for t in self.status.trials if t.status == "pending")
-        self.status.say(f"tune: {signal.Signals(signum).name}: stopping {running} running "
-                        f"trial{'' if running == 1 else 's'}; {pending} not started")
+        started = sum(1 for t in self.status.trials if t.status != "pending")
+        why = signal.Signals(signum).name if signum is not None else "check failed"
+        self.status.say(f"tune: {why}: stopping {running} running "
+                        f"trial{'' if running == 1 else 's'}; {self.sampler.total - started} "
+                        "not started")
         cancel = getattr(self.runner, "cancel", None)
         if cancel is not None:
             cancel()
@@ -813,26 +1024,66 @@ class _Search:
             h.kill()
 
     def run_trial(self, trial):
+        """Runs `trial`, again after a failure while it has retries left;
+        tells the sampler what it came to."""
+        while True:
+            self._run_attempt(trial)
+            if not (trial.status.startswith("failed (exit") and not self.stopping
+                    and trial.attempts <= self.retries):
+                break
+            self.status.say(f"tune: trial {trial.id} {trial.status}: retry "
+                            f"{trial.attempts} of {self.retries}")
+        if trial.finished:
+            with self.lock:
+                self.sampler.tell(trial, self.metric, 1 if self.mode == "max" else -1)
+            self._check_start_up(trial)
+
+    def _check_start_up(self, trial):
+        """The same start-up failure (an exit before any report) in the
+        first _EARLY trials is the script's, not a configuration's: the
+        search ends rather than spend its budget on it."""
+        if trial.id >= _EARLY:
+            return
+        with self.lock:
+            failed = trial.status.startswith("failed (exit") and not trial.results
+            self.early_failures[trial.id] = trial.exit_code if failed else None
+            codes = set(self.early_failures.values())
+            if (len(self.early_failures) < _EARLY or codes != {trial.exit_code}
+                    or trial.exit_code is None):
+                return
+        self.interrupt(message=(
+            f"the first {len(self.early_failures)} trials all failed with exit code "
+            f"{trial.exit_code} before reporting; the last lines of {trial.log_path}:\n"
+            + "\n".join("  " + line for line in _tail(trial.log_path, 5))))
+
+    def _run_attempt(self, trial):
         from .collective import StoreClient
+        attempt = trial.attempts
         env = dict(os.environ)
         env.update(self.env or {})
         env.update({ENV_STORE: self.store.address, ENV_TRIAL: str(trial.id),
-                    ENV_CONFIG: json.dumps(trial.config)})
+                    ENV_ATTEMPT: str(attempt), ENV_CONFIG: json.dumps(trial.config),
+                    ENV_CHECKPOINT: os.path.join(self.out_dir, "checkpoints",
+                                                 f"trial_{trial.id}")})
         trial.log_path = os.path.join(self.out_dir, f"trial_{trial.id}.log")
-        if self.interrupted is not None:
+        if self.stopping:
             trial.status = "not started"
             return
-        handle = self.runner(trial.id, self.command + _config_args(trial.config), env,
-                             trial.log_path)
+        argv = self.command + _config_args(trial.config)
+        if self.warm is not None:
+            argv = self.warm.wrap(argv)
+        handle = self.runner(trial.id, argv, env, trial.log_path)
         with self.lock:
             self.running[trial.id] = handle
-        trial.status = "running"
+        trial.status, trial.results, trial.nonfinite = "running", [], False
+        trial.attempts += 1
+        self.journal.append({"event": "start", "trial": trial.id, "attempt": attempt})
         self.status.started(trial)
-        client = StoreClient(self.store.address, prefix=f"tune/{trial.id}")
+        client = StoreClient(self.store.address, prefix=f"tune/{trial.id}/{attempt}")
         stopped_at = None
         interrupted = killed = False
         while True:
-            if self.interrupted is not None and not interrupted:
+            if self.stopping and not interrupted:
                 # Stopping a job waits out its grace period: each trial's
                 # thread stops its own, so they stop together.
                 interrupted = True
@@ -840,7 +1091,8 @@ class _Search:
                 self.status.updated()
                 handle.kill()
             try:
-                record = json.loads(client.get(f"report/{len(trial.results)}", timeout=0.2))
+                record = json.loads(client.get(f"report/{len(trial.results)}",
+                                              timeout=_POLL))
             except DeadlineExceededError:
                 if handle.poll() is not None:
                     # A report may have landed after the last wait.
@@ -853,19 +1105,12 @@ class _Search:
                     handle.kill()
                 continue
             trial.results.append(record)
-            decision = "continue"
-            if self.interrupted is not None:
-                # The loop's top stops the trial; it ends "interrupted", never
-                # "stopped" early by the scheduler, even when the signal came
-                # after that check.
-                decision = "stop"
-            elif self.scheduler is not None and self.metric in record:
-                with self.lock:
-                    decision = self.scheduler.on_result(trial.id, record["step"],
-                                                        record[self.metric])
-                if decision == "stop" and stopped_at is None:
-                    stopped_at = time.monotonic()
-                    trial.status = "stopping"
+            decision = self._decide(trial, record)
+            if decision == "stop" and stopped_at is None and not self.stopping:
+                stopped_at = time.monotonic()
+                trial.status = "stopping"
+            self.journal.append({"event": "report", "trial": trial.id, "attempt": attempt,
+                                 "record": record, "decision": decision})
             client.set(f"decision/{record['step']}", decision)
             self.status.updated()
         trial.exit_code = handle.wait()
@@ -874,7 +1119,9 @@ class _Search:
         max_t = getattr(self.scheduler, "max_t", None)
         early = (stopped_at is not None
                  and not (max_t is not None and trial.last.get("step", 0) >= max_t))
-        if early:
+        if trial.nonfinite:
+            trial.status = f"failed ({self.metric}={trial.last.get(self.metric)})"
+        elif early:
             trial.status = "stopped"
         elif interrupted:
             trial.status = "interrupted"
@@ -882,7 +1129,102 @@ class _Search:
             trial.status = "completed"
         else:
             trial.status = f"failed (exit {trial.exit_code})"
+        self.journal.append({"event": "end", "trial": trial.id, "attempt": attempt,
+                             "status": trial.status, "exit_code": trial.exit_code,
+                             "nonfinite": trial.nonfinite})
         self.status.ended(trial)
+
+    def _decide(self, trial, record):
+        """continue or stop, for `trial` reporting `record`."""
+        if self.stopping:
+            # The loop's top stops the trial; it ends "interrupted", never
+            # "stopped" early by the scheduler, even when the signal came
+            # after that check.
+            return "stop"
+        with self.lock:
+            first, self.reported = not self.reported, True
+        if first and self.metric not in record:
+            # A misspelt --metric would turn ASHA off and rank nothing:
+            # better to learn it from the first report than after the budget.
+            reported = ", ".join(k for k in record if k != "step") or "no metric"
+            self.interrupt(message=(
+                f'metric: trial {trial.id} reported {reported} at step {record.get("step")}, '
+                f'not "{self.metric}"; the search stopped (pass --metric one of them)'))
+            return "stop"
+        value = record.get(self.metric)
+        if value is None:
+            return "continue"
+        if not _finite(value):
+            trial.nonfinite = True
+            return "stop"
+        if self.scheduler is None:
+            return "continue"
+        with self.lock:
+            return self.scheduler.on_result(trial.id, record["step"], value)
+
+
+# Seconds a trial's thread waits for a report before it checks whether the
+# trial ended: how late the search may learn that a slot is free.
+_POLL = 0.05
+
+# Start-up failures in this many first trials end the search.
+_EARLY = 3
+
+
+def _tail(path, n):
+    """The last n non-empty lines of the file at path."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [line.rstrip() for line in f if line.strip()]
+    except OSError:
+        return []
+    return lines[-n:]
+
+
+def _warm_wanted(command, warm):
+    """Whether trials start warm: a `python script.py` command, unless
+    warm is False (InvalidArgumentError when True for another command)."""
+    fits = (len(command) >= 2 and os.path.basename(command[0]).startswith("python")
+            and command[1].endswith(".py") and os.path.isfile(command[1]))
+    if warm and not fits:
+        raise InvalidArgumentError(f"warm: the command {command[:2]} is not python SCRIPT.py, "
+                                   "which warm trials need")
+    return fits if warm is None else bool(warm)
+
+
+class _Warm:
+    """The search's warm worker (deepnex/_tune_warm.py serve), started at
+    once so that it imports while the first trials start; trials that come
+    before it is ready wait for it."""
+
+    def __init__(self, command, env, out_dir):
+        import tempfile
+        from . import _tune_warm
+        self._dir = tempfile.mkdtemp(prefix="deepnex-tune-")
+        self.socket = os.path.join(self._dir, "warm.sock")
+        self._script = _tune_warm.__file__
+        self._python = command[0]
+        with open(os.path.join(out_dir, "warm.log"), "w") as log:
+            self._p = subprocess.Popen(
+                [self._python, self._script, "serve", self.socket, command[1]],
+                env={**os.environ, **(env or {})}, stdin=subprocess.PIPE, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wrap(self, argv):
+        """The command that runs argv through the warm worker."""
+        # -S: the stand-in needs only the standard library; it starts faster
+        # without site's imports (the trial, forked, has the worker's).
+        return [self._python, "-S", self._script, "run", self.socket] + argv
+
+    def close(self):
+        """Ends the warm worker (closing its stdin: it kills what it still runs)."""
+        self._p.stdin.close()
+        try:
+            self._p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._p.kill()
+            self._p.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class _Signals:
@@ -908,18 +1250,43 @@ class _Signals:
 
 def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=None,
         max_concurrent=None, seed=0, out_dir="tune-results", runner=None, env=None,
-        stop_grace=30.0, out=None):
+        stop_grace=30.0, out=None, search=None, retries=0, resume=False, note=None,
+        warm=None):
     """Runs the search and returns its Results; shows the trials' status
-    while they run (see the module's doc), then prints the table and the
-    best configuration, and writes <out_dir>/results.csv, <out_dir>/best.json
-    and each trial's log.
+    while they run (see the module's doc), then prints a summary (at most
+    20 lines) and the best configuration, and writes <out_dir>/results.csv,
+    <out_dir>/best.json, each trial's log and the journal.
 
+    search: random, grid, tpe or cmaes (None: default_search(), said in
+    one line). seed: random and grid draw the same configurations for the
+    same seed whatever the timing; tpe and cmaes only when trials run one
+    at a time (max_concurrent=1): with several at once, which results the
+    model has seen when it proposes depends on which trials ended first.
     scheduler: ASHA(...) or None (every trial runs to its end). A trial that
     goes on running stop_grace seconds after being told to stop is killed.
     runner: how a trial starts (default job_runner(): a 1-worker allreduce
     job). max_concurrent: a limit of the search's own; None: as many trials
     at once as the runner admits (job_runner: what fits on the machine;
-    subprocess_runner: every trial).
+    subprocess_runner: the local cores). retries: a failed trial is run
+    again up to this many times.
+
+    resume: continue the search journalled in out_dir (run() with the same
+    command, space, metric, mode, num_samples, seed and search): finished
+    trials are kept, the ones that were running or interrupted start again
+    (from their checkpoint_dir() where the script keeps one), failed ones
+    are retried while retries allow; no trial runs twice to its end.
+    note: JSON data kept in the journal with the search (load(...).note);
+    deepnex tune keeps its flags there for --resume.
+
+    warm: start trials warm (see _tune_warm): a warm worker imports what the
+    script imports once, and each trial's process is forked from it rather
+    than a fresh interpreter's (its environment, working directory, exit
+    code and log as a cold trial's). None: warm when the command is
+    ``python SCRIPT.py ...``; False: every trial a fresh interpreter.
+
+    Checks: the search stops (FailedPreconditionError) when the first
+    report lacks `metric`, or when the first 3 trials fail the same way
+    before reporting. A NaN or infinite metric fails its trial.
 
     SIGINT (Ctrl-C) or SIGTERM, when run() runs in the main thread: no trial
     starts any more, the running ones are stopped, results.csv and best.json
@@ -931,39 +1298,208 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
         raise InvalidArgumentError(f'mode: "{mode}" is not max or min')
     if max_concurrent is not None and max_concurrent < 1:
         raise InvalidArgumentError(f"max_concurrent: {max_concurrent} must be at least 1")
+    if retries < 0:
+        raise InvalidArgumentError(f"retries: {retries} must be at least 0")
+    warm = _warm_wanted(command, warm)
+    if max_concurrent is None and runner is subprocess_runner:
+        max_concurrent = os.cpu_count() or 1
     out = out or sys.stdout
+    said = search is None
+    search = search or default_search()
+    sampler = _Sampler(space, num_samples, seed, search)
+    head = {"event": "search", "command": list(command), "space": _space_json(space),
+            "metric": metric, "mode": mode, "num_samples": num_samples, "seed": seed,
+            "search": search}
     os.makedirs(out_dir, exist_ok=True)
-    trials = [Trial(i, c) for i, c in enumerate(generate_configs(space, num_samples, seed))]
+    path = os.path.join(out_dir, _tune_journal.JOURNAL)
+    trials = []
+    if resume:
+        records, keep = _tune_journal.read(path) if os.path.exists(path) else ([], 0)
+        if not records:
+            raise NotFoundError(f"out_dir: {out_dir} has no search to resume ({path})")
+        _check_resume(path, records[0], head)
+        journal = _tune_journal.Journal(path, keep=keep)
+        trials = _replay(records, sampler, scheduler, metric, mode, retries)
+    else:
+        if os.path.exists(path):
+            raise AlreadyExistsError(
+                f"out_dir: {out_dir} holds a search already ({path}): resume it "
+                f"(deepnex tune --resume {out_dir}) or choose another out_dir")
+        journal = _tune_journal.Journal(path)
+        journal.append({**head, "note": note or {}})
+    if said:
+        sampler.label += (" (the default)" if search == "tpe"
+                          else " (the default: Optuna is not importable)")
     status = _Status(trials, metric, out)
     signals = _Signals()
-    search = None
+    state = None
     try:
         try:
-            search = _Search(command, metric, mode, scheduler, runner, env, out_dir,
-                             stop_grace, status)
-            _run_trials(search, trials, max_concurrent, signals)
+            state = _Search(command, metric, mode, scheduler, runner, env, out_dir,
+                            stop_grace, status, sampler, journal, retries, warm)
+            _run_trials(state, trials, max_concurrent, signals)
         finally:
-            if search is not None:
-                search.store.stop()
+            journal.close()
+            if state is not None:
+                state.close()
             status.close()
+        trials.sort(key=lambda t: t.id)
+        trials += [Trial(i, {}, "not started") for i in range(len(trials), sampler.total)]
         results = Results(trials, metric, mode, os.path.join(out_dir, "results.csv"))
-        if search.interrupted is not None:
-            results.interrupted = signal.Signals(search.interrupted).name
+        if state.interrupted is not None:
+            results.interrupted = signal.Signals(state.interrupted).name
         _write_results(results, out_dir, out)
     finally:
         signals.restore()
-    if search.interrupted is not None:
-        raise Interrupted(search.interrupted, results)
+    if state.interrupted is not None:
+        raise Interrupted(state.interrupted, results)
+    if state.aborted is not None:
+        raise FailedPreconditionError(state.aborted)
     return results
 
 
+def _check_resume(path, recorded, head):
+    for key, value in head.items():
+        if recorded.get(key) != value:
+            raise InvalidArgumentError(
+                f"resume: {key} is {value!r}; the search in {path} has "
+                f"{recorded.get(key)!r}")
+
+
+def _trials_of(records):
+    """The trials a journal records, as they stood at its last record, and
+    the (trial, attempt, report) records in their order."""
+    trials, reports = {}, []
+    for r in records:
+        event = r["event"]
+        if event == "trial":
+            trials[r["trial"]] = Trial(r["trial"], r["config"])
+            continue
+        t = trials.get(r.get("trial"))
+        if t is None:
+            continue
+        if event == "start":
+            t.attempts, t.status, t.results, t.nonfinite = r["attempt"] + 1, "running", [], False
+        elif event == "report":
+            t.results.append(r["record"])
+            reports.append((t, r["attempt"], r["record"]))
+        elif event == "end":
+            t.status, t.exit_code = r["status"], r["exit_code"]
+            t.nonfinite = r.get("nonfinite", False)
+    return [trials[i] for i in sorted(trials)], reports
+
+
+def _replay(records, sampler, scheduler, metric, mode, retries):
+    """The trials of a resumed search: the finished ones as they ended
+    (told to the sampler and the scheduler again), the others pending."""
+    trials, reports = _trials_of(records)
+    ended = [r["trial"] for r in records if r["event"] == "end"]
+    by_id = {t.id: t for t in trials}
+    for t in trials:
+        failed = t.status.startswith("failed (exit")
+        if not t.finished or (failed and t.attempts <= retries):
+            t.status, t.results, t.nonfinite = "pending", [], False
+    # Each trial's last end, in their order: the order the sampler learnt them.
+    for i in list(dict.fromkeys(reversed(ended)))[::-1]:
+        t = by_id[i]
+        if t.finished:
+            sampler.tell(t, metric, 1 if mode == "max" else -1)
+    if scheduler is not None:
+        for t, attempt, record in reports:
+            value = record.get(metric)
+            if t.finished and attempt == t.attempts - 1 and _finite(value):
+                scheduler.on_result(t.id, record["step"], value)
+    return trials
+
+
+def load(out_dir):
+    """The Results of the search journalled in out_dir, finished or still
+    running (its trials as they stand)."""
+    path = os.path.join(out_dir, _tune_journal.JOURNAL)
+    if not os.path.exists(path):
+        raise NotFoundError(f"out_dir: {out_dir} has no search ({path})")
+    records, _ = _tune_journal.read(path)
+    head = records[0] if records else {}
+    trials, _ = _trials_of(records)
+    return Results(trials, head.get("metric", "accuracy"), head.get("mode", "max"),
+                   os.path.join(out_dir, "results.csv"), note=head.get("note", {}))
+
+
+def show(out_dir, out=None):
+    """Prints the search in out_dir: its trials, the best one and each
+    trial's reports (also while the search runs)."""
+    out = out or sys.stdout
+    results = load(out_dir)
+    _print_table(results, out, limit=None)
+    print("", file=out)
+    for t in results.trials:
+        history = " ".join(f"{_shown(r.get('step'))}:{_shown(r.get(results.metric, ''))}"
+                           for r in t.results)
+        print(f"trial {t.id} {t.status}: {history or '(no reports)'}", file=out)
+    _print_best(results, out)
+
+
+def plot(out_dir, path=None):
+    """Draws the search in out_dir into a PNG (default <out_dir>/tune.png):
+    the optimisation history, each trial's intermediate values and the
+    parameters' parallel coordinates. Returns the PNG's path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    results = load(out_dir)
+    path = path or os.path.join(out_dir, "tune.png")
+    metric, sign = results.metric, 1 if results.mode == "max" else -1
+    fig, (history, curves, coords) = plt.subplots(1, 3, figsize=(16, 4.5))
+    scored = [t for t in results.trials if t.finished and _finite(t.last.get(metric))]
+    best, xs, ys = None, [], []
+    for t in scored:
+        v = t.last[metric]
+        best = v if best is None or sign * v > sign * best else best
+        xs.append(t.id)
+        ys.append(best)
+    history.scatter([t.id for t in scored], [t.last[metric] for t in scored], s=12)
+    history.step(xs, ys, where="post", color="tab:red", label="best so far")
+    history.set(title="optimisation history", xlabel="trial", ylabel=metric)
+    history.legend()
+    for t in results.trials:
+        points = [(r["step"], r[metric]) for r in t.results if _finite(r.get(metric))]
+        if points:
+            curves.plot(*zip(*points), marker=".", linewidth=0.8)
+    curves.set(title="intermediate values", xlabel="step", ylabel=metric)
+    keys = [k for k in dict.fromkeys(k for t in scored for k in t.config)
+            if all(isinstance(t.config.get(k), (int, float)) for t in scored)]
+    if scored and keys:
+        cols = []
+        for k in keys:
+            vals = [float(t.config[k]) for t in scored]
+            lo, hi = min(vals), max(vals)
+            cols.append([(v - lo) / (hi - lo) if hi > lo else 0.5 for v in vals])
+        values = [t.last[metric] for t in scored]
+        lo, hi = min(values), max(values)
+        cmap = plt.get_cmap("viridis")
+        for i in range(len(scored)):
+            shade = (values[i] - lo) / (hi - lo) if hi > lo else 1.0
+            coords.plot(range(len(keys)), [c[i] for c in cols], color=cmap(shade), alpha=0.7)
+        coords.set_xticks(range(len(keys)), keys)
+    coords.set(title=f"parallel coordinates (colour: {metric})", ylabel="scaled value")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def _run_trials(search, trials, max_concurrent, signals):
-    """Starts a thread per trial as slots free up and waits for them,
-    acting on the signals received meanwhile."""
+    """Starts a thread per trial as slots free up (the trials to run again
+    first, then new ones, each configured by the sampler when its slot
+    frees, so that it learns from every trial that ended before) and waits
+    for them, acting on the signals received meanwhile."""
     at_once = "up to capacity" if max_concurrent is None else f"{max_concurrent} at a time"
-    search.status.say(f"tune: {len(trials)} trials, {at_once}, metric {search.metric} "
-                      f"({search.mode})")
-    slots = threading.Semaphore(max_concurrent or max(1, len(trials)))
+    again = [t for t in trials if t.status == "pending"]
+    done = len(trials) - len(again)
+    resumed = f" ({done} finished before, {len(again)} to run again)" if trials else ""
+    search.status.say(f"tune: {search.sampler.total} trials{resumed}, {at_once}, metric "
+                      f"{search.metric} ({search.mode}), {search.sampler.label}")
+    slots = threading.Semaphore(max_concurrent or max(1, search.sampler.total))
     threads = []
 
     def body(trial):
@@ -980,14 +1516,29 @@ def _run_trials(search, trials, max_concurrent, signals):
     def signalled():
         if signals.received and search.interrupted is None:
             search.interrupt(signals.received[0])
-        return search.interrupted is not None
+        return search.stopping
+
+    def next_trial():
+        if again:
+            return again.pop(0)
+        i = len(trials)
+        if i >= search.sampler.total:
+            return None
+        with search.lock:
+            trial = Trial(i, search.sampler.config(i))
+        search.journal.append({"event": "trial", "trial": i, "config": trial.config})
+        trials.append(trial)
+        return trial
 
     try:
-        for trial in trials:
+        while True:
             while not slots.acquire(timeout=0.1):
                 if signalled():
                     break
             if signalled():
+                break
+            trial = next_trial()
+            if trial is None:
                 break
             t = threading.Thread(target=body, args=(trial,), daemon=True)
             t.start()
@@ -1005,7 +1556,7 @@ def _run_trials(search, trials, max_concurrent, signals):
         search.kill_all()
         raise
     finally:
-        if search.interrupted is not None:
+        if search.stopping:
             for t in trials:
                 if t.status == "pending":
                     t.status = "not started"
@@ -1014,37 +1565,75 @@ def _run_trials(search, trials, max_concurrent, signals):
                     t.status = "interrupted"
 
 
-def _write_results(results, out_dir, out):
-    """The table (trials that started), results.csv, best.json and the summary."""
+# The summary shows this many trials at most (the best ones); results.csv
+# has them all.
+_SUMMARY_ROWS = 10
+
+
+def _cell(v):
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def _print_table(results, out, limit):
+    """The trials that started (the `limit` best when there are more)."""
     shown = [t for t in results.trials if t.status != "not started"]
-    keys = list(dict.fromkeys(k for t in shown for k in t.config))
-    metrics = list(dict.fromkeys(k for t in shown for k in t.last if k != "step"))
-    header = ["trial", "status", "steps"] + keys + metrics
-    rows = []
-    for t in shown:
-        cell = lambda v: f"{v:.6g}" if isinstance(v, float) else str(v)  # noqa: E731
-        rows.append([str(t.id), t.status, str(t.last.get("step", ""))]
-                    + [cell(t.config.get(k, "")) for k in keys]
-                    + [cell(t.last[m]) if m in t.last else "" for m in metrics])
-    with open(results.csv_path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(header)
-        w.writerows(rows)
+    rows, header = _rows(shown)
+    more = 0
+    if limit is not None and len(rows) > limit:
+        sign = 1 if results.mode == "max" else -1
+        ranked = sorted(shown, key=lambda t: (not (t.finished and _finite(
+            t.last.get(results.metric))), -sign * t.last.get(results.metric, 0)
+            if _finite(t.last.get(results.metric)) else 0, t.id))
+        keep = {t.id for t in ranked[:limit]}
+        more = len(rows) - limit
+        rows = [r for t, r in zip(shown, rows) if t.id in keep]
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     print("", file=out)
     for r in [header] + rows:
         print("  ".join(c.ljust(n) for c, n in zip(r, widths)).rstrip(), file=out)
+    if more:
+        counts = {}
+        for t in shown:
+            state = t.status.split(" ")[0]
+            counts[state] = counts.get(state, 0) + 1
+        print(f"... and {more} more ({', '.join(f'{n} {s}' for s, n in counts.items())} in "
+              f"all; every trial in {results.csv_path})", file=out)
+
+
+def _rows(shown):
+    keys = list(dict.fromkeys(k for t in shown for k in t.config))
+    metrics = list(dict.fromkeys(k for t in shown for k in t.last if k != "step"))
+    header = ["trial", "status", "steps"] + keys + metrics
+    rows = [[str(t.id), t.status, str(t.last.get("step", ""))]
+            + [_cell(t.config.get(k, "")) for k in keys]
+            + [_cell(t.last[m]) if m in t.last else "" for m in metrics] for t in shown]
+    return rows, header
+
+
+def _print_best(results, out):
     best = results.best
     if best is None:
         print(f"\nno finished trial reported {results.metric}", file=out)
-    else:
+        return
+    shown_config = " ".join(f"{k}={_cell(v)}" for k, v in best.config.items())
+    print(f"\nbest: trial {best.id} {results.metric}={best.last[results.metric]:.4f} "
+          f"config: {shown_config}", file=out)
+
+
+def _write_results(results, out_dir, out):
+    """results.csv, best.json and the summary (at most 20 lines)."""
+    rows, header = _rows([t for t in results.trials if t.status != "not started"])
+    with open(results.csv_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    _print_table(results, out, _SUMMARY_ROWS)
+    best = results.best
+    if best is not None:
         with open(os.path.join(out_dir, "best.json"), "w") as f:
             json.dump({"trial": best.id, "config": best.config, "result": best.last}, f,
                       indent=1)
-        shown_config = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
-                                for k, v in best.config.items())
-        print(f"\nbest: trial {best.id} {results.metric}={best.last[results.metric]:.4f} "
-              f"config: {shown_config}", file=out)
+    _print_best(results, out)
     if results.interrupted:
         finished = sum(1 for t in results.trials if t.finished)
         print(f"tune: interrupted by {results.interrupted}: {finished} of "

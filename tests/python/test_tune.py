@@ -6,6 +6,7 @@ import csv
 import fcntl
 import io
 import json
+import math
 import os
 import random
 import signal
@@ -21,6 +22,8 @@ import pytest
 
 from _wait import wait_for
 from deepnex import tune
+from deepnex.errors import (DataLossError, FailedPreconditionError, InvalidArgumentError,
+                            NotFoundError)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -350,7 +353,8 @@ def _processes_running(needle):
     return pids
 
 
-MARKED = textwrap.dedent("""
+# A stand-in trial's start: its --x, the directory of its --marks, its id.
+MARKS_PREAMBLE = textwrap.dedent("""
     import argparse, os, signal, time
     from deepnex import tune
     ap = argparse.ArgumentParser()
@@ -358,6 +362,9 @@ MARKED = textwrap.dedent("""
     ap.add_argument("--marks")
     args = ap.parse_args()
     trial = os.environ["DEEPNEX_TUNE_TRIAL"]
+""")
+
+MARKED = MARKS_PREAMBLE + textwrap.dedent("""
     if args.x >= 3:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # only SIGKILL ends it
     steps = 2 if args.x == 1 else 10 ** 6
@@ -407,7 +414,8 @@ def test_interrupt_stops_the_search_cleanly(tmp_path, how, code):
     env = dict(os.environ, DEEPNEX_RUN_DIR=str(run_dir))
     argv = [sys.executable, "-m", "deepnex", "tune", "--space", "x=grid([1.0, 2.0, 3.0, 4.0])",
             "--space", f"marks={str(marks)!r}", "--samples", "1", "--metric", "score",
-            "--max-concurrent", "2", "--out", str(out), "--", sys.executable, str(script)]
+            "--no-asha", "--max-concurrent", "2", "--out", str(out), "--", sys.executable,
+            str(script)]
     p, master, chunks = _spawn_on_a_terminal(argv, env)
     try:
         _wait_for(lambda: (marks / "reported-1").exists() and (marks / "reported-2").exists()
@@ -532,6 +540,11 @@ REPORTS_200 = textwrap.dedent("""
 """)
 
 
+# How a search that was given no search method says which it uses.
+_DEFAULT_SEARCH = ("search tpe (the default)" if tune.default_search() == "tpe"
+                   else "search random (the default: Optuna is not importable)")
+
+
 def test_status_off_a_terminal_is_a_line_per_state_change(tmp_path):
     script = tmp_path / "reports.py"
     script.write_text(REPORTS_200)
@@ -539,7 +552,7 @@ def test_status_off_a_terminal_is_a_line_per_state_change(tmp_path):
     tune.run([sys.executable, str(script)], {"x": 1.0}, metric="score",
              out_dir=str(tmp_path), runner=tune.subprocess_runner, out=out)
     assert out.getvalue().splitlines() == [
-        "tune: 1 trials, up to capacity, metric score (max)",
+        f"tune: 1 trials, {os.cpu_count()} at a time, metric score (max), {_DEFAULT_SEARCH}",
         "trial 0 running: x=1",
         "trial 0 completed at step 200: score=200",
         "",
@@ -576,7 +589,8 @@ def test_status_on_a_terminal_is_a_table_redrawn_in_place(tmp_path):
              out_dir=str(tmp_path / "out"), runner=tune.subprocess_runner, out=out)
     text = out.getvalue()
     assert flag.exists()
-    assert text.startswith("tune: 1 trials, up to capacity, metric score (max)\n"
+    assert text.startswith(f"tune: 1 trials, {os.cpu_count()} at a time, metric score (max), "
+                           f"{_DEFAULT_SEARCH}\n"
                            "tune: 1 running\ntrial  state    step  score  parameters\n"
                            "0      running  ")
     # Each redraw and the end take the table off the screen (cursor up to its
@@ -628,7 +642,7 @@ def test_report_fails_within_5s_once_the_search_is_gone(tmp_path):
 
     # The search goes while the trial waits for the answer to a report.
     p = start()
-    client = StoreClient(store.address, prefix="tune/0")
+    client = StoreClient(store.address, prefix="tune/0/0")   # trial 0, attempt 0
     for k in range(3):
         record = json.loads(client.get(f"report/{k}", timeout=60))
         client.set(f"decision/{record['step']}", "continue")
@@ -660,7 +674,7 @@ def test_report_outside_a_search_is_a_no_op(monkeypatch):
 def test_cli_parses_a_search(tmp_path, trial_script):
     from deepnex.__main__ import main
     code = main(["tune", "--space", "x=grid([1.0, 2.0])", "--samples", "1", "--metric", "score",
-                 "--out", str(tmp_path / "cli"), "--", *trial_script])
+                 "--no-asha", "--out", str(tmp_path / "cli"), "--", *trial_script])
     assert code == 0
     with open(tmp_path / "cli" / "results.csv") as f:
         assert [r["status"] for r in csv.DictReader(f)] == ["completed", "completed"]
@@ -777,3 +791,464 @@ def test_search_on_digits_reaches_095(tmp_path):
         scheduler=tune.ASHA(min_t=2, max_t=8, eta=2), out_dir=str(tmp_path))
     best = results.best
     assert best is not None and best.last["accuracy"] >= 0.95, [t.last for t in results.trials]
+
+
+# ---- checks that save a user's budget
+
+def test_parameters_pass_at_full_precision(trial_script, tmp_path):
+    assert tune._config_args({"lr": 0.12345678901234, "n": 3}) == [
+        "--lr", "0.12345678901234", "--n", "3"]
+    # The trial script asserts that its --x is get_config()'s x exactly.
+    results = tune.run(trial_script, {"x": 1 / 3}, metric="score", out_dir=str(tmp_path),
+                       runner=tune.subprocess_runner, out=io.StringIO())
+    assert results.trials[0].status == "completed"
+    assert results.trials[0].last["score"] == 9 * (1 / 3)
+
+
+SCORES = textwrap.dedent("""
+    import argparse, math, sys
+    from deepnex import tune
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--x", type=float)
+    args = ap.parse_args()
+    for step in range(1, 4):
+        if tune.report(step=step, score=float(args.x) * step):
+            break
+""")
+
+
+def test_a_nan_or_infinite_metric_fails_the_trial_and_is_never_best(tmp_path):
+    script = tmp_path / "scores.py"
+    script.write_text(SCORES)
+    out = io.StringIO()
+    results = tune.run([sys.executable, str(script)],
+                       {"x": tune.grid([1.0, float("nan"), float("inf"), 2.0])},
+                       metric="score", max_concurrent=1, search="random",
+                       scheduler=tune.ASHA(metric="score", min_t=1, max_t=3, eta=3),
+                       out_dir=str(tmp_path / "out"), runner=tune.subprocess_runner, out=out)
+    assert [(t.status, t.last.get("step")) for t in results.trials] == [
+        ("completed", 3), ("failed (score=nan)", 1), ("failed (score=inf)", 1),
+        ("completed", 3)]
+    assert results.best.id == 3
+    # A NaN or inf would be the best of every comparison; only the finite count.
+    assert tune.Results([results.trials[1]], "score", "max", "x.csv").best is None
+
+
+def test_a_misspelt_metric_stops_the_search_at_the_first_report(trial_script, tmp_path):
+    out = io.StringIO()
+    with pytest.raises(FailedPreconditionError) as info:
+        tune.run(trial_script, {"x": tune.grid([1.0, 2.0, 3.0])}, metric="acc",
+                 max_concurrent=1, scheduler=tune.ASHA(metric="acc", max_t=9),
+                 out_dir=str(tmp_path), runner=tune.subprocess_runner, out=out)
+    assert str(info.value) == ('metric: trial 0 reported score at step 1, not "acc"; the '
+                               'search stopped (pass --metric one of them)')
+    results = tune.load(str(tmp_path))
+    assert [(t.id, t.status, len(t.results)) for t in results.trials] == [
+        (0, "interrupted", 1)]
+    with open(tmp_path / "results.csv") as f:
+        assert [(r["trial"], r["status"]) for r in csv.DictReader(f)] == [("0", "interrupted")]
+    assert "tune: check failed: stopping 1 running trial; 2 not started" in out.getvalue()
+
+
+def test_the_same_start_up_failure_in_the_first_3_trials_stops_the_search(trial_script,
+                                                                          tmp_path, capsys):
+    from deepnex.__main__ import main
+    with pytest.raises(SystemExit) as info:
+        main(["tune", "--space", "x=uniform(0, 1)", "--space", "unknown=1", "--samples", "10",
+              "--metric", "score", "--plain", "--max-concurrent", "1", "--search", "random",
+              "--out", str(tmp_path), "--", *trial_script])
+    message = str(info.value)
+    assert message.startswith(
+        "deepnex tune: the first 3 trials all failed with exit code 2 before reporting; the "
+        f"last lines of {tmp_path}/trial_2.log:\n"), message
+    assert message.endswith("error: unrecognized arguments: --unknown 1"), message
+    results = tune.load(str(tmp_path))
+    assert [t.status for t in results.trials] == ["failed (exit 2)"] * 3
+
+
+def test_plain_trials_run_at_most_as_many_at_once_as_there_are_cores(
+        trial_script, tmp_path, monkeypatch):
+    """--plain without --max-concurrent: the local cores (1 here) bound the
+    trials at once; trials 0 and 1 would wait 1 s for each other."""
+    from deepnex.__main__ import main
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    barrier = tmp_path / "running"
+    barrier.mkdir()
+    code = main(["tune", "--space", "x=grid([1.0, 2.0, 3.0])", "--space",
+                 f"barrier_dir={str(barrier)!r}", "--space", "barrier_wait=1.0", "--samples",
+                 "1", "--metric", "score", "--no-asha", "--plain", "--out",
+                 str(tmp_path / "out"), "--", *trial_script])
+    assert code == 0
+    results = tune.load(str(tmp_path / "out"))
+    assert [t.last["running"] for t in results.trials] == [1.0, 1.0, 1.0]
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    from deepnex.__main__ import main
+    with pytest.raises(SystemExit) as info:
+        main(["tune", "--space", "lr=logunif(1, 2)", "--", "true"])
+    assert str(info.value) == (
+        'deepnex tune: space: "lr=logunif(1, 2)": unknown function logunif (use a literal, '
+        'uniform(a, b), loguniform(a, b), randint(a, b), choice([...]) or grid([...]))')
+    with pytest.raises(SystemExit) as info:
+        main(["tune", "--space", "lr=uniform(0.1, 1)", "--search", "grid", "--", "true"])
+    assert str(info.value) == (
+        "deepnex tune: space: lr is uniform(0.1, 1.0), which search grid cannot enumerate "
+        "(use grid([...]) or choice([...]), or search random or tpe)")
+    (tmp_path / "journal.jsonl").write_text("")
+    with pytest.raises(SystemExit) as info:
+        main(["tune", "--space", "x=1", "--out", str(tmp_path), "--", "true"])
+    assert str(info.value) == (
+        f"deepnex tune: out_dir: {tmp_path} holds a search already ({tmp_path}/journal.jsonl): "
+        f"resume it (deepnex tune --resume {tmp_path}) or choose another out_dir")
+
+
+def test_cli_asha_is_on_by_default_with_max_t_from_the_commands_epochs(monkeypatch):
+    from deepnex.__main__ import main
+    seen = {}
+
+    def fake_run(command, space, **kwargs):
+        seen.update(kwargs)
+        return tune.Results([], kwargs["metric"], kwargs["mode"], "x.csv")
+    monkeypatch.setattr(tune, "run", fake_run)
+    main(["tune", "--space", "x=1", "--", "python3", "train.py", "--epochs", "12"])
+    assert (seen["scheduler"].max_t, seen["scheduler"].rungs) == (12, [1, 3, 9])
+    main(["tune", "--space", "x=1", "--", "python3", "train.py", "--epochs=7"])
+    assert seen["scheduler"].max_t == 7
+    main(["tune", "--space", "x=1", "--max-t", "5", "--", "train", "--epochs", "12"])
+    assert seen["scheduler"].max_t == 5
+    main(["tune", "--space", "x=1", "--", "train"])
+    assert seen["scheduler"].max_t == 100
+    main(["tune", "--space", "x=1", "--no-asha", "--", "train"])
+    assert seen["scheduler"] is None
+
+
+def test_the_summary_is_at_most_20_lines(tmp_path):
+    trials = [tune.Trial(i, {"x": float(i)}, "completed", [{"step": 3, "score": float(i)}])
+              for i in range(60)]
+    results = tune.Results(trials, "score", "max", str(tmp_path / "results.csv"))
+    out = io.StringIO()
+    tune._write_results(results, str(tmp_path), out)
+    lines = out.getvalue().splitlines()
+    assert len(lines) <= 20, lines
+    assert lines[1:4] == ["trial  status     steps  x   score", "50     completed  3      50  50",
+                          "51     completed  3      51  51"]
+    assert lines[12] == (f"... and 50 more (60 completed in all; every trial in "
+                         f"{tmp_path}/results.csv)")
+    assert "best: trial 59 score=59.0000 config: x=59" in lines
+    with open(tmp_path / "results.csv") as f:
+        assert len(list(csv.reader(f))) == 61
+
+
+# ---- model-based search
+
+def test_tpe_proposes_the_same_configurations_for_the_same_seed():
+    pytest.importorskip("optuna")
+    space = {"lr": tune.loguniform(1e-3, 1.0), "hidden": tune.choice([16, 32, 64]),
+             "layers": tune.randint(1, 4), "fixed": 7, "opt": tune.grid(["sgd", "adam"])}
+
+    def search(seed):
+        sampler = tune._Sampler(space, 8, seed, "tpe")
+        configs = []
+        for i in range(sampler.total):   # one at a time: each told before the next
+            config = sampler.config(i)
+            configs.append(config)
+            trial = tune.Trial(i, config, "completed",
+                               [{"step": 1, "score": -abs(math.log10(config["lr"]) + 1)}])
+            sampler.tell(trial, "score", 1)
+        return configs
+    first = search(5)
+    assert first == search(5)
+    assert first != search(6)
+    assert [c["opt"] for c in first] == ["sgd"] * 8 + ["adam"] * 8
+    assert all(c["fixed"] == 7 and c["hidden"] in (16, 32, 64) and 1 <= c["layers"] <= 3
+               and 1e-3 <= c["lr"] <= 1.0 for c in first)
+    # Having learnt that lr near 0.1 scores best, the model proposes more of it.
+    late = [abs(math.log10(c["lr"]) + 1) for c in first[10:]]
+    early = [abs(math.log10(c["lr"]) + 1) for c in first[:10]]
+    assert sum(late) / len(late) < sum(early) / len(early)
+
+
+def test_cmaes_and_grid_searches():
+    pytest.importorskip("optuna")
+    pytest.importorskip("cmaes")
+    sampler = tune._Sampler({"lr": tune.loguniform(1e-3, 1.0), "n": tune.randint(1, 9)}, 12,
+                            0, "cmaes")
+    for i in range(12):
+        config = sampler.config(i)
+        assert 1e-3 <= config["lr"] <= 1.0 and 1 <= config["n"] <= 8, config
+        sampler.tell(tune.Trial(i, config, "completed", [{"step": 1, "s": config["lr"]}]),
+                     "s", 1)
+    grid = tune._Sampler({"a": tune.choice([1, 2]), "b": tune.grid(["x", "y"]), "c": 0}, 1, 0,
+                         "grid")
+    assert [grid.config(i) for i in range(grid.total)] == [
+        {"a": 1, "b": "x", "c": 0}, {"a": 1, "b": "y", "c": 0}, {"a": 2, "b": "x", "c": 0},
+        {"a": 2, "b": "y", "c": 0}]
+
+
+def test_search_must_be_known():
+    with pytest.raises(InvalidArgumentError) as info:
+        tune._Sampler({"x": 1}, 1, 0, "bayes")
+    assert str(info.value) == 'search: "bayes" is not one of random, grid, tpe, cmaes'
+
+
+# ---- journal and resume
+
+def test_journal_drops_a_torn_tail_and_names_the_offset_of_damage(tmp_path):
+    from deepnex import _tune_journal
+    path = tmp_path / "journal.jsonl"
+    path.write_bytes(b'{"event":"search"}\n{"event":"trial","trial":0}\n{"event":"st')
+    records, keep = _tune_journal.read(str(path))
+    assert (records, keep) == ([{"event": "search"}, {"event": "trial", "trial": 0}], 47)
+    journal = _tune_journal.Journal(str(path), keep=keep)
+    journal.append({"event": "start", "trial": 0})
+    journal.close()
+    lines = path.read_bytes().split(b"\n")
+    assert lines[1:3] == [b'{"event":"trial","trial":0}', b'{"event":"start","trial":0,"time":'
+                          + lines[2].split(b'"time":')[1]]
+    assert lines[3:] == [b""]
+    path.write_bytes(b'{"event":"search"}\n{"event":tri\n{"event":"end"}\n')
+    with pytest.raises(DataLossError) as info:
+        _tune_journal.read(str(path))
+    assert str(info.value).startswith(f"{path}: byte offset 19: damaged record")
+
+
+COUNTED = MARKS_PREAMBLE + textwrap.dedent("""
+    open(os.path.join(args.marks, f"started-{trial}"), "a").close()
+    for step in range(1, 4):
+        tune.report(step=step, score=args.x * step)
+        time.sleep(0.1)
+    with open(os.path.join(args.marks, "completed"), "a") as f:
+        f.write(trial + "\\n")
+""")
+
+
+def test_kill_9_then_resume_runs_each_trial_to_its_end_once(tmp_path):
+    script = tmp_path / "counted.py"
+    script.write_text(COUNTED)
+    marks, out = tmp_path / "marks", tmp_path / "out"
+    marks.mkdir()
+    argv = [sys.executable, "-m", "deepnex", "tune", "--space", "x=grid([1.0, 2.0, 3.0, 4.0])",
+            "--space", f"marks={str(marks)!r}", "--samples", "1", "--metric", "score",
+            "--no-asha", "--plain", "--max-concurrent", "1", "--out", str(out), "--",
+            sys.executable, str(script)]
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: (marks / "started-2").exists() or p.poll() is not None,
+                  "trial 2 to start")
+        p.kill()
+        p.wait()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    # Trial 2, left without its search, ends in report() (within 5 s).
+    _wait_for(lambda: _processes_running(str(script)) == [], "trial 2 to end", timeout=15)
+    assert (marks / "completed").read_text().split() == ["0", "1"]
+    done = subprocess.run([sys.executable, "-m", "deepnex", "tune", "--resume", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Trial 2 starts again; trial 3 is new.
+    assert ("tune: 4 trials (2 finished before, 1 to run again), 1 at a time"
+            in done.stdout), done.stdout
+    assert sorted((marks / "completed").read_text().split()) == ["0", "1", "2", "3"]
+    with open(out / "results.csv") as f:
+        assert [(r["trial"], r["status"]) for r in csv.DictReader(f)] == [
+            ("0", "completed"), ("1", "completed"), ("2", "completed"), ("3", "completed")]
+    assert json.loads((out / "best.json").read_text())["trial"] == 3
+    # Resuming a finished search runs nothing.
+    done = subprocess.run([sys.executable, "-m", "deepnex", "tune", "--resume", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len((marks / "completed").read_text().split()) == 4
+
+
+RETRIED = textwrap.dedent("""
+    import os, sys
+    from deepnex import tune
+    mark = os.path.join(tune.checkpoint_dir(), "tried")
+    if not os.path.exists(mark):
+        open(mark, "w").close()
+        sys.exit(3)
+    tune.report(step=1, score=float(os.environ["DEEPNEX_TUNE_ATTEMPT"]))
+""")
+
+
+def test_a_failed_trial_is_retried_from_its_checkpoint_dir(tmp_path):
+    script = tmp_path / "retried.py"
+    script.write_text(RETRIED)
+    out = io.StringIO()
+    results = tune.run([sys.executable, str(script)], {"x": 1}, metric="score", retries=1,
+                       out_dir=str(tmp_path / "out"), runner=tune.subprocess_runner, out=out)
+    trial = results.trials[0]
+    assert (trial.status, trial.attempts, trial.last) == ("completed", 2,
+                                                          {"step": 1, "score": 1.0})
+    assert (tmp_path / "out" / "checkpoints" / "trial_0" / "tried").exists()
+    assert "tune: trial 0 failed (exit 3): retry 1 of 1" in out.getvalue()
+    # Without retries it fails; a resume with a retry runs it again.
+    results = tune.run([sys.executable, str(script)], {"x": 2}, metric="score",
+                       out_dir=str(tmp_path / "b"), runner=tune.subprocess_runner, out=out)
+    assert results.trials[0].status == "failed (exit 3)"
+    results = tune.run([sys.executable, str(script)], {"x": 2}, metric="score", retries=1,
+                       resume=True, out_dir=str(tmp_path / "b"),
+                       runner=tune.subprocess_runner, out=out)
+    assert (results.trials[0].status, results.trials[0].attempts) == ("completed", 2)
+
+
+def test_resume_needs_the_same_search(tmp_path):
+    with pytest.raises(NotFoundError) as info:
+        tune.run(["true"], {"x": 1}, resume=True, out_dir=str(tmp_path), out=io.StringIO())
+    assert str(info.value) == (f"out_dir: {tmp_path} has no search to resume "
+                               f"({tmp_path}/journal.jsonl)")
+    tune.run(["true"], {"x": 1}, out_dir=str(tmp_path), search="random",
+             runner=tune.subprocess_runner, out=io.StringIO())
+    with pytest.raises(InvalidArgumentError) as info:
+        tune.run(["true"], {"x": 2}, resume=True, out_dir=str(tmp_path), search="random",
+                 out=io.StringIO())
+    assert str(info.value) == (f"resume: space is {{'x': ['value', 2]}}; the search in "
+                               f"{tmp_path}/journal.jsonl has {{'x': ['value', 1]}}")
+
+
+# ---- seeing it
+
+def test_show_load_and_plot_a_search(trial_script, tmp_path, capsys):
+    out = tmp_path / "out"
+    tune.run(trial_script, {"x": tune.grid([2.0, 1.0])}, metric="score", max_concurrent=1,
+             scheduler=tune.ASHA(metric="score", min_t=1, max_t=9, eta=3), out_dir=str(out),
+             runner=tune.subprocess_runner, out=io.StringIO())
+    results = tune.load(str(out))
+    assert [(t.id, t.status, t.config, t.last) for t in results.trials] == [
+        (0, "completed", {"x": 2.0}, {"step": 9, "score": 18.0}),
+        (1, "stopped", {"x": 1.0}, {"step": 1, "score": 1.0})]
+    assert results.best.id == 0
+    from deepnex.__main__ import main
+    assert main(["tune", "show", str(out)]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    assert shown == [
+        "", "trial  status     steps  x  score", "0      completed  9      2  18",
+        "1      stopped    1      1  1", "",
+        "trial 0 completed: 1:2 2:4 3:6 4:8 5:10 6:12 7:14 8:16 9:18",
+        "trial 1 stopped: 1:1", "", "best: trial 0 score=18.0000 config: x=2"]
+    pytest.importorskip("matplotlib")
+    assert main(["tune", "plot", str(out)]) == 0
+    png = (out / "tune.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10000
+
+
+# ---- warm trials
+
+SHOWS = textwrap.dedent("""
+    import json, os, sys
+    from deepnex import tune
+    ap_x = float(sys.argv[sys.argv.index("--x") + 1])
+    env = {k: v for k, v in os.environ.items() if k.startswith(("DEEPNEX_TUNE", "SHOWN_"))}
+    print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": env}))
+    print("to stderr", file=sys.stderr, flush=True)
+    if ap_x == 2:
+        os.abort()     # dies of SIGABRT
+    tune.report(step=1, score=ap_x)
+    sys.exit(int(ap_x) % 2 * 5)   # x=1: exit 5, x=3: exit 5, x=4: exit 0
+""")
+
+
+def _shown_run(tmp_path, name, warm):
+    script = tmp_path / "shows.py"
+    script.write_text(SHOWS)
+    results = tune.run([sys.executable, str(script)], {"x": tune.grid([1.0, 2.0, 3.0, 4.0])},
+                       metric="score", max_concurrent=1, search="random", warm=warm,
+                       env={"SHOWN_VAR": "v"},
+                       out_dir=str(tmp_path / name), runner=tune.subprocess_runner,
+                       out=io.StringIO())
+    logs = []
+    for t in results.trials:
+        lines = open(t.log_path).read().splitlines()
+        shown = json.loads(lines[0])
+        shown["env"]["DEEPNEX_TUNE_STORE"] = "-"   # each search has its own
+        shown["env"]["DEEPNEX_TUNE_CHECKPOINT_DIR"] = os.path.relpath(
+            shown["env"]["DEEPNEX_TUNE_CHECKPOINT_DIR"], tmp_path / name)
+        logs.append((t.status, t.exit_code, shown, lines[1:]))
+    return logs
+
+
+def test_warm_trials_match_cold_ones_and_a_crash_spares_the_next(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cold = _shown_run(tmp_path, "cold", warm=False)
+    warm = _shown_run(tmp_path, "warm", warm=True)
+    assert warm == cold
+    assert [(status, code) for status, code, _, _ in warm] == [
+        ("failed (exit 5)", 5), (f"failed (exit {-signal.SIGABRT})", -signal.SIGABRT),
+        ("failed (exit 5)", 5), ("completed", 0)]
+    assert warm[3][2]["cwd"] == str(tmp_path)
+    assert warm[3][2]["env"]["SHOWN_VAR"] == "v"
+    assert warm[3][3] == ["to stderr"]
+    # Warm: each trial forked from the worker, which imported what shows.py imports.
+    assert (tmp_path / "warm" / "warm.log").read_text().startswith("warm: ready (")
+    assert not (tmp_path / "cold" / "warm.log").exists()
+
+
+def test_a_warm_trial_is_stopped_through_its_stand_in(tmp_path):
+    """kill() signals the trial's stand-in process, which passes the signal
+    on to the forked trial: ASHA's stop and a Ctrl-C reach it."""
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    results = tune.run([sys.executable, str(script)], {"x": 1.0}, metric="score",
+                       stop_grace=1.0, scheduler=StopAll(), out_dir=str(tmp_path),
+                       runner=tune.subprocess_runner, out=io.StringIO())
+    trial = results.trials[0]
+    assert (trial.status, trial.exit_code) == ("stopped", -signal.SIGTERM)
+    assert (tmp_path / "warm.log").exists()
+    _wait_for(lambda: _processes_running(str(script)) == [], "the trial to end", timeout=15)
+
+
+def test_warm_needs_a_python_script():
+    with pytest.raises(InvalidArgumentError) as info:
+        tune.run(["true"], {"x": 1}, warm=True, out=io.StringIO())
+    assert str(info.value) == ("warm: the command ['true'] is not python SCRIPT.py, which "
+                               "warm trials need")
+
+
+SLEEPS = textwrap.dedent("""
+    import os, sys, time
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {os.getppid()}")
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(600)
+""")
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_warm_trial_ends_with_its_stand_in_or_its_worker(tmp_path):
+    """SIGKILL of the stand-in (a job's worker killed after its grace
+    period) or of the warm worker (the search's end) ends the forked trial."""
+    script = tmp_path / "sleeps.py"
+    script.write_text(SLEEPS)
+    warm = tune._Warm([sys.executable, str(script)], None, str(tmp_path))
+    try:
+        stand_ins = []
+        for name in ("a", "b"):
+            stand_ins.append(subprocess.Popen(warm.wrap([sys.executable, str(script),
+                                                         str(tmp_path / name)])))
+            wait_for(lambda: (tmp_path / name).exists(), f"trial {name} to start")
+        (a, worker), (b, _) = [map(int, (tmp_path / n).read_text().split()) for n in "ab"]
+        assert worker != stand_ins[0].pid
+        stand_ins[0].kill()
+        assert stand_ins[0].wait(timeout=30) == -signal.SIGKILL
+        wait_for(lambda: not _alive(a), "trial a to end with its stand-in")
+        assert _alive(b)
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: not _alive(b), "trial b to end with the warm worker")
+        # Its stand-in learns that the trial was killed.
+        assert stand_ins[1].wait(timeout=30) == -signal.SIGKILL
+    finally:
+        for p in stand_ins:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        warm.close()
