@@ -11,6 +11,8 @@ packages=(
   pybind11-dev python3-dev python3-numpy python3-pytest python3-venv python3-pip
   python3-setuptools python3-wheel
   python3-torch python3-sklearn python3-matplotlib
+  # deepnex tune's model-based search (Optuna's samplers)
+  python3-optuna python3-cmaes
   # launch backends, each driven for real by the tests (see ENGINES.md)
   runc tini podman busybox-static
   slurmctld slurmd slurm-client munge
