@@ -1,0 +1,85 @@
+"""The trial's side of deepnex.tune: its configuration, its checkpoint
+directory and report(), and the environment variables a search gives it."""
+
+import json
+import os
+import time
+
+from .errors import CancelledError, DeadlineExceededError, UnavailableError
+
+
+ENV_STORE = "DEEPNEX_TUNE_STORE"
+ENV_TRIAL = "DEEPNEX_TUNE_TRIAL"
+ENV_CONFIG = "DEEPNEX_TUNE_CONFIG"
+ENV_CHECKPOINT = "DEEPNEX_TUNE_CHECKPOINT_DIR"
+ENV_ATTEMPT = "DEEPNEX_TUNE_ATTEMPT"
+
+
+_report_state = {"client": None, "count": 0}
+
+# A live search answers a call at once (its store is served by C++ threads,
+# whatever its Python threads do); one that has not answered within this
+# many seconds is gone (killed, or ended while its trial went on).
+_REACH_TIMEOUT = 2.0
+# How long report() waits for a decision between checks that the search is
+# still there: with _REACH_TIMEOUT (and the store's 1 s grace on a wait),
+# a trial learns that its search is gone within 3.5 s, and exits within 5.
+_DECISION_SLICE = 0.5
+
+
+def get_config():
+    """This trial's configuration ({} outside a search)."""
+    return json.loads(os.environ.get(ENV_CONFIG, "{}"))
+
+
+def checkpoint_dir():
+    """This trial's own directory for checkpoints (None outside a search):
+    <out>/checkpoints/trial_N, kept when the trial is restarted (a retry, a
+    resumed search), so that a script that saves its state there and loads
+    it at the start goes on where the last attempt was."""
+    path = os.environ.get(ENV_CHECKPOINT)
+    if path:
+        os.makedirs(path, exist_ok=True)
+    return path or None
+
+
+def report(step, timeout=600.0, **metrics):
+    """Reports `metrics` at `step` to the search running this trial; returns
+    True when the trial should stop. Outside a search: False. Workers without
+    metrics (ranks other than 0) wait, up to `timeout` seconds, for the
+    answer to rank 0's report of the same step. A search that is gone
+    (killed, or ended) raises UnavailableError within 5 s, so that the trial
+    ends rather than training on for nobody."""
+    address, trial = os.environ.get(ENV_STORE), os.environ.get(ENV_TRIAL)
+    if not address or not trial:
+        return False
+    from .collective import StoreClient
+    deadline = time.monotonic() + timeout
+    try:
+        if _report_state["client"] is None:
+            # Connecting is the first contact: a search already gone fails here.
+            attempt = os.environ.get(ENV_ATTEMPT, "0")
+            _report_state["client"] = StoreClient(address, prefix=f"tune/{trial}/{attempt}",
+                                                  timeout=_REACH_TIMEOUT)
+        client = _report_state["client"]
+        if metrics:
+            record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+            client.set(f"report/{_report_state['count']}", json.dumps(record))
+            _report_state["count"] += 1
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return client.get(f"decision/{step}",
+                                  timeout=max(0.001, min(_DECISION_SLICE, left))) == b"stop"
+            except DeadlineExceededError:
+                if left <= _DECISION_SLICE:
+                    break
+                # No answer yet, or no search: check() tells them apart.
+                client.check([f"decision/{step}"])
+    except (DeadlineExceededError, UnavailableError, CancelledError) as e:
+        raise UnavailableError(
+            f"tune.report(step={step}): the search at {address} that runs trial {trial} "
+            f"does not answer ({e}); the trial should end") from None
+    raise DeadlineExceededError(
+        f"tune.report(step={step}): no decision within {timeout:g} s (does rank 0 report "
+        f"step {step}?)")

@@ -1,0 +1,142 @@
+"""The search methods of deepnex.tune: which configuration a new trial gets
+(random, grid, or Optuna's tpe and cmaes by ask and tell)."""
+
+import itertools
+import math
+
+from ._tune_space import (_Choice, _Domain, _Grid, _LogUniform, _RandInt, _Uniform, _describe,
+                          generate_configs)
+from .errors import InvalidArgumentError
+
+
+SEARCHES = ("random", "grid", "tpe", "cmaes")
+
+
+def default_search():
+    """"tpe" where Optuna is importable, "random" otherwise."""
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        return "random"
+    return "tpe"
+
+
+class _Sampler:
+    """Picks the configurations of a search: num_samples for each point of
+    the grid() dimensions. random: generate_configs (the i-th trial gets the
+    i-th configuration of the seed, however trials interleave). grid: every
+    choice() dimension is a grid dimension too. tpe, cmaes: Optuna's sampler
+    proposes the sampled dimensions from the trials that ended so far (ask
+    and tell); deepnex runs the trials and decides on stopping them."""
+
+    def __init__(self, space, num_samples, seed, search):
+        if search not in SEARCHES:
+            raise InvalidArgumentError(f'search: "{search}" is not one of '
+                                       f'{", ".join(SEARCHES)}')
+        if num_samples < 1:
+            raise InvalidArgumentError(f"num_samples: {num_samples} must be at least 1")
+        self.search, self.label = search, f"search {search}"
+        if search == "grid":
+            space = dict(space)
+            for k, v in space.items():
+                if isinstance(v, _Choice):
+                    space[k] = _Grid(v.values)
+                elif isinstance(v, _Domain):
+                    raise InvalidArgumentError(
+                        f"space: {k} is {_describe(v)}, which search grid cannot enumerate "
+                        f"(use grid([...]) or choice([...]), or search random or tpe)")
+        self.space, self.num_samples = space, num_samples
+        grid_keys = [k for k, v in space.items() if isinstance(v, _Grid)]
+        self._points = [dict(zip(grid_keys, p))
+                        for p in itertools.product(*(space[k].values for k in grid_keys))]
+        self.total = len(self._points) * num_samples
+        self._study = None
+        if search in ("random", "grid"):
+            self._configs = generate_configs(space, num_samples, seed)
+            return
+        try:
+            import optuna
+        except ImportError:
+            raise InvalidArgumentError(
+                f"search: {search} needs Optuna (Debian: python3-optuna); use search "
+                "random") from None
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self._optuna = optuna
+        self._dists = {k: _distribution(optuna, v) for k, v in space.items()
+                       if isinstance(v, _Domain)}
+        if search == "tpe":
+            sampler = optuna.samplers.TPESampler(seed=seed)
+        else:
+            try:
+                import cmaes  # noqa: F401
+            except ImportError:
+                raise InvalidArgumentError("search: cmaes needs the cmaes package "
+                                           "(Debian: python3-cmaes)") from None
+            import warnings
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # CmaEsSampler's "experimental" notes
+                sampler = optuna.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False)
+        self._study = optuna.create_study(direction="maximize", sampler=sampler)
+        self._asked = {}   # trial id -> Optuna's trial, until told
+
+    def config(self, trial_id):
+        """The configuration of the trial_id-th trial (ids from 0, in order)."""
+        if self._study is None:
+            return self._configs[trial_id]
+        config = {}
+        asked = self._study.ask(self._dists) if self._dists else None
+        if asked is not None:
+            self._asked[trial_id] = asked
+        point = self._points[trial_id // self.num_samples]
+        for k, v in self.space.items():
+            if isinstance(v, _Grid):
+                config[k] = point[k]
+            elif isinstance(v, _Domain):
+                config[k] = asked.params[k]
+            else:
+                config[k] = v
+        return config
+
+    def tell(self, trial, metric, sign):
+        """What `trial` came to (it ended for good), for the model: a
+        completed trial's value, a stopped one's as pruned with its
+        intermediate values, a failed one as failed. `sign`: 1 when the
+        metric is maximized, -1 when minimized (the study maximizes)."""
+        if self._study is None or not self._dists:
+            return
+        optuna = self._optuna
+        State = optuna.trial.TrialState
+        steps = {}
+        for r in trial.results:
+            v = r.get(metric)
+            if isinstance(v, float) and math.isfinite(v) and isinstance(r.get("step"), int):
+                steps[r["step"]] = sign * v
+        value = steps[max(steps)] if steps else None
+        if trial.status == "completed" and value is not None and not trial.nonfinite:
+            state = State.COMPLETE
+        elif trial.status == "stopped" and value is not None:
+            state, value = State.PRUNED, None
+        else:
+            state, value, steps = State.FAIL, None, {}
+        asked = self._asked.pop(trial.id, None)
+        if asked is not None:
+            for step, v in sorted(steps.items()):
+                asked.report(v, step)
+            self._study.tell(asked, value, state=state)
+            return
+        # A trial from before a resume: its history, as Optuna records it.
+        params = {k: trial.config[k] for k in self._dists}
+        self._study.add_trial(optuna.trial.create_trial(
+            params=params, distributions=self._dists, value=value, state=state,
+            intermediate_values=steps))
+
+
+def _distribution(optuna, domain):
+    d = optuna.distributions
+    if isinstance(domain, _Uniform):
+        return d.FloatDistribution(domain.low, domain.high)
+    if isinstance(domain, _LogUniform):
+        return d.FloatDistribution(domain.low, domain.high, log=True)
+    if isinstance(domain, _RandInt):
+        return d.IntDistribution(domain.low, domain.high - 1)
+    return d.CategoricalDistribution(domain.values)

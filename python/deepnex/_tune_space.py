@@ -1,0 +1,172 @@
+"""Search spaces of deepnex.tune: the domains (uniform, loguniform, randint,
+choice, grid), the configurations they expand into, and the "name=expr"
+strings of deepnex tune --space."""
+
+import ast
+import itertools
+import json
+import math
+import random
+from dataclasses import dataclass
+
+from .errors import InvalidArgumentError
+
+
+class _Domain:
+    def sample(self, rng):
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class _Uniform(_Domain):
+    low: float
+    high: float
+
+    def sample(self, rng):
+        return rng.uniform(self.low, self.high)
+
+
+@dataclass(frozen=True)
+class _LogUniform(_Domain):
+    low: float
+    high: float
+
+    def sample(self, rng):
+        return math.exp(rng.uniform(math.log(self.low), math.log(self.high)))
+
+
+@dataclass(frozen=True)
+class _RandInt(_Domain):
+    low: int
+    high: int
+
+    def sample(self, rng):
+        return rng.randrange(self.low, self.high)
+
+
+@dataclass(frozen=True)
+class _Choice(_Domain):
+    values: tuple
+
+    def sample(self, rng):
+        return rng.choice(self.values)
+
+
+@dataclass(frozen=True)
+class _Grid:
+    values: tuple
+
+
+def _check_range(name, low, high):
+    if not low < high:
+        raise InvalidArgumentError(f"{name}({low}, {high}): low must be below high")
+
+
+def uniform(low, high):
+    """A float drawn uniformly from [low, high)."""
+    _check_range("uniform", low, high)
+    return _Uniform(float(low), float(high))
+
+
+def loguniform(low, high):
+    """A float whose logarithm is uniform: as likely in [1e-3, 1e-2) as in
+    [1e-2, 1e-1). 0 < low < high."""
+    _check_range("loguniform", low, high)
+    if low <= 0:
+        raise InvalidArgumentError(f"loguniform({low}, {high}): low must be positive")
+    return _LogUniform(float(low), float(high))
+
+
+def randint(low, high):
+    """An int n with low <= n < high."""
+    _check_range("randint", low, high)
+    return _RandInt(int(low), int(high))
+
+
+def choice(values):
+    """One of `values`, each equally likely."""
+    values = tuple(values)
+    if not values:
+        raise InvalidArgumentError("choice([]): needs at least one value")
+    return _Choice(values)
+
+
+def grid(values):
+    """Every one of `values`: the search runs each (times the other grid
+    dimensions' values, times num_samples)."""
+    values = tuple(values)
+    if not values:
+        raise InvalidArgumentError("grid([]): needs at least one value")
+    return _Grid(values)
+
+
+def generate_configs(space, num_samples=1, seed=0):
+    """The configurations of a search: for each combination of the grid()
+    dimensions (in the order of `space`), num_samples draws of the others."""
+    if num_samples < 1:
+        raise InvalidArgumentError(f"num_samples: {num_samples} must be at least 1")
+    rng = random.Random(seed)
+    grid_keys = [k for k, v in space.items() if isinstance(v, _Grid)]
+    configs = []
+    for point in itertools.product(*(space[k].values for k in grid_keys)):
+        for _ in range(num_samples):
+            config = {}
+            for k, v in space.items():
+                if isinstance(v, _Grid):
+                    config[k] = point[grid_keys.index(k)]
+                elif isinstance(v, _Domain):
+                    config[k] = v.sample(rng)
+                else:
+                    config[k] = v
+            configs.append(config)
+    return configs
+
+
+_FUNCTIONS = {"uniform": uniform, "loguniform": loguniform, "randint": randint,
+              "choice": choice, "grid": grid}
+
+
+def parse_space(specs):
+    """A space from "name=expr" strings, expr a Python literal or one of
+    uniform(a, b), loguniform(a, b), randint(a, b), choice([...]), grid([...]):
+    ``parse_space(["lr=loguniform(1e-3, 0.5)", "hidden=grid([32, 64])"])``."""
+    space = {}
+    for spec in specs:
+        name, sep, expr = spec.partition("=")
+        name, expr = name.strip(), expr.strip()
+        if not sep or not name:
+            raise InvalidArgumentError(f'space: "{spec}" is not name=expression')
+        try:
+            node = ast.parse(expr, mode="eval").body
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                if node.func.id not in _FUNCTIONS or node.keywords:
+                    raise ValueError(f"unknown function {node.func.id}")
+                args = [ast.literal_eval(a) for a in node.args]
+                space[name] = _FUNCTIONS[node.func.id](*args)
+            else:
+                space[name] = ast.literal_eval(node)
+        except InvalidArgumentError:
+            raise
+        except (SyntaxError, ValueError, TypeError) as e:
+            raise InvalidArgumentError(
+                f'space: "{spec}": {e} (use a literal, uniform(a, b), loguniform(a, b), '
+                f'randint(a, b), choice([...]) or grid([...]))') from None
+    return space
+
+
+def _space_json(space):
+    """The space as the journal records it (a resume must get the same)."""
+    out = {}
+    for k, v in space.items():
+        if isinstance(v, (_Domain, _Grid)):
+            out[k] = [type(v).__name__.lstrip("_").lower(), list(getattr(v, "values", ()))
+                      or [v.low, v.high]]
+        else:
+            out[k] = ["value", v]
+    return json.loads(json.dumps(out))
+
+
+def _describe(domain):
+    if isinstance(domain, _Choice):
+        return f"choice({list(domain.values)})"
+    return f"{type(domain).__name__.lstrip('_').lower()}({domain.low}, {domain.high})"
