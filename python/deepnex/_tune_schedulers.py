@@ -8,10 +8,11 @@ class ASHA:
 
     Rungs sit at t = min_t * eta^k below max_t. When a trial first reports a
     step t at or past a rung above the ones it has been judged at, its value
-    is recorded at the highest such rung; the trial goes on only if it is among the top max(1, floor(n/eta))
-    of the n values recorded at that rung so far (itself included; ties go
-    on), so early trials are promoted optimistically and later ones must beat
-    the rung's record. A trial that reaches max_t is done.
+    is recorded at the highest such rung; the trial goes on only if it is
+    among the top max(1, floor(n/eta)) of the n values recorded at that rung
+    so far (itself included; ties go on), so early trials are promoted
+    optimistically and later ones must beat the rung's record. A trial that
+    reaches max_t is done.
     """
 
     def __init__(self, metric="accuracy", mode="max", min_t=1, max_t=100, eta=3):

@@ -1,8 +1,8 @@
 """Hyperparameter search: ``deepnex.tune`` (and ``deepnex tune``).
 
 A search runs a training command once per configuration (a trial), as many
-at once as the machine's capacity (and ``max_concurrent``) allows, and ends in a results table, a CSV and
-the best configuration::
+at once as the machine's capacity (and ``max_concurrent``) allows, and ends
+in a results table, a CSV and the best configuration::
 
     from deepnex import tune
     results = tune.run(
