@@ -18,6 +18,8 @@
 #include "core/grpc_util.h"
 #include "core/timer.h"
 #include "deepnex/ps.grpc.pb.h"
+#include "ps/client_op.h"
+#include "ps/pieces.h"
 #include "ps/plan.h"
 
 namespace deepnex::ps {
@@ -33,79 +35,6 @@ constexpr char kPullMethod[] = "/deepnex.ps.proto.ParameterServer/Pull";
 constexpr char kWritePartsMethod[] =
     "/deepnex.ps.proto.ParameterServer/WriteParts";
 
-// An operation made of requests in flight; done when the last one is.
-class Op final : public PendingOp {
- public:
-  explicit Op(int outstanding) : outstanding_(outstanding) {
-    if (outstanding == 0) finishing_ = done_ = true;
-  }
-  // Adds requests to an op that is still held open by another.
-  void Add(int n) {
-    std::lock_guard<std::mutex> lock(mu_);
-    outstanding_ += n;
-  }
-  // The continuations run before waiters wake, so that what they change
-  // (e.g. the client's registration) is in place when Wait() returns.
-  void RequestDone(const absl::Status& status) {
-    std::vector<std::function<void(const absl::Status&)>> then;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      // The first error wins, except over a cancellation it caused.
-      if (!status.ok() && (status_.ok() || absl::IsCancelled(status_))) status_ = status;
-      if (--outstanding_ > 0) return;
-      finishing_ = true;
-      then.swap(then_);
-    }
-    for (auto& fn : then) fn(status_);
-    std::lock_guard<std::mutex> lock(mu_);
-    done_ = true;
-    cv_.notify_all();
-  }
-  // Runs `fn` with the final status once the requests are done (at once if
-  // they are).
-  void Then(std::function<void(const absl::Status&)> fn) {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!finishing_) {
-      then_.push_back(std::move(fn));
-      return;
-    }
-    lock.unlock();
-    fn(status_);
-  }
-  absl::Status Wait(std::chrono::milliseconds timeout) override {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!cv_.wait_for(lock, timeout, [this] { return done_; })) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "operation still running after ", timeout.count(), " ms"));
-    }
-    return status_;
-  }
-  absl::Status Wait() override {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return done_; });
-    return status_;
-  }
-  bool Done() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return done_;
-  }
-
- private:
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  int outstanding_;
-  bool finishing_ = false;  // the last request is done; continuations run
-  bool done_ = false;
-  absl::Status status_;
-  std::vector<std::function<void(const absl::Status&)>> then_;
-};
-
-std::shared_ptr<Op> FailedOp(const absl::Status& status) {
-  auto op = std::make_shared<Op>(1);
-  op->RequestDone(status);
-  return op;
-}
-
 // What a client knows of a tensor: its meta and how many times this
 // incarnation pushed it.
 struct KeyState {
@@ -120,13 +49,6 @@ uint64_t NewIncarnation() {
                (static_cast<uint64_t>(getpid()) << 16) ^ ++counter;
   return v == 0 ? 1 : v;
 }
-
-// One slice of a tensor travelling to or from a server.
-struct Piece {
-  pb::Slice slice;
-  char* data;  // the slice's bytes in the caller's tensor
-  uint64_t bytes;
-};
 
 class ClientImpl final : public Client {
  public:
@@ -659,62 +581,6 @@ class ClientImpl final : public Client {
     return absl::OkStatus();
   }
 
-  static void CutIntoPieces(const NamedTensor& t, const pb::TensorMeta& meta,
-                            uint64_t seq, std::vector<Piece>* pieces) {
-    const uint64_t elem = DTypeSize(t.view.dtype);
-    const uint64_t n = t.view.NumElements();
-    for (uint32_t part = 0; part < meta.num_parts(); ++part) {
-      PartRange r = PartOf(n, meta.num_parts(), part);
-      Piece p;
-      p.slice.set_key(t.key);
-      p.slice.set_part(part);
-      p.slice.set_offset(r.offset);
-      p.slice.set_count(r.count);
-      p.slice.set_dtype(meta.dtype());
-      p.slice.set_seq(seq);
-      p.data = static_cast<char*>(t.view.data) + r.offset * elem;
-      p.bytes = r.count * elem;
-      pieces->push_back(std::move(p));
-    }
-  }
-
-  // Groups pieces by server, then into batches of about request_bytes.
-  std::vector<std::pair<size_t, std::vector<const Piece*>>> Batch(
-      const std::vector<Piece>& pieces) const {
-    std::vector<std::vector<const Piece*>> per_server(servers_.size());
-    for (const Piece& p : pieces) {
-      per_server[ServerOf(p.slice.key(), p.slice.part(),
-                          static_cast<int>(servers_.size()))]
-          .push_back(&p);
-    }
-    std::vector<std::pair<size_t, std::vector<const Piece*>>> batches;
-    for (size_t s = 0; s < per_server.size(); ++s) {
-      std::vector<const Piece*> batch;
-      uint64_t bytes = 0;
-      for (const Piece* p : per_server[s]) {
-        if (!batch.empty() && bytes + p->bytes > options_.request_bytes) {
-          batches.push_back({s, std::move(batch)});
-          batch.clear();
-          bytes = 0;
-        }
-        batch.push_back(p);
-        bytes += p->bytes;
-      }
-      if (!batch.empty()) batches.push_back({s, std::move(batch)});
-    }
-    return batches;
-  }
-
-  // The payload points at the caller's memory, which the op's contract keeps
-  // alive and unchanged until the op is done.
-  static std::vector<grpc::Slice> PayloadOf(const std::vector<const Piece*>& batch) {
-    std::vector<grpc::Slice> payload;
-    for (const Piece* p : batch) {
-      payload.emplace_back(p->data, p->bytes, grpc::Slice::STATIC_SLICE);
-    }
-    return payload;
-  }
-
   std::shared_ptr<Op> StartPush(const std::vector<NamedTensor>& grads) {
     std::vector<Piece> pieces;
     absl::Status s = CheckWriter("push");
@@ -753,7 +619,7 @@ class ClientImpl final : public Client {
 
   void SendPush(const std::vector<Piece>& pieces, const std::shared_ptr<Op>& op,
                 std::function<void()> on_failure) {
-    auto batches = Batch(pieces);
+    auto batches = Batch(pieces, servers_.size(), options_.request_bytes);
     op->Add(static_cast<int>(batches.size()));
     const Clock::time_point deadline = Clock::now() + options_.timeout;
     for (auto& [server, batch] : batches) {
@@ -770,7 +636,7 @@ class ClientImpl final : public Client {
 
   std::vector<std::shared_ptr<Request>> SendPull(const std::vector<Piece>& pieces,
                                                  const std::shared_ptr<Op>& op) {
-    auto batches = Batch(pieces);
+    auto batches = Batch(pieces, servers_.size(), options_.request_bytes);
     op->Add(static_cast<int>(batches.size()));
     const Clock::time_point deadline = Clock::now() + options_.timeout;
     std::vector<std::shared_ptr<Request>> sent;
@@ -814,7 +680,7 @@ class ClientImpl final : public Client {
       CutIntoPieces({meta.key(), *view}, meta, 0, &pieces);
       metas[meta.key()] = &meta;
     }
-    auto batches = Batch(pieces);
+    auto batches = Batch(pieces, servers_.size(), options_.request_bytes);
     auto op = std::make_shared<Op>(static_cast<int>(batches.size()));
     const Clock::time_point deadline = Clock::now() + options_.timeout;
     for (auto& [server, batch] : batches) {
