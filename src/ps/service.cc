@@ -224,15 +224,14 @@ grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
   if (s.ok()) s = DecodeFramed(*request, &header, &payload);
   if (s.ok()) s = CheckWorker(header.worker_id(), "push");
   if (s.ok()) s = Resolve("push", header.slices(), &parts, &payload);
-  if (s.ok() && options_.reject_nonfinite) {
+  // A push of several slices is checked whole before any of it is applied,
+  // so that one bad slice refuses all of them; a single slice is checked by
+  // its partition in the pass that takes it in (no pass of its own).
+  const bool check_whole = options_.reject_nonfinite && parts.size() > 1;
+  if (s.ok() && check_whole) {
     PayloadReader check = payload;
     for (size_t i = 0; i < parts.size() && s.ok(); ++i) {
-      absl::Status finite = parts[i]->CheckFinite(&check);
-      if (!finite.ok()) {
-        s = absl::InvalidArgumentError(absl::StrCat(
-            "push of \"", header.slices(i).key(), "\": the gradient holds NaN or Inf (",
-            finite.message(), "); refused, nothing applied"));
-      }
+      s = parts[i]->CheckFinite(header.slices(i).key(), &check);
     }
   }
   if (!s.ok()) return Reply(ctx, s);
@@ -248,8 +247,9 @@ grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
   auto* reactor = new CallReactor(call);
   Completions done;
   for (size_t i = 0; i < parts.size(); ++i) {
-    parts[i]->Push(header.worker_id(), header.incarnation(), header.slices(i).seq(), &payload, call,
-                   i, &done);
+    parts[i]->Push(header.worker_id(), header.incarnation(), header.slices(i).seq(),
+                   header.slices(i).key(), options_.reject_nonfinite && !check_whole, &payload,
+                   call, i, &done);
   }
   RunAll(done);
   return reactor;
