@@ -146,17 +146,14 @@ class DistributedOptimizer:
         # on CPU, staging copies for CUDA ones.
         self._host = {n: p.data if p.device.type == "cpu" else p.detach().cpu()
                       for n, p in self._params}
-        keys = [n for n, _ in self._params]
         if client.worker_id == root_rank:
             client.init(self._host)
-        else:
-            self._wait_for(keys, timeout)
         # Pulls land here, made once: a step allocates no arrays.
         self._pulled = {n: np.empty(tuple(p.shape), _numpy_dtype(p)) for n, p in self._params}
         self._buckets = self._make_buckets(bucket_bytes)
         self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket}
         self._reset()
-        self.client.pull_into(self._pulled)
+        self._pull_initial(timeout)
         self._load(range(len(self._params)))
         self._hooks = []
         if overlap:
@@ -189,11 +186,15 @@ class DistributedOptimizer:
         self._missing = [len(b) for b in self._buckets]
         self._ops = [None] * len(self._buckets)
 
-    def _wait_for(self, keys, timeout):
+    def _pull_initial(self, timeout):
+        """root_rank's initial parameters, once its init has written them
+        all: a tensor is described as soon as root_rank claims it, and its
+        parts are there only once they are written, so the pull itself is
+        what is retried."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self.client.describe(keys)
+                self.client.pull_into(self._pulled)
                 return
             except NotFoundError:
                 if time.monotonic() > deadline:
