@@ -83,32 +83,35 @@ class PushCall final : public Call, public PushSink {
   const bool lose_reply_;
 };
 
-class PullCall final : public Call, public PullSink {
+// A pull's reply as the partitions fill it in: each slice's values at its
+// offset, and the version each was read at. Thread-safe for one writer per
+// slice.
+class PullReply {
  public:
-  PullCall(std::vector<uint64_t> offsets, uint64_t total, grpc::ByteBuffer* response)
+  PullReply(std::vector<uint64_t> offsets, uint64_t total)
       : offsets_(std::move(offsets)),
         total_(total),
         versions_(offsets_.size()),
-        remaining_(offsets_.size()),
-        response_(response) {}
+        remaining_(offsets_.size()) {}
   // The buffer is made when the first values arrive, so that a pull waiting
   // for its round holds no reply memory.
-  char* Destination(size_t slice) override {
+  char* Destination(size_t slice) {
     std::call_once(allocated_, [this] { buffer_.reset(new char[total_]); });
     return buffer_.get() + offsets_[slice];
   }
-  void SliceReady(size_t slice, uint64_t version) override {
+  // True for the slice that completes the reply.
+  bool Ready(size_t slice, uint64_t version) {
     versions_[slice] = version;
-    if (remaining_.fetch_sub(1) != 1 || !Claim()) return;
+    return remaining_.fetch_sub(1) == 1;
+  }
+  // REQUIRES: every slice Ready.
+  grpc::ByteBuffer Encode() {
     proto::PullHeader header;
     for (uint64_t v : versions_) header.add_versions(v);
     std::vector<grpc::Slice> payload;
     payload.push_back(OwnedSlice(std::move(buffer_), total_));
-    *response_ = EncodeFramed(header, std::move(payload));
-    reactor_->Finish(grpc::Status::OK);
+    return EncodeFramed(header, std::move(payload));
   }
-  void Fail(const absl::Status& status) override { Call::Fail(status); }
-  bool Finished() const override { return Call::Finished(); }
 
  private:
   const std::vector<uint64_t> offsets_;
@@ -117,7 +120,68 @@ class PullCall final : public Call, public PullSink {
   std::unique_ptr<char[]> buffer_;
   std::vector<uint64_t> versions_;  // each written by one partition, once
   std::atomic<size_t> remaining_;
+};
+
+class PullCall final : public Call, public PullSink {
+ public:
+  PullCall(std::vector<uint64_t> offsets, uint64_t total, grpc::ByteBuffer* response)
+      : reply_(std::move(offsets), total), response_(response) {}
+  char* Destination(size_t slice) override { return reply_.Destination(slice); }
+  void SliceReady(size_t slice, uint64_t version) override {
+    if (!reply_.Ready(slice, version) || !Claim()) return;
+    *response_ = reply_.Encode();
+    reactor_->Finish(grpc::Status::OK);
+  }
+  void Fail(const absl::Status& status) override { Call::Fail(status); }
+  bool Finished() const override { return Call::Finished(); }
+
+ private:
+  PullReply reply_;
   grpc::ByteBuffer* const response_;
+};
+
+// A push that replies with the values of its slices (PushHeader.pull):
+// once every slice is applied, `pull` asks the partitions for them, which
+// serve them as they would a pull of the same seqs.
+class PushPullCall final : public Call,
+                           public PushSink,
+                           public PullSink,
+                           public std::enable_shared_from_this<PushPullCall> {
+ public:
+  // `lose_reply`: answer Unavailable once applied (testing hook).
+  PushPullCall(size_t slices, bool lose_reply, std::vector<uint64_t> offsets, uint64_t total,
+               grpc::ByteBuffer* response,
+               std::function<void(const std::shared_ptr<PullSink>&)> pull)
+      : remaining_(slices),
+        lose_reply_(lose_reply),
+        reply_(std::move(offsets), total),
+        response_(response),
+        pull_(std::move(pull)) {}
+  void SliceApplied(size_t) override {
+    if (remaining_.fetch_sub(1) != 1 || Finished()) return;
+    if (lose_reply_) {
+      if (Claim()) {
+        reactor_->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "reply dropped for testing"));
+      }
+      return;
+    }
+    pull_(shared_from_this());
+  }
+  char* Destination(size_t slice) override { return reply_.Destination(slice); }
+  void SliceReady(size_t slice, uint64_t version) override {
+    if (!reply_.Ready(slice, version) || !Claim()) return;
+    *response_ = reply_.Encode();
+    reactor_->Finish(grpc::Status::OK);
+  }
+  void Fail(const absl::Status& status) override { Call::Fail(status); }
+  bool Finished() const override { return Call::Finished(); }
+
+ private:
+  std::atomic<size_t> remaining_;
+  const bool lose_reply_;
+  PullReply reply_;
+  grpc::ByteBuffer* const response_;
+  const std::function<void(const std::shared_ptr<PullSink>&)> pull_;
 };
 
 }  // namespace deepnex::ps

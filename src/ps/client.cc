@@ -174,8 +174,11 @@ class ClientImpl final : public Client {
     return StartPull(out);
   }
 
-  // The pulls go out with the pushes: each server holds a pull until the
-  // push it must see is applied, so the two directions overlap on the wire.
+  // Pulling the keys just pushed, in the same order (a training step), is
+  // one call per request: each push asks its server to reply with the
+  // values it must see, read once its round allows. Other keys: the pulls
+  // go out with the pushes, and each server holds a pull until the push it
+  // must see is applied, so the two directions overlap on the wire.
   std::shared_ptr<PendingOp> PushPullAsync(
       const std::vector<NamedTensor>& grads,
       const std::vector<NamedTensor>& out) override {
@@ -186,6 +189,14 @@ class ClientImpl final : public Client {
     if (s.ok()) s = Prepare("pull", out, /*pushing=*/false, &pull);
     if (!s.ok()) return FailedOp(s);
     auto op = NewOp(/*pushes=*/true);
+    const bool same_keys =
+        grads.size() == out.size() &&
+        std::equal(grads.begin(), grads.end(), out.begin(),
+                   [](const NamedTensor& a, const NamedTensor& b) { return a.key == b.key; });
+    if (same_keys) {
+      SendPush(push, op, nullptr, &pull);
+      return Release(op);
+    }
     auto pulls = SendPull(pull, op);
     SendPush(push, op, [pulls] {
       for (const auto& r : pulls) r->Cancel();  // they would wait in vain
@@ -617,8 +628,10 @@ class ClientImpl final : public Client {
     return op;
   }
 
+  // With `pull` (the same pieces cut from the tensors to pull into), each
+  // push asks for the values back in its reply.
   void SendPush(const std::vector<Piece>& pieces, const std::shared_ptr<Op>& op,
-                std::function<void()> on_failure) {
+                std::function<void()> on_failure, const std::vector<Piece>* pull = nullptr) {
     auto batches = Batch(pieces, servers_.size(), options_.request_bytes);
     op->Add(static_cast<int>(batches.size()));
     const Clock::time_point deadline = Clock::now() + options_.timeout;
@@ -628,10 +641,37 @@ class ClientImpl final : public Client {
       header.set_incarnation(incarnation_.load());
       for (const Piece* p : batch) *header.add_slices() = p->slice;
       auto r = NewRequest(op, server, kPushMethod, "push", deadline);
+      if (pull != nullptr) {
+        header.set_pull(true);
+        std::vector<std::pair<char*, uint64_t>> dst;
+        for (const Piece* p : batch) {
+          const Piece& into = (*pull)[p - pieces.data()];
+          dst.push_back({into.data, into.bytes});
+        }
+        r->on_reply = ReplyReader("push", std::move(dst));
+      }
       r->request = EncodeFramed(header, PayloadOf(batch));
       r->on_failure = on_failure;
       Send(std::move(r));
     }
+  }
+
+  // Reads a pull's reply (values of the slices in order) into `dst`.
+  static std::function<absl::Status(const grpc::ByteBuffer&)> ReplyReader(
+      const char* what, std::vector<std::pair<char*, uint64_t>> dst) {
+    return [what, dst = std::move(dst)](const grpc::ByteBuffer& reply) {
+      pb::PullHeader header;
+      PayloadReader payload;
+      DEEPNEX_RETURN_IF_ERROR(DecodeFramed(reply, &header, &payload));
+      uint64_t need = 0;
+      for (const auto& d : dst) need += d.second;
+      if (payload.remaining() != need) {
+        return absl::InternalError(absl::StrFormat(
+            "%s: the reply holds %d bytes, expected %d", what, payload.remaining(), need));
+      }
+      for (const auto& [ptr, n] : dst) payload.Read(ptr, n);
+      return absl::OkStatus();
+    };
   }
 
   std::vector<std::shared_ptr<Request>> SendPull(const std::vector<Piece>& pieces,
@@ -653,19 +693,7 @@ class ClientImpl final : public Client {
       std::string bytes = req.SerializeAsString();
       grpc::Slice slice(bytes);
       r->request = grpc::ByteBuffer(&slice, 1);
-      r->on_reply = [dst = std::move(dst)](const grpc::ByteBuffer& reply) {
-        pb::PullHeader header;
-        PayloadReader payload;
-        DEEPNEX_RETURN_IF_ERROR(DecodeFramed(reply, &header, &payload));
-        uint64_t need = 0;
-        for (const auto& d : dst) need += d.second;
-        if (payload.remaining() != need) {
-          return absl::InternalError(absl::StrFormat(
-              "pull: the reply holds %d bytes, expected %d", payload.remaining(), need));
-        }
-        for (const auto& [ptr, n] : dst) payload.Read(ptr, n);
-        return absl::OkStatus();
-      };
+      r->on_reply = ReplyReader("pull", std::move(dst));
       sent.push_back(r);
       Send(std::move(r));
     }

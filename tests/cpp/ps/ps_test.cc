@@ -225,6 +225,28 @@ TEST(PsTest, HalfPrecisionTensorsKeepFloat32State) {
   }
 }
 
+// The same keys in the same order go as one call per request (a push that
+// replies with the values); other keys as a push and a pull: both exact.
+TEST(PsTest, PushPullOfTheSameOrOtherKeys) {
+  ServerOptions so;
+  so.mode = Mode::kSync;
+  so.reduction = Reduction::kSum;
+  so.optimizer.kind = OptimizerKind::kSum;
+  Cluster c = StartServers(2, so);
+  auto client = Connect(c, 0, SmallParts());
+  std::vector<float> w(1000, 1.0f), b(3, 5.0f), g(1000, 2.0f), gb(3, 1.0f);
+  ASSERT_THAT(client->Init({View("w", w), View("b", b)}), IsOk());
+  std::vector<float> got_w(1000), got_b(3);
+  ASSERT_THAT(client->PushPull({View("w", g), View("b", gb)}, {View("w", got_w), View("b", got_b)}),
+              IsOk());
+  EXPECT_EQ(got_w, std::vector<float>(1000, 3.0f));
+  EXPECT_EQ(got_b, std::vector<float>(3, 6.0f));
+  // Pulling others than those pushed, and in another order.
+  ASSERT_THAT(client->PushPull({View("w", g)}, {View("b", got_b), View("w", got_w)}), IsOk());
+  EXPECT_EQ(got_w, std::vector<float>(1000, 5.0f));
+  EXPECT_EQ(got_b, std::vector<float>(3, 6.0f));
+}
+
 TEST(PsTest, AsyncOpsCanBeWaitedWithATimeout) {
   ServerOptions so;
   so.num_workers = 2;  // sync: worker 0's pull waits for worker 1
