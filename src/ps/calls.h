@@ -83,35 +83,34 @@ class PushCall final : public Call, public PushSink {
   const bool lose_reply_;
 };
 
-// A pull's reply as the partitions fill it in: each slice's values at its
-// offset, and the version each was read at. Thread-safe for one writer per
-// slice.
-class PullReply {
+// A pull: each partition copies its slice's values into the reply, which
+// goes once the last one has. A PushPullCall is one too.
+class PullCall : public Call, public PullSink {
  public:
-  PullReply(std::vector<uint64_t> offsets, uint64_t total)
+  PullCall(std::vector<uint64_t> offsets, uint64_t total, grpc::ByteBuffer* response)
       : offsets_(std::move(offsets)),
         total_(total),
         versions_(offsets_.size()),
-        remaining_(offsets_.size()) {}
+        remaining_(offsets_.size()),
+        response_(response) {}
   // The buffer is made when the first values arrive, so that a pull waiting
   // for its round holds no reply memory.
-  char* Destination(size_t slice) {
+  char* Destination(size_t slice) override {
     std::call_once(allocated_, [this] { buffer_.reset(new char[total_]); });
     return buffer_.get() + offsets_[slice];
   }
-  // True for the slice that completes the reply.
-  bool Ready(size_t slice, uint64_t version) {
+  void SliceReady(size_t slice, uint64_t version) override {
     versions_[slice] = version;
-    return remaining_.fetch_sub(1) == 1;
-  }
-  // REQUIRES: every slice Ready.
-  grpc::ByteBuffer Encode() {
+    if (remaining_.fetch_sub(1) != 1 || !Claim()) return;
     proto::PullHeader header;
     for (uint64_t v : versions_) header.add_versions(v);
     std::vector<grpc::Slice> payload;
     payload.push_back(OwnedSlice(std::move(buffer_), total_));
-    return EncodeFramed(header, std::move(payload));
+    *response_ = EncodeFramed(header, std::move(payload));
+    reactor_->Finish(grpc::Status::OK);
   }
+  void Fail(const absl::Status& status) override { Call::Fail(status); }
+  bool Finished() const override { return Call::Finished(); }
 
  private:
   const std::vector<uint64_t> offsets_;
@@ -120,45 +119,26 @@ class PullReply {
   std::unique_ptr<char[]> buffer_;
   std::vector<uint64_t> versions_;  // each written by one partition, once
   std::atomic<size_t> remaining_;
-};
-
-class PullCall final : public Call, public PullSink {
- public:
-  PullCall(std::vector<uint64_t> offsets, uint64_t total, grpc::ByteBuffer* response)
-      : reply_(std::move(offsets), total), response_(response) {}
-  char* Destination(size_t slice) override { return reply_.Destination(slice); }
-  void SliceReady(size_t slice, uint64_t version) override {
-    if (!reply_.Ready(slice, version) || !Claim()) return;
-    *response_ = reply_.Encode();
-    reactor_->Finish(grpc::Status::OK);
-  }
-  void Fail(const absl::Status& status) override { Call::Fail(status); }
-  bool Finished() const override { return Call::Finished(); }
-
- private:
-  PullReply reply_;
   grpc::ByteBuffer* const response_;
 };
 
 // A push that replies with the values of its slices (PushHeader.pull):
 // once every slice is applied, `pull` asks the partitions for them, which
 // serve them as they would a pull of the same seqs.
-class PushPullCall final : public Call,
+class PushPullCall final : public PullCall,
                            public PushSink,
-                           public PullSink,
                            public std::enable_shared_from_this<PushPullCall> {
  public:
   // `lose_reply`: answer Unavailable once applied (testing hook).
   PushPullCall(size_t slices, bool lose_reply, std::vector<uint64_t> offsets, uint64_t total,
                grpc::ByteBuffer* response,
                std::function<void(const std::shared_ptr<PullSink>&)> pull)
-      : remaining_(slices),
+      : PullCall(std::move(offsets), total, response),
+        pushes_left_(slices),
         lose_reply_(lose_reply),
-        reply_(std::move(offsets), total),
-        response_(response),
         pull_(std::move(pull)) {}
   void SliceApplied(size_t) override {
-    if (remaining_.fetch_sub(1) != 1 || Finished()) return;
+    if (pushes_left_.fetch_sub(1) != 1 || Finished()) return;
     if (lose_reply_) {
       if (Claim()) {
         reactor_->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "reply dropped for testing"));
@@ -167,20 +147,12 @@ class PushPullCall final : public Call,
     }
     pull_(shared_from_this());
   }
-  char* Destination(size_t slice) override { return reply_.Destination(slice); }
-  void SliceReady(size_t slice, uint64_t version) override {
-    if (!reply_.Ready(slice, version) || !Claim()) return;
-    *response_ = reply_.Encode();
-    reactor_->Finish(grpc::Status::OK);
-  }
-  void Fail(const absl::Status& status) override { Call::Fail(status); }
-  bool Finished() const override { return Call::Finished(); }
+  void Fail(const absl::Status& status) override { PullCall::Fail(status); }
+  bool Finished() const override { return PullCall::Finished(); }
 
  private:
-  std::atomic<size_t> remaining_;
+  std::atomic<size_t> pushes_left_;
   const bool lose_reply_;
-  PullReply reply_;
-  grpc::ByteBuffer* const response_;
   const std::function<void(const std::shared_ptr<PullSink>&)> pull_;
 };
 

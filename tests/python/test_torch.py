@@ -95,14 +95,20 @@ def test_distributed_optimizer_averages_gradients_on_the_server():
     assert torch.equal(finals[0], expected) and torch.equal(finals[1], expected)
 
 
-def _ps_train(server_address, rank, overlap, steps=3):
-    """model(rank) trained `steps` steps through the server with 4-byte
-    buckets (a bucket per parameter); returns the parameters."""
+def _ps_optimizer(server_address, rank, **kwargs):
+    """model(rank), its client and its DistributedOptimizer."""
     m = model(rank)
     client = deepnex.ps.Client([server_address], worker_id=rank)
     opt = dtorch.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=99.0),
                                       named_parameters=m.named_parameters(),
-                                      client=client, bucket_size=4, overlap=overlap)
+                                      client=client, **kwargs)
+    return m, client, opt
+
+
+def _ps_train(server_address, rank, overlap, steps=3):
+    """model(rank) trained `steps` steps through the server with 4-byte
+    buckets (a bucket per parameter); returns the parameters."""
+    m, client, opt = _ps_optimizer(server_address, rank, bucket_size=4, overlap=overlap)
     for step in range(steps):
         opt.zero_grad()
         x = torch.tensor([[1.0, 2.0, 3.0]]) * (rank + 1 + step)
@@ -135,11 +141,7 @@ def test_distributed_optimizer_buckets_give_the_same_parameters_as_one_push():
 def test_distributed_optimizer_pushes_buckets_during_backward():
     with deepnex.ps.Server(mode="sync", num_workers=1,
                            optimizer=deepnex.ps.SGD(lr=0.5)) as server:
-        m = model(0)
-        client = deepnex.ps.Client([server.address])
-        opt = dtorch.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=99.0),
-                                          named_parameters=m.named_parameters(),
-                                          client=client, bucket_size=4)
+        m, client, opt = _ps_optimizer(server.address, 0, bucket_size=4)
         before = [p.detach().clone() for p in m.parameters()]
         m(torch.tensor([[1.0, 2.0, 3.0]])).sum().backward()
         # Three parameters, a bucket each: all three pushed before step().
@@ -161,11 +163,7 @@ def test_distributed_optimizer_second_backward_needs_overlap_off():
     with deepnex.ps.Server(mode="sync", num_workers=1,
                            optimizer=deepnex.ps.SGD(lr=1.0)) as server:
         x = torch.tensor([[1.0, 2.0, 3.0]])
-        m = model(0)
-        client = deepnex.ps.Client([server.address])
-        opt = dtorch.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=99.0),
-                                          named_parameters=m.named_parameters(),
-                                          client=client)
+        m, client, opt = _ps_optimizer(server.address, 0)
         m(x).sum().backward()
         with pytest.raises(deepnex.InvalidArgumentError,
                            match="a second backward before step\\(\\) .*overlap=False"):
@@ -174,11 +172,7 @@ def test_distributed_optimizer_second_backward_needs_overlap_off():
         client.close()
     with deepnex.ps.Server(mode="sync", num_workers=1,
                            optimizer=deepnex.ps.SGD(lr=1.0)) as server:
-        m = model(0)
-        client = deepnex.ps.Client([server.address])
-        opt = dtorch.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=99.0),
-                                          named_parameters=m.named_parameters(),
-                                          client=client, overlap=False)
+        m, client, opt = _ps_optimizer(server.address, 0, overlap=False)
         before = [p.detach().clone() for p in m.parameters()]
         m(x).sum().backward()
         m(2 * x).sum().backward()  # accumulated into p.grad

@@ -89,6 +89,15 @@ class Wire {
 
   pb::ParameterServer::Stub& stub() { return *stub_; }
 
+  grpc::Status Register(int worker, uint64_t incarnation) {
+    pb::RegisterRequest req;
+    req.set_worker_id(worker);
+    req.set_incarnation(incarnation);
+    pb::RegisterReply reply;
+    grpc::ClientContext ctx;
+    return stub_->Register(&ctx, req, &reply);
+  }
+
   // Starts a call; its status is collected (see statuses()).
   void Start(const char* method, grpc::ByteBuffer request) {
     auto call = std::make_shared<Call>();
@@ -304,12 +313,7 @@ TEST_F(PullLimitTest, APushAskingForItsValuesRepliesWithTheRoundsValues) {
   so.optimizer.kind = OptimizerKind::kSum;
   StartWith(so);
   Wire wire(server_->address());
-  pb::RegisterRequest reg;
-  reg.set_worker_id(1);
-  reg.set_incarnation(7);
-  pb::RegisterReply reg_reply;
-  grpc::ClientContext reg_ctx;
-  ASSERT_TRUE(wire.stub().Register(&reg_ctx, reg, &reg_reply).ok());
+  ASSERT_TRUE(wire.Register(1, 7).ok());
   pb::PushHeader push;
   push.set_worker_id(1);
   push.set_incarnation(7);
@@ -391,12 +395,7 @@ TEST_F(PullLimitTest, RepliesHeldForOneConnectionAreBoundedAndFreedWhenItGoes) {
   // Worker 1 pushes round 1 and never comes back for round 1's other half:
   // its pulls of round 1 wait, each to hold a 1 MiB reply.
   Wire wire(server_->address());
-  pb::RegisterRequest reg;
-  reg.set_worker_id(1);
-  reg.set_incarnation(7);
-  pb::RegisterReply reg_reply;
-  grpc::ClientContext reg_ctx;
-  ASSERT_TRUE(wire.stub().Register(&reg_ctx, reg, &reg_reply).ok());
+  ASSERT_TRUE(wire.Register(1, 7).ok());
   pb::PushHeader push;
   push.set_worker_id(1);
   push.set_incarnation(7);
