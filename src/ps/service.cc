@@ -224,9 +224,8 @@ grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
   if (s.ok()) s = DecodeFramed(*request, &header, &payload);
   if (s.ok()) s = CheckWorker(header.worker_id(), "push");
   if (s.ok()) s = Resolve("push", header.slices(), &parts, &payload);
-  // A push of several slices is checked whole before any of it is applied,
-  // so that one bad slice refuses all of them; a single slice is checked by
-  // its partition in the pass that takes it in (no pass of its own).
+  // A push of several slices is checked whole first, so that one bad slice
+  // refuses all; a single slice, by its partition in the pass taking it in.
   const bool check_whole = options_.reject_nonfinite && parts.size() > 1;
   if (s.ok() && check_whole) {
     PayloadReader check = payload;
@@ -254,18 +253,8 @@ grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
   if (header.pull()) {
     metrics_.pulls->Add();
     metrics_.bytes_out->Add(total);
-    std::vector<uint64_t> seqs;
-    for (const pb::Slice& slice : header.slices()) seqs.push_back(slice.seq());
-    auto call = std::make_shared<PushPullCall>(
-        parts.size(), lose_reply, std::move(offsets), total, response,
-        [parts, seqs = std::move(seqs), worker = header.worker_id(),
-         incarnation = header.incarnation()](const std::shared_ptr<PullSink>& self) {
-          Completions done;
-          for (size_t i = 0; i < parts.size(); ++i) {
-            parts[i]->Pull(worker, incarnation, seqs[i], self, i, &done);
-          }
-          RunAll(done);
-        });
+    auto call = std::make_shared<PushPullCall>(header, parts, lose_reply, std::move(offsets),
+                                               total, response);
     call->OnDone([this, parts, peer, total](bool failed) {
       ReleaseReply(peer, total);
       DropFinished(parts, failed);
