@@ -283,6 +283,15 @@ class PullLimitTest : public ::testing::Test {
     return req;
   }
 
+  // Worker 1's (incarnation 7) push number `seq` of all of "w".
+  pb::PushHeader PushOf(uint64_t seq) {
+    pb::PushHeader push;
+    push.set_worker_id(1);
+    push.set_incarnation(7);
+    *push.add_slices() = SliceOf("w", 0, 0, kElements, seq);
+    return push;
+  }
+
   std::unique_ptr<Server> server_;
   std::unique_ptr<Client> client_;
   std::vector<float> values_;
@@ -314,11 +323,8 @@ TEST_F(PullLimitTest, APushAskingForItsValuesRepliesWithTheRoundsValues) {
   StartWith(so);
   Wire wire(server_->address());
   ASSERT_TRUE(wire.Register(1, 7).ok());
-  pb::PushHeader push;
-  push.set_worker_id(1);
-  push.set_incarnation(7);
+  pb::PushHeader push = PushOf(1);
   push.set_pull(true);
-  *push.add_slices() = SliceOf("w", 0, 0, kElements, 1);
   std::vector<float> grad(kElements, 2.0f);
   std::vector<grpc::Slice> payload;
   payload.emplace_back(grad.data(), kElements * 4, grpc::Slice::STATIC_SLICE);
@@ -396,10 +402,7 @@ TEST_F(PullLimitTest, RepliesHeldForOneConnectionAreBoundedAndFreedWhenItGoes) {
   // its pulls of round 1 wait, each to hold a 1 MiB reply.
   Wire wire(server_->address());
   ASSERT_TRUE(wire.Register(1, 7).ok());
-  pb::PushHeader push;
-  push.set_worker_id(1);
-  push.set_incarnation(7);
-  *push.add_slices() = SliceOf("w", 0, 0, kElements, 1);
+  pb::PushHeader push = PushOf(1);
   std::vector<float> grad(kElements, 0.0f);
   std::vector<grpc::Slice> payload;
   payload.emplace_back(grad.data(), kElements * 4, grpc::Slice::STATIC_SLICE);
