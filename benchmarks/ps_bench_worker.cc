@@ -1,7 +1,7 @@
 // ps_bench_worker: one deepnex parameter-server worker for benchmarks/ps_bench.
 //
-// Connects to the servers given by --server, initializes a --mb MiB float32
-// model cut into --partitions tensors "p0".."pN-1" (16 x 4 MiB by default, so
+// Connects to the servers given by --server, initializes a --mb MiB (or
+// --bytes bytes) float32 model cut into --partitions tensors "p0".."pN-1" (16 x 4 MiB by default, so
 // one push to a server is one batched request), then runs rounds of
 // push+pull: PushPull(grads, params) by default (the same shape of step as the
 // torch.distributed.rpc peer, one call that pushes and pulls back), or
@@ -39,7 +39,7 @@ struct Flags {
   std::vector<std::string> servers;
   int worker_id = 0;
   int workers = 1;
-  uint64_t mb = 64;
+  uint64_t bytes = 64ull << 20;  // --mb N sets N MiB
   int partitions = 16;
   int rounds = 20;
   int warmup = 3;
@@ -56,7 +56,7 @@ struct Flags {
   std::fprintf(
       stderr,
       "usage: ps_bench_worker --server HOST:PORT[,HOST:PORT...] "
-      "[--worker-id N] [--workers N] [--mb N] [--partitions N] [--rounds N] "
+      "[--worker-id N] [--workers N] [--mb N | --bytes N] [--partitions N] [--rounds N] "
       "[--warmup N] [--op pushpull|push-pull] [--mode async|sync|ssp] "
       "[--connections N] [--request-mb N] [--timeout-s N] [--sync-start]\n");
   std::exit(2);
@@ -93,7 +93,8 @@ Flags ParseFlags(int argc, char** argv) {
     if (a == "--server") f.servers = Split(str(), ',');
     else if (a == "--worker-id") f.worker_id = static_cast<int>(num());
     else if (a == "--workers") f.workers = static_cast<int>(num());
-    else if (a == "--mb") f.mb = num();
+    else if (a == "--mb") f.bytes = static_cast<uint64_t>(num()) << 20;
+    else if (a == "--bytes") f.bytes = num();
     else if (a == "--partitions") f.partitions = static_cast<int>(num());
     else if (a == "--rounds") f.rounds = static_cast<int>(num());
     else if (a == "--warmup") f.warmup = static_cast<int>(num());
@@ -109,10 +110,10 @@ Flags ParseFlags(int argc, char** argv) {
   if (f.op != "pushpull" && f.op != "push-pull") Usage("--op: pushpull or push-pull");
   if (f.mode != "async" && f.mode != "sync" && f.mode != "ssp")
     Usage("--mode: async, sync or ssp");
-  if (f.rounds < 1 || f.partitions < 1 || f.mb < 1 || f.timeout_s < 1)
-    Usage("--rounds, --partitions, --mb and --timeout-s must be positive");
-  if (((f.mb << 20) / 4) % f.partitions != 0)
-    Usage("--mb MiB of float32 must split evenly into --partitions");
+  if (f.rounds < 1 || f.partitions < 1 || f.bytes < 4 || f.timeout_s < 1)
+    Usage("--rounds, --partitions, --mb/--bytes and --timeout-s must be positive");
+  if (f.bytes % (4ull * f.partitions) != 0)
+    Usage("--mb/--bytes of float32 must split evenly into --partitions");
   return f;
 }
 
@@ -138,8 +139,8 @@ int main(int argc, char** argv) {
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
 
   const Flags f = ParseFlags(argc, argv);
-  const int64_t numel = static_cast<int64_t>((f.mb << 20) / 4 / f.partitions);
-  const uint64_t model_bytes = f.mb << 20;
+  const int64_t numel = static_cast<int64_t>(f.bytes / 4 / f.partitions);
+  const uint64_t model_bytes = f.bytes;
 
   deepnex::ps::ClientOptions options;
   options.servers = f.servers;

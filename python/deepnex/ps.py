@@ -329,8 +329,18 @@ class Client:
     def push_pull(self, grads, keys=None):
         """Pushes, then pulls `keys` (default: the pushed keys) as a dict."""
         out = self._new_arrays(list(grads) if keys is None else keys)
-        self._client.push_pull_into(self._args(grads), self._args(out))
+        self.push_pull_into(grads, out)
         return out
+
+    def push_pull_into(self, grads, out):
+        """Pushes, then pulls into the caller's arrays `out` (as pull_into)."""
+        self._client.push_pull_into(self._args(grads), self._args(out))
+
+    def push_pull_into_async(self, grads, out):
+        """push_pull_into in flight; `grads` and `out` stay untouched until
+        it is done."""
+        return PendingOp(
+            self._client.push_pull_into_async(self._args(grads), self._args(out)), out)
 
     def push_async(self, grads):
         return PendingOp(self._client.push_async(self._args(grads)))
@@ -343,9 +353,8 @@ class Client:
         return PendingOp(self._client.pull_into_async(self._args(out)), out)
 
     def push_pull_async(self, grads, keys=None):
-        out = self._new_arrays(list(grads) if keys is None else keys)
-        return PendingOp(
-            self._client.push_pull_into_async(self._args(grads), self._args(out)), out)
+        return self.push_pull_into_async(
+            grads, self._new_arrays(list(grads) if keys is None else keys))
 
     def describe(self, keys):
         """{key: (dtype name, shape)} of tensors on the servers."""

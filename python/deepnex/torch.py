@@ -6,8 +6,9 @@ Parameter server (BytePS-style)::
     opt = deepnex.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     loss.backward(); opt.step(); opt.zero_grad()
 
-``step()`` pushes every gradient and pulls the new parameters in one round
-trip (push_pull); the servers' optimizer (``deepnex run --optimizer sgd
+Backward pushes the gradients in buckets as it produces them (last layer
+first), each bucket's pull going out with its push (push_pull), and
+``step()`` waits for what is still in flight; the servers' optimizer (``deepnex run --optimizer sgd
 --lr ...``, or deepnex.ps.Server(optimizer=...)) makes the update, so the
 wrapped optimizer's own step and hyperparameters are not used: it is kept for
 zero_grad(), param_groups and the code that expects an optimizer. The servers
@@ -107,8 +108,9 @@ def _param_names(optimizer, named_parameters):
 
 
 class DistributedOptimizer:
-    """Wraps `optimizer`: step() sends the gradients to the parameter servers
-    and loads the parameters they return. See the module's documentation.
+    """Wraps `optimizer`: the gradients go to the parameter servers and the
+    parameters they return are loaded at step(). See the module's
+    documentation.
 
     named_parameters: model.named_parameters(), whose names become the
     servers' keys (default: "param_group<g>.<i>"). client: a
@@ -116,12 +118,23 @@ class DistributedOptimizer:
     A parameter without a gradient in a step pushes zeros, so that sync
     rounds still complete. timeout: seconds ranks other than root_rank wait
     for root_rank's initial parameters.
+
+    overlap (default True): the gradients are pushed in buckets of about
+    ``bucket_size`` bytes (default "4MiB") as backward produces them, last
+    layer first (as DistributedDataParallel does), each bucket's pull going
+    out with its push and served as soon as its round completes, so that
+    step() waits only for what is still in flight, loading the first
+    layers' buckets first (the next forward pass needs them first). One
+    backward per step then, as with DistributedDataParallel: a second
+    backward before step() raises. overlap=False pushes everything at
+    step(), for gradients accumulated over several backward passes.
     """
 
     def __init__(self, optimizer, named_parameters=None, client=None, root_rank=0,
-                 timeout=60.0):
+                 timeout=60.0, bucket_size="4MiB", overlap=True):
         self._optimizer = optimizer
         self._params = _param_names(optimizer, named_parameters)
+        bucket_bytes = _ps.byte_size(bucket_size, "bucket_size")
         if client is None:
             ctx = deepnex.init()
             client = _ps.Client(ctx.ps_addrs, worker_id=ctx.rank, token=ctx.token or None)
@@ -133,45 +146,125 @@ class DistributedOptimizer:
         # on CPU, staging copies for CUDA ones.
         self._host = {n: p.data if p.device.type == "cpu" else p.detach().cpu()
                       for n, p in self._params}
-        keys = [n for n, _ in self._params]
         if client.worker_id == root_rank:
             client.init(self._host)
-        else:
-            self._wait_for(keys, timeout)
-        self._load(client.pull(keys))
+        # Pulls land here, made once: a step allocates no arrays.
+        self._pulled = {n: np.empty(tuple(p.shape), _numpy_dtype(p)) for n, p in self._params}
+        self._buckets = self._make_buckets(bucket_bytes)
+        self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket}
+        self._reset()
+        self._pull_initial(timeout)
+        self._load(range(len(self._params)))
+        self._hooks = []
+        if overlap:
+            for i, (_, p) in enumerate(self._params):
+                if not p.requires_grad:
+                    continue
+                # AccumulateGrad runs once p.grad holds the whole gradient.
+                acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                acc.register_hook(self._make_hook(i))
+                self._hooks.append(acc)  # keeps the node, and so the hook, alive
 
-    def _wait_for(self, keys, timeout):
+    def _make_buckets(self, bucket_bytes):
+        """Parameter indices in buckets of about bucket_bytes, last parameter
+        first (the order backward produces them)."""
+        buckets, current, size = [], [], 0
+        for i in reversed(range(len(self._params))):
+            p = self._params[i][1]
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > bucket_bytes:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += nbytes
+        if current:
+            buckets.append(current)
+        return buckets
+
+    def _reset(self):
+        self._grads = {}
+        self._missing = [len(b) for b in self._buckets]
+        self._ops = [None] * len(self._buckets)
+
+    def _pull_initial(self, timeout):
+        """root_rank's initial parameters, once its init has written them
+        all: a tensor is described as soon as root_rank claims it, and its
+        parts are there only once they are written, so the pull itself is
+        what is retried."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self.client.describe(keys)
+                self.client.pull_into(self._pulled)
                 return
             except NotFoundError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
 
-    def _load(self, values):
+    def _load(self, indices):
         with torch.no_grad():
-            for name, p in self._params:
-                p.data.copy_(torch.from_numpy(values[name]))
+            for i in indices:
+                name, p = self._params[i]
+                p.data.copy_(torch.from_numpy(self._pulled[name]))
+
+    def _take_grad(self, i):
+        name, p = self._params[i]
+        if p.grad is None:
+            g = np.zeros(tuple(p.shape), _numpy_dtype(p))
+        elif p.grad.device.type == "cpu":
+            g = p.grad.detach().contiguous()
+        else:
+            g = p.grad.detach().cpu()
+        # Kept until the bucket's op is done: the client reads it in place.
+        self._grads[name] = g
+
+    def _send(self, b):
+        names = [self._params[i][0] for i in self._buckets[b]]
+        self._ops[b] = self.client.push_pull_into_async(
+            {n: self._grads[n] for n in names}, {n: self._pulled[n] for n in names})
+
+    def _make_hook(self, i):
+        def hook(*unused):
+            b = self._bucket_of[i]
+            if self._params[i][0] in self._grads:
+                raise InvalidArgumentError(
+                    f"DistributedOptimizer: a second backward before step() "
+                    f"({self._params[i][0]!r} got its gradient twice); its first "
+                    f"gradient is already pushed. Pass overlap=False to accumulate "
+                    f"gradients over several backward passes")
+            self._take_grad(i)
+            self._missing[b] -= 1
+            if self._missing[b] == 0:
+                self._send(b)
+        return hook
 
     def step(self, closure=None):
-        """Pushes the gradients, loads the servers' new parameters; returns
-        the closure's loss if one is given."""
+        """Pushes the gradients not yet pushed, waits for the servers' new
+        parameters and loads them; returns the closure's loss if one is
+        given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = {}
-        for name, p in self._params:
-            if p.grad is None:
-                grads[name] = np.zeros(tuple(p.shape), _numpy_dtype(p))
-            elif p.grad.device.type == "cpu":
-                grads[name] = p.grad.detach().contiguous()
-            else:
-                grads[name] = p.grad.detach().cpu()
-        self._load(self.client.push_pull(grads))
+        try:
+            for b, bucket in enumerate(self._buckets):
+                if self._ops[b] is None:
+                    for i in bucket:
+                        if self._params[i][0] not in self._grads:
+                            self._take_grad(i)
+                    self._send(b)
+            # The first layers' buckets were pushed last: load them first.
+            for b in reversed(range(len(self._buckets))):
+                self._ops[b].wait()
+                self._load(self._buckets[b])
+        finally:
+            for op in self._ops:
+                if op is not None and not op.done():
+                    try:
+                        op.wait()
+                    except Exception:  # the first error is the one raised
+                        pass
+            self._reset()
         return loss
 
     def synchronize(self):

@@ -83,7 +83,9 @@ class PushCall final : public Call, public PushSink {
   const bool lose_reply_;
 };
 
-class PullCall final : public Call, public PullSink {
+// A pull: each partition copies its slice's values into the reply, which
+// goes once the last one has. A PushPullCall is one too.
+class PullCall : public Call, public PullSink {
  public:
   PullCall(std::vector<uint64_t> offsets, uint64_t total, grpc::ByteBuffer* response)
       : offsets_(std::move(offsets)),
@@ -118,6 +120,50 @@ class PullCall final : public Call, public PullSink {
   std::vector<uint64_t> versions_;  // each written by one partition, once
   std::atomic<size_t> remaining_;
   grpc::ByteBuffer* const response_;
+};
+
+// A push that replies with the values of its slices (PushHeader.pull):
+// once every slice is applied, it pulls them from `parts` for the push's
+// seqs, which serve them as they would a pull of those seqs.
+class PushPullCall final : public PullCall,
+                           public PushSink,
+                           public std::enable_shared_from_this<PushPullCall> {
+ public:
+  // `lose_reply`: answer Unavailable once applied (testing hook).
+  PushPullCall(const proto::PushHeader& header, std::vector<Partition*> parts, bool lose_reply,
+               std::vector<uint64_t> offsets, uint64_t total, grpc::ByteBuffer* response)
+      : PullCall(std::move(offsets), total, response),
+        worker_(header.worker_id()),
+        incarnation_(header.incarnation()),
+        parts_(std::move(parts)),
+        pushes_left_(parts_.size()),
+        lose_reply_(lose_reply) {
+    for (const proto::Slice& slice : header.slices()) seqs_.push_back(slice.seq());
+  }
+  void SliceApplied(size_t) override {
+    if (pushes_left_.fetch_sub(1) != 1 || Finished()) return;
+    if (lose_reply_) {
+      if (Claim()) {
+        reactor_->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "reply dropped for testing"));
+      }
+      return;
+    }
+    Completions done;
+    for (size_t i = 0; i < parts_.size(); ++i) {
+      parts_[i]->Pull(worker_, incarnation_, seqs_[i], shared_from_this(), i, &done);
+    }
+    for (auto& fn : done) fn();
+  }
+  void Fail(const absl::Status& status) override { PullCall::Fail(status); }
+  bool Finished() const override { return PullCall::Finished(); }
+
+ private:
+  const int worker_;
+  const uint64_t incarnation_;
+  const std::vector<Partition*> parts_;
+  std::vector<uint64_t> seqs_;
+  std::atomic<size_t> pushes_left_;
+  const bool lose_reply_;
 };
 
 }  // namespace deepnex::ps

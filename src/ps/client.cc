@@ -18,6 +18,8 @@
 #include "core/grpc_util.h"
 #include "core/timer.h"
 #include "deepnex/ps.grpc.pb.h"
+#include "ps/client_op.h"
+#include "ps/pieces.h"
 #include "ps/plan.h"
 
 namespace deepnex::ps {
@@ -33,79 +35,6 @@ constexpr char kPullMethod[] = "/deepnex.ps.proto.ParameterServer/Pull";
 constexpr char kWritePartsMethod[] =
     "/deepnex.ps.proto.ParameterServer/WriteParts";
 
-// An operation made of requests in flight; done when the last one is.
-class Op final : public PendingOp {
- public:
-  explicit Op(int outstanding) : outstanding_(outstanding) {
-    if (outstanding == 0) finishing_ = done_ = true;
-  }
-  // Adds requests to an op that is still held open by another.
-  void Add(int n) {
-    std::lock_guard<std::mutex> lock(mu_);
-    outstanding_ += n;
-  }
-  // The continuations run before waiters wake, so that what they change
-  // (e.g. the client's registration) is in place when Wait() returns.
-  void RequestDone(const absl::Status& status) {
-    std::vector<std::function<void(const absl::Status&)>> then;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      // The first error wins, except over a cancellation it caused.
-      if (!status.ok() && (status_.ok() || absl::IsCancelled(status_))) status_ = status;
-      if (--outstanding_ > 0) return;
-      finishing_ = true;
-      then.swap(then_);
-    }
-    for (auto& fn : then) fn(status_);
-    std::lock_guard<std::mutex> lock(mu_);
-    done_ = true;
-    cv_.notify_all();
-  }
-  // Runs `fn` with the final status once the requests are done (at once if
-  // they are).
-  void Then(std::function<void(const absl::Status&)> fn) {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!finishing_) {
-      then_.push_back(std::move(fn));
-      return;
-    }
-    lock.unlock();
-    fn(status_);
-  }
-  absl::Status Wait(std::chrono::milliseconds timeout) override {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!cv_.wait_for(lock, timeout, [this] { return done_; })) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "operation still running after ", timeout.count(), " ms"));
-    }
-    return status_;
-  }
-  absl::Status Wait() override {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return done_; });
-    return status_;
-  }
-  bool Done() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return done_;
-  }
-
- private:
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  int outstanding_;
-  bool finishing_ = false;  // the last request is done; continuations run
-  bool done_ = false;
-  absl::Status status_;
-  std::vector<std::function<void(const absl::Status&)>> then_;
-};
-
-std::shared_ptr<Op> FailedOp(const absl::Status& status) {
-  auto op = std::make_shared<Op>(1);
-  op->RequestDone(status);
-  return op;
-}
-
 // What a client knows of a tensor: its meta and how many times this
 // incarnation pushed it.
 struct KeyState {
@@ -120,13 +49,6 @@ uint64_t NewIncarnation() {
                (static_cast<uint64_t>(getpid()) << 16) ^ ++counter;
   return v == 0 ? 1 : v;
 }
-
-// One slice of a tensor travelling to or from a server.
-struct Piece {
-  pb::Slice slice;
-  char* data;  // the slice's bytes in the caller's tensor
-  uint64_t bytes;
-};
 
 class ClientImpl final : public Client {
  public:
@@ -252,8 +174,11 @@ class ClientImpl final : public Client {
     return StartPull(out);
   }
 
-  // The pulls go out with the pushes: each server holds a pull until the
-  // push it must see is applied, so the two directions overlap on the wire.
+  // Pulling the keys just pushed, in the same order (a training step), is
+  // one call per request: each push asks its server to reply with the
+  // values it must see, read once its round allows. Other keys: the pulls
+  // go out with the pushes, and each server holds a pull until the push it
+  // must see is applied, so the two directions overlap on the wire.
   std::shared_ptr<PendingOp> PushPullAsync(
       const std::vector<NamedTensor>& grads,
       const std::vector<NamedTensor>& out) override {
@@ -264,6 +189,14 @@ class ClientImpl final : public Client {
     if (s.ok()) s = Prepare("pull", out, /*pushing=*/false, &pull);
     if (!s.ok()) return FailedOp(s);
     auto op = NewOp(/*pushes=*/true);
+    const bool same_keys =
+        grads.size() == out.size() &&
+        std::equal(grads.begin(), grads.end(), out.begin(),
+                   [](const NamedTensor& a, const NamedTensor& b) { return a.key == b.key; });
+    if (same_keys) {
+      SendPush(push, op, nullptr, &pull);
+      return Release(op);
+    }
     auto pulls = SendPull(pull, op);
     SendPush(push, op, [pulls] {
       for (const auto& r : pulls) r->Cancel();  // they would wait in vain
@@ -659,62 +592,6 @@ class ClientImpl final : public Client {
     return absl::OkStatus();
   }
 
-  static void CutIntoPieces(const NamedTensor& t, const pb::TensorMeta& meta,
-                            uint64_t seq, std::vector<Piece>* pieces) {
-    const uint64_t elem = DTypeSize(t.view.dtype);
-    const uint64_t n = t.view.NumElements();
-    for (uint32_t part = 0; part < meta.num_parts(); ++part) {
-      PartRange r = PartOf(n, meta.num_parts(), part);
-      Piece p;
-      p.slice.set_key(t.key);
-      p.slice.set_part(part);
-      p.slice.set_offset(r.offset);
-      p.slice.set_count(r.count);
-      p.slice.set_dtype(meta.dtype());
-      p.slice.set_seq(seq);
-      p.data = static_cast<char*>(t.view.data) + r.offset * elem;
-      p.bytes = r.count * elem;
-      pieces->push_back(std::move(p));
-    }
-  }
-
-  // Groups pieces by server, then into batches of about request_bytes.
-  std::vector<std::pair<size_t, std::vector<const Piece*>>> Batch(
-      const std::vector<Piece>& pieces) const {
-    std::vector<std::vector<const Piece*>> per_server(servers_.size());
-    for (const Piece& p : pieces) {
-      per_server[ServerOf(p.slice.key(), p.slice.part(),
-                          static_cast<int>(servers_.size()))]
-          .push_back(&p);
-    }
-    std::vector<std::pair<size_t, std::vector<const Piece*>>> batches;
-    for (size_t s = 0; s < per_server.size(); ++s) {
-      std::vector<const Piece*> batch;
-      uint64_t bytes = 0;
-      for (const Piece* p : per_server[s]) {
-        if (!batch.empty() && bytes + p->bytes > options_.request_bytes) {
-          batches.push_back({s, std::move(batch)});
-          batch.clear();
-          bytes = 0;
-        }
-        batch.push_back(p);
-        bytes += p->bytes;
-      }
-      if (!batch.empty()) batches.push_back({s, std::move(batch)});
-    }
-    return batches;
-  }
-
-  // The payload points at the caller's memory, which the op's contract keeps
-  // alive and unchanged until the op is done.
-  static std::vector<grpc::Slice> PayloadOf(const std::vector<const Piece*>& batch) {
-    std::vector<grpc::Slice> payload;
-    for (const Piece* p : batch) {
-      payload.emplace_back(p->data, p->bytes, grpc::Slice::STATIC_SLICE);
-    }
-    return payload;
-  }
-
   std::shared_ptr<Op> StartPush(const std::vector<NamedTensor>& grads) {
     std::vector<Piece> pieces;
     absl::Status s = CheckWriter("push");
@@ -751,9 +628,11 @@ class ClientImpl final : public Client {
     return op;
   }
 
+  // With `pull` (the same pieces cut from the tensors to pull into), each
+  // push asks for the values back in its reply.
   void SendPush(const std::vector<Piece>& pieces, const std::shared_ptr<Op>& op,
-                std::function<void()> on_failure) {
-    auto batches = Batch(pieces);
+                std::function<void()> on_failure, const std::vector<Piece>* pull = nullptr) {
+    auto batches = Batch(pieces, servers_.size(), options_.request_bytes);
     op->Add(static_cast<int>(batches.size()));
     const Clock::time_point deadline = Clock::now() + options_.timeout;
     for (auto& [server, batch] : batches) {
@@ -762,15 +641,42 @@ class ClientImpl final : public Client {
       header.set_incarnation(incarnation_.load());
       for (const Piece* p : batch) *header.add_slices() = p->slice;
       auto r = NewRequest(op, server, kPushMethod, "push", deadline);
+      if (pull != nullptr) {
+        header.set_pull(true);
+        std::vector<std::pair<char*, uint64_t>> dst;
+        for (const Piece* p : batch) {
+          const Piece& into = (*pull)[p - pieces.data()];
+          dst.push_back({into.data, into.bytes});
+        }
+        r->on_reply = ReplyReader("push", std::move(dst));
+      }
       r->request = EncodeFramed(header, PayloadOf(batch));
       r->on_failure = on_failure;
       Send(std::move(r));
     }
   }
 
+  // Reads a pull's reply (values of the slices in order) into `dst`.
+  static std::function<absl::Status(const grpc::ByteBuffer&)> ReplyReader(
+      const char* what, std::vector<std::pair<char*, uint64_t>> dst) {
+    return [what, dst = std::move(dst)](const grpc::ByteBuffer& reply) {
+      pb::PullHeader header;
+      PayloadReader payload;
+      DEEPNEX_RETURN_IF_ERROR(DecodeFramed(reply, &header, &payload));
+      uint64_t need = 0;
+      for (const auto& d : dst) need += d.second;
+      if (payload.remaining() != need) {
+        return absl::InternalError(absl::StrFormat(
+            "%s: the reply holds %d bytes, expected %d", what, payload.remaining(), need));
+      }
+      for (const auto& [ptr, n] : dst) payload.Read(ptr, n);
+      return absl::OkStatus();
+    };
+  }
+
   std::vector<std::shared_ptr<Request>> SendPull(const std::vector<Piece>& pieces,
                                                  const std::shared_ptr<Op>& op) {
-    auto batches = Batch(pieces);
+    auto batches = Batch(pieces, servers_.size(), options_.request_bytes);
     op->Add(static_cast<int>(batches.size()));
     const Clock::time_point deadline = Clock::now() + options_.timeout;
     std::vector<std::shared_ptr<Request>> sent;
@@ -787,19 +693,7 @@ class ClientImpl final : public Client {
       std::string bytes = req.SerializeAsString();
       grpc::Slice slice(bytes);
       r->request = grpc::ByteBuffer(&slice, 1);
-      r->on_reply = [dst = std::move(dst)](const grpc::ByteBuffer& reply) {
-        pb::PullHeader header;
-        PayloadReader payload;
-        DEEPNEX_RETURN_IF_ERROR(DecodeFramed(reply, &header, &payload));
-        uint64_t need = 0;
-        for (const auto& d : dst) need += d.second;
-        if (payload.remaining() != need) {
-          return absl::InternalError(absl::StrFormat(
-              "pull: the reply holds %d bytes, expected %d", payload.remaining(), need));
-        }
-        for (const auto& [ptr, n] : dst) payload.Read(ptr, n);
-        return absl::OkStatus();
-      };
+      r->on_reply = ReplyReader("pull", std::move(dst));
       sent.push_back(r);
       Send(std::move(r));
     }
@@ -814,7 +708,7 @@ class ClientImpl final : public Client {
       CutIntoPieces({meta.key(), *view}, meta, 0, &pieces);
       metas[meta.key()] = &meta;
     }
-    auto batches = Batch(pieces);
+    auto batches = Batch(pieces, servers_.size(), options_.request_bytes);
     auto op = std::make_shared<Op>(static_cast<int>(batches.size()));
     const Clock::time_point deadline = Clock::now() + options_.timeout;
     for (auto& [server, batch] : batches) {

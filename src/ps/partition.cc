@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <chrono>
 #include <deque>
 #include <iterator>
@@ -10,166 +9,13 @@
 #include <list>
 #include <mutex>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "ps/update.h"
+#include "ps/values.h"
 
 namespace deepnex::ps {
 namespace {
-
-// Gradients are read in chunks small enough to stay in cache.
-constexpr size_t kChunkElems = 16384;
-
-// Converts `n` elements stored as `dtype` into the compute type T.
-template <typename T>
-void ToCompute(DType dtype, const char* src, T* dst, size_t n) {
-  switch (dtype) {
-    case DType::kFloat16:
-      for (size_t i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * i, 2);
-        dst[i] = HalfToFloat(h);
-      }
-      return;
-    case DType::kBFloat16:
-      for (size_t i = 0; i < n; ++i) {
-        uint16_t b;
-        std::memcpy(&b, src + 2 * i, 2);
-        dst[i] = BFloat16ToFloat(b);
-      }
-      return;
-    default:  // float32 into float, float64 into double
-      std::memcpy(dst, src, n * sizeof(T));
-  }
-}
-
-template <typename T>
-void FromCompute(DType dtype, const T* src, char* dst, size_t n) {
-  switch (dtype) {
-    case DType::kFloat16:
-      for (size_t i = 0; i < n; ++i) {
-        uint16_t h = FloatToHalf(src[i]);
-        std::memcpy(dst + 2 * i, &h, 2);
-      }
-      return;
-    case DType::kBFloat16:
-      for (size_t i = 0; i < n; ++i) {
-        uint16_t b = FloatToBFloat16(src[i]);
-        std::memcpy(dst + 2 * i, &b, 2);
-      }
-      return;
-    default:
-      std::memcpy(dst, src, n * sizeof(T));
-  }
-}
-
-// Reads the next `count` elements of `payload` chunk by chunk as T and calls
-// fn(chunk, first_element, n) for each chunk.
-template <typename T, typename Fn>
-void ForEachChunk(DType dtype, uint64_t count, PayloadReader* payload, Fn fn) {
-  thread_local std::vector<char> raw;
-  thread_local std::vector<T> values;
-  const size_t elem = DTypeSize(dtype);
-  if (raw.size() < kChunkElems * elem) raw.resize(kChunkElems * elem);
-  if (values.size() < kChunkElems) values.resize(kChunkElems);
-  // Stored as the compute type (float32 as float, float64 as double): read
-  // straight into the chunk, no conversion pass.
-  const bool direct = elem == sizeof(T);
-  for (uint64_t done = 0; done < count;) {
-    size_t n = static_cast<size_t>(std::min<uint64_t>(kChunkElems, count - done));
-    if (direct) {
-      payload->Read(values.data(), n * elem);
-    } else {
-      payload->Read(raw.data(), n * elem);
-      ToCompute<T>(dtype, raw.data(), values.data(), n);
-    }
-    fn(values.data(), done, n);
-    done += n;
-  }
-}
-
-using Bits64 = uint64_t;
-
-// NaN and Inf are the values whose exponent bits are all ones.
-template <typename Bits>
-bool NonFinite(const char* p, Bits exponent) {
-  Bits b;
-  std::memcpy(&b, p, sizeof(Bits));
-  return (b & exponent) == exponent;
-}
-
-// Whether any of `n` elements at `p` is NaN or Inf; a loop of its own per
-// width so that it vectorizes.
-template <typename Bits>
-bool AnyNonFinite(const char* p, size_t n, Bits exponent) {
-  bool any = false;
-  for (size_t i = 0; i < n; ++i) any |= NonFinite<Bits>(p + i * sizeof(Bits), exponent);
-  return any;
-}
-
-Bits64 ExponentMask(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat64: return 0x7ff0000000000000ull;
-    case DType::kFloat16: return 0x7c00;
-    case DType::kBFloat16: return 0x7f80;
-    default: return 0x7f800000u;
-  }
-}
-
-bool NonFiniteAt(DType dtype, const char* p) {
-  switch (DTypeSize(dtype)) {
-    case 8: return NonFinite<uint64_t>(p, ExponentMask(dtype));
-    case 2: return NonFinite<uint16_t>(p, static_cast<uint16_t>(ExponentMask(dtype)));
-    default: return NonFinite<uint32_t>(p, static_cast<uint32_t>(ExponentMask(dtype)));
-  }
-}
-
-bool AnyNonFiniteAt(DType dtype, const char* p, size_t n) {
-  switch (DTypeSize(dtype)) {
-    case 8: return AnyNonFinite<uint64_t>(p, n, ExponentMask(dtype));
-    case 2: return AnyNonFinite<uint16_t>(p, n, static_cast<uint16_t>(ExponentMask(dtype)));
-    default: return AnyNonFinite<uint32_t>(p, n, static_cast<uint32_t>(ExponentMask(dtype)));
-  }
-}
-
-// Scans the next `count` elements of `payload` in place (the bytes are read
-// once, not copied): a gradient is refused before any of it is applied, so
-// this pass comes on top of the one that applies it.
-absl::Status CheckFiniteBits(DType dtype, uint64_t offset, uint64_t count,
-                             PayloadReader* payload) {
-  const size_t elem = DTypeSize(dtype);
-  char carry[8];
-  size_t carried = 0;    // bytes of an element split across two spans
-  uint64_t index = 0;    // elements checked so far
-  int64_t bad = -1;
-  payload->Visit(count * elem, [&](const char* p, size_t n) {
-    if (bad >= 0) return;
-    if (carried > 0) {
-      size_t take = std::min(elem - carried, n);
-      std::memcpy(carry + carried, p, take);
-      carried += take;
-      p += take;
-      n -= take;
-      if (carried < elem) return;
-      if (NonFiniteAt(dtype, carry)) bad = index;
-      ++index;
-      carried = 0;
-    }
-    size_t whole = n / elem;
-    if (AnyNonFiniteAt(dtype, p, whole) && bad < 0) {
-      for (size_t i = 0; i < whole; ++i) {
-        if (NonFiniteAt(dtype, p + i * elem)) {
-          bad = index + i;
-          break;
-        }
-      }
-    }
-    index += whole;
-    carried = n - whole * elem;
-    std::memcpy(carry, p + whole * elem, carried);
-  });
-  if (bad < 0) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrFormat("element %d is NaN or Inf", offset + bad));
-}
 
 template <typename T>
 class TypedPartition final : public Partition {
@@ -191,21 +37,29 @@ class TypedPartition final : public Partition {
 
   void Write(PayloadReader* payload) override {
     std::lock_guard<std::mutex> lock(mu_);
-    ForEachChunk<T>(dtype_, count_, payload, [&](const T* g, uint64_t at, size_t n) {
-      std::copy(g, g + n, values_.begin() + at);
-    });
+    ForEachChunk<T>(dtype_, count_, payload, /*check=*/false,
+                    [&](const T* g, uint64_t at, size_t n) {
+                      std::copy(g, g + n, values_.begin() + at);
+                    });
   }
 
-  absl::Status CheckFinite(PayloadReader* payload) const override {
-    return CheckFiniteBits(dtype_, offset_, count_, payload);
+  absl::Status CheckFinite(const std::string& key, PayloadReader* payload) const override {
+    absl::Status finite = CheckFiniteBits(dtype_, offset_, count_, payload);
+    if (finite.ok()) return finite;
+    return RefuseNonFinite(key, std::string(finite.message()));
   }
 
-  void Push(int worker, uint64_t incarnation, uint64_t seq, PayloadReader* payload,
-            std::shared_ptr<PushSink> sink, size_t slice, Completions* done) override {
+  void Push(int worker, uint64_t incarnation, uint64_t seq, const std::string& key,
+            bool check_finite, PayloadReader* payload, std::shared_ptr<PushSink> sink,
+            size_t slice, Completions* done) override {
     std::lock_guard<std::mutex> lock(mu_);
+    auto refuse = [&](absl::Status s) { done->push_back([sink, s] { sink->Fail(s); }); };
     auto fail = [&](absl::Status s) {
       payload->Skip(bytes());
-      done->push_back([sink, s] { sink->Fail(s); });
+      refuse(std::move(s));
+    };
+    auto non_finite = [&](int64_t element) {
+      refuse(RefuseNonFinite(key, absl::StrFormat("element %d is NaN or Inf", offset_ + element)));
     };
     absl::Status bound = Bind(worker, incarnation);
     if (!bound.ok()) return fail(bound);
@@ -226,13 +80,27 @@ class TypedPartition final : public Partition {
         if (!taken.ok()) return fail(taken);
       }
       Deferred d{worker, seq, sink, slice, std::vector<T>(count_)};
-      ForEachChunk<T>(dtype_, count_, payload, [&](const T* g, uint64_t at, size_t n) {
-        std::copy(g, g + n, d.grad.begin() + at);
-      });
+      int64_t bad = ForEachChunk<T>(dtype_, count_, payload, check_finite,
+                                    [&](const T* g, uint64_t at, size_t n) {
+                                      std::copy(g, g + n, d.grad.begin() + at);
+                                    });
+      if (bad >= 0) {
+        if (config_.deferred_limit != nullptr) config_.deferred_limit->Give(worker, kept);
+        return non_finite(bad);
+      }
       deferred_.push_back(std::move(d));
       return;
     }
-    Accept(worker, payload, nullptr, done);
+    if (check_finite && config_.mode == Mode::kAsync) {
+      // Async pushes update the values in place: a bad one must be found
+      // before any of it is applied, in a pass of its own.
+      PayloadReader scan = *payload;
+      absl::Status finite = CheckFiniteBits(dtype_, offset_, count_, &scan);
+      if (!finite.ok()) return fail(RefuseNonFinite(key, std::string(finite.message())));
+    }
+    int64_t bad = Accept(worker, payload, nullptr,
+                         check_finite && config_.mode != Mode::kAsync, done);
+    if (bad >= 0) return non_finite(bad);
     done->push_back([sink, slice] { sink->SliceApplied(slice); });
     Progress(done);
   }
@@ -404,14 +272,17 @@ class TypedPartition final : public Partition {
 
   // Takes the worker's next push from `payload` or `grad`. A push for a
   // round already applied without it (its lease had expired) is dropped.
+  // With `check` (sync, ssp), a push holding NaN or Inf is refused in the
+  // pass that takes it in, leaving everything as it was: returns the first
+  // bad element's index, else -1.
   // REQUIRES: mu_ held, Eligible().
-  void Accept(int worker, PayloadReader* payload, const std::vector<T>* grad,
-              Completions* done) {
+  int64_t Accept(int worker, PayloadReader* payload, const std::vector<T>* grad, bool check,
+                 Completions* done) {
     WorkerState& ws = workers_[worker];
     uint64_t round = ws.first_round + ws.next_seq - 1;
-    ++ws.next_seq;
     if (config_.mode == Mode::kAsync) {
-      Each(payload, grad, [&](const T* g, uint64_t at, size_t n) {
+      ++ws.next_seq;
+      Each(payload, grad, false, [&](const T* g, uint64_t at, size_t n) {
         ApplyUpdate<T>(config_.optimizer, step_ + 1, T(1), values_.data() + at, g,
                        m_.empty() ? nullptr : m_.data() + at,
                        v_.empty() ? nullptr : v_.data() + at, n);
@@ -419,49 +290,77 @@ class TypedPartition final : public Partition {
       ++step_;
       ++version_;
       MaybeSnapshot(done);
-      return;
+      return -1;
     }
     if (round <= version_) {
-      if (payload) payload->Skip(bytes());
+      if (payload && check) {
+        int64_t bad = Each(payload, grad, check, [](const T*, uint64_t, size_t) {});
+        if (bad >= 0) return bad;
+      } else if (payload) {
+        payload->Skip(bytes());
+      }
+      ++ws.next_seq;
       if (config_.observer) config_.observer->LatePush(worker);
-      return;
+      return -1;
     }
-    while (open_.size() < round - version_) open_.emplace_back();
+    while (open_.size() < round - version_) open_.push_back(SpareRound());
     Round& r = open_[round - version_ - 1];
     if (r.contributed.empty()) {
       r.contributed.assign(config_.num_workers, 0);
       r.opened = std::chrono::steady_clock::now();
     }
-    if (config_.keep_dead_contributions) {
-      bool first = r.contributions == 0;
-      if (first) r.sum.resize(count_);
-      Each(payload, grad, [&](const T* g, uint64_t at, size_t n) {
-        T* acc = r.sum.data() + at;
-        if (first) {
-          std::copy(g, g + n, acc);
-        } else {
-          for (size_t i = 0; i < n; ++i) acc[i] += g[i];
-        }
-      });
-    } else {
+    int64_t bad;
+    if (!config_.keep_dead_contributions) {
       if (r.by_worker.empty()) r.by_worker.resize(config_.num_workers);
       std::vector<T>& mine = r.by_worker[worker];
       mine.resize(count_);
-      Each(payload, grad, [&](const T* g, uint64_t at, size_t n) {
+      bad = Each(payload, grad, check, [&](const T* g, uint64_t at, size_t n) {
         std::copy(g, g + n, mine.begin() + at);
       });
+    } else if (r.contributions == 0) {
+      r.sum.resize(count_);  // a recycled round's buffer: no allocation
+      bad = Each(payload, grad, check, [&](const T* g, uint64_t at, size_t n) {
+        std::copy(g, g + n, r.sum.begin() + at);
+      });
+    } else if (check) {
+      // The sum goes to a second buffer, swapped in once all of the push
+      // proved finite: the same memory traffic as adding in place, and a
+      // refused push leaves the sum untouched.
+      scratch_.resize(count_);
+      bad = Each(payload, grad, check, [&](const T* g, uint64_t at, size_t n) {
+        const T* acc = r.sum.data() + at;
+        T* out = scratch_.data() + at;
+        for (size_t i = 0; i < n; ++i) out[i] = acc[i] + g[i];
+      });
+      if (bad < 0) r.sum.swap(scratch_);
+    } else {
+      bad = Each(payload, grad, check, [&](const T* g, uint64_t at, size_t n) {
+        T* acc = r.sum.data() + at;
+        for (size_t i = 0; i < n; ++i) acc[i] += g[i];
+      });
     }
+    if (bad >= 0) return bad;
+    ++ws.next_seq;
     r.contributed[worker] = 1;
     ++r.contributions;
+    return -1;
   }
 
   template <typename Fn>
-  void Each(PayloadReader* payload, const std::vector<T>* grad, Fn fn) {
-    if (payload) {
-      ForEachChunk<T>(dtype_, count_, payload, fn);
-    } else {
-      fn(grad->data(), 0, count_);
-    }
+  int64_t Each(PayloadReader* payload, const std::vector<T>* grad, bool check, Fn fn) {
+    if (payload) return ForEachChunk<T>(dtype_, count_, payload, check, fn);
+    fn(grad->data(), 0, count_);  // a deferred push, checked when it came
+    return -1;
+  }
+
+  // An empty round, with the buffers of the last one completed, so that a
+  // round at steady state allocates nothing. REQUIRES: mu_ held.
+  Round SpareRound() {
+    Round r = std::move(spare_round_);
+    spare_round_ = Round();
+    r.contributed.clear();
+    r.contributions = 0;
+    return r;
   }
 
   // Completes every round that can complete, releases the pulls it
@@ -484,7 +383,7 @@ class TypedPartition final : public Partition {
         if (it->sink->Finished()) {
           it = EraseDeferred(it);
         } else if (Eligible(it->worker, it->seq)) {
-          Accept(it->worker, nullptr, &it->grad, done);
+          Accept(it->worker, nullptr, &it->grad, /*check=*/false, done);
           done->push_back([sink = it->sink, slice = it->slice] {
             sink->SliceApplied(slice);
           });
@@ -539,6 +438,7 @@ class TypedPartition final : public Partition {
                            .count();
       done->push_back([obs = config_.observer, latency] { obs->RoundCompleted(latency); });
     }
+    spare_round_ = std::move(r);
     MaybeSnapshot(done);
     for (auto it = snapshots_.begin(); it != snapshots_.end();) {
       if (it->round == version_) {
@@ -652,12 +552,20 @@ class TypedPartition final : public Partition {
   uint64_t step_ = 0;     // optimizer steps taken
   std::vector<WorkerState> workers_;
   std::deque<Round> open_;  // open_[i] is round version_ + 1 + i
+  Round spare_round_;       // the last completed round, for its buffers
+  std::vector<T> scratch_;  // a checked push's sum, before it is swapped in
   std::list<Waiter> waiters_;
   std::list<Deferred> deferred_;
   std::list<SnapshotRequest> snapshots_;
 };
 
 }  // namespace
+
+absl::Status RefuseNonFinite(const std::string& key, const std::string& detail) {
+  return absl::InvalidArgumentError(absl::StrCat("push of \"", key,
+                                                 "\": the gradient holds NaN or Inf (", detail,
+                                                 "); refused, nothing applied"));
+}
 
 std::unique_ptr<Partition> Partition::Create(const PartitionConfig& config,
                                              DType dtype, uint64_t offset,

@@ -110,6 +110,10 @@ struct PartitionState {
   std::vector<Worker> workers;
 };
 
+// The error of a push of `key` refused for a NaN or Inf (`detail` names
+// the element).
+absl::Status RefuseNonFinite(const std::string& key, const std::string& detail);
+
 // Thread-safe; every method takes the partition's own lock, so calls on
 // different partitions never contend.
 class Partition {
@@ -126,16 +130,19 @@ class Partition {
 
   // Sets the values from the next bytes() of `payload`.
   virtual void Write(PayloadReader* payload) = 0;
-  // Reads the next bytes() of `payload`; InvalidArgument (naming the first
-  // bad element) if any value is NaN or Inf.
-  virtual absl::Status CheckFinite(PayloadReader* payload) const = 0;
+  // Reads the next bytes() of `payload`; InvalidArgument (RefuseNonFinite
+  // of `key`, naming the first bad element) if any value is NaN or Inf.
+  virtual absl::Status CheckFinite(const std::string& key, PayloadReader* payload) const = 0;
   // Consumes the next bytes() of `payload` as push number `seq` (1-based,
   // per key) of worker `worker`'s client `incarnation`. A seq already
   // applied is acknowledged and ignored (a retry); one that must wait (an
   // earlier seq missing, or a round too far ahead of the slowest worker) is
   // kept, within the worker's deferred_limit, and acknowledged once applied.
-  virtual void Push(int worker, uint64_t incarnation, uint64_t seq,
-                    PayloadReader* payload, std::shared_ptr<PushSink> sink,
+  // With `check_finite`, a push holding NaN or Inf fails the sink with
+  // RefuseNonFinite(key, ...) and changes nothing; in sync and ssp modes the
+  // check rides on the pass that takes the push in.
+  virtual void Push(int worker, uint64_t incarnation, uint64_t seq, const std::string& key,
+                    bool check_finite, PayloadReader* payload, std::shared_ptr<PushSink> sink,
                     size_t slice, Completions* done) = 0;
   // Copies the values into the sink once they include what the worker's
   // push `last_seq` requires: its round minus the staleness (sync, ssp), the

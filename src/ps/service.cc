@@ -224,32 +224,55 @@ grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
   if (s.ok()) s = DecodeFramed(*request, &header, &payload);
   if (s.ok()) s = CheckWorker(header.worker_id(), "push");
   if (s.ok()) s = Resolve("push", header.slices(), &parts, &payload);
-  if (s.ok() && options_.reject_nonfinite) {
+  // A push of several slices is checked whole first, so that one bad slice
+  // refuses all; a single slice, by its partition in the pass taking it in.
+  const bool check_whole = options_.reject_nonfinite && parts.size() > 1;
+  if (s.ok() && check_whole) {
     PayloadReader check = payload;
     for (size_t i = 0; i < parts.size() && s.ok(); ++i) {
-      absl::Status finite = parts[i]->CheckFinite(&check);
-      if (!finite.ok()) {
-        s = absl::InvalidArgumentError(absl::StrCat(
-            "push of \"", header.slices(i).key(), "\": the gradient holds NaN or Inf (",
-            finite.message(), "); refused, nothing applied"));
-      }
+      s = parts[i]->CheckFinite(header.slices(i).key(), &check);
     }
   }
+  std::vector<uint64_t> offsets;
+  uint64_t total = 0;
+  const std::string peer = header.pull() ? ctx->peer() : std::string();
+  if (s.ok() && header.pull()) s = PullLayout("push", header.slices(), parts, &offsets, &total);
+  if (s.ok() && header.pull()) s = HoldReply(peer, total);
   if (!s.ok()) return Reply(ctx, s);
-  *response = EmptyMessage();
-  if (parts.empty()) return Reply(ctx, absl::OkStatus());
+  if (parts.empty()) {
+    *response = header.pull() ? EncodeFramed(pb::PullHeader(), {}) : EmptyMessage();
+    return Reply(ctx, absl::OkStatus());
+  }
 
   metrics_.pushes->Add();
   metrics_.worker_pushes[header.worker_id()]->Add();
   metrics_.bytes_in->Add(payload.remaining());
   bool lose_reply = drops_left_.load() > 0 && drops_left_.fetch_sub(1) > 0;
-  auto call = std::make_shared<PushCall>(parts.size(), lose_reply);
-  call->OnDone([parts](bool failed) { DropFinished(parts, failed); });
-  auto* reactor = new CallReactor(call);
+  std::shared_ptr<PushSink> sink;
+  grpc::ServerUnaryReactor* reactor;
+  if (header.pull()) {
+    metrics_.pulls->Add();
+    metrics_.bytes_out->Add(total);
+    auto call = std::make_shared<PushPullCall>(header, parts, lose_reply, std::move(offsets),
+                                               total, response);
+    call->OnDone([this, parts, peer, total](bool failed) {
+      ReleaseReply(peer, total);
+      DropFinished(parts, failed);
+    });
+    reactor = new CallReactor(call);
+    sink = std::move(call);
+  } else {
+    *response = EmptyMessage();
+    auto call = std::make_shared<PushCall>(parts.size(), lose_reply);
+    call->OnDone([parts](bool failed) { DropFinished(parts, failed); });
+    reactor = new CallReactor(call);
+    sink = std::move(call);
+  }
   Completions done;
   for (size_t i = 0; i < parts.size(); ++i) {
-    parts[i]->Push(header.worker_id(), header.incarnation(), header.slices(i).seq(), &payload, call,
-                   i, &done);
+    parts[i]->Push(header.worker_id(), header.incarnation(), header.slices(i).seq(),
+                   header.slices(i).key(), options_.reject_nonfinite && !check_whole, &payload,
+                   sink, i, &done);
   }
   RunAll(done);
   return reactor;
@@ -272,7 +295,7 @@ grpc::ServerUnaryReactor* Service::Pull(grpc::CallbackServerContext* ctx,
   if (s.ok()) s = Resolve("pull", req.slices(), &parts, nullptr);
   std::vector<uint64_t> offsets;
   uint64_t total = 0;
-  if (s.ok()) s = PullLayout(req, parts, &offsets, &total);
+  if (s.ok()) s = PullLayout("pull", req.slices(), parts, &offsets, &total);
   const std::string peer = ctx->peer();
   if (s.ok()) s = HoldReply(peer, total);
   if (!s.ok()) return Reply(ctx, s);
@@ -506,7 +529,9 @@ absl::StatusOr<std::string> Service::CheckpointTarget(const grpc::ServerContextB
   return dir;
 }
 
-absl::Status Service::PullLayout(const pb::PullRequest& req, const std::vector<Partition*>& parts,
+absl::Status Service::PullLayout(const char* op,
+                                 const google::protobuf::RepeatedPtrField<pb::Slice>& slices,
+                                 const std::vector<Partition*>& parts,
                                  std::vector<uint64_t>* offsets, uint64_t* total) const {
   const uint64_t cap = options_.max_pull_reply_bytes > 0 ? options_.max_pull_reply_bytes
                                                          : options_.max_message_bytes;
@@ -515,16 +540,16 @@ absl::Status Service::PullLayout(const pb::PullRequest& req, const std::vector<P
     auto [it, fresh] = seen.emplace(parts[i], static_cast<int>(i));
     if (!fresh) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("pull of \"%s\" part %d: slices %d and %d name the same partition; "
+          absl::StrFormat("%s of \"%s\" part %d: slices %d and %d name the same partition; "
                           "name each once",
-                          req.slices(i).key(), req.slices(i).part(), it->second, i));
+                          op, slices[i].key(), slices[i].part(), it->second, i));
     }
     // *total stays within cap, so cap - *total does not wrap.
     if (parts[i]->bytes() > cap - *total) {
       return absl::ResourceExhaustedError(
-          absl::StrFormat("pull: the reply would hold more than %d bytes (max_pull_reply_bytes) "
+          absl::StrFormat("%s: the reply would hold more than %d bytes (max_pull_reply_bytes) "
                           "at slice %d (\"%s\" part %d); pull fewer slices at a time",
-                          cap, i, req.slices(i).key(), req.slices(i).part()));
+                          op, cap, i, slices[i].key(), slices[i].part()));
     }
     offsets->push_back(*total);
     *total += parts[i]->bytes();

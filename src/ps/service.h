@@ -149,8 +149,11 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
   // Where each slice's values go in the reply, and its size: within
   // max_pull_reply_bytes, and each partition named once (a slice repeated
   // would copy the same values again for nothing).
-  absl::Status PullLayout(const proto::PullRequest& req, const std::vector<Partition*>& parts,
-                          std::vector<uint64_t>* offsets, uint64_t* total) const;
+  // `op` names the call in errors ("pull", or "push" asking for its values).
+  absl::Status PullLayout(const char* op,
+                          const google::protobuf::RepeatedPtrField<proto::Slice>& slices,
+                          const std::vector<Partition*>& parts, std::vector<uint64_t>* offsets,
+                          uint64_t* total) const;
 
   // Counts `bytes` of pull replies against the connection `peer`, refused
   // past max_pending_reply_bytes unless the connection holds none.

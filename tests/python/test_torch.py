@@ -4,6 +4,7 @@ DistributedDataParallel's bucketed allreduce and broadcast_parameters, with
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -92,6 +93,94 @@ def test_distributed_optimizer_averages_gradients_on_the_server():
     expected = torch.tensor([[1.0, 1.0, 1.0, 1.0]]) - 0.5 * torch.tensor(
         [[1.0, 2.0, 3.0, 4.0]]) * (1.5 + 2.5 + 3.5)
     assert torch.equal(finals[0], expected) and torch.equal(finals[1], expected)
+
+
+def _ps_optimizer(server_address, rank, **kwargs):
+    """model(rank), its client and its DistributedOptimizer."""
+    m = model(rank)
+    client = deepnex.ps.Client([server_address], worker_id=rank)
+    opt = dtorch.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=99.0),
+                                      named_parameters=m.named_parameters(),
+                                      client=client, **kwargs)
+    return m, client, opt
+
+
+def _ps_train(server_address, rank, overlap, steps=3):
+    """model(rank) trained `steps` steps through the server with 4-byte
+    buckets (a bucket per parameter); returns the parameters."""
+    m, client, opt = _ps_optimizer(server_address, rank, bucket_size=4, overlap=overlap)
+    for step in range(steps):
+        opt.zero_grad()
+        x = torch.tensor([[1.0, 2.0, 3.0]]) * (rank + 1 + step)
+        m(x).sum().backward()
+        opt.step()
+    client.close()
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def test_distributed_optimizer_buckets_give_the_same_parameters_as_one_push():
+    # The same training with buckets pushed during backward and with
+    # everything pushed at step(): identical parameters on both workers.
+    finals = {}
+    for overlap in (True, False):
+        with deepnex.ps.Server(mode="sync", num_workers=2,
+                               optimizer=deepnex.ps.SGD(lr=0.5)) as server:
+            got = [None, None]
+
+            def worker(rank):
+                got[rank] = _ps_train(server.address, rank, overlap)
+
+            run_workers(2, worker)
+        assert all(torch.equal(a, b) for a, b in zip(got[0], got[1]))
+        finals[overlap] = got[0]
+    assert all(torch.equal(a, b) for a, b in zip(finals[True], finals[False]))
+    # Not the initial values: the steps did move them.
+    assert not torch.equal(finals[True][0], model(0)[0].weight)
+
+
+def test_distributed_optimizer_pushes_buckets_during_backward():
+    with deepnex.ps.Server(mode="sync", num_workers=1,
+                           optimizer=deepnex.ps.SGD(lr=0.5)) as server:
+        m, client, opt = _ps_optimizer(server.address, 0, bucket_size=4)
+        before = [p.detach().clone() for p in m.parameters()]
+        m(torch.tensor([[1.0, 2.0, 3.0]])).sum().backward()
+        # Three parameters, a bucket each: all three pushed before step().
+        deadline = time.monotonic() + 20
+        while client.stats()[0]["pushes"] < 3:
+            assert time.monotonic() < deadline, client.stats()[0]["pushes"]
+            time.sleep(0.01)
+        assert client.stats()[0]["pushes"] == 3
+        # Loaded only at step(): backward still saw the parameters it used.
+        assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+        grads = [p.grad.clone() for p in m.parameters()]
+        opt.step()
+        for p, b, g in zip(m.parameters(), before, grads):
+            assert torch.equal(p.detach(), b - 0.5 * g)
+        client.close()
+
+
+def test_distributed_optimizer_second_backward_needs_overlap_off():
+    with deepnex.ps.Server(mode="sync", num_workers=1,
+                           optimizer=deepnex.ps.SGD(lr=1.0)) as server:
+        x = torch.tensor([[1.0, 2.0, 3.0]])
+        m, client, opt = _ps_optimizer(server.address, 0)
+        m(x).sum().backward()
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match="a second backward before step\\(\\) .*overlap=False"):
+            m(x).sum().backward()
+        opt.step()  # the first backward's gradients
+        client.close()
+    with deepnex.ps.Server(mode="sync", num_workers=1,
+                           optimizer=deepnex.ps.SGD(lr=1.0)) as server:
+        m, client, opt = _ps_optimizer(server.address, 0, overlap=False)
+        before = [p.detach().clone() for p in m.parameters()]
+        m(x).sum().backward()
+        m(2 * x).sum().backward()  # accumulated into p.grad
+        grads = [p.grad.clone() for p in m.parameters()]
+        opt.step()
+        for p, b, g in zip(m.parameters(), before, grads):
+            assert torch.equal(p.detach(), b - g)
+        client.close()
 
 
 def test_distributed_optimizer_rejects_unnamed_parameters():

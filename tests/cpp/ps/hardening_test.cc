@@ -89,6 +89,15 @@ class Wire {
 
   pb::ParameterServer::Stub& stub() { return *stub_; }
 
+  grpc::Status Register(int worker, uint64_t incarnation) {
+    pb::RegisterRequest req;
+    req.set_worker_id(worker);
+    req.set_incarnation(incarnation);
+    pb::RegisterReply reply;
+    grpc::ClientContext ctx;
+    return stub_->Register(&ctx, req, &reply);
+  }
+
   // Starts a call; its status is collected (see statuses()).
   void Start(const char* method, grpc::ByteBuffer request) {
     auto call = std::make_shared<Call>();
@@ -125,6 +134,11 @@ class Wire {
     int n = 0;
     for (const auto& c : calls_) n += c->done && c->status.error_code() == code;
     return n;
+  }
+  // The reply of the i-th call started. REQUIRES: it is done.
+  grpc::ByteBuffer Response(size_t i) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return calls_[i]->response;
   }
   int Pending() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -269,6 +283,15 @@ class PullLimitTest : public ::testing::Test {
     return req;
   }
 
+  // Worker 1's (incarnation 7) push number `seq` of all of "w".
+  pb::PushHeader PushOf(uint64_t seq) {
+    pb::PushHeader push;
+    push.set_worker_id(1);
+    push.set_incarnation(7);
+    *push.add_slices() = SliceOf("w", 0, 0, kElements, seq);
+    return push;
+  }
+
   std::unique_ptr<Server> server_;
   std::unique_ptr<Client> client_;
   std::vector<float> values_;
@@ -287,6 +310,54 @@ TEST_F(PullLimitTest, APullNamingASliceTwiceIsRefused) {
   EXPECT_THAT(client_->Pull({View("w", got), View("w", got)}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("pull: \"w\" is named more than once")));
+}
+
+// PushPull in one call: a push with PushHeader.pull replies, once its
+// round completes, with the values a pull of its seq would read.
+TEST_F(PullLimitTest, APushAskingForItsValuesRepliesWithTheRoundsValues) {
+  ServerOptions so;
+  so.mode = Mode::kSync;
+  so.num_workers = 2;
+  so.reduction = Reduction::kSum;
+  so.optimizer.kind = OptimizerKind::kSum;
+  StartWith(so);
+  Wire wire(server_->address());
+  ASSERT_TRUE(wire.Register(1, 7).ok());
+  pb::PushHeader push = PushOf(1);
+  push.set_pull(true);
+  std::vector<float> grad(kElements, 2.0f);
+  std::vector<grpc::Slice> payload;
+  payload.emplace_back(grad.data(), kElements * 4, grpc::Slice::STATIC_SLICE);
+  wire.Start(kPush, EncodeFramed(push, std::move(payload)));
+  // Round 1 needs worker 0 too: the reply holds its reply bytes meanwhile.
+  ASSERT_TRUE(WaitFor([&] {
+    return Metric(*server_, "deepnex_ps_pending_reply_bytes") == kElements * 4;
+  }));
+  EXPECT_EQ(wire.Pending(), 1);
+  std::vector<float> mine(kElements, 3.0f);
+  ASSERT_THAT(client_->Push({View("w", mine)}), IsOk());
+  ASSERT_TRUE(WaitFor([&] { return wire.Count(grpc::StatusCode::OK) == 1; }));
+  pb::PullHeader header;
+  PayloadReader values;
+  ASSERT_THAT(DecodeFramed(wire.Response(0), &header, &values), IsOk());
+  ASSERT_EQ(header.versions_size(), 1);
+  EXPECT_EQ(header.versions(0), 1u);
+  std::vector<float> got(kElements);
+  ASSERT_EQ(values.remaining(), kElements * 4);
+  values.Read(got.data(), kElements * 4);
+  EXPECT_EQ(got, std::vector<float>(kElements, 6.0f));  // 1 + 2 + 3
+  EXPECT_EQ(Metric(*server_, "deepnex_ps_pending_reply_bytes"), 0);
+
+  // Naming a partition twice is refused, as for a pull.
+  pb::PushHeader twice = push;
+  *twice.add_slices() = SliceOf("w", 0, 0, kElements, 3);
+  std::vector<grpc::Slice> both;
+  both.emplace_back(grad.data(), kElements * 4, grpc::Slice::STATIC_SLICE);
+  both.emplace_back(grad.data(), kElements * 4, grpc::Slice::STATIC_SLICE);
+  grpc::Status s = wire.Call1(kPush, EncodeFramed(twice, std::move(both)));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr("push of \"w\" part 0: slices 0 and 1 name the same partition"));
 }
 
 TEST_F(PullLimitTest, APullSeqThatWouldWrapTheRoundIsRefused) {
@@ -330,16 +401,8 @@ TEST_F(PullLimitTest, RepliesHeldForOneConnectionAreBoundedAndFreedWhenItGoes) {
   // Worker 1 pushes round 1 and never comes back for round 1's other half:
   // its pulls of round 1 wait, each to hold a 1 MiB reply.
   Wire wire(server_->address());
-  pb::RegisterRequest reg;
-  reg.set_worker_id(1);
-  reg.set_incarnation(7);
-  pb::RegisterReply reg_reply;
-  grpc::ClientContext reg_ctx;
-  ASSERT_TRUE(wire.stub().Register(&reg_ctx, reg, &reg_reply).ok());
-  pb::PushHeader push;
-  push.set_worker_id(1);
-  push.set_incarnation(7);
-  *push.add_slices() = SliceOf("w", 0, 0, kElements, 1);
+  ASSERT_TRUE(wire.Register(1, 7).ok());
+  pb::PushHeader push = PushOf(1);
   std::vector<float> grad(kElements, 0.0f);
   std::vector<grpc::Slice> payload;
   payload.emplace_back(grad.data(), kElements * 4, grpc::Slice::STATIC_SLICE);

@@ -225,6 +225,28 @@ TEST(PsTest, HalfPrecisionTensorsKeepFloat32State) {
   }
 }
 
+// The same keys in the same order go as one call per request (a push that
+// replies with the values); other keys as a push and a pull: both exact.
+TEST(PsTest, PushPullOfTheSameOrOtherKeys) {
+  ServerOptions so;
+  so.mode = Mode::kSync;
+  so.reduction = Reduction::kSum;
+  so.optimizer.kind = OptimizerKind::kSum;
+  Cluster c = StartServers(2, so);
+  auto client = Connect(c, 0, SmallParts());
+  std::vector<float> w(1000, 1.0f), b(3, 5.0f), g(1000, 2.0f), gb(3, 1.0f);
+  ASSERT_THAT(client->Init({View("w", w), View("b", b)}), IsOk());
+  std::vector<float> got_w(1000), got_b(3);
+  ASSERT_THAT(client->PushPull({View("w", g), View("b", gb)}, {View("w", got_w), View("b", got_b)}),
+              IsOk());
+  EXPECT_EQ(got_w, std::vector<float>(1000, 3.0f));
+  EXPECT_EQ(got_b, std::vector<float>(3, 6.0f));
+  // Pulling others than those pushed, and in another order.
+  ASSERT_THAT(client->PushPull({View("w", g)}, {View("b", got_b), View("w", got_w)}), IsOk());
+  EXPECT_EQ(got_w, std::vector<float>(1000, 5.0f));
+  EXPECT_EQ(got_b, std::vector<float>(3, 6.0f));
+}
+
 TEST(PsTest, AsyncOpsCanBeWaitedWithATimeout) {
   ServerOptions so;
   so.num_workers = 2;  // sync: worker 0's pull waits for worker 1
@@ -397,6 +419,64 @@ TEST(PsTest, NonFiniteFoundAnywhereInALargeOrHalfPrecisionPush) {
   ASSERT_THAT(client->Pull({View("big", got)}), IsOk());
   EXPECT_EQ(got, v);
 }
+
+// In sync mode a single-slice push is checked in the pass that adds it to
+// the round (no pass of its own): a bad push, first or later into its
+// round, must still leave the round as it was, so that the good pushes
+// complete it exactly. Under both policies for dead workers' contributions
+// (a running sum, or one buffer per worker).
+class SyncNonFiniteTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(SyncNonFiniteTest, RefusedPushLeavesTheRoundAsItWas) {
+  ServerOptions so;
+  so.mode = Mode::kSync;
+  so.num_workers = 2;
+  so.keep_dead_contributions = GetParam();
+  so.reduction = Reduction::kSum;
+  so.optimizer.kind = OptimizerKind::kSum;
+  Cluster c = StartServers(1, so);
+  auto c0 = Connect(c, 0);
+  auto c1 = Connect(c, 1);
+  // 1 M floats: one 4 MiB partition, whose push arrives in many spans.
+  const size_t n = 1 << 20;
+  std::vector<float> v(n, 0.0f), ones(n, 1.0f), twos(n, 2.0f), bad(n, 1.0f), got(n);
+  bad[n - 3] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<uint16_t> h(5, FloatToHalf(0.0f)), hg(5, FloatToHalf(1.0f)), hbad = hg, hgot(5);
+  hbad[4] = 0x7c00;  // half +Inf
+  auto half = [](std::vector<uint16_t>& x) {
+    return NamedTensor{"h", TensorView(x.data(), DType::kFloat16, {5})};
+  };
+  ASSERT_THAT(c0->Init({View("big", v), half(h)}), IsOk());
+
+  // Round 1: the bad push comes second, onto a sum already started.
+  ASSERT_THAT(c0->Push({View("big", ones)}), IsOk());
+  EXPECT_THAT(c1->Push({View("big", bad)}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("push of \"big\": the gradient holds NaN or Inf (element "
+                                 "1048573 is NaN or Inf); refused, nothing applied")));
+  ASSERT_THAT(c1->Push({View("big", twos)}), IsOk());
+  ASSERT_THAT(c0->Pull({View("big", got)}), IsOk());
+  EXPECT_EQ(got, std::vector<float>(n, 3.0f));
+
+  // Round 2: the bad push comes first, into an empty round.
+  EXPECT_THAT(c0->Push({View("big", bad)}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("element 1048573")));
+  ASSERT_THAT(c0->Push({View("big", ones)}), IsOk());
+  ASSERT_THAT(c1->Push({View("big", twos)}), IsOk());
+  ASSERT_THAT(c1->Pull({View("big", got)}), IsOk());
+  EXPECT_EQ(got, std::vector<float>(n, 6.0f));
+
+  // Half precision goes through the conversion chunk: checked there too.
+  ASSERT_THAT(c0->Push({half(hg)}), IsOk());
+  EXPECT_THAT(c1->Push({half(hbad)}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("(element 4 is NaN or Inf)")));
+  ASSERT_THAT(c1->Push({half(hg)}), IsOk());
+  ASSERT_THAT(c0->Pull({half(hgot)}), IsOk());
+  EXPECT_EQ(hgot, std::vector<uint16_t>(5, FloatToHalf(2.0f)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, SyncNonFiniteTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "KeepDead" : "DropDead"; });
 
 TEST(PsTest, NonFiniteGradientsAreAppliedWhenAccepted) {
   ServerOptions so;

@@ -1,0 +1,60 @@
+#include "ps/pieces.h"
+
+#include "ps/plan.h"
+
+namespace deepnex::ps {
+
+void CutIntoPieces(const NamedTensor& t, const proto::TensorMeta& meta, uint64_t seq,
+                   std::vector<Piece>* pieces) {
+  const uint64_t elem = DTypeSize(t.view.dtype);
+  const uint64_t n = t.view.NumElements();
+  for (uint32_t part = 0; part < meta.num_parts(); ++part) {
+    PartRange r = PartOf(n, meta.num_parts(), part);
+    Piece p;
+    p.slice.set_key(t.key);
+    p.slice.set_part(part);
+    p.slice.set_offset(r.offset);
+    p.slice.set_count(r.count);
+    p.slice.set_dtype(meta.dtype());
+    p.slice.set_seq(seq);
+    p.data = static_cast<char*>(t.view.data) + r.offset * elem;
+    p.bytes = r.count * elem;
+    pieces->push_back(std::move(p));
+  }
+}
+
+std::vector<std::pair<size_t, std::vector<const Piece*>>> Batch(
+    const std::vector<Piece>& pieces, size_t num_servers, uint64_t request_bytes) {
+  std::vector<std::vector<const Piece*>> per_server(num_servers);
+  for (const Piece& p : pieces) {
+    per_server[ServerOf(p.slice.key(), p.slice.part(),
+                        static_cast<int>(num_servers))]
+        .push_back(&p);
+  }
+  std::vector<std::pair<size_t, std::vector<const Piece*>>> batches;
+  for (size_t s = 0; s < per_server.size(); ++s) {
+    std::vector<const Piece*> batch;
+    uint64_t bytes = 0;
+    for (const Piece* p : per_server[s]) {
+      if (!batch.empty() && bytes + p->bytes > request_bytes) {
+        batches.push_back({s, std::move(batch)});
+        batch.clear();
+        bytes = 0;
+      }
+      batch.push_back(p);
+      bytes += p->bytes;
+    }
+    if (!batch.empty()) batches.push_back({s, std::move(batch)});
+  }
+  return batches;
+}
+
+std::vector<grpc::Slice> PayloadOf(const std::vector<const Piece*>& batch) {
+  std::vector<grpc::Slice> payload;
+  for (const Piece* p : batch) {
+    payload.emplace_back(p->data, p->bytes, grpc::Slice::STATIC_SLICE);
+  }
+  return payload;
+}
+
+}  // namespace deepnex::ps
