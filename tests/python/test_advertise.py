@@ -62,14 +62,16 @@ def assert_is_an_address_of_this_host(host):
         s.bind((host, 0))
 
 
+# The wildcard tests stop short of dialing the primary address: tests talk
+# only to 127.0.0.1 and the simulated hosts' 10.77.0.x, and test_multihost.py
+# dials a wildcard daemon's advertised address from another simulated host.
 @pytest.mark.parametrize("daemon", sorted(DAEMONS))
-def test_daemon_on_the_wildcard_advertises_an_address_a_client_dials(daemon):
+def test_daemon_on_the_wildcard_advertises_an_address_of_this_host(daemon):
     proc, address = start(daemon, "--listen", "0.0.0.0:0")
     try:
         host, port = split(address)
         assert_is_an_address_of_this_host(host)
         assert port > 0
-        DIAL[daemon](address)
     finally:
         stop(proc)
 
@@ -113,17 +115,15 @@ def test_daemon_refuses_to_advertise_what_no_peer_can_dial(daemon):
         assert f'advertise "{bad}": {why}' in proc.stderr, proc.stderr
 
 
-def test_in_process_servers_on_the_wildcard_advertise_a_dialable_address(monkeypatch):
+def test_in_process_servers_on_the_wildcard_advertise_an_address_of_this_host(monkeypatch):
     monkeypatch.delenv("DEEPNEX_STORE_ADDR", raising=False)
     monkeypatch.delenv("DEEPNEX_CENTRAL", raising=False)
     with collective.Store("0.0.0.0:0") as store:
         host, _ = split(store.address)
         assert_is_an_address_of_this_host(host)
-        collective.StoreClient(store.address, timeout=10).set("k", "v")
     server = ps.Server("0.0.0.0:0")
     host, _ = split(server.address)
     assert_is_an_address_of_this_host(host)
-    ps.Client([server.address], worker_id=-1, timeout=10).stats()
     server.stop()
 
 
