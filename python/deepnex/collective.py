@@ -17,6 +17,7 @@ dtype, a non-contiguous array or a read-only output raises
 import numpy as np
 
 from . import _C
+from ._convert import byte_size, to_buffer
 from .errors import InvalidArgumentError
 
 __all__ = ["Store", "StoreClient", "Communicator", "Work", "GradientBucketer"]
@@ -107,22 +108,6 @@ class StoreClient:
     @property
     def address(self):
         return self._client.address
-
-
-def _buffer(x, what):
-    """(buffer, dtype override, original) for the C++ layer; never copies."""
-    if isinstance(x, np.ndarray):
-        return x, None
-    if type(x).__module__.startswith("torch"):
-        import torch
-        if x.device.type != "cpu":
-            raise InvalidArgumentError(
-                f"{what}: a {x.device.type} tensor; the cpu backend takes CPU tensors")
-        t = x.detach()
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy(), "bfloat16"
-        return t.numpy(), None
-    raise TypeError(f"{what}: expected a numpy array or a torch tensor, got {type(x).__name__}")
 
 
 _TORCH_DTYPES = {"float32": "float32", "float64": "float64", "float16": "float16",
@@ -232,14 +217,14 @@ class Communicator:
         if _is_cuda(x):
             ptr, dtype, n = _cuda(x)
             return Work(self._cuda_comm().allreduce_raw_async(ptr, dtype, n, op), x)
-        b, dtype = _buffer(x, "allreduce")
+        b, dtype = to_buffer(x, "allreduce")
         return Work(self._comm.allreduce_async(b, dtype, op), x)
 
     def broadcast_async(self, x, root=0):
         if _is_cuda(x):
             ptr, dtype, n = _cuda(x)
             return Work(self._cuda_comm().broadcast_raw_async(ptr, dtype, n, int(root)), x)
-        b, dtype = _buffer(x, "broadcast")
+        b, dtype = to_buffer(x, "broadcast")
         return Work(self._comm.broadcast_async(b, dtype, int(root)), x)
 
     def allgather_async(self, x):
@@ -247,8 +232,8 @@ class Communicator:
         if _is_cuda(x):
             ptr, dtype, n = _cuda(x)
             return Work(self._cuda_comm().allgather_raw_async(ptr, out.data_ptr(), dtype, n), out, keep=x)
-        bi, dtype = _buffer(x, "allgather")
-        bo, _ = _buffer(out, "allgather")
+        bi, dtype = to_buffer(x, "allgather")
+        bo, _ = to_buffer(out, "allgather")
         return Work(self._comm.allgather_async(bi, bo, dtype), out)
 
     def reduce_scatter_async(self, x, op="sum"):
@@ -262,8 +247,8 @@ class Communicator:
             ptr, dtype, _ = _cuda(x)
             return Work(self._cuda_comm().reduce_scatter_raw_async(ptr, out.data_ptr(), dtype,
                                                             out.numel(), op), out, keep=x)
-        bi, dtype = _buffer(x, "reduce_scatter")
-        bo, _ = _buffer(out, "reduce_scatter")
+        bi, dtype = to_buffer(x, "reduce_scatter")
+        bo, _ = to_buffer(out, "reduce_scatter")
         return Work(self._comm.reduce_scatter_async(bi, bo, dtype, op), out)
 
     def barrier_async(self):
@@ -312,8 +297,7 @@ class GradientBucketer:
     """
 
     def __init__(self, comm, tensors, bucket_bytes=25 << 20, op="mean"):
-        from .ps import byte_size
-        args = [_buffer(t, f"tensor {i}") for i, t in enumerate(tensors)]
+        args = [to_buffer(t, f"tensor {i}") for i, t in enumerate(tensors)]
         self._tensors = list(tensors)
         self._b = _C.collective.GradientBucketer(
             comm._comm, args, bucket_bytes=byte_size(bucket_bytes, "bucket_bytes"), op=op)

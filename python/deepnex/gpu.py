@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from . import _C
+from ._convert import byte_size
 from .errors import InvalidArgumentError
 
 __all__ = [
@@ -30,20 +31,6 @@ __all__ = [
 Allocation = _C.gpu.Allocation
 GrantedGpu = _C.gpu.GrantedGpu
 NodeInfo = _C.gpu.NodeInfo
-
-
-def _bytes(value, name):
-    """An int of bytes from an int or a string such as "80GiB"."""
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{name}: expected a byte size, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise InvalidArgumentError(f"{name}={value}: must be >= 0")
-        return value
-    if isinstance(value, str):
-        return _C.parse_byte_size(value, name)
-    raise InvalidArgumentError(
-        f"{name}: expected a byte size such as \"80GiB\" or an int, got {value!r}")
 
 
 def _int(value, name):
@@ -80,7 +67,7 @@ class Gpu:
     pci_bus_id: str = ""
 
     def _args(self, where):
-        return (_bytes(self.memory, f"{where}.memory"), self.uuid or "", self.name,
+        return (byte_size(self.memory, f"{where}.memory"), self.uuid or "", self.name,
                 -1 if self.index is None else _int(self.index, f"{where}.index"),
                 _int(self.numa_node, f"{where}.numa_node"),
                 _int(self.switch_id, f"{where}.switch_id"), self.pci_bus_id)
@@ -163,7 +150,7 @@ class Allocator:
                                 f"got {type(g).__name__}")
             gpus.append(g._args(f"{where}: gpus[{i}]"))
         self._a.add_node(name=node.name, gpus=gpus, cpus=_int(node.cpus, f"{where}: cpus"),
-                         memory=_bytes(node.memory, f"{where}: memory"), mode=node.mode,
+                         memory=byte_size(node.memory, f"{where}: memory"), mode=node.mode,
                          labels=dict(node.labels or {}))
 
     def remove_node(self, name):
@@ -215,9 +202,10 @@ class Allocator:
         return self._a.set_quota(
             user=user,
             gpus=None if gpus is None else _int(gpus, f"{who}: gpus"),
-            gpu_memory=None if gpu_memory is None else _bytes(gpu_memory, f"{who}: gpu_memory"),
+            gpu_memory=(None if gpu_memory is None
+                        else byte_size(gpu_memory, f"{who}: gpu_memory")),
             cpus=None if cpus is None else _int(cpus, f"{who}: cpus"),
-            memory=None if memory is None else _bytes(memory, f"{who}: memory"),
+            memory=None if memory is None else byte_size(memory, f"{who}: memory"),
             max_priority=_int32(max_priority, f"{who}: max_priority"))
 
     def clear_quota(self, user):
@@ -263,8 +251,8 @@ class Allocator:
         r = request
         parts = self._a.allocate(
             user=r.user, job=r.job or "", gpus=_int(r.gpus, "gpus"), mode=r.mode,
-            gpu_memory=_bytes(r.gpu_memory, "gpu_memory"), cpus=_int(r.cpus, "cpus"),
-            memory=_bytes(r.memory, "memory"), selector=dict(r.selector or {}),
+            gpu_memory=byte_size(r.gpu_memory, "gpu_memory"), cpus=_int(r.cpus, "cpus"),
+            memory=byte_size(r.memory, "memory"), selector=dict(r.selector or {}),
             node=r.node or "", priority=_int(r.priority, "priority"),
             replicas=_int(r.replicas, "replicas"), spread=bool(r.spread),
             lease=_seconds(r.lease, "lease"), wait=bool(wait),

@@ -21,7 +21,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from . import _C
 from .errors import DeadlineExceededError
-from .launch import _bytes, _mount_args, _options
+from ._convert import byte_size
+from .launch import _mount_args, _options
 
 __all__ = ["Job", "JobResult", "run"]
 
@@ -80,8 +81,8 @@ class Job:
             command=list(command), workers=workers, nodes=nodes,
             ps=-1 if ps is None else ps, mode=mode,
             gpus_per_worker=gpus_per_worker, gpu_mode=gpu_mode,
-            gpu_memory=_bytes(gpu_memory, "gpu_memory"), cpus=float(cpus),
-            memory=_bytes(memory, "memory"), user=user or "", central=central or "",
+            gpu_memory=byte_size(gpu_memory, "gpu_memory"), cpus=float(cpus),
+            memory=byte_size(memory, "memory"), user=user or "", central=central or "",
             central_token=central_token or "", central_token_file=central_token_file or "",
             launcher=dict(_options(launcher_options), backend=backend), restart=restart,
             checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else "",

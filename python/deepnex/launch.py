@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _C
+from ._convert import byte_size
 from .errors import InvalidArgumentError
 
 __all__ = [
@@ -37,17 +38,6 @@ ContainerStatus = _C.launch.ContainerStatus
 # A wait without a timeout: long enough to be forever, small enough for
 # std::chrono::milliseconds.
 _FOREVER = 10 * 365 * 24 * 3600.0
-
-
-def _bytes(value, name):
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise InvalidArgumentError(
-            f"{name}: expected a byte size such as \"256MiB\" or an int, got {value!r}")
-    if isinstance(value, str):
-        return _C.parse_byte_size(value, name)
-    if value < 0:
-        raise InvalidArgumentError(f"{name}: {value} is negative")
-    return value
 
 
 @dataclass
@@ -119,7 +109,7 @@ class ContainerSpec:
         return dict(
             name=self.name, image=self.image, command=list(self.command), env=dict(self.env),
             working_dir=self.working_dir, mounts=mounts, cpus=float(self.cpus),
-            memory=_bytes(self.memory, "spec.memory"), pids_limit=int(self.pids_limit),
+            memory=byte_size(self.memory, "spec.memory"), pids_limit=int(self.pids_limit),
             allocation=self.allocation, user=self.user, labels=dict(self.labels),
             restart=self.restart, backoff=float(self.backoff),
             max_backoff=float(self.max_backoff), network_none=bool(self.network_none),
@@ -181,7 +171,7 @@ class Handle:
 def _options(options):
     out = dict(options)
     if "min_memory" in out and out["min_memory"] is not None:
-        out["min_memory"] = _bytes(out["min_memory"], "min_memory")
+        out["min_memory"] = byte_size(out["min_memory"], "min_memory")
     if out.get("allowed_mount_roots") is not None:
         out["allowed_mount_roots"] = list(out["allowed_mount_roots"])
     return out

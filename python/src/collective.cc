@@ -28,11 +28,9 @@ std::chrono::milliseconds Millis(double seconds, const char* field) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
-BufferView View(const py::buffer& b, const std::optional<std::string>& as, bool writable,
+BufferView View(const py::buffer& b, const std::optional<DType>& as, bool writable,
                 const char* what) {
-  std::optional<DType> dtype;
-  if (as) dtype = Unwrap(ParseDType(*as));
-  return ViewOf(b, writable, what, dtype);
+  return ViewOf(b, writable, what, as);
 }
 
 // A collective in flight and the buffers it uses, pinned until it is done
@@ -63,7 +61,8 @@ class PyWork {
 };
 
 using Buf = py::buffer;
-using As = std::optional<std::string>;
+// The dtype override deepnex._convert.to_buffer gives (bfloat16 tensors).
+using As = std::optional<DType>;
 
 // A view of device (or any) memory given as an address, for CUDA tensors,
 // which have no buffer protocol. The Python layer keeps the tensor alive.

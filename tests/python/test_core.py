@@ -550,7 +550,7 @@ def test_dtype_override():
 
 def test_torch_tensors_through_to_buffer():
     torch = pytest.importorskip("torch")
-    from deepnex._buffers import to_buffer
+    from deepnex._convert import to_buffer
 
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     buf, dtype = to_buffer(t, "t")
