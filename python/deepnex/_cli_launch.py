@@ -19,6 +19,26 @@ live from each container's cgroup (or, for the process backend without
 cgroups, its processes). A running container whose launcher process is gone
 shows as "orphaned" (``launcher.cleanup(id)`` sweeps it).
 
+record.json (written atomically by WriteRecordLocked in
+src/launch/launcher.cc at every change of state) is one JSON object:
+
+    name, launcher_id, launcher_pid   the container and the launcher running it
+    backend, id, run_name             the backend, its id of the run (process:
+                                      the pid), the run's name there
+    cgroup                            the run's cgroup, for backends that name one
+    state                             starting, running, restarting, stopped or exited
+    restarts, last_exit               restarts so far; ExitStatus text, once one ended
+    image, command, user, cpus, memory, pids_limit, restart   from the spec
+    allocation, gpus                  the allocation's id (if any), its GPU indices
+    started_at                        seconds since the epoch
+    usage                             {cpu_seconds, memory, memory_peak, pids}
+                                      when last sampled
+
+ps reads name, backend, state, restarts, gpus, cpus, memory, last_exit,
+usage and, for live usage, launcher_pid, id and cgroup. deepnex-central's
+records (deepnex.gpu.CentralClient.containers) have no launcher_pid and
+come with state and usage live.
+
 rows() turns records into the table's rows, so a server that holds the same
 records (deepnex-central) can serve the same table.
 """

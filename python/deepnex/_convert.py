@@ -1,5 +1,5 @@
 """Python values to what deepnex._C takes: arrays and CPU torch tensors to
-buffers, byte sizes to ints. Every module of the package converts through
+buffers, byte sizes to ints, keywords to C++ option structs. Every module of the package converts through
 here, so that a tensor or a size means the same thing everywhere.
 
 The bindings take anything with the buffer protocol and never copy. torch
@@ -60,3 +60,13 @@ def byte_size(value: Any, name: str) -> int:
         return _C.parse_byte_size(value, name)
     raise InvalidArgumentError(
         f"{name}: expected a byte size such as \"80GiB\" or an int, got {value!r}")
+
+
+def options(struct: Any, **fields: Any) -> Any:
+    """A bound C++ options struct (``_C.<part>.<Name>Options``) with
+    ``fields`` set; the others keep their C++ defaults. A field the struct
+    lacks is an AttributeError, a bad value the struct's own error."""
+    o = struct()
+    for name, value in fields.items():
+        setattr(o, name, value)
+    return o

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from . import _C
-from ._convert import byte_size
+from ._convert import byte_size, options
 from .errors import InvalidArgumentError
 
 __all__ = [
@@ -31,6 +31,10 @@ __all__ = [
 Allocation = _C.gpu.Allocation
 GrantedGpu = _C.gpu.GrantedGpu
 NodeInfo = _C.gpu.NodeInfo
+
+# C++'s defaults, which the keyword defaults below show.
+_ALLOCATOR = _C.gpu.AllocatorOptions()
+_CENTRAL = _C.gpu.CentralClientOptions()
 
 
 def _int(value, name):
@@ -125,17 +129,19 @@ class Allocator:
     that fit are granted (backfill); 0 reserves at once.
     """
 
-    def __init__(self, state_dir=None, fsync=True, snapshot_every=100000,
-                 lease_check_interval=0.1, reservation_after=300.0):
+    def __init__(self, state_dir=None, fsync=_ALLOCATOR.fsync,
+                 snapshot_every=_ALLOCATOR.snapshot_every,
+                 lease_check_interval=_ALLOCATOR.lease_check_interval,
+                 reservation_after=_ALLOCATOR.reservation_after):
         if (isinstance(reservation_after, bool) or
                 not isinstance(reservation_after, (int, float)) or not reservation_after >= 0):
             raise InvalidArgumentError(
                 f"reservation_after={reservation_after!r}: must be a number of seconds >= 0")
-        self._a = _C.gpu.Allocator(
-            state_dir=state_dir or "", fsync=bool(fsync),
+        self._a = _C.gpu.Allocator(options(
+            _C.gpu.AllocatorOptions, state_dir=state_dir or "", fsync=bool(fsync),
             snapshot_every=_int(snapshot_every, "snapshot_every"),
             lease_check_interval=_seconds(lease_check_interval, "lease_check_interval"),
-            reservation_after=float(reservation_after))
+            reservation_after=float(reservation_after)))
 
     # ---- nodes (admin)
 
@@ -322,12 +328,14 @@ class CentralClient:
     per call (a waiting allocate adds its own timeout).
     """
 
-    def __init__(self, address, token=None, token_file=None, tls_ca_file=None, timeout=30.0):
-        options = dict(address=address, token=token or "", token_file=token_file or "",
-                       tls_ca_file=tls_ca_file or "", timeout=_seconds(timeout, "timeout"))
-        self._a = _C.gpu.CentralClient(**options)
+    def __init__(self, address, token=None, token_file=None, tls_ca_file=None,
+                 timeout=_CENTRAL.timeout):
+        o = options(_C.gpu.CentralClientOptions, address=address, token=token or "",
+                    token_file=token_file or "", tls_ca_file=tls_ca_file or "",
+                    timeout=_seconds(timeout, "timeout"))
+        self._a = _C.gpu.CentralClient(o)
         # The launcher's calls (the Containers service on the same address).
-        self._c = _C.launch.CentralClient(**options)
+        self._c = _C.launch.CentralClient(o)
 
     add_node = Allocator.add_node
     remove_node = Allocator.remove_node
@@ -370,7 +378,7 @@ class CentralClient:
             raise InvalidArgumentError(
                 f"start_container: expected a deepnex.launch.ContainerSpec, got {spec!r}")
         allocation_id = allocation if isinstance(allocation, str) else allocation.id
-        return self._c.start(allocation_id=allocation_id, **spec._args())
+        return self._c.start(allocation_id, spec._spec())
 
     def containers(self, user=None) -> List[dict]:
         """The caller's containers (admins: everyone's, or `user`'s)."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _C
-from ._convert import byte_size
+from ._convert import byte_size, options
 from .errors import InvalidArgumentError
 
 __all__ = [
@@ -34,6 +34,9 @@ __all__ = [
 
 ExitStatus = _C.launch.ExitStatus
 ContainerStatus = _C.launch.ContainerStatus
+
+# C++'s defaults, which ContainerSpec's fields show.
+_SPEC = _C.launch.ContainerSpec()
 
 # A wait without a timeout: long enough to be forever, small enough for
 # std::chrono::milliseconds.
@@ -85,30 +88,31 @@ class ContainerSpec:
     """
     name: str
     command: Sequence[str]
-    image: str = "host"
+    image: str = _SPEC.image
     env: Dict[str, str] = field(default_factory=dict)
-    working_dir: str = ""
+    working_dir: str = _SPEC.working_dir
     mounts: List[Union[Mount, Tuple]] = field(default_factory=list)
-    cpus: float = 0
-    memory: Union[int, str] = 0
-    pids_limit: int = 0
+    cpus: float = _SPEC.cpus
+    memory: Union[int, str] = _SPEC.memory
+    pids_limit: int = _SPEC.pids_limit
     allocation: Optional[object] = None
-    user: str = ""
+    user: str = _SPEC.user
     labels: Dict[str, str] = field(default_factory=dict)
-    restart: str = "never"
-    backoff: float = 0.1
-    max_backoff: float = 10.0
-    network_none: bool = False
-    host_network: bool = False
+    restart: str = _SPEC.restart
+    backoff: float = _SPEC.backoff
+    max_backoff: float = _SPEC.max_backoff
+    network_none: bool = _SPEC.network_none
+    host_network: bool = _SPEC.host_network
 
-    def _args(self):
+    def _spec(self):
+        """The C++ ContainerSpec (deepnex._C.launch.ContainerSpec)."""
         mounts = _mount_args(self.mounts)
         if isinstance(self.command, str):
             raise InvalidArgumentError(
                 f"spec.command: expected a list of arguments, got the string {self.command!r}")
-        return dict(
-            name=self.name, image=self.image, command=list(self.command), env=dict(self.env),
-            working_dir=self.working_dir, mounts=mounts, cpus=float(self.cpus),
+        return options(
+            _C.launch.ContainerSpec, name=self.name, image=self.image,
+            command=list(self.command), env=dict(self.env), working_dir=self.working_dir, mounts=mounts, cpus=float(self.cpus),
             memory=byte_size(self.memory, "spec.memory"), pids_limit=int(self.pids_limit),
             allocation=self.allocation, user=self.user, labels=dict(self.labels),
             restart=self.restart, backoff=float(self.backoff),
@@ -198,7 +202,7 @@ class Launcher:
     def start(self, spec: ContainerSpec) -> Handle:
         if not isinstance(spec, ContainerSpec):
             raise InvalidArgumentError(f"start: expected a ContainerSpec, got {spec!r}")
-        return Handle(self._l.start(**spec._args()))
+        return Handle(self._l.start(spec._spec()))
 
     def list(self) -> List[Handle]:
         return [Handle(h) for h in self._l.list()]
