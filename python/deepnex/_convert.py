@@ -1,6 +1,7 @@
 """Python values to what deepnex._C takes: arrays and CPU torch tensors to
-buffers, byte sizes to ints, keywords to C++ option structs. Every module of the package converts through
-here, so that a tensor or a size means the same thing everywhere.
+buffers, byte sizes to ints, keywords to C++ option structs. Every module of
+the package converts through here, so that a tensor or a size means the same
+thing everywhere.
 
 The bindings take anything with the buffer protocol and never copy. torch
 tensors do not export the buffer protocol, so the Python layer passes

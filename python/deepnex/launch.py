@@ -63,13 +63,13 @@ class Mount:
 
 
 def _mount_args(mounts):
-    """(source, target, read_only) tuples for the C++ layer."""
+    """deepnex._C.launch.Mount values for the C++ layer."""
     out = []
     for i, m in enumerate(mounts):
         if isinstance(m, Mount):
-            out.append((m.source, m.target, m.read_only))
+            out.append(_C.launch.Mount(m.source, m.target, m.read_only))
         elif isinstance(m, (tuple, list)) and len(m) in (2, 3):
-            out.append((m[0], m[1], bool(m[2]) if len(m) == 3 else True))
+            out.append(_C.launch.Mount(m[0], m[1], bool(m[2]) if len(m) == 3 else True))
         else:
             raise InvalidArgumentError(
                 f"spec.mounts[{i}]: expected a Mount or (source, target[, read_only]), got {m!r}")
@@ -112,7 +112,8 @@ class ContainerSpec:
                 f"spec.command: expected a list of arguments, got the string {self.command!r}")
         return options(
             _C.launch.ContainerSpec, name=self.name, image=self.image,
-            command=list(self.command), env=dict(self.env), working_dir=self.working_dir, mounts=mounts, cpus=float(self.cpus),
+            command=list(self.command), env=dict(self.env), working_dir=self.working_dir,
+            mounts=mounts, cpus=float(self.cpus),
             memory=byte_size(self.memory, "spec.memory"), pids_limit=int(self.pids_limit),
             allocation=self.allocation, user=self.user, labels=dict(self.labels),
             restart=self.restart, backoff=float(self.backoff),

@@ -61,7 +61,6 @@ void RegisterJob(py::module_& parent) {
   // JobOptions, bound so that its defaults live only in C++
   // (deepnex.job.Job's keyword defaults are a fresh one's). The launcher's
   // options other than its backend, and the callbacks, go to Job itself.
-  using Mounts = std::vector<std::tuple<std::string, std::string, bool>>;
   py::class_<JobOptions>(m, "JobOptions")
       .def(py::init<>())
       .def_readwrite("name", &JobOptions::name)
@@ -99,19 +98,8 @@ void RegisterJob(py::module_& parent) {
       .def_readwrite("ps_binary", &JobOptions::ps_binary)
       .def_readwrite("env", &JobOptions::env)
       .def_readwrite("working_dir", &JobOptions::working_dir)
-      .def_property(
-          "mounts",
-          [](const JobOptions& o) {
-            Mounts out;
-            for (const auto& mt : o.mounts) out.emplace_back(mt.source, mt.target, mt.read_only);
-            return out;
-          },
-          [](JobOptions& o, const Mounts& mounts) {
-            o.mounts.clear();
-            for (const auto& [source, target, read_only] : mounts) {
-              o.mounts.push_back({source, target, read_only});
-            }
-          });
+      // deepnex._C.launch.Mount values.
+      .def_readwrite("mounts", &JobOptions::mounts);
 
   py::class_<Job, GilFreeHolder<Job>>(m, "Job")
       .def(py::init([](JobOptions o, const py::dict& launcher, py::object output,

@@ -20,8 +20,6 @@ using launch::Handle;
 using launch::Launcher;
 using launch::LauncherOptions;
 using StrMap = std::map<std::string, std::string>;
-// (source, target, read_only)
-using MountArgs = std::tuple<std::string, std::string, bool>;
 
 std::chrono::milliseconds Ms(double seconds) {
   if (!(seconds >= 0)) {
@@ -31,23 +29,19 @@ std::chrono::milliseconds Ms(double seconds) {
 }
 
 
-// The (source, target, read_only) tuples deepnex.launch's mounts become.
-std::vector<launch::Mount> MountsOf(const std::vector<MountArgs>& mounts) {
-  std::vector<launch::Mount> out;
-  for (const auto& [source, target, read_only] : mounts) out.push_back({source, target, read_only});
-  return out;
-}
-
-std::vector<MountArgs> MountTuples(const std::vector<launch::Mount>& mounts) {
-  std::vector<MountArgs> out;
-  for (const auto& m : mounts) out.emplace_back(m.source, m.target, m.read_only);
-  return out;
-}
-
 // ContainerSpec, bound so that its defaults live only in C++
 // (deepnex.launch.ContainerSpec's fields default to a fresh one's). The
 // restart policy is its text ("on-failure:3"), its backoffs seconds.
 void RegisterContainerSpec(py::module_& m) {
+  py::class_<launch::Mount>(m, "Mount")
+      .def(py::init([](std::string source, std::string target, bool read_only) {
+             return launch::Mount{std::move(source), std::move(target), read_only};
+           }),
+           py::arg("source"), py::arg("target"), py::arg("read_only"))
+      .def_readwrite("source", &launch::Mount::source)
+      .def_readwrite("target", &launch::Mount::target)
+      .def_readwrite("read_only", &launch::Mount::read_only);
+
   py::class_<ContainerSpec>(m, "ContainerSpec")
       .def(py::init<>())
       .def_readwrite("name", &ContainerSpec::name)
@@ -55,11 +49,7 @@ void RegisterContainerSpec(py::module_& m) {
       .def_readwrite("command", &ContainerSpec::command)
       .def_readwrite("env", &ContainerSpec::env)
       .def_readwrite("working_dir", &ContainerSpec::working_dir)
-      .def_property(
-          "mounts", [](const ContainerSpec& s) { return MountTuples(s.mounts); },
-          [](ContainerSpec& s, const std::vector<MountArgs>& mounts) {
-            s.mounts = MountsOf(mounts);
-          })
+      .def_readwrite("mounts", &ContainerSpec::mounts)
       .def_readwrite("cpus", &ContainerSpec::cpus)
       .def_readwrite("memory", &ContainerSpec::memory)
       .def_readwrite("pids_limit", &ContainerSpec::pids_limit)

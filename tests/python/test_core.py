@@ -660,10 +660,10 @@ def test_option_structs_check_what_is_set_and_name_the_field():
     with pytest.raises(deepnex.InvalidArgumentError, match="^lease_check_interval=-1.000000"):
         _C.gpu.AllocatorOptions().lease_check_interval = -1
     spec = options(_C.launch.ContainerSpec, backoff=0.5, max_backoff=2.0, restart="always:3",
-                   mounts=[("/a", "/b", False)])
+                   mounts=[_C.launch.Mount("/a", "/b", False)])
     # Setting the policy's text keeps the backoffs set before it.
-    assert (spec.restart, spec.backoff, spec.max_backoff, spec.mounts) == (
-        "always:3", 0.5, 2.0, [("/a", "/b", False)])
+    assert (spec.restart, spec.backoff, spec.max_backoff) == ("always:3", 0.5, 2.0)
+    assert [(m.source, m.target, m.read_only) for m in spec.mounts] == [("/a", "/b", False)]
     j = options(_C.job.JobOptions, gpu_mode="shared", restart="on-failure:2", backend="oci")
     assert (j.gpu_mode, j.restart, j.backend) == ("shared", "on-failure:2", "oci")
     with pytest.raises(deepnex.InvalidArgumentError, match="gpu_mode"):
