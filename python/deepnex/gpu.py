@@ -34,6 +34,7 @@ NodeInfo = _C.gpu.NodeInfo
 
 # C++'s defaults, which the keyword defaults below show.
 _ALLOCATOR = _C.gpu.AllocatorOptions()
+_REQUEST = _C.gpu.Request()
 _CENTRAL = _C.gpu.CentralClientOptions()
 
 
@@ -104,16 +105,16 @@ class Request:
     > 1 is a gang: all parts or none. ``lease``: seconds; the holder renews
     it (``Allocator.renew``) or the allocation is released."""
     user: str
-    gpus: int = 0
-    mode: str = "exclusive"
-    gpu_memory: object = 0
-    cpus: int = 0
-    memory: object = 0
+    gpus: int = _REQUEST.gpus
+    mode: str = _REQUEST.mode
+    gpu_memory: object = _REQUEST.gpu_memory
+    cpus: int = _REQUEST.cpus
+    memory: object = _REQUEST.memory
     selector: Dict[str, str] = field(default_factory=dict)
     node: Optional[str] = None
-    priority: int = 0
-    replicas: int = 1
-    spread: bool = False
+    priority: int = _REQUEST.priority
+    replicas: int = _REQUEST.replicas
+    spread: bool = _REQUEST.spread
     lease: Optional[float] = None
     # The job it is for (deepnex run sets its job name); shown in listings.
     job: Optional[str] = None
@@ -255,14 +256,14 @@ class Allocator:
             raise TypeError(f"allocate: expected deepnex.gpu.Request, "
                             f"got {type(request).__name__}")
         r = request
-        parts = self._a.allocate(
-            user=r.user, job=r.job or "", gpus=_int(r.gpus, "gpus"), mode=r.mode,
-            gpu_memory=byte_size(r.gpu_memory, "gpu_memory"), cpus=_int(r.cpus, "cpus"),
-            memory=byte_size(r.memory, "memory"), selector=dict(r.selector or {}),
-            node=r.node or "", priority=_int(r.priority, "priority"),
-            replicas=_int(r.replicas, "replicas"), spread=bool(r.spread),
-            lease=_seconds(r.lease, "lease"), wait=bool(wait),
-            timeout=_seconds(timeout, "timeout"))
+        parts = self._a.allocate(options(
+            _C.gpu.Request, user=r.user, job=r.job or "", gpus=_int(r.gpus, "gpus"),
+            mode=r.mode, gpu_memory=byte_size(r.gpu_memory, "gpu_memory"),
+            cpus=_int(r.cpus, "cpus"), memory=byte_size(r.memory, "memory"),
+            selector=dict(r.selector or {}), node=r.node or "",
+            priority=_int(r.priority, "priority"), replicas=_int(r.replicas, "replicas"),
+            spread=bool(r.spread), lease=_seconds(r.lease, "lease")),
+            wait=bool(wait), timeout=_seconds(timeout, "timeout"))
         return parts if r.replicas != 1 else parts[0]
 
     def release(self, id):  # noqa: A002 - the issue's name

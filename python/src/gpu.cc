@@ -197,35 +197,14 @@ void BindApi(Class& c) {
           py::arg("name"), py::arg("release"), py::call_guard<py::gil_scoped_release>())
       .def(
           "allocate",
-          [](Api& a, const std::string& user, const std::string& job, int gpus,
-             const std::string& mode,
-             uint64_t gpu_memory, int cpus, uint64_t memory, const Labels& selector,
-             const std::string& node, int priority, int replicas, bool spread, double lease,
-             bool wait, double timeout) {
-            gpu::Request r;
-            r.user = user;
-            r.job = job;
-            r.gpus = gpus;
-            r.mode = ModeOf(mode, "mode");
-            r.gpu_memory = gpu_memory;
-            r.cpus = cpus;
-            r.memory = memory;
-            r.selector = selector;
-            r.node = node;
-            r.priority = priority;
-            r.replicas = replicas;
-            r.spread = spread;
-            r.lease = std::chrono::milliseconds(static_cast<int64_t>(lease * 1000));
+          [](Api& a, const gpu::Request& r, bool wait, double timeout) {
             gpu::AllocateOptions o;
             o.wait = wait;
-            o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
+            o.timeout = Millis(timeout, "timeout");
             py::gil_scoped_release release;
             return Unwrap(a.AllocateGang(r, o));
           },
-          py::arg("user"), py::arg("job"), py::arg("gpus"), py::arg("mode"), py::arg("gpu_memory"),
-          py::arg("cpus"), py::arg("memory"), py::arg("selector"), py::arg("node"),
-          py::arg("priority"), py::arg("replicas"), py::arg("spread"), py::arg("lease"),
-          py::arg("wait"), py::arg("timeout"))
+          py::arg("request"), py::arg("wait"), py::arg("timeout"))
       .def(
           "release", [](Api& a, const std::string& id) { CheckStatus(a.Release(id)); },
           py::call_guard<py::gil_scoped_release>())
@@ -346,6 +325,25 @@ void RegisterGpu(py::module_& parent) {
              &gpu::AllocatorOptions::lease_check_interval, Millis);
   DefSeconds(allocator_options, "reservation_after", &gpu::AllocatorOptions::reservation_after,
              Millis);
+
+  py::class_<gpu::Request> request(m, "Request");
+  request.def(py::init<>())
+      .def_readwrite("user", &gpu::Request::user)
+      .def_readwrite("job", &gpu::Request::job)
+      .def_readwrite("gpus", &gpu::Request::gpus)
+      .def_property(
+          "mode", [](const gpu::Request& r) { return gpu::ModeName(r.mode); },
+          [](gpu::Request& r, const std::string& mode) { r.mode = ModeOf(mode, "mode"); })
+      .def_readwrite("gpu_memory", &gpu::Request::gpu_memory)
+      .def_readwrite("cpus", &gpu::Request::cpus)
+      .def_readwrite("memory", &gpu::Request::memory)
+      .def_readwrite("selector", &gpu::Request::selector)
+      .def_readwrite("node", &gpu::Request::node)
+      .def_readwrite("priority", &gpu::Request::priority)
+      .def_readwrite("replicas", &gpu::Request::replicas)
+      .def_readwrite("spread", &gpu::Request::spread);
+  // 0: no lease.
+  DefSeconds(request, "lease", &gpu::Request::lease, Millis);
 
   py::class_<gpu::CentralClientOptions> central_options(m, "CentralClientOptions");
   central_options.def(py::init<>())

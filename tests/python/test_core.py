@@ -636,6 +636,9 @@ def test_python_defaults_are_the_cpp_option_structs():
     assert (a["fsync"], a["snapshot_every"], a["lease_check_interval"],
             a["reservation_after"]) == (True, 100000, 0.1, 300.0)
     assert _defaults(gpu.CentralClient)["timeout"] == 30.0
+    r = gpu.Request(user="u")
+    assert (r.gpus, r.mode, r.gpu_memory, r.cpus, r.memory, r.priority, r.replicas, r.spread,
+            r.lease) == (0, "exclusive", 0, 0, 0, 0, 1, False, None)
     spec = launch.ContainerSpec(name="c", command=["true"])
     assert (spec.image, spec.restart, spec.backoff, spec.max_backoff, spec.cpus, spec.memory) == (
         "host", "never", 0.1, 10.0, 0.0, 0)
@@ -659,6 +662,10 @@ def test_option_structs_check_what_is_set_and_name_the_field():
         options(_C.collective.CommunicatorOptions, no_such_field=1)
     with pytest.raises(deepnex.InvalidArgumentError, match="^lease_check_interval=-1.000000"):
         _C.gpu.AllocatorOptions().lease_check_interval = -1
+    request = options(_C.gpu.Request, mode="shared", lease=1.5, replicas=2)
+    assert (request.mode, request.lease, request.replicas, request.gpus) == ("shared", 1.5, 2, 0)
+    with pytest.raises(deepnex.InvalidArgumentError, match="mode"):
+        request.mode = "sideways"
     spec = options(_C.launch.ContainerSpec, backoff=0.5, max_backoff=2.0, restart="always:3",
                    mounts=[_C.launch.Mount("/a", "/b", False)])
     # Setting the policy's text keeps the backoffs set before it.
