@@ -19,29 +19,10 @@ The address is --central or $DEEPNEX_CENTRAL; the token --token,
 """
 
 import argparse
-import os
 import sys
 import threading
 
-
-def add_central_args(p):
-    """The options every command against deepnex-central takes."""
-    p.add_argument("--central", help="host:port of deepnex-central ($DEEPNEX_CENTRAL)")
-    p.add_argument("--token", help="bearer token ($DEEPNEX_TOKEN)")
-    p.add_argument("--token-file", help="file holding the bearer token")
-    p.add_argument("--tls-ca-file", help="PEM CA certificate to verify deepnex-central's TLS")
-    p.add_argument("--call-timeout", type=float, default=30.0, help="seconds per call")
-
-
-def client(args):
-    """A deepnex.gpu.CentralClient from add_central_args' options."""
-    from deepnex import gpu
-    address = args.central or os.environ.get("DEEPNEX_CENTRAL")
-    if not address:
-        raise SystemExit("deepnex: no central address (--central or $DEEPNEX_CENTRAL)")
-    token = args.token or (None if args.token_file else os.environ.get("DEEPNEX_TOKEN"))
-    return gpu.CentralClient(address, token=token, token_file=args.token_file,
-                             tls_ca_file=args.tls_ca_file, timeout=args.call_timeout)
+from deepnex._cli_common import add_central_args, client, format_table, guard, parse_pairs
 
 
 def _size(n):
@@ -62,14 +43,8 @@ def _nodes(args):
         rows.append((n.name, n.mode, state, f"{len(gpus) - n.gpus_free}/{len(gpus)}",
                      f"{_size(used_mem)}/{_size(total_mem)}", f"{n.cpus_used}/{n.cpus}",
                      f"{_size(n.memory_used)}/{_size(n.memory)}"))
-    _table(rows)
+    print(format_table(rows))
     return 0
-
-
-def _table(rows):
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
 def _duration(seconds):
@@ -93,12 +68,7 @@ def _print_allocation(a):
 
 def _alloc(args):
     from deepnex import gpu
-    selector = {}
-    for item in args.selector or []:
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise SystemExit(f"deepnex: --selector {item!r}: expected KEY=VALUE")
-        selector[key] = value
+    selector = parse_pairs(args.selector, "--selector")
     request = gpu.Request(user=args.user or "", gpus=args.gpus, mode=args.gpu_mode,
                           gpu_memory=args.gpu_memory, cpus=args.cpus, memory=args.memory,
                           selector=selector, node=args.node, priority=args.priority,
@@ -193,7 +163,7 @@ def _allocations(args):
                      ",".join(str(g.index) for g in a.gpus) or "-",
                      _size(a.gpus[0].memory) if a.gpus else "-", str(a.cpus), _size(a.memory),
                      f"{a.gang}/{a.replica}" if a.gang else "-"))
-    _table(rows)
+    print(format_table(rows))
     return 0
 
 
@@ -207,7 +177,7 @@ def _queue(args):
                      _size(p["memory"]) if p["memory"] else "-", str(p["replicas"]),
                      str(p["priority"]),
                      _duration(p["waited"]), p["reason"]))
-    _table(rows)
+    print(format_table(rows))
     return 0
 
 
@@ -267,7 +237,7 @@ def _quota(args):
         print(f"quota of {args.user} set")
         if note:
             print(note)
-    _table(_quota_rows(current()))
+    print(format_table(_quota_rows(current())))
     return 0
 
 
@@ -298,18 +268,6 @@ def _node(args):
 def _metrics(args):
     sys.stdout.write(client(args).metrics())
     return 0
-
-
-def guard(fn):
-    """fn(args), with a DeepnexError printed as one line and exit code 1."""
-    def run(args):
-        from deepnex import DeepnexError
-        try:
-            return fn(args)
-        except DeepnexError as e:
-            print(f"deepnex: {e}", file=sys.stderr)
-            return 1
-    return run
 
 
 class _DeprecatedMode(argparse.Action):

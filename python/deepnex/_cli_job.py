@@ -20,6 +20,8 @@ import os
 import signal
 import sys
 
+from deepnex._cli_common import central_address, central_token, format_table
+
 
 def _notice(message):
     # One write per line: print() writes the text and its newline separately, and a
@@ -45,9 +47,8 @@ def _run(args) -> int:
                    nodes=args.nodes, advertise_address=args.advertise_address, ps=args.ps,
                    mode=args.mode, gpus_per_worker=args.gpus_per_worker, gpu_mode=args.gpu_mode,
                    gpu_memory=args.gpu_memory or 0, cpus=args.cpus, memory=args.memory or 0,
-                   backend=args.backend, central=args.central, user=args.user,
-                   central_token=args.token or (None if args.token_file
-                                                else os.environ.get("DEEPNEX_TOKEN")),
+                   backend=args.backend, central=central_address(args), user=args.user,
+                   central_token=central_token(args),
                    central_token_file=args.token_file,
                    restart=args.restart, checkpoint_dir=args.checkpoint_dir,
                    optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, name=args.name,
@@ -116,7 +117,7 @@ def top_text(registry=None):
     """What one screen of `deepnex top` shows."""
     import time
 
-    from deepnex._cli_launch import format_table, read_records, rows
+    from deepnex._cli_launch import read_records, rows
     jobs = running_jobs(registry)
     if not jobs:
         return "no deepnex jobs running"
@@ -178,7 +179,7 @@ def add_commands(commands) -> None:
     run.add_argument("--backend", default="process",
                      choices=["process", "oci", "docker", "slurm", "kubernetes"],
                      help="what starts the containers (default process)")
-    run.add_argument("--central", default=os.environ.get("DEEPNEX_CENTRAL"),
+    run.add_argument("--central", default=None,
                      help="host:port of deepnex-central (default $DEEPNEX_CENTRAL; "
                           "unset: a local allocator over this machine)")
     run.add_argument("--token", default=None,

@@ -19,6 +19,26 @@ live from each container's cgroup (or, for the process backend without
 cgroups, its processes). A running container whose launcher process is gone
 shows as "orphaned" (``launcher.cleanup(id)`` sweeps it).
 
+record.json (written atomically by WriteRecordLocked in
+src/launch/launcher.cc at every change of state) is one JSON object:
+
+    name, launcher_id, launcher_pid   the container and the launcher running it
+    backend, id, run_name             the backend, its id of the run (process:
+                                      the pid), the run's name there
+    cgroup                            the run's cgroup, for backends that name one
+    state                             starting, running, restarting, stopped or exited
+    restarts, last_exit               restarts so far; ExitStatus text, once one ended
+    image, command, user, cpus, memory, pids_limit, restart   from the spec
+    allocation, gpus                  the allocation's id (if any), its GPU indices
+    started_at                        seconds since the epoch
+    usage                             {cpu_seconds, memory, memory_peak, pids}
+                                      when last sampled
+
+ps reads name, backend, state, restarts, gpus, cpus, memory, last_exit,
+usage and, for live usage, launcher_pid, id and cgroup. deepnex-central's
+records (deepnex.gpu.CentralClient.containers) have no launcher_pid and
+come with state and usage live.
+
 rows() turns records into the table's rows, so a server that holds the same
 records (deepnex-central) can serve the same table.
 """
@@ -33,6 +53,8 @@ import signal
 import sys
 
 from deepnex import _C
+from deepnex._cli_common import (add_central_args, central_address, client, format_table,
+                                 guard, parse_pairs)
 
 HEADER = ("NAME", "BACKEND", "STATE", "RESTARTS", "GPU INDICES", "CPUS", "MEMORY LIMIT",
           "CPU SECONDS", "MEMORY NOW/PEAK", "LAST EXIT")
@@ -96,11 +118,6 @@ def rows(records):
     return out
 
 
-def format_table(table):
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
-
-
 def _ps(args):
     state_dir = None if args.central else args.state_dir or os.environ.get("DEEPNEX_STATE_DIR")
     if state_dir:
@@ -110,40 +127,29 @@ def _ps(args):
             raise SystemExit(f"deepnex: ps: {given} {state_dir!r} is not a directory")
         print(format_table(rows(read_records(state_dir))))
         return 0
-    if not (args.central or os.environ.get("DEEPNEX_CENTRAL")):
+    if not central_address(args):
         raise SystemExit("deepnex: no launcher state directory (--state-dir or $DEEPNEX_STATE_DIR)"
                          " and no central address (--central or $DEEPNEX_CENTRAL)")
-    from deepnex import _cli_gpu
-    records = _cli_gpu.client(args).containers()
+    records = client(args).containers()
     if len({r["user"] for r in records}) > 1:  # an admin's view: say whose
         records = [dict(r, name=f"{r['user']}/{r['name']}") for r in records]
     print(format_table(rows(records)))
     return 0
 
 
-def _pairs(items, flag):
-    out = {}
-    for item in items or []:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise SystemExit(f"deepnex: {flag} {item!r}: expected KEY=VALUE")
-        out[key] = value
-    return out
-
-
 def _launch(args):
-    from deepnex import _cli_gpu, launch
+    from deepnex import launch
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not command:
         raise SystemExit("deepnex: launch: no command (deepnex launch ... -- CMD ...)")
     name = args.name or f"{os.path.basename(command[0])[:40]}-{secrets.token_hex(3)}"
     spec = launch.ContainerSpec(
-        name=name, command=command, image=args.image, env=_pairs(args.env, "--env"),
+        name=name, command=command, image=args.image, env=parse_pairs(args.env, "--env"),
         working_dir=args.workdir or "", mounts=[launch.Mount.parse(m) for m in args.mount or []],
         cpus=args.cpus, memory=args.memory,
-        pids_limit=args.pids_limit, labels=_pairs(args.label, "--label"), restart=args.restart,
+        pids_limit=args.pids_limit, labels=parse_pairs(args.label, "--label"), restart=args.restart,
         host_network=args.host_network)
-    c = _cli_gpu.client(args).start_container(spec, args.alloc)
+    c = client(args).start_container(spec, args.alloc)
     print(f"{c['name']} {c['state']} on {c['allocation']} ({c['backend']} {c['id']})")
     return 0
 
@@ -166,9 +172,8 @@ def exit_code(last_exit):
 
 
 def _logs(args):
-    from deepnex import _cli_gpu
-    client = _cli_gpu.client(args)
-    logs = client.container_logs(args.name, follow=args.follow, user=args.user)
+    central = client(args)
+    logs = central.container_logs(args.name, follow=args.follow, user=args.user)
     for piece in logs if args.follow else [logs]:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -176,7 +181,7 @@ def _logs(args):
         return 0
     # Followed to its end for good: say how it ended, and end the same way,
     # so that `deepnex logs -f NAME && next` chains on the container.
-    c = next((c for c in client.containers(user=args.user) if c["name"] == args.name), None)
+    c = next((c for c in central.containers(user=args.user) if c["name"] == args.name), None)
     last_exit = (c or {}).get("last_exit", "")
     print(f"container {args.name} {last_exit or (c or {}).get('state', 'gone')}",
           file=sys.stderr, flush=True)
@@ -184,15 +189,13 @@ def _logs(args):
 
 
 def _stop(args):
-    from deepnex import _cli_gpu
-    c = _cli_gpu.client(args).stop_container(args.name, grace=args.grace, user=args.user)
+    c = client(args).stop_container(args.name, grace=args.grace, user=args.user)
     released = ", allocation released" if c["allocation_released"] else ""
     print(f"{c['name']} {c['state']} {c.get('last_exit', '')}{released}".replace("  ", " "))
     return 0
 
 
 def add_commands(commands):
-    from deepnex._cli_gpu import add_central_args, guard
     ps = commands.add_parser("ps", help="a table of containers: state, GPUs, CPU and memory")
     ps.add_argument("--state-dir",
                     help="the launchers' state_dir, an existing directory (default "

@@ -17,9 +17,16 @@ dtype, a non-contiguous array or a read-only output raises
 import numpy as np
 
 from . import _C
+from ._convert import byte_size, options, to_buffer
 from .errors import InvalidArgumentError
 
 __all__ = ["Store", "StoreClient", "Communicator", "Work", "GradientBucketer"]
+
+# C++'s defaults, which the keyword defaults below show.
+_SERVER = _C.collective.StoreServerOptions()
+_CLIENT = _C.collective.StoreClientOptions()
+_COMM = _C.collective.CommunicatorOptions()
+_BUCKET = _C.collective.BucketOptions()
 
 
 def _seconds(timeout, default):
@@ -32,11 +39,12 @@ class Store:
     ``advertise`` is the host peers dial, put in ``address`` (default: the
     listen host; for "0.0.0.0" or "[::]" this host's primary address)."""
 
-    def __init__(self, address="127.0.0.1:0", token=None, token_file=None,
-                 max_value_bytes=64 << 20, advertise=None):
-        self._server = _C.collective.StoreServer(
-            address=address, token=token or "", token_file=token_file or "",
-            max_value_bytes=int(max_value_bytes), advertise=advertise or "")
+    def __init__(self, address=_SERVER.address, token=None, token_file=None,
+                 max_value_bytes=_SERVER.max_value_bytes, advertise=None):
+        self._server = _C.collective.StoreServer(options(
+            _C.collective.StoreServerOptions, address=address, token=token or "",
+            token_file=token_file or "", max_value_bytes=int(max_value_bytes),
+            advertise=advertise or ""))
 
     @property
     def address(self):
@@ -68,11 +76,12 @@ class StoreClient:
     ``DeadlineExceededError`` (a ``TimeoutError``) naming them.
     """
 
-    def __init__(self, address, prefix="", timeout=30.0, token=None, token_file=None):
+    def __init__(self, address, prefix=_CLIENT.prefix, timeout=_CLIENT.timeout, token=None,
+                 token_file=None):
         self._timeout = float(timeout)
-        self._client = _C.collective.StoreClient(
-            address=address, prefix=prefix, timeout=self._timeout,
-            token=token or "", token_file=token_file or "")
+        self._client = _C.collective.StoreClient(options(
+            _C.collective.StoreClientOptions, address=address, prefix=prefix,
+            timeout=self._timeout, token=token or "", token_file=token_file or ""))
 
     @staticmethod
     def _bytes(value):
@@ -107,22 +116,6 @@ class StoreClient:
     @property
     def address(self):
         return self._client.address
-
-
-def _buffer(x, what):
-    """(buffer, dtype override, original) for the C++ layer; never copies."""
-    if isinstance(x, np.ndarray):
-        return x, None
-    if type(x).__module__.startswith("torch"):
-        import torch
-        if x.device.type != "cpu":
-            raise InvalidArgumentError(
-                f"{what}: a {x.device.type} tensor; the cpu backend takes CPU tensors")
-        t = x.detach()
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy(), "bfloat16"
-        return t.numpy(), None
-    raise TypeError(f"{what}: expected a numpy array or a torch tensor, got {type(x).__name__}")
 
 
 _TORCH_DTYPES = {"float32": "float32", "float64": "float64", "float16": "float16",
@@ -188,15 +181,17 @@ class Communicator:
     (default: this host's address on the route to the store).
     """
 
-    def __init__(self, rank, world_size, store="", backend="auto", timeout=30.0,
-                 prefix="deepnex", transport="auto", connections_per_peer=2,
-                 shm_channels=2, token=None, token_file=None, device=-1, host=None):
+    def __init__(self, rank, world_size, store=_COMM.store, backend=_COMM.backend,
+                 timeout=_COMM.timeout, prefix=_COMM.prefix, transport=_COMM.transport,
+                 connections_per_peer=_COMM.connections_per_peer,
+                 shm_channels=_COMM.shm_channels, token=None, token_file=None,
+                 device=_COMM.device, host=None):
         args = dict(rank=int(rank), world_size=int(world_size), store=store, prefix=prefix,
                     backend=backend, timeout=float(timeout), transport=transport,
                     connections_per_peer=int(connections_per_peer),
                     shm_channels=int(shm_channels), token=token or "",
                     token_file=token_file or "", device=int(device), host=host or "")
-        self._comm = _C.collective.Communicator(**args)
+        self._comm = _C.collective.Communicator(options(_C.collective.CommunicatorOptions, **args))
         self._nccl = None
         self._nccl_args = None
         if backend == "auto":
@@ -209,7 +204,8 @@ class Communicator:
         if self._nccl_args is None:
             return self._comm
         if self._nccl is None:
-            self._nccl = _C.collective.Communicator(**self._nccl_args)
+            self._nccl = _C.collective.Communicator(
+                options(_C.collective.CommunicatorOptions, **self._nccl_args))
         return self._nccl
 
     @classmethod
@@ -232,14 +228,14 @@ class Communicator:
         if _is_cuda(x):
             ptr, dtype, n = _cuda(x)
             return Work(self._cuda_comm().allreduce_raw_async(ptr, dtype, n, op), x)
-        b, dtype = _buffer(x, "allreduce")
+        b, dtype = to_buffer(x, "allreduce")
         return Work(self._comm.allreduce_async(b, dtype, op), x)
 
     def broadcast_async(self, x, root=0):
         if _is_cuda(x):
             ptr, dtype, n = _cuda(x)
             return Work(self._cuda_comm().broadcast_raw_async(ptr, dtype, n, int(root)), x)
-        b, dtype = _buffer(x, "broadcast")
+        b, dtype = to_buffer(x, "broadcast")
         return Work(self._comm.broadcast_async(b, dtype, int(root)), x)
 
     def allgather_async(self, x):
@@ -247,8 +243,8 @@ class Communicator:
         if _is_cuda(x):
             ptr, dtype, n = _cuda(x)
             return Work(self._cuda_comm().allgather_raw_async(ptr, out.data_ptr(), dtype, n), out, keep=x)
-        bi, dtype = _buffer(x, "allgather")
-        bo, _ = _buffer(out, "allgather")
+        bi, dtype = to_buffer(x, "allgather")
+        bo, _ = to_buffer(out, "allgather")
         return Work(self._comm.allgather_async(bi, bo, dtype), out)
 
     def reduce_scatter_async(self, x, op="sum"):
@@ -262,8 +258,8 @@ class Communicator:
             ptr, dtype, _ = _cuda(x)
             return Work(self._cuda_comm().reduce_scatter_raw_async(ptr, out.data_ptr(), dtype,
                                                             out.numel(), op), out, keep=x)
-        bi, dtype = _buffer(x, "reduce_scatter")
-        bo, _ = _buffer(out, "reduce_scatter")
+        bi, dtype = to_buffer(x, "reduce_scatter")
+        bo, _ = to_buffer(out, "reduce_scatter")
         return Work(self._comm.reduce_scatter_async(bi, bo, dtype, op), out)
 
     def barrier_async(self):
@@ -311,12 +307,12 @@ class GradientBucketer:
     CPU arrays/tensors; they must stay the same objects across rounds.
     """
 
-    def __init__(self, comm, tensors, bucket_bytes=25 << 20, op="mean"):
-        from .ps import byte_size
-        args = [_buffer(t, f"tensor {i}") for i, t in enumerate(tensors)]
+    def __init__(self, comm, tensors, bucket_bytes=_BUCKET.bucket_bytes, op=_BUCKET.op):
+        args = [to_buffer(t, f"tensor {i}") for i, t in enumerate(tensors)]
         self._tensors = list(tensors)
         self._b = _C.collective.GradientBucketer(
-            comm._comm, args, bucket_bytes=byte_size(bucket_bytes, "bucket_bytes"), op=op)
+            comm._comm, args, options(_C.collective.BucketOptions,
+                                      bucket_bytes=byte_size(bucket_bytes, "bucket_bytes"), op=op))
 
     def mark_ready(self, index):
         self._b.mark_ready(int(index))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from . import _C
+from ._convert import byte_size, options
 from .errors import InvalidArgumentError
 
 __all__ = [
@@ -31,19 +32,10 @@ Allocation = _C.gpu.Allocation
 GrantedGpu = _C.gpu.GrantedGpu
 NodeInfo = _C.gpu.NodeInfo
 
-
-def _bytes(value, name):
-    """An int of bytes from an int or a string such as "80GiB"."""
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{name}: expected a byte size, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise InvalidArgumentError(f"{name}={value}: must be >= 0")
-        return value
-    if isinstance(value, str):
-        return _C.parse_byte_size(value, name)
-    raise InvalidArgumentError(
-        f"{name}: expected a byte size such as \"80GiB\" or an int, got {value!r}")
+# C++'s defaults, which the keyword defaults below show.
+_ALLOCATOR = _C.gpu.AllocatorOptions()
+_REQUEST = _C.gpu.Request()
+_CENTRAL = _C.gpu.CentralClientOptions()
 
 
 def _int(value, name):
@@ -80,7 +72,7 @@ class Gpu:
     pci_bus_id: str = ""
 
     def _args(self, where):
-        return (_bytes(self.memory, f"{where}.memory"), self.uuid or "", self.name,
+        return (byte_size(self.memory, f"{where}.memory"), self.uuid or "", self.name,
                 -1 if self.index is None else _int(self.index, f"{where}.index"),
                 _int(self.numa_node, f"{where}.numa_node"),
                 _int(self.switch_id, f"{where}.switch_id"), self.pci_bus_id)
@@ -113,16 +105,16 @@ class Request:
     > 1 is a gang: all parts or none. ``lease``: seconds; the holder renews
     it (``Allocator.renew``) or the allocation is released."""
     user: str
-    gpus: int = 0
-    mode: str = "exclusive"
-    gpu_memory: object = 0
-    cpus: int = 0
-    memory: object = 0
+    gpus: int = _REQUEST.gpus
+    mode: str = _REQUEST.mode
+    gpu_memory: object = _REQUEST.gpu_memory
+    cpus: int = _REQUEST.cpus
+    memory: object = _REQUEST.memory
     selector: Dict[str, str] = field(default_factory=dict)
     node: Optional[str] = None
-    priority: int = 0
-    replicas: int = 1
-    spread: bool = False
+    priority: int = _REQUEST.priority
+    replicas: int = _REQUEST.replicas
+    spread: bool = _REQUEST.spread
     lease: Optional[float] = None
     # The job it is for (deepnex run sets its job name); shown in listings.
     job: Optional[str] = None
@@ -138,17 +130,19 @@ class Allocator:
     that fit are granted (backfill); 0 reserves at once.
     """
 
-    def __init__(self, state_dir=None, fsync=True, snapshot_every=100000,
-                 lease_check_interval=0.1, reservation_after=300.0):
+    def __init__(self, state_dir=None, fsync=_ALLOCATOR.fsync,
+                 snapshot_every=_ALLOCATOR.snapshot_every,
+                 lease_check_interval=_ALLOCATOR.lease_check_interval,
+                 reservation_after=_ALLOCATOR.reservation_after):
         if (isinstance(reservation_after, bool) or
                 not isinstance(reservation_after, (int, float)) or not reservation_after >= 0):
             raise InvalidArgumentError(
                 f"reservation_after={reservation_after!r}: must be a number of seconds >= 0")
-        self._a = _C.gpu.Allocator(
-            state_dir=state_dir or "", fsync=bool(fsync),
+        self._a = _C.gpu.Allocator(options(
+            _C.gpu.AllocatorOptions, state_dir=state_dir or "", fsync=bool(fsync),
             snapshot_every=_int(snapshot_every, "snapshot_every"),
             lease_check_interval=_seconds(lease_check_interval, "lease_check_interval"),
-            reservation_after=float(reservation_after))
+            reservation_after=float(reservation_after)))
 
     # ---- nodes (admin)
 
@@ -163,7 +157,7 @@ class Allocator:
                                 f"got {type(g).__name__}")
             gpus.append(g._args(f"{where}: gpus[{i}]"))
         self._a.add_node(name=node.name, gpus=gpus, cpus=_int(node.cpus, f"{where}: cpus"),
-                         memory=_bytes(node.memory, f"{where}: memory"), mode=node.mode,
+                         memory=byte_size(node.memory, f"{where}: memory"), mode=node.mode,
                          labels=dict(node.labels or {}))
 
     def remove_node(self, name):
@@ -215,9 +209,10 @@ class Allocator:
         return self._a.set_quota(
             user=user,
             gpus=None if gpus is None else _int(gpus, f"{who}: gpus"),
-            gpu_memory=None if gpu_memory is None else _bytes(gpu_memory, f"{who}: gpu_memory"),
+            gpu_memory=(None if gpu_memory is None
+                        else byte_size(gpu_memory, f"{who}: gpu_memory")),
             cpus=None if cpus is None else _int(cpus, f"{who}: cpus"),
-            memory=None if memory is None else _bytes(memory, f"{who}: memory"),
+            memory=None if memory is None else byte_size(memory, f"{who}: memory"),
             max_priority=_int32(max_priority, f"{who}: max_priority"))
 
     def clear_quota(self, user):
@@ -261,14 +256,14 @@ class Allocator:
             raise TypeError(f"allocate: expected deepnex.gpu.Request, "
                             f"got {type(request).__name__}")
         r = request
-        parts = self._a.allocate(
-            user=r.user, job=r.job or "", gpus=_int(r.gpus, "gpus"), mode=r.mode,
-            gpu_memory=_bytes(r.gpu_memory, "gpu_memory"), cpus=_int(r.cpus, "cpus"),
-            memory=_bytes(r.memory, "memory"), selector=dict(r.selector or {}),
-            node=r.node or "", priority=_int(r.priority, "priority"),
-            replicas=_int(r.replicas, "replicas"), spread=bool(r.spread),
-            lease=_seconds(r.lease, "lease"), wait=bool(wait),
-            timeout=_seconds(timeout, "timeout"))
+        parts = self._a.allocate(options(
+            _C.gpu.Request, user=r.user, job=r.job or "", gpus=_int(r.gpus, "gpus"),
+            mode=r.mode, gpu_memory=byte_size(r.gpu_memory, "gpu_memory"),
+            cpus=_int(r.cpus, "cpus"), memory=byte_size(r.memory, "memory"),
+            selector=dict(r.selector or {}), node=r.node or "",
+            priority=_int(r.priority, "priority"), replicas=_int(r.replicas, "replicas"),
+            spread=bool(r.spread), lease=_seconds(r.lease, "lease")),
+            wait=bool(wait), timeout=_seconds(timeout, "timeout"))
         return parts if r.replicas != 1 else parts[0]
 
     def release(self, id):  # noqa: A002 - the issue's name
@@ -334,12 +329,14 @@ class CentralClient:
     per call (a waiting allocate adds its own timeout).
     """
 
-    def __init__(self, address, token=None, token_file=None, tls_ca_file=None, timeout=30.0):
-        options = dict(address=address, token=token or "", token_file=token_file or "",
-                       tls_ca_file=tls_ca_file or "", timeout=_seconds(timeout, "timeout"))
-        self._a = _C.gpu.CentralClient(**options)
+    def __init__(self, address, token=None, token_file=None, tls_ca_file=None,
+                 timeout=_CENTRAL.timeout):
+        o = options(_C.gpu.CentralClientOptions, address=address, token=token or "",
+                    token_file=token_file or "", tls_ca_file=tls_ca_file or "",
+                    timeout=_seconds(timeout, "timeout"))
+        self._a = _C.gpu.CentralClient(o)
         # The launcher's calls (the Containers service on the same address).
-        self._c = _C.launch.CentralClient(**options)
+        self._c = _C.launch.CentralClient(o)
 
     add_node = Allocator.add_node
     remove_node = Allocator.remove_node
@@ -382,7 +379,7 @@ class CentralClient:
             raise InvalidArgumentError(
                 f"start_container: expected a deepnex.launch.ContainerSpec, got {spec!r}")
         allocation_id = allocation if isinstance(allocation, str) else allocation.id
-        return self._c.start(allocation_id=allocation_id, **spec._args())
+        return self._c.start(allocation_id, spec._spec())
 
     def containers(self, user=None) -> List[dict]:
         """The caller's containers (admins: everyone's, or `user`'s)."""

@@ -17,15 +17,19 @@ or on KeyboardInterrupt.
 import os
 import shutil
 import sys
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 from . import _C
 from .errors import DeadlineExceededError
-from .launch import _bytes, _mount_args, _options
+from ._convert import byte_size, options
+from .launch import _mount_args, _options
 
 __all__ = ["Job", "JobResult", "run"]
 
 JobResult = _C.job.JobResult
+
+# C++'s defaults, which Job's keyword defaults show.
+_JOB = _C.job.JobOptions()
 
 
 def _ps_binary() -> Optional[str]:
@@ -47,14 +51,16 @@ def _ps_binary() -> Optional[str]:
 class Job:
     """A started job; see ``run``. ``stop()`` may be called from any thread."""
 
-    def __init__(self, command: Sequence[str], *, workers: int = 1, nodes: int = 0,
-                 ps: Optional[int] = None,
-                 mode: str = "sync", gpus_per_worker: int = 0, gpu_mode: str = "exclusive",
-                 gpu_memory=0, cpus: float = 1, memory=0, backend: str = "process",
+    def __init__(self, command: Sequence[str], *, workers: int = _JOB.workers,
+                 nodes: int = _JOB.nodes, ps: Optional[int] = None, mode: str = _JOB.mode,
+                 gpus_per_worker: int = _JOB.gpus_per_worker, gpu_mode: str = _JOB.gpu_mode,
+                 gpu_memory=_JOB.gpu_memory, cpus: float = _JOB.cpus, memory=_JOB.memory,
+                 backend: str = _JOB.backend,
                  central: Optional[str] = None, central_token: Optional[str] = None,
                  central_token_file: Optional[str] = None,
-                 restart: str = "never", checkpoint_dir: Optional[str] = None,
-                 optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.0, name: Optional[str] = None,
+                 restart: str = _JOB.restart, checkpoint_dir: Optional[str] = None,
+                 optimizer: str = _JOB.optimizer, lr: float = _JOB.lr,
+                 momentum: float = _JOB.momentum, name: Optional[str] = None,
                  user: Optional[str] = None, env: Optional[Dict[str, str]] = None,
                  working_dir: Optional[str] = None, mounts: Sequence = (),
                  output: Optional[Callable[[str, str], None]] = None,
@@ -76,18 +82,20 @@ class Job:
             def on_event(message):
                 sys.stderr.write(message + "\n")
                 sys.stderr.flush()
-        self._job = _C.job.Job(
-            command=list(command), workers=workers, nodes=nodes,
-            ps=-1 if ps is None else ps, mode=mode,
+        job = options(
+            _C.job.JobOptions, command=list(command), workers=workers, nodes=nodes,
+            ps=_JOB.ps if ps is None else ps, mode=mode,
             gpus_per_worker=gpus_per_worker, gpu_mode=gpu_mode,
-            gpu_memory=_bytes(gpu_memory, "gpu_memory"), cpus=float(cpus),
-            memory=_bytes(memory, "memory"), user=user or "", central=central or "",
+            gpu_memory=byte_size(gpu_memory, "gpu_memory"), cpus=float(cpus),
+            memory=byte_size(memory, "memory"), user=user or "", central=central or "",
             central_token=central_token or "", central_token_file=central_token_file or "",
-            launcher=dict(_options(launcher_options), backend=backend), restart=restart,
+            backend=backend, restart=restart,
             checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
-            optimizer=optimizer, lr=lr, momentum=momentum, ps_binary=_ps_binary() or "", env=dict(env or {}),
-            working_dir=working_dir or "", mounts=_mount_args(mounts), name=name or "",
-            output=output, on_event=on_event, advertise_address=advertise_address or "")
+            optimizer=optimizer, lr=lr, momentum=momentum, ps_binary=_ps_binary() or "",
+            env=dict(env or {}), working_dir=working_dir or "", mounts=_mount_args(mounts),
+            name=name or "", advertise_address=advertise_address or "")
+        self._job = _C.job.Job(job, launcher=_options(launcher_options), output=output,
+                               on_event=on_event)
 
     @property
     def name(self) -> str:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _C
+from ._convert import byte_size, options
 from .errors import InvalidArgumentError
 
 __all__ = [
@@ -34,20 +35,12 @@ __all__ = [
 ExitStatus = _C.launch.ExitStatus
 ContainerStatus = _C.launch.ContainerStatus
 
+# C++'s defaults, which ContainerSpec's fields show.
+_SPEC = _C.launch.ContainerSpec()
+
 # A wait without a timeout: long enough to be forever, small enough for
 # std::chrono::milliseconds.
 _FOREVER = 10 * 365 * 24 * 3600.0
-
-
-def _bytes(value, name):
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise InvalidArgumentError(
-            f"{name}: expected a byte size such as \"256MiB\" or an int, got {value!r}")
-    if isinstance(value, str):
-        return _C.parse_byte_size(value, name)
-    if value < 0:
-        raise InvalidArgumentError(f"{name}: {value} is negative")
-    return value
 
 
 @dataclass
@@ -70,13 +63,13 @@ class Mount:
 
 
 def _mount_args(mounts):
-    """(source, target, read_only) tuples for the C++ layer."""
+    """deepnex._C.launch.Mount values for the C++ layer."""
     out = []
     for i, m in enumerate(mounts):
         if isinstance(m, Mount):
-            out.append((m.source, m.target, m.read_only))
+            out.append(_C.launch.Mount(m.source, m.target, m.read_only))
         elif isinstance(m, (tuple, list)) and len(m) in (2, 3):
-            out.append((m[0], m[1], bool(m[2]) if len(m) == 3 else True))
+            out.append(_C.launch.Mount(m[0], m[1], bool(m[2]) if len(m) == 3 else True))
         else:
             raise InvalidArgumentError(
                 f"spec.mounts[{i}]: expected a Mount or (source, target[, read_only]), got {m!r}")
@@ -95,31 +88,33 @@ class ContainerSpec:
     """
     name: str
     command: Sequence[str]
-    image: str = "host"
+    image: str = _SPEC.image
     env: Dict[str, str] = field(default_factory=dict)
-    working_dir: str = ""
+    working_dir: str = _SPEC.working_dir
     mounts: List[Union[Mount, Tuple]] = field(default_factory=list)
-    cpus: float = 0
-    memory: Union[int, str] = 0
-    pids_limit: int = 0
+    cpus: float = _SPEC.cpus
+    memory: Union[int, str] = _SPEC.memory
+    pids_limit: int = _SPEC.pids_limit
     allocation: Optional[object] = None
-    user: str = ""
+    user: str = _SPEC.user
     labels: Dict[str, str] = field(default_factory=dict)
-    restart: str = "never"
-    backoff: float = 0.1
-    max_backoff: float = 10.0
-    network_none: bool = False
-    host_network: bool = False
+    restart: str = _SPEC.restart
+    backoff: float = _SPEC.backoff
+    max_backoff: float = _SPEC.max_backoff
+    network_none: bool = _SPEC.network_none
+    host_network: bool = _SPEC.host_network
 
-    def _args(self):
+    def _spec(self):
+        """The C++ ContainerSpec (deepnex._C.launch.ContainerSpec)."""
         mounts = _mount_args(self.mounts)
         if isinstance(self.command, str):
             raise InvalidArgumentError(
                 f"spec.command: expected a list of arguments, got the string {self.command!r}")
-        return dict(
-            name=self.name, image=self.image, command=list(self.command), env=dict(self.env),
-            working_dir=self.working_dir, mounts=mounts, cpus=float(self.cpus),
-            memory=_bytes(self.memory, "spec.memory"), pids_limit=int(self.pids_limit),
+        return options(
+            _C.launch.ContainerSpec, name=self.name, image=self.image,
+            command=list(self.command), env=dict(self.env), working_dir=self.working_dir,
+            mounts=mounts, cpus=float(self.cpus),
+            memory=byte_size(self.memory, "spec.memory"), pids_limit=int(self.pids_limit),
             allocation=self.allocation, user=self.user, labels=dict(self.labels),
             restart=self.restart, backoff=float(self.backoff),
             max_backoff=float(self.max_backoff), network_none=bool(self.network_none),
@@ -181,7 +176,7 @@ class Handle:
 def _options(options):
     out = dict(options)
     if "min_memory" in out and out["min_memory"] is not None:
-        out["min_memory"] = _bytes(out["min_memory"], "min_memory")
+        out["min_memory"] = byte_size(out["min_memory"], "min_memory")
     if out.get("allowed_mount_roots") is not None:
         out["allowed_mount_roots"] = list(out["allowed_mount_roots"])
     return out
@@ -208,7 +203,7 @@ class Launcher:
     def start(self, spec: ContainerSpec) -> Handle:
         if not isinstance(spec, ContainerSpec):
             raise InvalidArgumentError(f"start: expected a ContainerSpec, got {spec!r}")
-        return Handle(self._l.start(**spec._args()))
+        return Handle(self._l.start(spec._spec()))
 
     def list(self) -> List[Handle]:
         return [Handle(h) for h in self._l.list()]

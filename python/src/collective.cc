@@ -1,6 +1,7 @@
 // deepnex._C.collective: the rendezvous store and communicators. The Python
 // layer (python/deepnex/collective.py) turns arrays and tensors into the
-// (buffer, dtype override) pairs these take and allocates outputs.
+// (buffer, dtype override) pairs these take, allocates outputs and fills the
+// bound option structs, whose defaults are C++'s.
 #include <chrono>
 #include <memory>
 
@@ -28,11 +29,9 @@ std::chrono::milliseconds Millis(double seconds, const char* field) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
-BufferView View(const py::buffer& b, const std::optional<std::string>& as, bool writable,
+BufferView View(const py::buffer& b, const std::optional<DType>& as, bool writable,
                 const char* what) {
-  std::optional<DType> dtype;
-  if (as) dtype = Unwrap(ParseDType(*as));
-  return ViewOf(b, writable, what, dtype);
+  return ViewOf(b, writable, what, as);
 }
 
 // A collective in flight and the buffers it uses, pinned until it is done
@@ -63,7 +62,8 @@ class PyWork {
 };
 
 using Buf = py::buffer;
-using As = std::optional<std::string>;
+// The dtype override deepnex._convert.to_buffer gives (bfloat16 tensors).
+using As = std::optional<DType>;
 
 // A view of device (or any) memory given as an address, for CUDA tensors,
 // which have no buffer protocol. The Python layer keeps the tensor alive.
@@ -83,40 +83,80 @@ struct PyBucketer {
 void RegisterCollective(py::module_& parent) {
   py::module_ m = parent.def_submodule("collective", "rendezvous store and communicators");
 
+  // The option structs, bound so that their defaults live only in C++:
+  // deepnex/collective.py reads its keyword defaults from fresh ones.
+  py::class_<StoreServerOptions>(m, "StoreServerOptions")
+      .def(py::init<>())
+      .def_readwrite("address", &StoreServerOptions::address)
+      .def_readwrite("advertise", &StoreServerOptions::advertise)
+      .def_readwrite("token", &StoreServerOptions::token)
+      .def_readwrite("token_file", &StoreServerOptions::token_file)
+      .def_readwrite("tls_cert_file", &StoreServerOptions::tls_cert_file)
+      .def_readwrite("tls_key_file", &StoreServerOptions::tls_key_file)
+      .def_readwrite("max_value_bytes", &StoreServerOptions::max_value_bytes);
+
+  py::class_<StoreClientOptions> client_options(m, "StoreClientOptions");
+  client_options.def(py::init<>())
+      .def_readwrite("address", &StoreClientOptions::address)
+      .def_readwrite("prefix", &StoreClientOptions::prefix)
+      .def_readwrite("token", &StoreClientOptions::token)
+      .def_readwrite("token_file", &StoreClientOptions::token_file)
+      .def_readwrite("tls_ca_file", &StoreClientOptions::tls_ca_file);
+  DefSeconds(client_options, "timeout", &StoreClientOptions::timeout, Millis);
+
+  py::class_<CommunicatorOptions> comm_options(m, "CommunicatorOptions");
+  comm_options.def(py::init<>())
+      .def_readwrite("rank", &CommunicatorOptions::rank)
+      .def_readwrite("world_size", &CommunicatorOptions::world_size)
+      .def_readwrite("store", &CommunicatorOptions::store_address)
+      .def_readwrite("prefix", &CommunicatorOptions::prefix)
+      .def_readwrite("token", &CommunicatorOptions::token)
+      .def_readwrite("token_file", &CommunicatorOptions::token_file)
+      .def_property(
+          "backend",
+          [](const CommunicatorOptions& o) { return collective::BackendName(o.backend); },
+          [](CommunicatorOptions& o, const std::string& name) {
+            o.backend = Unwrap(collective::ParseBackend(name));
+          })
+      .def_property(
+          "transport",
+          [](const CommunicatorOptions& o) { return collective::TransportName(o.transport); },
+          [](CommunicatorOptions& o, const std::string& name) {
+            o.transport = Unwrap(collective::ParseTransport(name));
+          })
+      .def_readwrite("connections_per_peer", &CommunicatorOptions::connections_per_peer)
+      .def_readwrite("shm_channels", &CommunicatorOptions::shm_channels)
+      .def_readwrite("shm_buffer_bytes", &CommunicatorOptions::shm_buffer_bytes)
+      .def_readwrite("host", &CommunicatorOptions::host)
+      .def_readwrite("device", &CommunicatorOptions::device);
+  DefSeconds(comm_options, "timeout", &CommunicatorOptions::timeout, Millis);
+
+  py::class_<collective::BucketOptions>(m, "BucketOptions")
+      .def(py::init<>())
+      .def_readwrite("bucket_bytes", &collective::BucketOptions::bucket_bytes)
+      .def_property(
+          "op", [](const collective::BucketOptions& o) { return collective::ReduceOpName(o.op); },
+          [](collective::BucketOptions& o, const std::string& name) {
+            o.op = Unwrap(collective::ParseReduceOp(name));
+          });
+
   py::class_<StoreServer>(m, "StoreServer")
-      .def(py::init([](const std::string& address, const std::string& token,
-                       const std::string& token_file, uint64_t max_value_bytes,
-                       const std::string& advertise) {
-             StoreServerOptions o;
-             o.address = address;
-             o.advertise = advertise;
-             o.token = token;
-             o.token_file = token_file;
-             o.max_value_bytes = max_value_bytes;
+      .def(py::init([](const StoreServerOptions& o) {
              py::gil_scoped_release release;
              return Unwrap(StoreServer::Create(o));
            }),
-           py::arg("address"), py::arg("token"), py::arg("token_file"),
-           py::arg("max_value_bytes"), py::arg("advertise") = "")
+           py::arg("options"))
       .def_property_readonly("address", &StoreServer::address)
       .def_property_readonly("port", &StoreServer::port)
       .def("__len__", &StoreServer::size)
       .def("stop", &StoreServer::Stop, py::call_guard<py::gil_scoped_release>());
 
   py::class_<StoreClient>(m, "StoreClient")
-      .def(py::init([](const std::string& address, const std::string& prefix, double timeout,
-                       const std::string& token, const std::string& token_file) {
-             StoreClientOptions o;
-             o.address = address;
-             o.prefix = prefix;
-             o.timeout = Millis(timeout, "timeout");
-             o.token = token;
-             o.token_file = token_file;
+      .def(py::init([](const StoreClientOptions& o) {
              py::gil_scoped_release release;
              return Unwrap(StoreClient::Create(o));
            }),
-           py::arg("address"), py::arg("prefix"), py::arg("timeout"), py::arg("token"),
-           py::arg("token_file"))
+           py::arg("options"))
       .def("set",
            [](StoreClient& c, const std::string& key, const py::bytes& value) {
              std::string v = value;
@@ -181,32 +221,11 @@ void RegisterCollective(py::module_& parent) {
       .def("done", &PyWork::Done);
 
   py::class_<Communicator>(m, "Communicator")
-      .def(py::init([](int rank, int world_size, const std::string& store,
-                       const std::string& prefix, const std::string& backend, double timeout,
-                       const std::string& transport, int connections_per_peer, int shm_channels,
-                       const std::string& token, const std::string& token_file, int device,
-                       const std::string& host) {
-             CommunicatorOptions o;
-             o.host = host;
-             o.rank = rank;
-             o.world_size = world_size;
-             o.store_address = store;
-             o.prefix = prefix;
-             o.backend = Unwrap(collective::ParseBackend(backend));
-             o.timeout = Millis(timeout, "timeout");
-             o.transport = Unwrap(collective::ParseTransport(transport));
-             o.connections_per_peer = connections_per_peer;
-             o.shm_channels = shm_channels;
-             o.token = token;
-             o.token_file = token_file;
-             o.device = device;
+      .def(py::init([](const CommunicatorOptions& o) {
              py::gil_scoped_release release;
              return Unwrap(Communicator::Create(o));
            }),
-           py::arg("rank"), py::arg("world_size"), py::arg("store"), py::arg("prefix"),
-           py::arg("backend"), py::arg("timeout"), py::arg("transport"),
-           py::arg("connections_per_peer"), py::arg("shm_channels"), py::arg("token"),
-           py::arg("token_file"), py::arg("device"), py::arg("host") = "")
+           py::arg("options"))
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world_size", &Communicator::world_size)
       .def_property_readonly("backend",
@@ -278,7 +297,7 @@ void RegisterCollective(py::module_& parent) {
 
   py::class_<PyBucketer>(m, "GradientBucketer")
       .def(py::init([](py::object comm, const std::vector<std::pair<Buf, As>>& tensors,
-                       uint64_t bucket_bytes, const std::string& op) {
+                       const collective::BucketOptions& options) {
              auto b = std::make_unique<PyBucketer>();
              b->comm = comm;
              std::vector<TensorView> views;
@@ -287,14 +306,11 @@ void RegisterCollective(py::module_& parent) {
                b->buffers.push_back(View(tensors[i].first, tensors[i].second, true, what.c_str()));
                views.push_back(b->buffers.back().view);
              }
-             collective::BucketOptions o;
-             o.bucket_bytes = bucket_bytes;
-             o.op = Unwrap(collective::ParseReduceOp(op));
              b->bucketer = Unwrap(collective::GradientBucketer::Create(
-                 &comm.cast<Communicator&>(), std::move(views), o));
+                 &comm.cast<Communicator&>(), std::move(views), options));
              return b;
            }),
-           py::arg("comm"), py::arg("tensors"), py::arg("bucket_bytes"), py::arg("op"))
+           py::arg("comm"), py::arg("tensors"), py::arg("options"))
       .def("mark_ready",
            [](PyBucketer& b, size_t i) { CheckStatus(b.bucketer->MarkReady(i)); })
       .def("mark_all_ready", [](PyBucketer& b) { CheckStatus(b.bucketer->MarkAllReady()); })

@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <exception>
 #include <memory>
 #include <optional>
@@ -54,6 +55,20 @@ GilFreeHolder<T> GilFree(std::unique_ptr<T> p) {
 // Launcher options from Python keywords (backend, state_dir, runc,
 // docker_socket, ...; see python/deepnex/launch.py); shared by launch and job.
 launch::LauncherOptions LauncherOptionsFromPython(const py::dict& kw);
+
+// Binds a std::chrono::milliseconds field of an options struct as the
+// property `name` in seconds (a float), the unit of every duration in the
+// Python API; `to_millis(seconds, name)` checks and converts a value set.
+template <class Options, class... Extra>
+void DefSeconds(py::class_<Options, Extra...>& c, const char* name,
+                std::chrono::milliseconds Options::*field,
+                std::chrono::milliseconds (*to_millis)(double, const char*)) {
+  c.def_property(
+      name, [field](const Options& o) { return (o.*field).count() / 1000.0; },
+      [field, name, to_millis](Options& o, double seconds) {
+        o.*field = to_millis(seconds, name);
+      });
+}
 
 // A C++ exception carrying a non-OK status. RegisterCore installs a
 // translator that raises it in Python as the deepnex.errors class for its

@@ -1,6 +1,6 @@
 // deepnex._C.gpu: the GPU allocator. The Python layer (python/deepnex/gpu.py)
-// turns byte sizes such as "80GiB" and mode names into the plain values
-// these take.
+// turns byte sizes such as "80GiB" into the plain values these take, and
+// fills the bound option structs, whose defaults are C++'s.
 #include <chrono>
 #include <memory>
 
@@ -24,6 +24,14 @@ using Labels = std::map<std::string, std::string>;
 using GpuArgs = std::tuple<uint64_t, std::string, std::string, int, int, int, std::string>;
 
 Mode ModeOf(const std::string& mode, const char* field) { return Unwrap(gpu::ParseMode(mode, field)); }
+
+std::chrono::milliseconds Millis(double seconds, const char* field) {
+  if (!(seconds >= 0)) {
+    ThrowStatus(absl::InvalidArgumentError(std::string(field) + "=" + std::to_string(seconds) +
+                                           ": must be >= 0 seconds"));
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
 
 gpu::Node MakeNode(const std::string& name, const std::vector<GpuArgs>& gpus, int cpus,
                    uint64_t memory, const std::string& mode, const Labels& labels) {
@@ -189,35 +197,14 @@ void BindApi(Class& c) {
           py::arg("name"), py::arg("release"), py::call_guard<py::gil_scoped_release>())
       .def(
           "allocate",
-          [](Api& a, const std::string& user, const std::string& job, int gpus,
-             const std::string& mode,
-             uint64_t gpu_memory, int cpus, uint64_t memory, const Labels& selector,
-             const std::string& node, int priority, int replicas, bool spread, double lease,
-             bool wait, double timeout) {
-            gpu::Request r;
-            r.user = user;
-            r.job = job;
-            r.gpus = gpus;
-            r.mode = ModeOf(mode, "mode");
-            r.gpu_memory = gpu_memory;
-            r.cpus = cpus;
-            r.memory = memory;
-            r.selector = selector;
-            r.node = node;
-            r.priority = priority;
-            r.replicas = replicas;
-            r.spread = spread;
-            r.lease = std::chrono::milliseconds(static_cast<int64_t>(lease * 1000));
+          [](Api& a, const gpu::Request& r, bool wait, double timeout) {
             gpu::AllocateOptions o;
             o.wait = wait;
-            o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
+            o.timeout = Millis(timeout, "timeout");
             py::gil_scoped_release release;
             return Unwrap(a.AllocateGang(r, o));
           },
-          py::arg("user"), py::arg("job"), py::arg("gpus"), py::arg("mode"), py::arg("gpu_memory"),
-          py::arg("cpus"), py::arg("memory"), py::arg("selector"), py::arg("node"),
-          py::arg("priority"), py::arg("replicas"), py::arg("spread"), py::arg("lease"),
-          py::arg("wait"), py::arg("timeout"))
+          py::arg("request"), py::arg("wait"), py::arg("timeout"))
       .def(
           "release", [](Api& a, const std::string& id) { CheckStatus(a.Release(id)); },
           py::call_guard<py::gil_scoped_release>())
@@ -327,23 +314,52 @@ void RegisterGpu(py::module_& parent) {
                (n.cordoned ? ", cordoned" : "") + ")";
       });
 
+  // The option structs, bound so that their defaults live only in C++:
+  // deepnex/gpu.py reads its keyword defaults from fresh ones.
+  py::class_<gpu::AllocatorOptions> allocator_options(m, "AllocatorOptions");
+  allocator_options.def(py::init<>())
+      .def_readwrite("state_dir", &gpu::AllocatorOptions::state_dir)
+      .def_readwrite("fsync", &gpu::AllocatorOptions::fsync)
+      .def_readwrite("snapshot_every", &gpu::AllocatorOptions::snapshot_every);
+  DefSeconds(allocator_options, "lease_check_interval",
+             &gpu::AllocatorOptions::lease_check_interval, Millis);
+  DefSeconds(allocator_options, "reservation_after", &gpu::AllocatorOptions::reservation_after,
+             Millis);
+
+  py::class_<gpu::Request> request(m, "Request");
+  request.def(py::init<>())
+      .def_readwrite("user", &gpu::Request::user)
+      .def_readwrite("job", &gpu::Request::job)
+      .def_readwrite("gpus", &gpu::Request::gpus)
+      .def_property(
+          "mode", [](const gpu::Request& r) { return gpu::ModeName(r.mode); },
+          [](gpu::Request& r, const std::string& mode) { r.mode = ModeOf(mode, "mode"); })
+      .def_readwrite("gpu_memory", &gpu::Request::gpu_memory)
+      .def_readwrite("cpus", &gpu::Request::cpus)
+      .def_readwrite("memory", &gpu::Request::memory)
+      .def_readwrite("selector", &gpu::Request::selector)
+      .def_readwrite("node", &gpu::Request::node)
+      .def_readwrite("priority", &gpu::Request::priority)
+      .def_readwrite("replicas", &gpu::Request::replicas)
+      .def_readwrite("spread", &gpu::Request::spread);
+  // 0: no lease.
+  DefSeconds(request, "lease", &gpu::Request::lease, Millis);
+
+  py::class_<gpu::CentralClientOptions> central_options(m, "CentralClientOptions");
+  central_options.def(py::init<>())
+      .def_readwrite("address", &gpu::CentralClientOptions::address)
+      .def_readwrite("token", &gpu::CentralClientOptions::token)
+      .def_readwrite("token_file", &gpu::CentralClientOptions::token_file)
+      .def_readwrite("tls_ca_file", &gpu::CentralClientOptions::tls_ca_file);
+  DefSeconds(central_options, "timeout", &gpu::CentralClientOptions::timeout, Millis);
+
   py::class_<Allocator> allocator(m, "Allocator");
   allocator
-      .def(py::init([](const std::string& state_dir, bool fsync, uint64_t snapshot_every,
-                       double lease_check_interval, double reservation_after) {
-             gpu::AllocatorOptions o;
-             o.state_dir = state_dir;
-             o.fsync = fsync;
-             o.snapshot_every = snapshot_every;
-             o.lease_check_interval =
-                 std::chrono::milliseconds(static_cast<int64_t>(lease_check_interval * 1000));
-             o.reservation_after =
-                 std::chrono::milliseconds(static_cast<int64_t>(reservation_after * 1000));
+      .def(py::init([](const gpu::AllocatorOptions& o) {
              py::gil_scoped_release release;
              return Unwrap(Allocator::Create(o));
            }),
-           py::arg("state_dir"), py::arg("fsync"), py::arg("snapshot_every"),
-           py::arg("lease_check_interval"), py::arg("reservation_after"))
+           py::arg("options"))
       .def(
           "set_quota",
           [](Allocator& a, const std::string& user, std::optional<int64_t> gpus,
@@ -383,20 +399,11 @@ void RegisterGpu(py::module_& parent) {
 
   py::class_<gpu::CentralClient> central(m, "CentralClient");
   central
-      .def(py::init([](const std::string& address, const std::string& token,
-                       const std::string& token_file, const std::string& tls_ca_file,
-                       double timeout) {
-             gpu::CentralClientOptions o;
-             o.address = address;
-             o.token = token;
-             o.token_file = token_file;
-             o.tls_ca_file = tls_ca_file;
-             o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
+      .def(py::init([](const gpu::CentralClientOptions& o) {
              py::gil_scoped_release release;
              return Unwrap(gpu::CentralClient::Create(o));
            }),
-           py::arg("address"), py::arg("token"), py::arg("token_file"), py::arg("tls_ca_file"),
-           py::arg("timeout"))
+           py::arg("options"))
       .def(
           "set_quota",
           [](gpu::CentralClient& a, const std::string& user, std::optional<int64_t> gpus,

@@ -1,5 +1,6 @@
 // deepnex._C.job: deepnex::job::Job. python/deepnex/job.py turns sizes and
-// launcher keywords into the plain values this takes.
+// launcher keywords into the plain values of the bound JobOptions, whose
+// defaults are C++'s.
 #include <chrono>
 #include <memory>
 
@@ -57,47 +58,55 @@ void RegisterJob(py::module_& parent) {
                std::to_string(r.workers.size()) + " workers)";
       });
 
+  // JobOptions, bound so that its defaults live only in C++
+  // (deepnex.job.Job's keyword defaults are a fresh one's). The launcher's
+  // options other than its backend, and the callbacks, go to Job itself.
+  py::class_<JobOptions>(m, "JobOptions")
+      .def(py::init<>())
+      .def_readwrite("name", &JobOptions::name)
+      .def_readwrite("command", &JobOptions::command)
+      .def_readwrite("workers", &JobOptions::workers)
+      .def_readwrite("nodes", &JobOptions::nodes)
+      .def_readwrite("advertise_address", &JobOptions::advertise_address)
+      .def_readwrite("ps", &JobOptions::ps)
+      .def_readwrite("mode", &JobOptions::mode)
+      .def_readwrite("gpus_per_worker", &JobOptions::gpus_per_worker)
+      .def_property(
+          "gpu_mode", [](const JobOptions& o) { return gpu::ModeName(o.gpu_mode); },
+          [](JobOptions& o, const std::string& mode) {
+            o.gpu_mode = Unwrap(gpu::ParseMode(mode, "gpu_mode"));
+          })
+      .def_readwrite("gpu_memory", &JobOptions::gpu_memory)
+      .def_readwrite("cpus", &JobOptions::cpus)
+      .def_readwrite("memory", &JobOptions::memory)
+      .def_readwrite("user", &JobOptions::user)
+      .def_readwrite("central", &JobOptions::central)
+      .def_readwrite("central_token", &JobOptions::central_token)
+      .def_readwrite("central_token_file", &JobOptions::central_token_file)
+      .def_property(
+          "backend", [](const JobOptions& o) { return o.launcher.backend; },
+          [](JobOptions& o, const std::string& backend) { o.launcher.backend = backend; })
+      .def_property(
+          "restart", [](const JobOptions& o) { return o.restart.ToString(); },
+          [](JobOptions& o, const std::string& text) {
+            o.restart = Unwrap(launch::RestartPolicy::Parse(text));
+          })
+      .def_readwrite("checkpoint_dir", &JobOptions::checkpoint_dir)
+      .def_readwrite("optimizer", &JobOptions::optimizer)
+      .def_readwrite("lr", &JobOptions::lr)
+      .def_readwrite("momentum", &JobOptions::momentum)
+      .def_readwrite("ps_binary", &JobOptions::ps_binary)
+      .def_readwrite("env", &JobOptions::env)
+      .def_readwrite("working_dir", &JobOptions::working_dir)
+      // deepnex._C.launch.Mount values.
+      .def_readwrite("mounts", &JobOptions::mounts);
+
   py::class_<Job, GilFreeHolder<Job>>(m, "Job")
-      .def(py::init([](std::vector<std::string> command, int workers, int nodes, int ps,
-                       std::string mode, int gpus_per_worker, std::string gpu_mode,
-                       uint64_t gpu_memory, double cpus, uint64_t memory, std::string user,
-                       std::string central, std::string central_token,
-                       std::string central_token_file, py::dict launcher,
-                       std::string restart, std::string checkpoint_dir, std::string optimizer,
-                       double lr, double momentum, std::string ps_binary, std::map<std::string, std::string> env,
-                       std::string working_dir,
-                       std::vector<std::tuple<std::string, std::string, bool>> mounts,
-                       std::string name, py::object output, py::object on_event,
-                       std::string advertise_address) {
-             JobOptions o;
-             o.command = std::move(command);
-             o.workers = workers;
-             o.nodes = nodes;
-             o.advertise_address = std::move(advertise_address);
-             o.ps = ps;
-             o.mode = std::move(mode);
-             o.gpus_per_worker = gpus_per_worker;
-             o.gpu_mode = Unwrap(gpu::ParseMode(gpu_mode, "gpu_mode"));
-             o.gpu_memory = gpu_memory;
-             o.cpus = cpus;
-             o.memory = memory;
-             o.user = std::move(user);
-             o.central = std::move(central);
-             o.central_token = std::move(central_token);
-             o.central_token_file = std::move(central_token_file);
+      .def(py::init([](JobOptions o, const py::dict& launcher, py::object output,
+                       py::object on_event) {
+             std::string backend = o.launcher.backend;
              o.launcher = LauncherOptionsFromPython(launcher);
-             o.restart = Unwrap(launch::RestartPolicy::Parse(restart));
-             o.checkpoint_dir = std::move(checkpoint_dir);
-             o.optimizer = std::move(optimizer);
-             o.lr = lr;
-             o.momentum = momentum;
-             o.ps_binary = std::move(ps_binary);
-             o.env = std::move(env);
-             o.working_dir = std::move(working_dir);
-             for (auto& [source, target, read_only] : mounts) {
-               o.mounts.push_back({std::move(source), std::move(target), read_only});
-             }
-             o.name = std::move(name);
+             o.launcher.backend = backend;
              if (!output.is_none()) {
                o.output = [fn = Callback(output, "deepnex job output")](
                               const std::string& who, const std::string& line) { fn(who, line); };
@@ -108,15 +117,7 @@ void RegisterJob(py::module_& parent) {
              }
              return GilFree(Unwrap(Job::Create(o)));
            }),
-           py::kw_only(), py::arg("command"), py::arg("workers"), py::arg("nodes") = 0,
-           py::arg("ps"), py::arg("mode"),
-           py::arg("gpus_per_worker"), py::arg("gpu_mode"), py::arg("gpu_memory"),
-           py::arg("cpus"), py::arg("memory"), py::arg("user"), py::arg("central"),
-           py::arg("central_token"), py::arg("central_token_file"), py::arg("launcher"),
-           py::arg("restart"),
-           py::arg("checkpoint_dir"), py::arg("optimizer"), py::arg("lr"), py::arg("momentum"), py::arg("ps_binary"),
-           py::arg("env"), py::arg("working_dir"), py::arg("mounts"), py::arg("name"),
-           py::arg("output"), py::arg("on_event"), py::arg("advertise_address") = "")
+           py::arg("options"), py::arg("launcher"), py::arg("output"), py::arg("on_event"))
       .def_property_readonly("name", &Job::name)
       .def("start", [](Job& j) { CheckStatus(j.Start()); },
            py::call_guard<py::gil_scoped_release>())

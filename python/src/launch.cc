@@ -1,6 +1,6 @@
 // deepnex._C.launch: container launch and supervision. The Python layer
-// (python/deepnex/launch.py) turns byte sizes, mount tuples and restart
-// policies into the plain values these take.
+// (python/deepnex/launch.py) turns byte sizes and Mount values into the plain
+// values of the bound ContainerSpec, whose defaults are C++'s.
 #include <chrono>
 #include <memory>
 
@@ -20,8 +20,6 @@ using launch::Handle;
 using launch::Launcher;
 using launch::LauncherOptions;
 using StrMap = std::map<std::string, std::string>;
-// (source, target, read_only)
-using MountArgs = std::tuple<std::string, std::string, bool>;
 
 std::chrono::milliseconds Ms(double seconds) {
   if (!(seconds >= 0)) {
@@ -31,32 +29,50 @@ std::chrono::milliseconds Ms(double seconds) {
 }
 
 
-ContainerSpec MakeSpec(const std::string& name, const std::string& image,
-                       const std::vector<std::string>& command, const StrMap& env,
-                       const std::string& working_dir, const std::vector<MountArgs>& mounts,
-                       double cpus, uint64_t memory, int64_t pids_limit,
-                       std::optional<gpu::Allocation> allocation, const std::string& user,
-                       const StrMap& labels, const std::string& restart, double backoff,
-                       double max_backoff, bool network_none, bool host_network) {
-  ContainerSpec s;
-  s.name = name;
-  s.image = image;
-  s.command = command;
-  s.env = env;
-  s.working_dir = working_dir;
-  for (const auto& [source, target, read_only] : mounts) s.mounts.push_back({source, target, read_only});
-  s.cpus = cpus;
-  s.memory = memory;
-  s.pids_limit = pids_limit;
-  s.allocation = std::move(allocation);
-  s.user = user;
-  s.labels = labels;
-  s.restart = Unwrap(launch::RestartPolicy::Parse(restart));
-  s.restart.backoff = Ms(backoff);
-  s.restart.max_backoff = Ms(max_backoff);
-  s.network_none = network_none;
-  s.host_network = host_network;
-  return s;
+// ContainerSpec, bound so that its defaults live only in C++
+// (deepnex.launch.ContainerSpec's fields default to a fresh one's). The
+// restart policy is its text ("on-failure:3"), its backoffs seconds.
+void RegisterContainerSpec(py::module_& m) {
+  py::class_<launch::Mount>(m, "Mount")
+      .def(py::init([](std::string source, std::string target, bool read_only) {
+             return launch::Mount{std::move(source), std::move(target), read_only};
+           }),
+           py::arg("source"), py::arg("target"), py::arg("read_only"))
+      .def_readwrite("source", &launch::Mount::source)
+      .def_readwrite("target", &launch::Mount::target)
+      .def_readwrite("read_only", &launch::Mount::read_only);
+
+  py::class_<ContainerSpec>(m, "ContainerSpec")
+      .def(py::init<>())
+      .def_readwrite("name", &ContainerSpec::name)
+      .def_readwrite("image", &ContainerSpec::image)
+      .def_readwrite("command", &ContainerSpec::command)
+      .def_readwrite("env", &ContainerSpec::env)
+      .def_readwrite("working_dir", &ContainerSpec::working_dir)
+      .def_readwrite("mounts", &ContainerSpec::mounts)
+      .def_readwrite("cpus", &ContainerSpec::cpus)
+      .def_readwrite("memory", &ContainerSpec::memory)
+      .def_readwrite("pids_limit", &ContainerSpec::pids_limit)
+      .def_readwrite("allocation", &ContainerSpec::allocation)
+      .def_readwrite("user", &ContainerSpec::user)
+      .def_readwrite("labels", &ContainerSpec::labels)
+      .def_property(
+          "restart", [](const ContainerSpec& s) { return s.restart.ToString(); },
+          [](ContainerSpec& s, const std::string& text) {
+            launch::RestartPolicy policy = Unwrap(launch::RestartPolicy::Parse(text));
+            policy.backoff = s.restart.backoff;
+            policy.max_backoff = s.restart.max_backoff;
+            s.restart = policy;
+          })
+      .def_property(
+          "backoff", [](const ContainerSpec& s) { return s.restart.backoff.count() / 1000.0; },
+          [](ContainerSpec& s, double seconds) { s.restart.backoff = Ms(seconds); })
+      .def_property(
+          "max_backoff",
+          [](const ContainerSpec& s) { return s.restart.max_backoff.count() / 1000.0; },
+          [](ContainerSpec& s, double seconds) { s.restart.max_backoff = Ms(seconds); })
+      .def_readwrite("network_none", &ContainerSpec::network_none)
+      .def_readwrite("host_network", &ContainerSpec::host_network);
 }
 
 py::dict UsageDict(const launch::Usage& u) {
@@ -110,33 +126,17 @@ py::dict CentralRecord(const launch::CentralContainer& c) {
 
 void RegisterCentralClient(py::module_& m) {
   py::class_<launch::CentralClient>(m, "CentralClient")
-      .def(py::init([](const std::string& address, const std::string& token,
-                       const std::string& token_file, const std::string& tls_ca_file,
-                       double timeout) {
-             gpu::CentralClientOptions o;
-             o.address = address;
-             o.token = token;
-             o.token_file = token_file;
-             o.tls_ca_file = tls_ca_file;
-             o.timeout = Ms(timeout);
+      // deepnex._C.gpu.CentralClientOptions, as deepnex.gpu.CentralClient
+      // dials both services with the same options.
+      .def(py::init([](const gpu::CentralClientOptions& o) {
+             py::gil_scoped_release release;
              return Unwrap(launch::CentralClient::Create(o));
            }),
-           py::arg("address"), py::arg("token") = "", py::arg("token_file") = "",
-           py::arg("tls_ca_file") = "", py::arg("timeout") = 30.0)
+           py::arg("options"))
       .def(
           "start",
-          [](launch::CentralClient& c, const std::string& allocation_id, const std::string& name,
-             const std::string& image, const std::vector<std::string>& command,
-             const StrMap& env, const std::string& working_dir,
-             const std::vector<MountArgs>& mounts, double cpus, uint64_t memory,
-             int64_t pids_limit, std::optional<gpu::Allocation> allocation,
-             const std::string& user, const StrMap& labels, const std::string& restart,
-             double backoff, double max_backoff, bool network_none,
-             bool host_network) {
-            ContainerSpec spec = MakeSpec(name, image, command, env, working_dir, mounts, cpus,
-                                          memory, pids_limit, std::move(allocation), user,
-                                          labels, restart, backoff, max_backoff, network_none,
-                                          host_network);
+          [](launch::CentralClient& c, const std::string& allocation_id,
+             const ContainerSpec& spec) {
             launch::CentralContainer got;
             {
               py::gil_scoped_release release;
@@ -144,11 +144,7 @@ void RegisterCentralClient(py::module_& m) {
             }
             return CentralRecord(got);
           },
-          py::arg("allocation_id"), py::arg("name"), py::arg("image"), py::arg("command"),
-          py::arg("env"), py::arg("working_dir"), py::arg("mounts"), py::arg("cpus"),
-          py::arg("memory"), py::arg("pids_limit"), py::arg("allocation"), py::arg("user"),
-          py::arg("labels"), py::arg("restart"), py::arg("backoff"), py::arg("max_backoff"),
-          py::arg("network_none"), py::arg("host_network"))
+          py::arg("allocation_id"), py::arg("spec"))
       .def(
           "list",
           [](launch::CentralClient& c, const std::string& user) {
@@ -242,6 +238,7 @@ launch::LauncherOptions LauncherOptionsFromPython(const py::dict& kw) {
 
 void RegisterLaunch(py::module_& parent) {
   py::module_ m = parent.def_submodule("launch", "container launch and supervision (C++ core)");
+  RegisterContainerSpec(m);
 
   py::class_<ExitStatus>(m, "ExitStatus")
       .def_property_readonly("reason",
@@ -333,25 +330,8 @@ void RegisterLaunch(py::module_& parent) {
       .def_property_readonly("id", &Launcher::id)
       .def(
           "start",
-          [](Launcher& l, const std::string& name, const std::string& image,
-             const std::vector<std::string>& command, const StrMap& env,
-             const std::string& working_dir, const std::vector<MountArgs>& mounts, double cpus,
-             uint64_t memory, int64_t pids_limit, std::optional<gpu::Allocation> allocation,
-             const std::string& user, const StrMap& labels, const std::string& restart,
-             double backoff, double max_backoff, bool network_none,
-             bool host_network) {
-            ContainerSpec spec = MakeSpec(name, image, command, env, working_dir, mounts, cpus,
-                                          memory, pids_limit, std::move(allocation), user,
-                                          labels, restart, backoff, max_backoff, network_none,
-                                          host_network);
-            py::gil_scoped_release release;
-            return Unwrap(l.Start(spec));
-          },
-          py::arg("name"), py::arg("image"), py::arg("command"), py::arg("env"),
-          py::arg("working_dir"), py::arg("mounts"), py::arg("cpus"), py::arg("memory"),
-          py::arg("pids_limit"), py::arg("allocation"), py::arg("user"), py::arg("labels"),
-          py::arg("restart"), py::arg("backoff"), py::arg("max_backoff"),
-          py::arg("network_none"), py::arg("host_network"))
+          [](Launcher& l, const ContainerSpec& spec) { return Unwrap(l.Start(spec)); },
+          py::arg("spec"), py::call_guard<py::gil_scoped_release>())
       .def("list", &Launcher::List, py::call_guard<py::gil_scoped_release>())
       .def(
           "get", [](Launcher& l, const std::string& name) { return Unwrap(l.Get(name)); },

@@ -12,6 +12,7 @@ import pytest
 
 deepnex = pytest.importorskip("deepnex")
 from deepnex import _C, collective, gpu, ps  # noqa: E402
+from deepnex._convert import options  # noqa: E402
 
 EXPECTED = "expected HOST:PORT (e.g. 127.0.0.1:7070)"
 MALFORMED = {
@@ -23,8 +24,9 @@ MALFORMED = {
 # client name -> (constructor, the field in its errors, the server in its errors)
 CLIENTS = {
     "central": (lambda a: gpu.CentralClient(a), "central address", "central"),
-    "launch central": (lambda a: _C.launch.CentralClient(address=a), "central address",
-                       "central"),
+    "launch central": (lambda a: _C.launch.CentralClient(options(_C.gpu.CentralClientOptions,
+                                                                 address=a)),
+                       "central address", "central"),
     "store": (lambda a: collective.StoreClient(a), "store address", "store"),
     "ps": (lambda a: ps.Client([a]), "ps server address", "ps server"),
 }

@@ -1,5 +1,6 @@
-"""Tests of deepnex's core bindings: byte sizes, errors, the job context and
-zero-copy buffer views."""
+"""Tests of deepnex's core bindings: byte sizes, errors, the job context,
+zero-copy buffer views, the conversion module, the bound option structs and
+what the CLI commands share."""
 
 import logging
 import os
@@ -550,7 +551,7 @@ def test_dtype_override():
 
 def test_torch_tensors_through_to_buffer():
     torch = pytest.importorskip("torch")
-    from deepnex._buffers import to_buffer
+    from deepnex._convert import to_buffer
 
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     buf, dtype = to_buffer(t, "t")
@@ -570,6 +571,147 @@ def test_torch_tensors_through_to_buffer():
 
     a = np.zeros(2, np.float32)
     assert to_buffer(a, "a") == (a, None)
+
+
+def test_to_buffer_refuses_what_is_neither_an_array_nor_a_tensor():
+    from deepnex._convert import to_buffer
+    with pytest.raises(TypeError) as e:
+        to_buffer([1.0, 2.0], "grad")
+    assert str(e.value) == "grad: expected a numpy array or a torch tensor, got list"
+
+
+def test_byte_size_takes_ints_and_size_strings_and_names_the_field():
+    from deepnex._convert import byte_size
+    assert byte_size(4096, "memory") == 4096
+    assert byte_size(np.int64(8), "memory") == 8
+    assert type(byte_size(np.int64(8), "memory")) is int
+    assert byte_size("80GiB", "memory") == 80 * GiB
+    for value, message in [
+            (-1, "memory=-1: must be >= 0"),
+            (True, 'memory: expected a byte size such as "80GiB" or an int, got True'),
+            (1.5, 'memory: expected a byte size such as "80GiB" or an int, got 1.5'),
+            (None, 'memory: expected a byte size such as "80GiB" or an int, got None')]:
+        with pytest.raises(deepnex.InvalidArgumentError) as e:
+            byte_size(value, "memory")
+        assert str(e.value) == message
+    with pytest.raises(deepnex.InvalidArgumentError, match='^memory: "12XB" is not a byte size'):
+        byte_size("12XB", "memory")
+
+
+def test_every_module_coerces_sizes_alike():
+    # launch and job used to say "spec.memory: -1 is negative".
+    spec = deepnex.launch.ContainerSpec(name="c", command=["true"], memory=-1)
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        spec._spec()
+    assert str(e.value) == "spec.memory=-1: must be >= 0"
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        deepnex.gpu.Allocator().allocate(deepnex.gpu.Request(user="u", memory=1.5))
+    assert str(e.value) == 'memory: expected a byte size such as "80GiB" or an int, got 1.5'
+
+
+# --- option structs: defaults live in C++ -----------------------------------
+
+def _defaults(fn):
+    import inspect
+    return {k: p.default for k, p in inspect.signature(fn).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+def test_python_defaults_are_the_cpp_option_structs():
+    from deepnex import collective, gpu, job, launch
+    comm = _C.collective.CommunicatorOptions()
+    assert (comm.backend, comm.timeout, comm.prefix, comm.transport, comm.connections_per_peer,
+            comm.shm_channels, comm.device) == ("auto", 30.0, "deepnex", "auto", 2, 2, -1)
+    d = _defaults(collective.Communicator)
+    assert {k: d[k] for k in ("backend", "timeout", "prefix", "transport", "connections_per_peer",
+                              "shm_channels", "device", "store")} == {
+        "backend": "auto", "timeout": 30.0, "prefix": "deepnex", "transport": "auto",
+        "connections_per_peer": 2, "shm_channels": 2, "device": -1, "store": ""}
+    assert _defaults(collective.Store)["max_value_bytes"] == 64 << 20
+    assert _defaults(collective.Store)["address"] == "127.0.0.1:0"
+    assert _defaults(collective.StoreClient)["timeout"] == 30.0
+    assert (_defaults(collective.GradientBucketer)["bucket_bytes"],
+            _defaults(collective.GradientBucketer)["op"]) == (25 << 20, "mean")
+    a = _defaults(gpu.Allocator)
+    assert (a["fsync"], a["snapshot_every"], a["lease_check_interval"],
+            a["reservation_after"]) == (True, 100000, 0.1, 300.0)
+    assert _defaults(gpu.CentralClient)["timeout"] == 30.0
+    r = gpu.Request(user="u")
+    assert (r.gpus, r.mode, r.gpu_memory, r.cpus, r.memory, r.priority, r.replicas, r.spread,
+            r.lease) == (0, "exclusive", 0, 0, 0, 0, 1, False, None)
+    spec = launch.ContainerSpec(name="c", command=["true"])
+    assert (spec.image, spec.restart, spec.backoff, spec.max_backoff, spec.cpus, spec.memory) == (
+        "host", "never", 0.1, 10.0, 0.0, 0)
+    j = _defaults(job.Job.__init__)
+    assert {k: j[k] for k in ("workers", "nodes", "mode", "gpus_per_worker", "gpu_mode", "cpus",
+                              "backend", "restart", "optimizer", "lr", "momentum")} == {
+        "workers": 1, "nodes": 0, "mode": "sync", "gpus_per_worker": 0,
+        "gpu_mode": "exclusive", "cpus": 1.0, "backend": "process", "restart": "never",
+        "optimizer": "sgd", "lr": 0.01, "momentum": 0.0}
+
+
+def test_option_structs_check_what_is_set_and_name_the_field():
+    from deepnex._convert import options
+    o = options(_C.collective.CommunicatorOptions, rank=1, world_size=2, timeout=2.5)
+    assert (o.rank, o.world_size, o.timeout, o.prefix) == (1, 2, 2.5, "deepnex")
+    with pytest.raises(deepnex.InvalidArgumentError, match="^timeout=0.000000: must be positive"):
+        o.timeout = 0
+    with pytest.raises(deepnex.InvalidArgumentError, match="backend"):
+        o.backend = "carrier-pigeon"
+    with pytest.raises(AttributeError):
+        options(_C.collective.CommunicatorOptions, no_such_field=1)
+    with pytest.raises(deepnex.InvalidArgumentError, match="^lease_check_interval=-1.000000"):
+        _C.gpu.AllocatorOptions().lease_check_interval = -1
+    request = options(_C.gpu.Request, mode="shared", lease=1.5, replicas=2)
+    assert (request.mode, request.lease, request.replicas, request.gpus) == ("shared", 1.5, 2, 0)
+    with pytest.raises(deepnex.InvalidArgumentError, match="mode"):
+        request.mode = "sideways"
+    spec = options(_C.launch.ContainerSpec, backoff=0.5, max_backoff=2.0, restart="always:3",
+                   mounts=[_C.launch.Mount("/a", "/b", False)])
+    # Setting the policy's text keeps the backoffs set before it.
+    assert (spec.restart, spec.backoff, spec.max_backoff) == ("always:3", 0.5, 2.0)
+    assert [(m.source, m.target, m.read_only) for m in spec.mounts] == [("/a", "/b", False)]
+    j = options(_C.job.JobOptions, gpu_mode="shared", restart="on-failure:2", backend="oci")
+    assert (j.gpu_mode, j.restart, j.backend) == ("shared", "on-failure:2", "oci")
+    with pytest.raises(deepnex.InvalidArgumentError, match="gpu_mode"):
+        j.gpu_mode = "sideways"
+
+
+# --- what the CLI commands share ---------------------------------------------
+
+def test_cli_common_tables_pairs_and_central_address(monkeypatch):
+    import argparse
+
+    from deepnex import _cli_common as common
+    assert common.format_table([("A", "BB"), ("ccc", "d")]) == "A    BB\nccc  d"
+    assert common.parse_pairs(["a=1", "b=x=y"], "--env") == {"a": "1", "b": "x=y"}
+    assert common.parse_pairs(None, "--env") == {}
+    for bad in ("novalue", "=1"):
+        with pytest.raises(SystemExit) as e:
+            common.parse_pairs([bad], "--selector")
+        assert str(e.value) == f"deepnex: --selector {bad!r}: expected KEY=VALUE"
+    args = argparse.Namespace(central=None, token=None, token_file=None)
+    monkeypatch.delenv("DEEPNEX_CENTRAL", raising=False)
+    monkeypatch.setenv("DEEPNEX_TOKEN", "envtok")
+    assert (common.central_address(args), common.central_token(args)) == (None, "envtok")
+    monkeypatch.setenv("DEEPNEX_CENTRAL", "10.0.0.1:7070")
+    assert common.central_address(args) == "10.0.0.1:7070"
+    args = argparse.Namespace(central="127.0.0.1:1", token=None, token_file="/t")
+    assert (common.central_address(args), common.central_token(args)) == ("127.0.0.1:1", None)
+
+
+def test_run_reads_central_from_the_environment_when_it_runs(monkeypatch):
+    # `deepnex run` used to read $DEEPNEX_CENTRAL when its parser was built.
+    import argparse
+
+    from deepnex import _cli_common, _cli_job
+    commands = argparse.ArgumentParser().add_subparsers()
+    monkeypatch.setenv("DEEPNEX_CENTRAL", "10.0.0.1:7070")
+    _cli_job.add_commands(commands)
+    monkeypatch.setenv("DEEPNEX_CENTRAL", "10.0.0.2:7070")
+    args = commands.choices["run"].parse_args(["--", "true"])
+    assert args.central is None
+    assert _cli_common.central_address(args) == "10.0.0.2:7070"
 
 
 def test_import_is_light():

@@ -1,0 +1,73 @@
+"""Python values to what deepnex._C takes: arrays and CPU torch tensors to
+buffers, byte sizes to ints, keywords to C++ option structs. Every module of
+the package converts through here, so that a tensor or a size means the same
+thing everywhere.
+
+The bindings take anything with the buffer protocol and never copy. torch
+tensors do not export the buffer protocol, so the Python layer passes
+``t.numpy()``, which shares the tensor's memory. torch is not imported here:
+a tensor is recognised by its type's module.
+"""
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from deepnex import _C
+from deepnex.errors import InvalidArgumentError
+
+
+def is_torch_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "numpy")
+
+
+def to_buffer(x: Any, what: str) -> Tuple[Any, Optional["_C.DType"]]:
+    """(object with the buffer protocol, dtype override) for ``x``, a numpy
+    array or a CPU torch tensor; never a copy.
+
+    A torch bfloat16 tensor becomes an int16 view of the same memory with
+    the override DType.bfloat16; other tensors their ``.numpy()`` view
+    (detached, so tensors that require grad work too); a numpy array is
+    returned as is. Raises InvalidArgumentError naming ``what`` for a tensor
+    that is not on the CPU, TypeError for anything else. Contiguity is
+    checked by the bindings.
+    """
+    if isinstance(x, np.ndarray):
+        return x, None
+    if not is_torch_tensor(x):
+        raise TypeError(f"{what}: expected a numpy array or a torch tensor, "
+                        f"got {type(x).__name__}")
+    if x.device.type != "cpu":
+        raise InvalidArgumentError(
+            f"{what}: the tensor is on {x.device}; deepnex takes CPU tensors "
+            "(move it with .cpu(), which copies)"
+        )
+    t = x.detach()
+    import torch  # only reached with a tensor in hand
+
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy(), _C.DType.bfloat16
+    return t.numpy(), None
+
+
+def byte_size(value: Any, name: str) -> int:
+    """An int of bytes from an int (numpy's too) or a string such as
+    "80GiB"; InvalidArgumentError naming ``name`` and the value otherwise."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if value < 0:
+            raise InvalidArgumentError(f"{name}={value}: must be >= 0")
+        return int(value)
+    if isinstance(value, str):
+        return _C.parse_byte_size(value, name)
+    raise InvalidArgumentError(
+        f"{name}: expected a byte size such as \"80GiB\" or an int, got {value!r}")
+
+
+def options(struct: Any, **fields: Any) -> Any:
+    """A bound C++ options struct (``_C.<part>.<Name>Options``) with
+    ``fields`` set; the others keep their C++ defaults. A field the struct
+    lacks is an AttributeError, a bad value the struct's own error."""
+    o = struct()
+    for name, value in fields.items():
+        setattr(o, name, value)
+    return o
