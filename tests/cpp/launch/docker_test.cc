@@ -195,6 +195,29 @@ TEST_F(DockerTest, LimitsLabelsAndMountsReachTheEngine) {
   rmdir(dir.c_str());
 }
 
+// deepnex-central's run_as: the engine runs the process as the user's uid
+// and gid with no capability and no way to gain one.
+TEST_F(DockerTest, RunAsRunsAsTheUidWithNoCapabilities) {
+  ContainerSpec spec = Spec("user", {"sh", "-c",
+                                     "id -u; id -g; grep -E '^(CapPrm|CapEff|CapBnd|NoNewPrivs)' "
+                                     "/proc/self/status"});
+  spec.run_as = RunAs{4242, 4343, "ann", "/home/ann"};
+  launch::Run* run = Start(spec);
+  ASSERT_NE(run, nullptr);
+  ExitStatus exit = WaitFor(run);
+  EXPECT_TRUE(exit.ok()) << exit.ToString();
+  auto logs = run->Logs();
+  ASSERT_THAT(logs, IsOk());
+  EXPECT_EQ(*logs,
+            "4242\n4343\nCapPrm:\t0000000000000000\nCapEff:\t0000000000000000\n"
+            "CapBnd:\t0000000000000000\nNoNewPrivs:\t1\n");
+  json info = Inspect(run->id());
+  EXPECT_EQ(info["Config"]["User"].get<std::string>(), "4242:4343");
+  // Docker keeps "ALL"; podman lists what it dropped, every capability it
+  // would have given (the empty bounding set above is what counts).
+  EXPECT_FALSE(info["HostConfig"]["CapDrop"].empty()) << info["HostConfig"];
+}
+
 TEST_F(DockerTest, MemoryHogEndsAsTheEngineReportsIt) {
   ContainerSpec spec = Spec("hog", {"sh", "-c", "exec tail /dev/zero"});
   spec.memory = 16 << 20;
@@ -349,11 +372,30 @@ TEST(DockerBodyTest, TwoGpuAllocationGivesDeviceRequestsAndLimits) {
             json::parse(R"(["/data/set:/data:ro", "/scratch/w0:/out"])"));
   EXPECT_FALSE(body["HostConfig"].contains("NetworkMode"));
 
+  // No run_as: the image's user, the engine's default capabilities.
+  EXPECT_FALSE(body.contains("User"));
+  EXPECT_FALSE(body["HostConfig"].contains("CapDrop"));
+  EXPECT_EQ(body["HostConfig"]["SecurityOpt"], json::parse(R"(["no-new-privileges"])"));
+
   // Without GPUs: no DeviceRequests, the env as given.
   spec.allocation.reset();
   body = json::parse(DockerCreateBody(spec, context));
   EXPECT_FALSE(body["HostConfig"].contains("DeviceRequests"));
   EXPECT_EQ(body["Env"][0], "CUDA_VISIBLE_DEVICES=2,3");
+}
+
+TEST(DockerBodyTest, RunAsGivesTheUserNumericallyAndDropsEveryCapability) {
+  ContainerSpec spec;
+  spec.name = "w0";
+  spec.image = "busybox";
+  spec.command = {"id"};
+  spec.run_as = RunAs{1001, 1002, "ann", "/home/ann"};
+  RunContext context;
+  context.run_name = "l1-w0-0";
+  json body = json::parse(DockerCreateBody(spec, context));
+  EXPECT_EQ(body["User"], "1001:1002");
+  EXPECT_EQ(body["HostConfig"]["CapDrop"], json::parse(R"(["ALL"])"));
+  EXPECT_EQ(body["HostConfig"]["SecurityOpt"], json::parse(R"(["no-new-privileges"])"));
 }
 
 }  // namespace
