@@ -68,13 +68,12 @@ class Allocator::Impl {
     if (!options_.state_dir.empty()) {
       LedgerOptions lo;
       lo.fsync = options_.fsync;
-      DEEPNEX_ASSIGN_OR_RETURN(ledger_, Ledger::Open(
-                                            options_.state_dir, lo,
-                                            [this](const std::string& r) {
-                                              DEEPNEX_RETURN_IF_ERROR(state_.Apply(r));
-                                              return durable_.Apply(r);
-                                            },
-                                            &recovery_));
+      // Both states start as what is on disk.
+      auto apply = [this](const std::string& r) {
+        DEEPNEX_RETURN_IF_ERROR(state_.Apply(r));
+        return durable_.Apply(r);
+      };
+      DEEPNEX_ASSIGN_OR_RETURN(ledger_, Ledger::Open(options_.state_dir, lo, apply, &recovery_));
     }
     reaper_ = std::thread([this] { ReapLoop(); });
     return absl::OkStatus();

@@ -632,6 +632,16 @@ std::vector<std::string> Ids(const Allocator& alloc) {
   return ids;
 }
 
+// Closes `*alloc` and reopens it from `state`: what memory held is exactly
+// what is durable.
+void ExpectReopensAsItWas(std::unique_ptr<Allocator>* alloc, const std::string& state) {
+  const std::string digest = (*alloc)->StateDigest();
+  alloc->reset();
+  *alloc = Open(state);
+  ASSERT_NE(*alloc, nullptr);
+  EXPECT_EQ((*alloc)->StateDigest(), digest);
+}
+
 TEST_F(LedgerFullDisk, FailedWritesLeaveMemoryAsItWasAndSpaceComesBack) {
   const std::string state = mnt_ + "/state";
   auto alloc = Open(state);
@@ -693,12 +703,7 @@ TEST_F(LedgerFullDisk, FailedWritesLeaveMemoryAsItWasAndSpaceComesBack) {
   EXPECT_EQ(Ids(*alloc), after);
   EXPECT_OK(alloc->CheckInvariants());
   ASSERT_OK(alloc->Compact());
-  const std::string digest = alloc->StateDigest();
-  alloc.reset();
-  // What memory held is exactly what is durable.
-  alloc = Open(state);
-  ASSERT_NE(alloc, nullptr);
-  EXPECT_EQ(alloc->StateDigest(), digest);
+  ExpectReopensAsItWas(&alloc, state);
   alloc.reset();
 }
 
@@ -784,11 +789,7 @@ TEST_F(LedgerFullDisk, InFlightChangesShowOnlyOnceDurable) {
   ASSERT_OK(alloc->Release(alice));
   EXPECT_TRUE(alloc->Allocations("alice").empty());
   EXPECT_OK(alloc->CheckInvariants());
-  const std::string digest = alloc->StateDigest();
-  alloc.reset();
-  alloc = Open(state);
-  ASSERT_NE(alloc, nullptr);
-  EXPECT_EQ(alloc->StateDigest(), digest);
+  ExpectReopensAsItWas(&alloc, state);
 }
 
 // A child process streams grants, printing each id once Allocate returned
