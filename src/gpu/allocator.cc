@@ -2,10 +2,19 @@
 // the ledger records), RequestQueue (who waits) and Placement (where things
 // fit). Each public method forwards to Impl, which takes the lock, changes
 // the state, logs the change and waits for it to be durable without the lock.
+//
+// With a ledger there are two states. `state_` decides: a change is made
+// there at once, so that what is in flight holds its capacity and nothing
+// is booked twice. `durable_` is what every view reads (allocations, nodes,
+// usage, hence metrics): each record is applied to it only once it is on
+// disk, in log order, by the same Apply that replays a restart. A failed
+// write therefore never shows: `durable_` never saw it, and `state_` is
+// rebuilt from the durable log (RollBack).
 #include "deepnex/gpu/allocator.h"
 
 #include <algorithm>
 #include <condition_variable>
+#include <deque>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -59,10 +68,12 @@ class Allocator::Impl {
     if (!options_.state_dir.empty()) {
       LedgerOptions lo;
       lo.fsync = options_.fsync;
-      DEEPNEX_ASSIGN_OR_RETURN(
-          ledger_, Ledger::Open(options_.state_dir, lo,
-                                [this](const std::string& r) { return state_.Apply(r); },
-                                &recovery_));
+      // Both states start as what is on disk.
+      auto apply = [this](const std::string& r) {
+        DEEPNEX_RETURN_IF_ERROR(state_.Apply(r));
+        return durable_.Apply(r);
+      };
+      DEEPNEX_ASSIGN_OR_RETURN(ledger_, Ledger::Open(options_.state_dir, lo, apply, &recovery_));
     }
     reaper_ = std::thread([this] { ReapLoop(); });
     return absl::OkStatus();
@@ -302,12 +313,18 @@ class Allocator::Impl {
     return a;
   }
 
-  // ---- views: each under mu_
+  // ---- views: each under mu_, of what is durable
 
   template <typename F>
   auto Locked(F f) const {
     std::lock_guard<std::mutex> lock(mu_);
-    return f(state_);
+    return f(view());
+  }
+
+  absl::Status CheckInvariants() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    DEEPNEX_RETURN_IF_ERROR(state_.CheckInvariants());
+    return view().CheckInvariants();
   }
 
   std::vector<PendingRequest> Pending(const std::string& user) const {
@@ -328,6 +345,7 @@ class Allocator::Impl {
       std::lock_guard<std::mutex> lock(mu_);
       if (!ledger_) return absl::OkStatus();
       s = ledger_->Snapshot(state_.SnapshotRecords());
+      if (s.ok()) ApplyDurableLocked();
     }
     // If writing out the log before the snapshot failed, what it held is lost
     // (a snapshot file that failed loses nothing: RollBack then does nothing).
@@ -347,52 +365,88 @@ class Allocator::Impl {
 
   Placement& placement() { return state_.placement(); }
   const Placement& placement() const { return state_.placement(); }
+  // What views read: without a ledger every change is final at once.
+  const AllocatorState& view() const { return ledger_ ? durable_ : state_; }
 
   // ---- logging
 
-  // Appends under mu_, after applying the change in memory; returns the
-  // ledger ticket to make durable before acknowledging (0 in memory). If
-  // that write fails, RollBack undoes the change before anyone is told.
+  // Appends under mu_, after making the change in state_; returns the
+  // ledger ticket to make durable before acknowledging (0 in memory). The
+  // views see the change once that write is done (ApplyDurableLocked); if
+  // it fails, RollBack drops it from state_ before anyone is told.
   uint64_t LogLocked(const std::string& record) {
     if (!ledger_) return 0;
     ++records_;
     uint64_t seq = ledger_->Append(record);
+    unapplied_.emplace_back(seq, record);
     const uint64_t since = ledger_->records_since_snapshot();
     // A failed snapshot is retried every snapshot_every records, not on
     // each one: the log still holds everything (a full disk fails it fast,
     // but writing the state out is not free).
     if (options_.snapshot_every > 0 && since >= options_.snapshot_every &&
-        since % options_.snapshot_every == 0) {
-      ledger_->Snapshot(state_.SnapshotRecords()).IgnoreError();
+        since % options_.snapshot_every == 0 &&
+        ledger_->Snapshot(state_.SnapshotRecords()).ok()) {
+      ApplyDurableLocked();  // a snapshot writes out what was in flight
     }
     return seq;
   }
 
-  // Waits until ticket `seq` is durable; if its write failed, memory is
-  // rolled back to the durable state before the error returns.
+  // Under mu_: applies to durable_, in log order, every record now on disk.
+  void ApplyDurableLocked() {
+    if (!ledger_) return;  // closing
+    while (!unapplied_.empty() && ledger_->durable(unapplied_.front().first)) {
+      absl::Status s = durable_.Apply(unapplied_.front().second);
+      unapplied_.pop_front();
+      // state_ accepted the same record in the same order: a refusal here
+      // means the two states parted, and no view can be trusted any more.
+      if (!s.ok() && ledger_error_.ok()) {
+        ledger_error_ = absl::InternalError(
+            absl::StrCat("the view of the durable state refused a logged record: ", s.message()));
+      }
+    }
+  }
+
+  // Waits until ticket `seq` is durable and the views show it; if its write
+  // failed, state_ is rolled back to the durable state before the error
+  // returns.
   absl::Status Durable(uint64_t seq) {
     if (!ledger_ || seq == 0) return absl::OkStatus();
     absl::Status s = ledger_->Sync(seq);
-    if (!s.ok()) RollBack();
+    if (!s.ok()) {
+      RollBack();
+      return s;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    ApplyDurableLocked();
     return s;
   }
 
-  // The asynchronous Durable: `done` hears once the rollback is done.
+  // The asynchronous Durable: `done` hears once the views show the change,
+  // or once the rollback is done.
   void WhenDurable(uint64_t seq, Allocator::Done done) {
     ledger_->WhenDurable(seq, [this, done = std::move(done)](absl::Status s) {
-      if (!s.ok()) RollBack();
+      if (s.ok()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        ApplyDurableLocked();
+      } else {
+        RollBack();
+      }
       done(s);
     });
   }
 
-  // After a failed ledger write (takes mu_): rebuilds memory from the
+  // After a failed ledger write (takes mu_): rebuilds state_ from the
   // durable records, so that no grant, release or other change the write
-  // lost stays applied, and lets the ledger take records again -- when the
-  // disk has space again the next call succeeds. Every change made since
-  // the failure was built on lost ones, and the ledger failed it too.
+  // lost still holds capacity, and lets the ledger take records again --
+  // when the disk has space again the next call succeeds. Every change made
+  // since the failure was built on lost ones, and the ledger failed it too.
+  // The views (durable_) never saw a lost change: they only take in what
+  // was written before the failure.
   void RollBack() {
     std::lock_guard<std::mutex> lock(mu_);
     if (!ledger_ || !ledger_->failed()) return;  // rolled back already, or closing
+    ApplyDurableLocked();  // written before the failure, not yet shown
+    unapplied_.clear();    // lost
     state_.Clear();
     absl::Status s = ledger_->Recover([this](const std::string& r) { return state_.Apply(r); });
     if (!s.ok()) ledger_error_ = s;  // Broken() refuses every change from now on
@@ -622,7 +676,9 @@ class Allocator::Impl {
   bool stopping_ = false;
   int active_waiters_ = 0;
 
-  AllocatorState state_;
+  AllocatorState state_;     // decides; runs ahead of durable_ by unapplied_
+  AllocatorState durable_;   // what views read when there is a ledger
+  std::deque<std::pair<uint64_t, std::string>> unapplied_;  // (ticket, record) in flight
   RequestQueue queue_;
 };
 
@@ -780,8 +836,6 @@ std::string Allocator::StateDigest() const {
   });
 }
 
-absl::Status Allocator::CheckInvariants() const {
-  return impl_->Locked([](const AllocatorState& s) { return s.CheckInvariants(); });
-}
+absl::Status Allocator::CheckInvariants() const { return impl_->CheckInvariants(); }
 
 }  // namespace deepnex::gpu

@@ -483,6 +483,12 @@ void Ledger::WhenDurable(uint64_t ticket, DurableFn fn) {
   flusher_cv_.notify_all();
 }
 
+bool Ledger::durable(uint64_t ticket) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::optional<absl::Status> outcome = OutcomeLocked(ticket);
+  return outcome && outcome->ok();
+}
+
 bool Ledger::failed() const {
   std::lock_guard<std::mutex> lock(mu_);
   return !error_.ok();

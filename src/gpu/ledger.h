@@ -87,6 +87,9 @@ class Ledger {
   // ledger's thread, with no lock held. `fn` should be quick; it may call
   // any method (Sync writes for itself, so it cannot wait on this thread).
   void WhenDurable(uint64_t ticket, DurableFn fn);
+  // Whether record `ticket` is on disk (false while it is to be written,
+  // and for good once a write lost it).
+  bool durable(uint64_t ticket) const;
   // Whether a write failed and Recover has not run since.
   bool failed() const;
   // After a failed write, which cut the log back to its durable records:

@@ -311,6 +311,10 @@ std::string DockerCreateBody(const ContainerSpec& spec, const RunContext& contex
   if (spec.cpus > 0) host["NanoCpus"] = static_cast<int64_t>(spec.cpus * 1e9);
   if (spec.pids_limit > 0) host["PidsLimit"] = spec.pids_limit;
   if (spec.network_none) host["NetworkMode"] = "none";
+  // The user's identity, numeric so that the image needs no passwd entry;
+  // with no capabilities, and no-new-privileges keeps setuid binaries from
+  // giving any back.
+  if (spec.run_as) host["CapDrop"] = json::array({"ALL"});
   json binds = json::array();
   for (const Mount& m : spec.mounts) {
     binds.push_back(absl::StrCat(m.source, ":", m.target, m.read_only ? ":ro" : ""));
@@ -333,6 +337,7 @@ std::string DockerCreateBody(const ContainerSpec& spec, const RunContext& contex
   body["Env"] = env;
   body["Labels"] = context.labels;
   body["HostConfig"] = host;
+  if (spec.run_as) body["User"] = absl::StrCat(spec.run_as->uid, ":", spec.run_as->gid);
   if (!spec.working_dir.empty()) body["WorkingDir"] = spec.working_dir;
   return body.dump();
 }

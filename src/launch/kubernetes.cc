@@ -23,6 +23,7 @@
 #include "launch/backend.h"
 #include "launch/engine_env.h"
 #include "launch/http.h"
+#include "launch/kubernetes.h"
 
 namespace deepnex::launch {
 namespace {
@@ -290,6 +291,7 @@ json PodSpec(const ContainerSpec& spec, const KubernetesOptions& options) {
   json security = json::object();
   security["allowPrivilegeEscalation"] = false;
   security["readOnlyRootFilesystem"] = true;
+  if (spec.run_as) security["capabilities"] = json::object({{"drop", json::array({"ALL"})}});
   container["securityContext"] = security;
 
   json volumes = json::array();
@@ -324,6 +326,15 @@ json PodSpec(const ContainerSpec& spec, const KubernetesOptions& options) {
   pod["automountServiceAccountToken"] = false;
   pod["containers"] = json::array({container});
   pod["volumes"] = volumes;
+  if (spec.run_as) {
+    // The user's identity, numeric so that the image needs no passwd entry;
+    // runAsNonRoot makes the kubelet refuse to start it as root anyway.
+    json identity = json::object();
+    identity["runAsUser"] = spec.run_as->uid;
+    identity["runAsGroup"] = spec.run_as->gid;
+    identity["runAsNonRoot"] = true;
+    pod["securityContext"] = identity;
+  }
   // The allocation decided the node (ARCHITECTURE: a launcher never decides
   // placement); nodeName binds the pod there without the scheduler.
   if (spec.allocation.has_value() && !spec.allocation->node.empty()) {
@@ -332,34 +343,6 @@ json PodSpec(const ContainerSpec& spec, const KubernetesOptions& options) {
   return pod;
 }
 
-// The Pod or Job to create for one run.
-json Manifest(const ContainerSpec& spec, const RunContext& context, const KubernetesOptions& options,
-              const std::string& name, const std::string& namespace_) {
-  json metadata = json::object();
-  metadata["name"] = name;
-  metadata["namespace"] = namespace_;
-  metadata["labels"] = context.labels;
-  json manifest = json::object();
-  if (options.kind == "job") {
-    json template_metadata = json::object();
-    template_metadata["labels"] = context.labels;
-    json pod_template = json::object();
-    pod_template["metadata"] = template_metadata;
-    pod_template["spec"] = PodSpec(spec, options);
-    json job = json::object();
-    job["backoffLimit"] = 0;  // one pod; the launcher's supervisor restarts
-    job["template"] = pod_template;
-    manifest["apiVersion"] = "batch/v1";
-    manifest["kind"] = "Job";
-    manifest["spec"] = job;
-  } else {
-    manifest["apiVersion"] = "v1";
-    manifest["kind"] = "Pod";
-    manifest["spec"] = PodSpec(spec, options);
-  }
-  manifest["metadata"] = metadata;
-  return manifest;
-}
 
 // Waiting reasons after which the container never starts by itself.
 bool StuckWaiting(const std::string& reason) {
@@ -640,8 +623,8 @@ class KubernetesBackend : public Backend {
     const bool job = options_.kind == "job";
     const std::string path = job ? absl::StrCat("/apis/batch/v1/namespaces/", ns_, "/jobs")
                                  : absl::StrCat("/api/v1/namespaces/", ns_, "/pods");
-    DEEPNEX_RETURN_IF_ERROR(
-        http_->Call("POST", path, Manifest(spec, context, options_, name, ns_).dump()).status());
+    const std::string manifest = KubernetesManifest(spec, context, options_, name, ns_);
+    DEEPNEX_RETURN_IF_ERROR(http_->Call("POST", path, manifest).status());
     return std::unique_ptr<Run>(new KubernetesRun(http_, ns_, job, name, options_.poll));
   }
 
@@ -686,6 +669,35 @@ class KubernetesBackend : public Backend {
 };
 
 }  // namespace
+
+std::string KubernetesManifest(const ContainerSpec& spec, const RunContext& context,
+                               const KubernetesOptions& options, const std::string& name,
+                               const std::string& namespace_) {
+  json metadata = json::object();
+  metadata["name"] = name;
+  metadata["namespace"] = namespace_;
+  metadata["labels"] = context.labels;
+  json manifest = json::object();
+  if (options.kind == "job") {
+    json template_metadata = json::object();
+    template_metadata["labels"] = context.labels;
+    json pod_template = json::object();
+    pod_template["metadata"] = template_metadata;
+    pod_template["spec"] = PodSpec(spec, options);
+    json job = json::object();
+    job["backoffLimit"] = 0;  // one pod; the launcher's supervisor restarts
+    job["template"] = pod_template;
+    manifest["apiVersion"] = "batch/v1";
+    manifest["kind"] = "Job";
+    manifest["spec"] = job;
+  } else {
+    manifest["apiVersion"] = "v1";
+    manifest["kind"] = "Pod";
+    manifest["spec"] = PodSpec(spec, options);
+  }
+  manifest["metadata"] = metadata;
+  return manifest.dump();
+}
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeKubernetesBackend(const LauncherOptions& options) {
   const KubernetesOptions& o = options.kubernetes;

@@ -149,13 +149,10 @@ absl::Status CheckMount(const LauncherOptions& options, size_t i, Mount& m) {
 }
 
 // Whether `backend` can run a container as `run_as`: the user name goes
-// into an oci container's /etc/passwd, and becoming another uid needs root.
+// into an oci container's /etc/passwd. Every backend runs the processes as
+// that user; process, oci and slurm (sbatch --uid) become them here, which
+// needs root, while docker and kubernetes have their engine do it.
 absl::Status CheckRunAs(const std::string& backend, const RunAs& run_as) {
-  if (backend != "process" && backend != "oci") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "spec.run_as: uid ", run_as.uid, ": the ", backend,
-        " backend cannot run a container as another user (process and oci can)"));
-  }
   if (!run_as.user.empty() && !IsPasswdName(run_as.user)) {
     return absl::InvalidArgumentError(absl::StrCat("spec.run_as.user: \"", run_as.user,
                                                    "\" is not a user name ([a-z_][a-z0-9_-]*, "
@@ -164,10 +161,13 @@ absl::Status CheckRunAs(const std::string& backend, const RunAs& run_as) {
   if (!run_as.home.empty()) {
     DEEPNEX_RETURN_IF_ERROR(CheckAbsoluteNormal("spec.run_as.home", run_as.home));
   }
-  if (geteuid() != 0 && (run_as.uid != geteuid() || run_as.gid != getegid())) {
+  const bool engine_becomes = backend == "docker" || backend == "kubernetes";
+  if (!engine_becomes && geteuid() != 0 &&
+      (run_as.uid != geteuid() || run_as.gid != getegid())) {
     return absl::PermissionDeniedError(absl::StrCat(
         "spec.run_as: uid ", run_as.uid, " gid ", run_as.gid, ": this launcher runs as uid ",
-        geteuid(), " gid ", getegid(), " and only root may run containers as another user"));
+        geteuid(), " gid ", getegid(), " and only root may run ", backend,
+        " containers as another user"));
   }
   return absl::OkStatus();
 }

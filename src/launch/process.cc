@@ -252,12 +252,7 @@ class ProcessBackend : public Backend {
   absl::StatusOr<std::unique_ptr<Run>> Start(const ContainerSpec& spec,
                                              const RunContext& context) override {
     DEEPNEX_ASSIGN_OR_RETURN(std::string exe, FindOnPath(spec.command[0], PathOf(spec.env)));
-    std::map<std::string, std::string> env = spec.env;
-    env.emplace("PATH", PathOf(spec.env));
-    if (spec.run_as) {
-      env.emplace("HOME", spec.run_as->home.empty() ? "/" : spec.run_as->home);
-      if (!spec.run_as->user.empty()) env.emplace("USER", spec.run_as->user);
-    }
+    std::map<std::string, std::string> env = HostEnv(spec);
     env[kLauncherIdEnv] = context.launcher_id;
     std::vector<std::string> env_strings;
     for (const auto& [k, v] : env) env_strings.push_back(k + "=" + v);

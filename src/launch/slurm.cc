@@ -26,6 +26,7 @@
 //   enforced is the cluster's TaskPlugin's business, so there is no OOM
 //   kill without a memory cgroup: a job Slurm reports OUT_OF_MEMORY ends as
 //   oom_killed.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -33,6 +34,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <thread>
 
@@ -60,6 +62,19 @@ constexpr char kLogFile[] = "output.log";
 constexpr char kScriptFile[] = "job.sh";
 constexpr char kLauncherLabel[] = "deepnex.launcher";
 const char* const kTools[] = {"sbatch", "squeue", "scontrol", "scancel", "sinfo"};
+
+// Creates (empty) or keeps file `path`, owned by `who` and only theirs.
+absl::Status CreateOwnedBy(const std::string& path, const RunAs& who) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0 || ::fchown(fd, who.uid, who.gid) != 0) {
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    return absl::InternalError(absl::StrCat("slurm: making ", path, " the file of uid ", who.uid,
+                                            " gid ", who.gid, ": ", std::strerror(err)));
+  }
+  ::close(fd);
+  return absl::OkStatus();
+}
 
 // Job states after which nothing of the job runs any more.
 bool IsFinal(absl::string_view state) {
@@ -375,8 +390,7 @@ class SlurmBackend : public Backend {
                                              const RunContext& context) override {
     DEEPNEX_ASSIGN_OR_RETURN(std::string exe, FindOnPath(spec.command[0], PathOf(spec.env)));
     const size_t gpus = spec.allocation.has_value() ? spec.allocation->gpus.size() : 0;
-    std::map<std::string, std::string> env = spec.env;
-    env.emplace("PATH", PathOf(spec.env));
+    std::map<std::string, std::string> env = HostEnv(spec);
     env[kLauncherIdEnv] = context.launcher_id;
     if (gpus > 0) {
       env.erase("CUDA_VISIBLE_DEVICES");
@@ -395,6 +409,7 @@ class SlurmBackend : public Backend {
     DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically(script_path, script));
 
     std::string workdir = spec.working_dir;
+    if (workdir.empty() && spec.run_as && !spec.run_as->home.empty()) workdir = spec.run_as->home;
     if (workdir.empty()) {
       char cwd[4096];
       if (getcwd(cwd, sizeof cwd) == nullptr) return absl::InternalError("getcwd failed");
@@ -406,6 +421,11 @@ class SlurmBackend : public Backend {
       if (k != kLauncherLabel) absl::StrAppend(&comment, ",", k, "=", v);
     }
     const std::string log_path = context.dir + "/" + kLogFile;
+    // Another user's job: slurmstepd opens the output as that user, so the
+    // file is made theirs here (the run directory must be searchable).
+    const bool become = spec.run_as && (spec.run_as->uid != geteuid() ||
+                                        spec.run_as->gid != getegid());
+    if (become) DEEPNEX_RETURN_IF_ERROR(CreateOwnedBy(log_path, *spec.run_as));
     std::vector<std::string> args = {
         "--parsable", "--job-name=" + context.run_name, "--comment=" + comment,
         "--nodes=1", "--ntasks=1", "--no-requeue",
@@ -422,6 +442,11 @@ class SlurmBackend : public Backend {
       args.push_back("--nodelist=" + spec.allocation->node);
     }
     if (!options_.partition.empty()) args.push_back("--partition=" + options_.partition);
+    // Only root may submit as another user (the launcher checked that).
+    if (become) {
+      args.push_back(absl::StrCat("--uid=", spec.run_as->uid));
+      args.push_back(absl::StrCat("--gid=", spec.run_as->gid));
+    }
     args.push_back(script_path);
     DEEPNEX_ASSIGN_OR_RETURN(std::string out, client_->Submit(args));
     // --parsable prints "<id>" or "<id>;<cluster>".

@@ -97,6 +97,16 @@ std::string PathOf(const std::map<std::string, std::string>& env) {
   return own != nullptr && *own != '\0' ? own : kDefaultPath;
 }
 
+std::map<std::string, std::string> HostEnv(const ContainerSpec& spec) {
+  std::map<std::string, std::string> env = spec.env;
+  env.emplace("PATH", PathOf(spec.env));
+  if (spec.run_as) {
+    env.emplace("HOME", spec.run_as->home.empty() ? "/" : spec.run_as->home);
+    if (!spec.run_as->user.empty()) env.emplace("USER", spec.run_as->user);
+  }
+  return env;
+}
+
 std::string CgroupParent(const LauncherOptions& options) {
   return options.cgroup_parent.empty() ? "deepnex" : options.cgroup_parent;
 }

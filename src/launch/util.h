@@ -58,6 +58,11 @@ absl::StatusOr<std::string> FindOnPath(const std::string& command,
 // a default.
 std::string PathOf(const std::map<std::string, std::string>& env);
 
+// The environment of a spec's processes on this host's own system (process,
+// slurm): its env, with PATH (PathOf) and, when it runs as another user,
+// that user's HOME ("/" when unknown) and USER, unless its env sets them.
+std::map<std::string, std::string> HostEnv(const ContainerSpec& spec);
+
 // options.cgroup_parent, or "deepnex" when empty.
 std::string CgroupParent(const LauncherOptions& options);
 

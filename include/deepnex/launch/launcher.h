@@ -130,11 +130,12 @@ struct ContainerSpec {
   // deepnex-central allows it only to the users its --allow-host-network
   // names. Contradicts network_none.
   bool host_network = false;
-  // Whom the processes run as (process and oci backends). Set by whoever
+  // Whom the processes run as (every backend). Set by whoever
   // owns the launcher, never by a remote user: deepnex-central sets it
   // from its user map. Unset: the launcher's own uid and gid (a Launcher
   // in a user's own script runs as that user). A uid other than the
-  // launcher's needs a launcher running as root (PermissionDenied).
+  // launcher's needs a launcher running as root (PermissionDenied), except
+  // on docker and kubernetes, whose engine switches users.
   std::optional<RunAs> run_as;
   // The log rotates when it reaches this size (see LauncherOptions::
   // log_max_bytes); 0: the launcher's. At most the launcher's.

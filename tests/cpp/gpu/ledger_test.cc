@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -631,6 +632,16 @@ std::vector<std::string> Ids(const Allocator& alloc) {
   return ids;
 }
 
+// Closes `*alloc` and reopens it from `state`: what memory held is exactly
+// what is durable.
+void ExpectReopensAsItWas(std::unique_ptr<Allocator>* alloc, const std::string& state) {
+  const std::string digest = (*alloc)->StateDigest();
+  alloc->reset();
+  *alloc = Open(state);
+  ASSERT_NE(*alloc, nullptr);
+  EXPECT_EQ((*alloc)->StateDigest(), digest);
+}
+
 TEST_F(LedgerFullDisk, FailedWritesLeaveMemoryAsItWasAndSpaceComesBack) {
   const std::string state = mnt_ + "/state";
   auto alloc = Open(state);
@@ -692,13 +703,93 @@ TEST_F(LedgerFullDisk, FailedWritesLeaveMemoryAsItWasAndSpaceComesBack) {
   EXPECT_EQ(Ids(*alloc), after);
   EXPECT_OK(alloc->CheckInvariants());
   ASSERT_OK(alloc->Compact());
-  const std::string digest = alloc->StateDigest();
+  ExpectReopensAsItWas(&alloc, state);
   alloc.reset();
-  // What memory held is exactly what is durable.
-  alloc = Open(state);
+}
+
+// A grant or release in flight holds its capacity but shows nowhere until
+// its record is durable; when that write fails, no view ever showed it.
+// The ledger's thread is held inside a callback (it runs them in order, then
+// writes), so the records after it stay in flight for as long as the test
+// needs, without timing.
+TEST_F(LedgerFullDisk, InFlightChangesShowOnlyOnceDurable) {
+  const std::string state = mnt_ + "/state";
+  auto alloc = Open(state);
   ASSERT_NE(alloc, nullptr);
-  EXPECT_EQ(alloc->StateDigest(), digest);
-  alloc.reset();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 1, 256 << 20, Mode::kShared, 1 << 20, kGiB << 20)));
+
+  std::promise<std::string> alice_granted;
+  std::promise<void> go_on;
+  std::shared_future<void> go = go_on.get_future().share();
+  alloc->AllocateGangAsync(Shared("alice", 1, 1 << 20), {},
+                           [&](absl::StatusOr<std::vector<Allocation>> r) {
+                             alice_granted.set_value(r.ok() ? r->at(0).id : r.status().ToString());
+                             go.wait();  // holds the ledger's thread
+                           });
+  auto alice_future = alice_granted.get_future();
+  ASSERT_EQ(alice_future.wait_for(30s), std::future_status::ready);
+  const std::string alice = alice_future.get();
+  ASSERT_EQ(Ids(*alloc), std::vector<std::string>{alice});
+
+  // A reader polls every view for as long as bob's grant is in flight.
+  std::atomic<bool> stop{false};
+  std::atomic<int> bob_seen{0};
+  std::thread reader([&] {
+    while (!stop) {
+      if (!alloc->Allocations("bob").empty() || alloc->GetUsage("bob").gpus != 0) ++bob_seen;
+    }
+  });
+
+  // 200 parts: a record of several pages, which a full disk cannot take.
+  Request gang = Shared("bob", 1, 1 << 20);
+  gang.replicas = 200;
+  std::promise<absl::StatusOr<std::vector<Allocation>>> bob_done;
+  alloc->AllocateGangAsync(gang, {}, [&](absl::StatusOr<std::vector<Allocation>> r) {
+    bob_done.set_value(std::move(r));
+  });
+  std::promise<absl::Status> release_done;
+  alloc->ReleaseAsync(alice, [&](absl::Status s) { release_done.set_value(s); });
+  auto bob_future = bob_done.get_future();
+  auto release_future = release_done.get_future();
+  EXPECT_EQ(bob_future.wait_for(0s), std::future_status::timeout);
+  EXPECT_EQ(release_future.wait_for(0s), std::future_status::timeout);
+
+  // In flight: the views show alice's grant and only hers ...
+  EXPECT_EQ(Ids(*alloc), std::vector<std::string>{alice});
+  EXPECT_TRUE(alloc->Allocations("bob").empty());
+  EXPECT_EQ(alloc->GetUsage("bob").gpus, 0);
+  EXPECT_EQ(alloc->GetUsage("alice").gpus, 1);
+  ASSERT_OK_AND_ASSIGN(NodeInfo n1, alloc->GetNode("n1"));
+  EXPECT_EQ(n1.gpu_memory_used, std::vector<uint64_t>{1 << 20});
+  EXPECT_EQ(n1.allocation_ids, std::vector<std::string>{alice});
+  // ... while bob's 200 MiB stay booked: 100 MiB more do not fit in 256.
+  EXPECT_THAT(alloc->Allocate(Shared("carol", 1, 100 << 20), NoWait()).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_OK(alloc->CheckInvariants());
+
+  // The disk fills, then the ledger writes them: both fail.
+  Fill();
+  go_on.set_value();
+  ASSERT_EQ(bob_future.wait_for(30s), std::future_status::ready);
+  EXPECT_THAT(bob_future.get(), StatusIs(absl::StatusCode::kInternal,
+                                         HasSubstr("No space left on device")));
+  ASSERT_EQ(release_future.wait_for(30s), std::future_status::ready);
+  EXPECT_THAT(release_future.get(), StatusIs(absl::StatusCode::kInternal,
+                                             HasSubstr("No space left on device")));
+  stop = true;
+  reader.join();
+  EXPECT_EQ(bob_seen, 0);
+  EXPECT_EQ(Ids(*alloc), std::vector<std::string>{alice});
+  EXPECT_OK(alloc->CheckInvariants());
+
+  // Space again: the next calls succeed, without reopening, and show.
+  Free();
+  ASSERT_OK_AND_ASSIGN(std::vector<Allocation> bob, alloc->AllocateGang(gang));
+  EXPECT_EQ(alloc->Allocations("bob").size(), 200u);
+  ASSERT_OK(alloc->Release(alice));
+  EXPECT_TRUE(alloc->Allocations("alice").empty());
+  EXPECT_OK(alloc->CheckInvariants());
+  ExpectReopensAsItWas(&alloc, state);
 }
 
 // A child process streams grants, printing each id once Allocate returned

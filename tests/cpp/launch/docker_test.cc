@@ -100,6 +100,17 @@ class DockerTest : public ::testing::Test {
     return runs_.back().get();
   }
 
+  // Starts `spec` (*run), waits for it to exit 0 and returns its logs.
+  std::string RunToSuccess(const ContainerSpec& spec, launch::Run** run) {
+    *run = Start(spec);
+    if (*run == nullptr) return "";
+    ExitStatus exit = WaitFor(*run);
+    EXPECT_TRUE(exit.ok()) << exit.ToString();
+    auto logs = (*run)->Logs();
+    EXPECT_THAT(logs, IsOk());
+    return logs.ok() ? *logs : "";
+  }
+
   ExitStatus WaitFor(launch::Run* run) {
     auto exit = run->Wait(30s);
     EXPECT_THAT(exit, IsOk());
@@ -168,15 +179,12 @@ TEST_F(DockerTest, LimitsLabelsAndMountsReachTheEngine) {
   spec.working_dir = "/data";
   spec.labels["team"] = "vision";
   spec.mounts.push_back({dir, "/data", true});
-  launch::Run* run = Start(spec);
+  launch::Run* run = nullptr;
+  const std::string logs = RunToSuccess(spec, &run);
   ASSERT_NE(run, nullptr);
-  ExitStatus exit = WaitFor(run);
-  EXPECT_TRUE(exit.ok()) << exit.ToString();
-  auto logs = run->Logs();
-  ASSERT_THAT(logs, IsOk());
-  EXPECT_THAT(*logs, HasSubstr("from the host\n"));
-  EXPECT_THAT(*logs, HasSubstr("read-only\n"));
-  EXPECT_THAT(*logs, HasSubstr("/data\n"));
+  EXPECT_THAT(logs, HasSubstr("from the host\n"));
+  EXPECT_THAT(logs, HasSubstr("read-only\n"));
+  EXPECT_THAT(logs, HasSubstr("/data\n"));
   struct stat st;
   EXPECT_NE(stat((dir + "/out").c_str(), &st), 0) << "the read-only mount was written";
 
@@ -193,6 +201,26 @@ TEST_F(DockerTest, LimitsLabelsAndMountsReachTheEngine) {
   EXPECT_THAT(run->Remove(), IsOk());
   std::remove((dir + "/in").c_str());
   rmdir(dir.c_str());
+}
+
+// deepnex-central's run_as: the engine runs the process as the user's uid
+// and gid with no capability and no way to gain one.
+TEST_F(DockerTest, RunAsRunsAsTheUidWithNoCapabilities) {
+  ContainerSpec spec = Spec("user", {"sh", "-c",
+                                     "id -u; id -g; grep -E '^(CapPrm|CapEff|CapBnd|NoNewPrivs)' "
+                                     "/proc/self/status"});
+  spec.run_as = RunAs{4242, 4343, "ann", "/home/ann"};
+  launch::Run* run = nullptr;
+  const std::string logs = RunToSuccess(spec, &run);
+  ASSERT_NE(run, nullptr);
+  EXPECT_EQ(logs,
+            "4242\n4343\nCapPrm:\t0000000000000000\nCapEff:\t0000000000000000\n"
+            "CapBnd:\t0000000000000000\nNoNewPrivs:\t1\n");
+  json info = Inspect(run->id());
+  EXPECT_EQ(info["Config"]["User"].get<std::string>(), "4242:4343");
+  // Docker keeps "ALL"; podman lists what it dropped, every capability it
+  // would have given (the empty bounding set above is what counts).
+  EXPECT_FALSE(info["HostConfig"]["CapDrop"].empty()) << info["HostConfig"];
 }
 
 TEST_F(DockerTest, MemoryHogEndsAsTheEngineReportsIt) {
@@ -349,11 +377,30 @@ TEST(DockerBodyTest, TwoGpuAllocationGivesDeviceRequestsAndLimits) {
             json::parse(R"(["/data/set:/data:ro", "/scratch/w0:/out"])"));
   EXPECT_FALSE(body["HostConfig"].contains("NetworkMode"));
 
+  // No run_as: the image's user, the engine's default capabilities.
+  EXPECT_FALSE(body.contains("User"));
+  EXPECT_FALSE(body["HostConfig"].contains("CapDrop"));
+  EXPECT_EQ(body["HostConfig"]["SecurityOpt"], json::parse(R"(["no-new-privileges"])"));
+
   // Without GPUs: no DeviceRequests, the env as given.
   spec.allocation.reset();
   body = json::parse(DockerCreateBody(spec, context));
   EXPECT_FALSE(body["HostConfig"].contains("DeviceRequests"));
   EXPECT_EQ(body["Env"][0], "CUDA_VISIBLE_DEVICES=2,3");
+}
+
+TEST(DockerBodyTest, RunAsGivesTheUserNumericallyAndDropsEveryCapability) {
+  ContainerSpec spec;
+  spec.name = "w0";
+  spec.image = "busybox";
+  spec.command = {"id"};
+  spec.run_as = RunAs{1001, 1002, "ann", "/home/ann"};
+  RunContext context;
+  context.run_name = "l1-w0-0";
+  json body = json::parse(DockerCreateBody(spec, context));
+  EXPECT_EQ(body["User"], "1001:1002");
+  EXPECT_EQ(body["HostConfig"]["CapDrop"], json::parse(R"(["ALL"])"));
+  EXPECT_EQ(body["HostConfig"]["SecurityOpt"], json::parse(R"(["no-new-privileges"])"));
 }
 
 }  // namespace

@@ -413,6 +413,28 @@ TEST_F(SlurmTest, ResourcesAndPlacementFlags) {
   EXPECT_EQ(LogsOf(*run), scratch_.path() + "\n");
 }
 
+// deepnex-central's run_as: root's launcher submits the job as the user
+// (sbatch --uid --gid), whose HOME and USER it gets and whose home is its
+// working directory; the output file is made theirs, as Slurm opens it as
+// the user.
+TEST_F(SlurmTest, RunAsSubmitsTheJobAsTheUser) {
+  if (geteuid() != 0) GTEST_SKIP() << "sbatch --uid needs root";
+  ASSERT_EQ(chmod(scratch_.path().c_str(), 0755), 0);
+  ContainerSpec spec = Sh("user", "id -u; id -g; echo $HOME $USER; pwd");
+  spec.run_as = RunAs{65534, 65534, "nobody", "/"};
+  auto run = StartOk(spec);
+  ASSERT_NE(run, nullptr);
+  EXPECT_THAT(JobRecord(*run), HasSubstr("(65534) GroupId="));
+  EXPECT_EQ(WaitEnd(*run).ToString(), "exited(0)");
+  EXPECT_EQ(LogsOf(*run), "65534\n65534\n/ nobody\n/\n");
+  struct stat st;
+  ASSERT_EQ(stat((scratch_.path() + "/" + RunName(options_.id, "user", 0) + "/output.log").c_str(),
+                 &st),
+            0);
+  EXPECT_EQ(st.st_uid, 65534u);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+}
+
 TEST_F(SlurmTest, NodesAreTheClustersAndTheAllocationsNodeIsTheNodelist) {
   // tests/launch/slurm.sh: one node, named `hostname -s`, 8 CPUs, 2000 MB,
   // 4 GPUs.
