@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 import threading
+import time
 
 
 def add_central_args(p):
@@ -50,16 +51,21 @@ def _size(n):
 
 
 def _nodes(args):
-    rows = [("NODE", "MODE", "STATE", "GPUS USED/ALL", "GPU MEMORY USED/ALL", "CPUS USED/ALL",
-             "MEMORY USED/ALL")]
+    rows = [("NODE", "MODE", "STATUS", "HEARTBEAT", "GPUS USED/ALL", "GPU MEMORY USED/ALL",
+             "CPUS USED/ALL", "MEMORY USED/ALL")]
+    now = time.time()
     for n in client(args).nodes():
-        state = "draining" if n.draining else "cordoned" if n.cordoned else "ready"
+        # As kubectl: NotReady outranks a cordon, which the admin chose.
+        state = ("NotReady" if not n.ready else "Draining" if n.draining
+                 else "Cordoned" if n.cordoned else "Ready")
         if n.pending_mode:
             state += f" (-> {n.pending_mode})"
+        # Since the node's agent was last heard; "-" for a declared node.
+        beat = "-" if n.last_heartbeat is None else f"{_duration(max(0, now - n.last_heartbeat))} ago"
         gpus = n.gpus
         used_mem = sum(g["memory_used"] for g in gpus)
         total_mem = sum(g["memory"] for g in gpus)
-        rows.append((n.name, n.mode, state, f"{len(gpus) - n.gpus_free}/{len(gpus)}",
+        rows.append((n.name, n.mode, state, beat, f"{len(gpus) - n.gpus_free}/{len(gpus)}",
                      f"{_size(used_mem)}/{_size(total_mem)}", f"{n.cpus_used}/{n.cpus}",
                      f"{_size(n.memory_used)}/{_size(n.memory)}"))
     _table(rows)

@@ -154,6 +154,18 @@ class Allocator::Impl {
     return Durable(seq);
   }
 
+  // In memory only: readiness is what central sees of the node's agent now.
+  absl::Status SetReady(const std::string& name, bool ready) {
+    std::lock_guard<std::mutex> lock(mu_);
+    NodeState* n = placement().Find(name);
+    if (n == nullptr) return NoNode(name);
+    if (n->ready == ready) return absl::OkStatus();
+    placement().SetReady(n, ready);
+    // A node back may take what waits in the queue.
+    Pump();
+    return absl::OkStatus();
+  }
+
   // `keep_draining`: the node's draining flag stays as it is.
   absl::Status SetFlags(const std::string& name, bool cordoned, bool draining, bool release,
                         bool keep_draining = false) {
@@ -659,6 +671,10 @@ absl::Status Allocator::Cordon(const std::string& name) {
 
 absl::Status Allocator::Uncordon(const std::string& name) {
   return impl_->SetFlags(name, false, false, false);
+}
+
+absl::Status Allocator::SetNodeReady(const std::string& name, bool ready) {
+  return impl_->SetReady(name, ready);
 }
 
 absl::Status Allocator::Drain(const std::string& name, bool release) {

@@ -39,9 +39,10 @@ flags:
                           allocator does not have yet
   --local                 add this machine (GPUs found through NVML) as a node
   --token T               the administrator's bearer token
-  --token-file F          lines "TOKEN NAME ROLE [JOB]" (ROLE user|admin); a
-                          token with a JOB reaches only that job's
-                          allocations and containers
+  --token-file F          lines "TOKEN NAME ROLE [JOB]" (ROLE user|admin|node);
+                          a token with a JOB reaches only that job's
+                          allocations and containers; a node token is a
+                          deepnex-agent's and acts only as node NAME
   --tls-cert F --tls-key F   serve TLS with this PEM certificate and key
   --metrics-listen HOST:PORT  serve Prometheus text at GET /metrics (plain HTTP)
   --backend B             the launcher's backend: process (default), oci,
@@ -56,6 +57,12 @@ flags:
   --allow-mount DIR       users may mount host paths under DIR into their
                           containers (repeatable; symlinks are resolved before
                           the check); without it, no mounts at all
+  --node-timeout S        a node whose deepnex-agent has not been heard from
+                          for S seconds is NotReady: no new grants on it
+                          (default 10)
+  --node-lost-after S     after S seconds of silence its containers count as
+                          lost and their allocations are released
+                          (default 300)
   --help                  show this text
 )";
 
@@ -91,6 +98,8 @@ int main(int argc, char** argv) {
       launcher.backend = flags.Value();
     else if (flags.Is("--launch-state-dir")) launcher.state_dir = flags.Value();
     else if (flags.Is("--allow-mount")) launcher.allowed_mount_roots.push_back(flags.Value());
+    else if (flags.Is("--node-timeout")) options.node_timeout = flags.Seconds();
+    else if (flags.Is("--node-lost-after")) options.node_lost_after = flags.Seconds();
     else flags.Unknown();
   }
   if (options.address.empty()) flags.Die("--listen is empty");

@@ -133,10 +133,10 @@ def test_cli_launch_ps_logs_stop(central):
     # Running is not having written: wait for the echo before the CLI reads it.
     wait_for(lambda: alice.container_logs("w0") == "hello\n", "w0's hello in its log")
     table = run_cli("ps", "--central", central).stdout.splitlines()
-    assert table[0].split()[:4] == ["NAME", "BACKEND", "STATE", "RESTARTS"]
+    assert table[0].split()[:5] == ["NAME", "NODE", "BACKEND", "STATE", "RESTARTS"]
     row = table[1].split()
-    assert row[:5] == ["w0", "process", "running", "0", str(a.gpus[0].index)]
-    assert row[6] == "64MiB"
+    assert row[:6] == ["w0", a.node, "process", "running", "0", str(a.gpus[0].index)]
+    assert row[7] == "64MiB"
     assert len(table) == 2
     assert run_cli("ps", "--central", central, token="bobtok").stdout.splitlines()[1:] == []
     logs = run_cli("logs", "w0", "--central", central)
