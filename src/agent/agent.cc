@@ -125,6 +125,7 @@ class AgentImpl final : public Agent {
           std::lock_guard<std::mutex> lock(mu_);
           registered_ = true;
           heartbeat_ = std::chrono::milliseconds(std::max<int64_t>(10, in.registered().heartbeat_ms()));
+          kicked_ = true;  // Beat waits on the old interval: wake it
           backoff = kFirstBackoff;
           cv_.notify_all();
         } else if (in.has_command()) {
@@ -160,7 +161,8 @@ class AgentImpl final : public Agent {
       if (!registered_) continue;
       lock.unlock();
       pb::AgentMessage m;
-      for (auto& h : launcher_->List()) *m.mutable_heartbeat()->add_containers() = ReportOf(*h);
+      pb::Heartbeat* beat = m.mutable_heartbeat();  // set even with no container
+      for (auto& h : launcher_->List()) *beat->add_containers() = ReportOf(*h);
       Write(m);
       lock.lock();
     }

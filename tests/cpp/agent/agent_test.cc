@@ -152,6 +152,7 @@ TEST_F(AgentTest, NodeTokenActsOnlyAsItsNode) {
               StatusIs(absl::StatusCode::kPermissionDenied,
                        "the token of node h1 cannot act as node h2"));
   EXPECT_THAT((*wrong)->Wait(), StatusIs(absl::StatusCode::kPermissionDenied));
+  wrong->reset();  // its launcher holds h2's state directory
   auto user = Agent::Create(Options("h2", "alicetok"));
   ASSERT_OK(user.status());
   EXPECT_THAT((*user)->WaitRegistered(10s),
