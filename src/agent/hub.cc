@@ -311,6 +311,10 @@ absl::Status Hub::OnRegister(Stream* s, const Identity& who, const pb::Register&
             << reg.node().gpus_size() << " GPUs, " << reg.containers_size()
             << " container(s) running)\n";
   if (was_not_ready) SetReady(name, true, "its agent registered again");
+  if (on_registered_) {
+    on_registered_(name, std::vector<pb::ContainerReport>(reg.containers().begin(),
+                                                          reg.containers().end()));
+  }
   pb::CentralMessage m;
   m.mutable_registered()->set_heartbeat_ms(
       std::min(options_.heartbeat, options_.node_timeout / 3).count());

@@ -24,6 +24,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "deepnex/agent.grpc.pb.h"
 #include "deepnex/auth.h"
@@ -85,6 +86,12 @@ class Hub {
   void Fill(gpu::NodeInfo* info) const;
   // Per agent node: ready (1/0), seconds since heard, and NotReady events.
   std::string MetricsText() const;
+  // Called with the containers an agent reports running when it registers
+  // (a restarted central takes them back), on a gRPC thread, before the
+  // agent is told it registered. Set once, before serving.
+  using RegisteredFn =
+      std::function<void(const std::string& node, const std::vector<proto::ContainerReport>&)>;
+  void OnRegistered(RegisteredFn fn) { on_registered_ = std::move(fn); }
 
  private:
   friend class Stream;
@@ -135,6 +142,7 @@ class Hub {
   uint64_t next_id_ = 0;
   bool stopping_ = false;
   MetricsRegistry registry_;
+  RegisteredFn on_registered_;
   std::thread monitor_;  // last: it uses the members above
 };
 

@@ -152,4 +152,9 @@ std::unique_ptr<launch::Launcher> NewRemoteLauncher(Hub& hub, const std::string&
   return std::make_unique<RemoteLauncher>(hub, node);
 }
 
+std::shared_ptr<launch::Handle> NewRemoteHandle(Hub& hub, const std::string& node,
+                                                const launch::ContainerSpec& spec) {
+  return std::make_shared<RemoteHandle>(hub, node, spec);
+}
+
 }  // namespace deepnex::agent

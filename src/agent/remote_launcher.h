@@ -16,6 +16,10 @@ namespace deepnex::agent {
 // Commands travel through `hub`, which outlives the launcher; status and
 // usage come from the agent's latest report. Thread-safe.
 std::unique_ptr<launch::Launcher> NewRemoteLauncher(Hub& hub, const std::string& node);
+// A handle on container spec.name, which runs on `node` already: what a
+// restarted central takes back from the agent's registration.
+std::shared_ptr<launch::Handle> NewRemoteHandle(Hub& hub, const std::string& node,
+                                                const launch::ContainerSpec& spec);
 
 }  // namespace deepnex::agent
 

@@ -11,6 +11,10 @@ proto::ContainerReport ReportOf(launch::Handle& h) {
   r.set_id(st.id);
   r.set_state(launch::StateName(st.state));
   r.set_restarts(st.restarts);
+  r.set_user(h.spec().user);
+  if (h.spec().allocation) r.set_allocation_id(h.spec().allocation->id);
+  r.set_cpus(h.spec().cpus);
+  r.set_memory(h.spec().memory);
   r.set_started_at(std::chrono::duration<double>(st.started_at.time_since_epoch()).count());
   if (st.last_exit) {
     r.set_has_exit(true);

@@ -29,6 +29,7 @@
 #include "deepnex/units.h"
 #include "agent/hub.h"
 #include "agent/remote_launcher.h"
+#include "agent/report.h"
 #include "gpu/central_server.h"
 #include "launch/central_wire.h"
 
@@ -152,7 +153,12 @@ class ContainersService final : public pb::Containers::CallbackService,
   ContainersService(gpu::Allocator& alloc, const TokenTable& tokens, agent::Hub& hub,
                     std::unique_ptr<Launcher> launcher, bool mounts_allowed)
       : alloc_(alloc), tokens_(tokens), hub_(hub), launcher_(std::move(launcher)),
-        mounts_allowed_(mounts_allowed), reaper_([this] { Reap(); }) {}
+        mounts_allowed_(mounts_allowed), reaper_([this] { Reap(); }) {
+    hub_.OnRegistered([this](const std::string& node,
+                             const std::vector<agent::proto::ContainerReport>& running) {
+      Adopt(node, running);
+    });
+  }
   ~ContainersService() override { Shutdown(); }
 
   grpc::Service* service() override { return this; }
@@ -501,6 +507,38 @@ class ContainersService final : public pb::Containers::CallbackService,
     p->set_started_at(std::chrono::duration<double>(st.started_at.time_since_epoch()).count());
     std::lock_guard<std::mutex> lock(mu_);
     p->set_allocation_released(e.allocation_released);
+  }
+
+  // A restarted central takes back what an agent reports running on its
+  // node (the records are the agent's, so none is lost with central). One
+  // whose allocation is gone is stopped by Reap; one known already is left.
+  void Adopt(const std::string& node, const std::vector<agent::proto::ContainerReport>& running) {
+    for (const auto& r : running) {
+      if (agent::Ended(r) || r.user().empty()) continue;
+      const std::string prefix = LauncherName(r.user(), "");
+      if (r.name().rfind(prefix, 0) != 0) continue;
+      auto a = alloc_.GetAllocation(r.allocation_id());
+      ContainerSpec spec;
+      spec.name = r.name();
+      spec.user = r.user();
+      spec.cpus = r.cpus();
+      spec.memory = r.memory();
+      if (a.ok()) spec.allocation = *a;
+      auto entry = std::make_shared<Entry>();
+      entry->user = r.user();
+      entry->name = r.name().substr(prefix.size());
+      entry->allocation_id = r.allocation_id();
+      entry->job = a.ok() ? a->job : "";
+      entry->cpus = r.cpus();
+      entry->memory = r.memory();
+      entry->node = node;
+      entry->launcher = &LauncherFor(node);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_ || entries_.count(Key{entry->user, entry->name}) != 0) continue;
+      entry->handle = agent::NewRemoteHandle(hub_, node, spec);
+      entries_[Key{entry->user, entry->name}] = entry;
+      entry->watcher = std::thread([this, entry] { Watch(entry); });
+    }
   }
 
   // The launcher of `node`: an agent's, or this central's own.

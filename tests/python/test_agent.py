@@ -17,21 +17,34 @@ AGENT_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-agent")
 NODE_TOKENS = "h1tok h1 node\nh2tok h2 node\n"
 
 
-@pytest.fixture
-def central(tmp_path):
-    """deepnex-central without nodes: the agents bring theirs."""
-    if not os.path.exists(AGENT_BIN):
-        pytest.skip(f"{AGENT_BIN} not built")
+def start_central(tmp_path, listen="127.0.0.1:0"):
+    """deepnex-central without nodes (the agents bring theirs), its ledger
+    in tmp_path/ledger; (Popen, address)."""
     tokens = tmp_path / "tokens"
     tokens.write_text(TOKENS + NODE_TOKENS)
-    proc = subprocess.Popen([os.path.abspath(CENTRAL_BIN), "--listen", "127.0.0.1:0",
+    proc = subprocess.Popen([os.path.abspath(CENTRAL_BIN), "--listen", listen,
                              "--token-file", str(tokens), "--node-timeout", "2",
+                             "--state-dir", str(tmp_path / "ledger"),
                              "--launch-state-dir", str(tmp_path / "central")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     assert line.startswith("deepnex-central listening on "), line + proc.stderr.read()
-    yield line.split()[3]
-    stop_central(proc)
+    return proc, line.split()[3]
+
+
+@pytest.fixture
+def central_proc(tmp_path):
+    """[Popen, address] of central; a test may replace the Popen."""
+    if not os.path.exists(AGENT_BIN):
+        pytest.skip(f"{AGENT_BIN} not built")
+    c = list(start_central(tmp_path))
+    yield c
+    stop_central(c[0])
+
+
+@pytest.fixture
+def central(central_proc):
+    return central_proc[1]
 
 
 class Agents:
@@ -127,6 +140,37 @@ def test_agents_register_run_containers_and_go_not_ready(central, agents, tmp_pa
     again = agents.start("h1", "h1tok")
     assert again.stdout.readline() == f"deepnex-agent: node h1 registered with {central}\n"
     wait_for(lambda: status(central)["h1"] == "Ready", "h1 Ready again", timeout=10)
+
+
+def test_killed_central_gets_every_container_back(central_proc, agents, tmp_path):
+    central = central_proc[1]
+    for node in ("h1", "h2"):
+        p = agents.start(node, f"{node}tok")
+        assert p.stdout.readline() == f"deepnex-agent: node {node} registered with {central}\n"
+    from deepnex import gpu
+    alice = client(central, "alicetok")
+    for node in ("h1", "h2"):
+        a = alice.allocate(gpu.Request(user="alice", gpus=1, cpus=1, memory=256 << 20, node=node))
+        out = cli(central, "launch", "--alloc", a.id, "--name", f"w-{node}", "--",
+                  "sleep", "120", token="alicetok")
+        assert out.returncode == 0, out.stderr
+    before = {c["name"]: (c["node"], c["id"], c["state"]) for c in alice.containers()}
+    assert before == {"w-h1": ("h1", before["w-h1"][1], "running"),
+                      "w-h2": ("h2", before["w-h2"][1], "running")}
+    central_proc[0].kill()
+    central_proc[0].wait()
+    central_proc[0].stdout.close()
+    central_proc[0].stderr.close()
+    # Same address: the agents dial it again.
+    central_proc[0], again = start_central(tmp_path, listen=central)
+    assert again == central
+    alice = client(central, "alicetok")
+    wait_for(lambda: {c["name"]: (c["node"], c["id"], c["state"])
+                      for c in alice.containers()} == before,
+             lambda: f"the containers back after central's restart: {alice.containers()}",
+             timeout=20)
+    for _, pid, _ in before.values():
+        os.kill(int(pid), 0)  # still running: nothing killed them
 
 
 def test_node_token_of_another_node_and_user_token_are_refused(central, agents):

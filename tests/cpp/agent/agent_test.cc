@@ -26,13 +26,22 @@ using namespace std::chrono_literals;  // NOLINT
 class AgentTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const std::string tokens = dir_.path() + "/tokens";
-    std::ofstream(tokens) << "admintok root admin\nalicetok alice user\n"
-                             "h1tok h1 node\nh2tok h2 node\n";
+    std::ofstream(dir_.path() + "/tokens") << "admintok root admin\nalicetok alice user\n"
+                                               "h1tok h1 node\nh2tok h2 node\n";
+    Serve(60s);
+  }
+
+  // (Re)starts central: its ledger in dir_/ledger, on `address`.
+  void Serve(std::chrono::milliseconds lost_after, const std::string& address = "127.0.0.1:0") {
+    alice_c_.reset();
+    alice_.reset();
+    server_.reset();
     gpu::CentralServerOptions o;
-    o.token_file = tokens;
+    o.address = address;
+    o.token_file = dir_.path() + "/tokens";
+    o.allocator.state_dir = dir_.path() + "/ledger";
     o.node_timeout = 400ms;
-    o.node_lost_after = 60s;
+    o.node_lost_after = lost_after;
     o.agent_heartbeat = 100ms;
     launch::LauncherOptions l;
     l.backend = "process";
@@ -44,6 +53,18 @@ class AgentTest : public ::testing::Test {
     c.timeout = 10s;
     ASSERT_OK_AND_ASSIGN(alice_, gpu::CentralClient::Create(c));
     ASSERT_OK_AND_ASSIGN(alice_c_, launch::CentralClient::Create(c));
+  }
+
+  // Starts a container that sleeps on a new allocation on `node`.
+  launch::CentralContainer Sleeper(const std::string& node, const std::string& name) {
+    auto a = alice_->Allocate(OnNode(node));
+    EXPECT_TRUE(a.ok()) << a.status();
+    launch::ContainerSpec spec;
+    spec.name = name;
+    spec.command = {"sleep", "60"};
+    auto c = alice_c_->StartContainer(spec, a->id);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return *c;
   }
 
   AgentOptions Options(const std::string& node, const std::string& token) {
@@ -203,6 +224,70 @@ TEST_F(AgentTest, ContainerOnAnAgentsNodeRunsThere) {
   EXPECT_EQ(stopped.last_exit, "signaled(SIGTERM)");
   EXPECT_TRUE(stopped.allocation_released);
   EXPECT_FALSE(server_->allocator().GetAllocation(a.id).ok());
+}
+
+// After node_lost_after of silence, its containers count as lost: they end
+// ("lost") and their allocations are released.
+TEST_F(AgentTest, LostNodesContainersEndAndReleaseTheirGrants) {
+  Serve(1500ms);
+  auto h1 = Start("h1", "h1tok");
+  ASSERT_OK(h1->WaitRegistered(10s));
+  launch::CentralContainer c = Sleeper("h1", "w0");
+  h1.reset();  // the agent is gone, without a word to central
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto list = alice_c_->ListContainers();
+        return list.ok() && list->size() == 1 && (*list)[0].state == launch::State::kExited &&
+               (*list)[0].allocation_released;
+      },
+      20s, "w0 lost and its allocation released"));
+  EXPECT_EQ(alice_c_->ListContainers().value()[0].last_exit, "lost");
+  EXPECT_FALSE(server_->allocator().GetAllocation(c.allocation_id).ok());
+}
+
+// A restarted central gets the agents back and, from their registrations,
+// every container record; none was stopped.
+TEST_F(AgentTest, RestartedCentralTakesContainersBack) {
+  auto h1 = Start("h1", "h1tok");
+  auto h2 = Start("h2", "h2tok");
+  ASSERT_OK(h1->WaitRegistered(10s));
+  ASSERT_OK(h2->WaitRegistered(10s));
+  launch::CentralContainer w1 = Sleeper("h1", "w1");
+  launch::CentralContainer w2 = Sleeper("h2", "w2");
+  const std::string address = server_->address();
+  Serve(60s, address);
+  auto listed = [&] {
+    auto list = alice_c_->ListContainers();
+    return list.ok() && list->size() == 2 && (*list)[0].name == "w1" &&
+           (*list)[0].node == "h1" && (*list)[0].state == launch::State::kRunning &&
+           (*list)[1].name == "w2" && (*list)[1].node == "h2" &&
+           (*list)[1].state == launch::State::kRunning &&
+           (*list)[1].allocation_id == w2.allocation_id && (*list)[1].id == w2.id;
+  };
+  ASSERT_TRUE(WaitFor(listed, 20s, "w1 and w2 back, running, after central's restart"));
+  // Still central's to stop.
+  ASSERT_OK_AND_ASSIGN(launch::CentralContainer stopped, alice_c_->StopContainer("w1", 5s));
+  EXPECT_EQ(stopped.state, launch::State::kStopped);
+  EXPECT_TRUE(stopped.allocation_released);
+}
+
+// Ops act on agents' nodes as on declared ones: a drain with release stops
+// the node's containers through its agent.
+TEST_F(AgentTest, DrainWithReleaseStopsTheNodesContainers) {
+  auto h1 = Start("h1", "h1tok");
+  ASSERT_OK(h1->WaitRegistered(10s));
+  Sleeper("h1", "w0");
+  ASSERT_OK(server_->allocator().Drain("h1", /*release=*/true));
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto list = alice_c_->ListContainers();
+        return list.ok() && list->size() == 1 && (*list)[0].state == launch::State::kStopped;
+      },
+      20s, "w0 stopped by the drain"));
+  EXPECT_EQ(alice_c_->ListContainers().value()[0].last_exit, "signaled(SIGTERM)");
+  ASSERT_OK_AND_ASSIGN(gpu::NodeInfo n, server_->allocator().GetNode("h1"));
+  EXPECT_TRUE(n.draining);
+  EXPECT_TRUE(n.ready);
 }
 
 }  // namespace
