@@ -6,11 +6,13 @@
 #include <unistd.h>
 
 #include <condition_variable>
+#include <map>
 #include <mutex>
 #include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "agent/adopt.h"
 #include "agent/report.h"
 #include "core/grpc_util.h"
 #include "deepnex/agent.grpc.pb.h"
@@ -40,15 +42,19 @@ bool Refusal(grpc::StatusCode code) {
 class AgentImpl final : public Agent {
  public:
   AgentImpl(const AgentOptions& options, gpu::Node node, std::string token,
-            std::unique_ptr<launch::Launcher> launcher)
+            std::unique_ptr<launch::Launcher> launcher,
+            std::vector<std::shared_ptr<launch::Handle>> adopted)
       : options_(options), node_(std::move(node)), token_(std::move(token)),
-        launcher_(std::move(launcher)) {}
+        launcher_(std::move(launcher)) {
+    for (auto& h : adopted) adopted_[h->spec().name] = h;
+  }
   ~AgentImpl() override { Stop(); }
 
   absl::Status Start() {
     DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("deepnex-agent"));
     DEEPNEX_ASSIGN_OR_RETURN(auto credentials, MakeChannelCredentials(options_.tls_ca_file));
     stub_ = pb::Agents::NewStub(MakeChannel(options_.central, credentials));
+    for (auto& [name, h] : adopted_) Watch(h);
     loop_ = std::thread([this] { Loop(); });
     beat_ = std::thread([this] { Beat(); });
     return absl::OkStatus();
@@ -86,6 +92,7 @@ class AgentImpl final : public Agent {
     }
     // Stops the containers, which lets their watchers go.
     launcher_.reset();
+    for (auto& [name, h] : adopted_) h->Stop(kStopGrace).IgnoreError();
     for (auto& w : watchers_) w.join();
   }
 
@@ -117,7 +124,7 @@ class AgentImpl final : public Agent {
       pb::Register* reg = hello.mutable_register_();
       gpu::ToProto(node_, reg->mutable_node());
       reg->set_backend(launcher_->backend());
-      for (auto& h : launcher_->List()) *reg->add_containers() = ReportOf(*h);
+      for (auto& h : Containers()) *reg->add_containers() = ReportOf(*h);
       Write(hello);
       pb::CentralMessage in;
       while (stream->Read(&in)) {
@@ -162,10 +169,38 @@ class AgentImpl final : public Agent {
       lock.unlock();
       pb::AgentMessage m;
       pb::Heartbeat* beat = m.mutable_heartbeat();  // set even with no container
-      for (auto& h : launcher_->List()) *beat->add_containers() = ReportOf(*h);
+      for (auto& h : Containers()) *beat->add_containers() = ReportOf(*h);
       Write(m);
       lock.lock();
     }
+  }
+
+  // The launcher's containers and those adopted from the agent before.
+  std::vector<std::shared_ptr<launch::Handle>> Containers() {
+    std::vector<std::shared_ptr<launch::Handle>> all = launcher_->List();
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [name, h] : adopted_) all.push_back(h);
+    return all;
+  }
+
+  absl::StatusOr<std::shared_ptr<launch::Handle>> Get(const std::string& name) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = adopted_.find(name);
+      if (it != adopted_.end()) return it->second;
+    }
+    return launcher_->Get(name);
+  }
+
+  // Its end is told at once, not at the next heartbeat.
+  void Watch(std::shared_ptr<launch::Handle> h) {
+    std::lock_guard<std::mutex> lock(mu_);
+    watchers_.emplace_back([this, h] {
+      h->Wait(std::chrono::hours(24 * 365 * 10)).IgnoreError();
+      std::lock_guard<std::mutex> lock(mu_);
+      kicked_ = true;
+      cv_.notify_all();
+    });
   }
 
   bool Write(const pb::AgentMessage& m) {
@@ -208,25 +243,18 @@ class AgentImpl final : public Agent {
         }
         DEEPNEX_ASSIGN_OR_RETURN(auto h, launcher_->Start(spec));
         *reply->mutable_container() = ReportOf(*h);
-        std::lock_guard<std::mutex> lock(mu_);
-        // Its end is told at once, not at the next heartbeat.
-        watchers_.emplace_back([this, h] {
-          h->Wait(std::chrono::hours(24 * 365 * 10)).IgnoreError();
-          std::lock_guard<std::mutex> lock(mu_);
-          kicked_ = true;
-          cv_.notify_all();
-        });
+        Watch(h);
         return absl::OkStatus();
       }
       case pb::Command::kStop: {
-        DEEPNEX_ASSIGN_OR_RETURN(auto h, launcher_->Get(c.stop().name()));
+        DEEPNEX_ASSIGN_OR_RETURN(auto h, Get(c.stop().name()));
         DEEPNEX_RETURN_IF_ERROR(
             h->Stop(std::chrono::milliseconds(std::max<int64_t>(0, c.stop().grace_ms()))));
         *reply->mutable_container() = ReportOf(*h);
         return absl::OkStatus();
       }
       case pb::Command::kLogs: {
-        DEEPNEX_ASSIGN_OR_RETURN(auto h, launcher_->Get(c.logs().name()));
+        DEEPNEX_ASSIGN_OR_RETURN(auto h, Get(c.logs().name()));
         DEEPNEX_ASSIGN_OR_RETURN(
             launch::LogChunk chunk,
             h->ReadLogs(c.logs().offset(), std::min(c.logs().max_bytes(), kMaxLogChunk)));
@@ -236,6 +264,10 @@ class AgentImpl final : public Agent {
         return absl::OkStatus();
       }
       case pb::Command::kRemove: {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (adopted_.erase(c.remove().name()) != 0) return absl::OkStatus();
+        }
         absl::Status s = launcher_->Remove(c.remove().name());
         return absl::IsNotFound(s) ? absl::OkStatus() : s;
       }
@@ -261,6 +293,7 @@ class AgentImpl final : public Agent {
   std::chrono::milliseconds heartbeat_{2000};
   int commands_ = 0;
   std::vector<std::thread> watchers_;
+  std::map<std::string, std::shared_ptr<launch::Handle>> adopted_;
 
   std::mutex write_mu_;  // one writer at a time on the stream
   grpc::ClientReaderWriter<pb::AgentMessage, pb::CentralMessage>* stream_ = nullptr;
@@ -311,8 +344,13 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(const AgentOptions& options
   }
   node.labels = options.labels;
   DEEPNEX_ASSIGN_OR_RETURN(auto launcher, launch::Launcher::Create(options.launcher));
+  // A killed agent before this one stopped nothing: its containers run on.
+  std::vector<std::shared_ptr<launch::Handle>> adopted;
+  if (launcher->backend() == "process" && !options.launcher.state_dir.empty()) {
+    adopted = AdoptOrphans(options.launcher.state_dir, launcher->id());
+  }
   auto agent = std::make_unique<AgentImpl>(options, std::move(node), std::move(token),
-                                           std::move(launcher));
+                                           std::move(launcher), std::move(adopted));
   DEEPNEX_RETURN_IF_ERROR(agent->Start());
   return std::unique_ptr<Agent>(std::move(agent));
 }

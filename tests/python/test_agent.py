@@ -173,6 +173,33 @@ def test_killed_central_gets_every_container_back(central_proc, agents, tmp_path
         os.kill(int(pid), 0)  # still running: nothing killed them
 
 
+def test_restarted_agent_reattaches_to_its_containers(central, agents):
+    h1 = agents.start("h1", "h1tok")
+    assert h1.stdout.readline() == f"deepnex-agent: node h1 registered with {central}\n"
+    from deepnex import gpu
+    alice = client(central, "alicetok")
+    a = alice.allocate(gpu.Request(user="alice", gpus=1, cpus=1, memory=256 << 20, node="h1"))
+    out = cli(central, "launch", "--alloc", a.id, "--name", "w0", "--",
+              "sh", "-c", "echo up; sleep 120", token="alicetok")
+    assert out.returncode == 0, out.stderr
+    pid = alice.containers()[0]["id"]
+    h1.kill()
+    wait_for(lambda: status(central)["h1"] == "NotReady", "h1 NotReady", timeout=7)
+    again = agents.start("h1", "h1tok")
+    assert again.stdout.readline() == f"deepnex-agent: node h1 registered with {central}\n"
+    wait_for(lambda: status(central)["h1"] == "Ready", "h1 Ready again", timeout=10)
+    c = alice.containers()
+    assert [(x["name"], x["node"], x["id"], x["state"]) for x in c] == [
+        ("w0", "h1", pid, "running")]
+    os.kill(int(pid), 0)
+    assert cli(central, "logs", "w0", token="alicetok").stdout == "up\n"
+    # The restarted agent stops it, and the grant goes.
+    stop = cli(central, "stop", "w0", "--grace", "5", token="alicetok")
+    assert (stop.returncode, stop.stdout) == (0, "w0 stopped signaled(SIGTERM), allocation released\n")
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read()
+             .rsplit(") ", 1)[1][0] == "Z", "w0's process gone")
+
+
 def test_node_token_of_another_node_and_user_token_are_refused(central, agents):
     wrong = agents.start("h2", "h1tok")
     assert wrong.wait(timeout=30) == 1
