@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "agent/report.h"
 #include "core/grpc_util.h"
 #include "gpu/central_convert.h"
 
@@ -270,6 +271,15 @@ std::string Hub::MetricsText() const {
     now.GetGauge("deepnex_node_heartbeat_age_seconds",
                  "Seconds since the node's agent was last heard from.", {{"node", node}})
         ->Set(std::chrono::duration<double>(t - link.heard).count());
+    // Per container, as its agent last reported it, with its user.
+    for (const auto& [name, c] : link.containers) {
+      if (Ended(c)) continue;
+      const Labels labels{{"node", node}, {"user", c.user()}, {"container", name}};
+      now.GetGauge("deepnex_container_cpu_seconds", "CPU seconds a container has used.", labels)
+          ->Set(c.usage().cpu_seconds());
+      now.GetGauge("deepnex_container_memory_bytes", "Memory a container uses now.", labels)
+          ->Set(c.usage().memory());
+    }
   }
   return registry_.PrometheusText() + now.PrometheusText();
 }

@@ -219,6 +219,9 @@ TEST_F(AgentTest, ContainerOnAnAgentsNodeRunsThere) {
                (*list)[0].usage.cpu_seconds >= 0 && (*list)[0].node == "h2";
       },
       10s, "w0 listed running on h2"));
+  EXPECT_THAT(server_->MetricsText(),
+              HasSubstr("deepnex_container_memory_bytes{container=\"alice.w0\",node=\"h2\","
+                        "user=\"alice\"}"));
   ASSERT_OK_AND_ASSIGN(launch::CentralContainer stopped, alice_c_->StopContainer("w0", 5s));
   EXPECT_EQ(stopped.state, launch::State::kStopped);
   EXPECT_EQ(stopped.last_exit, "signaled(SIGTERM)");
