@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "agent/report.h"
 #include "core/file_util.h"
 
 namespace deepnex::agent {
@@ -103,14 +104,7 @@ class Adopted final : public launch::Handle {
   }
 
   absl::Status FollowLogs(const std::function<bool(const std::string&)>& sink) override {
-    uint64_t offset = 0;
-    while (true) {
-      DEEPNEX_ASSIGN_OR_RETURN(launch::LogChunk c, ReadLogs(offset, 1 << 20));
-      offset = c.next_offset;
-      if (!c.data.empty() && !sink(c.data)) return absl::OkStatus();
-      if (c.ended) return absl::OkStatus();
-      if (c.data.empty()) std::this_thread::sleep_for(kPoll);
-    }
+    return FollowByReading(*this, sink, kPoll);
   }
 
   absl::StatusOr<launch::Usage> Usage() override { return launch::Usage{}; }

@@ -242,7 +242,7 @@ class AgentImpl final : public Agent {
           }
         }
         DEEPNEX_ASSIGN_OR_RETURN(auto h, launcher_->Start(spec));
-        *reply->mutable_container() = ReportOf(*h);
+        *reply->mutable_container() = ReportOf(*h, /*usage=*/false);
         Watch(h);
         return absl::OkStatus();
       }

@@ -67,14 +67,7 @@ class RemoteHandle final : public launch::Handle {
   }
 
   absl::Status FollowLogs(const std::function<bool(const std::string&)>& sink) override {
-    uint64_t offset = 0;
-    while (true) {
-      DEEPNEX_ASSIGN_OR_RETURN(launch::LogChunk chunk, ReadLogs(offset, 1 << 20));
-      offset = chunk.next_offset;
-      if (!chunk.data.empty() && !sink(chunk.data)) return absl::OkStatus();
-      if (chunk.ended) return absl::OkStatus();
-      if (chunk.data.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    }
+    return FollowByReading(*this, sink, std::chrono::milliseconds(200));
   }
 
   absl::StatusOr<launch::Usage> Usage() override {

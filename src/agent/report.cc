@@ -1,10 +1,12 @@
 #include "agent/report.h"
 
+#include <thread>
+
 #include "launch/central_wire.h"
 
 namespace deepnex::agent {
 
-proto::ContainerReport ReportOf(launch::Handle& h) {
+proto::ContainerReport ReportOf(launch::Handle& h, bool usage) {
   proto::ContainerReport r;
   launch::ContainerStatus st = h.Status();
   r.set_name(h.spec().name);
@@ -22,6 +24,7 @@ proto::ContainerReport ReportOf(launch::Handle& h) {
     r.set_exit_code(st.last_exit->code);
     r.set_exit_signal(st.last_exit->signal);
   }
+  if (!usage) return r;
   auto u = h.Usage();
   if (u.ok()) {
     r.mutable_usage()->set_cpu_seconds(u->cpu_seconds);
@@ -71,6 +74,19 @@ launch::Usage UsageOf(const proto::ContainerReport& r) {
 bool Ended(const proto::ContainerReport& r) {
   auto state = launch::ParseState(r.state());
   return !state.ok() || *state == launch::State::kStopped || *state == launch::State::kExited;
+}
+
+absl::Status FollowByReading(launch::Handle& h,
+                             const std::function<bool(const std::string&)>& sink,
+                             std::chrono::milliseconds poll) {
+  uint64_t offset = 0;
+  while (true) {
+    DEEPNEX_ASSIGN_OR_RETURN(launch::LogChunk chunk, h.ReadLogs(offset, 1 << 20));
+    offset = chunk.next_offset;
+    if (!chunk.data.empty() && !sink(chunk.data)) return absl::OkStatus();
+    if (chunk.ended) return absl::OkStatus();
+    if (chunk.data.empty()) std::this_thread::sleep_for(poll);
+  }
 }
 
 }  // namespace deepnex::agent
