@@ -518,6 +518,10 @@ class ContainersService final : public pb::Containers::CallbackService,
       const std::string prefix = LauncherName(r.user(), "");
       if (r.name().rfind(prefix, 0) != 0) continue;
       auto a = alloc_.GetAllocation(r.allocation_id());
+      // A node token acts only as its node: a report of a grant on another
+      // node, or of another user's, is not taken (nor would its end release
+      // that grant). One whose grant is gone is taken, and Reap stops it.
+      if (a.ok() && (a->node != node || a->user != r.user())) continue;
       ContainerSpec spec;
       spec.name = r.name();
       spec.user = r.user();

@@ -7,9 +7,12 @@
 #include <filesystem>
 #include <fstream>
 
+#include <grpcpp/grpcpp.h>
+
 #include "gmock/gmock.h"
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
+#include "deepnex/agent.grpc.pb.h"
 #include "deepnex/launch/central.h"
 #include "test_matchers.h"
 #include "test_util.h"
@@ -291,6 +294,38 @@ TEST_F(AgentTest, DrainWithReleaseStopsTheNodesContainers) {
   ASSERT_OK_AND_ASSIGN(gpu::NodeInfo n, server_->allocator().GetNode("h1"));
   EXPECT_TRUE(n.draining);
   EXPECT_TRUE(n.ready);
+}
+
+// An agent reports what runs on its node only: a report naming a grant on
+// another node is not taken back as a container of central's.
+TEST_F(AgentTest, ReportOfAnotherNodesGrantIsNotTaken) {
+  auto h1 = Start("h1", "h1tok");
+  ASSERT_OK(h1->WaitRegistered(10s));
+  ASSERT_OK_AND_ASSIGN(gpu::Allocation a, alice_->Allocate(OnNode("h1")));
+  auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+  auto stub = proto::Agents::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", "Bearer h2tok");
+  auto stream = stub->Connect(&ctx);
+  proto::AgentMessage m;
+  proto::Register* reg = m.mutable_register_();
+  reg->mutable_node()->set_name("h2");
+  reg->mutable_node()->set_cpus(1);
+  reg->mutable_node()->set_memory(1 << 30);
+  reg->mutable_node()->set_mode("exclusive");
+  proto::ContainerReport* c = reg->add_containers();
+  c->set_name("alice.fake");
+  c->set_state("running");
+  c->set_user("alice");
+  c->set_allocation_id(a.id);
+  ASSERT_TRUE(stream->Write(m));
+  proto::CentralMessage reply;
+  ASSERT_TRUE(stream->Read(&reply));
+  ASSERT_TRUE(reply.has_registered());
+  EXPECT_TRUE(alice_c_->ListContainers().value().empty());
+  ctx.TryCancel();
+  stream->Finish().ok();
+  EXPECT_OK(server_->allocator().GetAllocation(a.id).status());
 }
 
 }  // namespace
