@@ -297,7 +297,7 @@ def test_ps_shows_the_restarts_of_a_crash_loop(central):
     ended = await_container(alice, "w0", lambda c: c["state"] == "exited")
     assert (ended["restarts"], ended["last_exit"]) == (1, "exited(3) after 1 restart")
     row = run_cli("ps", "--central", central).stdout.splitlines()[1].split()
-    assert row[:4] == ["w0", "process", "exited", "1"]
+    assert row[:5] == ["w0", "n1", "process", "exited", "1"]
 
 
 def sleeper(name, **limits):
