@@ -53,6 +53,8 @@ def _size(n):
 def _nodes(args):
     rows = [("NODE", "MODE", "STATUS", "HEARTBEAT", "GPUS USED/ALL", "GPU MEMORY USED/ALL",
              "CPUS USED/ALL", "MEMORY USED/ALL")]
+    if args.usage:  # what the agents measure, beside what is granted
+        rows[0] += ("CPUS BUSY", "MEMORY IN USE")
     now = time.time()
     for n in client(args).nodes():
         # As kubectl: NotReady outranks a cordon, which the admin chose.
@@ -68,6 +70,10 @@ def _nodes(args):
         rows.append((n.name, n.mode, state, beat, f"{len(gpus) - n.gpus_free}/{len(gpus)}",
                      f"{_size(used_mem)}/{_size(total_mem)}", f"{n.cpus_used}/{n.cpus}",
                      f"{_size(n.memory_used)}/{_size(n.memory)}"))
+        if args.usage:
+            agent = n.last_heartbeat is not None
+            rows[-1] += (f"{n.cpus_busy:.1f}" if agent else "-",
+                         _size(n.memory_in_use) if agent else "-")
     _table(rows)
     return 0
 
@@ -334,7 +340,9 @@ def add_commands(commands):
         p.set_defaults(func=guard(fn))
         return p
 
-    sub("nodes", _nodes, "table of nodes, modes, GPUs used/free, memory")
+    p = sub("nodes", _nodes, "table of nodes, modes, status, GPUs used/free, memory")
+    p.add_argument("--usage", action="store_true",
+                   help="also what each agent's node uses now: cores busy, memory in use")
     p = sub("alloc", _alloc, "allocate GPUs, CPU cores and memory; while the request waits, "
                              "print its place in the queue and why")
     p.add_argument("--user", help="whom to allocate for (admins); default: the token's user")

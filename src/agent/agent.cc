@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <condition_variable>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -170,9 +171,42 @@ class AgentImpl final : public Agent {
       pb::AgentMessage m;
       pb::Heartbeat* beat = m.mutable_heartbeat();  // set even with no container
       for (auto& h : Containers()) *beat->add_containers() = ReportOf(*h);
+      MeasureNode(beat->mutable_usage());
       Write(m);
       lock.lock();
     }
+  }
+
+  // The node's busy cores since the last call (from /proc/stat) and memory
+  // in use (from /proc/meminfo). Called from Beat only.
+  void MeasureNode(pb::NodeUsage* u) {
+    std::ifstream stat("/proc/stat");
+    std::string cpu;
+    uint64_t v = 0, total = 0, idle = 0;
+    stat >> cpu;
+    for (int i = 0; i < 8 && stat >> v; ++i) {
+      total += v;
+      if (i == 3 || i == 4) idle += v;  // idle, iowait
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (cpu_total_ > 0 && total > cpu_total_) {
+      const double busy = static_cast<double>((total - cpu_total_) - (idle - cpu_idle_)) /
+                          static_cast<double>(sysconf(_SC_CLK_TCK));
+      u->set_cpu_busy(busy / std::chrono::duration<double>(now - cpu_at_).count());
+    }
+    cpu_total_ = total;
+    cpu_idle_ = idle;
+    cpu_at_ = now;
+    std::ifstream meminfo("/proc/meminfo");
+    std::string key;
+    uint64_t kib = 0, mem_total = 0, available = 0;
+    std::string unit;
+    while (meminfo >> key >> kib) {
+      std::getline(meminfo, unit);
+      if (key == "MemTotal:") mem_total = kib;
+      if (key == "MemAvailable:") available = kib;
+    }
+    if (mem_total >= available) u->set_memory_used((mem_total - available) << 10);
   }
 
   // The launcher's containers and those adopted from the agent before.
@@ -294,6 +328,9 @@ class AgentImpl final : public Agent {
   int commands_ = 0;
   std::vector<std::thread> watchers_;
   std::map<std::string, std::shared_ptr<launch::Handle>> adopted_;
+  // MeasureNode's last /proc/stat reading.
+  uint64_t cpu_total_ = 0, cpu_idle_ = 0;
+  std::chrono::steady_clock::time_point cpu_at_;
 
   std::mutex write_mu_;  // one writer at a time on the stream
   grpc::ClientReaderWriter<pb::AgentMessage, pb::CentralMessage>* stream_ = nullptr;

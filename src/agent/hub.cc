@@ -257,7 +257,10 @@ std::optional<pb::ContainerReport> Hub::WaitReport(
 void Hub::Fill(gpu::NodeInfo* info) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = links_.find(info->node.name);
-  if (it != links_.end()) info->last_heartbeat_ms = it->second.heard_ms;
+  if (it == links_.end()) return;
+  info->last_heartbeat_ms = it->second.heard_ms;
+  info->cpus_busy = it->second.usage.cpu_busy();
+  info->memory_in_use = it->second.usage.memory_used();
 }
 
 std::string Hub::MetricsText() const {
@@ -271,6 +274,12 @@ std::string Hub::MetricsText() const {
     now.GetGauge("deepnex_node_heartbeat_age_seconds",
                  "Seconds since the node's agent was last heard from.", {{"node", node}})
         ->Set(std::chrono::duration<double>(t - link.heard).count());
+    now.GetGauge("deepnex_node_cpus_busy", "Cores busy on the node, as its agent measures.",
+                 {{"node", node}})
+        ->Set(link.usage.cpu_busy());
+    now.GetGauge("deepnex_node_memory_in_use_bytes",
+                 "Memory in use on the node, as its agent measures.", {{"node", node}})
+        ->Set(link.usage.memory_used());
     // Per container, as its agent last reported it, with its user.
     for (const auto& [name, c] : link.containers) {
       if (Ended(c)) continue;
@@ -349,6 +358,7 @@ void Hub::OnHeartbeat(Stream* s, const pb::Heartbeat& hb) {
     if (it == links_.end() || it->second.stream != s) return;  // replaced
     it->second.containers.clear();
     for (const auto& c : hb.containers()) it->second.containers[c.name()] = c;
+    it->second.usage = hb.usage();
     was_not_ready = HeardLocked(it->second);
     cv_.notify_all();
   }

@@ -103,6 +103,7 @@ class Hub {
     bool ready = true;
     bool lost = false;
     std::map<std::string, proto::ContainerReport> containers;
+    proto::NodeUsage usage;  // the latest heartbeat's
   };
   struct Pending {
     std::string node;

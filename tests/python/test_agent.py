@@ -111,6 +111,12 @@ def test_agents_register_run_containers_and_go_not_ready(central, agents, tmp_pa
     assert table[0].split()[:4] == ["NODE", "MODE", "STATUS", "HEARTBEAT"]
     assert status(central) == {"h1": "Ready", "h2": "Ready"}
     assert table[1].split()[3].endswith("s") and table[1].split()[4] == "ago"
+    # The agents measure their node: cores busy, memory in use.
+    wait_for(lambda: all(n.memory_in_use > 0 for n in admin.nodes()), "the nodes' usage")
+    usage = cli(central, "nodes", "--usage").stdout.splitlines()
+    assert usage[0].endswith("CPUS BUSY  MEMORY IN USE")
+    assert usage[1].split()[-1].endswith("B")
+    assert "deepnex_node_memory_in_use_bytes{node=\"h1\"}" in admin.metrics()
 
     # A container on an allocation pinned to h2 runs through h2's agent.
     alice = client(central, "alicetok")
