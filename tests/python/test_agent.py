@@ -214,3 +214,16 @@ def test_node_token_of_another_node_and_user_token_are_refused(central, agents):
     assert user.wait(timeout=30) == 1
     assert "user alice cannot register a node" in user.stderr.read()
     assert client(central, "admintok").nodes() == []
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--gpus", "16GiB"], '--gpus: "16GiB" is not NxSIZE with N from 1 to 1024 (e.g. 2x16GiB)'),
+    (["--cpus", "0"], "--cpus: 0 must be at least 1"),
+    (["--labels", "rack"], '--labels: "rack" is not k=v'),
+])
+def test_agent_flags_are_checked(flags, message):
+    if not os.path.exists(AGENT_BIN):
+        pytest.skip(f"{AGENT_BIN} not built")
+    out = subprocess.run([AGENT_BIN, "--central", "127.0.0.1:1", "--node", "h1", *flags],
+                         capture_output=True, text=True, timeout=30)
+    assert (out.returncode, out.stderr) == (2, f"deepnex-agent: {message} (see --help)\n")

@@ -124,6 +124,41 @@ TEST(ParseGpusTest, CountTimesSize) {
                                                      HasSubstr("unknown unit \"XB\"")));
 }
 
+TEST(AgentOptionsTest, BadOptionsAreRefused) {
+  AgentOptions o;
+  o.central = "http://127.0.0.1:7070";
+  o.node = "h1";
+  EXPECT_THAT(Agent::Create(o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("central address \"http://127.0.0.1:7070\"")));
+  o.central = "127.0.0.1:7070";
+  o.node = "";
+  EXPECT_THAT(Agent::Create(o).status(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                  "node: the node needs a name"));
+  o.node = "h1";
+  o.cpus = -2;
+  o.gpus = std::vector<gpu::Gpu>{};
+  EXPECT_THAT(Agent::Create(o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "cpus: -2 is negative"));
+}
+
+TEST(CentralOptionsTest, NodeTimeoutsAreChecked) {
+  gpu::CentralServerOptions o;
+  o.node_timeout = 0ms;
+  EXPECT_THAT(gpu::CentralServer::Create(o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "node_timeout=0ms must be positive"));
+  o.node_timeout = 10s;
+  o.node_lost_after = 5s;
+  EXPECT_THAT(gpu::CentralServer::Create(o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "node_lost_after=5000ms must be at least node_timeout=10000ms"));
+  o.node_lost_after = 60s;
+  o.agent_heartbeat = 0ms;
+  EXPECT_THAT(gpu::CentralServer::Create(o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "agent_heartbeat=0ms must be positive"));
+}
+
 TEST_F(AgentTest, RegistersItsNodeAndHeartbeats) {
   auto h1 = Start("h1", "h1tok");
   ASSERT_OK(h1->WaitRegistered(10s));
