@@ -5,7 +5,7 @@
 In the style of pybind/cmake_example. CMake builds the target _C (and with it
 libdeepnex); both land in the package directory, _C finding libdeepnex.so.N
 next to itself through its $ORIGIN rpath. The daemons deepnex-ps,
-deepnex-store and deepnex-central land in deepnex/bin/ (where deepnex.job
+deepnex-store, deepnex-central and deepnex-agent land in deepnex/bin/ (where deepnex.job
 looks for deepnex-ps first), finding the same libdeepnex.so.N through
 $ORIGIN/.. ; console entry points of the same names put them on PATH.
 Environment knobs:
@@ -27,7 +27,7 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 # Programs shipped in deepnex/bin/: `deepnex run` starts deepnex-ps for the
 # parameter-server modes.
-TOOLS = ("deepnex-ps", "deepnex-store", "deepnex-central")
+TOOLS = ("deepnex-ps", "deepnex-store", "deepnex-central", "deepnex-agent")
 
 
 def project_version() -> str:
@@ -106,6 +106,7 @@ class CMakeBuild(build_ext):
 # execs the program in deepnex/bin/.
 entry_points = {"console_scripts": [
     "deepnex = deepnex.__main__:main",
+    "deepnex-agent = deepnex.__main__:agent",
     "deepnex-central = deepnex.__main__:central",
     "deepnex-ps = deepnex.__main__:ps",
     "deepnex-store = deepnex.__main__:store",

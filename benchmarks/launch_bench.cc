@@ -4,6 +4,14 @@
 //
 //   launch_bench [--n 20] [--backends process,oci,docker,slurm] [--csv FILE]
 //                [--docker-socket PATH] [--docker-image REF] [--slurm-conf FILE]
+//                [--via-agent]
+//
+// --via-agent adds two rows: the process backend through deepnex-central's
+// own launcher, and through deepnex-central and a deepnex-agent (all in
+// this process, over loopback gRPC): running when
+// StartContainer returns (the agent answers once its launcher started it),
+// exit when central lists it exited (polled every millisecond). Its ratio
+// column compares it with the local process backend (target: within 1.3x).
 //
 // Each round starts one container per backend, then one by hand: the peer is
 // `runc run --pid-file` fork/exec'ed on a bundle whose config.json is the one
@@ -37,6 +45,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "deepnex/agent/agent.h"
+#include "deepnex/gpu/central.h"
+#include "deepnex/launch/central.h"
 #include "deepnex/launch/launcher.h"
 
 using deepnex::launch::ContainerSpec;
@@ -50,6 +61,8 @@ extern char** environ;
 namespace {
 
 constexpr char kPeer[] = "runc (plain)";
+constexpr char kViaAgent[] = "process/agent";
+constexpr char kViaCentral[] = "process/central";
 
 struct Flags {
   int n = 20;
@@ -58,6 +71,7 @@ struct Flags {
   std::string docker_socket;
   std::string docker_image = "localhost/busybox:latest";
   std::string slurm_conf;
+  bool via_agent = false;
 };
 
 struct Sample {
@@ -246,6 +260,79 @@ class PlainRunc {
   nlohmann::json config_;
 };
 
+// The process backend through deepnex-central and one deepnex-agent, or
+// (`agent` false) central's own launcher, on a node declared to it: what the
+// agent's hop costs beside what central's service costs.
+class AgentRunner {
+ public:
+  static absl::StatusOr<std::unique_ptr<AgentRunner>> Make(const std::string& state_dir,
+                                                          bool agent) {
+    auto r = std::unique_ptr<AgentRunner>(new AgentRunner);
+    LauncherOptions local;
+    local.state_dir = state_dir + (agent ? "/central" : "/central-local");
+    fs::create_directories(local.state_dir);
+    DEEPNEX_ASSIGN_OR_RETURN(r->central_, deepnex::launch::CreateCentralServer({}, local));
+    deepnex::agent::AgentOptions a;
+    a.central = r->central_->address();
+    a.node = "bench";
+    a.gpus = std::vector<deepnex::gpu::Gpu>{};
+    a.cpus = 64;
+    a.memory = 64ull << 30;
+    a.launcher.state_dir = state_dir + "/agent";
+    a.launcher.cgroup_parent = "deepnex-launch-bench";
+    if (agent) {
+      fs::create_directories(a.launcher.state_dir);
+      DEEPNEX_ASSIGN_OR_RETURN(r->agent_, deepnex::agent::Agent::Create(a));
+      DEEPNEX_RETURN_IF_ERROR(r->agent_->WaitRegistered(std::chrono::seconds(10)));
+    } else {
+      deepnex::gpu::Node n;
+      n.name = a.node;
+      n.cpus = a.cpus;
+      n.memory = a.memory;
+      DEEPNEX_RETURN_IF_ERROR(r->central_->allocator().AddNode(n));
+    }
+    deepnex::gpu::CentralClientOptions c;
+    c.address = r->central_->address();
+    DEEPNEX_ASSIGN_OR_RETURN(r->alloc_, deepnex::gpu::CentralClient::Create(c));
+    DEEPNEX_ASSIGN_OR_RETURN(r->containers_, deepnex::launch::CentralClient::Create(c));
+    return r;
+  }
+
+  absl::StatusOr<Sample> Once(int i) {
+    deepnex::gpu::Request req;
+    req.user = "bench";
+    req.cpus = 1;
+    req.memory = 64 << 20;
+    req.node = "bench";
+    DEEPNEX_ASSIGN_OR_RETURN(deepnex::gpu::Allocation a, alloc_->Allocate(req));
+    ContainerSpec spec;
+    spec.name = "bench" + std::to_string(i);
+    spec.command = {"true"};
+    Sample s;
+    const Clock::time_point t0 = Clock::now();
+    DEEPNEX_RETURN_IF_ERROR(containers_->StartContainer(spec, a.id).status());
+    s.running_ms = Ms(Clock::now() - t0);
+    while (true) {
+      DEEPNEX_ASSIGN_OR_RETURN(auto list, containers_->ListContainers());
+      bool ended = false;
+      for (const auto& c : list) {
+        if (c.name == spec.name && c.state == deepnex::launch::State::kExited) ended = true;
+      }
+      if (ended) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    s.exit_ms = Ms(Clock::now() - t0);
+    return s;
+  }
+
+ private:
+  AgentRunner() = default;
+  std::unique_ptr<deepnex::gpu::CentralServer> central_;
+  std::unique_ptr<deepnex::agent::Agent> agent_;
+  std::unique_ptr<deepnex::gpu::CentralClient> alloc_;
+  std::unique_ptr<deepnex::launch::CentralClient> containers_;
+};
+
 Flags ParseFlags(int argc, char** argv) {
   Flags f;
   for (int i = 1; i < argc; ++i) {
@@ -271,10 +358,13 @@ Flags ParseFlags(int argc, char** argv) {
       f.docker_image = value();
     } else if (a == "--slurm-conf") {
       f.slurm_conf = value();
+    } else if (a == "--via-agent") {
+      f.via_agent = true;
     } else {
       fprintf(stderr,
               "usage: launch_bench [--n 20] [--backends process,oci,docker,slurm] [--csv FILE]\n"
-              "                    [--docker-socket PATH] [--docker-image REF] [--slurm-conf FILE]\n");
+              "                    [--docker-socket PATH] [--docker-image REF] [--slurm-conf FILE]\n"
+              "                    [--via-agent]\n");
       exit(2);
     }
   }
@@ -315,6 +405,19 @@ int main(int argc, char** argv) {
     runners.emplace(b, std::move(*r));
   }
   if (peer) names.push_back(kPeer);
+  std::unique_ptr<AgentRunner> via_agent, via_central;
+  if (flags.via_agent) {
+    for (bool agent : {false, true}) {
+      const char* name = agent ? kViaAgent : kViaCentral;
+      absl::StatusOr<std::unique_ptr<AgentRunner>> r = AgentRunner::Make(dir, agent);
+      if (r.ok()) {
+        (agent ? via_agent : via_central) = std::move(*r);
+        names.push_back(name);
+      } else {
+        printf("skipping %s: %s\n", name, r.status().ToString().c_str());
+      }
+    }
+  }
   if (names.empty()) {
     printf("no backend can start here\n");
     return 1;
@@ -326,8 +429,10 @@ int main(int argc, char** argv) {
   for (int i = 0; i < flags.n; ++i) {
     for (const std::string& name : names) {
       if (failed.count(name)) continue;
-      absl::StatusOr<Sample> s =
-          name == kPeer ? peer->Once(i) : runners.find(name)->second.Once(i);
+      absl::StatusOr<Sample> s = name == kPeer       ? peer->Once(i)
+                                 : name == kViaAgent ? via_agent->Once(i)
+                                 : name == kViaCentral ? via_central->Once(i)
+                                                       : runners.find(name)->second.Once(i);
       if (!s.ok()) {
         failed[name] = s.status().ToString();
         continue;
@@ -362,6 +467,15 @@ int main(int argc, char** argv) {
            Quantile(run, 0.5), Quantile(run, 0.9), Quantile(exit, 0.5), Quantile(exit, 0.9),
            ratio_run, ratio_exit);
   }
+  // The agent's row against the local backend (the target: within 1.3x) and
+  // against central's own launcher (the agent's hop alone).
+  for (const char* base : {"process", kViaCentral}) {
+    if (!via_agent || samples[kViaAgent].empty() || samples[base].empty()) continue;
+    const double agent = Quantile(column(kViaAgent, &Sample::running_ms), 0.5);
+    const double other = Quantile(column(base, &Sample::running_ms), 0.5);
+    printf("%s / %s, start-to-running p50: %.2fx%s\n", kViaAgent, base, agent / other,
+           std::string(base) == "process" ? " (target: within 1.3x)" : "");
+  }
   if (!flags.csv.empty()) {
     std::ofstream csv(flags.csv);
     csv << "backend,round,start_to_running_ms,start_to_exit_ms\n";
@@ -373,6 +487,8 @@ int main(int argc, char** argv) {
     }
   }
   runners.clear();
+  via_agent.reset();
+  via_central.reset();
   std::error_code ec;
   fs::remove_all(dir, ec);
   return failed.empty() ? 0 : 1;

@@ -14,7 +14,9 @@
 
 namespace deepnex {
 
-enum class AuthRole { kUser, kAdmin };
+// kNode: a deepnex-agent's token; its name is the node's, and it may act
+// only as that node (register it, heartbeat, answer central's commands).
+enum class AuthRole { kUser, kAdmin, kNode };
 
 struct Identity {
   std::string name;  // user (or job) name
@@ -42,7 +44,7 @@ class TokenTable {
                            const std::string& job = "");
   // Reads a token file. Either a single token on its own (one line; name
   // "user", role user), or lines "TOKEN NAME ROLE [JOB]" with ROLE
-  // user|admin; a field starting with '#' starts a comment, blank lines are
+  // user|admin|node (a node line has no JOB); a field starting with '#' starts a comment, blank lines are
   // skipped. InvalidArgument naming the file and line (never the token) for a
   // malformed line, and for a file without tokens; AlreadyExists for a
   // duplicate token; NotFound / PermissionDenied when it cannot be opened.
@@ -64,12 +66,15 @@ class TokenTable {
   // token: Unauthenticated "invalid token". With `job` non-empty, a token
   // scoped to another job is PermissionDenied naming both jobs (a token
   // without a job may act on any job). With `require_admin`, a user token is
-  // PermissionDenied. Tokens are compared in constant time and never appear
+  // PermissionDenied. A node token is PermissionDenied unless `allow_node`
+  // (the agents' service alone passes it): an agent never acts as a user.
+  // Tokens are compared in constant time and never appear
   // in messages. With auth disabled (empty table) every call gets
   // Identity{"anonymous", kAdmin, ""}.
   absl::StatusOr<Identity> Authenticate(const std::string& authorization,
                                         const std::string& job = "",
-                                        bool require_admin = false) const;
+                                        bool require_admin = false,
+                                        bool allow_node = false) const;
 
  private:
   std::map<std::string, Identity> tokens_;

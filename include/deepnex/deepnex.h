@@ -27,6 +27,9 @@
 #include "deepnex/launch/central.h"
 #include "deepnex/launch/launcher.h"
 
+// agent
+#include "deepnex/agent/agent.h"
+
 // ps
 #include "deepnex/ps/client.h"
 #include "deepnex/ps/optimizer.h"

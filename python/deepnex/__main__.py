@@ -56,6 +56,10 @@ def _exec_program(name: str) -> None:
     os.execv(path, [path, *sys.argv[1:]])
 
 
+def agent() -> None:
+    _exec_program("deepnex-agent")
+
+
 def central() -> None:
     _exec_program("deepnex-central")
 

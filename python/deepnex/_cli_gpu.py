@@ -21,6 +21,7 @@ The address is --central or $DEEPNEX_CENTRAL; the token --token,
 import argparse
 import sys
 import threading
+import time
 
 from deepnex._cli_common import add_central_args, client, format_table, guard, parse_pairs
 
@@ -31,18 +32,29 @@ def _size(n):
 
 
 def _nodes(args):
-    rows = [("NODE", "MODE", "STATE", "GPUS USED/ALL", "GPU MEMORY USED/ALL", "CPUS USED/ALL",
-             "MEMORY USED/ALL")]
+    rows = [("NODE", "MODE", "STATUS", "HEARTBEAT", "GPUS USED/ALL", "GPU MEMORY USED/ALL",
+             "CPUS USED/ALL", "MEMORY USED/ALL")]
+    if args.usage:  # what the agents measure, beside what is granted
+        rows[0] += ("CPUS BUSY", "MEMORY IN USE")
+    now = time.time()
     for n in client(args).nodes():
-        state = "draining" if n.draining else "cordoned" if n.cordoned else "ready"
+        # As kubectl: NotReady outranks a cordon, which the admin chose.
+        state = ("NotReady" if not n.ready else "Draining" if n.draining
+                 else "Cordoned" if n.cordoned else "Ready")
         if n.pending_mode:
             state += f" (-> {n.pending_mode})"
+        # Since the node's agent was last heard; "-" for a declared node.
+        beat = "-" if n.last_heartbeat is None else f"{_duration(max(0, now - n.last_heartbeat))} ago"
         gpus = n.gpus
         used_mem = sum(g["memory_used"] for g in gpus)
         total_mem = sum(g["memory"] for g in gpus)
-        rows.append((n.name, n.mode, state, f"{len(gpus) - n.gpus_free}/{len(gpus)}",
+        rows.append((n.name, n.mode, state, beat, f"{len(gpus) - n.gpus_free}/{len(gpus)}",
                      f"{_size(used_mem)}/{_size(total_mem)}", f"{n.cpus_used}/{n.cpus}",
                      f"{_size(n.memory_used)}/{_size(n.memory)}"))
+        if args.usage:
+            agent = n.last_heartbeat is not None
+            rows[-1] += (f"{n.cpus_busy:.1f}" if agent else "-",
+                         _size(n.memory_in_use) if agent else "-")
     print(format_table(rows))
     return 0
 
@@ -286,7 +298,9 @@ def add_commands(commands):
         p.set_defaults(func=guard(fn))
         return p
 
-    sub("nodes", _nodes, "table of nodes, modes, GPUs used/free, memory")
+    p = sub("nodes", _nodes, "table of nodes, modes, status, GPUs used/free, memory")
+    p.add_argument("--usage", action="store_true",
+                   help="also what each agent's node uses now: cores busy, memory in use")
     p = sub("alloc", _alloc, "allocate GPUs, CPU cores and memory; while the request waits, "
                              "print its place in the queue and why")
     p.add_argument("--user", help="whom to allocate for (admins); default: the token's user")

@@ -102,8 +102,9 @@ def _size(n):
     return _C.format_byte_size(int(n)) if n else "-"
 
 
-def rows(records):
-    """The table's rows (HEADER first) for records of containers."""
+def rows(records, node=False):
+    """The table's rows (HEADER first) for records of containers; with `node`,
+    a NODE column after NAME (deepnex-central's: where each runs)."""
     out = [HEADER]
     for r in records:
         state, u = _live(r)
@@ -115,6 +116,9 @@ def rows(records):
             f"{u.get('cpu_seconds', 0):.2f}",
             f"{_size(u.get('memory', 0))}/{_size(u.get('memory_peak', 0))}",
             r.get("last_exit", "-")))
+    if node:
+        out = [(row[0], "NODE" if i == 0 else records[i - 1].get("node") or "-") + tuple(row[1:])
+               for i, row in enumerate(out)]
     return out
 
 
@@ -133,7 +137,7 @@ def _ps(args):
     records = client(args).containers()
     if len({r["user"] for r in records}) > 1:  # an admin's view: say whose
         records = [dict(r, name=f"{r['user']}/{r['name']}") for r in records]
-    print(format_table(rows(records)))
+    print(format_table(rows(records, node=True)))
     return 0
 
 

@@ -289,6 +289,14 @@ void RegisterGpu(py::module_& parent) {
       })
       .def_readonly("cordoned", &NodeInfo::cordoned)
       .def_readonly("draining", &NodeInfo::draining)
+      .def_readonly("ready", &NodeInfo::ready)
+      .def_readonly("cpus_busy", &NodeInfo::cpus_busy)
+      .def_readonly("memory_in_use", &NodeInfo::memory_in_use)
+      .def_property_readonly("last_heartbeat", [](const NodeInfo& n) -> std::optional<double> {
+        // Seconds since the epoch; None for a node without an agent.
+        if (n.last_heartbeat_ms == 0) return std::nullopt;
+        return n.last_heartbeat_ms / 1000.0;
+      })
       .def_property_readonly("gpus", [](const NodeInfo& n) {
         py::list out;
         for (size_t i = 0; i < n.node.gpus.size(); ++i) {
@@ -311,7 +319,7 @@ void RegisterGpu(py::module_& parent) {
                ", gpus_free=" + std::to_string(n.gpus_free()) + "/" +
                std::to_string(n.node.gpus.size()) + ", cpus_used=" +
                std::to_string(n.cpus_used) + "/" + std::to_string(n.node.cpus) +
-               (n.cordoned ? ", cordoned" : "") + ")";
+               (n.cordoned ? ", cordoned" : "") + (n.ready ? "" : ", not ready") + ")";
       });
 
   // The option structs, bound so that their defaults live only in C++:

@@ -121,6 +121,7 @@ py::dict CentralRecord(const launch::CentralContainer& c) {
   d["usage"] = UsageDict(c.usage);
   d["started_at"] = std::chrono::duration<double>(c.started_at.time_since_epoch()).count();
   d["allocation_released"] = c.allocation_released;
+  d["node"] = c.node;
   return d;
 }
 

@@ -121,9 +121,15 @@ absl::StatusOr<TokenTable> TokenTable::FromFile(const std::string& path) {
       identity.role = AuthRole::kUser;
     } else if (f[2] == "admin") {
       identity.role = AuthRole::kAdmin;
+    } else if (f[2] == "node") {
+      identity.role = AuthRole::kNode;
+      if (f.size() == 4) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, "a node token has no job, got ", Quote(f[3])));
+      }
     } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, "role ", Quote(f[2]), " is not user or admin"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, "role ", Quote(f[2]), " is not user, admin or node"));
     }
     if (f.size() == 4) identity.job = std::string(f[3]);
     absl::Status added = table.Add(std::string(f[0]), std::move(identity));
@@ -175,7 +181,7 @@ constexpr char kMissingToken[] =
 
 absl::StatusOr<Identity> TokenTable::Authenticate(
     const std::string& authorization, const std::string& job,
-    bool require_admin) const {
+    bool require_admin, bool allow_node) const {
   if (!enabled()) return Identity{"anonymous", AuthRole::kAdmin, ""};
 
   absl::string_view value = absl::StripAsciiWhitespace(authorization);
@@ -201,6 +207,11 @@ absl::StatusOr<Identity> TokenTable::Authenticate(
   }
   if (found == nullptr) return absl::UnauthenticatedError("invalid token");
 
+  if (found->role == AuthRole::kNode && !allow_node) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "the token of ", Quote(found->name),
+        " is a node token: it may only act as its node (deepnex-agent)"));
+  }
   if (!job.empty() && !found->Reaches(job)) {
     return absl::PermissionDeniedError(
         absl::StrCat("the token of ", Quote(found->name), " is for job ",

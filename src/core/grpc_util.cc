@@ -46,12 +46,12 @@ std::string BearerValue(const std::string& token) {
 absl::StatusOr<Identity> AuthenticateCall(const TokenTable& tokens,
                                           const grpc::ServerContextBase& ctx,
                                           const std::string& job,
-                                          bool require_admin) {
+                                          bool require_admin, bool allow_node) {
   const auto& metadata = ctx.client_metadata();
   auto it = metadata.find(kAuthorizationKey);
   std::string value;
   if (it != metadata.end()) value.assign(it->second.data(), it->second.size());
-  return tokens.Authenticate(value, job, require_admin);
+  return tokens.Authenticate(value, job, require_admin, allow_node);
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(

@@ -38,7 +38,8 @@ std::string BearerValue(const std::string& token);
 absl::StatusOr<Identity> AuthenticateCall(const TokenTable& tokens,
                                           const grpc::ServerContextBase& ctx,
                                           const std::string& job = "",
-                                          bool require_admin = false);
+                                          bool require_admin = false,
+                                          bool allow_node = false);
 
 // Server credentials: TLS from PEM files when both are given, else insecure.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(

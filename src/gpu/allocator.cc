@@ -165,6 +165,29 @@ class Allocator::Impl {
     return Durable(seq);
   }
 
+  // In memory only: readiness is what central sees of the node's agent now.
+  absl::Status SetReady(const std::string& name, bool ready) {
+    std::lock_guard<std::mutex> lock(mu_);
+    NodeState* n = placement().Find(name);
+    if (n == nullptr) return NoNode(name);
+    if (n->ready == ready) return absl::OkStatus();
+    // Readiness is heard, not logged: set on both states (views read
+    // durable_), and kept apart so that a rollback's rebuild keeps it.
+    placement().SetReady(n, ready);
+    if (ledger_) {
+      Placement& shown = durable_.placement();
+      if (NodeState* d = shown.Find(name)) shown.SetReady(d, ready);
+    }
+    if (ready) {
+      not_ready_.erase(name);
+    } else {
+      not_ready_.insert(name);
+    }
+    // A node back may take what waits in the queue.
+    Pump();
+    return absl::OkStatus();
+  }
+
   // `keep_draining`: the node's draining flag stays as it is.
   absl::Status SetFlags(const std::string& name, bool cordoned, bool draining, bool release,
                         bool keep_draining = false) {
@@ -450,6 +473,9 @@ class Allocator::Impl {
     state_.Clear();
     absl::Status s = ledger_->Recover([this](const std::string& r) { return state_.Apply(r); });
     if (!s.ok()) ledger_error_ = s;  // Broken() refuses every change from now on
+    for (const std::string& name : not_ready_) {
+      if (NodeState* n = placement().Find(name)) placement().SetReady(n, false);
+    }
     Pump();  // what the lost changes held may fit the queue now
     queue_cv_.notify_all();
     reaper_cv_.notify_all();
@@ -678,6 +704,7 @@ class Allocator::Impl {
 
   AllocatorState state_;     // decides; runs ahead of durable_ by unapplied_
   AllocatorState durable_;   // what views read when there is a ledger
+  std::set<std::string> not_ready_;  // nodes SetReady(false) took out
   std::deque<std::pair<uint64_t, std::string>> unapplied_;  // (ticket, record) in flight
   RequestQueue queue_;
 };
@@ -715,6 +742,10 @@ absl::Status Allocator::Cordon(const std::string& name) {
 
 absl::Status Allocator::Uncordon(const std::string& name) {
   return impl_->SetFlags(name, false, false, false);
+}
+
+absl::Status Allocator::SetNodeReady(const std::string& name, bool ready) {
+  return impl_->SetReady(name, ready);
 }
 
 absl::Status Allocator::Drain(const std::string& name, bool release) {

@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "agent/hub.h"
 #include "core/grpc_util.h"
 #include "core/net.h"
 #include "deepnex/auth.h"
@@ -67,9 +68,10 @@ class Service final : public pb::Central::CallbackService {
  public:
   friend class OpsReactor;
 
-  Service(std::unique_ptr<Allocator> alloc, TokenTable tokens)
+  Service(std::unique_ptr<Allocator> alloc, TokenTable tokens, const agent::HubOptions& hub)
       : alloc_(std::move(alloc)),
         tokens_(std::move(tokens)),
+        hub_(*alloc_, tokens_, hub),
         grants_(registry_.GetCounter("deepnex_grants_total", "Allocations granted.")),
         releases_(registry_.GetCounter("deepnex_releases_total",
                                        "Release calls that succeeded.")),
@@ -93,6 +95,7 @@ class Service final : public pb::Central::CallbackService {
 
   Allocator& allocator() { return *alloc_; }
   const TokenTable& tokens() const { return tokens_; }
+  agent::Hub& hub() { return hub_; }
 
   std::string MetricsText() const {
     // The allocator's state goes into a registry made per scrape: a node
@@ -120,7 +123,7 @@ class Service final : public pb::Central::CallbackService {
     }
     now.GetGauge("deepnex_queue_length", "Requests waiting for capacity.")
         ->Set(alloc_->QueueLength());
-    return registry_.PrometheusText() + now.PrometheusText();
+    return registry_.PrometheusText() + now.PrometheusText() + hub_.MetricsText();
   }
 
   // ---- admin
@@ -296,7 +299,10 @@ class Service final : public pb::Central::CallbackService {
                                       pb::Nodes* reply) override {
     auto who = Who(*ctx);
     if (!who.ok()) return Reply(ctx, who.status());
-    for (const auto& n : alloc_->Nodes()) ToProto(n, reply->add_nodes());
+    for (auto& n : alloc_->Nodes()) {
+      hub_.Fill(&n);
+      ToProto(n, reply->add_nodes());
+    }
     return Reply(ctx, absl::OkStatus());
   }
 
@@ -413,6 +419,7 @@ class Service final : public pb::Central::CallbackService {
 
   std::unique_ptr<Allocator> alloc_;
   const TokenTable tokens_;
+  agent::Hub hub_;
   // Counts calls, and holds what the ledger recovered at start.
   MetricsRegistry registry_;
   Counter* const grants_;
@@ -465,10 +472,10 @@ class CentralServerImpl final : public CentralServer {
 
   absl::Status Start(const CentralServerOptions& options,
                      const CentralExtensionFactory& extension) {
-    std::vector<grpc::Service*> services = {service_.get()};
+    std::vector<grpc::Service*> services = {service_.get(), service_->hub().service()};
     if (extension) {
-      DEEPNEX_ASSIGN_OR_RETURN(extension_,
-                               extension(service_->allocator(), service_->tokens()));
+      DEEPNEX_ASSIGN_OR_RETURN(
+          extension_, extension(service_->allocator(), service_->tokens(), service_->hub()));
       services.push_back(extension_->service());
     }
     ServerHostOptions host;
@@ -494,6 +501,9 @@ class CentralServerImpl final : public CentralServer {
 
   void Stop() override {
     std::call_once(stop_once_, [this] {
+      // First: the containers on agents' nodes run on without central, and
+      // their watchers (in the extension) wake up.
+      service_->hub().Shutdown();
       if (extension_) extension_->Shutdown();
       if (metrics_) metrics_->Stop();
       // Waiting allocations fail with Cancelled and finish their calls
@@ -531,9 +541,26 @@ absl::StatusOr<std::unique_ptr<CentralServer>> CreateCentralServer(
     // A single token is the administrator's.
     tokens = TokenTable::Single(options.token, "admin", AuthRole::kAdmin);
   }
+  if (options.node_timeout <= std::chrono::milliseconds(0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "node_timeout=", options.node_timeout.count(), "ms must be positive"));
+  }
+  if (options.node_lost_after < options.node_timeout) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("node_lost_after=", options.node_lost_after.count(),
+                     "ms must be at least node_timeout=", options.node_timeout.count(), "ms"));
+  }
+  if (options.agent_heartbeat <= std::chrono::milliseconds(0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "agent_heartbeat=", options.agent_heartbeat.count(), "ms must be positive"));
+  }
   DEEPNEX_ASSIGN_OR_RETURN(auto alloc, Allocator::Create(options.allocator));
+  agent::HubOptions hub;
+  hub.node_timeout = options.node_timeout;
+  hub.node_lost_after = options.node_lost_after;
+  hub.heartbeat = options.agent_heartbeat;
   auto server = std::make_unique<CentralServerImpl>(
-      std::make_unique<Service>(std::move(alloc), std::move(tokens)));
+      std::make_unique<Service>(std::move(alloc), std::move(tokens), hub));
   DEEPNEX_RETURN_IF_ERROR(server->Start(options, extension));
   return std::unique_ptr<CentralServer>(std::move(server));
 }

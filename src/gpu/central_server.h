@@ -13,6 +13,10 @@
 #include "deepnex/gpu/allocator.h"
 #include "deepnex/gpu/central.h"
 
+namespace deepnex::agent {
+class Hub;
+}
+
 namespace deepnex::gpu {
 
 class CentralExtension {
@@ -24,10 +28,11 @@ class CentralExtension {
   virtual void Shutdown() = 0;
 };
 
-// Called once by CreateCentralServer with the served allocator and token
-// table, which outlive the extension.
+// Called once by CreateCentralServer with the served allocator, token table
+// and agents' hub (through which containers run on agents' nodes), which
+// outlive the extension.
 using CentralExtensionFactory = std::function<absl::StatusOr<std::unique_ptr<CentralExtension>>(
-    Allocator& allocator, const TokenTable& tokens)>;
+    Allocator& allocator, const TokenTable& tokens, agent::Hub& hub)>;
 
 // CentralServer::Create plus the extension's service.
 absl::StatusOr<std::unique_ptr<CentralServer>> CreateCentralServer(

@@ -43,7 +43,7 @@ bool Eligible(const NodeState& n, const Request& r) {
     auto it = n.spec.labels.find(k);
     if (it == n.spec.labels.end() || it->second != v) return false;
   }
-  return !n.cordoned && (r.gpus == 0 || (!n.pending && n.mode == r.mode));
+  return !n.cordoned && n.ready && (r.gpus == 0 || (!n.pending && n.mode == r.mode));
 }
 
 // The id, GPU indices and UUIDs and env of `r`, booked on `n`.
@@ -220,6 +220,12 @@ void Placement::SetFlags(NodeState* n, bool cordoned, bool draining) {
   Index(n);
 }
 
+void Placement::SetReady(NodeState* n, bool ready) {
+  Unindex(n);
+  n->ready = ready;
+  Index(n);
+}
+
 void Placement::Clear() {
   slots_.clear();
   by_name_.clear();
@@ -277,6 +283,7 @@ NodeInfo Placement::Info(const NodeState& n) const {
   info.pending_mode = n.pending;
   info.cordoned = n.cordoned;
   info.draining = n.draining;
+  info.ready = n.ready;
   info.gpu_memory_used = n.used_mem;
   info.gpu_allocations = n.count;
   info.cpus_used = n.cpus_used;
@@ -295,7 +302,7 @@ void Placement::Unindex(NodeState* n) {
 }
 
 void Placement::Index(NodeState* n) {
-  if (n->cordoned || n->pending) return;
+  if (n->cordoned || !n->ready || n->pending) return;
   if (n->mode == Mode::kExclusive) {
     if (n->free_gpus > 0) {
       n->excl_key = {n->free_gpus, n->id};
@@ -312,7 +319,7 @@ void Placement::Index(NodeState* n) {
 }
 
 bool Placement::FastReindex(const NodeState* n) {
-  return n->mode == Mode::kShared && !n->cordoned && !n->pending;
+  return n->mode == Mode::kShared && !n->cordoned && n->ready && !n->pending;
 }
 
 void Placement::ReindexGpu(NodeState* n, int i) {
@@ -329,7 +336,7 @@ const Hold* Placement::HoldOn(const NodeState* n) const {
 }
 
 bool Placement::FitOnNode(NodeState* n, const Request& r, std::vector<int>* pos) const {
-  if (n->cordoned) return false;
+  if (n->cordoned || !n->ready) return false;
   const Hold* h = HoldOn(n);
   if (FreeCpus(n, h) < r.cpus) return false;
   if (FreeMemory(n, h) < r.memory) return false;
@@ -574,7 +581,7 @@ absl::Status Placement::Infeasible(const Request& r) const {
 
 std::string Placement::Shortage(const Request& r) const {
   const bool excl = r.mode == Mode::kExclusive;
-  int matching = 0, eligible = 0, most_gpus = 0, most_cpus = 0;
+  int matching = 0, eligible = 0, not_ready = 0, most_gpus = 0, most_cpus = 0;
   uint64_t most_memory = 0;
   bool fits = false;
   for (const auto& [name, n] : by_name_) {
@@ -586,7 +593,8 @@ std::string Placement::Shortage(const Request& r) const {
     }
     if (!labeled) continue;
     ++matching;
-    if (n->cordoned || (r.gpus > 0 && (n->pending || n->mode != r.mode))) continue;
+    not_ready += !n->ready;
+    if (n->cordoned || !n->ready || (r.gpus > 0 && (n->pending || n->mode != r.mode))) continue;
     ++eligible;
     int gpus = 0;
     for (size_t i = 0; i < n->spec.gpus.size(); ++i) {
@@ -603,7 +611,8 @@ std::string Placement::Shortage(const Request& r) const {
   }
   if (eligible == 0) {
     return absl::StrCat("waiting for a node to take it (", matching,
-                        " matching node(s), all cordoned or switching mode)");
+                        " matching node(s), all cordoned",
+                        not_ready > 0 ? ", not ready" : "", " or switching mode)");
   }
   if (fits) {
     if (r.replicas == 1) return "";

@@ -31,6 +31,10 @@ struct NodeState {
   std::optional<Mode> pending;
   bool cordoned = false;
   bool draining = false;
+  // False while the node's agent is not heard from (deepnex-central's
+  // --node-timeout): like a cordon, it takes no new grants. Not in the
+  // ledger: it is what central sees now, not a decision.
+  bool ready = true;
   std::vector<uint64_t> used_mem;
   std::vector<int> count;
   int cpus_used = 0;
@@ -85,6 +89,7 @@ class Placement {
   // `pending`: the switch waits for the node's GPU allocations to go.
   void SetMode(NodeState* n, Mode mode, bool pending);
   void SetFlags(NodeState* n, bool cordoned, bool draining);
+  void SetReady(NodeState* n, bool ready);
   // Forgets every node.
   void Clear();
 

@@ -34,7 +34,11 @@
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/launch/central.h"
 #include "deepnex/units.h"
+#include "agent/hub.h"
+#include "agent/remote_launcher.h"
+#include "agent/report.h"
 #include "gpu/central_server.h"
+#include "launch/central_wire.h"
 #include "launch/util.h"
 
 namespace deepnex::launch {
@@ -69,6 +73,9 @@ std::string LauncherName(const std::string& user, const std::string& name) {
                       ".", name);
 }
 
+}  // namespace
+
+// Shared with deepnex-agent, which gets the same specs (central_wire.h).
 absl::StatusOr<ContainerSpec> SpecFromProto(const pb::ContainerSpec& p) {
   ContainerSpec s;
   s.name = p.name();
@@ -121,6 +128,8 @@ absl::StatusOr<State> ParseState(const std::string& name) {
   return absl::InternalError(absl::StrCat("deepnex-central sent the unknown state \"", name, "\""));
 }
 
+namespace {
+
 absl::StatusOr<CentralContainer> FromProto(const pb::ContainerInfo& p) {
   CentralContainer c;
   c.name = p.name();
@@ -142,6 +151,7 @@ absl::StatusOr<CentralContainer> FromProto(const pb::ContainerInfo& p) {
       std::chrono::duration_cast<std::chrono::system_clock::duration>(
           std::chrono::duration<double>(p.started_at())));
   c.allocation_released = p.allocation_released();
+  c.node = p.node();
   return c;
 }
 
@@ -151,12 +161,17 @@ class ContainersService final : public pb::Containers::CallbackService,
   // `mounts_allowed`: the launcher has allowed_mount_roots (which it
   // enforces); without, deepnex-central refuses every mount.
   // `images`: the names users may give as an image.
-  ContainersService(gpu::Allocator& alloc, const TokenTable& tokens,
+  ContainersService(gpu::Allocator& alloc, const TokenTable& tokens, agent::Hub& hub,
                     std::unique_ptr<Launcher> launcher, bool mounts_allowed,
                     std::set<std::string> images, ContainerPolicy policy)
-      : alloc_(alloc), tokens_(tokens), launcher_(std::move(launcher)),
+      : alloc_(alloc), tokens_(tokens), hub_(hub), launcher_(std::move(launcher)),
         mounts_allowed_(mounts_allowed), images_(std::move(images)),
-        policy_(std::move(policy)), reaper_([this] { Reap(); }) {}
+        policy_(std::move(policy)), reaper_([this] { Reap(); }) {
+    hub_.OnRegistered([this](const std::string& node,
+                             const std::vector<agent::proto::ContainerReport>& running) {
+      Adopt(node, running);
+    });
+  }
   ~ContainersService() override { Shutdown(); }
 
   grpc::Service* service() override { return this; }
@@ -256,6 +271,8 @@ class ContainersService final : public pb::Containers::CallbackService,
     double cpus = 0;
     uint64_t memory = 0;
     std::shared_ptr<Handle> handle;  // null while it starts
+    std::string node;     // the allocation's
+    Launcher* launcher = nullptr;  // where it runs: launcher_ or an agent's (remote_)
     std::thread watcher;
     bool ended = false;              // for good; set by the watcher
     bool allocation_released = false;
@@ -367,11 +384,16 @@ class ContainersService final : public pb::Containers::CallbackService,
       DEEPNEX_RETURN_IF_ERROR(FitsGrantLocked(a, spec, *entry));
       entries_[Key{a.user, name}] = entry;
     }
+    // Where it runs: on its allocation's node, through that node's agent
+    // when it has one; otherwise here.
+    Launcher& launcher = LauncherFor(a.node);
+    entry->launcher = &launcher;
+    entry->node = a.node;
     if (previous) {
       previous->watcher.join();
-      launcher_->Remove(launcher_name).IgnoreError();
+      previous->launcher->Remove(launcher_name).IgnoreError();
     }
-    auto handle = launcher_->Start(spec);
+    auto handle = launcher.Start(spec);
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!handle.ok()) {
@@ -451,8 +473,15 @@ class ContainersService final : public pb::Containers::CallbackService,
   // Waits for the container's end for good, then releases its allocation
   // unless another container still runs on it.
   void Watch(const std::shared_ptr<Entry>& e) {
-    e->handle->Wait(kForever).IgnoreError();
+    // Only an agent's container fails to wait, when central stops: it runs
+    // on, and keeps its allocation.
+    const bool ended = e->handle->Wait(kForever).ok();
     std::unique_lock<std::mutex> lock(mu_);
+    if (!ended) {
+      e->watched = true;
+      cv_.notify_all();
+      return;
+    }
     e->ended = true;
     bool shared = false;
     for (auto& [key, other] : entries_) {
@@ -496,7 +525,8 @@ class ContainersService final : public pb::Containers::CallbackService,
     p->set_name(e.name);
     p->set_user(e.user);
     p->set_allocation_id(e.allocation_id);
-    p->set_backend(launcher_->backend());
+    p->set_backend(e.launcher->backend());
+    p->set_node(e.node);
     p->set_id(st.id);
     p->set_state(StateName(st.state));
     p->set_restarts(st.restarts);
@@ -518,9 +548,56 @@ class ContainersService final : public pb::Containers::CallbackService,
     p->set_allocation_released(e.allocation_released);
   }
 
+  // A restarted central takes back what an agent reports running on its
+  // node (the records are the agent's, so none is lost with central). One
+  // whose allocation is gone is stopped by Reap; one known already is left.
+  void Adopt(const std::string& node, const std::vector<agent::proto::ContainerReport>& running) {
+    for (const auto& r : running) {
+      if (agent::Ended(r) || r.user().empty()) continue;
+      const std::string prefix = LauncherName(r.user(), "");
+      if (r.name().rfind(prefix, 0) != 0) continue;
+      auto a = alloc_.GetAllocation(r.allocation_id());
+      // A node token acts only as its node: a report of a grant on another
+      // node, or of another user's, is not taken (nor would its end release
+      // that grant). One whose grant is gone is taken, and Reap stops it.
+      if (a.ok() && (a->node != node || a->user != r.user())) continue;
+      ContainerSpec spec;
+      spec.name = r.name();
+      spec.user = r.user();
+      spec.cpus = r.cpus();
+      spec.memory = r.memory();
+      if (a.ok()) spec.allocation = *a;
+      auto entry = std::make_shared<Entry>();
+      entry->user = r.user();
+      entry->name = r.name().substr(prefix.size());
+      entry->allocation_id = r.allocation_id();
+      entry->job = a.ok() ? a->job : "";
+      entry->cpus = r.cpus();
+      entry->memory = r.memory();
+      entry->node = node;
+      entry->launcher = &LauncherFor(node);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_ || entries_.count(Key{entry->user, entry->name}) != 0) continue;
+      entry->handle = agent::NewRemoteHandle(hub_, node, spec);
+      entries_[Key{entry->user, entry->name}] = entry;
+      entry->watcher = std::thread([this, entry] { Watch(entry); });
+    }
+  }
+
+  // The launcher of `node`: an agent's, or this central's own.
+  Launcher& LauncherFor(const std::string& node) {
+    if (!hub_.HasAgent(node)) return *launcher_;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& remote = remote_[node];
+    if (!remote) remote = agent::NewRemoteLauncher(hub_, node);
+    return *remote;
+  }
+
   gpu::Allocator& alloc_;
   const TokenTable& tokens_;
+  agent::Hub& hub_;
   const std::unique_ptr<Launcher> launcher_;
+  std::map<std::string, std::unique_ptr<Launcher>> remote_;  // by node; guarded by mu_
   const bool mounts_allowed_;
   const std::set<std::string> images_;
   const ContainerPolicy policy_;
@@ -752,12 +829,12 @@ absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
   std::set<std::string> images;
   for (const auto& [name, dir] : launcher.images) images.insert(name);
   // The factory runs once, inside the call below, before the server serves.
-  auto extension = [&](gpu::Allocator& alloc, const TokenTable& tokens)
+  auto extension = [&](gpu::Allocator& alloc, const TokenTable& tokens, agent::Hub& hub)
       -> absl::StatusOr<std::unique_ptr<gpu::CentralExtension>> {
     if (!launcher.state_dir.empty()) {
       DEEPNEX_RETURN_IF_ERROR(SweepOrphans(*l, alloc, launcher.state_dir, swept));
     }
-    return std::make_unique<ContainersService>(alloc, tokens, std::move(l),
+    return std::make_unique<ContainersService>(alloc, tokens, hub, std::move(l),
                                                !launcher.allowed_mount_roots.empty(),
                                                std::move(images), policy);
   };

@@ -43,9 +43,10 @@ flags:
                           allocator does not have yet
   --local                 add this machine (GPUs found through NVML) as a node
   --token T               the administrator's bearer token
-  --token-file F          lines "TOKEN NAME ROLE [JOB]" (ROLE user|admin); a
-                          token with a JOB reaches only that job's
-                          allocations and containers
+  --token-file F          lines "TOKEN NAME ROLE [JOB]" (ROLE user|admin|node);
+                          a token with a JOB reaches only that job's
+                          allocations and containers; a node token is a
+                          deepnex-agent's and acts only as node NAME
   --tls-cert F --tls-key F   serve TLS with this PEM certificate and key
   --metrics-listen HOST:PORT  serve Prometheus text at GET /metrics (plain HTTP)
   --backend B             the launcher's backend: process (default), oci,
@@ -73,6 +74,12 @@ flags:
   --allow-host-network USER  USER's oci containers may use the host's network
                           (repeatable; "*": everyone's); otherwise each gets a
                           private network with only its own loopback
+  --node-timeout S        a node whose deepnex-agent has not been heard from
+                          for S seconds is NotReady: no new grants on it
+                          (default 10)
+  --node-lost-after S     after S seconds of silence its containers count as
+                          lost and their allocations are released
+                          (default 300)
   --help                  show this text
 )";
 
@@ -137,6 +144,10 @@ int main(int argc, char** argv) {
       }
     } else if (flags.Is("--allow-host-network")) {
       policy.host_network_users.insert(flags.Value());
+    } else if (flags.Is("--node-timeout")) {
+      options.node_timeout = flags.Seconds();
+    } else if (flags.Is("--node-lost-after")) {
+      options.node_lost_after = flags.Seconds();
     } else {
       flags.Unknown();
     }

@@ -157,10 +157,10 @@ def test_cli_launch_ps_logs_stop(central):
     # Running is not having written: wait for the echo before the CLI reads it.
     wait_for(lambda: alice.container_logs("w0") == "hello\n", "w0's hello in its log")
     table = run_cli("ps", "--central", central).stdout.splitlines()
-    assert table[0].split()[:4] == ["NAME", "BACKEND", "STATE", "RESTARTS"]
+    assert table[0].split()[:5] == ["NAME", "NODE", "BACKEND", "STATE", "RESTARTS"]
     row = table[1].split()
-    assert row[:5] == ["w0", "process", "running", "0", str(a.gpus[0].index)]
-    assert row[6] == "64MiB"
+    assert row[:6] == ["w0", a.node, "process", "running", "0", str(a.gpus[0].index)]
+    assert row[7] == "64MiB"
     assert len(table) == 2
     assert run_cli("ps", "--central", central, token="bobtok").stdout.splitlines()[1:] == []
     logs = run_cli("logs", "w0", "--central", central)
@@ -329,7 +329,7 @@ def test_ps_shows_the_restarts_of_a_crash_loop(central):
     ended = await_container(alice, "w0", lambda c: c["state"] == "exited")
     assert (ended["restarts"], ended["last_exit"]) == (1, "exited(3) after 1 restart")
     row = run_cli("ps", "--central", central).stdout.splitlines()[1].split()
-    assert row[:4] == ["w0", "process", "exited", "1"]
+    assert row[:5] == ["w0", "n1", "process", "exited", "1"]
 
 
 def sleeper(name, **limits):

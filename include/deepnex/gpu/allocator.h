@@ -152,6 +152,11 @@ class Allocator {
   // Cordons the node and marks it draining; with `release`, also releases
   // every allocation on it (reason "node drained").
   absl::Status Drain(const std::string& name, bool release = false);
+  // A node that is not ready (its agent is not heard from) keeps its
+  // allocations and takes no new ones, as if cordoned; unlike a cordon it is
+  // not in the ledger, and every node is ready after Create. NotFound for
+  // an unknown node.
+  absl::Status SetNodeReady(const std::string& name, bool ready);
 
   // ---- quotas (admin)
   // Sets `user`'s quota. Allowed below what the user holds now: then the

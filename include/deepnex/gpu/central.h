@@ -40,6 +40,15 @@ struct CentralServerOptions {
   // Also serve MetricsText() as GET /metrics over plain HTTP here
   // ("127.0.0.1:0" picks a port; see metrics_port()). Empty: no HTTP.
   std::string metrics_address;
+  // deepnex-agents (include/deepnex/agent/agent.h) register their nodes and
+  // heartbeat over a stream they open to this server. A node whose agent is
+  // silent for node_timeout is NotReady (no new grants); after
+  // node_lost_after its containers count as lost. Agents heartbeat every
+  // agent_heartbeat (at most a third of node_timeout).
+  // Defaults: 10s, 5min, 2s
+  std::chrono::milliseconds node_timeout{10000};
+  std::chrono::milliseconds node_lost_after{std::chrono::minutes(5)};
+  std::chrono::milliseconds agent_heartbeat{2000};
 };
 
 // A running service. Thread-safe; serves until Stop().

@@ -161,6 +161,16 @@ struct NodeInfo {
   std::optional<Mode> pending_mode;
   bool cordoned = false;
   bool draining = false;
+  // False while the node's deepnex-agent has not been heard from within
+  // deepnex-central's --node-timeout: it takes no new grants.
+  bool ready = true;
+  // When central last heard the node's agent (ms since the epoch); 0 for a
+  // node without an agent (declared by an admin).
+  int64_t last_heartbeat_ms = 0;
+  // What the node uses now (all processes, not grants), as its agent last
+  // measured: cores busy and memory in use in bytes. 0 without an agent.
+  double cpus_busy = 0;
+  uint64_t memory_in_use = 0;
   // Per GPU (same order as node.gpus): memory granted and allocations on it.
   std::vector<uint64_t> gpu_memory_used;
   std::vector<int> gpu_allocations;

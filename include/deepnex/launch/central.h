@@ -91,6 +91,9 @@ struct CentralContainer {
   std::chrono::system_clock::time_point started_at{};
   // Its allocation was released (it ended and was the last one on it).
   bool allocation_released = false;
+  // The node it runs on (its allocation's): through that node's
+  // deepnex-agent when it has one, else on deepnex-central's own machine.
+  std::string node;
 };
 
 // The Containers service of deepnex-central. Options (address, token, TLS,

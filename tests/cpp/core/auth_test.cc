@@ -199,6 +199,29 @@ TEST(TokenTableTest, FromFileTable) {
               StatusIs(absl::StatusCode::kUnauthenticated, "invalid token"));
 }
 
+// A node token (deepnex-agent's) acts only as its node: every call but the
+// agents' service refuses it, admin calls included.
+TEST(TokenTableTest, NodeTokenActsOnlyAsItsNode) {
+  TempFile file("t-h2 h2 node\nt-alice alice user\n");
+  ASSERT_OK_AND_ASSIGN(TokenTable table, TokenTable::FromFile(file.path()));
+  EXPECT_THAT(table.Authenticate("Bearer t-h2"),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       "the token of \"h2\" is a node token: it may only act "
+                       "as its node (deepnex-agent)"));
+  EXPECT_THAT(table.Authenticate("Bearer t-h2", "", true),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  ASSERT_OK_AND_ASSIGN(Identity node,
+                       table.Authenticate("Bearer t-h2", "", false, true));
+  EXPECT_EQ(node.name, "h2");
+  EXPECT_EQ(node.role, AuthRole::kNode);
+  EXPECT_EQ(table.Authenticate("Bearer t-alice", "", false, true)->role,
+            AuthRole::kUser);
+  TempFile with_job("t-h2 h2 node j1\n");
+  EXPECT_THAT(TokenTable::FromFile(with_job.path()).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       ::testing::HasSubstr("line 1: a node token has no job, got \"j1\"")));
+}
+
 TEST(TokenTableTest, FromFileMalformed) {
   struct Case {
     const char* contents;
@@ -216,7 +239,7 @@ TEST(TokenTableTest, FromFileMalformed) {
        "line 1: expected \"TOKEN NAME ROLE [JOB]\", got 5 fields",
        absl::StatusCode::kInvalidArgument},
       {"\n\nsecret-xyz bob root\n",
-       "line 3: role \"root\" is not user or admin",
+       "line 3: role \"root\" is not user, admin or node",
        absl::StatusCode::kInvalidArgument},
       {"secret-xyz bob user\nsecret-xyz carol admin\n",
        "line 2: the token for \"carol\" is already in the table (for \"bob\")",

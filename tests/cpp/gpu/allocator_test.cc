@@ -823,5 +823,38 @@ TEST(Allocator, CordonDrainAndRemoveNode) {
   EXPECT_THAT(alloc->GetNode("n1"), StatusIs(absl::StatusCode::kNotFound));
 }
 
+// A node whose agent is silent keeps its allocations and takes no new one;
+// a request waits for it and is granted once it is ready again. Readiness is
+// not in the ledger.
+TEST(Allocator, NotReadyNodeTakesNoGrant) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 2)));
+  ASSERT_OK_AND_ASSIGN(Allocation a, alloc->Allocate(Exclusive("alice", 1)));
+  const uint64_t records = alloc->LedgerRecords();
+  ASSERT_OK(alloc->SetNodeReady("n1", false));
+  EXPECT_EQ(alloc->LedgerRecords(), records);
+  ASSERT_OK_AND_ASSIGN(NodeInfo n, alloc->GetNode("n1"));
+  EXPECT_FALSE(n.ready);
+  EXPECT_FALSE(n.cordoned);
+  EXPECT_EQ(n.allocation_ids, std::vector<std::string>{a.id});
+  EXPECT_THAT(alloc->Allocate(Exclusive("alice", 1), NoWait()),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  std::atomic<bool> granted{false};
+  alloc->AllocateGangAsync(Exclusive("bob", 1), {},
+                           [&](absl::StatusOr<std::vector<Allocation>> parts) {
+                             granted = parts.ok() && parts->size() == 1 &&
+                                       (*parts)[0].node == "n1";
+                           });
+  ASSERT_TRUE(Eventually([&] { return alloc->QueueLength() == 1; }));
+  EXPECT_EQ(alloc->Pending()[0].reason,
+            "waiting for a node to take it (1 matching node(s), all cordoned, not ready or "
+            "switching mode)");
+  ASSERT_OK(alloc->SetNodeReady("n1", true));
+  ASSERT_TRUE(Eventually([&] { return granted.load(); }));
+  EXPECT_TRUE(alloc->GetNode("n1")->ready);
+  EXPECT_THAT(alloc->SetNodeReady("n9", false),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("n9")));
+}
+
 }  // namespace
 }  // namespace deepnex::gpu

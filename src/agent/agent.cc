@@ -1,0 +1,395 @@
+// deepnex-agent's library: a connection loop (one stream to central at a
+// time, redialled with backoff), a heartbeat thread, and a thread per
+// command, since a Start or a Stop with a grace period may block.
+#include "deepnex/agent/agent.h"
+
+#include <unistd.h>
+
+#include <condition_variable>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "agent/adopt.h"
+#include "agent/report.h"
+#include "core/grpc_util.h"
+#include "deepnex/agent.grpc.pb.h"
+#include "deepnex/auth.h"
+#include "deepnex/gpu/discovery.h"
+#include "deepnex/units.h"
+#include "gpu/central_convert.h"
+#include "launch/central_wire.h"
+
+namespace deepnex::agent {
+namespace {
+
+namespace pb = ::deepnex::agent::proto;
+
+constexpr std::chrono::milliseconds kFirstBackoff{100};
+constexpr std::chrono::milliseconds kMaxBackoff{2000};
+constexpr uint64_t kMaxLogChunk = 1 << 20;
+constexpr std::chrono::milliseconds kStopGrace{1000};
+constexpr int kMaxGpus = 1024;
+
+bool Refusal(grpc::StatusCode code) {
+  return code == grpc::StatusCode::UNAUTHENTICATED ||
+         code == grpc::StatusCode::PERMISSION_DENIED ||
+         code == grpc::StatusCode::INVALID_ARGUMENT || code == grpc::StatusCode::ALREADY_EXISTS;
+}
+
+class AgentImpl final : public Agent {
+ public:
+  AgentImpl(const AgentOptions& options, gpu::Node node, std::string token,
+            std::unique_ptr<launch::Launcher> launcher,
+            std::vector<std::shared_ptr<launch::Handle>> adopted)
+      : options_(options), node_(std::move(node)), token_(std::move(token)),
+        launcher_(std::move(launcher)) {
+    for (auto& h : adopted) adopted_[h->spec().name] = h;
+  }
+  ~AgentImpl() override { Stop(); }
+
+  absl::Status Start() {
+    DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("deepnex-agent"));
+    DEEPNEX_ASSIGN_OR_RETURN(auto credentials, MakeChannelCredentials(options_.tls_ca_file));
+    stub_ = pb::Agents::NewStub(MakeChannel(options_.central, credentials));
+    for (auto& [name, h] : adopted_) Watch(h);
+    loop_ = std::thread([this] { Loop(); });
+    beat_ = std::thread([this] { Beat(); });
+    return absl::OkStatus();
+  }
+
+  const gpu::Node& node() const override { return node_; }
+
+  absl::Status WaitRegistered(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, timeout, [this] { return registered_ || done_; })) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "node ", node_.name, ": deepnex-central at ", options_.central,
+          " did not accept the agent within ", timeout.count(), "ms"));
+    }
+    return registered_ ? absl::OkStatus() : final_;
+  }
+
+  void Stop() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopped_) return;
+      stopped_ = true;
+      if (!done_) {
+        done_ = true;
+        final_ = absl::OkStatus();
+      }
+      if (ctx_) ctx_->TryCancel();
+      cv_.notify_all();
+    }
+    if (loop_.joinable()) loop_.join();
+    if (beat_.joinable()) beat_.join();
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return commands_ == 0; });
+    }
+    // Stops the containers, which lets their watchers go.
+    launcher_.reset();
+    for (auto& [name, h] : adopted_) h->Stop(kStopGrace).IgnoreError();
+    for (auto& w : watchers_) w.join();
+  }
+
+  absl::Status Wait() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return done_; });
+    return final_;
+  }
+
+ private:
+  // Dials, registers and serves commands until the stream breaks; again
+  // until Stop or a refusal.
+  void Loop() {
+    std::chrono::milliseconds backoff = kFirstBackoff;
+    while (true) {
+      auto ctx = std::make_shared<grpc::ClientContext>();
+      if (!token_.empty()) ctx->AddMetadata(kAuthorizationKey, BearerValue(token_));
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (done_) return;
+        ctx_ = ctx;
+      }
+      auto stream = stub_->Connect(ctx.get());
+      {
+        std::lock_guard<std::mutex> lock(write_mu_);
+        stream_ = stream.get();
+      }
+      pb::AgentMessage hello;
+      pb::Register* reg = hello.mutable_register_();
+      gpu::ToProto(node_, reg->mutable_node());
+      reg->set_backend(launcher_->backend());
+      for (auto& h : Containers()) *reg->add_containers() = ReportOf(*h);
+      Write(hello);
+      pb::CentralMessage in;
+      while (stream->Read(&in)) {
+        if (in.has_registered()) {
+          std::lock_guard<std::mutex> lock(mu_);
+          registered_ = true;
+          heartbeat_ = std::chrono::milliseconds(std::max<int64_t>(10, in.registered().heartbeat_ms()));
+          kicked_ = true;  // Beat waits on the old interval: wake it
+          backoff = kFirstBackoff;
+          cv_.notify_all();
+        } else if (in.has_command()) {
+          Dispatch(in.command());
+        }
+      }
+      {
+        std::lock_guard<std::mutex> lock(write_mu_);
+        stream_ = nullptr;
+      }
+      grpc::Status status = stream->Finish();
+      std::unique_lock<std::mutex> lock(mu_);
+      registered_ = false;
+      if (done_) return;
+      if (Refusal(status.error_code())) {
+        done_ = true;
+        final_ = ToAbslStatus(status);
+        cv_.notify_all();
+        return;
+      }
+      cv_.wait_for(lock, backoff, [this] { return done_; });
+      backoff = std::min(backoff * 2, kMaxBackoff);
+    }
+  }
+
+  // Every heartbeat interval, and at once when a container ended.
+  void Beat() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!done_) {
+      cv_.wait_for(lock, heartbeat_, [this] { return done_ || kicked_; });
+      kicked_ = false;
+      if (done_) return;
+      if (!registered_) continue;
+      lock.unlock();
+      pb::AgentMessage m;
+      pb::Heartbeat* beat = m.mutable_heartbeat();  // set even with no container
+      for (auto& h : Containers()) *beat->add_containers() = ReportOf(*h);
+      MeasureNode(beat->mutable_usage());
+      Write(m);
+      lock.lock();
+    }
+  }
+
+  // The node's busy cores since the last call (from /proc/stat) and memory
+  // in use (from /proc/meminfo). Called from Beat only.
+  void MeasureNode(pb::NodeUsage* u) {
+    std::ifstream stat("/proc/stat");
+    std::string cpu;
+    uint64_t v = 0, total = 0, idle = 0;
+    stat >> cpu;
+    for (int i = 0; i < 8 && stat >> v; ++i) {
+      total += v;
+      if (i == 3 || i == 4) idle += v;  // idle, iowait
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (cpu_total_ > 0 && total > cpu_total_) {
+      const double busy = static_cast<double>((total - cpu_total_) - (idle - cpu_idle_)) /
+                          static_cast<double>(sysconf(_SC_CLK_TCK));
+      u->set_cpu_busy(busy / std::chrono::duration<double>(now - cpu_at_).count());
+    }
+    cpu_total_ = total;
+    cpu_idle_ = idle;
+    cpu_at_ = now;
+    std::ifstream meminfo("/proc/meminfo");
+    std::string key;
+    uint64_t kib = 0, mem_total = 0, available = 0;
+    std::string unit;
+    while (meminfo >> key >> kib) {
+      std::getline(meminfo, unit);
+      if (key == "MemTotal:") mem_total = kib;
+      if (key == "MemAvailable:") available = kib;
+    }
+    if (mem_total >= available) u->set_memory_used((mem_total - available) << 10);
+  }
+
+  // The launcher's containers and those adopted from the agent before.
+  std::vector<std::shared_ptr<launch::Handle>> Containers() {
+    std::vector<std::shared_ptr<launch::Handle>> all = launcher_->List();
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [name, h] : adopted_) all.push_back(h);
+    return all;
+  }
+
+  absl::StatusOr<std::shared_ptr<launch::Handle>> Get(const std::string& name) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = adopted_.find(name);
+      if (it != adopted_.end()) return it->second;
+    }
+    return launcher_->Get(name);
+  }
+
+  // Its end is told at once, not at the next heartbeat.
+  void Watch(std::shared_ptr<launch::Handle> h) {
+    std::lock_guard<std::mutex> lock(mu_);
+    watchers_.emplace_back([this, h] {
+      h->Wait(std::chrono::hours(24 * 365 * 10)).IgnoreError();
+      std::lock_guard<std::mutex> lock(mu_);
+      kicked_ = true;
+      cv_.notify_all();
+    });
+  }
+
+  bool Write(const pb::AgentMessage& m) {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    return stream_ != nullptr && stream_->Write(m);
+  }
+
+  void Dispatch(const pb::Command& command) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++commands_;
+    }
+    std::thread([this, command] {
+      pb::AgentMessage m;
+      pb::Reply* reply = m.mutable_reply();
+      absl::Status s = Execute(command, reply);
+      reply->set_id(command.id());
+      reply->set_code(static_cast<int>(s.code()));
+      reply->set_message(std::string(s.message()));
+      Write(m);
+      std::lock_guard<std::mutex> lock(mu_);
+      --commands_;
+      cv_.notify_all();
+    }).detach();
+  }
+
+  absl::Status Execute(const pb::Command& c, pb::Reply* reply) {
+    switch (c.op_case()) {
+      case pb::Command::kStart: {
+        DEEPNEX_ASSIGN_OR_RETURN(launch::ContainerSpec spec,
+                                 launch::SpecFromProto(c.start().spec()));
+        if (c.start().has_allocation()) {
+          spec.allocation = gpu::FromProto(c.start().allocation());
+          spec.user = spec.allocation->user;
+          if (spec.allocation->node != node_.name) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("allocation ", spec.allocation->id, " is on node ",
+                             spec.allocation->node, ", not on node ", node_.name));
+          }
+        }
+        DEEPNEX_ASSIGN_OR_RETURN(auto h, launcher_->Start(spec));
+        *reply->mutable_container() = ReportOf(*h, /*usage=*/false);
+        Watch(h);
+        return absl::OkStatus();
+      }
+      case pb::Command::kStop: {
+        DEEPNEX_ASSIGN_OR_RETURN(auto h, Get(c.stop().name()));
+        DEEPNEX_RETURN_IF_ERROR(
+            h->Stop(std::chrono::milliseconds(std::max<int64_t>(0, c.stop().grace_ms()))));
+        *reply->mutable_container() = ReportOf(*h);
+        return absl::OkStatus();
+      }
+      case pb::Command::kLogs: {
+        DEEPNEX_ASSIGN_OR_RETURN(auto h, Get(c.logs().name()));
+        DEEPNEX_ASSIGN_OR_RETURN(
+            launch::LogChunk chunk,
+            h->ReadLogs(c.logs().offset(), std::min(c.logs().max_bytes(), kMaxLogChunk)));
+        reply->set_data(std::move(chunk.data));
+        reply->set_next_offset(chunk.next_offset);
+        reply->set_ended(chunk.ended);
+        return absl::OkStatus();
+      }
+      case pb::Command::kRemove: {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (adopted_.erase(c.remove().name()) != 0) return absl::OkStatus();
+        }
+        absl::Status s = launcher_->Remove(c.remove().name());
+        return absl::IsNotFound(s) ? absl::OkStatus() : s;
+      }
+      default:
+        return absl::InvalidArgumentError("empty command");
+    }
+  }
+
+  const AgentOptions options_;
+  const gpu::Node node_;
+  const std::string token_;
+  std::unique_ptr<launch::Launcher> launcher_;
+  std::unique_ptr<pb::Agents::Stub> stub_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::shared_ptr<grpc::ClientContext> ctx_;  // of the stream open now
+  bool registered_ = false;
+  bool kicked_ = false;
+  bool done_ = false;
+  bool stopped_ = false;
+  absl::Status final_;
+  std::chrono::milliseconds heartbeat_{2000};
+  int commands_ = 0;
+  std::vector<std::thread> watchers_;
+  std::map<std::string, std::shared_ptr<launch::Handle>> adopted_;
+  // MeasureNode's last /proc/stat reading.
+  uint64_t cpu_total_ = 0, cpu_idle_ = 0;
+  std::chrono::steady_clock::time_point cpu_at_;
+
+  std::mutex write_mu_;  // one writer at a time on the stream
+  grpc::ClientReaderWriter<pb::AgentMessage, pb::CentralMessage>* stream_ = nullptr;
+
+  std::thread loop_;
+  std::thread beat_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::vector<gpu::Gpu>> ParseGpus(const std::string& text,
+                                               const std::string& field) {
+  if (text == "0") return std::vector<gpu::Gpu>{};
+  const size_t x = text.find('x');
+  int count = 0;
+  if (x == std::string::npos || !absl::SimpleAtoi(text.substr(0, x), &count) || count < 1 ||
+      count > kMaxGpus) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": \"", text, "\" is not NxSIZE with N from 1 to ", kMaxGpus, " (e.g. 2x16GiB)"));
+  }
+  DEEPNEX_ASSIGN_OR_RETURN(uint64_t memory, ParseByteSize(text.substr(x + 1), field));
+  if (memory == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": \"", text, "\": a GPU needs memory"));
+  }
+  std::vector<gpu::Gpu> gpus(count);
+  for (auto& g : gpus) g.memory = memory;
+  return gpus;
+}
+
+absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(const AgentOptions& options) {
+  DEEPNEX_RETURN_IF_ERROR(ValidateAddress("central address", options.central));
+  if (options.node.empty()) return absl::InvalidArgumentError("node: the node needs a name");
+  DEEPNEX_ASSIGN_OR_RETURN(std::string token,
+                           ResolveClientToken(options.token, options.token_file));
+  gpu::Node node;
+  node.name = options.node;
+  node.gpus = options.gpus ? *options.gpus : gpu::DiscoverLocalGpus().gpus;
+  node.cpus = options.cpus;
+  if (node.cpus == 0) node.cpus = static_cast<int>(std::thread::hardware_concurrency());
+  node.memory = options.memory;
+  if (node.memory == 0) {
+    node.memory = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+                  static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  }
+  if (node.cpus < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cpus: ", options.cpus, " is negative"));
+  }
+  node.labels = options.labels;
+  DEEPNEX_ASSIGN_OR_RETURN(auto launcher, launch::Launcher::Create(options.launcher));
+  // A killed agent before this one stopped nothing: its containers run on.
+  std::vector<std::shared_ptr<launch::Handle>> adopted;
+  if (launcher->backend() == "process" && !options.launcher.state_dir.empty()) {
+    adopted = AdoptOrphans(options.launcher.state_dir, launcher->id());
+  }
+  auto agent = std::make_unique<AgentImpl>(options, std::move(node), std::move(token),
+                                           std::move(launcher), std::move(adopted));
+  DEEPNEX_RETURN_IF_ERROR(agent->Start());
+  return std::unique_ptr<Agent>(std::move(agent));
+}
+
+}  // namespace deepnex::agent

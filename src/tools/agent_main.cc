@@ -1,0 +1,108 @@
+// deepnex-agent: runs one GPU server's containers for deepnex-central.
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <iostream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "deepnex/agent/agent.h"
+#include "tools/daemon.h"
+
+namespace {
+
+constexpr char kUsage[] = R"(usage: deepnex-agent --central ADDR --node NAME (--token T | --token-file F)
+                     [flags]
+
+Registers this machine as node NAME with deepnex-central, heartbeats, and
+runs the containers central starts on the node's allocations. The agent
+dials central and keeps one stream open (so an agent behind a NAT works);
+it dials again when the stream breaks. Prints "deepnex-agent: node NAME
+registered with ADDR" once central accepted it; stops on SIGINT/SIGTERM,
+stopping its containers. Exits 1 when central refuses it (a token of
+another node, a user's token).
+
+flags:
+  --central HOST:PORT     deepnex-central's address
+  --node NAME             this node's name
+  --token T               the node's token (a "TOKEN NAME node" line of
+                          central's token file)
+  --token-file F          a file holding that token alone
+  --tls-ca F              verify central's TLS certificate against F
+  --backend B             process (default), oci or docker
+  --state-dir D           the launcher's logs and records (default: a
+                          temporary directory)
+  --gpus NxSIZE           offer N GPUs of SIZE each (e.g. 2x16GiB) instead
+                          of those NVML finds; 0: none
+  --cpus N                CPU cores to offer (default: this machine's)
+  --memory SIZE           host memory to offer (default: this machine's)
+  --labels k=v,...        the node's labels (for selectors)
+  --help                  show this text
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  deepnex::agent::AgentOptions options;
+  deepnex::tools::Flags flags("deepnex-agent", kUsage, argc, argv);
+  while (flags.Next()) {
+    if (flags.Is("--central")) options.central = flags.Value();
+    else if (flags.Is("--node")) options.node = flags.Value();
+    else if (flags.Is("--token")) options.token = flags.Value();
+    else if (flags.Is("--token-file")) options.token_file = flags.Value();
+    else if (flags.Is("--tls-ca")) options.tls_ca_file = flags.Value();
+    else if (flags.Is("--backend")) options.launcher.backend = flags.Value();
+    else if (flags.Is("--state-dir")) options.launcher.state_dir = flags.Value();
+    else if (flags.Is("--gpus")) {
+      const std::string flag = flags.flag();
+      options.gpus = flags.OrDie(deepnex::agent::ParseGpus(flags.Value(), flag));
+    } else if (flags.Is("--cpus")) {
+      const int n = flags.Int();
+      if (n < 1) flags.Die(absl::StrCat("--cpus: ", n, " must be at least 1"));
+      options.cpus = n;
+    } else if (flags.Is("--memory")) options.memory = flags.Bytes();
+    else if (flags.Is("--labels")) {
+      const std::string text = flags.Value();
+      for (absl::string_view kv : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+        std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+        if (p.first.empty() || kv.find('=') == absl::string_view::npos) {
+          flags.Die(absl::StrCat("--labels: \"", kv, "\" is not k=v"));
+        }
+        options.labels[p.first] = p.second;
+      }
+    } else flags.Unknown();
+  }
+  if (options.central.empty()) flags.Die("--central is required");
+  if (options.node.empty()) flags.Die("--node is required");
+
+  deepnex::tools::SignalStop signals;
+  auto agent = deepnex::agent::Agent::Create(options);
+  if (!agent.ok()) {
+    std::cerr << "deepnex-agent: " << agent.status().message() << "\n";
+    return 1;
+  }
+  // Serve's shape. A refusal ends the process here: Serve would wait for a
+  // signal.
+  struct Server {
+    deepnex::agent::Agent& agent;
+    void Stop() { agent.Stop(); }
+    void Wait() {
+      absl::Status s = agent.Wait();
+      if (!s.ok()) {
+        std::cerr << "deepnex-agent: " << s.message() << "\n";
+        std::exit(1);
+      }
+    }
+  } server{**agent};
+  std::thread announce([&] {
+    if ((*agent)->WaitRegistered(std::chrono::hours(24 * 365)).ok()) {
+      std::printf("deepnex-agent: node %s registered with %s\n", options.node.c_str(),
+                  options.central.c_str());
+      std::fflush(stdout);
+    }
+  });
+  signals.Serve(server);
+  announce.join();
+  return 0;
+}

@@ -1,0 +1,367 @@
+// deepnex-agent against an in-process deepnex-central: registration with
+// node tokens, heartbeats and NotReady, and containers started through
+// central on an agent's node.
+#include "deepnex/agent/agent.h"
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+
+#include <grpcpp/grpcpp.h>
+
+#include "gmock/gmock.h"
+#include "gpu/gpu_test_util.h"
+#include "gtest/gtest.h"
+#include "deepnex/agent.grpc.pb.h"
+#include "deepnex/launch/central.h"
+#include "test_matchers.h"
+#include "test_util.h"
+
+namespace deepnex::agent {
+namespace {
+
+using ::deepnex::gpu::test::TempDir;
+using ::deepnex::test::StatusIs;
+using ::deepnex::test::WaitFor;
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;  // NOLINT
+
+class AgentTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::ofstream(dir_.path() + "/tokens") << "admintok root admin\nalicetok alice user\n"
+                                               "h1tok h1 node\nh2tok h2 node\n";
+    Serve(60s);
+  }
+
+  // (Re)starts central: its ledger in dir_/ledger, on `address`.
+  void Serve(std::chrono::milliseconds lost_after, const std::string& address = "127.0.0.1:0") {
+    alice_c_.reset();
+    alice_.reset();
+    server_.reset();
+    gpu::CentralServerOptions o;
+    o.address = address;
+    o.token_file = dir_.path() + "/tokens";
+    o.allocator.state_dir = dir_.path() + "/ledger";
+    o.node_timeout = 400ms;
+    o.node_lost_after = lost_after;
+    o.agent_heartbeat = 100ms;
+    launch::LauncherOptions l;
+    l.backend = "process";
+    l.state_dir = dir_.path() + "/central";
+    ASSERT_OK_AND_ASSIGN(server_, launch::CreateCentralServer(o, l));
+    gpu::CentralClientOptions c;
+    c.address = server_->address();
+    c.token = "alicetok";
+    c.timeout = 10s;
+    ASSERT_OK_AND_ASSIGN(alice_, gpu::CentralClient::Create(c));
+    ASSERT_OK_AND_ASSIGN(alice_c_, launch::CentralClient::Create(c));
+  }
+
+  // Starts a container that sleeps on a new allocation on `node`.
+  launch::CentralContainer Sleeper(const std::string& node, const std::string& name) {
+    auto a = alice_->Allocate(OnNode(node));
+    EXPECT_TRUE(a.ok()) << a.status();
+    launch::ContainerSpec spec;
+    spec.name = name;
+    spec.command = {"sleep", "60"};
+    auto c = alice_c_->StartContainer(spec, a->id);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return *c;
+  }
+
+  AgentOptions Options(const std::string& node, const std::string& token) {
+    AgentOptions o;
+    o.central = server_->address();
+    o.node = node;
+    o.token = token;
+    o.launcher.backend = "process";
+    o.launcher.state_dir = dir_.path() + "/" + node;
+    o.gpus = ParseGpus("2x16GiB").value();
+    o.cpus = 4;
+    o.memory = 8ull << 30;
+    o.labels = {{"rack", "r1"}};
+    return o;
+  }
+
+  std::unique_ptr<Agent> Start(const std::string& node, const std::string& token) {
+    auto a = Agent::Create(Options(node, token));
+    EXPECT_TRUE(a.ok()) << a.status();
+    return std::move(a).value();
+  }
+
+  bool Ready(const std::string& node) {
+    auto n = server_->allocator().GetNode(node);
+    return n.ok() && n->ready;
+  }
+
+  gpu::Request OnNode(const std::string& node) {
+    gpu::Request r;
+    r.gpus = 1;
+    r.cpus = 1;
+    r.memory = 256 << 20;
+    r.node = node;
+    return r;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<gpu::CentralServer> server_;
+  std::unique_ptr<gpu::CentralClient> alice_;
+  std::unique_ptr<launch::CentralClient> alice_c_;
+};
+
+TEST(ParseGpusTest, CountTimesSize) {
+  ASSERT_OK_AND_ASSIGN(auto gpus, ParseGpus("2x16GiB"));
+  ASSERT_EQ(gpus.size(), 2u);
+  EXPECT_EQ(gpus[1].memory, 16ull << 30);
+  EXPECT_EQ(ParseGpus("0")->size(), 0u);
+  EXPECT_THAT(ParseGpus("16GiB", "--gpus").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "--gpus: \"16GiB\" is not NxSIZE with N from 1 to 1024 (e.g. 2x16GiB)"));
+  EXPECT_THAT(ParseGpus("2x0").status(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                  "gpus: \"2x0\": a GPU needs memory"));
+  EXPECT_THAT(ParseGpus("2x12XB").status(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                     HasSubstr("unknown unit \"XB\"")));
+}
+
+TEST(AgentOptionsTest, BadOptionsAreRefused) {
+  AgentOptions o;
+  o.central = "http://127.0.0.1:7070";
+  o.node = "h1";
+  EXPECT_THAT(Agent::Create(o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("central address \"http://127.0.0.1:7070\"")));
+  o.central = "127.0.0.1:7070";
+  o.node = "";
+  EXPECT_THAT(Agent::Create(o).status(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                  "node: the node needs a name"));
+  o.node = "h1";
+  o.cpus = -2;
+  o.gpus = std::vector<gpu::Gpu>{};
+  EXPECT_THAT(Agent::Create(o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "cpus: -2 is negative"));
+}
+
+TEST(CentralOptionsTest, NodeTimeoutsAreChecked) {
+  gpu::CentralServerOptions o;
+  o.node_timeout = 0ms;
+  EXPECT_THAT(gpu::CentralServer::Create(o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "node_timeout=0ms must be positive"));
+  o.node_timeout = 10s;
+  o.node_lost_after = 5s;
+  EXPECT_THAT(gpu::CentralServer::Create(o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "node_lost_after=5000ms must be at least node_timeout=10000ms"));
+  o.node_lost_after = 60s;
+  o.agent_heartbeat = 0ms;
+  EXPECT_THAT(gpu::CentralServer::Create(o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "agent_heartbeat=0ms must be positive"));
+}
+
+TEST_F(AgentTest, RegistersItsNodeAndHeartbeats) {
+  auto h1 = Start("h1", "h1tok");
+  ASSERT_OK(h1->WaitRegistered(10s));
+  ASSERT_OK_AND_ASSIGN(auto nodes, alice_->Nodes());
+  ASSERT_EQ(nodes.size(), 1u);
+  const gpu::NodeInfo& n = nodes[0];
+  EXPECT_EQ(n.node.name, "h1");
+  EXPECT_EQ(n.node.gpus.size(), 2u);
+  EXPECT_EQ(n.node.gpus[0].memory, 16ull << 30);
+  EXPECT_EQ(n.node.cpus, 4);
+  EXPECT_EQ(n.node.memory, 8ull << 30);
+  EXPECT_EQ(n.node.labels.at("rack"), "r1");
+  EXPECT_EQ(n.node.labels.at("deepnex.io/agent"), "true");
+  EXPECT_TRUE(n.ready);
+  const int64_t first = n.last_heartbeat_ms;
+  EXPECT_GT(first, 0);
+  // Heartbeats move it on.
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto now = alice_->Nodes();
+        return now.ok() && (*now)[0].last_heartbeat_ms > first;
+      },
+      10s, "a heartbeat after registration"));
+}
+
+TEST_F(AgentTest, SilentNodeIsNotReadyAndGetsNoGrant) {
+  auto h1 = Start("h1", "h1tok");
+  ASSERT_OK(h1->WaitRegistered(10s));
+  h1->Stop();
+  ASSERT_TRUE(WaitFor([&] { return !Ready("h1"); }, 10s, "h1 NotReady"));
+  gpu::AllocateOptions now;
+  now.wait = false;
+  EXPECT_THAT(alice_->Allocate(OnNode("h1"), now).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(server_->MetricsText(), HasSubstr("deepnex_node_ready{node=\"h1\"} 0"));
+  EXPECT_THAT(server_->MetricsText(),
+              HasSubstr("deepnex_node_not_ready_total{node=\"h1\"} 1"));
+  // Back: Ready, and grants again.
+  auto again = Start("h1", "h1tok");
+  ASSERT_OK(again->WaitRegistered(10s));
+  ASSERT_TRUE(WaitFor([&] { return Ready("h1"); }, 10s, "h1 Ready again"));
+  ASSERT_OK_AND_ASSIGN(gpu::Allocation a, alice_->Allocate(OnNode("h1"), now));
+  EXPECT_EQ(a.node, "h1");
+}
+
+TEST_F(AgentTest, NodeTokenActsOnlyAsItsNode) {
+  auto wrong = Agent::Create(Options("h2", "h1tok"));
+  ASSERT_OK(wrong.status());
+  EXPECT_THAT((*wrong)->WaitRegistered(10s),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       "the token of node h1 cannot act as node h2"));
+  EXPECT_THAT((*wrong)->Wait(), StatusIs(absl::StatusCode::kPermissionDenied));
+  wrong->reset();  // its launcher holds h2's state directory
+  auto user = Agent::Create(Options("h2", "alicetok"));
+  ASSERT_OK(user.status());
+  EXPECT_THAT((*user)->WaitRegistered(10s),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("user alice cannot register a node: it needs a node token")));
+  EXPECT_FALSE(server_->allocator().GetNode("h2").ok());
+  // And a node token is no user's: it allocates nothing.
+  gpu::CentralClientOptions c;
+  c.address = server_->address();
+  c.token = "h1tok";
+  ASSERT_OK_AND_ASSIGN(auto node_client, gpu::CentralClient::Create(c));
+  EXPECT_THAT(node_client->Nodes().status(),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("is a node token")));
+}
+
+TEST_F(AgentTest, ContainerOnAnAgentsNodeRunsThere) {
+  auto h1 = Start("h1", "h1tok");
+  auto h2 = Start("h2", "h2tok");
+  ASSERT_OK(h1->WaitRegistered(10s));
+  ASSERT_OK(h2->WaitRegistered(10s));
+  ASSERT_OK_AND_ASSIGN(gpu::Allocation a, alice_->Allocate(OnNode("h2")));
+  launch::ContainerSpec spec;
+  spec.name = "w0";
+  spec.command = {"sh", "-c", "echo hi from $CUDA_VISIBLE_DEVICES; sleep 60"};
+  ASSERT_OK_AND_ASSIGN(launch::CentralContainer c, alice_c_->StartContainer(spec, a.id));
+  EXPECT_EQ(c.node, "h2");
+  EXPECT_EQ(c.backend, "process");
+  // It is h2's agent's container: its records are in h2's state directory.
+  EXPECT_TRUE(std::filesystem::exists(dir_.path() + "/h2/containers/alice.w0"));
+  EXPECT_FALSE(std::filesystem::exists(dir_.path() + "/h1/containers/alice.w0"));
+  EXPECT_FALSE(std::filesystem::exists(dir_.path() + "/central/containers/alice.w0"));
+  const std::string want = "hi from " + std::to_string(a.gpus[0].index) + "\n";
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto chunk = alice_c_->ContainerLogs("w0");
+        return chunk.ok() && chunk->data == want;
+      },
+      10s, "w0's log through central"));
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto list = alice_c_->ListContainers();
+        return list.ok() && list->size() == 1 && (*list)[0].state == launch::State::kRunning &&
+               (*list)[0].usage.cpu_seconds >= 0 && (*list)[0].node == "h2";
+      },
+      10s, "w0 listed running on h2"));
+  EXPECT_THAT(server_->MetricsText(),
+              HasSubstr("deepnex_container_memory_bytes{container=\"alice.w0\",node=\"h2\","
+                        "user=\"alice\"}"));
+  ASSERT_OK_AND_ASSIGN(launch::CentralContainer stopped, alice_c_->StopContainer("w0", 5s));
+  EXPECT_EQ(stopped.state, launch::State::kStopped);
+  EXPECT_EQ(stopped.last_exit, "signaled(SIGTERM)");
+  EXPECT_TRUE(stopped.allocation_released);
+  EXPECT_FALSE(server_->allocator().GetAllocation(a.id).ok());
+}
+
+// After node_lost_after of silence, its containers count as lost: they end
+// ("lost") and their allocations are released.
+TEST_F(AgentTest, LostNodesContainersEndAndReleaseTheirGrants) {
+  Serve(1500ms);
+  auto h1 = Start("h1", "h1tok");
+  ASSERT_OK(h1->WaitRegistered(10s));
+  launch::CentralContainer c = Sleeper("h1", "w0");
+  h1.reset();  // the agent is gone, without a word to central
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto list = alice_c_->ListContainers();
+        return list.ok() && list->size() == 1 && (*list)[0].state == launch::State::kExited &&
+               (*list)[0].allocation_released;
+      },
+      20s, "w0 lost and its allocation released"));
+  EXPECT_EQ(alice_c_->ListContainers().value()[0].last_exit, "lost");
+  EXPECT_FALSE(server_->allocator().GetAllocation(c.allocation_id).ok());
+}
+
+// A restarted central gets the agents back and, from their registrations,
+// every container record; none was stopped.
+TEST_F(AgentTest, RestartedCentralTakesContainersBack) {
+  auto h1 = Start("h1", "h1tok");
+  auto h2 = Start("h2", "h2tok");
+  ASSERT_OK(h1->WaitRegistered(10s));
+  ASSERT_OK(h2->WaitRegistered(10s));
+  launch::CentralContainer w1 = Sleeper("h1", "w1");
+  launch::CentralContainer w2 = Sleeper("h2", "w2");
+  const std::string address = server_->address();
+  Serve(60s, address);
+  auto listed = [&] {
+    auto list = alice_c_->ListContainers();
+    return list.ok() && list->size() == 2 && (*list)[0].name == "w1" &&
+           (*list)[0].node == "h1" && (*list)[0].state == launch::State::kRunning &&
+           (*list)[1].name == "w2" && (*list)[1].node == "h2" &&
+           (*list)[1].state == launch::State::kRunning &&
+           (*list)[1].allocation_id == w2.allocation_id && (*list)[1].id == w2.id;
+  };
+  ASSERT_TRUE(WaitFor(listed, 20s, "w1 and w2 back, running, after central's restart"));
+  // Still central's to stop.
+  ASSERT_OK_AND_ASSIGN(launch::CentralContainer stopped, alice_c_->StopContainer("w1", 5s));
+  EXPECT_EQ(stopped.state, launch::State::kStopped);
+  EXPECT_TRUE(stopped.allocation_released);
+}
+
+// Ops act on agents' nodes as on declared ones: a drain with release stops
+// the node's containers through its agent.
+TEST_F(AgentTest, DrainWithReleaseStopsTheNodesContainers) {
+  auto h1 = Start("h1", "h1tok");
+  ASSERT_OK(h1->WaitRegistered(10s));
+  Sleeper("h1", "w0");
+  ASSERT_OK(server_->allocator().Drain("h1", /*release=*/true));
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto list = alice_c_->ListContainers();
+        return list.ok() && list->size() == 1 && (*list)[0].state == launch::State::kStopped;
+      },
+      20s, "w0 stopped by the drain"));
+  EXPECT_EQ(alice_c_->ListContainers().value()[0].last_exit, "signaled(SIGTERM)");
+  ASSERT_OK_AND_ASSIGN(gpu::NodeInfo n, server_->allocator().GetNode("h1"));
+  EXPECT_TRUE(n.draining);
+  EXPECT_TRUE(n.ready);
+}
+
+// An agent reports what runs on its node only: a report naming a grant on
+// another node is not taken back as a container of central's.
+TEST_F(AgentTest, ReportOfAnotherNodesGrantIsNotTaken) {
+  auto h1 = Start("h1", "h1tok");
+  ASSERT_OK(h1->WaitRegistered(10s));
+  ASSERT_OK_AND_ASSIGN(gpu::Allocation a, alice_->Allocate(OnNode("h1")));
+  auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+  auto stub = proto::Agents::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", "Bearer h2tok");
+  auto stream = stub->Connect(&ctx);
+  proto::AgentMessage m;
+  proto::Register* reg = m.mutable_register_();
+  reg->mutable_node()->set_name("h2");
+  reg->mutable_node()->set_cpus(1);
+  reg->mutable_node()->set_memory(1 << 30);
+  reg->mutable_node()->set_mode("exclusive");
+  proto::ContainerReport* c = reg->add_containers();
+  c->set_name("alice.fake");
+  c->set_state("running");
+  c->set_user("alice");
+  c->set_allocation_id(a.id);
+  ASSERT_TRUE(stream->Write(m));
+  proto::CentralMessage reply;
+  ASSERT_TRUE(stream->Read(&reply));
+  ASSERT_TRUE(reply.has_registered());
+  EXPECT_TRUE(alice_c_->ListContainers().value().empty());
+  ctx.TryCancel();
+  stream->Finish().ok();
+  EXPECT_OK(server_->allocator().GetAllocation(a.id).status());
+}
+
+}  // namespace
+}  // namespace deepnex::agent

@@ -1,0 +1,229 @@
+"""deepnex-agent as a subprocess beside deepnex-central on 127.0.0.1: two
+nodes register with node tokens and heartbeat, `deepnex nodes` shows their
+STATUS and heartbeat, a container pinned to a node runs through that node's
+agent, a killed agent's node turns NotReady, and tokens that are not the
+node's are refused."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _central import BUILD_DIR, CENTRAL_BIN, TOKENS, stop_central
+from _wait import wait_for
+
+AGENT_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-agent")
+NODE_TOKENS = "h1tok h1 node\nh2tok h2 node\n"
+
+
+def start_central(tmp_path, listen="127.0.0.1:0"):
+    """deepnex-central without nodes (the agents bring theirs), its ledger
+    in tmp_path/ledger; (Popen, address)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKENS + NODE_TOKENS)
+    proc = subprocess.Popen([os.path.abspath(CENTRAL_BIN), "--listen", listen,
+                             "--token-file", str(tokens), "--node-timeout", "2",
+                             "--state-dir", str(tmp_path / "ledger"),
+                             "--launch-state-dir", str(tmp_path / "central")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("deepnex-central listening on "), line + proc.stderr.read()
+    return proc, line.split()[3]
+
+
+@pytest.fixture
+def central_proc(tmp_path):
+    """[Popen, address] of central; a test may replace the Popen."""
+    if not os.path.exists(AGENT_BIN):
+        pytest.skip(f"{AGENT_BIN} not built")
+    c = list(start_central(tmp_path))
+    yield c
+    stop_central(c[0])
+
+
+@pytest.fixture
+def central(central_proc):
+    return central_proc[1]
+
+
+class Agents:
+    """The agents a test starts; each killed at the end."""
+
+    def __init__(self, tmp_path, central):
+        self.tmp_path, self.central, self.procs = tmp_path, central, []
+
+    def start(self, node, token):
+        p = subprocess.Popen([AGENT_BIN, "--central", self.central, "--node", node,
+                              "--token", token, "--gpus", "2x16GiB", "--cpus", "4",
+                              "--memory", "8GiB", "--labels", "rack=r1",
+                              "--state-dir", str(self.tmp_path / node)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.procs.append(p)
+        return p
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            p.stdout.close()
+            p.stderr.close()
+
+
+@pytest.fixture
+def agents(tmp_path, central):
+    a = Agents(tmp_path, central)
+    yield a
+    a.close()
+
+
+def cli(central, *args, token="admintok"):
+    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN=token)
+    return subprocess.run([sys.executable, "-m", "deepnex", *args], env=env, text=True,
+                          capture_output=True, timeout=60)
+
+
+def client(central, token):
+    from deepnex import gpu
+    return gpu.CentralClient(central, token=token)
+
+
+def status(central):
+    """{node: STATUS} from `deepnex nodes`."""
+    out = cli(central, "nodes")
+    assert out.returncode == 0, out.stderr
+    return {row.split()[0]: row.split()[2] for row in out.stdout.splitlines()[1:]}
+
+
+def test_agents_register_run_containers_and_go_not_ready(central, agents, tmp_path):
+    h1 = agents.start("h1", "h1tok")
+    h2 = agents.start("h2", "h2tok")
+    for name, p in (("h1", h1), ("h2", h2)):
+        assert p.stdout.readline() == f"deepnex-agent: node {name} registered with {central}\n"
+    admin = client(central, "admintok")
+    nodes = {n.name: n for n in admin.nodes()}
+    assert set(nodes) == {"h1", "h2"}
+    assert all(n.ready and n.last_heartbeat > 0 for n in nodes.values())
+    assert [g["memory"] for g in nodes["h2"].gpus] == [16 << 30, 16 << 30]
+    assert nodes["h2"].labels == {"rack": "r1", "deepnex.io/agent": "true"}
+    table = cli(central, "nodes").stdout.splitlines()
+    assert table[0].split()[:4] == ["NODE", "MODE", "STATUS", "HEARTBEAT"]
+    assert status(central) == {"h1": "Ready", "h2": "Ready"}
+    assert table[1].split()[3].endswith("s") and table[1].split()[4] == "ago"
+    # The agents measure their node: cores busy, memory in use.
+    wait_for(lambda: all(n.memory_in_use > 0 for n in admin.nodes()), "the nodes' usage")
+    usage = cli(central, "nodes", "--usage").stdout.splitlines()
+    assert usage[0].endswith("CPUS BUSY  MEMORY IN USE")
+    assert usage[1].split()[-1].endswith("B")
+    assert "deepnex_node_memory_in_use_bytes{node=\"h1\"}" in admin.metrics()
+
+    # A container on an allocation pinned to h2 runs through h2's agent.
+    alice = client(central, "alicetok")
+    from deepnex import gpu
+    a = alice.allocate(gpu.Request(user="alice", gpus=1, cpus=1, memory=256 << 20, node="h2"))
+    out = cli(central, "launch", "--alloc", a.id, "--name", "w0", "--",
+              "sh", "-c", "echo hi on $CUDA_VISIBLE_DEVICES; sleep 60", token="alicetok")
+    assert out.returncode == 0, out.stderr
+    assert os.path.isdir(tmp_path / "h2" / "containers" / "alice.w0")
+    assert not os.path.exists(tmp_path / "central" / "containers" / "alice.w0")
+    want = f"hi on {a.gpus[0].index}\n"
+    wait_for(lambda: cli(central, "logs", "w0", token="alicetok").stdout == want, "w0's log")
+    ps = cli(central, "ps", token="alicetok").stdout.splitlines()
+    assert ps[0].split()[:3] == ["NAME", "NODE", "BACKEND"]
+    assert ps[1].split()[:4] == ["w0", "h2", "process", "running"]
+    stop = cli(central, "stop", "w0", "--grace", "5", token="alicetok")
+    assert (stop.returncode, stop.stdout) == (0, "w0 stopped signaled(SIGTERM), allocation released\n")
+
+    # SIGKILL of h1's agent: NotReady within node-timeout + 5 s, no grant there.
+    h1.kill()
+    wait_for(lambda: status(central)["h1"] == "NotReady", "h1 NotReady", timeout=7)
+    assert not {n.name: n for n in admin.nodes()}["h1"].ready
+    refused = cli(central, "alloc", "--gpus", "1", "--node", "h1", "--no-wait", token="alicetok")
+    assert refused.returncode != 0
+    assert status(central)["h2"] == "Ready"
+    # Restarted, it is Ready again within 10 s.
+    again = agents.start("h1", "h1tok")
+    assert again.stdout.readline() == f"deepnex-agent: node h1 registered with {central}\n"
+    wait_for(lambda: status(central)["h1"] == "Ready", "h1 Ready again", timeout=10)
+
+
+def test_killed_central_gets_every_container_back(central_proc, agents, tmp_path):
+    central = central_proc[1]
+    for node in ("h1", "h2"):
+        p = agents.start(node, f"{node}tok")
+        assert p.stdout.readline() == f"deepnex-agent: node {node} registered with {central}\n"
+    from deepnex import gpu
+    alice = client(central, "alicetok")
+    for node in ("h1", "h2"):
+        a = alice.allocate(gpu.Request(user="alice", gpus=1, cpus=1, memory=256 << 20, node=node))
+        out = cli(central, "launch", "--alloc", a.id, "--name", f"w-{node}", "--",
+                  "sleep", "120", token="alicetok")
+        assert out.returncode == 0, out.stderr
+    before = {c["name"]: (c["node"], c["id"], c["state"]) for c in alice.containers()}
+    assert before == {"w-h1": ("h1", before["w-h1"][1], "running"),
+                      "w-h2": ("h2", before["w-h2"][1], "running")}
+    central_proc[0].kill()
+    central_proc[0].wait()
+    central_proc[0].stdout.close()
+    central_proc[0].stderr.close()
+    # Same address: the agents dial it again.
+    central_proc[0], again = start_central(tmp_path, listen=central)
+    assert again == central
+    alice = client(central, "alicetok")
+    wait_for(lambda: {c["name"]: (c["node"], c["id"], c["state"])
+                      for c in alice.containers()} == before,
+             lambda: f"the containers back after central's restart: {alice.containers()}",
+             timeout=20)
+    for _, pid, _ in before.values():
+        os.kill(int(pid), 0)  # still running: nothing killed them
+
+
+def test_restarted_agent_reattaches_to_its_containers(central, agents):
+    h1 = agents.start("h1", "h1tok")
+    assert h1.stdout.readline() == f"deepnex-agent: node h1 registered with {central}\n"
+    from deepnex import gpu
+    alice = client(central, "alicetok")
+    a = alice.allocate(gpu.Request(user="alice", gpus=1, cpus=1, memory=256 << 20, node="h1"))
+    out = cli(central, "launch", "--alloc", a.id, "--name", "w0", "--",
+              "sh", "-c", "echo up; sleep 120", token="alicetok")
+    assert out.returncode == 0, out.stderr
+    pid = alice.containers()[0]["id"]
+    h1.kill()
+    wait_for(lambda: status(central)["h1"] == "NotReady", "h1 NotReady", timeout=7)
+    again = agents.start("h1", "h1tok")
+    assert again.stdout.readline() == f"deepnex-agent: node h1 registered with {central}\n"
+    wait_for(lambda: status(central)["h1"] == "Ready", "h1 Ready again", timeout=10)
+    c = alice.containers()
+    assert [(x["name"], x["node"], x["id"], x["state"]) for x in c] == [
+        ("w0", "h1", pid, "running")]
+    os.kill(int(pid), 0)
+    assert cli(central, "logs", "w0", token="alicetok").stdout == "up\n"
+    # The restarted agent stops it, and the grant goes.
+    stop = cli(central, "stop", "w0", "--grace", "5", token="alicetok")
+    assert (stop.returncode, stop.stdout) == (0, "w0 stopped signaled(SIGTERM), allocation released\n")
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read()
+             .rsplit(") ", 1)[1][0] == "Z", "w0's process gone")
+
+
+def test_node_token_of_another_node_and_user_token_are_refused(central, agents):
+    wrong = agents.start("h2", "h1tok")
+    assert wrong.wait(timeout=30) == 1
+    assert wrong.stderr.read() == "deepnex-agent: the token of node h1 cannot act as node h2\n"
+    user = agents.start("h2", "alicetok")
+    assert user.wait(timeout=30) == 1
+    assert "user alice cannot register a node" in user.stderr.read()
+    assert client(central, "admintok").nodes() == []
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--gpus", "16GiB"], '--gpus: "16GiB" is not NxSIZE with N from 1 to 1024 (e.g. 2x16GiB)'),
+    (["--cpus", "0"], "--cpus: 0 must be at least 1"),
+    (["--labels", "rack"], '--labels: "rack" is not k=v'),
+])
+def test_agent_flags_are_checked(flags, message):
+    if not os.path.exists(AGENT_BIN):
+        pytest.skip(f"{AGENT_BIN} not built")
+    out = subprocess.run([AGENT_BIN, "--central", "127.0.0.1:1", "--node", "h1", *flags],
+                         capture_output=True, text=True, timeout=30)
+    assert (out.returncode, out.stderr) == (2, f"deepnex-agent: {message} (see --help)\n")
