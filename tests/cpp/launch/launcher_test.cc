@@ -249,7 +249,7 @@ TEST_P(LaunchContract, NothingLeftAfterStopRemoveCleanup) {
 
 TEST_P(LaunchContract, BadInputsAreRefusedAndTheLauncherGoesOn) {
   ContainerSpec good = Spec("good", "exit 0");
-  test::ScratchDir scratch;
+  ::deepnex::test::TempDir scratch;
 
   ContainerSpec spec = good;
   spec.command = {"deepnex-no-such-command", "x"};
@@ -355,7 +355,7 @@ class ProcessLauncherTest : public ::testing::Test {
   }
 
   std::unique_ptr<Launcher> launcher_;
-  test::ScratchDir scratch_;
+  ::deepnex::test::TempDir scratch_;
 };
 
 TEST_F(ProcessLauncherTest, EnvIsExactlyTheSpecsPlusPathAndLauncherId) {
@@ -1039,7 +1039,7 @@ void StartAndDie(const std::string& id, const std::string& state_dir, const std:
 TEST(LauncherCrash, CleanupSweepsAKilledLaunchersOrphans) {
   const std::string id = "crash" + test::UniqueToken();
   const std::string token = test::UniqueToken();
-  test::ScratchDir scratch;
+  ::deepnex::test::TempDir scratch;
   EXPECT_EXIT(StartAndDie(id, scratch.path(), token), ::testing::KilledBySignal(SIGKILL), "");
   ASSERT_EQ(test::ProcessesWithArg(token).size(), 2u);  // sh -c "sleep <token> & wait", sleep
   const bool cgroups = Cgroup::Usable().ok();

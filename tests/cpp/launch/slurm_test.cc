@@ -194,7 +194,7 @@ class SlurmTest : public ::testing::Test {
   std::string conf_;
   LauncherOptions options_;
   std::unique_ptr<Backend> backend_;
-  test::ScratchDir scratch_;
+  ::deepnex::test::TempDir scratch_;
   int port_holder_ = -1;
   int dead_port_ = 0;
 };
