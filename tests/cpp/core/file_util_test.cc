@@ -9,6 +9,7 @@
 #include <fstream>
 #include <string>
 
+#include "core/checksum.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "test_matchers.h"
