@@ -117,6 +117,15 @@ def slurm_two_nodes(_simulated_hosts, request):
 
 
 @pytest.fixture
+def store():
+    """A collective.Store on 127.0.0.1:0, stopped when the test ends."""
+    from deepnex import collective
+    s = collective.Store("127.0.0.1:0")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
 def central_process(tmp_path):
     """deepnex-central as a subprocess, with a process-backend launcher for
     alice's and bob's containers (_central.start_central_launcher): (its

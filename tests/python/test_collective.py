@@ -16,13 +16,6 @@ from _wait import run_threads
 from deepnex import collective
 
 
-@pytest.fixture
-def store():
-    s = collective.Store("127.0.0.1:0")
-    yield s
-    s.stop()
-
-
 _prefix_counter = [0]
 
 
