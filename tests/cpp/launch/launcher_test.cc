@@ -441,6 +441,20 @@ TEST_F(ProcessLauncherTest, BadSpecFields) {
   EXPECT_TRUE(Run(Spec("ok", "exit 0")).ok());
 }
 
+TEST_F(ProcessLauncherTest, WorkingDirIsADirectoryOnThisHost) {
+  ContainerSpec spec = Spec("wd", "exit 0");
+  spec.working_dir = scratch_.path() + "/missing";
+  ExpectStartFails(spec, absl::StatusCode::kNotFound,
+                   "spec.working_dir: \"" + spec.working_dir +
+                       "\" is not a directory on this host");
+  spec.working_dir = scratch_.path() + "/file";
+  std::ofstream(spec.working_dir) << "not a directory\n";
+  ExpectStartFails(spec, absl::StatusCode::kNotFound,
+                   "spec.working_dir: \"" + spec.working_dir +
+                       "\" is not a directory on this host");
+  EXPECT_TRUE(Run(Spec("wd", "exit 0")).ok());
+}
+
 TEST_F(ProcessLauncherTest, BadRunAsAndNetworkFields) {
   ContainerSpec spec = Spec("ok", "exit 0");
   spec.run_as = RunAs{geteuid(), getegid(), "Not A Name", ""};

@@ -490,6 +490,12 @@ TEST_F(SlurmTest, SpecsSlurmCannotRunAreRefused) {
   EXPECT_THAT(backend_->Check(spec),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.pids_limit: 10")));
   spec.pids_limit = 0;
+  spec.working_dir = scratch_.path() + "/missing";
+  EXPECT_THAT(backend_->Check(spec),
+              StatusIs(absl::StatusCode::kNotFound,
+                       "spec.working_dir: \"" + spec.working_dir +
+                           "\" is not a directory on this host"));
+  spec.working_dir.clear();
   spec.command = {"deepnex-no-such-command"};
   EXPECT_THAT(backend_->Check(spec),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("deepnex-no-such-command")));
