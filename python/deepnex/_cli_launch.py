@@ -62,7 +62,8 @@ HEADER = ("NAME", "BACKEND", "STATE", "RESTARTS", "GPU INDICES", "CPUS", "MEMORY
 
 def read_records(state_dir):
     """The records under state_dir, sorted by name; unreadable ones are skipped
-    (a launcher may be replacing one)."""
+    (a launcher may be replacing one). The one reader of the records that
+    src/launch/record.h describes, key by key."""
     records = []
     for path in sorted(glob.glob(os.path.join(state_dir, "containers", "*", "record.json"))):
         try:

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu/codec.h"
+#include "core/checksum.h"
 #include "core/file_util.h"
 
 namespace deepnex::gpu {

@@ -1,19 +1,16 @@
-// The generic Launcher: validates specs, composes the environment, starts
-// runs on a Backend and supervises them under the restart policy; keeps logs
-// across runs and a JSON record per container for `deepnex ps`.
+// The generic Launcher: resolves specs (spec.h), starts runs on a Backend
+// and supervises them under the restart policy; keeps logs across runs
+// (rotating_log.h) and a record per container for `deepnex ps` (record.h).
 #include "deepnex/launch/launcher.h"
 
 #include <fcntl.h>
-#include <limits.h>
 #include <stdlib.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <condition_variable>
 #include <filesystem>
-#include <fstream>
 #include <mutex>
 #include <thread>
 
@@ -24,10 +21,11 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/file_util.h"
-#include "deepnex/units.h"
 #include "launch/backend.h"
+#include "launch/record.h"
+#include "launch/rotating_log.h"
+#include "launch/spec.h"
 #include "launch/util.h"
-#include "nlohmann/json.hpp"
 
 namespace deepnex::launch {
 namespace {
@@ -45,12 +43,6 @@ constexpr BackendEntry kBackends[] = {
     {"kubernetes", MakeKubernetesBackend},
 };
 
-// The variables that carry the GPU grant: a spec may repeat them but not
-// change them.
-constexpr const char* kGrantEnv[] = {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
-                                     "DEEPNEX_GPU_MEMORY_LIMIT"};
-constexpr char kLauncherLabel[] = "deepnex.launcher";
-constexpr char kNameLabel[] = "deepnex.name";
 // How often FollowLogs looks at the log; the supervisor looks at a run (and
 // moves its output into the container's log) every 5 of these.
 constexpr std::chrono::milliseconds kPoll{100};
@@ -64,226 +56,6 @@ constexpr uint64_t kLogChunk = 1 << 20;
 // "<cgroup parent>/<run name>".
 bool CgroupNamedByRun(const std::string& backend) {
   return backend == "process" || backend == "oci";
-}
-
-bool IsNameChar(char c, bool first) {
-  return std::isalnum(static_cast<unsigned char>(c)) ||
-         (!first && (c == '_' || c == '.' || c == '-'));
-}
-
-absl::Status CheckName(const std::string& field, const std::string& name, size_t max) {
-  bool ok = !name.empty() && name.size() <= max;
-  for (size_t i = 0; ok && i < name.size(); ++i) ok = IsNameChar(name[i], i == 0);
-  if (ok) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      field, ": \"", name, "\" is not a valid name ([a-zA-Z0-9][a-zA-Z0-9_.-]*, at most ", max,
-      " characters)"));
-}
-
-// `path` is absolute and has no "." or ".." component.
-absl::Status CheckAbsoluteNormal(const std::string& field, const std::string& path) {
-  if (!absl::StartsWith(path, "/")) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": \"", path, "\" is not an absolute path"));
-  }
-  for (absl::string_view part : absl::StrSplit(path, '/')) {
-    if (part == "." || part == "..") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ": \"", path, "\" is not lexically normal (has a \"", part, "\" component)"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-std::optional<std::string> RealPath(const std::string& path) {
-  char buf[PATH_MAX];
-  if (realpath(path.c_str(), buf) == nullptr) return std::nullopt;
-  return std::string(buf);
-}
-
-bool IsUnder(const std::string& path, const std::string& root) {
-  return root == "/" || path == root || absl::StartsWith(path, root + "/");
-}
-
-// The container paths that the runtime itself mounts: a mount over them
-// would hide what runc, the devices allowed and the kernel's views need.
-constexpr const char* kRuntimeDirs[] = {"/proc", "/dev", "/sys"};
-
-// Checks mount `i` and sets its source to the real path that was checked, so
-// that the backend mounts what was allowed even if a symlink on the way is
-// changed afterwards.
-absl::Status CheckMount(const LauncherOptions& options, size_t i, Mount& m) {
-  const std::string field = absl::StrCat("spec.mounts[", i, "]");
-  DEEPNEX_RETURN_IF_ERROR(CheckAbsoluteNormal(field + ".source", m.source));
-  DEEPNEX_RETURN_IF_ERROR(CheckAbsoluteNormal(field + ".target", m.target));
-  std::string target = std::filesystem::path(m.target).lexically_normal().string();
-  while (target.size() > 1 && target.back() == '/') target.pop_back();
-  if (target == "/") {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ".target: \"", m.target, "\" would cover the container's root"));
-  }
-  for (const char* dir : kRuntimeDirs) {
-    if (IsUnder(target, dir)) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ".target: \"", m.target,
-                                                     "\" is over the container's ", dir,
-                                                     ", which the runtime mounts"));
-    }
-  }
-  std::optional<std::string> real = RealPath(m.source);
-  if (!real) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ".source: \"", m.source, "\" does not exist"));
-  }
-  std::vector<std::string> roots = options.allowed_mount_roots;
-  if (roots.empty()) roots.push_back("/");
-  for (const std::string& root : roots) {
-    std::optional<std::string> real_root = RealPath(root);
-    if (real_root && IsUnder(*real, *real_root)) {
-      m.source = *real;
-      return absl::OkStatus();
-    }
-  }
-  return absl::PermissionDeniedError(absl::StrCat(
-      field, ".source: \"", m.source, "\"", *real == m.source ? "" : " (\"" + *real + "\")",
-      " is outside the allowed mount roots [", absl::StrJoin(roots, ", "), "]"));
-}
-
-// Whether `backend` can run a container as `run_as`: the user name goes
-// into an oci container's /etc/passwd. Every backend runs the processes as
-// that user; process, oci and slurm (sbatch --uid) become them here, which
-// needs root, while docker and kubernetes have their engine do it.
-absl::Status CheckRunAs(const std::string& backend, const RunAs& run_as) {
-  if (!run_as.user.empty() && !IsPasswdName(run_as.user)) {
-    return absl::InvalidArgumentError(absl::StrCat("spec.run_as.user: \"", run_as.user,
-                                                   "\" is not a user name ([a-z_][a-z0-9_-]*, "
-                                                   "at most 32 characters)"));
-  }
-  if (!run_as.home.empty()) {
-    DEEPNEX_RETURN_IF_ERROR(CheckAbsoluteNormal("spec.run_as.home", run_as.home));
-  }
-  const bool engine_becomes = backend == "docker" || backend == "kubernetes";
-  if (!engine_becomes && geteuid() != 0 &&
-      (run_as.uid != geteuid() || run_as.gid != getegid())) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "spec.run_as: uid ", run_as.uid, " gid ", run_as.gid, ": this launcher runs as uid ",
-        geteuid(), " gid ", getegid(), " and only root may run ", backend,
-        " containers as another user"));
-  }
-  return absl::OkStatus();
-}
-
-// Checks a spec and resolves it against its allocation: the user, cpus and
-// memory default to the grant's and may not exceed it, its env is the grant's
-// plus the spec's, the launcher's labels are added.
-absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
-                                      const std::string& launcher_id, ContainerSpec spec) {
-  DEEPNEX_RETURN_IF_ERROR(CheckName("spec.name", spec.name, 63));
-  if (spec.command.empty() || spec.command[0].empty()) {
-    return absl::InvalidArgumentError("spec.command: empty (give at least the program)");
-  }
-  if (!spec.working_dir.empty()) {
-    DEEPNEX_RETURN_IF_ERROR(CheckAbsoluteNormal("spec.working_dir", spec.working_dir));
-  }
-  for (size_t i = 0; i < spec.mounts.size(); ++i) {
-    DEEPNEX_RETURN_IF_ERROR(CheckMount(options, i, spec.mounts[i]));
-  }
-  for (const auto& [key, value] : spec.env) {
-    if (key.empty() || key.find('=') != std::string::npos ||
-        key.find('\0') != std::string::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("spec.env: \"", key, "\" is not a variable name"));
-    }
-  }
-  if (spec.memory != 0 && spec.memory < options.min_memory) {
-    return absl::InvalidArgumentError(absl::StrCat("spec.memory: ", spec.memory,
-                                                   " bytes is below the minimum ",
-                                                   FormatByteSize(options.min_memory)));
-  }
-  if (!std::isfinite(spec.cpus) || spec.cpus < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("spec.cpus: ", spec.cpus, " is not a non-negative number of cores"));
-  }
-  if (spec.log_max_bytes > options.log_max_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "spec.log_max_bytes: ", spec.log_max_bytes, " bytes is more than the launcher's limit ",
-        FormatByteSize(options.log_max_bytes)));
-  }
-  if (spec.log_max_bytes == 0) spec.log_max_bytes = options.log_max_bytes;
-  if (spec.pids_limit < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("spec.pids_limit: ", spec.pids_limit, " is negative"));
-  }
-  if (spec.restart.max_restarts < -1 || spec.restart.backoff.count() < 0 ||
-      spec.restart.max_backoff < spec.restart.backoff) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "spec.restart: max_restarts ", spec.restart.max_restarts, ", backoff ",
-        spec.restart.backoff.count(), " ms, max_backoff ", spec.restart.max_backoff.count(),
-        " ms is not a policy (max_restarts >= -1, 0 <= backoff <= max_backoff)"));
-  }
-  if (spec.network_none && spec.host_network) {
-    return absl::InvalidArgumentError(
-        "spec.host_network: true contradicts spec.network_none: true");
-  }
-  if (spec.run_as) DEEPNEX_RETURN_IF_ERROR(CheckRunAs(options.backend, *spec.run_as));
-  if (auto named = options.images.find(spec.image); named != options.images.end()) {
-    spec.image = named->second;
-  }
-  for (const char* key : {kLauncherLabel, kNameLabel}) {
-    if (spec.labels.count(key)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("spec.labels: \"", key, "\" is set by the launcher"));
-    }
-  }
-  spec.labels[kLauncherLabel] = launcher_id;
-  spec.labels[kNameLabel] = spec.name;
-  if (!spec.allocation) return spec;
-
-  const gpu::Allocation& a = *spec.allocation;
-  if (spec.user.empty()) spec.user = a.user;
-  if (spec.user != a.user) {
-    return absl::PermissionDeniedError(absl::StrCat("spec.user \"", spec.user,
-                                                    "\" may not use allocation \"", a.id,
-                                                    "\" of user \"", a.user, "\""));
-  }
-  // A grant's CPUs and memory bound its containers: a grant of 0 is none,
-  // never "unlimited" (a container without a limit would escape the quota
-  // that the grant was counted against), and every container needs some.
-  if (spec.cpus == 0) spec.cpus = a.cpus;
-  if (spec.cpus == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "spec.cpus: allocation \"", a.id,
-        "\" grants 0 CPUs, and a container needs some (allocate with cpus > 0)"));
-  }
-  if (spec.cpus > a.cpus) {
-    return absl::InvalidArgumentError(absl::StrCat("spec.cpus: ", spec.cpus,
-                                                   " is more than allocation \"", a.id,
-                                                   "\" grants (", a.cpus, ")"));
-  }
-  if (spec.memory == 0) spec.memory = a.memory;
-  if (spec.memory == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "spec.memory: allocation \"", a.id,
-        "\" grants no memory, and a container needs some (allocate with memory > 0)"));
-  }
-  if (spec.memory > a.memory) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "spec.memory: ", FormatByteSize(spec.memory), " is more than allocation \"", a.id,
-        "\" grants (", FormatByteSize(a.memory), ")"));
-  }
-  for (const char* key : kGrantEnv) {
-    auto want = spec.env.find(key);
-    if (want == spec.env.end()) continue;
-    auto granted = a.env.find(key);
-    if (granted == a.env.end() || granted->second != want->second) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "spec.env: ", key, "=\"", want->second, "\" contradicts allocation \"", a.id,
-          "\" (", granted == a.env.end() ? "unset" : "\"" + granted->second + "\"", ")"));
-    }
-  }
-  std::map<std::string, std::string> env = a.env;
-  for (const auto& [k, v] : spec.env) env[k] = v;
-  spec.env = std::move(env);
-  return spec;
 }
 
 bool ShouldRestart(const RestartPolicy& policy, const ExitStatus& e, int restarts) {
@@ -310,84 +82,11 @@ std::chrono::milliseconds Backoff(const RestartPolicy& policy, const LauncherOpt
       static_cast<int64_t>(std::min(ms, static_cast<double>(cap.count()))));
 }
 
-// A container's log across its runs: the file `path` and, once that reached
-// the limit, `path`.1 with the bytes before it. Offsets count every byte
-// appended since Reset. Not thread-safe: the container serializes calls.
-class RotatingLog {
- public:
-  RotatingLog(std::string path, uint64_t limit) : path_(std::move(path)), limit_(limit) {}
-
-  // Starts empty (a reused state_dir may hold an earlier container's log).
-  void Reset() {
-    std::error_code ignored;
-    std::filesystem::remove(rotated(), ignored);
-    std::ofstream(path_, std::ios::binary | std::ios::trunc);
-    current_ = rotated_ = end_ = 0;
-  }
-
-  // Best effort: a full disk must not stop supervision.
-  void Append(const char* data, size_t n) {
-    while (n > 0) {
-      if (current_ >= limit_) {
-        std::error_code ignored;
-        std::filesystem::rename(path_, rotated(), ignored);
-        rotated_ = current_;
-        current_ = 0;
-      }
-      const size_t part = std::min<uint64_t>(n, limit_ - current_);
-      std::ofstream out(path_, std::ios::binary | std::ios::app);
-      out.write(data, part);
-      current_ += part;
-      end_ += part;
-      data += part;
-      n -= part;
-    }
-  }
-  void Append(const std::string& text) { Append(text.data(), text.size()); }
-
-  uint64_t begin() const { return end_ - current_ - rotated_; }
-  uint64_t end() const { return end_; }
-
-  // Up to `max` bytes from `offset`; REQUIRES: begin() <= offset <= end().
-  absl::StatusOr<std::string> Read(uint64_t offset, uint64_t max) {
-    std::string out;
-    const uint64_t boundary = end_ - current_;  // where `path_` starts
-    while (out.size() < max && offset < end_) {
-      const bool old = offset < boundary;
-      const std::string file = old ? rotated() : path_;
-      const uint64_t at = offset - (old ? begin() : boundary);
-      const uint64_t n = std::min<uint64_t>(max - out.size(), (old ? boundary : end_) - offset);
-      const int fd = open(file.c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd < 0) {
-        return absl::InternalError(absl::StrCat("cannot open ", file, ": ", strerror(errno)));
-      }
-      const size_t had = out.size();
-      out.resize(had + n);
-      const ssize_t got = pread(fd, out.data() + had, n, static_cast<off_t>(at));
-      close(fd);
-      if (got <= 0) {
-        out.resize(had);
-        break;  // shorter than recorded: the disk refused some of it
-      }
-      out.resize(had + got);
-      offset += got;
-    }
-    return out;
-  }
-
- private:
-  std::string rotated() const { return path_ + ".1"; }
-
-  const std::string path_;
-  const uint64_t limit_;
-  uint64_t current_ = 0, rotated_ = 0, end_ = 0;
-};
-
 // Where a launcher keeps one container: its record and logs, and a directory
 // per run.
 struct Paths {
   std::string dir;
-  std::string record() const { return dir + "/record.json"; }
+  std::string record() const { return dir + "/" + kRecordFile; }
   std::string logs() const { return dir + "/logs"; }
   std::string run(int attempt) const { return absl::StrCat(dir, "/run-", attempt); }
 };
@@ -439,14 +138,7 @@ class Container : public Handle {
 
   ContainerStatus Status() override {
     std::lock_guard<std::mutex> lock(mu_);
-    ContainerStatus s;
-    s.name = spec_.name;
-    s.id = run_id_;
-    s.state = state_;
-    s.restarts = restarts_;
-    s.last_exit = last_exit_;
-    s.started_at = started_at_;
-    return s;
+    return StatusLocked();
   }
 
   absl::StatusOr<ExitStatus> Wait(std::chrono::milliseconds timeout) override {
@@ -702,39 +394,24 @@ class Container : public Handle {
     log_.Append(text);
   }
 
-  // The record `deepnex ps` reads; best effort (a full disk must not stop
-  // supervision).
+  // REQUIRES: mu_.
+  ContainerStatus StatusLocked() const {
+    ContainerStatus s;
+    s.name = spec_.name;
+    s.id = run_id_;
+    s.state = state_;
+    s.restarts = restarts_;
+    s.last_exit = last_exit_;
+    s.started_at = started_at_;
+    return s;
+  }
+
+  // The record `deepnex ps` reads (record.h); best effort (a full disk must
+  // not stop supervision).
   void WriteRecordLocked() {
-    nlohmann::json r;
-    r["name"] = spec_.name;
-    r["launcher_id"] = info_.id;
-    r["launcher_pid"] = getpid();
-    r["backend"] = info_.backend;
-    r["state"] = StateName(state_);
-    r["restarts"] = restarts_;
-    r["id"] = run_id_;
-    r["run_name"] = run_name_;
-    if (CgroupNamedByRun(info_.backend)) r["cgroup"] = info_.cgroup_parent + "/" + run_name_;
-    r["image"] = spec_.image;
-    r["command"] = spec_.command;
-    r["user"] = spec_.user;
-    r["cpus"] = spec_.cpus;
-    r["memory"] = spec_.memory;
-    r["pids_limit"] = spec_.pids_limit;
-    r["restart"] = spec_.restart.ToString();
-    std::vector<int> gpus;
-    if (spec_.allocation) {
-      r["allocation"] = spec_.allocation->id;
-      for (const gpu::GrantedGpu& g : spec_.allocation->gpus) gpus.push_back(g.index);
-    }
-    r["gpus"] = gpus;
-    r["started_at"] = std::chrono::duration<double>(started_at_.time_since_epoch()).count();
-    if (last_exit_) r["last_exit"] = last_exit_->ToString();
-    r["usage"] = {{"cpu_seconds", last_usage_.cpu_seconds},
-                  {"memory", last_usage_.memory},
-                  {"memory_peak", last_usage_.memory_peak},
-                  {"pids", last_usage_.pids}};
-    WriteFileAtomically(paths_.record(), r.dump(1) + "\n").IgnoreError();
+    ContainerRecord r{info_.id, info_.backend, run_name_, "", StatusLocked(), last_usage_};
+    if (CgroupNamedByRun(info_.backend)) r.cgroup = info_.cgroup_parent + "/" + run_name_;
+    WriteFileAtomically(paths_.record(), ContainerRecordJson(spec_, r)).IgnoreError();
   }
 
   const ContainerSpec spec_;

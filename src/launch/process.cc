@@ -25,6 +25,7 @@
 #include "core/file_util.h"
 #include "launch/backend.h"
 #include "launch/cgroup.h"
+#include "launch/spec.h"
 #include "launch/util.h"
 
 #ifndef CLOSE_RANGE_CLOEXEC
@@ -239,14 +240,7 @@ class ProcessBackend : public Backend {
             "; it takes only a writable mount of a path onto itself, which changes nothing"));
       }
     }
-    if (!spec.working_dir.empty()) {
-      struct stat st;
-      if (stat(spec.working_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-        return absl::NotFoundError(absl::StrCat("spec.working_dir: \"", spec.working_dir,
-                                                "\" is not a directory on this host"));
-      }
-    }
-    return FindOnPath(spec.command[0], PathOf(spec.env)).status();
+    return CheckRunsOnHost(spec);
   }
 
   absl::StatusOr<std::unique_ptr<Run>> Start(const ContainerSpec& spec,

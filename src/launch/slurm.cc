@@ -48,6 +48,7 @@
 #include "core/file_util.h"
 #include "launch/backend.h"
 #include "launch/command.h"
+#include "launch/spec.h"
 #include "launch/util.h"
 
 extern char** environ;
@@ -60,7 +61,6 @@ constexpr auto kCommandTimeout = std::chrono::seconds(30);
 constexpr auto kUnreachableFor = std::chrono::seconds(30);
 constexpr char kLogFile[] = "output.log";
 constexpr char kScriptFile[] = "job.sh";
-constexpr char kLauncherLabel[] = "deepnex.launcher";
 const char* const kTools[] = {"sbatch", "squeue", "scontrol", "scancel", "sinfo"};
 
 // Creates (empty) or keeps file `path`, owned by `who` and only theirs.
@@ -376,14 +376,7 @@ class SlurmBackend : public Backend {
       return absl::InvalidArgumentError(absl::StrCat(
           "spec.pids_limit: ", spec.pids_limit, ": Slurm cannot limit a job's processes"));
     }
-    if (!spec.working_dir.empty()) {
-      struct stat st;
-      if (stat(spec.working_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-        return absl::NotFoundError(absl::StrCat("spec.working_dir: \"", spec.working_dir,
-                                                "\" is not a directory on this host"));
-      }
-    }
-    return FindOnPath(spec.command[0], PathOf(spec.env)).status();
+    return CheckRunsOnHost(spec);
   }
 
   absl::StatusOr<std::unique_ptr<Run>> Start(const ContainerSpec& spec,

@@ -4,6 +4,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/checksum.h"
 #include "core/file_util.h"
 
 namespace deepnex::ps {

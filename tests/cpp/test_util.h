@@ -1,3 +1,6 @@
+// The shared test layer (after gloo's test/base_test.h): what many tests
+// need and each used to write again.
+//
 // Waiting in tests. A test that depends on something another thread or
 // process does waits for the very condition it asserts next, with a generous
 // deadline; never on a sleep or on the order of output, which a loaded or a
@@ -5,14 +8,26 @@
 //
 //   ASSERT_TRUE(WaitFor([&] { return alloc->QueueLength() == 1; }, 60s,
 //                       "bob's request in the queue"));
+//
+// TempDir: a fresh directory, removed with the object. RunRanks: ranks that
+// wait for each other, one thread each. CentralFixture: a deepnex-central
+// server in-process with an admin's and two users' tokens.
 #ifndef DEEPNEX_TESTS_TEST_UTIL_H_
 #define DEEPNEX_TESTS_TEST_UTIL_H_
 
+#include <stdlib.h>
+
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
+#include "deepnex/gpu/central.h"
 #include "gtest/gtest.h"
 
 namespace deepnex::test {
@@ -31,6 +46,70 @@ inline ::testing::AssertionResult WaitFor(const std::function<bool()>& done,
   }
   return ::testing::AssertionSuccess();
 }
+
+// A fresh directory under $TMPDIR (else /tmp), removed with everything in
+// it when the object goes. path() is empty if it could not be made.
+class TempDir {
+ public:
+  TempDir() {
+    std::string templ = (std::filesystem::temp_directory_path() / "deepnex-test-XXXXXX").string();
+    if (mkdtemp(templ.data()) != nullptr) path_ = templ;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ignored);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// Runs body(rank) for ranks 0..n-1 at once, each on its own thread (the
+// ranks of a collective block on each other), and joins them all.
+inline void RunRanks(int n, const std::function<void(int rank)>& body) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) threads.emplace_back(body, r);
+  for (std::thread& t : threads) t.join();
+}
+
+// A deepnex-central in-process: SetUp of a subclass creates server_ from
+// ServerOptions() (adding to them what it needs) and its clients with
+// Client(token). Tokens: admintok (root, admin), alicetok (alice), bobtok
+// (bob), and what `more_tokens` adds.
+class CentralFixture : public ::testing::Test {
+ protected:
+  // Options with a token file in dir_ (and nothing else set).
+  gpu::CentralServerOptions ServerOptions(const std::string& more_tokens = "") {
+    gpu::CentralServerOptions o;
+    o.token_file = dir_.path() + "/tokens";
+    std::ofstream(o.token_file) << "admintok root admin\nalicetok alice user\nbobtok bob user\n"
+                                << more_tokens;
+    return o;
+  }
+
+  gpu::CentralClientOptions ClientOptions(const std::string& token) {
+    gpu::CentralClientOptions o;
+    o.address = server_->address();
+    o.token = token;
+    o.timeout = std::chrono::seconds(10);
+    return o;
+  }
+
+  // A client of server_ with `token`: gpu::CentralClient or, with
+  // launch::CentralClient, one for containers.
+  template <typename C = gpu::CentralClient>
+  std::unique_ptr<C> Client(const std::string& token) {
+    auto c = C::Create(ClientOptions(token));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return std::move(c).value();
+  }
+
+  TempDir dir_;
+  std::unique_ptr<gpu::CentralServer> server_;
+};
 
 }  // namespace deepnex::test
 

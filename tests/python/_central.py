@@ -7,10 +7,14 @@
 Tokens: admintok (root, admin), alicetok (alice), bobtok (bob), and for job
 j1 only, j1tok (alice) and j1admintok (root, admin). One node, n1,
 with 2 GPUs of 80GiB. Skips the test when the daemon is not built.
+
+start_central_launcher adds a launcher (the central_process and central
+fixtures in conftest.py start one); clients and run_cli talk to it.
 """
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -50,3 +54,35 @@ def stop_central(proc):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+# The uid:gid that users' containers run as: nobody's when the tests run as
+# root (central refuses uid 0), else the tests' own (the only one a
+# deepnex-central that is not root can run as).
+AS_ROOT = os.geteuid() == 0
+USER_IDS = "65534:65534" if AS_ROOT else f"{os.geteuid()}:{os.getegid()}"
+
+
+def start_central_launcher(tmp_path, *extra, backend="process", state_dir=None, cwd=None,
+                           users=("alice", "bob")):
+    """deepnex-central with a launcher that runs `users`' containers as
+    USER_IDS; (process, address)."""
+    mappings = [arg for user in users for arg in ("--user", f"{user}={USER_IDS}")]
+    return start_central(
+        tmp_path, "--launch-backend", backend,
+        "--launch-state-dir", state_dir or str(tmp_path / "launch"), *mappings, *extra, cwd=cwd)
+
+
+def clients(address):
+    """GPU clients of alice and bob at `address`."""
+    from deepnex import gpu
+    return (gpu.CentralClient(address, token="alicetok", timeout=10),
+            gpu.CentralClient(address, token="bobtok", timeout=10))
+
+
+def run_cli(*args, token="alicetok"):
+    """`python -m deepnex *args` with `token`, outside any launcher state dir."""
+    env = dict(os.environ, DEEPNEX_TOKEN=token)
+    env.pop("DEEPNEX_STATE_DIR", None)
+    return subprocess.run([sys.executable, "-m", "deepnex", *args], env=env, text=True,
+                          capture_output=True, timeout=60)

@@ -114,3 +114,29 @@ def slurm_two_nodes(_simulated_hosts, request):
     if not os.path.exists(os.path.join(cluster, "env")):
         pytest.skip(r.stdout.strip())
     return hosts, dict(os.environ, SLURM_CONF=os.path.join(cluster, "slurm.conf"))
+
+
+@pytest.fixture
+def store():
+    """A collective.Store on 127.0.0.1:0, stopped when the test ends."""
+    from deepnex import collective
+    s = collective.Store("127.0.0.1:0")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def central_process(tmp_path):
+    """deepnex-central as a subprocess, with a process-backend launcher for
+    alice's and bob's containers (_central.start_central_launcher): (its
+    address, its Popen). Stopped when the test ends."""
+    import _central
+    proc, address = _central.start_central_launcher(tmp_path)
+    yield address, proc
+    _central.stop_central(proc)
+
+
+@pytest.fixture
+def central(central_process):
+    """The address of central_process's deepnex-central."""
+    return central_process[0]

@@ -5,34 +5,18 @@ import os
 import pathlib
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
 import pytest
 
-import _central
 import deepnex
-from _central import CENTRAL_BIN, stop_central
+from _central import (AS_ROOT, CENTRAL_BIN, USER_IDS, clients, run_cli, start_central_launcher,
+                      stop_central)
 from _wait import wait_for
 from deepnex import gpu, launch
 
-# The uid:gid that users' containers run as: nobody's when the tests run as
-# root (central refuses uid 0), else the tests' own (the only one a
-# deepnex-central that is not root can run as).
-AS_ROOT = os.geteuid() == 0
-USER_IDS = "65534:65534" if AS_ROOT else f"{os.geteuid()}:{os.getegid()}"
 needs_root = pytest.mark.skipif(not AS_ROOT, reason="running as another uid needs root")
-
-
-def start_central(tmp_path, *extra, backend="process", state_dir=None, cwd=None,
-                  users=("alice", "bob")):
-    """deepnex-central with a launcher that runs `users`' containers as
-    USER_IDS; (process, address)."""
-    mappings = [arg for user in users for arg in ("--user", f"{user}={USER_IDS}")]
-    return _central.start_central(
-        tmp_path, "--launch-backend", backend,
-        "--launch-state-dir", state_dir or str(tmp_path / "launch"), *mappings, *extra, cwd=cwd)
 
 
 @pytest.fixture
@@ -45,28 +29,10 @@ def open_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def central_process(tmp_path):
-    """deepnex-central as a subprocess: (its address, its Popen)."""
-    proc, address = start_central(tmp_path)
-    yield address, proc
-    stop_central(proc)
-
-
-@pytest.fixture
-def central(central_process):
-    return central_process[0]
-
-
 def grant(cpus=1, memory="256MiB", gpus=1):
     """A request whose grant a container can run on: a grant's CPUs and
     memory bound its containers, and 0 grants none."""
     return gpu.Request(user="", gpus=gpus, cpus=cpus, memory=memory)
-
-
-def clients(address):
-    return (gpu.CentralClient(address, token="alicetok", timeout=10),
-            gpu.CentralClient(address, token="bobtok", timeout=10))
 
 
 def await_container(client, name, done, timeout=60):
@@ -138,13 +104,6 @@ def test_other_users_allocations_and_containers(central):
     alice.stop_container("w0", grace=1)
 
 
-def run_cli(*args, token="alicetok"):
-    env = dict(os.environ, DEEPNEX_TOKEN=token)
-    env.pop("DEEPNEX_STATE_DIR", None)
-    return subprocess.run([sys.executable, "-m", "deepnex", *args], env=env, text=True,
-                          capture_output=True, timeout=60)
-
-
 def test_cli_launch_ps_logs_stop(central):
     alice, _ = clients(central)
     a = alice.allocate(grant())
@@ -194,7 +153,7 @@ def test_mounts_only_under_allow_mount(tmp_path, open_dir):
     other.mkdir()
     (allowed / "data" / "f").write_text("in-data\n")
     (allowed / "escape").symlink_to(other)
-    proc, address = start_central(tmp_path, "--allow-mount", str(allowed))
+    proc, address = start_central_launcher(tmp_path, "--allow-mount", str(allowed))
     try:
         alice, _ = clients(address)
         a = alice.allocate(grant())
@@ -240,7 +199,7 @@ def test_oci_with_a_relative_state_dir_mounts_and_a_quick_stop(tmp_path):
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     (allowed / "f").write_text("through-the-mount\n")
-    proc, address = start_central(tmp_path, "--allow-mount", str(allowed), "--image", "host=host",
+    proc, address = start_central_launcher(tmp_path, "--allow-mount", str(allowed), "--image", "host=host",
                                   backend="oci", state_dir="rel-launch", cwd=str(tmp_path))
     try:
         alice, _ = clients(address)
@@ -394,7 +353,7 @@ def test_a_users_process_runs_as_their_uid_and_reads_nothing_of_centrals(tmp_pat
     """On the process backend a user's container once ran as root and read
     the admin token."""
     tokens = tmp_path / "tokens"
-    proc, address = start_central(tmp_path)
+    proc, address = start_central_launcher(tmp_path)
     try:
         os.chmod(tokens, 0o600)
         # Even where every directory on the way is open, the files are not.
@@ -415,7 +374,7 @@ def test_a_users_process_runs_as_their_uid_and_reads_nothing_of_centrals(tmp_pat
 
 
 def test_a_user_without_a_uid_can_allocate_but_not_start(tmp_path):
-    proc, address = start_central(tmp_path, users=("alice",))
+    proc, address = start_central_launcher(tmp_path, users=("alice",))
     try:
         _, bob = clients(address)
         b = bob.allocate(grant())
@@ -432,7 +391,7 @@ def test_users_file_maps_users_and_root_is_refused(tmp_path, open_dir):
     uid, gid = USER_IDS.split(":")
     users = tmp_path / "users"
     users.write_text(f"# deepnex user, uid, gid\nalice {uid} {gid}\n\nbob {uid}:{gid}  # bob\n")
-    proc, address = start_central(tmp_path, "--users-file", str(users), users=())
+    proc, address = start_central_launcher(tmp_path, "--users-file", str(users), users=())
     try:
         alice, bob = clients(address)
         for name, client in (("a", alice), ("b", bob)):
@@ -463,7 +422,7 @@ def test_images_only_from_the_catalog_and_host_network_only_where_allowed(tmp_pa
     host's loopback."""
     rootfs = tmp_path / "rootfs"
     rootfs.mkdir()
-    proc, address = start_central(tmp_path, "--image", f"base={rootfs}",
+    proc, address = start_central_launcher(tmp_path, "--image", f"base={rootfs}",
                                   "--allow-host-network", "alice")
     try:
         alice, bob = clients(address)

@@ -12,14 +12,8 @@ import pytest
 
 import deepnex
 from _exact import DTYPES, OPS, allreduce_case
+from _wait import run_threads
 from deepnex import collective
-
-
-@pytest.fixture
-def store():
-    s = collective.Store("127.0.0.1:0")
-    yield s
-    s.stop()
 
 
 _prefix_counter = [0]
@@ -29,25 +23,13 @@ def run_ranks(store, n, body, **kwargs):
     """Runs body(rank, comm) on n threads; re-raises the first failure."""
     _prefix_counter[0] += 1
     prefix = f"py{os.getpid()}-{_prefix_counter[0]}"
-    errors = [None] * n
 
     def rank_main(r):
-        try:
-            comm = collective.Communicator(r, n, store=store.address, prefix=prefix,
-                                           timeout=20.0, **kwargs)
-            body(r, comm)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors[r] = e
+        comm = collective.Communicator(r, n, store=store.address, prefix=prefix, timeout=20.0,
+                                       **kwargs)
+        body(r, comm)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-        assert not t.is_alive(), "a rank hung"
-    for e in errors:
-        if e is not None:
-            raise e
+    run_threads(n, rank_main, what="a rank")
 
 
 def test_store_operations(store):

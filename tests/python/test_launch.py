@@ -11,11 +11,10 @@ import uuid
 import pytest
 
 import deepnex
+from _central import clients, run_cli
 from _wait import wait_for
 from deepnex import gpu, launch
 from deepnex._cli_launch import exit_code
-# deepnex-central (process backend) for `deepnex logs`; the fixture is named here to use it.
-from test_central_launch import central, central_process, clients, run_cli  # noqa: F401
 
 
 def allocation(user="alice", gpus=2):

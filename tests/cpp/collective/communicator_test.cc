@@ -115,18 +115,14 @@ class CommunicatorTest : public ::testing::Test {
   // on each rank's thread.
   void RunRanks(int n, const std::function<void(int, Communicator&)>& body,
                 const std::function<void(CommunicatorOptions&)>& tweak = nullptr) {
-    std::string prefix = absl::StrCat("t", counter_++);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        CommunicatorOptions o = Options(r, n, prefix);
-        if (tweak) tweak(o);
-        auto comm = Communicator::Create(o);
-        ASSERT_THAT(comm, IsOk()) << "rank " << r;
-        body(r, **comm);
-      });
-    }
-    for (auto& t : threads) t.join();
+    const std::string prefix = absl::StrCat("t", counter_++);
+    ::deepnex::test::RunRanks(n, [&](int r) {
+      CommunicatorOptions o = Options(r, n, prefix);
+      if (tweak) tweak(o);
+      auto comm = Communicator::Create(o);
+      ASSERT_THAT(comm, IsOk()) << "rank " << r;
+      body(r, **comm);
+    });
   }
 
   std::unique_ptr<StoreServer> store_;
@@ -291,18 +287,14 @@ TEST_F(CommunicatorTest, MismatchedCallsFailOnEveryRankAndLeaveItUsable) {
 }
 
 TEST_F(CommunicatorTest, MissingRankAtInitIsDeadlineExceededNamingIt) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      CommunicatorOptions o = Options(r, 4, "missing");
-      o.timeout = milliseconds(1000);
-      auto start = std::chrono::steady_clock::now();
-      auto comm = Communicator::Create(o);
-      EXPECT_THAT(comm, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("rank 2, 3")));
-      EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(4000));
-    });
-  }
-  for (auto& t : threads) t.join();
+  ::deepnex::test::RunRanks(2, [&](int r) {
+    CommunicatorOptions o = Options(r, 4, "missing");
+    o.timeout = milliseconds(1000);
+    auto start = std::chrono::steady_clock::now();
+    auto comm = Communicator::Create(o);
+    EXPECT_THAT(comm, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("rank 2, 3")));
+    EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(4000));
+  });
 }
 
 TEST_F(CommunicatorTest, RankLeavingMidCollectiveFailsTheOthersQuickly) {

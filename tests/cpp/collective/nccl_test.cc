@@ -11,6 +11,7 @@
 #include "deepnex/collective/communicator.h"
 #include "deepnex/collective/store.h"
 #include "test_matchers.h"
+#include "test_util.h"
 
 namespace deepnex::collective {
 namespace {
@@ -35,25 +36,21 @@ class NcclTest : public ::testing::Test {
     store_ = std::move(*s);
   }
   void RunRanks(int n, const std::function<void(int, Communicator&)>& body) {
-    std::string prefix = "nccl" + std::to_string(counter_++);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        CommunicatorOptions o;
-        o.rank = r;
-        o.world_size = n;
-        o.store_address = store_->address();
-        o.prefix = prefix;
-        o.backend = Backend::kNccl;
-        o.device = r;
-        o.timeout = std::chrono::milliseconds(60000);
-        cudaSetDevice(r);
-        auto comm = Communicator::Create(o);
-        ASSERT_THAT(comm, IsOk()) << "rank " << r;
-        body(r, **comm);
-      });
-    }
-    for (auto& t : threads) t.join();
+    const std::string prefix = "nccl" + std::to_string(counter_++);
+    ::deepnex::test::RunRanks(n, [&](int r) {
+      CommunicatorOptions o;
+      o.rank = r;
+      o.world_size = n;
+      o.store_address = store_->address();
+      o.prefix = prefix;
+      o.backend = Backend::kNccl;
+      o.device = r;
+      o.timeout = std::chrono::milliseconds(60000);
+      cudaSetDevice(r);
+      auto comm = Communicator::Create(o);
+      ASSERT_THAT(comm, IsOk()) << "rank " << r;
+      body(r, **comm);
+    });
   }
   std::unique_ptr<StoreServer> store_;
   int counter_ = 0;

@@ -9,30 +9,19 @@
 #include <fstream>
 #include <string>
 
+#include "core/checksum.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "test_matchers.h"
+#include "test_util.h"
 
 namespace deepnex {
 namespace {
 
 using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
+using ::deepnex::test::TempDir;
 using ::testing::HasSubstr;
-
-// A fresh directory per test, removed after it.
-class LockDir {
- public:
-  LockDir() {
-    std::string tmpl = ::testing::TempDir() + "/dirlock_XXXXXX";
-    path_ = mkdtemp(tmpl.data()) != nullptr ? tmpl : "";
-  }
-  ~LockDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 std::string InUse(const std::string& dir, pid_t pid) {
   return "state \"" + dir + "\" is in use by pid " + std::to_string(pid) + " (" + dir +
@@ -62,7 +51,7 @@ TEST(FileUtilTest, AtomicWriteReplacesTheFile) {
 }
 
 TEST(DirectoryLockTest, ASecondHolderFailsNamingTheFirstsPid) {
-  LockDir dir;
+  TempDir dir;
   ASSERT_FALSE(dir.path().empty());
   const std::string sub = dir.path() + "/made";  // created by Acquire
   ASSERT_OK_AND_ASSIGN(auto held, DirectoryLock::Acquire(sub, "x.lock", "state"));
@@ -83,7 +72,7 @@ TEST(DirectoryLockTest, ASecondHolderFailsNamingTheFirstsPid) {
 }
 
 TEST(DirectoryLockTest, ALockIsFreeAfterItsHolderIsKilled) {
-  LockDir dir;
+  TempDir dir;
   ASSERT_FALSE(dir.path().empty());
   int ready[2];
   ASSERT_EQ(pipe(ready), 0);
@@ -111,7 +100,7 @@ TEST(DirectoryLockTest, ALockIsFreeAfterItsHolderIsKilled) {
 }
 
 TEST(DirectoryLockTest, AnUnusableDirectoryNamesIt) {
-  LockDir dir;
+  TempDir dir;
   ASSERT_FALSE(dir.path().empty());
   const std::string file = dir.path() + "/file";
   std::ofstream(file) << "x";

@@ -347,31 +347,18 @@ TEST(AllocatorAsync, CallbacksMayCallBlockingMethods) {
 
 // ---- CentralClient's async calls, coalesced into Batch RPCs
 
-class CentralAsync : public ::testing::Test {
+class CentralAsync : public ::deepnex::test::CentralFixture {
  protected:
   void SetUp() override {
-    const std::string tokens = dir_.path() + "/tokens";
-    std::ofstream(tokens) << "admintok root admin\nalicetok alice user\nbobtok bob user\n";
-    options_.token_file = tokens;
+    options_ = ServerOptions();
     options_.allocator.state_dir = dir_.path() + "/state";
     ASSERT_OK_AND_ASSIGN(server_, CentralServer::Create(options_));
     admin_ = Client("admintok");
     ASSERT_OK(admin_->AddNode(MakeNode("s1", 8, 80 * kGiB, Mode::kShared)));
     ASSERT_OK(admin_->AddNode(MakeNode("x1", 8)));
   }
-  std::unique_ptr<CentralClient> Client(const std::string& token) {
-    CentralClientOptions o;
-    o.address = server_->address();
-    o.token = token;
-    o.timeout = 10s;
-    auto c = CentralClient::Create(o);
-    EXPECT_TRUE(c.ok()) << c.status();
-    return std::move(c).value();
-  }
 
-  TempDir dir_;
   CentralServerOptions options_;
-  std::unique_ptr<CentralServer> server_;
   std::unique_ptr<CentralClient> admin_;
 };
 

@@ -30,8 +30,8 @@ using ::deepnex::gpu::CentralClientOptions;
 using ::deepnex::gpu::CentralServerOptions;
 using ::deepnex::gpu::test::Exclusive;
 using ::deepnex::gpu::test::MakeNode;
-using ::deepnex::gpu::test::TempDir;
 using ::deepnex::test::StatusIs;
+using ::deepnex::test::TempDir;
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -41,14 +41,10 @@ using namespace std::chrono_literals;  // NOLINT
 // Every container needs a grant's CPUs and memory (0 grants none).
 constexpr uint64_t kGrantMemory = 256 << 20;
 
-class CentralLaunch : public ::testing::Test {
+class CentralLaunch : public ::deepnex::test::CentralFixture {
  protected:
   void SetUp() override {
-    const std::string tokens = dir_.path() + "/tokens";
-    std::ofstream(tokens) << "admintok root admin\nalicetok alice user\nbobtok bob user\n"
-                             "j1tok alice user j1\nj1admintok root admin j1\n";
-    CentralServerOptions o;
-    o.token_file = tokens;
+    CentralServerOptions o = ServerOptions("j1tok alice user j1\nj1admintok root admin j1\n");
     LauncherOptions l;
     l.backend = "process";
     l.state_dir = dir_.path() + "/launch";
@@ -59,31 +55,17 @@ class CentralLaunch : public ::testing::Test {
     policy.users = {{"alice", as}, {"bob", as}};
     ASSERT_EQ(chmod(dir_.path().c_str(), 0711), 0);
     ASSERT_OK_AND_ASSIGN(server_, CreateCentralServer(o, l, policy));
-    admin_ = Gpu("admintok");
-    alice_gpu_ = Gpu("alicetok");
-    bob_gpu_ = Gpu("bobtok");
+    admin_ = Client("admintok");
+    alice_gpu_ = Client("alicetok");
+    bob_gpu_ = Client("bobtok");
     admin_c_ = Containers("admintok");
     alice_ = Containers("alicetok");
     bob_ = Containers("bobtok");
     ASSERT_OK(admin_->AddNode(MakeNode("x1", 2)));
   }
 
-  CentralClientOptions Options(const std::string& token) {
-    CentralClientOptions o;
-    o.address = server_->address();
-    o.token = token;
-    o.timeout = 10s;
-    return o;
-  }
-  std::unique_ptr<gpu::CentralClient> Gpu(const std::string& token) {
-    auto c = gpu::CentralClient::Create(Options(token));
-    EXPECT_TRUE(c.ok()) << c.status();
-    return std::move(c).value();
-  }
   std::unique_ptr<CentralClient> Containers(const std::string& token) {
-    auto c = CentralClient::Create(Options(token));
-    EXPECT_TRUE(c.ok()) << c.status();
-    return std::move(c).value();
+    return Client<CentralClient>(token);
   }
 
   static ContainerSpec Spec(const std::string& name, std::vector<std::string> command) {
@@ -118,8 +100,6 @@ class CentralLaunch : public ::testing::Test {
     return last;
   }
 
-  TempDir dir_;
-  std::unique_ptr<gpu::CentralServer> server_;
   std::unique_ptr<gpu::CentralClient> admin_, alice_gpu_, bob_gpu_;
   std::unique_ptr<CentralClient> admin_c_, alice_, bob_;
 };
@@ -367,7 +347,7 @@ TEST_F(CentralLaunch, AGrantOfNoCpusOrNoMemoryStartsNothing) {
 // A job-scoped token reaches only its job's allocations and containers,
 // and no node or quota call even with the admin role.
 TEST_F(CentralLaunch, AJobTokenIsConfinedToItsJob) {
-  auto j1_gpu = Gpu("j1tok");
+  auto j1_gpu = Client("j1tok");
   auto j1 = Containers("j1tok");
   ASSERT_OK_AND_ASSIGN(Allocation plain, alice_gpu_->Allocate(Exclusive("", 1, 1, kGrantMemory)));
   gpu::Request r = Exclusive("", 1, 1, kGrantMemory);
@@ -403,7 +383,7 @@ TEST_F(CentralLaunch, AJobTokenIsConfinedToItsJob) {
   EXPECT_THAT(j1->ContainerLogs("other"),
               StatusIs(absl::StatusCode::kPermissionDenied, not_other));
 
-  auto j1_admin = Gpu("j1admintok");
+  auto j1_admin = Client("j1admintok");
   EXPECT_THAT(j1_admin->Cordon("x1"),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        "the token of \"root\" is for job \"j1\"; node and quota calls need a "

@@ -34,13 +34,10 @@ using ::testing::Not;
 using namespace ::deepnex::gpu::test;  // NOLINT
 using namespace std::chrono_literals;   // NOLINT
 
-class Central : public ::testing::Test {
+class Central : public ::deepnex::test::CentralFixture {
  protected:
   void SetUp() override {
-    const std::string tokens = dir_.path() + "/tokens";
-    std::ofstream(tokens) << "admintok root admin\nalicetok alice user\nbobtok bob user\n";
-    CentralServerOptions o;
-    o.token_file = tokens;
+    CentralServerOptions o = ServerOptions();
     o.allocator.state_dir = dir_.path() + "/state";
     ASSERT_OK_AND_ASSIGN(server_, CentralServer::Create(o));
     admin_ = Client("admintok");
@@ -49,18 +46,7 @@ class Central : public ::testing::Test {
     ASSERT_OK(admin_->AddNode(MakeNode("s1", 2, 80 * kGiB, Mode::kShared)));
     ASSERT_OK(admin_->AddNode(MakeNode("x1", 1)));
   }
-  std::unique_ptr<CentralClient> Client(const std::string& token) {
-    CentralClientOptions o;
-    o.address = server_->address();
-    o.token = token;
-    o.timeout = 10s;
-    auto c = CentralClient::Create(o);
-    EXPECT_TRUE(c.ok()) << c.status();
-    return std::move(c).value();
-  }
 
-  TempDir dir_;
-  std::unique_ptr<CentralServer> server_;
   std::unique_ptr<CentralClient> admin_, alice_, bob_;
 };
 

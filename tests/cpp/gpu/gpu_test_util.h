@@ -13,6 +13,7 @@
 
 #include "deepnex/gpu/allocator.h"
 #include "deepnex/gpu/types.h"
+#include "test_util.h"
 
 namespace deepnex::gpu::test {
 
@@ -63,22 +64,7 @@ inline AllocateOptions NoWait() {
   return o;
 }
 
-// A fresh directory under TMPDIR, removed with the object.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "deepnex_gpu_XXXXXX").string();
-    path_ = mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using TempDir = ::deepnex::test::TempDir;
 
 #ifdef DEEPNEX_CENTRAL_BIN
 // The deepnex-central binary, started with `--listen 127.0.0.1:0` and `args`.

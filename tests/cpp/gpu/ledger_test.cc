@@ -596,9 +596,8 @@ class LedgerFullDisk : public ::testing::Test {
  protected:
   void SetUp() override {
     if (geteuid() != 0) GTEST_SKIP() << "mounting a tmpfs needs root";
-    std::string tmpl = (fs::temp_directory_path() / "deepnex_full_XXXXXX").string();
-    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
-    mnt_ = tmpl;
+    mnt_ = dir_.path();
+    ASSERT_FALSE(mnt_.empty());
     if (mount("tmpfs", mnt_.c_str(), "tmpfs", 0, "size=64k") != 0) {
       GTEST_SKIP() << "mount -t tmpfs -o size=64k " << mnt_ << ": " << std::strerror(errno);
     }
@@ -606,7 +605,6 @@ class LedgerFullDisk : public ::testing::Test {
   }
   void TearDown() override {
     if (mounted_) EXPECT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0) << std::strerror(errno);
-    if (!mnt_.empty()) fs::remove(mnt_);
   }
   // Writes a file until the disk is full.
   void Fill() {
@@ -622,6 +620,7 @@ class LedgerFullDisk : public ::testing::Test {
   }
   void Free() { ASSERT_TRUE(fs::remove(mnt_ + "/filler")); }
 
+  TempDir dir_;  // the mount point; removed after the unmount
   std::string mnt_;
   bool mounted_ = false;
 };

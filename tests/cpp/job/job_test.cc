@@ -54,26 +54,18 @@ struct Output {
 
 class JobTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = std::filesystem::temp_directory_path() /
-           ("deepnex-job-test-" + std::to_string(getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    std::filesystem::create_directories(dir_);
-  }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-
   JobOptions Options(std::vector<std::string> command) {
     JobOptions o;
     o.command = std::move(command);
     o.ps_binary = DEEPNEX_PS_BIN;
     o.cpus = 0;
-    o.launcher.state_dir = (dir_ / "state").string();
+    o.launcher.state_dir = dir_.path() + "/state";
     o.output = out_.Sink();
     o.on_event = out_.EventSink();
     return o;
   }
 
-  std::filesystem::path dir_;
+  ::deepnex::test::TempDir dir_;
   Output out_;
 };
 
@@ -139,7 +131,7 @@ TEST_F(JobTest, AFailedWorkerEndsTheJobWithItsCodeAndStopsTheOthers) {
 }
 
 TEST_F(JobTest, AWorkerThatFailsOnceIsRestartedUnderOnFailure) {
-  std::string marker = (dir_ / "failed-once").string();
+  std::string marker = dir_.path() + "/failed-once";
   JobOptions o = Options(
       {"sh", "-c", "if [ ! -e " + marker + " ]; then touch " + marker + "; exit 5; fi; echo again"});
   ASSERT_OK_AND_ASSIGN(o.restart, launch::RestartPolicy::Parse("on-failure:2"));

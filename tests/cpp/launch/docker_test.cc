@@ -167,9 +167,9 @@ TEST_F(DockerTest, EnvExitCodeAndLogs) {
 }
 
 TEST_F(DockerTest, LimitsLabelsAndMountsReachTheEngine) {
-  char dir_template[] = "/tmp/deepnex-docker-test-XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  ::deepnex::test::TempDir scratch;
+  const std::string& dir = scratch.path();
+  ASSERT_FALSE(dir.empty());
   std::ofstream(dir + "/in") << "from the host\n";
   ContainerSpec spec =
       Spec("limits", {"sh", "-c", "cat /data/in; echo x > /data/out || echo read-only; pwd"});
@@ -199,8 +199,6 @@ TEST_F(DockerTest, LimitsLabelsAndMountsReachTheEngine) {
   EXPECT_EQ(info["Config"]["Labels"]["deepnex.name"].get<std::string>(), "limits");
   EXPECT_EQ(info["Config"]["Labels"]["team"].get<std::string>(), "vision");
   EXPECT_THAT(run->Remove(), IsOk());
-  std::remove((dir + "/in").c_str());
-  rmdir(dir.c_str());
 }
 
 // deepnex-central's run_as: the engine runs the process as the user's uid

@@ -111,23 +111,6 @@ inline BackendFixture FixtureFor(const std::string& backend) {
   return f;
 }
 
-// A fresh directory under $TMPDIR, removed with everything in it at scope
-// exit.
-class ScratchDir {
- public:
-  ScratchDir() {
-    std::string templ = EnvOr("TMPDIR", "/tmp") + "/deepnex-launch-test-XXXXXX";
-    if (mkdtemp(templ.data()) != nullptr) path_ = templ;
-  }
-  ~ScratchDir() {
-    if (!path_.empty()) std::system(("rm -rf '" + path_ + "'").c_str());
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
 // A token unlikely to appear in any other process's command line, so a test
 // can find the processes its container started on this host (inside any
 // namespace) by their argv.

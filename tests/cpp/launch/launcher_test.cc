@@ -249,7 +249,7 @@ TEST_P(LaunchContract, NothingLeftAfterStopRemoveCleanup) {
 
 TEST_P(LaunchContract, BadInputsAreRefusedAndTheLauncherGoesOn) {
   ContainerSpec good = Spec("good", "exit 0");
-  test::ScratchDir scratch;
+  ::deepnex::test::TempDir scratch;
 
   ContainerSpec spec = good;
   spec.command = {"deepnex-no-such-command", "x"};
@@ -355,7 +355,7 @@ class ProcessLauncherTest : public ::testing::Test {
   }
 
   std::unique_ptr<Launcher> launcher_;
-  test::ScratchDir scratch_;
+  ::deepnex::test::TempDir scratch_;
 };
 
 TEST_F(ProcessLauncherTest, EnvIsExactlyTheSpecsPlusPathAndLauncherId) {
@@ -439,6 +439,20 @@ TEST_F(ProcessLauncherTest, BadSpecFields) {
   spec.env["A=B"] = "c";
   ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "spec.env: \"A=B\"");
   EXPECT_TRUE(Run(Spec("ok", "exit 0")).ok());
+}
+
+TEST_F(ProcessLauncherTest, WorkingDirIsADirectoryOnThisHost) {
+  ContainerSpec spec = Spec("wd", "exit 0");
+  spec.working_dir = scratch_.path() + "/missing";
+  ExpectStartFails(spec, absl::StatusCode::kNotFound,
+                   "spec.working_dir: \"" + spec.working_dir +
+                       "\" is not a directory on this host");
+  spec.working_dir = scratch_.path() + "/file";
+  std::ofstream(spec.working_dir) << "not a directory\n";
+  ExpectStartFails(spec, absl::StatusCode::kNotFound,
+                   "spec.working_dir: \"" + spec.working_dir +
+                       "\" is not a directory on this host");
+  EXPECT_TRUE(Run(Spec("wd", "exit 0")).ok());
 }
 
 TEST_F(ProcessLauncherTest, BadRunAsAndNetworkFields) {
@@ -1039,7 +1053,7 @@ void StartAndDie(const std::string& id, const std::string& state_dir, const std:
 TEST(LauncherCrash, CleanupSweepsAKilledLaunchersOrphans) {
   const std::string id = "crash" + test::UniqueToken();
   const std::string token = test::UniqueToken();
-  test::ScratchDir scratch;
+  ::deepnex::test::TempDir scratch;
   EXPECT_EXIT(StartAndDie(id, scratch.path(), token), ::testing::KilledBySignal(SIGKILL), "");
   ASSERT_EQ(test::ProcessesWithArg(token).size(), 2u);  // sh -c "sleep <token> & wait", sleep
   const bool cgroups = Cgroup::Usable().ok();

@@ -194,7 +194,7 @@ class SlurmTest : public ::testing::Test {
   std::string conf_;
   LauncherOptions options_;
   std::unique_ptr<Backend> backend_;
-  test::ScratchDir scratch_;
+  ::deepnex::test::TempDir scratch_;
   int port_holder_ = -1;
   int dead_port_ = 0;
 };
@@ -512,6 +512,12 @@ TEST_F(SlurmTest, SpecsSlurmCannotRunAreRefused) {
   EXPECT_THAT(backend_->Check(spec),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.pids_limit: 10")));
   spec.pids_limit = 0;
+  spec.working_dir = scratch_.path() + "/missing";
+  EXPECT_THAT(backend_->Check(spec),
+              StatusIs(absl::StatusCode::kNotFound,
+                       "spec.working_dir: \"" + spec.working_dir +
+                           "\" is not a directory on this host"));
+  spec.working_dir.clear();
   spec.command = {"deepnex-no-such-command"};
   EXPECT_THAT(backend_->Check(spec),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("deepnex-no-such-command")));
