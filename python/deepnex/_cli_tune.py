@@ -29,8 +29,9 @@ or 143. The search is journalled under --out: --resume OUT continues it.
 See deepnex.tune.
 """
 
-import os
 import sys
+
+from deepnex._cli_common import central_address, central_token
 
 
 def _warn(message):
@@ -120,12 +121,13 @@ def _tune_or_raise(args):
         runner = tune.subprocess_runner
     else:
         options = {"backend": args.backend}
-        if args.central:
-            options["central"] = args.central
+        central = central_address(args)
+        if central:
+            options["central"] = central
             if args.token_file:
                 options["central_token_file"] = args.token_file
             else:
-                options["central_token"] = args.token or os.environ.get("DEEPNEX_TOKEN")
+                options["central_token"] = central_token(args)
         runner = tune.job_runner(workers=args.workers_per_trial, mode=mode, ps=args.ps,
                                  cpus=args.cpus, gpus_per_worker=args.gpus_per_worker,
                                  **options)
@@ -177,7 +179,8 @@ def add_commands(commands):
     p.add_argument("--backend", default="process",
                    help="launch backend of the trials' jobs (default process)")
     p.add_argument("--central", default=None, metavar="ADDR",
-                   help="allocate the trials' jobs from deepnex-central at ADDR")
+                   help="allocate the trials' jobs from deepnex-central at ADDR "
+                        "(default $DEEPNEX_CENTRAL)")
     p.add_argument("--token", default=None,
                    help="bearer token for --central (default $DEEPNEX_TOKEN)")
     p.add_argument("--token-file", default=None, metavar="FILE",

@@ -20,12 +20,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _C
+from ._convert import byte_size, options, to_buffer
 from .errors import InvalidArgumentError
 
 __all__ = [
     "Server", "Client", "PendingOp",
     "SGD", "Adam", "AdamW", "Adagrad", "Sum", "Assign",
 ]
+
+# Fresh C++ option structs: the keyword defaults below are theirs.
+_SERVER = _C.ps.ServerOptions()
+_CLIENT = _C.ps.ClientOptions()
 
 
 # ---- optimizers (applied by the server)
@@ -116,41 +121,16 @@ def _optimizer_config(optimizer):
 
 # ---- arrays in and out
 
-def _buffer(key, x):
-    """(key, buffer, dtype override) for the C++ layer; never copies."""
-    if isinstance(x, np.ndarray):
-        return (key, x, None)
-    if type(x).__module__.startswith("torch"):
-        import torch
-        if x.device.type != "cpu":
-            raise InvalidArgumentError(
-                f"{key!r}: a {x.device.type} tensor; the parameter server takes CPU tensors")
-        t = x.detach()
-        if t.dtype == torch.bfloat16:
-            return (key, t.view(torch.int16).numpy(), "bfloat16")
-        return (key, t.numpy(), None)
-    raise TypeError(f"{key!r}: expected a numpy array or a torch tensor, got {type(x).__name__}")
-
-
 def _buffers(tensors, known=None):
     """The C++ layer's arguments; numpy has no bfloat16, so uint16 arrays
     stand for the keys `known` says are bfloat16."""
     if not isinstance(tensors, dict):
         raise TypeError(f"expected a dict of name -> array, got {type(tensors).__name__}")
-    args = [_buffer(k, v) for k, v in tensors.items()]
+    args = [(k, *to_buffer(v, repr(k))) for k, v in tensors.items()]
     if known:
-        args = [(k, b, "bfloat16" if a is None and known.get(k, ("",))[0] == "bfloat16"
+        args = [(k, b, _C.DType.bfloat16 if a is None and known.get(k, ("",))[0] == "bfloat16"
                  and b.dtype == np.uint16 else a) for k, b, a in args]
     return args
-
-
-def byte_size(value, field):
-    """An int of bytes from an int or a string such as "4MiB"."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        if value < 0:
-            raise InvalidArgumentError(f"{field}: {value} is negative")
-        return int(value)
-    return _C.parse_byte_size(str(value), field)
 
 
 _NUMPY = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
@@ -210,23 +190,32 @@ class Server:
     host's primary address).
     """
 
-    def __init__(self, address="127.0.0.1:0", mode="sync", num_workers=1,
-                 optimizer=None, reduction="mean", staleness=0,
-                 reject_nonfinite=True, max_message_bytes="256MiB",
-                 max_pull_reply_bytes=None, max_pending_reply_bytes="1GiB",
-                 max_deferred_push_bytes="256MiB", token=None,
-                 token_file=None, job_id="", tls_cert_file=None, tls_key_file=None,
-                 lease_timeout=10.0, heartbeat_interval=0.0, lease_policy="shrink",
-                 keep_dead_contributions=True, name="ps", checkpoint_dir=None,
-                 checkpoint_every_rounds=0, checkpoint_interval=0.0, restore=None,
-                 metrics_address=None, advertise=None, _drop_push_replies=0):
-        self._server = _C.ps.Server(
-            address=address, advertise=advertise or "", mode=mode, num_workers=num_workers, staleness=staleness,
-            reduction=reduction, optimizer=_optimizer_config(optimizer),
-            reject_nonfinite=reject_nonfinite,
+    def __init__(self, address=_SERVER.address, mode=_SERVER.mode,
+                 num_workers=_SERVER.num_workers, optimizer=None,
+                 reduction=_SERVER.reduction, staleness=_SERVER.staleness,
+                 reject_nonfinite=_SERVER.reject_nonfinite,
+                 max_message_bytes=_SERVER.max_message_bytes, max_pull_reply_bytes=None,
+                 max_pending_reply_bytes=_SERVER.max_pending_reply_bytes,
+                 max_deferred_push_bytes=_SERVER.max_deferred_push_bytes, token=None,
+                 token_file=None, job_id=_SERVER.job_id, tls_cert_file=None,
+                 tls_key_file=None, lease_timeout=_SERVER.lease_timeout,
+                 heartbeat_interval=_SERVER.heartbeat_interval,
+                 lease_policy=_SERVER.lease_policy,
+                 keep_dead_contributions=_SERVER.keep_dead_contributions,
+                 name=_SERVER.name, checkpoint_dir=None,
+                 checkpoint_every_rounds=_SERVER.checkpoint_every_rounds,
+                 checkpoint_interval=_SERVER.checkpoint_interval, restore=None,
+                 metrics_address=None, advertise=None,
+                 _drop_push_replies=_SERVER.drop_push_replies_for_testing):
+        self._server = _C.ps.Server(options(
+            _C.ps.ServerOptions, address=address, advertise=advertise or "", mode=mode,
+            num_workers=num_workers, staleness=staleness, reduction=reduction,
+            optimizer=_optimizer_config(optimizer), reject_nonfinite=reject_nonfinite,
             max_message_bytes=byte_size(max_message_bytes, "max_message_bytes"),
+            # None: the C++ default, 0, which means max_message_bytes.
             max_pull_reply_bytes=(byte_size(max_pull_reply_bytes, "max_pull_reply_bytes")
-                                  if max_pull_reply_bytes is not None else 0),
+                                  if max_pull_reply_bytes is not None
+                                  else _SERVER.max_pull_reply_bytes),
             max_pending_reply_bytes=byte_size(max_pending_reply_bytes,
                                               "max_pending_reply_bytes"),
             max_deferred_push_bytes=byte_size(max_deferred_push_bytes,
@@ -240,7 +229,7 @@ class Server:
             checkpoint_every_rounds=checkpoint_every_rounds,
             checkpoint_interval=float(checkpoint_interval),
             restore_dir=str(restore or ""), metrics_address=metrics_address or "",
-            drop_push_replies_for_testing=_drop_push_replies)
+            drop_push_replies_for_testing=_drop_push_replies))
 
     @property
     def address(self):
@@ -288,20 +277,21 @@ class Client:
     retry_backoff: the first pause before a retry, doubling each time.
     """
 
-    def __init__(self, servers, worker_id=0, partition_bytes="4MiB",
-                 request_bytes="4MiB", timeout=60.0, connections_per_server=2,
-                 token=None, token_file=None, tls_ca_file=None, heartbeat=True,
-                 retry_backoff=0.05):
+    def __init__(self, servers, worker_id=_CLIENT.worker_id,
+                 partition_bytes=_CLIENT.partition_bytes, request_bytes=_CLIENT.request_bytes,
+                 timeout=_CLIENT.timeout, connections_per_server=_CLIENT.connections_per_server,
+                 token=None, token_file=None, tls_ca_file=None, heartbeat=_CLIENT.heartbeat,
+                 retry_backoff=_CLIENT.retry_backoff):
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
-        self._client = _C.ps.Client(
-            servers=list(servers), worker_id=worker_id,
+        self._client = _C.ps.Client(options(
+            _C.ps.ClientOptions, servers=list(servers), worker_id=worker_id,
             partition_bytes=byte_size(partition_bytes, "partition_bytes"),
             request_bytes=byte_size(request_bytes, "request_bytes"),
             timeout=float(timeout), connections_per_server=connections_per_server,
             token=token or "", token_file=token_file or "",
             tls_ca_file=tls_ca_file or "", heartbeat=heartbeat,
-            retry_backoff=float(retry_backoff))
+            retry_backoff=float(retry_backoff)))
         self._shapes = {}
 
     @property

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 import deepnex
+from . import _convert
 from . import collective as _collective
 from . import ps as _ps
 from .errors import InvalidArgumentError, NotFoundError
@@ -134,7 +135,7 @@ class DistributedOptimizer:
                  timeout=60.0, bucket_size="4MiB", overlap=True):
         self._optimizer = optimizer
         self._params = _param_names(optimizer, named_parameters)
-        bucket_bytes = _ps.byte_size(bucket_size, "bucket_size")
+        bucket_bytes = _convert.byte_size(bucket_size, "bucket_size")
         if client is None:
             ctx = deepnex.init()
             client = _ps.Client(ctx.ps_addrs, worker_id=ctx.rank, token=ctx.token or None)

@@ -1,7 +1,6 @@
-// deepnex._C.ps: the parameter-server classes. The Python layer
-// (python/deepnex/ps.py) turns dicts of arrays into the (key, buffer, dtype)
-// lists these take.
-#include <algorithm>
+// deepnex._C.ps: the parameter-server classes and their option structs. The
+// Python layer (python/deepnex/ps.py) turns dicts of arrays into the (key,
+// buffer, dtype) lists these take.
 #include <chrono>
 #include <memory>
 
@@ -20,8 +19,9 @@ using ps::PendingOp;
 using ps::Server;
 using ps::ServerOptions;
 
-// (key, buffer, dtype override or None), as ps.py builds them.
-using TensorArgs = std::vector<std::tuple<std::string, py::buffer, std::optional<std::string>>>;
+// (key, buffer, dtype override or None), as ps.py builds them with
+// deepnex._convert.to_buffer (the override: bfloat16 tensors).
+using TensorArgs = std::vector<std::tuple<std::string, py::buffer, std::optional<DType>>>;
 
 struct Views {
   std::vector<BufferView> buffers;
@@ -32,9 +32,7 @@ Views ViewsOf(const TensorArgs& args, bool writable, const char* op) {
   Views v;
   v.buffers.reserve(args.size());
   for (const auto& [key, buffer, as] : args) {
-    std::optional<DType> dtype;
-    if (as) dtype = Unwrap(ParseDType(*as));
-    v.buffers.push_back(ViewOf(buffer, writable, std::string(op) + " of \"" + key + "\"", dtype));
+    v.buffers.push_back(ViewOf(buffer, writable, std::string(op) + " of \"" + key + "\"", as));
     v.tensors.push_back({key, v.buffers.back().view});
   }
   return v;
@@ -45,6 +43,13 @@ std::chrono::milliseconds Millis(double seconds, const char* field) {
     ThrowStatus(absl::InvalidArgumentError(
         std::string(field) + "=" + std::to_string(seconds) + ": must be positive seconds"));
   }
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+// For the intervals where 0 means off (or "the server's choice"): 0 or less
+// is 0, as ps.Server has always taken them.
+std::chrono::milliseconds MillisOrOff(double seconds, const char*) {
+  if (!(seconds > 0)) return std::chrono::milliseconds(0);
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
@@ -107,67 +112,73 @@ void RegisterPs(py::module_& parent) {
       .def_readonly("lr", &OptimizerConfig::lr)
       .def("__repr__", &OptimizerConfig::ToString);
 
+  // The option structs, bound so that their defaults live only in C++:
+  // deepnex/ps.py reads its keyword defaults from fresh ones.
+  py::class_<ServerOptions> server_options(m, "ServerOptions");
+  server_options.def(py::init<>())
+      .def_readwrite("address", &ServerOptions::address)
+      .def_readwrite("advertise", &ServerOptions::advertise)
+      .def_property(
+          "mode", [](const ServerOptions& o) { return ps::ModeName(o.mode); },
+          [](ServerOptions& o, const std::string& name) { o.mode = Unwrap(ps::ParseMode(name)); })
+      .def_readwrite("num_workers", &ServerOptions::num_workers)
+      .def_readwrite("staleness", &ServerOptions::staleness)
+      .def_property(
+          "reduction", [](const ServerOptions& o) { return ps::ReductionName(o.reduction); },
+          [](ServerOptions& o, const std::string& name) {
+            o.reduction = Unwrap(ps::ParseReduction(name));
+          })
+      .def_readwrite("optimizer", &ServerOptions::optimizer)
+      .def_property(
+          "lease_policy",
+          [](const ServerOptions& o) { return ps::LeasePolicyName(o.lease_policy); },
+          [](ServerOptions& o, const std::string& name) {
+            o.lease_policy = Unwrap(ps::ParseLeasePolicy(name));
+          })
+      .def_readwrite("keep_dead_contributions", &ServerOptions::keep_dead_contributions)
+      .def_readwrite("reject_nonfinite", &ServerOptions::reject_nonfinite)
+      .def_readwrite("max_message_bytes", &ServerOptions::max_message_bytes)
+      .def_readwrite("max_pull_reply_bytes", &ServerOptions::max_pull_reply_bytes)
+      .def_readwrite("max_pending_reply_bytes", &ServerOptions::max_pending_reply_bytes)
+      .def_readwrite("max_deferred_push_bytes", &ServerOptions::max_deferred_push_bytes)
+      .def_readwrite("token", &ServerOptions::token)
+      .def_readwrite("token_file", &ServerOptions::token_file)
+      .def_readwrite("job_id", &ServerOptions::job_id)
+      .def_readwrite("tls_cert_file", &ServerOptions::tls_cert_file)
+      .def_readwrite("tls_key_file", &ServerOptions::tls_key_file)
+      .def_readwrite("name", &ServerOptions::name)
+      .def_readwrite("checkpoint_dir", &ServerOptions::checkpoint_dir)
+      .def_readwrite("checkpoint_every_rounds", &ServerOptions::checkpoint_every_rounds)
+      .def_readwrite("restore_dir", &ServerOptions::restore_dir)
+      .def_readwrite("metrics_address", &ServerOptions::metrics_address)
+      .def_readwrite("drop_push_replies_for_testing",
+                     &ServerOptions::drop_push_replies_for_testing);
+  DefSeconds(server_options, "lease_timeout", &ServerOptions::lease_timeout, Millis);
+  DefSeconds(server_options, "heartbeat_interval", &ServerOptions::heartbeat_interval,
+             MillisOrOff);
+  DefSeconds(server_options, "checkpoint_interval", &ServerOptions::checkpoint_interval,
+             MillisOrOff);
+
+  py::class_<ClientOptions> client_options(m, "ClientOptions");
+  client_options.def(py::init<>())
+      .def_readwrite("servers", &ClientOptions::servers)
+      .def_readwrite("worker_id", &ClientOptions::worker_id)
+      .def_readwrite("partition_bytes", &ClientOptions::partition_bytes)
+      .def_readwrite("request_bytes", &ClientOptions::request_bytes)
+      .def_readwrite("connections_per_server", &ClientOptions::connections_per_server)
+      .def_readwrite("token", &ClientOptions::token)
+      .def_readwrite("token_file", &ClientOptions::token_file)
+      .def_readwrite("tls_ca_file", &ClientOptions::tls_ca_file)
+      .def_readwrite("heartbeat", &ClientOptions::heartbeat);
+  DefSeconds(client_options, "timeout", &ClientOptions::timeout, Millis);
+  DefSeconds(client_options, "retry_backoff", &ClientOptions::retry_backoff, Millis);
+
   py::class_<Server>(m, "Server")
-      .def(py::init([](const std::string& address, const std::string& mode, int num_workers,
-                       int staleness, const std::string& reduction,
-                       const OptimizerConfig& optimizer, bool reject_nonfinite,
-                       uint64_t max_message_bytes, uint64_t max_pull_reply_bytes,
-                       uint64_t max_pending_reply_bytes, uint64_t max_deferred_push_bytes,
-                       const std::string& token,
-                       const std::string& token_file, const std::string& job_id,
-                       const std::string& tls_cert_file, const std::string& tls_key_file,
-                       double lease_timeout, double heartbeat_interval,
-                       const std::string& lease_policy,
-                       bool keep_dead_contributions, const std::string& name,
-                       const std::string& checkpoint_dir, uint64_t checkpoint_every_rounds,
-                       double checkpoint_interval, const std::string& restore_dir,
-                       const std::string& metrics_address,
-                       int drop_push_replies_for_testing, const std::string& advertise) {
-             ServerOptions o;
-             o.address = address;
-             o.advertise = advertise;
-             o.mode = Unwrap(ps::ParseMode(mode));
-             o.num_workers = num_workers;
-             o.staleness = staleness;
-             o.lease_timeout = Millis(lease_timeout, "lease_timeout");
-             o.heartbeat_interval = std::chrono::milliseconds(
-                 static_cast<int64_t>(std::max(0.0, heartbeat_interval) * 1000));
-             o.lease_policy = Unwrap(ps::ParseLeasePolicy(lease_policy));
-             o.keep_dead_contributions = keep_dead_contributions;
-             o.name = name;
-             o.checkpoint_dir = checkpoint_dir;
-             o.checkpoint_every_rounds = checkpoint_every_rounds;
-             o.checkpoint_interval = std::chrono::milliseconds(
-                 static_cast<int64_t>(std::max(0.0, checkpoint_interval) * 1000));
-             o.restore_dir = restore_dir;
-             o.metrics_address = metrics_address;
-             o.drop_push_replies_for_testing = drop_push_replies_for_testing;
-             o.reduction = Unwrap(ps::ParseReduction(reduction));
-             o.optimizer = optimizer;
-             o.reject_nonfinite = reject_nonfinite;
-             o.max_message_bytes = max_message_bytes;
-             o.max_pull_reply_bytes = max_pull_reply_bytes;
-             o.max_pending_reply_bytes = max_pending_reply_bytes;
-             o.max_deferred_push_bytes = max_deferred_push_bytes;
-             o.token = token;
-             o.token_file = token_file;
-             o.job_id = job_id;
-             o.tls_cert_file = tls_cert_file;
-             o.tls_key_file = tls_key_file;
+      .def(py::init([](const ServerOptions& o) {
              py::gil_scoped_release release;
              return Unwrap(Server::Create(o));
            }),
-           py::arg("address"), py::arg("mode"), py::arg("num_workers"), py::arg("staleness"),
-           py::arg("reduction"), py::arg("optimizer"), py::arg("reject_nonfinite"),
-           py::arg("max_message_bytes"), py::arg("max_pull_reply_bytes"),
-           py::arg("max_pending_reply_bytes"), py::arg("max_deferred_push_bytes"),
-           py::arg("token"), py::arg("token_file"),
-           py::arg("job_id"), py::arg("tls_cert_file"), py::arg("tls_key_file"),
-           py::arg("lease_timeout"), py::arg("heartbeat_interval"), py::arg("lease_policy"),
-           py::arg("keep_dead_contributions"), py::arg("name"), py::arg("checkpoint_dir"),
-           py::arg("checkpoint_every_rounds"), py::arg("checkpoint_interval"),
-           py::arg("restore_dir"), py::arg("metrics_address"),
-           py::arg("drop_push_replies_for_testing"), py::arg("advertise") = "")
+           py::arg("options"))
       .def_property_readonly("address", &Server::address)
       .def_property_readonly("port", &Server::port)
       .def_property_readonly("metrics_port", &Server::metrics_port)
@@ -190,30 +201,11 @@ void RegisterPs(py::module_& parent) {
       .def("done", &PyPendingOp::Done);
 
   py::class_<Client>(m, "Client")
-      .def(py::init([](const std::vector<std::string>& servers, int worker_id,
-                       uint64_t partition_bytes, uint64_t request_bytes, double timeout,
-                       int connections_per_server, const std::string& token,
-                       const std::string& token_file, const std::string& tls_ca_file,
-                       bool heartbeat, double retry_backoff) {
-             ClientOptions o;
-             o.heartbeat = heartbeat;
-             o.retry_backoff = Millis(retry_backoff, "retry_backoff");
-             o.servers = servers;
-             o.worker_id = worker_id;
-             o.partition_bytes = partition_bytes;
-             o.request_bytes = request_bytes;
-             o.timeout = Millis(timeout, "timeout");
-             o.connections_per_server = connections_per_server;
-             o.token = token;
-             o.token_file = token_file;
-             o.tls_ca_file = tls_ca_file;
+      .def(py::init([](const ClientOptions& o) {
              py::gil_scoped_release release;
              return Unwrap(Client::Create(o));
            }),
-           py::arg("servers"), py::arg("worker_id"), py::arg("partition_bytes"),
-           py::arg("request_bytes"), py::arg("timeout"), py::arg("connections_per_server"),
-           py::arg("token"), py::arg("token_file"), py::arg("tls_ca_file"),
-           py::arg("heartbeat"), py::arg("retry_backoff"))
+           py::arg("options"))
       .def("init",
            [](Client& c, const TensorArgs& tensors) {
              Views v = ViewsOf(tensors, false, "init");

@@ -650,6 +650,59 @@ def test_python_defaults_are_the_cpp_option_structs():
         "optimizer": "sgd", "lr": 0.01, "momentum": 0.0}
 
 
+def test_ps_python_defaults_are_the_cpp_option_structs():
+    from deepnex import ps
+    server = _C.ps.ServerOptions()
+    assert (server.address, server.mode, server.num_workers, server.staleness, server.reduction,
+            server.lease_timeout, server.heartbeat_interval, server.lease_policy,
+            server.max_message_bytes, server.max_pull_reply_bytes, server.name,
+            server.checkpoint_interval) == (
+        "127.0.0.1:0", "sync", 1, 0, "mean", 10.0, 0.0, "shrink", 256 << 20, 0, "ps", 0.0)
+    s = _defaults(ps.Server)
+    assert {k: s[k] for k in (
+        "address", "mode", "num_workers", "reduction", "staleness", "reject_nonfinite",
+        "max_message_bytes", "max_pull_reply_bytes", "max_pending_reply_bytes",
+        "max_deferred_push_bytes", "job_id", "lease_timeout", "heartbeat_interval",
+        "lease_policy", "keep_dead_contributions", "name", "checkpoint_every_rounds",
+        "checkpoint_interval", "_drop_push_replies")} == {
+        "address": "127.0.0.1:0", "mode": "sync", "num_workers": 1, "reduction": "mean",
+        "staleness": 0, "reject_nonfinite": True, "max_message_bytes": 256 << 20,
+        "max_pull_reply_bytes": None, "max_pending_reply_bytes": 1 << 30,
+        "max_deferred_push_bytes": 256 << 20, "job_id": "", "lease_timeout": 10.0,
+        "heartbeat_interval": 0.0, "lease_policy": "shrink", "keep_dead_contributions": True,
+        "name": "ps", "checkpoint_every_rounds": 0, "checkpoint_interval": 0.0,
+        "_drop_push_replies": 0}
+    c = _defaults(ps.Client)
+    assert c == {"worker_id": 0, "partition_bytes": 4 << 20, "request_bytes": 4 << 20,
+                 "timeout": 60.0, "connections_per_server": 2, "token": None,
+                 "token_file": None, "tls_ca_file": None, "heartbeat": True,
+                 "retry_backoff": 0.05}
+    assert _C.ps.ClientOptions().retry_backoff == 0.05
+
+
+def test_ps_option_structs_check_what_is_set_and_name_the_field():
+    o = _C.ps.ServerOptions()
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        o.mode = "fast"
+    assert str(e.value) == 'mode: unknown "fast" (one of sync, ssp, async)'
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        o.reduction = "max"
+    assert str(e.value) == 'reduction: unknown "max" (one of mean, sum)'
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        o.lease_timeout = 0
+    assert str(e.value) == "lease_timeout=0.000000: must be positive seconds"
+    # 0 or less turns the intervals off, as ps.Server has always taken them.
+    o.heartbeat_interval, o.checkpoint_interval = -3, 2.5
+    assert (o.heartbeat_interval, o.checkpoint_interval) == (0.0, 2.5)
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        _C.ps.ClientOptions().retry_backoff = 0
+    assert str(e.value) == "retry_backoff=0.000000: must be positive seconds"
+    # ps.Server and ps.Client take their sizes as _convert reads them.
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        deepnex.ps.Client(["127.0.0.1:1"], partition_bytes=-1)
+    assert str(e.value) == "partition_bytes=-1: must be >= 0"
+
+
 def test_option_structs_check_what_is_set_and_name_the_field():
     from deepnex._convert import options
     o = options(_C.collective.CommunicatorOptions, rank=1, world_size=2, timeout=2.5)

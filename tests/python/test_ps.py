@@ -181,6 +181,28 @@ def test_pull_into_writes_the_callers_array_and_torch_tensors_work():
         assert torch.equal(out, torch.full((2, 3), 3.0))
 
 
+def test_bfloat16_tensors_and_their_uint16_stand_ins():
+    torch = pytest.importorskip("torch")
+    with ps.Server(mode="async", optimizer=ps.Sum()) as server, \
+            ps.Client([server.address]) as c:
+        c.init({"b": torch.tensor([1.0, 2.0, -0.5, 4.0], dtype=torch.bfloat16)})
+        assert c.describe(["b"]) == {"b": ("bfloat16", (4,))}
+        c.push({"b": torch.ones(4, dtype=torch.bfloat16)})
+        out = torch.zeros(4, dtype=torch.bfloat16)
+        c.pull_into({"b": out})
+        assert out.tolist() == [2.0, 3.0, 0.5, 5.0]
+        # numpy has no bfloat16: a pull gives, and a push takes, uint16 bits
+        # for a key the client knows is bfloat16.
+        bits = c.pull(["b"])["b"]
+        assert bits.dtype == np.uint16
+        c.push({"b": bits})
+        c.pull_into({"b": out})
+        assert out.tolist() == [4.0, 6.0, 1.0, 10.0]
+        with pytest.raises(TypeError) as e:
+            c.push({"b": [1.0, 2.0]})
+        assert str(e.value) == "'b': expected a numpy array or a torch tensor, got list"
+
+
 def test_bad_arrays_raise_without_copying():
     with ps.Server(mode="async") as server, ps.Client([server.address]) as c:
         c.init({"w": np.zeros((4, 4), np.float32)})

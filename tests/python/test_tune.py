@@ -744,6 +744,19 @@ def test_cli_token_or_token_file_for_central(monkeypatch, tmp_path):
     assert runner["central_token"] == "from-env"
 
 
+def test_cli_central_from_env_unless_the_flag_is_given(monkeypatch):
+    monkeypatch.setenv("DEEPNEX_CENTRAL", "env-host:7")
+    monkeypatch.setenv("DEEPNEX_TOKEN", "env-token")
+    _, _, runner = _tune_cli(monkeypatch, [])
+    assert (runner["central"], runner["central_token"]) == ("env-host:7", "env-token")
+    _, _, runner = _tune_cli(monkeypatch, ["--central", "h:1", "--token-file", "tok"])
+    assert (runner["central"], runner["central_token_file"]) == ("h:1", "tok")
+    assert "central_token" not in runner
+    monkeypatch.delenv("DEEPNEX_CENTRAL")
+    _, _, runner = _tune_cli(monkeypatch, [])
+    assert "central" not in runner and "central_token" not in runner
+
+
 def test_every_tune_flag_has_help():
     from deepnex.__main__ import build_parser
     commands = next(a for a in build_parser()._actions
