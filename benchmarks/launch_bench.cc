@@ -271,7 +271,13 @@ class AgentRunner {
     LauncherOptions local;
     local.state_dir = state_dir + (agent ? "/central" : "/central-local");
     fs::create_directories(local.state_dir);
-    DEEPNEX_ASSIGN_OR_RETURN(r->central_, deepnex::launch::CreateCentralServer({}, local));
+    // Central runs users' containers only as their mapped, unprivileged
+    // identity: the bench user is this process's own when it is not root.
+    deepnex::launch::ContainerPolicy policy;
+    const bool root = geteuid() == 0;
+    policy.users["bench"] = {root ? 65534u : geteuid(), root ? 65534u : getegid(), "bench", "/"};
+    DEEPNEX_ASSIGN_OR_RETURN(r->central_,
+                             deepnex::launch::CreateCentralServer({}, local, policy));
     deepnex::agent::AgentOptions a;
     a.central = r->central_->address();
     a.node = "bench";

@@ -89,6 +89,8 @@ class RemoteLauncher final : public launch::Launcher {
 
   const std::string& backend() const override { return backend_; }
   const std::string& id() const override { return node_; }
+  // Its one node is the agent's; central places on it by the allocation.
+  absl::StatusOr<std::vector<gpu::Node>> Nodes() override { return std::vector<gpu::Node>{}; }
 
   absl::StatusOr<std::shared_ptr<launch::Handle>> Start(
       const launch::ContainerSpec& spec) override {

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from _central import BUILD_DIR, CENTRAL_BIN, TOKENS, stop_central
+from _central import BUILD_DIR, CENTRAL_BIN, TOKENS, USER_IDS, stop_central
 from _wait import wait_for
 
 AGENT_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-agent")
@@ -24,6 +24,7 @@ def start_central(tmp_path, listen="127.0.0.1:0"):
     tokens.write_text(TOKENS + NODE_TOKENS)
     proc = subprocess.Popen([os.path.abspath(CENTRAL_BIN), "--listen", listen,
                              "--token-file", str(tokens), "--node-timeout", "2",
+                             "--user", f"alice={USER_IDS}",
                              "--state-dir", str(tmp_path / "ledger"),
                              "--launch-state-dir", str(tmp_path / "central")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -3,6 +3,9 @@
 // central on an agent's node.
 #include "deepnex/agent/agent.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -49,7 +52,12 @@ class AgentTest : public ::testing::Test {
     launch::LauncherOptions l;
     l.backend = "process";
     l.state_dir = dir_.path() + "/central";
-    ASSERT_OK_AND_ASSIGN(server_, launch::CreateCentralServer(o, l));
+    // Alice's containers run as nobody (as root) or as this test's own uid.
+    launch::ContainerPolicy policy;
+    policy.users["alice"] = geteuid() == 0 ? launch::RunAs{65534, 65534}
+                                           : launch::RunAs{geteuid(), getegid()};
+    ASSERT_EQ(chmod(dir_.path().c_str(), 0711), 0);
+    ASSERT_OK_AND_ASSIGN(server_, launch::CreateCentralServer(o, l, policy));
     gpu::CentralClientOptions c;
     c.address = server_->address();
     c.token = "alicetok";
