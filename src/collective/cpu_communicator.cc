@@ -29,6 +29,7 @@
 #include "collective/backends.h"
 #include "collective/rendezvous.h"
 #include "collective/ring.h"
+#include "collective/stripe_pool.h"
 #include "collective/work_queue.h"
 #include "core/grpc_util.h"
 
@@ -41,6 +42,10 @@ constexpr uint32_t kHelloMagic = 0x64786831;   // "dxh1"
 constexpr uint32_t kHeaderMagic = 0x64786331;  // "dxc1"
 // Below this many bytes per stripe a collective uses fewer stripes.
 constexpr size_t kMinStripeBytes = 256 << 10;
+// Allreduces of at most this many bytes, among at most kSmallMaxRanks ranks,
+// pass every rank's data with the header exchange instead of running a ring.
+constexpr size_t kSmallBytes = 64 << 10;
+constexpr int kSmallMaxRanks = 8;
 
 struct Header {
   uint32_t magic = kHeaderMagic;
@@ -49,7 +54,7 @@ struct Header {
   uint8_t op = 0;
   uint8_t invalid = 0;
   int32_t root = 0;
-  uint32_t pad = 0;
+  uint32_t payload_bytes = 0;  // data that follows the header (small collectives)
   uint64_t count = 0;
   uint64_t seq = 0;
   bool SameCall(const Header& o) const {
@@ -118,59 +123,6 @@ bool SupportedDType(DType d) {
 
 std::string RankName(int r) { return absl::StrCat("rank ", r); }
 
-// Runs jobs on helper threads, one per extra stripe; job 0 runs on the caller.
-class StripePool {
- public:
-  explicit StripePool(int helpers) {
-    slots_.resize(helpers);
-    for (int i = 0; i < helpers; ++i) threads_.emplace_back([this, i] { Loop(i); });
-  }
-  ~StripePool() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-  std::vector<absl::Status> Run(const std::vector<std::function<absl::Status()>>& jobs) {
-    std::vector<absl::Status> results(jobs.size());
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      pending_ = static_cast<int>(jobs.size()) - 1;
-      for (size_t i = 1; i < jobs.size(); ++i) {
-        slots_[i - 1] = [&, i] { results[i] = jobs[i](); };
-      }
-    }
-    cv_.notify_all();
-    if (!jobs.empty()) results[0] = jobs[0]();
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [this] { return pending_ == 0; });
-    return results;
-  }
-
- private:
-  void Loop(int i) {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (true) {
-      cv_.wait(lock, [&] { return stop_ || slots_[i] != nullptr; });
-      if (stop_) return;
-      auto job = std::move(slots_[i]);
-      slots_[i] = nullptr;
-      lock.unlock();
-      job();
-      lock.lock();
-      if (--pending_ == 0) done_cv_.notify_all();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_, done_cv_;
-  std::vector<std::function<void()>> slots_;
-  int pending_ = 0;
-  bool stop_ = false;
-  std::vector<std::thread> threads_;
-};
-
 class CpuCommunicator final : public Communicator {
  public:
   explicit CpuCommunicator(const CommunicatorOptions& options) : o_(options) {}
@@ -185,24 +137,26 @@ class CpuCommunicator final : public Communicator {
   absl::Status Init(Transport transport);
 
   std::shared_ptr<Work> AllReduceAsync(const TensorView& t, ReduceOp op) override {
-    return Enqueue([this, t, op] { return DoAllReduce(t, op); });
+    return Enqueue([this, t, op] { return DoAllReduce(t, op); }, Bytes(t));
   }
   std::shared_ptr<Work> BroadcastAsync(const TensorView& t, int root) override {
-    return Enqueue([this, t, root] { return DoBroadcast(t, root); });
+    return Enqueue([this, t, root] { return DoBroadcast(t, root); }, Bytes(t));
   }
   std::shared_ptr<Work> AllGatherAsync(const TensorView& in, const TensorView& out) override {
-    return Enqueue([this, in, out] { return DoAllGather(in, out); });
+    return Enqueue([this, in, out] { return DoAllGather(in, out); }, Bytes(out));
   }
   std::shared_ptr<Work> ReduceScatterAsync(const TensorView& in, const TensorView& out,
                                            ReduceOp op) override {
-    return Enqueue([this, in, out, op] { return DoReduceScatter(in, out, op); });
+    return Enqueue([this, in, out, op] { return DoReduceScatter(in, out, op); }, Bytes(in));
   }
   std::shared_ptr<Work> BarrierAsync() override {
-    return Enqueue([this] {
-      Header h;
-      h.kind = static_cast<uint8_t>(Kind::kBarrier);
-      return Exchange(h, absl::OkStatus(), Deadline());
-    });
+    return Enqueue(
+        [this] {
+          Header h;
+          h.kind = static_cast<uint8_t>(Kind::kBarrier);
+          return Exchange(h, absl::OkStatus(), Deadline());
+        },
+        0);
   }
 
   void Abort() override {
@@ -224,8 +178,13 @@ class CpuCommunicator final : public Communicator {
   absl::Status KeepSegments(Joining& j, SteadyClock::time_point deadline);
   void BuildLinks(Joining& j);
 
-  std::shared_ptr<Work> Enqueue(std::function<absl::Status()> fn) {
-    return queue_->Enqueue([this, fn = std::move(fn)] { return Run(fn); });
+  // Small collectives are left for their waiter to run (see SerialQueue).
+  std::shared_ptr<Work> Enqueue(std::function<absl::Status()> fn, uint64_t bytes) {
+    return queue_->Enqueue([this, fn = std::move(fn)] { return Run(fn); },
+                           /*lazy=*/bytes <= kSmallBytes);
+  }
+  static uint64_t Bytes(const TensorView& t) {
+    return static_cast<uint64_t>(std::max<int64_t>(t.NumElements(), 0)) * DTypeSize(t.dtype);
   }
 
   absl::Status Run(const std::function<absl::Status()>& fn) {
@@ -257,25 +216,42 @@ class CpuCommunicator final : public Communicator {
   SteadyClock::time_point Deadline() const { return SteadyClock::now() + o_.timeout; }
 
   // Every rank learns every rank's header, passed around the ring; all of
-  // them then agree on whether the call is valid.
-  absl::Status Exchange(Header mine, const absl::Status& local, SteadyClock::time_point deadline) {
+  // them then agree on whether the call is valid. A small collective folds
+  // its data into this exchange (one ring pass, no second round): `payload`
+  // of mine.payload_bytes, and when the call is valid every rank's payload is
+  // in gathered_, rank i's at i * payload_bytes.
+  absl::Status Exchange(Header mine, const absl::Status& local, SteadyClock::time_point deadline,
+                        const char* payload = nullptr) {
     mine.seq = ++seq_;
     mine.invalid = local.ok() ? 0 : 1;
+    if (!local.ok() || payload == nullptr) mine.payload_bytes = 0;
     const int n = o_.world_size, r = o_.rank;
+    const size_t pb = mine.payload_bytes;
     const std::string what = KindName(static_cast<Kind>(mine.kind));
     if (n > 1) {
       std::vector<Header> all(n);
       all[r] = mine;
-      Link& link = *links_[0];
-      absl::Status s = SendAll(link, reinterpret_cast<const char*>(&mine), sizeof(mine), deadline);
+      gathered_.resize(n * pb);
+      send_buf_.resize(sizeof(Header) + pb);
+      std::memcpy(send_buf_.data(), &mine, sizeof(Header));
+      if (pb > 0) std::memcpy(send_buf_.data() + sizeof(Header), payload, pb);
+      if (pb > 0) std::memcpy(gathered_.data() + r * pb, payload, pb);
+      // A payload whose size differs from ours (the ranks disagree) is read,
+      // passed on and dropped, so that the streams stay in step.
+      std::vector<char> stray;
+      absl::Status s;
       for (int step = 0; s.ok() && step < n - 1; ++step) {
-        Header& h = all[(r - 1 - step + n) % n];
-        s = RecvAll(link, reinterpret_cast<char*>(&h), sizeof(h), deadline);
-        if (s.ok() && h.magic != kHeaderMagic) {
-          s = absl::InternalError("garbled collective header from the left neighbour");
-        }
+        const int from = (r - 1 - step + n) % n;
+        char* in_payload = nullptr;
+        s = PassRecord(*links_[0], &all[from], [&](const Header& h) {
+          if (h.payload_bytes == pb) return gathered_.data() + from * pb;
+          stray.resize(h.payload_bytes);
+          return stray.data();
+        }, &in_payload, deadline);
         if (s.ok() && step < n - 2) {
-          s = SendAll(link, reinterpret_cast<const char*>(&h), sizeof(h), deadline);
+          send_buf_.resize(sizeof(Header) + all[from].payload_bytes);
+          std::memcpy(send_buf_.data(), &all[from], sizeof(Header));
+          std::memcpy(send_buf_.data() + sizeof(Header), in_payload, all[from].payload_bytes);
         }
       }
       if (!s.ok()) return Annotate(what, s);
@@ -300,6 +276,44 @@ class CpuCommunicator final : public Communicator {
       }
     }
     return local;
+  }
+
+  // Sends send_buf_ to the right while receiving one record (a Header, then
+  // its payload, stored where `place` says) from the left; both at once, so
+  // that neither side needs buffer room for the whole record.
+  absl::Status PassRecord(Link& link, Header* in,
+                          const std::function<char*(const Header&)>& place, char** in_payload,
+                          SteadyClock::time_point deadline) {
+    size_t sent = 0, got = 0, in_len = sizeof(Header);
+    while (sent < send_buf_.size() || got < in_len) {
+      bool progress = false;
+      if (sent < send_buf_.size()) {
+        DEEPNEX_ASSIGN_OR_RETURN(size_t k,
+                                 link.TrySend(send_buf_.data() + sent, send_buf_.size() - sent));
+        sent += k;
+        progress |= k > 0;
+      }
+      if (got < in_len) {
+        char* dst = got < sizeof(Header) ? reinterpret_cast<char*>(in) + got
+                                         : *in_payload + (got - sizeof(Header));
+        size_t want = (got < sizeof(Header) ? sizeof(Header) : in_len) - got;
+        DEEPNEX_ASSIGN_OR_RETURN(size_t k, link.TryRecv(dst, want));
+        got += k;
+        progress |= k > 0;
+        if (k > 0 && got == sizeof(Header)) {
+          if (in->magic != kHeaderMagic) {
+            return absl::InternalError("garbled collective header from the left neighbour");
+          }
+          *in_payload = place(*in);
+          in_len += in->payload_bytes;
+        }
+      }
+      if (!progress) {
+        DEEPNEX_RETURN_IF_ERROR(
+            link.Wait(sent < send_buf_.size(), got < in_len, deadline));
+      }
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Annotate(const std::string& what, const absl::Status& s) const {
@@ -354,11 +368,24 @@ class CpuCommunicator final : public Communicator {
     h.op = static_cast<uint8_t>(op);
     h.count = t.NumElements();
     auto deadline = Deadline();
-    DEEPNEX_RETURN_IF_ERROR(Exchange(h, CheckTensor("allreduce", t), deadline));
     const int n = o_.world_size;
     const size_t esize = DTypeSize(t.dtype), count = h.count;
     char* base = static_cast<char*>(t.data);
+    // Small: every rank's data goes around the ring with the headers and
+    // each rank reduces all of them, in rank order (so identically).
+    const bool small = n > 1 && n <= kSmallMaxRanks && count * esize <= kSmallBytes;
+    if (small) h.payload_bytes = static_cast<uint32_t>(count * esize);
+    DEEPNEX_RETURN_IF_ERROR(
+        Exchange(h, CheckTensor("allreduce", t), deadline, small ? base : nullptr));
     if (n == 1 || count == 0) return absl::OkStatus();
+    if (small) {
+      std::memcpy(base, gathered_.data(), count * esize);
+      for (int i = 1; i < n; ++i) {
+        ReduceInto(t.dtype, op, base, gathered_.data() + i * count * esize, count);
+      }
+      if (op == ReduceOp::kMean) DivideInPlace(t.dtype, base, count, n);
+      return absl::OkStatus();
+    }
     return RunStripes("allreduce", StripesFor(count * esize), [&](Link& link, int k, int stripes) {
       RingPlan p;
       p.n = n;
@@ -497,6 +524,7 @@ class CpuCommunicator final : public Communicator {
   std::unique_ptr<StripePool> pool_;
   std::string transport_name_;
   std::vector<char> scratch_;
+  std::vector<char> send_buf_, gathered_;  // Exchange's
   uint64_t seq_ = 0;
 
   std::atomic<bool> aborted_{false};
@@ -528,7 +556,7 @@ struct CpuCommunicator::Joining {
 absl::Status CpuCommunicator::Init(Transport transport) {
   if (o_.world_size == 1) {
     pool_ = std::make_unique<StripePool>(0);
-    queue_ = std::make_unique<SerialQueue>();
+    queue_ = std::make_unique<SerialQueue>(/*run_waits_inline=*/true);
     return absl::OkStatus();
   }
   const auto deadline = Deadline();
@@ -540,7 +568,7 @@ absl::Status CpuCommunicator::Init(Transport transport) {
   DEEPNEX_RETURN_IF_ERROR(KeepSegments(j, deadline));
   BuildLinks(j);
   pool_ = std::make_unique<StripePool>(static_cast<int>(links_.size()) - 1);
-  queue_ = std::make_unique<SerialQueue>();
+  queue_ = std::make_unique<SerialQueue>(/*run_waits_inline=*/true);
   return absl::OkStatus();
 }
 

@@ -166,7 +166,8 @@ class NcclCommunicator final : public Communicator {
     DEEPNEX_NCCL(ncclCommInitRankConfig(&comm_, o_.world_size, id, o_.rank, &config), nullptr);
     absl::Status s = Settle("ncclCommInitRankConfig", deadline);
     if (!s.ok()) return s;
-    queue_ = std::make_unique<SerialQueue>([this] { cudaSetDevice(device_); });
+    queue_ = std::make_unique<SerialQueue>(/*run_waits_inline=*/false,
+                                           [this] { cudaSetDevice(device_); });
     return absl::OkStatus();
   }
 

@@ -290,6 +290,60 @@ TEST_F(CommunicatorTest, MismatchedCallsFailOnEveryRankAndLeaveItUsable) {
   });
 }
 
+// Up to 64 KiB among up to 8 ranks, allreduce folds the data into the
+// header exchange; a rank on that path and one on the ring must still fail
+// together and leave the streams in step.
+TEST_F(CommunicatorTest, SmallAndLargeDisagreeingFailEveryRankAndLeaveItUsable) {
+  RunRanks(3, [&](int rank, Communicator& comm) {
+    std::vector<float> x(rank == 1 ? 20000 : 100, 1.0f);  // 80 KB against 400 B
+    EXPECT_THAT(comm.AllReduce(TensorView(x.data(), DType::kFloat32, {int64_t(x.size())})),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("rank 1: allreduce of 20000 float32")));
+    std::vector<float> y(100, 1.0f);
+    ASSERT_OK(comm.AllReduce(TensorView(y.data(), DType::kFloat32, {100})));
+    EXPECT_EQ(y[99], 3.0f);
+  });
+}
+
+TEST_F(CommunicatorTest, SmallAllReduceUpToEightRanksAndPast) {
+  for (int n : {8, 9}) {  // 9 ranks take the ring
+    RunRanks(n, [&](int rank, Communicator& comm) {
+      for (size_t count : {size_t{1}, size_t{1021}, size_t{16384}}) {
+        std::vector<int64_t> x(count);
+        for (size_t i = 0; i < count; ++i) x[i] = static_cast<int64_t>(i) * (rank + 1);
+        ASSERT_OK(comm.AllReduce(TensorView(x.data(), DType::kInt64, {int64_t(count)})));
+        for (size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(x[i], static_cast<int64_t>(i) * n * (n + 1) / 2)
+              << "world " << n << " rank " << rank << " count " << count << " element " << i;
+        }
+      }
+    });
+  }
+}
+
+TEST_F(CommunicatorTest, RankLeavingBetweenSmallCollectivesFailsTheOther) {
+  for (const char* transport : {"tcp", "shm"}) {
+    RunRanks(
+        2,
+        [&](int rank, Communicator& comm) {
+          std::vector<float> x(256, 1.0f);
+          TensorView t(x.data(), DType::kFloat32, {256});
+          if (rank == 1) {
+            for (int i = 0; i < 50; ++i) ASSERT_OK(comm.AllReduce(t));
+            comm.Abort();  // as if the process died: its connections close
+            return;
+          }
+          auto start = std::chrono::steady_clock::now();
+          absl::Status s;
+          for (int i = 0; i < 1000 && s.ok(); ++i) s = comm.AllReduce(t);
+          EXPECT_THAT(s.code(), AnyOf(absl::StatusCode::kUnavailable, absl::StatusCode::kAborted))
+              << transport << ": " << s;
+          EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(10000));
+        },
+        [&](CommunicatorOptions& o) { o.transport = *ParseTransport(transport); });
+  }
+}
+
 TEST_F(CommunicatorTest, MissingRankAtInitIsDeadlineExceededNamingIt) {
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {
