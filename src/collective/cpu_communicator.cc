@@ -183,7 +183,9 @@ class CpuCommunicator final : public Communicator {
         if (s.ok() && step < n - 2) {
           send_buf_.resize(sizeof(Header) + all[from].payload_bytes);
           std::memcpy(send_buf_.data(), &all[from], sizeof(Header));
-          std::memcpy(send_buf_.data() + sizeof(Header), in_payload, all[from].payload_bytes);
+          if (all[from].payload_bytes > 0) {
+            std::memcpy(send_buf_.data() + sizeof(Header), in_payload, all[from].payload_bytes);
+          }
         }
       }
       if (!s.ok()) return Annotate(what, s);
@@ -233,7 +235,7 @@ class CpuCommunicator final : public Communicator {
         got += k;
         progress |= k > 0;
         if (k > 0 && got == sizeof(Header)) {
-          if (in->magic != kHeaderMagic) {
+          if (in->magic != kHeaderMagic || in->payload_bytes > kSmallBytes) {
             return absl::InternalError("garbled collective header from the left neighbour");
           }
           *in_payload = place(*in);

@@ -88,26 +88,6 @@ absl::Status RunBroadcast(Link& link, int n, int r, int root, char* ptr, size_t 
   return absl::OkStatus();
 }
 
-absl::Status SendAll(Link& link, const char* p, size_t n, SteadyClock::time_point deadline) {
-  while (n > 0) {
-    DEEPNEX_ASSIGN_OR_RETURN(size_t k, link.TrySend(p, n));
-    p += k;
-    n -= k;
-    if (n > 0 && k == 0) DEEPNEX_RETURN_IF_ERROR(link.Wait(true, false, deadline));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status RecvAll(Link& link, char* p, size_t n, SteadyClock::time_point deadline) {
-  while (n > 0) {
-    DEEPNEX_ASSIGN_OR_RETURN(size_t k, link.TryRecv(p, n));
-    p += k;
-    n -= k;
-    if (n > 0 && k == 0) DEEPNEX_RETURN_IF_ERROR(link.Wait(false, true, deadline));
-  }
-  return absl::OkStatus();
-}
-
 std::pair<size_t, size_t> Part(size_t count, int parts, int i) {
   size_t begin = count * i / parts, end = count * (i + 1) / parts;
   return {begin, end - begin};

@@ -36,10 +36,6 @@ absl::Status RunRing(Link& link, const RingPlan& p, SteadyClock::time_point dead
 absl::Status RunBroadcast(Link& link, int n, int r, int root, char* ptr, size_t len,
                           SteadyClock::time_point deadline);
 
-// Blocking sends and receives of exactly `n` bytes on a Link.
-absl::Status SendAll(Link& link, const char* p, size_t n, SteadyClock::time_point deadline);
-absl::Status RecvAll(Link& link, char* p, size_t n, SteadyClock::time_point deadline);
-
 // Splits [0, count) into `parts` near-equal ranges; returns range i as
 // (begin, length).
 std::pair<size_t, size_t> Part(size_t count, int parts, int i);

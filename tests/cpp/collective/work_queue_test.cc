@@ -22,8 +22,9 @@ using std::chrono::seconds;
 // within a test.
 constexpr auto kNever = std::chrono::microseconds(std::chrono::hours(1));
 
-TEST(SerialQueueTest, WaitRunsALazyCollectiveOnTheWaitingThread) {
-  SerialQueue queue(/*run_waits_inline=*/true, nullptr, kNever);
+// The thread that ran a lazy collective waited for at once.
+std::thread::id RanOn(bool run_waits_inline) {
+  SerialQueue queue(run_waits_inline, nullptr, kNever);
   std::thread::id ran_on;
   auto work = queue.Enqueue(
       [&] {
@@ -31,21 +32,16 @@ TEST(SerialQueueTest, WaitRunsALazyCollectiveOnTheWaitingThread) {
         return absl::OkStatus();
       },
       /*lazy=*/true);
-  ASSERT_OK(work->Wait());
-  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  EXPECT_OK(work->Wait());
+  return ran_on;
+}
+
+TEST(SerialQueueTest, WaitRunsALazyCollectiveOnTheWaitingThread) {
+  EXPECT_EQ(RanOn(/*run_waits_inline=*/true), std::this_thread::get_id());
 }
 
 TEST(SerialQueueTest, WithoutInlineWaitsTheQueueThreadRunsEverything) {
-  SerialQueue queue(/*run_waits_inline=*/false, nullptr, kNever);
-  std::thread::id ran_on;
-  auto work = queue.Enqueue(
-      [&] {
-        ran_on = std::this_thread::get_id();
-        return absl::OkStatus();
-      },
-      /*lazy=*/true);
-  ASSERT_OK(work->Wait());
-  EXPECT_NE(ran_on, std::this_thread::get_id());
+  EXPECT_NE(RanOn(/*run_waits_inline=*/false), std::this_thread::get_id());
 }
 
 TEST(SerialQueueTest, LazyCollectiveNobodyWaitsForStillRuns) {
