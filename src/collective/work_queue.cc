@@ -22,6 +22,7 @@ struct WorkImpl::Core {
     Clock::time_point queued;
   };
   std::chrono::microseconds lazy_grace{0};
+  bool may_be_lazy = false;  // run_waits_inline: only then are there lazy items to poll for
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Item> items;
@@ -70,6 +71,7 @@ SerialQueue::SerialQueue(bool run_waits_inline, std::function<void()> on_thread_
                          std::chrono::microseconds lazy_grace)
     : run_waits_inline_(run_waits_inline), core_(std::make_shared<Core>()) {
   core_->lazy_grace = lazy_grace;
+  core_->may_be_lazy = run_waits_inline;
   thread_ = std::thread([core = core_, start = std::move(on_thread_start)] {
     if (start) start();
     Loop(*core);
@@ -180,7 +182,7 @@ void SerialQueue::Loop(Core& core) {
       core.cv.notify_all();
       continue;
     }
-    if (!core.items.empty() || now - core.last_busy < kBusyWindow) {
+    if (core.may_be_lazy && (!core.items.empty() || now - core.last_busy < kBusyWindow)) {
       core.cv.wait_for(lock, core.lazy_grace);
     } else {
       core.sleeping = true;
