@@ -22,6 +22,7 @@
 #include "absl/strings/str_join.h"
 #include "collective/backends.h"
 #include "collective/cpu_wire.h"
+#include "collective/exchange.h"
 #include "collective/reduce.h"
 #include "collective/rendezvous.h"
 #include "collective/ring.h"
@@ -36,10 +37,6 @@ using std::chrono::milliseconds;
 
 // Below this many bytes per stripe a collective uses fewer stripes.
 constexpr size_t kMinStripeBytes = 256 << 10;
-// Allreduces of at most this many bytes, among at most kSmallMaxRanks ranks,
-// pass every rank's data with the header exchange instead of running a ring.
-constexpr size_t kSmallBytes = 64 << 10;
-constexpr int kSmallMaxRanks = 8;
 
 bool SupportedDType(DType d) {
   switch (d) {
@@ -175,7 +172,7 @@ class CpuCommunicator final : public Communicator {
       for (int step = 0; s.ok() && step < n - 1; ++step) {
         const int from = (r - 1 - step + n) % n;
         char* in_payload = nullptr;
-        s = PassRecord(*links_[0], &all[from], [&](const Header& h) {
+        s = PassRecord(*links_[0], send_buf_, &all[from], [&](const Header& h) {
           if (h.payload_bytes == pb) return gathered_.data() + from * pb;
           stray.resize(h.payload_bytes);
           return stray.data();
@@ -189,63 +186,58 @@ class CpuCommunicator final : public Communicator {
         }
       }
       if (!s.ok()) return Annotate(what, s);
-      if (!local.ok()) return local;
-      std::vector<std::string> bad;
-      for (int i = 0; i < n; ++i) {
-        if (all[i].invalid) bad.push_back(absl::StrCat(i));
-      }
-      if (!bad.empty()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            what, ": invalid arguments on rank ", absl::StrJoin(bad, ", "), "; nothing was done"));
-      }
-      bool same = true;
-      for (int i = 0; i < n; ++i) same = same && all[i].SameCall(all[0]);
-      if (!same) {
-        std::string desc;
-        for (int i = 0; i < n; ++i) {
-          absl::StrAppend(&desc, i ? "; " : "", "rank ", i, ": ", all[i].Describe());
-        }
-        return absl::InvalidArgumentError(
-            absl::StrCat("ranks disagree on the collective (", desc, "); nothing was done"));
-      }
+      return Verdict(all, local, what);
     }
     return local;
   }
 
-  // Sends send_buf_ to the right while receiving one record (a Header, then
-  // its payload, stored where `place` says) from the left; both at once, so
-  // that neither side needs buffer room for the whole record.
-  absl::Status PassRecord(Link& link, Header* in,
-                          const std::function<char*(const Header&)>& place, char** in_payload,
-                          SteadyClock::time_point deadline) {
-    size_t sent = 0, got = 0, in_len = sizeof(Header);
-    while (sent < send_buf_.size() || got < in_len) {
-      bool progress = false;
-      if (sent < send_buf_.size()) {
-        DEEPNEX_ASSIGN_OR_RETURN(size_t k,
-                                 link.TrySend(send_buf_.data() + sent, send_buf_.size() - sent));
-        sent += k;
-        progress |= k > 0;
+  // Whether every rank's header says the same valid call.
+  absl::Status Verdict(const std::vector<Header>& all, const absl::Status& local,
+                       const std::string& what) const {
+    const int n = o_.world_size;
+    if (!local.ok()) return local;
+    std::vector<std::string> bad;
+    for (int i = 0; i < n; ++i) {
+      if (all[i].invalid) bad.push_back(absl::StrCat(i));
+    }
+    if (!bad.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": invalid arguments on rank ", absl::StrJoin(bad, ", "), "; nothing was done"));
+    }
+    bool same = true;
+    for (int i = 0; i < n; ++i) same = same && all[i].SameCall(all[0]);
+    if (!same) {
+      std::string desc;
+      for (int i = 0; i < n; ++i) {
+        absl::StrAppend(&desc, i ? "; " : "", "rank ", i, ": ", all[i].Describe());
       }
-      if (got < in_len) {
-        char* dst = got < sizeof(Header) ? reinterpret_cast<char*>(in) + got
-                                         : *in_payload + (got - sizeof(Header));
-        size_t want = (got < sizeof(Header) ? sizeof(Header) : in_len) - got;
-        DEEPNEX_ASSIGN_OR_RETURN(size_t k, link.TryRecv(dst, want));
-        got += k;
-        progress |= k > 0;
-        if (k > 0 && got == sizeof(Header)) {
-          if (in->magic != kHeaderMagic || in->payload_bytes > kSmallBytes) {
-            return absl::InternalError("garbled collective header from the left neighbour");
-          }
-          *in_payload = place(*in);
-          in_len += in->payload_bytes;
-        }
-      }
-      if (!progress) {
-        DEEPNEX_RETURN_IF_ERROR(
-            link.Wait(sent < send_buf_.size(), got < in_len, deadline));
-      }
+      return absl::InvalidArgumentError(
+          absl::StrCat("ranks disagree on the collective (", desc, "); nothing was done"));
+    }
+    return local;
+  }
+
+  // Two ranks, a small sum, mean or prod (see PairReduce): a + b == b + a,
+  // so both ranks end equal. One copy each way, where Exchange makes five.
+  absl::Status PairAllReduce(Header mine, const absl::Status& local, char* base,
+                             SteadyClock::time_point deadline) {
+    mine.seq = ++seq_;
+    mine.invalid = local.ok() ? 0 : 1;
+    if (!local.ok()) mine.payload_bytes = 0;
+    const size_t pb = mine.payload_bytes;
+    const DType dtype = static_cast<DType>(mine.dtype);
+    const std::string what = KindName(static_cast<Kind>(mine.kind));
+    std::vector<Header> all(2);
+    all[o_.rank] = mine;
+    Header& peer = all[1 - o_.rank];
+    auto matches = [&](const Header& h) {
+      return local.ok() && !h.invalid && h.SameCall(mine) && h.payload_bytes == pb;
+    };
+    absl::Status s = PairReduce(*links_[0], mine, base, &peer, matches, deadline);
+    if (!s.ok()) return Annotate(what, s);
+    DEEPNEX_RETURN_IF_ERROR(Verdict(all, local, what));
+    if (static_cast<ReduceOp>(mine.op) == ReduceOp::kMean) {
+      DivideInPlace(dtype, base, pb / DTypeSize(dtype), 2);
     }
     return absl::OkStatus();
   }
@@ -309,6 +301,10 @@ class CpuCommunicator final : public Communicator {
     // each rank reduces all of them, in rank order (so identically).
     const bool small = n > 1 && n <= kSmallMaxRanks && count * esize <= kSmallBytes;
     if (small) h.payload_bytes = static_cast<uint32_t>(count * esize);
+    if (small && n == 2 && count > 0 &&
+        (op == ReduceOp::kSum || op == ReduceOp::kMean || op == ReduceOp::kProd)) {
+      return PairAllReduce(h, CheckTensor("allreduce", t), base, deadline);
+    }
     DEEPNEX_RETURN_IF_ERROR(
         Exchange(h, CheckTensor("allreduce", t), deadline, small ? base : nullptr));
     if (n == 1 || count == 0) return absl::OkStatus();

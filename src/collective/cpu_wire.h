@@ -19,6 +19,10 @@ namespace deepnex::collective {
 
 constexpr uint32_t kHelloMagic = 0x64786831;   // "dxh1"
 constexpr uint32_t kHeaderMagic = 0x64786331;  // "dxc1"
+// Allreduces of at most this many bytes, among at most kSmallMaxRanks ranks,
+// pass every rank's data with the header exchange instead of running a ring.
+constexpr size_t kSmallBytes = 64 << 10;
+constexpr int kSmallMaxRanks = 8;
 struct Header {
   uint32_t magic = kHeaderMagic;
   uint8_t kind = 0;

@@ -305,6 +305,50 @@ TEST_F(CommunicatorTest, SmallAndLargeDisagreeingFailEveryRankAndLeaveItUsable) 
   });
 }
 
+// Two ranks reduce a small sum, mean or prod straight from the link; with
+// rings and payloads larger than a ring, only data already sent may be
+// overwritten, and neither rank may wait for the other to finish sending.
+TEST_F(CommunicatorTest, TwoRankSmallAllReduceThroughATinyRing) {
+  for (const char* transport : {"shm", "tcp"}) {
+    RunRanks(
+        2,
+        [&](int rank, Communicator& comm) {
+          for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMean, ReduceOp::kProd}) {
+            const size_t count = (64 << 10) / 4;  // 64 KiB of float32: 16 rings
+            std::vector<char> buf(count * 4);
+            for (size_t i = 0; i < count; ++i) Store(DType::kFloat32, buf.data(), i, Input(op, rank, i));
+            ASSERT_OK(comm.AllReduce(TensorView(buf.data(), DType::kFloat32, {int64_t(count)}), op));
+            for (size_t i = 0; i < count; ++i) {
+              ASSERT_EQ(Load(DType::kFloat32, buf.data(), i), Expected(DType::kFloat32, op, 2, i))
+                  << transport << " rank " << rank << " " << ReduceOpName(op) << " element " << i;
+            }
+          }
+        },
+        [&](CommunicatorOptions& o) {
+          o.transport = *ParseTransport(transport);
+          o.shm_buffer_bytes = 4096;
+        });
+  }
+}
+
+TEST_F(CommunicatorTest, TwoRankSmallMismatchLeavesBothTensorsUntouched) {
+  RunRanks(2, [&](int rank, Communicator& comm) {
+    // Rank 0 on the two-rank path (sum), rank 1 on the general one (max).
+    std::vector<float> x(100, static_cast<float>(rank + 1));
+    EXPECT_THAT(comm.AllReduce(TensorView(x.data(), DType::kFloat32, {100}),
+                               rank == 0 ? ReduceOp::kSum : ReduceOp::kMax),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("disagree")));
+    EXPECT_EQ(x, std::vector<float>(100, static_cast<float>(rank + 1)));
+    // Both on the two-rank path, different sizes.
+    std::vector<float> y(rank == 0 ? 100 : 200, static_cast<float>(rank + 1));
+    EXPECT_THAT(comm.AllReduce(TensorView(y.data(), DType::kFloat32, {int64_t(y.size())})),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank 1: allreduce of 200")));
+    EXPECT_EQ(y, std::vector<float>(y.size(), static_cast<float>(rank + 1)));
+    ASSERT_OK(comm.AllReduce(TensorView(x.data(), DType::kFloat32, {100})));
+    EXPECT_EQ(x[99], 3.0f);
+  });
+}
+
 TEST_F(CommunicatorTest, SmallAllReduceUpToEightRanksAndPast) {
   for (int n : {8, 9}) {  // 9 ranks take the ring
     RunRanks(n, [&](int rank, Communicator& comm) {
