@@ -300,11 +300,12 @@ class CpuCommunicator final : public Communicator {
     // Small: every rank's data goes around the ring with the headers and
     // each rank reduces all of them, in rank order (so identically).
     const bool small = n > 1 && n <= kSmallMaxRanks && count * esize <= kSmallBytes;
-    if (small) h.payload_bytes = static_cast<uint32_t>(count * esize);
-    if (small && n == 2 && count > 0 &&
+    if (n == 2 && count > 0 && count * esize <= kPairBytes &&
         (op == ReduceOp::kSum || op == ReduceOp::kMean || op == ReduceOp::kProd)) {
+      h.payload_bytes = static_cast<uint32_t>(count * esize);
       return PairAllReduce(h, CheckTensor("allreduce", t), base, deadline);
     }
+    if (small) h.payload_bytes = static_cast<uint32_t>(count * esize);
     DEEPNEX_RETURN_IF_ERROR(
         Exchange(h, CheckTensor("allreduce", t), deadline, small ? base : nullptr));
     if (n == 1 || count == 0) return absl::OkStatus();

@@ -23,6 +23,12 @@ constexpr uint32_t kHeaderMagic = 0x64786331;  // "dxc1"
 // pass every rank's data with the header exchange instead of running a ring.
 constexpr size_t kSmallBytes = 64 << 10;
 constexpr int kSmallMaxRanks = 8;
+// Two ranks reduce a sum, mean or prod of up to this many bytes straight
+// from the link (exchange.h's PairReduce): with no ring steps and no stripe
+// threads, it beats the ring well past kSmallBytes.
+constexpr size_t kPairBytes = 1 << 20;
+// No header announces a payload larger than this.
+constexpr size_t kMaxPayloadBytes = kPairBytes;
 struct Header {
   uint32_t magic = kHeaderMagic;
   uint8_t kind = 0;

@@ -8,7 +8,7 @@ namespace deepnex::collective {
 namespace {
 
 absl::Status CheckHeader(const Header& h) {
-  if (h.magic != kHeaderMagic || h.payload_bytes > kSmallBytes) {
+  if (h.magic != kHeaderMagic || h.payload_bytes > kMaxPayloadBytes) {
     return absl::InternalError("garbled collective header from the left neighbour");
   }
   return absl::OkStatus();

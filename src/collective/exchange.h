@@ -17,7 +17,7 @@ namespace deepnex::collective {
 // the left: a Header into `in`, then its payload_bytes at place(*in), which
 // is also returned in `in_payload`. Both at once, so that neither side needs
 // buffer room for a whole record. A header that is garbled or announces more
-// than kSmallBytes is Internal.
+// than kMaxPayloadBytes is Internal.
 absl::Status PassRecord(Link& link, const std::vector<char>& out, Header* in,
                         const std::function<char*(const Header&)>& place, char** in_payload,
                         SteadyClock::time_point deadline);

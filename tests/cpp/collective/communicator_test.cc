@@ -305,22 +305,30 @@ TEST_F(CommunicatorTest, SmallAndLargeDisagreeingFailEveryRankAndLeaveItUsable) 
   });
 }
 
-// Two ranks reduce a small sum, mean or prod straight from the link; with
-// rings and payloads larger than a ring, only data already sent may be
+// Two ranks reduce a sum, mean or prod of up to 1 MiB straight from the link;
+// with payloads larger than a ring, only data already sent may be
 // overwritten, and neither rank may wait for the other to finish sending.
 TEST_F(CommunicatorTest, TwoRankSmallAllReduceThroughATinyRing) {
+  // 64 KiB and 1 MiB of float32: 16 and 256 rings' worth.
+  const size_t counts[] = {(64 << 10) / 4, (1 << 20) / 4};
   for (const char* transport : {"shm", "tcp"}) {
     RunRanks(
         2,
         [&](int rank, Communicator& comm) {
           for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMean, ReduceOp::kProd}) {
-            const size_t count = (64 << 10) / 4;  // 64 KiB of float32: 16 rings
-            std::vector<char> buf(count * 4);
-            for (size_t i = 0; i < count; ++i) Store(DType::kFloat32, buf.data(), i, Input(op, rank, i));
-            ASSERT_OK(comm.AllReduce(TensorView(buf.data(), DType::kFloat32, {int64_t(count)}), op));
-            for (size_t i = 0; i < count; ++i) {
-              ASSERT_EQ(Load(DType::kFloat32, buf.data(), i), Expected(DType::kFloat32, op, 2, i))
-                  << transport << " rank " << rank << " " << ReduceOpName(op) << " element " << i;
+            for (size_t count : counts) {
+              std::vector<char> buf(count * 4);
+              for (size_t i = 0; i < count; ++i) {
+                Store(DType::kFloat32, buf.data(), i, Input(op, rank, i));
+              }
+              ASSERT_OK(
+                  comm.AllReduce(TensorView(buf.data(), DType::kFloat32, {int64_t(count)}), op));
+              for (size_t i = 0; i < count; ++i) {
+                ASSERT_EQ(Load(DType::kFloat32, buf.data(), i),
+                          Expected(DType::kFloat32, op, 2, i))
+                    << transport << " rank " << rank << " " << ReduceOpName(op) << " count "
+                    << count << " element " << i;
+              }
             }
           }
         },
@@ -344,6 +352,11 @@ TEST_F(CommunicatorTest, TwoRankSmallMismatchLeavesBothTensorsUntouched) {
     EXPECT_THAT(comm.AllReduce(TensorView(y.data(), DType::kFloat32, {int64_t(y.size())})),
                 StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank 1: allreduce of 200")));
     EXPECT_EQ(y, std::vector<float>(y.size(), static_cast<float>(rank + 1)));
+    // Rank 1 past the two-rank path's 1 MiB, on the ring.
+    std::vector<float> z(rank == 0 ? 100 : (1 << 18) + 1, static_cast<float>(rank + 1));
+    EXPECT_THAT(comm.AllReduce(TensorView(z.data(), DType::kFloat32, {int64_t(z.size())})),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("disagree")));
+    EXPECT_EQ(z, std::vector<float>(z.size(), static_cast<float>(rank + 1)));
     ASSERT_OK(comm.AllReduce(TensorView(x.data(), DType::kFloat32, {100})));
     EXPECT_EQ(x[99], 3.0f);
   });
