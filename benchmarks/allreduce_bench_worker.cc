@@ -1,5 +1,6 @@
 // One rank of benchmarks/allreduce_bench: times deepnex allreduces of each
-// size and prints, from rank 0, "SIZE_BYTES MEDIAN_SECONDS" per size.
+// size and prints, from rank 0, "SIZE_BYTES MEDIAN_SECONDS TRANSPORT" per
+// size, then "barrier SECONDS TRANSPORT" (median of rounds of 500 barriers).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -86,5 +87,18 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
   }
+  // Barrier latency: rounds of back-to-back barriers, median per barrier.
+  constexpr int kRounds = 7, kPerRound = 500;
+  std::vector<double> rounds;
+  for (int i = 0; i < 10; ++i) c.Barrier().IgnoreError();
+  for (int k = 0; k < kRounds; ++k) {
+    auto t0 = Clock::now();
+    for (int i = 0; i < kPerRound; ++i) {
+      if (!c.Barrier().ok()) return 1;
+    }
+    rounds.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / kPerRound);
+  }
+  std::sort(rounds.begin(), rounds.end());
+  if (o.rank == 0) std::printf("barrier %.9f %s\n", rounds[kRounds / 2], c.transport().c_str());
   return 0;
 }

@@ -2,7 +2,8 @@
  * sums timed exactly as allreduce_bench_worker times deepnex (2 warm-up runs,
  * a barrier before each timed run, enough runs to fill MIN_TIME seconds
  * (5..200), median), then checked exactly with integer-valued inputs.
- * Prints "SIZE_BYTES MEDIAN_SECONDS mpi" from rank 0.
+ * Prints "SIZE_BYTES MEDIAN_SECONDS mpi" from rank 0, then "barrier SECONDS
+ * mpi": the median of 7 rounds of 500 back-to-back MPI_Barrier calls.
  *   mpirun -np 2 mpi_allreduce 1024,65536 0.3 */
 #include <mpi.h>
 #include <stdio.h>
@@ -61,6 +62,16 @@ int main(int argc, char** argv) {
     free(x);
   }
   free(sizes);
+  enum { kRounds = 7, kPerRound = 500 };
+  double rounds[kRounds];
+  for (int i = 0; i < 10; ++i) MPI_Barrier(MPI_COMM_WORLD);
+  for (int k = 0; k < kRounds; ++k) {
+    double t0 = MPI_Wtime();
+    for (int i = 0; i < kPerRound; ++i) MPI_Barrier(MPI_COMM_WORLD);
+    rounds[k] = (MPI_Wtime() - t0) / kPerRound;
+  }
+  qsort(rounds, kRounds, sizeof(double), cmp_double);
+  if (rank == 0) printf("barrier %.9f mpi\n", rounds[kRounds / 2]);
   MPI_Finalize();
   return 0;
 }

@@ -42,6 +42,16 @@ def main():
         times.sort()
         if rank == 0:
             print(nbytes, f"{times[len(times) // 2]:.9f}", "gloo", flush=True)
+    # Barrier latency: median of 7 rounds of 500 back-to-back barriers.
+    rounds = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(500):
+            dist.barrier()
+        rounds.append((time.perf_counter() - t0) / 500)
+    rounds.sort()
+    if rank == 0:
+        print("barrier", f"{rounds[3]:.9f}", "gloo", flush=True)
     dist.destroy_process_group()
 
 

@@ -1,7 +1,7 @@
 #include "deepnex/collective/communicator.h"
 
 #include "absl/strings/str_cat.h"
-#include "collective/work.h"
+#include "collective/backends.h"
 #include "core/net.h"
 
 namespace deepnex::collective {
@@ -24,6 +24,17 @@ absl::StatusOr<ReduceOp> ParseReduceOp(const std::string& name) {
   }
   return absl::InvalidArgumentError(
       absl::StrCat("op: unknown \"", name, "\" (one of sum, mean, max, min, prod)"));
+}
+
+const char* KindName(Kind kind) {
+  switch (kind) {
+    case Kind::kAllReduce: return "allreduce";
+    case Kind::kBroadcast: return "broadcast";
+    case Kind::kAllGather: return "allgather";
+    case Kind::kReduceScatter: return "reduce_scatter";
+    case Kind::kBarrier: return "barrier";
+  }
+  return "?";
 }
 
 const char* BackendName(Backend backend) {
@@ -100,49 +111,6 @@ CommunicatorOptions CommunicatorOptions::FromContext(const Context& context) {
   if (!context.job_id.empty()) o.prefix = context.job_id;
   o.device = context.local_rank;
   return o;
-}
-
-void WorkImpl::Finish(absl::Status status) {
-  std::lock_guard<std::mutex> lock(mu_);
-  status_ = std::move(status);
-  done_ = true;
-  cv_.notify_all();
-}
-
-absl::Status WorkImpl::Wait(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_for(lock, timeout, [this] { return done_; })) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("collective still running after ", timeout.count(), " ms"));
-  }
-  return status_;
-}
-
-absl::Status WorkImpl::Wait() {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [this] { return done_; });
-  return status_;
-}
-
-bool WorkImpl::Done() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return done_;
-}
-
-std::shared_ptr<Work> FinishedWork(absl::Status status) {
-  auto work = std::make_shared<WorkImpl>();
-  work->Finish(std::move(status));
-  return work;
-}
-
-absl::StatusOr<std::unique_ptr<StoreClient>> ConnectStore(const CommunicatorOptions& options) {
-  StoreClientOptions o;
-  o.address = options.store_address;
-  o.prefix = options.prefix;
-  o.timeout = options.timeout;
-  o.token = options.token;
-  o.token_file = options.token_file;
-  return StoreClient::Create(o);
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(

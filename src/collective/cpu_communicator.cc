@@ -3,10 +3,11 @@
 // Allreduce is a ring reduce-scatter followed by a ring allgather, run as one
 // pipelined stream per stripe: each step's chunk is sent as soon as the bytes
 // it depends on have been received and reduced, so reduction overlaps the
-// transfer. A tensor is striped over several links (connections or shm
-// rings), each driven by its own thread. Every collective starts with a tiny
-// header exchange around the ring, so that ranks disagreeing on the
-// collective fail together with InvalidArgument.
+// transfer (ring.h). A tensor is striped over several links (connections or
+// shm rings), each driven by its own thread. Every collective starts with a
+// tiny header exchange around the ring, so that ranks disagreeing on the
+// collective fail together with InvalidArgument; a small allreduce carries
+// its data in that exchange and needs no ring.
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -14,105 +15,28 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <random>
-#include <sstream>
-#include <thread>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
+#include "collective/backends.h"
+#include "collective/cpu_wire.h"
+#include "collective/exchange.h"
 #include "collective/reduce.h"
+#include "collective/rendezvous.h"
+#include "collective/ring.h"
+#include "collective/stripe_pool.h"
 #include "collective/transport.h"
-#include "collective/work.h"
-#include "core/grpc_util.h"
+#include "collective/work_queue.h"
 
 namespace deepnex::collective {
 namespace {
 
 using std::chrono::milliseconds;
 
-constexpr uint32_t kHelloMagic = 0x64786831;   // "dxh1"
-constexpr uint32_t kHeaderMagic = 0x64786331;  // "dxc1"
 // Below this many bytes per stripe a collective uses fewer stripes.
 constexpr size_t kMinStripeBytes = 256 << 10;
-
-enum class Kind : uint8_t { kAllReduce = 1, kBroadcast, kAllGather, kReduceScatter, kBarrier };
-
-const char* KindName(Kind kind) {
-  switch (kind) {
-    case Kind::kAllReduce: return "allreduce";
-    case Kind::kBroadcast: return "broadcast";
-    case Kind::kAllGather: return "allgather";
-    case Kind::kReduceScatter: return "reduce_scatter";
-    case Kind::kBarrier: return "barrier";
-  }
-  return "?";
-}
-
-struct Header {
-  uint32_t magic = kHeaderMagic;
-  uint8_t kind = 0;
-  uint8_t dtype = 0;
-  uint8_t op = 0;
-  uint8_t invalid = 0;
-  int32_t root = 0;
-  uint32_t pad = 0;
-  uint64_t count = 0;
-  uint64_t seq = 0;
-  bool SameCall(const Header& o) const {
-    return kind == o.kind && dtype == o.dtype && op == o.op && root == o.root && count == o.count;
-  }
-  std::string Describe() const {
-    std::string s = KindName(static_cast<Kind>(kind));
-    if (kind == static_cast<uint8_t>(Kind::kBarrier)) return s;
-    absl::StrAppend(&s, " of ", count, " ",
-                    IsValidDType(dtype) ? DTypeName(static_cast<DType>(dtype)) : "invalid");
-    if (kind == static_cast<uint8_t>(Kind::kBroadcast)) {
-      absl::StrAppend(&s, " from root ", root);
-    } else if (kind != static_cast<uint8_t>(Kind::kAllGather)) {
-      absl::StrAppend(&s, " (", ReduceOpName(static_cast<ReduceOp>(op)), ")");
-    }
-    return s;
-  }
-};
-static_assert(sizeof(Header) == 32, "header layout");
-
-struct Hello {
-  uint32_t magic;
-  int32_t rank;
-  int32_t index;
-  int32_t pad;
-  uint64_t nonce;  // the listener's, from the store
-};
-
-// What a rank publishes in the store.
-struct RankInfo {
-  std::string host;
-  int port = 0;
-  std::string host_id;
-  std::string shm;  // segment name, or "-"
-  uint64_t nonce = 0;
-};
-
-std::string Encode(const RankInfo& info) {
-  return absl::StrCat(info.host, " ", info.port, " ", info.host_id, " ", info.shm, " ", info.nonce);
-}
-
-absl::StatusOr<RankInfo> Decode(int rank, const std::string& text) {
-  std::vector<std::string> f = absl::StrSplit(text, ' ');
-  RankInfo info;
-  if (f.size() != 5 || !absl::SimpleAtoi(f[1], &info.port) || !absl::SimpleAtoi(f[4], &info.nonce)) {
-    return absl::InternalError(absl::StrCat("rank ", rank, " published a garbled address: \"",
-                                            text, "\""));
-  }
-  info.host = f[0];
-  info.host_id = f[2];
-  info.shm = f[3];
-  return info;
-}
 
 bool SupportedDType(DType d) {
   switch (d) {
@@ -128,191 +52,12 @@ bool SupportedDType(DType d) {
 
 std::string RankName(int r) { return absl::StrCat("rank ", r); }
 
-// Runs jobs on helper threads, one per extra stripe; job 0 runs on the caller.
-class StripePool {
- public:
-  explicit StripePool(int helpers) {
-    slots_.resize(helpers);
-    for (int i = 0; i < helpers; ++i) threads_.emplace_back([this, i] { Loop(i); });
-  }
-  ~StripePool() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-  std::vector<absl::Status> Run(const std::vector<std::function<absl::Status()>>& jobs) {
-    std::vector<absl::Status> results(jobs.size());
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      pending_ = static_cast<int>(jobs.size()) - 1;
-      for (size_t i = 1; i < jobs.size(); ++i) {
-        slots_[i - 1] = [&, i] { results[i] = jobs[i](); };
-      }
-    }
-    cv_.notify_all();
-    if (!jobs.empty()) results[0] = jobs[0]();
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [this] { return pending_ == 0; });
-    return results;
-  }
-
- private:
-  void Loop(int i) {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (true) {
-      cv_.wait(lock, [&] { return stop_ || slots_[i] != nullptr; });
-      if (stop_) return;
-      auto job = std::move(slots_[i]);
-      slots_[i] = nullptr;
-      lock.unlock();
-      job();
-      lock.lock();
-      if (--pending_ == 0) done_cv_.notify_all();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_, done_cv_;
-  std::vector<std::function<void()>> slots_;
-  int pending_ = 0;
-  bool stop_ = false;
-  std::vector<std::thread> threads_;
-};
-
-// One stripe's part of a ring collective: chunk c is (pointer, bytes).
-struct RingPlan {
-  int n = 1, r = 0;
-  int steps = 0;     // steps of the stream
-  int rs_steps = 0;  // the first rs_steps reduce; the rest copy
-  int shift = 0;     // step t sends chunk (r - t + shift) mod n
-  std::vector<std::pair<char*, size_t>> chunks;
-  DType dtype = DType::kFloat32;
-  size_t esize = 4;
-  ReduceOp op = ReduceOp::kSum;
-};
-
-absl::Status RunRing(Link& link, const RingPlan& p, SteadyClock::time_point deadline) {
-  auto chunk = [&](int t) -> const std::pair<char*, size_t>& {
-    return p.chunks[((p.r - t + p.shift) % p.n + 2 * p.n) % p.n];
-  };
-  const bool mean = p.op == ReduceOp::kMean;
-  int st = 0, rt = 0;          // send / receive step
-  size_t soff = 0, roff = 0;   // bytes done within the step's chunk
-  auto allowed = [&]() -> size_t {
-    if (st == 0 || rt >= st) return chunk(st).second;
-    return rt == st - 1 ? roff : 0;
-  };
-  while (st < p.steps || rt < p.steps) {
-    bool progress = false;
-    while (st < p.steps) {
-      const auto& [ptr, len] = chunk(st);
-      size_t limit = allowed();
-      if (soff < limit) {
-        DEEPNEX_ASSIGN_OR_RETURN(size_t n, link.TrySend(ptr + soff, limit - soff));
-        if (n == 0) break;
-        soff += n;
-        progress = true;
-      }
-      if (soff == len) {
-        ++st;
-        soff = 0;
-        continue;
-      }
-      break;
-    }
-    while (rt < p.steps) {
-      const auto& [ptr, len] = chunk(rt + 1);
-      if (roff == len) {
-        ++rt;
-        roff = 0;
-        progress = true;
-        continue;
-      }
-      if (rt < p.rs_steps) {
-        DEEPNEX_ASSIGN_OR_RETURN(auto span, link.Peek(p.esize));
-        if (span.second == 0) break;
-        size_t k = std::min(span.second / p.esize, (len - roff) / p.esize);
-        ReduceInto(p.dtype, p.op, ptr + roff, span.first, k);
-        if (mean && rt == p.rs_steps - 1) DivideInPlace(p.dtype, ptr + roff, k, p.n);
-        link.Consume(k * p.esize);
-        roff += k * p.esize;
-      } else {
-        DEEPNEX_ASSIGN_OR_RETURN(size_t n, link.TryRecv(ptr + roff, len - roff));
-        if (n == 0) break;
-        roff += n;
-      }
-      progress = true;
-    }
-    if (!progress) {
-      bool want_send = st < p.steps && soff < allowed();
-      DEEPNEX_RETURN_IF_ERROR(link.Wait(want_send, rt < p.steps, deadline));
-    }
-  }
-  return absl::OkStatus();
-}
-
-// Pipelined chain from the root: each rank forwards what it has received.
-absl::Status RunBroadcast(Link& link, int n, int r, int root, char* ptr, size_t len,
-                          SteadyClock::time_point deadline) {
-  const int pos = (r - root + n) % n;
-  const bool recv = pos > 0, send = pos < n - 1;
-  size_t got = recv ? 0 : len, sent = send ? 0 : len;
-  while (got < len || sent < len) {
-    bool progress = false;
-    if (sent < got) {
-      DEEPNEX_ASSIGN_OR_RETURN(size_t k, link.TrySend(ptr + sent, got - sent));
-      sent += k;
-      progress |= k > 0;
-    }
-    if (got < len) {
-      DEEPNEX_ASSIGN_OR_RETURN(size_t k, link.TryRecv(ptr + got, len - got));
-      got += k;
-      progress |= k > 0;
-    }
-    if (!progress) DEEPNEX_RETURN_IF_ERROR(link.Wait(sent < got, got < len, deadline));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status SendAll(Link& link, const char* p, size_t n, SteadyClock::time_point deadline) {
-  while (n > 0) {
-    DEEPNEX_ASSIGN_OR_RETURN(size_t k, link.TrySend(p, n));
-    p += k;
-    n -= k;
-    if (n > 0 && k == 0) DEEPNEX_RETURN_IF_ERROR(link.Wait(true, false, deadline));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status RecvAll(Link& link, char* p, size_t n, SteadyClock::time_point deadline) {
-  while (n > 0) {
-    DEEPNEX_ASSIGN_OR_RETURN(size_t k, link.TryRecv(p, n));
-    p += k;
-    n -= k;
-    if (n > 0 && k == 0) DEEPNEX_RETURN_IF_ERROR(link.Wait(false, true, deadline));
-  }
-  return absl::OkStatus();
-}
-
-// Splits [0, count) into `parts` near-equal ranges; returns range i.
-std::pair<size_t, size_t> Part(size_t count, int parts, int i) {
-  size_t begin = count * i / parts, end = count * (i + 1) / parts;
-  return {begin, end - begin};
-}
-
 class CpuCommunicator final : public Communicator {
  public:
   explicit CpuCommunicator(const CommunicatorOptions& options) : o_(options) {}
 
   ~CpuCommunicator() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      closing_ = true;
-    }
-    cv_.notify_all();
-    if (worker_.joinable()) worker_.join();
+    if (queue_ != nullptr) queue_->Close();
     for (auto& link : links_) link->Interrupt();
     links_.clear();
     for (int fd : ctl_fds_) close(fd);
@@ -321,24 +66,26 @@ class CpuCommunicator final : public Communicator {
   absl::Status Init(Transport transport);
 
   std::shared_ptr<Work> AllReduceAsync(const TensorView& t, ReduceOp op) override {
-    return Enqueue([this, t, op] { return DoAllReduce(t, op); });
+    return Enqueue([this, t, op] { return DoAllReduce(t, op); }, Bytes(t));
   }
   std::shared_ptr<Work> BroadcastAsync(const TensorView& t, int root) override {
-    return Enqueue([this, t, root] { return DoBroadcast(t, root); });
+    return Enqueue([this, t, root] { return DoBroadcast(t, root); }, Bytes(t));
   }
   std::shared_ptr<Work> AllGatherAsync(const TensorView& in, const TensorView& out) override {
-    return Enqueue([this, in, out] { return DoAllGather(in, out); });
+    return Enqueue([this, in, out] { return DoAllGather(in, out); }, Bytes(out));
   }
   std::shared_ptr<Work> ReduceScatterAsync(const TensorView& in, const TensorView& out,
                                            ReduceOp op) override {
-    return Enqueue([this, in, out, op] { return DoReduceScatter(in, out, op); });
+    return Enqueue([this, in, out, op] { return DoReduceScatter(in, out, op); }, Bytes(in));
   }
   std::shared_ptr<Work> BarrierAsync() override {
-    return Enqueue([this] {
-      Header h;
-      h.kind = static_cast<uint8_t>(Kind::kBarrier);
-      return Exchange(h, absl::OkStatus(), Deadline());
-    });
+    return Enqueue(
+        [this] {
+          Header h;
+          h.kind = static_cast<uint8_t>(Kind::kBarrier);
+          return Exchange(h, absl::OkStatus(), Deadline());
+        },
+        0);
   }
 
   void Abort() override {
@@ -352,39 +99,21 @@ class CpuCommunicator final : public Communicator {
   std::string transport() const override { return transport_name_; }
 
  private:
-  std::shared_ptr<Work> Enqueue(std::function<absl::Status()> fn) {
-    auto work = std::make_shared<WorkImpl>();
-    // In a forked child the thread that runs the queue is gone.
-    if (absl::Status s = CheckForkSafe("communicator"); !s.ok()) {
-      work->Finish(s);
-      return work;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (closing_) {
-        work->Finish(absl::FailedPreconditionError("the communicator is closed"));
-        return work;
-      }
-      queue_.push_back({std::move(fn), work});
-    }
-    cv_.notify_all();
-    return work;
-  }
+  struct Joining;
+  absl::Status Publish(Transport transport, Joining& j, SteadyClock::time_point deadline);
+  absl::Status ProbeSharedMemory(Transport transport, Joining& j,
+                                 SteadyClock::time_point deadline);
+  absl::Status Connect(Joining& j, SteadyClock::time_point deadline);
+  absl::Status KeepSegments(Joining& j, SteadyClock::time_point deadline);
+  void BuildLinks(Joining& j);
 
-  void Loop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (true) {
-      cv_.wait(lock, [this] { return closing_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      auto item = std::move(queue_.front());
-      queue_.pop_front();
-      bool closing = closing_;
-      lock.unlock();
-      absl::Status s = closing ? absl::AbortedError("the communicator was destroyed")
-                               : Run(item.fn);
-      item.work->Finish(s);
-      lock.lock();
-    }
+  // Small collectives are left for their waiter to run (see SerialQueue).
+  std::shared_ptr<Work> Enqueue(std::function<absl::Status()> fn, uint64_t bytes) {
+    return queue_->Enqueue([this, fn = std::move(fn)] { return Run(fn); },
+                           /*lazy=*/bytes <= kSmallBytes);
+  }
+  static uint64_t Bytes(const TensorView& t) {
+    return static_cast<uint64_t>(std::max<int64_t>(t.NumElements(), 0)) * DTypeSize(t.dtype);
   }
 
   absl::Status Run(const std::function<absl::Status()>& fn) {
@@ -416,49 +145,101 @@ class CpuCommunicator final : public Communicator {
   SteadyClock::time_point Deadline() const { return SteadyClock::now() + o_.timeout; }
 
   // Every rank learns every rank's header, passed around the ring; all of
-  // them then agree on whether the call is valid.
-  absl::Status Exchange(Header mine, const absl::Status& local, SteadyClock::time_point deadline) {
+  // them then agree on whether the call is valid. A small collective folds
+  // its data into this exchange (one ring pass, no second round): `payload`
+  // of mine.payload_bytes, and when the call is valid every rank's payload is
+  // in gathered_, rank i's at i * payload_bytes.
+  absl::Status Exchange(Header mine, const absl::Status& local, SteadyClock::time_point deadline,
+                        const char* payload = nullptr) {
     mine.seq = ++seq_;
     mine.invalid = local.ok() ? 0 : 1;
+    if (!local.ok() || payload == nullptr) mine.payload_bytes = 0;
     const int n = o_.world_size, r = o_.rank;
+    const size_t pb = mine.payload_bytes;
     const std::string what = KindName(static_cast<Kind>(mine.kind));
     if (n > 1) {
       std::vector<Header> all(n);
       all[r] = mine;
-      Link& link = *links_[0];
-      absl::Status s = SendAll(link, reinterpret_cast<const char*>(&mine), sizeof(mine), deadline);
+      gathered_.resize(n * pb);
+      send_buf_.resize(sizeof(Header) + pb);
+      std::memcpy(send_buf_.data(), &mine, sizeof(Header));
+      if (pb > 0) std::memcpy(send_buf_.data() + sizeof(Header), payload, pb);
+      if (pb > 0) std::memcpy(gathered_.data() + r * pb, payload, pb);
+      // A payload whose size differs from ours (the ranks disagree) is read,
+      // passed on and dropped, so that the streams stay in step.
+      std::vector<char> stray;
+      absl::Status s;
       for (int step = 0; s.ok() && step < n - 1; ++step) {
-        Header& h = all[(r - 1 - step + n) % n];
-        s = RecvAll(link, reinterpret_cast<char*>(&h), sizeof(h), deadline);
-        if (s.ok() && h.magic != kHeaderMagic) {
-          s = absl::InternalError("garbled collective header from the left neighbour");
-        }
+        const int from = (r - 1 - step + n) % n;
+        char* in_payload = nullptr;
+        s = PassRecord(*links_[0], send_buf_, &all[from], [&](const Header& h) {
+          if (h.payload_bytes == pb) return gathered_.data() + from * pb;
+          stray.resize(h.payload_bytes);
+          return stray.data();
+        }, &in_payload, deadline);
         if (s.ok() && step < n - 2) {
-          s = SendAll(link, reinterpret_cast<const char*>(&h), sizeof(h), deadline);
+          send_buf_.resize(sizeof(Header) + all[from].payload_bytes);
+          std::memcpy(send_buf_.data(), &all[from], sizeof(Header));
+          if (all[from].payload_bytes > 0) {
+            std::memcpy(send_buf_.data() + sizeof(Header), in_payload, all[from].payload_bytes);
+          }
         }
       }
       if (!s.ok()) return Annotate(what, s);
-      if (!local.ok()) return local;
-      std::vector<std::string> bad;
-      for (int i = 0; i < n; ++i) {
-        if (all[i].invalid) bad.push_back(absl::StrCat(i));
-      }
-      if (!bad.empty()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            what, ": invalid arguments on rank ", absl::StrJoin(bad, ", "), "; nothing was done"));
-      }
-      bool same = true;
-      for (int i = 0; i < n; ++i) same = same && all[i].SameCall(all[0]);
-      if (!same) {
-        std::string desc;
-        for (int i = 0; i < n; ++i) {
-          absl::StrAppend(&desc, i ? "; " : "", "rank ", i, ": ", all[i].Describe());
-        }
-        return absl::InvalidArgumentError(
-            absl::StrCat("ranks disagree on the collective (", desc, "); nothing was done"));
-      }
+      return Verdict(all, local, what);
     }
     return local;
+  }
+
+  // Whether every rank's header says the same valid call.
+  absl::Status Verdict(const std::vector<Header>& all, const absl::Status& local,
+                       const std::string& what) const {
+    const int n = o_.world_size;
+    if (!local.ok()) return local;
+    std::vector<std::string> bad;
+    for (int i = 0; i < n; ++i) {
+      if (all[i].invalid) bad.push_back(absl::StrCat(i));
+    }
+    if (!bad.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": invalid arguments on rank ", absl::StrJoin(bad, ", "), "; nothing was done"));
+    }
+    bool same = true;
+    for (int i = 0; i < n; ++i) same = same && all[i].SameCall(all[0]);
+    if (!same) {
+      std::string desc;
+      for (int i = 0; i < n; ++i) {
+        absl::StrAppend(&desc, i ? "; " : "", "rank ", i, ": ", all[i].Describe());
+      }
+      return absl::InvalidArgumentError(
+          absl::StrCat("ranks disagree on the collective (", desc, "); nothing was done"));
+    }
+    return local;
+  }
+
+  // Two ranks, a small sum, mean or prod (see PairReduce): a + b == b + a,
+  // so both ranks end equal. One copy each way, where Exchange makes five.
+  absl::Status PairAllReduce(Header mine, const absl::Status& local, char* base,
+                             SteadyClock::time_point deadline) {
+    mine.seq = ++seq_;
+    mine.invalid = local.ok() ? 0 : 1;
+    if (!local.ok()) mine.payload_bytes = 0;
+    const size_t pb = mine.payload_bytes;
+    const DType dtype = static_cast<DType>(mine.dtype);
+    const std::string what = KindName(static_cast<Kind>(mine.kind));
+    std::vector<Header> all(2);
+    all[o_.rank] = mine;
+    Header& peer = all[1 - o_.rank];
+    auto matches = [&](const Header& h) {
+      return local.ok() && !h.invalid && h.SameCall(mine) && h.payload_bytes == pb;
+    };
+    absl::Status s = PairReduce(*links_[0], mine, base, &peer, matches, deadline);
+    if (!s.ok()) return Annotate(what, s);
+    DEEPNEX_RETURN_IF_ERROR(Verdict(all, local, what));
+    if (static_cast<ReduceOp>(mine.op) == ReduceOp::kMean) {
+      DivideInPlace(dtype, base, pb / DTypeSize(dtype), 2);
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Annotate(const std::string& what, const absl::Status& s) const {
@@ -513,11 +294,29 @@ class CpuCommunicator final : public Communicator {
     h.op = static_cast<uint8_t>(op);
     h.count = t.NumElements();
     auto deadline = Deadline();
-    DEEPNEX_RETURN_IF_ERROR(Exchange(h, CheckTensor("allreduce", t), deadline));
     const int n = o_.world_size;
     const size_t esize = DTypeSize(t.dtype), count = h.count;
     char* base = static_cast<char*>(t.data);
+    // Small: every rank's data goes around the ring with the headers and
+    // each rank reduces all of them, in rank order (so identically).
+    const bool small = n > 1 && n <= kSmallMaxRanks && count * esize <= kSmallBytes;
+    if (n == 2 && count > 0 && count * esize <= kPairBytes &&
+        (op == ReduceOp::kSum || op == ReduceOp::kMean || op == ReduceOp::kProd)) {
+      h.payload_bytes = static_cast<uint32_t>(count * esize);
+      return PairAllReduce(h, CheckTensor("allreduce", t), base, deadline);
+    }
+    if (small) h.payload_bytes = static_cast<uint32_t>(count * esize);
+    DEEPNEX_RETURN_IF_ERROR(
+        Exchange(h, CheckTensor("allreduce", t), deadline, small ? base : nullptr));
     if (n == 1 || count == 0) return absl::OkStatus();
+    if (small) {
+      std::memcpy(base, gathered_.data(), count * esize);
+      for (int i = 1; i < n; ++i) {
+        ReduceInto(t.dtype, op, base, gathered_.data() + i * count * esize, count);
+      }
+      if (op == ReduceOp::kMean) DivideInPlace(t.dtype, base, count, n);
+      return absl::OkStatus();
+    }
     return RunStripes("allreduce", StripesFor(count * esize), [&](Link& link, int k, int stripes) {
       RingPlan p;
       p.n = n;
@@ -646,18 +445,17 @@ class CpuCommunicator final : public Communicator {
     });
   }
 
-  struct Item {
-    std::function<absl::Status()> fn;
-    std::shared_ptr<WorkImpl> work;
-  };
-
   const CommunicatorOptions o_;
   std::vector<std::unique_ptr<Link>> links_;
   std::vector<int> ctl_fds_;
   std::vector<std::unique_ptr<ShmSegment>> segments_;
+  ShmSegment* my_seg_ = nullptr;  // in segments_, or null
+  ShmSegment* left_seg_ = nullptr;
+  ShmSegment* right_seg_ = nullptr;
   std::unique_ptr<StripePool> pool_;
   std::string transport_name_;
   std::vector<char> scratch_;
+  std::vector<char> send_buf_, gathered_;  // Exchange's
   uint64_t seq_ = 0;
 
   std::atomic<bool> aborted_{false};
@@ -665,89 +463,93 @@ class CpuCommunicator final : public Communicator {
   std::mutex broken_mu_;
   absl::Status broken_;
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Item> queue_;
-  bool closing_ = false;
-  std::thread worker_;
+  std::unique_ptr<SerialQueue> queue_;
+};
+
+// Init's steps, in order; a step that fails leaves the communicator unusable.
+struct CpuCommunicator::Joining {
+  std::unique_ptr<Rendezvous> rendezvous;
+  RankInfo mine;
+  int listen_fd = -1;
+  std::unique_ptr<ShmSegment> own_segment;
+  std::vector<RankInfo> infos;
+  // The neighbours' segments, mapped by the shared-memory probe.
+  std::unique_ptr<ShmSegment> right_probe, left_probe;
+  bool shm_out = false, shm_in = false, all_shm = false;
+  std::vector<int> out, in;  // connections to the right and from the left
+  ~Joining() {
+    if (listen_fd >= 0) close(listen_fd);
+    for (int fd : out) if (fd >= 0) close(fd);
+    for (int fd : in) if (fd >= 0) close(fd);
+  }
 };
 
 absl::Status CpuCommunicator::Init(Transport transport) {
-  const int n = o_.world_size, r = o_.rank;
-  if (n == 1) {
+  if (o_.world_size == 1) {
     pool_ = std::make_unique<StripePool>(0);
-    worker_ = std::thread([this] { Loop(); });
+    queue_ = std::make_unique<SerialQueue>(/*run_waits_inline=*/true);
     return absl::OkStatus();
   }
   const auto deadline = Deadline();
-  DEEPNEX_ASSIGN_OR_RETURN(auto store, ConnectStore(o_));
-  // Each rank counts the communicators it joined under this prefix, so a
-  // reused prefix never reads a previous communicator's addresses.
-  DEEPNEX_ASSIGN_OR_RETURN(int64_t generation, store->Add(absl::StrCat("gen/", r), 1));
-  auto key = [&](int rank) { return absl::StrCat("c", generation, "/rank/", rank); };
+  Joining j;
+  DEEPNEX_ASSIGN_OR_RETURN(j.rendezvous, Rendezvous::Join(o_, "c", "communicator"));
+  DEEPNEX_RETURN_IF_ERROR(Publish(transport, j, deadline));
+  DEEPNEX_RETURN_IF_ERROR(ProbeSharedMemory(transport, j, deadline));
+  DEEPNEX_RETURN_IF_ERROR(Connect(j, deadline));
+  DEEPNEX_RETURN_IF_ERROR(KeepSegments(j, deadline));
+  BuildLinks(j);
+  pool_ = std::make_unique<StripePool>(static_cast<int>(links_.size()) - 1);
+  queue_ = std::make_unique<SerialQueue>(/*run_waits_inline=*/true);
+  return absl::OkStatus();
+}
 
-  RankInfo mine;
+// Opens this rank's listener and shared-memory segment and learns every
+// rank's.
+absl::Status CpuCommunicator::Publish(Transport transport, Joining& j,
+                                      SteadyClock::time_point deadline) {
+  const int n = o_.world_size;
   std::string store_host = o_.store_address.substr(0, o_.store_address.rfind(':'));
-  mine.host = !o_.host.empty() ? o_.host : LocalAddressFor(store_host);
-  DEEPNEX_ASSIGN_OR_RETURN(int listen_fd, ListenTcp(mine.host, &mine.port));
-  struct Closer {
-    int fd;
-    ~Closer() { close(fd); }
-  } closer{listen_fd};
-  mine.host_id = HostId();
+  j.mine.host = !o_.host.empty() ? o_.host : LocalAddressFor(store_host);
+  DEEPNEX_ASSIGN_OR_RETURN(j.listen_fd, ListenTcp(j.mine.host, &j.mine.port));
+  j.mine.host_id = HostId();
   std::random_device rd;
-  mine.nonce = (uint64_t{rd()} << 32) | rd();
-  const int stripes_tcp = o_.connections_per_peer;
-  std::unique_ptr<ShmSegment> own_segment;
-  mine.shm = "-";
+  j.mine.nonce = (uint64_t{rd()} << 32) | rd();
+  j.mine.shm = "-";
   if (transport != Transport::kTcp) {
-    auto seg = ShmSegment::Create(std::max(o_.shm_channels, stripes_tcp), o_.shm_buffer_bytes);
+    auto seg = ShmSegment::Create(std::max(o_.shm_channels, o_.connections_per_peer),
+                                  o_.shm_buffer_bytes);
     if (seg.ok()) {
-      own_segment = std::move(*seg);
-      mine.shm = own_segment->name();
+      j.own_segment = std::move(*seg);
+      j.mine.shm = j.own_segment->name();
     } else if (transport == Transport::kShm) {
       return absl::FailedPreconditionError(
           absl::StrCat("transport shm: cannot create a shared-memory segment: ",
                        seg.status().message()));
     }
   }
-  DEEPNEX_RETURN_IF_ERROR(store->Set(key(r), Encode(mine)));
-
-  std::vector<std::string> keys;
-  for (int i = 0; i < n; ++i) keys.push_back(key(i));
-  auto values = store->MultiGet(keys, std::chrono::duration_cast<milliseconds>(
-                                          deadline - SteadyClock::now()));
-  if (!values.ok()) {
-    if (values.status().code() != absl::StatusCode::kDeadlineExceeded) return values.status();
-    std::vector<std::string> missing;
-    auto present = store->Check(keys);
-    if (present.ok()) {
-      for (int i = 0; i < n; ++i) {
-        if (!(*present)[i]) missing.push_back(absl::StrCat(i));
-      }
-    }
-    return absl::DeadlineExceededError(absl::StrCat(
-        "communicator \"", o_.prefix, "\" of ", n, " ranks: rank ",
-        missing.empty() ? "?" : absl::StrJoin(missing, ", "), " did not arrive at the store ",
-        o_.store_address, " within ", o_.timeout.count(), " ms"));
-  }
-  std::vector<RankInfo> infos;
+  DEEPNEX_ASSIGN_OR_RETURN(auto values, j.rendezvous->AllGather("rank", Encode(j.mine), deadline));
   for (int i = 0; i < n; ++i) {
-    DEEPNEX_ASSIGN_OR_RETURN(RankInfo info, Decode(i, (*values)[i]));
-    infos.push_back(std::move(info));
+    DEEPNEX_ASSIGN_OR_RETURN(RankInfo info, Decode(i, values[i]));
+    j.infos.push_back(std::move(info));
   }
-  // Ranks a and b = a + 1 may share memory when they say they are on one
-  // host. Whether they can is found out by trying: a rank on the same host
-  // by hostname and boot id may still have a /dev/shm of its own (a
-  // container, a mount namespace), and then the pair uses TCP.
+  return absl::OkStatus();
+}
+
+// Ranks a and b = a + 1 may share memory when they say they are on one
+// host. Whether they can is found out by trying: a rank on the same host by
+// hostname and boot id may still have a /dev/shm of its own (a container, a
+// mount namespace), and then the pair uses TCP.
+absl::Status CpuCommunicator::ProbeSharedMemory(Transport transport, Joining& j,
+                                                SteadyClock::time_point deadline) {
+  const int n = o_.world_size, r = o_.rank;
+  const int left = (r - 1 + n) % n, right = (r + 1) % n;
+  const auto& infos = j.infos;
   auto candidate = [&](int a, int b) {
     return transport != Transport::kTcp && infos[a].shm != "-" && infos[b].shm != "-" &&
            infos[a].host_id == infos[b].host_id;
   };
-  const int left = (r - 1 + n) % n, right = (r + 1) % n;
   bool any_candidate = false;
   for (int i = 0; i < n; ++i) any_candidate = any_candidate || candidate(i, (i + 1) % n);
-  std::unique_ptr<ShmSegment> right_probe, left_probe;
   std::vector<std::string> probes(n, "--");
   if (any_candidate) {
     // Every rank takes part (the decision must be the same everywhere):
@@ -766,17 +568,12 @@ absl::Status CpuCommunicator::Init(Transport transport) {
                    o_.prefix.c_str(), r, peer, std::string(opened.status().message()).c_str());
       return '0';
     };
-    if (candidate(r, right)) mine_probe[0] = map_segment(right, &right_probe);
+    if (candidate(r, right)) mine_probe[0] = map_segment(right, &j.right_probe);
     if (candidate(left, r)) {
       mine_probe[1] = left == right && candidate(r, right) ? mine_probe[0]
-                                                           : map_segment(left, &left_probe);
+                                                           : map_segment(left, &j.left_probe);
     }
-    auto probe_key = [&](int rank) { return absl::StrCat("c", generation, "/probe/", rank); };
-    DEEPNEX_RETURN_IF_ERROR(store->Set(probe_key(r), mine_probe));
-    std::vector<std::string> probe_keys;
-    for (int i = 0; i < n; ++i) probe_keys.push_back(probe_key(i));
-    const auto left_ms = std::chrono::duration_cast<milliseconds>(deadline - SteadyClock::now());
-    DEEPNEX_ASSIGN_OR_RETURN(probes, store->MultiGet(probe_keys, left_ms));
+    DEEPNEX_ASSIGN_OR_RETURN(probes, j.rendezvous->AllGather("probe", mine_probe, deadline));
     for (int i = 0; i < n; ++i) {
       if (probes[i].size() != 2) {
         return absl::InternalError(absl::StrCat("rank ", i, "'s shared-memory probe \"",
@@ -788,43 +585,42 @@ absl::Status CpuCommunicator::Init(Transport transport) {
   auto edge_shm = [&](int a, int b) {
     return candidate(a, b) && probes[a][0] == '1' && probes[b][1] == '1';
   };
-  bool all_shm = true;
-  for (int i = 0; i < n; ++i) all_shm = all_shm && edge_shm(i, (i + 1) % n);
-  if (transport == Transport::kShm && (!edge_shm(r, right) || !edge_shm(left, r))) {
+  j.all_shm = true;
+  for (int i = 0; i < n; ++i) j.all_shm = j.all_shm && edge_shm(i, (i + 1) % n);
+  j.shm_out = edge_shm(r, right);
+  j.shm_in = edge_shm(left, r);
+  if (transport == Transport::kShm && (!j.shm_out || !j.shm_in)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "transport shm: rank ", r, "'s ring neighbours are not all on this host (or cannot "
         "share memory); use tcp or auto"));
   }
-  const bool shm_out = edge_shm(r, right), shm_in = edge_shm(left, r);
-  const int stripes = all_shm ? o_.shm_channels : stripes_tcp;
-  transport_name_ = shm_out && shm_in ? "shm" : (!shm_out && !shm_in ? "tcp" : "shm+tcp");
+  transport_name_ =
+      j.shm_out && j.shm_in ? "shm" : (!j.shm_out && !j.shm_in ? "tcp" : "shm+tcp");
+  return absl::OkStatus();
+}
 
-  // Connect to the right neighbour, then accept the left one's connections.
-  std::vector<int> out(shm_out ? 1 : stripes, -1), in(shm_in ? 1 : stripes, -1);
-  auto close_all = [&] {
-    for (int fd : out) if (fd >= 0) close(fd);
-    for (int fd : in) if (fd >= 0) close(fd);
-  };
-  for (size_t i = 0; i < out.size(); ++i) {
-    auto fd = ConnectTcp(infos[right].host, infos[right].port, deadline);
+// Connects to the right neighbour, then accepts the left one's connections:
+// one per stripe over TCP, one (to watch the neighbour) over shared memory.
+absl::Status CpuCommunicator::Connect(Joining& j, SteadyClock::time_point deadline) {
+  const int n = o_.world_size, r = o_.rank;
+  const int left = (r - 1 + n) % n, right = (r + 1) % n;
+  const int stripes = j.all_shm ? o_.shm_channels : o_.connections_per_peer;
+  j.out.assign(j.shm_out ? 1 : stripes, -1);
+  j.in.assign(j.shm_in ? 1 : stripes, -1);
+  for (size_t i = 0; i < j.out.size(); ++i) {
+    auto fd = ConnectTcp(j.infos[right].host, j.infos[right].port, deadline);
     if (!fd.ok()) {
-      close_all();
       return absl::Status(fd.status().code(),
                           absl::StrCat("rank ", r, " connecting to rank ", right, ": ",
                                        fd.status().message()));
     }
-    out[i] = *fd;
-    Hello hello{kHelloMagic, r, static_cast<int32_t>(i), 0, infos[right].nonce};
-    absl::Status s = WriteFully(out[i], &hello, sizeof(hello), deadline, RankName(right));
-    if (!s.ok()) {
-      close_all();
-      return s;
-    }
+    j.out[i] = *fd;
+    Hello hello{kHelloMagic, r, static_cast<int32_t>(i), 0, j.infos[right].nonce};
+    DEEPNEX_RETURN_IF_ERROR(WriteFully(j.out[i], &hello, sizeof(hello), deadline, RankName(right)));
   }
-  for (size_t got = 0; got < in.size();) {
-    auto fd = AcceptTcp(listen_fd, deadline);
+  for (size_t got = 0; got < j.in.size();) {
+    auto fd = AcceptTcp(j.listen_fd, deadline);
     if (!fd.ok()) {
-      close_all();
       if (fd.status().code() == absl::StatusCode::kDeadlineExceeded) {
         return absl::DeadlineExceededError(absl::StrCat(
             "rank ", r, ": rank ", left, " did not connect within ", o_.timeout.count(), " ms"));
@@ -833,81 +629,88 @@ absl::Status CpuCommunicator::Init(Transport transport) {
     }
     Hello hello{};
     absl::Status s = ReadFully(*fd, &hello, sizeof(hello), deadline, RankName(left));
-    if (!s.ok() || hello.magic != kHelloMagic || hello.rank != left || hello.nonce != mine.nonce ||
-        hello.index < 0 || hello.index >= static_cast<int>(in.size()) || in[hello.index] >= 0) {
+    if (!s.ok() || hello.magic != kHelloMagic || hello.rank != left ||
+        hello.nonce != j.mine.nonce || hello.index < 0 ||
+        hello.index >= static_cast<int>(j.in.size()) || j.in[hello.index] >= 0) {
       close(*fd);  // a stray or stale connection
       continue;
     }
-    in[hello.index] = *fd;
+    j.in[hello.index] = *fd;
     ++got;
   }
+  return absl::OkStatus();
+}
 
-  // Keep the neighbours' segments the probe mapped, tell them so, then drop
-  // our segment's name: from here on nothing is left in /dev/shm even if a
-  // process dies.
-  ShmSegment* right_seg = nullptr;
-  ShmSegment* left_seg = nullptr;
+// Keeps the neighbours' segments the probe mapped, tells them so, then drops
+// our segment's name: from here on nothing is left in /dev/shm even if a
+// process dies.
+absl::Status CpuCommunicator::KeepSegments(Joining& j, SteadyClock::time_point deadline) {
+  const int n = o_.world_size, r = o_.rank;
+  const int left = (r - 1 + n) % n, right = (r + 1) % n;
   absl::Status s;
-  if (shm_out || shm_in) {
-    if (own_segment == nullptr) s = absl::InternalError("shared memory without a segment");
-    if (s.ok() && shm_out) {
-      right_seg = right_probe.get();
-      segments_.push_back(std::move(right_probe));
-    }
-    if (s.ok() && shm_in) {
-      if (left == right && right_seg != nullptr) {
-        left_seg = right_seg;
-      } else if (left_probe != nullptr) {
-        left_seg = left_probe.get();
-        segments_.push_back(std::move(left_probe));
+  if (j.shm_out || j.shm_in) {
+    if (j.own_segment == nullptr) s = absl::InternalError("shared memory without a segment");
+    if (s.ok() && j.shm_out) right_seg_ = j.right_probe.get();
+    if (s.ok() && j.shm_in) {
+      if (left == right && right_seg_ != nullptr) {
+        left_seg_ = right_seg_;
+      } else if (j.left_probe != nullptr) {
+        left_seg_ = j.left_probe.get();
       } else {
         s = absl::InternalError("shared memory from the left without its segment");
       }
     }
   }
   char ack = s.ok() ? 'M' : 'X';
-  if (s.ok()) s = WriteFully(out[0], &ack, 1, deadline, RankName(right));
-  if (s.ok()) s = WriteFully(in[0], &ack, 1, deadline, RankName(left));
+  if (s.ok()) s = WriteFully(j.out[0], &ack, 1, deadline, RankName(right));
+  if (s.ok()) s = WriteFully(j.in[0], &ack, 1, deadline, RankName(left));
   char a1 = 0, a2 = 0;
-  if (s.ok()) s = ReadFully(out[0], &a1, 1, deadline, RankName(right));
-  if (s.ok()) s = ReadFully(in[0], &a2, 1, deadline, RankName(left));
+  if (s.ok()) s = ReadFully(j.out[0], &a1, 1, deadline, RankName(right));
+  if (s.ok()) s = ReadFully(j.in[0], &a2, 1, deadline, RankName(left));
   if (s.ok() && (a1 != 'M' || a2 != 'M')) {
     s = absl::UnavailableError("a neighbour could not map the shared-memory segment");
   }
-  if (own_segment != nullptr) own_segment->Unlink();
+  if (j.own_segment != nullptr) j.own_segment->Unlink();
   if (!s.ok()) {
-    close_all();
     return absl::Status(s.code(), absl::StrCat("rank ", r, " joining: ", s.message()));
   }
-  ShmSegment* my_seg = own_segment.get();
-  if (own_segment != nullptr) segments_.push_back(std::move(own_segment));
+  if (j.shm_out) segments_.push_back(std::move(j.right_probe));
+  if (j.shm_in && j.left_probe != nullptr && left_seg_ == j.left_probe.get()) {
+    segments_.push_back(std::move(j.left_probe));
+  }
+  my_seg_ = j.own_segment.get();
+  if (j.own_segment != nullptr) segments_.push_back(std::move(j.own_segment));
+  return absl::OkStatus();
+}
 
+// One Link per stripe; the Links own the TCP connections from here on.
+void CpuCommunicator::BuildLinks(Joining& j) {
+  const int n = o_.world_size, r = o_.rank;
+  const int left = (r - 1 + n) % n, right = (r + 1) % n;
+  const int stripes = j.all_shm ? o_.shm_channels : o_.connections_per_peer;
   for (int k = 0; k < stripes; ++k) {
     LinkConfig c;
     c.left_name = RankName(left);
     c.right_name = RankName(right);
-    if (shm_out) {
-      c.send_ring = right_seg->ring(k);
-      c.right_bell = right_seg->bell(k);
-      c.send_ctl_fd = out[0];
+    if (j.shm_out) {
+      c.send_ring = right_seg_->ring(k);
+      c.right_bell = right_seg_->bell(k);
+      c.send_ctl_fd = j.out[0];
     } else {
-      c.send_fd = out[k];
+      c.send_fd = std::exchange(j.out[k], -1);
     }
-    if (shm_in) {
-      c.recv_ring = my_seg->ring(k);
-      c.left_bell = left_seg->bell(k);
-      c.recv_ctl_fd = in[0];
+    if (j.shm_in) {
+      c.recv_ring = my_seg_->ring(k);
+      c.left_bell = left_seg_->bell(k);
+      c.recv_ctl_fd = j.in[0];
     } else {
-      c.recv_fd = in[k];
+      c.recv_fd = std::exchange(j.in[k], -1);
     }
-    if (my_seg != nullptr) c.my_bell = my_seg->bell(k);
+    if (my_seg_ != nullptr) c.my_bell = my_seg_->bell(k);
     links_.push_back(std::make_unique<Link>(c, &stop_));
   }
-  if (shm_out) ctl_fds_.push_back(out[0]);
-  if (shm_in) ctl_fds_.push_back(in[0]);
-  pool_ = std::make_unique<StripePool>(stripes - 1);
-  worker_ = std::thread([this] { Loop(); });
-  return absl::OkStatus();
+  if (j.shm_out) ctl_fds_.push_back(std::exchange(j.out[0], -1));
+  if (j.shm_in) ctl_fds_.push_back(std::exchange(j.in[0], -1));
 }
 
 }  // namespace

@@ -11,13 +11,13 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "collective/work.h"
+#include "collective/backends.h"
+#include "collective/rendezvous.h"
+#include "collective/work_queue.h"
 
 namespace deepnex::collective {
 namespace {
@@ -93,12 +93,7 @@ class NcclCommunicator final : public Communicator {
   explicit NcclCommunicator(const CommunicatorOptions& o) : o_(o) {}
 
   ~NcclCommunicator() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      closing_ = true;
-    }
-    cv_.notify_all();
-    if (worker_.joinable()) worker_.join();
+    if (queue_ != nullptr) queue_->Close();
     if (comm_ != nullptr) {
       if (broken_) {
         ncclCommAbort(comm_);
@@ -154,34 +149,15 @@ class NcclCommunicator final : public Communicator {
     if (o_.world_size == 1) {
       DEEPNEX_NCCL(ncclGetUniqueId(&id), nullptr);
     } else {
-      DEEPNEX_ASSIGN_OR_RETURN(auto store, ConnectStore(o_));
-      DEEPNEX_ASSIGN_OR_RETURN(int64_t gen, store->Add(absl::StrCat("nccl_gen/", o_.rank), 1));
-      std::string base = absl::StrCat("nccl", gen, "/");
+      // Every rank publishes; rank 0's value is the id.
+      DEEPNEX_ASSIGN_OR_RETURN(auto rendezvous, Rendezvous::Join(o_, "nccl", "nccl communicator"));
+      std::string mine = "-";
       if (o_.rank == 0) {
         DEEPNEX_NCCL(ncclGetUniqueId(&id), nullptr);
-        DEEPNEX_RETURN_IF_ERROR(
-            store->Set(base + "id", std::string(reinterpret_cast<char*>(&id), sizeof(id))));
+        mine.assign(reinterpret_cast<char*>(&id), sizeof(id));
       }
-      DEEPNEX_RETURN_IF_ERROR(store->Set(absl::StrCat(base, "rank/", o_.rank), "here"));
-      std::vector<std::string> keys;
-      for (int i = 0; i < o_.world_size; ++i) keys.push_back(absl::StrCat(base, "rank/", i));
-      keys.push_back(base + "id");
-      auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
-      auto values = store->MultiGet(keys, std::max(left, milliseconds(1)));
-      if (!values.ok()) {
-        if (values.status().code() != absl::StatusCode::kDeadlineExceeded) return values.status();
-        std::vector<std::string> missing;
-        if (auto present = store->Check(keys); present.ok()) {
-          for (int i = 0; i < o_.world_size; ++i) {
-            if (!(*present)[i]) missing.push_back(absl::StrCat(i));
-          }
-        }
-        return absl::DeadlineExceededError(absl::StrCat(
-            "nccl communicator \"", o_.prefix, "\" of ", o_.world_size, " ranks: rank ",
-            missing.empty() ? "?" : absl::StrJoin(missing, ", "), " did not arrive at the store ",
-            o_.store_address, " within ", o_.timeout.count(), " ms"));
-      }
-      const std::string& bytes = values->back();
+      DEEPNEX_ASSIGN_OR_RETURN(auto values, rendezvous->AllGather("rank", mine, deadline));
+      const std::string& bytes = values[0];
       if (bytes.size() != sizeof(id)) return absl::InternalError("garbled ncclUniqueId in the store");
       std::memcpy(&id, bytes.data(), sizeof(id));
     }
@@ -190,14 +166,15 @@ class NcclCommunicator final : public Communicator {
     DEEPNEX_NCCL(ncclCommInitRankConfig(&comm_, o_.world_size, id, o_.rank, &config), nullptr);
     absl::Status s = Settle("ncclCommInitRankConfig", deadline);
     if (!s.ok()) return s;
-    worker_ = std::thread([this] { Loop(); });
+    queue_ = std::make_unique<SerialQueue>(/*run_waits_inline=*/false,
+                                           [this] { cudaSetDevice(device_); });
     return absl::OkStatus();
   }
 
   std::shared_ptr<Work> AllReduceAsync(const TensorView& t, ReduceOp op) override {
     return Enqueue([=]() -> absl::Status {
       auto deadline = Clock::now() + o_.timeout;
-      DEEPNEX_RETURN_IF_ERROR(Check(1, t, op, 0, t.NumElements(), CheckDevice("allreduce", t), deadline));
+      DEEPNEX_RETURN_IF_ERROR(Check(Kind::kAllReduce, t, op, 0, t.NumElements(), CheckDevice("allreduce", t), deadline));
       if (t.NumElements() == 0) return absl::OkStatus();
       DEEPNEX_ASSIGN_OR_RETURN(ncclDataType_t dt, NcclType(t.dtype));
       DEEPNEX_NCCL(ncclAllReduce(t.data, t.data, t.NumElements(), dt, NcclOp(op), comm_, stream_), comm_);
@@ -213,7 +190,7 @@ class NcclCommunicator final : public Communicator {
         local = absl::InvalidArgumentError(
             absl::StrCat("broadcast: root ", root, " is outside 0..", o_.world_size - 1));
       }
-      DEEPNEX_RETURN_IF_ERROR(Check(2, t, ReduceOp::kSum, root, t.NumElements(), local, deadline));
+      DEEPNEX_RETURN_IF_ERROR(Check(Kind::kBroadcast, t, ReduceOp::kSum, root, t.NumElements(), local, deadline));
       if (t.NumElements() == 0) return absl::OkStatus();
       DEEPNEX_ASSIGN_OR_RETURN(ncclDataType_t dt, NcclType(t.dtype));
       DEEPNEX_NCCL(ncclBroadcast(t.data, t.data, t.NumElements(), dt, root, comm_, stream_), comm_);
@@ -231,7 +208,7 @@ class NcclCommunicator final : public Communicator {
         local = absl::InvalidArgumentError(
             "allgather: the output must hold world_size x the input's elements, same dtype");
       }
-      DEEPNEX_RETURN_IF_ERROR(Check(3, in, ReduceOp::kSum, 0, in.NumElements(), local, deadline));
+      DEEPNEX_RETURN_IF_ERROR(Check(Kind::kAllGather, in, ReduceOp::kSum, 0, in.NumElements(), local, deadline));
       if (in.NumElements() == 0) return absl::OkStatus();
       DEEPNEX_ASSIGN_OR_RETURN(ncclDataType_t dt, NcclType(in.dtype));
       DEEPNEX_NCCL(ncclAllGather(in.data, out.data, in.NumElements(), dt, comm_, stream_), comm_);
@@ -250,7 +227,7 @@ class NcclCommunicator final : public Communicator {
         local = absl::InvalidArgumentError(
             "reduce_scatter: the input must hold world_size x the output's elements, same dtype");
       }
-      DEEPNEX_RETURN_IF_ERROR(Check(4, out, op, 0, out.NumElements(), local, deadline));
+      DEEPNEX_RETURN_IF_ERROR(Check(Kind::kReduceScatter, out, op, 0, out.NumElements(), local, deadline));
       if (out.NumElements() == 0) return absl::OkStatus();
       DEEPNEX_ASSIGN_OR_RETURN(ncclDataType_t dt, NcclType(out.dtype));
       DEEPNEX_NCCL(ncclReduceScatter(in.data, out.data, out.NumElements(), dt, NcclOp(op), comm_,
@@ -264,7 +241,7 @@ class NcclCommunicator final : public Communicator {
     return Enqueue([this]() -> absl::Status {
       auto deadline = Clock::now() + o_.timeout;
       // The header exchange is itself a barrier.
-      return Check(5, TensorView(), ReduceOp::kSum, 0, 0, absl::OkStatus(), deadline);
+      return Check(Kind::kBarrier, TensorView(), ReduceOp::kSum, 0, 0, absl::OkStatus(), deadline);
     });
   }
 
@@ -283,44 +260,15 @@ class NcclCommunicator final : public Communicator {
   std::string transport() const override { return "nccl"; }
 
  private:
-  struct Item {
-    std::function<absl::Status()> fn;
-    std::shared_ptr<WorkImpl> work;
-  };
-
   std::shared_ptr<Work> Enqueue(std::function<absl::Status()> fn) {
-    auto work = std::make_shared<WorkImpl>();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (closing_) {
-        work->Finish(absl::FailedPreconditionError("the communicator is closed"));
-        return work;
-      }
-      queue_.push_back({std::move(fn), work});
-    }
-    cv_.notify_all();
-    return work;
-  }
-
-  void Loop() {
-    cudaSetDevice(device_);
-    std::unique_lock<std::mutex> lock(mu_);
-    while (true) {
-      cv_.wait(lock, [this] { return closing_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      auto item = std::move(queue_.front());
-      queue_.pop_front();
-      lock.unlock();
-      absl::Status s;
+    return queue_->Enqueue([this, fn = std::move(fn)]() -> absl::Status {
       if (broken_ || comm_ == nullptr) {
-        s = absl::AbortedError("the nccl communicator is broken by an earlier error or abort");
-      } else {
-        s = item.fn();
-        if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) broken_ = true;
+        return absl::AbortedError("the nccl communicator is broken by an earlier error or abort");
       }
-      item.work->Finish(s);
-      lock.lock();
-    }
+      absl::Status s = fn();
+      if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) broken_ = true;
+      return s;
+    });
   }
 
   absl::Status CheckDevice(const char* what, const TensorView& t) {
@@ -346,12 +294,13 @@ class NcclCommunicator final : public Communicator {
   }
 
   // Every rank contributes its header; all compare them.
-  absl::Status Check(int kind, const TensorView& t, ReduceOp op, int root, int64_t count,
+  absl::Status Check(Kind kind, const TensorView& t, ReduceOp op, int root, int64_t count,
                      const absl::Status& local, Clock::time_point deadline) {
-    Header mine{kind, static_cast<int64_t>(t.dtype), static_cast<int64_t>(op), root, count,
-                local.ok() ? 0 : 1};
-    if (kind == 3 || kind == 2 || kind == 5) mine.op = 0;
-    if (kind == 5) mine.dtype = 0;
+    Header mine{static_cast<int64_t>(kind), static_cast<int64_t>(t.dtype),
+                static_cast<int64_t>(op), root, count, local.ok() ? 0 : 1};
+    // Only the fields a kind uses take part in the comparison.
+    if (kind == Kind::kAllGather || kind == Kind::kBroadcast || kind == Kind::kBarrier) mine.op = 0;
+    if (kind == Kind::kBarrier) mine.dtype = 0;
     if (o_.world_size == 1) return local;
     char* dev = static_cast<char*>(header_dev_);
     DEEPNEX_CUDA(cudaMemcpyAsync(dev + sizeof(Header) * o_.world_size, &mine, sizeof(Header),
@@ -371,9 +320,10 @@ class NcclCommunicator final : public Communicator {
       }
       if (std::memcmp(&all[i], &all[0], sizeof(Header)) != 0) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "ranks disagree on the collective (rank 0: kind ", all[0].kind, ", ", all[0].count,
-            " elements of dtype ", all[0].dtype, "; rank ", i, ": kind ", all[i].kind, ", ",
-            all[i].count, " elements of dtype ", all[i].dtype, "); nothing was done"));
+            "ranks disagree on the collective (rank 0: ", KindName(static_cast<Kind>(all[0].kind)),
+            ", ", all[0].count, " elements of dtype ", all[0].dtype, "; rank ", i, ": ",
+            KindName(static_cast<Kind>(all[i].kind)), ", ", all[i].count, " elements of dtype ",
+            all[i].dtype, "); nothing was done"));
       }
     }
     return absl::OkStatus();
@@ -434,11 +384,7 @@ class NcclCommunicator final : public Communicator {
   bool aborted_ = false;
   std::atomic<bool> broken_{false};
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Item> queue_;
-  bool closing_ = false;
-  std::thread worker_;
+  std::unique_ptr<SerialQueue> queue_;
 };
 
 }  // namespace

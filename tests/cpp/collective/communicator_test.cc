@@ -286,6 +286,117 @@ TEST_F(CommunicatorTest, MismatchedCallsFailOnEveryRankAndLeaveItUsable) {
   });
 }
 
+// Up to 64 KiB among up to 8 ranks, allreduce folds the data into the
+// header exchange; a rank on that path and one on the ring must still fail
+// together and leave the streams in step.
+TEST_F(CommunicatorTest, SmallAndLargeDisagreeingFailEveryRankAndLeaveItUsable) {
+  RunRanks(3, [&](int rank, Communicator& comm) {
+    std::vector<float> x(rank == 1 ? 20000 : 100, 1.0f);  // 80 KB against 400 B
+    EXPECT_THAT(comm.AllReduce(TensorView(x.data(), DType::kFloat32, {int64_t(x.size())})),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("rank 1: allreduce of 20000 float32")));
+    std::vector<float> y(100, 1.0f);
+    ASSERT_OK(comm.AllReduce(TensorView(y.data(), DType::kFloat32, {100})));
+    EXPECT_EQ(y[99], 3.0f);
+  });
+}
+
+// Two ranks reduce a sum, mean or prod of up to 1 MiB straight from the link;
+// with payloads larger than a ring, only data already sent may be
+// overwritten, and neither rank may wait for the other to finish sending.
+TEST_F(CommunicatorTest, TwoRankSmallAllReduceThroughATinyRing) {
+  // 64 KiB and 1 MiB of float32: 16 and 256 rings' worth.
+  const size_t counts[] = {(64 << 10) / 4, (1 << 20) / 4};
+  for (const char* transport : {"shm", "tcp"}) {
+    RunRanks(
+        2,
+        [&](int rank, Communicator& comm) {
+          for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMean, ReduceOp::kProd}) {
+            for (size_t count : counts) {
+              std::vector<char> buf(count * 4);
+              for (size_t i = 0; i < count; ++i) {
+                Store(DType::kFloat32, buf.data(), i, Input(op, rank, i));
+              }
+              ASSERT_OK(
+                  comm.AllReduce(TensorView(buf.data(), DType::kFloat32, {int64_t(count)}), op));
+              for (size_t i = 0; i < count; ++i) {
+                ASSERT_EQ(Load(DType::kFloat32, buf.data(), i),
+                          Expected(DType::kFloat32, op, 2, i))
+                    << transport << " rank " << rank << " " << ReduceOpName(op) << " count "
+                    << count << " element " << i;
+              }
+            }
+          }
+        },
+        [&](CommunicatorOptions& o) {
+          o.transport = *ParseTransport(transport);
+          o.shm_buffer_bytes = 4096;
+        });
+  }
+}
+
+TEST_F(CommunicatorTest, TwoRankSmallMismatchLeavesBothTensorsUntouched) {
+  RunRanks(2, [&](int rank, Communicator& comm) {
+    // Rank 0 on the two-rank path (sum), rank 1 on the general one (max).
+    std::vector<float> x(100, static_cast<float>(rank + 1));
+    EXPECT_THAT(comm.AllReduce(TensorView(x.data(), DType::kFloat32, {100}),
+                               rank == 0 ? ReduceOp::kSum : ReduceOp::kMax),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("disagree")));
+    EXPECT_EQ(x, std::vector<float>(100, static_cast<float>(rank + 1)));
+    // Both on the two-rank path, different sizes.
+    std::vector<float> y(rank == 0 ? 100 : 200, static_cast<float>(rank + 1));
+    EXPECT_THAT(comm.AllReduce(TensorView(y.data(), DType::kFloat32, {int64_t(y.size())})),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank 1: allreduce of 200")));
+    EXPECT_EQ(y, std::vector<float>(y.size(), static_cast<float>(rank + 1)));
+    // Rank 1 past the two-rank path's 1 MiB, on the ring.
+    std::vector<float> z(rank == 0 ? 100 : (1 << 18) + 1, static_cast<float>(rank + 1));
+    EXPECT_THAT(comm.AllReduce(TensorView(z.data(), DType::kFloat32, {int64_t(z.size())})),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("disagree")));
+    EXPECT_EQ(z, std::vector<float>(z.size(), static_cast<float>(rank + 1)));
+    ASSERT_OK(comm.AllReduce(TensorView(x.data(), DType::kFloat32, {100})));
+    EXPECT_EQ(x[99], 3.0f);
+  });
+}
+
+TEST_F(CommunicatorTest, SmallAllReduceUpToEightRanksAndPast) {
+  for (int n : {8, 9}) {  // 9 ranks take the ring
+    RunRanks(n, [&](int rank, Communicator& comm) {
+      for (size_t count : {size_t{1}, size_t{1021}, size_t{16384}}) {
+        std::vector<int64_t> x(count);
+        for (size_t i = 0; i < count; ++i) x[i] = static_cast<int64_t>(i) * (rank + 1);
+        ASSERT_OK(comm.AllReduce(TensorView(x.data(), DType::kInt64, {int64_t(count)})));
+        for (size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(x[i], static_cast<int64_t>(i) * n * (n + 1) / 2)
+              << "world " << n << " rank " << rank << " count " << count << " element " << i;
+        }
+      }
+    });
+  }
+}
+
+TEST_F(CommunicatorTest, RankLeavingBetweenSmallCollectivesFailsTheOther) {
+  for (const char* transport : {"tcp", "shm"}) {
+    RunRanks(
+        2,
+        [&](int rank, Communicator& comm) {
+          std::vector<float> x(256, 1.0f);
+          TensorView t(x.data(), DType::kFloat32, {256});
+          if (rank == 1) {
+            for (int i = 0; i < 50; ++i) ASSERT_OK(comm.AllReduce(t));
+            comm.Abort();  // as if the process died: its connections close
+            return;
+          }
+          auto start = std::chrono::steady_clock::now();
+          absl::Status s;
+          for (int i = 0; i < 1000 && s.ok(); ++i) s = comm.AllReduce(t);
+          EXPECT_THAT(s.code(), AnyOf(absl::StatusCode::kUnavailable, absl::StatusCode::kAborted))
+              << transport << ": " << s;
+          EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(10000));
+        },
+        [&](CommunicatorOptions& o) { o.transport = *ParseTransport(transport); });
+  }
+}
+
 TEST_F(CommunicatorTest, MissingRankAtInitIsDeadlineExceededNamingIt) {
   ::deepnex::test::RunRanks(2, [&](int r) {
     CommunicatorOptions o = Options(r, 4, "missing");
