@@ -4,12 +4,17 @@
 #ifndef DEEPNEX_LAUNCH_CENTRAL_WIRE_H_
 #define DEEPNEX_LAUNCH_CENTRAL_WIRE_H_
 
+#include <cstdint>
 #include <string>
 
 #include "deepnex/central.pb.h"
 #include "deepnex/launch/launcher.h"
 
 namespace deepnex::launch {
+
+// The most bytes of logs one ContainerLogs reply carries; a client that got
+// fewer has read all there is for now.
+inline constexpr uint64_t kMaxLogChunk = 1 << 20;
 
 // Neither carries spec.allocation, spec.user or spec.on_restart.
 absl::StatusOr<ContainerSpec> SpecFromProto(const gpu::proto::ContainerSpec& p);
