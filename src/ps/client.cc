@@ -28,8 +28,6 @@ namespace {
 namespace pb = ::deepnex::ps::proto;
 using Clock = std::chrono::system_clock;
 
-constexpr int kObserverId = -1;
-
 constexpr char kPushMethod[] = "/deepnex.ps.proto.ParameterServer/Push";
 constexpr char kPullMethod[] = "/deepnex.ps.proto.ParameterServer/Pull";
 constexpr char kWritePartsMethod[] =
@@ -337,7 +335,7 @@ class ClientImpl final : public Client {
     return CheckForkSafe("ps client");
   }
 
-  bool observer() const { return options_.worker_id == kObserverId; }
+  bool observer() const { return options_.worker_id == kObserver; }
 
   absl::Status CheckWriter(const char* op) const {
     if (observer()) {

@@ -14,6 +14,7 @@
 #include "deepnex/ps/server.h"
 #include "deepnex/tensor.h"
 #include "ps/membership.h"
+#include "ps/plan.h"
 
 namespace deepnex::ps {
 
@@ -37,9 +38,6 @@ class PushSink {
   virtual void Fail(const absl::Status& status) = 0;
   virtual bool Finished() const = 0;
 };
-
-// The worker id of a client that only reads (ClientOptions::worker_id -1).
-inline constexpr int kObserver = -1;
 
 // Callbacks to run once the partition's lock is released.
 using Completions = std::vector<std::function<void()>>;

@@ -9,6 +9,10 @@
 
 namespace deepnex::ps {
 
+// The worker id of a client that only reads (ClientOptions::worker_id -1),
+// on both ends of the wire.
+inline constexpr int kObserver = -1;
+
 struct PartRange {
   uint64_t offset = 0;  // first element
   uint64_t count = 0;   // elements
