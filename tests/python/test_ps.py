@@ -5,12 +5,12 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import threading
 
 import numpy as np
 import pytest
 
 import deepnex
+from _wait import run_threads
 from deepnex import ps
 
 BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
@@ -19,23 +19,7 @@ PS_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-ps")
 
 def run_workers(n, fn):
     """Runs fn(worker) on n threads; re-raises the first failure."""
-    errors = [None] * n
-
-    def body(w):
-        try:
-            fn(w)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors[w] = e
-
-    threads = [threading.Thread(target=body, args=(w,)) for w in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-        assert not t.is_alive(), "worker thread hung"
-    for e in errors:
-        if e is not None:
-            raise e
+    run_threads(n, fn, timeout=120, what="worker thread")
 
 
 def grad(worker, step, shape):

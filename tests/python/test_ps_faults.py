@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import deepnex
-from _wait import wait_for
+from _wait import run_threads, wait_for
 from deepnex import ps
 
 BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
@@ -30,24 +30,9 @@ def g(worker, step):
     return np.full(N, (worker + 1) * (step % 7 + 1), np.float32)
 
 
-def run_threads(fns, timeout=120):
-    errors = [None] * len(fns)
-
-    def body(i):
-        try:
-            fns[i]()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors[i] = e
-
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a worker thread hung"
-    for e in errors:
-        if e is not None:
-            raise e
+def run_fns(fns, timeout=120):
+    """Runs each of `fns` on its own thread; re-raises the first failure."""
+    run_threads(len(fns), lambda i: fns[i](), timeout=timeout, what="a worker thread")
 
 
 # ---- a worker process that can die, and one that rejoins
@@ -186,7 +171,7 @@ def test_ssp_bounds_the_lead_of_fast_workers_and_values_stay_exact():
                     # Bounded staleness: only the slowest sees the last round.
             return run
 
-        run_threads([worker(w) for w in range(workers)])
+        run_fns([worker(w) for w in range(workers)])
         with ps.Client([server.address], worker_id=-1) as c:
             stats = c.stats()[0]
             final = c.pull("w")["w"]
@@ -249,7 +234,7 @@ def test_checkpoint_restore_continues_exactly(tmp_path):
                     for t in range(first, last + 1):
                         seen[(w, t)] = c.push_pull({"w": grads[w][t]})["w"]
             return run
-        run_threads([worker(0), worker(1)])
+        run_fns([worker(0), worker(1)])
 
     reference = {}
     with ps.Server(mode="sync", num_workers=2, optimizer=opt) as server:
@@ -303,7 +288,7 @@ def test_server_killed_mid_training_restarts_from_its_checkpoint(tmp_path):
                     for t in range(1, steps + 1):
                         reference[(w, t)] = c.push_pull({"w": grads[w][t]})["w"]
             return run
-        run_threads([ref(0), ref(1)])
+        run_fns([ref(0), ref(1)])
 
     address = f"127.0.0.1:{free_port()}"
     flags = ["--listen", address, "--mode", "sync", "--workers", "2", "--optimizer", "adam",
@@ -331,7 +316,7 @@ def test_server_killed_mid_training_restarts_from_its_checkpoint(tmp_path):
                         resumed_at[w] = t
         return run
 
-    threads = threading.Thread(target=run_threads, args=([worker(0), worker(1)],))
+    threads = threading.Thread(target=run_fns, args=([worker(0), worker(1)],))
     threads.start()
     try:
         paused.wait(timeout=60)  # both workers finished round `pause`

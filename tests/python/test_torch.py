@@ -3,7 +3,6 @@ DistributedDataParallel's bucketed allreduce and broadcast_parameters, with
 2 workers as threads and integer-valued data, so results are exact."""
 
 import os
-import threading
 import time
 
 import pytest
@@ -12,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 import deepnex  # noqa: E402
 import deepnex.torch as dtorch  # noqa: E402
+from _wait import run_threads  # noqa: E402
 from deepnex import collective  # noqa: E402
 
 _counter = [0]
@@ -19,30 +19,7 @@ _counter = [0]
 
 def run_workers(n, body):
     """body(rank) on n threads; re-raises the first failure."""
-    errors = [None] * n
-
-    def main(r):
-        try:
-            body(r)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors[r] = e
-
-    threads = [threading.Thread(target=main, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-        assert not t.is_alive(), "a worker hung"
-    for e in errors:
-        if e is not None:
-            raise e
-
-
-@pytest.fixture
-def store():
-    s = collective.Store("127.0.0.1:0")
-    yield s
-    s.stop()
+    run_threads(n, body, timeout=60, what="a worker")
 
 
 def communicators(store, n):
