@@ -94,6 +94,21 @@ struct Collected {
   }
 };
 
+// Logs "first" and "second" in a ledger in `dir`, closed cleanly; returns
+// the log file that holds them.
+std::string LogFirstAndSecond(const std::string& dir) {
+  {
+    Collected c;
+    auto ledger = Ledger::Open(dir, {}, c.fn());
+    EXPECT_TRUE(ledger.ok()) << ledger.status();
+    if (!ledger.ok()) return "";
+    (*ledger)->Append("first");
+    (*ledger)->Append("second");
+    EXPECT_OK((*ledger)->Sync(2));
+  }
+  return LastLogWithRecords(dir);
+}
+
 TEST(Ledger, ReplaysWhatWasSynced) {
   TempDir dir;
   {
@@ -179,14 +194,7 @@ TEST(Ledger, TornTailIsDroppedAndTruncated) {
 
 TEST(Ledger, LastRecordWithBadChecksumIsTorn) {
   TempDir dir;
-  {
-    Collected c;
-    ASSERT_OK_AND_ASSIGN(auto ledger, Ledger::Open(dir.path(), {}, c.fn()));
-    ledger->Append("first");
-    ledger->Append("second");
-    ASSERT_OK(ledger->Sync(2));
-  }
-  const std::string log = LastLogWithRecords(dir.path());
+  const std::string log = LogFirstAndSecond(dir.path());
   std::string data = Unseal(log);
   data[data.size() - 1] ^= 0x40;  // the last payload byte of "second"
   WriteAll(log, data);
@@ -258,14 +266,7 @@ TEST(Ledger, FailedWriteLosesItsRecordsAndRecoverResumes) {
 // not a torn tail to drop silently.
 TEST(Ledger, SealedLastRecordWithBadChecksumIsDataLoss) {
   TempDir dir;
-  {
-    Collected c;
-    ASSERT_OK_AND_ASSIGN(auto ledger, Ledger::Open(dir.path(), {}, c.fn()));
-    ledger->Append("first");
-    ledger->Append("second");
-    ASSERT_OK(ledger->Sync(2));
-  }
-  const std::string log = LastLogWithRecords(dir.path());
+  const std::string log = LogFirstAndSecond(dir.path());
   std::string data = ReadAll(log);
   data[data.size() - kSealBytes - 1] ^= 0x40;  // the last payload byte of "second"
   WriteAll(log, data);

@@ -363,12 +363,7 @@ TEST_F(PullLimitTest, APushAskingForItsValuesRepliesWithTheRoundsValues) {
 TEST_F(PullLimitTest, APullSeqThatWouldWrapTheRoundIsRefused) {
   StartWith({});
   Wire wire(server_->address());
-  pb::RegisterRequest reg;
-  reg.set_worker_id(0);
-  reg.set_incarnation(7);
-  pb::RegisterReply reg_reply;
-  grpc::ClientContext reg_ctx;
-  ASSERT_TRUE(wire.stub().Register(&reg_ctx, reg, &reg_reply).ok());
+  ASSERT_TRUE(wire.Register(0, 7).ok());
   grpc::Status s = wire.Call1(kPull, Plain(PullOf(1, 0, 7, ~0ull)));
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(), HasSubstr("pull: seq 18446744073709551615 is out of range"));
@@ -514,12 +509,7 @@ TEST(PsHardeningTest, PushesOutOfOrderAreBoundedPerWorkerAndDroppedWhenTheirCall
   ASSERT_THAT(client->Init({View("w", v)}), IsOk());
 
   Wire wire(server->address());
-  pb::RegisterRequest reg;
-  reg.set_worker_id(0);
-  reg.set_incarnation(7);
-  pb::RegisterReply reg_reply;
-  grpc::ClientContext reg_ctx;
-  ASSERT_TRUE(wire.stub().Register(&reg_ctx, reg, &reg_reply).ok());
+  ASSERT_TRUE(wire.Register(0, 7).ok());
   std::vector<float> grad(1024, 1.0f);
   for (uint64_t seq = 2; seq <= 2001; ++seq) {  // seq 1 never comes
     pb::PushHeader push;
