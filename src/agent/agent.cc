@@ -7,6 +7,7 @@
 
 #include <condition_variable>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -159,6 +160,7 @@ class AgentImpl final : public Agent {
           heartbeat_ = std::chrono::milliseconds(std::max<int64_t>(10, in.registered().heartbeat_ms()));
           kicked_ = true;  // Beat waits on the old interval: wake it
           backoff = kFirstBackoff;
+          last_failure_.clear();
           cv_.notify_all();
         } else if (in.has_command()) {
           Dispatch(in.command());
@@ -177,6 +179,12 @@ class AgentImpl final : public Agent {
         final_ = ToAbslStatus(status);
         cv_.notify_all();
         return;
+      }
+      // Once per kind of failure, not once per redial.
+      if (status.error_message() != last_failure_) {
+        last_failure_ = status.error_message();
+        std::cerr << "deepnex-agent: node " << node_.name << ": the stream to deepnex-central at "
+                  << options_.central << " ended (" << last_failure_ << "); dialling again\n";
       }
       cv_.wait_for(lock, backoff, [this] { return done_; });
       backoff = std::min(backoff * 2, kMaxBackoff);
@@ -387,6 +395,7 @@ class AgentImpl final : public Agent {
   bool done_ = false;
   bool stopped_ = false;
   bool started_ = false;  // set by Start before its threads
+  std::string last_failure_;  // the stream's last error, logged once
   absl::Status final_;
   std::chrono::milliseconds heartbeat_{2000};
   int commands_ = 0;
