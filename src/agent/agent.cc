@@ -465,9 +465,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(const AgentOptions& options
   DEEPNEX_ASSIGN_OR_RETURN(auto launcher, launch::Launcher::Create(options.launcher));
   // A killed agent before this one stopped nothing: its containers run on.
   std::vector<std::shared_ptr<launch::Handle>> adopted;
-  if (launcher->backend() == "process" && !options.launcher.state_dir.empty()) {
-    adopted = AdoptOrphans(options.launcher.state_dir, launcher->id());
-  }
+  adopted = AdoptOrphans(options.launcher, launcher->id());
   auto agent = std::make_unique<AgentImpl>(options, std::move(node), std::move(address),
                                            std::move(token), std::move(launcher),
                                            std::move(adopted));

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "deepnex/agent/agent.h"
+#include "deepnex/launch/central.h"
 #include "tools/daemon.h"
 
 namespace {
@@ -39,6 +40,10 @@ flags:
   --cpus N                CPU cores to offer (default: this machine's)
   --memory SIZE           host memory to offer (default: this machine's)
   --labels k=v,...        the node's labels (for selectors)
+  --image NAME=DIR        image NAME runs the rootfs directory DIR (or
+                          "host") here: this node's own catalog, as a
+                          kubelet's image store; deepnex-central lets users
+                          name only the images of its own --image list
   --listen HOST:PORT      serve GET /healthz (200 while registered with
                           central, 503 otherwise) and GET /metrics (the
                           node's and its containers' usage, Prometheus text)
@@ -79,6 +84,10 @@ int main(int argc, char** argv) {
         }
         options.labels[p.first] = p.second;
       }
+    } else if (flags.Is("--image")) {
+      absl::Status added =
+          deepnex::launch::AddImageMapping("--image", flags.Value(), &options.launcher.images);
+      if (!added.ok()) flags.Die(std::string(added.message()));
     } else if (flags.Is("--listen")) options.listen = flags.Value();
     else if (flags.Is("--advertise")) options.advertise = flags.Value();
     else flags.Unknown();

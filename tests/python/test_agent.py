@@ -197,6 +197,9 @@ def test_node_token_of_another_node_and_user_token_are_refused(central, agents):
     (["--gpus", "16GiB"], '--gpus: "16GiB" is not NxSIZE with N from 1 to 1024 (e.g. 2x16GiB)'),
     (["--cpus", "0"], "--cpus: 0 must be at least 1"),
     (["--labels", "rack"], '--labels: "rack" is not k=v'),
+    (["--image", "base=relative/dir"],
+     '--image "base=relative/dir": "relative/dir" is not an absolute directory or "host"'),
+    (["--image", "/x=host"], '--image "/x=host": expected NAME=DIR with a new NAME that is not a path'),
 ])
 def test_agent_flags_are_checked(flags, message):
     if not os.path.exists(AGENT_BIN):

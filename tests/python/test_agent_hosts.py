@@ -8,7 +8,9 @@ node comes back without a duplicate. Skips without root."""
 import os
 import time
 
-from _agents import http_get, pid_alive
+import pytest
+
+from _agents import AgentHosts, http_get, pid_alive, require_binaries
 from _wait import wait_for
 
 
@@ -130,3 +132,49 @@ def test_agent_on_a_host_serves_healthz_and_metrics(agent_hosts):
     # within its backoff, and gRPC's connection attempt may take seconds.
     wait_for(lambda: http_get(http, "/healthz", on=c.on()) == (200, "ok\n"), "h3 healthy again",
              timeout=30)
+
+
+def test_oci_agent_runs_its_own_image_and_reattaches(make_hosts, tmp_path):
+    """The oci backend on h2: image "base" is a name in central's catalog
+    (its directory there is empty) and in h2's own (the host image), and
+    runs h2's; a SIGKILLed agent re-attaches to the runc container."""
+    require_binaries()
+    from deepnex import launch
+    why = launch.probe_backends().get("oci", "")
+    if why:
+        pytest.skip(f"oci backend: {why}")
+    empty = tmp_path / "central-base"
+    empty.mkdir()
+    c = AgentHosts(make_hosts({"h1": 11, "h2": 12}), tmp_path, nodes=("h2",), backend="oci",
+                   central_flags=("--image", f"base={empty}"),
+                   agent_flags=("--image", "base=host"))
+    try:
+        c.start()
+        a = c.allocate("h2")
+        out = c.cli("launch", "--alloc", a["id"], "--name", "w0", "--image", "base", "--",
+                    "sh", "-c", "echo up; sleep 300", token="alicetok")
+        assert out.returncode == 0, out.stderr
+        w0 = c.containers()["w0"]
+        assert (w0["node"], w0["backend"], w0["state"]) == ("h2", "oci", "running")
+        wait_for(lambda: c.cli("logs", "w0", token="alicetok").stdout == "up\n", "w0's log")
+        runc = ["runc", "--root", str(tmp_path / "h2" / "runc")]
+        init_pid = int(c.hosts.run("h2", [*runc, "state", w0["id"]]).stdout.split('"pid": ')[1]
+                       .split(",")[0])
+        c.kill_agent("h2")
+        wait_for(lambda: c.status()["h2"] == "NotReady", "h2 NotReady", timeout=c.node_timeout + 5)
+        c.start_agent("h2")
+        wait_for(lambda: c.status()["h2"] == "Ready", "h2 Ready again", timeout=10)
+        got = c.containers()["w0"]
+        assert (got["node"], got["id"], got["state"]) == ("h2", w0["id"], "running")
+        assert pid_alive(init_pid)
+        assert c.cli("logs", "w0", token="alicetok").stdout == "up\n"
+        wait_for(lambda: c.containers()["w0"]["usage"]["memory"] > 0, "w0's usage")
+        stop = c.cli("stop", "w0", "--grace", "5", token="alicetok")
+        assert (stop.returncode, stop.stdout) == (
+            0, "w0 stopped signaled(SIGTERM), allocation released\n")
+        assert not pid_alive(init_pid)
+        # Removed from runc's state with its record.
+        wait_for(lambda: c.hosts.run("h2", [*runc, "list", "-q"]).stdout == "",
+                 "w0 gone from runc's state")
+    finally:
+        c.close()
