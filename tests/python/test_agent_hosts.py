@@ -86,6 +86,23 @@ def test_killed_agent_goes_not_ready_then_reattaches(agent_hosts):
     wait_for(lambda: not pid_alive(w0["id"]), "w0's process gone")
 
 
+def test_restarted_agent_keeps_what_central_knows_and_loses_the_rest(agent_hosts):
+    c = agent_hosts
+    keep = c.launch("h2", "keep", "sleep", "300")
+    gone = c.launch("h2", "gone", "sleep", "300")
+    c.kill_agent("h2")
+    wait_for(lambda: c.status()["h2"] == "NotReady", "h2 NotReady", timeout=c.node_timeout + 5)
+    # While h2's agent is away, gone's allocation goes: central no longer
+    # knows a reason for it to run.
+    assert c.call("admintok", f"c.release({gone['allocation']!r})") is None
+    assert pid_alive(gone["id"])
+    c.start_agent("h2")
+    wait_for(lambda: not pid_alive(gone["id"]), "gone stopped after h2's agent came back")
+    got = c.containers()
+    assert (got["keep"]["id"], got["keep"]["state"]) == (keep["id"], "running")
+    assert pid_alive(keep["id"])
+
+
 def test_killed_central_gets_every_container_back(agent_hosts):
     c = agent_hosts
     before = {}
