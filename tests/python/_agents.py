@@ -341,6 +341,17 @@ class AgentHosts:
         assert out.returncode == 0, out.stderr
         return self.containers(token)[name]
 
+    def wait_status(self, node, status, timeout):
+        """Waits until `deepnex nodes` shows `node` as `status`."""
+        wait_for(lambda: self.status()[node] == status, f"{node} {status}", timeout=timeout)
+
+    def stop(self, name, token="alicetok"):
+        """`deepnex stop NAME --grace 5`, checked to have stopped it and
+        released its allocation."""
+        out = self.cli("stop", name, "--grace", "5", token=token)
+        assert (out.returncode, out.stdout) == (
+            0, f"{name} stopped signaled(SIGTERM), allocation released\n"), out.stderr
+
     def close(self):
         if self.daemons:
             self.daemons.close()
