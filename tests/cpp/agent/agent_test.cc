@@ -12,6 +12,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "core/net.h"
 #include "gmock/gmock.h"
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
@@ -148,6 +149,48 @@ TEST(AgentOptionsTest, BadOptionsAreRefused) {
   o.gpus = std::vector<gpu::Gpu>{};
   EXPECT_THAT(Agent::Create(o).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, "cpus: -2 is negative"));
+  o.cpus = 1;
+  o.advertise = "0.0.0.0";
+  EXPECT_THAT(Agent::Create(o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "advertise \"0.0.0.0\": peers cannot dial a wildcard address"));
+}
+
+// The host peers dial on the node: --advertise, or by default this host's
+// address towards central; central keeps it per node.
+TEST_F(AgentTest, AdvertisedAddressReachesNodes) {
+  AgentOptions o = Options("h1", "h1tok");
+  o.advertise = "h1.lab";
+  ASSERT_OK_AND_ASSIGN(auto h1, Agent::Create(o));
+  EXPECT_EQ(h1->address(), "h1.lab");
+  EXPECT_EQ(h1->http_address(), "");
+  auto h2 = Start("h2", "h2tok");
+  EXPECT_EQ(h2->address(), PrimaryAddress("127.0.0.1"));
+  ASSERT_OK(h1->WaitRegistered(10s));
+  ASSERT_OK(h2->WaitRegistered(10s));
+  ASSERT_OK_AND_ASSIGN(auto nodes, alice_->Nodes());
+  ASSERT_EQ(nodes.size(), 2u);
+  EXPECT_EQ(nodes[0].address, "h1.lab");
+  EXPECT_EQ(nodes[1].address, h2->address());
+}
+
+// Central checks the address of a Register sent by other than deepnex-agent.
+TEST_F(AgentTest, RegisterWithABadAddressIsRefused) {
+  auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+  auto stub = proto::Agents::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", "Bearer h2tok");
+  auto stream = stub->Connect(&ctx);
+  proto::AgentMessage m;
+  m.mutable_register_()->mutable_node()->set_name("h2");
+  m.mutable_register_()->set_address("h2:7070");
+  ASSERT_TRUE(stream->Write(m));
+  proto::CentralMessage reply;
+  EXPECT_FALSE(stream->Read(&reply));
+  grpc::Status s = stream->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(), "address \"h2:7070\": a host name or an address, without a port");
+  EXPECT_TRUE(alice_->Nodes().value().empty());
 }
 
 TEST(CentralOptionsTest, NodeTimeoutsAreChecked) {
