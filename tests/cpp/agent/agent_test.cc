@@ -99,6 +99,22 @@ class AgentTest : public ::testing::Test {
     return std::move(a).value();
   }
 
+  // A stream to central's Agents service as `token`, for what deepnex-agent
+  // itself never sends. Members go in reverse: the stream first.
+  struct RawAgent {
+    std::unique_ptr<proto::Agents::Stub> stub;
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReaderWriter<proto::AgentMessage, proto::CentralMessage>> stream;
+  };
+  std::unique_ptr<RawAgent> Raw(const std::string& token) {
+    auto r = std::make_unique<RawAgent>();
+    r->stub = proto::Agents::NewStub(
+        grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
+    r->ctx.AddMetadata("authorization", "Bearer " + token);
+    r->stream = r->stub->Connect(&r->ctx);
+    return r;
+  }
+
   bool Ready(const std::string& node) {
     auto n = server_->allocator().GetNode(node);
     return n.ok() && n->ready;
@@ -176,11 +192,8 @@ TEST_F(AgentTest, AdvertisedAddressReachesNodes) {
 
 // Central checks the address of a Register sent by other than deepnex-agent.
 TEST_F(AgentTest, RegisterWithABadAddressIsRefused) {
-  auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
-  auto stub = proto::Agents::NewStub(channel);
-  grpc::ClientContext ctx;
-  ctx.AddMetadata("authorization", "Bearer h2tok");
-  auto stream = stub->Connect(&ctx);
+  auto raw = Raw("h2tok");
+  auto& stream = raw->stream;
   proto::AgentMessage m;
   m.mutable_register_()->mutable_node()->set_name("h2");
   m.mutable_register_()->set_address("h2:7070");
@@ -388,11 +401,8 @@ TEST_F(AgentTest, ReportOfAnotherNodesGrantIsNotTaken) {
   auto h1 = Start("h1", "h1tok");
   ASSERT_OK(h1->WaitRegistered(10s));
   ASSERT_OK_AND_ASSIGN(gpu::Allocation a, alice_->Allocate(OnNode("h1")));
-  auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
-  auto stub = proto::Agents::NewStub(channel);
-  grpc::ClientContext ctx;
-  ctx.AddMetadata("authorization", "Bearer h2tok");
-  auto stream = stub->Connect(&ctx);
+  auto raw = Raw("h2tok");
+  auto& stream = raw->stream;
   proto::AgentMessage m;
   proto::Register* reg = m.mutable_register_();
   reg->mutable_node()->set_name("h2");
@@ -409,7 +419,7 @@ TEST_F(AgentTest, ReportOfAnotherNodesGrantIsNotTaken) {
   ASSERT_TRUE(stream->Read(&reply));
   ASSERT_TRUE(reply.has_registered());
   EXPECT_TRUE(alice_c_->ListContainers().value().empty());
-  ctx.TryCancel();
+  raw->ctx.TryCancel();
   stream->Finish().ok();
   EXPECT_OK(server_->allocator().GetAllocation(a.id).status());
 }
