@@ -377,11 +377,15 @@ class JobImpl : public Job {
     }
     JobResult result;
     std::optional<launch::ExitStatus> first_failure;
-    for (const auto& w : workers_) {
-      launch::ContainerStatus st = w->Status();
+    for (size_t rank = 0; rank < workers_.size(); ++rank) {
+      launch::ContainerStatus st = workers_[rank]->Status();
       if (st.last_exit.has_value() && !st.last_exit->ok() && !first_failure.has_value() &&
           st.state == launch::State::kExited) {
         first_failure = st.last_exit;
+        if (st.last_exit->reason == launch::ExitReason::kLost) {
+          o_.on_event(absl::StrCat("worker ", rank, " was lost with its node \"",
+                                   workers_[rank]->spec().allocation->node, "\""));
+        }
       }
     }
     DEEPNEX_RETURN_IF_ERROR(Stop());
@@ -407,6 +411,9 @@ class JobImpl : public Job {
     if (allocations_ != nullptr) {
       for (const auto& a : Allocations()) {
         absl::Status s = allocations_->Release(a.id);
+        // Through the agents, central releases an allocation once its
+        // container ended for good (or was lost with its node).
+        if (absl::IsNotFound(s) && o_.launcher.backend == "central") s = absl::OkStatus();
         if (first.ok()) first = s;
       }
     }
@@ -436,6 +443,9 @@ class JobImpl : public Job {
     // host (the kubernetes one lists no nodes yet, and takes a job's
     // containers only with an image, which deepnex run does not give).
     DEEPNEX_ASSIGN_OR_RETURN(std::vector<gpu::Node> backend_nodes, launcher_->Nodes());
+    if (backend_nodes.empty() && !o_.central.empty() && RunsHere(o_.launcher.backend)) {
+      DEEPNEX_RETURN_IF_ERROR(UseAgents(&backend_nodes));
+    }
     placed_ = !backend_nodes.empty();
     if (!placed_ && o_.nodes > 1) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -581,6 +591,31 @@ class JobImpl : public Job {
       workers_.push_back(h);
     }
     WriteRecord();
+    return absl::OkStatus();
+  }
+
+  // The backends that run every container on this host.
+  static bool RunsHere(const std::string& backend) {
+    return backend == "process" || backend == "oci" || backend == "docker";
+  }
+
+  // With deepnex-central, a backend that runs everything here gives way to
+  // central's agents when it has any: each worker and parameter server then
+  // runs on its allocation's node, started, followed and stopped through
+  // central and that node's deepnex-agent (whose own --backend applies).
+  // `nodes` gets the agents' nodes; none: the local launcher stays.
+  absl::Status UseAgents(std::vector<gpu::Node>* nodes) {
+    launch::LauncherOptions via = o_.launcher;
+    via.backend = "central";
+    via.central.address = o_.central;
+    via.central.token = o_.central_token;
+    via.central.token_file = o_.central_token_file;
+    DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<launch::Launcher> central,
+                             launch::Launcher::Create(via));
+    DEEPNEX_ASSIGN_OR_RETURN(*nodes, central->Nodes());
+    if (nodes->empty()) return absl::OkStatus();
+    launcher_ = std::move(central);
+    o_.launcher = via;
     return absl::OkStatus();
   }
 
