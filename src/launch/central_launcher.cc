@@ -220,11 +220,11 @@ class CentralHandle final : public Handle {
     if (!all.ok()) return;
     for (CentralContainer& c : *all) {
       if (c.name != spec_.name) continue;
-      // Restarts the node's supervisor did since the last read, told as the
-      // launcher tells its own (after the fact: the backoff has passed).
-      for (int r = record_.restarts + 1; r <= c.restarts && spec_.on_restart; ++r) {
-        Tell(ParseExit(c.last_exit), base_restarts_ + r);
-      }
+      // The restarts the node's supervisor decided since the last read, told
+      // as the launcher tells its own: a restarting record holds the exit of
+      // the run before it (the agent reports each such end at once).
+      const int decided = c.restarts + (c.state == State::kRestarting ? 1 : 0);
+      for (; told_ < decided; ++told_) Tell(ParseExit(c.last_exit), base_restarts_ + told_ + 1);
       record_ = std::move(c);
       break;
     }
@@ -279,6 +279,7 @@ class CentralHandle final : public Handle {
     }
     Tell(lost, restart);
     base_restarts_ = restart;
+    told_ = 0;
     allocation_ = *std::move(a);
     record_ = *std::move(c);
     ++generation_;
@@ -291,6 +292,7 @@ class CentralHandle final : public Handle {
   CentralContainer record_;      // central's latest
   Clock::time_point read_at_{};  // of record_
   int base_restarts_ = 0;        // restarts of the containers before this one
+  int told_ = 0;                 // this container's restarts told to on_restart
   int generation_ = 0;           // containers started in place of lost ones
   bool stopping_ = false;        // Stop was asked, or no replacement is to come
 };
@@ -315,7 +317,6 @@ class CentralLauncher final : public Launcher {
     }
     ContainerSpec remote = spec;
     remote.allocation.reset();
-    remote.labels["deepnex.launcher"] = id_;
     DEEPNEX_ASSIGN_OR_RETURN(CentralContainer c,
                              central_->containers->StartContainer(remote, spec.allocation->id));
     auto h = std::make_shared<CentralHandle>(central_, spec, std::move(c));
