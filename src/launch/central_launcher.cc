@@ -31,6 +31,10 @@ namespace {
 using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
 
+// Reads of an ended container's log that may fail in a row before its
+// follower gives up on the rest.
+constexpr int kLogTries = 10;
+
 bool Ended(State s) { return s == State::kExited || s == State::kStopped; }
 
 // The inverse of ExitStatus::ToString ("exited(3)", "signaled(SIGKILL)",
@@ -156,6 +160,7 @@ class CentralHandle final : public Handle {
   // is gone with it).
   absl::Status FollowLogs(const std::function<bool(const std::string&)>& sink) override {
     uint64_t offset = 0;
+    int failures = 0;  // reads in a row that failed
     int generation = Generation();
     for (;;) {
       absl::StatusOr<LogChunk> chunk = central_->containers->ContainerLogs(spec_.name, offset);
@@ -166,13 +171,18 @@ class CentralHandle final : public Handle {
       }
       if (!chunk.ok()) {
         // Its node does not answer: it comes back, or its container ends
-        // lost (and may be started elsewhere).
+        // lost (and may be started elsewhere). The log of one that ended
+        // otherwise is still there: a few more tries for its rest.
         ContainerStatus st = Status();
         if (Generation() != generation) continue;
-        if (Ended(st.state) || StopAsked()) return absl::OkStatus();
+        const bool lost = st.last_exit && st.last_exit->reason == ExitReason::kLost;
+        if (StopAsked() || (Ended(st.state) && (lost || ++failures > kLogTries))) {
+          return absl::OkStatus();
+        }
         std::this_thread::sleep_for(central_->options.poll * 2);
         continue;
       }
+      failures = 0;
       offset = chunk->next_offset;
       if (!chunk->data.empty() && !sink(chunk->data)) return absl::OkStatus();
       if (chunk->ended) return absl::OkStatus();
