@@ -199,6 +199,17 @@ class AllocationSource {
     return names;
   }
 
+  // The host that peers dial on `node`: the address its deepnex-agent
+  // advertises; empty for a node without one (its name is all there is).
+  absl::StatusOr<std::string> AgentAddress(const std::string& node) {
+    if (central_ == nullptr) return std::string();
+    DEEPNEX_ASSIGN_OR_RETURN(std::vector<gpu::NodeInfo> infos, central_->Nodes());
+    for (const gpu::NodeInfo& n : infos) {
+      if (n.node.name == node) return n.address;
+    }
+    return std::string();
+  }
+
   // `request` (a gang of `request.replicas`) spread over `nodes` nodes as
   // SpreadCounts says: one gang per node, on the first nodes that take it,
   // in rank order; all of it or nothing. Fills `used` with the nodes taken.
@@ -527,8 +538,11 @@ class JobImpl : public Job {
       launch::ContainerSpec spec = PsSpec(i, JoinHostPort(local ? "127.0.0.1" : "0.0.0.0", port));
       if (placed_) {
         spec.allocation = ps_grants_[i];
-        // What deepnex-ps advertises routes towards the job's store.
+        // What deepnex-ps advertises: its agent's address for the node, else
+        // the one that routes towards the job's store.
         spec.env["DEEPNEX_STORE_ADDR"] = store_->address();
+        DEEPNEX_ASSIGN_OR_RETURN(std::string host, allocations_->AgentAddress(ps_grants_[i].node));
+        if (!host.empty()) spec.command.insert(spec.command.end(), {"--advertise", host});
       } else if (!local) {
         spec.command.insert(spec.command.end(), {"--advertise", advertise});
       }
@@ -541,6 +555,11 @@ class JobImpl : public Job {
     }
 
     DEEPNEX_ASSIGN_OR_RETURN(int master_port, ReservePort());
+    std::string master_addr;
+    if (placed_) {
+      DEEPNEX_ASSIGN_OR_RETURN(master_addr, allocations_->AgentAddress(grants_[0].node));
+      if (master_addr.empty()) master_addr = grants_[0].node;
+    }
     std::map<std::string, std::string> base = InheritedEnv();
     for (const auto& [k, v] : o_.env) base[k] = v;
     for (int rank = 0; rank < o_.workers; ++rank) {
@@ -575,9 +594,10 @@ class JobImpl : public Job {
       }
       // torchrun's rank 0 serves its own TCPStore on MASTER_PORT, so that
       // must be a free port, not the job's store; and on MASTER_ADDR, which
-      // is rank 0's node when the backend placed the workers.
+      // is rank 0's node when the backend placed the workers (the address
+      // its agent advertises, else its name).
       spec.env["MASTER_PORT"] = absl::StrCat(master_port);
-      if (placed_) spec.env["MASTER_ADDR"] = grants_[0].node;
+      if (placed_) spec.env["MASTER_ADDR"] = master_addr;
       spec.working_dir = o_.working_dir.empty() ? CurrentDir() : o_.working_dir;
       spec.mounts = o_.mounts;
       spec.allocation = grants_[rank];

@@ -118,7 +118,10 @@ def test_ps_job_runs_its_server_through_an_agent(local_agents, tmp_path):
         "--", "sh", "-c", 'echo "ps $DEEPNEX_PS_ADDRS"'))
     assert code == 0, out
     assert re.search(r"^\[ps 0\] deepnex-ps listening on \S+:\d+", out, re.M), out
+    # At the address its node's agent advertises.
     listening = re.search(r"^\[ps 0\] deepnex-ps listening on (\S+:\d+)", out, re.M).group(1)
+    advertised = {n.address for n in _agents.client(address, "admintok").nodes()}
+    assert listening.rsplit(":", 1)[0] in advertised, (advertised, out)
     assert f"[worker 0] ps {listening}\n" in out, out
     assert os.path.isdir(tmp_path / "h1" / "containers" / "alice.j3-ps0") or \
         os.path.isdir(tmp_path / "h2" / "containers" / "alice.j3-ps0"), out
@@ -165,8 +168,12 @@ def placed(out):
 
 
 def digits(epochs=6):
-    worker = f'echo "rank $DEEPNEX_RANK on $(hostname)"; exec {PY} {DIGITS} --epochs {epochs}'
+    worker = (f'echo "rank $DEEPNEX_RANK on $(hostname)"; echo "master $MASTER_ADDR"; '
+              f'exec {PY} {DIGITS} --epochs {epochs}')
     return ["--", "sh", "-c", worker]
+
+
+ADDRESSES = {"h2": "10.77.0.12", "h3": "10.77.0.13"}
 
 
 @pytest.mark.parametrize("mode,ps", [("allreduce", "0"), ("sync", "1")])
@@ -180,15 +187,18 @@ def test_digits_with_one_worker_on_each_agent_node(make_cluster, mode, ps):
                                  "--ps", ps, "--mode", mode, "--lr", "0.1", "--momentum", "0.9",
                                  *digits()), timeout=240)
     assert code == 0, out
-    assert sorted(placed(out).items()) in ([("0", "h2"), ("1", "h3")],
-                                           [("0", "h3"), ("1", "h2")]), out
+    where = placed(out)
+    assert sorted(where.items()) in ([("0", "h2"), ("1", "h3")], [("0", "h3"), ("1", "h2")]), out
+    # MASTER_ADDR: the address rank 0's node's agent advertises.
+    assert re.findall(r"^\[worker \d\] master (\S+)$", out, re.M) == [ADDRESSES[where["0"]]] * 2, out
     summary = re.search(r"summary: .* test_accuracy=([0-9.]+)", out)
     assert summary, out
     acc = float(summary.group(1))
     assert acc >= 0.9, out
     if ps == "1":
+        # On a worker's node, at the address its agent advertises.
         host = re.search(r"^\[ps 0\] deepnex-ps listening on (\S+):\d+", out, re.M).group(1)
-        assert host in ("10.77.0.12", "10.77.0.13", "h2", "h3"), out
+        assert host in ADDRESSES.values(), out
 
 
 # Worker 1 waits at the gate (the test kills its node's agent meanwhile); a
