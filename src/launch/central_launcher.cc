@@ -44,7 +44,13 @@ ExitStatus ParseExit(std::string text) {
   ExitStatus e;
   e.reason = ExitReason::kLost;
   const size_t after = text.find(" after ");
-  if (after != std::string::npos) text.resize(after);
+  if (after != std::string::npos) {
+    // " after N restart(s)"
+    absl::string_view n = absl::string_view(text).substr(after + 7);
+    n = n.substr(0, n.find(' '));
+    if (!absl::SimpleAtoi(n, &e.restarts)) e.restarts = 0;
+    text.resize(after);
+  }
   absl::string_view v = text;
   if (absl::ConsumePrefix(&v, "exited(") && absl::ConsumeSuffix(&v, ")") &&
       absl::SimpleAtoi(v, &e.code)) {
@@ -91,7 +97,7 @@ class CentralHandle final : public Handle {
     st.restarts = base_restarts_ + record_.restarts;
     if (!record_.last_exit.empty()) {
       st.last_exit = ParseExit(record_.last_exit);
-      st.last_exit->restarts = Ended(record_.state) ? st.restarts : 0;
+      st.last_exit->restarts += base_restarts_;
     }
     st.started_at = record_.started_at;
     return st;
@@ -232,8 +238,13 @@ class CentralHandle final : public Handle {
       if (c.name != spec_.name) continue;
       // The restarts the node's supervisor decided since the last read, told
       // as the launcher tells its own: a restarting record holds the exit of
-      // the run before it (the agent reports each such end at once).
-      const int decided = c.restarts + (c.state == State::kRestarting ? 1 : 0);
+      // the run before it (the agent reports each such end at once), which
+      // counts the restarts before that run; the count itself goes up while
+      // the record still says restarting.
+      const int decided =
+          c.state == State::kRestarting
+              ? std::max(c.restarts, ParseExit(c.last_exit).restarts + 1)
+              : c.restarts;
       for (; told_ < decided; ++told_) Tell(ParseExit(c.last_exit), base_restarts_ + told_ + 1);
       record_ = std::move(c);
       break;
