@@ -270,6 +270,7 @@ class JobImpl : public Job {
   }
 
   const std::string& name() const override { return o_.name; }
+  const std::string& backend() const override { return o_.launcher.backend; }
 
   absl::Status Init() {
     if (o_.name.empty()) o_.name = "job-" + launch::RandomHex(4);

@@ -89,6 +89,7 @@ def test_workers_run_through_central_on_their_nodes(local_agents, tmp_path):
     # One GPU of each node: index 0 on both.
     assert sorted(re.findall(r"^\[worker (\d)\] rank (\d) gpus 0 of 2$", out, re.M)) == [
         ("0", "0"), ("1", "1")], out
+    assert "deepnex run: job j1: 2 workers, mode allreduce, backend central\n" in out, out
     assert "deepnex run: worker 0: exited(0)\n" in out, out
     assert "deepnex run: worker 1: exited(1)\n" in out, out
     # Each ran through its node's agent, none on this process's launcher.
