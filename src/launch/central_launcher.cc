@@ -34,6 +34,8 @@ using Clock = std::chrono::steady_clock;
 // Reads of an ended container's log that may fail in a row before its
 // follower gives up on the rest.
 constexpr int kLogTries = 10;
+// How long a container lost with its node waits for a new allocation.
+constexpr std::chrono::milliseconds kReplaceWait{10000};
 
 bool Ended(State s) { return s == State::kExited || s == State::kStopped; }
 
@@ -263,8 +265,8 @@ class CentralHandle final : public Handle {
   }
 
   // Starts the container again on a new allocation shaped as the lost one;
-  // if none is granted now, the lost record stands and the container has
-  // ended for good.
+  // if none is granted within kReplaceWait (the handle's callers wait with
+  // it), the lost record stands and the container has ended for good.
   void Replace() {
     const int restart = base_restarts_ + record_.restarts + 1;
     const ExitStatus lost = ParseExit(record_.last_exit);
@@ -278,14 +280,17 @@ class CentralHandle final : public Handle {
     }
     r.cpus = allocation_.cpus;
     r.memory = allocation_.memory;
-    gpu::AllocateOptions now;
-    now.wait = false;
+    // Queued for a while: the node that would take it may be NotReady for a
+    // moment (a loaded machine delays heartbeats).
+    gpu::AllocateOptions queued;
+    queued.wait = true;
+    queued.timeout = kReplaceWait;
     // Central releases a lost container's allocation itself; this is for
     // one whose release has not come yet.
     central_->allocator->Release(allocation_.id).IgnoreError();
-    absl::StatusOr<gpu::Allocation> a = central_->allocator->Allocate(r, now);
+    absl::StatusOr<gpu::Allocation> a = central_->allocator->Allocate(r, queued);
     if (!a.ok()) {
-      // Told once: the container stays ended lost.
+      // Tried once: the container stays ended lost.
       stopping_ = true;
       return;
     }
