@@ -71,7 +71,7 @@ def _run(args) -> int:
     try:
         j.start()
         _notice(f"job {j.name}: {args.workers} workers, mode {args.mode}, "
-                f"backend {args.backend}")
+                f"backend {j.backend}")
         result = j.wait()
     except KeyboardInterrupt:
         j.stop()

@@ -101,6 +101,12 @@ class Job:
     def name(self) -> str:
         return self._job.name
 
+    @property
+    def backend(self) -> str:
+        """The launch backend of its containers: the one asked for, or
+        "central" once started on deepnex-central's agent nodes."""
+        return self._job.backend
+
     def start(self) -> "Job":
         self._job.start()
         return self

@@ -119,6 +119,7 @@ void RegisterJob(py::module_& parent) {
            }),
            py::arg("options"), py::arg("launcher"), py::arg("output"), py::arg("on_event"))
       .def_property_readonly("name", &Job::name)
+      .def_property_readonly("backend", &Job::backend)
       .def("start", [](Job& j) { CheckStatus(j.Start()); },
            py::call_guard<py::gil_scoped_release>())
       // None while the job runs: a status exception translated while a

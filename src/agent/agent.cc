@@ -345,6 +345,13 @@ class AgentImpl final : public Agent {
                              spec.allocation->node, ", not on node ", node_.name));
           }
         }
+        // A run's end that a restart follows is told at once too, so that
+        // central's record (and a job following it) sees each run's exit.
+        spec.on_restart = [this](const launch::RestartEvent&) {
+          std::lock_guard<std::mutex> lock(mu_);
+          kicked_ = true;
+          cv_.notify_all();
+        };
         DEEPNEX_ASSIGN_OR_RETURN(auto h, launcher_->Start(spec));
         *reply->mutable_container() = ReportOf(*h, /*usage=*/false);
         Watch(h);

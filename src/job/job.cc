@@ -199,6 +199,17 @@ class AllocationSource {
     return names;
   }
 
+  // The host that peers dial on `node`: the address its deepnex-agent
+  // advertises; empty for a node without one (its name is all there is).
+  absl::StatusOr<std::string> AgentAddress(const std::string& node) {
+    if (central_ == nullptr) return std::string();
+    DEEPNEX_ASSIGN_OR_RETURN(std::vector<gpu::NodeInfo> infos, central_->Nodes());
+    for (const gpu::NodeInfo& n : infos) {
+      if (n.node.name == node) return n.address;
+    }
+    return std::string();
+  }
+
   // `request` (a gang of `request.replicas`) spread over `nodes` nodes as
   // SpreadCounts says: one gang per node, on the first nodes that take it,
   // in rank order; all of it or nothing. Fills `used` with the nodes taken.
@@ -259,6 +270,7 @@ class JobImpl : public Job {
   }
 
   const std::string& name() const override { return o_.name; }
+  const std::string& backend() const override { return o_.launcher.backend; }
 
   absl::Status Init() {
     if (o_.name.empty()) o_.name = "job-" + launch::RandomHex(4);
@@ -377,11 +389,15 @@ class JobImpl : public Job {
     }
     JobResult result;
     std::optional<launch::ExitStatus> first_failure;
-    for (const auto& w : workers_) {
-      launch::ContainerStatus st = w->Status();
+    for (size_t rank = 0; rank < workers_.size(); ++rank) {
+      launch::ContainerStatus st = workers_[rank]->Status();
       if (st.last_exit.has_value() && !st.last_exit->ok() && !first_failure.has_value() &&
           st.state == launch::State::kExited) {
         first_failure = st.last_exit;
+        if (st.last_exit->reason == launch::ExitReason::kLost) {
+          o_.on_event(absl::StrCat("worker ", rank, " was lost with its node \"",
+                                   workers_[rank]->spec().allocation->node, "\""));
+        }
       }
     }
     DEEPNEX_RETURN_IF_ERROR(Stop());
@@ -407,6 +423,9 @@ class JobImpl : public Job {
     if (allocations_ != nullptr) {
       for (const auto& a : Allocations()) {
         absl::Status s = allocations_->Release(a.id);
+        // Through the agents, central releases an allocation once its
+        // container ended for good (or was lost with its node).
+        if (absl::IsNotFound(s) && o_.launcher.backend == "central") s = absl::OkStatus();
         if (first.ok()) first = s;
       }
     }
@@ -436,6 +455,9 @@ class JobImpl : public Job {
     // host (the kubernetes one lists no nodes yet, and takes a job's
     // containers only with an image, which deepnex run does not give).
     DEEPNEX_ASSIGN_OR_RETURN(std::vector<gpu::Node> backend_nodes, launcher_->Nodes());
+    if (backend_nodes.empty() && !o_.central.empty() && RunsHere(o_.launcher.backend)) {
+      DEEPNEX_RETURN_IF_ERROR(UseAgents(&backend_nodes));
+    }
     placed_ = !backend_nodes.empty();
     if (!placed_ && o_.nodes > 1) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -517,8 +539,11 @@ class JobImpl : public Job {
       launch::ContainerSpec spec = PsSpec(i, JoinHostPort(local ? "127.0.0.1" : "0.0.0.0", port));
       if (placed_) {
         spec.allocation = ps_grants_[i];
-        // What deepnex-ps advertises routes towards the job's store.
+        // What deepnex-ps advertises: its agent's address for the node, else
+        // the one that routes towards the job's store.
         spec.env["DEEPNEX_STORE_ADDR"] = store_->address();
+        DEEPNEX_ASSIGN_OR_RETURN(std::string host, allocations_->AgentAddress(ps_grants_[i].node));
+        if (!host.empty()) spec.command.insert(spec.command.end(), {"--advertise", host});
       } else if (!local) {
         spec.command.insert(spec.command.end(), {"--advertise", advertise});
       }
@@ -531,6 +556,11 @@ class JobImpl : public Job {
     }
 
     DEEPNEX_ASSIGN_OR_RETURN(int master_port, ReservePort());
+    std::string master_addr;
+    if (placed_) {
+      DEEPNEX_ASSIGN_OR_RETURN(master_addr, allocations_->AgentAddress(grants_[0].node));
+      if (master_addr.empty()) master_addr = grants_[0].node;
+    }
     std::map<std::string, std::string> base = InheritedEnv();
     for (const auto& [k, v] : o_.env) base[k] = v;
     for (int rank = 0; rank < o_.workers; ++rank) {
@@ -565,9 +595,10 @@ class JobImpl : public Job {
       }
       // torchrun's rank 0 serves its own TCPStore on MASTER_PORT, so that
       // must be a free port, not the job's store; and on MASTER_ADDR, which
-      // is rank 0's node when the backend placed the workers.
+      // is rank 0's node when the backend placed the workers (the address
+      // its agent advertises, else its name).
       spec.env["MASTER_PORT"] = absl::StrCat(master_port);
-      if (placed_) spec.env["MASTER_ADDR"] = grants_[0].node;
+      if (placed_) spec.env["MASTER_ADDR"] = master_addr;
       spec.working_dir = o_.working_dir.empty() ? CurrentDir() : o_.working_dir;
       spec.mounts = o_.mounts;
       spec.allocation = grants_[rank];
@@ -581,6 +612,31 @@ class JobImpl : public Job {
       workers_.push_back(h);
     }
     WriteRecord();
+    return absl::OkStatus();
+  }
+
+  // The backends that run every container on this host.
+  static bool RunsHere(const std::string& backend) {
+    return backend == "process" || backend == "oci" || backend == "docker";
+  }
+
+  // With deepnex-central, a backend that runs everything here gives way to
+  // central's agents when it has any: each worker and parameter server then
+  // runs on its allocation's node, started, followed and stopped through
+  // central and that node's deepnex-agent (whose own --backend applies).
+  // `nodes` gets the agents' nodes; none: the local launcher stays.
+  absl::Status UseAgents(std::vector<gpu::Node>* nodes) {
+    launch::LauncherOptions via = o_.launcher;
+    via.backend = "central";
+    via.central.address = o_.central;
+    via.central.token = o_.central_token;
+    via.central.token_file = o_.central_token_file;
+    DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<launch::Launcher> central,
+                             launch::Launcher::Create(via));
+    DEEPNEX_ASSIGN_OR_RETURN(*nodes, central->Nodes());
+    if (nodes->empty()) return absl::OkStatus();
+    launcher_ = std::move(central);
+    o_.launcher = via;
     return absl::OkStatus();
   }
 

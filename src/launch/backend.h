@@ -71,6 +71,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeOciBackend(const LauncherOptions& o
 absl::StatusOr<std::unique_ptr<Backend>> MakeDockerBackend(const LauncherOptions& options);
 absl::StatusOr<std::unique_ptr<Backend>> MakeSlurmBackend(const LauncherOptions& options);
 absl::StatusOr<std::unique_ptr<Backend>> MakeKubernetesBackend(const LauncherOptions& options);
+// The "central" backend is a whole Launcher (central_launcher.cc): its
+// containers' runs are supervised where they run, not here.
+absl::StatusOr<std::unique_ptr<Launcher>> MakeCentralLauncher(const LauncherOptions& options);
 
 }  // namespace deepnex::launch
 

@@ -225,7 +225,10 @@ class ContainersService final : public pb::Containers::CallbackService,
   grpc::ServerUnaryReactor* ContainerLogs(grpc::CallbackServerContext* ctx,
                                           const pb::ContainerLogsRequest* req,
                                           pb::ContainerLogsReply* reply) override {
-    absl::Status s = [&]() -> absl::Status {
+    // Offloaded: an agent's container's log is a command to its node, and
+    // a gRPC thread blocked on the answer may be the one that would read it
+    // (a few followers at once held central for the command's timeout).
+    return Offload(ctx, [this, ctx, req, reply]() -> absl::Status {
       DEEPNEX_ASSIGN_OR_RETURN(auto e, Find(*ctx, req->user(), req->name()));
       // By offset, so that a big log never sits whole in central's memory.
       DEEPNEX_ASSIGN_OR_RETURN(LogChunk chunk, e->handle->ReadLogs(req->offset(), kMaxLogChunk));
@@ -233,8 +236,7 @@ class ContainersService final : public pb::Containers::CallbackService,
       reply->set_next_offset(chunk.next_offset);
       reply->set_ended(chunk.ended);
       return absl::OkStatus();
-    }();
-    return Reply(ctx, s);
+    });
   }
 
  private:

@@ -649,10 +649,15 @@ std::string RestartPolicy::ToString() const {
 
 absl::StatusOr<std::unique_ptr<Launcher>> Launcher::Create(const LauncherOptions& given) {
   LauncherOptions options = given;
+  // Not a Backend under the generic supervisor: deepnex-central and the
+  // node's agent supervise its runs, so that a restart stays on the
+  // container's allocation (which central releases when it ends for good).
+  if (options.backend == "central") return MakeCentralLauncher(options);
   Factory make = FindFactory(options.backend);
   if (make == nullptr) {
     std::vector<std::string> names;
     for (const BackendEntry& b : kBackends) names.push_back(b.name);
+    names.push_back("central");
     return absl::InvalidArgumentError(absl::StrCat("backend: \"", options.backend,
                                                    "\" is not one of ",
                                                    absl::StrJoin(names, ", ")));

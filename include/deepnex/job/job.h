@@ -123,6 +123,10 @@ class Job {
   virtual ~Job() = default;
 
   virtual const std::string& name() const = 0;
+  // The launch backend that starts the job's containers: the options' one,
+  // or "central" once Start placed them on agent nodes through
+  // deepnex-central.
+  virtual const std::string& backend() const = 0;
   // Allocates and starts everything; on an error releases what it took.
   virtual absl::Status Start() = 0;
   // Until every worker has ended for good; then stops the parameter servers

@@ -12,8 +12,10 @@
 // Backends: "process" (the embedded default: fork/exec with cgroup limits),
 // "oci" (runc), "docker" (the Docker Engine REST API over its unix socket),
 // "slurm" (sbatch/squeue/sacct/scancel), "kubernetes" (Pods through the API
-// server's REST API). The launcher never decides placement: GPUs come from
-// the spec's gpu::Allocation.
+// server's REST API), "central" (deepnex-central's Containers service: each
+// container on its allocation's node, through that node's deepnex-agent).
+// The launcher never decides placement: GPUs come from the spec's
+// gpu::Allocation.
 #ifndef DEEPNEX_LAUNCH_LAUNCHER_H_
 #define DEEPNEX_LAUNCH_LAUNCHER_H_
 
@@ -271,8 +273,20 @@ struct KubernetesOptions {
   std::chrono::milliseconds poll{200};
 };
 
+struct CentralOptions {
+  // host:port of deepnex-central, and the token (or a file holding it) of
+  // the user whose allocations the containers run on.
+  std::string address;
+  std::string token;
+  std::string token_file;
+  std::string tls_ca_file;
+  // How often a container's record is read from deepnex-central (its
+  // state, restarts, exit).
+  std::chrono::milliseconds poll{100};
+};
+
 struct LauncherOptions {
-  // "process", "oci", "docker", "slurm" or "kubernetes".
+  // "process", "oci", "docker", "slurm", "kubernetes" or "central".
   std::string backend = "process";
   // Where logs, bundles and records go; empty: a fresh directory under
   // $TMPDIR that is removed with the launcher. A relative one is made
@@ -308,6 +322,7 @@ struct LauncherOptions {
   DockerOptions docker;
   SlurmOptions slurm;
   KubernetesOptions kubernetes;
+  CentralOptions central;
 };
 
 // Starts and supervises containers on one backend. Thread-safe. Destroying
