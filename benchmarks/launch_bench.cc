@@ -177,8 +177,10 @@ class BackendRunner {
   }
 
   // The config.json the backend writes for `spec` (oci): read from the
-  // bundle of a container kept running while it is looked for.
-  absl::StatusOr<std::string> BundleConfig() {
+  // bundle of a container kept running while it is looked for. The files it
+  // bind-mounts from the container's directory (its /etc/passwd) are copied
+  // under `keep`, as they go with the container.
+  absl::StatusOr<std::string> BundleConfig(const std::string& keep) {
     ContainerSpec spec = spec_;
     spec.name = "bundle-probe";
     spec.command = {"sleep", "60"};
@@ -193,6 +195,20 @@ class BackendRunner {
         ss << in.rdbuf();
         found = ss.str();
       }
+    }
+    if (!found.empty()) {
+      nlohmann::json config = nlohmann::json::parse(found);
+      fs::create_directories(keep);
+      int n = 0;
+      for (auto& m : config["mounts"]) {
+        const std::string source = m.value("source", "");
+        if (source.rfind(state_dir_, 0) != 0 || !fs::is_regular_file(source)) continue;
+        const std::string copy = keep + "/" + std::to_string(n++) + "-" +
+                                 fs::path(source).filename().string();
+        fs::copy_file(source, copy, fs::copy_options::overwrite_existing);
+        m["source"] = copy;
+      }
+      found = config.dump();
     }
     (*h)->Stop(std::chrono::milliseconds(100)).IgnoreError();
     (*h)->Wait(std::chrono::seconds(30)).IgnoreError();
@@ -256,11 +272,13 @@ class PlainRunc {
     if (!exited) waitpid(pid, &status, 0);
     s.exit_ms = Ms(Clock::now() - t0);
     close(inotify);
+    std::stringstream log;
+    log << std::ifstream(bundle + "/log").rdbuf();
     std::error_code ec;
     fs::remove_all(bundle, ec);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
       return absl::InternalError("plain runc run of " + id + " failed with wait status " +
-                                 std::to_string(status));
+                                 std::to_string(status) + ": " + log.str());
     }
     return s;
   }
@@ -297,7 +315,8 @@ class AgentRunner {
       std::stringstream wrapper(flags.agent_on);
       for (std::string w; wrapper >> w;) argv.push_back(w);
       const std::string bin = fs::read_symlink("/proc/self/exe").parent_path() / "deepnex-agent";
-      for (const char* a : {bin.c_str(), "--central", r->central_->address().c_str(), "--node",
+      const std::string central = r->central_->address();
+      for (const char* a : {bin.c_str(), "--central", central.c_str(), "--node",
                             "bench", "--gpus", "0", "--cpus", "64", "--memory", "64GiB",
                             "--state-dir", dir.c_str()}) {
         argv.emplace_back(a);
@@ -438,7 +457,7 @@ int main(int argc, char** argv) {
       continue;
     }
     if (b == "oci") {
-      absl::StatusOr<std::string> config = r->BundleConfig();
+      absl::StatusOr<std::string> config = r->BundleConfig(dir + "/plain-files");
       if (!config.ok()) {
         printf("skipping %s and %s: %s\n", b.c_str(), kPeer, config.status().ToString().c_str());
         continue;

@@ -33,7 +33,6 @@ def main():
     why = _hosts.unavailable()
     if why:
         sys.exit(f"launch_bench_hosts: {why}")
-    _hosts.cleanup_leftovers()
     with _hosts.Hosts({"h1": 11, "h2": 12}) as hosts:
         argv = [bench, "--via-agent", "--central-listen", f"{hosts.address('h1')}:0",
                 "--agent-on", hosts.wrapper("h2"), *bench_flags]
