@@ -250,3 +250,38 @@ def _cordon_uncordon_drain(address):
     assert [a.id for a in alice.allocations()] == [on_h2.id]
     refused = cli(address, "alloc", "--gpus", "1", "--node", "h1", "--no-wait", token="alicetok")
     assert refused.returncode == 1
+
+
+def test_usage_and_ps_all_across_simulated_hosts(make_hosts, tmp_path):
+    """Central on h1, agents on h2 and h3: alice's container on h2 and bob's
+    on h3 show in ps --all and in the metrics with their user and node."""
+    import _agents
+    _agents.require_binaries()
+    c = _agents.AgentHosts(make_hosts({"h1": 11, "h2": 12, "h3": 13}), tmp_path,
+                           central_flags=("--user", f"bob={USER_IDS}"))
+    try:
+        c.start()
+        c.launch("h2", "w2", "sleep", "120")
+        a = c.allocate("h3", token="bobtok", user="bob")
+        out = c.cli("launch", "--alloc", a["id"], "--name", "b3", "--", "sleep", "120",
+                    token="bobtok")
+        assert out.returncode == 0, out.stderr
+        out = c.cli("ps", "--all")
+        assert out.returncode == 0, out.stderr
+        assert [r.split()[:5] for r in out.stdout.splitlines()] == [
+            ["USER", "NAME", "NODE", "BACKEND", "STATE"],
+            ["alice", "w2", "h2", "process", "running"],
+            ["bob", "b3", "h3", "process", "running"]]
+        denied = c.cli("ps", "--all", token="bobtok")
+        assert (denied.returncode, denied.stderr) == (
+            1, "deepnex: user bob cannot list every user's containers: that is for admins\n")
+        text = c.call("admintok", "c.metrics()")
+        assert 'deepnex_container_memory_bytes{container="alice.w2",node="h2",user="alice"}' in text
+        assert 'deepnex_container_memory_bytes{container="bob.b3",node="h3",user="bob"}' in text
+        wait_for(lambda: all(n["memory_in_use"] > 0 and n["gpu_usage"] == []
+                             for n in c.nodes().values()), "both nodes' usage")
+        usage = c.cli("nodes", "--usage").stdout.splitlines()
+        assert [r.split()[0] for r in usage[1:]] == ["h2", "h3"]
+        assert all(r.split()[-3] == "-" for r in usage[1:])  # --gpus GPUs: no NVML figures
+    finally:
+        c.close()
