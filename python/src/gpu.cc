@@ -292,6 +292,7 @@ void RegisterGpu(py::module_& parent) {
       .def_readonly("ready", &NodeInfo::ready)
       .def_readonly("cpus_busy", &NodeInfo::cpus_busy)
       .def_readonly("memory_in_use", &NodeInfo::memory_in_use)
+      .def_readonly("address", &NodeInfo::address)
       .def_property_readonly("gpu_usage", [](const NodeInfo& n) {
         // As the node's agent measures through NVML; [] without a driver.
         py::list out;

@@ -210,6 +210,30 @@ def call(central, token, expression, on):
     return json.loads(r.stdout)
 
 
+# GET of http://ADDRESS/PATH, run where the server is reachable.
+_GET = r"""
+import sys, urllib.error, urllib.request
+try:
+    r = urllib.request.urlopen(f"http://{sys.argv[1]}{sys.argv[2]}", timeout=10)
+    code, body = r.status, r.read()
+except urllib.error.HTTPError as e:
+    code, body = e.code, e.read()
+sys.stdout.write(f"{code}\n{body.decode()}")
+"""
+
+
+def http_get(address, path, on=None):
+    """(status, body) of GET http://address/path, from here or from a
+    simulated host (`on`)."""
+    argv = [sys.executable, "-c", _GET, address, path]
+    if on is None:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True)
+    else:
+        r = on[0].run(on[1], argv, timeout=60)
+    code, body = r.stdout.split("\n", 1)
+    return int(code), body
+
+
 def status(central, on=None):
     """{node: STATUS} from `deepnex nodes`."""
     out = cli(central, "nodes", on=on)

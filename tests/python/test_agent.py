@@ -9,7 +9,8 @@ import subprocess
 
 import pytest
 
-from _agents import AGENT_BIN, Agents, cli, client, pid_alive, start_central, status
+from _agents import (AGENT_BIN, Agents, cli, client, http_get, pid_alive, start_central,
+                     status)
 from _wait import wait_for
 
 
@@ -137,6 +138,49 @@ def test_restarted_agent_reattaches_to_its_containers(central, agents):
     stop = cli(central, "stop", "w0", "--grace", "5", token="alicetok")
     assert (stop.returncode, stop.stdout) == (0, "w0 stopped signaled(SIGTERM), allocation released\n")
     wait_for(lambda: not pid_alive(pid), "w0's process gone")
+
+
+def test_agent_serves_healthz_and_metrics_and_advertises_its_host(central_proc, agents):
+    central = central_proc[1]
+    h1 = agents.start("h1", "h1tok", ("--listen", "127.0.0.1:0", "--advertise", "h1.lab"))
+    http = h1.wait_line("deepnex-agent: serving /healthz and /metrics on 127.0.0.1:").split()[-1]
+    agents.registered(h1, "h1")
+    assert http_get(http, "/healthz") == (200, "ok\n")
+    # Central keeps the advertised host per node and shows it.
+    assert [(n.name, n.address) for n in client(central, "admintok").nodes()] == [("h1", "h1.lab")]
+    table = cli(central, "nodes").stdout.splitlines()
+    assert (table[0].split()[-1], table[1].split()[-1]) == ("ADDRESS", "h1.lab")
+    from deepnex import gpu
+    alice = client(central, "alicetok")
+    a = alice.allocate(gpu.Request(user="alice", gpus=1, cpus=1, memory=256 << 20, node="h1"))
+    out = cli(central, "launch", "--alloc", a.id, "--name", "w0", "--", "sleep", "60",
+              token="alicetok")
+    assert out.returncode == 0, out.stderr
+    # The node's usage (after a heartbeat measured it) and the container's.
+    wanted = ('deepnex_agent_registered{node="h1"} 1\n',
+              'deepnex_container_memory_bytes{container="alice.w0",node="h1",user="alice"} ')
+    wait_for(lambda: all(w in http_get(http, "/metrics")[1] for w in wanted)
+             and 'deepnex_node_memory_in_use_bytes{node="h1"} 0\n'
+             not in http_get(http, "/metrics")[1],
+             lambda: f"the agent's metrics: {http_get(http, '/metrics')}")
+    assert http_get(http, "/nothing") == (404, "deepnex serves GET /metrics and GET /healthz\n")
+    # Central gone: unhealthy, as a kubelet that cannot reach its API server.
+    central_proc[0].kill()
+    wait_for(lambda: http_get(http, "/healthz")[0] == 503, "the agent unhealthy")
+    assert http_get(http, "/healthz") == (
+        503, f"node h1: not registered with deepnex-central at {central}\n")
+    assert 'deepnex_agent_registered{node="h1"} 0\n' in http_get(http, "/metrics")[1]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--advertise", "0.0.0.0"], 'advertise "0.0.0.0": peers cannot dial a wildcard address'),
+    (["--advertise", "h1:7"], 'advertise "h1:7": a host name or an address, without a port'),
+    (["--listen", "h1"], 'listen: metrics address "h1": expected IPv4HOST:PORT'),
+])
+def test_agent_listen_and_advertise_are_checked(central, agents, flags, message):
+    bad = agents.start("h1", "h1tok", flags)
+    assert bad.wait(timeout=30) == 1
+    assert bad.stderr() == f"deepnex-agent: {message}\n"
 
 
 def test_node_token_of_another_node_and_user_token_are_refused(central, agents):

@@ -178,6 +178,9 @@ struct NodeInfo {
   // measured: cores busy and memory in use in bytes. 0 without an agent.
   double cpus_busy = 0;
   uint64_t memory_in_use = 0;
+  // The host that peers dial on this node (its agent's --advertise, by
+  // default its address towards central); empty without an agent.
+  std::string address;
   // Per GPU, where the agent has NVML (a driver); empty otherwise, and for
   // a node whose GPUs were given on the command line (--gpus).
   std::vector<GpuUsage> gpu_usage;
