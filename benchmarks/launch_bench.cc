@@ -4,14 +4,17 @@
 //
 //   launch_bench [--n 20] [--backends process,oci,docker,slurm] [--csv FILE]
 //                [--docker-socket PATH] [--docker-image REF] [--slurm-conf FILE]
-//                [--via-agent]
+//                [--via-agent [--central-listen HOST:PORT] [--agent-on WRAPPER]]
 //
 // --via-agent adds two rows: the process backend through deepnex-central's
-// own launcher, and through deepnex-central and a deepnex-agent (all in
-// this process, over loopback gRPC): running when
+// own launcher, and through deepnex-central (in this process, listening on
+// --central-listen, default 127.0.0.1:0) and a deepnex-agent process (the
+// deepnex-agent next to this binary, run under --agent-on, e.g. a simulated
+// host's on-h2 wrapper, so that its stream crosses hosts): running when
 // StartContainer returns (the agent answers once its launcher started it),
 // exit when central lists it exited (polled every millisecond). Its ratio
 // column compares it with the local process backend (target: within 1.3x).
+// launch_bench_hosts.py runs it so, central on h1 and the agent on h2.
 //
 // Each round starts one container per backend, then one by hand: the peer is
 // `runc run --pid-file` fork/exec'ed on a bundle whose config.json is the one
@@ -23,6 +26,7 @@
 // DEEPNEX_DOCKER_SOCKET / SLURM_CONF), else they are skipped with the reason.
 #include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
 #include <spawn.h>
 #include <sys/inotify.h>
 #include <sys/stat.h>
@@ -45,7 +49,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "deepnex/agent/agent.h"
 #include "deepnex/gpu/central.h"
 #include "deepnex/launch/central.h"
 #include "deepnex/launch/launcher.h"
@@ -72,6 +75,8 @@ struct Flags {
   std::string docker_image = "localhost/busybox:latest";
   std::string slurm_conf;
   bool via_agent = false;
+  std::string central_listen = "127.0.0.1:0";
+  std::string agent_on;  // a command prefix for deepnex-agent (space-separated)
 };
 
 struct Sample {
@@ -93,6 +98,22 @@ double Quantile(std::vector<double> v, double q) {
 std::string Env(const char* name) {
   const char* v = getenv(name);
   return v == nullptr ? "" : v;
+}
+
+// posix_spawnp of argv with stdin /dev/null and stdout and stderr into
+// `log`; the errno value, 0 when it started.
+int SpawnLogged(std::vector<std::string> argv, const std::string& log, pid_t* pid) {
+  std::vector<char*> args;
+  for (std::string& a : argv) args.push_back(a.data());
+  args.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  const int rc = posix_spawnp(pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  return rc;
 }
 
 // One backend through the public Launcher API.
@@ -156,8 +177,10 @@ class BackendRunner {
   }
 
   // The config.json the backend writes for `spec` (oci): read from the
-  // bundle of a container kept running while it is looked for.
-  absl::StatusOr<std::string> BundleConfig() {
+  // bundle of a container kept running while it is looked for. The files it
+  // bind-mounts from the container's directory (its /etc/passwd) are copied
+  // under `keep`, as they go with the container.
+  absl::StatusOr<std::string> BundleConfig(const std::string& keep) {
     ContainerSpec spec = spec_;
     spec.name = "bundle-probe";
     spec.command = {"sleep", "60"};
@@ -172,6 +195,20 @@ class BackendRunner {
         ss << in.rdbuf();
         found = ss.str();
       }
+    }
+    if (!found.empty()) {
+      nlohmann::json config = nlohmann::json::parse(found);
+      fs::create_directories(keep);
+      int n = 0;
+      for (auto& m : config["mounts"]) {
+        const std::string source = m.value("source", "");
+        if (source.rfind(state_dir_, 0) != 0 || !fs::is_regular_file(source)) continue;
+        const std::string copy = keep + "/" + std::to_string(n++) + "-" +
+                                 fs::path(source).filename().string();
+        fs::copy_file(source, copy, fs::copy_options::overwrite_existing);
+        m["source"] = copy;
+      }
+      found = config.dump();
     }
     (*h)->Stop(std::chrono::milliseconds(100)).IgnoreError();
     (*h)->Wait(std::chrono::seconds(30)).IgnoreError();
@@ -211,21 +248,10 @@ class PlainRunc {
     inotify_add_watch(inotify, bundle.c_str(), IN_MOVED_TO | IN_CREATE);
     std::vector<std::string> argv = {"runc",     "--root",     dir_ + "/root", "run",
                                      "--bundle", bundle,       "--pid-file",   pid_file, id};
-    std::vector<char*> args;
-    for (std::string& a : argv) args.push_back(a.data());
-    args.push_back(nullptr);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-    posix_spawn_file_actions_addopen(&actions, 1, (bundle + "/log").c_str(),
-                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, 1, 2);
-
     Sample s;
     const Clock::time_point t0 = Clock::now();
     pid_t pid;
-    int rc = posix_spawnp(&pid, "runc", &actions, nullptr, args.data(), environ);
-    posix_spawn_file_actions_destroy(&actions);
+    const int rc = SpawnLogged(argv, bundle + "/log", &pid);
     if (rc != 0) {
       close(inotify);
       return absl::InternalError(std::string("runc: ") + strerror(rc));
@@ -246,11 +272,13 @@ class PlainRunc {
     if (!exited) waitpid(pid, &status, 0);
     s.exit_ms = Ms(Clock::now() - t0);
     close(inotify);
+    std::stringstream log;
+    log << std::ifstream(bundle + "/log").rdbuf();
     std::error_code ec;
     fs::remove_all(bundle, ec);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
       return absl::InternalError("plain runc run of " + id + " failed with wait status " +
-                                 std::to_string(status));
+                                 std::to_string(status) + ": " + log.str());
     }
     return s;
   }
@@ -260,13 +288,13 @@ class PlainRunc {
   nlohmann::json config_;
 };
 
-// The process backend through deepnex-central and one deepnex-agent, or
-// (`agent` false) central's own launcher, on a node declared to it: what the
-// agent's hop costs beside what central's service costs.
+// The process backend through deepnex-central and one deepnex-agent
+// process, or (`agent` false) central's own launcher, on a node declared to
+// it: what the agent's hop costs beside what central's service costs.
 class AgentRunner {
  public:
   static absl::StatusOr<std::unique_ptr<AgentRunner>> Make(const std::string& state_dir,
-                                                          bool agent) {
+                                                          bool agent, const Flags& flags) {
     auto r = std::unique_ptr<AgentRunner>(new AgentRunner);
     LauncherOptions local;
     local.state_dir = state_dir + (agent ? "/central" : "/central-local");
@@ -276,25 +304,42 @@ class AgentRunner {
     deepnex::launch::ContainerPolicy policy;
     const bool root = geteuid() == 0;
     policy.users["bench"] = {root ? 65534u : geteuid(), root ? 65534u : getegid(), "bench", "/"};
+    deepnex::gpu::CentralServerOptions server;
+    server.address = flags.central_listen;
     DEEPNEX_ASSIGN_OR_RETURN(r->central_,
-                             deepnex::launch::CreateCentralServer({}, local, policy));
-    deepnex::agent::AgentOptions a;
-    a.central = r->central_->address();
-    a.node = "bench";
-    a.gpus = std::vector<deepnex::gpu::Gpu>{};
-    a.cpus = 64;
-    a.memory = 64ull << 30;
-    a.launcher.state_dir = state_dir + "/agent";
-    a.launcher.cgroup_parent = "deepnex-launch-bench";
+                             deepnex::launch::CreateCentralServer(server, local, policy));
     if (agent) {
-      fs::create_directories(a.launcher.state_dir);
-      DEEPNEX_ASSIGN_OR_RETURN(r->agent_, deepnex::agent::Agent::Create(a));
-      DEEPNEX_RETURN_IF_ERROR(r->agent_->WaitRegistered(std::chrono::seconds(10)));
+      const std::string dir = state_dir + "/agent";
+      fs::create_directories(dir);
+      std::vector<std::string> argv;
+      std::stringstream wrapper(flags.agent_on);
+      for (std::string w; wrapper >> w;) argv.push_back(w);
+      const std::string bin = fs::read_symlink("/proc/self/exe").parent_path() / "deepnex-agent";
+      const std::string central = r->central_->address();
+      for (const char* a : {bin.c_str(), "--central", central.c_str(), "--node",
+                            "bench", "--gpus", "0", "--cpus", "64", "--memory", "64GiB",
+                            "--state-dir", dir.c_str()}) {
+        argv.emplace_back(a);
+      }
+      const int rc = SpawnLogged(argv, dir + "/agent.log", &r->agent_pid_);
+      if (rc != 0) {
+        r->agent_pid_ = 0;
+        return absl::InternalError(argv[0] + ": " + strerror(rc));
+      }
+      // Registered: its node is in central's allocator.
+      const Clock::time_point deadline = Clock::now() + std::chrono::seconds(10);
+      while (!r->central_->allocator().GetNode("bench").ok()) {
+        if (Clock::now() > deadline) {
+          return absl::DeadlineExceededError(
+              "deepnex-agent did not register within 10s; see " + dir + "/agent.log");
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
     } else {
       deepnex::gpu::Node n;
-      n.name = a.node;
-      n.cpus = a.cpus;
-      n.memory = a.memory;
+      n.name = "bench";
+      n.cpus = 64;
+      n.memory = 64ull << 30;
       DEEPNEX_RETURN_IF_ERROR(r->central_->allocator().AddNode(n));
     }
     deepnex::gpu::CentralClientOptions c;
@@ -302,6 +347,13 @@ class AgentRunner {
     DEEPNEX_ASSIGN_OR_RETURN(r->alloc_, deepnex::gpu::CentralClient::Create(c));
     DEEPNEX_ASSIGN_OR_RETURN(r->containers_, deepnex::launch::CentralClient::Create(c));
     return r;
+  }
+
+  ~AgentRunner() {
+    if (agent_pid_ > 0) {
+      kill(agent_pid_, SIGTERM);
+      waitpid(agent_pid_, nullptr, 0);
+    }
   }
 
   absl::StatusOr<Sample> Once(int i) {
@@ -333,8 +385,9 @@ class AgentRunner {
 
  private:
   AgentRunner() = default;
+
   std::unique_ptr<deepnex::gpu::CentralServer> central_;
-  std::unique_ptr<deepnex::agent::Agent> agent_;
+  pid_t agent_pid_ = 0;
   std::unique_ptr<deepnex::gpu::CentralClient> alloc_;
   std::unique_ptr<deepnex::launch::CentralClient> containers_;
 };
@@ -366,11 +419,15 @@ Flags ParseFlags(int argc, char** argv) {
       f.slurm_conf = value();
     } else if (a == "--via-agent") {
       f.via_agent = true;
+    } else if (a == "--central-listen") {
+      f.central_listen = value();
+    } else if (a == "--agent-on") {
+      f.agent_on = value();
     } else {
       fprintf(stderr,
               "usage: launch_bench [--n 20] [--backends process,oci,docker,slurm] [--csv FILE]\n"
               "                    [--docker-socket PATH] [--docker-image REF] [--slurm-conf FILE]\n"
-              "                    [--via-agent]\n");
+              "                    [--via-agent [--central-listen HOST:PORT] [--agent-on WRAPPER]]\n");
       exit(2);
     }
   }
@@ -400,7 +457,7 @@ int main(int argc, char** argv) {
       continue;
     }
     if (b == "oci") {
-      absl::StatusOr<std::string> config = r->BundleConfig();
+      absl::StatusOr<std::string> config = r->BundleConfig(dir + "/plain-files");
       if (!config.ok()) {
         printf("skipping %s and %s: %s\n", b.c_str(), kPeer, config.status().ToString().c_str());
         continue;
@@ -415,7 +472,7 @@ int main(int argc, char** argv) {
   if (flags.via_agent) {
     for (bool agent : {false, true}) {
       const char* name = agent ? kViaAgent : kViaCentral;
-      absl::StatusOr<std::unique_ptr<AgentRunner>> r = AgentRunner::Make(dir, agent);
+      absl::StatusOr<std::unique_ptr<AgentRunner>> r = AgentRunner::Make(dir, agent, flags);
       if (r.ok()) {
         (agent ? via_agent : via_central) = std::move(*r);
         names.push_back(name);

@@ -1,6 +1,7 @@
 """The GPU commands of the deepnex CLI, against deepnex-central:
 
     deepnex nodes                       a table of nodes, modes, GPUs, memory
+    deepnex nodes --usage               also what the agents measure: per GPU, cores, memory
     deepnex alloc --gpus 2 --gpu-mode shared --gpu-memory 10GiB   (prints where it waits)
     deepnex release ID
     deepnex allocations [--user U] [--pending]
@@ -35,7 +36,7 @@ def _nodes(args):
     rows = [("NODE", "MODE", "STATUS", "HEARTBEAT", "GPUS USED/ALL", "GPU MEMORY USED/ALL",
              "CPUS USED/ALL", "MEMORY USED/ALL", "ADDRESS")]
     if args.usage:  # what the agents measure, beside what is granted
-        rows[0] += ("CPUS BUSY", "MEMORY IN USE")
+        rows[0] += ("GPU UTIL/MEMORY IN USE", "CPUS BUSY", "MEMORY IN USE")
     now = time.time()
     for n in client(args).nodes():
         # As kubectl: NotReady outranks a cordon, which the admin chose.
@@ -53,7 +54,10 @@ def _nodes(args):
                      f"{_size(n.memory_used)}/{_size(n.memory)}", n.address or "-"))
         if args.usage:
             agent = n.last_heartbeat is not None
-            rows[-1] += (f"{n.cpus_busy:.1f}" if agent else "-",
+            # Per GPU where the agent has NVML: "0:42%/3GiB,1:0%/0B".
+            gpu_usage = ",".join(f"{g['index']}:{g['utilization']}%/{_size(g['memory_used'])}"
+                                 for g in n.gpu_usage)
+            rows[-1] += (gpu_usage or "-", f"{n.cpus_busy:.1f}" if agent else "-",
                          _size(n.memory_in_use) if agent else "-")
     print(format_table(rows))
     return 0
@@ -300,7 +304,8 @@ def add_commands(commands):
 
     p = sub("nodes", _nodes, "table of nodes, modes, status, GPUs used/free, memory")
     p.add_argument("--usage", action="store_true",
-                   help="also what each agent's node uses now: cores busy, memory in use")
+                   help="also what each agent's node uses now: cores busy, memory in use, "
+                        "and per GPU (with NVML) utilisation and memory in use")
     p = sub("alloc", _alloc, "allocate GPUs, CPU cores and memory; while the request waits, "
                              "print its place in the queue and why")
     p.add_argument("--user", help="whom to allocate for (admins); default: the token's user")

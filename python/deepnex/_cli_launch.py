@@ -3,6 +3,7 @@ containers of deepnex-central's launcher.
 
     deepnex ps --state-dir D       (or $DEEPNEX_STATE_DIR)
     deepnex ps --central ADDR      (or $DEEPNEX_CENTRAL): the caller's containers there
+    deepnex ps --all               every user's containers there, with USER and NODE (admins)
     deepnex launch --central ADDR --alloc ID [--name N] [--cpus C] [--memory M]
                    [--restart P] [--env K=V] [--mount SRC:DST[:ro]] [--workdir D] -- CMD ...
     deepnex logs NAME [--follow]   (--follow: then "container NAME <how it
@@ -103,9 +104,10 @@ def _size(n):
     return _C.format_byte_size(int(n)) if n else "-"
 
 
-def rows(records, node=False):
+def rows(records, node=False, user=False):
     """The table's rows (HEADER first) for records of containers; with `node`,
-    a NODE column after NAME (deepnex-central's: where each runs)."""
+    a NODE column after NAME (deepnex-central's: where each runs); with
+    `user`, a USER column first (whose each is)."""
     out = [HEADER]
     for r in records:
         state, u = _live(r)
@@ -120,10 +122,19 @@ def rows(records, node=False):
     if node:
         out = [(row[0], "NODE" if i == 0 else records[i - 1].get("node") or "-") + tuple(row[1:])
                for i, row in enumerate(out)]
+    if user:
+        out = [("USER" if i == 0 else records[i - 1].get("user") or "-",) + tuple(row)
+               for i, row in enumerate(out)]
     return out
 
 
 def _ps(args):
+    if args.all:  # an admin's view of deepnex-central: every user's, with USER and NODE
+        if args.state_dir:
+            raise SystemExit("deepnex: ps: --all lists deepnex-central's containers; "
+                             f"--state-dir {args.state_dir!r} is a launcher's")
+        print(format_table(rows(client(args).containers(all=True), node=True, user=True)))
+        return 0
     state_dir = None if args.central else args.state_dir or os.environ.get("DEEPNEX_STATE_DIR")
     if state_dir:
         # A mistyped directory is not an empty launcher.
@@ -205,6 +216,9 @@ def add_commands(commands):
     ps.add_argument("--state-dir",
                     help="the launchers' state_dir, an existing directory (default "
                     "$DEEPNEX_STATE_DIR); without it, deepnex-central's containers")
+    ps.add_argument("--all", action="store_true",
+                    help="every user's containers on deepnex-central, with USER and NODE "
+                    "(admins)")
     add_central_args(ps)
     ps.set_defaults(func=guard(_ps))
 

@@ -381,9 +381,13 @@ class CentralClient:
         allocation_id = allocation if isinstance(allocation, str) else allocation.id
         return self._c.start(allocation_id, spec._spec())
 
-    def containers(self, user=None) -> List[dict]:
-        """The caller's containers (admins: everyone's, or `user`'s)."""
-        return self._c.list(user or "")
+    def containers(self, user=None, all=False) -> List[dict]:
+        """The caller's containers (admins: everyone's, or `user`'s). With
+        ``all=True``, every user's (admins only: PermissionDeniedError otherwise)."""
+        if all and user:
+            raise InvalidArgumentError(f"containers: all=True lists every user's; "
+                                       f"user={user!r} names one")
+        return self._c.list("*" if all else user or "")
 
     def stop_container(self, name, grace=10.0, user=None) -> dict:
         """SIGTERM, SIGKILL after grace seconds, no restart; returns once it

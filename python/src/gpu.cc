@@ -293,6 +293,18 @@ void RegisterGpu(py::module_& parent) {
       .def_readonly("cpus_busy", &NodeInfo::cpus_busy)
       .def_readonly("memory_in_use", &NodeInfo::memory_in_use)
       .def_readonly("address", &NodeInfo::address)
+      .def_property_readonly("gpu_usage", [](const NodeInfo& n) {
+        // As the node's agent measures through NVML; [] without a driver.
+        py::list out;
+        for (const gpu::GpuUsage& u : n.gpu_usage) {
+          py::dict d;
+          d["index"] = u.index;
+          d["memory_used"] = u.memory_used;
+          d["utilization"] = u.utilization;
+          out.append(d);
+        }
+        return out;
+      })
       .def_property_readonly("last_heartbeat", [](const NodeInfo& n) -> std::optional<double> {
         // Seconds since the epoch; None for a node without an agent.
         if (n.last_heartbeat_ms == 0) return std::nullopt;

@@ -248,7 +248,8 @@ class AgentImpl final : public Agent {
   }
 
   // The node's busy cores since the last call (from /proc/stat) and memory
-  // in use (from /proc/meminfo). Called from Beat only.
+  // in use (from /proc/meminfo), and its GPUs' through NVML. Called from
+  // Beat only.
   void MeasureNode(pb::NodeUsage* u) {
     std::ifstream stat("/proc/stat");
     std::string cpu;
@@ -277,6 +278,10 @@ class AgentImpl final : public Agent {
       if (key == "MemAvailable:") available = kib;
     }
     if (mem_total >= available) u->set_memory_used((mem_total - available) << 10);
+    // --gpus GPUs are made up: NVML's figures would be another GPU's.
+    if (!options_.gpus) {
+      for (const gpu::GpuUsage& g : gpu::MeasureLocalGpus()) gpu::ToProto(g, u->add_gpus());
+    }
   }
 
   // The launcher's containers and those adopted from the agent before.

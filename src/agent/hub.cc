@@ -263,6 +263,8 @@ void Hub::Fill(gpu::NodeInfo* info) const {
   info->cpus_busy = it->second.usage.cpu_busy();
   info->memory_in_use = it->second.usage.memory_used();
   info->address = it->second.address;
+  info->gpu_usage.clear();
+  for (const auto& g : it->second.usage.gpus()) info->gpu_usage.push_back(gpu::FromProto(g));
 }
 
 std::string Hub::MetricsText() const {
@@ -282,6 +284,16 @@ std::string Hub::MetricsText() const {
     now.GetGauge("deepnex_node_memory_in_use_bytes",
                  "Memory in use on the node, as its agent measures.", {{"node", node}})
         ->Set(link.usage.memory_used());
+    // Per GPU where the agent has NVML; none for made-up (--gpus) GPUs.
+    for (const auto& g : link.usage.gpus()) {
+      const Labels gpu{{"node", node}, {"gpu", std::to_string(g.index())}};
+      now.GetGauge("deepnex_gpu_memory_in_use_bytes",
+                   "GPU memory in use (every process's), as the node's agent measures.", gpu)
+          ->Set(g.memory_used());
+      now.GetGauge("deepnex_gpu_utilization_percent",
+                   "Percent of time a kernel ran on the GPU, as the node's agent measures.", gpu)
+          ->Set(g.utilization());
+    }
     // Per container, as its agent last reported it, with its user.
     for (const auto& [name, c] : link.containers) {
       if (Ended(c)) continue;

@@ -82,9 +82,11 @@ class Hub {
       const std::string& node, const std::string& name,
       const std::function<bool(const proto::ContainerReport&)>& done,
       std::chrono::milliseconds timeout);
-  // Sets `info`'s last_heartbeat_ms, usage and address for an agent's node.
+  // Sets `info`'s last_heartbeat_ms, measured usage and address for an
+  // agent's node.
   void Fill(gpu::NodeInfo* info) const;
-  // Per agent node: ready (1/0), seconds since heard, and NotReady events.
+  // Per agent node: ready (1/0), seconds since heard, NotReady events, what
+  // its agent measures (cores, memory, per GPU), and per container.
   std::string MetricsText() const;
   // Called with the containers an agent reports running when it registers
   // (a restarted central takes them back), on a gRPC thread, before the

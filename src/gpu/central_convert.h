@@ -53,6 +53,16 @@ inline absl::StatusOr<Node> FromProto(const pb::Node& p) {
   return n;
 }
 
+inline void ToProto(const GpuUsage& u, pb::GpuUsage* p) {
+  p->set_index(u.index);
+  p->set_memory_used(u.memory_used);
+  p->set_utilization(u.utilization);
+}
+
+inline GpuUsage FromProto(const pb::GpuUsage& p) {
+  return GpuUsage{p.index(), p.memory_used(), p.utilization()};
+}
+
 inline void ToProto(const NodeInfo& n, pb::NodeInfo* p) {
   ToProto(n.node, p->mutable_node());
   p->mutable_node()->set_mode(ModeName(n.mode));
@@ -64,6 +74,7 @@ inline void ToProto(const NodeInfo& n, pb::NodeInfo* p) {
   p->set_cpus_busy(n.cpus_busy);
   p->set_memory_in_use(n.memory_in_use);
   p->set_address(n.address);
+  for (const GpuUsage& u : n.gpu_usage) ToProto(u, p->add_gpu_usage());
   for (uint64_t m : n.gpu_memory_used) p->add_gpu_memory_used(m);
   for (int c : n.gpu_allocations) p->add_gpu_allocations(c);
   p->set_cpus_used(n.cpus_used);
@@ -86,6 +97,7 @@ inline absl::StatusOr<NodeInfo> FromProto(const pb::NodeInfo& p) {
   n.cpus_busy = p.cpus_busy();
   n.memory_in_use = p.memory_in_use();
   n.address = p.address();
+  for (const auto& u : p.gpu_usage()) n.gpu_usage.push_back(FromProto(u));
   n.gpu_memory_used.assign(p.gpu_memory_used().begin(), p.gpu_memory_used().end());
   n.gpu_allocations.assign(p.gpu_allocations().begin(), p.gpu_allocations().end());
   n.cpus_used = p.cpus_used();

@@ -93,31 +93,51 @@ struct NvmlProcessInfo {
 };
 constexpr nvmlReturn_t kNvmlInsufficientSize = 7;
 
-}  // namespace
+// nvmlUtilization_t: percent of the last sample period.
+struct NvmlUtilization {
+  unsigned int gpu, memory;
+};
 
-std::map<int, std::map<int64_t, uint64_t>> GpuMemoryByProcess(const std::string& library) {
-  // Loaded once and never unloaded: sampled every few seconds per container.
-  struct Loaded {
-    Nvml nvml;
-    nvmlReturn_t (*GetProcesses)(nvmlDevice_t, unsigned*, NvmlProcessInfo*) = nullptr;
-    bool ok = false;
-  };
+// NVML for sampling, loaded and initialised once per library and never
+// unloaded: an agent samples every heartbeat, a launcher per container.
+struct Sampler {
+  Nvml nvml;
+  nvmlReturn_t (*GetProcesses)(nvmlDevice_t, unsigned*, NvmlProcessInfo*) = nullptr;
+  nvmlReturn_t (*GetUtilization)(nvmlDevice_t, NvmlUtilization*) = nullptr;
+  bool ok = false;
+};
+
+// The sampler of `library` (ok false without a driver), under `lock`.
+Sampler& SamplerOf(const std::string& library, std::unique_lock<std::mutex>* lock) {
   static std::mutex mu;
-  static std::map<std::string, Loaded> loaded;
-  std::lock_guard<std::mutex> lock(mu);
+  static std::map<std::string, Sampler> loaded;
+  *lock = std::unique_lock<std::mutex>(mu);
   auto [it, fresh] = loaded.try_emplace(library);
-  Loaded& l = it->second;
+  Sampler& l = it->second;
   if (fresh) {
     l.nvml.lib = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
     l.ok = l.nvml.lib != nullptr && l.nvml.Load(&l.nvml.Init, "nvmlInit_v2") &&
            l.nvml.Load(&l.nvml.GetCount, "nvmlDeviceGetCount_v2") &&
            l.nvml.Load(&l.nvml.GetHandle, "nvmlDeviceGetHandleByIndex_v2") &&
-           l.nvml.Load(&l.GetProcesses, "nvmlDeviceGetComputeRunningProcesses_v3") &&
            l.nvml.Init() == kNvmlSuccess;
+    if (l.ok) {
+      // Either may be missing from an old driver: its figures are then left out.
+      l.nvml.Load(&l.GetProcesses, "nvmlDeviceGetComputeRunningProcesses_v3");
+      l.nvml.Load(&l.GetUtilization, "nvmlDeviceGetUtilizationRates");
+      l.nvml.Load(&l.nvml.GetMemory, "nvmlDeviceGetMemoryInfo");
+    }
   }
+  return l;
+}
+
+}  // namespace
+
+std::map<int, std::map<int64_t, uint64_t>> GpuMemoryByProcess(const std::string& library) {
+  std::unique_lock<std::mutex> lock;
+  Sampler& l = SamplerOf(library, &lock);
   std::map<int, std::map<int64_t, uint64_t>> out;
   unsigned count = 0;
-  if (!l.ok || l.nvml.GetCount(&count) != kNvmlSuccess) return out;
+  if (!l.ok || l.GetProcesses == nullptr || l.nvml.GetCount(&count) != kNvmlSuccess) return out;
   for (unsigned i = 0; i < count; ++i) {
     nvmlDevice_t dev;
     if (l.nvml.GetHandle(i, &dev) != kNvmlSuccess) continue;
@@ -133,6 +153,30 @@ std::map<int, std::map<int64_t, uint64_t>> GpuMemoryByProcess(const std::string&
     for (unsigned k = 0; k < n; ++k) {
       out[static_cast<int>(i)][procs[k].pid] += procs[k].used_gpu_memory;
     }
+  }
+  return out;
+}
+
+std::vector<GpuUsage> MeasureLocalGpus(const std::string& library) {
+  std::unique_lock<std::mutex> lock;
+  Sampler& l = SamplerOf(library, &lock);
+  std::vector<GpuUsage> out;
+  unsigned count = 0;
+  if (!l.ok || l.nvml.GetCount(&count) != kNvmlSuccess) return out;
+  for (unsigned i = 0; i < count; ++i) {
+    nvmlDevice_t dev;
+    if (l.nvml.GetHandle(i, &dev) != kNvmlSuccess) continue;
+    GpuUsage u;
+    u.index = static_cast<int>(i);
+    NvmlMemory mem{};
+    NvmlUtilization util{};
+    // A GPU that answers neither (lost off the bus) is left out, not zero.
+    const bool has_memory = l.nvml.GetMemory && l.nvml.GetMemory(dev, &mem) == kNvmlSuccess;
+    const bool has_util = l.GetUtilization && l.GetUtilization(dev, &util) == kNvmlSuccess;
+    if (!has_memory && !has_util) continue;
+    u.memory_used = mem.used;
+    u.utilization = static_cast<int>(util.gpu);
+    out.push_back(u);
   }
   return out;
 }

@@ -48,6 +48,11 @@ LocalGpus DiscoverLocalGpus(const std::string& library = "libnvidia-ml.so.1");
 std::map<int, std::map<int64_t, uint64_t>> GpuMemoryByProcess(
     const std::string& library = "libnvidia-ml.so.1");
 
+// What each GPU of this machine does now (memory used, utilisation),
+// through NVML, loaded once as for GpuMemoryByProcess. Empty without a
+// driver: never an error.
+std::vector<GpuUsage> MeasureLocalGpus(const std::string& library = "libnvidia-ml.so.1");
+
 // This machine as a node: `name` (empty: the host name), its discovered
 // GPUs, its online CPU cores and physical memory.
 absl::StatusOr<Node> LocalNode(const std::string& name = "",

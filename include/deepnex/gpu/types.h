@@ -153,6 +153,13 @@ struct Usage {
   uint64_t memory = 0;
 };
 
+// What one GPU of a node does now, as NVML on the node measures it.
+struct GpuUsage {
+  int index = 0;             // as Gpu::index
+  uint64_t memory_used = 0;  // bytes, every process's
+  int utilization = 0;       // percent of the last sample period with a kernel running
+};
+
 // A node as the allocator sees it now.
 struct NodeInfo {
   Node node;  // GPUs with their index and UUID filled in
@@ -174,6 +181,9 @@ struct NodeInfo {
   // The host that peers dial on this node (its agent's --advertise, by
   // default its address towards central); empty without an agent.
   std::string address;
+  // Per GPU, where the agent has NVML (a driver); empty otherwise, and for
+  // a node whose GPUs were given on the command line (--gpus).
+  std::vector<GpuUsage> gpu_usage;
   // Per GPU (same order as node.gpus): memory granted and allocations on it.
   std::vector<uint64_t> gpu_memory_used;
   std::vector<int> gpu_allocations;

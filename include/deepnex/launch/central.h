@@ -124,7 +124,8 @@ class CentralClient {
   virtual absl::StatusOr<CentralContainer> StartContainer(const ContainerSpec& spec,
                                                           const std::string& allocation_id) = 0;
   // The caller's containers, ordered by user and name; admins see everyone's
-  // unless `user` filters.
+  // unless `user` filters. `user` "*": every user's, for admins only
+  // (PermissionDenied naming the caller otherwise).
   virtual absl::StatusOr<std::vector<CentralContainer>> ListContainers(
       const std::string& user = "") = 0;
   // SIGTERM, SIGKILL after `grace`, no restart; returns once it ended (its
