@@ -106,6 +106,12 @@ def test_a_job_is_listed_with_its_nodes_then_kept_with_its_exit_code_and_gpu_hou
     elapsed = (done["ended_ms"] - done["started_ms"]) / 1000.0
     assert done["elapsed"] == elapsed
     assert done["gpu_hours"] == 2 * elapsed / 3600.0
+    # CPU-hours and peak memory from the containers' usage samples.
+    samples = done["containers"]
+    assert done["peak_memory"] == max(x["memory_peak"] for x in samples) > 0
+    cpu = sum(x["cpu_seconds"] for x in samples)
+    # Without samples: the allocations' 2 cores over the run.
+    assert done["cpu_hours"] == (cpu / 3600.0 if cpu > 0 else 2 * elapsed / 3600.0)
     assert [x["name"] for x in c["alice"].jobs(state="completed")] == [j.name]
     row = run_cli("jobs", "--all", "--central", address).stdout.splitlines()[1].split()
     assert (row[2], row[-1]) == ("completed", "0")
