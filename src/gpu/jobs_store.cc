@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
 #include "deepnex/jobs.grpc.pb.h"
@@ -398,6 +399,14 @@ absl::StatusOr<pb::Job> JobStore::Cancel(const Identity& who, const std::string&
     SnapshotIfDueLocked();
   }
   DEEPNEX_RETURN_IF_ERROR(Commit(ticket, {EventOf("cancelled", j)}));
+  // What it waits for in the queue is never granted: its runner's
+  // allocate fails at once.
+  for (const PendingRequest& p : allocator_.Pending(j.user())) {
+    uint64_t ticket = 0;
+    if (p.request.job == name && absl::SimpleAtoi(p.id.substr(1), &ticket)) {
+      allocator_.Withdraw(ticket);
+    }
+  }
   // Central's launcher stops the containers on these within a second; the
   // runner stops its own at its next report.
   for (const Allocation& a : allocator_.Allocations(j.user())) {

@@ -351,7 +351,11 @@ class JobImpl : public Job {
   absl::Status Start() override {
     absl::Status s = StartAll();
     if (!s.ok()) {
-      if (reporter_) reporter_->Finish(gpu::JobState::kFailed, 1, s.ToString()).IgnoreError();
+      if (reporter_) {
+        reporter_->Finish(gpu::JobState::kFailed, 1, s.ToString()).IgnoreError();
+        // Cancelled while it waited: its allocation was withdrawn.
+        if (reporter_->cancelled()) s = absl::CancelledError(reporter_->cancel_message());
+      }
       Stop().IgnoreError();
     }
     return s;

@@ -149,6 +149,28 @@ def test_another_user_can_neither_see_nor_cancel_it_and_its_owner_cancels_it(
         c["alice"].cancel_job(j.name)
 
 
+def test_a_waiting_job_is_pending_and_cancelling_it_withdraws_its_request(central, tmp_path):
+    address = central()
+    c = clients(address)
+    holder = central.run(address, ["--workers", "1", "--gpus-per-worker", "2"],
+                         gated(tmp_path / "gate"))
+    holder.await_line(r"^\[worker 0\] up")
+    waiting = central.run(address, ["--workers", "1", "--gpus-per-worker", "1"], ["echo", "ran"])
+    wait_for(lambda: [x["name"] for x in c["alice"].jobs(state="pending")] == [waiting.name],
+             "the second job to wait")
+    assert len(c["alice"].pending()) == 1
+    row = run_cli("jobs", "--state", "pending", "--central", address).stdout.splitlines()[1]
+    assert row.split()[:4] == [waiting.name, "alice", "pending", "-"]
+    assert run_cli("job", "cancel", waiting.name, "--central", address).returncode == 0
+    assert waiting.wait(60) == 1, waiting.output()
+    assert f"job {waiting.name} was cancelled by alice through deepnex-central" in (
+        waiting.output())
+    assert not any("ran" in line for line in waiting.lines)
+    assert c["alice"].pending() == []
+    assert state_of(c["alice"], waiting.name) == "cancelled"
+    assert state_of(c["alice"], holder.name) == "running"
+
+
 def test_central_killed_mid_job_keeps_its_record_and_the_history(central, tmp_path):
     address = central()
     c = clients(address)
