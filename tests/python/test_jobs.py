@@ -56,8 +56,16 @@ def clients(address):
             for name in ("alice", "bob", "admin")}
 
 
+def record(client, name):
+    """The job's record, or {} before its runner registered it."""
+    try:
+        return client.job(name)
+    except deepnex.NotFoundError:
+        return {}
+
+
 def state_of(client, name):
-    return client.job(name)["state"]
+    return record(client, name).get("state")
 
 
 def test_a_job_is_listed_with_its_nodes_then_kept_with_its_exit_code_and_gpu_hours(
@@ -169,6 +177,21 @@ def test_a_waiting_job_is_pending_and_cancelling_it_withdraws_its_request(centra
     assert c["alice"].pending() == []
     assert state_of(c["alice"], waiting.name) == "cancelled"
     assert state_of(c["alice"], holder.name) == "running"
+
+
+def test_a_worker_restart_is_in_the_record(central, tmp_path):
+    address = central()
+    alice = clients(address)["alice"]
+    marker = tmp_path / "failed-once"
+    j = central.run(address, ["--workers", "1", "--restart", "on-failure:1"],
+                    ["sh", "-c", f"[ -e {marker} ] || {{ touch {marker}; exit 5; }}; "
+                                 f"while [ ! -e {tmp_path / 'gate'} ]; do sleep 0.05; done"])
+    wait_for(lambda: record(alice, j.name).get("restarts") == 1, "the restart reported")
+    [worker] = alice.job(j.name)["containers"]
+    assert (worker["restarts"], worker["last_exit"]) == (1, "exited(5)")
+    (tmp_path / "gate").write_text("")
+    assert j.wait(60) == 0, j.output()
+    assert alice.job(j.name)["state"] == "completed"
 
 
 def test_central_killed_mid_job_keeps_its_record_and_the_history(central, tmp_path):
