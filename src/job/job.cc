@@ -20,10 +20,10 @@
 #include "deepnex/env.h"
 #include "deepnex/gpu/allocator.h"
 #include "deepnex/gpu/central.h"
-#include "gpu/jobs_reporter.h"
 #include "deepnex/gpu/discovery.h"
 #include "core/file_util.h"
 #include "core/net.h"
+#include "gpu/jobs_reporter.h"
 #include "launch/util.h"
 #include "nlohmann/json.hpp"
 
@@ -125,6 +125,14 @@ int ExitCodeOf(const launch::ExitStatus& e) {
   return 1;
 }
 
+gpu::CentralClientOptions CentralOptions(const JobOptions& o) {
+  gpu::CentralClientOptions co;
+  co.address = o.central;
+  co.token = o.central_token;
+  co.token_file = o.central_token_file;
+  return co;
+}
+
 // Where the allocations come from: a local allocator over this machine, or
 // deepnex-central.
 class AllocationSource {
@@ -156,11 +164,7 @@ class AllocationSource {
         DEEPNEX_RETURN_IF_ERROR(a->local_->AddNode(node));
       }
     } else {
-      gpu::CentralClientOptions co;
-      co.address = o.central;
-      co.token = o.central_token;
-      co.token_file = o.central_token_file;
-      DEEPNEX_ASSIGN_OR_RETURN(a->central_, gpu::CentralClient::Create(co));
+      DEEPNEX_ASSIGN_OR_RETURN(a->central_, gpu::CentralClient::Create(CentralOptions(o)));
     }
     return a;
   }
@@ -468,12 +472,9 @@ class JobImpl : public Job {
     }
     DEEPNEX_ASSIGN_OR_RETURN(allocations_, AllocationSource::Create(o_, backend_nodes));
     if (!o_.central.empty()) {
-      gpu::CentralClientOptions co;
-      co.address = o_.central;
-      co.token = o_.central_token;
-      co.token_file = o_.central_token_file;
-      DEEPNEX_ASSIGN_OR_RETURN(reporter_,
-                               gpu::JobReporter::Register(co, [this] { return JobNow(); }));
+      DEEPNEX_ASSIGN_OR_RETURN(reporter_, gpu::JobReporter::Register(CentralOptions(o_), [this] {
+                                 return JobNow();
+                               }));
     }
     gpu::Request request;
     request.user = o_.user;
