@@ -80,6 +80,9 @@ flags:
   --node-lost-after S     after S seconds of silence its containers count as
                           lost and their allocations are released
                           (default 300)
+  --job-history-age S     keep ended jobs' records (`deepnex jobs --all`) for S
+                          seconds (default 2592000: 30 days)
+  --job-history-count N   and at most the N newest of them (default 10000)
   --help                  show this text
 )";
 
@@ -133,6 +136,13 @@ int main(int argc, char** argv) {
       options.node_timeout = flags.Seconds();
     } else if (flags.Is("--node-lost-after")) {
       options.node_lost_after = flags.Seconds();
+    } else if (flags.Is("--job-history-age")) {
+      options.job_history.max_age = flags.Seconds();
+    } else if (flags.Is("--job-history-count")) {
+      const std::string flag = flags.flag();
+      const int n = flags.Int();
+      if (n < 0) flags.Die(absl::StrCat(flag, ": ", n, " is below 0"));
+      options.job_history.max_count = n;
     } else {
       flags.Unknown();
     }

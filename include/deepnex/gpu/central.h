@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "deepnex/gpu/allocator.h"
+#include "deepnex/gpu/jobs.h"
 #include "deepnex/gpu/types.h"
 #include "deepnex/status.h"
 
@@ -49,6 +50,11 @@ struct CentralServerOptions {
   std::chrono::milliseconds node_timeout{10000};
   std::chrono::milliseconds node_lost_after{std::chrono::minutes(5)};
   std::chrono::milliseconds agent_heartbeat{2000};
+  // The job store (include/deepnex/gpu/jobs.h): its history is kept in
+  // <allocator.state_dir>/jobs (in memory without a state_dir), pruned so.
+  JobHistoryOptions job_history;
+  // Told each job event (queued, started, ...; see JobObserver). Empty: none.
+  JobObserver on_job_event;
 };
 
 // A running service. Thread-safe; serves until Stop().
