@@ -559,6 +559,7 @@ absl::StatusOr<std::unique_ptr<CentralServer>> CreateCentralServer(
   hub.node_timeout = options.node_timeout;
   hub.node_lost_after = options.node_lost_after;
   hub.heartbeat = options.agent_heartbeat;
+  hub.on_node_state = options.on_node_state;
   auto server = std::make_unique<CentralServerImpl>(
       std::make_unique<Service>(std::move(alloc), std::move(tokens), hub));
   DEEPNEX_RETURN_IF_ERROR(server->Start(options, extension));

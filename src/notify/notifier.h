@@ -145,8 +145,11 @@ class Notifier {
   NotifierStats stats() const;
 
  private:
+  // One event to one URL.
   struct Delivery {
-    uint64_t seq = 0;
+    uint64_t seq = 0;     // in the outbox, in publishing order
+    uint64_t ticket = 0;  // the outbox's for its record; 0: durable already
+    std::string group;    // "job:USER/JOB" or "node:NODE": ordered within
     std::string url;
     std::string signer;  // whose secret signs it
     std::string event_id;
@@ -162,14 +165,15 @@ class Notifier {
   };
 
   explicit Notifier(const NotifierOptions& options);
+  // Opens the outbox and queues what it holds.
   absl::Status Open();
-  // Replays one outbox record.
-  absl::Status Apply(const std::string& record);
   void EnqueueLocked(Delivery d);
-  // Under mu_: appends "done" for `seq` and compacts the outbox when it has
-  // grown.
-  void FinishLocked(const std::string& key, const std::string& why);
+  // Under mu_: takes the head off `q`, records it done in the outbox and
+  // compacts the outbox when it has grown.
+  void FinishLocked(Queue& q);
+  // Under mu_: the client for `url`, made at its first use.
   absl::StatusOr<launch::HttpClient*> Client(const std::string& url);
+  // A delivery thread.
   void Work();
 
   const NotifierOptions options_;

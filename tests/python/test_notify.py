@@ -1,0 +1,239 @@
+"""deepnex-central's webhook notifications, end to end: a receiver in the
+test (http.server on 127.0.0.1) gets node events as agents go NotReady and
+come back, signed with the admin's secret, and none is lost across a
+central kill -9 while the receiver is down. Bad --notify values are named."""
+
+import hashlib
+import hmac
+import http.server
+import json
+import os
+import subprocess
+import threading
+
+import pytest
+
+from _central import BUILD_DIR, CENTRAL_BIN, TOKENS, stop_central
+from _wait import wait_for
+
+AGENT_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-agent")
+NODE_TOKENS = "h1tok h1 node\nh2tok h2 node\n"
+SECRETS = "admin adminsecret\nalice alicesecret\n"
+
+
+def signature(secret, body):
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+class Receiver:
+    """An HTTP server on 127.0.0.1 that records every POST (headers, raw
+    body, parsed event) and answers 200. Bound at once; connections are
+    refused until listen()."""
+
+    def __init__(self, listen=True):
+        received = self.received = []
+        lock = self.lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                with lock:
+                    received.append((dict(self.headers), body, json.loads(body)))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.HTTPServer(("127.0.0.1", 0), Handler,
+                                             bind_and_activate=False)
+        self.server.server_bind()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = None
+        if listen:
+            self.listen()
+
+    def listen(self):
+        self.server.server_activate()
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def events(self):
+        with self.lock:
+            return list(self.received)
+
+    def close(self):
+        if self.thread is not None:
+            self.server.shutdown()
+            self.thread.join(timeout=10)
+        self.server.server_close()
+
+
+class Central:
+    """deepnex-central with agents' node tokens, --node-timeout 2 and the
+    given notify flags; its stderr lines collected as they come."""
+
+    def __init__(self, tmp_path, *notify):
+        if not os.path.exists(AGENT_BIN):
+            pytest.skip(f"{AGENT_BIN} not built")
+        tokens = tmp_path / "tokens"
+        tokens.write_text(TOKENS + NODE_TOKENS)
+        secrets = tmp_path / "secrets"
+        secrets.write_text(SECRETS)
+        self.proc = subprocess.Popen(
+            [os.path.abspath(CENTRAL_BIN), "--listen", "127.0.0.1:0", "--token-file", str(tokens),
+             "--node-timeout", "2", "--state-dir", str(tmp_path / "state"),
+             "--launch-state-dir", str(tmp_path / "launch"),
+             "--notify-secret-file", str(secrets), *notify],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        assert line.startswith("deepnex-central listening on "), line + self.proc.stderr.read()
+        self.address = line.split()[3]
+        self.lines = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def kill9(self):
+        self.proc.kill()
+        self.proc.wait()
+        self.reader.join(timeout=10)
+
+    def close(self):
+        stop_central(self.proc)
+        self.reader.join(timeout=10)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+class Agents:
+    def __init__(self, tmp_path):
+        self.tmp_path, self.procs = tmp_path, []
+
+    def start(self, central, node):
+        p = subprocess.Popen([AGENT_BIN, "--central", central.address, "--node", node,
+                              "--token", f"{node}tok", "--gpus", "1x16GiB", "--cpus", "2",
+                              "--memory", "4GiB", "--state-dir", str(self.tmp_path / node)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.procs.append(p)
+        assert p.stdout.readline() == (f"deepnex-agent: node {node} registered with "
+                                       f"{central.address}\n")
+        return p
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            p.stdout.close()
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def agents(tmp_path):
+    a = Agents(tmp_path)
+    yield a
+    a.close()
+
+
+def node_events(receiver, node):
+    return [(e["kind"], e) for _, _, e in receiver.events() if e["node"] == node]
+
+
+def test_node_events_reach_admins_signed(tmp_path, receiver, agents):
+    central = Central(tmp_path, "--notify-admin", receiver.url)
+    try:
+        h1 = agents.start(central, "h1")
+        h1.kill()
+        h1.wait()
+        wait_for(lambda: [k for k, _ in node_events(receiver, "h1")] == ["node.not_ready"],
+                 "node.not_ready of h1", timeout=30)
+        agents.start(central, "h1")
+        wait_for(lambda: [k for k, _ in node_events(receiver, "h1")] ==
+                 ["node.not_ready", "node.ready"], "node.ready of h1", timeout=30)
+        for headers, body, event in receiver.events():
+            assert headers["X-Deepnex-Signature"] == signature("adminsecret", body)
+            assert headers["X-Deepnex-Signature"] != signature("alicesecret", body)
+            assert headers["X-Deepnex-Event-Id"] == event["id"]
+            assert event["user"] == "" and event["job"] == ""
+        not_ready = node_events(receiver, "h1")[0][1]
+        assert not_ready["data"]["reason"].startswith("no heartbeat for ")
+        assert node_events(receiver, "h1")[1][1]["data"] == {"reason": "its agent registered again"}
+    finally:
+        central.close()
+
+
+def test_no_event_lost_across_central_kill_9(tmp_path, agents):
+    receiver = Receiver(listen=False)  # refuses connections for now
+    try:
+        central = Central(tmp_path, "--notify-admin", receiver.url)
+        try:
+            for node in ("h1", "h2"):
+                agents.start(central, node)
+            for p in agents.procs:
+                p.kill()
+                p.wait()
+            # A failed attempt means the event was in the outbox (fsync'd) first.
+            def retried_ids():
+                return {line.split()[2] for line in central.lines
+                        if line.startswith("notify: event ") and "; retry" in line}
+            wait_for(lambda: len(retried_ids()) == 2, "attempts at both nodes' events",
+                     timeout=30)
+            retried = retried_ids()
+            central.kill9()
+        finally:
+            central.close()
+        receiver.listen()
+        central = Central(tmp_path, "--notify-admin", receiver.url)
+        try:
+            wait_for(lambda: retried <= {e["id"] for _, _, e in receiver.events()},
+                     "the events from before the kill", timeout=30)
+            assert any("undelivered event(s) in the outbox" in line for line in central.lines)
+        finally:
+            central.close()
+        by_id = {}
+        for headers, body, event in receiver.events():
+            assert headers["X-Deepnex-Signature"] == signature("adminsecret", body)
+            # Duplicates only as the same event again.
+            assert by_id.setdefault(event["id"], body) == body
+        assert sorted(e["node"] for _, _, e in receiver.events() if e["id"] in retried) == \
+            ["h1", "h2"]
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--notify", "alice"], '--notify "alice" is not USER=URL'),
+    (["--notify", "alice=ftp://x/y"], '--notify "alice=ftp://x/y": URL "ftp://x/y" is not '
+                                      'http://HOST[:PORT][/PATH]'),
+    (["--notify-admin", "http://127.0.0.1:0x/"], "--notify-admin URL \"http://127.0.0.1:0x/\""),
+])
+def test_bad_notify_flags_are_named(flags, message):
+    if not os.path.exists(CENTRAL_BIN):
+        pytest.skip(f"{CENTRAL_BIN} not built")
+    out = subprocess.run([CENTRAL_BIN, *flags], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert message in out.stderr
+
+
+def test_bad_secret_file_line_is_named(tmp_path):
+    if not os.path.exists(CENTRAL_BIN):
+        pytest.skip(f"{CENTRAL_BIN} not built")
+    secrets = tmp_path / "secrets"
+    secrets.write_text("admin adminsecret\nalice\n")
+    out = subprocess.run([CENTRAL_BIN, "--notify-secret-file", str(secrets)],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert (f"--notify-secret-file: notify secret file {secrets} line 2: "
+            "expected \"USER SECRET\", got 1 fields") in out.stderr
+    assert "adminsecret" not in out.stderr
