@@ -15,6 +15,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -459,8 +460,8 @@ void Notifier::Work() {
     std::string drop;  // why it is dropped
     absl::Status failed;
     if (options_.max_age.count() > 0 && age_ms > options_.max_age.count()) {
-      drop = absl::StrCat("it is ", age_ms / 1000, "s old, older than the limit of ",
-                          options_.max_age.count() / 1000, "s");
+      drop = absl::StrFormat("it is %.1fs old, over the limit of %.1fs", age_ms / 1000.0,
+                             options_.max_age.count() / 1000.0);
     } else if (!client.ok()) {
       drop = std::string(client.status().message());
     } else {

@@ -198,7 +198,8 @@ def test_no_event_lost_across_central_kill_9(tmp_path, agents):
         try:
             wait_for(lambda: retried <= {e["id"] for _, _, e in receiver.events()},
                      "the events from before the kill", timeout=30)
-            assert any("undelivered event(s) in the outbox" in line for line in central.lines)
+            wait_for(lambda: any(line.startswith("notify: 2 undelivered event(s) in the outbox")
+                                 for line in central.lines), "the outbox's log line")
         finally:
             central.close()
         by_id = {}
