@@ -16,6 +16,7 @@
 #include "deepnex/metrics.h"
 #include "gpu/central_convert.h"
 #include "gpu/central_server.h"
+#include "gpu/jobs_store.h"
 
 namespace deepnex::gpu {
 namespace {
@@ -467,12 +468,16 @@ void OpsReactor::OnCancel() {
 
 class CentralServerImpl final : public CentralServer {
  public:
-  explicit CentralServerImpl(std::unique_ptr<Service> service) : service_(std::move(service)) {}
+  CentralServerImpl(std::unique_ptr<Service> service, std::unique_ptr<JobStore> jobs)
+      : service_(std::move(service)),
+        jobs_(std::move(jobs)),
+        jobs_service_(jobs_->MakeService(service_->tokens())) {}
   ~CentralServerImpl() override { Stop(); }
 
   absl::Status Start(const CentralServerOptions& options,
                      const CentralExtensionFactory& extension) {
-    std::vector<grpc::Service*> services = {service_.get(), service_->hub().service()};
+    std::vector<grpc::Service*> services = {service_.get(), service_->hub().service(),
+                                            jobs_service_.get()};
     if (extension) {
       DEEPNEX_ASSIGN_OR_RETURN(
           extension_, extension(service_->allocator(), service_->tokens(), service_->hub()));
@@ -517,6 +522,8 @@ class CentralServerImpl final : public CentralServer {
 
  private:
   std::unique_ptr<Service> service_;
+  std::unique_ptr<JobStore> jobs_;  // releases through service_'s allocator
+  std::unique_ptr<grpc::Service> jobs_service_;
   // After service_: it uses the service's allocator and tokens.
   std::unique_ptr<CentralExtension> extension_;
   std::unique_ptr<MetricsHttpServer> metrics_;
@@ -560,8 +567,14 @@ absl::StatusOr<std::unique_ptr<CentralServer>> CreateCentralServer(
   hub.node_lost_after = options.node_lost_after;
   hub.heartbeat = options.agent_heartbeat;
   hub.on_node_state = options.on_node_state;
+  JobStoreOptions jobs;
+  if (!options.allocator.state_dir.empty()) jobs.dir = options.allocator.state_dir + "/jobs";
+  jobs.fsync = options.allocator.fsync;
+  jobs.history = options.job_history;
+  jobs.on_event = options.on_job_event;
+  DEEPNEX_ASSIGN_OR_RETURN(auto job_store, JobStore::Open(jobs, *alloc));
   auto server = std::make_unique<CentralServerImpl>(
-      std::make_unique<Service>(std::move(alloc), std::move(tokens), hub));
+      std::make_unique<Service>(std::move(alloc), std::move(tokens), hub), std::move(job_store));
   DEEPNEX_RETURN_IF_ERROR(server->Start(options, extension));
   return std::unique_ptr<CentralServer>(std::move(server));
 }

@@ -20,6 +20,7 @@
 #include "deepnex/env.h"
 #include "deepnex/gpu/allocator.h"
 #include "deepnex/gpu/central.h"
+#include "gpu/jobs_reporter.h"
 #include "deepnex/gpu/discovery.h"
 #include "core/file_util.h"
 #include "core/net.h"
@@ -349,7 +350,10 @@ class JobImpl : public Job {
 
   absl::Status Start() override {
     absl::Status s = StartAll();
-    if (!s.ok()) Stop().IgnoreError();
+    if (!s.ok()) {
+      if (reporter_) reporter_->Finish(gpu::JobState::kFailed, 1, s.ToString()).IgnoreError();
+      Stop().IgnoreError();
+    }
     return s;
   }
 
@@ -369,6 +373,12 @@ class JobImpl : public Job {
         failed = failed || (ended && st.last_exit.has_value() && !st.last_exit->ok());
       }
       if (all_ended || failed) break;
+      if (reporter_ && reporter_->cancelled()) {
+        // Its allocations are gone already; its containers go now.
+        reporter_->Finish(gpu::JobState::kFailed, 1, "cancelled").IgnoreError();
+        Stop().IgnoreError();
+        return absl::CancelledError(reporter_->cancel_message());
+      }
       if (Clock::now() >= deadline) {
         return absl::DeadlineExceededError(
             absl::StrCat("job ", o_.name, " is still running"));
@@ -384,6 +394,11 @@ class JobImpl : public Job {
         first_failure = st.last_exit;
       }
     }
+    if (reporter_) {
+      const int code = first_failure.has_value() ? ExitCodeOf(*first_failure) : 0;
+      reporter_->Finish(code == 0 ? gpu::JobState::kCompleted : gpu::JobState::kFailed, code, "")
+          .IgnoreError();
+    }
     DEEPNEX_RETURN_IF_ERROR(Stop());
     for (const auto& w : workers_) {
       DEEPNEX_ASSIGN_OR_RETURN(launch::ExitStatus e, w->Wait(milliseconds(10000)));
@@ -396,6 +411,10 @@ class JobImpl : public Job {
 
   absl::Status Stop() override {
     std::lock_guard<std::mutex> lock(stop_mu_);
+    // Stopped before its end (a signal): the record says so.
+    if (reporter_) {
+      reporter_->Finish(gpu::JobState::kFailed, 1, "stopped before its end").IgnoreError();
+    }
     absl::Status first;
     for (auto it = handles_.rbegin(); it != handles_.rend(); ++it) {
       absl::Status s = (*it)->Stop(milliseconds(2000));
@@ -444,6 +463,14 @@ class JobImpl : public Job {
           "that places on them (slurm)"));
     }
     DEEPNEX_ASSIGN_OR_RETURN(allocations_, AllocationSource::Create(o_, backend_nodes));
+    if (!o_.central.empty()) {
+      gpu::CentralClientOptions co;
+      co.address = o_.central;
+      co.token = o_.central_token;
+      co.token_file = o_.central_token_file;
+      DEEPNEX_ASSIGN_OR_RETURN(reporter_,
+                               gpu::JobReporter::Register(co, [this] { return JobNow(); }));
+    }
     gpu::Request request;
     request.user = o_.user;
     request.job = o_.name;
@@ -581,7 +608,48 @@ class JobImpl : public Job {
       workers_.push_back(h);
     }
     WriteRecord();
+    if (reporter_) reporter_->Run();
     return absl::OkStatus();
+  }
+
+  // The job as deepnex-central records it (JobReporter's snapshot): pending
+  // until its containers started.
+  gpu::JobRecord JobNow() {
+    gpu::JobRecord r;
+    r.name = o_.name;
+    r.user = o_.user;
+    r.command = o_.command;
+    r.mode = o_.mode;
+    r.workers = o_.workers;
+    r.ps = o_.ps;
+    for (const auto& a : Allocations()) {
+      r.allocations.push_back(
+          {a.id, a.node, static_cast<int>(a.gpus.size()), a.cpus, a.memory});
+      if (std::find(r.nodes.begin(), r.nodes.end(), a.node) == r.nodes.end()) {
+        r.nodes.push_back(a.node);
+      }
+    }
+    r.state = workers_.empty() ? gpu::JobState::kPending : gpu::JobState::kRunning;
+    for (const auto& h : handles_) {
+      launch::ContainerStatus st = h->Status();
+      const launch::ContainerSpec& spec = h->spec();
+      gpu::JobContainer c;
+      c.name = st.name;
+      c.node = spec.allocation ? spec.allocation->node : ThisHost();
+      auto role = spec.labels.find("deepnex.role");
+      if (role != spec.labels.end()) c.role = role->second;
+      c.state = launch::StateName(st.state);
+      c.restarts = st.restarts;
+      if (st.last_exit) c.last_exit = st.last_exit->ToString();
+      absl::StatusOr<launch::Usage> usage = h->Usage();
+      if (usage.ok()) {
+        c.cpu_seconds = usage->cpu_seconds;
+        c.memory_peak = usage->memory_peak;
+      }
+      r.restarts += st.restarts;
+      r.containers.push_back(std::move(c));
+    }
+    return r;
   }
 
   // job.json for `deepnex top`; best effort (a full /tmp must not fail a
@@ -658,6 +726,7 @@ class JobImpl : public Job {
     // The job's store and parameter servers listen on this host's addresses.
     spec.host_network = true;
     spec.on_restart = [this, who](const launch::RestartEvent& e) {
+      if (reporter_) reporter_->Poke();
       o_.on_event(absl::StrCat(who, " ", e.ToString()));
     };
     DEEPNEX_ASSIGN_OR_RETURN(std::shared_ptr<launch::Handle> h, launcher_->Start(spec));
@@ -743,6 +812,8 @@ class JobImpl : public Job {
   std::vector<std::shared_ptr<launch::Handle>> workers_;
   std::vector<std::thread> log_threads_;
   std::mutex stop_mu_;
+  // With deepnex-central: keeps the job's record there (null without).
+  std::unique_ptr<gpu::JobReporter> reporter_;
 };
 
 }  // namespace

@@ -96,6 +96,9 @@ flags:
                           seconds (default 0: retry forever, backing off from
                           0.5s to 30s). Undelivered events wait in
                           D/notify of --state-dir across restarts
+  --job-history-age S     keep ended jobs' records (`deepnex jobs --all`) for S
+                          seconds (default 2592000: 30 days)
+  --job-history-count N   and at most the N newest of them (default 10000)
   --help                  show this text
 )";
 
@@ -181,6 +184,13 @@ int main(int argc, char** argv) {
       if (!added.ok()) flags.Die("--notify-secret-file: " + std::string(added.message()));
     } else if (flags.Is("--notify-max-age")) {
       notify.max_age = flags.Seconds();
+    } else if (flags.Is("--job-history-age")) {
+      options.job_history.max_age = flags.Seconds();
+    } else if (flags.Is("--job-history-count")) {
+      const std::string flag = flags.flag();
+      const int n = flags.Int();
+      if (n < 0) flags.Die(absl::StrCat(flag, ": ", n, " is below 0"));
+      options.job_history.max_count = n;
     } else {
       flags.Unknown();
     }

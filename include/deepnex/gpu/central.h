@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "deepnex/gpu/allocator.h"
+#include "deepnex/gpu/jobs.h"
 #include "deepnex/gpu/types.h"
 #include "deepnex/status.h"
 
@@ -57,6 +58,11 @@ struct CentralServerOptions {
   std::function<void(const std::string& node, const std::string& state,
                      const std::string& why)>
       on_node_state;
+  // The job store (include/deepnex/gpu/jobs.h): its history is kept in
+  // <allocator.state_dir>/jobs (in memory without a state_dir), pruned so.
+  JobHistoryOptions job_history;
+  // Told each job event (queued, started, ...; see JobObserver). Empty: none.
+  JobObserver on_job_event;
 };
 
 // A running service. Thread-safe; serves until Stop().

@@ -1,0 +1,138 @@
+// deepnex-central's job records: every job that `deepnex run --central` runs
+// registers with central, reports as it runs and ends there, and central
+// keeps the finished ones as history (in its state directory, crash-safe like
+// the allocator's ledger, pruned by age and count).
+//
+// A user sees and cancels their own jobs only (another user's is NotFound, as
+// if it did not exist); an admin sees and cancels anyone's. Cancelling
+// releases the job's allocations, which stops its containers on central, and
+// the job's runner stops the rest at its next report and exits non-zero.
+//
+//   DEEPNEX_ASSIGN_OR_RETURN(auto jobs, gpu::JobsClient::Create({.address = addr}));
+//   JobFilter f;
+//   f.all = true;
+//   DEEPNEX_ASSIGN_OR_RETURN(std::vector<JobRecord> list, jobs->List(f));
+#ifndef DEEPNEX_GPU_JOBS_H_
+#define DEEPNEX_GPU_JOBS_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "deepnex/status.h"
+
+namespace deepnex::gpu {
+
+struct CentralClientOptions;
+
+enum class JobState { kPending, kRunning, kCompleted, kFailed, kCancelled };
+// "pending", "running", "completed", "failed", "cancelled".
+const char* JobStateName(JobState state);
+// InvalidArgument naming `field` and `text` for anything else.
+absl::StatusOr<JobState> ParseJobState(const std::string& text, const char* field);
+// Completed, failed or cancelled: history.
+bool JobEnded(JobState state);
+
+struct JobAllocation {
+  std::string id;
+  std::string node;
+  int gpus = 0;
+  int cpus = 0;
+  uint64_t memory = 0;
+};
+
+// One of a job's containers as its runner last reported it.
+struct JobContainer {
+  std::string name;
+  std::string node;
+  std::string role;   // "worker", "ps"
+  std::string state;  // launch::StateName
+  int restarts = 0;
+  std::string last_exit;
+  double cpu_seconds = 0;    // usage samples; 0: none
+  uint64_t memory_peak = 0;  // bytes
+};
+
+struct JobRecord {
+  std::string name;
+  std::string user;
+  std::vector<std::string> command;
+  std::string mode;
+  int workers = 0;
+  int ps = 0;  // parameter servers
+  std::vector<JobAllocation> allocations;
+  std::vector<std::string> nodes;
+  JobState state = JobState::kPending;
+  // Central's clock; the epoch: not yet.
+  std::chrono::system_clock::time_point submitted{};
+  std::chrono::system_clock::time_point started{};
+  std::chrono::system_clock::time_point ended{};
+  int exit_code = 0;
+  int restarts = 0;  // of all its containers
+  std::vector<JobContainer> containers;
+  std::string message;  // why it ended, when not by itself
+  std::string cancelled_by;
+  // Central sums these when the job is read: elapsed from start to end (or
+  // now), GPU-hours = its allocations' GPUs x elapsed, CPU-hours from the
+  // containers' CPU-time samples where there are any, else its allocations'
+  // cores x elapsed, and the highest memory peak of one container.
+  double elapsed_seconds = 0;
+  double gpu_hours = 0;
+  double cpu_hours = 0;
+  uint64_t peak_memory = 0;
+};
+
+// What a list shows. By default the caller's (admins: everyone's) jobs that
+// have not ended, as squeue; `all`, `since` or an ended `state` add the
+// history, as sacct.
+struct JobFilter {
+  bool all = false;
+  std::string user;   // "": the caller's (admins: everyone's)
+  std::string state;  // "": any; else a JobStateName
+  // Jobs that had not ended by then; the epoch: any.
+  std::chrono::system_clock::time_point since{};
+};
+
+// How much history deepnex-central keeps: ended jobs older than max_age
+// are dropped, and the oldest beyond max_count.
+// Defaults: 30 days, 10000
+struct JobHistoryOptions {
+  std::chrono::milliseconds max_age{std::chrono::hours(24 * 30)};
+  uint64_t max_count = 10000;
+};
+
+// A change of a job's state, as the store records it. kind: "queued",
+// "started", "worker restarted", "completed", "failed" or "cancelled".
+struct JobEvent {
+  std::string kind;
+  JobRecord job;
+};
+// Called by deepnex-central's job store after each event is durable, on the
+// thread of the call that caused it, with no lock held; it must be quick.
+using JobObserver = std::function<void(const JobEvent&)>;
+
+// The Jobs service of deepnex-central. Thread-safe.
+class JobsClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<JobsClient>> Create(const CentralClientOptions& options);
+  virtual ~JobsClient() = default;
+
+  // Ordered by submission time. InvalidArgument for an unknown state;
+  // PermissionDenied for another user's `user` (users).
+  virtual absl::StatusOr<std::vector<JobRecord>> List(const JobFilter& filter) = 0;
+  // NotFound naming `name` for no such job (or another user's).
+  virtual absl::StatusOr<JobRecord> Get(const std::string& name) = 0;
+  // The job as cancelled; FailedPrecondition for one that already ended.
+  virtual absl::StatusOr<JobRecord> Cancel(const std::string& name) = 0;
+  // The runner's registration and updates (state pending or running, then
+  // ended); `run` tells this run of the job from an earlier one of the same
+  // name. Returns the record, whose state is kCancelled once cancelled.
+  virtual absl::StatusOr<JobRecord> Report(const JobRecord& job, const std::string& run) = 0;
+};
+
+}  // namespace deepnex::gpu
+
+#endif  // DEEPNEX_GPU_JOBS_H_

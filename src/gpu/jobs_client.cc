@@ -1,0 +1,204 @@
+// JobsClient (include/deepnex/gpu/jobs.h) and the runner's JobReporter:
+// blocking unary calls to deepnex-central's Jobs service (jobs_store.cc).
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "core/grpc_util.h"
+#include "deepnex/auth.h"
+#include "deepnex/jobs.grpc.pb.h"
+#include "gpu/jobs_reporter.h"
+#include "gpu/jobs_store.h"
+
+namespace deepnex::gpu {
+namespace {
+
+class JobsClientImpl final : public JobsClient {
+ public:
+  JobsClientImpl(const CentralClientOptions& options, std::string token)
+      : options_(options), token_(std::move(token)) {}
+
+  absl::Status Connect() {
+    DEEPNEX_ASSIGN_OR_RETURN(auto credentials, MakeChannelCredentials(options_.tls_ca_file));
+    DEEPNEX_ASSIGN_OR_RETURN(auto channel, Dial("central", options_.address, credentials,
+                                                std::min(options_.timeout, kConnectTimeout)));
+    stub_ = pb::Jobs::NewStub(channel);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::vector<JobRecord>> List(const JobFilter& filter) override {
+    if (!filter.state.empty()) DEEPNEX_RETURN_IF_ERROR(ParseJobState(filter.state, "state").status());
+    pb::JobsRequest req;
+    req.set_all(filter.all);
+    req.set_user(filter.user);
+    req.set_state(filter.state);
+    req.set_since_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                         filter.since.time_since_epoch())
+                         .count());
+    pb::JobList reply;
+    DEEPNEX_RETURN_IF_ERROR(Call([&](auto* ctx) { return stub_->ListJobs(ctx, req, &reply); }));
+    std::vector<JobRecord> out;
+    for (const pb::Job& j : reply.jobs()) {
+      DEEPNEX_ASSIGN_OR_RETURN(JobRecord r, FromProto(j));
+      out.push_back(std::move(r));
+    }
+    return out;
+  }
+
+  absl::StatusOr<JobRecord> Get(const std::string& name) override {
+    pb::JobName req;
+    req.set_name(name);
+    pb::Job reply;
+    DEEPNEX_RETURN_IF_ERROR(Call([&](auto* ctx) { return stub_->GetJob(ctx, req, &reply); }));
+    return FromProto(reply);
+  }
+
+  absl::StatusOr<JobRecord> Cancel(const std::string& name) override {
+    pb::JobName req;
+    req.set_name(name);
+    pb::Job reply;
+    DEEPNEX_RETURN_IF_ERROR(Call([&](auto* ctx) { return stub_->CancelJob(ctx, req, &reply); }));
+    return FromProto(reply);
+  }
+
+  absl::StatusOr<JobRecord> Report(const JobRecord& job, const std::string& run) override {
+    pb::Job req;
+    ToProto(job, &req);
+    req.set_run(run);
+    pb::Job reply;
+    DEEPNEX_RETURN_IF_ERROR(Call([&](auto* ctx) { return stub_->ReportJob(ctx, req, &reply); }));
+    return FromProto(reply);
+  }
+
+ private:
+  template <class Fn>
+  absl::Status Call(Fn fn) {
+    DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("jobs client"));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + options_.timeout);
+    // Rides out a reconnect to a restarted deepnex-central.
+    ctx.set_wait_for_ready(true);
+    if (!token_.empty()) ctx.AddMetadata(kAuthorizationKey, BearerValue(token_));
+    grpc::Status s = fn(&ctx);
+    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+        s.error_message() == "Deadline Exceeded") {
+      return absl::UnavailableError(absl::StrCat("deepnex-central at ", options_.address,
+                                                 " did not answer within ",
+                                                 options_.timeout.count(), "ms"));
+    }
+    return ToAbslStatus(s);
+  }
+
+  const CentralClientOptions options_;
+  const std::string token_;
+  std::unique_ptr<pb::Jobs::Stub> stub_;
+};
+
+std::string RunId() {
+  std::random_device rd;
+  return absl::StrCat(absl::Hex(rd(), absl::kZeroPad8), absl::Hex(rd(), absl::kZeroPad8));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<JobsClient>> JobsClient::Create(
+    const CentralClientOptions& options) {
+  DEEPNEX_ASSIGN_OR_RETURN(std::string token,
+                           ResolveClientToken(options.token, options.token_file));
+  auto client = std::make_unique<JobsClientImpl>(options, std::move(token));
+  DEEPNEX_RETURN_IF_ERROR(client->Connect());
+  return std::unique_ptr<JobsClient>(std::move(client));
+}
+
+JobReporter::JobReporter(std::unique_ptr<JobsClient> client, Snapshot snapshot,
+                         std::chrono::milliseconds every)
+    : client_(std::move(client)), snapshot_(std::move(snapshot)), every_(every), run_(RunId()) {}
+
+JobReporter::~JobReporter() { StopThread(); }
+
+absl::StatusOr<std::unique_ptr<JobReporter>> JobReporter::Register(
+    const CentralClientOptions& options, Snapshot snapshot, std::chrono::milliseconds every) {
+  // A report that hangs on a central that is gone would hold the job up.
+  CentralClientOptions o = options;
+  o.timeout = std::min(o.timeout, std::chrono::milliseconds(5000));
+  DEEPNEX_ASSIGN_OR_RETURN(auto client, JobsClient::Create(o));
+  auto reporter = std::unique_ptr<JobReporter>(
+      new JobReporter(std::move(client), std::move(snapshot), every));
+  DEEPNEX_RETURN_IF_ERROR(reporter->Send(reporter->snapshot_()));
+  return reporter;
+}
+
+absl::Status JobReporter::Send(const JobRecord& job) {
+  DEEPNEX_ASSIGN_OR_RETURN(JobRecord reply, client_->Report(job, run_));
+  if (reply.state == JobState::kCancelled && !cancelled_.load()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancel_message_ = absl::StrCat("job ", job.name, " was cancelled by ", reply.cancelled_by,
+                                   " through deepnex-central");
+    cancelled_.store(true);
+  }
+  return absl::OkStatus();
+}
+
+std::string JobReporter::cancel_message() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cancel_message_;
+}
+
+void JobReporter::Run() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (thread_.joinable() || stopping_) return;
+  poked_ = true;
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void JobReporter::Poke() {
+  std::lock_guard<std::mutex> lock(mu_);
+  poked_ = true;
+  cv_.notify_all();
+}
+
+void JobReporter::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait_for(lock, every_, [this] { return poked_ || stopping_; });
+    if (stopping_) return;
+    poked_ = false;
+    lock.unlock();
+    // Best effort: the next report carries the same and more.
+    Send(snapshot_()).IgnoreError();
+    lock.lock();
+  }
+}
+
+void JobReporter::StopThread() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    cv_.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+absl::Status JobReporter::Finish(JobState state, int exit_code, const std::string& message,
+                                 std::chrono::milliseconds patience) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_) return absl::OkStatus();
+    finished_ = true;
+  }
+  StopThread();
+  JobRecord job = snapshot_();
+  job.state = state;
+  job.exit_code = exit_code;
+  job.message = message;
+  const auto deadline = std::chrono::steady_clock::now() + patience;
+  for (;;) {
+    absl::Status s = Send(job);
+    if (s.ok() || s.code() != absl::StatusCode::kUnavailable ||
+        std::chrono::steady_clock::now() >= deadline) {
+      return s;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
+}  // namespace deepnex::gpu

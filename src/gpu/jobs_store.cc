@@ -1,0 +1,459 @@
+#include "gpu/jobs_store.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/grpc_util.h"
+#include "deepnex/jobs.grpc.pb.h"
+#include "gpu/ledger.h"
+
+namespace deepnex::gpu {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::system_clock;
+
+constexpr size_t kMaxNameLength = 128;
+// Log records (beyond one per job) after which the store snapshots.
+constexpr uint64_t kSnapshotEvery = 1000;
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<milliseconds>(system_clock::now().time_since_epoch()).count();
+}
+
+int64_t MsOf(system_clock::time_point t) {
+  return std::chrono::duration_cast<milliseconds>(t.time_since_epoch()).count();
+}
+
+system_clock::time_point TimeOf(int64_t ms) {
+  return system_clock::time_point(std::chrono::duration_cast<system_clock::duration>(
+      milliseconds(ms)));
+}
+
+bool Ended(const pb::Job& j) {
+  return j.state() == "completed" || j.state() == "failed" || j.state() == "cancelled";
+}
+
+// The sums a reader sees (jobs.h's JobRecord says how), as of `now_ms`.
+pb::Job Filled(pb::Job j, int64_t now_ms) {
+  const int64_t end = j.ended_ms() != 0 ? j.ended_ms() : now_ms;
+  const double elapsed = j.started_ms() != 0 ? std::max<int64_t>(0, end - j.started_ms()) / 1000.0
+                                             : 0.0;
+  double gpus = 0, cpus = 0, cpu_seconds = 0;
+  uint64_t peak = 0;
+  for (const auto& a : j.allocations()) {
+    gpus += a.gpus();
+    cpus += a.cpus();
+  }
+  for (const auto& c : j.containers()) {
+    cpu_seconds += c.cpu_seconds();
+    peak = std::max<uint64_t>(peak, c.memory_peak());
+  }
+  j.set_elapsed_s(elapsed);
+  j.set_gpu_hours(gpus * elapsed / 3600.0);
+  j.set_cpu_hours(cpu_seconds > 0 ? cpu_seconds / 3600.0 : cpus * elapsed / 3600.0);
+  j.set_peak_memory(peak);
+  return j;
+}
+
+JobEvent EventOf(const std::string& kind, const pb::Job& j) {
+  JobEvent e;
+  e.kind = kind;
+  auto record = FromProto(Filled(j, NowMs()));
+  if (record.ok()) e.job = std::move(*record);
+  return e;
+}
+
+bool CanSee(const Identity& who, const pb::Job& j) {
+  return who.Reaches(j.name()) && (who.role == AuthRole::kAdmin || j.user() == who.name);
+}
+
+}  // namespace
+
+const char* JobStateName(JobState state) {
+  switch (state) {
+    case JobState::kPending: return "pending";
+    case JobState::kRunning: return "running";
+    case JobState::kCompleted: return "completed";
+    case JobState::kFailed: return "failed";
+    case JobState::kCancelled: return "cancelled";
+  }
+  return "pending";
+}
+
+absl::StatusOr<JobState> ParseJobState(const std::string& text, const char* field) {
+  for (JobState s : {JobState::kPending, JobState::kRunning, JobState::kCompleted,
+                     JobState::kFailed, JobState::kCancelled}) {
+    if (text == JobStateName(s)) return s;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": \"", text, "\" is not pending, running, completed, failed or cancelled"));
+}
+
+bool JobEnded(JobState state) {
+  return state == JobState::kCompleted || state == JobState::kFailed ||
+         state == JobState::kCancelled;
+}
+
+void ToProto(const JobRecord& job, pb::Job* p) {
+  p->set_name(job.name);
+  p->set_user(job.user);
+  for (const auto& c : job.command) p->add_command(c);
+  p->set_mode(job.mode);
+  p->set_workers(job.workers);
+  p->set_ps(job.ps);
+  for (const auto& a : job.allocations) {
+    pb::JobAllocation* pa = p->add_allocations();
+    pa->set_id(a.id);
+    pa->set_node(a.node);
+    pa->set_gpus(a.gpus);
+    pa->set_cpus(a.cpus);
+    pa->set_memory(a.memory);
+  }
+  for (const auto& n : job.nodes) p->add_nodes(n);
+  p->set_state(JobStateName(job.state));
+  p->set_submitted_ms(MsOf(job.submitted));
+  p->set_started_ms(MsOf(job.started));
+  p->set_ended_ms(MsOf(job.ended));
+  p->set_exit_code(job.exit_code);
+  p->set_restarts(job.restarts);
+  for (const auto& c : job.containers) {
+    pb::JobContainer* pc = p->add_containers();
+    pc->set_name(c.name);
+    pc->set_node(c.node);
+    pc->set_role(c.role);
+    pc->set_state(c.state);
+    pc->set_restarts(c.restarts);
+    pc->set_last_exit(c.last_exit);
+    pc->set_cpu_seconds(c.cpu_seconds);
+    pc->set_memory_peak(c.memory_peak);
+  }
+  p->set_message(job.message);
+  p->set_cancelled_by(job.cancelled_by);
+  p->set_elapsed_s(job.elapsed_seconds);
+  p->set_gpu_hours(job.gpu_hours);
+  p->set_cpu_hours(job.cpu_hours);
+  p->set_peak_memory(job.peak_memory);
+}
+
+absl::StatusOr<JobRecord> FromProto(const pb::Job& p) {
+  JobRecord j;
+  j.name = p.name();
+  j.user = p.user();
+  j.command.assign(p.command().begin(), p.command().end());
+  j.mode = p.mode();
+  j.workers = p.workers();
+  j.ps = p.ps();
+  for (const auto& a : p.allocations()) {
+    j.allocations.push_back({a.id(), a.node(), a.gpus(), a.cpus(), a.memory()});
+  }
+  j.nodes.assign(p.nodes().begin(), p.nodes().end());
+  DEEPNEX_ASSIGN_OR_RETURN(j.state, ParseJobState(p.state(), "state"));
+  j.submitted = TimeOf(p.submitted_ms());
+  j.started = TimeOf(p.started_ms());
+  j.ended = TimeOf(p.ended_ms());
+  j.exit_code = p.exit_code();
+  j.restarts = p.restarts();
+  for (const auto& c : p.containers()) {
+    j.containers.push_back({c.name(), c.node(), c.role(), c.state(), c.restarts(), c.last_exit(),
+                            c.cpu_seconds(), c.memory_peak()});
+  }
+  j.message = p.message();
+  j.cancelled_by = p.cancelled_by();
+  j.elapsed_seconds = p.elapsed_s();
+  j.gpu_hours = p.gpu_hours();
+  j.cpu_hours = p.cpu_hours();
+  j.peak_memory = p.peak_memory();
+  return j;
+}
+
+JobStore::JobStore(JobStoreOptions options, Allocator& allocator)
+    : options_(std::move(options)), allocator_(allocator) {}
+
+JobStore::~JobStore() = default;
+
+absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const JobStoreOptions& options,
+                                                         Allocator& allocator) {
+  auto store = std::unique_ptr<JobStore>(new JobStore(options, allocator));
+  if (!options.dir.empty()) {
+    LedgerOptions lo;
+    lo.fsync = options.fsync;
+    DEEPNEX_ASSIGN_OR_RETURN(
+        store->ledger_,
+        Ledger::Open(options.dir, lo,
+                     [s = store.get()](const std::string& r) { return s->Apply(r); }));
+  }
+  uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lock(store->mu_);
+    store->PruneLocked(NowMs());
+    ticket = store->last_ticket_;
+  }
+  DEEPNEX_RETURN_IF_ERROR(store->Commit(ticket, {}));
+  return store;
+}
+
+absl::Status JobStore::Apply(const std::string& record) {
+  pb::JobRecord r;
+  if (!r.ParseFromString(record)) return absl::DataLossError("job store: a record does not parse");
+  if (r.has_put()) {
+    jobs_[r.put().name()] = r.put();
+  } else {
+    jobs_.erase(r.drop());
+  }
+  return absl::OkStatus();
+}
+
+void JobStore::PutLocked(const pb::Job& job) {
+  jobs_[job.name()] = job;
+  if (!ledger_) return;
+  pb::JobRecord r;
+  *r.mutable_put() = job;
+  last_ticket_ = ledger_->Append(r.SerializeAsString());
+}
+
+void JobStore::PruneLocked(int64_t now_ms) {
+  const int64_t max_age = options_.history.max_age.count();
+  std::vector<std::pair<int64_t, std::string>> ended;  // (ended_ms, name)
+  for (const auto& [name, j] : jobs_) {
+    if (Ended(j)) ended.emplace_back(j.ended_ms(), name);
+  }
+  std::sort(ended.begin(), ended.end());
+  size_t keep_from = ended.size() > options_.history.max_count
+                         ? ended.size() - options_.history.max_count
+                         : 0;
+  for (size_t i = 0; i < ended.size(); ++i) {
+    if (i >= keep_from && ended[i].first >= now_ms - max_age) continue;
+    jobs_.erase(ended[i].second);
+    if (ledger_) {
+      pb::JobRecord r;
+      r.set_drop(ended[i].second);
+      last_ticket_ = ledger_->Append(r.SerializeAsString());
+    }
+  }
+}
+
+void JobStore::SnapshotIfDueLocked() {
+  if (!ledger_ || ledger_->records_since_snapshot() < kSnapshotEvery + jobs_.size()) return;
+  std::vector<std::string> records;
+  for (const auto& [name, j] : jobs_) {
+    pb::JobRecord r;
+    *r.mutable_put() = j;
+    records.push_back(r.SerializeAsString());
+  }
+  // A failed snapshot leaves the log, which still holds everything.
+  absl::Status s = ledger_->Snapshot(records);
+  if (!s.ok()) std::fprintf(stderr, "deepnex-central: job store snapshot: %s\n", s.ToString().c_str());
+}
+
+absl::Status JobStore::Commit(uint64_t ticket, const std::vector<JobEvent>& events) {
+  if (ticket != 0) DEEPNEX_RETURN_IF_ERROR(ledger_->Sync(ticket));
+  if (options_.on_event) {
+    for (const JobEvent& e : events) options_.on_event(e);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<pb::Job*> JobStore::FindLocked(const Identity& who, const std::string& name) {
+  auto it = jobs_.find(name);
+  if (it == jobs_.end() || !CanSee(who, it->second)) {
+    return absl::NotFoundError(absl::StrCat("job \"", name, "\" not found"));
+  }
+  return &it->second;
+}
+
+absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in) {
+  if (in.name().empty() || in.name().size() > kMaxNameLength) {
+    return absl::InvalidArgumentError(absl::StrCat("name: \"", in.name(), "\" is not a job name"));
+  }
+  DEEPNEX_ASSIGN_OR_RETURN(JobState state, ParseJobState(in.state(), "state"));
+  const std::string user = in.user().empty() ? who.name : in.user();
+  if (who.role != AuthRole::kAdmin && user != who.name) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("user ", who.name, " cannot report a job of user ", user));
+  }
+  if (!who.Reaches(in.name())) {
+    return absl::PermissionDeniedError(absl::StrCat("the token of \"", who.name,
+                                                    "\" is for job \"", who.job, "\", not \"",
+                                                    in.name(), "\""));
+  }
+  std::vector<JobEvent> events;
+  uint64_t ticket;
+  pb::Job reply;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t now = NowMs();
+    auto it = jobs_.find(in.name());
+    pb::Job j;
+    if (it != jobs_.end() && it->second.run() == in.run()) {
+      j = it->second;
+    } else if (it != jobs_.end() && !(Ended(it->second) && it->second.user() == user)) {
+      // Names are central-wide: allocations carry only the job's name.
+      return absl::AlreadyExistsError(absl::StrCat(
+          "job \"", in.name(), "\" exists: a job of that name ",
+          Ended(it->second) ? "was run by another user" : "is running", "; choose another name"));
+    } else {
+      // New, or a new run of the caller's ended job, which replaces it.
+      j.set_name(in.name());
+      j.set_user(user);
+      j.set_run(in.run());
+      j.set_state("pending");
+      j.set_submitted_ms(now);
+      events.push_back(EventOf("queued", j));
+    }
+    const int restarts_before = j.restarts();
+    // What the runner knows; central keeps the state, times and who cancelled.
+    *j.mutable_command() = in.command();
+    j.set_mode(in.mode());
+    j.set_workers(in.workers());
+    j.set_ps(in.ps());
+    *j.mutable_allocations() = in.allocations();
+    *j.mutable_nodes() = in.nodes();
+    *j.mutable_containers() = in.containers();
+    j.set_restarts(in.restarts());
+    if (j.state() == "cancelled") {
+      if (JobEnded(state)) j.set_exit_code(in.exit_code());
+    } else if (!Ended(j)) {
+      if (state != JobState::kPending && j.started_ms() == 0) {
+        j.set_started_ms(now);
+        j.set_state("running");
+        events.push_back(EventOf("started", j));
+      }
+      if (j.restarts() > restarts_before) events.push_back(EventOf("worker restarted", j));
+      if (JobEnded(state)) {
+        j.set_state(JobStateName(state));
+        j.set_ended_ms(now);
+        j.set_exit_code(in.exit_code());
+        j.set_message(in.message());
+        events.push_back(EventOf(j.state(), j));
+      }
+    }
+    PutLocked(j);
+    reply = Filled(j, now);
+    if (Ended(j)) PruneLocked(now);
+    ticket = last_ticket_;
+    SnapshotIfDueLocked();
+  }
+  DEEPNEX_RETURN_IF_ERROR(Commit(ticket, events));
+  return reply;
+}
+
+absl::StatusOr<std::vector<pb::Job>> JobStore::List(const Identity& who,
+                                                    const pb::JobsRequest& req) {
+  std::string user = req.user();
+  if (who.role != AuthRole::kAdmin) {
+    if (!user.empty() && user != who.name) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("user ", who.name, " cannot list the jobs of ", user));
+    }
+    user = who.name;
+  }
+  if (!req.state().empty()) DEEPNEX_RETURN_IF_ERROR(ParseJobState(req.state(), "state").status());
+  std::vector<pb::Job> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t now = NowMs();
+  for (const auto& [name, j] : jobs_) {
+    if (!CanSee(who, j) || (!user.empty() && j.user() != user)) continue;
+    if (!req.state().empty()) {
+      if (j.state() != req.state()) continue;
+    } else if (!req.all() && req.since_ms() == 0 && Ended(j)) {
+      continue;
+    }
+    if (req.since_ms() != 0 && j.ended_ms() != 0 && j.ended_ms() < req.since_ms()) continue;
+    out.push_back(Filled(j, now));
+  }
+  std::sort(out.begin(), out.end(), [](const pb::Job& a, const pb::Job& b) {
+    return std::make_pair(a.submitted_ms(), a.name()) < std::make_pair(b.submitted_ms(), b.name());
+  });
+  return out;
+}
+
+absl::StatusOr<pb::Job> JobStore::Get(const Identity& who, const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DEEPNEX_ASSIGN_OR_RETURN(pb::Job * j, FindLocked(who, name));
+  return Filled(*j, NowMs());
+}
+
+absl::StatusOr<pb::Job> JobStore::Cancel(const Identity& who, const std::string& name) {
+  pb::Job j;
+  uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    DEEPNEX_ASSIGN_OR_RETURN(pb::Job * found, FindLocked(who, name));
+    if (Ended(*found)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job \"", name, "\" already ended: ", found->state()));
+    }
+    j = *found;
+    const int64_t now = NowMs();
+    j.set_state("cancelled");
+    j.set_ended_ms(now);
+    j.set_cancelled_by(who.name);
+    j.set_message(absl::StrCat("cancelled by ", who.name));
+    PutLocked(j);
+    PruneLocked(now);
+    ticket = last_ticket_;
+    SnapshotIfDueLocked();
+  }
+  DEEPNEX_RETURN_IF_ERROR(Commit(ticket, {EventOf("cancelled", j)}));
+  // Central's launcher stops the containers on these within a second; the
+  // runner stops its own at its next report.
+  for (const Allocation& a : allocator_.Allocations(j.user())) {
+    if (a.job == name) allocator_.Release(a.id).IgnoreError();
+  }
+  return Filled(j, NowMs());
+}
+
+namespace {
+
+class JobsService final : public pb::Jobs::CallbackService {
+ public:
+  JobsService(JobStore& store, const TokenTable& tokens) : store_(store), tokens_(tokens) {}
+
+  grpc::ServerUnaryReactor* ReportJob(grpc::CallbackServerContext* ctx, const pb::Job* req,
+                                      pb::Job* reply) override {
+    return Answer(ctx, [&](const Identity& who) { return store_.Report(who, *req); }, reply);
+  }
+  grpc::ServerUnaryReactor* GetJob(grpc::CallbackServerContext* ctx, const pb::JobName* req,
+                                   pb::Job* reply) override {
+    return Answer(ctx, [&](const Identity& who) { return store_.Get(who, req->name()); }, reply);
+  }
+  grpc::ServerUnaryReactor* CancelJob(grpc::CallbackServerContext* ctx, const pb::JobName* req,
+                                      pb::Job* reply) override {
+    return Answer(ctx, [&](const Identity& who) { return store_.Cancel(who, req->name()); },
+                  reply);
+  }
+  grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* ctx,
+                                     const pb::JobsRequest* req, pb::JobList* reply) override {
+    auto who = AuthenticateCall(tokens_, *ctx);
+    if (!who.ok()) return Reply(ctx, who.status());
+    auto jobs = store_.List(*who, *req);
+    if (jobs.ok()) {
+      for (auto& j : *jobs) *reply->add_jobs() = std::move(j);
+    }
+    return Reply(ctx, jobs.status());
+  }
+
+ private:
+  template <class Fn>
+  grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* ctx, Fn fn, pb::Job* reply) {
+    auto who = AuthenticateCall(tokens_, *ctx);
+    if (!who.ok()) return Reply(ctx, who.status());
+    absl::StatusOr<pb::Job> job = fn(*who);
+    if (job.ok()) *reply = std::move(*job);
+    return Reply(ctx, job.status());
+  }
+
+  JobStore& store_;
+  const TokenTable& tokens_;
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::Service> JobStore::MakeService(const TokenTable& tokens) {
+  return std::make_unique<JobsService>(*this, tokens);
+}
+
+}  // namespace deepnex::gpu

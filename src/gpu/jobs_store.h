@@ -1,0 +1,90 @@
+// deepnex-central's job store and its Jobs service (include/deepnex/gpu/jobs.h).
+// Private to libdeepnex.
+//
+// It lives in gpu, beside the allocator, because deepnex-central's gpu
+// server serves it: it shares the server's token table, releases a
+// cancelled job's allocations through the allocator, and keeps its history
+// in a Ledger (ledger.h) in the allocator's state directory; a part above
+// gpu could reach none of them without gpu depending on it.
+//
+// Records: each change of a job is a ledger record holding the whole job
+// (JobRecord.put), and a job pruned from the history a JobRecord.drop; a
+// snapshot holds every job, so the log stays short.
+#ifndef DEEPNEX_GPU_JOBS_STORE_H_
+#define DEEPNEX_GPU_JOBS_STORE_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "deepnex/auth.h"
+#include "deepnex/gpu/allocator.h"
+#include "deepnex/gpu/jobs.h"
+#include "deepnex/jobs.pb.h"
+#include "deepnex/status.h"
+
+namespace deepnex::gpu {
+
+class Ledger;
+
+namespace pb = ::deepnex::gpu::proto;
+
+// The wire form, both ways (the client's too).
+void ToProto(const JobRecord& job, pb::Job* p);
+absl::StatusOr<JobRecord> FromProto(const pb::Job& p);
+
+struct JobStoreOptions {
+  // Where the history lives (a Ledger directory); empty: in memory only.
+  std::string dir;
+  bool fsync = true;
+  JobHistoryOptions history;
+  JobObserver on_event;
+};
+
+// Thread-safe. Each call acts as `who`: a user on their own jobs, an admin
+// on anyone's, a job's token on that job only.
+class JobStore {
+ public:
+  // Replays `options.dir`, then prunes the history. `allocator` outlives
+  // the store.
+  static absl::StatusOr<std::unique_ptr<JobStore>> Open(const JobStoreOptions& options,
+                                                        Allocator& allocator);
+  ~JobStore();
+
+  absl::StatusOr<pb::Job> Report(const Identity& who, const pb::Job& job);
+  absl::StatusOr<std::vector<pb::Job>> List(const Identity& who, const pb::JobsRequest& req);
+  absl::StatusOr<pb::Job> Get(const Identity& who, const std::string& name);
+  absl::StatusOr<pb::Job> Cancel(const Identity& who, const std::string& name);
+
+  // Serves the store behind `tokens`, which outlive it.
+  std::unique_ptr<grpc::Service> MakeService(const TokenTable& tokens);
+
+ private:
+  JobStore(JobStoreOptions options, Allocator& allocator);
+  absl::Status Apply(const std::string& record);
+  // Under mu_: records `job` (and the drops of Prune) in the ledger, setting
+  // last_ticket_.
+  void PutLocked(const pb::Job& job);
+  void PruneLocked(int64_t now_ms);
+  void SnapshotIfDueLocked();
+  // Makes record `ticket` durable, then tells the observer `events`.
+  absl::Status Commit(uint64_t ticket, const std::vector<JobEvent>& events);
+  // The job `name` if `who` may see it, else NotFound.
+  absl::StatusOr<pb::Job*> FindLocked(const Identity& who, const std::string& name);
+
+  const JobStoreOptions options_;
+  Allocator& allocator_;
+  std::unique_ptr<Ledger> ledger_;  // null: in memory
+  std::mutex mu_;
+  std::map<std::string, pb::Job> jobs_;  // by name
+  // The ledger's ticket of the last record appended; 0: none (or no ledger).
+  uint64_t last_ticket_ = 0;
+};
+
+}  // namespace deepnex::gpu
+
+#endif  // DEEPNEX_GPU_JOBS_STORE_H_
