@@ -2,6 +2,7 @@
 #include <limits.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -250,6 +251,23 @@ int main(int argc, char** argv) {
     event.kind = "node." + state;
     event.node = node;
     event.data = {{"reason", why}};
+    absl::Status s = n->Publish(std::move(event));
+    if (!s.ok()) std::cerr << "deepnex-central: " << s.message() << "\n";
+  };
+  options.on_job_event = [n = notifier->get()](const deepnex::gpu::JobEvent& e) {
+    deepnex::notify::Event event;
+    event.kind = "job." + e.kind;  // "worker restarted": job.worker_restarted
+    std::replace(event.kind.begin(), event.kind.end(), ' ', '_');
+    event.user = e.job.user;
+    event.job = e.job.name;
+    event.urls = e.job.notify;
+    event.data = {{"state", deepnex::gpu::JobStateName(e.job.state)},
+                  {"nodes", e.job.nodes},
+                  {"workers", e.job.workers},
+                  {"restarts", e.job.restarts},
+                  {"exit_code", e.job.exit_code},
+                  {"message", e.job.message},
+                  {"cancelled_by", e.job.cancelled_by}};
     absl::Status s = n->Publish(std::move(event));
     if (!s.ok()) std::cerr << "deepnex-central: " << s.message() << "\n";
   };

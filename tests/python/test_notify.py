@@ -1,23 +1,26 @@
 """deepnex-central's webhook notifications, end to end: a receiver in the
-test (http.server on 127.0.0.1) gets node events as agents go NotReady and
-come back, signed with the admin's secret, and none is lost across a
-central kill -9 while the receiver is down. Bad --notify values are named."""
+test (http.server on 127.0.0.1) gets a job's events at its `deepnex run
+--notify URL` and its user's default URL, in order and signed with the
+user's secret; node events as agents go NotReady and come back, signed with
+the admin's; and none is lost across a central kill -9 while the receiver is
+down. Bad --notify values are named."""
 
 import hashlib
 import hmac
 import http.server
 import json
 import os
+import socket
 import subprocess
 import threading
 
 import pytest
 
-from _central import BUILD_DIR, CENTRAL_BIN, TOKENS, stop_central
+import _central
+from _central import CENTRAL_BIN, TOKENS, stop_central
 from _wait import wait_for
+from test_agent import AGENT_BIN, NODE_TOKENS, Agents
 
-AGENT_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-agent")
-NODE_TOKENS = "h1tok h1 node\nh2tok h2 node\n"
 SECRETS = "admin adminsecret\nalice alicesecret\n"
 
 
@@ -110,28 +113,6 @@ class Central:
         self.proc.stderr.close()
 
 
-class Agents:
-    def __init__(self, tmp_path):
-        self.tmp_path, self.procs = tmp_path, []
-
-    def start(self, central, node):
-        p = subprocess.Popen([AGENT_BIN, "--central", central.address, "--node", node,
-                              "--token", f"{node}tok", "--gpus", "1x16GiB", "--cpus", "2",
-                              "--memory", "4GiB", "--state-dir", str(self.tmp_path / node)],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.procs.append(p)
-        assert p.stdout.readline() == (f"deepnex-agent: node {node} registered with "
-                                       f"{central.address}\n")
-        return p
-
-    def close(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            p.stdout.close()
-
-
 @pytest.fixture
 def receiver():
     r = Receiver()
@@ -141,13 +122,65 @@ def receiver():
 
 @pytest.fixture
 def agents(tmp_path):
-    a = Agents(tmp_path)
+    """test_agent's Agents; start(central, node) waits for its registration."""
+    a = Agents(tmp_path, None)
+    plain_start = a.start
+
+    def start(central, node):
+        a.central = central.address
+        p = plain_start(node, f"{node}tok")
+        assert p.stdout.readline() == (f"deepnex-agent: node {node} registered with "
+                                       f"{central.address}\n")
+        return p
+
+    a.start = start
     yield a
     a.close()
 
 
 def node_events(receiver, node):
     return [(e["kind"], e) for _, _, e in receiver.events() if e["node"] == node]
+
+
+def test_job_events_reach_the_jobs_and_its_users_urls_in_order(tmp_path, receiver):
+    from test_job import RunningJob
+    defaults = Receiver()
+    secrets = tmp_path / "secrets"
+    secrets.write_text(SECRETS)
+    proc, address = _central.start_central(
+        tmp_path, "--state-dir", str(tmp_path / "state"), "--notify", f"alice={defaults.url}",
+        "--notify-secret-file", str(secrets), cpus=8, memory="16GiB", node=socket.gethostname())
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_TOKEN"}
+        env.update(DEEPNEX_CENTRAL=address, DEEPNEX_TOKEN="alicetok")
+        j = RunningJob(tmp_path, ["--mode", "allreduce", "--memory", "64MiB",
+                                  "--restart", "on-failure:1", "--notify", receiver.url],
+                       ["sh", "-c", "exit 3"], env=env)
+        assert j.wait(120) != 0, j.output()
+        kinds = ["job.queued", "job.started", "job.worker_restarted", "job.failed"]
+        for r in (receiver, defaults):
+            wait_for(lambda: len(r.events()) == len(kinds), "the job's 4 events", timeout=30)
+            assert [e["kind"] for _, _, e in r.events()] == kinds
+            for headers, body, event in r.events():
+                assert headers["X-Deepnex-Signature"] == signature("alicesecret", body)
+                assert headers["X-Deepnex-Signature"] != signature("adminsecret", body)
+                assert (event["user"], event["job"]) == ("alice", j.name)
+            failed = r.events()[-1][2]["data"]
+            assert (failed["state"], failed["exit_code"], failed["restarts"]) == ("failed", 3, 1)
+        # One event, one id, the same at both URLs.
+        assert [e["id"] for _, _, e in receiver.events()] == \
+            [e["id"] for _, _, e in defaults.events()]
+    finally:
+        stop_central(proc)
+        defaults.close()
+
+
+def test_a_bad_notify_url_of_a_job_is_named(tmp_path):
+    from test_job import RunningJob
+    j = RunningJob(tmp_path, ["--central", "127.0.0.1:1", "--memory", "64MiB",
+                              "--notify", "ftp://x/y"], ["true"])
+    assert j.wait(60) == 2, j.output()
+    assert 'notify: URL "ftp://x/y" is not http://HOST[:PORT][/PATH]' in j.output()
 
 
 def test_node_events_reach_admins_signed(tmp_path, receiver, agents):
