@@ -48,14 +48,7 @@ struct Request {
 class Receiver {
  public:
   explicit Receiver(bool listen = true) {
-    fd_ = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    socklen_t len = sizeof(addr);
-    getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-    port_ = ntohs(addr.sin_port);
+    fd_ = test::BindLoopback(&port_);
     if (listen) Listen();
   }
   ~Receiver() {
@@ -94,14 +87,9 @@ class Receiver {
   }
 
   void Handle(int c) {
-    std::string data;
-    char buf[4096];
     size_t header_end;
-    while ((header_end = data.find("\r\n\r\n")) == std::string::npos) {
-      ssize_t n = recv(c, buf, sizeof(buf), 0);
-      if (n <= 0) return;
-      data.append(buf, n);
-    }
+    const std::string data = test::ReadHttpRequest(c, &header_end);
+    if (header_end == std::string::npos) return;
     Request r;
     std::vector<std::string> lines = absl::StrSplit(data.substr(0, header_end), "\r\n");
     for (size_t i = 1; i < lines.size(); ++i) {
@@ -112,11 +100,6 @@ class Receiver {
     }
     size_t length = 0;
     EXPECT_TRUE(absl::SimpleAtoi(r.headers["content-length"], &length)) << data;
-    while (data.size() < header_end + 4 + length) {
-      ssize_t n = recv(c, buf, sizeof(buf), 0);
-      if (n <= 0) return;
-      data.append(buf, n);
-    }
     r.body = data.substr(header_end + 4, length);
     r.event = nlohmann::json::parse(r.body, nullptr, false);
     int status;
