@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     from deepnex import _cli_job  # run, top
 
     _cli_job.add_commands(commands)
+    from deepnex import _cli_jobs  # jobs, job show / cancel
+
+    _cli_jobs.add_commands(commands)
     return parser
 
 

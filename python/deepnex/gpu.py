@@ -337,6 +337,8 @@ class CentralClient:
         self._a = _C.gpu.CentralClient(o)
         # The launcher's calls (the Containers service on the same address).
         self._c = _C.launch.CentralClient(o)
+        # The job records (the Jobs service on the same address).
+        self._j = _C.jobs.JobsClient(o)
 
     add_node = Allocator.add_node
     remove_node = Allocator.remove_node
@@ -419,3 +421,37 @@ class CentralClient:
                 return
             if not data:
                 time.sleep(poll)
+
+    # ---- jobs: the records of `deepnex run --central` jobs, and their history
+    #
+    # Jobs are dicts: name, user, command, mode, workers, ps, allocations,
+    # nodes, state (pending, running, completed, failed, cancelled),
+    # submitted_ms / started_ms / ended_ms (central's clock, ms since the
+    # epoch; 0: not yet), exit_code, restarts, containers (name, node, role,
+    # state, restarts, last_exit, cpu_seconds, memory_peak), message,
+    # cancelled_by, elapsed (seconds), gpu_hours, cpu_hours, peak_memory
+    # (bytes). Users see their own; another user's job is NotFoundError.
+
+    def jobs(self, all=False, user=None, state=None, since=None) -> List[dict]:
+        """Jobs that have not ended, as squeue; with `all`, `since` (a
+        datetime or seconds since the epoch: jobs not ended before then) or
+        an ended `state`, the history too, as sacct. Admins see everyone's
+        unless `user` filters."""
+        import datetime
+        if isinstance(since, datetime.datetime):
+            since = since.timestamp()
+        if since is not None and not (isinstance(since, (int, float)) and since > 0):
+            raise InvalidArgumentError(
+                f"since: {since!r} is not a datetime or positive seconds since the epoch")
+        return self._j.list(bool(all), user or "", state or "",
+                            int(since * 1000) if since is not None else 0)
+
+    def job(self, name) -> dict:
+        """One job, with its containers per node."""
+        return self._j.get(name)
+
+    def cancel_job(self, name) -> dict:
+        """Cancels a job that has not ended: central releases its
+        allocations (stopping its containers there) and its runner stops the
+        rest and exits non-zero. FailedPreconditionError once it ended."""
+        return self._j.cancel(name)

@@ -34,6 +34,7 @@ void RegisterGpu(py::module_& m);
 void RegisterData(py::module_& m);
 void RegisterLaunch(py::module_& m);
 void RegisterJob(py::module_& m);
+void RegisterJobs(py::module_& m);
 
 // The holder of a bound object whose destructor blocks on threads that may
 // call into Python (a launcher's supervisors, a job's log pumps): the GIL is

@@ -16,4 +16,5 @@ PYBIND11_MODULE(_C, m) {
   deepnex::python::RegisterData(m);
   deepnex::python::RegisterLaunch(m);
   deepnex::python::RegisterJob(m);
+  deepnex::python::RegisterJobs(m);
 }

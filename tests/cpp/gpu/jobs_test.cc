@@ -1,0 +1,247 @@
+// deepnex-central's job records (include/deepnex/gpu/jobs.h) through an
+// in-process server: registration and updates, who sees and cancels what,
+// the observer's events, history across a restart, and retention.
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "deepnex/gpu/central.h"
+#include "deepnex/gpu/jobs.h"
+#include "gmock/gmock.h"
+#include "gpu/gpu_test_util.h"
+#include "gtest/gtest.h"
+#include "test_matchers.h"
+#include "test_util.h"
+
+namespace deepnex::gpu {
+namespace {
+
+using ::deepnex::test::StatusIs;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::UnorderedElementsAre;
+using namespace std::chrono_literals;
+
+class JobsTest : public ::deepnex::test::CentralFixture {
+ protected:
+  void Start(JobHistoryOptions history = {}) {
+    CentralServerOptions o = ServerOptions();
+    o.allocator.state_dir = dir_.path() + "/state";
+    o.allocator.fsync = false;
+    o.job_history = history;
+    o.on_job_event = [this](const JobEvent& e) {
+      std::lock_guard<std::mutex> lock(mu_);
+      events_.push_back(e.kind + " " + e.job.name);
+    };
+    server_.reset();
+    auto server = CentralServer::Create(o);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    if (!server_->allocator().GetNode("n1").ok()) {
+      ASSERT_OK(server_->allocator().AddNode(test::MakeNode("n1", 2)));
+    }
+  }
+
+  std::unique_ptr<JobsClient> Jobs(const std::string& token) {
+    auto c = JobsClient::Create(ClientOptions(token));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return std::move(c).value();
+  }
+
+  static JobRecord Job(const std::string& name, JobState state,
+                       std::vector<JobAllocation> allocations = {}) {
+    JobRecord j;
+    j.name = name;
+    j.command = {"python3", "train.py"};
+    j.mode = "allreduce";
+    j.workers = static_cast<int>(allocations.size());
+    j.state = state;
+    for (const auto& a : allocations) j.nodes = {a.node};
+    j.allocations = std::move(allocations);
+    return j;
+  }
+
+  std::vector<std::string> Names(JobsClient& c, const JobFilter& f) {
+    std::vector<std::string> out;
+    auto jobs = c.List(f);
+    EXPECT_TRUE(jobs.ok()) << jobs.status();
+    if (jobs.ok()) {
+      for (const auto& j : *jobs) out.push_back(j.name);
+    }
+    return out;
+  }
+
+  std::vector<std::string> events() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return events_;
+  }
+
+  std::mutex mu_;
+  std::vector<std::string> events_;
+};
+
+JobFilter All() {
+  JobFilter f;
+  f.all = true;
+  return f;
+}
+
+TEST_F(JobsTest, ARunnersReportsMakeTheRecordAndItsEvents) {
+  Start();
+  auto alice = Jobs("alicetok");
+  ASSERT_OK_AND_ASSIGN(JobRecord pending, alice->Report(Job("j1", JobState::kPending), "r1"));
+  EXPECT_EQ(pending.user, "alice");  // the token's
+  EXPECT_EQ(pending.state, JobState::kPending);
+  EXPECT_EQ(pending.started, std::chrono::system_clock::time_point{});
+  JobRecord running = Job("j1", JobState::kRunning,
+                          {{"a1", "n1", 1, 2, 0}, {"a2", "n1", 1, 2, 0}});
+  ASSERT_OK_AND_ASSIGN(JobRecord got, alice->Report(running, "r1"));
+  EXPECT_EQ(got.state, JobState::kRunning);
+  EXPECT_THAT(got.nodes, ElementsAre("n1"));
+  running.restarts = 1;
+  ASSERT_OK(alice->Report(running, "r1").status());
+  running.state = JobState::kCompleted;
+  running.exit_code = 0;
+  ASSERT_OK_AND_ASSIGN(JobRecord done, alice->Report(running, "r1"));
+  EXPECT_EQ(done.state, JobState::kCompleted);
+  // GPU-hours: the allocations' 2 GPUs over the recorded run, exactly.
+  const double elapsed =
+      std::chrono::duration_cast<std::chrono::milliseconds>(done.ended - done.started).count() /
+      1000.0;
+  EXPECT_EQ(done.elapsed_seconds, elapsed);
+  EXPECT_EQ(done.gpu_hours, 2 * elapsed / 3600.0);
+  EXPECT_EQ(done.cpu_hours, 4 * elapsed / 3600.0);  // no usage samples: cores x time
+  EXPECT_THAT(events(), ElementsAre("queued j1", "started j1", "worker restarted j1",
+                                    "completed j1"));
+  // Ended: history only.
+  EXPECT_THAT(Names(*alice, {}), ElementsAre());
+  EXPECT_THAT(Names(*alice, All()), ElementsAre("j1"));
+  JobFilter completed;
+  completed.state = "completed";
+  EXPECT_THAT(Names(*alice, completed), ElementsAre("j1"));
+}
+
+TEST_F(JobsTest, UsersSeeAndCancelTheirOwnAdminsAnyones) {
+  Start();
+  auto alice = Jobs("alicetok");
+  auto bob = Jobs("bobtok");
+  auto admin = Jobs("admintok");
+  auto grants = Client("alicetok");
+  Request r = test::Exclusive("alice", 1, 1);
+  r.job = "j1";
+  ASSERT_OK_AND_ASSIGN(Allocation a, grants->Allocate(r));
+  ASSERT_OK(alice->Report(Job("j1", JobState::kRunning, {{a.id, a.node, 1, 1, 0}}), "r1")
+                .status());
+  EXPECT_THAT(Names(*bob, All()), ElementsAre());
+  EXPECT_THAT(bob->Get("j1"), StatusIs(absl::StatusCode::kNotFound, "job \"j1\" not found"));
+  EXPECT_THAT(bob->Cancel("j1"), StatusIs(absl::StatusCode::kNotFound, "job \"j1\" not found"));
+  JobFilter alices;
+  alices.user = "alice";
+  EXPECT_THAT(bob->List(alices), StatusIs(absl::StatusCode::kPermissionDenied,
+                                          "user bob cannot list the jobs of alice"));
+  EXPECT_THAT(Names(*admin, {}), ElementsAre("j1"));
+  // A name is central's: bob cannot take alice's.
+  EXPECT_THAT(bob->Report(Job("j1", JobState::kPending), "r2"),
+              StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("job \"j1\" exists")));
+
+  ASSERT_OK_AND_ASSIGN(JobRecord cancelled, alice->Cancel("j1"));
+  EXPECT_EQ(cancelled.state, JobState::kCancelled);
+  EXPECT_EQ(cancelled.cancelled_by, "alice");
+  ASSERT_OK_AND_ASSIGN(auto left, grants->Allocations());
+  EXPECT_TRUE(left.empty());  // released
+  // The runner's next report hears it, and its end keeps the state.
+  ASSERT_OK_AND_ASSIGN(JobRecord heard, alice->Report(Job("j1", JobState::kRunning), "r1"));
+  EXPECT_EQ(heard.state, JobState::kCancelled);
+  JobRecord end = Job("j1", JobState::kFailed);
+  end.exit_code = 1;
+  ASSERT_OK_AND_ASSIGN(JobRecord ended, alice->Report(end, "r1"));
+  EXPECT_EQ(ended.state, JobState::kCancelled);
+  EXPECT_EQ(ended.exit_code, 1);
+  EXPECT_THAT(alice->Cancel("j1"), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                            "job \"j1\" already ended: cancelled"));
+  EXPECT_THAT(events(), ElementsAre("queued j1", "started j1", "cancelled j1"));
+}
+
+TEST_F(JobsTest, BadInputIsNamed) {
+  Start();
+  auto alice = Jobs("alicetok");
+  JobFilter f;
+  f.state = "done";
+  EXPECT_THAT(alice->List(f),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "state: \"done\" is not pending, running, completed, failed or cancelled"));
+  JobRecord other = Job("j2", JobState::kPending);
+  other.user = "bob";
+  EXPECT_THAT(alice->Report(other, "r1"),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       "user alice cannot report a job of user bob"));
+  EXPECT_THAT(alice->Get("nosuch"),
+              StatusIs(absl::StatusCode::kNotFound, "job \"nosuch\" not found"));
+}
+
+TEST_F(JobsTest, HistoryOutlivesARestart) {
+  Start();
+  {
+    auto alice = Jobs("alicetok");
+    JobRecord j = Job("j1", JobState::kRunning, {{"a1", "n1", 1, 1, 0}});
+    ASSERT_OK(alice->Report(j, "r1").status());
+    j.state = JobState::kFailed;
+    j.exit_code = 3;
+    ASSERT_OK(alice->Report(j, "r1").status());
+    ASSERT_OK(alice->Report(Job("j2", JobState::kRunning), "r2").status());
+  }
+  ASSERT_OK_AND_ASSIGN(JobRecord before, Jobs("alicetok")->Get("j1"));
+  Start();  // the same state directory
+  auto alice = Jobs("alicetok");
+  ASSERT_OK_AND_ASSIGN(JobRecord after, alice->Get("j1"));
+  EXPECT_EQ(after.state, JobState::kFailed);
+  EXPECT_EQ(after.exit_code, 3);
+  EXPECT_EQ(after.started, before.started);
+  EXPECT_EQ(after.ended, before.ended);
+  EXPECT_EQ(after.gpu_hours, before.gpu_hours);
+  EXPECT_THAT(Names(*alice, {}), ElementsAre("j2"));  // still running
+  EXPECT_THAT(Names(*alice, All()), ElementsAre("j1", "j2"));
+}
+
+TEST_F(JobsTest, RetentionDropsTheOldestByCountAndByAge) {
+  JobHistoryOptions history;
+  history.max_count = 2;
+  Start(history);
+  auto alice = Jobs("alicetok");
+  for (const char* name : {"a", "b", "c"}) {
+    ASSERT_OK(alice->Report(Job(name, JobState::kRunning), "r").status());
+    ASSERT_OK(alice->Report(Job(name, JobState::kCompleted), "r").status());
+  }
+  EXPECT_THAT(Names(*alice, All()), ElementsAre("b", "c"));
+  Start(history);  // the drop is in the ledger too
+  EXPECT_THAT(Names(*Jobs("alicetok"), All()), ElementsAre("b", "c"));
+
+  history.max_age = 200ms;
+  Start(history);  // b and c are older than that by now, or will be
+  alice = Jobs("alicetok");
+  ASSERT_OK(alice->Report(Job("d", JobState::kCompleted), "r").status());
+  ASSERT_OK_AND_ASSIGN(JobRecord d, alice->Get("d"));
+  ASSERT_TRUE(::deepnex::test::WaitFor([&] { return std::chrono::system_clock::now() > d.ended + 200ms; },
+                            5s, "d to be older than 200 ms"));
+  ASSERT_OK(alice->Report(Job("e", JobState::kCompleted), "r").status());
+  EXPECT_THAT(Names(*alice, All()), ElementsAre("e"));
+}
+
+TEST_F(JobsTest, SinceKeepsJobsNotEndedBeforeIt) {
+  Start();
+  auto alice = Jobs("alicetok");
+  ASSERT_OK(alice->Report(Job("old", JobState::kCompleted), "r").status());
+  ASSERT_OK_AND_ASSIGN(JobRecord old, alice->Get("old"));
+  ASSERT_TRUE(::deepnex::test::WaitFor([&] { return std::chrono::system_clock::now() > old.ended + 5ms; },
+                            5s, "the clock to pass old's end"));
+  JobFilter f;
+  f.since = old.ended + 1ms;
+  ASSERT_OK(alice->Report(Job("new", JobState::kCompleted), "r").status());
+  ASSERT_OK(alice->Report(Job("live", JobState::kRunning), "r").status());
+  EXPECT_THAT(Names(*alice, f), UnorderedElementsAre("new", "live"));
+}
+
+}  // namespace
+}  // namespace deepnex::gpu

@@ -1,0 +1,220 @@
+"""deepnex-central's job records: `deepnex run --central` registers its job,
+`deepnex jobs` / `deepnex job show` / `deepnex job cancel` read and stop it,
+and the history outlives a kill -9 of central and is pruned by count.
+
+Jobs run as `python3 -m deepnex run` subprocesses (test_job's RunningJob) on
+this host's node of a deepnex-central on 127.0.0.1, process backend.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+
+import pytest
+
+import deepnex
+from _central import CENTRAL_BIN, run_cli, start_central, stop_central
+from _wait import wait_for
+from test_job import RunningJob
+
+HOST = socket.gethostname()
+
+
+@pytest.fixture
+def central(tmp_path):
+    """Start deepnex-central (state in tmp_path/state) on this host's node;
+    each call returns its address. Stopped, and the jobs killed, at the end."""
+    procs, jobs = [], []
+
+    def start(*extra):
+        proc, address = start_central(tmp_path, "--state-dir", str(tmp_path / "state"), *extra,
+                                      cpus=8, memory="16GiB", node=HOST)
+        procs.append(proc)
+        return address
+
+    def run(address, args, command, token="alicetok"):
+        env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_TOKEN"}
+        env.update(DEEPNEX_CENTRAL=address, DEEPNEX_TOKEN=token)
+        j = RunningJob(tmp_path, ["--mode", "allreduce", "--memory", "64MiB"] + args, command,
+                       env=env)
+        jobs.append(j)
+        return j
+
+    start.run = run
+    start.procs = procs
+    yield start
+    for j in jobs:
+        if j.proc.poll() is None:
+            j.proc.kill()
+            j.proc.wait()
+        with deepnex.launch.Launcher("process") as sweeper:
+            sweeper.cleanup(j.name)
+    for proc in procs:
+        if proc.poll() is None:
+            stop_central(proc)
+
+
+def gated(gate):
+    return ["sh", "-c", f"echo up; while [ ! -e {gate} ]; do sleep 0.05; done"]
+
+
+def clients(address):
+    return {name: deepnex.gpu.CentralClient(address, token=f"{name}tok", timeout=10)
+            for name in ("alice", "bob", "admin")}
+
+
+def state_of(client, name):
+    return client.job(name)["state"]
+
+
+def test_a_job_is_listed_with_its_nodes_then_kept_with_its_exit_code_and_gpu_hours(
+        central, tmp_path):
+    address = central()
+    c = clients(address)
+    gate = tmp_path / "gate"
+    j = central.run(address, ["--workers", "2", "--gpus-per-worker", "1"], gated(gate))
+    j.await_line(r"^\[worker 1\] up")
+    wait_for(lambda: state_of(c["alice"], j.name) == "running", "the job to run")
+    [listed] = c["alice"].jobs()
+    assert (listed["name"], listed["user"], listed["state"], listed["nodes"], listed["workers"],
+            listed["mode"]) == (j.name, "alice", "running", [HOST], 2, "allreduce")
+    assert sorted(a["gpus"] for a in listed["allocations"]) == [1, 1]
+    # Its allocations carry its name.
+    assert [a.job for a in c["alice"].allocations()] == [j.name, j.name]
+    out = run_cli("jobs", "--central", address)
+    assert out.returncode == 0, out.stderr
+    header, row = out.stdout.splitlines()
+    assert header.split() == ["NAME", "USER", "STATE", "NODES", "WORKERS", "ELAPSED", "GPU-H",
+                              "CPU-H", "PEAK-MEM", "EXIT"]
+    assert row.split()[:5] == [j.name, "alice", "running", HOST, "2"]
+    assert row.split()[-1] == "-"
+    shown = wait_for(lambda: [c for c in c["alice"].job(j.name)["containers"]
+                              if c["state"] == "running"], "its containers reported")
+    assert sorted(x["name"] for x in shown) == [f"{j.name}-worker0", f"{j.name}-worker1"]
+    out = run_cli("job", "show", j.name, "--central", address)
+    assert out.returncode == 0, out.stderr
+    assert f"  node {HOST}:" in out.stdout
+    assert f"{j.name}-worker1" in out.stdout and "state:       running" in out.stdout
+
+    gate.write_text("")
+    assert j.wait(60) == 0, j.output()
+    assert c["alice"].jobs() == []  # no longer running
+    [done] = c["alice"].jobs(all=True)
+    assert (done["state"], done["exit_code"]) == ("completed", 0)
+    assert done["ended_ms"] > done["started_ms"] > 0
+    elapsed = (done["ended_ms"] - done["started_ms"]) / 1000.0
+    assert done["elapsed"] == elapsed
+    assert done["gpu_hours"] == 2 * elapsed / 3600.0
+    assert [x["name"] for x in c["alice"].jobs(state="completed")] == [j.name]
+    row = run_cli("jobs", "--all", "--central", address).stdout.splitlines()[1].split()
+    assert (row[2], row[-1]) == ("completed", "0")
+
+    failing = central.run(address, ["--workers", "1"], ["sh", "-c", "exit 3"])
+    assert failing.wait(60) == 3, failing.output()
+    record = c["alice"].job(failing.name)
+    assert (record["state"], record["exit_code"]) == ("failed", 3)
+    assert [x["name"] for x in c["alice"].jobs(state="failed")] == [failing.name]
+
+
+def test_another_user_can_neither_see_nor_cancel_it_and_its_owner_cancels_it(
+        central, tmp_path):
+    address = central()
+    c = clients(address)
+    j = central.run(address, ["--workers", "2"], gated(tmp_path / "gate"))
+    j.await_line(r"^\[worker 1\] up")
+    wait_for(lambda: state_of(c["alice"], j.name) == "running", "the job to run")
+    assert c["bob"].jobs(all=True) == []
+    with pytest.raises(deepnex.NotFoundError, match=f'job "{j.name}" not found'):
+        c["bob"].job(j.name)
+    with pytest.raises(deepnex.NotFoundError, match=f'job "{j.name}" not found'):
+        c["bob"].cancel_job(j.name)
+    out = run_cli("job", "cancel", j.name, "--central", address, token="bobtok")
+    assert out.returncode == 1
+    assert out.stderr == f'deepnex: job "{j.name}" not found\n'
+    out = run_cli("jobs", "--user", "alice", "--central", address, token="bobtok")
+    assert "user bob cannot list the jobs of alice" in out.stderr
+    assert [x["name"] for x in c["admin"].jobs()] == [j.name]  # admins see everyone's
+
+    out = run_cli("job", "cancel", j.name, "--central", address)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"job {j.name} cancelled; its allocations are released\n"
+    # The runner stops everything and says why.
+    assert j.wait(60) == 1, j.output()
+    assert f"job {j.name} was cancelled by alice through deepnex-central" in j.output()
+    assert c["alice"].allocations() == []
+    record = c["alice"].job(j.name)
+    assert (record["state"], record["cancelled_by"], record["exit_code"]) == (
+        "cancelled", "alice", 1)
+    with pytest.raises(deepnex.FailedPreconditionError,
+                       match=f'job "{j.name}" already ended: cancelled'):
+        c["alice"].cancel_job(j.name)
+
+
+def test_central_killed_mid_job_keeps_its_record_and_the_history(central, tmp_path):
+    address = central()
+    c = clients(address)
+    first = central.run(address, ["--workers", "1"], ["true"])
+    assert first.wait(60) == 0, first.output()
+    gate = tmp_path / "gate"
+    j = central.run(address, ["--workers", "1", "--gpus-per-worker", "2"], gated(gate))
+    j.await_line(r"^\[worker 0\] up")
+    wait_for(lambda: state_of(c["alice"], j.name) == "running", "the job to run")
+    before = c["alice"].job(j.name)
+
+    central.procs[0].send_signal(signal.SIGKILL)
+    central.procs[0].wait()
+    # The same port, so that the runner's reports reach the new one.
+    port = address.rsplit(":", 1)[1]
+    assert central("--listen", f"127.0.0.1:{port}") == address
+    c = clients(address)
+    kept = c["alice"].job(j.name)
+    assert (kept["state"], kept["started_ms"], kept["allocations"]) == (
+        "running", before["started_ms"], before["allocations"])
+    assert c["alice"].job(first.name)["state"] == "completed"
+
+    gate.write_text("")
+    assert j.wait(60) == 0, j.output()
+    done = wait_for(lambda: [x for x in c["alice"].jobs(all=True)
+                             if x["name"] == j.name and x["state"] == "completed"],
+                    "the job's end recorded")[0]
+    elapsed = (done["ended_ms"] - done["started_ms"]) / 1000.0
+    assert done["gpu_hours"] == 2 * elapsed / 3600.0
+    assert c["alice"].allocations() == []
+
+
+def test_history_keeps_the_newest_by_count(central):
+    address = central("--job-history-count", "2")
+    c = clients(address)
+    names = []
+    for _ in range(3):
+        j = central.run(address, ["--workers", "1"], ["true"])
+        assert j.wait(60) == 0, j.output()
+        names.append(j.name)
+    assert [x["name"] for x in c["alice"].jobs(all=True)] == names[1:]
+
+
+def test_bad_filters_and_names_are_named(central):
+    address = central()
+    out = run_cli("jobs", "--state", "done", "--central", address)
+    assert (out.returncode, out.stderr) == (
+        1, "deepnex: --state 'done' is not one of pending, running, completed, failed, "
+           "cancelled\n")
+    out = run_cli("jobs", "--since", "yesterday", "--central", address)
+    assert (out.returncode, out.stderr) == (
+        1, "deepnex: --since 'yesterday': expected a time (YYYY-MM-DD[THH:MM[:SS]] or seconds "
+           "since the epoch) or an age (30m, 2h, 7d)\n")
+    out = run_cli("job", "show", "nosuch", "--central", address)
+    assert (out.returncode, out.stderr) == (1, 'deepnex: job "nosuch" not found\n')
+    alice = clients(address)["alice"]
+    with pytest.raises(deepnex.InvalidArgumentError,
+                       match='state: "done" is not pending, running, completed, failed or '
+                             'cancelled'):
+        alice.jobs(state="done")
+    with pytest.raises(deepnex.InvalidArgumentError, match="since: -1 is not a datetime"):
+        alice.jobs(since=-1)
+    assert run_cli("jobs", "--since", "2h", "--central", address).returncode == 0
+    bad = subprocess.run([CENTRAL_BIN, "--job-history-count", "-1"], capture_output=True,
+                         text=True, timeout=30)
+    assert (bad.returncode, bad.stderr) == (
+        2, "deepnex-central: --job-history-count: -1 is below 0 (see --help)\n")
