@@ -285,7 +285,7 @@ class JobImpl : public Job {
       if (!ok.ok()) return absl::InvalidArgumentError(absl::StrCat("notify: ", ok.message()));
       if (o_.central.empty()) {
         return absl::InvalidArgumentError(
-            absl::StrCat("notify: \"", url, "\": deepnex-central sends notifications; give central"));
+            absl::StrCat("notify: \"", url, "\" needs central (deepnex-central sends them)"));
       }
     }
     std::string mode = o_.mode;

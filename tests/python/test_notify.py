@@ -175,12 +175,18 @@ def test_job_events_reach_the_jobs_and_its_users_urls_in_order(tmp_path, receive
         defaults.close()
 
 
-def test_a_bad_notify_url_of_a_job_is_named(tmp_path):
+@pytest.mark.parametrize("args, message", [
+    (["--central", "127.0.0.1:1", "--notify", "ftp://x/y"],
+     'notify: URL "ftp://x/y" is not http://HOST[:PORT][/PATH]'),
+    (["--notify", "http://127.0.0.1:9/hook"],
+     'notify: "http://127.0.0.1:9/hook" needs central (deepnex-central sends them)'),
+])
+def test_a_bad_notify_url_of_a_job_is_named(tmp_path, args, message):
     from test_job import RunningJob
-    j = RunningJob(tmp_path, ["--central", "127.0.0.1:1", "--memory", "64MiB",
-                              "--notify", "ftp://x/y"], ["true"])
+    env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_CENTRAL"}
+    j = RunningJob(tmp_path, ["--memory", "64MiB", *args], ["true"], env=env)
     assert j.wait(60) == 2, j.output()
-    assert 'notify: URL "ftp://x/y" is not http://HOST[:PORT][/PATH]' in j.output()
+    assert message in j.output()
 
 
 def test_node_events_reach_admins_signed(tmp_path, receiver, agents):
