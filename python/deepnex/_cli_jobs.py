@@ -15,6 +15,7 @@ commands (--central, --token, --token-file or $DEEPNEX_CENTRAL, $DEEPNEX_TOKEN).
 
 import datetime
 import re
+import shlex
 import time
 
 from deepnex._cli_common import add_central_args, client, format_table, guard
@@ -88,7 +89,7 @@ def show_text(j):
         f"name:        {j['name']}",
         f"user:        {j['user']}",
         f"state:       {state}",
-        f"command:     {' '.join(j['command'])}",
+        f"command:     {shlex.join(j['command'])}",
         f"mode:        {j['mode']}, {j['workers']} workers, {j['ps']} parameter servers",
         f"submitted:   {_when(j['submitted_ms'])}",
         f"started:     {_when(j['started_ms'])}",

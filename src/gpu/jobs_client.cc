@@ -3,9 +3,8 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "core/grpc_util.h"
-#include "deepnex/auth.h"
 #include "deepnex/jobs.grpc.pb.h"
+#include "gpu/central_call.h"
 #include "gpu/jobs_reporter.h"
 #include "gpu/jobs_store.h"
 
@@ -14,19 +13,13 @@ namespace {
 
 class JobsClientImpl final : public JobsClient {
  public:
-  JobsClientImpl(const CentralClientOptions& options, std::string token)
-      : options_(options), token_(std::move(token)) {}
-
-  absl::Status Connect() {
-    DEEPNEX_ASSIGN_OR_RETURN(auto credentials, MakeChannelCredentials(options_.tls_ca_file));
-    DEEPNEX_ASSIGN_OR_RETURN(auto channel, Dial("central", options_.address, credentials,
-                                                std::min(options_.timeout, kConnectTimeout)));
-    stub_ = pb::Jobs::NewStub(channel);
-    return absl::OkStatus();
-  }
+  explicit JobsClientImpl(CentralCaller caller)
+      : caller_(std::move(caller)), stub_(pb::Jobs::NewStub(caller_.channel())) {}
 
   absl::StatusOr<std::vector<JobRecord>> List(const JobFilter& filter) override {
-    if (!filter.state.empty()) DEEPNEX_RETURN_IF_ERROR(ParseJobState(filter.state, "state").status());
+    if (!filter.state.empty()) {
+      DEEPNEX_RETURN_IF_ERROR(ParseJobState(filter.state, "state").status());
+    }
     pb::JobsRequest req;
     req.set_all(filter.all);
     req.set_user(filter.user);
@@ -35,7 +28,7 @@ class JobsClientImpl final : public JobsClient {
                          filter.since.time_since_epoch())
                          .count());
     pb::JobList reply;
-    DEEPNEX_RETURN_IF_ERROR(Call([&](auto* ctx) { return stub_->ListJobs(ctx, req, &reply); }));
+    DEEPNEX_RETURN_IF_ERROR(caller_.Call([&](auto* ctx) { return stub_->ListJobs(ctx, req, &reply); }));
     std::vector<JobRecord> out;
     for (const pb::Job& j : reply.jobs()) {
       DEEPNEX_ASSIGN_OR_RETURN(JobRecord r, FromProto(j));
@@ -48,7 +41,7 @@ class JobsClientImpl final : public JobsClient {
     pb::JobName req;
     req.set_name(name);
     pb::Job reply;
-    DEEPNEX_RETURN_IF_ERROR(Call([&](auto* ctx) { return stub_->GetJob(ctx, req, &reply); }));
+    DEEPNEX_RETURN_IF_ERROR(caller_.Call([&](auto* ctx) { return stub_->GetJob(ctx, req, &reply); }));
     return FromProto(reply);
   }
 
@@ -56,7 +49,7 @@ class JobsClientImpl final : public JobsClient {
     pb::JobName req;
     req.set_name(name);
     pb::Job reply;
-    DEEPNEX_RETURN_IF_ERROR(Call([&](auto* ctx) { return stub_->CancelJob(ctx, req, &reply); }));
+    DEEPNEX_RETURN_IF_ERROR(caller_.Call([&](auto* ctx) { return stub_->CancelJob(ctx, req, &reply); }));
     return FromProto(reply);
   }
 
@@ -65,31 +58,12 @@ class JobsClientImpl final : public JobsClient {
     ToProto(job, &req);
     req.set_run(run);
     pb::Job reply;
-    DEEPNEX_RETURN_IF_ERROR(Call([&](auto* ctx) { return stub_->ReportJob(ctx, req, &reply); }));
+    DEEPNEX_RETURN_IF_ERROR(caller_.Call([&](auto* ctx) { return stub_->ReportJob(ctx, req, &reply); }));
     return FromProto(reply);
   }
 
  private:
-  template <class Fn>
-  absl::Status Call(Fn fn) {
-    DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("jobs client"));
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + options_.timeout);
-    // Rides out a reconnect to a restarted deepnex-central.
-    ctx.set_wait_for_ready(true);
-    if (!token_.empty()) ctx.AddMetadata(kAuthorizationKey, BearerValue(token_));
-    grpc::Status s = fn(&ctx);
-    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
-        s.error_message() == "Deadline Exceeded") {
-      return absl::UnavailableError(absl::StrCat("deepnex-central at ", options_.address,
-                                                 " did not answer within ",
-                                                 options_.timeout.count(), "ms"));
-    }
-    return ToAbslStatus(s);
-  }
-
-  const CentralClientOptions options_;
-  const std::string token_;
+  const CentralCaller caller_;
   std::unique_ptr<pb::Jobs::Stub> stub_;
 };
 
@@ -102,11 +76,8 @@ std::string RunId() {
 
 absl::StatusOr<std::unique_ptr<JobsClient>> JobsClient::Create(
     const CentralClientOptions& options) {
-  DEEPNEX_ASSIGN_OR_RETURN(std::string token,
-                           ResolveClientToken(options.token, options.token_file));
-  auto client = std::make_unique<JobsClientImpl>(options, std::move(token));
-  DEEPNEX_RETURN_IF_ERROR(client->Connect());
-  return std::unique_ptr<JobsClient>(std::move(client));
+  DEEPNEX_ASSIGN_OR_RETURN(CentralCaller caller, CentralCaller::Connect(options));
+  return std::unique_ptr<JobsClient>(std::make_unique<JobsClientImpl>(std::move(caller)));
 }
 
 JobReporter::JobReporter(std::unique_ptr<JobsClient> client, Snapshot snapshot,

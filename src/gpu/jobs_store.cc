@@ -274,7 +274,7 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
   const std::string user = in.user().empty() ? who.name : in.user();
   if (who.role != AuthRole::kAdmin && user != who.name) {
     return absl::PermissionDeniedError(
-        absl::StrCat("user ", who.name, " cannot report a job of user ", user));
+        absl::StrCat("user ", who.name, " cannot run a job for user ", user));
   }
   if (!who.Reaches(in.name())) {
     return absl::PermissionDeniedError(absl::StrCat("the token of \"", who.name,

@@ -11,6 +11,7 @@
 #include "deepnex/auth.h"
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/launch/central.h"
+#include "gpu/central_call.h"
 #include "launch/central_wire.h"
 
 namespace deepnex::launch {
@@ -45,16 +46,10 @@ absl::StatusOr<CentralContainer> FromProto(const pb::ContainerInfo& p) {
 
 class CentralClientImpl final : public CentralClient {
  public:
-  CentralClientImpl(const gpu::CentralClientOptions& options, std::string token)
-      : options_(options), token_(std::move(token)) {}
-
-  absl::Status Connect() {
-    DEEPNEX_ASSIGN_OR_RETURN(auto credentials, MakeChannelCredentials(options_.tls_ca_file));
-    DEEPNEX_ASSIGN_OR_RETURN(auto channel, Dial("central", options_.address, credentials,
-                                                std::min(options_.timeout, kConnectTimeout)));
-    stub_ = pb::Containers::NewStub(channel);
-    return absl::OkStatus();
-  }
+  CentralClientImpl(const gpu::CentralClientOptions& options, gpu::CentralCaller caller)
+      : options_(options),
+        caller_(std::move(caller)),
+        stub_(pb::Containers::NewStub(caller_.channel())) {}
 
   absl::StatusOr<CentralContainer> StartContainer(const ContainerSpec& spec,
                                                   const std::string& allocation_id) override {
@@ -130,27 +125,16 @@ class CentralClientImpl final : public CentralClient {
   // `extra`: time the call may take on top of the client's timeout.
   template <class Fn>
   absl::Status Call(Fn fn, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) {
-    DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("central client"));
-    const std::chrono::milliseconds timeout = options_.timeout + extra;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + timeout);
-    ctx.set_wait_for_ready(true);
-    if (!token_.empty()) ctx.AddMetadata(kAuthorizationKey, BearerValue(token_));
-    grpc::Status s = fn(&ctx);
-    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
-        s.error_message() == "Deadline Exceeded") {
-      return absl::UnavailableError(absl::StrCat("deepnex-central at ", options_.address,
-                                                 " did not answer within ", timeout.count(), "ms"));
-    }
-    if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+    absl::Status s = caller_.Call(fn, extra);
+    if (s.code() == absl::StatusCode::kUnimplemented) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "deepnex-central at ", options_.address, " has no launcher: ", s.error_message()));
+          "deepnex-central at ", options_.address, " has no launcher: ", s.message()));
     }
-    return ToAbslStatus(s);
+    return s;
   }
 
   const gpu::CentralClientOptions options_;
-  const std::string token_;
+  const gpu::CentralCaller caller_;
   std::unique_ptr<pb::Containers::Stub> stub_;
 };
 
@@ -158,11 +142,9 @@ class CentralClientImpl final : public CentralClient {
 
 absl::StatusOr<std::unique_ptr<CentralClient>> CentralClient::Create(
     const gpu::CentralClientOptions& options) {
-  DEEPNEX_ASSIGN_OR_RETURN(std::string token,
-                           ResolveClientToken(options.token, options.token_file));
-  auto client = std::make_unique<CentralClientImpl>(options, std::move(token));
-  DEEPNEX_RETURN_IF_ERROR(client->Connect());
-  return std::unique_ptr<CentralClient>(std::move(client));
+  DEEPNEX_ASSIGN_OR_RETURN(gpu::CentralCaller caller, gpu::CentralCaller::Connect(options));
+  return std::unique_ptr<CentralClient>(
+      std::make_unique<CentralClientImpl>(options, std::move(caller)));
 }
 
 }  // namespace deepnex::launch

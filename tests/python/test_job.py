@@ -366,7 +366,8 @@ def test_run_with_central_refuses_a_user_that_is_not_the_tokens(jobs, central):
     env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
     j = jobs(["--user", "root", "--mode", "allreduce"], ["true"], env=env)
     assert j.wait(60) == 1, j.output()
-    assert "user alice cannot allocate for user root" in j.output()
+    # Refused when the job registers with central, before it allocates.
+    assert "user alice cannot run a job for user root" in j.output()
 
 
 def test_nodes_are_checked_and_a_this_host_backend_refuses_to_spread(jobs):

@@ -2,7 +2,7 @@
 `deepnex jobs` / `deepnex job show` / `deepnex job cancel` read and stop it,
 and the history outlives a kill -9 of central and is pruned by count.
 
-Jobs run as `python3 -m deepnex run` subprocesses (test_job's RunningJob) on
+Jobs run as `python3 -m deepnex run` subprocesses (test_job's jobs fixture) on
 this host's node of a deepnex-central on 127.0.0.1, process backend.
 """
 
@@ -16,16 +16,17 @@ import pytest
 import deepnex
 from _central import CENTRAL_BIN, run_cli, start_central, stop_central
 from _wait import wait_for
-from test_job import RunningJob
+from test_job import jobs  # noqa: F401 - the fixture that runs and sweeps `deepnex run`
 
 HOST = socket.gethostname()
 
 
 @pytest.fixture
-def central(tmp_path):
+def central(tmp_path, jobs):  # noqa: F811 - test_job's fixture
     """Start deepnex-central (state in tmp_path/state) on this host's node;
-    each call returns its address. Stopped, and the jobs killed, at the end."""
-    procs, jobs = [], []
+    each call returns its address; .run(address, args, command) runs a job
+    through it. Stopped at the end."""
+    procs = []
 
     def start(*extra):
         proc, address = start_central(tmp_path, "--state-dir", str(tmp_path / "state"), *extra,
@@ -36,20 +37,11 @@ def central(tmp_path):
     def run(address, args, command, token="alicetok"):
         env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_TOKEN"}
         env.update(DEEPNEX_CENTRAL=address, DEEPNEX_TOKEN=token)
-        j = RunningJob(tmp_path, ["--mode", "allreduce", "--memory", "64MiB"] + args, command,
-                       env=env)
-        jobs.append(j)
-        return j
+        return jobs(["--mode", "allreduce", "--memory", "64MiB"] + args, command, env=env)
 
     start.run = run
     start.procs = procs
     yield start
-    for j in jobs:
-        if j.proc.poll() is None:
-            j.proc.kill()
-            j.proc.wait()
-        with deepnex.launch.Launcher("process") as sweeper:
-            sweeper.cleanup(j.name)
     for proc in procs:
         if proc.poll() is None:
             stop_central(proc)
@@ -106,6 +98,12 @@ def test_a_job_is_listed_with_its_nodes_then_kept_with_its_exit_code_and_gpu_hou
     elapsed = (done["ended_ms"] - done["started_ms"]) / 1000.0
     assert done["elapsed"] == elapsed
     assert done["gpu_hours"] == 2 * elapsed / 3600.0
+    # CPU-hours and peak memory from the containers' usage samples.
+    samples = done["containers"]
+    assert done["peak_memory"] == max(x["memory_peak"] for x in samples) > 0
+    cpu = sum(x["cpu_seconds"] for x in samples)
+    # Without samples: the allocations' 2 cores over the run.
+    assert done["cpu_hours"] == (cpu / 3600.0 if cpu > 0 else 2 * elapsed / 3600.0)
     assert [x["name"] for x in c["alice"].jobs(state="completed")] == [j.name]
     row = run_cli("jobs", "--all", "--central", address).stdout.splitlines()[1].split()
     assert (row[2], row[-1]) == ("completed", "0")

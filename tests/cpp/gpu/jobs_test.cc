@@ -176,7 +176,7 @@ TEST_F(JobsTest, BadInputIsNamed) {
   other.user = "bob";
   EXPECT_THAT(alice->Report(other, "r1"),
               StatusIs(absl::StatusCode::kPermissionDenied,
-                       "user alice cannot report a job of user bob"));
+                       "user alice cannot run a job for user bob"));
   EXPECT_THAT(alice->Get("nosuch"),
               StatusIs(absl::StatusCode::kNotFound, "job \"nosuch\" not found"));
 }
