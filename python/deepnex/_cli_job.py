@@ -49,7 +49,7 @@ def _run(args) -> int:
                    gpu_memory=args.gpu_memory or 0, cpus=args.cpus, memory=args.memory or 0,
                    backend=args.backend, central=central_address(args), user=args.user,
                    central_token=central_token(args),
-                   central_token_file=args.token_file,
+                   central_token_file=args.token_file, notify=args.notify or [],
                    restart=args.restart, checkpoint_dir=args.checkpoint_dir,
                    optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, name=args.name,
                    on_event=_notice)
@@ -197,6 +197,9 @@ def add_commands(commands) -> None:
     run.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     run.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
     run.add_argument("--name", default=None, help="job id (default job-<random>)")
+    run.add_argument("--notify", action="append", metavar="URL",
+                     help="with --central: central POSTs the job's events (queued, started, "
+                          "worker_restarted, completed, failed, cancelled) to URL (repeatable)")
     run.add_argument("--state-dir", default=None,
                      help="where the containers' logs and records go (default: in the run "
                           "directory, removed at the end)")

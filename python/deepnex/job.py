@@ -57,7 +57,7 @@ class Job:
                  gpu_memory=_JOB.gpu_memory, cpus: float = _JOB.cpus, memory=_JOB.memory,
                  backend: str = _JOB.backend,
                  central: Optional[str] = None, central_token: Optional[str] = None,
-                 central_token_file: Optional[str] = None,
+                 central_token_file: Optional[str] = None, notify: Sequence[str] = (),
                  restart: str = _JOB.restart, checkpoint_dir: Optional[str] = None,
                  optimizer: str = _JOB.optimizer, lr: float = _JOB.lr,
                  momentum: float = _JOB.momentum, name: Optional[str] = None,
@@ -70,7 +70,8 @@ class Job:
         fit). ``advertise_address``: the host the job's processes reach this
         process's store at (default: 127.0.0.1 when the whole job is local,
         else this host's primary address).
-        ``user``: empty with ``central``: the token's user. ``output(who,
+        ``user``: empty with ``central``: the token's user. ``notify``: with
+        ``central``, URLs that central POSTs the job's events to. ``output(who,
         line)`` gets what the processes print, ``on_event(message)`` what
         happens to them ("worker 1 exited(1); restarting (1/2) in 0.1s";
         default: stderr)."""
@@ -89,6 +90,7 @@ class Job:
             gpu_memory=byte_size(gpu_memory, "gpu_memory"), cpus=float(cpus),
             memory=byte_size(memory, "memory"), user=user or "", central=central or "",
             central_token=central_token or "", central_token_file=central_token_file or "",
+            notify=list(notify),
             backend=backend, restart=restart,
             checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
             optimizer=optimizer, lr=lr, momentum=momentum, ps_binary=_ps_binary() or "",

@@ -83,6 +83,7 @@ void RegisterJob(py::module_& parent) {
       .def_readwrite("central", &JobOptions::central)
       .def_readwrite("central_token", &JobOptions::central_token)
       .def_readwrite("central_token_file", &JobOptions::central_token_file)
+      .def_readwrite("notify", &JobOptions::notify)
       .def_property(
           "backend", [](const JobOptions& o) { return o.launcher.backend; },
           [](JobOptions& o, const std::string& backend) { o.launcher.backend = backend; })

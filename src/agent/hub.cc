@@ -425,6 +425,7 @@ void Hub::SetReady(const std::string& node, bool ready, const std::string& why) 
   absl::Status s = alloc_.SetNodeReady(node, ready);
   std::cerr << "deepnex-central: node " << node << " is " << (ready ? "Ready" : "NotReady")
             << ": " << why << (s.ok() ? "" : absl::StrCat(" (", s.message(), ")")) << "\n";
+  if (options_.on_node_state) options_.on_node_state(node, ready ? "ready" : "not_ready", why);
   if (!ready) {
     registry_
         .GetCounter("deepnex_node_not_ready_total",
@@ -441,6 +442,7 @@ void Hub::Monitor() {
   while (!cv_.wait_for(lock, tick, [this] { return stopping_; })) {
     const auto now = std::chrono::steady_clock::now();
     std::vector<std::pair<std::string, double>> silent;
+    std::vector<std::string> lost;
     for (auto& [node, link] : links_) {
       const auto quiet = now - link.heard;
       if (link.ready && quiet > options_.node_timeout) {
@@ -457,11 +459,20 @@ void Hub::Monitor() {
         }
         cv_.notify_all();
         std::cerr << "deepnex-central: node " << node << " is lost: its containers count as lost\n";
+        lost.push_back(node);
       }
     }
     lock.unlock();
     for (const auto& [node, quiet] : silent) {
       SetReady(node, false, absl::StrFormat("no heartbeat for %.1fs", quiet));
+    }
+    for (const std::string& node : lost) {
+      if (options_.on_node_state) {
+        options_.on_node_state(
+            node, "lost",
+            absl::StrFormat("no heartbeat for %.0fs: its containers count as lost",
+                            std::chrono::duration<double>(options_.node_lost_after).count()));
+      }
     }
     lock.lock();
   }

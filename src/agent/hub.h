@@ -45,6 +45,10 @@ struct HubOptions {
   // How often agents are told to heartbeat (at most a third of
   // node_timeout). Default: 2s
   std::chrono::milliseconds heartbeat{2000};
+  // See CentralServerOptions::on_node_state.
+  std::function<void(const std::string& node, const std::string& state,
+                     const std::string& why)>
+      on_node_state;
 };
 
 class Stream;

@@ -566,6 +566,7 @@ absl::StatusOr<std::unique_ptr<CentralServer>> CreateCentralServer(
   hub.node_timeout = options.node_timeout;
   hub.node_lost_after = options.node_lost_after;
   hub.heartbeat = options.agent_heartbeat;
+  hub.on_node_state = options.on_node_state;
   JobStoreOptions jobs;
   if (!options.allocator.state_dir.empty()) jobs.dir = options.allocator.state_dir + "/jobs";
   jobs.fsync = options.allocator.fsync;

@@ -133,6 +133,7 @@ void ToProto(const JobRecord& job, pb::Job* p) {
   }
   p->set_message(job.message);
   p->set_cancelled_by(job.cancelled_by);
+  for (const std::string& url : job.notify) p->add_notify(url);
   p->set_elapsed_s(job.elapsed_seconds);
   p->set_gpu_hours(job.gpu_hours);
   p->set_cpu_hours(job.cpu_hours);
@@ -163,6 +164,7 @@ absl::StatusOr<JobRecord> FromProto(const pb::Job& p) {
   }
   j.message = p.message();
   j.cancelled_by = p.cancelled_by();
+  j.notify.assign(p.notify().begin(), p.notify().end());
   j.elapsed_seconds = p.elapsed_s();
   j.gpu_hours = p.gpu_hours();
   j.cpu_hours = p.cpu_hours();
@@ -302,6 +304,7 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
       j.set_run(in.run());
       j.set_state("pending");
       j.set_submitted_ms(now);
+      *j.mutable_notify() = in.notify();  // before the first event: its URLs
       events.push_back(EventOf("queued", j));
     }
     const int restarts_before = j.restarts();

@@ -26,6 +26,7 @@
 #include "gpu/jobs_reporter.h"
 #include "launch/util.h"
 #include "nlohmann/json.hpp"
+#include "notify/notifier.h"
 
 extern char** environ;
 
@@ -295,6 +296,14 @@ class JobImpl : public Job {
           "nodes: ", o_.nodes, " is more than the ", o_.workers, " workers to spread over them"));
     }
     DEEPNEX_RETURN_IF_ERROR(ValidateAdvertiseHost("advertise_address", o_.advertise_address));
+    for (const std::string& url : o_.notify) {
+      absl::Status ok = notify::CheckUrl(url);
+      if (!ok.ok()) return absl::InvalidArgumentError(absl::StrCat("notify: ", ok.message()));
+      if (o_.central.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("notify: \"", url, "\" needs central (deepnex-central sends them)"));
+      }
+    }
     std::string mode = o_.mode;
     if (mode.rfind("ssp:", 0) == 0) {
       int staleness = -1;
@@ -683,6 +692,7 @@ class JobImpl : public Job {
     r.mode = o_.mode;
     r.workers = o_.workers;
     r.ps = o_.ps;
+    r.notify = o_.notify;
     for (const auto& a : Allocations()) {
       r.allocations.push_back(
           {a.id, a.node, static_cast<int>(a.gpus.size()), a.cpus, a.memory});

@@ -265,7 +265,8 @@ std::string HttpClient::Url(const std::string& path) const {
 absl::Status HttpClient::Perform(const std::string& method, const std::string& path,
                                  const std::string& body, std::chrono::milliseconds read_timeout,
                                  HttpCancel* cancel, HttpResponse* head,
-                                 const std::function<bool(const std::string&)>& body_sink) const {
+                                 const std::function<bool(const std::string&)>& body_sink,
+                                 const std::vector<std::string>& headers) const {
   auto with_url = [&](const absl::Status& s) {
     return absl::Status(s.code(), absl::StrCat(method, " ", Url(path), ": ", s.message()));
   };
@@ -289,7 +290,8 @@ absl::Status HttpClient::Perform(const std::string& method, const std::string& p
                                          : "Authorization: Bearer " + options_.bearer_token}) {
     if (!h.empty()) header_list = curl_slist_append(header_list, h.c_str());
   }
-  std::unique_ptr<curl_slist, decltype(&curl_slist_free_all)> headers(header_list,
+  for (const std::string& h : headers) header_list = curl_slist_append(header_list, h.c_str());
+  std::unique_ptr<curl_slist, decltype(&curl_slist_free_all)> header_slist(header_list,
                                                                       &curl_slist_free_all);
 
   Transfer transfer{head, &body_sink};
@@ -306,7 +308,7 @@ absl::Status HttpClient::Perform(const std::string& method, const std::string& p
   set(CURLOPT_NOSIGNAL, 1L);
   set(CURLOPT_ERRORBUFFER, detail);
   set(CURLOPT_USERAGENT, "deepnex");
-  set(CURLOPT_HTTPHEADER, headers.get());
+  set(CURLOPT_HTTPHEADER, header_slist.get());
   set(CURLOPT_CUSTOMREQUEST, method.c_str());
   if (method == "HEAD") set(CURLOPT_NOBODY, 1L);
   // A body-less POST still says its length (Docker's start wants it).
@@ -386,13 +388,16 @@ absl::Status HttpClient::Perform(const std::string& method, const std::string& p
 }
 
 absl::StatusOr<HttpResponse> HttpClient::Send(const std::string& method, const std::string& path,
-                                              const std::string& body) {
+                                              const std::string& body,
+                                              const std::vector<std::string>& headers,
+                                              HttpCancel* cancel) {
   HttpResponse response;
-  DEEPNEX_RETURN_IF_ERROR(Perform(method, path, body, options_.read_timeout, nullptr, &response,
+  DEEPNEX_RETURN_IF_ERROR(Perform(method, path, body, options_.read_timeout, cancel, &response,
                                   [&](const std::string& piece) {
                                     response.body += piece;
                                     return true;
-                                  }));
+                                  },
+                                  headers));
   return response;
 }
 

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -79,9 +80,13 @@ class HttpClient {
   // Sends `method` to `path` (with its query; the endpoint's prefix is put
   // before it) with `body` as application/json when not empty, and returns
   // the whole response whatever its status. Unavailable when the server
-  // cannot be reached, DeadlineExceeded when it stops answering.
+  // cannot be reached, DeadlineExceeded when it stops answering. `headers`
+  // ("Name: value") are sent besides the client's; `cancel`, if given,
+  // aborts the call with Cancelled.
   absl::StatusOr<HttpResponse> Send(const std::string& method, const std::string& path,
-                                    const std::string& body = "");
+                                    const std::string& body = "",
+                                    const std::vector<std::string>& headers = {},
+                                    HttpCancel* cancel = nullptr);
   // Send, then the body of a 2xx response; any other status is an error
   // whose code follows the HTTP status (404 NotFound, 401 Unauthenticated,
   // 409 AlreadyExists, ...) and whose message names the method, the URL,
@@ -123,7 +128,8 @@ class HttpClient {
   absl::Status Perform(const std::string& method, const std::string& path,
                        const std::string& body, std::chrono::milliseconds read_timeout,
                        HttpCancel* cancel, HttpResponse* head,
-                       const std::function<bool(const std::string&)>& body_sink) const;
+                       const std::function<bool(const std::string&)>& body_sink,
+                       const std::vector<std::string>& headers = {}) const;
   std::string Url(const std::string& path) const;
 
   const HttpClientOptions options_;

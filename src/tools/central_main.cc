@@ -2,6 +2,7 @@
 #include <limits.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -12,6 +13,7 @@
 #include "deepnex/gpu/central.h"
 #include "deepnex/gpu/discovery.h"
 #include "deepnex/launch/central.h"
+#include "notify/notifier.h"
 #include "tools/daemon.h"
 
 namespace {
@@ -80,6 +82,21 @@ flags:
   --node-lost-after S     after S seconds of silence its containers count as
                           lost and their allocations are released
                           (default 300)
+  --notify USER=URL       POST USER's job events (queued, started,
+                          worker_restarted, completed, failed, cancelled) to
+                          URL as JSON, besides each job's own `deepnex run
+                          --notify URL` (repeatable)
+  --notify-file F         the same from F: lines "USER URL", # comments
+  --notify-admin URL      POST node events (node.not_ready, node.lost,
+                          node.ready) to URL (repeatable)
+  --notify-secret-file F  lines "USER SECRET": each POST of USER's events
+                          carries X-Deepnex-Signature: sha256=<hex HMAC-SHA256
+                          of the body> under USER's secret; node events are
+                          signed with the secret of user "admin"
+  --notify-max-age S      drop an event that no receiver took within S
+                          seconds (default 0: retry forever, backing off from
+                          0.5s to 30s). Undelivered events wait in
+                          D/notify of --state-dir across restarts
   --job-history-age S     keep ended jobs' records (`deepnex jobs --all`) for S
                           seconds (default 2592000: 30 days)
   --job-history-count N   and at most the N newest of them (default 10000)
@@ -95,6 +112,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> users_files;
   std::string nodes_file;
   bool local = false;
+  deepnex::notify::NotifierOptions notify;
   deepnex::tools::Flags flags("deepnex-central", kUsage, argc, argv);
   while (flags.Next()) {
     if (flags.Is("--listen")) options.address = flags.Value();
@@ -136,6 +154,22 @@ int main(int argc, char** argv) {
       options.node_timeout = flags.Seconds();
     } else if (flags.Is("--node-lost-after")) {
       options.node_lost_after = flags.Seconds();
+    } else if (flags.Is("--notify")) {
+      absl::Status added = deepnex::notify::AddUserUrl(flags.Value(), &notify);
+      if (!added.ok()) flags.Die("--notify " + std::string(added.message()));
+    } else if (flags.Is("--notify-file")) {
+      absl::Status added = deepnex::notify::LoadUrlsFile(flags.Value(), &notify);
+      if (!added.ok()) flags.Die("--notify-file: " + std::string(added.message()));
+    } else if (flags.Is("--notify-admin")) {
+      const std::string url = flags.Value();
+      absl::Status ok = deepnex::notify::CheckUrl(url);
+      if (!ok.ok()) flags.Die("--notify-admin " + std::string(ok.message()));
+      notify.admin_urls.push_back(url);
+    } else if (flags.Is("--notify-secret-file")) {
+      absl::Status added = deepnex::notify::LoadSecretsFile(flags.Value(), &notify);
+      if (!added.ok()) flags.Die("--notify-secret-file: " + std::string(added.message()));
+    } else if (flags.Is("--notify-max-age")) {
+      notify.max_age = flags.Seconds();
     } else if (flags.Is("--job-history-age")) {
       options.job_history.max_age = flags.Seconds();
     } else if (flags.Is("--job-history-count")) {
@@ -185,6 +219,44 @@ int main(int argc, char** argv) {
     nodes.push_back(std::move(*node));
   }
 
+  // Before the server: the hub publishes node events from its start on.
+  if (!options.allocator.state_dir.empty()) {
+    notify.state_dir = options.allocator.state_dir + "/notify";
+    notify.fsync = options.allocator.fsync;
+  }
+  auto notifier = deepnex::notify::Notifier::Create(notify);
+  if (!notifier.ok()) {
+    std::cerr << "deepnex-central: " << notifier.status().message() << "\n";
+    return 1;
+  }
+  options.on_node_state = [n = notifier->get()](const std::string& node,
+                                                const std::string& state,
+                                                const std::string& why) {
+    deepnex::notify::Event event;
+    event.kind = "node." + state;
+    event.node = node;
+    event.data = {{"reason", why}};
+    absl::Status s = n->Publish(std::move(event));
+    if (!s.ok()) std::cerr << "deepnex-central: " << s.message() << "\n";
+  };
+  options.on_job_event = [n = notifier->get()](const deepnex::gpu::JobEvent& e) {
+    deepnex::notify::Event event;
+    event.kind = "job." + e.kind;  // "worker restarted": job.worker_restarted
+    std::replace(event.kind.begin(), event.kind.end(), ' ', '_');
+    event.user = e.job.user;
+    event.job = e.job.name;
+    event.urls = e.job.notify;
+    event.data = {{"state", deepnex::gpu::JobStateName(e.job.state)},
+                  {"nodes", e.job.nodes},
+                  {"workers", e.job.workers},
+                  {"restarts", e.job.restarts},
+                  {"exit_code", e.job.exit_code},
+                  {"message", e.job.message},
+                  {"cancelled_by", e.job.cancelled_by}};
+    absl::Status s = n->Publish(std::move(event));
+    if (!s.ok()) std::cerr << "deepnex-central: " << s.message() << "\n";
+  };
+
   deepnex::tools::SignalStop signals;
   std::vector<std::string> swept;
   auto server = deepnex::launch::CreateCentralServer(options, launcher, policy, &swept);
@@ -209,5 +281,6 @@ int main(int argc, char** argv) {
   std::printf("deepnex-central listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);
   signals.Serve(**server);
+  (*notifier)->Shutdown();
   return 0;
 }

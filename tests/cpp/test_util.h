@@ -15,7 +15,9 @@
 #ifndef DEEPNEX_TESTS_TEST_UTIL_H_
 #define DEEPNEX_TESTS_TEST_UTIL_H_
 
+#include <netinet/in.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <filesystem>
@@ -66,6 +68,42 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// A TCP socket bound to 127.0.0.1 on a port the kernel picks (*port), not
+// yet listening: connections are refused until listen().
+inline int BindLoopback(int* port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  *port = ntohs(addr.sin_port);
+  return fd;
+}
+
+// One HTTP request read from connection `c`: its head and, after the blank
+// line at *header_end (npos: the peer closed first), the Content-Length
+// bytes of its body (as libcurl writes the header).
+inline std::string ReadHttpRequest(int c, size_t* header_end) {
+  std::string request;
+  char buf[4096];
+  while ((*header_end = request.find("\r\n\r\n")) == std::string::npos) {
+    ssize_t n = recv(c, buf, sizeof(buf), 0);
+    if (n <= 0) return request;
+    request.append(buf, n);
+  }
+  const size_t length_at = request.find("Content-Length: ");
+  if (length_at == std::string::npos) return request;
+  const size_t want = *header_end + 4 + std::stoul(request.substr(length_at + 16));
+  while (request.size() < want) {
+    ssize_t n = recv(c, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    request.append(buf, n);
+  }
+  return request;
+}
 
 // Runs body(rank) for ranks 0..n-1 at once, each on its own thread (the
 // ranks of a collective block on each other), and joins them all.

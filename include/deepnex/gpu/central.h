@@ -9,6 +9,7 @@
 #define DEEPNEX_GPU_CENTRAL_H_
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,6 +51,13 @@ struct CentralServerOptions {
   std::chrono::milliseconds node_timeout{10000};
   std::chrono::milliseconds node_lost_after{std::chrono::minutes(5)};
   std::chrono::milliseconds agent_heartbeat{2000};
+  // Called as an agent's node turns NotReady ("not_ready"), its containers
+  // count as lost ("lost"), or it is Ready again ("ready"), with why; on
+  // the hub's threads, with no lock of its held (deepnex-central's webhook
+  // notifier). Empty: nothing is called.
+  std::function<void(const std::string& node, const std::string& state,
+                     const std::string& why)>
+      on_node_state;
   // The job store (include/deepnex/gpu/jobs.h): its history is kept in
   // <allocator.state_dir>/jobs (in memory without a state_dir), pruned so.
   JobHistoryOptions job_history;

@@ -75,6 +75,8 @@ struct JobRecord {
   std::vector<JobContainer> containers;
   std::string message;  // why it ended, when not by itself
   std::string cancelled_by;
+  // Where central POSTs this job's events (`deepnex run --notify URL`).
+  std::vector<std::string> notify;
   // Central sums these when the job is read: elapsed from start to end (or
   // now), GPU-hours = its allocations' GPUs x elapsed, CPU-hours from the
   // containers' CPU-time samples where there are any, else its allocations'

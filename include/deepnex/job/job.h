@@ -68,6 +68,10 @@ struct JobOptions {
   std::string central;
   std::string central_token;
   std::string central_token_file;
+  // With `central`: URLs that central POSTs the job's events to (queued,
+  // started, worker restarted, completed, failed, cancelled), besides its
+  // user's defaults there.
+  std::vector<std::string> notify;
   // Which backend starts the containers, and its options.
   launch::LauncherOptions launcher;
   // Applied to workers and parameter servers alike.

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "test_matchers.h"
+#include "test_util.h"
 
 namespace deepnex::launch {
 namespace {
@@ -42,14 +43,7 @@ class ScriptedServer {
       strncpy(addr.sun_path, path_.c_str(), sizeof(addr.sun_path) - 1);
       EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
     } else {
-      fd_ = socket(AF_INET, SOCK_STREAM, 0);
-      sockaddr_in addr{};
-      addr.sin_family = AF_INET;
-      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-      socklen_t len = sizeof(addr);
-      getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-      port_ = ntohs(addr.sin_port);
+      fd_ = test::BindLoopback(&port_);
     }
     EXPECT_EQ(listen(fd_, 16), 0);
     thread_ = std::thread([this] { Serve(); });
@@ -79,23 +73,8 @@ class ScriptedServer {
   }
 
   void Handle(int c) {
-    std::string request;
-    char buf[4096];
     size_t header_end;
-    while ((header_end = request.find("\r\n\r\n")) == std::string::npos) {
-      ssize_t n = recv(c, buf, sizeof(buf), 0);
-      if (n <= 0) break;
-      request.append(buf, n);
-    }
-    size_t length_at = request.find("Content-Length: ");
-    if (length_at != std::string::npos && header_end != std::string::npos) {
-      size_t want = header_end + 4 + std::stoul(request.substr(length_at + 16));
-      while (request.size() < want) {
-        ssize_t n = recv(c, buf, sizeof(buf), 0);
-        if (n <= 0) break;
-        request.append(buf, n);
-      }
-    }
+    const std::string request = test::ReadHttpRequest(c, &header_end);
     const std::string path = request.substr(request.find(' ') + 1,
                                             request.find(" HTTP/") - request.find(' ') - 1);
     std::string reply;

@@ -1,0 +1,413 @@
+// The webhook notifier against a receiver in the test (127.0.0.1, a port the
+// kernel picks): signatures, order per job, retries and drops, the outbox
+// across a restart, and bad input. deepnex-central's wiring (node events,
+// kill -9) is tested from Python (tests/python/test_notify.py).
+#include "notify/notifier.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "gpu/ledger.h"
+#include "test_matchers.h"
+#include "test_util.h"
+
+namespace deepnex::notify {
+namespace {
+
+using ::deepnex::test::IsOk;
+using ::deepnex::test::StatusIs;
+using ::deepnex::test::TempDir;
+using ::deepnex::test::WaitFor;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using namespace std::chrono_literals;
+
+struct Request {
+  std::map<std::string, std::string> headers;  // names lowercased
+  std::string body;
+  nlohmann::json event;
+};
+
+// An HTTP server that records each POST and answers it with the status
+// `answer` gives (200 by default), one connection at a time. Bound at
+// construction; connections are refused until Listen().
+class Receiver {
+ public:
+  explicit Receiver(bool listen = true) {
+    fd_ = test::BindLoopback(&port_);
+    if (listen) Listen();
+  }
+  ~Receiver() {
+    stopping_ = true;
+    shutdown(fd_, SHUT_RDWR);
+    close(fd_);
+    if (thread_.joinable()) thread_.join();
+  }
+
+  void Listen() {
+    EXPECT_EQ(listen(fd_, 64), 0);
+    thread_ = std::thread([this] { Serve(); });
+  }
+  std::string url() const { return "http://127.0.0.1:" + std::to_string(port_) + "/hook"; }
+  void set_answer(std::function<int(const Request&)> answer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    answer_ = std::move(answer);
+  }
+  std::vector<Request> requests() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return requests_;
+  }
+  size_t count() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return requests_.size();
+  }
+
+ private:
+  void Serve() {
+    while (!stopping_) {
+      int c = accept(fd_, nullptr, nullptr);
+      if (c < 0) break;
+      Handle(c);
+      close(c);
+    }
+  }
+
+  void Handle(int c) {
+    size_t header_end;
+    const std::string data = test::ReadHttpRequest(c, &header_end);
+    if (header_end == std::string::npos) return;
+    Request r;
+    std::vector<std::string> lines = absl::StrSplit(data.substr(0, header_end), "\r\n");
+    for (size_t i = 1; i < lines.size(); ++i) {
+      const size_t colon = lines[i].find(':');
+      if (colon == std::string::npos) continue;
+      r.headers[absl::AsciiStrToLower(lines[i].substr(0, colon))] =
+          std::string(absl::StripAsciiWhitespace(lines[i].substr(colon + 1)));
+    }
+    size_t length = 0;
+    EXPECT_TRUE(absl::SimpleAtoi(r.headers["content-length"], &length)) << data;
+    r.body = data.substr(header_end + 4, length);
+    r.event = nlohmann::json::parse(r.body, nullptr, false);
+    int status;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      requests_.push_back(r);
+      status = answer_ ? answer_(r) : 200;
+    }
+    const std::string reply =
+        "HTTP/1.1 " + std::to_string(status) + " X\r\nContent-Length: 0\r\n\r\n";
+    send(c, reply.data(), reply.size(), MSG_NOSIGNAL);
+  }
+
+  int fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stopping_{false};
+  mutable std::mutex mu_;
+  std::function<int(const Request&)> answer_;
+  std::vector<Request> requests_;
+  std::thread thread_;
+};
+
+NotifierOptions Fast() {
+  NotifierOptions o;
+  o.retry_initial = 10ms;
+  o.retry_max = 40ms;
+  o.timeout = 5000ms;
+  return o;
+}
+
+Event JobEvent(const std::string& job, const char* kind, int n) {
+  Event e;
+  e.kind = kind;
+  e.user = "alice";
+  e.job = job;
+  e.data = {{"n", n}};
+  return e;
+}
+
+TEST(NotifySign, IsRfc4231HmacSha256) {
+  // RFC 4231, test case 2.
+  EXPECT_EQ(Sign("Jefe", "what do ya want for nothing?"),
+            "sha256=5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+}
+
+TEST(Notifier, SignsEachEventAndKeepsEachJobsOrder) {
+  Receiver receiver;
+  NotifierOptions o = Fast();
+  o.user_urls["alice"] = {receiver.url()};
+  o.secrets = {{"alice", "alice-secret"}, {"bob", "bob-secret"}};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  constexpr int kPerJob = 20;
+  for (int i = 0; i < kPerJob; ++i) {
+    ASSERT_THAT(n->Publish(JobEvent("j1", kJobStarted, i)), IsOk());
+    ASSERT_THAT(n->Publish(JobEvent("j2", kJobWorkerRestarted, i)), IsOk());
+  }
+  ASSERT_TRUE(WaitFor([&] { return receiver.count() == 2 * kPerJob; }, 30s, "40 events"));
+  std::map<std::string, int> next;
+  std::set<std::string> ids;
+  for (const Request& r : receiver.requests()) {
+    EXPECT_EQ(r.headers.at("x-deepnex-signature"), Sign("alice-secret", r.body));
+    EXPECT_NE(r.headers.at("x-deepnex-signature"), Sign("bob-secret", r.body));
+    EXPECT_EQ(r.headers.at("content-type"), "application/json");
+    EXPECT_EQ(r.headers.at("x-deepnex-event-id"), r.event["id"]);
+    EXPECT_TRUE(ids.insert(r.event["id"].get<std::string>()).second) << r.body;
+    EXPECT_EQ(r.event["user"], "alice");
+    EXPECT_EQ(r.event["kind"], r.event["job"] == "j1" ? kJobStarted : kJobWorkerRestarted);
+    // Each job's events in the order published.
+    EXPECT_EQ(r.event["data"]["n"], next[r.event["job"]]++) << r.body;
+  }
+  EXPECT_EQ(next["j1"], kPerJob);
+  EXPECT_EQ(next["j2"], kPerJob);
+  EXPECT_EQ(n->stats().delivered, 2u * kPerJob);
+  EXPECT_EQ(n->stats().pending, 0u);
+}
+
+TEST(Notifier, TheBodyHasTheEventsFields) {
+  Receiver receiver;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(Fast()));
+  Event e = JobEvent("j1", kJobFailed, 7);
+  e.id = "event-1";
+  e.time_ms = 1700000000123;
+  e.data = {{"exit_code", 3}};
+  e.urls = {receiver.url()};  // the job's own URL: alice has no default
+  ASSERT_THAT(n->Publish(e), IsOk());
+  ASSERT_TRUE(WaitFor([&] { return receiver.count() == 1; }, 30s, "the event"));
+  Request r = receiver.requests()[0];
+  EXPECT_EQ(r.event, nlohmann::json::parse(R"({"id": "event-1", "kind": "job.failed",
+      "user": "alice", "job": "j1", "node": "", "time": "2023-11-14T22:13:20.123Z",
+      "time_ms": 1700000000123, "data": {"exit_code": 3}})"));
+  // No secret for alice: no signature.
+  EXPECT_EQ(r.headers.count("x-deepnex-signature"), 0u);
+}
+
+TEST(Notifier, NodeEventsGoToAdminsSignedWithTheAdminsSecret) {
+  Receiver admin, user;
+  NotifierOptions o = Fast();
+  o.admin_urls = {admin.url()};
+  o.user_urls["alice"] = {user.url()};
+  o.secrets = {{"alice", "alice-secret"}, {"admin", "admin-secret"}};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  for (const char* kind : {kNodeNotReady, kNodeLost, kNodeReady}) {
+    Event e;
+    e.kind = kind;
+    e.node = "h1";
+    ASSERT_THAT(n->Publish(e), IsOk());
+  }
+  ASSERT_TRUE(WaitFor([&] { return admin.count() == 3; }, 30s, "3 node events"));
+  std::vector<std::string> kinds;
+  for (const Request& r : admin.requests()) {
+    kinds.push_back(r.event["kind"]);
+    EXPECT_EQ(r.event["node"], "h1");
+    EXPECT_EQ(r.headers.at("x-deepnex-signature"), Sign("admin-secret", r.body));
+  }
+  EXPECT_EQ(kinds, (std::vector<std::string>{kNodeNotReady, kNodeLost, kNodeReady}));
+  EXPECT_EQ(user.count(), 0u);
+}
+
+TEST(Notifier, RetriesAfter500And429ThenDelivers) {
+  Receiver receiver;
+  int calls = 0;
+  receiver.set_answer([&](const Request&) {
+    ++calls;
+    return calls == 1 ? 500 : calls == 2 ? 429 : 200;
+  });
+  NotifierOptions o = Fast();
+  o.user_urls["alice"] = {receiver.url()};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  ASSERT_THAT(n->Publish(JobEvent("j1", kJobQueued, 0)), IsOk());
+  ASSERT_THAT(n->Publish(JobEvent("j1", kJobStarted, 1)), IsOk());
+  ASSERT_TRUE(WaitFor([&] { return n->stats().delivered == 2; }, 30s, "both delivered"));
+  std::vector<Request> r = receiver.requests();
+  ASSERT_EQ(r.size(), 4u);
+  // The first event three times (the same bytes and id), then the second:
+  // the job's next event waits for the one before.
+  EXPECT_EQ(r[0].body, r[1].body);
+  EXPECT_EQ(r[1].body, r[2].body);
+  EXPECT_EQ(r[2].event["kind"], kJobQueued);
+  EXPECT_EQ(r[3].event["kind"], kJobStarted);
+  EXPECT_EQ(n->stats().retried, 2u);
+}
+
+TEST(Notifier, RetriesWhileNoOneListens) {
+  Receiver receiver(/*listen=*/false);
+  NotifierOptions o = Fast();
+  o.user_urls["alice"] = {receiver.url()};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  ASSERT_THAT(n->Publish(JobEvent("j1", kJobQueued, 0)), IsOk());
+  ASSERT_TRUE(WaitFor([&] { return n->stats().retried >= 3; }, 30s, "3 refused attempts"));
+  receiver.Listen();
+  ASSERT_TRUE(WaitFor([&] { return receiver.count() == 1; }, 30s, "the event"));
+  EXPECT_TRUE(WaitFor([&] { return n->stats().delivered == 1; }, 30s, "delivered"));
+}
+
+TEST(Notifier, DropsWhatTheReceiverRefusesAndGoesOn) {
+  Receiver receiver;
+  receiver.set_answer([](const Request& r) { return r.event["data"]["n"] == 0 ? 404 : 200; });
+  NotifierOptions o = Fast();
+  o.user_urls["alice"] = {receiver.url()};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  ASSERT_THAT(n->Publish(JobEvent("j1", kJobQueued, 0)), IsOk());
+  ASSERT_THAT(n->Publish(JobEvent("j1", kJobStarted, 1)), IsOk());
+  ASSERT_TRUE(WaitFor([&] { return n->stats().delivered == 1; }, 30s, "the second"));
+  EXPECT_EQ(receiver.count(), 2u);  // the first once, not retried
+  EXPECT_EQ(n->stats().dropped, 1u);
+  EXPECT_EQ(n->stats().retried, 0u);
+}
+
+TEST(Notifier, DropsAnEventOlderThanMaxAge) {
+  Receiver receiver;
+  receiver.set_answer([](const Request&) { return 503; });
+  NotifierOptions o = Fast();
+  o.user_urls["alice"] = {receiver.url()};
+  o.max_age = 200ms;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  ASSERT_THAT(n->Publish(JobEvent("j1", kJobQueued, 0)), IsOk());
+  ASSERT_TRUE(WaitFor([&] { return n->stats().dropped == 1; }, 30s, "dropped as too old"));
+  EXPECT_GE(receiver.count(), 1u);
+  EXPECT_EQ(n->stats().pending, 0u);
+}
+
+TEST(Notifier, TheOutboxKeepsEventsUntilAReceiverTakesThem) {
+  TempDir dir;
+  Receiver receiver(/*listen=*/false);
+  NotifierOptions o = Fast();
+  o.state_dir = dir.path() + "/outbox";
+  o.user_urls["alice"] = {receiver.url()};
+  std::vector<std::string> ids;
+  {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+    for (int i = 0; i < 5; ++i) {
+      Event e = JobEvent(i < 3 ? "j1" : "j2", kJobStarted, i);
+      e.id = "id-" + std::to_string(i);
+      ids.push_back(e.id);
+      ASSERT_THAT(n->Publish(e), IsOk());
+    }
+    ASSERT_TRUE(WaitFor([&] { return n->stats().retried >= 1; }, 30s, "a refused attempt"));
+    EXPECT_EQ(n->stats().pending, 5u);
+  }
+  receiver.Listen();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  EXPECT_EQ(n->stats().recovered, 5u);
+  ASSERT_TRUE(WaitFor([&] { return n->stats().delivered == 5; }, 30s, "5 events"));
+  std::vector<std::string> got;
+  std::map<std::string, int> next = {{"j1", 0}, {"j2", 3}};
+  for (const Request& r : receiver.requests()) {
+    got.push_back(r.headers.at("x-deepnex-event-id"));
+    EXPECT_EQ(r.event["data"]["n"], next[r.event["job"]]++) << r.body;
+  }
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(got, ids);
+  n.reset();
+  // Delivered means gone from the outbox: nothing again.
+  ASSERT_OK_AND_ASSIGN(n, Notifier::Create(o));
+  EXPECT_EQ(n->stats().recovered, 0u);
+}
+
+TEST(Notifier, AnOutboxIsOneNotifiers) {
+  TempDir dir;
+  NotifierOptions o = Fast();
+  o.state_dir = dir.path();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  EXPECT_THAT(Notifier::Create(o), StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+TEST(Notifier, CompactsItsOutbox) {
+  TempDir dir;
+  Receiver receiver;
+  NotifierOptions o = Fast();
+  o.state_dir = dir.path();
+  o.user_urls["alice"] = {receiver.url()};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  // Past the 1024 records that trigger a snapshot.
+  for (int i = 0; i < 600; ++i) ASSERT_THAT(n->Publish(JobEvent("j1", kJobStarted, i)), IsOk());
+  ASSERT_TRUE(WaitFor([&] { return n->stats().delivered == 600; }, 60s, "600 events"));
+  n.reset();
+  auto log = gpu::Ledger::ReadLog(dir.path());
+  ASSERT_THAT(log.status(), IsOk());
+  EXPECT_LT(log->size(), 600u);
+  ASSERT_OK_AND_ASSIGN(n, Notifier::Create(o));
+  EXPECT_EQ(n->stats().recovered, 0u);
+}
+
+TEST(Notifier, RefusesBadEvents) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(Fast()));
+  Event e = JobEvent("j1", "job.exploded", 0);
+  EXPECT_THAT(n->Publish(e), StatusIs(absl::StatusCode::kInvalidArgument,
+                                      HasSubstr("event kind \"job.exploded\" is not one of")));
+  e = JobEvent("", kJobQueued, 0);
+  EXPECT_THAT(n->Publish(e), StatusIs(absl::StatusCode::kInvalidArgument,
+                                      HasSubstr("a job.queued event needs a user and a job")));
+  e = Event{};
+  e.kind = kNodeLost;
+  EXPECT_THAT(n->Publish(e), StatusIs(absl::StatusCode::kInvalidArgument,
+                                      HasSubstr("a node.lost event needs a node")));
+  e = JobEvent("j1", kJobQueued, 0);
+  e.urls = {"ftp://example.com/x"};
+  EXPECT_THAT(n->Publish(e),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("notify URL of job j1: URL \"ftp://example.com/x\" is not "
+                                 "http://HOST[:PORT][/PATH]")));
+  e.urls = {"http://127.0.0.1:99999/x"};
+  EXPECT_THAT(n->Publish(e), StatusIs(absl::StatusCode::kInvalidArgument,
+                                      HasSubstr("bad port \"99999\"")));
+  EXPECT_EQ(n->stats().published, 0u);
+}
+
+TEST(NotifyOptions, NameTheBadValue) {
+  NotifierOptions o;
+  EXPECT_THAT(AddUserUrl("alice=http://127.0.0.1:8080/hook", &o), IsOk());
+  EXPECT_EQ(o.user_urls["alice"], std::vector<std::string>{"http://127.0.0.1:8080/hook"});
+  EXPECT_THAT(AddUserUrl("http://127.0.0.1/hook", &o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("\"http://127.0.0.1/hook\" is not USER=URL")));
+  EXPECT_THAT(AddUserUrl("bob=127.0.0.1:80", &o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("\"bob=127.0.0.1:80\": URL \"127.0.0.1:80\" is not http://")));
+  o.admin_urls = {"http://:80/x"};
+  EXPECT_THAT(Notifier::Create(o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                            HasSubstr("admin notify URL \"http://:80/x\"")));
+
+  TempDir dir;
+  const std::string secrets = dir.path() + "/secrets";
+  std::ofstream(secrets) << "# who signs\nalice s3cret\n\nbob b0b extra\n";
+  EXPECT_THAT(LoadSecretsFile(secrets, &o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("notify secret file " + secrets +
+                                 " line 4: expected \"USER SECRET\", got 3 fields")));
+  EXPECT_THAT(LoadSecretsFile(secrets, &o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                     Not(HasSubstr("b0b"))));
+  std::ofstream(secrets) << "alice s3cret\nalice other\n";
+  EXPECT_THAT(LoadSecretsFile(secrets, &o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("line 2: user alice has a secret on line 1")));
+  std::ofstream(secrets) << "alice s3cret  # the comment\nbob b0b\n";
+  NotifierOptions good;
+  EXPECT_THAT(LoadSecretsFile(secrets, &good), IsOk());
+  EXPECT_EQ(good.secrets, (std::map<std::string, std::string>{{"alice", "s3cret"}, {"bob", "b0b"}}));
+  EXPECT_THAT(LoadSecretsFile(dir.path() + "/none", &good),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("notify secret file")));
+
+  const std::string urls = dir.path() + "/urls";
+  std::ofstream(urls) << "alice http://127.0.0.1:1/a\nbob htp://x\n";
+  EXPECT_THAT(LoadUrlsFile(urls, &good),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("notify file " + urls +
+                                 " line 2: expected \"USER URL\": URL \"htp://x\" is not")));
+}
+
+}  // namespace
+}  // namespace deepnex::notify

@@ -1,0 +1,279 @@
+"""deepnex-central's webhook notifications, end to end: a receiver in the
+test (http.server on 127.0.0.1) gets a job's events at its `deepnex run
+--notify URL` and its user's default URL, in order and signed with the
+user's secret; node events as agents go NotReady and come back, signed with
+the admin's; and none is lost across a central kill -9 while the receiver is
+down. Bad --notify values are named."""
+
+import hashlib
+import hmac
+import http.server
+import json
+import os
+import socket
+import subprocess
+import threading
+
+import pytest
+
+import _central
+from _central import CENTRAL_BIN, TOKENS, stop_central
+from _wait import wait_for
+from test_agent import AGENT_BIN, NODE_TOKENS, Agents
+
+SECRETS = "admin adminsecret\nalice alicesecret\n"
+
+
+def signature(secret, body):
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+class Receiver:
+    """An HTTP server on 127.0.0.1 that records every POST (headers, raw
+    body, parsed event) and answers 200. Bound at once; connections are
+    refused until listen()."""
+
+    def __init__(self, listen=True):
+        received = self.received = []
+        lock = self.lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                with lock:
+                    received.append((dict(self.headers), body, json.loads(body)))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.HTTPServer(("127.0.0.1", 0), Handler,
+                                             bind_and_activate=False)
+        self.server.server_bind()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = None
+        if listen:
+            self.listen()
+
+    def listen(self):
+        self.server.server_activate()
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def events(self):
+        with self.lock:
+            return list(self.received)
+
+    def close(self):
+        if self.thread is not None:
+            self.server.shutdown()
+            self.thread.join(timeout=10)
+        self.server.server_close()
+
+
+class Central:
+    """deepnex-central with agents' node tokens, --node-timeout 2 and the
+    given notify flags; its stderr lines collected as they come."""
+
+    def __init__(self, tmp_path, *notify):
+        if not os.path.exists(AGENT_BIN):
+            pytest.skip(f"{AGENT_BIN} not built")
+        tokens = tmp_path / "tokens"
+        tokens.write_text(TOKENS + NODE_TOKENS)
+        secrets = tmp_path / "secrets"
+        secrets.write_text(SECRETS)
+        self.proc = subprocess.Popen(
+            [os.path.abspath(CENTRAL_BIN), "--listen", "127.0.0.1:0", "--token-file", str(tokens),
+             "--node-timeout", "2", "--state-dir", str(tmp_path / "state"),
+             "--launch-state-dir", str(tmp_path / "launch"),
+             "--notify-secret-file", str(secrets), *notify],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        assert line.startswith("deepnex-central listening on "), line + self.proc.stderr.read()
+        self.address = line.split()[3]
+        self.lines = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def kill9(self):
+        self.proc.kill()
+        self.proc.wait()
+        self.reader.join(timeout=10)
+
+    def close(self):
+        stop_central(self.proc)
+        self.reader.join(timeout=10)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def agents(tmp_path):
+    """test_agent's Agents; start(central, node) waits for its registration."""
+    a = Agents(tmp_path, None)
+    plain_start = a.start
+
+    def start(central, node):
+        a.central = central.address
+        p = plain_start(node, f"{node}tok")
+        assert p.stdout.readline() == (f"deepnex-agent: node {node} registered with "
+                                       f"{central.address}\n")
+        return p
+
+    a.start = start
+    yield a
+    a.close()
+
+
+def node_events(receiver, node):
+    return [(e["kind"], e) for _, _, e in receiver.events() if e["node"] == node]
+
+
+def test_job_events_reach_the_jobs_and_its_users_urls_in_order(tmp_path, receiver):
+    from test_job import RunningJob
+    defaults = Receiver()
+    secrets = tmp_path / "secrets"
+    secrets.write_text(SECRETS)
+    proc, address = _central.start_central(
+        tmp_path, "--state-dir", str(tmp_path / "state"), "--notify", f"alice={defaults.url}",
+        "--notify-secret-file", str(secrets), cpus=8, memory="16GiB", node=socket.gethostname())
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_TOKEN"}
+        env.update(DEEPNEX_CENTRAL=address, DEEPNEX_TOKEN="alicetok")
+        j = RunningJob(tmp_path, ["--mode", "allreduce", "--memory", "64MiB",
+                                  "--restart", "on-failure:1", "--notify", receiver.url],
+                       ["sh", "-c", "exit 3"], env=env)
+        assert j.wait(120) != 0, j.output()
+        kinds = ["job.queued", "job.started", "job.worker_restarted", "job.failed"]
+        for r in (receiver, defaults):
+            wait_for(lambda: len(r.events()) == len(kinds), "the job's 4 events", timeout=30)
+            assert [e["kind"] for _, _, e in r.events()] == kinds
+            for headers, body, event in r.events():
+                assert headers["X-Deepnex-Signature"] == signature("alicesecret", body)
+                assert headers["X-Deepnex-Signature"] != signature("adminsecret", body)
+                assert (event["user"], event["job"]) == ("alice", j.name)
+            failed = r.events()[-1][2]["data"]
+            assert (failed["state"], failed["exit_code"], failed["restarts"]) == ("failed", 3, 1)
+        # One event, one id, the same at both URLs.
+        assert [e["id"] for _, _, e in receiver.events()] == \
+            [e["id"] for _, _, e in defaults.events()]
+    finally:
+        stop_central(proc)
+        defaults.close()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--central", "127.0.0.1:1", "--notify", "ftp://x/y"],
+     'notify: URL "ftp://x/y" is not http://HOST[:PORT][/PATH]'),
+    (["--notify", "http://127.0.0.1:9/hook"],
+     'notify: "http://127.0.0.1:9/hook" needs central (deepnex-central sends them)'),
+])
+def test_a_bad_notify_url_of_a_job_is_named(tmp_path, args, message):
+    from test_job import RunningJob
+    env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_CENTRAL"}
+    j = RunningJob(tmp_path, ["--memory", "64MiB", *args], ["true"], env=env)
+    assert j.wait(60) == 2, j.output()
+    assert message in j.output()
+
+
+def test_node_events_reach_admins_signed(tmp_path, receiver, agents):
+    central = Central(tmp_path, "--notify-admin", receiver.url)
+    try:
+        h1 = agents.start(central, "h1")
+        h1.kill()
+        h1.wait()
+        wait_for(lambda: [k for k, _ in node_events(receiver, "h1")] == ["node.not_ready"],
+                 "node.not_ready of h1", timeout=30)
+        agents.start(central, "h1")
+        wait_for(lambda: [k for k, _ in node_events(receiver, "h1")] ==
+                 ["node.not_ready", "node.ready"], "node.ready of h1", timeout=30)
+        for headers, body, event in receiver.events():
+            assert headers["X-Deepnex-Signature"] == signature("adminsecret", body)
+            assert headers["X-Deepnex-Signature"] != signature("alicesecret", body)
+            assert headers["X-Deepnex-Event-Id"] == event["id"]
+            assert event["user"] == "" and event["job"] == ""
+        not_ready = node_events(receiver, "h1")[0][1]
+        assert not_ready["data"]["reason"].startswith("no heartbeat for ")
+        assert node_events(receiver, "h1")[1][1]["data"] == {"reason": "its agent registered again"}
+    finally:
+        central.close()
+
+
+def test_no_event_lost_across_central_kill_9(tmp_path, agents):
+    receiver = Receiver(listen=False)  # refuses connections for now
+    try:
+        central = Central(tmp_path, "--notify-admin", receiver.url)
+        try:
+            for node in ("h1", "h2"):
+                agents.start(central, node)
+            for p in agents.procs:
+                p.kill()
+                p.wait()
+            # A failed attempt means the event was in the outbox (fsync'd) first.
+            def retried_ids():
+                return {line.split()[2] for line in central.lines
+                        if line.startswith("notify: event ") and "; retry" in line}
+            wait_for(lambda: len(retried_ids()) == 2, "attempts at both nodes' events",
+                     timeout=30)
+            retried = retried_ids()
+            central.kill9()
+        finally:
+            central.close()
+        receiver.listen()
+        central = Central(tmp_path, "--notify-admin", receiver.url)
+        try:
+            wait_for(lambda: retried <= {e["id"] for _, _, e in receiver.events()},
+                     "the events from before the kill", timeout=30)
+            wait_for(lambda: any(line.startswith("notify: 2 undelivered event(s) in the outbox")
+                                 for line in central.lines), "the outbox's log line")
+        finally:
+            central.close()
+        by_id = {}
+        for headers, body, event in receiver.events():
+            assert headers["X-Deepnex-Signature"] == signature("adminsecret", body)
+            # Duplicates only as the same event again.
+            assert by_id.setdefault(event["id"], body) == body
+        assert sorted(e["node"] for _, _, e in receiver.events() if e["id"] in retried) == \
+            ["h1", "h2"]
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--notify", "alice"], '--notify "alice" is not USER=URL'),
+    (["--notify", "alice=ftp://x/y"], '--notify "alice=ftp://x/y": URL "ftp://x/y" is not '
+                                      'http://HOST[:PORT][/PATH]'),
+    (["--notify-admin", "http://127.0.0.1:0x/"], "--notify-admin URL \"http://127.0.0.1:0x/\""),
+])
+def test_bad_notify_flags_are_named(flags, message):
+    if not os.path.exists(CENTRAL_BIN):
+        pytest.skip(f"{CENTRAL_BIN} not built")
+    out = subprocess.run([CENTRAL_BIN, *flags], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert message in out.stderr
+
+
+def test_bad_secret_file_line_is_named(tmp_path):
+    if not os.path.exists(CENTRAL_BIN):
+        pytest.skip(f"{CENTRAL_BIN} not built")
+    secrets = tmp_path / "secrets"
+    secrets.write_text("admin adminsecret\nalice\n")
+    out = subprocess.run([CENTRAL_BIN, "--notify-secret-file", str(secrets)],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert (f"--notify-secret-file: notify secret file {secrets} line 2: "
+            "expected \"USER SECRET\", got 1 fields") in out.stderr
+    assert "adminsecret" not in out.stderr
