@@ -68,11 +68,16 @@ def test_killed_agent_goes_not_ready_then_reattaches(agent_hosts):
     assert time.monotonic() - killed <= c.node_timeout + 5
     refused = c.cli("alloc", "--gpus", "1", "--node", "h2", "--no-wait", token="alicetok")
     assert refused.returncode != 0
+    assert refused.stderr == ("deepnex: no free capacity now for this request (alice asks 1 "
+                              "exclusive GPUs, 0 cpus, 0B memory) and wait=false\n")
     assert c.status()["h3"] == "Ready"
     assert pid_alive(w0["id"])
     # Restarted: Ready within 10 s, w0 still running, the same process.
     c.start_agent("h2")
     c.wait_status("h2", "Ready", timeout=10)
+    # Its other GPU is granted again, now that it is Ready.
+    granted = c.cli("alloc", "--gpus", "1", "--node", "h2", "--no-wait", token="alicetok")
+    assert granted.returncode == 0, granted.stderr
     got = c.containers()["w0"]
     assert (got["node"], got["id"], got["state"]) == ("h2", w0["id"], "running")
     assert pid_alive(w0["id"])
