@@ -75,6 +75,9 @@ struct JobRecord {
   std::vector<JobContainer> containers;
   std::string message;  // why it ended, when not by itself
   std::string cancelled_by;
+  // Failed because its runner stopped reporting (runner_timeout): its host
+  // or its `deepnex run` is gone, or cut off. A report from it revives it.
+  bool lost = false;
   // Central sums these when the job is read: elapsed from start to end (or
   // now), GPU-hours = its allocations' GPUs x elapsed, CPU-hours from the
   // containers' CPU-time samples where there are any, else its allocations'
@@ -97,11 +100,13 @@ struct JobFilter {
 };
 
 // How much history deepnex-central keeps: ended jobs older than max_age
-// are dropped, and the oldest beyond max_count.
-// Defaults: 30 days, 10000
+// are dropped, and the oldest beyond max_count. A job whose runner has not
+// reported for runner_timeout (runners report every 2 s) is failed as lost.
+// Defaults: 30 days, 10000, 60 s
 struct JobHistoryOptions {
   std::chrono::milliseconds max_age{std::chrono::hours(24 * 30)};
   uint64_t max_count = 10000;
+  std::chrono::milliseconds runner_timeout{60000};
 };
 
 // A change of a job's state, as the store records it. kind: "queued",
