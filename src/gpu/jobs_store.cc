@@ -120,6 +120,7 @@ void ToProto(const JobRecord& job, pb::Job* p) {
   p->set_ended_ms(MsOf(job.ended));
   p->set_exit_code(job.exit_code);
   p->set_restarts(job.restarts);
+  p->set_lost(job.lost);
   for (const auto& c : job.containers) {
     pb::JobContainer* pc = p->add_containers();
     pc->set_name(c.name);
@@ -133,7 +134,6 @@ void ToProto(const JobRecord& job, pb::Job* p) {
   }
   p->set_message(job.message);
   p->set_cancelled_by(job.cancelled_by);
-  p->set_lost(job.lost);
   p->set_elapsed_s(job.elapsed_seconds);
   p->set_gpu_hours(job.gpu_hours);
   p->set_cpu_hours(job.cpu_hours);
@@ -158,13 +158,13 @@ absl::StatusOr<JobRecord> FromProto(const pb::Job& p) {
   j.ended = TimeOf(p.ended_ms());
   j.exit_code = p.exit_code();
   j.restarts = p.restarts();
+  j.lost = p.lost();
   for (const auto& c : p.containers()) {
     j.containers.push_back({c.name(), c.node(), c.role(), c.state(), c.restarts(), c.last_exit(),
                             c.cpu_seconds(), c.memory_peak()});
   }
   j.message = p.message();
   j.cancelled_by = p.cancelled_by();
-  j.lost = p.lost();
   j.elapsed_seconds = p.elapsed_s();
   j.gpu_hours = p.gpu_hours();
   j.cpu_hours = p.cpu_hours();

@@ -20,10 +20,10 @@
 #include "deepnex/env.h"
 #include "deepnex/gpu/allocator.h"
 #include "deepnex/gpu/central.h"
+#include "gpu/jobs_reporter.h"
 #include "deepnex/gpu/discovery.h"
 #include "core/file_util.h"
 #include "core/net.h"
-#include "gpu/jobs_reporter.h"
 #include "launch/util.h"
 #include "nlohmann/json.hpp"
 

@@ -72,12 +72,12 @@ struct JobRecord {
   std::chrono::system_clock::time_point ended{};
   int exit_code = 0;
   int restarts = 0;  // of all its containers
-  std::vector<JobContainer> containers;
-  std::string message;  // why it ended, when not by itself
-  std::string cancelled_by;
   // Failed because its runner stopped reporting (runner_timeout): its host
   // or its `deepnex run` is gone, or cut off. A report from it revives it.
   bool lost = false;
+  std::vector<JobContainer> containers;
+  std::string message;  // why it ended, when not by itself
+  std::string cancelled_by;
   // Central sums these when the job is read: elapsed from start to end (or
   // now), GPU-hours = its allocations' GPUs x elapsed, CPU-hours from the
   // containers' CPU-time samples where there are any, else its allocations'
