@@ -433,8 +433,9 @@ class CentralClient:
     # submitted_ms / started_ms / ended_ms (central's clock, ms since the
     # epoch; 0: not yet), exit_code, restarts, containers (name, node, role,
     # state, restarts, last_exit, cpu_seconds, memory_peak), message,
-    # cancelled_by, elapsed (seconds), gpu_hours, cpu_hours, peak_memory
-    # (bytes). Users see their own; another user's job is NotFoundError.
+    # cancelled_by, lost (failed because its runner stopped reporting),
+    # elapsed (seconds), gpu_hours, cpu_hours, peak_memory (bytes). Users see
+    # their own; another user's job is NotFoundError.
 
     def jobs(self, all=False, user=None, state=None, since=None) -> List[dict]:
         """Jobs that have not ended, as squeue; with `all`, `since` (a

@@ -59,6 +59,7 @@ py::dict JobDict(const JobRecord& j) {
   d["containers"] = containers;
   d["message"] = j.message;
   d["cancelled_by"] = j.cancelled_by;
+  d["lost"] = j.lost;
   d["elapsed"] = j.elapsed_seconds;
   d["gpu_hours"] = j.gpu_hours;
   d["cpu_hours"] = j.cpu_hours;

@@ -94,7 +94,9 @@ absl::StatusOr<std::unique_ptr<JobReporter>> JobReporter::Register(
   DEEPNEX_ASSIGN_OR_RETURN(auto client, JobsClient::Create(o));
   auto reporter = std::unique_ptr<JobReporter>(
       new JobReporter(std::move(client), std::move(snapshot), every));
-  DEEPNEX_RETURN_IF_ERROR(reporter->Send(reporter->snapshot_()));
+  reporter->registered_ = reporter->snapshot_();
+  DEEPNEX_RETURN_IF_ERROR(reporter->Send(reporter->registered_));
+  reporter->thread_ = std::thread([r = reporter.get()] { r->Loop(); });
   return reporter;
 }
 
@@ -116,9 +118,9 @@ std::string JobReporter::cancel_message() const {
 
 void JobReporter::Run() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (thread_.joinable() || stopping_) return;
+  running_ = true;
   poked_ = true;
-  thread_ = std::thread([this] { Loop(); });
+  cv_.notify_all();
 }
 
 void JobReporter::Poke() {
@@ -133,9 +135,10 @@ void JobReporter::Loop() {
     cv_.wait_for(lock, every_, [this] { return poked_ || stopping_; });
     if (stopping_) return;
     poked_ = false;
+    const bool running = running_;
     lock.unlock();
     // Best effort: the next report carries the same and more.
-    Send(snapshot_()).IgnoreError();
+    Send(running ? snapshot_() : registered_).IgnoreError();
     lock.lock();
   }
 }

@@ -18,8 +18,10 @@
 namespace deepnex::gpu {
 
 // Registers a job, then reports it every `every` and when poked, from a
-// thread of its own, until Finish. A report that central does not answer
-// (it restarts) is tried again at the next one. Thread-safe.
+// thread of its own, until Finish: the registration again until Run (so
+// that central hears from a job that waits in the queue), then what the
+// snapshot says. A report that central does not answer (it restarts) is
+// tried again at the next one. Thread-safe.
 class JobReporter {
  public:
   // What the job is now (state pending or running); called on the
@@ -34,7 +36,7 @@ class JobReporter {
   // Stops reporting (without a final report).
   ~JobReporter();
 
-  // Reports now, then every `every`, on the reporter's thread.
+  // Reports the snapshot from now on: now, then every `every`.
   void Run();
   // Reports soon (a container restarted). Any thread, any lock.
   void Poke();
@@ -62,6 +64,8 @@ class JobReporter {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool poked_ = false;
+  bool running_ = false;  // Run was called
+  JobRecord registered_;
   bool stopping_ = false;
   bool finished_ = false;
   std::string cancel_message_;

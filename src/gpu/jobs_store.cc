@@ -120,6 +120,7 @@ void ToProto(const JobRecord& job, pb::Job* p) {
   p->set_ended_ms(MsOf(job.ended));
   p->set_exit_code(job.exit_code);
   p->set_restarts(job.restarts);
+  p->set_lost(job.lost);
   for (const auto& c : job.containers) {
     pb::JobContainer* pc = p->add_containers();
     pc->set_name(c.name);
@@ -158,6 +159,7 @@ absl::StatusOr<JobRecord> FromProto(const pb::Job& p) {
   j.ended = TimeOf(p.ended_ms());
   j.exit_code = p.exit_code();
   j.restarts = p.restarts();
+  j.lost = p.lost();
   for (const auto& c : p.containers()) {
     j.containers.push_back({c.name(), c.node(), c.role(), c.state(), c.restarts(), c.last_exit(),
                             c.cpu_seconds(), c.memory_peak()});
@@ -175,7 +177,52 @@ absl::StatusOr<JobRecord> FromProto(const pb::Job& p) {
 JobStore::JobStore(JobStoreOptions options, Allocator& allocator)
     : options_(std::move(options)), allocator_(allocator) {}
 
-JobStore::~JobStore() = default;
+JobStore::~JobStore() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closing_ = true;
+    cv_.notify_all();
+  }
+  if (watcher_.joinable()) watcher_.join();
+}
+
+void JobStore::Watch() {
+  const auto timeout = options_.history.runner_timeout;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!cv_.wait_for(lock, std::min<milliseconds>(timeout / 4, milliseconds(1000)),
+                       [this] { return closing_; })) {
+    const auto now = std::chrono::steady_clock::now();
+    std::vector<JobEvent> events;
+    for (auto it = heard_.begin(); it != heard_.end();) {
+      auto job = jobs_.find(it->first);
+      if (job == jobs_.end() || Ended(job->second)) {
+        it = heard_.erase(it);
+        continue;
+      }
+      if (now - it->second < timeout) {
+        ++it;
+        continue;
+      }
+      // Its allocations stay: a runner cut off from central may still run
+      // on them (leases, where the job asked for them, end that).
+      pb::Job j = job->second;
+      j.set_state("failed");
+      j.set_lost(true);
+      j.set_ended_ms(NowMs());
+      j.set_exit_code(1);
+      j.set_message(absl::StrCat("lost: its runner did not report for ", timeout.count() / 1000.0,
+                                 " s"));
+      PutLocked(j);
+      events.push_back(EventOf("failed", j));
+      it = heard_.erase(it);
+    }
+    if (events.empty()) continue;
+    const uint64_t ticket = last_ticket_;
+    lock.unlock();
+    Commit(ticket, events).IgnoreError();
+    lock.lock();
+  }
+}
 
 absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const JobStoreOptions& options,
                                                          Allocator& allocator) {
@@ -193,8 +240,13 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const JobStoreOptions& 
     std::lock_guard<std::mutex> lock(store->mu_);
     store->PruneLocked(NowMs());
     ticket = store->last_ticket_;
+    // Their runners get the timeout from now: central was not listening.
+    for (const auto& [name, j] : store->jobs_) {
+      if (!Ended(j)) store->heard_[name] = std::chrono::steady_clock::now();
+    }
   }
   DEEPNEX_RETURN_IF_ERROR(store->Commit(ticket, {}));
+  store->watcher_ = std::thread([s = store.get()] { s->Watch(); });
   return store;
 }
 
@@ -307,6 +359,15 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
       *j.mutable_notify() = in.notify();  // before the first event: its URLs
       events.push_back(EventOf("queued", j));
     }
+    if (j.lost()) {
+      // Its runner is back (it was cut off): running again, or ended as it
+      // says.
+      j.set_lost(false);
+      j.set_state(j.started_ms() != 0 ? "running" : "pending");
+      j.set_ended_ms(0);
+      j.set_exit_code(0);
+      j.clear_message();
+    }
     const int restarts_before = j.restarts();
     // What the runner knows; central keeps the state, times and who cancelled.
     *j.mutable_command() = in.command();
@@ -336,7 +397,12 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
     }
     PutLocked(j);
     reply = Filled(j, now);
-    if (Ended(j)) PruneLocked(now);
+    if (Ended(j)) {
+      heard_.erase(j.name());
+      PruneLocked(now);
+    } else {
+      heard_[j.name()] = std::chrono::steady_clock::now();
+    }
     ticket = last_ticket_;
     SnapshotIfDueLocked();
   }

@@ -15,10 +15,13 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "deepnex/auth.h"
@@ -49,8 +52,9 @@ struct JobStoreOptions {
 // on anyone's, a job's token on that job only.
 class JobStore {
  public:
-  // Replays `options.dir`, then prunes the history. `allocator` outlives
-  // the store.
+  // Replays `options.dir`, then prunes the history, and fails as lost the
+  // jobs not heard from for history.runner_timeout from now on. `allocator`
+  // outlives the store.
   static absl::StatusOr<std::unique_ptr<JobStore>> Open(const JobStoreOptions& options,
                                                         Allocator& allocator);
   ~JobStore();
@@ -75,6 +79,8 @@ class JobStore {
   absl::Status Commit(uint64_t ticket, const std::vector<JobEvent>& events);
   // The job `name` if `who` may see it, else NotFound.
   absl::StatusOr<pb::Job*> FindLocked(const Identity& who, const std::string& name);
+  // The lost-runner watch: fails the jobs not heard from in time.
+  void Watch();
 
   const JobStoreOptions options_;
   Allocator& allocator_;
@@ -83,6 +89,11 @@ class JobStore {
   std::map<std::string, pb::Job> jobs_;  // by name
   // The ledger's ticket of the last record appended; 0: none (or no ledger).
   uint64_t last_ticket_ = 0;
+  // When each job that has not ended was last reported (or the store opened).
+  std::map<std::string, std::chrono::steady_clock::time_point> heard_;
+  std::condition_variable cv_;
+  bool closing_ = false;
+  std::thread watcher_;  // last: it starts once the rest is set up
 };
 
 }  // namespace deepnex::gpu

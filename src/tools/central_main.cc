@@ -100,6 +100,8 @@ flags:
   --job-history-age S     keep ended jobs' records (`deepnex jobs --all`) for S
                           seconds (default 2592000: 30 days)
   --job-history-count N   and at most the N newest of them (default 10000)
+  --job-runner-timeout S  a job whose `deepnex run` has not reported for S
+                          seconds fails as lost (default 60)
   --help                  show this text
 )";
 
@@ -172,6 +174,8 @@ int main(int argc, char** argv) {
       notify.max_age = flags.Seconds();
     } else if (flags.Is("--job-history-age")) {
       options.job_history.max_age = flags.Seconds();
+    } else if (flags.Is("--job-runner-timeout")) {
+      options.job_history.runner_timeout = flags.Seconds();
     } else if (flags.Is("--job-history-count")) {
       const std::string flag = flags.flag();
       const int n = flags.Int();

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -192,6 +193,26 @@ def test_a_worker_restart_is_in_the_record(central, tmp_path):
     (tmp_path / "gate").write_text("")
     assert j.wait(60) == 0, j.output()
     assert alice.job(j.name)["state"] == "completed"
+
+
+def test_a_job_whose_runner_dies_fails_as_lost_and_a_waiting_one_stays_pending(
+        central, tmp_path):
+    address = central("--job-runner-timeout", "1")
+    alice = clients(address)["alice"]
+    holder = central.run(address, ["--workers", "1", "--gpus-per-worker", "2"],
+                         gated(tmp_path / "gate"))
+    holder.await_line(r"^\[worker 0\] up")
+    waiting = central.run(address, ["--workers", "1", "--gpus-per-worker", "1"], ["true"])
+    wait_for(lambda: state_of(alice, waiting.name) == "pending", "the second job to wait")
+    holder.proc.send_signal(signal.SIGKILL)
+    wait_for(lambda: state_of(alice, holder.name) == "failed", "the job to fail as lost")
+    record = alice.job(holder.name)
+    assert (record["lost"], record["exit_code"], record["message"]) == (
+        True, 1, "lost: its runner did not report for 1 s")
+    # The waiting one's runner keeps saying it waits.
+    submitted = alice.job(waiting.name)["submitted_ms"] / 1000.0
+    wait_for(lambda: time.time() > submitted + 3, "3 s past the waiting job's submission")
+    assert state_of(alice, waiting.name) == "pending"
 
 
 def test_central_killed_mid_job_keeps_its_record_and_the_history(central, tmp_path):

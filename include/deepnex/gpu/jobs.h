@@ -72,6 +72,9 @@ struct JobRecord {
   std::chrono::system_clock::time_point ended{};
   int exit_code = 0;
   int restarts = 0;  // of all its containers
+  // Failed because its runner stopped reporting (runner_timeout): its host
+  // or its `deepnex run` is gone, or cut off. A report from it revives it.
+  bool lost = false;
   std::vector<JobContainer> containers;
   std::string message;  // why it ended, when not by itself
   std::string cancelled_by;
@@ -99,11 +102,13 @@ struct JobFilter {
 };
 
 // How much history deepnex-central keeps: ended jobs older than max_age
-// are dropped, and the oldest beyond max_count.
-// Defaults: 30 days, 10000
+// are dropped, and the oldest beyond max_count. A job whose runner has not
+// reported for runner_timeout (runners report every 2 s) is failed as lost.
+// Defaults: 30 days, 10000, 60 s
 struct JobHistoryOptions {
   std::chrono::milliseconds max_age{std::chrono::hours(24 * 30)};
   uint64_t max_count = 10000;
+  std::chrono::milliseconds runner_timeout{60000};
 };
 
 // A change of a job's state, as the store records it. kind: "queued",

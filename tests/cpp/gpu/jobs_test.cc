@@ -229,6 +229,32 @@ TEST_F(JobsTest, RetentionDropsTheOldestByCountAndByAge) {
   EXPECT_THAT(Names(*alice, All()), ElementsAre("e"));
 }
 
+TEST_F(JobsTest, AJobWhoseRunnerFallsSilentFailsAsLostAndItsReportRevivesIt) {
+  JobHistoryOptions history;
+  history.runner_timeout = 300ms;
+  Start(history);
+  auto alice = Jobs("alicetok");
+  const JobRecord running = Job("j1", JobState::kRunning, {{"a1", "n1", 1, 1, 0}});
+  ASSERT_OK(alice->Report(running, "r1").status());
+  ASSERT_TRUE(::deepnex::test::WaitFor(
+      [&] {
+        auto j = alice->Get("j1");
+        return j.ok() && j->state == JobState::kFailed;
+      },
+      10s, "j1 to fail as lost"));
+  ASSERT_OK_AND_ASSIGN(JobRecord lost, alice->Get("j1"));
+  EXPECT_TRUE(lost.lost);
+  EXPECT_EQ(lost.exit_code, 1);
+  EXPECT_EQ(lost.message, "lost: its runner did not report for 0.3 s");
+  EXPECT_THAT(events(), ElementsAre("queued j1", "started j1", "failed j1"));
+  // Cut off, not gone: its next report makes it run again.
+  ASSERT_OK_AND_ASSIGN(JobRecord back, alice->Report(running, "r1"));
+  EXPECT_EQ(back.state, JobState::kRunning);
+  EXPECT_FALSE(back.lost);
+  EXPECT_EQ(back.ended, std::chrono::system_clock::time_point{});
+  EXPECT_EQ(back.started, lost.started);
+}
+
 TEST_F(JobsTest, SinceKeepsJobsNotEndedBeforeIt) {
   Start();
   auto alice = Jobs("alicetok");
