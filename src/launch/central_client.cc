@@ -43,6 +43,20 @@ absl::StatusOr<CentralContainer> FromProto(const pb::ContainerInfo& p) {
   return c;
 }
 
+CentralImage ImageFromProto(const pb::CatalogImage& p) {
+  CentralImage i;
+  i.name = p.name();
+  i.tag = p.tag();
+  i.owner = p.owner();
+  i.visibility = p.visibility();
+  i.shared_with.assign(p.shared_with().begin(), p.shared_with().end());
+  i.size = p.size();
+  i.created = std::chrono::system_clock::time_point(
+      std::chrono::duration_cast<std::chrono::system_clock::duration>(
+          std::chrono::duration<double>(p.created())));
+  return i;
+}
+
 class CentralClientImpl final : public CentralClient {
  public:
   CentralClientImpl(const gpu::CentralClientOptions& options, std::string token)
@@ -53,6 +67,7 @@ class CentralClientImpl final : public CentralClient {
     DEEPNEX_ASSIGN_OR_RETURN(auto channel, Dial("central", options_.address, credentials,
                                                 std::min(options_.timeout, kConnectTimeout)));
     stub_ = pb::Containers::NewStub(channel);
+    images_ = pb::Images::NewStub(channel);
     return absl::OkStatus();
   }
 
@@ -126,7 +141,66 @@ class CentralClientImpl final : public CentralClient {
     }
   }
 
+  absl::StatusOr<std::vector<CentralImage>> ListImages() override {
+    pb::ImageList reply;
+    DEEPNEX_RETURN_IF_ERROR(Call(
+        [&](auto* ctx) { return images_->ListImages(ctx, pb::ListImagesRequest(), &reply); }));
+    std::vector<CentralImage> out;
+    for (const auto& i : reply.images()) out.push_back(ImageFromProto(i));
+    return out;
+  }
+
+  absl::StatusOr<CentralImage> RegisterImage(const std::string& name, const std::string& source,
+                                             const std::string& owner, bool force) override {
+    pb::RegisterImageRequest req;
+    req.set_name(name);
+    req.set_source(source);
+    req.set_owner(owner);
+    req.set_force(force);
+    pb::CatalogImage reply;
+    DEEPNEX_RETURN_IF_ERROR(
+        Call([&](auto* ctx) { return images_->RegisterImage(ctx, req, &reply); }));
+    return ImageFromProto(reply);
+  }
+
+  absl::StatusOr<CentralImage> ShareImage(const std::string& name,
+                                          const std::vector<std::string>& users,
+                                          bool make_public) override {
+    pb::ShareImageRequest req = ShareRequest(name, users);
+    req.set_public_(make_public);
+    pb::CatalogImage reply;
+    DEEPNEX_RETURN_IF_ERROR(
+        Call([&](auto* ctx) { return images_->ShareImage(ctx, req, &reply); }));
+    return ImageFromProto(reply);
+  }
+
+  absl::StatusOr<CentralImage> UnshareImage(const std::string& name,
+                                            const std::vector<std::string>& users) override {
+    pb::ShareImageRequest req = ShareRequest(name, users);
+    pb::CatalogImage reply;
+    DEEPNEX_RETURN_IF_ERROR(
+        Call([&](auto* ctx) { return images_->UnshareImage(ctx, req, &reply); }));
+    return ImageFromProto(reply);
+  }
+
+  absl::StatusOr<CentralImage> RemoveImage(const std::string& name) override {
+    pb::RemoveImageRequest req;
+    req.set_name(name);
+    pb::CatalogImage reply;
+    DEEPNEX_RETURN_IF_ERROR(
+        Call([&](auto* ctx) { return images_->RemoveImage(ctx, req, &reply); }));
+    return ImageFromProto(reply);
+  }
+
  private:
+  static pb::ShareImageRequest ShareRequest(const std::string& name,
+                                            const std::vector<std::string>& users) {
+    pb::ShareImageRequest req;
+    req.set_name(name);
+    for (const auto& u : users) req.add_users(u);
+    return req;
+  }
+
   // `extra`: time the call may take on top of the client's timeout.
   template <class Fn>
   absl::Status Call(Fn fn, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) {
@@ -152,6 +226,7 @@ class CentralClientImpl final : public CentralClient {
   const gpu::CentralClientOptions options_;
   const std::string token_;
   std::unique_ptr<pb::Containers::Stub> stub_;
+  std::unique_ptr<pb::Images::Stub> images_;
 };
 
 }  // namespace
