@@ -102,8 +102,9 @@ class MetricsRegistry {
   std::map<std::string, Family> families_;
 };
 
-// Serves GET /metrics (the registry's Prometheus text) over plain HTTP/1.1
-// on its own thread, one request per connection, many connections at once.
+// Serves GET /metrics (the registry's Prometheus text), and GET /healthz when
+// given a health check, over plain HTTP/1.1 on its own thread, one request
+// per connection, many connections at once.
 // A client that has not sent its whole request within kRequestDeadline of
 // connecting is dropped, so slow or silent clients never stall a scrape.
 // Thread-safe; Stop() is idempotent.
@@ -117,8 +118,11 @@ class MetricsHttpServer {
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Create(
       const MetricsRegistry* registry, const std::string& address);
   // Serves what `text` returns, called on the server's thread per request.
+  // With `health`, GET /healthz answers 200 "ok" while it returns OK and 503
+  // with its message otherwise (kubelet's /healthz, for probes).
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Create(
-      std::function<std::string()> text, const std::string& address);
+      std::function<std::string()> text, const std::string& address,
+      std::function<absl::Status()> health = nullptr);
   virtual ~MetricsHttpServer() = default;
   virtual int port() const = 0;
   virtual void Stop() = 0;

@@ -33,7 +33,7 @@ def _size(n):
 
 def _nodes(args):
     rows = [("NODE", "MODE", "STATUS", "HEARTBEAT", "GPUS USED/ALL", "GPU MEMORY USED/ALL",
-             "CPUS USED/ALL", "MEMORY USED/ALL")]
+             "CPUS USED/ALL", "MEMORY USED/ALL", "ADDRESS")]
     if args.usage:  # what the agents measure, beside what is granted
         rows[0] += ("CPUS BUSY", "MEMORY IN USE")
     now = time.time()
@@ -50,7 +50,7 @@ def _nodes(args):
         total_mem = sum(g["memory"] for g in gpus)
         rows.append((n.name, n.mode, state, beat, f"{len(gpus) - n.gpus_free}/{len(gpus)}",
                      f"{_size(used_mem)}/{_size(total_mem)}", f"{n.cpus_used}/{n.cpus}",
-                     f"{_size(n.memory_used)}/{_size(n.memory)}"))
+                     f"{_size(n.memory_used)}/{_size(n.memory)}", n.address or "-"))
         if args.usage:
             agent = n.last_heartbeat is not None
             rows[-1] += (f"{n.cpus_busy:.1f}" if agent else "-",

@@ -292,6 +292,7 @@ void RegisterGpu(py::module_& parent) {
       .def_readonly("ready", &NodeInfo::ready)
       .def_readonly("cpus_busy", &NodeInfo::cpus_busy)
       .def_readonly("memory_in_use", &NodeInfo::memory_in_use)
+      .def_readonly("address", &NodeInfo::address)
       .def_property_readonly("last_heartbeat", [](const NodeInfo& n) -> std::optional<double> {
         // Seconds since the epoch; None for a node without an agent.
         if (n.last_heartbeat_ms == 0) return std::nullopt;

@@ -13,11 +13,15 @@
 #include "absl/strings/str_cat.h"
 #include "agent/report.h"
 #include "core/file_util.h"
+#include "launch/cgroup.h"
+#include "launch/command.h"
+#include "launch/util.h"
 
 namespace deepnex::agent {
 namespace {
 
 constexpr std::chrono::milliseconds kPoll{100};
+constexpr std::chrono::seconds kRuncTimeout{30};
 
 // Alive and not a zombie (an orphan's zombie is init's to reap).
 bool Alive(pid_t pid) {
@@ -28,24 +32,56 @@ bool Alive(pid_t pid) {
          text[paren + 2] != 'X';
 }
 
+// How an adopted container is reached, by its backend.
+struct Reach {
+  // Sends a signal to every process of the container.
+  std::function<void(int sig)> signal;
+  // Once it ended (oci: runc's state of it); may be empty.
+  std::function<void()> remove;
+  std::string cgroup;  // the record's, for usage; empty: none
+};
+
+// runc as the oci backend calls it (its --root), for adopted containers.
+struct Runc {
+  std::string binary, root;
+  absl::StatusOr<std::string> Call(std::vector<std::string> args) const {
+    args.insert(args.begin(), {binary, "--root", root});
+    DEEPNEX_ASSIGN_OR_RETURN(launch::CommandResult r,
+                             launch::RunCommand(args, launch::OwnEnv(), kRuncTimeout));
+    if (!r.ok()) return absl::UnavailableError(launch::DescribeFailure(args, r));
+    return r.out;
+  }
+};
+
 class Adopted final : public launch::Handle {
  public:
-  Adopted(launch::ContainerSpec spec, pid_t pid, std::string log, launch::ContainerStatus st)
-      : spec_(std::move(spec)), pid_(pid), log_(std::move(log)), status_(std::move(st)) {}
+  Adopted(launch::ContainerSpec spec, pid_t pid, std::string log, launch::ContainerStatus st,
+          Reach reach)
+      : spec_(std::move(spec)), pid_(pid), log_(std::move(log)), status_(std::move(st)),
+        reach_(std::move(reach)) {}
 
   const launch::ContainerSpec& spec() const override { return spec_; }
 
   launch::ContainerStatus Status() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (status_.state == launch::State::kRunning && !Alive(pid_)) {
-      status_.state = stopped_ ? launch::State::kStopped : launch::State::kExited;
-      launch::ExitStatus e;
-      e.reason = stopped_ ? launch::ExitReason::kSignaled : launch::ExitReason::kLost;
-      e.signal = stopped_ ? SIGTERM : 0;
-      e.restarts = status_.restarts;
-      status_.last_exit = e;
+    launch::ContainerStatus st;
+    bool ended_now = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (status_.state == launch::State::kRunning && !Alive(pid_)) {
+        status_.state = stopped_ ? launch::State::kStopped : launch::State::kExited;
+        launch::ExitStatus e;
+        e.reason = stopped_ ? launch::ExitReason::kSignaled : launch::ExitReason::kLost;
+        e.signal = stopped_ ? SIGTERM : 0;
+        e.restarts = status_.restarts;
+        status_.last_exit = e;
+        ended_now = true;
+      }
+      st = status_;
     }
-    return status_;
+    // Nothing reads what the backend keeps of it after its end (its exit
+    // went with its parent), so it goes now, once.
+    if (ended_now && reach_.remove) reach_.remove();
+    return st;
   }
 
   absl::StatusOr<launch::ExitStatus> Wait(std::chrono::milliseconds timeout) override {
@@ -68,10 +104,9 @@ class Adopted final : public launch::Handle {
       std::lock_guard<std::mutex> lock(mu_);
       stopped_ = true;
     }
-    // The process backend made it a session (and group) leader.
-    kill(-pid_, SIGTERM);
+    reach_.signal(SIGTERM);
     if (Wait(grace).ok()) return absl::OkStatus();
-    kill(-pid_, SIGKILL);
+    reach_.signal(SIGKILL);
     return Wait(std::chrono::seconds(10)).status();
   }
 
@@ -107,7 +142,12 @@ class Adopted final : public launch::Handle {
     return FollowByReading(*this, sink, kPoll);
   }
 
-  absl::StatusOr<launch::Usage> Usage() override { return launch::Usage{}; }
+  absl::StatusOr<launch::Usage> Usage() override {
+    if (reach_.cgroup.empty() || Ended()) return launch::Usage{};
+    absl::StatusOr<std::unique_ptr<launch::Cgroup>> cg = launch::Cgroup::Open(reach_.cgroup);
+    if (!cg.ok()) return launch::Usage{};
+    return (*cg)->ReadUsage();
+  }
 
  private:
   bool Ended() {
@@ -120,20 +160,30 @@ class Adopted final : public launch::Handle {
   const std::string log_;
   std::mutex mu_;
   launch::ContainerStatus status_;
+  const Reach reach_;
   bool stopped_ = false;
 };
 
 }  // namespace
 
-std::vector<std::shared_ptr<launch::Handle>> AdoptOrphans(const std::string& state_dir,
+std::vector<std::shared_ptr<launch::Handle>> AdoptOrphans(const launch::LauncherOptions& options,
                                                           const std::string& own_launcher_id) {
   std::vector<std::shared_ptr<launch::Handle>> out;
+  const std::string& state_dir = options.state_dir;
+  const std::string& backend = options.backend;
+  if (state_dir.empty() || (backend != "process" && backend != "oci")) return out;
+  Runc runc{options.oci.runc, options.oci.root.empty() ? state_dir + "/runc" : options.oci.root};
+  if (backend == "oci") {
+    absl::StatusOr<std::string> found = launch::FindOnPath(runc.binary, launch::PathOf({}));
+    if (!found.ok()) return out;  // the launcher's Create said why already
+    runc.binary = *found;
+  }
   std::error_code ec;
   for (const auto& dir : std::filesystem::directory_iterator(state_dir + "/containers", ec)) {
     auto text = ReadWholeFile(dir.path().string() + "/record.json", "container record");
     if (!text.ok()) continue;
     nlohmann::json r = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
-    if (!r.is_object() || r.value("backend", "") != "process") continue;
+    if (!r.is_object() || r.value("backend", "") != backend) continue;
     const int launcher_pid = r.value("launcher_pid", 0);
     if (r.value("launcher_id", "") == own_launcher_id ||
         (launcher_pid > 0 && (launcher_pid == getpid() || Alive(launcher_pid)))) {
@@ -143,10 +193,27 @@ std::vector<std::shared_ptr<launch::Handle>> AdoptOrphans(const std::string& sta
     if (state != "running" && state != "starting" && state != "restarting") continue;
     const std::string id = r.value("id", "");
     pid_t pid = 0;
-    try {
-      pid = static_cast<pid_t>(std::stol(id));
-    } catch (...) {
-      continue;
+    Reach reach;
+    reach.cgroup = r.value("cgroup", "");
+    if (backend == "process") {
+      try {
+        pid = static_cast<pid_t>(std::stol(id));
+      } catch (...) {
+        continue;
+      }
+      // The process backend made it a session (and group) leader.
+      reach.signal = [pid](int sig) { kill(-pid, sig); };
+    } else {
+      // The run name is runc's id; its init's pid is in runc's state.
+      absl::StatusOr<std::string> state = runc.Call({"state", id});
+      if (!state.ok()) continue;
+      nlohmann::json s = nlohmann::json::parse(*state, nullptr, /*allow_exceptions=*/false);
+      if (!s.is_object() || s.value("status", "") != "running") continue;
+      pid = s.value("pid", 0);
+      reach.signal = [runc, id](int sig) {
+        runc.Call({"kill", "--all", id, std::to_string(sig)}).IgnoreError();
+      };
+      reach.remove = [runc, id] { runc.Call({"delete", "--force", id}).IgnoreError(); };
     }
     if (pid <= 1 || !Alive(pid)) continue;
     launch::ContainerSpec spec;
@@ -170,7 +237,8 @@ std::vector<std::shared_ptr<launch::Handle>> AdoptOrphans(const std::string& sta
             std::chrono::duration<double>(r.value("started_at", 0.0))));
     const std::string log =
         absl::StrCat(dir.path().string(), "/run-", st.restarts, "/output.log");
-    out.push_back(std::make_shared<Adopted>(std::move(spec), pid, log, std::move(st)));
+    out.push_back(
+        std::make_shared<Adopted>(std::move(spec), pid, log, std::move(st), std::move(reach)));
   }
   return out;
 }

@@ -7,6 +7,7 @@
 
 #include <condition_variable>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -16,9 +17,11 @@
 #include "agent/adopt.h"
 #include "agent/report.h"
 #include "core/grpc_util.h"
+#include "core/net.h"
 #include "deepnex/agent.grpc.pb.h"
 #include "deepnex/auth.h"
 #include "deepnex/gpu/discovery.h"
+#include "deepnex/metrics.h"
 #include "deepnex/units.h"
 #include "gpu/central_convert.h"
 #include "launch/central_wire.h"
@@ -42,11 +45,11 @@ bool Refusal(grpc::StatusCode code) {
 
 class AgentImpl final : public Agent {
  public:
-  AgentImpl(const AgentOptions& options, gpu::Node node, std::string token,
-            std::unique_ptr<launch::Launcher> launcher,
+  AgentImpl(const AgentOptions& options, gpu::Node node, std::string address,
+            std::string token, std::unique_ptr<launch::Launcher> launcher,
             std::vector<std::shared_ptr<launch::Handle>> adopted)
-      : options_(options), node_(std::move(node)), token_(std::move(token)),
-        launcher_(std::move(launcher)) {
+      : options_(options), node_(std::move(node)), address_(std::move(address)),
+        token_(std::move(token)), launcher_(std::move(launcher)) {
     for (auto& h : adopted) adopted_[h->spec().name] = h;
   }
   ~AgentImpl() override { Stop(); }
@@ -55,6 +58,16 @@ class AgentImpl final : public Agent {
     DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("deepnex-agent"));
     DEEPNEX_ASSIGN_OR_RETURN(auto credentials, MakeChannelCredentials(options_.tls_ca_file));
     stub_ = pb::Agents::NewStub(MakeChannel(options_.central, credentials));
+    if (!options_.listen.empty()) {
+      auto http = MetricsHttpServer::Create([this] { return MetricsText(); }, options_.listen,
+                                            [this] { return Health(); });
+      if (!http.ok()) {
+        return absl::Status(http.status().code(),
+                            absl::StrCat("listen: ", http.status().message()));
+      }
+      http_ = std::move(*http);
+    }
+    started_ = true;
     for (auto& [name, h] : adopted_) Watch(h);
     loop_ = std::thread([this] { Loop(); });
     beat_ = std::thread([this] { Beat(); });
@@ -62,6 +75,13 @@ class AgentImpl final : public Agent {
   }
 
   const gpu::Node& node() const override { return node_; }
+  const std::string& address() const override { return address_; }
+
+  std::string http_address() const override {
+    if (http_ == nullptr) return "";
+    const std::string host = HostOf(options_.listen);
+    return JoinHostPort(IsWildcardHost(host) ? address_ : host, http_->port());
+  }
 
   absl::Status WaitRegistered(std::chrono::milliseconds timeout) override {
     std::unique_lock<std::mutex> lock(mu_);
@@ -85,12 +105,16 @@ class AgentImpl final : public Agent {
       if (ctx_) ctx_->TryCancel();
       cv_.notify_all();
     }
+    if (http_ != nullptr) http_->Stop();
     if (loop_.joinable()) loop_.join();
     if (beat_.joinable()) beat_.join();
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] { return commands_ == 0; });
     }
+    // An agent that failed to start took nothing over: what it adopted runs
+    // on for the next one.
+    if (!started_) return;
     // Stops the containers, which lets their watchers go.
     launcher_.reset();
     for (auto& [name, h] : adopted_) h->Stop(kStopGrace).IgnoreError();
@@ -125,6 +149,7 @@ class AgentImpl final : public Agent {
       pb::Register* reg = hello.mutable_register_();
       gpu::ToProto(node_, reg->mutable_node());
       reg->set_backend(launcher_->backend());
+      reg->set_address(address_);
       for (auto& h : Containers()) *reg->add_containers() = ReportOf(*h);
       Write(hello);
       pb::CentralMessage in;
@@ -135,6 +160,7 @@ class AgentImpl final : public Agent {
           heartbeat_ = std::chrono::milliseconds(std::max<int64_t>(10, in.registered().heartbeat_ms()));
           kicked_ = true;  // Beat waits on the old interval: wake it
           backoff = kFirstBackoff;
+          last_failure_.clear();
           cv_.notify_all();
         } else if (in.has_command()) {
           Dispatch(in.command());
@@ -153,6 +179,12 @@ class AgentImpl final : public Agent {
         final_ = ToAbslStatus(status);
         cv_.notify_all();
         return;
+      }
+      // Once per kind of failure, not once per redial.
+      if (status.error_message() != last_failure_) {
+        last_failure_ = status.error_message();
+        std::cerr << "deepnex-agent: node " << node_.name << ": the stream to deepnex-central at "
+                  << options_.central << " ended (" << last_failure_ << "); dialling again\n";
       }
       cv_.wait_for(lock, backoff, [this] { return done_; });
       backoff = std::min(backoff * 2, kMaxBackoff);
@@ -174,7 +206,45 @@ class AgentImpl final : public Agent {
       MeasureNode(beat->mutable_usage());
       Write(m);
       lock.lock();
+      usage_ = beat->usage();
     }
+  }
+
+  // /healthz: healthy while central has accepted the agent on the stream
+  // open now, as kubelet's is while it can reach its API server.
+  absl::Status Health() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (registered_) return absl::OkStatus();
+    return absl::UnavailableError(absl::StrCat("node ", node_.name,
+                                               ": not registered with deepnex-central at ",
+                                               options_.central));
+  }
+
+  // /metrics: the node's usage as the last heartbeat measured it, and each
+  // live container's now (the names central exports per node).
+  std::string MetricsText() {
+    MetricsRegistry now;
+    const Labels node{{"node", node_.name}};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      now.GetGauge("deepnex_agent_registered",
+                   "1 while deepnex-central has accepted this agent, else 0.", node)
+          ->Set(registered_ ? 1 : 0);
+      now.GetGauge("deepnex_node_cpus_busy", "Cores busy on the node.", node)
+          ->Set(usage_.cpu_busy());
+      now.GetGauge("deepnex_node_memory_in_use_bytes", "Memory in use on the node.", node)
+          ->Set(static_cast<double>(usage_.memory_used()));
+    }
+    for (auto& h : Containers()) {
+      const pb::ContainerReport r = ReportOf(*h);
+      if (Ended(r)) continue;
+      const Labels labels{{"node", node_.name}, {"user", r.user()}, {"container", r.name()}};
+      now.GetGauge("deepnex_container_cpu_seconds", "CPU seconds a container has used.", labels)
+          ->Set(r.usage().cpu_seconds());
+      now.GetGauge("deepnex_container_memory_bytes", "Memory a container uses now.", labels)
+          ->Set(static_cast<double>(r.usage().memory()));
+    }
+    return now.PrometheusText();
   }
 
   // The node's busy cores since the last call (from /proc/stat) and memory
@@ -312,6 +382,7 @@ class AgentImpl final : public Agent {
 
   const AgentOptions options_;
   const gpu::Node node_;
+  const std::string address_;
   const std::string token_;
   std::unique_ptr<launch::Launcher> launcher_;
   std::unique_ptr<pb::Agents::Stub> stub_;
@@ -323,6 +394,8 @@ class AgentImpl final : public Agent {
   bool kicked_ = false;
   bool done_ = false;
   bool stopped_ = false;
+  bool started_ = false;  // set by Start before its threads
+  std::string last_failure_;  // the stream's last error, logged once
   absl::Status final_;
   std::chrono::milliseconds heartbeat_{2000};
   int commands_ = 0;
@@ -331,6 +404,9 @@ class AgentImpl final : public Agent {
   // MeasureNode's last /proc/stat reading.
   uint64_t cpu_total_ = 0, cpu_idle_ = 0;
   std::chrono::steady_clock::time_point cpu_at_;
+  pb::NodeUsage usage_;  // the last heartbeat's, for /metrics
+
+  std::unique_ptr<MetricsHttpServer> http_;  // --listen's, or none
 
   std::mutex write_mu_;  // one writer at a time on the stream
   grpc::ClientReaderWriter<pb::AgentMessage, pb::CentralMessage>* stream_ = nullptr;
@@ -380,14 +456,19 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(const AgentOptions& options
     return absl::InvalidArgumentError(absl::StrCat("cpus: ", options.cpus, " is negative"));
   }
   node.labels = options.labels;
+  std::string address = options.advertise;
+  if (address.empty()) {
+    address = PrimaryAddress(HostOf(options.central));
+  } else {
+    DEEPNEX_RETURN_IF_ERROR(ValidateAdvertiseHost("advertise", address));
+  }
   DEEPNEX_ASSIGN_OR_RETURN(auto launcher, launch::Launcher::Create(options.launcher));
   // A killed agent before this one stopped nothing: its containers run on.
   std::vector<std::shared_ptr<launch::Handle>> adopted;
-  if (launcher->backend() == "process" && !options.launcher.state_dir.empty()) {
-    adopted = AdoptOrphans(options.launcher.state_dir, launcher->id());
-  }
-  auto agent = std::make_unique<AgentImpl>(options, std::move(node), std::move(token),
-                                           std::move(launcher), std::move(adopted));
+  adopted = AdoptOrphans(options.launcher, launcher->id());
+  auto agent = std::make_unique<AgentImpl>(options, std::move(node), std::move(address),
+                                           std::move(token), std::move(launcher),
+                                           std::move(adopted));
   DEEPNEX_RETURN_IF_ERROR(agent->Start());
   return std::unique_ptr<Agent>(std::move(agent));
 }

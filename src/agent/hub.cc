@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "agent/report.h"
 #include "core/grpc_util.h"
+#include "core/net.h"
 #include "gpu/central_convert.h"
 
 namespace deepnex::agent {
@@ -261,6 +262,7 @@ void Hub::Fill(gpu::NodeInfo* info) const {
   info->last_heartbeat_ms = it->second.heard_ms;
   info->cpus_busy = it->second.usage.cpu_busy();
   info->memory_in_use = it->second.usage.memory_used();
+  info->address = it->second.address;
 }
 
 std::string Hub::MetricsText() const {
@@ -299,6 +301,9 @@ absl::Status Hub::OnRegister(Stream* s, const Identity& who, const pb::Register&
     return absl::PermissionDeniedError(absl::StrCat("the token of node ", who.name,
                                                     " cannot act as node ", name));
   }
+  if (!reg.address().empty()) {
+    DEEPNEX_RETURN_IF_ERROR(ValidateAdvertiseHost("address", reg.address()));
+  }
   DEEPNEX_ASSIGN_OR_RETURN(gpu::Node node, gpu::FromProto(reg.node()));
   node.labels[kAgentLabel] = "true";
   // A node an admin declared (or an earlier registration left in the
@@ -321,6 +326,7 @@ absl::Status Hub::OnRegister(Stream* s, const Identity& who, const pb::Register&
     }
     link.stream = s;
     link.backend = reg.backend();
+    link.address = reg.address();
     link.containers.clear();
     for (const auto& c : reg.containers()) link.containers[c.name()] = c;
     was_not_ready = HeardLocked(link);

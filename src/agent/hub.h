@@ -82,7 +82,7 @@ class Hub {
       const std::string& node, const std::string& name,
       const std::function<bool(const proto::ContainerReport&)>& done,
       std::chrono::milliseconds timeout);
-  // Sets `info`'s last_heartbeat_ms for an agent's node.
+  // Sets `info`'s last_heartbeat_ms, usage and address for an agent's node.
   void Fill(gpu::NodeInfo* info) const;
   // Per agent node: ready (1/0), seconds since heard, and NotReady events.
   std::string MetricsText() const;
@@ -98,6 +98,7 @@ class Hub {
   struct Link {
     Stream* stream = nullptr;  // the connected one
     std::string backend;
+    std::string address;  // the node's, as its agent advertises it
     std::chrono::steady_clock::time_point heard;
     int64_t heard_ms = 0;  // system clock, for `deepnex nodes`
     bool ready = true;

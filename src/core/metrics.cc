@@ -175,15 +175,31 @@ constexpr size_t kMaxRequestBytes = 8192;
 // Connections served at once; more wait in the listen backlog.
 constexpr size_t kMaxConnections = 64;
 
-std::string Response(const std::string& request, const std::function<std::string()>& text) {
+// Whether the request line is GET `path` (with or without a query).
+bool IsGet(const std::string& request, const std::string& path) {
+  const std::string line = "GET " + path;
+  if (request.rfind(line, 0) != 0 || request.size() <= line.size()) return false;
+  const char next = request[line.size()];
+  return next == ' ' || next == '?' || next == '\r';
+}
+
+std::string Response(const std::string& request, const std::function<std::string()>& text,
+                     const std::function<absl::Status()>& health) {
   std::string status = "200 OK", body;
-  const bool metrics = request.rfind("GET /metrics", 0) == 0 &&
-                       (request[12] == ' ' || request[12] == '?' || request[12] == '\r');
-  if (metrics) {
+  if (IsGet(request, "/metrics")) {
     body = text();
+  } else if (health && IsGet(request, "/healthz")) {
+    const absl::Status s = health();
+    if (s.ok()) {
+      body = "ok\n";
+    } else {
+      status = "503 Service Unavailable";
+      body = absl::StrCat(s.message(), "\n");
+    }
   } else {
     status = "404 Not Found";
-    body = "deepnex serves GET /metrics\n";
+    body = health ? "deepnex serves GET /metrics and GET /healthz\n"
+                  : "deepnex serves GET /metrics\n";
   }
   return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: text/plain; version=0.0.4\r\n",
                       "Content-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body);
@@ -193,8 +209,9 @@ std::string Response(const std::string& request, const std::function<std::string
 // (non-blocking), each connection with its own deadline.
 class HttpServerImpl final : public MetricsHttpServer {
  public:
-  HttpServerImpl(std::function<std::string()> text, int fd, int port)
-      : text_(std::move(text)), fd_(fd), port_(port) {
+  HttpServerImpl(std::function<std::string()> text, std::function<absl::Status()> health,
+                 int fd, int port)
+      : text_(std::move(text)), health_(std::move(health)), fd_(fd), port_(port) {
     if (pipe2(wake_, O_CLOEXEC) != 0) wake_[0] = wake_[1] = -1;
     thread_ = std::thread([this] { Serve(); });
   }
@@ -264,7 +281,7 @@ class HttpServerImpl final : public MetricsHttpServer {
       if (c.request.find("\r\n\r\n") == std::string::npos) {
         return c.request.size() <= kMaxRequestBytes;
       }
-      c.response = Response(c.request, text_);
+      c.response = Response(c.request, text_, health_);
       c.deadline = Clock::now() + kResponseDeadline;
     }
     const ssize_t n =
@@ -280,6 +297,7 @@ class HttpServerImpl final : public MetricsHttpServer {
   }
 
   const std::function<std::string()> text_;
+  const std::function<absl::Status()> health_;
   const int fd_;
   const int port_;
   int wake_[2];
@@ -295,7 +313,8 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Create(
 }
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Create(
-    std::function<std::string()> text, const std::string& address) {
+    std::function<std::string()> text, const std::string& address,
+    std::function<absl::Status()> health) {
   auto bad = [&] {
     return absl::InvalidArgumentError(
         absl::StrCat("metrics address \"", address, "\": expected IPv4HOST:PORT"));
@@ -330,7 +349,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Create(
   socklen_t len = sizeof(addr);
   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   return std::unique_ptr<MetricsHttpServer>(
-      new HttpServerImpl(std::move(text), fd, ntohs(addr.sin_port)));
+      new HttpServerImpl(std::move(text), std::move(health), fd, ntohs(addr.sin_port)));
 }
 
 }  // namespace deepnex

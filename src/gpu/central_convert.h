@@ -63,6 +63,7 @@ inline void ToProto(const NodeInfo& n, pb::NodeInfo* p) {
   p->set_last_heartbeat_ms(n.last_heartbeat_ms);
   p->set_cpus_busy(n.cpus_busy);
   p->set_memory_in_use(n.memory_in_use);
+  p->set_address(n.address);
   for (uint64_t m : n.gpu_memory_used) p->add_gpu_memory_used(m);
   for (int c : n.gpu_allocations) p->add_gpu_allocations(c);
   p->set_cpus_used(n.cpus_used);
@@ -84,6 +85,7 @@ inline absl::StatusOr<NodeInfo> FromProto(const pb::NodeInfo& p) {
   n.last_heartbeat_ms = p.last_heartbeat_ms();
   n.cpus_busy = p.cpus_busy();
   n.memory_in_use = p.memory_in_use();
+  n.address = p.address();
   n.gpu_memory_used.assign(p.gpu_memory_used().begin(), p.gpu_memory_used().end());
   n.gpu_allocations.assign(p.gpu_allocations().begin(), p.gpu_allocations().end());
   n.cpus_used = p.cpus_used();

@@ -681,6 +681,30 @@ absl::Status AddUserMapping(const std::string& text, std::map<std::string, RunAs
   return absl::OkStatus();
 }
 
+absl::Status AddImageMapping(const std::string& field, const std::string& text,
+                             std::map<std::string, std::string>* images) {
+  const size_t eq = text.find('=');
+  const std::string name = text.substr(0, eq);
+  const std::string dir = eq == std::string::npos ? "" : text.substr(eq + 1);
+  if (name.empty() || name[0] == '/' || images->count(name)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " \"", text, "\": expected NAME=DIR with a new NAME that is not a path"));
+  }
+  if (dir == "host") {
+    (*images)[name] = dir;
+    return absl::OkStatus();
+  }
+  std::error_code ec;
+  const std::filesystem::path real =
+      dir.empty() || dir[0] != '/' ? std::filesystem::path() : std::filesystem::canonical(dir, ec);
+  if (real.empty() || ec || !std::filesystem::is_directory(real, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " \"", text, "\": \"", dir, "\" is not an absolute directory or \"host\""));
+  }
+  (*images)[name] = real.string();
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
     const gpu::CentralServerOptions& options, const LauncherOptions& launcher,
     const ContainerPolicy& policy, std::vector<std::string>* swept) {

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "deepnex/agent/agent.h"
+#include "deepnex/launch/central.h"
 #include "tools/daemon.h"
 
 namespace {
@@ -19,7 +20,8 @@ Registers this machine as node NAME with deepnex-central, heartbeats, and
 runs the containers central starts on the node's allocations. The agent
 dials central and keeps one stream open (so an agent behind a NAT works);
 it dials again when the stream breaks. Prints "deepnex-agent: node NAME
-registered with ADDR" once central accepted it; stops on SIGINT/SIGTERM,
+registered with ADDR" once central accepted it (before that, with --listen,
+"deepnex-agent: serving /healthz and /metrics on HOST:PORT"); stops on SIGINT/SIGTERM,
 stopping its containers. Exits 1 when central refuses it (a token of
 another node, a user's token).
 
@@ -38,6 +40,17 @@ flags:
   --cpus N                CPU cores to offer (default: this machine's)
   --memory SIZE           host memory to offer (default: this machine's)
   --labels k=v,...        the node's labels (for selectors)
+  --image NAME=DIR        image NAME runs the rootfs directory DIR (or
+                          "host") here: this node's own catalog, as a
+                          kubelet's image store; deepnex-central lets users
+                          name only the images of its own --image list
+  --listen HOST:PORT      serve GET /healthz (200 while registered with
+                          central, 503 otherwise) and GET /metrics (the
+                          node's and its containers' usage, Prometheus text)
+                          on HOST:PORT, as kubelet's port; port 0 picks one
+  --advertise HOST        the host of this node that peers dial (a job's
+                          addresses on it); default: this host's address on
+                          the route to central
   --help                  show this text
 )";
 
@@ -71,7 +84,13 @@ int main(int argc, char** argv) {
         }
         options.labels[p.first] = p.second;
       }
-    } else flags.Unknown();
+    } else if (flags.Is("--image")) {
+      absl::Status added =
+          deepnex::launch::AddImageMapping("--image", flags.Value(), &options.launcher.images);
+      if (!added.ok()) flags.Die(std::string(added.message()));
+    } else if (flags.Is("--listen")) options.listen = flags.Value();
+    else if (flags.Is("--advertise")) options.advertise = flags.Value();
+    else flags.Unknown();
   }
   if (options.central.empty()) flags.Die("--central is required");
   if (options.node.empty()) flags.Die("--node is required");
@@ -81,6 +100,11 @@ int main(int argc, char** argv) {
   if (!agent.ok()) {
     std::cerr << "deepnex-agent: " << agent.status().message() << "\n";
     return 1;
+  }
+  if (!(*agent)->http_address().empty()) {
+    std::printf("deepnex-agent: serving /healthz and /metrics on %s\n",
+                (*agent)->http_address().c_str());
+    std::fflush(stdout);
   }
   // Serve's shape. A refusal ends the process here: Serve would wait for a
   // signal.

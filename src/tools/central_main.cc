@@ -128,24 +128,9 @@ int main(int argc, char** argv) {
     } else if (flags.Is("--users-file")) {
       users_files.push_back(flags.Value());
     } else if (flags.Is("--image")) {
-      const std::string value = flags.Value();
-      const size_t eq = value.find('=');
-      const std::string name = value.substr(0, eq);
-      const std::string dir = eq == std::string::npos ? "" : value.substr(eq + 1);
-      char real[PATH_MAX];
-      if (name.empty() || name[0] == '/' || launcher.images.count(name)) {
-        flags.Die("--image \"" + value +
-                  "\": expected NAME=DIR with a new NAME that is not a path");
-      }
-      if (dir == "host") {
-        launcher.images[name] = dir;
-      } else if (dir.empty() || dir[0] != '/' || realpath(dir.c_str(), real) == nullptr ||
-                 !std::filesystem::is_directory(real)) {
-        flags.Die("--image \"" + value + "\": \"" + dir +
-                  "\" is not an absolute directory or \"host\"");
-      } else {
-        launcher.images[name] = real;
-      }
+      absl::Status added =
+          deepnex::launch::AddImageMapping("--image", flags.Value(), &launcher.images);
+      if (!added.ok()) flags.Die(std::string(added.message()));
     } else if (flags.Is("--registry")) {
       policy.registry = flags.Value();
       const size_t colon = policy.registry.rfind(':');

@@ -140,3 +140,17 @@ def central_process(tmp_path):
 def central(central_process):
     """The address of central_process's deepnex-central."""
     return central_process[0]
+
+
+@pytest.fixture
+def agent_hosts(make_hosts, tmp_path):
+    """deepnex-central on simulated host h1 and a deepnex-agent on each of
+    h2 and h3 (process backend, 2x16GiB), both nodes Ready: an
+    _agents.AgentHosts. Killed when the test ends; skips without root."""
+    import _agents
+    _agents.require_binaries()
+    cluster = _agents.AgentHosts(make_hosts({"h1": 11, "h2": 12, "h3": 13}), tmp_path)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.close()

@@ -6,70 +6,25 @@ node's are refused."""
 
 import os
 import subprocess
-import sys
 
 import pytest
 
-from _central import BUILD_DIR, CENTRAL_BIN, TOKENS, USER_IDS, stop_central
+from _agents import (AGENT_BIN, Agents, cli, client, http_get, pid_alive, start_central,
+                     status)
 from _wait import wait_for
-
-AGENT_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-agent")
-NODE_TOKENS = "h1tok h1 node\nh2tok h2 node\n"
-
-
-def start_central(tmp_path, listen="127.0.0.1:0"):
-    """deepnex-central without nodes (the agents bring theirs), its ledger
-    in tmp_path/ledger; (Popen, address)."""
-    tokens = tmp_path / "tokens"
-    tokens.write_text(TOKENS + NODE_TOKENS)
-    proc = subprocess.Popen([os.path.abspath(CENTRAL_BIN), "--listen", listen,
-                             "--token-file", str(tokens), "--node-timeout", "2",
-                             "--user", f"alice={USER_IDS}",
-                             "--state-dir", str(tmp_path / "ledger"),
-                             "--launch-state-dir", str(tmp_path / "central")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line.startswith("deepnex-central listening on "), line + proc.stderr.read()
-    return proc, line.split()[3]
 
 
 @pytest.fixture
 def central_proc(tmp_path):
-    """[Popen, address] of central; a test may replace the Popen."""
-    if not os.path.exists(AGENT_BIN):
-        pytest.skip(f"{AGENT_BIN} not built")
+    """[Daemon, address] of central; a test may replace the Daemon."""
     c = list(start_central(tmp_path))
     yield c
-    stop_central(c[0])
+    c[0].stop()
 
 
 @pytest.fixture
 def central(central_proc):
     return central_proc[1]
-
-
-class Agents:
-    """The agents a test starts; each killed at the end."""
-
-    def __init__(self, tmp_path, central):
-        self.tmp_path, self.central, self.procs = tmp_path, central, []
-
-    def start(self, node, token):
-        p = subprocess.Popen([AGENT_BIN, "--central", self.central, "--node", node,
-                              "--token", token, "--gpus", "2x16GiB", "--cpus", "4",
-                              "--memory", "8GiB", "--labels", "rack=r1",
-                              "--state-dir", str(self.tmp_path / node)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.procs.append(p)
-        return p
-
-    def close(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            p.stdout.close()
-            p.stderr.close()
 
 
 @pytest.fixture
@@ -79,29 +34,11 @@ def agents(tmp_path, central):
     a.close()
 
 
-def cli(central, *args, token="admintok"):
-    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN=token)
-    return subprocess.run([sys.executable, "-m", "deepnex", *args], env=env, text=True,
-                          capture_output=True, timeout=60)
-
-
-def client(central, token):
-    from deepnex import gpu
-    return gpu.CentralClient(central, token=token)
-
-
-def status(central):
-    """{node: STATUS} from `deepnex nodes`."""
-    out = cli(central, "nodes")
-    assert out.returncode == 0, out.stderr
-    return {row.split()[0]: row.split()[2] for row in out.stdout.splitlines()[1:]}
-
-
 def test_agents_register_run_containers_and_go_not_ready(central, agents, tmp_path):
     h1 = agents.start("h1", "h1tok")
     h2 = agents.start("h2", "h2tok")
     for name, p in (("h1", h1), ("h2", h2)):
-        assert p.stdout.readline() == f"deepnex-agent: node {name} registered with {central}\n"
+        agents.registered(p, name)
     admin = client(central, "admintok")
     nodes = {n.name: n for n in admin.nodes()}
     assert set(nodes) == {"h1", "h2"}
@@ -145,7 +82,7 @@ def test_agents_register_run_containers_and_go_not_ready(central, agents, tmp_pa
     assert status(central)["h2"] == "Ready"
     # Restarted, it is Ready again within 10 s.
     again = agents.start("h1", "h1tok")
-    assert again.stdout.readline() == f"deepnex-agent: node h1 registered with {central}\n"
+    agents.registered(again, "h1")
     wait_for(lambda: status(central)["h1"] == "Ready", "h1 Ready again", timeout=10)
 
 
@@ -153,7 +90,7 @@ def test_killed_central_gets_every_container_back(central_proc, agents, tmp_path
     central = central_proc[1]
     for node in ("h1", "h2"):
         p = agents.start(node, f"{node}tok")
-        assert p.stdout.readline() == f"deepnex-agent: node {node} registered with {central}\n"
+        agents.registered(p, node)
     from deepnex import gpu
     alice = client(central, "alicetok")
     for node in ("h1", "h2"):
@@ -165,9 +102,6 @@ def test_killed_central_gets_every_container_back(central_proc, agents, tmp_path
     assert before == {"w-h1": ("h1", before["w-h1"][1], "running"),
                       "w-h2": ("h2", before["w-h2"][1], "running")}
     central_proc[0].kill()
-    central_proc[0].wait()
-    central_proc[0].stdout.close()
-    central_proc[0].stderr.close()
     # Same address: the agents dial it again.
     central_proc[0], again = start_central(tmp_path, listen=central)
     assert again == central
@@ -182,7 +116,7 @@ def test_killed_central_gets_every_container_back(central_proc, agents, tmp_path
 
 def test_restarted_agent_reattaches_to_its_containers(central, agents):
     h1 = agents.start("h1", "h1tok")
-    assert h1.stdout.readline() == f"deepnex-agent: node h1 registered with {central}\n"
+    agents.registered(h1, "h1")
     from deepnex import gpu
     alice = client(central, "alicetok")
     a = alice.allocate(gpu.Request(user="alice", gpus=1, cpus=1, memory=256 << 20, node="h1"))
@@ -193,7 +127,7 @@ def test_restarted_agent_reattaches_to_its_containers(central, agents):
     h1.kill()
     wait_for(lambda: status(central)["h1"] == "NotReady", "h1 NotReady", timeout=7)
     again = agents.start("h1", "h1tok")
-    assert again.stdout.readline() == f"deepnex-agent: node h1 registered with {central}\n"
+    agents.registered(again, "h1")
     wait_for(lambda: status(central)["h1"] == "Ready", "h1 Ready again", timeout=10)
     c = alice.containers()
     assert [(x["name"], x["node"], x["id"], x["state"]) for x in c] == [
@@ -203,17 +137,59 @@ def test_restarted_agent_reattaches_to_its_containers(central, agents):
     # The restarted agent stops it, and the grant goes.
     stop = cli(central, "stop", "w0", "--grace", "5", token="alicetok")
     assert (stop.returncode, stop.stdout) == (0, "w0 stopped signaled(SIGTERM), allocation released\n")
-    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read()
-             .rsplit(") ", 1)[1][0] == "Z", "w0's process gone")
+    wait_for(lambda: not pid_alive(pid), "w0's process gone")
+
+
+def test_agent_serves_healthz_and_metrics_and_advertises_its_host(central_proc, agents):
+    central = central_proc[1]
+    h1 = agents.start("h1", "h1tok", ("--listen", "127.0.0.1:0", "--advertise", "h1.lab"))
+    http = h1.wait_line("deepnex-agent: serving /healthz and /metrics on 127.0.0.1:").split()[-1]
+    agents.registered(h1, "h1")
+    assert http_get(http, "/healthz") == (200, "ok\n")
+    # Central keeps the advertised host per node and shows it.
+    assert [(n.name, n.address) for n in client(central, "admintok").nodes()] == [("h1", "h1.lab")]
+    table = cli(central, "nodes").stdout.splitlines()
+    assert (table[0].split()[-1], table[1].split()[-1]) == ("ADDRESS", "h1.lab")
+    from deepnex import gpu
+    alice = client(central, "alicetok")
+    a = alice.allocate(gpu.Request(user="alice", gpus=1, cpus=1, memory=256 << 20, node="h1"))
+    out = cli(central, "launch", "--alloc", a.id, "--name", "w0", "--", "sleep", "60",
+              token="alicetok")
+    assert out.returncode == 0, out.stderr
+    # The node's usage (after a heartbeat measured it) and the container's.
+    wanted = ('deepnex_agent_registered{node="h1"} 1\n',
+              'deepnex_container_memory_bytes{container="alice.w0",node="h1",user="alice"} ')
+    wait_for(lambda: all(w in http_get(http, "/metrics")[1] for w in wanted)
+             and 'deepnex_node_memory_in_use_bytes{node="h1"} 0\n'
+             not in http_get(http, "/metrics")[1],
+             lambda: f"the agent's metrics: {http_get(http, '/metrics')}")
+    assert http_get(http, "/nothing") == (404, "deepnex serves GET /metrics and GET /healthz\n")
+    # Central gone: unhealthy, as a kubelet that cannot reach its API server.
+    central_proc[0].kill()
+    wait_for(lambda: http_get(http, "/healthz")[0] == 503, "the agent unhealthy")
+    assert http_get(http, "/healthz") == (
+        503, f"node h1: not registered with deepnex-central at {central}\n")
+    assert 'deepnex_agent_registered{node="h1"} 0\n' in http_get(http, "/metrics")[1]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--advertise", "0.0.0.0"], 'advertise "0.0.0.0": peers cannot dial a wildcard address'),
+    (["--advertise", "h1:7"], 'advertise "h1:7": a host name or an address, without a port'),
+    (["--listen", "h1"], 'listen: metrics address "h1": expected IPv4HOST:PORT'),
+])
+def test_agent_listen_and_advertise_are_checked(central, agents, flags, message):
+    bad = agents.start("h1", "h1tok", flags)
+    assert bad.wait(timeout=30) == 1
+    assert bad.stderr() == f"deepnex-agent: {message}\n"
 
 
 def test_node_token_of_another_node_and_user_token_are_refused(central, agents):
     wrong = agents.start("h2", "h1tok")
     assert wrong.wait(timeout=30) == 1
-    assert wrong.stderr.read() == "deepnex-agent: the token of node h1 cannot act as node h2\n"
+    assert wrong.stderr() == "deepnex-agent: the token of node h1 cannot act as node h2\n"
     user = agents.start("h2", "alicetok")
     assert user.wait(timeout=30) == 1
-    assert "user alice cannot register a node" in user.stderr.read()
+    assert "user alice cannot register a node" in user.stderr()
     assert client(central, "admintok").nodes() == []
 
 
@@ -221,6 +197,9 @@ def test_node_token_of_another_node_and_user_token_are_refused(central, agents):
     (["--gpus", "16GiB"], '--gpus: "16GiB" is not NxSIZE with N from 1 to 1024 (e.g. 2x16GiB)'),
     (["--cpus", "0"], "--cpus: 0 must be at least 1"),
     (["--labels", "rack"], '--labels: "rack" is not k=v'),
+    (["--image", "base=relative/dir"],
+     '--image "base=relative/dir": "relative/dir" is not an absolute directory or "host"'),
+    (["--image", "/x=host"], '--image "/x=host": expected NAME=DIR with a new NAME that is not a path'),
 ])
 def test_agent_flags_are_checked(flags, message):
     if not os.path.exists(AGENT_BIN):

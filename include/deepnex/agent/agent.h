@@ -47,6 +47,14 @@ struct AgentOptions {
   int cpus = 0;
   uint64_t memory = 0;
   std::map<std::string, std::string> labels;
+  // HOST:PORT to serve GET /healthz (200 while central has accepted the
+  // agent, 503 otherwise) and GET /metrics (the node's and its containers'
+  // usage) on, as kubelet's port; port 0 picks one. Empty: not served.
+  std::string listen;
+  // The host of this node that peers dial (a name or an address, no port),
+  // sent to central in Register: a job's addresses on the node use it.
+  // Empty: this host's address on the route to central (PrimaryAddress).
+  std::string advertise;
 };
 
 // "NxSIZE": N GPUs of SIZE memory each ("2x16GiB"), for hosts without a
@@ -66,6 +74,11 @@ class Agent {
 
   // The node as registered (GPUs, cpus, memory, labels).
   virtual const gpu::Node& node() const = 0;
+  // The host it advertises (AgentOptions::advertise or its default).
+  virtual const std::string& address() const = 0;
+  // HOST:PORT its /healthz and /metrics are served on; empty without
+  // AgentOptions::listen.
+  virtual std::string http_address() const = 0;
   // Waits until central has accepted the registration (again, after a
   // reconnect): OK, or DeadlineExceeded, or central's refusal.
   virtual absl::Status WaitRegistered(std::chrono::milliseconds timeout) = 0;

@@ -171,6 +171,9 @@ struct NodeInfo {
   // measured: cores busy and memory in use in bytes. 0 without an agent.
   double cpus_busy = 0;
   uint64_t memory_in_use = 0;
+  // The host that peers dial on this node (its agent's --advertise, by
+  // default its address towards central); empty without an agent.
+  std::string address;
   // Per GPU (same order as node.gpus): memory granted and allocations on it.
   std::vector<uint64_t> gpu_memory_used;
   std::vector<int> gpu_allocations;

@@ -55,6 +55,13 @@ absl::StatusOr<std::map<std::string, RunAs>> LoadUsersFile(const std::string& pa
 // Parses one "NAME=UID:GID" into `users`; InvalidArgument naming it.
 absl::Status AddUserMapping(const std::string& text, std::map<std::string, RunAs>* users);
 
+// Parses one "NAME=DIR" of an image catalog (deepnex-central's and
+// deepnex-agent's --image) into `images`: DIR an existing absolute directory
+// (symlinks resolved) or "host", NAME new and not a path. InvalidArgument
+// naming `field` and the text.
+absl::Status AddImageMapping(const std::string& field, const std::string& text,
+                             std::map<std::string, std::string>* images);
+
 // deepnex-central with a launcher on `launcher`'s backend. Container names
 // are per user: the launcher runs them as "<user>.<name>". Users may mount
 // only paths under `launcher.allowed_mount_roots` (symlinks resolved first);

@@ -12,6 +12,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "core/net.h"
 #include "gmock/gmock.h"
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
@@ -98,6 +99,22 @@ class AgentTest : public ::testing::Test {
     return std::move(a).value();
   }
 
+  // A stream to central's Agents service as `token`, for what deepnex-agent
+  // itself never sends. Members go in reverse: the stream first.
+  struct RawAgent {
+    std::unique_ptr<proto::Agents::Stub> stub;
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReaderWriter<proto::AgentMessage, proto::CentralMessage>> stream;
+  };
+  std::unique_ptr<RawAgent> Raw(const std::string& token) {
+    auto r = std::make_unique<RawAgent>();
+    r->stub = proto::Agents::NewStub(
+        grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
+    r->ctx.AddMetadata("authorization", "Bearer " + token);
+    r->stream = r->stub->Connect(&r->ctx);
+    return r;
+  }
+
   bool Ready(const std::string& node) {
     auto n = server_->allocator().GetNode(node);
     return n.ok() && n->ready;
@@ -148,6 +165,45 @@ TEST(AgentOptionsTest, BadOptionsAreRefused) {
   o.gpus = std::vector<gpu::Gpu>{};
   EXPECT_THAT(Agent::Create(o).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, "cpus: -2 is negative"));
+  o.cpus = 1;
+  o.advertise = "0.0.0.0";
+  EXPECT_THAT(Agent::Create(o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "advertise \"0.0.0.0\": peers cannot dial a wildcard address"));
+}
+
+// The host peers dial on the node: --advertise, or by default this host's
+// address towards central; central keeps it per node.
+TEST_F(AgentTest, AdvertisedAddressReachesNodes) {
+  AgentOptions o = Options("h1", "h1tok");
+  o.advertise = "h1.lab";
+  ASSERT_OK_AND_ASSIGN(auto h1, Agent::Create(o));
+  EXPECT_EQ(h1->address(), "h1.lab");
+  EXPECT_EQ(h1->http_address(), "");
+  auto h2 = Start("h2", "h2tok");
+  EXPECT_EQ(h2->address(), PrimaryAddress("127.0.0.1"));
+  ASSERT_OK(h1->WaitRegistered(10s));
+  ASSERT_OK(h2->WaitRegistered(10s));
+  ASSERT_OK_AND_ASSIGN(auto nodes, alice_->Nodes());
+  ASSERT_EQ(nodes.size(), 2u);
+  EXPECT_EQ(nodes[0].address, "h1.lab");
+  EXPECT_EQ(nodes[1].address, h2->address());
+}
+
+// Central checks the address of a Register sent by other than deepnex-agent.
+TEST_F(AgentTest, RegisterWithABadAddressIsRefused) {
+  auto raw = Raw("h2tok");
+  auto& stream = raw->stream;
+  proto::AgentMessage m;
+  m.mutable_register_()->mutable_node()->set_name("h2");
+  m.mutable_register_()->set_address("h2:7070");
+  ASSERT_TRUE(stream->Write(m));
+  proto::CentralMessage reply;
+  EXPECT_FALSE(stream->Read(&reply));
+  grpc::Status s = stream->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(), "address \"h2:7070\": a host name or an address, without a port");
+  EXPECT_TRUE(alice_->Nodes().value().empty());
 }
 
 TEST(CentralOptionsTest, NodeTimeoutsAreChecked) {
@@ -345,11 +401,8 @@ TEST_F(AgentTest, ReportOfAnotherNodesGrantIsNotTaken) {
   auto h1 = Start("h1", "h1tok");
   ASSERT_OK(h1->WaitRegistered(10s));
   ASSERT_OK_AND_ASSIGN(gpu::Allocation a, alice_->Allocate(OnNode("h1")));
-  auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
-  auto stub = proto::Agents::NewStub(channel);
-  grpc::ClientContext ctx;
-  ctx.AddMetadata("authorization", "Bearer h2tok");
-  auto stream = stub->Connect(&ctx);
+  auto raw = Raw("h2tok");
+  auto& stream = raw->stream;
   proto::AgentMessage m;
   proto::Register* reg = m.mutable_register_();
   reg->mutable_node()->set_name("h2");
@@ -366,7 +419,7 @@ TEST_F(AgentTest, ReportOfAnotherNodesGrantIsNotTaken) {
   ASSERT_TRUE(stream->Read(&reply));
   ASSERT_TRUE(reply.has_registered());
   EXPECT_TRUE(alice_c_->ListContainers().value().empty());
-  ctx.TryCancel();
+  raw->ctx.TryCancel();
   stream->Finish().ok();
   EXPECT_OK(server_->allocator().GetAllocation(a.id).status());
 }

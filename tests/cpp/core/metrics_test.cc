@@ -107,6 +107,31 @@ TEST(MetricsTest, HttpServerServesACallbacksText) {
   server->Stop();  // idempotent
 }
 
+TEST(MetricsTest, HttpServerServesHealthzOnlyWithAHealthCheck) {
+  std::atomic<bool> up{true};  // read on the server's thread
+  ASSERT_OK_AND_ASSIGN(auto server, MetricsHttpServer::Create(
+                                        [] { return std::string("up 1\n"); }, "127.0.0.1:0",
+                                        [&up] {
+                                          return up ? absl::OkStatus()
+                                                    : absl::UnavailableError(
+                                                          "node h1: not registered");
+                                        }));
+  EXPECT_THAT(Get(server->port(), "/healthz"), HasSubstr("HTTP/1.1 200 OK\r\n"));
+  EXPECT_THAT(Get(server->port(), "/healthz"), HasSubstr("\r\n\r\nok\n"));
+  up = false;
+  const std::string down = Get(server->port(), "/healthz?verbose");
+  EXPECT_THAT(down, HasSubstr("HTTP/1.1 503 Service Unavailable\r\n"));
+  EXPECT_THAT(down, HasSubstr("\r\n\r\nnode h1: not registered\n"));
+  EXPECT_THAT(Get(server->port(), "/metrics"), HasSubstr("\r\n\r\nup 1\n"));
+  EXPECT_THAT(Get(server->port(), "/healthzz"),
+              HasSubstr("\r\n\r\ndeepnex serves GET /metrics and GET /healthz\n"));
+  server->Stop();
+  // Without a check there is no /healthz.
+  ASSERT_OK_AND_ASSIGN(auto plain, MetricsHttpServer::Create(
+                                       [] { return std::string("up 1\n"); }, "127.0.0.1:0"));
+  EXPECT_THAT(Get(plain->port(), "/healthz"), HasSubstr("HTTP/1.1 404 Not Found\r\n"));
+}
+
 TEST(MetricsTest, HttpServerAddressErrorsNameTheAddress) {
   MetricsRegistry r;
   for (const char* bad : {"nocolon", "127.0.0.1:x", "127.0.0.1:70000", "host.example:80"}) {
