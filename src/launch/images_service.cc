@@ -98,39 +98,25 @@ class ImagesService final : public pb::Images::CallbackService {
   grpc::ServerUnaryReactor* ShareImage(grpc::CallbackServerContext* ctx,
                                        const pb::ShareImageRequest* req,
                                        pb::CatalogImage* reply) override {
-    return Run(ctx, [&]() -> absl::Status {
-      DEEPNEX_ASSIGN_OR_RETURN(ImageCaller caller, Caller(*ctx));
-      DEEPNEX_ASSIGN_OR_RETURN(
-          CatalogImage i,
-          catalog_.Share(caller, req->name(), {req->users().begin(), req->users().end()},
-                         req->public_()));
-      ToProto(caller, i, reply);
-      return absl::OkStatus();
+    return Change(ctx, reply, [&](const ImageCaller& caller) {
+      return catalog_.Share(caller, req->name(), {req->users().begin(), req->users().end()},
+                            req->public_());
     });
   }
 
   grpc::ServerUnaryReactor* UnshareImage(grpc::CallbackServerContext* ctx,
                                          const pb::ShareImageRequest* req,
                                          pb::CatalogImage* reply) override {
-    return Run(ctx, [&]() -> absl::Status {
-      DEEPNEX_ASSIGN_OR_RETURN(ImageCaller caller, Caller(*ctx));
-      DEEPNEX_ASSIGN_OR_RETURN(
-          CatalogImage i,
-          catalog_.Unshare(caller, req->name(), {req->users().begin(), req->users().end()}));
-      ToProto(caller, i, reply);
-      return absl::OkStatus();
+    return Change(ctx, reply, [&](const ImageCaller& caller) {
+      return catalog_.Unshare(caller, req->name(), {req->users().begin(), req->users().end()});
     });
   }
 
   grpc::ServerUnaryReactor* RemoveImage(grpc::CallbackServerContext* ctx,
                                         const pb::RemoveImageRequest* req,
                                         pb::CatalogImage* reply) override {
-    return Run(ctx, [&]() -> absl::Status {
-      DEEPNEX_ASSIGN_OR_RETURN(ImageCaller caller, Caller(*ctx));
-      DEEPNEX_ASSIGN_OR_RETURN(CatalogImage i, catalog_.Remove(caller, req->name()));
-      ToProto(caller, i, reply);
-      return absl::OkStatus();
-    });
+    return Change(ctx, reply,
+                  [&](const ImageCaller& caller) { return catalog_.Remove(caller, req->name()); });
   }
 
  private:
@@ -139,6 +125,19 @@ class ImagesService final : public pb::Images::CallbackService {
     auto* reactor = ctx->DefaultReactor();
     reactor->Finish(ToGrpcStatus(fn()));
     return reactor;
+  }
+
+  // A change of one image by the caller: `fn(caller)` returns the image
+  // as it is now (or was, removed), which is the reply.
+  template <class Fn>
+  grpc::ServerUnaryReactor* Change(grpc::CallbackServerContext* ctx, pb::CatalogImage* reply,
+                                   Fn fn) {
+    return Run(ctx, [&]() -> absl::Status {
+      DEEPNEX_ASSIGN_OR_RETURN(ImageCaller caller, Caller(*ctx));
+      DEEPNEX_ASSIGN_OR_RETURN(CatalogImage i, fn(caller));
+      ToProto(caller, i, reply);
+      return absl::OkStatus();
+    });
   }
 
   absl::StatusOr<ImageCaller> Caller(const grpc::ServerContextBase& ctx) const {

@@ -12,9 +12,10 @@ import os
 import re
 import shutil
 import subprocess
-import time
 
 import pytest
+
+from _wait import wait_for
 
 TOOLS = ("docker-registry", "skopeo", "umoci")
 
@@ -26,25 +27,22 @@ def need_tools():
 
 
 class Registry:
-    def __init__(self, proc, address, log):
-        self.proc, self.address, self.log = proc, address, log
+    """The registry's Daemon (tests/python/_agents.py) and its address."""
+
+    def __init__(self, daemon, address):
+        self.daemon, self.address = daemon, address
 
     def blob_gets(self, repo):
         """How many blobs of `repo` were downloaded (its access log's GETs)."""
-        text = self.log.read_text()
-        return len(re.findall(rf'"GET /v2/{re.escape(repo)}/blobs/sha256:[0-9a-f]+ HTTP', text))
+        log = self.daemon.stdout() + self.daemon.stderr()
+        return len(re.findall(rf'"GET /v2/{re.escape(repo)}/blobs/sha256:[0-9a-f]+ HTTP', log))
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.daemon.stop()
 
 
 def start_registry(tmp_path, timeout=30):
+    from _agents import Daemon
     need_tools()
     root = tmp_path / "registry"
     root.mkdir()
@@ -52,21 +50,16 @@ def start_registry(tmp_path, timeout=30):
     config.write_text(f"version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: false\n"
                       f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n"
                       f"http:\n  addr: 127.0.0.1:0\n  secret: deepnex-test\n")
-    log = root / "log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([shutil.which("docker-registry"), "serve", str(config)],
-                                stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = re.search(r"listening on (127\.0\.0\.1:\d+)", log.read_text())
-        if m:
-            return Registry(proc, m.group(1), log)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.02)
-    proc.kill()
-    proc.wait()
-    pytest.fail(f"docker-registry did not start: {log.read_text()}")
+    d = Daemon([shutil.which("docker-registry"), "serve", config], root / "log")
+
+    def listening():
+        m = re.search(r"listening on (127\.0\.0\.1:\d+)", d.stdout() + d.stderr())
+        if m is None and d.proc.poll() is not None:
+            raise AssertionError(f"docker-registry exited: {d.stderr()}")
+        return m
+
+    m = wait_for(listening, lambda: f"docker-registry to listen: {d.stderr()}", timeout=timeout)
+    return Registry(d, m.group(1))
 
 
 def busybox_layout(path, tag="v1", files=None):

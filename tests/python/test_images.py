@@ -281,3 +281,24 @@ def test_a_nodes_agent_pulls_a_registry_image_into_its_own_store_once(tmp_path, 
     finally:
         agents.close()
         central.stop()
+
+
+def test_the_debian_python_preset_runs_python(tmp_path, registry):
+    """scripts/build_presets.sh's debian-python (built beforehand: it takes
+    minutes and a Debian mirror), registered, pushed, pulled and run."""
+    presets = os.environ.get("DEEPNEX_PRESETS_DIR")
+    if not presets or not os.path.isdir(os.path.join(presets, "debian-python")):
+        pytest.skip("set DEEPNEX_PRESETS_DIR to a directory that "
+                    "`scripts/build_presets.sh DIR debian-python` filled")
+    oci_or_skip()
+    proc, address = start_central_launcher(tmp_path, "--state-dir", str(tmp_path / "state"),
+                                           "--registry", registry.address, backend="oci")
+    try:
+        # The first start pulls and unpacks ~100 MB within the call.
+        alice = gpu.CentralClient(address, token="alicetok", timeout=300)
+        admin(address).register_image("debian-python", os.path.join(presets, "debian-python"))
+        assert run(alice, "debian-python", "py", [
+            "python3", "-c", "import numpy; print(int(numpy.array([1, 1]).sum()))"]) == \
+            ("exited(0)", "2\n")
+    finally:
+        stop_central(proc)
