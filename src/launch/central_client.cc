@@ -18,6 +18,13 @@ namespace {
 
 namespace pb = ::deepnex::gpu::proto;
 
+// Seconds since the epoch, as the wire carries times.
+std::chrono::system_clock::time_point TimeFromSeconds(double seconds) {
+  return std::chrono::system_clock::time_point(
+      std::chrono::duration_cast<std::chrono::system_clock::duration>(
+          std::chrono::duration<double>(seconds)));
+}
+
 absl::StatusOr<CentralContainer> FromProto(const pb::ContainerInfo& p) {
   CentralContainer c;
   c.name = p.name();
@@ -35,9 +42,7 @@ absl::StatusOr<CentralContainer> FromProto(const pb::ContainerInfo& p) {
   c.usage.memory = p.usage().memory();
   c.usage.memory_peak = p.usage().memory_peak();
   c.usage.pids = p.usage().pids();
-  c.started_at = std::chrono::system_clock::time_point(
-      std::chrono::duration_cast<std::chrono::system_clock::duration>(
-          std::chrono::duration<double>(p.started_at())));
+  c.started_at = TimeFromSeconds(p.started_at());
   c.allocation_released = p.allocation_released();
   c.node = p.node();
   return c;
@@ -51,9 +56,7 @@ CentralImage ImageFromProto(const pb::CatalogImage& p) {
   i.visibility = p.visibility();
   i.shared_with.assign(p.shared_with().begin(), p.shared_with().end());
   i.size = p.size();
-  i.created = std::chrono::system_clock::time_point(
-      std::chrono::duration_cast<std::chrono::system_clock::duration>(
-          std::chrono::duration<double>(p.created())));
+  i.created = TimeFromSeconds(p.created());
   return i;
 }
 
