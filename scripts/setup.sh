@@ -17,6 +17,8 @@ packages=(
   runc tini podman busybox-static
   # the image catalog: a site's OCI registry, and moving images to and from it
   docker-registry skopeo umoci
+  # scripts/build_presets.sh: the preset images from Debian packages
+  mmdebstrap
   slurmctld slurmd slurm-client munge
   # simulated hosts for the cross-host tests (tests/python/_hosts.py)
   iproute2 iptables util-linux
