@@ -15,6 +15,10 @@ packages=(
   python3-optuna python3-cmaes
   # launch backends, each driven for real by the tests (see ENGINES.md)
   runc tini podman busybox-static
+  # the image catalog: a site's OCI registry, and moving images to and from it
+  docker-registry skopeo umoci
+  # scripts/build_presets.sh: the preset images from Debian packages
+  mmdebstrap
   slurmctld slurmd slurm-client munge
   # simulated hosts for the cross-host tests (tests/python/_hosts.py)
   iproute2 iptables util-linux

@@ -227,8 +227,8 @@ def add_commands(commands):
     p.add_argument("--alloc", required=True, help="the allocation id it runs on (yours)")
     p.add_argument("--name", help="default: the command's name and a random suffix")
     p.add_argument("--image", default="host",
-                   help="a name from deepnex-central's --image list (default: host, the "
-                   "host's /usr and /opt read-only, where the admin lists it)")
+                   help="NAME[:TAG] or OWNER/NAME[:TAG] from `deepnex images` (default: host, "
+                   "the host's /usr and /opt read-only, where the admin lists it)")
     p.add_argument("--cpus", type=float, default=0, help="cores (default: the allocation's)")
     p.add_argument("--memory", default=0, help="e.g. 256MiB (default: the allocation's)")
     p.add_argument("--pids-limit", type=int, default=0,

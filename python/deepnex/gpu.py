@@ -460,3 +460,41 @@ class CentralClient:
         allocations (stopping its containers there) and its runner stops the
         rest and exits non-zero. FailedPreconditionError once it ended."""
         return self._j.cancel(name)
+
+    # ---- the image catalog: what the caller may run
+    #
+    # Images are dicts (name, tag, owner, visibility, shared_with, size,
+    # created): name as the caller gives it (NAME for their own and presets,
+    # OWNER/NAME for another's shared with them), owner "" for a preset,
+    # visibility preset, public, shared or private, size in bytes, created in
+    # seconds since the epoch. A name takes an optional ":TAG" (default
+    # "latest"). What the caller may not run is NotFoundError; another's
+    # image they may run but not change is PermissionDeniedError.
+
+    def images(self) -> List[dict]:
+        """The images the caller may run (admins: every image)."""
+        return self._c.images()
+
+    def register_image(self, name, source, owner=None, force=False) -> dict:
+        """Admins: adds image `name` from `source` (a directory on
+        deepnex-central's host, or "host") as a preset, or as `owner`'s.
+        A name and tag that exist are AlreadyExistsError unless `force`."""
+        return self._c.register_image(name, source, owner or "", bool(force))
+
+    def share_image(self, name, users=(), public=False) -> dict:
+        """Lets `users` (a name or a list), and with `public` everyone, run
+        the caller's image `name`."""
+        return self._c.share_image(name, _names(users), bool(public))
+
+    def unshare_image(self, name, users=()) -> dict:
+        """Takes the shares of `users` back; none given: every share and the
+        public one."""
+        return self._c.unshare_image(name, _names(users))
+
+    def remove_image(self, name) -> dict:
+        """Removes the caller's image `name` (a preset: admins only)."""
+        return self._c.remove_image(name)
+
+
+def _names(users) -> List[str]:
+    return [users] if isinstance(users, str) else list(users)

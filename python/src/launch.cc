@@ -125,6 +125,29 @@ py::dict CentralRecord(const launch::CentralContainer& c) {
   return d;
 }
 
+py::dict ImageRecord(const launch::CentralImage& i) {
+  py::dict d;
+  d["name"] = i.name;
+  d["tag"] = i.tag;
+  d["owner"] = i.owner;
+  d["visibility"] = i.visibility;
+  d["shared_with"] = i.shared_with;
+  d["size"] = i.size;
+  d["created"] = std::chrono::duration<double>(i.created.time_since_epoch()).count();
+  return d;
+}
+
+// Runs a catalog call without the GIL; its image as a dict.
+template <class Fn>
+py::dict ImageCall(Fn fn) {
+  launch::CentralImage got;
+  {
+    py::gil_scoped_release release;
+    got = Unwrap(fn());
+  }
+  return ImageRecord(got);
+}
+
 void RegisterCentralClient(py::module_& m) {
   py::class_<launch::CentralClient>(m, "CentralClient")
       // deepnex._C.gpu.CentralClientOptions, as deepnex.gpu.CentralClient
@@ -199,7 +222,45 @@ void RegisterCentralClient(py::module_& m) {
                 },
                 every, user));
           },
-          py::arg("name"), py::arg("sink"), py::arg("poll") = 0.2, py::arg("user") = "");
+          py::arg("name"), py::arg("sink"), py::arg("poll") = 0.2, py::arg("user") = "")
+      .def("images",
+           [](launch::CentralClient& c) {
+             std::vector<launch::CentralImage> got;
+             {
+               py::gil_scoped_release release;
+               got = Unwrap(c.ListImages());
+             }
+             py::list out;
+             for (const auto& i : got) out.append(ImageRecord(i));
+             return out;
+           })
+      .def(
+          "register_image",
+          [](launch::CentralClient& c, const std::string& name, const std::string& source,
+             const std::string& owner, bool force) {
+            return ImageCall([&] { return c.RegisterImage(name, source, owner, force); });
+          },
+          py::arg("name"), py::arg("source"), py::arg("owner") = "", py::arg("force") = false)
+      .def(
+          "share_image",
+          [](launch::CentralClient& c, const std::string& name,
+             const std::vector<std::string>& users, bool make_public) {
+            return ImageCall([&] { return c.ShareImage(name, users, make_public); });
+          },
+          py::arg("name"), py::arg("users"), py::arg("public") = false)
+      .def(
+          "unshare_image",
+          [](launch::CentralClient& c, const std::string& name,
+             const std::vector<std::string>& users) {
+            return ImageCall([&] { return c.UnshareImage(name, users); });
+          },
+          py::arg("name"), py::arg("users"))
+      .def(
+          "remove_image",
+          [](launch::CentralClient& c, const std::string& name) {
+            return ImageCall([&] { return c.RemoveImage(name); });
+          },
+          py::arg("name"));
 }
 
 }  // namespace

@@ -39,6 +39,8 @@
 #include "agent/report.h"
 #include "gpu/central_server.h"
 #include "launch/central_wire.h"
+#include "launch/images.h"
+#include "launch/images_service.h"
 #include "launch/util.h"
 
 namespace deepnex::launch {
@@ -137,12 +139,13 @@ class ContainersService final : public pb::Containers::CallbackService,
  public:
   // `mounts_allowed`: the launcher has allowed_mount_roots (which it
   // enforces); without, deepnex-central refuses every mount.
-  // `images`: the names users may give as an image.
+  // `catalog`: the images users may run, served here too.
   ContainersService(gpu::Allocator& alloc, const TokenTable& tokens, agent::Hub& hub,
                     std::unique_ptr<Launcher> launcher, bool mounts_allowed,
-                    std::set<std::string> images, ContainerPolicy policy)
+                    std::unique_ptr<ImageCatalog> catalog, ContainerPolicy policy)
       : alloc_(alloc), tokens_(tokens), hub_(hub), launcher_(std::move(launcher)),
-        mounts_allowed_(mounts_allowed), images_(std::move(images)),
+        mounts_allowed_(mounts_allowed), catalog_(std::move(catalog)),
+        images_service_(NewImagesService(*catalog_, tokens_, policy.registry)),
         policy_(std::move(policy)), reaper_([this] { Reap(); }) {
     hub_.OnRegistered([this](const std::string& node,
                              const std::vector<agent::proto::ContainerReport>& running) {
@@ -152,6 +155,7 @@ class ContainersService final : public pb::Containers::CallbackService,
   ~ContainersService() override { Shutdown(); }
 
   grpc::Service* service() override { return this; }
+  std::vector<grpc::Service*> more_services() override { return {images_service_.get()}; }
 
   void Shutdown() override {
     std::vector<std::shared_ptr<Entry>> entries;
@@ -440,10 +444,21 @@ class ContainersService final : public pb::Containers::CallbackService,
     }
     spec->run_as = identity->second;
     const bool host_on_process = launcher_->backend() == "process" && spec->image == "host";
-    if (!images_.count(spec->image) && !host_on_process) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "spec.image: \"", spec->image, "\" is not one of this deepnex-central's images [",
-          absl::StrJoin(images_, ", "), "] (its --image)"));
+    if (!host_on_process) {
+      // The catalog's source, never the user's text: a user names no path.
+      const ImageCaller caller{user};
+      auto image = catalog_->Resolve(caller, spec->image);
+      if (!image.ok()) {
+        std::vector<std::string> names;
+        for (const CatalogImage& i : catalog_->List(caller)) {
+          names.push_back(absl::StrCat(ImageCatalog::DisplayName(caller, i),
+                                       i.tag == kDefaultTag ? "" : ":" + i.tag));
+        }
+        return absl::PermissionDeniedError(absl::StrCat(
+            "spec.image: \"", spec->image, "\" is not an image that user ", user, " may run [",
+            absl::StrJoin(names, ", "), "] (deepnex images)"));
+      }
+      spec->image = image->source;
     }
     if (spec->host_network && !policy_.host_network_users.count("*") &&
         !policy_.host_network_users.count(user)) {
@@ -583,7 +598,8 @@ class ContainersService final : public pb::Containers::CallbackService,
   const std::unique_ptr<Launcher> launcher_;
   std::map<std::string, std::unique_ptr<Launcher>> remote_;  // by node; guarded by mu_
   const bool mounts_allowed_;
-  const std::set<std::string> images_;
+  const std::unique_ptr<ImageCatalog> catalog_;
+  const std::unique_ptr<grpc::Service> images_service_;
   const ContainerPolicy policy_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -723,8 +739,23 @@ absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
     return absl::InternalError(
         absl::StrCat("cannot chmod ", launcher.state_dir, ": ", strerror(errno)));
   }
-  std::set<std::string> images;
-  for (const auto& [name, dir] : launcher.images) images.insert(name);
+  // In the allocator's state directory, so that it lives as long.
+  DEEPNEX_ASSIGN_OR_RETURN(
+      std::unique_ptr<ImageCatalog> catalog,
+      ImageCatalog::Open(options.allocator.state_dir.empty()
+                             ? ""
+                             : options.allocator.state_dir + "/images"));
+  // The --image flags are presets, run by the launcher's name for them (an
+  // agent maps the name on its node); one in the catalog already keeps its
+  // creation time.
+  for (const auto& [name, dir] : launcher.images) {
+    CatalogImage preset;
+    preset.name = name;
+    preset.source = name;
+    preset.size = DirectorySize(dir);
+    absl::Status s = catalog->Put(preset, /*force=*/false);
+    if (!s.ok() && !absl::IsAlreadyExists(s)) return s;
+  }
   // The factory runs once, inside the call below, before the server serves.
   auto extension = [&](gpu::Allocator& alloc, const TokenTable& tokens, agent::Hub& hub)
       -> absl::StatusOr<std::unique_ptr<gpu::CentralExtension>> {
@@ -733,7 +764,7 @@ absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
     }
     return std::make_unique<ContainersService>(alloc, tokens, hub, std::move(l),
                                                !launcher.allowed_mount_roots.empty(),
-                                               std::move(images), policy);
+                                               std::move(catalog), policy);
   };
   return gpu::CreateCentralServer(options, extension);
 }

@@ -19,6 +19,13 @@ namespace {
 
 namespace pb = ::deepnex::gpu::proto;
 
+// Seconds since the epoch, as the wire carries times.
+std::chrono::system_clock::time_point TimeFromSeconds(double seconds) {
+  return std::chrono::system_clock::time_point(
+      std::chrono::duration_cast<std::chrono::system_clock::duration>(
+          std::chrono::duration<double>(seconds)));
+}
+
 absl::StatusOr<CentralContainer> FromProto(const pb::ContainerInfo& p) {
   CentralContainer c;
   c.name = p.name();
@@ -36,12 +43,22 @@ absl::StatusOr<CentralContainer> FromProto(const pb::ContainerInfo& p) {
   c.usage.memory = p.usage().memory();
   c.usage.memory_peak = p.usage().memory_peak();
   c.usage.pids = p.usage().pids();
-  c.started_at = std::chrono::system_clock::time_point(
-      std::chrono::duration_cast<std::chrono::system_clock::duration>(
-          std::chrono::duration<double>(p.started_at())));
+  c.started_at = TimeFromSeconds(p.started_at());
   c.allocation_released = p.allocation_released();
   c.node = p.node();
   return c;
+}
+
+CentralImage ImageFromProto(const pb::CatalogImage& p) {
+  CentralImage i;
+  i.name = p.name();
+  i.tag = p.tag();
+  i.owner = p.owner();
+  i.visibility = p.visibility();
+  i.shared_with.assign(p.shared_with().begin(), p.shared_with().end());
+  i.size = p.size();
+  i.created = TimeFromSeconds(p.created());
+  return i;
 }
 
 class CentralClientImpl final : public CentralClient {
@@ -49,7 +66,8 @@ class CentralClientImpl final : public CentralClient {
   CentralClientImpl(const gpu::CentralClientOptions& options, gpu::CentralCaller caller)
       : options_(options),
         caller_(std::move(caller)),
-        stub_(pb::Containers::NewStub(caller_.channel())) {}
+        stub_(pb::Containers::NewStub(caller_.channel())),
+        images_(pb::Images::NewStub(caller_.channel())) {}
 
   absl::StatusOr<CentralContainer> StartContainer(const ContainerSpec& spec,
                                                   const std::string& allocation_id) override {
@@ -121,7 +139,66 @@ class CentralClientImpl final : public CentralClient {
     }
   }
 
+  absl::StatusOr<std::vector<CentralImage>> ListImages() override {
+    pb::ImageList reply;
+    DEEPNEX_RETURN_IF_ERROR(Call(
+        [&](auto* ctx) { return images_->ListImages(ctx, pb::ListImagesRequest(), &reply); }));
+    std::vector<CentralImage> out;
+    for (const auto& i : reply.images()) out.push_back(ImageFromProto(i));
+    return out;
+  }
+
+  absl::StatusOr<CentralImage> RegisterImage(const std::string& name, const std::string& source,
+                                             const std::string& owner, bool force) override {
+    pb::RegisterImageRequest req;
+    req.set_name(name);
+    req.set_source(source);
+    req.set_owner(owner);
+    req.set_force(force);
+    pb::CatalogImage reply;
+    DEEPNEX_RETURN_IF_ERROR(
+        Call([&](auto* ctx) { return images_->RegisterImage(ctx, req, &reply); }));
+    return ImageFromProto(reply);
+  }
+
+  absl::StatusOr<CentralImage> ShareImage(const std::string& name,
+                                          const std::vector<std::string>& users,
+                                          bool make_public) override {
+    pb::ShareImageRequest req = ShareRequest(name, users);
+    req.set_public_(make_public);
+    pb::CatalogImage reply;
+    DEEPNEX_RETURN_IF_ERROR(
+        Call([&](auto* ctx) { return images_->ShareImage(ctx, req, &reply); }));
+    return ImageFromProto(reply);
+  }
+
+  absl::StatusOr<CentralImage> UnshareImage(const std::string& name,
+                                            const std::vector<std::string>& users) override {
+    pb::ShareImageRequest req = ShareRequest(name, users);
+    pb::CatalogImage reply;
+    DEEPNEX_RETURN_IF_ERROR(
+        Call([&](auto* ctx) { return images_->UnshareImage(ctx, req, &reply); }));
+    return ImageFromProto(reply);
+  }
+
+  absl::StatusOr<CentralImage> RemoveImage(const std::string& name) override {
+    pb::RemoveImageRequest req;
+    req.set_name(name);
+    pb::CatalogImage reply;
+    DEEPNEX_RETURN_IF_ERROR(
+        Call([&](auto* ctx) { return images_->RemoveImage(ctx, req, &reply); }));
+    return ImageFromProto(reply);
+  }
+
  private:
+  static pb::ShareImageRequest ShareRequest(const std::string& name,
+                                            const std::vector<std::string>& users) {
+    pb::ShareImageRequest req;
+    req.set_name(name);
+    for (const auto& u : users) req.add_users(u);
+    return req;
+  }
+
   // `extra`: time the call may take on top of the client's timeout.
   template <class Fn>
   absl::Status Call(Fn fn, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) {
@@ -136,6 +213,7 @@ class CentralClientImpl final : public CentralClient {
   const gpu::CentralClientOptions options_;
   const gpu::CentralCaller caller_;
   std::unique_ptr<pb::Containers::Stub> stub_;
+  std::unique_ptr<pb::Images::Stub> images_;
 };
 
 }  // namespace

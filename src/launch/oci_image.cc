@@ -20,6 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "core/file_util.h"
 #include "launch/command.h"
+#include "launch/images_registry.h"
 #include "launch/util.h"
 
 namespace deepnex::launch {
@@ -407,8 +408,12 @@ absl::Status CheckInImage(const Image& image, const json& mounts, const Containe
   return CheckInTree(ContainerTree(image.rootfs, mounts), spec);
 }
 
-absl::StatusOr<Image> ImageStore::Resolve(const std::string& image) {
+absl::StatusOr<Image> ImageStore::Resolve(const std::string& spec_image) {
   std::lock_guard<std::mutex> lock(mu_);
+  std::string image = spec_image;
+  if (IsRegistryImage(image)) {
+    DEEPNEX_ASSIGN_OR_RETURN(image, PullLocked(spec_image));
+  }
   if (image == "host") {
     const std::string rootfs = state_dir_ + "/oci/host";
     if (!host_ready_) {
@@ -436,6 +441,31 @@ absl::StatusOr<Image> ImageStore::Resolve(const std::string& image) {
   DEEPNEX_ASSIGN_OR_RETURN(std::string rootfs, UnpackLayout(image, state_dir_ + "/oci/images"));
   layouts_[image] = rootfs;
   return Image{rootfs, false, {}};
+}
+
+absl::StatusOr<std::string> ImageStore::PullLocked(const std::string& image) {
+  DEEPNEX_ASSIGN_OR_RETURN(RegistryRef ref, RegistryRef::Parse(image));
+  // The registry's digest names the cache: a tag moved to a new image pulls
+  // that one, and an image pulled once is not pulled again.
+  DEEPNEX_ASSIGN_OR_RETURN(std::string key, RegistryDigest(ref));
+  std::replace(key.begin(), key.end(), ':', '-');
+  const std::string pulled = state_dir_ + "/oci/pulled";
+  const std::string layout = absl::StrCat(pulled, "/", key);
+  std::error_code ec;
+  if (fs::is_directory(layout, ec)) return layout;
+  DEEPNEX_RETURN_IF_ERROR(MakeDirectories(pulled));
+  const std::string tmp = absl::StrCat(layout, ".tmp-", RandomHex(4));
+  absl::Status s = PullLayout(ref, tmp);
+  if (s.ok()) {
+    fs::rename(tmp, layout, ec);
+    // Another launcher on this state directory pulled it first.
+    if (ec && !fs::is_directory(layout)) {
+      s = absl::InternalError(absl::StrCat("cannot rename ", tmp, ": ", ec.message()));
+    }
+  }
+  fs::remove_all(tmp, ec);
+  DEEPNEX_RETURN_IF_ERROR(s);
+  return layout;
 }
 
 }  // namespace deepnex::launch

@@ -58,10 +58,16 @@ class ImageStore {
  public:
   explicit ImageStore(std::string state_dir) : state_dir_(std::move(state_dir)) {}
 
-  // The rootfs of `image`: NotFound naming it when it does not exist.
+  // The rootfs of `image`: NotFound naming it when it does not exist. An
+  // image in a registry (docker://HOST:PORT/REPO:TAG) is pulled into
+  // <state_dir>/oci/pulled once per manifest digest; a registry that cannot
+  // be reached is Unavailable naming it.
   absl::StatusOr<Image> Resolve(const std::string& image);
 
  private:
+  // The OCI layout of registry image `image`, pulled unless it is here.
+  absl::StatusOr<std::string> PullLocked(const std::string& image);
+
   const std::string state_dir_;
   std::mutex mu_;  // guards the state below
   bool host_ready_ = false;

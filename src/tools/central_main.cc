@@ -73,6 +73,10 @@ flags:
                           /usr and /opt (repeatable); users give only these
                           names, never a path. The process backend always
                           takes "host"
+  --registry HOST:PORT     the site's OCI registry (plain HTTP, e.g. Debian's
+                          docker-registry): OCI image layouts registered as
+                          images (`deepnex image register`) are pushed there,
+                          and each node pulls them on first use
   --allow-host-network USER  USER's oci containers may use the host's network
                           (repeatable; "*": everyone's); otherwise each gets a
                           private network with only its own loopback
@@ -150,6 +154,13 @@ int main(int argc, char** argv) {
       absl::Status added =
           deepnex::launch::AddImageMapping("--image", flags.Value(), &launcher.images);
       if (!added.ok()) flags.Die(std::string(added.message()));
+    } else if (flags.Is("--registry")) {
+      policy.registry = flags.Value();
+      const size_t colon = policy.registry.rfind(':');
+      if (colon == std::string::npos || colon == 0 ||
+          policy.registry.find('/') != std::string::npos) {
+        flags.Die("--registry \"" + policy.registry + "\": expected HOST:PORT");
+      }
     } else if (flags.Is("--allow-host-network")) {
       policy.host_network_users.insert(flags.Value());
     } else if (flags.Is("--node-timeout")) {

@@ -431,8 +431,8 @@ def test_images_only_from_the_catalog_and_host_network_only_where_allowed(tmp_pa
             with pytest.raises(deepnex.PermissionDeniedError) as e:
                 alice.start_container(launch.ContainerSpec(name="i", command=["true"],
                                                            image=image), a)
-            assert str(e.value) == (f'spec.image: "{image}" is not one of this '
-                                    f"deepnex-central's images [base] (its --image)")
+            assert str(e.value) == (f'spec.image: "{image}" is not an image that user alice '
+                                    f"may run [base] (deepnex images)")
         b = bob.allocate(grant())
         with pytest.raises(deepnex.PermissionDeniedError) as e:
             bob.start_container(launch.ContainerSpec(name="n", command=["true"],

@@ -41,6 +41,11 @@ struct ContainerPolicy {
   // The users whose containers may use the host's network
   // (ContainerSpec::host_network); "*": every user.
   std::set<std::string> host_network_users;
+  // HOST:PORT of the site's OCI registry (plain HTTP) that holds the
+  // catalog's images: an OCI image layout registered as an image is pushed
+  // there, and nodes pull it on first use. Empty: images stay directories
+  // on deepnex-central's host.
+  std::string registry;
 };
 
 // Parses a users file: lines "NAME UID GID" or "NAME UID:GID", '#'
@@ -103,6 +108,17 @@ struct CentralContainer {
   std::string node;
 };
 
+// One image of deepnex-central's catalog, as the caller sees it.
+struct CentralImage {
+  std::string name;  // as the caller names it: NAME, or OWNER/NAME for another's
+  std::string tag;
+  std::string owner;       // empty: a preset
+  std::string visibility;  // preset, public, shared or private
+  std::vector<std::string> shared_with;  // shown to its owner and admins
+  uint64_t size = 0;                     // bytes
+  std::chrono::system_clock::time_point created{};
+};
+
 // The Containers service of deepnex-central. Options (address, token, TLS,
 // per-call timeout) are gpu::CentralClient's. A user sees and acts on their
 // own containers only: another user's is NotFound, as if it did not exist.
@@ -143,6 +159,28 @@ class CentralClient {
       const std::string& name, const std::function<bool(const std::string&)>& sink,
       std::chrono::milliseconds poll = std::chrono::milliseconds(200),
       const std::string& user = "") = 0;
+
+  // ---- The image catalog. An image is NAME[:TAG] (the caller's own, else
+  // a preset) or OWNER/NAME[:TAG] (another user's shared with the caller).
+  // What the caller may not run is NotFound; what they see but do not own
+  // is PermissionDenied to change.
+
+  // What the caller may run (admins: every image), by owner, name and tag.
+  virtual absl::StatusOr<std::vector<CentralImage>> ListImages() = 0;
+  // Admins: adds image `name` from `source` (a directory on central's host,
+  // or "host") as a preset, or as `owner`'s; AlreadyExists unless `force`.
+  virtual absl::StatusOr<CentralImage> RegisterImage(const std::string& name,
+                                                     const std::string& source,
+                                                     const std::string& owner = "",
+                                                     bool force = false) = 0;
+  // Lets `users` (and with `make_public` everyone) run the caller's image.
+  virtual absl::StatusOr<CentralImage> ShareImage(const std::string& name,
+                                                  const std::vector<std::string>& users,
+                                                  bool make_public = false) = 0;
+  // Takes `users`' shares back; none: every share and the public one.
+  virtual absl::StatusOr<CentralImage> UnshareImage(const std::string& name,
+                                                    const std::vector<std::string>& users) = 0;
+  virtual absl::StatusOr<CentralImage> RemoveImage(const std::string& name) = 0;
 };
 
 }  // namespace deepnex::launch

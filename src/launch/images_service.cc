@@ -1,0 +1,160 @@
+#include "launch/images_service.h"
+
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/grpc_util.h"
+#include "deepnex/central.grpc.pb.h"
+#include "launch/images_registry.h"
+
+namespace deepnex::launch {
+namespace {
+
+namespace pb = ::deepnex::gpu::proto;
+
+void ToProto(const ImageCaller& caller, const CatalogImage& i, pb::CatalogImage* p) {
+  p->set_name(ImageCatalog::DisplayName(caller, i));
+  p->set_tag(i.tag);
+  p->set_owner(i.owner);
+  p->set_visibility(i.visibility());
+  // Whom it is shared with is the owner's business.
+  if (caller.admin || caller.user == i.owner) {
+    for (const auto& u : i.shared_with) p->add_shared_with(u);
+  }
+  p->set_size(i.size);
+  p->set_created(i.created);
+}
+
+// OWNER/NAME:TAG, or NAME:TAG for a preset.
+std::string RefOf(const CatalogImage& i) {
+  return absl::StrCat(i.owner.empty() ? "" : i.owner + "/", i.name, ":", i.tag);
+}
+
+class ImagesService final : public pb::Images::CallbackService {
+ public:
+  ImagesService(ImageCatalog& catalog, const TokenTable& tokens, std::string registry)
+      : catalog_(catalog), tokens_(tokens), registry_(std::move(registry)) {}
+
+  grpc::ServerUnaryReactor* ListImages(grpc::CallbackServerContext* ctx,
+                                       const pb::ListImagesRequest*,
+                                       pb::ImageList* reply) override {
+    return Run(ctx, [&]() -> absl::Status {
+      DEEPNEX_ASSIGN_OR_RETURN(ImageCaller caller, Caller(*ctx));
+      for (const CatalogImage& i : catalog_.List(caller)) ToProto(caller, i, reply->add_images());
+      return absl::OkStatus();
+    });
+  }
+
+  grpc::ServerUnaryReactor* RegisterImage(grpc::CallbackServerContext* ctx,
+                                          const pb::RegisterImageRequest* req,
+                                          pb::CatalogImage* reply) override {
+    return Run(ctx, [&]() -> absl::Status {
+      DEEPNEX_ASSIGN_OR_RETURN(ImageCaller caller, Caller(*ctx));
+      if (!caller.admin) {
+        return absl::PermissionDeniedError(
+            absl::StrCat("user ", caller.user, " cannot register images (admins only)"));
+      }
+      DEEPNEX_ASSIGN_OR_RETURN(ImageRef ref, ImageRef::Parse(req->name(), "name"));
+      if (!ref.owner.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "name: \"", req->name(), "\" has an owner; give it as owner instead"));
+      }
+      const std::string& source = req->source();
+      std::error_code ec;
+      if (source != "host" &&
+          (source.empty() || source[0] != '/' || !std::filesystem::is_directory(source, ec))) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "source: \"", source, "\" is not an absolute directory on deepnex-central's host "
+            "or \"host\""));
+      }
+      CatalogImage i;
+      i.name = ref.name;
+      i.tag = ref.tag;
+      i.owner = req->owner();
+      i.source = source;
+      i.size = DirectorySize(source);
+      // An OCI image layout goes to the registry, where every node can
+      // pull it; a rootfs directory stays on central's host.
+      if (!registry_.empty() && std::filesystem::exists(source + "/oci-layout", ec)) {
+        if (!req->force() && catalog_.Resolve(caller, RefOf(i)).ok()) {
+          return absl::AlreadyExistsError(
+              absl::StrCat("image \"", RefOf(i), "\" exists (force replaces it)"));
+        }
+        const RegistryRef ref{registry_, (i.owner.empty() ? "library" : i.owner) + "/" + i.name,
+                              i.tag};
+        DEEPNEX_RETURN_IF_ERROR(PushLayout(source, "", ref));
+        i.source = ref.ToString();
+      }
+      DEEPNEX_RETURN_IF_ERROR(catalog_.Put(i, req->force()));
+      DEEPNEX_ASSIGN_OR_RETURN(i, catalog_.Resolve(caller, RefOf(i)));
+      ToProto(caller, i, reply);
+      return absl::OkStatus();
+    });
+  }
+
+  grpc::ServerUnaryReactor* ShareImage(grpc::CallbackServerContext* ctx,
+                                       const pb::ShareImageRequest* req,
+                                       pb::CatalogImage* reply) override {
+    return Change(ctx, reply, [&](const ImageCaller& caller) {
+      return catalog_.Share(caller, req->name(), {req->users().begin(), req->users().end()},
+                            req->public_());
+    });
+  }
+
+  grpc::ServerUnaryReactor* UnshareImage(grpc::CallbackServerContext* ctx,
+                                         const pb::ShareImageRequest* req,
+                                         pb::CatalogImage* reply) override {
+    return Change(ctx, reply, [&](const ImageCaller& caller) {
+      return catalog_.Unshare(caller, req->name(), {req->users().begin(), req->users().end()});
+    });
+  }
+
+  grpc::ServerUnaryReactor* RemoveImage(grpc::CallbackServerContext* ctx,
+                                        const pb::RemoveImageRequest* req,
+                                        pb::CatalogImage* reply) override {
+    return Change(ctx, reply,
+                  [&](const ImageCaller& caller) { return catalog_.Remove(caller, req->name()); });
+  }
+
+ private:
+  template <class Fn>
+  static grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx, Fn fn) {
+    auto* reactor = ctx->DefaultReactor();
+    reactor->Finish(ToGrpcStatus(fn()));
+    return reactor;
+  }
+
+  // A change of one image by the caller: `fn(caller)` returns the image
+  // as it is now (or was, removed), which is the reply.
+  template <class Fn>
+  grpc::ServerUnaryReactor* Change(grpc::CallbackServerContext* ctx, pb::CatalogImage* reply,
+                                   Fn fn) {
+    return Run(ctx, [&]() -> absl::Status {
+      DEEPNEX_ASSIGN_OR_RETURN(ImageCaller caller, Caller(*ctx));
+      DEEPNEX_ASSIGN_OR_RETURN(CatalogImage i, fn(caller));
+      ToProto(caller, i, reply);
+      return absl::OkStatus();
+    });
+  }
+
+  absl::StatusOr<ImageCaller> Caller(const grpc::ServerContextBase& ctx) const {
+    DEEPNEX_ASSIGN_OR_RETURN(Identity who, AuthenticateCall(tokens_, ctx));
+    return ImageCaller{who.name, who.role == AuthRole::kAdmin};
+  }
+
+  ImageCatalog& catalog_;
+  const TokenTable& tokens_;
+  const std::string registry_;
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::Service> NewImagesService(ImageCatalog& catalog, const TokenTable& tokens,
+                                                std::string registry) {
+  return std::make_unique<ImagesService>(catalog, tokens, std::move(registry));
+}
+
+}  // namespace deepnex::launch
