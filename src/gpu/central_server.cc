@@ -477,6 +477,7 @@ class CentralServerImpl final : public CentralServer {
       DEEPNEX_ASSIGN_OR_RETURN(
           extension_, extension(service_->allocator(), service_->tokens(), service_->hub()));
       services.push_back(extension_->service());
+      for (grpc::Service* more : extension_->more_services()) services.push_back(more);
     }
     ServerHostOptions host;
     host.what = "central server";

@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "deepnex/auth.h"
 #include "deepnex/gpu/allocator.h"
@@ -23,6 +24,8 @@ class CentralExtension {
  public:
   virtual ~CentralExtension() = default;
   virtual grpc::Service* service() = 0;
+  // Services served beside service() (deepnex-central's sessions).
+  virtual std::vector<grpc::Service*> more_services() { return {}; }
   // The first step of CentralServer::Stop, while the allocator still serves
   // (so that what ends here can release its allocations). Idempotent.
   virtual void Shutdown() = 0;

@@ -39,6 +39,7 @@
 #include "agent/report.h"
 #include "gpu/central_server.h"
 #include "launch/central_wire.h"
+#include "launch/session_service.h"
 #include "launch/util.h"
 
 namespace deepnex::launch {
@@ -144,13 +145,25 @@ class ContainersService final : public pb::Containers::CallbackService,
     hub_.OnRegistered([this](const std::string& node,
                              const std::vector<agent::proto::ContainerReport>& running) {
       Adopt(node, running);
+      sessions_ = NewSessionServices(tokens_, hub_, [this](const grpc::ServerContextBase& ctx,
+                                                         const std::string& user,
+                                                         const std::string& name) {
+      return SessionTargetOf(ctx, user, name);
+    });
+  });
+    sessions_ = NewSessionServices(tokens_, hub_, [this](const grpc::ServerContextBase& ctx,
+                                                         const std::string& user,
+                                                         const std::string& name) {
+      return SessionTargetOf(ctx, user, name);
     });
   }
   ~ContainersService() override { Shutdown(); }
 
   grpc::Service* service() override { return this; }
+  std::vector<grpc::Service*> more_services() override { return sessions_->services(); }
 
   void Shutdown() override {
+    sessions_->Shutdown();
     std::vector<std::shared_ptr<Entry>> entries;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -302,6 +315,17 @@ class ContainersService final : public pb::Containers::CallbackService,
     DEEPNEX_RETURN_IF_ERROR(
         CheckJob(who, it->second->job, absl::StrCat("container \"", name, "\"")));
     return it->second;
+  }
+
+  // Where a session's container runs: here, or on its node's agent.
+  absl::StatusOr<SessionTarget> SessionTargetOf(const grpc::ServerContextBase& ctx,
+                                                const std::string& user, const std::string& name) {
+    DEEPNEX_ASSIGN_OR_RETURN(auto e, Find(ctx, user, name));
+    SessionTarget t;
+    if (e->launcher == launcher_.get()) t.local = e->handle;
+    t.node = e->node;
+    t.name = LauncherName(e->user, e->name);
+    return t;
   }
 
   absl::Status Start(const grpc::ServerContextBase& ctx, const pb::StartContainerRequest& req,
@@ -580,6 +604,7 @@ class ContainersService final : public pb::Containers::CallbackService,
   std::map<Key, std::shared_ptr<Entry>> entries_;
   int calls_ = 0;
   bool stopping_ = false;
+  std::unique_ptr<SessionServices> sessions_;
   std::thread reaper_;  // last: it uses the members above
 };
 

@@ -12,6 +12,7 @@
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/launch/central.h"
 #include "launch/central_wire.h"
+#include "launch/session_client.h"
 
 namespace deepnex::launch {
 namespace {
@@ -53,6 +54,7 @@ class CentralClientImpl final : public CentralClient {
     DEEPNEX_ASSIGN_OR_RETURN(auto channel, Dial("central", options_.address, credentials,
                                                 std::min(options_.timeout, kConnectTimeout)));
     stub_ = pb::Containers::NewStub(channel);
+    channel_ = channel;
     return absl::OkStatus();
   }
 
@@ -126,6 +128,10 @@ class CentralClientImpl final : public CentralClient {
     }
   }
 
+  absl::StatusOr<std::unique_ptr<Session>> OpenSession(const SessionOptions& options) override {
+    return OpenCentralSession(channel_, token_, options);
+  }
+
  private:
   // `extra`: time the call may take on top of the client's timeout.
   template <class Fn>
@@ -152,6 +158,7 @@ class CentralClientImpl final : public CentralClient {
   const gpu::CentralClientOptions options_;
   const std::string token_;
   std::unique_ptr<pb::Containers::Stub> stub_;
+  std::shared_ptr<grpc::Channel> channel_;  // for sessions
 };
 
 }  // namespace
