@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     from deepnex import _cli_launch  # ps
 
     _cli_launch.add_commands(commands)
+    from deepnex import _cli_session  # exec, shell, port-forward
+
+    _cli_session.add_commands(commands)
     from deepnex import _cli_tune  # tune
 
     _cli_tune.add_commands(commands)

@@ -71,3 +71,185 @@ def test_exec_errors(central):
     from deepnex import InvalidArgumentError
     with pytest.raises(InvalidArgumentError, match="command: 'true' is not a non-empty list"):
         alice.exec("box", "true")
+
+
+def cli(central, *args, token="alicetok", **kwargs):
+    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN=token)
+    env.pop("DEEPNEX_STATE_DIR", None)
+    return subprocess.run([PY, "-m", "deepnex", *args], env=env, capture_output=True,
+                          timeout=60, **kwargs)
+
+
+def test_cli_exec(central):
+    alice, _ = clients(central)
+    start_sleeper(alice)
+    out = cli(central, "exec", "box", "-i", "--", "sh", "-c", "tr a-z A-Z; exit 5",
+              input=b"shout\n")
+    assert (out.returncode, out.stdout, out.stderr) == (5, b"SHOUT\n", b"")
+    # Without -i its stdin is closed at once.
+    out = cli(central, "exec", "box", "--", "cat", input=b"not passed\n")
+    assert (out.returncode, out.stdout) == (0, b"")
+    out = cli(central, "exec", "box", "--", "sh", "-c", "echo err >&2")
+    assert (out.returncode, out.stdout, out.stderr) == (0, b"", b"err\n")
+    out = cli(central, "exec", "box", "--", "true", token="bobtok")
+    assert (out.returncode, out.stderr) == (1, b'deepnex: no container "box" of user bob\n')
+    out = cli(central, "exec", "box")
+    assert out.returncode != 0 and b"no command (give it after --)" in out.stderr
+
+
+class Terminal:
+    """A program on a new pseudo-terminal of rows x cols, which is its
+    controlling terminal (so that a change of size signals it)."""
+
+    def __init__(self, argv, env, rows=24, cols=80):
+        import fcntl
+        import struct
+        import termios
+        self.master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+        def controlling():
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        self.proc = subprocess.Popen(argv, env=env, stdin=slave, stdout=slave, stderr=slave,
+                                     start_new_session=True, preexec_fn=controlling)
+        os.close(slave)
+        self.seen = b""
+
+    def send(self, text):
+        os.write(self.master, text.encode())
+
+    def resize(self, rows, cols):
+        import fcntl
+        import struct
+        import termios
+        fcntl.ioctl(self.master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    def expect(self, needle, timeout=30):
+        """Reads until `needle` (bytes) has been seen since the last expect;
+        returns what came before it."""
+        deadline = time.monotonic() + timeout
+        while needle not in self.seen:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"waited {timeout} s for {needle!r}; got {self.seen!r}")
+            ready, _, _ = select.select([self.master], [], [], left)
+            if ready:
+                try:
+                    data = os.read(self.master, 4096)
+                except OSError:  # EIO: the program and its terminal are gone
+                    data = b""
+                if not data:
+                    raise AssertionError(f"EOF before {needle!r}; got {self.seen!r}")
+                self.seen += data
+        before, self.seen = self.seen.split(needle, 1)
+        return before
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        os.close(self.master)
+
+
+def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code(central):
+    alice, _ = clients(central)
+    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
+    t = Terminal([PY, "-m", "deepnex", "shell", "--cpus", "1", "--memory", "256MiB",
+                  "--name", "sh1"], env)
+    try:
+        # The prompt first: a shell may drop what was typed before it ran.
+        t.expect(b"$ ")
+        # Markers computed by the shell, so that the echo of what was typed
+        # does not match.
+        t.send("echo ready-$((40+2))\n")
+        t.expect(b"ready-42")
+        assert next(c for c in alice.containers() if c["name"] == "sh1")["state"] == "running"
+        assert len(alice.allocations()) == 1
+        t.send("stty size; echo size-$((1+1))\n")
+        t.expect(b"24 80")
+        t.expect(b"size-2")
+        # A new size reaches the container's terminal (through SIGWINCH here).
+        # It travels on its own: ask again until the shell sees it.
+        t.resize(50, 132)
+
+        def size():
+            t.send("stty size; echo size-$((2+2))\n")
+            return b"\n50 132\r\n" in t.expect(b"size-4")
+        wait_for(size, "the new size in the container", timeout=30)
+        # Ctrl-C goes to the container's foreground process, not to deepnex.
+        t.send("sleep 60; echo slept-$((3+3))\n")
+        wait_for(lambda: alice.exec("sh1", ["pgrep", "-f", "^sleep 60$"]).exit_code == 0,
+                 "sleep 60 running in the shell")
+        t.send("\x03")
+        t.send("echo after-$((5+5))\n")
+        t.expect(b"after-10")
+        assert b"slept-6" not in t.seen
+        assert t.proc.poll() is None
+        t.send("exit 7\n")
+        assert t.proc.wait(timeout=30) == 7
+    finally:
+        t.close()
+    # The container stopped, the allocation deepnex made is released.
+    assert next(c for c in alice.containers() if c["name"] == "sh1")["state"] == "stopped"
+    assert alice.allocations() == []
+
+
+HTTP_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = ("hello from " + self.path).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+s = http.server.HTTPServer(("127.0.0.1", 0), H)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"""
+
+
+def get(port, path="/x"):
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+        return r.read().decode()
+
+
+def test_port_forward_reaches_a_server_in_the_container_and_only_its_owner(central):
+    alice, bob = clients(central)
+    a = alice.allocate(grant())
+    alice.start_container(launch.ContainerSpec(name="web", command=[PY, "-c", HTTP_SERVER]), a)
+    port = int(wait_for(lambda: alice.container_logs("web").strip(), "web's port"))
+    with alice.port_forward("web", port) as fwd:
+        assert fwd.port != 0
+        assert get(fwd.port, "/a") == "hello from /a"
+        # Connections at once, each with a session of its own.
+        results = []
+        threads = [threading.Thread(target=lambda i=i: results.append(get(fwd.port, f"/{i}")))
+                   for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert sorted(results) == [f"hello from /{i}" for i in range(4)]
+    from deepnex._session import open_session
+    with pytest.raises(NotFoundError, match='no container "web" of user bob'):
+        open_session(bob._c, "web", port=port).read()
+    from deepnex import UnavailableError
+    with pytest.raises(UnavailableError, match=f'port 1 of container "web": Connection refused'):
+        open_session(alice._c, "web", port=1).read()
+    # The command line: LOCAL 0 picks a free port and says which.
+    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
+    p = subprocess.Popen([PY, "-m", "deepnex", "port-forward", "web", f"0:{port}"], env=env,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("Forwarding from 127.0.0.1:") and line.endswith(f"-> web:{port}\n")
+        local = int(line.split()[2].split(":")[1])
+        assert get(local, "/cli") == "hello from /cli"
+    finally:
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=30) == 0
+        p.stdout.close()
