@@ -122,10 +122,10 @@ def _port_forward(args):
     c = client(args)
     fwd = PortForward(c._c, args.name, remote, local=remote if local is None else local,
                       host=args.address, user=args.user)
-    print(f"Forwarding from {fwd.host}:{fwd.port} -> {args.name}:{remote}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    print(f"Forwarding from {fwd.host}:{fwd.port} -> {args.name}:{remote}", flush=True)
     stop.wait()
     fwd.close()
     return 0

@@ -152,6 +152,7 @@ class PortForward:
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._open = set()
+        self._threads = []
         self._closed = False
         self._accepter = threading.Thread(target=self._accept, daemon=True)
         self._accepter.start()
@@ -162,7 +163,10 @@ class PortForward:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            with self._lock:
+                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            t.start()
 
     def _serve(self, conn):
         try:
@@ -222,6 +226,11 @@ class PortForward:
         for s in sessions:
             s.cancel()
         self._accepter.join(timeout=5)
+        # Sessions must not outlive the interpreter's exit.
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(timeout=5)
 
     def __enter__(self):
         return self

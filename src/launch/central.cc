@@ -145,12 +145,7 @@ class ContainersService final : public pb::Containers::CallbackService,
     hub_.OnRegistered([this](const std::string& node,
                              const std::vector<agent::proto::ContainerReport>& running) {
       Adopt(node, running);
-      sessions_ = NewSessionServices(tokens_, hub_, [this](const grpc::ServerContextBase& ctx,
-                                                         const std::string& user,
-                                                         const std::string& name) {
-      return SessionTargetOf(ctx, user, name);
     });
-  });
     sessions_ = NewSessionServices(tokens_, hub_, [this](const grpc::ServerContextBase& ctx,
                                                          const std::string& user,
                                                          const std::string& name) {

@@ -27,7 +27,7 @@ class CentralSession final : public Session {
 
   absl::Status Send(const pb::SessionInput& in) {
     std::lock_guard<std::mutex> lock(write_mu_);
-    if (!stream_->Write(in)) {
+    if (writes_done_ || !stream_->Write(in)) {
       return absl::UnavailableError("the session ended");
     }
     return absl::OkStatus();
@@ -71,6 +71,12 @@ class CentralSession final : public Session {
       }
       if (pending_.exited()) {
         ended_ = true;
+        // Tells the server that nothing more comes: it ends the call.
+        {
+          std::lock_guard<std::mutex> wlock(write_mu_);
+          stream_->WritesDone();
+          writes_done_ = true;
+        }
         SessionEvent e;
         e.kind = SessionEvent::Kind::kExit;
         e.exit_code = pending_.exit_code();
@@ -92,7 +98,8 @@ class CentralSession final : public Session {
     if (!finished_) {
       {
         std::lock_guard<std::mutex> wlock(write_mu_);
-        stream_->WritesDone();
+        if (!writes_done_) stream_->WritesDone();
+        writes_done_ = true;
       }
       status_ = ToAbslStatus(stream_->Finish());
       finished_ = true;
@@ -104,6 +111,7 @@ class CentralSession final : public Session {
   std::unique_ptr<grpc::ClientContext> ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<pb::SessionInput, pb::SessionOutput>> stream_;
   std::mutex write_mu_;
+  bool writes_done_ = false;  // guarded by write_mu_
   std::mutex read_mu_;
   pb::SessionOutput pending_;  // what Read has not returned yet
   bool ended_ = false;

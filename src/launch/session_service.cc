@@ -68,7 +68,9 @@ class Pipe final : public grpc::ServerBidiReactor<In, Out> {
       return;
     }
     hooks_.read(in_);
-    this->StartRead(&in_);
+    // Not after Finish (the hook may have closed the stream).
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!closed_) this->StartRead(&in_);
   }
 
   void OnWriteDone(bool ok) override {

@@ -253,3 +253,71 @@ def test_port_forward_reaches_a_server_in_the_container_and_only_its_owner(centr
         p.send_signal(signal.SIGINT)
         assert p.wait(timeout=30) == 0
         p.stdout.close()
+
+
+AGENT_TOKENS = "h1tok h1 node\n"
+
+
+def test_exec_and_port_forward_through_an_agent_on_another_host(make_hosts, tmp_path):
+    """central on host hc, an agent on h1 (it dials central; central never
+    dials it), the user's commands on hc."""
+    from _central import BUILD_DIR, CENTRAL_BIN, TOKENS
+    agent_bin = os.path.join(BUILD_DIR, "bin", "deepnex-agent")
+    if not os.path.exists(agent_bin):
+        pytest.skip(f"{agent_bin} not built")
+    hosts = make_hosts({"hc": 13, "h1": 11})
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKENS + AGENT_TOKENS)
+    central = hosts.popen("hc", [os.path.abspath(CENTRAL_BIN), "--listen", "10.77.0.13:0",
+                                 "--token-file", tokens, "--user", f"alice={USER_IDS}",
+                                 "--user", f"bob={USER_IDS}",
+                                 "--launch-state-dir", tmp_path / "central"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = central.stdout.readline()
+    assert line.startswith("deepnex-central listening on "), line + central.stderr.read()
+    address = line.split()[3]
+    agent = hosts.popen("h1", [agent_bin, "--central", address, "--node", "h1", "--token",
+                               "h1tok", "--gpus", "1x16GiB", "--cpus", "2", "--memory", "4GiB",
+                               "--state-dir", tmp_path / "h1"],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert agent.stdout.readline() == f"deepnex-agent: node h1 registered with {address}\n"
+    env = dict(os.environ, DEEPNEX_CENTRAL=address, DEEPNEX_TOKEN="alicetok")
+    env.pop("DEEPNEX_STATE_DIR", None)
+
+    def deepnex(*args, token="alicetok", **kwargs):
+        return hosts.run("hc", [PY, "-m", "deepnex", *args], check=False,
+                         env=dict(env, DEEPNEX_TOKEN=token), **kwargs)
+    out = deepnex("alloc", "--gpus", "1", "--cpus", "1", "--memory", "256MiB", "--node", "h1")
+    assert out.returncode == 0, out.stderr
+    alloc = out.stdout.split()[0]
+    out = deepnex("launch", "--alloc", alloc, "--name", "web", "--", PY, "-c", HTTP_SERVER)
+    assert out.returncode == 0, out.stderr
+    port = int(wait_for(lambda: deepnex("logs", "web").stdout.strip(), "web's port"))
+    # It runs on h1 (its hostname), with stdin and the exit code through both streams.
+    out = deepnex("exec", "web", "-i", "--", "sh", "-c", "hostname; tr a-z A-Z; exit 4",
+                  input="up\n")
+    assert (out.returncode, out.stdout, out.stderr) == (4, "h1\nUP\n", "")
+    out = deepnex("exec", "web", "--", "no-such-command")
+    assert out.returncode == 1 and 'node h1: command "no-such-command"' in out.stderr
+    out = deepnex("exec", "web", "--", "true", token="bobtok")
+    assert (out.returncode, out.stderr) == (1, 'deepnex: no container "web" of user bob\n')
+    # A port on h1's loopback, from hc.
+    fwd = hosts.popen("hc", [PY, "-m", "deepnex", "port-forward", "web", f"0:{port}"], env=env,
+                      stdout=subprocess.PIPE, text=True)
+    try:
+        line = fwd.stdout.readline()
+        assert line.endswith(f"-> web:{port}\n"), line
+        local = int(line.split()[2].split(":")[1])
+        body = hosts.run("hc", [PY, "-c", "import urllib.request, sys; sys.stdout.write("
+                                f"urllib.request.urlopen('http://127.0.0.1:{local}/via-h1', "
+                                "timeout=30).read().decode())"])
+        assert body.stdout == "hello from /via-h1"
+    finally:
+        fwd.send_signal(signal.SIGINT)
+        assert fwd.wait(timeout=30) == 0
+        fwd.stdout.close()
+    for p in (agent, central):
+        p.terminate()
+        p.wait(timeout=30)
+        p.stdout.close()
+        p.stderr.close()
