@@ -311,7 +311,7 @@ class AgentImpl final : public Agent {
       }
       case pb::Command::kSession: {
         DEEPNEX_ASSIGN_OR_RETURN(auto h, Get(c.session().name()));
-        return sessions_->Start(h, c.session().session_id());
+        return sessions_->Start(h, launcher_->backend(), c.session().session_id());
       }
       default:
         return absl::InvalidArgumentError("empty command");

@@ -37,7 +37,7 @@ class StreamPeer final : public launch::SessionPeer {
 }  // namespace
 
 absl::Status AgentSessions::Start(std::shared_ptr<launch::Handle> container,
-                                  const std::string& id) {
+                                  const std::string& backend, const std::string& id) {
   auto ctx = std::make_shared<grpc::ClientContext>();
   if (!token_.empty()) ctx->AddMetadata(kAuthorizationKey, BearerValue(token_));
   {
@@ -46,8 +46,8 @@ absl::Status AgentSessions::Start(std::shared_ptr<launch::Handle> container,
     live_.insert(ctx);
     ++threads_;
   }
-  std::thread([this, container = std::move(container), id, ctx] {
-    Serve(container, id, ctx);
+  std::thread([this, container = std::move(container), backend, id, ctx] {
+    Serve(container, backend, id, ctx);
     std::lock_guard<std::mutex> lock(mu_);
     live_.erase(ctx);
     --threads_;
@@ -56,7 +56,8 @@ absl::Status AgentSessions::Start(std::shared_ptr<launch::Handle> container,
   return absl::OkStatus();
 }
 
-void AgentSessions::Serve(std::shared_ptr<launch::Handle> container, std::string id,
+void AgentSessions::Serve(std::shared_ptr<launch::Handle> container, std::string backend,
+                          std::string id,
                           std::shared_ptr<grpc::ClientContext> ctx) {
   auto stub = pb::AgentSessions::NewStub(central_);
   std::unique_ptr<SessionStream> stream = stub->Open(ctx.get());
@@ -67,7 +68,7 @@ void AgentSessions::Serve(std::shared_ptr<launch::Handle> container, std::string
     StreamPeer peer(stream.get());
     absl::Status served =
         first.has_start()
-            ? launch::ServeSession(*container, first.start(), peer,
+            ? launch::ServeSession(*container, backend, first.start(), peer,
                                    [&] { stream->WritesDone(); })
             : absl::InvalidArgumentError("a session's first input must be its SessionStart");
     if (!served.ok()) {

@@ -26,14 +26,16 @@ class AgentSessions {
       : central_(std::move(central)), token_(std::move(token)) {}
   ~AgentSessions() { Stop(); }
 
-  // Dials central for session `id` on `container`; returns once the thread
-  // runs (the session's errors go down its stream).
-  absl::Status Start(std::shared_ptr<launch::Handle> container, const std::string& id);
+  // Dials central for session `id` on `container` (run by a launcher of
+  // `backend`); returns once the thread runs (the session's errors go down
+  // its stream).
+  absl::Status Start(std::shared_ptr<launch::Handle> container, const std::string& backend,
+                     const std::string& id);
   // Cancels every session and waits for their threads. Idempotent.
   void Stop();
 
  private:
-  void Serve(std::shared_ptr<launch::Handle> container, std::string id,
+  void Serve(std::shared_ptr<launch::Handle> container, std::string backend, std::string id,
              std::shared_ptr<grpc::ClientContext> ctx);
 
   const std::shared_ptr<grpc::Channel> central_;

@@ -318,6 +318,7 @@ class ContainersService final : public pb::Containers::CallbackService,
     DEEPNEX_ASSIGN_OR_RETURN(auto e, Find(ctx, user, name));
     SessionTarget t;
     if (e->launcher == launcher_.get()) t.local = e->handle;
+    t.backend = e->launcher->backend();
     t.node = e->node;
     t.name = LauncherName(e->user, e->name);
     return t;

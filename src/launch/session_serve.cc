@@ -124,11 +124,22 @@ absl::Status ServePort(Handle& h, const pb::SessionStart& start, SessionPeer& pe
 
 }  // namespace
 
-absl::Status ServeSession(Handle& h, const pb::SessionStart& start, SessionPeer& peer,
-                          const std::function<void()>& close_peer) {
+absl::Status ServeSession(Handle& h, const std::string& backend, const pb::SessionStart& start,
+                          SessionPeer& peer, const std::function<void()>& close_peer) {
   if (start.port() != 0) {
     if (start.command_size() != 0) {
       return absl::InvalidArgumentError("a session has either a command or a port, not both");
+    }
+    // This host's loopback is not a private network's: never forward to it.
+    if (backend != "process" && !h.spec().host_network) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "port: container \"", start.container(), "\" has a network of its own (", backend,
+          " backend); only containers on this host's network (process backend, or "
+          "host_network) can be forwarded to"));
+    }
+    if (h.Status().state != State::kRunning) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("container \"", start.container(), "\" is not running"));
     }
     return ServePort(h, start, peer, close_peer);
   }

@@ -7,6 +7,7 @@
 #define DEEPNEX_LAUNCH_SESSION_SERVE_H_
 
 #include <functional>
+#include <string>
 
 #include "deepnex/central.pb.h"
 #include "deepnex/launch/launcher.h"
@@ -30,7 +31,11 @@ class SessionPeer {
 // Then calls `close_peer`, which must end a Read that blocks, and returns
 // once its reader is done. An error when nothing could start (a command not
 // found, nothing listening on the port); nothing was written then.
-absl::Status ServeSession(Handle& h, const gpu::proto::SessionStart& start, SessionPeer& peer,
+// `backend`: the launcher's; a port is dialled on this machine's loopback,
+// which is the container's only where it shares this host's network (the
+// process backend, or host_network): elsewhere FailedPrecondition.
+absl::Status ServeSession(Handle& h, const std::string& backend,
+                          const gpu::proto::SessionStart& start, SessionPeer& peer,
                           const std::function<void()>& close_peer);
 
 }  // namespace deepnex::launch

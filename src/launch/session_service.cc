@@ -252,7 +252,7 @@ class Services final : public SessionServices {
     ++threads_;
     std::thread([this, s, target = *target, in] {
       if (target.local) {
-        RunLocal(s, *target.local, in.start());
+        RunLocal(s, *target.local, target.backend, in.start());
       } else {
         RunRemote(s, target, in);
       }
@@ -263,9 +263,10 @@ class Services final : public SessionServices {
     }).detach();
   }
 
-  void RunLocal(const std::shared_ptr<Sess>& s, Handle& h, const pb::SessionStart& start) {
+  void RunLocal(const std::shared_ptr<Sess>& s, Handle& h, const std::string& backend,
+                const pb::SessionStart& start) {
     LocalPeer peer(s);
-    absl::Status served = ServeSession(h, start, peer, [&] {
+    absl::Status served = ServeSession(h, backend, start, peer, [&] {
       std::lock_guard<std::mutex> lock(s->mu);
       s->closed = true;
       s->cv.notify_all();

@@ -24,6 +24,7 @@ namespace deepnex::launch {
 // Where a session's container runs.
 struct SessionTarget {
   std::shared_ptr<Handle> local;  // here; else on `node`'s agent
+  std::string backend;            // of the launcher it runs on
   std::string node;
   std::string name;  // the launcher's name of the container
 };
