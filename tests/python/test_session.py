@@ -194,6 +194,24 @@ def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code
     assert alice.allocations() == []
 
 
+def test_shell_on_a_given_allocation_with_keep_leaves_both(central):
+    alice, _ = clients(central)
+    a = alice.allocate(grant())
+    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
+    t = Terminal([PY, "-m", "deepnex", "shell", "--alloc", a.id, "--keep", "--name", "k1"], env)
+    try:
+        t.expect(b"$ ")
+        t.send("exit\n")
+        t.expect(b"deepnex: kept container k1 on allocation " + a.id.encode())
+        assert t.proc.wait(timeout=30) == 0
+    finally:
+        t.close()
+    k1 = next(c for c in alice.containers() if c["name"] == "k1")
+    assert (k1["state"], k1["allocation"]) == ("running", a.id)
+    assert [x.id for x in alice.allocations()] == [a.id]
+    assert alice.exec("k1", ["true"]).exit_code == 0
+
+
 HTTP_SERVER = """
 import http.server, sys
 class H(http.server.BaseHTTPRequestHandler):
