@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     from deepnex import _cli_images  # images, image
 
     _cli_images.add_commands(commands)
+    from deepnex import _cli_session  # exec, shell, port-forward
+
+    _cli_session.add_commands(commands)
     from deepnex import _cli_tune  # tune
 
     _cli_tune.add_commands(commands)

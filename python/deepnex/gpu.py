@@ -410,6 +410,24 @@ class CentralClient:
             out.append(data)
         return b"".join(out).decode("utf-8", errors="replace")
 
+    def exec(self, name, command, input=None, on_output=None, user=None):
+        """Runs `command` (a list) in the caller's running container `name`,
+        as the container's user, through its node's agent where it runs
+        there; `input` (bytes) is its stdin, then EOF. Returns an ExecResult
+        (exit_code: 128 + N for signal N; stdout, stderr: bytes, unless
+        on_output(kind, data) took them as they came). Another user's
+        container is NotFoundError."""
+        from ._session import exec_
+        return exec_(self._c, name, command, input=input, on_output=on_output, user=user)
+
+    def port_forward(self, name, remote, local=0, host="127.0.0.1", user=None):
+        """Listens on host:local (0: any free port; .port says which) and
+        passes each connection to TCP port `remote` on the loopback of the
+        caller's container `name`. Close it (or use it as a context manager)
+        to stop."""
+        from ._session import PortForward
+        return PortForward(self._c, name, remote, local=local, host=host, user=user)
+
     def _follow(self, name, user, poll):
         import codecs
         import time

@@ -33,6 +33,7 @@ void RegisterCollective(py::module_& m);
 void RegisterGpu(py::module_& m);
 void RegisterData(py::module_& m);
 void RegisterLaunch(py::module_& m);
+void RegisterSession(py::module_& m);  // into deepnex._C.launch
 void RegisterJob(py::module_& m);
 void RegisterJobs(py::module_& m);
 

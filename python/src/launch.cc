@@ -412,6 +412,7 @@ void RegisterLaunch(py::module_& parent) {
   });
   m.def("recorded_usage", &RecordedUsage, py::arg("cgroup"), py::arg("pid"));
   RegisterCentralClient(m);
+  RegisterSession(m);
 }
 
 }  // namespace deepnex::python

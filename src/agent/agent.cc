@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "agent/adopt.h"
 #include "agent/report.h"
+#include "agent/session.h"
 #include "core/grpc_util.h"
 #include "core/net.h"
 #include "deepnex/agent.grpc.pb.h"
@@ -57,7 +58,9 @@ class AgentImpl final : public Agent {
   absl::Status Start() {
     DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("deepnex-agent"));
     DEEPNEX_ASSIGN_OR_RETURN(auto credentials, MakeChannelCredentials(options_.tls_ca_file));
-    stub_ = pb::Agents::NewStub(MakeChannel(options_.central, credentials));
+    auto channel = MakeChannel(options_.central, credentials);
+    stub_ = pb::Agents::NewStub(channel);
+    sessions_ = std::make_unique<AgentSessions>(channel, token_);
     if (!options_.listen.empty()) {
       auto http = MetricsHttpServer::Create([this] { return MetricsText(); }, options_.listen,
                                             [this] { return Health(); });
@@ -108,6 +111,7 @@ class AgentImpl final : public Agent {
     if (http_ != nullptr) http_->Stop();
     if (loop_.joinable()) loop_.join();
     if (beat_.joinable()) beat_.join();
+    if (sessions_) sessions_->Stop();
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] { return commands_ == 0; });
@@ -387,6 +391,10 @@ class AgentImpl final : public Agent {
         absl::Status s = launcher_->Remove(c.remove().name());
         return absl::IsNotFound(s) ? absl::OkStatus() : s;
       }
+      case pb::Command::kSession: {
+        DEEPNEX_ASSIGN_OR_RETURN(auto h, Get(c.session().name()));
+        return sessions_->Start(h, launcher_->backend(), c.session().session_id());
+      }
       default:
         return absl::InvalidArgumentError("empty command");
     }
@@ -398,6 +406,7 @@ class AgentImpl final : public Agent {
   const std::string token_;
   std::unique_ptr<launch::Launcher> launcher_;
   std::unique_ptr<pb::Agents::Stub> stub_;
+  std::unique_ptr<AgentSessions> sessions_;  // set by Start
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -33,6 +33,7 @@ class CentralCaller {
   }
 
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+  const std::string& token() const { return token_; }
 
   // fn(&ctx) -> grpc::Status, with the deadline options.timeout + `extra`;
   // a deadline gRPC gives up on is Unavailable naming the address.

@@ -24,7 +24,8 @@ class CentralExtension {
  public:
   virtual ~CentralExtension() = default;
   virtual grpc::Service* service() = 0;
-  // Services it serves besides service() (launch's image catalog).
+  // Services it serves besides service() (launch's image catalog and
+  // sessions).
   virtual std::vector<grpc::Service*> more_services() { return {}; }
   // The first step of CentralServer::Stop, while the allocator still serves
   // (so that what ends here can release its allocations). Idempotent.

@@ -5,7 +5,11 @@
 #ifndef DEEPNEX_LAUNCH_BACKEND_H_
 #define DEEPNEX_LAUNCH_BACKEND_H_
 
+#include <sys/types.h>
+
 #include <chrono>
+#include <functional>
+#include <vector>
 #include <map>
 #include <memory>
 #include <optional>
@@ -47,7 +51,24 @@ class Run {
   // After the run ended: deletes what it holds (cgroup, container, bundle,
   // job record). Idempotent.
   virtual absl::Status Remove() = 0;
+  // See Handle::Exec. Default: the backend has none.
+  virtual absl::StatusOr<std::unique_ptr<ExecProcess>> Exec(const ExecOptions& options) {
+    return absl::UnimplementedError("this backend has no exec");
+  }
 };
+
+// How to start an exec'd process (session_exec.cc spawns it).
+struct ExecPlan {
+  std::vector<std::string> argv;  // argv[0]: a path
+  std::vector<std::string> env;   // "K=V"
+  std::string working_dir;        // empty: the caller's
+  std::optional<RunAs> run_as;
+  // Called with the child's pid before it runs anything (e.g. to put it in
+  // the container's cgroup); an error kills it.
+  std::function<absl::Status(pid_t)> join;
+};
+absl::StatusOr<std::unique_ptr<ExecProcess>> SpawnExec(const ExecPlan& plan,
+                                                       const ExecOptions& options);
 
 class Backend {
  public:

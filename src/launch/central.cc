@@ -41,6 +41,7 @@
 #include "launch/central_wire.h"
 #include "launch/images.h"
 #include "launch/images_service.h"
+#include "launch/session_service.h"
 #include "launch/util.h"
 
 namespace deepnex::launch {
@@ -151,13 +152,23 @@ class ContainersService final : public pb::Containers::CallbackService,
                              const std::vector<agent::proto::ContainerReport>& running) {
       Adopt(node, running);
     });
+    sessions_ = NewSessionServices(tokens_, hub_, [this](const grpc::ServerContextBase& ctx,
+                                                         const std::string& user,
+                                                         const std::string& name) {
+      return SessionTargetOf(ctx, user, name);
+    });
   }
   ~ContainersService() override { Shutdown(); }
 
   grpc::Service* service() override { return this; }
-  std::vector<grpc::Service*> more_services() override { return {images_service_.get()}; }
+  std::vector<grpc::Service*> more_services() override {
+    std::vector<grpc::Service*> services = sessions_->services();
+    services.push_back(images_service_.get());
+    return services;
+  }
 
   void Shutdown() override {
+    sessions_->Shutdown();
     std::vector<std::shared_ptr<Entry>> entries;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -316,6 +327,18 @@ class ContainersService final : public pb::Containers::CallbackService,
     DEEPNEX_RETURN_IF_ERROR(
         CheckJob(who, it->second->job, absl::StrCat("container \"", name, "\"")));
     return it->second;
+  }
+
+  // Where a session's container runs: here, or on its node's agent.
+  absl::StatusOr<SessionTarget> SessionTargetOf(const grpc::ServerContextBase& ctx,
+                                                const std::string& user, const std::string& name) {
+    DEEPNEX_ASSIGN_OR_RETURN(auto e, Find(ctx, user, name));
+    SessionTarget t;
+    if (e->launcher == launcher_.get()) t.local = e->handle;
+    t.backend = e->launcher->backend();
+    t.node = e->node;
+    t.name = LauncherName(e->user, e->name);
+    return t;
   }
 
   absl::Status Start(const grpc::ServerContextBase& ctx, const pb::StartContainerRequest& req,
@@ -606,6 +629,7 @@ class ContainersService final : public pb::Containers::CallbackService,
   std::map<Key, std::shared_ptr<Entry>> entries_;
   int calls_ = 0;
   bool stopping_ = false;
+  std::unique_ptr<SessionServices> sessions_;
   std::thread reaper_;  // last: it uses the members above
 };
 

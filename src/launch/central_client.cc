@@ -13,6 +13,7 @@
 #include "deepnex/launch/central.h"
 #include "gpu/central_call.h"
 #include "launch/central_wire.h"
+#include "launch/session_client.h"
 
 namespace deepnex::launch {
 namespace {
@@ -188,6 +189,10 @@ class CentralClientImpl final : public CentralClient {
     DEEPNEX_RETURN_IF_ERROR(
         Call([&](auto* ctx) { return images_->RemoveImage(ctx, req, &reply); }));
     return ImageFromProto(reply);
+  }
+
+  absl::StatusOr<std::unique_ptr<Session>> OpenSession(const SessionOptions& options) override {
+    return OpenCentralSession(caller_.channel(), caller_.token(), options);
   }
 
  private:

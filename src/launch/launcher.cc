@@ -212,6 +212,19 @@ class Container : public Handle {
     return run->Usage();
   }
 
+  absl::StatusOr<std::unique_ptr<ExecProcess>> Exec(const ExecOptions& options) override {
+    std::shared_ptr<Run> run;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (state_ == State::kRunning) run = run_;
+    }
+    if (!run) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("container \"", spec_.name, "\" is not running"));
+    }
+    return run->Exec(options);
+  }
+
   // Deletes the container's directory; REQUIRES: ended.
   void RemoveFiles() {
     std::error_code ignored;

@@ -174,6 +174,22 @@ class OciRun : public Run {
     return (*cg)->ReadUsage();
   }
 
+  // `runc exec` takes the container's process (user, env, cwd) for the
+  // command's; with a tty it makes the container's pty and copies between it
+  // and ours, resizing it on our SIGWINCH.
+  absl::StatusOr<std::unique_ptr<ExecProcess>> Exec(const ExecOptions& options) override {
+    if (options.command.empty()) return absl::InvalidArgumentError("command is empty");
+    std::vector<std::string> args = {"exec"};
+    if (options.tty) args.push_back("--tty");
+    args.push_back(id_);
+    args.insert(args.end(), options.command.begin(), options.command.end());
+    ExecPlan plan;
+    plan.argv = runc_.Argv(args);
+    DEEPNEX_ASSIGN_OR_RETURN(plan.argv[0], FindOnPath(plan.argv[0], PathOf({})));
+    plan.env = OwnEnv();
+    return SpawnExec(plan, options);
+  }
+
   absl::Status Remove() override {
     std::unique_lock<std::mutex> lock(mu_);
     if (!ended_) {

@@ -147,6 +147,25 @@ class ProcessRun : public Run {
     return last_usage_;
   }
 
+  // Runs `options.command` as the run's command runs: its environment,
+  // identity and working directory, in its cgroup.
+  absl::StatusOr<std::unique_ptr<ExecProcess>> Exec(const ExecOptions& options) override {
+    if (options.command.empty()) return absl::InvalidArgumentError("command is empty");
+    ExecPlan plan = exec_;
+    DEEPNEX_ASSIGN_OR_RETURN(std::string exe, FindOnPath(options.command[0], exec_path_));
+    plan.argv = options.command;
+    plan.argv[0] = exe;
+    plan.join = [this](pid_t pid) {
+      std::lock_guard<std::mutex> lock(mu_);
+      return cgroup_ ? cgroup_->AddProcess(pid) : absl::OkStatus();
+    };
+    return SpawnExec(plan, options);
+  }
+
+  // What Exec runs with (set once, by Start).
+  ExecPlan exec_;
+  std::string exec_path_;  // PATH to look commands up on
+
   absl::Status Remove() override {
     std::lock_guard<std::mutex> lock(mu_);
     if (!exit_) {
@@ -360,8 +379,12 @@ class ProcessBackend : public Backend {
       if (child.error == EACCES) return absl::PermissionDeniedError(msg);
       return absl::FailedPreconditionError(msg);
     }
-    return std::unique_ptr<Run>(
-        new ProcessRun(pid, std::move(pidfd), std::move(cgroup), log_path));
+    auto run = std::make_unique<ProcessRun>(pid, std::move(pidfd), std::move(cgroup), log_path);
+    run->exec_.env = envp.strings;
+    run->exec_.working_dir = spec.working_dir;
+    run->exec_.run_as = spec.run_as;
+    run->exec_path_ = PathOf(spec.env);
+    return std::unique_ptr<Run>(std::move(run));
   }
 
   absl::StatusOr<int> Cleanup(const std::string& launcher_id) override {

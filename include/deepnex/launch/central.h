@@ -27,6 +27,7 @@
 
 #include "deepnex/gpu/central.h"
 #include "deepnex/launch/launcher.h"
+#include "deepnex/launch/session.h"
 #include "deepnex/status.h"
 
 namespace deepnex::launch {
@@ -181,6 +182,21 @@ class CentralClient {
   virtual absl::StatusOr<CentralImage> UnshareImage(const std::string& name,
                                                     const std::vector<std::string>& users) = 0;
   virtual absl::StatusOr<CentralImage> RemoveImage(const std::string& name) = 0;
+
+  // A session (exec, shell, port-forward) with the caller's running
+  // container options.container, where it runs (through its node's
+  // deepnex-agent). Errors come from the session's first Read: NotFound for
+  // a container that is not the caller's, FailedPrecondition when it is not
+  // running, NotFound for a command missing in it, Unavailable for a port
+  // nothing listens on.
+  virtual absl::StatusOr<std::unique_ptr<Session>> OpenSession(const SessionOptions& options) = 0;
+  // Runs `command` in container `name` with `input` as its stdin (then EOF),
+  // `output` called with its stdout and stderr as they come; returns its
+  // exit code (128 + N for signal N).
+  absl::StatusOr<int> Exec(
+      const std::string& name, const std::vector<std::string>& command, const std::string& input,
+      const std::function<void(bool is_stderr, const std::string& data)>& output,
+      const std::string& user = "");
 };
 
 }  // namespace deepnex::launch

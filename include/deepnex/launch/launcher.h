@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "deepnex/gpu/types.h"
+#include "deepnex/launch/session.h"
 #include "deepnex/status.h"
 
 namespace deepnex::launch {
@@ -228,6 +229,13 @@ class Handle {
   // good or `sink` returns false.
   virtual absl::Status FollowLogs(const std::function<bool(const std::string&)>& sink) = 0;
   virtual absl::StatusOr<launch::Usage> Usage() = 0;
+  // Starts a process in the running container, as its user, with its
+  // environment and working directory (process: in its cgroup; oci: `runc
+  // exec`, in its namespaces). FailedPrecondition when it is not running;
+  // Unimplemented on a backend without exec.
+  virtual absl::StatusOr<std::unique_ptr<ExecProcess>> Exec(const ExecOptions& options) {
+    return absl::UnimplementedError("this launcher has no exec");
+  }
 };
 
 struct OciOptions {

@@ -175,6 +175,25 @@ TEST_F(CentralLaunch, StopEndsItAndReleasesTheAllocation) {
   EXPECT_EQ(again.allocation_id, b.id);
 }
 
+// Sessions (#16): CentralClient::Exec in the caller's running container.
+TEST_F(CentralLaunch, ExecRunsInTheCallersContainerOnly) {
+  ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1, 1, kGrantMemory)));
+  ASSERT_OK(alice_->StartContainer(Spec("w0", {"sleep", "60"}), a.id).status());
+  Await(*alice_, "w0", [](const CentralContainer& c) { return c.state == State::kRunning; });
+  std::string out, err;
+  ASSERT_OK_AND_ASSIGN(int code, alice_->Exec("w0", {"sh", "-c", "cat; echo e >&2; exit 9"},
+                                              "piped", [&](bool is_stderr, const std::string& d) {
+                                                (is_stderr ? err : out) += d;
+                                              }));
+  EXPECT_EQ(code, 9);
+  EXPECT_EQ(out, "piped");
+  EXPECT_EQ(err, "e\n");
+  EXPECT_THAT(bob_->Exec("w0", {"true"}, "", nullptr),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no container \"w0\" of user bob")));
+  EXPECT_THAT(alice_->Exec("w0", {"/no/such/command"}, "", nullptr),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("/no/such/command")));
+}
+
 TEST_F(CentralLaunch, TheAllocationOutlivesAllButTheLastContainerOnIt) {
   ASSERT_OK_AND_ASSIGN(Allocation a, alice_gpu_->Allocate(Exclusive("", 1, 2, 2 * kGrantMemory)));
   ASSERT_OK(alice_->StartContainer(Half(Spec("ps", {"sleep", "60"})), a.id).status());

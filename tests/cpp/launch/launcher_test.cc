@@ -292,6 +292,54 @@ TEST_P(LaunchContract, BadInputsAreRefusedAndTheLauncherGoesOn) {
   EXPECT_TRUE(e.ok()) << e.ToString();
 }
 
+// Everything from `fd` until EOF (EIO: a pty whose other side is gone).
+std::string ReadAll(int fd) {
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0 || (n < 0 && errno == EINTR)) {
+    if (n > 0) out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+// Sessions (#16): a command beside the container's, with its env, stdin,
+// stdout, stderr and exit code; on a pty of the asked size.
+TEST_P(LaunchContract, ExecRunsBesideTheCommand) {
+  if (GetParam() == "docker" || GetParam() == "slurm") {
+    GTEST_SKIP() << GetParam() << " has no exec";
+  }
+  ContainerSpec spec = Spec("box", "sleep 600");
+  spec.env["GREETING"] = "hello";
+  auto h = StartOk(spec);
+  ASSERT_NE(h, nullptr);
+  ASSERT_TRUE(WaitFor([&] { return h->Status().state == State::kRunning; }, kWait, "box running"));
+  auto p = h->Exec({.command = {"sh", "-c", "echo $GREETING; cat; echo oops >&2; exit 3"}});
+  ASSERT_THAT(p, IsOk());
+  ASSERT_THAT((*p)->WriteInput("in\n"), IsOk());
+  (*p)->CloseInput();
+  std::string err;
+  std::thread errors([&] { err = ReadAll((*p)->error_fd()); });
+  EXPECT_EQ(ReadAll((*p)->output_fd()), "hello\nin\n");
+  errors.join();
+  EXPECT_EQ(err, "oops\n");
+  auto code = (*p)->Wait();
+  ASSERT_THAT(code, IsOk());
+  EXPECT_EQ(*code, 3);
+
+  auto tty = h->Exec({.command = {"stty", "size"}, .tty = true, .rows = 30, .cols = 100});
+  ASSERT_THAT(tty, IsOk());
+  EXPECT_EQ((*tty)->error_fd(), -1);
+  EXPECT_EQ(ReadAll((*tty)->output_fd()), "30 100\r\n");
+  code = (*tty)->Wait();
+  ASSERT_THAT(code, IsOk());
+  EXPECT_EQ(*code, 0);
+
+  ASSERT_THAT(h->Stop(1s), IsOk());
+  EXPECT_THAT(h->Exec({.command = {"true"}}).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, LaunchContract,
                          ::testing::Values("process", "oci", "docker", "slurm"),
                          [](const auto& info) { return info.param; });

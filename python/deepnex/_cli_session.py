@@ -1,0 +1,167 @@
+"""``deepnex exec``, ``deepnex shell`` and ``deepnex port-forward``: sessions
+with containers on deepnex-central (deepnex/_session.py), through the node's
+deepnex-agent where the container runs there.
+
+    deepnex exec NAME [-i] [-t] -- CMD ...   exit code: the command's
+    deepnex shell [--alloc ID | --gpus N --gpu-mode M --gpu-memory X --cpus C --memory M]
+                  [--image NAME] [--keep]
+    deepnex port-forward NAME [LOCAL:]REMOTE
+
+shell allocates when no --alloc is given, starts a container there that
+waits, and runs a login shell in it on a pseudo-terminal attached to this
+terminal (raw mode: Ctrl-C goes to the container; the window's size and its
+changes go with it). When the shell exits, its exit code is deepnex's, the
+container stops and the allocation deepnex made is released, unless --keep
+(then both stay, and `deepnex exec NAME -it -- bash` enters it again).
+"""
+
+import argparse
+import os
+import secrets
+import signal
+import sys
+import threading
+
+from deepnex._cli_common import add_central_args, client, guard
+
+# A shell the container has: bash where there is one.
+SHELL = ["/bin/sh", "-c", "command -v bash >/dev/null && exec bash -il || exec sh -il"]
+
+
+def _command(args, what):
+    """The command after --; -i, -t and -it may stand between NAME and --."""
+    command = list(args.cmd)
+    flags = {"-i": ("stdin",), "--stdin": ("stdin",), "-t": ("tty",), "--tty": ("tty",),
+             "-it": ("stdin", "tty"), "-ti": ("stdin", "tty")}
+    while command and command[0] in flags:
+        for f in flags[command.pop(0)]:
+            setattr(args, f, True)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise SystemExit(f"deepnex {what}: no command (give it after --)")
+    return command
+
+
+def _exec(args):
+    from deepnex._session import attach
+    command = _command(args, "exec")
+    c = client(args)
+    return attach(c._c, args.name, command, tty=args.tty,
+                  interactive=args.stdin, user=args.user)
+
+
+def _wait_running(c, name, timeout=60.0):
+    """Waits until container `name` runs; an error naming how it ended."""
+    import time
+    from deepnex import DeepnexError
+    deadline = time.monotonic() + timeout
+    while True:
+        info = next((x for x in c.containers() if x["name"] == name), None)
+        state = (info or {}).get("state", "gone")
+        if state == "running":
+            return
+        if state in ("stopped", "exited", "gone") or time.monotonic() > deadline:
+            raise DeepnexError(f"container {name} did not start: {state} "
+                               f"{(info or {}).get('last_exit', '')}".rstrip())
+        time.sleep(0.01)
+
+
+def _shell(args):
+    from deepnex import DeepnexError, NotFoundError, gpu, launch
+    from deepnex._session import attach
+    c = client(args)
+    made = None
+    alloc = args.alloc
+    if alloc is None:
+        made = c.allocate(gpu.Request(user="", gpus=args.gpus, mode=args.gpu_mode,
+                                      gpu_memory=args.gpu_memory, cpus=args.cpus,
+                                      memory=args.memory))
+        alloc = made.id
+    name = args.name or f"shell-{secrets.token_hex(3)}"
+    started = False
+    code = 1
+    try:
+        c.start_container(launch.ContainerSpec(name=name, image=args.image,
+                                               command=["sleep", "infinity"]), alloc)
+        started = True
+        _wait_running(c, name)
+        code = attach(c._c, name, SHELL, tty=True, interactive=True)
+    finally:
+        if args.keep:
+            print(f"deepnex: kept container {name} on allocation {alloc} "
+                  f"(deepnex exec {name} -it -- bash; deepnex stop {name})", file=sys.stderr)
+        else:
+            try:
+                if started:
+                    c.stop_container(name, grace=1.0)
+                if made is not None:
+                    c.release(made.id)
+            except NotFoundError:
+                pass  # released with its last container
+            except DeepnexError as e:
+                print(f"deepnex: cleaning up after the shell: {e}", file=sys.stderr)
+    return code
+
+
+def _parse_ports(text):
+    local, _, remote = text.rpartition(":")
+    try:
+        ports = (int(local) if local else None, int(remote))
+    except ValueError:
+        ports = None
+    if ports is None or not 1 <= ports[1] <= 65535 or (
+            ports[0] is not None and not 0 <= ports[0] <= 65535):
+        raise SystemExit(f"deepnex port-forward: \"{text}\" is not [LOCAL:]REMOTE with TCP ports")
+    return ports
+
+
+def _port_forward(args):
+    from deepnex._session import PortForward
+    local, remote = _parse_ports(args.ports)
+    c = client(args)
+    fwd = PortForward(c._c, args.name, remote, local=remote if local is None else local,
+                      host=args.address, user=args.user)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"Forwarding from {fwd.host}:{fwd.port} -> {args.name}:{remote}", flush=True)
+    stop.wait()
+    fwd.close()
+    return 0
+
+
+def add_commands(commands):
+    p = commands.add_parser("exec", help="run a command in one of your running containers")
+    add_central_args(p)
+    p.add_argument("-i", "--stdin", action="store_true", help="pass this stdin on (until EOF)")
+    p.add_argument("-t", "--tty", action="store_true",
+                   help="on a pseudo-terminal (this terminal in raw mode, its size passed on)")
+    p.add_argument("--user", help="whose container (admins)")
+    p.add_argument("name", help="the container's name")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARG ...")
+    p.set_defaults(func=guard(_exec))
+
+    p = commands.add_parser("shell", help="a shell in a new container on (new) resources")
+    add_central_args(p)
+    p.add_argument("--alloc", help="an allocation of yours to run on (default: allocate one)")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs to allocate (default 0)")
+    p.add_argument("--gpu-mode", default="exclusive", choices=["exclusive", "shared"])
+    p.add_argument("--gpu-memory", default=0, help="per GPU in shared mode, e.g. 8GiB")
+    p.add_argument("--cpus", type=int, default=1, help="CPU cores to allocate (default 1)")
+    p.add_argument("--memory", default="1GiB", help="host memory to allocate (default 1GiB)")
+    p.add_argument("--image", default="host", help="a name from deepnex-central's images")
+    p.add_argument("--name", help="the container's name (default: shell-<random>)")
+    p.add_argument("--keep", action="store_true",
+                   help="leave the container running and the allocation held on exit")
+    p.set_defaults(func=guard(_shell))
+
+    p = commands.add_parser("port-forward",
+                            help="forward a local TCP port to a port in one of your containers")
+    add_central_args(p)
+    p.add_argument("--address", default="127.0.0.1", help="local address to listen on")
+    p.add_argument("--user", help="whose container (admins)")
+    p.add_argument("name", help="the container's name")
+    p.add_argument("ports", metavar="[LOCAL:]REMOTE",
+                   help="REMOTE: the container's port; LOCAL: here (default REMOTE; 0: any)")
+    p.set_defaults(func=guard(_port_forward))

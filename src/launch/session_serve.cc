@@ -1,0 +1,152 @@
+// ServeSession: the container's end of a session. A reader thread moves the
+// peer's input to the process (or connection); this thread moves the output
+// back, one more thread for stderr.
+#include "launch/session_serve.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+
+namespace deepnex::launch {
+namespace {
+
+namespace pb = ::deepnex::gpu::proto;
+
+constexpr size_t kChunk = 32 << 10;
+
+// Reads `fd` until EOF (EIO: a pty whose other side closed) and writes what
+// it reads as stdout or stderr; keeps draining when the peer is gone, so
+// that the process never blocks on a full pipe.
+void Pump(int fd, bool stderr_stream, SessionPeer& peer) {
+  std::string buf(kChunk, '\0');
+  while (true) {
+    ssize_t n = read(fd, buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    pb::SessionOutput out;
+    if (stderr_stream) {
+      out.set_stderr(buf.data(), static_cast<size_t>(n));
+    } else {
+      out.set_stdout(buf.data(), static_cast<size_t>(n));
+    }
+    peer.Write(out);
+  }
+}
+
+absl::Status ServeExec(Handle& h, const pb::SessionStart& start, SessionPeer& peer,
+                       const std::function<void()>& close_peer) {
+  ExecOptions o;
+  o.command.assign(start.command().begin(), start.command().end());
+  o.tty = start.tty();
+  o.rows = static_cast<int>(start.window().rows());
+  o.cols = static_cast<int>(start.window().cols());
+  DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<ExecProcess> p, h.Exec(o));
+  std::thread reader([&] {
+    pb::SessionInput in;
+    while (peer.Read(&in)) {
+      if (in.has_stdin()) {
+        p->WriteInput(in.stdin()).IgnoreError();  // it may have closed its stdin
+      } else if (in.has_close_stdin()) {
+        p->CloseInput();
+      } else if (in.has_resize()) {
+        p->Resize(static_cast<int>(in.resize().rows()), static_cast<int>(in.resize().cols()))
+            .IgnoreError();
+      }
+    }
+    // The peer is gone (or closed below, after the end): nobody reads it.
+    p->Kill();
+  });
+  std::thread errors;
+  if (p->error_fd() >= 0) errors = std::thread([&] { Pump(p->error_fd(), true, peer); });
+  Pump(p->output_fd(), false, peer);
+  if (errors.joinable()) errors.join();
+  absl::StatusOr<int> code = p->Wait();
+  pb::SessionOutput last;
+  last.set_exited(true);
+  last.set_exit_code(code.ok() ? *code : 255);
+  peer.Write(last);
+  close_peer();
+  reader.join();
+  return absl::OkStatus();
+}
+
+absl::Status ServePort(Handle& h, const pb::SessionStart& start, SessionPeer& peer,
+                       const std::function<void()>& close_peer) {
+  if (start.port() < 1 || start.port() > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("port: ", start.port(), " is not a TCP port (1 to 65535)"));
+  }
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", strerror(errno)));
+  sockaddr_in a = {};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(start.port()));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    const int e = errno;
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("port ", start.port(), " of container \"",
+                                               start.container(), "\": ", strerror(e)));
+  }
+  std::thread reader([&] {
+    pb::SessionInput in;
+    while (peer.Read(&in)) {
+      if (in.has_stdin()) {
+        const std::string& d = in.stdin();
+        for (size_t done = 0; done < d.size();) {
+          ssize_t n = send(fd, d.data() + done, d.size() - done, MSG_NOSIGNAL);
+          if (n < 0 && errno == EINTR) continue;
+          if (n <= 0) break;
+          done += static_cast<size_t>(n);
+        }
+      } else if (in.has_close_stdin()) {
+        shutdown(fd, SHUT_WR);
+      }
+    }
+    shutdown(fd, SHUT_RDWR);
+  });
+  Pump(fd, false, peer);
+  pb::SessionOutput last;
+  last.set_exited(true);
+  peer.Write(last);
+  close_peer();
+  reader.join();
+  close(fd);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ServeSession(Handle& h, const std::string& backend, const pb::SessionStart& start,
+                          SessionPeer& peer, const std::function<void()>& close_peer) {
+  if (start.port() != 0) {
+    if (start.command_size() != 0) {
+      return absl::InvalidArgumentError("a session has either a command or a port, not both");
+    }
+    // This host's loopback is not a private network's: never forward to it.
+    if (backend != "process" && !h.spec().host_network) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "port: container \"", start.container(), "\" has a network of its own (", backend,
+          " backend); only containers on this host's network (process backend, or "
+          "host_network) can be forwarded to"));
+    }
+    if (h.Status().state != State::kRunning) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("container \"", start.container(), "\" is not running"));
+    }
+    return ServePort(h, start, peer, close_peer);
+  }
+  if (start.command_size() == 0) {
+    return absl::InvalidArgumentError("command: empty (and no port to forward)");
+  }
+  return ServeExec(h, start, peer, close_peer);
+}
+
+}  // namespace deepnex::launch

@@ -1,0 +1,341 @@
+"""Sessions with containers on deepnex-central (issue #16): exec (output
+streamed, stdin, exit code, as the container's user), a shell on a pseudo-
+terminal, and port-forward; locally and through a deepnex-agent on another
+simulated host. Another user's container is NotFound."""
+
+import os
+import pty
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from _central import AS_ROOT, USER_IDS, clients
+from _wait import wait_for
+from deepnex import NotFoundError, gpu, launch
+
+PY = sys.executable
+
+
+def grant(cpus=1, memory="256MiB"):
+    return gpu.Request(user="", gpus=1, cpus=cpus, memory=memory)
+
+
+def start_sleeper(client, name="box", env=None):
+    """A running container `name` on a new allocation of the client's."""
+    a = client.allocate(grant())
+    client.start_container(launch.ContainerSpec(name=name, command=["sleep", "600"],
+                                                env=env or {}), a)
+    wait_for(lambda: next(c for c in client.containers() if c["name"] == name)["state"]
+             == "running", f"{name} running")
+    return a
+
+
+def test_exec_streams_output_takes_stdin_and_returns_the_exit_code(central):
+    alice, bob = clients(central)
+    start_sleeper(alice, env={"GREETING": "hello"})
+    r = alice.exec("box", ["sh", "-c", "echo $GREETING; id -u; cat; echo oops >&2; exit 3"],
+                   input=b"from stdin\n")
+    assert r == (3, f"hello\n{USER_IDS.split(':')[0]}\nfrom stdin\n".encode(), b"oops\n")
+    # Streamed as it comes: the first piece arrives while the command still runs.
+    pieces = []
+    first = threading.Event()
+
+    def on_output(kind, data):
+        pieces.append((kind, data))
+        first.set()
+    done = []
+    t = threading.Thread(target=lambda: done.append(alice.exec(
+        "box", ["sh", "-c", "echo one; read x; echo two $x"], input=None, on_output=on_output)))
+    # stdin is closed at once: `read` sees EOF.
+    t.start()
+    assert first.wait(30)
+    t.join(30)
+    assert done[0].exit_code == 0 and b"".join(d for _, d in pieces) == b"one\ntwo\n"
+    # A signal's exit code is 128 + N.
+    assert alice.exec("box", ["sh", "-c", "kill -9 $$"]).exit_code == 137
+
+
+def test_exec_errors(central):
+    alice, bob = clients(central)
+    start_sleeper(alice)
+    with pytest.raises(NotFoundError, match='no container "box" of user bob'):
+        bob.exec("box", ["true"])
+    with pytest.raises(NotFoundError, match='command "no-such-command"'):
+        alice.exec("box", ["no-such-command"])
+    from deepnex import InvalidArgumentError
+    with pytest.raises(InvalidArgumentError, match="command: 'true' is not a non-empty list"):
+        alice.exec("box", "true")
+
+
+def cli(central, *args, token="alicetok", **kwargs):
+    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN=token)
+    env.pop("DEEPNEX_STATE_DIR", None)
+    return subprocess.run([PY, "-m", "deepnex", *args], env=env, capture_output=True,
+                          timeout=60, **kwargs)
+
+
+def test_cli_exec(central):
+    alice, _ = clients(central)
+    start_sleeper(alice)
+    out = cli(central, "exec", "box", "-i", "--", "sh", "-c", "tr a-z A-Z; exit 5",
+              input=b"shout\n")
+    assert (out.returncode, out.stdout, out.stderr) == (5, b"SHOUT\n", b"")
+    # Without -i its stdin is closed at once.
+    out = cli(central, "exec", "box", "--", "cat", input=b"not passed\n")
+    assert (out.returncode, out.stdout) == (0, b"")
+    out = cli(central, "exec", "box", "--", "sh", "-c", "echo err >&2")
+    assert (out.returncode, out.stdout, out.stderr) == (0, b"", b"err\n")
+    out = cli(central, "exec", "box", "--", "true", token="bobtok")
+    assert (out.returncode, out.stderr) == (1, b'deepnex: no container "box" of user bob\n')
+    out = cli(central, "exec", "box")
+    assert out.returncode != 0 and b"no command (give it after --)" in out.stderr
+
+
+class Terminal:
+    """A program on a new pseudo-terminal of rows x cols, which is its
+    controlling terminal (so that a change of size signals it)."""
+
+    def __init__(self, argv, env, rows=24, cols=80):
+        import fcntl
+        import struct
+        import termios
+        self.master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+        def controlling():
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        self.proc = subprocess.Popen(argv, env=env, stdin=slave, stdout=slave, stderr=slave,
+                                     start_new_session=True, preexec_fn=controlling)
+        os.close(slave)
+        self.seen = b""
+
+    def send(self, text):
+        os.write(self.master, text.encode())
+
+    def resize(self, rows, cols):
+        import fcntl
+        import struct
+        import termios
+        fcntl.ioctl(self.master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    def expect(self, needle, timeout=30):
+        """Reads until `needle` (bytes) has been seen since the last expect;
+        returns what came before it."""
+        deadline = time.monotonic() + timeout
+        while needle not in self.seen:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"waited {timeout} s for {needle!r}; got {self.seen!r}")
+            ready, _, _ = select.select([self.master], [], [], left)
+            if ready:
+                try:
+                    data = os.read(self.master, 4096)
+                except OSError:  # EIO: the program and its terminal are gone
+                    data = b""
+                if not data:
+                    raise AssertionError(f"EOF before {needle!r}; got {self.seen!r}")
+                self.seen += data
+        before, self.seen = self.seen.split(needle, 1)
+        return before
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        os.close(self.master)
+
+
+def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code(central):
+    alice, _ = clients(central)
+    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
+    t = Terminal([PY, "-m", "deepnex", "shell", "--cpus", "1", "--memory", "256MiB",
+                  "--name", "sh1"], env)
+    try:
+        # The prompt first: a shell may drop what was typed before it ran.
+        t.expect(b"$ ")
+        # Markers computed by the shell, so that the echo of what was typed
+        # does not match.
+        t.send("echo ready-$((40+2))\n")
+        t.expect(b"ready-42")
+        assert next(c for c in alice.containers() if c["name"] == "sh1")["state"] == "running"
+        assert len(alice.allocations()) == 1
+        t.send("stty size; echo size-$((1+1))\n")
+        t.expect(b"24 80")
+        t.expect(b"size-2")
+        # A new size reaches the container's terminal (through SIGWINCH here).
+        # It travels on its own: ask again until the shell sees it.
+        t.resize(50, 132)
+
+        def size():
+            t.send("stty size; echo size-$((2+2))\n")
+            return b"\n50 132\r\n" in t.expect(b"size-4")
+        wait_for(size, "the new size in the container", timeout=30)
+        # Ctrl-C goes to the container's foreground process, not to deepnex.
+        t.send("sleep 60; echo slept-$((3+3))\n")
+        wait_for(lambda: alice.exec("sh1", ["pgrep", "-f", "^sleep 60$"]).exit_code == 0,
+                 "sleep 60 running in the shell")
+        t.send("\x03")
+        t.send("echo after-$((5+5))\n")
+        t.expect(b"after-10")
+        assert b"slept-6" not in t.seen
+        assert t.proc.poll() is None
+        t.send("exit 7\n")
+        assert t.proc.wait(timeout=30) == 7
+    finally:
+        t.close()
+    # The container stopped, the allocation deepnex made is released.
+    assert next(c for c in alice.containers() if c["name"] == "sh1")["state"] == "stopped"
+    assert alice.allocations() == []
+
+
+def test_shell_on_a_given_allocation_with_keep_leaves_both(central):
+    alice, _ = clients(central)
+    a = alice.allocate(grant())
+    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
+    t = Terminal([PY, "-m", "deepnex", "shell", "--alloc", a.id, "--keep", "--name", "k1"], env)
+    try:
+        t.expect(b"$ ")
+        t.send("exit\n")
+        t.expect(b"deepnex: kept container k1 on allocation " + a.id.encode())
+        assert t.proc.wait(timeout=30) == 0
+    finally:
+        t.close()
+    k1 = next(c for c in alice.containers() if c["name"] == "k1")
+    assert (k1["state"], k1["allocation"]) == ("running", a.id)
+    assert [x.id for x in alice.allocations()] == [a.id]
+    assert alice.exec("k1", ["true"]).exit_code == 0
+
+
+HTTP_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = ("hello from " + self.path).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+s = http.server.HTTPServer(("127.0.0.1", 0), H)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"""
+
+
+def get(port, path="/x"):
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+        return r.read().decode()
+
+
+def test_port_forward_reaches_a_server_in_the_container_and_only_its_owner(central):
+    alice, bob = clients(central)
+    a = alice.allocate(grant())
+    alice.start_container(launch.ContainerSpec(name="web", command=[PY, "-c", HTTP_SERVER]), a)
+    port = int(wait_for(lambda: alice.container_logs("web").strip(), "web's port"))
+    with alice.port_forward("web", port) as fwd:
+        assert fwd.port != 0
+        assert get(fwd.port, "/a") == "hello from /a"
+        # Connections at once, each with a session of its own.
+        results = []
+        threads = [threading.Thread(target=lambda i=i: results.append(get(fwd.port, f"/{i}")))
+                   for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert sorted(results) == [f"hello from /{i}" for i in range(4)]
+    from deepnex._session import open_session
+    with pytest.raises(NotFoundError, match='no container "web" of user bob'):
+        open_session(bob._c, "web", port=port).read()
+    from deepnex import UnavailableError
+    with pytest.raises(UnavailableError, match=f'port 1 of container "web": Connection refused'):
+        open_session(alice._c, "web", port=1).read()
+    # The command line: LOCAL 0 picks a free port and says which.
+    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
+    p = subprocess.Popen([PY, "-m", "deepnex", "port-forward", "web", f"0:{port}"], env=env,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("Forwarding from 127.0.0.1:") and line.endswith(f"-> web:{port}\n")
+        local = int(line.split()[2].split(":")[1])
+        assert get(local, "/cli") == "hello from /cli"
+    finally:
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=30) == 0
+        p.stdout.close()
+
+
+AGENT_TOKENS = "h1tok h1 node\n"
+
+
+def test_exec_and_port_forward_through_an_agent_on_another_host(make_hosts, tmp_path):
+    """central on host hc, an agent on h1 (it dials central; central never
+    dials it), the user's commands on hc."""
+    from _central import BUILD_DIR, CENTRAL_BIN, TOKENS
+    agent_bin = os.path.join(BUILD_DIR, "bin", "deepnex-agent")
+    if not os.path.exists(agent_bin):
+        pytest.skip(f"{agent_bin} not built")
+    hosts = make_hosts({"hc": 13, "h1": 11})
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKENS + AGENT_TOKENS)
+    central = hosts.popen("hc", [os.path.abspath(CENTRAL_BIN), "--listen", "10.77.0.13:0",
+                                 "--token-file", tokens, "--user", f"alice={USER_IDS}",
+                                 "--user", f"bob={USER_IDS}",
+                                 "--launch-state-dir", tmp_path / "central"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = central.stdout.readline()
+    assert line.startswith("deepnex-central listening on "), line + central.stderr.read()
+    address = line.split()[3]
+    agent = hosts.popen("h1", [agent_bin, "--central", address, "--node", "h1", "--token",
+                               "h1tok", "--gpus", "1x16GiB", "--cpus", "2", "--memory", "4GiB",
+                               "--state-dir", tmp_path / "h1"],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert agent.stdout.readline() == f"deepnex-agent: node h1 registered with {address}\n"
+    env = dict(os.environ, DEEPNEX_CENTRAL=address, DEEPNEX_TOKEN="alicetok")
+    env.pop("DEEPNEX_STATE_DIR", None)
+
+    def deepnex(*args, token="alicetok", **kwargs):
+        return hosts.run("hc", [PY, "-m", "deepnex", *args], check=False,
+                         env=dict(env, DEEPNEX_TOKEN=token), **kwargs)
+    out = deepnex("alloc", "--gpus", "1", "--cpus", "1", "--memory", "256MiB", "--node", "h1")
+    assert out.returncode == 0, out.stderr
+    alloc = out.stdout.split()[0]
+    out = deepnex("launch", "--alloc", alloc, "--name", "web", "--", PY, "-c", HTTP_SERVER)
+    assert out.returncode == 0, out.stderr
+    port = int(wait_for(lambda: deepnex("logs", "web").stdout.strip(), "web's port"))
+    # It runs on h1 (its hostname), with stdin and the exit code through both streams.
+    out = deepnex("exec", "web", "-i", "--", "sh", "-c", "hostname; tr a-z A-Z; exit 4",
+                  input="up\n")
+    assert (out.returncode, out.stdout, out.stderr) == (4, "h1\nUP\n", "")
+    out = deepnex("exec", "web", "--", "no-such-command")
+    assert out.returncode == 1 and 'node h1: command "no-such-command"' in out.stderr
+    out = deepnex("exec", "web", "--", "true", token="bobtok")
+    assert (out.returncode, out.stderr) == (1, 'deepnex: no container "web" of user bob\n')
+    # A port on h1's loopback, from hc.
+    fwd = hosts.popen("hc", [PY, "-m", "deepnex", "port-forward", "web", f"0:{port}"], env=env,
+                      stdout=subprocess.PIPE, text=True)
+    try:
+        line = fwd.stdout.readline()
+        assert line.endswith(f"-> web:{port}\n"), line
+        local = int(line.split()[2].split(":")[1])
+        body = hosts.run("hc", [PY, "-c", "import urllib.request, sys; sys.stdout.write("
+                                f"urllib.request.urlopen('http://127.0.0.1:{local}/via-h1', "
+                                "timeout=30).read().decode())"])
+        assert body.stdout == "hello from /via-h1"
+    finally:
+        fwd.send_signal(signal.SIGINT)
+        assert fwd.wait(timeout=30) == 0
+        fwd.stdout.close()
+    for p in (agent, central):
+        p.terminate()
+        p.wait(timeout=30)
+        p.stdout.close()
+        p.stderr.close()
