@@ -107,13 +107,17 @@ absl::StatusOr<MetricThreshold> ParseMetricThreshold(const std::string& text,
     t.metric = std::string(absl::StripAsciiWhitespace(text.substr(0, at)));
     t.op = op;
     const std::string number(absl::StripAsciiWhitespace(text.substr(at + std::strlen(op))));
-    if (!t.metric.empty() && absl::SimpleAtod(number, &t.value) && std::isfinite(t.value)) {
+    // "accuracy=>0.9" must not read as metric "accuracy=" and ">".
+    const bool name_ok =
+        !t.metric.empty() && t.metric.find_first_of("<>=! \t") == std::string::npos;
+    if (name_ok && absl::SimpleAtod(number, &t.value) && std::isfinite(t.value)) {
       return t;
     }
     break;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      field, ": \"", text, "\" is not METRIC OP NUMBER (OP: >=, <=, >, <, ==), e.g. accuracy>=0.9"));
+  return absl::InvalidArgumentError(absl::StrCat(field, ": \"", text,
+                                                 "\" is not METRIC OP NUMBER (OP: >=, <=, >, <, "
+                                                 "==), e.g. accuracy>=0.9"));
 }
 
 bool MetricThreshold::HoldsFor(const JobReport& report) const {
