@@ -124,12 +124,15 @@ from deepnex import data  # noqa: E402  (data sharding)
 from deepnex import launch  # noqa: E402  (container launch)
 from deepnex import job  # noqa: E402  (deepnex run)
 from deepnex import tune  # noqa: E402  (hyperparameter search; no torch)
+# A training script's progress: to its search (tune), or to its job's record.
+from deepnex.tune import report  # noqa: E402
 
 __all__ = [
     "__version__",
     "Context",
     "DType",
     "init",
+    "report",
     "parse_byte_size",
     "format_byte_size",
     "DeepnexError",

@@ -50,6 +50,7 @@ def _run(args) -> int:
                    backend=args.backend, central=central_address(args), user=args.user,
                    central_token=central_token(args),
                    central_token_file=args.token_file, notify=args.notify or [],
+                   notify_every=args.notify_every, notify_when=args.notify_when,
                    restart=args.restart, checkpoint_dir=args.checkpoint_dir,
                    optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, name=args.name,
                    on_event=_notice)
@@ -200,6 +201,13 @@ def add_commands(commands) -> None:
     run.add_argument("--notify", action="append", metavar="URL",
                      help="with --central: central POSTs the job's events (queued, started, "
                           "worker_restarted, completed, failed, cancelled) to URL (repeatable)")
+    run.add_argument("--notify-every", type=float, default=0, metavar="MINUTES",
+                     help="with --notify: a job.progress event with rank 0's last "
+                          "deepnex.report(step=..., **metrics) every MINUTES (default: never)")
+    run.add_argument("--notify-when", default=None, metavar="'METRIC>=NUMBER'",
+                     help="with --notify: a job.progress event once, when rank 0's reported "
+                          "METRIC first crosses NUMBER (>=, <=, >, < or ==), e.g. "
+                          "'accuracy>=0.9'")
     run.add_argument("--state-dir", default=None,
                      help="where the containers' logs and records go (default: in the run "
                           "directory, removed at the end)")

@@ -22,7 +22,7 @@ from deepnex._cli_common import add_central_args, client, format_table, guard
 
 STATES = ("pending", "running", "completed", "failed", "cancelled")
 HEADER = ("NAME", "USER", "STATE", "NODES", "WORKERS", "ELAPSED", "GPU-H", "CPU-H", "PEAK-MEM",
-          "EXIT")
+          "EXIT", "LAST REPORT")
 _AGE = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -65,6 +65,23 @@ def _ended(job):
     return job["state"] in ("completed", "failed", "cancelled")
 
 
+def _number(v):
+    return f"{v:.6g}"
+
+
+def last_report(job, limit=None):
+    """Rank 0's last deepnex.report() as `step N metric=v ...` ("-": none);
+    cut to `limit` characters with "..." (the table's column)."""
+    r = job.get("report")
+    if not r:
+        return "-"
+    text = " ".join([f"step {r['step']}"] +
+                    [f"{k}={_number(v)}" for k, v in sorted(r["metrics"].items())])
+    if limit is not None and len(text) > limit:
+        text = text[:limit - 3] + "..."
+    return text
+
+
 def rows(jobs):
     """The table's rows (HEADER first)."""
     out = [HEADER]
@@ -72,7 +89,7 @@ def rows(jobs):
         out.append((j["name"], j["user"], j["state"], ",".join(j["nodes"]) or "-",
                     str(j["workers"]), elapsed(j["elapsed"]), f"{j['gpu_hours']:.2f}",
                     f"{j['cpu_hours']:.2f}", _size(j["peak_memory"]),
-                    str(j["exit_code"]) if _ended(j) else "-"))
+                    str(j["exit_code"]) if _ended(j) else "-", last_report(j, 40)))
     return out
 
 
@@ -99,6 +116,8 @@ def show_text(j):
         f"cpu-hours:   {j['cpu_hours']:.4f}",
         f"peak memory: {_size(j['peak_memory'])}",
         f"restarts:    {j['restarts']}",
+        f"last report: {last_report(j)}" + (f" (at {_when(j['report']['time_ms'])})"
+                                            if j.get("report") else ""),
     ]
     if j["message"]:
         lines.append(f"message:     {j['message']}")

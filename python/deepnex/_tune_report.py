@@ -1,11 +1,14 @@
 """The trial's side of deepnex.tune: its configuration, its checkpoint
-directory and report(), and the environment variables a search gives it."""
+directory and report(), and the environment variables a search gives it.
+In a `deepnex run` job that no search runs, report() keeps rank 0's last
+report for the job's record on deepnex-central instead."""
 
 import json
+import math
 import os
 import time
 
-from .errors import CancelledError, DeadlineExceededError, UnavailableError
+from .errors import CancelledError, DeadlineExceededError, InvalidArgumentError, UnavailableError
 
 
 ENV_STORE = "DEEPNEX_TUNE_STORE"
@@ -15,7 +18,11 @@ ENV_CHECKPOINT = "DEEPNEX_TUNE_CHECKPOINT_DIR"
 ENV_ATTEMPT = "DEEPNEX_TUNE_ATTEMPT"
 
 
-_report_state = {"client": None, "count": 0}
+_report_state = {"client": None, "count": 0, "job_client": None}
+
+# Where the job's worker keeps rank 0's last report in the job's store; the
+# runner reads it for central (src/job/job.cc's kReportKey).
+_JOB_REPORT_KEY = "deepnex/report"
 
 # A live search answers a call at once (its store is served by C++ threads,
 # whatever its Python threads do); one that has not answered within this
@@ -49,10 +56,16 @@ def report(step, timeout=600.0, **metrics):
     metrics (ranks other than 0) wait, up to `timeout` seconds, for the
     answer to rank 0's report of the same step. A search that is gone
     (killed, or ended) raises UnavailableError within 5 s, so that the trial
-    ends rather than training on for nobody."""
+    ends rather than training on for nobody.
+
+    In a `deepnex run` job outside a search: rank 0's report (step, metrics,
+    time) becomes the job's last report, which deepnex-central shows in
+    `deepnex jobs` and sends in job.progress events; other ranks' are ignored,
+    as torchrun's and Horovod's users expect. Returns False. A metric that is
+    not a finite number raises InvalidArgumentError naming it."""
     address, trial = os.environ.get(ENV_STORE), os.environ.get(ENV_TRIAL)
     if not address or not trial:
-        return False
+        return _report_to_job(step, metrics)
     from .collective import StoreClient
     deadline = time.monotonic() + timeout
     try:
@@ -83,3 +96,43 @@ def report(step, timeout=600.0, **metrics):
     raise DeadlineExceededError(
         f"tune.report(step={step}): no decision within {timeout:g} s (does rank 0 report "
         f"step {step}?)")
+
+
+def _report_to_job(step, metrics):
+    """report() in a `deepnex run` job (DEEPNEX_JOB_ID and its store's
+    DEEPNEX_STORE_ADDR set); False, doing nothing, anywhere else."""
+    address, job = os.environ.get("DEEPNEX_STORE_ADDR"), os.environ.get("DEEPNEX_JOB_ID")
+    if not address or not job:
+        return False
+    record = {"step": _job_step(step), "metrics": {}, "time_ms": int(time.time() * 1000)}
+    for name, value in metrics.items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if isinstance(value, str) or not math.isfinite(number):
+            raise InvalidArgumentError(
+                f"deepnex.report(step={step}): metric {name}={value!r} is not a finite number")
+        record["metrics"][name] = number
+    if os.environ.get("DEEPNEX_RANK", "0") != "0":
+        return False
+    from .collective import StoreClient
+    if _report_state["job_client"] is None:
+        _report_state["job_client"] = StoreClient(
+            address, timeout=_REACH_TIMEOUT, token=os.environ.get("DEEPNEX_TOKEN") or None)
+    try:
+        _report_state["job_client"].set(_JOB_REPORT_KEY, json.dumps(record))
+    except (DeadlineExceededError, UnavailableError) as e:
+        raise UnavailableError(
+            f"deepnex.report(step={step}): the store of job {job} at {address} does not "
+            f"answer ({e})") from None
+    return False
+
+
+def _job_step(step):
+    try:
+        if isinstance(step, bool) or int(step) != step:
+            raise ValueError
+        return int(step)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidArgumentError(f"deepnex.report: step={step!r} is not an integer") from None

@@ -20,7 +20,7 @@ import sys
 from typing import Callable, Dict, Optional, Sequence
 
 from . import _C
-from .errors import DeadlineExceededError
+from .errors import DeadlineExceededError, InvalidArgumentError
 from ._convert import byte_size, options
 from .launch import _mount_args, _options
 
@@ -58,6 +58,7 @@ class Job:
                  backend: str = _JOB.backend,
                  central: Optional[str] = None, central_token: Optional[str] = None,
                  central_token_file: Optional[str] = None, notify: Sequence[str] = (),
+                 notify_every: float = 0, notify_when: Optional[str] = None,
                  restart: str = _JOB.restart, checkpoint_dir: Optional[str] = None,
                  optimizer: str = _JOB.optimizer, lr: float = _JOB.lr,
                  momentum: float = _JOB.momentum, name: Optional[str] = None,
@@ -71,7 +72,10 @@ class Job:
         process's store at (default: 127.0.0.1 when the whole job is local,
         else this host's primary address).
         ``user``: empty with ``central``: the token's user. ``notify``: with
-        ``central``, URLs that central POSTs the job's events to. ``output(who,
+        ``central``, URLs that central POSTs the job's events to;
+        ``notify_every`` (minutes; 0: never) and ``notify_when``
+        ("accuracy>=0.9", once) add job.progress events with rank 0's last
+        ``deepnex.report()``. ``output(who,
         line)`` gets what the processes print, ``on_event(message)`` what
         happens to them ("worker 1 exited(1); restarting (1/2) in 0.1s";
         default: stderr)."""
@@ -90,7 +94,8 @@ class Job:
             gpu_memory=byte_size(gpu_memory, "gpu_memory"), cpus=float(cpus),
             memory=byte_size(memory, "memory"), user=user or "", central=central or "",
             central_token=central_token or "", central_token_file=central_token_file or "",
-            notify=list(notify),
+            notify=list(notify), notify_every_minutes=_minutes(notify_every, "notify_every"),
+            notify_when=notify_when or "",
             backend=backend, restart=restart,
             checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
             optimizer=optimizer, lr=lr, momentum=momentum, ps_binary=_ps_binary() or "",
@@ -152,3 +157,14 @@ def run(command: Sequence[str], **options) -> JobResult:
         return job.wait()
     finally:
         job.stop()
+
+
+def _minutes(value, field):
+    """`value` as a number of minutes >= 0; InvalidArgumentError naming `field` else."""
+    try:
+        minutes = float(value)
+    except (TypeError, ValueError):
+        minutes = -1.0
+    if isinstance(value, (str, bool)) or not 0 <= minutes < 1e9:
+        raise InvalidArgumentError(f"{field}: {value!r} is not a number of minutes >= 0")
+    return minutes

@@ -85,6 +85,14 @@ void RegisterJob(py::module_& parent) {
       .def_readwrite("central_token_file", &JobOptions::central_token_file)
       .def_readwrite("notify", &JobOptions::notify)
       .def_property(
+          "notify_every_minutes",
+          [](const JobOptions& o) { return o.notify_every.count() / 60000.0; },
+          [](JobOptions& o, double minutes) {
+            // job.py checks the value (a number >= 0) and names it.
+            o.notify_every = std::chrono::milliseconds(static_cast<int64_t>(minutes * 60000));
+          })
+      .def_readwrite("notify_when", &JobOptions::notify_when)
+      .def_property(
           "backend", [](const JobOptions& o) { return o.launcher.backend; },
           [](JobOptions& o, const std::string& backend) { o.launcher.backend = backend; })
       .def_property(

@@ -64,6 +64,19 @@ py::dict JobDict(const JobRecord& j) {
   d["gpu_hours"] = j.gpu_hours;
   d["cpu_hours"] = j.cpu_hours;
   d["peak_memory"] = j.peak_memory;
+  // Rank 0's last deepnex.report(): {"step", "metrics", "time_ms" (the
+  // runner's clock)}; None before the first.
+  if (Ms(j.report.time) != 0) {
+    py::dict report;
+    report["step"] = j.report.step;
+    report["metrics"] = j.report.metrics;
+    report["time_ms"] = Ms(j.report.time);
+    d["report"] = report;
+  } else {
+    d["report"] = py::none();
+  }
+  d["notify_every_minutes"] = j.notify_every.count() / 60000.0;
+  d["notify_when"] = j.notify_when;
   return d;
 }
 

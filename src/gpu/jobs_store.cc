@@ -1,10 +1,13 @@
 #include "gpu/jobs_store.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <utility>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
 #include "deepnex/jobs.grpc.pb.h"
@@ -59,9 +62,10 @@ pb::Job Filled(pb::Job j, int64_t now_ms) {
   return j;
 }
 
-JobEvent EventOf(const std::string& kind, const pb::Job& j) {
+JobEvent EventOf(const std::string& kind, const pb::Job& j, const std::string& reason = "") {
   JobEvent e;
   e.kind = kind;
+  e.reason = reason;
   auto record = FromProto(Filled(j, NowMs()));
   if (record.ok()) e.job = std::move(*record);
   return e;
@@ -91,6 +95,40 @@ absl::StatusOr<JobState> ParseJobState(const std::string& text, const char* fiel
   }
   return absl::InvalidArgumentError(absl::StrCat(
       field, ": \"", text, "\" is not pending, running, completed, failed or cancelled"));
+}
+
+absl::StatusOr<MetricThreshold> ParseMetricThreshold(const std::string& text,
+                                                     const char* field) {
+  // Two-character operators first: ">=" must not read as ">" and "=0.9".
+  for (const char* op : {">=", "<=", "==", ">", "<"}) {
+    const size_t at = text.find(op);
+    if (at == std::string::npos) continue;
+    MetricThreshold t;
+    t.metric = std::string(absl::StripAsciiWhitespace(text.substr(0, at)));
+    t.op = op;
+    const std::string number(absl::StripAsciiWhitespace(text.substr(at + std::strlen(op))));
+    // "accuracy=>0.9" must not read as metric "accuracy=" and ">".
+    const bool name_ok =
+        !t.metric.empty() && t.metric.find_first_of("<>=! \t") == std::string::npos;
+    if (name_ok && absl::SimpleAtod(number, &t.value) && std::isfinite(t.value)) {
+      return t;
+    }
+    break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(field, ": \"", text,
+                                                 "\" is not METRIC OP NUMBER (OP: >=, <=, >, <, "
+                                                 "==), e.g. accuracy>=0.9"));
+}
+
+bool MetricThreshold::HoldsFor(const JobReport& report) const {
+  auto it = report.metrics.find(metric);
+  if (it == report.metrics.end()) return false;
+  const double v = it->second;
+  if (op == ">=") return v >= value;
+  if (op == "<=") return v <= value;
+  if (op == ">") return v > value;
+  if (op == "<") return v < value;
+  return v == value;
 }
 
 bool JobEnded(JobState state) {
@@ -135,6 +173,11 @@ void ToProto(const JobRecord& job, pb::Job* p) {
   p->set_message(job.message);
   p->set_cancelled_by(job.cancelled_by);
   for (const std::string& url : job.notify) p->add_notify(url);
+  p->mutable_report()->set_step(job.report.step);
+  p->mutable_report()->set_time_ms(MsOf(job.report.time));
+  for (const auto& [k, v] : job.report.metrics) (*p->mutable_report()->mutable_metrics())[k] = v;
+  p->set_notify_every_ms(job.notify_every.count());
+  p->set_notify_when(job.notify_when);
   p->set_elapsed_s(job.elapsed_seconds);
   p->set_gpu_hours(job.gpu_hours);
   p->set_cpu_hours(job.cpu_hours);
@@ -167,6 +210,11 @@ absl::StatusOr<JobRecord> FromProto(const pb::Job& p) {
   j.message = p.message();
   j.cancelled_by = p.cancelled_by();
   j.notify.assign(p.notify().begin(), p.notify().end());
+  j.report.step = p.report().step();
+  j.report.time = TimeOf(p.report().time_ms());
+  j.report.metrics.insert(p.report().metrics().begin(), p.report().metrics().end());
+  j.notify_every = milliseconds(p.notify_every_ms());
+  j.notify_when = p.notify_when();
   j.elapsed_seconds = p.elapsed_s();
   j.gpu_hours = p.gpu_hours();
   j.cpu_hours = p.cpu_hours();
@@ -324,6 +372,14 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
     return absl::InvalidArgumentError(absl::StrCat("name: \"", in.name(), "\" is not a job name"));
   }
   DEEPNEX_ASSIGN_OR_RETURN(JobState state, ParseJobState(in.state(), "state"));
+  std::optional<MetricThreshold> when;
+  if (!in.notify_when().empty()) {
+    DEEPNEX_ASSIGN_OR_RETURN(when, ParseMetricThreshold(in.notify_when(), "notify_when"));
+  }
+  if (in.notify_every_ms() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("notify_every_ms: ", in.notify_every_ms(), " is below 0"));
+  }
   const std::string user = in.user().empty() ? who.name : in.user();
   if (who.role != AuthRole::kAdmin && user != who.name) {
     return absl::PermissionDeniedError(
@@ -357,6 +413,8 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
       j.set_state("pending");
       j.set_submitted_ms(now);
       *j.mutable_notify() = in.notify();  // before the first event: its URLs
+      j.set_notify_every_ms(in.notify_every_ms());
+      j.set_notify_when(in.notify_when());
       events.push_back(EventOf("queued", j));
     }
     if (j.lost()) {
@@ -378,6 +436,10 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
     *j.mutable_nodes() = in.nodes();
     *j.mutable_containers() = in.containers();
     j.set_restarts(in.restarts());
+    if (in.report().time_ms() > j.report().time_ms()) {
+      *j.mutable_report() = in.report();
+      ProgressLocked(&j, when, now, &events);
+    }
     if (j.state() == "cancelled") {
       if (JobEnded(state)) j.set_exit_code(in.exit_code());
     } else if (!Ended(j)) {
@@ -408,6 +470,23 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
   }
   DEEPNEX_RETURN_IF_ERROR(Commit(ticket, events));
   return reply;
+}
+
+void JobStore::ProgressLocked(pb::Job* j, const std::optional<MetricThreshold>& when,
+                              int64_t now_ms, std::vector<JobEvent>* events) {
+  if (Ended(*j)) return;
+  auto record = FromProto(*j);
+  if (!record.ok()) return;
+  // One event per report: the threshold's, once, says more than a periodic one.
+  if (when && !j->when_fired() && when->HoldsFor(record->report)) {
+    j->set_when_fired(true);
+    j->set_progress_sent_ms(now_ms);
+    events->push_back(EventOf("progress", *j, "when"));
+  } else if (j->notify_every_ms() > 0 &&
+             now_ms - std::max(j->progress_sent_ms(), j->started_ms()) >= j->notify_every_ms()) {
+    j->set_progress_sent_ms(now_ms);
+    events->push_back(EventOf("progress", *j, "every"));
+  }
 }
 
 absl::StatusOr<std::vector<pb::Job>> JobStore::List(const Identity& who,

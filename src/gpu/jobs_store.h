@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -74,6 +75,10 @@ class JobStore {
   // last_ticket_.
   void PutLocked(const pb::Job& job);
   void PruneLocked(int64_t now_ms);
+  // Under mu_: after `j` got a new report, the job.progress event that its
+  // notify_every or `when` (its notify_when) asks for, if any.
+  void ProgressLocked(pb::Job* j, const std::optional<MetricThreshold>& when, int64_t now_ms,
+                      std::vector<JobEvent>* events);
   void SnapshotIfDueLocked();
   // Makes record `ticket` durable, then tells the observer `events`.
   absl::Status Commit(uint64_t ticket, const std::vector<JobEvent>& events);

@@ -35,6 +35,10 @@ namespace {
 
 using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
+// Where a worker's deepnex.report() keeps rank 0's last report in the job's
+// store (python/deepnex/_tune_report.py writes it): JSON {"step", "metrics",
+// "time_ms"}.
+constexpr char kReportKey[] = "deepnex/report";
 
 bool ValidJobName(const std::string& name) {
   if (name.empty() || name.size() > 40) return false;
@@ -303,6 +307,17 @@ class JobImpl : public Job {
         return absl::InvalidArgumentError(
             absl::StrCat("notify: \"", url, "\" needs central (deepnex-central sends them)"));
       }
+    }
+    if (o_.notify_every.count() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "notify_every: ", o_.notify_every.count() / 60000.0, " minutes is below 0"));
+    }
+    if (!o_.notify_when.empty()) {
+      DEEPNEX_RETURN_IF_ERROR(gpu::ParseMetricThreshold(o_.notify_when, "notify_when").status());
+    }
+    if ((o_.notify_every.count() > 0 || !o_.notify_when.empty()) && o_.central.empty()) {
+      return absl::InvalidArgumentError(
+          "notify_every, notify_when: need central (deepnex-central sends job.progress)");
     }
     std::string mode = o_.mode;
     if (mode.rfind("ssp:", 0) == 0) {
@@ -693,6 +708,9 @@ class JobImpl : public Job {
     r.workers = o_.workers;
     r.ps = o_.ps;
     r.notify = o_.notify;
+    r.notify_every = o_.notify_every;
+    r.notify_when = o_.notify_when;
+    r.report = LastReport();
     for (const auto& a : Allocations()) {
       r.allocations.push_back(
           {a.id, a.node, static_cast<int>(a.gpus.size()), a.cpus, a.memory});
@@ -721,6 +739,40 @@ class JobImpl : public Job {
       r.containers.push_back(std::move(c));
     }
     return r;
+  }
+
+  // Rank 0's last deepnex.report(), which its worker keeps at kReportKey
+  // in the job's store (python/deepnex/_tune_report.py); none (the epoch)
+  // until there is one. Best effort: a value that does not parse is skipped.
+  gpu::JobReport LastReport() {
+    gpu::JobReport out;
+    if (!store_) return out;
+    if (!report_client_) {
+      collective::StoreClientOptions co;
+      co.address = store_->address();
+      co.token = token_;
+      co.timeout = milliseconds(1000);
+      auto client = collective::StoreClient::Create(co);
+      if (!client.ok()) return out;
+      report_client_ = std::move(*client);
+    }
+    auto set = report_client_->Check({kReportKey});
+    if (!set.ok() || !(*set)[0]) return out;
+    auto value = report_client_->Get(kReportKey, milliseconds(1000));
+    if (!value.ok()) return out;
+    nlohmann::json j = nlohmann::json::parse(*value, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j["step"].is_number_integer() || !j["time_ms"].is_number() ||
+        !j["metrics"].is_object()) {
+      return out;
+    }
+    for (const auto& [k, v] : j["metrics"].items()) {
+      if (!v.is_number()) return out;
+      out.metrics[k] = v.get<double>();
+    }
+    out.step = j["step"].get<int64_t>();
+    out.time = std::chrono::system_clock::time_point(
+        milliseconds(static_cast<int64_t>(j["time_ms"].get<double>())));
+    return out;
   }
 
   // job.json for `deepnex top`; best effort (a full /tmp must not fail a
@@ -885,6 +937,8 @@ class JobImpl : public Job {
   std::mutex stop_mu_;
   // With deepnex-central: keeps the job's record there (null without).
   std::unique_ptr<gpu::JobReporter> reporter_;
+  // LastReport's; JobNow's callers never overlap (JobReporter).
+  std::unique_ptr<collective::StoreClient> report_client_;
 };
 
 }  // namespace

@@ -56,6 +56,9 @@ inline constexpr const char* kJobWorkerRestarted = "job.worker_restarted";
 inline constexpr const char* kJobCompleted = "job.completed";
 inline constexpr const char* kJobFailed = "job.failed";
 inline constexpr const char* kJobCancelled = "job.cancelled";
+// The job's last deepnex.report(): every `deepnex run --notify-every`
+// minutes, and once when `--notify-when` first holds.
+inline constexpr const char* kJobProgress = "job.progress";
 inline constexpr const char* kNodeNotReady = "node.not_ready";
 inline constexpr const char* kNodeLost = "node.lost";
 inline constexpr const char* kNodeReady = "node.ready";

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -268,6 +269,15 @@ int main(int argc, char** argv) {
                   {"exit_code", e.job.exit_code},
                   {"message", e.job.message},
                   {"cancelled_by", e.job.cancelled_by}};
+    if (e.kind == "progress") {
+      event.data["reason"] = e.reason;  // "every" or "when"
+      event.data["report"] = {
+          {"step", e.job.report.step},
+          {"metrics", e.job.report.metrics},
+          {"time_ms", std::chrono::duration_cast<std::chrono::milliseconds>(
+                          e.job.report.time.time_since_epoch()).count()}};
+      if (e.reason == "when") event.data["when"] = e.job.notify_when;
+    }
     absl::Status s = n->Publish(std::move(event));
     if (!s.ok()) std::cerr << "deepnex-central: " << s.message() << "\n";
   };

@@ -87,9 +87,9 @@ def test_a_job_is_listed_with_its_nodes_then_kept_with_its_exit_code_and_gpu_hou
     assert out.returncode == 0, out.stderr
     header, row = out.stdout.splitlines()
     assert header.split() == ["NAME", "USER", "STATE", "NODES", "WORKERS", "ELAPSED", "GPU-H",
-                              "CPU-H", "PEAK-MEM", "EXIT"]
+                              "CPU-H", "PEAK-MEM", "EXIT", "LAST", "REPORT"]
     assert row.split()[:5] == [j.name, "alice", "running", HOST, "2"]
-    assert row.split()[-1] == "-"
+    assert row.split()[-2:] == ["-", "-"]  # no exit code, no report
     shown = wait_for(lambda: [c for c in c["alice"].job(j.name)["containers"]
                               if c["state"] == "running"], "its containers reported")
     assert sorted(x["name"] for x in shown) == [f"{j.name}-worker0", f"{j.name}-worker1"]
@@ -115,7 +115,7 @@ def test_a_job_is_listed_with_its_nodes_then_kept_with_its_exit_code_and_gpu_hou
     assert done["cpu_hours"] == (cpu / 3600.0 if cpu > 0 else 2 * elapsed / 3600.0)
     assert [x["name"] for x in c["alice"].jobs(state="completed")] == [j.name]
     row = run_cli("jobs", "--all", "--central", address).stdout.splitlines()[1].split()
-    assert (row[2], row[-1]) == ("completed", "0")
+    assert (row[2], row[-2]) == ("completed", "0")
 
     failing = central.run(address, ["--workers", "1"], ["sh", "-c", "exit 3"])
     assert failing.wait(60) == 3, failing.output()

@@ -19,7 +19,7 @@ import pytest
 import _central
 from _central import CENTRAL_BIN, TOKENS, stop_central
 from _wait import wait_for
-from test_agent import AGENT_BIN, NODE_TOKENS, Agents
+from _agents import AGENT_BIN, NODE_TOKENS, Agents
 
 SECRETS = "admin adminsecret\nalice alicesecret\n"
 

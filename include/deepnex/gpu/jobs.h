@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -56,6 +57,27 @@ struct JobContainer {
   uint64_t memory_peak = 0;  // bytes
 };
 
+// What a job's training script last passed to deepnex.report(step=...,
+// **metrics) (rank 0's), as its runner last read it.
+struct JobReport {
+  int64_t step = 0;
+  std::map<std::string, double> metrics;
+  // The runner's clock; the epoch: no report yet.
+  std::chrono::system_clock::time_point time{};
+};
+
+// `deepnex run --notify-when 'accuracy>=0.9'`: a metric, a comparison
+// (>=, <=, >, <, ==) and a number.
+struct MetricThreshold {
+  std::string metric;
+  std::string op;
+  double value = 0;
+
+  bool HoldsFor(const JobReport& report) const;
+};
+// InvalidArgument naming `field` and `text` for anything but METRIC OP NUMBER.
+absl::StatusOr<MetricThreshold> ParseMetricThreshold(const std::string& text, const char* field);
+
 struct JobRecord {
   std::string name;
   std::string user;
@@ -80,6 +102,12 @@ struct JobRecord {
   std::string cancelled_by;
   // Where central POSTs this job's events (`deepnex run --notify URL`).
   std::vector<std::string> notify;
+  // The last report, and when central sends it in a job.progress event:
+  // every notify_every (zero: never), and once when notify_when (a
+  // MetricThreshold; empty: never) first holds.
+  JobReport report;
+  std::chrono::milliseconds notify_every{0};
+  std::string notify_when;
   // Central sums these when the job is read: elapsed from start to end (or
   // now), GPU-hours = its allocations' GPUs x elapsed, CPU-hours from the
   // containers' CPU-time samples where there are any, else its allocations'
@@ -112,9 +140,11 @@ struct JobHistoryOptions {
 };
 
 // A change of a job's state, as the store records it. kind: "queued",
-// "started", "worker restarted", "completed", "failed" or "cancelled".
+// "started", "worker restarted", "completed", "failed", "cancelled" or
+// "progress" (a new report, sent for notify_every or notify_when).
 struct JobEvent {
   std::string kind;
+  std::string reason;  // progress: "every" or "when"
   JobRecord job;
 };
 // Called by deepnex-central's job store after each event is durable, on the

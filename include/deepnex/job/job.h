@@ -72,6 +72,11 @@ struct JobOptions {
   // started, worker restarted, completed, failed, cancelled), besides its
   // user's defaults there.
   std::vector<std::string> notify;
+  // With `central`: a job.progress event with rank 0's last
+  // deepnex.report() every so often (0: never), and once when `notify_when`
+  // ("accuracy>=0.9": METRIC >=, <=, >, < or == NUMBER) first holds.
+  std::chrono::milliseconds notify_every{0};
+  std::string notify_when;
   // Which backend starts the containers, and its options.
   launch::LauncherOptions launcher;
   // Applied to workers and parameter servers alike.

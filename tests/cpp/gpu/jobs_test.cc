@@ -2,11 +2,13 @@
 // in-process server: registration and updates, who sees and cancels what,
 // the observer's events, history across a restart, and retention.
 #include <chrono>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "deepnex/gpu/central.h"
 #include "deepnex/gpu/jobs.h"
 #include "gmock/gmock.h"
@@ -33,7 +35,7 @@ class JobsTest : public ::deepnex::test::CentralFixture {
     o.job_history = history;
     o.on_job_event = [this](const JobEvent& e) {
       std::lock_guard<std::mutex> lock(mu_);
-      events_.push_back(e.kind + " " + e.job.name);
+      events_.push_back(e.kind + " " + e.job.name + (e.reason.empty() ? "" : " " + e.reason));
     };
     server_.reset();
     auto server = CentralServer::Create(o);
@@ -179,6 +181,106 @@ TEST_F(JobsTest, BadInputIsNamed) {
                        "user alice cannot run a job for user bob"));
   EXPECT_THAT(alice->Get("nosuch"),
               StatusIs(absl::StatusCode::kNotFound, "job \"nosuch\" not found"));
+  JobRecord when = Job("j3", JobState::kPending);
+  when.notify_when = "accuracy=>0.9";
+  EXPECT_THAT(alice->Report(when, "r1"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "notify_when: \"accuracy=>0.9\" is not METRIC OP NUMBER (OP: >=, <=, >, "
+                       "<, ==), e.g. accuracy>=0.9"));
+}
+
+TEST(MetricThresholdTest, ParsesEachOperatorAndNamesTheRest) {
+  JobReport r;
+  r.metrics = {{"accuracy", 0.9}, {"loss", 0.5}};
+  struct Case {
+    const char* text;
+    const char* metric;
+    const char* op;
+    double value;
+    bool holds;
+  };
+  for (const Case& c : {Case{"accuracy>=0.9", "accuracy", ">=", 0.9, true},
+                        Case{" accuracy > 0.9 ", "accuracy", ">", 0.9, false},
+                        Case{"loss<=0.5", "loss", "<=", 0.5, true},
+                        Case{"loss<0.5", "loss", "<", 0.5, false},
+                        Case{"loss==5e-1", "loss", "==", 0.5, true},
+                        Case{"missing>=0", "missing", ">=", 0, false}}) {
+    ASSERT_OK_AND_ASSIGN(MetricThreshold t, ParseMetricThreshold(c.text, "notify_when"));
+    EXPECT_EQ(t.metric, c.metric) << c.text;
+    EXPECT_EQ(t.op, c.op) << c.text;
+    EXPECT_EQ(t.value, c.value) << c.text;
+    EXPECT_EQ(t.HoldsFor(r), c.holds) << c.text;
+  }
+  for (const char* bad : {"", "accuracy", ">=0.9", "accuracy>=", "accuracy>=high",
+                          "accuracy>=nan", "accuracy!=0.9", "accuracy=>0.9", "acc uracy>1"}) {
+    EXPECT_THAT(ParseMetricThreshold(bad, "notify_when"),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         absl::StrCat("notify_when: \"", bad, "\" is not METRIC OP NUMBER (OP: "
+                                      ">=, <=, >, <, ==), e.g. accuracy>=0.9")));
+  }
+}
+
+// A report at `step` with `metrics`, `ms` after `base`.
+JobReport Report(int64_t step, std::map<std::string, double> metrics,
+                 std::chrono::system_clock::time_point base, int ms) {
+  JobReport r;
+  r.step = step;
+  r.metrics = std::move(metrics);
+  r.time = base + std::chrono::milliseconds(ms);
+  return r;
+}
+
+TEST_F(JobsTest, AThresholdsProgressEventGoesOnceEvenAcrossARestart) {
+  Start();
+  // Whole milliseconds, as the wire carries them.
+  const auto base = std::chrono::time_point_cast<std::chrono::milliseconds>(
+      std::chrono::system_clock::now());
+  JobRecord j = Job("j1", JobState::kRunning);
+  j.notify_when = "accuracy>=0.9";
+  ASSERT_OK(Jobs("alicetok")->Report(j, "r1").status());
+  j.report = Report(1, {{"accuracy", 0.5}}, base, 1);
+  ASSERT_OK(Jobs("alicetok")->Report(j, "r1").status());
+  EXPECT_THAT(events(), ElementsAre("queued j1", "started j1"));
+  j.report = Report(2, {{"accuracy", 0.95}, {"loss", 0.25}}, base, 2);
+  ASSERT_OK(Jobs("alicetok")->Report(j, "r1").status());
+  ASSERT_OK(Jobs("alicetok")->Report(j, "r1").status());  // the same report again
+  j.report = Report(3, {{"accuracy", 0.97}}, base, 3);
+  ASSERT_OK_AND_ASSIGN(JobRecord got, Jobs("alicetok")->Report(j, "r1"));
+  EXPECT_EQ(got.report.step, 3);
+  EXPECT_EQ(got.report.time, j.report.time);
+  EXPECT_THAT(got.report.metrics, ElementsAre(std::make_pair("accuracy", 0.97)));
+  EXPECT_EQ(got.notify_when, "accuracy>=0.9");
+  Start();  // the same state directory: it went already
+  j.report = Report(4, {{"accuracy", 0.99}}, base, 4);
+  ASSERT_OK(Jobs("alicetok")->Report(j, "r1").status());
+  // An older report (a runner behind) does not replace the newer one.
+  JobRecord late = j;
+  late.report = Report(2, {{"accuracy", 0.95}}, base, 2);
+  ASSERT_OK_AND_ASSIGN(got, Jobs("alicetok")->Report(late, "r1"));
+  EXPECT_EQ(got.report.step, 4);
+  EXPECT_THAT(events(), ElementsAre("queued j1", "started j1", "progress j1 when"));
+}
+
+TEST_F(JobsTest, ProgressEveryIntervalGoesWithEachNewReportDueThen) {
+  Start();
+  const auto base = std::chrono::system_clock::now();
+  JobRecord j = Job("j1", JobState::kRunning);
+  j.notify_every = 1ms;
+  ASSERT_OK(Jobs("alicetok")->Report(j, "r1").status());
+  std::this_thread::sleep_for(2ms);  // the interval, from its start
+  j.report = Report(1, {{"loss", 2}}, base, 1);
+  ASSERT_OK(Jobs("alicetok")->Report(j, "r1").status());
+  ASSERT_OK(Jobs("alicetok")->Report(j, "r1").status());  // no new report: no event
+  std::this_thread::sleep_for(2ms);
+  j.report = Report(2, {{"loss", 1}}, base, 2);
+  ASSERT_OK(Jobs("alicetok")->Report(j, "r1").status());
+  EXPECT_THAT(events(), ElementsAre("queued j1", "started j1", "progress j1 every",
+                                    "progress j1 every"));
+  j.notify_every = std::chrono::hours(1);  // a job's interval is its first report's
+  std::this_thread::sleep_for(2ms);
+  j.report = Report(3, {{"loss", 0.5}}, base, 3);
+  ASSERT_OK(Jobs("alicetok")->Report(j, "r1").status());
+  EXPECT_EQ(events().size(), 5u);
 }
 
 TEST_F(JobsTest, HistoryOutlivesARestart) {
