@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "launch/engine_env.h"
 #include "launch/http.h"
+#include "launch/spec.h"
 
 namespace deepnex::launch {
 namespace {
@@ -294,6 +295,34 @@ class DockerBackend : public Backend {
   const std::string socket_;
 };
 
+// The engine at options.docker.socket, answering /_ping, and the API path
+// prefix of options.docker.api_version.
+struct Engine {
+  std::shared_ptr<HttpClient> http;
+  std::string api;
+};
+
+absl::StatusOr<Engine> Connect(const LauncherOptions& options) {
+  const std::string& socket = options.docker.socket;
+  struct stat st;
+  if (stat(socket.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("docker: no Docker Engine socket at ", socket));
+  }
+  HttpClientOptions http;
+  http.endpoint = "unix:" + socket;
+  // Creating a container copies its image on some storage drivers.
+  http.read_timeout = std::chrono::seconds(120);
+  DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<HttpClient> client, HttpClient::Create(http));
+  absl::StatusOr<std::string> pong = client->Call("GET", "/_ping");
+  if (!pong.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "docker: the engine at ", socket, " does not answer /_ping: ", pong.status().message()));
+  }
+  return Engine{std::shared_ptr<HttpClient>(std::move(client)),
+                options.docker.api_version.empty() ? "" : "/" + options.docker.api_version};
+}
+
 }  // namespace
 
 std::string DockerCreateBody(const ContainerSpec& spec, const RunContext& context) {
@@ -343,25 +372,35 @@ std::string DockerCreateBody(const ContainerSpec& spec, const RunContext& contex
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeDockerBackend(const LauncherOptions& options) {
-  const std::string& socket = options.docker.socket;
-  struct stat st;
-  if (stat(socket.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("docker: no Docker Engine socket at ", socket));
-  }
-  HttpClientOptions http;
-  http.endpoint = "unix:" + socket;
-  // Creating a container copies its image on some storage drivers.
-  http.read_timeout = std::chrono::seconds(120);
-  DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<HttpClient> client, HttpClient::Create(http));
-  absl::StatusOr<std::string> pong = client->Call("GET", "/_ping");
-  if (!pong.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "docker: the engine at ", socket, " does not answer /_ping: ", pong.status().message()));
-  }
-  std::string api = options.docker.api_version.empty() ? "" : "/" + options.docker.api_version;
+  DEEPNEX_ASSIGN_OR_RETURN(Engine engine, Connect(options));
   return std::unique_ptr<Backend>(
-      new DockerBackend(std::shared_ptr<HttpClient>(std::move(client)), api, socket));
+      new DockerBackend(std::move(engine.http), std::move(engine.api), options.docker.socket));
+}
+
+absl::StatusOr<std::unique_ptr<Run>> FindDockerRun(const LauncherOptions& options,
+                                                   const std::string& launcher_id,
+                                                   const std::string& name) {
+  DEEPNEX_ASSIGN_OR_RETURN(Engine engine, Connect(options));
+  json filters = json::object();
+  filters["label"] = json::array({absl::StrCat(kLauncherLabel, "=", launcher_id),
+                                  absl::StrCat(kNameLabel, "=", name)});
+  filters["status"] = json::array({"running"});
+  DEEPNEX_ASSIGN_OR_RETURN(
+      std::string listed,
+      engine.http->Call("GET", absl::StrCat(engine.api, "/containers/json?filters=",
+                                            UrlEncode(filters.dump()))));
+  const json containers = json::parse(listed, nullptr, false);
+  if (!containers.is_array()) {
+    return absl::InternalError(absl::StrCat("docker container list is not a JSON array: ", listed));
+  }
+  // One run of a container runs at a time.
+  for (const json& c : containers) {
+    const std::string id = JsonValue<std::string>(c, "Id", "");
+    if (!id.empty()) return std::unique_ptr<Run>(new DockerRun(engine.http, engine.api, id));
+  }
+  return absl::NotFoundError(absl::StrCat("docker: no running container labelled ",
+                                          kLauncherLabel, "=", launcher_id, ",", kNameLabel, "=",
+                                          name));
 }
 
 }  // namespace deepnex::launch
