@@ -150,21 +150,22 @@ def _start_time(pid):
 def test_restarted_agent_does_not_adopt_a_reused_pid(central, agents, tmp_path):
     # A container recorded as running whose pid is alive but is another
     # process now (its start time differs): a group leader, so that a
-    # signal to the recorded container's group would reach it.
+    # signal to the recorded container's group would reach it. Its grant is
+    # one central does not know: adopted, it would be stopped.
     other = subprocess.Popen(["sleep", "120"], start_new_session=True)
     try:
         record = tmp_path / "h1" / "containers" / "alice.w0" / "record.json"
         record.parent.mkdir(parents=True)
-        forged = {"name": "w0", "launcher_id": "gone", "launcher_pid": 0, "backend": "process",
-                  "state": "running", "restarts": 0, "id": str(other.pid),
+        forged = {"name": "alice.w0", "launcher_id": "gone", "launcher_pid": 0,
+                  "backend": "process", "state": "running", "restarts": 0, "id": str(other.pid),
                   "run_name": "alice.w0", "image": "", "command": ["sleep", "120"],
                   "user": "alice", "cpus": 1.0, "memory": 0, "pids_limit": 0,
-                  "restart": "never", "gpus": [], "started_at": 1.0,
+                  "restart": "never", "allocation": "a999", "gpus": [], "started_at": 1.0,
                   "start_time": _start_time(other.pid) + 1}
         record.write_text(json.dumps(forged))
         h1 = agents.start("h1", "h1tok")
         agents.registered(h1, "h1")
-        want = (f"deepnex-agent: container w0: pid {other.pid} is another process now "
+        want = (f"deepnex-agent: container alice.w0: pid {other.pid} is another process now "
                 f"(start_time {forged['start_time'] - 1}, recorded {forged['start_time']}): "
                 f"not re-attached\n")
         assert want in h1.stderr()
@@ -173,11 +174,13 @@ def test_restarted_agent_does_not_adopt_a_reused_pid(central, agents, tmp_path):
         assert (ended["state"], ended["last_exit"], "start_time" in ended) == (
             "exited", "lost", False)
         assert client(central, "alicetok").containers() == []
-        # A heartbeat later, central has had the agent's report: still nothing.
+        # Two heartbeats later central has had the agent's reports, and its
+        # reaper had time to stop what it took: nothing was taken.
         admin = client(central, "admintok")
-        beat = {n.name: n.last_heartbeat for n in admin.nodes()}["h1"]
-        wait_for(lambda: {n.name: n.last_heartbeat for n in admin.nodes()}["h1"] > beat,
-                 "h1's next heartbeat")
+        for _ in range(2):
+            beat = {n.name: n.last_heartbeat for n in admin.nodes()}["h1"]
+            wait_for(lambda: {n.name: n.last_heartbeat for n in admin.nodes()}["h1"] > beat,
+                     "h1's next heartbeat")
         assert client(central, "alicetok").containers() == []
         assert other.poll() is None and pid_alive(other.pid)
     finally:
