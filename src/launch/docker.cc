@@ -214,6 +214,21 @@ class DockerRun : public Run {
   std::thread waiter_;  // last: it starts in the constructor and uses the rest
 };
 
+// The engine's containers (running or not) that match `filters` (the
+// Docker API's filters object), as its JSON array.
+absl::StatusOr<json> ListContainers(HttpClient& http, const std::string& api,
+                                    const json& filters) {
+  DEEPNEX_ASSIGN_OR_RETURN(
+      std::string listed,
+      http.Call("GET", absl::StrCat(api, "/containers/json?all=1&filters=",
+                                    UrlEncode(filters.dump()))));
+  json containers = json::parse(listed, nullptr, false);
+  if (!containers.is_array()) {
+    return absl::InternalError(absl::StrCat("docker container list is not a JSON array: ", listed));
+  }
+  return containers;
+}
+
 class DockerBackend : public Backend {
  public:
   DockerBackend(std::shared_ptr<HttpClient> http, std::string api, std::string socket)
@@ -263,15 +278,8 @@ class DockerBackend : public Backend {
 
   absl::StatusOr<int> Cleanup(const std::string& launcher_id) override {
     json filters = json::object();
-    filters["label"] = json::array({absl::StrCat("deepnex.launcher=", launcher_id)});
-    DEEPNEX_ASSIGN_OR_RETURN(
-        std::string listed,
-        http_->Call("GET", absl::StrCat(api_, "/containers/json?all=1&filters=",
-                                        UrlEncode(filters.dump()))));
-    json containers = json::parse(listed, nullptr, false);
-    if (!containers.is_array()) {
-      return absl::InternalError(absl::StrCat("docker container list is not a JSON array: ", listed));
-    }
+    filters["label"] = json::array({absl::StrCat(kLauncherLabel, "=", launcher_id)});
+    DEEPNEX_ASSIGN_OR_RETURN(json containers, ListContainers(*http_, api_, filters));
     int swept = 0;
     for (const json& c : containers) {
       const std::string id = JsonValue<std::string>(c, "Id", "");
@@ -385,14 +393,7 @@ absl::StatusOr<std::unique_ptr<Run>> FindDockerRun(const LauncherOptions& option
   filters["label"] = json::array({absl::StrCat(kLauncherLabel, "=", launcher_id),
                                   absl::StrCat(kNameLabel, "=", name)});
   filters["status"] = json::array({"running"});
-  DEEPNEX_ASSIGN_OR_RETURN(
-      std::string listed,
-      engine.http->Call("GET", absl::StrCat(engine.api, "/containers/json?filters=",
-                                            UrlEncode(filters.dump()))));
-  const json containers = json::parse(listed, nullptr, false);
-  if (!containers.is_array()) {
-    return absl::InternalError(absl::StrCat("docker container list is not a JSON array: ", listed));
-  }
+  DEEPNEX_ASSIGN_OR_RETURN(json containers, ListContainers(*engine.http, engine.api, filters));
   // One run of a container runs at a time.
   for (const json& c : containers) {
     const std::string id = JsonValue<std::string>(c, "Id", "");
