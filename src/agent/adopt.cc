@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <mutex>
 #include <thread>
 
@@ -15,6 +16,8 @@
 #include "core/file_util.h"
 #include "launch/cgroup.h"
 #include "launch/command.h"
+#include "launch/docker.h"
+#include "launch/record.h"
 #include "launch/util.h"
 
 namespace deepnex::agent {
@@ -23,13 +26,46 @@ namespace {
 constexpr std::chrono::milliseconds kPoll{100};
 constexpr std::chrono::seconds kRuncTimeout{30};
 
-// Alive and not a zombie (an orphan's zombie is init's to reap).
-bool Alive(pid_t pid) {
-  std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
-  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-  const size_t paren = text.rfind(") ");
-  return paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] != 'Z' &&
-         text[paren + 2] != 'X';
+// The record of a container whose process is gone, or whose pid now names
+// another process, as ended: "lost", as its exit went with its parent. So
+// neither `deepnex ps` nor a later agent takes it for running.
+void RecordEnded(const std::string& path, nlohmann::json r) {
+  launch::ExitStatus e;
+  e.reason = launch::ExitReason::kLost;
+  e.restarts = r.value("restarts", 0);
+  r["state"] = launch::StateName(launch::State::kExited);
+  r["last_exit"] = e.ToString();
+  r.erase("start_time");
+  WriteFileAtomically(path, r.dump(1) + "\n").IgnoreError();
+}
+
+// The spec of the recorded container, as far as its record tells.
+launch::ContainerSpec RecordedSpec(const nlohmann::json& r) {
+  launch::ContainerSpec spec;
+  spec.name = r.value("name", "");
+  spec.user = r.value("user", "");
+  spec.cpus = r.value("cpus", 0.0);
+  spec.memory = r.value("memory", uint64_t{0});
+  if (!r.value("allocation", "").empty()) {
+    gpu::Allocation a;
+    a.id = r.value("allocation", "");
+    a.user = spec.user;
+    spec.allocation = a;
+  }
+  return spec;
+}
+
+// The recorded container, running its run `id`.
+launch::ContainerStatus RecordedStatus(const nlohmann::json& r, const std::string& id) {
+  launch::ContainerStatus st;
+  st.name = r.value("name", "");
+  st.id = id;
+  st.state = launch::State::kRunning;
+  st.restarts = r.value("restarts", 0);
+  st.started_at = std::chrono::system_clock::time_point(
+      std::chrono::duration_cast<std::chrono::system_clock::duration>(
+          std::chrono::duration<double>(r.value("started_at", 0.0))));
+  return st;
 }
 
 // How an adopted container is reached, by its backend.
@@ -53,36 +89,13 @@ struct Runc {
   }
 };
 
-class Adopted final : public launch::Handle {
+// What every adopted container shares: waiting by polling its status, its
+// logs from ReadLogs.
+class AdoptedBase : public launch::Handle {
  public:
-  Adopted(launch::ContainerSpec spec, pid_t pid, std::string log, launch::ContainerStatus st,
-          Reach reach)
-      : spec_(std::move(spec)), pid_(pid), log_(std::move(log)), status_(std::move(st)),
-        reach_(std::move(reach)) {}
+  explicit AdoptedBase(launch::ContainerSpec spec) : spec_(std::move(spec)) {}
 
   const launch::ContainerSpec& spec() const override { return spec_; }
-
-  launch::ContainerStatus Status() override {
-    launch::ContainerStatus st;
-    bool ended_now = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (status_.state == launch::State::kRunning && !Alive(pid_)) {
-        status_.state = stopped_ ? launch::State::kStopped : launch::State::kExited;
-        launch::ExitStatus e;
-        e.reason = stopped_ ? launch::ExitReason::kSignaled : launch::ExitReason::kLost;
-        e.signal = stopped_ ? SIGTERM : 0;
-        e.restarts = status_.restarts;
-        status_.last_exit = e;
-        ended_now = true;
-      }
-      st = status_;
-    }
-    // Nothing reads what the backend keeps of it after its end (its exit
-    // went with its parent), so it goes now, once.
-    if (ended_now && reach_.remove) reach_.remove();
-    return st;
-  }
 
   absl::StatusOr<launch::ExitStatus> Wait(std::chrono::milliseconds timeout) override {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -99,7 +112,60 @@ class Adopted final : public launch::Handle {
     }
   }
 
+  absl::StatusOr<std::string> Logs() override {
+    DEEPNEX_ASSIGN_OR_RETURN(launch::LogChunk c, ReadLogs(0, UINT64_MAX));
+    return c.data;
+  }
+
+  absl::Status FollowLogs(const std::function<bool(const std::string&)>& sink) override {
+    return FollowByReading(*this, sink, kPoll);
+  }
+
+ protected:
+  bool Ended() {
+    launch::ContainerStatus st = Status();
+    return st.state == launch::State::kStopped || st.state == launch::State::kExited;
+  }
+
+ private:
+  const launch::ContainerSpec spec_;
+};
+
+// A process or oci container: its process, its log file and its cgroup.
+class Adopted final : public AdoptedBase {
+ public:
+  Adopted(launch::ContainerSpec spec, pid_t pid, uint64_t start_time, std::string log,
+          launch::ContainerStatus st, Reach reach)
+      : AdoptedBase(std::move(spec)), pid_(pid), start_time_(start_time), log_(std::move(log)),
+        status_(std::move(st)), reach_(std::move(reach)) {}
+
+  launch::ContainerStatus Status() override {
+    launch::ContainerStatus st;
+    bool ended_now = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // Gone, or its pid reused since: the start time tells.
+      if (status_.state == launch::State::kRunning &&
+          (!launch::ProcessAlive(pid_) || launch::ProcessStartTime(pid_) != start_time_)) {
+        status_.state = stopped_ ? launch::State::kStopped : launch::State::kExited;
+        launch::ExitStatus e;
+        e.reason = stopped_ ? launch::ExitReason::kSignaled : launch::ExitReason::kLost;
+        e.signal = stopped_ ? SIGTERM : 0;
+        e.restarts = status_.restarts;
+        status_.last_exit = e;
+        ended_now = true;
+      }
+      st = status_;
+    }
+    // Nothing reads what the backend keeps of it after its end (its exit
+    // went with its parent), so it goes now, once.
+    if (ended_now && reach_.remove) reach_.remove();
+    return st;
+  }
+
   absl::Status Stop(std::chrono::milliseconds grace) override {
+    // An ended one's pid may be another process's by now.
+    if (Ended()) return absl::OkStatus();
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopped_ = true;
@@ -108,11 +174,6 @@ class Adopted final : public launch::Handle {
     if (Wait(grace).ok()) return absl::OkStatus();
     reach_.signal(SIGKILL);
     return Wait(std::chrono::seconds(10)).status();
-  }
-
-  absl::StatusOr<std::string> Logs() override {
-    DEEPNEX_ASSIGN_OR_RETURN(launch::LogChunk c, ReadLogs(0, UINT64_MAX));
-    return c.data;
   }
 
   // Offsets count the current run's output only.
@@ -138,10 +199,6 @@ class Adopted final : public launch::Handle {
     return c;
   }
 
-  absl::Status FollowLogs(const std::function<bool(const std::string&)>& sink) override {
-    return FollowByReading(*this, sink, kPoll);
-  }
-
   absl::StatusOr<launch::Usage> Usage() override {
     if (reach_.cgroup.empty() || Ended()) return launch::Usage{};
     absl::StatusOr<std::unique_ptr<launch::Cgroup>> cg = launch::Cgroup::Open(reach_.cgroup);
@@ -150,17 +207,81 @@ class Adopted final : public launch::Handle {
   }
 
  private:
-  bool Ended() {
-    launch::ContainerStatus st = Status();
-    return st.state == launch::State::kStopped || st.state == launch::State::kExited;
-  }
-
-  const launch::ContainerSpec spec_;
   const pid_t pid_;
+  const uint64_t start_time_;
   const std::string log_;
   std::mutex mu_;
   launch::ContainerStatus status_;
   const Reach reach_;
+  bool stopped_ = false;
+};
+
+// A docker container: its run on the engine, found by its labels; logs,
+// usage, stop and its exit through the engine's API.
+class AdoptedDocker final : public AdoptedBase {
+ public:
+  AdoptedDocker(launch::ContainerSpec spec, std::unique_ptr<launch::Run> run,
+                launch::ContainerStatus st)
+      : AdoptedBase(std::move(spec)), run_(std::move(run)), status_(std::move(st)) {}
+
+  // Once central removed it (or the agent stops): the engine's container
+  // goes too, as the launcher's Remove deletes its own.
+  ~AdoptedDocker() override {
+    if (Ended()) run_->Remove().IgnoreError();
+  }
+
+  launch::ContainerStatus Status() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (status_.state != launch::State::kRunning) return status_;
+    absl::StatusOr<std::optional<launch::ExitStatus>> exit =
+        run_->Wait(std::chrono::milliseconds(0));
+    if (exit.ok() && !exit->has_value()) return status_;
+    launch::ExitStatus e;
+    if (exit.ok()) {
+      e = **exit;
+    } else {
+      e.reason = launch::ExitReason::kLost;  // the engine cannot tell
+    }
+    e.restarts = status_.restarts;
+    status_.state = stopped_ ? launch::State::kStopped : launch::State::kExited;
+    status_.last_exit = e;
+    return status_;
+  }
+
+  absl::Status Stop(std::chrono::milliseconds grace) override {
+    if (Ended()) return absl::OkStatus();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopped_ = true;
+    }
+    // SIGTERM now, SIGKILL after `grace`.
+    DEEPNEX_RETURN_IF_ERROR(run_->Stop(grace));
+    return Wait(grace + std::chrono::seconds(10)).status();
+  }
+
+  // The engine keeps the current run's output; offsets count it.
+  absl::StatusOr<launch::LogChunk> ReadLogs(uint64_t offset, uint64_t max_bytes) override {
+    const bool ended = Ended();
+    DEEPNEX_ASSIGN_OR_RETURN(std::string all, run_->Logs());
+    launch::LogChunk c;
+    c.next_offset = offset;
+    if (offset < all.size()) {
+      c.data = all.substr(offset, std::min<uint64_t>(all.size() - offset, max_bytes));
+      c.next_offset = offset + c.data.size();
+    }
+    c.ended = ended && c.next_offset >= all.size();
+    return c;
+  }
+
+  absl::StatusOr<launch::Usage> Usage() override {
+    if (Ended()) return launch::Usage{};
+    return run_->Usage();
+  }
+
+ private:
+  const std::unique_ptr<launch::Run> run_;
+  std::mutex mu_;
+  launch::ContainerStatus status_;
   bool stopped_ = false;
 };
 
@@ -171,7 +292,9 @@ std::vector<std::shared_ptr<launch::Handle>> AdoptOrphans(const launch::Launcher
   std::vector<std::shared_ptr<launch::Handle>> out;
   const std::string& state_dir = options.state_dir;
   const std::string& backend = options.backend;
-  if (state_dir.empty() || (backend != "process" && backend != "oci")) return out;
+  if (state_dir.empty() || (backend != "process" && backend != "oci" && backend != "docker")) {
+    return out;
+  }
   Runc runc{options.oci.runc, options.oci.root.empty() ? state_dir + "/runc" : options.oci.root};
   if (backend == "oci") {
     absl::StatusOr<std::string> found = launch::FindOnPath(runc.binary, launch::PathOf({}));
@@ -180,18 +303,36 @@ std::vector<std::shared_ptr<launch::Handle>> AdoptOrphans(const launch::Launcher
   }
   std::error_code ec;
   for (const auto& dir : std::filesystem::directory_iterator(state_dir + "/containers", ec)) {
-    auto text = ReadWholeFile(dir.path().string() + "/record.json", "container record");
+    const std::string path = dir.path().string() + "/" + launch::kRecordFile;
+    auto text = ReadWholeFile(path, "container record");
     if (!text.ok()) continue;
     nlohmann::json r = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
     if (!r.is_object() || r.value("backend", "") != backend) continue;
     const int launcher_pid = r.value("launcher_pid", 0);
     if (r.value("launcher_id", "") == own_launcher_id ||
-        (launcher_pid > 0 && (launcher_pid == getpid() || Alive(launcher_pid)))) {
+        (launcher_pid > 0 && (launcher_pid == getpid() || launch::ProcessAlive(launcher_pid)))) {
       continue;
     }
     const std::string state = r.value("state", "");
     if (state != "running" && state != "starting" && state != "restarting") continue;
     const std::string id = r.value("id", "");
+    if (backend == "docker") {
+      // Found by the labels its launcher set, as that launcher's Cleanup
+      // finds them.
+      absl::StatusOr<std::unique_ptr<launch::Run>> run =
+          launch::FindDockerRun(options, r.value("launcher_id", ""), r.value("name", ""));
+      if (absl::IsNotFound(run.status())) {
+        RecordEnded(path, std::move(r));
+      } else if (!run.ok()) {
+        std::cerr << "deepnex-agent: container " << r.value("name", "")
+                  << ": not re-attached: " << run.status().message() << "\n";
+      } else {
+        launch::ContainerStatus st = RecordedStatus(r, (*run)->id());
+        out.push_back(
+            std::make_shared<AdoptedDocker>(RecordedSpec(r), std::move(*run), std::move(st)));
+      }
+      continue;
+    }
     pid_t pid = 0;
     Reach reach;
     reach.cgroup = r.value("cgroup", "");
@@ -199,6 +340,19 @@ std::vector<std::shared_ptr<launch::Handle>> AdoptOrphans(const launch::Launcher
       try {
         pid = static_cast<pid_t>(std::stol(id));
       } catch (...) {
+        continue;
+      }
+      // A pid alone may be another process's by now: the start time
+      // recorded with it tells.
+      const std::optional<uint64_t> start = launch::ProcessStartTime(pid);
+      const uint64_t recorded = r.value("start_time", uint64_t{0});
+      if (!start || !launch::ProcessAlive(pid) || *start != recorded) {
+        if (start) {
+          std::cerr << "deepnex-agent: container " << r.value("name", "") << ": pid " << pid
+                    << " is another process now (start_time " << *start << ", recorded "
+                    << recorded << "): not re-attached\n";
+        }
+        RecordEnded(path, std::move(r));
         continue;
       }
       // The process backend made it a session (and group) leader.
@@ -215,30 +369,15 @@ std::vector<std::shared_ptr<launch::Handle>> AdoptOrphans(const launch::Launcher
       };
       reach.remove = [runc, id] { runc.Call({"delete", "--force", id}).IgnoreError(); };
     }
-    if (pid <= 1 || !Alive(pid)) continue;
-    launch::ContainerSpec spec;
-    spec.name = r.value("name", "");
-    spec.user = r.value("user", "");
-    spec.cpus = r.value("cpus", 0.0);
-    spec.memory = r.value("memory", uint64_t{0});
-    if (!r.value("allocation", "").empty()) {
-      gpu::Allocation a;
-      a.id = r.value("allocation", "");
-      a.user = spec.user;
-      spec.allocation = a;
-    }
-    launch::ContainerStatus st;
-    st.name = spec.name;
-    st.id = id;
-    st.state = launch::State::kRunning;
-    st.restarts = r.value("restarts", 0);
-    st.started_at = std::chrono::system_clock::time_point(
-        std::chrono::duration_cast<std::chrono::system_clock::duration>(
-            std::chrono::duration<double>(r.value("started_at", 0.0))));
+    if (pid <= 1 || !launch::ProcessAlive(pid)) continue;
+    const std::optional<uint64_t> start_time = launch::ProcessStartTime(pid);
+    if (!start_time) continue;
+    launch::ContainerStatus st = RecordedStatus(r, id);
     const std::string log =
         absl::StrCat(dir.path().string(), "/run-", st.restarts, "/output.log");
     out.push_back(
-        std::make_shared<Adopted>(std::move(spec), pid, log, std::move(st), std::move(reach)));
+        std::make_shared<Adopted>(RecordedSpec(r), pid, *start_time, log, std::move(st),
+                                  std::move(reach)));
   }
   return out;
 }

@@ -2,7 +2,9 @@
 // before it (killed, so it stopped nothing) left running. The launcher has no
 // re-attach of its own, so the agent reads the launcher's records in its
 // state directory. Process backend: a container is its process group, found
-// by the pid in its record. Oci backend: a container is runc's, found by the
+// by the pid in its record while that pid's kernel start time is the one
+// recorded with it (a pid reused since is another process: its record is
+// rewritten as ended, "lost", and nothing signals it). Oci backend: a container is runc's, found by the
 // run name in its record (`runc state`: running, and its init's pid); its
 // `runc run` outlived the agent, and its output still goes to its log.
 // Private to libdeepnex.

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "launch/engine_env.h"
 #include "launch/http.h"
+#include "launch/spec.h"
 
 namespace deepnex::launch {
 namespace {
@@ -213,6 +214,21 @@ class DockerRun : public Run {
   std::thread waiter_;  // last: it starts in the constructor and uses the rest
 };
 
+// The engine's containers (running or not) that match `filters` (the
+// Docker API's filters object), as its JSON array.
+absl::StatusOr<json> ListContainers(HttpClient& http, const std::string& api,
+                                    const json& filters) {
+  DEEPNEX_ASSIGN_OR_RETURN(
+      std::string listed,
+      http.Call("GET", absl::StrCat(api, "/containers/json?all=1&filters=",
+                                    UrlEncode(filters.dump()))));
+  json containers = json::parse(listed, nullptr, false);
+  if (!containers.is_array()) {
+    return absl::InternalError(absl::StrCat("docker container list is not a JSON array: ", listed));
+  }
+  return containers;
+}
+
 class DockerBackend : public Backend {
  public:
   DockerBackend(std::shared_ptr<HttpClient> http, std::string api, std::string socket)
@@ -262,15 +278,8 @@ class DockerBackend : public Backend {
 
   absl::StatusOr<int> Cleanup(const std::string& launcher_id) override {
     json filters = json::object();
-    filters["label"] = json::array({absl::StrCat("deepnex.launcher=", launcher_id)});
-    DEEPNEX_ASSIGN_OR_RETURN(
-        std::string listed,
-        http_->Call("GET", absl::StrCat(api_, "/containers/json?all=1&filters=",
-                                        UrlEncode(filters.dump()))));
-    json containers = json::parse(listed, nullptr, false);
-    if (!containers.is_array()) {
-      return absl::InternalError(absl::StrCat("docker container list is not a JSON array: ", listed));
-    }
+    filters["label"] = json::array({absl::StrCat(kLauncherLabel, "=", launcher_id)});
+    DEEPNEX_ASSIGN_OR_RETURN(json containers, ListContainers(*http_, api_, filters));
     int swept = 0;
     for (const json& c : containers) {
       const std::string id = JsonValue<std::string>(c, "Id", "");
@@ -293,6 +302,34 @@ class DockerBackend : public Backend {
   const std::string api_;
   const std::string socket_;
 };
+
+// The engine at options.docker.socket, answering /_ping, and the API path
+// prefix of options.docker.api_version.
+struct Engine {
+  std::shared_ptr<HttpClient> http;
+  std::string api;
+};
+
+absl::StatusOr<Engine> Connect(const LauncherOptions& options) {
+  const std::string& socket = options.docker.socket;
+  struct stat st;
+  if (stat(socket.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("docker: no Docker Engine socket at ", socket));
+  }
+  HttpClientOptions http;
+  http.endpoint = "unix:" + socket;
+  // Creating a container copies its image on some storage drivers.
+  http.read_timeout = std::chrono::seconds(120);
+  DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<HttpClient> client, HttpClient::Create(http));
+  absl::StatusOr<std::string> pong = client->Call("GET", "/_ping");
+  if (!pong.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "docker: the engine at ", socket, " does not answer /_ping: ", pong.status().message()));
+  }
+  return Engine{std::shared_ptr<HttpClient>(std::move(client)),
+                options.docker.api_version.empty() ? "" : "/" + options.docker.api_version};
+}
 
 }  // namespace
 
@@ -343,25 +380,28 @@ std::string DockerCreateBody(const ContainerSpec& spec, const RunContext& contex
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeDockerBackend(const LauncherOptions& options) {
-  const std::string& socket = options.docker.socket;
-  struct stat st;
-  if (stat(socket.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("docker: no Docker Engine socket at ", socket));
-  }
-  HttpClientOptions http;
-  http.endpoint = "unix:" + socket;
-  // Creating a container copies its image on some storage drivers.
-  http.read_timeout = std::chrono::seconds(120);
-  DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<HttpClient> client, HttpClient::Create(http));
-  absl::StatusOr<std::string> pong = client->Call("GET", "/_ping");
-  if (!pong.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "docker: the engine at ", socket, " does not answer /_ping: ", pong.status().message()));
-  }
-  std::string api = options.docker.api_version.empty() ? "" : "/" + options.docker.api_version;
+  DEEPNEX_ASSIGN_OR_RETURN(Engine engine, Connect(options));
   return std::unique_ptr<Backend>(
-      new DockerBackend(std::shared_ptr<HttpClient>(std::move(client)), api, socket));
+      new DockerBackend(std::move(engine.http), std::move(engine.api), options.docker.socket));
+}
+
+absl::StatusOr<std::unique_ptr<Run>> FindDockerRun(const LauncherOptions& options,
+                                                   const std::string& launcher_id,
+                                                   const std::string& name) {
+  DEEPNEX_ASSIGN_OR_RETURN(Engine engine, Connect(options));
+  json filters = json::object();
+  filters["label"] = json::array({absl::StrCat(kLauncherLabel, "=", launcher_id),
+                                  absl::StrCat(kNameLabel, "=", name)});
+  filters["status"] = json::array({"running"});
+  DEEPNEX_ASSIGN_OR_RETURN(json containers, ListContainers(*engine.http, engine.api, filters));
+  // One run of a container runs at a time.
+  for (const json& c : containers) {
+    const std::string id = JsonValue<std::string>(c, "Id", "");
+    if (!id.empty()) return std::unique_ptr<Run>(new DockerRun(engine.http, engine.api, id));
+  }
+  return absl::NotFoundError(absl::StrCat("docker: no running container labelled ",
+                                          kLauncherLabel, "=", launcher_id, ",", kNameLabel, "=",
+                                          name));
 }
 
 }  // namespace deepnex::launch

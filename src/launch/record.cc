@@ -5,6 +5,8 @@
 
 #include <vector>
 
+#include "absl/strings/numbers.h"
+#include "launch/util.h"
 #include "nlohmann/json.hpp"
 
 namespace deepnex::launch {
@@ -20,6 +22,11 @@ std::string ContainerRecordJson(const ContainerSpec& spec, const ContainerRecord
   r["restarts"] = s.restarts;
   r["id"] = s.id;
   r["run_name"] = record.run_name;
+  // While it runs, its launcher has not reaped it, so the pid is still its.
+  int pid = 0;
+  if (record.backend == "process" && s.state == State::kRunning && absl::SimpleAtoi(s.id, &pid)) {
+    if (std::optional<uint64_t> start = ProcessStartTime(pid)) r["start_time"] = *start;
+  }
   if (!record.cgroup.empty()) r["cgroup"] = record.cgroup;
   r["image"] = spec.image;
   r["command"] = spec.command;

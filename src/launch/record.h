@@ -14,6 +14,10 @@
 //   restarts      restarts so far
 //   id            the current run's backend id (pid, runc id, job id, ...)
 //   run_name      the current run's name (RunContext::run_name)
+//   start_time    the kernel start time of the current run's process
+//                 (ProcessStartTime of the pid in id); only for the process
+//                 backend while it runs: a re-attach adopts the pid only
+//                 while it still names that process
 //   cgroup        "<cgroup parent>/<run name>"; only for the backends whose
 //                 runs are cgrouped by that name (process, oci)
 //   image, command, user, cpus, memory (bytes), pids_limit

@@ -211,6 +211,13 @@ bool ProcessAlive(pid_t pid) {
   return !f.empty() && f[0] != "Z" && f[0] != "X";
 }
 
+std::optional<uint64_t> ProcessStartTime(pid_t pid) {
+  std::vector<std::string> f = StatFields(pid);
+  uint64_t ticks = 0;
+  if (f.size() <= 19 || !absl::SimpleAtoi(f[19], &ticks)) return std::nullopt;  // field 22
+  return ticks;
+}
+
 std::vector<pid_t> ProcessGroupMembers(pid_t pgid) {
   std::vector<pid_t> members;
   for (pid_t pid : AllPids()) {

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,11 @@ launch::Usage ProcUsage(const std::vector<pid_t>& pids);
 // Whether `pid` exists and is not a zombie (PID 1 here may never reap
 // orphans, so a killed process can linger as one).
 bool ProcessAlive(pid_t pid);
+
+// The kernel start time of `pid` (field 22 of /proc/<pid>/stat, clock ticks
+// since boot): with the pid, it names one process, as a reused pid does not.
+// nullopt when there is no such process.
+std::optional<uint64_t> ProcessStartTime(pid_t pid);
 
 // GPU memory of `pids`, by GPU index, through NVML; empty without a driver.
 std::map<int, uint64_t> GpuMemoryOf(const std::vector<pid_t>& pids);

@@ -33,6 +33,8 @@ flags:
   --token-file F          a file holding that token alone
   --tls-ca F              verify central's TLS certificate against F
   --backend B             process (default), oci or docker
+  --docker-socket S       the Docker Engine API socket of the docker backend
+                          (default /var/run/docker.sock)
   --state-dir D           the launcher's logs and records (default: a
                           temporary directory)
   --gpus NxSIZE           offer N GPUs of SIZE each (e.g. 2x16GiB) instead
@@ -67,6 +69,7 @@ int main(int argc, char** argv) {
     else if (flags.Is("--tls-ca")) options.tls_ca_file = flags.Value();
     else if (flags.Is("--backend")) options.launcher.backend = flags.Value();
     else if (flags.Is("--state-dir")) options.launcher.state_dir = flags.Value();
+    else if (flags.Is("--docker-socket")) options.launcher.docker.socket = flags.Value();
     else if (flags.Is("--gpus")) {
       const std::string flag = flags.flag();
       options.gpus = flags.OrDie(deepnex::agent::ParseGpus(flags.Value(), flag));

@@ -4,6 +4,7 @@ STATUS and heartbeat, a container pinned to a node runs through that node's
 agent, a killed agent's node turns NotReady, and tokens that are not the
 node's are refused."""
 
+import json
 import os
 import subprocess
 
@@ -138,6 +139,53 @@ def test_restarted_agent_reattaches_to_its_containers(central, agents):
     stop = cli(central, "stop", "w0", "--grace", "5", token="alicetok")
     assert (stop.returncode, stop.stdout) == (0, "w0 stopped signaled(SIGTERM), allocation released\n")
     wait_for(lambda: not pid_alive(pid), "w0's process gone")
+
+
+def _start_time(pid):
+    """Field 22 of /proc/PID/stat: the kernel start time, in clock ticks."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(") ", 1)[1].split()[19])
+
+
+def test_restarted_agent_does_not_adopt_a_reused_pid(central, agents, tmp_path):
+    # A container recorded as running whose pid is alive but is another
+    # process now (its start time differs): a group leader, so that a
+    # signal to the recorded container's group would reach it. Its grant is
+    # one central does not know: adopted, it would be stopped.
+    other = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    try:
+        record = tmp_path / "h1" / "containers" / "alice.w0" / "record.json"
+        record.parent.mkdir(parents=True)
+        forged = {"name": "alice.w0", "launcher_id": "gone", "launcher_pid": 0,
+                  "backend": "process", "state": "running", "restarts": 0, "id": str(other.pid),
+                  "run_name": "alice.w0", "image": "", "command": ["sleep", "120"],
+                  "user": "alice", "cpus": 1.0, "memory": 0, "pids_limit": 0,
+                  "restart": "never", "allocation": "a999", "gpus": [], "started_at": 1.0,
+                  "start_time": _start_time(other.pid) + 1}
+        record.write_text(json.dumps(forged))
+        h1 = agents.start("h1", "h1tok")
+        agents.registered(h1, "h1")
+        want = (f"deepnex-agent: container alice.w0: pid {other.pid} is another process now "
+                f"(start_time {forged['start_time'] - 1}, recorded {forged['start_time']}): "
+                f"not re-attached\n")
+        assert want in h1.stderr()
+        # Its record ended: neither ps nor a later agent takes it for running.
+        ended = json.loads(record.read_text())
+        assert (ended["state"], ended["last_exit"], "start_time" in ended) == (
+            "exited", "lost", False)
+        assert client(central, "alicetok").containers() == []
+        # Two heartbeats later central has had the agent's reports, and its
+        # reaper had time to stop what it took: nothing was taken.
+        admin = client(central, "admintok")
+        for _ in range(2):
+            beat = {n.name: n.last_heartbeat for n in admin.nodes()}["h1"]
+            wait_for(lambda: {n.name: n.last_heartbeat for n in admin.nodes()}["h1"] > beat,
+                     "h1's next heartbeat")
+        assert client(central, "alicetok").containers() == []
+        assert other.poll() is None and pid_alive(other.pid)
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_agent_serves_healthz_and_metrics_and_advertises_its_host(central_proc, agents):

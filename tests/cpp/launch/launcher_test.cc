@@ -1061,11 +1061,20 @@ TEST_F(ProcessLauncherTest, RecordForPs) {
   ContainerSpec spec = Spec("rec", "sleep 1000");
   spec.allocation = TwoGpus("alice");
   ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(spec));
-  std::ifstream in(options.state_dir + "/containers/rec/record.json");
-  std::string record((std::istreambuf_iterator<char>(in)), {});
+  auto read = [&] {
+    std::ifstream in(options.state_dir + "/containers/rec/record.json");
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+  };
+  std::string record = read();
   EXPECT_THAT(record, HasSubstr("\"state\": \"running\""));
   EXPECT_THAT(record, HasSubstr("\"cgroup\": \"deepnex/" + launcher_->id() + "-rec-0\""));
+  // The pid's kernel start time, so that a re-attach tells it from a reuse.
+  const std::optional<uint64_t> start = ProcessStartTime(std::stoi(h->Status().id));
+  ASSERT_TRUE(start.has_value());
+  EXPECT_THAT(record, HasSubstr(absl::StrCat("\"start_time\": ", *start, ",")));
   ASSERT_THAT(h->Stop(1s), IsOk());
+  // Ended: its pid may be another process's by now.
+  EXPECT_THAT(read(), Not(HasSubstr("start_time")));
   ASSERT_THAT(launcher_->Remove("rec"), IsOk());
   struct stat st;
   EXPECT_NE(stat((options.state_dir + "/containers/rec").c_str(), &st), 0);
