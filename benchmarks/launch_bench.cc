@@ -6,7 +6,7 @@
 //                [--docker-socket PATH] [--docker-image REF] [--slurm-conf FILE]
 //                [--via-agent [--central-listen HOST:PORT] [--agent-on WRAPPER]]
 //
-// --via-agent adds two rows: the process backend through deepnex-central's
+// --via-agent adds these rows: the process backend through deepnex-central's
 // own launcher, and through deepnex-central (in this process, listening on
 // --central-listen, default 127.0.0.1:0) and a deepnex-agent process (the
 // deepnex-agent next to this binary, run under --agent-on, e.g. a simulated
@@ -14,6 +14,10 @@
 // StartContainer returns (the agent answers once its launcher started it),
 // exit when central lists it exited (polled every millisecond). Its ratio
 // column compares it with the local process backend (target: within 1.3x).
+// A third row, process/granted, is the local process backend with the spec
+// central gives the container (the grant's 1 CPU and 64 MiB as cgroup
+// limits, no GPU device allowed, the bench user's uid): the agent's row
+// against it is what central and the agent add, without the limits' cost.
 // launch_bench_hosts.py runs it so, central on h1 and the agent on h2.
 //
 // Each round starts one container per backend, then one by hand: the peer is
@@ -66,6 +70,12 @@ namespace {
 constexpr char kPeer[] = "runc (plain)";
 constexpr char kViaAgent[] = "process/agent";
 constexpr char kViaCentral[] = "process/central";
+constexpr char kGranted[] = "process/granted";
+// AgentRunner's user, node and grant.
+constexpr char kBenchUser[] = "bench";
+constexpr char kBenchNode[] = "bench";
+constexpr int kGrantCpus = 1;
+constexpr uint64_t kGrantMemory = 64 << 20;
 
 struct Flags {
   int n = 20;
@@ -116,17 +126,40 @@ int SpawnLogged(std::vector<std::string> argv, const std::string& log, pid_t* pi
   return rc;
 }
 
+// Central runs users' containers only as their mapped, unprivileged
+// identity: the bench user's is this process's own when it is not root.
+deepnex::launch::RunAs BenchIdentity() {
+  const bool root = geteuid() == 0;
+  return {root ? 65534u : geteuid(), root ? 65534u : getegid(), kBenchUser, "/"};
+}
+
 // One backend through the public Launcher API.
 class BackendRunner {
  public:
+  // `granted`: the spec central gives a container of AgentRunner's grant
+  // (its CPUs and memory as limits, its GPUs, none, as the only ones
+  // allowed, run as the bench user), so that the rows through central
+  // compare with the same work done locally.
   static std::optional<BackendRunner> Make(const std::string& backend, const Flags& flags,
-                                           const std::string& state_dir, std::string* why) {
+                                           const std::string& state_dir, std::string* why,
+                                           bool granted = false) {
     LauncherOptions options;
     options.backend = backend;
-    options.state_dir = state_dir + "/" + backend;
+    options.state_dir = state_dir + "/" + backend + (granted ? "-granted" : "");
     options.cgroup_parent = "deepnex-launch-bench";
     ContainerSpec spec;
     spec.command = {"true"};
+    if (granted) {
+      deepnex::gpu::Allocation a;
+      a.user = kBenchUser;
+      a.node = kBenchNode;
+      a.cpus = kGrantCpus;
+      a.memory = kGrantMemory;
+      spec.cpus = a.cpus;
+      spec.memory = a.memory;
+      spec.allocation = a;
+      spec.run_as = BenchIdentity();
+    }
     if (backend == "docker") {
       options.docker.socket =
           !flags.docker_socket.empty() ? flags.docker_socket : Env("DEEPNEX_DOCKER_SOCKET");
@@ -299,11 +332,8 @@ class AgentRunner {
     LauncherOptions local;
     local.state_dir = state_dir + (agent ? "/central" : "/central-local");
     fs::create_directories(local.state_dir);
-    // Central runs users' containers only as their mapped, unprivileged
-    // identity: the bench user is this process's own when it is not root.
     deepnex::launch::ContainerPolicy policy;
-    const bool root = geteuid() == 0;
-    policy.users["bench"] = {root ? 65534u : geteuid(), root ? 65534u : getegid(), "bench", "/"};
+    policy.users[kBenchUser] = BenchIdentity();
     deepnex::gpu::CentralServerOptions server;
     server.address = flags.central_listen;
     DEEPNEX_ASSIGN_OR_RETURN(r->central_,
@@ -317,7 +347,7 @@ class AgentRunner {
       const std::string bin = fs::read_symlink("/proc/self/exe").parent_path() / "deepnex-agent";
       const std::string central = r->central_->address();
       for (const char* a : {bin.c_str(), "--central", central.c_str(), "--node",
-                            "bench", "--gpus", "0", "--cpus", "64", "--memory", "64GiB",
+                            kBenchNode, "--gpus", "0", "--cpus", "64", "--memory", "64GiB",
                             "--state-dir", dir.c_str()}) {
         argv.emplace_back(a);
       }
@@ -328,7 +358,7 @@ class AgentRunner {
       }
       // Registered: its node is in central's allocator.
       const Clock::time_point deadline = Clock::now() + std::chrono::seconds(10);
-      while (!r->central_->allocator().GetNode("bench").ok()) {
+      while (!r->central_->allocator().GetNode(kBenchNode).ok()) {
         if (Clock::now() > deadline) {
           return absl::DeadlineExceededError(
               "deepnex-agent did not register within 10s; see " + dir + "/agent.log");
@@ -337,7 +367,7 @@ class AgentRunner {
       }
     } else {
       deepnex::gpu::Node n;
-      n.name = "bench";
+      n.name = kBenchNode;
       n.cpus = 64;
       n.memory = 64ull << 30;
       DEEPNEX_RETURN_IF_ERROR(r->central_->allocator().AddNode(n));
@@ -358,10 +388,10 @@ class AgentRunner {
 
   absl::StatusOr<Sample> Once(int i) {
     deepnex::gpu::Request req;
-    req.user = "bench";
-    req.cpus = 1;
-    req.memory = 64 << 20;
-    req.node = "bench";
+    req.user = kBenchUser;
+    req.cpus = kGrantCpus;
+    req.memory = kGrantMemory;
+    req.node = kBenchNode;
     DEEPNEX_ASSIGN_OR_RETURN(deepnex::gpu::Allocation a, alloc_->Allocate(req));
     ContainerSpec spec;
     spec.name = "bench" + std::to_string(i);
@@ -470,6 +500,14 @@ int main(int argc, char** argv) {
   if (peer) names.push_back(kPeer);
   std::unique_ptr<AgentRunner> via_agent, via_central;
   if (flags.via_agent) {
+    std::string why;
+    std::optional<BackendRunner> r = BackendRunner::Make("process", flags, dir, &why, true);
+    if (r) {
+      names.push_back(kGranted);
+      runners.emplace(kGranted, std::move(*r));
+    } else {
+      printf("skipping %s: %s\n", kGranted, why.c_str());
+    }
     for (bool agent : {false, true}) {
       const char* name = agent ? kViaAgent : kViaCentral;
       absl::StatusOr<std::unique_ptr<AgentRunner>> r = AgentRunner::Make(dir, agent, flags);
@@ -530,9 +568,10 @@ int main(int argc, char** argv) {
            Quantile(run, 0.5), Quantile(run, 0.9), Quantile(exit, 0.5), Quantile(exit, 0.9),
            ratio_run, ratio_exit);
   }
-  // The agent's row against the local backend (the target: within 1.3x) and
-  // against central's own launcher (the agent's hop alone).
-  for (const char* base : {"process", kViaCentral}) {
+  // The agent's row against the local backend (the target: within 1.3x),
+  // the same with the grant's spec (what central adds, not the limits) and
+  // central's own launcher (the agent's hop alone).
+  for (const char* base : {"process", kGranted, kViaCentral}) {
     if (!via_agent || samples[kViaAgent].empty() || samples[base].empty()) continue;
     const double agent = Quantile(column(kViaAgent, &Sample::running_ms), 0.5);
     const double other = Quantile(column(base, &Sample::running_ms), 0.5);

@@ -3,7 +3,8 @@
 // about launch. One watcher thread per container waits for its end for good
 // and then releases its allocation, unless another container still runs on
 // it; a reaper stops containers whose allocation went away under them. Calls
-// that may block (Start, Stop) run on threads of their own.
+// that may block (Start, Stop, Logs) run off gRPC's threads, on threads kept
+// for the next such call.
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -12,7 +13,9 @@
 #include <cerrno>
 #include <cstring>
 #include <condition_variable>
+#include <deque>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -58,6 +61,8 @@ constexpr std::chrono::milliseconds kShutdownGrace{1000};
 // those stopped because theirs is gone.
 constexpr std::chrono::milliseconds kReapEvery{500};
 constexpr std::chrono::milliseconds kReapGrace{5000};
+// How long a thread of offloaded calls waits for the next before it ends.
+constexpr std::chrono::seconds kIdleWorker{60};
 // ListContainers' user for every user's containers (admins only); asked
 // for by name, so that a user's `ps --all` is refused, not narrowed.
 constexpr char kEveryUser[] = "*";
@@ -176,6 +181,8 @@ class ContainersService final : public pb::Containers::CallbackService,
       stopping_ = true;
       cv_.notify_all();
       cv_.wait(lock, [this] { return calls_ == 0; });
+      work_cv_.notify_all();
+      cv_.wait(lock, [this] { return workers_ == 0; });
       for (auto& [key, e] : entries_) entries.push_back(e);
     }
     reaper_.join();
@@ -286,23 +293,50 @@ class ContainersService final : public pb::Containers::CallbackService,
     return reactor;
   }
 
-  // Runs `fn` on a thread of its own and finishes the call with its status.
+  // Runs `fn` off gRPC's threads (it may block, e.g. on an agent's answer,
+  // which a gRPC thread reads) and finishes the call with its status.
   template <class Fn>
   grpc::ServerUnaryReactor* Offload(grpc::CallbackServerContext* ctx, Fn fn) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) return Reply(ctx, absl::UnavailableError("deepnex-central is stopping"));
-      ++calls_;
-    }
     auto* reactor = ctx->DefaultReactor();
-    std::thread([this, reactor, fn = std::move(fn)]() mutable {
-      absl::Status s = fn();
-      reactor->Finish(ToGrpcStatus(s));
-      std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return Reply(ctx, absl::UnavailableError("deepnex-central is stopping"));
+    ++calls_;
+    work_.push_back([reactor, fn = std::move(fn)]() mutable {
+      reactor->Finish(ToGrpcStatus(fn()));
+    });
+    // Each queued call needs a thread of its own (one may wait on another):
+    // an idle one if there are enough, else a new one.
+    if (waiting_ >= work_.size()) {
+      work_cv_.notify_one();
+    } else {
+      ++workers_;
+      std::thread([this] { Work(); }).detach();
+    }
+    return reactor;
+  }
+
+  // An offloaded call's thread: it stays for the next call, kIdleWorker at
+  // most. A woken thread runs soon; a new one starts behind every runnable
+  // task on a busy host (1.7 ms of a Start's 17 on two loaded cores).
+  void Work() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      ++waiting_;
+      const bool has_work =
+          work_cv_.wait_for(lock, kIdleWorker, [this] { return !work_.empty() || stopping_; });
+      --waiting_;
+      if (!has_work || work_.empty()) break;
+      std::function<void()> call = std::move(work_.front());
+      work_.pop_front();
+      lock.unlock();
+      call();
+      call = nullptr;  // what it holds goes before the call counts as done
+      lock.lock();
       --calls_;
       cv_.notify_all();
-    }).detach();
-    return reactor;
+    }
+    --workers_;
+    cv_.notify_all();
   }
 
   // The container `name` of `user` (admins) or of the caller. Another
@@ -418,7 +452,7 @@ class ContainersService final : public pb::Containers::CallbackService,
       entry->handle = *handle;
       entry->watcher = std::thread([this, entry] { Watch(entry); });
     }
-    Describe(*entry, reply);
+    Describe(*entry, reply, /*usage=*/false);
     return absl::OkStatus();
   }
 
@@ -541,7 +575,9 @@ class ContainersService final : public pb::Containers::CallbackService,
   }
 
   // Reads the handle outside mu_: Usage may read cgroups or ask an engine.
-  void Describe(Entry& e, pb::ContainerInfo* p) {
+  // Without `usage` (a container that just started has used nothing yet,
+  // and an agent's start answer carries none), its usage is left zero.
+  void Describe(Entry& e, pb::ContainerInfo* p, bool usage = true) {
     const ContainerSpec& spec = e.handle->spec();
     ContainerStatus st = e.handle->Status();
     p->set_name(e.name);
@@ -558,8 +594,7 @@ class ContainersService final : public pb::Containers::CallbackService,
     }
     p->set_cpus(spec.cpus);
     p->set_memory(spec.memory);
-    auto u = e.handle->Usage();
-    if (u.ok()) {
+    if (absl::StatusOr<Usage> u = usage ? e.handle->Usage() : Usage{}; u.ok()) {
       p->mutable_usage()->set_cpu_seconds(u->cpu_seconds);
       p->mutable_usage()->set_memory(u->memory);
       p->mutable_usage()->set_memory_peak(u->memory_peak);
@@ -630,6 +665,12 @@ class ContainersService final : public pb::Containers::CallbackService,
   int calls_ = 0;
   bool stopping_ = false;
   std::unique_ptr<SessionServices> sessions_;
+  // Offload's: the calls not yet taken, the threads that run them (detached;
+  // Shutdown waits for them) and those of them waiting for one.
+  std::deque<std::function<void()>> work_;
+  std::condition_variable work_cv_;
+  int workers_ = 0;
+  size_t waiting_ = 0;
   std::thread reaper_;  // last: it uses the members above
 };
 

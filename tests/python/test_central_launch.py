@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -79,6 +80,32 @@ def test_stop_releases_and_follow_reads_to_the_end(central):
     alice.start_container(launch.ContainerSpec(
         name="w1", command=["sh", "-c", "for i in 1 2 3; do echo $i; sleep 0.1; done"]), b)
     assert "".join(alice.container_logs("w1", follow=True)) == "1\n2\n3\n"
+
+
+def test_blocking_calls_at_once_run_side_by_side(central):
+    """Central runs calls that block (a Stop waits out its grace) on threads
+    it keeps for the next call: four Stops at once of containers that ignore
+    SIGTERM end in about one grace period, none queued behind another, and
+    the threads serve the next calls."""
+    alice, _ = clients(central)
+    names = [f"t{i}" for i in range(4)]
+    for _ in range(2):
+        a = alice.allocate(grant(cpus=4, memory="1GiB"))
+        for n in names:
+            alice.start_container(launch.ContainerSpec(
+                name=n, command=["sh", "-c", "trap '' TERM; sleep 60"], cpus=1, memory="64MiB"), a)
+        for n in names:
+            await_container(alice, n, lambda c: c["state"] == "running")
+        grace = 2
+        start = time.monotonic()
+        with ThreadPoolExecutor(len(names)) as pool:
+            stopped = list(pool.map(lambda n: alice.stop_container(n, grace=grace), names))
+        took = time.monotonic() - start
+        assert [(s["state"], s["last_exit"]) for s in stopped] == [
+            ("stopped", "signaled(SIGKILL)")] * len(names)
+        assert grace <= took < 2 * grace, took
+        # The last one's end released the grant.
+        assert alice.allocations() == []
 
 
 def test_other_users_allocations_and_containers(central):
