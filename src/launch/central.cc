@@ -13,7 +13,6 @@
 #include <cerrno>
 #include <cstring>
 #include <condition_variable>
-#include <deque>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -32,6 +31,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "core/call_pool.h"
 #include "core/file_util.h"
 #include "core/grpc_util.h"
 #include "deepnex/central.grpc.pb.h"
@@ -61,7 +61,7 @@ constexpr std::chrono::milliseconds kShutdownGrace{1000};
 // those stopped because theirs is gone.
 constexpr std::chrono::milliseconds kReapEvery{500};
 constexpr std::chrono::milliseconds kReapGrace{5000};
-// How long a thread of offloaded calls waits for the next before it ends.
+// How long a thread of Offload's waits for the next call before it ends.
 constexpr std::chrono::seconds kIdleWorker{60};
 // ListContainers' user for every user's containers (admins only); asked
 // for by name, so that a user's `ps --all` is refused, not narrowed.
@@ -180,9 +180,10 @@ class ContainersService final : public pb::Containers::CallbackService,
       if (stopping_) return;
       stopping_ = true;
       cv_.notify_all();
-      cv_.wait(lock, [this] { return calls_ == 0; });
-      work_cv_.notify_all();
-      cv_.wait(lock, [this] { return workers_ == 0; });
+    }
+    calls_.Shutdown();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
       for (auto& [key, e] : entries_) entries.push_back(e);
     }
     reaper_.join();
@@ -298,45 +299,12 @@ class ContainersService final : public pb::Containers::CallbackService,
   template <class Fn>
   grpc::ServerUnaryReactor* Offload(grpc::CallbackServerContext* ctx, Fn fn) {
     auto* reactor = ctx->DefaultReactor();
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) return Reply(ctx, absl::UnavailableError("deepnex-central is stopping"));
-    ++calls_;
-    work_.push_back([reactor, fn = std::move(fn)]() mutable {
-      reactor->Finish(ToGrpcStatus(fn()));
-    });
-    // Each queued call needs a thread of its own (one may wait on another):
-    // an idle one if there are enough, else a new one.
-    if (waiting_ >= work_.size()) {
-      work_cv_.notify_one();
-    } else {
-      ++workers_;
-      std::thread([this] { Work(); }).detach();
+    if (!calls_.Run([reactor, fn = std::move(fn)]() mutable {
+          reactor->Finish(ToGrpcStatus(fn()));
+        })) {
+      return Reply(ctx, absl::UnavailableError("deepnex-central is stopping"));
     }
     return reactor;
-  }
-
-  // An offloaded call's thread: it stays for the next call, kIdleWorker at
-  // most. A woken thread runs soon; a new one starts behind every runnable
-  // task on a busy host (1.7 ms of a Start's 17 on two loaded cores).
-  void Work() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (true) {
-      ++waiting_;
-      const bool has_work =
-          work_cv_.wait_for(lock, kIdleWorker, [this] { return !work_.empty() || stopping_; });
-      --waiting_;
-      if (!has_work || work_.empty()) break;
-      std::function<void()> call = std::move(work_.front());
-      work_.pop_front();
-      lock.unlock();
-      call();
-      call = nullptr;  // what it holds goes before the call counts as done
-      lock.lock();
-      --calls_;
-      cv_.notify_all();
-    }
-    --workers_;
-    cv_.notify_all();
   }
 
   // The container `name` of `user` (admins) or of the caller. Another
@@ -662,15 +630,9 @@ class ContainersService final : public pb::Containers::CallbackService,
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<Key, std::shared_ptr<Entry>> entries_;
-  int calls_ = 0;
   bool stopping_ = false;
   std::unique_ptr<SessionServices> sessions_;
-  // Offload's: the calls not yet taken, the threads that run them (detached;
-  // Shutdown waits for them) and those of them waiting for one.
-  std::deque<std::function<void()>> work_;
-  std::condition_variable work_cv_;
-  int workers_ = 0;
-  size_t waiting_ = 0;
+  CallPool calls_{kIdleWorker};  // Offload's
   std::thread reaper_;  // last: it uses the members above
 };
 
