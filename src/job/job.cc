@@ -21,6 +21,7 @@
 #include "deepnex/gpu/allocator.h"
 #include "deepnex/gpu/central.h"
 #include "gpu/jobs_reporter.h"
+#include "job/allocations.h"
 #include "deepnex/gpu/discovery.h"
 #include "core/file_util.h"
 #include "core/net.h"
@@ -89,14 +90,6 @@ std::string ThisHost() {
   return host;
 }
 
-// How many of `workers` go to each of `nodes` nodes: as srun -N, as evenly as
-// possible, the first ones one more.
-std::vector<int> SpreadCounts(int workers, int nodes) {
-  std::vector<int> counts(nodes, workers / nodes);
-  for (int i = 0; i < workers % nodes; ++i) ++counts[i];
-  return counts;
-}
-
 // The job's processes inherit this process's environment, as mpirun's and
 // torchrun's do (PATH, PYTHONPATH, HOME, ...), minus any job variables of an
 // enclosing job.
@@ -129,145 +122,6 @@ int ExitCodeOf(const launch::ExitStatus& e) {
   }
   return 1;
 }
-
-gpu::CentralClientOptions CentralOptions(const JobOptions& o) {
-  gpu::CentralClientOptions co;
-  co.address = o.central;
-  co.token = o.central_token;
-  co.token_file = o.central_token_file;
-  return co;
-}
-
-// Where the allocations come from: a local allocator over this machine, or
-// deepnex-central.
-class AllocationSource {
- public:
-  // `nodes`: the launch backend's nodes (Launcher::Nodes); empty: the local
-  // allocator hands out this machine.
-  static absl::StatusOr<std::unique_ptr<AllocationSource>> Create(
-      const JobOptions& o, const std::vector<gpu::Node>& nodes) {
-    auto a = std::unique_ptr<AllocationSource>(new AllocationSource);
-    if (o.central.empty()) {
-      DEEPNEX_ASSIGN_OR_RETURN(a->local_, gpu::Allocator::Create());
-      if (nodes.empty()) {
-        DEEPNEX_ASSIGN_OR_RETURN(gpu::Node node, gpu::LocalNode("", o.gpu_mode));
-        DEEPNEX_RETURN_IF_ERROR(a->local_->AddNode(node));
-        a->local_memory_ = node.memory;
-      }
-      for (gpu::Node node : nodes) {
-        node.mode = o.gpu_mode;
-        // Slurm's GRES counts GPUs and says nothing of their memory: any
-        // request's memory fits, so only the count limits here, and the
-        // backend's scheduler holds the GPUs themselves.
-        for (gpu::Gpu& g : node.gpus) {
-          if (g.memory == 0) g.memory = uint64_t{1} << 50;
-        }
-        // A worker's default share is of the smallest node's memory.
-        if (a->local_memory_ == 0 || node.memory < a->local_memory_) {
-          a->local_memory_ = node.memory;
-        }
-        DEEPNEX_RETURN_IF_ERROR(a->local_->AddNode(node));
-      }
-    } else {
-      DEEPNEX_ASSIGN_OR_RETURN(a->central_, gpu::CentralClient::Create(CentralOptions(o)));
-    }
-    return a;
-  }
-
-  // All of the gang or nothing. The local allocator refuses what does not
-  // fit now (nothing else would free it); deepnex-central queues it.
-  absl::StatusOr<std::vector<gpu::Allocation>> Gang(const gpu::Request& request) {
-    if (local_ != nullptr) {
-      gpu::AllocateOptions ao;
-      ao.wait = false;
-      return local_->AllocateGang(request, ao);
-    }
-    return central_->AllocateGang(request);
-  }
-
-  absl::Status Release(const std::string& id) {
-    return local_ != nullptr ? local_->Release(id) : central_->Release(id);
-  }
-
-  // The memory a worker asks for when the job names none: a grant of none
-  // starts no container, so locally an equal share of this machine's;
-  // deepnex-central grants only what is asked (0, and the start says so).
-  uint64_t DefaultMemory(int workers) const { return local_memory_ / std::max(1, workers); }
-
-  // The nodes that take allocations now, in the allocator's order.
-  absl::StatusOr<std::vector<std::string>> NodeNames() {
-    std::vector<gpu::NodeInfo> infos;
-    if (local_ != nullptr) {
-      infos = local_->Nodes();
-    } else {
-      DEEPNEX_ASSIGN_OR_RETURN(infos, central_->Nodes());
-    }
-    std::vector<std::string> names;
-    for (const gpu::NodeInfo& n : infos) {
-      if (!n.cordoned && !n.draining) names.push_back(n.node.name);
-    }
-    return names;
-  }
-
-  // The host that peers dial on `node`: the address its deepnex-agent
-  // advertises; empty for a node without one (its name is all there is).
-  absl::StatusOr<std::string> AgentAddress(const std::string& node) {
-    if (central_ == nullptr) return std::string();
-    DEEPNEX_ASSIGN_OR_RETURN(std::vector<gpu::NodeInfo> infos, central_->Nodes());
-    for (const gpu::NodeInfo& n : infos) {
-      if (n.node.name == node) return n.address;
-    }
-    return std::string();
-  }
-
-  // `request` (a gang of `request.replicas`) spread over `nodes` nodes as
-  // SpreadCounts says: one gang per node, on the first nodes that take it,
-  // in rank order; all of it or nothing. Fills `used` with the nodes taken.
-  absl::StatusOr<std::vector<gpu::Allocation>> Spread(gpu::Request request, int nodes,
-                                                      std::vector<std::string>* used) {
-    DEEPNEX_ASSIGN_OR_RETURN(std::vector<std::string> names, NodeNames());
-    std::vector<gpu::Allocation> granted;
-    auto release = [&] {
-      for (const auto& a : granted) Release(a.id).IgnoreError();
-    };
-    size_t next = 0;
-    for (int count : SpreadCounts(request.replicas, nodes)) {
-      absl::Status last = absl::ResourceExhaustedError("no node left");
-      bool placed = false;
-      while (!placed && next < names.size()) {
-        gpu::Request part = request;
-        part.replicas = count;
-        part.node = names[next++];
-        // deepnex-central would queue a part that does not fit now: the
-        // next node is tried instead, as with the local allocator.
-        gpu::AllocateOptions now;
-        now.wait = false;
-        absl::StatusOr<std::vector<gpu::Allocation>> got =
-            local_ != nullptr ? local_->AllocateGang(part, now) : central_->AllocateGang(part, now);
-        if (got.ok()) {
-          granted.insert(granted.end(), got->begin(), got->end());
-          used->push_back(part.node);
-          placed = true;
-        } else {
-          last = got.status();
-        }
-      }
-      if (!placed) {
-        release();
-        return absl::Status(last.code(), absl::StrCat(
-            "nodes: ", nodes, ": no ", nodes, " of the ", names.size(), " nodes take ",
-            request.replicas, " workers spread over them: ", last.message()));
-      }
-    }
-    return granted;
-  }
-
- private:
-  AllocationSource() = default;
-  uint64_t local_memory_ = 0;
-  std::unique_ptr<gpu::Allocator> local_;
-  std::unique_ptr<gpu::CentralClient> central_;
-};
 
 class JobImpl : public Job {
  public:

@@ -1,0 +1,134 @@
+#include "job/allocations.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "deepnex/gpu/discovery.h"
+
+namespace deepnex::job {
+namespace {
+
+// How many of `workers` go to each of `nodes` nodes: as srun -N, as evenly as
+// possible, the first ones one more.
+std::vector<int> SpreadCounts(int workers, int nodes) {
+  std::vector<int> counts(nodes, workers / nodes);
+  for (int i = 0; i < workers % nodes; ++i) ++counts[i];
+  return counts;
+}
+
+}  // namespace
+
+gpu::CentralClientOptions CentralOptions(const JobOptions& o) {
+  gpu::CentralClientOptions co;
+  co.address = o.central;
+  co.token = o.central_token;
+  co.token_file = o.central_token_file;
+  return co;
+}
+
+absl::StatusOr<std::unique_ptr<AllocationSource>> AllocationSource::Create(
+    const JobOptions& o, const std::vector<gpu::Node>& nodes) {
+  auto a = std::unique_ptr<AllocationSource>(new AllocationSource);
+  if (o.central.empty()) {
+    DEEPNEX_ASSIGN_OR_RETURN(a->local_, gpu::Allocator::Create());
+    if (nodes.empty()) {
+      DEEPNEX_ASSIGN_OR_RETURN(gpu::Node node, gpu::LocalNode("", o.gpu_mode));
+      DEEPNEX_RETURN_IF_ERROR(a->local_->AddNode(node));
+      a->local_memory_ = node.memory;
+    }
+    for (gpu::Node node : nodes) {
+      node.mode = o.gpu_mode;
+      // Slurm's GRES counts GPUs and says nothing of their memory: any
+      // request's memory fits, so only the count limits here, and the
+      // backend's scheduler holds the GPUs themselves.
+      for (gpu::Gpu& g : node.gpus) {
+        if (g.memory == 0) g.memory = uint64_t{1} << 50;
+      }
+      // A worker's default share is of the smallest node's memory.
+      if (a->local_memory_ == 0 || node.memory < a->local_memory_) {
+        a->local_memory_ = node.memory;
+      }
+      DEEPNEX_RETURN_IF_ERROR(a->local_->AddNode(node));
+    }
+  } else {
+    DEEPNEX_ASSIGN_OR_RETURN(a->central_, gpu::CentralClient::Create(CentralOptions(o)));
+  }
+  return a;
+}
+
+absl::StatusOr<std::vector<gpu::Allocation>> AllocationSource::Gang(const gpu::Request& request) {
+  if (local_ != nullptr) {
+    gpu::AllocateOptions ao;
+    ao.wait = false;
+    return local_->AllocateGang(request, ao);
+  }
+  return central_->AllocateGang(request);
+}
+
+absl::Status AllocationSource::Release(const std::string& id) {
+  return local_ != nullptr ? local_->Release(id) : central_->Release(id);
+}
+
+absl::StatusOr<std::vector<std::string>> AllocationSource::NodeNames() {
+  std::vector<gpu::NodeInfo> infos;
+  if (local_ != nullptr) {
+    infos = local_->Nodes();
+  } else {
+    DEEPNEX_ASSIGN_OR_RETURN(infos, central_->Nodes());
+  }
+  std::vector<std::string> names;
+  for (const gpu::NodeInfo& n : infos) {
+    if (!n.cordoned && !n.draining) names.push_back(n.node.name);
+  }
+  return names;
+}
+
+absl::StatusOr<std::string> AllocationSource::AgentAddress(const std::string& node) {
+  if (central_ == nullptr) return std::string();
+  DEEPNEX_ASSIGN_OR_RETURN(std::vector<gpu::NodeInfo> infos, central_->Nodes());
+  for (const gpu::NodeInfo& n : infos) {
+    if (n.node.name == node) return n.address;
+  }
+  return std::string();
+}
+
+absl::StatusOr<std::vector<gpu::Allocation>> AllocationSource::Spread(
+    gpu::Request request, int nodes, std::vector<std::string>* used) {
+  DEEPNEX_ASSIGN_OR_RETURN(std::vector<std::string> names, NodeNames());
+  std::vector<gpu::Allocation> granted;
+  auto release = [&] {
+    for (const auto& a : granted) Release(a.id).IgnoreError();
+  };
+  size_t next = 0;
+  for (int count : SpreadCounts(request.replicas, nodes)) {
+    absl::Status last = absl::ResourceExhaustedError("no node left");
+    bool placed = false;
+    while (!placed && next < names.size()) {
+      gpu::Request part = request;
+      part.replicas = count;
+      part.node = names[next++];
+      // deepnex-central would queue a part that does not fit now: the
+      // next node is tried instead, as with the local allocator.
+      gpu::AllocateOptions now;
+      now.wait = false;
+      absl::StatusOr<std::vector<gpu::Allocation>> got =
+          local_ != nullptr ? local_->AllocateGang(part, now) : central_->AllocateGang(part, now);
+      if (got.ok()) {
+        granted.insert(granted.end(), got->begin(), got->end());
+        used->push_back(part.node);
+        placed = true;
+      } else {
+        last = got.status();
+      }
+    }
+    if (!placed) {
+      release();
+      return absl::Status(last.code(), absl::StrCat(
+          "nodes: ", nodes, ": no ", nodes, " of the ", names.size(), " nodes take ",
+          request.replicas, " workers spread over them: ", last.message()));
+    }
+  }
+  return granted;
+}
+
+}  // namespace deepnex::job

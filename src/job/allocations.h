@@ -1,0 +1,62 @@
+// Where a job's allocations come from: a local allocator over this machine
+// (or over the launch backend's nodes), or deepnex-central. Private to
+// libdeepnex.
+#ifndef DEEPNEX_JOB_ALLOCATIONS_H_
+#define DEEPNEX_JOB_ALLOCATIONS_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "deepnex/gpu/allocator.h"
+#include "deepnex/gpu/central.h"
+#include "deepnex/job/job.h"
+
+namespace deepnex::job {
+
+// The job's deepnex-central address and token, as its clients take them.
+gpu::CentralClientOptions CentralOptions(const JobOptions& o);
+
+class AllocationSource {
+ public:
+  // `nodes`: the launch backend's nodes (Launcher::Nodes); empty: the local
+  // allocator hands out this machine.
+  static absl::StatusOr<std::unique_ptr<AllocationSource>> Create(
+      const JobOptions& o, const std::vector<gpu::Node>& nodes);
+
+  // All of the gang or nothing. The local allocator refuses what does not
+  // fit now (nothing else would free it); deepnex-central queues it.
+  absl::StatusOr<std::vector<gpu::Allocation>> Gang(const gpu::Request& request);
+  absl::Status Release(const std::string& id);
+
+  // The memory a worker asks for when the job names none: a grant of none
+  // starts no container, so locally an equal share of this machine's;
+  // deepnex-central grants only what is asked (0, and the start says so).
+  uint64_t DefaultMemory(int workers) const { return local_memory_ / std::max(1, workers); }
+
+  // The nodes that take allocations now, in the allocator's order.
+  absl::StatusOr<std::vector<std::string>> NodeNames();
+
+  // The host that peers dial on `node`: the address its deepnex-agent
+  // advertises; empty for a node without one (its name is all there is).
+  absl::StatusOr<std::string> AgentAddress(const std::string& node);
+
+  // `request` (a gang of `request.replicas`) spread over `nodes` nodes as
+  // srun -N does (as evenly as possible, the first ones one more): one gang
+  // per node, on the first nodes that take it, in rank order; all of it or
+  // nothing. Fills `used` with the nodes taken.
+  absl::StatusOr<std::vector<gpu::Allocation>> Spread(gpu::Request request, int nodes,
+                                                      std::vector<std::string>* used);
+
+ private:
+  AllocationSource() = default;
+  uint64_t local_memory_ = 0;
+  std::unique_ptr<gpu::Allocator> local_;
+  std::unique_ptr<gpu::CentralClient> central_;
+};
+
+}  // namespace deepnex::job
+
+#endif  // DEEPNEX_JOB_ALLOCATIONS_H_
