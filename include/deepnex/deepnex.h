@@ -21,11 +21,13 @@
 #include "deepnex/gpu/allocator.h"
 #include "deepnex/gpu/central.h"
 #include "deepnex/gpu/discovery.h"
+#include "deepnex/gpu/jobs.h"
 #include "deepnex/gpu/types.h"
 
 // launch
 #include "deepnex/launch/central.h"
 #include "deepnex/launch/launcher.h"
+#include "deepnex/launch/session.h"
 
 // agent
 #include "deepnex/agent/agent.h"
