@@ -4,13 +4,13 @@
 #include "agent/hub.h"
 
 #include <algorithm>
-#include <deque>
 #include <iostream>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "agent/report.h"
+#include "core/grpc_stream.h"
 #include "core/grpc_util.h"
 #include "core/net.h"
 #include "gpu/central_convert.h"
@@ -21,7 +21,7 @@ namespace pb = ::deepnex::agent::proto;
 
 // One agent's stream. Reads run one at a time on gRPC's threads; Send may be
 // called from any thread. Deletes itself once gRPC is done with it.
-class Stream final : public grpc::ServerBidiReactor<pb::AgentMessage, pb::CentralMessage> {
+class Stream final : public QueuedServerStream<pb::AgentMessage, pb::CentralMessage> {
  public:
   Stream(Hub* hub, absl::StatusOr<Identity> who) : hub_(hub) {
     if (!who.ok()) {
@@ -35,43 +35,20 @@ class Stream final : public grpc::ServerBidiReactor<pb::AgentMessage, pb::Centra
       return;
     }
     who_ = *who;
+    bool stopping;
     {
       std::lock_guard<std::mutex> lock(hub_->mu_);
-      if (hub_->stopping_) {
-        closed_ = true;
-      } else {
-        hub_->streams_[this] = true;
-      }
+      stopping = hub_->stopping_;
+      if (!stopping) hub_->streams_[this] = true;
     }
-    if (closed_) {
-      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "deepnex-central is stopping"));
+    if (stopping) {
+      Close(absl::UnavailableError("deepnex-central is stopping"));
       return;
     }
     StartRead(&in_);
   }
 
   const std::string& node() const { return node_; }
-
-  // Queues `m`; false once the stream is closing.
-  bool Send(pb::CentralMessage m) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return false;
-    out_.push_back(std::move(m));
-    if (!writing_) {
-      writing_ = true;
-      StartWrite(&out_.front());
-    }
-    return true;
-  }
-
-  // Ends the stream with `status` once queued writes are out. Idempotent.
-  void Close(const absl::Status& status) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return;
-    closed_ = true;
-    final_ = ToGrpcStatus(status);
-    if (!writing_) Finish(final_);
-  }
 
   void OnReadDone(bool ok) override {
     if (!ok) {
@@ -83,19 +60,7 @@ class Stream final : public grpc::ServerBidiReactor<pb::AgentMessage, pb::Centra
       Close(s);
       return;
     }
-    StartRead(&in_);
-  }
-
-  void OnWriteDone(bool ok) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    out_.pop_front();
-    if (!ok) out_.clear();
-    if (!out_.empty() && ok) {
-      StartWrite(&out_.front());
-      return;
-    }
-    writing_ = false;
-    if (closed_) Finish(final_);
+    ReadUnlessClosed(&in_);
   }
 
   void OnCancel() override { Close(absl::CancelledError("the agent went away")); }
@@ -137,11 +102,6 @@ class Stream final : public grpc::ServerBidiReactor<pb::AgentMessage, pb::Centra
   Identity who_;
   std::string node_;  // set by Register, on the read thread
   pb::AgentMessage in_;
-  std::mutex mu_;
-  std::deque<pb::CentralMessage> out_;
-  bool writing_ = false;
-  bool closed_ = false;
-  grpc::Status final_;
 };
 
 grpc::ServerBidiReactor<pb::AgentMessage, pb::CentralMessage>* Hub::Service::Connect(

@@ -12,6 +12,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "core/grpc_stream.h"
 #include "core/grpc_util.h"
 #include "deepnex/agent.grpc.pb.h"
 #include "deepnex/central.grpc.pb.h"
@@ -26,10 +27,10 @@ namespace apb = ::deepnex::agent::proto;
 // How long an agent has to take a session and dial back for it.
 constexpr std::chrono::milliseconds kAttachTimeout{10000};
 
-// A server stream whose writes queue, with its reads and its end passed to
-// hooks. Send and Close from any thread; deletes itself once gRPC is done.
+// A queued server stream with its reads and its end passed to hooks.
+// Deletes itself once gRPC is done.
 template <class In, class Out>
-class Pipe final : public grpc::ServerBidiReactor<In, Out> {
+class Pipe final : public QueuedServerStream<In, Out> {
  public:
   struct Hooks {
     std::function<void(In&)> read;  // on a gRPC thread, one at a time
@@ -42,50 +43,16 @@ class Pipe final : public grpc::ServerBidiReactor<In, Out> {
     this->StartRead(&in_);
   }
 
-  bool Send(Out m) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return false;
-    out_.push_back(std::move(m));
-    if (!writing_) {
-      writing_ = true;
-      this->StartWrite(&out_.front());
-    }
-    return true;
-  }
-
-  // Ends the stream with `status` once the queued writes are out.
-  void Close(const absl::Status& status) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return;
-    closed_ = true;
-    final_ = ToGrpcStatus(status);
-    if (!writing_) this->Finish(final_);
-  }
-
   void OnReadDone(bool ok) override {
     if (!ok) {
       if (hooks_.read_end) hooks_.read_end();
       return;
     }
     hooks_.read(in_);
-    // Not after Finish (the hook may have closed the stream).
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!closed_) this->StartRead(&in_);
+    this->ReadUnlessClosed(&in_);  // the hook may have closed the stream
   }
 
-  void OnWriteDone(bool ok) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    out_.pop_front();
-    if (!ok) out_.clear();
-    if (ok && !out_.empty()) {
-      this->StartWrite(&out_.front());
-      return;
-    }
-    writing_ = false;
-    if (closed_) this->Finish(final_);
-  }
-
-  void OnCancel() override { Close(absl::CancelledError("the stream was cancelled")); }
+  void OnCancel() override { this->Close(absl::CancelledError("the stream was cancelled")); }
 
   void OnDone() override {
     if (hooks_.done) hooks_.done();
@@ -95,11 +62,6 @@ class Pipe final : public grpc::ServerBidiReactor<In, Out> {
  private:
   Hooks hooks_;
   In in_;
-  std::mutex mu_;
-  std::deque<Out> out_;
-  bool writing_ = false;
-  bool closed_ = false;
-  grpc::Status final_;
 };
 
 using ClientPipe = Pipe<pb::SessionInput, pb::SessionOutput>;
