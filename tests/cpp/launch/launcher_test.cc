@@ -327,7 +327,14 @@ TEST_P(LaunchContract, ExecRunsBesideTheCommand) {
   ASSERT_THAT(code, IsOk());
   EXPECT_EQ(*code, 3);
 
-  auto tty = h->Exec({.command = {"stty", "size"}, .tty = true, .rows = 30, .cols = 100});
+  // runc exec --tty sizes the container's console from ours only after it
+  // started the process, so under oci the size can still be 0 0 at first:
+  // wait for it there, as a shell's SIGWINCH handler would see it.
+  std::vector<std::string> size = {"stty", "size"};
+  if (GetParam() == "oci") {
+    size = {"sh", "-c", "while [ \"$(stty size)\" = \"0 0\" ]; do sleep 0.01; done; stty size"};
+  }
+  auto tty = h->Exec({.command = size, .tty = true, .rows = 30, .cols = 100});
   ASSERT_THAT(tty, IsOk());
   EXPECT_EQ((*tty)->error_fd(), -1);
   EXPECT_EQ(ReadAll((*tty)->output_fd()), "30 100\r\n");
