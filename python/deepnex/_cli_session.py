@@ -149,13 +149,16 @@ def _notebook_port(c, name, deadline):
 
 
 def _still_running(c, name, deadline, what):
-    """An error with the end of the log when container `name` ended or the
-    deadline passed before it `what`."""
-    from deepnex import DeepnexError
+    """An error, with the end of its log, when container `name` ended or the
+    deadline passed before jupyter `what`."""
+    from deepnex import DeadlineExceededError, DeepnexError
     info = next((x for x in c.containers() if x["name"] == name), None)
     state = (info or {}).get("state", "gone")
-    if state == "running" and time.monotonic() < deadline:
-        return
+    if state not in ("stopped", "exited", "gone"):  # running, or about to
+        if time.monotonic() < deadline:
+            return
+        raise DeadlineExceededError(f"notebook {name}: jupyter has not {what} "
+                                    "within --start-timeout")
     tail = c.container_logs(name).strip().splitlines()[-5:] if info else []
     raise DeepnexError(f"notebook {name}: {state} before jupyter {what}"
                        + "".join(f"\n  {line}" for line in tail))
