@@ -128,13 +128,19 @@ def _shell(args):
 # may have a network of its own), which it says first; the token on the
 # command line, as only the container's user sees its processes' arguments.
 # Jupyter and its kernels write under $HOME: a new directory where the
-# user's is not theirs (a process container's user has HOME=/).
-NOTEBOOK = ("[ -w \"$HOME\" ] || export HOME=\"$(mktemp -d -t deepnex-notebook.XXXXXX)\"; "
+# user's is not theirs (a process container's user has HOME=/), removed
+# when Jupyter ends (the container's stop signals both).
+NOTEBOOK = ("home=; pid=; trap '[ -n \"$pid\" ] && kill -TERM $pid || "
+            "{ [ -z \"$home\" ] || rm -rf \"$home\"; exit 143; }' TERM INT; "
+            "[ -w \"$HOME\" ] || home=$(mktemp -d -t deepnex-notebook.XXXXXX) && "
+            "export HOME=${home:-$HOME} && "
             "port=$(python3 -c 'import socket; s = socket.socket(); "
             "s.bind((\"127.0.0.1\", 0)); print(s.getsockname()[1])') && "
-            "echo \"deepnex-notebook: port $port\" && "
-            "exec jupyter notebook --no-browser --ip=127.0.0.1 --port=$port "
-            "--NotebookApp.port_retries=0 --NotebookApp.token=\"$1\"")
+            "echo \"deepnex-notebook: port $port\" || exit 1; "
+            "jupyter notebook --no-browser --ip=127.0.0.1 --port=$port "
+            "--NotebookApp.port_retries=0 --NotebookApp.token=\"$1\" & pid=$!; "
+            "while kill -0 $pid 2>/dev/null; do wait $pid; code=$?; done; "
+            "[ -z \"$home\" ] || rm -rf \"$home\"; exit $code")
 PORT_LINE = re.compile(r"^deepnex-notebook: port (\d+)$", re.M)
 
 

@@ -181,9 +181,21 @@ def test_notebook_page_in_headless_chromium_and_keep_on_a_given_allocation(centr
     a = alice.allocate(gpu.Request(user="", gpus=0, cpus=1, memory="1GiB"))
     nb = Notebook(central, "--alloc", a.id, "--keep", "--name", "nbk")
     try:
+        keep_checked(alice, nb, a, tmp_path)
+    finally:
+        # A process container outlives central: stop it here.
+        alice.stop_container("nbk", grace=1.0)
+
+
+def keep_checked(alice, nb, a, tmp_path):
+    chromium = shutil.which("chromium")
+    try:
         shot = tmp_path / "page.png"
+        # The virtual time budget lets the page's scripts draw it before the
+        # screenshot (that the load event alone does not wait for).
         r = subprocess.run([chromium, "--headless", "--no-sandbox", f"--screenshot={shot}",
                             "--window-size=1024,768", f"--user-data-dir={tmp_path / 'profile'}",
+                            "--virtual-time-budget=10000",
                             nb.url], capture_output=True, timeout=120)
         assert r.returncode == 0 and shot.exists(), r.stderr.decode()[-2000:]
         width, height, bpp, rows = png_pixels(shot.read_bytes())
