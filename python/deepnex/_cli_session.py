@@ -196,7 +196,7 @@ def _answers(c, name, port, token):
 
 
 def _notebook(args):
-    from deepnex import launch
+    from deepnex import UnavailableError, launch
     from deepnex._session import PortForward
     c = client(args)
     alloc, made = _allocation(c, args)
@@ -216,7 +216,10 @@ def _notebook(args):
         while not _answers(c, name, remote, token):
             _still_running(c, name, deadline, "answered")
             time.sleep(0.1)
-        fwd = PortForward(c._c, name, remote, local=args.port, host=args.address)
+        try:
+            fwd = PortForward(c._c, name, remote, local=args.port, host=args.address)
+        except OSError as e:
+            raise UnavailableError(f"--port {args.port} on {args.address}: {os.strerror(e.errno)}")
         print(f"Notebook {name}: http://{fwd.host}:{fwd.port}/?token={token}", flush=True)
         while True:
             time.sleep(3600)

@@ -238,6 +238,15 @@ def test_notebook_errors(central):
         'deepnex: spec.image: "nosuch" is not an image that user alice may run')
     # The allocation made for it is released.
     assert alice.allocations() == []
+    # A local port in use: said, and nothing left behind.
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        out = deepnex("--cpus", "1", "--memory", "256MiB", "--name", "busy", "--port", str(port))
+    assert (out.returncode, out.stdout, out.stderr) == (
+        1, "", f"deepnex: --port {port} on 127.0.0.1: Address already in use\n")
+    assert next(c for c in alice.containers() if c["name"] == "busy")["state"] == "stopped"
+    assert alice.allocations() == []
     # Jupyter that does not answer in time: stopped, its allocation released.
     out = deepnex("--cpus", "1", "--memory", "256MiB", "--name", "slow", "--start-timeout", "0")
     assert (out.returncode, out.stdout, out.stderr) == (
