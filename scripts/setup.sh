@@ -23,6 +23,8 @@ packages=(
   # simulated hosts for the cross-host tests (tests/python/_hosts.py)
   iproute2 iptables util-linux
   python3-kubernetes python3-yaml
+  # deepnex notebook and its tests (the REST API, a kernel's websocket, a screenshot)
+  jupyter-notebook python3-websocket chromium
   # peers for the benchmarks
   openmpi-bin libopenmpi-dev
 )

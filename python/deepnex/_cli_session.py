@@ -1,10 +1,12 @@
-"""``deepnex exec``, ``deepnex shell`` and ``deepnex port-forward``: sessions
+"""``deepnex exec``, ``deepnex shell``, ``deepnex notebook`` and
+``deepnex port-forward``: sessions
 with containers on deepnex-central (deepnex/_session.py), through the node's
 deepnex-agent where the container runs there.
 
     deepnex exec NAME [-i] [-t] -- CMD ...   exit code: the command's
     deepnex shell [--alloc ID | --gpus N --gpu-mode M --gpu-memory X --cpus C --memory M]
                   [--image NAME] [--keep]
+    deepnex notebook [--alloc ID | ...as shell] [--image NAME] [--keep] [--port LOCAL]
     deepnex port-forward NAME [LOCAL:]REMOTE
 
 shell allocates when no --alloc is given, starts a container there that
@@ -13,14 +15,21 @@ terminal (raw mode: Ctrl-C goes to the container; the window's size and its
 changes go with it). When the shell exits, its exit code is deepnex's, the
 container stops and the allocation deepnex made is released, unless --keep
 (then both stay, and `deepnex exec NAME -it -- bash` enters it again).
+
+notebook does the same with Jupyter (jupyter notebook, with a random token)
+in the container instead of a shell: it forwards a local port to it through
+deepnex-central, prints the URL once Jupyter answers, and forwards until
+Ctrl-C (or SIGTERM).
 """
 
 import argparse
 import os
+import re
 import secrets
 import signal
 import sys
 import threading
+import time
 
 from deepnex._cli_common import add_central_args, client, guard
 
@@ -53,7 +62,6 @@ def _exec(args):
 
 def _wait_running(c, name, timeout=60.0):
     """Waits until container `name` runs; an error naming how it ended."""
-    import time
     from deepnex import DeepnexError
     deadline = time.monotonic() + timeout
     while True:
@@ -67,17 +75,41 @@ def _wait_running(c, name, timeout=60.0):
         time.sleep(0.01)
 
 
+def _allocation(c, args):
+    """(--alloc, None), or a new allocation of the resource flags: (its id, it)."""
+    from deepnex import gpu
+    if args.alloc is not None:
+        return args.alloc, None
+    made = c.allocate(gpu.Request(user="", gpus=args.gpus, mode=args.gpu_mode,
+                                  gpu_memory=args.gpu_memory, cpus=args.cpus,
+                                  memory=args.memory))
+    return made.id, made
+
+
+def _end(c, args, name, alloc, made, started, again):
+    """Stops the container and releases the allocation deepnex made, unless
+    --keep (then says how to come back: `again`)."""
+    from deepnex import DeepnexError, NotFoundError
+    if args.keep:
+        print(f"deepnex: kept container {name} on allocation {alloc} "
+              f"({again}; deepnex stop {name})", file=sys.stderr)
+        return
+    try:
+        if started:
+            c.stop_container(name, grace=1.0)
+        if made is not None:
+            c.release(made.id)
+    except NotFoundError:
+        pass  # released with its last container
+    except DeepnexError as e:
+        print(f"deepnex: cleaning up after {name}: {e}", file=sys.stderr)
+
+
 def _shell(args):
-    from deepnex import DeepnexError, NotFoundError, gpu, launch
+    from deepnex import launch
     from deepnex._session import attach
     c = client(args)
-    made = None
-    alloc = args.alloc
-    if alloc is None:
-        made = c.allocate(gpu.Request(user="", gpus=args.gpus, mode=args.gpu_mode,
-                                      gpu_memory=args.gpu_memory, cpus=args.cpus,
-                                      memory=args.memory))
-        alloc = made.id
+    alloc, made = _allocation(c, args)
     name = args.name or f"shell-{secrets.token_hex(3)}"
     started = False
     code = 1
@@ -88,20 +120,116 @@ def _shell(args):
         _wait_running(c, name)
         code = attach(c._c, name, SHELL, tty=True, interactive=True)
     finally:
-        if args.keep:
-            print(f"deepnex: kept container {name} on allocation {alloc} "
-                  f"(deepnex exec {name} -it -- bash; deepnex stop {name})", file=sys.stderr)
-        else:
-            try:
-                if started:
-                    c.stop_container(name, grace=1.0)
-                if made is not None:
-                    c.release(made.id)
-            except NotFoundError:
-                pass  # released with its last container
-            except DeepnexError as e:
-                print(f"deepnex: cleaning up after the shell: {e}", file=sys.stderr)
+        _end(c, args, name, alloc, made, started, f"deepnex exec {name} -it -- bash")
     return code
+
+
+# Jupyter on a port free in the container (picked there, as the container
+# may have a network of its own), which it says first; the token on the
+# command line, as only the container's user sees its processes' arguments.
+# Jupyter and its kernels write under $HOME: a new directory where the
+# user's is not theirs (a process container's user has HOME=/), removed
+# when Jupyter ends (the container's stop signals both).
+NOTEBOOK = ("home=; pid=; trap '[ -n \"$pid\" ] && kill -TERM $pid || "
+            "{ [ -z \"$home\" ] || rm -rf \"$home\"; exit 143; }' TERM INT; "
+            "[ -w \"$HOME\" ] || home=$(mktemp -d -t deepnex-notebook.XXXXXX) && "
+            "export HOME=${home:-$HOME} && "
+            "port=$(python3 -c 'import socket; s = socket.socket(); "
+            "s.bind((\"127.0.0.1\", 0)); print(s.getsockname()[1])') && "
+            "echo \"deepnex-notebook: port $port\" || exit 1; "
+            "jupyter notebook --no-browser --ip=127.0.0.1 --port=$port "
+            "--NotebookApp.port_retries=0 --NotebookApp.token=\"$1\" & pid=$!; "
+            "while kill -0 $pid 2>/dev/null; do wait $pid; code=$?; done; "
+            "[ -z \"$home\" ] || rm -rf \"$home\"; exit $code")
+PORT_LINE = re.compile(r"^deepnex-notebook: port (\d+)$", re.M)
+
+
+def _notebook_port(c, name, deadline):
+    """The port jupyter listens on in container `name`, from its log."""
+    while True:
+        m = PORT_LINE.search(c.container_logs(name))
+        if m:
+            return int(m.group(1))
+        _still_running(c, name, deadline, "said its port")
+        time.sleep(0.05)
+
+
+def _still_running(c, name, deadline, what):
+    """An error, with the end of its log, when container `name` ended or the
+    deadline passed before jupyter `what`."""
+    from deepnex import DeadlineExceededError, DeepnexError
+    info = next((x for x in c.containers() if x["name"] == name), None)
+    state = (info or {}).get("state", "gone")
+    if state not in ("stopped", "exited", "gone"):  # running, or about to
+        if time.monotonic() < deadline:
+            return
+        raise DeadlineExceededError(f"notebook {name}: jupyter has not {what} "
+                                    "within --start-timeout")
+    tail = c.container_logs(name).strip().splitlines()[-5:] if info else []
+    raise DeepnexError(f"notebook {name}: {state} before jupyter {what}"
+                       + "".join(f"\n  {line}" for line in tail))
+
+
+def _answers(c, name, port, token):
+    """Whether jupyter answers /api/status with the token on `port` in
+    container `name` (asked through a session of its own, not the local
+    forward, whose refused connections would each say so)."""
+    from deepnex import DeepnexError
+    from deepnex._session import open_session
+    reply = b""
+    s = None
+    try:
+        s = open_session(c._c, name, port=port)
+        s.write(f"GET /api/status HTTP/1.0\r\nAuthorization: token {token}\r\n\r\n".encode())
+        s.close_stdin()
+        while True:
+            kind, data, _ = s.read()
+            if kind == "exit":
+                break
+            reply += data
+    except DeepnexError:  # not listening yet (or gone: the caller looks)
+        return False
+    finally:
+        if s is not None:
+            s.cancel()
+    return reply.split(b"\r\n", 1)[0].split(b" ")[1:2] == [b"200"]
+
+
+def _notebook(args):
+    from deepnex import UnavailableError, launch
+    from deepnex._session import PortForward
+    c = client(args)
+    alloc, made = _allocation(c, args)
+    name = args.name or f"notebook-{secrets.token_hex(3)}"
+    token = secrets.token_hex(16)
+    started = False
+    fwd = None
+    remote = None
+    # SIGTERM ends it as Ctrl-C does: forwarding stops, the container too.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        c.start_container(launch.ContainerSpec(
+            name=name, image=args.image, command=["sh", "-c", NOTEBOOK, "sh", token]), alloc)
+        started = True
+        deadline = time.monotonic() + args.start_timeout
+        remote = _notebook_port(c, name, deadline)
+        while not _answers(c, name, remote, token):
+            _still_running(c, name, deadline, "answered")
+            time.sleep(0.1)
+        try:
+            fwd = PortForward(c._c, name, remote, local=args.port, host=args.address)
+        except OSError as e:
+            raise UnavailableError(f"--port {args.port} on {args.address}: {os.strerror(e.errno)}")
+        print(f"Notebook {name}: http://{fwd.host}:{fwd.port}/?token={token}", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0 if fwd is not None else 130
+    finally:
+        if fwd is not None:
+            fwd.close()
+        _end(c, args, name, alloc, made, started,
+             f"deepnex port-forward {name} {remote or 'PORT'}")
 
 
 def _parse_ports(text):
@@ -143,18 +271,18 @@ def add_commands(commands):
     p.set_defaults(func=guard(_exec))
 
     p = commands.add_parser("shell", help="a shell in a new container on (new) resources")
-    add_central_args(p)
-    p.add_argument("--alloc", help="an allocation of yours to run on (default: allocate one)")
-    p.add_argument("--gpus", type=int, default=0, help="GPUs to allocate (default 0)")
-    p.add_argument("--gpu-mode", default="exclusive", choices=["exclusive", "shared"])
-    p.add_argument("--gpu-memory", default=0, help="per GPU in shared mode, e.g. 8GiB")
-    p.add_argument("--cpus", type=int, default=1, help="CPU cores to allocate (default 1)")
-    p.add_argument("--memory", default="1GiB", help="host memory to allocate (default 1GiB)")
-    p.add_argument("--image", default="host", help="a name from deepnex-central's images")
-    p.add_argument("--name", help="the container's name (default: shell-<random>)")
-    p.add_argument("--keep", action="store_true",
-                   help="leave the container running and the allocation held on exit")
+    _add_run_args(p, "shell")
     p.set_defaults(func=guard(_shell))
+
+    p = commands.add_parser("notebook",
+                            help="Jupyter in a new container on (new) resources, forwarded here")
+    _add_run_args(p, "notebook")
+    p.add_argument("--port", type=int, default=0,
+                   help="the local port to forward from (default 0: any free one)")
+    p.add_argument("--address", default="127.0.0.1", help="local address to listen on")
+    p.add_argument("--start-timeout", type=float, default=120.0,
+                   help="seconds for jupyter to answer (default 120)")
+    p.set_defaults(func=guard(_notebook))
 
     p = commands.add_parser("port-forward",
                             help="forward a local TCP port to a port in one of your containers")
@@ -165,3 +293,18 @@ def add_commands(commands):
     p.add_argument("ports", metavar="[LOCAL:]REMOTE",
                    help="REMOTE: the container's port; LOCAL: here (default REMOTE; 0: any)")
     p.set_defaults(func=guard(_port_forward))
+
+
+def _add_run_args(p, what):
+    """shell's and notebook's: where and in what the container runs."""
+    add_central_args(p)
+    p.add_argument("--alloc", help="an allocation of yours to run on (default: allocate one)")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs to allocate (default 0)")
+    p.add_argument("--gpu-mode", default="exclusive", choices=["exclusive", "shared"])
+    p.add_argument("--gpu-memory", default=0, help="per GPU in shared mode, e.g. 8GiB")
+    p.add_argument("--cpus", type=int, default=1, help="CPU cores to allocate (default 1)")
+    p.add_argument("--memory", default="1GiB", help="host memory to allocate (default 1GiB)")
+    p.add_argument("--image", default="host", help="a name from deepnex-central's images")
+    p.add_argument("--name", help=f"the container's name (default: {what}-<random>)")
+    p.add_argument("--keep", action="store_true",
+                   help="leave the container running and the allocation held on exit")
