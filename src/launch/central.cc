@@ -766,26 +766,28 @@ absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
     return absl::InternalError(
         absl::StrCat("cannot chmod ", launcher.state_dir, ": ", strerror(errno)));
   }
-  // In the allocator's state directory, so that it lives as long.
-  DEEPNEX_ASSIGN_OR_RETURN(
-      std::unique_ptr<ImageCatalog> catalog,
-      ImageCatalog::Open(options.allocator.state_dir.empty()
-                             ? ""
-                             : options.allocator.state_dir + "/images"));
-  // The --image flags are presets, run by the launcher's name for them (an
-  // agent maps the name on its node); one in the catalog already keeps its
-  // creation time.
-  for (const auto& [name, dir] : launcher.images) {
-    CatalogImage preset;
-    preset.name = name;
-    preset.source = name;
-    preset.size = DirectorySize(dir);
-    absl::Status s = catalog->Put(preset, /*force=*/false);
-    if (!s.ok() && !absl::IsAlreadyExists(s)) return s;
-  }
   // The factory runs once, inside the call below, before the server serves.
   auto extension = [&](gpu::Allocator& alloc, const TokenTable& tokens, agent::Hub& hub)
       -> absl::StatusOr<std::unique_ptr<gpu::CentralExtension>> {
+    // In the allocator's state directory, so that it lives as long, and
+    // opened after the allocator locked it: a second central is refused
+    // naming that directory.
+    DEEPNEX_ASSIGN_OR_RETURN(
+        std::unique_ptr<ImageCatalog> catalog,
+        ImageCatalog::Open(options.allocator.state_dir.empty()
+                               ? ""
+                               : options.allocator.state_dir + "/images"));
+    // The --image flags are presets, run by the launcher's name for them (an
+    // agent maps the name on its node); one in the catalog already keeps its
+    // creation time.
+    for (const auto& [name, dir] : launcher.images) {
+      CatalogImage preset;
+      preset.name = name;
+      preset.source = name;
+      preset.size = DirectorySize(dir);
+      absl::Status s = catalog->Put(preset, /*force=*/false);
+      if (!s.ok() && !absl::IsAlreadyExists(s)) return s;
+    }
     if (!launcher.state_dir.empty()) {
       DEEPNEX_RETURN_IF_ERROR(SweepOrphans(*l, alloc, launcher.state_dir, swept));
     }

@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -109,6 +111,37 @@ flags:
                           seconds fails as lost (default 60)
   --help                  show this text
 )";
+
+// Central's node and job events on their way to the notifier; those that
+// come before its outbox is open wait here.
+class EventSink {
+ public:
+  void Publish(deepnex::notify::Event event) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (notifier_ == nullptr) {
+      held_.push_back(std::move(event));
+      return;
+    }
+    lock.unlock();
+    Report(notifier_->Publish(std::move(event)));
+  }
+
+  void Open(deepnex::notify::Notifier* notifier) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& e : held_) Report(notifier->Publish(std::move(e)));
+    held_.clear();
+    notifier_ = notifier;
+  }
+
+ private:
+  static void Report(const absl::Status& s) {
+    if (!s.ok()) std::cerr << "deepnex-central: " << s.message() << "\n";
+  }
+
+  std::mutex mu_;
+  deepnex::notify::Notifier* notifier_ = nullptr;  // set once
+  std::vector<deepnex::notify::Event> held_;
+};
 
 }  // namespace
 
@@ -235,27 +268,23 @@ int main(int argc, char** argv) {
     nodes.push_back(std::move(*node));
   }
 
-  // Before the server: the hub publishes node events from its start on.
+  // The notifier's outbox opens after the server has locked the allocator's
+  // state directory (a second central on it is refused naming that
+  // directory, not the outbox inside it); events before then wait in `sink`.
   if (!options.allocator.state_dir.empty()) {
     notify.state_dir = options.allocator.state_dir + "/notify";
     notify.fsync = options.allocator.fsync;
   }
-  auto notifier = deepnex::notify::Notifier::Create(notify);
-  if (!notifier.ok()) {
-    std::cerr << "deepnex-central: " << notifier.status().message() << "\n";
-    return 1;
-  }
-  options.on_node_state = [n = notifier->get()](const std::string& node,
-                                                const std::string& state,
-                                                const std::string& why) {
+  EventSink sink;
+  options.on_node_state = [&sink](const std::string& node, const std::string& state,
+                                  const std::string& why) {
     deepnex::notify::Event event;
     event.kind = "node." + state;
     event.node = node;
     event.data = {{"reason", why}};
-    absl::Status s = n->Publish(std::move(event));
-    if (!s.ok()) std::cerr << "deepnex-central: " << s.message() << "\n";
+    sink.Publish(std::move(event));
   };
-  options.on_job_event = [n = notifier->get()](const deepnex::gpu::JobEvent& e) {
+  options.on_job_event = [&sink](const deepnex::gpu::JobEvent& e) {
     deepnex::notify::Event event;
     event.kind = "job." + e.kind;  // "worker restarted": job.worker_restarted
     std::replace(event.kind.begin(), event.kind.end(), ' ', '_');
@@ -278,10 +307,11 @@ int main(int argc, char** argv) {
                           e.job.report.time.time_since_epoch()).count()}};
       if (e.reason == "when") event.data["when"] = e.job.notify_when;
     }
-    absl::Status s = n->Publish(std::move(event));
-    if (!s.ok()) std::cerr << "deepnex-central: " << s.message() << "\n";
+    sink.Publish(std::move(event));
   };
 
+  // Declared before the server, which publishes to it until it is gone.
+  std::unique_ptr<deepnex::notify::Notifier> notifier;
   deepnex::tools::SignalStop signals;
   std::vector<std::string> swept;
   auto server = deepnex::launch::CreateCentralServer(options, launcher, policy, &swept);
@@ -290,6 +320,13 @@ int main(int argc, char** argv) {
     return 1;
   }
   for (const auto& line : swept) std::cerr << "deepnex-central: " << line << "\n";
+  auto created = deepnex::notify::Notifier::Create(notify);
+  if (!created.ok()) {
+    std::cerr << "deepnex-central: " << created.status().message() << "\n";
+    return 1;
+  }
+  notifier = std::move(*created);
+  sink.Open(notifier.get());
   for (const auto& n : nodes) {
     if ((*server)->allocator().GetNode(n.name).ok()) continue;  // kept in the ledger
     absl::Status s = (*server)->allocator().AddNode(n);
@@ -306,6 +343,6 @@ int main(int argc, char** argv) {
   std::printf("deepnex-central listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);
   signals.Serve(**server);
-  (*notifier)->Shutdown();
+  notifier->Shutdown();
   return 0;
 }
