@@ -6,14 +6,17 @@ import json
 import math
 import os
 import secrets
+import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
 
 from ._tune_report import ENV_CONFIG
+from ._tune_warm import _END, _send
 from .errors import (CancelledError, DeadlineExceededError, InvalidArgumentError,
-                     ResourceExhaustedError)
+                     ResourceExhaustedError, UnavailableError)
 
 
 # How long a trial has to end after SIGTERM before it is killed: as long as
@@ -152,6 +155,154 @@ class _JobTrial:
         self._on_end()
 
 
+class _Slot:
+    """A trial slot: a 1-worker job whose process (_tune_warm.py slot) runs
+    the trials given to it one after the other, so that a trial pays neither
+    an allocation, nor a job's start and teardown, nor a fresh interpreter.
+    Its output goes to the log of the trial it runs."""
+
+    def __init__(self, make_job, python, warm_script, warm_socket, release):
+        import tempfile
+        self._dir = tempfile.mkdtemp(prefix="deepnex-slot-")
+        self._lock = threading.Lock()
+        self._log, self._code = None, None
+        self._ended = threading.Event()
+        self._release = None   # once started: the allocation is the slot's
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        control = os.path.join(self._dir, "control.sock")
+        listener.bind(control)
+        listener.listen(1)
+        self.job = make_job([python, "-S", warm_script, "slot", control, warm_socket],
+                            self._output)
+        try:
+            self.job.start()
+            # The slot's process connects as it starts; a job that ends
+            # first (its process failed) fails the slot.
+            listener.settimeout(0.05)
+            while True:
+                try:
+                    self._control, _ = listener.accept()
+                    self._release = release
+                    break
+                except socket.timeout:
+                    try:
+                        result = self.job.wait(timeout=0.001)
+                    except DeadlineExceededError:
+                        continue
+                    raise UnavailableError(f"tune: the trial slot's job {self.job.name} ended "
+                                           f"(exit {result.exit_code}) before it connected")
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
+
+    @property
+    def allocation(self):
+        """The job's allocation ids: the same for every trial of the slot."""
+        return [a.id for a in self.job.allocations()]
+
+    def _output(self, who, line):
+        with self._lock:
+            if line.startswith(_END):
+                self._code = int(line.split()[1])
+                self._ended.set()
+            elif self._log is not None:
+                self._log.write(who, line)
+
+    def start(self, argv, env, log):
+        """Runs the trial argv with env (on top of the job's) and log."""
+        with self._lock:
+            self._log, self._code = log, None
+            self._ended.clear()
+        _send(self._control, {"argv": argv, "env": env})
+
+    def signal(self, sig):
+        try:
+            _send(self._control, {"signal": int(sig)})
+        except OSError:
+            pass
+
+    def wait(self, timeout=None):
+        """The trial's exit code; None on timeout, or when the slot's job
+        ended (the slot is broken: close() it)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ended.is_set():
+            # The end line comes at once; the job is checked only in case
+            # the slot's process died with the trial.
+            left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if left <= 0 or (not self._ended.wait(left) and self._dead()):
+                break
+        with self._lock:
+            if not self._ended.is_set():
+                return None
+            self._log = None
+            return self._code
+
+    def _dead(self):
+        try:
+            self.job.wait(timeout=0.001)
+            return True
+        except DeadlineExceededError:
+            return False
+
+    def close(self):
+        """Ends the slot's job and releases its allocation."""
+        control = getattr(self, "_control", None)
+        if control is not None:
+            control.close()   # the slot's process ends at EOF
+            self._control = None
+        job = getattr(self, "job", None)
+        if job is not None:
+            if self._release is not None:
+                try:
+                    job.wait(timeout=_KILL_GRACE)
+                except DeadlineExceededError:
+                    pass
+            job.stop()
+            self.job = None
+        if self._release is not None:
+            self._release()
+            self._release = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _SlotTrial:
+    """A trial run by a _Slot, as the search sees it; the slot goes back to
+    its runner when the trial ends, or is closed when it broke."""
+
+    def __init__(self, slot, log, on_end):
+        self._slot, self._log, self._on_end = slot, log, on_end
+        self._code = None
+
+    def poll(self):
+        if self._code is None and self._slot._ended.is_set():
+            self._end(self._slot.wait())
+        return self._code
+
+    def wait(self):
+        if self._code is None:
+            code = self._slot.wait()
+            self._end(-signal.SIGKILL if code is None else code)
+        return self._code
+
+    def kill(self):
+        """SIGTERM to the trial, SIGKILL after the grace period; the slot
+        stays for the next trial."""
+        if self._code is not None:
+            return
+        self._slot.signal(signal.SIGTERM)
+        if self._slot.wait(timeout=_KILL_GRACE) is None:
+            self._slot.signal(signal.SIGKILL)
+        self.wait()
+
+    def _end(self, code):
+        broken = not self._slot._ended.is_set()
+        self._code = code
+        self._log.close()
+        self._on_end(self._slot, broken)
+
+
 class _Log:
     """A trial's log file, written by the job's output threads."""
 
@@ -195,6 +346,8 @@ class _JobRunner:
         self._lock = threading.Lock()
         # cancel() counts up; a start that began before a cancel() gives up.
         self._cancels = 0
+        self._idle = []    # slots that run no trial now
+        self._slots = []   # all of them, for close()
 
     def cancel(self):
         """Starts in progress (waiting for cores and GPUs, or retrying a
@@ -217,6 +370,9 @@ class _JobRunner:
         # The job's processes inherit this process's environment; the
         # trial's own variables come on top.
         extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        warm = _warm_argv(argv)
+        if warm is not None and options["workers"] == 1 and options["mode"] == "allreduce":
+            return self._in_slot(trial_id, warm, extra, log_path, options, cancelled)
         capacity = None
         if not options.get("central"):
             with self._lock:
@@ -258,6 +414,89 @@ class _JobRunner:
             log.close()
             release()
         return _JobTrial(job, on_end)
+
+    def _in_slot(self, trial_id, warm, env, log_path, options, cancelled):
+        """The trial in an idle slot, or in a new one when none is idle."""
+        python, script, socket_path, argv = warm
+        # The trial's own variables go with the trial; the slot's job has
+        # those that all trials share.
+        trial_env = {k: v for k, v in env.items() if k.startswith("DEEPNEX_TUNE_")}
+        shared = {k: v for k, v in env.items() if k not in trial_env}
+        with self._lock:
+            slot = self._idle.pop() if self._idle else None
+        if slot is None:
+            slot = self._new_slot(trial_id, python, script, socket_path, shared, options,
+                                  cancelled)
+        log = _Log(log_path)
+        try:
+            slot.start(argv, trial_env, log)
+        except BaseException:
+            log.close()
+            self._slot_free(slot, True)
+            raise
+        return _SlotTrial(slot, log, self._slot_free)
+
+    def _new_slot(self, trial_id, python, script, socket_path, env, options, cancelled):
+        capacity = None
+        if not options.get("central"):
+            with self._lock:
+                if self._capacity is None:
+                    self._capacity = _Capacity(self._gpu_mode)
+                capacity = self._capacity
+            capacity.acquire(self._need, cancelled)
+
+        def release():
+            if capacity is not None:
+                capacity.release(self._need)
+
+        def make_job(argv, output):
+            from . import job as job_module
+            # The slot's log lines come through the slot; its job events
+            # (restarts) to the log of the trial it runs.
+            return job_module.Job(argv, env=env, name=f"slot-{trial_id}-{secrets.token_hex(3)}",
+                                  output=output, on_event=lambda m: output("job", m),
+                                  **options)
+        try:
+            while True:
+                try:
+                    slot = _Slot(make_job, python, script, socket_path, release)
+                    break
+                except ResourceExhaustedError:
+                    if cancelled():
+                        raise CancelledError("the trial's start was cancelled while its job "
+                                             "waited for resources") from None
+                    time.sleep(self._retry_interval)
+        except BaseException:
+            release()
+            raise
+        with self._lock:
+            self._slots.append(slot)
+        return slot
+
+    def _slot_free(self, slot, broken):
+        with self._lock:
+            if not broken:
+                self._idle.append(slot)
+                return
+            self._slots.remove(slot)
+        slot.close()
+
+    def close(self):
+        """Ends the idle slots' jobs, releasing their allocations (the
+        search calls it once its trials have ended)."""
+        with self._lock:
+            slots, self._slots, self._idle = self._slots, [], []
+        for slot in slots:
+            slot.close()
+
+
+def _warm_argv(argv):
+    """(python, warm script, socket, the trial's argv) when argv runs a
+    trial through a warm worker (_tune_search's _Warm.wrap); else None."""
+    from . import _tune_warm
+    if len(argv) > 5 and argv[1:4] == ["-S", _tune_warm.__file__, "run"]:
+        return argv[0], argv[2], argv[4], argv[5:]
+    return None
 
 
 def job_runner(workers=1, mode="allreduce", ps=None, cpus=1, gpus_per_worker=0,

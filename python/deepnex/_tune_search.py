@@ -48,6 +48,10 @@ class _Search:
         self.warm = _Warm(self.command, env, out_dir) if warm else None
 
     def close(self):
+        # The trial slots' processes end before the warm worker they use.
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
         self.store.stop()
         if self.warm is not None:
             self.warm.close()
