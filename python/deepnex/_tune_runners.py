@@ -165,7 +165,7 @@ class _Slot:
         import tempfile
         self._dir = tempfile.mkdtemp(prefix="deepnex-slot-")
         self._lock = threading.Lock()
-        self._log, self._code = None, None
+        self._log, self._code, self._notify = None, None, None
         self._ended = threading.Event()
         self._release = None   # once started: the allocation is the slot's
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -204,16 +204,28 @@ class _Slot:
 
     def _output(self, who, line):
         with self._lock:
-            if line.startswith(_END):
-                self._code = int(line.split()[1])
-                self._ended.set()
-            elif self._log is not None:
-                self._log.write(who, line)
+            if not line.startswith(_END):
+                if self._log is not None:
+                    self._log.write(who, line)
+                return
+            self._code = int(line.split()[1])
+            self._ended.set()
+            notify, self._notify = self._notify, None
+        if notify is not None:
+            notify()
+
+    def on_end(self, notify):
+        """notify() once the running trial has ended (at once if it has)."""
+        with self._lock:
+            if not self._ended.is_set():
+                self._notify = notify
+                return
+        notify()
 
     def start(self, argv, env, log):
         """Runs the trial argv with env (on top of the job's) and log."""
         with self._lock:
-            self._log, self._code = log, None
+            self._log, self._code, self._notify = log, None, None
             self._ended.clear()
         _send(self._control, {"argv": argv, "env": env})
 
@@ -285,6 +297,11 @@ class _SlotTrial:
             code = self._slot.wait()
             self._end(-signal.SIGKILL if code is None else code)
         return self._code
+
+    def on_end(self, notify):
+        """notify() once the trial has ended, from another thread: the
+        search learns it then, not at its next poll."""
+        self._slot.on_end(notify)
 
     def kill(self):
         """SIGTERM to the trial, SIGKILL after the grace period; the slot
