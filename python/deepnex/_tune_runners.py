@@ -439,11 +439,20 @@ class _JobRunner:
         # those that all trials share.
         trial_env = {k: v for k, v in env.items() if k.startswith("DEEPNEX_TUNE_")}
         shared = {k: v for k, v in env.items() if k not in trial_env}
-        with self._lock:
-            slot = self._idle.pop() if self._idle else None
-        if slot is None:
-            slot = self._new_slot(trial_id, python, script, socket_path, shared, options,
-                                  cancelled)
+        while True:
+            with self._lock:
+                slot = self._idle.pop() if self._idle else None
+            if slot is not None:
+                break
+            try:
+                slot = self._new_slot(trial_id, python, script, socket_path, shared, options,
+                                      cancelled)
+                break
+            except CancelledError:
+                # A slot fell idle while this trial waited for cores for a
+                # new one: it takes that slot instead.
+                if cancelled():
+                    raise
         log = _Log(log_path)
         try:
             slot.start(argv, trial_env, log)
@@ -460,7 +469,7 @@ class _JobRunner:
                 if self._capacity is None:
                     self._capacity = _Capacity(self._gpu_mode)
                 capacity = self._capacity
-            capacity.acquire(self._need, cancelled)
+            capacity.acquire(self._need, lambda: cancelled() or bool(self._idle))
 
         def release():
             if capacity is not None:
@@ -494,9 +503,13 @@ class _JobRunner:
         with self._lock:
             if not broken:
                 self._idle.append(slot)
-                return
-            self._slots.remove(slot)
-        slot.close()
+            else:
+                self._slots.remove(slot)
+            capacity = self._capacity
+        if broken:
+            slot.close()
+        if capacity is not None:
+            capacity.wake()   # a trial waiting for cores may take the idle slot
 
     def close(self):
         """Ends the idle slots' jobs, releasing their allocations (the
