@@ -14,7 +14,7 @@ import threading
 import time
 
 from ._tune_report import ENV_CONFIG
-from ._tune_warm import _END, _send
+from ._tune_warm import _END, _receive, _send
 from .errors import (CancelledError, DeadlineExceededError, InvalidArgumentError,
                      ResourceExhaustedError, UnavailableError)
 
@@ -159,13 +159,15 @@ class _Slot:
     """A trial slot: a 1-worker job whose process (_tune_warm.py slot) runs
     the trials given to it one after the other, so that a trial pays neither
     an allocation, nor a job's start and teardown, nor a fresh interpreter.
-    Its output goes to the log of the trial it runs."""
+    The trial's exit code comes over the control socket; its output goes to
+    its log, which the end line in the job's output closes."""
 
     def __init__(self, make_job, python, warm_script, warm_socket, release):
         import tempfile
         self._dir = tempfile.mkdtemp(prefix="deepnex-slot-")
         self._lock = threading.Lock()
-        self._log, self._code, self._notify = None, None, None
+        self._logs = []   # the logs of the trials whose end line is still to come
+        self._code, self._notify, self._gone = None, None, False
         self._ended = threading.Event()
         self._release = None   # once started: the allocation is the slot's
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -196,23 +198,42 @@ class _Slot:
             raise
         finally:
             listener.close()
+        threading.Thread(target=self._read, args=(self._control,), daemon=True).start()
 
     @property
     def allocation(self):
         """The job's allocation ids: the same for every trial of the slot."""
         return [a.id for a in self.job.allocations()]
 
+    def _read(self, control):
+        """The trials' exit codes, as the slot's process sends them; its
+        end (it died) ends the running trial too."""
+        while True:
+            try:
+                message, _ = _receive(control)
+            except OSError:
+                message = None
+            with self._lock:
+                if message is None:
+                    self._gone = True
+                else:
+                    self._code = message["exit"]
+                self._ended.set()
+                notify, self._notify = self._notify, None
+            if notify is not None:
+                notify()
+            if message is None:
+                return
+
     def _output(self, who, line):
         with self._lock:
-            if not line.startswith(_END):
-                if self._log is not None:
-                    self._log.write(who, line)
-                return
-            self._code = int(line.split()[1])
-            self._ended.set()
-            notify, self._notify = self._notify, None
-        if notify is not None:
-            notify()
+            log = self._logs[0] if self._logs else None
+            if line.startswith(_END):
+                if log is not None:
+                    self._logs.pop(0)
+                    log.close()
+            elif log is not None:
+                log.write(who, line)
 
     def on_end(self, notify):
         """notify() once the running trial has ended (at once if it has)."""
@@ -225,7 +246,8 @@ class _Slot:
     def start(self, argv, env, log):
         """Runs the trial argv with env (on top of the job's) and log."""
         with self._lock:
-            self._log, self._code, self._notify = log, None, None
+            self._logs.append(log)
+            self._code, self._notify = None, None
             self._ended.clear()
         _send(self._control, {"argv": argv, "env": env})
 
@@ -236,33 +258,18 @@ class _Slot:
             pass
 
     def wait(self, timeout=None):
-        """The trial's exit code; None on timeout, or when the slot's job
-        ended (the slot is broken: close() it)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._ended.is_set():
-            # The end line comes at once; the job is checked only in case
-            # the slot's process died with the trial.
-            left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
-            if left <= 0 or (not self._ended.wait(left) and self._dead()):
-                break
+        """The trial's exit code; None on timeout, or when the slot's
+        process is gone (the slot is broken: close() it)."""
+        self._ended.wait(timeout)
         with self._lock:
-            if not self._ended.is_set():
-                return None
-            self._log = None
-            return self._code
-
-    def _dead(self):
-        try:
-            self.job.wait(timeout=0.001)
-            return True
-        except DeadlineExceededError:
-            return False
+            return self._code if self._ended.is_set() and not self._gone else None
 
     def close(self):
         """Ends the slot's job and releases its allocation."""
         control = getattr(self, "_control", None)
         if control is not None:
-            control.close()   # the slot's process ends at EOF
+            control.shutdown(socket.SHUT_RDWR)   # the slot's process ends at EOF
+            control.close()
             self._control = None
         job = getattr(self, "job", None)
         if job is not None:
@@ -273,6 +280,10 @@ class _Slot:
                     pass
             job.stop()
             self.job = None
+        with self._lock:
+            logs, self._logs = self._logs, []
+        for log in logs:
+            log.close()
         if self._release is not None:
             self._release()
             self._release = None
@@ -294,8 +305,7 @@ class _SlotTrial:
 
     def wait(self):
         if self._code is None:
-            code = self._slot.wait()
-            self._end(-signal.SIGKILL if code is None else code)
+            self._end(self._slot.wait())
         return self._code
 
     def on_end(self, notify):
@@ -314,9 +324,12 @@ class _SlotTrial:
         self.wait()
 
     def _end(self, code):
-        broken = not self._slot._ended.is_set()
-        self._code = code
-        self._log.close()
+        broken = code is None
+        self._code = -signal.SIGKILL if broken else code
+        if self._code != 0:
+            # A failed trial's log is read at once (the search's start-up
+            # check): its last lines first.
+            self._log.closed.wait(_KILL_GRACE)
         self._on_end(self._slot, broken)
 
 
@@ -326,6 +339,7 @@ class _Log:
     def __init__(self, path):
         self._file = open(path, "w")
         self._lock = threading.Lock()
+        self.closed = threading.Event()
 
     def write(self, who, line):
         with self._lock:
@@ -336,6 +350,7 @@ class _Log:
     def close(self):
         with self._lock:
             self._file.close()
+        self.closed.set()
 
 
 _MODES = ("sync", "async", "allreduce")

@@ -27,8 +27,9 @@ execs ARGV: the cold trial.
 slot keeps its job, and so its allocation, across trials. It takes each
 trial from the runner over CONTROL ({"argv", "env"}, {"signal"}), runs it
 as "run" does, with its own environment on top of the job's, and ends it
-with a line "<_END> CODE" on its output: after all the trial's output, so
-that the runner knows the trial's log complete when it learns the code.
+by sending its exit code over CONTROL at once, and by a line "<_END> CODE"
+on its output, after all the trial's output: the runner closes the
+trial's log there.
 Without a warm worker the trial runs cold, as a child process.
 
 Only the standard library at module level: "run" starts in ~30 ms.
@@ -130,9 +131,13 @@ def slot(control_path, path):
         if "argv" not in request:   # a signal for a trial that has ended
             continue
         code = _slot_trial(control, path, request["argv"], {**os.environ, **request["env"]})
-        sys.stdout.flush()
-        sys.stderr.flush()
+        # The end line after the trial's output (the job's log may deliver
+        # it later); the code at once.
         os.write(1, f"{_END} {code}\n".encode())
+        try:
+            _send(control, {"exit": code})
+        except OSError:   # the runner is gone
+            return
 
 
 def _slot_trial(control, path, argv, env):
