@@ -405,38 +405,18 @@ class _JobRunner:
         warm = _warm_argv(argv)
         if warm is not None and options["workers"] == 1 and options["mode"] == "allreduce":
             return self._in_slot(trial_id, warm, extra, log_path, options, cancelled)
-        capacity = None
-        if not options.get("central"):
-            with self._lock:
-                if self._capacity is None:
-                    self._capacity = _Capacity(self._gpu_mode)
-                capacity = self._capacity
-            capacity.acquire(self._need, cancelled)
-        released = []
-
-        def release():
-            if capacity is not None and not released:
-                released.append(True)
-                capacity.release(self._need)
-
+        release = self._acquire(options, cancelled)
         log = _Log(log_path)
+
+        def start():
+            job = job_module.Job(argv, env=extra, name=f"trial-{trial_id}-{secrets.token_hex(3)}",
+                                 output=log.write,
+                                 # Restarts go to the trial's log: stderr
+                                 # would break the live status table.
+                                 on_event=lambda message: log.write("job", message), **options)
+            return job.start()
         try:
-            while True:
-                job = job_module.Job(argv, env=extra,
-                                     name=f"trial-{trial_id}-{secrets.token_hex(3)}",
-                                     output=log.write,
-                                     # Restarts go to the trial's log: stderr
-                                     # would break the live status table.
-                                     on_event=lambda message: log.write("job", message),
-                                     **options)
-                try:
-                    job.start()
-                    break
-                except ResourceExhaustedError:
-                    if cancelled():
-                        raise CancelledError("the trial's start was cancelled while its job "
-                                             "waited for resources") from None
-                    time.sleep(self._retry_interval)
+            job = self._retrying(start, cancelled)
         except BaseException:
             log.close()
             release()
@@ -477,18 +457,37 @@ class _JobRunner:
             raise
         return _SlotTrial(slot, log, self._slot_free)
 
-    def _new_slot(self, trial_id, python, script, socket_path, env, options, cancelled):
-        capacity = None
-        if not options.get("central"):
-            with self._lock:
-                if self._capacity is None:
-                    self._capacity = _Capacity(self._gpu_mode)
-                capacity = self._capacity
-            capacity.acquire(self._need, lambda: cancelled() or bool(self._idle))
+    def _acquire(self, options, cancelled):
+        """Waits for a trial's cores and GPUs (CancelledError once
+        cancelled() is true); returns what releases them, once."""
+        if options.get("central"):
+            return lambda: None
+        with self._lock:
+            if self._capacity is None:
+                self._capacity = _Capacity(self._gpu_mode)
+            capacity = self._capacity
+        capacity.acquire(self._need, cancelled)
+        released = []
 
         def release():
-            if capacity is not None:
+            if not released:
+                released.append(True)
                 capacity.release(self._need)
+        return release
+
+    def _retrying(self, start, cancelled):
+        """start(), again every retry_interval while resources are short."""
+        while True:
+            try:
+                return start()
+            except ResourceExhaustedError:
+                if cancelled():
+                    raise CancelledError("the trial's start was cancelled while its job "
+                                         "waited for resources") from None
+                time.sleep(self._retry_interval)
+
+    def _new_slot(self, trial_id, python, script, socket_path, env, options, cancelled):
+        release = self._acquire(options, lambda: cancelled() or bool(self._idle))
 
         def make_job(argv, output):
             from . import job as job_module
@@ -498,15 +497,8 @@ class _JobRunner:
                                   output=output, on_event=lambda m: output("job", m),
                                   **options)
         try:
-            while True:
-                try:
-                    slot = _Slot(make_job, python, script, socket_path, release)
-                    break
-                except ResourceExhaustedError:
-                    if cancelled():
-                        raise CancelledError("the trial's start was cancelled while its job "
-                                             "waited for resources") from None
-                    time.sleep(self._retry_interval)
+            slot = self._retrying(lambda: _Slot(make_job, python, script, socket_path, release),
+                                  cancelled)
         except BaseException:
             release()
             raise
