@@ -551,6 +551,12 @@ def job_runner(workers=1, mode="allreduce", ps=None, cpus=1, gpus_per_worker=0,
     could never fit on this machine fails. With ``central`` deepnex-central
     queues the trial's gang. A start refused for lack of resources
     (ResourceExhausted) is retried every ``retry_interval`` seconds. The
-    runner's cancel() ends the waits of starts in progress."""
+    runner's cancel() ends the waits of starts in progress.
+
+    Warm 1-worker allreduce trials run in slots: a slot's job (allocation,
+    store, worker process) outlives its trial and runs the next one, forked
+    from the warm worker, with its own environment, exit code and log. The
+    runner's close() (the search calls it at its end) stops the slots' jobs
+    and releases their allocations."""
     return _JobRunner(workers, mode, ps, cpus, gpus_per_worker, gpu_mode, retry_interval,
                       job_options)
