@@ -6,14 +6,17 @@ import json
 import math
 import os
 import secrets
+import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
 
 from ._tune_report import ENV_CONFIG
+from ._tune_warm import _END, _receive, _send
 from .errors import (CancelledError, DeadlineExceededError, InvalidArgumentError,
-                     ResourceExhaustedError)
+                     ResourceExhaustedError, UnavailableError)
 
 
 # How long a trial has to end after SIGTERM before it is killed: as long as
@@ -152,12 +155,191 @@ class _JobTrial:
         self._on_end()
 
 
+class _Slot:
+    """A trial slot: a 1-worker job whose process (_tune_warm.py slot) runs
+    the trials given to it one after the other, so that a trial pays neither
+    an allocation, nor a job's start and teardown, nor a fresh interpreter.
+    The trial's exit code comes over the control socket; its output goes to
+    its log, which the end line in the job's output closes."""
+
+    def __init__(self, make_job, python, warm_script, warm_socket, release):
+        import tempfile
+        self._dir = tempfile.mkdtemp(prefix="deepnex-slot-")
+        self._lock = threading.Lock()
+        self._logs = []   # the logs of the trials whose end line is still to come
+        self._code, self._notify, self._gone = None, None, False
+        self._ended = threading.Event()
+        self._release = None   # once started: the allocation is the slot's
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        control = os.path.join(self._dir, "control.sock")
+        listener.bind(control)
+        listener.listen(1)
+        self.job = make_job([python, "-S", warm_script, "slot", control, warm_socket],
+                            self._output)
+        try:
+            self.job.start()
+            # The slot's process connects as it starts; a job that ends
+            # first (its process failed) fails the slot.
+            listener.settimeout(0.05)
+            while True:
+                try:
+                    self._control, _ = listener.accept()
+                    self._release = release
+                    break
+                except socket.timeout:
+                    try:
+                        result = self.job.wait(timeout=0.001)
+                    except DeadlineExceededError:
+                        continue
+                    raise UnavailableError(f"tune: the trial slot's job {self.job.name} ended "
+                                           f"(exit {result.exit_code}) before it connected")
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
+        threading.Thread(target=self._read, args=(self._control,), daemon=True).start()
+
+    @property
+    def allocation(self):
+        """The job's allocation ids: the same for every trial of the slot."""
+        return [a.id for a in self.job.allocations()]
+
+    def _read(self, control):
+        """The trials' exit codes, as the slot's process sends them; its
+        end (it died) ends the running trial too."""
+        while True:
+            try:
+                message, _ = _receive(control)
+            except OSError:
+                message = None
+            with self._lock:
+                if message is None:
+                    self._gone = True
+                else:
+                    self._code = message["exit"]
+                self._ended.set()
+                notify, self._notify = self._notify, None
+            if notify is not None:
+                notify()
+            if message is None:
+                return
+
+    def _output(self, who, line):
+        with self._lock:
+            log = self._logs[0] if self._logs else None
+            if line.startswith(_END):
+                if log is not None:
+                    self._logs.pop(0)
+                    log.close()
+            elif log is not None:
+                log.write(who, line)
+
+    def on_end(self, notify):
+        """notify() once the running trial has ended (at once if it has)."""
+        with self._lock:
+            if not self._ended.is_set():
+                self._notify = notify
+                return
+        notify()
+
+    def start(self, argv, env, log):
+        """Runs the trial argv with env (on top of the job's) and log."""
+        with self._lock:
+            self._logs.append(log)
+            self._code, self._notify = None, None
+            self._ended.clear()
+        _send(self._control, {"argv": argv, "env": env})
+
+    def signal(self, sig):
+        try:
+            _send(self._control, {"signal": int(sig)})
+        except OSError:
+            pass
+
+    def wait(self, timeout=None):
+        """The trial's exit code; None on timeout, or when the slot's
+        process is gone (the slot is broken: close() it)."""
+        self._ended.wait(timeout)
+        with self._lock:
+            return self._code if self._ended.is_set() and not self._gone else None
+
+    def close(self):
+        """Ends the slot's job and releases its allocation."""
+        control = getattr(self, "_control", None)
+        if control is not None:
+            control.shutdown(socket.SHUT_RDWR)   # the slot's process ends at EOF
+            control.close()
+            self._control = None
+        job = getattr(self, "job", None)
+        if job is not None:
+            if self._release is not None:
+                try:
+                    job.wait(timeout=_KILL_GRACE)
+                except DeadlineExceededError:
+                    pass
+            job.stop()
+            self.job = None
+        with self._lock:
+            logs, self._logs = self._logs, []
+        for log in logs:
+            log.close()
+        if self._release is not None:
+            self._release()
+            self._release = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _SlotTrial:
+    """A trial run by a _Slot, as the search sees it; the slot goes back to
+    its runner when the trial ends, or is closed when it broke."""
+
+    def __init__(self, slot, log, on_end):
+        self._slot, self._log, self._on_end = slot, log, on_end
+        self._code = None
+
+    def poll(self):
+        if self._code is None and self._slot._ended.is_set():
+            self._end(self._slot.wait())
+        return self._code
+
+    def wait(self):
+        if self._code is None:
+            self._end(self._slot.wait())
+        return self._code
+
+    def on_end(self, notify):
+        """notify() once the trial has ended, from another thread: the
+        search learns it then, not at its next poll."""
+        self._slot.on_end(notify)
+
+    def kill(self):
+        """SIGTERM to the trial, SIGKILL after the grace period; the slot
+        stays for the next trial."""
+        if self._code is not None:
+            return
+        self._slot.signal(signal.SIGTERM)
+        if self._slot.wait(timeout=_KILL_GRACE) is None:
+            self._slot.signal(signal.SIGKILL)
+        self.wait()
+
+    def _end(self, code):
+        broken = code is None
+        self._code = -signal.SIGKILL if broken else code
+        if self._code != 0:
+            # A failed trial's log is read at once (the search's start-up
+            # check): its last lines first.
+            self._log.closed.wait(_KILL_GRACE)
+        self._on_end(self._slot, broken)
+
+
 class _Log:
     """A trial's log file, written by the job's output threads."""
 
     def __init__(self, path):
         self._file = open(path, "w")
         self._lock = threading.Lock()
+        self.closed = threading.Event()
 
     def write(self, who, line):
         with self._lock:
@@ -168,6 +350,7 @@ class _Log:
     def close(self):
         with self._lock:
             self._file.close()
+        self.closed.set()
 
 
 _MODES = ("sync", "async", "allreduce")
@@ -195,6 +378,8 @@ class _JobRunner:
         self._lock = threading.Lock()
         # cancel() counts up; a start that began before a cancel() gives up.
         self._cancels = 0
+        self._idle = []    # slots that run no trial now
+        self._slots = []   # all of them, for close()
 
     def cancel(self):
         """Starts in progress (waiting for cores and GPUs, or retrying a
@@ -217,38 +402,21 @@ class _JobRunner:
         # The job's processes inherit this process's environment; the
         # trial's own variables come on top.
         extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
-        capacity = None
-        if not options.get("central"):
-            with self._lock:
-                if self._capacity is None:
-                    self._capacity = _Capacity(self._gpu_mode)
-                capacity = self._capacity
-            capacity.acquire(self._need, cancelled)
-        released = []
-
-        def release():
-            if capacity is not None and not released:
-                released.append(True)
-                capacity.release(self._need)
-
+        warm = _warm_argv(argv)
+        if warm is not None and options["workers"] == 1 and options["mode"] == "allreduce":
+            return self._in_slot(trial_id, warm, extra, log_path, options, cancelled)
+        release = self._acquire(options, cancelled)
         log = _Log(log_path)
+
+        def start():
+            job = job_module.Job(argv, env=extra, name=f"trial-{trial_id}-{secrets.token_hex(3)}",
+                                 output=log.write,
+                                 # Restarts go to the trial's log: stderr
+                                 # would break the live status table.
+                                 on_event=lambda message: log.write("job", message), **options)
+            return job.start()
         try:
-            while True:
-                job = job_module.Job(argv, env=extra,
-                                     name=f"trial-{trial_id}-{secrets.token_hex(3)}",
-                                     output=log.write,
-                                     # Restarts go to the trial's log: stderr
-                                     # would break the live status table.
-                                     on_event=lambda message: log.write("job", message),
-                                     **options)
-                try:
-                    job.start()
-                    break
-                except ResourceExhaustedError:
-                    if cancelled():
-                        raise CancelledError("the trial's start was cancelled while its job "
-                                             "waited for resources") from None
-                    time.sleep(self._retry_interval)
+            job = self._retrying(start, cancelled)
         except BaseException:
             log.close()
             release()
@@ -258,6 +426,114 @@ class _JobRunner:
             log.close()
             release()
         return _JobTrial(job, on_end)
+
+    def _in_slot(self, trial_id, warm, env, log_path, options, cancelled):
+        """The trial in an idle slot, or in a new one when none is idle."""
+        python, script, socket_path, argv = warm
+        # The trial's own variables go with the trial; the slot's job has
+        # those that all trials share.
+        trial_env = {k: v for k, v in env.items() if k.startswith("DEEPNEX_TUNE_")}
+        shared = {k: v for k, v in env.items() if k not in trial_env}
+        while True:
+            with self._lock:
+                slot = self._idle.pop() if self._idle else None
+            if slot is not None:
+                break
+            try:
+                slot = self._new_slot(trial_id, python, script, socket_path, shared, options,
+                                      cancelled)
+                break
+            except CancelledError:
+                # A slot fell idle while this trial waited for cores for a
+                # new one: it takes that slot instead.
+                if cancelled():
+                    raise
+        log = _Log(log_path)
+        try:
+            slot.start(argv, trial_env, log)
+        except BaseException:
+            log.close()
+            self._slot_free(slot, True)
+            raise
+        return _SlotTrial(slot, log, self._slot_free)
+
+    def _acquire(self, options, cancelled):
+        """Waits for a trial's cores and GPUs (CancelledError once
+        cancelled() is true); returns what releases them, once."""
+        if options.get("central"):
+            return lambda: None
+        with self._lock:
+            if self._capacity is None:
+                self._capacity = _Capacity(self._gpu_mode)
+            capacity = self._capacity
+        capacity.acquire(self._need, cancelled)
+        released = []
+
+        def release():
+            if not released:
+                released.append(True)
+                capacity.release(self._need)
+        return release
+
+    def _retrying(self, start, cancelled):
+        """start(), again every retry_interval while resources are short."""
+        while True:
+            try:
+                return start()
+            except ResourceExhaustedError:
+                if cancelled():
+                    raise CancelledError("the trial's start was cancelled while its job "
+                                         "waited for resources") from None
+                time.sleep(self._retry_interval)
+
+    def _new_slot(self, trial_id, python, script, socket_path, env, options, cancelled):
+        release = self._acquire(options, lambda: cancelled() or bool(self._idle))
+
+        def make_job(argv, output):
+            from . import job as job_module
+            # The slot's log lines come through the slot; its job events
+            # (restarts) to the log of the trial it runs.
+            return job_module.Job(argv, env=env, name=f"slot-{trial_id}-{secrets.token_hex(3)}",
+                                  output=output, on_event=lambda m: output("job", m),
+                                  **options)
+        try:
+            slot = self._retrying(lambda: _Slot(make_job, python, script, socket_path, release),
+                                  cancelled)
+        except BaseException:
+            release()
+            raise
+        with self._lock:
+            self._slots.append(slot)
+        return slot
+
+    def _slot_free(self, slot, broken):
+        with self._lock:
+            if not broken:
+                self._idle.append(slot)
+            else:
+                self._slots.remove(slot)
+            capacity = self._capacity
+        if broken:
+            slot.close()
+        if capacity is not None:
+            capacity.wake()   # a trial waiting for cores may take the idle slot
+
+    def close(self):
+        """Ends the idle slots' jobs, releasing their allocations (the
+        search calls it once its trials have ended)."""
+        with self._lock:
+            slots, self._slots, self._idle = self._slots, [], []
+        for slot in slots:
+            slot.close()
+
+
+def _warm_argv(argv):
+    """(python, warm script, socket, the trial's argv) when argv runs a
+    trial through a warm worker (_tune_search's _Warm.wrap); else None."""
+    from . import _tune_warm
+    if len(argv) > 5 and argv[1:4] == ["-S", _tune_warm.__file__, "run"]:
+        return argv[0], argv[2], argv[4], argv[5:]
+    return None
 
 
 def job_runner(workers=1, mode="allreduce", ps=None, cpus=1, gpus_per_worker=0,
@@ -275,6 +551,12 @@ def job_runner(workers=1, mode="allreduce", ps=None, cpus=1, gpus_per_worker=0,
     could never fit on this machine fails. With ``central`` deepnex-central
     queues the trial's gang. A start refused for lack of resources
     (ResourceExhausted) is retried every ``retry_interval`` seconds. The
-    runner's cancel() ends the waits of starts in progress."""
+    runner's cancel() ends the waits of starts in progress.
+
+    Warm 1-worker allreduce trials run in slots: a slot's job (allocation,
+    store, worker process) outlives its trial and runs the next one, forked
+    from the warm worker, with its own environment, exit code and log. The
+    runner's close() (the search calls it at its end) stops the slots' jobs
+    and releases their allocations."""
     return _JobRunner(workers, mode, ps, cpus, gpus_per_worker, gpu_mode, retry_interval,
                       job_options)

@@ -48,6 +48,10 @@ class _Search:
         self.warm = _Warm(self.command, env, out_dir) if warm else None
 
     def close(self):
+        # The trial slots' processes end before the warm worker they use.
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
         self.store.stop()
         if self.warm is not None:
             self.warm.close()
@@ -139,6 +143,8 @@ class _Search:
         self.journal.append({"event": "start", "trial": trial.id, "attempt": attempt})
         self.status.started(trial)
         client = StoreClient(self.store.address, prefix=f"tune/{trial.id}/{attempt}")
+        if hasattr(handle, "on_end"):
+            handle.on_end(self._waker(trial, attempt))
         stopped_at = None
         interrupted = killed = False
         while True:
@@ -152,6 +158,8 @@ class _Search:
             try:
                 record = json.loads(client.get(f"report/{len(trial.results)}",
                                               timeout=_POLL))
+                if "step" not in record:   # _waker's: the trial has ended
+                    break
             except DeadlineExceededError:
                 if handle.poll() is not None:
                     # A report may have landed after the last wait.
@@ -192,6 +200,22 @@ class _Search:
                              "status": trial.status, "exit_code": trial.exit_code,
                              "nonfinite": trial.nonfinite})
         self.status.ended(trial)
+
+    def _waker(self, trial, attempt):
+        """A callback for a handle's on_end(): it puts an end record where
+        the trial's thread waits for the next report, so that the thread
+        learns of the end at once, not at its next poll of the handle."""
+        from .collective import StoreClient
+        client = StoreClient(self.store.address, prefix=f"tune/{trial.id}/{attempt}")
+
+        def wake():
+            # The trial's reports are all in (the trial waits for the
+            # answer to each); the first free index is the next one awaited.
+            n = len(trial.results)
+            while client.check([f"report/{n}"])[0]:
+                n += 1
+            client.set(f"report/{n}", json.dumps({"ended": True}))
+        return wake
 
     def _decide(self, trial, record):
         """continue or stop, for `trial` reporting `record`."""

@@ -4,6 +4,8 @@ fresh interpreter that imports torch again (seconds per trial).
 
     python3 _tune_warm.py serve SOCKET SCRIPT      the warm worker
     python3 _tune_warm.py run SOCKET ARGV...       a trial's process
+    python3 _tune_warm.py slot CONTROL SOCKET      a slot's process
+
 
 The search starts one warm worker ("serve") per search. It imports the
 modules that SCRIPT imports anywhere (torch, numpy, its own sibling modules
@@ -20,6 +22,15 @@ process group, and it exits with the child's code (or dies of its signal).
 So each trial is still its own process, with its own environment, exit
 code and logs. Without a warm worker (it failed to start, or declined) it
 execs ARGV: the cold trial.
+
+"slot" is the one process of a trial slot's job (see _tune_runners): the
+slot keeps its job, and so its allocation, across trials. It takes each
+trial from the runner over CONTROL ({"argv", "env"}, {"signal"}), runs it
+as "run" does, with its own environment on top of the job's, and ends it
+by sending its exit code over CONTROL at once, and by a line "<_END> CODE"
+on its output, after all the trial's output: the runner closes the
+trial's log there.
+Without a warm worker the trial runs cold, as a child process.
 
 Only the standard library at module level: "run" starts in ~30 ms.
 """
@@ -101,6 +112,72 @@ def run(path, argv):
             signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code)
+
+
+# The line a slot's process ends each trial's output with, and its code.
+_END = "\x1edeepnex-slot-end"
+
+
+def slot(control_path, path):
+    """A trial slot's process (see the module's doc): trials one after
+    the other until the runner closes CONTROL."""
+    control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    control.connect(control_path)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the runner stops the trials itself
+    while True:
+        request, _ = _receive(control)
+        if request is None:
+            return
+        if "argv" not in request:   # a signal for a trial that has ended
+            continue
+        code = _slot_trial(control, path, request["argv"], {**os.environ, **request["env"]})
+        # The end line after the trial's output (the job's log may deliver
+        # it later); the code at once.
+        os.write(1, f"{_END} {code}\n".encode())
+        try:
+            _send(control, {"exit": code})
+        except OSError:   # the runner is gone
+            return
+
+
+def _slot_trial(control, path, argv, env):
+    """Runs one trial of a slot; its exit code (-signal when killed)."""
+    import subprocess
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        _connect(sock, path)
+        _send(sock, {"argv": argv, "env": env, "cwd": os.getcwd()}, fds=(0, 1, 2))
+        reply, _ = _receive(sock)
+    except OSError:
+        reply = None
+    cold = None
+    if not reply or not ("pid" in reply or "exit" in reply):
+        if reply and reply.get("cold"):
+            print(f"deepnex tune: running cold: {reply['cold']}", file=sys.stderr, flush=True)
+        cold = subprocess.Popen(argv, env=env, start_new_session=True)
+        reply = {"pid": cold.pid}
+    while "exit" not in reply:
+        readable, _, _ = select.select([control] + ([] if cold else [sock]), [], [],
+                                       None if cold is None else 0.05)
+        if control in readable:
+            message, _ = _receive(control)
+            if message is None:   # the runner is gone: so is the trial
+                message = {"signal": signal.SIGKILL}
+            if "signal" in message:
+                _kill_group(reply["pid"], message["signal"])
+        if cold is not None:
+            if cold.poll() is not None:
+                reply = {"exit": cold.returncode}
+        elif sock in readable:
+            try:
+                reply, _ = _receive(sock)
+            except OSError:
+                reply = None
+            if reply is None:   # the warm worker is gone, and the trial with it
+                reply = {"exit": -signal.SIGKILL}
+    if cold is None:
+        sock.close()
+    return reply["exit"]
 
 
 # How long a trial waits for the warm worker's socket (it binds it as it
@@ -329,5 +406,8 @@ if __name__ == "__main__":
         serve(sys.argv[2], sys.argv[3])
     elif len(sys.argv) >= 4 and sys.argv[1] == "run":
         run(sys.argv[2], sys.argv[3:])
+    elif len(sys.argv) == 4 and sys.argv[1] == "slot":
+        slot(sys.argv[2], sys.argv[3])
     else:
-        sys.exit("usage: _tune_warm.py serve SOCKET SCRIPT | run SOCKET ARGV...")
+        sys.exit("usage: _tune_warm.py serve SOCKET SCRIPT | run SOCKET ARGV... | "
+                 "slot CONTROL SOCKET")

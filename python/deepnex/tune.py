@@ -52,7 +52,8 @@ run() raises ``Interrupted`` (a KeyboardInterrupt); ``deepnex tune`` exits
 Trials are started by a runner, ``runner(trial_id, argv, env, log_path)`` ->
 an object with poll(), wait() and kill() (kill: stop it, waiting out its
 grace period). A runner may have cancel(): an interrupted search calls it,
-and the starts then waiting for resources raise CancelledError. The
+and the starts then waiting for resources raise CancelledError; and
+close(), which the search calls at its end. The
 default, ``job_runner()``, runs each trial as a deepnex job
 (deepnex.job.Job: allocated cores and GPUs, its workers started with the job
 environment, parameter servers in the PS modes) and starts a trial only when

@@ -1265,3 +1265,55 @@ def test_a_warm_trial_ends_with_its_stand_in_or_its_worker(tmp_path):
                 p.kill()
                 p.wait()
         warm.close()
+
+
+IN_SLOT = textwrap.dedent("""
+    import json, os, sys
+    from deepnex import tune
+    x = float(sys.argv[sys.argv.index("--x") + 1])
+    print(json.dumps({"job": os.environ.get("DEEPNEX_JOB_ID"), "worker": os.getppid(),
+                      "trial": os.environ["DEEPNEX_TUNE_TRIAL"]}), flush=True)
+    if x == 2:
+        os.abort()     # dies of SIGABRT: the slot runs the next trial all the same
+    tune.report(step=1, score=x)
+    print("last line", flush=True)
+    sys.exit(int(x) % 2 * 5)
+""")
+
+
+def test_a_trial_slot_keeps_its_job_and_warm_worker_across_trials(tmp_path):
+    """job_runner's warm trials run one after the other in the same slot:
+    the same job (allocation) and warm worker, each trial still with its
+    own exit code and complete log; at the end the slot's job is stopped
+    and its cores released."""
+    script = tmp_path / "in_slot.py"
+    script.write_text(IN_SLOT)
+    runner = tune.job_runner()
+    allocations, slots = [], []
+
+    def recording(trial_id, argv, env, log_path):
+        handle = runner(trial_id, argv, env, log_path)
+        allocations.append(handle._slot.allocation)
+        slots.append(handle._slot)
+        return handle
+    recording.close = runner.close   # the search closes its runner at the end
+    results = tune.run([sys.executable, str(script)], {"x": tune.grid([1.0, 2.0, 3.0, 4.0])},
+                       metric="score", max_concurrent=1, search="random", runner=recording,
+                       out_dir=str(tmp_path / "out"), out=io.StringIO())
+    assert [(t.status, t.exit_code) for t in results.trials] == [
+        ("failed (exit 5)", 5), (f"failed (exit {-signal.SIGABRT})", -signal.SIGABRT),
+        ("failed (exit 5)", 5), ("completed", 0)]
+    shown = []
+    for t in results.trials:
+        lines = open(t.log_path).read().splitlines()
+        shown.append(json.loads(lines[0].split(" ", 2)[2]))
+        assert lines[0].startswith("[worker 0] ")
+        # The end line of the slot's trial never reaches the log.
+        assert lines[1:] == ([] if t.id == 1 else ["[worker 0] last line"])
+    assert [s["trial"] for s in shown] == ["0", "1", "2", "3"]
+    assert len({s["job"] for s in shown}) == 1 and shown[0]["job"]
+    assert len({s["worker"] for s in shown}) == 1
+    assert len(set(slots)) == 1
+    assert len(allocations[0]) == 1 and allocations == [allocations[0]] * 4
+    # The search closed the slot: its job stopped, its cores released.
+    assert slots[0].job is None and runner._slots == [] and runner._capacity.used == [0, 0]
