@@ -242,3 +242,45 @@ def test_a_lost_node_fails_the_job_or_replaces_its_worker(make_cluster, tmp_path
         # Started again on the other node, not on the lost one.
         assert re.findall(r"^\[worker 1\] rank 1 on (\S+)$", out, re.M) == [node, other], out
         assert "[worker 1] rank 1 done" in out and "[worker 0] rank 0 done" in out, out
+
+
+# Each worker says where it runs, marks that it started, and waits at the
+# gate (the test partitions a node meanwhile).
+WAITING = ('echo "rank $DEEPNEX_RANK on $(hostname)"; touch {gate}.$DEEPNEX_RANK; '
+           'while [ ! -e {gate} ]; do sleep 0.05; done; echo "rank $DEEPNEX_RANK done"')
+
+
+def test_a_job_rides_out_a_partition_shorter_than_node_lost_after(make_cluster, tmp_path):
+    # --node-lost-after stays 5 min: h2 is NotReady for a while, never lost.
+    cluster = make_cluster(node_timeout=2)
+    gate = tmp_path / "gate"
+    p = hosts_run(cluster, "--name", "cut", "--workers", "2", "--nodes", "2",
+                  "--gpus-per-worker", "1", "--mode", "allreduce",
+                  "--", "sh", "-c", WAITING.format(gate=gate))
+    try:
+        wait_for(lambda: (os.path.exists(f"{gate}.0") and os.path.exists(f"{gate}.1"))
+                 or p.poll() is not None, "both workers at the gate")
+        on_h2 = [n for n, w in cluster.containers().items() if w["node"] == "h2"]
+        assert len(on_h2) == 1, cluster.containers()
+        cluster.hosts.partition("h2")
+        cluster.wait_status("h2", "NotReady", timeout=cluster.node_timeout + 5)
+        cluster.hosts.heal()
+        cluster.wait_status("h2", "Ready", timeout=30)
+        open(gate, "w").close()
+        code, out = finish(p, timeout=120)
+    finally:
+        cluster.hosts.heal()
+        open(gate, "w").close()
+        if p.poll() is None:
+            p.terminate()
+            p.communicate(timeout=60)
+    assert code == 0, out
+    # Each worker started once, on its own node, and finished: none was
+    # lost, restarted or started twice.
+    assert sorted(re.findall(r"^\[worker (\d)\] rank \d on (\S+)$", out, re.M)) in (
+        [("0", "h2"), ("1", "h3")], [("0", "h3"), ("1", "h2")]), out
+    assert sorted(re.findall(r"^\[worker (\d)\] rank \d done$", out, re.M)) == ["0", "1"], out
+    assert "deepnex run: worker 0: exited(0)\n" in out, out
+    assert "deepnex run: worker 1: exited(0)\n" in out, out
+    assert "lost" not in out and "restarting" not in out, out
+    assert cluster.call("alicetok", "c.allocations()") == [], out
