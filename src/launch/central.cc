@@ -528,12 +528,15 @@ class ContainersService final : public pb::Containers::CallbackService,
   void Reap() {
     std::unique_lock<std::mutex> lock(mu_);
     while (!cv_.wait_for(lock, kReapEvery, [this] { return stopping_; })) {
-      std::vector<std::shared_ptr<Entry>> live;
+      // With whether it ended: one counted lost with its node (its grant
+      // released) runs again when a partition heals.
+      std::vector<std::pair<std::shared_ptr<Entry>, bool>> held;
       for (auto& [key, e] : entries_) {
-        if (e->handle && !e->ended) live.push_back(e);
+        if (e->handle) held.emplace_back(e, e->ended);
       }
       lock.unlock();
-      for (auto& e : live) {
+      for (auto& [e, ended] : held) {
+        if (ended && e->handle->Status().state != State::kRunning) continue;
         if (absl::IsNotFound(alloc_.GetAllocation(e->allocation_id).status())) {
           e->handle->Stop(kReapGrace).IgnoreError();
         }

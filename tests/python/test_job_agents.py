@@ -264,6 +264,10 @@ def test_a_job_rides_out_a_partition_shorter_than_node_lost_after(make_cluster, 
         assert len(on_h2) == 1, cluster.containers()
         cluster.hosts.partition("h2")
         cluster.wait_status("h2", "NotReady", timeout=cluster.node_timeout + 5)
+        # h2's agent noticed too (keepalive) and redials: the job rides out
+        # a new stream, not the old one resumed.
+        agent = cluster.agents["h2"]
+        wait_for(lambda: "ended (" in agent.stderr(), lambda: f"h2's agent: {agent.stderr()}")
         cluster.hosts.heal()
         cluster.wait_status("h2", "Ready", timeout=30)
         open(gate, "w").close()
@@ -284,3 +288,35 @@ def test_a_job_rides_out_a_partition_shorter_than_node_lost_after(make_cluster, 
     assert "deepnex run: worker 1: exited(0)\n" in out, out
     assert "lost" not in out and "restarting" not in out, out
     assert cluster.call("alicetok", "c.allocations()") == [], out
+
+
+def test_a_partition_longer_than_node_lost_after_fails_the_job_naming_the_node(make_cluster,
+                                                                               tmp_path):
+    cluster = make_cluster(*LOSING, node_timeout=2)
+    gate = tmp_path / "gate"
+    p = hosts_run(cluster, "--name", "cut", "--workers", "2", "--nodes", "2",
+                  "--gpus-per-worker", "1", "--mode", "allreduce",
+                  "--", "sh", "-c", WAITING.format(gate=gate))
+    try:
+        wait_for(lambda: (os.path.exists(f"{gate}.0") and os.path.exists(f"{gate}.1"))
+                 or p.poll() is not None, "both workers at the gate")
+        rank = "0" if cluster.containers()["cut-worker0"]["node"] == "h2" else "1"
+        pid = int(cluster.containers()[f"cut-worker{rank}"]["id"])
+        cluster.hosts.partition("h2")
+        code, out = finish(p, timeout=120)
+        cluster.hosts.heal()
+        # Back, h2's agent reports the lost worker running, its grant
+        # released meanwhile: stopped, not left holding the GPU.
+        cluster.wait_status("h2", "Ready", timeout=30)
+        wait_for(lambda: not _agents.pid_alive(pid),
+                 lambda: f"the lost worker stopped: {cluster.containers()}")
+        assert cluster.containers()[f"cut-worker{rank}"]["state"] == "stopped"
+    finally:
+        cluster.hosts.heal()
+        open(gate, "w").close()
+        if p.poll() is None:
+            p.terminate()
+            p.communicate(timeout=60)
+    assert code == 1, out
+    assert f'deepnex run: worker {rank} was lost with its node "h2"\n' in out, out
+    assert f"deepnex run: worker {rank}: lost\n" in out, out
