@@ -605,7 +605,19 @@ class ContainersService final : public pb::Containers::CallbackService,
       entry->node = node;
       entry->launcher = &LauncherFor(node);
       std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_ || entries_.count(Key{entry->user, entry->name}) != 0) continue;
+      if (stopping_) continue;
+      auto known = entries_.find(Key{entry->user, entry->name});
+      if (known != entries_.end()) {
+        // Placed again on another node while this one was lost (a partition
+        // that healed since): this run is the duplicate. Stopped off the
+        // agent's stream, whose reads wait for this callback.
+        if (known->second->node != node) {
+          calls_.Run([h = agent::NewRemoteHandle(hub_, node, spec)] {
+            h->Stop(kReapGrace).IgnoreError();
+          });
+        }
+        continue;
+      }
       entry->handle = agent::NewRemoteHandle(hub_, node, spec);
       entries_[Key{entry->user, entry->name}] = entry;
       entry->watcher = std::thread([this, entry] { Watch(entry); });
