@@ -336,8 +336,8 @@ absl::Status Hub::OnRegister(Stream* s, const Identity& who, const pb::Register&
       // Under mu_, so that it is not deleted meanwhile (see Shutdown).
       link.stream->Close(absl::AbortedError(
           absl::StrCat("node ", name, ": replaced by a newer connection of its agent")));
-      // Not when it is done: over a connection cut by a partition that may
-      // take minutes.
+      // Now, not once gRPC is done with the old stream: over a connection
+      // a partition cut, that may take minutes.
       FailPendingLocked(link.stream);
     }
     link.stream = s;
