@@ -37,6 +37,13 @@ constexpr std::chrono::milliseconds kMaxBackoff{2000};
 constexpr uint64_t kMaxLogChunk = 1 << 20;
 constexpr std::chrono::milliseconds kStopGrace{1000};
 constexpr int kMaxGpus = 1024;
+// How long the stream to central may go without an answered ping. Central
+// learns of a lost agent by heartbeat silence, but the agent would learn of
+// a lost central only from a reset, which a partition never delivers: its
+// stream would wait for good, and /healthz say healthy. Pinging every 2 s
+// (answered within 2 s) notices a partition within about 4 s, under
+// central's default --node-timeout of 10 s.
+constexpr std::chrono::milliseconds kKeepalive{2000};
 
 bool Refusal(grpc::StatusCode code) {
   return code == grpc::StatusCode::UNAUTHENTICATED ||
@@ -58,7 +65,7 @@ class AgentImpl final : public Agent {
   absl::Status Start() {
     DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("deepnex-agent"));
     DEEPNEX_ASSIGN_OR_RETURN(auto credentials, MakeChannelCredentials(options_.tls_ca_file));
-    auto channel = MakeChannel(options_.central, credentials);
+    auto channel = MakeChannel(options_.central, credentials, kKeepalive);
     stub_ = pb::Agents::NewStub(channel);
     sessions_ = std::make_unique<AgentSessions>(channel, token_);
     if (!options_.listen.empty()) {
@@ -215,13 +222,15 @@ class AgentImpl final : public Agent {
   }
 
   // /healthz: healthy while central has accepted the agent on the stream
-  // open now, as kubelet's is while it can reach its API server.
+  // open now, as kubelet's is while it can reach its API server; else why
+  // not, with the stream's last error (e.g. "keepalive watchdog timeout"
+  // behind a partition).
   absl::Status Health() {
     std::lock_guard<std::mutex> lock(mu_);
     if (registered_) return absl::OkStatus();
-    return absl::UnavailableError(absl::StrCat("node ", node_.name,
-                                               ": not registered with deepnex-central at ",
-                                               options_.central));
+    return absl::UnavailableError(absl::StrCat(
+        "node ", node_.name, ": not registered with deepnex-central at ", options_.central,
+        last_failure_.empty() ? "" : " (", last_failure_, last_failure_.empty() ? "" : ")"));
   }
 
   // /metrics: the node's usage as the last heartbeat measured it, and each

@@ -165,6 +165,7 @@ absl::StatusOr<pb::Reply> Hub::Call(const std::string& node, pb::Command command
   command.set_id(id);
   pb::CentralMessage m;
   *m.mutable_command() = std::move(command);
+  p.stream = it->second.stream;
   if (!it->second.stream->Send(std::move(m))) {
     return absl::UnavailableError(
         absl::StrCat("node ", node, ": its deepnex-agent is disconnecting"));
@@ -295,6 +296,9 @@ absl::Status Hub::OnRegister(Stream* s, const Identity& who, const pb::Register&
       // Under mu_, so that it is not deleted meanwhile (see Shutdown).
       link.stream->Close(absl::AbortedError(
           absl::StrCat("node ", name, ": replaced by a newer connection of its agent")));
+      // Now, not once gRPC is done with the old stream: over a connection
+      // a partition cut, that may take minutes.
+      FailPendingLocked(link.stream);
     }
     link.stream = s;
     link.backend = reg.backend();
@@ -364,13 +368,16 @@ void Hub::OnGone(Stream* s) {
   for (auto& [node, link] : links_) {
     if (link.stream == s) link.stream = nullptr;
   }
-  // Its unanswered commands fail now rather than at their deadline (unless
-  // a newer stream of the agent took them over).
-  auto it = links_.find(s->node());
-  if (it != links_.end() && it->second.stream == nullptr) {
-    for (auto& [id, p] : pending_) {
-      if (p->node == s->node()) p->done = true;
-    }
+  FailPendingLocked(s);
+}
+
+void Hub::FailPendingLocked(Stream* s) {
+  // Its unanswered commands fail now rather than at their deadline, even
+  // with a newer stream of the agent in place: one sent into a partition
+  // never reached the agent, so none answers it, and a caller (a job's log
+  // follower) would wait the whole deadline for nothing.
+  for (auto& [id, p] : pending_) {
+    if (p->stream == s) p->done = true;
   }
   cv_.notify_all();
 }

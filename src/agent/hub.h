@@ -114,6 +114,7 @@ class Hub {
   };
   struct Pending {
     std::string node;
+    Stream* stream = nullptr;  // the stream the command went out on
     bool done = false;
     proto::Reply reply;
   };
@@ -133,6 +134,9 @@ class Hub {
   void OnHeartbeat(Stream* s, const proto::Heartbeat& hb);
   void OnReply(Stream* s, const proto::Reply& reply);
   void OnGone(Stream* s);
+  // Ends the commands sent on `s` that await a reply: once `s` is gone or
+  // replaced, the agent may never have received them.
+  void FailPendingLocked(Stream* s);
   // Marks the link heard now; returns true when the node was NotReady.
   bool HeardLocked(Link& link);
   void SetReady(const std::string& node, bool ready, const std::string& why);

@@ -136,6 +136,12 @@ absl::StatusOr<std::unique_ptr<ServerHost>> ServerHost::Start(
   builder.SetMaxSendMessageSize(-1);
   for (grpc::Service* service : services) builder.RegisterService(service);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Clients that keep alive (MakeChannel) ping this often, with or without
+  // calls; gRPC's defaults would count those pings as abuse and hang up.
+  // Half the interval, so that a ping a little early is no strike either.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             static_cast<int>(kMinKeepalive.count() / 2));
   int port = 0;
   builder.AddListeningPort(address, credentials, &port);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -177,13 +183,23 @@ MakeChannelCredentials(const std::string& ca_file) {
 
 std::shared_ptr<grpc::Channel> MakeChannel(
     const std::string& address,
-    const std::shared_ptr<grpc::ChannelCredentials>& credentials) {
+    const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+    std::chrono::milliseconds keepalive) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  if (keepalive.count() > 0) {
+    const int ms = static_cast<int>(std::max(keepalive, kMinKeepalive).count());
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, ms);
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ms);
+    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    // gRPC stops pinging after two pings with no data sent between them;
+    // a quiet stream must still be watched.
+    args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  }
   return grpc::CreateCustomChannel(address, credentials, args);
 }
 

@@ -110,13 +110,25 @@ class ServerHost {
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>>
 MakeChannelCredentials(const std::string& ca_file);
 
+// The shortest keepalive interval deepnex's servers accept from a client
+// (gRPC's default allows one ping per 5 minutes without data, and answers
+// more with GOAWAY "too_many_pings").
+inline constexpr std::chrono::milliseconds kMinKeepalive{1000};
+
 // A channel with its own TCP connection (channels with equal arguments
 // otherwise share one), no receive-size limit, and reconnection attempts
 // from 100 ms apart up to 2 s apart (gRPC's default backoff grows to 120 s,
 // which would keep a client from a restarted server for minutes).
+// With a `keepalive` (at least kMinKeepalive), the channel pings the server
+// after that long without a ping answered, calls or not, and drops the
+// connection when a ping goes unanswered for as long: its open calls then
+// fail Unavailable ("keepalive watchdog timeout"). Without it, a peer that
+// vanishes behind a partition (no reset, no FIN) leaves a stream that only
+// reads waiting for good.
 std::shared_ptr<grpc::Channel> MakeChannel(
     const std::string& address,
-    const std::shared_ptr<grpc::ChannelCredentials>& credentials);
+    const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+    std::chrono::milliseconds keepalive = std::chrono::milliseconds(0));
 
 // ---- Dialing: what every client does with its address first.
 

@@ -528,12 +528,15 @@ class ContainersService final : public pb::Containers::CallbackService,
   void Reap() {
     std::unique_lock<std::mutex> lock(mu_);
     while (!cv_.wait_for(lock, kReapEvery, [this] { return stopping_; })) {
-      std::vector<std::shared_ptr<Entry>> live;
+      // With whether it ended: one counted lost with its node (its grant
+      // released) runs again when a partition heals.
+      std::vector<std::pair<std::shared_ptr<Entry>, bool>> held;
       for (auto& [key, e] : entries_) {
-        if (e->handle && !e->ended) live.push_back(e);
+        if (e->handle) held.emplace_back(e, e->ended);
       }
       lock.unlock();
-      for (auto& e : live) {
+      for (auto& [e, ended] : held) {
+        if (ended && e->handle->Status().state != State::kRunning) continue;
         if (absl::IsNotFound(alloc_.GetAllocation(e->allocation_id).status())) {
           e->handle->Stop(kReapGrace).IgnoreError();
         }
@@ -602,7 +605,19 @@ class ContainersService final : public pb::Containers::CallbackService,
       entry->node = node;
       entry->launcher = &LauncherFor(node);
       std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_ || entries_.count(Key{entry->user, entry->name}) != 0) continue;
+      if (stopping_) continue;
+      auto known = entries_.find(Key{entry->user, entry->name});
+      if (known != entries_.end()) {
+        // Placed again on another node while this one was lost (a partition
+        // that healed since): this run is the duplicate. Stopped off the
+        // agent's stream, whose reads wait for this callback.
+        if (known->second->node != node) {
+          calls_.Run([h = agent::NewRemoteHandle(hub_, node, spec)] {
+            h->Stop(kReapGrace).IgnoreError();
+          });
+        }
+        continue;
+      }
       entry->handle = agent::NewRemoteHandle(hub_, node, spec);
       entries_[Key{entry->user, entry->name}] = entry;
       entry->watcher = std::thread([this, entry] { Watch(entry); });

@@ -2,7 +2,9 @@
 server runs on its allocation's node through central and the node's agent
 (the "central" launch backend), its output comes back with rank prefixes,
 exit codes and restarts are the job's, and a lost node fails the job naming
-the node or, with --restart, re-places its worker on another node.
+the node or, with --restart, re-places its worker on another node. A job
+rides out a partition shorter than --node-lost-after; after a longer one,
+the lost worker that the healed node still runs is stopped.
 
 On 127.0.0.1 (central and agents as plain processes; no root needed), and
 on simulated hosts (central and `deepnex run` on h1, agents on h2 and h3;
@@ -242,3 +244,120 @@ def test_a_lost_node_fails_the_job_or_replaces_its_worker(make_cluster, tmp_path
         # Started again on the other node, not on the lost one.
         assert re.findall(r"^\[worker 1\] rank 1 on (\S+)$", out, re.M) == [node, other], out
         assert "[worker 1] rank 1 done" in out and "[worker 0] rank 0 done" in out, out
+
+
+# Each worker says where it runs, marks that it started, and waits at the
+# gate (the test partitions a node meanwhile).
+WAITING = ('echo "rank $DEEPNEX_RANK on $(hostname)"; touch {gate}.$DEEPNEX_RANK; '
+           'while [ ! -e {gate} ]; do sleep 0.05; done; echo "rank $DEEPNEX_RANK done"')
+
+
+def test_a_job_rides_out_a_partition_shorter_than_node_lost_after(make_cluster, tmp_path):
+    # --node-lost-after stays 5 min: h2 is NotReady for a while, never lost.
+    cluster = make_cluster(node_timeout=2)
+    gate = tmp_path / "gate"
+    p = hosts_run(cluster, "--name", "cut", "--workers", "2", "--nodes", "2",
+                  "--gpus-per-worker", "1", "--mode", "allreduce",
+                  "--", "sh", "-c", WAITING.format(gate=gate))
+    try:
+        wait_for(lambda: (os.path.exists(f"{gate}.0") and os.path.exists(f"{gate}.1"))
+                 or p.poll() is not None, "both workers at the gate")
+        on_h2 = [n for n, w in cluster.containers().items() if w["node"] == "h2"]
+        assert len(on_h2) == 1, cluster.containers()
+        cluster.hosts.partition("h2")
+        cluster.wait_status("h2", "NotReady", timeout=cluster.node_timeout + 5)
+        # h2's agent noticed too (keepalive) and redials: the job rides out
+        # a new stream, not the old one resumed.
+        agent = cluster.agents["h2"]
+        wait_for(lambda: "ended (" in agent.stderr(), lambda: f"h2's agent: {agent.stderr()}")
+        cluster.hosts.heal()
+        cluster.wait_status("h2", "Ready", timeout=30)
+        open(gate, "w").close()
+        code, out = finish(p, timeout=120)
+    finally:
+        cluster.hosts.heal()
+        open(gate, "w").close()
+        if p.poll() is None:
+            p.terminate()
+            p.communicate(timeout=60)
+    assert code == 0, out
+    # Each worker started once, on its own node, and finished: none was
+    # lost, restarted or started twice.
+    assert sorted(re.findall(r"^\[worker (\d)\] rank \d on (\S+)$", out, re.M)) in (
+        [("0", "h2"), ("1", "h3")], [("0", "h3"), ("1", "h2")]), out
+    assert sorted(re.findall(r"^\[worker (\d)\] rank \d done$", out, re.M)) == ["0", "1"], out
+    assert "deepnex run: worker 0: exited(0)\n" in out, out
+    assert "deepnex run: worker 1: exited(0)\n" in out, out
+    assert "lost" not in out and "restarting" not in out, out
+    assert cluster.call("alicetok", "c.allocations()") == [], out
+
+
+def test_a_partition_longer_than_node_lost_after_fails_the_job_naming_the_node(make_cluster,
+                                                                               tmp_path):
+    cluster = make_cluster(*LOSING, node_timeout=2)
+    gate = tmp_path / "gate"
+    p = hosts_run(cluster, "--name", "cut", "--workers", "2", "--nodes", "2",
+                  "--gpus-per-worker", "1", "--mode", "allreduce",
+                  "--", "sh", "-c", WAITING.format(gate=gate))
+    try:
+        wait_for(lambda: (os.path.exists(f"{gate}.0") and os.path.exists(f"{gate}.1"))
+                 or p.poll() is not None, "both workers at the gate")
+        rank = "0" if cluster.containers()["cut-worker0"]["node"] == "h2" else "1"
+        pid = int(cluster.containers()[f"cut-worker{rank}"]["id"])
+        cluster.hosts.partition("h2")
+        code, out = finish(p, timeout=120)
+        cluster.hosts.heal()
+        # Back, h2's agent reports the lost worker running, its grant
+        # released meanwhile: stopped, not left holding the GPU.
+        cluster.wait_status("h2", "Ready", timeout=30)
+        wait_for(lambda: not _agents.pid_alive(pid),
+                 lambda: f"the lost worker stopped: {cluster.containers()}")
+        assert cluster.containers()[f"cut-worker{rank}"]["state"] == "stopped"
+    finally:
+        cluster.hosts.heal()
+        open(gate, "w").close()
+        if p.poll() is None:
+            p.terminate()
+            p.communicate(timeout=60)
+    assert code == 1, out
+    assert f'deepnex run: worker {rank} was lost with its node "h2"\n' in out, out
+    assert f"deepnex run: worker {rank}: lost\n" in out, out
+
+
+def test_a_partition_longer_than_node_lost_after_replaces_the_worker_once(make_cluster,
+                                                                          tmp_path):
+    cluster = make_cluster(*LOSING, node_timeout=2)
+    gate = tmp_path / "gate"
+    p = hosts_run(cluster, "--name", "cut", "--workers", "2", "--nodes", "2",
+                  "--gpus-per-worker", "1", "--mode", "allreduce", "--restart", "on-failure:1",
+                  "--", "sh", "-c", WAITING.format(gate=gate))
+    try:
+        wait_for(lambda: (os.path.exists(f"{gate}.0") and os.path.exists(f"{gate}.1"))
+                 or p.poll() is not None, "both workers at the gate")
+        assert p.poll() is None, p.communicate()[0]
+        rank = "0" if cluster.containers()["cut-worker0"]["node"] == "h2" else "1"
+        name = f"cut-worker{rank}"
+        pid = int(cluster.containers()[name]["id"])
+        cluster.hosts.partition("h2")
+        # Its record goes with the lost run, and comes back with the new one.
+        replaced = lambda: cluster.containers().get(name, {})  # noqa: E731
+        wait_for(lambda: (replaced().get("node"), replaced().get("state")) == ("h3", "running"),
+                 lambda: f"{name} re-placed: {cluster.containers()}")
+        cluster.hosts.heal()
+        # Back, h2's agent reports the first run still running: stopped, so
+        # that the worker does not run twice.
+        cluster.wait_status("h2", "Ready", timeout=30)
+        wait_for(lambda: not _agents.pid_alive(pid),
+                 lambda: f"the first run stopped: {cluster.containers()}")
+        open(gate, "w").close()
+        code, out = finish(p, timeout=120)
+    finally:
+        cluster.hosts.heal()
+        open(gate, "w").close()
+        if p.poll() is None:
+            p.terminate()
+            p.communicate(timeout=60)
+    assert code == 0, out
+    assert f"deepnex run: worker {rank} lost; restarting (1/1)" in out, out
+    assert re.findall(rf"^\[worker {rank}\] rank {rank} on (\S+)$", out, re.M) == ["h2", "h3"], out
+    assert len(re.findall(rf"^\[worker {rank}\] rank {rank} done$", out, re.M)) == 1, out

@@ -222,6 +222,21 @@ TEST(ServerHostTest, TlsWithOnlyACertificateIsRefused) {
   EXPECT_EQ(host.status().message(), "TLS needs both tls_cert_file and tls_key_file");
 }
 
+// A channel that keeps alive at the shortest interval stays connected
+// through several idle pings: the server permits them (gRPC's default
+// answers the third ping within 5 minutes with GOAWAY "too_many_pings",
+// and the channel drops to IDLE). A span of time is what is tested, so it
+// is waited out.
+TEST(ServerHostTest, PermitsKeepalivePingsOfAChannelAtTheShortestInterval) {
+  EchoService service;
+  ASSERT_OK_AND_ASSIGN(auto host, ServerHost::Start(HostOptions("127.0.0.1:0"), {&service}));
+  auto channel = MakeChannel(host->address(), grpc::InsecureChannelCredentials(), kMinKeepalive);
+  ASSERT_TRUE(channel->WaitForConnected(std::chrono::system_clock::now() + kConnectTimeout));
+  std::this_thread::sleep_for(kMinKeepalive * 5);
+  EXPECT_EQ(channel->GetState(false), GRPC_CHANNEL_READY);
+  EXPECT_TRUE(Echo(channel, 1).ok());
+}
+
 TEST(ServerHostTest, WaitReturnsOnceStopHasAndThePortIsClosed) {
   EchoService service;
   ASSERT_OK_AND_ASSIGN(auto host, ServerHost::Start(HostOptions("127.0.0.1:0"), {&service}));
