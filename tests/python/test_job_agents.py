@@ -10,6 +10,7 @@ On 127.0.0.1 (central and agents as plain processes; no root needed), and
 on simulated hosts (central and `deepnex run` on h1, agents on h2 and h3;
 skips without root)."""
 
+import contextlib
 import os
 import re
 import subprocess
@@ -252,16 +253,31 @@ WAITING = ('echo "rank $DEEPNEX_RANK on $(hostname)"; touch {gate}.$DEEPNEX_RANK
            'while [ ! -e {gate} ]; do sleep 0.05; done; echo "rank $DEEPNEX_RANK done"')
 
 
-def test_a_job_rides_out_a_partition_shorter_than_node_lost_after(make_cluster, tmp_path):
-    # --node-lost-after stays 5 min: h2 is NotReady for a while, never lost.
-    cluster = make_cluster(node_timeout=2)
-    gate = tmp_path / "gate"
+@contextlib.contextmanager
+def _waiting_job(cluster, gate, *flags):
+    """Job "cut": 2 workers on 2 nodes that wait at `gate` (WAITING), with
+    `flags`; yields its Popen once both wait. On the way out the hosts are
+    healed, the gate opened and the job ended."""
     p = hosts_run(cluster, "--name", "cut", "--workers", "2", "--nodes", "2",
-                  "--gpus-per-worker", "1", "--mode", "allreduce",
+                  "--gpus-per-worker", "1", "--mode", "allreduce", *flags,
                   "--", "sh", "-c", WAITING.format(gate=gate))
     try:
         wait_for(lambda: (os.path.exists(f"{gate}.0") and os.path.exists(f"{gate}.1"))
                  or p.poll() is not None, "both workers at the gate")
+        yield p
+    finally:
+        cluster.hosts.heal()
+        open(gate, "w").close()
+        if p.poll() is None:
+            p.terminate()
+            p.communicate(timeout=60)
+
+
+def test_a_job_rides_out_a_partition_shorter_than_node_lost_after(make_cluster, tmp_path):
+    # --node-lost-after stays 5 min: h2 is NotReady for a while, never lost.
+    cluster = make_cluster(node_timeout=2)
+    gate = tmp_path / "gate"
+    with _waiting_job(cluster, gate) as p:
         on_h2 = [n for n, w in cluster.containers().items() if w["node"] == "h2"]
         assert len(on_h2) == 1, cluster.containers()
         cluster.hosts.partition("h2")
@@ -274,12 +290,6 @@ def test_a_job_rides_out_a_partition_shorter_than_node_lost_after(make_cluster, 
         cluster.wait_status("h2", "Ready", timeout=30)
         open(gate, "w").close()
         code, out = finish(p, timeout=120)
-    finally:
-        cluster.hosts.heal()
-        open(gate, "w").close()
-        if p.poll() is None:
-            p.terminate()
-            p.communicate(timeout=60)
     assert code == 0, out
     # Each worker started once, on its own node, and finished: none was
     # lost, restarted or started twice.
@@ -296,12 +306,7 @@ def test_a_partition_longer_than_node_lost_after_fails_the_job_naming_the_node(m
                                                                                tmp_path):
     cluster = make_cluster(*LOSING, node_timeout=2)
     gate = tmp_path / "gate"
-    p = hosts_run(cluster, "--name", "cut", "--workers", "2", "--nodes", "2",
-                  "--gpus-per-worker", "1", "--mode", "allreduce",
-                  "--", "sh", "-c", WAITING.format(gate=gate))
-    try:
-        wait_for(lambda: (os.path.exists(f"{gate}.0") and os.path.exists(f"{gate}.1"))
-                 or p.poll() is not None, "both workers at the gate")
+    with _waiting_job(cluster, gate) as p:
         rank = "0" if cluster.containers()["cut-worker0"]["node"] == "h2" else "1"
         pid = int(cluster.containers()[f"cut-worker{rank}"]["id"])
         cluster.hosts.partition("h2")
@@ -313,12 +318,6 @@ def test_a_partition_longer_than_node_lost_after_fails_the_job_naming_the_node(m
         wait_for(lambda: not _agents.pid_alive(pid),
                  lambda: f"the lost worker stopped: {cluster.containers()}")
         assert cluster.containers()[f"cut-worker{rank}"]["state"] == "stopped"
-    finally:
-        cluster.hosts.heal()
-        open(gate, "w").close()
-        if p.poll() is None:
-            p.terminate()
-            p.communicate(timeout=60)
     assert code == 1, out
     assert f'deepnex run: worker {rank} was lost with its node "h2"\n' in out, out
     assert f"deepnex run: worker {rank}: lost\n" in out, out
@@ -328,12 +327,7 @@ def test_a_partition_longer_than_node_lost_after_replaces_the_worker_once(make_c
                                                                           tmp_path):
     cluster = make_cluster(*LOSING, node_timeout=2)
     gate = tmp_path / "gate"
-    p = hosts_run(cluster, "--name", "cut", "--workers", "2", "--nodes", "2",
-                  "--gpus-per-worker", "1", "--mode", "allreduce", "--restart", "on-failure:1",
-                  "--", "sh", "-c", WAITING.format(gate=gate))
-    try:
-        wait_for(lambda: (os.path.exists(f"{gate}.0") and os.path.exists(f"{gate}.1"))
-                 or p.poll() is not None, "both workers at the gate")
+    with _waiting_job(cluster, gate, "--restart", "on-failure:1") as p:
         assert p.poll() is None, p.communicate()[0]
         rank = "0" if cluster.containers()["cut-worker0"]["node"] == "h2" else "1"
         name = f"cut-worker{rank}"
@@ -351,12 +345,6 @@ def test_a_partition_longer_than_node_lost_after_replaces_the_worker_once(make_c
                  lambda: f"the first run stopped: {cluster.containers()}")
         open(gate, "w").close()
         code, out = finish(p, timeout=120)
-    finally:
-        cluster.hosts.heal()
-        open(gate, "w").close()
-        if p.poll() is None:
-            p.terminate()
-            p.communicate(timeout=60)
     assert code == 0, out
     assert f"deepnex run: worker {rank} lost; restarting (1/1)" in out, out
     assert re.findall(rf"^\[worker {rank}\] rank {rank} on (\S+)$", out, re.M) == ["h2", "h3"], out
