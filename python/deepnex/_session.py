@@ -211,6 +211,9 @@ class PortForward:
                 pass
             conn.close()
             s.cancel()
+            # The session goes with this thread, not at the interpreter's
+            # exit (gRPC cannot end a stream then).
+            up.join(timeout=5)
             with self._lock:
                 self._open.discard(s)
 

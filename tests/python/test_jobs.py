@@ -167,7 +167,8 @@ def test_a_waiting_job_is_pending_and_cancelling_it_withdraws_its_request(centra
     waiting = central.run(address, ["--workers", "1", "--gpus-per-worker", "1"], ["echo", "ran"])
     wait_for(lambda: [x["name"] for x in c["alice"].jobs(state="pending")] == [waiting.name],
              "the second job to wait")
-    assert len(c["alice"].pending()) == 1
+    # The runner registers its job before it asks for the allocation.
+    wait_for(lambda: len(c["alice"].pending()) == 1, "the second job's request in the queue")
     row = run_cli("jobs", "--state", "pending", "--central", address).stdout.splitlines()[1]
     assert row.split()[:4] == [waiting.name, "alice", "pending", "-"]
     assert run_cli("job", "cancel", waiting.name, "--central", address).returncode == 0

@@ -20,6 +20,9 @@ from _wait import wait_for
 from deepnex import NotFoundError, gpu, launch
 
 PY = sys.executable
+# What a container runs: it runs as the mapped user, who may not reach the
+# tests' interpreter (CI's venv is in a private directory).
+CONTAINER_PY = "/usr/bin/python3"
 
 
 def grant(cpus=1, memory="256MiB"):
@@ -238,7 +241,8 @@ def get(port, path="/x"):
 def test_port_forward_reaches_a_server_in_the_container_and_only_its_owner(central):
     alice, bob = clients(central)
     a = alice.allocate(grant())
-    alice.start_container(launch.ContainerSpec(name="web", command=[PY, "-c", HTTP_SERVER]), a)
+    spec = launch.ContainerSpec(name="web", command=[CONTAINER_PY, "-c", HTTP_SERVER])
+    alice.start_container(spec, a)
     port = int(wait_for(lambda: alice.container_logs("web").strip(), "web's port"))
     with alice.port_forward("web", port) as fwd:
         assert fwd.port != 0
@@ -308,7 +312,8 @@ def test_exec_and_port_forward_through_an_agent_on_another_host(make_hosts, tmp_
     out = deepnex("alloc", "--gpus", "1", "--cpus", "1", "--memory", "256MiB", "--node", "h1")
     assert out.returncode == 0, out.stderr
     alloc = out.stdout.split()[0]
-    out = deepnex("launch", "--alloc", alloc, "--name", "web", "--", PY, "-c", HTTP_SERVER)
+    out = deepnex("launch", "--alloc", alloc, "--name", "web", "--", CONTAINER_PY, "-c",
+                  HTTP_SERVER)
     assert out.returncode == 0, out.stderr
     port = int(wait_for(lambda: deepnex("logs", "web").stdout.strip(), "web's port"))
     # It runs on h1 (its hostname), with stdin and the exit code through both streams.
