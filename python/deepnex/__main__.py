@@ -1,9 +1,10 @@
 """The deepnex command line: ``python3 -m deepnex`` or ``deepnex``."""
 
 import argparse
+import importlib
 import os
 import sys
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 
 def _version(args: argparse.Namespace) -> int:
@@ -13,8 +14,29 @@ def _version(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser; parts add their subcommands here."""
+# The modules that add subcommands, in the order of `deepnex --help`.
+_CLI_MODULES = (
+    "_cli_gpu",  # nodes, alloc, release, quota, node, ...
+    "_cli_launch",  # ps, launch, logs, stop
+    "_cli_images",  # images, image
+    "_cli_session",  # exec, shell, notebook, port-forward
+    "_cli_tune",  # tune
+    "_cli_job",  # run, top
+    "_cli_jobs",  # jobs, job show / cancel
+)
+# Commands whose module is known: they parse with that module's parser
+# alone, so that `deepnex shell` starts without importing the others (and
+# what they import). Any other command, and no command, gets the full parser.
+_COMMAND_MODULES = {
+    "exec": "_cli_session",
+    "shell": "_cli_session",
+    "notebook": "_cli_session",
+    "port-forward": "_cli_session",
+}
+
+
+def build_parser(modules: Sequence[str] = _CLI_MODULES) -> argparse.ArgumentParser:
+    """The argument parser with the subcommands of `modules` (default: all)."""
     parser = argparse.ArgumentParser(
         prog="deepnex",
         description="deepnex: data-parallel training on shared GPU machines.",
@@ -22,32 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     version = commands.add_parser("version", help="print the version")
     version.set_defaults(func=_version)
-    from deepnex import _cli_gpu  # nodes, alloc, release, quota, node, ...
-
-    _cli_gpu.add_commands(commands)
-    from deepnex import _cli_launch  # ps
-
-    _cli_launch.add_commands(commands)
-    from deepnex import _cli_images  # images, image
-
-    _cli_images.add_commands(commands)
-    from deepnex import _cli_session  # exec, shell, port-forward
-
-    _cli_session.add_commands(commands)
-    from deepnex import _cli_tune  # tune
-
-    _cli_tune.add_commands(commands)
-    from deepnex import _cli_job  # run, top
-
-    _cli_job.add_commands(commands)
-    from deepnex import _cli_jobs  # jobs, job show / cancel
-
-    _cli_jobs.add_commands(commands)
+    for name in modules:
+        importlib.import_module(f"deepnex.{name}").add_commands(commands)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    module = _COMMAND_MODULES.get(argv[0]) if argv else None
+    parser = build_parser((module,) if module else _CLI_MODULES)
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
