@@ -7,7 +7,7 @@
 Errors are deepnex.DeepnexError subclasses (see deepnex.errors).
 """
 
-import importlib
+import sys
 
 from deepnex.errors import (
     AbortedError,
@@ -31,7 +31,8 @@ from deepnex.errors import (
 
 # Everything else resolves on first use (PEP 562), so that `import deepnex`
 # (and every `deepnex` command) starts without the compiled module, numpy or
-# the submodules a program does not touch.
+# the submodules a program does not touch. They import through __import__
+# (not importlib.import_module), which `python -X importtime` reports.
 _FROM_C = ("__version__", "Context", "DType", "parse_byte_size", "format_byte_size")
 _SUBMODULES = ("_C", "collective", "ps", "gpu", "data", "launch", "job", "tune")
 
@@ -39,13 +40,14 @@ _SUBMODULES = ("_C", "collective", "ps", "gpu", "data", "launch", "job", "tune")
 def _compiled():
     """deepnex._C, or an ImportError that says how to build it."""
     try:
-        return importlib.import_module("deepnex._C")
+        import deepnex._C
     except ImportError as e:  # pragma: no cover - depends on the installation
         raise ImportError(
             "deepnex's compiled module deepnex._C could not be loaded "
             f"({e}). Build it with CMake and put <build>/python on PYTHONPATH, "
             "or install the package with pip."
         ) from e
+    return sys.modules["deepnex._C"]
 
 
 def __getattr__(name):
@@ -56,12 +58,13 @@ def __getattr__(name):
     elif name in _SUBMODULES:
         _compiled()  # its error says how to build it
         try:
-            value = importlib.import_module(f"deepnex.{name}")
+            __import__(f"deepnex.{name}")
         except ModuleNotFoundError as e:
             # The parameter server's Python layer is optional while it is being written.
             if e.name != f"deepnex.{name}":
                 raise
             raise AttributeError(f"module 'deepnex' has no attribute {name!r}") from e
+        value = sys.modules[f"deepnex.{name}"]
     elif name == "report":  # a training script's progress: to its search, or its job's record
         from deepnex.tune import report as value
     else:
