@@ -1,9 +1,11 @@
 """The deepnex command line: ``python3 -m deepnex`` or ``deepnex``."""
 
+# Annotations stay unevaluated: the command starts without importing typing.
+from __future__ import annotations
+
 import argparse
 import os
 import sys
-from typing import List, Optional, Sequence
 
 
 def _version(args: argparse.Namespace) -> int:
@@ -34,7 +36,7 @@ _COMMAND_MODULES = {
 }
 
 
-def build_parser(modules: Sequence[str] = _CLI_MODULES) -> argparse.ArgumentParser:
+def build_parser(modules: tuple[str, ...] = _CLI_MODULES) -> argparse.ArgumentParser:
     """The argument parser with the subcommands of `modules` (default: all)."""
     parser = argparse.ArgumentParser(
         prog="deepnex",
@@ -49,7 +51,7 @@ def build_parser(modules: Sequence[str] = _CLI_MODULES) -> argparse.ArgumentPars
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     module = _COMMAND_MODULES.get(argv[0]) if argv else None
     parser = build_parser((module,) if module else _CLI_MODULES)

@@ -25,7 +25,6 @@ Ctrl-C (or SIGTERM).
 import argparse
 import os
 import re
-import secrets
 import signal
 import sys
 import threading
@@ -105,11 +104,47 @@ def _end(c, args, name, alloc, made, started, again):
         print(f"deepnex: cleaning up after {name}: {e}", file=sys.stderr)
 
 
+def _native_shell():
+    """deepnex-shell, the C++ client of `deepnex shell`: the package's
+    (deepnex/bin/) or the build tree's (<build>/bin/); None where there is
+    none, or with DEEPNEX_NATIVE_SHELL=0 (then this module's client runs)."""
+    if os.environ.get("DEEPNEX_NATIVE_SHELL") == "0":
+        return None
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, "bin", "deepnex-shell"),
+                 os.path.join(here, "..", "..", "bin", "deepnex-shell")):
+        if os.access(path, os.X_OK):
+            return os.path.abspath(path)
+    return None
+
+
+def _exec_native_shell(args):
+    """Replaces this process with deepnex-shell and the flags argparse read
+    (checked, defaults filled in, abbreviations spelled out), so that the
+    shell's prompt comes without loading deepnex's compiled module here;
+    returns where there is no deepnex-shell or it cannot run."""
+    native = _native_shell()
+    if native is None:
+        return
+    argv = [native]
+    for dest, value in sorted(vars(args).items()):
+        if dest in ("command", "func") or value is None or value is False:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        argv.append(flag if value is True else f"{flag}={value}")
+    try:
+        os.execv(native, argv)
+    except OSError:
+        pass  # this module's client instead
+
+
 def _shell(args):
+    _exec_native_shell(args)
     from deepnex import launch
     from deepnex._session import attach
     c = client(args)
     alloc, made = _allocation(c, args)
+    import secrets
     name = args.name or f"shell-{secrets.token_hex(3)}"
     started = False
     code = 1
@@ -200,6 +235,7 @@ def _notebook(args):
     from deepnex._session import PortForward
     c = client(args)
     alloc, made = _allocation(c, args)
+    import secrets
     name = args.name or f"notebook-{secrets.token_hex(3)}"
     token = secrets.token_hex(16)
     started = False

@@ -17,7 +17,7 @@ import pytest
 
 from _central import AS_ROOT, USER_IDS, clients
 from _wait import wait_for
-from deepnex import NotFoundError, gpu, launch
+from deepnex import NotFoundError, _cli_session as _session_cli, _session, gpu, launch
 
 PY = sys.executable
 # What a container runs: it runs as the mapped user, who may not reach the
@@ -154,14 +154,40 @@ class Terminal:
         os.close(self.master)
 
 
-def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code(central):
-    alice, _ = clients(central)
+NATIVE_SHELL = os.path.join(os.path.dirname(os.path.abspath(_session.__file__)), "..", "..",
+                            "bin", "deepnex-shell")
+
+
+def shell_env(central, client):
+    """The environment of `deepnex shell` with `client`: "native" (the
+    command execs deepnex-shell, the C++ client) or "python"."""
     env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
+    env.pop("DEEPNEX_NATIVE_SHELL", None)
+    if client == "python":
+        env["DEEPNEX_NATIVE_SHELL"] = "0"
+    elif _session_cli._native_shell() is None:
+        pytest.skip("deepnex-shell is not built (nor in the package)")
+    return env
+
+
+def expect_client(t, client):
+    """The process on the terminal runs `client`'s code: deepnex-shell once
+    the native command exec'd it, else Python."""
+    exe = os.path.basename(os.readlink(f"/proc/{t.proc.pid}/exe"))
+    assert exe == ("deepnex-shell" if client == "native" else os.path.basename(
+        os.path.realpath(PY))), exe
+
+
+@pytest.mark.parametrize("client", ["native", "python"])
+def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code(central, client):
+    alice, _ = clients(central)
+    env = shell_env(central, client)
     t = Terminal([PY, "-m", "deepnex", "shell", "--cpus", "1", "--memory", "256MiB",
                   "--name", "sh1"], env)
     try:
         # The prompt first: a shell may drop what was typed before it ran.
         t.expect(b"$ ")
+        expect_client(t, client)
         # Markers computed by the shell, so that the echo of what was typed
         # does not match.
         t.send("echo ready-$((40+2))\n")
@@ -197,13 +223,16 @@ def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code
     assert alice.allocations() == []
 
 
-def test_shell_on_a_given_allocation_with_keep_leaves_both(central):
+@pytest.mark.parametrize("client", ["native", "python"])
+def test_shell_on_a_given_allocation_with_keep_leaves_both(central, client):
     alice, _ = clients(central)
     a = alice.allocate(grant())
-    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
-    t = Terminal([PY, "-m", "deepnex", "shell", "--alloc", a.id, "--keep", "--name", "k1"], env)
+    env = shell_env(central, client)
+    # --kee: argparse's abbreviation, spelled out before deepnex-shell runs.
+    t = Terminal([PY, "-m", "deepnex", "shell", "--alloc", a.id, "--kee", "--name", "k1"], env)
     try:
         t.expect(b"$ ")
+        expect_client(t, client)
         t.send("exit\n")
         t.expect(b"deepnex: kept container k1 on allocation " + a.id.encode())
         assert t.proc.wait(timeout=30) == 0
@@ -213,6 +242,36 @@ def test_shell_on_a_given_allocation_with_keep_leaves_both(central):
     assert (k1["state"], k1["allocation"]) == ("running", a.id)
     assert [x.id for x in alice.allocations()] == [a.id]
     assert alice.exec("k1", ["true"]).exit_code == 0
+
+
+@pytest.mark.parametrize("client", ["native", "python"])
+def test_shell_errors_are_one_line_and_leave_nothing_behind(central, client):
+    alice, _ = clients(central)
+    env = shell_env(central, client)
+
+    def shell(*args, env=env):
+        return subprocess.run([PY, "-m", "deepnex", "shell", "--cpus", "1", "--memory", "256MiB",
+                               *args], env=env, capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+    out = shell("--alloc", "a99")
+    assert (out.returncode, out.stderr) == (1, 'deepnex: allocation "a99" does not exist\n')
+    out = shell("--gpu-memory", "12XB")
+    assert (out.returncode, out.stderr) == (
+        1, 'deepnex: gpu_memory: "12XB" is not a byte size (unknown unit "XB"; use B, KiB, '
+           'MiB, GiB, TiB, PiB, EiB, K, M, G, T, P, E, KB, MB, GB, TB, PB or EB)\n')
+    # Refused after the allocation was made: it is released.
+    out = shell("--image", "nosuch")
+    assert out.returncode == 1 and out.stderr.startswith(
+        'deepnex: spec.image: "nosuch" is not an image that user alice may run'), out.stderr
+    assert alice.allocations() == [] and alice.containers() == []
+    out = shell(env={k: v for k, v in env.items() if k != "DEEPNEX_CENTRAL"})
+    assert (out.returncode, out.stderr) == (
+        1, "deepnex: no central address (--central or $DEEPNEX_CENTRAL)\n")
+    # argparse's errors in both.
+    out = shell("--gpu-mode", "x")
+    assert out.returncode == 2 and out.stderr.endswith(
+        "deepnex shell: error: argument --gpu-mode: invalid choice: 'x' "
+        "(choose from 'exclusive', 'shared')\n")
 
 
 HTTP_SERVER = """

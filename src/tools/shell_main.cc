@@ -1,0 +1,300 @@
+// deepnex-shell: `deepnex shell` without starting Python's deepnex (its
+// compiled module, the CLI's modules): the `deepnex shell` command parses
+// its flags and execs this with them, so that the time to a prompt is a
+// C++ client's (issue #16's session_bench). Behaves as deepnex/_cli_session.py's
+// _shell: allocates unless --alloc, starts a container that waits, runs a
+// login shell in it on a pseudo-terminal attached to this terminal (raw
+// mode, the window's size and its changes), exits with the shell's code,
+// then stops the container and releases the allocation it made (--keep:
+// neither).
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/ioctl.h>
+#include <termios.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "deepnex/gpu/central.h"
+#include "deepnex/launch/central.h"
+#include "deepnex/launch/session.h"
+#include "tools/daemon.h"
+
+namespace {
+
+namespace gpu = ::deepnex::gpu;
+namespace launch = ::deepnex::launch;
+
+constexpr char kUsage[] = R"(usage: deepnex-shell [flags]
+
+`deepnex shell` in C++ (deepnex shell execs it; see deepnex shell --help).
+
+flags:
+  --central HOST:PORT     deepnex-central ($DEEPNEX_CENTRAL)
+  --token T               bearer token ($DEEPNEX_TOKEN)
+  --token-file F          file holding the bearer token
+  --tls-ca-file F         PEM CA certificate to verify deepnex-central's TLS
+  --call-timeout S        seconds per call (default 30)
+  --alloc ID              an allocation of yours to run on (default: allocate one)
+  --gpus N                GPUs to allocate (default 0)
+  --gpu-mode M            exclusive (default) or shared
+  --gpu-memory X          per GPU in shared mode, e.g. 8GiB
+  --cpus C                CPU cores to allocate (default 1)
+  --memory M              host memory to allocate (default 1GiB)
+  --image NAME            a name from deepnex-central's images (default host)
+  --name NAME             the container's name (default: shell-<random>)
+  --keep                  leave the container running and the allocation held
+)";
+
+// A shell the container has: bash where there is one (as _cli_session.SHELL).
+const std::vector<std::string> kShell = {
+    "/bin/sh", "-c", "command -v bash >/dev/null && exec bash -il || exec sh -il"};
+
+constexpr size_t kChunk = 32 << 10;
+
+// The write end of the pipe SIGWINCH's handler wakes the input thread with.
+int winch_fd = -1;
+
+void OnWinch(int) {
+  char c = 'w';
+  [[maybe_unused]] ssize_t n = write(winch_fd, &c, 1);
+}
+
+// rows, cols of the terminal on `fd`; 0, 0 when it is none.
+std::pair<int, int> Window(int fd) {
+  winsize w{};
+  if (ioctl(fd, TIOCGWINSZ, &w) != 0) return {0, 0};
+  return {w.ws_row, w.ws_col};
+}
+
+bool WriteAll(int fd, const std::string& data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// Forwards stdin to `session` until EOF (then closes its stdin) and the
+// window's new size on each SIGWINCH, until `stop_fd` is readable.
+void ForwardInput(launch::Session* session, bool terminal, int winch_read, int stop_fd) {
+  bool input_open = true;
+  std::vector<char> buf(kChunk);
+  while (true) {
+    pollfd fds[3] = {{stop_fd, POLLIN, 0}, {winch_read, POLLIN, 0}, {0, POLLIN, 0}};
+    int n = poll(fds, input_open ? 3 : 2, -1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 || fds[0].revents) return;
+    if (fds[1].revents) {
+      char drain[64];
+      [[maybe_unused]] ssize_t r = read(winch_read, drain, sizeof(drain));
+      auto [rows, cols] = Window(0);
+      if (terminal) session->Resize(rows, cols).IgnoreError();  // it may have ended meanwhile
+    }
+    if (input_open && fds[2].revents) {
+      ssize_t r = read(0, buf.data(), buf.size());
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) {
+        session->CloseStdin().IgnoreError();
+        input_open = false;
+        continue;
+      }
+      // A failed write: the session ended, nobody reads the rest.
+      if (!session->Write(std::string(buf.data(), static_cast<size_t>(r))).ok()) return;
+    }
+  }
+}
+
+// Runs kShell in container `name` on this process's terminal; its exit code.
+absl::StatusOr<int> Attach(launch::CentralClient& client, const std::string& name) {
+  const bool terminal = isatty(0);
+  launch::SessionOptions o;
+  o.container = name;
+  o.command = kShell;
+  o.tty = true;
+  if (terminal) std::tie(o.rows, o.cols) = Window(0);
+  DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<launch::Session> session, client.OpenSession(o));
+  int winch[2], stop[2];
+  if (pipe2(winch, O_CLOEXEC | O_NONBLOCK) != 0 || pipe2(stop, O_CLOEXEC) != 0) {
+    return absl::InternalError(absl::StrCat("pipe: ", strerror(errno)));
+  }
+  std::optional<termios> saved;
+  struct sigaction old_winch {};
+  if (terminal) {
+    termios t{};
+    if (tcgetattr(0, &t) == 0) {
+      saved = t;
+      cfmakeraw(&t);
+      tcsetattr(0, TCSAFLUSH, &t);
+    }
+    winch_fd = winch[1];
+    struct sigaction sa {};
+    sa.sa_handler = OnWinch;
+    sa.sa_flags = SA_RESTART;
+    sigaction(SIGWINCH, &sa, &old_winch);
+  }
+  std::thread input(ForwardInput, session.get(), terminal, winch[0], stop[0]);
+  absl::StatusOr<int> code = absl::UnknownError("no exit");
+  while (true) {
+    absl::StatusOr<launch::SessionEvent> e = session->Read();
+    if (!e.ok()) {
+      code = e.status();
+      break;
+    }
+    if (e->kind == launch::SessionEvent::Kind::kExit) {
+      code = e->exit_code;
+      break;
+    }
+    WriteAll(e->kind == launch::SessionEvent::Kind::kStdout ? 1 : 2, e->data);
+  }
+  char c = 'x';
+  [[maybe_unused]] ssize_t n = write(stop[1], &c, 1);
+  input.join();
+  if (terminal) sigaction(SIGWINCH, &old_winch, nullptr);
+  if (saved) tcsetattr(0, TCSADRAIN, &*saved);
+  for (int fd : {winch[0], winch[1], stop[0], stop[1]}) close(fd);
+  return code;
+}
+
+// Waits until container `name` runs; an error naming how it ended.
+absl::Status WaitRunning(launch::CentralClient& client, const std::string& name) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (true) {
+    DEEPNEX_ASSIGN_OR_RETURN(std::vector<launch::CentralContainer> all, client.ListContainers());
+    std::string state = "gone", last_exit;
+    for (const launch::CentralContainer& c : all) {
+      if (c.name != name) continue;
+      state = launch::StateName(c.state);
+      last_exit = c.last_exit;
+    }
+    if (state == "running") return absl::OkStatus();
+    if (state == "stopped" || state == "exited" || state == "gone" ||
+        std::chrono::steady_clock::now() > deadline) {
+      std::string what = absl::StrCat("container ", name, " did not start: ", state);
+      if (!last_exit.empty()) absl::StrAppend(&what, " ", last_exit);
+      return absl::UnknownError(what);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+std::string RandomName() {
+  std::random_device rd;
+  char hex[7];
+  std::snprintf(hex, sizeof(hex), "%06x", rd() & 0xffffffu);
+  return absl::StrCat("shell-", hex);
+}
+
+int Fail(const absl::Status& s) {
+  std::cerr << "deepnex: " << s.message() << "\n";
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gpu::CentralClientOptions options;
+  std::optional<std::string> token;
+  std::string alloc, image = "host", name;
+  bool keep = false;
+  gpu::Request request;
+  request.cpus = 1;
+  std::string gpu_memory = "0", memory = "1GiB";
+  deepnex::tools::Flags flags("deepnex shell", kUsage, argc, argv);
+  while (flags.Next()) {
+    if (flags.Is("--central")) options.address = flags.Value();
+    else if (flags.Is("--token")) token = flags.Value();
+    else if (flags.Is("--token-file")) options.token_file = flags.Value();
+    else if (flags.Is("--tls-ca-file")) options.tls_ca_file = flags.Value();
+    else if (flags.Is("--call-timeout")) options.timeout = flags.Seconds();
+    else if (flags.Is("--alloc")) alloc = flags.Value();
+    else if (flags.Is("--gpus")) request.gpus = flags.Int();
+    else if (flags.Is("--gpu-mode")) request.mode = flags.OrDie(gpu::ParseMode(flags.Value(), "--gpu-mode"));
+    else if (flags.Is("--gpu-memory")) gpu_memory = flags.Value();
+    else if (flags.Is("--cpus")) request.cpus = flags.Int();
+    else if (flags.Is("--memory")) memory = flags.Value();
+    else if (flags.Is("--image")) image = flags.Value();
+    else if (flags.Is("--name")) name = flags.Value();
+    else if (flags.Is("--keep")) keep = true;
+    else flags.Unknown();
+  }
+  // As deepnex's other commands (_cli_common): --central, else
+  // $DEEPNEX_CENTRAL; --token, else $DEEPNEX_TOKEN unless --token-file.
+  if (options.address.empty() && std::getenv("DEEPNEX_CENTRAL")) {
+    options.address = std::getenv("DEEPNEX_CENTRAL");
+  }
+  if (options.address.empty()) {
+    std::cerr << "deepnex: no central address (--central or $DEEPNEX_CENTRAL)\n";
+    return 1;
+  }
+  if (token) {
+    options.token = *token;
+  } else if (options.token_file.empty() && std::getenv("DEEPNEX_TOKEN")) {
+    options.token = std::getenv("DEEPNEX_TOKEN");
+  }
+  if (name.empty()) name = RandomName();
+  // Sizes are checked as the Python client does (deepnex.gpu), naming the field.
+  absl::StatusOr<uint64_t> bytes = deepnex::ParseByteSize(gpu_memory, "gpu_memory");
+  if (!bytes.ok()) return Fail(bytes.status());
+  request.gpu_memory = *bytes;
+  bytes = deepnex::ParseByteSize(memory, "memory");
+  if (!bytes.ok()) return Fail(bytes.status());
+  request.memory = *bytes;
+
+  absl::StatusOr<std::unique_ptr<gpu::CentralClient>> allocator =
+      gpu::CentralClient::Create(options);
+  if (!allocator.ok()) return Fail(allocator.status());
+  absl::StatusOr<std::unique_ptr<launch::CentralClient>> client =
+      launch::CentralClient::Create(options);
+  if (!client.ok()) return Fail(client.status());
+  std::string made;  // the allocation made here, released at the end
+  if (alloc.empty()) {
+    absl::StatusOr<gpu::Allocation> a = (*allocator)->Allocate(request);
+    if (!a.ok()) return Fail(a.status());
+    alloc = made = a->id;
+  }
+
+  bool started = false;
+  absl::StatusOr<int> code = [&]() -> absl::StatusOr<int> {
+    launch::ContainerSpec spec;
+    spec.name = name;
+    spec.image = image;
+    spec.command = {"sleep", "infinity"};
+    DEEPNEX_RETURN_IF_ERROR((*client)->StartContainer(spec, alloc).status());
+    started = true;
+    DEEPNEX_RETURN_IF_ERROR(WaitRunning(**client, name));
+    return Attach(**client, name);
+  }();
+  if (!code.ok()) Fail(code.status());
+
+  if (keep) {
+    std::cerr << "deepnex: kept container " << name << " on allocation " << alloc
+              << " (deepnex exec " << name << " -it -- bash; deepnex stop " << name << ")\n";
+  } else {
+    absl::Status s = absl::OkStatus();
+    if (started) s = (*client)->StopContainer(name, std::chrono::seconds(1)).status();
+    if (s.ok() && !made.empty()) s = (*allocator)->Release(made);
+    // NotFound: released with its last container.
+    if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
+      std::cerr << "deepnex: cleaning up after " << name << ": " << s.message() << "\n";
+    }
+  }
+  return code.ok() ? *code : 1;
+}
