@@ -149,10 +149,11 @@ def _shell(args):
     started = False
     code = 1
     try:
-        c.start_container(launch.ContainerSpec(name=name, image=args.image,
-                                               command=["sleep", "infinity"]), alloc)
+        info = c.start_container(launch.ContainerSpec(name=name, image=args.image,
+                                                      command=["sleep", "infinity"]), alloc)
         started = True
-        _wait_running(c, name)
+        if info["state"] != "running":  # the process backend's runs already: no call more
+            _wait_running(c, name)
         code = attach(c._c, name, SHELL, tty=True, interactive=True)
     finally:
         _end(c, args, name, alloc, made, started, f"deepnex exec {name} -it -- bash")

@@ -277,9 +277,10 @@ int main(int argc, char** argv) {
     spec.name = name;
     spec.image = image;
     spec.command = {"sleep", "infinity"};
-    DEEPNEX_RETURN_IF_ERROR((*client)->StartContainer(spec, alloc).status());
+    DEEPNEX_ASSIGN_OR_RETURN(launch::CentralContainer c, (*client)->StartContainer(spec, alloc));
     started = true;
-    DEEPNEX_RETURN_IF_ERROR(WaitRunning(**client, name));
+    // The process backend's runs already: no call more.
+    if (c.state != launch::State::kRunning) DEEPNEX_RETURN_IF_ERROR(WaitRunning(**client, name));
     return Attach(**client, name);
   }();
   if (!code.ok()) Fail(code.status());
