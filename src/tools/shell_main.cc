@@ -6,7 +6,8 @@
 // login shell in it on a pseudo-terminal attached to this terminal (raw
 // mode, the window's size and its changes), exits with the shell's code,
 // then stops the container and releases the allocation it made (--keep:
-// neither).
+// neither). Unlike the Python client, SIGHUP (the terminal gone), SIGTERM
+// or SIGINT while attached end the session with 128 + N and still clean up.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -14,12 +15,14 @@
 #include <termios.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <random>
@@ -66,13 +69,19 @@ const std::vector<std::string> kShell = {
 
 constexpr size_t kChunk = 32 << 10;
 
-// The write end of the pipe SIGWINCH's handler wakes the input thread with.
-int winch_fd = -1;
+// The write end of the pipe the signal handler wakes the input thread with:
+// one byte per signal, its number.
+int signal_fd = -1;
 
-void OnWinch(int) {
-  char c = 'w';
-  [[maybe_unused]] ssize_t n = write(winch_fd, &c, 1);
+void OnSignal(int sig) {
+  char c = static_cast<char>(sig);
+  [[maybe_unused]] ssize_t n = write(signal_fd, &c, 1);
 }
+
+// The signals Attach takes: the window's new size; and the end of the
+// terminal or a request to stop, which end the session, so that the
+// container still stops and the allocation is released.
+constexpr int kSignals[] = {SIGWINCH, SIGHUP, SIGTERM, SIGINT};
 
 // rows, cols of the terminal on `fd`; 0, 0 when it is none.
 std::pair<int, int> Window(int fd) {
@@ -92,19 +101,28 @@ bool WriteAll(int fd, const std::string& data) {
   return true;
 }
 
-// Forwards stdin to `session` until EOF (then closes its stdin) and the
-// window's new size on each SIGWINCH, until `stop_fd` is readable.
-void ForwardInput(launch::Session* session, bool terminal, int winch_read, int stop_fd) {
+// Forwards stdin to `session` until EOF (then closes its stdin), and the
+// window's new size on each SIGWINCH, until `stop_fd` is readable. Another
+// signal cancels the session and is stored in `*stopped_by`.
+void ForwardInput(launch::Session* session, bool terminal, int signal_read, int stop_fd,
+                  std::atomic<int>* stopped_by) {
   bool input_open = true;
   std::vector<char> buf(kChunk);
   while (true) {
-    pollfd fds[3] = {{stop_fd, POLLIN, 0}, {winch_read, POLLIN, 0}, {0, POLLIN, 0}};
+    pollfd fds[3] = {{stop_fd, POLLIN, 0}, {signal_read, POLLIN, 0}, {0, POLLIN, 0}};
     int n = poll(fds, input_open ? 3 : 2, -1);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 || fds[0].revents) return;
     if (fds[1].revents) {
-      char drain[64];
-      [[maybe_unused]] ssize_t r = read(winch_read, drain, sizeof(drain));
+      char sigs[64];
+      ssize_t got = read(signal_read, sigs, sizeof(sigs));
+      for (ssize_t i = 0; i < got; ++i) {
+        if (sigs[i] != SIGWINCH) {
+          stopped_by->store(sigs[i]);
+          session->Cancel();
+          return;
+        }
+      }
       auto [rows, cols] = Window(0);
       if (terminal) session->Resize(rows, cols).IgnoreError();  // it may have ended meanwhile
     }
@@ -122,7 +140,8 @@ void ForwardInput(launch::Session* session, bool terminal, int winch_read, int s
   }
 }
 
-// Runs kShell in container `name` on this process's terminal; its exit code.
+// Runs kShell in container `name` on this process's terminal; its exit code
+// (128 + N when signal N ended it here).
 absl::StatusOr<int> Attach(launch::CentralClient& client, const std::string& name) {
   const bool terminal = isatty(0);
   launch::SessionOptions o;
@@ -131,12 +150,11 @@ absl::StatusOr<int> Attach(launch::CentralClient& client, const std::string& nam
   o.tty = true;
   if (terminal) std::tie(o.rows, o.cols) = Window(0);
   DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<launch::Session> session, client.OpenSession(o));
-  int winch[2], stop[2];
-  if (pipe2(winch, O_CLOEXEC | O_NONBLOCK) != 0 || pipe2(stop, O_CLOEXEC) != 0) {
+  int signals[2], stop[2];
+  if (pipe2(signals, O_CLOEXEC | O_NONBLOCK) != 0 || pipe2(stop, O_CLOEXEC) != 0) {
     return absl::InternalError(absl::StrCat("pipe: ", strerror(errno)));
   }
   std::optional<termios> saved;
-  struct sigaction old_winch {};
   if (terminal) {
     termios t{};
     if (tcgetattr(0, &t) == 0) {
@@ -144,13 +162,17 @@ absl::StatusOr<int> Attach(launch::CentralClient& client, const std::string& nam
       cfmakeraw(&t);
       tcsetattr(0, TCSAFLUSH, &t);
     }
-    winch_fd = winch[1];
-    struct sigaction sa {};
-    sa.sa_handler = OnWinch;
-    sa.sa_flags = SA_RESTART;
-    sigaction(SIGWINCH, &sa, &old_winch);
   }
-  std::thread input(ForwardInput, session.get(), terminal, winch[0], stop[0]);
+  signal_fd = signals[1];
+  struct sigaction old[std::size(kSignals)];
+  for (size_t i = 0; i < std::size(kSignals); ++i) {
+    struct sigaction sa {};
+    sa.sa_handler = OnSignal;
+    sa.sa_flags = SA_RESTART;
+    sigaction(kSignals[i], &sa, &old[i]);
+  }
+  std::atomic<int> stopped_by{0};
+  std::thread input(ForwardInput, session.get(), terminal, signals[0], stop[0], &stopped_by);
   absl::StatusOr<int> code = absl::UnknownError("no exit");
   while (true) {
     absl::StatusOr<launch::SessionEvent> e = session->Read();
@@ -167,9 +189,10 @@ absl::StatusOr<int> Attach(launch::CentralClient& client, const std::string& nam
   char c = 'x';
   [[maybe_unused]] ssize_t n = write(stop[1], &c, 1);
   input.join();
-  if (terminal) sigaction(SIGWINCH, &old_winch, nullptr);
+  for (size_t i = 0; i < std::size(kSignals); ++i) sigaction(kSignals[i], &old[i], nullptr);
   if (saved) tcsetattr(0, TCSADRAIN, &*saved);
-  for (int fd : {winch[0], winch[1], stop[0], stop[1]}) close(fd);
+  for (int fd : {signals[0], signals[1], stop[0], stop[1]}) close(fd);
+  if (stopped_by.load() != 0) return 128 + stopped_by.load();
   return code;
 }
 
@@ -244,7 +267,7 @@ int main(int argc, char** argv) {
     std::cerr << "deepnex: no central address (--central or $DEEPNEX_CENTRAL)\n";
     return 1;
   }
-  if (token) {
+  if (token && !token->empty()) {
     options.token = *token;
   } else if (options.token_file.empty() && std::getenv("DEEPNEX_TOKEN")) {
     options.token = std::getenv("DEEPNEX_TOKEN");

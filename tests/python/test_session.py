@@ -244,6 +244,24 @@ def test_shell_on_a_given_allocation_with_keep_leaves_both(central, client):
     assert alice.exec("k1", ["true"]).exit_code == 0
 
 
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_native_shell_ended_by_a_signal_still_cleans_up(central, sig):
+    """The terminal gone (SIGHUP) or a kill: deepnex-shell ends the session
+    with 128 + N, stops the container and releases the allocation."""
+    alice, _ = clients(central)
+    t = Terminal([PY, "-m", "deepnex", "shell", "--cpus", "1", "--memory", "256MiB",
+                  "--name", "sig1"], shell_env(central, "native"))
+    try:
+        t.expect(b"$ ")
+        expect_client(t, "native")
+        t.proc.send_signal(sig)
+        assert t.proc.wait(timeout=30) == 128 + sig
+    finally:
+        t.close()
+    assert next(c for c in alice.containers() if c["name"] == "sig1")["state"] == "stopped"
+    assert alice.allocations() == []
+
+
 @pytest.mark.parametrize("client", ["native", "python"])
 def test_shell_errors_are_one_line_and_leave_nothing_behind(central, client):
     alice, _ = clients(central)
