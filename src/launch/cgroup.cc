@@ -391,6 +391,26 @@ absl::Status Cgroup::AddProcess(pid_t pid) {
   return absl::OkStatus();
 }
 
+std::vector<std::string> Cgroup::SelfJoinFiles() const {
+  if (GetLayout().v2) return {};
+  std::vector<std::string> files;
+  for (const std::string& dir : Dirs(path_)) files.push_back(dir + "/tasks");
+  return files;
+}
+
+bool JoinCgroupSelf(const std::vector<const char*>& files) {
+  for (const char* file : files) {
+    int fd = open(file, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    bool ok = write(fd, "0", 1) == 1;
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    if (!ok) return false;
+  }
+  return true;
+}
+
 std::vector<pid_t> Cgroup::Processes() {
   std::set<pid_t> pids;
   for (const std::string& dir : Dirs(path_)) {
