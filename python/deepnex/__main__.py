@@ -3,12 +3,11 @@
 # Annotations stay unevaluated: the command starts without importing typing.
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 
-def _version(args: argparse.Namespace) -> int:
+def _version(args) -> int:
     import deepnex
 
     print(f"deepnex {deepnex.__version__}")
@@ -36,8 +35,10 @@ _COMMAND_MODULES = {
 }
 
 
-def build_parser(modules: tuple[str, ...] = _CLI_MODULES) -> argparse.ArgumentParser:
+def build_parser(modules: tuple[str, ...] = _CLI_MODULES):
     """The argument parser with the subcommands of `modules` (default: all)."""
+    import argparse  # here: `deepnex shell` execs deepnex-shell without it
+
     parser = argparse.ArgumentParser(
         prog="deepnex",
         description="deepnex: data-parallel training on shared GPU machines.",
@@ -52,7 +53,10 @@ def build_parser(modules: tuple[str, ...] = _CLI_MODULES) -> argparse.ArgumentPa
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    if argv is None:
+        argv = sys.argv[1:]
+        if argv[:1] == ["shell"]:
+            _exec_shell(argv[1:])
     module = _COMMAND_MODULES.get(argv[0]) if argv else None
     parser = build_parser((module,) if module else _CLI_MODULES)
     args = parser.parse_args(argv)
@@ -60,6 +64,26 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     return args.func(args)
+
+
+def _exec_shell(args: list[str]) -> None:
+    """`deepnex shell` straight to deepnex-shell, before argparse and what
+    it imports load (half of this command's Python start). deepnex-shell
+    reads flags spelled out in full itself; anything else (--help, an
+    abbreviation, a bad value) it hands back to `python -m deepnex shell`
+    with DEEPNEX_NATIVE_SHELL=late, whose argparse then speaks. Returns where
+    there is no deepnex-shell, or DEEPNEX_NATIVE_SHELL is 0 or late."""
+    if os.environ.get("DEEPNEX_NATIVE_SHELL") == "late" or not sys.executable:
+        return
+    from deepnex._cli_common import native_shell
+
+    path = native_shell()
+    if path is None:
+        return
+    try:
+        os.execve(path, [path, *args], dict(os.environ, DEEPNEX_SHELL_PYTHON=sys.executable))
+    except OSError:
+        pass  # argparse and _cli_session instead
 
 
 def _exec_program(name: str) -> None:

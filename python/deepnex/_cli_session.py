@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-from deepnex._cli_common import add_central_args, client, guard
+from deepnex._cli_common import add_central_args, client, guard, native_shell
 
 # A shell the container has: bash where there is one.
 SHELL = ["/bin/sh", "-c", "command -v bash >/dev/null && exec bash -il || exec sh -il"]
@@ -104,26 +104,12 @@ def _end(c, args, name, alloc, made, started, again):
         print(f"deepnex: cleaning up after {name}: {e}", file=sys.stderr)
 
 
-def _native_shell():
-    """deepnex-shell, the C++ client of `deepnex shell`: the package's
-    (deepnex/bin/) or the build tree's (<build>/bin/); None where there is
-    none, or with DEEPNEX_NATIVE_SHELL=0 (then this module's client runs)."""
-    if os.environ.get("DEEPNEX_NATIVE_SHELL") == "0":
-        return None
-    here = os.path.dirname(os.path.abspath(__file__))
-    for path in (os.path.join(here, "bin", "deepnex-shell"),
-                 os.path.join(here, "..", "..", "bin", "deepnex-shell")):
-        if os.access(path, os.X_OK):
-            return os.path.abspath(path)
-    return None
-
-
 def _exec_native_shell(args):
     """Replaces this process with deepnex-shell and the flags argparse read
     (checked, defaults filled in, abbreviations spelled out), so that the
     shell's prompt comes without loading deepnex's compiled module here;
     returns where there is no deepnex-shell or it cannot run."""
-    native = _native_shell()
+    native = native_shell()
     if native is None:
         return
     argv = [native]
@@ -132,8 +118,9 @@ def _exec_native_shell(args):
             continue
         flag = "--" + dest.replace("_", "-")
         argv.append(flag if value is True else f"{flag}={value}")
+    env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_SHELL_PYTHON"}
     try:
-        os.execv(native, argv)
+        os.execve(native, argv, env)
     except OSError:
         pass  # this module's client instead
 

@@ -31,11 +31,12 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "deepnex/gpu/central.h"
 #include "deepnex/launch/central.h"
 #include "deepnex/launch/session.h"
-#include "tools/daemon.h"
+#include "deepnex/units.h"
 
 namespace {
 
@@ -44,7 +45,7 @@ namespace launch = ::deepnex::launch;
 
 constexpr char kUsage[] = R"(usage: deepnex-shell [flags]
 
-`deepnex shell` in C++ (deepnex shell execs it; see deepnex shell --help).
+`deepnex shell` in C++ (deepnex shell execs it).
 
 flags:
   --central HOST:PORT     deepnex-central ($DEEPNEX_CENTRAL)
@@ -225,6 +226,102 @@ std::string RandomName() {
   return absl::StrCat("shell-", hex);
 }
 
+// What `deepnex shell`'s flags say (defaults as _cli_session's).
+struct ShellFlags {
+  gpu::CentralClientOptions options;
+  std::optional<std::string> token;
+  std::string alloc, image = "host", name;
+  bool keep = false;
+  gpu::Request request = [] {
+    gpu::Request r;
+    r.cpus = 1;
+    return r;
+  }();
+  std::string gpu_memory = "0", memory = "1GiB";
+};
+
+// Reads argv as argparse reads flags spelled out in full ("--flag value",
+// "--flag=value", a bare --keep) into `f`: "" when all of it was that,
+// else why not ("--help" for -h or --help). argparse takes more (an
+// abbreviation) and words its errors its own way: see ParseInPython.
+std::string Parse(int argc, char** argv, ShellFlags* f) {
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i], value;
+    if (flag == "-h" || flag == "--help") return "--help";
+    const size_t eq = flag.find('=');
+    const bool inline_value = flag.rfind("--", 0) == 0 && eq != std::string::npos;
+    if (inline_value) {
+      value = flag.substr(eq + 1);
+      flag.resize(eq);
+    }
+    if (flag == "--keep") {
+      if (inline_value) return "--keep takes no value";
+      f->keep = true;
+      continue;
+    }
+    if (!inline_value) {
+      // argparse takes a word starting with "-" for a flag, not a value.
+      if (i + 1 >= argc || argv[i + 1][0] == '-') return flag + " needs a value";
+      value = argv[++i];
+    }
+    if (flag == "--central") {
+      f->options.address = value;
+    } else if (flag == "--token") {
+      f->token = value;
+    } else if (flag == "--token-file") {
+      f->options.token_file = value;
+    } else if (flag == "--tls-ca-file") {
+      f->options.tls_ca_file = value;
+    } else if (flag == "--call-timeout") {
+      double seconds = 0;
+      if (!absl::SimpleAtod(value, &seconds) || !(seconds > 0)) {
+        return absl::StrCat("--call-timeout: \"", value, "\" is not positive seconds");
+      }
+      f->options.timeout = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+    } else if (flag == "--alloc") {
+      f->alloc = value;
+    } else if (flag == "--gpus" || flag == "--cpus") {
+      int n = 0;
+      if (!absl::SimpleAtoi(value, &n)) return absl::StrCat(flag, ": \"", value, "\" is not an integer");
+      (flag == "--gpus" ? f->request.gpus : f->request.cpus) = n;
+    } else if (flag == "--gpu-mode") {
+      absl::StatusOr<gpu::Mode> mode = gpu::ParseMode(value, "--gpu-mode");
+      if (!mode.ok()) return std::string(mode.status().message());
+      f->request.mode = *mode;
+    } else if (flag == "--gpu-memory") {
+      f->gpu_memory = value;
+    } else if (flag == "--memory") {
+      f->memory = value;
+    } else if (flag == "--image") {
+      f->image = value;
+    } else if (flag == "--name") {
+      f->name = value;
+    } else {
+      return absl::StrCat("unknown flag \"", flag, "\"");
+    }
+  }
+  return "";
+}
+
+// `deepnex shell` execs this before its argparse has read the flags (so
+// that Python loads little), with $DEEPNEX_SHELL_PYTHON its interpreter.
+// Where Parse did not take them, this runs `python -m deepnex shell` again
+// with DEEPNEX_NATIVE_SHELL=late: argparse then reads them (help, an
+// abbreviation, its own error) and execs this with them spelled out.
+// Returns where there is no $DEEPNEX_SHELL_PYTHON, or it cannot run.
+void ParseInPython(int argc, char** argv) {
+  const char* python = std::getenv("DEEPNEX_SHELL_PYTHON");
+  if (python == nullptr || *python == '\0') return;
+  std::vector<std::string> args = {python, "-m", "deepnex", "shell"};
+  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+  std::vector<char*> pointers;
+  for (std::string& a : args) pointers.push_back(a.data());
+  pointers.push_back(nullptr);
+  unsetenv("DEEPNEX_SHELL_PYTHON");
+  setenv("DEEPNEX_NATIVE_SHELL", "late", 1);
+  execv(pointers[0], pointers.data());
+}
+
 int Fail(const absl::Status& s) {
   std::cerr << "deepnex: " << s.message() << "\n";
   return 1;
@@ -233,91 +330,77 @@ int Fail(const absl::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  gpu::CentralClientOptions options;
-  std::optional<std::string> token;
-  std::string alloc, image = "host", name;
-  bool keep = false;
-  gpu::Request request;
-  request.cpus = 1;
-  std::string gpu_memory = "0", memory = "1GiB";
-  deepnex::tools::Flags flags("deepnex shell", kUsage, argc, argv);
-  while (flags.Next()) {
-    if (flags.Is("--central")) options.address = flags.Value();
-    else if (flags.Is("--token")) token = flags.Value();
-    else if (flags.Is("--token-file")) options.token_file = flags.Value();
-    else if (flags.Is("--tls-ca-file")) options.tls_ca_file = flags.Value();
-    else if (flags.Is("--call-timeout")) options.timeout = flags.Seconds();
-    else if (flags.Is("--alloc")) alloc = flags.Value();
-    else if (flags.Is("--gpus")) request.gpus = flags.Int();
-    else if (flags.Is("--gpu-mode")) request.mode = flags.OrDie(gpu::ParseMode(flags.Value(), "--gpu-mode"));
-    else if (flags.Is("--gpu-memory")) gpu_memory = flags.Value();
-    else if (flags.Is("--cpus")) request.cpus = flags.Int();
-    else if (flags.Is("--memory")) memory = flags.Value();
-    else if (flags.Is("--image")) image = flags.Value();
-    else if (flags.Is("--name")) name = flags.Value();
-    else if (flags.Is("--keep")) keep = true;
-    else flags.Unknown();
+  ShellFlags f;
+  std::string why = Parse(argc, argv, &f);
+  if (!why.empty()) {
+    ParseInPython(argc, argv);  // returns where `deepnex shell` did not start us
+    if (why == "--help") {
+      std::cout << kUsage;
+      return 0;
+    }
+    std::cerr << "deepnex shell: " << why << " (see --help)\n";
+    return 2;
   }
   // As deepnex's other commands (_cli_common): --central, else
   // $DEEPNEX_CENTRAL; --token, else $DEEPNEX_TOKEN unless --token-file.
-  if (options.address.empty() && std::getenv("DEEPNEX_CENTRAL")) {
-    options.address = std::getenv("DEEPNEX_CENTRAL");
+  if (f.options.address.empty() && std::getenv("DEEPNEX_CENTRAL")) {
+    f.options.address = std::getenv("DEEPNEX_CENTRAL");
   }
-  if (options.address.empty()) {
+  if (f.options.address.empty()) {
     std::cerr << "deepnex: no central address (--central or $DEEPNEX_CENTRAL)\n";
     return 1;
   }
-  if (token && !token->empty()) {
-    options.token = *token;
-  } else if (options.token_file.empty() && std::getenv("DEEPNEX_TOKEN")) {
-    options.token = std::getenv("DEEPNEX_TOKEN");
+  if (f.token && !f.token->empty()) {
+    f.options.token = *f.token;
+  } else if (f.options.token_file.empty() && std::getenv("DEEPNEX_TOKEN")) {
+    f.options.token = std::getenv("DEEPNEX_TOKEN");
   }
-  if (name.empty()) name = RandomName();
+  if (f.name.empty()) f.name = RandomName();
   // Sizes are checked as the Python client does (deepnex.gpu), naming the field.
-  absl::StatusOr<uint64_t> bytes = deepnex::ParseByteSize(gpu_memory, "gpu_memory");
+  absl::StatusOr<uint64_t> bytes = deepnex::ParseByteSize(f.gpu_memory, "gpu_memory");
   if (!bytes.ok()) return Fail(bytes.status());
-  request.gpu_memory = *bytes;
-  bytes = deepnex::ParseByteSize(memory, "memory");
+  f.request.gpu_memory = *bytes;
+  bytes = deepnex::ParseByteSize(f.memory, "memory");
   if (!bytes.ok()) return Fail(bytes.status());
-  request.memory = *bytes;
+  f.request.memory = *bytes;
 
   absl::StatusOr<std::unique_ptr<gpu::CentralClient>> allocator =
-      gpu::CentralClient::Create(options);
+      gpu::CentralClient::Create(f.options);
   if (!allocator.ok()) return Fail(allocator.status());
   absl::StatusOr<std::unique_ptr<launch::CentralClient>> client =
-      launch::CentralClient::Create(options);
+      launch::CentralClient::Create(f.options);
   if (!client.ok()) return Fail(client.status());
   std::string made;  // the allocation made here, released at the end
-  if (alloc.empty()) {
-    absl::StatusOr<gpu::Allocation> a = (*allocator)->Allocate(request);
+  if (f.alloc.empty()) {
+    absl::StatusOr<gpu::Allocation> a = (*allocator)->Allocate(f.request);
     if (!a.ok()) return Fail(a.status());
-    alloc = made = a->id;
+    f.alloc = made = a->id;
   }
 
   bool started = false;
   absl::StatusOr<int> code = [&]() -> absl::StatusOr<int> {
     launch::ContainerSpec spec;
-    spec.name = name;
-    spec.image = image;
+    spec.name = f.name;
+    spec.image = f.image;
     spec.command = {"sleep", "infinity"};
-    DEEPNEX_ASSIGN_OR_RETURN(launch::CentralContainer c, (*client)->StartContainer(spec, alloc));
+    DEEPNEX_ASSIGN_OR_RETURN(launch::CentralContainer c, (*client)->StartContainer(spec, f.alloc));
     started = true;
     // The process backend's runs already: no call more.
-    if (c.state != launch::State::kRunning) DEEPNEX_RETURN_IF_ERROR(WaitRunning(**client, name));
-    return Attach(**client, name);
+    if (c.state != launch::State::kRunning) DEEPNEX_RETURN_IF_ERROR(WaitRunning(**client, f.name));
+    return Attach(**client, f.name);
   }();
   if (!code.ok()) Fail(code.status());
 
-  if (keep) {
-    std::cerr << "deepnex: kept container " << name << " on allocation " << alloc
-              << " (deepnex exec " << name << " -it -- bash; deepnex stop " << name << ")\n";
+  if (f.keep) {
+    std::cerr << "deepnex: kept container " << f.name << " on allocation " << f.alloc
+              << " (deepnex exec " << f.name << " -it -- bash; deepnex stop " << f.name << ")\n";
   } else {
     absl::Status s = absl::OkStatus();
-    if (started) s = (*client)->StopContainer(name, std::chrono::seconds(1)).status();
+    if (started) s = (*client)->StopContainer(f.name, std::chrono::seconds(1)).status();
     if (s.ok() && !made.empty()) s = (*allocator)->Release(made);
     // NotFound: released with its last container.
     if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
-      std::cerr << "deepnex: cleaning up after " << name << ": " << s.message() << "\n";
+      std::cerr << "deepnex: cleaning up after " << f.name << ": " << s.message() << "\n";
     }
   }
   return code.ok() ? *code : 1;

@@ -17,7 +17,8 @@ import pytest
 
 from _central import AS_ROOT, USER_IDS, clients
 from _wait import wait_for
-from deepnex import NotFoundError, _cli_session as _session_cli, _session, gpu, launch
+from deepnex import NotFoundError, _session, gpu, launch
+from deepnex._cli_common import native_shell
 
 PY = sys.executable
 # What a container runs: it runs as the mapped user, who may not reach the
@@ -181,7 +182,7 @@ def shell_env(central, client):
     env.pop("DEEPNEX_NATIVE_SHELL", None)
     if client == "python":
         env["DEEPNEX_NATIVE_SHELL"] = "0"
-    elif _session_cli._native_shell() is None:
+    elif native_shell() is None:
         pytest.skip("deepnex-shell is not built (nor in the package)")
     return env
 
@@ -260,6 +261,26 @@ def test_shell_on_a_given_allocation_with_keep_leaves_both(central, client):
     assert alice.exec("k1", ["true"]).exit_code == 0
 
 
+def test_deepnex_shell_execs_the_native_client_before_argparse(central):
+    """What Python loads before deepnex-shell runs: not argparse, not the
+    compiled module (python -X importtime says, on stderr, before the exec)."""
+    env = shell_env(central, "native")
+    del env["DEEPNEX_CENTRAL"]
+    out = subprocess.run([PY, "-X", "importtime", "-m", "deepnex", "shell"], env=env,
+                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    lines = out.stderr.splitlines()
+    assert (out.returncode, lines[-1]) == (
+        1, "deepnex: no central address (--central or $DEEPNEX_CENTRAL)")
+    loaded = {line.split("|")[-1].strip() for line in lines[:-1]}
+    assert {"deepnex", "deepnex._cli_common"} <= loaded
+    assert not loaded & {"argparse", "deepnex._C", "deepnex._cli_session", "numpy"}, loaded
+    # Run directly, deepnex-shell words its own errors.
+    out = subprocess.run([native_shell(), "--gpus", "x"], capture_output=True, text=True,
+                         timeout=60)
+    assert (out.returncode, out.stderr) == (
+        2, 'deepnex shell: --gpus: "x" is not an integer (see --help)\n')
+
+
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
 def test_native_shell_ended_by_a_signal_still_cleans_up(central, sig):
     """The terminal gone (SIGHUP) or a kill: deepnex-shell ends the session
@@ -301,11 +322,21 @@ def test_shell_errors_are_one_line_and_leave_nothing_behind(central, client):
     out = shell(env={k: v for k, v in env.items() if k != "DEEPNEX_CENTRAL"})
     assert (out.returncode, out.stderr) == (
         1, "deepnex: no central address (--central or $DEEPNEX_CENTRAL)\n")
-    # argparse's errors in both.
+    # argparse's errors and help in both (deepnex-shell, which `deepnex shell`
+    # starts before argparse, hands what it does not take back to it).
     out = shell("--gpu-mode", "x")
     assert out.returncode == 2 and out.stderr.endswith(
         "deepnex shell: error: argument --gpu-mode: invalid choice: 'x' "
         "(choose from 'exclusive', 'shared')\n")
+    out = shell("--gpus", "x")
+    assert out.returncode == 2 and out.stderr.endswith(
+        "deepnex shell: error: argument --gpus: invalid int value: 'x'\n")
+    out = shell("--keep=yes")
+    assert out.returncode == 2 and out.stderr.endswith(
+        "deepnex shell: error: argument --keep: ignored explicit argument 'yes'\n")
+    out = shell("--help")
+    assert (out.returncode, out.stderr) == (0, "") and out.stdout.startswith(
+        "usage: deepnex shell [-h] [--central CENTRAL]")
 
 
 HTTP_SERVER = """
