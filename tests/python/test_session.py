@@ -195,6 +195,12 @@ def expect_client(t, client):
         os.path.realpath(PY))), exe
 
 
+def assert_cleaned_up(client, name):
+    """Container `name` stopped, the allocation deepnex shell made released."""
+    assert next(c for c in client.containers() if c["name"] == name)["state"] == "stopped"
+    assert client.allocations() == []
+
+
 @pytest.mark.parametrize("client", ["native", "python"])
 def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code(central, client):
     alice, _ = clients(central)
@@ -235,9 +241,7 @@ def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code
         assert t.proc.wait(timeout=30) == 7
     finally:
         t.close()
-    # The container stopped, the allocation deepnex made is released.
-    assert next(c for c in alice.containers() if c["name"] == "sh1")["state"] == "stopped"
-    assert alice.allocations() == []
+    assert_cleaned_up(alice, "sh1")
 
 
 @pytest.mark.parametrize("client", ["native", "python"])
@@ -245,7 +249,8 @@ def test_shell_on_a_given_allocation_with_keep_leaves_both(central, client):
     alice, _ = clients(central)
     a = alice.allocate(grant())
     env = shell_env(central, client)
-    # --kee: argparse's abbreviation, spelled out before deepnex-shell runs.
+    # --kee: an abbreviation, which deepnex-shell hands back to argparse;
+    # argparse then execs deepnex-shell with --keep.
     t = Terminal([PY, "-m", "deepnex", "shell", "--alloc", a.id, "--kee", "--name", "k1"], env)
     try:
         t.expect(b"$ ")
@@ -295,8 +300,7 @@ def test_native_shell_ended_by_a_signal_still_cleans_up(central, sig):
         assert t.proc.wait(timeout=30) == 128 + sig
     finally:
         t.close()
-    assert next(c for c in alice.containers() if c["name"] == "sig1")["state"] == "stopped"
-    assert alice.allocations() == []
+    assert_cleaned_up(alice, "sig1")
 
 
 @pytest.mark.parametrize("client", ["native", "python"])
