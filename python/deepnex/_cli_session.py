@@ -15,6 +15,10 @@ terminal (raw mode: Ctrl-C goes to the container; the window's size and its
 changes go with it). When the shell exits, its exit code is deepnex's, the
 container stops and the allocation deepnex made is released, unless --keep
 (then both stay, and `deepnex exec NAME -it -- bash` enters it again).
+The C++ client deepnex-shell does all this where it is built (the package's
+bin/, the build tree's): `deepnex shell` execs it before argparse loads
+(__main__._exec_shell), or once argparse has read the flags; with
+DEEPNEX_NATIVE_SHELL=0 the Python client here runs.
 
 notebook does the same with Jupyter (jupyter notebook, with a random token)
 in the container instead of a shell: it forwards a local port to it through
