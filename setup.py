@@ -26,8 +26,9 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 # Programs shipped in deepnex/bin/: `deepnex run` starts deepnex-ps for the
-# parameter-server modes.
-TOOLS = ("deepnex-ps", "deepnex-store", "deepnex-central", "deepnex-agent")
+# parameter-server modes; `deepnex shell` execs deepnex-shell (no console
+# entry point: `deepnex shell` is how a user starts it).
+TOOLS = ("deepnex-ps", "deepnex-store", "deepnex-central", "deepnex-agent", "deepnex-shell")
 
 
 def project_version() -> str:

@@ -7,14 +7,7 @@
 Errors are deepnex.DeepnexError subclasses (see deepnex.errors).
 """
 
-try:
-    from deepnex import _C
-except ImportError as _e:  # pragma: no cover - depends on the installation
-    raise ImportError(
-        "deepnex's compiled module deepnex._C could not be loaded "
-        f"({_e}). Build it with CMake and put <build>/python on PYTHONPATH, "
-        "or install the package with pip."
-    ) from _e
+import sys
 
 from deepnex.errors import (
     AbortedError,
@@ -36,12 +29,52 @@ from deepnex.errors import (
     UnknownError,
 )
 
-__version__: str = _C.__version__
+# Everything else resolves on first use (PEP 562), so that `import deepnex`
+# (and every `deepnex` command) starts without the compiled module, numpy or
+# the submodules a program does not touch. They import through __import__
+# (not importlib.import_module), which `python -X importtime` reports.
+_FROM_C = ("__version__", "Context", "DType", "parse_byte_size", "format_byte_size")
+_SUBMODULES = ("_C", "collective", "ps", "gpu", "data", "launch", "job", "tune")
 
-Context = _C.Context
-DType = _C.DType
-parse_byte_size = _C.parse_byte_size
-format_byte_size = _C.format_byte_size
+
+def _compiled():
+    """deepnex._C, or an ImportError that says how to build it."""
+    try:
+        import deepnex._C
+    except ImportError as e:  # pragma: no cover - depends on the installation
+        raise ImportError(
+            "deepnex's compiled module deepnex._C could not be loaded "
+            f"({e}). Build it with CMake and put <build>/python on PYTHONPATH, "
+            "or install the package with pip."
+        ) from e
+    return sys.modules["deepnex._C"]
+
+
+def __getattr__(name):
+    if name in _FROM_C:
+        value = getattr(_compiled(), name)
+    elif name == "_C":
+        value = _compiled()
+    elif name in _SUBMODULES:
+        _compiled()  # its error says how to build it
+        try:
+            __import__(f"deepnex.{name}")
+        except ModuleNotFoundError as e:
+            # The parameter server's Python layer is optional while it is being written.
+            if e.name != f"deepnex.{name}":
+                raise
+            raise AttributeError(f"module 'deepnex' has no attribute {name!r}") from e
+        value = sys.modules[f"deepnex.{name}"]
+    elif name == "report":  # a training script's progress: to its search, or its job's record
+        from deepnex.tune import report as value
+    else:
+        raise AttributeError(f"module 'deepnex' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_FROM_C) | set(_SUBMODULES) | {"report"})
 
 
 def init(environ=None) -> "Context":
@@ -60,7 +93,7 @@ def init(environ=None) -> "Context":
     was applied. The frameworks enforce it in their allocators only: hard
     enforcement needs a CUDA driver hook.
     """
-    ctx = _C.Context.from_env(environ)
+    ctx = _compiled().Context.from_env(environ)
     if ctx.gpu_memory_limit is not None:
         _apply_gpu_memory_limit(ctx.gpu_memory_limit)
     return ctx
@@ -99,7 +132,7 @@ def _apply_gpu_memory_limit(limit):
                         f"{len(gpus)} GPU(s))")
         except RuntimeError as e:  # its GPUs were initialized before init()
             problems.append(f"TensorFlow refused it ({e})")
-    what = f"DEEPNEX_GPU_MEMORY_LIMIT={format_byte_size(limit)} per GPU"
+    what = f"DEEPNEX_GPU_MEMORY_LIMIT={_compiled().format_byte_size(limit)} per GPU"
     if not done and not problems:
         problems.append("neither torch nor tensorflow is imported yet")
     line = f"deepnex: {what} applied to {' and '.join(done)}" if done else f"deepnex: {what}"
@@ -109,23 +142,6 @@ def _apply_gpu_memory_limit(limit):
         "%s (the frameworks' allocators enforce it; hard enforcement needs a CUDA driver hook)",
         line)
 
-
-from deepnex import collective  # noqa: E402
-
-# The parameter server's Python layer is optional while it is being written.
-try:
-    from deepnex import ps
-except ModuleNotFoundError as _e:
-    if _e.name != "deepnex.ps":
-        raise
-
-from deepnex import gpu  # noqa: E402  (GPU allocation)
-from deepnex import data  # noqa: E402  (data sharding)
-from deepnex import launch  # noqa: E402  (container launch)
-from deepnex import job  # noqa: E402  (deepnex run)
-from deepnex import tune  # noqa: E402  (hyperparameter search; no torch)
-# A training script's progress: to its search (tune), or to its job's record.
-from deepnex.tune import report  # noqa: E402
 
 __all__ = [
     "__version__",

@@ -1,20 +1,44 @@
 """The deepnex command line: ``python3 -m deepnex`` or ``deepnex``."""
 
-import argparse
+# Annotations stay unevaluated: the command starts without importing typing.
+from __future__ import annotations
+
 import os
 import sys
-from typing import List, Optional
 
 
-def _version(args: argparse.Namespace) -> int:
+def _version(args) -> int:
     import deepnex
 
     print(f"deepnex {deepnex.__version__}")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser; parts add their subcommands here."""
+# The modules that add subcommands, in the order of `deepnex --help`.
+_CLI_MODULES = (
+    "_cli_gpu",  # nodes, alloc, release, quota, node, ...
+    "_cli_launch",  # ps, launch, logs, stop
+    "_cli_images",  # images, image
+    "_cli_session",  # exec, shell, notebook, port-forward
+    "_cli_tune",  # tune
+    "_cli_job",  # run, top
+    "_cli_jobs",  # jobs, job show / cancel
+)
+# Commands whose module is known: they parse with that module's parser
+# alone, so that `deepnex shell` starts without importing the others (and
+# what they import). Any other command, and no command, gets the full parser.
+_COMMAND_MODULES = {
+    "exec": "_cli_session",
+    "shell": "_cli_session",
+    "notebook": "_cli_session",
+    "port-forward": "_cli_session",
+}
+
+
+def build_parser(modules: tuple[str, ...] = _CLI_MODULES):
+    """The argument parser with the subcommands of `modules` (default: all)."""
+    import argparse  # here: `deepnex shell` execs deepnex-shell without it
+
     parser = argparse.ArgumentParser(
         prog="deepnex",
         description="deepnex: data-parallel training on shared GPU machines.",
@@ -22,37 +46,44 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     version = commands.add_parser("version", help="print the version")
     version.set_defaults(func=_version)
-    from deepnex import _cli_gpu  # nodes, alloc, release, quota, node, ...
-
-    _cli_gpu.add_commands(commands)
-    from deepnex import _cli_launch  # ps
-
-    _cli_launch.add_commands(commands)
-    from deepnex import _cli_images  # images, image
-
-    _cli_images.add_commands(commands)
-    from deepnex import _cli_session  # exec, shell, port-forward
-
-    _cli_session.add_commands(commands)
-    from deepnex import _cli_tune  # tune
-
-    _cli_tune.add_commands(commands)
-    from deepnex import _cli_job  # run, top
-
-    _cli_job.add_commands(commands)
-    from deepnex import _cli_jobs  # jobs, job show / cancel
-
-    _cli_jobs.add_commands(commands)
+    for name in modules:
+        __import__(f"deepnex.{name}")  # as `import`, which -X importtime reports
+        sys.modules[f"deepnex.{name}"].add_commands(commands)
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+        if argv[:1] == ["shell"]:
+            _exec_shell(argv[1:])
+    module = _COMMAND_MODULES.get(argv[0]) if argv else None
+    parser = build_parser((module,) if module else _CLI_MODULES)
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
     return args.func(args)
+
+
+def _exec_shell(args: list[str]) -> None:
+    """`deepnex shell` straight to deepnex-shell, before argparse and what
+    it imports load (half of this command's Python start). deepnex-shell
+    reads flags spelled out in full itself; anything else (--help, an
+    abbreviation, a bad value) it hands back to `python -m deepnex shell`
+    with DEEPNEX_NATIVE_SHELL=late, whose argparse then speaks. Returns where
+    there is no deepnex-shell, or DEEPNEX_NATIVE_SHELL is 0 or late."""
+    if os.environ.get("DEEPNEX_NATIVE_SHELL") == "late" or not sys.executable:
+        return
+    from deepnex._cli_common import native_shell
+
+    path = native_shell()
+    if path is None:
+        return
+    try:
+        os.execve(path, [path, *args], dict(os.environ, DEEPNEX_SHELL_PYTHON=sys.executable))
+    except OSError:
+        pass  # argparse and _cli_session instead
 
 
 def _exec_program(name: str) -> None:

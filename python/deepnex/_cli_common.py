@@ -53,6 +53,20 @@ def guard(fn):
     return run
 
 
+def native_shell():
+    """deepnex-shell, the C++ client of `deepnex shell`: the package's
+    (deepnex/bin/) or the build tree's (<build>/bin/); None where there is
+    none, or with DEEPNEX_NATIVE_SHELL=0 (then _cli_session's client runs)."""
+    if os.environ.get("DEEPNEX_NATIVE_SHELL") == "0":
+        return None
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, "bin", "deepnex-shell"),
+                 os.path.join(here, "..", "..", "bin", "deepnex-shell")):
+        if os.access(path, os.X_OK):
+            return os.path.abspath(path)
+    return None
+
+
 def format_table(table):
     """Rows of strings (the header first) as left-aligned columns."""
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]

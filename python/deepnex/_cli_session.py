@@ -15,6 +15,10 @@ terminal (raw mode: Ctrl-C goes to the container; the window's size and its
 changes go with it). When the shell exits, its exit code is deepnex's, the
 container stops and the allocation deepnex made is released, unless --keep
 (then both stay, and `deepnex exec NAME -it -- bash` enters it again).
+The C++ client deepnex-shell does all this where it is built (the package's
+bin/, the build tree's): `deepnex shell` execs it before argparse loads
+(__main__._exec_shell), or once argparse has read the flags; with
+DEEPNEX_NATIVE_SHELL=0 the Python client here runs.
 
 notebook does the same with Jupyter (jupyter notebook, with a random token)
 in the container instead of a shell: it forwards a local port to it through
@@ -25,13 +29,12 @@ Ctrl-C (or SIGTERM).
 import argparse
 import os
 import re
-import secrets
 import signal
 import sys
 import threading
 import time
 
-from deepnex._cli_common import add_central_args, client, guard
+from deepnex._cli_common import add_central_args, client, guard, native_shell
 
 # A shell the container has: bash where there is one.
 SHELL = ["/bin/sh", "-c", "command -v bash >/dev/null && exec bash -il || exec sh -il"]
@@ -105,19 +108,43 @@ def _end(c, args, name, alloc, made, started, again):
         print(f"deepnex: cleaning up after {name}: {e}", file=sys.stderr)
 
 
+def _exec_native_shell(args):
+    """Replaces this process with deepnex-shell and the flags argparse read
+    (checked, defaults filled in, abbreviations spelled out), so that the
+    shell's prompt comes without loading deepnex's compiled module here;
+    returns where there is no deepnex-shell or it cannot run."""
+    native = native_shell()
+    if native is None:
+        return
+    argv = [native]
+    for dest, value in sorted(vars(args).items()):
+        if dest in ("command", "func") or value is None or value is False:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        argv.append(flag if value is True else f"{flag}={value}")
+    env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_SHELL_PYTHON"}
+    try:
+        os.execve(native, argv, env)
+    except OSError:
+        pass  # this module's client instead
+
+
 def _shell(args):
+    _exec_native_shell(args)
     from deepnex import launch
     from deepnex._session import attach
     c = client(args)
     alloc, made = _allocation(c, args)
+    import secrets
     name = args.name or f"shell-{secrets.token_hex(3)}"
     started = False
     code = 1
     try:
-        c.start_container(launch.ContainerSpec(name=name, image=args.image,
-                                               command=["sleep", "infinity"]), alloc)
+        info = c.start_container(launch.ContainerSpec(name=name, image=args.image,
+                                                      command=["sleep", "infinity"]), alloc)
         started = True
-        _wait_running(c, name)
+        if info["state"] != "running":  # the process backend's runs already: no call more
+            _wait_running(c, name)
         code = attach(c._c, name, SHELL, tty=True, interactive=True)
     finally:
         _end(c, args, name, alloc, made, started, f"deepnex exec {name} -it -- bash")
@@ -200,6 +227,7 @@ def _notebook(args):
     from deepnex._session import PortForward
     c = client(args)
     alloc, made = _allocation(c, args)
+    import secrets
     name = args.name or f"notebook-{secrets.token_hex(3)}"
     token = secrets.token_hex(16)
     started = False

@@ -9,9 +9,8 @@ tensors do not export the buffer protocol, so the Python layer passes
 a tensor is recognised by its type's module.
 """
 
+import numbers
 from typing import Any, Optional, Tuple
-
-import numpy as np
 
 from deepnex import _C
 from deepnex.errors import InvalidArgumentError
@@ -32,6 +31,8 @@ def to_buffer(x: Any, what: str) -> Tuple[Any, Optional["_C.DType"]]:
     that is not on the CPU, TypeError for anything else. Contiguity is
     checked by the bindings.
     """
+    import numpy as np  # here, so that the modules without arrays start without it
+
     if isinstance(x, np.ndarray):
         return x, None
     if not is_torch_tensor(x):
@@ -53,7 +54,8 @@ def to_buffer(x: Any, what: str) -> Tuple[Any, Optional["_C.DType"]]:
 def byte_size(value: Any, name: str) -> int:
     """An int of bytes from an int (numpy's too) or a string such as
     "80GiB"; InvalidArgumentError naming ``name`` and the value otherwise."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    # numbers.Integral: numpy's integers too, without importing numpy.
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         if value < 0:
             raise InvalidArgumentError(f"{name}={value}: must be >= 0")
         return int(value)

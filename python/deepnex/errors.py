@@ -10,7 +10,8 @@ builtin where one fits, so ordinary handlers keep working::
         print(e.code, e)
 """
 
-from typing import Dict, Type, Union
+# Annotations stay unevaluated, so that importing deepnex needs no typing.
+from __future__ import annotations
 
 __all__ = [
     "DeepnexError",
@@ -110,7 +111,7 @@ class UnauthenticatedError(DeepnexError, PermissionError):
     code, code_value = "UNAUTHENTICATED", 16
 
 
-_BY_NAME: Dict[str, Type[DeepnexError]] = {
+_BY_NAME: dict[str, type[DeepnexError]] = {
     cls.code: cls
     for cls in (
         CancelledError,
@@ -131,12 +132,12 @@ _BY_NAME: Dict[str, Type[DeepnexError]] = {
         UnauthenticatedError,
     )
 }
-_BY_VALUE: Dict[int, Type[DeepnexError]] = {
+_BY_VALUE: dict[int, type[DeepnexError]] = {
     cls.code_value: cls for cls in _BY_NAME.values()
 }
 
 
-def error_for_code(code: Union[str, int]) -> Type[DeepnexError]:
+def error_for_code(code: str | int) -> type[DeepnexError]:
     """The class for a code name ("NOT_FOUND") or number (5).
 
     An unknown code, or OK, gives UnknownError. The C++ bindings use this to

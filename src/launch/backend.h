@@ -66,6 +66,9 @@ struct ExecPlan {
   // Called with the child's pid before it runs anything (e.g. to put it in
   // the container's cgroup); an error kills it.
   std::function<absl::Status(pid_t)> join;
+  // Files the child writes "0" to itself before it runs anything
+  // (Cgroup::SelfJoinFiles); one it cannot write ends it with 126.
+  std::vector<std::string> join_files;
 };
 absl::StatusOr<std::unique_ptr<ExecProcess>> SpawnExec(const ExecPlan& plan,
                                                        const ExecOptions& options);

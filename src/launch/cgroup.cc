@@ -76,20 +76,30 @@ std::optional<uint64_t> ReadKeyed(const std::string& path, const std::string& ke
   return std::nullopt;
 }
 
-absl::Status WriteFile(const std::string& path, const std::string& value) {
+// Each of `values` with a write() of its own, on one open of `path`: a
+// cgroup file takes one value (one devices rule) per write, and an open per
+// rule made a container start pay for 254 of them.
+absl::Status WriteEach(const std::string& path, const std::vector<std::string>& values) {
   int fd = open(path.c_str(), O_WRONLY | O_CLOEXEC);
   if (fd < 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("cannot open ", path, ": ", strerror(errno)));
   }
-  ssize_t n = write(fd, value.data(), value.size());
-  int err = errno;
-  close(fd);
-  if (n != static_cast<ssize_t>(value.size())) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("cannot write \"", value, "\" to ", path, ": ", strerror(err)));
+  for (const std::string& value : values) {
+    ssize_t n = write(fd, value.data(), value.size());
+    if (n != static_cast<ssize_t>(value.size())) {
+      int err = errno;
+      close(fd);
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot write \"", value, "\" to ", path, ": ", strerror(err)));
+    }
   }
+  close(fd);
   return absl::OkStatus();
+}
+
+absl::Status WriteFile(const std::string& path, const std::string& value) {
+  return WriteEach(path, {value});
 }
 
 bool Exists(const std::string& path) {
@@ -266,11 +276,12 @@ absl::Status ApplyLimits(const std::string& path, const CgroupLimits& limits) {
     // The cgroup inherits allow-all, where an allow entry cannot punch a
     // hole into a wider deny: deny each GPU minor that was not granted.
     const std::vector<int>& granted = *limits.gpu_minors;
+    std::vector<std::string> rules;
     for (int minor = 0; minor < kNvidiaControlMinors[0]; ++minor) {
       if (std::find(granted.begin(), granted.end(), minor) != granted.end()) continue;
-      DEEPNEX_RETURN_IF_ERROR(WriteFile(dev + "/devices.deny",
-                                        absl::StrCat("c ", kNvidiaMajor, ":", minor, " rwm")));
+      rules.push_back(absl::StrCat("c ", kNvidiaMajor, ":", minor, " rwm"));
     }
+    DEEPNEX_RETURN_IF_ERROR(WriteEach(dev + "/devices.deny", rules));
   }
   if (limits.pids > 0) {
     DEEPNEX_RETURN_IF_ERROR(
@@ -389,6 +400,26 @@ absl::Status Cgroup::AddProcess(pid_t pid) {
     DEEPNEX_RETURN_IF_ERROR(WriteFile(dir + "/cgroup.procs", std::to_string(pid)));
   }
   return absl::OkStatus();
+}
+
+std::vector<std::string> Cgroup::SelfJoinFiles() const {
+  if (GetLayout().v2) return {};
+  std::vector<std::string> files;
+  for (const std::string& dir : Dirs(path_)) files.push_back(dir + "/tasks");
+  return files;
+}
+
+bool JoinCgroupSelf(const std::vector<const char*>& files) {
+  for (const char* file : files) {
+    int fd = open(file, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    bool ok = write(fd, "0", 1) == 1;
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    if (!ok) return false;
+  }
+  return true;
 }
 
 std::vector<pid_t> Cgroup::Processes() {

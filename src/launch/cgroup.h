@@ -47,6 +47,13 @@ class Cgroup {
   // Relative to the controllers' roots, as runc's linux.cgroupsPath takes it.
   const std::string& path() const { return path_; }
   absl::Status AddProcess(pid_t pid);
+  // The files a new process joins this cgroup through itself, writing "0"
+  // to each (JoinCgroupSelf, between fork and exec): v1's `tasks`, where the
+  // kernel then takes no global lock. AddProcess's write of another pid
+  // takes it: a synchronize_rcu, 5-10 ms after an idle spell, on every
+  // container start and exec (issue #16's time to a prompt). Empty on v2:
+  // there AddProcess.
+  std::vector<std::string> SelfJoinFiles() const;
   std::vector<pid_t> Processes();
   launch::Usage ReadUsage();
   // Whether the kernel's OOM killer killed a process in it (v1:
@@ -62,6 +69,11 @@ class Cgroup {
   explicit Cgroup(std::string path) : path_(std::move(path)) {}
   std::string path_;
 };
+
+// Writes "0" to each of `files` (Cgroup::SelfJoinFiles): the calling
+// single-threaded process joins that cgroup. Async-signal-safe; false, with
+// errno set, at the first that fails.
+bool JoinCgroupSelf(const std::vector<const char*>& files);
 
 }  // namespace deepnex::launch
 

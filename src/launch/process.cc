@@ -42,7 +42,7 @@ constexpr char kLogFile[] = "output.log";
 // What the child reports through its close-on-exec pipe when it cannot get
 // as far as exec.
 struct ChildError {
-  enum Stage : int { kChdir = 1, kExec = 2, kIdentity = 3 } stage;
+  enum Stage : int { kChdir = 1, kExec = 2, kIdentity = 3, kCgroup = 4 } stage;
   int error;
 };
 
@@ -155,10 +155,17 @@ class ProcessRun : public Run {
     DEEPNEX_ASSIGN_OR_RETURN(std::string exe, FindOnPath(options.command[0], exec_path_));
     plan.argv = options.command;
     plan.argv[0] = exe;
-    plan.join = [this](pid_t pid) {
+    {
+      // v1: the child joins the cgroup itself (see Cgroup::SelfJoinFiles).
       std::lock_guard<std::mutex> lock(mu_);
-      return cgroup_ ? cgroup_->AddProcess(pid) : absl::OkStatus();
-    };
+      if (cgroup_) plan.join_files = cgroup_->SelfJoinFiles();
+    }
+    if (plan.join_files.empty()) {
+      plan.join = [this](pid_t pid) {
+        std::lock_guard<std::mutex> lock(mu_);
+        return cgroup_ ? cgroup_->AddProcess(pid) : absl::OkStatus();
+      };
+    }
     return SpawnExec(plan, options);
   }
 
@@ -309,6 +316,11 @@ class ProcessBackend : public Backend {
       DEEPNEX_ASSIGN_OR_RETURN(
           cgroup, Cgroup::Create(cgroup_parent_ + "/" + context.run_name, limits));
     }
+    // v1: the child joins the cgroup itself (see Cgroup::SelfJoinFiles).
+    const std::vector<std::string> join_files =
+        cgroup ? cgroup->SelfJoinFiles() : std::vector<std::string>();
+    std::vector<const char*> join_paths;
+    for (const std::string& f : join_files) join_paths.push_back(f.c_str());
 
     pid_t pid = fork();
     if (pid < 0) {
@@ -325,6 +337,7 @@ class ProcessBackend : public Backend {
       char c;
       // The parent puts us into the cgroup before we run anything.
       if (read(go_read.get(), &c, 1) != 1) _exit(127);
+      if (!JoinCgroupSelf(join_paths)) ReportAndExit(err_write.get(), ChildError::kCgroup);
       dup2(devnull.get(), 0);
       dup2(log.get(), 1);
       dup2(log.get(), 2);
@@ -347,7 +360,8 @@ class ProcessBackend : public Backend {
     go_read.reset();
     err_write.reset();
     Fd pidfd(static_cast<int>(syscall(SYS_pidfd_open, pid, 0)));
-    absl::Status joined = cgroup ? cgroup->AddProcess(pid) : absl::OkStatus();
+    absl::Status joined =
+        cgroup && join_paths.empty() ? cgroup->AddProcess(pid) : absl::OkStatus();
     if (!joined.ok()) {
       kill(pid, SIGKILL);
       waitpid(pid, nullptr, 0);
@@ -368,6 +382,10 @@ class ProcessBackend : public Backend {
         return absl::FailedPreconditionError(
             absl::StrCat("spec.run_as: cannot run as uid ", uid, " gid ", gid, ": ",
                          strerror(child.error)));
+      }
+      if (child.stage == ChildError::kCgroup) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("cannot join the container's cgroup: ", strerror(child.error)));
       }
       if (child.stage == ChildError::kChdir) {
         return absl::NotFoundError(absl::StrCat("spec.working_dir: cannot enter \"",

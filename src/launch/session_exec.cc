@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "launch/backend.h"
+#include "launch/cgroup.h"
 
 #ifndef CLOSE_RANGE_CLOEXEC
 #define CLOSE_RANGE_CLOEXEC (1U << 2)
@@ -166,6 +167,8 @@ absl::StatusOr<std::unique_ptr<ExecProcess>> SpawnExec(const ExecPlan& plan,
   const bool set_groups = become && geteuid() == 0;
   const char* workdir = plan.working_dir.empty() ? nullptr : plan.working_dir.c_str();
   const bool tty = options.tty;
+  std::vector<const char*> join_files;
+  for (const std::string& f : plan.join_files) join_files.push_back(f.c_str());
   sigset_t no_signals;
   sigemptyset(&no_signals);
 
@@ -183,6 +186,7 @@ absl::StatusOr<std::unique_ptr<ExecProcess>> SpawnExec(const ExecPlan& plan,
     setsid();
     char c;
     if (read(go[0], &c, 1) != 1) _exit(127);
+    if (!JoinCgroupSelf(join_files)) _exit(126);
     if (tty && ioctl(slave_in, TIOCSCTTY, 0) != 0) _exit(127);
     dup2(slave_in, 0);
     dup2(slave_out, 1);

@@ -17,7 +17,8 @@ import pytest
 
 from _central import AS_ROOT, USER_IDS, clients
 from _wait import wait_for
-from deepnex import NotFoundError, gpu, launch
+from deepnex import NotFoundError, _session, gpu, launch
+from deepnex._cli_common import native_shell
 
 PY = sys.executable
 # What a container runs: it runs as the mapped user, who may not reach the
@@ -62,6 +63,22 @@ def test_exec_streams_output_takes_stdin_and_returns_the_exit_code(central):
     assert done[0].exit_code == 0 and b"".join(d for _, d in pieces) == b"one\ntwo\n"
     # A signal's exit code is 128 + N.
     assert alice.exec("box", ["sh", "-c", "kill -9 $$"]).exit_code == 137
+
+
+def test_exec_runs_in_the_containers_cgroup(central):
+    """The exec'd process is in the container's cgroup before it runs (on
+    cgroup v1 it joins it itself, between fork and exec)."""
+    alice, _ = clients(central)
+    start_sleeper(alice)
+    box = next(c for c in alice.containers() if c["name"] == "box")
+    with open(f"/proc/{box['id']}/cgroup") as f:
+        want = f.read()
+    with open("/proc/self/cgroup") as f:
+        if f.read() == want:
+            pytest.skip("deepnex-central makes no cgroups here (not root, or not writable)")
+    r = alice.exec("box", ["cat", "/proc/self/cgroup"])
+    assert (r.exit_code, r.stdout.decode()) == (0, want)
+    assert "alice.box-0\n" in want
 
 
 def test_exec_errors(central):
@@ -154,14 +171,46 @@ class Terminal:
         os.close(self.master)
 
 
-def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code(central):
-    alice, _ = clients(central)
+NATIVE_SHELL = os.path.join(os.path.dirname(os.path.abspath(_session.__file__)), "..", "..",
+                            "bin", "deepnex-shell")
+
+
+def shell_env(central, client):
+    """The environment of `deepnex shell` with `client`: "native" (the
+    command execs deepnex-shell, the C++ client) or "python"."""
     env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
+    env.pop("DEEPNEX_NATIVE_SHELL", None)
+    if client == "python":
+        env["DEEPNEX_NATIVE_SHELL"] = "0"
+    elif native_shell() is None:
+        pytest.skip("deepnex-shell is not built (nor in the package)")
+    return env
+
+
+def expect_client(t, client):
+    """The process on the terminal runs `client`'s code: deepnex-shell once
+    the native command exec'd it, else Python."""
+    exe = os.path.basename(os.readlink(f"/proc/{t.proc.pid}/exe"))
+    assert exe == ("deepnex-shell" if client == "native" else os.path.basename(
+        os.path.realpath(PY))), exe
+
+
+def assert_cleaned_up(client, name):
+    """Container `name` stopped, the allocation deepnex shell made released."""
+    assert next(c for c in client.containers() if c["name"] == name)["state"] == "stopped"
+    assert client.allocations() == []
+
+
+@pytest.mark.parametrize("client", ["native", "python"])
+def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code(central, client):
+    alice, _ = clients(central)
+    env = shell_env(central, client)
     t = Terminal([PY, "-m", "deepnex", "shell", "--cpus", "1", "--memory", "256MiB",
                   "--name", "sh1"], env)
     try:
         # The prompt first: a shell may drop what was typed before it ran.
         t.expect(b"$ ")
+        expect_client(t, client)
         # Markers computed by the shell, so that the echo of what was typed
         # does not match.
         t.send("echo ready-$((40+2))\n")
@@ -192,18 +241,20 @@ def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code
         assert t.proc.wait(timeout=30) == 7
     finally:
         t.close()
-    # The container stopped, the allocation deepnex made is released.
-    assert next(c for c in alice.containers() if c["name"] == "sh1")["state"] == "stopped"
-    assert alice.allocations() == []
+    assert_cleaned_up(alice, "sh1")
 
 
-def test_shell_on_a_given_allocation_with_keep_leaves_both(central):
+@pytest.mark.parametrize("client", ["native", "python"])
+def test_shell_on_a_given_allocation_with_keep_leaves_both(central, client):
     alice, _ = clients(central)
     a = alice.allocate(grant())
-    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
-    t = Terminal([PY, "-m", "deepnex", "shell", "--alloc", a.id, "--keep", "--name", "k1"], env)
+    env = shell_env(central, client)
+    # --kee: an abbreviation, which deepnex-shell hands back to argparse;
+    # argparse then execs deepnex-shell with --keep.
+    t = Terminal([PY, "-m", "deepnex", "shell", "--alloc", a.id, "--kee", "--name", "k1"], env)
     try:
         t.expect(b"$ ")
+        expect_client(t, client)
         t.send("exit\n")
         t.expect(b"deepnex: kept container k1 on allocation " + a.id.encode())
         assert t.proc.wait(timeout=30) == 0
@@ -213,6 +264,83 @@ def test_shell_on_a_given_allocation_with_keep_leaves_both(central):
     assert (k1["state"], k1["allocation"]) == ("running", a.id)
     assert [x.id for x in alice.allocations()] == [a.id]
     assert alice.exec("k1", ["true"]).exit_code == 0
+
+
+def test_deepnex_shell_execs_the_native_client_before_argparse(central):
+    """What Python loads before deepnex-shell runs: not argparse, not the
+    compiled module (python -X importtime says, on stderr, before the exec)."""
+    env = shell_env(central, "native")
+    del env["DEEPNEX_CENTRAL"]
+    out = subprocess.run([PY, "-X", "importtime", "-m", "deepnex", "shell"], env=env,
+                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    lines = out.stderr.splitlines()
+    assert (out.returncode, lines[-1]) == (
+        1, "deepnex: no central address (--central or $DEEPNEX_CENTRAL)")
+    loaded = {line.split("|")[-1].strip() for line in lines[:-1]}
+    assert {"deepnex", "deepnex._cli_common"} <= loaded
+    assert not loaded & {"argparse", "deepnex._C", "deepnex._cli_session", "numpy"}, loaded
+    # Run directly, deepnex-shell words its own errors.
+    out = subprocess.run([native_shell(), "--gpus", "x"], capture_output=True, text=True,
+                         timeout=60)
+    assert (out.returncode, out.stderr) == (
+        2, 'deepnex shell: --gpus: "x" is not an integer (see --help)\n')
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_native_shell_ended_by_a_signal_still_cleans_up(central, sig):
+    """The terminal gone (SIGHUP) or a kill: deepnex-shell ends the session
+    with 128 + N, stops the container and releases the allocation."""
+    alice, _ = clients(central)
+    t = Terminal([PY, "-m", "deepnex", "shell", "--cpus", "1", "--memory", "256MiB",
+                  "--name", "sig1"], shell_env(central, "native"))
+    try:
+        t.expect(b"$ ")
+        expect_client(t, "native")
+        t.proc.send_signal(sig)
+        assert t.proc.wait(timeout=30) == 128 + sig
+    finally:
+        t.close()
+    assert_cleaned_up(alice, "sig1")
+
+
+@pytest.mark.parametrize("client", ["native", "python"])
+def test_shell_errors_are_one_line_and_leave_nothing_behind(central, client):
+    alice, _ = clients(central)
+    env = shell_env(central, client)
+
+    def shell(*args, env=env):
+        return subprocess.run([PY, "-m", "deepnex", "shell", "--cpus", "1", "--memory", "256MiB",
+                               *args], env=env, capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+    out = shell("--alloc", "a99")
+    assert (out.returncode, out.stderr) == (1, 'deepnex: allocation "a99" does not exist\n')
+    out = shell("--gpu-memory", "12XB")
+    assert (out.returncode, out.stderr) == (
+        1, 'deepnex: gpu_memory: "12XB" is not a byte size (unknown unit "XB"; use B, KiB, '
+           'MiB, GiB, TiB, PiB, EiB, K, M, G, T, P, E, KB, MB, GB, TB, PB or EB)\n')
+    # Refused after the allocation was made: it is released.
+    out = shell("--image", "nosuch")
+    assert out.returncode == 1 and out.stderr.startswith(
+        'deepnex: spec.image: "nosuch" is not an image that user alice may run'), out.stderr
+    assert alice.allocations() == [] and alice.containers() == []
+    out = shell(env={k: v for k, v in env.items() if k != "DEEPNEX_CENTRAL"})
+    assert (out.returncode, out.stderr) == (
+        1, "deepnex: no central address (--central or $DEEPNEX_CENTRAL)\n")
+    # argparse's errors and help in both (deepnex-shell, which `deepnex shell`
+    # starts before argparse, hands what it does not take back to it).
+    out = shell("--gpu-mode", "x")
+    assert out.returncode == 2 and out.stderr.endswith(
+        "deepnex shell: error: argument --gpu-mode: invalid choice: 'x' "
+        "(choose from 'exclusive', 'shared')\n")
+    out = shell("--gpus", "x")
+    assert out.returncode == 2 and out.stderr.endswith(
+        "deepnex shell: error: argument --gpus: invalid int value: 'x'\n")
+    out = shell("--keep=yes")
+    assert out.returncode == 2 and out.stderr.endswith(
+        "deepnex shell: error: argument --keep: ignored explicit argument 'yes'\n")
+    out = shell("--help")
+    assert (out.returncode, out.stderr) == (0, "") and out.stdout.startswith(
+        "usage: deepnex shell [-h] [--central CENTRAL]")
 
 
 HTTP_SERVER = """
