@@ -1,0 +1,379 @@
+"""Elastic training: ``deepnex.elastic``, for jobs started with
+``deepnex run --workers MIN:MAX`` (Horovod's ``hvd.elastic`` API)::
+
+    import deepnex.elastic, deepnex.torch
+
+    state = deepnex.torch.TorchState(model, optimizer, sharder=sharder, epoch=0)
+
+    @deepnex.elastic.run
+    def train(state):
+        model = deepnex.torch.DistributedDataParallel(state.model,
+                                                      communicator=state.communicator)
+        ...
+        while state.epoch < epochs:
+            for batch in state.sharder.batches(32):
+                ...one step...
+                state.commit()            # a step boundary
+            state.epoch += 1
+
+    train(state)
+
+The runner publishes each membership in the job's store ("elastic/members/<G>",
+then "elastic/generation"; see DEEPNEX_ELASTIC). ``state.commit()`` keeps a
+copy of the state and reads the generation key; when a newer generation is
+there (``HostsUpdatedInterrupt``), or when a collective fails because a peer
+died (the state is then restored to its last commit), ``run`` waits for the
+next membership (up to ``timeout`` seconds; DeadlineExceededError naming the
+generation it waited for), re-forms the communicator with the new rank and
+world size under a prefix of that generation, and rank 0 (a survivor)
+broadcasts the parameters, the optimizer state, the counters and the data
+position; every sharder re-shards the epoch's remaining items over the new
+world. A worker that is not in the new membership exits with status 0.
+
+Parameter-server jobs (DEEPNEX_PS_ADDRS set) keep their parameters on the
+servers, which let workers join and shrink the rounds of lost ones; only the
+counters and the data position follow the membership (rank 0's, through the
+store; a worker a step apart from rank 0 at the resize repeats or skips at
+most that step's batch), and ``ps_worker_id()`` gives each worker a server
+slot of its own.
+
+Without DEEPNEX_ELASTIC, ``run`` calls the function once and ``commit`` only
+keeps the copy: the same script runs unchanged under a fixed world.
+"""
+
+import copy
+import functools
+import os
+import pickle
+
+import numpy as np
+
+import deepnex
+from . import collective as _collective
+from .errors import (AbortedError, DeadlineExceededError, DeepnexError, InvalidArgumentError,
+                     UnavailableError)
+
+__all__ = ["run", "State", "HostsUpdatedInterrupt", "ps_worker_id", "enabled"]
+
+# Runner-written keys (the contract with `deepnex run --workers MIN:MAX`).
+GENERATION_KEY = "elastic/generation"
+MEMBERS_KEY = "elastic/members/{}"
+
+# A failed collective: a peer died (the transport broke) or stalled.
+_PEER_ERRORS = (UnavailableError, AbortedError, DeadlineExceededError)
+
+
+class HostsUpdatedInterrupt(DeepnexError):
+    """Raised by ``State.commit()`` / ``check_host_updates()`` when the
+    runner published a newer membership; ``run`` catches it and resizes."""
+
+
+def _positive_seconds(text, name):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise InvalidArgumentError(f"{name}={text!r} is not a positive number of seconds")
+    return value
+
+
+def _integer(environ, name):
+    text = environ.get(name)
+    if text is None:
+        raise InvalidArgumentError(f"{name} is not set; an elastic worker needs it "
+                                   f"(deepnex run --workers MIN:MAX sets it)")
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidArgumentError(f"{name}={text!r} is not an integer") from None
+
+
+class _Job:
+    """This worker's place in the elastic job: its id, the generation it is
+    in, its rank and world there, and the communicator of that generation
+    (allreduce mode). One per process."""
+
+    def __init__(self, environ):
+        spec = environ["DEEPNEX_ELASTIC"]
+        try:
+            self.min_workers, self.max_workers = (int(x) for x in spec.split(":"))
+        except ValueError:
+            raise InvalidArgumentError(f"DEEPNEX_ELASTIC={spec!r} is not MIN:MAX") from None
+        if not 1 <= self.min_workers <= self.max_workers:
+            raise InvalidArgumentError(f"DEEPNEX_ELASTIC={spec!r}: needs 1 <= MIN <= MAX")
+        self.worker_id = environ.get("DEEPNEX_WORKER_ID", "")
+        if not self.worker_id:
+            raise InvalidArgumentError("DEEPNEX_WORKER_ID is not set; an elastic worker needs "
+                                       "it (deepnex run --workers MIN:MAX sets it)")
+        self.generation = _integer(environ, "DEEPNEX_ELASTIC_GENERATION")
+        ctx = deepnex.init(environ)
+        if not ctx.store_addr:
+            raise InvalidArgumentError("DEEPNEX_STORE_ADDR is not set; an elastic job "
+                                       "publishes its membership in its store")
+        self.rank, self.world_size = ctx.rank, ctx.world_size
+        self.store_addr, self.token = ctx.store_addr, ctx.token or None
+        self.ps_mode = bool(ctx.ps_addrs)
+        self.base = f"{ctx.job_id or 'deepnex'}/elastic"
+        self.timeout = _positive_seconds(environ.get("DEEPNEX_ELASTIC_TIMEOUT", "120"),
+                                         "DEEPNEX_ELASTIC_TIMEOUT")
+        self.store = _collective.StoreClient(self.store_addr, timeout=self.timeout,
+                                             token=self.token)
+        self.comm = None
+        self.formed = False  # a membership adopted (communicator, state synced)
+
+    def latest_generation(self):
+        return int(self.store.get(GENERATION_KEY))
+
+    def wait_for(self, generation, why):
+        """Waits until membership `generation` is published; returns the
+        newest generation then."""
+        try:
+            self.store.wait([MEMBERS_KEY.format(generation)], timeout=self.timeout)
+        except DeadlineExceededError:
+            raise DeadlineExceededError(
+                f"elastic worker {self.worker_id}: waited {self.timeout:g} s ({why}) for "
+                f"generation {generation}, which never came ({GENERATION_KEY} is "
+                f"{self.store.get(GENERATION_KEY).decode()}); DEEPNEX_ELASTIC_TIMEOUT sets "
+                f"the wait") from None
+        return max(generation, self.latest_generation())
+
+    def adopt(self, generation):
+        """Takes membership `generation`: rank and world size, and (allreduce)
+        a communicator of it; SystemExit(0) if this worker is not a member.
+        A newer generation published while forming is taken instead."""
+        while True:
+            members = self.store.get(MEMBERS_KEY.format(generation)).decode().split(",")
+            if self.worker_id not in members:
+                if self.comm is not None:
+                    self.comm.abort()
+                raise SystemExit(0)
+            self.generation = generation
+            self.rank, self.world_size = members.index(self.worker_id), len(members)
+            if self.ps_mode:
+                return
+            try:
+                self.comm = _collective.Communicator(
+                    self.rank, self.world_size, store=self.store_addr,
+                    prefix=f"{self.base}/{generation}", timeout=self.timeout, token=self.token)
+                return
+            except _PEER_ERRORS:
+                # Peers that read a newer generation went there instead.
+                newer = self.latest_generation()
+                if newer == generation:
+                    raise
+                generation = newer
+
+    def abort(self):
+        if self.comm is not None:
+            self.comm.abort()
+            self.comm = None
+
+
+_job = {"job": None}
+
+
+def enabled():
+    """True in a worker of an elastic job (DEEPNEX_ELASTIC is set)."""
+    return bool(os.environ.get("DEEPNEX_ELASTIC"))
+
+
+def _current_job():
+    """This process's _Job, or None outside an elastic job."""
+    if _job["job"] is None and enabled():
+        _job["job"] = _Job(os.environ)
+    return _job["job"]
+
+
+def ps_worker_id():
+    """This worker's parameter-server worker id in an elastic PS job: a slot
+    in [0, MAX) held by no other current member (its rank at its start when
+    that one is free), claimed in the store, so that a joiner never takes the
+    id of a live worker. Outside an elastic job: deepnex.init()'s rank."""
+    job = _current_job()
+    if job is None:
+        return deepnex.init().rank
+    members = job.store.get(MEMBERS_KEY.format(job.generation)).decode().split(",")
+    me = job.worker_id.encode()
+    slots = [job.rank] + [s for s in range(job.max_workers) if s != job.rank]
+    for slot in slots:
+        key = f"{job.base}/ps_slot/{slot}"
+        owner = job.store.get(key, timeout=0) if job.store.check([key])[0] else b""
+        if owner == me:
+            return slot
+        if owner and owner.decode() in members:
+            continue
+        if job.store.compare_set(key, owner, me) == me:
+            return slot
+    raise deepnex.ResourceExhaustedError(
+        f"elastic worker {job.worker_id}: all {job.max_workers} parameter-server worker "
+        f"slots are held by members of generation {job.generation}")
+
+
+class State:
+    """What a worker keeps across resizes: a deepnex.data.Sharder (optional)
+    and user counters given as keywords (``State(sharder=s, epoch=0,
+    step=0)``, then ``state.epoch``). deepnex.torch.TorchState adds a model
+    and an optimizer.
+
+    commit(): at a step boundary, keeps a copy and checks for a newer
+    membership. restore(): back to the last commit. sync(): rank 0's state
+    to every worker (run() calls it after each resize). The properties
+    rank, world_size, generation and communicator describe the current
+    membership (outside an elastic job: deepnex.init()'s rank and world and
+    no communicator).
+    """
+
+    def __init__(self, sharder=None, **counters):
+        self.sharder = sharder
+        self._counters = sorted(counters)
+        for name, value in counters.items():
+            setattr(self, name, value)
+        self._callbacks = []
+        self._saved = None
+        self.save()
+
+    # What a subclass adds to the state: picklable (full: also what the
+    # parameter servers keep in PS mode).
+    def _capture(self, full=True):
+        out = {"counters": {n: copy.deepcopy(getattr(self, n)) for n in self._counters}}
+        if self.sharder is not None:
+            out["sharder"] = self.sharder.state_dict()
+        return out
+
+    def _apply(self, snapshot, world=None):
+        for name, value in snapshot["counters"].items():
+            setattr(self, name, copy.deepcopy(value))
+        if self.sharder is not None:
+            num_shards, shard = world or (self.sharder.num_shards, self.sharder.shard)
+            self.sharder.reshard(num_shards, shard, snapshot["sharder"])
+
+    def _dumps(self, snapshot):
+        return pickle.dumps(snapshot)
+
+    def _loads(self, payload):
+        return pickle.loads(payload)
+
+    def _on_communicator(self, comm):
+        """A subclass re-binds what holds the old communicator."""
+
+    def save(self):
+        """Keeps a copy of the state (commit() without the membership check)."""
+        self._saved = self._capture()
+
+    def restore(self):
+        """Back to the last save() / commit()."""
+        self._apply(self._saved)
+
+    def commit(self):
+        """At a step boundary: save(), then check_host_updates()."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self):
+        """Raises HostsUpdatedInterrupt when the runner has published a
+        newer membership than this worker's (one store read)."""
+        job = _current_job()
+        if job is None or not job.formed:
+            return
+        latest = job.latest_generation()
+        if latest > job.generation:
+            raise HostsUpdatedInterrupt(
+                f"elastic worker {job.worker_id}: generation {latest} is published "
+                f"(this worker is in {job.generation})")
+
+    def register_reset_callbacks(self, callbacks):
+        """Functions called with no argument after each resize, once the
+        state is synced (e.g. to scale the learning rate with world_size)."""
+        self._callbacks.extend(callbacks)
+
+    def sync(self):
+        """Every worker takes rank 0's state; sharders re-shard it over the
+        current world."""
+        job = _current_job()
+        if job is None:
+            return
+        if job.ps_mode:
+            key = f"{job.base}/{job.generation}/state"
+            if job.rank == 0:
+                job.store.set(key, self._dumps(self._capture(full=False)))
+            payload = job.store.get(key)
+        else:
+            payload = _broadcast_bytes(job.comm, self._dumps(self._capture())
+                                       if job.rank == 0 else None)
+        self._apply(self._loads(payload), world=(job.world_size, job.rank))
+        self.save()
+
+    @property
+    def rank(self):
+        job = _current_job()
+        return job.rank if job is not None else deepnex.init().rank
+
+    @property
+    def world_size(self):
+        job = _current_job()
+        return job.world_size if job is not None else deepnex.init().world_size
+
+    @property
+    def generation(self):
+        job = _current_job()
+        return job.generation if job is not None else 0
+
+    @property
+    def communicator(self):
+        """The current membership's communicator (allreduce mode; None in
+        PS mode and outside an elastic job)."""
+        job = _current_job()
+        return job.comm if job is not None else None
+
+    def _resize(self, job, generation):
+        """Joins `generation` (or a newer one) and takes rank 0's state."""
+        job.abort()
+        job.adopt(generation)
+        job.formed = True
+        self._on_communicator(job.comm)
+        self.sync()
+        for callback in self._callbacks:
+            callback()
+
+
+def _broadcast_bytes(comm, payload):
+    """Root 0's bytes on every rank: the length, then the bytes padded to
+    whole int64s (the collectives carry no byte dtype)."""
+    size = np.array([len(payload) if payload is not None else 0], dtype=np.int64)
+    comm.broadcast(size, root=0)
+    words = np.zeros((int(size[0]) + 7) // 8, dtype=np.int64)
+    if payload is not None:
+        words.view(np.uint8)[:len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+    comm.broadcast(words, root=0)
+    return words.view(np.uint8)[:int(size[0])].tobytes()
+
+
+def run(func):
+    """Decorator: ``func(state, ...)`` runs elastically. It first joins the
+    newest membership and syncs rank 0's state; each HostsUpdatedInterrupt
+    (the state is at its commit) or collective failure (the state is
+    restored to its last commit) is followed by a resize (see the module's
+    documentation) and a new call of func from that state. Returns func's
+    result. Outside an elastic job: a plain call."""
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        job = _current_job()
+        if job is None:
+            return func(state, *args, **kwargs)
+        generation = max(job.generation, job.latest_generation())
+        while True:
+            try:
+                state._resize(job, generation)
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt:
+                generation = job.latest_generation()
+            except _PEER_ERRORS:
+                if job.ps_mode:
+                    raise
+                state.restore()
+                generation = job.wait_for(job.generation + 1,
+                                          "a collective failed: a peer left")
+
+    return wrapper
