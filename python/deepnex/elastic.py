@@ -120,6 +120,8 @@ class _Job:
         self.store = _collective.StoreClient(self.store_addr, timeout=self.timeout,
                                              token=self.token)
         self.comm = None
+        self.members = []  # of the generation adopted last
+        self.previous = []  # of the one before
         self.formed = False  # a membership adopted (communicator, state synced)
 
     def latest_generation(self):
@@ -138,6 +140,17 @@ class _Job:
                 f"the wait") from None
         return max(generation, self.latest_generation())
 
+    def wait_ready(self, workers):
+        """Waits until `workers` have started (PS mode's rendezvous)."""
+        if not workers:
+            return
+        try:
+            self.store.wait([f"{self.base}/ready/{w}" for w in workers], timeout=self.timeout)
+        except DeadlineExceededError:
+            raise DeadlineExceededError(
+                f"elastic worker {self.worker_id}: waited {self.timeout:g} s for "
+                f"{', '.join(workers)} of generation {self.generation} to start") from None
+
     def adopt(self, generation):
         """Takes membership `generation`: rank and world size, and (allreduce)
         a communicator of it; SystemExit(0) if this worker is not a member.
@@ -149,6 +162,7 @@ class _Job:
                     self.comm.abort()
                 raise SystemExit(0)
             self.generation = generation
+            self.previous, self.members = self.members, members
             self.rank, self.world_size = members.index(self.worker_id), len(members)
             if self.ps_mode:
                 return
@@ -198,12 +212,12 @@ def ps_worker_id():
     slots = [job.rank] + [s for s in range(job.max_workers) if s != job.rank]
     for slot in slots:
         key = f"{job.base}/ps_slot/{slot}"
-        owner = job.store.get(key, timeout=0) if job.store.check([key])[0] else b""
+        owner = job.store.compare_set(key, "", me)  # a slot never held: ours
         if owner == me:
             return slot
-        if owner and owner.decode() in members:
+        if owner.decode() in members:
             continue
-        if job.store.compare_set(key, owner, me) == me:
+        if job.store.compare_set(key, owner, me) == me:  # a departed worker's
             return slot
     raise deepnex.ResourceExhaustedError(
         f"elastic worker {job.worker_id}: all {job.max_workers} parameter-server worker "
@@ -294,9 +308,16 @@ class State:
         if job is None:
             return
         if job.ps_mode:
+            # No communicator to meet at: rank 0 waits until the members
+            # new to it are up (else it would go on alone with the new
+            # world's share of the data), then hands out its state.
             key = f"{job.base}/{job.generation}/state"
             if job.rank == 0:
+                job.wait_ready([m for m in job.members
+                                if m not in job.previous and m != job.worker_id])
                 job.store.set(key, self._dumps(self._capture(full=False)))
+            else:
+                job.store.set(f"{job.base}/ready/{job.worker_id}", "1")
             payload = job.store.get(key)
         else:
             payload = _broadcast_bytes(job.comm, self._dumps(self._capture())

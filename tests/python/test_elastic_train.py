@@ -10,6 +10,7 @@ Also: Sharder.reshard from Python, and bad elastic environments."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import time
 import pytest
 
 import deepnex
+import deepnex.ps
 from deepnex.collective import Store, StoreClient
 from deepnex.data import Sharder
 
@@ -125,22 +127,30 @@ class FakeRunner:
         self.client.set(f"elastic/members/{self.generation}", ",".join(members))
         self.client.set("elastic/generation", str(self.generation))
 
-    def start(self, wid, members, hold=()):
-        """Starts worker `wid` for the current generation, holding after
-        each commit of a step in `hold` until release(step)."""
+    def start(self, wid, members, hold=(), argv=None):
+        """Starts worker `wid` for generation `members` (the current one, or
+        the next, for a joiner started before it is published): this file,
+        holding after each commit of a step in `hold` until release(step),
+        or the program `argv`."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPNEX_")}
         env.update({
             "DEEPNEX_JOB_ID": "elastic-test", "DEEPNEX_ROLE": "worker",
             "DEEPNEX_RANK": str(members.index(wid)), "DEEPNEX_WORLD_SIZE": str(len(members)),
             "DEEPNEX_STORE_ADDR": self.store.address, "DEEPNEX_ELASTIC": "1:2",
-            "DEEPNEX_WORKER_ID": wid, "DEEPNEX_ELASTIC_GENERATION": str(self.generation),
+            "DEEPNEX_WORKER_ID": wid,
+            "DEEPNEX_ELASTIC_GENERATION": str(self.generation + (wid not in self.members())),
             "DEEPNEX_ELASTIC_TIMEOUT": str(self.timeout),
             "TEST_EPOCHS": str(self.epochs), "TEST_HOLD": ",".join(map(str, hold)),
             "TEST_OUT": str(self.tmp / wid)})
         env.update(self.extra_env)
         self.procs[wid] = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__)], env=env,
+            [sys.executable] + (argv or [os.path.abspath(__file__)]), env=env,
             stdout=open(self.tmp / f"{wid}.out", "w"), stderr=subprocess.STDOUT)
+
+    def members(self):
+        if not self.generation:
+            return []
+        return self.client.get(f"elastic/members/{self.generation}").decode().split(",")
 
     def output(self, wid):
         return (self.tmp / f"{wid}.out").read_text()
@@ -151,6 +161,13 @@ class FakeRunner:
         wait_for(lambda: self.client.check([key])[0] or self.procs[wid].poll() is not None,
                  lambda: f"{wid} to hold at step {step}: {self.output(wid)}")
         assert self.client.check([key])[0], self.output(wid)
+
+    def wait_output(self, wid, pattern):
+        """Until worker wid's output has a line matching `pattern`."""
+        wait_for(lambda: re.search(pattern, self.output(wid), re.M)
+                 or self.procs[wid].poll() is not None,
+                 lambda: f"{pattern!r} from {wid}: {self.output(wid)}")
+        assert re.search(pattern, self.output(wid), re.M), self.output(wid)
 
     def release(self, step):
         self.client.set(f"test/release/{step}", "1")
@@ -204,8 +221,8 @@ def test_grow_syncs_parameters_exactly_and_covers_the_data_once(runner):
     r.start("w0", ["w0"], hold=[10])
     r.wait_step("w0", 10)
     # Grow: start the joiner for generation 2, then publish it.
-    r.publish(["w0", "w1"])
     r.start("w1", ["w0", "w1"])
+    r.publish(["w0", "w1"])
     r.release(10)
     assert r.finish("w0") == 0, r.output("w0")
     assert r.finish("w1") == 0, r.output("w1")
@@ -232,8 +249,8 @@ def test_a_killed_worker_leaves_and_the_survivor_trains_to_090(runner):
     r.publish(["w0"])
     r.start("w0", ["w0"], hold=[5, 60])
     r.wait_step("w0", 5)
-    r.publish(["w0", "w1"])
     r.start("w1", ["w0", "w1"], hold=[60])
+    r.publish(["w0", "w1"])
     r.release(5)
     r.wait_step("w0", 60)
     r.wait_step("w1", 60)
@@ -287,6 +304,49 @@ def test_a_generation_that_never_comes_fails_within_the_deadline(runner):
     assert ("elastic worker w0: waited 4 s (a collective failed: a peer left) for "
             "generation 2, which never came (elastic/generation is 1)") in out, out
     assert elapsed < 4 + 10, elapsed
+
+
+# --- The digits example under the fake runner ------------------------------
+
+SUMMARY = re.compile(r"summary: digits mlp_torch mode=(\S+) workers=(\d+) epochs=(\d+) "
+                     r"test_accuracy=([0-9.]+)")
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "sync"])
+def test_digits_example_shrinks_grows_and_reaches_090(runner, mode):
+    """Generation 1: w0 and w1; w1 killed after rank 0's first epoch
+    (generation 2: w0); w2 joins after its second (generation 3). In sync
+    PS mode w1's lease expires on the server and w2 takes its server slot."""
+    r = runner(epochs=0, timeout=30)
+    argv = [os.path.join(DIGITS, "mlp_torch.py"), "--mode", mode, "--epochs", "14",
+            "--min-accuracy", "0.9"]
+    if mode != "allreduce":
+        server = deepnex.ps.Server("127.0.0.1:0", mode="sync", num_workers=2,
+                                   optimizer=deepnex.ps.SGD(lr=0.1, momentum=0.9),
+                                   lease_timeout=1.0, lease_policy="shrink")
+        r.extra_env["DEEPNEX_PS_ADDRS"] = server.address
+    try:
+        r.publish(["w0", "w1"])
+        for w in ("w0", "w1"):
+            r.start(w, ["w0", "w1"], argv=argv)
+        r.wait_output("w0", r"^epoch +1 ")
+        r.kill("w1")
+        r.publish(["w0"])
+        r.wait_output("w0", r"^epoch +3 ")
+        r.start("w2", ["w0", "w2"], argv=argv)
+        r.publish(["w0", "w2"])
+        assert r.finish("w0", timeout=90) == 0, r.output("w0")
+        assert r.finish("w2") == 0, r.output("w2")
+    finally:
+        if mode != "allreduce":
+            server.stop()
+    out = r.output("w0")
+    summary = SUMMARY.search(out)
+    assert summary, out
+    assert summary.groups()[:3] == (mode, "2", "14"), out
+    assert float(summary.group(4)) >= 0.9, out
+    # Rank 0 (w0 throughout) printed every epoch it finished.
+    assert "epoch  14 " in out
 
 
 # --- The worker (this file run as a script) ---------------------------------
