@@ -45,6 +45,8 @@ import copy
 import functools
 import os
 import pickle
+import sys
+import time
 
 import numpy as np
 
@@ -140,16 +142,28 @@ class _Job:
                 f"the wait") from None
         return max(generation, self.latest_generation())
 
-    def wait_ready(self, workers):
-        """Waits until `workers` have started (PS mode's rendezvous)."""
-        if not workers:
+    def wait_keys(self, keys, what):
+        """Waits until `keys` are set, up to the timeout (DeadlineExceededError
+        saying `what` it waited for); HostsUpdatedInterrupt as soon as a newer
+        generation is published, since the awaited peers may be there."""
+        if not keys:
             return
-        try:
-            self.store.wait([f"{self.base}/ready/{w}" for w in workers], timeout=self.timeout)
-        except DeadlineExceededError:
-            raise DeadlineExceededError(
-                f"elastic worker {self.worker_id}: waited {self.timeout:g} s for "
-                f"{', '.join(workers)} of generation {self.generation} to start") from None
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceededError(
+                    f"elastic worker {self.worker_id}: waited {self.timeout:g} s for {what} "
+                    f"in generation {self.generation}")
+            try:
+                self.store.wait(keys, timeout=min(left, 1.0))
+                return
+            except DeadlineExceededError:
+                latest = self.latest_generation()
+                if latest > self.generation:
+                    raise HostsUpdatedInterrupt(
+                        f"elastic worker {self.worker_id}: generation {latest} is published "
+                        f"while waiting for {what} in generation {self.generation}") from None
 
     def adopt(self, generation):
         """Takes membership `generation`: rank and world size, and (allreduce)
@@ -158,8 +172,9 @@ class _Job:
         while True:
             members = self.store.get(MEMBERS_KEY.format(generation)).decode().split(",")
             if self.worker_id not in members:
-                if self.comm is not None:
-                    self.comm.abort()
+                print(f"deepnex.elastic: worker {self.worker_id} is not in generation "
+                      f"{generation} ({','.join(members)}); it is done", file=sys.stderr,
+                      flush=True)
                 raise SystemExit(0)
             self.generation = generation
             self.previous, self.members = self.members, members
@@ -209,7 +224,7 @@ def ps_worker_id():
         return deepnex.init().rank
     members = job.store.get(MEMBERS_KEY.format(job.generation)).decode().split(",")
     me = job.worker_id.encode()
-    slots = [job.rank] + [s for s in range(job.max_workers) if s != job.rank]
+    slots = sorted(range(job.max_workers), key=lambda s: s != job.rank)
     for slot in slots:
         key = f"{job.base}/ps_slot/{slot}"
         owner = job.store.compare_set(key, "", me)  # a slot never held: ours
@@ -313,11 +328,13 @@ class State:
             # world's share of the data), then hands out its state.
             key = f"{job.base}/{job.generation}/state"
             if job.rank == 0:
-                job.wait_ready([m for m in job.members
-                                if m not in job.previous and m != job.worker_id])
+                new = [m for m in job.members if m not in job.previous and m != job.worker_id]
+                job.wait_keys([f"{job.base}/ready/{m}" for m in new],
+                              f"new members {', '.join(new)} to start")
                 job.store.set(key, self._dumps(self._capture(full=False)))
             else:
                 job.store.set(f"{job.base}/ready/{job.worker_id}", "1")
+                job.wait_keys([key], "rank 0's state")
             payload = job.store.get(key)
         else:
             payload = _broadcast_bytes(job.comm, self._dumps(self._capture())

@@ -102,6 +102,86 @@ def test_without_an_elastic_job_run_is_a_plain_call(job_env):
     assert state.generation == 0 and state.communicator is None
 
 
+# --- In-process: server slots and PS mode's rendezvous ---------------------
+
+
+@pytest.fixture
+def elastic_job(monkeypatch):
+    """make(worker_id, generation, ps=False): this process as that worker of
+    an elastic job (max 2 workers) whose store the test holds."""
+    import deepnex.elastic
+    store = Store("127.0.0.1:0")
+    client = StoreClient(store.address)
+
+    def make(wid, generation, timeout=1, ps=False):
+        env = {"DEEPNEX_JOB_ID": "j", "DEEPNEX_ROLE": "worker", "DEEPNEX_RANK": "0",
+               "DEEPNEX_WORLD_SIZE": "1", "DEEPNEX_STORE_ADDR": store.address,
+               "DEEPNEX_ELASTIC": "1:2", "DEEPNEX_WORKER_ID": wid,
+               "DEEPNEX_ELASTIC_GENERATION": str(generation),
+               "DEEPNEX_ELASTIC_TIMEOUT": str(timeout)}
+        if ps:
+            env["DEEPNEX_PS_ADDRS"] = "127.0.0.1:1"
+        job = deepnex.elastic._Job(env)
+        monkeypatch.setattr(deepnex.elastic, "_job", {"job": job})
+        return job
+
+    def publish(generation, members):
+        client.set(f"elastic/members/{generation}", members)
+        client.set("elastic/generation", str(generation))
+
+    make.publish = publish
+    yield make
+    store.stop()
+
+
+def test_ps_worker_ids_are_free_server_slots(elastic_job):
+    import deepnex.elastic
+    elastic_job.publish(1, "w0,w1")
+    for wid, slot in (("w1", 1), ("w0", 0), ("w1", 1)):
+        job = elastic_job(wid, 1, ps=True)
+        job.adopt(1)
+        assert deepnex.elastic.ps_worker_id() == slot
+    # w1 left: the joiner w2 takes its slot; then w3 (rank 1 beside w2,
+    # which holds slot 1) takes w0's.
+    elastic_job.publish(2, "w0,w2")
+    job = elastic_job("w2", 2, ps=True)
+    job.adopt(2)
+    assert deepnex.elastic.ps_worker_id() == 1
+    elastic_job.publish(3, "w2,w3")
+    job = elastic_job("w3", 3, ps=True)
+    job.adopt(3)
+    assert deepnex.elastic.ps_worker_id() == 0
+    elastic_job.publish(4, "w2,w3,w4")
+    job = elastic_job("w4", 4, ps=True)
+    job.adopt(4)
+    with pytest.raises(deepnex.ResourceExhaustedError,
+                       match="all 2 parameter-server worker slots are held by members of "
+                             "generation 4"):
+        deepnex.elastic.ps_worker_id()
+
+
+def test_ps_rank_0_waits_for_its_new_members_within_the_deadline(elastic_job):
+    import deepnex.elastic
+    elastic_job.publish(1, "w0,w1")
+    job = elastic_job("w0", 1, ps=True)
+    job.adopt(1)
+    state = deepnex.elastic.State(step=0)
+    start = time.monotonic()
+    with pytest.raises(deepnex.DeadlineExceededError,
+                       match="elastic worker w0: waited 1 s for new members w1 to start in "
+                             "generation 1"):
+        state.sync()
+    assert time.monotonic() - start < 5
+    # A newer generation while it waits: the resize goes there.
+    elastic_job.publish(2, "w0")
+    with pytest.raises(deepnex.elastic.HostsUpdatedInterrupt, match="generation 2 is published"):
+        state.sync()
+    job.adopt(2)
+    state.step = 7
+    state.sync()  # alone: no one to wait for
+    assert state.step == 7 and state.world_size == 1
+
+
 # --- The fake runner ------------------------------------------------------
 
 
