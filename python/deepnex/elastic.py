@@ -369,6 +369,8 @@ class State:
         job.abort()
         job.adopt(generation)
         job.formed = True
+        print(f"deepnex.elastic: worker {job.worker_id} is rank {job.rank} of {job.world_size} "
+              f"in generation {job.generation}", file=sys.stderr, flush=True)
         self._on_communicator(job.comm)
         self.sync()
         for callback in self._callbacks:
