@@ -115,7 +115,8 @@ class _Job:
                                        "publishes its membership in its store")
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.store_addr, self.token = ctx.store_addr, ctx.token or None
-        self.ps_mode = bool(ctx.ps_addrs)
+        self.ps_addrs = list(ctx.ps_addrs)
+        self.ps_mode = bool(self.ps_addrs)
         self.base = f"{ctx.job_id or 'deepnex'}/elastic"
         self.timeout = _positive_seconds(environ.get("DEEPNEX_ELASTIC_TIMEOUT", "120"),
                                          "DEEPNEX_ELASTIC_TIMEOUT")
@@ -218,25 +219,45 @@ def ps_worker_id():
     """This worker's parameter-server worker id in an elastic PS job: a slot
     in [0, MAX) held by no other current member (its rank at its start when
     that one is free), claimed in the store, so that a joiner never takes the
-    id of a live worker. Outside an elastic job: deepnex.init()'s rank."""
+    id of a live worker. Outside an elastic job: deepnex.init()'s rank.
+
+    The servers wait in every round for each of their MAX workers that never
+    registered; so rank 0 of generation 1 first releases the slots that
+    generation leaves empty (registers and leaves as each), and a joiner
+    registering there later is waited for again."""
     job = _current_job()
     if job is None:
         return deepnex.init().rank
     members = job.store.get(MEMBERS_KEY.format(job.generation)).decode().split(",")
+    if job.generation == 1 and job.rank == 0:
+        for slot in range(len(members), job.max_workers):
+            _release_slot(job, slot)
     me = job.worker_id.encode()
-    slots = sorted(range(job.max_workers), key=lambda s: s != job.rank)
-    for slot in slots:
+    for slot in sorted(range(job.max_workers), key=lambda s: s != job.rank):
         key = f"{job.base}/ps_slot/{slot}"
-        owner = job.store.compare_set(key, "", me)  # a slot never held: ours
+        owner = job.store.compare_set(key, "", me)  # a free slot: ours
         if owner == me:
             return slot
-        if owner.decode() in members:
+        # "<id>" or "<id>:releasing": held while that worker is a member.
+        if owner.decode().split(":")[0] in members:
             continue
         if job.store.compare_set(key, owner, me) == me:  # a departed worker's
             return slot
     raise deepnex.ResourceExhaustedError(
         f"elastic worker {job.worker_id}: all {job.max_workers} parameter-server worker "
         f"slots are held by members of generation {job.generation}")
+
+
+def _release_slot(job, slot):
+    """Registers and leaves as worker `slot` on the servers, holding the slot
+    meanwhile so that no joiner registers there before the leave."""
+    from . import ps
+    key = f"{job.base}/ps_slot/{slot}"
+    releasing = f"{job.worker_id}:releasing".encode()
+    if job.store.compare_set(key, "", releasing) != releasing:
+        return  # a joiner holds it already
+    ps.Client(job.ps_addrs, worker_id=slot, token=job.token).close()
+    job.store.compare_set(key, releasing, "")
 
 
 class State:
