@@ -3,32 +3,34 @@
 
     import deepnex.elastic, deepnex.torch
 
-    state = deepnex.torch.TorchState(model, optimizer, sharder=sharder, epoch=0)
+    sharder = deepnex.data.Sharder(len(dataset), ctx.world_size, ctx.rank)
+    state = deepnex.torch.TorchState(model, optimizer, sharder=sharder, step=0)
 
     @deepnex.elastic.run
     def train(state):
-        model = deepnex.torch.DistributedDataParallel(state.model,
-                                                      communicator=state.communicator)
-        ...
-        while state.epoch < epochs:
+        while state.sharder.epoch < epochs:
             for batch in state.sharder.batches(32):
-                ...one step...
+                loss = loss_fn(state.model(x[batch]), y[batch])   # a DDP model
+                optimizer.zero_grad(); loss.backward(); optimizer.step()
+                state.step += 1
                 state.commit()            # a step boundary
-            state.epoch += 1
 
     train(state)
 
 The runner publishes each membership in the job's store ("elastic/members/<G>",
-then "elastic/generation"; see DEEPNEX_ELASTIC). ``state.commit()`` keeps a
-copy of the state and reads the generation key; when a newer generation is
-there (``HostsUpdatedInterrupt``), or when a collective fails because a peer
-died (the state is then restored to its last commit), ``run`` waits for the
-next membership (up to ``timeout`` seconds; DeadlineExceededError naming the
-generation it waited for), re-forms the communicator with the new rank and
-world size under a prefix of that generation, and rank 0 (a survivor)
-broadcasts the parameters, the optimizer state, the counters and the data
-position; every sharder re-shards the epoch's remaining items over the new
-world. A worker that is not in the new membership exits with status 0.
+then "elastic/generation"). ``state.commit()`` keeps a copy of the state and
+reads the generation key; when a newer generation is there
+(``HostsUpdatedInterrupt``), or when a collective fails because a peer died
+(the state is then restored to its last commit), ``run`` waits for the next
+membership (up to DEEPNEX_ELASTIC_TIMEOUT seconds, default 120;
+DeadlineExceededError naming the generation it waited for), re-forms the
+communicator with the new rank and world size under a prefix of that
+generation (``state.communicator``; the same timeout bounds each collective),
+and rank 0 (a survivor) broadcasts the parameters, the optimizer state, the
+counters and the data position; every sharder re-shards the epoch's
+remaining items over the new world, and train is called again. A worker that
+is not in the new membership exits with status 0. Each resize prints one
+line on stderr: the worker's id, rank, world size and generation.
 
 Parameter-server jobs (DEEPNEX_PS_ADDRS set) keep their parameters on the
 servers, which let workers join and shrink the rounds of lost ones; only the
