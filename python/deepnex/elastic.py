@@ -432,10 +432,13 @@ def run(func):
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt:
                 generation = job.latest_generation()
-            except _PEER_ERRORS:
+            except _PEER_ERRORS as e:
                 if job.ps_mode:
                     raise
                 state.restore()
+                print(f"deepnex.elastic: worker {job.worker_id}: a collective failed in "
+                      f"generation {job.generation} ({e}); back to the last commit, waiting "
+                      f"for generation {job.generation + 1}", file=sys.stderr, flush=True)
                 generation = job.wait_for(job.generation + 1,
                                           "a collective failed: a peer left")
 

@@ -360,6 +360,8 @@ def test_a_killed_worker_leaves_and_the_survivor_trains_to_090(runner):
     r.kill("w1")
     # w0's next allreduce fails on its dead peer; it waits for generation 3.
     r.release(60)
+    r.wait_output("w0", r"^deepnex.elastic: worker w0: a collective failed in generation 2 "
+                        r"\(.*\); back to the last commit, waiting for generation 3$")
     r.publish(["w0"])
     assert r.finish("w0") == 0, r.output("w0")
     gens = [g for g, _, _ in r.batches("w0")]
