@@ -55,7 +55,7 @@ import numpy as np
 import deepnex
 from . import collective as _collective
 from .errors import (AbortedError, DeadlineExceededError, DeepnexError, InvalidArgumentError,
-                     UnavailableError)
+                     ResourceExhaustedError, UnavailableError)
 
 __all__ = ["run", "State", "HostsUpdatedInterrupt", "ps_worker_id", "enabled"]
 
@@ -245,7 +245,7 @@ def ps_worker_id():
             continue
         if job.store.compare_set(key, owner, me) == me:  # a departed worker's
             return slot
-    raise deepnex.ResourceExhaustedError(
+    raise ResourceExhaustedError(
         f"elastic worker {job.worker_id}: all {job.max_workers} parameter-server worker "
         f"slots are held by members of generation {job.generation}")
 

@@ -76,7 +76,9 @@ void RegisterData(py::module_& parent) {
            [](const Sharder& s) {
              ShardState st = s.state();
              py::list ranges;
-             for (const auto& [first, second] : st.ranges) ranges.append(py::make_tuple(first, second));
+             for (const auto& [first, second] : st.ranges) {
+               ranges.append(py::make_tuple(first, second));
+             }
              py::dict out;
              out["epoch"] = st.epoch;
              out["position"] = st.position;
