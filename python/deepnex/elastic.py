@@ -57,7 +57,7 @@ from . import collective as _collective
 from .errors import (AbortedError, DeadlineExceededError, DeepnexError, InvalidArgumentError,
                      ResourceExhaustedError, UnavailableError)
 
-__all__ = ["run", "State", "HostsUpdatedInterrupt", "ps_worker_id", "enabled"]
+__all__ = ["run", "State", "TorchState", "HostsUpdatedInterrupt", "ps_worker_id", "enabled"]
 
 # Runner-written keys (the contract with `deepnex run --workers MIN:MAX`).
 GENERATION_KEY = "elastic/generation"
@@ -203,6 +203,15 @@ class _Job:
 
 
 _job = {"job": None}
+
+
+def __getattr__(name):
+    """deepnex.elastic.TorchState, where Horovod users look for it (it lives
+    in deepnex.torch, which imports torch)."""
+    if name == "TorchState":
+        from .torch import TorchState
+        return TorchState
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def enabled():

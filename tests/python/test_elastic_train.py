@@ -102,6 +102,33 @@ def test_without_an_elastic_job_run_is_a_plain_call(job_env):
     assert state.generation == 0 and state.communicator is None
 
 
+def test_torch_state_commits_and_restores_model_and_optimizer(job_env):
+    torch = pytest.importorskip("torch")
+    import deepnex.elastic
+    import deepnex.torch
+    assert deepnex.elastic.TorchState is deepnex.torch.TorchState
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    sharder = Sharder(10, 1, 0)
+    state = deepnex.elastic.TorchState(model, opt, sharder=sharder, step=0)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    sharder._s.next(3)
+    state.step = 1
+    state.commit()
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
+    momentum = opt.state_dict()["state"][0]["momentum_buffer"].clone()
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    sharder._s.next(3)
+    state.step = 2
+    state.restore()
+    assert state.step == 1 and sharder.state() == (0, 3)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, kept[k]), k
+    assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], momentum)
+
+
 # --- In-process: server slots and PS mode's rendezvous ---------------------
 
 
