@@ -94,13 +94,13 @@ std::vector<uint64_t> BlockPositions(const SharderOptions& options, int num_shar
   uint64_t skip = k * q + std::min(k, r), length = q + (k < r ? 1 : 0);
   out.reserve(length);
   for (const auto& [first, second] : ranges) {
-    for (uint64_t p = first; p < second && out.size() < length; ++p) {
-      if (skip > 0) {
-        --skip;
-      } else {
-        out.push_back(p);
-      }
+    if (skip >= second - first) {  // whole ranges before the block: O(ranges), not O(items)
+      skip -= second - first;
+      continue;
     }
+    for (uint64_t p = first + skip; p < second && out.size() < length; ++p) out.push_back(p);
+    skip = 0;
+    if (out.size() == length) break;
   }
   return out;
 }

@@ -242,6 +242,35 @@ TEST(SharderReshardTest, SplitsTheEpochsRestOverANewWorldExactly) {
   }
 }
 
+TEST(SharderReshardTest, EverySmallWorldAndCursorTwiceOverIsExact) {
+  // Sizes around the world sizes (padding that wraps, shards left empty),
+  // every cursor of the first world, then one step and another world. (The
+  // same world again is a resume, which keeps kPad's repeats.)
+  for (uint64_t size : {1, 2, 3, 5, 7, 12}) {
+    for (int n = 1; n <= 4; ++n) {
+      for (int m = 1; m <= 4; ++m) {
+        for (int l : {1, 3}) {
+          if (m == n || l == m) continue;
+          const uint64_t steps = (size + n - 1) / n;
+          for (uint64_t p = 1; p < steps; ++p) {
+            SCOPED_TRACE(testing::Message() << size << " items, " << n << " -> " << m << " at "
+                                            << p << " -> " << l);
+            std::vector<Sharder> world = World(size, n);
+            std::multiset<uint64_t> seen;
+            Step(world, static_cast<int>(p), 1, &seen);
+            std::vector<Sharder> second = Reshard(world, m);
+            if (second[0].epoch() == 0) Step(second, 1, 1, &seen);
+            if (second[0].epoch() != 0) continue;  // that step ended the epoch
+            std::vector<Sharder> third = Reshard(second, l);
+            std::multiset<uint64_t> rest = RestOfEpoch(third, 2);
+            ASSERT_EQ(rest, Unseen(size, seen));
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(SharderReshardTest, ASecondReshardInTheSameEpochIsExactToo) {
   std::vector<Sharder> world = World(101, 2, Remainder::kDrop);
   std::multiset<uint64_t> seen;
