@@ -32,6 +32,11 @@ remaining items over the new world, and train is called again. A worker that
 is not in the new membership exits with status 0. Each resize prints one
 line on stderr: the worker's id, rank, world size and generation.
 
+A peer partitioned away fails nothing (its connections stay open): a thread
+of each allreduce worker aborts the communicator as soon as the runner
+publishes a membership without it, so a collective blocked on it ends then,
+not at its timeout; the step goes back to its last commit.
+
 Parameter-server jobs (DEEPNEX_PS_ADDRS set) keep their parameters on the
 servers, which let workers join and shrink the rounds of lost ones; only the
 counters and the data position follow the membership (rank 0's, through the
@@ -43,11 +48,13 @@ Without DEEPNEX_ELASTIC, ``run`` calls the function once and ``commit`` only
 keeps the copy: the same script runs unchanged under a fixed world.
 """
 
+import atexit
 import copy
 import functools
 import os
 import pickle
 import sys
+import threading
 import time
 
 import numpy as np
@@ -125,6 +132,10 @@ class _Job:
         self.store = _collective.StoreClient(self.store_addr, timeout=self.timeout,
                                              token=self.token)
         self.comm = None
+        # Guards generation and comm against the watcher thread (see watch()).
+        self._lock = threading.Condition()
+        self._watcher = None
+        self._stopping = False
         self.members = []  # of the generation adopted last
         self.previous = []  # of the one before
         self.formed = False  # a membership adopted (communicator, state synced)
@@ -179,15 +190,19 @@ class _Job:
                       f"{generation} ({','.join(members)}); it is done", file=sys.stderr,
                       flush=True)
                 raise SystemExit(0)
-            self.generation = generation
+            with self._lock:
+                self.generation = generation
+                self._lock.notify_all()
             self.previous, self.members = self.members, members
             self.rank, self.world_size = members.index(self.worker_id), len(members)
             if self.ps_mode:
                 return
             try:
-                self.comm = _collective.Communicator(
+                comm = _collective.Communicator(
                     self.rank, self.world_size, store=self.store_addr,
                     prefix=f"{self.base}/{generation}", timeout=self.timeout, token=self.token)
+                with self._lock:
+                    self.comm = comm
                 return
             except _PEER_ERRORS:
                 # Peers that read a newer generation went there instead.
@@ -197,9 +212,42 @@ class _Job:
                 generation = newer
 
     def abort(self):
-        if self.comm is not None:
-            self.comm.abort()
-            self.comm = None
+        with self._lock:
+            if self.comm is not None:
+                self.comm.abort()
+                self.comm = None
+
+    def watch(self):
+        """Allreduce mode: from now on a thread aborts the communicator as
+        soon as a newer generation is published, so that a collective blocked
+        on a peer partitioned away (its connections stay open, nothing fails)
+        ends at once instead of at its timeout, and run() resizes."""
+        if self._watcher is not None or self.ps_mode:
+            return
+        self._watcher = threading.Thread(target=self._watch, name="deepnex-elastic",
+                                         daemon=True)
+        self._watcher.start()
+        atexit.register(self._stop_watching)
+
+    def _watch(self):
+        while not self._stopping:
+            with self._lock:
+                generation = self.generation
+            try:
+                # Short waits: the thread ends within one at exit.
+                self.store.wait([MEMBERS_KEY.format(generation + 1)], timeout=0.5)
+            except DeepnexError:
+                continue
+            with self._lock:
+                if self.generation == generation and self.comm is not None:
+                    self.comm.abort()
+                self._lock.wait_for(lambda: self.generation != generation or self._stopping)
+
+    def _stop_watching(self):
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        self._watcher.join()
 
 
 _job = {"job": None}
@@ -401,6 +449,7 @@ class State:
         job.abort()
         job.adopt(generation)
         job.formed = True
+        job.watch()
         print(f"deepnex.elastic: worker {job.worker_id} is rank {job.rank} of {job.world_size} "
               f"in generation {job.generation}", file=sys.stderr, flush=True)
         self._on_communicator(job.comm)
@@ -445,6 +494,12 @@ def run(func):
                 if job.ps_mode:
                     raise
                 state.restore()
+                following = job.generation + 1
+                # The watcher broke the step for it (it reacts to the members
+                # key, which the runner writes before the generation key).
+                if job.store.check([MEMBERS_KEY.format(following)])[0]:
+                    generation = max(following, job.latest_generation())
+                    continue
                 print(f"deepnex.elastic: worker {job.worker_id}: a collective failed in "
                       f"generation {job.generation} ({e}); back to the last commit, waiting "
                       f"for generation {job.generation + 1}", file=sys.stderr, flush=True)

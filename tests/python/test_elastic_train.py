@@ -257,11 +257,11 @@ class FakeRunner:
         self.client.set(f"elastic/members/{self.generation}", ",".join(members))
         self.client.set("elastic/generation", str(self.generation))
 
-    def start(self, wid, members, hold=(), argv=None):
+    def start(self, wid, members, hold=(), mark=(), argv=None):
         """Starts worker `wid` for generation `members` (the current one, or
         the next, for a joiner started before it is published): this file,
-        holding after each commit of a step in `hold` until release(step),
-        or the program `argv`."""
+        holding after each commit of a step in `hold` until release(step) and
+        saying when it starts a step in `mark`, or the program `argv`."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPNEX_")}
         env.update({
             "DEEPNEX_JOB_ID": "elastic-test", "DEEPNEX_ROLE": "worker",
@@ -271,6 +271,7 @@ class FakeRunner:
             "DEEPNEX_ELASTIC_GENERATION": str(self.generation + (wid not in self.members())),
             "DEEPNEX_ELASTIC_TIMEOUT": str(self.timeout),
             "TEST_EPOCHS": str(self.epochs), "TEST_HOLD": ",".join(map(str, hold)),
+            "TEST_MARK": ",".join(map(str, mark)),
             "TEST_OUT": str(self.tmp / wid)})
         env.update(self.extra_env)
         self.procs[wid] = subprocess.Popen(
@@ -403,6 +404,31 @@ def test_a_killed_worker_leaves_and_the_survivor_trains_to_090(runner):
     assert epoch_items(r, ["w0", "w1"], kill_epoch) == list(range(TRAIN_ITEMS))
 
 
+def test_a_partitioned_peer_is_left_at_the_next_generation_not_the_timeout(runner):
+    """w1 stops (SIGSTOP: its connections stay open, as across a network
+    partition) while w0 is in a step's allreduce; generation 2 without w1
+    ends that allreduce at once (the collective timeout is 60 s)."""
+    r = runner(epochs=1, timeout=60)
+    r.publish(["w0", "w1"])
+    r.start("w0", ["w0", "w1"], hold=[3], mark=[4])
+    r.start("w1", ["w0", "w1"], hold=[3])
+    r.wait_step("w0", 3)
+    r.wait_step("w1", 3)
+    r.procs["w1"].send_signal(signal.SIGSTOP)
+    r.release(3)
+    wait_for(lambda: r.client.check(["test/w0/starting/4"])[0], "w0 to start step 4")
+    start = time.monotonic()
+    r.publish(["w0"])
+    assert r.finish("w0", timeout=40) == 0, r.output("w0")
+    assert time.monotonic() - start < 30
+    out = r.output("w0")
+    assert "worker w0 is rank 0 of 1 in generation 2" in out, out
+    assert "a collective failed" not in out, out
+    # w0 went back to step 3's commit: every item of the epoch once.
+    assert [g for g, _, _ in r.batches("w0")][:4] == [1, 1, 1, 2]
+    assert epoch_items(r, ["w0", "w1"], 0) == list(range(TRAIN_ITEMS))
+
+
 def test_a_worker_dropped_from_the_membership_exits_0(runner):
     r = runner(epochs=1)
     r.publish(["w0", "w1"])
@@ -497,6 +523,7 @@ def _worker():
     out = os.environ["TEST_OUT"]
     os.makedirs(out, exist_ok=True)
     hold = {int(s) for s in os.environ["TEST_HOLD"].split(",") if s}
+    mark = {int(s) for s in os.environ["TEST_MARK"].split(",") if s}
     epochs = int(os.environ["TEST_EPOCHS"])
     wid = os.environ["DEEPNEX_WORKER_ID"]
     ctx = deepnex.init()
@@ -517,6 +544,8 @@ def _worker():
         while state.sharder.epoch < epochs:
             epoch = state.sharder.epoch
             for batch in state.sharder.batches(32):
+                if state.step + 1 in mark:
+                    store.set(f"test/{wid}/starting/{state.step + 1}", "1")
                 opt.zero_grad()
                 if len(batch):
                     loss = torch.nn.functional.cross_entropy(
