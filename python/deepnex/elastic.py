@@ -64,7 +64,7 @@ from . import collective as _collective
 from .errors import (AbortedError, DeadlineExceededError, DeepnexError, InvalidArgumentError,
                      ResourceExhaustedError, UnavailableError)
 
-__all__ = ["run", "State", "TorchState", "HostsUpdatedInterrupt", "ps_worker_id", "enabled"]
+__all__ = ["run", "State", "HostsUpdatedInterrupt", "ps_worker_id", "enabled"]
 
 # Runner-written keys (the contract with `deepnex run --workers MIN:MAX`).
 GENERATION_KEY = "elastic/generation"
