@@ -258,10 +258,11 @@ class FakeRunner:
         self.client.set("elastic/generation", str(self.generation))
 
     def start(self, wid, members, hold=(), mark=(), argv=None):
-        """Starts worker `wid` for generation `members` (the current one, or
-        the next, for a joiner started before it is published): this file,
-        holding after each commit of a step in `hold` until release(step) and
-        saying when it starts a step in `mark`, or the program `argv`."""
+        """Starts worker `wid` with its rank in `members`, for the current
+        generation (or, for a joiner started before its generation is
+        published, the next): this file, holding after each commit of a step
+        in `hold` until release(step) and saying when it starts a step in
+        `mark`, or the program `argv`."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPNEX_")}
         env.update({
             "DEEPNEX_JOB_ID": "elastic-test", "DEEPNEX_ROLE": "worker",
@@ -274,9 +275,10 @@ class FakeRunner:
             "TEST_MARK": ",".join(map(str, mark)),
             "TEST_OUT": str(self.tmp / wid)})
         env.update(self.extra_env)
-        self.procs[wid] = subprocess.Popen(
-            [sys.executable] + (argv or [os.path.abspath(__file__)]), env=env,
-            stdout=open(self.tmp / f"{wid}.out", "w"), stderr=subprocess.STDOUT)
+        with open(self.tmp / f"{wid}.out", "w") as out:
+            self.procs[wid] = subprocess.Popen(
+                [sys.executable] + (argv or [os.path.abspath(__file__)]), env=env,
+                stdout=out, stderr=subprocess.STDOUT)
 
     def members(self):
         if not self.generation:
