@@ -18,6 +18,7 @@ import numpy as np
 
 import deepnex
 import deepnex.elastic
+import digits_common
 from digits_common import Progress, job_context, load_data, parse_args
 
 KEYS = ("w1", "b1", "w2", "b2")
@@ -145,7 +146,7 @@ def train_elastic(args, ctx, data, params, grads):
         opt["sgd"] = ParameterServerSGD(ctx, params, grads,
                                         worker_id=deepnex.elastic.ps_worker_id())
         params = opt["sgd"].params
-    state = deepnex.elastic.State(sharder=sharder, params=params, losses=[],
+    state = deepnex.elastic.State(sharder=sharder, params=params, loss=0.0, batches=0,
                                   velocity={k: np.zeros_like(v) for k, v in params.items()})
 
     def bind():
@@ -153,32 +154,21 @@ def train_elastic(args, ctx, data, params, grads):
             opt["sgd"] = AllreduceSGD(state.communicator, state.params, grads, args.lr,
                                       args.momentum, state.velocity)
 
+    def step(batch):
+        loss = 0.0
+        if len(batch):
+            loss = loss_and_grads(state.params, x_train[batch], y_train[batch], grads)
+        else:  # a re-sharded epoch's shorter shard: zero gradients
+            for g in grads.values():
+                g[...] = 0
+        state.params = opt["sgd"].step()
+        return loss
+
     state.register_reset_callbacks([bind])
     # rank and world_size follow the membership.
     progress = Progress("digits mlp_numpy", args, state, len(y_train))
-
-    @deepnex.elastic.run
-    def train(state):
-        while state.sharder.epoch < args.epochs:
-            epoch = state.sharder.epoch
-            for batch in state.sharder.batches(args.batch_size):
-                if len(batch):
-                    state.losses.append(
-                        loss_and_grads(state.params, x_train[batch], y_train[batch], grads))
-                else:
-                    # A re-sharded epoch's shorter shard: zero gradients, so
-                    # that this worker still takes part in the step.
-                    for g in grads.values():
-                        g[...] = 0
-                state.params = opt["sgd"].step()
-                state.commit()
-            loss = float(np.mean(state.losses)) if state.losses else 0.0
-            stop = progress.report(epoch + 1, loss, accuracy(state.params, x_test, y_test))
-            state.losses = []
-            if stop:
-                return
-
-    train(state)
+    digits_common.train_elastic(state, args, progress, step,
+                                lambda: accuracy(state.params, x_test, y_test))
     if hasattr(opt["sgd"], "close"):
         opt["sgd"].close()
     return progress.finish()

@@ -16,6 +16,7 @@ that workers may join and leave between steps.
 
 import deepnex
 import deepnex.elastic
+import digits_common
 from digits_common import Progress, job_context, load_data, parse_args
 
 
@@ -78,34 +79,25 @@ def train_elastic(args, ctx, model, opt, loss_fn, data):
             opt, named_parameters=model.named_parameters(), client=client, root_rank=0)
     sharder = deepnex.data.Sharder(len(y_train), ctx.world_size, ctx.rank, seed=args.seed)
     state = deepnex.torch.TorchState(model, opt, sharder=sharder, loss=0.0, batches=0)
+
+    def step(batch):
+        opt.zero_grad()
+        if len(batch):
+            batch = torch.from_numpy(batch)
+            loss = loss_fn(state.model(x_train[batch]), y_train[batch])
+        else:  # a re-sharded epoch's shorter shard: zero gradients
+            loss = sum((p * 0).sum() for p in state.model.parameters())
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    def accuracy():
+        with torch.no_grad():
+            return (state.model(x_test).argmax(dim=1) == y_test).float().mean().item()
+
     # rank and world_size follow the membership.
     progress = Progress("digits mlp_torch", args, state, len(y_train))
-
-    @deepnex.elastic.run
-    def train(state):
-        while state.sharder.epoch < args.epochs:
-            epoch = state.sharder.epoch
-            for batch in state.sharder.batches(args.batch_size):
-                opt.zero_grad()
-                if len(batch):
-                    batch = torch.from_numpy(batch)
-                    loss = loss_fn(state.model(x_train[batch]), y_train[batch])
-                else:
-                    # A re-sharded epoch's shorter shard: zero gradients, so
-                    # that this worker still takes part in the step.
-                    loss = sum((p * 0).sum() for p in state.model.parameters())
-                loss.backward()
-                opt.step()
-                state.loss, state.batches = state.loss + loss.item(), state.batches + 1
-                state.commit()
-            with torch.no_grad():
-                acc = (state.model(x_test).argmax(dim=1) == y_test).float().mean().item()
-            stop = progress.report(epoch + 1, state.loss / max(state.batches, 1), acc)
-            state.loss, state.batches = 0.0, 0
-            if stop:
-                return
-
-    train(state)
+    digits_common.train_elastic(state, args, progress, step, accuracy)
     if hasattr(opt, "close"):
         opt.close()
     return progress.finish()
