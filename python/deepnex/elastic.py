@@ -327,8 +327,9 @@ class State:
 
     commit(): at a step boundary, keeps a copy and checks for a newer
     membership (the copy costs a model's size: with a large model commit
-    every few steps; after a failed collective the steps since are redone). restore(): back to the last commit. sync(): rank 0's state
-    to every worker (run() calls it after each resize). The properties
+    every few steps; after a failed collective the steps since are redone).
+    restore(): back to the last commit. sync(): rank 0's state to every
+    worker (run() calls it after each resize). The properties
     rank, world_size, generation and communicator describe the current
     membership (outside an elastic job: deepnex.init()'s rank and world and
     no communicator).
