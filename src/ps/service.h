@@ -24,6 +24,7 @@
 #include "ps/membership.h"
 #include "ps/partition.h"
 #include "ps/server_metrics.h"
+#include "ps/shm_channel.h"
 
 namespace deepnex::ps {
 
@@ -168,6 +169,17 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
 
   absl::Status CheckWorker(int worker, const char* op) const;
 
+  // A call whose values travel in the caller's shared-memory segment:
+  // finds the segment of (worker, incarnation) (Aborted without one: the
+  // lease ended or the server restarted, so register again) and checks
+  // that `region` lies inside it.
+  absl::StatusOr<std::shared_ptr<ShmSegment>> ShmOf(const char* op, int worker,
+                                                    uint64_t incarnation,
+                                                    const proto::ShmRegion& region) const;
+
+  // Register: a segment for a caller on this host that asks for one.
+  void OfferShm(const proto::RegisterRequest& req, proto::RegisterReply* reply);
+
   absl::Status CheckCall(const grpc::ServerContextBase& ctx, int worker, const char* op) const;
 
   // Finds each slice's partition and checks the slice against it; with
@@ -202,6 +214,8 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
   // Pull reply bytes held per connection ("ipv4:host:port"); guarded by
   // limits_mu_.
   std::unordered_map<std::string, uint64_t> pending_by_peer_;
+  const std::string host_id_;
+  std::unique_ptr<ShmBroker> shm_;  // null: TCP only
   std::mutex mu_;
   std::unordered_map<std::string, Tensor> tensors_;
   std::mutex checkpoint_mu_;  // one checkpoint written at a time
