@@ -115,7 +115,10 @@ grpc::ServerUnaryReactor* Service::Leave(grpc::CallbackServerContext* ctx,
   absl::Status s = CheckCall(*ctx, req->worker_id(), "leave");
   if (s.ok()) {
     membership_.Leave(req->worker_id(), req->incarnation());
-    if (shm_) shm_->Drop(req->worker_id(), req->incarnation());
+    if (shm_) {
+      shm_->Drop(req->worker_id(), req->incarnation());
+      metrics_.shm_segments->Set(shm_->Count());
+    }
     metrics_.live_workers->Set(membership_.LiveCount());
     MembershipChanged();
   }
@@ -232,6 +235,7 @@ grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
   metrics_.pushes->Add();
   metrics_.worker_pushes[header.worker_id()]->Add();
   metrics_.bytes_in->Add(payload.remaining());
+  if (segment) metrics_.shm_bytes->Add(payload.remaining() + total);
   bool lose_reply = drops_left_.load() > 0 && drops_left_.fetch_sub(1) > 0;
   std::shared_ptr<PushSink> sink;
   grpc::ServerUnaryReactor* reactor;
@@ -299,6 +303,7 @@ grpc::ServerUnaryReactor* Service::Pull(grpc::CallbackServerContext* ctx,
 
   metrics_.pulls->Add();
   metrics_.bytes_out->Add(total);
+  if (segment) metrics_.shm_bytes->Add(total);
   auto call = std::make_shared<PullCall>(std::move(offsets), total, response, segment,
                                          req.shm().offset());
   call->OnDone([this, parts, peer, held](bool failed) {
@@ -317,8 +322,9 @@ grpc::ServerUnaryReactor* Service::Pull(grpc::CallbackServerContext* ctx,
 void Service::ExpireLeases() {
   std::vector<int> expired = membership_.Expire(Clock::now());
   if (expired.empty()) return;
-  for (int worker : expired) {
-    if (shm_) shm_->Drop(worker, 0);
+  if (shm_) {
+    for (int worker : expired) shm_->Drop(worker, 0);
+    metrics_.shm_segments->Set(shm_->Count());
   }
   metrics_.lease_expiries->Add(expired.size());
   metrics_.live_workers->Set(membership_.LiveCount());
@@ -484,6 +490,7 @@ void Service::OfferShm(const pb::RegisterRequest& req, pb::RegisterReply* reply)
   if (!shm_ || req.shm_bytes() == 0 || req.host_id() != host_id_) return;
   absl::StatusOr<ShmBroker::Offer> offer =
       shm_->Open(req.worker_id(), req.incarnation(), req.shm_bytes());
+  metrics_.shm_segments->Set(shm_->Count());
   if (!offer.ok()) return;  // TCP, as for a client on another host
   reply->set_shm_socket(offer->socket);
   reply->set_shm_ticket(offer->ticket);
