@@ -16,6 +16,7 @@
 #include "core/grpc_util.h"
 #include "deepnex/ps.pb.h"
 #include "ps/partition.h"
+#include "ps/reply_buffers.h"
 #include "ps/shm_channel.h"
 
 namespace deepnex::ps {
@@ -90,20 +91,23 @@ class PullCall : public Call, public PullSink {
  public:
   // With `segment`, the values go into it at `shm_offset` (the caller's
   // shared memory), and the reply only says so.
+  // Else they go into a buffer of `buffers`.
   PullCall(std::vector<uint64_t> offsets, uint64_t total, grpc::ByteBuffer* response,
-           std::shared_ptr<ShmSegment> segment = nullptr, uint64_t shm_offset = 0)
+           std::shared_ptr<ReplyBuffers> buffers, std::shared_ptr<ShmSegment> segment,
+           uint64_t shm_offset)
       : offsets_(std::move(offsets)),
         total_(total),
         versions_(offsets_.size()),
         remaining_(offsets_.size()),
         response_(response),
+        buffers_(std::move(buffers)),
         segment_(std::move(segment)),
         shm_offset_(shm_offset) {}
   // The buffer is made when the first values arrive, so that a pull waiting
   // for its round holds no reply memory.
   char* Destination(size_t slice) override {
     if (segment_) return segment_->data() + shm_offset_ + offsets_[slice];
-    std::call_once(allocated_, [this] { buffer_.reset(new char[total_]); });
+    std::call_once(allocated_, [this] { buffer_ = buffers_->Take(total_); });
     return buffer_.get() + offsets_[slice];
   }
   void SliceReady(size_t slice, uint64_t version) override {
@@ -115,7 +119,7 @@ class PullCall : public Call, public PullSink {
     if (segment_) {
       header.set_shm(true);
     } else {
-      payload.push_back(OwnedSlice(std::move(buffer_), total_));
+      payload.push_back(buffers_->Wrap(std::move(buffer_), total_));
     }
     *response_ = EncodeFramed(header, std::move(payload));
     reactor_->Finish(grpc::Status::OK);
@@ -131,6 +135,7 @@ class PullCall : public Call, public PullSink {
   std::vector<uint64_t> versions_;  // each written by one partition, once
   std::atomic<size_t> remaining_;
   grpc::ByteBuffer* const response_;
+  const std::shared_ptr<ReplyBuffers> buffers_;
   const std::shared_ptr<ShmSegment> segment_;
   const uint64_t shm_offset_;
 };
@@ -145,8 +150,9 @@ class PushPullCall final : public PullCall,
   // `lose_reply`: answer Unavailable once applied (testing hook).
   PushPullCall(const proto::PushHeader& header, std::vector<Partition*> parts, bool lose_reply,
                std::vector<uint64_t> offsets, uint64_t total, grpc::ByteBuffer* response,
-               std::shared_ptr<ShmSegment> segment)
-      : PullCall(std::move(offsets), total, response, std::move(segment), header.shm().offset()),
+               std::shared_ptr<ReplyBuffers> buffers, std::shared_ptr<ShmSegment> segment)
+      : PullCall(std::move(offsets), total, response, std::move(buffers), std::move(segment),
+                 header.shm().offset()),
         worker_(header.worker_id()),
         incarnation_(header.incarnation()),
         parts_(std::move(parts)),

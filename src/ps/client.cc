@@ -321,6 +321,10 @@ class ClientImpl final : public Client {
     std::function<absl::Status(const grpc::ByteBuffer&)> on_reply;
     // Runs when the request fails for good (before the op hears of it).
     std::function<void()> on_failure;
+    // A request through `shm`: the same over TCP, for a server that has no
+    // segment for this client any more.
+    std::shared_ptr<ShmRegions> shm;
+    std::function<grpc::ByteBuffer()> over_tcp;
     std::mutex mu;            // guards ctx and cancelled against Cancel()
     bool cancelled = false;
 
@@ -489,6 +493,16 @@ class ClientImpl final : public Client {
   void OnReply(const std::shared_ptr<Request>& r, const grpc::Status& s) {
     if (s.ok()) {
       return Complete(r, r->on_reply ? r->on_reply(r->response) : absl::OkStatus());
+    }
+    if (s.error_code() == grpc::StatusCode::FAILED_PRECONDITION && r->over_tcp) {
+      // The server restarted (or let the segment go): TCP to it from now
+      // on, until this client next registers.
+      r->request = std::exchange(r->over_tcp, nullptr)();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (auto& shm : shm_) shm = shm == r->shm ? nullptr : shm;
+      }
+      return Attempt(r);
     }
     if (s.error_code() == grpc::StatusCode::UNAVAILABLE &&
         Clock::now() + r->backoff < r->deadline) {
@@ -671,6 +685,8 @@ class ClientImpl final : public Client {
         r->on_reply = RegionReleaser(shm, region);
       }
       r->request = EncodeFramed(header, region ? std::vector<grpc::Slice>() : PayloadOf(batch));
+      if (region) r->over_tcp = PushOverTcp(header, shm, *region);
+      r->shm = shm;
       r->on_failure = on_failure;
       Send(std::move(r));
     }
@@ -701,6 +717,8 @@ class ClientImpl final : public Client {
       grpc::Slice slice(bytes);
       r->request = grpc::ByteBuffer(&slice, 1);
       r->on_reply = ReplyReader("pull", std::move(dst), shm, region);
+      if (region) r->over_tcp = PullOverTcp(req);
+      r->shm = shm;
       sent.push_back(r);
       Send(std::move(r));
     }
@@ -759,30 +777,7 @@ class ClientImpl final : public Client {
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(
     const ClientOptions& options) {
-  if (options.servers.empty()) {
-    return absl::InvalidArgumentError("servers: empty (give at least one host:port)");
-  }
-  // All of them before dialing any, so that a typo is refused at once.
-  for (const auto& s : options.servers) {
-    DEEPNEX_RETURN_IF_ERROR(ValidateAddress("ps server address", s));
-  }
-  if (options.worker_id < -1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "worker_id=", options.worker_id, ": must be >= 0, or -1 for an observer"));
-  }
-  if (options.partition_bytes < 8 || options.request_bytes < 8) {
-    return absl::InvalidArgumentError(
-        "partition_bytes and request_bytes must be at least 8");
-  }
-  if (options.connections_per_server < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "connections_per_server=", options.connections_per_server,
-        ": must be at least 1"));
-  }
-  if (options.timeout.count() <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "timeout=", options.timeout.count(), "ms: must be positive"));
-  }
+  DEEPNEX_RETURN_IF_ERROR(options.Validate());
   DEEPNEX_ASSIGN_OR_RETURN(std::string token,
                            ResolveClientToken(options.token, options.token_file));
   DEEPNEX_ASSIGN_OR_RETURN(Transport transport, ResolveTransport(options.transport));

@@ -108,6 +108,25 @@ std::function<absl::Status(const grpc::ByteBuffer&)> ReplyReader(
   };
 }
 
+std::function<grpc::ByteBuffer()> PushOverTcp(proto::PushHeader header,
+                                              std::shared_ptr<ShmRegions> shm,
+                                              proto::ShmRegion region) {
+  header.clear_shm();
+  return [header = std::move(header), shm = std::move(shm), region] {
+    std::vector<grpc::Slice> payload;
+    payload.emplace_back(shm->At(region.offset()), region.bytes(), grpc::Slice::STATIC_SLICE);
+    return EncodeFramed(header, std::move(payload));
+  };
+}
+
+std::function<grpc::ByteBuffer()> PullOverTcp(proto::PullRequest req) {
+  req.clear_shm();
+  return [bytes = req.SerializeAsString()] {
+    grpc::Slice slice(bytes);
+    return grpc::ByteBuffer(&slice, 1);
+  };
+}
+
 std::function<absl::Status(const grpc::ByteBuffer&)> RegionReleaser(
     std::shared_ptr<ShmRegions> shm, std::optional<proto::ShmRegion> region) {
   return [shm = std::move(shm), region = std::move(region)](const grpc::ByteBuffer&) {

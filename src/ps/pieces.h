@@ -51,6 +51,14 @@ std::function<absl::Status(const grpc::ByteBuffer&)> ReplyReader(
     const char* what, std::vector<std::pair<char*, uint64_t>> dst,
     std::shared_ptr<ShmRegions> shm, std::optional<proto::ShmRegion> region);
 
+// The request again with its values in the payload, for a server that has
+// no segment for this client (restarted): the push's values are read from
+// `region` of `shm`, which the request keeps until its reply.
+std::function<grpc::ByteBuffer()> PushOverTcp(proto::PushHeader header,
+                                              std::shared_ptr<ShmRegions> shm,
+                                              proto::ShmRegion region);
+std::function<grpc::ByteBuffer()> PullOverTcp(proto::PullRequest req);
+
 // Returns `region` to `shm` once a push without a reply of values is done.
 std::function<absl::Status(const grpc::ByteBuffer&)> RegionReleaser(
     std::shared_ptr<ShmRegions> shm, std::optional<proto::ShmRegion> region);

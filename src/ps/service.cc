@@ -243,7 +243,7 @@ grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
     metrics_.pulls->Add();
     metrics_.bytes_out->Add(total);
     auto call = std::make_shared<PushPullCall>(header, parts, lose_reply, std::move(offsets),
-                                               total, response, segment);
+                                               total, response, reply_buffers_, segment);
     call->OnDone([this, parts, peer, held](bool failed) {
       ReleaseReply(peer, held);
       DropFinished(parts, failed);
@@ -304,8 +304,8 @@ grpc::ServerUnaryReactor* Service::Pull(grpc::CallbackServerContext* ctx,
   metrics_.pulls->Add();
   metrics_.bytes_out->Add(total);
   if (segment) metrics_.shm_bytes->Add(total);
-  auto call = std::make_shared<PullCall>(std::move(offsets), total, response, segment,
-                                         req.shm().offset());
+  auto call = std::make_shared<PullCall>(std::move(offsets), total, response, reply_buffers_,
+                                         segment, req.shm().offset());
   call->OnDone([this, parts, peer, held](bool failed) {
     ReleaseReply(peer, held);
     DropFinished(parts, failed);
@@ -475,9 +475,12 @@ absl::StatusOr<std::shared_ptr<ShmSegment>> Service::ShmOf(const char* op, int w
                                                            const pb::ShmRegion& region) const {
   std::shared_ptr<ShmSegment> segment = shm_ ? shm_->Find(worker, incarnation) : nullptr;
   if (segment == nullptr) {
-    return absl::AbortedError(absl::StrFormat(
+    // The only FailedPrecondition of a push or pull: the client sends the
+    // values again over TCP, where the usual checks (a restored server
+    // knows the incarnation and its seqs) apply.
+    return absl::FailedPreconditionError(absl::StrFormat(
         "%s: worker %d has no shared-memory segment here as incarnation %d (its lease ended, "
-        "it left, or the server restarted); register again",
+        "it left, or the server restarted); send the values over TCP",
         op, worker, incarnation));
   }
   DEEPNEX_RETURN_IF_ERROR(segment->CheckRegion(op, region.offset(), region.bytes()));

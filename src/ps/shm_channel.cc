@@ -58,26 +58,6 @@ void SetTimeouts(int fd, std::chrono::milliseconds timeout) {
 
 }  // namespace
 
-const char* TransportName(Transport transport) {
-  switch (transport) {
-    case Transport::kAuto:
-      return "auto";
-    case Transport::kTcp:
-      return "tcp";
-    case Transport::kShm:
-      return "shm";
-  }
-  return "?";
-}
-
-absl::StatusOr<Transport> ParseTransport(const std::string& name) {
-  if (name == "auto") return Transport::kAuto;
-  if (name == "tcp") return Transport::kTcp;
-  if (name == "shm") return Transport::kShm;
-  return absl::InvalidArgumentError(
-      absl::StrCat("transport \"", name, "\": must be auto, tcp or shm"));
-}
-
 std::string HostIdentity() {
   char name[256] = {0};
   gethostname(name, sizeof(name) - 1);

@@ -20,7 +20,6 @@ enum class Transport {
   kTcp,   // TCP always
   kShm,   // shared memory; FailedPrecondition if a server cannot give it
 };
-const char* TransportName(Transport transport);
 absl::StatusOr<Transport> ParseTransport(const std::string& name);
 
 struct ClientOptions {
@@ -58,6 +57,9 @@ struct ClientOptions {
   // (the server may give less); a request that finds no room in it goes
   // over TCP. Default: 256 MiB
   uint64_t shm_bytes = 256ull << 20;
+
+  // InvalidArgument naming the field for a bad value.
+  absl::Status Validate() const;
 };
 
 // A named tensor in a push, pull or init.

@@ -299,7 +299,7 @@ TEST(PsShmTest, OtherTokensGetNoSegmentAndRegionsAreChecked) {
   grpc::Status wrapping = push(5, 64, ~uint64_t{0} - 10);
   EXPECT_EQ(wrapping.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   grpc::Status other = push(6, 0, 64);
-  EXPECT_EQ(other.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(other.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(other.error_message(), HasSubstr("no shared-memory segment here as incarnation 6"));
 }
 
