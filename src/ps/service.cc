@@ -483,6 +483,12 @@ absl::StatusOr<std::shared_ptr<ShmSegment>> Service::ShmOf(const char* op, int w
         "it left, or the server restarted); send the values over TCP",
         op, worker, incarnation));
   }
+  // The limit gRPC puts on a request over TCP.
+  if (region.bytes() > options_.max_message_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "%s: shm region of %d bytes is over max_message_bytes (%d)", op, region.bytes(),
+        options_.max_message_bytes));
+  }
   DEEPNEX_RETURN_IF_ERROR(segment->CheckRegion(op, region.offset(), region.bytes()));
   return segment;
 }

@@ -234,6 +234,7 @@ TEST(PsShmTest, ASegmentGoesOnceToItsTicketAndItsOwnersUidOnly) {
 TEST(PsShmTest, OtherTokensGetNoSegmentAndRegionsAreChecked) {
   ServerOptions so;
   so.token = "job-token";
+  so.max_message_bytes = 2048;
   auto server = Server::Create(so);
   ASSERT_THAT(server.status(), IsOk());
   auto channel = grpc::CreateChannel((*server)->address(), grpc::InsecureChannelCredentials());
@@ -296,8 +297,13 @@ TEST(PsShmTest, OtherTokensGetNoSegmentAndRegionsAreChecked) {
   EXPECT_THAT(past_end.error_message(),
               HasSubstr("shm region at offset 4000 of 400 bytes passes the end of the "
                         "4096-byte segment"));
-  grpc::Status wrapping = push(5, 64, ~uint64_t{0} - 10);
+  grpc::Status wrapping = push(5, ~uint64_t{0} - 10, 64);
   EXPECT_EQ(wrapping.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // Over shared memory as over TCP: no request past max_message_bytes.
+  grpc::Status too_big = push(5, 0, 4096);
+  EXPECT_EQ(too_big.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(too_big.error_message(),
+              HasSubstr("shm region of 4096 bytes is over max_message_bytes (2048)"));
   grpc::Status other = push(6, 0, 64);
   EXPECT_EQ(other.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(other.error_message(), HasSubstr("no shared-memory segment here as incarnation 6"));
