@@ -13,10 +13,10 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/net.h"
 #include "deepnex/ps.pb.h"
 
 namespace deepnex::ps {
@@ -49,6 +49,22 @@ socklen_t AbstractAddress(const std::string& name, sockaddr_un* addr) {
   return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
 }
 
+// One byte, with room beside it for one descriptor (SCM_RIGHTS).
+struct FdMessage {
+  char byte = 'k';
+  iovec iov{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  FdMessage() {
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+  }
+  FdMessage(const FdMessage&) = delete;
+  FdMessage& operator=(const FdMessage&) = delete;
+};
+
 void SetTimeouts(int fd, std::chrono::milliseconds timeout) {
   timeval tv{static_cast<time_t>(timeout.count() / 1000),
              static_cast<suseconds_t>(timeout.count() % 1000 * 1000)};
@@ -57,15 +73,6 @@ void SetTimeouts(int fd, std::chrono::milliseconds timeout) {
 }
 
 }  // namespace
-
-std::string HostIdentity() {
-  char name[256] = {0};
-  gethostname(name, sizeof(name) - 1);
-  std::string boot;
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::getline(in, boot);
-  return absl::StrCat(name, "/", boot);
-}
 
 absl::StatusOr<std::shared_ptr<ShmSegment>> ShmSegment::Create(uint64_t bytes) {
   int fd = memfd_create("deepnex-ps", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -243,21 +250,14 @@ void ShmBroker::Hand(int conn) {
     }
   }
   if (segment != nullptr) {
-    char ok = 'k';
-    iovec iov{&ok, 1};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    FdMessage m;
+    cmsghdr* c = CMSG_FIRSTHDR(&m.msg);
     c->cmsg_level = SOL_SOCKET;
     c->cmsg_type = SCM_RIGHTS;
     c->cmsg_len = CMSG_LEN(sizeof(int));
     int fd = segment->fd();
     std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
-    sendmsg(conn, &msg, MSG_NOSIGNAL);
+    sendmsg(conn, &m.msg, MSG_NOSIGNAL);
   }
   close(conn);
 }
@@ -281,17 +281,10 @@ absl::StatusOr<std::shared_ptr<ShmSegment>> FetchSegment(const std::string& sock
     close(fd);
     return s;
   }
-  char ok = 0;
-  iovec iov{&ok, 1};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  ssize_t n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+  FdMessage m;
+  ssize_t n = recvmsg(fd, &m.msg, MSG_CMSG_CLOEXEC);
   close(fd);
-  cmsghdr* c = n == 1 ? CMSG_FIRSTHDR(&msg) : nullptr;
+  cmsghdr* c = n == 1 ? CMSG_FIRSTHDR(&m.msg) : nullptr;
   if (c == nullptr || c->cmsg_type != SCM_RIGHTS || c->cmsg_len != CMSG_LEN(sizeof(int))) {
     return absl::PermissionDeniedError(absl::StrCat(
         "shared memory: @", socket_name,

@@ -19,15 +19,12 @@
 #include <thread>
 
 #include "core/grpc_util.h"
+#include "core/net.h"
 #include "deepnex/ps.pb.h"
 #include "deepnex/ps/client.h"
 #include "deepnex/status.h"
 
 namespace deepnex::ps {
-
-// "hostname/boot id": equal for two processes of one boot of one host, as
-// the collectives tell same-host ranks apart.
-std::string HostIdentity();
 
 // A memfd mapped read-write. Thread-safe: immutable once made.
 class ShmSegment {

@@ -10,26 +10,12 @@ import sys
 import textwrap
 
 import numpy as np
-import pytest
 
 from _wait import wait_for
 from deepnex import ps
+from test_ps_faults import start_daemon
 
-BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
-                           os.path.join(os.path.dirname(__file__), "..", "..", "build"))
-PS_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-ps")
 N = 1 << 20  # 4 MiB of float32: a push spans several requests and regions
-
-
-def start_daemon(*args):
-    if not os.path.exists(PS_BIN):
-        pytest.skip(f"{PS_BIN} not built")
-    proc = subprocess.Popen([PS_BIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    line = proc.stdout.readline()
-    assert line.startswith("deepnex-ps listening on "), line + proc.stderr.read()
-    proc.address = line.split()[3]
-    return proc
 
 
 def segments(pid):

@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -18,6 +17,7 @@
 #include "deepnex/ps/server.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "ps/ps_test_util.h"
 #include "ps/shm_channel.h"
 #include "test_matchers.h"
 
@@ -29,19 +29,9 @@ using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
 using ::testing::HasSubstr;
 
-constexpr char kPush[] = "/deepnex.ps.proto.ParameterServer/Push";
 
 NamedTensor View(const std::string& key, std::vector<float>& v) {
   return {key, TensorView(v.data(), DType::kFloat32, {static_cast<int64_t>(v.size())})};
-}
-
-double Metric(const Server& server, const std::string& name) {
-  std::istringstream text(server.MetricsText());
-  for (std::string line; std::getline(text, line);) {
-    if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
-  }
-  ADD_FAILURE() << name << " is not in the metrics";
-  return -1;
 }
 
 // Sets an environment variable for one scope.
@@ -274,23 +264,10 @@ TEST(PsShmTest, OtherTokensGetNoSegmentAndRegionsAreChecked) {
     header.set_incarnation(incarnation);
     header.mutable_shm()->set_offset(offset);
     header.mutable_shm()->set_bytes(bytes);
-    grpc::ByteBuffer request = EncodeFramed(header, {}), response;
+    grpc::ByteBuffer response;
     grpc::ClientContext ctx;
     ctx.AddMetadata(kAuthorizationKey, BearerValue("job-token"));
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-    grpc::Status status;
-    generic.UnaryCall(&ctx, kPush, grpc::StubOptions(), &request, &response,
-                      [&](grpc::Status st) {
-                        std::lock_guard<std::mutex> lock(mu);
-                        status = st;
-                        done = true;
-                        cv.notify_all();
-                      });
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return done; });
-    return status;
+    return CallAndWait(generic, &ctx, kPushMethod, EncodeFramed(header, {}), &response);
   };
   grpc::Status past_end = push(5, 4000, 400);
   EXPECT_EQ(past_end.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
