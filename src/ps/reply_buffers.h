@@ -14,8 +14,9 @@ namespace deepnex::ps {
 // A round's pull replies take the buffers that the last round's gave back
 // once gRPC had sent them, so that at steady state the server allocates
 // nothing for replies. Fresh buffers cost more than the allocation: each
-// round faulted its reply pages in again and the kernel zeroed them (a fifth
-// of the server's CPU with 2 workers at 64 MiB). Thread-safe.
+// round faulted its reply pages in again and the kernel zeroed them
+// (clear_page_erms, a fifth of the server's CPU with 2 workers at 64 MiB,
+// half of its page faults). Thread-safe.
 class ReplyBuffers : public std::enable_shared_from_this<ReplyBuffers> {
  public:
   // Keeps at most `max_idle_bytes` of buffers nobody uses.
