@@ -275,6 +275,8 @@ class Client:
     worker_id: 0..num_workers-1, or -1 for an observer that only reads.
     timeout: seconds for each operation (retries on Unavailable included);
     retry_backoff: the first pause before a retry, doubling each time.
+    A server on this host moves the values through shared memory, others by
+    TCP; DEEPNEX_PS_TRANSPORT=tcp|shm|auto forces one.
     """
 
     def __init__(self, servers, worker_id=_CLIENT.worker_id,

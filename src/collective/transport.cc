@@ -153,14 +153,7 @@ std::string LocalAddressFor(const std::string& host) {
   return routed.empty() ? "127.0.0.1" : routed;
 }
 
-std::string HostId() {
-  char name[256] = {0};
-  gethostname(name, sizeof(name) - 1);
-  std::string boot;
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::getline(in, boot);
-  return absl::StrCat(name, "/", boot);
-}
+std::string HostId() { return HostIdentity(); }
 
 // ---- shared memory
 

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <fstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -146,6 +147,15 @@ absl::Status ValidateAdvertiseHost(const std::string& field, const std::string& 
     if (!ok) return bad("a host name or an address, without a port");
   }
   return absl::OkStatus();
+}
+
+std::string HostIdentity() {
+  char name[256] = {0};
+  gethostname(name, sizeof(name) - 1);
+  std::string boot;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::getline(in, boot);
+  return absl::StrCat(name, "/", boot);
 }
 
 }  // namespace deepnex

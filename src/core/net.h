@@ -32,6 +32,11 @@ bool IsLoopbackHost(const std::string& host);
 // naming the host when it does not resolve.
 absl::StatusOr<sockaddr_in> ResolveIPv4(const std::string& host, int port);
 
+// "hostname/boot id": equal for two processes of one boot of one host, so
+// that same-host peers (collective ranks, parameter-server clients) know
+// each other without comparing addresses (NAT, proxies, many interfaces).
+std::string HostIdentity();
+
 // This host's source address on the route to `peer` (a UDP "connect",
 // nothing is sent); empty when `peer` does not resolve or has no route.
 std::string RouteSourceAddress(const std::string& peer);

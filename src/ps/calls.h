@@ -16,6 +16,8 @@
 #include "core/grpc_util.h"
 #include "deepnex/ps.pb.h"
 #include "ps/partition.h"
+#include "ps/reply_buffers.h"
+#include "ps/shm_channel.h"
 
 namespace deepnex::ps {
 
@@ -87,16 +89,25 @@ class PushCall final : public Call, public PushSink {
 // goes once the last one has. A PushPullCall is one too.
 class PullCall : public Call, public PullSink {
  public:
-  PullCall(std::vector<uint64_t> offsets, uint64_t total, grpc::ByteBuffer* response)
+  // With `segment`, the values go into it at `shm_offset` (the caller's
+  // shared memory), and the reply only says so.
+  // Else they go into a buffer of `buffers`.
+  PullCall(std::vector<uint64_t> offsets, uint64_t total, grpc::ByteBuffer* response,
+           std::shared_ptr<ReplyBuffers> buffers, std::shared_ptr<ShmSegment> segment,
+           uint64_t shm_offset)
       : offsets_(std::move(offsets)),
         total_(total),
         versions_(offsets_.size()),
         remaining_(offsets_.size()),
-        response_(response) {}
+        response_(response),
+        buffers_(std::move(buffers)),
+        segment_(std::move(segment)),
+        shm_offset_(shm_offset) {}
   // The buffer is made when the first values arrive, so that a pull waiting
   // for its round holds no reply memory.
   char* Destination(size_t slice) override {
-    std::call_once(allocated_, [this] { buffer_.reset(new char[total_]); });
+    if (segment_) return segment_->data() + shm_offset_ + offsets_[slice];
+    std::call_once(allocated_, [this] { buffer_ = buffers_->Take(total_); });
     return buffer_.get() + offsets_[slice];
   }
   void SliceReady(size_t slice, uint64_t version) override {
@@ -105,7 +116,11 @@ class PullCall : public Call, public PullSink {
     proto::PullHeader header;
     for (uint64_t v : versions_) header.add_versions(v);
     std::vector<grpc::Slice> payload;
-    payload.push_back(OwnedSlice(std::move(buffer_), total_));
+    if (segment_) {
+      header.set_shm(true);
+    } else {
+      payload.push_back(buffers_->Wrap(std::move(buffer_), total_));
+    }
     *response_ = EncodeFramed(header, std::move(payload));
     reactor_->Finish(grpc::Status::OK);
   }
@@ -120,6 +135,9 @@ class PullCall : public Call, public PullSink {
   std::vector<uint64_t> versions_;  // each written by one partition, once
   std::atomic<size_t> remaining_;
   grpc::ByteBuffer* const response_;
+  const std::shared_ptr<ReplyBuffers> buffers_;
+  const std::shared_ptr<ShmSegment> segment_;
+  const uint64_t shm_offset_;
 };
 
 // A push that replies with the values of its slices (PushHeader.pull):
@@ -131,8 +149,10 @@ class PushPullCall final : public PullCall,
  public:
   // `lose_reply`: answer Unavailable once applied (testing hook).
   PushPullCall(const proto::PushHeader& header, std::vector<Partition*> parts, bool lose_reply,
-               std::vector<uint64_t> offsets, uint64_t total, grpc::ByteBuffer* response)
-      : PullCall(std::move(offsets), total, response),
+               std::vector<uint64_t> offsets, uint64_t total, grpc::ByteBuffer* response,
+               std::shared_ptr<ReplyBuffers> buffers, std::shared_ptr<ShmSegment> segment)
+      : PullCall(std::move(offsets), total, response, std::move(buffers), std::move(segment),
+                 header.shm().offset()),
         worker_(header.worker_id()),
         incarnation_(header.incarnation()),
         parts_(std::move(parts)),
@@ -152,7 +172,7 @@ class PushPullCall final : public PullCall,
     for (size_t i = 0; i < parts_.size(); ++i) {
       parts_[i]->Pull(worker_, incarnation_, seqs_[i], shared_from_this(), i, &done);
     }
-    for (auto& fn : done) fn();
+    RunAll(done);
   }
   void Fail(const absl::Status& status) override { PullCall::Fail(status); }
   bool Finished() const override { return PullCall::Finished(); }

@@ -21,6 +21,7 @@
 #include "ps/client_op.h"
 #include "ps/pieces.h"
 #include "ps/plan.h"
+#include "ps/shm_channel.h"
 
 namespace deepnex::ps {
 namespace {
@@ -50,8 +51,8 @@ uint64_t NewIncarnation() {
 
 class ClientImpl final : public Client {
  public:
-  ClientImpl(const ClientOptions& options, std::string token)
-      : options_(options), token_(std::move(token)) {}
+  ClientImpl(const ClientOptions& options, std::string token, Transport transport)
+      : options_(options), token_(std::move(token)), transport_(transport) {}
 
   // Requests in flight call back into this object: wait for them (a closed
   // client fails its pending retries at once).
@@ -320,6 +321,10 @@ class ClientImpl final : public Client {
     std::function<absl::Status(const grpc::ByteBuffer&)> on_reply;
     // Runs when the request fails for good (before the op hears of it).
     std::function<void()> on_failure;
+    // A request through `shm`: the same over TCP, for a server that has no
+    // segment for this client any more.
+    std::shared_ptr<ShmRegions> shm;
+    std::function<grpc::ByteBuffer()> over_tcp;
     std::mutex mu;            // guards ctx and cancelled against Cancel()
     bool cancelled = false;
 
@@ -346,22 +351,36 @@ class ClientImpl final : public Client {
   }
 
   // Takes this worker's lease on every server as a new incarnation.
+  // Each incarnation gets a fresh segment from each server on this host.
   absl::Status RegisterEverywhere() {
     uint64_t incarnation = NewIncarnation();
+    std::vector<std::shared_ptr<ShmRegions>> shm(servers_.size());
     for (size_t s = 0; s < servers_.size(); ++s) {
       pb::RegisterRequest req;
       req.set_worker_id(options_.worker_id);
       req.set_incarnation(incarnation);
+      if (transport_ != Transport::kTcp) {
+        req.set_host_id(HostIdentity());
+        req.set_shm_bytes(options_.shm_bytes);
+      }
       pb::RegisterReply reply;
       DEEPNEX_RETURN_IF_ERROR(
           Unary(s, "register", req, &reply, &pb::ParameterServer::Stub::Register));
       heartbeat_interval_ = std::chrono::milliseconds(reply.heartbeat_interval_ms());
+      DEEPNEX_ASSIGN_OR_RETURN(shm[s], AttachShm(transport_, options_.servers[s], reply,
+                                                  std::min(options_.timeout, kConnectTimeout)));
     }
     std::lock_guard<std::mutex> lock(mu_);
+    shm_ = std::move(shm);
     incarnation_ = incarnation;
     for (auto& [key, k] : keys_) k.seq = 0;  // seqs count per incarnation
     stale_ = false;
     return absl::OkStatus();
+  }
+
+  std::shared_ptr<ShmRegions> ShmTo(size_t server) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return shm_.empty() ? nullptr : shm_[server];
   }
 
   // After a failure that leaves this incarnation's pushes uncertain, or a
@@ -474,6 +493,16 @@ class ClientImpl final : public Client {
   void OnReply(const std::shared_ptr<Request>& r, const grpc::Status& s) {
     if (s.ok()) {
       return Complete(r, r->on_reply ? r->on_reply(r->response) : absl::OkStatus());
+    }
+    if (s.error_code() == grpc::StatusCode::FAILED_PRECONDITION && r->over_tcp) {
+      // The server restarted (or let the segment go): TCP to it from now
+      // on, until this client next registers.
+      r->request = std::exchange(r->over_tcp, nullptr)();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (auto& shm : shm_) shm = shm == r->shm ? nullptr : shm;
+      }
+      return Attempt(r);
     }
     if (s.error_code() == grpc::StatusCode::UNAVAILABLE &&
         Clock::now() + r->backoff < r->deadline) {
@@ -639,6 +668,11 @@ class ClientImpl final : public Client {
       header.set_incarnation(incarnation_.load());
       for (const Piece* p : batch) *header.add_slices() = p->slice;
       auto r = NewRequest(op, server, kPushMethod, "push", deadline);
+      std::shared_ptr<ShmRegions> shm = ShmTo(server);
+      uint64_t bytes = 0;
+      for (const Piece* p : batch) bytes += p->bytes;
+      std::optional<pb::ShmRegion> region = shm ? Stage(shm.get(), bytes, &batch) : std::nullopt;
+      if (region) *header.mutable_shm() = *region;
       if (pull != nullptr) {
         header.set_pull(true);
         std::vector<std::pair<char*, uint64_t>> dst;
@@ -646,30 +680,16 @@ class ClientImpl final : public Client {
           const Piece& into = (*pull)[p - pieces.data()];
           dst.push_back({into.data, into.bytes});
         }
-        r->on_reply = ReplyReader("push", std::move(dst));
+        r->on_reply = ReplyReader("push", std::move(dst), shm, region);
+      } else if (region) {
+        r->on_reply = RegionReleaser(shm, region);
       }
-      r->request = EncodeFramed(header, PayloadOf(batch));
+      r->request = EncodeFramed(header, region ? std::vector<grpc::Slice>() : PayloadOf(batch));
+      if (region) r->over_tcp = PushOverTcp(header, shm, *region);
+      r->shm = shm;
       r->on_failure = on_failure;
       Send(std::move(r));
     }
-  }
-
-  // Reads a pull's reply (values of the slices in order) into `dst`.
-  static std::function<absl::Status(const grpc::ByteBuffer&)> ReplyReader(
-      const char* what, std::vector<std::pair<char*, uint64_t>> dst) {
-    return [what, dst = std::move(dst)](const grpc::ByteBuffer& reply) {
-      pb::PullHeader header;
-      PayloadReader payload;
-      DEEPNEX_RETURN_IF_ERROR(DecodeFramed(reply, &header, &payload));
-      uint64_t need = 0;
-      for (const auto& d : dst) need += d.second;
-      if (payload.remaining() != need) {
-        return absl::InternalError(absl::StrFormat(
-            "%s: the reply holds %d bytes, expected %d", what, payload.remaining(), need));
-      }
-      for (const auto& [ptr, n] : dst) payload.Read(ptr, n);
-      return absl::OkStatus();
-    };
   }
 
   std::vector<std::shared_ptr<Request>> SendPull(const std::vector<Piece>& pieces,
@@ -683,15 +703,22 @@ class ClientImpl final : public Client {
       req.set_worker_id(options_.worker_id);
       req.set_incarnation(incarnation_.load());
       std::vector<std::pair<char*, uint64_t>> dst;
+      uint64_t total = 0;
       for (const Piece* p : batch) {
         *req.add_slices() = p->slice;
         dst.push_back({p->data, p->bytes});
+        total += p->bytes;
       }
+      std::shared_ptr<ShmRegions> shm = ShmTo(server);
+      std::optional<pb::ShmRegion> region = shm ? Stage(shm.get(), total, nullptr) : std::nullopt;
+      if (region) *req.mutable_shm() = *region;
       auto r = NewRequest(op, server, kPullMethod, "pull", deadline);
       std::string bytes = req.SerializeAsString();
       grpc::Slice slice(bytes);
       r->request = grpc::ByteBuffer(&slice, 1);
-      r->on_reply = ReplyReader("pull", std::move(dst));
+      r->on_reply = ReplyReader("pull", std::move(dst), shm, region);
+      if (region) r->over_tcp = PullOverTcp(req);
+      r->shm = shm;
       sent.push_back(r);
       Send(std::move(r));
     }
@@ -725,12 +752,14 @@ class ClientImpl final : public Client {
 
   const ClientOptions options_;
   const std::string token_;
+  const Transport transport_;  // options_.transport or $DEEPNEX_PS_TRANSPORT
   std::vector<std::vector<Connection>> servers_;
   std::atomic<uint64_t> next_conn_{0};
   std::atomic<bool> closed_{false};
   Timer timer_;
   std::mutex mu_;
   std::unordered_map<std::string, KeyState> keys_;
+  std::vector<std::shared_ptr<ShmRegions>> shm_;  // per server; guarded by mu_
   std::mutex inflight_mu_;
   std::condition_variable inflight_cv_;
   int inflight_ = 0;  // requests sent and not yet completed
@@ -748,34 +777,12 @@ class ClientImpl final : public Client {
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(
     const ClientOptions& options) {
-  if (options.servers.empty()) {
-    return absl::InvalidArgumentError("servers: empty (give at least one host:port)");
-  }
-  // All of them before dialing any, so that a typo is refused at once.
-  for (const auto& s : options.servers) {
-    DEEPNEX_RETURN_IF_ERROR(ValidateAddress("ps server address", s));
-  }
-  if (options.worker_id < -1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "worker_id=", options.worker_id, ": must be >= 0, or -1 for an observer"));
-  }
-  if (options.partition_bytes < 8 || options.request_bytes < 8) {
-    return absl::InvalidArgumentError(
-        "partition_bytes and request_bytes must be at least 8");
-  }
-  if (options.connections_per_server < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "connections_per_server=", options.connections_per_server,
-        ": must be at least 1"));
-  }
-  if (options.timeout.count() <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "timeout=", options.timeout.count(), "ms: must be positive"));
-  }
+  DEEPNEX_RETURN_IF_ERROR(options.Validate());
   DEEPNEX_ASSIGN_OR_RETURN(std::string token,
                            ResolveClientToken(options.token, options.token_file));
+  DEEPNEX_ASSIGN_OR_RETURN(Transport transport, ResolveTransport(options.transport));
   TuneMallocForLargeBuffers();
-  auto client = std::make_unique<ClientImpl>(options, std::move(token));
+  auto client = std::make_unique<ClientImpl>(options, std::move(token), transport);
   DEEPNEX_RETURN_IF_ERROR(client->Connect());
   return std::unique_ptr<Client>(std::move(client));
 }

@@ -42,6 +42,12 @@ class PushSink {
 // Callbacks to run once the partition's lock is released.
 using Completions = std::vector<std::function<void()>>;
 
+// Runs the completions (outside the partitions' locks) and clears them.
+inline void RunAll(Completions& done) {
+  for (auto& fn : done) fn();
+  done.clear();
+}
+
 // What partitions report for the server's metrics. Thread-safe.
 class PartitionObserver {
  public:

@@ -1,5 +1,9 @@
 #include "ps/pieces.h"
 
+#include <cstring>
+
+#include "absl/strings/str_format.h"
+#include "core/grpc_util.h"
 #include "ps/plan.h"
 
 namespace deepnex::ps {
@@ -55,6 +59,80 @@ std::vector<grpc::Slice> PayloadOf(const std::vector<const Piece*>& batch) {
     payload.emplace_back(p->data, p->bytes, grpc::Slice::STATIC_SLICE);
   }
   return payload;
+}
+
+std::optional<proto::ShmRegion> Stage(ShmRegions* shm, uint64_t bytes,
+                                      const std::vector<const Piece*>* batch) {
+  std::optional<uint64_t> at = shm->Take(bytes);
+  if (!at) return std::nullopt;
+  proto::ShmRegion region;
+  region.set_offset(*at);
+  region.set_bytes(bytes);
+  if (batch != nullptr) {
+    char* to = shm->At(*at);
+    for (const Piece* p : *batch) {
+      std::memcpy(to, p->data, p->bytes);
+      to += p->bytes;
+    }
+  }
+  return region;
+}
+
+std::function<absl::Status(const grpc::ByteBuffer&)> ReplyReader(
+    const char* what, std::vector<std::pair<char*, uint64_t>> dst,
+    std::shared_ptr<ShmRegions> shm, std::optional<proto::ShmRegion> region) {
+  return [what, dst = std::move(dst), shm = std::move(shm),
+          region = std::move(region)](const grpc::ByteBuffer& reply) {
+    // The server has answered: it is done with the region either way.
+    auto release = [&] {
+      if (region) shm->Give(region->offset());
+    };
+    proto::PullHeader header;
+    PayloadReader payload;
+    absl::Status s = DecodeFramed(reply, &header, &payload);
+    if (s.ok() && header.shm() && !region) {
+      s = absl::InternalError(absl::StrFormat("%s: the reply names a shm region never sent", what));
+    }
+    if (s.ok() && header.shm()) payload = shm->Reader(region->offset(), region->bytes());
+    uint64_t need = 0;
+    for (const auto& d : dst) need += d.second;
+    if (s.ok() && payload.remaining() != need) {
+      s = absl::InternalError(absl::StrFormat("%s: the reply holds %d bytes, expected %d", what,
+                                              payload.remaining(), need));
+    }
+    if (s.ok()) {
+      for (const auto& [ptr, n] : dst) payload.Read(ptr, n);
+    }
+    release();
+    return s;
+  };
+}
+
+std::function<grpc::ByteBuffer()> PushOverTcp(proto::PushHeader header,
+                                              std::shared_ptr<ShmRegions> shm,
+                                              proto::ShmRegion region) {
+  header.clear_shm();
+  return [header = std::move(header), shm = std::move(shm), region] {
+    std::vector<grpc::Slice> payload;
+    payload.emplace_back(shm->At(region.offset()), region.bytes(), grpc::Slice::STATIC_SLICE);
+    return EncodeFramed(header, std::move(payload));
+  };
+}
+
+std::function<grpc::ByteBuffer()> PullOverTcp(proto::PullRequest req) {
+  req.clear_shm();
+  return [bytes = req.SerializeAsString()] {
+    grpc::Slice slice(bytes);
+    return grpc::ByteBuffer(&slice, 1);
+  };
+}
+
+std::function<absl::Status(const grpc::ByteBuffer&)> RegionReleaser(
+    std::shared_ptr<ShmRegions> shm, std::optional<proto::ShmRegion> region) {
+  return [shm = std::move(shm), region = std::move(region)](const grpc::ByteBuffer&) {
+    if (region) shm->Give(region->offset());
+    return absl::OkStatus();
+  };
 }
 
 }  // namespace deepnex::ps

@@ -6,11 +6,15 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "deepnex/ps.pb.h"
 #include "deepnex/ps/client.h"
+#include "ps/shm_channel.h"
 
 namespace deepnex::ps {
 
@@ -33,6 +37,31 @@ std::vector<std::pair<size_t, std::vector<const Piece*>>> Batch(
 // The payload points at the caller's memory, which the op's contract keeps
 // alive and unchanged until the op is done.
 std::vector<grpc::Slice> PayloadOf(const std::vector<const Piece*>& batch);
+
+// A region of `shm` for `bytes` of values, with the batch's values copied
+// in when `batch` is given; none when the segment has no room (the request
+// then goes over TCP).
+std::optional<proto::ShmRegion> Stage(ShmRegions* shm, uint64_t bytes,
+                                      const std::vector<const Piece*>* batch);
+
+// Reads a pull's reply (values of the slices in order, from the payload or
+// from `region` of `shm`) into `dst`, then returns the region to `shm`.
+// A request that fails keeps its region: the server may still write it.
+std::function<absl::Status(const grpc::ByteBuffer&)> ReplyReader(
+    const char* what, std::vector<std::pair<char*, uint64_t>> dst,
+    std::shared_ptr<ShmRegions> shm, std::optional<proto::ShmRegion> region);
+
+// The request again with its values in the payload, for a server that has
+// no segment for this client (restarted): the push's values are read from
+// `region` of `shm`, which the request keeps until its reply.
+std::function<grpc::ByteBuffer()> PushOverTcp(proto::PushHeader header,
+                                              std::shared_ptr<ShmRegions> shm,
+                                              proto::ShmRegion region);
+std::function<grpc::ByteBuffer()> PullOverTcp(proto::PullRequest req);
+
+// Returns `region` to `shm` once a push without a reply of values is done.
+std::function<absl::Status(const grpc::ByteBuffer&)> RegionReleaser(
+    std::shared_ptr<ShmRegions> shm, std::optional<proto::ShmRegion> region);
 
 }  // namespace deepnex::ps
 

@@ -25,7 +25,12 @@ ServerMetrics::ServerMetrics(int num_workers)
           "Pull reply bytes held for clients: waiting pulls and unread replies.")),
       deferred_push_bytes(
           registry.GetGauge("deepnex_ps_deferred_push_bytes",
-                            "Bytes of pushes kept until an earlier push or round arrives.")) {
+                            "Bytes of pushes kept until an earlier push or round arrives.")),
+      shm_segments(registry.GetGauge("deepnex_ps_shm_segments",
+                                     "Shared-memory segments held for clients on this host.")),
+      shm_bytes(registry.GetCounter(
+          "deepnex_ps_shm_bytes_total",
+          "Tensor bytes moved through shared memory instead of TCP, both ways.")) {
   for (int w = 0; w < num_workers; ++w) {
     Labels l{{"worker", std::to_string(w)}};
     worker_pushes.push_back(

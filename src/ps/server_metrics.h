@@ -38,6 +38,8 @@ class ServerMetrics final : public PartitionObserver {
   Gauge* checkpoint_round;
   Gauge* pending_reply_bytes;
   Gauge* deferred_push_bytes;
+  Gauge* shm_segments;
+  Counter* shm_bytes;
   std::vector<Counter*> worker_pushes, late;
   std::vector<Histogram*> staleness;
 };

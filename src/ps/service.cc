@@ -27,11 +27,6 @@ std::string ShapeString(const pb::TensorMeta& meta) {
   return DescribeShape(shape, static_cast<DType>(meta.dtype()));
 }
 
-void RunAll(Completions& done) {
-  for (auto& fn : done) fn();
-  done.clear();
-}
-
 }  // namespace
 
 Service::Service(const ServerOptions& options, TokenTable tokens, bool job_token)
@@ -41,7 +36,13 @@ Service::Service(const ServerOptions& options, TokenTable tokens, bool job_token
       membership_(options.num_workers, options.lease_timeout, options.lease_policy),
       metrics_(options.num_workers),
       drops_left_(options.drop_push_replies_for_testing),
-      deferred_bytes_(options.num_workers, 0) {
+      deferred_bytes_(options.num_workers, 0),
+      host_id_(HostIdentity()) {
+  if (options.max_shm_bytes > 0) {
+    // Without the broker's socket every client uses TCP.
+    absl::StatusOr<std::unique_ptr<ShmBroker>> broker = ShmBroker::Start(options.max_shm_bytes);
+    if (broker.ok()) shm_ = *std::move(broker);
+  }
   config_.mode = options.mode;
   config_.num_workers = options.num_workers;
   config_.staleness = options.mode == Mode::kSsp ? options.staleness : 0;
@@ -56,13 +57,6 @@ Service::Service(const ServerOptions& options, TokenTable tokens, bool job_token
         options.checkpoint_every_rounds * (options.mode == Mode::kAsync ? options.num_workers : 1);
     config_.snapshots = this;
   }
-}
-
-void Service::Periodic(const Partition* partition, PartitionState state) {
-  std::lock_guard<std::mutex> lock(periodic_mu_);
-  uint64_t version = state.version;
-  if (version <= last_periodic_) return;
-  periodic_[version][partition] = std::move(state);
 }
 
 absl::Status Service::Take(int worker, uint64_t bytes) {
@@ -87,34 +81,6 @@ void Service::Give(int worker, uint64_t bytes) {
   metrics_.deferred_push_bytes->Add(-static_cast<double>(bytes));
 }
 
-absl::Status Service::WritePeriodic() {
-  std::vector<std::pair<std::string, uint32_t>> names;
-  std::vector<Partition*> parts;
-  pb::CheckpointFile file = Directory(&names, &parts);
-  std::map<const Partition*, PartitionState> states;
-  uint64_t round = 0;
-  {
-    std::lock_guard<std::mutex> lock(periodic_mu_);
-    for (auto it = periodic_.rbegin(); it != periodic_.rend(); ++it) {
-      if (it->second.size() == parts.size()) {
-        round = it->first;
-        states = std::move(it->second);
-        break;
-      }
-    }
-    if (round == 0) return absl::OkStatus();
-    last_periodic_ = round;
-    periodic_.erase(periodic_.begin(), periodic_.upper_bound(round));
-  }
-  std::vector<PartitionState> ordered;
-  for (Partition* p : parts) {
-    auto it = states.find(p);
-    if (it == states.end()) return absl::OkStatus();  // the set of partitions changed
-    ordered.push_back(std::move(it->second));
-  }
-  return Write(options_.checkpoint_dir, round, std::move(file), names, parts, std::move(ordered));
-}
-
 grpc::ServerUnaryReactor* Service::Register(grpc::CallbackServerContext* ctx,
                                             const pb::RegisterRequest* req,
                                             pb::RegisterReply* reply) {
@@ -125,6 +91,7 @@ grpc::ServerUnaryReactor* Service::Register(grpc::CallbackServerContext* ctx,
   if (s.ok()) {
     membership_.Register(req->worker_id(), req->incarnation());
     metrics_.live_workers->Set(membership_.LiveCount());
+    OfferShm(*req, reply);
     reply->set_num_workers(options_.num_workers);
     reply->set_mode(ModeName(options_.mode));
     reply->set_staleness(config_.staleness);
@@ -148,6 +115,10 @@ grpc::ServerUnaryReactor* Service::Leave(grpc::CallbackServerContext* ctx,
   absl::Status s = CheckCall(*ctx, req->worker_id(), "leave");
   if (s.ok()) {
     membership_.Leave(req->worker_id(), req->incarnation());
+    if (shm_) {
+      shm_->Drop(req->worker_id(), req->incarnation());
+      metrics_.shm_segments->Set(shm_->Count());
+    }
     metrics_.live_workers->Set(membership_.LiveCount());
     MembershipChanged();
   }
@@ -223,6 +194,21 @@ grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
   absl::Status s = Authenticate(*ctx);
   if (s.ok()) s = DecodeFramed(*request, &header, &payload);
   if (s.ok()) s = CheckWorker(header.worker_id(), "push");
+  std::shared_ptr<ShmSegment> segment;  // kept for the call's reply too
+  if (s.ok() && header.has_shm()) {
+    absl::StatusOr<std::shared_ptr<ShmSegment>> found =
+        ShmOf("push", header.worker_id(), header.incarnation(), header.shm());
+    if (found.ok() && payload.remaining() > 0) {
+      found = absl::InvalidArgumentError(absl::StrFormat(
+          "push: %d bytes of values in the request as well as in shared memory",
+          payload.remaining()));
+    }
+    s = found.status();
+    if (s.ok()) {
+      segment = *std::move(found);
+      payload = segment->Reader(header.shm().offset(), header.shm().bytes());
+    }
+  }
   if (s.ok()) s = Resolve("push", header.slices(), &parts, &payload);
   // A push of several slices is checked whole first, so that one bad slice
   // refuses all; a single slice, by its partition in the pass taking it in.
@@ -237,7 +223,9 @@ grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
   uint64_t total = 0;
   const std::string peer = header.pull() ? ctx->peer() : std::string();
   if (s.ok() && header.pull()) s = PullLayout("push", header.slices(), parts, &offsets, &total);
-  if (s.ok() && header.pull()) s = HoldReply(peer, total);
+  // A reply into shared memory holds no server memory.
+  const uint64_t held = segment ? 0 : total;
+  if (s.ok() && header.pull()) s = HoldReply(peer, held);
   if (!s.ok()) return Reply(ctx, s);
   if (parts.empty()) {
     *response = header.pull() ? EncodeFramed(pb::PullHeader(), {}) : EmptyMessage();
@@ -247,6 +235,7 @@ grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
   metrics_.pushes->Add();
   metrics_.worker_pushes[header.worker_id()]->Add();
   metrics_.bytes_in->Add(payload.remaining());
+  if (segment) metrics_.shm_bytes->Add(payload.remaining() + total);
   bool lose_reply = drops_left_.load() > 0 && drops_left_.fetch_sub(1) > 0;
   std::shared_ptr<PushSink> sink;
   grpc::ServerUnaryReactor* reactor;
@@ -254,9 +243,9 @@ grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
     metrics_.pulls->Add();
     metrics_.bytes_out->Add(total);
     auto call = std::make_shared<PushPullCall>(header, parts, lose_reply, std::move(offsets),
-                                               total, response);
-    call->OnDone([this, parts, peer, total](bool failed) {
-      ReleaseReply(peer, total);
+                                               total, response, reply_buffers_, segment);
+    call->OnDone([this, parts, peer, held](bool failed) {
+      ReleaseReply(peer, held);
       DropFinished(parts, failed);
     });
     reactor = new CallReactor(call);
@@ -296,15 +285,29 @@ grpc::ServerUnaryReactor* Service::Pull(grpc::CallbackServerContext* ctx,
   std::vector<uint64_t> offsets;
   uint64_t total = 0;
   if (s.ok()) s = PullLayout("pull", req.slices(), parts, &offsets, &total);
+  std::shared_ptr<ShmSegment> segment;
+  if (s.ok() && req.has_shm()) {
+    absl::StatusOr<std::shared_ptr<ShmSegment>> found =
+        ShmOf("pull", req.worker_id(), req.incarnation(), req.shm());
+    if (found.ok() && req.shm().bytes() != total) {
+      found = absl::InvalidArgumentError(absl::StrFormat(
+          "pull: shm region of %d bytes for %d bytes of values", req.shm().bytes(), total));
+    }
+    s = found.status();
+    if (s.ok()) segment = *std::move(found);
+  }
   const std::string peer = ctx->peer();
-  if (s.ok()) s = HoldReply(peer, total);
+  const uint64_t held = segment ? 0 : total;
+  if (s.ok()) s = HoldReply(peer, held);
   if (!s.ok()) return Reply(ctx, s);
 
   metrics_.pulls->Add();
   metrics_.bytes_out->Add(total);
-  auto call = std::make_shared<PullCall>(std::move(offsets), total, response);
-  call->OnDone([this, parts, peer, total](bool failed) {
-    ReleaseReply(peer, total);
+  if (segment) metrics_.shm_bytes->Add(total);
+  auto call = std::make_shared<PullCall>(std::move(offsets), total, response, reply_buffers_,
+                                         segment, req.shm().offset());
+  call->OnDone([this, parts, peer, held](bool failed) {
+    ReleaseReply(peer, held);
     DropFinished(parts, failed);
   });
   auto* reactor = new CallReactor(call);
@@ -319,6 +322,10 @@ grpc::ServerUnaryReactor* Service::Pull(grpc::CallbackServerContext* ctx,
 void Service::ExpireLeases() {
   std::vector<int> expired = membership_.Expire(Clock::now());
   if (expired.empty()) return;
+  if (shm_) {
+    for (int worker : expired) shm_->Drop(worker, 0);
+    metrics_.shm_segments->Set(shm_->Count());
+  }
   metrics_.lease_expiries->Add(expired.size());
   metrics_.live_workers->Set(membership_.LiveCount());
   MembershipChanged();
@@ -328,111 +335,6 @@ void Service::FailWaiters(const absl::Status& status) {
   Completions done;
   for (Partition* p : AllPartitions()) p->FailWaiters(status, &done);
   RunAll(done);
-}
-
-absl::StatusOr<uint64_t> Service::WriteCheckpoint(const std::string& dir,
-                                                  std::chrono::milliseconds timeout) {
-  std::vector<std::pair<std::string, uint32_t>> names;
-  std::vector<Partition*> parts;
-  pb::CheckpointFile file = Directory(&names, &parts);
-  uint64_t round = 0;
-  for (Partition* p : parts) round = std::max(round, p->version());
-
-  struct Collector {
-    std::mutex mu;
-    std::condition_variable cv;
-    std::vector<std::optional<PartitionState>> states;
-    size_t remaining;
-  };
-  auto c = std::make_shared<Collector>();
-  c->states.resize(parts.size());
-  c->remaining = parts.size();
-  Completions done;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    parts[i]->SnapshotAt(
-        round,
-        [c, i](PartitionState s) {
-          std::lock_guard<std::mutex> lock(c->mu);
-          c->states[i] = std::move(s);
-          if (--c->remaining == 0) c->cv.notify_all();
-        },
-        &done);
-  }
-  RunAll(done);
-  std::vector<PartitionState> states;
-  {
-    std::unique_lock<std::mutex> lock(c->mu);
-    if (!c->cv.wait_for(lock, timeout, [&] { return c->remaining == 0; })) {
-      for (size_t i = 0; i < parts.size(); ++i) {
-        if (!c->states[i]) {
-          return absl::DeadlineExceededError(
-              absl::StrFormat("checkpoint: \"%s\" part %d did not reach round %d within %d ms",
-                              names[i].first, names[i].second, round, timeout.count()));
-        }
-      }
-    }
-    for (auto& st : c->states) states.push_back(std::move(*st));
-  }
-  DEEPNEX_RETURN_IF_ERROR(Write(dir, round, std::move(file), names, parts, std::move(states)));
-  return round;
-}
-
-absl::Status Service::Restore(const std::string& dir) {
-  DEEPNEX_ASSIGN_OR_RETURN(
-      pb::CheckpointFile file,
-      ReadCheckpointFile(dir, options_.name, options_.mode, options_.num_workers));
-  std::unordered_map<std::string, Tensor> tensors;
-  for (const auto& meta : file.metas()) {
-    tensors[meta.key()].meta = std::make_unique<pb::TensorMeta>(meta);
-  }
-  for (const auto& r : file.parts()) {
-    auto part = Partition::Create(config_, static_cast<DType>(r.dtype()), r.offset(), r.count());
-    part->Restore(StateOf(r));
-    tensors[r.key()].parts[r.part()] = std::move(part);
-  }
-  // Clients that were connected keep their leases (fresh ones), so that a
-  // push retried across the restart is recognised and applied once.
-  for (int w = 0; w < file.incarnations_size() && w < options_.num_workers; ++w) {
-    if (file.incarnations(w) != 0) membership_.Register(w, file.incarnations(w));
-  }
-  std::lock_guard<std::mutex> lock(mu_);
-  tensors_ = std::move(tensors);
-  return absl::OkStatus();
-}
-
-pb::CheckpointFile Service::Directory(std::vector<std::pair<std::string, uint32_t>>* names,
-                                      std::vector<Partition*>* parts) {
-  pb::CheckpointFile file;
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [key, t] : tensors_) {
-    if (t.meta) *file.add_metas() = *t.meta;
-    for (auto& [part, p] : t.parts) {
-      names->push_back({key, part});
-      parts->push_back(p.get());
-    }
-  }
-  return file;
-}
-
-absl::Status Service::Write(const std::string& dir, uint64_t round, pb::CheckpointFile file,
-                            const std::vector<std::pair<std::string, uint32_t>>& names,
-                            const std::vector<Partition*>& parts,
-                            std::vector<PartitionState> states) {
-  std::lock_guard<std::mutex> one_at_a_time(checkpoint_mu_);
-  file.set_name(options_.name);
-  file.set_mode(ModeName(options_.mode));
-  file.set_num_workers(options_.num_workers);
-  file.set_round(round);
-  for (int w = 0; w < options_.num_workers; ++w) {
-    file.add_incarnations(membership_.Incarnation(w));
-  }
-  for (size_t i = 0; i < parts.size(); ++i) {
-    AddPartitionRecord(names[i].first, names[i].second, *parts[i], std::move(states[i]), &file);
-  }
-  DEEPNEX_RETURN_IF_ERROR(WriteCheckpointFile(dir, file));
-  metrics_.checkpoints->Add();
-  metrics_.checkpoint_round->Set(static_cast<double>(round));
-  return absl::OkStatus();
 }
 
 std::vector<Partition*> Service::AllPartitions() {
@@ -498,35 +400,6 @@ absl::StatusOr<Identity> Service::Caller(const grpc::ServerContextBase& ctx) con
 
 absl::Status Service::Authenticate(const grpc::ServerContextBase& ctx) const {
   return Caller(ctx).status();
-}
-
-absl::StatusOr<std::string> Service::CheckpointTarget(const grpc::ServerContextBase& ctx,
-                                                      const pb::CheckpointRequest& req) {
-  DEEPNEX_ASSIGN_OR_RETURN(Identity who, Caller(ctx));
-  if (who.role != AuthRole::kAdmin && who.job.empty() && !job_token_) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("checkpoint: \"", who.name,
-                     "\" is neither an admin nor this job's token; checkpoints need one of them"));
-  }
-  if (options_.checkpoint_dir.empty()) {
-    return absl::FailedPreconditionError(
-        "checkpoint: this server has no checkpoint_dir (--checkpoint-dir), the "
-        "only place it writes checkpoints to when asked over the wire");
-  }
-  DEEPNEX_ASSIGN_OR_RETURN(std::string dir, CheckpointDirFor(options_.checkpoint_dir, req.name()));
-  constexpr uint64_t kMaxTimeoutMs = 3600 * 1000;
-  if (req.timeout_ms() > kMaxTimeoutMs) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "checkpoint: timeout_ms %d is over an hour (%d)", req.timeout_ms(), kMaxTimeoutMs));
-  }
-  // Each call waits on a thread of its own.
-  constexpr int kMaxCheckpointCalls = 4;
-  if (checkpoint_calls_.fetch_add(1) >= kMaxCheckpointCalls) {
-    checkpoint_calls_.fetch_sub(1);
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "checkpoint: %d checkpoint calls are already in progress", kMaxCheckpointCalls));
-  }
-  return dir;
 }
 
 absl::Status Service::PullLayout(const char* op,
@@ -595,6 +468,42 @@ absl::Status Service::CheckWorker(int worker, const char* op) const {
                         options_.num_workers - 1, options_.num_workers));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<ShmSegment>> Service::ShmOf(const char* op, int worker,
+                                                           uint64_t incarnation,
+                                                           const pb::ShmRegion& region) const {
+  std::shared_ptr<ShmSegment> segment = shm_ ? shm_->Find(worker, incarnation) : nullptr;
+  if (segment == nullptr) {
+    // The only FailedPrecondition of a push or pull: the client sends the
+    // values again over TCP, where the usual checks (a restored server
+    // knows the incarnation and its seqs) apply.
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: worker %d has no shared-memory segment here as incarnation %d (its lease ended, "
+        "it left, or the server restarted); send the values over TCP",
+        op, worker, incarnation));
+  }
+  // The limit gRPC puts on a request over TCP.
+  if (region.bytes() > options_.max_message_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "%s: shm region of %d bytes is over max_message_bytes (%d)", op, region.bytes(),
+        options_.max_message_bytes));
+  }
+  DEEPNEX_RETURN_IF_ERROR(segment->CheckRegion(op, region.offset(), region.bytes()));
+  return segment;
+}
+
+void Service::OfferShm(const pb::RegisterRequest& req, pb::RegisterReply* reply) {
+  // Another host's client (or one in another boot of this host) cannot map
+  // the segment; comparing addresses would not tell (NAT, proxies).
+  if (!shm_ || req.shm_bytes() == 0 || req.host_id() != host_id_) return;
+  absl::StatusOr<ShmBroker::Offer> offer =
+      shm_->Open(req.worker_id(), req.incarnation(), req.shm_bytes());
+  metrics_.shm_segments->Set(shm_->Count());
+  if (!offer.ok()) return;  // TCP, as for a client on another host
+  reply->set_shm_socket(offer->socket);
+  reply->set_shm_ticket(offer->ticket);
+  reply->set_shm_bytes(offer->bytes);
 }
 
 absl::Status Service::CheckCall(const grpc::ServerContextBase& ctx, int worker,

@@ -23,7 +23,9 @@
 #include "deepnex/ps/server.h"
 #include "ps/membership.h"
 #include "ps/partition.h"
+#include "ps/reply_buffers.h"
 #include "ps/server_metrics.h"
+#include "ps/shm_channel.h"
 
 namespace deepnex::ps {
 
@@ -168,6 +170,17 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
 
   absl::Status CheckWorker(int worker, const char* op) const;
 
+  // A call whose values travel in the caller's shared-memory segment:
+  // finds the segment of (worker, incarnation) (FailedPrecondition without
+  // one: the lease ended or the server restarted, and the client resends
+  // over TCP) and checks that `region` lies inside it.
+  absl::StatusOr<std::shared_ptr<ShmSegment>> ShmOf(const char* op, int worker,
+                                                    uint64_t incarnation,
+                                                    const proto::ShmRegion& region) const;
+
+  // Register: a segment for a caller on this host that asks for one.
+  void OfferShm(const proto::RegisterRequest& req, proto::RegisterReply* reply);
+
   absl::Status CheckCall(const grpc::ServerContextBase& ctx, int worker, const char* op) const;
 
   // Finds each slice's partition and checks the slice against it; with
@@ -202,6 +215,11 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
   // Pull reply bytes held per connection ("ipv4:host:port"); guarded by
   // limits_mu_.
   std::unordered_map<std::string, uint64_t> pending_by_peer_;
+  // Idle buffers up to one default max_message_bytes of replies.
+  const std::shared_ptr<ReplyBuffers> reply_buffers_ =
+      std::make_shared<ReplyBuffers>(256ull << 20);
+  const std::string host_id_;
+  std::unique_ptr<ShmBroker> shm_;  // null: TCP only
   std::mutex mu_;
   std::unordered_map<std::string, Tensor> tensors_;
   std::mutex checkpoint_mu_;  // one checkpoint written at a time

@@ -56,6 +56,8 @@ flags:
   --max-deferred-pushes SIZE  push bytes one worker may have the server keep
                           for later (out of order, or ssp rounds ahead)
                           (default 256MiB)
+  --max-shm SIZE          largest shared-memory segment for a client on this
+                          host, which then skips TCP; 0: TCP only (default 1GiB)
   --token T               bearer token every call must carry (default
                           $DEEPNEX_TOKEN, which unlike a flag other users
                           cannot read in /proc)
@@ -123,6 +125,7 @@ int main(int argc, char** argv) {
       options.max_pending_reply_bytes = positive_bytes();
     else if (flags.Is("--max-deferred-pushes"))
       options.max_deferred_push_bytes = positive_bytes();
+    else if (flags.Is("--max-shm")) options.max_shm_bytes = flags.Bytes();
     else if (flags.Is("--token")) options.token = flags.Value();
     else if (flags.Is("--token-file")) options.token_file = flags.Value();
     else if (flags.Is("--job")) options.job_id = flags.Value();

@@ -13,6 +13,15 @@
 
 namespace deepnex::ps {
 
+// How a client moves push and pull values to a server.
+enum class Transport {
+  kAuto,  // shared memory with a server on this host that offers it, TCP
+          // otherwise
+  kTcp,   // TCP always
+  kShm,   // shared memory; FailedPrecondition if a server cannot give it
+};
+absl::StatusOr<Transport> ParseTransport(const std::string& name);
+
 struct ClientOptions {
   // host:port of every server of the job, in the same order on every worker
   // (it decides placement).
@@ -41,6 +50,16 @@ struct ClientOptions {
   // Renew this worker's lease on every server from a thread of the client's,
   // at the interval the servers ask for. Default: true
   bool heartbeat = true;
+  // The environment variable DEEPNEX_PS_TRANSPORT (auto|tcp|shm), when set,
+  // overrides this. Default: kAuto
+  Transport transport = Transport::kAuto;
+  // Bytes of the shared-memory segment asked of each server on this host
+  // (the server may give less); a request that finds no room in it goes
+  // over TCP. Default: 256 MiB
+  uint64_t shm_bytes = 256ull << 20;
+
+  // InvalidArgument naming the field for a bad value.
+  absl::Status Validate() const;
 };
 
 // A named tensor in a push, pull or init.

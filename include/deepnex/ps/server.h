@@ -84,6 +84,11 @@ struct ServerOptions {
   // far ahead); a push past it is ResourceExhausted. Kept pushes are dropped
   // when their callers go. Default: 256 MiB
   uint64_t max_deferred_push_bytes = 256ull << 20;
+  // Largest shared-memory segment the server makes for a client on its host
+  // (same hostname and boot id, same uid), through which that client's
+  // pushes and pulls move instead of TCP; it counts against the server's
+  // memory as far as the client fills it. 0: TCP only. Default: 1 GiB
+  uint64_t max_shm_bytes = 1ull << 30;
   // Bearer token every call must carry, or a token file (see auth.h).
   // Both empty: no auth. A token given alone (token, or a file holding only
   // it) is the job's token. Default: ""

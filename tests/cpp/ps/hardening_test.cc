@@ -13,7 +13,6 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,6 +24,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "ps/plan.h"
+#include "ps/ps_test_util.h"
 #include "test_matchers.h"
 
 namespace deepnex::ps {
@@ -35,7 +35,6 @@ using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
 using ::testing::HasSubstr;
 
-constexpr char kPush[] = "/deepnex.ps.proto.ParameterServer/Push";
 constexpr char kPull[] = "/deepnex.ps.proto.ParameterServer/Pull";
 constexpr char kWriteParts[] = "/deepnex.ps.proto.ParameterServer/WriteParts";
 constexpr char kCheckpoint[] = "/deepnex.ps.proto.ParameterServer/Checkpoint";
@@ -56,16 +55,6 @@ std::unique_ptr<Client> Connect(const Server& server, int worker, ClientOptions 
   auto client = Client::Create(o);
   EXPECT_THAT(client.status(), IsOk());
   return client.ok() ? std::move(*client) : nullptr;
-}
-
-// The value of an unlabelled metric in the server's Prometheus text.
-double Metric(const Server& server, const std::string& name) {
-  std::istringstream text(server.MetricsText());
-  for (std::string line; std::getline(text, line);) {
-    if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
-  }
-  ADD_FAILURE() << name << " is not in the metrics";
-  return -1;
 }
 
 // Polls `condition` until it holds or 20 s pass.
@@ -328,7 +317,7 @@ TEST_F(PullLimitTest, APushAskingForItsValuesRepliesWithTheRoundsValues) {
   std::vector<float> grad(kElements, 2.0f);
   std::vector<grpc::Slice> payload;
   payload.emplace_back(grad.data(), kElements * 4, grpc::Slice::STATIC_SLICE);
-  wire.Start(kPush, EncodeFramed(push, std::move(payload)));
+  wire.Start(kPushMethod, EncodeFramed(push, std::move(payload)));
   // Round 1 needs worker 0 too: the reply holds its reply bytes meanwhile.
   ASSERT_TRUE(WaitFor([&] {
     return Metric(*server_, "deepnex_ps_pending_reply_bytes") == kElements * 4;
@@ -354,7 +343,7 @@ TEST_F(PullLimitTest, APushAskingForItsValuesRepliesWithTheRoundsValues) {
   std::vector<grpc::Slice> both;
   both.emplace_back(grad.data(), kElements * 4, grpc::Slice::STATIC_SLICE);
   both.emplace_back(grad.data(), kElements * 4, grpc::Slice::STATIC_SLICE);
-  grpc::Status s = wire.Call1(kPush, EncodeFramed(twice, std::move(both)));
+  grpc::Status s = wire.Call1(kPushMethod, EncodeFramed(twice, std::move(both)));
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(),
               HasSubstr("push of \"w\" part 0: slices 0 and 1 name the same partition"));
@@ -401,7 +390,7 @@ TEST_F(PullLimitTest, RepliesHeldForOneConnectionAreBoundedAndFreedWhenItGoes) {
   std::vector<float> grad(kElements, 0.0f);
   std::vector<grpc::Slice> payload;
   payload.emplace_back(grad.data(), kElements * 4, grpc::Slice::STATIC_SLICE);
-  ASSERT_TRUE(wire.Call1(kPush, EncodeFramed(push, std::move(payload))).ok());
+  ASSERT_TRUE(wire.Call1(kPushMethod, EncodeFramed(push, std::move(payload))).ok());
 
   for (int i = 0; i < 400; ++i) wire.Start(kPull, Plain(PullOf(1, 1, 7, 1)));
   ASSERT_TRUE(WaitFor([&] {
@@ -518,7 +507,7 @@ TEST(PsHardeningTest, PushesOutOfOrderAreBoundedPerWorkerAndDroppedWhenTheirCall
     *push.add_slices() = SliceOf("w", 0, 0, 1024, seq);
     std::vector<grpc::Slice> payload;
     payload.emplace_back(grad.data(), 4096, grpc::Slice::STATIC_SLICE);
-    wire.Start(kPush, EncodeFramed(push, std::move(payload)));
+    wire.Start(kPushMethod, EncodeFramed(push, std::move(payload)));
   }
   ASSERT_TRUE(WaitFor([&] {
     return wire.Count(grpc::StatusCode::RESOURCE_EXHAUSTED) == 2000 - 256;

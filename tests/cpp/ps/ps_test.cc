@@ -12,6 +12,7 @@
 #include "deepnex/ps/server.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "ps/ps_test_util.h"
 #include "test_matchers.h"
 
 namespace deepnex::ps {
@@ -364,22 +365,11 @@ TEST_F(BadInputTest, GarbledRequestBody) {
                              "/deepnex.ps.proto.ParameterServer/WriteParts"}) {
     std::string junk = "\x0a\xff\xff\xff\x0fgarbage";
     grpc::Slice slice(junk);
-    grpc::ByteBuffer request(&slice, 1), response;
+    grpc::ByteBuffer response;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-    grpc::Status status;
-    stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response,
-                   [&](grpc::Status s) {
-                     std::lock_guard<std::mutex> lock(mu);
-                     status = s;
-                     done = true;
-                     cv.notify_all();
-                   });
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return done; });
+    grpc::Status status =
+        CallAndWait(stub, &ctx, method, grpc::ByteBuffer(&slice, 1), &response);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
     EXPECT_THAT(status.error_message(), HasSubstr("garbled")) << method;
   }

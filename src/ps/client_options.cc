@@ -1,0 +1,44 @@
+// ClientOptions: validation, and the transport names.
+#include "absl/strings/str_cat.h"
+#include "core/grpc_util.h"
+#include "deepnex/ps/client.h"
+
+namespace deepnex::ps {
+
+absl::StatusOr<Transport> ParseTransport(const std::string& name) {
+  if (name == "auto") return Transport::kAuto;
+  if (name == "tcp") return Transport::kTcp;
+  if (name == "shm") return Transport::kShm;
+  return absl::InvalidArgumentError(
+      absl::StrCat("transport \"", name, "\": must be auto, tcp or shm"));
+}
+
+absl::Status ClientOptions::Validate() const {
+  if (servers.empty()) {
+    return absl::InvalidArgumentError("servers: empty (give at least one host:port)");
+  }
+  // All of them before dialing any, so that a typo is refused at once.
+  for (const auto& s : servers) {
+    DEEPNEX_RETURN_IF_ERROR(ValidateAddress("ps server address", s));
+  }
+  if (worker_id < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "worker_id=", worker_id, ": must be >= 0, or -1 for an observer"));
+  }
+  if (partition_bytes < 8 || request_bytes < 8) {
+    return absl::InvalidArgumentError(
+        "partition_bytes and request_bytes must be at least 8");
+  }
+  if (connections_per_server < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "connections_per_server=", connections_per_server,
+        ": must be at least 1"));
+  }
+  if (timeout.count() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "timeout=", timeout.count(), "ms: must be positive"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace deepnex::ps
