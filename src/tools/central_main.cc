@@ -298,6 +298,10 @@ int main(int argc, char** argv) {
                   {"exit_code", e.job.exit_code},
                   {"message", e.job.message},
                   {"cancelled_by", e.job.cancelled_by}};
+    if (e.kind == "resized") {
+      event.data["from"] = e.resized_from;
+      event.data["why"] = e.reason;
+    }
     if (e.kind == "progress") {
       event.data["reason"] = e.reason;  // "every" or "when"
       event.data["report"] = {
