@@ -90,9 +90,9 @@ flags:
                           lost and their allocations are released
                           (default 300)
   --notify USER=URL       POST USER's job events (queued, started,
-                          worker_restarted, completed, failed, cancelled) to
-                          URL as JSON, besides each job's own `deepnex run
-                          --notify URL` (repeatable)
+                          worker_restarted, resized, completed, failed,
+                          cancelled) to URL as JSON, besides each job's own
+                          `deepnex run --notify URL` (repeatable)
   --notify-file F         the same from F: lines "USER URL", # comments
   --notify-admin URL      POST node events (node.not_ready, node.lost,
                           node.ready) to URL (repeatable)
