@@ -195,12 +195,18 @@ void Elastic::Grow() {
   // Above, growth must not hold up anyone's normal work.
   absl::StatusOr<gpu::Allocation> a = o_.grant(size < o_.min_workers ? 0 : -1);
   if (!a.ok()) return;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, o_.settle, [this] { return stopping_; });
+  }
+  Watch();
   std::vector<Member> members;
   bool over;
   {
     std::lock_guard<std::mutex> lock(mu_);
     // Stopped, ended or failed while it waited in the queue.
-    over = stopping_ || done_ || failure_.has_value();
+    over = stopping_ || done_ || failure_.has_value() ||
+           static_cast<int>(members_.size()) >= o_.max_workers;
     members = members_;
   }
   if (over) {

@@ -63,6 +63,11 @@ struct ElasticOptions {
   std::chrono::milliseconds not_ready_after{10000};
   // How often the members are looked at.
   std::chrono::milliseconds poll{200};
+  // How long a grant waits before its worker starts, so that the members'
+  // statuses (polled by a launcher like central's every 200 ms) catch up
+  // first: the grant may be the capacity of a member that just ended,
+  // and a job whose members are finishing must not grow.
+  std::chrono::milliseconds settle{600};
   // The job's store, where the membership is published.
   collective::StoreClientOptions store;
   // One worker's allocation at `priority` (normal 0 to make up min_workers,

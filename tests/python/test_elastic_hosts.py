@@ -1,0 +1,137 @@
+"""Elastic jobs across simulated hosts (issue 19's test): deepnex-central and
+`deepnex run` on h1, agents on h2 and h3 (2 GPUs each). A job of MIN 1, MAX 2
+workers of 2 GPUs each starts with one worker on h2 while another user holds
+h3, grows to two when that allocation is released, and shrinks to one when
+h3 is partitioned away (its container lost after --node-lost-after 5 s),
+in allreduce mode and in sync PS mode; each membership is in the job's store
+as the elastic contract says. Skips without root."""
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import _agents
+from _wait import wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = sys.executable
+# Jobs' containers use the host network (their store is on the runner's
+# host); a node silent for 5 s has lost its containers.
+CENTRAL_FLAGS = ("--allow-host-network", "alice", "--node-lost-after", "5")
+
+# Says who and where it is, then every membership from its own generation
+# on, as it reads them from the store, until the gate (argv[1]) opens.
+WORKER = r"""
+import os, socket, sys, time
+from deepnex.collective import StoreClient
+me = os.environ["DEEPNEX_WORKER_ID"]
+gen = int(os.environ["DEEPNEX_ELASTIC_GENERATION"])
+print(f"{me} on {socket.gethostname()} rank {os.environ['DEEPNEX_RANK']}/"
+      f"{os.environ['DEEPNEX_WORLD_SIZE']} gen {gen}", flush=True)
+store = StoreClient(os.environ["DEEPNEX_STORE_ADDR"], token=os.environ["DEEPNEX_TOKEN"])
+seen = gen - 1
+while not os.path.exists(sys.argv[1]):
+    latest = int(store.get("elastic/generation"))
+    for g in range(seen + 1, latest + 1):
+        print(f"{me} sees {g}: {store.get(f'elastic/members/{g}').decode()}", flush=True)
+    seen = max(seen, latest)
+    time.sleep(0.05)
+"""
+
+
+@pytest.fixture
+def cluster(make_hosts, tmp_path):
+    """central on h1 (NotReady after 2 s of silence, lost after 5), agents
+    on h2 and h3, both Ready."""
+    _agents.require_binaries()
+    c = _agents.AgentHosts(make_hosts({"h1": 11, "h2": 12, "h3": 13}), tmp_path,
+                           central_flags=CENTRAL_FLAGS, node_timeout=2)
+    try:
+        yield c.start()
+    finally:
+        c.hosts.heal()
+        c.close()
+
+
+class Run:
+    """`deepnex run --central` as alice on h1, its output collected line by
+    line."""
+
+    def __init__(self, c, *flags):
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("DEEPNEX_") or k in ("DEEPNEX_BUILD_DIR", "DEEPNEX_PS_BIN")}
+        argv = [PY, "-m", "deepnex", "run", "--central", c.address, "--token", "alicetok",
+                "--memory", "256MiB", *flags]
+        self.proc = c.hosts.popen("h1", argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        self.lines = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def output(self):
+        return "\n".join(self.lines)
+
+    def await_line(self, pattern, timeout=60):
+        rx = re.compile(pattern)
+        return wait_for(lambda: next((x for x in self.lines if rx.search(x)), None)
+                        or (self.proc.poll() is not None and not self.reader.is_alive()
+                            and pytest.fail(f"ended before {pattern!r}:\n{self.output()}")),
+                        lambda: f"{pattern!r} in:\n{self.output()}", timeout=timeout)
+
+    def wait(self, timeout=60):
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.reader.join(10)
+
+
+@pytest.mark.parametrize("mode,ps", [("allreduce", "0"), ("sync", "1")])
+def test_elastic_job_grows_onto_a_freed_node_and_shrinks_off_a_partitioned_one(
+        cluster, tmp_path, mode, ps):
+    start = time.monotonic()
+    # Each worker takes a whole node (2 GPUs): h3 is bob's for now.
+    held = cluster.allocate("h3", token="bobtok", user="bob", gpus=2)
+    gate = tmp_path / "gate"
+    j = Run(cluster, "--name", "el", "--workers", "1:2", "--gpus-per-worker", "2",
+            "--mode", mode, "--ps", ps, "--", PY, "-c", WORKER, str(gate))
+    try:
+        j.await_line(r"^\[worker 0\] w0 on h2 rank 0/1 gen 1$")
+        j.await_line(r"^\[worker 0\] w0 sees 1: w0$")
+        released = cluster.call("bobtok", f"c.release({held['id']!r})")
+        assert "error" not in str(released), released
+        j.await_line(r"^\[worker 1\] w1 on h3 rank 1/2 gen 2$")
+        j.await_line(r"^\[worker 0\] w0 sees 2: w0,w1$")
+
+        cluster.hosts.partition("h3")
+        # Lost with its node: the job goes on with w0 alone, and h3 takes
+        # no new grant while it is cut off.
+        j.await_line(r"^\[worker 0\] w0 sees 3: w0$", timeout=30)
+        j.await_line(r'^deepnex run: job resized from 2 to 1 workers \(generation 3\): '
+                     r'worker w1 lost$')
+        assert j.proc.poll() is None, j.output()
+        gate.write_text("")
+        assert j.wait(60) == 0, j.output()
+    finally:
+        gate.write_text("")
+        if j.proc.poll() is None:
+            j.proc.terminate()
+            j.wait(60)
+    out = j.output()
+    assert [x for x in j.lines if "job resized" in x] == [
+        'deepnex run: job resized from 1 to 2 workers (generation 2): worker w1 joined on node '
+        '"h3"',
+        "deepnex run: job resized from 2 to 1 workers (generation 3): worker w1 lost"], out
+    assert not any(re.match(r"^\[worker 2\]", x) for x in j.lines), out
+    assert time.monotonic() - start < 90
