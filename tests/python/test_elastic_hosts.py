@@ -4,7 +4,9 @@ workers of 2 GPUs each starts with one worker on h2 while another user holds
 h3, grows to two when that allocation is released, and shrinks to one when
 h3 is partitioned away (its container lost after --node-lost-after 5 s),
 in allreduce mode and in sync PS mode; each membership is in the job's store
-as the elastic contract says. Skips without root."""
+as the elastic contract says. A node NotReady for 10 s loses the job its
+worker there even while central waits longer to call it lost. Skips
+without root."""
 
 import os
 import re
@@ -21,8 +23,10 @@ from _wait import wait_for
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
 # Jobs' containers use the host network (their store is on the runner's
-# host); a node silent for 5 s has lost its containers.
-CENTRAL_FLAGS = ("--allow-host-network", "alice", "--node-lost-after", "5")
+# host).
+CENTRAL_FLAGS = ("--allow-host-network", "alice")
+# A node silent for 5 s has lost its containers.
+LOSING = ("--node-lost-after", "5")
 
 # Says who and where it is, then every membership from its own generation
 # on, as it reads them from the store, until the gate (argv[1]) opens.
@@ -45,15 +49,20 @@ while not os.path.exists(sys.argv[1]):
 
 
 @pytest.fixture
-def cluster(make_hosts, tmp_path):
-    """central on h1 (NotReady after 2 s of silence, lost after 5), agents
-    on h2 and h3, both Ready."""
+def make_cluster(make_hosts, tmp_path):
+    """make_cluster(*central_flags): central on h1 (NotReady after 2 s of
+    silence), agents on h2 and h3, both Ready."""
     _agents.require_binaries()
-    c = _agents.AgentHosts(make_hosts({"h1": 11, "h2": 12, "h3": 13}), tmp_path,
-                           central_flags=CENTRAL_FLAGS, node_timeout=2)
-    try:
-        yield c.start()
-    finally:
+    made = []
+
+    def make(*flags):
+        c = _agents.AgentHosts(make_hosts({"h1": 11, "h2": 12, "h3": 13}), tmp_path,
+                               central_flags=(*CENTRAL_FLAGS, *flags), node_timeout=2)
+        made.append(c)
+        return c.start()
+
+    yield make
+    for c in made:
         c.hosts.heal()
         c.close()
 
@@ -97,41 +106,79 @@ class Run:
             self.reader.join(10)
 
 
+def start_growing(cluster, gate, *flags):
+    """Job "el", MIN 1 MAX 2 workers of a whole node each (2 GPUs) with
+    `flags`: w0 on h2 while bob holds h3, then w1 on h3 once bob releases
+    it; the Run."""
+    held = cluster.allocate("h3", token="bobtok", user="bob", gpus=2)
+    j = Run(cluster, "--name", "el", "--workers", "1:2", "--gpus-per-worker", "2", *flags,
+            "--", PY, "-c", WORKER, str(gate))
+    j.await_line(r"^\[worker 0\] w0 on h2 rank 0/1 gen 1$")
+    j.await_line(r"^\[worker 0\] w0 sees 1: w0$")
+    released = cluster.call("bobtok", f"c.release({held['id']!r})")
+    assert "error" not in str(released), released
+    j.await_line(r"^\[worker 1\] w1 on h3 rank 1/2 gen 2$")
+    j.await_line(r"^\[worker 0\] w0 sees 2: w0,w1$")
+    return j
+
+
+def finish(j, gate):
+    """Opens the gate; the job's exit code, and its resize events."""
+    gate.write_text("")
+    try:
+        code = j.wait(60)
+    finally:
+        if j.proc.poll() is None:
+            j.proc.terminate()
+            j.wait(60)
+    return code, [x for x in j.lines if "job resized" in x]
+
+
+GREW = ('deepnex run: job resized from 1 to 2 workers (generation 2): worker w1 joined on node '
+        '"h3"')
+
+
 @pytest.mark.parametrize("mode,ps", [("allreduce", "0"), ("sync", "1")])
 def test_elastic_job_grows_onto_a_freed_node_and_shrinks_off_a_partitioned_one(
-        cluster, tmp_path, mode, ps):
+        make_cluster, tmp_path, mode, ps):
     start = time.monotonic()
-    # Each worker takes a whole node (2 GPUs): h3 is bob's for now.
-    held = cluster.allocate("h3", token="bobtok", user="bob", gpus=2)
+    cluster = make_cluster(*LOSING)
     gate = tmp_path / "gate"
-    j = Run(cluster, "--name", "el", "--workers", "1:2", "--gpus-per-worker", "2",
-            "--mode", mode, "--ps", ps, "--", PY, "-c", WORKER, str(gate))
+    j = start_growing(cluster, gate, "--mode", mode, "--ps", ps)
     try:
-        j.await_line(r"^\[worker 0\] w0 on h2 rank 0/1 gen 1$")
-        j.await_line(r"^\[worker 0\] w0 sees 1: w0$")
-        released = cluster.call("bobtok", f"c.release({held['id']!r})")
-        assert "error" not in str(released), released
-        j.await_line(r"^\[worker 1\] w1 on h3 rank 1/2 gen 2$")
-        j.await_line(r"^\[worker 0\] w0 sees 2: w0,w1$")
-
         cluster.hosts.partition("h3")
         # Lost with its node: the job goes on with w0 alone, and h3 takes
         # no new grant while it is cut off.
         j.await_line(r"^\[worker 0\] w0 sees 3: w0$", timeout=30)
-        j.await_line(r'^deepnex run: job resized from 2 to 1 workers \(generation 3\): '
-                     r'worker w1 lost$')
         assert j.proc.poll() is None, j.output()
-        gate.write_text("")
-        assert j.wait(60) == 0, j.output()
     finally:
-        gate.write_text("")
-        if j.proc.poll() is None:
-            j.proc.terminate()
-            j.wait(60)
-    out = j.output()
-    assert [x for x in j.lines if "job resized" in x] == [
-        'deepnex run: job resized from 1 to 2 workers (generation 2): worker w1 joined on node '
-        '"h3"',
-        "deepnex run: job resized from 2 to 1 workers (generation 3): worker w1 lost"], out
-    assert not any(re.match(r"^\[worker 2\]", x) for x in j.lines), out
+        code, resized = finish(j, gate)
+    assert code == 0, j.output()
+    assert resized == [
+        GREW, "deepnex run: job resized from 2 to 1 workers (generation 3): worker w1 lost"], \
+        j.output()
+    assert not any(re.match(r"^\[worker 2\]", x) for x in j.lines), j.output()
     assert time.monotonic() - start < 90
+
+
+def test_a_worker_whose_node_is_notready_for_10_s_is_dropped_and_stopped(make_cluster, tmp_path):
+    # Central would call h3 lost only after 5 min (its default): the job
+    # does not wait that long.
+    cluster = make_cluster()
+    gate = tmp_path / "gate"
+    j = start_growing(cluster, gate, "--mode", "allreduce")
+    try:
+        pid = int(cluster.containers()["el-worker1"]["id"])
+        cluster.hosts.partition("h3")
+        j.await_line(r"^\[worker 0\] w0 sees 3: w0$", timeout=30)
+        cluster.hosts.heal()
+        cluster.wait_status("h3", "Ready", timeout=30)
+        # Back, it does not run on as a member the job has dropped.
+        wait_for(lambda: not _agents.pid_alive(pid),
+                 lambda: f"w1 stopped: {cluster.containers()}")
+    finally:
+        code, resized = finish(j, gate)
+    assert code == 0, j.output()
+    assert resized[:2] == [
+        GREW, 'deepnex run: job resized from 2 to 1 workers (generation 3): worker w1\'s node '
+              '"h3" was NotReady for 10 s'], j.output()
