@@ -435,8 +435,7 @@ class JobImpl : public Job {
     ctx.ps_addrs = ps_addrs_;
     ctx.store_addr = store_->address();
     ctx.token = token_;
-    launch::ContainerSpec spec;
-    spec.name = absl::StrCat(o_.name, "-worker", w.id);
+    launch::ContainerSpec spec = SpecOf("worker", absl::StrCat(o_.name, "-worker", w.id));
     spec.command = o_.command;
     spec.env = InheritedEnv();
     for (const auto& [k, v] : o_.env) spec.env[k] = v;
@@ -461,14 +460,8 @@ class JobImpl : public Job {
       spec.env["DEEPNEX_ELASTIC_GENERATION"] = absl::StrCat(w.generation);
       spec.restart = launch::RestartPolicy{};
     }
-    spec.working_dir = o_.working_dir.empty() ? CurrentDir() : o_.working_dir;
-    spec.mounts = o_.mounts;
     spec.allocation = w.allocation;
-    spec.user = o_.user;
-    spec.cpus = o_.cpus;
     spec.memory = o_.memory;
-    spec.labels["deepnex.job"] = o_.name;
-    spec.labels["deepnex.role"] = "worker";
     DEEPNEX_ASSIGN_OR_RETURN(auto h, StartContainer(spec, absl::StrCat("worker ", w.id)));
     std::lock_guard<std::mutex> lock(handles_mu_);
     workers_.push_back(h);
@@ -537,8 +530,9 @@ class JobImpl : public Job {
     r.user = o_.user;
     r.command = o_.command;
     r.mode = o_.mode;
-    r.workers = r.max_workers = o_.workers;
-    r.min_workers = IsElastic(o_) ? o_.min_workers : o_.workers;
+    // An elastic job waits for its least; running, it says how many it has.
+    r.min_workers = r.workers = IsElastic(o_) ? o_.min_workers : o_.workers;
+    r.max_workers = o_.workers;
     r.ps = o_.ps;
     r.notify = o_.notify;
     r.notify_every = o_.notify_every;
@@ -631,9 +625,22 @@ class JobImpl : public Job {
     }
   }
 
-  launch::ContainerSpec PsSpec(int i, const std::string& addr) {
+  // What the job's workers and parameter servers share: where they run,
+  // for whom, and the labels that tell them apart.
+  launch::ContainerSpec SpecOf(const std::string& role, const std::string& name) {
     launch::ContainerSpec spec;
-    spec.name = absl::StrCat(o_.name, "-ps", i);
+    spec.name = name;
+    spec.working_dir = o_.working_dir.empty() ? CurrentDir() : o_.working_dir;
+    spec.mounts = o_.mounts;
+    spec.user = o_.user;
+    spec.cpus = o_.cpus;
+    spec.labels["deepnex.job"] = o_.name;
+    spec.labels["deepnex.role"] = role;
+    return spec;
+  }
+
+  launch::ContainerSpec PsSpec(int i, const std::string& addr) {
+    launch::ContainerSpec spec = SpecOf("ps", absl::StrCat(o_.name, "-ps", i));
     // The server's own name (its checkpoint is <dir>/ps<i>.ckpt) stays the
     // same across jobs, so a new job can restore an old job's checkpoint.
     std::vector<std::string>& c = spec.command;
@@ -654,13 +661,7 @@ class JobImpl : public Job {
     // Not on the command line, which every user of the machine can read in
     // /proc; deepnex-ps reads $DEEPNEX_TOKEN.
     spec.env["DEEPNEX_TOKEN"] = token_;
-    spec.working_dir = o_.working_dir.empty() ? CurrentDir() : o_.working_dir;
-    spec.mounts = o_.mounts;
-    spec.user = o_.user;
-    spec.cpus = o_.cpus;
     spec.restart = o_.restart;
-    spec.labels["deepnex.job"] = o_.name;
-    spec.labels["deepnex.role"] = "ps";
     return spec;
   }
 

@@ -25,14 +25,15 @@ from _wait import wait_for
 from test_job import jobs  # noqa: F401 - the fixture that runs and sweeps `deepnex run`
 from test_notify import Receiver
 
-# Says who it is, then every membership from its own generation on, as it
-# reads them from the store, until the gate (argv[1]) opens.
+# Says who and where it is, then every membership from its own generation
+# on, as it reads them from the store, until the gate (argv[1]) opens.
+# test_elastic_hosts runs it too.
 WORKER = r"""
-import os, sys, time
+import os, socket, sys, time
 from deepnex.collective import StoreClient
 me = os.environ["DEEPNEX_WORKER_ID"]
 gen = int(os.environ["DEEPNEX_ELASTIC_GENERATION"])
-print(f"{me} pid {os.getpid()} rank {os.environ['DEEPNEX_RANK']}/"
+print(f"{me} pid {os.getpid()} on {socket.gethostname()} rank {os.environ['DEEPNEX_RANK']}/"
       f"{os.environ['DEEPNEX_WORLD_SIZE']} gen {gen} elastic {os.environ['DEEPNEX_ELASTIC']}",
       flush=True)
 store = StoreClient(os.environ["DEEPNEX_STORE_ADDR"], token=os.environ["DEEPNEX_TOKEN"])
@@ -78,13 +79,13 @@ def test_an_elastic_job_grows_as_capacity_frees_shrinks_and_grows_back(jobs, cen
     host = socket.gethostname()
     try:
         j = run_elastic(jobs, central, "1:2", gate, "--notify", receiver.url)
-        j.await_line(r"^\[worker 0\] w0 pid \d+ rank 0/1 gen 1 elastic 1:2$")
+        j.await_line(r"^\[worker 0\] w0 pid \d+ on \S+ rank 0/1 gen 1 elastic 1:2$")
         j.await_line(r"^\[worker 0\] w0 sees 1: w0$")
         # The rest waits in central's queue below everyone's normal work.
         wait_for(lambda: [(p["user"], p["priority"]) for p in alice.pending()] == [("alice", -1)],
                  lambda: f"alice's growth queued at -1: {alice.pending()}")
         bob.release(held.id)
-        j.await_line(r"^\[worker 1\] w1 pid \d+ rank 1/2 gen 2 elastic 1:2$")
+        j.await_line(r"^\[worker 1\] w1 pid \d+ on \S+ rank 1/2 gen 2 elastic 1:2$")
         j.await_line(r"^\[worker 0\] w0 sees 2: w0,w1$")
         j.await_line(r"^\[worker 1\] w1 sees 2: w0,w1$")
         record = wait_for(lambda: (lambda r: r if r["workers"] == 2 else None)(alice.job(j.name)),
@@ -94,7 +95,7 @@ def test_an_elastic_job_grows_as_capacity_frees_shrinks_and_grows_back(jobs, cen
         os.kill(pid_of(j, "w1"), signal.SIGKILL)
         j.await_line(r"^\[worker 0\] w0 sees 3: w0$")
         # Capacity is free again: a new worker, a new id.
-        j.await_line(r"^\[worker 2\] w2 pid \d+ rank 1/2 gen 4 elastic 1:2$")
+        j.await_line(r"^\[worker 2\] w2 pid \d+ on \S+ rank 1/2 gen 4 elastic 1:2$")
         j.await_line(r"^\[worker 0\] w0 sees 4: w0,w2$")
         gate.write_text("")
         assert j.wait(120) == 0, j.output()

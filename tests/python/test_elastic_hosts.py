@@ -19,6 +19,7 @@ import pytest
 
 import _agents
 from _wait import wait_for
+from test_elastic import WORKER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
@@ -27,26 +28,6 @@ PY = sys.executable
 CENTRAL_FLAGS = ("--allow-host-network", "alice")
 # A node silent for 5 s has lost its containers.
 LOSING = ("--node-lost-after", "5")
-
-# Says who and where it is, then every membership from its own generation
-# on, as it reads them from the store, until the gate (argv[1]) opens.
-WORKER = r"""
-import os, socket, sys, time
-from deepnex.collective import StoreClient
-me = os.environ["DEEPNEX_WORKER_ID"]
-gen = int(os.environ["DEEPNEX_ELASTIC_GENERATION"])
-print(f"{me} on {socket.gethostname()} rank {os.environ['DEEPNEX_RANK']}/"
-      f"{os.environ['DEEPNEX_WORLD_SIZE']} gen {gen}", flush=True)
-store = StoreClient(os.environ["DEEPNEX_STORE_ADDR"], token=os.environ["DEEPNEX_TOKEN"])
-seen = gen - 1
-while not os.path.exists(sys.argv[1]):
-    latest = int(store.get("elastic/generation"))
-    for g in range(seen + 1, latest + 1):
-        print(f"{me} sees {g}: {store.get(f'elastic/members/{g}').decode()}", flush=True)
-    seen = max(seen, latest)
-    time.sleep(0.05)
-"""
-
 
 @pytest.fixture
 def make_cluster(make_hosts, tmp_path):
@@ -113,11 +94,11 @@ def start_growing(cluster, gate, *flags):
     held = cluster.allocate("h3", token="bobtok", user="bob", gpus=2)
     j = Run(cluster, "--name", "el", "--workers", "1:2", "--gpus-per-worker", "2", *flags,
             "--", PY, "-c", WORKER, str(gate))
-    j.await_line(r"^\[worker 0\] w0 on h2 rank 0/1 gen 1$")
+    j.await_line(r"^\[worker 0\] w0 pid \d+ on h2 rank 0/1 gen 1 elastic 1:2$")
     j.await_line(r"^\[worker 0\] w0 sees 1: w0$")
     released = cluster.call("bobtok", f"c.release({held['id']!r})")
     assert "error" not in str(released), released
-    j.await_line(r"^\[worker 1\] w1 on h3 rank 1/2 gen 2$")
+    j.await_line(r"^\[worker 1\] w1 pid \d+ on h3 rank 1/2 gen 2 elastic 1:2$")
     j.await_line(r"^\[worker 0\] w0 sees 2: w0,w1$")
     return j
 
