@@ -101,7 +101,8 @@ def _run(args) -> int:
 
 def parse_workers(text):
     """--workers N or MIN:MAX: (min_workers, workers); min_workers 0 when not
-    elastic (N, or MIN == MAX). ValueError naming the flag and value else."""
+    elastic (N, or MIN == MAX). ValueError naming the flag and value for a
+    MIN:MAX out of order or below 1, or anything else."""
     parts = text.split(":")
     try:
         if len(parts) > 2:
@@ -110,9 +111,10 @@ def parse_workers(text):
     except ValueError:
         raise ValueError(f"--workers: {text!r} is not N or MIN:MAX (e.g. 2 or 1:4)") from None
     low, high = numbers[0], numbers[-1]
+    if len(numbers) == 1:
+        return 0, high  # the job checks N
     if low < 1:
-        raise ValueError(f"--workers: {text!r}: {'MIN ' if len(parts) == 2 else ''}{low} "
-                         "is below 1")
+        raise ValueError(f"--workers: {text!r}: MIN {low} is below 1")
     if low > high:
         raise ValueError(f"--workers: {text!r}: MIN {low} is above MAX {high}")
     return (low if low < high else 0), high

@@ -112,6 +112,9 @@ def test_an_elastic_job_grows_as_capacity_frees_shrinks_and_grows_back(jobs, cen
     done = alice.job(j.name)
     assert (done["state"], done["resizes"]) == ("completed", 3)
     assert done["last_resize"] == f'resized from 1 to 2: worker w2 joined on node "{host}"'
+    from deepnex._cli_jobs import show_text
+    assert ("mode:        allreduce, 2 workers (elastic 1:2, 3 resizes: resized from 1 to 2: "
+            f'worker w2 joined on node "{host}"), 0 parameter servers') in show_text(done)
     # Each resize central heard of went out as a job.resized notification:
     # the growth to 2 at least (resizes between two reports are told as one).
     events = wait_for(lambda: [e for _, _, e in receiver.events() if e["kind"] == "job.resized"],
@@ -139,7 +142,7 @@ def test_workers_min_max_is_elastic_only_below_max(text, parsed):
 @pytest.mark.parametrize("workers, message", [
     ("3:2", "--workers: '3:2': MIN 3 is above MAX 2"),
     ("0:2", "--workers: '0:2': MIN 0 is below 1"),
-    ("0", "--workers: '0': 0 is below 1"),
+    ("0", "workers: 0 is below 1"),
     ("a:b", "--workers: 'a:b' is not N or MIN:MAX (e.g. 2 or 1:4)"),
     ("1:2:3", "--workers: '1:2:3' is not N or MIN:MAX (e.g. 2 or 1:4)"),
 ])
