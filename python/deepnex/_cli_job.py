@@ -44,7 +44,7 @@ def _run(args) -> int:
         _notice(e)
         return 2
     try:
-        min_workers, workers = parse_workers(args.workers)
+        min_workers, workers = parse_workers(str(args.workers))
     except ValueError as e:
         _notice(e)
         return 2
@@ -97,6 +97,14 @@ def _run(args) -> int:
         _notice(f"worker {rank}: {e}")
     _notice(f"job {j.name} exited {result.exit_code} after {result.seconds:.1f} s")
     return result.exit_code
+
+
+def _workers_value(text):
+    """--workers: N as a number, MIN:MAX as given (parse_workers checks it)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def parse_workers(text):
@@ -181,7 +189,8 @@ def add_commands(commands) -> None:
         "run", help="run a training script data-parallel: allocate, launch, supervise",
         description="Runs COMMAND as the workers of a data-parallel job.",
         usage="deepnex run [options] -- COMMAND [ARGS ...]")
-    run.add_argument("--workers", "--nproc-per-node", dest="workers", default="1",
+    run.add_argument("--workers", "--nproc-per-node", dest="workers", default=1,
+                     type=_workers_value,
                      metavar="N|MIN:MAX",
                      help="worker processes (default 1); --nproc-per-node as in torchrun. "
                           "MIN:MAX: elastic, starts with MIN, grows toward MAX as capacity "
