@@ -102,8 +102,8 @@ void Elastic::Loop() {
   }
 }
 
-std::string Elastic::Gone(const Member& m, std::map<std::string, bool>* ready_now) {
-  launch::ContainerStatus st = m.handle->Status();
+std::string Elastic::Gone(const Member& m, const launch::ContainerStatus& st,
+                          std::map<std::string, bool>* ready_now) {
   if (Ended(st)) {
     if (st.last_exit.has_value() && st.last_exit->ok()) return "";
     return absl::StrCat("worker w", m.id, " ",
@@ -139,8 +139,8 @@ void Elastic::Watch() {
   bool all_done = true;
   for (size_t i = 0; i < members.size(); ++i) {
     const Member& m = members[i];
-    const std::string why = Gone(m, &ready_now);
-    launch::ContainerStatus st = m.handle->Status();
+    const launch::ContainerStatus st = m.handle->Status();
+    const std::string why = Gone(m, st, &ready_now);
     if (why.empty()) {
       const bool exited_ok = Ended(st) && st.last_exit.has_value() && st.last_exit->ok();
       if (exited_ok) {
@@ -182,7 +182,9 @@ void Elastic::Watch() {
     return;  // the next look starts from the new members
   }
   std::lock_guard<std::mutex> lock(mu_);
-  completed_ = all_done;
+  // None left (all replaced under the policy, the new ones still to come)
+  // is not done.
+  completed_ = all_done && !members.empty();
 }
 
 void Elastic::Grow() {

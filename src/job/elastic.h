@@ -140,7 +140,8 @@ class Elastic {
   // Asks for one more worker, and starts it when granted.
   void Grow();
   // Why member `m` is to go ("worker w1 exited(1)"); empty: it stays.
-  std::string Gone(const Member& m, std::map<std::string, bool>* ready_now);
+  std::string Gone(const Member& m, const launch::ContainerStatus& st,
+                   std::map<std::string, bool>* ready_now);
   void Resized(int from, int to, const std::string& why);
 
   const ElasticOptions o_;

@@ -383,5 +383,34 @@ TEST_F(ElasticJobTest, BelowMinTheJobFailsOrRestartsByPolicy) {
   }
 }
 
+// Room for one: MIN 1's only worker fails, and under on-failure the job
+// waits with none for its replacement, which comes as rank 0 of the next
+// generation.
+TEST_F(ElasticJobTest, TheOnlyWorkerFailingIsReplacedUnderThePolicy) {
+  ASSERT_OK_AND_ASSIGN(gpu::Node node, gpu::LocalNode());
+  JobOptions o = Elastic(1, 2);
+  o.memory = node.memory * 3 / 5;
+  ASSERT_OK_AND_ASSIGN(o.restart, launch::RestartPolicy::Parse("on-failure:1"));
+  ASSERT_OK_AND_ASSIGN(auto job, Job::Create(o));
+  ASSERT_THAT(job->Start(), IsOk());
+  std::unique_ptr<collective::StoreClient> store = Store();
+  // Waited for all along: the gap with no member is not the job's end.
+  std::thread replaced([&] {
+    EXPECT_EQ(Line(1, "w1 "), "w1 rank=0/1 gen=3 elastic=1:2");
+    EXPECT_TRUE(GenerationIs(store.get(), 3));
+    EXPECT_EQ(Members(store.get(), 2), "");
+    EXPECT_EQ(Members(store.get(), 3), "w1");
+    std::ofstream(gate_) << "";
+  });
+  Exit("w0", 5);
+  absl::StatusOr<JobResult> waited = job->Wait(milliseconds(60000));
+  std::ofstream(gate_) << "";
+  replaced.join();
+  ASSERT_OK_AND_ASSIGN(JobResult r, std::move(waited));
+  EXPECT_EQ(r.exit_code, 0);
+  ASSERT_EQ(r.workers.size(), 2u);
+  EXPECT_EQ(r.workers[0].code, 5);
+}
+
 }  // namespace
 }  // namespace deepnex::job
