@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 import deepnex
+import deepnex.elastic
 import deepnex.tune
 
 
@@ -122,3 +123,26 @@ class Progress:
                   f"epochs={self.epochs} test_accuracy={self.accuracy:.4f} "
                   f"time={seconds:.1f}s samples_per_s={samples / seconds:.0f}", flush=True)
         return 0 if self.accuracy >= self.args.min_accuracy or self.ctx.rank != 0 else 1
+
+
+def train_elastic(state, args, progress, step, accuracy):
+    """The examples' loop under an elastic job (DEEPNEX_ELASTIC): epochs of
+    state.sharder's batches, step(batch) -> loss for each (an empty batch,
+    in a re-sharded epoch's shorter shard, must still take part in the
+    step, with zero gradients), state.commit() after each, and a progress
+    line with accuracy() at each epoch's end. state holds the counters
+    loss and batches. A resize continues from rank 0's last commit."""
+
+    @deepnex.elastic.run
+    def train(state):
+        while state.sharder.epoch < args.epochs:
+            epoch = state.sharder.epoch
+            for batch in state.sharder.batches(args.batch_size):
+                state.loss, state.batches = state.loss + step(batch), state.batches + 1
+                state.commit()
+            stop = progress.report(epoch + 1, state.loss / max(state.batches, 1), accuracy())
+            state.loss, state.batches = 0.0, 0
+            if stop:
+                return
+
+    train(state)

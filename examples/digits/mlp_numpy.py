@@ -9,11 +9,16 @@ rank 0 prints the loss and test accuracy every epoch and a summary line.
 In the parameter-server modes the servers apply SGD (the launcher's
 --optimizer/--lr; --lr/--momentum here when the script starts its own job);
 in allreduce mode each worker applies the same SGD to the averaged gradients.
+Under an elastic job (DEEPNEX_ELASTIC set, `deepnex run --workers 1:2`) the
+loop runs in deepnex.elastic.run, committing every step, so that workers may
+join and leave between steps.
 """
 
 import numpy as np
 
 import deepnex
+import deepnex.elastic
+import digits_common
 from digits_common import Progress, job_context, load_data, parse_args
 
 KEYS = ("w1", "b1", "w2", "b2")
@@ -58,14 +63,15 @@ class AllreduceSGD:
     """Averages the gradients over the workers (one bucketed allreduce per
     step) and applies SGD with momentum locally, the same on every worker."""
 
-    def __init__(self, ctx, params, grads, lr, momentum):
-        self.comm = deepnex.collective.Communicator.from_context(ctx)
+    def __init__(self, comm, params, grads, lr, momentum, velocity=None):
+        self.comm = comm
         for k in KEYS:
             self.comm.broadcast(params[k], root=0)
         self.params, self.grads = params, grads
         self.bucketer = deepnex.collective.GradientBucketer(
             self.comm, [grads[k] for k in KEYS], op="mean")
-        self.velocity = {k: np.zeros_like(v) for k, v in params.items()}
+        self.velocity = velocity if velocity is not None else {
+            k: np.zeros_like(v) for k, v in params.items()}
         self.lr, self.momentum = lr, momentum
 
     def step(self):
@@ -82,8 +88,9 @@ class ParameterServerSGD:
     """Pushes the gradients and pulls the servers' new parameters, one round
     trip per step; the servers apply the optimizer."""
 
-    def __init__(self, ctx, params, grads):
-        self.client = deepnex.ps.Client(ctx.ps_addrs, worker_id=ctx.rank,
+    def __init__(self, ctx, params, grads, worker_id=None):
+        self.client = deepnex.ps.Client(ctx.ps_addrs,
+                                        worker_id=ctx.rank if worker_id is None else worker_id,
                                         token=ctx.token or None)
         # Every worker draws the same initial values from the seed, so which
         # init wins (the first) does not matter.
@@ -105,8 +112,11 @@ def main():
     x_train, y_train, x_test, y_test = load_data()
     params = init_params(args.hidden, args.seed)
     grads = {k: np.zeros_like(v) for k, v in params.items()}
+    if deepnex.elastic.enabled():
+        return train_elastic(args, ctx, (x_train, y_train, x_test, y_test), params, grads)
     if args.mode == "allreduce":
-        opt = AllreduceSGD(ctx, params, grads, args.lr, args.momentum)
+        opt = AllreduceSGD(deepnex.collective.Communicator.from_context(ctx), params, grads,
+                           args.lr, args.momentum)
     else:
         opt = ParameterServerSGD(ctx, params, grads)
     params = opt.params
@@ -121,6 +131,46 @@ def main():
             break
     if hasattr(opt, "close"):
         opt.close()
+    return progress.finish()
+
+
+def train_elastic(args, ctx, data, params, grads):
+    """The same training under an elastic job (DEEPNEX_ELASTIC): a
+    deepnex.elastic.State holds the parameters, the momentum and the data
+    position, committed every step; after each resize the allreduce
+    optimizer works on the new communicator and the synced arrays."""
+    x_train, y_train, x_test, y_test = data
+    sharder = deepnex.data.Sharder(len(y_train), ctx.world_size, ctx.rank, seed=args.seed)
+    opt = {}
+    if args.mode != "allreduce":
+        opt["sgd"] = ParameterServerSGD(ctx, params, grads,
+                                        worker_id=deepnex.elastic.ps_worker_id())
+        params = opt["sgd"].params
+    state = deepnex.elastic.State(sharder=sharder, params=params, loss=0.0, batches=0,
+                                  velocity={k: np.zeros_like(v) for k, v in params.items()})
+
+    def bind():
+        if args.mode == "allreduce":
+            opt["sgd"] = AllreduceSGD(state.communicator, state.params, grads, args.lr,
+                                      args.momentum, state.velocity)
+
+    def step(batch):
+        loss = 0.0
+        if len(batch):
+            loss = loss_and_grads(state.params, x_train[batch], y_train[batch], grads)
+        else:  # a re-sharded epoch's shorter shard: zero gradients
+            for g in grads.values():
+                g[...] = 0
+        state.params = opt["sgd"].step()
+        return loss
+
+    state.register_reset_callbacks([bind])
+    # rank and world_size follow the membership.
+    progress = Progress("digits mlp_numpy", args, state, len(y_train))
+    digits_common.train_elastic(state, args, progress, step,
+                                lambda: accuracy(state.params, x_test, y_test))
+    if hasattr(opt["sgd"], "close"):
+        opt["sgd"].close()
     return progress.finish()
 
 

@@ -5,12 +5,18 @@ deepnex.torch.DistributedDataParallel (allreduce).
     python3 examples/digits/mlp_torch.py --mode allreduce   # 2 workers here
     deepnex run --workers 2 --ps 1 --mode sync -- python3 examples/digits/mlp_torch.py --mode sync
     torchrun --nproc-per-node 2 examples/digits/mlp_torch.py --mode allreduce
+    deepnex run --workers 1:2 -- python3 examples/digits/mlp_torch.py   # elastic
 
 Each worker trains on its deepnex.data.Sharder shard of the training set;
 rank 0 prints the loss and test accuracy every epoch and a summary line.
+Under an elastic job (DEEPNEX_ELASTIC set) the loop runs in
+deepnex.elastic.run with a deepnex.torch.TorchState committed every step, so
+that workers may join and leave between steps.
 """
 
 import deepnex
+import deepnex.elastic
+import digits_common
 from digits_common import Progress, job_context, load_data, parse_args
 
 
@@ -27,6 +33,10 @@ def main():
     model = torch.nn.Sequential(torch.nn.Linear(64, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(args.hidden, 10))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    data = (x_train, y_train, x_test, y_test)
+    if deepnex.elastic.enabled():
+        return train_elastic(args, ctx, model, opt, loss_fn, data)
     if args.mode == "allreduce":
         model = deepnex.torch.DistributedDataParallel(
             model, communicator=deepnex.collective.Communicator.from_context(ctx))
@@ -34,7 +44,6 @@ def main():
         # The servers apply SGD; opt is used for zero_grad.
         opt = deepnex.torch.DistributedOptimizer(
             opt, named_parameters=model.named_parameters(), root_rank=0)
-    loss_fn = torch.nn.CrossEntropyLoss()
     sharder = deepnex.data.Sharder.from_context(len(y_train), ctx, seed=args.seed)
     progress = Progress("digits mlp_torch", args, ctx, len(y_train))
     for epoch in range(1, args.epochs + 1):
@@ -50,6 +59,45 @@ def main():
             acc = (model(x_test).argmax(dim=1) == y_test).float().mean().item()
         if progress.report(epoch, total / batches, acc):
             break
+    if hasattr(opt, "close"):
+        opt.close()
+    return progress.finish()
+
+
+def train_elastic(args, ctx, model, opt, loss_fn, data):
+    """The same training, resumable at every step: a resize re-forms the
+    workers (allreduce: a new communicator; PS: only the data follows) and
+    continues from rank 0's last committed step."""
+    import torch
+
+    import deepnex.torch
+    x_train, y_train, x_test, y_test = data
+    if args.mode != "allreduce":
+        client = deepnex.ps.Client(ctx.ps_addrs, worker_id=deepnex.elastic.ps_worker_id(),
+                                   token=ctx.token or None)
+        opt = deepnex.torch.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(), client=client, root_rank=0)
+    sharder = deepnex.data.Sharder(len(y_train), ctx.world_size, ctx.rank, seed=args.seed)
+    state = deepnex.torch.TorchState(model, opt, sharder=sharder, loss=0.0, batches=0)
+
+    def step(batch):
+        opt.zero_grad()
+        if len(batch):
+            batch = torch.from_numpy(batch)
+            loss = loss_fn(state.model(x_train[batch]), y_train[batch])
+        else:  # a re-sharded epoch's shorter shard: zero gradients
+            loss = sum((p * 0).sum() for p in state.model.parameters())
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    def accuracy():
+        with torch.no_grad():
+            return (state.model(x_test).argmax(dim=1) == y_test).float().mean().item()
+
+    # rank and world_size follow the membership.
+    progress = Progress("digits mlp_torch", args, state, len(y_train))
+    digits_common.train_elastic(state, args, progress, step, accuracy)
     if hasattr(opt, "close"):
         opt.close()
     return progress.finish()

@@ -15,6 +15,15 @@ the cursor as it goes: to (epoch + 1, 0) once the epoch's last index has been
 handed out. Save ``state()`` with a checkpoint and pass it back
 (``Sharder(..., state=s)`` or ``load_state(s)``) to resume exactly where the
 job stopped.
+
+An elastic job whose world changes mid-epoch re-shards: ``state_dict()`` of
+any one rank (ranks that take a batch each per step share their cursor)
+describes the whole world, and ``reshard(num_shards, shard, state)`` splits
+the items of that epoch that no rank has handed out over the new world, each
+exactly once; later epochs are laid out for the new world as usual::
+
+    state = sharder.state_dict()                  # rank 0's, broadcast
+    sharder.reshard(new_world_size, new_rank, state)
 """
 
 from . import _C
@@ -54,8 +63,22 @@ class Sharder:
         return cls(size, context.world_size, context.rank, **kwargs)
 
     def __len__(self):
-        """Indices per epoch."""
+        """Indices per epoch (one that was not re-sharded)."""
         return self._s.shard_size
+
+    @property
+    def num_shards(self):
+        return self._s.num_shards
+
+    @property
+    def shard(self):
+        return self._s.shard
+
+    @property
+    def epoch_length(self):
+        """Cursor positions in the current epoch: len(self), or in a
+        re-sharded epoch its longest shard's length."""
+        return self._s.epoch_length
 
     @property
     def epoch(self):
@@ -75,6 +98,32 @@ class Sharder:
         epoch, position = state
         self._s.seek(int(epoch), int(position))
 
+    def state_dict(self):
+        """The cursor with the world it is for, and the layout of a
+        re-sharded current epoch: {"epoch", "position", "num_shards",
+        "ranges"} (ints and [first, last) pairs of permutation positions)."""
+        return self._s.state()
+
+    def load_state_dict(self, state):
+        """Continues ``state`` (any shard's state_dict()) as this shard of
+        this sharder's world: see reshard()."""
+        self.reshard(self.num_shards, self.shard, state)
+
+    def reshard(self, num_shards, shard, state=None):
+        """Becomes shard ``shard`` of ``num_shards``, continuing ``state``
+        (default: this sharder's own state_dict()). Within the same world
+        that is a resume; in another one the items of state's epoch that
+        none of its shards has handed out are split over the new world, each
+        exactly once, and the cursor moves to their start. In such a
+        re-sharded epoch shards differ by at most one index: a shorter one
+        yields an empty batch at its end, so that all of them end the epoch
+        at the same step."""
+        if state is None:
+            state = self.state_dict()
+        self._s.reshard(int(state["epoch"]), int(state["position"]), int(state["num_shards"]),
+                        [(int(a), int(b)) for a, b in state["ranges"]], int(num_shards),
+                        int(shard))
+
     def set_epoch(self, epoch):
         """Starts ``epoch`` from its beginning (as torch's DistributedSampler)."""
         self._s.seek(int(epoch), 0)
@@ -89,7 +138,8 @@ class Sharder:
 
     def batches(self, batch_size, drop_last=False):
         """Yields the rest of the current epoch as int64 arrays of at most
-        ``batch_size`` indices; ``drop_last`` skips a final short one."""
+        ``batch_size`` indices; ``drop_last`` skips a final short one. Only a
+        re-sharded epoch's shorter shard yields an empty last batch."""
         epoch = self.epoch
         while self.epoch == epoch:
             batch = self._s.next(int(batch_size))

@@ -44,7 +44,7 @@ from . import ps as _ps
 from .errors import InvalidArgumentError, NotFoundError
 
 __all__ = ["DistributedOptimizer", "DistributedDataParallel", "broadcast_parameters",
-           "default_communicator"]
+           "default_communicator", "TorchState"]
 
 _default = {"comm": None}
 
@@ -322,6 +322,7 @@ class DistributedDataParallel(torch.nn.Module):
         # The bucketer works on fixed tensors: each parameter's gradient
         # lives in a buffer of ours, which p.grad is made to be.
         self._grads = [torch.zeros_like(p) for p in self._params]
+        self._bucketer_bytes = bucket_size
         self._bucketer = None if self._cuda else _collective.GradientBucketer(
             self.communicator, self._grads, bucket_bytes=bucket_size, op="mean")
         self._works = []
@@ -336,6 +337,17 @@ class DistributedDataParallel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def set_communicator(self, communicator):
+        """Allreduces through `communicator` from now on (an elastic job's
+        new membership); a step broken by the old one is dropped."""
+        self.communicator = communicator
+        if not self._cuda:
+            self._bucketer = _collective.GradientBucketer(
+                communicator, self._grads, bucket_bytes=self._bucketer_bytes, op="mean")
+        self._works = []
+        self._ready = [False] * len(self._params)
+        self._pending = False
 
     def _adopt(self, i):
         p, buf = self._params[i], self._grads[i]
@@ -378,3 +390,68 @@ class DistributedDataParallel(torch.nn.Module):
             self._bucketer.wait()
         self._ready = [False] * len(self._params)
         self._pending = False
+
+
+# --- Elastic training (deepnex.elastic) -------------------------------------
+
+
+import copy as _copy  # noqa: E402
+import io as _io  # noqa: E402
+
+from . import elastic as _elastic  # noqa: E402
+
+
+class TorchState(_elastic.State):
+    """deepnex.elastic.State with a model and an optimizer (as Horovod's
+    hvd.elastic.TorchState): ``TorchState(model, optimizer, sharder=s,
+    epoch=0)``. commit() keeps copies of the model's and the optimizer's
+    state_dict(); a resize broadcasts rank 0's (parameters exactly, the
+    optimizer's state such as momentum buffers included).
+
+    Allreduce mode: at the first membership ``state.model`` becomes a
+    DistributedDataParallel of the module (or stays the one given), bound
+    to that membership's communicator and re-bound at each resize: call
+    ``state.model(x)``. In PS mode the servers hold the parameters: only
+    the counters and the data position are synced."""
+
+    def __init__(self, model=None, optimizer=None, sharder=None, **counters):
+        self.model = model
+        self.optimizer = optimizer
+        super().__init__(sharder=sharder, **counters)
+
+    def _module(self):
+        m = self.model
+        return m.module if isinstance(m, DistributedDataParallel) else m
+
+    def _capture(self, full=True):
+        out = super()._capture(full)
+        if full and self.model is not None:
+            out["model"] = {k: v.detach().clone() for k, v in self._module().state_dict().items()}
+        if full and self.optimizer is not None:
+            out["optimizer"] = _copy.deepcopy(self.optimizer.state_dict())
+        return out
+
+    def _apply(self, snapshot, world=None):
+        super()._apply(snapshot, world)
+        if "model" in snapshot:
+            self._module().load_state_dict(snapshot["model"])
+        if "optimizer" in snapshot:
+            self.optimizer.load_state_dict(snapshot["optimizer"])
+
+    def _dumps(self, snapshot):
+        buf = _io.BytesIO()
+        torch.save(snapshot, buf)
+        return buf.getvalue()
+
+    def _loads(self, payload):
+        return torch.load(_io.BytesIO(payload), weights_only=False)
+
+    def _on_communicator(self, comm):
+        if comm is None or self.model is None:
+            return
+        if isinstance(self.model, DistributedDataParallel):
+            self.model.set_communicator(comm)
+        else:
+            # The state's broadcast syncs the parameters.
+            self.model = DistributedDataParallel(self.model, communicator=comm,
+                                                 sync_parameters=False)

@@ -1,9 +1,11 @@
 // deepnex._C.data: the data sharder. python/deepnex/data.py wraps it with
 // iteration and batching.
 #include <pybind11/numpy.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -13,6 +15,7 @@
 namespace deepnex::python {
 namespace {
 
+using data::ShardState;
 using data::Sharder;
 using data::SharderOptions;
 
@@ -52,6 +55,9 @@ void RegisterData(py::module_& parent) {
            py::arg("size"), py::arg("num_shards"), py::arg("shard"), py::arg("shuffle"),
            py::arg("seed"), py::arg("remainder"))
       .def_property_readonly("shard_size", &Sharder::shard_size)
+      .def_property_readonly("epoch_length", &Sharder::epoch_length)
+      .def_property_readonly("num_shards", [](const Sharder& s) { return s.options().num_shards; })
+      .def_property_readonly("shard", [](const Sharder& s) { return s.options().shard; })
       .def_property_readonly("epoch", &Sharder::epoch)
       .def_property_readonly("position", &Sharder::position)
       .def("permutation",
@@ -66,6 +72,35 @@ void RegisterData(py::module_& parent) {
            [](Sharder& s, int64_t epoch, int64_t position) {
              CheckStatus(s.Seek(NonNegative(epoch, "epoch"), NonNegative(position, "position")));
            })
+      .def("state",
+           [](const Sharder& s) {
+             ShardState st = s.state();
+             py::list ranges;
+             for (const auto& [first, second] : st.ranges) {
+               ranges.append(py::make_tuple(first, second));
+             }
+             py::dict out;
+             out["epoch"] = st.epoch;
+             out["position"] = st.position;
+             out["num_shards"] = st.num_shards;
+             out["ranges"] = ranges;
+             return out;
+           })
+      .def("reshard",
+           [](Sharder& s, int64_t epoch, int64_t position, int from_shards,
+              const std::vector<std::pair<int64_t, int64_t>>& ranges, int num_shards, int shard) {
+             ShardState from;
+             from.epoch = NonNegative(epoch, "state.epoch");
+             from.position = NonNegative(position, "state.position");
+             from.num_shards = from_shards;
+             for (const auto& [first, second] : ranges) {
+               from.ranges.emplace_back(NonNegative(first, "state.ranges"),
+                                        NonNegative(second, "state.ranges"));
+             }
+             CheckStatus(s.Reshard(from, num_shards, shard));
+           },
+           py::arg("epoch"), py::arg("position"), py::arg("from_shards"), py::arg("ranges"),
+           py::arg("num_shards"), py::arg("shard"))
       .def("next", [](Sharder& s, int64_t max_count) {
         if (max_count < 1) {
           ThrowStatus(absl::InvalidArgumentError(

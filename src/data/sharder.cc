@@ -45,6 +45,66 @@ uint64_t StreamStart(uint64_t seed, uint64_t epoch) {
   return a ^ (b * 0xff51afd7ed558ccdull);
 }
 
+// Indices per shard of an epoch laid out for num_shards >= 1 shards.
+uint64_t ShardSize(const SharderOptions& options, int num_shards) {
+  const uint64_t n = static_cast<uint64_t>(num_shards);
+  return options.remainder == Remainder::kDrop ? options.size / n : (options.size + n - 1) / n;
+}
+
+absl::Status CheckWorld(const SharderOptions& options, int num_shards, int shard) {
+  if (num_shards <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_shards: ", num_shards, " must be at least 1"));
+  }
+  if (shard < 0 || shard >= num_shards) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard: ", shard, " is out of range [0, ", num_shards, ")"));
+  }
+  if (options.remainder == Remainder::kDrop && options.size < static_cast<uint64_t>(num_shards)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("size: ", options.size, " is below num_shards ", num_shards,
+                     ": with remainder \"drop\" every shard would be empty"));
+  }
+  return absl::OkStatus();
+}
+
+using Ranges = std::vector<std::pair<uint64_t, uint64_t>>;
+
+uint64_t Total(const Ranges& ranges) {
+  uint64_t total = 0;
+  for (const auto& [first, second] : ranges) total += second - first;
+  return total;
+}
+
+// The permutation positions of block `shard` of an epoch laid out for
+// num_shards: the usual contiguous block (wrapping around for kPad), or with
+// `ranges` the shard's block of their items (see ShardState::ranges).
+std::vector<uint64_t> BlockPositions(const SharderOptions& options, int num_shards,
+                                     const Ranges& ranges, int shard) {
+  const uint64_t k = static_cast<uint64_t>(shard), n = static_cast<uint64_t>(num_shards);
+  std::vector<uint64_t> out;
+  if (ranges.empty()) {
+    const uint64_t shard_size = ShardSize(options, num_shards);
+    out.reserve(shard_size);
+    // Padding wraps around the permutation (more than once when size < n).
+    for (uint64_t i = 0; i < shard_size; ++i) out.push_back((k * shard_size + i) % options.size);
+    return out;
+  }
+  const uint64_t total = Total(ranges), q = total / n, r = total % n;
+  uint64_t skip = k * q + std::min(k, r), length = q + (k < r ? 1 : 0);
+  out.reserve(length);
+  for (const auto& [first, second] : ranges) {
+    if (skip >= second - first) {  // whole ranges before the block: O(ranges), not O(items)
+      skip -= second - first;
+      continue;
+    }
+    for (uint64_t p = first + skip; p < second && out.size() < length; ++p) out.push_back(p);
+    skip = 0;
+    if (out.size() == length) break;
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<Remainder> ParseRemainder(const std::string& text, const std::string& field) {
@@ -55,27 +115,11 @@ absl::StatusOr<Remainder> ParseRemainder(const std::string& text, const std::str
 }
 
 absl::StatusOr<Sharder> Sharder::Create(const SharderOptions& options) {
-  if (options.num_shards <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_shards: ", options.num_shards, " must be at least 1"));
-  }
-  if (options.shard < 0 || options.shard >= options.num_shards) {
-    return absl::InvalidArgumentError(absl::StrCat("shard: ", options.shard,
-                                                   " is out of range [0, ",
-                                                   options.num_shards, ")"));
-  }
   if (options.size == 0) {
     return absl::InvalidArgumentError("size: 0; a dataset to shard needs at least 1 item");
   }
-  const uint64_t n = static_cast<uint64_t>(options.num_shards);
-  if (options.remainder == Remainder::kDrop && options.size < n) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("size: ", options.size, " is below num_shards ", n,
-                     ": with remainder \"drop\" every shard would be empty"));
-  }
-  uint64_t shard_size =
-      options.remainder == Remainder::kDrop ? options.size / n : (options.size + n - 1) / n;
-  return Sharder(options, shard_size);
+  DEEPNEX_RETURN_IF_ERROR(CheckWorld(options, options.num_shards, options.shard));
+  return Sharder(options, ShardSize(options, options.num_shards));
 }
 
 Sharder::Sharder(const SharderOptions& options, uint64_t shard_size)
@@ -94,25 +138,102 @@ std::vector<uint64_t> Sharder::Permutation(uint64_t epoch) const {
 
 std::vector<uint64_t> Sharder::Indices(uint64_t epoch) const {
   std::vector<uint64_t> order = Permutation(epoch);
-  std::vector<uint64_t> out(shard_size_);
-  const uint64_t first = static_cast<uint64_t>(options_.shard) * shard_size_;
-  // Padding wraps around the permutation (more than once when size < n).
-  for (uint64_t i = 0; i < shard_size_; ++i) out[i] = order[(first + i) % options_.size];
+  std::vector<uint64_t> out = BlockPositions(options_, options_.num_shards,
+                                             Resharded(epoch) ? ranges_ : Ranges(), options_.shard);
+  for (uint64_t& p : out) p = order[p];
   return out;
 }
 
+uint64_t Sharder::EpochLength(uint64_t epoch) const {
+  if (!Resharded(epoch)) return shard_size_;
+  const uint64_t n = static_cast<uint64_t>(options_.num_shards);
+  return (Total(ranges_) + n - 1) / n;
+}
+
 absl::Status Sharder::Seek(uint64_t epoch, uint64_t position) {
-  if (position > shard_size_) {
+  const uint64_t length = EpochLength(epoch);
+  if (position > length) {
     return absl::InvalidArgumentError(absl::StrCat("position: ", position,
-                                                   " is past the shard's ", shard_size_,
+                                                   " is past the shard's ", length,
                                                    " indices per epoch"));
   }
   epoch_ = epoch;
   position_ = position;
-  if (position_ == shard_size_) {
+  if (position_ == length) {
     ++epoch_;
     position_ = 0;
   }
+  return absl::OkStatus();
+}
+
+ShardState Sharder::state() const {
+  ShardState out;
+  out.epoch = epoch_;
+  out.position = position_;
+  out.num_shards = options_.num_shards;
+  if (Resharded(epoch_)) out.ranges = ranges_;
+  return out;
+}
+
+absl::Status Sharder::Reshard(const ShardState& from, int num_shards, int shard) {
+  DEEPNEX_RETURN_IF_ERROR(CheckWorld(options_, num_shards, shard));
+  if (from.num_shards <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state.num_shards: ", from.num_shards, " must be at least 1"));
+  }
+  for (const auto& [first, second] : from.ranges) {
+    if (first >= second || second > options_.size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("state.ranges: [", first, ", ", second,
+                       ") is not a non-empty range within [0, ", options_.size, ")"));
+    }
+  }
+  const uint64_t n = static_cast<uint64_t>(from.num_shards);
+  const uint64_t from_length = from.ranges.empty() ? ShardSize(options_, from.num_shards)
+                                                   : (Total(from.ranges) + n - 1) / n;
+  if (from.position > from_length) {
+    return absl::InvalidArgumentError(absl::StrCat("state.position: ", from.position,
+                                                   " is past the epoch's ", from_length,
+                                                   " positions"));
+  }
+  uint64_t epoch = from.epoch;
+  Ranges ranges;
+  if (from.position == from_length) {
+    ++epoch;  // from's epoch is done: the next one is laid out for the new world
+  } else if (from.num_shards == num_shards) {
+    ranges = from.ranges;  // the same world: a resume
+  } else if (from.position > 0 || !from.ranges.empty()) {
+    // What no shard has handed out yet: the unread rest of every block, less
+    // what a block read already (kPad repeats the permutation's start).
+    std::vector<bool> left(options_.size, false);
+    std::vector<std::vector<uint64_t>> blocks(n);
+    for (int k = 0; k < from.num_shards; ++k) {
+      blocks[k] = BlockPositions(options_, from.num_shards, from.ranges, k);
+      for (uint64_t i = std::min(from.position, blocks[k].size()); i < blocks[k].size(); ++i) {
+        left[blocks[k][i]] = true;
+      }
+    }
+    for (const std::vector<uint64_t>& block : blocks) {
+      for (uint64_t i = 0; i < std::min(from.position, block.size()); ++i) left[block[i]] = false;
+    }
+    for (uint64_t p = 0; p < options_.size; ++p) {
+      if (!left[p]) continue;
+      if (!ranges.empty() && ranges.back().second == p) {
+        ++ranges.back().second;
+      } else {
+        ranges.emplace_back(p, p + 1);
+      }
+    }
+    if (ranges.empty()) ++epoch;
+  }
+  options_.num_shards = num_shards;
+  options_.shard = shard;
+  shard_size_ = ShardSize(options_, num_shards);
+  ranges_ = std::move(ranges);
+  reshard_epoch_ = epoch;
+  epoch_ = epoch;
+  position_ = from.num_shards == num_shards && epoch == from.epoch ? from.position : 0;
+  loaded_ = false;
   return absl::OkStatus();
 }
 
@@ -125,10 +246,14 @@ void Sharder::LoadEpoch() {
 
 std::vector<uint64_t> Sharder::Next(uint64_t max_count) {
   LoadEpoch();
-  uint64_t count = std::min(std::max<uint64_t>(max_count, 1), shard_size_ - position_);
-  std::vector<uint64_t> out(current_.begin() + position_, current_.begin() + position_ + count);
+  const uint64_t length = EpochLength(epoch_);
+  const uint64_t count = std::min(std::max<uint64_t>(max_count, 1), length - position_);
+  // A re-sharded epoch's shorter blocks end one position early.
+  const uint64_t begin = std::min<uint64_t>(position_, current_.size());
+  const uint64_t end = std::min<uint64_t>(position_ + count, current_.size());
+  std::vector<uint64_t> out(current_.begin() + begin, current_.begin() + end);
   position_ += count;
-  if (position_ == shard_size_) {
+  if (position_ == length) {
     ++epoch_;
     position_ = 0;
   }

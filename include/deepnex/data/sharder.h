@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "deepnex/status.h"
@@ -38,6 +39,22 @@ struct SharderOptions {
   Remainder remainder = Remainder::kPad;
 };
 
+// Where a world of shards in lockstep stands: what Sharder::state() returns
+// and what Sharder::Reshard continues from. Ranks that take one batch each
+// per step share their cursor, so any one shard's state describes the whole
+// world: that is what lets rank 0 alone hand it to a new world.
+struct ShardState {
+  uint64_t epoch = 0;
+  uint64_t position = 0;
+  int num_shards = 1;
+  // Empty: `epoch` is laid out as every other epoch. Otherwise `epoch` was
+  // re-sharded mid-way: its items are the permutation positions in these
+  // [first, second) ranges, in this order, and shard k of num_shards takes
+  // the k-th of num_shards contiguous blocks of them, the first
+  // (total % num_shards) blocks one item longer than the others.
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+};
+
 // Parses "drop" or "pad"; InvalidArgument naming `field` otherwise.
 absl::StatusOr<Remainder> ParseRemainder(const std::string& text,
                                          const std::string& field = "remainder");
@@ -53,41 +70,71 @@ absl::StatusOr<Remainder> ParseRemainder(const std::string& text,
 // between standard libraries: the same (seed, epoch) gives the same
 // permutation everywhere, which is what keeps the ranks' shards disjoint.
 //
+// A job whose world changes mid-epoch (elastic training) re-shards: Reshard
+// splits the items of the epoch that no shard has handed out yet over the new
+// world, each exactly once (even with kPad: the padding's repeats already
+// seen are left out), and later epochs are laid out for the new world as
+// usual.
+//
 // Thread-compatible.
 class Sharder {
  public:
   static absl::StatusOr<Sharder> Create(const SharderOptions& options);
 
   const SharderOptions& options() const { return options_; }
-  // Indices this shard yields per epoch.
+  // Indices this shard yields per epoch (one that was not re-sharded).
   uint64_t shard_size() const { return shard_size_; }
+  // Cursor positions in the cursor's epoch: shard_size(), or in a re-sharded
+  // epoch the longest block's length (a shorter block's shard yields nothing
+  // for its last position, so that every shard ends the epoch together).
+  uint64_t epoch_length() const { return EpochLength(epoch_); }
 
   // The whole dataset's order in `epoch` (the identity without shuffle).
   std::vector<uint64_t> Permutation(uint64_t epoch) const;
-  // This shard's indices in `epoch`, in the order Next yields them.
+  // This shard's indices in `epoch`, in the order Next yields them (in a
+  // re-sharded epoch, its block: possibly one shorter than epoch_length()).
   std::vector<uint64_t> Indices(uint64_t epoch) const;
 
   // The cursor: the next index Next yields is Indices(epoch())[position()].
   uint64_t epoch() const { return epoch_; }
   uint64_t position() const { return position_; }
-  // Moves the cursor. Seek(e, shard_size()) (epoch e done) is Seek(e + 1, 0);
-  // a position past shard_size() is InvalidArgument.
+  // Moves the cursor. Seek(e, length) (epoch e done) is Seek(e + 1, 0);
+  // a position past epoch e's length is InvalidArgument.
   absl::Status Seek(uint64_t epoch, uint64_t position);
 
-  // Up to `max_count` (0 counts as 1) next indices, never crossing into the next
-  // epoch; advances the cursor past them, to (epoch + 1, 0) when they end
-  // the epoch. Never empty: a stream of epochs without end.
+  // The cursor, the world, and the layout of a re-sharded cursor epoch.
+  ShardState state() const;
+  // Continues `from` (the state() of any shard of a world in lockstep) as
+  // shard `shard` of `num_shards`. The same world: a resume at from's cursor.
+  // Another world: from's epoch's items that no shard of that world has
+  // handed out are split over the new world, in permutation order, and the
+  // cursor is at their start (from position 0 of a laid-out epoch: that
+  // epoch laid out for the new world; nothing left: the next epoch).
+  // InvalidArgument naming the field for a bad world or state (a range
+  // outside [0, size), a position past the epoch).
+  absl::Status Reshard(const ShardState& from, int num_shards, int shard);
+
+  // Up to `max_count` (0 counts as 1) next positions' indices, never crossing
+  // into the next epoch; advances the cursor past them, to (epoch + 1, 0)
+  // when they end the epoch. Empty only in a re-sharded epoch, for a shard
+  // whose block is shorter than epoch_length(): a stream of epochs without end.
   std::vector<uint64_t> Next(uint64_t max_count);
 
  private:
   Sharder(const SharderOptions& options, uint64_t shard_size);
   // Loads the cursor's epoch into current_ if it is not already there.
   void LoadEpoch();
+  bool Resharded(uint64_t epoch) const { return !ranges_.empty() && epoch == reshard_epoch_; }
+  uint64_t EpochLength(uint64_t epoch) const;
 
   SharderOptions options_;
   uint64_t shard_size_;
   uint64_t epoch_ = 0;
   uint64_t position_ = 0;
+  // The layout of epoch reshard_epoch_ (see ShardState::ranges); empty when
+  // no epoch is re-sharded.
+  std::vector<std::pair<uint64_t, uint64_t>> ranges_;
+  uint64_t reshard_epoch_ = 0;
   // Indices(loaded_epoch_), kept so that Next costs O(count), not O(size).
   std::vector<uint64_t> current_;
   bool loaded_ = false;

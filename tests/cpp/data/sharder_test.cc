@@ -159,5 +159,201 @@ TEST(SharderTest, BadInputsNameTheFieldAndValue) {
   EXPECT_THAT(ParseRemainder("drop"), IsOk());
 }
 
+
+// A world of shards in lockstep: every step each takes one batch.
+std::vector<Sharder> World(uint64_t size, int n, Remainder remainder = Remainder::kPad) {
+  std::vector<Sharder> world;
+  for (int k = 0; k < n; ++k) world.push_back(Make(size, n, k, remainder));
+  return world;
+}
+
+// Steps every shard `steps` times by `batch`, adding what they yield to `seen`.
+void Step(std::vector<Sharder>& world, int steps, uint64_t batch, std::multiset<uint64_t>* seen) {
+  for (int i = 0; i < steps; ++i) {
+    for (Sharder& s : world) {
+      for (uint64_t x : s.Next(batch)) seen->insert(x);
+    }
+  }
+}
+
+// The world's shards re-sharded to `m` from shard 0's state (as rank 0
+// broadcasts it).
+std::vector<Sharder> Reshard(const std::vector<Sharder>& world, int m) {
+  ShardState from = world[0].state();
+  std::vector<Sharder> out;
+  for (int k = 0; k < m; ++k) {
+    Sharder s = world[k % world.size()];
+    EXPECT_THAT(s.Reshard(from, m, k), IsOk());
+    out.push_back(s);
+  }
+  return out;
+}
+
+// Takes the rest of the cursor's epoch from every shard in lockstep; checks
+// that they end it together and that no index comes twice.
+std::multiset<uint64_t> RestOfEpoch(std::vector<Sharder>& world, uint64_t batch) {
+  std::multiset<uint64_t> rest;
+  const uint64_t epoch = world[0].epoch();
+  while (world[0].epoch() == epoch) {
+    for (Sharder& s : world) {
+      EXPECT_EQ(s.epoch(), epoch);
+      for (uint64_t x : s.Next(batch)) rest.insert(x);
+    }
+  }
+  for (const Sharder& s : world) EXPECT_EQ(s.epoch(), epoch + 1);
+  return rest;
+}
+
+std::multiset<uint64_t> Unseen(uint64_t size, const std::multiset<uint64_t>& seen) {
+  std::multiset<uint64_t> out;
+  for (uint64_t i = 0; i < size; ++i) {
+    if (seen.count(i) == 0) out.insert(i);
+  }
+  return out;
+}
+
+TEST(SharderReshardTest, SplitsTheEpochsRestOverANewWorldExactly) {
+  struct Case {
+    uint64_t size;
+    int from, to, steps;
+    uint64_t batch;
+  };
+  for (const Case& c : {Case{103, 1, 2, 5, 4}, Case{103, 2, 1, 3, 8}, Case{100, 4, 3, 2, 7},
+                        Case{10, 4, 2, 2, 1}, Case{1000, 3, 7, 11, 9}, Case{7, 2, 5, 1, 2}}) {
+    SCOPED_TRACE(testing::Message() << c.size << " items, " << c.from << " -> " << c.to);
+    std::vector<Sharder> world = World(c.size, c.from);
+    std::multiset<uint64_t> seen;
+    Step(world, c.steps, c.batch, &seen);
+    const uint64_t epoch = world[0].epoch();
+    ASSERT_EQ(epoch, 0u);
+    std::vector<Sharder> grown = Reshard(world, c.to);
+    std::vector<uint64_t> lengths;
+    for (const Sharder& s : grown) lengths.push_back(s.Indices(epoch).size());
+    EXPECT_LE(*std::max_element(lengths.begin(), lengths.end()) -
+                  *std::min_element(lengths.begin(), lengths.end()),
+              1u);
+    // Each index of the epoch not yet handed out, exactly once.
+    EXPECT_EQ(RestOfEpoch(grown, c.batch), Unseen(c.size, seen));
+    // The next epoch is laid out for the new world as usual.
+    for (int k = 0; k < c.to; ++k) {
+      EXPECT_EQ(grown[k].Indices(epoch + 1), Make(c.size, c.to, k).Indices(epoch + 1));
+      EXPECT_EQ(grown[k].state().ranges.size(), 0u);
+    }
+  }
+}
+
+TEST(SharderReshardTest, EverySmallWorldAndCursorTwiceOverIsExact) {
+  // Sizes around the world sizes (padding that wraps, shards left empty),
+  // every cursor of the first world, then one step and another world. (The
+  // same world again is a resume, which keeps kPad's repeats.)
+  for (uint64_t size : {1, 2, 3, 5, 7, 12}) {
+    for (int n = 1; n <= 4; ++n) {
+      for (int m = 1; m <= 4; ++m) {
+        for (int l : {1, 3}) {
+          if (m == n || l == m) continue;
+          const uint64_t steps = (size + n - 1) / n;
+          for (uint64_t p = 1; p < steps; ++p) {
+            SCOPED_TRACE(testing::Message() << size << " items, " << n << " -> " << m << " at "
+                                            << p << " -> " << l);
+            std::vector<Sharder> world = World(size, n);
+            std::multiset<uint64_t> seen;
+            Step(world, static_cast<int>(p), 1, &seen);
+            std::vector<Sharder> second = Reshard(world, m);
+            if (second[0].epoch() == 0) Step(second, 1, 1, &seen);
+            if (second[0].epoch() != 0) continue;  // that step ended the epoch
+            std::vector<Sharder> third = Reshard(second, l);
+            std::multiset<uint64_t> rest = RestOfEpoch(third, 2);
+            ASSERT_EQ(rest, Unseen(size, seen));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(SharderReshardTest, ASecondReshardInTheSameEpochIsExactToo) {
+  std::vector<Sharder> world = World(101, 2, Remainder::kDrop);
+  std::multiset<uint64_t> seen;
+  Step(world, 4, 3, &seen);
+  std::vector<Sharder> three = Reshard(world, 3);
+  ASSERT_FALSE(three[0].state().ranges.empty());
+  Step(three, 2, 5, &seen);
+  std::vector<Sharder> one = Reshard(three, 1);
+  std::multiset<uint64_t> rest = RestOfEpoch(one, 4);
+  // kDrop left out permutation position 100 of the epoch's 101 items.
+  std::multiset<uint64_t> expected = Unseen(101, seen);
+  expected.erase(Make(101, 2, 0).Permutation(0)[100]);
+  EXPECT_EQ(rest, expected);
+  EXPECT_EQ(seen.size() + rest.size(), 100u);
+}
+
+TEST(SharderReshardTest, AShorterBlockYieldsAnEmptyBatchAtTheEnd) {
+  // 2 shards of 5 took 2 each: 6 left over 4 shards: blocks 2, 2, 1, 1.
+  std::vector<Sharder> world = World(10, 2);
+  std::multiset<uint64_t> seen;
+  Step(world, 1, 2, &seen);
+  std::vector<Sharder> four = Reshard(world, 4);
+  EXPECT_EQ(four[3].epoch_length(), 2u);
+  EXPECT_EQ(four[3].Next(1).size(), 1u);
+  EXPECT_EQ(four[3].Next(1).size(), 0u);
+  EXPECT_EQ(four[3].epoch(), 1u);
+  EXPECT_EQ(four[0].Next(5).size(), 2u);
+  EXPECT_EQ(four[0].epoch(), 1u);
+}
+
+TEST(SharderReshardTest, PadRepeatsAlreadyHandedOutAreLeftOut) {
+  // 10 items, 4 shards of 3: shard 3's last two are the padding, repeating
+  // permutation positions 0 and 1, which shard 0 has handed out.
+  std::vector<Sharder> world = World(10, 4);
+  std::multiset<uint64_t> seen;
+  Step(world, 1, 2, &seen);
+  std::vector<Sharder> two = Reshard(world, 2);
+  std::vector<uint64_t> p = world[0].Permutation(0);
+  EXPECT_EQ(two[0].state().ranges, (std::vector<std::pair<uint64_t, uint64_t>>{{2, 3}, {5, 6},
+                                                                               {8, 9}}));
+  EXPECT_EQ(RestOfEpoch(two, 1), (std::multiset<uint64_t>{p[2], p[5], p[8]}));
+}
+
+TEST(SharderReshardTest, TheSameWorldResumesAndAnEpochStartIsLaidOutAsUsual) {
+  std::vector<Sharder> world = World(50, 3);
+  std::multiset<uint64_t> seen;
+  Step(world, 2, 4, &seen);
+  Sharder resumed = Make(50, 3, 1);
+  ASSERT_THAT(resumed.Reshard(world[0].state(), 3, 1), IsOk());
+  EXPECT_EQ(resumed.position(), 8u);
+  EXPECT_EQ(resumed.Next(100), world[1].Next(100));
+
+  Sharder fresh = Make(50, 3, 2);
+  ASSERT_THAT(fresh.Seek(4, 0), IsOk());
+  ASSERT_THAT(fresh.Reshard(fresh.state(), 2, 1), IsOk());
+  EXPECT_EQ(fresh.epoch(), 4u);
+  EXPECT_EQ(fresh.Next(1000), Make(50, 2, 1).Indices(4));
+}
+
+TEST(SharderReshardTest, BadStatesAndWorldsNameTheFieldAndValue) {
+  Sharder s = Make(10, 2, 0);
+  ShardState from = s.state();
+  EXPECT_THAT(s.Reshard(from, 0, 0), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstr("num_shards: 0")));
+  EXPECT_THAT(s.Reshard(from, 2, 2), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstr("shard: 2 is out of range [0, 2)")));
+  from.position = 6;
+  EXPECT_THAT(s.Reshard(from, 3, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("state.position: 6 is past the epoch's 5 positions")));
+  from.position = 0;
+  from.num_shards = -1;
+  EXPECT_THAT(s.Reshard(from, 3, 0), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstr("state.num_shards: -1")));
+  from.num_shards = 2;
+  from.ranges = {{3, 11}};
+  EXPECT_THAT(s.Reshard(from, 3, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("state.ranges: [3, 11) is not a non-empty range within [0, 10)")));
+  // A failed reshard leaves the sharder as it was.
+  EXPECT_EQ(s.options().num_shards, 2);
+  EXPECT_EQ(s.position(), 0u);
+}
+
 }  // namespace
 }  // namespace deepnex::data
