@@ -4,9 +4,10 @@ workers of 2 GPUs each starts with one worker on h2 while another user holds
 h3, grows to two when that allocation is released, and shrinks to one when
 h3 is partitioned away (its container lost after --node-lost-after 5 s),
 in allreduce mode and in sync PS mode; each membership is in the job's store
-as the elastic contract says. A node NotReady for 10 s loses the job its
-worker there even while central waits longer to call it lost. Skips
-without root."""
+as the elastic contract says; and the digits example (deepnex.elastic)
+trains through the same growth and loss to >= 0.9. A node NotReady for
+10 s loses the job its worker there even while central waits longer to
+call it lost. Skips without root."""
 
 import os
 import re
@@ -23,6 +24,7 @@ from test_elastic import WORKER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
+DIGITS = os.path.join(ROOT, "examples", "digits", "mlp_numpy.py")
 # Jobs' containers use the host network (their store is on the runner's
 # host).
 CENTRAL_FLAGS = ("--allow-host-network", "alice")
@@ -163,3 +165,45 @@ def test_a_worker_whose_node_is_notready_for_10_s_is_dropped_and_stopped(make_cl
     assert resized[:2] == [
         GREW, 'deepnex run: job resized from 2 to 1 workers (generation 3): worker w1\'s node '
               '"h3" was NotReady for 10 s'], j.output()
+
+
+# Alone, a worker runs an epoch in about 30 ms: enough of them that w0 is
+# still training when w1 has started (seconds), and when h3 goes after an
+# epoch of both (the rest wait for the new generation).
+EPOCHS = 400
+
+
+@pytest.mark.parametrize("mode,ps", [("allreduce", "0"), ("sync", "1")])
+def test_elastic_digits_trains_to_090_through_a_growth_and_a_lost_node(make_cluster, mode, ps):
+    pytest.importorskip("sklearn")
+    start = time.monotonic()
+    cluster = make_cluster(*LOSING)
+    held = cluster.allocate("h3", token="bobtok", user="bob", gpus=2)
+    j = Run(cluster, "--name", "eld", "--workers", "1:2", "--gpus-per-worker", "2",
+            "--mode", mode, "--ps", ps, "--lr", "0.1", "--momentum", "0.9",
+            "--", PY, DIGITS, "--epochs", str(EPOCHS))
+    try:
+        j.await_line(r"^\[worker 0\] epoch +1 ")
+        released = cluster.call("bobtok", f"c.release({held['id']!r})")
+        assert "error" not in str(released), released
+        j.await_line(r"^\[worker 0\] deepnex.elastic: worker w0 is rank 0 of 2 in generation 2$")
+        j.await_line(r"^\[worker 1\] deepnex.elastic: worker w1 is rank 1 of 2 in generation 2$")
+        # An epoch of both, then h3 goes.
+        grown = len(j.lines)
+        wait_for(lambda: any(re.match(r"^\[worker 0\] epoch +\d+ ", x) for x in j.lines[grown:]),
+                 lambda: f"an epoch of two:\n{j.output()}")
+        cluster.hosts.partition("h3")
+        j.await_line(r"^\[worker 0\] deepnex.elastic: worker w0 is rank 0 of 1 in generation 3$")
+        code = j.wait(90)
+    finally:
+        if j.proc.poll() is None:
+            j.proc.terminate()
+            j.wait(60)
+    assert code == 0, j.output()
+    summary = re.search(r"^\[worker 0\] summary: .* test_accuracy=([0-9.]+)", j.output(), re.M)
+    assert summary and float(summary.group(1)) >= 0.9, j.output()
+    assert [x for x in j.lines if "job resized" in x] == [
+        'deepnex run: job resized from 1 to 2 workers (generation 2): worker w1 joined on node '
+        '"h3"',
+        "deepnex run: job resized from 2 to 1 workers (generation 3): worker w1 lost"], j.output()
+    assert time.monotonic() - start < 90
