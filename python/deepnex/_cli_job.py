@@ -1,6 +1,6 @@
 """The job commands of the deepnex CLI:
 
-    deepnex run [--workers N [--nodes K]] [--ps M] [--mode sync|ssp:S|async|allreduce]
+    deepnex run [--workers N|MIN:MAX [--nodes K]] [--ps M] [--mode sync|ssp:S|async|allreduce]
                 [--gpus-per-worker K --gpu-mode exclusive|shared --gpu-memory 8GiB]
                 [--cpus C --memory 4GiB] [--backend process|oci|docker|slurm|kubernetes]
                 [--mount SRC:DST[:ro] ... --workdir D]
@@ -43,7 +43,13 @@ def _run(args) -> int:
     except DeepnexError as e:
         _notice(e)
         return 2
-    options = dict(mounts=mounts, working_dir=args.workdir, workers=args.workers,
+    try:
+        min_workers, workers = parse_workers(str(args.workers))
+    except ValueError as e:
+        _notice(e)
+        return 2
+    options = dict(mounts=mounts, working_dir=args.workdir, workers=workers,
+                   min_workers=min_workers,
                    nodes=args.nodes, advertise_address=args.advertise_address, ps=args.ps,
                    mode=args.mode, gpus_per_worker=args.gpus_per_worker, gpu_mode=args.gpu_mode,
                    gpu_memory=args.gpu_memory or 0, cpus=args.cpus, memory=args.memory or 0,
@@ -71,7 +77,8 @@ def _run(args) -> int:
     previous = signal.signal(signal.SIGTERM, on_signal)
     try:
         j.start()
-        _notice(f"job {j.name}: {args.workers} workers, mode {args.mode}, "
+        _notice(f"job {j.name}: {args.workers} workers{' (elastic)' if min_workers else ''}, "
+                f"mode {args.mode}, "
                 f"backend {j.backend}")
         result = j.wait()
     except KeyboardInterrupt:
@@ -90,6 +97,35 @@ def _run(args) -> int:
         _notice(f"worker {rank}: {e}")
     _notice(f"job {j.name} exited {result.exit_code} after {result.seconds:.1f} s")
     return result.exit_code
+
+
+def _workers_value(text):
+    """--workers: N as a number, MIN:MAX as given (parse_workers checks it)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def parse_workers(text):
+    """--workers N or MIN:MAX: (min_workers, workers); min_workers 0 when not
+    elastic (N, or MIN == MAX). ValueError naming the flag and value for a
+    MIN:MAX out of order or below 1, or anything else."""
+    parts = text.split(":")
+    try:
+        if len(parts) > 2:
+            raise ValueError
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"--workers: {text!r} is not N or MIN:MAX (e.g. 2 or 1:4)") from None
+    low, high = numbers[0], numbers[-1]
+    if len(numbers) == 1:
+        return 0, high  # the job checks N
+    if low < 1:
+        raise ValueError(f"--workers: {text!r}: MIN {low} is below 1")
+    if low > high:
+        raise ValueError(f"--workers: {text!r}: MIN {low} is above MAX {high}")
+    return (low if low < high else 0), high
 
 
 def _registry():
@@ -153,8 +189,12 @@ def add_commands(commands) -> None:
         "run", help="run a training script data-parallel: allocate, launch, supervise",
         description="Runs COMMAND as the workers of a data-parallel job.",
         usage="deepnex run [options] -- COMMAND [ARGS ...]")
-    run.add_argument("--workers", "--nproc-per-node", dest="workers", type=int, default=1,
-                     help="worker processes (default 1); --nproc-per-node as in torchrun")
+    run.add_argument("--workers", "--nproc-per-node", dest="workers", default=1,
+                     type=_workers_value,
+                     metavar="N|MIN:MAX",
+                     help="worker processes (default 1); --nproc-per-node as in torchrun. "
+                          "MIN:MAX: elastic, starts with MIN, grows toward MAX as capacity "
+                          "frees and shrinks (down to MIN) when a worker or its node is lost")
     run.add_argument("--nodes", type=int, default=0,
                      help="spread the workers over N nodes, as evenly as possible, as srun -N "
                           "(a backend that places on nodes: slurm); parameter "

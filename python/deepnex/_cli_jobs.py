@@ -99,6 +99,14 @@ def _when(ms):
     return datetime.datetime.fromtimestamp(ms / 1000).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _elastic(j):
+    """" (elastic 1:2, 3 resizes: resized from ...)" for an elastic job."""
+    if j["min_workers"] == j["max_workers"]:
+        return ""
+    last = f": {j['last_resize']}" if j["last_resize"] else ""
+    return f" (elastic {j['min_workers']}:{j['max_workers']}, {j['resizes']} resizes{last})"
+
+
 def show_text(j):
     """`deepnex job show`'s text for job dict `j`."""
     state = j["state"] + (f" (exit {j['exit_code']})" if _ended(j) else "")
@@ -107,7 +115,8 @@ def show_text(j):
         f"user:        {j['user']}",
         f"state:       {state}",
         f"command:     {shlex.join(j['command'])}",
-        f"mode:        {j['mode']}, {j['workers']} workers, {j['ps']} parameter servers",
+        f"mode:        {j['mode']}, {j['workers']} workers{_elastic(j)}, "
+        f"{j['ps']} parameter servers",
         f"submitted:   {_when(j['submitted_ms'])}",
         f"started:     {_when(j['started_ms'])}",
         f"ended:       {_when(j['ended_ms'])}",

@@ -52,6 +52,7 @@ class Job:
     """A started job; see ``run``. ``stop()`` may be called from any thread."""
 
     def __init__(self, command: Sequence[str], *, workers: int = _JOB.workers,
+                 min_workers: int = _JOB.min_workers,
                  nodes: int = _JOB.nodes, ps: Optional[int] = None, mode: str = _JOB.mode,
                  gpus_per_worker: int = _JOB.gpus_per_worker, gpu_mode: str = _JOB.gpu_mode,
                  gpu_memory=_JOB.gpu_memory, cpus: float = _JOB.cpus, memory=_JOB.memory,
@@ -67,7 +68,13 @@ class Job:
                  output: Optional[Callable[[str, str], None]] = None,
                  on_event: Optional[Callable[[str], None]] = None,
                  advertise_address: Optional[str] = None, **launcher_options):
-        """``nodes``: spread the workers over this many nodes (0: where they
+        """``min_workers`` (1 <= min_workers < workers): elastic, as ``deepnex
+        run --workers MIN:MAX``: the job starts once ``min_workers`` are
+        granted, grows toward ``workers`` as capacity frees (asked for at
+        priority -1) and drops a failed or lost worker while ``min_workers``
+        remain; each membership is published to the job's store
+        (``elastic/members/<G>``, ``elastic/generation``) and each resize is
+        an event. ``nodes``: spread the workers over this many nodes (0: where they
         fit). ``advertise_address``: the host the job's processes reach this
         process's store at (default: 127.0.0.1 when the whole job is local,
         else this host's primary address).
@@ -88,7 +95,8 @@ class Job:
                 sys.stderr.write(message + "\n")
                 sys.stderr.flush()
         job = options(
-            _C.job.JobOptions, command=list(command), workers=workers, nodes=nodes,
+            _C.job.JobOptions, command=list(command), workers=workers,
+            min_workers=min_workers, nodes=nodes,
             ps=_JOB.ps if ps is None else ps, mode=mode,
             gpus_per_worker=gpus_per_worker, gpu_mode=gpu_mode,
             gpu_memory=byte_size(gpu_memory, "gpu_memory"), cpus=float(cpus),

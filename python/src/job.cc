@@ -66,6 +66,7 @@ void RegisterJob(py::module_& parent) {
       .def_readwrite("name", &JobOptions::name)
       .def_readwrite("command", &JobOptions::command)
       .def_readwrite("workers", &JobOptions::workers)
+      .def_readwrite("min_workers", &JobOptions::min_workers)
       .def_readwrite("nodes", &JobOptions::nodes)
       .def_readwrite("advertise_address", &JobOptions::advertise_address)
       .def_readwrite("ps", &JobOptions::ps)

@@ -23,6 +23,10 @@ py::dict JobDict(const JobRecord& j) {
   d["command"] = j.command;
   d["mode"] = j.mode;
   d["workers"] = j.workers;
+  d["min_workers"] = j.min_workers;
+  d["max_workers"] = j.max_workers;
+  d["resizes"] = j.resizes;
+  d["last_resize"] = j.last_resize;
   d["ps"] = j.ps;
   py::list allocations;
   for (const auto& a : j.allocations) {

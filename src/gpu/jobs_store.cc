@@ -142,6 +142,10 @@ void ToProto(const JobRecord& job, pb::Job* p) {
   for (const auto& c : job.command) p->add_command(c);
   p->set_mode(job.mode);
   p->set_workers(job.workers);
+  p->set_min_workers(job.min_workers);
+  p->set_max_workers(job.max_workers);
+  p->set_resizes(job.resizes);
+  p->set_last_resize(job.last_resize);
   p->set_ps(job.ps);
   for (const auto& a : job.allocations) {
     pb::JobAllocation* pa = p->add_allocations();
@@ -191,6 +195,10 @@ absl::StatusOr<JobRecord> FromProto(const pb::Job& p) {
   j.command.assign(p.command().begin(), p.command().end());
   j.mode = p.mode();
   j.workers = p.workers();
+  j.min_workers = p.min_workers();
+  j.max_workers = p.max_workers();
+  j.resizes = p.resizes();
+  j.last_resize = p.last_resize();
   j.ps = p.ps();
   for (const auto& a : p.allocations()) {
     j.allocations.push_back({a.id(), a.node(), a.gpus(), a.cpus(), a.memory()});
@@ -427,10 +435,16 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
       j.clear_message();
     }
     const int restarts_before = j.restarts();
+    const int resizes_before = j.resizes();
+    const int workers_before = j.workers();
     // What the runner knows; central keeps the state, times and who cancelled.
     *j.mutable_command() = in.command();
     j.set_mode(in.mode());
     j.set_workers(in.workers());
+    j.set_min_workers(in.min_workers());
+    j.set_max_workers(in.max_workers());
+    j.set_resizes(in.resizes());
+    j.set_last_resize(in.last_resize());
     j.set_ps(in.ps());
     *j.mutable_allocations() = in.allocations();
     *j.mutable_nodes() = in.nodes();
@@ -449,6 +463,11 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
         events.push_back(EventOf("started", j));
       }
       if (j.restarts() > restarts_before) events.push_back(EventOf("worker restarted", j));
+      // Resizes between two reports are told as one, from the count before.
+      if (j.resizes() > resizes_before && j.workers() != workers_before) {
+        events.push_back(EventOf("resized", j, j.last_resize()));
+        events.back().resized_from = workers_before;
+      }
       if (JobEnded(state)) {
         j.set_state(JobStateName(state));
         j.set_ended_ms(now);

@@ -69,13 +69,22 @@ absl::Status AllocationSource::Release(const std::string& id) {
   return local_ != nullptr ? local_->Release(id) : central_->Release(id);
 }
 
+absl::StatusOr<std::vector<gpu::Allocation>> AllocationSource::Grow(
+    const gpu::Request& request, std::chrono::milliseconds wait) {
+  if (local_ != nullptr) return Gang(request);
+  gpu::AllocateOptions queued;
+  queued.wait = true;
+  queued.timeout = wait;
+  return central_->AllocateGang(request, queued);
+}
+
+absl::StatusOr<std::vector<gpu::NodeInfo>> AllocationSource::Nodes() {
+  if (local_ != nullptr) return local_->Nodes();
+  return central_->Nodes();
+}
+
 absl::StatusOr<std::vector<std::string>> AllocationSource::NodeNames() {
-  std::vector<gpu::NodeInfo> infos;
-  if (local_ != nullptr) {
-    infos = local_->Nodes();
-  } else {
-    DEEPNEX_ASSIGN_OR_RETURN(infos, central_->Nodes());
-  }
+  DEEPNEX_ASSIGN_OR_RETURN(std::vector<gpu::NodeInfo> infos, Nodes());
   std::vector<std::string> names;
   for (const gpu::NodeInfo& n : infos) {
     if (!n.cordoned && !n.draining) names.push_back(n.node.name);

@@ -5,6 +5,7 @@
 #define DEEPNEX_JOB_ALLOCATIONS_H_
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -36,6 +37,14 @@ class AllocationSource {
   // deepnex-central grants only what is asked (0, and the start says so).
   uint64_t DefaultMemory(int workers) const { return local_memory_ / std::max(1, workers); }
 
+  // One more of `request` (an elastic job's growth): the local allocator
+  // grants what fits now; deepnex-central queues it at its priority for up
+  // to `wait` (DeadlineExceeded after), so that it takes its turn there.
+  absl::StatusOr<std::vector<gpu::Allocation>> Grow(const gpu::Request& request,
+                                                    std::chrono::milliseconds wait);
+
+  // Every node and its state, in the allocator's order.
+  absl::StatusOr<std::vector<gpu::NodeInfo>> Nodes();
   // The nodes that take allocations now, in the allocator's order.
   absl::StatusOr<std::vector<std::string>> NodeNames();
 

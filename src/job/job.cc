@@ -1,8 +1,5 @@
 #include "deepnex/job/job.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -22,14 +19,14 @@
 #include "deepnex/gpu/central.h"
 #include "gpu/jobs_reporter.h"
 #include "job/allocations.h"
+#include "job/elastic.h"
+#include "job/job_util.h"
 #include "deepnex/gpu/discovery.h"
 #include "core/file_util.h"
 #include "core/net.h"
 #include "launch/util.h"
 #include "nlohmann/json.hpp"
 #include "notify/notifier.h"
-
-extern char** environ;
 
 namespace deepnex::job {
 namespace {
@@ -40,88 +37,6 @@ using Clock = std::chrono::steady_clock;
 // store (python/deepnex/_tune_report.py writes it): JSON {"step", "metrics",
 // "time_ms"}.
 constexpr char kReportKey[] = "deepnex/report";
-
-bool ValidJobName(const std::string& name) {
-  if (name.empty() || name.size() > 40) return false;
-  for (size_t i = 0; i < name.size(); ++i) {
-    char c = name[i];
-    bool ok = (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || (i > 0 && c == '-');
-    if (!ok) return false;
-  }
-  return true;
-}
-
-// A port the OS considers free now. The parameter servers listen on fixed
-// ports (not :0) so that one restarted by its policy comes back where the
-// workers already look for it. For a server on another node this is only a
-// likely free port there; one that is taken ends the server at once, and
-// the job with "ended before serving".
-absl::StatusOr<int> ReservePort() {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", strerror(errno)));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    int err = errno;
-    close(fd);
-    return absl::UnavailableError(absl::StrCat("no free port: ", strerror(err)));
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
-bool Connects(const std::string& host, int port) {
-  absl::StatusOr<sockaddr_in> addr = ResolveIPv4(host, port);
-  if (!addr.ok()) return false;
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  bool ok = connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) == 0;
-  close(fd);
-  return ok;
-}
-
-// This machine's node name, as the local allocator names it (gpu::LocalNode).
-std::string ThisHost() {
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  return host;
-}
-
-// The job's processes inherit this process's environment, as mpirun's and
-// torchrun's do (PATH, PYTHONPATH, HOME, ...), minus any job variables of an
-// enclosing job.
-std::map<std::string, std::string> InheritedEnv() {
-  std::map<std::string, std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    std::string kv = *e;
-    size_t eq = kv.find('=');
-    if (eq == std::string::npos) continue;
-    std::string key = kv.substr(0, eq);
-    if (key.rfind("DEEPNEX_", 0) == 0 && key != "DEEPNEX_BUILD_DIR" && key != "DEEPNEX_PS_BIN") {
-      continue;
-    }
-    if (key == "CUDA_VISIBLE_DEVICES" || key == "NVIDIA_VISIBLE_DEVICES" || key == "RANK" ||
-        key == "WORLD_SIZE" || key == "LOCAL_RANK" || key == "LOCAL_WORLD_SIZE" ||
-        key == "MASTER_ADDR" || key == "MASTER_PORT") {
-      continue;
-    }
-    env[key] = kv.substr(eq + 1);
-  }
-  return env;
-}
-
-int ExitCodeOf(const launch::ExitStatus& e) {
-  switch (e.reason) {
-    case launch::ExitReason::kExited: return e.code;
-    case launch::ExitReason::kSignaled: return 128 + e.signal;
-    case launch::ExitReason::kOomKilled: return 137;
-    case launch::ExitReason::kLost: return 1;
-  }
-  return 1;
-}
 
 class JobImpl : public Job {
  public:
@@ -146,6 +61,7 @@ class JobImpl : public Job {
     if (o_.workers < 1) {
       return absl::InvalidArgumentError(absl::StrCat("workers: ", o_.workers, " is below 1"));
     }
+    DEEPNEX_RETURN_IF_ERROR(ValidateElastic(o_));
     if (o_.nodes < 0) {
       return absl::InvalidArgumentError(absl::StrCat("nodes: ", o_.nodes, " is below 0"));
     }
@@ -264,7 +180,9 @@ class JobImpl : public Job {
     for (;;) {
       bool all_ended = true;
       bool failed = false;
-      for (const auto& w : workers_) {
+      // Elastic: a failed worker that leaves enough is dropped, not the end.
+      if (elastic_) all_ended = elastic_->outcome().ended;
+      for (const auto& w : elastic_ ? decltype(workers_){} : workers_) {
         launch::ContainerStatus st = w->Status();
         bool ended = st.state == launch::State::kExited || st.state == launch::State::kStopped;
         all_ended = all_ended && ended;
@@ -285,7 +203,8 @@ class JobImpl : public Job {
     }
     JobResult result;
     std::optional<launch::ExitStatus> first_failure;
-    for (size_t rank = 0; rank < workers_.size(); ++rank) {
+    if (elastic_) first_failure = elastic_->outcome().failure;
+    for (size_t rank = 0; !elastic_ && rank < workers_.size(); ++rank) {
       launch::ContainerStatus st = workers_[rank]->Status();
       if (st.last_exit.has_value() && !st.last_exit->ok() && !first_failure.has_value() &&
           st.state == launch::State::kExited) {
@@ -317,6 +236,8 @@ class JobImpl : public Job {
     if (reporter_) {
       reporter_->Finish(gpu::JobState::kFailed, 1, "stopped before its end").IgnoreError();
     }
+    // No worker is added or dropped from here on.
+    if (elastic_) grants_ = elastic_->TakeAllocations();
     absl::Status first;
     for (auto it = handles_.rbegin(); it != handles_.rend(); ++it) {
       absl::Status s = (*it)->Stop(milliseconds(2000));
@@ -344,10 +265,17 @@ class JobImpl : public Job {
     return first;
   }
 
-  std::vector<std::shared_ptr<launch::Handle>> Containers() override { return handles_; }
+  std::vector<std::shared_ptr<launch::Handle>> Containers() override {
+    std::lock_guard<std::mutex> lock(handles_mu_);
+    return handles_;
+  }
   // The workers' allocations by rank, then the parameter servers'.
   std::vector<gpu::Allocation> Allocations() override {
-    std::vector<gpu::Allocation> all = grants_;
+    std::vector<gpu::Allocation> all;
+    {
+      std::lock_guard<std::mutex> lock(handles_mu_);
+      all = elastic_ ? elastic_->Allocations() : grants_;
+    }
     all.insert(all.end(), ps_grants_.begin(), ps_grants_.end());
     return all;
   }
@@ -387,7 +315,8 @@ class JobImpl : public Job {
     // oversubscribed by jobs that did not say.
     request.cpus = std::max(1, static_cast<int>(std::ceil(o_.cpus)));
     request.memory = o_.memory != 0 ? o_.memory : allocations_->DefaultMemory(o_.workers);
-    request.replicas = o_.workers;
+    // An elastic job starts with its least; Elastic asks for the rest.
+    request.replicas = IsElastic(o_) ? o_.min_workers : o_.workers;
     std::vector<std::string> nodes_used;
     if (o_.nodes > 0) {
       DEEPNEX_ASSIGN_OR_RETURN(grants_, allocations_->Spread(request, o_.nodes, &nodes_used));
@@ -442,7 +371,6 @@ class JobImpl : public Job {
     so.advertise = advertise;
     DEEPNEX_ASSIGN_OR_RETURN(store_, collective::StoreServer::Create(so));
 
-    std::vector<std::string> ps_addrs;
     for (int i = 0; i < o_.ps; ++i) {
       DEEPNEX_ASSIGN_OR_RETURN(int port, ReservePort());
       const std::string who = absl::StrCat("ps ", i);
@@ -459,71 +387,114 @@ class JobImpl : public Job {
       }
       DEEPNEX_RETURN_IF_ERROR(StartContainer(spec, who).status());
       // On another node, the server says where it can be reached.
-      ps_addrs.push_back(placed_ ? "" : JoinHostPort(local ? "127.0.0.1" : advertise, port));
+      ps_addrs_.push_back(placed_ ? "" : JoinHostPort(local ? "127.0.0.1" : advertise, port));
     }
     for (int i = 0; i < o_.ps; ++i) {
-      DEEPNEX_ASSIGN_OR_RETURN(ps_addrs[i], AwaitServer(absl::StrCat("ps ", i), ps_addrs[i]));
+      DEEPNEX_ASSIGN_OR_RETURN(ps_addrs_[i], AwaitServer(absl::StrCat("ps ", i), ps_addrs_[i]));
     }
 
-    DEEPNEX_ASSIGN_OR_RETURN(int master_port, ReservePort());
-    std::string master_addr;
+    DEEPNEX_ASSIGN_OR_RETURN(master_port_, ReservePort());
     if (placed_) {
-      DEEPNEX_ASSIGN_OR_RETURN(master_addr, allocations_->AgentAddress(grants_[0].node));
-      if (master_addr.empty()) master_addr = grants_[0].node;
+      DEEPNEX_ASSIGN_OR_RETURN(master_addr_, allocations_->AgentAddress(grants_[0].node));
+      if (master_addr_.empty()) master_addr_ = grants_[0].node;
     }
-    std::map<std::string, std::string> base = InheritedEnv();
-    for (const auto& [k, v] : o_.env) base[k] = v;
-    for (int rank = 0; rank < o_.workers; ++rank) {
-      // As torchrun: the rank and count of this worker among those on its
-      // node.
-      int local_rank = 0, local_world_size = 0;
-      for (int other = 0; other < o_.workers; ++other) {
-        if (grants_[other].node != grants_[rank].node) continue;
-        if (other < rank) ++local_rank;
-        ++local_world_size;
-      }
-      Context ctx;
-      ctx.job_id = o_.name;
-      ctx.role = Role::kWorker;
-      ctx.rank = rank;
-      ctx.world_size = o_.workers;
-      ctx.local_rank = local_rank;
-      ctx.ps_addrs = ps_addrs;
-      ctx.store_addr = store_->address();
-      ctx.token = token_;
-      launch::ContainerSpec spec;
-      spec.name = absl::StrCat(o_.name, "-worker", rank);
-      spec.command = o_.command;
-      spec.env = base;
-      for (const auto& [k, v] : ctx.ToEnv()) spec.env[k] = v;
-      spec.env["LOCAL_WORLD_SIZE"] = absl::StrCat(local_world_size);
-      // torchrun's default keeps N workers from each starting a thread per
-      // core of the machine; here a worker gets the cores it was granted.
-      if (!base.count("OMP_NUM_THREADS")) {
-        double cores = o_.cpus > 0 ? o_.cpus : grants_[rank].cpus;
-        spec.env["OMP_NUM_THREADS"] = absl::StrCat(std::max(1, static_cast<int>(cores)));
-      }
-      // torchrun's rank 0 serves its own TCPStore on MASTER_PORT, so that
-      // must be a free port, not the job's store; and on MASTER_ADDR, which
-      // is rank 0's node when the backend placed the workers (the address
-      // its agent advertises, else its name).
-      spec.env["MASTER_PORT"] = absl::StrCat(master_port);
-      if (placed_) spec.env["MASTER_ADDR"] = master_addr;
-      spec.working_dir = o_.working_dir.empty() ? CurrentDir() : o_.working_dir;
-      spec.mounts = o_.mounts;
-      spec.allocation = grants_[rank];
-      spec.user = o_.user;
-      spec.cpus = o_.cpus;
-      spec.memory = o_.memory;
-      spec.restart = o_.restart;
-      spec.labels["deepnex.job"] = o_.name;
-      spec.labels["deepnex.role"] = "worker";
-      DEEPNEX_ASSIGN_OR_RETURN(auto h, StartContainer(spec, absl::StrCat("worker ", rank)));
-      workers_.push_back(h);
+    if (IsElastic(o_)) {
+      DEEPNEX_ASSIGN_OR_RETURN(auto elastic, Elastic::Start(ElasticFor(request), grants_));
+      std::lock_guard<std::mutex> lock(handles_mu_);
+      elastic_ = std::move(elastic);
+      grants_.clear();  // the members' now
+    }
+    for (int rank = 0; !elastic_ && rank < o_.workers; ++rank) {
+      WorkerStart w{rank, rank, 0, {}, grants_[rank]};
+      for (const auto& g : grants_) w.nodes.push_back(g.node);
+      DEEPNEX_RETURN_IF_ERROR(StartWorker(w).status());
     }
     WriteRecord();
     if (reporter_) reporter_->Run();
     return absl::OkStatus();
+  }
+
+  // Starts worker `w` with the job environment of its generation; an
+  // elastic one's also names its id and the generation, and is never
+  // restarted in place (Elastic replaces it under the policy).
+  absl::StatusOr<std::shared_ptr<launch::Handle>> StartWorker(const WorkerStart& w) {
+    // As torchrun: the rank and count of this worker among those on its
+    // node.
+    int local_rank = 0, local_world_size = 0;
+    for (size_t other = 0; other < w.nodes.size(); ++other) {
+      if (w.nodes[other] != w.allocation.node) continue;
+      if (static_cast<int>(other) < w.rank) ++local_rank;
+      ++local_world_size;
+    }
+    Context ctx;
+    ctx.job_id = o_.name;
+    ctx.role = Role::kWorker;
+    ctx.rank = w.rank;
+    ctx.world_size = static_cast<int>(w.nodes.size());
+    ctx.local_rank = local_rank;
+    ctx.ps_addrs = ps_addrs_;
+    ctx.store_addr = store_->address();
+    ctx.token = token_;
+    launch::ContainerSpec spec = SpecOf("worker", absl::StrCat(o_.name, "-worker", w.id));
+    spec.command = o_.command;
+    spec.env = InheritedEnv();
+    for (const auto& [k, v] : o_.env) spec.env[k] = v;
+    // torchrun's default keeps N workers from each starting a thread per
+    // core of the machine; here a worker gets the cores it was granted.
+    if (!spec.env.count("OMP_NUM_THREADS")) {
+      double cores = o_.cpus > 0 ? o_.cpus : w.allocation.cpus;
+      spec.env["OMP_NUM_THREADS"] = absl::StrCat(std::max(1, static_cast<int>(cores)));
+    }
+    for (const auto& [k, v] : ctx.ToEnv()) spec.env[k] = v;
+    spec.env["LOCAL_WORLD_SIZE"] = absl::StrCat(local_world_size);
+    // torchrun's rank 0 serves its own TCPStore on MASTER_PORT, so that
+    // must be a free port, not the job's store; and on MASTER_ADDR, which
+    // is rank 0's node when the backend placed the workers (the address
+    // its agent advertises, else its name).
+    spec.env["MASTER_PORT"] = absl::StrCat(master_port_);
+    if (placed_) spec.env["MASTER_ADDR"] = master_addr_;
+    spec.restart = o_.restart;
+    if (w.generation > 0) {
+      spec.env["DEEPNEX_ELASTIC"] = absl::StrCat(o_.min_workers, ":", o_.workers);
+      spec.env["DEEPNEX_WORKER_ID"] = absl::StrCat("w", w.id);
+      spec.env["DEEPNEX_ELASTIC_GENERATION"] = absl::StrCat(w.generation);
+      spec.restart = launch::RestartPolicy{};
+    }
+    spec.allocation = w.allocation;
+    spec.memory = o_.memory;
+    DEEPNEX_ASSIGN_OR_RETURN(auto h, StartContainer(spec, absl::StrCat("worker ", w.id)));
+    std::lock_guard<std::mutex> lock(handles_mu_);
+    workers_.push_back(h);
+    return h;
+  }
+
+  // How the job's Elastic grants, starts and releases workers like
+  // `request`'s.
+  ElasticOptions ElasticFor(gpu::Request request) {
+    ElasticOptions e;
+    e.min_workers = o_.min_workers;
+    e.max_workers = o_.workers;
+    e.restart = o_.restart;
+    e.store.address = store_->address();
+    e.store.token = token_;
+    e.store.timeout = milliseconds(5000);
+    request.replicas = 1;
+    e.grant = [this, request](int priority) mutable -> absl::StatusOr<gpu::Allocation> {
+      request.priority = priority;
+      DEEPNEX_ASSIGN_OR_RETURN(auto got, allocations_->Grow(request, milliseconds(1000)));
+      // A backend that runs here cannot use another node's grant.
+      if (placed_ || got[0].node == ThisHost()) return got[0];
+      allocations_->Release(got[0].id).IgnoreError();
+      return absl::ResourceExhaustedError(absl::StrCat("granted on node ", got[0].node));
+    };
+    e.start = [this](const WorkerStart& w) { return StartWorker(w); };
+    e.release = [this](const gpu::Allocation& a) { allocations_->Release(a.id).IgnoreError(); };
+    if (placed_) e.nodes = [this] { return allocations_->Nodes(); };
+    e.on_event = o_.on_event;
+    e.on_resize = [this] {
+      if (reporter_) reporter_->Poke();
+    };
+    return e;
   }
 
   // The backends that run every container on this host.
@@ -559,7 +530,9 @@ class JobImpl : public Job {
     r.user = o_.user;
     r.command = o_.command;
     r.mode = o_.mode;
-    r.workers = o_.workers;
+    // An elastic job waits for its least; running, it says how many it has.
+    r.min_workers = r.workers = IsElastic(o_) ? o_.min_workers : o_.workers;
+    r.max_workers = o_.workers;
     r.ps = o_.ps;
     r.notify = o_.notify;
     r.notify_every = o_.notify_every;
@@ -572,8 +545,19 @@ class JobImpl : public Job {
         r.nodes.push_back(a.node);
       }
     }
-    r.state = workers_.empty() ? gpu::JobState::kPending : gpu::JobState::kRunning;
-    for (const auto& h : handles_) {
+    std::vector<std::shared_ptr<launch::Handle>> handles;
+    {
+      std::lock_guard<std::mutex> lock(handles_mu_);
+      handles = handles_;
+      r.state = workers_.empty() ? gpu::JobState::kPending : gpu::JobState::kRunning;
+      if (elastic_) {
+        r.workers = elastic_->size();
+        r.resizes = elastic_->resizes();
+        r.last_resize = elastic_->last_resize();
+        r.restarts = elastic_->restarts();
+      }
+    }
+    for (const auto& h : handles) {
       launch::ContainerStatus st = h->Status();
       const launch::ContainerSpec& spec = h->spec();
       gpu::JobContainer c;
@@ -614,19 +598,7 @@ class JobImpl : public Job {
     if (!set.ok() || !(*set)[0]) return out;
     auto value = report_client_->Get(kReportKey, milliseconds(1000));
     if (!value.ok()) return out;
-    nlohmann::json j = nlohmann::json::parse(*value, nullptr, /*allow_exceptions=*/false);
-    if (!j.is_object() || !j["step"].is_number_integer() || !j["time_ms"].is_number() ||
-        !j["metrics"].is_object()) {
-      return out;
-    }
-    for (const auto& [k, v] : j["metrics"].items()) {
-      if (!v.is_number()) return out;
-      out.metrics[k] = v.get<double>();
-    }
-    out.step = j["step"].get<int64_t>();
-    out.time = std::chrono::system_clock::time_point(
-        milliseconds(static_cast<int64_t>(j["time_ms"].get<double>())));
-    return out;
+    return ParseReport(*value);
   }
 
   // job.json for `deepnex top`; best effort (a full /tmp must not fail a
@@ -653,9 +625,22 @@ class JobImpl : public Job {
     }
   }
 
-  launch::ContainerSpec PsSpec(int i, const std::string& addr) {
+  // What the job's workers and parameter servers share: where they run,
+  // for whom, and the labels that tell them apart.
+  launch::ContainerSpec SpecOf(const std::string& role, const std::string& name) {
     launch::ContainerSpec spec;
-    spec.name = absl::StrCat(o_.name, "-ps", i);
+    spec.name = name;
+    spec.working_dir = o_.working_dir.empty() ? CurrentDir() : o_.working_dir;
+    spec.mounts = o_.mounts;
+    spec.user = o_.user;
+    spec.cpus = o_.cpus;
+    spec.labels["deepnex.job"] = o_.name;
+    spec.labels["deepnex.role"] = role;
+    return spec;
+  }
+
+  launch::ContainerSpec PsSpec(int i, const std::string& addr) {
+    launch::ContainerSpec spec = SpecOf("ps", absl::StrCat(o_.name, "-ps", i));
     // The server's own name (its checkpoint is <dir>/ps<i>.ckpt) stays the
     // same across jobs, so a new job can restore an old job's checkpoint.
     std::vector<std::string>& c = spec.command;
@@ -676,13 +661,7 @@ class JobImpl : public Job {
     // Not on the command line, which every user of the machine can read in
     // /proc; deepnex-ps reads $DEEPNEX_TOKEN.
     spec.env["DEEPNEX_TOKEN"] = token_;
-    spec.working_dir = o_.working_dir.empty() ? CurrentDir() : o_.working_dir;
-    spec.mounts = o_.mounts;
-    spec.user = o_.user;
-    spec.cpus = o_.cpus;
     spec.restart = o_.restart;
-    spec.labels["deepnex.job"] = o_.name;
-    spec.labels["deepnex.role"] = "ps";
     return spec;
   }
 
@@ -707,6 +686,7 @@ class JobImpl : public Job {
       o_.on_event(absl::StrCat(who, " ", e.ToString()));
     };
     DEEPNEX_ASSIGN_OR_RETURN(std::shared_ptr<launch::Handle> h, launcher_->Start(spec));
+    std::lock_guard<std::mutex> lock(handles_mu_);
     handles_.push_back(h);
     log_threads_.emplace_back([this, h, who] {
       std::string partial;
@@ -787,6 +767,14 @@ class JobImpl : public Job {
   std::unique_ptr<launch::Launcher> launcher_;
   std::vector<std::shared_ptr<launch::Handle>> handles_;
   std::vector<std::shared_ptr<launch::Handle>> workers_;
+  std::vector<std::string> ps_addrs_;  // the workers' DEEPNEX_PS_ADDRS
+  int master_port_ = 0;
+  std::string master_addr_;
+  // Guards handles_, workers_, log_threads_ and elastic_, which an elastic
+  // job's thread adds to while others read.
+  std::mutex handles_mu_;
+  // An elastic job's membership (null: a job of fixed size).
+  std::unique_ptr<Elastic> elastic_;
   std::vector<std::thread> log_threads_;
   std::mutex stop_mu_;
   // With deepnex-central: keeps the job's record there (null without).

@@ -35,7 +35,7 @@ constexpr uint64_t kCompactAfter = 1024;
 
 const std::set<std::string>& Kinds() {
   static const auto* const kinds = new std::set<std::string>{
-      kJobQueued, kJobStarted, kJobWorkerRestarted, kJobCompleted, kJobFailed,
+      kJobQueued, kJobStarted, kJobWorkerRestarted, kJobResized, kJobCompleted, kJobFailed,
       kJobCancelled, kJobProgress, kNodeNotReady, kNodeLost, kNodeReady};
   return *kinds;
 }

@@ -53,6 +53,8 @@ namespace deepnex::notify {
 inline constexpr const char* kJobQueued = "job.queued";
 inline constexpr const char* kJobStarted = "job.started";
 inline constexpr const char* kJobWorkerRestarted = "job.worker_restarted";
+// An elastic job grew or shrank: data "from", "workers" (now) and "why".
+inline constexpr const char* kJobResized = "job.resized";
 inline constexpr const char* kJobCompleted = "job.completed";
 inline constexpr const char* kJobFailed = "job.failed";
 inline constexpr const char* kJobCancelled = "job.cancelled";

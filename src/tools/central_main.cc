@@ -90,9 +90,9 @@ flags:
                           lost and their allocations are released
                           (default 300)
   --notify USER=URL       POST USER's job events (queued, started,
-                          worker_restarted, completed, failed, cancelled) to
-                          URL as JSON, besides each job's own `deepnex run
-                          --notify URL` (repeatable)
+                          worker_restarted, resized, completed, failed,
+                          cancelled) to URL as JSON, besides each job's own
+                          `deepnex run --notify URL` (repeatable)
   --notify-file F         the same from F: lines "USER URL", # comments
   --notify-admin URL      POST node events (node.not_ready, node.lost,
                           node.ready) to URL (repeatable)
@@ -298,6 +298,10 @@ int main(int argc, char** argv) {
                   {"exit_code", e.job.exit_code},
                   {"message", e.job.message},
                   {"cancelled_by", e.job.cancelled_by}};
+    if (e.kind == "resized") {
+      event.data["from"] = e.resized_from;
+      event.data["why"] = e.reason;
+    }
     if (e.kind == "progress") {
       event.data["reason"] = e.reason;  // "every" or "when"
       event.data["report"] = {

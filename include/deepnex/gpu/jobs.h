@@ -83,7 +83,15 @@ struct JobRecord {
   std::string user;
   std::vector<std::string> command;
   std::string mode;
+  // Workers now; an elastic job (`--workers MIN:MAX`) moves between its
+  // min_workers and max_workers (equal for one of fixed size).
   int workers = 0;
+  int min_workers = 0;
+  int max_workers = 0;
+  // An elastic job's resizes so far and the last one ("resized from 2 to
+  // 1: worker w1 lost"); each is a "resized" event.
+  int resizes = 0;
+  std::string last_resize;
   int ps = 0;  // parameter servers
   std::vector<JobAllocation> allocations;
   std::vector<std::string> nodes;
@@ -140,11 +148,14 @@ struct JobHistoryOptions {
 };
 
 // A change of a job's state, as the store records it. kind: "queued",
-// "started", "worker restarted", "completed", "failed", "cancelled" or
-// "progress" (a new report, sent for notify_every or notify_when).
+// "started", "worker restarted", "resized" (an elastic job's worker count
+// changed), "completed", "failed", "cancelled" or "progress" (a new report,
+// sent for notify_every or notify_when).
 struct JobEvent {
   std::string kind;
-  std::string reason;  // progress: "every" or "when"
+  // progress: "every" or "when"; resized: why (job.last_resize).
+  std::string reason;
+  int resized_from = 0;  // resized: the worker count before (job.workers after)
   JobRecord job;
 };
 // Called by deepnex-central's job store after each event is durable, on the

@@ -31,7 +31,19 @@ struct JobOptions {
   std::string name;
   // Each worker's argv.
   std::vector<std::string> command;
+  // Workers; with min_workers, the most the job grows to.
   int workers = 1;
+  // An elastic job (`deepnex run --workers MIN:MAX`) when 1 <= min_workers <
+  // workers: it starts once min_workers are granted, asks for the rest at
+  // priority -1 (so that growth never holds up anyone's normal work) and
+  // grows as they are granted; a worker that fails or is lost (with central:
+  // a container reported lost, or its node NotReady for 10 s) is dropped
+  // while min_workers remain, and capacity is asked for again. Each
+  // membership is published to the job's store (elastic/members/<G>, then
+  // elastic/generation) for the training side, and each resize is an event.
+  // The restart policy applies below min_workers: a replacement (a new
+  // worker id) instead of a restart in place. 0 or == workers: not elastic.
+  int min_workers = 0;
   // Nodes the workers are spread over, as evenly as possible (as srun -N):
   // with W workers on N nodes, the first W % N nodes get one more. The
   // parameter servers go to the same nodes, server i to node i % N. 0: the

@@ -9,6 +9,11 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "deepnex/collective/store.h"
+#include "deepnex/gpu/discovery.h"
+#include "job/elastic.h"
 #include "launch/util.h"
 #include "test_matchers.h"
 #include "test_util.h"
@@ -191,6 +196,9 @@ TEST_F(JobTest, BadOptionsNameTheFieldAndValue) {
       {[](JobOptions& o) { o.lr = -1; }, "lr: -1"},
       {[](JobOptions& o) { o.ps = 0; }, "ps: 0"},
       {[](JobOptions& o) { o.cpus = -2; }, "cpus: -2"},
+      {[](JobOptions& o) { o.min_workers = -1; }, "min_workers: -1 is below 1"},
+      {[](JobOptions& o) { o.min_workers = 2; }, "min_workers: 2 is more than workers"},
+      {[](JobOptions& o) { o.workers = 2; o.min_workers = 1; o.nodes = 2; }, "nodes: 2 with an elastic"},
   };
   for (const auto& c : cases) {
     JobOptions o = Options({"true"});
@@ -201,6 +209,207 @@ TEST_F(JobTest, BadOptionsNameTheFieldAndValue) {
   JobOptions o = Options({"true"});
   o.ps_binary = "/nonexistent/deepnex-ps";
   EXPECT_THAT(Job::Create(o), StatusIs(absl::StatusCode::kNotFound, HasSubstr("deepnex-ps")));
+}
+
+
+// ---- elastic jobs (min_workers)
+
+// An elastic worker: says who it is, its generation and where the job's
+// store is, then waits at the gate; <gate>.<id> holding a number makes that
+// worker exit with it.
+std::vector<std::string> ElasticWorker(const std::string& gate) {
+  return {"sh", "-c",
+          "echo \"$DEEPNEX_WORKER_ID rank=$DEEPNEX_RANK/$DEEPNEX_WORLD_SIZE "
+          "gen=$DEEPNEX_ELASTIC_GENERATION elastic=$DEEPNEX_ELASTIC\"; "
+          "echo \"store $DEEPNEX_STORE_ADDR $DEEPNEX_TOKEN\"; "
+          "while [ ! -e " + gate + " ]; do if [ -e " + gate + ".$DEEPNEX_WORKER_ID ]; then "
+          "exit $(cat " + gate + ".$DEEPNEX_WORKER_ID); fi; sleep 0.05; done"};
+}
+
+class ElasticJobTest : public JobTest {
+ protected:
+  JobOptions Elastic(int min, int max) {
+    JobOptions o = Options(ElasticWorker(gate_));
+    o.mode = "allreduce";
+    o.min_workers = min;
+    o.workers = max;
+    return o;
+  }
+  // The first line worker `id` ("worker 2" prints as w2) printed that starts
+  // with `prefix`, once there is one.
+  std::string Line(int id, const std::string& prefix) {
+    std::string found;
+    EXPECT_TRUE(WaitFor(
+        [&] {
+          for (const auto& l : out_.Of(absl::StrCat("worker ", id))) {
+            if (l.rfind(prefix, 0) == 0) found = l;
+          }
+          return !found.empty();
+        },
+        std::chrono::seconds(60), absl::StrCat("worker ", id, ": ", prefix)));
+    return found;
+  }
+  // A client of the job's store, from what worker 0 printed.
+  std::unique_ptr<collective::StoreClient> Store() {
+    std::vector<std::string> f = absl::StrSplit(Line(0, "store "), ' ');
+    collective::StoreClientOptions co;
+    co.address = f.at(1);
+    co.token = f.at(2);
+    auto c = collective::StoreClient::Create(co);
+    EXPECT_THAT(c.status(), IsOk());
+    return std::move(*c);
+  }
+  void Exit(const std::string& id, int code) {
+    std::ofstream(gate_ + "." + id) << code;
+  }
+  ::testing::AssertionResult GenerationIs(collective::StoreClient* store, int g) {
+    return WaitFor(
+        [&] {
+          auto v = store->Get(kElasticGenerationKey, milliseconds(1000));
+          return v.ok() && *v == std::to_string(g);
+        },
+        std::chrono::seconds(60), absl::StrCat("generation ", g));
+  }
+  std::string Members(collective::StoreClient* store, int g) {
+    auto v = store->Get(absl::StrCat(kElasticMembersPrefix, g), milliseconds(1000));
+    return v.ok() ? *v : v.status().ToString();
+  }
+
+  const std::string gate_ = dir_.path() + "/gate";
+};
+
+// On this machine (room for both): w0 alone in generation 1, w1 joins in 2;
+// w1 fails and the job goes on with w0 (3), then grows back with a new id,
+// w2 (4). The runner publishes each membership before it is used.
+TEST_F(ElasticJobTest, GrowsToMaxShrinksWhenAWorkerFailsAndGrowsBack) {
+  JobOptions o = Elastic(1, 2);
+  o.name = "elastic" + std::to_string(getpid());
+  ASSERT_OK_AND_ASSIGN(auto job, Job::Create(o));
+  ASSERT_THAT(job->Start(), IsOk());
+  EXPECT_EQ(Line(0, "w0 "), "w0 rank=0/1 gen=1 elastic=1:2");
+  std::unique_ptr<collective::StoreClient> store = Store();
+  EXPECT_EQ(Line(1, "w1 "), "w1 rank=1/2 gen=2 elastic=1:2");
+  ASSERT_TRUE(GenerationIs(store.get(), 2));
+  EXPECT_EQ(Members(store.get(), 1), "w0");
+  EXPECT_EQ(Members(store.get(), 2), "w0,w1");
+  EXPECT_EQ(job->Allocations().size(), 2u);
+
+  Exit("w1", 3);
+  EXPECT_EQ(Line(2, "w2 "), "w2 rank=1/2 gen=4 elastic=1:2");
+  ASSERT_TRUE(GenerationIs(store.get(), 4));
+  EXPECT_EQ(Members(store.get(), 3), "w0");
+  EXPECT_EQ(Members(store.get(), 4), "w0,w2");
+  const std::string host = job->Allocations().at(0).node;
+  EXPECT_THAT(out_.Events(),
+              ::testing::ElementsAre(
+                  "job resized from 1 to 2 workers (generation 2): worker w1 joined on node \"" +
+                      host + "\"",
+                  "job resized from 2 to 1 workers (generation 3): worker w1 exited(3)",
+                  "job resized from 1 to 2 workers (generation 4): worker w2 joined on node \"" +
+                      host + "\""));
+
+  std::ofstream(gate_) << "";
+  ASSERT_OK_AND_ASSIGN(JobResult r, job->Wait(milliseconds(60000)));
+  EXPECT_EQ(r.exit_code, 0);
+  ASSERT_EQ(r.workers.size(), 3u);  // every worker ever started, by id
+  EXPECT_EQ(r.workers[1].code, 3);
+  EXPECT_TRUE(r.workers[0].ok() && r.workers[2].ok());
+  EXPECT_TRUE(job->Allocations().empty());
+}
+
+// A worker that exits 0 has finished: not dropped, not replaced.
+TEST_F(ElasticJobTest, AWorkerThatExitsZeroIsNotReplaced) {
+  JobOptions o = Elastic(1, 2);
+  ASSERT_OK_AND_ASSIGN(auto job, Job::Create(o));
+  ASSERT_THAT(job->Start(), IsOk());
+  std::unique_ptr<collective::StoreClient> store = Store();
+  ASSERT_TRUE(GenerationIs(store.get(), 2));
+  Exit("w1", 0);
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        for (const auto& h : job->Containers()) {
+          if (h->spec().name == job->name() + "-worker1") return h->Status().last_exit.has_value();
+        }
+        return false;
+      },
+      std::chrono::seconds(60), "w1 to exit"));
+  // No replacement comes: the loop has looked several times by then.
+  EXPECT_FALSE(WaitFor([&] { return !out_.Of("worker 2").empty(); }, milliseconds(1500),
+                       "a worker 2"));
+  EXPECT_EQ(Members(store.get(), 2), "w0,w1");
+  std::ofstream(gate_) << "";
+  ASSERT_OK_AND_ASSIGN(JobResult r, job->Wait(milliseconds(60000)));
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(r.workers.size(), 2u);
+  EXPECT_EQ(out_.Events().size(), 1u);  // the growth only
+}
+
+// Room for two workers of this size, not three: MIN 2 MAX 3 runs with two,
+// and one failing leaves fewer than MIN: the job fails with its code, or
+// under a restart policy gets a replacement (a new id).
+TEST_F(ElasticJobTest, BelowMinTheJobFailsOrRestartsByPolicy) {
+  ASSERT_OK_AND_ASSIGN(gpu::Node node, gpu::LocalNode());
+  for (bool restart : {false, true}) {
+    SCOPED_TRACE(restart ? "on-failure:1" : "never");
+    out_.events.clear();
+    JobOptions o = Elastic(2, 3);
+    o.memory = node.memory * 2 / 5;
+    if (restart) {
+      ASSERT_OK_AND_ASSIGN(o.restart, launch::RestartPolicy::Parse("on-failure:1"));
+    }
+    std::filesystem::remove(gate_);
+    std::filesystem::remove(gate_ + ".w1");
+    ASSERT_OK_AND_ASSIGN(auto job, Job::Create(o));
+    ASSERT_THAT(job->Start(), IsOk());
+    std::unique_ptr<collective::StoreClient> store = Store();
+    EXPECT_EQ(Members(store.get(), 1), "w0,w1");
+    Exit("w1", 5);
+    if (!restart) {
+      ASSERT_OK_AND_ASSIGN(JobResult r, job->Wait(milliseconds(60000)));
+      EXPECT_EQ(r.exit_code, 5);
+      EXPECT_THAT(out_.Events(), ::testing::IsEmpty());
+      continue;
+    }
+    EXPECT_EQ(Line(2, "w2 "), "w2 rank=1/2 gen=3 elastic=2:3");
+    ASSERT_TRUE(GenerationIs(store.get(), 3));
+    EXPECT_EQ(Members(store.get(), 2), "w0");
+    EXPECT_EQ(Members(store.get(), 3), "w0,w2");
+    std::ofstream(gate_) << "";
+    ASSERT_OK_AND_ASSIGN(JobResult r, job->Wait(milliseconds(60000)));
+    EXPECT_EQ(r.exit_code, 0);
+    EXPECT_THAT(out_.Events(),
+                ::testing::Contains("worker w1 exited(5); restarting (1/1): a new worker is "
+                                    "asked for"));
+  }
+}
+
+// Room for one: MIN 1's only worker fails, and under on-failure the job
+// waits with none for its replacement, which comes as rank 0 of the next
+// generation.
+TEST_F(ElasticJobTest, TheOnlyWorkerFailingIsReplacedUnderThePolicy) {
+  ASSERT_OK_AND_ASSIGN(gpu::Node node, gpu::LocalNode());
+  JobOptions o = Elastic(1, 2);
+  o.memory = node.memory * 3 / 5;
+  ASSERT_OK_AND_ASSIGN(o.restart, launch::RestartPolicy::Parse("on-failure:1"));
+  ASSERT_OK_AND_ASSIGN(auto job, Job::Create(o));
+  ASSERT_THAT(job->Start(), IsOk());
+  std::unique_ptr<collective::StoreClient> store = Store();
+  // Waited for all along: the gap with no member is not the job's end.
+  std::thread replaced([&] {
+    EXPECT_EQ(Line(1, "w1 "), "w1 rank=0/1 gen=3 elastic=1:2");
+    EXPECT_TRUE(GenerationIs(store.get(), 3));
+    EXPECT_EQ(Members(store.get(), 2), "");
+    EXPECT_EQ(Members(store.get(), 3), "w1");
+    std::ofstream(gate_) << "";
+  });
+  Exit("w0", 5);
+  absl::StatusOr<JobResult> waited = job->Wait(milliseconds(60000));
+  std::ofstream(gate_) << "";
+  replaced.join();
+  ASSERT_OK_AND_ASSIGN(JobResult r, std::move(waited));
+  EXPECT_EQ(r.exit_code, 0);
+  ASSERT_EQ(r.workers.size(), 2u);
+  EXPECT_EQ(r.workers[0].code, 5);
 }
 
 }  // namespace

@@ -1,0 +1,316 @@
+#include "job/elastic.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace deepnex::job {
+namespace {
+
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+bool Ended(const launch::ContainerStatus& st) {
+  return st.state == launch::State::kExited || st.state == launch::State::kStopped;
+}
+
+}  // namespace
+
+absl::Status ValidateElastic(const JobOptions& o) {
+  if (o.min_workers < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("min_workers: ", o.min_workers, " is below 1"));
+  }
+  if (o.min_workers > o.workers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "min_workers: ", o.min_workers, " is more than workers (the most): ", o.workers));
+  }
+  if (IsElastic(o) && o.nodes > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "nodes: ", o.nodes, " with an elastic job (min_workers ", o.min_workers,
+        "): its workers go where capacity frees, one at a time"));
+  }
+  return absl::OkStatus();
+}
+
+bool IsElastic(const JobOptions& o) { return o.min_workers > 0 && o.min_workers < o.workers; }
+
+absl::StatusOr<std::unique_ptr<Elastic>> Elastic::Start(ElasticOptions options,
+                                                        std::vector<gpu::Allocation> first) {
+  auto e = std::unique_ptr<Elastic>(new Elastic(std::move(options)));
+  DEEPNEX_ASSIGN_OR_RETURN(e->store_, collective::StoreClient::Create(e->o_.store));
+  std::vector<Member> members;
+  for (const gpu::Allocation& a : first) members.push_back({e->next_id_++, nullptr, a});
+  // Published before any starts: each worker finds its generation there.
+  DEEPNEX_RETURN_IF_ERROR(e->Publish(members));
+  for (size_t rank = 0; rank < members.size(); ++rank) {
+    WorkerStart w;
+    w.id = members[rank].id;
+    w.rank = static_cast<int>(rank);
+    w.generation = e->generation_;
+    for (const Member& m : members) w.nodes.push_back(m.allocation.node);
+    w.allocation = members[rank].allocation;
+    DEEPNEX_ASSIGN_OR_RETURN(members[rank].handle, e->o_.start(w));
+    std::lock_guard<std::mutex> lock(e->mu_);
+    e->all_.push_back(members[rank].handle);
+  }
+  {
+    std::lock_guard<std::mutex> lock(e->mu_);
+    e->members_ = std::move(members);
+  }
+  e->thread_ = std::thread([p = e.get()] { p->Loop(); });
+  return e;
+}
+
+Elastic::~Elastic() { Stop(); }
+
+void Elastic::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+absl::Status Elastic::Publish(const std::vector<Member>& members) {
+  std::vector<std::string> ids;
+  for (const Member& m : members) ids.push_back(absl::StrCat("w", m.id));
+  const int next = generation_ + 1;
+  DEEPNEX_RETURN_IF_ERROR(
+      store_->Set(absl::StrCat(kElasticMembersPrefix, next), absl::StrJoin(ids, ",")));
+  DEEPNEX_RETURN_IF_ERROR(store_->Set(kElasticGenerationKey, absl::StrCat(next)));
+  std::lock_guard<std::mutex> lock(mu_);
+  generation_ = next;
+  return absl::OkStatus();
+}
+
+void Elastic::Loop() {
+  for (;;) {
+    Watch();
+    bool grow;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      grow = !done_ && !failure_.has_value() &&
+             static_cast<int>(members_.size()) < o_.max_workers;
+    }
+    // Growth waits in the allocator's queue for a while (central), so it
+    // also paces the loop; without it, the loop sleeps.
+    if (grow) Grow();
+    std::unique_lock<std::mutex> lock(mu_);
+    if (cv_.wait_for(lock, o_.poll, [this] { return stopping_; })) return;
+  }
+}
+
+std::string Elastic::Gone(const Member& m, const launch::ContainerStatus& st,
+                          std::map<std::string, bool>* ready_now) {
+  if (Ended(st)) {
+    if (st.last_exit.has_value() && st.last_exit->ok()) return "";
+    return absl::StrCat("worker w", m.id, " ",
+                        st.last_exit.has_value() ? st.last_exit->ToString() : "stopped");
+  }
+  auto node = ready_now->find(m.allocation.node);
+  if (node == ready_now->end()) return "";
+  if (node->second) {
+    not_ready_since_.erase(m.allocation.node);
+    return "";
+  }
+  auto since = not_ready_since_.emplace(m.allocation.node, Clock::now()).first->second;
+  if (Clock::now() - since < o_.not_ready_after) return "";
+  return absl::StrCat("worker w", m.id, "'s node \"", m.allocation.node, "\" was NotReady for ",
+                      o_.not_ready_after.count() / 1000.0, " s");
+}
+
+void Elastic::Watch() {
+  std::map<std::string, bool> ready_now;
+  if (o_.nodes) {
+    absl::StatusOr<std::vector<gpu::NodeInfo>> nodes = o_.nodes();
+    // Central unreachable: no node is judged until it answers again.
+    if (nodes.ok()) {
+      for (const gpu::NodeInfo& n : *nodes) ready_now[n.node.name] = n.ready;
+    }
+  }
+  std::vector<Member> members;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failure_.has_value()) return;
+    members = members_;
+  }
+  bool all_done = true;
+  for (size_t i = 0; i < members.size(); ++i) {
+    const Member& m = members[i];
+    const launch::ContainerStatus st = m.handle->Status();
+    const std::string why = Gone(m, st, &ready_now);
+    if (why.empty()) {
+      const bool exited_ok = Ended(st) && st.last_exit.has_value() && st.last_exit->ok();
+      if (exited_ok) {
+        std::lock_guard<std::mutex> lock(mu_);
+        done_ = true;
+      }
+      all_done = all_done && exited_ok;
+      continue;
+    }
+    std::vector<Member> left = members;
+    left.erase(left.begin() + i);
+    const bool restart = o_.restart.kind != launch::RestartPolicy::Kind::kNever &&
+                         (o_.restart.max_restarts < 0 || restarts_ < o_.restart.max_restarts);
+    if (static_cast<int>(left.size()) < o_.min_workers && !restart) {
+      std::lock_guard<std::mutex> lock(mu_);
+      failure_ = st.last_exit.value_or(launch::ExitStatus{launch::ExitReason::kLost});
+      return;
+    }
+    // Reachable or not, it must not come back as a member (a healed
+    // partition): stopped, and its allocation goes back.
+    if (!Ended(st)) m.handle->Stop(milliseconds(2000)).IgnoreError();
+    o_.release(m.allocation);
+    absl::Status published = Publish(left);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      members_ = left;
+      if (static_cast<int>(left.size()) < o_.min_workers) ++restarts_;
+    }
+    if (!published.ok()) {
+      o_.on_event(absl::StrCat("elastic: publishing the members failed: ", published.ToString()));
+    }
+    if (static_cast<int>(left.size()) < o_.min_workers) {
+      o_.on_event(absl::StrCat(why, "; restarting (", restarts_, "/",
+                               o_.restart.max_restarts < 0 ? std::string("unlimited")
+                                                           : absl::StrCat(o_.restart.max_restarts),
+                               "): a new worker is asked for"));
+    }
+    Resized(static_cast<int>(members.size()), static_cast<int>(left.size()), why);
+    return;  // the next look starts from the new members
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  // None left (all replaced under the policy, the new ones still to come)
+  // is not done.
+  completed_ = all_done && !members.empty();
+}
+
+void Elastic::Grow() {
+  int size;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    size = static_cast<int>(members_.size());
+  }
+  // Below min_workers (a restart) the job cannot go on: normal priority.
+  // Above, growth must not hold up anyone's normal work.
+  absl::StatusOr<gpu::Allocation> a = o_.grant(size < o_.min_workers ? 0 : -1);
+  if (!a.ok()) return;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, o_.settle, [this] { return stopping_; });
+  }
+  Watch();
+  std::vector<Member> members;
+  bool over;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Stopped, ended or failed while it waited in the queue.
+    over = stopping_ || done_ || failure_.has_value() ||
+           static_cast<int>(members_.size()) >= o_.max_workers;
+    members = members_;
+  }
+  if (over) {
+    o_.release(*a);
+    return;
+  }
+  Member m{next_id_++, nullptr, *a};
+  members.push_back(m);
+  WorkerStart w;
+  w.id = m.id;
+  w.rank = static_cast<int>(members.size()) - 1;
+  w.generation = generation_ + 1;
+  for (const Member& x : members) w.nodes.push_back(x.allocation.node);
+  w.allocation = *a;
+  absl::StatusOr<std::shared_ptr<launch::Handle>> h = o_.start(w);
+  if (!h.ok()) {
+    o_.on_event(absl::StrCat("elastic: worker w", m.id, " did not start on node \"", a->node,
+                             "\": ", h.status().ToString()));
+    o_.release(*a);
+    return;
+  }
+  members.back().handle = *h;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    all_.push_back(*h);
+  }
+  absl::Status published = Publish(members);
+  if (!published.ok()) {
+    o_.on_event(absl::StrCat("elastic: publishing the members failed: ", published.ToString()));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    members_ = members;
+  }
+  Resized(size, size + 1, absl::StrCat("worker w", m.id, " joined on node \"", a->node, "\""));
+}
+
+void Elastic::Resized(int from, int to, const std::string& why) {
+  const std::string text = absl::StrCat("resized from ", from, " to ", to, ": ", why);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++resizes_;
+    last_resize_ = text;
+  }
+  o_.on_event(absl::StrCat("job resized from ", from, " to ", to, " workers (generation ",
+                           generation(), "): ", why));
+  if (o_.on_resize) o_.on_resize();
+}
+
+Elastic::Outcome Elastic::outcome() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Outcome out;
+  out.failure = failure_;
+  out.ended = completed_ || failure_.has_value();
+  return out;
+}
+
+std::vector<std::shared_ptr<launch::Handle>> Elastic::Workers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return all_;
+}
+
+std::vector<gpu::Allocation> Elastic::Allocations() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<gpu::Allocation> out;
+  for (const Member& m : members_) {
+    if (!taken_) out.push_back(m.allocation);
+  }
+  return out;
+}
+
+std::vector<gpu::Allocation> Elastic::TakeAllocations() {
+  Stop();
+  std::vector<gpu::Allocation> out = Allocations();
+  std::lock_guard<std::mutex> lock(mu_);
+  taken_ = true;
+  return out;
+}
+
+int Elastic::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(members_.size());
+}
+
+int Elastic::generation() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return generation_;
+}
+
+int Elastic::resizes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return resizes_;
+}
+
+std::string Elastic::last_resize() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_resize_;
+}
+
+int Elastic::restarts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return restarts_;
+}
+
+}  // namespace deepnex::job

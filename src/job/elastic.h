@@ -1,0 +1,170 @@
+// The runner side of an elastic job (JobOptions::min_workers): which workers
+// are members in which generation, their publication to the job's store, and
+// the thread that grows the job as allocations are granted and shrinks it as
+// workers fail or are lost. The training side reads the store keys below
+// (/work/briefs/elastic_contract.md; deepnex.torch, deepnex.data.Sharder).
+// Private to libdeepnex.
+#ifndef DEEPNEX_JOB_ELASTIC_H_
+#define DEEPNEX_JOB_ELASTIC_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "deepnex/collective/store.h"
+#include "deepnex/gpu/types.h"
+#include "deepnex/job/job.h"
+#include "deepnex/launch/launcher.h"
+
+namespace deepnex::job {
+
+// The store keys, written only by the runner: the members of generation G
+// (comma-separated worker ids in rank order) first, then the generation.
+inline constexpr char kElasticMembersPrefix[] = "elastic/members/";
+inline constexpr char kElasticGenerationKey[] = "elastic/generation";
+
+// InvalidArgument naming the field and value: min_workers is 0 (not
+// elastic) or 1..workers, and an elastic job places each worker where it
+// fits (no `nodes`).
+absl::Status ValidateElastic(const JobOptions& o);
+// min_workers given and below workers.
+bool IsElastic(const JobOptions& o);
+
+// One worker to start: "w<id>" with its rank in the generation it is started
+// for, the nodes of that generation's members by rank (their count is the
+// world size), and its allocation. generation 0: not an elastic job.
+struct WorkerStart {
+  int id = 0;
+  int rank = 0;
+  int generation = 0;
+  std::vector<std::string> nodes;
+  gpu::Allocation allocation;
+};
+
+struct ElasticOptions {
+  int min_workers = 1;
+  int max_workers = 1;
+  // Applies when a worker's end would leave fewer than min_workers: a
+  // replacement (a new id) is asked for at normal priority, up to
+  // max_restarts times; above min_workers a failed worker is not replaced
+  // but dropped.
+  launch::RestartPolicy restart;
+  // A member whose node central has held NotReady this long is taken as
+  // lost (stopped where it can be, dropped), before central itself declares
+  // the node lost (--node-lost-after, 5 min by default).
+  // Default: 10 s
+  std::chrono::milliseconds not_ready_after{10000};
+  // How often the members are looked at.
+  std::chrono::milliseconds poll{200};
+  // How long a grant waits before its worker starts, so that the members'
+  // statuses (polled by a launcher like central's every 200 ms) catch up
+  // first: the grant may be the capacity of a member that just ended,
+  // and a job whose members are finishing must not grow.
+  std::chrono::milliseconds settle{600};
+  // The job's store, where the membership is published.
+  collective::StoreClientOptions store;
+  // One worker's allocation at `priority` (normal 0 to make up min_workers,
+  // -1 to grow). ResourceExhausted or DeadlineExceeded: none for now.
+  std::function<absl::StatusOr<gpu::Allocation>(int priority)> grant;
+  // Starts a worker; its handle.
+  std::function<absl::StatusOr<std::shared_ptr<launch::Handle>>(const WorkerStart&)> start;
+  std::function<void(const gpu::Allocation&)> release;
+  // The nodes' states (central's agents), or null where there are none.
+  std::function<absl::StatusOr<std::vector<gpu::NodeInfo>>()> nodes;
+  // "resized from 1 to 2: worker w1 joined on node h3", and such.
+  std::function<void(const std::string&)> on_event;
+  // After each resize (the job's record has news for central).
+  std::function<void()> on_resize;
+};
+
+// Runs an elastic job's membership from Start to Stop. Thread-safe: the
+// readers may be called from any thread while its own thread works.
+class Elastic {
+ public:
+  // Publishes generation 1 with a worker on each of `first` (min_workers
+  // allocations, granted at normal priority), starts them, then grows and
+  // shrinks on a thread of its own. On an error the caller stops what was
+  // started (Workers()) and releases `first`.
+  static absl::StatusOr<std::unique_ptr<Elastic>> Start(ElasticOptions options,
+                                                        std::vector<gpu::Allocation> first);
+  ~Elastic();
+
+  // Stops growing and watching (joins the thread); the workers keep running.
+  // Idempotent.
+  void Stop();
+
+  // The job has ended: every member exited 0, or one failed with fewer than
+  // min_workers left and no restart left (`failure`: its exit).
+  struct Outcome {
+    bool ended = false;
+    std::optional<launch::ExitStatus> failure;
+  };
+  Outcome outcome() const;
+  // Every worker started over the job's life, by id.
+  std::vector<std::shared_ptr<launch::Handle>> Workers() const;
+  // The current members' allocations, by rank.
+  std::vector<gpu::Allocation> Allocations() const;
+  // Stops, then hands the members' allocations to the caller to release:
+  // Allocations() is empty from then on.
+  std::vector<gpu::Allocation> TakeAllocations();
+  int size() const;
+  int generation() const;
+  // Resizes so far and why the last one happened (the job's record).
+  int resizes() const;
+  std::string last_resize() const;
+  // Replacements started under the restart policy.
+  int restarts() const;
+
+ private:
+  struct Member {
+    int id = 0;
+    std::shared_ptr<launch::Handle> handle;
+    gpu::Allocation allocation;
+  };
+
+  explicit Elastic(ElasticOptions options) : o_(std::move(options)) {}
+  // Writes the members as generation `generation_ + 1`, then the generation.
+  absl::Status Publish(const std::vector<Member>& members);
+  absl::StatusOr<Member> StartMember(const gpu::Allocation& a, int rank,
+                                     const std::vector<Member>& members);
+  void Loop();
+  // One look at the members: drops (or fails on) the ended ones.
+  void Watch();
+  // Asks for one more worker, and starts it when granted.
+  void Grow();
+  // Why member `m` is to go ("worker w1 exited(1)"); empty: it stays.
+  std::string Gone(const Member& m, const launch::ContainerStatus& st,
+                   std::map<std::string, bool>* ready_now);
+  void Resized(int from, int to, const std::string& why);
+
+  const ElasticOptions o_;
+  std::unique_ptr<collective::StoreClient> store_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::vector<Member> members_;  // by rank
+  std::vector<std::shared_ptr<launch::Handle>> all_;
+  int next_id_ = 0;
+  int generation_ = 0;
+  int resizes_ = 0;
+  std::string last_resize_;
+  int restarts_ = 0;
+  bool done_ = false;       // a member exited 0: the training is over, no growth
+  bool completed_ = false;  // every member exited 0
+  bool taken_ = false;      // TakeAllocations
+  std::optional<launch::ExitStatus> failure_;
+  // Since when each node has been NotReady (the loop's own).
+  std::map<std::string, std::chrono::steady_clock::time_point> not_ready_since_;
+  std::thread thread_;
+};
+
+}  // namespace deepnex::job
+
+#endif  // DEEPNEX_JOB_ELASTIC_H_

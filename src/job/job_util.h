@@ -1,0 +1,41 @@
+// Small helpers of the job runner (job.cc): names, ports, the host and the
+// environment its processes inherit. Private to libdeepnex.
+#ifndef DEEPNEX_JOB_JOB_UTIL_H_
+#define DEEPNEX_JOB_JOB_UTIL_H_
+
+#include <map>
+#include <string>
+
+#include "deepnex/gpu/jobs.h"
+#include "deepnex/launch/launcher.h"
+#include "deepnex/status.h"
+
+namespace deepnex::job {
+
+// [a-z0-9][a-z0-9-]*, at most 40 characters.
+bool ValidJobName(const std::string& name);
+// A port the OS considers free now. The parameter servers listen on fixed
+// ports (not :0) so that one restarted by its policy comes back where the
+// workers already look for it. For a server on another node this is only a
+// likely free port there; one that is taken ends the server at once, and
+// the job with "ended before serving".
+absl::StatusOr<int> ReservePort();
+// Whether host:port accepts a TCP connection now.
+bool Connects(const std::string& host, int port);
+// This machine's node name, as the local allocator names it (gpu::LocalNode).
+std::string ThisHost();
+// The job's processes inherit this process's environment, as mpirun's and
+// torchrun's do (PATH, PYTHONPATH, HOME, ...), minus any job variables of an
+// enclosing job.
+std::map<std::string, std::string> InheritedEnv();
+// A worker's exit as a process exit code: 128 + signal for a signal, 137 for
+// an OOM kill, 1 if lost or stopped.
+int ExitCodeOf(const launch::ExitStatus& e);
+// A deepnex.report() as python/deepnex/_tune_report.py keeps it in the job's
+// store (JSON {"step", "metrics", "time_ms"}); none (the epoch) for a value
+// that does not parse.
+gpu::JobReport ParseReport(const std::string& value);
+
+}  // namespace deepnex::job
+
+#endif  // DEEPNEX_JOB_JOB_UTIL_H_
