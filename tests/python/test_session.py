@@ -286,6 +286,22 @@ def test_deepnex_shell_execs_the_native_client_before_argparse(central):
         2, 'deepnex shell: --gpus: "x" is not an integer (see --help)\n')
 
 
+def test_deepnex_shell_loads_a_session_clients_libraries_only():
+    """deepnex-shell's start is mostly dynamic loading: it links the objects
+    it uses from libdeepnex's archive, not libdeepnex (which loads ~90
+    libraries: curl, gnutls, krb5, cudart, nccl...). ldd lists all that the
+    loader maps, transitively."""
+    path = native_shell()
+    if path is None:
+        pytest.skip("deepnex-shell is not built (nor in the package)")
+    out = subprocess.run(["ldd", path], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    loaded = {line.split()[0].split(".so")[0] for line in out.stdout.splitlines() if "=>" in line}
+    assert {"libgrpc++", "libprotobuf"} <= loaded, loaded
+    assert not loaded & {"libdeepnex", "libcurl", "libcudart", "libnccl", "libnvidia-ml",
+                         "libyaml-cpp", "libgnutls", "libkrb5"}, loaded
+
+
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
 def test_native_shell_ended_by_a_signal_still_cleans_up(central, sig):
     """The terminal gone (SIGHUP) or a kill: deepnex-shell ends the session
