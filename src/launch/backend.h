@@ -55,6 +55,10 @@ class Run {
   virtual absl::StatusOr<std::unique_ptr<ExecProcess>> Exec(const ExecOptions& options) {
     return absl::UnimplementedError("this backend has no exec");
   }
+  // See Handle::Commit; called while the run runs.
+  virtual absl::StatusOr<uint64_t> Commit(const std::string& image) {
+    return absl::FailedPreconditionError("this backend cannot commit containers");
+  }
 };
 
 // How to start an exec'd process (session_exec.cc spawns it).

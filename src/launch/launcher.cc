@@ -225,6 +225,24 @@ class Container : public Handle {
     return run->Exec(options);
   }
 
+  absl::StatusOr<uint64_t> Commit(const std::string& image) override {
+    if (info_.backend != "oci") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "container \"", spec_.name, "\" runs on the ", info_.backend,
+          " backend: only oci containers have a layer of changes to commit"));
+    }
+    std::shared_ptr<Run> run;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (state_ == State::kRunning) run = run_;
+    }
+    if (!run) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("container \"", spec_.name, "\" is not running"));
+    }
+    return run->Commit(image);
+  }
+
   // Deletes the container's directory; REQUIRES: ended.
   void RemoveFiles() {
     std::error_code ignored;

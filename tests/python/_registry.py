@@ -62,9 +62,10 @@ def start_registry(tmp_path, timeout=30):
     return Registry(d, m.group(1))
 
 
-def busybox_layout(path, tag="v1", files=None):
+def busybox_layout(path, tag="v1", files=None, writable=()):
     """An OCI image layout at `path` with one image, `tag`: a static busybox
-    as /bin/busybox and /bin/sh, plus `files` ({path in the image: text})."""
+    as /bin/busybox and /bin/sh, plus `files` ({path in the image: text}) and
+    `writable` directories (mode 777: any container user may write there)."""
     need_tools()
     busybox = shutil.which("busybox")
     if busybox is None:
@@ -83,6 +84,10 @@ def busybox_layout(path, tag="v1", files=None):
         os.makedirs(os.path.dirname(target), exist_ok=True)
         with open(target, "w") as f:
             f.write(text)
+    for name in writable:
+        target = os.path.join(rootfs, name.lstrip("/"))
+        os.makedirs(target, exist_ok=True)
+        os.chmod(target, 0o777)
     subprocess.run(["umoci", "repack", "--image", f"{path}:{tag}", bundle], check=True)
     shutil.rmtree(bundle)
     return path
