@@ -59,6 +59,8 @@ class Run {
   virtual absl::StatusOr<uint64_t> Commit(const std::string& image) {
     return absl::FailedPreconditionError("this backend cannot commit containers");
   }
+  // See Handle::NetworkNamespace.
+  virtual absl::StatusOr<std::string> NetworkNamespace() { return std::string(); }
 };
 
 // How to start an exec'd process (session_exec.cc spawns it).

@@ -213,15 +213,7 @@ class Container : public Handle {
   }
 
   absl::StatusOr<std::unique_ptr<ExecProcess>> Exec(const ExecOptions& options) override {
-    std::shared_ptr<Run> run;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (state_ == State::kRunning) run = run_;
-    }
-    if (!run) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("container \"", spec_.name, "\" is not running"));
-    }
+    DEEPNEX_ASSIGN_OR_RETURN(std::shared_ptr<Run> run, RunningRun());
     return run->Exec(options);
   }
 
@@ -231,16 +223,13 @@ class Container : public Handle {
           "container \"", spec_.name, "\" runs on the ", info_.backend,
           " backend: only oci containers have a layer of changes to commit"));
     }
-    std::shared_ptr<Run> run;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (state_ == State::kRunning) run = run_;
-    }
-    if (!run) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("container \"", spec_.name, "\" is not running"));
-    }
+    DEEPNEX_ASSIGN_OR_RETURN(std::shared_ptr<Run> run, RunningRun());
     return run->Commit(image);
+  }
+
+  absl::StatusOr<std::string> NetworkNamespace() override {
+    DEEPNEX_ASSIGN_OR_RETURN(std::shared_ptr<Run> run, RunningRun());
+    return run->NetworkNamespace();
   }
 
   // Deletes the container's directory; REQUIRES: ended.
@@ -250,6 +239,16 @@ class Container : public Handle {
   }
 
  private:
+  // The run now, unless the container is not running.
+  absl::StatusOr<std::shared_ptr<Run>> RunningRun() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_ != State::kRunning || !run_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("container \"", spec_.name, "\" is not running"));
+    }
+    return run_;
+  }
+
   absl::StatusOr<std::shared_ptr<Run>> StartRun(int attempt) {
     RunContext context;
     context.launcher_id = info_.id;

@@ -227,6 +227,12 @@ class OciRun : public Run {
     return CommitChanges(image_, OverlayUpper(dir_), dir_, image);
   }
 
+  // Its init's: runc's pid file holds its pid on this host.
+  absl::StatusOr<std::string> NetworkNamespace() override {
+    DEEPNEX_ASSIGN_OR_RETURN(std::string pid, ReadWholeFile(dir_ + "/pid", "pid of " + id_));
+    return absl::StrCat("/proc/", absl::StripAsciiWhitespace(pid), "/ns/net");
+  }
+
   absl::Status Remove() override {
     std::unique_lock<std::mutex> lock(mu_);
     if (!ended_) {

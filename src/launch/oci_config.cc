@@ -115,7 +115,7 @@ json Mounts(const Image& image, const ContainerSpec& spec, const Bundle& bundle)
        {"type", "sysfs"},
        {"source", "sysfs"},
        {"options", {"nosuid", "noexec", "nodev", "ro"}}},
-      // The root is read-only; scratch space is not.
+      // Scratch space in no image layer (a commit leaves it out).
       {{"destination", "/tmp"},
        {"type", "tmpfs"},
        {"source", "tmpfs"},

@@ -1,7 +1,8 @@
 """`deepnex commit` (#16 "Images"): a running oci container's changes (its
 writable layer, an overlay over the image's files) saved as one new layer on
 top of its image's, pushed to the registry and recorded in the catalog as the
-user's private image; through an agent, the node commits."""
+user's private image; through an agent, the node commits. And port-forward
+into an oci container's own network namespace."""
 
 import hashlib
 import json
@@ -36,6 +37,21 @@ def registry(tmp_path):
     reg = start_registry(tmp_path)
     yield reg
     reg.stop()
+
+
+@pytest.fixture
+def oci_central(tmp_path, registry):
+    """deepnex-central on the oci backend with `registry`, and bb:v1
+    (base_layout) as a preset; yields its address."""
+    oci_or_skip()
+    layout = base_layout(tmp_path)
+    proc, address = start_central_launcher(tmp_path, "--state-dir", str(tmp_path / "state"),
+                                           "--registry", registry.address, backend="oci")
+    try:
+        admin(address).register_image("bb:v1", str(layout))
+        yield address
+    finally:
+        stop_central(proc)
 
 
 def base_layout(tmp_path):
@@ -94,83 +110,66 @@ WRITE = "echo mine > /work/added.txt && rm /work/base.txt"
 LOOK = "cat /work/added.txt 2>/dev/null; busybox ls /work"
 
 
-def test_a_commit_is_one_new_layer_the_owner_runs_and_shares(tmp_path, registry):
-    oci_or_skip()
-    layout = base_layout(tmp_path)
-    proc, address = start_central_launcher(tmp_path, "--state-dir", str(tmp_path / "state"),
-                                           "--registry", registry.address, backend="oci")
-    try:
-        alice, bob = clients(address)
-        alice = gpu.CentralClient(address, token="alicetok", timeout=60)
-        admin(address).register_image("bb:v1", str(layout))
-        start_box(alice, "box")
-        sh(alice, "box", WRITE)
-        before = stored_blobs(tmp_path)
-        committed = alice.commit("box", "mine:v1")
-        assert (committed["name"], committed["tag"], committed["owner"],
-                committed["visibility"]) == ("mine", "v1", "alice", "private")
-        assert committed["size"] > 0
+def test_a_commit_is_one_new_layer_the_owner_runs_and_shares(tmp_path, registry, oci_central):
+    alice, bob = clients(oci_central)
+    start_box(alice, "box")
+    sh(alice, "box", WRITE)
+    before = stored_blobs(tmp_path)
+    committed = alice.commit("box", "mine:v1")
+    assert (committed["name"], committed["tag"], committed["owner"],
+            committed["visibility"]) == ("mine", "v1", "alice", "private")
+    assert committed["size"] > 0
 
-        # One new layer over the base's, and nothing else of the image's
-        # contents stored anew.
-        base, _ = manifest(registry, "library/bb", "v1")
-        mine, digest = manifest(registry, "alice/mine", "v1")
-        assert mine["layers"][:-1] == base["layers"]
-        assert len(mine["layers"]) == len(base["layers"]) + 1
-        assert stored_blobs(tmp_path) - before == {
-            mine["layers"][-1]["digest"], mine["config"]["digest"], digest}
+    # One new layer over the base's, and nothing else of the image's
+    # contents stored anew.
+    base, _ = manifest(registry, "library/bb", "v1")
+    mine, digest = manifest(registry, "alice/mine", "v1")
+    assert mine["layers"][:-1] == base["layers"]
+    assert len(mine["layers"]) == len(base["layers"]) + 1
+    assert stored_blobs(tmp_path) - before == {
+        mine["layers"][-1]["digest"], mine["config"]["digest"], digest}
 
-        # The new image has the file, not the deleted one (a whiteout); the
-        # base, and the running container's own view, are as they were.
-        assert run(alice, "mine:v1", "look", LOOK) == ("exited(0)", "mine\nadded.txt\n")
-        assert run(alice, "bb:v1", "base", LOOK) == ("exited(0)", "base.txt\n")
-        assert sh(alice, "box", "busybox ls /work") == "added.txt\n"
+    # The new image has the file, not the deleted one (a whiteout); the
+    # base, and the running container's own view, are as they were.
+    assert run(alice, "mine:v1", "look", LOOK) == ("exited(0)", "mine\nadded.txt\n")
+    assert run(alice, "bb:v1", "base", LOOK) == ("exited(0)", "base.txt\n")
+    assert sh(alice, "box", "busybox ls /work") == "added.txt\n"
 
-        # Bob runs it once shared with him.
-        a = bob.allocate(grant())
-        with pytest.raises(deepnex.PermissionDeniedError):
-            bob.start_container(launch.ContainerSpec(name="b", command=["busybox", "true"],
-                                                     image="alice/mine:v1"), a)
-        bob.release(a.id)
-        alice.share_image("mine:v1", ["bob"])
-        assert run(bob, "alice/mine:v1", "look", LOOK) == ("exited(0)", "mine\nadded.txt\n")
+    # Bob runs it once shared with him.
+    a = bob.allocate(grant())
+    with pytest.raises(deepnex.PermissionDeniedError):
+        bob.start_container(launch.ContainerSpec(name="b", command=["busybox", "true"],
+                                                 image="alice/mine:v1"), a)
+    bob.release(a.id)
+    alice.share_image("mine:v1", ["bob"])
+    assert run(bob, "alice/mine:v1", "look", LOOK) == ("exited(0)", "mine\nadded.txt\n")
 
-        # The same name again is refused; a new tag is a new image.
-        with pytest.raises(deepnex.AlreadyExistsError) as e:
-            alice.commit("box", "mine:v1")
-        assert str(e.value) == ('name: image "mine:v1" of user alice exists; commit as a new '
-                                'tag (NAME:TAG) or remove it first')
-        sh(alice, "box", "echo two > /work/second.txt")
-        assert alice.commit("box", "mine:v2")["tag"] == "v2"
-        assert run(alice, "mine:v2", "look2", "busybox ls /work") == (
-            "exited(0)", "added.txt\nsecond.txt\n")
-    finally:
-        stop_central(proc)
+    # The same name again is refused; a new tag is a new image.
+    with pytest.raises(deepnex.AlreadyExistsError) as e:
+        alice.commit("box", "mine:v1")
+    assert str(e.value) == ('name: image "mine:v1" of user alice exists; commit as a new '
+                            'tag (NAME:TAG) or remove it first')
+    sh(alice, "box", "echo two > /work/second.txt")
+    assert alice.commit("box", "mine:v2")["tag"] == "v2"
+    assert run(alice, "mine:v2", "look2", "busybox ls /work") == (
+        "exited(0)", "added.txt\nsecond.txt\n")
 
 
-def test_commit_refuses_others_containers_bad_names_and_the_cli_prints_it(tmp_path, registry):
-    oci_or_skip()
-    layout = base_layout(tmp_path)
-    proc, address = start_central_launcher(tmp_path, "--state-dir", str(tmp_path / "state"),
-                                           "--registry", registry.address, backend="oci")
-    try:
-        alice, bob = clients(address)
-        admin(address).register_image("bb:v1", str(layout))
-        start_box(alice, "box")
-        with pytest.raises(deepnex.NotFoundError) as e:
-            bob.commit("box", "stolen")
-        assert "box" in str(e.value)
-        for bad in ("../x", "a:b:c", "Ünicode", "bob/x"):
-            with pytest.raises(deepnex.InvalidArgumentError) as e:
-                alice.commit("box", bad)
-            assert str(e.value).startswith(f'name: "{bad}"'), str(e.value)
-        sh(alice, "box", WRITE)
-        got = run_cli("commit", "box", "cli", "--central", address)
-        assert got.returncode == 0, got.stderr
-        assert got.stdout.startswith("cli:latest private "), got.stdout
-        assert run(alice, "cli", "look", LOOK) == ("exited(0)", "mine\nadded.txt\n")
-    finally:
-        stop_central(proc)
+def test_commit_refuses_others_containers_bad_names_and_the_cli_prints_it(oci_central):
+    alice, bob = clients(oci_central)
+    start_box(alice, "box")
+    with pytest.raises(deepnex.NotFoundError) as e:
+        bob.commit("box", "stolen")
+    assert str(e.value) == 'no container "box" of user bob'
+    for bad in ("../x", "a:b:c", "Ünicode", "bob/x"):
+        with pytest.raises(deepnex.InvalidArgumentError) as e:
+            alice.commit("box", bad)
+        assert str(e.value).startswith(f'name: "{bad}"'), str(e.value)
+    sh(alice, "box", WRITE)
+    got = run_cli("commit", "box", "cli", "--central", oci_central)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.startswith("cli:latest private "), got.stdout
+    assert run(alice, "cli", "look", LOOK) == ("exited(0)", "mine\nadded.txt\n")
 
 
 def test_a_process_container_cannot_be_committed(tmp_path):
@@ -205,6 +204,53 @@ def test_an_agents_node_commits_its_container(tmp_path, registry):
         sh(alice, "box", WRITE)
         assert alice.commit("box", "mine")["owner"] == "alice"
         assert run(alice, "mine", "look", LOOK) == ("exited(0)", "mine\nadded.txt\n")
+        # An agent that goes leaves its containers running (a new one adopts
+        # them): the box ends first, and its layer is unmounted.
+        alice.stop_container("box", grace=0)
+        wait_for(lambda: str(tmp_path) not in open("/proc/self/mountinfo").read(),
+                 "the box's overlay to be unmounted")
     finally:
         agents.close()
         central.stop()
+
+
+def test_port_forward_reaches_an_oci_containers_own_network(oci_central):
+    """An oci container has a network namespace of its own: the forwarded
+    port is dialled in it, not on the host's loopback (where another server
+    listens on the same port here)."""
+    import socket
+    import threading
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Host(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"the host\n")
+
+    host = HTTPServer(("127.0.0.1", 0), Host)
+    port = host.server_address[1]
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    try:
+        alice, bob = clients(oci_central)
+        a = alice.allocate(grant())
+        alice.start_container(launch.ContainerSpec(
+            name="web", command=["busybox", "httpd", "-f", "-p", f"127.0.0.1:{port}", "-h",
+                                 "/work"], image="bb:v1"), a)
+
+        def fetch(f):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{f.port}/base.txt",
+                                            timeout=10) as r:
+                    return r.read()
+            except (OSError, socket.timeout):
+                return None  # httpd is not listening yet
+
+        with alice.port_forward("web", port) as f:
+            assert wait_for(lambda: fetch(f), "httpd in the container to answer") == b"base\n"
+        with bob.port_forward("web", port) as f:
+            assert fetch(f) is None  # another user's container: the session is refused
+    finally:
+        host.shutdown()
+        host.server_close()

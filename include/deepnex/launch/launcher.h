@@ -244,6 +244,9 @@ class Handle {
   virtual absl::StatusOr<uint64_t> Commit(const std::string& image) {
     return absl::FailedPreconditionError("this launcher cannot commit containers");
   }
+  // The running container's network namespace (a path to open for setns),
+  // where it has one of its own (oci); "" where it shares the host's.
+  virtual absl::StatusOr<std::string> NetworkNamespace() { return std::string(); }
 };
 
 struct OciOptions {

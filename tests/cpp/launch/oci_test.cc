@@ -606,6 +606,28 @@ TEST_F(OciTest, RootfsDirectoryImage) {
   EXPECT_THAT(backend_->Check(spec), StatusIs(absl::StatusCode::kNotFound, HasSubstr("PATH=/bin")));
 }
 
+// A run writes over its image in an overlay layer of its own: the image's
+// files, which every run of it shares, never change.
+TEST_F(OciTest, WritesGoToTheRunsOwnLayer) {
+  const std::string rootfs = dir_ + "/rootfs";
+  absl::Status made = MakeBusyboxRootfs(rootfs);
+  if (absl::IsFailedPrecondition(made)) GTEST_SKIP() << made.message();
+  ASSERT_THAT(made, IsOk());
+  ASSERT_EQ(Bash("echo old > " + rootfs + "/old"), 0);
+  ContainerSpec spec =
+      Spec("w1", {"sh", "-c", "echo new > /new && busybox rm /old && cat /new; ls /"});
+  spec.image = rootfs;
+  spec.env["PATH"] = "/bin";
+  EXPECT_EQ(RunToEnd(spec).second, "new\nbin\ndev\netc\nnew\nproc\nsys\ntmp\n");
+  EXPECT_EQ(Config(spec)["root"], json({{"path", Context(spec).dir + "/rootfs"},
+                                        {"readonly", false}}));
+  spec.name = "w2";
+  spec.command = {"sh", "-c", "cat /old; test -e /new || echo no-new"};
+  EXPECT_EQ(RunToEnd(spec).second, "old\nno-new\n");
+  EXPECT_EQ(ReadFile(rootfs + "/old"), "old\n");
+  EXPECT_FALSE(std::filesystem::exists(rootfs + "/new"));
+}
+
 // chroot's rules: ".." stops at the image's root and an absolute link
 // starts there, whatever the host has at those paths; at most 40 links per
 // lookup, as the kernel allows (checked against it with cat).
