@@ -412,7 +412,9 @@ absl::Status CheckInImage(const Image& image, const json& mounts, const Containe
 
 namespace {
 
-// Runs `argv` (a tool of the commit); InvalidArgument naming it on failure.
+constexpr char kUmoci[] = "/usr/bin/umoci";
+
+// Runs `argv` (a tool of the commit); Internal naming it on failure.
 absl::Status RunTool(const std::vector<std::string>& argv) {
   DEEPNEX_ASSIGN_OR_RETURN(CommandResult r, RunCommand(argv, OwnEnv(), std::chrono::minutes(30)));
   if (!r.ok()) return absl::InternalError(DescribeFailure(argv, r));
@@ -458,6 +460,10 @@ absl::StatusOr<uint64_t> CommitChanges(const Image& base, const std::string& upp
         "changes to");
   }
   DEEPNEX_ASSIGN_OR_RETURN(RegistryRef ref, RegistryRef::Parse(target));
+  if (access(kUmoci, X_OK) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        kUmoci, " is missing (Debian's umoci package): a commit adds its layer with it"));
+  }
   const std::string work = absl::StrCat(scratch, "/commit-", RandomHex(4));
   const std::string changes = work + "/changes", layer = work + "/layer.tar",
                     layout = work + "/image";
@@ -475,7 +481,7 @@ absl::StatusOr<uint64_t> CommitChanges(const Image& base, const std::string& upp
       DEEPNEX_RETURN_IF_ERROR(RunTool({"/bin/cp", base.layout + file, layout + file}));
     }
     DEEPNEX_RETURN_IF_ERROR(RunTool({"/bin/cp", "-al", base.layout + "/blobs", layout + "/blobs"}));
-    DEEPNEX_RETURN_IF_ERROR(RunTool({"/usr/bin/umoci", "raw", "add-layer", "--image",
+    DEEPNEX_RETURN_IF_ERROR(RunTool({kUmoci, "raw", "add-layer", "--image",
                                      absl::StrCat(layout, ":", base.tag), "--tag", ref.tag,
                                      "--history.created_by", "deepnex commit", layer}));
     return PushLayout(layout, ref.tag, ref);

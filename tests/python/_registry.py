@@ -8,6 +8,7 @@ under tmp_path; and OCI image layouts built with umoci.
     reg.stop()
 """
 
+import contextlib
 import os
 import re
 import shutil
@@ -91,3 +92,22 @@ def busybox_layout(path, tag="v1", files=None, writable=()):
     subprocess.run(["umoci", "repack", "--image", f"{path}:{tag}", bundle], check=True)
     shutil.rmtree(bundle)
     return path
+
+
+@contextlib.contextmanager
+def central_with_agent(tmp_path, registry, layout):
+    """deepnex-central with `registry`, one deepnex-agent (node h1, oci
+    backend) and preset bb:v1 from OCI layout `layout`; yields central's
+    address."""
+    from _agents import Agents, start_central
+    from deepnex import gpu
+    central, address = start_central(tmp_path, flags=("--registry", registry.address))
+    agents = Agents(tmp_path, address)
+    try:
+        agents.registered(agents.start("h1", "h1tok", flags=("--backend", "oci")), "h1")
+        gpu.CentralClient(address, token="admintok", timeout=10).register_image(
+            "bb:v1", str(layout))
+        yield address
+    finally:
+        agents.close()
+        central.stop()

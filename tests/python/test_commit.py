@@ -191,14 +191,10 @@ def test_a_process_container_cannot_be_committed(tmp_path):
 def test_an_agents_node_commits_its_container(tmp_path, registry):
     """The container's changes are on its node: its deepnex-agent packs and
     pushes them, central records the image."""
-    from _agents import Agents, client, start_central as start_central_of_agents
+    from _agents import client
+    from _registry import central_with_agent
     oci_or_skip()
-    layout = base_layout(tmp_path)
-    central, address = start_central_of_agents(tmp_path, flags=("--registry", registry.address))
-    agents = Agents(tmp_path, address)
-    try:
-        agents.registered(agents.start("h1", "h1tok", flags=("--backend", "oci")), "h1")
-        admin(address).register_image("bb:v1", str(layout))
+    with central_with_agent(tmp_path, registry, base_layout(tmp_path)) as address:
         alice = client(address, "alicetok")
         start_box(alice, "box")
         sh(alice, "box", WRITE)
@@ -209,9 +205,6 @@ def test_an_agents_node_commits_its_container(tmp_path, registry):
         alice.stop_container("box", grace=0)
         wait_for(lambda: str(tmp_path) not in open("/proc/self/mountinfo").read(),
                  "the box's overlay to be unmounted")
-    finally:
-        agents.close()
-        central.stop()
 
 
 def test_port_forward_reaches_an_oci_containers_own_network(oci_central):

@@ -260,15 +260,11 @@ def test_registry_flag_must_be_host_port(tmp_path):
 def test_a_nodes_agent_pulls_a_registry_image_into_its_own_store_once(tmp_path, registry):
     """Through the deepnex-agent of the allocation's node: the agent pulls,
     into its state directory, on first use only."""
-    from _agents import Agents, client, start_central as start_central_of_agents
-    from _registry import busybox_layout
+    from _agents import client
+    from _registry import busybox_layout, central_with_agent
     oci_or_skip()
     layout = busybox_layout(tmp_path / "layout", files={"/etc/motd": "on h1\n"})
-    central, address = start_central_of_agents(tmp_path, flags=("--registry", registry.address))
-    agents = Agents(tmp_path, address)
-    try:
-        agents.registered(agents.start("h1", "h1tok", flags=("--backend", "oci")), "h1")
-        admin(address).register_image("bb:v1", str(layout))
+    with central_with_agent(tmp_path, registry, layout) as address:
         alice = client(address, "alicetok")
         assert run(alice, "bb:v1", "first", ["busybox", "cat", "/etc/motd"]) == \
             ("exited(0)", "on h1\n")
@@ -278,9 +274,6 @@ def test_a_nodes_agent_pulls_a_registry_image_into_its_own_store_once(tmp_path, 
         pulled = [p.name for p in (tmp_path / "h1").glob("**/oci/pulled/*")]
         assert len(pulled) == 1 and pulled[0].startswith("sha256-"), pulled
         assert not list((tmp_path / "central").glob("**/oci/pulled/*"))
-    finally:
-        agents.close()
-        central.stop()
 
 
 @pytest.mark.parametrize("preset,script,expected", [
