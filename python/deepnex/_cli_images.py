@@ -6,6 +6,8 @@
     deepnex image unshare NAME[:TAG] [--with U[,U]]   (without --with: every share)
     deepnex image rm NAME[:TAG]
     deepnex image register NAME[:TAG] SOURCE [--owner U] [--force]   (admins)
+    deepnex commit CONTAINER NAME[:TAG]           your running oci container's changes as
+                                                  your own (private) image
 
 NAME is your own image or a preset; another user's image that is shared with
 you is OWNER/NAME. Address and token as every command against deepnex-central.
@@ -70,10 +72,23 @@ def _register(args):
     return 0
 
 
+def _commit(args):
+    i = client(args).commit(args.container, args.name)
+    from deepnex import format_byte_size
+    print(f"{_describe(i)} {format_byte_size(i['size'])}")
+    return 0
+
+
 def add_commands(commands):
     p = commands.add_parser("images", help="the images you may run on deepnex-central")
     add_central_args(p)
     p.set_defaults(func=guard(_images))
+
+    p = commands.add_parser("commit", help="save your container's changes as your own image")
+    add_central_args(p)
+    p.add_argument("container", help="your running container (oci backend)")
+    p.add_argument("name", help="NAME[:TAG] of the new image (a new tag of one you have)")
+    p.set_defaults(func=guard(_commit))
 
     image = commands.add_parser("image", help="share, unshare or remove an image")
     sub = image.add_subparsers(dest="image_command", metavar="COMMAND", required=True)

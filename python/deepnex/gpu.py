@@ -513,6 +513,11 @@ class CentralClient:
         """Removes the caller's image `name` (a preset: admins only)."""
         return self._c.remove_image(name)
 
+    def commit(self, container, name) -> dict:
+        """Saves the caller's running oci container `container`'s changes
+        as their own private image `name` (NAME[:TAG])."""
+        return self._c.commit(container, name)
+
 
 def _names(users) -> List[str]:
     return [users] if isinstance(users, str) else list(users)

@@ -260,7 +260,13 @@ void RegisterCentralClient(py::module_& m) {
           [](launch::CentralClient& c, const std::string& name) {
             return ImageCall([&] { return c.RemoveImage(name); });
           },
-          py::arg("name"));
+          py::arg("name"))
+      .def(
+          "commit",
+          [](launch::CentralClient& c, const std::string& container, const std::string& name) {
+            return ImageCall([&] { return c.Commit(container, name); });
+          },
+          py::arg("container"), py::arg("name"));
 }
 
 }  // namespace

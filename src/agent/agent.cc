@@ -404,6 +404,12 @@ class AgentImpl final : public Agent {
         DEEPNEX_ASSIGN_OR_RETURN(auto h, Get(c.session().name()));
         return sessions_->Start(h, launcher_->backend(), c.session().session_id());
       }
+      case pb::Command::kCommit: {
+        DEEPNEX_ASSIGN_OR_RETURN(auto h, Get(c.commit().name()));
+        DEEPNEX_ASSIGN_OR_RETURN(uint64_t size, h->Commit(c.commit().image()));
+        reply->set_size(size);
+        return absl::OkStatus();
+      }
       default:
         return absl::InvalidArgumentError("empty command");
     }

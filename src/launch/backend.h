@@ -55,6 +55,12 @@ class Run {
   virtual absl::StatusOr<std::unique_ptr<ExecProcess>> Exec(const ExecOptions& options) {
     return absl::UnimplementedError("this backend has no exec");
   }
+  // See Handle::Commit; called while the run runs.
+  virtual absl::StatusOr<uint64_t> Commit(const std::string& image) {
+    return absl::FailedPreconditionError("this backend cannot commit containers");
+  }
+  // See Handle::NetworkNamespace.
+  virtual absl::StatusOr<std::string> NetworkNamespace() { return std::string(); }
 };
 
 // How to start an exec'd process (session_exec.cc spawns it).

@@ -80,7 +80,6 @@ std::string LauncherName(const std::string& user, const std::string& name) {
                       ".", name);
 }
 
-
 class ContainersService final : public pb::Containers::CallbackService,
                                 public gpu::CentralExtension {
  public:
@@ -92,17 +91,17 @@ class ContainersService final : public pb::Containers::CallbackService,
                     std::unique_ptr<ImageCatalog> catalog, ContainerPolicy policy)
       : alloc_(alloc), tokens_(tokens), hub_(hub), launcher_(std::move(launcher)),
         mounts_allowed_(mounts_allowed), catalog_(std::move(catalog)),
-        images_service_(NewImagesService(*catalog_, tokens_, policy.registry)),
         policy_(std::move(policy)), reaper_([this] { Reap(); }) {
     hub_.OnRegistered([this](const std::string& node,
                              const std::vector<agent::proto::ContainerReport>& running) {
       Adopt(node, running);
     });
-    sessions_ = NewSessionServices(tokens_, hub_, [this](const grpc::ServerContextBase& ctx,
-                                                         const std::string& user,
-                                                         const std::string& name) {
+    SessionResolver targets = [this](const grpc::ServerContextBase& ctx, const std::string& user,
+                                     const std::string& name) {
       return SessionTargetOf(ctx, user, name);
-    });
+    };
+    sessions_ = NewSessionServices(tokens_, hub_, targets);
+    images_service_ = NewImagesService(*catalog_, tokens_, policy_.registry, hub_, targets);
   }
   ~ContainersService() override { Shutdown(); }
 
@@ -581,7 +580,7 @@ class ContainersService final : public pb::Containers::CallbackService,
   std::map<std::string, std::unique_ptr<Launcher>> remote_;  // by node; guarded by mu_
   const bool mounts_allowed_;
   const std::unique_ptr<ImageCatalog> catalog_;
-  const std::unique_ptr<grpc::Service> images_service_;
+  std::unique_ptr<grpc::Service> images_service_;  // set in the constructor
   const ContainerPolicy policy_;
   std::mutex mu_;
   std::condition_variable cv_;

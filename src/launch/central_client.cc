@@ -20,6 +20,10 @@ namespace {
 
 namespace pb = ::deepnex::gpu::proto;
 
+// A commit's time on top of the client's timeout: the node packs and
+// pushes the container's changes.
+constexpr std::chrono::minutes kCommitTime{30};
+
 // Seconds since the epoch, as the wire carries times.
 std::chrono::system_clock::time_point TimeFromSeconds(double seconds) {
   return std::chrono::system_clock::time_point(
@@ -188,6 +192,17 @@ class CentralClientImpl final : public CentralClient {
     pb::CatalogImage reply;
     DEEPNEX_RETURN_IF_ERROR(
         Call([&](auto* ctx) { return images_->RemoveImage(ctx, req, &reply); }));
+    return ImageFromProto(reply);
+  }
+
+  absl::StatusOr<CentralImage> Commit(const std::string& container,
+                                      const std::string& name) override {
+    pb::CommitRequest req;
+    req.set_container(container);
+    req.set_name(name);
+    pb::CatalogImage reply;
+    DEEPNEX_RETURN_IF_ERROR(Call([&](auto* ctx) { return images_->Commit(ctx, req, &reply); },
+                                 kCommitTime));
     return ImageFromProto(reply);
   }
 

@@ -6,7 +6,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/call_pool.h"
 #include "core/grpc_util.h"
+#include "deepnex/agent.pb.h"
 #include "deepnex/central.grpc.pb.h"
 #include "launch/images_registry.h"
 
@@ -33,10 +35,15 @@ std::string RefOf(const CatalogImage& i) {
   return absl::StrCat(i.owner.empty() ? "" : i.owner + "/", i.name, ":", i.tag);
 }
 
+// How long a node may take to pack and push a container's changes.
+constexpr std::chrono::minutes kCommitTimeout{30};
+
 class ImagesService final : public pb::Images::CallbackService {
  public:
-  ImagesService(ImageCatalog& catalog, const TokenTable& tokens, std::string registry)
-      : catalog_(catalog), tokens_(tokens), registry_(std::move(registry)) {}
+  ImagesService(ImageCatalog& catalog, const TokenTable& tokens, std::string registry,
+                agent::Hub& hub, SessionResolver containers)
+      : catalog_(catalog), tokens_(tokens), registry_(std::move(registry)), hub_(hub),
+        containers_(std::move(containers)) {}
 
   grpc::ServerUnaryReactor* ListImages(grpc::CallbackServerContext* ctx,
                                        const pb::ListImagesRequest*,
@@ -112,6 +119,19 @@ class ImagesService final : public pb::Images::CallbackService {
     });
   }
 
+  // Packing and pushing the changes takes a while: off gRPC's threads.
+  grpc::ServerUnaryReactor* Commit(grpc::CallbackServerContext* ctx, const pb::CommitRequest* req,
+                                   pb::CatalogImage* reply) override {
+    auto* reactor = ctx->DefaultReactor();
+    auto commit = [this, ctx, req, reply, reactor] {
+      reactor->Finish(ToGrpcStatus(DoCommit(*ctx, *req, reply)));
+    };
+    if (!calls_.Run(commit)) {
+      reactor->Finish(ToGrpcStatus(absl::UnavailableError("deepnex-central is stopping")));
+    }
+    return reactor;
+  }
+
   grpc::ServerUnaryReactor* RemoveImage(grpc::CallbackServerContext* ctx,
                                         const pb::RemoveImageRequest* req,
                                         pb::CatalogImage* reply) override {
@@ -140,6 +160,50 @@ class ImagesService final : public pb::Images::CallbackService {
     });
   }
 
+  absl::Status DoCommit(const grpc::ServerContextBase& ctx, const pb::CommitRequest& req,
+                        pb::CatalogImage* reply) {
+    DEEPNEX_ASSIGN_OR_RETURN(ImageCaller caller, Caller(ctx));
+    DEEPNEX_ASSIGN_OR_RETURN(ImageRef ref, ImageRef::Parse(req.name(), "name"));
+    if (!ref.owner.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "name: \"", req.name(), "\" has an owner; a commit is the caller's own NAME[:TAG]"));
+    }
+    CatalogImage i;
+    i.name = ref.name;
+    i.tag = ref.tag;
+    i.owner = caller.user;
+    if (catalog_.Resolve(caller, RefOf(i)).ok()) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "name: image \"", ref.name, ":", ref.tag, "\" of user ", caller.user,
+          " exists; commit as a new tag (NAME:TAG) or remove it first"));
+    }
+    // The caller's own only: another user's container is NotFound.
+    DEEPNEX_ASSIGN_OR_RETURN(SessionTarget target, containers_(ctx, "", req.container()));
+    if (target.backend != "oci") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "container \"", req.container(), "\" runs on the ", target.backend,
+          " backend: only oci containers have a layer of changes to commit"));
+    }
+    if (registry_.empty()) {
+      return absl::FailedPreconditionError(
+          "this deepnex-central has no --registry to store committed images in");
+    }
+    i.source = RegistryRef{registry_, i.owner + "/" + i.name, i.tag}.ToString();
+    if (target.local) {
+      DEEPNEX_ASSIGN_OR_RETURN(i.size, target.local->Commit(i.source));
+    } else {
+      agent::proto::Command c;
+      c.mutable_commit()->set_name(target.name);
+      c.mutable_commit()->set_image(i.source);
+      DEEPNEX_ASSIGN_OR_RETURN(agent::proto::Reply r, hub_.Call(target.node, c, kCommitTimeout));
+      i.size = r.size();
+    }
+    DEEPNEX_RETURN_IF_ERROR(catalog_.Put(i, /*force=*/false));
+    DEEPNEX_ASSIGN_OR_RETURN(i, catalog_.Resolve(caller, RefOf(i)));
+    ToProto(caller, i, reply);
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<ImageCaller> Caller(const grpc::ServerContextBase& ctx) const {
     DEEPNEX_ASSIGN_OR_RETURN(Identity who, AuthenticateCall(tokens_, ctx));
     return ImageCaller{who.name, who.role == AuthRole::kAdmin};
@@ -148,13 +212,18 @@ class ImagesService final : public pb::Images::CallbackService {
   ImageCatalog& catalog_;
   const TokenTable& tokens_;
   const std::string registry_;
+  agent::Hub& hub_;
+  const SessionResolver containers_;
+  CallPool calls_{std::chrono::seconds(60)};  // last: its calls use the above
 };
 
 }  // namespace
 
 std::unique_ptr<grpc::Service> NewImagesService(ImageCatalog& catalog, const TokenTable& tokens,
-                                                std::string registry) {
-  return std::make_unique<ImagesService>(catalog, tokens, std::move(registry));
+                                                std::string registry, agent::Hub& hub,
+                                                SessionResolver containers) {
+  return std::make_unique<ImagesService>(catalog, tokens, std::move(registry), hub,
+                                         std::move(containers));
 }
 
 }  // namespace deepnex::launch

@@ -213,16 +213,23 @@ class Container : public Handle {
   }
 
   absl::StatusOr<std::unique_ptr<ExecProcess>> Exec(const ExecOptions& options) override {
-    std::shared_ptr<Run> run;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (state_ == State::kRunning) run = run_;
-    }
-    if (!run) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("container \"", spec_.name, "\" is not running"));
-    }
+    DEEPNEX_ASSIGN_OR_RETURN(std::shared_ptr<Run> run, RunningRun());
     return run->Exec(options);
+  }
+
+  absl::StatusOr<uint64_t> Commit(const std::string& image) override {
+    if (info_.backend != "oci") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "container \"", spec_.name, "\" runs on the ", info_.backend,
+          " backend: only oci containers have a layer of changes to commit"));
+    }
+    DEEPNEX_ASSIGN_OR_RETURN(std::shared_ptr<Run> run, RunningRun());
+    return run->Commit(image);
+  }
+
+  absl::StatusOr<std::string> NetworkNamespace() override {
+    DEEPNEX_ASSIGN_OR_RETURN(std::shared_ptr<Run> run, RunningRun());
+    return run->NetworkNamespace();
   }
 
   // Deletes the container's directory; REQUIRES: ended.
@@ -232,6 +239,16 @@ class Container : public Handle {
   }
 
  private:
+  // The run now, unless the container is not running.
+  absl::StatusOr<std::shared_ptr<Run>> RunningRun() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_ != State::kRunning || !run_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("container \"", spec_.name, "\" is not running"));
+    }
+    return run_;
+  }
+
   absl::StatusOr<std::shared_ptr<Run>> StartRun(int attempt) {
     RunContext context;
     context.launcher_id = info_.id;

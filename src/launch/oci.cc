@@ -11,6 +11,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/inotify.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -95,19 +96,46 @@ void KillContainer(const Runc& runc, const std::string& id, const std::string& c
   }
 }
 
+// A run's overlay (see Bundle::root) lies in its bundle directory `dir`:
+// the container's writes go to upper/, their view is rootfs/.
+std::string OverlayRoot(const std::string& dir) { return dir + "/rootfs"; }
+std::string OverlayUpper(const std::string& dir) { return dir + "/upper"; }
+
+absl::Status MountOverlay(const std::string& lower, const std::string& dir) {
+  const std::string work = dir + "/work";
+  for (const std::string& d : {OverlayUpper(dir), work, OverlayRoot(dir)}) {
+    DEEPNEX_RETURN_IF_ERROR(MakeDirectories(d));
+  }
+  const std::string data =
+      absl::StrCat("lowerdir=", lower, ",upperdir=", OverlayUpper(dir), ",workdir=", work);
+  if (mount("overlay", OverlayRoot(dir).c_str(), "overlay", 0, data.c_str()) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot mount the writable layer of the container (overlayfs ", data, " on ",
+        OverlayRoot(dir), "): ", Errno(errno), "; the oci backend needs overlayfs"));
+  }
+  return absl::OkStatus();
+}
+
+// Detached: a process still in it (being killed) does not keep it busy.
+void UnmountOverlay(const std::string& dir) { umount2(OverlayRoot(dir).c_str(), MNT_DETACH); }
+
 // ---------------------------------------------------------------------------
 // A run.
 
 class OciRun : public Run {
  public:
   // `init`: the container's PID 1 is the init, with the command under it.
+  // `image`: what it runs; `overlay`: on a writable layer (MountOverlay in
+  // `dir`), which the run unmounts when removed.
   OciRun(Runc runc, std::string id, std::string dir, std::string cgroup_path, bool init,
-         pid_t pid, Fd pidfd)
+         Image image, bool overlay, pid_t pid, Fd pidfd)
       : runc_(std::move(runc)),
         id_(std::move(id)),
         dir_(std::move(dir)),
         cgroup_path_(std::move(cgroup_path)),
         init_(init),
+        image_(std::move(image)),
+        overlay_(overlay),
         pid_(pid),
         pidfd_(std::move(pidfd)) {}
 
@@ -190,6 +218,21 @@ class OciRun : public Run {
     return SpawnExec(plan, options);
   }
 
+  absl::StatusOr<uint64_t> Commit(const std::string& image) override {
+    if (!overlay_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "container ", id_, " runs the host image, whose files are the host's: nothing to "
+          "commit"));
+    }
+    return CommitChanges(image_, OverlayUpper(dir_), dir_, image);
+  }
+
+  // Its init's: runc's pid file holds its pid on this host.
+  absl::StatusOr<std::string> NetworkNamespace() override {
+    DEEPNEX_ASSIGN_OR_RETURN(std::string pid, ReadWholeFile(dir_ + "/pid", "pid of " + id_));
+    return absl::StrCat("/proc/", absl::StripAsciiWhitespace(pid), "/ns/net");
+  }
+
   absl::Status Remove() override {
     std::unique_lock<std::mutex> lock(mu_);
     if (!ended_) {
@@ -212,6 +255,7 @@ class OciRun : public Run {
       (*cg)->Remove().IgnoreError();
     }
     for (const char* file : {"/config.json", "/pid"}) unlink((dir_ + file).c_str());
+    if (overlay_) UnmountOverlay(dir_);
     return absl::OkStatus();
   }
 
@@ -255,6 +299,8 @@ class OciRun : public Run {
   const std::string dir_;
   const std::string cgroup_path_;
   const bool init_;
+  const Image image_;
+  const bool overlay_;
   const pid_t pid_;  // of `runc run`
   Fd pidfd_;
 
@@ -288,7 +334,10 @@ class OciBackend : public Backend {
   absl::StatusOr<std::unique_ptr<Run>> Start(const ContainerSpec& spec,
                                              const RunContext& context) override {
     DEEPNEX_ASSIGN_OR_RETURN(Image image, images_.Resolve(spec.image));
-    const Bundle bundle = MakeBundle(spec, &context);
+    Bundle bundle = MakeBundle(spec, &context);
+    // The host image's files are the host's, bound in read-only: nothing to
+    // write over.
+    if (!image.host) bundle.root = OverlayRoot(context.dir);
     const std::string pid_file = context.dir + "/pid";
     unlink(pid_file.c_str());
     std::string resolv_conf;
@@ -313,16 +362,21 @@ class OciBackend : public Backend {
     }
     const std::vector<std::string> argv = runc_.Argv(
         {"run", "--keep", "--bundle", context.dir, "--pid-file", pid_file, context.run_name});
-    DEEPNEX_ASSIGN_OR_RETURN(pid_t pid, Spawn(argv, environ, log_fd.get(), log_fd.get()));
-    Fd pidfd(static_cast<int>(syscall(SYS_pidfd_open, pid, 0)));
+    const bool overlay = !bundle.root.empty();
+    if (overlay) DEEPNEX_RETURN_IF_ERROR(MountOverlay(image.rootfs, context.dir));
+    absl::StatusOr<pid_t> pid = Spawn(argv, environ, log_fd.get(), log_fd.get());
+    Fd pidfd(pid.ok() ? static_cast<int>(syscall(SYS_pidfd_open, *pid, 0)) : -1);
     if (pidfd.get() < 0) {
       const int err = errno;
-      kill(pid, SIGKILL);
-      Reap(pid);
-      return absl::InternalError("pidfd_open: " + Errno(err));
+      if (pid.ok()) {
+        kill(*pid, SIGKILL);
+        Reap(*pid);
+      }
+      if (overlay) UnmountOverlay(context.dir);
+      return pid.ok() ? absl::InternalError("pidfd_open: " + Errno(err)) : pid.status();
     }
     auto run = std::make_unique<OciRun>(runc_, context.run_name, context.dir, bundle.cgroup_path,
-                                        !init_.empty(), pid, std::move(pidfd));
+                                        !init_.empty(), image, overlay, *pid, std::move(pidfd));
 
     const auto deadline = std::chrono::steady_clock::now() + kStartTimeout;
     while (access(pid_file.c_str(), F_OK) != 0) {
@@ -364,7 +418,10 @@ class OciBackend : public Backend {
         runc_.Call({"delete", "--force", id}).IgnoreError();
         std::error_code ec;
         const std::string bundle = c.value("bundle", "");
-        if (!bundle.empty()) fs::remove_all(bundle, ec);
+        if (!bundle.empty()) {
+          UnmountOverlay(bundle);
+          fs::remove_all(bundle, ec);
+        }
         ids.insert(id);
         ++swept;
       }

@@ -115,7 +115,7 @@ json Mounts(const Image& image, const ContainerSpec& spec, const Bundle& bundle)
        {"type", "sysfs"},
        {"source", "sysfs"},
        {"options", {"nosuid", "noexec", "nodev", "ro"}}},
-      // The root is read-only; scratch space is not.
+      // Scratch space in no image layer (a commit leaves it out).
       {{"destination", "/tmp"},
        {"type", "tmpfs"},
        {"source", "tmpfs"},
@@ -176,7 +176,9 @@ json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext&
         {"rlimits",
          {{{"type", "RLIMIT_NOFILE"}, {"soft", soft}, {"hard", uint64_t{nofile.rlim_max}}}}},
         {"noNewPrivileges", true}}},
-      {"root", {{"path", image.rootfs}, {"readonly", true}}},
+      {"root",
+       {{"path", bundle.root.empty() ? image.rootfs : bundle.root},
+        {"readonly", bundle.root.empty()}}},
       {"hostname", spec.name},
       {"mounts", Mounts(image, spec, bundle)},
       {"annotations", context.labels},

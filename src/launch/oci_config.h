@@ -37,6 +37,10 @@ struct Bundle {
   // but 0 runs with no capabilities at all.
   uint32_t uid = 0;
   uint32_t gid = 0;
+  // The run's writable root: an overlayfs mount of the image's rootfs
+  // (read-only, shared by every container of the image) under an upper
+  // directory of the run's own; "": the image's rootfs, read-only.
+  std::string root;
 };
 
 // The bundle's "mounts": the runtime's file systems, the init, the host

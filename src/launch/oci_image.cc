@@ -4,7 +4,9 @@
 #include <linux/openat2.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <sys/utsname.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "core/file_util.h"
 #include "launch/command.h"
+#include "launch/images.h"
 #include "launch/images_registry.h"
 #include "launch/util.h"
 
@@ -401,18 +404,103 @@ absl::Status MakeHostRootfs(const std::string& rootfs) {
   return absl::OkStatus();
 }
 
-
 }  // namespace
 
 absl::Status CheckInImage(const Image& image, const json& mounts, const ContainerSpec& spec) {
   return CheckInTree(ContainerTree(image.rootfs, mounts), spec);
 }
 
+namespace {
+
+constexpr char kUmoci[] = "/usr/bin/umoci";
+
+// Runs `argv` (a tool of the commit); Internal naming it on failure.
+absl::Status RunTool(const std::vector<std::string>& argv) {
+  DEEPNEX_ASSIGN_OR_RETURN(CommandResult r, RunCommand(argv, OwnEnv(), std::chrono::minutes(30)));
+  if (!r.ok()) return absl::InternalError(DescribeFailure(argv, r));
+  return absl::OkStatus();
+}
+
+// Turns overlayfs's whiteouts in `dir` (a copy of an upper directory) into
+// the OCI layer format's: a 0:0 character device <name> becomes an empty
+// ".wh.<name>", an opaque directory gets a ".wh..wh..opq".
+absl::Status OciWhiteouts(const std::string& dir) {
+  std::error_code ec;
+  std::vector<fs::path> devices, opaque;
+  for (auto it = fs::recursive_directory_iterator(dir, ec);
+       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    struct stat st;
+    if (lstat(it->path().c_str(), &st) != 0) continue;
+    if (S_ISCHR(st.st_mode) && st.st_rdev == makedev(0, 0)) devices.push_back(it->path());
+    char v = 0;
+    if (S_ISDIR(st.st_mode) &&
+        lgetxattr(it->path().c_str(), "trusted.overlay.opaque", &v, 1) == 1 && v == 'y') {
+      opaque.push_back(it->path());
+    }
+  }
+  if (ec) return absl::InternalError(absl::StrCat("cannot walk ", dir, ": ", ec.message()));
+  for (const fs::path& p : devices) {
+    fs::remove(p, ec);
+    DEEPNEX_RETURN_IF_ERROR(
+        WriteFileAtomically((p.parent_path() / (".wh." + p.filename().string())).string(), ""));
+  }
+  for (const fs::path& p : opaque) {
+    DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically((p / ".wh..wh..opq").string(), ""));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> CommitChanges(const Image& base, const std::string& upper,
+                                       const std::string& scratch, const std::string& target) {
+  if (base.layout.empty()) {
+    return absl::FailedPreconditionError(
+        "the container's image is not from an image registry: there are no layers to add its "
+        "changes to");
+  }
+  DEEPNEX_ASSIGN_OR_RETURN(RegistryRef ref, RegistryRef::Parse(target));
+  if (access(kUmoci, X_OK) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        kUmoci, " is missing (Debian's umoci package): a commit adds its layer with it"));
+  }
+  const std::string work = absl::StrCat(scratch, "/commit-", RandomHex(4));
+  const std::string changes = work + "/changes", layer = work + "/layer.tar",
+                    layout = work + "/image";
+  DEEPNEX_RETURN_IF_ERROR(MakeDirectories(layout));
+  absl::Status s = [&]() -> absl::Status {
+    // Hard links: the files are not copied, and the upper directory, which
+    // overlayfs owns while mounted, is only read.
+    DEEPNEX_RETURN_IF_ERROR(RunTool({"/bin/cp", "-al", upper, changes}));
+    DEEPNEX_RETURN_IF_ERROR(OciWhiteouts(changes));
+    DEEPNEX_RETURN_IF_ERROR(
+        RunTool({"/usr/bin/tar", "--numeric-owner", "-cf", layer, "-C", changes, "."}));
+    // The base's blobs are linked, its index copied: umoci rewrites the
+    // index, which the pull cache shares otherwise.
+    for (const char* file : {"/index.json", "/oci-layout"}) {
+      DEEPNEX_RETURN_IF_ERROR(RunTool({"/bin/cp", base.layout + file, layout + file}));
+    }
+    DEEPNEX_RETURN_IF_ERROR(RunTool({"/bin/cp", "-al", base.layout + "/blobs", layout + "/blobs"}));
+    DEEPNEX_RETURN_IF_ERROR(RunTool({kUmoci, "raw", "add-layer", "--image",
+                                     absl::StrCat(layout, ":", base.tag), "--tag", ref.tag,
+                                     "--history.created_by", "deepnex commit", layer}));
+    return PushLayout(layout, ref.tag, ref);
+  }();
+  const uint64_t size = DirectorySize(layout + "/blobs");
+  std::error_code ec;
+  fs::remove_all(work, ec);
+  DEEPNEX_RETURN_IF_ERROR(s);
+  return size;
+}
+
 absl::StatusOr<Image> ImageStore::Resolve(const std::string& spec_image) {
   std::lock_guard<std::mutex> lock(mu_);
   std::string image = spec_image;
+  std::string pulled_tag;
   if (IsRegistryImage(image)) {
     DEEPNEX_ASSIGN_OR_RETURN(image, PullLocked(spec_image));
+    DEEPNEX_ASSIGN_OR_RETURN(RegistryRef ref, RegistryRef::Parse(spec_image));
+    pulled_tag = ref.tag;
   }
   if (image == "host") {
     const std::string rootfs = state_dir_ + "/oci/host";
@@ -436,11 +524,13 @@ absl::StatusOr<Image> ImageStore::Resolve(const std::string& spec_image) {
     return absl::InvalidArgumentError(absl::StrCat("spec.image: ", image, " is not a directory"));
   }
   if (!fs::exists(image + "/oci-layout", ec)) return Image{image, false, {}};
+  // A layout of the user's own (not pulled) is no base for a commit.
+  const std::string layout = pulled_tag.empty() ? "" : image;
   auto cached = layouts_.find(image);
-  if (cached != layouts_.end()) return Image{cached->second, false, {}};
+  if (cached != layouts_.end()) return Image{cached->second, false, {}, layout, pulled_tag};
   DEEPNEX_ASSIGN_OR_RETURN(std::string rootfs, UnpackLayout(image, state_dir_ + "/oci/images"));
   layouts_[image] = rootfs;
-  return Image{rootfs, false, {}};
+  return Image{rootfs, false, {}, layout, pulled_tag};
 }
 
 absl::StatusOr<std::string> ImageStore::PullLocked(const std::string& image) {

@@ -37,6 +37,10 @@ struct Image {
   std::string rootfs;  // absolute
   bool host = false;   // the "host" image: kHostDirs are bound in
   std::vector<EtcEntry> etc;  // host image: what it shows of the host's /etc
+  // A registry image: its pulled OCI image layout and the tag there, on
+  // which a commit adds a layer; "" otherwise.
+  std::string layout;
+  std::string tag;
 };
 
 // The files generated for every container, bound read-only over its
@@ -50,6 +54,15 @@ inline const char* const kGeneratedEtc[] = {"passwd", "group",         "hosts",
 // directory is a directory there.
 absl::Status CheckInImage(const Image& image, const nlohmann::json& mounts,
                           const ContainerSpec& spec);
+
+// Packs the changes in overlayfs upper directory `upper` (a container's
+// writes over `base`'s files) as one OCI layer, whiteouts in the OCI
+// format, adds it to a copy of `base`'s layout made under `scratch` and
+// pushes the result to registry image `target` (docker://HOST:PORT/REPO:TAG):
+// the registry is sent only the blobs it lacks. Returns the new image's
+// bytes (its blobs). FailedPrecondition unless `base` came from a registry.
+absl::StatusOr<uint64_t> CommitChanges(const Image& base, const std::string& upper,
+                                       const std::string& scratch, const std::string& target);
 
 // Resolves a spec's image to a rootfs, preparing it on first use: the
 // "host" image's empty root, an OCI layout's unpacked layers (cached under

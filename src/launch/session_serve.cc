@@ -5,6 +5,8 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -77,14 +79,43 @@ absl::Status ServeExec(Handle& h, const pb::SessionStart& start, SessionPeer& pe
   return absl::OkStatus();
 }
 
-absl::Status ServePort(Handle& h, const pb::SessionStart& start, SessionPeer& peer,
-                       const std::function<void()>& close_peer) {
+// A TCP socket of network namespace `netns` ("": this thread's). A socket
+// keeps the namespace it was made in, so only a helper thread enters it
+// (setns moves the calling thread alone) and ends with it.
+absl::StatusOr<int> SocketIn(const std::string& netns) {
+  int fd = -1;
+  absl::Status s;
+  auto make = [&] {
+    if (!netns.empty()) {
+      const int ns = open(netns.c_str(), O_RDONLY | O_CLOEXEC);
+      if (ns < 0 || setns(ns, CLONE_NEWNET) != 0) {
+        s = absl::FailedPreconditionError(
+            absl::StrCat("cannot enter the container's network namespace ", netns, ": ",
+                         strerror(errno)));
+        if (ns >= 0) close(ns);
+        return;
+      }
+      close(ns);
+    }
+    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) s = absl::InternalError(absl::StrCat("socket: ", strerror(errno)));
+  };
+  if (netns.empty()) {
+    make();
+  } else {
+    std::thread(make).join();
+  }
+  if (!s.ok()) return s;
+  return fd;
+}
+
+absl::Status ServePort(const pb::SessionStart& start, const std::string& netns,
+                       SessionPeer& peer, const std::function<void()>& close_peer) {
   if (start.port() < 1 || start.port() > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("port: ", start.port(), " is not a TCP port (1 to 65535)"));
   }
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", strerror(errno)));
+  DEEPNEX_ASSIGN_OR_RETURN(int fd, SocketIn(netns));
   sockaddr_in a = {};
   a.sin_family = AF_INET;
   a.sin_port = htons(static_cast<uint16_t>(start.port()));
@@ -130,18 +161,24 @@ absl::Status ServeSession(Handle& h, const std::string& backend, const pb::Sessi
     if (start.command_size() != 0) {
       return absl::InvalidArgumentError("a session has either a command or a port, not both");
     }
-    // This host's loopback is not a private network's: never forward to it.
-    if (backend != "process" && !h.spec().host_network) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "port: container \"", start.container(), "\" has a network of its own (", backend,
-          " backend); only containers on this host's network (process backend, or "
-          "host_network) can be forwarded to"));
-    }
     if (h.Status().state != State::kRunning) {
       return absl::FailedPreconditionError(
           absl::StrCat("container \"", start.container(), "\" is not running"));
     }
-    return ServePort(h, start, peer, close_peer);
+    // A container with a network of its own is dialled in it (oci: its
+    // namespace); this host's loopback is not that network's: never
+    // forward to it then.
+    std::string netns;
+    if (backend != "process" && !h.spec().host_network) {
+      DEEPNEX_ASSIGN_OR_RETURN(netns, h.NetworkNamespace());
+      if (netns.empty()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "port: container \"", start.container(), "\" has a network of its own (", backend,
+            " backend) that this host cannot enter; only containers on this host's network "
+            "(process backend, or host_network) or oci containers can be forwarded to"));
+      }
+    }
+    return ServePort(start, netns, peer, close_peer);
   }
   if (start.command_size() == 0) {
     return absl::InvalidArgumentError("command: empty (and no port to forward)");

@@ -31,9 +31,10 @@ class SessionPeer {
 // Then calls `close_peer`, which must end a Read that blocks, and returns
 // once its reader is done. An error when nothing could start (a command not
 // found, nothing listening on the port); nothing was written then.
-// `backend`: the launcher's; a port is dialled on this machine's loopback,
-// which is the container's only where it shares this host's network (the
-// process backend, or host_network): elsewhere FailedPrecondition.
+// `backend`: the launcher's; a port is dialled on this machine's loopback
+// where the container shares this host's network (the process backend, or
+// host_network), else on its own network namespace's (oci); elsewhere
+// FailedPrecondition.
 absl::Status ServeSession(Handle& h, const std::string& backend,
                           const gpu::proto::SessionStart& start, SessionPeer& peer,
                           const std::function<void()>& close_peer);

@@ -8,6 +8,7 @@ under tmp_path; and OCI image layouts built with umoci.
     reg.stop()
 """
 
+import contextlib
 import os
 import re
 import shutil
@@ -62,9 +63,10 @@ def start_registry(tmp_path, timeout=30):
     return Registry(d, m.group(1))
 
 
-def busybox_layout(path, tag="v1", files=None):
+def busybox_layout(path, tag="v1", files=None, writable=()):
     """An OCI image layout at `path` with one image, `tag`: a static busybox
-    as /bin/busybox and /bin/sh, plus `files` ({path in the image: text})."""
+    as /bin/busybox and /bin/sh, plus `files` ({path in the image: text}) and
+    `writable` directories (mode 777: any container user may write there)."""
     need_tools()
     busybox = shutil.which("busybox")
     if busybox is None:
@@ -83,6 +85,29 @@ def busybox_layout(path, tag="v1", files=None):
         os.makedirs(os.path.dirname(target), exist_ok=True)
         with open(target, "w") as f:
             f.write(text)
+    for name in writable:
+        target = os.path.join(rootfs, name.lstrip("/"))
+        os.makedirs(target, exist_ok=True)
+        os.chmod(target, 0o777)
     subprocess.run(["umoci", "repack", "--image", f"{path}:{tag}", bundle], check=True)
     shutil.rmtree(bundle)
     return path
+
+
+@contextlib.contextmanager
+def central_with_agent(tmp_path, registry, layout):
+    """deepnex-central with `registry`, one deepnex-agent (node h1, oci
+    backend) and preset bb:v1 from OCI layout `layout`; yields central's
+    address."""
+    from _agents import Agents, start_central
+    from deepnex import gpu
+    central, address = start_central(tmp_path, flags=("--registry", registry.address))
+    agents = Agents(tmp_path, address)
+    try:
+        agents.registered(agents.start("h1", "h1tok", flags=("--backend", "oci")), "h1")
+        gpu.CentralClient(address, token="admintok", timeout=10).register_image(
+            "bb:v1", str(layout))
+        yield address
+    finally:
+        agents.close()
+        central.stop()

@@ -260,15 +260,11 @@ def test_registry_flag_must_be_host_port(tmp_path):
 def test_a_nodes_agent_pulls_a_registry_image_into_its_own_store_once(tmp_path, registry):
     """Through the deepnex-agent of the allocation's node: the agent pulls,
     into its state directory, on first use only."""
-    from _agents import Agents, client, start_central as start_central_of_agents
-    from _registry import busybox_layout
+    from _agents import client
+    from _registry import busybox_layout, central_with_agent
     oci_or_skip()
     layout = busybox_layout(tmp_path / "layout", files={"/etc/motd": "on h1\n"})
-    central, address = start_central_of_agents(tmp_path, flags=("--registry", registry.address))
-    agents = Agents(tmp_path, address)
-    try:
-        agents.registered(agents.start("h1", "h1tok", flags=("--backend", "oci")), "h1")
-        admin(address).register_image("bb:v1", str(layout))
+    with central_with_agent(tmp_path, registry, layout) as address:
         alice = client(address, "alicetok")
         assert run(alice, "bb:v1", "first", ["busybox", "cat", "/etc/motd"]) == \
             ("exited(0)", "on h1\n")
@@ -278,27 +274,28 @@ def test_a_nodes_agent_pulls_a_registry_image_into_its_own_store_once(tmp_path, 
         pulled = [p.name for p in (tmp_path / "h1").glob("**/oci/pulled/*")]
         assert len(pulled) == 1 and pulled[0].startswith("sha256-"), pulled
         assert not list((tmp_path / "central").glob("**/oci/pulled/*"))
-    finally:
-        agents.close()
-        central.stop()
 
 
-def test_the_debian_python_preset_runs_python(tmp_path, registry):
-    """scripts/build_presets.sh's debian-python (built beforehand: it takes
+@pytest.mark.parametrize("preset,script,expected", [
+    ("debian-python", "import numpy; print(int(numpy.array([1, 1]).sum()))", "2\n"),
+    ("debian-torch", "import torch; print(int(torch.tensor([1, 2]).sum()))", "3\n"),
+], ids=["debian-python", "debian-torch"])
+def test_a_preset_runs_its_framework(tmp_path, registry, preset, script, expected):
+    """scripts/build_presets.sh's presets (built beforehand: they take
     minutes and a Debian mirror), registered, pushed, pulled and run."""
     presets = os.environ.get("DEEPNEX_PRESETS_DIR")
-    if not presets or not os.path.isdir(os.path.join(presets, "debian-python")):
-        pytest.skip("set DEEPNEX_PRESETS_DIR to a directory that "
-                    "`scripts/build_presets.sh DIR debian-python` filled")
+    if not presets or not os.path.isdir(os.path.join(presets, preset)):
+        pytest.skip(f"set DEEPNEX_PRESETS_DIR to a directory that "
+                    f"`scripts/build_presets.sh DIR {preset}` filled")
     oci_or_skip()
     proc, address = start_central_launcher(tmp_path, "--state-dir", str(tmp_path / "state"),
                                            "--registry", registry.address, backend="oci")
     try:
-        # The first start pulls and unpacks ~100 MB within the call.
-        alice = gpu.CentralClient(address, token="alicetok", timeout=300)
-        admin(address).register_image("debian-python", os.path.join(presets, "debian-python"))
-        assert run(alice, "debian-python", "py", [
-            "python3", "-c", "import numpy; print(int(numpy.array([1, 1]).sum()))"]) == \
-            ("exited(0)", "2\n")
+        # The first start pulls and unpacks the image (debian-torch: ~470 MB
+        # compressed) within the call.
+        alice = gpu.CentralClient(address, token="alicetok", timeout=600)
+        root = gpu.CentralClient(address, token="admintok", timeout=600)  # pushes it
+        root.register_image(preset, os.path.join(presets, preset))
+        assert run(alice, preset, "py", ["python3", "-c", script]) == ("exited(0)", expected)
     finally:
         stop_central(proc)

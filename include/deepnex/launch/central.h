@@ -182,6 +182,14 @@ class CentralClient {
   virtual absl::StatusOr<CentralImage> UnshareImage(const std::string& name,
                                                     const std::vector<std::string>& users) = 0;
   virtual absl::StatusOr<CentralImage> RemoveImage(const std::string& name) = 0;
+  // Saves the caller's running oci container `container`'s changes as their
+  // own private image `name` (NAME[:TAG]): one new layer on top of its
+  // image's, in central's registry. NotFound for another user's container,
+  // FailedPrecondition naming the backend for a container not on oci,
+  // InvalidArgument naming a bad `name`, AlreadyExists for an image of the
+  // caller's with that name and tag.
+  virtual absl::StatusOr<CentralImage> Commit(const std::string& container,
+                                              const std::string& name) = 0;
 
   // A session (exec, shell, port-forward) with the caller's running
   // container options.container, where it runs (through its node's

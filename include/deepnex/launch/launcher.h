@@ -236,6 +236,17 @@ class Handle {
   virtual absl::StatusOr<std::unique_ptr<ExecProcess>> Exec(const ExecOptions& options) {
     return absl::UnimplementedError("this launcher has no exec");
   }
+  // Saves the running container's changes to its image's files as image
+  // `image` (docker://HOST:PORT/REPO:TAG): one new layer on top of its
+  // image's, pushed to that registry. Returns the new image's bytes. Only
+  // an oci container whose image came from a registry; FailedPrecondition
+  // naming the backend otherwise, or when it is not running.
+  virtual absl::StatusOr<uint64_t> Commit(const std::string& image) {
+    return absl::FailedPreconditionError("this launcher cannot commit containers");
+  }
+  // The running container's network namespace (a path to open for setns),
+  // where it has one of its own (oci); "" where it shares the host's.
+  virtual absl::StatusOr<std::string> NetworkNamespace() { return std::string(); }
 };
 
 struct OciOptions {

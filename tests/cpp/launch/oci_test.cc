@@ -606,6 +606,57 @@ TEST_F(OciTest, RootfsDirectoryImage) {
   EXPECT_THAT(backend_->Check(spec), StatusIs(absl::StatusCode::kNotFound, HasSubstr("PATH=/bin")));
 }
 
+// A run writes over its image in an overlay layer of its own: the image's
+// files, which every run of it shares, never change.
+TEST_F(OciTest, WritesGoToTheRunsOwnLayer) {
+  const std::string rootfs = dir_ + "/rootfs";
+  absl::Status made = MakeBusyboxRootfs(rootfs);
+  if (absl::IsFailedPrecondition(made)) GTEST_SKIP() << made.message();
+  ASSERT_THAT(made, IsOk());
+  ASSERT_EQ(Bash("echo old > " + rootfs + "/old"), 0);
+  ContainerSpec spec =
+      Spec("w1", {"sh", "-c", "echo new > /new && busybox rm /old && cat /new; ls /"});
+  spec.image = rootfs;
+  spec.env["PATH"] = "/bin";
+  EXPECT_EQ(RunToEnd(spec).second, "new\nbin\ndev\netc\nnew\nproc\nsys\ntmp\n");
+  EXPECT_EQ(Config(spec)["root"], json({{"path", Context(spec).dir + "/rootfs"},
+                                        {"readonly", false}}));
+  spec.name = "w2";
+  spec.command = {"sh", "-c", "cat /old; test -e /new || echo no-new"};
+  EXPECT_EQ(RunToEnd(spec).second, "old\nno-new\n");
+  EXPECT_EQ(ReadFile(rootfs + "/old"), "old\n");
+  EXPECT_FALSE(std::filesystem::exists(rootfs + "/new"));
+}
+
+// A commit adds a layer to its image's: neither the host image (the host's
+// own files) nor a rootfs directory has layers. A forwarded port is dialled
+// in the container's own network namespace.
+TEST_F(OciTest, CommitNeedsARegistryImageAndTheNetworkIsTheContainers) {
+  const std::string rootfs = dir_ + "/rootfs";
+  absl::Status made = MakeBusyboxRootfs(rootfs);
+  if (absl::IsFailedPrecondition(made)) GTEST_SKIP() << made.message();
+  ASSERT_THAT(made, IsOk());
+  const std::string target = "docker://127.0.0.1:1/alice/mine:v1";
+  absl::StatusOr<launch::Run*> host = Start(Spec("c1", {"sleep", "30"}));
+  ASSERT_THAT(host, IsOk());
+  EXPECT_THAT((*host)->Commit(target),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("runs the host image")));
+  absl::StatusOr<std::string> netns = (*host)->NetworkNamespace();
+  ASSERT_THAT(netns, IsOk());
+  struct stat ours, its;
+  ASSERT_EQ(stat("/proc/self/ns/net", &ours), 0);
+  ASSERT_EQ(stat(netns->c_str(), &its), 0) << *netns;
+  EXPECT_NE(ours.st_ino, its.st_ino);
+
+  ContainerSpec spec = Spec("c2", {"busybox", "sleep", "30"});
+  spec.image = rootfs;
+  spec.env["PATH"] = "/bin";
+  absl::StatusOr<launch::Run*> dir = Start(spec);
+  ASSERT_THAT(dir, IsOk());
+  EXPECT_THAT((*dir)->Commit(target), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                               HasSubstr("not from an image registry")));
+}
+
 // chroot's rules: ".." stops at the image's root and an absolute link
 // starts there, whatever the host has at those paths; at most 40 links per
 // lookup, as the kernel allows (checked against it with cat).
@@ -881,6 +932,28 @@ TEST_F(OciTest, PrivateNetworkReachesNoHostPort) {
                                           : "own-loopback\nno-host-port\n");
   }
   close(listener);
+}
+
+// Only an oci container has a layer of changes; a launcher on another
+// backend says which it is (no runc or root needed).
+TEST(LauncherCommit, AProcessContainerHasNoLayerToCommit) {
+  LauncherOptions options;
+  options.backend = "process";
+  absl::StatusOr<std::unique_ptr<Launcher>> launcher = Launcher::Create(options);
+  ASSERT_THAT(launcher, IsOk());
+  ContainerSpec spec;
+  spec.name = "p";
+  spec.command = {"sleep", "30"};
+  absl::StatusOr<std::shared_ptr<Handle>> h = (*launcher)->Start(spec);
+  ASSERT_THAT(h, IsOk());
+  EXPECT_THAT((*h)->Commit("docker://127.0.0.1:1/alice/p:v1"),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_EQ((*h)->Commit("docker://127.0.0.1:1/alice/p:v1").status().message(),
+            "container \"p\" runs on the process backend: only oci containers have a layer of "
+            "changes to commit");
+  EXPECT_THAT((*h)->NetworkNamespace(), IsOk());
+  EXPECT_EQ(*(*h)->NetworkNamespace(), "");  // the host's
+  EXPECT_THAT((*h)->Stop(std::chrono::milliseconds(0)), IsOk());
 }
 
 }  // namespace
