@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
     else if (f == "--min-time") min_time = std::atof(v.c_str());
     else if (f == "--connections") o.connections_per_peer = std::atoi(v.c_str());
     else if (f == "--channels") o.shm_channels = std::atoi(v.c_str());
+    else if (f == "--shm-buffer") o.shm_buffer_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else if (f == "--sizes") {
       for (char* p = std::strtok(v.data(), ","); p; p = std::strtok(nullptr, ","))
         sizes.push_back(std::strtoull(p, nullptr, 10));

@@ -71,8 +71,10 @@ struct CommunicatorOptions {
   int connections_per_peer = 2;
   // cpu backend: parallel shared-memory channels per neighbour. Default: 2
   int shm_channels = 2;
-  // cpu backend: bytes of each shared-memory ring buffer. Default: 4 MiB
-  uint64_t shm_buffer_bytes = 4ull << 20;
+  // cpu backend: bytes of each shared-memory ring buffer: room for a whole
+  // two-rank allreduce of up to 1 MiB, and small enough to stay in cache.
+  // Default: 1 MiB + 64 KiB
+  uint64_t shm_buffer_bytes = (1ull << 20) + (64 << 10);
   // cpu backend: the address other ranks reach this one at. Empty: the
   // local address of the route to the store's host. Default: ""
   std::string host;

@@ -500,6 +500,10 @@ TEST(CommunicatorOptionsTest, FromContext) {
   EXPECT_OK(o.Validate());
 }
 
+TEST(CommunicatorOptionsTest, ShmRingHoldsATwoRankMegabyteAllReduce) {
+  EXPECT_EQ(CommunicatorOptions().shm_buffer_bytes, (1u << 20) + (64u << 10));
+}
+
 TEST(CommunicatorNcclTest, NcclWithoutADeviceIsFailedPrecondition) {
   CommunicatorOptions o;
   o.backend = Backend::kNccl;
