@@ -121,6 +121,63 @@ def test_asha_min_mode_and_skipped_rungs():
     assert a.on_result("d", 4, 99.0) == "continue"  # rung 3 already recorded for d
 
 
+def test_hyperband_brackets_and_their_share_of_the_trials():
+    h = tune.Hyperband(min_t=1, max_t=9, eta=3)
+    # s_max = 2: the paper's n per bracket, ceil(3 * 3^s / (s + 1)) for s = 2, 1, 0.
+    assert h.budgets == [9, 5, 3]
+    assert [b.rungs for b in h.brackets] == [[1, 3], [3], []]
+    assert [h.bracket(i) for i in range(17)] == [0, 1, 0, 2, 0, 1, 0, 0, 1, 2, 0, 1, 0, 0, 2,
+                                                 1, 0]
+    assert [h.bracket(i) for i in range(17, 21)] == [0, 1, 0, 2]   # the next iteration
+    h = tune.Hyperband(min_t=1, max_t=12, eta=3)
+    assert h.budgets == [9, 5, 3] and [b.rungs for b in h.brackets] == [[1, 3, 9], [3, 9], [9]]
+    # 243 = 3^5: six brackets (a floating-point log would say 4.999... and five).
+    h = tune.Hyperband(min_t=1, max_t=243, eta=3)
+    assert len(h.brackets) == 6 and h.brackets[5].rungs == []
+    assert tune.Hyperband(min_t=2, max_t=8, eta=2).budgets == [4, 3, 3]
+    with pytest.raises(InvalidArgumentError, match="eta: 1"):
+        tune.Hyperband(eta=1)
+    with pytest.raises(InvalidArgumentError, match="min_t=5, max_t=4"):
+        tune.Hyperband(min_t=5, max_t=4)
+
+
+def _stops(scheduler, values, max_t):
+    """{trial: the step it stopped at}, each trial reporting its value at
+    steps 1, 2, ... until told to stop."""
+    stops = {}
+    for trial, value in enumerate(values):
+        for t in range(1, max_t + 1):
+            if scheduler.on_result(trial, t, value) == "stop":
+                stops[trial] = t
+                break
+    return stops
+
+
+# Trials 0..6 are in brackets 0, 1, 0, 2, 0, 1, 0 of Hyperband(1, 9, 3).
+_HYPERBAND_VALUES = [0.5, 0.4, 0.3, 0.1, 0.6, 0.2, 0.45]
+
+
+def test_hyperband_judges_each_trial_in_its_bracket_only():
+    h = tune.Hyperband(metric="score", mode="max", min_t=1, max_t=9, eta=3)
+    assert _stops(h, _HYPERBAND_VALUES, 9) == {
+        0: 9,   # bracket 0: first at rungs 1 and 3, runs to max_t
+        1: 9,   # bracket 1: first at its rung 3
+        2: 1,   # bracket 0, rung 1: 0.5 is better
+        3: 9,   # bracket 2 has no rung: the worst trial runs to max_t
+        4: 9,   # bracket 0: best at rungs 1 and 3
+        5: 3,   # bracket 1, rung 3: 0.4 is better (ASHA would have stopped it at 1)
+        6: 1}   # bracket 0, rung 1: 4 values, keep 1
+    assert h.brackets[0].recorded(1) == {0: 0.5, 2: 0.3, 4: 0.6, 6: 0.45}
+    assert h.brackets[0].recorded(3) == {0: 0.5, 4: 0.6}
+    assert h.brackets[1].recorded(3) == {1: 0.4, 5: 0.2}
+    # The same trials under ASHA: every one judged at step 1 against all.
+    assert _stops(tune.ASHA(min_t=1, max_t=9, eta=3), _HYPERBAND_VALUES, 9) == {
+        0: 9, 1: 1, 2: 1, 3: 1, 4: 9, 5: 1, 6: 1}
+    # min: lower is better; trial 3 (bracket 2) still runs to the end.
+    low = tune.Hyperband(mode="min", min_t=1, max_t=9, eta=3)
+    assert _stops(low, _HYPERBAND_VALUES, 9) == {0: 9, 1: 9, 2: 9, 3: 9, 4: 1, 5: 9, 6: 1}
+
+
 # ---- searches with stand-in trials
 
 TRIAL = textwrap.dedent("""
@@ -1120,6 +1177,98 @@ def test_resume_needs_the_same_search(tmp_path):
                  out=io.StringIO())
     assert str(info.value) == (f"resume: space is {{'x': ['value', 2]}}; the search in "
                                f"{tmp_path}/journal.jsonl has {{'x': ['value', 1]}}")
+
+
+HYPERBAND_TRIAL = textwrap.dedent("""
+    import argparse
+    from deepnex import tune
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--epochs", type=int)
+    ap.add_argument("--x", type=float)
+    args = ap.parse_args()
+    for step in range(1, args.epochs + 1):
+        if tune.report(step=step, score=args.x):
+            break
+""")
+
+
+def test_a_hyperband_search_stops_trials_by_bracket_and_a_resume_keeps_its_decisions(
+        tmp_path):
+    script = tmp_path / "hyperband.py"
+    script.write_text(HYPERBAND_TRIAL)
+    command = [sys.executable, str(script), "--epochs", "9"]
+    space = {"x": tune.grid(_HYPERBAND_VALUES)}
+    out, text = tmp_path / "out", io.StringIO()
+    # By name: max_t from the command's --epochs (9), min_t 1, eta 3.
+    results = tune.run(command, space, metric="score", max_concurrent=1, search="random",
+                       scheduler="hyperband", runner=tune.subprocess_runner,
+                       out_dir=str(out), out=text)
+    ended = [(t.id, t.status, t.last["step"]) for t in results.trials]
+    assert ended == [(0, "completed", 9), (1, "completed", 9), (2, "stopped", 1),
+                     (3, "completed", 9), (4, "completed", 9), (5, "stopped", 3),
+                     (6, "stopped", 1)]
+    assert text.getvalue().splitlines()[0].endswith(
+        ", search random, hyperband (steps 1 to 9, eta 3, 3 brackets)")
+    with open(out / "journal.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert records[0]["scheduler"] == {"name": "hyperband", "min_t": 1, "max_t": 9, "eta": 3}
+    assert [r["decision"] for r in records if r["event"] == "report" and r["trial"] == 5] == [
+        "continue", "continue", "stop"]
+    # The driver killed after trial 4 ended: its journal up to there. The
+    # resumed search judges trials 5 and 6 against the rung values of
+    # trials 0-4 (without them trial 5 would be alone at its rung and go on).
+    cut = next(i for i, r in enumerate(records)
+               if r["event"] == "end" and r["trial"] == 4) + 1
+    again = tmp_path / "again"
+    again.mkdir()
+    with open(again / "journal.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records[:cut])
+    results = tune.run(command, space, metric="score", max_concurrent=1, search="random",
+                       scheduler=tune.Hyperband(metric="score", max_t=9), resume=True,
+                       runner=tune.subprocess_runner, out_dir=str(again), out=io.StringIO())
+    assert [(t.id, t.status, t.last["step"]) for t in results.trials] == ended
+    with pytest.raises(InvalidArgumentError) as info:
+        tune.run(command, space, metric="score", search="random", scheduler="asha",
+                 resume=True, out_dir=str(again), out=io.StringIO())
+    assert str(info.value) == (
+        "resume: scheduler is {'name': 'asha', 'min_t': 1, 'max_t': 9, 'eta': 3}; the search "
+        f"in {again}/journal.jsonl has {{'name': 'hyperband', 'min_t': 1, 'max_t': 9, "
+        "'eta': 3}")
+    with pytest.raises(InvalidArgumentError) as info:
+        tune.run(command, space, scheduler="bohb", out_dir=str(tmp_path / "x"))
+    assert str(info.value) == 'scheduler: "bohb" is not one of asha, hyperband, none'
+
+
+def test_cli_scheduler_flag_and_the_older_asha_flags(monkeypatch, capsys):
+    from deepnex.__main__ import main
+    seen = {}
+
+    def fake_run(command, space, **kwargs):
+        seen.update(kwargs)
+        return tune.Results([], kwargs["metric"], kwargs["mode"], "x.csv")
+    monkeypatch.setattr(tune, "run", fake_run)
+    cmd = ["--", "python3", "train.py", "--epochs", "12"]
+    main(["tune", "--space", "x=1", "--scheduler", "hyperband", "--direction", "min"] + cmd)
+    h = seen["scheduler"]
+    assert type(h) is tune.Hyperband and (h.mode, h.max_t, h.min_t, h.eta) == ("min", 12, 1, 3)
+    assert [b.rungs for b in h.brackets] == [[1, 3, 9], [3, 9], [9]]
+    main(["tune", "--space", "x=1", "--scheduler", "hyperband", "--eta", "2", "--min-t", "3",
+          "--max-t", "12"] + cmd)
+    assert [b.rungs for b in seen["scheduler"].brackets] == [[3, 6], [6], []]
+    main(["tune", "--space", "x=1", "--scheduler", "asha"] + cmd)
+    assert type(seen["scheduler"]) is tune.ASHA and seen["scheduler"].rungs == [1, 3, 9]
+    main(["tune", "--space", "x=1", "--asha"] + cmd)
+    assert type(seen["scheduler"]) is tune.ASHA
+    for flags in (["--scheduler", "none"], ["--no-asha"], ["--scheduler", "none", "--no-asha"]):
+        seen.clear()
+        main(["tune", "--space", "x=1"] + flags + cmd)
+        assert seen["scheduler"] is None, flags
+    with pytest.raises(SystemExit) as info:
+        main(["tune", "--space", "x=1", "--scheduler", "hyperband", "--no-asha"] + cmd)
+    assert str(info.value) == "deepnex tune: --scheduler hyperband and --no-asha disagree"
+    with pytest.raises(SystemExit) as info:
+        main(["tune", "--space", "x=1", "--scheduler", "none", "--asha"] + cmd)
+    assert str(info.value) == "deepnex tune: --scheduler none and --asha disagree"
 
 
 # ---- seeing it
