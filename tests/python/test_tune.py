@@ -1039,6 +1039,69 @@ def test_tpe_proposes_the_same_configurations_for_the_same_seed():
     assert sum(late) / len(late) < sum(early) / len(early)
 
 
+def _scripted(i, config):
+    """Trial i's reports and its end, on the rules of _tell_pins: (status,
+    [(step, value)]) as deepnex records it."""
+    v = -abs(math.log10(config["lr"]) + 1) + config["hidden"] / 1000
+    if i == 7:
+        return "failed (score=nan)", [(1, v), (2, math.nan)]
+    kind = ["completed", "stopped", "failed (exit 3)", "completed"][i % 4]
+    return kind, [(step, v * step / 3) for step in range(1, {"stopped": 2}.get(kind, 4))]
+
+
+def _study_record(study):
+    # repr: NaN compares equal to NaN.
+    return [(t.number, t.state.name, repr(t.values), repr(sorted(t.intermediate_values.items())),
+             t.params) for t in study.trials]
+
+
+def test_tpe_gets_what_optunas_own_tpe_gets_from_the_same_trials():
+    """What the sampler is told of each trial, against an Optuna study that
+    runs the same trials itself (the benchmark's peer: trial.report() each
+    step, TrialPruned when stopped, an exception when failed, a NaN pruned):
+    the same states, values and intermediate values, so with the same seed
+    and n_startup_trials TPE proposes the same configurations."""
+    optuna = pytest.importorskip("optuna")
+    space = {"lr": tune.loguniform(1e-3, 1.0), "hidden": tune.choice([16, 32, 64])}
+    sampler = tune._Sampler(space, 15, 3, "tpe")
+    ours = []
+    for i in range(14):
+        config = sampler.config(i)
+        status, reports = _scripted(i, config)
+        trial = tune.Trial(i, config, status, [{"step": s, "score": v} for s, v in reports],
+                           nonfinite=status == "failed (score=nan)")
+        sampler.tell(trial, "score", 1)
+        ours.append(trial)
+
+    peer = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=3))
+
+    def objective(t):
+        config = {"lr": t.suggest_float("lr", 1e-3, 1.0, log=True),
+                  "hidden": t.suggest_categorical("hidden", [16, 32, 64])}
+        status, reports = _scripted(t.number, config)
+        for step, value in reports:
+            t.report(value, step)
+        if status == "stopped" or math.isnan(reports[-1][1]):
+            raise optuna.TrialPruned()
+        if status.startswith("failed"):
+            raise RuntimeError(status)
+        return reports[-1][1]
+    peer.optimize(objective, n_trials=14, catch=(RuntimeError,))
+    assert _study_record(sampler._study) == _study_record(peer)
+    # Trials 0-13 cover every end; 10 start-up trials, then TPE's proposals.
+    assert [t.state.name for t in peer.trials[:8]] == [
+        "COMPLETE", "PRUNED", "FAIL", "COMPLETE", "COMPLETE", "PRUNED", "FAIL", "PRUNED"]
+    assert peer.trials[1].values == [peer.trials[1].intermediate_values[1]]
+    assert [t.config for t in ours] == [t.params for t in peer.trials]
+    assert sampler.config(14) == peer.ask(sampler._dists).params
+    # A resumed search tells its sampler the same history.
+    again = tune._Sampler(space, 14, 3, "tpe")
+    for trial in ours:
+        again.tell(trial, "score", 1)
+    assert ([r[1:] for r in _study_record(again._study)]
+            == [r[1:] for r in _study_record(peer)[:14]])
+
+
 def test_cmaes_and_grid_searches():
     pytest.importorskip("optuna")
     pytest.importorskip("cmaes")
