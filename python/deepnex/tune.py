@@ -29,7 +29,9 @@ resume=True)`` or ``deepnex tune --resume OUT`` continues it after a crash
 or a kill, and ``load(out_dir)``, ``show`` and ``plot`` read it. The
 sampler's history is the trials' configurations and results, told to it
 again on a resume. Trials whose command is ``python SCRIPT.py`` start warm
-(``warm=``): forked from a worker that imported what the script imports.
+(``warm=``): forked from a worker that imported what the script imports;
+a script loads its data once for all of them with ``tune.warm(load_data)``
+in place of ``load_data()`` (see warm()).
 
 A trial gets its configuration as ``--name value`` arguments (underscores in
 names become dashes) and as JSON in $DEEPNEX_TUNE_CONFIG (``get_config()``).
@@ -74,7 +76,7 @@ at once as there are cores, unless max_concurrent says otherwise).
 # status); this module is the public surface and re-exports their names,
 # and the private ones that tests reach through it.
 from ._tune_report import (ENV_ATTEMPT, ENV_CHECKPOINT, ENV_CONFIG, ENV_STORE,  # noqa: F401
-                           ENV_TRIAL, checkpoint_dir, get_config, report)
+                           ENV_TRIAL, checkpoint_dir, get_config, report, warm)
 from ._tune_results import Interrupted, Results, Trial, load
 from ._tune_runners import job_runner, subprocess_runner
 from ._tune_sampler import SEARCHES, _Sampler, default_search  # noqa: F401
@@ -85,7 +87,7 @@ from ._tune_status import _write_results, plot, show  # noqa: F401
 
 __all__ = ["uniform", "loguniform", "randint", "choice", "grid", "ASHA", "Hyperband",
            "SCHEDULERS", "make_scheduler", "run",
-           "report", "get_config", "checkpoint_dir", "generate_configs", "parse_space",
+           "report", "get_config", "checkpoint_dir", "warm", "generate_configs", "parse_space",
            "Trial", "Results", "Interrupted", "job_runner", "subprocess_runner", "load",
            "show", "plot", "default_search", "SEARCHES"]
 

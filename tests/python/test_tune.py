@@ -1493,6 +1493,65 @@ IN_SLOT = textwrap.dedent("""
 """)
 
 
+LOADER = textwrap.dedent("""
+    import os
+    def load(marks, n, scale=1):
+        with open(marks, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        return [scale * i for i in range(n)]
+""")
+
+LOADS = textwrap.dedent("""
+    import os, sys
+    from deepnex import tune
+    from loader import load
+    def local():
+        return 100
+    data = tune.warm(load, {marks!r}, 3, scale=2)
+    assert tune.warm(load, {marks!r}, 3, scale=2) is data   # once a process
+    x = float(sys.argv[sys.argv.index("--x") + 1])
+    print("trial pid", os.getpid())
+    tune.report(step=1, score=sum(data) + x + tune.warm(local))
+""")
+
+
+def test_tune_warm_loads_data_once_in_the_warm_worker_not_per_trial(tmp_path):
+    marks = tmp_path / "loads"
+    (tmp_path / "loader.py").write_text(LOADER)
+    script = tmp_path / "loads.py"
+    script.write_text(LOADS.format(marks=str(marks)))
+
+    def search(name, warm, runner):
+        results = tune.run([sys.executable, str(script)], {"x": tune.grid([1.0, 2.0, 3.0, 4.0])},
+                           metric="score", max_concurrent=2, search="random", warm=warm,
+                           runner=runner, out_dir=str(tmp_path / name), out=io.StringIO())
+        assert [(t.status, t.last["score"]) for t in results.trials] == [
+            ("completed", 107.0), ("completed", 108.0), ("completed", 109.0),
+            ("completed", 110.0)]
+        pids = [open(t.log_path).read().split("trial pid ")[1].split()[0]
+                for t in results.trials]
+        loads = marks.read_text().split()
+        marks.unlink()
+        return pids, loads
+
+    # Warm, in job_runner's slots: the worker loads once, before it forks.
+    pids, loads = search("warm", None, tune.job_runner())
+    assert len(loads) == 1 and loads[0] not in pids
+    log = (tmp_path / "warm" / "warm.log").read_text()
+    assert "warm: tune.warm(load) at line 7 made in " in log
+    assert ("warm: tune.warm(local) at line 11: each trial makes it (the function is not "
+            "one the script imports, or an argument is not a literal: name 'local' is not "
+            "defined)") in log
+    # Cold: each trial loads for itself.
+    pids, loads = search("cold", False, tune.subprocess_runner)
+    assert sorted(loads) == sorted(pids)
+    # Outside a search: once a process for an importable function; a
+    # lambda (or a function of __main__'s) is called each time.
+    assert tune.warm(json.dumps, [1], indent=2) is tune.warm(json.dumps, [1], indent=2)
+    calls = []
+    assert [tune.warm(lambda: calls.append(1) or len(calls)) for _ in range(2)] == [1, 2]
+
+
 def test_a_trial_slot_keeps_its_job_and_warm_worker_across_trials(tmp_path):
     """job_runner's warm trials run one after the other in the same slot:
     the same job (allocation) and warm worker, each trial still with its
