@@ -15,8 +15,8 @@ minimized with --direction min.
 
 Configurations come from --search (tpe by default where Optuna is
 installed); ASHA stops poor trials (on by default; --scheduler hyperband
-or none; --max-t from the command's --epochs). A python SCRIPT.py command runs warm (--cold: fresh
-interpreters).
+or none; --max-t from the command's --epochs). A python SCRIPT.py command
+runs warm (--cold: fresh interpreters).
 
 While trials run, a status table is redrawn in place on a terminal (a line
 per trial start and end otherwise). Ctrl-C or SIGTERM stops the running
