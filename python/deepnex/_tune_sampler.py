@@ -27,7 +27,10 @@ class _Sampler:
     i-th configuration of the seed, however trials interleave). grid: every
     choice() dimension is a grid dimension too. tpe, cmaes: Optuna's sampler
     proposes the sampled dimensions from the trials that ended so far (ask
-    and tell); deepnex runs the trials and decides on stopping them."""
+    and tell); deepnex runs the trials and decides on stopping them. They
+    run with Optuna's defaults, as a study of Optuna's own would (TPE: 10
+    random start-up trials, no constant liar; trials still running are not
+    in the model), seeded with `seed`."""
 
     def __init__(self, space, num_samples, seed, search):
         if search not in SEARCHES:
