@@ -14,9 +14,9 @@ runs each trial as one plain process instead. --metric is maximized, or
 minimized with --direction min.
 
 Configurations come from --search (tpe by default where Optuna is
-installed); ASHA stops poor trials (on by default, --max-t from the
-command's --epochs). A python SCRIPT.py command runs warm (--cold: fresh
-interpreters).
+installed); ASHA stops poor trials (on by default; --scheduler hyperband
+or none; --max-t from the command's --epochs). A python SCRIPT.py command
+runs warm (--cold: fresh interpreters).
 
 While trials run, a status table is redrawn in place on a terminal (a line
 per trial start and end otherwise). Ctrl-C or SIGTERM stops the running
@@ -63,14 +63,16 @@ def _modes(args):
 _RESUME_OWN = ("resume", "retries", "max_concurrent", "func")
 
 
-def _epochs(command):
-    """The value of the training command's --epochs, if it has one."""
-    for i, word in enumerate(command):
-        value = (command[i + 1] if word == "--epochs" and i + 1 < len(command)
-                 else word[len("--epochs="):] if word.startswith("--epochs=") else None)
-        if value is not None and value.isdigit():
-            return int(value)
-    return None
+def _scheduler(args):
+    """--scheduler's value, with --asha / --no-asha (the older spelling)."""
+    # getattr: a search journalled before --scheduler has no such flag.
+    name, asha = getattr(args, "scheduler", None), args.asha
+    if name is not None and asha is not None and name != ("asha" if asha else "none"):
+        raise SystemExit(f"deepnex tune: --scheduler {name} and "
+                         f"--{'' if asha else 'no-'}asha disagree")
+    if name is not None:
+        return name
+    return "none" if asha is False else "asha"
 
 
 def _tune(args):
@@ -112,11 +114,9 @@ def _tune_or_raise(args):
         raise SystemExit(f"deepnex tune: --token and --token-file {args.token_file} were "
                          "both given; give one")
     space = tune.parse_space(args.space)
-    scheduler = None
-    if args.asha:
-        max_t = args.max_t or _epochs(command) or 100
-        scheduler = tune.ASHA(metric=args.metric, mode=direction, min_t=args.min_t,
-                              max_t=max_t, eta=args.eta)
+    scheduler = tune.make_scheduler(_scheduler(args), args.metric, direction,
+                                    args.max_t or tune.command_epochs(command) or 100,
+                                    min_t=args.min_t, eta=args.eta)
     if args.plain:
         runner = tune.subprocess_runner
     else:
@@ -149,7 +149,7 @@ def _tune_or_raise(args):
 def add_commands(commands):
     import argparse
     p = commands.add_parser("tune", help="hyperparameter search (random, grid, TPE, CMA-ES, "
-                                         "ASHA); tune show|plot OUT",
+                                         "ASHA, Hyperband); tune show|plot OUT",
                             description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--space", action="append", default=[], metavar="NAME=EXPR",
@@ -200,19 +200,25 @@ def add_commands(commands):
                         "of random and grid searches; of tpe and cmaes only with "
                         "--max-concurrent 1 (with trials in parallel, what the model has "
                         "seen depends on which ended first)")
-    p.add_argument("--asha", action=argparse.BooleanOptionalAction, default=True,
-                   help="stop poor trials early (ASHA, on by default; --no-asha: every "
-                        "trial runs to its end)")
-    p.add_argument("--min-t", type=int, default=1, help="ASHA's first rung (default 1)")
+    p.add_argument("--scheduler", choices=("asha", "hyperband", "none"), default=None,
+                   help="how poor trials stop early: asha (the default), hyperband "
+                        "(brackets of ASHA that stop trials at different first steps) or "
+                        "none (every trial runs to its end)")
+    p.add_argument("--asha", action=argparse.BooleanOptionalAction, default=None,
+                   help="--asha: --scheduler asha; --no-asha: --scheduler none")
+    p.add_argument("--min-t", type=int, default=1,
+                   help="the scheduler's first rung, in steps (default 1)")
     p.add_argument("--max-t", type=int, default=None,
-                   help="ASHA's budget in steps (default: the command's --epochs, else 100)")
+                   help="the scheduler's budget in steps (default: the command's --epochs, "
+                        "else 100)")
     p.add_argument("--retries", type=int, default=None,
                    help="run a failed trial again up to this many times (default 0)")
     p.add_argument("--resume", default=None, metavar="OUT",
                    help="continue the search in OUT: finished trials are kept, running "
                         "and interrupted ones start again, failed ones are retried "
                         "(--retries)")
-    p.add_argument("--eta", type=int, default=3, help="ASHA's reduction factor (default 3)")
+    p.add_argument("--eta", type=int, default=3,
+                   help="the scheduler's reduction factor (default 3)")
     p.add_argument("--out", default="tune-results",
                    help="results directory (default tune-results)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")

@@ -50,6 +50,41 @@ def checkpoint_dir():
     return path or None
 
 
+# warm()'s results, by call (see _warm_key); a warm worker fills it before it
+# forks the trials, which find them here.
+_warm_results = {}
+
+
+def warm(fn, *args, **kwargs):
+    """fn(*args, **kwargs), e.g. a data set's loading, made once for all
+    the warm trials of a search rather than once per trial: the script opts
+    in by calling ``tune.warm(load_data)`` where it would call
+    ``load_data()``. The warm worker finds such calls in the script (at
+    module level or in a function) and makes them after its imports, before
+    it forks any trial; each trial then gets the result as the worker made
+    it (its memory shared copy-on-write: what a trial changes stays its
+    own). The worker makes a call where fn is a function the script imports
+    (``from digits_common import load_data``; not one the script defines)
+    and the other arguments are literals. Otherwise, in a cold trial and
+    outside a search, the process makes the call itself, once: later calls
+    return the same object."""
+    key = _warm_key(fn, args, kwargs)
+    if key is None:
+        return fn(*args, **kwargs)
+    if key not in _warm_results:
+        _warm_results[key] = fn(*args, **kwargs)
+    return _warm_results[key]
+
+
+def _warm_key(fn, args, kwargs):
+    """What names a warm() call in any process (None for a function that
+    only the script's own run defines: a lambda, one of __main__'s)."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module in (None, "__main__") or "<" in name:
+        return None
+    return (module, name, repr(args), repr(sorted(kwargs.items())))
+
+
 def report(step, timeout=600.0, **metrics):
     """Reports `metrics` at `step` to the search running this trial; returns
     True when the trial should stop. Outside a search: False. Workers without

@@ -27,7 +27,10 @@ class _Sampler:
     i-th configuration of the seed, however trials interleave). grid: every
     choice() dimension is a grid dimension too. tpe, cmaes: Optuna's sampler
     proposes the sampled dimensions from the trials that ended so far (ask
-    and tell); deepnex runs the trials and decides on stopping them."""
+    and tell); deepnex runs the trials and decides on stopping them. They
+    run with Optuna's defaults, as a study of Optuna's own would (TPE: 10
+    random start-up trials, no constant liar; trials still running are not
+    in the model), seeded with `seed`."""
 
     def __init__(self, space, num_samples, seed, search):
         if search not in SEARCHES:
@@ -98,33 +101,44 @@ class _Sampler:
         return config
 
     def tell(self, trial, metric, sign):
-        """What `trial` came to (it ended for good), for the model: a
-        completed trial's value, a stopped one's as pruned with its
-        intermediate values, a failed one as failed. `sign`: 1 when the
-        metric is maximized, -1 when minimized (the study maximizes)."""
+        """What `trial` came to (it ended for good), for the model, as
+        Optuna's study records it when the peer runs the trial itself: its
+        reports as intermediate values (trial.report(value, step) each);
+        completed: COMPLETE with its last value; stopped by the scheduler:
+        PRUNED (Optuna takes the last intermediate value as its value, and
+        TPE ranks it by its last step, then that value); a NaN or infinite
+        metric: PRUNED with NaN at that step (what Optuna's pruners make of
+        a NaN: TPE ranks it last among the trials that reached the step);
+        failed: FAIL. `sign`: 1 when the metric is maximized, -1 when
+        minimized (the study maximizes)."""
         if self._study is None or not self._dists:
             return
         optuna = self._optuna
         State = optuna.trial.TrialState
         steps = {}
         for r in trial.results:
-            v = r.get(metric)
-            if isinstance(v, float) and math.isfinite(v) and isinstance(r.get("step"), int):
-                steps[r["step"]] = sign * v
-        value = steps[max(steps)] if steps else None
-        if trial.status == "completed" and value is not None and not trial.nonfinite:
-            state = State.COMPLETE
-        elif trial.status == "stopped" and value is not None:
+            v, step = r.get(metric), r.get("step")
+            # Optuna's report() takes steps from 0 (ints, by its docs).
+            if isinstance(v, (int, float)) and isinstance(step, int) and step >= 0:
+                steps[step] = sign * v if math.isfinite(v) else math.nan
+        last = steps[max(steps)] if steps else math.nan
+        if trial.status == "completed" and math.isfinite(last) and not trial.nonfinite:
+            state, value = State.COMPLETE, last
+        elif (trial.status == "stopped" and math.isfinite(last)) or trial.nonfinite:
             state, value = State.PRUNED, None
         else:
-            state, value, steps = State.FAIL, None, {}
+            state, value = State.FAIL, None
         asked = self._asked.pop(trial.id, None)
         if asked is not None:
             for step, v in sorted(steps.items()):
                 asked.report(v, step)
             self._study.tell(asked, value, state=state)
             return
-        # A trial from before a resume: its history, as Optuna records it.
+        # A trial from before a resume: its history, as the live tell()
+        # above leaves it in the study (a pruned trial's value its last
+        # intermediate one, where finite).
+        if state == State.PRUNED and math.isfinite(last):
+            value = last
         params = {k: trial.config[k] for k in self._dists}
         self._study.add_trial(optuna.trial.create_trial(
             params=params, distributions=self._dists, value=value, state=state,

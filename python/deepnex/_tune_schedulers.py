@@ -1,6 +1,12 @@
-"""The schedulers of deepnex.tune: which trials stop early (ASHA)."""
+"""The schedulers of deepnex.tune: which trials stop early (ASHA,
+Hyperband), and scheduler= as run() and deepnex tune take it."""
+
+from fractions import Fraction
 
 from .errors import InvalidArgumentError
+
+# The names scheduler= takes (run()'s, and deepnex tune --scheduler's).
+SCHEDULERS = ("asha", "hyperband", "none")
 
 
 class ASHA:
@@ -16,12 +22,7 @@ class ASHA:
     """
 
     def __init__(self, metric="accuracy", mode="max", min_t=1, max_t=100, eta=3):
-        if mode not in ("max", "min"):
-            raise InvalidArgumentError(f'mode: "{mode}" is not max or min')
-        if min_t < 1 or max_t < min_t:
-            raise InvalidArgumentError(f"min_t={min_t}, max_t={max_t}: need 1 <= min_t <= max_t")
-        if eta < 2:
-            raise InvalidArgumentError(f"eta: {eta} must be at least 2")
+        _check(mode, min_t, max_t, eta)
         self.metric, self.mode = metric, mode
         self.min_t, self.max_t, self.eta = min_t, max_t, eta
         self.rungs = []
@@ -30,6 +31,10 @@ class ASHA:
             self.rungs.append(t)
             t *= eta
         self._recorded = {r: {} for r in self.rungs}
+
+    def spec(self):
+        """What the journal keeps of it (a resume must use the same)."""
+        return {"name": "asha", "min_t": self.min_t, "max_t": self.max_t, "eta": self.eta}
 
     def recorded(self, rung):
         """{trial: value} at `rung`."""
@@ -52,3 +57,92 @@ class ASHA:
                 return "stop"
             break
         return "continue"
+
+
+class Hyperband:
+    """Asynchronous Hyperband (Li et al., 2018 and 2020; as Optuna's
+    HyperbandPruner and Ray's HyperBandScheduler): brackets of successive
+    halving that stop trials more or less early, since how early a poor
+    trial shows is not known in advance.
+
+    Bracket k (k = 0 .. s_max, s_max the largest s with min_t * eta^s <=
+    max_t) is an ASHA whose first rung is min_t * eta^k: bracket 0 is
+    ASHA(min_t, max_t, eta), the last judges trials latest (not at all when
+    max_t is a power of eta times min_t). Each trial belongs to one bracket
+    and is judged against that bracket's trials only. Of every
+    sum(budgets) trials (a Hyperband iteration, by trial id), bracket k
+    gets budgets[k] = ceil((s_max + 1) * eta^s / (s + 1)), s = s_max - k
+    (the paper's n for that bracket), spread evenly over the iteration:
+    bracket k's j-th trial sits at (j + 1/2) / budgets[k] of it (ties go to
+    the lower bracket). A trial's bracket is a function of its id, so a
+    resumed search puts it in the same one.
+    """
+
+    def __init__(self, metric="accuracy", mode="max", min_t=1, max_t=100, eta=3):
+        _check(mode, min_t, max_t, eta)
+        self.metric, self.mode = metric, mode
+        self.min_t, self.max_t, self.eta = min_t, max_t, eta
+        s_max = 0
+        while min_t * eta ** (s_max + 1) <= max_t:
+            s_max += 1
+        self.brackets = [ASHA(metric, mode, min_t * eta ** k, max_t, eta)
+                         for k in range(s_max + 1)]
+        self.budgets = [-(-(s_max + 1) * eta ** (s_max - k) // (s_max - k + 1))
+                        for k in range(s_max + 1)]
+        # Exact fractions: the ties fall to the lower bracket on any machine.
+        spots = sorted((Fraction(2 * j + 1, 2 * n), k) for k, n in enumerate(self.budgets)
+                       for j in range(n))
+        self._iteration = [k for _, k in spots]
+
+    def spec(self):
+        """What the journal keeps of it (a resume must use the same)."""
+        return {"name": "hyperband", "min_t": self.min_t, "max_t": self.max_t,
+                "eta": self.eta}
+
+    def bracket(self, trial):
+        """The bracket (an index into brackets) of the trial with id `trial`."""
+        return self._iteration[trial % len(self._iteration)]
+
+    def on_result(self, trial, t, value):
+        """"continue" or "stop" for trial (its id) reporting `value` at step `t`."""
+        return self.brackets[self.bracket(trial)].on_result(trial, t, value)
+
+
+def _check(mode, min_t, max_t, eta):
+    if mode not in ("max", "min"):
+        raise InvalidArgumentError(f'mode: "{mode}" is not max or min')
+    if min_t < 1 or max_t < min_t:
+        raise InvalidArgumentError(f"min_t={min_t}, max_t={max_t}: need 1 <= min_t <= max_t")
+    if eta < 2:
+        raise InvalidArgumentError(f"eta: {eta} must be at least 2")
+
+
+def make_scheduler(name, metric, mode, max_t, min_t=1, eta=3):
+    """The scheduler that scheduler=`name` (one of SCHEDULERS) means."""
+    if name not in SCHEDULERS:
+        raise InvalidArgumentError(f'scheduler: "{name}" is not one of {", ".join(SCHEDULERS)}')
+    if name == "none":
+        return None
+    cls = ASHA if name == "asha" else Hyperband
+    return cls(metric=metric, mode=mode, min_t=min_t, max_t=max_t, eta=eta)
+
+
+def scheduler_spec(scheduler):
+    """The journal's record of a scheduler: None, its spec(), or for one
+    of the caller's own, its class name."""
+    if scheduler is None:
+        return None
+    spec = getattr(scheduler, "spec", None)
+    return spec() if spec is not None else {"name": type(scheduler).__name__}
+
+
+def scheduler_label(scheduler):
+    """The scheduler, in the search's first line: "" for none."""
+    spec = scheduler_spec(scheduler)
+    if spec is None:
+        return ""
+    if "eta" not in spec:
+        return f", scheduler {spec['name']}"
+    brackets = getattr(scheduler, "brackets", None)
+    return (f", {spec['name']} (steps {spec['min_t']} to {spec['max_t']}, eta {spec['eta']}"
+            + (f", {len(brackets)} brackets)" if brackets is not None else ")"))

@@ -15,10 +15,21 @@ from ._tune_report import ENV_ATTEMPT, ENV_CHECKPOINT, ENV_CONFIG, ENV_STORE, EN
 from ._tune_results import Interrupted, Results, Trial, _finite, _trials_of
 from ._tune_runners import job_runner, subprocess_runner
 from ._tune_sampler import _Sampler, default_search
+from ._tune_schedulers import make_scheduler, scheduler_label, scheduler_spec
 from ._tune_space import _space_json
 from ._tune_status import _Status, _write_results
 from .errors import (AlreadyExistsError, CancelledError, DeadlineExceededError,
                      FailedPreconditionError, InvalidArgumentError, NotFoundError)
+
+
+def command_epochs(command):
+    """The value of the training command's --epochs, if it has one."""
+    for i, word in enumerate(command):
+        value = (command[i + 1] if word == "--epochs" and i + 1 < len(command)
+                 else word[len("--epochs="):] if word.startswith("--epochs=") else None)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
 
 
 def _config_args(config):
@@ -345,8 +356,11 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
     same seed whatever the timing; tpe and cmaes only when trials run one
     at a time (max_concurrent=1): with several at once, which results the
     model has seen when it proposes depends on which trials ended first.
-    scheduler: ASHA(...) or None (every trial runs to its end). A trial that
-    goes on running stop_grace seconds after being told to stop is killed.
+    scheduler: ASHA(...), Hyperband(...), or by name "asha" or "hyperband"
+    (min_t 1, eta 3, max_t the command's --epochs, else 100), or None or
+    "none" (every trial runs to its end). Its decisions are journalled, and
+    a resume needs the same scheduler. A trial that goes on running
+    stop_grace seconds after being told to stop is killed.
     runner: how a trial starts (default job_runner(): a 1-worker allreduce
     job). max_concurrent: a limit of the search's own; None: as many trials
     at once as the runner admits (job_runner: what fits on the machine;
@@ -384,6 +398,8 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
     if retries < 0:
         raise InvalidArgumentError(f"retries: {retries} must be at least 0")
     warm = _warm_wanted(command, warm)
+    if isinstance(scheduler, str):
+        scheduler = make_scheduler(scheduler, metric, mode, command_epochs(command) or 100)
     if max_concurrent is None and runner is subprocess_runner:
         max_concurrent = os.cpu_count() or 1
     out = out or sys.stdout
@@ -392,7 +408,7 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
     sampler = _Sampler(space, num_samples, seed, search)
     head = {"event": "search", "command": list(command), "space": _space_json(space),
             "metric": metric, "mode": mode, "num_samples": num_samples, "seed": seed,
-            "search": search}
+            "search": search, "scheduler": scheduler_spec(scheduler)}
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, _tune_journal.JOURNAL)
     trials = []
@@ -482,7 +498,8 @@ def _run_trials(search, trials, max_concurrent, signals):
     done = len(trials) - len(again)
     resumed = f" ({done} finished before, {len(again)} to run again)" if trials else ""
     search.status.say(f"tune: {search.sampler.total} trials{resumed}, {at_once}, metric "
-                      f"{search.metric} ({search.mode}), {search.sampler.label}")
+                      f"{search.metric} ({search.mode}), {search.sampler.label}"
+                      f"{scheduler_label(search.scheduler)}")
     slots = threading.Semaphore(max_concurrent or max(1, search.sampler.total))
     threads = []
 

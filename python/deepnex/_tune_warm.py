@@ -12,7 +12,8 @@ modules that SCRIPT imports anywhere (torch, numpy, its own sibling modules
 and theirs), then forks one child per request. It has no threads and no
 deepnex store or connection when it forks (it checks its threads: with more
 than one a fork could copy a held lock, and it declines, so the trial runs
-cold).
+cold). Before that it makes the script's tune.warm(fn, ...) calls (data
+loaded once for all the trials; see deepnex.tune.warm).
 
 "run" takes the trial's place wherever the trial's command would run (as
 a plain process, or as a job's worker): it hands its environment, working
@@ -219,6 +220,67 @@ def _imports(script):
     return list(dict.fromkeys(names))
 
 
+def _make_warm_calls(script):
+    """Makes the script's tune.warm(fn, literal arguments) calls (see
+    deepnex.tune.warm), fn found among the script's imports, so that the
+    trials forked after find their results made."""
+    import ast
+    import time
+    with open(script) as f:
+        tree = ast.parse(f.read(), script)
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and _is_warm(node.func) and node.args]
+    if not calls:
+        return
+    from deepnex import _tune_report
+    # The names the script imports, as it binds them.
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0):
+            try:
+                exec(compile(ast.Module([node], []), script, "exec"), names)
+            except Exception:  # noqa: BLE001 - serve() has said why the import failed
+                pass
+    for call in calls:
+        what = f"tune.warm({ast.unparse(call.args[0])}) at line {call.lineno}"
+        try:
+            if not _is_dotted(call.args[0]):
+                raise ValueError("not a function's name")
+            fn = eval(compile(ast.Expression(call.args[0]), script, "eval"), names)
+            args = [ast.literal_eval(a) for a in call.args[1:]]
+            kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg}
+            if len(kwargs) != len(call.keywords) or _tune_report._warm_key(fn, (), {}) is None:
+                raise ValueError("not an imported function")
+        except (NameError, AttributeError, ValueError, TypeError, SyntaxError) as e:
+            print(f"warm: {what}: each trial makes it (the function is not one the script "
+                  f"imports, or an argument is not a literal: {e})", flush=True)
+            continue
+        start = time.monotonic()
+        try:
+            _tune_report.warm(fn, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - each trial will make it, and say it
+            print(f"warm: {what}: {type(e).__name__}: {e}", flush=True)
+            continue
+        print(f"warm: {what} made in {time.monotonic() - start:.2f} s", flush=True)
+
+
+def _is_warm(func):
+    """Whether a call's function reads as tune.warm (or a bare warm)."""
+    import ast
+    if isinstance(func, ast.Name):
+        return func.id == "warm"
+    return (isinstance(func, ast.Attribute) and func.attr == "warm"
+            and _is_dotted(func.value) and ast.unparse(func.value).split(".")[-1] == "tune")
+
+
+def _is_dotted(node):
+    """Whether node is a name or a dotted name (a.b.c)."""
+    import ast
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name)
+
+
 def _threads():
     return len(os.listdir("/proc/self/task"))
 
@@ -252,6 +314,7 @@ def serve(path, script):
         if os.path.dirname(os.path.abspath(path)) == here and path not in scanned:
             scanned.add(path)
             names += [n for n in _imports(path) if n not in sys.modules]
+    _make_warm_calls(script)
     threads = _threads()
     unsafe = (f"the warm worker has {threads} threads after importing what {script} "
               "imports; forking it could copy a lock held by another thread"

@@ -29,16 +29,21 @@ resume=True)`` or ``deepnex tune --resume OUT`` continues it after a crash
 or a kill, and ``load(out_dir)``, ``show`` and ``plot`` read it. The
 sampler's history is the trials' configurations and results, told to it
 again on a resume. Trials whose command is ``python SCRIPT.py`` start warm
-(``warm=``): forked from a worker that imported what the script imports.
+(``warm=``): forked from a worker that imported what the script imports;
+a script loads its data once for all of them with ``tune.warm(load_data)``
+in place of ``load_data()`` (see warm()).
 
 A trial gets its configuration as ``--name value`` arguments (underscores in
 names become dashes) and as JSON in $DEEPNEX_TUNE_CONFIG (``get_config()``).
 The training script calls ``deepnex.tune.report(step=epoch, accuracy=acc)``:
 the metrics travel through a deepnex.collective.Store served by the search,
-and the call returns True when the scheduler (ASHA) stops the trial, which
-should then end. Outside a search report() does nothing and returns False.
-In a multi-worker trial every worker calls report() at the same steps, one of
-them (rank 0) with the metrics: all of them get the same answer.
+and the call returns True when the scheduler stops the trial, which should
+then end: ``ASHA(...)`` (asynchronous successive halving) or
+``Hyperband(...)`` (brackets of it that judge trials first at different
+steps), or by name, ``scheduler="asha"`` or ``"hyperband"``. Outside a
+search report() does nothing and returns False. In a multi-worker trial
+every worker calls report() at the same steps, one of them (rank 0) with
+the metrics: all of them get the same answer.
 
 While trials run, the search shows their status (trial, state, last
 metric, parameters): a table redrawn in place on a terminal, otherwise a
@@ -71,22 +76,23 @@ at once as there are cores, unless max_concurrent says otherwise).
 # status); this module is the public surface and re-exports their names,
 # and the private ones that tests reach through it.
 from ._tune_report import (ENV_ATTEMPT, ENV_CHECKPOINT, ENV_CONFIG, ENV_STORE,  # noqa: F401
-                           ENV_TRIAL, checkpoint_dir, get_config, report)
+                           ENV_TRIAL, checkpoint_dir, get_config, report, warm)
 from ._tune_results import Interrupted, Results, Trial, load
 from ._tune_runners import job_runner, subprocess_runner
 from ._tune_sampler import SEARCHES, _Sampler, default_search  # noqa: F401
-from ._tune_schedulers import ASHA
-from ._tune_search import _config_args, _Search, _Warm, run  # noqa: F401
+from ._tune_schedulers import ASHA, SCHEDULERS, Hyperband, make_scheduler
+from ._tune_search import _config_args, _Search, _Warm, command_epochs, run  # noqa: F401
 from ._tune_space import choice, generate_configs, grid, loguniform, parse_space, randint, uniform
 from ._tune_status import _write_results, plot, show  # noqa: F401
 
-__all__ = ["uniform", "loguniform", "randint", "choice", "grid", "ASHA", "run",
-           "report", "get_config", "checkpoint_dir", "generate_configs", "parse_space",
+__all__ = ["uniform", "loguniform", "randint", "choice", "grid", "ASHA", "Hyperband",
+           "SCHEDULERS", "make_scheduler", "run",
+           "report", "get_config", "checkpoint_dir", "warm", "generate_configs", "parse_space",
            "Trial", "Results", "Interrupted", "job_runner", "subprocess_runner", "load",
            "show", "plot", "default_search", "SEARCHES"]
 
 # The public classes read as deepnex.tune's (in reprs, tracebacks and help()),
 # where they were defined before the split.
-for _cls in (ASHA, Trial, Results, Interrupted):
+for _cls in (ASHA, Hyperband, Trial, Results, Interrupted):
     _cls.__module__ = __name__
 del _cls

@@ -121,6 +121,63 @@ def test_asha_min_mode_and_skipped_rungs():
     assert a.on_result("d", 4, 99.0) == "continue"  # rung 3 already recorded for d
 
 
+def test_hyperband_brackets_and_their_share_of_the_trials():
+    h = tune.Hyperband(min_t=1, max_t=9, eta=3)
+    # s_max = 2: the paper's n per bracket, ceil(3 * 3^s / (s + 1)) for s = 2, 1, 0.
+    assert h.budgets == [9, 5, 3]
+    assert [b.rungs for b in h.brackets] == [[1, 3], [3], []]
+    assert [h.bracket(i) for i in range(17)] == [0, 1, 0, 2, 0, 1, 0, 0, 1, 2, 0, 1, 0, 0, 2,
+                                                 1, 0]
+    assert [h.bracket(i) for i in range(17, 21)] == [0, 1, 0, 2]   # the next iteration
+    h = tune.Hyperband(min_t=1, max_t=12, eta=3)
+    assert h.budgets == [9, 5, 3] and [b.rungs for b in h.brackets] == [[1, 3, 9], [3, 9], [9]]
+    # 243 = 3^5: six brackets (a floating-point log would say 4.999... and five).
+    h = tune.Hyperband(min_t=1, max_t=243, eta=3)
+    assert len(h.brackets) == 6 and h.brackets[5].rungs == []
+    assert tune.Hyperband(min_t=2, max_t=8, eta=2).budgets == [4, 3, 3]
+    with pytest.raises(InvalidArgumentError, match="eta: 1"):
+        tune.Hyperband(eta=1)
+    with pytest.raises(InvalidArgumentError, match="min_t=5, max_t=4"):
+        tune.Hyperband(min_t=5, max_t=4)
+
+
+def _stops(scheduler, values, max_t):
+    """{trial: the step it stopped at}, each trial reporting its value at
+    steps 1, 2, ... until told to stop."""
+    stops = {}
+    for trial, value in enumerate(values):
+        for t in range(1, max_t + 1):
+            if scheduler.on_result(trial, t, value) == "stop":
+                stops[trial] = t
+                break
+    return stops
+
+
+# Trials 0..6 are in brackets 0, 1, 0, 2, 0, 1, 0 of Hyperband(1, 9, 3).
+_HYPERBAND_VALUES = [0.5, 0.4, 0.3, 0.1, 0.6, 0.2, 0.45]
+
+
+def test_hyperband_judges_each_trial_in_its_bracket_only():
+    h = tune.Hyperband(metric="score", mode="max", min_t=1, max_t=9, eta=3)
+    assert _stops(h, _HYPERBAND_VALUES, 9) == {
+        0: 9,   # bracket 0: first at rungs 1 and 3, runs to max_t
+        1: 9,   # bracket 1: first at its rung 3
+        2: 1,   # bracket 0, rung 1: 0.5 is better
+        3: 9,   # bracket 2 has no rung: the worst trial runs to max_t
+        4: 9,   # bracket 0: best at rungs 1 and 3
+        5: 3,   # bracket 1, rung 3: 0.4 is better (ASHA would have stopped it at 1)
+        6: 1}   # bracket 0, rung 1: 4 values, keep 1
+    assert h.brackets[0].recorded(1) == {0: 0.5, 2: 0.3, 4: 0.6, 6: 0.45}
+    assert h.brackets[0].recorded(3) == {0: 0.5, 4: 0.6}
+    assert h.brackets[1].recorded(3) == {1: 0.4, 5: 0.2}
+    # The same trials under ASHA: every one judged at step 1 against all.
+    assert _stops(tune.ASHA(min_t=1, max_t=9, eta=3), _HYPERBAND_VALUES, 9) == {
+        0: 9, 1: 1, 2: 1, 3: 1, 4: 9, 5: 1, 6: 1}
+    # min: lower is better; trial 3 (bracket 2) still runs to the end.
+    low = tune.Hyperband(mode="min", min_t=1, max_t=9, eta=3)
+    assert _stops(low, _HYPERBAND_VALUES, 9) == {0: 9, 1: 9, 2: 9, 3: 9, 4: 1, 5: 9, 6: 1}
+
+
 # ---- searches with stand-in trials
 
 TRIAL = textwrap.dedent("""
@@ -982,6 +1039,69 @@ def test_tpe_proposes_the_same_configurations_for_the_same_seed():
     assert sum(late) / len(late) < sum(early) / len(early)
 
 
+def _scripted(i, config):
+    """Trial i's reports and its end, on the rules of _tell_pins: (status,
+    [(step, value)]) as deepnex records it."""
+    v = -abs(math.log10(config["lr"]) + 1) + config["hidden"] / 1000
+    if i == 7:
+        return "failed (score=nan)", [(1, v), (2, math.nan)]
+    kind = ["completed", "stopped", "failed (exit 3)", "completed"][i % 4]
+    return kind, [(step, v * step / 3) for step in range(1, {"stopped": 2}.get(kind, 4))]
+
+
+def _study_record(study):
+    # repr: NaN compares equal to NaN.
+    return [(t.number, t.state.name, repr(t.values), repr(sorted(t.intermediate_values.items())),
+             t.params) for t in study.trials]
+
+
+def test_tpe_gets_what_optunas_own_tpe_gets_from_the_same_trials():
+    """What the sampler is told of each trial, against an Optuna study that
+    runs the same trials itself (the benchmark's peer: trial.report() each
+    step, TrialPruned when stopped, an exception when failed, a NaN pruned):
+    the same states, values and intermediate values, so with the same seed
+    and n_startup_trials TPE proposes the same configurations."""
+    optuna = pytest.importorskip("optuna")
+    space = {"lr": tune.loguniform(1e-3, 1.0), "hidden": tune.choice([16, 32, 64])}
+    sampler = tune._Sampler(space, 15, 3, "tpe")
+    ours = []
+    for i in range(14):
+        config = sampler.config(i)
+        status, reports = _scripted(i, config)
+        trial = tune.Trial(i, config, status, [{"step": s, "score": v} for s, v in reports],
+                           nonfinite=status == "failed (score=nan)")
+        sampler.tell(trial, "score", 1)
+        ours.append(trial)
+
+    peer = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=3))
+
+    def objective(t):
+        config = {"lr": t.suggest_float("lr", 1e-3, 1.0, log=True),
+                  "hidden": t.suggest_categorical("hidden", [16, 32, 64])}
+        status, reports = _scripted(t.number, config)
+        for step, value in reports:
+            t.report(value, step)
+        if status == "stopped" or math.isnan(reports[-1][1]):
+            raise optuna.TrialPruned()
+        if status.startswith("failed"):
+            raise RuntimeError(status)
+        return reports[-1][1]
+    peer.optimize(objective, n_trials=14, catch=(RuntimeError,))
+    assert _study_record(sampler._study) == _study_record(peer)
+    # Trials 0-13 cover every end; 10 start-up trials, then TPE's proposals.
+    assert [t.state.name for t in peer.trials[:8]] == [
+        "COMPLETE", "PRUNED", "FAIL", "COMPLETE", "COMPLETE", "PRUNED", "FAIL", "PRUNED"]
+    assert peer.trials[1].values == [peer.trials[1].intermediate_values[1]]
+    assert [t.config for t in ours] == [t.params for t in peer.trials]
+    assert sampler.config(14) == peer.ask(sampler._dists).params
+    # A resumed search tells its sampler the same history.
+    again = tune._Sampler(space, 14, 3, "tpe")
+    for trial in ours:
+        again.tell(trial, "score", 1)
+    assert ([r[1:] for r in _study_record(again._study)]
+            == [r[1:] for r in _study_record(peer)[:14]])
+
+
 def test_cmaes_and_grid_searches():
     pytest.importorskip("optuna")
     pytest.importorskip("cmaes")
@@ -1120,6 +1240,98 @@ def test_resume_needs_the_same_search(tmp_path):
                  out=io.StringIO())
     assert str(info.value) == (f"resume: space is {{'x': ['value', 2]}}; the search in "
                                f"{tmp_path}/journal.jsonl has {{'x': ['value', 1]}}")
+
+
+HYPERBAND_TRIAL = textwrap.dedent("""
+    import argparse
+    from deepnex import tune
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--epochs", type=int)
+    ap.add_argument("--x", type=float)
+    args = ap.parse_args()
+    for step in range(1, args.epochs + 1):
+        if tune.report(step=step, score=args.x):
+            break
+""")
+
+
+def test_a_hyperband_search_stops_trials_by_bracket_and_a_resume_keeps_its_decisions(
+        tmp_path):
+    script = tmp_path / "hyperband.py"
+    script.write_text(HYPERBAND_TRIAL)
+    command = [sys.executable, str(script), "--epochs", "9"]
+    space = {"x": tune.grid(_HYPERBAND_VALUES)}
+    out, text = tmp_path / "out", io.StringIO()
+    # By name: max_t from the command's --epochs (9), min_t 1, eta 3.
+    results = tune.run(command, space, metric="score", max_concurrent=1, search="random",
+                       scheduler="hyperband", runner=tune.subprocess_runner,
+                       out_dir=str(out), out=text)
+    ended = [(t.id, t.status, t.last["step"]) for t in results.trials]
+    assert ended == [(0, "completed", 9), (1, "completed", 9), (2, "stopped", 1),
+                     (3, "completed", 9), (4, "completed", 9), (5, "stopped", 3),
+                     (6, "stopped", 1)]
+    assert text.getvalue().splitlines()[0].endswith(
+        ", search random, hyperband (steps 1 to 9, eta 3, 3 brackets)")
+    with open(out / "journal.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert records[0]["scheduler"] == {"name": "hyperband", "min_t": 1, "max_t": 9, "eta": 3}
+    assert [r["decision"] for r in records if r["event"] == "report" and r["trial"] == 5] == [
+        "continue", "continue", "stop"]
+    # The driver killed after trial 4 ended: its journal up to there. The
+    # resumed search judges trials 5 and 6 against the rung values of
+    # trials 0-4 (without them trial 5 would be alone at its rung and go on).
+    cut = next(i for i, r in enumerate(records)
+               if r["event"] == "end" and r["trial"] == 4) + 1
+    again = tmp_path / "again"
+    again.mkdir()
+    with open(again / "journal.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records[:cut])
+    results = tune.run(command, space, metric="score", max_concurrent=1, search="random",
+                       scheduler=tune.Hyperband(metric="score", max_t=9), resume=True,
+                       runner=tune.subprocess_runner, out_dir=str(again), out=io.StringIO())
+    assert [(t.id, t.status, t.last["step"]) for t in results.trials] == ended
+    with pytest.raises(InvalidArgumentError) as info:
+        tune.run(command, space, metric="score", search="random", scheduler="asha",
+                 resume=True, out_dir=str(again), out=io.StringIO())
+    assert str(info.value) == (
+        "resume: scheduler is {'name': 'asha', 'min_t': 1, 'max_t': 9, 'eta': 3}; the search "
+        f"in {again}/journal.jsonl has {{'name': 'hyperband', 'min_t': 1, 'max_t': 9, "
+        "'eta': 3}")
+    with pytest.raises(InvalidArgumentError) as info:
+        tune.run(command, space, scheduler="bohb", out_dir=str(tmp_path / "x"))
+    assert str(info.value) == 'scheduler: "bohb" is not one of asha, hyperband, none'
+
+
+def test_cli_scheduler_flag_and_the_older_asha_flags(monkeypatch, capsys):
+    from deepnex.__main__ import main
+    seen = {}
+
+    def fake_run(command, space, **kwargs):
+        seen.update(kwargs)
+        return tune.Results([], kwargs["metric"], kwargs["mode"], "x.csv")
+    monkeypatch.setattr(tune, "run", fake_run)
+    cmd = ["--", "python3", "train.py", "--epochs", "12"]
+    main(["tune", "--space", "x=1", "--scheduler", "hyperband", "--direction", "min"] + cmd)
+    h = seen["scheduler"]
+    assert type(h) is tune.Hyperband and (h.mode, h.max_t, h.min_t, h.eta) == ("min", 12, 1, 3)
+    assert [b.rungs for b in h.brackets] == [[1, 3, 9], [3, 9], [9]]
+    main(["tune", "--space", "x=1", "--scheduler", "hyperband", "--eta", "2", "--min-t", "3",
+          "--max-t", "12"] + cmd)
+    assert [b.rungs for b in seen["scheduler"].brackets] == [[3, 6], [6], []]
+    main(["tune", "--space", "x=1", "--scheduler", "asha"] + cmd)
+    assert type(seen["scheduler"]) is tune.ASHA and seen["scheduler"].rungs == [1, 3, 9]
+    main(["tune", "--space", "x=1", "--asha"] + cmd)
+    assert type(seen["scheduler"]) is tune.ASHA
+    for flags in (["--scheduler", "none"], ["--no-asha"], ["--scheduler", "none", "--no-asha"]):
+        seen.clear()
+        main(["tune", "--space", "x=1"] + flags + cmd)
+        assert seen["scheduler"] is None, flags
+    with pytest.raises(SystemExit) as info:
+        main(["tune", "--space", "x=1", "--scheduler", "hyperband", "--no-asha"] + cmd)
+    assert str(info.value) == "deepnex tune: --scheduler hyperband and --no-asha disagree"
+    with pytest.raises(SystemExit) as info:
+        main(["tune", "--space", "x=1", "--scheduler", "none", "--asha"] + cmd)
+    assert str(info.value) == "deepnex tune: --scheduler none and --asha disagree"
 
 
 # ---- seeing it
@@ -1279,6 +1491,65 @@ IN_SLOT = textwrap.dedent("""
     print("last line", flush=True)
     sys.exit(int(x) % 2 * 5)
 """)
+
+
+LOADER = textwrap.dedent("""
+    import os
+    def load(marks, n, scale=1):
+        with open(marks, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        return [scale * i for i in range(n)]
+""")
+
+LOADS = textwrap.dedent("""
+    import os, sys
+    from deepnex import tune
+    from loader import load
+    def local():
+        return 100
+    data = tune.warm(load, {marks!r}, 3, scale=2)
+    assert tune.warm(load, {marks!r}, 3, scale=2) is data   # once a process
+    x = float(sys.argv[sys.argv.index("--x") + 1])
+    print("trial pid", os.getpid())
+    tune.report(step=1, score=sum(data) + x + tune.warm(local))
+""")
+
+
+def test_tune_warm_loads_data_once_in_the_warm_worker_not_per_trial(tmp_path):
+    marks = tmp_path / "loads"
+    (tmp_path / "loader.py").write_text(LOADER)
+    script = tmp_path / "loads.py"
+    script.write_text(LOADS.format(marks=str(marks)))
+
+    def search(name, warm, runner):
+        results = tune.run([sys.executable, str(script)], {"x": tune.grid([1.0, 2.0, 3.0, 4.0])},
+                           metric="score", max_concurrent=2, search="random", warm=warm,
+                           runner=runner, out_dir=str(tmp_path / name), out=io.StringIO())
+        assert [(t.status, t.last["score"]) for t in results.trials] == [
+            ("completed", 107.0), ("completed", 108.0), ("completed", 109.0),
+            ("completed", 110.0)]
+        pids = [open(t.log_path).read().split("trial pid ")[1].split()[0]
+                for t in results.trials]
+        loads = marks.read_text().split()
+        marks.unlink()
+        return pids, loads
+
+    # Warm, in job_runner's slots: the worker loads once, before it forks.
+    pids, loads = search("warm", None, tune.job_runner())
+    assert len(loads) == 1 and loads[0] not in pids
+    log = (tmp_path / "warm" / "warm.log").read_text()
+    assert "warm: tune.warm(load) at line 7 made in " in log
+    assert ("warm: tune.warm(local) at line 11: each trial makes it (the function is not "
+            "one the script imports, or an argument is not a literal: name 'local' is not "
+            "defined)") in log
+    # Cold: each trial loads for itself.
+    pids, loads = search("cold", False, tune.subprocess_runner)
+    assert sorted(loads) == sorted(pids)
+    # Outside a search: once a process for an importable function; a
+    # lambda (or a function of __main__'s) is called each time.
+    assert tune.warm(json.dumps, [1], indent=2) is tune.warm(json.dumps, [1], indent=2)
+    calls = []
+    assert [tune.warm(lambda: calls.append(1) or len(calls)) for _ in range(2)] == [1, 2]
 
 
 def test_a_trial_slot_keeps_its_job_and_warm_worker_across_trials(tmp_path):
