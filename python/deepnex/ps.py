@@ -275,15 +275,20 @@ class Client:
     worker_id: 0..num_workers-1, or -1 for an observer that only reads.
     timeout: seconds for each operation (retries on Unavailable included);
     retry_backoff: the first pause before a retry, doubling each time.
-    A server on this host moves the values through shared memory, others by
-    TCP; DEEPNEX_PS_TRANSPORT=tcp|shm|auto forces one.
+    transport: "auto" (a server on this host moves the values through shared
+    memory, others by TCP), "tcp", or "shm" (an error when a server cannot
+    give shared memory); DEEPNEX_PS_TRANSPORT=tcp|shm|auto, when set,
+    overrides it. shm_bytes: the segment asked of each server on this host
+    (an int or a size such as "64MiB"); a request that finds no room in it
+    goes by TCP.
     """
 
     def __init__(self, servers, worker_id=_CLIENT.worker_id,
                  partition_bytes=_CLIENT.partition_bytes, request_bytes=_CLIENT.request_bytes,
                  timeout=_CLIENT.timeout, connections_per_server=_CLIENT.connections_per_server,
                  token=None, token_file=None, tls_ca_file=None, heartbeat=_CLIENT.heartbeat,
-                 retry_backoff=_CLIENT.retry_backoff):
+                 retry_backoff=_CLIENT.retry_backoff, transport=_CLIENT.transport,
+                 shm_bytes=_CLIENT.shm_bytes):
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
         self._client = _C.ps.Client(options(
@@ -293,7 +298,9 @@ class Client:
             timeout=float(timeout), connections_per_server=connections_per_server,
             token=token or "", token_file=token_file or "",
             tls_ca_file=tls_ca_file or "", heartbeat=heartbeat,
-            retry_backoff=float(retry_backoff)))
+            retry_backoff=float(retry_backoff),
+            # str(): a value of another type is refused naming it too.
+            transport=str(transport), shm_bytes=byte_size(shm_bytes, "shm_bytes")))
         self._shapes = {}
 
     @property

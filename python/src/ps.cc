@@ -169,7 +169,13 @@ void RegisterPs(py::module_& parent) {
       .def_readwrite("token", &ClientOptions::token)
       .def_readwrite("token_file", &ClientOptions::token_file)
       .def_readwrite("tls_ca_file", &ClientOptions::tls_ca_file)
-      .def_readwrite("heartbeat", &ClientOptions::heartbeat);
+      .def_readwrite("heartbeat", &ClientOptions::heartbeat)
+      .def_property(
+          "transport", [](const ClientOptions& o) { return ps::TransportName(o.transport); },
+          [](ClientOptions& o, const std::string& name) {
+            o.transport = Unwrap(ps::ParseTransport(name));
+          })
+      .def_readwrite("shm_bytes", &ClientOptions::shm_bytes);
   DefSeconds(client_options, "timeout", &ClientOptions::timeout, Millis);
   DefSeconds(client_options, "retry_backoff", &ClientOptions::retry_backoff, Millis);
 

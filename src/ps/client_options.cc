@@ -5,10 +5,19 @@
 
 namespace deepnex::ps {
 
+const char* TransportName(Transport transport) {
+  switch (transport) {
+    case Transport::kAuto: return "auto";
+    case Transport::kTcp: return "tcp";
+    case Transport::kShm: return "shm";
+  }
+  return "?";
+}
+
 absl::StatusOr<Transport> ParseTransport(const std::string& name) {
-  if (name == "auto") return Transport::kAuto;
-  if (name == "tcp") return Transport::kTcp;
-  if (name == "shm") return Transport::kShm;
+  for (Transport t : {Transport::kAuto, Transport::kTcp, Transport::kShm}) {
+    if (name == TransportName(t)) return t;
+  }
   return absl::InvalidArgumentError(
       absl::StrCat("transport \"", name, "\": must be auto, tcp or shm"));
 }

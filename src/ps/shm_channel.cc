@@ -10,9 +10,11 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -24,6 +26,11 @@ namespace {
 
 constexpr size_t kTicketBytes = 32;  // hex of 16 random bytes
 constexpr uint64_t kAlign = 64;
+// How long a connection of the server's uid may take to send its ticket
+// (a client sends it as it connects); it holds up no other connection.
+constexpr std::chrono::seconds kTicketDeadline(3);
+// Connections of the server's uid whose ticket is still coming, at most.
+constexpr size_t kMaxPending = 64;
 
 absl::Status Errno(const std::string& what) {
   return absl::InternalError(absl::StrCat("shared memory: ", what, ": ", std::strerror(errno)));
@@ -212,54 +219,88 @@ size_t ShmBroker::Count() const {
 }
 
 void ShmBroker::Serve() {
-  pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+  std::vector<Pending> pending;  // oldest first
   while (true) {
-    if (poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
+    std::vector<pollfd> fds{{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    int wait_ms = -1;
+    for (const Pending& p : pending) {
+      fds.push_back({p.fd, POLLIN, 0});
+      auto left = std::chrono::ceil<std::chrono::milliseconds>(
+          p.deadline - std::chrono::steady_clock::now());
+      int ms = static_cast<int>(std::max<int64_t>(0, left.count()));
+      wait_ms = wait_ms < 0 ? ms : std::min(wait_ms, ms);
     }
-    if (fds[1].revents != 0) return;
-    int conn = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (conn >= 0) Hand(conn);
+    if (poll(fds.data(), fds.size(), wait_ms) < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    if (fds[1].revents != 0) break;
+    const auto now = std::chrono::steady_clock::now();
+    std::vector<Pending> kept;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      Pending& p = pending[i];
+      bool ended = false;
+      if (fds[i + 2].revents != 0) {
+        char buf[kTicketBytes];
+        ssize_t n = recv(p.fd, buf, kTicketBytes - p.ticket.size(), MSG_DONTWAIT);
+        if (n > 0) p.ticket.append(buf, static_cast<size_t>(n));
+        ended = p.ticket.size() == kTicketBytes || n == 0 ||
+                (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+      }
+      if (ended) Hand(p.fd, p.ticket);
+      if (ended || now >= p.deadline) {
+        close(p.fd);
+      } else {
+        kept.push_back(std::move(p));
+      }
+    }
+    pending = std::move(kept);
+    if ((fds[0].revents & POLLIN) == 0) continue;
+    int conn = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (conn < 0) continue;
+    // The uid before anything else: another user's connection is closed
+    // unread and waits in no one's way.
+    ucred cred{};
+    socklen_t cred_len = sizeof(cred);
+    if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0 ||
+        cred.uid != geteuid()) {
+      close(conn);
+      continue;
+    }
+    // Bounds the descriptors a flood of silent peers can hold; a real
+    // client sends its ticket as it connects, so the oldest is a silent one.
+    if (pending.size() >= kMaxPending) {
+      close(pending.front().fd);
+      pending.erase(pending.begin());
+    }
+    pending.push_back({conn, now + kTicketDeadline, {}});
   }
+  for (const Pending& p : pending) close(p.fd);
 }
 
-void ShmBroker::Hand(int conn) {
-  // A peer that sends nothing holds the broker up this long at most.
-  SetTimeouts(conn, std::chrono::milliseconds(1000));
-  char ticket[kTicketBytes];
-  size_t got = 0;
-  while (got < kTicketBytes) {
-    ssize_t n = recv(conn, ticket + got, kTicketBytes - got, 0);
-    if (n <= 0) break;
-    got += static_cast<size_t>(n);
-  }
-  ucred cred{};
-  socklen_t cred_len = sizeof(cred);
-  const bool same_uid = getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) == 0 &&
-                        cred.uid == geteuid();
+void ShmBroker::Hand(int conn, const std::string& ticket) {
+  if (ticket.size() != kTicketBytes) return;
   std::shared_ptr<ShmSegment> segment;
-  if (got == kTicketBytes && same_uid) {
+  {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [worker, e] : entries_) {
-      if (!e.ticket.empty() && e.ticket == std::string(ticket, kTicketBytes)) {
+      if (!e.ticket.empty() && e.ticket == ticket) {
         e.ticket.clear();  // one use
         segment = e.segment;
         break;
       }
     }
   }
-  if (segment != nullptr) {
-    FdMessage m;
-    cmsghdr* c = CMSG_FIRSTHDR(&m.msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    int fd = segment->fd();
-    std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
-    sendmsg(conn, &m.msg, MSG_NOSIGNAL);
-  }
-  close(conn);
+  if (segment == nullptr) return;
+  FdMessage m;
+  cmsghdr* c = CMSG_FIRSTHDR(&m.msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  int fd = segment->fd();
+  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  // The connection's send buffer is empty: one byte goes without waiting.
+  sendmsg(conn, &m.msg, MSG_NOSIGNAL);
 }
 
 absl::StatusOr<std::shared_ptr<ShmSegment>> FetchSegment(const std::string& socket_name,
@@ -275,14 +316,18 @@ absl::StatusOr<std::shared_ptr<ShmSegment>> FetchSegment(const std::string& sock
   SetTimeouts(fd, timeout);
   sockaddr_un addr;
   socklen_t len = AbstractAddress(socket_name, &addr);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
-      send(fd, ticket.data(), ticket.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(ticket.size())) {
+  const bool sent =
+      connect(fd, reinterpret_cast<sockaddr*>(&addr), len) == 0 &&
+      send(fd, ticket.data(), ticket.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(ticket.size());
+  // The broker closes another uid's connection at once, maybe before the
+  // ticket is sent: that is a refusal, not a broker out of reach.
+  if (!sent && errno != EPIPE && errno != ECONNRESET) {
     absl::Status s = Errno(absl::StrCat("reaching @", socket_name));
     close(fd);
     return s;
   }
   FdMessage m;
-  ssize_t n = recvmsg(fd, &m.msg, MSG_CMSG_CLOEXEC);
+  ssize_t n = sent ? recvmsg(fd, &m.msg, MSG_CMSG_CLOEXEC) : -1;
   close(fd);
   cmsghdr* c = n == 1 ? CMSG_FIRSTHDR(&m.msg) : nullptr;
   if (c == nullptr || c->cmsg_type != SCM_RIGHTS || c->cmsg_len != CMSG_LEN(sizeof(int))) {

@@ -87,11 +87,19 @@ class ShmBroker {
     std::string ticket;  // empty once used
     std::shared_ptr<ShmSegment> segment;
   };
+  // A connection of this process's uid whose ticket is still coming.
+  struct Pending {
+    int fd = -1;
+    std::chrono::steady_clock::time_point deadline;
+    std::string ticket;  // the bytes read so far
+  };
   ShmBroker(int listen_fd, int stop_fd, std::string name, uint64_t max_bytes);
+  // Accepts connections, closing those of other uids unread, and reads the
+  // tickets of all the others at once, so that a peer that sends nothing
+  // holds up no one else's hand-out.
   void Serve();
-  // Sends the segment whose ticket `conn` shows, if its peer runs as this
-  // process's uid; closes `conn`.
-  void Hand(int conn);
+  // Sends the segment whose ticket `conn` showed, if any.
+  void Hand(int conn, const std::string& ticket);
 
   const int listen_fd_;
   const int stop_fd_;  // eventfd: wakes Serve() to stop

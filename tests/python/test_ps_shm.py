@@ -1,6 +1,7 @@
 """The parameter server's same-host shared-memory path across processes: a
 worker killed -9 in the middle of a push leaves no segment behind and the
-server keeps serving the other worker; forcing TCP by the environment."""
+server keeps serving the other worker; forcing TCP by the environment; the
+transport and shm_bytes keywords."""
 
 import os
 import signal
@@ -10,9 +11,11 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from _wait import wait_for
 from deepnex import ps
+from deepnex.errors import InvalidArgumentError
 from test_ps_faults import start_daemon
 
 N = 1 << 20  # 4 MiB of float32: a push spans several requests and regions
@@ -124,3 +127,45 @@ def test_forcing_tcp_by_the_environment_maps_no_segment():
     finally:
         server.kill()
         server.wait()
+
+
+def test_transport_keyword_chooses_tcp_or_shared_memory(monkeypatch):
+    monkeypatch.delenv("DEEPNEX_PS_TRANSPORT", raising=False)
+    server = start_daemon("--listen", "127.0.0.1:0", "--mode", "async", "--workers", "1",
+                          "--lr", "0.5")
+    try:
+        with ps.Client([server.address], worker_id=0, transport="tcp") as c:
+            c.init({"v": np.zeros(1024, np.float32)})
+            out = c.push_pull({"v": np.ones(1024, np.float32)})["v"]
+            np.testing.assert_array_equal(out, np.full(1024, -0.5, np.float32))
+            assert segments(server.pid) == []
+            assert mapped_segments(os.getpid()) == 0
+        with ps.Client([server.address], worker_id=0, transport="shm",
+                       shm_bytes="64KiB") as c:
+            out = c.push_pull({"v": np.ones(1024, np.float32)})["v"]
+            np.testing.assert_array_equal(out, np.full(1024, -1.0, np.float32))
+            assert [mode for _, mode in segments(server.pid)] == [0o600]
+            assert mapped_segments(os.getpid()) == 1
+        wait_for(lambda: not segments(server.pid), "the server to let go of the segment")
+        # The environment still wins over the keyword.
+        monkeypatch.setenv("DEEPNEX_PS_TRANSPORT", "tcp")
+        with ps.Client([server.address], worker_id=0, transport="shm") as c:
+            c.pull(["v"])
+            assert segments(server.pid) == []
+            assert mapped_segments(os.getpid()) == 0
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"transport": "carrier-pigeon"},
+     'transport "carrier-pigeon": must be auto, tcp or shm'),
+    ({"transport": None}, 'transport "None": must be auto, tcp or shm'),
+    ({"shm_bytes": -1}, "shm_bytes=-1: must be >= 0"),
+    ({"shm_bytes": "lots"}, "shm_bytes"),
+])
+def test_bad_transport_or_shm_bytes_raise_naming_them(kwargs, message):
+    with pytest.raises(InvalidArgumentError) as e:
+        ps.Client(["127.0.0.1:1"], **kwargs)
+    assert message in str(e.value)

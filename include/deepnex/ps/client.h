@@ -20,6 +20,7 @@ enum class Transport {
   kTcp,   // TCP always
   kShm,   // shared memory; FailedPrecondition if a server cannot give it
 };
+const char* TransportName(Transport transport);
 absl::StatusOr<Transport> ParseTransport(const std::string& name);
 
 struct ClientOptions {

@@ -2,11 +2,16 @@
 // exactly, forcing TCP, who may fetch a segment, and regions off the wire.
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -28,7 +33,6 @@ namespace pb = ::deepnex::ps::proto;
 using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
 using ::testing::HasSubstr;
-
 
 NamedTensor View(const std::string& key, std::vector<float>& v) {
   return {key, TensorView(v.data(), DType::kFloat32, {static_cast<int64_t>(v.size())})};
@@ -219,6 +223,88 @@ TEST(PsShmTest, ASegmentGoesOnceToItsTicketAndItsOwnersUidOnly) {
   EXPECT_EQ((*broker)->Count(), 1u);
   (*broker)->Drop(0, 0);  // the lease expired
   EXPECT_EQ((*broker)->Count(), 0u);
+}
+
+// A raw connection to the broker's abstract socket `name`, or -1.
+int ConnectTo(const std::string& name) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Whether the broker closed `fd`, waiting up to `wait_ms` for it.
+bool ClosedByBroker(int fd, int wait_ms) {
+  pollfd p{fd, POLLIN, 0};
+  if (poll(&p, 1, wait_ms) != 1) return false;
+  char byte;
+  return recv(fd, &byte, 1, MSG_DONTWAIT) == 0;
+}
+
+TEST(PsShmTest, SilentPeersHoldUpNoOneElsesSegment) {
+  auto broker = ShmBroker::Start(1 << 20);
+  ASSERT_THAT(broker.status(), IsOk());
+  auto offer = (*broker)->Open(0, 1, 4096);
+  ASSERT_THAT(offer.status(), IsOk());
+  // Connected before the client, so accepted first: one sends nothing, one
+  // a part of the real ticket.
+  int silent = ConnectTo(offer->socket);
+  ASSERT_GE(silent, 0) << std::strerror(errno);
+  int partial = ConnectTo(offer->socket);
+  ASSERT_GE(partial, 0) << std::strerror(errno);
+  ASSERT_EQ(send(partial, offer->ticket.data(), 5, MSG_NOSIGNAL), 5);
+  auto segment = FetchSegment(offer->socket, offer->ticket, std::chrono::seconds(30));
+  ASSERT_THAT(segment.status(), IsOk());
+  EXPECT_EQ((*segment)->size(), 4096u);
+  // Served while both are still connected (a broker that waited out each
+  // one's ticket first would have closed them).
+  EXPECT_FALSE(ClosedByBroker(silent, 0));
+  EXPECT_FALSE(ClosedByBroker(partial, 0));
+  // Each is closed at its own deadline.
+  EXPECT_TRUE(ClosedByBroker(silent, 30000));
+  EXPECT_TRUE(ClosedByBroker(partial, 30000));
+  close(silent);
+  close(partial);
+}
+
+TEST(PsShmTest, AnotherUidsConnectionIsClosedUnread) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to connect as another uid";
+  auto broker = ShmBroker::Start(1 << 20);
+  ASSERT_THAT(broker.status(), IsOk());
+  auto offer = (*broker)->Open(0, 1, 4096);
+  ASSERT_THAT(offer.status(), IsOk());
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (setresgid(65534, 65534, 65534) != 0 || setresuid(65534, 65534, 65534) != 0) _exit(2);
+    int fd = ConnectTo(offer->socket);
+    if (fd < 0) _exit(3);
+    // Closed before the ticket went: refused at once.
+    if (send(fd, offer->ticket.data(), offer->ticket.size(), MSG_NOSIGNAL) < 0) {
+      _exit(errno == EPIPE || errno == ECONNRESET ? 0 : 4);
+    }
+    timeval tv{30, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    char byte;
+    ssize_t n = recv(fd, &byte, 1, 0);
+    // A socket closed with the ticket unread resets its peer; one closed
+    // after reading it gives end of file (5).
+    _exit(n < 0 && errno == ECONNRESET ? 0 : n == 0 ? 5 : 6);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(child, &wstatus, 0), child);
+  EXPECT_TRUE(WIFEXITED(wstatus)) << wstatus;
+  EXPECT_EQ(WEXITSTATUS(wstatus), 0);
+  // The ticket is unspent.
+  EXPECT_THAT(FetchSegment(offer->socket, offer->ticket, std::chrono::seconds(30)).status(),
+              IsOk());
 }
 
 TEST(PsShmTest, OtherTokensGetNoSegmentAndRegionsAreChecked) {
