@@ -15,6 +15,7 @@
 #include "deepnex/metrics.h"
 #include "deepnex/status.h"
 #include "deepnex/tensor.h"
+#include "deepnex/transport.h"
 #include "deepnex/units.h"
 
 // gpu

@@ -54,23 +54,6 @@ absl::StatusOr<Backend> ParseBackend(const std::string& name) {
       absl::StrCat("backend: unknown \"", name, "\" (one of auto, cpu, nccl)"));
 }
 
-const char* TransportName(Transport transport) {
-  switch (transport) {
-    case Transport::kAuto: return "auto";
-    case Transport::kTcp: return "tcp";
-    case Transport::kShm: return "shm";
-  }
-  return "?";
-}
-
-absl::StatusOr<Transport> ParseTransport(const std::string& name) {
-  for (Transport t : {Transport::kAuto, Transport::kTcp, Transport::kShm}) {
-    if (name == TransportName(t)) return t;
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("transport: unknown \"", name, "\" (one of auto, tcp, shm)"));
-}
-
 absl::Status CommunicatorOptions::Validate() const {
   if (world_size < 1) {
     return absl::InvalidArgumentError(absl::StrCat("world_size=", world_size, ": must be >= 1"));

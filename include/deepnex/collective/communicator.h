@@ -18,6 +18,7 @@
 #include "deepnex/env.h"
 #include "deepnex/status.h"
 #include "deepnex/tensor.h"
+#include "deepnex/transport.h"
 
 namespace deepnex::collective {
 
@@ -34,16 +35,14 @@ enum class Backend {
 const char* BackendName(Backend backend);
 absl::StatusOr<Backend> ParseBackend(const std::string& name);
 
-// How the cpu backend moves bytes between ring neighbours.
-enum class Transport {
-  kAuto,  // shared memory between ranks on one host that can map each
-          // other's segments (tried at init; a pair that cannot, e.g. one
-          // with its own /dev/shm, says so on stderr), TCP otherwise
-  kTcp,   // TCP always
-  kShm,   // shared memory; FailedPrecondition if a neighbour is on another host
-};
-const char* TransportName(Transport transport);
-absl::StatusOr<Transport> ParseTransport(const std::string& name);
+// How the cpu backend moves bytes between ring neighbours. kAuto: shared
+// memory between ranks on one host that can map each other's segments
+// (tried at init; a pair that cannot, e.g. one with its own /dev/shm, says
+// so on stderr), TCP otherwise; kShm: FailedPrecondition if a neighbour is on
+// another host.
+using ::deepnex::ParseTransport;
+using ::deepnex::Transport;
+using ::deepnex::TransportName;
 
 struct CommunicatorOptions {
   // This process's rank, 0 <= rank < world_size.

@@ -10,18 +10,16 @@
 
 #include "deepnex/status.h"
 #include "deepnex/tensor.h"
+#include "deepnex/transport.h"
 
 namespace deepnex::ps {
 
-// How a client moves push and pull values to a server.
-enum class Transport {
-  kAuto,  // shared memory with a server on this host that offers it, TCP
-          // otherwise
-  kTcp,   // TCP always
-  kShm,   // shared memory; FailedPrecondition if a server cannot give it
-};
-const char* TransportName(Transport transport);
-absl::StatusOr<Transport> ParseTransport(const std::string& name);
+// How a client moves push and pull values to a server. kAuto: shared
+// memory with a server on this host that offers it, TCP otherwise; kShm:
+// FailedPrecondition if a server cannot give it.
+using ::deepnex::ParseTransport;
+using ::deepnex::Transport;
+using ::deepnex::TransportName;
 
 struct ClientOptions {
   // host:port of every server of the job, in the same order on every worker
