@@ -68,8 +68,16 @@ def byte_size(value: Any, name: str) -> int:
 def options(struct: Any, **fields: Any) -> Any:
     """A bound C++ options struct (``_C.<part>.<Name>Options``) with
     ``fields`` set; the others keep their C++ defaults. A field the struct
-    lacks is an AttributeError, a bad value the struct's own error."""
+    lacks is an AttributeError, a bad value the struct's own error, or
+    InvalidArgumentError naming the field where the binding refuses the
+    value's type or range (pybind11 says only "incompatible function
+    arguments")."""
     o = struct()
     for name, value in fields.items():
-        setattr(o, name, value)
+        try:
+            setattr(o, name, value)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"{name}={value!r}: not a value of this option's type, or out of its range"
+            ) from None
     return o

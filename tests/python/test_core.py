@@ -676,7 +676,7 @@ def test_ps_python_defaults_are_the_cpp_option_structs():
     assert c == {"worker_id": 0, "partition_bytes": 4 << 20, "request_bytes": 4 << 20,
                  "timeout": 60.0, "connections_per_server": 2, "token": None,
                  "token_file": None, "tls_ca_file": None, "heartbeat": True,
-                 "retry_backoff": 0.05}
+                 "retry_backoff": 0.05, "transport": "auto", "shm_bytes": 256 << 20}
     assert _C.ps.ClientOptions().retry_backoff == 0.05
 
 

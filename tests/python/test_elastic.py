@@ -145,6 +145,11 @@ def test_workers_min_max_is_elastic_only_below_max(text, parsed):
     ("0", "workers: 0 is below 1"),
     ("a:b", "--workers: 'a:b' is not N or MIN:MAX (e.g. 2 or 1:4)"),
     ("1:2:3", "--workers: '1:2:3' is not N or MIN:MAX (e.g. 2 or 1:4)"),
+    # Past the C++ int: named, not a pybind11 traceback.
+    ("4611686018427387904",
+     "workers=4611686018427387904: not a value of this option's type, or out of its range"),
+    ("1:4611686018427387904",
+     "workers=4611686018427387904: not a value of this option's type, or out of its range"),
 ])
 def test_bad_workers_are_named(workers, message):
     out = subprocess.run([sys.executable, "-m", "deepnex", "run", "--workers", workers, "--",
