@@ -318,19 +318,23 @@ def test_ps_pull_reply_cap_from_its_flag(daemons):
 
 def test_ps_pending_replies_cap_from_its_flag(daemons):
     """Worker 0's pulls wait for round 1, which worker 1 has not pushed: the
-    connection holds the first reply, and a second past the cap is refused."""
+    connection holds the first reply, and a second past the cap is refused.
+    Over TCP: a reply through a client's shared memory is held in its segment,
+    not in the server's memory, so the cap does not count it."""
     np = pytest.importorskip("numpy")
     server = daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--workers", "2",
                      "--max-pending-replies", "1KiB", env=ps_env())
-    w0 = ps.Client([server.address], worker_id=0, timeout=30, connections_per_server=1)
-    w1 = ps.Client([server.address], worker_id=1, timeout=30, connections_per_server=1)
+    w0 = ps.Client([server.address], worker_id=0, timeout=30, connections_per_server=1,
+                   transport="tcp")
+    w1 = ps.Client([server.address], worker_id=1, timeout=30, connections_per_server=1,
+                   transport="tcp")
     w0.init({"w": np.zeros(1024, np.float32)})  # a 4 KiB reply
     w0.push({"w": np.ones(1024, np.float32)})
     held = w0.pull_async(["w"])
     # Held on the server before the next pull goes.
     deadline = time.monotonic() + 30
-    while ("deepnex_ps_pending_reply_bytes 4096\n" not in w1.stats()[0]["prometheus"] and
-           time.monotonic() < deadline):
+    while "deepnex_ps_pending_reply_bytes 4096\n" not in w1.stats()[0]["prometheus"]:
+        assert time.monotonic() < deadline, w1.stats()[0]["prometheus"]
         time.sleep(0.01)
     with pytest.raises(deepnex.ResourceExhaustedError) as e:
         w0.pull(["w"])
