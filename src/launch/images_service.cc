@@ -90,10 +90,9 @@ class ImagesService final : public pb::Images::CallbackService {
           return absl::AlreadyExistsError(
               absl::StrCat("image \"", RefOf(i), "\" exists (force replaces it)"));
         }
-        RegistryRef ref{registry_, (i.owner.empty() ? "library" : i.owner) + "/" + i.name,
-                        i.tag, ""};
+        const RegistryRef ref{registry_, (i.owner.empty() ? "library" : i.owner) + "/" + i.name,
+                              i.tag, ""};
         DEEPNEX_RETURN_IF_ERROR(PushLayout(source, "", ref));
-        DEEPNEX_ASSIGN_OR_RETURN(ref.digest, RegistryDigest(ref));
         i.source = ref.ToString();
       }
       DEEPNEX_RETURN_IF_ERROR(catalog_.Put(i, req->force()));
