@@ -159,11 +159,55 @@ absl::Status ImageCatalog::Put(CatalogImage image, bool force) {
   }
   if (image.created == 0) image.created = Now();
   std::unique_lock<std::mutex> lock(mu_);
-  if (!force && images_.count(Key{image.owner, image.name, image.tag})) {
+  const Key key{image.owner, image.name, image.tag};
+  if (reserved_.count(key)) {
+    return absl::AlreadyExistsError(absl::StrCat("image \"", RefText(image),
+                                                 "\" is being committed"));
+  }
+  if (!force && images_.count(key)) {
     return absl::AlreadyExistsError(absl::StrCat("image \"", RefText(image),
                                                  "\" exists (force replaces it)"));
   }
   return CommitLocked(lock, PutRecord(image));
+}
+
+absl::StatusOr<ImageCatalog::Reservation> ImageCatalog::Reserve(const std::string& owner,
+                                                                const std::string& name,
+                                                                const std::string& tag) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Key key{owner, name, tag};
+  const std::string what = absl::StrCat("name: image \"", name, ":", tag, "\" of user ", owner);
+  if (images_.count(key)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat(what, " exists; commit as a new tag (NAME:TAG) or remove it first"));
+  }
+  if (!reserved_.insert(key).second) {
+    return absl::AlreadyExistsError(
+        absl::StrCat(what, " is being committed by another call; commit as a new tag (NAME:TAG)"));
+  }
+  return Reservation(this, std::move(key));
+}
+
+ImageCatalog::Reservation::Reservation(Reservation&& other) noexcept
+    : catalog_(std::exchange(other.catalog_, nullptr)), key_(std::move(other.key_)) {}
+
+ImageCatalog::Reservation::~Reservation() {
+  if (catalog_ == nullptr) return;
+  std::lock_guard<std::mutex> lock(catalog_->mu_);
+  catalog_->reserved_.erase(key_);
+}
+
+absl::Status ImageCatalog::Reservation::Fill(CatalogImage image) {
+  if (catalog_ == nullptr || Key{image.owner, image.name, image.tag} != key_) {
+    return absl::InternalError(absl::StrCat("image \"", RefText(image),
+                                            "\" is not the one reserved"));
+  }
+  if (image.created == 0) image.created = Now();
+  ImageCatalog* catalog = std::exchange(catalog_, nullptr);
+  std::unique_lock<std::mutex> lock(catalog->mu_);
+  catalog->reserved_.erase(key_);
+  // Put refuses a reserved name, so nothing took it meanwhile.
+  return catalog->CommitLocked(lock, PutRecord(image));
 }
 
 bool ImageCatalog::MayRunLocked(const ImageCaller& caller, const CatalogImage& i) const {

@@ -69,8 +69,34 @@ class ImageCatalog {
   ~ImageCatalog();
 
   // Adds `image` (its created time now if 0), or, with `force`, replaces
-  // one of the same owner, name and tag; AlreadyExists otherwise.
+  // one of the same owner, name and tag; AlreadyExists otherwise, and
+  // while a commit holds that name (Reserve).
   absl::Status Put(CatalogImage image, bool force);
+
+  // A user's NAME:TAG held for a commit while it pushes, so that a second
+  // commit of it fails at once instead of pushing over the first one's
+  // registry tag. Visible to nobody and kept in memory only: a restart of
+  // central drops it, never leaving an image. Destroyed unfilled (the
+  // commit failed), it frees the name.
+  class Reservation {
+   public:
+    Reservation(Reservation&& other) noexcept;
+    Reservation& operator=(Reservation&&) = delete;
+    ~Reservation();
+    // Records `image` (the reserved owner, name and tag) and frees the hold.
+    absl::Status Fill(CatalogImage image);
+
+   private:
+    friend class ImageCatalog;
+    Reservation(ImageCatalog* catalog, std::tuple<std::string, std::string, std::string> key)
+        : catalog_(catalog), key_(std::move(key)) {}
+    ImageCatalog* catalog_;  // null: filled or moved from
+    std::tuple<std::string, std::string, std::string> key_;
+  };
+  // Holds `owner`'s `name`:`tag` for a commit; AlreadyExists (naming the
+  // field "name") when it exists or another commit holds it.
+  absl::StatusOr<Reservation> Reserve(const std::string& owner, const std::string& name,
+                                      const std::string& tag);
   // The image `ref` names for `caller`, if the caller may run it: their
   // own, a preset, one shared with them or public. Anything else is
   // NotFound, as if it did not exist.
@@ -108,6 +134,7 @@ class ImageCatalog {
 
   mutable std::mutex mu_;
   std::map<Key, CatalogImage> images_;
+  std::set<Key> reserved_;  // NAME:TAGs being committed
   std::unique_ptr<gpu::Ledger> ledger_;  // null: in memory
 };
 

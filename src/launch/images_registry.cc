@@ -1,9 +1,11 @@
 #include "launch/images_registry.h"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -50,25 +52,44 @@ absl::StatusOr<CommandResult> Skopeo(const std::vector<std::string>& args, const
 }  // namespace
 
 std::string RegistryRef::ToString() const {
-  return absl::StrCat(kRegistryScheme, registry, "/", repo, ":", tag);
+  return absl::StrCat(kRegistryScheme, registry, "/", repo, ":", tag,
+                      digest.empty() ? "" : "@" + digest);
 }
 
-absl::StatusOr<RegistryRef> RegistryRef::Parse(const std::string& text) {
-  absl::string_view rest(text);
+std::string RegistryRef::Location() const {
+  return digest.empty() ? ToString() : absl::StrCat(kRegistryScheme, registry, "/", repo, "@",
+                                                    digest);
+}
+
+absl::StatusOr<RegistryRef> RegistryRef::Parse(const std::string& full) {
   RegistryRef r;
+  // A pinned digest, then the reference without it.
+  const size_t at = full.find('@');
+  const std::string text = full.substr(0, at);
+  if (at != std::string::npos) {
+    r.digest = full.substr(at + 1);
+    absl::string_view hex(r.digest);
+    if (!absl::ConsumePrefix(&hex, "sha256:") || hex.size() != 64 ||
+        !std::all_of(hex.begin(), hex.end(),
+                     [](char c) { return absl::ascii_isdigit(c) || (c >= 'a' && c <= 'f'); })) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "image \"", full, "\": digest \"", r.digest, "\" is not sha256:<64 hex digits>"));
+    }
+  }
+  absl::string_view rest(text);
   const size_t slash = rest.find('/', sizeof kRegistryScheme - 1);
   const size_t colon = rest.rfind(':');
   if (!absl::ConsumePrefix(&rest, kRegistryScheme) || slash == std::string::npos ||
       colon == std::string::npos || colon < slash) {
     return absl::InvalidArgumentError(
-        absl::StrCat("image \"", text, "\" is not docker://HOST:PORT/REPO:TAG"));
+        absl::StrCat("image \"", full, "\" is not docker://HOST:PORT/REPO:TAG[@DIGEST]"));
   }
   r.registry = text.substr(sizeof kRegistryScheme - 1, slash - (sizeof kRegistryScheme - 1));
   r.repo = text.substr(slash + 1, colon - slash - 1);
   r.tag = text.substr(colon + 1);
   if (r.registry.empty() || r.repo.empty() || r.tag.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("image \"", text, "\" is not docker://HOST:PORT/REPO:TAG"));
+        absl::StrCat("image \"", full, "\" is not docker://HOST:PORT/REPO:TAG[@DIGEST]"));
   }
   return r;
 }
@@ -80,7 +101,7 @@ bool IsRegistryImage(const std::string& image) {
 absl::StatusOr<std::string> RegistryDigest(const RegistryRef& ref) {
   DEEPNEX_ASSIGN_OR_RETURN(
       CommandResult r,
-      Skopeo({"inspect", "--raw", "--tls-verify=false", ref.ToString()}, ref, kInspectTimeout));
+      Skopeo({"inspect", "--raw", "--tls-verify=false", ref.Location()}, ref, kInspectTimeout));
   // skopeo computes the digest as the registry does (of the bytes it sent).
   const std::string manifest =
       (std::filesystem::temp_directory_path() / ("deepnex-manifest-" + RandomHex(8))).string();
@@ -103,7 +124,7 @@ absl::Status PushLayout(const std::string& layout, const std::string& tag,
 }
 
 absl::Status PullLayout(const RegistryRef& ref, const std::string& dir) {
-  return Skopeo({"copy", "--quiet", "--src-tls-verify=false", ref.ToString(),
+  return Skopeo({"copy", "--quiet", "--src-tls-verify=false", ref.Location(),
                  absl::StrCat("oci:", dir, ":", ref.tag)},
                 ref, kCopyTimeout)
       .status();

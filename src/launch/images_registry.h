@@ -17,8 +17,15 @@ struct RegistryRef {
   std::string registry;  // HOST:PORT
   std::string repo;      // e.g. "alice/tools"
   std::string tag;
+  // The manifest's "sha256:<64 hex>", or "" (the tag's image, as it is
+  // when pulled). A catalog's image pins the digest it pushed, so a tag
+  // pushed over later does not change what it runs.
+  std::string digest;
 
-  std::string ToString() const;  // docker://HOST:PORT/REPO:TAG
+  std::string ToString() const;  // docker://HOST:PORT/REPO:TAG[@DIGEST]
+  // What skopeo reads: REPO@DIGEST when pinned (skopeo takes no tag beside
+  // a digest), else REPO:TAG.
+  std::string Location() const;
   // InvalidArgument naming the text unless it is such a reference.
   static absl::StatusOr<RegistryRef> Parse(const std::string& text);
 };
@@ -26,7 +33,8 @@ struct RegistryRef {
 // Whether `image` (a spec's) names an image in a registry.
 bool IsRegistryImage(const std::string& image);
 
-// The digest ("sha256:...") of `ref`'s manifest, from the registry (its
+// The digest ("sha256:...") of `ref`'s manifest (its pinned one, if the
+// registry has it), from the registry (its
 // manifest only: no layer moves). Unavailable naming the registry when it
 // cannot be reached; NotFound when it has no such image.
 absl::StatusOr<std::string> RegistryDigest(const RegistryRef& ref);

@@ -91,7 +91,7 @@ class ImagesService final : public pb::Images::CallbackService {
               absl::StrCat("image \"", RefOf(i), "\" exists (force replaces it)"));
         }
         const RegistryRef ref{registry_, (i.owner.empty() ? "library" : i.owner) + "/" + i.name,
-                              i.tag};
+                              i.tag, ""};
         DEEPNEX_RETURN_IF_ERROR(PushLayout(source, "", ref));
         i.source = ref.ToString();
       }
@@ -172,11 +172,10 @@ class ImagesService final : public pb::Images::CallbackService {
     i.name = ref.name;
     i.tag = ref.tag;
     i.owner = caller.user;
-    if (catalog_.Resolve(caller, RefOf(i)).ok()) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "name: image \"", ref.name, ":", ref.tag, "\" of user ", caller.user,
-          " exists; commit as a new tag (NAME:TAG) or remove it first"));
-    }
+    // Held until the image is recorded (or the commit fails): a second
+    // commit of the name fails now rather than pushing over this one's tag.
+    DEEPNEX_ASSIGN_OR_RETURN(ImageCatalog::Reservation held,
+                             catalog_.Reserve(i.owner, i.name, i.tag));
     // The caller's own only: another user's container is NotFound.
     DEEPNEX_ASSIGN_OR_RETURN(SessionTarget target, containers_(ctx, "", req.container()));
     if (target.backend != "oci") {
@@ -188,7 +187,9 @@ class ImagesService final : public pb::Images::CallbackService {
       return absl::FailedPreconditionError(
           "this deepnex-central has no --registry to store committed images in");
     }
-    i.source = RegistryRef{registry_, i.owner + "/" + i.name, i.tag}.ToString();
+    // Per owner in the registry too: users' names do not collide.
+    RegistryRef pushed{registry_, i.owner + "/" + i.name, i.tag, ""};
+    i.source = pushed.ToString();
     if (target.local) {
       DEEPNEX_ASSIGN_OR_RETURN(i.size, target.local->Commit(i.source));
     } else {
@@ -198,7 +199,11 @@ class ImagesService final : public pb::Images::CallbackService {
       DEEPNEX_ASSIGN_OR_RETURN(agent::proto::Reply r, hub_.Call(target.node, c, kCommitTimeout));
       i.size = r.size();
     }
-    DEEPNEX_RETURN_IF_ERROR(catalog_.Put(i, /*force=*/false));
+    // Pinned to what was pushed: the reservation keeps other commits off
+    // the tag until this is read.
+    DEEPNEX_ASSIGN_OR_RETURN(pushed.digest, RegistryDigest(pushed));
+    i.source = pushed.ToString();
+    DEEPNEX_RETURN_IF_ERROR(held.Fill(i));
     DEEPNEX_ASSIGN_OR_RETURN(i, catalog_.Resolve(caller, RefOf(i)));
     ToProto(caller, i, reply);
     return absl::OkStatus();

@@ -62,13 +62,15 @@ def base_layout(tmp_path):
 
 
 def start_box(client, name, image="bb:v1"):
-    """Starts `name` (sleeping) from `image`; returns once it runs."""
+    """Starts `name` (sleeping) from `image`; returns its allocation once it
+    runs."""
     a = client.allocate(grant())
     client.start_container(launch.ContainerSpec(
         name=name, command=["busybox", "sleep", "1000"], image=image), a)
     wait_for(lambda: next((c for c in client.containers()
                            if c["name"] == name and c["state"] == "running"), None),
              f"container {name} to run")
+    return a
 
 
 def sh(client, name, script):
@@ -153,6 +155,83 @@ def test_a_commit_is_one_new_layer_the_owner_runs_and_shares(tmp_path, registry,
     assert alice.commit("box", "mine:v2")["tag"] == "v2"
     assert run(alice, "mine:v2", "look2", "busybox ls /work") == (
         "exited(0)", "added.txt\nsecond.txt\n")
+
+
+def test_two_commits_of_one_name_at_once_one_wins_and_its_image_is_pinned(
+        tmp_path, registry, oci_central):
+    """The second commit of a NAME:TAG under way is refused before it
+    pushes: the registry tag, and the image, are the winner's. The catalog
+    pins the pushed digest: a later push over the tag changes nothing."""
+    import threading
+    alice, _ = clients(oci_central)
+    grants = []
+    for box in ("one", "two"):
+        grants.append(start_box(alice, box))
+        sh(alice, box, f"echo {box} > /work/{box}.txt")
+    start = threading.Barrier(2)
+    got = {}
+
+    def commit(box):
+        start.wait(timeout=30)
+        try:
+            got[box] = alice.commit(box, "mine:v1")
+        except deepnex.AlreadyExistsError as e:
+            got[box] = e
+
+    threads = [threading.Thread(target=commit, args=(box,)) for box in ("one", "two")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+        assert not t.is_alive()
+    won = [box for box, r in got.items() if isinstance(r, dict)]
+    lost = [box for box, r in got.items() if isinstance(r, deepnex.AlreadyExistsError)]
+    assert len(won) == 1 and len(lost) == 1, got
+    assert str(got[lost[0]]) == ('name: image "mine:v1" of user alice is being committed by '
+                                 'another call; commit as a new tag (NAME:TAG)')
+    for a in grants:  # their GPUs, for the runs below
+        alice.release(a.id)
+    assert run(alice, "mine:v1", "look", "busybox ls /work") == (
+        "exited(0)", f"base.txt\n{won[0]}.txt\n")
+
+    # The tag pushed over (another tool, the same registry): a container of
+    # the image still gets what was committed, on a node that has not
+    # pulled it yet too.
+    subprocess.run(["skopeo", "copy", "--quiet", "--src-tls-verify=false",
+                    "--dest-tls-verify=false", f"docker://{registry.address}/library/bb:v1",
+                    f"docker://{registry.address}/alice/mine:v1"],
+                   check=True, capture_output=True, timeout=120)
+    shutil.rmtree(tmp_path / "launch" / "oci" / "pulled")
+    assert run(alice, "mine:v1", "look2", "busybox ls /work") == (
+        "exited(0)", f"base.txt\n{won[0]}.txt\n")
+
+
+def restart_registry(registry, tmp_path):
+    """Starts `registry` again on its address, over the same storage."""
+    from _agents import Daemon
+    config = tmp_path / "registry" / "config.yml"
+    config.write_text(config.read_text().replace("127.0.0.1:0", registry.address))
+    registry.daemon = Daemon(registry.daemon.argv, tmp_path / "registry" / "log-again")
+    wait_for(lambda: f"listening on {registry.address}" in (registry.daemon.stdout() +
+                                                            registry.daemon.stderr()),
+             "docker-registry to listen again")
+
+
+def test_a_failed_commit_leaves_the_name_free_for_a_retry(tmp_path, registry, oci_central):
+    alice, _ = clients(oci_central)
+    start_box(alice, "box")
+    sh(alice, "box", WRITE)
+    # The container's lookup fails after the name is held.
+    with pytest.raises(deepnex.NotFoundError):
+        alice.commit("nosuch", "mine")
+    registry.stop()
+    with pytest.raises(deepnex.UnavailableError) as e:
+        alice.commit("box", "mine")
+    assert f"image registry {registry.address} is unreachable" in str(e.value), str(e.value)
+    assert [i["name"] for i in alice.images()] == ["bb"]
+    restart_registry(registry, tmp_path)
+    assert alice.commit("box", "mine")["name"] == "mine"
+    assert run(alice, "mine", "look", LOOK) == ("exited(0)", "mine\nadded.txt\n")
 
 
 def test_commit_refuses_others_containers_bad_names_and_the_cli_prints_it(oci_central):

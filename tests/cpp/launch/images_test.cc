@@ -114,6 +114,70 @@ TEST(ImageCatalogTest, ChangesSurviveAReopen) {
   EXPECT_EQ(shared->created, created);
 }
 
+TEST(ImageCatalogTest, AReservationHoldsANameForOneCommitUntilFilledOrDropped) {
+  TempDir dir;
+  const ImageCaller alice{"alice"};
+  {
+    auto c = ImageCatalog::Open(dir.path() + "/images");
+    ASSERT_THAT(c.status(), IsOk());
+    auto held = (*c)->Reserve("alice", "tools", "v1");
+    ASSERT_THAT(held.status(), IsOk());
+    EXPECT_THAT((*c)->Reserve("alice", "tools", "v1").status(),
+                StatusIs(absl::StatusCode::kAlreadyExists,
+                         "name: image \"tools:v1\" of user alice is being committed by another "
+                         "call; commit as a new tag (NAME:TAG)"));
+    EXPECT_THAT((*c)->Put(Owned("alice", "tools", "v1"), /*force=*/true),
+                StatusIs(absl::StatusCode::kAlreadyExists,
+                         "image \"alice/tools:v1\" is being committed"));
+    // Another user's, or another tag, is not held.
+    EXPECT_THAT((*c)->Reserve("bob", "tools", "v1").status(), IsOk());
+    EXPECT_THAT((*c)->Reserve("alice", "tools", "v2").status(), IsOk());
+    EXPECT_THAT(Names(**c, alice), ElementsAre());
+    EXPECT_THAT((*c)->Resolve(alice, "tools:v1").status(),
+                StatusIs(absl::StatusCode::kNotFound));
+    EXPECT_THAT(held->Fill(Owned("alice", "other", "v1")),
+                StatusIs(absl::StatusCode::kInternal));
+    // Dropped unfilled (a failed commit): the name is free again.
+    { ImageCatalog::Reservation dropped = std::move(*held); }
+    auto again = (*c)->Reserve("alice", "tools", "v1");
+    ASSERT_THAT(again.status(), IsOk());
+    ASSERT_THAT(again->Fill(Owned("alice", "tools", "v1")), IsOk());
+    EXPECT_THAT(Names(**c, alice), ElementsAre("tools:v1"));
+    EXPECT_THAT((*c)->Reserve("alice", "tools", "v1").status(),
+                StatusIs(absl::StatusCode::kAlreadyExists,
+                         "name: image \"tools:v1\" of user alice exists; commit as a new tag "
+                         "(NAME:TAG) or remove it first"));
+    // Held when central stops (dropped before its catalog, declared after
+    // it): no record of it is written.
+    auto pending = (*c)->Reserve("alice", "pending", "v1");
+    ASSERT_THAT(pending.status(), IsOk());
+  }
+  auto c = ImageCatalog::Open(dir.path() + "/images");
+  ASSERT_THAT(c.status(), IsOk());
+  EXPECT_THAT(Names(**c, alice), ElementsAre("tools:v1"));
+  EXPECT_THAT((*c)->Reserve("alice", "pending", "v1").status(), IsOk());
+}
+
+TEST(RegistryRefTest, ParsesPinnedDigests) {
+  const std::string digest = "sha256:" + std::string(64, 'a');
+  auto r = RegistryRef::Parse("docker://127.0.0.1:5000/alice/tools:v1@" + digest);
+  ASSERT_THAT(r.status(), IsOk());
+  EXPECT_EQ(r->repo, "alice/tools");
+  EXPECT_EQ(r->tag, "v1");
+  EXPECT_EQ(r->digest, digest);
+  EXPECT_EQ(r->ToString(), "docker://127.0.0.1:5000/alice/tools:v1@" + digest);
+  EXPECT_EQ(r->Location(), "docker://127.0.0.1:5000/alice/tools@" + digest);
+  r->digest.clear();
+  EXPECT_EQ(r->Location(), "docker://127.0.0.1:5000/alice/tools:v1");
+  EXPECT_THAT(RegistryRef::Parse("docker://h:1/a:v1@sha256:abc").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "image \"docker://h:1/a:v1@sha256:abc\": digest \"sha256:abc\" is not "
+                       "sha256:<64 hex digits>"));
+  EXPECT_THAT(RegistryRef::Parse("docker://h:1/a@" + digest).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("is not docker://HOST:PORT/REPO:TAG[@DIGEST]")));
+}
+
 TEST(RegistryRefTest, ParsesDockerReferences) {
   auto r = RegistryRef::Parse("docker://127.0.0.1:5000/alice/tools:v1");
   ASSERT_THAT(r.status(), IsOk());
@@ -133,7 +197,7 @@ TEST(RegistryRefTest, ParsesDockerReferences) {
 TEST(RegistryTest, AnUnreachableRegistryIsUnavailableNamingIt) {
   if (!std::filesystem::exists("/usr/bin/skopeo")) GTEST_SKIP() << "skopeo is not installed";
   // Port 1 on loopback: nothing listens there.
-  RegistryRef ref{"127.0.0.1:1", "library/x", "v1"};
+  RegistryRef ref{"127.0.0.1:1", "library/x", "v1", ""};
   EXPECT_THAT(RegistryDigest(ref).status(),
               StatusIs(absl::StatusCode::kUnavailable,
                        HasSubstr("image registry 127.0.0.1:1 is unreachable "
