@@ -35,6 +35,20 @@ std::string RefOf(const CatalogImage& i) {
   return absl::StrCat(i.owner.empty() ? "" : i.owner + "/", i.name, ":", i.tag);
 }
 
+// The registry repository of an owner's image: OWNER/NAME, and the presets
+// (no owner) under library/NAME. A user named "library" would share the
+// presets' repositories and could push over one that every user runs, so
+// that user cannot push at all.
+absl::StatusOr<std::string> RepositoryOf(const std::string& owner, const std::string& name) {
+  if (owner.empty()) return "library/" + name;
+  if (owner == "library") {
+    return absl::PermissionDeniedError(
+        "user \"library\": the registry's library/ repositories hold the presets; a user of "
+        "that name cannot store images there");
+  }
+  return owner + "/" + name;
+}
+
 // How long a node may take to pack and push a container's changes.
 constexpr std::chrono::minutes kCommitTimeout{30};
 
@@ -90,8 +104,8 @@ class ImagesService final : public pb::Images::CallbackService {
           return absl::AlreadyExistsError(
               absl::StrCat("image \"", RefOf(i), "\" exists (force replaces it)"));
         }
-        const RegistryRef ref{registry_, (i.owner.empty() ? "library" : i.owner) + "/" + i.name,
-                              i.tag, ""};
+        DEEPNEX_ASSIGN_OR_RETURN(std::string repository, RepositoryOf(i.owner, i.name));
+        const RegistryRef ref{registry_, repository, i.tag, ""};
         DEEPNEX_RETURN_IF_ERROR(PushLayout(source, "", ref));
         i.source = ref.ToString();
       }
@@ -188,7 +202,8 @@ class ImagesService final : public pb::Images::CallbackService {
           "this deepnex-central has no --registry to store committed images in");
     }
     // Per owner in the registry too: users' names do not collide.
-    RegistryRef pushed{registry_, i.owner + "/" + i.name, i.tag, ""};
+    DEEPNEX_ASSIGN_OR_RETURN(std::string repository, RepositoryOf(i.owner, i.name));
+    RegistryRef pushed{registry_, repository, i.tag, ""};
     i.source = pushed.ToString();
     if (target.local) {
       DEEPNEX_ASSIGN_OR_RETURN(i.size, target.local->Commit(i.source));

@@ -22,7 +22,8 @@ BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
                            os.path.join(os.path.dirname(__file__), "..", "..", "build"))
 CENTRAL_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-central")
 TOKENS = ("admintok root admin\nalicetok alice user\nbobtok bob user\n"
-          "j1tok alice user j1\nj1admintok root admin j1\n")
+          "j1tok alice user j1\nj1admintok root admin j1\n"
+          "librarytok library user\n")
 
 
 def start_central(tmp_path, *extra, mode="exclusive", cpus=16, memory="64GiB", cwd=None,

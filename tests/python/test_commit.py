@@ -251,6 +251,33 @@ def test_commit_refuses_others_containers_bad_names_and_the_cli_prints_it(oci_ce
     assert run(alice, "cli", "look", LOOK) == ("exited(0)", "mine\nadded.txt\n")
 
 
+def test_a_user_named_library_cannot_push_over_the_presets(tmp_path, registry):
+    """Presets live in the registry's library/ repositories; a user named
+    "library" committing a preset's name would otherwise push over the image
+    every user runs."""
+    oci_or_skip()
+    layout = base_layout(tmp_path)
+    proc, address = start_central_launcher(
+        tmp_path, "--state-dir", str(tmp_path / "state"), "--registry", registry.address,
+        backend="oci", users=("alice", "library"))
+    try:
+        admin(address).register_image("bb:v1", str(layout))
+        before = manifest(registry, "library/bb", "v1")
+        lib = gpu.CentralClient(address, token="librarytok", timeout=10)
+        start_box(lib, "box")
+        sh(lib, "box", WRITE)
+        with pytest.raises(deepnex.PermissionDeniedError) as e:
+            lib.commit("box", "bb:v1")
+        assert str(e.value) == (
+            'user "library": the registry\'s library/ repositories hold the presets; a user of '
+            'that name cannot store images there')
+        assert manifest(registry, "library/bb", "v1") == before
+        alice, _ = clients(address)
+        assert run(alice, "bb:v1", "look", LOOK) == ("exited(0)", "base.txt\n")
+    finally:
+        stop_central(proc)
+
+
 def test_a_process_container_cannot_be_committed(tmp_path):
     """No registry, runc or root needed: refused before any of it."""
     proc, address = start_central_launcher(tmp_path, "--state-dir", str(tmp_path / "state"))
