@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -112,25 +113,34 @@ flags:
   --help                  show this text
 )";
 
-// Central's node and job events on their way to the notifier; those that
-// come before its outbox is open wait here.
+// Central's node and job events on their way to the notifier; node events
+// that come before its outbox is open wait here. A job event's caller waits
+// for the outbox instead: the job store records the event as sent when
+// Publish returns, so it must be durable by then.
 class EventSink {
  public:
-  void Publish(deepnex::notify::Event event) {
+  void Publish(deepnex::notify::Event event, bool wait_open) {
     std::unique_lock<std::mutex> lock(mu_);
-    if (notifier_ == nullptr) {
+    if (wait_open) opened_cv_.wait(lock, [this] { return opened_; });
+    if (!opened_) {
       held_.push_back(std::move(event));
       return;
     }
+    if (notifier_ == nullptr) return;  // central is exiting: it failed to start
     lock.unlock();
     Report(notifier_->Publish(std::move(event)));
   }
 
+  // `notifier` null: central failed to start; events are dropped.
   void Open(deepnex::notify::Notifier* notifier) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& e : held_) Report(notifier->Publish(std::move(e)));
+    if (notifier != nullptr) {
+      for (auto& e : held_) Report(notifier->Publish(std::move(e)));
+    }
     held_.clear();
     notifier_ = notifier;
+    opened_ = true;
+    opened_cv_.notify_all();
   }
 
  private:
@@ -139,7 +149,9 @@ class EventSink {
   }
 
   std::mutex mu_;
-  deepnex::notify::Notifier* notifier_ = nullptr;  // set once
+  std::condition_variable opened_cv_;
+  bool opened_ = false;
+  deepnex::notify::Notifier* notifier_ = nullptr;  // set once, with opened_
   std::vector<deepnex::notify::Event> held_;
 };
 
@@ -282,10 +294,11 @@ int main(int argc, char** argv) {
     event.kind = "node." + state;
     event.node = node;
     event.data = {{"reason", why}};
-    sink.Publish(std::move(event));
+    sink.Publish(std::move(event), /*wait_open=*/false);
   };
   options.on_job_event = [&sink](const deepnex::gpu::JobEvent& e) {
     deepnex::notify::Event event;
+    event.id = e.id;
     event.kind = "job." + e.kind;  // "worker restarted": job.worker_restarted
     std::replace(event.kind.begin(), event.kind.end(), ' ', '_');
     event.user = e.job.user;
@@ -311,7 +324,7 @@ int main(int argc, char** argv) {
                           e.job.report.time.time_since_epoch()).count()}};
       if (e.reason == "when") event.data["when"] = e.job.notify_when;
     }
-    sink.Publish(std::move(event));
+    sink.Publish(std::move(event), /*wait_open=*/true);
   };
 
   // Declared before the server, which publishes to it until it is gone.
@@ -327,6 +340,7 @@ int main(int argc, char** argv) {
   auto created = deepnex::notify::Notifier::Create(notify);
   if (!created.ok()) {
     std::cerr << "deepnex-central: " << created.status().message() << "\n";
+    sink.Open(nullptr);  // lets the job store's threads end
     return 1;
   }
   notifier = std::move(*created);

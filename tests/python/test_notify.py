@@ -174,6 +174,56 @@ def test_job_events_reach_the_jobs_and_its_users_urls_in_order(tmp_path, receive
         defaults.close()
 
 
+def test_an_event_durable_but_not_published_goes_out_after_a_restart(tmp_path, receiver,
+                                                                      monkeypatch):
+    """Central dies (the test hook's _exit) after the job's completion is in
+    its record and before its Publish; the restarted central publishes it,
+    with the id it would have had, after the job's earlier events."""
+    from test_job import RunningJob
+    secrets = tmp_path / "secrets"
+    secrets.write_text(SECRETS)
+    flags = ["--state-dir", str(tmp_path / "state"), "--notify-secret-file", str(secrets)]
+    monkeypatch.setenv("DEEPNEX_TEST_EXIT_BEFORE_PUBLISH", "completed")
+    proc, address = _central.start_central(tmp_path, *flags, cpus=8, memory="16GiB",
+                                           node=socket.gethostname())
+    monkeypatch.delenv("DEEPNEX_TEST_EXIT_BEFORE_PUBLISH")
+    j = None
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_TOKEN"}
+        env.update(DEEPNEX_CENTRAL=address, DEEPNEX_TOKEN="alicetok")
+        j = RunningJob(tmp_path, ["--mode", "allreduce", "--memory", "64MiB",
+                                  "--notify", receiver.url], ["true"],
+                       env=env)
+        # The runner's report of the job's end is what makes central exit.
+        assert proc.wait(timeout=120) == 86, proc.stderr.read() + j.output()
+        wait_for(lambda: [e["kind"] for _, _, e in receiver.events()] ==
+                 ["job.queued", "job.started"], "the events published before the exit",
+                 timeout=30)
+    finally:
+        stop_central(proc)
+        if j is not None:
+            j.proc.kill()
+            j.proc.wait()
+    proc, _ = _central.start_central(tmp_path, *flags, cpus=8, memory="16GiB",
+                                     node=socket.gethostname())
+    try:
+        wait_for(lambda: any(e["kind"] == "job.completed" for _, _, e in receiver.events()),
+                 "job.completed after the restart", timeout=30)
+        # Events of a job go out in order, so any repeat of the two sent
+        # before the exit would have come before it: none did.
+        events = [e for _, _, e in receiver.events()]
+        run = events[0]["id"].split("/")[1]
+        assert [(e["id"], e["kind"]) for e in events] == [
+            (f"{j.name}/{run}/{n}", kind)
+            for n, kind in enumerate(["job.queued", "job.started", "job.completed"], 1)]
+        assert events[2]["data"]["state"] == "completed"
+        for headers, body, event in receiver.events():
+            assert headers["X-Deepnex-Signature"] == signature("alicesecret", body)
+            assert headers["X-Deepnex-Event-Id"] == event["id"]
+    finally:
+        stop_central(proc)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--central", "127.0.0.1:1", "--notify", "ftp://x/y"],
      'notify: URL "ftp://x/y" is not http://HOST[:PORT][/PATH]'),
