@@ -260,6 +260,43 @@ def test_node_events_reach_admins_signed(tmp_path, receiver, agents):
         central.close()
 
 
+def test_node_events_across_a_central_restart_tell_only_changes(tmp_path, receiver, agents):
+    """h1 goes NotReady and stays down across a central restart: no second
+    node.not_ready. h2 goes NotReady and comes back while central is down:
+    node.ready once the restarted central hears it. Event ids are
+    node/NODE/SEQ."""
+    central = Central(tmp_path, "--notify-admin", receiver.url)
+    try:
+        for node in ("h1", "h2"):
+            agents.start(central, node)
+        for d in agents.daemons:
+            d.kill()
+        for node in ("h1", "h2"):
+            wait_for(lambda: [k for k, _ in node_events(receiver, node)] == ["node.not_ready"],
+                     f"node.not_ready of {node}", timeout=30)
+        central.kill9()
+    finally:
+        central.close()
+    central = Central(tmp_path, "--notify-admin", receiver.url)
+    try:
+        agents.start(central, "h2")
+        wait_for(lambda: [k for k, _ in node_events(receiver, "h2")] ==
+                 ["node.not_ready", "node.ready"], "node.ready of h2", timeout=30)
+        # The restarted central finds h1 NotReady again; it tells nobody.
+        wait_for(lambda: any("node h1 is NotReady" in line for line in central.lines),
+                 "h1 NotReady in the restarted central", timeout=30)
+        agents.start(central, "h1")
+        # One job (node) at a time, in order: a repeated node.not_ready
+        # would have come before this node.ready.
+        wait_for(lambda: len(node_events(receiver, "h1")) >= 2, "node.ready of h1", timeout=30)
+    finally:
+        central.close()
+    for node in ("h1", "h2"):
+        assert [(e["id"], k) for k, e in node_events(receiver, node)] == [
+            (f"node/{node}/1", "node.not_ready"), (f"node/{node}/2", "node.ready")]
+    assert node_events(receiver, "h2")[1][1]["data"] == {"reason": "its agent registered again"}
+
+
 def test_no_event_lost_across_central_kill_9(tmp_path, agents):
     receiver = Receiver(listen=False)  # refuses connections for now
     try:
