@@ -311,7 +311,13 @@ absl::Status Hub::OnRegister(Stream* s, const Identity& who, const pb::Register&
   std::cerr << "deepnex-central: node " << name << " registered by its agent ("
             << reg.node().gpus_size() << " GPUs, " << reg.containers_size()
             << " container(s) running)\n";
-  if (was_not_ready) SetReady(name, true, "its agent registered again");
+  if (was_not_ready) {
+    SetReady(name, true, "its agent registered again");
+  } else if (options_.on_node_state) {
+    // Ready already, maybe only as a restarted central's start: the
+    // notifier tells it when the admins last heard NotReady or lost.
+    options_.on_node_state(name, "ready", "its agent registered again");
+  }
   if (on_registered_) {
     on_registered_(name, std::vector<pb::ContainerReport>(reg.containers().begin(),
                                                           reg.containers().end()));

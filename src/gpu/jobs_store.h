@@ -9,7 +9,9 @@
 //
 // Records: each change of a job is a ledger record holding the whole job
 // (JobRecord.put), and a job pruned from the history a JobRecord.drop; a
-// snapshot holds every job, so the log stays short.
+// snapshot holds every job, so the log stays short. A job's record also
+// holds its events not yet published (Job.unsent), taken off by a
+// JobRecord.sent once the observer has them: a restart publishes the rest.
 #ifndef DEEPNEX_GPU_JOBS_STORE_H_
 #define DEEPNEX_GPU_JOBS_STORE_H_
 
@@ -80,7 +82,8 @@ class JobStore {
   void ProgressLocked(pb::Job* j, const std::optional<MetricThreshold>& when, int64_t now_ms,
                       std::vector<JobEvent>* events);
   void SnapshotIfDueLocked();
-  // Makes record `ticket` durable, then tells the observer `events`.
+  // Makes record `ticket` durable, then tells the observer recovered_ and
+  // `events`, recording each as sent once the observer returns.
   absl::Status Commit(uint64_t ticket, const std::vector<JobEvent>& events);
   // The job `name` if `who` may see it, else NotFound.
   absl::StatusOr<pb::Job*> FindLocked(const Identity& who, const std::string& name);
@@ -92,6 +95,11 @@ class JobStore {
   std::unique_ptr<Ledger> ledger_;  // null: in memory
   std::mutex mu_;
   std::map<std::string, pb::Job> jobs_;  // by name
+  // Serializes Commit's calls of the observer.
+  std::mutex publish_mu_;
+  // The events durable before this store opened but never published
+  // (under publish_mu_).
+  std::vector<JobEvent> recovered_;
   // The ledger's ticket of the last record appended; 0: none (or no ledger).
   uint64_t last_ticket_ = 0;
   // When each job that has not ended was last reported (or the store opened).

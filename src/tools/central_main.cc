@@ -4,15 +4,20 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "core/file_util.h"
 #include "deepnex/gpu/central.h"
 #include "deepnex/gpu/discovery.h"
 #include "deepnex/launch/central.h"
@@ -112,25 +117,47 @@ flags:
   --help                  show this text
 )";
 
-// Central's node and job events on their way to the notifier; those that
-// come before its outbox is open wait here.
+// Central's node and job events on their way to the notifier; node events
+// that come before its outbox is open wait here. A job event's caller waits
+// for the outbox instead: the job store records the event as sent when
+// Publish returns, so it must be durable by then.
+//
+// A node event goes out only when it changes what the admins were last told
+// of that node, kept in `nodes_file` across restarts: a restarted central's
+// hub starts its agents' nodes Ready (a node still down turns NotReady
+// again) and says "ready" at each registration.
 class EventSink {
  public:
-  void Publish(deepnex::notify::Event event) {
+  // `nodes_file` empty: what the admins were told is kept in memory only.
+  explicit EventSink(std::string nodes_file) : nodes_file_(std::move(nodes_file)) {}
+
+  void Publish(deepnex::notify::Event event, bool wait_open) {
     std::unique_lock<std::mutex> lock(mu_);
-    if (notifier_ == nullptr) {
+    if (wait_open) opened_cv_.wait(lock, [this] { return opened_; });
+    if (!opened_) {
       held_.push_back(std::move(event));
       return;
     }
+    if (notifier_ == nullptr) return;  // central is exiting: it failed to start
     lock.unlock();
+    if (!event.node.empty()) {
+      PublishNode(std::move(event));
+      return;
+    }
     Report(notifier_->Publish(std::move(event)));
   }
 
+  // `notifier` null: central failed to start; events are dropped.
   void Open(deepnex::notify::Notifier* notifier) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& e : held_) Report(notifier->Publish(std::move(e)));
-    held_.clear();
     notifier_ = notifier;
+    if (notifier != nullptr) {
+      LoadNodes();
+      for (auto& e : held_) PublishNode(std::move(e));
+    }
+    held_.clear();
+    opened_ = true;
+    opened_cv_.notify_all();
   }
 
  private:
@@ -138,9 +165,58 @@ class EventSink {
     if (!s.ok()) std::cerr << "deepnex-central: " << s.message() << "\n";
   }
 
+  // What the admins were last told of a node, and how many events.
+  struct Told {
+    std::string state;  // "ready", "not_ready", "lost"; "": nothing yet
+    uint64_t seq = 0;
+  };
+
+  void PublishNode(deepnex::notify::Event event) {
+    std::lock_guard<std::mutex> lock(nodes_mu_);
+    Told& told = nodes_[event.node];
+    const std::string state = event.kind.substr(sizeof("node.") - 1);
+    // "ready" is news only after a not_ready or lost; not_ready after lost
+    // is none either.
+    if (state == told.state || (state == "ready" && told.state.empty()) ||
+        (state == "not_ready" && told.state == "lost")) {
+      return;
+    }
+    // The same id if central dies before recording it and tells it again.
+    event.id = absl::StrCat("node/", event.node, "/", told.seq + 1);
+    Report(notifier_->Publish(std::move(event)));
+    told = {state, told.seq + 1};
+    if (nodes_file_.empty()) return;
+    std::string text;
+    for (const auto& [node, t] : nodes_) {
+      if (!t.state.empty()) absl::StrAppend(&text, node, " ", t.state, " ", t.seq, "\n");
+    }
+    Report(deepnex::WriteFileAtomically(nodes_file_, text));
+  }
+
+  void LoadNodes() {
+    if (nodes_file_.empty() || !std::filesystem::exists(nodes_file_)) return;
+    auto text = deepnex::ReadWholeFile(nodes_file_, "notified node states");
+    if (!text.ok()) return Report(text.status());
+    std::lock_guard<std::mutex> lock(nodes_mu_);
+    for (absl::string_view line : absl::StrSplit(*text, '\n', absl::SkipEmpty())) {
+      std::vector<std::string> f = absl::StrSplit(line, ' ');
+      uint64_t seq = 0;
+      if (f.size() != 3 || !absl::SimpleAtoi(f[2], &seq)) {
+        Report(absl::DataLossError(absl::StrCat(nodes_file_, ": bad line \"", line, "\"")));
+        continue;
+      }
+      nodes_[f[0]] = {f[1], seq};
+    }
+  }
+
   std::mutex mu_;
-  deepnex::notify::Notifier* notifier_ = nullptr;  // set once
+  std::condition_variable opened_cv_;
+  bool opened_ = false;
+  deepnex::notify::Notifier* notifier_ = nullptr;  // set once, with opened_
   std::vector<deepnex::notify::Event> held_;
+  const std::string nodes_file_;
+  std::mutex nodes_mu_;  // publishes node events one at a time, in order
+  std::map<std::string, Told> nodes_;
 };
 
 }  // namespace
@@ -275,17 +351,20 @@ int main(int argc, char** argv) {
     notify.state_dir = options.allocator.state_dir + "/notify";
     notify.fsync = options.allocator.fsync;
   }
-  EventSink sink;
+  EventSink sink(options.allocator.state_dir.empty()
+                     ? ""
+                     : options.allocator.state_dir + "/notify-nodes");
   options.on_node_state = [&sink](const std::string& node, const std::string& state,
                                   const std::string& why) {
     deepnex::notify::Event event;
     event.kind = "node." + state;
     event.node = node;
     event.data = {{"reason", why}};
-    sink.Publish(std::move(event));
+    sink.Publish(std::move(event), /*wait_open=*/false);
   };
   options.on_job_event = [&sink](const deepnex::gpu::JobEvent& e) {
     deepnex::notify::Event event;
+    event.id = e.id;
     event.kind = "job." + e.kind;  // "worker restarted": job.worker_restarted
     std::replace(event.kind.begin(), event.kind.end(), ' ', '_');
     event.user = e.job.user;
@@ -311,7 +390,7 @@ int main(int argc, char** argv) {
                           e.job.report.time.time_since_epoch()).count()}};
       if (e.reason == "when") event.data["when"] = e.job.notify_when;
     }
-    sink.Publish(std::move(event));
+    sink.Publish(std::move(event), /*wait_open=*/true);
   };
 
   // Declared before the server, which publishes to it until it is gone.
@@ -327,6 +406,7 @@ int main(int argc, char** argv) {
   auto created = deepnex::notify::Notifier::Create(notify);
   if (!created.ok()) {
     std::cerr << "deepnex-central: " << created.status().message() << "\n";
+    sink.Open(nullptr);  // lets the job store's threads end
     return 1;
   }
   notifier = std::move(*created);

@@ -137,6 +137,23 @@ def agents(tmp_path):
     a.close()
 
 
+def start_then_kill(agents, central, *nodes):
+    """Registers an agent of each of `nodes` with central, then kills them."""
+    for node in nodes:
+        agents.start(central, node)
+    for d in agents.daemons:
+        d.kill()
+
+
+def distinct_node_events(receiver, node):
+    """node_events, deduplicated by id as a receiver does: central killed
+    right after a Publish may send that event again, with its id."""
+    by_id = {}
+    for kind, e in node_events(receiver, node):
+        by_id.setdefault(e["id"], (kind, e))
+    return list(by_id.values())
+
+
 def node_events(receiver, node):
     return [(e["kind"], e) for _, _, e in receiver.events() if e["node"] == node]
 
@@ -172,6 +189,57 @@ def test_job_events_reach_the_jobs_and_its_users_urls_in_order(tmp_path, receive
     finally:
         stop_central(proc)
         defaults.close()
+
+
+def test_an_event_durable_but_not_published_goes_out_after_a_restart(tmp_path, receiver,
+                                                                      monkeypatch):
+    """Central dies (the test hook's _exit) after the job's completion is in
+    its record and before its Publish; the restarted central publishes it,
+    with the id it would have had, after the job's earlier events."""
+    from test_job import RunningJob
+    secrets = tmp_path / "secrets"
+    secrets.write_text(SECRETS)
+    flags = ["--state-dir", str(tmp_path / "state"), "--notify-secret-file", str(secrets)]
+    monkeypatch.setenv("DEEPNEX_TEST_EXIT_BEFORE_PUBLISH", "completed")
+    proc, address = _central.start_central(tmp_path, *flags, cpus=8, memory="16GiB",
+                                           node=socket.gethostname())
+    monkeypatch.delenv("DEEPNEX_TEST_EXIT_BEFORE_PUBLISH")
+    j = None
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_TOKEN"}
+        env.update(DEEPNEX_CENTRAL=address, DEEPNEX_TOKEN="alicetok")
+        j = RunningJob(tmp_path, ["--mode", "allreduce", "--memory", "64MiB",
+                                  "--notify", receiver.url], ["true"],
+                       env=env)
+        # The runner's report of the job's end is what makes central exit.
+        assert proc.wait(timeout=120) == 86, proc.stderr.read() + j.output()
+    finally:
+        stop_central(proc)
+        if j is not None:
+            j.proc.kill()
+            j.proc.wait()
+    proc, _ = _central.start_central(tmp_path, *flags, cpus=8, memory="16GiB",
+                                     node=socket.gethostname())
+    try:
+        wait_for(lambda: any(e["kind"] == "job.completed" for _, _, e in receiver.events()),
+                 "job.completed after the restart", timeout=30)
+    finally:
+        stop_central(proc)
+    # As a receiver does: deduplicated by id. An event published before the
+    # exit may come again (its record as sent may not have reached the disk):
+    # the same id and kind, made anew from the job's record. Events of a job
+    # come in order, so the first delivery of each is in order.
+    by_id = {}
+    for headers, body, event in receiver.events():
+        assert headers["X-Deepnex-Signature"] == signature("alicesecret", body)
+        assert headers["X-Deepnex-Event-Id"] == event["id"]
+        assert by_id.setdefault(event["id"], event)["kind"] == event["kind"]
+    events = list(by_id.values())
+    run = events[0]["id"].split("/")[1]
+    assert [(e["id"], e["kind"]) for e in events] == [
+        (f"{j.name}/{run}/{n}", kind)
+        for n, kind in enumerate(["job.queued", "job.started", "job.completed"], 1)]
+    assert (events[2]["data"]["state"], events[2]["data"]["exit_code"]) == ("completed", 0)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -210,15 +278,52 @@ def test_node_events_reach_admins_signed(tmp_path, receiver, agents):
         central.close()
 
 
+def test_node_events_across_a_central_restart_tell_only_changes(tmp_path, receiver, agents):
+    """h1 goes NotReady and stays down across a central restart: no second
+    node.not_ready. h2 goes NotReady and comes back while central is down:
+    node.ready once the restarted central hears it. Event ids are
+    node/NODE/SEQ."""
+    central = Central(tmp_path, "--notify-admin", receiver.url)
+    try:
+        start_then_kill(agents, central, "h1", "h2")
+        for node in ("h1", "h2"):
+            wait_for(lambda: [k for k, _ in node_events(receiver, node)] == ["node.not_ready"],
+                     f"node.not_ready of {node}", timeout=30)
+        # Recorded just after each Publish: a kill before would tell it again.
+        told = tmp_path / "state" / "notify-nodes"
+        wait_for(lambda: told.exists() and sorted(told.read_text().splitlines()) ==
+                 ["h1 not_ready 1", "h2 not_ready 1"], "what the admins were told, on disk")
+        central.kill9()
+    finally:
+        central.close()
+    central = Central(tmp_path, "--notify-admin", receiver.url)
+    try:
+        agents.start(central, "h2")
+        wait_for(lambda: [k for k, _ in distinct_node_events(receiver, "h2")] ==
+                 ["node.not_ready", "node.ready"], "node.ready of h2", timeout=30)
+        # The restarted central finds h1 NotReady again; it tells nobody.
+        wait_for(lambda: any("node h1 is NotReady" in line for line in central.lines),
+                 "h1 NotReady in the restarted central", timeout=30)
+        agents.start(central, "h1")
+        # One job (node) at a time, in order: a repeated node.not_ready
+        # would have come before this node.ready.
+        wait_for(lambda: len(distinct_node_events(receiver, "h1")) >= 2, "node.ready of h1",
+                 timeout=30)
+    finally:
+        central.close()
+    for node in ("h1", "h2"):
+        assert [(e["id"], k) for k, e in distinct_node_events(receiver, node)] == [
+            (f"node/{node}/1", "node.not_ready"), (f"node/{node}/2", "node.ready")]
+    assert distinct_node_events(receiver, "h2")[1][1]["data"] == \
+        {"reason": "its agent registered again"}
+
+
 def test_no_event_lost_across_central_kill_9(tmp_path, agents):
     receiver = Receiver(listen=False)  # refuses connections for now
     try:
         central = Central(tmp_path, "--notify-admin", receiver.url)
         try:
-            for node in ("h1", "h2"):
-                agents.start(central, node)
-            for d in agents.daemons:
-                d.kill()
+            start_then_kill(agents, central, "h1", "h2")
             # A failed attempt means the event was in the outbox (fsync'd) first.
             def retried_ids():
                 return {line.split()[2] for line in central.lines

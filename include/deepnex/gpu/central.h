@@ -52,7 +52,9 @@ struct CentralServerOptions {
   std::chrono::milliseconds node_lost_after{std::chrono::minutes(5)};
   std::chrono::milliseconds agent_heartbeat{2000};
   // Called as an agent's node turns NotReady ("not_ready"), its containers
-  // count as lost ("lost"), or it is Ready again ("ready"), with why; on
+  // count as lost ("lost"), or it is Ready again or its agent registers
+  // ("ready", also when it was Ready already: a restarted central starts its
+  // nodes Ready, and the notifier knows what it last told), with why; on
   // the hub's threads, with no lock of its held (deepnex-central's webhook
   // notifier). Empty: nothing is called.
   std::function<void(const std::string& node, const std::string& state,

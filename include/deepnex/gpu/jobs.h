@@ -157,6 +157,8 @@ struct JobEvent {
   std::string reason;
   int resized_from = 0;  // resized: the worker count before (job.workers after)
   JobRecord job;
+  // "JOB/RUN/SEQ": the same when a restarted central sends it again.
+  std::string id;
 };
 // Called by deepnex-central's job store after each event is durable, on the
 // thread of the call that caused it, with no lock held; it must be quick.

@@ -36,6 +36,7 @@ class JobsTest : public ::deepnex::test::CentralFixture {
     o.on_job_event = [this](const JobEvent& e) {
       std::lock_guard<std::mutex> lock(mu_);
       events_.push_back(e.kind + " " + e.job.name + (e.reason.empty() ? "" : " " + e.reason));
+      ids_.push_back(e.id);
     };
     server_.reset();
     auto server = CentralServer::Create(o);
@@ -80,8 +81,14 @@ class JobsTest : public ::deepnex::test::CentralFixture {
     return events_;
   }
 
+  std::vector<std::string> ids() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ids_;
+  }
+
   std::mutex mu_;
   std::vector<std::string> events_;
+  std::vector<std::string> ids_;
 };
 
 JobFilter All() {
@@ -117,6 +124,8 @@ TEST_F(JobsTest, ARunnersReportsMakeTheRecordAndItsEvents) {
   EXPECT_EQ(done.cpu_hours, 4 * elapsed / 3600.0);  // no usage samples: cores x time
   EXPECT_THAT(events(), ElementsAre("queued j1", "started j1", "worker restarted j1",
                                     "completed j1"));
+  // NAME/RUN/SEQ: a restarted central that sends one again sends the same id.
+  EXPECT_THAT(ids(), ElementsAre("j1/r1/1", "j1/r1/2", "j1/r1/3", "j1/r1/4"));
   // Ended: history only.
   EXPECT_THAT(Names(*alice, {}), ElementsAre());
   EXPECT_THAT(Names(*alice, All()), ElementsAre("j1"));
