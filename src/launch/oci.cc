@@ -246,16 +246,18 @@ class OciRun : public Run {
     if (killer.joinable()) killer.join();
     pidfd_.reset();
     absl::StatusOr<std::string> deleted = runc_.Call({"delete", "--force", id_});
-    if (!deleted.ok() && !absl::StrContains(deleted.status().message(), "does not exist")) {
-      return deleted.status();
-    }
     // runc delete can leave the cgroup of a stopped container in hierarchies
-    // it did not create it in; whatever is left goes here.
+    // it did not create it in; whatever is left goes here. The rest goes
+    // even when runc's delete failed: this is the only Remove, and a
+    // mounted writable layer would outlive the bundle directory.
     if (absl::StatusOr<std::unique_ptr<Cgroup>> cg = Cgroup::Open(cgroup_path_); cg.ok()) {
       (*cg)->Remove().IgnoreError();
     }
     for (const char* file : {"/config.json", "/pid"}) unlink((dir_ + file).c_str());
     if (overlay_) UnmountOverlay(dir_);
+    if (!deleted.ok() && !absl::StrContains(deleted.status().message(), "does not exist")) {
+      return deleted.status();
+    }
     return absl::OkStatus();
   }
 

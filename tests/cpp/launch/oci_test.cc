@@ -628,6 +628,43 @@ TEST_F(OciTest, WritesGoToTheRunsOwnLayer) {
   EXPECT_FALSE(std::filesystem::exists(rootfs + "/new"));
 }
 
+// Remove is a run's only clean-up: a runc delete that fails (here a runc
+// that refuses it) still leaves no writable layer mounted, which would
+// outlive the bundle directory and keep it busy.
+TEST_F(OciTest, AFailedRuncDeleteStillUnmountsTheLayer) {
+  const std::string rootfs = dir_ + "/rootfs";
+  absl::Status made = MakeBusyboxRootfs(rootfs);
+  if (absl::IsFailedPrecondition(made)) GTEST_SKIP() << made.message();
+  ASSERT_THAT(made, IsOk());
+  const std::string refuse = dir_ + "/refuse-delete";
+  options_.oci.runc = dir_ + "/runc-refusing-delete";
+  {
+    std::ofstream script(options_.oci.runc);
+    // runc's arguments here: --root DIR COMMAND ...
+    script << "#!/bin/sh\nif [ \"$3\" = delete ] && [ -e " << refuse
+           << " ]; then echo 'delete refused' >&2; exit 1; fi\nexec runc \"$@\"\n";
+  }
+  fs::permissions(options_.oci.runc, fs::perms::owner_all);
+  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeOciBackend(options_);
+  ASSERT_THAT(backend, IsOk());
+  backend_ = std::move(*backend);
+  std::ofstream(refuse).close();
+  ContainerSpec spec = Spec("layer", {"sh", "-c", "true"});
+  spec.image = rootfs;
+  spec.env["PATH"] = "/bin";
+  EXPECT_TRUE(RunToEnd(spec).first.ok());
+  const std::string layer = Context(spec).dir + "/rootfs";
+  auto mounted = [&] {
+    return absl::StrContains(ReadFile("/proc/self/mountinfo"), " " + layer + " ");
+  };
+  ASSERT_TRUE(mounted());
+  std::unique_ptr<launch::Run> run = std::move(runs_.back());
+  runs_.pop_back();
+  EXPECT_THAT(run->Remove(), StatusIs(absl::StatusCode::kInternal, HasSubstr("delete refused")));
+  EXPECT_FALSE(mounted());
+  fs::remove(refuse);  // TearDown's Cleanup deletes the container
+}
+
 // A commit adds a layer to its image's: neither the host image (the host's
 // own files) nor a rootfs directory has layers. A forwarded port is dialled
 // in the container's own network namespace.
