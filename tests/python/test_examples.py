@@ -36,8 +36,9 @@ def test_digits_reaches_090_with_2_workers(script, mode):
     if script == "mlp_torch.py":
         pytest.importorskip("torch")
     # Async applies each worker's stale gradient on its own: it needs more
-    # epochs to settle above 0.9 (measured 0.92-0.95 at 8).
-    epochs = "8" if mode == "async" else "6"
+    # epochs to settle above 0.9, and its last epoch can dip (at 8 epochs
+    # mlp_torch ended at 0.878-0.953; at 12, 0.928-0.964 in 8 runs).
+    epochs = "12" if mode == "async" else "6"
     code, out = run_example([os.path.join(DIGITS, script), "--mode", mode, "--workers", "2",
                              "--epochs", epochs, "--min-accuracy", "0.9"])
     summary = SUMMARY.search(out)
