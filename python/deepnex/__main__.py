@@ -72,7 +72,8 @@ def _exec_shell(args: list[str]) -> None:
     reads flags spelled out in full itself; anything else (--help, an
     abbreviation, a bad value) it hands back to `python -m deepnex shell`
     with DEEPNEX_NATIVE_SHELL=late, whose argparse then speaks. Returns where
-    there is no deepnex-shell, or DEEPNEX_NATIVE_SHELL is 0 or late."""
+    there is no deepnex-shell (argparse then says so), or with
+    DEEPNEX_NATIVE_SHELL=late."""
     if os.environ.get("DEEPNEX_NATIVE_SHELL") == "late" or not sys.executable:
         return
     from deepnex._cli_common import native_shell
@@ -83,7 +84,7 @@ def _exec_shell(args: list[str]) -> None:
     try:
         os.execve(path, [path, *args], dict(os.environ, DEEPNEX_SHELL_PYTHON=sys.executable))
     except OSError:
-        pass  # argparse and _cli_session instead
+        pass  # _cli_session._shell says why
 
 
 def _exec_program(name: str) -> None:

@@ -56,9 +56,7 @@ def guard(fn):
 def native_shell():
     """deepnex-shell, the C++ client of `deepnex shell`: the package's
     (deepnex/bin/) or the build tree's (<build>/bin/); None where there is
-    none, or with DEEPNEX_NATIVE_SHELL=0 (then _cli_session's client runs)."""
-    if os.environ.get("DEEPNEX_NATIVE_SHELL") == "0":
-        return None
+    none."""
     here = os.path.dirname(os.path.abspath(__file__))
     for path in (os.path.join(here, "bin", "deepnex-shell"),
                  os.path.join(here, "..", "..", "bin", "deepnex-shell")):

@@ -15,10 +15,9 @@ terminal (raw mode: Ctrl-C goes to the container; the window's size and its
 changes go with it). When the shell exits, its exit code is deepnex's, the
 container stops and the allocation deepnex made is released, unless --keep
 (then both stay, and `deepnex exec NAME -it -- bash` enters it again).
-The C++ client deepnex-shell does all this where it is built (the package's
-bin/, the build tree's): `deepnex shell` execs it before argparse loads
-(__main__._exec_shell), or once argparse has read the flags; with
-DEEPNEX_NATIVE_SHELL=0 the Python client here runs.
+The C++ client deepnex-shell (the package's bin/, the build tree's) does
+all this: `deepnex shell` execs it before argparse loads
+(__main__._exec_shell), or once argparse has read the flags.
 
 notebook does the same with Jupyter (jupyter notebook, with a random token)
 in the container instead of a shell: it forwards a local port to it through
@@ -35,9 +34,6 @@ import threading
 import time
 
 from deepnex._cli_common import add_central_args, client, guard, native_shell
-
-# A shell the container has: bash where there is one.
-SHELL = ["/bin/sh", "-c", "command -v bash >/dev/null && exec bash -il || exec sh -il"]
 
 
 def _command(args, what):
@@ -61,21 +57,6 @@ def _exec(args):
     c = client(args)
     return attach(c._c, args.name, command, tty=args.tty,
                   interactive=args.stdin, user=args.user)
-
-
-def _wait_running(c, name, timeout=60.0):
-    """Waits until container `name` runs; an error naming how it ended."""
-    from deepnex import DeepnexError
-    deadline = time.monotonic() + timeout
-    while True:
-        info = next((x for x in c.containers() if x["name"] == name), None)
-        state = (info or {}).get("state", "gone")
-        if state == "running":
-            return
-        if state in ("stopped", "exited", "gone") or time.monotonic() > deadline:
-            raise DeepnexError(f"container {name} did not start: {state} "
-                               f"{(info or {}).get('last_exit', '')}".rstrip())
-        time.sleep(0.01)
 
 
 def _allocation(c, args):
@@ -108,14 +89,14 @@ def _end(c, args, name, alloc, made, started, again):
         print(f"deepnex: cleaning up after {name}: {e}", file=sys.stderr)
 
 
-def _exec_native_shell(args):
+def _shell(args):
     """Replaces this process with deepnex-shell and the flags argparse read
     (checked, defaults filled in, abbreviations spelled out), so that the
-    shell's prompt comes without loading deepnex's compiled module here;
-    returns where there is no deepnex-shell or it cannot run."""
+    shell's prompt comes without loading deepnex's compiled module here."""
     native = native_shell()
     if native is None:
-        return
+        raise SystemExit("deepnex shell: deepnex-shell is missing (the package's deepnex/bin/, "
+                         "a build tree's bin/); reinstall the deepnex package")
     argv = [native]
     for dest, value in sorted(vars(args).items()):
         if dest in ("command", "func") or value is None or value is False:
@@ -125,30 +106,8 @@ def _exec_native_shell(args):
     env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_SHELL_PYTHON"}
     try:
         os.execve(native, argv, env)
-    except OSError:
-        pass  # this module's client instead
-
-
-def _shell(args):
-    _exec_native_shell(args)
-    from deepnex import launch
-    from deepnex._session import attach
-    c = client(args)
-    alloc, made = _allocation(c, args)
-    import secrets
-    name = args.name or f"shell-{secrets.token_hex(3)}"
-    started = False
-    code = 1
-    try:
-        info = c.start_container(launch.ContainerSpec(name=name, image=args.image,
-                                                      command=["sleep", "infinity"]), alloc)
-        started = True
-        if info["state"] != "running":  # the process backend's runs already: no call more
-            _wait_running(c, name)
-        code = attach(c._c, name, SHELL, tty=True, interactive=True)
-    finally:
-        _end(c, args, name, alloc, made, started, f"deepnex exec {name} -it -- bash")
-    return code
+    except OSError as e:
+        raise SystemExit(f"deepnex shell: cannot run {native}: {os.strerror(e.errno)}")
 
 
 # Jupyter on a port free in the container (picked there, as the container

@@ -175,24 +175,17 @@ NATIVE_SHELL = os.path.join(os.path.dirname(os.path.abspath(_session.__file__)),
                             "bin", "deepnex-shell")
 
 
-def shell_env(central, client):
-    """The environment of `deepnex shell` with `client`: "native" (the
-    command execs deepnex-shell, the C++ client) or "python"."""
-    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
-    env.pop("DEEPNEX_NATIVE_SHELL", None)
-    if client == "python":
-        env["DEEPNEX_NATIVE_SHELL"] = "0"
-    elif native_shell() is None:
+def shell_env(central):
+    """The environment of `deepnex shell`, whose client is deepnex-shell."""
+    if native_shell() is None:
         pytest.skip("deepnex-shell is not built (nor in the package)")
-    return env
+    return dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
 
 
-def expect_client(t, client):
-    """The process on the terminal runs `client`'s code: deepnex-shell once
-    the native command exec'd it, else Python."""
+def expect_native(t):
+    """The process on the terminal is deepnex-shell: the command exec'd it."""
     exe = os.path.basename(os.readlink(f"/proc/{t.proc.pid}/exe"))
-    assert exe == ("deepnex-shell" if client == "native" else os.path.basename(
-        os.path.realpath(PY))), exe
+    assert exe == "deepnex-shell", exe
 
 
 def assert_cleaned_up(client, name):
@@ -201,16 +194,15 @@ def assert_cleaned_up(client, name):
     assert client.allocations() == []
 
 
-@pytest.mark.parametrize("client", ["native", "python"])
-def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code(central, client):
+def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code(central):
     alice, _ = clients(central)
-    env = shell_env(central, client)
+    env = shell_env(central)
     t = Terminal([PY, "-m", "deepnex", "shell", "--cpus", "1", "--memory", "256MiB",
                   "--name", "sh1"], env)
     try:
         # The prompt first: a shell may drop what was typed before it ran.
         t.expect(b"$ ")
-        expect_client(t, client)
+        expect_native(t)
         # Markers computed by the shell, so that the echo of what was typed
         # does not match.
         t.send("echo ready-$((40+2))\n")
@@ -244,17 +236,16 @@ def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code
     assert_cleaned_up(alice, "sh1")
 
 
-@pytest.mark.parametrize("client", ["native", "python"])
-def test_shell_on_a_given_allocation_with_keep_leaves_both(central, client):
+def test_shell_on_a_given_allocation_with_keep_leaves_both(central):
     alice, _ = clients(central)
     a = alice.allocate(grant())
-    env = shell_env(central, client)
+    env = shell_env(central)
     # --kee: an abbreviation, which deepnex-shell hands back to argparse;
     # argparse then execs deepnex-shell with --keep.
     t = Terminal([PY, "-m", "deepnex", "shell", "--alloc", a.id, "--kee", "--name", "k1"], env)
     try:
         t.expect(b"$ ")
-        expect_client(t, client)
+        expect_native(t)
         t.send("exit\n")
         t.expect(b"deepnex: kept container k1 on allocation " + a.id.encode())
         assert t.proc.wait(timeout=30) == 0
@@ -269,7 +260,7 @@ def test_shell_on_a_given_allocation_with_keep_leaves_both(central, client):
 def test_deepnex_shell_execs_the_native_client_before_argparse(central):
     """What Python loads before deepnex-shell runs: not argparse, not the
     compiled module (python -X importtime says, on stderr, before the exec)."""
-    env = shell_env(central, "native")
+    env = shell_env(central)
     del env["DEEPNEX_CENTRAL"]
     out = subprocess.run([PY, "-X", "importtime", "-m", "deepnex", "shell"], env=env,
                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
@@ -284,6 +275,16 @@ def test_deepnex_shell_execs_the_native_client_before_argparse(central):
                          timeout=60)
     assert (out.returncode, out.stderr) == (
         2, 'deepnex shell: --gpus: "x" is not an integer (see --help)\n')
+
+
+def test_shell_without_deepnex_shell_says_what_is_missing(monkeypatch):
+    """deepnex-shell is the only shell client: a package without it fails in
+    one line, naming it, before allocating anything."""
+    from deepnex import _cli_session
+    monkeypatch.setattr(_cli_session, "native_shell", lambda: None)
+    with pytest.raises(SystemExit) as e:
+        _cli_session._shell(None)
+    assert str(e.value).startswith("deepnex shell: deepnex-shell is missing"), e.value
 
 
 def test_deepnex_shell_loads_a_session_clients_libraries_only():
@@ -308,10 +309,10 @@ def test_native_shell_ended_by_a_signal_still_cleans_up(central, sig):
     with 128 + N, stops the container and releases the allocation."""
     alice, _ = clients(central)
     t = Terminal([PY, "-m", "deepnex", "shell", "--cpus", "1", "--memory", "256MiB",
-                  "--name", "sig1"], shell_env(central, "native"))
+                  "--name", "sig1"], shell_env(central))
     try:
         t.expect(b"$ ")
-        expect_client(t, "native")
+        expect_native(t)
         t.proc.send_signal(sig)
         assert t.proc.wait(timeout=30) == 128 + sig
     finally:
@@ -319,10 +320,9 @@ def test_native_shell_ended_by_a_signal_still_cleans_up(central, sig):
     assert_cleaned_up(alice, "sig1")
 
 
-@pytest.mark.parametrize("client", ["native", "python"])
-def test_shell_errors_are_one_line_and_leave_nothing_behind(central, client):
+def test_shell_errors_are_one_line_and_leave_nothing_behind(central):
     alice, _ = clients(central)
-    env = shell_env(central, client)
+    env = shell_env(central)
 
     def shell(*args, env=env):
         return subprocess.run([PY, "-m", "deepnex", "shell", "--cpus", "1", "--memory", "256MiB",
