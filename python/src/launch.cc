@@ -9,7 +9,7 @@
 #include "deepnex/launch/central.h"
 #include "deepnex/launch/launcher.h"
 #include "launch/cgroup.h"
-#include "launch/util.h"
+#include "launch/procfs.h"
 
 namespace deepnex::python {
 namespace {

@@ -18,6 +18,7 @@
 #include "launch/command.h"
 #include "launch/docker.h"
 #include "launch/record.h"
+#include "launch/procfs.h"
 #include "launch/util.h"
 
 namespace deepnex::agent {

@@ -1,5 +1,5 @@
 #include "launch/cgroup.h"
-#include "launch/util.h"
+#include "launch/procfs.h"
 
 #include <dirent.h>
 #include <errno.h>

@@ -26,6 +26,7 @@
 #include "launch/backend.h"
 #include "launch/cgroup.h"
 #include "launch/spec.h"
+#include "launch/procfs.h"
 #include "launch/util.h"
 
 #ifndef CLOSE_RANGE_CLOEXEC

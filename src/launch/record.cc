@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
-#include "launch/util.h"
+#include "launch/procfs.h"
 #include "nlohmann/json.hpp"
 
 namespace deepnex::launch {

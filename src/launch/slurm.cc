@@ -49,6 +49,7 @@
 #include "launch/backend.h"
 #include "launch/command.h"
 #include "launch/spec.h"
+#include "launch/procfs.h"
 #include "launch/util.h"
 
 extern char** environ;

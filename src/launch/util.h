@@ -1,4 +1,6 @@
-// Small helpers shared by the launch backends (private to src/launch).
+// Small helpers shared by the launch backends (private to src/launch):
+// file descriptors, PATH and environments, run names, exit statuses and
+// signals. /proc lookups are in procfs.h.
 #ifndef DEEPNEX_LAUNCH_UTIL_H_
 #define DEEPNEX_LAUNCH_UTIL_H_
 
@@ -8,7 +10,6 @@
 #include <utility>
 
 #include <map>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -78,30 +79,6 @@ std::string SignalName(int signal);
 
 // `n` random bytes as 2n lowercase hex digits.
 std::string RandomHex(int n);
-
-// The pids of the processes whose environment holds `key`=`value` (those
-// this process may read).
-std::vector<pid_t> ProcessesWithEnv(const std::string& key, const std::string& value);
-
-// CPU time, resident memory and count of the processes in `pids`, from
-// /proc (a process that vanished counts 0). memory_peak is the largest of
-// their VmHWM.
-launch::Usage ProcUsage(const std::vector<pid_t>& pids);
-
-// Whether `pid` exists and is not a zombie (PID 1 here may never reap
-// orphans, so a killed process can linger as one).
-bool ProcessAlive(pid_t pid);
-
-// The kernel start time of `pid` (field 22 of /proc/<pid>/stat, clock ticks
-// since boot): with the pid, it names one process, as a reused pid does not.
-// nullopt when there is no such process.
-std::optional<uint64_t> ProcessStartTime(pid_t pid);
-
-// GPU memory of `pids`, by GPU index, through NVML; empty without a driver.
-std::map<int, uint64_t> GpuMemoryOf(const std::vector<pid_t>& pids);
-
-// The live processes whose process group is `pgid`.
-std::vector<pid_t> ProcessGroupMembers(pid_t pgid);
 
 // Sets gauges deepnex_container_cpu_seconds, _memory_bytes,
 // _memory_peak_bytes and _pids, labelled container=<name>, from the usage of

@@ -14,6 +14,7 @@
 #include "deepnex/collective/store.h"
 #include "deepnex/gpu/discovery.h"
 #include "job/elastic.h"
+#include "launch/procfs.h"
 #include "launch/util.h"
 #include "test_matchers.h"
 #include "test_util.h"

@@ -20,6 +20,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "launch/cgroup.h"
+#include "launch/procfs.h"
 #include "launch/util.h"
 #include "launch/launch_test_util.h"
 #include "test_matchers.h"
