@@ -34,6 +34,40 @@ uint64_t FreeGpuMemory(const NodeState* n, const Hold* h, int i) {
   return free > held ? free - held : 0;
 }
 
+// How many parts of `r` node `spec` could hold at once when empty. A part
+// needs r.gpus distinct GPUs with room for it, so P parts fit when the GPUs'
+// room, each counted at most P times, adds up to P * r.gpus.
+int64_t PartsThatFit(const Node& spec, const Request& r) {
+  int64_t parts = r.replicas;
+  if (r.cpus > 0) parts = std::min<int64_t>(parts, spec.cpus / r.cpus);
+  if (r.memory > 0) parts = std::min<int64_t>(parts, static_cast<int64_t>(spec.memory / r.memory));
+  if (r.gpus == 0) return parts;
+  std::vector<int64_t> room;
+  for (const Gpu& g : spec.gpus) {
+    if (g.memory < r.gpu_memory) continue;
+    room.push_back(r.mode == Mode::kExclusive || r.gpu_memory == 0
+                       ? 1
+                       : static_cast<int64_t>(std::min<uint64_t>(g.memory / r.gpu_memory,
+                                                                 r.replicas)));
+  }
+  auto fits = [&](int64_t p) {
+    int64_t sum = 0;
+    for (int64_t x : room) sum += std::min(x, p);
+    return sum >= p * r.gpus;
+  };
+  // fits holds from 0 up to the answer and not beyond (its slack is concave).
+  int64_t lo = 0, hi = parts;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (fits(mid)) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
 bool GpuHeld(const Hold* h, int i) { return h && !h->gpu.empty() && h->gpu[i] > 0; }
 
 // `n` could take a part of `r` by its name, labels, state and mode.
@@ -567,16 +601,21 @@ absl::Status Placement::Infeasible(const Request& r) const {
         ModeName(r.mode == Mode::kShared ? Mode::kExclusive : Mode::kShared), " (",
         NameList(other), ")"));
   }
-  for (const NodeState* n : moded) {
-    int fits = 0;
-    for (const auto& g : n->spec.gpus) fits += g.memory >= r.gpu_memory;
-    if (n->spec.cpus >= r.cpus && n->spec.memory >= r.memory && fits >= r.gpus) {
-      return absl::OkStatus();
-    }
+  // A gang is granted all at once: the matching nodes, empty, must hold all
+  // its parts together, or it would wait forever.
+  int64_t parts = 0;
+  for (const NodeState* n : moded) parts += PartsThatFit(n->spec, r);
+  if (parts == 0) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "no node can ever hold this request (", Describe(r), " per part): ", moded.size(),
+        " node(s) match, none has that many GPUs, cpus and memory"));
   }
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "no node can ever hold this request (", Describe(r), " per part): ", moded.size(),
-      " node(s) match, none has that many GPUs, cpus and memory"));
+  if (parts < r.replicas) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "no set of nodes can ever hold this request (", Describe(r), "): the ", moded.size(),
+        " matching node(s) hold at most ", parts, " of its ", r.replicas, " parts at once"));
+  }
+  return absl::OkStatus();
 }
 
 std::string Placement::Shortage(const Request& r) const {

@@ -216,6 +216,17 @@ def test_bad_options_are_refused_before_anything_starts(jobs):
     assert 'mode: "ssp:x"' in j.output()
 
 
+def test_more_workers_than_this_machine_could_ever_hold_are_refused_at_once(jobs):
+    """A new user's `deepnex run --workers N` on a machine of fewer cores
+    (1 core a worker by default): refused at once, saying how many fit."""
+    cpus = deepnex.gpu.local_node().cpus
+    j = jobs(["--workers", str(cpus + 1), "--mode", "allreduce"], ["true"])
+    assert j.wait(60) == 1
+    assert "no set of nodes can ever hold this request (" in j.output(), j.output()
+    assert f" asks {cpus + 1} x (0 exclusive GPUs, 1 cpus, " in j.output(), j.output()
+    assert f"hold at most {cpus} of its {cpus + 1} parts at once" in j.output(), j.output()
+
+
 def test_job_run_from_python(tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPNEX_RUN_DIR", str(tmp_path / "run"))
     lines = []

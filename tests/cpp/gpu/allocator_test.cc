@@ -109,6 +109,49 @@ TEST(Allocator, SharedPacksByMemoryBestFit) {
   EXPECT_OK(alloc->CheckInvariants());
 }
 
+// A gang is granted all at once: one that the matching nodes, empty, could
+// never hold together is refused at once (as Slurm's "Requested node
+// configuration is not available"), where it would otherwise wait forever.
+TEST(Allocator, AGangNoSetOfNodesCouldEverHoldIsRefusedAtOnce) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 2, 80 * kGiB, Mode::kExclusive, /*cpus=*/2)));
+  ASSERT_OK(alloc->AddNode(MakeNode("n2", 2)));
+  // A shared node whose GPUs have room for 4, 1 and 1 parts of 20GiB.
+  Node s = MakeNode("s", 3, 20 * kGiB, Mode::kShared);
+  s.gpus[0].memory = 80 * kGiB;
+  ASSERT_OK(alloc->AddNode(s));
+  // A deadline, so that a gang that waits fails the test instead of hanging.
+  AllocateOptions waits;
+  waits.timeout = std::chrono::seconds(10);
+  auto never = [](int held, int parts, int nodes) {
+    return StatusIs(absl::StatusCode::kResourceExhausted,
+                    HasSubstr(absl::StrCat("): the ", nodes, " matching node(s) hold at most ",
+                                           held, " of its ", parts, " parts at once")));
+  };
+  Request r = Exclusive("alice", 1, 1);
+  r.replicas = 5;  // 2 GPUs on each node
+  EXPECT_THAT(alloc->AllocateGang(r, waits), never(4, 5, 2));
+  r.gpus = 2;
+  r.cpus = 2;
+  r.replicas = 3;  // one part on each node
+  EXPECT_THAT(alloc->AllocateGang(r, waits), never(2, 3, 2));
+  r.replicas = 2;
+  ASSERT_OK_AND_ASSIGN(std::vector<Allocation> both, alloc->AllocateGang(r, waits));
+  EXPECT_EQ(both.size(), 2u);
+  // A part needs 2 distinct GPUs: the 80GiB one is in every part, so its
+  // room for 4 makes at most 2 parts, not the 3 that 6 x 20GiB would.
+  Request shared = Shared("bob", 2, 20 * kGiB);
+  shared.replicas = 3;
+  EXPECT_THAT(alloc->AllocateGang(shared, waits), never(2, 3, 1));
+  EXPECT_EQ(alloc->QueueLength(), 0u);
+  // One part too big for every node keeps its own message.
+  Request huge = Exclusive("carol", 3);
+  huge.replicas = 2;
+  EXPECT_THAT(alloc->AllocateGang(huge, waits),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("no node can ever hold")));
+  EXPECT_OK(alloc->CheckInvariants());
+}
+
 TEST(Allocator, PacksUnlessSpreadAsked) {
   auto alloc = NewAllocator();
   ASSERT_OK(alloc->AddNode(MakeNode("n1", 8)));
