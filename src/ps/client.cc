@@ -780,7 +780,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(
   DEEPNEX_RETURN_IF_ERROR(options.Validate());
   DEEPNEX_ASSIGN_OR_RETURN(std::string token,
                            ResolveClientToken(options.token, options.token_file));
-  DEEPNEX_ASSIGN_OR_RETURN(Transport transport, ResolveTransport(options.transport));
+  DEEPNEX_ASSIGN_OR_RETURN(Transport transport,
+                           ResolveTransport(options.transport, options.shm_bytes));
   TuneMallocForLargeBuffers();
   auto client = std::make_unique<ClientImpl>(options, std::move(token), transport);
   DEEPNEX_RETURN_IF_ERROR(client->Connect());

@@ -340,15 +340,24 @@ absl::StatusOr<std::shared_ptr<ShmSegment>> FetchSegment(const std::string& sock
   return ShmSegment::Map(seg);
 }
 
-absl::StatusOr<Transport> ResolveTransport(Transport option) {
-  const char* env = std::getenv("DEEPNEX_PS_TRANSPORT");
-  if (env == nullptr || *env == '\0') return option;
-  absl::StatusOr<Transport> parsed = ParseTransport(env);
-  if (!parsed.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("DEEPNEX_PS_TRANSPORT: ", parsed.status().message()));
+absl::StatusOr<Transport> ResolveTransport(Transport option, uint64_t shm_bytes) {
+  Transport transport = option;
+  if (const char* env = std::getenv("DEEPNEX_PS_TRANSPORT"); env != nullptr && *env != '\0') {
+    absl::StatusOr<Transport> parsed = ParseTransport(env);
+    if (!parsed.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("DEEPNEX_PS_TRANSPORT: ", parsed.status().message()));
+    }
+    transport = *parsed;
   }
-  return parsed;
+  // Said here: the server would offer no segment, and the client could only
+  // say that it got none.
+  if (transport == Transport::kShm && shm_bytes < kAlign) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shm_bytes=", shm_bytes, ": transport=shm needs a segment of at least ", kAlign,
+        " bytes"));
+  }
+  return transport;
 }
 
 absl::StatusOr<std::shared_ptr<ShmRegions>> AttachShm(Transport transport,

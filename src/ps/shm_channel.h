@@ -115,8 +115,9 @@ absl::StatusOr<std::shared_ptr<ShmSegment>> FetchSegment(const std::string& sock
                                                          const std::string& ticket,
                                                          std::chrono::milliseconds timeout);
 
-// options.transport, or $DEEPNEX_PS_TRANSPORT when set.
-absl::StatusOr<Transport> ResolveTransport(Transport option);
+// options.transport, or $DEEPNEX_PS_TRANSPORT when set. InvalidArgument
+// when it is shm and `shm_bytes` leaves no room for a segment.
+absl::StatusOr<Transport> ResolveTransport(Transport option, uint64_t shm_bytes);
 
 class ShmRegions;
 

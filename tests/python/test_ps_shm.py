@@ -169,6 +169,10 @@ def test_transport_keyword_chooses_tcp_or_shared_memory(monkeypatch):
     ({"transport": None}, 'transport "None": must be auto, tcp or shm'),
     ({"shm_bytes": -1}, "shm_bytes=-1: must be >= 0"),
     ({"shm_bytes": "lots"}, "shm_bytes"),
+    ({"transport": "shm", "shm_bytes": 32},
+     "shm_bytes=32: transport=shm needs a segment of at least 64 bytes"),
+    ({"transport": "shm", "shm_bytes": 0},
+     "shm_bytes=0: transport=shm needs a segment of at least 64 bytes"),
 ])
 def test_bad_transport_or_shm_bytes_raise_naming_them(kwargs, message):
     with pytest.raises(InvalidArgumentError) as e:
