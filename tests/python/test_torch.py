@@ -247,3 +247,57 @@ def test_broadcast_parameters_state_dict_and_lists(store):
 
     run_workers(n, worker)
     assert got[0] == got[1] == ([2.0] * 3, [6.0] * 3, 8, [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]])
+
+
+# --- benchmarks/train_compare ------------------------------------------------
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_TRAIN_COMPARE = os.path.join(_ROOT, "benchmarks", "train_compare")
+
+
+def _train_compare():
+    import importlib.machinery
+    import importlib.util
+    loader = importlib.machinery.SourceFileLoader("train_compare", _TRAIN_COMPARE)
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_train_compare_runs_each_sizes_repeats_back_to_back():
+    tc = _train_compare()
+    assert tc.schedule([(64, 1), (512, 2)], ["compute", "ps-sync"], 2) == [
+        ((64, 1), "compute", 0), ((64, 1), "ps-sync", 0),
+        ((64, 1), "compute", 1), ((64, 1), "ps-sync", 1),
+        ((512, 2), "compute", 0), ((512, 2), "ps-sync", 0),
+        ((512, 2), "compute", 1), ((512, 2), "ps-sync", 1)]
+
+
+def test_train_compare_fractions_pair_each_repeat_with_its_own_baseline():
+    tc = _train_compare()
+    # The host's load came and went between runs: the ratio of the medians
+    # would pair the method's loaded 310 with compute-only's quiet 600 (0.52);
+    # each repeat's own ratios are 0.75, 0.75 and 0.52, their median 0.75.
+    assert tc.paired([600, 300, 310], [800, 400, 600]) == 0.75
+    assert tc.paired([10], [4]) == 2.5
+
+
+def test_train_compare_phases_table():
+    import subprocess
+    import sys
+    out = subprocess.run(
+        [sys.executable, _TRAIN_COMPARE, "--sizes", "8x1", "--steps", "3", "--warmup", "1",
+         "--repeat", "1", "--methods", "compute,ps-sync", "--phases"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    head = lines.index(next(line for line in lines if line.startswith("rank 0's ms per step")))
+    assert lines[head + 1].split() == ["parameters", "method", "forward", "backward", "step",
+                                       "cpu"]
+    rows = [line.split("  ") for line in lines[head + 3:]]
+    names = [[c for c in row if c][1].strip() for row in rows]
+    assert names == ["compute-only", "deepnex PS sync"]
+    for row in rows:
+        values = [float(c) for c in [c for c in row if c][2:]]
+        assert len(values) == 4 and all(v >= 0 for v in values)
