@@ -85,13 +85,17 @@ class _Capacity:
         self.queue = []
         self.cond = threading.Condition()
 
-    def acquire(self, need, cancelled):
-        """Waits until `need` fits; CancelledError once cancelled() is true
-        (checked whenever wake() or a release wakes the waiters)."""
+    def check(self, need):
+        """ResourceExhaustedError when `need` could never fit."""
         if any(n > t for n, t in zip(need, self.total)):
             raise ResourceExhaustedError(
                 f"a trial needs {need[0]} cores and {need[1]} GPUs; this machine has "
                 f"{self.total[0]} cores and {self.total[1]} GPUs")
+
+    def acquire(self, need, cancelled):
+        """Waits until `need` fits (check() said it can); CancelledError
+        once cancelled() is true (checked whenever wake() or a release wakes
+        the waiters)."""
         ticket = object()
         with self.cond:
             self.queue.append(ticket)
@@ -373,8 +377,16 @@ class _JobRunner:
                                  gpus_per_worker=gpus_per_worker, gpu_mode=gpu_mode,
                                  **job_options)
         self._need = (workers * max(1, math.ceil(cpus)), workers * gpus_per_worker)
-        self._gpu_mode, self._retry_interval = gpu_mode, retry_interval
+        self._retry_interval = retry_interval
+        # Bad job options, or trials that could never fit on this machine,
+        # fail the search before it starts rather than every trial. A Job
+        # checks its options when made, before it starts anything.
+        from . import job as job_module
+        job_module.Job(["true"], **self._job_options)
         self._capacity = None
+        if not job_options.get("central"):
+            self._capacity = _Capacity(gpu_mode)
+            self._capacity.check(self._need)
         self._lock = threading.Lock()
         # cancel() counts up; a start that began before a cancel() gives up.
         self._cancels = 0
@@ -386,9 +398,8 @@ class _JobRunner:
         refused start) raise CancelledError; later ones go ahead."""
         with self._lock:
             self._cancels += 1
-            capacity = self._capacity
-        if capacity is not None:
-            capacity.wake()
+        if self._capacity is not None:
+            self._capacity.wake()
 
     def __call__(self, trial_id, argv, env, log_path):
         from . import job as job_module
@@ -460,12 +471,9 @@ class _JobRunner:
     def _acquire(self, options, cancelled):
         """Waits for a trial's cores and GPUs (CancelledError once
         cancelled() is true); returns what releases them, once."""
-        if options.get("central"):
+        capacity = self._capacity
+        if capacity is None:  # central queues the trial's gang
             return lambda: None
-        with self._lock:
-            if self._capacity is None:
-                self._capacity = _Capacity(self._gpu_mode)
-            capacity = self._capacity
         capacity.acquire(self._need, cancelled)
         released = []
 
@@ -512,11 +520,10 @@ class _JobRunner:
                 self._idle.append(slot)
             else:
                 self._slots.remove(slot)
-            capacity = self._capacity
         if broken:
             slot.close()
-        if capacity is not None:
-            capacity.wake()   # a trial waiting for cores may take the idle slot
+        if self._capacity is not None:
+            self._capacity.wake()   # a trial waiting for cores may take the idle slot
 
     def close(self):
         """Ends the idle slots' jobs, releasing their allocations (the
@@ -547,9 +554,11 @@ def job_runner(workers=1, mode="allreduce", ps=None, cpus=1, gpus_per_worker=0,
     the PS modes.
 
     With the local allocator a trial starts once its workers' cores and GPUs
-    fit beside the running trials' (trials wait, in order); a trial that
-    could never fit on this machine fails. With ``central`` deepnex-central
-    queues the trial's gang. A start refused for lack of resources
+    fit beside the running trials' (trials wait, in order). Bad job options
+    and trials that could never fit on this machine raise here, before any
+    trial runs (InvalidArgumentError, ResourceExhaustedError). With
+    ``central`` deepnex-central queues the trial's gang (and refuses one
+    that no set of its nodes could hold). A start refused for lack of resources
     (ResourceExhausted) is retried every ``retry_interval`` seconds. The
     runner's cancel() ends the waits of starts in progress.
 

@@ -23,7 +23,7 @@ import pytest
 from _wait import wait_for
 from deepnex import tune
 from deepnex.errors import (DataLossError, FailedPreconditionError, InvalidArgumentError,
-                            NotFoundError)
+                            NotFoundError, ResourceExhaustedError)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -289,7 +289,7 @@ def test_job_runner_runs_trials_up_to_the_machines_cores(trial_script, tmp_path)
         assert running[:2] == [2.0, 2.0]
 
 
-def test_job_runner_waits_for_cores_and_fails_what_never_fits(trial_script, tmp_path):
+def test_job_runner_waits_for_cores_and_refuses_what_never_fits(trial_script, tmp_path):
     cores = _cores()
     barrier = tmp_path / "running"
     barrier.mkdir()
@@ -301,11 +301,17 @@ def test_job_runner_waits_for_cores_and_fails_what_never_fits(trial_script, tmp_
                        runner=tune.job_runner(workers=1, cpus=cores))
     assert [t.status for t in results.trials] == ["completed"] * 2
     assert [t.last["running"] for t in results.trials] == [1.0, 1.0]
-    results = tune.run(trial_script, {"x": 1.0}, metric="score", out_dir=str(tmp_path / "b"),
-                       runner=tune.job_runner(workers=1, cpus=cores + 1))
-    status = results.trials[0].status
-    assert status.startswith(f"failed (a trial needs {cores + 1} cores and 0 GPUs; "
-                             f"this machine has {cores} cores"), status
+    # A trial that could never fit fails the search before it starts, as
+    # bad job options do, rather than each of its trials.
+    with pytest.raises(ResourceExhaustedError,
+                       match=f"^a trial needs {cores + 1} cores and 0 GPUs; "
+                             f"this machine has {cores} cores and "):
+        tune.job_runner(workers=1, cpus=cores + 1)
+    for options, message in [({"workers": 0}, "workers: 0 is below 1"),
+                             ({"cpus": -1}, "cpus: -1 is not >= 0"),
+                             ({"mode": "sync", "ps": -3}, "ps: -3 is below 0")]:
+        with pytest.raises(InvalidArgumentError, match=f"^{message}$"):
+            tune.job_runner(**options)
 
 
 def test_job_runner_exit_code_stop_and_worker_prefix(trial_script, tmp_path):
@@ -965,6 +971,11 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert str(info.value) == (
         "deepnex tune: space: lr is uniform(0.1, 1.0), which search grid cannot enumerate "
         "(use grid([...]) or choice([...]), or search random or tpe)")
+    with pytest.raises(SystemExit) as info:
+        main(["tune", "--space", "x=1", "--workers-per-trial", "0", "--out",
+              str(tmp_path / "w"), "--", "true"])
+    assert str(info.value) == "deepnex tune: workers: 0 is below 1"
+    assert not (tmp_path / "w").exists()
     (tmp_path / "journal.jsonl").write_text("")
     with pytest.raises(SystemExit) as info:
         main(["tune", "--space", "x=1", "--out", str(tmp_path), "--", "true"])

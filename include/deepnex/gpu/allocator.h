@@ -185,7 +185,9 @@ class Allocator {
   // hold (and vice versa); DeadlineExceeded when the timeout ran out.
   absl::StatusOr<Allocation> Allocate(const Request& request,
                                       const AllocateOptions& options = {});
-  // All `request.replicas` parts, or an error and nothing.
+  // All `request.replicas` parts, or an error and nothing: the errors of
+  // Allocate, and ResourceExhausted when no set of nodes, empty, could hold
+  // all the parts at once.
   absl::StatusOr<std::vector<Allocation>> AllocateGang(
       const Request& request, const AllocateOptions& options = {});
   // Releases an allocation, or every part of a gang given the gang id.
