@@ -15,7 +15,7 @@ import threading
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from deepnex import _C
-from deepnex.errors import InvalidArgumentError
+from deepnex.errors import InvalidArgumentError, UnavailableError
 
 _CHUNK = 32 << 10
 
@@ -41,9 +41,7 @@ def exec_(c, name: str, command: Sequence[str], input: Optional[bytes] = None,
     if isinstance(input, str):
         input = input.encode()
     s = open_session(c, name, command, user=user)
-    if input:
-        s.write(input)
-    s.close_stdin()
+    _send_stdin(s, input)
     out, err = [], []
     while True:
         kind, data, code = s.read()
@@ -53,6 +51,18 @@ def exec_(c, name: str, command: Sequence[str], input: Optional[bytes] = None,
             on_output(kind, data)
         else:
             (out if kind == "stdout" else err).append(data)
+
+
+def _send_stdin(s, data):
+    """`data` to session `s`'s stdin, then EOF. A session that central
+    already ended (e.g. NotFound, sent at once) refuses them: its read()
+    then says why it ended."""
+    try:
+        if data:
+            s.write(data)
+        s.close_stdin()
+    except UnavailableError:
+        pass
 
 
 def _window(fd):
@@ -109,7 +119,7 @@ def attach(c, name: str, command: Sequence[str], tty: bool, interactive: bool,
         reader = threading.Thread(target=forward_stdin, daemon=True)
         reader.start()
     else:
-        s.close_stdin()
+        _send_stdin(s, None)
     try:
         while True:
             kind, data, code = s.read()

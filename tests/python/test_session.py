@@ -93,6 +93,38 @@ def test_exec_errors(central):
         alice.exec("box", "true")
 
 
+def test_exec_says_why_a_session_ended_before_its_stdin_was_closed(central, monkeypatch):
+    """Central ends bob's exec of alice's container at once: exec's close of
+    stdin can find the session already ended (a CI run failed so, with
+    'the session ended'), and the error must still be why it ended. The
+    close waits here until the session has surely ended."""
+    from deepnex import UnavailableError
+    alice, bob = clients(central)
+    start_sleeper(alice)
+    real = _session.open_session
+
+    class EndedFirst:
+        def __init__(self, s):
+            self._s = s
+
+        def __getattr__(self, name):
+            return getattr(self._s, name)
+
+        def close_stdin(self):
+            def ended():
+                try:
+                    self._s.close_stdin()
+                    return False
+                except UnavailableError:
+                    return True
+            wait_for(ended, "central to end the session")
+            self._s.close_stdin()
+
+    monkeypatch.setattr(_session, "open_session", lambda *a, **k: EndedFirst(real(*a, **k)))
+    with pytest.raises(NotFoundError, match='no container "box" of user bob'):
+        bob.exec("box", ["true"])
+
+
 def cli(central, *args, token="alicetok", **kwargs):
     env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN=token)
     env.pop("DEEPNEX_STATE_DIR", None)
