@@ -395,9 +395,16 @@ bool Placement::FitOnNode(NodeState* n, const Request& r, std::vector<int>* pos)
   if (static_cast<int>(cand.size()) < r.gpus) return false;
   if (!excl) {
     // Best fit: the GPUs with the least free memory that still fits (most
-    // free when spreading); index order breaks ties.
+    // free when spreading); index order breaks ties. The parts of a gang
+    // that take several GPUs each go to the most free ones: taking the GPUs
+    // with the most room left fits as many parts as the node can hold,
+    // where best fit could use up the small GPUs first and strand a large
+    // one that no part can use alone (Infeasible counts the same way).
+    const bool most_free_first = r.spread || (r.replicas > 1 && r.gpus > 1);
     auto free = [&](int i) { return FreeGpuMemory(n, h, i); };
-    auto before = [&](int a, int b) { return r.spread ? free(a) > free(b) : free(a) < free(b); };
+    auto before = [&](int a, int b) {
+      return most_free_first ? free(a) > free(b) : free(a) < free(b);
+    };
     for (size_t i = 1; i < cand.size(); ++i) {  // stable insertion sort: few GPUs
       int x = cand[i];
       size_t j = i;

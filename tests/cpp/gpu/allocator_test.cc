@@ -144,6 +144,14 @@ TEST(Allocator, AGangNoSetOfNodesCouldEverHoldIsRefusedAtOnce) {
   shared.replicas = 3;
   EXPECT_THAT(alloc->AllocateGang(shared, waits), never(2, 3, 1));
   EXPECT_EQ(alloc->QueueLength(), 0u);
+  // The 2 that fit are granted: each part takes the GPUs with the most room
+  // (best fit would give the first part both 20GiB GPUs, and the gang would
+  // wait forever).
+  shared.replicas = 2;
+  ASSERT_OK_AND_ASSIGN(std::vector<Allocation> two, alloc->AllocateGang(shared, waits));
+  ASSERT_EQ(two.size(), 2u);
+  EXPECT_THAT(Indices(two[0]), ElementsAre(0, 1));
+  EXPECT_THAT(Indices(two[1]), ElementsAre(0, 2));
   // One part too big for every node keeps its own message.
   Request huge = Exclusive("carol", 3);
   huge.replicas = 2;
