@@ -611,18 +611,18 @@ absl::Status Placement::Infeasible(const Request& r) const {
   // A gang is granted all at once: the matching nodes, empty, must hold all
   // its parts together, or it would wait forever.
   int64_t parts = 0;
-  for (const NodeState* n : moded) parts += PartsThatFit(n->spec, r);
+  for (const NodeState* n : moded) {
+    parts += PartsThatFit(n->spec, r);
+    if (parts >= r.replicas) return absl::OkStatus();  // Grant asks at each busy try
+  }
   if (parts == 0) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "no node can ever hold this request (", Describe(r), " per part): ", moded.size(),
         " node(s) match, none has that many GPUs, cpus and memory"));
   }
-  if (parts < r.replicas) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "no set of nodes can ever hold this request (", Describe(r), "): the ", moded.size(),
-        " matching node(s) hold at most ", parts, " of its ", r.replicas, " parts at once"));
-  }
-  return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "no set of nodes can ever hold this request (", Describe(r), "): the ", moded.size(),
+      " matching node(s) hold at most ", parts, " of its ", r.replicas, " parts at once"));
 }
 
 std::string Placement::Shortage(const Request& r) const {
