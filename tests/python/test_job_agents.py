@@ -249,7 +249,10 @@ def test_a_lost_node_fails_the_job_or_replaces_its_worker(make_cluster, tmp_path
 
 # Each worker says where it runs, marks that it started, and waits at the
 # gate (the test partitions a node meanwhile).
-WAITING = ('echo "rank $DEEPNEX_RANK on $(hostname)"; touch {gate}.$DEEPNEX_RANK; '
+# Each run also appends its host to {gate}.RANK.on: a run lost with its node
+# may have printed lines that the runner had not read yet.
+WAITING = ('echo "rank $DEEPNEX_RANK on $(hostname)"; hostname >> {gate}.$DEEPNEX_RANK.on; '
+           'touch {gate}.$DEEPNEX_RANK; '
            'while [ ! -e {gate} ]; do sleep 0.05; done; echo "rank $DEEPNEX_RANK done"')
 
 
@@ -347,5 +350,8 @@ def test_a_partition_longer_than_node_lost_after_replaces_the_worker_once(make_c
         code, out = finish(p, timeout=120)
     assert code == 0, out
     assert f"deepnex run: worker {rank} lost; restarting (1/1)" in out, out
-    assert re.findall(rf"^\[worker {rank}\] rank {rank} on (\S+)$", out, re.M) == ["h2", "h3"], out
+    # Ran on h2, then once on h3 (h2's run was partitioned away before the
+    # runner necessarily read its first line: its hosts file tells).
+    assert open(f"{gate}.{rank}.on").read().split() == ["h2", "h3"], out
+    assert re.findall(rf"^\[worker {rank}\] rank {rank} on (\S+)$", out, re.M)[-1] == "h3", out
     assert len(re.findall(rf"^\[worker {rank}\] rank {rank} done$", out, re.M)) == 1, out
