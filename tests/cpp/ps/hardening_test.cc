@@ -39,10 +39,6 @@ constexpr char kPull[] = "/deepnex.ps.proto.ParameterServer/Pull";
 constexpr char kWriteParts[] = "/deepnex.ps.proto.ParameterServer/WriteParts";
 constexpr char kCheckpoint[] = "/deepnex.ps.proto.ParameterServer/Checkpoint";
 
-NamedTensor View(const std::string& key, std::vector<float>& v) {
-  return {key, TensorView(v.data(), DType::kFloat32, {static_cast<int64_t>(v.size())})};
-}
-
 std::unique_ptr<Server> Start(const ServerOptions& options) {
   auto server = Server::Create(options);
   EXPECT_THAT(server.status(), IsOk());

@@ -48,11 +48,6 @@ std::unique_ptr<Client> Connect(const Cluster& c, int worker,
   return client.ok() ? std::move(*client) : nullptr;
 }
 
-NamedTensor View(const std::string& key, std::vector<float>& v) {
-  return {key, TensorView(v.data(), DType::kFloat32,
-                          {static_cast<int64_t>(v.size())})};
-}
-
 // Small partitions so that a 1000-element tensor spans both servers.
 ClientOptions SmallParts() {
   ClientOptions o;

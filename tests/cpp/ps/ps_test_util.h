@@ -1,4 +1,4 @@
-// Helpers of the parameter-server tests: metrics, raw calls.
+// Helpers of the parameter-server tests: tensors, metrics, raw calls.
 #ifndef DEEPNEX_TESTS_PS_PS_TEST_UTIL_H_
 #define DEEPNEX_TESTS_PS_PS_TEST_UTIL_H_
 
@@ -9,13 +9,20 @@
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <vector>
 
+#include "deepnex/ps/client.h"
 #include "deepnex/ps/server.h"
 #include "gtest/gtest.h"
 
 namespace deepnex::ps {
 
 inline constexpr char kPushMethod[] = "/deepnex.ps.proto.ParameterServer/Push";
+
+// `v` as the float32 tensor `key`, without a copy.
+inline NamedTensor View(const std::string& key, std::vector<float>& v) {
+  return {key, TensorView(v.data(), DType::kFloat32, {static_cast<int64_t>(v.size())})};
+}
 
 // The value of an unlabelled metric in the server's Prometheus text.
 inline double Metric(const Server& server, const std::string& name) {

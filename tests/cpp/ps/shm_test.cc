@@ -34,10 +34,6 @@ using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
 using ::testing::HasSubstr;
 
-NamedTensor View(const std::string& key, std::vector<float>& v) {
-  return {key, TensorView(v.data(), DType::kFloat32, {static_cast<int64_t>(v.size())})};
-}
-
 // Sets an environment variable for one scope.
 class ScopedEnv {
  public:
