@@ -12,10 +12,12 @@
 // line on stdin (the driver releases all workers at once), then --rounds timed
 // rounds. The JSON line at the end carries every timed round time; the driver
 // takes, per round, the longest over workers and the median over rounds.
+// cpu_s is this process's CPU time (all threads) over the timed rounds.
 //
 // Gradients are zeros (the driver runs SGD with lr 0), so parameters stay
 // finite whatever the server's mode.
 #include <malloc.h>
+#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -34,6 +36,12 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+double ProcessCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
+}
 
 struct Flags {
   std::vector<std::string> servers;
@@ -177,6 +185,7 @@ int main(int argc, char** argv) {
   };
 
   std::vector<double> times;
+  double cpu_start_s = 0;
   const int total = f.warmup + f.rounds;
   for (int r = 0; r < total; ++r) {
     if (r == f.warmup && f.sync_start) {
@@ -189,6 +198,7 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
+    if (r == f.warmup) cpu_start_s = ProcessCpuSeconds();
     auto t0 = Clock::now();
     if (absl::Status s = round(); !s.ok())
       Fail("round " + std::to_string(r + 1), s);
@@ -197,6 +207,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ps_bench_worker %d: round %d/%d %.1f ms\n",
                  f.worker_id, r + 1, total, dt * 1e3);
   }
+
+  const double cpu_s = ProcessCpuSeconds() - cpu_start_s;
 
   // Zero gradients with lr 0 leave the zero-initialized model unchanged;
   // anything else means the pull did not deliver what the server holds.
@@ -224,11 +236,11 @@ int main(int argc, char** argv) {
       "{\"bench\":\"deepnex_ps_worker\",\"worker_id\":%d,\"workers\":%d,"
       "\"mode\":\"%s\",\"op\":\"%s\",\"bytes_per_worker\":%llu,"
       "\"partitions\":%d,\"warmup\":%d,\"rounds\":%d,\"median_s\":%.6f,"
-      "\"min_s\":%.6f,\"max_s\":%.6f,\"goodput_gbps\":%.4f,"
+      "\"min_s\":%.6f,\"max_s\":%.6f,\"goodput_gbps\":%.4f,\"cpu_s\":%.6f,"
       "\"round_s\":[%s]}\n",
       f.worker_id, f.workers, f.mode.c_str(), f.op.c_str(),
       static_cast<unsigned long long>(model_bytes), f.partitions, f.warmup,
-      f.rounds, median_s, *mn, *mx, 2.0 * model_bytes / median_s / 1e9,
+      f.rounds, median_s, *mn, *mx, 2.0 * model_bytes / median_s / 1e9, cpu_s,
       rounds_json.c_str());
   std::fflush(stdout);
   return 0;

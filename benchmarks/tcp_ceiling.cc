@@ -9,7 +9,8 @@
 // rounds on its own. Round k takes the longest of the clients' k-th round
 // times; the figure is the median of those over the timed rounds, and
 //   goodput = (push + pull bytes over all clients) / median round time,
-// in GB/s of 1e9 bytes.
+// in GB/s of 1e9 bytes. cpu_s is the process's CPU time (all threads, server
+// and clients) from the barrier to the end: the CPU the timed rounds cost.
 //
 // Output: one JSON line on stdout. Progress and errors on stderr.
 #include <arpa/inet.h>
@@ -30,6 +31,7 @@
 #include <string>
 #include <thread>
 #include <vector>
+#include <time.h>
 
 namespace {
 
@@ -128,13 +130,22 @@ std::vector<char> TouchedBuffer(uint64_t n, char fill) {
   return std::vector<char>(n, fill);
 }
 
+double ProcessCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
+}
+
+// Records the process's CPU time when the last one arrives.
 class Barrier {
  public:
   explicit Barrier(int n) : n_(n) {}
+  double released_cpu_s() const { return released_cpu_s_; }
   void Wait() {
     std::unique_lock<std::mutex> lock(mu_);
     int gen = generation_;
     if (++waiting_ == n_) {
+      released_cpu_s_ = ProcessCpuSeconds();
       waiting_ = 0;
       ++generation_;
       cv_.notify_all();
@@ -149,6 +160,7 @@ class Barrier {
   const int n_;
   int waiting_ = 0;
   int generation_ = 0;
+  double released_cpu_s_ = 0;
 };
 
 double Median(std::vector<double> v) {
@@ -222,6 +234,7 @@ int main(int argc, char** argv) {
   for (auto& t : clients) t.join();
   acceptor.join();
   for (auto& t : server_threads) t.join();
+  const double cpu_s = ProcessCpuSeconds() - start.released_cpu_s();
   ::close(listener);
 
   // Round k lasts as long as its slowest client.
@@ -243,10 +256,10 @@ int main(int argc, char** argv) {
   std::printf(
       "{\"bench\":\"tcp_ceiling\",\"workers\":%d,\"bytes_per_worker\":%llu,"
       "\"warmup\":%d,\"rounds\":%d,\"sockbuf\":%d,\"median_s\":%.6f,"
-      "\"min_s\":%.6f,\"max_s\":%.6f,\"goodput_gbps\":%.4f,"
+      "\"min_s\":%.6f,\"max_s\":%.6f,\"goodput_gbps\":%.4f,\"cpu_s\":%.6f,"
       "\"round_s\":[%s]}\n",
       f.workers, static_cast<unsigned long long>(f.bytes), f.warmup, f.rounds,
-      f.sockbuf, median_s, *mn, *mx, gbps, rounds_json.c_str());
+      f.sockbuf, median_s, *mn, *mx, gbps, cpu_s, rounds_json.c_str());
   std::fflush(stdout);
   return 0;
 }

@@ -153,3 +153,50 @@ def test_plot_writes_a_png_per_csv(charts, tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (tmp_path / "empty.csv").write_text("size_bytes,x_gbps\n")
     assert plot.main([str(tmp_path / "empty.csv"), "--out", str(out)]) == 1
+
+
+BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR", os.path.join(ROOT, "build"))
+
+
+def test_ps_bench_process_cpu_counts_ended_threads():
+    ps_bench = load("ps_bench")
+    import threading
+    import time
+
+    def spin(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+    before = ps_bench.process_cpu_s(os.getpid())
+    worker = threading.Thread(target=spin, args=(0.3,))
+    worker.start()
+    worker.join()
+    # The thread has ended; its 0.3 s stay in the process's count (to a
+    # clock tick either side).
+    assert ps_bench.process_cpu_s(os.getpid()) - before >= 0.28
+
+
+@pytest.mark.skipif(not all(os.path.exists(os.path.join(BUILD_DIR, "bin", b))
+                            for b in ("deepnex-ps", "ps_bench_worker", "tcp_ceiling")),
+                    reason="deepnex-ps, ps_bench_worker or tcp_ceiling not built")
+def test_ps_bench_reports_the_cpu_each_round_costs_beside_raw_tcp():
+    import subprocess
+    out = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "ps_bench"), "--build", BUILD_DIR,
+         "--bytes", "1M", "--rounds", "10", "--warmup", "2", "--workers", "1,2",
+         "--modes", "sync", "--transports", "tcp,shm", "--torch", ""],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    table = out.stdout.split("ps_bench: CPU per timed round", 1)[1].splitlines()
+    assert table[1].split() == ["size", "workers", "deepnex", "sync", "deepnex", "sync", "shm",
+                                "raw", "TCP"]
+    rows = [line.split() for line in table[3:5]]
+    assert [r[:3] for r in rows] == [["1", "MiB", "1"], ["1", "MiB", "2"]]
+    for r in rows:
+        # "<time> <unit> (<ratio>x)" for each deepnex peer, then raw TCP's time.
+        assert len(r) == 11, r
+        for at in (3, 6):
+            assert float(r[at]) > 0 and r[at + 1] in ("us", "ms"), r
+            assert r[at + 2].startswith("(") and r[at + 2].endswith("x)"), r
+            assert float(r[at + 2][1:-2]) > 0, r
+        assert float(r[9]) > 0 and r[10] in ("us", "ms"), r
