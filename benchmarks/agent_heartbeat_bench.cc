@@ -32,7 +32,11 @@
 #include "deepnex/agent.grpc.pb.h"
 #include "deepnex/central.grpc.pb.h"
 
+#include "bench_util.h"
+
 namespace {
+
+using deepnex::bench::Median;
 
 namespace apb = ::deepnex::agent::proto;
 namespace gpb = ::deepnex::gpu::proto;
@@ -72,11 +76,6 @@ double CpuShare(pid_t pid, double seconds) {
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
   const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
   return (CpuSeconds(pid) - before) / wall;
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 struct FakeAgent {

@@ -37,10 +37,14 @@
 #include "deepnex/gpu/allocator.h"
 #include "deepnex/gpu/central.h"
 
+#include "bench_util.h"
+
 using namespace deepnex::gpu;  // NOLINT
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+using deepnex::bench::Median;
 
 constexpr uint64_t kGiB = uint64_t{1} << 30;
 
@@ -217,11 +221,6 @@ Throughput Measure(MakeApi make_api, int threads, int window, double seconds, ui
   stop = true;
   for (auto& t : ts) t.join();
   return {done / elapsed, done > 0 ? no / done : 0};
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 // ---- fragmentation: first-fit baseline on the same shared cluster

@@ -17,7 +17,6 @@
 // Gradients are zeros (the driver runs SGD with lr 0), so parameters stay
 // finite whatever the server's mode.
 #include <malloc.h>
-#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -33,15 +32,14 @@
 #include "deepnex/ps/client.h"
 #include "deepnex/tensor.h"
 
+#include "bench_util.h"
+
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using deepnex::bench::Median;
+using deepnex::bench::ProcessCpuSeconds;
 
-double ProcessCpuSeconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
-}
+using Clock = std::chrono::steady_clock;
 
 struct Flags {
   std::vector<std::string> servers;
@@ -129,12 +127,6 @@ Flags ParseFlags(int argc, char** argv) {
   std::fprintf(stderr, "ps_bench_worker %s: %s\n", what.c_str(),
                s.ToString().c_str());
   std::exit(1);
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 }  // namespace

@@ -31,9 +31,13 @@
 #include <string>
 #include <thread>
 #include <vector>
-#include <time.h>
+
+#include "bench_util.h"
 
 namespace {
+
+using deepnex::bench::Median;
+using deepnex::bench::ProcessCpuSeconds;
 
 using Clock = std::chrono::steady_clock;
 
@@ -130,12 +134,6 @@ std::vector<char> TouchedBuffer(uint64_t n, char fill) {
   return std::vector<char>(n, fill);
 }
 
-double ProcessCpuSeconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
-}
-
 // Records the process's CPU time when the last one arrives.
 class Barrier {
  public:
@@ -162,12 +160,6 @@ class Barrier {
   int generation_ = 0;
   double released_cpu_s_ = 0;
 };
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 }  // namespace
 
