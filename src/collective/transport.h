@@ -16,26 +16,13 @@
 #include <string>
 #include <utility>
 
+#include "core/socket.h"
 #include "deepnex/status.h"
 
 namespace deepnex::collective {
 
-using SteadyClock = std::chrono::steady_clock;
+// ---- sockets (the TCP ones are core/socket.h's)
 
-// ---- sockets
-
-// A listening TCP socket on `host`, port chosen by the OS.
-absl::StatusOr<int> ListenTcp(const std::string& host, int* port);
-// Connects to host:port, retrying refused connections until `deadline`.
-absl::StatusOr<int> ConnectTcp(const std::string& host, int port, SteadyClock::time_point deadline);
-// Accepts one connection, waiting until `deadline`.
-absl::StatusOr<int> AcceptTcp(int listen_fd, SteadyClock::time_point deadline);
-// Blocking (poll-based) full reads and writes bounded by `deadline`.
-absl::Status WriteFully(int fd, const void* data, size_t n, SteadyClock::time_point deadline,
-                        const std::string& peer);
-absl::Status ReadFully(int fd, void* data, size_t n, SteadyClock::time_point deadline,
-                       const std::string& peer);
-void SetNonBlocking(int fd);
 // The local address used to reach `host` (a UDP "connect", nothing sent).
 std::string LocalAddressFor(const std::string& host);
 // Identifies this machine (hostname and boot id): ranks with equal ids may

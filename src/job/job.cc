@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/random.h"
 #include "deepnex/collective/store.h"
 #include "deepnex/env.h"
 #include "deepnex/gpu/allocator.h"
@@ -52,7 +53,7 @@ class JobImpl : public Job {
   const std::string& backend() const override { return o_.launcher.backend; }
 
   absl::Status Init() {
-    if (o_.name.empty()) o_.name = "job-" + launch::RandomHex(4);
+    if (o_.name.empty()) o_.name = "job-" + RandomHex(4);
     if (!ValidJobName(o_.name)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "name: \"", o_.name, "\" is not a job name ([a-z0-9][a-z0-9-]*, at most 40)"));
@@ -364,7 +365,7 @@ class JobImpl : public Job {
     const bool local = !placed_ && o_.advertise_address.empty();
     std::string advertise = o_.advertise_address;
     if (!local && advertise.empty()) advertise = PrimaryAddress(HostOf(o_.central));
-    token_ = launch::RandomHex(16);
+    token_ = RandomHex(16);
     collective::StoreServerOptions so;
     so.token = token_;
     so.address = local ? "127.0.0.1:0" : "0.0.0.0:0";

@@ -20,6 +20,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "core/random.h"
 #include "deepnex/gpu/central.h"
 #include "deepnex/launch/central.h"
 #include "launch/backend.h"

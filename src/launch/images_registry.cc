@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "core/file_util.h"
+#include "core/random.h"
 #include "launch/command.h"
 #include "launch/util.h"
 

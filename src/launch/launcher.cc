@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/file_util.h"
+#include "core/random.h"
 #include "launch/backend.h"
 #include "launch/record.h"
 #include "launch/rotating_log.h"

@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/file_util.h"
+#include "core/random.h"
 #include "launch/command.h"
 #include "launch/images.h"
 #include "launch/images_registry.h"

@@ -101,18 +101,6 @@ std::string SignalName(int signal) {
   return absl::StrCat("SIG", abbrev);
 }
 
-std::string RandomHex(int n) {
-  std::random_device rd;
-  std::string out;
-  static const char kDigits[] = "0123456789abcdef";
-  for (int i = 0; i < n; ++i) {
-    unsigned byte = rd() & 0xff;
-    out += kDigits[byte >> 4];
-    out += kDigits[byte & 0xf];
-  }
-  return out;
-}
-
 void ExportUsage(Launcher& launcher, MetricsRegistry& registry) {
   for (const std::shared_ptr<Handle>& h : launcher.List()) {
     absl::StatusOr<launch::Usage> u = h->Usage();

@@ -4,7 +4,6 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -19,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/net.h"
+#include "core/random.h"
 #include "deepnex/ps.pb.h"
 
 namespace deepnex::ps {
@@ -34,18 +34,6 @@ constexpr size_t kMaxPending = 64;
 
 absl::Status Errno(const std::string& what) {
   return absl::InternalError(absl::StrCat("shared memory: ", what, ": ", std::strerror(errno)));
-}
-
-std::string RandomHex(size_t bytes) {
-  std::string raw(bytes, '\0');
-  size_t got = 0;
-  while (got < bytes) {
-    ssize_t n = getrandom(raw.data() + got, bytes - got, 0);
-    if (n > 0) got += static_cast<size_t>(n);
-  }
-  std::string hex;
-  for (unsigned char c : raw) absl::StrAppendFormat(&hex, "%02x", c);
-  return hex;
 }
 
 // An abstract-namespace address: no file to clean up, gone with the socket.

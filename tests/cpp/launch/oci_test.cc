@@ -23,6 +23,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "core/random.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "launch/backend.h"

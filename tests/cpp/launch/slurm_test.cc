@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "core/file_util.h"
+#include "core/random.h"
 #include "deepnex/launch/launcher.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -1,0 +1,36 @@
+// Blocking TCP sockets with deadlines: listening, connecting, accepting,
+// and whole reads and writes. Shared by the collectives' TCP ring and the
+// parameter server's bulk connections. Private to libdeepnex.
+#ifndef DEEPNEX_CORE_SOCKET_H_
+#define DEEPNEX_CORE_SOCKET_H_
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+
+#include "deepnex/status.h"
+
+namespace deepnex {
+
+using SteadyClock = std::chrono::steady_clock;
+
+// A listening TCP socket on `host`, port chosen by the OS.
+absl::StatusOr<int> ListenTcp(const std::string& host, int* port);
+// Connects to host:port, retrying refused connections until `deadline`.
+// The connection has TCP_NODELAY set.
+absl::StatusOr<int> ConnectTcp(const std::string& host, int port, SteadyClock::time_point deadline);
+// Accepts one connection, waiting until `deadline`.
+absl::StatusOr<int> AcceptTcp(int listen_fd, SteadyClock::time_point deadline);
+// Full reads and writes bounded by `deadline`, by poll(); the socket may be
+// blocking or not. Unavailable naming `peer` when it goes away.
+absl::Status WriteFully(int fd, const void* data, size_t n, SteadyClock::time_point deadline,
+                        const std::string& peer);
+absl::Status ReadFully(int fd, void* data, size_t n, SteadyClock::time_point deadline,
+                       const std::string& peer);
+void SetNonBlocking(int fd);
+// Milliseconds from now to `deadline` for poll(), within 0..cap_ms.
+int MillisUntil(SteadyClock::time_point deadline, int cap_ms);
+
+}  // namespace deepnex
+
+#endif  // DEEPNEX_CORE_SOCKET_H_
