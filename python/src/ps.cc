@@ -141,6 +141,7 @@ void RegisterPs(py::module_& parent) {
       .def_readwrite("max_pull_reply_bytes", &ServerOptions::max_pull_reply_bytes)
       .def_readwrite("max_pending_reply_bytes", &ServerOptions::max_pending_reply_bytes)
       .def_readwrite("max_deferred_push_bytes", &ServerOptions::max_deferred_push_bytes)
+      .def_readwrite("bulk_tcp", &ServerOptions::bulk_tcp)
       .def_readwrite("token", &ServerOptions::token)
       .def_readwrite("token_file", &ServerOptions::token_file)
       .def_readwrite("job_id", &ServerOptions::job_id)

@@ -1,6 +1,6 @@
 // The Push and Pull calls that outlive their handlers: a Call waits on the
 // partitions it names, which report to it from other calls' threads.
-// Private to ps/service.cc.
+// Private to ps/service.cc and ps/service_bulk.cc.
 #ifndef DEEPNEX_PS_CALLS_H_
 #define DEEPNEX_PS_CALLS_H_
 
@@ -23,7 +23,8 @@ namespace deepnex::ps {
 
 // A call that may outlive its handler: it waits on partitions, which report
 // to it from other calls' threads. Finished exactly once, by whichever of
-// completion, failure or cancellation comes first.
+// completion, failure or cancellation comes first, through the transport
+// it came over (gRPC, or a bulk connection).
 class Call {
  public:
   virtual ~Call() = default;
@@ -31,22 +32,30 @@ class Call {
   void Fail(const absl::Status& status) {
     if (finished_.exchange(true)) return;
     failed_.store(true, std::memory_order_release);
-    reactor_->Finish(ToGrpcStatus(status));
+    finish_(ToGrpcStatus(status));
   }
-  // Runs once gRPC is done with the call (its reply sent, or the call
-  // cancelled); `failed` says whether it ended in an error, which may leave
-  // parts of it behind in partitions.
+  // Runs once the transport is done with the call (its reply sent, or the
+  // call cancelled); `failed` says whether it ended in an error, which may
+  // leave parts of it behind in partitions.
   void OnDone(std::function<void(bool failed)> fn) { on_done_ = std::move(fn); }
+
+  // For the transport (gRPC's CallReactor, a bulk connection): how the
+  // reply goes, set before any partition sees the call; and Done, once the
+  // reply is sent or can no longer be.
+  void SetFinish(std::function<void(const grpc::Status&)> finish) { finish_ = std::move(finish); }
+  void Done() {
+    if (on_done_) on_done_(failed_.load(std::memory_order_acquire));
+  }
 
  protected:
   // True for the one caller that gets to finish the call.
   bool Claim() { return !finished_.exchange(true); }
-  grpc::ServerUnaryReactor* reactor_ = nullptr;
+  void Finish(const grpc::Status& status) { finish_(status); }
 
  private:
-  friend class CallReactor;
   std::atomic<bool> finished_{false};
   std::atomic<bool> failed_{false};
+  std::function<void(const grpc::Status&)> finish_;
   std::function<void(bool)> on_done_;
 };
 
@@ -55,11 +64,11 @@ class Call {
 class CallReactor final : public grpc::ServerUnaryReactor {
  public:
   explicit CallReactor(std::shared_ptr<Call> call) : call_(std::move(call)) {
-    call_->reactor_ = this;
+    call_->SetFinish([this](const grpc::Status& status) { Finish(status); });
   }
   void OnCancel() override { call_->Fail(absl::CancelledError("call cancelled")); }
   void OnDone() override {
-    if (call_->on_done_) call_->on_done_(call_->failed_.load(std::memory_order_acquire));
+    call_->Done();
     delete this;
   }
 
@@ -73,7 +82,7 @@ class PushCall final : public Call, public PushSink {
   PushCall(size_t slices, bool lose_reply) : remaining_(slices), lose_reply_(lose_reply) {}
   void SliceApplied(size_t) override {
     if (remaining_.fetch_sub(1) != 1 || !Claim()) return;
-    reactor_->Finish(lose_reply_
+    Finish(lose_reply_
                          ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "reply dropped for testing")
                          : grpc::Status::OK);
   }
@@ -122,7 +131,7 @@ class PullCall : public Call, public PullSink {
       payload.push_back(buffers_->Wrap(std::move(buffer_), total_));
     }
     *response_ = EncodeFramed(header, std::move(payload));
-    reactor_->Finish(grpc::Status::OK);
+    Finish(grpc::Status::OK);
   }
   void Fail(const absl::Status& status) override { Call::Fail(status); }
   bool Finished() const override { return Call::Finished(); }
@@ -164,7 +173,7 @@ class PushPullCall final : public PullCall,
     if (pushes_left_.fetch_sub(1) != 1 || Finished()) return;
     if (lose_reply_) {
       if (Claim()) {
-        reactor_->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "reply dropped for testing"));
+        Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "reply dropped for testing"));
       }
       return;
     }

@@ -18,6 +18,7 @@
 #include "core/grpc_util.h"
 #include "core/timer.h"
 #include "deepnex/ps.grpc.pb.h"
+#include "ps/bulk_channel.h"
 #include "ps/client_op.h"
 #include "ps/pieces.h"
 #include "ps/plan.h"
@@ -296,6 +297,19 @@ class ClientImpl final : public Client {
       PrepareContext(&ctx, Clock::now() + std::chrono::seconds(2));
       Pick(s).stub->Leave(&ctx, req, &reply);
     }
+    std::vector<std::shared_ptr<BulkLink>> links;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      links.swap(bulk_);
+      links.insert(links.end(), retired_.begin(), retired_.end());
+      retired_.clear();
+    }
+    for (const auto& link : links) {
+      if (link) link->stream->Close();
+    }
+    for (const auto& link : links) {
+      if (link) link->stream->Join();
+    }
     return absl::OkStatus();
   }
 
@@ -325,14 +339,40 @@ class ClientImpl final : public Client {
     // segment for this client any more.
     std::shared_ptr<ShmRegions> shm;
     std::function<grpc::ByteBuffer()> over_tcp;
-    std::mutex mu;            // guards ctx and cancelled against Cancel()
+    // A push or pull may go over the server's bulk connection instead.
+    BulkMethod bulk_method = BulkMethod(0);
+    uint64_t reply_bytes = 0;  // the values a reply may carry
+    // Where a reply's values go, in order (none for shm): a bulk reply is
+    // read straight into them.
+    std::vector<std::pair<char*, uint64_t>> direct;
+    std::mutex mu;             // guards ctx, cancel_bulk and cancelled against Cancel()
+    std::function<void()> cancel_bulk;
     bool cancelled = false;
 
     void Cancel() {
       std::lock_guard<std::mutex> lock(mu);
       cancelled = true;
       if (ctx) ctx->TryCancel();
+      if (cancel_bulk) cancel_bulk();
     }
+  };
+
+  // A request sent over a bulk connection: done once its bytes are written
+  // (the writer may read the caller's tensors until then) and its outcome
+  // (a reply, the deadline, a cancel, the connection lost) is known.
+  struct BulkCall {
+    std::shared_ptr<Request> r;
+    std::atomic<int> left{2};
+    grpc::Status outcome;
+  };
+
+  // The bulk connection to one server, and its requests in flight by id.
+  struct BulkLink {
+    size_t server = 0;
+    std::shared_ptr<BulkStream> stream;
+    std::mutex mu;
+    std::unordered_map<uint64_t, std::shared_ptr<BulkCall>> pending;  // guarded by mu
+    uint64_t next_id = 0;                                            // guarded by mu
   };
 
   absl::Status CheckOpen() const {
@@ -355,6 +395,7 @@ class ClientImpl final : public Client {
   absl::Status RegisterEverywhere() {
     uint64_t incarnation = NewIncarnation();
     std::vector<std::shared_ptr<ShmRegions>> shm(servers_.size());
+    std::vector<std::shared_ptr<BulkLink>> bulk(servers_.size());
     for (size_t s = 0; s < servers_.size(); ++s) {
       pb::RegisterRequest req;
       req.set_worker_id(options_.worker_id);
@@ -363,19 +404,180 @@ class ClientImpl final : public Client {
         req.set_host_id(HostIdentity());
         req.set_shm_bytes(options_.shm_bytes);
       }
+      // The bulk socket is plaintext.
+      req.set_bulk(options_.tls_ca_file.empty());
       pb::RegisterReply reply;
       DEEPNEX_RETURN_IF_ERROR(
           Unary(s, "register", req, &reply, &pb::ParameterServer::Stub::Register));
       heartbeat_interval_ = std::chrono::milliseconds(reply.heartbeat_interval_ms());
       DEEPNEX_ASSIGN_OR_RETURN(shm[s], AttachShm(transport_, options_.servers[s], reply,
                                                   std::min(options_.timeout, kConnectTimeout)));
+      if (shm[s] == nullptr && reply.bulk_port() != 0) bulk[s] = OpenBulk(s, reply);
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    shm_ = std::move(shm);
-    incarnation_ = incarnation;
-    for (auto& [key, k] : keys_) k.seq = 0;  // seqs count per incarnation
-    stale_ = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      shm_ = std::move(shm);
+      std::swap(bulk_, bulk);
+      for (const auto& link : bulk) {
+        if (link) retired_.push_back(link);
+      }
+      incarnation_ = incarnation;
+      for (auto& [key, k] : keys_) k.seq = 0;  // seqs count per incarnation
+      stale_ = false;
+    }
+    // The earlier incarnation's connections: their requests go again, and
+    // Close() waits for their threads, which call back into this client.
+    for (const auto& link : bulk) {
+      if (link) link->stream->Close();
+    }
     return absl::OkStatus();
+  }
+
+  // A bulk connection to `server` as its Register reply offers, or null:
+  // a server out of reach on that port is served over gRPC.
+  std::shared_ptr<BulkLink> OpenBulk(size_t server, const pb::RegisterReply& reply) {
+    absl::StatusOr<std::shared_ptr<BulkStream>> stream =
+        DialBulk(options_.servers[server], static_cast<int>(reply.bulk_port()),
+                 reply.bulk_ticket(), std::min(options_.timeout, kConnectTimeout));
+    if (!stream.ok()) return nullptr;
+    auto link = std::make_shared<BulkLink>();
+    link->server = server;
+    link->stream = *std::move(stream);
+    link->stream->Start([this, link](const BulkFrame& frame) { return OnBulkReply(*link, frame); },
+                        [this, link](const absl::Status& status) { OnBulkClosed(link, status); });
+    return link;
+  }
+
+  std::shared_ptr<BulkLink> BulkTo(size_t server) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return bulk_.empty() ? nullptr : bulk_[server];
+  }
+
+  // With r->mu held (from Attempt).
+  void SendBulk(const std::shared_ptr<Request>& r, const std::shared_ptr<BulkLink>& link) {
+    auto c = std::make_shared<BulkCall>();
+    c->r = r;
+    uint64_t id;
+    {
+      std::lock_guard<std::mutex> lock(link->mu);
+      id = ++link->next_id;
+      link->pending[id] = c;
+    }
+    r->ctx.reset();
+    r->response.Clear();
+    std::weak_ptr<BulkLink> weak = link;
+    // Off the canceller's thread, which holds r->mu.
+    r->cancel_bulk = [this, weak, id] {
+      timer_.After(std::chrono::milliseconds(0), [this, weak, id] {
+        std::shared_ptr<BulkLink> link = weak.lock();
+        if (link == nullptr) return;
+        BulkFrame frame;
+        frame.kind = kBulkCancel;
+        frame.id = id;
+        link->stream->Send(frame, "", grpc::ByteBuffer());
+        EndBulk(*link, id, grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      });
+    };
+    BulkFrame frame;
+    frame.kind = r->bulk_method;
+    frame.id = id;
+    link->stream->Send(frame, "", r->request, [this, c](bool) { Settle(c); });
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(r->deadline - Clock::now());
+    timer_.After(std::max(left, std::chrono::milliseconds(0)), [this, weak, id] {
+      if (std::shared_ptr<BulkLink> link = weak.lock()) {
+        EndBulk(*link, id, grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "Deadline Exceeded"));
+      }
+    });
+  }
+
+  std::shared_ptr<BulkCall> TakeBulk(BulkLink& link, uint64_t id) {
+    std::lock_guard<std::mutex> lock(link.mu);
+    auto it = link.pending.find(id);
+    if (it == link.pending.end()) return nullptr;
+    std::shared_ptr<BulkCall> c = std::move(it->second);
+    link.pending.erase(it);
+    return c;
+  }
+
+  // Request `id` ends without a reply (deadline, cancel). One whose bytes
+  // are still queued or going out closes the connection, so that the
+  // writer lets go of the caller's tensors now.
+  void EndBulk(BulkLink& link, uint64_t id, const grpc::Status& status) {
+    std::shared_ptr<BulkCall> c = TakeBulk(link, id);
+    if (c == nullptr) return;
+    if (c->left.load() == 2) link.stream->Close();
+    c->outcome = status;
+    Settle(c);
+  }
+
+  void Settle(const std::shared_ptr<BulkCall>& c) {
+    if (c->left.fetch_sub(1) == 1) OnReply(c->r, c->outcome);
+  }
+
+  absl::Status OnBulkReply(BulkLink& link, const BulkFrame& frame) {
+    constexpr uint32_t kMaxText = 64 << 10;
+    constexpr uint64_t kMaxHeader = 1 << 20;  // a pull reply's versions
+    if (frame.text > kMaxText) {
+      return absl::InternalError(absl::StrFormat("bulk reply with %d bytes of text", frame.text));
+    }
+    std::string text(frame.text, '\0');
+    DEEPNEX_RETURN_IF_ERROR(link.stream->Read(text.data(), text.size()));
+    std::shared_ptr<BulkCall> c = TakeBulk(link, frame.id);
+    if (c == nullptr) return link.stream->Skip(frame.body);  // it ended without its reply
+    absl::Status s;
+    grpc::ByteBuffer body;
+    if (frame.body > c->r->reply_bytes + kMaxHeader) {
+      s = absl::InternalError(absl::StrFormat("%s: a bulk reply of %d bytes for %d of values",
+                                              c->r->what, frame.body, c->r->reply_bytes));
+    } else if (frame.prefix > 0 && frame.prefix <= frame.body && !c->r->direct.empty() &&
+               frame.body - frame.prefix == c->r->reply_bytes) {
+      // The values land in the caller's tensors; the reply's slices point
+      // at them, so that on_reply finds them in place (ReplyReader).
+      std::vector<grpc::Slice> slices;
+      slices.emplace_back(frame.prefix);
+      s = link.stream->Read(const_cast<uint8_t*>(slices[0].begin()), frame.prefix);
+      for (const auto& [ptr, n] : c->r->direct) {
+        if (s.ok()) s = link.stream->Read(ptr, n);
+        slices.emplace_back(ptr, n, grpc::Slice::STATIC_SLICE);
+      }
+      body = grpc::ByteBuffer(slices.data(), slices.size());
+    } else if (frame.body > 0) {
+      grpc::Slice slice(frame.body);
+      s = link.stream->Read(const_cast<uint8_t*>(slice.begin()), frame.body);
+      body = grpc::ByteBuffer(&slice, 1);
+    }
+    if (!s.ok()) {
+      // It goes again once the connection's end is seen.
+      c->outcome = grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string(s.message()));
+      Settle(c);
+      return s;
+    }
+    c->r->response = std::move(body);
+    c->outcome = grpc::Status(
+        frame.kind <= grpc::StatusCode::UNAUTHENTICATED ? static_cast<grpc::StatusCode>(frame.kind)
+                                                         : grpc::StatusCode::UNKNOWN,
+        text);
+    Settle(c);
+    return absl::OkStatus();
+  }
+
+  // The connection ended: its requests go again (over gRPC) as after any
+  // Unavailable.
+  void OnBulkClosed(const std::shared_ptr<BulkLink>& link, const absl::Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (link->server < bulk_.size() && bulk_[link->server] == link) bulk_[link->server] = nullptr;
+    }
+    std::vector<std::shared_ptr<BulkCall>> left;
+    {
+      std::lock_guard<std::mutex> lock(link->mu);
+      for (auto& [id, c] : link->pending) left.push_back(std::move(c));
+      link->pending.clear();
+    }
+    for (const auto& c : left) {
+      c->outcome = grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string(status.message()));
+      Settle(c);
+    }
   }
 
   std::shared_ptr<ShmRegions> ShmTo(size_t server) {
@@ -481,6 +683,9 @@ class ClientImpl final : public Client {
       lock.unlock();
       return Complete(r, absl::CancelledError(absl::StrCat(
           r->what, closed_ ? ": the client was closed" : ": cancelled")));
+    }
+    if (r->bulk_method != 0 && !r->over_tcp) {
+      if (std::shared_ptr<BulkLink> link = BulkTo(r->server)) return SendBulk(r, link);
     }
     r->ctx = std::make_unique<grpc::ClientContext>();
     PrepareContext(r->ctx.get(), r->deadline);
@@ -668,6 +873,7 @@ class ClientImpl final : public Client {
       header.set_incarnation(incarnation_.load());
       for (const Piece* p : batch) *header.add_slices() = p->slice;
       auto r = NewRequest(op, server, kPushMethod, "push", deadline);
+      r->bulk_method = kBulkPush;
       std::shared_ptr<ShmRegions> shm = ShmTo(server);
       uint64_t bytes = 0;
       for (const Piece* p : batch) bytes += p->bytes;
@@ -679,7 +885,9 @@ class ClientImpl final : public Client {
         for (const Piece* p : batch) {
           const Piece& into = (*pull)[p - pieces.data()];
           dst.push_back({into.data, into.bytes});
+          r->reply_bytes += into.bytes;
         }
+        if (!region) r->direct = dst;
         r->on_reply = ReplyReader("push", std::move(dst), shm, region);
       } else if (region) {
         r->on_reply = RegionReleaser(shm, region);
@@ -713,6 +921,9 @@ class ClientImpl final : public Client {
       std::optional<pb::ShmRegion> region = shm ? Stage(shm.get(), total, nullptr) : std::nullopt;
       if (region) *req.mutable_shm() = *region;
       auto r = NewRequest(op, server, kPullMethod, "pull", deadline);
+      r->bulk_method = kBulkPull;
+      r->reply_bytes = total;
+      if (!region) r->direct = dst;
       std::string bytes = req.SerializeAsString();
       grpc::Slice slice(bytes);
       r->request = grpc::ByteBuffer(&slice, 1);
@@ -760,6 +971,9 @@ class ClientImpl final : public Client {
   std::mutex mu_;
   std::unordered_map<std::string, KeyState> keys_;
   std::vector<std::shared_ptr<ShmRegions>> shm_;  // per server; guarded by mu_
+  std::vector<std::shared_ptr<BulkLink>> bulk_;   // per server, or null; guarded by mu_
+  // Earlier incarnations' links, whose threads Close() waits for; guarded by mu_.
+  std::vector<std::shared_ptr<BulkLink>> retired_;
   std::mutex inflight_mu_;
   std::condition_variable inflight_cv_;
   int inflight_ = 0;  // requests sent and not yet completed

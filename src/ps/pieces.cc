@@ -101,7 +101,13 @@ std::function<absl::Status(const grpc::ByteBuffer&)> ReplyReader(
                                               payload.remaining(), need));
     }
     if (s.ok()) {
-      for (const auto& [ptr, n] : dst) payload.Read(ptr, n);
+      // A bulk reply may have been read straight into `dst` already.
+      for (auto [ptr, n] : dst) {
+        payload.Visit(n, [&ptr](const char* data, size_t size) {
+          if (data != ptr) std::memcpy(ptr, data, size);
+          ptr += size;
+        });
+      }
     }
     release();
     return s;

@@ -46,6 +46,7 @@ std::optional<proto::ShmRegion> Stage(ShmRegions* shm, uint64_t bytes,
 
 // Reads a pull's reply (values of the slices in order, from the payload or
 // from `region` of `shm`) into `dst`, then returns the region to `shm`.
+// Payload slices that already point at `dst` are left as they are.
 // A request that fails keeps its region: the server may still write it.
 std::function<absl::Status(const grpc::ByteBuffer&)> ReplyReader(
     const char* what, std::vector<std::pair<char*, uint64_t>> dst,

@@ -143,6 +143,7 @@ class ServerImpl final : public Server {
       cv_.notify_all();
       if (background_.joinable()) background_.join();
       if (metrics_http_) metrics_http_->Stop();
+      service_.StopBulk();
       if (!host_) return;
       service_.FailWaiters(absl::UnavailableError("the parameter server is stopping"));
       host_->Stop();

@@ -30,7 +30,13 @@ ServerMetrics::ServerMetrics(int num_workers)
                                      "Shared-memory segments held for clients on this host.")),
       shm_bytes(registry.GetCounter(
           "deepnex_ps_shm_bytes_total",
-          "Tensor bytes moved through shared memory instead of TCP, both ways.")) {
+          "Tensor bytes moved through shared memory instead of TCP, both ways.")),
+      bulk_connections(registry.GetGauge(
+          "deepnex_ps_bulk_connections",
+          "Bulk TCP connections open to clients (pushes and pulls beside gRPC).")),
+      bulk_bytes(registry.GetCounter(
+          "deepnex_ps_bulk_bytes_total",
+          "Request and reply bytes moved over bulk TCP connections, both ways.")) {
   for (int w = 0; w < num_workers; ++w) {
     Labels l{{"worker", std::to_string(w)}};
     worker_pushes.push_back(

@@ -40,6 +40,8 @@ class ServerMetrics final : public PartitionObserver {
   Gauge* deferred_push_bytes;
   Gauge* shm_segments;
   Counter* shm_bytes;
+  Gauge* bulk_connections;
+  Counter* bulk_bytes;
   std::vector<Counter*> worker_pushes, late;
   std::vector<Histogram*> staleness;
 };

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/net.h"
 #include "ps/calls.h"
 #include "ps/checkpoint.h"
 #include "ps/plan.h"
@@ -42,6 +43,16 @@ Service::Service(const ServerOptions& options, TokenTable tokens, bool job_token
     // Without the broker's socket every client uses TCP.
     absl::StatusOr<std::unique_ptr<ShmBroker>> broker = ShmBroker::Start(options.max_shm_bytes);
     if (broker.ok()) shm_ = *std::move(broker);
+  }
+  // The bulk socket is plaintext: with TLS everything stays on gRPC.
+  if (options.bulk_tcp && options.tls_cert_file.empty()) {
+    absl::StatusOr<std::unique_ptr<BulkListener>> bulk = BulkListener::Start(
+        HostOf(options.address),
+        [this](std::shared_ptr<BulkStream> stream, int worker, uint64_t incarnation) {
+          ServeBulk(std::move(stream), worker, incarnation);
+        });
+    // Without it (an IPv6 listen host, say) clients stay on gRPC.
+    if (bulk.ok()) bulk_ = *std::move(bulk);
   }
   config_.mode = options.mode;
   config_.num_workers = options.num_workers;
@@ -92,6 +103,7 @@ grpc::ServerUnaryReactor* Service::Register(grpc::CallbackServerContext* ctx,
     membership_.Register(req->worker_id(), req->incarnation());
     metrics_.live_workers->Set(membership_.LiveCount());
     OfferShm(*req, reply);
+    OfferBulk(*req, reply);
     reply->set_num_workers(options_.num_workers);
     reply->set_mode(ModeName(options_.mode));
     reply->set_staleness(config_.staleness);
@@ -119,6 +131,7 @@ grpc::ServerUnaryReactor* Service::Leave(grpc::CallbackServerContext* ctx,
       shm_->Drop(req->worker_id(), req->incarnation());
       metrics_.shm_segments->Set(shm_->Count());
     }
+    DropBulk(req->worker_id(), req->incarnation());
     metrics_.live_workers->Set(membership_.LiveCount());
     MembershipChanged();
   }
@@ -185,51 +198,85 @@ grpc::ServerUnaryReactor* Service::WriteParts(grpc::CallbackServerContext* ctx,
   return Reply(ctx, s);
 }
 
+namespace {
+
+// A call over gRPC: the reactor finishes it.
+class GrpcSite final : public CallSite {
+ public:
+  explicit GrpcSite(grpc::CallbackServerContext* ctx) : ctx_(ctx) {}
+  std::string peer() const override { return ctx_->peer(); }
+  void Bind(std::shared_ptr<Call> call) override { reactor_ = new CallReactor(std::move(call)); }
+  // The reply: the bound call's reactor, or `status` at once.
+  grpc::ServerUnaryReactor* Reactor(const absl::Status& status) {
+    return reactor_ != nullptr ? reactor_ : Reply(ctx_, status);
+  }
+
+ private:
+  grpc::CallbackServerContext* const ctx_;
+  grpc::ServerUnaryReactor* reactor_ = nullptr;
+};
+
+}  // namespace
+
 grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
                                         const grpc::ByteBuffer* request,
                                         grpc::ByteBuffer* response) {
+  GrpcSite site(ctx);
+  absl::Status s = Authenticate(*ctx);
+  if (s.ok()) s = StartPush(&site, *request, response);
+  return site.Reactor(s);
+}
+
+grpc::ServerUnaryReactor* Service::Pull(grpc::CallbackServerContext* ctx,
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) {
+  GrpcSite site(ctx);
+  absl::Status s = Authenticate(*ctx);
+  if (s.ok()) s = StartPull(&site, *request, response);
+  return site.Reactor(s);
+}
+
+absl::Status Service::StartPush(CallSite* site, const grpc::ByteBuffer& request,
+                                grpc::ByteBuffer* response) {
   pb::PushHeader header;
   PayloadReader payload;
   std::vector<Partition*> parts;
-  absl::Status s = Authenticate(*ctx);
-  if (s.ok()) s = DecodeFramed(*request, &header, &payload);
-  if (s.ok()) s = CheckWorker(header.worker_id(), "push");
+  DEEPNEX_RETURN_IF_ERROR(DecodeFramed(request, &header, &payload));
+  DEEPNEX_RETURN_IF_ERROR(CheckWorker(header.worker_id(), "push"));
+  DEEPNEX_RETURN_IF_ERROR(CheckSite(*site, header.worker_id(), "push"));
   std::shared_ptr<ShmSegment> segment;  // kept for the call's reply too
-  if (s.ok() && header.has_shm()) {
-    absl::StatusOr<std::shared_ptr<ShmSegment>> found =
-        ShmOf("push", header.worker_id(), header.incarnation(), header.shm());
-    if (found.ok() && payload.remaining() > 0) {
-      found = absl::InvalidArgumentError(absl::StrFormat(
+  if (header.has_shm()) {
+    DEEPNEX_ASSIGN_OR_RETURN(
+        segment, ShmOf("push", header.worker_id(), header.incarnation(), header.shm()));
+    if (payload.remaining() > 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
           "push: %d bytes of values in the request as well as in shared memory",
           payload.remaining()));
     }
-    s = found.status();
-    if (s.ok()) {
-      segment = *std::move(found);
-      payload = segment->Reader(header.shm().offset(), header.shm().bytes());
-    }
+    payload = segment->Reader(header.shm().offset(), header.shm().bytes());
   }
-  if (s.ok()) s = Resolve("push", header.slices(), &parts, &payload);
+  DEEPNEX_RETURN_IF_ERROR(Resolve("push", header.slices(), &parts, &payload));
   // A push of several slices is checked whole first, so that one bad slice
   // refuses all; a single slice, by its partition in the pass taking it in.
   const bool check_whole = options_.reject_nonfinite && parts.size() > 1;
-  if (s.ok() && check_whole) {
+  if (check_whole) {
     PayloadReader check = payload;
-    for (size_t i = 0; i < parts.size() && s.ok(); ++i) {
-      s = parts[i]->CheckFinite(header.slices(i).key(), &check);
+    for (size_t i = 0; i < parts.size(); ++i) {
+      DEEPNEX_RETURN_IF_ERROR(parts[i]->CheckFinite(header.slices(i).key(), &check));
     }
   }
   std::vector<uint64_t> offsets;
   uint64_t total = 0;
-  const std::string peer = header.pull() ? ctx->peer() : std::string();
-  if (s.ok() && header.pull()) s = PullLayout("push", header.slices(), parts, &offsets, &total);
+  const std::string peer = header.pull() ? site->peer() : std::string();
+  if (header.pull()) {
+    DEEPNEX_RETURN_IF_ERROR(PullLayout("push", header.slices(), parts, &offsets, &total));
+  }
   // A reply into shared memory holds no server memory.
   const uint64_t held = segment ? 0 : total;
-  if (s.ok() && header.pull()) s = HoldReply(peer, held);
-  if (!s.ok()) return Reply(ctx, s);
+  if (header.pull()) DEEPNEX_RETURN_IF_ERROR(HoldReply(peer, held));
   if (parts.empty()) {
     *response = header.pull() ? EncodeFramed(pb::PullHeader(), {}) : EmptyMessage();
-    return Reply(ctx, absl::OkStatus());
+    return absl::OkStatus();
   }
 
   metrics_.pushes->Add();
@@ -238,7 +285,6 @@ grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
   if (segment) metrics_.shm_bytes->Add(payload.remaining() + total);
   bool lose_reply = drops_left_.load() > 0 && drops_left_.fetch_sub(1) > 0;
   std::shared_ptr<PushSink> sink;
-  grpc::ServerUnaryReactor* reactor;
   if (header.pull()) {
     metrics_.pulls->Add();
     metrics_.bytes_out->Add(total);
@@ -248,13 +294,13 @@ grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
       ReleaseReply(peer, held);
       DropFinished(parts, failed);
     });
-    reactor = new CallReactor(call);
+    site->Bind(call);
     sink = std::move(call);
   } else {
     *response = EmptyMessage();
     auto call = std::make_shared<PushCall>(parts.size(), lose_reply);
     call->OnDone([parts](bool failed) { DropFinished(parts, failed); });
-    reactor = new CallReactor(call);
+    site->Bind(call);
     sink = std::move(call);
   }
   Completions done;
@@ -264,42 +310,38 @@ grpc::ServerUnaryReactor* Service::Push(grpc::CallbackServerContext* ctx,
                    sink, i, &done);
   }
   RunAll(done);
-  return reactor;
+  return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* Service::Pull(grpc::CallbackServerContext* ctx,
-                                        const grpc::ByteBuffer* request,
-                                        grpc::ByteBuffer* response) {
+absl::Status Service::StartPull(CallSite* site, const grpc::ByteBuffer& request,
+                                grpc::ByteBuffer* response) {
   pb::PullRequest req;
   std::vector<Partition*> parts;
-  absl::Status s = Authenticate(*ctx);
-  if (s.ok()) {
-    grpc::Slice whole;
-    if (!request->DumpToSingleSlice(&whole).ok() ||
-        !req.ParseFromArray(whole.begin(), static_cast<int>(whole.size()))) {
-      s = absl::InvalidArgumentError("garbled request body: bad pull request");
-    }
+  grpc::Slice whole;
+  if (!request.DumpToSingleSlice(&whole).ok() ||
+      !req.ParseFromArray(whole.begin(), static_cast<int>(whole.size()))) {
+    return absl::InvalidArgumentError("garbled request body: bad pull request");
   }
-  if (s.ok() && req.worker_id() != kObserver) s = CheckWorker(req.worker_id(), "pull");
-  if (s.ok()) s = Resolve("pull", req.slices(), &parts, nullptr);
+  if (req.worker_id() != kObserver) {
+    DEEPNEX_RETURN_IF_ERROR(CheckWorker(req.worker_id(), "pull"));
+  }
+  DEEPNEX_RETURN_IF_ERROR(CheckSite(*site, req.worker_id(), "pull"));
+  DEEPNEX_RETURN_IF_ERROR(Resolve("pull", req.slices(), &parts, nullptr));
   std::vector<uint64_t> offsets;
   uint64_t total = 0;
-  if (s.ok()) s = PullLayout("pull", req.slices(), parts, &offsets, &total);
+  DEEPNEX_RETURN_IF_ERROR(PullLayout("pull", req.slices(), parts, &offsets, &total));
   std::shared_ptr<ShmSegment> segment;
-  if (s.ok() && req.has_shm()) {
-    absl::StatusOr<std::shared_ptr<ShmSegment>> found =
-        ShmOf("pull", req.worker_id(), req.incarnation(), req.shm());
-    if (found.ok() && req.shm().bytes() != total) {
-      found = absl::InvalidArgumentError(absl::StrFormat(
+  if (req.has_shm()) {
+    DEEPNEX_ASSIGN_OR_RETURN(segment,
+                             ShmOf("pull", req.worker_id(), req.incarnation(), req.shm()));
+    if (req.shm().bytes() != total) {
+      return absl::InvalidArgumentError(absl::StrFormat(
           "pull: shm region of %d bytes for %d bytes of values", req.shm().bytes(), total));
     }
-    s = found.status();
-    if (s.ok()) segment = *std::move(found);
   }
-  const std::string peer = ctx->peer();
+  const std::string peer = site->peer();
   const uint64_t held = segment ? 0 : total;
-  if (s.ok()) s = HoldReply(peer, held);
-  if (!s.ok()) return Reply(ctx, s);
+  DEEPNEX_RETURN_IF_ERROR(HoldReply(peer, held));
 
   metrics_.pulls->Add();
   metrics_.bytes_out->Add(total);
@@ -310,13 +352,13 @@ grpc::ServerUnaryReactor* Service::Pull(grpc::CallbackServerContext* ctx,
     ReleaseReply(peer, held);
     DropFinished(parts, failed);
   });
-  auto* reactor = new CallReactor(call);
+  site->Bind(call);
   Completions done;
   for (size_t i = 0; i < parts.size(); ++i) {
     parts[i]->Pull(req.worker_id(), req.incarnation(), req.slices(i).seq(), call, i, &done);
   }
   RunAll(done);
-  return reactor;
+  return absl::OkStatus();
 }
 
 void Service::ExpireLeases() {
@@ -326,6 +368,7 @@ void Service::ExpireLeases() {
     for (int worker : expired) shm_->Drop(worker, 0);
     metrics_.shm_segments->Set(shm_->Count());
   }
+  for (int worker : expired) DropBulk(worker, 0);
   metrics_.lease_expiries->Add(expired.size());
   metrics_.live_workers->Set(membership_.LiveCount());
   MembershipChanged();
@@ -504,6 +547,16 @@ void Service::OfferShm(const pb::RegisterRequest& req, pb::RegisterReply* reply)
   reply->set_shm_socket(offer->socket);
   reply->set_shm_ticket(offer->ticket);
   reply->set_shm_bytes(offer->bytes);
+}
+
+absl::Status Service::CheckSite(const CallSite& site, int worker, const char* op) const {
+  std::optional<int> speaks_for = site.worker();
+  if (speaks_for && *speaks_for != worker) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "%s: this bulk connection is worker %d's; the request names worker %d", op, *speaks_for,
+        worker));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Service::CheckCall(const grpc::ServerContextBase& ctx, int worker,

@@ -11,6 +11,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -21,6 +23,7 @@
 #include "deepnex/metrics.h"
 #include "deepnex/ps.grpc.pb.h"
 #include "deepnex/ps/server.h"
+#include "ps/bulk_channel.h"
 #include "ps/membership.h"
 #include "ps/partition.h"
 #include "ps/reply_buffers.h"
@@ -42,6 +45,23 @@ using ServiceBase = proto::ParameterServer::WithCallbackMethod_Register<
                                         proto::ParameterServer::WithRawCallbackMethod_Pull<
                                             proto::ParameterServer::Service>>>>>>>>>>>;
 
+class Call;
+class BulkConnection;
+
+// Where a push or pull came from: gRPC, or a bulk connection.
+class CallSite {
+ public:
+  virtual ~CallSite() = default;
+  // The connection, for the reply bytes it may hold (max_pending_reply_bytes).
+  virtual std::string peer() const = 0;
+  // The one worker the connection speaks for, or none (gRPC: any caller
+  // that authenticates).
+  virtual std::optional<int> worker() const { return std::nullopt; }
+  // Ties `call` to the transport, before any partition sees it; its reply
+  // goes back that way.
+  virtual void Bind(std::shared_ptr<Call> call) = 0;
+};
+
 // The tensors this server holds, and the RPC handlers over them.
 // Thread-safe: `mu_` guards the directory of tensors only; data operations
 // lock the partitions they touch.
@@ -49,6 +69,7 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
  public:
   // `job_token`: the table holds the job's token alone (see ServerOptions).
   Service(const ServerOptions& options, TokenTable tokens, bool job_token);
+  ~Service() override;
 
   // Collects the partitions' periodic snapshots; once every partition has
   // given the same version, they form a checkpoint (see WritePeriodic).
@@ -98,6 +119,18 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
 
   grpc::ServerUnaryReactor* Pull(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
                                  grpc::ByteBuffer* response) override;
+
+  // A push or pull from `site`, whose caller is authenticated. Binds the
+  // call to `site` unless it returns an error or has no partition to wait
+  // for; then the caller replies with the status (and `response`) at once.
+  absl::Status StartPush(CallSite* site, const grpc::ByteBuffer& request,
+                         grpc::ByteBuffer* response);
+  absl::Status StartPull(CallSite* site, const grpc::ByteBuffer& request,
+                         grpc::ByteBuffer* response);
+
+  // Closes the bulk listener and every bulk connection, failing their calls;
+  // returns once their threads are gone. Idempotent.
+  void StopBulk();
 
   // Expires leases that ran out; rounds then shrink or abort.
   void ExpireLeases();
@@ -181,7 +214,21 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
   // Register: a segment for a caller on this host that asks for one.
   void OfferShm(const proto::RegisterRequest& req, proto::RegisterReply* reply);
 
+  // Register: a bulk connection's ticket, for a caller that asks for one.
+  void OfferBulk(const proto::RegisterRequest& req, proto::RegisterReply* reply);
+
+  // The worker left (as `incarnation`; 0: whichever) or its lease expired:
+  // its bulk connection closes, failing its calls.
+  void DropBulk(int worker, uint64_t incarnation);
+
+  // service_bulk.cc: serves a connection the listener admitted.
+  void ServeBulk(std::shared_ptr<BulkStream> stream, int worker, uint64_t incarnation);
+  friend class BulkConnection;
+
   absl::Status CheckCall(const grpc::ServerContextBase& ctx, int worker, const char* op) const;
+
+  // PermissionDenied when `site` speaks for a worker other than `worker`.
+  absl::Status CheckSite(const CallSite& site, int worker, const char* op) const;
 
   // Finds each slice's partition and checks the slice against it; with
   // `payload`, also that it holds exactly the slices' bytes.
@@ -220,6 +267,9 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
       std::make_shared<ReplyBuffers>(256ull << 20);
   const std::string host_id_;
   std::unique_ptr<ShmBroker> shm_;  // null: TCP only
+  std::mutex bulk_mu_;
+  std::unique_ptr<BulkListener> bulk_;  // null: gRPC only; guarded by bulk_mu_
+  std::set<std::shared_ptr<BulkConnection>> bulk_connections_;  // guarded by bulk_mu_
   std::mutex mu_;
   std::unordered_map<std::string, Tensor> tensors_;
   std::mutex checkpoint_mu_;  // one checkpoint written at a time

@@ -58,6 +58,8 @@ flags:
                           (default 256MiB)
   --max-shm SIZE          largest shared-memory segment for a client on this
                           host, which then skips TCP; 0: TCP only (default 1GiB)
+  --no-bulk-tcp           move every other client's pushes and pulls over gRPC,
+                          not a plain TCP connection on a second port
   --token T               bearer token every call must carry (default
                           $DEEPNEX_TOKEN, which unlike a flag other users
                           cannot read in /proc)
@@ -126,6 +128,7 @@ int main(int argc, char** argv) {
     else if (flags.Is("--max-deferred-pushes"))
       options.max_deferred_push_bytes = positive_bytes();
     else if (flags.Is("--max-shm")) options.max_shm_bytes = flags.Bytes();
+    else if (flags.Is("--no-bulk-tcp")) options.bulk_tcp = false;
     else if (flags.Is("--token")) options.token = flags.Value();
     else if (flags.Is("--token-file")) options.token_file = flags.Value();
     else if (flags.Is("--job")) options.job_id = flags.Value();

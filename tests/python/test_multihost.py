@@ -312,6 +312,10 @@ WORKER = textwrap.dedent("""
             sys.exit(3)
         print(f"step {t} {time.monotonic() - start:.1f}", flush=True)
     print("final " + " ".join(str(x) for x in np.unique(out)), flush=True)
+    # Bytes each server moved over bulk TCP connections rather than gRPC.
+    print("bulk " + " ".join(
+        line.split()[1] for st in c.stats() for line in st["prometheus"].splitlines()
+        if line.startswith("deepnex_ps_bulk_bytes_total ")), flush=True)
 """)
 
 
@@ -357,6 +361,9 @@ def test_two_servers_on_two_hosts_and_workers_on_a_third_are_exact(make_hosts):
         assert code == 0, out
         # 1000 float32 in 512-byte partitions: 8 of them, over both servers.
         assert final(out) == [-0.5 * sum(3 * t for t in range(1, steps + 1))], out
+        # Another host's workers push and pull over each server's bulk port.
+        bulk = [float(b) for b in re.search(r"^bulk (.*)$", out, re.M).group(1).split()]
+        assert len(bulk) == 2 and all(b > 0 for b in bulk), out
 
 
 @pytest.mark.parametrize("policy", ["shrink", "abort"])

@@ -1,0 +1,353 @@
+#include "ps/bulk_channel.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/net.h"
+#include "core/random.h"
+#include "core/socket.h"
+
+namespace deepnex::ps {
+namespace {
+
+constexpr size_t kTicketBytes = 32;  // hex of 16 random bytes
+// How long a connection may take to show its ticket (a client sends it as
+// it connects); it holds up no other connection.
+constexpr std::chrono::seconds kTicketDeadline(3);
+// Connections whose ticket is still coming, at most; more are closed.
+constexpr int kMaxAdmitting = 16;
+constexpr char kAdmitted = 'k';
+
+absl::Status Gone(const std::string& peer, const char* what) {
+  int e = errno;
+  return absl::UnavailableError(absl::StrCat("bulk connection with ", peer, ": ", what,
+                                             e != 0 ? absl::StrCat(": ", std::strerror(e)) : ""));
+}
+
+std::string PeerOf(int fd) {
+  sockaddr_in addr{};
+  socklen_t len = sizeof(addr);
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return "?";
+  char host[INET_ADDRSTRLEN] = "?";
+  inet_ntop(AF_INET, &addr.sin_addr, host, sizeof(host));
+  return JoinHostPort(host, ntohs(addr.sin_port));
+}
+
+void Tune(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  // A peer host that vanishes is found out by the kernel, not only by leases.
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+}
+
+}  // namespace
+
+// ---- BulkStream
+
+BulkStream::BulkStream(int fd, std::string peer)
+    : fd_(fd), peer_(std::move(peer)), pid_(getpid()) {
+  Tune(fd_);
+}
+
+BulkStream::~BulkStream() {
+  Close();
+  if (getpid() != pid_) {
+    if (reader_.joinable()) reader_.detach();
+    if (writer_.joinable()) writer_.detach();
+  }
+  // The last reference may be a thread's own, dropped as it ends.
+  for (std::thread* t : {&reader_, &writer_}) {
+    if (t->joinable() && t->get_id() == std::this_thread::get_id()) t->detach();
+  }
+  Join();
+  close(fd_);
+}
+
+void BulkStream::Join() {
+  for (std::thread* t : {&reader_, &writer_}) {
+    if (t->joinable() && t->get_id() != std::this_thread::get_id()) t->join();
+  }
+}
+
+void BulkStream::Start(std::function<absl::Status(const BulkFrame&)> on_frame,
+                       std::function<void(const absl::Status&)> on_close) {
+  writer_ = std::thread([self = shared_from_this()] { self->Write(); });
+  reader_ = std::thread([this, self = shared_from_this(), on_frame = std::move(on_frame),
+                         on_close = std::move(on_close)]() mutable {
+    absl::Status s;
+    while (s.ok()) {
+      BulkFrame frame;
+      s = Read(&frame, sizeof(frame));
+      if (s.ok() && frame.magic != kBulkMagic) {
+        s = absl::InvalidArgumentError(
+            absl::StrCat("bulk connection with ", peer_, ": a frame without the magic"));
+      }
+      if (s.ok()) s = on_frame(frame);
+    }
+    Close();
+    on_frame = nullptr;
+    on_close(s);
+  });
+}
+
+absl::Status BulkStream::Read(void* dst, uint64_t n) {
+  char* p = static_cast<char*>(dst);
+  while (n > 0) {
+    ssize_t r = recv(fd_, p, std::min<uint64_t>(n, 1ull << 30), MSG_WAITALL);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<uint64_t>(r);
+    } else if (r == 0) {
+      errno = 0;
+      return Gone(peer_, "closed");
+    } else if (errno != EINTR) {
+      return Gone(peer_, "receive");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BulkStream::Skip(uint64_t n) {
+  char scratch[64 << 10];
+  while (n > 0) {
+    uint64_t take = std::min<uint64_t>(n, sizeof(scratch));
+    DEEPNEX_RETURN_IF_ERROR(Read(scratch, take));
+    n -= take;
+  }
+  return absl::OkStatus();
+}
+
+void BulkStream::Send(BulkFrame frame, std::string text, grpc::ByteBuffer body,
+                      std::function<void(bool)> sent) {
+  frame.magic = kBulkMagic;
+  frame.text = static_cast<uint32_t>(text.size());
+  frame.body = body.Length();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!closed_) {
+      queue_.push_back({frame, std::move(text), std::move(body), std::move(sent)});
+      cv_.notify_all();
+      return;
+    }
+  }
+  if (sent) sent(false);
+}
+
+void BulkStream::Close() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return;
+  closed_ = true;
+  // Wakes the reader's recv and the writer's send.
+  if (getpid() == pid_) shutdown(fd_, SHUT_RDWR);
+  cv_.notify_all();
+}
+
+void BulkStream::Write() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [this] { return closed_ || !queue_.empty(); });
+    if (closed_) break;
+    Outgoing out = std::move(queue_.front());
+    queue_.pop_front();
+    lock.unlock();
+    const bool ok = WriteOne(out).ok();
+    if (!ok) Close();
+    if (out.sent) out.sent(ok);
+    out = Outgoing();  // the body's slices go before the lock is taken
+    lock.lock();
+  }
+  std::deque<Outgoing> left = std::move(queue_);
+  lock.unlock();
+  for (Outgoing& out : left) {
+    if (out.sent) out.sent(false);
+  }
+}
+
+absl::Status BulkStream::WriteOne(Outgoing& out) {
+  std::vector<grpc::Slice> slices;
+  if (out.body.Length() > 0 && !out.body.Dump(&slices).ok()) {
+    return absl::InternalError("bulk: unreadable body");
+  }
+  std::vector<iovec> iov;
+  iov.push_back({&out.frame, sizeof(out.frame)});
+  if (!out.text.empty()) iov.push_back({out.text.data(), out.text.size()});
+  for (const grpc::Slice& s : slices) {
+    if (s.size() > 0) iov.push_back({const_cast<uint8_t*>(s.begin()), s.size()});
+  }
+  size_t first = 0;
+  while (first < iov.size()) {
+    msghdr msg{};
+    msg.msg_iov = iov.data() + first;
+    msg.msg_iovlen = std::min<size_t>(iov.size() - first, IOV_MAX);
+    ssize_t w = sendmsg(fd_, &msg, MSG_NOSIGNAL);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return Gone(peer_, "send");
+    }
+    size_t n = static_cast<size_t>(w);
+    while (first < iov.size() && n >= iov[first].iov_len) n -= iov[first++].iov_len;
+    if (n > 0) {
+      iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + n;
+      iov[first].iov_len -= n;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---- BulkListener
+
+BulkListener::BulkListener(int listen_fd, int port, OnConnection on_connection)
+    : listen_fd_(listen_fd), port_(port), on_connection_(std::move(on_connection)) {
+  thread_ = std::thread([this] { Accept(); });
+}
+
+absl::StatusOr<std::unique_ptr<BulkListener>> BulkListener::Start(const std::string& host,
+                                                                  OnConnection on_connection) {
+  int port = 0;
+  DEEPNEX_ASSIGN_OR_RETURN(int fd, ListenTcp(IsWildcardHost(host) ? "0.0.0.0" : host, &port));
+  return std::unique_ptr<BulkListener>(new BulkListener(fd, port, std::move(on_connection)));
+}
+
+BulkListener::~BulkListener() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  // Wakes accept() (Linux returns EINVAL once a listener is shut down).
+  shutdown(listen_fd_, SHUT_RDWR);
+  thread_.join();
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return admitting_ == 0; });
+  close(listen_fd_);
+}
+
+std::string BulkListener::Offer(int worker, uint64_t incarnation) {
+  std::string ticket = RandomHex(kTicketBytes / 2);
+  std::shared_ptr<BulkStream> earlier;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Entry& e = entries_[worker];
+    earlier = e.stream.lock();
+    e = Entry{incarnation, ticket, {}};
+  }
+  if (earlier) earlier->Close();
+  return ticket;
+}
+
+void BulkListener::Drop(int worker, uint64_t incarnation) {
+  std::shared_ptr<BulkStream> stream;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(worker);
+    if (it == entries_.end() || (incarnation != 0 && it->second.incarnation != incarnation)) {
+      return;
+    }
+    stream = it->second.stream.lock();
+    entries_.erase(it);
+  }
+  if (stream) stream->Close();
+}
+
+void BulkListener::Accept() {
+  while (true) {
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    std::unique_lock<std::mutex> lock(mu_);
+    if (stopping_) {
+      if (fd >= 0) close(fd);
+      return;
+    }
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE) {
+        lock.unlock();
+        // Out of descriptors: let some close before trying again.
+        if (errno != EINTR && errno != ECONNABORTED) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        continue;
+      }
+      return;
+    }
+    // Bounds the threads a flood of silent peers can hold.
+    if (admitting_ >= kMaxAdmitting) {
+      close(fd);
+      continue;
+    }
+    ++admitting_;
+    lock.unlock();
+    std::thread([this, fd] { Admit(fd, PeerOf(fd)); }).detach();
+  }
+}
+
+void BulkListener::Admit(int fd, std::string peer) {
+  std::string ticket(kTicketBytes, '\0');
+  absl::Status s = ReadFully(fd, ticket.data(), ticket.size(),
+                             SteadyClock::now() + kTicketDeadline, peer);
+  std::shared_ptr<BulkStream> stream;
+  int worker = -1;
+  uint64_t incarnation = 0;
+  if (s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [w, e] : entries_) {
+      if (!stopping_ && !e.ticket.empty() && e.ticket == ticket) {
+        e.ticket.clear();  // one use
+        stream = std::make_shared<BulkStream>(fd, peer);
+        e.stream = stream;
+        worker = w;
+        incarnation = e.incarnation;
+        break;
+      }
+    }
+  }
+  if (stream) {
+    // Served before it is told so: its first request finds the connection
+    // counted. The client sends nothing until this byte, so the writer
+    // thread is idle, and the empty send buffer takes the byte at once.
+    on_connection_(stream, worker, incarnation);
+    send(fd, &kAdmitted, 1, MSG_NOSIGNAL);
+  } else {
+    close(fd);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  --admitting_;
+  cv_.notify_all();
+}
+
+// ---- the client's end
+
+absl::StatusOr<std::shared_ptr<BulkStream>> DialBulk(const std::string& server, int port,
+                                                     const std::string& ticket,
+                                                     std::chrono::milliseconds timeout) {
+  if (port <= 0 || port > 65535 || ticket.size() != kTicketBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bulk connection to ", server, ": offer of port ", port, " and a ticket of ",
+                     ticket.size(), " bytes is malformed"));
+  }
+  const SteadyClock::time_point deadline = SteadyClock::now() + timeout;
+  const std::string host = HostOf(server);
+  const std::string peer = JoinHostPort(host, port);
+  DEEPNEX_ASSIGN_OR_RETURN(int fd, ConnectTcp(host, port, deadline));
+  char admitted = 0;
+  absl::Status s = WriteFully(fd, ticket.data(), ticket.size(), deadline, peer);
+  if (s.ok()) s = ReadFully(fd, &admitted, 1, deadline, peer);
+  if (s.ok() && admitted != kAdmitted) {
+    s = absl::UnavailableError(absl::StrCat("bulk connection to ", peer, ": not admitted"));
+  }
+  if (!s.ok()) {
+    close(fd);
+    return s;
+  }
+  return std::make_shared<BulkStream>(fd, peer);
+}
+
+}  // namespace deepnex::ps

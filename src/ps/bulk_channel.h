@@ -1,0 +1,162 @@
+// Bulk TCP connections between the parameter server and its clients:
+// pushes and pulls over a plain socket beside gRPC, for clients that cannot
+// share the server's memory (another host, or shm off).
+//
+// Over gRPC a 64 MiB round cost about twice the CPU of the same bytes over
+// a plain socket (HTTP/2 framing, flow-control windows, completion-queue
+// hand-offs), and with 2 workers the round is CPU-bound. A bulk connection
+// carries the same request and reply bodies as the gRPC calls, each behind
+// a 32-byte frame; the client reads pulled values straight into the
+// caller's tensors. Control calls (register, heartbeat, init) stay on gRPC,
+// and so does everything when TLS is on (the bulk socket is plaintext).
+//
+// Admission: a Register reply carries a one-time ticket for (worker,
+// incarnation); the connection's first 32 bytes must be it, within a few
+// seconds, or the server closes it. The ticket proves the caller passed
+// Register's authentication. Private to libdeepnex (ps/service_bulk.cc,
+// ps/client.cc).
+#ifndef DEEPNEX_PS_BULK_CHANNEL_H_
+#define DEEPNEX_PS_BULK_CHANNEL_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <sys/types.h>
+
+#include "deepnex/status.h"
+
+namespace deepnex::ps {
+
+// What leads every frame, both ways, in host byte order (the magic tells a
+// peer of the other order, which is refused).
+struct BulkFrame {
+  uint32_t magic = 0;
+  uint32_t kind = 0;    // request: a BulkMethod; reply: a grpc::StatusCode
+  uint64_t id = 0;      // chosen by the client, echoed by the reply
+  uint32_t text = 0;    // reply: bytes of error message after the frame
+  uint32_t prefix = 0;  // reply: bytes of the body before the pulled values
+  uint64_t body = 0;    // bytes after the message: a request or reply body
+};
+static_assert(sizeof(BulkFrame) == 32, "frame layout");
+
+inline constexpr uint32_t kBulkMagic = 0x42584e44;  // "DNXB"
+enum BulkMethod : uint32_t { kBulkPush = 1, kBulkPull = 2, kBulkCancel = 3 };
+
+// One end of a bulk connection: a reader thread that hands each frame to
+// its owner, and a writer thread that sends queued frames in order. Each
+// thread holds the stream until it ends, so the stream outlives them: it
+// goes with the last of them or of its owners' references. Thread-safe.
+class BulkStream : public std::enable_shared_from_this<BulkStream> {
+ public:
+  BulkStream(int fd, std::string peer);
+  ~BulkStream();
+  BulkStream(const BulkStream&) = delete;
+  BulkStream& operator=(const BulkStream&) = delete;
+
+  // `on_frame` runs on the reader thread for each frame and reads all of
+  // the frame's text and body with Read or Skip; an error from it ends the
+  // connection. `on_close` runs once, on the reader thread, after the last
+  // frame (the peer went, an error, or Close). The stream must be held by
+  // a shared_ptr.
+  void Start(std::function<absl::Status(const BulkFrame&)> on_frame,
+             std::function<void(const absl::Status&)> on_close);
+  // Only from on_frame.
+  absl::Status Read(void* dst, uint64_t n);
+  absl::Status Skip(uint64_t n);
+  // Queues `frame` (its text and body sizes are filled in), `text` and
+  // `body`; `sent(true)` runs once they are written, `sent(false)` if the
+  // connection ends first.
+  void Send(BulkFrame frame, std::string text, grpc::ByteBuffer body,
+            std::function<void(bool)> sent = nullptr);
+  // Ends the connection; both threads stop soon after. Idempotent.
+  void Close();
+  // Waits for both threads to end (after Close, or the peer going); on one
+  // of them, for the other only.
+  void Join();
+  const std::string& peer() const { return peer_; }
+
+ private:
+  struct Outgoing {
+    BulkFrame frame;
+    std::string text;
+    grpc::ByteBuffer body;
+    std::function<void(bool)> sent;
+  };
+  void Write();
+  absl::Status WriteOne(Outgoing& out);
+
+  const int fd_;
+  const std::string peer_;
+  // A forked child holds the parent's socket but none of its threads: it
+  // must neither shut the socket down nor join.
+  const pid_t pid_;
+  std::thread reader_;
+  std::thread writer_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Outgoing> queue_;  // guarded by mu_
+  bool closed_ = false;         // guarded by mu_
+};
+
+// The server's listening socket for bulk connections, and the tickets that
+// admit them: one per worker, for its latest incarnation. Thread-safe.
+class BulkListener {
+ public:
+  // Runs on the thread that read the ticket, with the connection not yet
+  // started.
+  using OnConnection =
+      std::function<void(std::shared_ptr<BulkStream>, int worker, uint64_t incarnation)>;
+  // Listens on `host` (the gRPC listen host), port chosen by the OS.
+  static absl::StatusOr<std::unique_ptr<BulkListener>> Start(const std::string& host,
+                                                             OnConnection on_connection);
+  ~BulkListener();
+
+  int port() const { return port_; }
+  // A fresh ticket for `worker` as `incarnation`, replacing its earlier
+  // ticket and closing its earlier connection.
+  std::string Offer(int worker, uint64_t incarnation);
+  // The worker left (as `incarnation`; 0: whichever) or its lease expired:
+  // its ticket is void and its connection closed.
+  void Drop(int worker, uint64_t incarnation);
+
+ private:
+  struct Entry {
+    uint64_t incarnation = 0;
+    std::string ticket;  // empty once used
+    std::weak_ptr<BulkStream> stream;
+  };
+  BulkListener(int listen_fd, int port, OnConnection on_connection);
+  void Accept();
+  // Reads the ticket of connection `fd` and admits it, or closes it.
+  void Admit(int fd, std::string peer);
+
+  const int listen_fd_;
+  const int port_;
+  const OnConnection on_connection_;
+  std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<int, Entry> entries_;  // by worker; guarded by mu_
+  int admitting_ = 0;             // connections whose ticket is awaited
+  bool stopping_ = false;         // guarded by mu_
+};
+
+// The client's end: connects to the server of gRPC address `server` on
+// `port` and shows `ticket`; Unavailable when the server does not admit it.
+absl::StatusOr<std::shared_ptr<BulkStream>> DialBulk(const std::string& server, int port,
+                                                     const std::string& ticket,
+                                                     std::chrono::milliseconds timeout);
+
+}  // namespace deepnex::ps
+
+#endif  // DEEPNEX_PS_BULK_CHANNEL_H_

@@ -1,0 +1,271 @@
+// The parameter server's bulk TCP connections: results equal gRPC's
+// exactly, who is admitted, frames off the wire, and a peer that dies
+// mid-request.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/grpc_util.h"
+#include "deepnex/ps.grpc.pb.h"
+#include "deepnex/ps/client.h"
+#include "deepnex/ps/server.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "ps/bulk_channel.h"
+#include "ps/ps_test_util.h"
+#include "test_matchers.h"
+
+namespace deepnex::ps {
+namespace {
+
+namespace pb = ::deepnex::ps::proto;
+using ::deepnex::test::IsOk;
+using ::testing::HasSubstr;
+
+TEST(PsBulkTest, RoundsOverBulkTcpEqualGrpcExactly) {
+  RunResult bulk = RunRounds(Transport::kTcp, 256 << 20, /*bulk_tcp=*/true);
+  RunResult grpc_only = RunRounds(Transport::kTcp, 256 << 20, /*bulk_tcp=*/false);
+  // Clients that share the server's memory need no bulk connection.
+  RunResult shm = RunRounds(Transport::kShm, 256 << 20, /*bulk_tcp=*/true);
+  EXPECT_EQ(bulk.bulk_connections, 2);
+  EXPECT_GT(bulk.bulk_bytes, 0);
+  EXPECT_EQ(grpc_only.bulk_connections, 0);
+  EXPECT_EQ(grpc_only.bulk_bytes, 0);
+  EXPECT_EQ(shm.bulk_connections, 0);
+  EXPECT_EQ(shm.bulk_bytes, 0);
+  ASSERT_EQ(grpc_only.trace[0].size(), 12u);
+  EXPECT_EQ(bulk.trace, grpc_only.trace);
+  EXPECT_EQ(shm.trace, grpc_only.trace);
+  // Round 1 of "w": j - 0.5 * mean(1, 2) * (j % 5 + 1).
+  EXPECT_EQ(bulk.trace[0][0][7], 7.0f - 0.5f * 1.5f * 3.0f);
+}
+
+// A raw peer of the server's bulk port, as a hostile or broken client.
+class BulkPeer {
+ public:
+  // Connects to 127.0.0.1:port and sends `ticket`.
+  BulkPeer(int port, const std::string& ticket) {
+    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    timeval tv{30, 0};  // a test that waits in vain fails instead of hanging
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0)
+        << std::strerror(errno);
+    Send(ticket.data(), ticket.size());
+  }
+  ~BulkPeer() { close(fd_); }
+
+  // True once the server admitted the ticket; false when it closed instead.
+  bool Admitted() {
+    char byte = 0;
+    return recv(fd_, &byte, 1, MSG_WAITALL) == 1 && byte == 'k';
+  }
+  // True when the server closed the connection (end of file or reset).
+  bool ClosedByServer() {
+    char byte;
+    ssize_t n = recv(fd_, &byte, 1, 0);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
+  }
+  void Send(const void* data, size_t n) {
+    ASSERT_EQ(send(fd_, data, n, MSG_NOSIGNAL), static_cast<ssize_t>(n)) << std::strerror(errno);
+  }
+  void SendFrame(uint32_t kind, uint64_t id, const std::string& body, uint64_t body_size) {
+    BulkFrame frame;
+    frame.magic = kBulkMagic;
+    frame.kind = kind;
+    frame.id = id;
+    frame.body = body_size;
+    Send(&frame, sizeof(frame));
+    if (!body.empty()) Send(body.data(), body.size());
+  }
+  struct Reply {
+    BulkFrame frame;
+    std::string text, body;
+  };
+  Reply Read() {
+    Reply r;
+    EXPECT_EQ(recv(fd_, &r.frame, sizeof(r.frame), MSG_WAITALL),
+              static_cast<ssize_t>(sizeof(r.frame)));
+    EXPECT_EQ(r.frame.magic, kBulkMagic);
+    r.text.resize(r.frame.text);
+    r.body.resize(r.frame.body);
+    if (!r.text.empty()) recv(fd_, r.text.data(), r.text.size(), MSG_WAITALL);
+    if (!r.body.empty()) recv(fd_, r.body.data(), r.body.size(), MSG_WAITALL);
+    return r;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// Registers worker `worker` as `incarnation` with raw gRPC, asking for a
+// bulk connection.
+pb::RegisterReply RegisterForBulk(const std::string& address, int worker, uint64_t incarnation) {
+  auto stub =
+      pb::ParameterServer::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  pb::RegisterRequest req;
+  req.set_worker_id(worker);
+  req.set_incarnation(incarnation);
+  req.set_bulk(true);
+  pb::RegisterReply reply;
+  grpc::ClientContext ctx;
+  EXPECT_TRUE(stub->Register(&ctx, req, &reply).ok());
+  return reply;
+}
+
+std::string Bytes(const grpc::ByteBuffer& buffer) {
+  grpc::Slice whole;
+  EXPECT_TRUE(buffer.DumpToSingleSlice(&whole).ok());
+  return std::string(reinterpret_cast<const char*>(whole.begin()), whole.size());
+}
+
+TEST(PsBulkTest, ATicketAdmitsOneConnectionAndAGuessNone) {
+  auto server = Server::Create(ServerOptions());
+  ASSERT_THAT(server.status(), IsOk());
+  pb::RegisterReply reply = RegisterForBulk((*server)->address(), 0, 5);
+  ASSERT_NE(reply.bulk_port(), 0u);
+  ASSERT_EQ(reply.bulk_ticket().size(), 32u);
+  {
+    BulkPeer guess(reply.bulk_port(), std::string(32, '0'));
+    EXPECT_FALSE(guess.Admitted());
+  }
+  {
+    BulkPeer silent(reply.bulk_port(), "");  // says nothing: closed at its deadline
+    BulkPeer real(reply.bulk_port(), reply.bulk_ticket());
+    EXPECT_TRUE(real.Admitted());  // while the silent one still waits
+    BulkPeer again(reply.bulk_port(), reply.bulk_ticket());
+    EXPECT_FALSE(again.Admitted());  // one use
+    EXPECT_TRUE(silent.ClosedByServer());
+  }
+  // Only admitted connections are counted, and a closed one no longer.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (Metric(**server, "deepnex_ps_bulk_connections") != 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(Metric(**server, "deepnex_ps_bulk_connections"), 0);
+}
+
+TEST(PsBulkTest, BadFramesGetErrorsNamingThemAndTheServerServesOn) {
+  ServerOptions so;
+  so.mode = Mode::kAsync;  // worker 0 here never pushes
+  so.num_workers = 2;
+  so.max_message_bytes = 1 << 20;
+  auto server = Server::Create(so);
+  ASSERT_THAT(server.status(), IsOk());
+  // Worker 1, a real client, makes the tensor.
+  ClientOptions co;
+  co.servers = {(*server)->address()};
+  co.worker_id = 1;
+  co.transport = Transport::kTcp;
+  auto client = Client::Create(co);
+  ASSERT_THAT(client.status(), IsOk());
+  std::vector<float> v = {1.5f, -2.0f, 3.25f, 0.0f};
+  ASSERT_THAT((*client)->Init({View("v", v)}), IsOk());
+
+  pb::RegisterReply reply = RegisterForBulk((*server)->address(), 0, 7);
+  {
+    BulkPeer peer(reply.bulk_port(), reply.bulk_ticket());
+    ASSERT_TRUE(peer.Admitted());
+    // 2^62 bytes announced: refused by size, before anything is allocated.
+    peer.SendFrame(kBulkPush, 1, "", 1ull << 62);
+    BulkPeer::Reply r = peer.Read();
+    EXPECT_EQ(r.frame.id, 1u);
+    EXPECT_EQ(r.frame.kind, static_cast<uint32_t>(grpc::StatusCode::RESOURCE_EXHAUSTED));
+    EXPECT_THAT(r.text, HasSubstr("a request of 4611686018427387904 bytes is over "
+                                  "max_message_bytes (1048576)"));
+  }
+  reply = RegisterForBulk((*server)->address(), 0, 8);  // a fresh ticket
+  BulkPeer peer(reply.bulk_port(), reply.bulk_ticket());
+  ASSERT_TRUE(peer.Admitted());
+  peer.SendFrame(9, 2, "abc", 3);
+  BulkPeer::Reply r = peer.Read();
+  EXPECT_EQ(r.frame.kind, static_cast<uint32_t>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_THAT(r.text, HasSubstr("unknown method 9"));
+
+  peer.SendFrame(kBulkPush, 3, std::string(8, '\xff'), 8);
+  r = peer.Read();
+  EXPECT_EQ(r.frame.id, 3u);
+  EXPECT_EQ(r.frame.kind, static_cast<uint32_t>(grpc::StatusCode::INVALID_ARGUMENT));
+
+  // Worker 0's connection speaks for worker 0 only.
+  pb::PushHeader header;
+  header.set_worker_id(1);
+  header.set_incarnation(8);
+  std::string push = Bytes(EncodeFramed(header, {}));
+  peer.SendFrame(kBulkPush, 4, push, push.size());
+  r = peer.Read();
+  EXPECT_EQ(r.frame.kind, static_cast<uint32_t>(grpc::StatusCode::PERMISSION_DENIED));
+  EXPECT_THAT(r.text, HasSubstr("this bulk connection is worker 0's; the request names worker 1"));
+
+  // Still usable: a pull comes back as the gRPC reply would, exactly.
+  pb::PullRequest pull;
+  pull.set_worker_id(0);
+  pull.set_incarnation(8);
+  pb::Slice* slice = pull.add_slices();
+  slice->set_key("v");
+  slice->set_count(4);
+  slice->set_dtype(static_cast<int>(DType::kFloat32));
+  std::string bytes = pull.SerializeAsString();
+  peer.SendFrame(kBulkPull, 5, bytes, bytes.size());
+  r = peer.Read();
+  EXPECT_EQ(r.frame.id, 5u);
+  ASSERT_EQ(r.frame.kind, 0u) << r.text;
+  ASSERT_EQ(r.body.size(), r.frame.prefix + sizeof(float) * v.size());
+  std::vector<float> got(v.size());
+  std::memcpy(got.data(), r.body.data() + r.frame.prefix, r.body.size() - r.frame.prefix);
+  EXPECT_EQ(got, v);
+
+  // A frame without the magic ends the connection, and nothing else.
+  peer.Send("garbage-garbage-garbage-garbage!", 32);
+  EXPECT_TRUE(peer.ClosedByServer());
+  std::vector<float> g(4, 1.0f), out(4);
+  ASSERT_THAT((*client)->PushPull({View("v", g)}, {View("v", out)}), IsOk());
+  EXPECT_GT(Metric(**server, "deepnex_ps_bulk_bytes_total"), 0);
+}
+
+TEST(PsBulkTest, APeerThatDiesMidRequestLeavesNothingBehind) {
+  ServerOptions so;
+  so.num_workers = 2;
+  auto server = Server::Create(so);
+  ASSERT_THAT(server.status(), IsOk());
+  pb::RegisterReply reply = RegisterForBulk((*server)->address(), 0, 9);
+  {
+    BulkPeer peer(reply.bulk_port(), reply.bulk_ticket());
+    ASSERT_TRUE(peer.Admitted());
+    // Half of a 1 MiB push, then gone.
+    peer.SendFrame(kBulkPush, 1, std::string(512 << 10, '\0'), 1 << 20);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (Metric(**server, "deepnex_ps_bulk_connections") != 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(Metric(**server, "deepnex_ps_bulk_connections"), 0);
+  EXPECT_EQ(Metric(**server, "deepnex_ps_pending_reply_bytes"), 0);
+  // Worker 1 trains on, over its own bulk connection.
+  ClientOptions co;
+  co.servers = {(*server)->address()};
+  co.worker_id = 1;
+  co.transport = Transport::kTcp;
+  auto client = Client::Create(co);
+  ASSERT_THAT(client.status(), IsOk());
+  std::vector<float> v(1000, 2.0f), out(1000);
+  ASSERT_THAT((*client)->Init({View("v", v)}), IsOk());
+  ASSERT_THAT((*client)->Pull({View("v", out)}), IsOk());
+  EXPECT_EQ(out, v);
+  EXPECT_EQ(Metric(**server, "deepnex_ps_bulk_connections"), 1);
+}
+
+}  // namespace
+}  // namespace deepnex::ps
