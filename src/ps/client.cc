@@ -412,7 +412,8 @@ class ClientImpl final : public Client {
       heartbeat_interval_ = std::chrono::milliseconds(reply.heartbeat_interval_ms());
       DEEPNEX_ASSIGN_OR_RETURN(shm[s], AttachShm(transport_, options_.servers[s], reply,
                                                   std::min(options_.timeout, kConnectTimeout)));
-      if (shm[s] == nullptr && reply.bulk_port() != 0) bulk[s] = OpenBulk(s, reply);
+      // With shared memory too: its requests' headers then skip gRPC as well.
+      if (reply.bulk_port() != 0) bulk[s] = OpenBulk(s, reply);
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -684,7 +685,7 @@ class ClientImpl final : public Client {
       return Complete(r, absl::CancelledError(absl::StrCat(
           r->what, closed_ ? ": the client was closed" : ": cancelled")));
     }
-    if (r->bulk_method != 0 && !r->over_tcp) {
+    if (r->bulk_method != 0) {
       if (std::shared_ptr<BulkLink> link = BulkTo(r->server)) return SendBulk(r, link);
     }
     r->ctx = std::make_unique<grpc::ClientContext>();

@@ -89,11 +89,11 @@ struct ServerOptions {
   // pushes and pulls move instead of TCP; it counts against the server's
   // memory as far as the client fills it. 0: TCP only. Default: 1 GiB
   uint64_t max_shm_bytes = 1ull << 30;
-  // Offer each client that does not share memory with the server (another
-  // host, or shm off) a plain TCP connection beside gRPC, on a port the OS
+  // Offer each client a plain TCP connection beside gRPC, on a port the OS
   // picks on the listen host, through which its pushes and pulls move
-  // (about half the CPU of gRPC per byte). Never with TLS. A client that
-  // cannot reach the port stays on gRPC. Default: true
+  // (their values too unless they go through shared memory); it costs
+  // about 0.7x gRPC's CPU per round. Never with TLS. A client that cannot
+  // reach the port stays on gRPC. Default: true
   bool bulk_tcp = true;
   // Bearer token every call must carry, or a token file (see auth.h).
   // Both empty: no auth. A token given alone (token, or a file holding only
