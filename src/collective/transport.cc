@@ -32,11 +32,6 @@ using std::chrono::milliseconds;
 
 namespace {
 
-absl::Status Errno(const std::string& what) {
-  int e = errno;
-  return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(e)));
-}
-
 long Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
   return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
 }
@@ -94,20 +89,20 @@ absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Create(int stripes, uint
   std::random_device rd;
   std::string name = absl::StrCat("/deepnex-coll-", getpid(), "-", rd(), rd());
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-  if (fd < 0) return Errno(absl::StrCat("shm_open ", name));
+  if (fd < 0) return ErrnoUnavailable(absl::StrCat("shm_open ", name));
   size_t ring_stride = sizeof(Ring) + ring_bytes;
   size_t size = kRingsOffset + ring_stride * stripes;
   std::unique_ptr<ShmSegment> seg(new ShmSegment());
   seg->name_ = name;
   seg->owner_ = true;
   if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
-    absl::Status s = Errno(absl::StrCat("ftruncate ", name, " to ", size, " bytes"));
+    absl::Status s = ErrnoUnavailable(absl::StrCat("ftruncate ", name, " to ", size, " bytes"));
     close(fd);
     return s;  // seg's destructor unlinks
   }
   void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
-  if (base == MAP_FAILED) return Errno(absl::StrCat("mmap ", name));
+  if (base == MAP_FAILED) return ErrnoUnavailable(absl::StrCat("mmap ", name));
   seg->base_ = static_cast<char*>(base);
   seg->size_ = size;
   auto* header = reinterpret_cast<SegmentHeader*>(seg->base_);
@@ -129,7 +124,7 @@ absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Create(int stripes, uint
 
 absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Open(const std::string& name) {
   int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
-  if (fd < 0) return Errno(absl::StrCat("shm_open ", name));
+  if (fd < 0) return ErrnoUnavailable(absl::StrCat("shm_open ", name));
   struct stat st;
   if (fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kRingsOffset)) {
     close(fd);
@@ -137,7 +132,7 @@ absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Open(const std::string& 
   }
   void* base = mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
-  if (base == MAP_FAILED) return Errno(absl::StrCat("mmap ", name));
+  if (base == MAP_FAILED) return ErrnoUnavailable(absl::StrCat("mmap ", name));
   std::unique_ptr<ShmSegment> seg(new ShmSegment());
   seg->name_ = name;
   seg->base_ = static_cast<char*>(base);
@@ -228,7 +223,7 @@ absl::StatusOr<size_t> Link::TrySend(const char* data, size_t n) {
   ssize_t w = send(c_.send_fd, data, n, MSG_NOSIGNAL | MSG_DONTWAIT);
   if (w >= 0) return static_cast<size_t>(w);
   if (errno == EAGAIN || errno == EINTR) return 0;
-  return Errno(absl::StrCat("send to ", c_.right_name));
+  return ErrnoUnavailable(absl::StrCat("send to ", c_.right_name));
 }
 
 absl::StatusOr<size_t> Link::TryRecv(char* dst, size_t n) {
@@ -260,7 +255,7 @@ absl::StatusOr<size_t> Link::TryRecv(char* dst, size_t n) {
     return absl::UnavailableError(absl::StrCat(c_.left_name, " closed the connection"));
   }
   if (errno == EAGAIN || errno == EINTR) return got;
-  return Errno(absl::StrCat("receive from ", c_.left_name));
+  return ErrnoUnavailable(absl::StrCat("receive from ", c_.left_name));
 }
 
 absl::StatusOr<std::pair<const char*, size_t>> Link::Peek(size_t min_bytes) {
@@ -292,7 +287,7 @@ absl::StatusOr<std::pair<const char*, size_t>> Link::Peek(size_t min_bytes) {
     } else if (r == 0) {
       return absl::UnavailableError(absl::StrCat(c_.left_name, " closed the connection"));
     } else if (errno != EAGAIN && errno != EINTR) {
-      return Errno(absl::StrCat("receive from ", c_.left_name));
+      return ErrnoUnavailable(absl::StrCat("receive from ", c_.left_name));
     }
   }
   size_t avail = buf_end_ - buf_begin_;
@@ -379,7 +374,7 @@ absl::Status Link::Wait(bool want_send, bool want_recv, SteadyClock::time_point 
       int cap = (shm_send || shm_recv) ? 1 : 200;
       int rc = poll(p, n, MillisUntil(deadline, cap));
       if (rc > 0) return absl::OkStatus();
-      if (rc < 0 && errno != EINTR) return Errno("poll");
+      if (rc < 0 && errno != EINTR) return ErrnoUnavailable("poll");
       if (shm_send || shm_recv) DEEPNEX_RETURN_IF_ERROR(CheckCtlAfterRings(shm_send, shm_recv));
       continue;
     }

@@ -20,12 +20,12 @@ namespace deepnex {
 using std::chrono::duration_cast;
 using std::chrono::milliseconds;
 
-namespace {
-
-absl::Status Errno(const std::string& what) {
+absl::Status ErrnoUnavailable(const std::string& what) {
   int e = errno;
   return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(e)));
 }
+
+namespace {
 
 void TuneSocket(int fd) {
   int one = 1;
@@ -42,9 +42,9 @@ int MillisUntil(SteadyClock::time_point deadline, int cap_ms) {
 absl::StatusOr<int> ListenTcp(const std::string& host, int* port) {
   DEEPNEX_ASSIGN_OR_RETURN(sockaddr_in addr, ResolveIPv4(host, 0));
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return Errno("socket");
+  if (fd < 0) return ErrnoUnavailable("socket");
   if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || listen(fd, 128) != 0) {
-    absl::Status s = Errno(absl::StrCat("listen on ", host));
+    absl::Status s = ErrnoUnavailable(absl::StrCat("listen on ", host));
     close(fd);
     return s;
   }
@@ -61,7 +61,7 @@ absl::StatusOr<int> ConnectTcp(const std::string& host, int port,
     // Non-blocking, so that a peer that drops SYNs (a firewall) costs the
     // deadline, not the kernel's minutes of retransmissions.
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0) return Errno("socket");
+    if (fd < 0) return ErrnoUnavailable("socket");
     int rc = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
     if (rc != 0 && errno == EINPROGRESS) {
       pollfd p{fd, POLLOUT, 0};
@@ -80,7 +80,7 @@ absl::StatusOr<int> ConnectTcp(const std::string& host, int port,
       TuneSocket(fd);
       return fd;
     }
-    absl::Status s = Errno(absl::StrCat("connect to ", host, ":", port));
+    absl::Status s = ErrnoUnavailable(absl::StrCat("connect to ", host, ":", port));
     close(fd);
     if (SteadyClock::now() + milliseconds(20) >= deadline) return s;
     std::this_thread::sleep_for(milliseconds(20));
@@ -98,9 +98,9 @@ absl::StatusOr<int> AcceptTcp(int listen_fd, SteadyClock::time_point deadline) {
         TuneSocket(fd);
         return fd;
       }
-      if (errno != EAGAIN && errno != EINTR) return Errno("accept");
+      if (errno != EAGAIN && errno != EINTR) return ErrnoUnavailable("accept");
     } else if (rc < 0 && errno != EINTR) {
-      return Errno("poll");
+      return ErrnoUnavailable("poll");
     }
     if (SteadyClock::now() >= deadline) {
       return absl::DeadlineExceededError("no connection arrived");
@@ -118,7 +118,7 @@ absl::Status WriteFully(int fd, const void* data, size_t n, SteadyClock::time_po
       n -= w;
       continue;
     }
-    if (w < 0 && errno != EAGAIN && errno != EINTR) return Errno(absl::StrCat("send to ", peer));
+    if (w < 0 && errno != EAGAIN && errno != EINTR) return ErrnoUnavailable(absl::StrCat("send to ", peer));
     pollfd pf{fd, POLLOUT, 0};
     if (SteadyClock::now() >= deadline) {
       return absl::DeadlineExceededError(absl::StrCat("send to ", peer, " timed out"));
@@ -139,7 +139,7 @@ absl::Status ReadFully(int fd, void* data, size_t n, SteadyClock::time_point dea
       continue;
     }
     if (r == 0) return absl::UnavailableError(absl::StrCat(peer, " closed the connection"));
-    if (errno != EAGAIN && errno != EINTR) return Errno(absl::StrCat("receive from ", peer));
+    if (errno != EAGAIN && errno != EINTR) return ErrnoUnavailable(absl::StrCat("receive from ", peer));
     if (SteadyClock::now() >= deadline) {
       return absl::DeadlineExceededError(absl::StrCat("receive from ", peer, " timed out"));
     }

@@ -28,6 +28,8 @@ absl::Status WriteFully(int fd, const void* data, size_t n, SteadyClock::time_po
 absl::Status ReadFully(int fd, void* data, size_t n, SteadyClock::time_point deadline,
                        const std::string& peer);
 void SetNonBlocking(int fd);
+// Unavailable "<what>: <strerror(errno)>", for a failed system call.
+absl::Status ErrnoUnavailable(const std::string& what);
 // Milliseconds from now to `deadline` for poll(), within 0..cap_ms.
 int MillisUntil(SteadyClock::time_point deadline, int cap_ms);
 

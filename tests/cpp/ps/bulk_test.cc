@@ -125,6 +125,17 @@ pb::RegisterReply RegisterForBulk(const std::string& address, int worker, uint64
   return reply;
 }
 
+// The server's open bulk connections once they are `want`, or after 30 s.
+double AwaitConnections(const Server& server, double want) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  double now = Metric(server, "deepnex_ps_bulk_connections");
+  while (now != want && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    now = Metric(server, "deepnex_ps_bulk_connections");
+  }
+  return now;
+}
+
 std::string Bytes(const grpc::ByteBuffer& buffer) {
   grpc::Slice whole;
   EXPECT_TRUE(buffer.DumpToSingleSlice(&whole).ok());
@@ -150,12 +161,7 @@ TEST(PsBulkTest, ATicketAdmitsOneConnectionAndAGuessNone) {
     EXPECT_TRUE(silent.ClosedByServer());
   }
   // Only admitted connections are counted, and a closed one no longer.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (Metric(**server, "deepnex_ps_bulk_connections") != 0 &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_EQ(Metric(**server, "deepnex_ps_bulk_connections"), 0);
+  EXPECT_EQ(AwaitConnections(**server, 0), 0);
 }
 
 TEST(PsBulkTest, BadFramesGetErrorsNamingThemAndTheServerServesOn) {
@@ -248,12 +254,7 @@ TEST(PsBulkTest, APeerThatDiesMidRequestLeavesNothingBehind) {
     // Half of a 1 MiB push, then gone.
     peer.SendFrame(kBulkPush, 1, std::string(512 << 10, '\0'), 1 << 20);
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (Metric(**server, "deepnex_ps_bulk_connections") != 0 &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_EQ(Metric(**server, "deepnex_ps_bulk_connections"), 0);
+  EXPECT_EQ(AwaitConnections(**server, 0), 0);
   EXPECT_EQ(Metric(**server, "deepnex_ps_pending_reply_bytes"), 0);
   // Worker 1 trains on, over its own bulk connection.
   ClientOptions co;
