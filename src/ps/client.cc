@@ -373,7 +373,13 @@ class ClientImpl final : public Client {
     std::mutex mu;
     std::unordered_map<uint64_t, std::shared_ptr<BulkCall>> pending;  // guarded by mu
     uint64_t next_id = 0;                                            // guarded by mu
+    bool sweep_armed = false;                                        // guarded by mu
   };
+
+  // How often a link with requests in flight looks for passed deadlines:
+  // one timer per link, not one per request (a timer entry held until its
+  // request's deadline would pile up at thousands of small rounds a second).
+  static constexpr std::chrono::milliseconds kBulkSweep{50};
 
   absl::Status CheckOpen() const {
     if (closed_) return absl::FailedPreconditionError("the client is closed");
@@ -463,6 +469,7 @@ class ClientImpl final : public Client {
       std::lock_guard<std::mutex> lock(link->mu);
       id = ++link->next_id;
       link->pending[id] = c;
+      ArmSweep(link);
     }
     r->ctx.reset();
     r->response.Clear();
@@ -470,25 +477,41 @@ class ClientImpl final : public Client {
     // Off the canceller's thread, which holds r->mu.
     r->cancel_bulk = [this, weak, id] {
       timer_.After(std::chrono::milliseconds(0), [this, weak, id] {
-        std::shared_ptr<BulkLink> link = weak.lock();
-        if (link == nullptr) return;
-        BulkFrame frame;
-        frame.kind = kBulkCancel;
-        frame.id = id;
-        link->stream->Send(frame, "", grpc::ByteBuffer());
-        EndBulk(*link, id, grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+        if (std::shared_ptr<BulkLink> link = weak.lock()) {
+          EndBulk(*link, id, grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+        }
       });
     };
     BulkFrame frame;
     frame.kind = r->bulk_method;
     frame.id = id;
     link->stream->Send(frame, "", r->request, [this, c](bool) { Settle(c); });
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(r->deadline - Clock::now());
-    timer_.After(std::max(left, std::chrono::milliseconds(0)), [this, weak, id] {
-      if (std::shared_ptr<BulkLink> link = weak.lock()) {
-        EndBulk(*link, id, grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "Deadline Exceeded"));
-      }
+  }
+
+  // REQUIRES: link->mu held.
+  void ArmSweep(const std::shared_ptr<BulkLink>& link) {
+    if (link->sweep_armed) return;
+    link->sweep_armed = true;
+    timer_.After(kBulkSweep, [this, weak = std::weak_ptr<BulkLink>(link)] {
+      if (std::shared_ptr<BulkLink> link = weak.lock()) Sweep(link);
     });
+  }
+
+  // Ends the link's requests whose deadline has passed.
+  void Sweep(const std::shared_ptr<BulkLink>& link) {
+    std::vector<uint64_t> expired;
+    {
+      std::lock_guard<std::mutex> lock(link->mu);
+      link->sweep_armed = false;
+      const Clock::time_point now = Clock::now();
+      for (const auto& [id, c] : link->pending) {
+        if (c->r->deadline <= now) expired.push_back(id);
+      }
+      if (link->pending.size() > expired.size()) ArmSweep(link);
+    }
+    for (uint64_t id : expired) {
+      EndBulk(*link, id, grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "Deadline Exceeded"));
+    }
   }
 
   std::shared_ptr<BulkCall> TakeBulk(BulkLink& link, uint64_t id) {
@@ -500,13 +523,21 @@ class ClientImpl final : public Client {
     return c;
   }
 
-  // Request `id` ends without a reply (deadline, cancel). One whose bytes
-  // are still queued or going out closes the connection, so that the
-  // writer lets go of the caller's tensors now.
+  // Request `id` ends without a reply (deadline, cancel): the server is
+  // told to drop it, as gRPC tells it of a cancelled call. One whose bytes
+  // are still queued or going out closes the connection instead, so that
+  // the writer lets go of the caller's tensors now.
   void EndBulk(BulkLink& link, uint64_t id, const grpc::Status& status) {
     std::shared_ptr<BulkCall> c = TakeBulk(link, id);
     if (c == nullptr) return;
-    if (c->left.load() == 2) link.stream->Close();
+    if (c->left.load() == 2) {
+      link.stream->Close();
+    } else {
+      BulkFrame frame;
+      frame.kind = kBulkCancel;
+      frame.id = id;
+      link.stream->Send(frame, "", grpc::ByteBuffer());
+    }
     c->outcome = status;
     Settle(c);
   }

@@ -270,5 +270,35 @@ TEST(PsBulkTest, APeerThatDiesMidRequestLeavesNothingBehind) {
   EXPECT_EQ(Metric(**server, "deepnex_ps_bulk_connections"), 1);
 }
 
+TEST(PsBulkTest, ACallPastItsDeadlineFailsInTimeAndTheServerDropsIt) {
+  ServerOptions so;
+  so.num_workers = 2;  // worker 1 never comes: the round never completes
+  so.lease_timeout = std::chrono::seconds(60);
+  auto server = Server::Create(so);
+  ASSERT_THAT(server.status(), IsOk());
+  ClientOptions co;
+  co.servers = {(*server)->address()};
+  co.transport = Transport::kTcp;
+  co.timeout = std::chrono::milliseconds(500);
+  auto client = Client::Create(co);
+  ASSERT_THAT(client.status(), IsOk());
+  std::vector<float> v(1000, 1.0f), out(1000);
+  ASSERT_THAT((*client)->Init({View("v", v)}), IsOk());
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status s = (*client)->PushPull({View("v", v)}, {View("v", out)});
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_THAT(s, ::deepnex::test::StatusIs(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_THAT(std::string(s.message()), HasSubstr((*server)->address()));
+  EXPECT_LT(took, std::chrono::milliseconds(500 + 2000));
+  EXPECT_EQ(Metric(**server, "deepnex_ps_bulk_connections"), 1);
+  // The server hears of it and lets the waiting reply go.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (Metric(**server, "deepnex_ps_pending_reply_bytes") != 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(Metric(**server, "deepnex_ps_pending_reply_bytes"), 0);
+}
+
 }  // namespace
 }  // namespace deepnex::ps
