@@ -184,6 +184,9 @@ class ContainersService final : public pb::Containers::CallbackService,
       DEEPNEX_ASSIGN_OR_RETURN(auto e, Find(*ctx, req->user(), req->name()));
       auto grace = std::chrono::milliseconds(std::max<int64_t>(0, req->grace_ms()));
       DEEPNEX_RETURN_IF_ERROR(e->handle->Stop(grace));
+      // An agent's container has ended once its node reports so, which may
+      // come after the stop command's reply; the reply says how it ended.
+      e->handle->Wait(grace + std::chrono::seconds(10)).IgnoreError();
       // The reply shows the allocation as the watcher leaves it.
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return e->watched; });
