@@ -402,6 +402,32 @@ class ClientImpl final : public Client {
     uint64_t incarnation = NewIncarnation();
     std::vector<std::shared_ptr<ShmRegions>> shm(servers_.size());
     std::vector<std::shared_ptr<BulkLink>> bulk(servers_.size());
+    absl::Status status = RegisterWith(incarnation, &shm, &bulk);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (status.ok()) {
+        shm_ = std::move(shm);
+        std::swap(bulk_, bulk);
+        incarnation_ = incarnation;
+        for (auto& [key, k] : keys_) k.seq = 0;  // seqs count per incarnation
+        stale_ = false;
+      }
+      for (const auto& link : bulk) {
+        if (link) retired_.push_back(link);
+      }
+    }
+    // The earlier incarnation's connections (or, after a failure, the new
+    // ones): their requests go again, and Close() waits for their threads,
+    // which call back into this client.
+    for (const auto& link : bulk) {
+      if (link) link->stream->Close();
+    }
+    return status;
+  }
+
+  // Register with each server as `incarnation`, attaching what each offers.
+  absl::Status RegisterWith(uint64_t incarnation, std::vector<std::shared_ptr<ShmRegions>>* shm,
+                            std::vector<std::shared_ptr<BulkLink>>* bulk) {
     for (size_t s = 0; s < servers_.size(); ++s) {
       pb::RegisterRequest req;
       req.set_worker_id(options_.worker_id);
@@ -416,26 +442,10 @@ class ClientImpl final : public Client {
       DEEPNEX_RETURN_IF_ERROR(
           Unary(s, "register", req, &reply, &pb::ParameterServer::Stub::Register));
       heartbeat_interval_ = std::chrono::milliseconds(reply.heartbeat_interval_ms());
-      DEEPNEX_ASSIGN_OR_RETURN(shm[s], AttachShm(transport_, options_.servers[s], reply,
-                                                  std::min(options_.timeout, kConnectTimeout)));
+      DEEPNEX_ASSIGN_OR_RETURN((*shm)[s], AttachShm(transport_, options_.servers[s], reply,
+                                                     std::min(options_.timeout, kConnectTimeout)));
       // With shared memory too: its requests' headers then skip gRPC as well.
-      if (reply.bulk_port() != 0) bulk[s] = OpenBulk(s, reply);
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      shm_ = std::move(shm);
-      std::swap(bulk_, bulk);
-      for (const auto& link : bulk) {
-        if (link) retired_.push_back(link);
-      }
-      incarnation_ = incarnation;
-      for (auto& [key, k] : keys_) k.seq = 0;  // seqs count per incarnation
-      stale_ = false;
-    }
-    // The earlier incarnation's connections: their requests go again, and
-    // Close() waits for their threads, which call back into this client.
-    for (const auto& link : bulk) {
-      if (link) link->stream->Close();
+      if (reply.bulk_port() != 0) (*bulk)[s] = OpenBulk(s, reply);
     }
     return absl::OkStatus();
   }
