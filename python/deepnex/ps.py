@@ -165,7 +165,9 @@ class Server:
     ``staleness`` rounds ahead of the slowest) or "async" (each push applied
     at once). ``reject_nonfinite``: refuse gradients holding NaN/Inf.
     ``token`` or ``token_file``: bearer-token auth. ``tls_cert_file`` /
-    ``tls_key_file``: serve TLS.
+    ``tls_key_file``: serve TLS. ``bulk_tcp``: offer clients a plain TCP
+    connection beside gRPC for pushes and pulls (never with TLS); False
+    keeps every call on gRPC.
 
     Membership: workers hold leases renewed by their clients' heartbeats
     (every ``heartbeat_interval`` seconds; 0: a quarter of the lease);
@@ -205,7 +207,7 @@ class Server:
                  name=_SERVER.name, checkpoint_dir=None,
                  checkpoint_every_rounds=_SERVER.checkpoint_every_rounds,
                  checkpoint_interval=_SERVER.checkpoint_interval, restore=None,
-                 metrics_address=None, advertise=None,
+                 metrics_address=None, advertise=None, bulk_tcp=_SERVER.bulk_tcp,
                  _drop_push_replies=_SERVER.drop_push_replies_for_testing):
         self._server = _C.ps.Server(options(
             _C.ps.ServerOptions, address=address, advertise=advertise or "", mode=mode,
@@ -229,7 +231,7 @@ class Server:
             checkpoint_every_rounds=checkpoint_every_rounds,
             checkpoint_interval=float(checkpoint_interval),
             restore_dir=str(restore or ""), metrics_address=metrics_address or "",
-            drop_push_replies_for_testing=_drop_push_replies))
+            bulk_tcp=bool(bulk_tcp), drop_push_replies_for_testing=_drop_push_replies))
 
     @property
     def address(self):

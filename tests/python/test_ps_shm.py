@@ -163,6 +163,30 @@ def test_transport_keyword_chooses_tcp_or_shared_memory(monkeypatch):
         server.wait()
 
 
+def metric(server, name):
+    for line in server.metrics_text().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not in the metrics")
+
+
+@pytest.mark.parametrize("bulk_tcp", [True, False])
+def test_tcp_clients_move_values_on_the_bulk_connection_unless_it_is_off(bulk_tcp):
+    server = ps.Server("127.0.0.1:0", mode="async", num_workers=1, optimizer=ps.SGD(lr=0.5),
+                       bulk_tcp=bulk_tcp)
+    try:
+        with ps.Client([server.address], worker_id=0, transport="tcp") as c:
+            c.init({"v": np.zeros(N, np.float32)})
+            out = c.push_pull({"v": np.full(N, 2.0, np.float32)})["v"]
+            # 4 MiB: several requests, each reply read straight into `out`.
+            np.testing.assert_array_equal(out, np.full(N, -1.0, np.float32))
+            assert metric(server, "deepnex_ps_bulk_connections") == (1 if bulk_tcp else 0)
+            moved = metric(server, "deepnex_ps_bulk_bytes_total")
+            assert (moved >= 2 * 4 * N) if bulk_tcp else (moved == 0), moved
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"transport": "carrier-pigeon"},
      'transport "carrier-pigeon": must be auto, tcp or shm'),
