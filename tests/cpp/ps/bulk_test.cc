@@ -125,6 +125,18 @@ pb::RegisterReply RegisterForBulk(const std::string& address, int worker, uint64
   return reply;
 }
 
+// A client of `server` as `worker` over TCP (so, its bulk connection).
+absl::StatusOr<std::unique_ptr<Client>> TcpClient(
+    const Server& server, int worker,
+    std::chrono::milliseconds timeout = ClientOptions().timeout) {
+  ClientOptions co;
+  co.servers = {server.address()};
+  co.worker_id = worker;
+  co.transport = Transport::kTcp;
+  co.timeout = timeout;
+  return Client::Create(co);
+}
+
 // The server's open bulk connections once they are `want`, or after 30 s.
 double AwaitConnections(const Server& server, double want) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
@@ -172,11 +184,7 @@ TEST(PsBulkTest, BadFramesGetErrorsNamingThemAndTheServerServesOn) {
   auto server = Server::Create(so);
   ASSERT_THAT(server.status(), IsOk());
   // Worker 1, a real client, makes the tensor.
-  ClientOptions co;
-  co.servers = {(*server)->address()};
-  co.worker_id = 1;
-  co.transport = Transport::kTcp;
-  auto client = Client::Create(co);
+  auto client = TcpClient(**server, 1);
   ASSERT_THAT(client.status(), IsOk());
   std::vector<float> v = {1.5f, -2.0f, 3.25f, 0.0f};
   ASSERT_THAT((*client)->Init({View("v", v)}), IsOk());
@@ -257,11 +265,7 @@ TEST(PsBulkTest, APeerThatDiesMidRequestLeavesNothingBehind) {
   EXPECT_EQ(AwaitConnections(**server, 0), 0);
   EXPECT_EQ(Metric(**server, "deepnex_ps_pending_reply_bytes"), 0);
   // Worker 1 trains on, over its own bulk connection.
-  ClientOptions co;
-  co.servers = {(*server)->address()};
-  co.worker_id = 1;
-  co.transport = Transport::kTcp;
-  auto client = Client::Create(co);
+  auto client = TcpClient(**server, 1);
   ASSERT_THAT(client.status(), IsOk());
   std::vector<float> v(1000, 2.0f), out(1000);
   ASSERT_THAT((*client)->Init({View("v", v)}), IsOk());
@@ -276,11 +280,7 @@ TEST(PsBulkTest, ACallPastItsDeadlineFailsInTimeAndTheServerDropsIt) {
   so.lease_timeout = std::chrono::seconds(60);
   auto server = Server::Create(so);
   ASSERT_THAT(server.status(), IsOk());
-  ClientOptions co;
-  co.servers = {(*server)->address()};
-  co.transport = Transport::kTcp;
-  co.timeout = std::chrono::milliseconds(500);
-  auto client = Client::Create(co);
+  auto client = TcpClient(**server, 0, std::chrono::milliseconds(500));
   ASSERT_THAT(client.status(), IsOk());
   std::vector<float> v(1000, 1.0f), out(1000);
   ASSERT_THAT((*client)->Init({View("v", v)}), IsOk());
