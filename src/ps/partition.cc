@@ -436,7 +436,12 @@ class TypedPartition final : public Partition {
       double latency = std::chrono::duration<double>(
                            std::chrono::steady_clock::now() - r.opened)
                            .count();
-      done->push_back([obs = config_.observer, latency] { obs->RoundCompleted(latency); });
+      // Counted before anything this call completes runs: the push that
+      // closed the round may have its reply (with the values) sent by an
+      // earlier completion, and a caller who then reads the metrics must
+      // find the round there.
+      done->insert(done->begin(),
+                   [obs = config_.observer, latency] { obs->RoundCompleted(latency); });
     }
     spare_round_ = std::move(r);
     MaybeSnapshot(done);
