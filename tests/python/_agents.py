@@ -130,7 +130,9 @@ def start_central(tmp_path, listen="127.0.0.1:0", on=None, flags=(), node_timeou
 
 class Agents:
     """The agents a test starts (Daemons, on 127.0.0.1 or `on` a simulated
-    host); each killed by close()."""
+    host); each stopped by close() as an admin would (SIGTERM): an agent
+    stops its containers and deletes what their runs held (an oci run's
+    mounted writable layer), which a SIGKILL would leave behind."""
 
     def __init__(self, tmp_path, central):
         self.tmp_path, self.central, self.daemons = tmp_path, central, []
@@ -150,8 +152,11 @@ class Agents:
         return daemon.wait_line(f"deepnex-agent: node {node} registered with {self.central}")
 
     def close(self):
+        for d in self.daemons:  # all at once: each waits out its containers' grace
+            if d.proc.poll() is None:
+                d.proc.terminate()
         for d in self.daemons:
-            d.kill()
+            d.stop()
 
 
 def _cli_env(central, token):
