@@ -167,11 +167,15 @@ class Adopted final : public AdoptedBase {
   absl::Status Stop(std::chrono::milliseconds grace) override {
     // An ended one's pid may be another process's by now.
     if (Ended()) return absl::OkStatus();
+    bool first;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      first = !stopped_;
       stopped_ = true;
     }
-    reach_.signal(SIGTERM);
+    // The TERM goes once (as the launcher's backends send it); a later Stop
+    // with a shorter grace kills sooner.
+    if (first) reach_.signal(SIGTERM);
     if (Wait(grace).ok()) return absl::OkStatus();
     reach_.signal(SIGKILL);
     return Wait(std::chrono::seconds(10)).status();

@@ -4,6 +4,8 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -93,19 +95,33 @@ class DockerRun : public Run {
   }
 
   absl::Status Stop(std::chrono::milliseconds grace) override {
+    const auto kill_at = std::chrono::steady_clock::now() + grace;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (result_.has_value() || stopping_) return absl::OkStatus();
+      if (result_.has_value()) return absl::OkStatus();
+      if (stopping_) {
+        // The TERM went once (as kubelet's does); a later Stop only brings
+        // the KILL forward.
+        kill_at_ = std::min(kill_at_, kill_at);
+        cv_.notify_all();
+        return absl::OkStatus();
+      }
       stopping_ = true;
+      kill_at_ = kill_at;
     }
     absl::Status term = Kill("TERM");
     // The Docker API's own stop takes whole seconds and blocks; a thread
     // keeps both the grace exact and Stop prompt.
-    killer_ = std::thread([this, grace] {
+    killer_ = std::thread([this] {
       std::unique_lock<std::mutex> lock(mu_);
-      if (cv_.wait_for(lock, grace, [this] { return result_.has_value() || destroying_; })) return;
-      lock.unlock();
-      Kill("KILL").IgnoreError();
+      while (!result_.has_value() && !destroying_) {
+        if (std::chrono::steady_clock::now() >= kill_at_) {
+          lock.unlock();
+          Kill("KILL").IgnoreError();
+          return;
+        }
+        cv_.wait_until(lock, kill_at_);
+      }
     });
     return term;
   }
@@ -208,6 +224,7 @@ class DockerRun : public Run {
   std::condition_variable cv_;
   std::optional<absl::StatusOr<ExitStatus>> result_;
   bool stopping_ = false;
+  std::chrono::steady_clock::time_point kill_at_;  // of the KILL, once stopping_
   bool destroying_ = false;
   uint64_t peak_ = 0;
   std::thread killer_;

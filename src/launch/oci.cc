@@ -21,6 +21,7 @@
 #include <cstring>
 #include <filesystem>
 #include <algorithm>
+#include <chrono>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -171,7 +172,15 @@ class OciRun : public Run {
 
   absl::Status Stop(std::chrono::milliseconds grace) override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (ended_ || killer_.joinable()) return absl::OkStatus();
+    if (ended_) return absl::OkStatus();
+    const auto kill_at = std::chrono::steady_clock::now() + grace;
+    if (killer_.joinable()) {
+      // Stopping already: the TERM went once (as kubelet's does); a later
+      // Stop only brings the SIGKILL forward.
+      kill_at_ = std::min(kill_at_, kill_at);
+      return absl::OkStatus();
+    }
+    kill_at_ = kill_at;
     // The init passes the TERM on to the command; when that ends, the
     // kernel kills what is left in the container's PID namespace. Without
     // an init, --all: the command is PID 1 and ignores a TERM it has no
@@ -179,10 +188,22 @@ class OciRun : public Run {
     std::vector<std::string> kill = {"kill", id_, "TERM"};
     if (!init_) kill.insert(kill.begin() + 1, "--all");
     runc_.Call(kill).IgnoreError();
-    killer_ = std::thread([this, grace] {
-      struct pollfd p = {pidfd_.get(), POLLIN, 0};
-      if (poll(&p, 1, static_cast<int>(grace.count())) == 0) {
-        KillContainer(runc_, id_, cgroup_path_);
+    // Wakes at least every 100 ms for a later Stop's earlier deadline.
+    killer_ = std::thread([this] {
+      for (;;) {
+        std::chrono::steady_clock::time_point at;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          at = kill_at_;
+        }
+        const int64_t left = std::chrono::ceil<std::chrono::milliseconds>(
+                                 at - std::chrono::steady_clock::now()).count();
+        if (left <= 0) {
+          KillContainer(runc_, id_, cgroup_path_);
+          return;
+        }
+        struct pollfd p = {pidfd_.get(), POLLIN, 0};
+        if (poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 100))) > 0) return;
       }
     });
     return absl::OkStatus();
@@ -312,7 +333,8 @@ class OciRun : public Run {
   ExitStatus exit_;
   std::string lost_;
   launch::Usage final_usage_;
-  std::thread killer_;  // Stop's SIGKILL after the grace
+  std::chrono::steady_clock::time_point kill_at_;  // of the SIGKILL, once stopping
+  std::thread killer_;  // Stop's SIGKILL at kill_at_
 };
 
 // ---------------------------------------------------------------------------

@@ -121,12 +121,16 @@ class ProcessRun : public Run {
   absl::Status Stop(std::chrono::milliseconds grace) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (exit_) return absl::OkStatus();
-    stopped_ = true;
     if (grace.count() <= 0) {
+      stopped_ = true;
       KillTreeLocked(SIGKILL);
       return absl::OkStatus();
     }
-    KillTreeLocked(SIGTERM);
+    // The TERM goes once, as kubelet's does: a later Stop (an admin's after
+    // the user's, central's reaper again) only brings the SIGKILL forward. A
+    // second TERM would tell many programs to quit without cleaning up.
+    if (!stopped_) KillTreeLocked(SIGTERM);
+    stopped_ = true;
     auto at = Clock::now() + grace;
     if (!kill_at_ || at < *kill_at_) kill_at_ = at;
     return absl::OkStatus();
@@ -223,7 +227,11 @@ class ProcessRun : public Run {
     if (signal == SIGKILL) {
       cgroup_->KillAll().IgnoreError();
     } else {
-      for (pid_t p : cgroup_->Processes()) kill(p, signal);
+      // Those that left the group only: one signal each, as a second TERM
+      // would tell many programs to quit without cleaning up.
+      for (pid_t p : cgroup_->Processes()) {
+        if (getpgid(p) != pid_) kill(p, signal);
+      }
     }
   }
 

@@ -8,7 +8,6 @@ NVML is a fake here: a libnvidia-ml.so.1 built from FAKE_NVML into the
 test's directory and found by the agent through LD_LIBRARY_PATH, so that
 the figures it reports are known exactly."""
 
-import os
 import re
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ import pytest
 
 from _agents import AGENT_BIN, Agents, Daemon, cli, client, start_central, status
 from _central import USER_IDS
+import _prometheus as prometheus
 from _wait import wait_for
 
 GiB = 1 << 30
@@ -78,22 +78,9 @@ def start_nvml_agent(tmp_path, central, monkeypatch):
 
 
 def scrape(url):
-    """{(name, ((label, value), ...)): value} of a Prometheus text page."""
+    """parse's samples of the Prometheus page at `url`."""
     with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = re.fullmatch(r'(\w+)(?:\{(.*)\})? (\S+)', line)
-        assert m, line
-        labels = tuple(re.findall(r'(\w+)="([^"]*)"', m[2] or ""))
-        out[(m[1], labels)] = float(m[3])
-    return out
-
-
-def series(metrics, name):
-    return {labels: v for (n, labels), v in metrics.items() if n == name}
+        return prometheus.parse(r.read().decode())[0]
 
 
 @pytest.fixture
@@ -147,21 +134,21 @@ def test_agents_report_gpu_node_and_container_usage(cluster):
 
     # Central's metrics endpoint: per node, per GPU where known, per container.
     m = scrape(url)
-    assert series(m, "deepnex_node_ready") == {(("node", "h1"),): 1, (("node", "h2"),): 1}
+    assert prometheus.series(m, "deepnex_node_ready") == {(("node", "h1"),): 1, (("node", "h2"),): 1}
     for name in ("deepnex_node_cpus_busy", "deepnex_node_memory_in_use_bytes",
                  "deepnex_node_heartbeat_age_seconds"):
-        assert set(series(m, name)) == {(("node", "h1"),), (("node", "h2"),)}, name
-    assert all(v > 0 for v in series(m, "deepnex_node_memory_in_use_bytes").values())
-    assert all(0 <= v < 5 for v in series(m, "deepnex_node_heartbeat_age_seconds").values())
-    assert series(m, "deepnex_gpu_memory_in_use_bytes") == {
+        assert set(prometheus.series(m, name)) == {(("node", "h1"),), (("node", "h2"),)}, name
+    assert all(v > 0 for v in prometheus.series(m, "deepnex_node_memory_in_use_bytes").values())
+    assert all(0 <= v < 5 for v in prometheus.series(m, "deepnex_node_heartbeat_age_seconds").values())
+    assert prometheus.series(m, "deepnex_gpu_memory_in_use_bytes") == {
         (("gpu", "0"), ("node", "h1")): 3 * GiB, (("gpu", "1"), ("node", "h1")): 0}
-    assert series(m, "deepnex_gpu_utilization_percent") == {
+    assert prometheus.series(m, "deepnex_gpu_utilization_percent") == {
         (("gpu", "0"), ("node", "h1")): 42, (("gpu", "1"), ("node", "h1")): 0}
     containers = {(("container", "alice.w0"), ("node", "h1"), ("user", "alice")),
                   (("container", "bob.b0"), ("node", "h2"), ("user", "bob"))}
-    assert set(series(m, "deepnex_container_cpu_seconds")) == containers
-    assert set(series(m, "deepnex_container_memory_bytes")) == containers
-    assert all(v >= 0 for v in series(m, "deepnex_container_cpu_seconds").values())
+    assert set(prometheus.series(m, "deepnex_container_cpu_seconds")) == containers
+    assert set(prometheus.series(m, "deepnex_container_memory_bytes")) == containers
+    assert all(v >= 0 for v in prometheus.series(m, "deepnex_container_cpu_seconds").values())
 
 
 def test_ps_all_lists_every_users_containers_for_admins_only(cluster):
@@ -221,9 +208,12 @@ def _cordon_uncordon_drain(address):
     assert status(address) == {"h1": "Ready", "h2": "Ready"}
 
     # Two containers on h1: w0 ignores SIGTERM (it says it got it), w1 does not.
-    # (Its sleeps ignore SIGTERM, so that they outlive the signal to the group.)
-    stubborn = ("trap 'echo got TERM' TERM; echo up; "
-                "while :; do sh -c 'trap \"\" TERM; sleep 0.1'; done")
+    # w0's sleeps run in a subshell that ignores SIGTERM from before it says
+    # "up", so none dies of the signal to the group (the shell would print
+    # "Terminated"); the shell's trap runs as its `wait` is interrupted.
+    stubborn = ("trap 'echo got TERM' TERM; "
+                "(trap '' TERM; echo up; while :; do sleep 0.1; done) & "
+                "while :; do wait; done")
     for name, command in (("w0", stubborn), ("w1", "echo up; exec sleep 120")):
         a = alice.allocate(on_h1)
         out = cli(address, "launch", "--alloc", a.id, "--name", name, "--", "sh", "-c", command,

@@ -102,6 +102,9 @@ inline BackendFixture FixtureFor(const std::string& backend) {
     char host[256] = {0};
     gethostname(host, sizeof(host) - 1);
     f.node = std::string(host).substr(0, std::string(host).find('.'));
+    f.unsupported["ASecondStopSendsNoSecondTermAndMayKillSooner"] =
+        "Stop is scancel: Slurm signals the job itself, after its own KillWait rather than "
+        "the caller's grace, and a second scancel of a cancelled job does nothing";
     f.unsupported["PastMemoryLimitIsOomKilled"] =
         "the test cluster does not enforce --mem (TaskPlugin=task/none, no memory cgroup), "
         "so nothing is OOM-killed";

@@ -154,6 +154,30 @@ TEST_P(LaunchContract, StopEndsItSignaled) {
   EXPECT_THAT(h->Stop(500ms), IsOk());  // idempotent
 }
 
+// An admin's stop after the user's, or central's reaper asking again: the
+// container gets one TERM, as from kubelet, and the later, shorter grace
+// brings the SIGKILL forward.
+TEST_P(LaunchContract, ASecondStopSendsNoSecondTermAndMayKillSooner) {
+  // The sleeps run in a subshell that ignores TERM, so that only the shell
+  // sees it: its trap runs as the signal interrupts its wait.
+  auto h = StartOk(Spec("stubborn", "trap 'echo TERM' TERM; "
+                                    "(trap '' TERM; echo up; while :; do sleep 0.1; done) & "
+                                    "while :; do wait; done"));
+  ASSERT_NE(h, nullptr);
+  auto logs = [&] { return h->Logs().value_or(""); };
+  ASSERT_TRUE(WaitFor([&] { return logs() == "up\n"; }, kWait, "up"));
+  const auto begin = std::chrono::steady_clock::now();
+  std::thread first([&] { EXPECT_THAT(h->Stop(60s), IsOk()); });
+  EXPECT_TRUE(WaitFor([&] { return logs() == "up\nTERM\n"; }, kWait, "the first TERM"))
+      << logs();
+  EXPECT_THAT(h->Stop(500ms), IsOk());
+  first.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - begin, 30s);
+  ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(kWait));
+  EXPECT_EQ(e.ToString(), "signaled(SIGKILL)");
+  EXPECT_EQ(logs(), "up\nTERM\n");
+}
+
 TEST_P(LaunchContract, PastMemoryLimitIsOomKilled) {
   if (!fixture_.memory_limits) GTEST_SKIP() << GetParam() << " does not enforce memory limits here";
   // The shell holds the 64 MB command substitution itself.
