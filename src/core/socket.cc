@@ -25,14 +25,13 @@ absl::Status ErrnoUnavailable(const std::string& what) {
   return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(e)));
 }
 
-namespace {
-
 void TuneSocket(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  // A peer host that vanishes is found out by the kernel too, not only by
+  // the callers' deadlines and leases.
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
 }
-
-}  // namespace
 
 int MillisUntil(SteadyClock::time_point deadline, int cap_ms) {
   auto left = duration_cast<milliseconds>(deadline - SteadyClock::now()).count();

@@ -16,10 +16,13 @@ using SteadyClock = std::chrono::steady_clock;
 
 // A listening TCP socket on `host`, port chosen by the OS.
 absl::StatusOr<int> ListenTcp(const std::string& host, int* port);
+// TCP_NODELAY and SO_KEEPALIVE on a connection: what every connection
+// made or accepted here has.
+void TuneSocket(int fd);
 // Connects to host:port, retrying refused connections until `deadline`.
-// The connection has TCP_NODELAY set.
+// The connection is tuned (TuneSocket).
 absl::StatusOr<int> ConnectTcp(const std::string& host, int port, SteadyClock::time_point deadline);
-// Accepts one connection, waiting until `deadline`.
+// Accepts one connection, waiting until `deadline`; it is tuned.
 absl::StatusOr<int> AcceptTcp(int listen_fd, SteadyClock::time_point deadline);
 // Full reads and writes bounded by `deadline`, by poll(); the socket may be
 // blocking or not. Unavailable naming `peer` when it goes away.

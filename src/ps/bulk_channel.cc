@@ -2,7 +2,6 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -44,20 +43,13 @@ std::string PeerOf(int fd) {
   return JoinHostPort(host, ntohs(addr.sin_port));
 }
 
-void Tune(int fd) {
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  // A peer host that vanishes is found out by the kernel, not only by leases.
-  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
-}
-
 }  // namespace
 
 // ---- BulkStream
 
 BulkStream::BulkStream(int fd, std::string peer)
     : fd_(fd), peer_(std::move(peer)), pid_(getpid()) {
-  Tune(fd_);
+  TuneSocket(fd_);
 }
 
 BulkStream::~BulkStream() {

@@ -9,13 +9,13 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import urllib.request
 
 import numpy as np
 import pytest
 
 import deepnex
+import _prometheus as prometheus
 from _wait import run_threads, wait_for
 from deepnex import ps
 
@@ -417,24 +417,6 @@ def test_a_pull_reply_over_the_cap_is_refused():
             c.pull(["big"])
 
 
-PROM_LINE = re.compile(
-    r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="[^"]*",?)*\})? '
-    r'(-?[0-9.e+-]+|\+Inf|NaN)$')
-
-
-def parse_prometheus(text):
-    samples, types = {}, {}
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split()
-            types[name] = kind
-        elif line and not line.startswith("#"):
-            assert PROM_LINE.match(line), line
-            key, value = line.rsplit(" ", 1)
-            samples[key] = float(value)
-    return samples, types
-
-
 def test_metrics_endpoint_serves_prometheus_text():
     with ps.Server(mode="sync", num_workers=1, metrics_address="127.0.0.1:0") as server, \
             ps.Client([server.address]) as c:
@@ -444,14 +426,14 @@ def test_metrics_endpoint_serves_prometheus_text():
         assert server.metrics_port > 0
         text = urllib.request.urlopen(
             f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-    samples, types = parse_prometheus(text)
+    samples, types = prometheus.parse(text)
     assert types["deepnex_ps_pushes_total"] == "counter"
     assert types["deepnex_ps_round_latency_seconds"] == "histogram"
-    assert samples["deepnex_ps_pushes_total"] == 3
-    assert samples["deepnex_ps_rounds_total"] == 3
-    assert samples["deepnex_ps_live_workers"] == 1
-    assert samples['deepnex_ps_round_latency_seconds_bucket{le="+Inf"}'] == 3
-    assert samples["deepnex_ps_bytes_in_total"] == 3 * N * 4
+    assert samples[("deepnex_ps_pushes_total", ())] == 3
+    assert samples[("deepnex_ps_rounds_total", ())] == 3
+    assert samples[("deepnex_ps_live_workers", ())] == 1
+    assert samples[("deepnex_ps_round_latency_seconds_bucket", (("le", "+Inf"),))] == 3
+    assert samples[("deepnex_ps_bytes_in_total", ())] == 3 * N * 4
 
 
 def test_daemon_metrics_port_and_fault_flags(tmp_path):
@@ -464,7 +446,7 @@ def test_daemon_metrics_port_and_fault_flags(tmp_path):
         m = re.search(r"metrics on http://([\d.]+:\d+)/metrics", line)
         assert m, line
         text = urllib.request.urlopen(f"http://{m.group(1)}/metrics", timeout=10).read().decode()
-        parse_prometheus(text)
+        prometheus.parse(text)
         wait_for((tmp_path / "ps0.ckpt").exists, "the periodic checkpoint ps0.ckpt")
     finally:
         daemon.terminate()

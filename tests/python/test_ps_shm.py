@@ -14,6 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 
+import _prometheus as prometheus
 from _wait import wait_for
 from deepnex import ps
 from deepnex.errors import InvalidArgumentError
@@ -163,13 +164,6 @@ def test_transport_keyword_chooses_tcp_or_shared_memory(monkeypatch):
         server.wait()
 
 
-def metric(server, name):
-    for line in server.metrics_text().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} is not in the metrics")
-
-
 @pytest.mark.parametrize("bulk_tcp", [True, False])
 def test_tcp_clients_move_values_on_the_bulk_connection_unless_it_is_off(bulk_tcp):
     server = ps.Server("127.0.0.1:0", mode="async", num_workers=1, optimizer=ps.SGD(lr=0.5),
@@ -180,8 +174,9 @@ def test_tcp_clients_move_values_on_the_bulk_connection_unless_it_is_off(bulk_tc
             out = c.push_pull({"v": np.full(N, 2.0, np.float32)})["v"]
             # 4 MiB: several requests, each reply read straight into `out`.
             np.testing.assert_array_equal(out, np.full(N, -1.0, np.float32))
-            assert metric(server, "deepnex_ps_bulk_connections") == (1 if bulk_tcp else 0)
-            moved = metric(server, "deepnex_ps_bulk_bytes_total")
+            text = server.metrics_text()
+            assert prometheus.value(text, "deepnex_ps_bulk_connections") == (1 if bulk_tcp else 0)
+            moved = prometheus.value(text, "deepnex_ps_bulk_bytes_total")
             assert (moved >= 2 * 4 * N) if bulk_tcp else (moved == 0), moved
     finally:
         server.stop()

@@ -137,13 +137,13 @@ absl::StatusOr<std::unique_ptr<Client>> TcpClient(
   return Client::Create(co);
 }
 
-// The server's open bulk connections once they are `want`, or after 30 s.
-double AwaitConnections(const Server& server, double want) {
+// The server's metric `name` once it is `want`, or after 30 s.
+double AwaitMetric(const Server& server, const std::string& name, double want) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  double now = Metric(server, "deepnex_ps_bulk_connections");
+  double now = Metric(server, name);
   while (now != want && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    now = Metric(server, "deepnex_ps_bulk_connections");
+    now = Metric(server, name);
   }
   return now;
 }
@@ -173,7 +173,7 @@ TEST(PsBulkTest, ATicketAdmitsOneConnectionAndAGuessNone) {
     EXPECT_TRUE(silent.ClosedByServer());
   }
   // Only admitted connections are counted, and a closed one no longer.
-  EXPECT_EQ(AwaitConnections(**server, 0), 0);
+  EXPECT_EQ(AwaitMetric(**server, "deepnex_ps_bulk_connections", 0), 0);
 }
 
 TEST(PsBulkTest, BadFramesGetErrorsNamingThemAndTheServerServesOn) {
@@ -262,7 +262,7 @@ TEST(PsBulkTest, APeerThatDiesMidRequestLeavesNothingBehind) {
     // Half of a 1 MiB push, then gone.
     peer.SendFrame(kBulkPush, 1, std::string(512 << 10, '\0'), 1 << 20);
   }
-  EXPECT_EQ(AwaitConnections(**server, 0), 0);
+  EXPECT_EQ(AwaitMetric(**server, "deepnex_ps_bulk_connections", 0), 0);
   EXPECT_EQ(Metric(**server, "deepnex_ps_pending_reply_bytes"), 0);
   // Worker 1 trains on, over its own bulk connection.
   auto client = TcpClient(**server, 1);
@@ -292,12 +292,7 @@ TEST(PsBulkTest, ACallPastItsDeadlineFailsInTimeAndTheServerDropsIt) {
   EXPECT_LT(took, std::chrono::milliseconds(500 + 2000));
   EXPECT_EQ(Metric(**server, "deepnex_ps_bulk_connections"), 1);
   // The server hears of it and lets the waiting reply go.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (Metric(**server, "deepnex_ps_pending_reply_bytes") != 0 &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_EQ(Metric(**server, "deepnex_ps_pending_reply_bytes"), 0);
+  EXPECT_EQ(AwaitMetric(**server, "deepnex_ps_pending_reply_bytes", 0), 0);
 }
 
 }  // namespace
