@@ -2,11 +2,14 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <string>
 #include <thread>
+#include <utility>
 
 #include "deepnex/ps/client.h"
 #include "deepnex/ps/server.h"
@@ -196,6 +199,37 @@ TEST(PsTest, LargeTensorRoundTripsAcrossThreeServers) {
   auto info = client->Describe({"big"});
   ASSERT_THAT(info.status(), IsOk());
   EXPECT_EQ((*info)[0].shape, std::vector<int64_t>{static_cast<int64_t>(n)});
+}
+
+// An async push that replies has the values its push made, in every
+// partition (small ones across two servers, and big ones), with the
+// optimizer's state carried from push to push.
+TEST(PsTest, AsyncPushPullRepliesWithTheValuesItsPushMade) {
+  ServerOptions so;
+  so.mode = Mode::kAsync;
+  so.optimizer.kind = OptimizerKind::kSgd;
+  so.optimizer.lr = 0.25;
+  so.optimizer.momentum = 0.5;
+  Cluster c = StartServers(2, so);
+  for (auto [n, options] : {std::pair<size_t, ClientOptions>{1000, SmallParts()},
+                            std::pair<size_t, ClientOptions>{300000, ClientOptions()}}) {
+    auto client = Connect(c, 0, options);
+    const std::string key = "w" + std::to_string(n);
+    std::vector<float> w(n, 100.0f), m(n, 0.0f), grad(n), got(n);
+    ASSERT_THAT(client->Init({View(key, w)}), IsOk());
+    for (int r = 1; r <= 6; ++r) {
+      for (size_t j = 0; j < n; ++j) {
+        grad[j] = static_cast<float>(static_cast<int>((j * 7 + r) % 5) - 2);
+        m[j] = 0.5f * m[j] + grad[j];
+        w[j] -= 0.25f * m[j];
+      }
+      ASSERT_THAT(client->PushPull({View(key, grad)}, {View(key, got)}), IsOk());
+      ASSERT_EQ(got, w) << key << " after push " << r;
+    }
+    std::fill(got.begin(), got.end(), 0.0f);
+    ASSERT_THAT(client->Pull({View(key, got)}), IsOk());
+    EXPECT_EQ(got, w) << key;
+  }
 }
 
 TEST(PsTest, HalfPrecisionTensorsKeepFloat32State) {
