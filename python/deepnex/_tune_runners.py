@@ -368,6 +368,12 @@ def _check_mode(mode):
     raise InvalidArgumentError(f'mode: "{mode}" is not sync, ssp:S (S >= 0), async or allreduce')
 
 
+# The words of the allocator's refusal of a request that no set of nodes
+# could ever hold (src/gpu/placement.cc), as against one that waits for
+# capacity or quota.
+_NEVER_FITS = "can ever hold this request"
+
+
 class _JobRunner:
     """job_runner()'s runner: each call starts a trial's job."""
 
@@ -455,8 +461,8 @@ class _JobRunner:
                                       cancelled)
                 break
             except CancelledError:
-                # A slot fell idle while this trial waited for cores for a
-                # new one: it takes that slot instead.
+                # A slot fell idle while this trial waited for cores or
+                # quota for a new one: it takes that slot instead.
                 if cancelled():
                     raise
         log = _Log(log_path)
@@ -484,18 +490,25 @@ class _JobRunner:
         return release
 
     def _retrying(self, start, cancelled):
-        """start(), again every retry_interval while resources are short."""
+        """start(), again every retry_interval while resources are short.
+        A gang that deepnex-central says no set of its nodes could ever hold
+        fails at once: waiting would never end."""
         while True:
             try:
                 return start()
-            except ResourceExhaustedError:
+            except ResourceExhaustedError as e:
+                if _NEVER_FITS in str(e):
+                    raise
                 if cancelled():
                     raise CancelledError("the trial's start was cancelled while its job "
                                          "waited for resources") from None
                 time.sleep(self._retry_interval)
 
     def _new_slot(self, trial_id, python, script, socket_path, env, options, cancelled):
-        release = self._acquire(options, lambda: cancelled() or bool(self._idle))
+        # A slot that falls idle meanwhile ends the wait (for cores here, or
+        # for central's quota below): the trial takes that slot instead.
+        give_up = lambda: cancelled() or bool(self._idle)  # noqa: E731
+        release = self._acquire(options, give_up)
 
         def make_job(argv, output):
             from . import job as job_module
@@ -506,7 +519,7 @@ class _JobRunner:
                                   **options)
         try:
             slot = self._retrying(lambda: _Slot(make_job, python, script, socket_path, release),
-                                  cancelled)
+                                  give_up)
         except BaseException:
             release()
             raise
@@ -557,9 +570,10 @@ def job_runner(workers=1, mode="allreduce", ps=None, cpus=1, gpus_per_worker=0,
     fit beside the running trials' (trials wait, in order). Bad job options
     and trials that could never fit on this machine raise here, before any
     trial runs (InvalidArgumentError, ResourceExhaustedError). With
-    ``central`` deepnex-central queues the trial's gang (and refuses one
-    that no set of its nodes could hold). A start refused for lack of resources
-    (ResourceExhausted) is retried every ``retry_interval`` seconds. The
+    ``central`` deepnex-central queues the trial's gang, and refuses one
+    that no set of its nodes could ever hold: that trial fails at once with
+    its reason. Other starts refused for lack of resources (ResourceExhausted,
+    e.g. the user's quota) are retried every ``retry_interval`` seconds. The
     runner's cancel() ends the waits of starts in progress.
 
     Warm 1-worker allreduce trials run in slots: a slot's job (allocation,

@@ -314,6 +314,46 @@ def test_job_runner_waits_for_cores_and_refuses_what_never_fits(trial_script, tm
             tune.job_runner(**options)
 
 
+def _run_within(timeout, **kwargs):
+    """tune.run(**kwargs)'s results; fails if it has not ended in `timeout` s."""
+    out = {}
+    t = threading.Thread(target=lambda: out.update(results=tune.run(**kwargs)), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"tune.run did not end in {timeout} s"
+    return out["results"]
+
+
+def test_job_runner_on_central_fails_what_no_node_could_hold_and_waits_out_a_quota(
+        trial_script, tmp_path):
+    """A new user's trials asking more GPUs than any of central's nodes has
+    fail at once, saying so, instead of retrying for ever; trials refused by
+    the user's quota, which the search's own trials fill, start in turn."""
+    import socket
+    from _central import start_central, stop_central
+    from deepnex import gpu
+    proc, address = start_central(tmp_path, cpus=8, memory="16GiB", node=socket.gethostname())
+    try:
+        runner = dict(workers=1, central=address, central_token="alicetok", memory="64MiB")
+        results = _run_within(60, command=trial_script, space={"x": tune.grid([1.0, 2.0])},
+                              metric="score", out_dir=str(tmp_path / "never"),
+                              runner=tune.job_runner(gpus_per_worker=4, **runner))
+        assert [t.status for t in results.trials] == [
+            "failed (no node can ever hold this request (alice asks 4 exclusive GPUs, 1 cpus, "
+            "64MiB memory per part): 1 node(s) match, none has that many GPUs, cpus and "
+            "memory)"] * 2
+        # One trial's GPU at a time: the other's start is refused (quota),
+        # retried, and runs once the first has ended.
+        gpu.CentralClient(address, token="admintok", timeout=10).set_quota("alice", gpus=1)
+        results = _run_within(120, command=trial_script, space={"x": tune.grid([1.0, 2.0])},
+                              metric="score", out_dir=str(tmp_path / "quota"),
+                              runner=tune.job_runner(gpus_per_worker=1, retry_interval=0.1,
+                                                     **runner))
+        assert [t.status for t in results.trials] == ["completed"] * 2
+    finally:
+        stop_central(proc)
+
+
 def test_job_runner_exit_code_stop_and_worker_prefix(trial_script, tmp_path):
     results = tune.run(trial_script, {"x": tune.grid([4.0, 3.0, 2.0]), "fail_at": 2.0},
                        metric="score", max_concurrent=1,
