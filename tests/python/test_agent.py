@@ -135,6 +135,9 @@ def test_restarted_agent_reattaches_to_its_containers(central, agents):
         ("w0", "h1", pid, "running")]
     os.kill(int(pid), 0)
     assert cli(central, "logs", "w0", token="alicetok").stdout == "up\n"
+    # Its grant was held all along: the node going NotReady for a moment
+    # (under its node-lost-after) releases nothing.
+    assert [x.id for x in alice.allocations()] == [a.id]
     # The restarted agent stops it, and the grant goes.
     stop = cli(central, "stop", "w0", "--grace", "5", token="alicetok")
     assert (stop.returncode, stop.stdout) == (0, "w0 stopped signaled(SIGTERM), allocation released\n")
