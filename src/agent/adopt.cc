@@ -362,6 +362,13 @@ std::vector<std::shared_ptr<launch::Handle>> AdoptOrphans(const launch::Launcher
       }
       // The process backend made it a session (and group) leader.
       reach.signal = [pid](int sig) { kill(-pid, sig); };
+      // At its end what it left goes, and its cgroup, as the launcher's
+      // Remove does for its own runs.
+      if (!reach.cgroup.empty()) {
+        reach.remove = [cgroup = reach.cgroup] {
+          if (auto cg = launch::Cgroup::Open(cgroup); cg.ok()) (*cg)->Remove().IgnoreError();
+        };
+      }
     } else {
       // The run name is runc's id; its init's pid is in runc's state.
       absl::StatusOr<std::string> state = runc.Call({"state", id});

@@ -4,6 +4,7 @@ STATUS and heartbeat, a container pinned to a node runs through that node's
 agent, a killed agent's node turns NotReady, and tokens that are not the
 node's are refused."""
 
+import glob
 import json
 import os
 import subprocess
@@ -115,7 +116,7 @@ def test_killed_central_gets_every_container_back(central_proc, agents, tmp_path
         os.kill(int(pid), 0)  # still running: nothing killed them
 
 
-def test_restarted_agent_reattaches_to_its_containers(central, agents):
+def test_restarted_agent_reattaches_to_its_containers(central, agents, tmp_path):
     h1 = agents.start("h1", "h1tok")
     agents.registered(h1, "h1")
     from deepnex import gpu
@@ -125,6 +126,8 @@ def test_restarted_agent_reattaches_to_its_containers(central, agents):
               "sh", "-c", "echo up; sleep 120", token="alicetok")
     assert out.returncode == 0, out.stderr
     pid = alice.containers()[0]["id"]
+    record = tmp_path / "h1" / "containers" / "alice.w0" / "record.json"
+    cgroup = json.loads(record.read_text()).get("cgroup", "")
     h1.kill()
     wait_for(lambda: status(central)["h1"] == "NotReady", "h1 NotReady", timeout=7)
     again = agents.start("h1", "h1tok")
@@ -142,6 +145,10 @@ def test_restarted_agent_reattaches_to_its_containers(central, agents):
     stop = cli(central, "stop", "w0", "--grace", "5", token="alicetok")
     assert (stop.returncode, stop.stdout) == (0, "w0 stopped signaled(SIGTERM), allocation released\n")
     wait_for(lambda: not pid_alive(pid), "w0's process gone")
+    # The cgroup the first agent made for it goes with it too.
+    if cgroup:
+        wait_for(lambda: not glob.glob(f"/sys/fs/cgroup/{cgroup}")
+                 and not glob.glob(f"/sys/fs/cgroup/*/{cgroup}"), f"w0's cgroup {cgroup} removed")
 
 
 def _start_time(pid):
