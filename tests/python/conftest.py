@@ -73,14 +73,21 @@ def _simulated_hosts():
 def make_hosts(_simulated_hosts, request):
     """make_hosts({"h1": 11, "h2": 12}): simulated hosts 10.77.0.11 and .12
     (tests/python/_hosts.py), up, and torn down with everything running on
-    them when the test ends, passed or failed. Skips without root or the
-    tools."""
+    them when the test ends, passed or failed, and with the cgroups of the
+    containers recorded under the test's tmp_path. Skips without root or
+    the tools."""
     if _simulated_hosts:
         pytest.skip(_simulated_hosts)
     import _hosts
 
     def make(hosts):
         h = _hosts.Hosts(hosts)
+        if "tmp_path" in request.fixturenames:
+            # Runs after h.down (finalizers run last first), which killed
+            # the hosts' processes.
+            from _agents import remove_recorded_cgroups
+            tmp_path = request.getfixturevalue("tmp_path")
+            request.addfinalizer(lambda: remove_recorded_cgroups(tmp_path))
         request.addfinalizer(h.down)
         return h.up()
 
