@@ -507,7 +507,8 @@ class _JobRunner:
     def _new_slot(self, trial_id, python, script, socket_path, env, options, cancelled):
         # A slot that falls idle meanwhile ends the wait (for cores here, or
         # for central's quota below): the trial takes that slot instead.
-        give_up = lambda: cancelled() or bool(self._idle)  # noqa: E731
+        def give_up():
+            return cancelled() or bool(self._idle)
         release = self._acquire(options, give_up)
 
         def make_job(argv, output):

@@ -121,16 +121,16 @@ class ProcessRun : public Run {
   absl::Status Stop(std::chrono::milliseconds grace) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (exit_) return absl::OkStatus();
+    const bool first = !stopped_;
+    stopped_ = true;
     if (grace.count() <= 0) {
-      stopped_ = true;
       KillTreeLocked(SIGKILL);
       return absl::OkStatus();
     }
     // The TERM goes once, as kubelet's does: a later Stop (an admin's after
     // the user's, central's reaper again) only brings the SIGKILL forward. A
     // second TERM would tell many programs to quit without cleaning up.
-    if (!stopped_) KillTreeLocked(SIGTERM);
-    stopped_ = true;
+    if (first) KillTreeLocked(SIGTERM);
     auto at = Clock::now() + grace;
     if (!kill_at_ || at < *kill_at_) kill_at_ = at;
     return absl::OkStatus();

@@ -45,36 +45,24 @@ NODE_TOKENS = "h1tok h1 node\nh2tok h2 node\nh3tok h3 node\n"
 AGENT_FLAGS = ("--gpus", "2x16GiB", "--cpus", "4", "--memory", "8GiB", "--labels", "rack=r1")
 
 
-def remove_recorded_cgroups(root):
-    """Kills what is left in the cgroups that launchers' container records
-    under `root` name, and removes them: a test that kills an agent or cuts
-    off its host leaves its containers' cgroups, which nothing else would
-    remove (they are the machine's, not the simulated host's)."""
-    import glob
+def sweep_recorded_launchers(root):
+    """Launcher.cleanup of every launcher whose container records lie under
+    `root`: a test that kills an agent or cuts off its host leaves its
+    containers' cgroups (the machine's, not the simulated host's), which
+    nothing else would remove."""
     import pathlib
-    import time
+    from deepnex import launch
+    ids = set()
     for record in pathlib.Path(root).glob("**/containers/*/record.json"):
         try:
-            cgroup = json.loads(record.read_text()).get("cgroup", "")
+            ids.add(json.loads(record.read_text()).get("launcher_id", ""))
         except (OSError, ValueError):
             continue
-        if not cgroup:
-            continue
-        for d in glob.glob(f"/sys/fs/cgroup/*/{cgroup}") + glob.glob(f"/sys/fs/cgroup/{cgroup}"):
-            for _ in range(100):
-                try:
-                    os.rmdir(d)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:  # busy: a process is left in it
-                    with open(os.path.join(d, "cgroup.procs")) as f:
-                        for pid in f.read().split():
-                            try:
-                                os.kill(int(pid), signal.SIGKILL)
-                            except ProcessLookupError:
-                                pass
-                    time.sleep(0.05)
+    ids.discard("")
+    if ids:
+        with launch.Launcher("process") as sweeper:
+            for launcher_id in ids:
+                sweeper.cleanup(launcher_id)
 
 
 def require_binaries():

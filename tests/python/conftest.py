@@ -85,9 +85,9 @@ def make_hosts(_simulated_hosts, request):
         if "tmp_path" in request.fixturenames:
             # Runs after h.down (finalizers run last first), which killed
             # the hosts' processes.
-            from _agents import remove_recorded_cgroups
+            from _agents import sweep_recorded_launchers
             tmp_path = request.getfixturevalue("tmp_path")
-            request.addfinalizer(lambda: remove_recorded_cgroups(tmp_path))
+            request.addfinalizer(lambda: sweep_recorded_launchers(tmp_path))
         request.addfinalizer(h.down)
         return h.up()
 
