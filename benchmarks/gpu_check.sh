@@ -1,29 +1,47 @@
 #!/usr/bin/env bash
-# On a machine with a GPU (and CUDA + NCCL at /usr/local/cuda): builds
-# deepnex with NCCL, runs every CTest test labelled `gpu` and the nccl
-# allreduce busbw sweep (1 KiB..256 MiB, one rank per visible GPU), in under
-# 5 minutes. Without a GPU the gpu tests skip with a message.
+# On a machine with a GPU: the checks that need one, in a few minutes.
+#  1. collective_gpu_test: the nccl backend's C++ tests and its busbw sweep
+#     (1 KiB..256 MiB, one rank per visible GPU);
+#  2. tests/python/test_gpu_device.py and the CUDA test of test_collective.py:
+#     NVML discovery against CUDA, the shared-mode memory limit in PyTorch,
+#     a process container's GPU device rules and NVML usage, an agent's GPU
+#     node, CUDA tensors through nccl, DDP and the parameter server;
+#  3. benchmarks/nccl_bench: deepnex's nccl allreduce beside torch's.
+# Without a GPU every test skips with its reason.
 #
-#   bash benchmarks/gpu_check.sh          # BUILD=... to choose the build dir
-set -euo pipefail
+#   bash benchmarks/gpu_check.sh
+#
+# BUILD: the build directory (default build-gpu-check). Where it already
+# holds bin/collective_gpu_test (a build made on another machine, copied
+# with its libraries on LD_LIBRARY_PATH) it is used as it is; otherwise it
+# is configured and built with NCCL (CUDA + NCCL at /usr/local/cuda).
+# PYTHON: the interpreter with PyTorch (default /usr/bin/python3).
+set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 export BUILD=${BUILD:-$root/build-gpu-check}
 export PYTHON=${PYTHON:-/usr/bin/python3}
 command -v nvidia-smi >/dev/null && nvidia-smi -L || echo "gpu_check: no nvidia-smi"
-if [[ ! -f "$BUILD/CMakeCache.txt" ]]; then
+if [[ ! -x "$BUILD/bin/collective_gpu_test" ]]; then
   cmake -S "$root" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DDEEPNEX_WITH_NCCL=ON -DDEEPNEX_BUILD_PYTHON=OFF \
-    -DPython_EXECUTABLE="$PYTHON" >/dev/null
+    -DDEEPNEX_WITH_NCCL=ON -DPython_EXECUTABLE="$PYTHON" >/dev/null || exit 1
+  cmake --build "$BUILD" -j"$(nproc)" || exit 1
 fi
-cmake --build "$BUILD" -j"$(nproc)" --target collective_gpu_test
-cmake --build "$BUILD" -j"$(nproc)"
-cd "$BUILD"
-echo "== gpu-labelled tests"
-status=0
-ctest -L gpu --output-on-failure --timeout 300 -V > gpu_check.log 2>&1 || status=$?
-grep -E "nccl allreduce|Test +#|tests passed|SKIPPED|Skipped|FAILED|Failure" gpu_check.log || true
-if [[ $status -ne 0 ]]; then
-  echo "gpu_check: gpu tests FAILED (full log: $BUILD/gpu_check.log)"
+failed=()
+echo "== nccl backend (C++)"
+timeout 300 "$BUILD/bin/collective_gpu_test" || failed+=(collective_gpu_test)
+echo "== GPU tests (Python)"
+(cd "$root" && PYTHONPATH="$BUILD/python" DEEPNEX_BUILD_DIR="$BUILD" timeout 600 \
+  "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/python/test_gpu_device.py \
+  "tests/python/test_collective.py::test_auto_backend_sends_host_arrays_through_cpu_and_cuda_tensors_through_nccl") \
+  || failed+=(test_gpu_device)
+echo "== nccl_bench"
+if "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  PYTHONPATH="$BUILD/python" timeout 300 "$PYTHON" "$root/benchmarks/nccl_bench" || failed+=(nccl_bench)
+else
+  echo "nccl_bench: skipped, PyTorch sees no CUDA device"
+fi
+if (( ${#failed[@]} )); then
+  echo "gpu_check: FAILED: ${failed[*]}"
   exit 1
 fi
-echo "gpu_check: all gpu tests passed or skipped (full log: $BUILD/gpu_check.log)"
+echo "gpu_check: all passed or skipped"

@@ -1,4 +1,5 @@
 #include "launch/cgroup.h"
+#include "launch/gpu_devices.h"
 #include "launch/procfs.h"
 
 #include <dirent.h>
@@ -32,11 +33,6 @@ namespace {
 // only makes KillAll race-free against fork; devices only matters with
 // gpu_minors.
 const char* const kV1Controllers[] = {"cpu", "cpuacct", "memory", "pids", "freezer", "devices"};
-// The NVIDIA driver's character device major; GPUs are minors below those
-// of its control nodes (nvidia-modeset 254, nvidiactl 255), which every CUDA
-// process opens.
-constexpr int kNvidiaMajor = 195;
-constexpr int kNvidiaControlMinors[] = {254, 255};
 const char* const kRequired[] = {"cpu", "memory", "pids"};
 
 // Where this process's cgroups are: per controller, the absolute directory
@@ -264,24 +260,16 @@ absl::Status ApplyLimits(const std::string& path, const CgroupLimits& limits) {
   }
   if (limits.gpu_minors) {
     if (v2) {
-      return absl::FailedPreconditionError(
-          "restricting GPU device nodes needs the cgroup v1 devices controller");
+      DEEPNEX_RETURN_IF_ERROR(AttachGpuDeviceProgram(DirOf(path, ""), *limits.gpu_minors));
+    } else {
+      const std::string dev = DirOf(path, "devices");
+      if (dev.empty()) {
+        return absl::FailedPreconditionError(
+            "restricting GPU device nodes needs the cgroup v1 devices controller, which is not "
+            "mounted");
+      }
+      DEEPNEX_RETURN_IF_ERROR(WriteEach(dev + "/devices.deny", GpuDenyRules(*limits.gpu_minors)));
     }
-    const std::string dev = DirOf(path, "devices");
-    if (dev.empty()) {
-      return absl::FailedPreconditionError(
-          "restricting GPU device nodes needs the cgroup v1 devices controller, which is not "
-          "mounted");
-    }
-    // The cgroup inherits allow-all, where an allow entry cannot punch a
-    // hole into a wider deny: deny each GPU minor that was not granted.
-    const std::vector<int>& granted = *limits.gpu_minors;
-    std::vector<std::string> rules;
-    for (int minor = 0; minor < kNvidiaControlMinors[0]; ++minor) {
-      if (std::find(granted.begin(), granted.end(), minor) != granted.end()) continue;
-      rules.push_back(absl::StrCat("c ", kNvidiaMajor, ":", minor, " rwm"));
-    }
-    DEEPNEX_RETURN_IF_ERROR(WriteEach(dev + "/devices.deny", rules));
   }
   if (limits.pids > 0) {
     DEEPNEX_RETURN_IF_ERROR(

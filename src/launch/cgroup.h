@@ -23,8 +23,8 @@ struct CgroupLimits {
   int64_t pids = 0;         // 0: unlimited
   // Set: of the NVIDIA GPU device nodes (/dev/nvidiaN, major 195) only
   // these minors may be opened, besides nvidiactl; unset: no restriction.
-  // v1 only (v2 controls devices with eBPF programs, which this does not
-  // load): on v2 a set value is FailedPrecondition.
+  // v1 through the devices controller, v2 through a device program
+  // (launch/gpu_devices.h).
   std::optional<std::vector<int>> gpu_minors;
 };
 

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/file_util.h"
+#include "launch/gpu_devices.h"
 
 namespace deepnex::launch {
 namespace {
@@ -200,11 +201,11 @@ json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext&
   resources["devices"] = DefaultDeviceRules();
   lx["devices"] = json::array();
   if (spec.allocation && !spec.allocation->gpus.empty()) {
-    // NVIDIA's character devices: major 195, minor = index; nvidiactl is
-    // minor 255; nvidia-uvm's major is assigned at load time, so only a
-    // node on the host tells it.
+    // NVIDIA's character devices: minor = index; nvidiactl is minor 255;
+    // nvidia-uvm's major is assigned at load time, so only a node on the
+    // host tells it.
     for (const gpu::GrantedGpu& g : spec.allocation->gpus) {
-      AddDevice(absl::StrCat("/dev/nvidia", g.index), 195, g.index, &config);
+      AddDevice(absl::StrCat("/dev/nvidia", g.index), kNvidiaMajor, g.index, &config);
     }
     for (const char* shared : {"/dev/nvidiactl", "/dev/nvidia-uvm"}) {
       if (IsCharDevice(shared)) AddDevice(shared, -1, -1, &config);
