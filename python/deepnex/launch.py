@@ -9,7 +9,7 @@
     h.logs(), h.usage(), h.status(), h.stop()
 
 Keyword options of Launcher are LauncherOptions' fields (state_dir, id,
-allowed_mount_roots, min_memory, cgroup_parent) and the backends' (runc,
+allowed_mount_roots, min_memory, cgroup_parent, require_cgroups) and the backends' (runc,
 runc_root, oci_init, docker_socket, docker_api_version, slurm_partition, slurm_bin_dir,
 slurm_env, kubeconfig, server, token, ca_file, namespace, kind,
 shared_gpu_memory_resource). Sizes are ints (bytes) or strings such as

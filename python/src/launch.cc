@@ -284,6 +284,7 @@ launch::LauncherOptions LauncherOptionsFromPython(const py::dict& kw) {
     else if (key == "allowed_mount_roots") o.allowed_mount_roots = v.cast<std::vector<std::string>>();
     else if (key == "min_memory") o.min_memory = v.cast<uint64_t>();
     else if (key == "cgroup_parent") o.cgroup_parent = v.cast<std::string>();
+    else if (key == "require_cgroups") o.require_cgroups = v.cast<bool>();
     else if (key == "runc") o.oci.runc = v.cast<std::string>();
     else if (key == "runc_root") o.oci.root = v.cast<std::string>();
     else if (key == "oci_init") o.oci.init = v.cast<std::string>();

@@ -498,7 +498,10 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(const AgentOptions& options
   } else {
     DEEPNEX_RETURN_IF_ERROR(ValidateAdvertiseHost("advertise", address));
   }
-  DEEPNEX_ASSIGN_OR_RETURN(auto launcher, launch::Launcher::Create(options.launcher));
+  // Other users' containers: never without their limits and device rules.
+  launch::LauncherOptions launcher_options = options.launcher;
+  launcher_options.require_cgroups = true;
+  DEEPNEX_ASSIGN_OR_RETURN(auto launcher, launch::Launcher::Create(launcher_options));
   // A killed agent before this one stopped nothing: its containers run on.
   std::vector<std::shared_ptr<launch::Handle>> adopted;
   adopted = AdoptOrphans(options.launcher, launcher->id());

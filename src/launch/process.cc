@@ -443,6 +443,15 @@ class ProcessBackend : public Backend {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeProcessBackend(const LauncherOptions& options) {
+  if (options.require_cgroups) {
+    absl::Status cgroups = Cgroup::Usable();
+    if (!cgroups.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the process backend cannot make cgroups here, so containers would run without their "
+          "limits and GPU device rules: ",
+          cgroups.message()));
+    }
+  }
   return std::unique_ptr<Backend>(new ProcessBackend(options));
 }
 

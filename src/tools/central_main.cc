@@ -397,6 +397,9 @@ int main(int argc, char** argv) {
   std::unique_ptr<deepnex::notify::Notifier> notifier;
   deepnex::tools::SignalStop signals;
   std::vector<std::string> swept;
+  // As root it runs other users' containers: never without their limits.
+  // Otherwise they all run as this user, who may lack cgroups.
+  launcher.require_cgroups = geteuid() == 0;
   auto server = deepnex::launch::CreateCentralServer(options, launcher, policy, &swept);
   if (!server.ok()) {
     std::cerr << "deepnex-central: " << server.status().message() << "\n";

@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 
-from _agents import (AGENT_BIN, Agents, cli, client, http_get, pid_alive, start_central,
-                     status)
+from _agents import (AGENT_BIN, Agents, cli, client, http_get, pid_alive, require_binaries,
+                     start_central, status)
 from _wait import wait_for
 
 
@@ -267,3 +267,19 @@ def test_agent_flags_are_checked(flags, message):
     out = subprocess.run([AGENT_BIN, "--central", "127.0.0.1:1", "--node", "h1", *flags],
                          capture_output=True, text=True, timeout=30)
     assert (out.returncode, out.stderr) == (2, f"deepnex-agent: {message} (see --help)\n")
+
+
+def test_an_agent_that_cannot_make_cgroups_refuses_to_serve():
+    # Run as nobody, who may write no cgroup: the agent exits at once naming
+    # why, rather than run other users' containers without their limits.
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run the agent as another user")
+    require_binaries()
+    out = subprocess.run([AGENT_BIN, "--central", "127.0.0.1:1", "--node", "h1", "--token", "h1tok",
+                          "--gpus", "0"], user=65534, group=65534, extra_groups=[], cwd="/",
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out
+    assert out.stderr.startswith(
+        "deepnex-agent: the process backend cannot make cgroups here, so containers would run "
+        "without their limits and GPU device rules: cgroup "), out.stderr
+    assert "is not writable: Permission denied" in out.stderr, out.stderr

@@ -337,6 +337,13 @@ struct LauncherOptions {
   // Parent of the containers' cgroups, relative to each controller's root
   // (process and oci). Empty: "deepnex".
   std::string cgroup_parent;
+  // process: FailedPrecondition from Launcher::Create where it cannot make
+  // cgroups (not root; a cgroup v2 tree that delegates no controllers to
+  // this process), instead of running containers without their CPU, memory
+  // and pids limits and GPU device rules. Daemons that run other users'
+  // containers set it (deepnex-agent; deepnex-central as root). oci always
+  // needs cgroups.
+  bool require_cgroups = false;
   OciOptions oci;
   DockerOptions docker;
   SlurmOptions slurm;
