@@ -369,8 +369,9 @@ def _check_mode(mode):
 
 
 # The words of the allocator's refusal of a request that no set of nodes
-# could ever hold (src/gpu/placement.cc), as against one that waits for
-# capacity or quota.
+# could ever hold (src/gpu/placement.cc) or that is alone over the user's
+# quota (src/gpu/allocator_state.cc), as against one that waits for
+# capacity or for the user's own grants to end.
 _NEVER_FITS = "can ever hold this request"
 
 
@@ -491,8 +492,9 @@ class _JobRunner:
 
     def _retrying(self, start, cancelled):
         """start(), again every retry_interval while resources are short.
-        A gang that deepnex-central says no set of its nodes could ever hold
-        fails at once: waiting would never end."""
+        A gang that deepnex-central says no set of its nodes, or no grant
+        within the user's quota, could ever hold fails at once: waiting
+        would never end."""
         while True:
             try:
                 return start()

@@ -333,12 +333,18 @@ absl::Status AllocatorState::CheckQuota(const std::string& user, int64_t gpus,
   Usage u;
   auto it = usage_.find(user);
   if (it != usage_.end()) u = it->second;
+  // alone: the request itself is over the quota, and no release of the
+  // user's grants will ever let it in (tune's runner stops retrying on
+  // these words, as on placement's for a request no node could hold).
   auto refuse = [&](const char* field, const std::string& used, const std::string& asked,
-                    const std::string& limit, bool below) {
+                    const std::string& limit, bool below, bool alone) {
     const char* which = quotas_.count(user) ? "quota" : "default quota";
     std::string s = absl::StrCat(which, " of ", user, ": ", field, " ", used,
                                  " in use + ", asked, " requested > quota ", limit);
-    if (below) {
+    if (alone) {
+      absl::StrAppend(&s, " (the request alone is over the quota: no grant can ever hold this "
+                          "request until the quota is raised)");
+    } else if (below) {
       absl::StrAppend(&s, " (the quota is below current use; new grants are refused "
                           "until use drops under it)");
     }
@@ -346,19 +352,20 @@ absl::Status AllocatorState::CheckQuota(const std::string& user, int64_t gpus,
   };
   if (gpus > 0 && q.gpus && u.gpus + gpus > *q.gpus) {
     return refuse("gpus", std::to_string(u.gpus), std::to_string(gpus),
-                  std::to_string(*q.gpus), u.gpus > *q.gpus);
+                  std::to_string(*q.gpus), u.gpus > *q.gpus, gpus > *q.gpus);
   }
   if (gpu_memory > 0 && q.gpu_memory && u.gpu_memory + gpu_memory > *q.gpu_memory) {
     return refuse("gpu_memory", FormatByteSize(u.gpu_memory), FormatByteSize(gpu_memory),
-                  FormatByteSize(*q.gpu_memory), u.gpu_memory > *q.gpu_memory);
+                  FormatByteSize(*q.gpu_memory), u.gpu_memory > *q.gpu_memory,
+                  gpu_memory > *q.gpu_memory);
   }
   if (cpus > 0 && q.cpus && u.cpus + cpus > *q.cpus) {
     return refuse("cpus", std::to_string(u.cpus), std::to_string(cpus),
-                  std::to_string(*q.cpus), u.cpus > *q.cpus);
+                  std::to_string(*q.cpus), u.cpus > *q.cpus, cpus > *q.cpus);
   }
   if (memory > 0 && q.memory && u.memory + memory > *q.memory) {
     return refuse("memory", FormatByteSize(u.memory), FormatByteSize(memory),
-                  FormatByteSize(*q.memory), u.memory > *q.memory);
+                  FormatByteSize(*q.memory), u.memory > *q.memory, memory > *q.memory);
   }
   return absl::OkStatus();
 }

@@ -326,9 +326,10 @@ def _run_within(timeout, **kwargs):
 
 def test_job_runner_on_central_fails_what_no_node_could_hold_and_waits_out_a_quota(
         trial_script, tmp_path):
-    """A new user's trials asking more GPUs than any of central's nodes has
-    fail at once, saying so, instead of retrying for ever; trials refused by
-    the user's quota, which the search's own trials fill, start in turn."""
+    """A new user's trials asking more GPUs than any of central's nodes has,
+    or than the user's whole quota, fail at once, saying so, instead of
+    retrying for ever; trials refused by the user's quota, which the
+    search's own trials fill, start in turn."""
     import socket
     from _central import start_central, stop_central
     from deepnex import gpu
@@ -350,6 +351,14 @@ def test_job_runner_on_central_fails_what_no_node_could_hold_and_waits_out_a_quo
                               runner=tune.job_runner(gpus_per_worker=1, retry_interval=0.1,
                                                      **runner))
         assert [t.status for t in results.trials] == ["completed"] * 2
+        # More GPUs than the whole quota: no trial's end would ever let one in.
+        results = _run_within(60, command=trial_script, space={"x": tune.grid([1.0, 2.0])},
+                              metric="score", out_dir=str(tmp_path / "over"),
+                              runner=tune.job_runner(gpus_per_worker=2, **runner))
+        assert [t.status for t in results.trials] == [
+            "failed (quota of alice: gpus 0 in use + 2 requested > quota 1 (the request alone "
+            "is over the quota: no grant can ever hold this request until the quota is "
+            "raised))"] * 2
     finally:
         stop_central(proc)
 
