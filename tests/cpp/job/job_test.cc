@@ -48,6 +48,13 @@ struct Output {
     std::lock_guard<std::mutex> lock(mu);
     return events;
   }
+  // Forgets every line and event: a test's next job must not find the
+  // last one's (its store address, say) before printing its own.
+  void Clear() {
+    std::lock_guard<std::mutex> lock(mu);
+    lines.clear();
+    events.clear();
+  }
   std::vector<std::string> events;
   std::vector<std::string> Of(const std::string& who) {
     std::lock_guard<std::mutex> lock(mu);
@@ -352,7 +359,7 @@ TEST_F(ElasticJobTest, BelowMinTheJobFailsOrRestartsByPolicy) {
   ASSERT_OK_AND_ASSIGN(gpu::Node node, gpu::LocalNode());
   for (bool restart : {false, true}) {
     SCOPED_TRACE(restart ? "on-failure:1" : "never");
-    out_.events.clear();
+    out_.Clear();
     JobOptions o = Elastic(2, 3);
     o.memory = node.memory * 2 / 5;
     if (restart) {
