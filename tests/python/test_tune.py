@@ -334,28 +334,27 @@ def test_job_runner_on_central_fails_what_no_node_could_hold_and_waits_out_a_quo
     from _central import start_central, stop_central
     from deepnex import gpu
     proc, address = start_central(tmp_path, cpus=8, memory="16GiB", node=socket.gethostname())
+
+    def statuses(within, name, **runner):
+        """The statuses of two trials run by a job_runner on central."""
+        results = _run_within(within, command=trial_script, space={"x": tune.grid([1.0, 2.0])},
+                              metric="score", out_dir=str(tmp_path / name),
+                              runner=tune.job_runner(workers=1, central=address,
+                                                     central_token="alicetok", memory="64MiB",
+                                                     **runner))
+        return [t.status for t in results.trials]
+
     try:
-        runner = dict(workers=1, central=address, central_token="alicetok", memory="64MiB")
-        results = _run_within(60, command=trial_script, space={"x": tune.grid([1.0, 2.0])},
-                              metric="score", out_dir=str(tmp_path / "never"),
-                              runner=tune.job_runner(gpus_per_worker=4, **runner))
-        assert [t.status for t in results.trials] == [
+        assert statuses(60, "never", gpus_per_worker=4) == [
             "failed (no node can ever hold this request (alice asks 4 exclusive GPUs, 1 cpus, "
             "64MiB memory per part): 1 node(s) match, none has that many GPUs, cpus and "
             "memory)"] * 2
         # One trial's GPU at a time: the other's start is refused (quota),
         # retried, and runs once the first has ended.
         gpu.CentralClient(address, token="admintok", timeout=10).set_quota("alice", gpus=1)
-        results = _run_within(120, command=trial_script, space={"x": tune.grid([1.0, 2.0])},
-                              metric="score", out_dir=str(tmp_path / "quota"),
-                              runner=tune.job_runner(gpus_per_worker=1, retry_interval=0.1,
-                                                     **runner))
-        assert [t.status for t in results.trials] == ["completed"] * 2
+        assert statuses(120, "quota", gpus_per_worker=1, retry_interval=0.1) == ["completed"] * 2
         # More GPUs than the whole quota: no trial's end would ever let one in.
-        results = _run_within(60, command=trial_script, space={"x": tune.grid([1.0, 2.0])},
-                              metric="score", out_dir=str(tmp_path / "over"),
-                              runner=tune.job_runner(gpus_per_worker=2, **runner))
-        assert [t.status for t in results.trials] == [
+        assert statuses(60, "over", gpus_per_worker=2) == [
             "failed (quota of alice: gpus 0 in use + 2 requested > quota 1 (the request alone "
             "is over the quota: no grant can ever hold this request until the quota is "
             "raised))"] * 2
