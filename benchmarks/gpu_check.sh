@@ -7,7 +7,9 @@
 #     a process container's GPU device rules and NVML usage, an agent's GPU
 #     node, CUDA tensors through nccl, DDP and the parameter server;
 #  3. benchmarks/nccl_bench: deepnex's nccl allreduce beside torch's.
-# Without a GPU every test skips with its reason.
+# Without a GPU every test skips with its reason. The container tests need
+# cgroups: on cgroup v2, run it as root from the root cgroup (`echo $$ >
+# /sys/fs/cgroup/cgroup.procs` first), as the process backend asks there.
 #
 #   bash benchmarks/gpu_check.sh
 #
