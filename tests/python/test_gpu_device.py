@@ -28,13 +28,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 GiB = 1 << 30
 
-# Holds 1 GiB on GPU 0 until its stdin closes; says "holding" once it does.
+# Takes 1 GiB on GPU 0, says "holding", and holds it until killed.
 HOLD = textwrap.dedent("""
-    import sys, torch
+    import time, torch
     x = torch.ones(1 << 28, device="cuda")  # 1 GiB of float32
     torch.cuda.synchronize()
     print("holding", flush=True)
-    sys.stdin.read()
+    time.sleep(600)
 """)
 
 
@@ -100,9 +100,8 @@ def grant(gpus):
 
 def test_a_process_container_uses_its_granted_gpu_and_reports_its_memory(launcher):
     a = grant(1)
-    h = launcher.start(launch.ContainerSpec(name="holder", command=[sys.executable, "-c", (
-        HOLD.replace("sys.stdin.read()", "import time; time.sleep(600)"))],
-        cpus=1, memory="8GiB", allocation=a))
+    h = launcher.start(launch.ContainerSpec(name="holder", command=[sys.executable, "-c", HOLD],
+                                            cpus=1, memory="8GiB", allocation=a))
     try:
         wait_for(lambda: "holding" in h.logs() or h.status().state != "running",
                  lambda: f"the container's GPU memory; logs: {h.logs()!r}", timeout=120)
@@ -141,8 +140,7 @@ def test_a_process_container_granted_no_gpu_cannot_open_one(launcher):
 def test_an_agent_offers_the_gpus_nvml_finds_and_reports_their_use(tmp_path):
     central, address = start_central(tmp_path)
     agents = Agents(tmp_path, address)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "holding\n"
         d = Daemon([AGENT_BIN, "--central", address, "--node", "h1", "--token", "h1tok",
@@ -156,7 +154,7 @@ def test_an_agent_offers_the_gpus_nvml_finds_and_reports_their_use(tmp_path):
         wait_for(lambda: any(u["memory_used"] >= GiB for u in admin.nodes()[0].gpu_usage),
                  lambda: f"the agent's GPU usage: {admin.nodes()[0].gpu_usage}")
     finally:
-        holder.stdin.close()
+        holder.kill()
         holder.wait(timeout=60)
         agents.close()
         central.kill()
