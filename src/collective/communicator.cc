@@ -73,9 +73,9 @@ absl::Status CommunicatorOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("connections_per_peer=", connections_per_peer, ": must be 1..16"));
   }
-  if (shm_channels < 1 || shm_channels > 16) {
+  if (shm_channels < 0 || shm_channels > 16) {
     return absl::InvalidArgumentError(
-        absl::StrCat("shm_channels=", shm_channels, ": must be 1..16"));
+        absl::StrCat("shm_channels=", shm_channels, ": must be 0 (auto) or 1..16"));
   }
   if (shm_buffer_bytes < 4096) {
     return absl::InvalidArgumentError(

@@ -5,6 +5,20 @@
 #include "collective/reduce.h"
 
 namespace deepnex::collective {
+namespace {
+
+// The most one send copies into a shared-memory ring before publishing it:
+// the neighbour starts on each piece while this rank copies the next, and
+// reads it while it is still in this rank's cache. Copying all of a 1 MiB
+// ring's free space at once made 64 MiB allreduces 1.3x slower. (A socket
+// takes all it can: a send call costs more than a copy.)
+constexpr size_t kShmPiece = 64 << 10;
+
+size_t SendPiece(const Link& link, size_t n) {
+  return link.send_is_shm() ? std::min(n, kShmPiece) : n;
+}
+
+}  // namespace
 
 absl::Status RunRing(Link& link, const RingPlan& p, SteadyClock::time_point deadline) {
   auto chunk = [&](int t) -> const std::pair<char*, size_t>& {
@@ -23,7 +37,8 @@ absl::Status RunRing(Link& link, const RingPlan& p, SteadyClock::time_point dead
       const auto& [ptr, len] = chunk(st);
       size_t limit = allowed();
       if (soff < limit) {
-        DEEPNEX_ASSIGN_OR_RETURN(size_t n, link.TrySend(ptr + soff, limit - soff));
+        DEEPNEX_ASSIGN_OR_RETURN(size_t n,
+                                 link.TrySend(ptr + soff, SendPiece(link, limit - soff)));
         if (n == 0) break;
         soff += n;
         progress = true;
@@ -74,7 +89,7 @@ absl::Status RunBroadcast(Link& link, int n, int r, int root, char* ptr, size_t 
   while (got < len || sent < len) {
     bool progress = false;
     if (sent < got) {
-      DEEPNEX_ASSIGN_OR_RETURN(size_t k, link.TrySend(ptr + sent, got - sent));
+      DEEPNEX_ASSIGN_OR_RETURN(size_t k, link.TrySend(ptr + sent, SendPiece(link, got - sent)));
       sent += k;
       progress |= k > 0;
     }

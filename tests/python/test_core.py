@@ -621,12 +621,12 @@ def test_python_defaults_are_the_cpp_option_structs():
     from deepnex import collective, gpu, job, launch
     comm = _C.collective.CommunicatorOptions()
     assert (comm.backend, comm.timeout, comm.prefix, comm.transport, comm.connections_per_peer,
-            comm.shm_channels, comm.device) == ("auto", 30.0, "deepnex", "auto", 2, 2, -1)
+            comm.shm_channels, comm.device) == ("auto", 30.0, "deepnex", "auto", 2, 0, -1)
     d = _defaults(collective.Communicator)
     assert {k: d[k] for k in ("backend", "timeout", "prefix", "transport", "connections_per_peer",
                               "shm_channels", "device", "store")} == {
         "backend": "auto", "timeout": 30.0, "prefix": "deepnex", "transport": "auto",
-        "connections_per_peer": 2, "shm_channels": 2, "device": -1, "store": ""}
+        "connections_per_peer": 2, "shm_channels": 0, "device": -1, "store": ""}
     assert _defaults(collective.Store)["max_value_bytes"] == 64 << 20
     assert _defaults(collective.Store)["address"] == "127.0.0.1:0"
     assert _defaults(collective.StoreClient)["timeout"] == 30.0

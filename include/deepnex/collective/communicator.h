@@ -68,8 +68,10 @@ struct CommunicatorOptions {
   // cpu backend: parallel TCP connections (each with its own thread) to each
   // ring neighbour; a large tensor is striped across them. Default: 2
   int connections_per_peer = 2;
-  // cpu backend: parallel shared-memory channels per neighbour. Default: 2
-  int shm_channels = 2;
+  // cpu backend: parallel shared-memory channels per neighbour, each with its
+  // own thread. 0: 2, or fewer where the host's ranks have fewer CPUs than
+  // 2 each (with one CPU per rank, more threads only take turns). Default: 0
+  int shm_channels = 0;
   // cpu backend: bytes of each shared-memory ring buffer: room for a whole
   // two-rank allreduce of up to 1 MiB, and small enough to stay in cache.
   // Default: 1 MiB + 64 KiB

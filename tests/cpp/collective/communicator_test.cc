@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "collective/cpu_wire.h"
 #include "deepnex/collective/store.h"
 #include "test_matchers.h"
 #include "test_util.h"
@@ -167,7 +168,38 @@ TEST_F(CommunicatorTest, LargeAllReduceOverBothTransports) {
             ASSERT_EQ(x[i], static_cast<float>((i % 1000) * 3)) << i;
           }
         },
-        [&](CommunicatorOptions& o) { o.transport = *ParseTransport(transport); });
+        [&](CommunicatorOptions& o) {
+          o.transport = *ParseTransport(transport);
+          // Two stripes: with shm_channels = 0 two ranks on a 2-CPU host get one,
+          // which the other shm tests cover.
+          o.shm_channels = 2;
+        });
+  }
+}
+
+TEST(ShmStripesTest, AnExplicitCountIsKeptAndAutoGivesEachRankItsShareOfTheCpus) {
+  auto ranks = [](std::vector<std::string> masks) {
+    std::vector<RankInfo> infos(masks.size());
+    for (size_t i = 0; i < masks.size(); ++i) infos[i].cpus = masks[i];
+    return infos;
+  };
+  EXPECT_EQ(ShmStripes(3, ranks({"1", "1"})), 3);
+  EXPECT_EQ(ShmStripes(0, ranks({"3", "3"})), 1);          // 2 CPUs shared by 2 ranks
+  EXPECT_EQ(ShmStripes(0, ranks({"1", "1", "1"})), 1);     // never below one
+  EXPECT_EQ(ShmStripes(0, ranks({"F", "f"})), 2);          // 4 CPUs
+  EXPECT_EQ(ShmStripes(0, ranks({"ffff", "ffff"})), kAutoShmChannels);
+  EXPECT_EQ(ShmStripes(0, ranks({"3", "c"})), 2);          // pinned apart: 4 CPUs in all
+  EXPECT_EQ(ShmStripes(0, ranks({"10000", "3", "4"})), 1);  // CPUs 0-2 and 16: 4 for 3 ranks
+}
+
+TEST(ShmStripesTest, ARankPublishingAGarbledCpuMaskIsRefusedNamingIt) {
+  ASSERT_OK_AND_ASSIGN(RankInfo info, Decode(1, "10.77.0.2 4000 host-a /deepnex-coll-1 7 3f"));
+  EXPECT_EQ(info.cpus, "3f");
+  for (const char* bad : {"10.77.0.2 4000 host-a - 7 3g", "10.77.0.2 4000 host-a - 7 ",
+                          "10.77.0.2 4000 host-a - 7"}) {
+    EXPECT_THAT(Decode(1, bad), StatusIs(absl::StatusCode::kInternal,
+                                         HasSubstr("rank 1 published a garbled address")))
+        << bad;
   }
 }
 
