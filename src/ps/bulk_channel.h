@@ -55,7 +55,8 @@ inline constexpr uint32_t kBulkMagic = 0x42584e44;  // "DNXB"
 enum BulkMethod : uint32_t { kBulkPush = 1, kBulkPull = 2, kBulkCancel = 3 };
 
 // One end of a bulk connection: a reader thread that hands each frame to
-// its owner, and a writer thread that sends queued frames in order. Each
+// its owner, and a writer thread that sends what a sender could not write
+// at once. Each
 // thread holds the stream until it ends, so the stream outlives them: it
 // goes with the last of them or of its owners' references. Thread-safe.
 class BulkStream : public std::enable_shared_from_this<BulkStream> {
@@ -75,9 +76,12 @@ class BulkStream : public std::enable_shared_from_this<BulkStream> {
   // Only from on_frame.
   absl::Status Read(void* dst, uint64_t n);
   absl::Status Skip(uint64_t n);
-  // Queues `frame` (its text and body sizes are filled in), `text` and
-  // `body`; `sent(true)` runs once they are written, `sent(false)` if the
-  // connection ends first.
+  // Sends `frame` (its text and body sizes are filled in), `text` and
+  // `body`, in order after the frames sent before: what the socket takes
+  // at once on this thread, the rest from the writer thread. `sent(true)`
+  // runs once they are written, `sent(false)` if the connection ends first;
+  // either may run on this thread before Send returns, so the caller must
+  // hold no lock that `sent` takes.
   void Send(BulkFrame frame, std::string text, grpc::ByteBuffer body,
             std::function<void(bool)> sent = nullptr);
   // Ends the connection; both threads stop soon after. Idempotent.
@@ -93,9 +97,12 @@ class BulkStream : public std::enable_shared_from_this<BulkStream> {
     std::string text;
     grpc::ByteBuffer body;
     std::function<void(bool)> sent;
+    uint64_t written = 0;  // bytes of the frame, text and body already sent
   };
   void Write();
-  absl::Status WriteOne(Outgoing& out);
+  // Sends what is left of `out` (with MSG_DONTWAIT in `flags`, as much as
+  // the socket takes now); true once all of it is sent.
+  absl::StatusOr<bool> WriteOne(Outgoing& out, int flags);
 
   const int fd_;
   const std::string peer_;
@@ -107,6 +114,7 @@ class BulkStream : public std::enable_shared_from_this<BulkStream> {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Outgoing> queue_;  // guarded by mu_
+  bool writing_ = false;        // a thread is writing to the socket; guarded by mu_
   bool closed_ = false;         // guarded by mu_
 };
 

@@ -470,8 +470,10 @@ class ClientImpl final : public Client {
     return bulk_.empty() ? nullptr : bulk_[server];
   }
 
-  // With r->mu held (from Attempt).
-  void SendBulk(const std::shared_ptr<Request>& r, const std::shared_ptr<BulkLink>& link) {
+  // With r->mu held (from Attempt), which it releases before sending: the
+  // send may settle the call on this thread.
+  void SendBulk(const std::shared_ptr<Request>& r, const std::shared_ptr<BulkLink>& link,
+                std::unique_lock<std::mutex> lock) {
     auto c = std::make_shared<BulkCall>();
     c->r = r;
     uint64_t id;
@@ -495,7 +497,9 @@ class ClientImpl final : public Client {
     BulkFrame frame;
     frame.kind = r->bulk_method;
     frame.id = id;
-    link->stream->Send(frame, "", r->request, [this, c](bool) { Settle(c); });
+    grpc::ByteBuffer request = r->request;
+    lock.unlock();
+    link->stream->Send(frame, "", std::move(request), [this, c](bool) { Settle(c); });
   }
 
   // REQUIRES: link->mu held.
@@ -727,7 +731,9 @@ class ClientImpl final : public Client {
           r->what, closed_ ? ": the client was closed" : ": cancelled")));
     }
     if (r->bulk_method != 0) {
-      if (std::shared_ptr<BulkLink> link = BulkTo(r->server)) return SendBulk(r, link);
+      if (std::shared_ptr<BulkLink> link = BulkTo(r->server)) {
+        return SendBulk(r, link, std::move(lock));
+      }
     }
     r->ctx = std::make_unique<grpc::ClientContext>();
     PrepareContext(r->ctx.get(), r->deadline);
