@@ -8,7 +8,9 @@
 
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -293,6 +295,126 @@ TEST(PsBulkTest, ACallPastItsDeadlineFailsInTimeAndTheServerDropsIt) {
   EXPECT_EQ(Metric(**server, "deepnex_ps_bulk_connections"), 1);
   // The server hears of it and lets the waiting reply go.
   EXPECT_EQ(AwaitMetric(**server, "deepnex_ps_pending_reply_bytes", 0), 0);
+}
+
+// A stream on one end of a socket pair, whose other end the test reads (or
+// closes) when it chooses; `sent` collects the frames' sent callbacks.
+struct StreamPair {
+  StreamPair() {
+    int fds[2];
+    EXPECT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
+    peer = fds[1];
+    timeval tv{30, 0};  // a read that waits in vain fails instead of hanging
+    setsockopt(peer, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    stream = std::make_shared<BulkStream>(fds[0], "test peer");
+    stream->Start([](const BulkFrame&) { return absl::OkStatus(); }, [](const absl::Status&) {});
+  }
+  ~StreamPair() {
+    stream->Close();
+    stream->Join();
+    if (peer >= 0) close(peer);
+  }
+  // Sends frame `id` with `body`; its callback records (id, ok).
+  void Send(uint64_t id, const std::string& body) {
+    BulkFrame frame;
+    frame.kind = kBulkPush;
+    frame.id = id;
+    grpc::Slice slice(body.data(), body.size());
+    stream->Send(frame, "", grpc::ByteBuffer(&slice, 1), [this, id](bool ok) {
+      std::lock_guard<std::mutex> lock(mu);
+      sent.emplace_back(id, ok);
+    });
+  }
+  // The callbacks once there are `n`, or after 30 s.
+  std::vector<std::pair<uint64_t, bool>> Sent(size_t n) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (std::chrono::steady_clock::now() < deadline) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (sent.size() >= n) return sent;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    return sent;
+  }
+  std::shared_ptr<BulkStream> stream;
+  int peer = -1;
+  std::mutex mu;
+  std::vector<std::pair<uint64_t, bool>> sent;
+};
+
+std::string Pattern(size_t n, int seed) {
+  std::string s(n, '\0');
+  for (size_t i = 0; i < n; ++i) s[i] = static_cast<char>((i * 31 + seed) % 251);
+  return s;
+}
+
+TEST(BulkStreamTest, FramesArriveWholeAndInOrderWhetherTheSenderOrTheWriterThreadWritesThem) {
+  StreamPair pair;
+  // 8 MiB is more than the socket takes at once: the sender writes a part
+  // and the writer thread the rest, with the small frame queued behind it.
+  const std::vector<std::string> bodies = {Pattern(8 << 20, 1), Pattern(100, 2),
+                                           Pattern(3 << 20, 3), Pattern(0, 4)};
+  for (size_t i = 0; i < bodies.size(); ++i) pair.Send(i + 1, bodies[i]);
+  for (size_t i = 0; i < bodies.size(); ++i) {
+    BulkFrame frame;
+    ASSERT_EQ(recv(pair.peer, &frame, sizeof(frame), MSG_WAITALL), ssize_t{sizeof(frame)});
+    EXPECT_EQ(frame.magic, kBulkMagic);
+    EXPECT_EQ(frame.id, i + 1);
+    ASSERT_EQ(frame.body, bodies[i].size());
+    std::string body(frame.body, '\0');
+    if (!body.empty()) {
+      ASSERT_EQ(recv(pair.peer, body.data(), body.size(), MSG_WAITALL), ssize_t(body.size()));
+    }
+    EXPECT_TRUE(body == bodies[i]) << "frame " << i + 1 << " arrived changed";
+  }
+  using Sent = std::vector<std::pair<uint64_t, bool>>;
+  EXPECT_EQ(pair.Sent(4), (Sent{{1, true}, {2, true}, {3, true}, {4, true}}));
+}
+
+TEST(BulkStreamTest, FramesFromConcurrentSendersArriveWholeEachSendersInOrder) {
+  StreamPair pair;
+  constexpr int kSenders = 2, kFrames = 60;
+  // Sizes past what the socket takes at once, so that senders meet frames
+  // half-written by another sender or by the writer thread.
+  auto body_of = [](uint64_t id) { return Pattern(id % 3 == 0 ? 10 : 300 << 10, int(id)); };
+  std::vector<std::thread> senders;
+  for (int t = 0; t < kSenders; ++t) {
+    senders.emplace_back([&, t] {
+      for (int i = 0; i < kFrames; ++i) {
+        const uint64_t id = uint64_t(t) << 32 | uint64_t(i);
+        pair.Send(id, body_of(id));
+      }
+    });
+  }
+  std::vector<int> next(kSenders, 0);
+  for (int got = 0; got < kSenders * kFrames; ++got) {
+    BulkFrame frame;
+    ASSERT_EQ(recv(pair.peer, &frame, sizeof(frame), MSG_WAITALL), ssize_t{sizeof(frame)});
+    ASSERT_EQ(frame.magic, kBulkMagic) << "frame " << got << " does not start where one ended";
+    const int t = int(frame.id >> 32), i = int(frame.id & 0xffffffff);
+    ASSERT_TRUE(t >= 0 && t < kSenders);
+    EXPECT_EQ(i, next[t]++) << "sender " << t;
+    const std::string want = body_of(frame.id);
+    ASSERT_EQ(frame.body, want.size());
+    std::string body(frame.body, '\0');
+    ASSERT_EQ(recv(pair.peer, body.data(), body.size(), MSG_WAITALL), ssize_t(body.size()));
+    EXPECT_TRUE(body == want) << "frame " << t << "/" << i << " arrived changed";
+  }
+  for (std::thread& s : senders) s.join();
+  EXPECT_EQ(pair.Sent(kSenders * kFrames).size(), size_t{kSenders * kFrames});
+}
+
+TEST(BulkStreamTest, FramesThePeerNeverTakesReportNotSent) {
+  StreamPair pair;
+  pair.Send(1, Pattern(8 << 20, 1));  // partly written, the rest pending
+  pair.Send(2, Pattern(100, 2));      // queued behind it
+  close(std::exchange(pair.peer, -1));
+  using Sent = std::vector<std::pair<uint64_t, bool>>;
+  EXPECT_EQ(pair.Sent(2), (Sent{{1, false}, {2, false}}));
+  pair.Send(3, Pattern(100, 3));  // after the end: at once, on this thread
+  EXPECT_EQ(pair.Sent(3), (Sent{{1, false}, {2, false}, {3, false}}));
 }
 
 }  // namespace
