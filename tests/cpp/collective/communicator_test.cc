@@ -498,6 +498,17 @@ TEST(CommunicatorOptionsTest, Validation) {
   o.rank = 0;
   EXPECT_THAT(Communicator::Create(o),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("store_address")));
+  o.store_address = "127.0.0.1:1";
+  for (int channels : {-1, 17}) {
+    o.shm_channels = channels;
+    EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr(absl::StrCat("shm_channels=", channels,
+                                                              ": must be 0 (auto) or 1..16"))));
+  }
+  for (int channels : {0, 1, 16}) {
+    o.shm_channels = channels;
+    EXPECT_OK(o.Validate()) << channels;
+  }
   EXPECT_THAT(ParseReduceOp("avg"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("avg")));
   EXPECT_THAT(ParseBackend("mpi"), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ParseTransport("rdma"), StatusIs(absl::StatusCode::kInvalidArgument));
