@@ -100,7 +100,11 @@ absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Create(int stripes, uint
     close(fd);
     return s;  // seg's destructor unlinks
   }
-  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // Populated now, here and in the neighbour's mapping (Open): otherwise the
+  // first pass through each ring takes a page fault on both sides every 4
+  // KiB. The first 200 allreduces of 4 KiB took 30-36 us each, and 11 us
+  // populated (2.5 us once the rings are warm).
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   close(fd);
   if (base == MAP_FAILED) return ErrnoUnavailable(absl::StrCat("mmap ", name));
   seg->base_ = static_cast<char*>(base);
@@ -130,7 +134,8 @@ absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Open(const std::string& 
     close(fd);
     return absl::UnavailableError(absl::StrCat("shared-memory segment ", name, " is truncated"));
   }
-  void* base = mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* base =
+      mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   close(fd);
   if (base == MAP_FAILED) return ErrnoUnavailable(absl::StrCat("mmap ", name));
   std::unique_ptr<ShmSegment> seg(new ShmSegment());
