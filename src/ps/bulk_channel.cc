@@ -168,7 +168,9 @@ void BulkStream::Write() {
     queue_.pop_front();
     writing_ = true;
     lock.unlock();
-    const bool ok = WriteOne(out, 0).ok();
+    // Blocking: anything short of all of it (a send timeout) ends the stream.
+    absl::StatusOr<bool> done = WriteOne(out, 0);
+    const bool ok = done.ok() && *done;
     if (!ok) Close();
     if (out.sent) out.sent(ok);
     out = Outgoing();  // the body's slices go before the lock is taken
