@@ -541,8 +541,10 @@ absl::Status CpuCommunicator::Publish(Transport transport, Joining& j,
   j.mine.shm = "-";
   j.mine.cpus = CpuMask();
   if (transport != Transport::kTcp) {
-    auto seg = ShmSegment::Create(std::max({o_.shm_channels, kAutoShmChannels,
-                                            o_.connections_per_peer}),
+    // As many rings as any stripe count can use: auto's most, or the
+    // channels asked for; connections_per_peer for a ring half-TCP.
+    const int channels = o_.shm_channels > 0 ? o_.shm_channels : kAutoShmChannels;
+    auto seg = ShmSegment::Create(std::max(channels, o_.connections_per_peer),
                                   o_.shm_buffer_bytes);
     if (seg.ok()) {
       j.own_segment = std::move(*seg);
