@@ -38,13 +38,6 @@ using std::chrono::milliseconds;
 
 // Below this many bytes per stripe a collective uses fewer stripes.
 constexpr size_t kMinStripeBytes = 256 << 10;
-// Collectives of at most this many bytes are left for their waiter to run
-// (SerialQueue's lazy collectives). Waking the queue's thread for one costs
-// a futex wake and a context switch on a core the peer ranks need: measured
-// with 2 ranks on 2 cores, 20 us of a 42 us 256 KiB allreduce and 15 us of
-// a 110 us 1 MiB one. Bigger ones start at once, for callers that overlap
-// them with compute.
-constexpr size_t kLazyBytes = 1 << 20;
 
 bool SupportedDType(DType d) {
   switch (d) {
@@ -511,7 +504,7 @@ struct CpuCommunicator::Joining {
 absl::Status CpuCommunicator::Init(Transport transport) {
   if (o_.world_size == 1) {
     pool_ = std::make_unique<StripePool>(0);
-    queue_ = std::make_unique<SerialQueue>(/*run_waits_inline=*/true);
+    queue_ = std::make_unique<SerialQueue>();
     return absl::OkStatus();
   }
   const auto deadline = Deadline();
@@ -523,7 +516,7 @@ absl::Status CpuCommunicator::Init(Transport transport) {
   DEEPNEX_RETURN_IF_ERROR(KeepSegments(j, deadline));
   BuildLinks(j);
   pool_ = std::make_unique<StripePool>(static_cast<int>(links_.size()) - 1);
-  queue_ = std::make_unique<SerialQueue>(/*run_waits_inline=*/true);
+  queue_ = std::make_unique<SerialQueue>();
   return absl::OkStatus();
 }
 

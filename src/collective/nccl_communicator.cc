@@ -166,8 +166,7 @@ class NcclCommunicator final : public Communicator {
     DEEPNEX_NCCL(ncclCommInitRankConfig(&comm_, o_.world_size, id, o_.rank, &config), nullptr);
     absl::Status s = Settle("ncclCommInitRankConfig", deadline);
     if (!s.ok()) return s;
-    queue_ = std::make_unique<SerialQueue>(/*run_waits_inline=*/false,
-                                           [this] { cudaSetDevice(device_); });
+    queue_ = std::make_unique<SerialQueue>();
     return absl::OkStatus();
   }
 
@@ -179,7 +178,7 @@ class NcclCommunicator final : public Communicator {
       DEEPNEX_ASSIGN_OR_RETURN(ncclDataType_t dt, NcclType(t.dtype));
       DEEPNEX_NCCL(ncclAllReduce(t.data, t.data, t.NumElements(), dt, NcclOp(op), comm_, stream_), comm_);
       return Complete("ncclAllReduce", deadline);
-    });
+    }, t.NumBytes());
   }
 
   std::shared_ptr<Work> BroadcastAsync(const TensorView& t, int root) override {
@@ -195,7 +194,7 @@ class NcclCommunicator final : public Communicator {
       DEEPNEX_ASSIGN_OR_RETURN(ncclDataType_t dt, NcclType(t.dtype));
       DEEPNEX_NCCL(ncclBroadcast(t.data, t.data, t.NumElements(), dt, root, comm_, stream_), comm_);
       return Complete("ncclBroadcast", deadline);
-    });
+    }, t.NumBytes());
   }
 
   std::shared_ptr<Work> AllGatherAsync(const TensorView& in, const TensorView& out) override {
@@ -213,7 +212,7 @@ class NcclCommunicator final : public Communicator {
       DEEPNEX_ASSIGN_OR_RETURN(ncclDataType_t dt, NcclType(in.dtype));
       DEEPNEX_NCCL(ncclAllGather(in.data, out.data, in.NumElements(), dt, comm_, stream_), comm_);
       return Complete("ncclAllGather", deadline);
-    });
+    }, out.NumBytes());
   }
 
   std::shared_ptr<Work> ReduceScatterAsync(const TensorView& in, const TensorView& out,
@@ -234,7 +233,7 @@ class NcclCommunicator final : public Communicator {
                                      stream_),
                    comm_);
       return Complete("ncclReduceScatter", deadline);
-    });
+    }, in.NumBytes());
   }
 
   std::shared_ptr<Work> BarrierAsync() override {
@@ -242,7 +241,7 @@ class NcclCommunicator final : public Communicator {
       auto deadline = Clock::now() + o_.timeout;
       // The header exchange is itself a barrier.
       return Check(Kind::kBarrier, TensorView(), ReduceOp::kSum, 0, 0, absl::OkStatus(), deadline);
-    });
+    }, 0);
   }
 
   void Abort() override {
@@ -260,15 +259,24 @@ class NcclCommunicator final : public Communicator {
   std::string transport() const override { return "nccl"; }
 
  private:
-  std::shared_ptr<Work> Enqueue(std::function<absl::Status()> fn) {
-    return queue_->Enqueue([this, fn = std::move(fn)]() -> absl::Status {
-      if (broken_ || comm_ == nullptr) {
-        return absl::AbortedError("the nccl communicator is broken by an earlier error or abort");
-      }
-      absl::Status s = fn();
-      if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) broken_ = true;
-      return s;
-    });
+  // Collectives up to kLazyBytes are left for their waiter to issue, on its
+  // own thread: each selects the communicator's device for its calls and
+  // gives the thread back its own.
+  std::shared_ptr<Work> Enqueue(std::function<absl::Status()> fn, size_t bytes) {
+    return queue_->Enqueue(
+        [this, fn = std::move(fn)]() -> absl::Status {
+          if (broken_ || comm_ == nullptr) {
+            return absl::AbortedError("the nccl communicator is broken by an earlier error or abort");
+          }
+          int caller_device = -1;
+          cudaGetDevice(&caller_device);
+          if (caller_device != device_) DEEPNEX_CUDA(cudaSetDevice(device_));
+          absl::Status s = fn();
+          if (caller_device >= 0 && caller_device != device_) cudaSetDevice(caller_device);
+          if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) broken_ = true;
+          return s;
+        },
+        /*lazy=*/bytes <= kLazyBytes);
   }
 
   absl::Status CheckDevice(const char* what, const TensorView& t) {

@@ -22,7 +22,6 @@ struct WorkImpl::Core {
     Clock::time_point queued;
   };
   std::chrono::microseconds lazy_grace{0};
-  bool may_be_lazy = false;  // run_waits_inline: only then are there lazy items to poll for
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Item> items;
@@ -67,15 +66,10 @@ bool WorkImpl::Done() const {
   return false;
 }
 
-SerialQueue::SerialQueue(bool run_waits_inline, std::function<void()> on_thread_start,
-                         std::chrono::microseconds lazy_grace)
-    : run_waits_inline_(run_waits_inline), core_(std::make_shared<Core>()) {
+SerialQueue::SerialQueue(std::chrono::microseconds lazy_grace)
+    : core_(std::make_shared<Core>()) {
   core_->lazy_grace = lazy_grace;
-  core_->may_be_lazy = run_waits_inline;
-  thread_ = std::thread([core = core_, start = std::move(on_thread_start)] {
-    if (start) start();
-    Loop(*core);
-  });
+  thread_ = std::thread([core = core_] { Loop(*core); });
 }
 
 SerialQueue::~SerialQueue() { Close(); }
@@ -99,8 +93,7 @@ std::shared_ptr<Work> SerialQueue::Enqueue(std::function<absl::Status()> fn, boo
     work->Finish(s);
     return work;
   }
-  if (run_waits_inline_) work->queue_ = core_;
-  lazy = lazy && run_waits_inline_;
+  work->queue_ = core_;
   bool wake;
   {
     std::lock_guard<std::mutex> lock(core_->mu);
@@ -182,7 +175,7 @@ void SerialQueue::Loop(Core& core) {
       core.cv.notify_all();
       continue;
     }
-    if (core.may_be_lazy && (!core.items.empty() || now - core.last_busy < kBusyWindow)) {
+    if (!core.items.empty() || now - core.last_busy < kBusyWindow) {
       core.cv.wait_for(lock, core.lazy_grace);
     } else {
       core.sleeping = true;

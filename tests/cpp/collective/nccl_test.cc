@@ -89,6 +89,38 @@ TEST_F(NcclTest, AllReduceBroadcastAllGatherReduceScatter) {
   });
 }
 
+// Collectives up to 1 MiB are issued by the thread that waits for them.
+// Whatever device that thread has selected, each runs on the
+// communicator's, and the thread keeps its own (with 2+ GPUs every rank
+// selects another rank's device first).
+TEST_F(NcclTest, AWaitingThreadIssuesOnTheCommunicatorsDeviceAndKeepsItsOwn) {
+  SKIP_WITHOUT_GPU();
+  const int n = Devices();
+  RunRanks(n, [&](int r, Communicator& comm) {
+    const int other = (r + 1) % n;
+    for (size_t count : {size_t{1024}, size_t{1} << 18, size_t{1} << 20}) {  // 4 KiB..4 MiB
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      float* dev = nullptr;
+      ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&dev), count * 4), cudaSuccess);
+      std::vector<float> host(count, static_cast<float>(r + 1));
+      cudaMemcpy(dev, host.data(), count * 4, cudaMemcpyHostToDevice);
+      ASSERT_EQ(cudaSetDevice(other), cudaSuccess);
+      TensorView t(dev, DType::kFloat32, {int64_t(count)});
+      ASSERT_OK(comm.AllReduce(t, ReduceOp::kSum)) << count;
+      auto work = comm.AllReduceAsync(t, ReduceOp::kSum);
+      ASSERT_OK(work->Wait(std::chrono::milliseconds(60000))) << count;
+      int current = -1;
+      ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+      EXPECT_EQ(current, other) << count;
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      cudaMemcpy(host.data(), dev, count * 4, cudaMemcpyDeviceToHost);
+      const float sum = static_cast<float>(n * (n + 1) / 2);  // of the ranks' r + 1
+      for (size_t i = 0; i < count; ++i) ASSERT_EQ(host[i], sum * n) << count << " " << i;
+      cudaFree(dev);
+    }
+  });
+}
+
 TEST_F(NcclTest, BusBandwidthSweep) {
   SKIP_WITHOUT_GPU();
   const int n = Devices();

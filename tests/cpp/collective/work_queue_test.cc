@@ -22,30 +22,38 @@ using std::chrono::seconds;
 // within a test.
 constexpr auto kNever = std::chrono::microseconds(std::chrono::hours(1));
 
-// The thread that ran a lazy collective waited for at once.
-std::thread::id RanOn(bool run_waits_inline) {
-  SerialQueue queue(run_waits_inline, nullptr, kNever);
+// The thread that ran a collective: lazy ones waited for at once run on
+// the waiting thread; others start on the queue's own, without a waiter.
+std::thread::id RanOn(bool lazy) {
+  SerialQueue queue(kNever);
+  std::atomic<bool> ran{false};
   std::thread::id ran_on;
   auto work = queue.Enqueue(
       [&] {
         ran_on = std::this_thread::get_id();
+        ran = true;
         return absl::OkStatus();
       },
-      /*lazy=*/true);
-  EXPECT_OK(work->Wait());
+      lazy);
+  if (lazy) {
+    EXPECT_OK(work->Wait());
+  } else {
+    EXPECT_TRUE(WaitFor([&] { return ran.load(); }, seconds(30), "the collective to run"));
+    EXPECT_OK(work->Wait());
+  }
   return ran_on;
 }
 
 TEST(SerialQueueTest, WaitRunsALazyCollectiveOnTheWaitingThread) {
-  EXPECT_EQ(RanOn(/*run_waits_inline=*/true), std::this_thread::get_id());
+  EXPECT_EQ(RanOn(/*lazy=*/true), std::this_thread::get_id());
 }
 
-TEST(SerialQueueTest, WithoutInlineWaitsTheQueueThreadRunsEverything) {
-  EXPECT_NE(RanOn(/*run_waits_inline=*/false), std::this_thread::get_id());
+TEST(SerialQueueTest, TheQueueThreadStartsACollectiveThatIsNotLazyAtOnce) {
+  EXPECT_NE(RanOn(/*lazy=*/false), std::this_thread::get_id());
 }
 
 TEST(SerialQueueTest, LazyCollectiveNobodyWaitsForStillRuns) {
-  SerialQueue queue(/*run_waits_inline=*/true, nullptr, milliseconds(1));
+  SerialQueue queue(milliseconds(1));
   std::atomic<bool> ran{false};
   auto work = queue.Enqueue(
       [&] {
@@ -58,7 +66,7 @@ TEST(SerialQueueTest, LazyCollectiveNobodyWaitsForStillRuns) {
 }
 
 TEST(SerialQueueTest, DoneHandsALazyCollectiveToTheQueueThread) {
-  SerialQueue queue(/*run_waits_inline=*/true, nullptr, kNever);
+  SerialQueue queue(kNever);
   std::atomic<bool> on_other_thread{false};
   const auto me = std::this_thread::get_id();
   auto work = queue.Enqueue(
@@ -72,7 +80,7 @@ TEST(SerialQueueTest, DoneHandsALazyCollectiveToTheQueueThread) {
 }
 
 TEST(SerialQueueTest, AWaiterRunsNothingAheadOfARunningCollective) {
-  SerialQueue queue(/*run_waits_inline=*/true, nullptr, kNever);
+  SerialQueue queue(kNever);
   std::atomic<bool> a_started{false}, release_a{false};
   std::string order;  // written by one collective at a time
   auto a = queue.Enqueue([&] {
@@ -96,7 +104,7 @@ TEST(SerialQueueTest, AWaiterRunsNothingAheadOfARunningCollective) {
 }
 
 TEST(SerialQueueTest, CloseAbortsQueuedLazyCollectives) {
-  auto queue = std::make_unique<SerialQueue>(/*run_waits_inline=*/true, nullptr, kNever);
+  auto queue = std::make_unique<SerialQueue>(kNever);
   std::atomic<bool> a_started{false}, release_a{false};
   auto a = queue->Enqueue([&] {
     a_started = true;
