@@ -6,7 +6,8 @@
 #     NVML discovery against CUDA, the shared-mode memory limit in PyTorch,
 #     a process container's GPU device rules and NVML usage, an agent's GPU
 #     node, CUDA tensors through nccl, DDP and the parameter server;
-#  3. benchmarks/nccl_bench: deepnex's nccl allreduce beside torch's.
+#  3. benchmarks/nccl_bench: deepnex's nccl allreduce and allgather beside
+#     torch's.
 # Without a GPU every test skips with its reason. The container tests need
 # cgroups: on cgroup v2, run it as root from the root cgroup (`echo $$ >
 # /sys/fs/cgroup/cgroup.procs` first), as the process backend asks there.
@@ -38,7 +39,10 @@ echo "== GPU tests (Python)"
   || failed+=(test_gpu_device)
 echo "== nccl_bench"
 if "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-  PYTHONPATH="$BUILD/python" timeout 300 "$PYTHON" "$root/benchmarks/nccl_bench" || failed+=(nccl_bench)
+  for op in allreduce allgather; do
+    PYTHONPATH="$BUILD/python" timeout 300 "$PYTHON" "$root/benchmarks/nccl_bench" --op $op \
+      || failed+=("nccl_bench --op $op")
+  done
 else
   echo "nccl_bench: skipped, PyTorch sees no CUDA device"
 fi
