@@ -6,6 +6,8 @@ or against an installed package (pip install). Nothing here imports torch.
 """
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -37,6 +39,36 @@ def pytest_report_header(config):
     except ImportError as e:
         return f"deepnex: NOT IMPORTABLE ({e}); set PYTHONPATH=<build>/python"
     return f"deepnex {deepnex.__version__} from {os.path.dirname(deepnex.__file__)}"
+
+
+def _mount_points_under(path):
+    prefix = os.path.realpath(path) + "/"
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f if line.split()[4].startswith(prefix)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_tmpdir():
+    """TMPDIR of every process the tests start: a directory of this session's,
+    removed at its end. A daemon a test kills with SIGKILL (as a crash would)
+    cannot remove its temporary files, e.g. its launcher's deepnex-launch-*
+    state directory; they end here instead of in /tmp. Open to every user,
+    as /tmp is: some tests run daemons as another user. Left in place, and
+    named, if something is still mounted under it."""
+    d = tempfile.mkdtemp(prefix="deepnex-tests-")
+    os.chmod(d, 0o1777)
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = d
+    yield d
+    if saved is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = saved
+    mounts = _mount_points_under(d)
+    if mounts:
+        print(f"conftest: {d} left in place, mounts under it: {mounts}")
+    else:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

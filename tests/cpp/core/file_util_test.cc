@@ -38,7 +38,9 @@ TEST(Crc32cTest, KnownVectors) {
 }
 
 TEST(FileUtilTest, AtomicWriteReplacesTheFile) {
-  std::string dir = ::testing::TempDir() + "/file_util_test/a/b";
+  TempDir tmp;
+  ASSERT_FALSE(tmp.path().empty());
+  std::string dir = tmp.path() + "/a/b";
   ASSERT_THAT(MakeDirectories(dir), IsOk());
   std::string path = dir + "/f";
   ASSERT_THAT(WriteFileAtomically(path, "one"), IsOk());
