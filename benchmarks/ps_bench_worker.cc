@@ -196,8 +196,6 @@ int main(int argc, char** argv) {
       Fail("round " + std::to_string(r + 1), s);
     double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     if (r >= f.warmup) times.push_back(dt);
-    std::fprintf(stderr, "ps_bench_worker %d: round %d/%d %.1f ms\n",
-                 f.worker_id, r + 1, total, dt * 1e3);
   }
 
   const double cpu_s = ProcessCpuSeconds() - cpu_start_s;
