@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -69,9 +70,12 @@ using TempDir = ::deepnex::test::TempDir;
 #ifdef DEEPNEX_CENTRAL_BIN
 // The deepnex-central binary, started with `--listen 127.0.0.1:0` and `args`.
 // `address` is empty when it did not come up. The caller signals and reaps it.
+// Its TMPDIR is `tmp`, removed with this object: a daemon a test kills with
+// SIGKILL cannot remove its launcher's temporary state directory itself.
 struct CentralDaemon {
   pid_t pid = -1;
   std::string address;
+  std::unique_ptr<TempDir> tmp = std::make_unique<TempDir>();
 };
 
 inline CentralDaemon StartCentralDaemon(std::vector<std::string> args) {
@@ -79,8 +83,10 @@ inline CentralDaemon StartCentralDaemon(std::vector<std::string> args) {
   int out[2];
   if (pipe(out) != 0) return {};
   CentralDaemon d;
+  const std::string tmpdir = d.tmp->path();
   d.pid = fork();
   if (d.pid == 0) {
+    if (!tmpdir.empty()) setenv("TMPDIR", tmpdir.c_str(), 1);
     dup2(out[1], 1);
     close(out[0]);
     std::vector<char*> argv;
