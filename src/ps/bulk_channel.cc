@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -73,24 +74,109 @@ void BulkStream::Join() {
 }
 
 void BulkStream::Start(std::function<absl::Status(const BulkFrame&)> on_frame,
-                       std::function<void(const absl::Status&)> on_close) {
+                       std::function<void(const absl::Status&)> on_close, bool on_demand) {
+  on_frame_ = std::move(on_frame);
+  on_demand_ = on_demand;
   writer_ = std::thread([self = shared_from_this()] { self->Write(); });
-  reader_ = std::thread([this, self = shared_from_this(), on_frame = std::move(on_frame),
-                         on_close = std::move(on_close)]() mutable {
+  reader_ = std::thread([this, self = shared_from_this(), on_close = std::move(on_close)] {
     absl::Status s;
     while (s.ok()) {
-      BulkFrame frame;
-      s = Read(&frame, sizeof(frame));
-      if (s.ok() && frame.magic != kBulkMagic) {
-        s = absl::InvalidArgumentError(
-            absl::StrCat("bulk connection with ", peer_, ": a frame without the magic"));
+      if (on_demand_) {
+        std::unique_lock<std::mutex> lock(mu_);
+        read_cv_.wait(lock, [this] { return ReaderTurn(); });
+        if (closed_) {
+          s = failure_.ok() ? Gone(peer_, "closed") : failure_;
+          break;
+        }
+        reading_ = true;
       }
-      if (s.ok()) s = on_frame(frame);
+      s = ReadFrame();
+      if (on_demand_) {
+        std::lock_guard<std::mutex> lock(mu_);
+        reading_ = false;
+        if (s.ok()) --expected_;
+      }
     }
     Close();
-    on_frame = nullptr;
+    on_frame_ = nullptr;
     on_close(s);
   });
+}
+
+absl::Status BulkStream::ReadFrame() {
+  BulkFrame frame;
+  DEEPNEX_RETURN_IF_ERROR(Read(&frame, sizeof(frame)));
+  if (frame.magic != kBulkMagic) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bulk connection with ", peer_, ": a frame without the magic"));
+  }
+  return on_frame_(frame);
+}
+
+void BulkStream::Expect(bool claim) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++expected_;
+  if (claim) {
+    ++claims_;
+  } else if (ReaderTurn()) {
+    read_cv_.notify_one();
+  }
+}
+
+void BulkStream::Unclaim() {
+  std::lock_guard<std::mutex> lock(mu_);
+  --claims_;
+  if (ReaderTurn()) read_cv_.notify_one();
+}
+
+bool BulkStream::LeaderInFrame() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return leader_in_frame_;
+}
+
+bool BulkStream::Lead(const std::function<bool()>& done, std::chrono::milliseconds poll_every) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --claims_;
+    if (closed_ || leading_ || reading_) {
+      if (ReaderTurn()) read_cv_.notify_one();
+      return false;
+    }
+    leading_ = true;
+  }
+  absl::Status s;
+  while (!done()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_ || expected_ == 0) break;  // nothing will come to read
+    }
+    // Between frames, a deadline or a cancel may end the wait without one.
+    pollfd p{fd_, POLLIN, 0};
+    int ready = poll(&p, 1, static_cast<int>(poll_every.count()));
+    if (ready == 0 || (ready < 0 && errno == EINTR)) continue;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      leader_in_frame_ = true;
+    }
+    s = ReadFrame();
+    std::lock_guard<std::mutex> lock(mu_);
+    leader_in_frame_ = false;
+    if (!s.ok()) break;
+    --expected_;
+  }
+  if (!s.ok()) Fail(s);
+  std::lock_guard<std::mutex> lock(mu_);
+  leading_ = false;
+  if (ReaderTurn()) read_cv_.notify_one();
+  return true;
+}
+
+void BulkStream::Fail(const absl::Status& s) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failure_.ok() && !closed_) failure_ = s;
+  }
+  Close();
 }
 
 absl::Status BulkStream::Read(void* dst, uint64_t n) {
@@ -232,6 +318,7 @@ void BulkStream::Close() {
   // Wakes the reader's recv and the writer's send.
   if (getpid() == pid_) shutdown(fd_, SHUT_RDWR);
   cv_.notify_all();
+  read_cv_.notify_all();
 }
 
 // ---- BulkListener

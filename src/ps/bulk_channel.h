@@ -59,6 +59,13 @@ enum BulkMethod : uint32_t { kBulkPush = 1, kBulkPull = 2, kBulkCancel = 3 };
 // at once. Each
 // thread holds the stream until it ends, so the stream outlives them: it
 // goes with the last of them or of its owners' references. Thread-safe.
+//
+// The server's end reads whatever comes. The client's end (Start with
+// `on_demand`) reads only the replies it expects (Expect), and a caller
+// about to wait for its reply may read them itself (Lead) instead of the
+// reader thread. A blocking caller then wakes once per reply, not twice
+// (the reader thread, then the caller); on a 2-CPU host the second wake
+// often queued behind the other processes of the round while a CPU idled.
 class BulkStream : public std::enable_shared_from_this<BulkStream> {
  public:
   BulkStream(int fd, std::string peer);
@@ -66,16 +73,32 @@ class BulkStream : public std::enable_shared_from_this<BulkStream> {
   BulkStream(const BulkStream&) = delete;
   BulkStream& operator=(const BulkStream&) = delete;
 
-  // `on_frame` runs on the reader thread for each frame and reads all of
-  // the frame's text and body with Read or Skip; an error from it ends the
-  // connection. `on_close` runs once, on the reader thread, after the last
-  // frame (the peer went, an error, or Close). The stream must be held by
-  // a shared_ptr.
+  // `on_frame` runs for each frame, on the reader thread or a leader, one
+  // frame at a time, and reads all of the frame's text and body with Read
+  // or Skip; an error from it ends the connection. `on_close` runs once, on
+  // the reader thread, after the last frame (the peer went, an error, or
+  // Close). The stream must be held by a shared_ptr.
   void Start(std::function<absl::Status(const BulkFrame&)> on_frame,
-             std::function<void(const absl::Status&)> on_close);
+             std::function<void(const absl::Status&)> on_close, bool on_demand = false);
   // Only from on_frame.
   absl::Status Read(void* dst, uint64_t n);
   absl::Status Skip(uint64_t n);
+
+  // On demand: one more frame will come (a request's reply). Without
+  // `claim` the reader thread reads it unless a leader does; with it, the
+  // caller promises to call Lead (or Unclaim) next, and until then the
+  // reader thread leaves the socket to it.
+  void Expect(bool claim);
+  // Takes up the caller's claim: reads and hands on the frames that come
+  // until `done()` (checked between frames, and every `poll` while none
+  // comes), then leaves what is still expected to the reader thread. False
+  // at once, the claim dropped, when the reader thread or another leader is
+  // reading: the caller then waits for them.
+  bool Lead(const std::function<bool()>& done, std::chrono::milliseconds poll);
+  // Drops a claim without leading.
+  void Unclaim();
+  // A leader is in the middle of a frame (not waiting for the next one).
+  bool LeaderInFrame() const;
   // Sends `frame` (its text and body sizes are filled in), `text` and
   // `body`, in order after the frames sent before: what the socket takes
   // at once on this thread, the rest from the writer thread. `sent(true)`
@@ -103,6 +126,14 @@ class BulkStream : public std::enable_shared_from_this<BulkStream> {
   // Sends what is left of `out` (with MSG_DONTWAIT in `flags`, as much as
   // the socket takes now); true once all of it is sent.
   absl::StatusOr<bool> WriteOne(Outgoing& out, int flags);
+  // Reads one frame and hands it to on_frame_.
+  absl::Status ReadFrame();
+  // The reader thread's turn to read (on demand). REQUIRES: mu_ held.
+  bool ReaderTurn() const {
+    return closed_ || (expected_ > 0 && !leading_ && claims_ == 0);
+  }
+  // Ends the connection for `s`, which on_close will be given.
+  void Fail(const absl::Status& s);
 
   const int fd_;
   const std::string peer_;
@@ -111,11 +142,22 @@ class BulkStream : public std::enable_shared_from_this<BulkStream> {
   const pid_t pid_;
   std::thread reader_;
   std::thread writer_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Outgoing> queue_;  // guarded by mu_
   bool writing_ = false;        // a thread is writing to the socket; guarded by mu_
   bool closed_ = false;         // guarded by mu_
+  std::function<absl::Status(const BulkFrame&)> on_frame_;
+  bool on_demand_ = false;
+  // On demand, all guarded by mu_: frames still to come, callers that
+  // promised to lead, whether one leads, whether the reader thread reads.
+  std::condition_variable read_cv_;
+  uint64_t expected_ = 0;
+  int claims_ = 0;
+  bool leading_ = false;
+  bool leader_in_frame_ = false;
+  bool reading_ = false;
+  absl::Status failure_;  // why a leader ended the connection
 };
 
 // The server's listening socket for bulk connections, and the tickets that

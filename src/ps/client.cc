@@ -154,14 +154,14 @@ class ClientImpl final : public Client {
   }
 
   absl::Status Push(const std::vector<NamedTensor>& grads) override {
-    return PushAsync(grads)->Wait();
+    return Led([&] { return PushAsync(grads); });
   }
   absl::Status Pull(const std::vector<NamedTensor>& out) override {
-    return PullAsync(out)->Wait();
+    return Led([&] { return PullAsync(out); });
   }
   absl::Status PushPull(const std::vector<NamedTensor>& grads,
                         const std::vector<NamedTensor>& out) override {
-    return PushPullAsync(grads, out)->Wait();
+    return Led([&] { return PushPullAsync(grads, out); });
   }
 
   std::shared_ptr<PendingOp> PushAsync(
@@ -461,13 +461,33 @@ class ClientImpl final : public Client {
     link->server = server;
     link->stream = *std::move(stream);
     link->stream->Start([this, link](const BulkFrame& frame) { return OnBulkReply(*link, frame); },
-                        [this, link](const absl::Status& status) { OnBulkClosed(link, status); });
+                        [this, link](const absl::Status& status) { OnBulkClosed(link, status); },
+                        /*on_demand=*/true);
     return link;
   }
 
   std::shared_ptr<BulkLink> BulkTo(size_t server) {
     std::lock_guard<std::mutex> lock(mu_);
     return bulk_.empty() ? nullptr : bulk_[server];
+  }
+
+  // The bulk links this thread sent requests on, one entry per request,
+  // while it starts an op it will wait for (Led).
+  static thread_local std::vector<std::shared_ptr<BulkLink>>* leading_;
+
+  // Starts an op and waits for it, reading the replies of a bulk link it
+  // went over on this thread, rather than waking the link's reader thread
+  // to read them and then this one.
+  absl::Status Led(const std::function<std::shared_ptr<PendingOp>()>& start) {
+    std::vector<std::shared_ptr<BulkLink>> links;
+    leading_ = &links;
+    std::shared_ptr<PendingOp> op = start();
+    leading_ = nullptr;
+    // One link is read here: the replies on the others are their reader
+    // threads'.
+    for (size_t i = 1; i < links.size(); ++i) links[i]->stream->Unclaim();
+    if (!links.empty()) links[0]->stream->Lead([&] { return op->Done(); }, kBulkSweep);
+    return op->Wait();
   }
 
   // With r->mu held (from Attempt), which it releases before sending: the
@@ -499,6 +519,8 @@ class ClientImpl final : public Client {
     frame.id = id;
     grpc::ByteBuffer request = r->request;
     lock.unlock();
+    link->stream->Expect(/*claim=*/leading_ != nullptr);
+    if (leading_ != nullptr) leading_->push_back(link);
     link->stream->Send(frame, "", std::move(request), [this, c](bool) { Settle(c); });
   }
 
@@ -540,11 +562,14 @@ class ClientImpl final : public Client {
   // Request `id` ends without a reply (deadline, cancel): the server is
   // told to drop it, as gRPC tells it of a cancelled call. One whose bytes
   // are still queued or going out closes the connection instead, so that
-  // the writer lets go of the caller's tensors now.
+  // the writer lets go of the caller's tensors now; so does a deadline
+  // while a caller (Lead) is in the middle of a reply: the server may have
+  // stopped sending it halfway, and the caller would wait with it.
   void EndBulk(BulkLink& link, uint64_t id, const grpc::Status& status) {
     std::shared_ptr<BulkCall> c = TakeBulk(link, id);
     if (c == nullptr) return;
-    if (c->left.load() == 2) {
+    if (c->left.load() == 2 || (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+                                link.stream->LeaderInFrame())) {
       link.stream->Close();
     } else {
       BulkFrame frame;
@@ -1034,6 +1059,8 @@ class ClientImpl final : public Client {
   bool heartbeat_stop_ = false;
   std::thread heartbeat_;
 };
+
+thread_local std::vector<std::shared_ptr<ClientImpl::BulkLink>>* ClientImpl::leading_ = nullptr;
 
 }  // namespace
 

@@ -9,11 +9,13 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
 #include "deepnex/ps.grpc.pb.h"
 #include "deepnex/ps/client.h"
@@ -415,6 +417,204 @@ TEST(BulkStreamTest, FramesThePeerNeverTakesReportNotSent) {
   EXPECT_EQ(pair.Sent(2), (Sent{{1, false}, {2, false}}));
   pair.Send(3, Pattern(100, 3));  // after the end: at once, on this thread
   EXPECT_EQ(pair.Sent(3), (Sent{{1, false}, {2, false}, {3, false}}));
+}
+
+// One socket-pair end as a client's on-demand stream: each frame's body is
+// read whole and recorded with the thread that read it.
+struct OnDemandPair {
+  OnDemandPair() {
+    int fds[2];
+    EXPECT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
+    peer = fds[1];
+    stream = std::make_shared<BulkStream>(fds[0], "test server");
+    stream->Start(
+        [this](const BulkFrame& frame) {
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            in_frame = frame.id;
+          }
+          std::string body(frame.body, '\0');
+          absl::Status s = stream->Read(body.data(), body.size());
+          std::lock_guard<std::mutex> lock(mu);
+          if (s.ok()) read.push_back({frame.id, std::this_thread::get_id()});
+          return s;
+        },
+        [this](const absl::Status& s) {
+          std::lock_guard<std::mutex> lock(mu);
+          closed = s;
+          closed_on = std::this_thread::get_id();
+        },
+        /*on_demand=*/true);
+  }
+  ~OnDemandPair() {
+    stream->Close();
+    stream->Join();
+    if (peer >= 0) close(peer);
+  }
+  // The peer sends frame `id` with a body of `n` bytes, of which only
+  // `sent` (all, by default) now.
+  void Reply(uint64_t id, size_t n, size_t sent = SIZE_MAX) {
+    BulkFrame frame;
+    frame.magic = kBulkMagic;
+    frame.id = id;
+    frame.body = n;
+    std::string bytes(reinterpret_cast<const char*>(&frame), sizeof(frame));
+    bytes += Pattern(std::min(n, sent), 1);
+    ASSERT_EQ(send(peer, bytes.data(), bytes.size(), MSG_NOSIGNAL), ssize_t(bytes.size()));
+  }
+  void Rest(size_t n) {
+    std::string bytes = Pattern(n, 2);
+    ASSERT_EQ(send(peer, bytes.data(), bytes.size(), MSG_NOSIGNAL), ssize_t(bytes.size()));
+  }
+  bool Seen(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& [i, t] : read) {
+      if (i == id) return true;
+    }
+    return false;
+  }
+  // Waits up to 30 s for `cond`.
+  template <typename Cond>
+  bool Await(Cond cond) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!cond()) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    return true;
+  }
+  std::shared_ptr<BulkStream> stream;
+  int peer = -1;
+  std::mutex mu;
+  uint64_t in_frame = 0;  // the frame on_frame last began
+  std::vector<std::pair<uint64_t, std::thread::id>> read;
+  std::optional<absl::Status> closed;
+  std::thread::id closed_on;
+};
+
+constexpr std::chrono::milliseconds kPoll(20);
+
+TEST(BulkStreamTest, ALeaderReadsWhatComesUntilItsReplyAndTheReaderThreadTheRest) {
+  OnDemandPair pair;
+  pair.stream->Expect(/*claim=*/true);   // reply 1: this thread's
+  pair.stream->Expect(/*claim=*/false);  // reply 2: another caller's
+  // Reply 2 comes first; with a claim outstanding, the reader thread leaves
+  // it to the leader, which hands it on and reads on to its own.
+  pair.Reply(2, 100 << 10);
+  pair.Reply(1, 10);
+  EXPECT_TRUE(pair.stream->Lead([&] { return pair.Seen(1); }, kPoll));
+  const auto me = std::this_thread::get_id();
+  {
+    std::lock_guard<std::mutex> lock(pair.mu);
+    ASSERT_EQ(pair.read.size(), 2u);
+    EXPECT_EQ(pair.read[0].first, 2u);
+    EXPECT_EQ(pair.read[1].first, 1u);
+    EXPECT_EQ(pair.read[0].second, me);
+    EXPECT_EQ(pair.read[1].second, me);
+  }
+  // Without a leader, a reply expected is the reader thread's.
+  pair.stream->Expect(/*claim=*/false);
+  pair.Reply(3, 10);
+  ASSERT_TRUE(pair.Await([&] { return pair.Seen(3); }));
+  std::lock_guard<std::mutex> lock(pair.mu);
+  EXPECT_NE(pair.read[2].second, me);
+}
+
+TEST(BulkStreamTest, ALeaderLeavesWhatItDidNotWaitForToTheReaderThread) {
+  OnDemandPair pair;
+  pair.stream->Expect(/*claim=*/true);
+  pair.stream->Expect(/*claim=*/true);  // a second caller's, who drops it
+  pair.stream->Unclaim();
+  pair.Reply(1, 10);
+  EXPECT_TRUE(pair.stream->Lead([&] { return pair.Seen(1); }, kPoll));
+  pair.Reply(2, 10);  // after the leader left: the reader thread reads it
+  ASSERT_TRUE(pair.Await([&] { return pair.Seen(2); }));
+  std::lock_guard<std::mutex> lock(pair.mu);
+  EXPECT_NE(pair.read[1].second, std::this_thread::get_id());
+}
+
+TEST(BulkStreamTest, ACallerFindingTheReaderThreadInAFrameLeavesTheReadingToIt) {
+  OnDemandPair pair;
+  pair.stream->Expect(/*claim=*/false);
+  pair.Reply(1, 1000, /*sent=*/10);  // the reader thread waits in its body
+  ASSERT_TRUE(pair.Await([&] {
+    std::lock_guard<std::mutex> lock(pair.mu);
+    return pair.in_frame == 1;
+  }));
+  pair.stream->Expect(/*claim=*/true);
+  EXPECT_FALSE(pair.stream->Lead([] { return false; }, kPoll));
+  pair.Rest(990);
+  pair.Reply(2, 10);
+  ASSERT_TRUE(pair.Await([&] { return pair.Seen(2); }));
+  std::lock_guard<std::mutex> lock(pair.mu);
+  for (const auto& [id, t] : pair.read) EXPECT_NE(t, std::this_thread::get_id()) << id;
+}
+
+TEST(BulkStreamTest, ALeaderStuckInAFrameIsFreedByCloseAndTheReaderThreadReportsTheEnd) {
+  OnDemandPair pair;
+  pair.stream->Expect(/*claim=*/true);
+  pair.Reply(1, 1000, /*sent=*/10);  // and never the rest
+  std::thread closer([&] {
+    EXPECT_TRUE(pair.Await([&] { return pair.stream->LeaderInFrame(); }));
+    pair.stream->Close();
+  });
+  EXPECT_TRUE(pair.stream->Lead([] { return false; }, kPoll));
+  closer.join();
+  EXPECT_FALSE(pair.stream->LeaderInFrame());
+  ASSERT_TRUE(pair.Await([&] {
+    std::lock_guard<std::mutex> lock(pair.mu);
+    return pair.closed.has_value();
+  }));
+  std::lock_guard<std::mutex> lock(pair.mu);
+  EXPECT_FALSE(pair.closed->ok());
+  EXPECT_NE(pair.closed_on, std::this_thread::get_id());
+  EXPECT_TRUE(pair.read.empty());
+}
+
+TEST(PsBulkTest, ThreadsSharingAClientEachGetTheirOwnValuesExactly) {
+  ServerOptions so;
+  so.num_workers = 1;
+  so.reduction = Reduction::kSum;
+  so.optimizer.lr = 0.5;
+  auto server = Server::Create(so);
+  ASSERT_THAT(server.status(), IsOk());
+  auto client = TcpClient(**server, 0);
+  ASSERT_THAT(client.status(), IsOk());
+  constexpr int kThreads = 4, kRounds = 200;
+  std::vector<std::vector<float>> init(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    init[t].assign(1000 << t, 0.0f);  // 4 KB to 32 KB: replies of every size interleave
+    ASSERT_THAT((*client)->Init({View("k" + std::to_string(t), init[t])}), IsOk());
+  }
+  // Each thread pushes 2.0 (t + 1) times per element on its own key: the
+  // sync ones read replies for each other (and for the async ones), the
+  // async ones leave theirs to the reader thread.
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> status(kThreads);
+  std::vector<std::vector<float>> out(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const std::string key = "k" + std::to_string(t);
+      std::vector<float> grad(init[t].size(), 2.0f * (t + 1));
+      out[t].assign(init[t].size(), 0.0f);
+      for (int r = 0; r < kRounds && status[t].ok(); ++r) {
+        if (t == kThreads - 1 && r % 2 == 1) {
+          status[t] = (*client)->PushPullAsync({View(key, grad)}, {View(key, out[t])})->Wait();
+        } else {
+          status[t] = (*client)->PushPull({View(key, grad)}, {View(key, out[t])});
+        }
+        // lr 0.5 x 2 (t + 1) per round, exact in float.
+        const float want = -static_cast<float>(t + 1) * static_cast<float>(r + 1);
+        if (status[t].ok() && (out[t].front() != want || out[t].back() != want)) {
+          status[t] = absl::InternalError(absl::StrCat("thread ", t, " round ", r, ": got ",
+                                                       out[t].front(), ", want ", want));
+        }
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_THAT(status[t], IsOk()) << "thread " << t;
+  EXPECT_EQ(Metric(**server, "deepnex_ps_bulk_connections"), 1);
 }
 
 }  // namespace
