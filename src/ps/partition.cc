@@ -101,8 +101,14 @@ class TypedPartition final : public Partition {
     int64_t bad = Accept(worker, payload, nullptr,
                          check_finite && config_.mode != Mode::kAsync, done);
     if (bad >= 0) return non_finite(bad);
-    done->push_back([sink, slice] { sink->SliceApplied(slice); });
+    // What the push releases goes first: the pulls of the workers that
+    // waited for this round are answered before this push's own reply
+    // (in a PushPull, its values). Answered last, the push that closed the
+    // round came first to the next one and waited there: the workers took
+    // turns at a long round, each worker's step time jittered by a reply's
+    // send time, and the round's slowest worker was always a long one.
     Progress(done);
+    done->push_back([sink, slice] { sink->SliceApplied(slice); });
   }
 
   void Pull(int worker, uint64_t incarnation, uint64_t last_seq,
