@@ -473,16 +473,16 @@ class ClientImpl final : public Client {
 
   // The bulk links this thread sent requests on, one entry per request,
   // while it starts an op it will wait for (Led).
-  static thread_local std::vector<std::shared_ptr<BulkLink>>* leading_;
+  static thread_local std::vector<std::shared_ptr<BulkLink>>* led_links_;
 
   // Starts an op and waits for it, reading the replies of a bulk link it
   // went over on this thread, rather than waking the link's reader thread
   // to read them and then this one.
   absl::Status Led(const std::function<std::shared_ptr<PendingOp>()>& start) {
     std::vector<std::shared_ptr<BulkLink>> links;
-    leading_ = &links;
+    led_links_ = &links;
     std::shared_ptr<PendingOp> op = start();
-    leading_ = nullptr;
+    led_links_ = nullptr;
     // One link is read here: the replies on the others are their reader
     // threads'.
     for (size_t i = 1; i < links.size(); ++i) links[i]->stream->Unclaim();
@@ -519,8 +519,8 @@ class ClientImpl final : public Client {
     frame.id = id;
     grpc::ByteBuffer request = r->request;
     lock.unlock();
-    link->stream->Expect(/*claim=*/leading_ != nullptr);
-    if (leading_ != nullptr) leading_->push_back(link);
+    link->stream->Expect(/*claim=*/led_links_ != nullptr);
+    if (led_links_ != nullptr) led_links_->push_back(link);
     link->stream->Send(frame, "", std::move(request), [this, c](bool) { Settle(c); });
   }
 
@@ -1060,7 +1060,7 @@ class ClientImpl final : public Client {
   std::thread heartbeat_;
 };
 
-thread_local std::vector<std::shared_ptr<ClientImpl::BulkLink>>* ClientImpl::leading_ = nullptr;
+thread_local std::vector<std::shared_ptr<ClientImpl::BulkLink>>* ClientImpl::led_links_ = nullptr;
 
 }  // namespace
 
