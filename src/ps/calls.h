@@ -94,8 +94,10 @@ class PushCall final : public Call, public PushSink {
   const bool lose_reply_;
 };
 
-// A pull: each partition copies its slice's values into the reply, which
-// goes once the last one has. A PushPullCall is one too.
+// A pull: each partition gives its slice's values to the reply, which goes
+// once the last one has: by reference to the partition's values when it can
+// (the reply sent from them, with no copy on the server), else as a copy.
+// A PushPullCall is one too.
 class PullCall : public Call, public PullSink {
  public:
   // With `segment`, the values go into it at `shm_offset` (the caller's
@@ -107,17 +109,25 @@ class PullCall : public Call, public PullSink {
       : offsets_(std::move(offsets)),
         total_(total),
         versions_(offsets_.size()),
+        shared_(offsets_.size()),
         remaining_(offsets_.size()),
         response_(response),
         buffers_(std::move(buffers)),
         segment_(std::move(segment)),
         shm_offset_(shm_offset) {}
+  // Shared memory takes a copy whichever way; a reply message can carry the
+  // partitions' own buffers.
+  bool Shares() const override { return segment_ == nullptr; }
   // The buffer is made when the first values arrive, so that a pull waiting
   // for its round holds no reply memory.
   char* Destination(size_t slice) override {
     if (segment_) return segment_->data() + shm_offset_ + offsets_[slice];
     std::call_once(allocated_, [this] { buffer_ = buffers_->Take(total_); });
     return buffer_.get() + offsets_[slice];
+  }
+  void SliceShared(size_t slice, SharedBytes values, uint64_t version) override {
+    shared_[slice] = std::move(values);
+    SliceReady(slice, version);
   }
   void SliceReady(size_t slice, uint64_t version) override {
     versions_[slice] = version;
@@ -128,7 +138,7 @@ class PullCall : public Call, public PullSink {
     if (segment_) {
       header.set_shm(true);
     } else {
-      payload.push_back(buffers_->Wrap(std::move(buffer_), total_));
+      payload = Payload();
     }
     *response_ = EncodeFramed(header, std::move(payload));
     Finish(grpc::Status::OK);
@@ -137,11 +147,44 @@ class PullCall : public Call, public PullSink {
   bool Finished() const override { return Call::Finished(); }
 
  private:
+  // Bytes [begin, end) of `whole` (refcounted), sharing its memory at any
+  // size. grpc::Slice::sub copies 23 bytes or fewer into an inlined slice,
+  // and a ByteBuffer merges such a slice into an inlined one before it:
+  // EncodeFramed's prefix, whose size a bulk reply tells the client so that
+  // it reads the values straight into the caller's tensors.
+  static grpc::Slice Part(const grpc::Slice& whole, size_t begin, size_t end) {
+    // c_slice() takes a reference, which the part keeps.
+    grpc_slice part = grpc_slice_sub_no_ref(whole.c_slice(), begin, end);
+    return grpc::Slice(part, grpc::Slice::STEAL_REF);
+  }
+
+  // The reply's values in offset order: the shared slices as they are, and
+  // the runs of copied ones between them from the buffer.
+  std::vector<grpc::Slice> Payload() {
+    grpc::Slice copied;
+    if (buffer_) copied = buffers_->Wrap(std::move(buffer_), total_);
+    std::vector<grpc::Slice> payload;
+    uint64_t run = 0;  // where the copied bytes not yet in payload start
+    for (size_t i = 0; i < shared_.size(); ++i) {
+      SharedBytes& b = shared_[i];
+      if (b.owner == nullptr) continue;
+      if (offsets_[i] > run) payload.push_back(Part(copied, run, offsets_[i]));
+      run = offsets_[i] + b.size;
+      auto* owner = new std::shared_ptr<const void>(std::move(b.owner));
+      payload.emplace_back(const_cast<char*>(b.data), b.size,
+                           +[](void* o) { delete static_cast<std::shared_ptr<const void>*>(o); },
+                           owner);
+    }
+    if (total_ > run) payload.push_back(Part(copied, run, total_));
+    return payload;
+  }
+
   const std::vector<uint64_t> offsets_;
   const uint64_t total_;
   std::once_flag allocated_;
   std::unique_ptr<char[]> buffer_;
   std::vector<uint64_t> versions_;  // each written by one partition, once
+  std::vector<SharedBytes> shared_;  // likewise; those given by reference
   std::atomic<size_t> remaining_;
   grpc::ByteBuffer* const response_;
   const std::shared_ptr<ReplyBuffers> buffers_;

@@ -88,27 +88,27 @@ bool UsesSecondMoment(const OptimizerConfig& c) {
 // The rules follow torch.optim's (default arguments otherwise), so that a
 // script moving from a local optimizer to the server sees the same numbers.
 template <typename T>
-void ApplyUpdate(const OptimizerConfig& c, uint64_t step, T scale, T* w,
+void ApplyUpdate(const OptimizerConfig& c, uint64_t step, T scale, const T* in, T* out,
                  const T* g, T* m, T* v, size_t n) {
   const T lr = static_cast<T>(c.lr);
   const T wd = static_cast<T>(c.weight_decay);
   switch (c.kind) {
     case OptimizerKind::kSum:
-      for (size_t i = 0; i < n; ++i) w[i] += scale * g[i];
+      for (size_t i = 0; i < n; ++i) out[i] = in[i] + scale * g[i];
       return;
     case OptimizerKind::kAssign:
-      for (size_t i = 0; i < n; ++i) w[i] = scale * g[i];
+      for (size_t i = 0; i < n; ++i) out[i] = scale * g[i];
       return;
     case OptimizerKind::kSgd: {
       const T mu = static_cast<T>(c.momentum);
       if (!(c.momentum > 0)) {
-        for (size_t i = 0; i < n; ++i) w[i] -= lr * (scale * g[i] + wd * w[i]);
+        for (size_t i = 0; i < n; ++i) out[i] = in[i] - lr * (scale * g[i] + wd * in[i]);
         return;
       }
       for (size_t i = 0; i < n; ++i) {
-        T d = scale * g[i] + wd * w[i];
+        T d = scale * g[i] + wd * in[i];
         m[i] = mu * m[i] + d;
-        w[i] -= lr * (c.nesterov ? d + mu * m[i] : m[i]);
+        out[i] = in[i] - lr * (c.nesterov ? d + mu * m[i] : m[i]);
       }
       return;
     }
@@ -123,34 +123,34 @@ void ApplyUpdate(const OptimizerConfig& c, uint64_t step, T scale, T* w,
       const T eps = static_cast<T>(c.eps);
       const T decay = static_cast<T>(1.0 - c.lr * c.weight_decay);
       for (size_t i = 0; i < n; ++i) {
+        T w = in[i];
         T d = scale * g[i];
         if (decoupled) {
-          w[i] *= decay;
+          w *= decay;
         } else {
-          d += wd * w[i];
+          d += wd * w;
         }
         m[i] = b1 * m[i] + (1 - b1) * d;
         v[i] = b2 * v[i] + (1 - b2) * d * d;
-        w[i] -= step_size * m[i] / (std::sqrt(v[i]) / bc2_sqrt + eps);
+        out[i] = w - step_size * m[i] / (std::sqrt(v[i]) / bc2_sqrt + eps);
       }
       return;
     }
     case OptimizerKind::kAdagrad: {
       const T eps = static_cast<T>(c.eps);
       for (size_t i = 0; i < n; ++i) {
-        T d = scale * g[i] + wd * w[i];
+        T d = scale * g[i] + wd * in[i];
         v[i] += d * d;
-        w[i] -= lr * d / (std::sqrt(v[i]) + eps);
+        out[i] = in[i] - lr * d / (std::sqrt(v[i]) + eps);
       }
       return;
     }
   }
 }
 
-template void ApplyUpdate<float>(const OptimizerConfig&, uint64_t, float,
-                                 float*, const float*, float*, float*, size_t);
-template void ApplyUpdate<double>(const OptimizerConfig&, uint64_t, double,
-                                  double*, const double*, double*, double*,
-                                  size_t);
+template void ApplyUpdate<float>(const OptimizerConfig&, uint64_t, float, const float*, float*,
+                                 const float*, float*, float*, size_t);
+template void ApplyUpdate<double>(const OptimizerConfig&, uint64_t, double, const double*,
+                                  double*, const double*, double*, double*, size_t);
 
 }  // namespace deepnex::ps

@@ -1,13 +1,16 @@
 #include "ps/partition.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <chrono>
 #include <deque>
 #include <iterator>
 #include <limits>
 #include <list>
+#include <memory>
 #include <mutex>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -24,7 +27,7 @@ class TypedPartition final : public Partition {
                  uint64_t count)
       : Partition(dtype, offset, count),
         config_(config),
-        values_(count),
+        values_(std::make_shared<Values>(count)),
         workers_(config.num_workers) {
     if (UsesFirstMoment(config.optimizer)) m_.assign(count, T(0));
     if (UsesSecondMoment(config.optimizer)) {
@@ -37,10 +40,9 @@ class TypedPartition final : public Partition {
 
   void Write(PayloadReader* payload) override {
     std::lock_guard<std::mutex> lock(mu_);
+    T* out = Writable();
     ForEachChunk<T>(dtype_, count_, payload, /*check=*/false,
-                    [&](const T* g, uint64_t at, size_t n) {
-                      std::copy(g, g + n, values_.begin() + at);
-                    });
+                    [&](const T* g, uint64_t at, size_t n) { std::copy(g, g + n, out + at); });
   }
 
   absl::Status CheckFinite(const std::string& key, PayloadReader* payload) const override {
@@ -193,7 +195,10 @@ class TypedPartition final : public Partition {
       out->resize(raw.size() / sizeof(T));
       std::memcpy(out->data(), raw.data(), raw.size());
     };
-    load(state.values, &values_);
+    if (!state.values.empty()) {
+      values_ = std::make_shared<Values>(0);  // replies may hold the old ones
+      load(state.values, &values_->data);
+    }
     load(state.m, &m_);
     load(state.v, &v_);
     for (size_t w = 0; w < workers_.size() && w < state.workers.size(); ++w) {
@@ -288,8 +293,10 @@ class TypedPartition final : public Partition {
     uint64_t round = ws.first_round + ws.next_seq - 1;
     if (config_.mode == Mode::kAsync) {
       ++ws.next_seq;
+      const T* in = values_->data.data();
+      T* out = Writable();
       Each(payload, grad, false, [&](const T* g, uint64_t at, size_t n) {
-        ApplyUpdate<T>(config_.optimizer, step_ + 1, T(1), values_.data() + at, g,
+        ApplyUpdate<T>(config_.optimizer, step_ + 1, T(1), in + at, out + at, g,
                        m_.empty() ? nullptr : m_.data() + at,
                        v_.empty() ? nullptr : v_.data() + at, n);
       });
@@ -433,7 +440,9 @@ class TypedPartition final : public Partition {
     if (used > 0) {
       T scale = config_.reduction == Reduction::kMean ? T(1) / static_cast<T>(used) : T(1);
       ++step_;
-      ApplyUpdate<T>(config_.optimizer, step_, scale, values_.data(), r.sum.data(),
+      const T* in = values_->data.data();
+      T* out = Writable();
+      ApplyUpdate<T>(config_.optimizer, step_, scale, in, out, r.sum.data(),
                      m_.empty() ? nullptr : m_.data(), v_.empty() ? nullptr : v_.data(),
                      count_);
     }
@@ -515,9 +524,37 @@ class TypedPartition final : public Partition {
     }
   }
 
+  // Where an update writes the values: in place, unless a pull reply still
+  // references them (SliceShared); then into a buffer that no reply holds,
+  // which becomes the values, while the update reads the old ones (from a
+  // pointer taken before this call). Either way each element is read once
+  // and written once: sharing costs no pass of its own.
+  // REQUIRES: mu_ held.
+  T* Writable() {
+    // Leases are taken only under mu_, so none can appear after this load,
+    // and its acquire orders the last reply's reads before our writes.
+    if (values_->lent.load(std::memory_order_acquire) == 0) return values_->data.data();
+    std::shared_ptr<Values> next;
+    for (auto it = spare_.begin(); it != spare_.end(); ++it) {
+      if ((*it)->lent.load(std::memory_order_acquire) == 0) {
+        next = std::move(*it);
+        spare_.erase(it);
+        break;
+      }
+    }
+    if (!next) next = std::make_shared<Values>(count_);
+    spare_.push_back(std::move(values_));
+    // The oldest goes; a reply that still holds it frees it when sent.
+    if (spare_.size() > kMaxSpare) spare_.erase(spare_.begin());
+    values_ = std::move(next);
+    return values_->data.data();
+  }
+
   // REQUIRES: mu_ held.
   void CopyOut(const Waiter& w, Completions* done) {
-    FromCompute<T>(dtype_, values_.data(), w.sink->Destination(w.slice), count_);
+    constexpr DType stored = std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
+    const bool share = dtype_ == stored && bytes() >= kShareMinBytes && w.sink->Shares();
+    if (!share) FromCompute<T>(dtype_, values_->data.data(), w.sink->Destination(w.slice), count_);
     if (config_.observer && config_.mode != Mode::kAsync && w.worker != kObserver) {
       const WorkerState& ws = workers_[w.worker];
       uint64_t clock = ws.first_round + ws.next_seq - 2;  // last round pushed
@@ -525,6 +562,14 @@ class TypedPartition final : public Partition {
       done->push_back([obs = config_.observer, worker = w.worker, lead] {
         obs->PullServed(worker, lead);
       });
+    }
+    if (share) {
+      SharedBytes values{reinterpret_cast<const char*>(values_->data.data()), bytes(),
+                         std::make_shared<const Lease>(values_)};
+      done->push_back([sink = w.sink, slice = w.slice, values, v = version_] {
+        sink->SliceShared(slice, values, v);
+      });
+      return;
     }
     done->push_back([sink = w.sink, slice = w.slice, v = version_] {
       sink->SliceReady(slice, v);
@@ -541,7 +586,7 @@ class TypedPartition final : public Partition {
     auto raw = [](const std::vector<T>& v) {
       return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
     };
-    s.values = raw(values_);
+    s.values = raw(values_->data);
     s.m = raw(m_);
     s.v = raw(v_);
     for (const WorkerState& ws : workers_) {
@@ -555,9 +600,28 @@ class TypedPartition final : public Partition {
     return s;
   }
 
+  // A buffer of values, and the replies that reference it.
+  struct Values {
+    explicit Values(uint64_t n) : data(n) {}
+    std::vector<T> data;
+    std::atomic<int> lent{0};  // Leases alive
+  };
+  // A reply's hold on a Values: taken under mu_, let go from any thread.
+  struct Lease {
+    explicit Lease(std::shared_ptr<Values> v) : values(std::move(v)) {
+      values->lent.fetch_add(1, std::memory_order_relaxed);
+    }
+    ~Lease() { values->lent.fetch_sub(1, std::memory_order_release); }
+    const std::shared_ptr<Values> values;
+  };
+  // Buffers kept for Writable() to reuse: a round at steady state allocates
+  // none, even with a reply still being sent from the last one's values.
+  static constexpr size_t kMaxSpare = 2;
+
   const PartitionConfig config_;
   mutable std::mutex mu_;
-  std::vector<T> values_;
+  std::shared_ptr<Values> values_;
+  std::vector<std::shared_ptr<Values>> spare_;  // earlier values' buffers
   std::vector<T> m_, v_;  // optimizer moments (empty when unused)
   uint64_t version_ = 0;  // rounds (sync, ssp) or pushes (async) applied
   uint64_t step_ = 0;     // optimizer steps taken

@@ -18,15 +18,28 @@
 
 namespace deepnex::ps {
 
+// Bytes that stay as they are for as long as `owner` is held.
+struct SharedBytes {
+  const char* data = nullptr;
+  uint64_t size = 0;
+  std::shared_ptr<const void> owner;
+};
+
 // A server call that spans several partitions; each partition reports its
 // slice to it. Implementations are thread-safe.
 class PullSink {
  public:
   virtual ~PullSink() = default;
+  // Whether the sink takes a slice by reference to the partition's values
+  // (SliceShared) when it can, rather than as a copy into Destination.
+  virtual bool Shares() const = 0;
   // Where slice `slice`'s values go (count * dtype size bytes).
   virtual char* Destination(size_t slice) = 0;
   // The slice has been copied; `version` is the partition's then.
   virtual void SliceReady(size_t slice, uint64_t version) = 0;
+  // The slice's values at `version`, by reference; what `values.owner`
+  // holds is never written again (updates go to another buffer meanwhile).
+  virtual void SliceShared(size_t slice, SharedBytes values, uint64_t version) = 0;
   virtual void Fail(const absl::Status& status) = 0;
   virtual bool Finished() const = 0;
 };
@@ -122,6 +135,10 @@ absl::Status RefuseNonFinite(const std::string& key, const std::string& detail);
 // different partitions never contend.
 class Partition {
  public:
+  // Below this size a copy costs less than a reference's bookkeeping, and
+  // the values stay in one buffer, in cache.
+  static constexpr uint64_t kShareMinBytes = 64 << 10;
+
   static std::unique_ptr<Partition> Create(const PartitionConfig& config,
                                            DType dtype, uint64_t offset,
                                            uint64_t count);
@@ -148,9 +165,11 @@ class Partition {
   virtual void Push(int worker, uint64_t incarnation, uint64_t seq, const std::string& key,
                     bool check_finite, PayloadReader* payload, std::shared_ptr<PushSink> sink,
                     size_t slice, Completions* done) = 0;
-  // Copies the values into the sink once they include what the worker's
-  // push `last_seq` requires: its round minus the staleness (sync, ssp), the
-  // push itself (async). last_seq 0, or worker kObserver: at once.
+  // Gives the sink the values once they include what the worker's push
+  // `last_seq` requires: its round minus the staleness (sync, ssp), the push
+  // itself (async). last_seq 0, or worker kObserver: at once. They go by
+  // reference when the sink Shares() and the partition stores its dtype as
+  // it is (float32, float64) in at least kShareMinBytes; else as a copy.
   virtual void Pull(int worker, uint64_t incarnation, uint64_t last_seq,
                     std::shared_ptr<PullSink> sink, size_t slice,
                     Completions* done) = 0;

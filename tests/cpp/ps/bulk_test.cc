@@ -53,6 +53,104 @@ TEST(PsBulkTest, RoundsOverBulkTcpEqualGrpcExactly) {
   EXPECT_EQ(bulk.trace[0][0][7], 7.0f - 0.5f * 1.5f * 3.0f);
 }
 
+// A pull reply carries the float32 and float64 partitions of at least
+// Partition::kShareMinBytes by reference to the server's values, and the
+// others (small ones, float16 converted) as copies between them. Two
+// workers PushPull four such tensors in one call over every transport and
+// get exact values in each round.
+TEST(PsBulkTest, RepliesMixingSharedAndCopiedSlicesAreExactOnEveryTransport) {
+  struct Case {
+    const char* name;
+    Transport transport;
+    bool bulk_tcp;
+  };
+  for (const Case& c : {Case{"bulk tcp", Transport::kTcp, true},
+                        Case{"grpc", Transport::kTcp, false}, Case{"shm", Transport::kShm, true}}) {
+    SCOPED_TRACE(c.name);
+    ServerOptions so;
+    so.mode = Mode::kSync;
+    so.num_workers = 2;
+    so.optimizer.lr = 0.5;
+    so.bulk_tcp = c.bulk_tcp;
+    auto server = Server::Create(so);
+    ASSERT_THAT(server.status(), IsOk());
+    constexpr size_t kSmall = 2, kBig = 40000, kHalf = 50000, kWide = 10000;
+    std::vector<absl::Status> status(2);
+    std::vector<std::thread> threads;
+    for (int w = 0; w < 2; ++w) {
+      threads.emplace_back([&, w] {
+        ClientOptions co;
+        co.servers = {(*server)->address()};
+        co.worker_id = w;
+        co.transport = c.transport;
+        co.partition_bytes = 96 << 10;  // "big" in two partitions, both shared
+        auto client = Client::Create(co);
+        if (!client.ok()) {
+          status[w] = client.status();
+          return;
+        }
+        std::vector<float> big(kBig), small(kSmall);
+        std::vector<uint16_t> half(kHalf);
+        std::vector<double> wide(kWide);
+        auto tensors = [](std::vector<float>& b, std::vector<float>& s, std::vector<uint16_t>& h,
+                          std::vector<double>& d) {
+          auto n = [](const auto& v) { return std::vector<int64_t>{static_cast<int64_t>(v.size())}; };
+          return std::vector<NamedTensor>{{"bias", TensorView(s.data(), DType::kFloat32, n(s))},
+                                          {"big", TensorView(b.data(), DType::kFloat32, n(b))},
+                                          {"half", TensorView(h.data(), DType::kFloat16, n(h))},
+                                          {"wide", TensorView(d.data(), DType::kFloat64, n(d))}};
+        };
+        // Values j % 7, gradients (w + 1) r (j % 3 + 1): after round r,
+        // j % 7 - 0.5 x 1.5 (j % 3 + 1) r (r + 1) / 2, quarters under 32,
+        // exact in float16 too.
+        auto fill = [&](auto& v, auto to, int r) {
+          for (size_t j = 0; j < v.size(); ++j) {
+            v[j] = to(r == 0 ? static_cast<float>(j % 7)
+                             : static_cast<float>((w + 1) * r * (j % 3 + 1)));
+          }
+        };
+        auto same = [](float x) { return x; };
+        fill(big, same, 0);
+        fill(small, same, 0);
+        fill(half, FloatToHalf, 0);
+        fill(wide, same, 0);
+        absl::Status s = (*client)->Init(tensors(big, small, half, wide));
+        for (int r = 1; r <= 4 && s.ok(); ++r) {
+          fill(big, same, r);
+          fill(small, same, r);
+          fill(half, FloatToHalf, r);
+          fill(wide, same, r);
+          std::vector<float> out_big(kBig), out_small(kSmall);
+          std::vector<uint16_t> out_half(kHalf);
+          std::vector<double> out_wide(kWide);
+          s = (*client)->PushPull(tensors(big, small, half, wide),
+                                  tensors(out_big, out_small, out_half, out_wide));
+          auto want = [r](size_t j) {
+            return static_cast<float>(j % 7) - 0.75f * static_cast<float>((j % 3 + 1) * r * (r + 1) / 2);
+          };
+          auto check = [&](const char* key, size_t size, auto got) {
+            for (size_t j = 0; j < size && s.ok(); ++j) {
+              if (got(j) != want(j)) {
+                s = absl::InternalError(absl::StrCat("worker ", w, " round ", r, " \"", key,
+                                                     "\"[", j, "]: got ", got(j), ", want ",
+                                                     want(j)));
+              }
+            }
+          };
+          if (!s.ok()) break;
+          check("big", kBig, [&](size_t j) { return out_big[j]; });
+          check("bias", kSmall, [&](size_t j) { return out_small[j]; });
+          check("half", kHalf, [&](size_t j) { return HalfToFloat(out_half[j]); });
+          check("wide", kWide, [&](size_t j) { return static_cast<float>(out_wide[j]); });
+        }
+        status[w] = s;
+      });
+    }
+    for (std::thread& th : threads) th.join();
+    for (int w = 0; w < 2; ++w) EXPECT_THAT(status[w], IsOk()) << "worker " << w;
+  }
+}
+
 // A raw peer of the server's bulk port, as a hostile or broken client.
 class BulkPeer {
  public:

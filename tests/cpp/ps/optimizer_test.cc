@@ -24,8 +24,8 @@ Result Apply(const OptimizerConfig& c, std::vector<double> w,
   Result r{std::move(w), std::vector<double>(g.size()), std::vector<double>(g.size())};
   if (c.kind == OptimizerKind::kAdagrad) r.v.assign(g.size(), c.initial_accumulator);
   for (int t = 1; t <= steps; ++t) {
-    ApplyUpdate<double>(c, t, scale, r.w.data(), g.data(), r.m.data(), r.v.data(),
-                        g.size());
+    ApplyUpdate<double>(c, t, scale, r.w.data(), r.w.data(), g.data(), r.m.data(),
+                        r.v.data(), g.size());
   }
   return r;
 }
@@ -87,6 +87,40 @@ TEST(OptimizerTest, SumAndAssignUseTheScaledGradient) {
   EXPECT_EQ(Apply(c, {1.0}, {6.0}, 1, 0.5).w[0], 4.0);
   c.kind = OptimizerKind::kAssign;
   EXPECT_EQ(Apply(c, {1.0}, {6.0}, 1, 0.5).w[0], 3.0);
+}
+
+// A partition whose values a pull reply still holds updates them into
+// another buffer: every rule gives there exactly what it gives in place.
+TEST(OptimizerTest, EveryRuleGivesTheSameOutOfPlaceAsInPlace) {
+  std::vector<OptimizerConfig> configs(8);
+  configs[1].momentum = 0.5;
+  configs[2].momentum = 0.5;
+  configs[2].nesterov = true;
+  configs[3].kind = OptimizerKind::kAdam;
+  configs[3].weight_decay = 0.1;
+  configs[4].kind = OptimizerKind::kAdamW;
+  configs[4].weight_decay = 0.1;
+  configs[5].kind = OptimizerKind::kAdagrad;
+  configs[5].weight_decay = 0.1;
+  configs[6].kind = OptimizerKind::kSum;
+  configs[7].kind = OptimizerKind::kAssign;
+  const std::vector<double> g = {3.0, -0.5, 0.25, 8.0};
+  for (const OptimizerConfig& c : configs) {
+    SCOPED_TRACE(c.ToString());
+    Result in_place = Apply(c, {1.0, -2.0, 0.5, 4.0}, g, 3, 0.5);
+    Result moved{{1.0, -2.0, 0.5, 4.0}, std::vector<double>(4), std::vector<double>(4)};
+    if (c.kind == OptimizerKind::kAdagrad) moved.v.assign(4, c.initial_accumulator);
+    for (int t = 1; t <= 3; ++t) {
+      const std::vector<double> before = moved.w;
+      std::vector<double> out(4, -99.0);
+      ApplyUpdate<double>(c, t, 0.5, before.data(), out.data(), g.data(), moved.m.data(),
+                          moved.v.data(), g.size());
+      moved.w = out;
+    }
+    EXPECT_EQ(moved.w, in_place.w);
+    EXPECT_EQ(moved.m, in_place.m);
+    EXPECT_EQ(moved.v, in_place.v);
+  }
 }
 
 TEST(OptimizerTest, ValidateNamesTheField) {

@@ -1,8 +1,10 @@
 // One partition on its own: the order in which a round's completions run,
-// which is the order the server's replies go out.
+// which is the order the server's replies go out, replies that reference
+// the values while rounds go on, and the pull replies made of them.
 #include "ps/partition.h"
 
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -11,6 +13,7 @@
 #include "core/grpc_util.h"
 #include "deepnex/ps.pb.h"
 #include "gtest/gtest.h"
+#include "ps/calls.h"
 #include "ps/membership.h"
 
 namespace deepnex::ps {
@@ -38,21 +41,31 @@ class LoggedPush final : public PushSink {
   const int worker_;
 };
 
+// Takes float32 values; by reference when `shares` and the partition can.
 class LoggedPull final : public PullSink {
  public:
-  LoggedPull(Log* log, int worker, size_t count) : values(count), log_(log), worker_(worker) {}
+  LoggedPull(Log* log, int worker, size_t count, bool shares = false)
+      : values(count), log_(log), worker_(worker), shares_(shares) {}
+  bool Shares() const override { return shares_; }
   char* Destination(size_t) override { return reinterpret_cast<char*>(values.data()); }
   void SliceReady(size_t, uint64_t version) override {
     log_->Add("pull " + std::to_string(worker_) + " at " + std::to_string(version));
+  }
+  void SliceShared(size_t, SharedBytes bytes, uint64_t version) override {
+    held = std::move(bytes);
+    std::memcpy(values.data(), held.data, held.size);
+    log_->Add("pull " + std::to_string(worker_) + " shared at " + std::to_string(version));
   }
   void Fail(const absl::Status& s) override { log_->Add("pull failed: " + s.ToString()); }
   bool Finished() const override { return false; }
 
   std::vector<float> values;  // where the pull copies to
+  SharedBytes held;           // what it was given by reference
 
  private:
   Log* const log_;
   const int worker_;
+  const bool shares_;
 };
 
 // Pushes `grad` into `part` as `worker`'s push `seq`, and runs what it
@@ -98,6 +111,111 @@ TEST(PartitionTest, ARoundAnswersTheWorkersThatWaitedBeforeThePushThatClosedIt) 
   // The mean gradient is 2 everywhere; 0 - 0.5 x 2.
   EXPECT_EQ(pull0->values, (std::vector<float>{-1, -1, -1, -1}));
   EXPECT_EQ(pull1->values, pull0->values);
+}
+
+// The float32 values a reply was given by reference.
+std::vector<float> Held(const LoggedPull& pull) {
+  const float* v = reinterpret_cast<const float*>(pull.held.data);
+  return std::vector<float>(v, v + pull.held.size / sizeof(float));
+}
+
+TEST(PartitionTest, RepliesReferenceTheValuesAndUpdatesWriteAroundTheOnesStillHeld) {
+  Membership membership(1, std::chrono::seconds(60), LeasePolicy::kShrink);
+  membership.Register(0, 1);
+  PartitionConfig config;
+  config.optimizer.lr = 0.5;
+  config.membership = &membership;
+  const size_t n = Partition::kShareMinBytes / sizeof(float);
+  std::unique_ptr<Partition> part = Partition::Create(config, DType::kFloat32, 0, n);
+  Log log;
+  const std::vector<float> grad(n, 2.0f);  // each round takes 0.5 x 2 = 1 off
+  auto round = [&](uint64_t seq) {
+    Push(*part, 0, seq, grad, &log);
+    auto pull = std::make_shared<LoggedPull>(&log, 0, n, /*shares=*/true);
+    Completions done;
+    part->Pull(0, 1, seq, pull, 0, &done);
+    RunAll(done);
+    return pull;
+  };
+  auto all = [n](float v) { return std::vector<float>(n, v); };
+  std::shared_ptr<LoggedPull> a = round(1);
+  ASSERT_NE(a->held.owner, nullptr);
+  EXPECT_EQ(Held(*a), all(-1));
+  // Round 2 goes to another buffer; what `a` holds stays round 1's.
+  std::shared_ptr<LoggedPull> b = round(2);
+  EXPECT_NE(b->held.data, a->held.data);
+  EXPECT_EQ(Held(*a), all(-1));
+  EXPECT_EQ(Held(*b), all(-2));
+  // Once `a` lets go, round 3 reuses its buffer: no allocation.
+  const char* first = a->held.data;
+  a.reset();
+  std::shared_ptr<LoggedPull> c = round(3);
+  EXPECT_EQ(c->held.data, first);
+  EXPECT_EQ(Held(*b), all(-2));
+  EXPECT_EQ(Held(*c), all(-3));
+  // With no reply holding them, the values are updated in place.
+  b.reset();
+  c.reset();
+  std::shared_ptr<LoggedPull> d = round(4);
+  EXPECT_EQ(d->held.data, first);
+  EXPECT_EQ(Held(*d), all(-4));
+  EXPECT_EQ(log.events.back(), "pull 0 shared at 4");
+
+  // A dtype stored converted, or a slice under kShareMinBytes, goes as a copy.
+  for (auto [dtype, count] : {std::pair{DType::kFloat16, n}, std::pair{DType::kFloat32, n - 1}}) {
+    std::unique_ptr<Partition> other = Partition::Create(config, dtype, 0, count);
+    auto pull = std::make_shared<LoggedPull>(&log, 0, n, /*shares=*/true);
+    Completions done;
+    other->Pull(kObserver, 0, 0, pull, 0, &done);
+    RunAll(done);
+    EXPECT_EQ(pull->held.owner, nullptr);
+    EXPECT_EQ(log.events.back(), "pull 0 at 0");
+  }
+}
+
+// A reply of a copied slice, a shared one and another copied one: its
+// payload is exactly the slices' bytes in order, after EncodeFramed's
+// prefix kept whole (a bulk reply tells the client its size), and once the
+// reply is gone, the shared values are let go and the copies' buffer is
+// back in the pool for the next reply.
+TEST(PullReplyTest, CarriesCopiesAndSharedValuesInOrderAndLetsGoOfThem) {
+  auto pool = std::make_shared<ReplyBuffers>(1 << 20);
+  const std::vector<uint64_t> offsets = {0, 8, 8 + 256};
+  const uint64_t total = 8 + 256 + 8;
+  auto response = std::make_unique<grpc::ByteBuffer>();
+  auto call = std::make_shared<PullCall>(offsets, total, response.get(), pool, nullptr, 0);
+  call->SetFinish([](const grpc::Status&) {});
+  ASSERT_TRUE(call->Shares());
+  char* buffer = call->Destination(0);
+  std::memcpy(buffer, "AAAAAAAA", 8);
+  std::memcpy(call->Destination(2), "CCCCCCCC", 8);
+  auto values = std::make_shared<std::string>(256, 'B');
+  std::weak_ptr<std::string> watch = values;
+  call->SliceReady(2, 1);
+  call->SliceShared(1, SharedBytes{values->data(), values->size(), values}, 1);
+  values.reset();
+  EXPECT_FALSE(watch.expired());  // the reply holds them
+  call->SliceReady(0, 1);
+  ASSERT_TRUE(call->Finished());
+
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(response->Dump(&slices).ok());
+  ASSERT_EQ(slices.size(), 4u);  // the prefix, then one slice per run
+  EXPECT_EQ(response->Length() - slices[0].size(), total);
+  proto::PullHeader header;
+  PayloadReader payload;
+  ASSERT_TRUE(DecodeFramed(*response, &header, &payload).ok());
+  std::string got(total, '\0');
+  ASSERT_TRUE(payload.Read(got.data(), total));
+  EXPECT_EQ(got, "AAAAAAAA" + std::string(256, 'B') + "CCCCCCCC");
+
+  slices.clear();
+  payload = PayloadReader();
+  response.reset();
+  call.reset();
+  EXPECT_TRUE(watch.expired());
+  std::unique_ptr<char[]> again = pool->Take(total);
+  EXPECT_EQ(again.get(), buffer);
 }
 
 }  // namespace
