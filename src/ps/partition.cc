@@ -40,7 +40,7 @@ class TypedPartition final : public Partition {
 
   void Write(PayloadReader* payload) override {
     std::lock_guard<std::mutex> lock(mu_);
-    T* out = Writable();
+    T* out = Writable().out;
     ForEachChunk<T>(dtype_, count_, payload, /*check=*/false,
                     [&](const T* g, uint64_t at, size_t n) { std::copy(g, g + n, out + at); });
   }
@@ -293,10 +293,9 @@ class TypedPartition final : public Partition {
     uint64_t round = ws.first_round + ws.next_seq - 1;
     if (config_.mode == Mode::kAsync) {
       ++ws.next_seq;
-      const T* in = values_->data.data();
-      T* out = Writable();
+      const Update u = Writable();
       Each(payload, grad, false, [&](const T* g, uint64_t at, size_t n) {
-        ApplyUpdate<T>(config_.optimizer, step_ + 1, T(1), in + at, out + at, g,
+        ApplyUpdate<T>(config_.optimizer, step_ + 1, T(1), u.in + at, u.out + at, g,
                        m_.empty() ? nullptr : m_.data() + at,
                        v_.empty() ? nullptr : v_.data() + at, n);
       });
@@ -440,9 +439,8 @@ class TypedPartition final : public Partition {
     if (used > 0) {
       T scale = config_.reduction == Reduction::kMean ? T(1) / static_cast<T>(used) : T(1);
       ++step_;
-      const T* in = values_->data.data();
-      T* out = Writable();
-      ApplyUpdate<T>(config_.optimizer, step_, scale, in, out, r.sum.data(),
+      const Update u = Writable();
+      ApplyUpdate<T>(config_.optimizer, step_, scale, u.in, u.out, r.sum.data(),
                      m_.empty() ? nullptr : m_.data(), v_.empty() ? nullptr : v_.data(),
                      count_);
     }
@@ -524,16 +522,21 @@ class TypedPartition final : public Partition {
     }
   }
 
-  // Where an update writes the values: in place, unless a pull reply still
-  // references them (SliceShared); then into a buffer that no reply holds,
-  // which becomes the values, while the update reads the old ones (from a
-  // pointer taken before this call). Either way each element is read once
-  // and written once: sharing costs no pass of its own.
+  // Where an update reads the values and writes the new ones.
+  struct Update {
+    const T* in;
+    T* out;
+  };
+  // In place, unless a pull reply still references the values
+  // (SliceShared); then `out` is a buffer that no reply holds, which
+  // becomes the values, and `in` the old ones. Either way each element is
+  // read once and written once: sharing costs no pass of its own.
   // REQUIRES: mu_ held.
-  T* Writable() {
+  Update Writable() {
+    T* current = values_->data.data();
     // Leases are taken only under mu_, so none can appear after this load,
     // and its acquire orders the last reply's reads before our writes.
-    if (values_->lent.load(std::memory_order_acquire) == 0) return values_->data.data();
+    if (values_->lent.load(std::memory_order_acquire) == 0) return {current, current};
     std::shared_ptr<Values> next;
     for (auto it = spare_.begin(); it != spare_.end(); ++it) {
       if ((*it)->lent.load(std::memory_order_acquire) == 0) {
@@ -547,14 +550,11 @@ class TypedPartition final : public Partition {
     // The oldest goes; a reply that still holds it frees it when sent.
     if (spare_.size() > kMaxSpare) spare_.erase(spare_.begin());
     values_ = std::move(next);
-    return values_->data.data();
+    return {current, values_->data.data()};  // spare_ keeps `current`
   }
 
   // REQUIRES: mu_ held.
   void CopyOut(const Waiter& w, Completions* done) {
-    constexpr DType stored = std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
-    const bool share = dtype_ == stored && bytes() >= kShareMinBytes && w.sink->Shares();
-    if (!share) FromCompute<T>(dtype_, values_->data.data(), w.sink->Destination(w.slice), count_);
     if (config_.observer && config_.mode != Mode::kAsync && w.worker != kObserver) {
       const WorkerState& ws = workers_[w.worker];
       uint64_t clock = ws.first_round + ws.next_seq - 2;  // last round pushed
@@ -563,7 +563,8 @@ class TypedPartition final : public Partition {
         obs->PullServed(worker, lead);
       });
     }
-    if (share) {
+    constexpr DType stored = std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
+    if (dtype_ == stored && bytes() >= kShareMinBytes && w.sink->Shares()) {
       SharedBytes values{reinterpret_cast<const char*>(values_->data.data()), bytes(),
                          std::make_shared<const Lease>(values_)};
       done->push_back([sink = w.sink, slice = w.slice, values, v = version_] {
@@ -571,6 +572,7 @@ class TypedPartition final : public Partition {
       });
       return;
     }
+    FromCompute<T>(dtype_, values_->data.data(), w.sink->Destination(w.slice), count_);
     done->push_back([sink = w.sink, slice = w.slice, v = version_] {
       sink->SliceReady(slice, v);
     });
