@@ -337,10 +337,19 @@ namespace {
 constexpr uint8_t kHeaderTag = (1 << 3) | 2;   // field 1, length-delimited
 constexpr uint8_t kPayloadTag = (2 << 3) | 2;  // field 2, length-delimited
 
-void AppendVarint(std::string* out, uint64_t v) {
-  while (v >= 0x80) {
-    out->push_back(static_cast<char>(v | 0x80));
-    v >>= 7;
+constexpr size_t kMaxVarintBytes = 10;
+
+size_t VarintSize(uint64_t v) {
+  size_t n = 1;
+  for (; v >= 0x80; v >>= 7) ++n;
+  return n;
+}
+
+// Appends `v` in `bytes` bytes (at least VarintSize(v), at most
+// kMaxVarintBytes): the bytes past what `v` needs carry zeros.
+void AppendVarint(std::string* out, uint64_t v, size_t bytes) {
+  for (size_t i = 1; i < bytes; ++i, v >>= 7) {
+    out->push_back(static_cast<char>((v & 0x7f) | 0x80));
   }
   out->push_back(static_cast<char>(v));
 }
@@ -364,13 +373,25 @@ grpc::ByteBuffer EncodeFramed(const google::protobuf::MessageLite& header,
                               std::vector<grpc::Slice> payload) {
   uint64_t payload_size = 0;
   for (const auto& s : payload) payload_size += s.size();
-  std::string prefix;
   std::string header_bytes = header.SerializeAsString();
+  size_t header_varint = VarintSize(header_bytes.size());
+  size_t payload_varint = VarintSize(payload_size);
+  if (payload_size > 0) {
+    const size_t unpadded = 2 + header_varint + header_bytes.size() + payload_varint;
+    size_t pad = (kFramedPayloadAlignment - unpadded % kFramedPayloadAlignment) %
+                 kFramedPayloadAlignment;
+    const size_t to_header = std::min(pad, kMaxVarintBytes - header_varint);
+    header_varint += to_header;
+    pad -= to_header;
+    // Only a header of over 2 MiB has a varint too long to take all of it.
+    payload_varint += std::min(pad, kMaxVarintBytes - payload_varint);
+  }
+  std::string prefix;
   prefix.push_back(static_cast<char>(kHeaderTag));
-  AppendVarint(&prefix, header_bytes.size());
+  AppendVarint(&prefix, header_bytes.size(), header_varint);
   prefix += header_bytes;
   prefix.push_back(static_cast<char>(kPayloadTag));
-  AppendVarint(&prefix, payload_size);
+  AppendVarint(&prefix, payload_size, payload_varint);
   std::vector<grpc::Slice> slices;
   slices.reserve(payload.size() + 1);
   slices.emplace_back(prefix);

@@ -177,6 +177,12 @@ absl::Status CheckForkSafe(const std::string& what);
 // at tensor memory (no copy) and read back slice by slice.
 
 // Encodes header and payload. `payload` slices are referenced, not copied.
+// A non-empty payload starts a multiple of kFramedPayloadAlignment bytes
+// into the message (its length varints are padded: a varint longer than it
+// need be reads as the same value), so a receiver that keeps the message in
+// one aligned buffer, as a bulk connection does, reads float32 and float64
+// values where they lie instead of through a staging copy.
+inline constexpr size_t kFramedPayloadAlignment = 8;
 grpc::ByteBuffer EncodeFramed(const google::protobuf::MessageLite& header,
                               std::vector<grpc::Slice> payload);
 

@@ -12,13 +12,17 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstring>
 #include <functional>
 #include <future>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/unknown_field_set.h"
+#include "google/protobuf/wrappers.pb.h"
 
 #include "test_matchers.h"
 
@@ -62,6 +66,66 @@ struct TestServer {
   std::unique_ptr<grpc::Server> server;
   int port = 0;
 };
+
+// The message's bytes in one 8-byte-aligned buffer, as a bulk connection
+// receives it.
+struct Flat {
+  explicit Flat(const grpc::ByteBuffer& framed) : size(framed.Length()) {
+    words.resize(size / 8 + 1);
+    std::vector<grpc::Slice> slices;
+    EXPECT_TRUE(framed.Dump(&slices).ok());
+    char* at = data();
+    for (const grpc::Slice& s : slices) {
+      std::memcpy(at, s.begin(), s.size());
+      at += s.size();
+    }
+  }
+  char* data() { return reinterpret_cast<char*>(words.data()); }
+  std::vector<uint64_t> words;
+  size_t size;
+};
+
+TEST(FramedTest, PayloadStartsEightBytesAlignedAndProtobufReadsTheSameMessage) {
+  for (size_t key : {0, 1, 5, 100, 112, 113, 120, 127, 128, 129, 200, 16400}) {
+    for (size_t payload_size : {1, 4, 127, 128, 20000, 3 << 20}) {
+      SCOPED_TRACE(absl::StrCat("key of ", key, " bytes, payload of ", payload_size));
+      google::protobuf::BytesValue header;
+      header.set_value(std::string(key, 'k'));
+      std::string values(payload_size, '\0');
+      for (size_t i = 0; i < payload_size; ++i) values[i] = static_cast<char>(i * 7);
+      Flat flat(EncodeFramed(header, {grpc::Slice(values)}));
+      // Padding is less than the alignment.
+      EXPECT_LT(flat.size, header.ByteSizeLong() + payload_size + 2 + 3 + 4 + 8);
+
+      grpc::Slice whole(flat.data(), flat.size, [](void*) {}, nullptr);
+      google::protobuf::BytesValue decoded;
+      PayloadReader payload;
+      ASSERT_THAT(DecodeFramed(grpc::ByteBuffer(&whole, 1), &decoded, &payload), IsOk());
+      EXPECT_EQ(decoded.SerializeAsString(), header.SerializeAsString());
+      ASSERT_EQ(payload.remaining(), payload_size);
+      payload.Visit(payload_size, [&](const char* p, size_t n) {
+        EXPECT_EQ((p - flat.data()) % kFramedPayloadAlignment, 0u);
+        EXPECT_EQ(std::string(p, n), values);
+      });
+
+      // The padded varints are protobuf's own: its parser reads the fields.
+      google::protobuf::UnknownFieldSet fields;
+      ASSERT_TRUE(fields.ParseFromArray(flat.data(), static_cast<int>(flat.size)));
+      ASSERT_EQ(fields.field_count(), 2);
+      EXPECT_EQ(fields.field(0).number(), 1);
+      EXPECT_EQ(fields.field(0).length_delimited(), header.SerializeAsString());
+      EXPECT_EQ(fields.field(1).number(), 2);
+      EXPECT_EQ(fields.field(1).length_delimited(), values);
+    }
+  }
+}
+
+TEST(FramedTest, AMessageWithoutPayloadIsNotPadded) {
+  google::protobuf::BytesValue header;
+  header.set_value("key");
+  Flat flat(EncodeFramed(header, {}));
+  EXPECT_EQ(flat.size, 2 + header.ByteSizeLong() + 2);
+}
 
 TEST(ValidateAddressTest, AcceptsHostPortAndUnixSockets) {
   for (const char* good : {"127.0.0.1:7070", "localhost:1", "node-7.example_x.org:65535",
