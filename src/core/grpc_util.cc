@@ -435,6 +435,20 @@ bool PayloadReader::Skip(uint64_t n) {
   return true;
 }
 
+bool PayloadReader::Whole(uint64_t n, grpc::Slice* slice, const char** data) const {
+  if (lent_ || n > remaining_ || n == 0) return false;
+  const grpc::Slice& s = slices_[slice_];
+  if (s.size() - offset_ < n) return false;
+  // An inlined slice carries its bytes in the object itself: a copy would
+  // not keep them at `data`.
+  const char* begin = reinterpret_cast<const char*>(s.begin());
+  const char* object = reinterpret_cast<const char*>(&s);
+  if (begin >= object && begin < object + sizeof(s)) return false;
+  *slice = s;
+  *data = begin + offset_;
+  return true;
+}
+
 absl::Status DecodeFramed(const grpc::ByteBuffer& buffer,
                           google::protobuf::MessageLite* header,
                           PayloadReader* payload) {

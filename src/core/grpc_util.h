@@ -194,6 +194,14 @@ class PayloadReader {
   // Copies the next `n` bytes into `dst`; false if fewer remain.
   bool Read(void* dst, uint64_t n);
   bool Skip(uint64_t n);
+  // When the next `n` bytes lie in one slice: that slice, whose copy keeps
+  // them as they are for as long as it lives, and their address in it (the
+  // bytes are not consumed). False when they span slices, or when the
+  // reader's bytes are lent (set_lent).
+  bool Whole(uint64_t n, grpc::Slice* slice, const char** data) const;
+  // The bytes are someone else's, who may rewrite them once the call that
+  // brought them is answered (a shared-memory region): Whole refuses them.
+  void set_lent() { lent_ = true; }
   // Passes the next `n` bytes to fn(data, size) span by span, in place,
   // without copying; false if fewer remain.
   template <typename Fn>
@@ -222,6 +230,7 @@ class PayloadReader {
   size_t slice_ = 0;
   size_t offset_ = 0;  // within slices_[slice_]
   uint64_t remaining_ = 0;
+  bool lent_ = false;
 };
 
 // Parses a framed message; InvalidArgument for a garbled one.

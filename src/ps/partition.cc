@@ -233,14 +233,28 @@ class TypedPartition final : public Partition {
     size_t slice;
     std::vector<T> grad;
   };
+  // A push kept where it was received (Hold).
+  struct Held {
+    grpc::Slice slice;  // keeps `values` as they are
+    const T* values;
+  };
   // A round that some worker pushed into and that is not applied yet.
   struct Round {
-    std::vector<T> sum;                  // keep policy: every contribution
+    // Keep policy: the contributions, held where they were received or
+    // added into `sum` (`summed` of them).
+    std::vector<Held> held;
+    std::vector<T> sum;
+    int summed = 0;
     std::vector<std::vector<T>> by_worker;  // drop policy: each worker's
     std::vector<char> contributed;
     int contributions = 0;
     std::chrono::steady_clock::time_point opened;
   };
+  static constexpr DType kStored = std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
+  // Pushes a round holds at most: two cover two workers' round without a
+  // copy; with more workers the rest are added into the sum, so the memory
+  // a round keeps does not grow with the number of workers.
+  static constexpr size_t kMaxHeld = 2;
   struct SnapshotRequest {
     uint64_t round;
     std::function<void(PartitionState)> fn;
@@ -329,11 +343,14 @@ class TypedPartition final : public Partition {
       bad = Each(payload, grad, check, [&](const T* g, uint64_t at, size_t n) {
         std::copy(g, g + n, mine.begin() + at);
       });
-    } else if (r.contributions == 0) {
+    } else if (Hold(payload, check, r, &bad)) {
+      // Referenced where it was received; summed as the round is applied.
+    } else if (r.summed == 0) {
       r.sum.resize(count_);  // a recycled round's buffer: no allocation
       bad = Each(payload, grad, check, [&](const T* g, uint64_t at, size_t n) {
         std::copy(g, g + n, r.sum.begin() + at);
       });
+      if (bad < 0) ++r.summed;
     } else if (check) {
       // The sum goes to a second buffer, swapped in once all of the push
       // proved finite: the same memory traffic as adding in place, and a
@@ -344,18 +361,70 @@ class TypedPartition final : public Partition {
         T* out = scratch_.data() + at;
         for (size_t i = 0; i < n; ++i) out[i] = acc[i] + g[i];
       });
-      if (bad < 0) r.sum.swap(scratch_);
+      if (bad < 0) {
+        r.sum.swap(scratch_);
+        ++r.summed;
+      }
     } else {
       bad = Each(payload, grad, check, [&](const T* g, uint64_t at, size_t n) {
         T* acc = r.sum.data() + at;
         for (size_t i = 0; i < n; ++i) acc[i] += g[i];
       });
+      ++r.summed;
     }
     if (bad >= 0) return bad;
     ++ws.next_seq;
     r.contributed[worker] = 1;
     ++r.contributions;
     return -1;
+  }
+
+  // Keeps a push where it was received when the request owns it and it is
+  // big enough to be worth it (kShareMinBytes), in one aligned run of the
+  // stored dtype: the round references it instead of copying it into its
+  // sum, at most kMaxHeld per round. With `check` it is scanned first (a
+  // read, where a copy would also write); a push with NaN or Inf sets `bad`
+  // and is not kept. False, the payload untouched, when it is not held.
+  // REQUIRES: mu_ held.
+  bool Hold(PayloadReader* payload, bool check, Round& r, int64_t* bad) {
+    grpc::Slice slice;
+    const char* data;
+    if (payload == nullptr || dtype_ != kStored || bytes() < kShareMinBytes ||
+        r.held.size() >= kMaxHeld || !payload->Whole(bytes(), &slice, &data) ||
+        reinterpret_cast<uintptr_t>(data) % alignof(T) != 0) {
+      return false;
+    }
+    payload->Skip(bytes());
+    const T* values = reinterpret_cast<const T*>(data);
+    *bad = check ? FirstNonFinite<T>(values, count_) : -1;
+    if (*bad < 0) r.held.push_back({std::move(slice), values});
+    return true;
+  }
+
+  // Applies round `r`: its sum and the pushes it holds are added chunk by
+  // chunk, in cache, into what the optimizer reads, so that adding them
+  // costs no pass of its own. REQUIRES: mu_ held.
+  void ApplyRound(const Round& r, T scale) {
+    const T* parts[kMaxHeld + 1];
+    size_t n = 0;
+    if (r.summed > 0) parts[n++] = r.sum.data();
+    for (const Held& h : r.held) parts[n++] = h.values;
+    const Update u = Writable();
+    auto apply = [&](const T* g, uint64_t at, size_t k) {
+      ApplyUpdate<T>(config_.optimizer, step_, scale, u.in + at, u.out + at, g,
+                     m_.empty() ? nullptr : m_.data() + at,
+                     v_.empty() ? nullptr : v_.data() + at, k);
+    };
+    if (n == 1) return apply(parts[0], 0, count_);
+    chunk_.resize(std::min<uint64_t>(count_, kChunkElems));
+    for (uint64_t at = 0; at < count_; at += kChunkElems) {
+      const size_t k = static_cast<size_t>(std::min<uint64_t>(kChunkElems, count_ - at));
+      for (size_t i = 0; i < k; ++i) chunk_[i] = parts[0][at + i] + parts[1][at + i];
+      for (size_t p = 2; p < n; ++p) {
+        for (size_t i = 0; i < k; ++i) chunk_[i] += parts[p][at + i];
+      }
+      apply(chunk_.data(), at, k);
+    }
   }
 
   template <typename Fn>
@@ -372,6 +441,7 @@ class TypedPartition final : public Partition {
     spare_round_ = Round();
     r.contributed.clear();
     r.contributions = 0;
+    r.summed = 0;
     return r;
   }
 
@@ -435,15 +505,14 @@ class TypedPartition final : public Partition {
         for (uint64_t i = 0; i < count_; ++i) r.sum[i] += g[i];
         ++used;
       }
+      r.summed = used;
     }
     if (used > 0) {
       T scale = config_.reduction == Reduction::kMean ? T(1) / static_cast<T>(used) : T(1);
       ++step_;
-      const Update u = Writable();
-      ApplyUpdate<T>(config_.optimizer, step_, scale, u.in, u.out, r.sum.data(),
-                     m_.empty() ? nullptr : m_.data(), v_.empty() ? nullptr : v_.data(),
-                     count_);
+      ApplyRound(r, scale);
     }
+    r.held.clear();  // the requests' buffers go back now
     ++version_;
     if (config_.observer) {
       double latency = std::chrono::duration<double>(
@@ -563,8 +632,7 @@ class TypedPartition final : public Partition {
         obs->PullServed(worker, lead);
       });
     }
-    constexpr DType stored = std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
-    if (dtype_ == stored && bytes() >= kShareMinBytes && w.sink->Shares()) {
+    if (dtype_ == kStored && bytes() >= kShareMinBytes && w.sink->Shares()) {
       SharedBytes values{reinterpret_cast<const char*>(values_->data.data()), bytes(),
                          std::make_shared<const Lease>(values_)};
       done->push_back([sink = w.sink, slice = w.slice, values, v = version_] {
@@ -631,6 +699,7 @@ class TypedPartition final : public Partition {
   std::deque<Round> open_;  // open_[i] is round version_ + 1 + i
   Round spare_round_;       // the last completed round, for its buffers
   std::vector<T> scratch_;  // a checked push's sum, before it is swapped in
+  std::vector<T> chunk_;    // a chunk of a round's gradient (ApplyRound)
   std::list<Waiter> waiters_;
   std::list<Deferred> deferred_;
   std::list<SnapshotRequest> snapshots_;

@@ -161,7 +161,10 @@ class Partition {
   // kept, within the worker's deferred_limit, and acknowledged once applied.
   // With `check_finite`, a push holding NaN or Inf fails the sink with
   // RefuseNonFinite(key, ...) and changes nothing; in sync and ssp modes the
-  // check rides on the pass that takes the push in.
+  // check rides on the pass that takes the push in. There, a push the
+  // payload owns (not lent) in one aligned run of a dtype stored as it is,
+  // of at least kShareMinBytes, may be referenced (its slice held) until its
+  // round is applied instead of copied: two per round at most.
   virtual void Push(int worker, uint64_t incarnation, uint64_t seq, const std::string& key,
                     bool check_finite, PayloadReader* payload, std::shared_ptr<PushSink> sink,
                     size_t slice, Completions* done) = 0;

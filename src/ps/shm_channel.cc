@@ -129,6 +129,7 @@ PayloadReader ShmSegment::Reader(uint64_t offset, uint64_t bytes) const {
   if (bytes > 0) region.emplace_back(data_ + offset, bytes, grpc::Slice::STATIC_SLICE);
   proto::PullHeader none;
   DecodeFramed(EncodeFramed(none, std::move(region)), &none, &reader).IgnoreError();
+  reader.set_lent();  // the client writes its next push there once answered
   return reader;
 }
 

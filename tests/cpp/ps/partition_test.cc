@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -68,18 +69,26 @@ class LoggedPull final : public PullSink {
   const bool shares_;
 };
 
-// Pushes `grad` into `part` as `worker`'s push `seq`, and runs what it
-// completes.
-void Push(Partition& part, int worker, uint64_t seq, const std::vector<float>& grad, Log* log) {
-  grpc::Slice slice(grad.data(), grad.size() * sizeof(float));
-  grpc::ByteBuffer framed = EncodeFramed(proto::PushHeader(), {slice});
+// A push's values as the server reads them: `slice`, framed.
+PayloadReader Payload(grpc::Slice slice) {
+  grpc::ByteBuffer framed = EncodeFramed(proto::PushHeader(), {std::move(slice)});
   proto::PushHeader header;
   PayloadReader payload;
-  ASSERT_TRUE(DecodeFramed(framed, &header, &payload).ok());
+  EXPECT_TRUE(DecodeFramed(framed, &header, &payload).ok());
+  return payload;
+}
+
+// Pushes `payload` into `part` as `worker`'s push `seq`, and runs what it
+// completes.
+void Push(Partition& part, int worker, uint64_t seq, PayloadReader payload, Log* log) {
   Completions done;
   part.Push(worker, /*incarnation=*/1, seq, "k", /*check_finite=*/true, &payload,
             std::make_shared<LoggedPush>(log, worker), 0, &done);
   RunAll(done);
+}
+
+void Push(Partition& part, int worker, uint64_t seq, const std::vector<float>& grad, Log* log) {
+  Push(part, worker, seq, Payload(grpc::Slice(grad.data(), grad.size() * sizeof(float))), log);
 }
 
 TEST(PartitionTest, ARoundAnswersTheWorkersThatWaitedBeforeThePushThatClosedIt) {
@@ -171,6 +180,115 @@ TEST(PartitionTest, RepliesReferenceTheValuesAndUpdatesWriteAroundTheOnesStillHe
     EXPECT_EQ(pull->held.owner, nullptr);
     EXPECT_EQ(log.events.back(), "pull 0 at 0");
   }
+}
+
+// A push's float32 values in a buffer of their own, framed by a slice that
+// records when the server lets go of it.
+struct Tracked {
+  Tracked(size_t count, float value, size_t skew = 0) : bytes(count * sizeof(float) + skew) {
+    for (size_t i = 0; i < count; ++i) std::memcpy(&bytes[skew + 4 * i], &value, 4);
+    slice = grpc::Slice(bytes.data() + skew, count * sizeof(float),
+                        [](void* self) { static_cast<Tracked*>(self)->released = true; }, this);
+  }
+  // The payload, once: the server's reference is then the only one.
+  PayloadReader Take() { return Payload(std::move(slice)); }
+  std::vector<char> bytes;
+  grpc::Slice slice;
+  bool released = false;
+};
+
+TEST(PartitionTest, RoundsHoldTwoBigPushesWhereTheyCameAndAddTheRestIntoTheirSum) {
+  Membership membership(4, std::chrono::seconds(60), LeasePolicy::kShrink);
+  for (int w = 0; w < 4; ++w) membership.Register(w, 1);
+  PartitionConfig config;
+  config.num_workers = 4;
+  config.optimizer.lr = 0.5;
+  config.membership = &membership;
+  const size_t n = Partition::kShareMinBytes / sizeof(float);
+  std::unique_ptr<Partition> part = Partition::Create(config, DType::kFloat32, 0, n);
+  Log log;
+  std::vector<std::unique_ptr<Tracked>> pushes;
+  for (int w = 0; w < 4; ++w) pushes.push_back(std::make_unique<Tracked>(n, w + 1.0f));
+  for (int w = 0; w < 3; ++w) Push(*part, w, 1, pushes[w]->Take(), &log);
+  // The first two are referenced until the round is applied; the third
+  // was added into the round's sum.
+  EXPECT_FALSE(pushes[0]->released);
+  EXPECT_FALSE(pushes[1]->released);
+  EXPECT_TRUE(pushes[2]->released);
+  Push(*part, 3, 1, pushes[3]->Take(), &log);
+  EXPECT_TRUE(pushes[0]->released);
+  EXPECT_TRUE(pushes[1]->released);
+  auto pull = std::make_shared<LoggedPull>(&log, 0, n);
+  Completions done;
+  part->Pull(0, 1, 1, pull, 0, &done);
+  RunAll(done);
+  // The mean of 1, 2, 3 and 4 is 2.5: 0 - 0.5 x 2.5.
+  EXPECT_EQ(pull->values, std::vector<float>(n, -1.25f));
+}
+
+TEST(PartitionTest, APushIsCopiedWhenItsBytesAreLentMisalignedOrSmall) {
+  Membership membership(2, std::chrono::seconds(60), LeasePolicy::kShrink);
+  membership.Register(0, 1);
+  membership.Register(1, 1);
+  PartitionConfig config;
+  config.num_workers = 2;
+  config.reduction = Reduction::kSum;
+  config.optimizer.lr = 1;
+  config.membership = &membership;
+  const size_t n = Partition::kShareMinBytes / sizeof(float);
+  for (int c = 0; c < 3; ++c) {
+    SCOPED_TRACE(c);
+    const size_t count = c == 2 ? n - 1 : n;
+    std::unique_ptr<Partition> part = Partition::Create(config, DType::kFloat32, 0, count);
+    Log log;
+    Tracked first(count, 1.0f, /*skew=*/c == 1 ? 2 : 0);
+    PayloadReader payload = first.Take();
+    if (c == 0) payload.set_lent();  // as a shared-memory region is
+    Push(*part, 0, 1, std::move(payload), &log);
+    EXPECT_TRUE(first.released);
+    // A lent region is the client's again once its push is answered; what
+    // it writes there next is not the push.
+    std::memset(first.bytes.data(), 0xff, first.bytes.size());
+    Tracked second(count, 2.0f);
+    Push(*part, 1, 1, second.Take(), &log);
+    auto pull = std::make_shared<LoggedPull>(&log, 0, count);
+    Completions done;
+    part->Pull(0, 1, 1, pull, 0, &done);
+    RunAll(done);
+    EXPECT_EQ(pull->values, std::vector<float>(count, -3.0f));
+  }
+}
+
+TEST(PartitionTest, AHeldPushWithNaNIsRefusedAndLetGoAtOnce) {
+  Membership membership(2, std::chrono::seconds(60), LeasePolicy::kShrink);
+  membership.Register(0, 1);
+  membership.Register(1, 1);
+  PartitionConfig config;
+  config.num_workers = 2;
+  config.reduction = Reduction::kSum;
+  config.optimizer.lr = 1;
+  config.membership = &membership;
+  const size_t n = Partition::kShareMinBytes / sizeof(float);
+  std::unique_ptr<Partition> part = Partition::Create(config, DType::kFloat32, 0, n);
+  Log log;
+  Tracked bad(n, 1.0f);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(&bad.bytes[4 * 7], &nan, 4);
+  Push(*part, 0, 1, bad.Take(), &log);
+  EXPECT_TRUE(bad.released);
+  ASSERT_EQ(log.events.size(), 1u);
+  EXPECT_NE(log.events[0].find("element 7 is NaN or Inf"), std::string::npos) << log.events[0];
+  // The round is as it was: the retried push and worker 1's complete it.
+  Tracked retry(n, 1.0f);
+  Push(*part, 0, 1, retry.Take(), &log);
+  EXPECT_FALSE(retry.released);
+  Push(*part, 1, 1, std::vector<float>(n, 4.0f), &log);
+  EXPECT_TRUE(retry.released);
+  auto pull = std::make_shared<LoggedPull>(&log, 0, n);
+  Completions done;
+  part->Pull(0, 1, 1, pull, 0, &done);
+  RunAll(done);
+  EXPECT_EQ(pull->values, std::vector<float>(n, -5.0f));
 }
 
 // A reply of a copied slice, a shared one and another copied one: its
