@@ -11,6 +11,7 @@
 #include <climits>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -44,6 +45,32 @@ std::string PeerOf(int fd) {
   return JoinHostPort(host, ntohs(addr.sin_port));
 }
 
+// The last number in the file at `path` (a sysctl's largest value); 0 if
+// it cannot be read.
+uint64_t SysctlMax(const char* path) {
+  std::ifstream in(path);
+  uint64_t v = 0, last = 0;
+  while (in >> v) last = v;
+  return last;
+}
+
+// A send buffer that takes a whole request or reply of the client's default
+// request_bytes (4 MiB) at once, so that the thread that has one writes all
+// of it instead of leaving the rest to the writer thread: a wake-up and a
+// switch of CPU per message, which on 2 CPUs made 2-worker 4 MiB sync
+// rounds 8% slower. 0 (leave the kernel's autotuning alone) where the host
+// caps SO_SNDBUF below that, or autotuning could grow past it: setting
+// SO_SNDBUF turns autotuning off.
+int SendBufferBytes() {
+  static const int bytes = [] {
+    constexpr uint64_t kWant = 4 << 20;  // the kernel doubles it for its bookkeeping
+    const uint64_t cap = SysctlMax("/proc/sys/net/core/wmem_max");
+    const uint64_t autotuned = SysctlMax("/proc/sys/net/ipv4/tcp_wmem");
+    return cap >= kWant && autotuned <= 2 * kWant ? static_cast<int>(kWant) : 0;
+  }();
+  return bytes;
+}
+
 }  // namespace
 
 // ---- BulkStream
@@ -51,6 +78,9 @@ std::string PeerOf(int fd) {
 BulkStream::BulkStream(int fd, std::string peer)
     : fd_(fd), peer_(std::move(peer)), pid_(getpid()) {
   TuneSocket(fd_);
+  if (int bytes = SendBufferBytes(); bytes > 0) {
+    setsockopt(fd_, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
+  }
 }
 
 BulkStream::~BulkStream() {

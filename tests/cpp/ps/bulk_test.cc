@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -407,6 +408,10 @@ struct StreamPair {
     timeval tv{30, 0};  // a read that waits in vain fails instead of hanging
     setsockopt(peer, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     stream = std::make_shared<BulkStream>(fds[0], "test peer");
+    // Whatever the stream made of its send buffer, a frame of a few hundred
+    // KiB is more than the socket takes at once.
+    int small = 128 << 10;
+    setsockopt(fds[0], SOL_SOCKET, SO_SNDBUF, &small, sizeof(small));
     stream->Start([](const BulkFrame&) { return absl::OkStatus(); }, [](const absl::Status&) {});
   }
   ~StreamPair() {
@@ -471,6 +476,58 @@ TEST(BulkStreamTest, FramesArriveWholeAndInOrderWhetherTheSenderOrTheWriterThrea
   }
   using Sent = std::vector<std::pair<uint64_t, bool>>;
   EXPECT_EQ(pair.Sent(4), (Sent{{1, true}, {2, true}, {3, true}, {4, true}}));
+}
+
+// The last number in a sysctl's file.
+uint64_t Sysctl(const char* path) {
+  std::ifstream in(path);
+  uint64_t v = 0, last = 0;
+  while (in >> v) last = v;
+  return last;
+}
+
+TEST(BulkStreamTest, ABatchOfFourMiBIsWrittenWholeByTheThreadThatSendsIt) {
+  if (Sysctl("/proc/sys/net/core/wmem_max") < (4u << 20) ||
+      Sysctl("/proc/sys/net/ipv4/tcp_wmem") > (8u << 20)) {
+    GTEST_SKIP() << "this host caps send buffers under 4 MiB, or autotunes them past 8 MiB: "
+                    "bulk streams leave them to the kernel";
+  }
+  int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(listener, 1), 0);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  int peer = accept(listener, nullptr, nullptr);
+  close(listener);
+  ASSERT_GE(peer, 0);
+  timeval tv{30, 0};
+  setsockopt(peer, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  auto stream = std::make_shared<BulkStream>(fd, "test peer");
+  stream->Start([](const BulkFrame&) { return absl::OkStatus(); }, [](const absl::Status&) {});
+
+  // The peer reads nothing yet: all of it must fit in the send buffer.
+  const std::string body = Pattern(4 << 20, 7);
+  grpc::Slice slice(body.data(), body.size());
+  std::optional<std::thread::id> sent_on;
+  BulkFrame frame;
+  frame.id = 1;
+  stream->Send(frame, "", grpc::ByteBuffer(&slice, 1),
+               [&](bool ok) { sent_on = ok ? std::this_thread::get_id() : std::thread::id(); });
+  EXPECT_EQ(sent_on, std::this_thread::get_id()) << "the writer thread sent the rest";
+
+  ASSERT_EQ(recv(peer, &frame, sizeof(frame), MSG_WAITALL), ssize_t{sizeof(frame)});
+  ASSERT_EQ(frame.body, body.size());
+  std::string got(body.size(), '\0');
+  ASSERT_EQ(recv(peer, got.data(), got.size(), MSG_WAITALL), ssize_t(got.size()));
+  EXPECT_TRUE(got == body);
+  stream->Close();
+  stream->Join();
+  close(peer);
 }
 
 TEST(BulkStreamTest, FramesFromConcurrentSendersArriveWholeEachSendersInOrder) {
