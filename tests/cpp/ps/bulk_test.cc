@@ -486,27 +486,91 @@ uint64_t Sysctl(const char* path) {
   return last;
 }
 
+// The two ends of a loopback TCP connection (the test's end times out a
+// read that waits in vain); -1s on failure.
+std::pair<int, int> TcpPair() {
+  int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int peer = -1;
+  if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      listen(listener, 1) == 0 &&
+      getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) == 0 &&
+      connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    peer = accept(listener, nullptr, nullptr);
+  }
+  close(listener);
+  timeval tv{30, 0};
+  setsockopt(peer, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  return {fd, peer};
+}
+
+// A body of a few MiB that arrives in pieces with pauses between, its last
+// piece smaller than any chunk the reader waits for, then a small frame:
+// the reader takes each whole, waiting for no more than is still to come.
+TEST(BulkStreamTest, ABodyThatTricklesInIsReadWholeAndSoIsTheNextFrame) {
+  auto [fd, peer] = TcpPair();
+  ASSERT_GE(peer, 0);
+  std::mutex mu;
+  std::vector<std::string> bodies;
+  auto stream = std::make_shared<BulkStream>(fd, "test peer");
+  stream->Start(
+      [&](const BulkFrame& frame) {
+        std::string body(frame.body, '\0');
+        absl::Status s = stream->Read(body.data(), body.size());
+        std::lock_guard<std::mutex> lock(mu);
+        bodies.push_back(std::move(body));
+        return s;
+      },
+      [](const absl::Status&) {});
+  const std::vector<std::string> sent = {Pattern((3 << 20) + 7, 1), Pattern(5, 2)};
+  std::string wire;
+  for (size_t i = 0; i < sent.size(); ++i) {
+    BulkFrame frame;
+    frame.magic = kBulkMagic;
+    frame.kind = kBulkPush;
+    frame.id = i + 1;
+    frame.body = sent[i].size();
+    wire += std::string(reinterpret_cast<const char*>(&frame), sizeof(frame)) + sent[i];
+  }
+  const size_t second = sizeof(BulkFrame) + sent[0].size();
+  size_t at = 0;
+  for (size_t cut : {size_t{1} << 20, (size_t{1} << 20) + 100000, second - 10, second,
+                     wire.size()}) {
+    ASSERT_EQ(send(peer, wire.data() + at, cut - at, MSG_NOSIGNAL), ssize_t(cut - at));
+    at = cut;
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (std::chrono::steady_clock::now() < deadline) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (bodies.size() == sent.size()) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    ASSERT_EQ(bodies.size(), sent.size()) << "a body still waited for more than was sent";
+    EXPECT_TRUE(bodies[0] == sent[0]);
+    EXPECT_EQ(bodies[1], sent[1]);
+  }
+  stream->Close();
+  stream->Join();
+  close(peer);
+}
+
 TEST(BulkStreamTest, ABatchOfFourMiBIsWrittenWholeByTheThreadThatSendsIt) {
   if (Sysctl("/proc/sys/net/core/wmem_max") < (4u << 20) ||
       Sysctl("/proc/sys/net/ipv4/tcp_wmem") > (8u << 20)) {
     GTEST_SKIP() << "this host caps send buffers under 4 MiB, or autotunes them past 8 MiB: "
                     "bulk streams leave them to the kernel";
   }
-  int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(listen(listener, 1), 0);
-  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  int peer = accept(listener, nullptr, nullptr);
-  close(listener);
+  auto [fd, peer] = TcpPair();
   ASSERT_GE(peer, 0);
-  timeval tv{30, 0};
-  setsockopt(peer, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   auto stream = std::make_shared<BulkStream>(fd, "test peer");
   stream->Start([](const BulkFrame&) { return absl::OkStatus(); }, [](const absl::Status&) {});
 
