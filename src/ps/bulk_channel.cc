@@ -71,9 +71,8 @@ int SendBufferBytes() {
   return bytes;
 }
 
-// A reader waiting for at least kWakeMinBytes more of a body is woken once
-// kWakeBytes of it (or all, if less) are there, not at each packet.
-constexpr uint64_t kWakeMinBytes = 64 << 10;
+// A reader waiting for more of a body of at least this size is woken once
+// this much of it (or the rest, if less) is there, not at each packet.
 constexpr uint64_t kWakeBytes = 1 << 20;
 
 }  // namespace
@@ -216,21 +215,17 @@ void BulkStream::Fail(const absl::Status& s) {
 
 absl::Status BulkStream::Read(void* dst, uint64_t n) {
   char* p = static_cast<char*>(dst);
+  // A body of kWakeBytes or more is taken as it is there and, when nothing
+  // is, waited for kWakeBytes at a time (SO_RCVLOWAT): a blocking recv woke
+  // at every packet, tens of times per 4 MiB, each a switch of CPU on a
+  // 2-CPU host. Anything smaller is waited for whole by one blocking recv,
+  // which costs fewer calls.
+  const bool chunked = n >= kWakeBytes;
   int lowat = 1;  // the socket's SO_RCVLOWAT
-  auto set_lowat = [&](int bytes) {
-    if (bytes == lowat) return;
-    setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &bytes, sizeof(bytes));
-    lowat = bytes;
-  };
   absl::Status s;
   while (n > 0) {
-    // A big rest is taken as it is there and, when nothing is, waited for
-    // a chunk at a time: a blocking recv woke at every packet, tens of
-    // times per 4 MiB, each a switch of CPU on a 2-CPU host. A small rest
-    // is waited for whole, with no more calls than that.
-    const bool big = n >= kWakeMinBytes;
-    if (!big) set_lowat(1);  // a blocking recv must be woken by any of it
-    ssize_t r = recv(fd_, p, std::min<uint64_t>(n, 1ull << 30), big ? MSG_DONTWAIT : MSG_WAITALL);
+    ssize_t r = recv(fd_, p, std::min<uint64_t>(n, 1ull << 30),
+                     chunked ? MSG_DONTWAIT : MSG_WAITALL);
     if (r > 0) {
       p += r;
       n -= static_cast<uint64_t>(r);
@@ -242,19 +237,25 @@ absl::Status BulkStream::Read(void* dst, uint64_t n) {
       break;
     }
     if (errno == EINTR) continue;
-    if (!big || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+    if (!chunked || (errno != EAGAIN && errno != EWOULDBLOCK)) {
       s = Gone(peer_, "receive");
       break;
     }
-    // Woken once that much is there: it all comes, as it is all sent.
-    set_lowat(static_cast<int>(std::min<uint64_t>(n, kWakeBytes)));
+    // Never more than is still to come, which all comes: it is all sent.
+    int want = static_cast<int>(std::min<uint64_t>(n, kWakeBytes));
+    if (want != lowat) setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(want));
+    lowat = want;
     pollfd pfd{fd_, POLLIN, 0};
     if (poll(&pfd, 1, -1) < 0 && errno != EINTR) {
       s = Gone(peer_, "receive");
       break;
     }
   }
-  set_lowat(1);
+  // Back to any byte, for the blocking reads of what comes next.
+  if (lowat != 1) {
+    int one = 1;
+    setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof(one));
+  }
   return s;
 }
 
