@@ -197,15 +197,34 @@ struct Tracked {
   bool released = false;
 };
 
-TEST(PartitionTest, RoundsHoldTwoBigPushesWhereTheyCameAndAddTheRestIntoTheirSum) {
-  Membership membership(4, std::chrono::seconds(60), LeasePolicy::kShrink);
-  for (int w = 0; w < 4; ++w) membership.Register(w, 1);
+// `workers` registered workers (incarnation 1) whose rounds are summed and
+// applied at lr 1.
+struct Summing {
+  explicit Summing(int workers) : membership(workers, std::chrono::seconds(60),
+                                             LeasePolicy::kShrink) {
+    for (int w = 0; w < workers; ++w) membership.Register(w, 1);
+    config.num_workers = workers;
+    config.reduction = Reduction::kSum;
+    config.optimizer.lr = 1;
+    config.membership = &membership;
+  }
+  Membership membership;
   PartitionConfig config;
-  config.num_workers = 4;
-  config.optimizer.lr = 0.5;
-  config.membership = &membership;
+};
+
+// What worker `worker` pulls once its push `seq` is applied.
+std::vector<float> Pulled(Partition& part, int worker, uint64_t seq, Log* log) {
+  auto pull = std::make_shared<LoggedPull>(log, worker, part.count());
+  Completions done;
+  part.Pull(worker, 1, seq, pull, 0, &done);
+  RunAll(done);
+  return pull->values;
+}
+
+TEST(PartitionTest, RoundsHoldTwoBigPushesWhereTheyCameAndAddTheRestIntoTheirSum) {
+  Summing setup(4);
   const size_t n = Partition::kShareMinBytes / sizeof(float);
-  std::unique_ptr<Partition> part = Partition::Create(config, DType::kFloat32, 0, n);
+  std::unique_ptr<Partition> part = Partition::Create(setup.config, DType::kFloat32, 0, n);
   Log log;
   std::vector<std::unique_ptr<Tracked>> pushes;
   for (int w = 0; w < 4; ++w) pushes.push_back(std::make_unique<Tracked>(n, w + 1.0f));
@@ -218,28 +237,16 @@ TEST(PartitionTest, RoundsHoldTwoBigPushesWhereTheyCameAndAddTheRestIntoTheirSum
   Push(*part, 3, 1, pushes[3]->Take(), &log);
   EXPECT_TRUE(pushes[0]->released);
   EXPECT_TRUE(pushes[1]->released);
-  auto pull = std::make_shared<LoggedPull>(&log, 0, n);
-  Completions done;
-  part->Pull(0, 1, 1, pull, 0, &done);
-  RunAll(done);
-  // The mean of 1, 2, 3 and 4 is 2.5: 0 - 0.5 x 2.5.
-  EXPECT_EQ(pull->values, std::vector<float>(n, -1.25f));
+  EXPECT_EQ(Pulled(*part, 0, 1, &log), std::vector<float>(n, -10.0f));  // 0 - (1+2+3+4)
 }
 
 TEST(PartitionTest, APushIsCopiedWhenItsBytesAreLentMisalignedOrSmall) {
-  Membership membership(2, std::chrono::seconds(60), LeasePolicy::kShrink);
-  membership.Register(0, 1);
-  membership.Register(1, 1);
-  PartitionConfig config;
-  config.num_workers = 2;
-  config.reduction = Reduction::kSum;
-  config.optimizer.lr = 1;
-  config.membership = &membership;
+  Summing setup(2);
   const size_t n = Partition::kShareMinBytes / sizeof(float);
   for (int c = 0; c < 3; ++c) {
     SCOPED_TRACE(c);
     const size_t count = c == 2 ? n - 1 : n;
-    std::unique_ptr<Partition> part = Partition::Create(config, DType::kFloat32, 0, count);
+    std::unique_ptr<Partition> part = Partition::Create(setup.config, DType::kFloat32, 0, count);
     Log log;
     Tracked first(count, 1.0f, /*skew=*/c == 1 ? 2 : 0);
     PayloadReader payload = first.Take();
@@ -251,25 +258,14 @@ TEST(PartitionTest, APushIsCopiedWhenItsBytesAreLentMisalignedOrSmall) {
     std::memset(first.bytes.data(), 0xff, first.bytes.size());
     Tracked second(count, 2.0f);
     Push(*part, 1, 1, second.Take(), &log);
-    auto pull = std::make_shared<LoggedPull>(&log, 0, count);
-    Completions done;
-    part->Pull(0, 1, 1, pull, 0, &done);
-    RunAll(done);
-    EXPECT_EQ(pull->values, std::vector<float>(count, -3.0f));
+    EXPECT_EQ(Pulled(*part, 0, 1, &log), std::vector<float>(count, -3.0f));
   }
 }
 
 TEST(PartitionTest, AHeldPushWithNaNIsRefusedAndLetGoAtOnce) {
-  Membership membership(2, std::chrono::seconds(60), LeasePolicy::kShrink);
-  membership.Register(0, 1);
-  membership.Register(1, 1);
-  PartitionConfig config;
-  config.num_workers = 2;
-  config.reduction = Reduction::kSum;
-  config.optimizer.lr = 1;
-  config.membership = &membership;
+  Summing setup(2);
   const size_t n = Partition::kShareMinBytes / sizeof(float);
-  std::unique_ptr<Partition> part = Partition::Create(config, DType::kFloat32, 0, n);
+  std::unique_ptr<Partition> part = Partition::Create(setup.config, DType::kFloat32, 0, n);
   Log log;
   Tracked bad(n, 1.0f);
   const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -284,11 +280,7 @@ TEST(PartitionTest, AHeldPushWithNaNIsRefusedAndLetGoAtOnce) {
   EXPECT_FALSE(retry.released);
   Push(*part, 1, 1, std::vector<float>(n, 4.0f), &log);
   EXPECT_TRUE(retry.released);
-  auto pull = std::make_shared<LoggedPull>(&log, 0, n);
-  Completions done;
-  part->Pull(0, 1, 1, pull, 0, &done);
-  RunAll(done);
-  EXPECT_EQ(pull->values, std::vector<float>(n, -5.0f));
+  EXPECT_EQ(Pulled(*part, 0, 1, &log), std::vector<float>(n, -5.0f));
 }
 
 // A reply of a copied slice, a shared one and another copied one: its
