@@ -54,14 +54,19 @@ uint64_t SysctlMax(const char* path) {
   return last;
 }
 
-// A send buffer that takes a whole request or reply of the client's default
-// request_bytes (4 MiB) at once, so that the thread that has one writes all
-// of it instead of leaving the rest to the writer thread: a wake-up and a
-// switch of CPU per message, which on 2 CPUs made 2-worker 4 MiB sync
-// rounds 8% slower. 0 (leave the kernel's autotuning alone) where the host
-// caps SO_SNDBUF below that, or autotuning could grow past it: setting
-// SO_SNDBUF turns autotuning off.
-int SendBufferBytes() {
+// A reader waiting for more of a body of at least this size is woken once
+// this much of it (or the rest, if less) is there, not at each packet.
+constexpr uint64_t kWakeBytes = 1 << 20;
+
+}  // namespace
+
+// 4 MiB, the client's default request_bytes: a stream's whole request or
+// reply goes out from the thread that has it, instead of leaving the rest
+// to the writer thread (a wake-up and a switch of CPU per message, which on
+// 2 CPUs made 2-worker 4 MiB sync rounds 8% slower). 0 where the host caps
+// SO_SNDBUF below that, or autotuning could grow past it: setting SO_SNDBUF
+// turns autotuning off.
+int BulkSendBufferBytes() {
   static const int bytes = [] {
     constexpr uint64_t kWant = 4 << 20;  // the kernel doubles it for its bookkeeping
     const uint64_t cap = SysctlMax("/proc/sys/net/core/wmem_max");
@@ -71,18 +76,12 @@ int SendBufferBytes() {
   return bytes;
 }
 
-// A reader waiting for more of a body of at least this size is woken once
-// this much of it (or the rest, if less) is there, not at each packet.
-constexpr uint64_t kWakeBytes = 1 << 20;
-
-}  // namespace
-
 // ---- BulkStream
 
 BulkStream::BulkStream(int fd, std::string peer)
     : fd_(fd), peer_(std::move(peer)), pid_(getpid()) {
   TuneSocket(fd_);
-  if (int bytes = SendBufferBytes(); bytes > 0) {
+  if (int bytes = BulkSendBufferBytes(); bytes > 0) {
     setsockopt(fd_, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
   }
 }

@@ -160,6 +160,10 @@ class BulkStream : public std::enable_shared_from_this<BulkStream> {
   absl::Status failure_;  // why a leader ended the connection
 };
 
+// The send buffer (SO_SNDBUF) every bulk stream asks for; 0 where streams
+// leave it to the kernel's autotuning.
+int BulkSendBufferBytes();
+
 // The server's listening socket for bulk connections, and the tickets that
 // admit them: one per worker, for its latest incarnation. Thread-safe.
 class BulkListener {

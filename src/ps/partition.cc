@@ -241,10 +241,9 @@ class TypedPartition final : public Partition {
   // A round that some worker pushed into and that is not applied yet.
   struct Round {
     // Keep policy: the contributions, held where they were received or
-    // added into `sum` (`summed` of them).
+    // added into `sum` (the rest of them).
     std::vector<Held> held;
     std::vector<T> sum;
-    int summed = 0;
     std::vector<std::vector<T>> by_worker;  // drop policy: each worker's
     std::vector<char> contributed;
     int contributions = 0;
@@ -345,12 +344,11 @@ class TypedPartition final : public Partition {
       });
     } else if (Hold(payload, check, r, &bad)) {
       // Referenced where it was received; summed as the round is applied.
-    } else if (r.summed == 0) {
+    } else if (Summed(r) == 0) {
       r.sum.resize(count_);  // a recycled round's buffer: no allocation
       bad = Each(payload, grad, check, [&](const T* g, uint64_t at, size_t n) {
         std::copy(g, g + n, r.sum.begin() + at);
       });
-      if (bad < 0) ++r.summed;
     } else if (check) {
       // The sum goes to a second buffer, swapped in once all of the push
       // proved finite: the same memory traffic as adding in place, and a
@@ -361,16 +359,12 @@ class TypedPartition final : public Partition {
         T* out = scratch_.data() + at;
         for (size_t i = 0; i < n; ++i) out[i] = acc[i] + g[i];
       });
-      if (bad < 0) {
-        r.sum.swap(scratch_);
-        ++r.summed;
-      }
+      if (bad < 0) r.sum.swap(scratch_);
     } else {
       bad = Each(payload, grad, check, [&](const T* g, uint64_t at, size_t n) {
         T* acc = r.sum.data() + at;
         for (size_t i = 0; i < n; ++i) acc[i] += g[i];
       });
-      ++r.summed;
     }
     if (bad >= 0) return bad;
     ++ws.next_seq;
@@ -407,7 +401,7 @@ class TypedPartition final : public Partition {
   void ApplyRound(const Round& r, T scale) {
     const T* parts[kMaxHeld + 1];
     size_t n = 0;
-    if (r.summed > 0) parts[n++] = r.sum.data();
+    if (Summed(r) > 0) parts[n++] = r.sum.data();
     for (const Held& h : r.held) parts[n++] = h.values;
     const Update u = Writable();
     auto apply = [&](const T* g, uint64_t at, size_t k) {
@@ -427,6 +421,10 @@ class TypedPartition final : public Partition {
     }
   }
 
+  // Contributions to `r` added into its sum (the drop policy sums all it
+  // uses as the round completes).
+  static size_t Summed(const Round& r) { return r.contributions - r.held.size(); }
+
   template <typename Fn>
   int64_t Each(PayloadReader* payload, const std::vector<T>* grad, bool check, Fn fn) {
     if (payload) return ForEachChunk<T>(dtype_, count_, payload, check, fn);
@@ -441,7 +439,6 @@ class TypedPartition final : public Partition {
     spare_round_ = Round();
     r.contributed.clear();
     r.contributions = 0;
-    r.summed = 0;
     return r;
   }
 
@@ -505,7 +502,7 @@ class TypedPartition final : public Partition {
         for (uint64_t i = 0; i < count_; ++i) r.sum[i] += g[i];
         ++used;
       }
-      r.summed = used;
+      r.contributions = used;  // all of them in `sum`
     }
     if (used > 0) {
       T scale = config_.reduction == Reduction::kMean ? T(1) / static_cast<T>(used) : T(1);
