@@ -3,10 +3,12 @@
 // mid-request.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -550,6 +552,58 @@ TEST(BulkStreamTest, ABodyThatTricklesInIsReadWholeAndSoIsTheNextFrame) {
     EXPECT_EQ(bodies[1], sent[1]);
   }
   stream->Close();
+  stream->Join();
+  close(peer);
+}
+
+// A peer that sends part of a big body and then nothing, connection open:
+// the reader waits in poll for the next MiB. Stopping the stream (as
+// Server::Stop does) must free it, with an error, and leave no thread.
+TEST(BulkStreamTest, AReaderWaitingForTheRestOfABigBodyIsFreedByClose) {
+  auto [fd, peer] = TcpPair();
+  ASSERT_GE(peer, 0);
+  std::mutex mu;
+  std::condition_variable cv;
+  std::optional<absl::Status> read, closed;
+  auto stream = std::make_shared<BulkStream>(fd, "test peer");
+  stream->Start(
+      [&](const BulkFrame& frame) {
+        std::string body(frame.body, '\0');
+        absl::Status s = stream->Read(body.data(), body.size());
+        std::lock_guard<std::mutex> lock(mu);
+        read = s;
+        return s;
+      },
+      [&](const absl::Status& s) {
+        std::lock_guard<std::mutex> lock(mu);
+        closed = s;
+        cv.notify_all();
+      });
+  BulkFrame frame;
+  frame.magic = kBulkMagic;
+  frame.kind = kBulkPush;
+  frame.id = 1;
+  frame.body = 4 << 20;
+  const std::string wire = std::string(reinterpret_cast<const char*>(&frame), sizeof(frame)) +
+                           Pattern((3 << 20) / 2, 3);
+  ASSERT_EQ(send(peer, wire.data(), wire.size(), MSG_NOSIGNAL), ssize_t(wire.size()));
+  // Closed once the reader is in the body: it took the frame and some of
+  // the body, and waits (below SO_RCVLOWAT) for more than will come.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  int queued = static_cast<int>(wire.size());
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (ioctl(fd, FIONREAD, &queued) == 0 && queued < (1 << 20)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_LT(queued, 1 << 20) << "the reader never started on the body";
+  stream->Close();
+  std::unique_lock<std::mutex> lock(mu);
+  ASSERT_TRUE(cv.wait_until(lock, deadline, [&] { return closed.has_value(); }))
+      << "Close left the reader waiting for the rest of the body";
+  ASSERT_TRUE(read.has_value());
+  EXPECT_FALSE(read->ok());
+  EXPECT_FALSE(closed->ok());
+  lock.unlock();
   stream->Join();
   close(peer);
 }
