@@ -8,13 +8,14 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -501,111 +502,112 @@ std::pair<int, int> TcpPair() {
   return {fd, peer};
 }
 
+// A stream on one end of a TCP pair that reads each frame's body whole
+// and keeps it, with how each read and the stream ended; the test writes
+// the wire bytes on the other end (`peer`).
+struct ReadingStream {
+  ReadingStream() {
+    std::tie(fd, peer) = TcpPair();
+    stream = std::make_shared<BulkStream>(fd, "test peer");
+    stream->Start(
+        [this](const BulkFrame& frame) {
+          std::string body(frame.body, '\0');
+          absl::Status s = stream->Read(body.data(), body.size());
+          std::lock_guard<std::mutex> lock(mu);
+          bodies.push_back(std::move(body));
+          reads.push_back(s);
+          return s;
+        },
+        [this](const absl::Status& s) {
+          std::lock_guard<std::mutex> lock(mu);
+          closed = s;
+        });
+  }
+  ~ReadingStream() {
+    stream->Close();
+    stream->Join();
+    if (peer >= 0) close(peer);
+  }
+  // A push frame's 32 bytes, announcing a body of `bytes`.
+  static std::string Header(uint64_t id, uint64_t bytes) {
+    BulkFrame frame;
+    frame.magic = kBulkMagic;
+    frame.kind = kBulkPush;
+    frame.id = id;
+    frame.body = bytes;
+    return std::string(reinterpret_cast<const char*>(&frame), sizeof(frame));
+  }
+  // Whether `done` (called under mu) came true within 30 s.
+  bool Await(const std::function<bool()>& done) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (std::chrono::steady_clock::now() < deadline) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (done()) return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return false;
+  }
+  int fd = -1;
+  int peer = -1;
+  std::shared_ptr<BulkStream> stream;
+  std::mutex mu;
+  std::vector<std::string> bodies;
+  std::vector<absl::Status> reads;
+  std::optional<absl::Status> closed;
+};
+
 // A body of a few MiB that arrives in pieces with pauses between, its last
 // piece smaller than any chunk the reader waits for, then a small frame:
 // the reader takes each whole, waiting for no more than is still to come.
 TEST(BulkStreamTest, ABodyThatTricklesInIsReadWholeAndSoIsTheNextFrame) {
-  auto [fd, peer] = TcpPair();
-  ASSERT_GE(peer, 0);
-  std::mutex mu;
-  std::vector<std::string> bodies;
-  auto stream = std::make_shared<BulkStream>(fd, "test peer");
-  stream->Start(
-      [&](const BulkFrame& frame) {
-        std::string body(frame.body, '\0');
-        absl::Status s = stream->Read(body.data(), body.size());
-        std::lock_guard<std::mutex> lock(mu);
-        bodies.push_back(std::move(body));
-        return s;
-      },
-      [](const absl::Status&) {});
+  ReadingStream r;
+  ASSERT_GE(r.peer, 0);
   const std::vector<std::string> sent = {Pattern((3 << 20) + 7, 1), Pattern(5, 2)};
   std::string wire;
   for (size_t i = 0; i < sent.size(); ++i) {
-    BulkFrame frame;
-    frame.magic = kBulkMagic;
-    frame.kind = kBulkPush;
-    frame.id = i + 1;
-    frame.body = sent[i].size();
-    wire += std::string(reinterpret_cast<const char*>(&frame), sizeof(frame)) + sent[i];
+    wire += ReadingStream::Header(i + 1, sent[i].size()) + sent[i];
   }
   const size_t second = sizeof(BulkFrame) + sent[0].size();
   size_t at = 0;
   for (size_t cut : {size_t{1} << 20, (size_t{1} << 20) + 100000, second - 10, second,
                      wire.size()}) {
-    ASSERT_EQ(send(peer, wire.data() + at, cut - at, MSG_NOSIGNAL), ssize_t(cut - at));
+    ASSERT_EQ(send(r.peer, wire.data() + at, cut - at, MSG_NOSIGNAL), ssize_t(cut - at));
     at = cut;
     std::this_thread::sleep_for(std::chrono::milliseconds(30));
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (std::chrono::steady_clock::now() < deadline) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (bodies.size() == sent.size()) break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    ASSERT_EQ(bodies.size(), sent.size()) << "a body still waited for more than was sent";
-    EXPECT_TRUE(bodies[0] == sent[0]);
-    EXPECT_EQ(bodies[1], sent[1]);
-  }
-  stream->Close();
-  stream->Join();
-  close(peer);
+  ASSERT_TRUE(r.Await([&] { return r.bodies.size() == sent.size(); }))
+      << "a body still waited for more than was sent";
+  std::lock_guard<std::mutex> lock(r.mu);
+  EXPECT_TRUE(r.bodies[0] == sent[0]);
+  EXPECT_EQ(r.bodies[1], sent[1]);
 }
 
 // A peer that sends part of a big body and then nothing, connection open:
 // the reader waits in poll for the next MiB. Stopping the stream (as
 // Server::Stop does) must free it, with an error, and leave no thread.
 TEST(BulkStreamTest, AReaderWaitingForTheRestOfABigBodyIsFreedByClose) {
-  auto [fd, peer] = TcpPair();
-  ASSERT_GE(peer, 0);
-  std::mutex mu;
-  std::condition_variable cv;
-  std::optional<absl::Status> read, closed;
-  auto stream = std::make_shared<BulkStream>(fd, "test peer");
-  stream->Start(
-      [&](const BulkFrame& frame) {
-        std::string body(frame.body, '\0');
-        absl::Status s = stream->Read(body.data(), body.size());
-        std::lock_guard<std::mutex> lock(mu);
-        read = s;
-        return s;
-      },
-      [&](const absl::Status& s) {
-        std::lock_guard<std::mutex> lock(mu);
-        closed = s;
-        cv.notify_all();
-      });
-  BulkFrame frame;
-  frame.magic = kBulkMagic;
-  frame.kind = kBulkPush;
-  frame.id = 1;
-  frame.body = 4 << 20;
-  const std::string wire = std::string(reinterpret_cast<const char*>(&frame), sizeof(frame)) +
-                           Pattern((3 << 20) / 2, 3);
-  ASSERT_EQ(send(peer, wire.data(), wire.size(), MSG_NOSIGNAL), ssize_t(wire.size()));
+  ReadingStream r;
+  ASSERT_GE(r.peer, 0);
+  const std::string wire = ReadingStream::Header(1, 4 << 20) + Pattern((3 << 20) / 2, 3);
+  ASSERT_EQ(send(r.peer, wire.data(), wire.size(), MSG_NOSIGNAL), ssize_t(wire.size()));
   // Closed once the reader is in the body: it took the frame and some of
   // the body, and waits (below SO_RCVLOWAT) for more than will come.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   int queued = static_cast<int>(wire.size());
   while (std::chrono::steady_clock::now() < deadline) {
-    if (ioctl(fd, FIONREAD, &queued) == 0 && queued < (1 << 20)) break;
+    if (ioctl(r.fd, FIONREAD, &queued) == 0 && queued < (1 << 20)) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   ASSERT_LT(queued, 1 << 20) << "the reader never started on the body";
-  stream->Close();
-  std::unique_lock<std::mutex> lock(mu);
-  ASSERT_TRUE(cv.wait_until(lock, deadline, [&] { return closed.has_value(); }))
+  r.stream->Close();
+  ASSERT_TRUE(r.Await([&] { return r.closed.has_value(); }))
       << "Close left the reader waiting for the rest of the body";
-  ASSERT_TRUE(read.has_value());
-  EXPECT_FALSE(read->ok());
-  EXPECT_FALSE(closed->ok());
-  lock.unlock();
-  stream->Join();
-  close(peer);
+  std::lock_guard<std::mutex> lock(r.mu);
+  ASSERT_EQ(r.reads.size(), 1u);
+  EXPECT_FALSE(r.reads[0].ok());
+  EXPECT_FALSE(r.closed->ok());
 }
 
 TEST(BulkStreamTest, ABatchOfFourMiBIsWrittenWholeByTheThreadThatSendsIt) {
