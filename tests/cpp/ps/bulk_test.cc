@@ -28,6 +28,7 @@
 #include "ps/bulk_channel.h"
 #include "ps/ps_test_util.h"
 #include "test_matchers.h"
+#include "test_util.h"
 
 namespace deepnex::ps {
 namespace {
@@ -537,17 +538,14 @@ struct ReadingStream {
     frame.body = bytes;
     return std::string(reinterpret_cast<const char*>(&frame), sizeof(frame));
   }
-  // Whether `done` (called under mu) came true within 30 s.
-  bool Await(const std::function<bool()>& done) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (std::chrono::steady_clock::now() < deadline) {
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        if (done()) return true;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return false;
+  // test::WaitFor, with `done` called under mu.
+  ::testing::AssertionResult Await(const std::function<bool()>& done, const std::string& what) {
+    return test::WaitFor(
+        [&] {
+          std::lock_guard<std::mutex> lock(mu);
+          return done();
+        },
+        std::chrono::seconds(30), what);
   }
   int fd = -1;
   int peer = -1;
@@ -577,8 +575,8 @@ TEST(BulkStreamTest, ABodyThatTricklesInIsReadWholeAndSoIsTheNextFrame) {
     at = cut;
     std::this_thread::sleep_for(std::chrono::milliseconds(30));
   }
-  ASSERT_TRUE(r.Await([&] { return r.bodies.size() == sent.size(); }))
-      << "a body still waited for more than was sent";
+  ASSERT_TRUE(r.Await([&] { return r.bodies.size() == sent.size(); },
+                      "both bodies (a body still waited for more than was sent)"));
   std::lock_guard<std::mutex> lock(r.mu);
   EXPECT_TRUE(r.bodies[0] == sent[0]);
   EXPECT_EQ(r.bodies[1], sent[1]);
@@ -602,8 +600,8 @@ TEST(BulkStreamTest, AReaderWaitingForTheRestOfABigBodyIsFreedByClose) {
   }
   ASSERT_LT(queued, 1 << 20) << "the reader never started on the body";
   r.stream->Close();
-  ASSERT_TRUE(r.Await([&] { return r.closed.has_value(); }))
-      << "Close left the reader waiting for the rest of the body";
+  ASSERT_TRUE(r.Await([&] { return r.closed.has_value(); },
+                      "the stream to end (Close left the reader waiting for the rest of the body)"));
   std::lock_guard<std::mutex> lock(r.mu);
   ASSERT_EQ(r.reads.size(), 1u);
   EXPECT_FALSE(r.reads[0].ok());
