@@ -74,6 +74,24 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
 
 namespace {
 
+// InvalidArgument unless `address` (not a unix: one) ends in a port number
+// 0-65535: gRPC and getaddrinfo take one past 65535 modulo 65536 (asked for
+// 70000, a server served on 4464), and a service name ("http") as its port.
+absl::Status CheckListenPort(const std::string& what, const std::string& address) {
+  if (absl::StartsWith(address, "unix:")) return absl::OkStatus();
+  const size_t colon = address.rfind(':');
+  const std::string port = colon == std::string::npos ? "" : address.substr(colon + 1);
+  int value = 0;
+  if (port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos ||
+      !absl::SimpleAtoi(port, &value) || value > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": listen address \"", address,
+                                                   "\": port \"", port,
+                                                   "\" is not a number in 0-65535 (0: the OS "
+                                                   "picks one)"));
+  }
+  return absl::OkStatus();
+}
+
 // Binds what `address` resolves to as gRPC would, and lets go again: the
 // first failure's errno (*err) and reason, e.g. "Address already in use";
 // err 0 when every bind worked or the address is not HOST:PORT.
@@ -123,6 +141,7 @@ absl::StatusOr<std::unique_ptr<ServerHost>> ServerHost::Start(
                                                "\": ",
                                                why.empty() ? "gRPC could not bind it" : why));
   };
+  DEEPNEX_RETURN_IF_ERROR(CheckListenPort(options.what, address));
   // Refused before gRPC tries: it would log lines of its own, and serve on
   // the other addresses of a name (localhost) when one of them is taken.
   int err = 0;

@@ -97,6 +97,16 @@ def test_a_daemon_on_a_taken_port_fails_naming_the_address(daemons, name, what):
                               "Address already in use\n")
 
 
+@pytest.mark.parametrize("name, what", [("deepnex-central", "central server"),
+                                        ("deepnex-ps", "ps server"),
+                                        ("deepnex-store", "store server")])
+def test_a_daemon_asked_for_a_port_past_65535_refuses_it(name, what):
+    # gRPC would serve on 70000 modulo 65536 (4464) and name that port.
+    code, err = refused(name, "--listen", "127.0.0.1:70000")
+    assert (code, err) == (1, f'{name}: {what}: listen address "127.0.0.1:70000": port '
+                              '"70000" is not a number in 0-65535 (0: the OS picks one)\n')
+
+
 def test_a_second_server_in_process_on_a_taken_port_fails():
     with ps.Server() as server:
         with pytest.raises(deepnex.UnavailableError) as e:

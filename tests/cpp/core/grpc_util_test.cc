@@ -18,6 +18,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -264,6 +265,28 @@ TEST(ServerHostTest, ASecondHostOnATakenPortFailsNamingItAndTheAddress) {
   EXPECT_THAT(second, StatusIs(absl::StatusCode::kUnavailable));
   EXPECT_EQ(second.status().message(),
             "test server: cannot listen on \"" + first->address() + "\": Address already in use");
+}
+
+// gRPC and getaddrinfo take a port number modulo 65536: asked for port
+// 70000, a server served on 4464 and said so only in its address.
+TEST(ServerHostTest, AListenPortThatIsNotOneIsRefusedNamingIt) {
+  EchoService service;
+  for (const auto& [address, port] : std::vector<std::pair<std::string, std::string>>{
+           {"127.0.0.1:70000", "70000"},
+           {"127.0.0.1:65536", "65536"},
+           {"127.0.0.1:-5", "-5"},
+           {"127.0.0.1:http", "http"},
+           {"127.0.0.1:", ""},
+           {"127.0.0.1", ""}}) {
+    auto host = ServerHost::Start(HostOptions(address), {&service});
+    EXPECT_THAT(host, StatusIs(absl::StatusCode::kInvalidArgument)) << address;
+    EXPECT_EQ(host.status().message(),
+              "test server: listen address \"" + address + "\": port \"" + port +
+                  "\" is not a number in 0-65535 (0: the OS picks one)");
+  }
+  // The bounds themselves are ports: 65535 (free or taken, it is tried).
+  auto top = ServerHost::Start(HostOptions("127.0.0.1:65535"), {&service});
+  EXPECT_NE(top.status().code(), absl::StatusCode::kInvalidArgument) << top.status();
 }
 
 TEST(ServerHostTest, RequestsOverMaxReceiveBytesAreRefused) {
