@@ -97,7 +97,10 @@ class StoreClient:
         return self._client.get(list(keys), _seconds(timeout, self._timeout))
 
     def add(self, key, delta=1):
-        return self._client.add(key, int(delta))
+        delta = int(delta)
+        if not -2**63 <= delta < 2**63:
+            raise InvalidArgumentError(f"store add: delta={delta}: must fit int64")
+        return self._client.add(key, delta)
 
     def compare_set(self, key, expected, desired):
         """Sets key to desired if its value is expected (or it is missing and

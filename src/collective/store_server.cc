@@ -121,13 +121,18 @@ class Service final : public pb::Store::CallbackService {
     Finishes done;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      int64_t value = 0;
+      int64_t value = 0, sum = 0;
       auto it = kv_.find(req->key());
       if (it != kv_.end() && !absl::SimpleAtoi(it->second, &value)) {
         s = absl::InvalidArgumentError(absl::StrCat(
             "add to \"", req->key(), "\": its value is not a decimal integer"));
+      } else if (__builtin_add_overflow(value, req->delta(), &sum)) {
+        s = absl::OutOfRangeError(absl::StrCat("add to \"", req->key(), "\": ", value, " + ",
+                                               req->delta(),
+                                               " is past the int64 range; the value stays ",
+                                               value));
       } else {
-        value += req->delta();
+        value = sum;
         kv_[req->key()] = absl::StrCat(value);
         reply->set_value(value);
         Notify(req->key(), &done);

@@ -39,6 +39,13 @@ def test_store_operations(store):
     c.set("s", "text")
     assert c.get("s") == b"text"
     assert c.add("n", 2) == 2 and c.add("n", 3) == 5
+    # Past int64 is refused, not wrapped: the counter keeps its value.
+    with pytest.raises(deepnex.OutOfRangeError, match="the value stays 5$"):
+        c.add("n", 2**63 - 1)
+    with pytest.raises(deepnex.InvalidArgumentError, match="^store add: delta=18446744073709551616: "
+                                                           "must fit int64$"):
+        c.add("n", 2**64)
+    assert c.add("n", 0) == 5
     assert c.compare_set("k", b"", b"first") == b"first"
     assert c.compare_set("k", b"nope", b"second") == b"first"
     assert c.check(["a", "missing"]) == [True, False]

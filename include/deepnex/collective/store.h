@@ -93,7 +93,8 @@ class StoreClient {
   virtual absl::StatusOr<std::vector<std::string>> MultiGet(
       const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
   // Adds `delta` to the integer at `key` (missing: 0) and returns the sum.
-  // InvalidArgument if the value there is not a decimal integer.
+  // InvalidArgument if the value there is not a decimal integer;
+  // OutOfRange, the value unchanged, if the sum would leave int64.
   virtual absl::StatusOr<int64_t> Add(const std::string& key, int64_t delta) = 0;
   // Sets `key` to `desired` if its value is `expected` (or it is missing and
   // `expected` is empty); returns the value after the call either way.

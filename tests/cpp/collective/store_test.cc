@@ -4,8 +4,11 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <limits>
+#include <string>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "test_matchers.h"
 
 namespace deepnex::collective {
@@ -124,6 +127,26 @@ TEST(StoreTest, AddIsAtomic) {
   EXPECT_EQ(n, -1);
   ASSERT_OK(c->Set("text", "abc"));
   EXPECT_THAT(c->Add("text", 1), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("text")));
+}
+
+// A sum past int64 was signed overflow in the server (undefined; in
+// practice 2^62 + 2^62 came back as -2^63, and a counter went negative).
+TEST(StoreTest, AnAddPastInt64IsRefusedAndLeavesTheValue) {
+  auto server = StartServer();
+  auto c = Connect(server->address());
+  constexpr int64_t kBig = int64_t{1} << 62;
+  ASSERT_OK_AND_ASSIGN(int64_t n, c->Add("n", kBig));
+  EXPECT_EQ(n, kBig);
+  EXPECT_THAT(c->Add("n", kBig),
+              StatusIs(absl::StatusCode::kOutOfRange,
+                       "store add: add to \"n\": 4611686018427387904 + 4611686018427387904 is "
+                       "past the int64 range; the value stays 4611686018427387904"));
+  ASSERT_OK(c->Set("low", absl::StrCat(std::numeric_limits<int64_t>::min())));
+  EXPECT_THAT(c->Add("low", -1), StatusIs(absl::StatusCode::kOutOfRange, HasSubstr("low")));
+  ASSERT_OK_AND_ASSIGN(std::string v, c->Get("n", milliseconds(10)));
+  EXPECT_EQ(v, "4611686018427387904");
+  ASSERT_OK_AND_ASSIGN(n, c->Add("n", -kBig));  // still serving, and exact
+  EXPECT_EQ(n, 0);
 }
 
 TEST(StoreTest, CompareSet) {
