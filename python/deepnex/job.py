@@ -94,6 +94,8 @@ class Job:
             def on_event(message):
                 sys.stderr.write(message + "\n")
                 sys.stderr.flush()
+        if ps is not None and ps < 0:  # None is the default; -1 means it to C++ alone
+            raise InvalidArgumentError(f"ps: {ps} is below 0")
         job = options(
             _C.job.JobOptions, command=list(command), workers=workers,
             min_workers=min_workers, nodes=nodes,

@@ -388,6 +388,10 @@ def test_nodes_are_checked_and_a_this_host_backend_refuses_to_spread(jobs):
     j = jobs(["--workers", "2", "--nodes", "-1", "--mode", "allreduce"], ["true"])
     assert j.wait(60) == 2, j.output()
     assert "nodes: -1 is below 0" in j.output()
+    # -1 is the C++ options' "default"; from the command line it is a bad count.
+    j = jobs(["--ps", "-1"], ["true"])
+    assert j.wait(60) == 2, j.output()
+    assert "deepnex run: ps: -1 is below 0" in j.output()
     j = jobs(["--workers", "2", "--nodes", "2", "--mode", "allreduce"], ["true"])
     assert j.wait(60) == 1, j.output()
     assert ("nodes: 2: the process backend runs every container on this host; spreading over "
