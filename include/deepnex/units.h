@@ -1,4 +1,5 @@
-// Byte sizes as users write them: "8GiB", "512M", "1.5G", "10GB", "4096".
+// Byte sizes as users write them: "8GiB", "512M", "1.5G", "10GB", "4096";
+// and durations given in seconds, as a number.
 //
 // The rule, the same for every flag, environment variable, Python argument
 // and nodes file: K, M, G, T, P, E and KiB..EiB (also Ki..Ei) are powers of
@@ -9,6 +10,7 @@
 #ifndef DEEPNEX_UNITS_H_
 #define DEEPNEX_UNITS_H_
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -35,6 +37,20 @@ absl::StatusOr<uint64_t> ParseByteSize(const std::string& text,
 // marks a rounded figure). ParseByteSize reads it back exactly only when
 // it is exact.
 std::string FormatByteSize(uint64_t bytes);
+
+// The longest duration deepnex takes in seconds, about 31 years: a deadline
+// of now plus much more would overflow the clocks' int64 nanoseconds (a
+// timeout of 1e300 s became -9223372036854775808 ms).
+inline constexpr double kMaxSeconds = 1e9;
+
+// `seconds` (a flag's value, a Python float) as whole milliseconds, rounded
+// down. InvalidArgument naming `field` and the value for NaN, a negative
+// number, 0 unless `zero_ok`, and more than kMaxSeconds (inf included):
+//   timeout=-1.000000: must be positive seconds
+//   lease=inf: must be at most 1e+09 seconds (about 31 years)
+absl::StatusOr<std::chrono::milliseconds> SecondsToMillis(double seconds,
+                                                          const std::string& field,
+                                                          bool zero_ok = false);
 
 }  // namespace deepnex
 

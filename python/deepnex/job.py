@@ -170,11 +170,12 @@ def run(command: Sequence[str], **options) -> JobResult:
 
 
 def _minutes(value, field):
-    """`value` as a number of minutes >= 0; InvalidArgumentError naming `field` else."""
+    """`value` as a number of minutes >= 0 (at most deepnex's longest duration,
+    1e9 s); InvalidArgumentError naming `field` else."""
     try:
         minutes = float(value)
     except (TypeError, ValueError):
         minutes = -1.0
-    if isinstance(value, (str, bool)) or not 0 <= minutes < 1e9:
+    if isinstance(value, (str, bool)) or not 0 <= minutes * 60 <= 1e9:
         raise InvalidArgumentError(f"{field}: {value!r} is not a number of minutes >= 0")
     return minutes

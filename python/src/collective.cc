@@ -21,14 +21,6 @@ using collective::StoreServer;
 using collective::StoreServerOptions;
 using collective::Work;
 
-std::chrono::milliseconds Millis(double seconds, const char* field) {
-  if (!(seconds > 0)) {
-    ThrowStatus(absl::InvalidArgumentError(std::string(field) + "=" + std::to_string(seconds) +
-                                           ": must be positive seconds"));
-  }
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-}
-
 BufferView View(const py::buffer& b, const std::optional<DType>& as, bool writable,
                 const char* what) {
   return ViewOf(b, writable, what, as);

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "deepnex/units.h"
 
 namespace deepnex::python {
 namespace {
@@ -121,6 +122,14 @@ BufferView ViewOf(const py::buffer& buffer, bool writable,
   }
   result.view = TensorView(info.ptr, dtype, std::move(shape));
   return result;
+}
+
+std::chrono::milliseconds Millis(double seconds, const char* field) {
+  return Unwrap(SecondsToMillis(seconds, field));
+}
+
+std::chrono::milliseconds MillisOrZero(double seconds, const char* field) {
+  return Unwrap(SecondsToMillis(seconds, field, /*zero_ok=*/true));
 }
 
 }  // namespace deepnex::python

@@ -58,6 +58,12 @@ GilFreeHolder<T> GilFree(std::unique_ptr<T> p) {
 // docker_socket, ...; see python/deepnex/launch.py); shared by launch and job.
 launch::LauncherOptions LauncherOptionsFromPython(const py::dict& kw);
 
+// A duration given in seconds, as SecondsToMillis (deepnex/units.h) takes
+// it; what it refuses is raised as InvalidArgumentError naming `field`.
+// Millis wants more than 0, MillisOrZero 0 or more.
+std::chrono::milliseconds Millis(double seconds, const char* field);
+std::chrono::milliseconds MillisOrZero(double seconds, const char* field);
+
 // Binds a std::chrono::milliseconds field of an options struct as the
 // property `name` in seconds (a float), the unit of every duration in the
 // Python API; `to_millis(seconds, name)` checks and converts a value set.

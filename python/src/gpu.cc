@@ -25,14 +25,6 @@ using GpuArgs = std::tuple<uint64_t, std::string, std::string, int, int, int, st
 
 Mode ModeOf(const std::string& mode, const char* field) { return Unwrap(gpu::ParseMode(mode, field)); }
 
-std::chrono::milliseconds Millis(double seconds, const char* field) {
-  if (!(seconds >= 0)) {
-    ThrowStatus(absl::InvalidArgumentError(std::string(field) + "=" + std::to_string(seconds) +
-                                           ": must be >= 0 seconds"));
-  }
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-}
-
 gpu::Node MakeNode(const std::string& name, const std::vector<GpuArgs>& gpus, int cpus,
                    uint64_t memory, const std::string& mode, const Labels& labels) {
   gpu::Node n;
@@ -200,7 +192,7 @@ void BindApi(Class& c) {
           [](Api& a, const gpu::Request& r, bool wait, double timeout) {
             gpu::AllocateOptions o;
             o.wait = wait;
-            o.timeout = Millis(timeout, "timeout");
+            o.timeout = MillisOrZero(timeout, "timeout");
             py::gil_scoped_release release;
             return Unwrap(a.AllocateGang(r, o));
           },
@@ -343,9 +335,9 @@ void RegisterGpu(py::module_& parent) {
       .def_readwrite("fsync", &gpu::AllocatorOptions::fsync)
       .def_readwrite("snapshot_every", &gpu::AllocatorOptions::snapshot_every);
   DefSeconds(allocator_options, "lease_check_interval",
-             &gpu::AllocatorOptions::lease_check_interval, Millis);
+             &gpu::AllocatorOptions::lease_check_interval, MillisOrZero);
   DefSeconds(allocator_options, "reservation_after", &gpu::AllocatorOptions::reservation_after,
-             Millis);
+             MillisOrZero);
 
   py::class_<gpu::Request> request(m, "Request");
   request.def(py::init<>())
@@ -364,7 +356,7 @@ void RegisterGpu(py::module_& parent) {
       .def_readwrite("replicas", &gpu::Request::replicas)
       .def_readwrite("spread", &gpu::Request::spread);
   // 0: no lease.
-  DefSeconds(request, "lease", &gpu::Request::lease, Millis);
+  DefSeconds(request, "lease", &gpu::Request::lease, MillisOrZero);
 
   py::class_<gpu::CentralClientOptions> central_options(m, "CentralClientOptions");
   central_options.def(py::init<>())
@@ -372,7 +364,7 @@ void RegisterGpu(py::module_& parent) {
       .def_readwrite("token", &gpu::CentralClientOptions::token)
       .def_readwrite("token_file", &gpu::CentralClientOptions::token_file)
       .def_readwrite("tls_ca_file", &gpu::CentralClientOptions::tls_ca_file);
-  DefSeconds(central_options, "timeout", &gpu::CentralClientOptions::timeout, Millis);
+  DefSeconds(central_options, "timeout", &gpu::CentralClientOptions::timeout, MillisOrZero);
 
   py::class_<Allocator> allocator(m, "Allocator");
   allocator

@@ -89,8 +89,7 @@ void RegisterJob(py::module_& parent) {
           "notify_every_minutes",
           [](const JobOptions& o) { return o.notify_every.count() / 60000.0; },
           [](JobOptions& o, double minutes) {
-            // job.py checks the value (a number >= 0) and names it.
-            o.notify_every = std::chrono::milliseconds(static_cast<int64_t>(minutes * 60000));
+            o.notify_every = MillisOrZero(minutes * 60, "notify_every (seconds)");
           })
       .def_readwrite("notify_when", &JobOptions::notify_when)
       .def_property(
@@ -138,7 +137,7 @@ void RegisterJob(py::module_& parent) {
       .def(
           "wait",
           [](Job& j, double timeout) -> std::optional<JobResult> {
-            auto r = j.Wait(std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
+            auto r = j.Wait(MillisOrZero(timeout, "timeout"));
             if (absl::IsDeadlineExceeded(r.status())) return std::nullopt;
             return Unwrap(std::move(r));
           },

@@ -21,13 +21,6 @@ using launch::Launcher;
 using launch::LauncherOptions;
 using StrMap = std::map<std::string, std::string>;
 
-std::chrono::milliseconds Ms(double seconds) {
-  if (!(seconds >= 0)) {
-    ThrowStatus(absl::InvalidArgumentError("a duration must be >= 0 seconds"));
-  }
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-}
-
 
 // ContainerSpec, bound so that its defaults live only in C++
 // (deepnex.launch.ContainerSpec's fields default to a fresh one's). The
@@ -66,11 +59,11 @@ void RegisterContainerSpec(py::module_& m) {
           })
       .def_property(
           "backoff", [](const ContainerSpec& s) { return s.restart.backoff.count() / 1000.0; },
-          [](ContainerSpec& s, double seconds) { s.restart.backoff = Ms(seconds); })
+          [](ContainerSpec& s, double seconds) { s.restart.backoff = MillisOrZero(seconds, "backoff"); })
       .def_property(
           "max_backoff",
           [](const ContainerSpec& s) { return s.restart.max_backoff.count() / 1000.0; },
-          [](ContainerSpec& s, double seconds) { s.restart.max_backoff = Ms(seconds); })
+          [](ContainerSpec& s, double seconds) { s.restart.max_backoff = MillisOrZero(seconds, "max_backoff"); })
       .def_readwrite("network_none", &ContainerSpec::network_none)
       .def_readwrite("host_network", &ContainerSpec::host_network);
 }
@@ -186,7 +179,7 @@ void RegisterCentralClient(py::module_& m) {
           "stop",
           [](launch::CentralClient& c, const std::string& name, double grace,
              const std::string& user) {
-            auto d = Ms(grace);
+            auto d = MillisOrZero(grace, "grace");
             launch::CentralContainer got;
             {
               py::gil_scoped_release release;
@@ -211,7 +204,7 @@ void RegisterCentralClient(py::module_& m) {
           "follow_logs",
           [](launch::CentralClient& c, const std::string& name, py::function sink, double poll,
              const std::string& user) {
-            auto every = Ms(poll);
+            auto every = MillisOrZero(poll, "poll");
             py::gil_scoped_release release;
             CheckStatus(c.FollowContainerLogs(
                 name,
@@ -346,7 +339,7 @@ void RegisterLaunch(py::module_& parent) {
       .def(
           "wait",
           [](Handle& h, double timeout) {
-            auto d = Ms(timeout);
+            auto d = MillisOrZero(timeout, "timeout");
             py::gil_scoped_release release;
             return Unwrap(h.Wait(d));
           },
@@ -354,7 +347,7 @@ void RegisterLaunch(py::module_& parent) {
       .def(
           "stop",
           [](Handle& h, double grace) {
-            auto d = Ms(grace);
+            auto d = MillisOrZero(grace, "grace");
             py::gil_scoped_release release;
             CheckStatus(h.Stop(d));
           },

@@ -38,19 +38,11 @@ Views ViewsOf(const TensorArgs& args, bool writable, const char* op) {
   return v;
 }
 
-std::chrono::milliseconds Millis(double seconds, const char* field) {
-  if (!(seconds > 0)) {
-    ThrowStatus(absl::InvalidArgumentError(
-        std::string(field) + "=" + std::to_string(seconds) + ": must be positive seconds"));
-  }
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-}
-
 // For the intervals where 0 means off (or "the server's choice"): 0 or less
 // is 0, as ps.Server has always taken them.
-std::chrono::milliseconds MillisOrOff(double seconds, const char*) {
+std::chrono::milliseconds MillisOrOff(double seconds, const char* field) {
   if (!(seconds > 0)) return std::chrono::milliseconds(0);
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  return Millis(seconds, field);
 }
 
 // An operation in flight and the buffers it reads or writes, pinned until it

@@ -164,4 +164,19 @@ std::string FormatByteSize(uint64_t bytes) {
   return absl::StrCat(t / 10, ".", t % 10, kNames[unit]);
 }
 
+absl::StatusOr<std::chrono::milliseconds> SecondsToMillis(double seconds,
+                                                          const std::string& field,
+                                                          bool zero_ok) {
+  if (zero_ok ? !(seconds >= 0) : !(seconds > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, "=", std::to_string(seconds),
+                                                   zero_ok ? ": must be >= 0 seconds"
+                                                           : ": must be positive seconds"));
+  }
+  if (seconds > kMaxSeconds) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, "=", seconds, ": must be at most ", kMaxSeconds, " seconds (about 31 years)"));
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
 }  // namespace deepnex

@@ -21,6 +21,7 @@
 #include "deepnex/gpu/central.h"
 #include "deepnex/gpu/discovery.h"
 #include "deepnex/launch/central.h"
+#include "deepnex/units.h"
 #include "notify/notifier.h"
 #include "tools/daemon.h"
 
@@ -236,14 +237,8 @@ int main(int argc, char** argv) {
     else if (flags.Is("--state-dir")) options.allocator.state_dir = flags.Value();
     else if (flags.Is("--no-fsync")) options.allocator.fsync = false;
     else if (flags.Is("--reservation-after")) {
-      const std::string flag = flags.flag();
-      const double s = flags.Number();
-      // Past ~1e13 s the milliseconds overflow; no queue waits that long.
-      if (!(s >= 0 && s <= 1e12)) {
-        flags.Die(absl::StrCat(flag, ": ", s, " is not a number of seconds from 0 to 1e12"));
-      }
       options.allocator.reservation_after =
-          std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+          flags.OrDie(deepnex::SecondsToMillis(flags.Number(), flags.flag(), /*zero_ok=*/true));
     }    else if (flags.Is("--nodes")) nodes_file = flags.Value();
     else if (flags.Is("--local")) local = true;
     else if (flags.Is("--token")) options.token = flags.Value();

@@ -79,9 +79,7 @@ class Flags {
 
   // Positive seconds, as milliseconds.
   std::chrono::milliseconds Seconds() {
-    double s = Number();
-    if (!(s > 0)) Die(flag_ + ": must be positive seconds");
-    return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+    return OrDie(SecondsToMillis(Number(), flag_));
   }
 
   uint64_t Bytes() { return OrDie(ParseByteSize(Value(), flag_)); }

@@ -274,10 +274,12 @@ std::string Parse(int argc, char** argv, ShellFlags* f) {
       f->options.tls_ca_file = value;
     } else if (flag == "--call-timeout") {
       double seconds = 0;
-      if (!absl::SimpleAtod(value, &seconds) || !(seconds > 0)) {
+      if (!absl::SimpleAtod(value, &seconds)) {
         return absl::StrCat("--call-timeout: \"", value, "\" is not positive seconds");
       }
-      f->options.timeout = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+      absl::StatusOr<std::chrono::milliseconds> timeout = deepnex::SecondsToMillis(seconds, flag);
+      if (!timeout.ok()) return std::string(timeout.status().message());
+      f->options.timeout = *timeout;
     } else if (flag == "--alloc") {
       f->alloc = value;
     } else if (flag == "--gpus" || flag == "--cpus") {

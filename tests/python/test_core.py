@@ -3,6 +3,7 @@ zero-copy buffer views, the conversion module, the bound option structs and
 what the CLI commands share."""
 
 import logging
+import math
 import os
 import re
 import subprocess
@@ -697,6 +698,19 @@ def test_ps_option_structs_check_what_is_set_and_name_the_field():
     with pytest.raises(deepnex.InvalidArgumentError) as e:
         _C.ps.ClientOptions().retry_backoff = 0
     assert str(e.value) == "retry_backoff=0.000000: must be positive seconds"
+    # Past about 31 years the milliseconds (and now + the timeout) overflowed:
+    # 1e300 s was -9223372036854775808 ms, a deadline already past.
+    too_long = ": must be at most 1e+09 seconds (about 31 years)"
+    for struct, field, value in [(_C.ps.ClientOptions(), "timeout", 1e300),
+                                 (_C.ps.ServerOptions(), "heartbeat_interval", math.inf),
+                                 (_C.gpu.Request(), "lease", 1e300),
+                                 (_C.collective.StoreClientOptions(), "timeout", math.inf)]:
+        with pytest.raises(deepnex.InvalidArgumentError) as e:
+            setattr(struct, field, value)
+        assert str(e.value) == f"{field}={value:g}{too_long}"
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        deepnex.gpu.Allocator().allocate(deepnex.gpu.Request("u", lease=1e300), wait=False)
+    assert str(e.value) == f"lease=1e+300{too_long}"
     # ps.Server and ps.Client take their sizes as _convert reads them.
     with pytest.raises(deepnex.InvalidArgumentError) as e:
         deepnex.ps.Client(["127.0.0.1:1"], partition_bytes=-1)

@@ -291,9 +291,11 @@ def test_ps_job_flag_wins_over_the_environment(daemons, tmp_path):
 
 @pytest.mark.parametrize("name, args, message", [
     ("deepnex-central", ["--reservation-after", "-1"],
-     "--reservation-after: -1 is not a number of seconds from 0 to 1e12"),
+     "--reservation-after=-1.000000: must be >= 0 seconds"),
     ("deepnex-central", ["--reservation-after", "inf"],
-     "--reservation-after: inf is not a number of seconds from 0 to 1e12"),
+     "--reservation-after=inf: must be at most 1e+09 seconds (about 31 years)"),
+    ("deepnex-ps", ["--lease-timeout", "1e300"],
+     "--lease-timeout=1e+300: must be at most 1e+09 seconds (about 31 years)"),
     ("deepnex-central", ["--reservation-after", "soon"],
      '--reservation-after: "soon" is not a number'),
     ("deepnex-ps", ["--max-pull-reply", "-3"],

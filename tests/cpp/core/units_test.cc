@@ -1,5 +1,7 @@
 #include "deepnex/units.h"
 
+#include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -194,6 +196,39 @@ TEST(FormatByteSizeTest, ExactFormsRoundTrip) {
   // A rounded form reads back within half a tenth of its unit.
   ASSERT_THAT(ParseByteSize(FormatByteSize(10000000000)), IsOk());
   EXPECT_EQ(*ParseByteSize(FormatByteSize(10000000000)), 9985798963ULL);  // 9.3GiB
+}
+
+// Milliseconds of SecondsToMillis(seconds, ...), -1 when it is refused.
+int64_t Ms(double seconds, bool zero_ok = false) {
+  return SecondsToMillis(seconds, "timeout", zero_ok)
+      .value_or(std::chrono::milliseconds(-1))
+      .count();
+}
+
+TEST(SecondsToMillisTest, ConvertsRoundingDown) {
+  EXPECT_EQ(Ms(2.5), 2500);
+  EXPECT_EQ(Ms(0.0019), 1);
+  EXPECT_EQ(Ms(0, /*zero_ok=*/true), 0);
+  EXPECT_EQ(Ms(kMaxSeconds), int64_t{1000000000000});
+}
+
+TEST(SecondsToMillisTest, RefusesWhatIsNoDurationNamingTheField) {
+  EXPECT_THAT(SecondsToMillis(0, "timeout"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "timeout=0.000000: must be positive seconds"));
+  EXPECT_THAT(SecondsToMillis(-1, "lease", true),
+              StatusIs(absl::StatusCode::kInvalidArgument, "lease=-1.000000: must be >= 0 seconds"));
+  EXPECT_THAT(SecondsToMillis(std::nan(""), "timeout"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "timeout=nan: must be positive seconds"));
+  // Past about 31 years the conversion (and a deadline of now plus it)
+  // would overflow: it was -9223372036854775808 ms, i.e. already expired.
+  for (double huge : {1e300, std::numeric_limits<double>::infinity(), kMaxSeconds * 1.5}) {
+    EXPECT_THAT(SecondsToMillis(huge, "lease", true),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("lease="),
+                               HasSubstr(": must be at most 1e+09 seconds (about 31 years)"))))
+        << huge;
+  }
 }
 
 }  // namespace
