@@ -73,9 +73,9 @@ class Gpu:
 
     def _args(self, where):
         return (byte_size(self.memory, f"{where}.memory"), self.uuid or "", self.name,
-                -1 if self.index is None else _int(self.index, f"{where}.index"),
-                _int(self.numa_node, f"{where}.numa_node"),
-                _int(self.switch_id, f"{where}.switch_id"), self.pci_bus_id)
+                -1 if self.index is None else _int32(self.index, f"{where}.index"),
+                _int32(self.numa_node, f"{where}.numa_node"),
+                _int32(self.switch_id, f"{where}.switch_id"), self.pci_bus_id)
 
 
 @dataclass
@@ -156,7 +156,7 @@ class Allocator:
                 raise TypeError(f"{where}: gpus[{i}]: expected deepnex.gpu.Gpu, "
                                 f"got {type(g).__name__}")
             gpus.append(g._args(f"{where}: gpus[{i}]"))
-        self._a.add_node(name=node.name, gpus=gpus, cpus=_int(node.cpus, f"{where}: cpus"),
+        self._a.add_node(name=node.name, gpus=gpus, cpus=_int32(node.cpus, f"{where}: cpus"),
                          memory=byte_size(node.memory, f"{where}: memory"), mode=node.mode,
                          labels=dict(node.labels or {}))
 

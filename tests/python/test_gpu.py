@@ -198,6 +198,14 @@ def test_bad_nodes_change_nothing():
         alloc.add_node(gpu.Node("n2", gpus=[], cpus=0, memory="1GiB"))
     with pytest.raises(ValueError, match="memory=-1"):
         alloc.add_node(gpu.Node("n2", gpus=[], cpus=1, memory=-1))
+    # Past 32 bits: a clear error naming the field, not pybind's TypeError.
+    with pytest.raises(deepnex.InvalidArgumentError,
+                       match="^node n2: cpus=4611686018427387904: must fit in 32 bits$"):
+        alloc.add_node(gpu.Node("n2", gpus=[], cpus=2**62, memory="1GiB"))
+    with pytest.raises(deepnex.InvalidArgumentError,
+                       match=r"^node n2: gpus\[0\].numa_node=4294967296: must fit in 32 bits$"):
+        alloc.add_node(gpu.Node("n2", gpus=[gpu.Gpu("1GiB", numa_node=2**32)], cpus=1,
+                                memory="1GiB"))
     with pytest.raises(KeyError, match="nope"):
         alloc.cordon("nope")
     with pytest.raises(ValueError, match="gpus=-1"):
