@@ -47,6 +47,12 @@ bool IsUnder(const std::string& path, const std::string& root) {
 // would hide what runc, the devices allowed and the kernel's views need.
 constexpr const char* kRuntimeDirs[] = {"/proc", "/dev", "/sys"};
 
+// More than any machine has; far below where a CFS quota overflows (the
+// kernel refused the cgroup write of 1e9 cores with EINVAL).
+constexpr double kMaxCpus = 65536;
+// PID_MAX_LIMIT on 64-bit Linux: pids.max takes nothing above it.
+constexpr int64_t kMaxPids = 4194304;
+
 // Checks mount `i` and sets its source to the real path that was checked, so
 // that the backend mounts what was allowed even if a symlink on the way is
 // changed afterwards.
@@ -141,6 +147,14 @@ absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
   if (spec.command.empty() || spec.command[0].empty()) {
     return absl::InvalidArgumentError("spec.command: empty (give at least the program)");
   }
+  // Arguments and environment reach exec as C strings: past a NUL they
+  // would be cut short without a word.
+  for (size_t i = 0; i < spec.command.size(); ++i) {
+    if (spec.command[i].find('\0') != std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec.command[", i, "]: holds a NUL byte"));
+    }
+  }
   if (!spec.working_dir.empty()) {
     DEEPNEX_RETURN_IF_ERROR(CheckAbsoluteNormal("spec.working_dir", spec.working_dir));
   }
@@ -153,6 +167,10 @@ absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
       return absl::InvalidArgumentError(
           absl::StrCat("spec.env: \"", key, "\" is not a variable name"));
     }
+    if (value.find('\0') != std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec.env: the value of \"", key, "\" holds a NUL byte"));
+    }
   }
   if (spec.memory != 0 && spec.memory < options.min_memory) {
     return absl::InvalidArgumentError(absl::StrCat("spec.memory: ", spec.memory,
@@ -163,6 +181,10 @@ absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
     return absl::InvalidArgumentError(
         absl::StrCat("spec.cpus: ", spec.cpus, " is not a non-negative number of cores"));
   }
+  if (spec.cpus > kMaxCpus) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.cpus: ", spec.cpus, " is more than ", kMaxCpus, " cores"));
+  }
   if (spec.log_max_bytes > options.log_max_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "spec.log_max_bytes: ", spec.log_max_bytes, " bytes is more than the launcher's limit ",
@@ -172,6 +194,11 @@ absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
   if (spec.pids_limit < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.pids_limit: ", spec.pids_limit, " is negative"));
+  }
+  if (spec.pids_limit > kMaxPids) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.pids_limit: ", spec.pids_limit,
+                                                   " is more than the kernel's most processes (",
+                                                   kMaxPids, ")"));
   }
   if (spec.restart.max_restarts < -1 || spec.restart.backoff.count() < 0 ||
       spec.restart.max_backoff < spec.restart.backoff) {

@@ -511,6 +511,26 @@ TEST_F(ProcessLauncherTest, BadSpecFields) {
   spec = Spec("ok", "exit 0");
   spec.pids_limit = -5;
   ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "spec.pids_limit: -5 is negative");
+  // Past what cgroups take, refused as the caller's mistake, not the
+  // cgroup write's FailedPrecondition once half the container was set up.
+  spec.pids_limit = int64_t{1} << 40;
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.pids_limit: 1099511627776 is more than the kernel's most processes "
+                   "(4194304)");
+  spec = Spec("ok", "exit 0");
+  spec.cpus = 1e9;
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.cpus: 1e+09 is more than 65536 cores");
+  // A NUL ends a C string: exec would have run with the argument or value
+  // cut short at it, silently.
+  spec = Spec("ok", "exit 0");
+  spec.command.push_back(std::string("a\0b", 3));
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.command[3]: holds a NUL byte");
+  spec = Spec("ok", "exit 0");
+  spec.env["A"] = std::string("x\0y", 3);
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.env: the value of \"A\" holds a NUL byte");
   spec = Spec("ok", "exit 0");
   spec.labels["deepnex.launcher"] = "other";
   ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
