@@ -27,8 +27,18 @@ exactly once; later epochs are laid out for the new world as usual::
 """
 
 from . import _C
+from .errors import InvalidArgumentError
 
 __all__ = ["Sharder"]
+
+
+def _fits(value, field, bits):
+    """int(value), or InvalidArgumentError naming `field` past a signed `bits`-bit int
+    (where pybind11 would raise a TypeError listing the binding's signature)."""
+    value = int(value)
+    if not -2**(bits - 1) <= value < 2**(bits - 1):
+        raise InvalidArgumentError(f"{field}: {value} is out of range")
+    return value
 
 
 class Sharder:
@@ -48,8 +58,9 @@ class Sharder:
 
     def __init__(self, size, num_shards=1, shard=0, shuffle=True, seed=0,
                  remainder="pad", state=None):
-        self._s = _C.data.Sharder(size=int(size), num_shards=int(num_shards),
-                                  shard=int(shard), shuffle=bool(shuffle),
+        self._s = _C.data.Sharder(size=_fits(size, "size", 64), num_shards=_fits(num_shards,
+                                  "num_shards", 32), shard=_fits(shard, "shard", 32),
+                                  shuffle=bool(shuffle),
                                   seed=int(seed) & (2**64 - 1), remainder=str(remainder))
         if state is not None:
             self.load_state(state)
@@ -95,7 +106,11 @@ class Sharder:
     def load_state(self, state):
         """Moves the cursor to (epoch, position); position == len(self)
         means the epoch is done."""
-        epoch, position = state
+        try:
+            epoch, position = state
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(
+                f"state: expected (epoch, position), got {state!r}") from None
         self._s.seek(int(epoch), int(position))
 
     def state_dict(self):
@@ -120,6 +135,11 @@ class Sharder:
         at the same step."""
         if state is None:
             state = self.state_dict()
+        keys = ("epoch", "position", "num_shards", "ranges")
+        missing = [k for k in keys if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise InvalidArgumentError(f"state: no {', '.join(missing)} (a state_dict() has "
+                                       f"{', '.join(keys)})")
         self._s.reshard(int(state["epoch"]), int(state["position"]), int(state["num_shards"]),
                         [(int(a), int(b)) for a, b in state["ranges"]], int(num_shards),
                         int(shard))

@@ -118,6 +118,13 @@ absl::StatusOr<Sharder> Sharder::Create(const SharderOptions& options) {
   if (options.size == 0) {
     return absl::InvalidArgumentError("size: 0; a dataset to shard needs at least 1 item");
   }
+  // Past it, the first epoch asked for the memory: 2^62 items threw
+  // std::length_error, 2^36 would have been killed by the OOM killer.
+  if (options.size > kMaxSharderSize) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "size: ", options.size, " items is more than a Sharder holds (", kMaxSharderSize,
+        ": each epoch's permutation is kept in memory, 8 bytes an item)"));
+  }
   DEEPNEX_RETURN_IF_ERROR(CheckWorld(options, options.num_shards, options.shard));
   return Sharder(options, ShardSize(options, options.num_shards));
 }

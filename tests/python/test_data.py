@@ -102,6 +102,17 @@ def test_bad_inputs_name_field_and_value():
         Sharder(1, 2, 0, remainder="drop")
     with pytest.raises(ValueError, match="size: -5 is negative"):
         Sharder(-5, 1, 0)
+    # Too big to hold, refused at once (2**62 threw std::length_error at the
+    # first epoch) and past 64 bits or 32 not pybind's TypeError.
+    with pytest.raises(ValueError, match="^size: 4611686018427387904 items is more than a "
+                                         r"Sharder holds \(4294967296: "):
+        Sharder(2**62, 2, 0)
+    with pytest.raises(deepnex.InvalidArgumentError, match="^size: 18446744073709551616 is "
+                                                           "out of range$"):
+        Sharder(2**64, 2, 0)
+    with pytest.raises(deepnex.InvalidArgumentError, match="^num_shards: 1099511627776 is "
+                                                           "out of range$"):
+        Sharder(10, 2**40, 0)
     with pytest.raises(ValueError, match='remainder: "keep"'):
         Sharder(10, remainder="keep")
     s = Sharder(10, 2, 0)
@@ -109,6 +120,14 @@ def test_bad_inputs_name_field_and_value():
         s.load_state((0, 6))
     with pytest.raises(ValueError, match="batch_size: 0"):
         next(s.batches(0))
+    with pytest.raises(deepnex.InvalidArgumentError,
+                       match=r"^state: expected \(epoch, position\), got 'x'$"):
+        s.load_state("x")
+    with pytest.raises(deepnex.InvalidArgumentError,
+                       match="^state: no epoch, ranges \\(a state_dict\\(\\) has epoch, "
+                             "position, num_shards, ranges\\)$"):
+        s.reshard(3, 0, {"position": 0, "num_shards": 2})
+    assert s.state() == (0, 0)
 
 
 def test_from_context(job_env):

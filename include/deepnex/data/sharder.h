@@ -24,9 +24,13 @@ enum class Remainder {
   kPad,
 };
 
+// The most items a Sharder takes: it holds each epoch's permutation in
+// memory, 8 bytes an item (32 GiB here), as torch's DistributedSampler does.
+inline constexpr uint64_t kMaxSharderSize = uint64_t{1} << 32;
+
 struct SharderOptions {
-  // Number of items; the indices are [0, size). Must be >= 1, and
-  // >= num_shards with Remainder::kDrop.
+  // Number of items; the indices are [0, size). Must be >= 1, at most
+  // kMaxSharderSize, and >= num_shards with Remainder::kDrop.
   uint64_t size = 0;
   // Number of shards (the job's workers) and this one's index.
   int num_shards = 1;

@@ -154,6 +154,11 @@ TEST(SharderTest, BadInputsNameTheFieldAndValue) {
   o.remainder = Remainder::kPad;
   EXPECT_THAT(Sharder::Create(o), StatusIs(absl::StatusCode::kInvalidArgument,
                                            HasSubstr("size: 0")));
+  o.size = kMaxSharderSize + 1;
+  EXPECT_THAT(Sharder::Create(o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "size: 4294967297 items is more than a Sharder holds (4294967296: each "
+                       "epoch's permutation is kept in memory, 8 bytes an item)"));
   EXPECT_THAT(ParseRemainder("keep"), StatusIs(absl::StatusCode::kInvalidArgument,
                                                HasSubstr("remainder: \"keep\"")));
   EXPECT_THAT(ParseRemainder("drop"), IsOk());
