@@ -5,7 +5,7 @@ import itertools
 import math
 
 from ._tune_space import (_Choice, _Domain, _Grid, _LogUniform, _RandInt, _Uniform, _describe,
-                          generate_configs)
+                          check_search_size, generate_configs)
 from .errors import InvalidArgumentError
 
 
@@ -36,8 +36,6 @@ class _Sampler:
         if search not in SEARCHES:
             raise InvalidArgumentError(f'search: "{search}" is not one of '
                                        f'{", ".join(SEARCHES)}')
-        if num_samples < 1:
-            raise InvalidArgumentError(f"num_samples: {num_samples} must be at least 1")
         self.search, self.label = search, f"search {search}"
         if search == "grid":
             space = dict(space)
@@ -48,6 +46,7 @@ class _Sampler:
                     raise InvalidArgumentError(
                         f"space: {k} is {_describe(v)}, which search grid cannot enumerate "
                         f"(use grid([...]) or choice([...]), or search random or tpe)")
+        check_search_size(space, num_samples)
         self.space, self.num_samples = space, num_samples
         grid_keys = [k for k, v in space.items() if isinstance(v, _Grid)]
         self._points = [dict(zip(grid_keys, p))

@@ -6,6 +6,7 @@ import ast
 import itertools
 import json
 import math
+import numbers
 import random
 from dataclasses import dataclass
 
@@ -57,30 +58,46 @@ class _Grid:
     values: tuple
 
 
-def _check_range(name, low, high):
-    if not low < high:
+# The most trials a search expands into: its configurations are made up
+# front (the grid's product times num_samples), and a grid of 1000 x 1000 x
+# 1000 took the machine's 24 GiB before the OOM killer ended it.
+MAX_TRIALS = 100_000
+
+
+def _check_range(name, low, high, kind=float):
+    """low and high as `kind` (float: finite; int: whole), low below high."""
+    def number(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return None
+        if kind is int:
+            return int(v) if float(v).is_integer() else None
+        return float(v) if math.isfinite(v) else None
+    lo, hi = number(low), number(high)
+    if lo is None or hi is None:
+        what = "whole numbers" if kind is int else "finite numbers"
+        raise InvalidArgumentError(f"{name}({low!r}, {high!r}): low and high must be {what}")
+    if not lo < hi:
         raise InvalidArgumentError(f"{name}({low}, {high}): low must be below high")
+    return lo, hi
 
 
 def uniform(low, high):
     """A float drawn uniformly from [low, high)."""
-    _check_range("uniform", low, high)
-    return _Uniform(float(low), float(high))
+    return _Uniform(*_check_range("uniform", low, high))
 
 
 def loguniform(low, high):
     """A float whose logarithm is uniform: as likely in [1e-3, 1e-2) as in
     [1e-2, 1e-1). 0 < low < high."""
-    _check_range("loguniform", low, high)
+    low, high = _check_range("loguniform", low, high)
     if low <= 0:
         raise InvalidArgumentError(f"loguniform({low}, {high}): low must be positive")
-    return _LogUniform(float(low), float(high))
+    return _LogUniform(low, high)
 
 
 def randint(low, high):
     """An int n with low <= n < high."""
-    _check_range("randint", low, high)
-    return _RandInt(int(low), int(high))
+    return _RandInt(*_check_range("randint", low, high, kind=int))
 
 
 def choice(values):
@@ -100,11 +117,26 @@ def grid(values):
     return _Grid(values)
 
 
+def check_search_size(space, num_samples):
+    """InvalidArgumentError unless num_samples >= 1 and the search has at most
+    MAX_TRIALS trials (each grid() dimension's values multiplied, times
+    num_samples); checked before anything is expanded."""
+    if (isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or
+            num_samples < 1):
+        raise InvalidArgumentError(f"num_samples: {num_samples} must be at least 1")
+    grids = [(k, len(v.values)) for k, v in space.items() if isinstance(v, _Grid)]
+    trials = math.prod(n for _, n in grids) * num_samples
+    if trials > MAX_TRIALS:
+        shape = (f"grid {' x '.join(f'{k}: {n}' for k, n in grids)}, " if grids else "")
+        raise InvalidArgumentError(
+            f"the search has {trials} trials ({shape}num_samples {num_samples}); "
+            f"at most {MAX_TRIALS}")
+
+
 def generate_configs(space, num_samples=1, seed=0):
     """The configurations of a search: for each combination of the grid()
     dimensions (in the order of `space`), num_samples draws of the others."""
-    if num_samples < 1:
-        raise InvalidArgumentError(f"num_samples: {num_samples} must be at least 1")
+    check_search_size(space, num_samples)
     rng = random.Random(seed)
     grid_keys = [k for k, v in space.items() if isinstance(v, _Grid)]
     configs = []

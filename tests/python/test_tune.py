@@ -51,6 +51,33 @@ def test_bad_domains_raise():
         tune.choice([])
     with pytest.raises(ValueError, match="num_samples: 0"):
         tune.generate_configs({"a": 1}, 0)
+    # Bounds that sample nothing sensible: inf gave inf, (-inf, inf) nan,
+    # and randint(0.5, 3.7) drew 0, below its low.
+    for make, message in [(lambda: tune.uniform(0, math.inf), r"^uniform\(0, inf\): low and "
+                           "high must be finite numbers$"),
+                          (lambda: tune.loguniform(1, math.inf), r"^loguniform\(1, inf\)"),
+                          (lambda: tune.uniform("a", "b"), r"^uniform\('a', 'b'\)"),
+                          (lambda: tune.randint(0.5, 3.7), r"^randint\(0.5, 3.7\): low and "
+                           "high must be whole numbers$")]:
+        with pytest.raises(InvalidArgumentError, match=message):
+            make()
+    assert tune.randint(1.0, 3).sample(random.Random(0)) in (1, 2)
+
+
+def test_a_search_too_big_to_expand_is_refused_before_it_is():
+    # 10^9 configurations were made up front, and the OOM killer ended it.
+    space = {"a": tune.grid(range(1000)), "b": tune.grid(range(1000)),
+             "c": tune.grid(range(1000)), "lr": tune.uniform(0, 1)}
+    message = (r"^the search has 1000000000 trials \(grid a: 1000 x b: 1000 x c: 1000, "
+               r"num_samples 1\); at most 100000$")
+    with pytest.raises(InvalidArgumentError, match=message):
+        tune.generate_configs(space)
+    for search in ("random", "grid"):
+        with pytest.raises(InvalidArgumentError, match=message):
+            tune._Sampler({k: v for k, v in space.items() if k != "lr"}, 1, 0, search)
+    with pytest.raises(InvalidArgumentError, match=r"has 100001 trials \(num_samples 100001\)"):
+        tune.generate_configs({"lr": tune.uniform(0, 1)}, 100_001)
+    assert len(tune.generate_configs({"a": tune.grid(range(1000))}, 100)) == 100_000
 
 
 def test_grid_expands_and_random_dims_are_drawn_per_sample():
