@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 
 #include "absl/strings/match.h"
@@ -52,6 +53,72 @@ bool IsWildcardHost(const std::string& host) {
 bool IsLoopbackHost(const std::string& host) {
   return host == "localhost" || host == "::1" || host == "[::1]" ||
          absl::StartsWith(host, "127.");
+}
+
+namespace {
+
+// What an IPv4 address (host byte order) is when it is not public; empty
+// when it is.
+std::string NonPublicIPv4(uint32_t a) {
+  auto in = [a](uint32_t net, int bits) {
+    return bits == 0 || (a >> (32 - bits)) == (net >> (32 - bits));
+  };
+  if (in(0x7f000000, 8)) return "a loopback address";
+  if (in(0x00000000, 8)) return "an unspecified address (\"this network\")";
+  if (in(0x0a000000, 8) || in(0xac100000, 12) || in(0xc0a80000, 16)) {
+    return "a private address (RFC 1918)";
+  }
+  if (in(0x64400000, 10)) return "a shared address (carrier-grade NAT, RFC 6598)";
+  if (in(0xa9fe0000, 16)) return "a link-local address";
+  if (in(0xc0000000, 24) || in(0xc0000200, 24) || in(0xc6336400, 24) || in(0xcb007100, 24) ||
+      in(0xc6120000, 15)) {
+    return "a reserved address (documentation or benchmarking)";
+  }
+  if (in(0xe0000000, 4)) return "a multicast address";
+  if (in(0xf0000000, 4)) return "a reserved address (240.0.0.0/4 or broadcast)";
+  return "";
+}
+
+}  // namespace
+
+std::string NonPublicAddress(const sockaddr* addr) {
+  if (addr->sa_family == AF_INET) {
+    return NonPublicIPv4(ntohl(reinterpret_cast<const sockaddr_in*>(addr)->sin_addr.s_addr));
+  }
+  if (addr->sa_family != AF_INET6) return "not an IP address";
+  const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr;
+  const uint8_t* b = a.s6_addr;
+  if (IN6_IS_ADDR_UNSPECIFIED(&a)) return "an unspecified address";
+  if (IN6_IS_ADDR_LOOPBACK(&a)) return "a loopback address";
+  if (IN6_IS_ADDR_V4MAPPED(&a) || IN6_IS_ADDR_V4COMPAT(&a)) {
+    return NonPublicIPv4(uint32_t{b[12]} << 24 | uint32_t{b[13]} << 16 | uint32_t{b[14]} << 8 |
+                         b[15]);
+  }
+  if ((b[0] & 0xfe) == 0xfc) return "a private address (unique local, fc00::/7)";
+  if (IN6_IS_ADDR_LINKLOCAL(&a)) return "a link-local address";
+  if (IN6_IS_ADDR_SITELOCAL(&a)) return "a site-local address";
+  if (IN6_IS_ADDR_MULTICAST(&a)) return "a multicast address";
+  // NAT64 (64:ff9b::/96) carries an IPv4 address: judged as that one.
+  static const uint8_t kNat64[12] = {0, 0x64, 0xff, 0x9b};
+  if (std::memcmp(b, kNat64, 12) == 0) {
+    return NonPublicIPv4(uint32_t{b[12]} << 24 | uint32_t{b[13]} << 16 | uint32_t{b[14]} << 8 |
+                         b[15]);
+  }
+  if (b[0] == 0x20 && b[1] == 0x01 && b[2] == 0x0d && b[3] == 0xb8) {
+    return "a reserved address (documentation, 2001:db8::/32)";
+  }
+  return "";
+}
+
+std::string AddressText(const sockaddr* addr) {
+  char text[INET6_ADDRSTRLEN] = "?";
+  if (addr->sa_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(addr)->sin_addr, text, sizeof(text));
+  } else if (addr->sa_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr, text,
+              sizeof(text));
+  }
+  return text;
 }
 
 absl::StatusOr<sockaddr_in> ResolveIPv4(const std::string& host, int port) {

@@ -8,6 +8,7 @@
 #define DEEPNEX_CORE_NET_H_
 
 #include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <string>
 
@@ -26,6 +27,17 @@ std::string HostOf(const std::string& address);
 bool IsWildcardHost(const std::string& host);
 // True for 127.0.0.0/8, ::1 and "localhost".
 bool IsLoopbackHost(const std::string& host);
+
+// Empty when `addr` (AF_INET or AF_INET6) is an address of the public
+// internet; else what it is instead, e.g. "a loopback address", "a private
+// address (RFC 1918)", "a link-local address" (cloud metadata services sit
+// at 169.254.169.254). An IPv4-mapped IPv6 address is judged as its IPv4.
+// What a server that connects where its users say (webhooks) checks before
+// it connects.
+std::string NonPublicAddress(const sockaddr* addr);
+
+// The address (without port) of an AF_INET or AF_INET6 `addr`, as text.
+std::string AddressText(const sockaddr* addr);
 
 // An IPv4 address of `host` (a name or a dotted quad) with `port`, from the
 // system resolver (getaddrinfo: /etc/hosts, then DNS). InvalidArgument

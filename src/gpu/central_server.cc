@@ -573,6 +573,7 @@ absl::StatusOr<std::unique_ptr<CentralServer>> CreateCentralServer(
   jobs.fsync = options.allocator.fsync;
   jobs.history = options.job_history;
   jobs.on_event = options.on_job_event;
+  jobs.check_notify_url = options.check_job_notify_url;
   DEEPNEX_ASSIGN_OR_RETURN(auto job_store, JobStore::Open(jobs, *alloc));
   auto server = std::make_unique<CentralServerImpl>(
       std::make_unique<Service>(std::move(alloc), std::move(tokens), hub), std::move(job_store));

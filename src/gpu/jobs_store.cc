@@ -464,6 +464,19 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
                                                     "\" is for job \"", who.job, "\", not \"",
                                                     in.name(), "\""));
   }
+  if (options_.check_notify_url && in.notify_size() > 0) {
+    // Once per run: outside the lock, as it may ask the resolver. A run
+    // already known had its URLs checked when it came.
+    bool known;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = jobs_.find(in.name());
+      known = it != jobs_.end() && it->second.run() == in.run();
+    }
+    for (int i = 0; i < in.notify_size() && !known; ++i) {
+      DEEPNEX_RETURN_IF_ERROR(options_.check_notify_url(in.notify(i)));
+    }
+  }
   std::vector<JobEvent> events;
   uint64_t ticket;
   pb::Job reply;

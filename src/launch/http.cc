@@ -80,7 +80,22 @@ struct Transfer {
   // The read timeout counts from the connection, then from the newest bytes.
   bool connected = false;
   Clock::time_point last_bytes = Clock::now();
+  // HttpClientOptions::allow_address, and why it refused an address.
+  const std::function<absl::Status(const sockaddr*)>* allow_address = nullptr;
+  absl::Status refused;
 };
+
+curl_socket_t OnOpenSocket(void* user, curlsocktype purpose, curl_sockaddr* address) {
+  auto* t = static_cast<Transfer*>(user);
+  if (purpose == CURLSOCKTYPE_IPCXN) {
+    absl::Status allowed = (*t->allow_address)(&address->addr);
+    if (!allowed.ok()) {
+      t->refused = std::move(allowed);
+      return CURL_SOCKET_BAD;
+    }
+  }
+  return socket(address->family, address->socktype | SOCK_CLOEXEC, address->protocol);
+}
 
 size_t OnHeader(char* data, size_t size, size_t n, void* user) {
   auto* t = static_cast<Transfer*>(user);
@@ -295,6 +310,7 @@ absl::Status HttpClient::Perform(const std::string& method, const std::string& p
                                                                       &curl_slist_free_all);
 
   Transfer transfer{head, &body_sink};
+  if (options_.allow_address) transfer.allow_address = &options_.allow_address;
   char detail[CURL_ERROR_SIZE] = "";
   CURLcode rc = CURLE_OK;
   auto set = [&](CURLoption option, auto value) {
@@ -324,6 +340,10 @@ absl::Status HttpClient::Perform(const std::string& method, const std::string& p
   set(CURLOPT_PREREQFUNCTION, &OnConnected);
   set(CURLOPT_PREREQDATA, &transfer);
   if (target_.unix_socket) set(CURLOPT_UNIX_SOCKET_PATH, target_.host.c_str());
+  if (transfer.allow_address != nullptr) {
+    set(CURLOPT_OPENSOCKETFUNCTION, &OnOpenSocket);
+    set(CURLOPT_OPENSOCKETDATA, &transfer);
+  }
   if (target_.tls) {
     set(CURLOPT_SSLVERSION, static_cast<long>(CURL_SSLVERSION_TLSv1_2));
     if (options_.insecure_skip_verify) {
@@ -384,6 +404,7 @@ absl::Status HttpClient::Perform(const std::string& method, const std::string& p
     if (message->msg == CURLMSG_DONE) rc = message->data.result;
   }
   if (rc == CURLE_OK || (rc == CURLE_WRITE_ERROR && transfer.sink_stopped)) return absl::OkStatus();
+  if (!transfer.refused.ok()) return with_url(transfer.refused);
   return with_url(CurlError(easy.get(), rc, detail, what, target_.host, options_.connect_timeout));
 }
 

@@ -15,6 +15,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <sys/socket.h>
+
 #include "deepnex/status.h"
 
 namespace deepnex::launch {
@@ -37,6 +39,11 @@ struct HttpClientOptions {
   std::string client_key_pem;
   // Sent as "Authorization: Bearer <token>" when not empty.
   std::string bearer_token;
+  // TCP: called with each address a connection is about to be made to,
+  // after name resolution (so a name that resolves anew, as in DNS
+  // rebinding, cannot slip past it). An error refuses that address; a call
+  // left with no address fails with the error. Unset: any address.
+  std::function<absl::Status(const sockaddr*)> allow_address;
   std::chrono::milliseconds connect_timeout{5000};
   // The longest wait for the next bytes of a response.
   std::chrono::milliseconds read_timeout{30000};
@@ -76,6 +83,8 @@ class HttpClient {
   static absl::StatusOr<std::unique_ptr<HttpClient>> Create(const HttpClientOptions& options);
 
   const std::string& endpoint() const { return options_.endpoint; }
+  // The endpoint's host (a name or an address), or its socket's path.
+  const std::string& host() const { return target_.host; }
 
   // Sends `method` to `path` (with its query; the endpoint's prefix is put
   // before it) with `body` as application/json when not empty, and returns

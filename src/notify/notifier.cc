@@ -3,6 +3,7 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
+#include <netdb.h>
 
 #include <algorithm>
 #include <atomic>
@@ -21,6 +22,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/file_util.h"
+#include "core/net.h"
 #include "gpu/ledger.h"
 #include "launch/http.h"
 
@@ -111,6 +113,55 @@ absl::Status CheckUrl(const std::string& url) {
         absl::StrCat("URL \"", url, "\": ", client.status().message()));
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+// An admin gave `url` (to every event of a user, or node events).
+bool AdminGiven(const NotifierOptions& options, const std::string& url) {
+  for (const auto& [user, urls] : options.user_urls) {
+    if (std::find(urls.begin(), urls.end(), url) != urls.end()) return true;
+  }
+  return std::find(options.admin_urls.begin(), options.admin_urls.end(), url) !=
+         options.admin_urls.end();
+}
+
+// OK for a public address; else PermissionDenied naming `url` and `addr`.
+absl::Status PublicOnly(const std::string& url, const sockaddr* addr) {
+  const std::string why = NonPublicAddress(addr);
+  if (why.empty()) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      "notify URL \"", url, "\": ", AddressText(addr), " is ", why,
+      "; deepnex-central posts a job's own webhooks only to public addresses (its "
+      "--notify-allow-private lets them reach others)"));
+}
+
+}  // namespace
+
+absl::Status CheckJobUrl(const NotifierOptions& options, const std::string& url) {
+  DEEPNEX_RETURN_IF_ERROR(CheckUrl(url));
+  if (options.allow_private_job_urls || AdminGiven(options, url)) return absl::OkStatus();
+  launch::HttpClientOptions o;
+  o.endpoint = url;
+  DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<launch::HttpClient> client,
+                           launch::HttpClient::Create(o));
+  std::string host = client->host();
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (int rc = getaddrinfo(host.c_str(), nullptr, &hints, &found); rc != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("notify URL \"", url, "\": host \"", host, "\": ", gai_strerror(rc)));
+  }
+  absl::Status allowed;
+  for (addrinfo* a = found; a != nullptr && allowed.ok(); a = a->ai_next) {
+    allowed = PublicOnly(url, a->ai_addr);
+  }
+  freeaddrinfo(found);
+  return allowed;
 }
 
 absl::Status AddUserUrl(const std::string& spec, NotifierOptions* options) {
@@ -415,6 +466,9 @@ absl::StatusOr<launch::HttpClient*> Notifier::Client(const std::string& url) {
     o.endpoint = url;
     o.connect_timeout = options_.timeout;
     o.read_timeout = options_.timeout;
+    if (!options_.allow_private_job_urls && !AdminGiven(options_, url)) {
+      o.allow_address = [url](const sockaddr* addr) { return PublicOnly(url, addr); };
+    }
     DEEPNEX_ASSIGN_OR_RETURN(client, launch::HttpClient::Create(o));
   }
   return client.get();
@@ -467,7 +521,9 @@ void Notifier::Work() {
     } else {
       absl::StatusOr<launch::HttpResponse> r =
           (*client)->Send("POST", "", d.body, headers, cancel_.get());
-      if (!r.ok()) {
+      if (absl::IsPermissionDenied(r.status())) {
+        drop = std::string(r.status().message());  // an address a job may not reach
+      } else if (!r.ok()) {
         failed = r.status();
       } else if (Retryable(r->status)) {
         failed = (*client)->ErrorFor("POST", "", *r);

@@ -114,6 +114,14 @@ struct NotifierOptions {
   std::chrono::milliseconds timeout{10000};
   // POSTs in flight at once (to different jobs or URLs). Default: 4
   int threads = 4;
+  // A job's own URLs (Event::urls, which any user may give) reach only
+  // public addresses: a loopback, private, link-local (cloud metadata) or
+  // other non-public address (NonPublicAddress) is refused at connect time
+  // and the event dropped with a log line, so that no user can make central
+  // POST to the services beside it. The admins' URLs (user_urls,
+  // admin_urls) go anywhere. True: job URLs too (deepnex-central
+  // --notify-allow-private). Default: false
+  bool allow_private_job_urls = false;
 };
 
 // What a Notifier has done since it was created.
@@ -200,6 +208,14 @@ std::string Sign(const std::string& secret, const std::string& body);
 // InvalidArgument, naming `url`, unless it is http:// or https:// with a
 // host.
 absl::Status CheckUrl(const std::string& url);
+
+// OK when a job may give `url` as its own (Event::urls): CheckUrl, then,
+// unless `options` allow private job URLs or an admin gave this URL, every
+// address its host resolves to now is public. PermissionDenied naming the
+// URL, the address and what it is otherwise (InvalidArgument when the host
+// does not resolve). What deepnex-central checks as a job registers;
+// deliveries check again, the address they connect to.
+absl::Status CheckJobUrl(const NotifierOptions& options, const std::string& url);
 
 // Flags and files of deepnex-central. Each error names the flag or the
 // file and line, and the value:

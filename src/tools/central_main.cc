@@ -106,6 +106,11 @@ flags:
                           carries X-Deepnex-Signature: sha256=<hex HMAC-SHA256
                           of the body> under USER's secret; node events are
                           signed with the secret of user "admin"
+  --notify-allow-private  a job's own `deepnex run --notify URL` may reach
+                          loopback, private and link-local addresses too
+                          (default: public addresses only, so that users
+                          cannot make central POST to the services around
+                          it; the URLs above, an admin's, go anywhere)
   --notify-max-age S      drop an event that no receiver took within S
                           seconds (default 0: retry forever, backing off from
                           0.5s to 30s). Undelivered events wait in
@@ -286,6 +291,8 @@ int main(int argc, char** argv) {
     } else if (flags.Is("--notify-secret-file")) {
       absl::Status added = deepnex::notify::LoadSecretsFile(flags.Value(), &notify);
       if (!added.ok()) flags.Die("--notify-secret-file: " + std::string(added.message()));
+    } else if (flags.Is("--notify-allow-private")) {
+      notify.allow_private_job_urls = true;
     } else if (flags.Is("--notify-max-age")) {
       notify.max_age = flags.Seconds();
     } else if (flags.Is("--job-history-age")) {
@@ -356,6 +363,9 @@ int main(int argc, char** argv) {
     event.node = node;
     event.data = {{"reason", why}};
     sink.Publish(std::move(event), /*wait_open=*/false);
+  };
+  options.check_job_notify_url = [notify](const std::string& url) {
+    return deepnex::notify::CheckJobUrl(notify, url);
   };
   options.on_job_event = [&sink](const deepnex::gpu::JobEvent& e) {
     deepnex::notify::Event event;

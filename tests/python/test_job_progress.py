@@ -51,9 +51,11 @@ def central(tmp_path, jobs):  # noqa: F811 - test_job's fixture
     script as alice's job through it."""
     secrets = tmp_path / "secrets"
     secrets.write_text(SECRETS)
+    # The receivers listen on 127.0.0.1, where a job's own URL may not reach
+    # unless central allows it.
     proc, address = start_central(tmp_path, "--state-dir", str(tmp_path / "state"),
-                                  "--notify-secret-file", str(secrets), cpus=8, memory="16GiB",
-                                  node=HOST)
+                                  "--notify-secret-file", str(secrets), "--notify-allow-private",
+                                  cpus=8, memory="16GiB", node=HOST)
 
     class Central:
         pass

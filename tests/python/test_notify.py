@@ -163,9 +163,12 @@ def test_job_events_reach_the_jobs_and_its_users_urls_in_order(tmp_path, receive
     defaults = Receiver()
     secrets = tmp_path / "secrets"
     secrets.write_text(SECRETS)
+    # The receivers listen on 127.0.0.1, where a job's own URL may not reach
+    # unless central allows it.
     proc, address = _central.start_central(
         tmp_path, "--state-dir", str(tmp_path / "state"), "--notify", f"alice={defaults.url}",
-        "--notify-secret-file", str(secrets), cpus=8, memory="16GiB", node=socket.gethostname())
+        "--notify-secret-file", str(secrets), "--notify-allow-private", cpus=8,
+        memory="16GiB", node=socket.gethostname())
     try:
         env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_TOKEN"}
         env.update(DEEPNEX_CENTRAL=address, DEEPNEX_TOKEN="alicetok")
@@ -199,7 +202,8 @@ def test_an_event_durable_but_not_published_goes_out_after_a_restart(tmp_path, r
     from test_job import RunningJob
     secrets = tmp_path / "secrets"
     secrets.write_text(SECRETS)
-    flags = ["--state-dir", str(tmp_path / "state"), "--notify-secret-file", str(secrets)]
+    flags = ["--state-dir", str(tmp_path / "state"), "--notify-secret-file", str(secrets),
+             "--notify-allow-private"]
     monkeypatch.setenv("DEEPNEX_TEST_EXIT_BEFORE_PUBLISH", "completed")
     proc, address = _central.start_central(tmp_path, *flags, cpus=8, memory="16GiB",
                                            node=socket.gethostname())
@@ -240,6 +244,32 @@ def test_an_event_durable_but_not_published_goes_out_after_a_restart(tmp_path, r
         (f"{j.name}/{run}/{n}", kind)
         for n, kind in enumerate(["job.queued", "job.started", "job.completed"], 1)]
     assert (events[2]["data"]["state"], events[2]["data"]["exit_code"]) == ("completed", 0)
+
+
+def test_a_jobs_url_to_a_loopback_or_private_address_is_refused(tmp_path, receiver):
+    """A hostile user's `deepnex run --notify` would make central POST to
+    the services beside it (a receiver on 127.0.0.1 stands for them, as
+    169.254.169.254 for a cloud's metadata): central refuses the job, and
+    its admin's own URLs and --notify-allow-private are what may go there."""
+    from test_job import RunningJob
+    proc, address = _central.start_central(tmp_path, cpus=8, memory="16GiB",
+                                           node=socket.gethostname())
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_TOKEN"}
+        env.update(DEEPNEX_CENTRAL=address, DEEPNEX_TOKEN="alicetok")
+        for url, address_is in [(receiver.url, "127.0.0.1 is a loopback address"),
+                                ("http://169.254.169.254/latest/meta-data/",
+                                 "169.254.169.254 is a link-local address")]:
+            j = RunningJob(tmp_path, ["--mode", "allreduce", "--memory", "64MiB",
+                                      "--notify", url], ["true"], env=env)
+            assert j.wait(120) != 0, j.output()
+            assert (f'notify URL "{url}": {address_is}; deepnex-central posts a job\'s own '
+                    "webhooks only to public addresses") in j.output()
+        assert receiver.events() == []
+        # Refused before it ran: central has no such job.
+        assert _central.clients(address)[0].jobs(all=True) == []
+    finally:
+        stop_central(proc)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,5 +1,6 @@
 #include "core/net.h"
 
+#include <arpa/inet.h>
 #include <stdlib.h>
 
 #include <string>
@@ -47,6 +48,50 @@ TEST(Net, WildcardAndLoopbackHosts) {
     EXPECT_TRUE(IsLoopbackHost(h)) << h;
   }
   EXPECT_FALSE(IsLoopbackHost("10.77.0.11"));
+}
+
+// The address an IPv4 or IPv6 literal parses to, as a sockaddr.
+sockaddr_storage Parse(const std::string& text) {
+  sockaddr_storage s{};
+  if (text.find(':') == std::string::npos) {
+    auto* in = reinterpret_cast<sockaddr_in*>(&s);
+    in->sin_family = AF_INET;
+    EXPECT_EQ(inet_pton(AF_INET, text.c_str(), &in->sin_addr), 1) << text;
+  } else {
+    auto* in6 = reinterpret_cast<sockaddr_in6*>(&s);
+    in6->sin6_family = AF_INET6;
+    EXPECT_EQ(inet_pton(AF_INET6, text.c_str(), &in6->sin6_addr), 1) << text;
+  }
+  return s;
+}
+
+std::string NonPublic(const std::string& text) {
+  sockaddr_storage s = Parse(text);
+  return NonPublicAddress(reinterpret_cast<const sockaddr*>(&s));
+}
+
+TEST(Net, NonPublicAddressesAreNamedAndPublicOnesAreNot) {
+  for (const char* text : {"127.0.0.1", "127.9.9.9", "::1", "::ffff:127.0.0.1"}) {
+    EXPECT_EQ(NonPublic(text), "a loopback address") << text;
+  }
+  for (const char* text : {"10.77.0.11", "172.16.0.1", "172.31.255.255", "192.168.1.1",
+                           "::ffff:10.0.0.1", "64:ff9b::c0a8:101"}) {
+    EXPECT_EQ(NonPublic(text), "a private address (RFC 1918)") << text;
+  }
+  EXPECT_EQ(NonPublic("169.254.169.254"), "a link-local address");  // cloud metadata
+  EXPECT_EQ(NonPublic("fe80::1"), "a link-local address");
+  EXPECT_EQ(NonPublic("fd00::1"), "a private address (unique local, fc00::/7)");
+  EXPECT_EQ(NonPublic("0.0.0.0"), "an unspecified address (\"this network\")");
+  EXPECT_EQ(NonPublic("::"), "an unspecified address");
+  EXPECT_EQ(NonPublic("100.64.0.1"), "a shared address (carrier-grade NAT, RFC 6598)");
+  EXPECT_EQ(NonPublic("224.0.0.1"), "a multicast address");
+  EXPECT_EQ(NonPublic("255.255.255.255"), "a reserved address (240.0.0.0/4 or broadcast)");
+  for (const char* text : {"8.8.8.8", "172.32.0.1", "172.15.255.255", "192.169.0.1",
+                           "100.128.0.1", "2606:4700::1111", "::ffff:8.8.8.8"}) {
+    EXPECT_EQ(NonPublic(text), "") << text;
+  }
+  sockaddr_storage s = Parse("2001:db8::1");
+  EXPECT_EQ(AddressText(reinterpret_cast<const sockaddr*>(&s)), "2001:db8::1");
 }
 
 TEST(Net, ResolvesNamesWithTheSystemResolver) {

@@ -16,6 +16,8 @@
 #include <mutex>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
+#include "core/net.h"
 #include "test_matchers.h"
 #include "test_util.h"
 
@@ -24,6 +26,7 @@ namespace {
 
 using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using namespace std::chrono_literals;
 
@@ -200,6 +203,37 @@ TEST(HttpClientTest, RefusedConnectionIsUnavailable) {
   auto client = Client("http://127.0.0.1:" + std::to_string(ntohs(addr.sin_port)));
   EXPECT_THAT(client->Call("GET", "/"),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("Connection refused")));
+}
+
+// The check sees the address the connection goes to, after resolution: a
+// name ("localhost") gets no pass a literal would not.
+TEST(HttpClientTest, AllowAddressRefusesBeforeConnectingAndNamesWhy) {
+  ScriptedServer server(kResponses);
+  const std::string port = server.endpoint().substr(server.endpoint().rfind(':') + 1);
+  std::atomic<int> asked{0};
+  HttpClientOptions options;
+  options.endpoint = "http://localhost:" + port;
+  options.allow_address = [&asked](const sockaddr* a) {
+    ++asked;
+    return absl::PermissionDeniedError(absl::StrCat(AddressText(a), " is ", NonPublicAddress(a)));
+  };
+  auto refusing = HttpClient::Create(options);
+  ASSERT_THAT(refusing, IsOk());
+  EXPECT_THAT((*refusing)->Send("POST", "/echo", "{}"),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       AllOf(HasSubstr("POST http://localhost:" + port + "/echo: "),
+                             HasSubstr(" is a loopback address"))));
+  EXPECT_GE(asked.load(), 1);
+  options.allow_address = [&asked](const sockaddr*) {
+    ++asked;
+    return absl::OkStatus();
+  };
+  options.endpoint = server.endpoint();
+  asked = 0;
+  auto allowing = HttpClient::Create(options);
+  ASSERT_THAT(allowing, IsOk());
+  EXPECT_EQ(*(*allowing)->Call("GET", "/length"), "hello");
+  EXPECT_EQ(asked.load(), 1);
 }
 
 TEST(HttpClientTest, SilentServerIsDeadlineExceeded) {

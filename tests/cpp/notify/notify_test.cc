@@ -122,11 +122,13 @@ class Receiver {
   std::thread thread_;
 };
 
+// The receivers here listen on 127.0.0.1: job URLs may reach them.
 NotifierOptions Fast() {
   NotifierOptions o;
   o.retry_initial = 10ms;
   o.retry_max = 40ms;
   o.timeout = 5000ms;
+  o.allow_private_job_urls = true;
   return o;
 }
 
@@ -192,6 +194,62 @@ TEST(Notifier, TheBodyHasTheEventsFields) {
       "time_ms": 1700000000123, "data": {"exit_code": 3}})"));
   // No secret for alice: no signature.
   EXPECT_EQ(r.headers.count("x-deepnex-signature"), 0u);
+}
+
+// Any user gives a job's own URLs: by default they reach public addresses
+// only, checked against the address connected to (a receiver on 127.0.0.1
+// stands for the services beside central). An admin's URL to the same
+// receiver is sent.
+TEST(Notifier, AJobsOwnUrlReachesNoLoopbackOrPrivateAddressUnlessAllowed) {
+  Receiver receiver;
+  NotifierOptions o = Fast();
+  o.allow_private_job_urls = false;
+  {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+    Event e = JobEvent("j1", kJobStarted, 0);
+    e.urls = {receiver.url()};
+    ASSERT_THAT(n->Publish(e), IsOk());
+    ASSERT_TRUE(WaitFor([&] { return n->stats().dropped == 1; }, 30s, "the refusal"));
+    EXPECT_EQ(n->stats().retried, 0u);  // refused for good, not retried
+  }
+  EXPECT_EQ(receiver.count(), 0u);
+  o.user_urls["alice"] = {receiver.url()};
+  {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+    Event e = JobEvent("j1", kJobStarted, 0);
+    e.urls = {receiver.url()};  // the job gives it too: it is an admin's
+    ASSERT_THAT(n->Publish(e), IsOk());
+    ASSERT_TRUE(WaitFor([&] { return receiver.count() == 1; }, 30s, "the event"));
+  }
+}
+
+TEST(NotifyOptions, AJobsUrlIsCheckedAgainstWhatItsHostResolvesTo) {
+  NotifierOptions o;
+  const std::string rest =
+      "; deepnex-central posts a job's own webhooks only to public addresses (its "
+      "--notify-allow-private lets them reach others)";
+  EXPECT_THAT(CheckJobUrl(o, "http://127.0.0.1:8080/hook"),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       "notify URL \"http://127.0.0.1:8080/hook\": 127.0.0.1 is a loopback "
+                       "address" + rest));
+  EXPECT_THAT(CheckJobUrl(o, "http://169.254.169.254/latest/meta-data"),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("169.254.169.254 is a link-local address;")));
+  EXPECT_THAT(CheckJobUrl(o, "https://10.77.0.11:443/x"),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("a private address")));
+  EXPECT_THAT(CheckJobUrl(o, "http://[::1]:80/"),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("::1 is a loopback")));
+  EXPECT_THAT(CheckJobUrl(o, "http://localhost:1/"),  // a name: what it resolves to
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("is a loopback")));
+  EXPECT_THAT(CheckJobUrl(o, "ftp://example.com/x"),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(CheckJobUrl(o, "http://8.8.8.8/hook"), IsOk());
+  o.user_urls["alice"] = {"http://127.0.0.1:8080/hook"};  // an admin's
+  EXPECT_THAT(CheckJobUrl(o, "http://127.0.0.1:8080/hook"), IsOk());
+  EXPECT_THAT(CheckJobUrl(o, "http://127.0.0.1:8081/hook"),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  o.allow_private_job_urls = true;
+  EXPECT_THAT(CheckJobUrl(o, "http://127.0.0.1:8081/hook"), IsOk());
 }
 
 TEST(Notifier, NodeEventsGoToAdminsSignedWithTheAdminsSecret) {
