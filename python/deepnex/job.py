@@ -176,6 +176,9 @@ def _minutes(value, field):
         minutes = float(value)
     except (TypeError, ValueError):
         minutes = -1.0
-    if isinstance(value, (str, bool)) or not 0 <= minutes * 60 <= 1e9:
+    if isinstance(value, (str, bool)) or not minutes >= 0:
         raise InvalidArgumentError(f"{field}: {value!r} is not a number of minutes >= 0")
+    if minutes * 60 > 1e9:
+        raise InvalidArgumentError(f"{field}: {value!r} minutes is more than deepnex's longest "
+                                   "duration (1e9 s, about 31 years)")
     return minutes

@@ -188,6 +188,9 @@ def test_progress_every_n_minutes(central, tmp_path):
      "argument --notify-every: invalid float value: 'soon'"),
     (["--central", "127.0.0.1:1", "--notify-every", "-1"],
      "notify_every: -1.0 is not a number of minutes >= 0"),
+    (["--central", "127.0.0.1:1", "--notify-every", "1e300"],
+     "notify_every: 1e+300 minutes is more than deepnex's longest duration (1e9 s, about 31 "
+     "years)"),
 ])
 def test_bad_progress_flags_are_named(tmp_path, jobs, args, message):  # noqa: F811
     env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_CENTRAL"}
