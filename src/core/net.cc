@@ -88,22 +88,21 @@ std::string NonPublicAddress(const sockaddr* addr) {
   if (addr->sa_family != AF_INET6) return "not an IP address";
   const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr;
   const uint8_t* b = a.s6_addr;
-  if (IN6_IS_ADDR_UNSPECIFIED(&a)) return "an unspecified address";
-  if (IN6_IS_ADDR_LOOPBACK(&a)) return "a loopback address";
-  if (IN6_IS_ADDR_V4MAPPED(&a) || IN6_IS_ADDR_V4COMPAT(&a)) {
+  // The IPv4 address in the last 4 bytes (mapped, compatible, NAT64).
+  auto embedded_ipv4 = [b] {
     return NonPublicIPv4(uint32_t{b[12]} << 24 | uint32_t{b[13]} << 16 | uint32_t{b[14]} << 8 |
                          b[15]);
-  }
+  };
+  if (IN6_IS_ADDR_UNSPECIFIED(&a)) return "an unspecified address";
+  if (IN6_IS_ADDR_LOOPBACK(&a)) return "a loopback address";
+  if (IN6_IS_ADDR_V4MAPPED(&a) || IN6_IS_ADDR_V4COMPAT(&a)) return embedded_ipv4();
   if ((b[0] & 0xfe) == 0xfc) return "a private address (unique local, fc00::/7)";
   if (IN6_IS_ADDR_LINKLOCAL(&a)) return "a link-local address";
   if (IN6_IS_ADDR_SITELOCAL(&a)) return "a site-local address";
   if (IN6_IS_ADDR_MULTICAST(&a)) return "a multicast address";
   // NAT64 (64:ff9b::/96) carries an IPv4 address: judged as that one.
   static const uint8_t kNat64[12] = {0, 0x64, 0xff, 0x9b};
-  if (std::memcmp(b, kNat64, 12) == 0) {
-    return NonPublicIPv4(uint32_t{b[12]} << 24 | uint32_t{b[13]} << 16 | uint32_t{b[14]} << 8 |
-                         b[15]);
-  }
+  if (std::memcmp(b, kNat64, 12) == 0) return embedded_ipv4();
   if (b[0] == 0x20 && b[1] == 0x01 && b[2] == 0x0d && b[3] == 0xb8) {
     return "a reserved address (documentation, 2001:db8::/32)";
   }
