@@ -273,7 +273,9 @@ class Server:
 class Client:
     """A worker's connection to the job's parameter servers.
 
-    servers: "host:port" strings, in the same order on every worker.
+    servers: "host:port" strings, each once, in the same order on every
+      worker (FailedPreconditionError where a server was listed at another
+      position by an earlier client).
     worker_id: 0..num_workers-1, or -1 for an observer that only reads.
     timeout: seconds for each operation (retries on Unavailable included);
     retry_backoff: the first pause before a retry, doubling each time.

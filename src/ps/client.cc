@@ -432,6 +432,8 @@ class ClientImpl final : public Client {
       pb::RegisterRequest req;
       req.set_worker_id(options_.worker_id);
       req.set_incarnation(incarnation);
+      req.set_server_index(static_cast<uint32_t>(s));
+      req.set_num_servers(static_cast<uint32_t>(servers_.size()));
       if (transport_ != Transport::kTcp) {
         req.set_host_id(HostIdentity());
         req.set_shm_bytes(options_.shm_bytes);
@@ -439,8 +441,12 @@ class ClientImpl final : public Client {
       // The bulk socket is plaintext.
       req.set_bulk(options_.tls_ca_file.empty());
       pb::RegisterReply reply;
-      DEEPNEX_RETURN_IF_ERROR(
-          Unary(s, "register", req, &reply, &pb::ParameterServer::Stub::Register));
+      absl::Status status = Unary(s, "register", req, &reply, &pb::ParameterServer::Stub::Register);
+      if (absl::IsFailedPrecondition(status)) {  // this list against another client's
+        return absl::FailedPreconditionError(
+            absl::StrCat("servers[", s, "] \"", options_.servers[s], "\": ", status.message()));
+      }
+      DEEPNEX_RETURN_IF_ERROR(status);
       heartbeat_interval_ = std::chrono::milliseconds(reply.heartbeat_interval_ms());
       DEEPNEX_ASSIGN_OR_RETURN((*shm)[s], AttachShm(transport_, options_.servers[s], reply,
                                                      std::min(options_.timeout, kConnectTimeout)));

@@ -10,8 +10,17 @@ absl::Status ClientOptions::Validate() const {
     return absl::InvalidArgumentError("servers: empty (give at least one host:port)");
   }
   // All of them before dialing any, so that a typo is refused at once.
-  for (const auto& s : servers) {
-    DEEPNEX_RETURN_IF_ERROR(ValidateAddress("ps server address", s));
+  for (size_t i = 0; i < servers.size(); ++i) {
+    DEEPNEX_RETURN_IF_ERROR(ValidateAddress("ps server address", servers[i]));
+    // Each server holds the parts placed at its position (ps/plan.h); one
+    // listed twice would hold two positions' parts under the same keys.
+    for (size_t j = 0; j < i; ++j) {
+      if (servers[j] == servers[i]) {
+        return absl::InvalidArgumentError(absl::StrCat("servers[", i, "] \"", servers[i],
+                                                       "\": listed twice (also servers[", j,
+                                                       "]); give each server once"));
+      }
+    }
   }
   if (worker_id < -1) {
     return absl::InvalidArgumentError(absl::StrCat(

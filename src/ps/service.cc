@@ -99,6 +99,7 @@ grpc::ServerUnaryReactor* Service::Register(grpc::CallbackServerContext* ctx,
   if (s.ok() && req->incarnation() == 0) {
     s = absl::InvalidArgumentError("register: incarnation 0 is reserved");
   }
+  if (s.ok()) s = ClaimPosition(*req);
   if (s.ok()) {
     membership_.Register(req->worker_id(), req->incarnation());
     metrics_.live_workers->Set(membership_.LiveCount());
@@ -113,6 +114,28 @@ grpc::ServerUnaryReactor* Service::Register(grpc::CallbackServerContext* ctx,
             : std::max<int64_t>(1, options_.lease_timeout.count() / 4));
   }
   return Reply(ctx, s);
+}
+
+absl::Status Service::ClaimPosition(const pb::RegisterRequest& req) {
+  if (req.num_servers() == 0) return absl::OkStatus();
+  if (req.server_index() >= req.num_servers()) {
+    return absl::InvalidArgumentError(absl::StrCat("register: server_index ", req.server_index(),
+                                                   " of num_servers ", req.num_servers()));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (position_.count == 0) {
+    position_ = {req.server_index(), req.num_servers(), req.worker_id()};
+    return absl::OkStatus();
+  }
+  if (position_.index == req.server_index() && position_.count == req.num_servers()) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "register: worker ", req.worker_id(), " lists this server as servers[", req.server_index(),
+      "] of ", req.num_servers(), ", but worker ", position_.worker, " listed it as servers[",
+      position_.index, "] of ", position_.count,
+      ": every client must list the same servers, each once, in the same order (a tensor's "
+      "parts are placed by that order)"));
 }
 
 grpc::ServerUnaryReactor* Service::Heartbeat(grpc::CallbackServerContext* ctx,

@@ -211,6 +211,11 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
                                                     uint64_t incarnation,
                                                     const proto::ShmRegion& region) const;
 
+  // Register: the caller's position for this server in its list of servers
+  // (RegisterRequest's server_index of num_servers). The first one given
+  // stays; another is FailedPrecondition, naming both.
+  absl::Status ClaimPosition(const proto::RegisterRequest& req);
+
   // Register: a segment for a caller on this host that asks for one.
   void OfferShm(const proto::RegisterRequest& req, proto::RegisterReply* reply);
 
@@ -272,6 +277,12 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
   std::set<std::shared_ptr<BulkConnection>> bulk_connections_;  // guarded by bulk_mu_
   std::mutex mu_;
   std::unordered_map<std::string, Tensor> tensors_;
+  // The first position a client gave this server (ClaimPosition), and whose
+  // client it was; guarded by mu_.
+  struct Position {
+    uint32_t index = 0, count = 0;  // count 0: none given yet
+    int worker = 0;
+  } position_;
   std::mutex checkpoint_mu_;  // one checkpoint written at a time
   std::mutex periodic_mu_;
   std::map<uint64_t, std::map<const Partition*, PartitionState>> periodic_;

@@ -225,6 +225,40 @@ def test_worker_id_outside_range():
             ps.Client([server.address], worker_id=2)
 
 
+def test_a_server_listed_twice_or_in_another_order_is_refused():
+    # Parts are placed by a server's position in the client's list: a server
+    # listed twice, or clients that disagree on the order, would mix
+    # different parts under one key (a pull then read other elements).
+    a, b = ps.Server(num_workers=2, optimizer=ps.Sum()), ps.Server(num_workers=2, optimizer=ps.Sum())
+    try:
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match=rf'servers\[1\] "{a.address}": listed twice \(also servers\[0\]\)'):
+            ps.Client([a.address, a.address], worker_id=0)
+        port = a.address.rsplit(":", 1)[1]
+        with pytest.raises(deepnex.FailedPreconditionError,
+                           match=rf'servers\[1\] "localhost:{port}": register: worker 0 lists this '
+                                 r"server as servers\[1\] of 2, but worker 0 listed it as "
+                                 r"servers\[0\] of 2"):
+            ps.Client([a.address, f"localhost:{port}"], worker_id=0)
+        with ps.Client([a.address, b.address], worker_id=0, partition_bytes=64) as c0:
+            with pytest.raises(deepnex.FailedPreconditionError,
+                               match=rf'servers\[0\] "{b.address}": register: worker 1 lists this '
+                                     r"server as servers\[0\] of 2, but worker 0 listed it as "
+                                     r"servers\[1\] of 2: every client must list the same servers"):
+                ps.Client([b.address, a.address], worker_id=1, partition_bytes=64)
+            with pytest.raises(deepnex.FailedPreconditionError, match=r"servers\[0\] of 1"):
+                ps.Client([a.address], worker_id=1, partition_bytes=64)
+            # The servers still serve the clients that list them alike.
+            with ps.Client([a.address, b.address], worker_id=1, partition_bytes=64) as c1:
+                x = np.arange(64, dtype=np.float32)
+                c0.init({"x": x})
+                run_workers(2, lambda w: [c0, c1][w].push({"x": np.full(64, w + 1, np.float32)}))
+                np.testing.assert_array_equal(c1.pull(["x"])["x"], x + 1.5)  # the mean of 1 and 2
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_tokens_string_and_file(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")

@@ -22,8 +22,10 @@ using ::deepnex::Transport;
 using ::deepnex::TransportName;
 
 struct ClientOptions {
-  // host:port of every server of the job, in the same order on every worker
-  // (it decides placement).
+  // host:port of every server of the job, each once, in the same order on
+  // every worker (it decides placement). A server refuses a client that
+  // lists it at another position than the first client did
+  // (FailedPrecondition); a repeated address is InvalidArgument.
   std::vector<std::string> servers;
   // This worker's id, 0..num_workers-1, or -1 for an observer that only
   // reads (pull, describe, stats) and never joins the job. Default: 0

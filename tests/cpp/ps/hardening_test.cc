@@ -74,10 +74,14 @@ class Wire {
 
   pb::ParameterServer::Stub& stub() { return *stub_; }
 
-  grpc::Status Register(int worker, uint64_t incarnation) {
+  // `index` of `count` servers: the caller's position for this server
+  // (count 0: not given).
+  grpc::Status Register(int worker, uint64_t incarnation, uint32_t index = 0, uint32_t count = 0) {
     pb::RegisterRequest req;
     req.set_worker_id(worker);
     req.set_incarnation(incarnation);
+    req.set_server_index(index);
+    req.set_num_servers(count);
     pb::RegisterReply reply;
     grpc::ClientContext ctx;
     return stub_->Register(&ctx, req, &reply);
@@ -483,6 +487,27 @@ TEST_F(PullLimitTest, UnreadRepliesCountAgainstTheirConnection) {
   EXPECT_TRUE(WaitFor([&] {
     return Metric(*server_, "deepnex_ps_pending_reply_bytes") == 0;
   }));
+}
+
+TEST(PsHardeningTest, AServerKeepsTheFirstPositionAClientGivesIt) {
+  ServerOptions so;
+  so.num_workers = 2;
+  auto server = Start(so);
+  Wire wire(server->address());
+  grpc::Status s = wire.Register(0, 7, 2, 2);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(), "register: server_index 2 of num_servers 2");
+  ASSERT_TRUE(wire.Register(0, 7, 1, 2).ok());  // the first position given
+  ASSERT_TRUE(wire.Register(1, 8, 1, 2).ok());
+  ASSERT_TRUE(wire.Register(1, 9).ok());  // none given: nothing to check
+  for (auto [index, count] : {std::pair<uint32_t, uint32_t>{0, 2}, {1, 3}, {0, 1}}) {
+    s = wire.Register(1, 10, index, count);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(s.error_message(),
+                HasSubstr(absl::StrCat("worker 1 lists this server as servers[", index, "] of ",
+                                       count, ", but worker 0 listed it as servers[1] of 2")));
+  }
+  ASSERT_TRUE(wire.Register(0, 11, 1, 2).ok());  // still serving
 }
 
 TEST(PsHardeningTest, PushesOutOfOrderAreBoundedPerWorkerAndDroppedWhenTheirCallersGo) {
