@@ -343,6 +343,9 @@ absl::Status HttpClient::Perform(const std::string& method, const std::string& p
   if (transfer.allow_address != nullptr) {
     set(CURLOPT_OPENSOCKETFUNCTION, &OnOpenSocket);
     set(CURLOPT_OPENSOCKETDATA, &transfer);
+    // Direct: through a proxy from the environment the check would see the
+    // proxy's address, and the proxy would connect anywhere.
+    set(CURLOPT_NOPROXY, "*");
   }
   if (target_.tls) {
     set(CURLOPT_SSLVERSION, static_cast<long>(CURL_SSLVERSION_TLSv1_2));

@@ -42,7 +42,9 @@ struct HttpClientOptions {
   // TCP: called with each address a connection is about to be made to,
   // after name resolution (so a name that resolves anew, as in DNS
   // rebinding, cannot slip past it). An error refuses that address; a call
-  // left with no address fails with the error. Unset: any address.
+  // left with no address fails with the error. Set, calls go direct, never
+  // through a proxy named by the environment (http_proxy and the like).
+  // Unset: any address.
   std::function<absl::Status(const sockaddr*)> allow_address;
   std::chrono::milliseconds connect_timeout{5000};
   // The longest wait for the next bytes of a response.

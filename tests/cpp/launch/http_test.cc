@@ -27,6 +27,7 @@ namespace {
 using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
 using ::testing::AllOf;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using namespace std::chrono_literals;
 
@@ -234,6 +235,34 @@ TEST(HttpClientTest, AllowAddressRefusesBeforeConnectingAndNamesWhy) {
   ASSERT_THAT(allowing, IsOk());
   EXPECT_EQ(*(*allowing)->Call("GET", "/length"), "hello");
   EXPECT_EQ(asked.load(), 1);
+}
+
+// A proxy in the environment would hide where a checked call goes (the check
+// would see the proxy's address, and the proxy would connect anywhere): a
+// call with allow_address goes direct.
+TEST(HttpClientTest, AllowAddressBypassesTheEnvironmentsProxy) {
+  ScriptedServer server(kResponses), proxy(kResponses);
+  const auto port_of = [](const std::string& endpoint) {
+    return std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
+  };
+  std::vector<int> asked;
+  HttpClientOptions options;
+  options.endpoint = server.endpoint();
+  options.allow_address = [&asked](const sockaddr* a) {
+    asked.push_back(ntohs(reinterpret_cast<const sockaddr_in*>(a)->sin_port));
+    return absl::OkStatus();
+  };
+  auto client = HttpClient::Create(options);
+  ASSERT_THAT(client, IsOk());
+  for (const char* name : {"http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"}) {
+    ASSERT_EQ(setenv(name, proxy.endpoint().c_str(), 1), 0);
+  }
+  for (const char* name : {"no_proxy", "NO_PROXY"}) unsetenv(name);
+  absl::StatusOr<std::string> body = (*client)->Call("GET", "/length");
+  for (const char* name : {"http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"}) unsetenv(name);
+  ASSERT_THAT(body, IsOk());
+  EXPECT_EQ(*body, "hello");
+  EXPECT_THAT(asked, ElementsAre(port_of(server.endpoint())));
 }
 
 TEST(HttpClientTest, SilentServerIsDeadlineExceeded) {
