@@ -55,8 +55,9 @@ absl::StatusOr<Backend> ParseBackend(const std::string& name) {
 }
 
 absl::Status CommunicatorOptions::Validate() const {
-  if (world_size < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("world_size=", world_size, ": must be >= 1"));
+  if (world_size < 1 || world_size > kMaxWorldSize) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("world_size=", world_size, ": must be in 1..", kMaxWorldSize));
   }
   if (rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(

@@ -37,15 +37,24 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
   if (values.ok() || values.status().code() != absl::StatusCode::kDeadlineExceeded) {
     return values;
   }
+  // The first few missing ranks, and how many more.
+  constexpr int kShown = 8;
   std::vector<std::string> missing;
+  int more = 0;
   if (auto present = store_->Check(keys); present.ok()) {
     for (int i = 0; i < n; ++i) {
-      if (!(*present)[i]) missing.push_back(absl::StrCat(i));
+      if ((*present)[i]) continue;
+      if (missing.size() < kShown) {
+        missing.push_back(absl::StrCat(i));
+      } else {
+        ++more;
+      }
     }
   }
   return absl::DeadlineExceededError(absl::StrCat(
       label_, " \"", o_.prefix, "\" of ", n, " ranks: rank ",
-      missing.empty() ? "?" : absl::StrJoin(missing, ", "), " did not arrive at the store ",
+      missing.empty() ? "?" : absl::StrJoin(missing, ", "),
+      more > 0 ? absl::StrCat(" and ", more, " more") : "", " did not arrive at the store ",
       o_.store_address, " within ", o_.timeout.count(), " ms"));
 }
 

@@ -29,6 +29,10 @@ struct Waiter {
   grpc::ServerUnaryReactor* reactor = nullptr;
   pb::GetReply* reply = nullptr;
   std::vector<std::string> keys;
+  // keys[0..next) were there when last looked at; keys[next] is the one
+  // watched. One key at a time, so that a rendezvous of n ranks (each
+  // waiting for all n keys) costs O(n) per waiter, not O(n) per key set.
+  size_t next = 0;
   bool values = true;
   int64_t wait_ms = 0;
   std::atomic<bool> finished{false};
@@ -49,8 +53,14 @@ class WaiterReactor final : public grpc::ServerUnaryReactor {
   std::shared_ptr<Waiter> waiter_;
 };
 
+// The first few keys, quoted, and how many more: an error names what is
+// missing without outgrowing gRPC's limit on a status message.
 std::string QuoteKeys(const std::vector<std::string>& keys) {
-  return absl::StrCat("\"", absl::StrJoin(keys, "\", \""), "\"");
+  constexpr size_t kShown = 8;
+  std::vector<std::string> shown(keys.begin(), keys.begin() + std::min(keys.size(), kShown));
+  std::string text = absl::StrCat("\"", absl::StrJoin(shown, "\", \""), "\"");
+  if (keys.size() > kShown) absl::StrAppend(&text, " and ", keys.size() - kShown, " more");
+  return text;
 }
 
 // The map and its handlers. Thread-safe: `mu_` guards the map and the
@@ -105,7 +115,7 @@ class Service final : public pb::Store::CallbackService {
     waiter->values = req->values();
     waiter->wait_ms = req->wait_ms();
     auto* reactor = new WaiterReactor(waiter);
-    Watch(waiter, missing);
+    WatchNext(waiter);
     lock.unlock();
     expiry_.At(Clock::now() + std::chrono::milliseconds(req->wait_ms()),
                [this, weak = std::weak_ptr<Waiter>(waiter)] {
@@ -228,12 +238,20 @@ class Service final : public pb::Store::CallbackService {
     return missing;
   }
 
-  // REQUIRES: mu_ held.
-  void Watch(const std::shared_ptr<Waiter>& waiter, const std::vector<std::string>& keys) {
-    for (const std::string& k : keys) {
-      auto& list = watchers_[k];
-      if (std::find(list.begin(), list.end(), waiter) == list.end()) list.push_back(waiter);
+  // Watches the first of `waiter`'s keys from its `next` on that is not
+  // there; false when none is missing (a key passed earlier and deleted
+  // since counts as missing). REQUIRES: mu_ held.
+  bool WatchNext(const std::shared_ptr<Waiter>& waiter) {
+    std::vector<std::string>& keys = waiter->keys;
+    while (waiter->next < keys.size() && kv_.count(keys[waiter->next]) != 0) ++waiter->next;
+    if (waiter->next == keys.size()) {
+      waiter->next = 0;
+      while (waiter->next < keys.size() && kv_.count(keys[waiter->next]) != 0) ++waiter->next;
+      if (waiter->next == keys.size()) return false;
     }
+    auto& list = watchers_[keys[waiter->next]];
+    if (std::find(list.begin(), list.end(), waiter) == list.end()) list.push_back(waiter);
+    return true;
   }
 
   // `key` was written: waiters watching it complete if nothing else is
@@ -244,12 +262,7 @@ class Service final : public pb::Store::CallbackService {
     std::vector<std::shared_ptr<Waiter>> list = std::move(it->second);
     watchers_.erase(it);
     for (auto& w : list) {
-      if (w->finished.load()) continue;
-      std::vector<std::string> missing = Missing(w->keys);
-      if (!missing.empty()) {
-        Watch(w, missing);  // a key set earlier was deleted since
-        continue;
-      }
+      if (w->finished.load() || WatchNext(w)) continue;
       if (!w->Claim()) continue;
       if (w->values) {
         for (const std::string& k : w->keys) w->reply->add_values(kv_[k]);
@@ -263,12 +276,13 @@ class Service final : public pb::Store::CallbackService {
     bool finish = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (const std::string& k : w->keys) {
-        auto it = watchers_.find(k);
-        if (it == watchers_.end()) continue;
-        auto& list = it->second;
-        list.erase(std::remove(list.begin(), list.end(), w), list.end());
-        if (list.empty()) watchers_.erase(it);
+      if (w->next < w->keys.size()) {  // the one key it watches
+        auto it = watchers_.find(w->keys[w->next]);
+        if (it != watchers_.end()) {
+          auto& list = it->second;
+          list.erase(std::remove(list.begin(), list.end(), w), list.end());
+          if (list.empty()) watchers_.erase(it);
+        }
       }
       if (w->Claim()) {
         finish = true;

@@ -45,9 +45,13 @@ using ::deepnex::Transport;
 using ::deepnex::TransportName;
 
 struct CommunicatorOptions {
+  // The most ranks a communicator forms: its rendezvous gathers every rank's
+  // address in one store call, and a typo'd world size must not take the
+  // host's memory.
+  static constexpr int kMaxWorldSize = 1 << 16;
   // This process's rank, 0 <= rank < world_size.
   int rank = 0;
-  int world_size = 1;
+  int world_size = 1;  // 1..kMaxWorldSize
   // host:port of the rendezvous store (deepnex-store or a StoreServer).
   std::string store_address;
   // Namespace of this communicator's keys in the store. Communicators that

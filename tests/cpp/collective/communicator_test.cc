@@ -528,6 +528,17 @@ TEST(CommunicatorOptionsTest, Validation) {
   EXPECT_THAT(Communicator::Create(o),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("store_address")));
   o.store_address = "127.0.0.1:1";
+  // A typo'd world size is refused before its rendezvous takes the memory
+  // for 2^31 addresses.
+  for (int n : {0, CommunicatorOptions::kMaxWorldSize + 1, 2147483647}) {
+    o.world_size = n;
+    EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr(absl::StrCat("world_size=", n,
+                                                              ": must be in 1..65536"))));
+  }
+  o.world_size = CommunicatorOptions::kMaxWorldSize;
+  EXPECT_OK(o.Validate());
+  o.world_size = 2;
   for (int channels : {-1, 17}) {
     o.shm_channels = channels;
     EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <future>
 #include <limits>
 #include <string>
 #include <thread>
@@ -108,6 +109,41 @@ TEST(StoreTest, MultiGetAndWaitNameTheMissingKeys) {
   EXPECT_EQ(ok.load(), 8);
   ASSERT_OK_AND_ASSIGN(auto values, c->MultiGet({"k2", "k0", "k1"}, milliseconds(10)));
   EXPECT_THAT(values, ElementsAre("2", "0", "1"));
+}
+
+// A waiter watches one missing key at a time (a rendezvous of n ranks then
+// costs O(n) per waiter): keys set in any order, and one deleted after it
+// was seen, still complete it only when all of them are there at once.
+TEST(StoreTest, AWaiterCompletesWhenEveryKeyIsThereAtOnce) {
+  auto server = StartServer();
+  auto c = Connect(server->address());
+  auto w = Connect(server->address());
+  auto values = std::async(std::launch::async, [&] {
+    return w->MultiGet({"k0", "k1", "k2", "k3"}, milliseconds(60000));
+  });
+  ASSERT_OK(c->Set("k3", "3"));
+  ASSERT_OK(c->Set("k1", "1"));
+  ASSERT_OK(c->Set("k0", "0"));
+  ASSERT_OK_AND_ASSIGN(bool deleted, c->Delete("k1"));  // seen, then gone
+  ASSERT_TRUE(deleted);
+  ASSERT_OK(c->Set("k2", "2"));
+  EXPECT_EQ(values.wait_for(milliseconds(300)), std::future_status::timeout) << "k1 is missing";
+  ASSERT_OK(c->Set("k1", "one"));
+  ASSERT_OK_AND_ASSIGN(auto got, values.get());
+  EXPECT_THAT(got, ElementsAre("0", "one", "2", "3"));
+}
+
+// The error names a few of the missing keys and counts the rest, so that it
+// stays within what a gRPC status carries.
+TEST(StoreTest, AnErrorNamesTheFirstMissingKeysAndCountsTheRest) {
+  auto server = StartServer();
+  auto c = Connect(server->address());
+  std::vector<std::string> keys;
+  for (int i = 0; i < 100000; ++i) keys.push_back(absl::StrCat("rank/", i));
+  EXPECT_THAT(c->MultiGet(keys, milliseconds(50)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       AllOf(HasSubstr("\"rank/7\" and 99992 more"),
+                             testing::Not(HasSubstr("rank/8\"")))));
 }
 
 TEST(StoreTest, AddIsAtomic) {
