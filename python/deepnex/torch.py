@@ -34,7 +34,6 @@ and allreduced one tensor at a time by the nccl communicator (no buckets).
 
 import time
 
-import numpy as np
 import torch
 
 import deepnex
@@ -79,12 +78,28 @@ def broadcast_parameters(params, root_rank=0, communicator=None):
                             f"not a tensor")
         with torch.no_grad():
             data = t.data
-            if data.is_contiguous():
+            if data.dtype not in _COLLECTIVE_DTYPES:
+                _broadcast_bytes(data, root_rank, comm)
+            elif data.is_contiguous():
                 comm.broadcast(data, root=root_rank)
             else:
                 staged = data.contiguous()
                 comm.broadcast(staged, root=root_rank)
                 data.copy_(staged)
+
+
+# What a communicator moves as it is; other tensors (bool masks, uint8
+# tables, complex) are broadcast as their bytes.
+_COLLECTIVE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                      torch.int32, torch.int64)
+
+
+def _broadcast_bytes(data, root_rank, comm):
+    raw = data.contiguous().reshape(-1).view(torch.uint8)
+    staged = torch.zeros((raw.numel() + 3) // 4 * 4, dtype=torch.uint8)
+    staged[:raw.numel()] = raw
+    comm.broadcast(staged.view(torch.int32), root=root_rank)
+    data.copy_(staged[:raw.numel()].view(data.dtype).reshape(data.shape))
 
 
 def _param_names(optimizer, named_parameters):
@@ -117,8 +132,11 @@ class DistributedOptimizer:
     servers' keys (default: "param_group<g>.<i>"). client: a
     deepnex.ps.Client (default: one for this worker from deepnex.init()).
     A parameter without a gradient in a step pushes zeros, so that sync
-    rounds still complete. timeout: seconds ranks other than root_rank wait
-    for root_rank's initial parameters.
+    rounds still complete. Parameters that do not require a gradient when
+    the optimizer is made (a frozen backbone) take root_rank's values then
+    and are never pushed: the servers' optimizer (its weight decay) leaves
+    them as they are, as torch's does. timeout: seconds ranks other than
+    root_rank wait for root_rank's initial parameters.
 
     overlap (default True): the gradients are pushed in buckets of about
     ``bucket_size`` bytes (default "4MiB") as backward produces them, last
@@ -149,8 +167,8 @@ class DistributedOptimizer:
                       for n, p in self._params}
         if client.worker_id == root_rank:
             client.init(self._host)
-        # Pulls land here, made once: a step allocates no arrays.
-        self._pulled = {n: np.empty(tuple(p.shape), _numpy_dtype(p)) for n, p in self._params}
+        # Pulls land here, made once: a step allocates no tensors.
+        self._pulled = {n: torch.empty(tuple(p.shape), dtype=p.dtype) for n, p in self._params}
         self._buckets = self._make_buckets(bucket_bytes)
         self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket}
         self._reset()
@@ -167,11 +185,14 @@ class DistributedOptimizer:
                 self._hooks.append(acc)  # keeps the node, and so the hook, alive
 
     def _make_buckets(self, bucket_bytes):
-        """Parameter indices in buckets of about bucket_bytes, last parameter
-        first (the order backward produces them)."""
+        """Indices of the parameters that require a gradient, in buckets of
+        about bucket_bytes, last parameter first (the order backward
+        produces them)."""
         buckets, current, size = [], [], 0
         for i in reversed(range(len(self._params))):
             p = self._params[i][1]
+            if not p.requires_grad:
+                continue
             nbytes = p.numel() * p.element_size()
             if current and size + nbytes > bucket_bytes:
                 buckets.append(current)
@@ -206,12 +227,12 @@ class DistributedOptimizer:
         with torch.no_grad():
             for i in indices:
                 name, p = self._params[i]
-                p.data.copy_(torch.from_numpy(self._pulled[name]))
+                p.data.copy_(self._pulled[name])
 
     def _take_grad(self, i):
         name, p = self._params[i]
         if p.grad is None:
-            g = np.zeros(tuple(p.shape), _numpy_dtype(p))
+            g = torch.zeros(tuple(p.shape), dtype=p.dtype)
         elif p.grad.device.type == "cpu":
             g = p.grad.detach().contiguous()
         else:
@@ -290,10 +311,6 @@ class DistributedOptimizer:
         self._optimizer.load_state_dict(state)
 
 
-def _numpy_dtype(t):
-    return torch.empty((), dtype=t.dtype).numpy().dtype
-
-
 class DistributedDataParallel(torch.nn.Module):
     """Wraps `module` so that backward() averages its gradients over the
     job's workers, allreducing them in buckets as they are produced.
@@ -321,7 +338,10 @@ class DistributedDataParallel(torch.nn.Module):
             raise InvalidArgumentError("DistributedDataParallel: parameters on CPU and CUDA mixed")
         # The bucketer works on fixed tensors: each parameter's gradient
         # lives in a buffer of ours, which p.grad is made to be.
-        self._grads = [torch.zeros_like(p) for p in self._params]
+        # Contiguous whatever p's layout (channels_last, a transposed view):
+        # the bucketer reads them as flat arrays.
+        self._grads = [torch.zeros_like(p, memory_format=torch.contiguous_format)
+                       for p in self._params]
         self._bucketer_bytes = bucket_size
         self._bucketer = None if self._cuda else _collective.GradientBucketer(
             self.communicator, self._grads, bucket_bytes=bucket_size, op="mean")

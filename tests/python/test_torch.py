@@ -160,6 +160,47 @@ def test_distributed_optimizer_second_backward_needs_overlap_off():
         client.close()
 
 
+def test_distributed_optimizer_leaves_frozen_parameters_and_takes_bfloat16():
+    # A frozen layer is never pushed, so the servers' weight decay leaves it
+    # as torch's optimizer would; the trainable layer moves exactly as
+    # SGD with weight decay says (integers and halves: exact in float32).
+    with deepnex.ps.Server(mode="sync", num_workers=1,
+                           optimizer=deepnex.ps.SGD(lr=0.5, weight_decay=0.5)) as server:
+        m = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False),
+                                torch.nn.Linear(2, 1, bias=False))
+        with torch.no_grad():
+            m[0].weight.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+            m[1].weight.copy_(torch.tensor([[2.0, 4.0]]))
+        m[0].weight.requires_grad_(False)
+        client = deepnex.ps.Client([server.address], worker_id=0)
+        opt = dtorch.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.5),
+                                          named_parameters=m.named_parameters(),
+                                          client=client, bucket_size=4)
+        opt.zero_grad()
+        m(torch.tensor([[1.0, 0.0]])).sum().backward()   # grad of m[1]: [[1, 3]]
+        opt.step()
+        assert m[0].weight.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+        # w -= 0.5 * (g + 0.5 * w): [2, 4] - 0.5 * ([1, 3] + [1, 2])
+        assert m[1].weight.tolist() == [[1.0, 1.5]]
+        client.close()
+
+        # bfloat16 parameters travel as they are (their bits).
+        b = torch.nn.Linear(2, 1, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            b.weight.copy_(torch.tensor([[2.0, 4.0]]))
+        client = deepnex.ps.Client([server.address], worker_id=0)
+        opt = dtorch.DistributedOptimizer(torch.optim.SGD(b.parameters(), lr=0.5),
+                                          named_parameters=[("bf16." + n, p) for n, p
+                                                            in b.named_parameters()],
+                                          client=client)
+        opt.zero_grad()
+        b(torch.tensor([[1.0, 3.0]], dtype=torch.bfloat16)).sum().backward()
+        opt.step()
+        assert b.weight.dtype == torch.bfloat16
+        assert b.weight.tolist() == [[1.0, 1.5]]
+        client.close()
+
+
 def test_distributed_optimizer_rejects_unnamed_parameters():
     m = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -247,6 +288,42 @@ def test_broadcast_parameters_state_dict_and_lists(store):
 
     run_workers(n, worker)
     assert got[0] == got[1] == ([2.0] * 3, [6.0] * 3, 8, [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]])
+
+
+def test_ddp_takes_channels_last_and_transposed_parameters_and_any_buffer(store):
+    # Its gradient buffers are contiguous whatever the parameters' layout,
+    # and buffers of dtypes the collectives do not reduce (bool masks, uint8
+    # tables) are broadcast as their bytes.
+    n = 2
+    got = [None] * n
+    communicator = communicators(store, n)
+
+    class Net(torch.nn.Module):
+        def __init__(self, rank):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(1, 1, 1, bias=False).to(memory_format=torch.channels_last)
+            self.t = torch.nn.Parameter(torch.arange(6.0).reshape(3, 2).t() + rank)
+            self.register_buffer("mask", torch.tensor([True, rank == 0, False]))
+            self.register_buffer("table", torch.tensor([1, 2, 255], dtype=torch.uint8) - rank)
+            with torch.no_grad():
+                self.conv.weight.fill_(rank + 1)
+
+        def forward(self, x):
+            return (self.conv(x).sum() * self.t * self.mask).sum()
+
+    def worker(rank):
+        m = Net(rank)
+        ddp = dtorch.DistributedDataParallel(m, communicator=communicator(rank))
+        ddp(torch.ones(1, 1, 2, 2) * (rank + 1)).backward()
+        got[rank] = (m.mask.tolist(), m.table.tolist(), m.conv.weight.grad.flatten().tolist(),
+                     m.t.grad.tolist())
+
+    run_workers(n, worker)
+    # Rank 0's parameters and buffers. conv's gradient: sum(t * mask) = 6
+    # times sum(x) (4 and 8 on the two ranks), averaged: 36; t's: conv(x)'s
+    # sum (4 and 8) where the mask is set, averaged: 6.
+    assert got[0] == got[1] == ([True, True, False], [1, 2, 255], [36.0],
+                                [[6.0, 6.0, 0.0], [6.0, 6.0, 0.0]])
 
 
 # --- benchmarks/train_compare ------------------------------------------------
