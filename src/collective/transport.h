@@ -35,8 +35,17 @@ std::string HostId();
 // left neighbour) and its doorbells (rung by both neighbours).
 class ShmSegment {
  public:
-  // Creates /dev/shm/<name> with `stripes` rings of `ring_bytes`.
-  static absl::StatusOr<std::unique_ptr<ShmSegment>> Create(int stripes, uint64_t ring_bytes);
+  // The names' prefix, under /dev/shm.
+  static constexpr char kPrefix[] = "deepnex-coll-";
+
+  // Creates /dev/shm/<name> with `stripes` rings of `ring_bytes`. The name
+  // lives only while a communicator forms (its neighbours map the segment,
+  // then it is unlinked), and a lock on it lasts as long as its creator:
+  // Create first removes this user's segments whose creator died in that
+  // window (a job cancelled at rendezvous) and that are older than
+  // `stale_after`.
+  static absl::StatusOr<std::unique_ptr<ShmSegment>> Create(
+      int stripes, uint64_t ring_bytes, std::chrono::seconds stale_after = std::chrono::seconds(10));
   // Maps a neighbour's segment.
   static absl::StatusOr<std::unique_ptr<ShmSegment>> Open(const std::string& name);
   ~ShmSegment();
@@ -52,9 +61,14 @@ class ShmSegment {
 
  private:
   ShmSegment() = default;
+  // Removes /dev/shm/<kPrefix>* of this user that no process holds locked
+  // and that are older than `stale_after`.
+  static void RemoveStale(std::chrono::seconds stale_after);
+
   std::string name_;
   bool owner_ = false;
   bool unlinked_ = false;
+  int lock_fd_ = -1;  // the creator's, locked until Unlink
   char* base_ = nullptr;
   size_t size_ = 0;
 };

@@ -3,16 +3,18 @@ threads and as processes on 127.0.0.1. Inputs are integer-valued so results
 are exact."""
 
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import deepnex
 from _exact import DTYPES, OPS, allreduce_case
-from _wait import run_threads
+from _wait import run_threads, wait_for
 from deepnex import collective
 
 
@@ -253,6 +255,32 @@ def test_dead_process_fails_the_others_within_the_timeout(store):
     assert procs[2].returncode == 3
     for out in outs[:2]:
         assert out.startswith("failed"), out
+
+
+def test_a_segment_left_by_a_rank_killed_at_rendezvous_goes_with_the_next_one(store):
+    # A rank's segment is named in /dev/shm until its neighbours map it; a
+    # rank killed (SIGTERM, as a cancelled job's) while it waits for them
+    # leaves the name. The next communicator formed on the host removes it
+    # once it is 10 s old, as nothing holds it locked any more.
+    waiting = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from deepnex import collective; "
+         "collective.Communicator(0, 2, store=sys.argv[1], prefix='killed', timeout=60, "
+         "transport='shm')", store.address])
+    try:
+        left = wait_for(lambda: [f for f in os.listdir("/dev/shm")
+                                 if f.startswith(f"deepnex-coll-{waiting.pid}-")],
+                        "the waiting rank's segment")
+        waiting.terminate()
+        assert waiting.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+    path = os.path.join("/dev/shm", left[0])
+    assert os.path.exists(path)
+    old = time.time() - 60
+    os.utime(path, (old, old))
+    run_ranks(store, 2, lambda r, comm: comm.barrier(), transport="shm")
+    assert not os.path.exists(path)
 
 
 def test_gradient_bucketer(store):
