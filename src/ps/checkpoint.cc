@@ -1,11 +1,16 @@
 #include "ps/checkpoint.h"
 
+#include <map>
+#include <set>
+#include <utility>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/checksum.h"
 #include "core/file_util.h"
+#include "ps/plan.h"
 
 namespace deepnex::ps {
 namespace {
@@ -53,7 +58,8 @@ absl::Status WriteCheckpointFile(const std::string& dir, const proto::Checkpoint
 
 absl::StatusOr<proto::CheckpointFile> ReadCheckpointFile(const std::string& dir,
                                                          const std::string& name, Mode mode,
-                                                         int num_workers) {
+                                                         int num_workers,
+                                                         OptimizerKind optimizer) {
   const std::string path = CheckpointPath(dir, name);
   DEEPNEX_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path, "checkpoint"));
   DEEPNEX_ASSIGN_OR_RETURN(
@@ -68,9 +74,38 @@ absl::StatusOr<proto::CheckpointFile> ReadCheckpointFile(const std::string& dir,
         "checkpoint \"%s\" is of a %s server with %d workers, this one is %s with %d", path,
         file.mode(), file.num_workers(), ModeName(mode), num_workers));
   }
+  if (!file.optimizer().empty() && file.optimizer() != OptimizerKindName(optimizer)) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "checkpoint \"%s\" is of a server whose optimizer is %s, this one's is %s; restore it "
+        "with the same kind of optimizer",
+        path, file.optimizer(), OptimizerKindName(optimizer)));
+  }
+  // What Init would refuse is refused here too: a client trusts what a
+  // server describes.
+  std::map<std::string, const proto::TensorMeta*> metas;
+  for (const auto& meta : file.metas()) {
+    absl::Status s =
+        CheckTensorMeta(absl::StrFormat("checkpoint \"%s\": tensor \"%s\"", path, meta.key()),
+                        meta)
+            .status();
+    if (!s.ok()) return absl::DataLossError(s.message());
+    if (!metas.emplace(meta.key(), &meta).second) {
+      return absl::DataLossError(
+          absl::StrFormat("checkpoint \"%s\": tensor \"%s\" twice", path, meta.key()));
+    }
+  }
+  std::set<std::pair<std::string, uint32_t>> seen;
   for (const auto& r : file.parts()) {
-    if (!IsValidDType(r.dtype())) {
-      return absl::DataLossError(absl::StrCat("checkpoint \"", path, "\": bad dtype"));
+    const std::string what =
+        absl::StrFormat("checkpoint \"%s\": \"%s\" part %d", path, r.key(), r.part());
+    auto meta = metas.find(r.key());
+    if (meta == metas.end()) return absl::DataLossError(absl::StrCat(what, ": no such tensor"));
+    absl::Status s =
+        CheckPart(what, r.key(), r.part(), r.offset(), r.count(), r.dtype(), *meta->second)
+            .status();
+    if (!s.ok()) return absl::DataLossError(s.message());
+    if (!seen.emplace(r.key(), r.part()).second) {
+      return absl::DataLossError(absl::StrCat(what, " twice"));
     }
     size_t elem = static_cast<DType>(r.dtype()) == DType::kFloat64 ? 8 : 4;  // the compute type
     // Compared by division: a count from the file must not wrap a product.

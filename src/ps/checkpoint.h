@@ -27,13 +27,18 @@ void AddPartitionRecord(const std::string& key, uint32_t part, const Partition& 
 // needed. Readers see the previous file or this one, never a part of one.
 absl::Status WriteCheckpointFile(const std::string& dir, const proto::CheckpointFile& file);
 
-// Reads CheckpointPath(dir, name) for a server of `mode` with `num_workers`:
-// DataLoss for a file that is damaged, does not parse or has a record with
-// a bad dtype or the wrong number of values; FailedPrecondition for one of
-// another mode or number of workers.
+// Reads CheckpointPath(dir, name) for a server of `mode` with `num_workers`
+// and an `optimizer` of that kind: DataLoss for a file that is damaged,
+// does not parse, or holds a tensor or a record that Init would refuse (a
+// meta that CheckTensorMeta refuses, a record of no tensor, of another
+// dtype or range than its meta's partitioning gives, or twice) or a record
+// with the wrong number of values; FailedPrecondition for one of another
+// mode, number of workers or optimizer kind (whose state, Adam's moments or
+// SGD's momentum, would be read as the other's).
 absl::StatusOr<proto::CheckpointFile> ReadCheckpointFile(const std::string& dir,
                                                          const std::string& name, Mode mode,
-                                                         int num_workers);
+                                                         int num_workers,
+                                                         OptimizerKind optimizer);
 
 // A record's state, as Partition::Restore takes it.
 PartitionState StateOf(const proto::PartitionRecord& record);

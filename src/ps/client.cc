@@ -832,8 +832,23 @@ class ClientImpl final : public Client {
                                     &pb::ParameterServer::Stub::Describe));
       for (const auto& m : reply.metas()) found[m.key()] = m;
     }
+    // What a server says is checked as Init checks it: parts and pieces are
+    // cut by it.
     std::vector<pb::TensorMeta> metas;
-    for (const std::string& key : keys) metas.push_back(found[key]);
+    for (const std::string& key : keys) {
+      auto it = found.find(key);
+      if (it == found.end()) {
+        return absl::InternalError(absl::StrCat(
+            "describe: ", options_.servers[Primary(key)], " did not describe \"", key, "\""));
+      }
+      absl::Status valid =
+          CheckTensorMeta(absl::StrCat("describe: ", options_.servers[Primary(key)],
+                                       "'s description of \"", key, "\""),
+                          it->second)
+              .status();
+      if (!valid.ok()) return absl::InternalError(valid.message());
+      metas.push_back(it->second);
+    }
     return metas;
   }
 

@@ -7,6 +7,9 @@
 #include <cstdint>
 #include <string>
 
+#include "deepnex/ps.pb.h"
+#include "deepnex/status.h"
+
 namespace deepnex::ps {
 
 // The worker id of a client that only reads (ClientOptions::worker_id -1),
@@ -52,6 +55,24 @@ inline uint64_t KeyHash(const std::string& key) {
 inline int ServerOf(const std::string& key, uint32_t part, int num_servers) {
   return static_cast<int>((KeyHash(key) + part) % num_servers);
 }
+
+// The elements of `meta`'s shape; InvalidArgument (after `what`: "init of
+// \"w\"") for an empty key, a dtype that is not a floating-point one, a
+// negative dimension, more than 2^64 bytes, or num_parts outside
+// 1..max(1, elements). What a client gives in Init, a checkpoint holds and a
+// server describes all pass it before they are used.
+absl::StatusOr<uint64_t> CheckTensorMeta(const std::string& what, const proto::TensorMeta& meta);
+
+// Part `part` of `meta` as a writer (a WriteParts slice) or a checkpoint
+// record gives it: of meta's key and dtype, and the elements meta's
+// partitioning makes that part. Returns its size in bytes; InvalidArgument
+// after `what` ("init of \"w\" part 0") otherwise.
+absl::StatusOr<uint64_t> CheckPart(const std::string& what, const std::string& key, uint32_t part,
+                                   uint64_t offset, uint64_t count, int dtype,
+                                   const proto::TensorMeta& meta);
+
+// "float32 [2, 3]"
+std::string ShapeString(const proto::TensorMeta& meta);
 
 }  // namespace deepnex::ps
 

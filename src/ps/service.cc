@@ -23,11 +23,6 @@ namespace {
 // A default-constructed ByteBuffer is not a message; gRPC refuses to send it.
 grpc::ByteBuffer EmptyMessage() { return grpc::ByteBuffer(nullptr, 0); }
 
-std::string ShapeString(const pb::TensorMeta& meta) {
-  std::vector<int64_t> shape(meta.shape().begin(), meta.shape().end());
-  return DescribeShape(shape, static_cast<DType>(meta.dtype()));
-}
-
 }  // namespace
 
 Service::Service(const ServerOptions& options, TokenTable tokens, bool job_token)
@@ -639,26 +634,8 @@ absl::Status Service::DoClaim(const grpc::ServerContextBase& ctx, const pb::Clai
                               pb::ClaimReply* reply) {
   DEEPNEX_RETURN_IF_ERROR(CheckCall(ctx, req.worker_id(), "init"));
   const pb::TensorMeta& meta = req.meta();
-  if (meta.key().empty()) return absl::InvalidArgumentError("init: empty key");
-  if (!IsValidDType(meta.dtype())) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("init of \"%s\": unknown dtype %d", meta.key(), meta.dtype()));
-  }
-  if (!IsFloatingPoint(static_cast<DType>(meta.dtype()))) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("init of \"%s\": dtype %s; parameters must be float32, float64, "
-                        "float16 or bfloat16",
-                        meta.key(), DTypeName(static_cast<DType>(meta.dtype()))));
-  }
-  for (int64_t d : meta.shape()) {
-    if (d < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("init of \"%s\": negative dimension %d", meta.key(), d));
-    }
-  }
-  if (meta.num_parts() < 1) {
-    return absl::InvalidArgumentError(absl::StrFormat("init of \"%s\": num_parts 0", meta.key()));
-  }
+  DEEPNEX_RETURN_IF_ERROR(
+      CheckTensorMeta(absl::StrFormat("init of \"%s\"", meta.key()), meta).status());
   std::lock_guard<std::mutex> lock(mu_);
   Tensor& t = tensors_[meta.key()];
   if (!t.meta) {
@@ -697,8 +674,12 @@ absl::Status Service::DoWriteParts(const grpc::ServerContextBase& ctx,
   // before anything is made.
   uint64_t bytes = 0;
   for (int i = 0; i < header.slices_size(); ++i) {
-    DEEPNEX_ASSIGN_OR_RETURN(uint64_t slice_bytes,
-                             CheckWrittenSlice(header.slices(i), header.metas(i)));
+    const pb::Slice& slice = header.slices(i);
+    DEEPNEX_ASSIGN_OR_RETURN(
+        uint64_t slice_bytes,
+        CheckPart(absl::StrFormat("init of \"%s\" part %d", slice.key(), slice.part()),
+                  slice.key(), slice.part(), slice.offset(), slice.count(), slice.dtype(),
+                  header.metas(i)));
     if (slice_bytes > std::numeric_limits<uint64_t>::max() - bytes) {
       return absl::InvalidArgumentError("init: the slices' sizes add up to more than 2^64 bytes");
     }
@@ -724,45 +705,6 @@ absl::Status Service::DoWriteParts(const grpc::ServerContextBase& ctx,
     tensors_[slice.key()].parts[slice.part()] = std::move(part);
   }
   return absl::OkStatus();
-}
-
-absl::StatusOr<uint64_t> Service::CheckWrittenSlice(const pb::Slice& slice,
-                                                    const pb::TensorMeta& meta) {
-  auto bad = [&](const std::string& what) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("init of \"%s\" part %d: %s", slice.key(), slice.part(), what));
-  };
-  if (slice.key().empty()) return bad("empty key");
-  if (meta.key() != slice.key()) {
-    return bad(absl::StrCat("its meta is of \"", meta.key(), "\""));
-  }
-  if (!IsValidDType(slice.dtype()) || !IsFloatingPoint(static_cast<DType>(slice.dtype()))) {
-    return bad(absl::StrCat("bad dtype ", slice.dtype()));
-  }
-  if (meta.dtype() != slice.dtype()) {
-    return bad(absl::StrCat("dtype ", slice.dtype(), ", its meta says ", meta.dtype()));
-  }
-  if (slice.part() >= meta.num_parts()) {
-    return bad(absl::StrCat("outside the tensor's ", meta.num_parts(), " parts"));
-  }
-  uint64_t elements = 1;
-  for (int64_t d : meta.shape()) {
-    if (d < 0) return bad(absl::StrCat("negative dimension ", d));
-    if (__builtin_mul_overflow(elements, static_cast<uint64_t>(d), &elements)) {
-      return bad(absl::StrCat("shape ", ShapeString(meta), " has more than 2^64 elements"));
-    }
-  }
-  PartRange range = PartOf(elements, meta.num_parts(), slice.part());
-  if (slice.offset() != range.offset || slice.count() != range.count) {
-    return bad(absl::StrFormat(
-        "got %d elements at offset %d; %d parts of %s make it %d at offset %d", slice.count(),
-        slice.offset(), meta.num_parts(), ShapeString(meta), range.count, range.offset));
-  }
-  uint64_t bytes;
-  if (__builtin_mul_overflow(slice.count(), DTypeSize(static_cast<DType>(slice.dtype())), &bytes)) {
-    return bad(absl::StrCat(slice.count(), " elements are more than 2^64 bytes"));
-  }
-  return bytes;
 }
 
 absl::Status Service::DoDescribe(const grpc::ServerContextBase& ctx, const pb::DescribeRequest& req,

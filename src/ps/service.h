@@ -246,11 +246,6 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
 
   absl::Status DoWriteParts(const grpc::ServerContextBase& ctx, const grpc::ByteBuffer& request);
 
-  // A WriteParts slice must be the part its meta's partitioning gives;
-  // returns its size in bytes.
-  static absl::StatusOr<uint64_t> CheckWrittenSlice(const proto::Slice& slice,
-                                                    const proto::TensorMeta& meta);
-
   absl::Status DoDescribe(const grpc::ServerContextBase& ctx, const proto::DescribeRequest& req,
                           proto::DescribeReply* reply);
 

@@ -98,7 +98,8 @@ absl::StatusOr<uint64_t> Service::WriteCheckpoint(const std::string& dir,
 absl::Status Service::Restore(const std::string& dir) {
   DEEPNEX_ASSIGN_OR_RETURN(
       pb::CheckpointFile file,
-      ReadCheckpointFile(dir, options_.name, options_.mode, options_.num_workers));
+      ReadCheckpointFile(dir, options_.name, options_.mode, options_.num_workers,
+                         options_.optimizer.kind));
   std::unordered_map<std::string, Tensor> tensors;
   for (const auto& meta : file.metas()) {
     tensors[meta.key()].meta = std::make_unique<pb::TensorMeta>(meta);
@@ -139,6 +140,7 @@ absl::Status Service::Write(const std::string& dir, uint64_t round, pb::Checkpoi
   std::lock_guard<std::mutex> one_at_a_time(checkpoint_mu_);
   file.set_name(options_.name);
   file.set_mode(ModeName(options_.mode));
+  file.set_optimizer(OptimizerKindName(options_.optimizer.kind));
   file.set_num_workers(options_.num_workers);
   file.set_round(round);
   for (int w = 0; w < options_.num_workers; ++w) {

@@ -364,6 +364,10 @@ def test_damaged_checkpoints_are_refused(tmp_path):
     path.write_bytes(good)
     with pytest.raises(deepnex.FailedPreconditionError, match="async server with 1 workers"):
         ps.Server(mode="sync", optimizer=ps.Adam(), restore=tmp_path)
+    # Adam's moments are not SGD's momentum.
+    with pytest.raises(deepnex.FailedPreconditionError,
+                       match="optimizer is adam, this one's is sgd; restore it with the same kind"):
+        ps.Server(mode="async", optimizer=ps.SGD(momentum=0.9), restore=tmp_path)
 
 
 def test_a_failed_checkpoint_keeps_the_previous_one(tmp_path):
