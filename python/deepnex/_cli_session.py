@@ -111,8 +111,10 @@ def _shell(args):
 
 
 # Jupyter on a port free in the container (picked there, as the container
-# may have a network of its own), which it says first; the token on the
-# command line, as only the container's user sees its processes' arguments.
+# may have a network of its own), which it says first; the token in the
+# environment (JUPYTER_TOKEN), never in arguments: a process container
+# shares the host's /proc, where every user reads every process's arguments
+# but only its own user reads its environment.
 # Jupyter and its kernels write under $HOME: a new directory where the
 # user's is not theirs (a process container's user has HOME=/), removed
 # when Jupyter ends (the container's stop signals both).
@@ -124,7 +126,7 @@ NOTEBOOK = ("home=; pid=; trap '[ -n \"$pid\" ] && kill -TERM $pid || "
             "s.bind((\"127.0.0.1\", 0)); print(s.getsockname()[1])') && "
             "echo \"deepnex-notebook: port $port\" || exit 1; "
             "jupyter notebook --no-browser --ip=127.0.0.1 --port=$port "
-            "--NotebookApp.port_retries=0 --NotebookApp.token=\"$1\" & pid=$!; "
+            "--NotebookApp.port_retries=0 & pid=$!; "
             "while kill -0 $pid 2>/dev/null; do wait $pid; code=$?; done; "
             "[ -z \"$home\" ] || rm -rf \"$home\"; exit $code")
 PORT_LINE = re.compile(r"^deepnex-notebook: port (\d+)$", re.M)
@@ -196,7 +198,8 @@ def _notebook(args):
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         c.start_container(launch.ContainerSpec(
-            name=name, image=args.image, command=["sh", "-c", NOTEBOOK, "sh", token]), alloc)
+            name=name, image=args.image, command=["sh", "-c", NOTEBOOK],
+            env={"JUPYTER_TOKEN": token}), alloc)
         started = True
         deadline = time.monotonic() + args.start_timeout
         remote = _notebook_port(c, name, deadline)

@@ -123,6 +123,17 @@ def test_notebook_answers_with_its_token_runs_a_kernel_and_ends_on_ctrl_c(centra
         status, kernel = call(nb.port, "/api/kernels", nb.token, method="POST")
         assert status == 201 and kernel["name"] == "python3"
         assert run_code(nb.port, nb.token, kernel["id"], "1+1") == "2"
+        # No process shows the token in its arguments, which every user of
+        # the host reads in /proc (a process container shares it).
+        shown = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if nb.token.encode() in f.read():
+                        shown.append(pid)
+            except OSError:
+                pass
+        assert shown == []
         # Only alice reaches her container's port.
         from deepnex import NotFoundError
         from deepnex._session import open_session
