@@ -42,6 +42,7 @@
 #include "launch/images.h"
 #include "launch/images_service.h"
 #include "launch/session_service.h"
+#include "launch/spec.h"
 #include "launch/util.h"
 
 namespace deepnex::launch {
@@ -64,8 +65,18 @@ constexpr std::chrono::seconds kIdleWorker{60};
 // for by name, so that a user's `ps --all` is refused, not narrowed.
 constexpr char kEveryUser[] = "*";
 
+// "x" and lowercase hex digits in pairs: what LauncherName makes of a user
+// name that is not plain.
+bool LooksEncoded(const std::string& user) {
+  if (user.size() < 3 || user.size() % 2 == 0 || user[0] != 'x') return false;
+  return std::all_of(user.begin() + 1, user.end(), [](char c) {
+    return absl::ascii_isdigit(static_cast<unsigned char>(c)) || (c >= 'a' && c <= 'f');
+  });
+}
+
+// Letters, digits, '_' and '-', and not what an encoded name looks like.
 bool PlainUserName(const std::string& user) {
-  if (user.empty()) return false;
+  if (user.empty() || LooksEncoded(user)) return false;
   for (char c : user) {
     if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-') return false;
   }
@@ -74,7 +85,8 @@ bool PlainUserName(const std::string& user) {
 
 // The launcher's name for `user`'s container `name`: "<user>.<name>" (a
 // plain user name has no '.', so two users' names never meet); other user
-// names are hex-encoded.
+// names are hex-encoded, as is a plain one that looks encoded (user
+// "x6a6f686e2e736d697468" would otherwise take the names of john.smith's).
 std::string LauncherName(const std::string& user, const std::string& name) {
   return absl::StrCat(PlainUserName(user) ? user : absl::StrCat("x", absl::BytesToHexString(user)),
                       ".", name);
@@ -307,7 +319,10 @@ class ContainersService final : public pb::Containers::CallbackService,
     DEEPNEX_RETURN_IF_ERROR(ApplyPolicy(a.user, &spec));
     const std::string name = spec.name;
     const std::string launcher_name = LauncherName(a.user, name);
-    if (name.empty() || launcher_name.size() > kMaxNameLength) {
+    // The launcher checks "<user>.<name>", whose first character is the
+    // user's: the name's own first one is checked here ("..", ".x", "-x").
+    DEEPNEX_RETURN_IF_ERROR(CheckName("spec.name", name, kMaxNameLength));
+    if (launcher_name.size() > kMaxNameLength) {
       return absl::InvalidArgumentError(absl::StrCat(
           "spec.name: \"", name, "\" must be 1 to ",
           kMaxNameLength - (launcher_name.size() - name.size()),

@@ -27,13 +27,14 @@ TOKENS = ("admintok root admin\nalicetok alice user\nbobtok bob user\n"
 
 
 def start_central(tmp_path, *extra, mode="exclusive", cpus=16, memory="64GiB", cwd=None,
-                  node="n1"):
+                  node="n1", more_tokens=""):
     """deepnex-central listening on 127.0.0.1:0 with `extra` flags and one
-    node called `node`; (its Popen, its address)."""
+    node called `node`, knowing TOKENS and `more_tokens` lines; (its Popen,
+    its address)."""
     if not os.path.exists(CENTRAL_BIN):
         pytest.skip(f"{CENTRAL_BIN} not built")
     tokens = tmp_path / "tokens"
-    tokens.write_text(TOKENS)
+    tokens.write_text(TOKENS + more_tokens)
     nodes = tmp_path / "nodes.json"
     nodes.write_text(f'{{"nodes": [{{"name": "{node}", "cpus": {cpus}, "memory": "{memory}",'
                      f' "mode": "{mode}", "gpus": {{"count": 2, "memory": "80GiB"}}}}]}}')
@@ -65,13 +66,14 @@ USER_IDS = "65534:65534" if AS_ROOT else f"{os.geteuid()}:{os.getegid()}"
 
 
 def start_central_launcher(tmp_path, *extra, backend="process", state_dir=None, cwd=None,
-                           users=("alice", "bob")):
+                           users=("alice", "bob"), more_tokens=""):
     """deepnex-central with a launcher that runs `users`' containers as
     USER_IDS; (process, address)."""
     mappings = [arg for user in users for arg in ("--user", f"{user}={USER_IDS}")]
     return start_central(
         tmp_path, "--launch-backend", backend,
-        "--launch-state-dir", state_dir or str(tmp_path / "launch"), *mappings, *extra, cwd=cwd)
+        "--launch-state-dir", state_dir or str(tmp_path / "launch"), *mappings, *extra, cwd=cwd,
+        more_tokens=more_tokens)
 
 
 def clients(address):

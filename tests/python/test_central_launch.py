@@ -414,6 +414,33 @@ def test_a_user_without_a_uid_can_allocate_but_not_start(tmp_path):
         stop_central(proc)
 
 
+def test_container_names_of_two_users_never_meet(tmp_path):
+    # A user name that is not plain is hex-encoded in the launcher's names;
+    # a plain one that looks like such an encoding is encoded too, or user
+    # "x6a6f686e2e736d697468" would share john.smith's containers' names
+    # (their records, cgroups and logs).
+    looks_encoded = "x" + "john.smith".encode().hex()
+    proc, address = start_central_launcher(
+        tmp_path, users=("john.smith", looks_encoded),
+        more_tokens=f"jstok john.smith user\nxtok {looks_encoded} user\n")
+    try:
+        users = [gpu.CentralClient(address, token=t, timeout=10) for t in ("jstok", "xtok")]
+        for i, c in enumerate(users):
+            c.start_container(launch.ContainerSpec(name="train", command=["echo", f"user {i}"]),
+                              c.allocate(grant(gpus=0)))
+        for i, c in enumerate(users):
+            await_container(c, "train", lambda info: info["state"] == "exited")
+            assert c.container_logs("train") == f"user {i}\n"
+        # A name must start as the rule says, whatever the user's name.
+        for bad in ["..", ".x", "-x", "_x"]:
+            with pytest.raises(deepnex.InvalidArgumentError,
+                               match=f'spec.name: "{bad}" is not a valid name'):
+                users[0].start_container(launch.ContainerSpec(name=bad, command=["true"]),
+                                         users[0].allocate(grant(gpus=0)))
+    finally:
+        stop_central(proc)
+
+
 def test_users_file_maps_users_and_root_is_refused(tmp_path, open_dir):
     uid, gid = USER_IDS.split(":")
     users = tmp_path / "users"
