@@ -44,7 +44,7 @@ std::string FormatByteSize(uint64_t bytes);
 inline constexpr double kMaxSeconds = 1e9;
 
 // `seconds` (a flag's value, a Python float) as whole milliseconds, rounded
-// down. InvalidArgument naming `field` and the value for NaN, a negative
+// down, and at least 1 when positive. InvalidArgument naming `field` and the value for NaN, a negative
 // number, 0 unless `zero_ok`, and more than kMaxSeconds (inf included):
 //   timeout=-1.000000: must be positive seconds
 //   lease=inf: must be at most 1e+09 seconds (about 31 years)

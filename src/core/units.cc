@@ -176,7 +176,10 @@ absl::StatusOr<std::chrono::milliseconds> SecondsToMillis(double seconds,
     return absl::InvalidArgumentError(absl::StrCat(
         field, "=", seconds, ": must be at most ", kMaxSeconds, " seconds (about 31 years)"));
   }
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  // Whole milliseconds, rounded down; a positive time under one is one, not
+  // 0 (which means "none" where it is allowed, and was refused as "0 ms").
+  const auto ms = static_cast<int64_t>(seconds * 1000);
+  return std::chrono::milliseconds(ms == 0 && seconds > 0 ? 1 : ms);
 }
 
 }  // namespace deepnex

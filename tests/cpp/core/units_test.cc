@@ -209,6 +209,9 @@ TEST(SecondsToMillisTest, ConvertsRoundingDown) {
   EXPECT_EQ(Ms(2.5), 2500);
   EXPECT_EQ(Ms(0.0019), 1);
   EXPECT_EQ(Ms(0, /*zero_ok=*/true), 0);
+  // Under a millisecond is one: a positive time never becomes 0.
+  EXPECT_EQ(Ms(1e-9), 1);
+  EXPECT_EQ(Ms(1e-300, /*zero_ok=*/true), 1);
   EXPECT_EQ(Ms(kMaxSeconds), int64_t{1000000000000});
 }
 
