@@ -19,6 +19,7 @@ import shlex
 import time
 
 from deepnex._cli_common import add_central_args, client, format_table, guard
+from deepnex.gpu import MAX_EPOCH_SECONDS
 
 STATES = ("pending", "running", "completed", "failed", "cancelled")
 HEADER = ("NAME", "USER", "STATE", "NODES", "WORKERS", "ELAPSED", "GPU-H", "CPU-H", "PEAK-MEM",
@@ -33,19 +34,21 @@ def parse_since(text, now=None):
     naming the flag and the value otherwise."""
     now = time.time() if now is None else now
     age = _AGE.fullmatch(text)
+    value = None
     if age:
-        return now - float(age.group(1)) * _UNIT[age.group(2)]
-    try:
-        value = float(text)
-        if value > 0:
-            return value
-    except ValueError:
-        pass
-    try:
-        return datetime.datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        raise SystemExit(f"deepnex: --since {text!r}: expected a time (YYYY-MM-DD[THH:MM[:SS]] "
-                         "or seconds since the epoch) or an age (30m, 2h, 7d)")
+        value = now - float(age.group(1)) * _UNIT[age.group(2)]
+    else:
+        try:
+            value = float(text)
+        except ValueError:
+            try:
+                value = datetime.datetime.fromisoformat(text).timestamp()
+            except ValueError:
+                pass
+    if value is not None and 0 < value < MAX_EPOCH_SECONDS:
+        return value
+    raise SystemExit(f"deepnex: --since {text!r}: expected a time (YYYY-MM-DD[THH:MM[:SS]] "
+                     "or seconds since the epoch, before the year 10000) or an age (30m, 2h, 7d)")
 
 
 def elapsed(seconds):

@@ -320,6 +320,11 @@ def parse_nodes(text, source="<string>") -> List[Node]:
     return [Node._from_dict(d) for d in _C.gpu.parse_nodes(text, source)]
 
 
+# The year 10000: a time past it is a typo (and its milliseconds would not
+# fit central's 64-bit ones much later).
+MAX_EPOCH_SECONDS = 253402300800
+
+
 class CentralClient:
     """The Allocator's methods against deepnex-central over gRPC.
 
@@ -463,9 +468,11 @@ class CentralClient:
         import datetime
         if isinstance(since, datetime.datetime):
             since = since.timestamp()
-        if since is not None and not (isinstance(since, (int, float)) and since > 0):
+        if since is not None and not (isinstance(since, (int, float)) and not isinstance(
+                since, bool) and 0 < since < MAX_EPOCH_SECONDS):
             raise InvalidArgumentError(
-                f"since: {since!r} is not a datetime or positive seconds since the epoch")
+                f"since: {since!r} is not a datetime or positive seconds since the epoch "
+                f"(before the year 10000)")
         return self._j.list(bool(all), user or "", state or "",
                             int(since * 1000) if since is not None else 0)
 
