@@ -26,6 +26,7 @@ Ctrl-C (or SIGTERM).
 """
 
 import argparse
+import math
 import os
 import re
 import signal
@@ -184,19 +185,22 @@ def _answers(c, name, port, token):
 
 
 def _notebook(args):
+    import secrets
+
     from deepnex import UnavailableError, launch
     from deepnex._session import PortForward
     c = client(args)
-    alloc, made = _allocation(c, args)
-    import secrets
     name = args.name or f"notebook-{secrets.token_hex(3)}"
     token = secrets.token_hex(16)
+    alloc = made = None
     started = False
     fwd = None
     remote = None
     # SIGTERM ends it as Ctrl-C does: forwarding stops, the container too.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        # Inside: Ctrl-C while the request waits in the queue withdraws it.
+        alloc, made = _allocation(c, args)
         c.start_container(launch.ContainerSpec(
             name=name, image=args.image, command=["sh", "-c", NOTEBOOK],
             env={"JUPYTER_TOKEN": token}), alloc)
@@ -218,8 +222,9 @@ def _notebook(args):
     finally:
         if fwd is not None:
             fwd.close()
-        _end(c, args, name, alloc, made, started,
-             f"deepnex port-forward {name} {remote or 'PORT'}")
+        if alloc is not None:
+            _end(c, args, name, alloc, made, started,
+                 f"deepnex port-forward {name} {remote or 'PORT'}")
 
 
 def _parse_ports(text):
@@ -267,10 +272,11 @@ def add_commands(commands):
     p = commands.add_parser("notebook",
                             help="Jupyter in a new container on (new) resources, forwarded here")
     _add_run_args(p, "notebook")
-    p.add_argument("--port", type=int, default=0,
+    # Checked before anything is allocated.
+    p.add_argument("--port", type=_local_port, default=0,
                    help="the local port to forward from (default 0: any free one)")
     p.add_argument("--address", default="127.0.0.1", help="local address to listen on")
-    p.add_argument("--start-timeout", type=float, default=120.0,
+    p.add_argument("--start-timeout", type=_positive_seconds, default=120.0,
                    help="seconds for jupyter to answer (default 120)")
     p.set_defaults(func=guard(_notebook))
 
@@ -283,6 +289,28 @@ def add_commands(commands):
     p.add_argument("ports", metavar="[LOCAL:]REMOTE",
                    help="REMOTE: the container's port; LOCAL: here (default REMOTE; 0: any)")
     p.set_defaults(func=guard(_port_forward))
+
+
+def _local_port(text):
+    """An argparse type: a TCP port, 0 for any."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0..65535; 0: any)")
+    return port
+
+
+def _positive_seconds(text):
+    """An argparse type: a finite number of seconds above 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return seconds
 
 
 def _add_run_args(p, what):

@@ -2,7 +2,10 @@
 // turns byte sizes such as "80GiB" into the plain values these take, and
 // fills the bound option structs, whose defaults are C++'s.
 #include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
+#include <optional>
 
 #include "common.h"
 #include "deepnex/gpu/allocator.h"
@@ -149,6 +152,56 @@ T Val(absl::StatusOr<T> v) {
   return Unwrap(std::move(v));
 }
 
+// A request that may wait in the queue, waited for in slices with Python's
+// signal handlers run between them, so that Ctrl-C is not held off until a
+// grant: the request is then withdrawn, a grant that crossed the withdrawal
+// released, and the KeyboardInterrupt raised.
+template <class Api>
+std::vector<gpu::Allocation> AllocateInterruptibly(Api& a, const gpu::Request& r,
+                                                   const gpu::AllocateOptions& o) {
+  struct Result {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::optional<absl::StatusOr<std::vector<gpu::Allocation>>> value;
+  };
+  auto result = std::make_shared<Result>();
+  uint64_t ticket;
+  {
+    py::gil_scoped_release release;
+    ticket = a.AllocateGangAsync(r, o, [result](absl::StatusOr<std::vector<gpu::Allocation>> v) {
+      std::lock_guard<std::mutex> lock(result->mu);
+      result->value = std::move(v);
+      result->cv.notify_all();
+    });
+  }
+  // Whether the answer came within `slice` (forever: none).
+  auto answered = [&result](std::optional<std::chrono::milliseconds> slice) {
+    py::gil_scoped_release release;
+    std::unique_lock<std::mutex> lock(result->mu);
+    auto ready = [&result] { return result->value.has_value(); };
+    if (!slice) {
+      result->cv.wait(lock, ready);
+      return true;
+    }
+    return result->cv.wait_for(lock, *slice, ready);
+  };
+  while (!answered(std::chrono::milliseconds(100))) {
+    if (PyErr_CheckSignals() == 0) continue;
+    py::error_already_set interrupted;  // takes the handler's exception
+    {
+      py::gil_scoped_release release;
+      a.Withdraw(ticket);
+    }
+    answered(std::nullopt);
+    if (result->value->ok()) {
+      py::gil_scoped_release release;
+      for (const gpu::Allocation& granted : **result->value) (void)a.Release(granted.id);
+    }
+    throw interrupted;
+  }
+  return Unwrap(std::move(*result->value));
+}
+
 // The methods Allocator and CentralClient share, with the same signatures.
 template <class Api, class Class>
 void BindApi(Class& c) {
@@ -193,6 +246,7 @@ void BindApi(Class& c) {
             gpu::AllocateOptions o;
             o.wait = wait;
             o.timeout = MillisOrZero(timeout, "timeout");
+            if (wait) return AllocateInterruptibly(a, r, o);
             py::gil_scoped_release release;
             return Unwrap(a.AllocateGang(r, o));
           },

@@ -4,6 +4,7 @@
 // kBatchesInFlight batches are out, new ops gather and leave together when
 // one returns, so a client with many calls in flight pays for few RPCs.
 #include <condition_variable>
+#include <map>
 #include <mutex>
 #include <set>
 
@@ -180,9 +181,12 @@ class CentralClientImpl final : public CentralClient {
     return reply.text();
   }
 
-  void AllocateGangAsync(const Request& request, const AllocateOptions& options,
-                         Allocator::AllocateDone done) override {
-    if (absl::Status s = CheckForkSafe("central client"); !s.ok()) return done(s);
+  uint64_t AllocateGangAsync(const Request& request, const AllocateOptions& options,
+                             Allocator::AllocateDone done) override {
+    if (absl::Status s = CheckForkSafe("central client"); !s.ok()) {
+      done(s);
+      return 0;
+    }
     QueuedOp p;
     ToProto(request, options, p.op.mutable_allocate());
     p.done = [done = std::move(done)](absl::Status s, pb::BatchResult* r) {
@@ -190,11 +194,20 @@ class CentralClientImpl final : public CentralClient {
       if (!s.ok()) return done(s);
       done(AllocationsFrom(r->allocations()));
     };
-    if (!options.wait) return Enqueue(std::move(p));
+    if (!options.wait) {
+      Enqueue(std::move(p));
+      return 0;
+    }
     // It may wait in the queue: a batch of its own, with its own deadline.
     std::vector<QueuedOp> alone;
     alone.push_back(std::move(p));
-    SendBatch(std::move(alone), AllocateDeadline(options), /*coalesced=*/false);
+    return SendBatch(std::move(alone), AllocateDeadline(options), /*coalesced=*/false);
+  }
+
+  void Withdraw(uint64_t ticket) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Central withdraws a queued request whose call is cancelled.
+    if (auto it = waiting_.find(ticket); it != waiting_.end()) it->second->TryCancel();
   }
 
   void ReleaseAsync(const std::string& id, Allocator::Done done) override {
@@ -266,7 +279,10 @@ class CentralClientImpl final : public CentralClient {
 
   // One Batch call. A coalesced one holds a slot of kBatchesInFlight; when
   // it returns, what queued meanwhile leaves in the next.
-  void SendBatch(std::vector<QueuedOp> ops, std::chrono::milliseconds timeout, bool coalesced) {
+  // Sends `ops` in one call; an uncoalesced one (a waiting Allocate) gets a
+  // ticket for Withdraw, returned.
+  uint64_t SendBatch(std::vector<QueuedOp> ops, std::chrono::milliseconds timeout,
+                     bool coalesced) {
     struct BatchCall {
       grpc::ClientContext ctx;
       pb::BatchRequest req;
@@ -277,12 +293,18 @@ class CentralClientImpl final : public CentralClient {
     Prepare(&call->ctx, timeout);
     for (auto& p : ops) call->req.add_ops()->Swap(&p.op);
     call->ops = std::move(ops);
+    uint64_t ticket = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
       in_flight_.insert(&call->ctx);
+      if (!coalesced) {
+        ticket = ++last_ticket_;
+        waiting_[ticket] = &call->ctx;
+      }
     }
     stub_->async()->Batch(
-        &call->ctx, &call->req, &call->reply, [this, call, timeout, coalesced](grpc::Status gs) {
+        &call->ctx, &call->req, &call->reply,
+        [this, call, timeout, coalesced, ticket](grpc::Status gs) {
           absl::Status s = Finished(gs, timeout);
           const int n = static_cast<int>(call->ops.size());
           if (s.ok() && call->reply.results_size() != n) {
@@ -318,9 +340,11 @@ class CentralClientImpl final : public CentralClient {
           }
           std::lock_guard<std::mutex> lock(mu_);
           in_flight_.erase(&call->ctx);
+          if (ticket != 0) waiting_.erase(ticket);
           delete call;
           cv_.notify_all();
         });
+    return ticket;
   }
 
   const CentralClientOptions options_;
@@ -331,6 +355,8 @@ class CentralClientImpl final : public CentralClient {
   std::vector<QueuedOp> queued_;  // for the next coalesced batch
   int batches_ = 0;              // coalesced batches in flight
   std::set<grpc::ClientContext*> in_flight_;  // Batch calls
+  std::map<uint64_t, grpc::ClientContext*> waiting_;  // by ticket: waiting Allocates
+  uint64_t last_ticket_ = 0;
   bool closing_ = false;         // the destructor runs
 };
 

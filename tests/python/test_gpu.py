@@ -101,6 +101,34 @@ def test_wait_false_timeout_and_queue():
     assert got and got[0].user == "bob"
 
 
+def test_ctrl_c_while_waiting_in_the_queue_withdraws_the_request():
+    # The wait runs Python's signal handlers between slices: a KeyboardInterrupt
+    # comes at once, not with a grant, and the request leaves the queue.
+    import signal
+    alloc = gpu.Allocator()
+    alloc.add_node(gpu.Node("n1", gpus=[gpu.Gpu(memory="80GiB")], cpus=4, memory="8GiB"))
+    held = alloc.allocate(gpu.Request(user="alice", gpus=1))
+
+    def interrupt_once_queued():
+        wait_for(lambda: alloc.queue_length() == 1, "bob's request in the queue")
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    t = threading.Thread(target=interrupt_once_queued)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            alloc.allocate(gpu.Request(user="bob", gpus=1), timeout=60)
+    finally:
+        t.join(60)
+    # Before, the interrupt waited for the call's end: its 60 s timeout.
+    assert time.monotonic() - t0 < 30
+    assert alloc.queue_length() == 0
+    alloc.release(held.id)  # nothing waits for it now: nothing is granted
+    assert alloc.allocations() == []
+    alloc.check_invariants()
+
+
 def test_gang_returns_all_parts_or_nothing():
     alloc = gpu.Allocator()
     alloc.add_node(gpu.Node("n1", gpus=[gpu.Gpu(memory="80GiB")] * 4, cpus=8, memory="64GiB"))

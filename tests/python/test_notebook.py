@@ -259,7 +259,7 @@ def test_notebook_errors(central):
     assert next(c for c in alice.containers() if c["name"] == "busy")["state"] == "stopped"
     assert alice.allocations() == []
     # Jupyter that does not answer in time: stopped, its allocation released.
-    out = deepnex("--cpus", "1", "--memory", "256MiB", "--name", "slow", "--start-timeout", "0")
+    out = deepnex("--cpus", "1", "--memory", "256MiB", "--name", "slow", "--start-timeout", "0.001")
     assert (out.returncode, out.stdout, out.stderr) == (
         1, "", "deepnex: notebook slow: jupyter has not said its port within --start-timeout\n")
     assert next(c for c in alice.containers() if c["name"] == "slow")["state"] == "stopped"

@@ -391,6 +391,42 @@ def test_shell_errors_are_one_line_and_leave_nothing_behind(central):
         "usage: deepnex shell [-h] [--central CENTRAL]")
 
 
+def test_notebook_flags_are_checked_first_and_ctrl_c_withdraws_a_queued_request(central):
+    alice, _ = clients(central)
+    env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
+    env.pop("DEEPNEX_STATE_DIR", None)
+
+    def notebook(*args):
+        return subprocess.Popen([PY, "-m", "deepnex", "notebook", "--cpus", "1", "--memory",
+                                 "256MiB", *args], env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Refused before anything is allocated (they were found out after Jupyter
+    # had started).
+    for flag, value, why in [("--port", "70000", "is not a TCP port (0..65535; 0: any)"),
+                             ("--start-timeout", "nan", "is not a number of seconds above 0"),
+                             ("--start-timeout", "-5", "is not a number of seconds above 0")]:
+        out, err = notebook(flag, value).communicate(timeout=60)
+        assert err.endswith(f"deepnex notebook: error: argument {flag}: '{value}' {why}\n"), err
+    assert alice.allocations() == []
+    # Ctrl-C while its request waits in the queue ends it at once (it waited
+    # for a grant), withdraws the request, and leaves no allocation behind.
+    held = alice.allocate(gpu.Request(user="", gpus=2, cpus=1, memory="256MiB"))
+    proc = notebook("--gpus", "1")
+    try:
+        wait_for(lambda: len(alice.pending()) == 1, "the notebook's request in the queue")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    assert alice.pending() == []
+    alice.release(held.id)
+    assert alice.allocations() == []
+
+
 HTTP_SERVER = """
 import http.server, sys
 class H(http.server.BaseHTTPRequestHandler):

@@ -138,9 +138,14 @@ class CentralClient {
   // Asynchronous forms (see Allocator::AllocateGangAsync): `done` runs once,
   // on a gRPC thread. Calls in flight together travel in one RPC, so a
   // client that keeps many in flight is far faster than blocking threads.
-  // A waiting Allocate (options.wait) travels alone, with its own deadline.
-  virtual void AllocateGangAsync(const Request& request, const AllocateOptions& options,
-                                 Allocator::AllocateDone done) = 0;
+  // A waiting Allocate (options.wait) travels alone, with its own deadline,
+  // and returns a ticket for Withdraw (else 0).
+  virtual uint64_t AllocateGangAsync(const Request& request, const AllocateOptions& options,
+                                     Allocator::AllocateDone done) = 0;
+  // Cancels the waiting Allocate of `ticket` (its caller gave up: a Ctrl-C):
+  // central takes it out of the queue and `done` gets Cancelled, or the
+  // grant that crossed the cancel. Nothing for a ticket already answered.
+  virtual void Withdraw(uint64_t ticket) = 0;
   virtual void ReleaseAsync(const std::string& id, Allocator::Done done) = 0;
   // A user sees only their own; `user` filters (admins).
   virtual absl::StatusOr<std::vector<Allocation>> Allocations(const std::string& user = "") = 0;
