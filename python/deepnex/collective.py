@@ -235,13 +235,21 @@ class Communicator:
         return Work(self._comm.allreduce_async(b, dtype, op), x)
 
     def broadcast_async(self, x, root=0):
+        root = int(root)
+        # The communicator refuses a root outside the ranks on every rank; one
+        # past an int32 would not reach it.
+        if not -2**31 <= root < 2**31:
+            raise InvalidArgumentError(f"broadcast: root {root} is outside "
+                                       f"0..{self.world_size - 1}")
         if _is_cuda(x):
             ptr, dtype, n = _cuda(x)
-            return Work(self._cuda_comm().broadcast_raw_async(ptr, dtype, n, int(root)), x)
+            return Work(self._cuda_comm().broadcast_raw_async(ptr, dtype, n, root), x)
         b, dtype = to_buffer(x, "broadcast")
-        return Work(self._comm.broadcast_async(b, dtype, int(root)), x)
+        return Work(self._comm.broadcast_async(b, dtype, root), x)
 
     def allgather_async(self, x):
+        if not _is_cuda(x):
+            to_buffer(x, "allgather")  # what x is not, before its shape is read
         out = _empty_like(x, (self.world_size, *tuple(x.shape)))
         if _is_cuda(x):
             ptr, dtype, n = _cuda(x)
@@ -251,6 +259,8 @@ class Communicator:
         return Work(self._comm.allgather_async(bi, bo, dtype), out)
 
     def reduce_scatter_async(self, x, op="sum"):
+        if not _is_cuda(x):
+            to_buffer(x, "reduce_scatter")  # what x is not, before its shape is read
         shape = tuple(x.shape)
         if not shape or shape[0] % self.world_size:
             raise InvalidArgumentError(

@@ -139,6 +139,12 @@ def test_bad_input_and_mismatch_raise_on_every_rank(store):
             comm.allreduce(np.zeros(10 + r, np.float32))
         with pytest.raises(ValueError, match="multiple of world_size"):
             comm.reduce_scatter(np.zeros(3, np.float32))
+        # Named, not a pybind signature or an AttributeError on .shape.
+        with pytest.raises(deepnex.InvalidArgumentError, match=r"root 1099511627776 is outside 0..1"):
+            comm.broadcast(np.zeros(3, np.float32), root=2**40)
+        for op in (comm.allgather, comm.reduce_scatter):
+            with pytest.raises(TypeError, match="expected a numpy array or a torch tensor"):
+                op([1.0, 2.0])
         x = np.ones(3, np.float32)
         comm.allreduce(x)
         assert (x == 2).all()
