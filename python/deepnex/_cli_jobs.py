@@ -19,7 +19,6 @@ import shlex
 import time
 
 from deepnex._cli_common import add_central_args, client, format_table, guard
-from deepnex.gpu import MAX_EPOCH_SECONDS
 
 STATES = ("pending", "running", "completed", "failed", "cancelled")
 HEADER = ("NAME", "USER", "STATE", "NODES", "WORKERS", "ELAPSED", "GPU-H", "CPU-H", "PEAK-MEM",
@@ -32,6 +31,7 @@ def parse_since(text, now=None):
     """--since T as seconds since the epoch: a date and time (local), seconds
     since the epoch, or an age back from `now` (30m, 2h, 7d). A SystemExit
     naming the flag and the value otherwise."""
+    from deepnex.gpu import MAX_EPOCH_SECONDS  # here: the parser loads no compiled module
     now = time.time() if now is None else now
     age = _AGE.fullmatch(text)
     value = None

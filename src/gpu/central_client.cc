@@ -278,9 +278,8 @@ class CentralClientImpl final : public CentralClient {
   }
 
   // One Batch call. A coalesced one holds a slot of kBatchesInFlight; when
-  // it returns, what queued meanwhile leaves in the next.
-  // Sends `ops` in one call; an uncoalesced one (a waiting Allocate) gets a
-  // ticket for Withdraw, returned.
+  // it returns, what queued meanwhile leaves in the next. An uncoalesced one
+  // (a waiting Allocate) gets a ticket for Withdraw, returned (else 0).
   uint64_t SendBatch(std::vector<QueuedOp> ops, std::chrono::milliseconds timeout,
                      bool coalesced) {
     struct BatchCall {

@@ -71,7 +71,7 @@ absl::StatusOr<uint64_t> CheckPart(const std::string& what, const std::string& k
                                    uint64_t offset, uint64_t count, int dtype,
                                    const proto::TensorMeta& meta);
 
-// "float32 [2, 3]"
+// "[2, 3] float32"
 std::string ShapeString(const proto::TensorMeta& meta);
 
 }  // namespace deepnex::ps
