@@ -241,8 +241,14 @@ def _parse_ports(text):
 
 def _port_forward(args):
     from deepnex._session import PortForward
+    from deepnex import NotFoundError
     local, remote = _parse_ports(args.ports)
     c = client(args)
+    # Said now, not at the first connection: a container the caller may not
+    # reach (another user's: PermissionDenied) or that does not exist.
+    if not any(x["name"] == args.name for x in c.containers(user=args.user)):
+        raise NotFoundError(f'no container "{args.name}"'
+                            + (f" of user {args.user}" if args.user else ""))
     fwd = PortForward(c._c, args.name, remote, local=remote if local is None else local,
                       host=args.address, user=args.user)
     stop = threading.Event()

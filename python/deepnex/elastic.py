@@ -51,8 +51,10 @@ keeps the copy: the same script runs unchanged under a fixed world.
 import atexit
 import copy
 import functools
+import math
 import os
 import pickle
+import re
 import sys
 import threading
 import time
@@ -84,9 +86,17 @@ def _positive_seconds(text, name):
         value = float(text)
     except ValueError:
         value = -1.0
-    if value <= 0:
+    if not 0 < value < math.inf:  # nan and inf too
         raise InvalidArgumentError(f"{name}={text!r} is not a positive number of seconds")
     return value
+
+
+def _decimal(text):
+    """A decimal integer as the C++ side reads one (int() also takes "1_0",
+    " 1 " and "+1"); ValueError otherwise."""
+    if not re.fullmatch(r"-?[0-9]+", text):
+        raise ValueError(text)
+    return int(text)
 
 
 def _integer(environ, name):
@@ -95,7 +105,7 @@ def _integer(environ, name):
         raise InvalidArgumentError(f"{name} is not set; an elastic worker needs it "
                                    f"(deepnex run --workers MIN:MAX sets it)")
     try:
-        return int(text)
+        return _decimal(text)
     except ValueError:
         raise InvalidArgumentError(f"{name}={text!r} is not an integer") from None
 
@@ -108,7 +118,7 @@ class _Job:
     def __init__(self, environ):
         spec = environ["DEEPNEX_ELASTIC"]
         try:
-            self.min_workers, self.max_workers = (int(x) for x in spec.split(":"))
+            self.min_workers, self.max_workers = (_decimal(x) for x in spec.split(":"))
         except ValueError:
             raise InvalidArgumentError(f"DEEPNEX_ELASTIC={spec!r} is not MIN:MAX") from None
         if not 1 <= self.min_workers <= self.max_workers:
@@ -141,7 +151,12 @@ class _Job:
         self.formed = False  # a membership adopted (communicator, state synced)
 
     def latest_generation(self):
-        return int(self.store.get(GENERATION_KEY))
+        value = self.store.get(GENERATION_KEY)
+        try:
+            return _decimal(value.decode())
+        except (UnicodeDecodeError, ValueError):
+            raise InvalidArgumentError(f"the store's {GENERATION_KEY!r} is {value!r}, not a "
+                                       f"generation number") from None
 
     def wait_for(self, generation, why):
         """Waits until membership `generation` is published; returns the

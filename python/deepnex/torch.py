@@ -325,6 +325,10 @@ class DistributedDataParallel(torch.nn.Module):
     def __init__(self, module, communicator=None, bucket_size="25MiB",
                  sync_parameters=True):
         super().__init__()
+        # Before any collective: a bad argument fails every rank alike.
+        self._bucketer_bytes = _convert.byte_size(bucket_size, "bucket_size")
+        if self._bucketer_bytes < 1:
+            raise InvalidArgumentError(f"bucket_size: {bucket_size!r} must be at least 1 byte")
         self.module = module
         self.communicator = communicator or default_communicator()
         if sync_parameters:
@@ -342,9 +346,8 @@ class DistributedDataParallel(torch.nn.Module):
         # the bucketer reads them as flat arrays.
         self._grads = [torch.zeros_like(p, memory_format=torch.contiguous_format)
                        for p in self._params]
-        self._bucketer_bytes = bucket_size
         self._bucketer = None if self._cuda else _collective.GradientBucketer(
-            self.communicator, self._grads, bucket_bytes=bucket_size, op="mean")
+            self.communicator, self._grads, bucket_bytes=self._bucketer_bytes, op="mean")
         self._works = []
         self._ready = [False] * len(self._params)
         self._pending = False

@@ -64,9 +64,14 @@ def test_reshard_from_python_splits_the_rest_of_the_epoch_exactly():
 @pytest.mark.parametrize("name,value,message", [
     ("DEEPNEX_ELASTIC", "2", "DEEPNEX_ELASTIC='2' is not MIN:MAX"),
     ("DEEPNEX_ELASTIC", "3:2", "DEEPNEX_ELASTIC='3:2': needs 1 <= MIN <= MAX"),
+    ("DEEPNEX_ELASTIC", " 1 : 2 ", "DEEPNEX_ELASTIC=' 1 : 2 ' is not MIN:MAX"),
     ("DEEPNEX_ELASTIC_GENERATION", "x", "DEEPNEX_ELASTIC_GENERATION='x' is not an integer"),
+    # int() reads "1_0" as 10: the worker then waited 120 s for generation 10.
+    ("DEEPNEX_ELASTIC_GENERATION", "1_0", "DEEPNEX_ELASTIC_GENERATION='1_0' is not an integer"),
     ("DEEPNEX_WORKER_ID", None, "DEEPNEX_WORKER_ID is not set"),
     ("DEEPNEX_ELASTIC_TIMEOUT", "0", "DEEPNEX_ELASTIC_TIMEOUT='0' is not a positive"),
+    ("DEEPNEX_ELASTIC_TIMEOUT", "nan", "DEEPNEX_ELASTIC_TIMEOUT='nan' is not a positive"),
+    ("DEEPNEX_ELASTIC_TIMEOUT", "inf", "DEEPNEX_ELASTIC_TIMEOUT='inf' is not a positive"),
 ])
 def test_bad_elastic_environment_names_the_variable(job_env, name, value, message):
     import deepnex.elastic
@@ -80,6 +85,20 @@ def test_bad_elastic_environment_names_the_variable(job_env, name, value, messag
         env[name] = value
     with pytest.raises(deepnex.InvalidArgumentError, match=message.replace("(", r"\(")):
         deepnex.elastic._Job(env)
+
+
+def test_a_generation_in_the_store_that_is_no_number_is_named(job_env, store):
+    import deepnex.elastic
+    from deepnex import collective
+    env = {"DEEPNEX_JOB_ID": "j", "DEEPNEX_ROLE": "worker", "DEEPNEX_RANK": "0",
+           "DEEPNEX_WORLD_SIZE": "1", "DEEPNEX_STORE_ADDR": store.address,
+           "DEEPNEX_ELASTIC": "1:2", "DEEPNEX_WORKER_ID": "w0",
+           "DEEPNEX_ELASTIC_GENERATION": "1"}
+    job = deepnex.elastic._Job(env)
+    collective.StoreClient(store.address).set(deepnex.elastic.GENERATION_KEY, b"garbage")
+    with pytest.raises(deepnex.InvalidArgumentError,
+                       match="the store's 'elastic/generation' is b'garbage', not a generation"):
+        job.latest_generation()
 
 
 def test_without_an_elastic_job_run_is_a_plain_call(job_env):

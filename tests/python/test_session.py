@@ -487,6 +487,16 @@ def test_port_forward_reaches_a_server_in_the_container_and_only_its_owner(centr
         p.send_signal(signal.SIGINT)
         assert p.wait(timeout=30) == 0
         p.stdout.close()
+    # Another user's container, or none: said at once, not at the first
+    # connection after "Forwarding from ...".
+    for token, args, err in [
+            ("bobtok", ["--user", "alice", "web"], "user bob cannot list the containers of alice"),
+            ("bobtok", ["web"], 'no container "web"'),
+            ("alicetok", ["nosuch"], 'no container "nosuch"')]:
+        out = subprocess.run([PY, "-m", "deepnex", "port-forward", *args, f"0:{port}"],
+                             env=dict(env, DEEPNEX_TOKEN=token), capture_output=True, text=True,
+                             timeout=60)
+        assert (out.returncode, out.stdout, out.stderr) == (1, "", f"deepnex: {err}\n")
 
 
 AGENT_TOKENS = "h1tok h1 node\n"

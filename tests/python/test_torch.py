@@ -326,6 +326,15 @@ def test_ddp_takes_channels_last_and_transposed_parameters_and_any_buffer(store)
                                 [[6.0, 6.0, 0.0], [6.0, 6.0, 0.0]])
 
 
+def test_ddp_bucket_size_is_named():
+    comm = collective.Communicator(0, 1)
+    for bad, why in [(0, "bucket_size: 0 must be at least 1 byte"),
+                     ("12XB", 'bucket_size: "12XB" is not a byte size')]:
+        with pytest.raises(deepnex.InvalidArgumentError, match=why):
+            dtorch.DistributedDataParallel(torch.nn.Linear(2, 1), communicator=comm,
+                                           bucket_size=bad)
+
+
 # --- benchmarks/train_compare ------------------------------------------------
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
