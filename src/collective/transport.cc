@@ -80,10 +80,6 @@ constexpr size_t kBellSize = 64;
 constexpr size_t kMaxStripes = 16;
 constexpr size_t kRingsOffset = kBellsOffset + kBellSize * kMaxStripes;
 
-}  // namespace
-
-namespace {
-
 // An open file description's lock on the whole file: it lasts until the
 // description is closed, which a process's death does too.
 bool LockWhole(int fd) {
