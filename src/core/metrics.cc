@@ -315,16 +315,16 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Create(
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Create(
     std::function<std::string()> text, const std::string& address,
     std::function<absl::Status()> health) {
-  auto bad = [&] {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics address \"", address, "\": expected IPv4HOST:PORT"));
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics address \"", address, "\": ", why));
   };
   const size_t colon = address.rfind(':');
-  if (colon == std::string::npos) return bad();
+  if (colon == std::string::npos) return bad("expected IPv4HOST:PORT");
   std::string host = address.substr(0, colon);
+  const std::string port_text = address.substr(colon + 1);
   int port = -1;
-  if (!absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 || port > 65535) {
-    return bad();
+  if (!absl::SimpleAtoi(port_text, &port) || port < 0 || port > 65535) {
+    return bad(absl::StrCat("port \"", port_text, "\" is not 0-65535"));
   }
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -334,7 +334,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Create(
   } else if (host == "localhost") {
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   } else if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    return bad();
+    return bad(absl::StrCat("host \"", host, "\" is not an IPv4 address, localhost or *"));
   }
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   int one = 1;

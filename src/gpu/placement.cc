@@ -4,6 +4,7 @@
 #include <cctype>
 #include <climits>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "deepnex/units.h"
@@ -113,6 +114,35 @@ bool ValidName(const std::string& s) {
   return true;
 }
 
+absl::Status CheckLabel(const std::string& where, const std::string& key,
+                        const std::string& value) {
+  // As Kubernetes labels (prefix/name keys), so that a selector written for
+  // a cluster's nodes means the same here; 253 bounds what every node record
+  // and every NodeInfo carries.
+  auto plain = [](const std::string& s, bool slash) {
+    for (char c : s) {
+      if (!(isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' ||
+            (slash && c == '/'))) {
+        return false;
+      }
+    }
+    return s.size() <= 253;
+  };
+  if (key.empty() || !plain(key, true)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": label key \"", absl::CHexEscape(key.substr(0, 64)),
+                     key.size() > 64 ? "..." : "",
+                     "\": use 1-253 letters, digits, '-', '_', '.', '/'"));
+  }
+  if (!plain(value, false)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": label ", key, "=\"", absl::CHexEscape(value.substr(0, 64)),
+                     value.size() > 64 ? "..." : "",
+                     "\": use at most 253 letters, digits, '-', '_', '.'"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateRequest(const Request& r) {
   auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
   if (!ValidName(r.user)) {
@@ -136,9 +166,7 @@ absl::Status ValidateRequest(const Request& r) {
   if (r.gpus == 0 && r.cpus == 0 && r.memory == 0) {
     return bad("the request asks for nothing (gpus=0, cpus=0, memory=0B)");
   }
-  for (const auto& [k, v] : r.selector) {
-    if (k.empty()) return bad("selector: a label has an empty key");
-  }
+  for (const auto& [k, v] : r.selector) DEEPNEX_RETURN_IF_ERROR(CheckLabel("selector", k, v));
   return absl::OkStatus();
 }
 
@@ -208,9 +236,7 @@ absl::Status Placement::Validate(Node* node) const {
     }
   }
   for (const auto& [k, v] : node->labels) {
-    if (k.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("node ", name, ": a label has an empty key"));
-    }
+    DEEPNEX_RETURN_IF_ERROR(CheckLabel(absl::StrCat("node ", name), k, v));
   }
   return absl::OkStatus();
 }

@@ -60,9 +60,13 @@ struct Hold {
 
 // Node, user and job names: 1-253 letters, digits, '-', '_', '.', '@'.
 bool ValidName(const std::string& s);
+// A node label or selector entry: InvalidArgument naming `where`, the key
+// and (escaped, cut at 64 bytes) the offending text.
+absl::Status CheckLabel(const std::string& where, const std::string& key,
+                        const std::string& value);
 // InvalidArgument naming the field of a request that no node could make
 // sense of (a bad name, a negative or absurd count, a shared request without
-// its GPU memory, a request for nothing).
+// its GPU memory, a request for nothing, a selector no label could match).
 absl::Status ValidateRequest(const Request& r);
 // "a1, a2, ... (12 in all)": at most `max` names.
 std::string NameList(const std::vector<std::string>& names, size_t max = 8);

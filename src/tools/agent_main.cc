@@ -85,7 +85,9 @@ int main(int argc, char** argv) {
         if (p.first.empty() || kv.find('=') == absl::string_view::npos) {
           flags.Die(absl::StrCat("--labels: \"", kv, "\" is not k=v"));
         }
-        options.labels[p.first] = p.second;
+        if (!options.labels.emplace(p.first, p.second).second) {
+          flags.Die(absl::StrCat("--labels: key \"", p.first, "\" is given twice"));
+        }
       }
     } else if (flags.Is("--image")) {
       absl::Status added =

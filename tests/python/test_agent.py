@@ -236,6 +236,12 @@ def test_agent_serves_healthz_and_metrics_and_advertises_its_host(central_proc, 
     (["--advertise", "0.0.0.0"], 'advertise "0.0.0.0": peers cannot dial a wildcard address'),
     (["--advertise", "h1:7"], 'advertise "h1:7": a host name or an address, without a port'),
     (["--listen", "h1"], 'listen: metrics address "h1": expected IPv4HOST:PORT'),
+    (["--listen", "127.0.0.1:99999"],
+     'listen: metrics address "127.0.0.1:99999": port "99999" is not 0-65535'),
+    (["--labels", "zone=z 1"],
+     "registering node h1: node h1: label zone=\"z 1\": use at most 253 letters, digits, '-', '_', '.'"),
+    (["--labels", "k" * 300 + "=v"],
+     "registering node h1: node h1: label key \"" + "k" * 64 + "...\": use 1-253 letters, digits, '-', '_', '.', '/'"),
 ])
 def test_agent_listen_and_advertise_are_checked(central, agents, flags, message):
     bad = agents.start("h1", "h1tok", flags)
@@ -257,6 +263,7 @@ def test_node_token_of_another_node_and_user_token_are_refused(central, agents):
     (["--gpus", "16GiB"], '--gpus: "16GiB" is not NxSIZE with N from 1 to 1024 (e.g. 2x16GiB)'),
     (["--cpus", "0"], "--cpus: 0 must be at least 1"),
     (["--labels", "rack"], '--labels: "rack" is not k=v'),
+    (["--labels", "rack=a,zone=z,rack=b"], '--labels: key "rack" is given twice'),
     (["--image", "base=relative/dir"],
      '--image "base=relative/dir": "relative/dir" is not an absolute directory or "host"'),
     (["--image", "/x=host"], '--image "/x=host": expected NAME=DIR with a new NAME that is not a path'),

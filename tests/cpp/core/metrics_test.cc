@@ -134,10 +134,17 @@ TEST(MetricsTest, HttpServerServesHealthzOnlyWithAHealthCheck) {
 
 TEST(MetricsTest, HttpServerAddressErrorsNameTheAddress) {
   MetricsRegistry r;
-  for (const char* bad : {"nocolon", "127.0.0.1:x", "127.0.0.1:70000", "host.example:80"}) {
-    EXPECT_THAT(MetricsHttpServer::Create(&r, bad),
+  const std::pair<const char*, const char*> bad[] = {
+      {"nocolon", "expected IPv4HOST:PORT"},
+      {"127.0.0.1:x", "port \"x\" is not 0-65535"},
+      {"127.0.0.1:99999", "port \"99999\" is not 0-65535"},
+      {"127.0.0.1:-1", "port \"-1\" is not 0-65535"},
+      {"host.example:80", "host \"host.example\" is not an IPv4 address, localhost or *"},
+  };
+  for (const auto& [address, why] : bad) {
+    EXPECT_THAT(MetricsHttpServer::Create(&r, address),
                 StatusIs(absl::StatusCode::kInvalidArgument,
-                         HasSubstr(std::string("metrics address \"") + bad + "\"")));
+                         std::string("metrics address \"") + address + "\": " + why));
   }
   ASSERT_OK_AND_ASSIGN(auto first, MetricsHttpServer::Create(&r, "127.0.0.1:0"));
   const std::string taken = "127.0.0.1:" + std::to_string(first->port());

@@ -79,6 +79,26 @@ TEST_F(BadInput, BadNodeName) {
   ExpectUnchanged();
 }
 
+TEST_F(BadInput, BadNodeLabels) {
+  Node n = MakeNode("n3", 1);
+  const std::string key_rule = "use 1-253 letters, digits, '-', '_', '.', '/'";
+  const std::pair<std::map<std::string, std::string>, std::string> bad[] = {
+      {{{"", "x"}}, "node n3: label key \"\": " + key_rule},
+      {{{"rack id", "r1"}}, "node n3: label key \"rack id\": " + key_rule},
+      {{{std::string(300, 'k'), "v"}}, "node n3: label key \"" + std::string(64, 'k') + "...\": " + key_rule},
+      {{{"rack", "r\n1"}}, "node n3: label rack=\"r\\n1\": use at most 253 letters, digits, '-', '_', '.'"},
+      {{{"rack", std::string(254, 'v')}}, "node n3: label rack=\"" + std::string(64, 'v') + "...\": use at most 253 letters, digits, '-', '_', '.'"},
+  };
+  for (const auto& [labels, message] : bad) {
+    n.labels = labels;
+    EXPECT_THAT(alloc_->AddNode(n), StatusIs(absl::StatusCode::kInvalidArgument, message));
+  }
+  ExpectUnchanged();
+  // Kubernetes-style keys, and an empty value, are labels.
+  n.labels = {{"deepnex.io/agent", "true"}, {"gpu", "h100"}, {"spare", ""}};
+  EXPECT_OK(alloc_->AddNode(n));
+}
+
 TEST_F(BadInput, DuplicateNodeName) {
   EXPECT_THAT(alloc_->AddNode(MakeNode("n1", 1)),
               StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("node n1 already exists")));
@@ -169,6 +189,11 @@ TEST_F(BadInput, UnknownLabel) {
   r.selector = {{"zone", "b"}};
   EXPECT_THAT(alloc_->Allocate(r),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("selector {zone=b}")));
+  // One no label could ever match is not a search.
+  r.selector = {{"zone", "b c"}};
+  EXPECT_THAT(alloc_->Allocate(r),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("selector: label zone=\"b c\": use at most 253")));
   ExpectUnchanged();
 }
 
