@@ -26,6 +26,7 @@
 #include "deepnex/units.h"
 #include "gpu/central_convert.h"
 #include "launch/central_wire.h"
+#include "launch/util.h"
 
 namespace deepnex::agent {
 namespace {
@@ -354,6 +355,16 @@ class AgentImpl final : public Agent {
       case pb::Command::kStart: {
         DEEPNEX_ASSIGN_OR_RETURN(launch::ContainerSpec spec,
                                  launch::SpecFromProto(c.start().spec()));
+        // A user's container runs as the uid central maps them to; run as
+        // the agent's own (root), it would own the node.
+        if (!c.start().has_run_as()) {
+          return absl::PermissionDeniedError(absl::StrCat(
+              "container \"", spec.name,
+              "\" came without the uid to run it as; deepnex-agent never runs a container "
+              "as its own"));
+        }
+        const pb::RunAs& r = c.start().run_as();
+        spec.run_as = launch::RunAs{r.uid(), r.gid(), r.user(), r.home()};
         if (c.start().has_allocation()) {
           spec.allocation = gpu::FromProto(c.start().allocation());
           spec.user = spec.allocation->user;
@@ -502,6 +513,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(const AgentOptions& options
   launch::LauncherOptions launcher_options = options.launcher;
   launcher_options.require_cgroups = true;
   DEEPNEX_ASSIGN_OR_RETURN(auto launcher, launch::Launcher::Create(launcher_options));
+  DEEPNEX_RETURN_IF_ERROR(launch::MakeStateDirPrivate(launcher_options));
   // A killed agent before this one stopped nothing: its containers run on.
   std::vector<std::shared_ptr<launch::Handle>> adopted;
   adopted = AdoptOrphans(options.launcher, launcher->id());

@@ -97,6 +97,13 @@ class RemoteLauncher final : public launch::Launcher {
     proto::Command c;
     launch::SpecToProto(spec, c.mutable_start()->mutable_spec());
     if (spec.allocation) gpu::ToProto(*spec.allocation, c.mutable_start()->mutable_allocation());
+    if (spec.run_as) {
+      proto::RunAs* r = c.mutable_start()->mutable_run_as();
+      r->set_uid(spec.run_as->uid);
+      r->set_gid(spec.run_as->gid);
+      r->set_user(spec.run_as->user);
+      r->set_home(spec.run_as->home);
+    }
     DEEPNEX_RETURN_IF_ERROR(hub_.Call(node_, std::move(c), kCommandTimeout).status());
     auto h = std::make_shared<RemoteHandle>(hub_, node_, spec);
     std::lock_guard<std::mutex> lock(mu_);

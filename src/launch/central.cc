@@ -6,12 +6,9 @@
 // that may block (Start, Stop, Logs) run off gRPC's threads, on threads kept
 // for the next such call.
 #include <signal.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <condition_variable>
 #include <filesystem>
 #include <functional>
@@ -521,8 +518,9 @@ class ContainersService final : public pb::Containers::CallbackService,
     if (spec.allocation) {
       for (const auto& g : spec.allocation->gpus) p->add_gpus(g.index);
     }
-    p->set_cpus(spec.cpus);
-    p->set_memory(spec.memory);
+    // The limits it runs under: a spec without them takes its grant's.
+    p->set_cpus(e.cpus);
+    p->set_memory(e.memory);
     if (absl::StatusOr<Usage> u = usage ? e.handle->Usage() : Usage{}; u.ok()) {
       p->mutable_usage()->set_cpu_seconds(u->cpu_seconds);
       p->mutable_usage()->set_memory(u->memory);
@@ -669,12 +667,8 @@ absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
     }
   }
   DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<Launcher> l, Launcher::Create(launcher));
-  // Logs and records of every user's containers: the daemon's alone, as
-  // the process backend's containers run on this host's files.
-  if (!launcher.state_dir.empty() && chmod(launcher.state_dir.c_str(), 0700) != 0) {
-    return absl::InternalError(
-        absl::StrCat("cannot chmod ", launcher.state_dir, ": ", strerror(errno)));
-  }
+  // The process backend's containers run on this host's files.
+  DEEPNEX_RETURN_IF_ERROR(MakeStateDirPrivate(launcher));
   // The factory runs once, inside the call below, before the server serves.
   auto extension = [&](gpu::Allocator& alloc, const TokenTable& tokens, agent::Hub& hub)
       -> absl::StatusOr<std::unique_ptr<gpu::CentralExtension>> {

@@ -75,6 +75,14 @@ std::map<std::string, std::string> HostEnv(const ContainerSpec& spec) {
   return env;
 }
 
+absl::Status MakeStateDirPrivate(const LauncherOptions& options) {
+  if (!options.state_dir.empty() && chmod(options.state_dir.c_str(), 0700) != 0) {
+    return absl::InternalError(
+        absl::StrCat("cannot chmod ", options.state_dir, ": ", strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
 std::string CgroupParent(const LauncherOptions& options) {
   return options.cgroup_parent.empty() ? "deepnex" : options.cgroup_parent;
 }

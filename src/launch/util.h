@@ -65,6 +65,11 @@ std::string PathOf(const std::map<std::string, std::string>& env);
 // that user's HOME ("/" when unknown) and USER, unless its env sets them.
 std::map<std::string, std::string> HostEnv(const ContainerSpec& spec);
 
+// Makes a daemon's launcher state_dir (every user's container logs and
+// records) its own alone: mode 0700. Nothing for an empty one (a fresh
+// temporary directory, already 0700).
+absl::Status MakeStateDirPrivate(const LauncherOptions& options);
+
 // options.cgroup_parent, or "deepnex" when empty.
 std::string CgroupParent(const LauncherOptions& options);
 

@@ -6,6 +6,7 @@ or against an installed package (pip install). Nothing here imports torch.
 """
 
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -193,3 +194,14 @@ def agent_hosts(make_hosts, tmp_path):
         yield cluster.start()
     finally:
         cluster.close()
+
+
+@pytest.fixture
+def open_dir():
+    """A directory that users' processes (running as nobody when the tests
+    run as root) can reach: pytest's tmp_path lies under a directory only
+    its owner can enter."""
+    path = tempfile.mkdtemp(prefix="deepnex-test-")
+    os.chmod(path, 0o777)
+    yield pathlib.Path(path)
+    shutil.rmtree(path, ignore_errors=True)

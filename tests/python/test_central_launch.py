@@ -2,10 +2,7 @@
 containers on the caller's own allocations, released when they end for good."""
 
 import os
-import pathlib
-import shutil
 import subprocess
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,16 +15,6 @@ from _wait import wait_for
 from deepnex import gpu, launch
 
 needs_root = pytest.mark.skipif(not AS_ROOT, reason="running as another uid needs root")
-
-
-@pytest.fixture
-def open_dir():
-    """A directory that users' processes (running as nobody) can reach:
-    pytest's tmp_path lies under a directory only root can enter."""
-    path = tempfile.mkdtemp(prefix="deepnex-central-test-")
-    os.chmod(path, 0o755)
-    yield pathlib.Path(path)
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def grant(cpus=1, memory="256MiB", gpus=1):

@@ -123,10 +123,10 @@ GREW = ('deepnex run: job resized from 1 to 2 workers (generation 2): worker w1 
 
 @pytest.mark.parametrize("mode,ps", [("allreduce", "0"), ("sync", "1")])
 def test_elastic_job_grows_onto_a_freed_node_and_shrinks_off_a_partitioned_one(
-        make_cluster, tmp_path, mode, ps):
+        make_cluster, open_dir, mode, ps):
     start = time.monotonic()
     cluster = make_cluster(*LOSING)
-    gate = tmp_path / "gate"
+    gate = open_dir / "gate"
     j = start_growing(cluster, gate, "--mode", mode, "--ps", ps)
     try:
         cluster.hosts.partition("h3")
@@ -144,11 +144,12 @@ def test_elastic_job_grows_onto_a_freed_node_and_shrinks_off_a_partitioned_one(
     assert time.monotonic() - start < 90
 
 
-def test_a_worker_whose_node_is_notready_for_10_s_is_dropped_and_stopped(make_cluster, tmp_path):
+def test_a_worker_whose_node_is_notready_for_10_s_is_dropped_and_stopped(make_cluster,
+                                                                         open_dir):
     # Central would call h3 lost only after 5 min (its default): the job
     # does not wait that long.
     cluster = make_cluster()
-    gate = tmp_path / "gate"
+    gate = open_dir / "gate"
     j = start_growing(cluster, gate, "--mode", "allreduce")
     try:
         pid = int(cluster.containers()["el-worker1"]["id"])

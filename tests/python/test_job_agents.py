@@ -102,9 +102,9 @@ def test_workers_run_through_central_on_their_nodes(local_agents, tmp_path):
     assert _agents.client(address, "alicetok").allocations() == []
 
 
-def test_a_worker_restarted_by_its_agent_is_told_and_the_job_passes(local_agents, tmp_path):
+def test_a_worker_restarted_by_its_agent_is_told_and_the_job_passes(local_agents, open_dir):
     address, _ = local_agents
-    gate = tmp_path / "failed-once"
+    gate = open_dir / "failed-once"
     code, out = finish(local_run(
         address, "--name", "j2", "--workers", "1", "--mode", "allreduce",
         "--restart", "on-failure:1", "--", "sh", "-c",
@@ -215,9 +215,9 @@ GATED = ('echo "rank $DEEPNEX_RANK on $(hostname)"; '
 
 
 @pytest.mark.parametrize("restart", [False, True])
-def test_a_lost_node_fails_the_job_or_replaces_its_worker(make_cluster, tmp_path, restart):
+def test_a_lost_node_fails_the_job_or_replaces_its_worker(make_cluster, open_dir, restart):
     cluster = make_cluster(*LOSING, node_timeout=2)
-    gate = tmp_path / "gate"
+    gate = open_dir / "gate"
     flags = ["--restart", "on-failure:1"] if restart else []
     p = hosts_run(cluster, "--name", "lost", "--workers", "2", "--nodes", "2",
                   "--gpus-per-worker", "1",
@@ -278,10 +278,10 @@ def _waiting_job(cluster, gate, *flags):
             p.communicate(timeout=60)
 
 
-def test_a_job_rides_out_a_partition_shorter_than_node_lost_after(make_cluster, tmp_path):
+def test_a_job_rides_out_a_partition_shorter_than_node_lost_after(make_cluster, open_dir):
     # --node-lost-after stays 5 min: h2 is NotReady for a while, never lost.
     cluster = make_cluster(node_timeout=2)
-    gate = tmp_path / "gate"
+    gate = open_dir / "gate"
     with _waiting_job(cluster, gate) as p:
         on_h2 = [n for n, w in cluster.containers().items() if w["node"] == "h2"]
         assert len(on_h2) == 1, cluster.containers()
@@ -308,9 +308,9 @@ def test_a_job_rides_out_a_partition_shorter_than_node_lost_after(make_cluster, 
 
 
 def test_a_partition_longer_than_node_lost_after_fails_the_job_naming_the_node(make_cluster,
-                                                                               tmp_path):
+                                                                               open_dir):
     cluster = make_cluster(*LOSING, node_timeout=2)
-    gate = tmp_path / "gate"
+    gate = open_dir / "gate"
     with _waiting_job(cluster, gate) as p:
         rank = "0" if cluster.containers()["cut-worker0"]["node"] == "h2" else "1"
         pid = int(cluster.containers()[f"cut-worker{rank}"]["id"])
@@ -329,9 +329,9 @@ def test_a_partition_longer_than_node_lost_after_fails_the_job_naming_the_node(m
 
 
 def test_a_partition_longer_than_node_lost_after_replaces_the_worker_once(make_cluster,
-                                                                          tmp_path):
+                                                                          open_dir):
     cluster = make_cluster(*LOSING, node_timeout=2)
-    gate = tmp_path / "gate"
+    gate = open_dir / "gate"
     with _waiting_job(cluster, gate, "--restart", "on-failure:1") as p:
         assert p.poll() is None, p.communicate()[0]
         rank = "0" if cluster.containers()["cut-worker0"]["node"] == "h2" else "1"

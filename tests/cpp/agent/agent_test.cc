@@ -12,8 +12,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "agent/remote_launcher.h"
 #include "core/net.h"
 #include "gmock/gmock.h"
+#include "gpu/central_server.h"
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
 #include "deepnex/agent.grpc.pb.h"
@@ -422,6 +424,56 @@ TEST_F(AgentTest, ReportOfAnotherNodesGrantIsNotTaken) {
   raw->ctx.TryCancel();
   stream->Finish().ok();
   EXPECT_OK(server_->allocator().GetAllocation(a.id).status());
+}
+
+// A central extension that serves nothing: the test holds the agents' hub
+// to send an agent what deepnex-central itself never sends.
+class NoExtension : public gpu::CentralExtension {
+ public:
+  grpc::Service* service() override { return &service_; }
+  void Shutdown() override {}
+
+ private:
+  grpc::Service service_;
+};
+
+// A start without the uid to run as would run the user's container as the
+// agent's own uid (root); the agent refuses it and starts nothing.
+TEST(AgentRunAsTest, AStartWithoutTheUidIsRefused) {
+  TempDir dir;
+  std::ofstream(dir.path() + "/tokens") << "h1tok h1 node\n";
+  gpu::CentralServerOptions o;
+  o.address = "127.0.0.1:0";
+  o.token_file = dir.path() + "/tokens";
+  o.allocator.state_dir = dir.path() + "/ledger";
+  Hub* hub = nullptr;
+  ASSERT_OK_AND_ASSIGN(
+      auto server,
+      gpu::CreateCentralServer(o, [&](gpu::Allocator&, const TokenTable&, Hub& h)
+                                      -> absl::StatusOr<std::unique_ptr<gpu::CentralExtension>> {
+        hub = &h;
+        return std::make_unique<NoExtension>();
+      }));
+  AgentOptions a;
+  a.central = server->address();
+  a.node = "h1";
+  a.token = "h1tok";
+  a.launcher.backend = "process";
+  a.launcher.state_dir = dir.path() + "/h1";
+  a.gpus = ParseGpus("1x16GiB").value();
+  ASSERT_OK_AND_ASSIGN(auto agent, Agent::Create(a));
+  ASSERT_OK(agent->WaitRegistered(10s));
+  std::unique_ptr<launch::Launcher> h1 = NewRemoteLauncher(*hub, "h1");
+  launch::ContainerSpec spec;
+  spec.name = "alice.w";
+  spec.command = {"true"};
+  EXPECT_THAT(h1->Start(spec).status(),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       "node h1: container \"alice.w\" came without the uid to run it as; "
+                       "deepnex-agent never runs a container as its own"));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/h1/containers/alice.w"));
+  h1.reset();
+  agent.reset();
 }
 
 }  // namespace
