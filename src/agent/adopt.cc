@@ -313,11 +313,9 @@ std::vector<std::shared_ptr<launch::Handle>> AdoptOrphans(const launch::Launcher
     if (!text.ok()) continue;
     nlohmann::json r = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
     if (!r.is_object() || r.value("backend", "") != backend) continue;
-    const int launcher_pid = r.value("launcher_pid", 0);
-    if (r.value("launcher_id", "") == own_launcher_id ||
-        (launcher_pid > 0 && (launcher_pid == getpid() || launch::ProcessAlive(launcher_pid)))) {
-      continue;
-    }
+    // The agent's launcher holds the state_dir's lock: any other launcher
+    // of a record here is gone, whatever its pid shows now.
+    if (r.value("launcher_id", "") == own_launcher_id) continue;
     const std::string state = r.value("state", "");
     if (state != "running" && state != "starting" && state != "restarting") continue;
     const std::string id = r.value("id", "");

@@ -28,10 +28,13 @@ class Stream final : public QueuedServerStream<pb::AgentMessage, pb::CentralMess
       Close(who.status());
       return;
     }
-    // A user (not an admin, not a node) never acts as a node.
-    if (who->role == AuthRole::kUser) {
+    // A user (not an admin, not a node) never acts as a node, nor does a
+    // job's token, an admin's included: it makes no node change.
+    if (who->role == AuthRole::kUser || !who->job.empty()) {
       Close(absl::PermissionDeniedError(absl::StrCat(
-          "user ", who->name, " cannot register a node: it needs a node token (\"TOKEN NAME node\")")));
+          who->job.empty() ? "user " : "the token of job " + who->job + " (",
+          who->name, who->job.empty() ? "" : ")",
+          " cannot register a node: it needs a node token (\"TOKEN NAME node\")")));
       return;
     }
     who_ = *who;
@@ -294,8 +297,15 @@ absl::Status Hub::OnRegister(Stream* s, const Identity& who, const pb::Register&
     Link& link = links_[name];
     if (link.stream != nullptr && link.stream != s) {
       // Under mu_, so that it is not deleted meanwhile (see Shutdown).
-      link.stream->Close(absl::AbortedError(
-          absl::StrCat("node ", name, ": replaced by a newer connection of its agent")));
+      // AlreadyExists, which an agent takes as a refusal and exits on: a
+      // connection is replaced only by another agent process (a restarted
+      // one, or a second one given the same --node), never by the same
+      // agent, which dials again only once its stream has ended. Two
+      // agents redialling on Aborted took the node from each other for
+      // ever.
+      link.stream->Close(absl::AlreadyExistsError(absl::StrCat(
+          "node ", name, ": replaced by a newer connection of an agent for node ", name,
+          " (another deepnex-agent registered as this node)")));
       // Now, not once gRPC is done with the old stream: over a connection
       // a partition cut, that may take minutes.
       FailPendingLocked(link.stream);
@@ -303,8 +313,23 @@ absl::Status Hub::OnRegister(Stream* s, const Identity& who, const pb::Register&
     link.stream = s;
     link.backend = reg.backend();
     link.address = reg.address();
+    // What the agent reports now replaces what it reported before. A run
+    // it no longer reports (restarted on another state directory, or its
+    // records lost) is gone from its view: it counts as lost, so that its
+    // waiters see it end and its grant goes back, instead of "starting" for
+    // ever. One that had ended keeps its end.
+    std::map<std::string, pb::ContainerReport> before = std::move(link.containers);
     link.containers.clear();
     for (const auto& c : reg.containers()) link.containers[c.name()] = c;
+    for (auto& [name, c] : before) {
+      if (link.containers.count(name) != 0) continue;
+      if (!Ended(c)) {
+        c.set_state("exited");
+        c.set_has_exit(true);
+        c.set_exit_reason("lost");
+      }
+      link.containers[name] = std::move(c);
+    }
     was_not_ready = HeardLocked(link);
     cv_.notify_all();
   }
@@ -344,7 +369,9 @@ void Hub::OnHeartbeat(Stream* s, const pb::Heartbeat& hb) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = links_.find(s->node());
     if (it == links_.end() || it->second.stream != s) return;  // replaced
-    it->second.containers.clear();
+    // Merged, not replaced: a heartbeat built just before a start's reply
+    // was written can arrive after it, without the new container. What the
+    // agent no longer runs at all is settled when it registers.
     for (const auto& c : hb.containers()) it->second.containers[c.name()] = c;
     it->second.usage = hb.usage();
     was_not_ready = HeardLocked(it->second);

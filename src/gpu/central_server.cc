@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "agent/hub.h"
 #include "core/grpc_util.h"
 #include "core/net.h"
@@ -311,11 +312,33 @@ class Service final : public pb::Central::CallbackService {
                                     pb::MetricsReply* reply) override {
     auto who = Who(*ctx);
     if (!who.ok()) return Reply(ctx, who.status());
-    reply->set_text(MetricsText());
+    reply->set_text(who->role == AuthRole::kAdmin ? MetricsText()
+                                                  : OwnSeries(MetricsText(), who->name));
     return Reply(ctx, absl::OkStatus());
   }
 
  private:
+  // `text` without the series of users other than `user` (a user="..."
+  // label): a user sees their own containers' usage and the nodes', as
+  // ListContainers shows them only their own.
+  static std::string OwnSeries(const std::string& text, const std::string& user) {
+    const std::string own = absl::StrCat("user=\"", user, "\"");
+    std::string out;
+    for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
+      const size_t brace = line.find('{');
+      const absl::string_view labels =
+          brace == absl::string_view::npos || line[0] == '#' ? "" : line.substr(brace);
+      const size_t at = labels.find("user=\"");
+      // Names are plain (ValidName), so the label's value needs no unescaping.
+      if (at != absl::string_view::npos && (at == 1 || labels[at - 1] == ',') &&
+          labels.substr(at, own.size()) != own) {
+        continue;
+      }
+      absl::StrAppend(&out, line, "\n");
+    }
+    return out;
+  }
+
   // Without tokens every caller is an administrator.
   absl::StatusOr<Identity> Who(const grpc::ServerContextBase& ctx) const {
     return AuthenticateCall(tokens_, ctx);

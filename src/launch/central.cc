@@ -607,8 +607,9 @@ class ContainersService final : public pb::Containers::CallbackService,
   std::thread reaper_;  // last: it uses the members above
 };
 
-// See CreateCentralServer. A record whose launcher pid is alive belongs to a
-// launcher that still runs (one state_dir may serve several).
+// See CreateCentralServer. `launcher` holds the state_dir's lock, so the
+// launcher of every other record there is gone, whatever its pid shows (a
+// killed central not yet reaped is a zombie; a pid is reused).
 absl::Status SweepOrphans(Launcher& launcher, gpu::Allocator& alloc, const std::string& state_dir,
                           std::vector<std::string>* swept) {
   struct Orphan {
@@ -622,9 +623,7 @@ absl::Status SweepOrphans(Launcher& launcher, gpu::Allocator& alloc, const std::
     nlohmann::json r = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
     if (!r.is_object()) continue;
     const std::string id = r.value("launcher_id", "");
-    const int pid = r.value("launcher_pid", 0);
     if (id.empty() || id == launcher.id()) continue;
-    if (pid > 0 && (pid == getpid() || kill(pid, 0) == 0)) continue;
     by_launcher[id].push_back({entry.path().string(), r.value("allocation", "")});
   }
   for (const auto& [id, orphans] : by_launcher) {

@@ -342,7 +342,7 @@ class Services final : public SessionServices {
       }
       s = it->second;
     }
-    if (who->role == AuthRole::kUser ||
+    if (who->role == AuthRole::kUser || !who->job.empty() ||
         (who->role == AuthRole::kNode && who->name != s->node)) {
       return absl::PermissionDeniedError(
           absl::StrCat(who->name, " cannot serve a session of node ", s->node));

@@ -69,6 +69,13 @@ def test_agents_register_run_containers_and_go_not_ready(central, agents, tmp_pa
     assert not os.path.exists(tmp_path / "central" / "containers" / "alice.w0")
     want = f"hi on {a.gpus[0].index}\n"
     wait_for(lambda: cli(central, "logs", "w0", token="alicetok").stdout == want, "w0's log")
+    # A user reads the usage of their own containers and the nodes', as an
+    # admin all of it; bob once read alice's too.
+    series = 'deepnex_container_memory_bytes{container="alice.w0",node="h2",user="alice"}'
+    wait_for(lambda: series in admin.metrics(), "w0's usage in the metrics")
+    assert series in alice.metrics()
+    bobs = client(central, "bobtok").metrics()
+    assert "alice" not in bobs and 'deepnex_node_memory_in_use_bytes{node="h2"}' in bobs
     ps = cli(central, "ps", token="alicetok").stdout.splitlines()
     assert ps[0].split()[:3] == ["NAME", "NODE", "BACKEND"]
     assert ps[1].split()[:4] == ["w0", "h2", "process", "running"]
@@ -181,6 +188,37 @@ def _start_time(pid):
         return int(f.read().rsplit(") ", 1)[1].split()[19])
 
 
+def test_a_container_its_restarted_agent_does_not_report_ends_lost(central, agents, tmp_path):
+    """An agent restarted on another state directory knows nothing of what
+    the killed one ran: central once showed such a container "starting"
+    for ever, its grant held; one that had ended lost its exit."""
+    h1 = agents.start("h1", "h1tok")
+    agents.registered(h1, "h1")
+    from deepnex import gpu, launch
+    alice = client(central, "alicetok")
+    ended = alice.allocate(gpu.Request(user="alice", cpus=1, memory=256 << 20, node="h1"))
+    alice.start_container(launch.ContainerSpec(name="done", command=["true"]), ended)
+    wait_for(lambda: alice.containers()[0].get("last_exit") == "exited(0)", "done's exit")
+    a = alice.allocate(gpu.Request(user="alice", gpus=1, cpus=1, memory=256 << 20, node="h1"))
+    alice.start_container(launch.ContainerSpec(name="w", command=["sleep", "120"]), a)
+    wait_for(lambda: {c["name"]: c["state"] for c in alice.containers()}.get("w") == "running",
+             "w running")
+    pid = int(next(c["id"] for c in alice.containers() if c["name"] == "w"))
+    launcher_id = json.loads(
+        (tmp_path / "h1" / "containers" / "alice.w" / "record.json").read_text())["launcher_id"]
+    h1.kill()
+    try:
+        again = agents.start("h1", "h1tok", ["--state-dir", str(tmp_path / "h1-new")])
+        agents.registered(again, "h1")
+        wait_for(lambda: {c["name"]: c.get("last_exit") for c in alice.containers()} == {
+            "done": "exited(0)", "w": "lost"}, lambda: f"w lost: {alice.containers()}")
+        wait_for(lambda: alice.allocations() == [], "w's grant back")
+    finally:
+        # What the killed agent left running: no agent knows it now.
+        launch.Launcher(state_dir=str(tmp_path / "h1-sweep")).cleanup(launcher_id)
+    wait_for(lambda: not pid_alive(pid), "the orphan's end")
+
+
 def test_restarted_agent_does_not_adopt_a_reused_pid(central, agents, tmp_path):
     # A container recorded as running whose pid is alive but is another
     # process now (its start time differs): a group leader, so that a
@@ -280,7 +318,28 @@ def test_node_token_of_another_node_and_user_token_are_refused(central, agents):
     user = agents.start("h2", "alicetok")
     assert user.wait(timeout=30) == 1
     assert "user alice cannot register a node" in user.stderr()
+    # A job's token makes no node change, an admin's included: it once
+    # registered a node, and took a real node's commands (users' specs).
+    job = agents.start("h2", "j1admintok")
+    assert job.wait(timeout=30) == 1
+    assert job.stderr() == ("deepnex-agent: the token of job j1 (root) cannot register a node: "
+                            'it needs a node token ("TOKEN NAME node")\n')
     assert client(central, "admintok").nodes() == []
+
+
+def test_a_second_agent_for_a_node_takes_it_and_the_first_one_exits(central, agents, tmp_path):
+    """Two agents given one --node once took the node from each other
+    several times a second, for ever, splitting its containers."""
+    first = agents.start("h1", "h1tok")
+    agents.registered(first, "h1")
+    second = agents.start("h1", "h1tok", ["--state-dir", str(tmp_path / "h1-second")])
+    agents.registered(second, "h1")
+    assert first.wait(timeout=30) == 1
+    assert first.stderr().endswith(
+        "deepnex-agent: node h1: replaced by a newer connection of an agent for node h1 "
+        "(another deepnex-agent registered as this node)\n")
+    assert second.proc.poll() is None
+    assert status(central) == {"h1": "Ready"}
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -362,6 +362,44 @@ def test_a_job_token_reaches_only_its_jobs_containers(central):
     assert alice.allocations() == []
 
 
+def test_a_restarted_central_sweeps_what_the_killed_one_left_before_it_is_reaped(tmp_path):
+    """The sweep once passed over the records of a launcher whose pid still
+    answered: a killed central not yet reaped (a zombie, as here), or one
+    whose pid another process took. The container ran on, its grant held."""
+    ledger = ("--state-dir", str(tmp_path / "ledger"))
+    proc, address = start_central_launcher(tmp_path, *ledger)
+    marker = f"{600 + os.getpid() % 1000}.5"  # sleep's argument: this test's alone
+    try:
+        alice, _ = clients(address)
+        a = alice.allocate(grant())
+        alice.start_container(launch.ContainerSpec(name="w", command=["sleep", marker]), a)
+        await_container(alice, "w", lambda c: c["state"] == "running")
+    finally:
+        proc.kill()  # not waited for yet: a zombie while the next one starts
+    again, address = start_central_launcher(tmp_path, *ledger)
+    try:
+        alice, _ = clients(address)
+        assert alice.allocations() == [] and alice.containers() == []
+        wait_for(lambda: not sleepers(marker), "the orphan's process to end")
+    finally:
+        stop_central(again)
+        proc.wait()
+    assert "swept 1 container(s) of launcher " in again.stderr.read()
+
+
+def sleepers(marker):
+    """Pids of the processes running `sleep marker`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if f.read().split(b"\0")[:2] == [b"sleep", marker.encode()]:
+                    found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
 @needs_root
 def test_a_users_process_runs_as_their_uid_and_reads_nothing_of_centrals(tmp_path, open_dir):
     """On the process backend a user's container once ran as root and read
