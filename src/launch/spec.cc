@@ -6,12 +6,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <optional>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -90,6 +92,34 @@ absl::Status CheckMount(const LauncherOptions& options, size_t i, Mount& m) {
   return absl::PermissionDeniedError(absl::StrCat(
       field, ".source: \"", m.source, "\"", *real == m.source ? "" : " (\"" + *real + "\")",
       " is outside the allowed mount roots [", absl::StrJoin(roots, ", "), "]"));
+}
+
+// Labels travel in engines' own syntax: docker's and podman's filters
+// (key=value), Slurm's --comment (key=value,... read back line by line from
+// squeue, whose lines a newline in a value could forge to have Cleanup cancel
+// another user's job). So no control characters anywhere, no ',' and no
+// '=' or space in a key, no ',' in a value.
+absl::Status CheckLabels(const std::map<std::string, std::string>& labels) {
+  auto control = [](const std::string& s) {
+    return std::any_of(s.begin(), s.end(), [](char c) {
+      return static_cast<unsigned char>(c) < 0x20 || c == 0x7f;
+    });
+  };
+  for (const auto& [key, value] : labels) {
+    if (key.empty() || key.size() > 253 || control(key) ||
+        key.find_first_of(",= ") != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.labels: key \"", absl::CHexEscape(key.substr(0, 64)), key.size() > 64 ? "..." : "",
+          "\" is not 1-253 characters without control characters, ',', '=' or spaces"));
+    }
+    if (value.size() > 4096 || control(value) || value.find(',') != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.labels: the value of \"", key, "\" (\"", absl::CHexEscape(value.substr(0, 64)),
+          value.size() > 64 ? "..." : "",
+          "\") is not at most 4096 characters without control characters or ','"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // Whether `backend` can run a container as `run_as`: the user name goes
@@ -215,6 +245,7 @@ absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
   if (auto named = options.images.find(spec.image); named != options.images.end()) {
     spec.image = named->second;
   }
+  DEEPNEX_RETURN_IF_ERROR(CheckLabels(spec.labels));
   for (const char* key : {kLauncherLabel, kNameLabel}) {
     if (spec.labels.count(key)) {
       return absl::InvalidArgumentError(

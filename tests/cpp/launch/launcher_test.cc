@@ -535,6 +535,30 @@ TEST_F(ProcessLauncherTest, BadSpecFields) {
   spec.labels["deepnex.launcher"] = "other";
   ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
                    "spec.labels: \"deepnex.launcher\" is set by the launcher");
+  // A newline would forge a line of squeue's output, from which Slurm's
+  // Cleanup cancels jobs: another user's, by the forged line's job id.
+  const std::pair<std::string, std::string> bad_labels[] = {
+      {"note", "x\n7 RUNNING deepnex.launcher=l1"},
+      {"note", "a,deepnex.launcher=l1"},
+      {"a=b", "c"},
+      {"a b", "c"},
+      {"", "c"},
+      {std::string(254, 'k'), "c"},
+      {"note", std::string(4097, 'v')},
+  };
+  for (const auto& [key, value] : bad_labels) {
+    spec = Spec("ok", "exit 0");
+    spec.labels[key] = value;
+    ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                     key.empty() || key.size() > 253 || key.find_first_of("= ") != std::string::npos
+                         ? "spec.labels: key \""
+                         : "spec.labels: the value of \"note\"");
+  }
+  spec = Spec("ok", "exit 0");
+  spec.labels["note"] = "x\n7";
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.labels: the value of \"note\" (\"x\\n7\") is not at most 4096 "
+                   "characters without control characters or ','");
   spec = Spec("ok", "exit 0");
   spec.env["A=B"] = "c";
   ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "spec.env: \"A=B\"");
