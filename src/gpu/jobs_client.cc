@@ -123,6 +123,8 @@ void JobReporter::Run() {
   cv_.notify_all();
 }
 
+absl::Status JobReporter::ReportNow() { return Send(snapshot_()); }
+
 void JobReporter::Poke() {
   std::lock_guard<std::mutex> lock(mu_);
   poked_ = true;

@@ -40,6 +40,9 @@ class JobReporter {
   void Run();
   // Reports soon (a container restarted). Any thread, any lock.
   void Poke();
+  // Reports the snapshot now, on the caller's thread (after Run): what
+  // central answers, a cancel, is known when it returns.
+  absl::Status ReportNow();
   // Whether central says the job was cancelled, and by whom.
   bool cancelled() const { return cancelled_.load(); }
   std::string cancel_message() const;

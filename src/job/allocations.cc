@@ -1,6 +1,7 @@
 #include "job/allocations.h"
 
 #include <algorithm>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "deepnex/gpu/discovery.h"
@@ -62,10 +63,49 @@ absl::StatusOr<std::vector<gpu::Allocation>> AllocationSource::Gang(const gpu::R
     ao.wait = false;
     return local_->AllocateGang(request, ao);
   }
-  return central_->AllocateGang(request);
+  const auto deadline = std::chrono::steady_clock::now() + kCentralPatience;
+  std::chrono::milliseconds backoff(200);
+  for (;;) {
+    absl::StatusOr<std::vector<gpu::Allocation>> got = central_->AllocateGang(request);
+    if (!absl::IsUnavailable(got.status()) || std::chrono::steady_clock::now() >= deadline) {
+      return Held(std::move(got));
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
+    ReleaseLost(request.job);
+  }
+}
+
+absl::StatusOr<std::vector<gpu::Allocation>> AllocationSource::Held(
+    absl::StatusOr<std::vector<gpu::Allocation>> got) {
+  if (got.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const gpu::Allocation& a : *got) held_.insert(a.id);
+  }
+  return got;
+}
+
+// Gang runs at a job's start, before any Grow, so no grant of this source is
+// in flight meanwhile.
+void AllocationSource::ReleaseLost(const std::string& job) {
+  // A call bounded by the client's timeout: it waits for central to answer.
+  absl::StatusOr<std::vector<gpu::Allocation>> mine = central_->Allocations("");
+  if (!mine.ok() || job.empty()) return;
+  for (const gpu::Allocation& a : *mine) {
+    bool lost;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      lost = a.job == job && held_.count(a.id) == 0;
+    }
+    if (lost) central_->Release(a.id).IgnoreError();
+  }
 }
 
 absl::Status AllocationSource::Release(const std::string& id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_.erase(id);
+  }
   return local_ != nullptr ? local_->Release(id) : central_->Release(id);
 }
 
@@ -75,7 +115,7 @@ absl::StatusOr<std::vector<gpu::Allocation>> AllocationSource::Grow(
   gpu::AllocateOptions queued;
   queued.wait = true;
   queued.timeout = wait;
-  return central_->AllocateGang(request, queued);
+  return Held(central_->AllocateGang(request, queued));
 }
 
 absl::StatusOr<std::vector<gpu::NodeInfo>> AllocationSource::Nodes() {
@@ -121,7 +161,8 @@ absl::StatusOr<std::vector<gpu::Allocation>> AllocationSource::Spread(
       gpu::AllocateOptions now;
       now.wait = false;
       absl::StatusOr<std::vector<gpu::Allocation>> got =
-          local_ != nullptr ? local_->AllocateGang(part, now) : central_->AllocateGang(part, now);
+          local_ != nullptr ? local_->AllocateGang(part, now)
+                            : Held(central_->AllocateGang(part, now));
       if (got.ok()) {
         granted.insert(granted.end(), got->begin(), got->end());
         used->push_back(part.node);

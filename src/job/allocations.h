@@ -8,6 +8,8 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -24,11 +26,15 @@ class AllocationSource {
  public:
   // `nodes`: the launch backend's nodes (Launcher::Nodes); empty: the local
   // allocator hands out this machine.
+  static constexpr std::chrono::minutes kCentralPatience{5};
+
   static absl::StatusOr<std::unique_ptr<AllocationSource>> Create(
       const JobOptions& o, const std::vector<gpu::Node>& nodes);
 
   // All of the gang or nothing. The local allocator refuses what does not
-  // fit now (nothing else would free it); deepnex-central queues it.
+  // fit now (nothing else would free it); deepnex-central queues it, and a
+  // restart of central while it waits (which drops its queue) is ridden
+  // out: asked again once central answers, for up to kCentralPatience.
   absl::StatusOr<std::vector<gpu::Allocation>> Gang(const gpu::Request& request);
   absl::Status Release(const std::string& id);
 
@@ -61,6 +67,14 @@ class AllocationSource {
 
  private:
   AllocationSource() = default;
+  // `got`, its ids noted as the job's.
+  absl::StatusOr<std::vector<gpu::Allocation>> Held(
+      absl::StatusOr<std::vector<gpu::Allocation>> got);
+  // Releases the allocations central holds for `job` that this source never
+  // handed out: grants whose replies were lost with a central that died.
+  void ReleaseLost(const std::string& job);
+  std::mutex mu_;
+  std::set<std::string> held_;  // guarded by mu_
   uint64_t local_memory_ = 0;
   std::unique_ptr<gpu::Allocator> local_;
   std::unique_ptr<gpu::CentralClient> central_;

@@ -202,17 +202,33 @@ class JobImpl : public Job {
       }
       std::this_thread::sleep_for(milliseconds(50));
     }
+    // A cancel through central stops the workers, and their end may be
+    // seen before the report that tells of the cancel: asked now, it is the
+    // job's end rather than a success.
+    if (reporter_) reporter_->ReportNow().IgnoreError();
+    if (reporter_ && reporter_->cancelled()) {
+      reporter_->Finish(gpu::JobState::kFailed, 1, "cancelled").IgnoreError();
+      Stop().IgnoreError();
+      return absl::CancelledError(reporter_->cancel_message());
+    }
     JobResult result;
     std::optional<launch::ExitStatus> first_failure;
     if (elastic_) first_failure = elastic_->outcome().failure;
-    for (size_t rank = 0; !elastic_ && rank < workers_.size(); ++rank) {
-      launch::ContainerStatus st = workers_[rank]->Status();
-      if (st.last_exit.has_value() && !st.last_exit->ok() && !first_failure.has_value() &&
-          st.state == launch::State::kExited) {
-        first_failure = st.last_exit;
-        if (st.last_exit->reason == launch::ExitReason::kLost) {
-          o_.on_event(absl::StrCat("worker ", rank, " was lost with its node \"",
-                                   workers_[rank]->spec().allocation->node, "\""));
+    // A worker that failed by itself first, else one stopped from outside
+    // the job (`deepnex stop`): a job with a worker missing did not pass.
+    for (launch::State ended : {launch::State::kExited, launch::State::kStopped}) {
+      for (size_t rank = 0; !elastic_ && rank < workers_.size(); ++rank) {
+        launch::ContainerStatus st = workers_[rank]->Status();
+        if (st.last_exit.has_value() && !st.last_exit->ok() && !first_failure.has_value() &&
+            st.state == ended) {
+          first_failure = st.last_exit;
+          if (ended == launch::State::kStopped) {
+            o_.on_event(absl::StrCat("worker ", rank, " was stopped from outside the job: ",
+                                     st.last_exit->ToString()));
+          } else if (st.last_exit->reason == launch::ExitReason::kLost) {
+            o_.on_event(absl::StrCat("worker ", rank, " was lost with its node \"",
+                                     workers_[rank]->spec().allocation->node, "\""));
+          }
         }
       }
     }

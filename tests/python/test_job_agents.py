@@ -115,6 +115,46 @@ def test_a_worker_restarted_by_its_agent_is_told_and_the_job_passes(local_agents
     assert "deepnex run: worker 0: exited(0) after 1 restart\n" in out, out
 
 
+def start_sleeping(address, name):
+    """A 2-worker job whose workers sleep, once both run on the agents."""
+    p = local_run(address, "--name", name, "--workers", "2", "--mode", "allreduce", "--",
+                  "sleep", "600")
+    alice = _agents.client(address, "alicetok")
+    wait_for(lambda: sorted((c["name"], c["state"]) for c in alice.containers()) == [
+        (f"{name}-worker0", "running"), (f"{name}-worker1", "running")] or p.poll() is not None,
+        f"{name}'s workers running")
+    return p, alice
+
+
+def test_a_cancelled_job_fails_though_its_workers_end_first(local_agents):
+    """Central stops a cancelled job's containers at once: the runner once
+    saw them end before it heard of the cancel, exited 0 and recorded a
+    cancelled job as exit 0."""
+    address, _ = local_agents
+    p, alice = start_sleeping(address, "jc")
+    alice.cancel_job("jc")
+    code, out = finish(p)
+    assert code == 1, out
+    assert "job jc was cancelled by alice through deepnex-central" in out, out
+    record = alice.job("jc")
+    assert (record["state"], record["exit_code"]) == ("cancelled", 1)
+    assert alice.allocations() == []
+
+
+def test_a_worker_stopped_from_outside_fails_the_job(local_agents):
+    """`deepnex stop` of one worker once left the job "completed", exit 0,
+    however far the training had come."""
+    address, _ = local_agents
+    p, alice = start_sleeping(address, "js")
+    alice.stop_container("js-worker1", grace=5)
+    code, out = finish(p)
+    assert code == 128 + 15, out
+    assert "deepnex run: worker 1 was stopped from outside the job: signaled(SIGTERM)\n" in out, out
+    record = alice.job("js")
+    assert (record["state"], record["exit_code"]) == ("failed", 143)
+    assert alice.allocations() == []
+
+
 def test_ps_job_runs_its_server_through_an_agent(local_agents, tmp_path):
     address, _ = local_agents
     code, out = finish(local_run(

@@ -182,6 +182,26 @@ def test_a_waiting_job_is_pending_and_cancelling_it_withdraws_its_request(centra
     assert state_of(c["alice"], holder.name) == "running"
 
 
+def test_a_waiting_job_rides_out_a_central_restart(central):
+    """Central keeps its queue in memory: a restart dropped a waiting job's
+    request, and its `deepnex run` died with "Socket closed"."""
+    address = central()
+    alice = clients(address)["alice"]
+    held = alice.allocate(deepnex.gpu.Request(user="alice", gpus=2, cpus=1, memory="64MiB"))
+    waiting = central.run(address, ["--workers", "1", "--gpus-per-worker", "1"], ["echo", "ran"])
+    wait_for(lambda: len(alice.pending()) == 1, "the job's request in the queue")
+    killed = central.procs[-1]
+    killed.kill()
+    killed.wait()
+    assert central("--listen", address) == address
+    alice = clients(address)["alice"]
+    alice.release(held.id)  # kept across the restart, as every grant
+    assert waiting.wait(120) == 0, waiting.output()
+    assert "[worker 0] ran" in waiting.output()
+    assert state_of(alice, waiting.name) == "completed"
+    assert alice.allocations() == []
+
+
 def test_a_worker_restart_is_in_the_record(central, tmp_path):
     address = central()
     alice = clients(address)["alice"]
