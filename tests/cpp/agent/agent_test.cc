@@ -9,6 +9,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include <grpcpp/grpcpp.h>
 
@@ -16,6 +17,7 @@
 #include "core/net.h"
 #include "gmock/gmock.h"
 #include "gpu/central_server.h"
+#include "launch/session_client.h"
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
 #include "deepnex/agent.grpc.pb.h"
@@ -36,7 +38,8 @@ class AgentTest : public ::testing::Test {
  protected:
   void SetUp() override {
     std::ofstream(dir_.path() + "/tokens") << "admintok root admin\nalicetok alice user\n"
-                                               "h1tok h1 node\nh2tok h2 node\n";
+                                               "h1tok h1 node\nh2tok h2 node\n"
+                                               "j1admintok root admin j1\n";
     Serve(60s);
   }
 
@@ -424,6 +427,68 @@ TEST_F(AgentTest, ReportOfAnotherNodesGrantIsNotTaken) {
   raw->ctx.TryCancel();
   stream->Finish().ok();
   EXPECT_OK(server_->allocator().GetAllocation(a.id).status());
+}
+
+// Only the node's own agent (or an admin without a job) serves a session
+// of its node: a job's admin token once took any node's pending session,
+// and with it the user's terminal.
+TEST_F(AgentTest, OnlyTheNodesAgentServesItsSessions) {
+  // h2's agent is this test: it registers, then again with alice's
+  // container on her grant there, which central adopts.
+  auto first = Raw("h2tok");
+  proto::AgentMessage m;
+  proto::Register* reg = m.mutable_register_();
+  reg->mutable_node()->set_name("h2");
+  reg->mutable_node()->set_cpus(1);
+  reg->mutable_node()->set_memory(1 << 30);
+  reg->mutable_node()->set_mode("exclusive");
+  reg->mutable_node()->add_gpus()->set_memory(16ull << 30);
+  reg->set_backend("process");
+  ASSERT_TRUE(first->stream->Write(m));
+  proto::CentralMessage in;
+  ASSERT_TRUE(first->stream->Read(&in) && in.has_registered());
+  ASSERT_OK_AND_ASSIGN(gpu::Allocation a, alice_->Allocate(OnNode("h2")));
+  proto::ContainerReport* c = reg->add_containers();
+  c->set_name("alice.sh");
+  c->set_state("running");
+  c->set_user("alice");
+  c->set_allocation_id(a.id);
+  auto agent = Raw("h2tok");
+  ASSERT_TRUE(agent->stream->Write(m));
+  ASSERT_TRUE(agent->stream->Read(&in) && in.has_registered());
+  first->ctx.TryCancel();
+  first->stream->Finish().ok();
+
+  launch::SessionOptions o;
+  o.container = "sh";
+  o.command = {"true"};
+  auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+  absl::StatusOr<std::unique_ptr<launch::Session>> session;
+  std::thread user([&] { session = launch::OpenCentralSession(channel, "alicetok", o); });
+  ASSERT_TRUE(agent->stream->Read(&in) && in.command().has_session());
+  const std::string id = in.command().session().session_id();
+  proto::AgentMessage answer;
+  answer.mutable_reply()->set_id(in.command().id());
+  ASSERT_TRUE(agent->stream->Write(answer));
+  for (const auto& [token, who] : {std::pair<std::string, std::string>{"j1admintok", "root"},
+                                   {"h1tok", "h1"}}) {
+    auto stub = proto::AgentSessions::NewStub(channel);
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + token);
+    auto stream = stub->Open(&ctx);
+    proto::AgentSessionMessage hello;
+    hello.set_session_id(id);
+    stream->Write(hello);
+    gpu::proto::SessionInput input;
+    EXPECT_FALSE(stream->Read(&input)) << token << " got the user's input";
+    grpc::Status refused = stream->Finish();
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::PERMISSION_DENIED) << token;
+    EXPECT_EQ(refused.error_message(), who + " cannot serve a session of node h2");
+  }
+  user.join();
+  if (session.ok()) (*session)->Cancel();
+  agent->ctx.TryCancel();
+  agent->stream->Finish().ok();
 }
 
 // A central extension that serves nothing: the test holds the agents' hub
