@@ -63,7 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        # Ctrl-C where a command has no handler of its own: what it held went
+        # on the way out (a waiting `alloc` withdrew its request); no
+        # traceback, and the shell's code for SIGINT.
+        print(f"deepnex {argv[0]}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # A reader that stopped early (`deepnex alloc | head`): nothing more
+        # to say, and Python's flush at exit would fail again on stdout.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def _exec_shell(args: list[str]) -> None:

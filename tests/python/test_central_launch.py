@@ -2,7 +2,9 @@
 containers on the caller's own allocations, released when they end for good."""
 
 import os
+import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -360,6 +362,30 @@ def test_a_job_token_reaches_only_its_jobs_containers(central):
     job.stop_container("w0", grace=1)
     alice.stop_container("other", grace=1)
     assert alice.allocations() == []
+
+
+def test_ctrl_c_and_a_closed_pipe_end_a_command_without_a_traceback(central):
+    """A waiting `deepnex alloc` stopped with Ctrl-C, and `deepnex
+    allocations | head` whose reader went first, once ended in tracebacks."""
+    alice, _ = clients(central)
+    alice.allocate(grant(gpus=2))
+    env = dict(os.environ, DEEPNEX_TOKEN="alicetok", DEEPNEX_CENTRAL=central)
+    env.pop("DEEPNEX_STATE_DIR", None)
+    waiting = subprocess.Popen([sys.executable, "-m", "deepnex", "alloc", "--gpus", "1"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(alice.pending()) == 1, "alloc's request in the queue")
+    waiting.send_signal(signal.SIGINT)
+    _, err = waiting.communicate(timeout=30)
+    assert waiting.returncode == 130 and err.endswith("deepnex alloc: interrupted\n"), err
+    assert "Traceback" not in err and alice.pending() == []
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        gone = subprocess.run([sys.executable, "-m", "deepnex", "allocations"], env=env,
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert (gone.returncode, gone.stderr) == (141, "")
 
 
 def test_a_restarted_central_sweeps_what_the_killed_one_left_before_it_is_reaped(tmp_path):
