@@ -18,6 +18,7 @@
 #include "deepnex/env.h"
 #include "deepnex/gpu/allocator.h"
 #include "deepnex/gpu/central.h"
+#include "deepnex/ps/optimizer.h"
 #include "gpu/jobs_reporter.h"
 #include "job/allocations.h"
 #include "job/elastic.h"
@@ -118,6 +119,8 @@ class JobImpl : public Job {
     if (!(o_.cpus >= 0) || !std::isfinite(o_.cpus)) {
       return absl::InvalidArgumentError(absl::StrCat("cpus: ", o_.cpus, " is not >= 0"));
     }
+    // Before anything is allocated or started: the servers would refuse it.
+    if (!ps_mode_.empty()) DEEPNEX_RETURN_IF_ERROR(ps::ParseOptimizerKind(o_.optimizer).status());
     if (!(o_.lr > 0) || !std::isfinite(o_.lr)) {
       return absl::InvalidArgumentError(absl::StrCat("lr: ", o_.lr, " is not > 0"));
     }

@@ -202,6 +202,8 @@ TEST_F(JobTest, BadOptionsNameTheFieldAndValue) {
       {[](JobOptions& o) { o.name = "Bad_Name"; }, "name: \"Bad_Name\""},
       {[](JobOptions& o) { o.command.clear(); }, "command: empty"},
       {[](JobOptions& o) { o.lr = -1; }, "lr: -1"},
+      // Once refused only by the started parameter servers, after allocating.
+      {[](JobOptions& o) { o.optimizer = "adamm"; }, "optimizer: unknown \"adamm\""},
       {[](JobOptions& o) { o.ps = 0; }, "ps: 0"},
       {[](JobOptions& o) { o.cpus = -2; }, "cpus: -2"},
       {[](JobOptions& o) { o.min_workers = -1; }, "min_workers: -1 is below 1"},
