@@ -299,7 +299,8 @@ class ProcessBackend : public Backend {
     struct rlimit core;
     getrlimit(RLIMIT_CORE, &core);
     core.rlim_cur = 0;  // no core files from containers filling the disk
-    const char* workdir = spec.working_dir.empty() ? nullptr : spec.working_dir.c_str();
+    const std::string dir = HostWorkingDir(spec);
+    const char* workdir = dir.empty() ? nullptr : dir.c_str();
     sigset_t no_signals;
     sigemptyset(&no_signals);
     // The identity to take in the child: only root may drop its
@@ -360,7 +361,12 @@ class ProcessBackend : public Backend {
           ReportAndExit(err_write.get(), ChildError::kIdentity);
         }
       }
-      if (workdir != nullptr && chdir(workdir) != 0) ReportAndExit(err_write.get(), ChildError::kChdir);
+      // A home that cannot be entered leaves "/", as login(1) does; a
+      // working_dir the spec named is an error.
+      if (workdir != nullptr && chdir(workdir) != 0 &&
+          (!spec.working_dir.empty() || chdir("/") != 0)) {
+        ReportAndExit(err_write.get(), ChildError::kChdir);
+      }
       setrlimit(RLIMIT_CORE, &core);
       syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC);
       execve(exe.c_str(), argv.pointers.data(), envp.pointers.data());

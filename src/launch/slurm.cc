@@ -402,8 +402,7 @@ class SlurmBackend : public Backend {
     const std::string script_path = context.dir + "/" + kScriptFile;
     DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically(script_path, script));
 
-    std::string workdir = spec.working_dir;
-    if (workdir.empty() && spec.run_as && !spec.run_as->home.empty()) workdir = spec.run_as->home;
+    std::string workdir = HostWorkingDir(spec);
     if (workdir.empty()) {
       char cwd[4096];
       if (getcwd(cwd, sizeof cwd) == nullptr) return absl::InternalError("getcwd failed");

@@ -75,6 +75,12 @@ std::map<std::string, std::string> HostEnv(const ContainerSpec& spec) {
   return env;
 }
 
+std::string HostWorkingDir(const ContainerSpec& spec) {
+  if (!spec.working_dir.empty()) return spec.working_dir;
+  if (spec.run_as) return spec.run_as->home.empty() ? "/" : spec.run_as->home;
+  return "";
+}
+
 absl::Status MakeStateDirPrivate(const LauncherOptions& options) {
   if (!options.state_dir.empty() && chmod(options.state_dir.c_str(), 0700) != 0) {
     return absl::InternalError(

@@ -65,6 +65,12 @@ std::string PathOf(const std::map<std::string, std::string>& env);
 // that user's HOME ("/" when unknown) and USER, unless its env sets them.
 std::map<std::string, std::string> HostEnv(const ContainerSpec& spec);
 
+// Where a spec's processes start on this host's own system (process,
+// slurm): its working_dir; else, run as a user, that user's home ("/" when
+// unknown), as a login would, not the daemon's directory; else "" (the
+// launcher's own, for a launcher in the user's own program).
+std::string HostWorkingDir(const ContainerSpec& spec);
+
 // Makes a daemon's launcher state_dir (every user's container logs and
 // records) its own alone: mode 0700. Nothing for an empty one (a fresh
 // temporary directory, already 0700).

@@ -106,14 +106,14 @@ def test_a_users_container_on_an_agent_runs_as_their_uid(central, agents, tmp_pa
     a = alice.allocate(gpu.Request(user="alice", gpus=1, cpus=1, memory=256 << 20, node="h1"))
     state = tmp_path / "h1"
     alice.start_container(launch.ContainerSpec(
-        name="who", command=["sh", "-c", f"id -u; id -G; ls {state} 2>/dev/null || echo no-state; "
-                                         "touch /etc/deepnex-owned 2>/dev/null || echo no-write; "
-                                         "grep CapEff /proc/self/status"]), a)
+        name="who", command=["sh", "-c", f"pwd; id -u; id -G; ls {state} 2>/dev/null || "
+                                         "echo no-state; touch /etc/deepnex-owned 2>/dev/null || "
+                                         "echo no-write; grep CapEff /proc/self/status"]), a)
     wait_for(lambda: alice.containers()[0].get("last_exit") == "exited(0)", "who's exit")
     # Without limits of its own it runs under its grant's, and says so.
     assert (alice.containers()[0]["cpus"], alice.containers()[0]["memory"]) == (1, 256 << 20)
     assert alice.container_logs("who") == (
-        "65534\n65534\nno-state\nno-write\nCapEff:\t0000000000000000\n")
+        "/\n65534\n65534\nno-state\nno-write\nCapEff:\t0000000000000000\n")
     assert not os.path.exists("/etc/deepnex-owned")
     # Its logs and records are the agent's alone, as central's are.
     assert oct(os.stat(state).st_mode & 0o777) == "0o700"

@@ -607,11 +607,19 @@ TEST_F(ProcessLauncherTest, BadRunAsAndNetworkFields) {
 // running as themselves, with no new privileges.
 TEST_F(ProcessLauncherTest, RunAsTheLaunchersOwnIds) {
   ContainerSpec spec =
-      Spec("me", "id -u; id -g; echo $HOME $USER; grep NoNewPrivs /proc/self/status");
-  spec.run_as = RunAs{geteuid(), getegid(), "me", "/home/me"};
+      Spec("me", "id -u; id -g; echo $HOME $USER; pwd; grep NoNewPrivs /proc/self/status");
+  spec.run_as = RunAs{geteuid(), getegid(), "me", scratch_.path()};
   std::string logs;
   EXPECT_TRUE(Run(spec, &logs).ok()) << logs;
-  EXPECT_EQ(logs, absl::StrCat(geteuid(), "\n", getegid(), "\n/home/me me\nNoNewPrivs:\t1\n"));
+  // Without a working_dir it starts at home, as a login does, not in the
+  // launcher's directory.
+  EXPECT_EQ(logs, absl::StrCat(geteuid(), "\n", getegid(), "\n", scratch_.path(), " me\n",
+                               scratch_.path(), "\nNoNewPrivs:\t1\n"));
+  // A home that is not there leaves "/", as login(1) does.
+  spec = Spec("me2", "pwd");
+  spec.run_as = RunAs{geteuid(), getegid(), "me", "/nonexistent/home"};
+  EXPECT_TRUE(Run(spec, &logs).ok()) << logs;
+  EXPECT_EQ(logs, "/\n");
 }
 
 // The process backend as central drives it: root's launcher runs a user's
