@@ -120,6 +120,29 @@ class AgentTest : public ::testing::Test {
     return r;
   }
 
+  // What a raw agent sends to register node h2 (1 CPU, 1 GiB, one 16 GiB
+  // GPU), reporting alice's container "alice.NAME" on `allocation` when
+  // `name` is not empty.
+  static proto::AgentMessage RegisterH2(const std::string& name = "",
+                                        const std::string& allocation = "") {
+    proto::AgentMessage m;
+    proto::Register* reg = m.mutable_register_();
+    reg->mutable_node()->set_name("h2");
+    reg->mutable_node()->set_cpus(1);
+    reg->mutable_node()->set_memory(1 << 30);
+    reg->mutable_node()->set_mode("exclusive");
+    reg->mutable_node()->add_gpus()->set_memory(16ull << 30);
+    reg->set_backend("process");
+    if (!name.empty()) {
+      proto::ContainerReport* c = reg->add_containers();
+      c->set_name("alice." + name);
+      c->set_state("running");
+      c->set_user("alice");
+      c->set_allocation_id(allocation);
+    }
+    return m;
+  }
+
   bool Ready(const std::string& node) {
     auto n = server_->allocator().GetNode(node);
     return n.ok() && n->ready;
@@ -408,18 +431,7 @@ TEST_F(AgentTest, ReportOfAnotherNodesGrantIsNotTaken) {
   ASSERT_OK_AND_ASSIGN(gpu::Allocation a, alice_->Allocate(OnNode("h1")));
   auto raw = Raw("h2tok");
   auto& stream = raw->stream;
-  proto::AgentMessage m;
-  proto::Register* reg = m.mutable_register_();
-  reg->mutable_node()->set_name("h2");
-  reg->mutable_node()->set_cpus(1);
-  reg->mutable_node()->set_memory(1 << 30);
-  reg->mutable_node()->set_mode("exclusive");
-  proto::ContainerReport* c = reg->add_containers();
-  c->set_name("alice.fake");
-  c->set_state("running");
-  c->set_user("alice");
-  c->set_allocation_id(a.id);
-  ASSERT_TRUE(stream->Write(m));
+  ASSERT_TRUE(stream->Write(RegisterH2("fake", a.id)));
   proto::CentralMessage reply;
   ASSERT_TRUE(stream->Read(&reply));
   ASSERT_TRUE(reply.has_registered());
@@ -436,25 +448,12 @@ TEST_F(AgentTest, OnlyTheNodesAgentServesItsSessions) {
   // h2's agent is this test: it registers, then again with alice's
   // container on her grant there, which central adopts.
   auto first = Raw("h2tok");
-  proto::AgentMessage m;
-  proto::Register* reg = m.mutable_register_();
-  reg->mutable_node()->set_name("h2");
-  reg->mutable_node()->set_cpus(1);
-  reg->mutable_node()->set_memory(1 << 30);
-  reg->mutable_node()->set_mode("exclusive");
-  reg->mutable_node()->add_gpus()->set_memory(16ull << 30);
-  reg->set_backend("process");
-  ASSERT_TRUE(first->stream->Write(m));
+  ASSERT_TRUE(first->stream->Write(RegisterH2()));
   proto::CentralMessage in;
   ASSERT_TRUE(first->stream->Read(&in) && in.has_registered());
   ASSERT_OK_AND_ASSIGN(gpu::Allocation a, alice_->Allocate(OnNode("h2")));
-  proto::ContainerReport* c = reg->add_containers();
-  c->set_name("alice.sh");
-  c->set_state("running");
-  c->set_user("alice");
-  c->set_allocation_id(a.id);
   auto agent = Raw("h2tok");
-  ASSERT_TRUE(agent->stream->Write(m));
+  ASSERT_TRUE(agent->stream->Write(RegisterH2("sh", a.id)));
   ASSERT_TRUE(agent->stream->Read(&in) && in.has_registered());
   first->ctx.TryCancel();
   first->stream->Finish().ok();
