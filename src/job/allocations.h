@@ -24,10 +24,11 @@ gpu::CentralClientOptions CentralOptions(const JobOptions& o);
 
 class AllocationSource {
  public:
-  // `nodes`: the launch backend's nodes (Launcher::Nodes); empty: the local
-  // allocator hands out this machine.
+  // How long Gang waits for a deepnex-central that went away to answer again.
   static constexpr std::chrono::minutes kCentralPatience{5};
 
+  // `nodes`: the launch backend's nodes (Launcher::Nodes); empty: the local
+  // allocator hands out this machine.
   static absl::StatusOr<std::unique_ptr<AllocationSource>> Create(
       const JobOptions& o, const std::vector<gpu::Node>& nodes);
 

@@ -5,7 +5,6 @@
 // it; a reaper stops containers whose allocation went away under them. Calls
 // that may block (Start, Stop, Logs) run off gRPC's threads, on threads kept
 // for the next such call.
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>

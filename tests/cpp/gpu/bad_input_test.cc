@@ -82,12 +82,15 @@ TEST_F(BadInput, BadNodeName) {
 TEST_F(BadInput, BadNodeLabels) {
   Node n = MakeNode("n3", 1);
   const std::string key_rule = "use 1-253 letters, digits, '-', '_', '.', '/'";
+  const std::string value_rule = "use at most 253 letters, digits, '-', '_', '.'";
   const std::pair<std::map<std::string, std::string>, std::string> bad[] = {
       {{{"", "x"}}, "node n3: label key \"\": " + key_rule},
       {{{"rack id", "r1"}}, "node n3: label key \"rack id\": " + key_rule},
-      {{{std::string(300, 'k'), "v"}}, "node n3: label key \"" + std::string(64, 'k') + "...\": " + key_rule},
-      {{{"rack", "r\n1"}}, "node n3: label rack=\"r\\n1\": use at most 253 letters, digits, '-', '_', '.'"},
-      {{{"rack", std::string(254, 'v')}}, "node n3: label rack=\"" + std::string(64, 'v') + "...\": use at most 253 letters, digits, '-', '_', '.'"},
+      {{{std::string(300, 'k'), "v"}},
+       "node n3: label key \"" + std::string(64, 'k') + "...\": " + key_rule},
+      {{{"rack", "r\n1"}}, "node n3: label rack=\"r\\n1\": " + value_rule},
+      {{{"rack", std::string(254, 'v')}},
+       "node n3: label rack=\"" + std::string(64, 'v') + "...\": " + value_rule},
   };
   for (const auto& [labels, message] : bad) {
     n.labels = labels;
