@@ -21,6 +21,10 @@ PYTHONPATH="$BUILD/python" "$PYTHON" -m pytest -q -p no:cacheprovider tests/pyth
 echo "== Python package: pip install into a venv, then the Python tests again"
 venv=$(mktemp -d)
 trap 'rm -rf "$venv"' EXIT
+# Readable by everyone, as an install on a real node is: the tests' users'
+# containers (jobs on agent nodes included) run as nobody, and run this
+# venv's python and the package's deepnex-ps.
+chmod 755 "$venv"
 "$PYTHON" -m venv --system-site-packages "$venv"
 CCACHE_BASEDIR=$root CCACHE_NOHASHDIR=true "$venv/bin/python" -m pip install -q --no-build-isolation --no-index "$root"
 (cd "$venv" && "$venv/bin/python" -c 'import deepnex, sys; assert deepnex.__file__.startswith(sys.prefix), deepnex.__file__')
