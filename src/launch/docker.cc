@@ -16,6 +16,7 @@
 #include "launch/engine_env.h"
 #include "launch/http.h"
 #include "launch/spec.h"
+#include "launch/util.h"
 
 namespace deepnex::launch {
 namespace {
@@ -267,11 +268,13 @@ class DockerBackend : public Backend {
 
   absl::StatusOr<std::unique_ptr<Run>> Start(const ContainerSpec& spec,
                                              const RunContext& context) override {
+    StagedMounts staged;  // until the engine has made its own mounts (start)
+    DEEPNEX_ASSIGN_OR_RETURN(ContainerSpec pinned, PinMountSources(spec, context.dir, &staged));
     DEEPNEX_ASSIGN_OR_RETURN(
         std::string created,
         http_->Call("POST",
                     absl::StrCat(api_, "/containers/create?name=", UrlEncode(context.run_name)),
-                    DockerCreateBody(spec, context)));
+                    DockerCreateBody(pinned, context)));
     const std::string id = JsonValue<std::string>(json::parse(created, nullptr, false), "Id", "");
     if (id.empty()) {
       return absl::InternalError(

@@ -369,8 +369,10 @@ class OciBackend : public Backend {
       resolv_conf = ReadWholeFile("/etc/resolv.conf", "resolv.conf").value_or("");
     }
     DEEPNEX_RETURN_IF_ERROR(WriteEtc(bundle.etc_dir, EtcFiles(spec, bundle, resolv_conf)));
+    StagedMounts staged;  // until runc has made its own mounts (the pid file)
+    DEEPNEX_ASSIGN_OR_RETURN(ContainerSpec pinned, PinMountSources(spec, context.dir, &staged));
     DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically(
-        context.dir + "/config.json", MakeConfig(image, spec, context, bundle).dump(1)));
+        context.dir + "/config.json", MakeConfig(image, pinned, context, bundle).dump(1)));
 
     // runc writes the pid file (to a temporary name, then renamed) once the
     // command runs: watch for it rather than poll.

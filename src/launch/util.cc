@@ -1,12 +1,17 @@
 #include "launch/util.h"
 
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <random>
 
 #include "absl/strings/ascii.h"
@@ -79,6 +84,52 @@ std::string HostWorkingDir(const ContainerSpec& spec) {
   if (!spec.working_dir.empty()) return spec.working_dir;
   if (spec.run_as) return spec.run_as->home.empty() ? "/" : spec.run_as->home;
   return "";
+}
+
+StagedMounts::~StagedMounts() {
+  for (const std::string& p : paths) {
+    umount2(p.c_str(), MNT_DETACH);
+    std::error_code ignored;
+    std::filesystem::remove(p, ignored);
+  }
+}
+
+absl::StatusOr<ContainerSpec> PinMountSources(const ContainerSpec& spec, const std::string& dir,
+                                              StagedMounts* staged) {
+  ContainerSpec pinned = spec;
+  for (size_t i = 0; i < pinned.mounts.size(); ++i) {
+    Mount& m = pinned.mounts[i];
+    const std::string field = absl::StrCat("spec.mounts[", i, "].source: \"", m.source, "\"");
+    open_how how{};
+    how.flags = O_PATH | O_CLOEXEC;
+    how.resolve = RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+    Fd fd(static_cast<int>(syscall(SYS_openat2, AT_FDCWD, m.source.c_str(), &how, sizeof how)));
+    struct stat st;
+    if (fd.get() < 0 || fstat(fd.get(), &st) != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(field, " changed since it was checked (", strerror(errno), ")"));
+    }
+    const std::string path = absl::StrCat(dir, "/mount-", i);
+    std::error_code ignored;
+    std::filesystem::remove(path, ignored);
+    const bool made =
+        S_ISDIR(st.st_mode)
+            ? mkdir(path.c_str(), 0700) == 0
+            : Fd(open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600)).get() >= 0;
+    if (!made) {
+      return absl::InternalError(absl::StrCat("cannot make ", path, ": ", strerror(errno)));
+    }
+    staged->paths.push_back(path);
+    // Private: nothing staged here propagates to other namespaces.
+    const std::string via = absl::StrCat("/proc/self/fd/", fd.get());
+    if (mount(via.c_str(), path.c_str(), nullptr, MS_BIND | MS_REC, nullptr) != 0 ||
+        mount(nullptr, path.c_str(), nullptr, MS_PRIVATE | MS_REC, nullptr) != 0) {
+      return absl::InternalError(
+          absl::StrCat(field, ": cannot bind it at ", path, ": ", strerror(errno)));
+    }
+    m.source = path;
+  }
+  return pinned;
 }
 
 absl::Status MakeStateDirPrivate(const LauncherOptions& options) {

@@ -71,6 +71,29 @@ std::map<std::string, std::string> HostEnv(const ContainerSpec& spec);
 // launcher's own, for a launcher in the user's own program).
 std::string HostWorkingDir(const ContainerSpec& spec);
 
+// Host bind mounts staged by PinMountSources, undone when destroyed (once
+// the engine has made its own: the container keeps those).
+struct StagedMounts {
+  StagedMounts() = default;
+  StagedMounts(const StagedMounts&) = delete;
+  StagedMounts& operator=(const StagedMounts&) = delete;
+  ~StagedMounts();
+  std::vector<std::string> paths;
+};
+
+// `spec` with each mount's source pinned, for an engine that binds it later
+// (oci's runc, docker's engine). Resolve checked a source by its path (under
+// an allowed root, no symlink); a directory on that path that the user can
+// write may become a symlink before the engine binds it, pointing anywhere
+// on the host (a race seen to bind the host's / writable). So each source
+// is opened now by the checked path, following no symlink
+// (FailedPrecondition naming it when one is there now), and the object
+// opened is bound (private) at <dir>/mount-<i>, in the daemon's own state
+// where no user reaches, which the engine binds instead: no rename can
+// redirect that.
+absl::StatusOr<ContainerSpec> PinMountSources(const ContainerSpec& spec, const std::string& dir,
+                                              StagedMounts* staged);
+
 // Makes a daemon's launcher state_dir (every user's container logs and
 // records) its own alone: mode 0700. Nothing for an empty one (a fresh
 // temporary directory, already 0700).

@@ -285,11 +285,15 @@ TEST_F(OciTest, BundleCarriesLimitsNamespacesAndLabels) {
   }
   EXPECT_THAT(targets, Not(testing::Contains("/sys/fs/cgroup")));
   EXPECT_THAT(targets, testing::Contains("/dev/init"));
+  // The source (dir_) as opened when the run started, bound in the run's
+  // own directory for runc, and gone from there once runc has made its own.
+  const std::string staged = Context(spec).dir + "/mount-0";
   EXPECT_EQ(config["mounts"].back(),
             json({{"destination", "/data"},
                   {"type", "bind"},
-                  {"source", dir_},
+                  {"source", staged},
                   {"options", {"rbind", "nosuid", "nodev", "ro"}}}));
+  EXPECT_FALSE(std::filesystem::exists(staged));
 }
 
 TEST_F(OciTest, NetworkNoneLeavesOnlyLoopback) {
@@ -479,6 +483,25 @@ TEST_F(OciTest, LinksInAMountResolveInTheContainer) {
   spec.working_dir = dir_;
   EXPECT_THAT(backend_->Check(spec),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("spec.working_dir: \"" + dir_)));
+}
+
+// Resolve checks a mount's source by its path; a user who can write a
+// directory on that path could swap it for a symlink before runc bound it,
+// and a race did bind the host's / writable. The backend opens the checked
+// path following no symlink, and binds what it opened: the swap is seen.
+TEST_F(OciTest, AMountSourceSwappedForALinkAfterItsCheckIsRefused) {
+  ASSERT_EQ(Bash("mkdir -p " + dir_ + "/user && ln -s / " + dir_ + "/user/d && ln -s / " + dir_ +
+                 "/user/up"),
+            0);
+  for (const std::string& source : {dir_ + "/user/d", dir_ + "/user/up/etc"}) {
+    ContainerSpec spec = Spec("swap", {"ls", "/m"});
+    spec.mounts = {{source, "/m", false}};
+    EXPECT_THAT(Start(spec),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         "spec.mounts[0].source: \"" + source +
+                             "\" changed since it was checked (Too many levels of symbolic "
+                             "links)"));
+  }
 }
 
 // runc makes the directories on the way to a mount point, also in its
