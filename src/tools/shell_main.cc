@@ -75,8 +75,10 @@ constexpr size_t kChunk = 32 << 10;
 int signal_fd = -1;
 
 void OnSignal(int sig) {
+  const int saved_errno = errno;  // the interrupted thread may be about to read it
   char c = static_cast<char>(sig);
   [[maybe_unused]] ssize_t n = write(signal_fd, &c, 1);
+  errno = saved_errno;
 }
 
 // The signals Attach takes: the window's new size; and the end of the

@@ -248,10 +248,14 @@ def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code
         # It travels on its own: ask again until the shell sees it.
         t.resize(50, 132)
 
+        last = []
+
         def size():
             t.send("stty size; echo size-$((2+2))\n")
-            return b"\n50 132\r\n" in t.expect(b"size-4")
-        wait_for(size, "the new size in the container", timeout=30)
+            last[:] = [t.expect(b"size-4")]
+            return b"\n50 132\r\n" in last[0]
+        wait_for(size, lambda: f"the new size in the container; the last answer: {last!r}",
+                 timeout=30)
         # Ctrl-C goes to the container's foreground process, not to deepnex.
         t.send("sleep 60; echo slept-$((3+3))\n")
         wait_for(lambda: alice.exec("sh1", ["pgrep", "-f", "^sleep 60$"]).exit_code == 0,
