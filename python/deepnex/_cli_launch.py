@@ -232,7 +232,8 @@ def add_commands(commands):
     p.add_argument("--cpus", type=float, default=0, help="cores (default: the allocation's)")
     p.add_argument("--memory", default=0, help="e.g. 256MiB (default: the allocation's)")
     p.add_argument("--pids-limit", type=int, default=0,
-                   help="most processes at once (default 0: no limit)")
+                   help="most processes at once (default 0: 4096 where the backend limits "
+                        "them: process, oci, docker)")
     p.add_argument("--restart", default="never", help="never, on-failure[:N], always[:N]")
     p.add_argument("--env", action="append", help="KEY=VALUE (repeatable)")
     p.add_argument("--label", action="append", help="KEY=VALUE (repeatable)")

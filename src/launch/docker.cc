@@ -366,7 +366,7 @@ std::string DockerCreateBody(const ContainerSpec& spec, const RunContext& contex
     host["MemorySwap"] = spec.memory;  // equal: no swap beyond the limit
   }
   if (spec.cpus > 0) host["NanoCpus"] = static_cast<int64_t>(spec.cpus * 1e9);
-  if (spec.pids_limit > 0) host["PidsLimit"] = spec.pids_limit;
+  host["PidsLimit"] = PidsLimitOf(spec);
   if (spec.network_none) host["NetworkMode"] = "none";
   // The user's identity, numeric so that the image needs no passwd entry;
   // with no capabilities, and no-new-privileges keeps setuid binaries from

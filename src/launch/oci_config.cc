@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/file_util.h"
 #include "launch/gpu_devices.h"
+#include "launch/util.h"
 
 namespace deepnex::launch {
 namespace {
@@ -220,7 +221,7 @@ json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext&
     resources["cpu"] = {{"period", period},
                         {"quota", std::max<int64_t>(1000, std::llround(spec.cpus * period))}};
   }
-  resources["pids"] = {{"limit", spec.pids_limit > 0 ? spec.pids_limit : kDefaultPidsLimit}};
+  resources["pids"] = {{"limit", PidsLimitOf(spec)}};
   return config;
 }
 

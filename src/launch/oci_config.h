@@ -21,10 +21,6 @@ namespace deepnex::launch {
 // that no image gets a mount point written into it.
 inline constexpr char kInitPath[] = "/dev/init";
 
-// The pids limit of a container whose spec sets none: a fork bomb stays in
-// its container.
-inline constexpr int64_t kDefaultPidsLimit = 4096;
-
 // What one run's bundle is made of besides its spec and image.
 struct Bundle {
   std::string cgroup_path;

@@ -316,7 +316,7 @@ class ProcessBackend : public Backend {
       CgroupLimits limits;
       limits.cpus = spec.cpus;
       limits.memory = spec.memory;
-      limits.pids = spec.pids_limit;
+      limits.pids = PidsLimitOf(spec);
       // The grant's GPUs only (index = the device node's minor, as
       // nvidia-smi numbers them); without an allocation GPUs are not managed.
       if (spec.allocation) {

@@ -86,6 +86,10 @@ std::string HostWorkingDir(const ContainerSpec& spec) {
   return "";
 }
 
+int64_t PidsLimitOf(const ContainerSpec& spec) {
+  return spec.pids_limit > 0 ? spec.pids_limit : kDefaultPidsLimit;
+}
+
 StagedMounts::~StagedMounts() {
   for (const std::string& p : paths) {
     umount2(p.c_str(), MNT_DETACH);

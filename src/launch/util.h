@@ -71,6 +71,10 @@ std::map<std::string, std::string> HostEnv(const ContainerSpec& spec);
 // launcher's own, for a launcher in the user's own program).
 std::string HostWorkingDir(const ContainerSpec& spec);
 
+// The most processes a spec's container may have: its pids_limit, else
+// kDefaultPidsLimit (process, oci, docker).
+int64_t PidsLimitOf(const ContainerSpec& spec);
+
 // Host bind mounts staged by PinMountSources, undone when destroyed (once
 // the engine has made its own: the container keeps those).
 struct StagedMounts {

@@ -82,6 +82,10 @@ struct RunAs {
   std::string home;
 };
 
+// The pids limit of a container whose spec sets none: a fork bomb stays in
+// its container instead of taking the host's process table.
+inline constexpr int64_t kDefaultPidsLimit = 4096;
+
 // What to run and with which resources. Plain value.
 struct ContainerSpec {
   // Unique among the launcher's live containers; [a-zA-Z0-9][a-zA-Z0-9_.-]*,
@@ -109,7 +113,9 @@ struct ContainerSpec {
   // Host memory limit in bytes; 0: unlimited; otherwise at least
   // LauncherOptions::min_memory.
   uint64_t memory = 0;
-  // Maximum number of processes; 0: unlimited (oci: 4096).
+  // Maximum number of processes; 0: kDefaultPidsLimit where the backend
+  // limits them (process with cgroups, oci, docker). Slurm refuses a limit;
+  // on Kubernetes the kubelet's podPidsLimit applies.
   int64_t pids_limit = 0;
   // The grant this container runs on: its GPUs' device nodes are the only
   // ones allowed, its env (CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES,

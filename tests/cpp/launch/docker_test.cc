@@ -398,6 +398,8 @@ TEST(DockerBodyTest, RunAsGivesTheUserNumericallyAndDropsEveryCapability) {
   json body = json::parse(DockerCreateBody(spec, context));
   EXPECT_EQ(body["User"], "1001:1002");
   EXPECT_EQ(body["HostConfig"]["CapDrop"], json::parse(R"(["ALL"])"));
+  // No pids_limit in the spec: the default, not the engine's (none).
+  EXPECT_EQ(body["HostConfig"]["PidsLimit"], kDefaultPidsLimit);
   EXPECT_EQ(body["HostConfig"]["SecurityOpt"], json::parse(R"(["no-new-privileges"])"));
 }
 

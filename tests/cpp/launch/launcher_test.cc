@@ -849,6 +849,20 @@ TEST_F(ProcessLauncherTest, PidsLimitHolds) {
   EXPECT_THAT(logs, HasSubstr("fork"));
 }
 
+// A spec without a limit still has one: a fork bomb stays in its container.
+TEST_F(ProcessLauncherTest, PidsLimitDefaultsTo4096) {
+  if (SkipWithoutCgroups()) GTEST_SKIP() << "needs a writable cgroup tree";
+  // v1: the pids hierarchy's line of /proc/self/cgroup; v2: the one line.
+  ContainerSpec spec = Spec("bounded",
+                            "line=$(grep -E '^[0-9]+:pids:' /proc/self/cgroup || "
+                            "grep '^0::' /proc/self/cgroup); d=${line##*:}; "
+                            "cat /sys/fs/cgroup/pids$d/pids.max 2>/dev/null || "
+                            "cat /sys/fs/cgroup$d/pids.max");
+  std::string logs;
+  EXPECT_EQ(Run(spec, &logs).reason, ExitReason::kExited) << logs;
+  EXPECT_EQ(logs, "4096\n");
+}
+
 TEST_F(ProcessLauncherTest, AlwaysRestartsUntilStopped) {
   ContainerSpec spec = Spec("again", "echo x; exit 0");
   ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("always"));
