@@ -41,25 +41,32 @@ def exec_(c, name: str, command: Sequence[str], input: Optional[bytes] = None,
     if isinstance(input, str):
         input = input.encode()
     s = open_session(c, name, command, user=user)
-    _send_stdin(s, input)
+    # Fed beside the reads: a process may write before it reads its input.
+    feeder = threading.Thread(target=_send_stdin, args=(s, input), daemon=True)
+    feeder.start()
     out, err = [], []
-    while True:
-        kind, data, code = s.read()
-        if kind == "exit":
-            return ExecResult(code, b"".join(out), b"".join(err))
-        if on_output is not None:
-            on_output(kind, data)
-        else:
-            (out if kind == "stdout" else err).append(data)
+    try:
+        while True:
+            kind, data, code = s.read()
+            if kind == "exit":
+                return ExecResult(code, b"".join(out), b"".join(err))
+            if on_output is not None:
+                on_output(kind, data)
+            else:
+                (out if kind == "stdout" else err).append(data)
+    finally:
+        s.cancel()  # a feeder still writing ends now
+        feeder.join()
 
 
 def _send_stdin(s, data):
-    """`data` to session `s`'s stdin, then EOF. A session that central
-    already ended (e.g. NotFound, sent at once) refuses them: its read()
-    then says why it ended."""
+    """`data` to session `s`'s stdin in pieces (a message has a size limit),
+    then EOF. A session that already ended (e.g. NotFound, sent at once, or
+    a process that exited without reading it all) refuses them: its read()
+    says why it ended."""
     try:
-        if data:
-            s.write(data)
+        for i in range(0, len(data or b""), _CHUNK):
+            s.write(data[i:i + _CHUNK])
         s.close_stdin()
     except UnavailableError:
         pass

@@ -108,10 +108,14 @@ class Flags {
 };
 
 // Blocks SIGINT and SIGTERM in every thread (construct it before any server
-// starts threads), so that only Serve's waiter takes them.
+// starts threads), so that only Serve's waiter takes them. Ignores SIGPIPE:
+// a peer that closed its end (a session's process that exited with its
+// stdin unread, a socket) is an EPIPE for the one writer, never the end of
+// the daemon and everyone's calls on it.
 class SignalStop {
  public:
   SignalStop() {
+    signal(SIGPIPE, SIG_IGN);
     sigemptyset(&signals_);
     sigaddset(&signals_, SIGINT);
     sigaddset(&signals_, SIGTERM);

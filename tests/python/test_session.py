@@ -81,6 +81,19 @@ def test_exec_runs_in_the_containers_cgroup(central):
     assert "alice.box-0\n" in want
 
 
+def test_exec_whose_process_leaves_its_stdin_unread_ends_and_central_serves_on(central_process):
+    """More input than a pipe holds, for a process that exits without
+    reading it: writing the rest is an EPIPE for that session. A probe's
+    exec so killed deepnex-central with SIGPIPE, and everyone's calls with it."""
+    address, proc = central_process
+    alice, bob = clients(address)
+    start_sleeper(alice)
+    r = alice.exec("box", ["sh", "-c", "sleep 0.5; exit 6"], input=b"x" * (4 << 20))
+    assert r.exit_code == 6
+    assert proc.poll() is None
+    assert bob.allocations() == [] and alice.exec("box", ["true"]).exit_code == 0
+
+
 def test_exec_errors(central):
     alice, bob = clients(central)
     start_sleeper(alice)
@@ -546,6 +559,11 @@ def test_exec_and_port_forward_through_an_agent_on_another_host(make_hosts, tmp_
     out = deepnex("exec", "web", "-i", "--", "sh", "-c", "hostname; tr a-z A-Z; exit 4",
                   input="up\n")
     assert (out.returncode, out.stdout, out.stderr) == (4, "h1\nUP\n", "")
+    # Input the process never reads (more than a pipe holds) ends its
+    # session only, not the agent (SIGPIPE).
+    out = deepnex("exec", "web", "-i", "--", "sh", "-c", "sleep 0.5; exit 6",
+                  input="x" * (4 << 20))
+    assert out.returncode == 6 and agent.poll() is None, out.stderr
     out = deepnex("exec", "web", "--", "no-such-command")
     assert out.returncode == 1 and 'node h1: command "no-such-command"' in out.stderr
     out = deepnex("exec", "web", "--", "true", token="bobtok")
