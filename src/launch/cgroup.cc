@@ -480,12 +480,14 @@ absl::Status Cgroup::Remove() {
   absl::Status killed = KillAll();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   for (const std::string& dir : Dirs(path_)) {
-    // A killed process leaves the cgroup a moment after it died.
+    // A killed process leaves the cgroup a moment after it died; one that
+    // joined after the kill (an exec'd process joins itself) is killed now.
     while (rmdir(dir.c_str()) != 0 && errno != ENOENT) {
       if (errno != EBUSY || std::chrono::steady_clock::now() > deadline) {
         return absl::InternalError(
             absl::StrCat("cannot remove cgroup ", dir, ": ", strerror(errno)));
       }
+      KillAll().IgnoreError();
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }

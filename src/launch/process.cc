@@ -71,8 +71,8 @@ absl::Status ErrnoError(const std::string& what) {
 class ProcessRun : public Run {
  public:
   ProcessRun(pid_t pid, Fd pidfd, std::unique_ptr<Cgroup> cgroup, std::string log_path)
-      : pid_(pid), pidfd_(std::move(pidfd)), cgroup_(std::move(cgroup)),
-        log_path_(std::move(log_path)) {}
+      : pid_(pid), pidfd_(std::move(pidfd)), limited_(cgroup != nullptr),
+        cgroup_(std::move(cgroup)), log_path_(std::move(log_path)) {}
 
   ~ProcessRun() override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -160,14 +160,21 @@ class ProcessRun : public Run {
     DEEPNEX_ASSIGN_OR_RETURN(std::string exe, FindOnPath(options.command[0], exec_path_));
     plan.argv = options.command;
     plan.argv[0] = exe;
+    // A process beside a run that has ended would outlive it, and once its
+    // cgroup is gone, every limit: a user's exec timed against her
+    // container's end left processes running free after her grant went.
     {
-      // v1: the child joins the cgroup itself (see Cgroup::SelfJoinFiles).
       std::lock_guard<std::mutex> lock(mu_);
+      if (exit_ || ReapLocked()) return Ended();
+      // v1: the child joins the cgroup itself (see Cgroup::SelfJoinFiles);
+      // one removed meanwhile ends it (126), one it joins after the
+      // cgroup's last kill is killed by Remove.
       if (cgroup_) plan.join_files = cgroup_->SelfJoinFiles();
     }
     if (plan.join_files.empty()) {
       plan.join = [this](pid_t pid) {
         std::lock_guard<std::mutex> lock(mu_);
+        if (exit_ || (limited_ && !cgroup_)) return Ended();
         return cgroup_ ? cgroup_->AddProcess(pid) : absl::OkStatus();
       };
     }
@@ -193,6 +200,8 @@ class ProcessRun : public Run {
   }
 
  private:
+  static absl::Status Ended() { return absl::FailedPreconditionError("the container has ended"); }
+
   // Whether the process has ended; then exit_ is set and whatever it left
   // behind in its group or cgroup is killed, as a container's are when its
   // init ends.
@@ -238,6 +247,7 @@ class ProcessRun : public Run {
   const pid_t pid_;
   std::mutex mu_;
   Fd pidfd_;
+  const bool limited_;  // started in a cgroup (cgroup_ is reset by Remove)
   std::unique_ptr<Cgroup> cgroup_;
   const std::string log_path_;
   std::optional<ExitStatus> exit_;

@@ -19,6 +19,7 @@
 #include "deepnex/launch/launcher.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "launch/backend.h"
 #include "launch/cgroup.h"
 #include "launch/procfs.h"
 #include "launch/util.h"
@@ -847,6 +848,39 @@ TEST_F(ProcessLauncherTest, PidsLimitHolds) {
   std::string logs;
   Run(spec, &logs);
   EXPECT_THAT(logs, HasSubstr("fork"));
+}
+
+// An exec that passed the launcher's "running" check as the run's process
+// ended is refused by the run, whether the end is not yet reaped, reaped, or
+// its cgroup already removed: a process started then would outlive the
+// container and, without its cgroup, every limit.
+TEST_F(ProcessLauncherTest, ExecBesideAnEndedRunIsRefused) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Backend> backend, MakeProcessBackend(Fast()));
+  ::deepnex::test::TempDir dir;
+  RunContext context;
+  context.launcher_id = launcher_->id();
+  context.run_name = launcher_->id() + "-ended-0";
+  context.dir = dir.path();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<launch::Run> run,
+                       backend->Start(Spec("ended", "exit 0"), context));
+  const auto refused = [&] {
+    return run->Exec({.command = {"sleep", "600"}}).status();
+  };
+  // Exited, not yet reaped (nothing has called Wait): a zombie.
+  const std::string stat = "/proc/" + run->id() + "/stat";
+  ASSERT_TRUE(test::WaitUntil([&] {
+    std::ifstream f(stat);
+    std::string pid, comm, state;
+    f >> pid >> comm >> state;
+    return state == "Z";
+  }, 30s));
+  EXPECT_THAT(refused(), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                  HasSubstr("the container has ended")));
+  ASSERT_OK_AND_ASSIGN(std::optional<ExitStatus> e, run->Wait(0ms));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_THAT(refused(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  ASSERT_THAT(run->Remove(), IsOk());
+  EXPECT_THAT(refused(), StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
 // A spec without a limit still has one: a fork bomb stays in its container.
