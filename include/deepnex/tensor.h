@@ -53,9 +53,13 @@ struct TensorView {
   TensorView(void* data, DType dtype, std::vector<int64_t> shape)
       : data(data), dtype(dtype), shape(std::move(shape)) {}
 
-  // Product of the shape (1 for a scalar).
+  // Product of the shape (1 for a scalar); meaningful only for a shape that
+  // passes CheckShape.
   int64_t NumElements() const;
   size_t NumBytes() const { return NumElements() * DTypeSize(dtype); }
+  // InvalidArgument "<what>: negative dimension D in [..] dtype", or a shape
+  // whose bytes pass 2^63; every call that takes a tensor checks it first.
+  absl::Status CheckShape(const std::string& what) const;
 };
 
 // "[4, 3] float32"; a scalar is "[] float32".

@@ -62,6 +62,7 @@ absl::StatusOr<std::unique_ptr<GradientBucketer>> GradientBucketer::Create(
   std::vector<Impl::Bucket> open_by_dtype;
   for (size_t k = tensors.size(); k-- > 0;) {
     const TensorView& t = tensors[k];
+    DEEPNEX_RETURN_IF_ERROR(t.CheckShape(absl::StrCat("tensor ", k)));
     if (t.data == nullptr && t.NumElements() > 0) {
       return absl::InvalidArgumentError(absl::StrCat("tensor ", k, ": null data"));
     }

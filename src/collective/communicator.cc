@@ -17,6 +17,12 @@ const char* ReduceOpName(ReduceOp op) {
   return "?";
 }
 
+absl::Status CheckReduceOp(const std::string& what, ReduceOp op) {
+  if (ReduceOpName(op)[0] != '?') return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(what, ": op ", static_cast<int>(op),
+                                                 " is not a ReduceOp (sum, mean, max, min, prod)"));
+}
+
 absl::StatusOr<ReduceOp> ParseReduceOp(const std::string& name) {
   for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMean, ReduceOp::kMax, ReduceOp::kMin,
                       ReduceOp::kProd}) {

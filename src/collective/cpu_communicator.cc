@@ -265,6 +265,7 @@ class CpuCommunicator final : public Communicator {
   }
 
   absl::Status CheckTensor(const char* what, const TensorView& t) const {
+    DEEPNEX_RETURN_IF_ERROR(t.CheckShape(what));
     if (!SupportedDType(t.dtype)) {
       return absl::InvalidArgumentError(absl::StrCat(
           what, ": dtype ", DTypeName(t.dtype),
@@ -311,6 +312,9 @@ class CpuCommunicator final : public Communicator {
     h.op = static_cast<uint8_t>(op);
     h.count = t.NumElements();
     auto deadline = Deadline();
+    absl::Status local = CheckTensor("allreduce", t);
+    if (local.ok()) local = CheckReduceOp("allreduce", op);
+    if (!local.ok()) h.count = 0;  // its peers learn of the error; no data moves
     const int n = o_.world_size;
     const size_t esize = DTypeSize(t.dtype), count = h.count;
     char* base = static_cast<char*>(t.data);
@@ -320,11 +324,10 @@ class CpuCommunicator final : public Communicator {
     if (n == 2 && count > 0 && count * esize <= kPairBytes &&
         (op == ReduceOp::kSum || op == ReduceOp::kMean || op == ReduceOp::kProd)) {
       h.payload_bytes = static_cast<uint32_t>(count * esize);
-      return PairAllReduce(h, CheckTensor("allreduce", t), base, deadline);
+      return PairAllReduce(h, local, base, deadline);
     }
     if (small) h.payload_bytes = static_cast<uint32_t>(count * esize);
-    DEEPNEX_RETURN_IF_ERROR(
-        Exchange(h, CheckTensor("allreduce", t), deadline, small ? base : nullptr));
+    DEEPNEX_RETURN_IF_ERROR(Exchange(h, local, deadline, small ? base : nullptr));
     if (n == 1 || count == 0) return absl::OkStatus();
     if (small) {
       std::memcpy(base, gathered_.data(), count * esize);
@@ -356,6 +359,7 @@ class CpuCommunicator final : public Communicator {
     const int n = o_.world_size;
     absl::Status local = CheckTensor("reduce_scatter", in);
     if (local.ok()) local = CheckTensor("reduce_scatter", out);
+    if (local.ok()) local = CheckReduceOp("reduce_scatter", op);
     if (local.ok() && (in.dtype != out.dtype ||
                        in.NumElements() != out.NumElements() * static_cast<int64_t>(n))) {
       local = absl::InvalidArgumentError(absl::StrCat(

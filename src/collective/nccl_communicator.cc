@@ -175,7 +175,9 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<Work> AllReduceAsync(const TensorView& t, ReduceOp op) override {
     return Enqueue([=]() -> absl::Status {
       auto deadline = Clock::now() + o_.timeout;
-      DEEPNEX_RETURN_IF_ERROR(Check(Kind::kAllReduce, t, op, 0, t.NumElements(), CheckDevice("allreduce", t), deadline));
+      absl::Status local = CheckDevice("allreduce", t);
+      if (local.ok()) local = CheckReduceOp("allreduce", op);
+      DEEPNEX_RETURN_IF_ERROR(Check(Kind::kAllReduce, t, op, 0, t.NumElements(), local, deadline));
       if (t.NumElements() == 0) return absl::OkStatus();
       DEEPNEX_ASSIGN_OR_RETURN(ncclDataType_t dt, NcclType(t.dtype));
       DEEPNEX_NCCL(ncclAllReduce(t.data, t.data, t.NumElements(), dt, NcclOp(op), comm_, stream_), comm_);
@@ -223,6 +225,7 @@ class NcclCommunicator final : public Communicator {
       auto deadline = Clock::now() + o_.timeout;
       absl::Status local = CheckDevice("reduce_scatter", in);
       if (local.ok()) local = CheckDevice("reduce_scatter", out);
+      if (local.ok()) local = CheckReduceOp("reduce_scatter", op);
       if (local.ok() && (in.dtype != out.dtype ||
                          in.NumElements() != out.NumElements() * int64_t{o_.world_size})) {
         local = absl::InvalidArgumentError(
@@ -282,6 +285,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   absl::Status CheckDevice(const char* what, const TensorView& t) {
+    DEEPNEX_RETURN_IF_ERROR(t.CheckShape(what));
     DEEPNEX_RETURN_IF_ERROR(NcclType(t.dtype).status());
     if (t.NumElements() == 0) return absl::OkStatus();
     cudaPointerAttributes attr;

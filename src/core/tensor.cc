@@ -144,9 +144,24 @@ uint16_t FloatToBFloat16(float f) {
 }
 
 int64_t TensorView::NumElements() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
+  uint64_t n = 1;  // unsigned: a bad shape wraps instead of being undefined
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return static_cast<int64_t>(n);
+}
+
+absl::Status TensorView::CheckShape(const std::string& what) const {
+  int64_t bytes = static_cast<int64_t>(DTypeSize(dtype));
+  for (int64_t d : shape) {
+    if (d < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": negative dimension ", d, " in ", DescribeShape(shape, dtype)));
+    }
+    if (__builtin_mul_overflow(bytes, d, &bytes)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": ", DescribeShape(shape, dtype), " is more than 2^63 bytes"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 std::string DescribeShape(const std::vector<int64_t>& shape, DType dtype) {

@@ -98,14 +98,23 @@ class ClientImpl final : public Client {
     const Clock::time_point deadline = Clock::now() + options_.timeout;
     std::vector<std::string> keys;
     std::vector<std::pair<pb::TensorMeta, const TensorView*>> won;
+    // Every tensor checked before the first claim: a claim won for values
+    // that cannot be sent would leave the others waiting for them.
     for (const NamedTensor& t : tensors) {
       if (t.key.empty()) return absl::InvalidArgumentError("init: empty key");
+      const std::string what = absl::StrFormat("init of \"%s\"", t.key);
       if (!IsFloatingPoint(t.view.dtype)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "init of \"%s\": dtype %s; parameters must be float32, float64, "
-            "float16 or bfloat16",
-            t.key, DTypeName(t.view.dtype)));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s: dtype %s; parameters must be float32, float64, float16 or "
+                            "bfloat16",
+                            what, DTypeName(t.view.dtype)));
       }
+      DEEPNEX_RETURN_IF_ERROR(t.view.CheckShape(what));
+      if (t.view.NumElements() > 0 && t.view.data == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": no data"));
+      }
+    }
+    for (const NamedTensor& t : tensors) {
       pb::ClaimRequest req;
       req.set_worker_id(options_.worker_id);
       pb::TensorMeta* meta = req.mutable_meta();

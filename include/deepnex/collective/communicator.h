@@ -25,6 +25,9 @@ namespace deepnex::collective {
 enum class ReduceOp { kSum, kMean, kMax, kMin, kProd };
 // "sum", "mean", "max", "min", "prod".
 const char* ReduceOpName(ReduceOp op);
+// InvalidArgument naming `what` and the value for an op that is none of the
+// above (a cast integer); communicators check each op they are given.
+absl::Status CheckReduceOp(const std::string& what, ReduceOp op);
 absl::StatusOr<ReduceOp> ParseReduceOp(const std::string& name);
 
 enum class Backend {

@@ -347,6 +347,38 @@ TEST_F(CommunicatorTest, MismatchedCallsFailOnEveryRankAndLeaveItUsable) {
   });
 }
 
+// A shape with a negative dimension (or past 2^63 bytes) and an op that is
+// no ReduceOp are refused on every rank, on the pair, small and ring paths
+// and alone: a probe's {-8} crashed in memcpy, and op 99 returned rank 0's
+// data as the "result".
+TEST_F(CommunicatorTest, ANegativeDimensionOrUnknownOpFailsEveryRankAndLeavesItUsable) {
+  for (int n : {1, 2, 3}) {
+    RunRanks(n, [&](int rank, Communicator& comm) {
+      std::vector<float> x(8, float(rank + 1));
+      const std::vector<int64_t> bad = rank == n - 1 ? std::vector<int64_t>{-8}
+                                                     : std::vector<int64_t>{8};
+      // The other ranks hear which rank's call was invalid.
+      EXPECT_THAT(comm.AllReduce(TensorView(x.data(), DType::kFloat32, bad)),
+                  StatusIs(absl::StatusCode::kInvalidArgument,
+                           HasSubstr(rank == n - 1 ? "negative dimension -8 in [-8] float32"
+                                                   : "invalid arguments on rank")));
+      EXPECT_THAT(comm.AllReduce(TensorView(x.data(), DType::kFloat32, {int64_t{1} << 62, 4})),
+                  StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("more than 2^63 bytes")));
+      EXPECT_THAT(comm.AllReduce(TensorView(x.data(), DType::kFloat32, {8}),
+                                 static_cast<ReduceOp>(99)),
+                  StatusIs(absl::StatusCode::kInvalidArgument,
+                           HasSubstr("op 99 is not a ReduceOp")));
+      std::vector<float> big(20000, float(rank + 1));  // the ring, past the small path
+      EXPECT_THAT(comm.ReduceScatter(TensorView(big.data(), DType::kFloat32, {20000}),
+                                     TensorView(big.data(), DType::kFloat32, {-1})),
+                  StatusIs(absl::StatusCode::kInvalidArgument));
+      EXPECT_EQ(x[0], float(rank + 1)) << "a refused call changed the data";
+      ASSERT_OK(comm.AllReduce(TensorView(x.data(), DType::kFloat32, {8})));
+      EXPECT_EQ(x[7], float(n * (n + 1) / 2));
+    });
+  }
+}
+
 // Up to 64 KiB among up to 8 ranks, allreduce folds the data into the
 // header exchange; a rank on that path and one on the ring must still fail
 // together and leave the streams in step.

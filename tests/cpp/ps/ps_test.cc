@@ -360,6 +360,23 @@ TEST_F(BadInputTest, SecondInitWithAnotherShape) {
   ExpectUnchanged();
 }
 
+// Checked before any claim: a null pointer used to win the claim and fail
+// sending (UNAVAILABLE "Bad address"), leaving the key claimed and unset.
+TEST_F(BadInputTest, InitWithNoDataOrANegativeDimensionClaimsNothing) {
+  std::vector<float> fine(4, 2.0f);
+  EXPECT_THAT(client_->Init({View("ok", fine), {"b", TensorView(nullptr, DType::kFloat32, {4})}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("init of \"b\": no data")));
+  EXPECT_THAT(client_->Init({{"b", TensorView(fine.data(), DType::kFloat32, {-4})}}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("init of \"b\": negative dimension -4")));
+  // Neither key was claimed: a correct init of both goes through at once.
+  ASSERT_THAT(client_->Init({View("ok", fine), View("b", fine)}), IsOk());
+  std::vector<float> got(4);
+  ASSERT_THAT(client_->Pull({View("b", got)}), IsOk());
+  EXPECT_EQ(got, fine);
+  ExpectUnchanged();
+}
+
 TEST_F(BadInputTest, WorkerIdOutOfRange) {
   ClientOptions co;
   co.servers = cluster_.addresses;
