@@ -367,16 +367,26 @@ std::string DockerCreateBody(const ContainerSpec& spec, const RunContext& contex
   }
   if (spec.cpus > 0) host["NanoCpus"] = static_cast<int64_t>(spec.cpus * 1e9);
   host["PidsLimit"] = PidsLimitOf(spec);
-  if (spec.network_none) host["NetworkMode"] = "none";
+  // As oci: the host's network where allowed, else only a loopback of its
+  // own. The engine's default bridge would put every user's containers on
+  // one network, where a probe's container reached another user's server.
+  host["NetworkMode"] = spec.host_network ? "host" : "none";
   // The user's identity, numeric so that the image needs no passwd entry;
   // with no capabilities, and no-new-privileges keeps setuid binaries from
   // giving any back.
   if (spec.run_as) host["CapDrop"] = json::array({"ALL"});
-  json binds = json::array();
+  // Mounts, not Binds: a "SRC:DST[:OPTS]" string would read a ':' in a
+  // target as the start of the engine's options (a probe's "/x:U" asked
+  // podman to chown the source to the container's user).
+  json mounts = json::array();
   for (const Mount& m : spec.mounts) {
-    binds.push_back(absl::StrCat(m.source, ":", m.target, m.read_only ? ":ro" : ""));
+    mounts.push_back({{"Type", "bind"},
+                      {"Source", m.source},
+                      {"Target", m.target},
+                      {"ReadOnly", m.read_only},
+                      {"BindOptions", {{"Propagation", "rprivate"}}}});
   }
-  if (!binds.empty()) host["Binds"] = binds;
+  if (!mounts.empty()) host["Mounts"] = mounts;
   if (spec.allocation.has_value() && !spec.allocation->gpus.empty()) {
     json ids = json::array();
     for (const gpu::GrantedGpu& g : spec.allocation->gpus) {

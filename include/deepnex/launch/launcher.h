@@ -134,8 +134,8 @@ struct ContainerSpec {
   std::function<void(const RestartEvent&)> on_restart;
   // No network namespace sharing: only loopback (oci, docker).
   bool network_none = false;
-  // oci: the host's network namespace; otherwise the container gets a
-  // private one with only its own loopback (it reaches no host port).
+  // oci, docker: the host's network namespace; otherwise the container gets
+  // a private one with only its own loopback (it reaches no host port).
   // deepnex-central allows it only to the users its --allow-host-network
   // names. Contradicts network_none.
   bool host_network = false;

@@ -25,6 +25,7 @@ namespace {
 using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using json = nlohmann::json;
 using namespace std::chrono_literals;
 
@@ -201,6 +202,39 @@ TEST_F(DockerTest, LimitsLabelsAndMountsReachTheEngine) {
   EXPECT_THAT(run->Remove(), IsOk());
 }
 
+// A container has only its own loopback, as under oci: on the engine's
+// bridge it would reach every other user's containers.
+TEST_F(DockerTest, AContainersNetworkIsItsOwnLoopbackOnly) {
+  launch::Run* run = nullptr;
+  EXPECT_EQ(RunToSuccess(Spec("net", {"ls", "/sys/class/net"}), &run), "lo\n");
+  ASSERT_NE(run, nullptr);
+  EXPECT_THAT(run->Remove(), IsOk());
+}
+
+// A target is a path, whatever it holds: ":U" is no engine option (podman's
+// chown of the source to the container's user), and ":ro" no mode.
+TEST_F(DockerTest, AMountTargetWithAColonIsAPathNotEngineOptions) {
+  ::deepnex::test::TempDir scratch;
+  const std::string& dir = scratch.path();
+  ASSERT_FALSE(dir.empty());
+  std::ofstream(dir + "/in") << "kept\n";
+  ASSERT_EQ(chmod(dir.c_str(), 0755), 0);
+  ContainerSpec spec = Spec(
+      "colon", {"sh", "-c", "cat '/data:U/in'; touch '/data:U/new' 2>/dev/null && echo wrote; true"});
+  spec.run_as = RunAs{4242, 4343, "ann", "/home/ann"};
+  spec.mounts.push_back({dir, "/data:U", false});
+  launch::Run* run = nullptr;
+  const std::string logs = RunToSuccess(spec, &run);
+  ASSERT_NE(run, nullptr);
+  // Root's 0755 directory stayed root's: the user could not write into it.
+  EXPECT_EQ(logs.substr(0, 5), "kept\n") << logs;
+  EXPECT_THAT(logs, Not(HasSubstr("wrote"))) << "the source was chowned to the container's user";
+  struct stat st;
+  ASSERT_EQ(stat((dir + "/in").c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, geteuid());
+  EXPECT_THAT(run->Remove(), IsOk());
+}
+
 // deepnex-central's run_as: the engine runs the process as the user's uid
 // and gid with no capability and no way to gain one.
 TEST_F(DockerTest, RunAsRunsAsTheUidWithNoCapabilities) {
@@ -371,9 +405,17 @@ TEST(DockerBodyTest, TwoGpuAllocationGivesDeviceRequestsAndLimits) {
   EXPECT_EQ(body["HostConfig"]["MemorySwap"], 1ull << 30);
   EXPECT_EQ(body["HostConfig"]["NanoCpus"], 2500000000ll);
   EXPECT_EQ(body["HostConfig"]["PidsLimit"], 100);
-  EXPECT_EQ(body["HostConfig"]["Binds"],
-            json::parse(R"(["/data/set:/data:ro", "/scratch/w0:/out"])"));
-  EXPECT_FALSE(body["HostConfig"].contains("NetworkMode"));
+  EXPECT_EQ(body["HostConfig"]["Mounts"], json::parse(R"([
+      {"Type": "bind", "Source": "/data/set", "Target": "/data", "ReadOnly": true,
+       "BindOptions": {"Propagation": "rprivate"}},
+      {"Type": "bind", "Source": "/scratch/w0", "Target": "/out", "ReadOnly": false,
+       "BindOptions": {"Propagation": "rprivate"}}])"));
+  EXPECT_FALSE(body["HostConfig"].contains("Binds"));
+  // Only its own loopback: not the engine's bridge, shared by every user.
+  EXPECT_EQ(body["HostConfig"]["NetworkMode"], "none");
+  spec.host_network = true;
+  EXPECT_EQ(json::parse(DockerCreateBody(spec, context))["HostConfig"]["NetworkMode"], "host");
+  spec.host_network = false;
 
   // No run_as: the image's user, the engine's default capabilities.
   EXPECT_FALSE(body.contains("User"));
