@@ -291,6 +291,7 @@ class ContainersService final : public pb::Containers::CallbackService,
     t.backend = e->launcher->backend();
     t.node = e->node;
     t.name = LauncherName(e->user, e->name);
+    t.user = e->user;
     return t;
   }
 

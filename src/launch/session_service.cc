@@ -27,13 +27,25 @@ namespace apb = ::deepnex::agent::proto;
 // How long an agent has to take a session and dial back for it.
 constexpr std::chrono::milliseconds kAttachTimeout{10000};
 
+// Input queued for a session's process before central stops reading the
+// client's stream (gRPC's flow control then holds the client back): a
+// process that does not read its stdin must not make central hold all the
+// client sends.
+constexpr size_t kMaxQueuedInput = 1 << 20;
+
+// Sessions open at once into one user's containers: each holds a thread and
+// a few descriptors of central's (and its process), so one user must not
+// be able to take them all. A port-forward's connections count each.
+constexpr int kMaxSessionsPerUser = 128;
+
 // A queued server stream with its reads and its end passed to hooks.
 // Deletes itself once gRPC is done.
 template <class In, class Out>
 class Pipe final : public QueuedServerStream<In, Out> {
  public:
   struct Hooks {
-    std::function<void(In&)> read;  // on a gRPC thread, one at a time
+    // On a gRPC thread, one at a time; false: read no more until ResumeRead.
+    std::function<bool(In&)> read;
     std::function<void()> read_end;
     std::function<void()> done;  // the last call; the pipe is gone after
   };
@@ -48,9 +60,12 @@ class Pipe final : public QueuedServerStream<In, Out> {
       if (hooks_.read_end) hooks_.read_end();
       return;
     }
-    hooks_.read(in_);
-    this->ReadUnlessClosed(&in_);  // the hook may have closed the stream
+    // The hook may have closed the stream.
+    if (hooks_.read(in_)) this->ReadUnlessClosed(&in_);
   }
+
+  // Reads again after a read hook said to stop.
+  void ResumeRead() { this->ReadUnlessClosed(&in_); }
 
   void OnCancel() override { this->Close(absl::CancelledError("the stream was cancelled")); }
 
@@ -82,6 +97,8 @@ struct Sess {
   AgentPipe* agent = nullptr;    // remote: once attached, until gone
   bool started = false;          // the SessionStart came
   std::deque<pb::SessionInput> inputs;
+  size_t queued = 0;       // stdin bytes in `inputs`
+  bool paused = false;     // the client's stream is not read until they drain
   bool input_end = false;  // the client is gone (or stopped sending)
   bool closed = false;     // local: the session ended
   bool attached = false;
@@ -93,6 +110,29 @@ struct Sess {
   void CloseClientLocked(const absl::Status& s) {
     if (client != nullptr) client->Close(s);
   }
+
+  // Queues the client's next input; false when the client's stream is to
+  // be read no more for now. REQUIRES: mu held.
+  bool QueueLocked(pb::SessionInput in) {
+    queued += in.stdin().size();
+    inputs.push_back(std::move(in));
+    cv.notify_all();
+    paused = queued >= kMaxQueuedInput;
+    return !paused;
+  }
+
+  // The oldest input; reading the client resumes once half the queue's room
+  // is free again. REQUIRES: mu held, inputs not empty.
+  pb::SessionInput PopLocked() {
+    pb::SessionInput in = std::move(inputs.front());
+    inputs.pop_front();
+    queued -= in.stdin().size();
+    if (paused && queued <= kMaxQueuedInput / 2) {
+      paused = false;
+      if (client != nullptr) client->ResumeRead();
+    }
+    return in;
+  }
 };
 
 // The process end of a local session, over the client's pipe.
@@ -103,8 +143,7 @@ class LocalPeer final : public SessionPeer {
     std::unique_lock<std::mutex> lock(s_->mu);
     s_->cv.wait(lock, [&] { return !s_->inputs.empty() || s_->input_end || s_->closed; });
     if (s_->inputs.empty()) return false;
-    *in = std::move(s_->inputs.front());
-    s_->inputs.pop_front();
+    *in = s_->PopLocked();
     return true;
   }
   bool Write(const pb::SessionOutput& out) override {
@@ -169,19 +208,16 @@ class Services final : public SessionServices {
     ClientPipe::Hooks hooks;
     hooks.read = [this, s, ctx](pb::SessionInput& in) {
       std::unique_lock<std::mutex> lock(s->mu);
-      if (s->started) {
-        s->inputs.push_back(std::move(in));
-        s->cv.notify_all();
-        return;
-      }
+      if (s->started) return s->QueueLocked(std::move(in));
       s->started = true;
       if (!in.has_start()) {
         s->CloseClientLocked(
             absl::InvalidArgumentError("a session's first message must be its SessionStart"));
-        return;
+        return false;
       }
       lock.unlock();
       Begin(s, *ctx, in);
+      return true;
     };
     hooks.read_end = [s] {
       std::lock_guard<std::mutex> lock(s->mu);
@@ -204,14 +240,23 @@ class Services final : public SessionServices {
     const pb::SessionStart& start = in.start();
     absl::StatusOr<SessionTarget> target = resolve_(ctx, start.user(), start.container());
     std::lock_guard<std::mutex> lock(mu_);
-    if (!target.ok() || stopping_) {
+    absl::Status refused = !target.ok() ? target.status()
+                           : stopping_  ? absl::UnavailableError("deepnex-central is stopping")
+                                        : absl::OkStatus();
+    if (refused.ok() && per_user_[target->user] >= kMaxSessionsPerUser) {
+      refused = absl::ResourceExhaustedError(absl::StrCat(
+          "user ", target->user, " has ", kMaxSessionsPerUser,
+          " sessions open (exec, shell, port-forward connections), the most one user may "
+          "have; end one first"));
+    }
+    if (!refused.ok()) {
       std::lock_guard<std::mutex> sl(s->mu);
-      s->CloseClientLocked(target.ok() ? absl::UnavailableError("deepnex-central is stopping")
-                                       : target.status());
+      s->CloseClientLocked(refused);
       return;
     }
     live_[s.get()] = s;
     ++threads_;
+    ++per_user_[target->user];
     std::thread([this, s, target = *target, in] {
       if (target.local) {
         RunLocal(s, *target.local, target.backend, in.start());
@@ -220,6 +265,7 @@ class Services final : public SessionServices {
       }
       std::lock_guard<std::mutex> lock(mu_);
       live_.erase(s.get());
+      if (--per_user_[target.user] == 0) per_user_.erase(target.user);
       --threads_;
       cv_.notify_all();
     }).detach();
@@ -275,8 +321,7 @@ class Services final : public SessionServices {
         s->cv.wait(lock, [&] { return s->agent_gone; });
         return;
       }
-      s->agent->Send(std::move(s->inputs.front()));
-      s->inputs.pop_front();
+      s->agent->Send(s->PopLocked());
     }
   }
 
@@ -290,7 +335,7 @@ class Services final : public SessionServices {
       if (*s == nullptr) {
         absl::Status attached = Attach(pipe, who, m.session_id(), s.get());
         if (!attached.ok()) pipe->Close(attached);
-        return;
+        return true;
       }
       Sess& sess = **s;
       std::lock_guard<std::mutex> lock(sess.mu);
@@ -300,7 +345,7 @@ class Services final : public SessionServices {
             absl::Status(static_cast<absl::StatusCode>(m.output().error_code()),
                          absl::StrCat("node ", sess.node, ": ", m.output().error_message())));
         pipe->Close(absl::OkStatus());
-        return;
+        return true;
       }
       if (sess.client != nullptr) sess.client->Send(m.output());
       if (m.output().exited()) {
@@ -308,6 +353,7 @@ class Services final : public SessionServices {
         sess.CloseClientLocked(absl::OkStatus());
         pipe->Close(absl::OkStatus());
       }
+      return true;
     };
     hooks.read_end = [pipe] { pipe->Close(absl::OkStatus()); };
     hooks.done = [s] {
@@ -364,6 +410,7 @@ class Services final : public SessionServices {
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<Sess*, std::shared_ptr<Sess>> live_;
+  std::map<std::string, int> per_user_;  // live sessions by container owner
   std::map<std::string, std::shared_ptr<Sess>> pending_;  // remote, until attached
   int threads_ = 0;
   bool stopping_ = false;

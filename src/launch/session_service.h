@@ -27,6 +27,7 @@ struct SessionTarget {
   std::string backend;            // of the launcher it runs on
   std::string node;
   std::string name;  // the launcher's name of the container
+  std::string user;  // whose container it is: their sessions are counted
 };
 
 // The caller's container `name` (admins: `user`'s): NotFound for another

@@ -94,6 +94,74 @@ def test_exec_whose_process_leaves_its_stdin_unread_ends_and_central_serves_on(c
     assert bob.allocations() == [] and alice.exec("box", ["true"]).exit_code == 0
 
 
+def test_input_a_process_does_not_read_holds_its_sender_back_not_centrals_memory(central):
+    """Central queues at most 1 MiB of a session's input; then gRPC's flow
+    control holds the client. A probe's 512 MiB to a `sleep` all went into
+    central's memory in 6 s."""
+    alice, _ = clients(central)
+    start_sleeper(alice)
+    s = _session.open_session(alice._c, "box", ["sleep", "120"])
+    sent = [0]
+    chunk = b"x" * (1 << 20)
+
+    def send():
+        try:
+            for _ in range(128):
+                s.write(chunk)
+                sent[0] += len(chunk)
+        except Exception:  # cancelled below
+            pass
+    writer = threading.Thread(target=send, daemon=True)
+    writer.start()
+
+    def stalled():
+        before = sent[0]
+        time.sleep(1)
+        return sent[0] == before and sent[0] > 0
+    wait_for(stalled, lambda: f"the writer to stall; it sent {sent[0]} bytes", timeout=60)
+    try:
+        assert writer.is_alive() and sent[0] <= 32 << 20, sent[0]
+    finally:
+        s.cancel()
+        writer.join(30)
+        # The exec'd process is in the container: its stop ends it, and
+        # central's write of the queued input to its full stdin with it.
+        alice.stop_container("box", grace=0)
+    assert not writer.is_alive()
+
+
+def test_one_users_open_sessions_are_capped_and_others_go_on(central):
+    """Each session holds a thread and descriptors of central's: a probe
+    opened hundreds. 128 at once per user; the next is ResourceExhausted,
+    another user's still open, and an ended one makes room."""
+    from deepnex import ResourceExhaustedError
+    alice, bob = clients(central)
+    start_sleeper(alice)
+    start_sleeper(bob)
+    c = alice._c
+    held = [_session.open_session(c, "box", ["sleep", "120"]) for _ in range(128)]
+
+    def refused():
+        # Central takes the 128 as their starts arrive; until then this fits.
+        try:
+            return alice.exec("box", ["true"]).exit_code != 0
+        except ResourceExhaustedError as e:
+            return e
+    e = wait_for(refused, "alice's 129th session refused", timeout=60)
+    assert "user alice has 128 sessions open" in str(e)
+    assert bob.exec("box", ["true"]).exit_code == 0
+    held.pop().cancel()
+
+    def fits():
+        try:
+            return alice.exec("box", ["true"]).exit_code == 0
+        except ResourceExhaustedError:
+            return False  # the cancelled one is still ending
+    wait_for(fits, "room for alice's next session", timeout=30)
+    for s in held:
+        s.cancel()
+
+
 def test_exec_errors(central):
     alice, bob = clients(central)
     start_sleeper(alice)

@@ -239,7 +239,7 @@ class Handle {
   // environment and working directory (process: in its cgroup; oci: `runc
   // exec`, in its namespaces). FailedPrecondition when it is not running;
   // Unimplemented on a backend without exec.
-  virtual absl::StatusOr<std::unique_ptr<ExecProcess>> Exec(const ExecOptions& options) {
+  virtual absl::StatusOr<std::unique_ptr<ExecProcess>> Exec(const ExecOptions& /*options*/) {
     return absl::UnimplementedError("this launcher has no exec");
   }
   // Saves the running container's changes to its image's files as image
@@ -247,7 +247,7 @@ class Handle {
   // image's, pushed to that registry. Returns the new image's bytes. Only
   // an oci container whose image came from a registry; FailedPrecondition
   // naming the backend otherwise, or when it is not running.
-  virtual absl::StatusOr<uint64_t> Commit(const std::string& image) {
+  virtual absl::StatusOr<uint64_t> Commit(const std::string& /*image*/) {
     return absl::FailedPreconditionError("this launcher cannot commit containers");
   }
   // The running container's network namespace (a path to open for setns),
