@@ -24,6 +24,7 @@ class QueuedServerStream : public grpc::ServerBidiReactor<In, Out> {
   bool Send(Out m) {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return false;
+    queued_bytes_ += m.ByteSizeLong();
     out_.push_back(std::move(m));
     if (!writing_) {
       writing_ = true;
@@ -41,19 +42,36 @@ class QueuedServerStream : public grpc::ServerBidiReactor<In, Out> {
     if (!writing_) this->Finish(final_);
   }
 
-  void OnWriteDone(bool ok) override {
+  // Bytes of messages queued and not yet written: a sender that must not
+  // let them grow waits for OnWritten.
+  size_t QueuedBytes() {
     std::lock_guard<std::mutex> lock(mu_);
-    out_.pop_front();
-    if (!ok) out_.clear();
-    if (ok && !out_.empty()) {
-      this->StartWrite(&out_.front());
-      return;
+    return queued_bytes_;
+  }
+
+  void OnWriteDone(bool ok) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queued_bytes_ -= out_.front().ByteSizeLong();
+      out_.pop_front();
+      if (!ok) {
+        out_.clear();
+        queued_bytes_ = 0;
+      }
+      if (ok && !out_.empty()) {
+        this->StartWrite(&out_.front());
+      } else {
+        writing_ = false;
+        if (closed_) this->Finish(final_);
+      }
     }
-    writing_ = false;
-    if (closed_) this->Finish(final_);
+    OnWritten();
   }
 
  protected:
+  // After each write, with no lock of the stream's held (before OnDone).
+  virtual void OnWritten() {}
+
   // The next read, unless the stream was closed: never a read after Finish.
   void ReadUnlessClosed(In* in) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -63,6 +81,7 @@ class QueuedServerStream : public grpc::ServerBidiReactor<In, Out> {
  private:
   std::mutex mu_;
   std::deque<Out> out_;
+  size_t queued_bytes_ = 0;
   bool writing_ = false;
   bool closed_ = false;
   grpc::Status final_;

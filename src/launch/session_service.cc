@@ -32,6 +32,10 @@ constexpr std::chrono::milliseconds kAttachTimeout{10000};
 // process that does not read its stdin must not make central hold all the
 // client sends.
 constexpr size_t kMaxQueuedInput = 1 << 20;
+// Likewise output queued for a client that does not read it: past this the
+// process's output (or the agent's stream) waits. A probe's `yes` to a
+// client that never read grew central by 160 MB/s.
+constexpr size_t kMaxQueuedOutput = 1 << 20;
 
 // Sessions open at once into one user's containers: each holds a thread and
 // a few descriptors of central's (and its process), so one user must not
@@ -47,6 +51,7 @@ class Pipe final : public QueuedServerStream<In, Out> {
     // On a gRPC thread, one at a time; false: read no more until ResumeRead.
     std::function<bool(In&)> read;
     std::function<void()> read_end;
+    std::function<void()> written;  // after each write, no lock held
     std::function<void()> done;  // the last call; the pipe is gone after
   };
 
@@ -66,6 +71,15 @@ class Pipe final : public QueuedServerStream<In, Out> {
 
   // Reads again after a read hook said to stop.
   void ResumeRead() { this->ReadUnlessClosed(&in_); }
+
+  using QueuedServerStream<In, Out>::QueuedBytes;
+
+ protected:
+  void OnWritten() override {
+    if (hooks_.written) hooks_.written();
+  }
+
+ public:
 
   void OnCancel() override { this->Close(absl::CancelledError("the stream was cancelled")); }
 
@@ -100,6 +114,7 @@ struct Sess {
   size_t queued = 0;       // stdin bytes in `inputs`
   bool paused = false;     // the client's stream is not read until they drain
   bool input_end = false;  // the client is gone (or stopped sending)
+  bool agent_paused = false;  // the agent's stream waits for the client's queue
   bool closed = false;     // local: the session ended
   bool attached = false;
   bool agent_gone = false;
@@ -146,8 +161,13 @@ class LocalPeer final : public SessionPeer {
     *in = s_->PopLocked();
     return true;
   }
+  // Waits while the client has kMaxQueuedOutput unread: the process's
+  // output then waits in its pipe, and the process with it.
   bool Write(const pb::SessionOutput& out) override {
-    std::lock_guard<std::mutex> lock(s_->mu);
+    std::unique_lock<std::mutex> lock(s_->mu);
+    s_->cv.wait(lock, [&] {
+      return s_->client == nullptr || s_->client->QueuedBytes() < kMaxQueuedOutput;
+    });
     return s_->client != nullptr && s_->client->Send(out);
   }
 
@@ -223,6 +243,15 @@ class Services final : public SessionServices {
       std::lock_guard<std::mutex> lock(s->mu);
       s->input_end = true;
       s->cv.notify_all();
+    };
+    hooks.written = [s] {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->cv.notify_all();  // a LocalPeer::Write waiting for room
+      if (s->agent_paused && s->client != nullptr &&
+          s->client->QueuedBytes() <= kMaxQueuedOutput / 2) {
+        s->agent_paused = false;
+        if (s->agent != nullptr) s->agent->ResumeRead();
+      }
     };
     hooks.done = [s] {
       std::lock_guard<std::mutex> lock(s->mu);
@@ -352,8 +381,11 @@ class Services final : public SessionServices {
         sess.exited = true;
         sess.CloseClientLocked(absl::OkStatus());
         pipe->Close(absl::OkStatus());
+        return true;
       }
-      return true;
+      // The agent's stream waits while the client has too much unread.
+      sess.agent_paused = sess.client != nullptr && sess.client->QueuedBytes() >= kMaxQueuedOutput;
+      return !sess.agent_paused;
     };
     hooks.read_end = [pipe] { pipe->Close(absl::OkStatus()); };
     hooks.done = [s] {

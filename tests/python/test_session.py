@@ -130,6 +130,29 @@ def test_input_a_process_does_not_read_holds_its_sender_back_not_centrals_memory
     assert not writer.is_alive()
 
 
+def test_output_a_client_does_not_read_holds_the_process_back_not_centrals_memory(
+        central_process):
+    """Central queues at most 1 MiB of output for a client; then the
+    process waits in its pipe. A probe's `yes` to a client that never read
+    grew central by 160 MB/s."""
+    address, proc = central_process
+    alice, _ = clients(address)
+    start_sleeper(alice)
+
+    def rss():
+        with open(f"/proc/{proc.pid}/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+    before = rss()
+    s = _session.open_session(alice._c, "box", ["yes"])
+    try:
+        time.sleep(3)  # unbounded, central would have grown by hundreds of MB by now
+        assert rss() - before < 64 << 20, (before, rss())
+        kind, data, _ = s.read()  # what was held back is all still there, in order
+        assert kind == "stdout" and data.startswith(b"y\ny\n")
+    finally:
+        s.cancel()
+
+
 def test_one_users_open_sessions_are_capped_and_others_go_on(central):
     """Each session holds a thread and descriptors of central's: a probe
     opened hundreds. 128 at once per user; the next is ResourceExhausted,
