@@ -30,6 +30,7 @@
 #include "collective/stripe_pool.h"
 #include "collective/transport.h"
 #include "collective/work_queue.h"
+#include "core/grpc_util.h"
 
 namespace deepnex::collective {
 namespace {
@@ -73,6 +74,12 @@ class CpuCommunicator final : public Communicator {
   explicit CpuCommunicator(const CommunicatorOptions& options) : o_(options) {}
 
   ~CpuCommunicator() override {
+    if (InForkedChild()) {
+      // The links' sockets and segments are the parent's too: shutting one
+      // down (or unlinking a segment) would end the parent's collectives.
+      new std::vector<std::unique_ptr<Link>>(std::move(links_));  // left, not closed
+      return;  // queue_ leaves its thread (SerialQueue::Close)
+    }
     if (queue_ != nullptr) queue_->Close();
     for (auto& link : links_) link->Interrupt();
     links_.clear();

@@ -75,6 +75,10 @@ SerialQueue::SerialQueue(std::chrono::microseconds lazy_grace)
 SerialQueue::~SerialQueue() { Close(); }
 
 void SerialQueue::Close() {
+  if (InForkedChild()) {  // its thread was not forked: nothing runs or waits
+    if (thread_.joinable()) thread_.detach();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(core_->mu);
     core_->closing = true;

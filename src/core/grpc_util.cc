@@ -331,6 +331,8 @@ void AfterForkInChild() {
 
 }  // namespace
 
+bool InForkedChild() { return forked_from.load(std::memory_order_relaxed) != 0; }
+
 absl::Status CheckForkSafe(const std::string& what) {
   const pid_t parent = forked_from.load(std::memory_order_relaxed);
   if (parent != 0) {

@@ -171,6 +171,12 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(
 // before each call on an object a child may have inherited.
 absl::Status CheckForkSafe(const std::string& what);
 
+// Whether this is such a forked process. There, an object inherited from
+// the parent must not join its threads (they were not forked) nor wait on
+// gRPC: its destructor leaves them, leaking what they hold, so that a child
+// that exits normally (or drops the object) neither crashes nor hangs.
+bool InForkedChild();
+
 // ---- Framed messages: `message M { Header header = 1; bytes payload = 2; }`
 //
 // The header is a small protobuf; the payload is sent as slices that point

@@ -7,10 +7,13 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <queue>
 #include <thread>
 #include <vector>
+
+#include "core/grpc_util.h"
 
 namespace deepnex {
 
@@ -20,20 +23,26 @@ class Timer {
  public:
   using Clock = std::chrono::steady_clock;
 
-  Timer() : thread_([this] { Run(); }) {}
+  Timer() : state_(std::make_shared<State>()), thread_([s = state_] { Run(*s); }) {}
   ~Timer() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+    if (InForkedChild()) {
+      // The thread was not forked; its reference keeps the state, whose
+      // condition variable it waited on: destroying that would wait for ever.
+      thread_.detach();
+      return;
     }
-    cv_.notify_all();
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      state_->stop = true;
+    }
+    state_->cv.notify_all();
     thread_.join();
   }
 
   void At(Clock::time_point when, std::function<void()> fn) {
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push({when, seq_++, std::move(fn)});
-    cv_.notify_all();
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->queue.push({when, state_->seq++, std::move(fn)});
+    state_->cv.notify_all();
   }
   void After(std::chrono::milliseconds delay, std::function<void()> fn) {
     At(Clock::now() + delay, std::move(fn));
@@ -48,17 +57,24 @@ class Timer {
       return when != o.when ? when > o.when : seq > o.seq;
     }
   };
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::priority_queue<Item, std::vector<Item>, std::greater<Item>> queue;
+    uint64_t seq = 0;
+    bool stop = false;
+  };
 
-  void Run() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
-      if (queue_.empty()) {
-        cv_.wait(lock);
-      } else if (Clock::now() < queue_.top().when) {
-        cv_.wait_until(lock, queue_.top().when);
+  static void Run(State& s) {
+    std::unique_lock<std::mutex> lock(s.mu);
+    while (!s.stop) {
+      if (s.queue.empty()) {
+        s.cv.wait(lock);
+      } else if (Clock::now() < s.queue.top().when) {
+        s.cv.wait_until(lock, s.queue.top().when);
       } else {
-        auto fn = queue_.top().fn;
-        queue_.pop();
+        auto fn = s.queue.top().fn;
+        s.queue.pop();
         lock.unlock();
         fn();
         lock.lock();
@@ -66,12 +82,8 @@ class Timer {
     }
   }
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::priority_queue<Item, std::vector<Item>, std::greater<Item>> queue_;
-  uint64_t seq_ = 0;
-  bool stop_ = false;
-  std::thread thread_;  // last: it uses the members above
+  std::shared_ptr<State> state_;
+  std::thread thread_;  // last: it uses state_
 };
 
 }  // namespace deepnex

@@ -193,3 +193,32 @@ def test_child_forked_before_any_grpc_use_may_use_deepnex(tmp_path):
     assert r["exitcode"] == 0
     assert r["out"] == ["ok", "child"]
     assert r["parent"] == "parent"
+
+
+def test_a_child_that_drops_what_it_inherited_and_exits_normally_ends_with_its_code(tmp_path):
+    """os.fork, then `del` and a normal exit, which run destructors (a
+    multiprocessing child ends with os._exit and runs none): a probe's child
+    hung for ever in `del client` (a condition variable the parent's threads
+    waited on) and crashed at exit. Inherited objects are kept instead."""
+    r = run_script(tmp_path, """
+        import signal
+        if __name__ == "__main__":
+            server = ps.Server(address="127.0.0.1:0", mode="async", optimizer=ps.Sum())
+            client = ps.Client([server.address], worker_id=0)
+            client.init({"w": np.ones(4, np.float32)})
+            store = collective.Store("127.0.0.1:0")
+            comm = collective.Communicator(0, 1, store=store.address)
+            statuses = []
+            for drop in (True, False):
+                pid = os.fork()
+                if pid == 0:
+                    signal.alarm(30)  # a hang ends the child (SIGALRM), not the test
+                    attempt(lambda: client.pull("w"))
+                    if drop:
+                        del client, comm, server, store
+                    sys.exit(3)
+                statuses.append(os.waitpid(pid, 0)[1])
+            client.push({"w": np.full(4, 2, np.float32)})
+            print(json.dumps({"statuses": statuses, "w": client.pull("w")["w"].tolist()}))
+    """)
+    assert r == {"statuses": [3 << 8, 3 << 8], "w": [3.0, 3.0, 3.0, 3.0]}
