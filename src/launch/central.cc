@@ -233,6 +233,7 @@ class ContainersService final : public pb::Containers::CallbackService,
     Launcher* launcher = nullptr;  // where it runs: launcher_ or an agent's (remote_)
     std::thread watcher;
     bool ended = false;              // for good; set by the watcher
+    uint64_t ended_seq = 0;          // the order it ended in, for pruning
     bool allocation_released = false;
     bool watched = false;            // the watcher is done (after the release)
   };
@@ -341,6 +342,11 @@ class ContainersService final : public pb::Containers::CallbackService,
     std::shared_ptr<Entry> previous;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (pruning_.count(Key{a.user, name})) {
+        return absl::UnavailableError(absl::StrCat(
+            "spec.name: container \"", name, "\" of user ", a.user,
+            " ended long ago and its files are being removed; start it again in a moment"));
+      }
       auto it = entries_.find(Key{a.user, name});
       if (it != entries_.end()) {
         if (!it->second->ended) {
@@ -474,7 +480,40 @@ class ContainersService final : public pb::Containers::CallbackService,
       e->allocation_released = s.ok() || absl::IsNotFound(s);
     }
     e->watched = true;
+    e->ended_seq = ++ended_seq_;
+    std::vector<std::shared_ptr<Entry>> pruned = PruneEndedLocked(e->user);
     cv_.notify_all();
+    lock.unlock();
+    for (const std::shared_ptr<Entry>& p : pruned) {
+      p->watcher.join();
+      p->launcher->Remove(LauncherName(p->user, p->name)).IgnoreError();
+      std::lock_guard<std::mutex> relock(mu_);
+      pruning_.erase(Key{p->user, p->name});
+    }
+  }
+
+  // Takes `user`'s oldest ended containers past
+  // ContainerPolicy::ended_kept_per_user out of
+  // entries_ (their names held in pruning_ until their files are gone);
+  // the caller joins and removes them. REQUIRES: mu_ held.
+  std::vector<std::shared_ptr<Entry>> PruneEndedLocked(const std::string& user) {
+    std::vector<std::shared_ptr<Entry>> ended;
+    for (auto it = entries_.lower_bound(Key{user, ""});
+         it != entries_.end() && it->first.first == user; ++it) {
+      if (it->second->ended && it->second->watched) ended.push_back(it->second);
+    }
+    // Unbounded, one user held 70 KB of central's memory per ended container
+    // and up to 128 MiB of logs per name, for good.
+    const size_t keep = std::max<size_t>(1, policy_.ended_kept_per_user);
+    if (ended.size() <= keep) return {};
+    std::sort(ended.begin(), ended.end(),
+              [](const auto& a, const auto& b) { return a->ended_seq < b->ended_seq; });
+    ended.resize(ended.size() - keep);
+    for (const std::shared_ptr<Entry>& p : ended) {
+      entries_.erase(Key{p->user, p->name});
+      pruning_.insert(Key{p->user, p->name});
+    }
+    return ended;
   }
 
   // Stops the containers whose allocation is gone (released by its user or
@@ -601,6 +640,8 @@ class ContainersService final : public pb::Containers::CallbackService,
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<Key, std::shared_ptr<Entry>> entries_;
+  std::set<Key> pruning_;  // taken out of entries_, files being removed
+  uint64_t ended_seq_ = 0;
   bool stopping_ = false;
   std::unique_ptr<SessionServices> sessions_;
   CallPool calls_{kIdleWorker};  // Offload's

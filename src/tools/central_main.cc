@@ -86,6 +86,8 @@ flags:
                           docker-registry): OCI image layouts registered as
                           images (`deepnex image register`) are pushed there,
                           and each node pulls them on first use
+  --ended-containers N    ended containers kept per user, with their logs,
+                          for ps and logs; older ones are removed (default 100)
   --allow-host-network USER  USER's oci containers may use the host's network
                           (repeatable; "*": everyone's); otherwise each gets a
                           private network with only its own loopback
@@ -299,6 +301,11 @@ int main(int argc, char** argv) {
       options.job_history.max_age = flags.Seconds();
     } else if (flags.Is("--job-runner-timeout")) {
       options.job_history.runner_timeout = flags.Seconds();
+    } else if (flags.Is("--ended-containers")) {
+      const std::string flag = flags.flag();
+      const int n = flags.Int();
+      if (n < 1) flags.Die(absl::StrCat(flag, ": ", n, " is below 1"));
+      policy.ended_kept_per_user = static_cast<size_t>(n);
     } else if (flags.Is("--job-history-count")) {
       const std::string flag = flags.flag();
       const int n = flags.Int();

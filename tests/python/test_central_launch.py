@@ -559,3 +559,38 @@ def test_images_only_from_the_catalog_and_host_network_only_where_allowed(tmp_pa
     assert bad.returncode != 0
     assert '--image "base=relative/dir": "relative/dir" is not an absolute directory or "host"' \
         in bad.stderr
+
+
+def test_only_the_newest_ended_containers_of_a_user_are_kept_with_their_files(tmp_path):
+    """--ended-containers 2: a user's third ended container takes the
+    oldest one out of ps, with its logs and its directory (a probe's one
+    user grew central by 70 KB per ended container and kept up to 128 MiB
+    of logs per name, for good). Another user's are their own; a removed
+    name starts again."""
+    state = tmp_path / "launch"
+    proc, address = start_central_launcher(tmp_path, "--ended-containers", "2",
+                                           state_dir=str(state))
+    try:
+        alice, bob = clients(address)
+
+        def run(client, name):
+            client.start_container(launch.ContainerSpec(
+                name=name, command=["sh", "-c", f"echo {name}"]), client.allocate(grant()))
+            await_container(client, name, lambda c: c["allocation_released"])
+        run(bob, "b0")
+        for i in range(4):
+            run(alice, f"c{i}")
+        # The watcher that ends c3 removes c1 (c0 went with c2's end).
+        wait_for(lambda: sorted(c["name"] for c in alice.containers()) == ["c2", "c3"],
+                 lambda: f"only c2 and c3 left: {alice.containers()}")
+        assert alice.container_logs("c3") == "c3\n"
+        with pytest.raises(deepnex.NotFoundError, match='no container "c0" of user alice'):
+            alice.container_logs("c0")
+        assert [c["name"] for c in bob.containers()] == ["b0"]
+        wait_for(lambda: not any(p.name.endswith(("alice.c0", "alice.c1"))
+                                 for p in (state / "containers").iterdir()),
+                 lambda: f"c0's and c1's files gone: {sorted(os.listdir(state / 'containers'))}")
+        run(alice, "c0")
+        assert alice.container_logs("c0") == "c0\n"
+    finally:
+        stop_central(proc)

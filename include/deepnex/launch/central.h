@@ -47,6 +47,9 @@ struct ContainerPolicy {
   // there, and nodes pull it on first use. Empty: images stay directories
   // on deepnex-central's host.
   std::string registry;
+  // Ended containers kept per user (state, exit, logs: what ps and logs
+  // show); past it the oldest go, with their files. At least 1.
+  size_t ended_kept_per_user = 100;
 };
 
 // Parses a users file: lines "NAME UID GID" or "NAME UID:GID", '#'
