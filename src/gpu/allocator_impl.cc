@@ -12,6 +12,9 @@
 namespace deepnex::gpu {
 namespace {
 
+// Requests of one user waiting at once.
+constexpr size_t kMaxWaitingPerUser = 128;
+
 absl::Status Cancelled() {
   return absl::CancelledError("the allocator shut down while the request waited");
 }
@@ -480,6 +483,14 @@ Allocator::Impl::Admission Allocator::Impl::Admit(const Request& r, const Alloca
   if (oc == Outcome::kFailed) return Admission::kRefused;
   if (!o.wait) {
     w->status = Busy(r, ahead);
+    return Admission::kRefused;
+  }
+  // As Slurm's MaxSubmitJobs: one user's flood of waiting requests would
+  // put everyone else's behind it (a probe queued 2000).
+  if (queue_.Waiting(r.user) >= kMaxWaitingPerUser) {
+    w->status = absl::ResourceExhaustedError(absl::StrCat(
+        "user ", r.user, " has ", kMaxWaitingPerUser,
+        " requests waiting, the most one user may have; withdraw one or wait for one"));
     return Admission::kRefused;
   }
   queue_.Push(w, r, o);

@@ -28,6 +28,11 @@ void RequestQueue::Push(Waiter* w, const Request& r, const AllocateOptions& o) {
   waiting_.emplace(w->key, w);
 }
 
+size_t RequestQueue::Waiting(const std::string& user) const {
+  return std::count_if(waiting_.begin(), waiting_.end(),
+                       [&](const auto& kv) { return kv.second->request.user == user; });
+}
+
 size_t RequestQueue::Remove(const Waiter& w) {
   size_t ahead = std::distance(waiting_.begin(), waiting_.find(w.key));
   waiting_.erase(w.key);

@@ -49,6 +49,8 @@ class RequestQueue {
   Waiter* head() const { return waiting_.begin()->second; }
   // How many waiting requests `r` of `priority` would queue behind.
   size_t Ahead(int priority) const;
+  // How many of `user`'s requests wait.
+  size_t Waiting(const std::string& user) const;
   // Whether the head has waited `after` or longer (and so reserves).
   bool HeadWaited(std::chrono::milliseconds after) const;
 

@@ -311,6 +311,31 @@ TEST(AllocatorAsync, WithdrawTakesAWaitingRequestOutOfTheQueue) {
   EXPECT_OK(alloc->CheckInvariants());
 }
 
+// One user's waiting requests are capped (a probe queued 2000 and put
+// everyone else's behind them); another user's still queue, and one that
+// leaves makes room.
+TEST(AllocatorAsync, OneUsersWaitingRequestsAreCapped) {
+  ASSERT_OK_AND_ASSIGN(auto alloc, Allocator::Create(AllocatorOptions{}));
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 1)));
+  ASSERT_OK_AND_ASSIGN(Allocation held, alloc->Allocate(Exclusive("root", 1)));
+  Answers<Grants> grants;
+  std::vector<uint64_t> tickets;
+  for (int i = 0; i < 128; ++i) {
+    tickets.push_back(alloc->AllocateGangAsync(Exclusive("alice", 1), {},
+                                               grants.Slot(absl::StrCat("a", i))));
+    ASSERT_NE(tickets.back(), 0u);
+  }
+  EXPECT_EQ(alloc->AllocateGangAsync(Exclusive("alice", 1), {}, grants.Slot("over")), 0u);
+  EXPECT_THAT(alloc->Allocate(Exclusive("alice", 1)),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("user alice has 128 requests waiting, the most one user may have")));
+  EXPECT_NE(alloc->AllocateGangAsync(Exclusive("bob", 1), {}, grants.Slot("bob")), 0u);
+  EXPECT_TRUE(alloc->Withdraw(tickets[0]));
+  EXPECT_NE(alloc->AllocateGangAsync(Exclusive("alice", 1), {}, grants.Slot("again")), 0u);
+  EXPECT_EQ(alloc->QueueLength(), 129u);
+  alloc.reset();  // answers every waiter, Cancelled
+}
+
 // Removing the only node that could hold a waiting request answers it.
 TEST(AllocatorAsync, WaiterThatNoNodeCanHoldAnyMoreIsAnswered) {
   auto alloc = NewAllocator();
