@@ -31,14 +31,16 @@ class CentralClientImpl final : public CentralClient {
   CentralClientImpl(const CentralClientOptions& options, std::string token)
       : options_(options), token_(std::move(token)) {}
 
-  // Cancels the asynchronous calls in flight (their ops are answered
-  // Cancelled, or with the answer that crossed the cancel) and waits for
-  // their answers.
+  // Cancels the calls in flight, blocking ones (a waiting Allocate on
+  // another thread returns Cancelled) and asynchronous ones (their ops are
+  // answered Cancelled, or with the answer that crossed the cancel), and
+  // waits for them to return.
   ~CentralClientImpl() override {
     std::unique_lock<std::mutex> lock(mu_);
     closing_ = true;
     for (grpc::ClientContext* ctx : in_flight_) ctx->TryCancel();
-    cv_.wait(lock, [this] { return in_flight_.empty(); });
+    for (grpc::ClientContext* ctx : blocking_) ctx->TryCancel();
+    cv_.wait(lock, [this] { return in_flight_.empty() && blocking_.empty(); });
   }
 
   absl::Status Connect() {
@@ -260,7 +262,16 @@ class CentralClientImpl final : public CentralClient {
     DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("central client"));
     grpc::ClientContext ctx;
     Prepare(&ctx, timeout);
-    return Finished(fn(&ctx), timeout);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closing_) return absl::CancelledError("the central client was destroyed");
+      blocking_.insert(&ctx);
+    }
+    absl::Status s = Finished(fn(&ctx), timeout);
+    std::lock_guard<std::mutex> lock(mu_);
+    blocking_.erase(&ctx);
+    cv_.notify_all();  // the destructor may wait for this call
+    return s;
   }
 
   // Sends `p` now if fewer than kBatchesInFlight batches are out, else with
@@ -354,6 +365,7 @@ class CentralClientImpl final : public CentralClient {
   std::vector<QueuedOp> queued_;  // for the next coalesced batch
   int batches_ = 0;              // coalesced batches in flight
   std::set<grpc::ClientContext*> in_flight_;  // Batch calls
+  std::set<grpc::ClientContext*> blocking_;   // Call's, on their callers' threads
   std::map<uint64_t, grpc::ClientContext*> waiting_;  // by ticket: waiting Allocates
   uint64_t last_ticket_ = 0;
   bool closing_ = false;         // the destructor runs

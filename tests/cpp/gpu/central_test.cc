@@ -218,6 +218,23 @@ TEST_F(Central, StopFailsWaitingAllocations) {
   EXPECT_FALSE(status.ok());
 }
 
+// A client destroyed while another thread waits in its Allocate cancels
+// that call, which returns Cancelled: a probe's waiter was left on the
+// freed client for ever.
+TEST_F(Central, DestroyingAClientCancelsItsWaitingAllocate) {
+  ASSERT_OK(alice_->Allocate(Exclusive("", 1)).status());
+  absl::Status status = absl::UnknownError("not returned");
+  std::thread waiter([&] { status = bob_->Allocate(Exclusive("", 1)).status(); });
+  ASSERT_TRUE(WaitFor([&] { return server_->allocator().QueueLength() == 1; }, 60s,
+                      "bob's request in the queue"));
+  bob_.reset();
+  waiter.join();
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kCancelled));
+  // The request left central's queue with its call.
+  EXPECT_TRUE(WaitFor([&] { return server_->allocator().QueueLength() == 0; }, 60s,
+                      "the queue empty"));
+}
+
 // 8 clients over the wire, random grants and releases, with the ledger on.
 TEST_F(Central, ConcurrentClientsKeepTheInvariants) {
   ASSERT_OK(admin_->AddNode(MakeNode("s2", 8, 80 * kGiB, Mode::kShared)));
