@@ -80,6 +80,9 @@ class CpuCommunicator final : public Communicator {
       new std::vector<std::unique_ptr<Link>>(std::move(links_));  // left, not closed
       return;  // queue_ leaves its thread (SerialQueue::Close)
     }
+    // A collective in flight ends now, Aborted, not at its timeout (the
+    // queue's Close waits for it).
+    Abort();
     if (queue_ != nullptr) queue_->Close();
     for (auto& link : links_) link->Interrupt();
     links_.clear();

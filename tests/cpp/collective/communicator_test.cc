@@ -490,6 +490,28 @@ TEST_F(CommunicatorTest, RankLeavingBetweenSmallCollectivesFailsTheOther) {
   }
 }
 
+// Destroying a communicator with a collective in flight ends it at once,
+// Aborted, as Abort does: a probe's destructor waited out the timeout.
+TEST_F(CommunicatorTest, DestroyingACommunicatorEndsItsCollectiveInFlight) {
+  std::vector<std::unique_ptr<Communicator>> comms(2);
+  ::deepnex::test::RunRanks(2, [&](int r) {
+    auto comm = Communicator::Create(Options(r, 2, "destroyed"));  // 20 s timeout
+    ASSERT_THAT(comm, IsOk());
+    comms[r] = std::move(*comm);
+  });
+  std::vector<float> x(1 << 20, 1.0f);
+  // Rank 1 never joins.
+  std::shared_ptr<Work> work =
+      comms[0]->AllReduceAsync(TensorView(x.data(), DType::kFloat32, {1 << 20}), ReduceOp::kSum);
+  std::this_thread::sleep_for(milliseconds(100));
+  const auto start = std::chrono::steady_clock::now();
+  comms[0].reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(5000));
+  EXPECT_THAT(work->Wait(), StatusIs(absl::StatusCode::kAborted, HasSubstr("aborted")));
+  // Its peer learns it left.
+  EXPECT_FALSE(comms[1]->AllReduce(TensorView(x.data(), DType::kFloat32, {1 << 20})).ok());
+}
+
 TEST_F(CommunicatorTest, MissingRankAtInitIsDeadlineExceededNamingIt) {
   ::deepnex::test::RunRanks(2, [&](int r) {
     CommunicatorOptions o = Options(r, 4, "missing");
