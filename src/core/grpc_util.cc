@@ -35,8 +35,20 @@ absl::Status ToAbslStatus(const grpc::Status& status) {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
+  // The message travels in a trailer, which past gRPC's 8 KiB metadata limit
+  // reaches the caller as "received initial metadata size exceeds limit",
+  // naming nothing: an error quoting a huge bad value keeps its start, which
+  // names the field.
+  constexpr size_t kMaxMessage = 2048;
+  std::string message(status.message());
+  if (message.size() > kMaxMessage) {
+    size_t keep = kMaxMessage;  // not inside a UTF-8 character
+    while (keep > 0 && (static_cast<unsigned char>(message[keep]) & 0xC0) == 0x80) --keep;
+    const size_t cut = message.size() - keep;
+    message.resize(keep);
+    absl::StrAppend(&message, "... (", cut, " more bytes)");
+  }
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), message);
 }
 
 std::string BearerValue(const std::string& token) {

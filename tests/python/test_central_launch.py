@@ -594,3 +594,16 @@ def test_only_the_newest_ended_containers_of_a_user_are_kept_with_their_files(tm
         assert alice.container_logs("c0") == "c0\n"
     finally:
         stop_central(proc)
+
+
+def test_an_error_quoting_a_huge_value_still_names_its_field(central):
+    """A 9000-character name came back as "received initial metadata size
+    exceeds limit" (the message rides in gRPC's 8 KiB trailers), naming no
+    field; the message is cut instead, keeping its start."""
+    alice, _ = clients(central)
+    a = alice.allocate(grant())
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        alice.start_container(launch.ContainerSpec(name="é" * 9000, command=["true"]), a)
+    assert str(e.value).startswith("spec.name: ") and str(e.value).endswith(" more bytes)")
+    with pytest.raises(deepnex.NotFoundError, match=r"^no container .* more bytes\)$"):
+        alice.stop_container("n" * 9000)
