@@ -72,6 +72,15 @@ absl::Status CommunicatorOptions::Validate() const {
   if (store_address.empty() && world_size > 1) {
     return absl::InvalidArgumentError("store_address is empty");
   }
+  // Cast integers (a C++ caller's) name no enumerator.
+  if (BackendName(backend)[0] == '?') {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "backend=", static_cast<int>(backend), ": not a Backend (auto, cpu, nccl)"));
+  }
+  if (TransportName(transport)[0] == '?') {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "transport=", static_cast<int>(transport), ": not a Transport (auto, tcp, shm)"));
+  }
   if (timeout.count() <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("timeout=", timeout.count(), " ms: must be positive"));

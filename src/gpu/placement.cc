@@ -151,6 +151,9 @@ absl::Status ValidateRequest(const Request& r) {
   if (!r.job.empty() && !ValidName(r.job)) {
     return bad("job \"", r.job, "\": use 1-253 letters, digits, '-', '_', '.', '@'");
   }
+  if (r.mode != Mode::kExclusive && r.mode != Mode::kShared) {
+    return bad("mode=", static_cast<int>(r.mode), " is not a Mode (exclusive, shared)");
+  }
   if (r.gpus < 0) return bad("gpus=", r.gpus, " must be >= 0");
   if (r.gpus > 4096) return bad("gpus=", r.gpus, " is more than any node has");
   if (r.cpus < 0) return bad("cpus=", r.cpus, " must be >= 0");

@@ -26,14 +26,27 @@ absl::Status ClientOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "worker_id=", worker_id, ": must be >= 0, or -1 for an observer"));
   }
-  if (partition_bytes < 8 || request_bytes < 8) {
+  if (partition_bytes < 8) {
     return absl::InvalidArgumentError(
-        "partition_bytes and request_bytes must be at least 8");
+        absl::StrCat("partition_bytes=", partition_bytes, ": must be at least 8"));
   }
-  if (connections_per_server < 1) {
+  if (request_bytes < 8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request_bytes=", request_bytes, ": must be at least 8"));
+  }
+  // Each is a channel and a connection to every server: a million would be
+  // a million sockets.
+  if (connections_per_server < 1 || connections_per_server > 16) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "connections_per_server=", connections_per_server,
-        ": must be at least 1"));
+        "connections_per_server=", connections_per_server, ": must be 1..16"));
+  }
+  if (retry_backoff.count() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("retry_backoff=", retry_backoff.count(), "ms: must not be negative"));
+  }
+  if (TransportName(transport)[0] == '?') {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "transport=", static_cast<int>(transport), ": not a Transport (auto, tcp, shm)"));
   }
   if (timeout.count() <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(

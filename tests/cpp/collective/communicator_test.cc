@@ -603,6 +603,15 @@ TEST(CommunicatorOptionsTest, Validation) {
     o.shm_channels = channels;
     EXPECT_OK(o.Validate()) << channels;
   }
+  // A cast integer is no enumerator.
+  o.backend = static_cast<Backend>(7);
+  EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                     HasSubstr("backend=7: not a Backend")));
+  o.backend = Backend::kCpu;
+  o.transport = static_cast<Transport>(42);
+  EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                     HasSubstr("transport=42: not a Transport")));
+  o.transport = Transport::kAuto;
   EXPECT_THAT(ParseReduceOp("avg"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("avg")));
   EXPECT_THAT(ParseBackend("mpi"), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ParseTransport("rdma"), StatusIs(absl::StatusCode::kInvalidArgument));

@@ -129,6 +129,10 @@ TEST_F(BadInput, NegativeCounts) {
   EXPECT_THAT(alloc_->AllocateGang(r),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("replicas=0")));
   r.replicas = 1;
+  r.mode = static_cast<Mode>(9);  // was reported as "mode=exclusive"
+  EXPECT_THAT(alloc_->Allocate(r), StatusIs(absl::StatusCode::kInvalidArgument,
+                                            HasSubstr("mode=9 is not a Mode")));
+  r.mode = Mode::kExclusive;
   r.lease = std::chrono::milliseconds(-5);
   EXPECT_THAT(alloc_->Allocate(r),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lease=-5ms")));

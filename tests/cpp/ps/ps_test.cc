@@ -587,5 +587,27 @@ TEST(PsTest, UnreachableServerIsUnavailableWithinTheTimeout) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
+// Options a C++ caller can set out of range are refused naming the field and
+// the value (a probe's transport=42, retry_backoff=-1ms and a million
+// connections per server were accepted).
+TEST(PsTest, ClientOptionsOutOfRangeAreRefusedNamingThem) {
+  ClientOptions o;
+  o.servers = {"127.0.0.1:1"};
+  ASSERT_OK(o.Validate());
+  auto refused = [&](const std::string& what) {
+    EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(what)));
+    o = ClientOptions();
+    o.servers = {"127.0.0.1:1"};
+  };
+  o.transport = static_cast<Transport>(42);
+  refused("transport=42: not a Transport (auto, tcp, shm)");
+  o.retry_backoff = std::chrono::milliseconds(-1);
+  refused("retry_backoff=-1ms: must not be negative");
+  o.connections_per_server = 1000000;
+  refused("connections_per_server=1000000: must be 1..16");
+  o.partition_bytes = 0;
+  refused("partition_bytes=0: must be at least 8");
+}
+
 }  // namespace
 }  // namespace deepnex::ps
