@@ -50,6 +50,8 @@ absl::Status ServeExec(Handle& h, const pb::SessionStart& start, SessionPeer& pe
   o.rows = static_cast<int>(start.window().rows());
   o.cols = static_cast<int>(start.window().cols());
   DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<ExecProcess> p, h.Exec(o));
+  // The reader may be blocked writing input the process does not read.
+  peer.OnGone([&p] { p->Kill(); });
   std::thread reader([&] {
     pb::SessionInput in;
     while (peer.Read(&in)) {
@@ -76,6 +78,7 @@ absl::Status ServeExec(Handle& h, const pb::SessionStart& start, SessionPeer& pe
   peer.Write(last);
   close_peer();
   reader.join();
+  peer.OnGone(nullptr);
   return absl::OkStatus();
 }
 

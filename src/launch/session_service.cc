@@ -115,6 +115,7 @@ struct Sess {
   bool paused = false;     // the client's stream is not read until they drain
   bool input_end = false;  // the client is gone (or stopped sending)
   bool agent_paused = false;  // the agent's stream waits for the client's queue
+  std::function<void()> gone;  // local: what the client's going away calls
   bool closed = false;     // local: the session ended
   bool attached = false;
   bool agent_gone = false;
@@ -169,6 +170,10 @@ class LocalPeer final : public SessionPeer {
       return s_->client == nullptr || s_->client->QueuedBytes() < kMaxQueuedOutput;
     });
     return s_->client != nullptr && s_->client->Send(out);
+  }
+  void OnGone(std::function<void()> gone) override {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    s_->gone = std::move(gone);
   }
 
  private:
@@ -257,6 +262,7 @@ class Services final : public SessionServices {
       std::lock_guard<std::mutex> lock(s->mu);
       s->client = nullptr;
       s->input_end = true;
+      if (s->gone) s->gone();
       s->cv.notify_all();
     };
     pipe->Begin(std::move(hooks));

@@ -124,10 +124,30 @@ def test_input_a_process_does_not_read_holds_its_sender_back_not_centrals_memory
     finally:
         s.cancel()
         writer.join(30)
-        # The exec'd process is in the container: its stop ends it, and
-        # central's write of the queued input to its full stdin with it.
-        alice.stop_container("box", grace=0)
     assert not writer.is_alive()
+    # The client gone, central kills the exec'd process, which frees its
+    # writer blocked on the full stdin: before, the session (and central's
+    # stop, which waits for it) lasted as long as the process did.
+    box = next(c for c in alice.containers() if c["name"] == "box")
+    procs = cgroup_procs(box["id"])
+    if procs is not None:
+        wait_for(lambda: cgroup_procs(box["id"]) == 1, "only the container's own process left")
+
+
+def cgroup_procs(pid):
+    """How many processes share pid's pids cgroup (v1) or cgroup (v2);
+    None without one of its own."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        lines = f.read().splitlines()
+    line = next((x for x in lines if ":pids:" in x), None) or next(
+        (x for x in lines if x.startswith("0::")), None)
+    path = line.split(":", 2)[2] if line else "/"
+    for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
+        procs = f"{base}{path}/cgroup.procs"
+        if path != "/" and os.path.exists(procs):
+            with open(procs) as f:
+                return len(f.read().split())
+    return None
 
 
 def test_output_a_client_does_not_read_holds_the_process_back_not_centrals_memory(
@@ -162,10 +182,14 @@ def test_one_users_open_sessions_are_capped_and_others_go_on(central):
     start_sleeper(alice)
     start_sleeper(bob)
     c = alice._c
-    held = [_session.open_session(c, "box", ["sleep", "120"]) for _ in range(128)]
+    held = [_session.open_session(c, "box", ["sh", "-c", "echo up; exec sleep 120"])
+            for _ in range(128)]
+    # Each one counts once its process runs (it says so); a probe before
+    # then could take a slot from the last of them.
+    for s in held:
+        assert s.read() == ("stdout", b"up\n", 0)
 
     def refused():
-        # Central takes the 128 as their starts arrive; until then this fits.
         try:
             return alice.exec("box", ["true"]).exit_code != 0
         except ResourceExhaustedError as e:
