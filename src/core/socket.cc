@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -105,6 +106,26 @@ absl::StatusOr<int> AcceptTcp(int listen_fd, SteadyClock::time_point deadline) {
       return absl::DeadlineExceededError("no connection arrived");
     }
   }
+}
+
+int AcceptOrShed(int listen_fd, int flags) {
+  // Opened before it is needed (the first call comes when descriptors are
+  // plentiful), given up to take one connection, taken back at once.
+  static std::mutex mu;
+  static int reserve = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  const int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | flags);
+  if (fd >= 0 || (errno != EMFILE && errno != ENFILE)) return fd;
+  const int out_of = errno;
+  std::lock_guard<std::mutex> lock(mu);
+  if (reserve >= 0) close(reserve);
+  const int shed = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (shed >= 0) close(shed);
+  reserve = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  // Another thread took the freed slot first: the connection still waits,
+  // and the caller's poll would find it at once; no spinning meanwhile.
+  if (shed < 0) std::this_thread::sleep_for(milliseconds(10));
+  errno = out_of;
+  return -1;
 }
 
 absl::Status WriteFully(int fd, const void* data, size_t n, SteadyClock::time_point deadline,

@@ -24,6 +24,14 @@ void TuneSocket(int fd);
 absl::StatusOr<int> ConnectTcp(const std::string& host, int port, SteadyClock::time_point deadline);
 // Accepts one connection, waiting until `deadline`; it is tuned.
 absl::StatusOr<int> AcceptTcp(int listen_fd, SteadyClock::time_point deadline);
+// accept4(listen_fd, SOCK_CLOEXEC | flags) that a process out of file
+// descriptors survives: at EMFILE or ENFILE the waiting connection is taken
+// with a descriptor held in reserve and closed at once, so its peer is told
+// rather than left in the backlog, and the listener goes on accepting once
+// descriptors are free again (gRPC 1.51's own listener stops for good).
+// -1 with errno set when no connection is returned (EMFILE or ENFILE: one
+// was shed, or could not be and 10 ms passed); the caller may call again.
+int AcceptOrShed(int listen_fd, int flags);
 // Full reads and writes bounded by `deadline`, by poll(); the socket may be
 // blocking or not. Unavailable naming `peer` when it goes away.
 absl::Status WriteFully(int fd, const void* data, size_t n, SteadyClock::time_point deadline,

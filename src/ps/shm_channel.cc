@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "core/net.h"
 #include "core/random.h"
+#include "core/socket.h"
 #include "deepnex/ps.pb.h"
 
 namespace deepnex::ps {
@@ -245,7 +246,7 @@ void ShmBroker::Serve() {
     }
     pending = std::move(kept);
     if ((fds[0].revents & POLLIN) == 0) continue;
-    int conn = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    int conn = AcceptOrShed(listen_fd_, SOCK_NONBLOCK);
     if (conn < 0) continue;
     // The uid before anything else: another user's connection is closed
     // unread and waits in no one's way.
