@@ -439,28 +439,25 @@ void BulkListener::Drop(int worker, uint64_t incarnation) {
 
 void BulkListener::Accept() {
   while (true) {
-    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    int fd = AcceptOrShed(listen_fd_, 0);
     std::unique_lock<std::mutex> lock(mu_);
     if (stopping_) {
       if (fd >= 0) close(fd);
       return;
     }
     if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE) {
-        lock.unlock();
-        // Out of descriptors: let some close before trying again.
-        if (errno != EINTR && errno != ECONNABORTED) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        }
-        continue;
-      }
+      if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE) continue;
       return;
     }
-    // Bounds the threads a flood of silent peers can hold.
-    if (admitting_ >= kMaxAdmitting) {
-      close(fd);
-      continue;
+    // Bounds the threads a flood of silent peers can hold. A client sends
+    // its ticket as it connects, so the oldest waiting is a silent one: it
+    // goes (its Admit sees the shutdown), not the newcomer, or peers that
+    // reconnect every few seconds would keep every worker out.
+    if (waiting_.size() >= kMaxAdmitting) {
+      shutdown(waiting_.front(), SHUT_RDWR);
+      waiting_.pop_front();
     }
+    waiting_.push_back(fd);
     ++admitting_;
     lock.unlock();
     std::thread([this, fd] { Admit(fd, PeerOf(fd)); }).detach();
@@ -474,10 +471,14 @@ void BulkListener::Admit(int fd, std::string peer) {
   std::shared_ptr<BulkStream> stream;
   int worker = -1;
   uint64_t incarnation = 0;
-  if (s.ok()) {
+  {
     std::lock_guard<std::mutex> lock(mu_);
+    // Out of the list before it can be closed below: Accept shuts down
+    // only descriptors that are open and still this connection's.
+    auto it = std::find(waiting_.begin(), waiting_.end(), fd);
+    if (it != waiting_.end()) waiting_.erase(it);
     for (auto& [w, e] : entries_) {
-      if (!stopping_ && !e.ticket.empty() && e.ticket == ticket) {
+      if (s.ok() && !stopping_ && !e.ticket.empty() && e.ticket == ticket) {
         e.ticket.clear();  // one use
         stream = std::make_shared<BulkStream>(fd, peer);
         e.stream = stream;

@@ -203,7 +203,8 @@ class BulkListener {
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<int, Entry> entries_;  // by worker; guarded by mu_
-  int admitting_ = 0;             // connections whose ticket is awaited
+  int admitting_ = 0;             // Admit threads running; guarded by mu_
+  std::deque<int> waiting_;       // their connections until read, oldest first; guarded by mu_
   bool stopping_ = false;         // guarded by mu_
 };
 

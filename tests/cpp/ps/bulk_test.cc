@@ -282,6 +282,22 @@ TEST(PsBulkTest, ATicketAdmitsOneConnectionAndAGuessNone) {
   EXPECT_EQ(AwaitMetric(**server, "deepnex_ps_bulk_connections", 0), 0);
 }
 
+// Peers that connect and say nothing, reconnecting before their 3 s run
+// out, held all 16 admission slots: a real worker was closed unread and
+// fell back to gRPC, silently slower. The oldest silent one now makes way.
+TEST(PsBulkTest, SilentPeersHoldingEveryAdmissionSlotDoNotKeepAWorkerOut) {
+  auto server = Server::Create(ServerOptions());
+  ASSERT_THAT(server.status(), IsOk());
+  pb::RegisterReply reply = RegisterForBulk((*server)->address(), 0, 5);
+  ASSERT_NE(reply.bulk_port(), 0u);
+  std::vector<std::unique_ptr<BulkPeer>> silent;
+  for (int i = 0; i < 24; ++i) silent.push_back(std::make_unique<BulkPeer>(reply.bulk_port(), ""));
+  // Accepted in the order they connected, so after every silent one.
+  BulkPeer real(reply.bulk_port(), reply.bulk_ticket());
+  EXPECT_TRUE(real.Admitted());
+  EXPECT_TRUE(silent.front()->ClosedByServer());  // the oldest made way
+}
+
 TEST(PsBulkTest, BadFramesGetErrorsNamingThemAndTheServerServesOn) {
   ServerOptions so;
   so.mode = Mode::kAsync;  // worker 0 here never pushes
