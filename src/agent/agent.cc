@@ -412,6 +412,10 @@ class AgentImpl final : public Agent {
         return absl::IsNotFound(s) ? absl::OkStatus() : s;
       }
       case pb::Command::kSession: {
+        if (c.session().end()) {
+          sessions_->End(c.session().session_id());
+          return absl::OkStatus();
+        }
         DEEPNEX_ASSIGN_OR_RETURN(auto h, Get(c.session().name()));
         return sessions_->Start(h, launcher_->backend(), c.session().session_id());
       }

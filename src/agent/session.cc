@@ -20,7 +20,8 @@ using SessionStream = grpc::ClientReaderWriter<pb::AgentSessionMessage, gpb::Ses
 
 class StreamPeer final : public launch::SessionPeer {
  public:
-  explicit StreamPeer(SessionStream* stream) : stream_(stream) {}
+  StreamPeer(SessionStream* stream, std::function<void(std::function<void()>)> on_gone)
+      : stream_(stream), on_gone_(std::move(on_gone)) {}
   bool Read(gpb::SessionInput* in) override { return stream_->Read(in); }
   bool Write(const gpb::SessionOutput& out) override {
     pb::AgentSessionMessage m;
@@ -28,9 +29,11 @@ class StreamPeer final : public launch::SessionPeer {
     std::lock_guard<std::mutex> lock(mu_);
     return stream_->Write(m);
   }
+  void OnGone(std::function<void()> gone) override { on_gone_(std::move(gone)); }
 
  private:
   SessionStream* const stream_;
+  const std::function<void(std::function<void()>)> on_gone_;
   std::mutex mu_;  // stdout and stderr pumps write at once
 };
 
@@ -43,13 +46,15 @@ absl::Status AgentSessions::Start(std::shared_ptr<launch::Handle> container,
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("deepnex-agent is stopping");
-    live_.insert(ctx);
+    if (!live_.emplace(id, Live{ctx, nullptr}).second) {
+      return absl::AlreadyExistsError(absl::StrCat("session ", id, " is already served here"));
+    }
     ++threads_;
   }
   std::thread([this, container = std::move(container), backend, id, ctx] {
     Serve(container, backend, id, ctx);
     std::lock_guard<std::mutex> lock(mu_);
-    live_.erase(ctx);
+    live_.erase(id);
     --threads_;
     cv_.notify_all();
   }).detach();
@@ -65,7 +70,9 @@ void AgentSessions::Serve(std::shared_ptr<launch::Handle> container, std::string
   hello.set_session_id(id);
   gpb::SessionInput first;
   if (stream->Write(hello) && stream->Read(&first)) {
-    StreamPeer peer(stream.get());
+    StreamPeer peer(stream.get(), [this, id](std::function<void()> gone) {
+      SetGone(id, std::move(gone));
+    });
     absl::Status served =
         first.has_start()
             ? launch::ServeSession(*container, backend, first.start(), peer,
@@ -85,10 +92,26 @@ void AgentSessions::Serve(std::shared_ptr<launch::Handle> container, std::string
   stream->Finish().ok();
 }
 
+void AgentSessions::SetGone(const std::string& id, std::function<void()> gone) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(id);
+  if (it != live_.end()) it->second.gone = std::move(gone);
+}
+
+void AgentSessions::End(const std::string& id) {
+  // Under mu_, so that the process `gone` kills outlives the call: its
+  // session clears `gone` (SetGone, which waits for mu_) before it ends.
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(id);
+  if (it == live_.end()) return;
+  it->second.ctx->TryCancel();
+  if (it->second.gone) it->second.gone();
+}
+
 void AgentSessions::Stop() {
   std::unique_lock<std::mutex> lock(mu_);
   stopping_ = true;
-  for (const auto& ctx : live_) ctx->TryCancel();
+  for (const auto& [id, live] : live_) live.ctx->TryCancel();
   cv_.wait(lock, [this] { return threads_ == 0; });
 }
 

@@ -10,7 +10,8 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
-#include <set>
+#include <functional>
+#include <map>
 #include <string>
 
 #include "deepnex/launch/launcher.h"
@@ -31,18 +32,29 @@ class AgentSessions {
   // its stream).
   absl::Status Start(std::shared_ptr<launch::Handle> container, const std::string& backend,
                      const std::string& id);
+  // Session `id`'s user is gone: kills its process and cancels its stream.
+  // Its thread may be blocked writing input the process does not read, and
+  // then reads nothing of the stream that central ended. Unknown ids are
+  // ignored (the session ended first).
+  void End(const std::string& id);
   // Cancels every session and waits for their threads. Idempotent.
   void Stop();
 
  private:
+  struct Live {
+    std::shared_ptr<grpc::ClientContext> ctx;
+    std::function<void()> gone;  // launch::SessionPeer::OnGone's; may be null
+  };
   void Serve(std::shared_ptr<launch::Handle> container, std::string backend, std::string id,
              std::shared_ptr<grpc::ClientContext> ctx);
+  // Sets session `id`'s `gone` (null: none), as its peer's OnGone.
+  void SetGone(const std::string& id, std::function<void()> gone);
 
   const std::shared_ptr<grpc::Channel> central_;
   const std::string token_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::set<std::shared_ptr<grpc::ClientContext>> live_;
+  std::map<std::string, Live> live_;  // by session id
   int threads_ = 0;
   bool stopping_ = false;
 };

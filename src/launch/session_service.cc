@@ -74,18 +74,16 @@ class Pipe final : public QueuedServerStream<In, Out> {
 
   using QueuedServerStream<In, Out>::QueuedBytes;
 
- protected:
-  void OnWritten() override {
-    if (hooks_.written) hooks_.written();
-  }
-
- public:
-
   void OnCancel() override { this->Close(absl::CancelledError("the stream was cancelled")); }
 
   void OnDone() override {
     if (hooks_.done) hooks_.done();
     delete this;
+  }
+
+ protected:
+  void OnWritten() override {
+    if (hooks_.written) hooks_.written();
   }
 
  private:
@@ -351,8 +349,15 @@ class Services final : public SessionServices {
       s->cv.wait(lock, [&] { return !s->inputs.empty() || s->input_end || s->agent_gone; });
       if (s->agent_gone) return;
       if (s->inputs.empty()) {
-        // The client is gone: the agent kills the process.
+        // The client is gone: the agent kills the process. Told on the
+        // agent's own stream too, since its end of this session may be
+        // blocked writing input the process does not read, and then reads
+        // nothing of the session's stream that Close ends.
         s->agent->Close(absl::CancelledError("the user's session ended"));
+        lock.unlock();
+        command.mutable_session()->set_end(true);
+        hub_.Call(target.node, command, kAttachTimeout).status().IgnoreError();
+        lock.lock();
         s->cv.wait(lock, [&] { return s->agent_gone; });
         return;
       }

@@ -3,13 +3,16 @@ streamed, stdin, exit code, as the container's user), a shell on a pseudo-
 terminal, and port-forward; locally and through a deepnex-agent on another
 simulated host. Another user's container is NotFound."""
 
+import fcntl
 import os
 import pty
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 
@@ -631,6 +634,42 @@ def test_port_forward_reaches_a_server_in_the_container_and_only_its_owner(centr
         assert (out.returncode, out.stdout, out.stderr) == (1, "", f"deepnex: {err}\n")
 
 
+def assert_a_gone_user_ends_a_process_that_leaves_its_input_unread(hosts, env, tmp_path):
+    """The agent's end blocked writing input to a process that never reads
+    it, the user goes: central tells the agent on the agent's own stream,
+    and the agent kills the process. Before, the session's stream was never
+    read again, and the process lived on (a `sleep 1234.5` here)."""
+    def sleepers():
+        r = subprocess.run(["pgrep", "-f", "^(/usr/bin/)?sleep 1234.5$"], capture_output=True,
+                           text=True)
+        return r.stdout.split()
+
+    def stdin_full(pid):
+        fd = os.open(f"/proc/{pid}/fd/0", os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            queued = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+            return queued == fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+        finally:
+            os.close(fd)
+    big = tmp_path / "input"
+    big.write_bytes(b"x" * (8 << 20))
+    with open(big, "rb") as stdin:
+        user = hosts.popen("hc", [PY, "-m", "deepnex", "exec", "web", "-i", "--", "sleep",
+                                  "1234.5"], env=env, stdin=stdin, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        pid = wait_for(sleepers, "the exec'd sleep on h1")[0]
+        wait_for(lambda: stdin_full(pid), "the sleep's stdin pipe to fill")
+        user.kill()
+        user.wait(timeout=30)
+        wait_for(lambda: not sleepers(), "the agent to kill the process of a gone user",
+                 timeout=30)
+    finally:
+        user.kill()
+        user.wait(timeout=30)
+        subprocess.run(["pkill", "-9", "-f", "^(/usr/bin/)?sleep 1234.5$"])
+
+
 AGENT_TOKENS = "h1tok h1 node\n"
 
 
@@ -679,6 +718,7 @@ def test_exec_and_port_forward_through_an_agent_on_another_host(make_hosts, tmp_
     out = deepnex("exec", "web", "-i", "--", "sh", "-c", "sleep 0.5; exit 6",
                   input="x" * (4 << 20))
     assert out.returncode == 6 and agent.poll() is None, out.stderr
+    assert_a_gone_user_ends_a_process_that_leaves_its_input_unread(hosts, env, tmp_path)
     out = deepnex("exec", "web", "--", "no-such-command")
     assert out.returncode == 1 and 'node h1: command "no-such-command"' in out.stderr
     out = deepnex("exec", "web", "--", "true", token="bobtok")
