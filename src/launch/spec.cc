@@ -98,13 +98,17 @@ absl::Status CheckMount(const LauncherOptions& options, size_t i, Mount& m) {
 // (key=value), Slurm's --comment (key=value,... read back line by line from
 // squeue, whose lines a newline in a value could forge to have Cleanup cancel
 // another user's job). So no control characters anywhere, no ',' and no
-// '=' or space in a key, no ',' in a value.
+// '=' or space in a key, no ',' in a value. And at most 64 KiB in all (as
+// Kubernetes bounds a pod's annotations): central keeps them for every
+// container, and a probe's 850 labels of 4000 bytes were taken.
 absl::Status CheckLabels(const std::map<std::string, std::string>& labels) {
+  constexpr size_t kMaxLabelBytes = 64 << 10;
   auto control = [](const std::string& s) {
     return std::any_of(s.begin(), s.end(), [](char c) {
       return static_cast<unsigned char>(c) < 0x20 || c == 0x7f;
     });
   };
+  size_t total = 0;
   for (const auto& [key, value] : labels) {
     if (key.empty() || key.size() > 253 || control(key) ||
         key.find_first_of(",= ") != std::string::npos) {
@@ -118,6 +122,12 @@ absl::Status CheckLabels(const std::map<std::string, std::string>& labels) {
           value.size() > 64 ? "..." : "",
           "\") is not at most 4096 characters without control characters or ','"));
     }
+    total += key.size() + value.size();
+  }
+  if (total > kMaxLabelBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.labels: ", labels.size(), " labels of ", total,
+                     " bytes in all (keys and values); at most ", kMaxLabelBytes));
   }
   return absl::OkStatus();
 }

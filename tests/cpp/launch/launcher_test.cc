@@ -561,6 +561,10 @@ TEST_F(ProcessLauncherTest, BadSpecFields) {
                    "spec.labels: the value of \"note\" (\"x\\n7\") is not at most 4096 "
                    "characters without control characters or ','");
   spec = Spec("ok", "exit 0");
+  for (int i = 0; i < 16; ++i) spec.labels[absl::StrCat("k", i)] = std::string(4094, 'v');
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.labels: 16 labels of 65542 bytes in all (keys and values); at most 65536");
+  spec = Spec("ok", "exit 0");
   spec.env["A=B"] = "c";
   ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "spec.env: \"A=B\"");
   EXPECT_TRUE(Run(Spec("ok", "exit 0")).ok());
