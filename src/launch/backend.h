@@ -32,6 +32,24 @@ struct RunContext {
   std::map<std::string, std::string> labels;
 };
 
+// How a run's Wait treats an engine whose API (slurmctld, the Kubernetes
+// API server) fails to answer: a busy or restarting controller answers again
+// soon, so only a silence of kFor makes the run lost. Not thread-safe.
+class EngineSilence {
+ public:
+  static constexpr std::chrono::seconds kFor{30};
+  // Whether a failed call at `now` still falls within the allowed silence.
+  bool Tolerates(std::chrono::steady_clock::time_point now) {
+    if (!since_.has_value()) since_ = now;
+    return now - *since_ < kFor;
+  }
+  // A call answered.
+  void Answered() { since_.reset(); }
+
+ private:
+  std::optional<std::chrono::steady_clock::time_point> since_;
+};
+
 // One run of a container. Thread-safe: Wait runs on the supervisor thread
 // while Stop, Logs and Usage come from users' threads.
 class Run {

@@ -285,7 +285,8 @@ json PodSpec(const ContainerSpec& spec, const KubernetesOptions& options) {
   }
   if (!env.empty()) container["env"] = env;
   if (!spec.working_dir.empty()) container["workingDir"] = spec.working_dir;
-  // spec.pids_limit has no per-pod field: the kubelet's podPidsLimit caps it.
+  // spec.pids_limit has no per-pod field (Check refuses one): the kubelet's
+  // podPidsLimit caps a pod.
   json resources = Resources(spec, options);
   if (!resources.empty()) container["resources"] = resources;
   json security = json::object();
@@ -415,10 +416,17 @@ class KubernetesRun : public Run {
   absl::StatusOr<std::optional<ExitStatus>> Wait(std::chrono::milliseconds timeout) override {
     const auto deadline = Clock::now() + timeout;
     while (true) {
-      DEEPNEX_ASSIGN_OR_RETURN(std::optional<ExitStatus> exit, Poll());
-      if (exit.has_value()) return exit;
+      absl::StatusOr<std::optional<ExitStatus>> exit = Poll();
       std::unique_lock<std::mutex> lock(mu_);
       const auto now = Clock::now();
+      if (!exit.ok()) {
+        // One failed GET (a 503, a timeout) used to end a healthy pod as
+        // lost, and the supervisor deleted it.
+        if (!silence_.Tolerates(now)) return exit.status();
+      } else {
+        silence_.Answered();
+        if (exit->has_value()) return exit;
+      }
       if (now >= deadline) return std::optional<ExitStatus>();
       // A Stop wakes it to look again at once.
       wake_.wait_until(lock, std::min(deadline, now + poll_));
@@ -583,6 +591,7 @@ class KubernetesRun : public Run {
   std::condition_variable wake_;
   std::string pod_;
   bool stopped_ = false;
+  EngineSilence silence_;
   std::optional<ExitStatus> result_;
   std::string logs_;
   uint64_t peak_ = 0;
@@ -613,6 +622,23 @@ class KubernetesBackend : public Backend {
         return absl::InvalidArgumentError(absl::StrCat(
             "spec.labels: \"", key, "=", value, "\" is no kubernetes label"));
       }
+      // The job controller's own labels: a pod carrying another job's
+      // job-name would be taken for that job's pod.
+      if (key == "job-name" || key == "controller-uid" ||
+          absl::StartsWith(key, "batch.kubernetes.io/")) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "spec.labels: \"", key, "\" is set by Kubernetes' job controller"));
+      }
+    }
+    // What a pod's manifest cannot say is refused, not dropped.
+    if (spec.pids_limit > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.pids_limit: ", spec.pids_limit,
+          ": a pod's process limit is the kubelet's (podPidsLimit), not the pod's"));
+    }
+    if (spec.host_network) {
+      return absl::InvalidArgumentError(
+          "spec.host_network: true: the kubernetes backend runs pods on the pod network");
     }
     return absl::OkStatus();
   }
@@ -633,10 +659,11 @@ class KubernetesBackend : public Backend {
     DEEPNEX_ASSIGN_OR_RETURN(
         int jobs, DeleteListed(absl::StrCat("/apis/batch/v1/namespaces/", ns_, "/jobs"), selector,
                                "propagationPolicy=Background&gracePeriodSeconds=0"));
-    // Pods of those jobs go with them.
+    // Pods of those jobs go with them; the rest, a job's pod too (a Stop
+    // that failed after orphaning it from its job left it), here.
     DEEPNEX_ASSIGN_OR_RETURN(
-        int pods, DeleteListed(absl::StrCat("/api/v1/namespaces/", ns_, "/pods"),
-                               selector + ",!job-name", "gracePeriodSeconds=0"));
+        int pods, DeleteListed(absl::StrCat("/api/v1/namespaces/", ns_, "/pods"), selector,
+                               "gracePeriodSeconds=0"));
     return jobs + pods;
   }
 

@@ -58,8 +58,6 @@ namespace deepnex::launch {
 namespace {
 
 constexpr auto kCommandTimeout = std::chrono::seconds(30);
-// How long squeue/scontrol may fail before Wait gives up on a job.
-constexpr auto kUnreachableFor = std::chrono::seconds(30);
 constexpr char kLogFile[] = "output.log";
 constexpr char kScriptFile[] = "job.sh";
 const char* const kTools[] = {"sbatch", "squeue", "scontrol", "scancel", "sinfo"};
@@ -247,12 +245,9 @@ class SlurmRun : public Run {
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (!e.ok()) {
-          // A busy or restarting controller answers again soon; only a long
-          // silence means we cannot tell any more (and the run is lost).
-          if (!failing_since_.has_value()) failing_since_ = now;
-          if (now - *failing_since_ >= kUnreachableFor) return e.status();
+          if (!silence_.Tolerates(now)) return e.status();
         } else {
-          failing_since_.reset();
+          silence_.Answered();
           if (e->has_value()) {
             exit_ = *e;
             return exit_;
@@ -344,7 +339,7 @@ class SlurmRun : public Run {
   std::mutex mu_;
   std::optional<ExitStatus> exit_;
   // When Slurm's commands began to fail, while they do.
-  std::optional<std::chrono::steady_clock::time_point> failing_since_;
+  EngineSilence silence_;  // guarded by mu_
   uint64_t peak_ = 0;
 };
 

@@ -124,6 +124,7 @@ class FakeApiServer:
         self.outcomes = {}   # pod name (a job's: the job's name) -> Outcome
         self.requests = []   # (method, path, query, body)
         self.errors = []     # what the server refused; a test fails on any
+        self.faults = []     # [method, path part, HTTP code, times]: the next calls fail
         server = self
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), type(
             "Handler", (_Handler,), {"api": server}))
@@ -245,6 +246,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self.connection.getpeercert()
             if self.headers.get("Authorization") != f"Bearer {TOKEN}" and not with_cert:
                 return self._reply(*_status(401, "Unauthorized", "Unauthorized"))
+            for fault in api.faults:
+                if fault[0] == method and fault[1] in url.path and fault[3] > 0:
+                    fault[3] -= 1
+                    return self._reply(*_status(fault[2], "ServiceUnavailable", "injected"))
             if body is not None and self.headers.get("Content-Type") != "application/json":
                 api.errors.append(f"{method} {url.path}: Content-Type "
                                   f"{self.headers.get('Content-Type')!r}")
@@ -478,6 +483,22 @@ def test_success_oom_and_eviction(api):
         assert evicted.wait(timeout=30).reason == "lost"
 
 
+def test_a_few_failed_polls_of_a_running_pod_do_not_end_it(api):
+    # One 503 used to end the pod as lost: the supervisor deleted a healthy
+    # pod and started another. An API server that stays silent for 30 s
+    # still does (as slurmctld does).
+    api.outcomes["kt1-steady-0"] = Outcome(running_polls=8)
+    with settled(api, k8s_launcher(api)) as launcher:
+        h = launcher.start(spec("steady", restart="on-failure:3"))
+        wait_for(lambda: h.status().state == "running", "the pod to run")
+        with api.lock:
+            api.faults.append(["GET", "/pods/kt1-steady-0", 503, 3])
+        e = h.wait(timeout=60)
+        assert (str(e), e.restarts) == ("exited(0)", 0)
+        assert "lost run" not in h.logs()
+    assert len(api.sent("POST", "/pods")) == 1  # no second pod
+
+
 def test_stop_deletes_the_pod_with_the_grace(api):
     api.outcomes["kt1-server-0"] = Outcome(forever=True, logs="serving\n")
     with settled(api, k8s_launcher(api)) as launcher:
@@ -595,6 +616,16 @@ def test_specs_a_pod_cannot_express_are_refused(api):
             launcher.start(spec("hosty", image="host"))
         with pytest.raises(deepnex.InvalidArgumentError, match="spec.labels"):
             launcher.start(spec("labelled", labels={"team": "a b"}))
+        # A pod with another job's job-name would pass for that job's pod.
+        for key in ("job-name", "controller-uid", "batch.kubernetes.io/job-name"):
+            with pytest.raises(deepnex.InvalidArgumentError,
+                               match=f'spec.labels: "{key}" is set by Kubernetes. job controller'):
+                launcher.start(spec("posing", labels={key: "kt1-other-0"}))
+        # Refused, not dropped from the manifest.
+        with pytest.raises(deepnex.InvalidArgumentError, match="spec.pids_limit: 5: "):
+            launcher.start(spec("forky", pids_limit=5))
+        with pytest.raises(deepnex.InvalidArgumentError, match="spec.host_network: true"):
+            launcher.start(spec("hosted", host_network=True))
         with pytest.raises(deepnex.InvalidArgumentError, match='spec.name: "w_"'):
             launcher.start(spec("w_"))
         assert api.sent("POST") == []
@@ -609,11 +640,15 @@ def test_cleanup_sweeps_what_a_crashed_launcher_left(api):
     api.jobs[("team-a", "gone1-j-0")] = {"metadata": {"name": "gone1-j-0", "labels": dict(left)}}
     api.add_pod("team-a", {"metadata": {"name": "gone1-j-0-abcde", "labels": dict(left)},
                            "spec": {}}, owner_job="gone1-j-0")
+    # A job's pod whose job is gone: a Stop deletes the job first (orphaning
+    # the pod), and a launcher that crashed before deleting the pod left it.
+    api.add_pod("team-a", {"metadata": {"name": "gone1-k-0-fghij", "labels": dict(
+        left, **{"job-name": "gone1-k-0"})}, "spec": {}})
     other = {"deepnex.launcher": "other", "deepnex.name": "y"}
     api.add_pod("team-a", {"metadata": {"name": "other-y-0", "labels": other}, "spec": {}})
     with settled(api, k8s_launcher(api)) as launcher:
-        # Two pods and a job (its pod goes with it).
-        assert launcher.cleanup("gone1") == 3
+        # Three pods and a job (its pod goes with it).
+        assert launcher.cleanup("gone1") == 4
     assert list(api.pods) == [("team-a", "other-y-0")]
     assert api.jobs == {}
 
