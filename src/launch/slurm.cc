@@ -43,6 +43,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "core/file_util.h"
@@ -59,6 +60,9 @@ namespace {
 
 constexpr auto kCommandTimeout = std::chrono::seconds(30);
 constexpr char kLogFile[] = "output.log";
+// The longest --comment Slurm (22.05) takes: 1100 bytes failed with
+// "Pathname of a file, directory or other parameter too long".
+constexpr size_t kMaxComment = 1000;
 constexpr char kScriptFile[] = "job.sh";
 const char* const kTools[] = {"sbatch", "squeue", "scontrol", "scancel", "sinfo"};
 
@@ -389,6 +393,9 @@ class SlurmBackend : public Backend {
     std::string script = absl::StrCat("#!/bin/sh\n# deepnex run ", context.run_name,
                                       "\nexec /usr/bin/env --");
     for (const auto& [k, v] : env) absl::StrAppend(&script, " ", ShellQuote(k + "=" + v));
+    // env(1) takes an operand with '=' for one more variable, and would run
+    // the next word: a program "/opt/d=1/prog" is handed to sh to run.
+    if (exe.find('=') != std::string::npos) absl::StrAppend(&script, " /bin/sh -c 'exec \"$0\" \"$@\"'");
     absl::StrAppend(&script, " ", ShellQuote(exe));
     for (size_t i = 1; i < spec.command.size(); ++i) {
       absl::StrAppend(&script, " ", ShellQuote(spec.command[i]));
@@ -408,16 +415,23 @@ class SlurmBackend : public Backend {
     for (const auto& [k, v] : context.labels) {
       if (k != kLauncherLabel) absl::StrAppend(&comment, ",", k, "=", v);
     }
+    if (comment.size() > kMaxComment) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.labels: the Slurm job's comment (the labels, with deepnex.launcher and "
+          "deepnex.name) would be ", comment.size(), " bytes; Slurm takes at most ", kMaxComment));
+    }
     const std::string log_path = context.dir + "/" + kLogFile;
     // Another user's job: slurmstepd opens the output as that user, so the
     // file is made theirs here (the run directory must be searchable).
     const bool become = spec.run_as && (spec.run_as->uid != geteuid() ||
                                         spec.run_as->gid != getegid());
     if (become) DEEPNEX_RETURN_IF_ERROR(CreateOwnedBy(log_path, *spec.run_as));
+    // Slurm expands %u, %j and the like in these paths; %% is a '%'.
+    const std::string output = absl::StrReplaceAll(log_path, {{"%", "%%"}});
     std::vector<std::string> args = {
         "--parsable", "--job-name=" + context.run_name, "--comment=" + comment,
         "--nodes=1", "--ntasks=1", "--no-requeue",
-        "--output=" + log_path, "--error=" + log_path, "--open-mode=append",
+        "--output=" + output, "--error=" + output, "--open-mode=append",
         "--chdir=" + workdir,
         absl::StrCat("--cpus-per-task=", std::max(1, static_cast<int>(std::ceil(spec.cpus))))};
     if (spec.memory > 0) {

@@ -54,6 +54,9 @@ constexpr const char* kRuntimeDirs[] = {"/proc", "/dev", "/sys"};
 constexpr double kMaxCpus = 65536;
 // PID_MAX_LIMIT on 64-bit Linux: pids.max takes nothing above it.
 constexpr int64_t kMaxPids = 4194304;
+// Memory past 1 EiB is no machine's, and near 2^64 a rounding up to whole
+// MiB (Slurm's --mem) wrapped to 0, which Slurm takes as all of the node's.
+constexpr uint64_t kMaxMemory = 1ull << 60;
 
 // Checks mount `i` and sets its source to the real path that was checked, so
 // that the backend mounts what was allowed even if a symlink on the way is
@@ -216,6 +219,11 @@ absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
     return absl::InvalidArgumentError(absl::StrCat("spec.memory: ", spec.memory,
                                                    " bytes is below the minimum ",
                                                    FormatByteSize(options.min_memory)));
+  }
+  if (spec.memory > kMaxMemory) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.memory: ", spec.memory,
+                                                   " bytes is more than ",
+                                                   FormatByteSize(kMaxMemory)));
   }
   if (!std::isfinite(spec.cpus) || spec.cpus < 0) {
     return absl::InvalidArgumentError(

@@ -560,6 +560,12 @@ TEST_F(ProcessLauncherTest, BadSpecFields) {
   ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
                    "spec.labels: the value of \"note\" (\"x\\n7\") is not at most 4096 "
                    "characters without control characters or ','");
+  // Near 2^64, Slurm's rounding up to whole MiB wrapped to --mem=0: all of
+  // the node's memory.
+  spec = Spec("ok", "exit 0");
+  spec.memory = ~0ull - (1ull << 19) + 1;
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.memory: 18446744073709027328 bytes is more than ");
   spec = Spec("ok", "exit 0");
   for (int i = 0; i < 16; ++i) spec.labels[absl::StrCat("k", i)] = std::string(4094, 'v');
   ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,

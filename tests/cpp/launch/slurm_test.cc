@@ -158,16 +158,25 @@ class SlurmTest : public ::testing::Test {
     return r.ok() ? r->out : "";
   }
 
-  std::unique_ptr<launch::Run> StartOk(const ContainerSpec& spec, Backend* backend = nullptr,
-                               const std::string& launcher_id = "") {
+  // The first run of `spec` by `launcher_id` (default: this test's), in a
+  // new directory `dir` of the scratch directory (default: the run's name).
+  RunContext ContextFor(const ContainerSpec& spec, const std::string& launcher_id = "",
+                        const std::string& dir = "") {
     RunContext context;
     context.launcher_id = launcher_id.empty() ? options_.id : launcher_id;
     context.run_name = RunName(context.launcher_id, spec.name, 0);
-    context.dir = scratch_.path() + "/" + context.run_name;
+    context.dir = scratch_.path() + "/" + (dir.empty() ? context.run_name : dir);
     context.labels = spec.labels;
     context.labels["deepnex.launcher"] = context.launcher_id;
     context.labels["deepnex.name"] = spec.name;
     EXPECT_EQ(mkdir(context.dir.c_str(), 0755), 0);
+    return context;
+  }
+
+  std::unique_ptr<launch::Run> StartOk(const ContainerSpec& spec, Backend* backend = nullptr,
+                               const std::string& launcher_id = "",
+                               const std::string& dir = "") {
+    RunContext context = ContextFor(spec, launcher_id, dir);
     Backend* b = backend != nullptr ? backend : backend_.get();
     EXPECT_THAT(b->Check(spec), IsOk());
     absl::StatusOr<std::unique_ptr<launch::Run>> run = b->Start(spec, context);
@@ -436,6 +445,38 @@ TEST_F(SlurmTest, RunAsSubmitsTheJobAsTheUser) {
   EXPECT_EQ(st.st_mode & 0777, 0600u);
 }
 
+// Paths that Slurm or env(1) read as something else are taken as they are:
+// a run directory with '%' (sbatch expands %u and %j in --output, and the
+// job failed to open its log), a program under a directory with '=' (env
+// took it for one more variable and ran the next word instead).
+TEST_F(SlurmTest, PercentInTheRunDirAndEqualsInTheProgramsPathAreTakenLiterally) {
+  const std::string dir = scratch_.path() + "/d=1";
+  ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
+  const std::string prog = dir + "/prog";
+  ASSERT_THAT(WriteFileAtomically(prog, "#!/bin/sh\necho prog \"$@\"\n"), IsOk());
+  ASSERT_EQ(chmod(prog.c_str(), 0755), 0);
+  ContainerSpec spec;
+  spec.name = "literal";
+  spec.command = {prog, "echo", "NOT THE PROGRAM"};
+  auto run = StartOk(spec, nullptr, "", "run-%u-%j");
+  ASSERT_NE(run, nullptr);
+  EXPECT_EQ(WaitEnd(*run).ToString(), "exited(0)");
+  EXPECT_EQ(LogsOf(*run), "prog echo NOT THE PROGRAM\n");
+}
+
+// Slurm takes a --comment of at most 1000 bytes; past that sbatch said
+// "Pathname of a file, directory or other parameter too long", echoing the
+// whole command line and naming no field.
+TEST_F(SlurmTest, LabelsPastWhatAJobsCommentHoldsAreRefusedNamingThem) {
+  ContainerSpec spec = Sh("labelled", "true");
+  spec.labels["note"] = std::string(1000, 'x');
+  EXPECT_THAT(backend_->Start(spec, ContextFor(spec)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("spec.labels: the Slurm job's comment (the labels, with "
+                                       "deepnex.launcher and deepnex.name) would be "),
+                             HasSubstr(" bytes; Slurm takes at most 1000"))));
+}
+
 TEST_F(SlurmTest, NodesAreTheClustersAndTheAllocationsNodeIsTheNodelist) {
   // tests/launch/slurm.sh: one node, named `hostname -s`, 8 CPUs, 2000 MB,
   // 4 GPUs.
@@ -456,12 +497,8 @@ TEST_F(SlurmTest, NodesAreTheClustersAndTheAllocationsNodeIsTheNodelist) {
 
   // A node Slurm does not have is refused, not run elsewhere.
   spec.allocation->node = "deepnex-no-such-node";
-  RunContext context;
-  context.launcher_id = options_.id;
-  context.run_name = RunName(options_.id, "nowhere", 0);
-  context.dir = scratch_.path() + "/" + context.run_name;
-  ASSERT_EQ(mkdir(context.dir.c_str(), 0755), 0);
-  EXPECT_THAT(backend_->Start(spec, context),
+  spec.name = "nowhere";
+  EXPECT_THAT(backend_->Start(spec, ContextFor(spec)),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        AllOf(HasSubstr("--nodelist=deepnex-no-such-node"),
                              HasSubstr("Invalid node name"))));
