@@ -1,7 +1,6 @@
 #include "core/grpc_util.h"
 
 #include "core/file_util.h"
-#include "core/grpc_listener.h"
 #include "core/net.h"
 
 #include <google/protobuf/message_lite.h>
@@ -155,18 +154,11 @@ absl::StatusOr<std::unique_ptr<ServerHost>> ServerHost::Start(
                                                why.empty() ? "gRPC could not bind it" : why));
   };
   DEEPNEX_RETURN_IF_ERROR(CheckListenPort(options.what, address));
-  // Plaintext HOST:PORT: our own accept loop (core/grpc_listener.h).
-  std::unique_ptr<GrpcListener> listener;
-  std::string why;
-  if (options.tls_cert_file.empty() && !absl::StartsWith(address, "unix:")) {
-    DEEPNEX_ASSIGN_OR_RETURN(listener, GrpcListener::Bind(options.what, address));
-  } else {
-    // Refused before gRPC tries: it would log lines of its own, and serve on
-    // the other addresses of a name (localhost) when one of them is taken.
-    int err = 0;
-    why = ProbeBind(address, &err);
-    if (err == EADDRINUSE) return cannot(why);
-  }
+  // Refused before gRPC tries: it would log lines of its own, and serve on
+  // the other addresses of a name (localhost) when one of them is taken.
+  int err = 0;
+  const std::string why = ProbeBind(address, &err);
+  if (err == EADDRINUSE) return cannot(why);
   grpc::ServerBuilder builder;
   if (options.max_receive_bytes > 0) {
     builder.SetMaxReceiveMessageSize(
@@ -182,22 +174,12 @@ absl::StatusOr<std::unique_ptr<ServerHost>> ServerHost::Start(
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                              static_cast<int>(kMinKeepalive.count() / 2));
   int port = 0;
-  if (listener == nullptr) builder.AddListeningPort(address, credentials, &port);
+  builder.AddListeningPort(address, credentials, &port);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (listener != nullptr) port = listener->port();
   if (server == nullptr || port == 0) return cannot(why);
-  if (listener != nullptr) listener->Serve(server.get());
-  return std::unique_ptr<ServerHost>(
-      new ServerHost(std::move(server), std::move(listener),
-                     AdvertisedAddress(address, options.advertise, port), port));
+  return std::unique_ptr<ServerHost>(new ServerHost(
+      std::move(server), AdvertisedAddress(address, options.advertise, port), port));
 }
-
-ServerHost::ServerHost(std::unique_ptr<grpc::Server> server,
-                       std::unique_ptr<GrpcListener> listener, std::string address, int port)
-    : server_(std::move(server)), listener_(std::move(listener)), address_(std::move(address)),
-      port_(port) {}
-
-ServerHost::~ServerHost() { Stop(); }
 
 grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status) {
   auto* reactor = ctx->DefaultReactor();
@@ -207,7 +189,6 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::St
 
 void ServerHost::Stop() {
   std::call_once(stop_once_, [this] {
-    listener_.reset();  // no connection comes to a server shutting down
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
     server_->Wait();
     std::lock_guard<std::mutex> lock(mu_);

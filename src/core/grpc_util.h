@@ -25,8 +25,6 @@ class MessageLite;
 
 namespace deepnex {
 
-class GrpcListener;
-
 // absl and gRPC share their status codes, so these only move the values.
 absl::Status ToAbslStatus(const grpc::Status& status);
 grpc::Status ToGrpcStatus(const absl::Status& status);
@@ -81,7 +79,7 @@ class ServerHost {
   //   ps server: cannot listen on "127.0.0.1:7070": Address already in use
   static absl::StatusOr<std::unique_ptr<ServerHost>> Start(
       const ServerHostOptions& options, const std::vector<grpc::Service*>& services);
-  ~ServerHost();
+  ~ServerHost() { Stop(); }
 
   // The address peers dial, with the bound port, e.g. "127.0.0.1:41234";
   // never a wildcard.
@@ -96,11 +94,10 @@ class ServerHost {
   void Wait();
 
  private:
-  ServerHost(std::unique_ptr<grpc::Server> server, std::unique_ptr<GrpcListener> listener,
-             std::string address, int port);
+  ServerHost(std::unique_ptr<grpc::Server> server, std::string address, int port)
+      : server_(std::move(server)), address_(std::move(address)), port_(port) {}
 
   const std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<GrpcListener> listener_;  // null: gRPC's own (TLS, unix:)
   const std::string address_;
   const int port_;
   std::once_flag stop_once_;

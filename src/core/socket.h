@@ -27,8 +27,8 @@ absl::StatusOr<int> AcceptTcp(int listen_fd, SteadyClock::time_point deadline);
 // accept4(listen_fd, SOCK_CLOEXEC | flags) that a process out of file
 // descriptors survives: at EMFILE or ENFILE the waiting connection is taken
 // with a descriptor held in reserve and closed at once, so its peer is told
-// rather than left in the backlog, and the listener goes on accepting once
-// descriptors are free again (gRPC 1.51's own listener stops for good).
+// rather than left in the backlog (where each poll would find it again),
+// and the listener goes on accepting once descriptors are free again.
 // -1 with errno set when no connection is returned (EMFILE or ENFILE: one
 // was shed, or could not be and 10 ms passed); the caller may call again.
 int AcceptOrShed(int listen_fd, int flags);
