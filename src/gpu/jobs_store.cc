@@ -9,6 +9,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
 #include "deepnex/jobs.grpc.pb.h"
@@ -20,7 +21,8 @@ namespace {
 using std::chrono::milliseconds;
 using std::chrono::system_clock;
 
-constexpr size_t kMaxNameLength = 128;
+// The most of a refused name or run id an error quotes.
+constexpr size_t kMaxShown = 64;
 // Log records (beyond one per job) after which the store snapshots.
 constexpr uint64_t kSnapshotEvery = 1000;
 
@@ -120,6 +122,15 @@ const char* JobStateName(JobState state) {
     case JobState::kCancelled: return "cancelled";
   }
   return "pending";
+}
+
+bool IsJobName(const std::string& name) {
+  if (name.empty() || name.size() > 40) return false;
+  for (size_t i = 0; i < name.size(); ++i) {
+    const char c = name[i];
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || (i > 0 && c == '-'))) return false;
+  }
+  return true;
 }
 
 absl::StatusOr<JobState> ParseJobState(const std::string& text, const char* field) {
@@ -442,8 +453,22 @@ absl::StatusOr<pb::Job*> JobStore::FindLocked(const Identity& who, const std::st
 }
 
 absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in) {
-  if (in.name().empty() || in.name().size() > kMaxNameLength) {
-    return absl::InvalidArgumentError(absl::StrCat("name: \"", in.name(), "\" is not a job name"));
+  // Checked here, not only by deepnex run: a name and a run id make the
+  // event id that webhooks carry in a header, where a CR LF from a C++
+  // client's JobsClient::Report injected headers of its own.
+  if (!IsJobName(in.name())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("name: \"", absl::CHexEscape(in.name().substr(0, kMaxShown)), "\"",
+                     in.name().size() > kMaxShown ? "..." : "",
+                     " is not a job name ([a-z0-9][a-z0-9-]*, at most 40)"));
+  }
+  if (in.run().empty() || in.run().size() > 64 ||
+      in.run().find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-") !=
+          std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("run: \"", absl::CHexEscape(in.run().substr(0, kMaxShown)), "\"",
+                     in.run().size() > kMaxShown ? "..." : "",
+                     " is not a run id (1-64 letters, digits, '-' or '_')"));
   }
   DEEPNEX_ASSIGN_OR_RETURN(JobState state, ParseJobState(in.state(), "state"));
   std::optional<MetricThreshold> when;

@@ -55,7 +55,7 @@ class JobImpl : public Job {
 
   absl::Status Init() {
     if (o_.name.empty()) o_.name = "job-" + RandomHex(4);
-    if (!ValidJobName(o_.name)) {
+    if (!gpu::IsJobName(o_.name)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "name: \"", o_.name, "\" is not a job name ([a-z0-9][a-z0-9-]*, at most 40)"));
     }

@@ -16,16 +16,6 @@ extern char** environ;
 
 namespace deepnex::job {
 
-bool ValidJobName(const std::string& name) {
-  if (name.empty() || name.size() > 40) return false;
-  for (size_t i = 0; i < name.size(); ++i) {
-    char c = name[i];
-    bool ok = (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || (i > 0 && c == '-');
-    if (!ok) return false;
-  }
-  return true;
-}
-
 absl::StatusOr<int> ReservePort() {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", strerror(errno)));

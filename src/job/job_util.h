@@ -12,8 +12,6 @@
 
 namespace deepnex::job {
 
-// [a-z0-9][a-z0-9-]*, at most 40 characters.
-bool ValidJobName(const std::string& name);
 // A port the OS considers free now. The parameter servers listen on fixed
 // ports (not :0) so that one restarted by its policy comes back where the
 // workers already look for it. For a server on another node this is only a

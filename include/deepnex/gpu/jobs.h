@@ -34,6 +34,9 @@ enum class JobState { kPending, kRunning, kCompleted, kFailed, kCancelled };
 const char* JobStateName(JobState state);
 // InvalidArgument naming `field` and `text` for anything else.
 absl::StatusOr<JobState> ParseJobState(const std::string& text, const char* field);
+// Whether `name` can name a job: [a-z0-9][a-z0-9-]*, at most 40 characters.
+// Names travel in webhook headers, URLs and file names, so nothing else is.
+bool IsJobName(const std::string& name);
 // Completed, failed or cancelled: history.
 bool JobEnded(JobState state);
 

@@ -196,6 +196,19 @@ TEST_F(JobsTest, BadInputIsNamed) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        "notify_when: \"accuracy=>0.9\" is not METRIC OP NUMBER (OP: >=, <=, >, "
                        "<, ==), e.g. accuracy>=0.9"));
+  // A name and a run id make the event id a webhook carries in a header: a
+  // probe's CR LF in either, through this C++ client, injected headers.
+  EXPECT_THAT(alice->Report(Job("evil\r\nX-Injected: yes", JobState::kPending), "r1"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "name: \"evil\\r\\nX-Injected: yes\" is not a job name "
+                       "([a-z0-9][a-z0-9-]*, at most 40)"));
+  EXPECT_THAT(alice->Report(Job("j4", JobState::kPending), "r\r\nX-Run: 1"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "run: \"r\\r\\nX-Run: 1\" is not a run id (1-64 letters, digits, '-' "
+                       "or '_')"));
+  EXPECT_THAT(alice->Report(Job("Upper", JobState::kPending), "r1"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("name: \"Upper\"")));
+  EXPECT_TRUE(alice->List(JobFilter()).ok());
 }
 
 TEST(MetricThresholdTest, ParsesEachOperatorAndNamesTheRest) {
