@@ -372,6 +372,11 @@ absl::StatusOr<std::unique_ptr<Ledger>> Ledger::Open(const std::string& dir,
                                                      const ApplyFn& apply,
                                                      LedgerRecovery* recovery) {
   DEEPNEX_RETURN_IF_ERROR(MakeDirs(dir));
+  // The records are their service's alone: central's hold every user's job
+  // commands, which its 0755 directory showed to any local user.
+  if (chmod(dir.c_str(), 0700) != 0) {
+    return absl::InternalError(absl::StrCat("ledger: cannot chmod ", dir, ": ", strerror(errno)));
+  }
   std::unique_ptr<Ledger> ledger(new Ledger(dir, options));
   DEEPNEX_ASSIGN_OR_RETURN(ledger->lock_,
                            DirectoryLock::Acquire(dir, "LOCK", "allocator state_dir"));

@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/mount.h>
+#include <sys/stat.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -126,6 +127,18 @@ TEST(Ledger, ReplaysWhatWasSynced) {
   EXPECT_EQ(rec.log_records, 2u);
   EXPECT_EQ(rec.torn_bytes, 0u);
   EXPECT_EQ(ledger->Append("three"), 3u);
+}
+
+// Central's ledgers hold every user's job commands and messages: its state
+// directory was 0755, with records any local user could read.
+TEST(Ledger, ItsDirectoryIsItsOwnersAlone) {
+  TempDir dir;
+  ASSERT_EQ(chmod(dir.path().c_str(), 0755), 0);
+  Collected c;
+  ASSERT_OK_AND_ASSIGN(auto ledger, Ledger::Open(dir.path(), {}, c.fn()));
+  struct stat st;
+  ASSERT_EQ(stat(dir.path().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
 }
 
 TEST(Ledger, SecondOpenOfADirectoryIsRefused) {
