@@ -522,6 +522,8 @@ class CentralServerImpl final : public CentralServer {
     return absl::OkStatus();
   }
 
+  void StartWatchingJobs() { jobs_->StartWatching(); }
+
   int metrics_port() const override { return metrics_ ? metrics_->port() : 0; }
   std::string address() const override { return host_->address(); }
   int port() const override { return host_->port(); }
@@ -601,6 +603,7 @@ absl::StatusOr<std::unique_ptr<CentralServer>> CreateCentralServer(
   auto server = std::make_unique<CentralServerImpl>(
       std::make_unique<Service>(std::move(alloc), std::move(tokens), hub), std::move(job_store));
   DEEPNEX_RETURN_IF_ERROR(server->Start(options, extension));
+  server->StartWatchingJobs();
   return std::unique_ptr<CentralServer>(std::move(server));
 }
 

@@ -355,10 +355,12 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const JobStoreOptions& 
       }
     }
   }
-  // The watcher publishes store->recovered_: the notifier opens after this.
   if (ticket != 0) DEEPNEX_RETURN_IF_ERROR(store->ledger_->Sync(ticket));
-  store->watcher_ = std::thread([s = store.get()] { s->Watch(); });
   return store;
+}
+
+void JobStore::StartWatching() {
+  watcher_ = std::thread([this] { Watch(); });
 }
 
 absl::Status JobStore::Apply(const std::string& record) {

@@ -64,6 +64,12 @@ class JobStore {
   static absl::StatusOr<std::unique_ptr<JobStore>> Open(const JobStoreOptions& options,
                                                         Allocator& allocator);
   ~JobStore();
+  // Starts the thread that publishes the events an earlier central made
+  // durable but did not publish, and then fails silent runners. Called once
+  // the server is up: the publisher may wait for central's notifier, which
+  // opens only then, and a start that failed before would have waited on it
+  // for ever (in this store's destructor).
+  void StartWatching();
 
   absl::StatusOr<pb::Job> Report(const Identity& who, const pb::Job& job);
   absl::StatusOr<std::vector<pb::Job>> List(const Identity& who, const pb::JobsRequest& req);
@@ -109,7 +115,7 @@ class JobStore {
   std::map<std::string, std::chrono::steady_clock::time_point> heard_;
   std::condition_variable cv_;
   bool closing_ = false;
-  std::thread watcher_;  // last: it starts once the rest is set up
+  std::thread watcher_;  // started by StartWatching
 };
 
 }  // namespace deepnex::gpu

@@ -222,6 +222,17 @@ def test_an_event_durable_but_not_published_goes_out_after_a_restart(tmp_path, r
         if j is not None:
             j.proc.kill()
             j.proc.wait()
+    # A restart that fails (here: its port is taken) says so and exits. It
+    # hung for ever, deaf to SIGTERM: the job store's thread was publishing
+    # the recovered event to a notifier that opens only once central starts.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        r = subprocess.run([CENTRAL_BIN, "--listen", address, *flags], capture_output=True,
+                           text=True, timeout=60)
+    assert (r.returncode, r.stderr) == (1, f'deepnex-central: central server: cannot listen on '
+                                           f'"{address}": Address already in use\n')
     proc, _ = _central.start_central(tmp_path, *flags, cpus=8, memory="16GiB",
                                      node=socket.gethostname())
     try:
