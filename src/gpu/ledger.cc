@@ -380,6 +380,9 @@ absl::StatusOr<std::unique_ptr<Ledger>> Ledger::Open(const std::string& dir,
   std::unique_ptr<Ledger> ledger(new Ledger(dir, options));
   DEEPNEX_ASSIGN_OR_RETURN(ledger->lock_,
                            DirectoryLock::Acquire(dir, "LOCK", "allocator state_dir"));
+  // A snapshot half written when its process died: never renamed into
+  // place, and nothing else would ever remove it.
+  for (const auto& [seq, path] : ListFiles(dir, "snap-", ".snap.tmp")) ::unlink(path.c_str());
   LedgerRecovery rec;
   uint64_t last = 0;
   DEEPNEX_RETURN_IF_ERROR(Replay(dir, apply, /*repair=*/true, &rec, &last));

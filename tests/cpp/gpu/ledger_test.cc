@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/file_util.h"
 #include "deepnex/gpu/allocator.h"
 #include "deepnex/gpu/central.h"
 #include "gmock/gmock.h"
@@ -139,6 +140,18 @@ TEST(Ledger, ItsDirectoryIsItsOwnersAlone) {
   struct stat st;
   ASSERT_EQ(stat(dir.path().c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0700u);
+}
+
+// A process killed while it wrote a snapshot leaves its temporary file;
+// each such crash left one more for good.
+TEST(Ledger, AHalfWrittenSnapshotOfACrashIsRemovedAtOpen) {
+  TempDir dir;
+  const std::string left = dir.path() + "/snap-00000000000000000007.snap.tmp";
+  ASSERT_OK(WriteFileAtomically(left, "half a snapshot"));
+  Collected c;
+  ASSERT_OK_AND_ASSIGN(auto ledger, Ledger::Open(dir.path(), {}, c.fn()));
+  EXPECT_NE(access(left.c_str(), F_OK), 0);
+  EXPECT_TRUE(c.records.empty());
 }
 
 TEST(Ledger, SecondOpenOfADirectoryIsRefused) {
