@@ -406,6 +406,17 @@ void JobStore::PruneLocked(int64_t now_ms) {
   }
 }
 
+void JobStore::RollBack() {
+  std::lock_guard<std::mutex> lock(mu_);  // and so no Append meanwhile
+  if (!ledger_->failed()) return;  // another caller rolled back already
+  // The jobs as the disk has them: a refused report was still listed, and
+  // the ledger refused every later write (a full disk, once it had room
+  // again, failed each report until a restart).
+  jobs_.clear();
+  absl::Status s = ledger_->Recover([this](const std::string& r) { return Apply(r); });
+  if (!s.ok()) std::fprintf(stderr, "deepnex-central: job store: %s\n", s.ToString().c_str());
+}
+
 void JobStore::SnapshotIfDueLocked() {
   if (!ledger_ || ledger_->records_since_snapshot() < kSnapshotEvery + jobs_.size()) return;
   std::vector<std::string> records;
@@ -420,7 +431,13 @@ void JobStore::SnapshotIfDueLocked() {
 }
 
 absl::Status JobStore::Commit(uint64_t ticket, const std::vector<JobEvent>& events) {
-  if (ticket != 0) DEEPNEX_RETURN_IF_ERROR(ledger_->Sync(ticket));
+  if (ticket != 0) {
+    absl::Status synced = ledger_->Sync(ticket);
+    if (!synced.ok()) {
+      RollBack();
+      return synced;
+    }
+  }
   // One publisher at a time, the recovered events first: a job's events
   // reach the notifier in the order they were made.
   std::lock_guard<std::mutex> publishing(publish_mu_);

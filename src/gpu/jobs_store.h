@@ -92,8 +92,12 @@ class JobStore {
                       std::vector<JobEvent>* events);
   void SnapshotIfDueLocked();
   // Makes record `ticket` durable, then tells the observer recovered_ and
-  // `events`, recording each as sent once the observer returns.
+  // `events`, recording each as sent once the observer returns. A write
+  // that failed rolls the store back (RollBack) and is the error.
   absl::Status Commit(uint64_t ticket, const std::vector<JobEvent>& events);
+  // After a failed write: rebuilds the jobs from what the ledger holds
+  // (Ledger::Recover), which takes records again. Takes mu_.
+  void RollBack();
   // The job `name` if `who` may see it, else NotFound.
   absl::StatusOr<pb::Job*> FindLocked(const Identity& who, const std::string& name);
   // The lost-runner watch: fails the jobs not heard from in time.

@@ -427,6 +427,13 @@ absl::Status Notifier::Publish(Event event) {
                     q.items.end());
     }
     stats_.published -= seqs.size();
+    // What is queued now was all made durable, so nothing is replayed; the
+    // outbox only takes records again. Without this, one full disk failed
+    // every later event, after it had room again, until a restart.
+    if (outbox_->failed()) {
+      absl::Status recovered = outbox_->Recover([](const std::string&) { return absl::OkStatus(); });
+      if (!recovered.ok()) std::cerr << "notify outbox: " << recovered.message() << "\n";
+    }
     return absl::Status(synced.code(),
                         absl::StrCat("notify outbox: event ", event.id, ": ", synced.message()));
   }

@@ -15,11 +15,16 @@
 #ifndef DEEPNEX_TESTS_TEST_UTIL_H_
 #define DEEPNEX_TESTS_TEST_UTIL_H_
 
+#include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <stdlib.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -147,6 +152,41 @@ class CentralFixture : public ::testing::Test {
 
   TempDir dir_;
   std::unique_ptr<gpu::CentralServer> server_;
+};
+
+// A test on a disk that fills: a 64 KiB tmpfs at mnt_ (root only; skipped
+// otherwise), Fill() to use all of it, Free() to have room again.
+class FullDiskTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (geteuid() != 0) GTEST_SKIP() << "mounting a tmpfs needs root";
+    mnt_ = dir_.path();
+    ASSERT_FALSE(mnt_.empty());
+    if (mount("tmpfs", mnt_.c_str(), "tmpfs", 0, "size=64k") != 0) {
+      GTEST_SKIP() << "mount -t tmpfs -o size=64k " << mnt_ << ": " << std::strerror(errno);
+    }
+    mounted_ = true;
+  }
+  void TearDown() override {
+    if (mounted_) EXPECT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0) << std::strerror(errno);
+  }
+  // Writes a file until the disk is full.
+  void Fill() {
+    int fd = open((mnt_ + "/filler").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    ASSERT_GE(fd, 0);
+    const std::string block(4096, 'x');
+    for (int i = 0; i < 1000 && write(fd, block.data(), block.size()) > 0; ++i) {
+    }
+    while (write(fd, "x", 1) > 0) {
+    }
+    EXPECT_EQ(errno, ENOSPC);
+    close(fd);
+  }
+  void Free() { ASSERT_TRUE(std::filesystem::remove(mnt_ + "/filler")); }
+
+  TempDir dir_;  // the mount point; removed after the unmount
+  std::string mnt_;
+  bool mounted_ = false;
 };
 
 }  // namespace deepnex::test

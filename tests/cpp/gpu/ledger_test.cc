@@ -25,6 +25,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/file_util.h"
+#include "gpu/jobs_store.h"
 #include "deepnex/gpu/allocator.h"
 #include "deepnex/gpu/central.h"
 #include "gmock/gmock.h"
@@ -41,6 +42,7 @@ using ::deepnex::test::StatusIs;
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::UnorderedElementsAre;
 using namespace ::deepnex::gpu::test;  // NOLINT
 using namespace std::chrono_literals;   // NOLINT
 
@@ -619,38 +621,44 @@ TEST(AllocatorLedger, LeaseExpiryIsInTheLedger) {
 
 // ---- a full disk, then space again: a small tmpfs (root only).
 
-class LedgerFullDisk : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (geteuid() != 0) GTEST_SKIP() << "mounting a tmpfs needs root";
-    mnt_ = dir_.path();
-    ASSERT_FALSE(mnt_.empty());
-    if (mount("tmpfs", mnt_.c_str(), "tmpfs", 0, "size=64k") != 0) {
-      GTEST_SKIP() << "mount -t tmpfs -o size=64k " << mnt_ << ": " << std::strerror(errno);
-    }
-    mounted_ = true;
-  }
-  void TearDown() override {
-    if (mounted_) EXPECT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0) << std::strerror(errno);
-  }
-  // Writes a file until the disk is full.
-  void Fill() {
-    int fd = open((mnt_ + "/filler").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-    ASSERT_GE(fd, 0);
-    const std::string block(4096, 'x');
-    for (int i = 0; i < 1000 && write(fd, block.data(), block.size()) > 0; ++i) {
-    }
-    while (write(fd, "x", 1) > 0) {
-    }
-    EXPECT_EQ(errno, ENOSPC);
-    close(fd);
-  }
-  void Free() { ASSERT_TRUE(fs::remove(mnt_ + "/filler")); }
+class LedgerFullDisk : public ::deepnex::test::FullDiskTest {};
 
-  TempDir dir_;  // the mount point; removed after the unmount
-  std::string mnt_;
-  bool mounted_ = false;
-};
+// Central's job store on a full disk: a refused report was still listed
+// (as pending, gone after a restart), and once the disk had room again every
+// report still failed with the first write's error until a restart.
+TEST_F(LedgerFullDisk, TheJobStoreListsOnlyWhatItWroteAndWritesAgainOnceThereIsRoom) {
+  ASSERT_OK_AND_ASSIGN(auto alloc, Allocator::Create(AllocatorOptions()));
+  JobStoreOptions o;
+  o.dir = mnt_ + "/jobs";
+  ASSERT_OK_AND_ASSIGN(auto store, JobStore::Open(o, *alloc));
+  const Identity alice{"alice", AuthRole::kUser, ""};
+  auto report = [&](const std::string& name) {
+    proto::Job j;
+    j.set_name(name);
+    j.set_run("r1");
+    j.set_state("pending");
+    j.add_command(std::string(16 << 10, 'x'));  // more than a page's slack
+    return store->Report(alice, j).status();
+  };
+  auto listed = [&] {
+    std::vector<std::string> names;
+    auto jobs = store->List(alice, proto::JobsRequest());
+    EXPECT_TRUE(jobs.ok()) << jobs.status();
+    for (const auto& j : jobs.value_or(std::vector<proto::Job>{})) names.push_back(j.name());
+    return names;
+  };
+  ASSERT_OK(report("before"));
+  Fill();
+  EXPECT_THAT(report("full"), StatusIs(absl::StatusCode::kInternal,
+                                       HasSubstr("No space left on device")));
+  EXPECT_THAT(listed(), ElementsAre("before"));
+  Free();
+  ASSERT_OK(report("after"));
+  EXPECT_THAT(listed(), UnorderedElementsAre("before", "after"));  // by submission ms
+  store.reset();
+  ASSERT_OK_AND_ASSIGN(store, JobStore::Open(o, *alloc));  // and so on disk
+  EXPECT_THAT(listed(), UnorderedElementsAre("before", "after"));  // by submission ms
+}
 
 std::vector<std::string> Ids(const Allocator& alloc) {
   std::vector<std::string> ids;

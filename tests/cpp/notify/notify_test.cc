@@ -141,6 +141,28 @@ Event JobEvent(const std::string& job, const char* kind, int n) {
   return e;
 }
 
+// The outbox on a full disk: the event published then fails, and once the
+// disk has room again the next one is queued and sent, without a restart
+// (every later event failed with the first write's error until one).
+class NotifierFullDisk : public test::FullDiskTest {};
+
+TEST_F(NotifierFullDisk, AnEventOnceTheDiskHasRoomAgainIsSent) {
+  Receiver r;
+  NotifierOptions o = Fast();
+  o.state_dir = mnt_ + "/notify";
+  o.user_urls["alice"] = {r.url()};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  Fill();
+  Event lost = JobEvent("j1", "job.queued", 1);
+  lost.data["pad"] = std::string(16 << 10, 'x');  // more than a page's slack
+  EXPECT_THAT(n->Publish(lost), StatusIs(absl::StatusCode::kInternal,
+                                         HasSubstr("No space left on device")));
+  Free();
+  ASSERT_THAT(n->Publish(JobEvent("j1", "job.started", 2)), IsOk());
+  ASSERT_TRUE(WaitFor([&] { return r.count() == 1; }, 30s, "the event sent"));
+  EXPECT_EQ(r.requests()[0].event["kind"], "job.started");
+}
+
 TEST(NotifySign, IsRfc4231HmacSha256) {
   // RFC 4231, test case 2.
   EXPECT_EQ(Sign("Jefe", "what do ya want for nothing?"),
