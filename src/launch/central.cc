@@ -37,6 +37,7 @@
 #include "launch/central_wire.h"
 #include "launch/images.h"
 #include "launch/images_service.h"
+#include "launch/record.h"
 #include "launch/session_service.h"
 #include "launch/spec.h"
 #include "launch/util.h"
@@ -648,6 +649,10 @@ class ContainersService final : public pb::Containers::CallbackService,
   std::thread reaper_;  // last: it uses the members above
 };
 
+// The file in the launch state_dir naming the launcher that last served
+// from it: its containers are swept even where their records are damaged.
+constexpr char kLastLauncherFile[] = "launcher_id";
+
 // See CreateCentralServer. `launcher` holds the state_dir's lock, so the
 // launcher of every other record there is gone, whatever its pid shows (a
 // killed central not yet reaped is a zombie; a pid is reused).
@@ -657,15 +662,27 @@ absl::Status SweepOrphans(Launcher& launcher, gpu::Allocator& alloc, const std::
     std::string dir, allocation;
   };
   std::map<std::string, std::vector<Orphan>> by_launcher;
+  std::vector<std::string> unrecorded;  // container directories without a readable record
+  const std::string last_file = state_dir + "/" + kLastLauncherFile;
+  if (auto last = ReadWholeFile(last_file, "launcher id"); last.ok()) {
+    const std::string id(absl::StripAsciiWhitespace(*last));
+    if (CheckName("launcher_id", id, 32).ok()) {
+      by_launcher[id];
+    } else if (swept != nullptr) {
+      swept->push_back(absl::StrCat(last_file, " is damaged; the launcher before went unswept"));
+    }
+  }
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(state_dir + "/containers", ec)) {
-    auto text = ReadWholeFile(entry.path().string() + "/record.json", "container record");
-    if (!text.ok()) continue;  // not a container's directory
-    nlohmann::json r = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
-    if (!r.is_object()) continue;
-    const std::string id = r.value("launcher_id", "");
-    if (id.empty() || id == launcher.id()) continue;
-    by_launcher[id].push_back({entry.path().string(), r.value("allocation", "")});
+    if (!entry.is_directory(ec)) continue;
+    auto text = ReadWholeFile(entry.path().string() + "/" + kRecordFile, "container record");
+    nlohmann::json r = text.ok() ? nlohmann::json::parse(*text, nullptr, false) : nullptr;
+    const std::string id = r.is_object() ? r.value("launcher_id", "") : "";
+    if (id.empty()) {
+      unrecorded.push_back(entry.path().string());
+    } else if (id != launcher.id()) {
+      by_launcher[id].push_back({entry.path().string(), r.value("allocation", "")});
+    }
   }
   for (const auto& [id, orphans] : by_launcher) {
     DEEPNEX_ASSIGN_OR_RETURN(int objects, launcher.Cleanup(id));
@@ -677,14 +694,24 @@ absl::Status SweepOrphans(Launcher& launcher, gpu::Allocator& alloc, const std::
       }
       std::filesystem::remove_all(o.dir, ec);
     }
-    if (swept != nullptr) {
+    if (swept != nullptr && (objects > 0 || !orphans.empty())) {
       swept->push_back(absl::StrCat(
           "swept ", orphans.size(), " container(s) of launcher ", id, " (no longer running; ",
           objects, " process(es) or engine object(s) removed)",
           released.empty() ? "" : absl::StrCat(", released ", absl::StrJoin(released, ", "))));
     }
   }
-  return absl::OkStatus();
+  // Their launcher's objects went above, where its id was known; their
+  // grants, unnamed, stay held until their users release them.
+  for (const std::string& dir : unrecorded) {
+    std::filesystem::remove_all(dir, ec);
+    if (swept != nullptr) {
+      swept->push_back(absl::StrCat("removed ", dir,
+                                    ": no readable container record; its allocation, if any, "
+                                    "stays held until released"));
+    }
+  }
+  return WriteFileAtomically(last_file, launcher.id() + "\n");
 }
 
 }  // namespace

@@ -116,9 +116,17 @@ class Container : public Handle {
       std::lock_guard<std::mutex> logs_lock(logs_mu_);
       log_.Reset();
     }
+    {
+      // Recorded before anything runs, or not run: the record is how a
+      // later launcher on this state_dir finds the container and its grant
+      // once this one is gone, and an unswept container holds GPUs that
+      // would be granted again.
+      std::lock_guard<std::mutex> lock(mu_);
+      started_at_ = std::chrono::system_clock::now();
+      DEEPNEX_RETURN_IF_ERROR(WriteRecordLocked());
+    }
     DEEPNEX_ASSIGN_OR_RETURN(std::shared_ptr<Run> run, StartRun(0));
     std::lock_guard<std::mutex> lock(mu_);
-    started_at_ = std::chrono::system_clock::now();
     SetRunLocked(run, 0);
     // A Stop from List() or the destructor may have come before the run.
     if (stop_requested_) run->Stop(std::chrono::milliseconds(0)).IgnoreError();
@@ -274,7 +282,7 @@ class Container : public Handle {
       run_log_path_ = paths_.run(attempt) + "/" + kRunLogFile;
       pumped_ = punched_ = 0;
     }
-    WriteRecordLocked();
+    WriteRecordLocked().IgnoreError();
   }
 
   // Moves the current run's new output into the container's log, so that
@@ -375,7 +383,7 @@ class Container : public Handle {
         return;
       }
       state_ = State::kRestarting;
-      WriteRecordLocked();
+      WriteRecordLocked().IgnoreError();
       // As kubelet: a run that stayed up long enough was healthy, and a
       // crash after it starts the doubling over.
       if (Clock::now() - run_started_ >= info_.options.restart_backoff_reset) backoff_step_ = 0;
@@ -416,7 +424,7 @@ class Container : public Handle {
   void EndLocked(const ExitStatus& e) {
     final_ = e;
     state_ = stop_requested_ ? State::kStopped : State::kExited;
-    WriteRecordLocked();
+    WriteRecordLocked().IgnoreError();
     cv_.notify_all();
   }
 
@@ -437,12 +445,16 @@ class Container : public Handle {
     return s;
   }
 
-  // The record `deepnex ps` reads (record.h); best effort (a full disk must
-  // not stop supervision).
-  void WriteRecordLocked() {
+  // The record `deepnex ps` and the orphan sweep read (record.h). Only the
+  // first write must succeed (Begin): a later one that fails leaves the one
+  // before, which names the launcher and grant all the same, and a full
+  // disk must not stop supervision.
+  absl::Status WriteRecordLocked() {
     ContainerRecord r{info_.id, info_.backend, run_name_, "", StatusLocked(), last_usage_};
-    if (CgroupNamedByRun(info_.backend)) r.cgroup = info_.cgroup_parent + "/" + run_name_;
-    WriteFileAtomically(paths_.record(), ContainerRecordJson(spec_, r)).IgnoreError();
+    if (CgroupNamedByRun(info_.backend) && !run_name_.empty()) {
+      r.cgroup = info_.cgroup_parent + "/" + run_name_;
+    }
+    return WriteFileAtomically(paths_.record(), ContainerRecordJson(spec_, r));
   }
 
   const ContainerSpec spec_;

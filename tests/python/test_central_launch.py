@@ -413,6 +413,40 @@ def test_a_restarted_central_sweeps_what_the_killed_one_left_before_it_is_reaped
     assert "swept 1 container(s) of launcher " in again.stderr.read()
 
 
+def test_a_container_whose_record_was_damaged_is_swept_by_its_launchers_id(tmp_path):
+    """A container whose record.json was damaged ran on after central was
+    killed, unswept, on GPUs that its user could release and another user
+    be granted. Central's state directory names its launcher, so the sweep
+    needs no record to end that launcher's processes."""
+    ledger = ("--state-dir", str(tmp_path / "ledger"))
+    proc, address = start_central_launcher(tmp_path, *ledger)
+    marker = f"{2000 + os.getpid() % 1000}.25"  # sleep's argument: this test's alone
+    try:
+        alice, _ = clients(address)
+        a = alice.allocate(grant())
+        alice.start_container(launch.ContainerSpec(name="w", command=["sleep", marker]), a)
+        await_container(alice, "w", lambda c: c["state"] == "running")
+    finally:
+        proc.kill()
+        proc.wait()
+    containers = tmp_path / "launch" / "containers"
+    [record] = containers.glob("*/record.json")
+    record.write_text('{"name": "al')  # cut short
+    again, address = start_central_launcher(tmp_path, *ledger)
+    try:
+        alice, _ = clients(address)
+        wait_for(lambda: not sleepers(marker), "the orphan's process to end")
+        # No record names its grant: held until its user releases it.
+        assert [x.id for x in alice.allocations()] == [a.id]
+        assert alice.containers() == [] and list(containers.iterdir()) == []
+    finally:
+        stop_central(again)
+    err = again.stderr.read()
+    assert "swept 0 container(s) of launcher " in err, err
+    assert (f"removed {record.parent}: no readable container record; its allocation, if any, "
+            "stays held until released") in err, err
+
+
 def sleepers(marker):
     """Pids of the processes running `sleep marker`."""
     found = []

@@ -78,7 +78,10 @@ absl::Status AddImageMapping(const std::string& field, const std::string& text,
 // serves, the containers recorded in `launcher.state_dir` by a launcher that
 // no longer runs are swept (Launcher::Cleanup of its id), their allocations
 // released and their records removed; `swept` (optional) gets a line for
-// each launcher swept.
+// each launcher swept. The state_dir also names the launcher that last
+// served from it (file launcher_id), so that its containers are swept even
+// where their records are damaged; such a container's directory is removed
+// and its allocation, which no record names, stays held until released.
 //
 // Users' containers never run as root: `policy.users` maps each user to the
 // uid and gid their containers run as (RunAs), and a user without one can

@@ -1061,6 +1061,35 @@ TEST_F(ProcessLauncherTest, LogsStartEmptyInAReusedStateDir) {
   EXPECT_EQ(logs, "second\n");
 }
 
+// A container its launcher could not record never runs: the record is how
+// central's sweep finds it after a crash, and one that ran unrecorded held
+// its GPUs, unswept, while they were granted again.
+class LauncherFullDisk : public ::deepnex::test::FullDiskTest {};
+
+TEST_F(LauncherFullDisk, AContainerThatCannotBeRecordedDoesNotStart) {
+  LauncherOptions options;
+  options.backend = "process";
+  options.state_dir = mnt_ + "/state";
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Launcher> launcher, Launcher::Create(options));
+  ContainerSpec spec;
+  spec.name = "w0";
+  spec.command = {"sleep", "600"};
+  Fill();
+  EXPECT_THAT(launcher->Start(spec),
+              StatusIs(absl::StatusCode::kInternal,
+                       ::testing::AllOf(HasSubstr("record.json"),
+                                        HasSubstr("No space left on device"))));
+  EXPECT_THAT(launcher->List(), IsEmpty());
+  auto swept = launcher->Cleanup(launcher->id());
+  ASSERT_THAT(swept, IsOk());
+  EXPECT_EQ(*swept, 0);  // nothing ran
+  EXPECT_FALSE(std::filesystem::exists(options.state_dir + "/containers/w0"));
+  Free();
+  ASSERT_OK_AND_ASSIGN(auto h, launcher->Start(spec));
+  EXPECT_TRUE(std::filesystem::exists(options.state_dir + "/containers/w0/record.json"));
+  EXPECT_THAT(h->Stop(1s), IsOk());
+}
+
 // The spec asks for 1 ms; the launcher's default floor (1 s, doubling) holds:
 // restarts at about 1 s and 3 s, so at most 2 in 3 s.
 TEST_F(ProcessLauncherTest, CrashLoopBackoffHasAFloorWhateverTheSpecAsks) {
