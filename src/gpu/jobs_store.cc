@@ -320,8 +320,8 @@ void JobStore::Watch() {
       PutLocked(j);
       it = heard_.erase(it);
     }
-    if (events.empty()) continue;
-    const uint64_t ticket = last_ticket_;
+    // With no event, what the observer refused goes again.
+    const uint64_t ticket = events.empty() ? 0 : last_ticket_;
     lock.unlock();
     Commit(ticket, events).IgnoreError();
     lock.lock();
@@ -351,7 +351,7 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const JobStoreOptions& 
         JobEvent e = EventOf(n.kind(), j, n.reason());
         e.resized_from = n.resized_from();
         e.id = EventId(j, n.seq());
-        store->recovered_.push_back(std::move(e));
+        store->unpublished_.push_back(std::move(e));
       }
     }
   }
@@ -441,22 +441,34 @@ absl::Status JobStore::Commit(uint64_t ticket, const std::vector<JobEvent>& even
   // One publisher at a time, the recovered events first: a job's events
   // reach the notifier in the order they were made.
   std::lock_guard<std::mutex> publishing(publish_mu_);
-  std::vector<JobEvent> all = std::move(recovered_);
-  recovered_.clear();
+  std::vector<JobEvent> all = std::move(unpublished_);
+  unpublished_.clear();
   all.insert(all.end(), events.begin(), events.end());
   // A test's crash between a durable change and its Publish (issue 19's
   // "no event lost"): DEEPNEX_TEST_EXIT_BEFORE_PUBLISH=KIND.
   static const char* const exit_before = std::getenv("DEEPNEX_TEST_EXIT_BEFORE_PUBLISH");
-  for (const JobEvent& e : all) {
-    if (exit_before != nullptr && e.kind == exit_before) std::_Exit(86);
-    if (options_.on_event) options_.on_event(e);
+  for (auto e = all.begin(); e != all.end(); ++e) {
+    if (exit_before != nullptr && e->kind == exit_before) std::_Exit(86);
+    absl::Status told = options_.on_event ? options_.on_event(*e) : absl::OkStatus();
+    if (!told.ok()) {
+      // Unsent in its job's record still; those after it wait, so that a
+      // job's events keep their order.
+      if (!refusing_) {
+        std::fprintf(stderr, "deepnex-central: job event %s not published, tried again each "
+                     "second: %s\n", e->id.c_str(), told.ToString().c_str());
+      }
+      refusing_ = true;
+      unpublished_.assign(e, all.end());
+      return absl::OkStatus();
+    }
+    refusing_ = false;
     // Not synced: lost, the event is published again and deduplicated.
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = jobs_.find(e.job.name);
-    if (it != jobs_.end() && MarkSent(&it->second, e.id) && ledger_) {
+    auto it = jobs_.find(e->job.name);
+    if (it != jobs_.end() && MarkSent(&it->second, e->id) && ledger_) {
       pb::JobRecord r;
-      r.mutable_sent()->set_name(e.job.name);
-      r.mutable_sent()->set_id(e.id);
+      r.mutable_sent()->set_name(e->job.name);
+      r.mutable_sent()->set_id(e->id);
       last_ticket_ = ledger_->Append(r.SerializeAsString());
     }
   }

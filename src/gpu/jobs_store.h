@@ -91,16 +91,19 @@ class JobStore {
   void ProgressLocked(pb::Job* j, const std::optional<MetricThreshold>& when, int64_t now_ms,
                       std::vector<JobEvent>* events);
   void SnapshotIfDueLocked();
-  // Makes record `ticket` durable, then tells the observer recovered_ and
-  // `events`, recording each as sent once the observer returns. A write
-  // that failed rolls the store back (RollBack) and is the error.
+  // Makes record `ticket` durable, then tells the observer unpublished_ and
+  // `events`, recording each as sent once the observer took it. One it
+  // refused stays unsent and goes again, with those after it, at the next
+  // Commit. A write that failed rolls the store back (RollBack) and is the
+  // error.
   absl::Status Commit(uint64_t ticket, const std::vector<JobEvent>& events);
   // After a failed write: rebuilds the jobs from what the ledger holds
   // (Ledger::Recover), which takes records again. Takes mu_.
   void RollBack();
   // The job `name` if `who` may see it, else NotFound.
   absl::StatusOr<pb::Job*> FindLocked(const Identity& who, const std::string& name);
-  // The lost-runner watch: fails the jobs not heard from in time.
+  // The lost-runner watch: fails the jobs not heard from in time, and tells
+  // the observer again what it refused, each second.
   void Watch();
 
   const JobStoreOptions options_;
@@ -110,9 +113,10 @@ class JobStore {
   std::map<std::string, pb::Job> jobs_;  // by name
   // Serializes Commit's calls of the observer.
   std::mutex publish_mu_;
-  // The events durable before this store opened but never published
-  // (under publish_mu_).
-  std::vector<JobEvent> recovered_;
+  // The events durable but not yet taken by the observer: those of the
+  // store before this one, and those it refused (under publish_mu_).
+  std::vector<JobEvent> unpublished_;
+  bool refusing_ = false;  // the observer's last answer was an error (under publish_mu_)
   // The ledger's ticket of the last record appended; 0: none (or no ledger).
   uint64_t last_ticket_ = 0;
   // When each job that has not ended was last reported (or the store opened).

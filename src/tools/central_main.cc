@@ -139,20 +139,24 @@ class EventSink {
   // `nodes_file` empty: what the admins were told is kept in memory only.
   explicit EventSink(std::string nodes_file) : nodes_file_(std::move(nodes_file)) {}
 
-  void Publish(deepnex::notify::Event event, bool wait_open) {
+  // A node's event is reported here when it fails; a job's failure is the
+  // answer, so that the job store keeps the event to tell again.
+  absl::Status Publish(deepnex::notify::Event event, bool wait_open) {
     std::unique_lock<std::mutex> lock(mu_);
     if (wait_open) opened_cv_.wait(lock, [this] { return opened_; });
     if (!opened_) {
       held_.push_back(std::move(event));
-      return;
+      return absl::OkStatus();
     }
-    if (notifier_ == nullptr) return;  // central is exiting: it failed to start
+    if (notifier_ == nullptr) {
+      return absl::UnavailableError("deepnex-central is exiting: it failed to start");
+    }
     lock.unlock();
     if (!event.node.empty()) {
       PublishNode(std::move(event));
-      return;
+      return absl::OkStatus();
     }
-    Report(notifier_->Publish(std::move(event)));
+    return notifier_->Publish(std::move(event));
   }
 
   // `notifier` null: central failed to start; events are dropped.
@@ -369,7 +373,7 @@ int main(int argc, char** argv) {
     event.kind = "node." + state;
     event.node = node;
     event.data = {{"reason", why}};
-    sink.Publish(std::move(event), /*wait_open=*/false);
+    sink.Publish(std::move(event), /*wait_open=*/false).IgnoreError();
   };
   options.check_job_notify_url = [notify](const std::string& url) {
     return deepnex::notify::CheckJobUrl(notify, url);
@@ -402,7 +406,7 @@ int main(int argc, char** argv) {
                           e.job.report.time.time_since_epoch()).count()}};
       if (e.reason == "when") event.data["when"] = e.job.notify_when;
     }
-    sink.Publish(std::move(event), /*wait_open=*/true);
+    return sink.Publish(std::move(event), /*wait_open=*/true);
   };
 
   // Declared before the server, which publishes to it until it is gone.

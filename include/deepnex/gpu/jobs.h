@@ -165,7 +165,10 @@ struct JobEvent {
 };
 // Called by deepnex-central's job store after each event is durable, on the
 // thread of the call that caused it, with no lock held; it must be quick.
-using JobObserver = std::function<void(const JobEvent&)>;
+// An error (the event could not be kept for sending) leaves the event unsent:
+// the store tells it again, with the events after it, within a second, and
+// after a restart.
+using JobObserver = std::function<absl::Status(const JobEvent&)>;
 
 // The Jobs service of deepnex-central. Thread-safe.
 class JobsClient {

@@ -35,8 +35,15 @@ class JobsTest : public ::deepnex::test::CentralFixture {
     o.job_history = history;
     o.on_job_event = [this](const JobEvent& e) {
       std::lock_guard<std::mutex> lock(mu_);
-      events_.push_back(e.kind + " " + e.job.name + (e.reason.empty() ? "" : " " + e.reason));
+      const std::string line = e.kind + " " + e.job.name + (e.reason.empty() ? "" : " " + e.reason);
+      if (refuse_ > 0) {
+        --refuse_;
+        refused_.push_back(line);
+        return absl::ResourceExhaustedError("the outbox's disk is full");
+      }
+      events_.push_back(line);
       ids_.push_back(e.id);
+      return absl::OkStatus();
     };
     server_.reset();
     auto server = CentralServer::Create(o);
@@ -86,9 +93,21 @@ class JobsTest : public ::deepnex::test::CentralFixture {
     return ids_;
   }
 
+  std::vector<std::string> refused() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return refused_;
+  }
+
+  void Refuse(int calls) {
+    std::lock_guard<std::mutex> lock(mu_);
+    refuse_ = calls;
+  }
+
   std::mutex mu_;
-  std::vector<std::string> events_;
+  std::vector<std::string> events_;  // taken by the observer
   std::vector<std::string> ids_;
+  int refuse_ = 0;  // the observer's next calls that fail
+  std::vector<std::string> refused_;
 };
 
 JobFilter All() {
@@ -281,6 +300,31 @@ TEST_F(JobsTest, AThresholdsProgressEventGoesOnceEvenAcrossARestart) {
   ASSERT_OK_AND_ASSIGN(got, Jobs("alicetok")->Report(late, "r1"));
   EXPECT_EQ(got.report.step, 4);
   EXPECT_THAT(events(), ElementsAre("queued j1", "started j1", "progress j1 when"));
+}
+
+// An event the observer could not keep (the notify outbox on a full disk)
+// was marked sent all the same, lost for good. It goes again, before the
+// events after it, each second until taken, and after a restart.
+TEST_F(JobsTest, AnEventTheObserverRefusedGoesAgainInItsOrder) {
+  Refuse(2);
+  Start();
+  auto alice = Jobs("alicetok");
+  ASSERT_OK(alice->Report(Job("j1", JobState::kPending), "r1").status());
+  ASSERT_OK(alice->Report(Job("j1", JobState::kRunning, {{"a1", "n1", 1, 2, 0}}), "r1").status());
+  ASSERT_TRUE(::deepnex::test::WaitFor([&] { return events().size() == 2; }, 30s,
+                                       "the refused events told again"));
+  EXPECT_THAT(events(), ElementsAre("queued j1", "started j1"));
+  EXPECT_THAT(refused(), ElementsAre("queued j1", "queued j1"));
+  Refuse(1000);  // until central stops
+  alice.reset();
+  ASSERT_OK(Jobs("alicetok")->Report(Job("j1", JobState::kCompleted), "r1").status());
+  EXPECT_THAT(refused(), ::testing::Contains("completed j1"));
+  Refuse(0);
+  Start();  // the same state directory: only what was never taken goes
+  ASSERT_TRUE(::deepnex::test::WaitFor([&] { return events().size() == 3; }, 30s,
+                                       "the refused event told after the restart"));
+  EXPECT_THAT(events(), ElementsAre("queued j1", "started j1", "completed j1"));
+  EXPECT_EQ(ids()[2], ids()[1].substr(0, ids()[1].rfind('/')) + "/3");
 }
 
 TEST_F(JobsTest, ProgressEveryIntervalGoesWithEachNewReportDueThen) {
