@@ -13,12 +13,13 @@ A last line without its newline is a record torn by a kill: it is dropped
 naming the file and the line's byte offset.
 """
 
+import fcntl
 import json
 import os
 import threading
 import time
 
-from .errors import DataLossError
+from .errors import AlreadyExistsError, DataLossError, FailedPreconditionError
 
 JOURNAL = "journal.jsonl"
 
@@ -27,7 +28,10 @@ def read(path):
     """The records of the journal at `path` and the byte length of its
     whole lines (what is kept of it)."""
     with open(path, "rb") as f:
-        data = f.read()
+        return _parse(f.read(), path)
+
+
+def _parse(data, path):
     records, offset = [], 0
     while offset < len(data):
         end = data.find(b"\n", offset)
@@ -46,17 +50,35 @@ def read(path):
 
 class Journal:
     """Appends records to a search's journal. Thread-safe: the trials'
-    threads write their own reports and ends."""
+    threads write their own reports and ends. The search that holds it
+    holds the journal's lock (flock) until close(): a second driver on the
+    same out_dir, which would run every trial again and interleave its
+    records with the first's, is refused."""
 
-    def __init__(self, path, keep=None):
-        """keep: the byte length of the whole records to continue after (a
-        resume), or None for a new journal."""
+    def __init__(self, path, resume=False):
+        """A new journal at `path` (AlreadyExistsError if one is there), or
+        for `resume`, the one there, whose records are read into
+        self.records and continued after (its torn tail cut off)."""
         self.path = path
         self._lock = threading.Lock()
-        if keep is None:
-            self._file = open(path, "xb")
-        else:
-            self._file = open(path, "r+b")
+        try:
+            self._file = open(path, "r+b" if resume else "xb")
+        except FileExistsError:
+            raise AlreadyExistsError(f"{path} exists: another search began there") from None
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise FailedPreconditionError(
+                f"{path}: another driver is running this search (it holds the journal's "
+                "lock); wait for it to end, or stop it, before resuming") from None
+        self.records = []
+        if resume:
+            try:
+                self.records, keep = _parse(self._file.read(), path)
+            except DataLossError:
+                self._file.close()
+                raise
             self._file.truncate(keep)
             self._file.seek(keep)
 

@@ -98,6 +98,7 @@ def report(step, timeout=600.0, **metrics):
     `deepnex jobs` and sends in job.progress events; other ranks' are ignored,
     as torchrun's and Horovod's users expect. Returns False. A metric that is
     not a finite number raises InvalidArgumentError naming it."""
+    step = _job_step(step)
     address, trial = os.environ.get(ENV_STORE), os.environ.get(ENV_TRIAL)
     if not address or not trial:
         return _report_to_job(step, metrics)
@@ -111,7 +112,7 @@ def report(step, timeout=600.0, **metrics):
                                                   timeout=_REACH_TIMEOUT)
         client = _report_state["client"]
         if metrics:
-            record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+            record = {"step": step, **{k: _metric(step, k, v) for k, v in metrics.items()}}
             client.set(f"report/{_report_state['count']}", json.dumps(record))
             _report_state["count"] += 1
         while True:
@@ -139,13 +140,10 @@ def _report_to_job(step, metrics):
     address, job = os.environ.get("DEEPNEX_STORE_ADDR"), os.environ.get("DEEPNEX_JOB_ID")
     if not address or not job:
         return False
-    record = {"step": _job_step(step), "metrics": {}, "time_ms": int(time.time() * 1000)}
+    record = {"step": step, "metrics": {}, "time_ms": int(time.time() * 1000)}
     for name, value in metrics.items():
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            number = math.nan
-        if isinstance(value, str) or not math.isfinite(number):
+        number = _metric(step, name, value)
+        if not math.isfinite(number):
             raise InvalidArgumentError(
                 f"deepnex.report(step={step}): metric {name}={value!r} is not a finite number")
         record["metrics"][name] = number
@@ -162,6 +160,18 @@ def _report_to_job(step, metrics):
             f"deepnex.report(step={step}): the store of job {job} at {address} does not "
             f"answer ({e})") from None
     return False
+
+
+def _metric(step, name, value):
+    """A metric as a float (NaN and infinities too); InvalidArgumentError
+    naming it for a string or anything else that is not a number."""
+    try:
+        if isinstance(value, str):
+            raise ValueError
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"deepnex.report(step={step}): metric {name}={value!r} is not a number") from None
 
 
 def _job_step(step):

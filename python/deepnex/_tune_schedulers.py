@@ -19,9 +19,12 @@ class ASHA:
     so far (itself included; ties go on), so early trials are promoted
     optimistically and later ones must beat the rung's record. A trial that
     reaches max_t is done.
+
+    metric and mode: run()'s where None (run() refuses others; used alone,
+    mode None is "max").
     """
 
-    def __init__(self, metric="accuracy", mode="max", min_t=1, max_t=100, eta=3):
+    def __init__(self, metric=None, mode=None, min_t=1, max_t=100, eta=3):
         _check(mode, min_t, max_t, eta)
         self.metric, self.mode = metric, mode
         self.min_t, self.max_t, self.eta = min_t, max_t, eta
@@ -51,7 +54,7 @@ class ASHA:
                 break  # judged here already; lower rungs are behind it
             values = self._recorded[rung]
             values[trial] = value
-            sign = 1 if self.mode == "max" else -1
+            sign = -1 if self.mode == "min" else 1
             better = sum(1 for v in values.values() if sign * v > sign * value)
             if better >= max(1, len(values) // self.eta):
                 return "stop"
@@ -75,20 +78,26 @@ class Hyperband:
     (the paper's n for that bracket), spread evenly over the iteration:
     bracket k's j-th trial sits at (j + 1/2) / budgets[k] of it (ties go to
     the lower bracket). A trial's bracket is a function of its id, so a
-    resumed search puts it in the same one.
+    resumed search puts it in the same one. metric and mode as ASHA's.
     """
 
-    def __init__(self, metric="accuracy", mode="max", min_t=1, max_t=100, eta=3):
+    def __init__(self, metric=None, mode=None, min_t=1, max_t=100, eta=3):
         _check(mode, min_t, max_t, eta)
         self.metric, self.mode = metric, mode
         self.min_t, self.max_t, self.eta = min_t, max_t, eta
         s_max = 0
         while min_t * eta ** (s_max + 1) <= max_t:
             s_max += 1
-        self.brackets = [ASHA(metric, mode, min_t * eta ** k, max_t, eta)
-                         for k in range(s_max + 1)]
         self.budgets = [-(-(s_max + 1) * eta ** (s_max - k) // (s_max - k + 1))
                         for k in range(s_max + 1)]
+        # Each trial of an iteration is placed below, up front.
+        if sum(self.budgets) > _MAX_ITERATION:
+            raise InvalidArgumentError(
+                f"min_t={min_t}, max_t={max_t}, eta={eta}: a Hyperband iteration of "
+                f"{sum(self.budgets)} trials; at most {_MAX_ITERATION} (raise min_t or eta, "
+                "or lower max_t)")
+        self.brackets = [ASHA(metric, mode, min_t * eta ** k, max_t, eta)
+                         for k in range(s_max + 1)]
         # Exact fractions: the ties fall to the lower bracket on any machine.
         spots = sorted((Fraction(2 * j + 1, 2 * n), k) for k, n in enumerate(self.budgets)
                        for j in range(n))
@@ -108,13 +117,36 @@ class Hyperband:
         return self.brackets[self.bracket(trial)].on_result(trial, t, value)
 
 
+# The most trials in a Hyperband iteration: past any search's, and placed
+# in about a second.
+_MAX_ITERATION = 100_000
+
+
 def _check(mode, min_t, max_t, eta):
-    if mode not in ("max", "min"):
+    if mode not in ("max", "min", None):
         raise InvalidArgumentError(f'mode: "{mode}" is not max or min')
+    for name, value in (("min_t", min_t), ("max_t", max_t), ("eta", eta)):
+        # Steps are whole: a float's rungs would never end for inf.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgumentError(f"{name}: {value!r} is not an integer")
     if min_t < 1 or max_t < min_t:
         raise InvalidArgumentError(f"min_t={min_t}, max_t={max_t}: need 1 <= min_t <= max_t")
     if eta < 2:
         raise InvalidArgumentError(f"eta: {eta} must be at least 2")
+
+
+def adopt(scheduler, metric, mode):
+    """Gives run()'s metric and mode to `scheduler` (an ASHA or Hyperband)
+    where it has none. One it was given that differs is refused: judging
+    the other way, it would stop the best trials."""
+    for field, wanted in (("metric", metric), ("mode", mode)):
+        given = getattr(scheduler, field, None)
+        if given is not None and given != wanted:
+            raise InvalidArgumentError(
+                f'scheduler: its {field} is "{given}", the search\'s "{wanted}" (leave it '
+                f"out of {type(scheduler).__name__}(...) to use the search's)")
+    for s in [scheduler] + list(getattr(scheduler, "brackets", [])):
+        s.metric, s.mode = metric, mode
 
 
 def make_scheduler(name, metric, mode, max_t, min_t=1, eta=3):

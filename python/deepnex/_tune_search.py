@@ -15,7 +15,8 @@ from ._tune_report import ENV_ATTEMPT, ENV_CHECKPOINT, ENV_CONFIG, ENV_STORE, EN
 from ._tune_results import Interrupted, Results, Trial, _finite, _trials_of
 from ._tune_runners import job_runner, subprocess_runner
 from ._tune_sampler import _Sampler, default_search
-from ._tune_schedulers import make_scheduler, scheduler_label, scheduler_spec
+from ._tune_schedulers import (ASHA, Hyperband, adopt, make_scheduler, scheduler_label,
+                               scheduler_spec)
 from ._tune_space import _space_json
 from ._tune_status import _Status, _write_results
 from .errors import (AlreadyExistsError, CancelledError, DeadlineExceededError,
@@ -156,7 +157,7 @@ class _Search:
         client = StoreClient(self.store.address, prefix=f"tune/{trial.id}/{attempt}")
         if hasattr(handle, "on_end"):
             handle.on_end(self._waker(trial, attempt))
-        stopped_at = None
+        stopped_at = bad = None
         interrupted = killed = False
         while True:
             if self.stopping and not interrupted:
@@ -182,6 +183,12 @@ class _Search:
                     killed = True
                     handle.kill()
                 continue
+            bad = _bad_report(record)
+            if bad is not None:
+                # Not the trial's report() (it checks these): not judged.
+                bad = f"report {len(trial.results)}: {bad}"
+                handle.kill()
+                break
             trial.results.append(record)
             decision = self._decide(trial, record)
             if decision == "stop" and stopped_at is None and not self.stopping:
@@ -197,7 +204,9 @@ class _Search:
         max_t = getattr(self.scheduler, "max_t", None)
         early = (stopped_at is not None
                  and not (max_t is not None and trial.last.get("step", 0) >= max_t))
-        if trial.nonfinite:
+        if bad is not None:
+            trial.status = f"failed ({bad})"
+        elif trial.nonfinite:
             trial.status = f"failed ({self.metric}={trial.last.get(self.metric)})"
         elif early:
             trial.status = "stopped"
@@ -255,6 +264,17 @@ class _Search:
             return "continue"
         with self.lock:
             return self.scheduler.on_result(trial.id, record["step"], value)
+
+
+def _bad_report(record):
+    """What is wrong with a report as the store holds it (a JSON object
+    with an integer step), or None."""
+    if not isinstance(record, dict):
+        return f"{record!r} is not an object"
+    step = record["step"]
+    if isinstance(step, bool) or not isinstance(step, int):
+        return f"step={step!r} is not an integer"
+    return None
 
 
 # Seconds a trial's thread waits for a report before it checks whether the
@@ -400,6 +420,8 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
     warm = _warm_wanted(command, warm)
     if isinstance(scheduler, str):
         scheduler = make_scheduler(scheduler, metric, mode, command_epochs(command) or 100)
+    elif isinstance(scheduler, (ASHA, Hyperband)):
+        adopt(scheduler, metric, mode)
     if max_concurrent is None and runner is subprocess_runner:
         max_concurrent = os.cpu_count() or 1
     out = out or sys.stdout
@@ -412,20 +434,24 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, _tune_journal.JOURNAL)
     trials = []
-    if resume:
-        records, keep = _tune_journal.read(path) if os.path.exists(path) else ([], 0)
-        if not records:
+    if resume and not os.path.exists(path):
+        raise NotFoundError(f"out_dir: {out_dir} has no search to resume ({path})")
+    if not resume and os.path.exists(path):
+        raise AlreadyExistsError(
+            f"out_dir: {out_dir} holds a search already ({path}): resume it "
+            f"(deepnex tune --resume {out_dir}) or choose another out_dir")
+    journal = _tune_journal.Journal(path, resume=resume)
+    try:
+        if not resume:
+            journal.append({**head, "note": note or {}})
+        elif not journal.records:
             raise NotFoundError(f"out_dir: {out_dir} has no search to resume ({path})")
-        _check_resume(path, records[0], head)
-        journal = _tune_journal.Journal(path, keep=keep)
-        trials = _replay(records, sampler, scheduler, metric, mode, retries)
-    else:
-        if os.path.exists(path):
-            raise AlreadyExistsError(
-                f"out_dir: {out_dir} holds a search already ({path}): resume it "
-                f"(deepnex tune --resume {out_dir}) or choose another out_dir")
-        journal = _tune_journal.Journal(path)
-        journal.append({**head, "note": note or {}})
+        else:
+            _check_resume(path, journal.records[0], head)
+            trials = _replay(journal.records, sampler, scheduler, metric, mode, retries)
+    except BaseException:
+        journal.close()
+        raise
     if said:
         sampler.label += (" (the default)" if search == "tpe"
                           else " (the default: Optuna is not importable)")

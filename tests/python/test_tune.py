@@ -168,6 +168,44 @@ def test_hyperband_brackets_and_their_share_of_the_trials():
         tune.Hyperband(min_t=5, max_t=4)
 
 
+def test_scheduler_steps_are_integers_and_an_iteration_is_bounded():
+    """ASHA(max_t=inf) never returned (its rungs grew without end), and a
+    Hyperband to max_t=10^9 built its iteration for minutes, gigabytes."""
+    for cls in (tune.ASHA, tune.Hyperband):
+        with pytest.raises(InvalidArgumentError) as info:
+            cls(max_t=float("inf"))
+        assert str(info.value) == "max_t: inf is not an integer"
+        with pytest.raises(InvalidArgumentError) as info:
+            cls(max_t="12")
+        assert str(info.value) == "max_t: '12' is not an integer"
+    with pytest.raises(InvalidArgumentError) as info:
+        tune.Hyperband(max_t=10**9, eta=2)
+    message = str(info.value)
+    assert message.startswith("min_t=1, max_t=1000000000, eta=2: a Hyperband iteration of ")
+    assert message.endswith(" trials; at most 100000 (raise min_t or eta, or lower max_t)")
+    assert sum(tune.Hyperband(max_t=3**9).budgets) == 31439  # ten brackets: kept
+
+
+def test_a_scheduler_takes_the_searchs_metric_and_mode_or_is_refused(tmp_path):
+    """A scheduler built without mode= judged "max" in a mode="min" search,
+    stopping every trial better than the first."""
+    from deepnex import _tune_schedulers
+    h = tune.Hyperband(min_t=1, max_t=9, eta=3)
+    _tune_schedulers.adopt(h, "loss", "min")
+    assert {(s.metric, s.mode) for s in [h] + h.brackets} == {("loss", "min")}
+    for given, message in (
+            (tune.ASHA(mode="max"), 'scheduler: its mode is "max", the search\'s "min" (leave it '
+                                    "out of ASHA(...) to use the search's)"),
+            (tune.Hyperband(metric="acc"), 'scheduler: its metric is "acc", the search\'s '
+                                           '"loss" (leave it out of Hyperband(...) to use the '
+                                           "search's)")):
+        with pytest.raises(InvalidArgumentError) as info:
+            tune.run(["true"], {"x": 1}, metric="loss", mode="min", scheduler=given,
+                     out_dir=str(tmp_path / "refused"))
+        assert str(info.value) == message
+    assert not (tmp_path / "refused").exists()
+
+
 def _stops(scheduler, values, max_t):
     """{trial: the step it stopped at}, each trial reporting its value at
     steps 1, 2, ... until told to stop."""
@@ -277,6 +315,17 @@ def test_search_with_asha_stops_poor_trials(trial_script, tmp_path, capsys):
     assert "told to stop at 1" in (out / "trial_1.log").read_text()
     printed = capsys.readouterr().out
     assert "best: trial 0 score=36.0000 config: x=4 fail_at=2" in printed
+
+
+def test_a_scheduler_without_a_mode_judges_as_the_search(trial_script, tmp_path):
+    # score = x * step; with mode "min" each trial here beats those before.
+    results = tune.run(trial_script, {"x": tune.grid([4.0, 3.0, 2.0, 1.0])},
+                       metric="score", mode="min", max_concurrent=1,
+                       scheduler=tune.ASHA(min_t=1, max_t=9, eta=3), out_dir=str(tmp_path))
+    assert [(t.config["x"], t.status, t.last["step"]) for t in results.trials] == [
+        (4.0, "completed", 9), (3.0, "completed", 9), (2.0, "completed", 9),
+        (1.0, "completed", 9)]
+    assert results.best.config["x"] == 1.0
 
 
 def test_trials_run_in_parallel_up_to_capacity(trial_script, tmp_path):
@@ -985,6 +1034,39 @@ def test_a_nan_or_infinite_metric_fails_the_trial_and_is_never_best(tmp_path):
     assert tune.Results([results.trials[1]], "score", "max", "x.csv").best is None
 
 
+BAD_STEP = textwrap.dedent("""
+    import json, os, time
+    from deepnex import tune
+    from deepnex.collective import StoreClient
+    from deepnex.errors import InvalidArgumentError
+    try:
+        tune.report(step="1", score=1.0)
+    except InvalidArgumentError as e:
+        print(e, flush=True)
+    # Past report(): a step the scheduler cannot compare.
+    trial = os.environ["DEEPNEX_TUNE_TRIAL"]
+    StoreClient(os.environ["DEEPNEX_TUNE_STORE"], prefix=f"tune/{trial}/0").set(
+        "report/0", json.dumps({"step": "1", "score": 1.0}))
+    time.sleep(600)
+""")
+
+
+def test_a_report_whose_step_is_no_integer_fails_its_trial_and_is_journalled(tmp_path):
+    """A string step crashed the trial's thread in the search: the trial
+    ran on unwaited, and its journal had no end, so a resume ran it again."""
+    script = tmp_path / "bad_step.py"
+    script.write_text(BAD_STEP)
+    out = tmp_path / "out"
+    results = tune.run([sys.executable, str(script)], {"x": 1.0}, metric="score",
+                       scheduler=tune.ASHA(min_t=1, max_t=3, eta=3), out_dir=str(out),
+                       runner=tune.subprocess_runner, stop_grace=1.0, out=io.StringIO())
+    status = "failed (report 0: step='1' is not an integer)"
+    assert [t.status for t in results.trials] == [status]
+    assert [t.status for t in tune.load(str(out)).trials] == [status]
+    assert (out / "trial_0.log").read_text().startswith(
+        "deepnex.report: step='1' is not an integer\n")
+
+
 def test_a_misspelt_metric_stops_the_search_at_the_first_report(trial_script, tmp_path):
     out = io.StringIO()
     with pytest.raises(FailedPreconditionError) as info:
@@ -1219,7 +1301,15 @@ def test_journal_drops_a_torn_tail_and_names_the_offset_of_damage(tmp_path):
     path.write_bytes(b'{"event":"search"}\n{"event":"trial","trial":0}\n{"event":"st')
     records, keep = _tune_journal.read(str(path))
     assert (records, keep) == ([{"event": "search"}, {"event": "trial", "trial": 0}], 47)
-    journal = _tune_journal.Journal(str(path), keep=keep)
+    journal = _tune_journal.Journal(str(path), resume=True)
+    assert journal.records == records
+    with pytest.raises(FailedPreconditionError) as info:  # one driver at a time
+        _tune_journal.Journal(str(path), resume=True)
+    assert str(info.value) == (f"{path}: another driver is running this search (it holds the "
+                               "journal's lock); wait for it to end, or stop it, before resuming")
+    with pytest.raises(FailedPreconditionError) as info:
+        tune.run(["true"], {"x": 1}, out_dir=str(tmp_path), resume=True)
+    assert str(info.value).startswith(f"{path}: another driver is running this search")
     journal.append({"event": "start", "trial": 0})
     journal.close()
     lines = path.read_bytes().split(b"\n")
