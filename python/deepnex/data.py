@@ -32,13 +32,16 @@ from .errors import InvalidArgumentError
 __all__ = ["Sharder"]
 
 
-def _fits(value, field, bits):
+def _fits(value, field, bits=64):
     """int(value), or InvalidArgumentError naming `field` past a signed `bits`-bit int
     (where pybind11 would raise a TypeError listing the binding's signature)."""
-    value = int(value)
-    if not -2**(bits - 1) <= value < 2**(bits - 1):
-        raise InvalidArgumentError(f"{field}: {value} is out of range")
-    return value
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{field}: {value!r} is not an integer") from None
+    if not -2**(bits - 1) <= number < 2**(bits - 1):
+        raise InvalidArgumentError(f"{field}: {number} is out of range")
+    return number
 
 
 class Sharder:
@@ -58,7 +61,7 @@ class Sharder:
 
     def __init__(self, size, num_shards=1, shard=0, shuffle=True, seed=0,
                  remainder="pad", state=None):
-        self._s = _C.data.Sharder(size=_fits(size, "size", 64), num_shards=_fits(num_shards,
+        self._s = _C.data.Sharder(size=_fits(size, "size"), num_shards=_fits(num_shards,
                                   "num_shards", 32), shard=_fits(shard, "shard", 32),
                                   shuffle=bool(shuffle),
                                   seed=int(seed) & (2**64 - 1), remainder=str(remainder))
@@ -111,7 +114,7 @@ class Sharder:
         except (TypeError, ValueError):
             raise InvalidArgumentError(
                 f"state: expected (epoch, position), got {state!r}") from None
-        self._s.seek(int(epoch), int(position))
+        self._s.seek(_fits(epoch, "state.epoch"), _fits(position, "state.position"))
 
     def state_dict(self):
         """The cursor with the world it is for, and the layout of a
@@ -140,21 +143,28 @@ class Sharder:
         if missing:
             raise InvalidArgumentError(f"state: no {', '.join(missing)} (a state_dict() has "
                                        f"{', '.join(keys)})")
-        self._s.reshard(int(state["epoch"]), int(state["position"]), int(state["num_shards"]),
-                        [(int(a), int(b)) for a, b in state["ranges"]], int(num_shards),
-                        int(shard))
+        try:
+            pairs = [(a, b) for a, b in state["ranges"]]
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"state.ranges: {state['ranges']!r} is not a list of "
+                                       "[first, last) pairs") from None
+        ranges = [(_fits(a, "state.ranges"), _fits(b, "state.ranges")) for a, b in pairs]
+        self._s.reshard(_fits(state["epoch"], "state.epoch"),
+                        _fits(state["position"], "state.position"),
+                        _fits(state["num_shards"], "state.num_shards", 32), ranges,
+                        _fits(num_shards, "num_shards", 32), _fits(shard, "shard", 32))
 
     def set_epoch(self, epoch):
         """Starts ``epoch`` from its beginning (as torch's DistributedSampler)."""
-        self._s.seek(int(epoch), 0)
+        self._s.seek(_fits(epoch, "epoch"), 0)
 
     def permutation(self, epoch=None):
         """The whole dataset's order in ``epoch`` (default: the current one)."""
-        return self._s.permutation(self.epoch if epoch is None else int(epoch))
+        return self._s.permutation(self.epoch if epoch is None else _fits(epoch, "epoch"))
 
     def indices(self, epoch=None):
         """This shard's indices in ``epoch`` (default: the current one)."""
-        return self._s.indices(self.epoch if epoch is None else int(epoch))
+        return self._s.indices(self.epoch if epoch is None else _fits(epoch, "epoch"))
 
     def batches(self, batch_size, drop_last=False):
         """Yields the rest of the current epoch as int64 arrays of at most
@@ -162,7 +172,7 @@ class Sharder:
         re-sharded epoch's shorter shard yields an empty last batch."""
         epoch = self.epoch
         while self.epoch == epoch:
-            batch = self._s.next(int(batch_size))
+            batch = self._s.next(_fits(batch_size, "batch_size"))
             if drop_last and len(batch) < batch_size:
                 continue
             yield batch
@@ -171,4 +181,5 @@ class Sharder:
         """Yields the rest of the current epoch's indices as ints, moving the
         cursor one index at a time so that state() is exact mid-epoch."""
         for batch in self.batches(1):
-            yield int(batch[0])
+            if len(batch):  # a re-sharded epoch's shorter shard ends in an empty one
+                yield int(batch[0])

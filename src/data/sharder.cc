@@ -184,16 +184,27 @@ ShardState Sharder::state() const {
 
 absl::Status Sharder::Reshard(const ShardState& from, int num_shards, int shard) {
   DEEPNEX_RETURN_IF_ERROR(CheckWorld(options_, num_shards, shard));
-  if (from.num_shards <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("state.num_shards: ", from.num_shards, " must be at least 1"));
+  // The old world's blocks are laid out one by one below; a world past the
+  // dataset's size (or a job's) is no state this dataset's sharders made.
+  const uint64_t max_shards = std::max<uint64_t>(options_.size, kMaxReshardFrom);
+  if (from.num_shards <= 0 || static_cast<uint64_t>(from.num_shards) > max_shards) {
+    return absl::InvalidArgumentError(absl::StrCat("state.num_shards: ", from.num_shards,
+                                                   " is not in 1-", max_shards));
   }
+  uint64_t end = 0;  // of the range before
   for (const auto& [first, second] : from.ranges) {
     if (first >= second || second > options_.size) {
       return absl::InvalidArgumentError(
           absl::StrCat("state.ranges: [", first, ", ", second,
                        ") is not a non-empty range within [0, ", options_.size, ")"));
     }
+    // Overlapping ranges would hand their items out twice.
+    if (first < end) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("state.ranges: [", first, ", ", second, ") overlaps or precedes the "
+                       "range before it (ranges are disjoint, in order)"));
+    }
+    end = second;
   }
   const uint64_t n = static_cast<uint64_t>(from.num_shards);
   const uint64_t from_length = from.ranges.empty() ? ShardSize(options_, from.num_shards)

@@ -58,6 +58,46 @@ def test_reshard_from_python_splits_the_rest_of_the_epoch_exactly():
         again.reshard(3, 3)
 
 
+def test_iterating_a_shorter_reshardeds_shard_ends_where_its_batches_do():
+    """`for i in sharder` raised IndexError on the empty last batch of a
+    re-sharded epoch's shorter shard."""
+    world = [Sharder(10, 2, k, seed=1) for k in range(2)]
+    seen = [int(i) for s in world for i in s._s.next(1)]
+    three = [Sharder(10, 1, 0, seed=1) for _ in range(3)]
+    for k, s in enumerate(three):
+        s.reshard(3, k, world[0].state_dict())
+    rest = [list(s) for s in three]
+    assert [len(r) for r in rest] == [3, 3, 2]
+    assert sorted(seen + [i for r in rest for i in r]) == list(range(10))
+    assert all(s.state() == (1, 0) for s in three)
+
+
+def test_a_bad_reshard_state_or_cursor_names_the_field():
+    """Past 64 (or 32) bits these were pybind11's TypeError listing the
+    binding's signature, and a malformed range a bare ValueError."""
+    s = Sharder(10, 2, 0)
+    state = s.state_dict()
+    for call, message in (
+            (lambda: s.load_state((2**64, 0)), "^state.epoch: 18446744073709551616 is out of "
+                                               "range$"),
+            (lambda: s.set_epoch(2**63), "^epoch: 9223372036854775808 is out of range$"),
+            (lambda: s.permutation(2**64), "^epoch: 18446744073709551616 is out of range$"),
+            (lambda: s.reshard(2**40, 0), "^num_shards: 1099511627776 is out of range$"),
+            (lambda: s.reshard(3, 0, dict(state, num_shards=2**31)),
+             "^state.num_shards: 2147483648 is out of range$"),
+            (lambda: s.reshard(3, 0, dict(state, num_shards=10**7)),
+             "^state.num_shards: 10000000 is not in 1-65536$"),
+            (lambda: s.reshard(3, 0, dict(state, ranges=[(0,)])),
+             r"^state.ranges: \[\(0,\)\] is not a list of \[first, last\) pairs$"),
+            (lambda: s.reshard(3, 0, dict(state, ranges=[(0, 10), (0, 10)])),
+             r"^state.ranges: \[0, 10\) overlaps or precedes the range before it"),
+            (lambda: next(s.batches(2**64)), "^batch_size: 18446744073709551616 is out of "
+                                             "range$")):
+        with pytest.raises(deepnex.InvalidArgumentError, match=message):
+            call()
+    assert s.state_dict() == state
+
+
 # --- Bad elastic environments ----------------------------------------------
 
 

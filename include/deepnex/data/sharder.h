@@ -63,6 +63,9 @@ struct ShardState {
 absl::StatusOr<Remainder> ParseRemainder(const std::string& text,
                                          const std::string& field = "remainder");
 
+// The largest world a Reshard continues from, beyond a dataset's size.
+inline constexpr uint64_t kMaxReshardFrom = 1 << 16;
+
 // One shard's indices, epoch by epoch, with a cursor (epoch, position) that
 // a trainer checkpoints and restores to resume where it stopped.
 //
@@ -115,7 +118,8 @@ class Sharder {
   // cursor is at their start (from position 0 of a laid-out epoch: that
   // epoch laid out for the new world; nothing left: the next epoch).
   // InvalidArgument naming the field for a bad world or state (a range
-  // outside [0, size), a position past the epoch).
+  // outside [0, size) or overlapping another, a position past the epoch,
+  // from.num_shards past max(size, kMaxReshardFrom)).
   absl::Status Reshard(const ShardState& from, int num_shards, int shard);
 
   // Up to `max_count` (0 counts as 1) next positions' indices, never crossing

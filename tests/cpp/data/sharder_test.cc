@@ -1,6 +1,7 @@
 #include "deepnex/data/sharder.h"
 
 #include <algorithm>
+#include <limits>
 #include <set>
 #include <vector>
 
@@ -355,6 +356,17 @@ TEST(SharderReshardTest, BadStatesAndWorldsNameTheFieldAndValue) {
   EXPECT_THAT(s.Reshard(from, 3, 0),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("state.ranges: [3, 11) is not a non-empty range within [0, 10)")));
+  // Overlapping ranges handed their items out twice.
+  from.ranges = {{0, 10}, {0, 10}};
+  EXPECT_THAT(s.Reshard(from, 3, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("state.ranges: [0, 10) overlaps or precedes the range before")));
+  // A world of 2^31 - 1 laid out a block per shard: 51 GB.
+  from.ranges = {};
+  from.num_shards = std::numeric_limits<int>::max();
+  EXPECT_THAT(s.Reshard(from, 3, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("state.num_shards: 2147483647 is not in 1-65536")));
   // A failed reshard leaves the sharder as it was.
   EXPECT_EQ(s.options().num_shards, 2);
   EXPECT_EQ(s.position(), 0u);
