@@ -151,5 +151,10 @@ def _distribution(optuna, domain):
     if isinstance(domain, _LogUniform):
         return d.FloatDistribution(domain.low, domain.high, log=True)
     if isinstance(domain, _RandInt):
+        if max(abs(domain.low), abs(domain.high)) > 2**53:
+            # Optuna's samplers draw through floats: past 2^53, always low.
+            raise InvalidArgumentError(
+                f"randint({domain.low}, {domain.high}): tpe and cmaes draw ints exactly only "
+                "within +-2^53; use search=\"random\" or \"grid\"")
         return d.IntDistribution(domain.low, domain.high - 1)
     return d.CategoricalDistribution(domain.values)

@@ -78,7 +78,24 @@ def _check_range(name, low, high, kind=float):
         raise InvalidArgumentError(f"{name}({low!r}, {high!r}): low and high must be {what}")
     if not lo < hi:
         raise InvalidArgumentError(f"{name}({low}, {high}): low must be below high")
+    if kind is float and not math.isfinite(hi - lo):
+        # Every draw would be an infinity.
+        raise InvalidArgumentError(f"{name}({low}, {high}): high - low is past a float's range")
     return lo, hi
+
+
+def _plain(name, value):
+    """`value` as a trial's JSON configuration carries it: a NumPy scalar as
+    its Python number; InvalidArgumentError naming `name` for anything JSON
+    cannot carry."""
+    if isinstance(value, numbers.Number) and hasattr(value, "item"):
+        value = value.item()
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{name}: {value!r} is not a JSON value (a trial gets its "
+                                   "configuration as JSON)") from None
+    return value
 
 
 def uniform(low, high):
@@ -102,7 +119,7 @@ def randint(low, high):
 
 def choice(values):
     """One of `values`, each equally likely."""
-    values = tuple(values)
+    values = tuple(_plain("choice", v) for v in values)
     if not values:
         raise InvalidArgumentError("choice([]): needs at least one value")
     return _Choice(values)
@@ -111,7 +128,7 @@ def choice(values):
 def grid(values):
     """Every one of `values`: the search runs each (times the other grid
     dimensions' values, times num_samples)."""
-    values = tuple(values)
+    values = tuple(_plain("grid", v) for v in values)
     if not values:
         raise InvalidArgumentError("grid([]): needs at least one value")
     return _Grid(values)
@@ -166,22 +183,27 @@ def parse_space(specs):
     for spec in specs:
         name, sep, expr = spec.partition("=")
         name, expr = name.strip(), expr.strip()
-        if not sep or not name:
+        if not sep or not name or not expr:
             raise InvalidArgumentError(f'space: "{spec}" is not name=expression')
         try:
             node = ast.parse(expr, mode="eval").body
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                if node.func.id not in _FUNCTIONS or node.keywords:
+                if node.func.id not in _FUNCTIONS:
                     raise ValueError(f"unknown function {node.func.id}")
+                if node.keywords:
+                    raise ValueError(f"{node.func.id}() takes its arguments by position only")
                 args = [ast.literal_eval(a) for a in node.args]
                 space[name] = _FUNCTIONS[node.func.id](*args)
+            elif isinstance(node, ast.Name):
+                raise ValueError(f"{node.id} is no literal (a string is quoted: '{node.id}')")
             else:
-                space[name] = ast.literal_eval(node)
-        except InvalidArgumentError:
-            raise
+                space[name] = _plain(name, ast.literal_eval(node))
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f'space: "{spec}": {e}') from None
         except (SyntaxError, ValueError, TypeError) as e:
+            reason = e.msg if isinstance(e, SyntaxError) else e
             raise InvalidArgumentError(
-                f'space: "{spec}": {e} (use a literal, uniform(a, b), loguniform(a, b), '
+                f'space: "{spec}": {reason} (use a literal, uniform(a, b), loguniform(a, b), '
                 f'randint(a, b), choice([...]) or grid([...]))') from None
     return space
 
@@ -194,7 +216,7 @@ def _space_json(space):
             out[k] = [type(v).__name__.lstrip("_").lower(), list(getattr(v, "values", ()))
                       or [v.low, v.high]]
         else:
-            out[k] = ["value", v]
+            out[k] = ["value", _plain(k, v)]
     return json.loads(json.dumps(out))
 
 

@@ -104,6 +104,45 @@ def test_parse_space():
         tune.parse_space(["lr=normal(0, 1)"])
     with pytest.raises(ValueError, match="__import__"):
         tune.parse_space(["x=__import__('os')"])
+    hint = (" (use a literal, uniform(a, b), loguniform(a, b), randint(a, b), choice([...]) "
+            "or grid([...]))")
+    # What a new user types: each names the --space and what is wrong with it.
+    for spec, message in (
+            ("opt=adam", "adam is no literal (a string is quoted: 'adam')" + hint),
+            ("x=choice(values=[1, 2])", "choice() takes its arguments by position only" + hint),
+            ("lr=uniform(0.1, 1e-3)", "uniform(0.1, 0.001): low must be below high"),
+            ("s={1, 2}", "s: {1, 2} is not a JSON value (a trial gets its configuration as "
+                         "JSON)"),
+            ("x=[1,", "'[' was never closed" + hint)):
+        with pytest.raises(InvalidArgumentError) as info:
+            tune.parse_space(["a=1", spec])
+        assert str(info.value) == f'space: "{spec}": {message}'
+    with pytest.raises(InvalidArgumentError) as info:
+        tune.parse_space(["x="])
+    assert str(info.value) == 'space: "x=" is not name=expression'
+
+
+def test_a_space_takes_numpy_values_and_refuses_what_json_cannot_carry():
+    """np.arange in a grid ended in "Object of type int64 is not JSON
+    serializable"; uniform(-1.7e308, 1.7e308) drew inf every time; tpe drew
+    randint(2^62, 2^62 + 3)'s low every time."""
+    np = pytest.importorskip("numpy")
+    g = tune.grid(np.arange(16, 64, 16))
+    assert g.values == (16, 32, 48) and all(type(v) is int for v in g.values)
+    assert tune.choice(np.array([0.5])).values == (0.5,)
+    with pytest.raises(InvalidArgumentError) as info:
+        tune.grid([object])
+    assert str(info.value) == ("grid: <class 'object'> is not a JSON value (a trial gets its "
+                               "configuration as JSON)")
+    with pytest.raises(InvalidArgumentError) as info:
+        tune.uniform(-1.7e308, 1.7e308)
+    assert str(info.value) == "uniform(-1.7e+308, 1.7e+308): high - low is past a float's range"
+    pytest.importorskip("optuna")
+    with pytest.raises(InvalidArgumentError) as info:
+        tune._Sampler({"n": tune.randint(2**62, 2**62 + 3)}, 1, 0, "tpe")
+    assert str(info.value) == ("randint(4611686018427387904, 4611686018427387907): tpe and "
+                               "cmaes draw ints exactly only within +-2^53; use "
+                               'search="random" or "grid"')
 
 
 # ---- ASHA
