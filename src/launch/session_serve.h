@@ -25,9 +25,8 @@ class SessionPeer {
   virtual bool Write(const gpu::proto::SessionOutput& out) = 0;
   // Has `gone` called (on another thread) when the peer goes away, until
   // set again (null: never). A writer blocked on a process's stdin that it
-  // does not read is freed so: `gone` kills the process. Where the peer
-  // cannot tell (default), the process ends by itself or with its container.
-  virtual void OnGone(std::function<void()> gone) { (void)gone; }
+  // does not read is freed so: `gone` kills the process.
+  virtual void OnGone(std::function<void()> gone) = 0;
 };
 
 // Serves `start` (the container already checked to be the caller's) on

@@ -43,6 +43,8 @@ class ScriptedPeer final : public SessionPeer {
     exited_ = exited_ || out.exited();
     return true;
   }
+  // Scripted: it never goes away while a session runs.
+  void OnGone(std::function<void()>) override {}
   void Close() {
     std::lock_guard<std::mutex> lock(mu_);
     closed_ = true;
