@@ -2,6 +2,7 @@
 
 #include "core/file_util.h"
 #include "core/net.h"
+#include "core/text.h"
 
 #include <google/protobuf/message_lite.h>
 #include <grpcpp/generic/generic_stub.h>
@@ -40,15 +41,8 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   // naming nothing: an error quoting a huge bad value keeps its start, which
   // names the field.
   constexpr size_t kMaxMessage = 2048;
-  std::string message(status.message());
-  if (message.size() > kMaxMessage) {
-    size_t keep = kMaxMessage;  // not inside a UTF-8 character
-    while (keep > 0 && (static_cast<unsigned char>(message[keep]) & 0xC0) == 0x80) --keep;
-    const size_t cut = message.size() - keep;
-    message.resize(keep);
-    absl::StrAppend(&message, "... (", cut, " more bytes)");
-  }
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), message);
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      CutText(std::string(status.message()), kMaxMessage));
 }
 
 std::string BearerValue(const std::string& token) {

@@ -12,6 +12,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
+#include "core/text.h"
 #include "deepnex/jobs.grpc.pb.h"
 #include "gpu/ledger.h"
 
@@ -93,6 +94,33 @@ void Note(pb::Job* j, std::vector<JobEvent>* events, size_t from) {
     n->set_reason(e.reason);
     n->set_resized_from(e.resized_from);
   }
+}
+
+// The parts of a report its runner writes freely, bounded: central keeps
+// every job's record (a probe's 4 MiB commands wrote 18 MB of history in
+// 2.4 s). No command line a user types comes near these.
+constexpr size_t kMaxCommand = 64 << 10, kMaxMessage = 4 << 10, kMaxMetrics = 256,
+                 kMaxMetricName = 128;  // a message past kMaxMessage is cut
+
+absl::Status CheckReportSize(const pb::Job& in) {
+  size_t command = 0;
+  for (const std::string& arg : in.command()) command += arg.size() + 1;
+  if (command > kMaxCommand) {
+    return absl::InvalidArgumentError(absl::StrCat("command: ", command, " bytes; at most ",
+                                                   kMaxCommand));
+  }
+  if (in.report().metrics_size() > static_cast<int>(kMaxMetrics)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "report.metrics: ", in.report().metrics_size(), " metrics; at most ", kMaxMetrics));
+  }
+  for (const auto& [name, value] : in.report().metrics()) {
+    if (name.size() > kMaxMetricName) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "report.metrics: \"", absl::CHexEscape(name.substr(0, kMaxShown)), "...\" is ",
+          name.size(), " bytes; a metric's name is at most ", kMaxMetricName));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // Takes event `id` off the unsent ones of `j`; whether it was there.
@@ -501,6 +529,7 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
                      in.run().size() > kMaxShown ? "..." : "",
                      " is not a run id (1-64 letters, digits, '-' or '_')"));
   }
+  DEEPNEX_RETURN_IF_ERROR(CheckReportSize(in));
   DEEPNEX_ASSIGN_OR_RETURN(JobState state, ParseJobState(in.state(), "state"));
   std::optional<MetricThreshold> when;
   if (!in.notify_when().empty()) {
@@ -607,7 +636,8 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
         j.set_state(JobStateName(state));
         j.set_ended_ms(now);
         j.set_exit_code(in.exit_code());
-        j.set_message(in.message());
+        // Cut, not refused: it comes with the run's last report.
+        j.set_message(CutText(in.message(), kMaxMessage));
         events.push_back(EventOf(j.state(), j));
       }
     }

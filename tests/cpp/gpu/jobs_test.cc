@@ -227,6 +227,28 @@ TEST_F(JobsTest, BadInputIsNamed) {
                        "or '_')"));
   EXPECT_THAT(alice->Report(Job("Upper", JobState::kPending), "r1"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("name: \"Upper\"")));
+  // Central keeps each job's record: what a runner writes freely is bounded.
+  JobRecord big = Job("j5", JobState::kPending);
+  big.command = {std::string(70000, 'x')};
+  EXPECT_THAT(alice->Report(big, "r1"), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                 "command: 70001 bytes; at most 65536"));
+  big = Job("j5", JobState::kRunning);
+  for (int i = 0; i < 257; ++i) big.report.metrics[absl::StrCat("m", i)] = i;
+  EXPECT_THAT(alice->Report(big, "r1"), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                 "report.metrics: 257 metrics; at most 256"));
+  big.report.metrics = {{std::string(200, 'n'), 1.0}};
+  EXPECT_THAT(alice->Report(big, "r1"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("bytes; a metric's name is at most 128")));
+  big.report.metrics = {{std::string(128, 'n'), 1.0}};
+  big.command = {std::string(65535, 'x')};
+  EXPECT_OK(alice->Report(big, "r1").status());  // at the limits
+  // The last report's message is cut, not refused: the job's end is kept.
+  big.state = JobState::kFailed;
+  big.message = std::string(5000, 'm');
+  ASSERT_OK_AND_ASSIGN(JobRecord ended, alice->Report(big, "r1"));
+  EXPECT_EQ(ended.state, JobState::kFailed);
+  EXPECT_EQ(ended.message, std::string(4096, 'm') + "... (904 more bytes)");
   EXPECT_TRUE(alice->List(JobFilter()).ok());
 }
 
