@@ -389,9 +389,19 @@ class SlurmBackend : public Backend {
       env.erase("CUDA_VISIBLE_DEVICES");
       env.erase("NVIDIA_VISIBLE_DEVICES");
     }
-    // env(1) rather than the shell's export takes any variable name.
+    std::string workdir = HostWorkingDir(spec);
+    // env(1) rather than the shell's export takes any variable name, and its
+    // --chdir fails the job where slurmstepd, unable to enter the working
+    // directory as the user, would run it in /tmp.
     std::string script = absl::StrCat("#!/bin/sh\n# deepnex run ", context.run_name,
-                                      "\nexec /usr/bin/env --");
+                                      "\nexec /usr/bin/env");
+    if (!workdir.empty()) absl::StrAppend(&script, " --chdir=", ShellQuote(workdir));
+    absl::StrAppend(&script, " --");
+    if (workdir.empty()) {
+      char cwd[4096];
+      if (getcwd(cwd, sizeof cwd) == nullptr) return absl::InternalError("getcwd failed");
+      workdir = cwd;
+    }
     for (const auto& [k, v] : env) absl::StrAppend(&script, " ", ShellQuote(k + "=" + v));
     // env(1) takes an operand with '=' for one more variable, and would run
     // the next word: a program "/opt/d=1/prog" is handed to sh to run.
@@ -404,12 +414,6 @@ class SlurmBackend : public Backend {
     const std::string script_path = context.dir + "/" + kScriptFile;
     DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically(script_path, script));
 
-    std::string workdir = HostWorkingDir(spec);
-    if (workdir.empty()) {
-      char cwd[4096];
-      if (getcwd(cwd, sizeof cwd) == nullptr) return absl::InternalError("getcwd failed");
-      workdir = cwd;
-    }
     // deepnex.launcher first, so that Cleanup can match the comment's head.
     std::string comment = absl::StrCat(kLauncherLabel, "=", context.launcher_id);
     for (const auto& [k, v] : context.labels) {

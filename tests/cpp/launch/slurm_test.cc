@@ -445,6 +445,23 @@ TEST_F(SlurmTest, RunAsSubmitsTheJobAsTheUser) {
   EXPECT_EQ(st.st_mode & 0777, 0600u);
 }
 
+// slurmstepd, unable to enter the working directory as the user, ran the
+// job in /tmp instead; the job now fails, saying why.
+TEST_F(SlurmTest, AWorkingDirTheUserCannotEnterFailsTheJob) {
+  if (geteuid() != 0) GTEST_SKIP() << "sbatch --uid needs root";
+  ASSERT_EQ(chmod(scratch_.path().c_str(), 0755), 0);
+  const std::string closed = scratch_.path() + "/closed";
+  ASSERT_EQ(mkdir(closed.c_str(), 0700), 0);
+  ContainerSpec spec = Sh("closed", "pwd");
+  spec.run_as = RunAs{65534, 65534, "nobody", "/"};
+  spec.working_dir = closed;
+  auto run = StartOk(spec);
+  ASSERT_NE(run, nullptr);
+  EXPECT_EQ(WaitEnd(*run).ToString(), "exited(125)");
+  EXPECT_THAT(LogsOf(*run), HasSubstr("env: cannot change directory to '" + closed +
+                                      "': Permission denied"));
+}
+
 // Paths that Slurm or env(1) read as something else are taken as they are:
 // a run directory with '%' (sbatch expands %u and %j in --output, and the
 // job failed to open its log), a program under a directory with '=' (env
