@@ -210,17 +210,20 @@ std::string ObjectName(const std::string& run_name) {
   std::string name;
   for (char c : run_name) name += IsAlnum(c) ? absl::ascii_tolower(c) : '-';
   while (!name.empty() && name.front() == '-') name.erase(0, 1);
-  if (name.size() > 63) {
+  while (!name.empty() && name.back() == '-') name.pop_back();
+  if (name.size() > 63 || name != run_name) {
     // Cut to fit, and end with a hash of the whole name: names that differ
-    // only past the cut (a job's worker0 and worker1 under a long job name)
-    // stay distinct. FNV-1a, so the name is the same in every process.
+    // only past the cut (a job's worker0 and worker1 under a long job name),
+    // or only where the label has no such character (central's "a.b-c" and
+    // "a-b.c", "forever.a" and "Forever_a"), stay distinct. FNV-1a, so the
+    // name is the same in every process.
     uint64_t h = 14695981039346656037ull;
     for (unsigned char c : run_name) h = (h ^ c) * 1099511628211ull;
-    name.resize(54);
+    if (name.size() > 54) name.resize(54);
     while (!name.empty() && name.back() == '-') name.pop_back();
-    name += absl::StrFormat("-%08x", static_cast<uint32_t>(h ^ (h >> 32)));
+    if (!name.empty()) name += '-';
+    name += absl::StrFormat("%08x", static_cast<uint32_t>(h ^ (h >> 32)));
   }
-  while (!name.empty() && name.back() == '-') name.pop_back();
   return name;
 }
 

@@ -468,6 +468,22 @@ def test_long_names_stay_distinct_and_within_63_characters(api):
                for m in made), made
 
 
+def test_names_that_differ_only_where_a_label_cannot_stay_distinct(api):
+    """"forever.a" and "Forever_a" were both pod forever-a: one's start
+    failed (409) with a message naming neither; through central, user a's
+    "b-c" and user a-b's "c" met the same way. A name a label holds as it
+    is keeps it."""
+    names = ["forever.a", "Forever_a", "forever-a"]
+    with settled(api, k8s_launcher(api)) as launcher:
+        handles = [launcher.start(spec(n, ["true"])) for n in names]  # all at once
+        assert [h.wait(timeout=30).reason for h in handles] == ["exited"] * 3
+    made = [r[3]["metadata"]["name"] for r in api.requests
+            if r[0] == "POST" and r[1].endswith("/pods")]
+    assert len(set(made)) == 3 and "kt1-forever-a-0" in made, made
+    assert all(len(m) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", m)
+               for m in made), made
+
+
 def test_success_oom_and_eviction(api):
     api.outcomes["kt1-ok-0"] = Outcome(exit_code=0)
     api.outcomes["kt1-hog-0"] = Outcome(exit_code=137, reason="OOMKilled")
