@@ -438,7 +438,7 @@ class Container : public Handle {
     ContainerStatus s;
     s.name = spec_.name;
     s.id = run_id_;
-    s.state = state_;
+    s.state = state_ == State::kRunning && run_ && run_->Queued() ? State::kStarting : state_;
     s.restarts = restarts_;
     s.last_exit = last_exit_;
     s.started_at = started_at_;

@@ -293,6 +293,11 @@ class SlurmRun : public Run {
 
   absl::Status Remove() override { return Stop(std::chrono::milliseconds(0)); }
 
+  bool Queued() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return queued_;
+  }
+
  private:
   bool Ended() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -308,6 +313,11 @@ class SlurmRun : public Run {
           client_->Argv("squeue", {"-h", "-t", "all", "-j", job_id_, "-o", "%T"}), q));
     }
     std::string state(absl::StripAsciiWhitespace(q.out));
+    if (q.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      // CONFIGURING: its nodes are booting.
+      queued_ = state == "PENDING" || state == "CONFIGURING";
+    }
     if (q.ok() && !state.empty() && !IsFinal(state)) return std::nullopt;
     DEEPNEX_ASSIGN_OR_RETURN(CommandResult record,
                              client_->Run("scontrol", {"show", "job", "-o", job_id_}));
@@ -345,6 +355,7 @@ class SlurmRun : public Run {
   // When Slurm's commands began to fail, while they do.
   EngineSilence silence_;  // guarded by mu_
   uint64_t peak_ = 0;
+  bool queued_ = true;  // as squeue last said; sbatch queues it (guarded by mu_)
 };
 
 class SlurmBackend : public Backend {

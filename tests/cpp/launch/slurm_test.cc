@@ -248,6 +248,10 @@ TEST_F(SlurmTest, ThirdTwoGpuJobWaitsUntilOneEnds) {
   ASSERT_NE(fourth, nullptr);
   ASSERT_THAT(third->Wait(2s), IsOk());
   EXPECT_EQ(JobState(*third), "PENDING");
+  // Its container shows as starting, not running with no usage.
+  EXPECT_TRUE(third->Queued());
+  ASSERT_THAT(first->Wait(0ms), IsOk());
+  EXPECT_FALSE(first->Queued());
   EXPECT_THAT(Squeue({"-j", third->id(), "-o", "%r"}), HasSubstr("Resources"));
   EXPECT_EQ(LogsOf(*third), "");
 
@@ -274,6 +278,33 @@ TEST_F(SlurmTest, ThirdTwoGpuJobWaitsUntilOneEnds) {
   EXPECT_EQ(JobState(*second), "RUNNING");
   ASSERT_EQ(close(creat((go + "second").c_str(), 0644)), 0);
   EXPECT_TRUE(WaitEnd(*second).ok());
+}
+
+// A job Slurm holds PENDING showed through the launcher as running, with no
+// usage; it shows as starting until it runs.
+TEST_F(SlurmTest, AQueuedJobsContainerShowsAsStartingUntilItRuns) {
+  const std::string go = scratch_.path() + "/go";
+  auto holder = StartOk(OnGpus(Sh("hold", "i=0; while [ ! -e " + go + " ] && [ $i -lt 1200 ]; "
+                                          "do sleep 0.1; i=$((i+1)); done"),
+                               4));
+  ASSERT_NE(holder, nullptr);
+  ASSERT_TRUE(test::WaitUntil([&] { return JobState(*holder) == "RUNNING"; }, kJobEnd));
+  LauncherOptions o = options_;
+  o.backend = "slurm";
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Launcher> launcher, Launcher::Create(o));
+  ContainerSpec queued = OnGpus(Sh("queued", "sleep 30"), 2);
+  queued.allocation->cpus = 1;
+  queued.allocation->memory = 64 << 20;
+  queued.allocation->env = queued.env;  // the launcher's to set, from the grant
+  queued.env.clear();
+  ASSERT_OK_AND_ASSIGN(auto h, launcher->Start(queued));
+  ASSERT_TRUE(test::WaitUntil([&] { return JobState(*holder) == "RUNNING"; }, kJobEnd));
+  EXPECT_EQ(h->Status().state, State::kStarting);
+  ASSERT_EQ(close(creat(go.c_str(), 0644)), 0);
+  EXPECT_TRUE(WaitEnd(*holder).ok());
+  EXPECT_TRUE(test::WaitUntil([&] { return h->Status().state == State::kRunning; }, kJobEnd))
+      << StateName(h->Status().state);
+  EXPECT_THAT(h->Stop(1s), IsOk());
 }
 
 TEST_F(SlurmTest, ExitCodesAndSignals) {
