@@ -65,8 +65,22 @@ def native_shell():
     return None
 
 
+# C0 and C1 control characters and DEL, as \x.. (see printable).
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7f, 0xa0)]}
+
+
+def printable(text):
+    """`text` with its control characters escaped (ESC as \\x1b): commands,
+    metric names and messages that one user wrote reach another's (an
+    admin's) terminal, where raw escape sequences clear it, retitle it or
+    overwrite lines."""
+    return text.translate(_CONTROL)
+
+
 def format_table(table):
-    """Rows of strings (the header first) as left-aligned columns."""
+    """Rows of strings (the header first) as left-aligned columns, each
+    cell printable()."""
+    table = [[printable(c) for c in row] for row in table]
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
 

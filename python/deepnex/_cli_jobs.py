@@ -18,7 +18,7 @@ import re
 import shlex
 import time
 
-from deepnex._cli_common import add_central_args, client, format_table, guard
+from deepnex._cli_common import add_central_args, client, format_table, guard, printable
 
 STATES = ("pending", "running", "completed", "failed", "cancelled")
 HEADER = ("NAME", "USER", "STATE", "NODES", "WORKERS", "ELAPSED", "GPU-H", "CPU-H", "PEAK-MEM",
@@ -151,7 +151,7 @@ def show_text(j):
                               f"{c['cpu_seconds']:.2f}", _size(c["memory_peak"]),
                               c["last_exit"] or "-"))
         lines.extend("    " + line for line in format_table(table).splitlines())
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def _jobs(args):

@@ -746,11 +746,32 @@ def test_option_structs_check_what_is_set_and_name_the_field():
 
 # --- what the CLI commands share ---------------------------------------------
 
+def test_job_show_escapes_what_the_jobs_user_wrote():
+    from deepnex._cli_jobs import rows, show_text
+    job = {"name": "esc", "user": "alice", "state": "failed", "exit_code": 1,
+           "command": ["train", "\x1b[1A\x1b[2Kfake"], "mode": "allreduce", "workers": 1,
+           "min_workers": 1, "max_workers": 1, "resizes": 0, "last_resize": "", "ps": 0,
+           "submitted_ms": 0, "started_ms": 0, "ended_ms": 0, "elapsed": 0.0,
+           "gpu_hours": 0.0, "cpu_hours": 0.0, "peak_memory": 0, "restarts": 0,
+           "nodes": ["n1"], "report": {"step": 1, "metrics": {"\x1b[2Jacc": 0.5},
+                                        "time_ms": 0},
+           "message": "bye\x1b[H", "allocations": [], "containers": []}
+    shown = show_text(job)
+    assert "\x1b" not in shown and "\x07" not in shown
+    assert "command:     train '\\x1b[1A\\x1b[2Kfake'" in shown
+    assert "last report: step 1 \\x1b[2Jacc=0.5" in shown
+    assert "message:     bye\\x1b[H" in shown
+    assert rows([job])[1][-1] == "step 1 \x1b[2Jacc=0.5"  # escaped as format_table prints it
+
 def test_cli_common_tables_pairs_and_central_address(monkeypatch):
     import argparse
 
     from deepnex import _cli_common as common
     assert common.format_table([("A", "BB"), ("ccc", "d")]) == "A    BB\nccc  d"
+    # What one user wrote reaches another's terminal escaped: a probe's
+    # command and metric name cleared an admin's screen and retitled it.
+    assert common.format_table([("A",), ("\x1b[2J\x1b]0;owned\x07\x9b",)]) == (
+        "A\n\\x1b[2J\\x1b]0;owned\\x07\\x9b")
     assert common.parse_pairs(["a=1", "b=x=y"], "--env") == {"a": "1", "b": "x=y"}
     assert common.parse_pairs(None, "--env") == {}
     for bad in ("novalue", "=1"):
