@@ -82,8 +82,8 @@ def _run(args) -> int:
                 f"backend {j.backend}")
         result = j.wait()
     except KeyboardInterrupt:
-        j.stop()
         signum = stopped.get("signal", signal.SIGINT)
+        j.stop(signum)
         _notice(f"job {j.name} stopped by {signal.Signals(signum).name}; "
                 "everything released")
         return 128 + signum

@@ -141,8 +141,11 @@ class Job:
             if deadline is not None and time.monotonic() >= deadline:
                 raise DeadlineExceededError(f"job {self.name} is still running")
 
-    def stop(self) -> None:
-        self._job.stop()
+    def stop(self, signal: int = 0) -> None:
+        """Stops every container and releases every allocation. `signal`:
+        the one that stopped the job, which its record in deepnex-central
+        says (cancelled, exit 128 + signal); 0: failed, exit 1."""
+        self._job.stop(int(signal))
 
     def containers(self):
         return self._job.containers()

@@ -142,8 +142,8 @@ void RegisterJob(py::module_& parent) {
             return Unwrap(std::move(r));
           },
           py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
-      .def("stop", [](Job& j) { CheckStatus(j.Stop()); },
-           py::call_guard<py::gil_scoped_release>())
+      .def("stop", [](Job& j, int signal) { CheckStatus(j.Stop(signal)); },
+           py::arg("signal") = 0, py::call_guard<py::gil_scoped_release>())
       .def("containers", &Job::Containers, py::call_guard<py::gil_scoped_release>())
       .def("allocations", &Job::Allocations, py::call_guard<py::gil_scoped_release>());
 }

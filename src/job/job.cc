@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <cstdlib>
@@ -39,12 +40,14 @@ using Clock = std::chrono::steady_clock;
 // store (python/deepnex/_tune_report.py writes it): JSON {"step", "metrics",
 // "time_ms"}.
 constexpr char kReportKey[] = "deepnex/report";
+// The longest piece of a worker's output shown as one line.
+constexpr size_t kMaxLine = 1 << 20;
 
 class JobImpl : public Job {
  public:
   explicit JobImpl(JobOptions options) : o_(std::move(options)) {}
   ~JobImpl() override {
-    Stop().IgnoreError();
+    Stop(0).IgnoreError();
     launcher_.reset();
     std::error_code ignored;
     std::filesystem::remove_all(job_dir_, ignored);
@@ -170,7 +173,7 @@ class JobImpl : public Job {
         // Cancelled while it waited: its allocation was withdrawn.
         if (reporter_->cancelled()) s = absl::CancelledError(reporter_->cancel_message());
       }
-      Stop().IgnoreError();
+      Stop(0).IgnoreError();
     }
     return s;
   }
@@ -196,7 +199,7 @@ class JobImpl : public Job {
       if (reporter_ && reporter_->cancelled()) {
         // Its allocations are gone already; its containers go now.
         reporter_->Finish(gpu::JobState::kFailed, 1, "cancelled").IgnoreError();
-        Stop().IgnoreError();
+        Stop(0).IgnoreError();
         return absl::CancelledError(reporter_->cancel_message());
       }
       if (Clock::now() >= deadline) {
@@ -211,7 +214,7 @@ class JobImpl : public Job {
     if (reporter_) reporter_->ReportNow().IgnoreError();
     if (reporter_ && reporter_->cancelled()) {
       reporter_->Finish(gpu::JobState::kFailed, 1, "cancelled").IgnoreError();
-      Stop().IgnoreError();
+      Stop(0).IgnoreError();
       return absl::CancelledError(reporter_->cancel_message());
     }
     JobResult result;
@@ -240,7 +243,7 @@ class JobImpl : public Job {
       reporter_->Finish(code == 0 ? gpu::JobState::kCompleted : gpu::JobState::kFailed, code, "")
           .IgnoreError();
     }
-    DEEPNEX_RETURN_IF_ERROR(Stop());
+    DEEPNEX_RETURN_IF_ERROR(Shutdown(0, /*show_all_output=*/true));
     for (const auto& w : workers_) {
       DEEPNEX_ASSIGN_OR_RETURN(launch::ExitStatus e, w->Wait(milliseconds(10000)));
       result.workers.push_back(e);
@@ -250,12 +253,23 @@ class JobImpl : public Job {
     return result;
   }
 
-  absl::Status Stop() override {
+  absl::Status Stop(int signal) override { return Shutdown(signal, /*show_all_output=*/false); }
+
+  // Stop, or at Run's end (where the job ended by itself) with every line of
+  // the workers' output shown.
+  absl::Status Shutdown(int signal, bool show_all_output) {
     std::lock_guard<std::mutex> lock(stop_mu_);
-    // Stopped before its end (a signal): the record says so.
-    if (reporter_) {
+    // Stopped before its end: the record says by what (after Run's own
+    // Finish, nothing changes).
+    if (reporter_ && signal > 0) {
+      reporter_->Finish(gpu::JobState::kCancelled, 128 + signal,
+                        absl::StrCat("stopped by ", launch::SignalName(signal)))
+          .IgnoreError();
+    } else if (reporter_) {
       reporter_->Finish(gpu::JobState::kFailed, 1, "stopped before its end").IgnoreError();
     }
+    // A probe's SIGTERM waited 76 s while 11 MB of output was printed.
+    if (!show_all_output) quiet_ = true;
     // No worker is added or dropped from here on.
     if (elastic_) grants_ = elastic_->TakeAllocations();
     absl::Status first;
@@ -264,8 +278,6 @@ class JobImpl : public Job {
       if (first.ok()) first = s;
     }
     for (auto& h : handles_) h->Wait(milliseconds(10000)).IgnoreError();
-    for (auto& t : log_threads_) t.join();
-    log_threads_.clear();
     if (allocations_ != nullptr) {
       for (const auto& a : Allocations()) {
         absl::Status s = allocations_->Release(a.id);
@@ -278,6 +290,9 @@ class JobImpl : public Job {
     grants_.clear();
     ps_grants_.clear();
     if (store_ != nullptr) store_->Stop();
+    // Last: the allocations go back while output is still printed.
+    for (auto& t : log_threads_) t.join();
+    log_threads_.clear();
     // Off `deepnex top`; the directory itself goes with the launcher, which
     // keeps its logs there until then.
     std::error_code ignored;
@@ -711,17 +726,25 @@ class JobImpl : public Job {
     log_threads_.emplace_back([this, h, who] {
       std::string partial;
       h->FollowLogs([&](const std::string& chunk) {
+         if (quiet_) return false;
+         // Only the new chunk is searched, and the lines taken at once: a
+         // 200 MB line was searched again with each chunk.
+         size_t start = 0, nl = partial.size();
          partial += chunk;
-         size_t nl;
-         while ((nl = partial.find('\n')) != std::string::npos) {
-           const std::string line = partial.substr(0, nl);
-           partial.erase(0, nl + 1);
+         while ((nl = partial.find('\n', nl)) != std::string::npos) {
+           const std::string line = partial.substr(start, nl - start);
            NoteListening(who, line);
            o_.output(who, line);
+           start = ++nl;
+         }
+         partial.erase(0, start);
+         // A line past kMaxLine is shown in pieces rather than held whole.
+         for (; partial.size() >= kMaxLine; partial.erase(0, kMaxLine)) {
+           o_.output(who, partial.substr(0, kMaxLine));
          }
          return true;
        }).IgnoreError();
-      if (!partial.empty()) o_.output(who, partial);
+      if (!partial.empty() && !quiet_) o_.output(who, partial);
     });
     return h;
   }
@@ -796,6 +819,8 @@ class JobImpl : public Job {
   // An elastic job's membership (null: a job of fixed size).
   std::unique_ptr<Elastic> elastic_;
   std::vector<std::thread> log_threads_;
+  // Set by Stop: the workers' output still unread is not shown.
+  std::atomic<bool> quiet_{false};
   std::mutex stop_mu_;
   // With deepnex-central: keeps the job's record there (null without).
   std::unique_ptr<gpu::JobReporter> reporter_;

@@ -49,6 +49,24 @@ def central(tmp_path, jobs):  # noqa: F811 - test_job's fixture
             stop_central(proc)
 
 
+def test_a_signal_stops_a_job_at_once_and_its_record_says_cancelled_by_it(central, tmp_path):
+    """SIGTERM waited while every line a worker had printed went out (76 s
+    for 11 MB, its GPUs held meanwhile), and the job's record said failed,
+    exit 1, as a crash would."""
+    address = central()
+    mark = tmp_path / "printed"
+    j = central.run(address, ["--workers", "1"],
+                    ["sh", "-c", f"seq 1 3000000; touch {mark}; sleep 600"])
+    wait_for(mark.exists, "the worker to print 3000000 lines")
+    j.proc.send_signal(signal.SIGTERM)
+    assert j.wait(60) == 143, j.output()[-2000:]
+    c = clients(address)
+    assert c["alice"].allocations() == []
+    done = c["alice"].job(j.name)
+    assert (done["state"], done["exit_code"], done["message"]) == (
+        "cancelled", 143, "stopped by SIGTERM")
+
+
 def gated(gate):
     return ["sh", "-c", f"echo up; while [ ! -e {gate} ]; do sleep 0.05; done"]
 

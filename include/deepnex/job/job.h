@@ -154,8 +154,12 @@ class Job {
   // and releases the allocations. DeadlineExceeded after `timeout` (the job
   // keeps running).
   virtual absl::StatusOr<JobResult> Wait(std::chrono::milliseconds timeout) = 0;
-  // Stops every container and releases every allocation. Idempotent.
-  virtual absl::Status Stop() = 0;
+  // Stops every container and releases every allocation, then the workers'
+  // output read by then is shown (the rest is not: a stop is for now).
+  // `signal`: the one that stopped the job (SIGINT, SIGTERM), which its
+  // record in deepnex-central says (cancelled, exit 128 + signal); 0: an
+  // error stopped it (failed, exit 1). Idempotent.
+  virtual absl::Status Stop(int signal) = 0;
   // The job's containers (parameter servers first, then workers by rank).
   virtual std::vector<std::shared_ptr<launch::Handle>> Containers() = 0;
   // The workers' allocations by rank, then the parameter servers' (which

@@ -172,7 +172,7 @@ TEST_F(JobTest, StopEndsEveryProcessAndReleasesTheAllocations) {
   EXPECT_THAT(names, ::testing::ElementsAre(o.name + "-ps0", o.name + "-worker0",
                                             o.name + "-worker1"));
   EXPECT_THAT(job->Wait(milliseconds(200)), StatusIs(absl::StatusCode::kDeadlineExceeded));
-  ASSERT_THAT(job->Stop(), IsOk());
+  ASSERT_THAT(job->Stop(0), IsOk());
   EXPECT_TRUE(job->Allocations().empty());
   // Stop waits for each container's first process; the background sleeps
   // were killed, not waited for, and go a moment later.
@@ -180,7 +180,7 @@ TEST_F(JobTest, StopEndsEveryProcessAndReleasesTheAllocations) {
       [&] { return launch::ProcessesWithEnv(launch::kLauncherIdEnv, o.name).empty(); },
       std::chrono::seconds(60), "the job's processes to end"))
       << launch::ProcessesWithEnv(launch::kLauncherIdEnv, o.name).size() << " left";
-  EXPECT_THAT(job->Stop(), IsOk());  // idempotent
+  EXPECT_THAT(job->Stop(0), IsOk());  // idempotent
 }
 
 TEST_F(JobTest, MoreWorkersThanTheMachineHoldsIsRefusedNotQueued) {
