@@ -3,6 +3,7 @@
 #include <thread>
 
 #include "launch/central_wire.h"
+#include "launch/util.h"
 
 namespace deepnex::agent {
 
@@ -80,10 +81,11 @@ absl::Status FollowByReading(launch::Handle& h,
                              const std::function<bool(const std::string&)>& sink,
                              std::chrono::milliseconds poll) {
   uint64_t offset = 0;
+  launch::FollowedLog followed(sink);
   while (true) {
     DEEPNEX_ASSIGN_OR_RETURN(launch::LogChunk chunk, h.ReadLogs(offset, 1 << 20));
+    if (!followed.Take(offset, chunk)) return absl::OkStatus();
     offset = chunk.next_offset;
-    if (!chunk.data.empty() && !sink(chunk.data)) return absl::OkStatus();
     if (chunk.ended) return absl::OkStatus();
     if (chunk.data.empty()) std::this_thread::sleep_for(poll);
   }

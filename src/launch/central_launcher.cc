@@ -169,6 +169,7 @@ class CentralHandle final : public Handle {
   // is gone with it).
   absl::Status FollowLogs(const std::function<bool(const std::string&)>& sink) override {
     uint64_t offset = 0;
+    FollowedLog followed(sink);
     int failures = 0;  // reads in a row that failed
     int generation = Generation();
     for (;;) {
@@ -192,8 +193,8 @@ class CentralHandle final : public Handle {
         continue;
       }
       failures = 0;
+      if (!followed.Take(offset, *chunk)) return absl::OkStatus();
       offset = chunk->next_offset;
-      if (!chunk->data.empty() && !sink(chunk->data)) return absl::OkStatus();
       if (chunk->ended) return absl::OkStatus();
       if (chunk->data.empty()) std::this_thread::sleep_for(central_->options.poll * 2);
     }

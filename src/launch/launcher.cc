@@ -199,10 +199,11 @@ class Container : public Handle {
 
   absl::Status FollowLogs(const std::function<bool(const std::string&)>& sink) override {
     uint64_t offset = 0;
+    FollowedLog followed(sink);
     while (true) {
       DEEPNEX_ASSIGN_OR_RETURN(LogChunk chunk, ReadLogs(offset, kLogChunk));
+      if (!followed.Take(offset, chunk)) return absl::OkStatus();
       offset = chunk.next_offset;
-      if (!chunk.data.empty() && !sink(chunk.data)) return absl::OkStatus();
       if (chunk.ended) return absl::OkStatus();
       // A full chunk: more is there already.
       if (chunk.data.size() == kLogChunk) continue;

@@ -188,4 +188,17 @@ void ExportUsage(Launcher& launcher, MetricsRegistry& registry) {
   }
 }
 
+bool FollowedLog::Take(uint64_t offset, const LogChunk& chunk) {
+  const uint64_t from = chunk.next_offset - chunk.data.size();
+  if (from > offset &&
+      !sink_(absl::StrCat(line_start_ ? "" : "\n", "deepnex: ", from - offset,
+                          " bytes of this container's output were dropped before they were read "
+                          "(its log keeps the newest)\n"))) {
+    return false;
+  }
+  if (chunk.data.empty()) return true;
+  line_start_ = chunk.data.back() == '\n';
+  return sink_(chunk.data);
+}
+
 }  // namespace deepnex::launch

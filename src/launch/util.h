@@ -9,6 +9,7 @@
 
 #include <utility>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -120,6 +121,20 @@ std::string SignalName(int signal);
 // each container `launcher` holds; for a server (deepnex-central) to call
 // before it renders its metrics.
 void ExportUsage(Launcher& launcher, MetricsRegistry& registry);
+
+// Hands a follower's chunks to its sink as Handle::FollowLogs promises: what
+// the log limit dropped before it was read is said in a line of its own,
+// not skipped in silence (a probe's slow reader lost 64 MiB unawares).
+class FollowedLog {
+ public:
+  explicit FollowedLog(const std::function<bool(const std::string&)>& sink) : sink_(sink) {}
+  // `chunk`, read from `offset`; false once the sink wants no more.
+  bool Take(uint64_t offset, const LogChunk& chunk);
+
+ private:
+  const std::function<bool(const std::string&)>& sink_;
+  bool line_start_ = true;  // what the sink got last ended a line
+};
 
 }  // namespace deepnex::launch
 

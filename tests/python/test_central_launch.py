@@ -393,15 +393,8 @@ def test_a_restarted_central_sweeps_what_the_killed_one_left_before_it_is_reaped
     answered: a killed central not yet reaped (a zombie, as here), or one
     whose pid another process took. The container ran on, its grant held."""
     ledger = ("--state-dir", str(tmp_path / "ledger"))
-    proc, address = start_central_launcher(tmp_path, *ledger)
     marker = f"{600 + os.getpid() % 1000}.5"  # sleep's argument: this test's alone
-    try:
-        alice, _ = clients(address)
-        a = alice.allocate(grant())
-        alice.start_container(launch.ContainerSpec(name="w", command=["sleep", marker]), a)
-        await_container(alice, "w", lambda c: c["state"] == "running")
-    finally:
-        proc.kill()  # not waited for yet: a zombie while the next one starts
+    proc, _ = killed_with_a_sleeper(tmp_path, ledger, marker)  # not reaped: a zombie
     again, address = start_central_launcher(tmp_path, *ledger)
     try:
         alice, _ = clients(address)
@@ -419,16 +412,9 @@ def test_a_container_whose_record_was_damaged_is_swept_by_its_launchers_id(tmp_p
     be granted. Central's state directory names its launcher, so the sweep
     needs no record to end that launcher's processes."""
     ledger = ("--state-dir", str(tmp_path / "ledger"))
-    proc, address = start_central_launcher(tmp_path, *ledger)
     marker = f"{2000 + os.getpid() % 1000}.25"  # sleep's argument: this test's alone
-    try:
-        alice, _ = clients(address)
-        a = alice.allocate(grant())
-        alice.start_container(launch.ContainerSpec(name="w", command=["sleep", marker]), a)
-        await_container(alice, "w", lambda c: c["state"] == "running")
-    finally:
-        proc.kill()
-        proc.wait()
+    proc, a = killed_with_a_sleeper(tmp_path, ledger, marker)
+    proc.wait()
     containers = tmp_path / "launch" / "containers"
     [record] = containers.glob("*/record.json")
     record.write_text('{"name": "al')  # cut short
@@ -445,6 +431,20 @@ def test_a_container_whose_record_was_damaged_is_swept_by_its_launchers_id(tmp_p
     assert "swept 0 container(s) of launcher " in err, err
     assert (f"removed {record.parent}: no readable container record; its allocation, if any, "
             "stays held until released") in err, err
+
+
+def killed_with_a_sleeper(tmp_path, ledger, marker):
+    """A central on `ledger` that ran alice's container "w" (`sleep marker`)
+    and was killed (-9), not yet reaped; (its process, the allocation)."""
+    proc, address = start_central_launcher(tmp_path, *ledger)
+    try:
+        alice, _ = clients(address)
+        a = alice.allocate(grant())
+        alice.start_container(launch.ContainerSpec(name="w", command=["sleep", marker]), a)
+        await_container(alice, "w", lambda c: c["state"] == "running")
+    finally:
+        proc.kill()
+    return proc, a
 
 
 def sleepers(marker):

@@ -232,7 +232,9 @@ class Handle {
   // never reads more than that into memory.
   virtual absl::StatusOr<LogChunk> ReadLogs(uint64_t offset, uint64_t max_bytes) = 0;
   // Calls `sink` with new output as it comes until the container ends for
-  // good or `sink` returns false.
+  // good or `sink` returns false. Output the log limit dropped before it
+  // was read is a line of its own: "deepnex: N bytes of this container's
+  // output were dropped before they were read (its log keeps the newest)".
   virtual absl::Status FollowLogs(const std::function<bool(const std::string&)>& sink) = 0;
   virtual absl::StatusOr<launch::Usage> Usage() = 0;
   // Starts a process in the running container, as its user, with its

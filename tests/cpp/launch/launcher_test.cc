@@ -15,6 +15,7 @@
 #include <mutex>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "deepnex/launch/launcher.h"
 #include "gmock/gmock.h"
@@ -1201,6 +1202,18 @@ TEST_F(ProcessLauncherTest, LogsAreBoundedAndKeepTheNewestOutput) {
   EXPECT_EQ(after.data, "");
   EXPECT_EQ(after.next_offset, kWritten);
   EXPECT_TRUE(after.ended);
+  // A follower behind the rotation (a slow reader of deepnex run) is told
+  // what it missed; it was silently skipped.
+  std::string followed;
+  ASSERT_THAT(h->FollowLogs([&](const std::string& data) {
+    followed += data;
+    return !absl::EndsWith(followed, "END\n");
+  }),
+              IsOk());
+  EXPECT_EQ(followed, absl::StrCat("deepnex: ", kWritten - logs.size(),
+                                   " bytes of this container's output were dropped before they "
+                                   "were read (its log keeps the newest)\n",
+                                   logs));
 }
 
 TEST_F(ProcessLauncherTest, OnFailureDoesNotRestartSuccess) {
