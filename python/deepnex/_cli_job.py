@@ -72,6 +72,9 @@ def _run(args) -> int:
 
     def on_signal(signum, frame):
         stopped["signal"] = signum
+        # Before the KeyboardInterrupt: a start it interrupts would stop the
+        # job as by SIGINT.
+        j.stop(signum)
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_signal)

@@ -16,6 +16,7 @@ or on KeyboardInterrupt.
 
 import os
 import shutil
+import signal as _signal
 import sys
 from typing import Callable, Dict, Optional, Sequence
 
@@ -125,7 +126,29 @@ class Job:
         return self._job.backend
 
     def start(self) -> "Job":
-        self._job.start()
+        """Allocates and starts everything. With deepnex-central it may wait
+        in the queue (on_event says where and why); Ctrl-C meanwhile stops
+        the job, withdraws the request and is raised."""
+        import threading
+        failed = []
+
+        def start():
+            try:
+                self._job.start()
+            except BaseException as e:  # raised below, on the caller's thread
+                failed.append(e)
+        # On a thread of its own, so that signals reach Python's handlers here.
+        starting = threading.Thread(target=start, name=f"deepnex start {self.name}", daemon=True)
+        starting.start()
+        try:
+            while starting.is_alive():
+                starting.join(0.2)
+        except BaseException as e:
+            self._job.stop(_signal.SIGINT if isinstance(e, KeyboardInterrupt) else 0)
+            starting.join()
+            raise
+        if failed:
+            raise failed[0]
         return self
 
     def wait(self, timeout: Optional[float] = None) -> JobResult:

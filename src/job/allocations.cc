@@ -1,7 +1,7 @@
 #include "job/allocations.h"
 
 #include <algorithm>
-#include <thread>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "deepnex/gpu/discovery.h"
@@ -53,6 +53,7 @@ absl::StatusOr<std::unique_ptr<AllocationSource>> AllocationSource::Create(
     }
   } else {
     DEEPNEX_ASSIGN_OR_RETURN(a->central_, gpu::CentralClient::Create(CentralOptions(o)));
+    a->on_event_ = o.on_event;
   }
   return a;
 }
@@ -66,14 +67,88 @@ absl::StatusOr<std::vector<gpu::Allocation>> AllocationSource::Gang(const gpu::R
   const auto deadline = std::chrono::steady_clock::now() + kCentralPatience;
   std::chrono::milliseconds backoff(200);
   for (;;) {
-    absl::StatusOr<std::vector<gpu::Allocation>> got = central_->AllocateGang(request);
+    absl::StatusOr<std::vector<gpu::Allocation>> got = Queued(request);
     if (!absl::IsUnavailable(got.status()) || std::chrono::steady_clock::now() >= deadline) {
       return Held(std::move(got));
     }
-    std::this_thread::sleep_for(backoff);
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (cancelled_cv_.wait_for(lock, backoff, [this] { return cancelled_; })) {
+        return absl::CancelledError(absl::StrCat(
+            "the job was stopped while deepnex-central did not answer: ", got.status().message()));
+      }
+    }
     backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
     ReleaseLost(request.job);
   }
+}
+
+absl::StatusOr<std::vector<gpu::Allocation>> AllocationSource::Queued(const gpu::Request& request) {
+  struct Answer {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::optional<absl::StatusOr<std::vector<gpu::Allocation>>> value;
+  };
+  auto answer = std::make_shared<Answer>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cancelled_) return absl::CancelledError("the job was stopped");
+  }
+  const uint64_t ticket = central_->AllocateGangAsync(
+      request, gpu::AllocateOptions{}, [answer](absl::StatusOr<std::vector<gpu::Allocation>> v) {
+        std::lock_guard<std::mutex> lock(answer->mu);
+        answer->value = std::move(v);
+        answer->cv.notify_all();
+      });
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cancelled_) {
+      central_->Withdraw(ticket);
+    } else {
+      ticket_ = ticket;
+    }
+  }
+  // A request central answers at once says nothing; one that waits says
+  // where (the call itself does not learn its place in the queue).
+  std::string shown;
+  std::unique_lock<std::mutex> lock(answer->mu);
+  while (!answer->cv.wait_for(lock, std::chrono::seconds(1),
+                              [&answer] { return answer->value.has_value(); })) {
+    lock.unlock();
+    ShowPlace(request, &shown);
+    lock.lock();
+  }
+  {
+    std::lock_guard<std::mutex> held(mu_);
+    ticket_ = 0;
+  }
+  return std::move(*answer->value);
+}
+
+void AllocationSource::ShowPlace(const gpu::Request& request, std::string* shown) {
+  if (!on_event_ || request.job.empty()) return;
+  absl::StatusOr<std::vector<gpu::PendingRequest>> pending = central_->Pending("");
+  if (!pending.ok()) return;
+  // A job's name is its own among central's jobs: its request is the one
+  // of that job (an admin sees everyone's).
+  for (const gpu::PendingRequest& p : *pending) {
+    if (p.request.job != request.job || (!request.user.empty() && p.request.user != request.user)) {
+      continue;
+    }
+    std::string place = absl::StrCat("queued at position ", p.position, ": ", p.reason);
+    if (place != *shown) {
+      *shown = place;
+      on_event_(absl::StrCat("job ", request.job, ": ", place));
+    }
+    return;
+  }
+}
+
+void AllocationSource::Cancel() {
+  std::lock_guard<std::mutex> lock(mu_);
+  cancelled_ = true;
+  cancelled_cv_.notify_all();
+  if (central_ != nullptr && ticket_ != 0) central_->Withdraw(ticket_);
 }
 
 absl::StatusOr<std::vector<gpu::Allocation>> AllocationSource::Held(
@@ -112,6 +187,10 @@ absl::Status AllocationSource::Release(const std::string& id) {
 absl::StatusOr<std::vector<gpu::Allocation>> AllocationSource::Grow(
     const gpu::Request& request, std::chrono::milliseconds wait) {
   if (local_ != nullptr) return Gang(request);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cancelled_) return absl::CancelledError("the job was stopped");
+  }
   gpu::AllocateOptions queued;
   queued.wait = true;
   queued.timeout = wait;

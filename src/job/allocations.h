@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -36,7 +38,14 @@ class AllocationSource {
   // fit now (nothing else would free it); deepnex-central queues it, and a
   // restart of central while it waits (which drops its queue) is ridden
   // out: asked again once central answers, for up to kCentralPatience.
+  // While it waits in central's queue, the options' on_event hears where
+  // and why ("queued at position 2: ..."), and again whenever that changes.
   absl::StatusOr<std::vector<gpu::Allocation>> Gang(const gpu::Request& request);
+  // Makes a Gang that waits (in central's queue, or for central to answer
+  // again) return Cancelled now, its request withdrawn, and every later
+  // Gang or Grow at once. A grant that crossed the withdrawal is returned
+  // (and held) as usual. Any thread.
+  void Cancel();
   absl::Status Release(const std::string& id);
 
   // The memory a worker asks for when the job names none: a grant of none
@@ -74,8 +83,19 @@ class AllocationSource {
   // Releases the allocations central holds for `job` that this source never
   // handed out: grants whose replies were lost with a central that died.
   void ReleaseLost(const std::string& job);
+  // One waiting AllocateGang at central that Cancel withdraws; says where it
+  // waits meanwhile.
+  absl::StatusOr<std::vector<gpu::Allocation>> Queued(const gpu::Request& request);
+  // Says where `request` waits in central's queue, when that is not `*shown`.
+  void ShowPlace(const gpu::Request& request, std::string* shown);
+  std::function<void(const std::string&)> on_event_;
   std::mutex mu_;
-  std::set<std::string> held_;  // guarded by mu_
+  std::condition_variable cancelled_cv_;
+  // Guarded by mu_: the grants handed out, Cancel's call, and the ticket of
+  // the request waiting at central (0: none).
+  std::set<std::string> held_;
+  bool cancelled_ = false;
+  uint64_t ticket_ = 0;
   uint64_t local_memory_ = 0;
   std::unique_ptr<gpu::Allocator> local_;
   std::unique_ptr<gpu::CentralClient> central_;

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <filesystem>
 #include <cstdlib>
 #include <iostream>
@@ -166,7 +167,22 @@ class JobImpl : public Job {
   }
 
   absl::Status Start() override {
+    {
+      std::lock_guard<std::mutex> lock(start_mu_);
+      if (stop_asked_) return Stopped();
+      starting_ = true;
+    }
     absl::Status s = StartAll();
+    bool stopped;
+    {
+      std::lock_guard<std::mutex> lock(start_mu_);
+      starting_ = false;
+      stopped = stop_asked_;
+    }
+    start_cv_.notify_all();
+    // A Stop from another thread ended the start: that Stop records the job
+    // and releases what the start took.
+    if (stopped) return Stopped();
     if (!s.ok()) {
       if (reporter_) {
         reporter_->Finish(gpu::JobState::kFailed, 1, s.ToString()).IgnoreError();
@@ -253,7 +269,17 @@ class JobImpl : public Job {
     return result;
   }
 
-  absl::Status Stop(int signal) override { return Shutdown(signal, /*show_all_output=*/false); }
+  absl::Status Stop(int signal) override {
+    {
+      // A start in progress (waiting in deepnex-central's queue, say) stops
+      // waiting and returns before the rest is stopped.
+      std::unique_lock<std::mutex> lock(start_mu_);
+      stop_asked_ = true;
+      if (allocations_ != nullptr) allocations_->Cancel();
+      start_cv_.wait(lock, [this] { return !starting_; });
+    }
+    return Shutdown(signal, /*show_all_output=*/false);
+  }
 
   // Stop, or at Run's end (where the job ended by itself) with every line of
   // the workers' output shown.
@@ -333,7 +359,13 @@ class JobImpl : public Job {
           " backend runs every container on this host; spreading over nodes needs a backend "
           "that places on them (slurm)"));
     }
-    DEEPNEX_ASSIGN_OR_RETURN(allocations_, AllocationSource::Create(o_, backend_nodes));
+    DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<AllocationSource> source,
+                             AllocationSource::Create(o_, backend_nodes));
+    {
+      std::lock_guard<std::mutex> lock(start_mu_);
+      allocations_ = std::move(source);
+      if (stop_asked_) allocations_->Cancel();
+    }
     if (!o_.central.empty()) {
       DEEPNEX_ASSIGN_OR_RETURN(reporter_, gpu::JobReporter::Register(CentralOptions(o_), [this] {
                                  return JobNow();
@@ -714,6 +746,7 @@ class JobImpl : public Job {
   // under that name.
   absl::StatusOr<std::shared_ptr<launch::Handle>> StartContainer(launch::ContainerSpec spec,
                                                                  const std::string& who) {
+    DEEPNEX_RETURN_IF_ERROR(StopAsked());
     // The job's store and parameter servers listen on this host's addresses.
     spec.host_network = true;
     spec.on_restart = [this, who](const launch::RestartEvent& e) {
@@ -777,6 +810,7 @@ class JobImpl : public Job {
               st.last_exit ? st.last_exit->ToString() : "no status"));
         }
       }
+      DEEPNEX_RETURN_IF_ERROR(StopAsked());
       if (Clock::now() > deadline) {
         return absl::DeadlineExceededError(absl::StrCat(
             "parameter server ", who, address.empty() ? " did not say where it listens"
@@ -785,6 +819,15 @@ class JobImpl : public Job {
       }
       std::this_thread::sleep_for(milliseconds(20));
     }
+  }
+
+  absl::Status Stopped() const {
+    return absl::CancelledError(absl::StrCat("job ", o_.name, " was stopped while it started"));
+  }
+  // Cancelled once Stop was called: a start goes no further.
+  absl::Status StopAsked() {
+    std::lock_guard<std::mutex> lock(start_mu_);
+    return stop_asked_ ? Stopped() : absl::OkStatus();
   }
 
   static std::string CurrentDir() {
@@ -822,6 +865,12 @@ class JobImpl : public Job {
   // Set by Stop: the workers' output still unread is not shown.
   std::atomic<bool> quiet_{false};
   std::mutex stop_mu_;
+  // A Start in progress and whether Stop was called (guarded by start_mu_,
+  // as is the assignment of allocations_, which Stop cancels).
+  std::mutex start_mu_;
+  std::condition_variable start_cv_;
+  bool starting_ = false;
+  bool stop_asked_ = false;
   // With deepnex-central: keeps the job's record there (null without).
   std::unique_ptr<gpu::JobReporter> reporter_;
   // LastReport's; JobNow's callers never overlap (JobReporter).

@@ -177,6 +177,35 @@ def test_another_user_can_neither_see_nor_cancel_it_and_its_owner_cancels_it(
         c["alice"].cancel_job(j.name)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_a_job_waiting_in_the_queue_and_withdraws_its_request(
+        central, tmp_path, signum):
+    """`deepnex run --central` ignored Ctrl-C and SIGTERM while its request
+    waited in central's queue (the start held the main thread until a grant)
+    and printed nothing meanwhile."""
+    address = central()
+    c = clients(address)
+    holder = central.run(address, ["--workers", "1", "--gpus-per-worker", "2"],
+                         gated(tmp_path / "gate"))
+    holder.await_line(r"^\[worker 0\] up")
+    waiting = central.run(address, ["--workers", "2", "--gpus-per-worker", "1"], ["echo", "ran"])
+    waiting.await_line(rf"^deepnex run: job {waiting.name}: queued at position 1: waiting for "
+                       r"1 exclusive GPU")
+    waiting.proc.send_signal(signum)
+    assert waiting.wait(60) == 128 + signum, waiting.output()
+    assert (f"deepnex run: job {waiting.name} stopped by {signal.Signals(signum).name}; "
+            "everything released") in waiting.lines, waiting.output()
+    assert not any("ran" in line for line in waiting.lines)
+    assert c["alice"].pending() == []
+    done = c["alice"].job(waiting.name)
+    assert (done["state"], done["exit_code"], done["message"]) == (
+        "cancelled", 128 + signum, f"stopped by {signal.Signals(signum).name}")
+    # What it withdrew is not granted later: the holder's GPUs go back free.
+    (tmp_path / "gate").write_text("")
+    assert holder.wait(60) == 0, holder.output()
+    assert c["alice"].allocations() == []
+
+
 def test_a_waiting_job_is_pending_and_cancelling_it_withdraws_its_request(central, tmp_path):
     address = central()
     c = clients(address)

@@ -136,7 +136,8 @@ struct JobResult {
 };
 
 // One job. Thread-safe: Stop may come from a signal-handling thread while
-// another waits.
+// another starts or waits (a Start then stops waiting, in deepnex-central's
+// queue say, and returns Cancelled).
 class Job {
  public:
   // Validates the options: InvalidArgument naming the field and value.
@@ -149,6 +150,8 @@ class Job {
   // deepnex-central.
   virtual const std::string& backend() const = 0;
   // Allocates and starts everything; on an error releases what it took.
+  // With deepnex-central, a job that waits in its queue says where and why
+  // through on_event.
   virtual absl::Status Start() = 0;
   // Until every worker has ended for good; then stops the parameter servers
   // and releases the allocations. DeadlineExceeded after `timeout` (the job

@@ -3,6 +3,8 @@
 
 #include <unistd.h>
 
+#include <atomic>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -10,9 +12,12 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "deepnex/collective/store.h"
+#include "deepnex/gpu/central.h"
 #include "deepnex/gpu/discovery.h"
+#include "deepnex/gpu/jobs.h"
 #include "job/elastic.h"
 #include "launch/procfs.h"
 #include "launch/util.h"
@@ -181,6 +186,81 @@ TEST_F(JobTest, StopEndsEveryProcessAndReleasesTheAllocations) {
       std::chrono::seconds(60), "the job's processes to end"))
       << launch::ProcessesWithEnv(launch::kLauncherIdEnv, o.name).size() << " left";
   EXPECT_THAT(job->Stop(0), IsOk());  // idempotent
+}
+
+// A job whose start waits in deepnex-central's queue says where, and a Stop
+// from another thread (deepnex run's signal handler) ends that wait: the
+// request leaves the queue and the record says what stopped the job. Before,
+// Stop left Start waiting for a grant, which it then used.
+class CentralJobTest : public ::deepnex::test::CentralFixture {
+ protected:
+  void SetUp() override {
+    gpu::CentralServerOptions o = ServerOptions();
+    o.allocator.fsync = false;
+    ASSERT_OK_AND_ASSIGN(server_, gpu::CentralServer::Create(o));
+    gpu::Node node;
+    node.name = "n1";
+    node.cpus = 8;
+    node.memory = uint64_t{16} << 30;
+    node.gpus.resize(2);
+    for (gpu::Gpu& g : node.gpus) g.memory = uint64_t{80} << 30;
+    ASSERT_OK(server_->allocator().AddNode(node));
+  }
+};
+
+TEST_F(CentralJobTest, AStopWhileStartWaitsInTheQueueWithdrawsTheRequest) {
+  auto alice = Client("alicetok");
+  gpu::Request all;
+  all.gpus = 2;
+  ASSERT_OK_AND_ASSIGN(std::vector<gpu::Allocation> held, alice->AllocateGang(all));
+  Output out;
+  JobOptions o;
+  o.command = {"echo", "ran"};
+  o.name = "queuedjob";
+  o.mode = "allreduce";
+  o.gpus_per_worker = 1;
+  o.memory = 64 << 20;
+  o.central = server_->address();
+  o.central_token = "alicetok";
+  o.launcher.state_dir = dir_.path() + "/launch";
+  o.registry_dir = dir_.path() + "/run";
+  o.output = out.Sink();
+  o.on_event = out.EventSink();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Job> job, Job::Create(o));
+  absl::Status started;
+  std::atomic<bool> returned{false};
+  std::thread starting([&] {
+    started = job->Start();
+    returned = true;
+  });
+  const std::string queued =
+      "job queuedjob: queued at position 1: waiting for 1 exclusive GPU (0 free on any eligible "
+      "node)";
+  const ::testing::AssertionResult said =
+      WaitFor([&] { return out.Events() == std::vector<std::string>{queued}; },
+              std::chrono::seconds(30), "the queued line");
+  ASSERT_OK(job->Stop(SIGTERM));
+  const ::testing::AssertionResult ended =
+      WaitFor([&] { return returned.load(); }, std::chrono::seconds(30), "Start to return");
+  // Else only a grant ends it.
+  if (!ended) ASSERT_OK(alice->Release(held[0].id));
+  starting.join();
+  ASSERT_TRUE(ended);
+  ASSERT_TRUE(said) << absl::StrJoin(out.Events(), "\n");
+  EXPECT_THAT(started, StatusIs(absl::StatusCode::kCancelled,
+                                HasSubstr("job queuedjob was stopped while it started")));
+  ASSERT_OK_AND_ASSIGN(auto pending, alice->Pending());
+  EXPECT_TRUE(pending.empty());
+  ASSERT_OK(alice->Release(held[0].id));
+  // Nothing granted afterwards to a request that is gone.
+  ASSERT_OK_AND_ASSIGN(auto left, alice->Allocations());
+  EXPECT_TRUE(left.empty());
+  ASSERT_OK_AND_ASSIGN(auto jobs, gpu::JobsClient::Create(ClientOptions("alicetok")));
+  ASSERT_OK_AND_ASSIGN(gpu::JobRecord record, jobs->Get("queuedjob"));
+  EXPECT_EQ(record.state, gpu::JobState::kCancelled);
+  EXPECT_EQ(record.exit_code, 128 + SIGTERM);
+  EXPECT_EQ(record.message, "stopped by SIGTERM");
+  EXPECT_TRUE(out.Of("worker 0").empty());
 }
 
 TEST_F(JobTest, MoreWorkersThanTheMachineHoldsIsRefusedNotQueued) {
