@@ -175,34 +175,53 @@ constexpr size_t kMaxRequestBytes = 8192;
 // Connections served at once; more wait in the listen backlog.
 constexpr size_t kMaxConnections = 64;
 
-// Whether the request line is GET `path` (with or without a query).
-bool IsGet(const std::string& request, const std::string& path) {
-  const std::string line = "GET " + path;
-  if (request.rfind(line, 0) != 0 || request.size() <= line.size()) return false;
-  const char next = request[line.size()];
-  return next == ' ' || next == '?' || next == '\r';
+// Where a request's head ends (past its empty line), or npos while it is
+// not whole. As RFC 9112 lets a server, a bare LF ends a line as CRLF does
+// (curl's and Prometheus' requests use CRLF; `printf 'GET ...\n\n' | nc`
+// does not).
+size_t HeadEnd(const std::string& request) {
+  for (size_t lf = request.find('\n'); lf != std::string::npos; lf = request.find('\n', lf + 1)) {
+    if (lf + 1 < request.size() && request[lf + 1] == '\n') return lf + 2;
+    if (lf + 2 < request.size() && request[lf + 1] == '\r' && request[lf + 2] == '\n') {
+      return lf + 3;
+    }
+  }
+  return std::string::npos;
 }
 
 std::string Response(const std::string& request, const std::function<std::string()>& text,
                      const std::function<absl::Status()>& health) {
-  std::string status = "200 OK", body;
-  if (IsGet(request, "/metrics")) {
-    body = text();
-  } else if (health && IsGet(request, "/healthz")) {
-    const absl::Status s = health();
-    if (s.ok()) {
-      body = "ok\n";
-    } else {
-      status = "503 Service Unavailable";
-      body = absl::StrCat(s.message(), "\n");
-    }
-  } else {
+  // The request line: METHOD TARGET VERSION; the target's query is ignored.
+  const std::string line = request.substr(0, request.find_first_of("\r\n"));
+  const size_t space = line.find(' ');
+  const std::string method = line.substr(0, space);
+  const std::string path =
+      space == std::string::npos
+          ? ""
+          : line.substr(space + 1, line.find_first_of(" ?", space + 1) - (space + 1));
+  const bool metrics = path == "/metrics", healthz = health && path == "/healthz";
+  std::string status = "200 OK", body, allow;
+  if (!metrics && !healthz) {
     status = "404 Not Found";
     body = health ? "deepnex serves GET /metrics and GET /healthz\n"
                   : "deepnex serves GET /metrics\n";
+  } else if (method != "GET" && method != "HEAD") {
+    status = "405 Method Not Allowed";
+    allow = "Allow: GET, HEAD\r\n";
+    body = absl::StrCat(path, " answers GET and HEAD\n");
+  } else if (metrics) {
+    body = text();
+  } else if (const absl::Status s = health(); s.ok()) {
+    body = "ok\n";
+  } else {
+    status = "503 Service Unavailable";
+    body = absl::StrCat(s.message(), "\n");
   }
-  return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: text/plain; version=0.0.4\r\n",
-                      "Content-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body);
+  std::string head =
+      absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: text/plain; version=0.0.4\r\n", allow,
+                   "Content-Length: ", body.size(), "\r\nConnection: close\r\n\r\n");
+  // HEAD: what GET would answer, without the body.
+  return method == "HEAD" ? head : head + body;
 }
 
 // One thread polls the listening socket and every open connection
@@ -278,7 +297,7 @@ class HttpServerImpl final : public MetricsHttpServer {
       if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
       if (n == 0) return false;
       c.request.append(buf, static_cast<size_t>(n));
-      if (c.request.find("\r\n\r\n") == std::string::npos) {
+      if (HeadEnd(c.request) == std::string::npos) {
         return c.request.size() <= kMaxRequestBytes;
       }
       c.response = Response(c.request, text_, health_);

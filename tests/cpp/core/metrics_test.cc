@@ -36,17 +36,21 @@ int Connect(int port) {
   return fd;
 }
 
-// The whole response to GET `path` (empty if the connection failed).
-std::string Get(int port, const std::string& path) {
+// The whole response to `request` (empty if the connection failed).
+std::string Exchange(int port, const std::string& request) {
   int fd = Connect(port);
   if (fd < 0) return "";
-  std::string req = "GET " + path + " HTTP/1.1\r\nHost: x\r\n\r\n";
-  (void)!send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+  (void)!send(fd, request.data(), request.size(), MSG_NOSIGNAL);
   std::string response;
   char buf[4096];
   for (ssize_t n; (n = recv(fd, buf, sizeof(buf), 0)) > 0;) response.append(buf, n);
   close(fd);
   return response;
+}
+
+// The whole response to GET `path`.
+std::string Get(int port, const std::string& path) {
+  return Exchange(port, "GET " + path + " HTTP/1.1\r\nHost: x\r\n\r\n");
 }
 
 TEST(MetricsTest, PrometheusText) {
@@ -130,6 +134,36 @@ TEST(MetricsTest, HttpServerServesHealthzOnlyWithAHealthCheck) {
   ASSERT_OK_AND_ASSIGN(auto plain, MetricsHttpServer::Create(
                                        [] { return std::string("up 1\n"); }, "127.0.0.1:0"));
   EXPECT_THAT(Get(plain->port(), "/healthz"), HasSubstr("HTTP/1.1 404 Not Found\r\n"));
+}
+
+// A probe's `printf 'GET /metrics HTTP/1.1\n\n' | nc` waited for ever, and
+// POST was answered 404 as if the path did not exist.
+TEST(MetricsTest, BareLineFeedsEndARequestAndOtherMethodsAre405) {
+  ASSERT_OK_AND_ASSIGN(auto server, MetricsHttpServer::Create(
+                                        [] { return std::string("up 1\n"); }, "127.0.0.1:0",
+                                        [] { return absl::OkStatus(); }));
+  const int port = server->port();
+  const std::string up =
+      "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: 5\r\n"
+      "Connection: close\r\n\r\n";
+  EXPECT_EQ(Exchange(port, "GET /metrics HTTP/1.1\nHost: x\n\n"), up + "up 1\n");
+  EXPECT_EQ(Exchange(port, "GET /metrics HTTP/1.1\n\r\n"), up + "up 1\n");
+  EXPECT_EQ(Exchange(port, "GET /healthz\n\n"),
+            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: 3\r\n"
+            "Connection: close\r\n\r\nok\n");
+  // HEAD: GET's head, no body.
+  EXPECT_EQ(Exchange(port, "HEAD /metrics?x HTTP/1.1\r\n\r\n"), up);
+  for (const char* method : {"POST", "PUT", "DELETE", "get"}) {
+    EXPECT_EQ(Exchange(port, std::string(method) + " /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n"),
+              "HTTP/1.1 405 Method Not Allowed\r\nContent-Type: text/plain; version=0.0.4\r\n"
+              "Allow: GET, HEAD\r\nContent-Length: 30\r\nConnection: close\r\n\r\n"
+              "/metrics answers GET and HEAD\n")
+        << method;
+  }
+  EXPECT_THAT(Exchange(port, "POST /other HTTP/1.1\r\n\r\n"),
+              HasSubstr("HTTP/1.1 404 Not Found\r\n"));
+  // Still serving.
+  EXPECT_THAT(Get(port, "/metrics"), HasSubstr("\r\n\r\nup 1\n"));
 }
 
 TEST(MetricsTest, HttpServerAddressErrorsNameTheAddress) {
