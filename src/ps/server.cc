@@ -57,8 +57,8 @@ absl::StatusOr<Reduction> ParseReduction(const std::string& name) {
 
 absl::Status ServerOptions::Validate() const {
   auto bad = [](const std::string& what) { return absl::InvalidArgumentError(what); };
-  if (num_workers < 1) {
-    return bad(absl::StrCat("num_workers=", num_workers, ": must be at least 1"));
+  if (num_workers < 1 || num_workers > kMaxWorkers) {
+    return bad(absl::StrCat("num_workers=", num_workers, ": must be 1..", kMaxWorkers));
   }
   if (address.empty()) return bad("address is empty");
   DEEPNEX_RETURN_IF_ERROR(ValidateAdvertiseHost("advertise", advertise));

@@ -363,7 +363,10 @@ def test_daemon_help_and_bad_flags():
     for argv, needle in [(["--bogus"], "unknown flag"), (["--workers", "x"], "--workers"),
                          (["--mode", "bulk"], "mode"), (["--optimizer", "lbfgs"], "lbfgs"),
                          (["--lr", "-1"], "lr"), (["--max-message", "12XB"], "12XB"),
-                         (["--workers", "0"], "num_workers"), (["--lr"], "needs a value")]:
+                         (["--workers", "0"], "num_workers=0: must be 1..65536"),
+                         # A probe's 1M workers took 1 GB and a 755 MB /metrics.
+                         (["--workers", "1000000"], "num_workers=1000000: must be 1..65536"),
+                         (["--lr"], "needs a value")]:
         bad = subprocess.run([PS_BIN, *argv], capture_output=True, text=True, timeout=30)
         assert bad.returncode == 2, (argv, bad.stderr)
         assert needle in bad.stderr and bad.stderr.count("\n") == 1, (argv, bad.stderr)

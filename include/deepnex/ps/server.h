@@ -46,7 +46,9 @@ struct ServerOptions {
   std::string advertise;
   // Default: kSync
   Mode mode = Mode::kSync;
-  // Workers taking part; worker ids are 0..num_workers-1. Default: 1
+  // Workers taking part; worker ids are 0..num_workers-1, at most
+  // kMaxWorkers (the server keeps state and metrics per worker). Default: 1
+  static constexpr int kMaxWorkers = 1 << 16;
   int num_workers = 1;
   // kSsp: rounds a worker may run ahead of the slowest live worker; a
   // worker that has pushed round c waits (in pull) until round c - staleness
