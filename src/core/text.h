@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 
 namespace deepnex {
@@ -19,6 +20,15 @@ inline std::string CutText(std::string text, size_t max) {
   text.resize(keep);
   absl::StrAppend(&text, "... (", cut, " more bytes)");
   return text;
+}
+
+// A refused value as an error message quotes it: in double quotes and
+// C-escaped, so that a newline, an escape sequence or a quote in it cannot
+// break the message (or the terminal that shows it), its first `max` bytes
+// with "..." after the quotes where it was cut.
+inline std::string Quoted(const std::string& text, size_t max = 64) {
+  return absl::StrCat("\"", absl::CHexEscape(text.substr(0, max)), "\"",
+                      text.size() > max ? "..." : "");
 }
 
 }  // namespace deepnex

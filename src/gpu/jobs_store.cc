@@ -22,14 +22,6 @@ namespace {
 using std::chrono::milliseconds;
 using std::chrono::system_clock;
 
-// The most of a refused name an error quotes.
-constexpr size_t kMaxShown = 64;
-
-// `text` as an error quotes it: escaped, and cut past kMaxShown.
-std::string Shown(const std::string& text) {
-  return absl::StrCat("\"", absl::CHexEscape(text.substr(0, kMaxShown)), "\"",
-                      text.size() > kMaxShown ? "..." : "");
-}
 // Log records (beyond one per job) after which the store snapshots.
 constexpr uint64_t kSnapshotEvery = 1000;
 
@@ -122,7 +114,7 @@ absl::Status CheckReportSize(const pb::Job& in) {
   for (const auto& [name, value] : in.report().metrics()) {
     if (name.size() > kMaxMetricName) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "report.metrics: ", Shown(name), " is ", name.size(),
+          "report.metrics: ", Quoted(name), " is ", name.size(),
           " bytes; a metric's name is at most ", kMaxMetricName));
     }
   }
@@ -523,14 +515,14 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
   // client's JobsClient::Report injected headers of its own.
   if (!IsJobName(in.name())) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "name: ", Shown(in.name()), " is not a job name ([a-z0-9][a-z0-9-]*, at most 40)"));
+        "name: ", Quoted(in.name()), " is not a job name ([a-z0-9][a-z0-9-]*, at most 40)"));
   }
   constexpr char kRunChars[] =
       "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-";
   if (in.run().empty() || in.run().size() > 64 ||
       in.run().find_first_not_of(kRunChars) != std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "run: ", Shown(in.run()), " is not a run id (1-64 letters, digits, '-' or '_')"));
+        "run: ", Quoted(in.run()), " is not a run id (1-64 letters, digits, '-' or '_')"));
   }
   DEEPNEX_RETURN_IF_ERROR(CheckReportSize(in));
   DEEPNEX_ASSIGN_OR_RETURN(JobState state, ParseJobState(in.state(), "state"));

@@ -4,9 +4,9 @@
 #include <cctype>
 #include <climits>
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/text.h"
 #include "deepnex/units.h"
 
 namespace deepnex::gpu {
@@ -130,15 +130,13 @@ absl::Status CheckLabel(const std::string& where, const std::string& key,
   };
   if (key.empty() || !plain(key, true)) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, ": label key \"", absl::CHexEscape(key.substr(0, 64)),
-                     key.size() > 64 ? "..." : "",
-                     "\": use 1-253 letters, digits, '-', '_', '.', '/'"));
+        absl::StrCat(where, ": label key ", Quoted(key),
+                     ": use 1-253 letters, digits, '-', '_', '.', '/'"));
   }
   if (!plain(value, false)) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, ": label ", key, "=\"", absl::CHexEscape(value.substr(0, 64)),
-                     value.size() > 64 ? "..." : "",
-                     "\": use at most 253 letters, digits, '-', '_', '.'"));
+        absl::StrCat(where, ": label ", key, "=", Quoted(value),
+                     ": use at most 253 letters, digits, '-', '_', '.'"));
   }
   return absl::OkStatus();
 }

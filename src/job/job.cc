@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/random.h"
+#include "core/text.h"
 #include "deepnex/collective/store.h"
 #include "deepnex/env.h"
 #include "deepnex/gpu/allocator.h"
@@ -61,7 +62,7 @@ class JobImpl : public Job {
     if (o_.name.empty()) o_.name = "job-" + RandomHex(4);
     if (!gpu::IsJobName(o_.name)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "name: \"", o_.name, "\" is not a job name ([a-z0-9][a-z0-9-]*, at most 40)"));
+          "name: ", Quoted(o_.name), " is not a job name ([a-z0-9][a-z0-9-]*, at most 40)"));
     }
     if (o_.command.empty()) return absl::InvalidArgumentError("command: empty");
     if (o_.workers < 1) {

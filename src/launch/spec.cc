@@ -13,11 +13,11 @@
 #include <optional>
 #include <vector>
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/text.h"
 #include "deepnex/status.h"
 #include "deepnex/units.h"
 #include "launch/util.h"
@@ -116,14 +116,13 @@ absl::Status CheckLabels(const std::map<std::string, std::string>& labels) {
     if (key.empty() || key.size() > 253 || control(key) ||
         key.find_first_of(",= ") != std::string::npos) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "spec.labels: key \"", absl::CHexEscape(key.substr(0, 64)), key.size() > 64 ? "..." : "",
-          "\" is not 1-253 characters without control characters, ',', '=' or spaces"));
+          "spec.labels: key ", Quoted(key),
+          " is not 1-253 characters without control characters, ',', '=' or spaces"));
     }
     if (value.size() > 4096 || control(value) || value.find(',') != std::string::npos) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "spec.labels: the value of \"", key, "\" (\"", absl::CHexEscape(value.substr(0, 64)),
-          value.size() > 64 ? "..." : "",
-          "\") is not at most 4096 characters without control characters or ','"));
+          "spec.labels: the value of \"", key, "\" (", Quoted(value),
+          ") is not at most 4096 characters without control characters or ','"));
     }
     total += key.size() + value.size();
   }

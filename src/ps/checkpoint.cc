@@ -5,11 +5,11 @@
 #include <utility>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/checksum.h"
 #include "core/file_util.h"
+#include "core/text.h"
 #include "ps/plan.h"
 
 namespace deepnex::ps {
@@ -142,8 +142,8 @@ absl::StatusOr<std::string> CheckpointDirFor(const std::string& checkpoint_dir,
   }
   if (!plain) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "checkpoint: name \"", absl::CHexEscape(name.substr(0, 300)),
-        "\" is not a plain name (letters, digits, '.', '-', '_'; not \".\" or "
+        "checkpoint: name ", Quoted(name, 300),
+        " is not a plain name (letters, digits, '.', '-', '_'; not \".\" or "
         "\"..\"; at most 255): it names a directory inside the server's "
         "checkpoint_dir, never a path"));
   }

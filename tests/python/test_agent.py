@@ -303,7 +303,7 @@ def test_agent_serves_healthz_and_metrics_and_advertises_its_host(central_proc, 
     (["--labels", "zone=z 1"], "registering node h1: node h1: label zone=\"z 1\": "
                                "use at most 253 letters, digits, '-', '_', '.'"),
     (["--labels", "k" * 300 + "=v"], "registering node h1: node h1: label key \"" + "k" * 64 +
-                                     "...\": use 1-253 letters, digits, '-', '_', '.', '/'"),
+                                     "\"...: use 1-253 letters, digits, '-', '_', '.', '/'"),
 ])
 def test_agent_listen_and_advertise_are_checked(central, agents, flags, message):
     bad = agents.start("h1", "h1tok", flags)

@@ -87,10 +87,10 @@ TEST_F(BadInput, BadNodeLabels) {
       {{{"", "x"}}, "node n3: label key \"\": " + key_rule},
       {{{"rack id", "r1"}}, "node n3: label key \"rack id\": " + key_rule},
       {{{std::string(300, 'k'), "v"}},
-       "node n3: label key \"" + std::string(64, 'k') + "...\": " + key_rule},
+       "node n3: label key \"" + std::string(64, 'k') + "\"...: " + key_rule},
       {{{"rack", "r\n1"}}, "node n3: label rack=\"r\\n1\": " + value_rule},
       {{{"rack", std::string(254, 'v')}},
-       "node n3: label rack=\"" + std::string(64, 'v') + "...\": " + value_rule},
+       "node n3: label rack=\"" + std::string(64, 'v') + "\"...: " + value_rule},
   };
   for (const auto& [labels, message] : bad) {
     n.labels = labels;

@@ -280,6 +280,10 @@ TEST_F(JobTest, BadOptionsNameTheFieldAndValue) {
       {[](JobOptions& o) { o.mode = "gossip"; }, "mode: \"gossip\""},
       {[](JobOptions& o) { o.mode = "ssp:x"; }, "mode: \"ssp:x\""},
       {[](JobOptions& o) { o.name = "Bad_Name"; }, "name: \"Bad_Name\""},
+      // Escaped and cut: a probe's 300-character name came back whole, its
+      // newline raw.
+      {[](JobOptions& o) { o.name = "a\n" + std::string(300, 'b'); },
+       "name: \"a\\n" + std::string(62, 'b') + "\"... is not a job name"},
       {[](JobOptions& o) { o.command.clear(); }, "command: empty"},
       {[](JobOptions& o) { o.lr = -1; }, "lr: -1"},
       // Once refused only by the started parameter servers, after allocating.
