@@ -27,9 +27,9 @@ absl::Status Errno(const std::string& what, const std::string& path) {
 
 }  // namespace
 
-absl::Status WriteFileAtomically(const std::string& path, const std::string& data) {
+absl::Status WriteFileAtomically(const std::string& path, const std::string& data, mode_t mode) {
   std::string tmp = path + ".tmp";
-  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
   if (fd < 0) return Errno("cannot create", tmp);
   for (size_t done = 0; done < data.size();) {
     ssize_t n = write(fd, data.data() + done, data.size() - done);

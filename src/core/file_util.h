@@ -4,6 +4,8 @@
 #ifndef DEEPNEX_CORE_FILE_UTIL_H_
 #define DEEPNEX_CORE_FILE_UTIL_H_
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -15,8 +17,10 @@ namespace deepnex {
 
 // Replaces `path` with `data` atomically: writes a temporary file beside it,
 // fsyncs it, renames it over `path` and fsyncs the directory. A crash leaves
-// either the old file or the new one, never a mix.
-absl::Status WriteFileAtomically(const std::string& path, const std::string& data);
+// either the old file or the new one, never a mix. `mode`: its permissions
+// (less the umask).
+absl::Status WriteFileAtomically(const std::string& path, const std::string& data,
+                                 mode_t mode = 0644);
 
 // The whole file; NotFound naming `what` and the path if it cannot be read.
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path,

@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -455,7 +456,8 @@ class Container : public Handle {
     if (CgroupNamedByRun(info_.backend) && !run_name_.empty()) {
       r.cgroup = info_.cgroup_parent + "/" + run_name_;
     }
-    return WriteFileAtomically(paths_.record(), ContainerRecordJson(spec_, r));
+    // Its spec holds the container's environment: its owner's alone.
+    return WriteFileAtomically(paths_.record(), ContainerRecordJson(spec_, r), 0600);
   }
 
   const ContainerSpec spec_;
@@ -654,6 +656,10 @@ absl::StatusOr<std::unique_ptr<Launcher>> Launcher::Create(const LauncherOptions
   std::unique_ptr<DirectoryLock> state_lock;
   if (owns_state_dir) {
     DEEPNEX_ASSIGN_OR_RETURN(options.state_dir, MakeTempDir());
+    if (chmod(options.state_dir.c_str(), StateDirMode(options.backend)) != 0) {
+      return absl::InternalError(
+          absl::StrCat("cannot chmod ", options.state_dir, ": ", strerror(errno)));
+    }
   } else {
     // Two launchers on one state_dir would take each other's container
     // records (and sweep each other's containers as orphans).

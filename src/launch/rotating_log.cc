@@ -3,20 +3,34 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 
 #include "absl/strings/str_cat.h"
 
 namespace deepnex::launch {
 
+namespace {
+
+// Opens `path` for appending, made if missing: 0600 as every file of a
+// launcher's state directory, which may be passable to others (the slurm
+// backend's: StateDirMode). -1 on an error.
+int OpenLog(const std::string& path, int flags) {
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | flags, 0600);
+  if (fd >= 0) (void)fchmod(fd, 0600);  // one a reused state_dir kept
+  return fd;
+}
+
+}  // namespace
+
 void RotatingLog::Reset() {
   std::error_code ignored;
   std::filesystem::remove(rotated(), ignored);
-  std::ofstream(path_, std::ios::binary | std::ios::trunc);
+  const int fd = OpenLog(path_, O_TRUNC);
+  if (fd >= 0) close(fd);
   current_ = rotated_ = end_ = 0;
 }
 
@@ -29,8 +43,14 @@ void RotatingLog::Append(const char* data, size_t n) {
       current_ = 0;
     }
     const size_t part = std::min<uint64_t>(n, limit_ - current_);
-    std::ofstream out(path_, std::ios::binary | std::ios::app);
-    out.write(data, part);
+    const int fd = OpenLog(path_, O_APPEND);
+    for (size_t done = 0; fd >= 0 && done < part;) {
+      const ssize_t w = write(fd, data + done, part - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) break;  // a full disk: best effort
+      done += static_cast<size_t>(w);
+    }
+    if (fd >= 0) close(fd);
     current_ += part;
     end_ += part;
     data += part;

@@ -423,7 +423,8 @@ class SlurmBackend : public Backend {
     }
     script += "\n";
     const std::string script_path = context.dir + "/" + kScriptFile;
-    DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically(script_path, script));
+    // It holds the job's environment: root's alone (sbatch reads it as root).
+    DEEPNEX_RETURN_IF_ERROR(WriteFileAtomically(script_path, script, 0600));
 
     // deepnex.launcher first, so that Cleanup can match the comment's head.
     std::string comment = absl::StrCat(kLauncherLabel, "=", context.launcher_id);

@@ -99,9 +99,15 @@ struct StagedMounts {
 absl::StatusOr<ContainerSpec> PinMountSources(const ContainerSpec& spec, const std::string& dir,
                                               StagedMounts* staged);
 
-// Makes a daemon's launcher state_dir (every user's container logs and
-// records) its own alone: mode 0700. Nothing for an empty one (a fresh
-// temporary directory, already 0700).
+// The mode of a launcher's state_dir (every user's container logs and
+// records): its owner's alone (0700), but passable (0711) for the slurm
+// backend, whose slurmstepd opens a job's output file as the job's user.
+// What is inside is then its owner's alone all the same: records and job
+// scripts are 0600, a job's output its user's, 0600.
+mode_t StateDirMode(const std::string& backend);
+
+// Gives a daemon's launcher state_dir its StateDirMode. Nothing for an
+// empty one (Launcher::Create makes a fresh one with that mode).
 absl::Status MakeStateDirPrivate(const LauncherOptions& options);
 
 // options.cgroup_parent, or "deepnex" when empty.

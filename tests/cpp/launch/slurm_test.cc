@@ -10,12 +10,14 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <set>
 #include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "core/file_util.h"
@@ -474,6 +476,60 @@ TEST_F(SlurmTest, RunAsSubmitsTheJobAsTheUser) {
             0);
   EXPECT_EQ(st.st_uid, 65534u);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
+}
+
+// deepnex-central and its agents make their launcher's state directory
+// private (MakeStateDirPrivate; a fresh one is made so), and slurmstepd,
+// which opens a job's output as the job's user, could not reach it there:
+// every job of a mapped user failed. The slurm backend's state directory is
+// passable, not listable, and nothing in it but the user's own output is
+// readable by anyone but its owner.
+TEST_F(SlurmTest, RunAsWorksInAPrivateStateDirWhereOthersReadNothing) {
+  if (geteuid() != 0) GTEST_SKIP() << "sbatch --uid needs root";
+  ASSERT_EQ(chmod(scratch_.path().c_str(), 0755), 0);
+  LauncherOptions o = options_;
+  o.state_dir = scratch_.path() + "/state";
+  ASSERT_THAT(MakeDirectories(o.state_dir), IsOk());
+  ASSERT_THAT(MakeStateDirPrivate(o), IsOk());
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Launcher> launcher, Launcher::Create(o));
+  // Held running (its run directory goes when it ends) until the gate.
+  const std::string gate = scratch_.path() + "/gate";
+  ContainerSpec spec = Sh("private", "id -u; echo $SECRET; while [ ! -e " + gate +
+                                         " ]; do sleep 0.05; done");
+  spec.env["SECRET"] = "s3cret";
+  spec.run_as = RunAs{65534, 65534, "nobody", "/"};
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Handle> h, launcher->Start(spec));
+  EXPECT_TRUE(WaitFor([&] { return h->Logs().value_or("") == "65534\ns3cret\n"; }, kJobEnd,
+                      "the job's output"))
+      << h->Logs().value_or("");
+  struct stat st;
+  ASSERT_EQ(stat(o.state_dir.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0711u);
+  std::set<std::string> files;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(o.state_dir)) {
+    if (!entry.is_regular_file() || entry.path().filename() == "launcher.lock") continue;
+    ASSERT_EQ(stat(entry.path().c_str(), &st), 0);
+    const bool output = entry.path().filename() == "output.log";
+    EXPECT_EQ(st.st_uid, output ? 65534u : 0u) << entry.path();
+    EXPECT_EQ(st.st_mode & 077, 0u) << entry.path() << " is readable by others";
+    files.insert(entry.path().filename());
+  }
+  // The record, the container's log, and its run's job script and output.
+  EXPECT_EQ(files.size(), 4u) << absl::StrJoin(files, " ");
+  ASSERT_THAT(WriteFileAtomically(gate, ""), IsOk());
+  ASSERT_OK_AND_ASSIGN(ExitStatus e, h->Wait(kJobEnd));
+  EXPECT_EQ(e.ToString(), "exited(0)");
+  ASSERT_THAT(launcher->Remove("private"), IsOk());
+  // A fresh state directory (the daemons' default) is made passable too.
+  LauncherOptions fresh = options_;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Launcher> temporary, Launcher::Create(fresh));
+  spec.name = "fresh";
+  spec.command = {"id", "-u"};
+  ASSERT_OK_AND_ASSIGN(h, temporary->Start(spec));
+  ASSERT_OK_AND_ASSIGN(e, h->Wait(kJobEnd));
+  EXPECT_EQ(e.ToString(), "exited(0)");
+  EXPECT_EQ(h->Logs().value_or(""), "65534\n");
+  ASSERT_THAT(temporary->Remove("fresh"), IsOk());
 }
 
 // slurmstepd, unable to enter the working directory as the user, ran the
