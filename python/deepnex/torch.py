@@ -33,6 +33,7 @@ and allreduced one tensor at a time by the nccl communicator (no buckets).
 """
 
 import time
+import zlib
 
 import torch
 
@@ -40,7 +41,7 @@ import deepnex
 from . import _convert
 from . import collective as _collective
 from . import ps as _ps
-from .errors import InvalidArgumentError, NotFoundError
+from .errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 __all__ = ["DistributedOptimizer", "DistributedDataParallel", "broadcast_parameters",
            "default_communicator", "TorchState"]
@@ -87,6 +88,9 @@ def broadcast_parameters(params, root_rank=0, communicator=None):
                 comm.broadcast(staged, root=root_rank)
                 data.copy_(staged)
 
+
+# What the parameter servers hold.
+_PS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 # What a communicator moves as it is; other tensors (bool masks, uint8
 # tables, complex) are broadcast as their bytes.
@@ -145,14 +149,25 @@ class DistributedOptimizer:
     step() waits only for what is still in flight, loading the first
     layers' buckets first (the next forward pass needs them first). One
     backward per step then, as with DistributedDataParallel: a second
-    backward before step() raises. overlap=False pushes everything at
-    step(), for gradients accumulated over several backward passes.
+    backward before step() raises, and so does a step() whose gradients
+    were changed after backward pushed them (clip_grad_norm_ between
+    backward() and step(): they reached the servers unchanged).
+    overlap=False pushes everything at step(), for gradients accumulated
+    over several backward passes or changed before step().
     """
 
     def __init__(self, optimizer, named_parameters=None, client=None, root_rank=0,
                  timeout=60.0, bucket_size="4MiB", overlap=True):
         self._optimizer = optimizer
         self._params = _param_names(optimizer, named_parameters)
+        # On every rank before anything is sent: root_rank's init would
+        # refuse it while the others waited for its parameters.
+        for name, p in self._params:
+            if p.dtype not in _PS_DTYPES:
+                raise InvalidArgumentError(
+                    f"DistributedOptimizer: parameter {name!r} is {p.dtype}; the parameter "
+                    f"servers hold float32, float64, float16 and bfloat16 tensors (keep it out "
+                    f"of the optimizer, or make it a buffer)")
         bucket_bytes = _convert.byte_size(bucket_size, "bucket_size")
         if client is None:
             ctx = deepnex.init()
@@ -205,6 +220,8 @@ class DistributedOptimizer:
 
     def _reset(self):
         self._grads = {}
+        # name -> (p.grad, its version) as backward pushed it.
+        self._pushed = {}
         self._missing = [len(b) for b in self._buckets]
         self._ops = [None] * len(self._buckets)
 
@@ -255,6 +272,9 @@ class DistributedOptimizer:
                     f"gradient is already pushed. Pass overlap=False to accumulate "
                     f"gradients over several backward passes")
             self._take_grad(i)
+            grad = self._params[i][1].grad
+            if grad is not None:
+                self._pushed[self._params[i][0]] = (grad, grad._version)
             self._missing[b] -= 1
             if self._missing[b] == 0:
                 self._send(b)
@@ -279,6 +299,16 @@ class DistributedOptimizer:
             for b in reversed(range(len(self._buckets))):
                 self._ops[b].wait()
                 self._load(self._buckets[b])
+            # After the step, which the other workers' rounds wait for.
+            changed = [name for name, p in self._params if name in self._pushed and (
+                p.grad is not self._pushed[name][0] or p.grad._version != self._pushed[name][1])]
+            if changed:
+                raise InvalidArgumentError(
+                    f"DistributedOptimizer: the gradient of "
+                    f"{', '.join(repr(n) for n in changed[:8])}{', ...' if changed[8:] else ''} "
+                    f"changed after backward pushed it (clip_grad_norm_ or another change "
+                    f"between backward() and step()), so the servers applied it unchanged; pass "
+                    f"overlap=False to change gradients before step()")
         finally:
             for op in self._ops:
                 if op is not None and not op.done():
@@ -290,7 +320,9 @@ class DistributedOptimizer:
         return loss
 
     def synchronize(self):
-        """Nothing to wait for: step() returns with the new parameters."""
+        """Nothing to wait for: step() returns with the new parameters. (To
+        change gradients before they are pushed, as Horovod's
+        synchronize() allows, pass overlap=False.)"""
 
     def zero_grad(self, *args, **kwargs):
         self._optimizer.zero_grad(*args, **kwargs)
@@ -320,6 +352,14 @@ class DistributedDataParallel(torch.nn.Module):
     sync_parameters: first copy rank 0's parameters and buffers to every
     worker (as torch's DDP does). One backward per optimizer step: gradient accumulation over
     several backward passes would allreduce each of them.
+
+    Every rank must wrap the same parameters (checked when it is made). A
+    failed allreduce raises from backward(), and so does every later one
+    (the communicator is broken). A backward that raised part-way (after
+    some buckets went out) leaves this rank out of step with the others:
+    the next forward or backward raises FailedPreconditionError, as torch's
+    DDP does, until set_communicator() binds a new communicator.
+    Sparse gradients (nn.Embedding(sparse=True)) are not supported.
     """
 
     def __init__(self, module, communicator=None, bucket_size="25MiB",
@@ -329,14 +369,22 @@ class DistributedDataParallel(torch.nn.Module):
         self._bucketer_bytes = _convert.byte_size(bucket_size, "bucket_size")
         if self._bucketer_bytes < 1:
             raise InvalidArgumentError(f"bucket_size: {bucket_size!r} must be at least 1 byte")
+        if self._bucketer_bytes >= 2**63:
+            raise InvalidArgumentError(f"bucket_size: {bucket_size!r} is not below 2^63 bytes")
         self.module = module
         self.communicator = communicator or default_communicator()
-        if sync_parameters:
-            broadcast_parameters(module.state_dict(), 0, self.communicator)
         self._params = [p for p in module.parameters() if p.requires_grad]
         if not self._params:
             raise InvalidArgumentError("DistributedDataParallel: the module has no "
                                        "parameter that requires a gradient")
+        for name, m in module.named_modules():
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
+                raise InvalidArgumentError(
+                    f"DistributedDataParallel: {name or type(m).__name__!r} has sparse=True: "
+                    f"sparse gradients are not supported (make it sparse=False)")
+        _check_same_parameters(self._params, self.communicator)
+        if sync_parameters:
+            broadcast_parameters(module.state_dict(), 0, self.communicator)
         self._cuda = self._params[0].device.type == "cuda"
         if any((p.device.type == "cuda") != self._cuda for p in self._params):
             raise InvalidArgumentError("DistributedDataParallel: parameters on CPU and CUDA mixed")
@@ -351,6 +399,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._works = []
         self._ready = [False] * len(self._params)
         self._pending = False
+        # Why this rank cannot go on (None: it can).
+        self._broken = None
         self._hooks = []
         for i, p in enumerate(self._params):
             # AccumulateGrad runs after the gradient has been added to p.grad.
@@ -359,11 +409,28 @@ class DistributedDataParallel(torch.nn.Module):
             self._hooks.append(acc)  # keeps the node, and so the hook, alive
 
     def forward(self, *args, **kwargs):
+        if self._pending:
+            self._break(_UNFINISHED)
+        self._check()
         return self.module(*args, **kwargs)
+
+    def _break(self, why):
+        self._broken = (f"DistributedDataParallel: {why}, so this rank is out of step with the "
+                        f"others; bind a new communicator with set_communicator() (as "
+                        f"deepnex.elastic does at a resize)")
+        self._check()
+
+    def _check(self):
+        if self._broken is not None:
+            raise FailedPreconditionError(self._broken)
 
     def set_communicator(self, communicator):
         """Allreduces through `communicator` from now on (an elastic job's
-        new membership); a step broken by the old one is dropped."""
+        new membership); a step broken by the old one is dropped. A
+        collective: every rank of the new communicator calls it (or makes
+        its DistributedDataParallel), which checks they wrap the same
+        parameters."""
+        _check_same_parameters(self._params, communicator)
         self.communicator = communicator
         if not self._cuda:
             self._bucketer = _collective.GradientBucketer(
@@ -371,9 +438,12 @@ class DistributedDataParallel(torch.nn.Module):
         self._works = []
         self._ready = [False] * len(self._params)
         self._pending = False
+        self._broken = None
 
     def _adopt(self, i):
         p, buf = self._params[i], self._grads[i]
+        if p.grad is not None and p.grad.is_sparse:
+            self._break(f"parameter {i} got a sparse gradient, which is not supported")
         if p.grad is None:
             buf.zero_()
         elif p.grad is not buf:
@@ -382,6 +452,11 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _make_hook(self, i):
         def hook(*unused):
+            self._check()
+            if self._ready[i]:
+                # Its backward did not reach synchronize (the module was
+                # called directly, not through forward()).
+                self._break(_UNFINISHED)
             if not self._pending:
                 self._pending = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
@@ -398,21 +473,50 @@ class DistributedDataParallel(torch.nn.Module):
         parameters that got no gradient contribute zeros."""
         if not self._pending:
             return
-        for i, ready in enumerate(self._ready):
-            if not ready:
-                self._adopt(i)
-                if self._cuda:
-                    self._works.append(
-                        self.communicator.allreduce_async(self._grads[i], op="mean"))
-        if self._cuda:
-            for w in self._works:
-                w.wait()
+        try:
+            for i, ready in enumerate(self._ready):
+                if not ready:
+                    self._adopt(i)
+                    if self._cuda:
+                        self._works.append(
+                            self.communicator.allreduce_async(self._grads[i], op="mean"))
+            if self._cuda:
+                for w in self._works:
+                    w.wait()
+            else:
+                self._bucketer.mark_all_ready()
+                self._bucketer.wait()
+        finally:
+            # Failed or not, the round is over (the bucketer's too): a broken
+            # communicator fails the next one as well, rather than leaving
+            # it unwaited with the local gradients in place.
             self._works = []
-        else:
-            self._bucketer.mark_all_ready()
-            self._bucketer.wait()
-        self._ready = [False] * len(self._params)
-        self._pending = False
+            self._ready = [False] * len(self._params)
+            self._pending = False
+
+
+_UNFINISHED = ("the previous backward did not finish (it raised after some gradients' "
+               "allreduces had started)")
+
+
+def _check_same_parameters(params, communicator):
+    """Every rank must wrap the same parameters, in the same order: bucket
+    i of one rank is reduced with bucket i of the others whatever it holds
+    (torch's DDP checks this when it is made, too). InvalidArgumentError on
+    every rank where they differ."""
+    layout = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
+    mine = [len(params), sum(p.numel() for p in params), zlib.crc32(layout.encode())]
+    # One allreduce: the max of each value and of its negation (the min).
+    both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=params[0].device)
+    communicator.allreduce(both, op="max")
+    high, low = both[:3].tolist(), [-v for v in both[3:].tolist()]
+    if high != low:
+        raise InvalidArgumentError(
+            f"DistributedDataParallel: the ranks wrap different parameters: this rank has "
+            f"{mine[0]} that require a gradient ({mine[1]} elements), the ranks "
+            f"{low[0]}-{high[0]} ({low[1]}-{high[1]} elements)"
+            f"{', in different shapes or dtypes' if low[:2] == high[:2] else ''}; every rank "
+            f"must wrap the same model")
 
 
 # --- Elastic training (deepnex.elastic) -------------------------------------

@@ -22,11 +22,11 @@ def run_workers(n, body):
     run_threads(n, body, timeout=60, what="a worker")
 
 
-def communicators(store, n):
+def communicators(store, n, timeout=20.0):
     """rank -> that rank's member of a new communicator of n ranks."""
     _counter[0] += 1
     prefix = f"torch{os.getpid()}-{_counter[0]}"
-    return lambda rank: collective.Communicator(rank, n, store=store.address, timeout=20.0,
+    return lambda rank: collective.Communicator(rank, n, store=store.address, timeout=timeout,
                                                 prefix=prefix)
 
 
@@ -136,6 +136,23 @@ def test_distributed_optimizer_pushes_buckets_during_backward():
         client.close()
 
 
+def _assert_overlap_off_applies_the_gradients(x, change):
+    """With overlap=False, after a backward on `x` and `change(m)` (another
+    backward, a clip), step() applies exactly the gradients then (SGD at lr
+    1 on the server)."""
+    with deepnex.ps.Server(mode="sync", num_workers=1,
+                           optimizer=deepnex.ps.SGD(lr=1.0)) as server:
+        m, client, opt = _ps_optimizer(server.address, 0, overlap=False)
+        before = [p.detach().clone() for p in m.parameters()]
+        m(x).sum().backward()
+        change(m)
+        grads = [p.grad.clone() for p in m.parameters()]
+        opt.step()
+        for p, b, g in zip(m.parameters(), before, grads):
+            assert torch.equal(p.detach(), b - g)
+        client.close()
+
+
 def test_distributed_optimizer_second_backward_needs_overlap_off():
     with deepnex.ps.Server(mode="sync", num_workers=1,
                            optimizer=deepnex.ps.SGD(lr=1.0)) as server:
@@ -145,19 +162,52 @@ def test_distributed_optimizer_second_backward_needs_overlap_off():
         with pytest.raises(deepnex.InvalidArgumentError,
                            match="a second backward before step\\(\\) .*overlap=False"):
             m(x).sum().backward()
-        opt.step()  # the first backward's gradients
+        # The first backward's gradients went; the second one's, added to
+        # '1.weight' before its hook refused it, did not.
+        before = [p.detach().clone() for p in m.parameters()]
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match="the gradient of '1.weight' changed after backward pushed it"):
+            opt.step()
+        assert not any(torch.equal(p.detach(), b) for p, b in zip(m.parameters(), before))
         client.close()
+    # Accumulated into p.grad.
+    _assert_overlap_off_applies_the_gradients(x, lambda m: m(2 * x).sum().backward())
+
+
+def test_distributed_optimizer_refuses_gradients_changed_after_they_were_pushed():
+    """A probe's clip_grad_norm_ between backward() and step() had no effect
+    with overlap (the default): the servers applied the unclipped gradient
+    and nothing said so. overlap=False clips as torch's optimizer would."""
+    x = torch.tensor([[1.0, 2.0, 3.0]])
+
+    def halve(m):
+        for p in m.parameters():
+            p.grad.mul_(0.5)
     with deepnex.ps.Server(mode="sync", num_workers=1,
                            optimizer=deepnex.ps.SGD(lr=1.0)) as server:
-        m, client, opt = _ps_optimizer(server.address, 0, overlap=False)
-        before = [p.detach().clone() for p in m.parameters()]
+        m, client, opt = _ps_optimizer(server.address, 0)
         m(x).sum().backward()
-        m(2 * x).sum().backward()  # accumulated into p.grad
-        grads = [p.grad.clone() for p in m.parameters()]
-        opt.step()
-        for p, b, g in zip(m.parameters(), before, grads):
-            assert torch.equal(p.detach(), b - g)
+        halve(m)
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match="the gradient of '0.weight', '0.bias', '1.weight' changed "
+                                 "after backward pushed it .*pass overlap=False"):
+            opt.step()
         client.close()
+    _assert_overlap_off_applies_the_gradients(x, halve)
+
+
+def test_distributed_optimizer_refuses_a_parameter_the_servers_cannot_hold_on_every_rank():
+    """A frozen int64 parameter: root_rank's init refused it at once while
+    the other ranks waited the whole timeout and then said "no tensor"."""
+    m = torch.nn.Linear(2, 1)
+    m.idx = torch.nn.Parameter(torch.tensor([1, 5]), requires_grad=False)
+    opt = torch.optim.SGD([m.weight, m.bias, m.idx], lr=0.1)
+    for rank in (0, 1):
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match="parameter 'idx' is torch.int64; the parameter servers hold "
+                                 "float32, float64, float16 and bfloat16"):
+            dtorch.DistributedOptimizer(opt, named_parameters=m.named_parameters(),
+                                        client=object(), root_rank=rank)
 
 
 def test_distributed_optimizer_leaves_frozen_parameters_and_takes_bfloat16():
@@ -326,10 +376,140 @@ def test_ddp_takes_channels_last_and_transposed_parameters_and_any_buffer(store)
                                 [[6.0, 6.0, 0.0], [6.0, 6.0, 0.0]])
 
 
+def _two_layers():
+    m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    with torch.no_grad():
+        for i, p in enumerate(m.parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) + i)
+    return m
+
+
+def _mean_grads(inputs):
+    """The mean over the inputs of _two_layers()'s gradients (exact: integers)."""
+    grads = []
+    for x in inputs:
+        m = _two_layers()
+        m(x).sum().backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    return [sum(g) / len(grads) for g in zip(*grads)]
+
+
+def test_ddp_after_a_failed_allreduce_every_step_raises(store):
+    """A probe's rank stalled past the timeout once: both ranks caught the
+    error and went on, and later backwards returned each rank's own
+    gradients with no error (the failed round was never closed)."""
+    import threading
+    n = 2
+    inputs = [torch.tensor([[1.0, 2.0, 3.0]]) * (r + 1) for r in range(n)]
+    expected = _mean_grads(inputs)
+    failed = threading.Event()
+    outcomes = [[] for _ in range(n)]
+    communicator = communicators(store, n, timeout=2.0)
+
+    def worker(rank):
+        comm = communicator(rank)
+        m = _two_layers()
+        ddp = dtorch.DistributedDataParallel(m, communicator=comm)
+        for step in range(3):
+            m.zero_grad()
+            if step == 0 and rank == 1:
+                assert failed.wait(60), "rank 0's first step did not fail"
+            try:
+                ddp(inputs[rank]).sum().backward()
+            except deepnex.DeepnexError as e:
+                if rank == 0:
+                    failed.set()
+                outcomes[rank].append(type(e).__name__)
+                continue
+            assert all(torch.equal(p.grad, e) for p, e in zip(m.parameters(), expected)), (
+                f"rank {rank} step {step}: a backward that returned gave gradients that are "
+                f"not the ranks' mean")
+            outcomes[rank].append("ok")
+
+    run_workers(n, worker)
+    # Rank 1's first allreduce may still meet rank 0's, sent before its
+    # timeout; from then on the communicator is broken on both.
+    assert outcomes[0][0] == "DeadlineExceededError", outcomes
+    assert "ok" not in outcomes[0] + outcomes[1][1:], outcomes
+
+
+def test_ddp_after_a_backward_that_raised_part_way_says_so_until_rebound(store):
+    """A backward that raised after some buckets went out left every later
+    backward failing with 'mark_ready(3): already marked this round'."""
+    n = 2
+    inputs = [torch.tensor([[1.0, 2.0, 3.0]]) * (r + 1) for r in range(n)]
+    expected = _mean_grads(inputs)
+    communicator = communicators(store, n)
+    again = communicators(store, n)
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+
+    def worker(rank):
+        m = _two_layers()
+        ddp = dtorch.DistributedDataParallel(m, communicator=communicator(rank),
+                                             bucket_size=4)
+        # The last layer's gradients (and allreduces) come before the boom.
+        with pytest.raises(RuntimeError, match="boom"):
+            m[1](Boom.apply(m[0](inputs[rank]))).sum().backward()
+        for call in (lambda: ddp(inputs[rank]),
+                     lambda: m(inputs[rank]).sum().backward()):
+            with pytest.raises(deepnex.FailedPreconditionError,
+                               match="the previous backward did not finish .* out of step "
+                                     ".*set_communicator"):
+                call()
+        ddp.set_communicator(again(rank))
+        m.zero_grad()
+        ddp(inputs[rank]).sum().backward()
+        assert all(torch.equal(p.grad, e) for p, e in zip(m.parameters(), expected))
+
+    run_workers(n, worker)
+
+
+def test_ddp_ranks_wrapping_different_parameters_are_refused_on_each(store):
+    """Without sync_parameters (as TorchState wraps it) nothing compared the
+    ranks' models: a probe's rank 0 averaged its gradients with rank 1's of
+    other parameters and returned, while rank 1 timed out."""
+    n = 2
+    for extra in [torch.nn.Linear(1, 1),   # one more parameter
+                  None]:                   # the same count, other shapes
+        communicator = communicators(store, n)
+
+        def worker(rank):
+            m = _two_layers()
+            if rank == 1:
+                if extra is not None:
+                    m.append(extra)
+                else:
+                    m[1].weight = torch.nn.Parameter(torch.zeros(2, 1))  # (1, 2) on rank 0
+            with pytest.raises(deepnex.InvalidArgumentError,
+                               match="the ranks wrap different parameters: this rank has "
+                                     f"{len(list(m.parameters()))} that require a gradient"):
+                dtorch.DistributedDataParallel(m, communicator=communicator(rank),
+                                               sync_parameters=False)
+
+        run_workers(n, worker)
+
+
+def test_ddp_refuses_sparse_gradients_by_name():
+    comm = collective.Communicator(0, 1)
+    m = torch.nn.Sequential(torch.nn.Embedding(4, 2, sparse=True), torch.nn.Linear(2, 1))
+    with pytest.raises(deepnex.InvalidArgumentError,
+                       match="'0' has sparse=True: sparse gradients are not supported"):
+        dtorch.DistributedDataParallel(m, communicator=comm)
+
+
 def test_ddp_bucket_size_is_named():
     comm = collective.Communicator(0, 1)
     for bad, why in [(0, "bucket_size: 0 must be at least 1 byte"),
-                     ("12XB", 'bucket_size: "12XB" is not a byte size')]:
+                     ("12XB", 'bucket_size: "12XB" is not a byte size'),
+                     (2**70, "bucket_size: 1180591620717411303424 is not below 2\\^63 bytes")]:
         with pytest.raises(deepnex.InvalidArgumentError, match=why):
             dtorch.DistributedDataParallel(torch.nn.Linear(2, 1), communicator=comm,
                                            bucket_size=bad)
