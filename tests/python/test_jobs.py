@@ -71,6 +71,13 @@ def gated(gate):
     return ["sh", "-c", f"echo up; while [ ! -e {gate} ]; do sleep 0.05; done"]
 
 
+def holding_both_gpus(central, address, gate):
+    """A job of alice's running on both of the node's GPUs until `gate` exists."""
+    holder = central.run(address, ["--workers", "1", "--gpus-per-worker", "2"], gated(gate))
+    holder.await_line(r"^\[worker 0\] up")
+    return holder
+
+
 def clients(address):
     return {name: deepnex.gpu.CentralClient(address, token=f"{name}tok", timeout=10)
             for name in ("alice", "bob", "admin")}
@@ -185,9 +192,7 @@ def test_a_signal_stops_a_job_waiting_in_the_queue_and_withdraws_its_request(
     and printed nothing meanwhile."""
     address = central()
     c = clients(address)
-    holder = central.run(address, ["--workers", "1", "--gpus-per-worker", "2"],
-                         gated(tmp_path / "gate"))
-    holder.await_line(r"^\[worker 0\] up")
+    holder = holding_both_gpus(central, address, tmp_path / "gate")
     waiting = central.run(address, ["--workers", "2", "--gpus-per-worker", "1"], ["echo", "ran"])
     waiting.await_line(rf"^deepnex run: job {waiting.name}: queued at position 1: waiting for "
                        r"1 exclusive GPU")
@@ -209,9 +214,7 @@ def test_a_signal_stops_a_job_waiting_in_the_queue_and_withdraws_its_request(
 def test_a_waiting_job_is_pending_and_cancelling_it_withdraws_its_request(central, tmp_path):
     address = central()
     c = clients(address)
-    holder = central.run(address, ["--workers", "1", "--gpus-per-worker", "2"],
-                         gated(tmp_path / "gate"))
-    holder.await_line(r"^\[worker 0\] up")
+    holder = holding_both_gpus(central, address, tmp_path / "gate")
     waiting = central.run(address, ["--workers", "1", "--gpus-per-worker", "1"], ["echo", "ran"])
     wait_for(lambda: [x["name"] for x in c["alice"].jobs(state="pending")] == [waiting.name],
              "the second job to wait")
@@ -270,9 +273,7 @@ def test_a_job_whose_runner_dies_fails_as_lost_and_a_waiting_one_stays_pending(
     # (with 1 s every waiting job would turn lost between its reports).
     address = central("--job-runner-timeout", "5")
     alice = clients(address)["alice"]
-    holder = central.run(address, ["--workers", "1", "--gpus-per-worker", "2"],
-                         gated(tmp_path / "gate"))
-    holder.await_line(r"^\[worker 0\] up")
+    holder = holding_both_gpus(central, address, tmp_path / "gate")
     waiting = central.run(address, ["--workers", "1", "--gpus-per-worker", "1"], ["true"])
     wait_for(lambda: state_of(alice, waiting.name) == "pending", "the second job to wait")
     holder.proc.send_signal(signal.SIGKILL)
