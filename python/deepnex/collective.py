@@ -40,11 +40,12 @@ class Store:
     listen host; for "0.0.0.0" or "[::]" this host's primary address)."""
 
     def __init__(self, address=_SERVER.address, token=None, token_file=None,
-                 max_value_bytes=_SERVER.max_value_bytes, advertise=None):
+                 max_value_bytes=_SERVER.max_value_bytes, advertise=None,
+                 max_bytes=_SERVER.max_bytes):
         self._server = _C.collective.StoreServer(options(
             _C.collective.StoreServerOptions, address=address, token=token or "",
             token_file=token_file or "", max_value_bytes=int(max_value_bytes),
-            advertise=advertise or ""))
+            advertise=advertise or "", max_bytes=int(max_bytes)))
 
     @property
     def address(self):

@@ -85,7 +85,8 @@ void RegisterCollective(py::module_& parent) {
       .def_readwrite("token_file", &StoreServerOptions::token_file)
       .def_readwrite("tls_cert_file", &StoreServerOptions::tls_cert_file)
       .def_readwrite("tls_key_file", &StoreServerOptions::tls_key_file)
-      .def_readwrite("max_value_bytes", &StoreServerOptions::max_value_bytes);
+      .def_readwrite("max_value_bytes", &StoreServerOptions::max_value_bytes)
+      .def_readwrite("max_bytes", &StoreServerOptions::max_bytes);
 
   py::class_<StoreClientOptions> client_options(m, "StoreClientOptions");
   client_options.def(py::init<>())

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "core/grpc_util.h"
 #include "core/net.h"
+#include "core/text.h"
 #include "core/timer.h"
 #include "deepnex/auth.h"
 #include "deepnex/collective/store.h"
@@ -84,11 +85,11 @@ class Service final : public pb::Store::CallbackService {
     Finishes done;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      kv_[req->key()] = req->value();
-      Notify(req->key(), &done);
+      s = PutLocked(req->key(), req->value());
+      if (s.ok()) Notify(req->key(), &done);
     }
     RunFinishes(done);
-    return Reply(ctx, absl::OkStatus());
+    return Reply(ctx, s);
   }
 
   grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* ctx, const pb::GetRequest* req,
@@ -141,10 +142,8 @@ class Service final : public pb::Store::CallbackService {
                                                req->delta(),
                                                " is past the int64 range; the value stays ",
                                                value));
-      } else {
-        value = sum;
-        kv_[req->key()] = absl::StrCat(value);
-        reply->set_value(value);
+      } else if (s = PutLocked(req->key(), absl::StrCat(sum)); s.ok()) {
+        reply->set_value(sum);
         Notify(req->key(), &done);
       }
     }
@@ -164,16 +163,18 @@ class Service final : public pb::Store::CallbackService {
       auto it = kv_.find(req->key());
       bool swap = it == kv_.end() ? req->expected().empty() : it->second == req->expected();
       if (swap) {
-        kv_[req->key()] = req->desired();
-        Notify(req->key(), &done);
-        reply->set_value(req->desired());
+        s = PutLocked(req->key(), req->desired());
+        if (s.ok()) {
+          Notify(req->key(), &done);
+          reply->set_value(req->desired());
+        }
       } else if (it != kv_.end()) {
         reply->set_value(it->second);
       }
-      reply->set_swapped(swap);
+      reply->set_swapped(swap && s.ok());
     }
     RunFinishes(done);
-    return Reply(ctx, absl::OkStatus());
+    return Reply(ctx, s);
   }
 
   grpc::ServerUnaryReactor* Delete(grpc::CallbackServerContext* ctx,
@@ -182,7 +183,12 @@ class Service final : public pb::Store::CallbackService {
     absl::Status s = CheckKeys(*ctx, {req->key()});
     if (s.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
-      reply->set_deleted(kv_.erase(req->key()) > 0);
+      auto it = kv_.find(req->key());
+      reply->set_deleted(it != kv_.end());
+      if (it != kv_.end()) {
+        bytes_ -= it->first.size() + it->second.size();
+        kv_.erase(it);
+      }
     }
     return Reply(ctx, s);
   }
@@ -211,6 +217,11 @@ class Service final : public pb::Store::CallbackService {
     if (keys.empty()) return absl::InvalidArgumentError("no keys given");
     for (const std::string& k : keys) {
       if (k.empty()) return absl::InvalidArgumentError("empty key");
+      if (k.size() > StoreServerOptions::kMaxKeyBytes) {
+        return absl::InvalidArgumentError(absl::StrCat("key ", Quoted(k), " is ", k.size(),
+                                                       " bytes; a key is at most ",
+                                                       StoreServerOptions::kMaxKeyBytes));
+      }
       if (!who.job.empty() && k.rfind(who.job + "/", 0) != 0) {
         return absl::PermissionDeniedError(absl::StrCat(
             "key \"", k, "\" is outside job \"", who.job, "\" (keys must start with \"",
@@ -225,6 +236,26 @@ class Service final : public pb::Store::CallbackService {
       return absl::ResourceExhaustedError(
           absl::StrCat("value of \"", key, "\": ", value.size(), " bytes, the store takes at most ",
                        options_.max_value_bytes));
+    }
+    return absl::OkStatus();
+  }
+
+  // kv_[key] = value, within options_.max_bytes. REQUIRES: mu_ held.
+  absl::Status PutLocked(const std::string& key, std::string value) {
+    auto it = kv_.find(key);
+    const uint64_t before = it == kv_.end() ? 0 : key.size() + it->second.size();
+    const uint64_t after = key.size() + value.size();
+    if (after > before && bytes_ - before + after > options_.max_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "key ", Quoted(key), ": the store holds ", bytes_, " bytes of keys and values, at most ",
+          options_.max_bytes, ", and this would add ", after - before,
+          " (delete keys, or raise its max_bytes)"));
+    }
+    bytes_ = bytes_ - before + after;
+    if (it == kv_.end()) {
+      kv_.emplace(key, std::move(value));
+    } else {
+      it->second = std::move(value);
     }
     return absl::OkStatus();
   }
@@ -298,6 +329,7 @@ class Service final : public pb::Store::CallbackService {
   const TokenTable tokens_;
   mutable std::mutex mu_;
   std::unordered_map<std::string, std::string> kv_;
+  uint64_t bytes_ = 0;  // of kv_'s keys and values
   std::unordered_map<std::string, std::vector<std::shared_ptr<Waiter>>> watchers_;
   Timer expiry_;  // last: its thread calls Expire, so it stops first
 };
@@ -338,6 +370,7 @@ class StoreServerImpl final : public StoreServer {
 absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Create(
     const StoreServerOptions& options) {
   if (options.address.empty()) return absl::InvalidArgumentError("address is empty");
+  if (options.max_bytes == 0) return absl::InvalidArgumentError("max_bytes: 0 holds nothing");
   DEEPNEX_RETURN_IF_ERROR(ValidateAdvertiseHost("advertise", options.advertise));
   DEEPNEX_ASSIGN_OR_RETURN(TokenTable tokens,
                            TokenTable::FromOptions(options.token, options.token_file));

@@ -24,6 +24,9 @@ flags:
   --token-file F          file with the token, or lines "TOKEN NAME ROLE [JOB]";
                           a job-scoped token only reaches keys under "JOB/"
   --max-value SIZE        largest value accepted, e.g. 64MiB (default 64MiB)
+  --max-bytes SIZE        most bytes of keys and values held at once, every
+                          job's together; a write past it is refused
+                          (default 1GiB)
   --tls-cert F --tls-key F   serve TLS with this PEM certificate and key
   --help                  show this text
 )";
@@ -39,6 +42,7 @@ int main(int argc, char** argv) {
     else if (flags.Is("--token")) options.token = flags.Value();
     else if (flags.Is("--token-file")) options.token_file = flags.Value();
     else if (flags.Is("--max-value")) options.max_value_bytes = flags.Bytes();
+    else if (flags.Is("--max-bytes")) options.max_bytes = flags.Bytes();
     else if (flags.Is("--tls-cert")) options.tls_cert_file = flags.Value();
     else if (flags.Is("--tls-key")) options.tls_key_file = flags.Value();
     else flags.Unknown();

@@ -629,6 +629,7 @@ def test_python_defaults_are_the_cpp_option_structs():
         "backend": "auto", "timeout": 30.0, "prefix": "deepnex", "transport": "auto",
         "connections_per_peer": 2, "shm_channels": 0, "device": -1, "store": ""}
     assert _defaults(collective.Store)["max_value_bytes"] == 64 << 20
+    assert _defaults(collective.Store)["max_bytes"] == 1 << 30
     assert _defaults(collective.Store)["address"] == "127.0.0.1:0"
     assert _defaults(collective.StoreClient)["timeout"] == 30.0
     assert (_defaults(collective.GradientBucketer)["bucket_bytes"],

@@ -37,6 +37,11 @@ struct StoreServerOptions {
   std::string tls_key_file;
   // Largest value accepted. Default: 64 MiB
   uint64_t max_value_bytes = 64ull << 20;
+  // Most bytes of keys and values held at once, every job's together: a
+  // write past it is ResourceExhausted (deleting keys makes room). Keys are
+  // at most kMaxKeyBytes. Default: 1 GiB
+  uint64_t max_bytes = 1ull << 30;
+  static constexpr size_t kMaxKeyBytes = 4096;
 };
 
 // A running store. Thread-safe; serves from gRPC's threads (waiting reads

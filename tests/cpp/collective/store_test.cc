@@ -185,6 +185,43 @@ TEST(StoreTest, AnAddPastInt64IsRefusedAndLeavesTheValue) {
   EXPECT_EQ(n, 0);
 }
 
+// A probe's 6000 keys of 64 KiB took 411 MB of deepnex-store, which every
+// job under a shared store's token file uses: what it holds is capped, and
+// a refused write changes nothing.
+TEST(StoreTest, WritesPastMaxBytesAreRefusedUntilKeysAreDeleted) {
+  StoreServerOptions o;
+  o.max_bytes = 100;
+  auto server = StartServer(o);
+  auto c = Connect(server->address());
+  ASSERT_OK(c->Set("a", std::string(59, 'x')));  // 60 bytes
+  const std::string full =
+      "key \"b\": the store holds 60 bytes of keys and values, at most 100, and this would add "
+      "41 (delete keys, or raise its max_bytes)";
+  EXPECT_THAT(c->Set("b", std::string(40, 'y')), StatusIs(absl::StatusCode::kResourceExhausted,
+                                                          HasSubstr(full)));
+  EXPECT_THAT(c->CompareSet("b", "", std::string(40, 'y')),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr(full)));
+  ASSERT_OK_AND_ASSIGN(auto present, c->Check({"b"}));
+  EXPECT_THAT(present, ElementsAre(false));
+  // Replacing a value with a shorter one, and filling up to the cap, fit.
+  ASSERT_OK(c->Set("a", std::string(19, 'x')));  // 20 bytes
+  ASSERT_OK(c->Set("b", std::string(79, 'y')));  // 100 in all
+  EXPECT_THAT(c->Add("n", 1), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("\"n\"")));
+  ASSERT_OK_AND_ASSIGN(bool deleted, c->Delete("b"));
+  ASSERT_TRUE(deleted);
+  ASSERT_OK_AND_ASSIGN(int64_t n, c->Add("n", 7));
+  EXPECT_EQ(n, 7);
+  // Keys are at most kMaxKeyBytes, quoted escaped and cut.
+  const std::string key = "k\n" + std::string(StoreServerOptions::kMaxKeyBytes, 'k');
+  EXPECT_THAT(c->Set(key, "v"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("key \"k\\n" + std::string(62, 'k') + "\"... is 4098 bytes; a "
+                                 "key is at most 4096")));
+  o.max_bytes = 0;
+  EXPECT_THAT(StoreServer::Create(o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                               "max_bytes: 0 holds nothing"));
+}
+
 TEST(StoreTest, CompareSet) {
   auto server = StartServer();
   auto c = Connect(server->address());
