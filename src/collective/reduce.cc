@@ -24,13 +24,16 @@ struct Prod {
   template <typename T>
   static T Apply(T a, T b) { return a * b; }
 };
+// A NaN on either side wins, as torch.maximum and numpy.maximum have it
+// (b != b only for a NaN): otherwise the result depended on which rank
+// held the NaN.
 struct Max {
   template <typename T>
-  static T Apply(T a, T b) { return a < b ? b : a; }
+  static T Apply(T a, T b) { return a < b || b != b ? b : a; }
 };
 struct Min {
   template <typename T>
-  static T Apply(T a, T b) { return b < a ? b : a; }
+  static T Apply(T a, T b) { return b < a || b != b ? b : a; }
 };
 
 template <typename T, typename Op>

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "collective/cpu_wire.h"
+#include "collective/reduce.h"
 #include "deepnex/collective/store.h"
 #include "test_matchers.h"
 #include "test_util.h"
@@ -204,6 +205,34 @@ TEST_F(CommunicatorTest, TheFirstPassThroughTheShmRingsTakesNoPageFaults) {
       },
       [](CommunicatorOptions& o) { o.transport = Transport::kShm; });
   EXPECT_LT(after - before, 100);
+}
+
+// A probe's [nan, 1] and [1, nan] gave max [nan, 1]: a NaN counted only on
+// the rank whose buffer it was reduced into.
+TEST(ReduceTest, MaxAndMinKeepANaNFromEitherSide) {
+  const float nan = std::nanf("");
+  for (ReduceOp op : {ReduceOp::kMax, ReduceOp::kMin}) {
+    float dst[3] = {nan, 1, 2}, src[3] = {1, nan, 3};
+    ReduceInto(DType::kFloat32, op, reinterpret_cast<char*>(dst),
+               reinterpret_cast<const char*>(src), 3);
+    EXPECT_TRUE(std::isnan(dst[0]) && std::isnan(dst[1]));
+    EXPECT_EQ(dst[2], op == ReduceOp::kMax ? 3.0f : 2.0f);
+    double ddst[2] = {1, std::nan("")}, dsrc[2] = {std::nan(""), -1};
+    ReduceInto(DType::kFloat64, op, reinterpret_cast<char*>(ddst),
+               reinterpret_cast<const char*>(dsrc), 2);
+    EXPECT_TRUE(std::isnan(ddst[0]) && std::isnan(ddst[1]));
+    // bfloat16 1.0 and a NaN.
+    uint16_t bdst[2] = {0x3f80, 0x7fc0}, bsrc[2] = {0x7fc0, 0x3f80};
+    ReduceInto(DType::kBFloat16, op, reinterpret_cast<char*>(bdst),
+               reinterpret_cast<const char*>(bsrc), 2);
+    EXPECT_EQ(bdst[0] & 0x7fc0, 0x7fc0);
+    EXPECT_EQ(bdst[1] & 0x7fc0, 0x7fc0);
+    int32_t idst[2] = {-5, 7}, isrc[2] = {3, -9};
+    ReduceInto(DType::kInt32, op, reinterpret_cast<char*>(idst),
+               reinterpret_cast<const char*>(isrc), 2);
+    EXPECT_EQ(idst[0], op == ReduceOp::kMax ? 3 : -5);
+    EXPECT_EQ(idst[1], op == ReduceOp::kMax ? 7 : -9);
+  }
 }
 
 TEST(ShmStripesTest, AnExplicitCountIsKeptAndAutoGivesEachRankItsShareOfTheCpus) {
