@@ -14,6 +14,8 @@ dtype, a non-contiguous array or a read-only output raises
 ``InvalidArgumentError`` (a ``ValueError``) instead of copying.
 """
 
+import operator
+
 import numpy as np
 
 from . import _C
@@ -231,9 +233,9 @@ class Communicator:
     def allreduce_async(self, x, op="sum"):
         if _is_cuda(x):
             ptr, dtype, n = _cuda(x)
-            return Work(self._cuda_comm().allreduce_raw_async(ptr, dtype, n, op), x)
+            return Work(self._cuda_comm().allreduce_raw_async(ptr, dtype, n, _op(op)), x)
         b, dtype = to_buffer(x, "allreduce")
-        return Work(self._comm.allreduce_async(b, dtype, op), x)
+        return Work(self._comm.allreduce_async(b, dtype, _op(op)), x)
 
     def broadcast_async(self, x, root=0):
         root = int(root)
@@ -271,10 +273,10 @@ class Communicator:
         if _is_cuda(x):
             ptr, dtype, _ = _cuda(x)
             return Work(self._cuda_comm().reduce_scatter_raw_async(ptr, out.data_ptr(), dtype,
-                                                            out.numel(), op), out, keep=x)
+                                                            out.numel(), _op(op)), out, keep=x)
         bi, dtype = to_buffer(x, "reduce_scatter")
         bo, _ = to_buffer(out, "reduce_scatter")
-        return Work(self._comm.reduce_scatter_async(bi, bo, dtype, op), out)
+        return Work(self._comm.reduce_scatter_async(bi, bo, dtype, _op(op)), out)
 
     def barrier_async(self):
         return Work(self._comm.barrier_async())
@@ -306,6 +308,14 @@ class Communicator:
             self._nccl.abort()
 
 
+def _op(op):
+    """A reduction's name as the communicator takes it; anything but a
+    string is refused as the communicator refuses an unknown name."""
+    if not isinstance(op, str):
+        raise InvalidArgumentError(f"op: {op!r} is not a name (one of sum, mean, max, min, prod)")
+    return op
+
+
 class GradientBucketer:
     """Allreduces many tensors (e.g. gradients) in buckets of about
     ``bucket_bytes`` (default 25 MiB), bucket by bucket and asynchronously, as
@@ -329,7 +339,10 @@ class GradientBucketer:
                                       bucket_bytes=byte_size(bucket_bytes, "bucket_bytes"), op=op))
 
     def mark_ready(self, index):
-        self._b.mark_ready(int(index))
+        index = operator.index(index)
+        if index < 0:
+            raise InvalidArgumentError(f"mark_ready({index}): an index is 0 or more")
+        self._b.mark_ready(index)
 
     def mark_all_ready(self):
         self._b.mark_all_ready()

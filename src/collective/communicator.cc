@@ -85,6 +85,10 @@ absl::Status CommunicatorOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("timeout=", timeout.count(), " ms: must be positive"));
   }
+  if (device < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device=", device, ": must be a device index, or -1 for the local rank's"));
+  }
   if (connections_per_peer < 1 || connections_per_peer > 16) {
     return absl::InvalidArgumentError(
         absl::StrCat("connections_per_peer=", connections_per_peer, ": must be 1..16"));

@@ -145,6 +145,11 @@ def test_bad_input_and_mismatch_raise_on_every_rank(store):
         for op in (comm.allgather, comm.reduce_scatter):
             with pytest.raises(TypeError, match="expected a numpy array or a torch tensor"):
                 op([1.0, 2.0])
+        # Named on every rank, not a pybind signature dump.
+        for reduce in (comm.allreduce, comm.reduce_scatter):
+            with pytest.raises(deepnex.InvalidArgumentError,
+                               match=r"op: None is not a name \(one of sum, mean, max, min, prod\)"):
+                reduce(np.zeros(2, np.float32), op=None)
         x = np.ones(3, np.float32)
         comm.allreduce(x)
         assert (x == 2).all()
@@ -304,6 +309,8 @@ def test_gradient_bucketer(store):
         with pytest.raises(ValueError, match="already marked"):
             b.mark_ready(0)
             b.mark_ready(0)
+        with pytest.raises(deepnex.InvalidArgumentError, match=r"mark_ready\(-1\): an index is 0"):
+            b.mark_ready(-1)
         b.mark_all_ready()
         b.wait()
     run_ranks(store, 2, body)

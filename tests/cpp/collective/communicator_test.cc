@@ -641,6 +641,11 @@ TEST(CommunicatorOptionsTest, Validation) {
   EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
                                      HasSubstr("transport=42: not a Transport")));
   o.transport = Transport::kAuto;
+  // Was taken as -1 (the local rank's device).
+  o.device = -5;
+  EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                     HasSubstr("device=-5: must be a device index, or -1")));
+  o.device = -1;
   EXPECT_THAT(ParseReduceOp("avg"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("avg")));
   EXPECT_THAT(ParseBackend("mpi"), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ParseTransport("rdma"), StatusIs(absl::StatusCode::kInvalidArgument));
