@@ -12,6 +12,7 @@
 #include <cstring>
 #include <map>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "gpu/codec.h"
 #include "core/checksum.h"
@@ -25,6 +26,10 @@ constexpr char kSnapMagic[] = "DNXSNAP1";    // 8 bytes
 constexpr size_t kMagicLen = 8;
 constexpr size_t kFrameHeader = 16;          // len, crc, seq
 constexpr uint32_t kMaxRecord = 64u << 20;
+// Names the log file in use (its first record's number), written once that
+// file's header is durable and before any record goes into it: a missing or
+// emptied file in use is damage, never taken for an older state.
+constexpr char kCurrentFile[] = "CURRENT";
 
 std::string Errno(const std::string& what, const std::string& path) {
   return absl::StrCat(what, " ", path, ": ", std::strerror(errno));
@@ -137,19 +142,21 @@ uint64_t TornRecords(const std::string& data, size_t off) {
 // Reads one log file. Only a bad tail of the newest file, unsealed and with
 // no well-formed frame anywhere after the damage, is torn (see ledger.h);
 // any other damage is DataLoss naming the file and offset.
-absl::Status ScanLog(const std::string& path, bool is_last, LogScan* scan) {
+// `in_use`: CURRENT names the file, so its header was durable.
+absl::Status ScanLog(const std::string& path, bool is_last, bool in_use, LogScan* scan) {
   absl::StatusOr<std::string> read = ReadWholeFile(path, "ledger file");
   if (!read.ok()) return read.status();
   const std::string& data = *read;
   scan->size = data.size();
   if (data.size() < kMagicLen) {
-    if (is_last) {
+    if (is_last && !in_use) {
       scan->torn = true;
       scan->valid_end = 0;
       return absl::OkStatus();
     }
-    return absl::DataLossError(absl::StrCat("ledger ", path, ": ", data.size(),
-                                            " bytes, shorter than its header"));
+    return absl::DataLossError(absl::StrCat(
+        "ledger ", path, ": ", data.size(), " bytes, shorter than its header",
+        in_use ? " (it is the log file in use, whose header was written first)" : ""));
   }
   if (std::memcmp(data.data(), kLogMagic, kMagicLen) != 0) {
     return absl::DataLossError(absl::StrCat("ledger ", path, ": not a deepnex log (bad magic)"));
@@ -309,6 +316,22 @@ absl::Status Ledger::Replay(const std::string& dir, const ApplyFn& apply, bool r
   }
   *last = rec.snapshot_seq;
   auto logs = ListFiles(dir, "wal-", ".log");
+  // No CURRENT: a directory from before it, or a crash before the first
+  // file's.
+  uint64_t in_use = 0;
+  if (absl::StatusOr<std::string> current = ReadWholeFile(dir + "/" + kCurrentFile, "CURRENT");
+      current.ok()) {
+    if (!absl::SimpleAtoi(*current, &in_use) || in_use == 0) {
+      return absl::DataLossError(absl::StrCat("ledger ", dir, "/", kCurrentFile,
+                                              ": damaged (it names no log file)"));
+    }
+    if (logs.count(in_use) == 0) {
+      return absl::DataLossError(absl::StrCat(
+          "ledger ", dir, ": ", Numbered(dir, "wal-", in_use, ".log"),
+          ", the log file in use (", kCurrentFile,
+          " names it), is missing: the records from ", in_use, " on are lost"));
+    }
+  }
   std::string prev_path = snaps.empty() ? "" : std::prev(snaps.end())->second;
   for (auto it = logs.begin(); it != logs.end(); ++it) {
     const bool is_last = std::next(it) == logs.end();
@@ -323,7 +346,7 @@ absl::Status Ledger::Replay(const std::string& dir, const ApplyFn& apply, bool r
           ", and ", it->second, " starts at record ", it->first));
     }
     LogScan scan;
-    DEEPNEX_RETURN_IF_ERROR(ScanLog(it->second, is_last, &scan));
+    DEEPNEX_RETURN_IF_ERROR(ScanLog(it->second, is_last, it->first == in_use, &scan));
     if (!scan.records.empty() && scan.records.front().first != it->first) {
       return absl::DataLossError(absl::StrCat("ledger ", it->second, ": its first record is ",
                                               scan.records.front().first,
@@ -402,6 +425,8 @@ absl::Status Ledger::StartLogFile(uint64_t first_seq) {
   absl::Status s = WriteAll(fd, kLogMagic, kMagicLen, path);
   if (s.ok() && ::fsync(fd) != 0) s = absl::InternalError(Errno("ledger: fsync of", path));
   if (s.ok()) s = SyncDir(dir_);
+  // Until it is renamed into place the file before stays the one in use.
+  if (s.ok()) s = WriteFileAtomically(dir_ + "/" + kCurrentFile, absl::StrCat(first_seq, "\n"));
   if (!s.ok()) {
     ::close(fd);
     ::unlink(path.c_str());  // an empty newest file would hide the one in use
@@ -624,7 +649,8 @@ absl::StatusOr<std::vector<std::pair<uint64_t, std::string>>> Ledger::ReadLog(
   auto logs = ListFiles(dir, "wal-", ".log");
   for (auto it = logs.begin(); it != logs.end(); ++it) {
     LogScan scan;
-    DEEPNEX_RETURN_IF_ERROR(ScanLog(it->second, std::next(it) == logs.end(), &scan));
+    DEEPNEX_RETURN_IF_ERROR(
+        ScanLog(it->second, std::next(it) == logs.end(), /*in_use=*/false, &scan));
     for (auto& r : scan.records) {
       if (r.first > snap) out.push_back(std::move(r));
     }

@@ -6,6 +6,8 @@
 //   LOCK                      flock()ed while a Ledger is open
 //   snap-<seq>.snap           the state after record <seq> (newest wins)
 //   wal-<first seq>.log       records, appended; a new file per open/snapshot
+//   CURRENT                   the first seq of the log file in use, replaced
+//                             once that file's header is durable
 //
 // Durability: Append buffers a record under the caller's lock and returns
 // its sequence number; Sync(seq) returns once it is on disk. Concurrent
@@ -22,8 +24,10 @@
 // and the file truncated. A clean close seals the file with a final frame,
 // so a sealed file has no torn tail. Any other damage -- a bad record with a
 // well-formed frame after it, a gap in the sequence of records or of log
-// file names, a bad snapshot -- is DataLoss naming the file and offset: the
-// ledger never starts from a silently partial state.
+// file names, the log file in use missing or cut below its header, a bad
+// snapshot -- is DataLoss naming the file and offset: the ledger never
+// starts from a silently partial state. (A file in use cut back to whole
+// records looks like a torn write, and is taken as one.)
 #ifndef DEEPNEX_GPU_LEDGER_H_
 #define DEEPNEX_GPU_LEDGER_H_
 

@@ -194,6 +194,51 @@ TEST(Ledger, ConcurrentSyncsShareFsyncs) {
   EXPECT_EQ(again.records.size(), size_t{kThreads * kEach});
 }
 
+// The log file in use deleted, or emptied, once started with an older
+// state (grants lost, a release undone) and said nothing.
+TEST(Ledger, TheLogFileInUseDeletedOrEmptiedIsDataLoss) {
+  for (const bool deleted : {true, false}) {
+    TempDir dir;
+    for (int session = 0; session < 2; ++session) {
+      Collected c;
+      ASSERT_OK_AND_ASSIGN(auto ledger, Ledger::Open(dir.path(), {}, c.fn()));
+      uint64_t seq = 0;
+      for (int i = 0; i < 40; ++i) seq = ledger->Append("grant-" + std::to_string(i));
+      ASSERT_OK(ledger->Sync(seq));
+    }
+    const std::vector<std::string> logs = Files(dir.path(), "wal-");
+    ASSERT_EQ(logs.size(), 2u);
+    EXPECT_THAT(logs[1], HasSubstr("wal-00000000000000000041.log"));
+    if (deleted) {
+      fs::remove(logs[1]);
+    } else {
+      WriteAll(logs[1], "");
+    }
+    Collected c;
+    EXPECT_THAT(Ledger::Open(dir.path(), {}, c.fn()),
+                StatusIs(absl::StatusCode::kDataLoss,
+                         deleted ? HasSubstr(logs[1] + ", the log file in use (CURRENT names "
+                                             "it), is missing: the records from 41 on are lost")
+                                 : HasSubstr(logs[1] + ": 0 bytes, shorter than its header (it "
+                                             "is the log file in use")));
+  }
+}
+
+// A crash after the next log file was made, before CURRENT named it: that
+// file is no loss, whole or torn.
+TEST(Ledger, ANewerLogFileThanTheOneInUseIsNoLoss) {
+  for (const std::string& header : {std::string("DNXWAL01"), std::string("DNX")}) {
+    TempDir dir;
+    LogFirstAndSecond(dir.path());
+    // As the next Open starts it, with CURRENT still naming wal-1: whole,
+    // or cut inside its header.
+    WriteAll(dir.path() + "/wal-00000000000000000003.log", header);
+    Collected c;
+    ASSERT_OK_AND_ASSIGN(auto ledger, Ledger::Open(dir.path(), {}, c.fn()));
+    EXPECT_THAT(c.records, ElementsAre("first", "second"));
+  }
+}
+
 TEST(Ledger, TornTailIsDroppedAndTruncated) {
   TempDir dir;
   {
