@@ -215,13 +215,17 @@ absl::Status ValidateAdvertiseHost(const std::string& field, const std::string& 
   return absl::OkStatus();
 }
 
-std::string HostIdentity() {
+std::string HostName() {
   char name[256] = {0};
   gethostname(name, sizeof(name) - 1);
+  return name;
+}
+
+std::string HostIdentity() {
   std::string boot;
   std::ifstream in("/proc/sys/kernel/random/boot_id");
   std::getline(in, boot);
-  return absl::StrCat(name, "/", boot);
+  return absl::StrCat(HostName(), "/", boot);
 }
 
 }  // namespace deepnex

@@ -44,6 +44,9 @@ std::string AddressText(const sockaddr* addr);
 // naming the host when it does not resolve.
 absl::StatusOr<sockaddr_in> ResolveIPv4(const std::string& host, int port);
 
+// This host's name (gethostname).
+std::string HostName();
+
 // "hostname/boot id": equal for two processes of one boot of one host, so
 // that same-host peers (collective ranks, parameter-server clients) know
 // each other without comparing addresses (NAT, proxies, many interfaces).

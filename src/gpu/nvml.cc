@@ -13,6 +13,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "core/net.h"
 #include "deepnex/gpu/discovery.h"
 
 namespace deepnex::gpu {
@@ -327,13 +328,9 @@ LocalGpus DiscoverLocalGpus(const std::string& library) {
 absl::StatusOr<Node> LocalNode(const std::string& name, Mode mode, const std::string& library) {
   Node node;
   node.name = name;
-  if (node.name.empty()) {
-    char host[256] = {0};
-    if (gethostname(host, sizeof(host) - 1) != 0) {
-      return absl::InternalError("gethostname failed; give the node a name");
-    }
-    node.name = host;
-  }
+  // This host's name, as deepnex run and the kubernetes backend take it.
+  if (node.name.empty()) node.name = HostName();
+  if (node.name.empty()) return absl::InternalError("gethostname failed; give the node a name");
   node.mode = mode;
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);

@@ -402,7 +402,7 @@ class JobImpl : public Job {
       // deepnex-central may grant another node; a backend that runs here
       // cannot go there (a deepnex-agent on that node will), and running it
       // here would use what another job was granted.
-      const std::string here = ThisHost();
+      const std::string here = HostName();
       for (size_t rank = 0; rank < grants_.size(); ++rank) {
         if (grants_[rank].node != here) {
           return absl::FailedPreconditionError(absl::StrCat(
@@ -551,7 +551,7 @@ class JobImpl : public Job {
       request.priority = priority;
       DEEPNEX_ASSIGN_OR_RETURN(auto got, allocations_->Grow(request, milliseconds(1000)));
       // A backend that runs here cannot use another node's grant.
-      if (placed_ || got[0].node == ThisHost()) return got[0];
+      if (placed_ || got[0].node == HostName()) return got[0];
       allocations_->Release(got[0].id).IgnoreError();
       return absl::ResourceExhaustedError(absl::StrCat("granted on node ", got[0].node));
     };
@@ -630,7 +630,7 @@ class JobImpl : public Job {
       const launch::ContainerSpec& spec = h->spec();
       gpu::JobContainer c;
       c.name = st.name;
-      c.node = spec.allocation ? spec.allocation->node : ThisHost();
+      c.node = spec.allocation ? spec.allocation->node : HostName();
       auto role = spec.labels.find("deepnex.role");
       if (role != spec.labels.end()) c.role = role->second;
       c.state = launch::StateName(st.state);

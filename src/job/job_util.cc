@@ -43,12 +43,6 @@ bool Connects(const std::string& host, int port) {
   return ok;
 }
 
-std::string ThisHost() {
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  return host;
-}
-
 std::map<std::string, std::string> InheritedEnv() {
   std::map<std::string, std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {

@@ -20,8 +20,6 @@ namespace deepnex::job {
 absl::StatusOr<int> ReservePort();
 // Whether host:port accepts a TCP connection now.
 bool Connects(const std::string& host, int port);
-// This machine's node name, as the local allocator names it (gpu::LocalNode).
-std::string ThisHost();
 // The job's processes inherit this process's environment, as mpirun's and
 // torchrun's do (PATH, PYTHONPATH, HOME, ...), minus any job variables of an
 // enclosing job.

@@ -20,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 #include "core/file_util.h"
+#include "core/net.h"
 #include "launch/backend.h"
 #include "launch/engine_env.h"
 #include "launch/http.h"
@@ -614,6 +615,15 @@ class KubernetesBackend : public Backend {
     if (spec.network_none) {
       return absl::InvalidArgumentError(
           "spec.network_none: a kubernetes pod cannot run without a network");
+    }
+    // The launcher checked each mount's source here (its allowed roots, its
+    // symlinks); the kubelet resolves a hostPath on the pod's node.
+    if (!spec.mounts.empty() && spec.allocation.has_value() && !spec.allocation->node.empty() &&
+        spec.allocation->node != HostName()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "spec.mounts: the pod runs on node \"", spec.allocation->node,
+          "\", whose kubelet would resolve the host paths there, but they were checked on this "
+          "host (\"", HostName(), "\"); host mounts need the pod on the launcher's host"));
     }
     if (!ValidLabelValue(spec.name)) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -547,6 +547,20 @@ def test_exclusive_gpus_are_nvidia_gpu_limits(api):
     assert "NVIDIA_VISIBLE_DEVICES" not in env
 
 
+def test_host_mounts_are_refused_for_a_pod_on_another_node(api, tmp_path):
+    """The launcher checks a mount's source on its own host (allowed roots,
+    symlinks), but a hostPath resolves on the pod's node: on node n1 the
+    same path could be anything."""
+    with settled(api, k8s_launcher(api)) as launcher:
+        with pytest.raises(deepnex.FailedPreconditionError,
+                           match=r'spec.mounts: the pod runs on node "n1", whose kubelet would '
+                                 r'resolve the host paths there, but they were checked on this '
+                                 rf'host \("{socket.gethostname()}"\)'):
+            launcher.start(spec("mounted", allocation=allocation(gpus=1),
+                                mounts=[launch.Mount(str(tmp_path), "/data")]))
+    assert api.sent("POST", "/api/v1/namespaces/team-a/pods") == []
+
+
 def test_pod_goes_to_the_allocations_node(api):
     api.outcomes["kt1-placed-0"] = Outcome()
     api.outcomes["kt1-free-0"] = Outcome()
