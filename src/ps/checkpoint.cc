@@ -83,7 +83,11 @@ absl::StatusOr<proto::CheckpointFile> ReadCheckpointFile(const std::string& dir,
   // What Init would refuse is refused here too: a client trusts what a
   // server describes.
   std::map<std::string, const proto::TensorMeta*> metas;
-  for (const auto& meta : file.metas()) {
+  std::vector<const proto::TensorMeta*> all;
+  for (const auto& meta : file.metas()) all.push_back(&meta);
+  for (const auto& meta : file.parts_metas()) all.push_back(&meta);
+  for (const proto::TensorMeta* m : all) {
+    const proto::TensorMeta& meta = *m;
     absl::Status s =
         CheckTensorMeta(absl::StrFormat("checkpoint \"%s\": tensor \"%s\"", path, meta.key()),
                         meta)

@@ -20,9 +20,11 @@
 #include "deepnex/ps.grpc.pb.h"
 #include "ps/bulk_channel.h"
 #include "ps/client_op.h"
+#include "ps/partition.h"
 #include "ps/pieces.h"
 #include "ps/plan.h"
 #include "ps/shm_channel.h"
+#include "ps/values.h"
 
 namespace deepnex::ps {
 namespace {
@@ -457,6 +459,7 @@ class ClientImpl final : public Client {
       }
       DEEPNEX_RETURN_IF_ERROR(status);
       heartbeat_interval_ = std::chrono::milliseconds(reply.heartbeat_interval_ms());
+      if (reply.reject_nonfinite()) reject_nonfinite_ = true;
       DEEPNEX_ASSIGN_OR_RETURN((*shm)[s], AttachShm(transport_, options_.servers[s], reply,
                                                      std::min(options_.timeout, kConnectTimeout)));
       // With shared memory too: its requests' headers then skip gRPC as well.
@@ -920,10 +923,31 @@ class ClientImpl final : public Client {
       }
     }
     if (pieces == nullptr) return absl::OkStatus();
+    std::unordered_map<std::string, uint64_t> rounds;  // pushing: each key's new ones
     for (const auto& t : tensors) {
-      KeyState& k = keys_.at(t.key);
-      CutIntoPieces(t, k.meta, pushing ? ++k.seq : k.seq, pieces);
+      const KeyState& k = keys_.at(t.key);
+      uint64_t seq = k.seq;
+      if (pushing) seq = ++rounds.emplace(t.key, k.seq).first->second;
+      CutIntoPieces(t, k.meta, seq, pieces);
     }
+    // Each server refuses a bad gradient in what it is sent, whole; a push
+    // the servers take in several requests is checked whole here, or one
+    // refused after another was applied would leave the step half taken
+    // (and a sync round out of step across its partitions).
+    if (pushing && reject_nonfinite_ &&
+        Batch(*pieces, servers_.size(), options_.request_bytes).size() > 1) {
+      for (const Piece& p : *pieces) {
+        const DType dtype = static_cast<DType>(p.slice.dtype());
+        if (!AnyNonFiniteAt(dtype, p.data, p.slice.count())) continue;
+        uint64_t i = 0;
+        while (i < p.slice.count() && !NonFiniteAt(dtype, p.data + i * DTypeSize(dtype))) ++i;
+        absl::Status refused = RefuseNonFinite(
+            p.slice.key(), absl::StrFormat("element %d is NaN or Inf", p.slice.offset() + i));
+        pieces->clear();
+        return refused;
+      }
+    }
+    for (const auto& [key, seq] : rounds) keys_.at(key).seq = seq;
     return absl::OkStatus();
   }
 
@@ -1070,6 +1094,8 @@ class ClientImpl final : public Client {
   std::vector<std::vector<Connection>> servers_;
   std::atomic<uint64_t> next_conn_{0};
   std::atomic<bool> closed_{false};
+  // A server said it refuses gradients holding NaN or Inf (Register).
+  std::atomic<bool> reject_nonfinite_{false};
   Timer timer_;
   std::mutex mu_;
   std::unordered_map<std::string, KeyState> keys_;

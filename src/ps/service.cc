@@ -103,6 +103,7 @@ grpc::ServerUnaryReactor* Service::Register(grpc::CallbackServerContext* ctx,
     reply->set_num_workers(options_.num_workers);
     reply->set_mode(ModeName(options_.mode));
     reply->set_staleness(config_.staleness);
+    reply->set_reject_nonfinite(options_.reject_nonfinite);
     reply->set_heartbeat_interval_ms(
         options_.heartbeat_interval.count() > 0
             ? options_.heartbeat_interval.count()
@@ -690,7 +691,8 @@ absl::Status Service::DoWriteParts(const grpc::ServerContextBase& ctx,
         "init: the payload holds %d bytes, the slices need %d", payload.remaining(), bytes));
   }
   std::lock_guard<std::mutex> lock(mu_);
-  for (const pb::Slice& slice : header.slices()) {
+  for (int i = 0; i < header.slices_size(); ++i) {
+    const pb::Slice& slice = header.slices(i);
     DType dtype = static_cast<DType>(slice.dtype());
     auto t = tensors_.find(slice.key());
     if (t != tensors_.end() && t->second.parts.count(slice.part()) != 0) {
@@ -702,7 +704,11 @@ absl::Status Service::DoWriteParts(const grpc::ServerContextBase& ctx,
     std::unique_ptr<Partition> part =
         Partition::Create(config_, dtype, slice.offset(), slice.count());
     part->Write(&payload);
-    tensors_[slice.key()].parts[slice.part()] = std::move(part);
+    Tensor& entry = tensors_[slice.key()];
+    entry.parts[slice.part()] = std::move(part);
+    if (!entry.meta && !entry.parts_meta) {
+      entry.parts_meta = std::make_unique<pb::TensorMeta>(header.metas(i));
+    }
   }
   return absl::OkStatus();
 }

@@ -150,6 +150,9 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
  private:
   struct Tensor {
     std::unique_ptr<proto::TensorMeta> meta;  // on the server holding part 0
+    // On the other servers: the description their parts were written with,
+    // which a checkpoint of them is read back against.
+    std::unique_ptr<proto::TensorMeta> parts_meta;
     int claimed_by = -1;
     std::map<uint32_t, std::unique_ptr<Partition>> parts;
   };

@@ -104,6 +104,9 @@ absl::Status Service::Restore(const std::string& dir) {
   for (const auto& meta : file.metas()) {
     tensors[meta.key()].meta = std::make_unique<pb::TensorMeta>(meta);
   }
+  for (const auto& meta : file.parts_metas()) {
+    tensors[meta.key()].parts_meta = std::make_unique<pb::TensorMeta>(meta);
+  }
   for (const auto& r : file.parts()) {
     auto part = Partition::Create(config_, static_cast<DType>(r.dtype()), r.offset(), r.count());
     part->Restore(StateOf(r));
@@ -124,7 +127,11 @@ pb::CheckpointFile Service::Directory(std::vector<std::pair<std::string, uint32_
   pb::CheckpointFile file;
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [key, t] : tensors_) {
-    if (t.meta) *file.add_metas() = *t.meta;
+    if (t.meta) {
+      *file.add_metas() = *t.meta;
+    } else if (t.parts_meta) {
+      *file.add_parts_metas() = *t.parts_meta;
+    }
     for (auto& [part, p] : t.parts) {
       names->push_back({key, part});
       parts->push_back(p.get());

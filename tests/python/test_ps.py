@@ -219,6 +219,46 @@ def test_nonfinite_refused_or_accepted_by_option():
         assert np.isnan(c.pull("w")["w"][1])
 
 
+@pytest.mark.parametrize("servers,request_bytes", [(2, 4 << 20), (1, 64)])
+def test_a_push_refused_for_a_nan_applies_nothing_whatever_requests_carry_it(servers, request_bytes):
+    """A push goes to the servers in one request per server (and per
+    request_bytes); each refused its own bad part whole, but the others were
+    applied, and the message said "nothing applied" (found by a probe). A
+    sync worker pushing again then stood a round ahead on some partitions
+    and its pull hung."""
+    running = [ps.Server(mode="sync", num_workers=2, optimizer=ps.Sum(), reduction="sum")
+               for _ in range(servers)]
+    addresses = [s.address for s in running]
+    try:
+        clients = [ps.Client(addresses, worker_id=w, partition_bytes=64,
+                             request_bytes=request_bytes, timeout=20) for w in range(2)]
+        clients[0].init({"a": np.zeros(64, np.float32), "b": np.zeros(4, np.float32)})
+        bad = np.ones(64, np.float32)
+        bad[63] = np.nan  # in the last of a's four partitions
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match=r'push of "a": the gradient holds NaN or Inf \(element 63 is NaN '
+                                 r'or Inf\); refused, nothing applied'):
+            clients[0].push({"a": bad, "b": np.ones(4, np.float32)})
+        with ps.Client(addresses, worker_id=-1, partition_bytes=64) as observer:
+            values = observer.pull(["a", "b"])
+            assert not values["a"].any() and not values["b"].any()
+            assert observer.version("a") == observer.version("b") == 0
+        # The step again, clean, with the other worker: one whole round.
+        both = [np.full(64, 1 + w, np.float32) for w in range(2)]
+        results = [None, None]
+
+        def step(w):
+            results[w] = clients[w].push_pull({"a": both[w]})["a"]
+        run_threads(2, step, timeout=60, what="a worker's step")
+        for w in range(2):
+            np.testing.assert_array_equal(results[w], np.full(64, 3, np.float32))
+        for c in clients:
+            c.close()
+    finally:
+        for s in running:
+            s.stop()
+
+
 def test_worker_id_outside_range():
     with ps.Server(num_workers=2) as server:
         with pytest.raises(deepnex.InvalidArgumentError, match="worker_id 2 is outside 0..1"):
