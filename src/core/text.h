@@ -2,6 +2,7 @@
 #ifndef DEEPNEX_CORE_TEXT_H_
 #define DEEPNEX_CORE_TEXT_H_
 
+#include <cstdint>
 #include <string>
 
 #include "absl/strings/escaping.h"
@@ -20,6 +21,27 @@ inline std::string CutText(std::string text, size_t max) {
   text.resize(keep);
   absl::StrAppend(&text, "... (", cut, " more bytes)");
   return text;
+}
+
+// Whether `text` is well-formed UTF-8 (no overlong forms, surrogates or
+// code points past U+10FFFF), as protobuf's string fields must be.
+inline bool IsUtf8(const std::string& text) {
+  const auto* p = reinterpret_cast<const unsigned char*>(text.data());
+  const auto* end = p + text.size();
+  while (p < end) {
+    const unsigned char c = *p;
+    size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (n == 0 || static_cast<size_t>(end - p) < n) return false;
+    uint32_t cp = n == 1 ? c : c & (0x7F >> n);
+    for (size_t i = 1; i < n; ++i) {
+      if ((p[i] & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (p[i] & 0x3F);
+    }
+    static constexpr uint32_t kLeast[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kLeast[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    p += n;
+  }
+  return true;
 }
 
 // A refused value as an error message quotes it: in double quotes and

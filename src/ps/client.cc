@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "core/grpc_util.h"
+#include "core/text.h"
 #include "core/timer.h"
 #include "deepnex/ps.grpc.pb.h"
 #include "ps/bulk_channel.h"
@@ -103,7 +104,7 @@ class ClientImpl final : public Client {
     // Every tensor checked before the first claim: a claim won for values
     // that cannot be sent would leave the others waiting for them.
     for (const NamedTensor& t : tensors) {
-      if (t.key.empty()) return absl::InvalidArgumentError("init: empty key");
+      DEEPNEX_RETURN_IF_ERROR(CheckKey("init", t.key));
       const std::string what = absl::StrFormat("init of \"%s\"", t.key);
       if (!IsFloatingPoint(t.view.dtype)) {
         return absl::InvalidArgumentError(
@@ -833,8 +834,20 @@ class ClientImpl final : public Client {
   }
 
   // Metas of `keys`, one Describe per server holding their first parts.
+  // A key the servers can take: protobuf refuses a string field that is not
+  // UTF-8 (the server answered an empty Unimplemented).
+  static absl::Status CheckKey(const char* op, const std::string& key) {
+    if (key.empty()) return absl::InvalidArgumentError(absl::StrCat(op, ": empty key"));
+    if (!IsUtf8(key)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": key ", Quoted(key), " is not UTF-8 text"));
+    }
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<std::vector<pb::TensorMeta>> FetchMetas(
       const std::vector<std::string>& keys) {
+    for (const std::string& key : keys) DEEPNEX_RETURN_IF_ERROR(CheckKey("describe", key));
     std::map<size_t, pb::DescribeRequest> by_server;
     for (const std::string& key : keys) by_server[Primary(key)].add_keys(key);
     std::unordered_map<std::string, pb::TensorMeta> found;

@@ -36,16 +36,17 @@ absl::Status OptimizerConfig::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrFormat("optimizer %s=%g: %s", field, value, rule));
   };
-  if (!(lr >= 0) || !std::isfinite(lr)) return bad("lr", lr, "must be >= 0");
+  // "inf" and "nan" are said as such: "lr=inf: must be >= 0" read as a wrong rule.
+  if (!(lr >= 0) || !std::isfinite(lr)) return bad("lr", lr, "must be finite and >= 0");
   if (!(momentum >= 0) || !std::isfinite(momentum))
-    return bad("momentum", momentum, "must be >= 0");
+    return bad("momentum", momentum, "must be finite and >= 0");
   if (!(weight_decay >= 0) || !std::isfinite(weight_decay))
-    return bad("weight_decay", weight_decay, "must be >= 0");
+    return bad("weight_decay", weight_decay, "must be finite and >= 0");
   if (!(beta1 >= 0 && beta1 < 1)) return bad("beta1", beta1, "must be in [0, 1)");
   if (!(beta2 >= 0 && beta2 < 1)) return bad("beta2", beta2, "must be in [0, 1)");
-  if (!(eps > 0) || !std::isfinite(eps)) return bad("eps", eps, "must be > 0");
+  if (!(eps > 0) || !std::isfinite(eps)) return bad("eps", eps, "must be finite and > 0");
   if (!(initial_accumulator >= 0) || !std::isfinite(initial_accumulator))
-    return bad("initial_accumulator", initial_accumulator, "must be >= 0");
+    return bad("initial_accumulator", initial_accumulator, "must be finite and >= 0");
   if (nesterov && !(momentum > 0)) {
     return absl::InvalidArgumentError(
         "optimizer nesterov=true needs momentum > 0");

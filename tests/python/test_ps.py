@@ -259,6 +259,20 @@ def test_a_push_refused_for_a_nan_applies_nothing_whatever_requests_carry_it(ser
             s.stop()
 
 
+def test_a_key_that_is_not_utf8_is_refused_naming_it():
+    """A probe's bytes key b"\\xff\\xfe" gave an empty UnimplementedError and
+    protobuf's log lines: keys travel as protobuf strings."""
+    with ps.Server(mode="async") as server, ps.Client([server.address]) as c:
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match=r'init: key "\\xff\\xfe" is not UTF-8 text'):
+            c.init({b"\xff\xfe": np.zeros(2, np.float32)})
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match=r'describe: key "\\xc3" is not UTF-8 text'):
+            c.pull([b"\xc3"])
+        c.init({"é/ok": np.zeros(2, np.float32)})  # UTF-8 beyond ASCII is a key
+        np.testing.assert_array_equal(c.pull("é/ok")["é/ok"], [0, 0])
+
+
 def test_worker_id_outside_range():
     with ps.Server(num_workers=2) as server:
         with pytest.raises(deepnex.InvalidArgumentError, match="worker_id 2 is outside 0..1"):

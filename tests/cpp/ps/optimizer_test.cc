@@ -1,4 +1,5 @@
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "deepnex/ps/optimizer.h"
@@ -127,6 +128,10 @@ TEST(OptimizerTest, ValidateNamesTheField) {
   OptimizerConfig c;
   c.lr = -1;
   EXPECT_THAT(c.Validate(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lr=-1")));
+  // --lr 1e400 said "lr=inf: must be >= 0".
+  c.lr = std::numeric_limits<double>::infinity();
+  EXPECT_THAT(c.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                     "optimizer lr=inf: must be finite and >= 0"));
   c = {};
   c.beta2 = 1.0;
   EXPECT_THAT(c.Validate(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("beta2=1")));
