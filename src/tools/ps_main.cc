@@ -149,7 +149,13 @@ int main(int argc, char** argv) {
     } else if (flags.Is("--checkpoint-interval")) options.checkpoint_interval = flags.Seconds();
     else if (flags.Is("--restore")) options.restore_dir = flags.Value();
     else if (flags.Is("--restore-if-present")) restore_if_present = true;
-    else if (flags.Is("--metrics-port")) metrics_port = flags.Int();
+    else if (flags.Is("--metrics-port")) {
+      metrics_port = flags.Int();
+      // -1 was taken as "no metrics", 70000 named no flag.
+      if (metrics_port < 0 || metrics_port > 65535) {
+        flags.Die("--metrics-port " + std::to_string(metrics_port) + ": not a port (0-65535)");
+      }
+    }
     else flags.Unknown();
   }
   if (options.token.empty() && options.token_file.empty()) {

@@ -420,6 +420,8 @@ def test_daemon_help_and_bad_flags():
                          (["--workers", "0"], "num_workers=0: must be 1..65536"),
                          # A probe's 1M workers took 1 GB and a 755 MB /metrics.
                          (["--workers", "1000000"], "num_workers=1000000: must be 1..65536"),
+                         (["--metrics-port", "-1"], "--metrics-port -1: not a port (0-65535)"),
+                         (["--metrics-port", "70000"], "--metrics-port 70000: not a port"),
                          (["--lr"], "needs a value")]:
         bad = subprocess.run([PS_BIN, *argv], capture_output=True, text=True, timeout=30)
         assert bad.returncode == 2, (argv, bad.stderr)
