@@ -5,7 +5,6 @@
 
 #include <fcntl.h>
 #include <stdlib.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -656,10 +655,7 @@ absl::StatusOr<std::unique_ptr<Launcher>> Launcher::Create(const LauncherOptions
   std::unique_ptr<DirectoryLock> state_lock;
   if (owns_state_dir) {
     DEEPNEX_ASSIGN_OR_RETURN(options.state_dir, MakeTempDir());
-    if (chmod(options.state_dir.c_str(), StateDirMode(options.backend)) != 0) {
-      return absl::InternalError(
-          absl::StrCat("cannot chmod ", options.state_dir, ": ", strerror(errno)));
-    }
+    DEEPNEX_RETURN_IF_ERROR(MakeStateDirPrivate(options));
   } else {
     // Two launchers on one state_dir would take each other's container
     // records (and sweep each other's containers as orphans).

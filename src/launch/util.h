@@ -106,8 +106,8 @@ absl::StatusOr<ContainerSpec> PinMountSources(const ContainerSpec& spec, const s
 // scripts are 0600, a job's output its user's, 0600.
 mode_t StateDirMode(const std::string& backend);
 
-// Gives a daemon's launcher state_dir its StateDirMode. Nothing for an
-// empty one (Launcher::Create makes a fresh one with that mode).
+// Gives a launcher's state_dir its StateDirMode (a daemon's, and the fresh
+// one Launcher::Create makes). Nothing for an empty one.
 absl::Status MakeStateDirPrivate(const LauncherOptions& options);
 
 // options.cgroup_parent, or "deepnex" when empty.

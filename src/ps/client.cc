@@ -833,7 +833,6 @@ class ClientImpl final : public Client {
     return r;
   }
 
-  // Metas of `keys`, one Describe per server holding their first parts.
   // A key the servers can take: protobuf refuses a string field that is not
   // UTF-8 (the server answered an empty Unimplemented).
   static absl::Status CheckKey(const char* op, const std::string& key) {
@@ -845,6 +844,7 @@ class ClientImpl final : public Client {
     return absl::OkStatus();
   }
 
+  // Metas of `keys`, one Describe per server holding their first parts.
   absl::StatusOr<std::vector<pb::TensorMeta>> FetchMetas(
       const std::vector<std::string>& keys) {
     for (const std::string& key : keys) DEEPNEX_RETURN_IF_ERROR(CheckKey("describe", key));
