@@ -385,7 +385,8 @@ class Client:
         return self._client.checkpoint(str(name))
 
     def close(self):
-        """Leaves the job: the servers stop waiting for this worker."""
+        """Leaves the job: the servers stop waiting for this worker (unless
+        this client pushed nothing and the worker had not joined before)."""
         self._client.close()
 
     def __enter__(self):

@@ -304,6 +304,7 @@ class ClientImpl final : public Client {
       pb::LeaveRequest req;
       req.set_worker_id(options_.worker_id);
       req.set_incarnation(incarnation_.load());
+      req.set_never_pushed(!pushed_.load());
       pb::LeaveReply reply;
       grpc::ClientContext ctx;
       PrepareContext(&ctx, Clock::now() + std::chrono::seconds(2));
@@ -1006,6 +1007,7 @@ class ClientImpl final : public Client {
                 std::function<void()> on_failure, const std::vector<Piece>* pull = nullptr) {
     auto batches = Batch(pieces, servers_.size(), options_.request_bytes);
     op->Add(static_cast<int>(batches.size()));
+    pushed_ = true;
     const Clock::time_point deadline = Clock::now() + options_.timeout;
     for (auto& [server, batch] : batches) {
       pb::PushHeader header;
@@ -1109,6 +1111,8 @@ class ClientImpl final : public Client {
   std::atomic<bool> closed_{false};
   // A server said it refuses gradients holding NaN or Inf (Register).
   std::atomic<bool> reject_nonfinite_{false};
+  // Some push went out (Close tells the servers whether this worker joined).
+  std::atomic<bool> pushed_{false};
   Timer timer_;
   std::mutex mu_;
   std::unordered_map<std::string, KeyState> keys_;

@@ -13,6 +13,7 @@ bool Membership::Register(int w, uint64_t incarnation) {
   std::lock_guard<std::mutex> lock(mu_);
   Worker& k = workers_[w];
   bool fresh = k.incarnation != incarnation;
+  if (fresh) k.before = k.state;
   k.incarnation = incarnation;
   k.state = State::kLive;
   k.last_heartbeat = Clock::now();
@@ -35,9 +36,11 @@ absl::Status Membership::Heartbeat(int w, uint64_t incarnation) {
   return absl::OkStatus();
 }
 
-void Membership::Leave(int w, uint64_t incarnation) {
+void Membership::Leave(int w, uint64_t incarnation, bool never_pushed) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (workers_[w].incarnation == incarnation) workers_[w].state = State::kLeft;
+  Worker& k = workers_[w];
+  if (k.incarnation != incarnation) return;
+  k.state = never_pushed && k.before == State::kExpected ? State::kExpected : State::kLeft;
 }
 
 uint64_t Membership::Incarnation(int w) const {

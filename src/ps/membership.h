@@ -34,7 +34,10 @@ class Membership {
   bool Register(int w, uint64_t incarnation);
   // Aborted when the lease already expired or another incarnation holds it.
   absl::Status Heartbeat(int w, uint64_t incarnation);
-  void Leave(int w, uint64_t incarnation);
+  // A worker leaves for good, unless `never_pushed` and it was still
+  // expected when this incarnation registered: then it is expected again,
+  // so that a client made only to look does not shrink the job's rounds.
+  void Leave(int w, uint64_t incarnation, bool never_pushed);
 
   // The incarnation registered for `w` (0: none).
   uint64_t Incarnation(int w) const;
@@ -54,6 +57,7 @@ class Membership {
  private:
   struct Worker {
     State state = State::kExpected;
+    State before = State::kExpected;  // when `incarnation` registered
     uint64_t incarnation = 0;
     Clock::time_point last_heartbeat;
   };

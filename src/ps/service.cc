@@ -145,7 +145,7 @@ grpc::ServerUnaryReactor* Service::Leave(grpc::CallbackServerContext* ctx,
                                          const pb::LeaveRequest* req, pb::LeaveReply*) {
   absl::Status s = CheckCall(*ctx, req->worker_id(), "leave");
   if (s.ok()) {
-    membership_.Leave(req->worker_id(), req->incarnation());
+    membership_.Leave(req->worker_id(), req->incarnation(), req->never_pushed());
     if (shm_) {
       shm_->Drop(req->worker_id(), req->incarnation());
       metrics_.shm_segments->Set(shm_->Count());

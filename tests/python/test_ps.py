@@ -259,6 +259,33 @@ def test_a_push_refused_for_a_nan_applies_nothing_whatever_requests_carry_it(ser
             s.stop()
 
 
+def test_a_client_that_never_pushed_leaves_its_worker_awaited():
+    """A probe made a client to `describe` before training and closed it:
+    its Leave marked worker 0 as gone, worker 1's first round completed
+    alone, and the real worker 0's pull timed out. A worker that pushed and
+    left is gone for good, as before."""
+    with ps.Server(mode="sync", num_workers=2, optimizer=ps.Sum(), reduction="sum") as server:
+        def state(w):
+            with ps.Client([server.address], worker_id=-1) as observer:
+                return observer.stats()[0]["workers"][w]["state"]
+
+        with ps.Client([server.address], worker_id=0) as look:
+            look.init({"w": np.zeros(4, np.float32)})
+            assert look.describe(["w"])["w"] == ("float32", (4,))
+        assert state(0) == "expected"
+        clients = [ps.Client([server.address], worker_id=w, timeout=20) for w in range(2)]
+        results = [None, None]
+
+        def step(w):
+            results[w] = clients[w].push_pull({"w": np.full(4, 1 + w, np.float32)})["w"]
+        run_threads(2, step, timeout=60, what="a worker's step")
+        for w in range(2):
+            np.testing.assert_array_equal(results[w], np.full(4, 3, np.float32))
+        clients[0].close()
+        assert state(0) == "left"
+        clients[1].close()
+
+
 def test_a_key_that_is_not_utf8_is_refused_naming_it():
     """A probe's bytes key b"\\xff\\xfe" gave an empty UnimplementedError and
     protobuf's log lines: keys travel as protobuf strings."""

@@ -176,7 +176,9 @@ class Client {
 
   virtual int worker_id() const = 0;
   // Leaves the job cleanly (the servers stop waiting for this worker) and
-  // ends the session; later calls are FailedPrecondition. Idempotent.
+  // ends the session; later calls are FailedPrecondition. Idempotent. A
+  // client that pushed nothing (made to describe or pull before training)
+  // leaves a worker the servers had not seen yet still awaited.
   virtual absl::Status Close() = 0;
 };
 
