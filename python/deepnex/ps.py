@@ -253,7 +253,9 @@ class Server:
 
     def checkpoint(self, dir, timeout=60.0):
         """Writes <dir>/<name>.ckpt atomically, cut at a round boundary in
-        sync and ssp modes; returns the round it holds."""
+        sync and ssp modes; returns the round it holds. The server holds
+        <dir>/<name>.lock until it stops (FailedPreconditionError for
+        another server of this name there)."""
         return self._server.checkpoint(str(dir), float(timeout))
 
     def stop(self):

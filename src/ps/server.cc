@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstdio>
+#include <filesystem>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -104,12 +106,7 @@ class ServerImpl final : public Server {
 
   absl::Status Start() {
     if (!options_.checkpoint_dir.empty()) {
-      // Per server name, not per directory: a job's servers share one
-      // directory, each writing its own NAME.ckpt.
-      DEEPNEX_ASSIGN_OR_RETURN(
-          checkpoint_lock_,
-          DirectoryLock::Acquire(options_.checkpoint_dir, options_.name + ".lock",
-                                 absl::StrCat("ps \"", options_.name, "\": checkpoint_dir")));
+      DEEPNEX_RETURN_IF_ERROR(LockCheckpointDir(options_.checkpoint_dir, "checkpoint_dir"));
     }
     if (!options_.restore_dir.empty()) {
       DEEPNEX_RETURN_IF_ERROR(service_.Restore(options_.restore_dir));
@@ -147,6 +144,9 @@ class ServerImpl final : public Server {
       if (!host_) return;
       service_.FailWaiters(absl::UnavailableError("the parameter server is stopping"));
       host_->Stop();
+      // No checkpoint is being written now: the name is free for others.
+      std::lock_guard<std::mutex> lock(checkpoint_locks_mu_);
+      checkpoint_locks_.clear();
     });
   }
 
@@ -154,6 +154,7 @@ class ServerImpl final : public Server {
 
   absl::StatusOr<uint64_t> Checkpoint(const std::string& dir,
                                       std::chrono::milliseconds timeout) override {
+    DEEPNEX_RETURN_IF_ERROR(LockCheckpointDir(dir, "checkpoint directory"));
     return service_.WriteCheckpoint(dir, timeout);
   }
 
@@ -161,6 +162,28 @@ class ServerImpl final : public Server {
   std::string MetricsText() const override { return service_.MetricsText(); }
 
  private:
+  // Holds <dir>/<name>.lock from the first checkpoint into `dir` until the
+  // server ends: another server of this name, in this process or another,
+  // would replace this one's NAME.ckpt there without a word. Per name, not
+  // per directory: a job's servers share one directory, each with its file.
+  absl::Status LockCheckpointDir(const std::string& dir, const char* what) {
+    std::error_code ignored;  // an unresolvable path is its own key
+    std::string key = std::filesystem::weakly_canonical(dir, ignored).string();
+    if (key.empty()) key = dir;
+    std::lock_guard<std::mutex> lock(checkpoint_locks_mu_);
+    if (checkpoint_locks_.count(key) != 0) return absl::OkStatus();
+    absl::StatusOr<std::unique_ptr<DirectoryLock>> held = DirectoryLock::Acquire(
+        dir, options_.name + ".lock", absl::StrCat("ps \"", options_.name, "\": ", what));
+    if (absl::IsFailedPrecondition(held.status())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(held.status().message(),
+                       "; servers that share a directory need names of their own"));
+    }
+    DEEPNEX_RETURN_IF_ERROR(held.status());
+    checkpoint_locks_.emplace(key, *std::move(held));
+    return absl::OkStatus();
+  }
+
   // Expires leases and writes periodic checkpoints until Stop().
   void Background() {
     const auto tick = std::clamp(options_.lease_timeout / 4, std::chrono::milliseconds(5),
@@ -193,7 +216,9 @@ class ServerImpl final : public Server {
   }
 
   const ServerOptions options_;
-  std::unique_ptr<DirectoryLock> checkpoint_lock_;  // released last
+  std::mutex checkpoint_locks_mu_;
+  // By canonical directory; released when the server stops.
+  std::map<std::string, std::unique_ptr<DirectoryLock>> checkpoint_locks_;
   Service service_;
   std::unique_ptr<ServerHost> host_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;

@@ -141,9 +141,32 @@ def test_ps_checkpoint_dir_is_held_per_server_name(daemons, tmp_path):
     code, err = refused("deepnex-ps", "--listen", "127.0.0.1:0", "--checkpoint-dir", ckpt,
                         "--name", "ps0")
     assert (code, err) == (1, f'deepnex-ps: ps "ps0": checkpoint_dir "{ckpt}" is in use by '
-                              f"pid {first.pid} ({ckpt}/ps0.lock is locked)\n")
+                              f"pid {first.pid} ({ckpt}/ps0.lock is locked); servers that "
+                              "share a directory need names of their own\n")
     first.kill(signal.SIGKILL)
     daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--checkpoint-dir", ckpt, "--name", "ps0")
+
+
+def test_servers_of_one_name_never_checkpoint_into_one_directory(tmp_path):
+    """Two in-process servers with the default name "ps" checkpointing
+    into one directory overwrote each other's ps.ckpt without a word (found
+    by a probe): the first to write there holds ps.lock, as checkpoint_dir's
+    holder does, until it stops."""
+    ckpt = str(tmp_path / "ckpt")
+    with ps.Server(mode="async") as a, ps.Server(mode="async") as b, \
+            ps.Server(mode="async", name="other") as c:
+        assert a.checkpoint(ckpt) == 0
+        assert a.checkpoint(ckpt + "/.") == 0  # the same directory, still its own
+        with pytest.raises(deepnex.FailedPreconditionError) as e:
+            b.checkpoint(ckpt)
+        assert str(e.value) == (f'ps "ps": checkpoint directory "{ckpt}" is in use by pid '
+                                f"{os.getpid()} ({ckpt}/ps.lock is locked); servers that "
+                                "share a directory need names of their own")
+        c.checkpoint(ckpt)
+        b.checkpoint(str(tmp_path / "elsewhere"))
+    with ps.Server(mode="async") as later:  # the lock goes with its holder
+        later.checkpoint(ckpt)
+    assert sorted(os.listdir(ckpt)) == ["other.ckpt", "other.lock", "ps.ckpt", "ps.lock"]
 
 
 def test_a_second_launcher_on_a_state_dir_names_the_holder(tmp_path):
