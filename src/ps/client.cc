@@ -200,7 +200,7 @@ class ClientImpl final : public Client {
     if (s.ok()) s = Prepare("push", grads, /*pushing=*/true, &push);
     if (s.ok()) s = Prepare("pull", out, /*pushing=*/false, &pull);
     if (!s.ok()) return FailedOp(s);
-    auto op = NewOp(/*pushes=*/true);
+    auto op = NewOp();
     const bool same_keys =
         grads.size() == out.size() &&
         std::equal(grads.begin(), grads.end(), out.begin(),
@@ -346,8 +346,10 @@ class ClientImpl final : public Client {
     Clock::time_point deadline;
     std::chrono::milliseconds backoff;
     std::function<absl::Status(const grpc::ByteBuffer&)> on_reply;
-    // Runs when the request fails for good (before the op hears of it).
+    // Runs when the request fails for good (after the op hears of it).
     std::function<void()> on_failure;
+    // Sees the outcome before the op does, and may add to a failure's message.
+    std::function<absl::Status(absl::Status)> on_done;
     // A request through `shm`: the same over TCP, for a server that has no
     // segment for this client any more.
     std::shared_ptr<ShmRegions> shm;
@@ -812,7 +814,8 @@ class ClientImpl final : public Client {
     Complete(r, CallError(s, r->server, r->what));
   }
 
-  void Complete(const std::shared_ptr<Request>& r, const absl::Status& status) {
+  void Complete(const std::shared_ptr<Request>& r, absl::Status status) {
+    if (r->on_done) status = r->on_done(std::move(status));
     // The op hears of the failure before the requests it cancels do.
     auto on_failure = status.ok() ? nullptr : r->on_failure;
     r->op->RequestDone(status);
@@ -889,6 +892,9 @@ class ClientImpl final : public Client {
   absl::Status Prepare(const char* op, const std::vector<NamedTensor>& tensors,
                        bool pushing, std::vector<Piece>* pieces) {
     DEEPNEX_RETURN_IF_ERROR(CheckOpen());
+    if (absl::Status s = FinishPushes(); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(op, ": ", s.message()));
+    }
     DEEPNEX_RETURN_IF_ERROR(EnsureRegistered());
     std::vector<std::string> unknown;
     {
@@ -970,7 +976,7 @@ class ClientImpl final : public Client {
     absl::Status s = CheckWriter("push");
     if (s.ok()) s = Prepare("push", grads, /*pushing=*/true, &pieces);
     if (!s.ok()) return FailedOp(s);
-    auto op = NewOp(/*pushes=*/true);
+    auto op = NewOp();
     SendPush(pieces, op, nullptr);
     return Release(op);
   }
@@ -979,19 +985,18 @@ class ClientImpl final : public Client {
     std::vector<Piece> pieces;
     absl::Status s = Prepare("pull", out, /*pushing=*/false, &pieces);
     if (!s.ok()) return FailedOp(s);
-    auto op = NewOp(/*pushes=*/false);
+    auto op = NewOp();
     SendPull(pieces, op);
     return Release(op);
   }
 
   // An op held open by one placeholder request while its requests are sent.
-  // A failed push may leave this incarnation's seqs uncertain (applied by
-  // one server, refused by another), and Aborted says the servers gave up
-  // on it: either way the next operation registers anew.
-  std::shared_ptr<Op> NewOp(bool pushes) {
+  // Aborted says the servers gave up on this incarnation: the next
+  // operation registers anew (a failed push settles in SendPush).
+  std::shared_ptr<Op> NewOp() {
     auto op = std::make_shared<Op>(1);
-    op->Then([this, pushes](const absl::Status& status) {
-      if (!status.ok() && (pushes || absl::IsAborted(status))) MarkStale();
+    op->Then([this](const absl::Status& status) {
+      if (absl::IsAborted(status)) MarkStale();
     });
     return op;
   }
@@ -1008,6 +1013,8 @@ class ClientImpl final : public Client {
     auto batches = Batch(pieces, servers_.size(), options_.request_bytes);
     op->Add(static_cast<int>(batches.size()));
     pushed_ = true;
+    auto fate = std::make_shared<PushFate>();
+    op->Then([this, fate](const absl::Status& status) { Settle(fate.get(), status); });
     const Clock::time_point deadline = Clock::now() + options_.timeout;
     for (auto& [server, batch] : batches) {
       pb::PushHeader header;
@@ -1015,6 +1022,12 @@ class ClientImpl final : public Client {
       header.set_incarnation(incarnation_.load());
       for (const Piece* p : batch) *header.add_slices() = p->slice;
       auto r = NewRequest(op, server, kPushMethod, "push", deadline);
+      std::vector<std::pair<const char*, uint64_t>> spans;
+      for (const Piece* p : batch) spans.push_back({p->data, p->bytes});
+      r->on_done = [this, fate, server, again = header, spans = std::move(spans),
+                    order = next_push_.fetch_add(1)](absl::Status status) {
+        return Witness(fate.get(), {order, server, again, spans}, std::move(status));
+      };
       r->bulk_method = kBulkPush;
       std::shared_ptr<ShmRegions> shm = ShmTo(server);
       uint64_t bytes = 0;
@@ -1039,6 +1052,118 @@ class ClientImpl final : public Client {
       r->shm = shm;
       r->on_failure = on_failure;
       Send(std::move(r));
+    }
+  }
+
+  // A failed push's request that a server may have applied, or refused
+  // while another server applied its own: sent again (exactly once: the
+  // servers know its seq) before this client's next call, so that every
+  // part of a tensor stays at the same step. Its bytes are a copy: the
+  // caller may reuse the tensors once the push has failed.
+  struct Unfinished {
+    uint64_t order;  // pushes go again in the order they were sent
+    size_t server;
+    pb::PushHeader header;  // without shm region or pull
+    std::string payload;
+  };
+  struct PushFate {
+    std::mutex mu;
+    bool maybe_applied = false;
+    std::vector<Unfinished> failed;
+  };
+  struct Sent {
+    uint64_t order;
+    size_t server;
+    const pb::PushHeader& header;
+    const std::vector<std::pair<const char*, uint64_t>>& spans;
+  };
+
+  // The server answered with a refusal: it applied nothing of the request.
+  static bool Refused(const absl::Status& s) {
+    switch (s.code()) {
+      case absl::StatusCode::kInvalidArgument:
+      case absl::StatusCode::kNotFound:
+      case absl::StatusCode::kAlreadyExists:
+      case absl::StatusCode::kPermissionDenied:
+      case absl::StatusCode::kUnauthenticated:
+      case absl::StatusCode::kFailedPrecondition:
+      case absl::StatusCode::kOutOfRange:
+      case absl::StatusCode::kResourceExhausted:
+      case absl::StatusCode::kUnimplemented:
+        return true;
+      default:
+        return false;
+    }
+  }
+
+  // Runs as each request of a push ends, while the caller's tensors are
+  // still untouched: keeps a failed one's bytes.
+  absl::Status Witness(PushFate* fate, const Sent& sent, absl::Status status) {
+    if (absl::IsAborted(status)) return status;  // the servers dropped this incarnation
+    const bool unsure = !status.ok() && !Refused(status);
+    std::lock_guard<std::mutex> lock(fate->mu);
+    fate->maybe_applied |= status.ok() || unsure;
+    if (status.ok()) return status;
+    Unfinished u{sent.order, sent.server, sent.header, ""};
+    for (const auto& [data, bytes] : sent.spans) u.payload.append(data, bytes);
+    fate->failed.push_back(std::move(u));
+    if (!unsure) return status;
+    return absl::Status(
+        status.code(),
+        absl::StrCat(status.message(),
+                     "; the servers may have applied part of this push: the rest goes again "
+                     "before this client's next call (do not push it again)"));
+  }
+
+  // A failed push: refused everywhere, it took nothing and this incarnation's
+  // seqs start again; else its failed requests go again.
+  void Settle(PushFate* fate, const absl::Status& status) {
+    if (status.ok() || absl::IsAborted(status)) return;
+    std::lock_guard<std::mutex> lock(fate->mu);
+    if (!fate->maybe_applied) return MarkStale();
+    std::lock_guard<std::mutex> unfinished(unfinished_mu_);
+    for (Unfinished& u : fate->failed) unfinished_.emplace(u.order, std::move(u));
+  }
+
+  // Sends the unfinished pushes again, in order, and waits for them.
+  absl::Status FinishPushes() {
+    std::lock_guard<std::mutex> one_at_a_time(finish_mu_);
+    while (true) {
+      const Unfinished* u;  // only this function erases
+      {
+        std::lock_guard<std::mutex> lock(unfinished_mu_);
+        if (unfinished_.empty()) return absl::OkStatus();
+        u = &unfinished_.begin()->second;
+      }
+      const uint64_t order = u->order;
+      absl::Status s;
+      if (u->header.incarnation() == incarnation_.load()) {
+        auto op = std::make_shared<Op>(1);
+        auto r = NewRequest(op, u->server, kPushMethod, "push", Clock::now() + options_.timeout);
+        r->request = EncodeFramed(u->header, {grpc::Slice(u->payload.data(), u->payload.size(),
+                                                          grpc::Slice::STATIC_SLICE)});
+        Send(std::move(r));
+        s = op->Wait();
+      }
+      std::lock_guard<std::mutex> lock(unfinished_mu_);
+      if (s.ok()) {
+        unfinished_.erase(order);
+        continue;
+      }
+      if (!absl::IsAborted(s) && !Refused(s)) {
+        return absl::Status(s.code(), absl::StrCat("an earlier push is still unfinished (",
+                                                   s.message(), "); it goes again at the next call"));
+      }
+      // The servers dropped this incarnation, or refuse the rest: give up
+      // on it and register anew.
+      unfinished_.clear();
+      MarkStale();
+      if (absl::IsAborted(s)) return absl::OkStatus();
+      return absl::Status(
+          s.code(), absl::StrCat("an earlier push that failed could not be finished (",
+                                 s.message(),
+                                 "); this worker registers again, and the servers may hold "
+                                 "that push in part"));
     }
   }
 
@@ -1113,6 +1238,10 @@ class ClientImpl final : public Client {
   std::atomic<bool> reject_nonfinite_{false};
   // Some push went out (Close tells the servers whether this worker joined).
   std::atomic<bool> pushed_{false};
+  std::atomic<uint64_t> next_push_{0};  // orders push requests
+  std::mutex finish_mu_;                // one FinishPushes at a time
+  std::mutex unfinished_mu_;
+  std::map<uint64_t, Unfinished> unfinished_;  // guarded by unfinished_mu_
   Timer timer_;
   std::mutex mu_;
   std::unordered_map<std::string, KeyState> keys_;

@@ -217,6 +217,34 @@ def test_a_push_retried_across_a_server_restart_is_applied_once(tmp_path):
         server.stop()
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_push_that_failed_on_one_server_is_finished_before_the_next_call(tmp_path, mode):
+    """A push over two servers reached one and timed out on the other (a
+    probe cut a host off mid-push): the client then registered anew and
+    every later pull held two different steps, the part that took the
+    failed push one push ahead for good, with no error. The part that is
+    unsure now goes again, exactly once, before the client's next call."""
+    opts = dict(mode=mode, optimizer=ps.Sum(), reduction="sum")
+    first, second = ps.Server(name="a", **opts), ps.Server(name="b", **opts)
+    address = second.address
+    try:
+        c = ps.Client([first.address, address], partition_bytes=64, timeout=2)
+        c.init({"w": np.zeros(64, np.float32)})  # 4 partitions, 2 on each server
+        second.checkpoint(tmp_path)  # the tensor and this client's registration
+        second.stop()
+        with pytest.raises(deepnex.UnavailableError,
+                           match=r"the rest goes again before this client's next call"):
+            c.push({"w": np.ones(64, np.float32)})
+        second = ps.Server(address=address, name="b", restore=tmp_path, **opts)
+        np.testing.assert_array_equal(c.push_pull({"w": np.full(64, 2, np.float32)})["w"],
+                                      np.full(64, 3, np.float32))
+        assert c.version("w") == 2
+        c.close()
+    finally:
+        first.stop()
+        second.stop()
+
+
 def test_checkpoint_restore_continues_exactly(tmp_path):
     """Sync Adam with 2 workers: a restored server continues bit for bit."""
     steps, cut = 12, 5
