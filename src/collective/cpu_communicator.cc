@@ -8,6 +8,7 @@
 // tiny header exchange around the ring, so that ranks disagreeing on the
 // collective fail together with InvalidArgument; a small allreduce carries
 // its data in that exchange and needs no ring.
+#include <poll.h>
 #include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -16,9 +17,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <random>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "collective/backends.h"
@@ -659,25 +662,51 @@ absl::Status CpuCommunicator::Connect(Joining& j, SteadyClock::time_point deadli
     Hello hello{kHelloMagic, r, static_cast<int32_t>(i), 0, j.infos[right].nonce};
     DEEPNEX_RETURN_IF_ERROR(WriteFully(j.out[i], &hello, sizeof(hello), deadline, RankName(right)));
   }
+  // Connections wait for their hellos side by side: a silent one (a stray
+  // client, a co-tenant holding a connection open) must not hold up the
+  // neighbour's behind it. The oldest goes when too many wait.
+  constexpr size_t kMaxWaiting = 64;
+  std::deque<int> waiting;
+  absl::Cleanup close_waiting = [&waiting] {
+    for (int fd : waiting) close(fd);
+  };
   for (size_t got = 0; got < j.in.size();) {
-    auto fd = AcceptTcp(j.listen_fd, deadline);
-    if (!fd.ok()) {
-      if (fd.status().code() == absl::StatusCode::kDeadlineExceeded) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "rank ", r, ": rank ", left, " did not connect within ", o_.timeout.count(), " ms"));
+    std::vector<pollfd> fds{{j.listen_fd, POLLIN, 0}};
+    for (int fd : waiting) fds.push_back({fd, POLLIN, 0});
+    if (SteadyClock::now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "rank ", r, ": rank ", left, " did not connect within ", o_.timeout.count(), " ms"));
+    }
+    if (poll(fds.data(), fds.size(), MillisUntil(deadline, 1000)) < 0 && errno != EINTR) {
+      return ErrnoUnavailable("poll");
+    }
+    for (size_t i = fds.size() - 1; i > 0; --i) {
+      if (fds[i].revents == 0) continue;
+      const int fd = waiting[i - 1];
+      waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(i - 1));
+      // Its first bytes are here: the rest of a hello follows at once.
+      Hello hello{};
+      absl::Status s = ReadFully(fd, &hello, sizeof(hello),
+                                 std::min(deadline, SteadyClock::now() + std::chrono::seconds(1)),
+                                 RankName(left));
+      if (!s.ok() || hello.magic != kHelloMagic || hello.rank != left ||
+          hello.nonce != j.mine.nonce || hello.index < 0 ||
+          hello.index >= static_cast<int>(j.in.size()) || j.in[hello.index] >= 0) {
+        close(fd);  // a stray or stale connection
+        continue;
       }
-      return fd.status();
+      j.in[hello.index] = fd;
+      ++got;
     }
-    Hello hello{};
-    absl::Status s = ReadFully(*fd, &hello, sizeof(hello), deadline, RankName(left));
-    if (!s.ok() || hello.magic != kHelloMagic || hello.rank != left ||
-        hello.nonce != j.mine.nonce || hello.index < 0 ||
-        hello.index >= static_cast<int>(j.in.size()) || j.in[hello.index] >= 0) {
-      close(*fd);  // a stray or stale connection
-      continue;
+    if (fds[0].revents != 0) {
+      auto fd = AcceptTcp(j.listen_fd, SteadyClock::now());
+      if (!fd.ok() && !absl::IsDeadlineExceeded(fd.status())) return fd.status();
+      if (fd.ok()) waiting.push_back(*fd);
+      if (waiting.size() > kMaxWaiting) {
+        close(waiting.front());
+        waiting.pop_front();
+      }
     }
-    j.in[hello.index] = *fd;
-    ++got;
   }
   return absl::OkStatus();
 }

@@ -4,6 +4,7 @@ are exact."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -159,6 +160,57 @@ def test_bad_input_and_mismatch_raise_on_every_rank(store):
 def test_missing_rank_is_timeout_naming_it(store):
     with pytest.raises(TimeoutError, match="rank 1"):
         collective.Communicator(0, 2, store=store.address, prefix="lonely", timeout=0.5)
+
+
+def _listening_ports():
+    """TCP ports this process listens on (its sockets among the netns')."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            mine.add(link[8:-1])
+    ports = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in mine:  # LISTEN
+                ports.add(int(fields[1].split(":")[1], 16))
+    return ports
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_silent_connection_to_a_ranks_port_does_not_hold_up_its_neighbour(store, transport):
+    """A co-tenant's idle connection to a rank's listening port held the
+    rank's accept loop on its hello until the timeout: every communicator
+    started 20 s late (found by a probe, across simulated hosts)."""
+    before = _listening_ports()
+    comms, silent = {}, []
+
+    def rank_main(r):
+        comms[r] = collective.Communicator(r, 2, store=store.address, prefix=f"silent-{transport}",
+                                           timeout=20.0, transport=transport)
+    first = threading.Thread(target=rank_main, args=(0,))
+    first.start()
+    try:
+        wait_for(lambda: _listening_ports() - before, "rank 0 to listen")
+        for port in _listening_ports() - before:
+            for _ in range(3):
+                silent.append(socket.create_connection(("127.0.0.1", port)))
+        start = time.monotonic()
+        rank_main(1)
+        first.join(timeout=30)
+        assert not first.is_alive()
+        assert time.monotonic() - start < 10, "the silent connections held the rendezvous"
+        out = [np.arange(4, dtype=np.float32) * (r + 1) for r in range(2)]
+        run_threads(2, lambda r: comms[r].allreduce(out[r]), what="a rank")
+        np.testing.assert_array_equal(out[0], np.arange(4, dtype=np.float32) * 3)
+    finally:
+        for s in silent:
+            s.close()
+        first.join(timeout=30)
 
 
 def test_nccl_without_a_device_is_failed_precondition(store):
