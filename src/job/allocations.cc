@@ -229,35 +229,48 @@ absl::StatusOr<std::vector<gpu::Allocation>> AllocationSource::Spread(
   };
   size_t next = 0;
   for (int count : SpreadCounts(request.replicas, nodes)) {
-    absl::Status last = absl::ResourceExhaustedError("no node left");
-    bool placed = false;
-    while (!placed && next < names.size()) {
-      gpu::Request part = request;
-      part.replicas = count;
-      part.node = names[next++];
-      // deepnex-central would queue a part that does not fit now: the
-      // next node is tried instead, as with the local allocator.
-      gpu::AllocateOptions now;
-      now.wait = false;
-      absl::StatusOr<std::vector<gpu::Allocation>> got =
-          local_ != nullptr ? local_->AllocateGang(part, now)
-                            : Held(central_->AllocateGang(part, now));
-      if (got.ok()) {
-        granted.insert(granted.end(), got->begin(), got->end());
-        used->push_back(part.node);
-        placed = true;
-      } else {
-        last = got.status();
-      }
-    }
-    if (!placed) {
+    gpu::Request part = request;
+    part.replicas = count;
+    absl::StatusOr<std::vector<gpu::Allocation>> got = FirstThatTakes(part, names, &next);
+    if (!got.ok()) {
       release();
-      return absl::Status(last.code(), absl::StrCat(
+      return absl::Status(got.status().code(), absl::StrCat(
           "nodes: ", nodes, ": no ", nodes, " of the ", names.size(), " nodes take ",
-          request.replicas, " workers spread over them: ", last.message()));
+          request.replicas, " workers spread over them: ", got.status().message()));
     }
+    granted.insert(granted.end(), got->begin(), got->end());
+    used->push_back(got->front().node);
   }
   return granted;
+}
+
+absl::StatusOr<gpu::Allocation> AllocationSource::Now(const gpu::Request& request,
+                                                       const std::string& preferred) {
+  DEEPNEX_ASSIGN_OR_RETURN(std::vector<std::string> names, NodeNames());
+  auto it = std::find(names.begin(), names.end(), preferred);
+  if (it != names.end()) std::rotate(names.begin(), it, it + 1);
+  size_t next = 0;
+  DEEPNEX_ASSIGN_OR_RETURN(std::vector<gpu::Allocation> got,
+                           FirstThatTakes(request, names, &next));
+  return got.front();
+}
+
+absl::StatusOr<std::vector<gpu::Allocation>> AllocationSource::FirstThatTakes(
+    gpu::Request request, const std::vector<std::string>& names, size_t* next) {
+  absl::Status last = absl::ResourceExhaustedError("no node left");
+  while (*next < names.size()) {
+    request.node = names[(*next)++];
+    // deepnex-central would queue a part that does not fit now: the next
+    // node is tried instead, as with the local allocator.
+    gpu::AllocateOptions now;
+    now.wait = false;
+    absl::StatusOr<std::vector<gpu::Allocation>> got =
+        local_ != nullptr ? local_->AllocateGang(request, now)
+                          : Held(central_->AllocateGang(request, now));
+    if (got.ok()) return got;
+    last = got.status();
+  }
+  return last;
 }
 
 }  // namespace deepnex::job

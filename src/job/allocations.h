@@ -74,6 +74,11 @@ class AllocationSource {
   // nothing. Fills `used` with the nodes taken.
   absl::StatusOr<std::vector<gpu::Allocation>> Spread(gpu::Request request, int nodes,
                                                       std::vector<std::string>* used);
+  // One of `request` on the first node that takes it now, `preferred`
+  // first; never queued. A job's parameter servers, asked for once its
+  // workers hold their grants, would otherwise wait in central's queue
+  // behind those very grants (on a node the workers fill, for ever).
+  absl::StatusOr<gpu::Allocation> Now(const gpu::Request& request, const std::string& preferred);
 
  private:
   AllocationSource() = default;
@@ -83,6 +88,10 @@ class AllocationSource {
   // Releases the allocations central holds for `job` that this source never
   // handed out: grants whose replies were lost with a central that died.
   void ReleaseLost(const std::string& job);
+  // The gang of `request` on the first of names[*next...] that takes it
+  // now (moving *next past the nodes tried), else the last refusal.
+  absl::StatusOr<std::vector<gpu::Allocation>> FirstThatTakes(
+      gpu::Request request, const std::vector<std::string>& names, size_t* next);
   // One waiting AllocateGang at central that Cancel withdraws; says where it
   // waits meanwhile.
   absl::StatusOr<std::vector<gpu::Allocation>> Queued(const gpu::Request& request);

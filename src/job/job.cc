@@ -22,6 +22,7 @@
 #include "deepnex/gpu/allocator.h"
 #include "deepnex/gpu/central.h"
 #include "deepnex/ps/optimizer.h"
+#include "deepnex/units.h"
 #include "gpu/jobs_reporter.h"
 #include "job/allocations.h"
 #include "job/elastic.h"
@@ -414,16 +415,25 @@ class JobImpl : public Job {
       }
     }
     // The parameter servers go to the workers' nodes, server i to the i-th
-    // (round robin), each with the CPUs and memory of a worker.
+    // (round robin), else to any node with room now, each with the CPUs and
+    // memory of a worker.
     if (placed_) {
       for (int i = 0; i < o_.ps; ++i) {
         gpu::Request ps = request;
         ps.gpus = 0;
         ps.gpu_memory = 0;
         ps.replicas = 1;
-        ps.node = nodes_used[i % nodes_used.size()];
-        DEEPNEX_ASSIGN_OR_RETURN(std::vector<gpu::Allocation> got, allocations_->Gang(ps));
-        ps_grants_.push_back(got[0]);
+        absl::StatusOr<gpu::Allocation> got =
+            allocations_->Now(ps, nodes_used[i % nodes_used.size()]);
+        if (!got.ok()) {
+          return absl::Status(got.status().code(), absl::StrCat(
+              "ps ", i, ": no node has room now for a parameter server (",
+              ps.cpus, " cpus and ", FormatByteSize(ps.memory), ", as a worker) beside the "
+              "job's workers, and waiting in the queue while they hold their grants could "
+              "wait for ever: ask for fewer --cpus or --memory per worker, or fewer --workers "
+              "(", got.status().message(), ")"));
+        }
+        ps_grants_.push_back(*got);
       }
     }
 

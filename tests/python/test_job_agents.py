@@ -171,6 +171,30 @@ def test_ps_job_runs_its_server_through_an_agent(local_agents, tmp_path):
         os.path.isdir(tmp_path / "h2" / "containers" / "alice.j3-ps0"), out
 
 
+def test_a_parameter_server_that_does_not_fit_beside_the_workers(local_agents, tmp_path):
+    """A probe's job whose workers filled their node queued its server's
+    request behind the workers' own grants and waited for ever. The server
+    now goes to another node with room, and where none has any the job
+    fails at once, naming what to ask for."""
+    address, _ = local_agents
+    code, out = finish(local_run(
+        address, "--name", "j4", "--workers", "1", "--cpus", "4", "--ps", "1", "--mode", "sync",
+        "--", "sh", "-c", 'echo "ps $DEEPNEX_PS_ADDRS"'))
+    assert code == 0, out
+    assert re.search(r"^\[worker 0\] ps \S+:\d+$", out, re.M), out
+    worker = [n for n in ("h1", "h2") if os.path.isdir(tmp_path / n / "containers" / "alice.j4-worker0")]
+    server = [n for n in ("h1", "h2") if os.path.isdir(tmp_path / n / "containers" / "alice.j4-ps0")]
+    assert len(worker) == len(server) == 1 and worker != server, out
+    code, out = finish(local_run(
+        address, "--name", "j5", "--workers", "2", "--nodes", "2", "--cpus", "4", "--ps", "1",
+        "--mode", "sync", "--", "true"))
+    assert code != 0, out
+    assert "ps 0: no node has room now for a parameter server (4 cpus and 512MiB, as a worker) " \
+           "beside the job's workers" in out, out
+    assert "ask for fewer --cpus or --memory per worker, or fewer --workers" in out, out
+    assert _agents.client(address, "alicetok").allocations() == [], out  # nothing kept
+
+
 def test_the_central_backend_needs_an_allocation_and_an_address():
     from deepnex import DeepnexError, launch
     with pytest.raises(DeepnexError, match=r"^central\.address: empty"):
