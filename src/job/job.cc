@@ -257,6 +257,12 @@ class JobImpl : public Job {
       }
     }
     if (reporter_) {
+      // The parameter servers stop first: the final record shows none of
+      // the job's containers running after its end.
+      {
+        std::lock_guard<std::mutex> lock(stop_mu_);
+        StopContainers().IgnoreError();  // Shutdown stops them again, and says
+      }
       const int code = first_failure.has_value() ? ExitCodeOf(*first_failure) : 0;
       reporter_->Finish(code == 0 ? gpu::JobState::kCompleted : gpu::JobState::kFailed, code, "")
           .IgnoreError();
@@ -285,6 +291,18 @@ class JobImpl : public Job {
 
   // Stop, or at Run's end (where the job ended by itself) with every line of
   // the workers' output shown.
+  // Stops every container of the job, the last started first, and waits
+  // for their ends. Called with stop_mu_ held.
+  absl::Status StopContainers() {
+    absl::Status first;
+    for (auto it = handles_.rbegin(); it != handles_.rend(); ++it) {
+      absl::Status s = (*it)->Stop(milliseconds(2000));
+      if (first.ok()) first = s;
+    }
+    for (auto& h : handles_) h->Wait(milliseconds(10000)).IgnoreError();
+    return first;
+  }
+
   absl::Status Shutdown(int signal, bool show_all_output) {
     std::lock_guard<std::mutex> lock(stop_mu_);
     // Stopped before its end: the record says by what (after Run's own
@@ -300,12 +318,7 @@ class JobImpl : public Job {
     if (!show_all_output) quiet_ = true;
     // No worker is added or dropped from here on.
     if (elastic_) grants_ = elastic_->TakeAllocations();
-    absl::Status first;
-    for (auto it = handles_.rbegin(); it != handles_.rend(); ++it) {
-      absl::Status s = (*it)->Stop(milliseconds(2000));
-      if (first.ok()) first = s;
-    }
-    for (auto& h : handles_) h->Wait(milliseconds(10000)).IgnoreError();
+    absl::Status first = StopContainers();
     if (allocations_ != nullptr) {
       for (const auto& a : Allocations()) {
         absl::Status s = allocations_->Release(a.id);

@@ -169,6 +169,12 @@ def test_ps_job_runs_its_server_through_an_agent(local_agents, tmp_path):
     assert f"[worker 0] ps {listening}\n" in out, out
     assert os.path.isdir(tmp_path / "h1" / "containers" / "alice.j3-ps0") or \
         os.path.isdir(tmp_path / "h2" / "containers" / "alice.j3-ps0"), out
+    # The server was stopped before the record was final: a probe's
+    # `deepnex job show` listed it running after the job's end.
+    record = _agents.client(address, "alicetok").job("j3")
+    assert record["state"] == "completed", record
+    states = {c["role"]: c["state"] for c in record["containers"]}
+    assert states["worker"] == "exited" and states["ps"] != "running", record
 
 
 def test_a_parameter_server_that_does_not_fit_beside_the_workers(local_agents, tmp_path):
