@@ -531,6 +531,7 @@ absl::Status CpuCommunicator::Init(Transport transport) {
   DEEPNEX_RETURN_IF_ERROR(ProbeSharedMemory(transport, j, deadline));
   DEEPNEX_RETURN_IF_ERROR(Connect(j, deadline));
   DEEPNEX_RETURN_IF_ERROR(KeepSegments(j, deadline));
+  j.rendezvous->Keep();
   BuildLinks(j);
   pool_ = std::make_unique<StripePool>(static_cast<int>(links_.size()) - 1);
   queue_ = std::make_unique<SerialQueue>();

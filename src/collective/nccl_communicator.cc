@@ -159,6 +159,7 @@ class NcclCommunicator final : public Communicator {
         mine.assign(reinterpret_cast<char*>(&id), sizeof(id));
       }
       DEEPNEX_ASSIGN_OR_RETURN(auto values, rendezvous->AllGather("rank", mine, deadline));
+      rendezvous->Keep();  // every rank has the id: NCCL's init is its own
       const std::string& bytes = values[0];
       if (bytes.size() != sizeof(id)) return absl::InternalError("garbled ncclUniqueId in the store");
       std::memcpy(&id, bytes.data(), sizeof(id));

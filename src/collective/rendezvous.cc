@@ -7,6 +7,10 @@
 
 namespace deepnex::collective {
 
+// How long a failed start spends on the store after its deadline: to say
+// what was missing, and to take its join back.
+constexpr std::chrono::milliseconds kTakeBack{1000};
+
 absl::StatusOr<std::unique_ptr<Rendezvous>> Rendezvous::Join(const CommunicatorOptions& options,
                                                              const std::string& backend,
                                                              const std::string& label) {
@@ -19,8 +23,35 @@ absl::StatusOr<std::unique_ptr<Rendezvous>> Rendezvous::Join(const CommunicatorO
   DEEPNEX_ASSIGN_OR_RETURN(auto store, StoreClient::Create(so));
   DEEPNEX_ASSIGN_OR_RETURN(int64_t generation,
                            store->Add(absl::StrCat(backend, "_gen/", options.rank), 1));
-  return std::unique_ptr<Rendezvous>(new Rendezvous(
-      options, std::move(store), absl::StrCat(backend, generation, "/"), label));
+  return std::unique_ptr<Rendezvous>(
+      new Rendezvous(options, std::move(store), backend, generation, label));
+}
+
+Rendezvous::Rendezvous(const CommunicatorOptions& options, std::unique_ptr<StoreClient> store,
+                       const std::string& backend, int64_t generation, std::string label)
+    : o_(options),
+      store_(std::move(store)),
+      base_(absl::StrCat(backend, generation, "/")),
+      label_(std::move(label)),
+      count_key_(absl::StrCat(backend, "_gen/", options.rank)),
+      generation_(generation) {}
+
+Rendezvous::~Rendezvous() {
+  if (kept_) return;
+  // Through a client of its own with a short timeout: the start has failed
+  // already, perhaps because the store is out of reach.
+  StoreClientOptions so;
+  so.address = o_.store_address;
+  so.prefix = o_.prefix;
+  so.timeout = kTakeBack;
+  so.token = o_.token;
+  so.token_file = o_.token_file;
+  absl::StatusOr<std::unique_ptr<StoreClient>> quick = StoreClient::Create(so);
+  if (!quick.ok()) return;
+  for (const std::string& key : published_) (*quick)->Delete(key).IgnoreError();
+  // Only while no later join of this rank took a number after it.
+  (*quick)->CompareSet(count_key_, absl::StrCat(generation_), absl::StrCat(generation_ - 1))
+      .IgnoreError();
 }
 
 absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
@@ -29,6 +60,7 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
   const int n = o_.world_size;
   auto key = [&](int rank) { return absl::StrCat(base_, name, "/", rank); };
   DEEPNEX_RETURN_IF_ERROR(store_->Set(key(o_.rank), value));
+  published_.push_back(key(o_.rank));
   std::vector<std::string> keys;
   for (int i = 0; i < n; ++i) keys.push_back(key(i));
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -41,21 +73,47 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
   constexpr int kShown = 8;
   std::vector<std::string> missing;
   int more = 0;
-  if (auto present = store_->Check(keys); present.ok()) {
-    for (int i = 0; i < n; ++i) {
-      if ((*present)[i]) continue;
-      if (missing.size() < kShown) {
-        missing.push_back(absl::StrCat(i));
-      } else {
-        ++more;
-      }
+  const std::string what = absl::StrCat(label_, " \"", o_.prefix, "\" of ", n, " ranks");
+  // Past the deadline: a short look, which a store out of reach fails.
+  absl::StatusOr<std::vector<bool>> present = store_->Check(keys, kTakeBack);
+  if (!present.ok()) {
+    kept_ = true;  // nothing to take back through a store out of reach
+    return absl::DeadlineExceededError(absl::StrCat(what, ": ", values.status().message()));
+  }
+  std::vector<std::string> counts;
+  int first_missing = -1;
+  for (int i = 0; i < n; ++i) {
+    if ((*present)[i]) continue;
+    if (first_missing < 0) first_missing = i;
+    if (missing.size() < kShown) {
+      missing.push_back(absl::StrCat(i));
+    } else {
+      ++more;
+    }
+  }
+  // A rank that joined this prefix a different number of times (it failed
+  // to start on its own, and the others did not) waits under another
+  // generation: say so, as the cause.
+  std::string apart;
+  if (first_missing >= 0) {
+    const std::string other = count_key_.substr(0, count_key_.rfind('/') + 1) +
+                              absl::StrCat(first_missing);
+    absl::StatusOr<std::vector<bool>> joined = store_->Check({other}, kTakeBack);
+    absl::StatusOr<std::vector<std::string>> count =
+        joined.ok() && (*joined)[0] ? store_->MultiGet({other}, kTakeBack)
+                                    : absl::StatusOr<std::vector<std::string>>(
+                                          absl::NotFoundError("never joined"));
+    if (count.ok() && (*count)[0] != absl::StrCat(generation_)) {
+      apart = absl::StrCat(" (it has joined \"", o_.prefix, "\" ", (*count)[0],
+                           " time(s), this rank ", generation_,
+                           ": after a start that failed on some ranks only, start every rank "
+                           "again or use a new prefix)");
     }
   }
   return absl::DeadlineExceededError(absl::StrCat(
-      label_, " \"", o_.prefix, "\" of ", n, " ranks: rank ",
-      missing.empty() ? "?" : absl::StrJoin(missing, ", "),
+      what, ": rank ", missing.empty() ? "?" : absl::StrJoin(missing, ", "),
       more > 0 ? absl::StrCat(" and ", more, " more") : "", " did not arrive at the store ",
-      o_.store_address, " within ", o_.timeout.count(), " ms"));
+      o_.store_address, " within ", o_.timeout.count(), " ms", apart));
 }
 
 }  // namespace deepnex::collective

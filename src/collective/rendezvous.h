@@ -16,9 +16,13 @@ namespace deepnex::collective {
 
 // One communicator's rendezvous. Each rank counts the communicators of a
 // backend it joined under a prefix (its generation), so a reused prefix
-// never reads an earlier communicator's keys. Used by one thread.
+// never reads an earlier communicator's keys. A join that does not end in
+// Keep() is taken back when the Rendezvous goes (this rank's keys deleted,
+// its count lowered): ranks that retry together after a failed start meet
+// again rather than one attempt apart. Used by one thread.
 class Rendezvous {
  public:
+  ~Rendezvous();
   // Connects to the options' store. `backend` keeps the keys of backends
   // apart ("c", "nccl"); `label` names the communicator in errors.
   static absl::StatusOr<std::unique_ptr<Rendezvous>> Join(const CommunicatorOptions& options,
@@ -32,15 +36,21 @@ class Rendezvous {
       const std::string& name, const std::string& value,
       std::chrono::steady_clock::time_point deadline);
 
+  // The communicator is up: its join stands.
+  void Keep() { kept_ = true; }
+
  private:
   Rendezvous(const CommunicatorOptions& options, std::unique_ptr<StoreClient> store,
-             std::string base, std::string label)
-      : o_(options), store_(std::move(store)), base_(std::move(base)), label_(std::move(label)) {}
+             const std::string& backend, int64_t generation, std::string label);
 
   const CommunicatorOptions& o_;
   std::unique_ptr<StoreClient> store_;
   std::string base_;  // "<backend><generation>/"
   std::string label_;
+  std::string count_key_;               // "<backend>_gen/<rank>"
+  int64_t generation_ = 0;
+  std::vector<std::string> published_;  // this rank's keys under base_
+  bool kept_ = false;  // or the store is out of reach
 };
 
 }  // namespace deepnex::collective

@@ -103,10 +103,15 @@ class StoreClientImpl final : public StoreClient {
   }
 
   absl::StatusOr<std::vector<bool>> Check(const std::vector<std::string>& keys) override {
+    return Check(keys, options_.timeout);
+  }
+
+  absl::StatusOr<std::vector<bool>> Check(const std::vector<std::string>& keys,
+                                          std::chrono::milliseconds timeout) override {
     pb::CheckRequest req;
     for (const std::string& k : keys) req.add_keys(Full(k));
     pb::CheckReply reply;
-    DEEPNEX_RETURN_IF_ERROR(Call("check", options_.timeout, [&](grpc::ClientContext* ctx) {
+    DEEPNEX_RETURN_IF_ERROR(Call("check", timeout, [&](grpc::ClientContext* ctx) {
       return stub_->Check(ctx, req, &reply);
     }));
     return std::vector<bool>(reply.present().begin(), reply.present().end());

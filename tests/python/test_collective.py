@@ -162,6 +162,32 @@ def test_missing_rank_is_timeout_naming_it(store):
         collective.Communicator(0, 2, store=store.address, prefix="lonely", timeout=0.5)
 
 
+def test_ranks_that_retry_together_after_a_lone_failed_start_meet_again(store):
+    """A probe's rank 0 timed out alone at start; every later try of both
+    ranks on that prefix failed, rank 1 reading rank 0's entry from the
+    failed try and rank 0 waiting one generation ahead. A failed start now
+    takes its join back, and a rank apart from the others says so."""
+    def pair():
+        comms = {}
+
+        def rank_main(r):
+            comms[r] = collective.Communicator(r, 2, store=store.address, prefix="retry",
+                                               timeout=20.0)
+        run_threads(2, rank_main, what="a rank")
+        out = [np.full(4, r + 1, np.float32) for r in range(2)]
+        run_threads(2, lambda r: comms[r].allreduce(out[r]), what="a rank")
+        np.testing.assert_array_equal(out[1], np.full(4, 3, np.float32))
+
+    pair()
+    with pytest.raises(TimeoutError) as e:
+        collective.Communicator(0, 2, store=store.address, prefix="retry", timeout=1.0)
+    assert str(e.value).endswith(
+        'rank 1 did not arrive at the store ' + store.address + ' within 1000 ms (it has '
+        'joined "retry" 1 time(s), this rank 2: after a start that failed on some ranks only, '
+        'start every rank again or use a new prefix)'), e.value
+    pair()
+
+
 def _listening_ports():
     """TCP ports this process listens on (its sockets among the netns')."""
     mine = set()

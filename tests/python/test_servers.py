@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 
 import deepnex
+from _wait import wait_for
 from deepnex import collective, launch, ps
 
 BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
@@ -83,6 +84,36 @@ def refused(name, *args):
     """(exit code, stderr) of a daemon that is expected to exit at once."""
     r = subprocess.run([binary(name), *args], capture_output=True, text=True, timeout=60)
     return r.returncode, r.stderr
+
+
+def test_a_start_whose_store_stops_answering_says_so_within_the_timeout(daemons):
+    """A probe cut the store's host off while rank 0 waited for rank 1: the
+    start failed after twice its timeout (the diagnosis waited a whole
+    timeout more) naming "rank ?". It now says the store did not answer,
+    about a second past the timeout."""
+    store = daemons("deepnex-store", "--listen", "127.0.0.1:0")
+    failed = []
+
+    def start():
+        t = time.monotonic()
+        try:
+            collective.Communicator(0, 2, store=store.address, prefix="cut", timeout=5)
+        except deepnex.DeadlineExceededError as e:
+            failed.append((time.monotonic() - t, str(e)))
+    rank = threading.Thread(target=start)
+    rank.start()
+    look = collective.StoreClient(store.address, prefix="cut")
+    # Rank 0's entry (the rendezvous' first generation): it has joined.
+    wait_for(lambda: look.check(["c1/rank/0"])[0], "rank 0 to join")
+    os.kill(store.pid, signal.SIGSTOP)
+    try:
+        rank.join(timeout=60)
+    finally:
+        os.kill(store.pid, signal.SIGCONT)
+    [(took, message)] = failed
+    assert message.startswith(f'communicator "cut" of 2 ranks: store get at {store.address}: '
+                              "no answer within"), message
+    assert took < 10, took  # twice the timeout before
 
 
 # ---- one server per address

@@ -112,9 +112,12 @@ class StoreClient {
   // keys still missing.
   virtual absl::Status Wait(const std::vector<std::string>& keys,
                             std::chrono::milliseconds timeout) = 0;
-  // Which of `keys` are set now (no waiting), in order.
+  // Which of `keys` are set now (no waiting), in order; the store must
+  // answer within `timeout` (default: options.timeout).
   virtual absl::StatusOr<std::vector<bool>> Check(
       const std::vector<std::string>& keys) = 0;
+  virtual absl::StatusOr<std::vector<bool>> Check(const std::vector<std::string>& keys,
+                                                  std::chrono::milliseconds timeout) = 0;
 
   virtual const std::string& address() const = 0;
   virtual const std::string& prefix() const = 0;
