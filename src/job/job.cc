@@ -528,7 +528,7 @@ class JobImpl : public Job {
     ctx.token = token_;
     launch::ContainerSpec spec = SpecOf("worker", absl::StrCat(o_.name, "-worker", w.id));
     spec.command = o_.command;
-    spec.env = InheritedEnv();
+    spec.env = InheritedEnv(/*as_another_user=*/o_.launcher.backend == "central");
     for (const auto& [k, v] : o_.env) spec.env[k] = v;
     // torchrun's default keeps N workers from each starting a thread per
     // core of the machine; here a worker gets the cores it was granted.
@@ -748,7 +748,7 @@ class JobImpl : public Job {
       c.insert(c.end(), {"--checkpoint-dir", o_.checkpoint_dir, "--checkpoint-every", "1",
                          "--restore", o_.checkpoint_dir, "--restore-if-present"});
     }
-    spec.env = InheritedEnv();
+    spec.env = InheritedEnv(/*as_another_user=*/o_.launcher.backend == "central");
     // Not on the command line, which every user of the machine can read in
     // /proc; deepnex-ps reads $DEEPNEX_TOKEN.
     spec.env["DEEPNEX_TOKEN"] = token_;

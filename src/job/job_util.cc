@@ -43,7 +43,7 @@ bool Connects(const std::string& host, int port) {
   return ok;
 }
 
-std::map<std::string, std::string> InheritedEnv() {
+std::map<std::string, std::string> InheritedEnv(bool as_another_user) {
   std::map<std::string, std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {
     std::string kv = *e;
@@ -51,6 +51,10 @@ std::map<std::string, std::string> InheritedEnv() {
     if (eq == std::string::npos) continue;
     std::string key = kv.substr(0, eq);
     if (key.rfind("DEEPNEX_", 0) == 0 && key != "DEEPNEX_BUILD_DIR" && key != "DEEPNEX_PS_BIN") {
+      continue;
+    }
+    if (as_another_user && (key == "HOME" || key == "USER" || key == "LOGNAME" ||
+                            key == "MAIL" || key == "XDG_RUNTIME_DIR")) {
       continue;
     }
     if (key == "CUDA_VISIBLE_DEVICES" || key == "NVIDIA_VISIBLE_DEVICES" || key == "RANK" ||

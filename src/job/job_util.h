@@ -22,8 +22,10 @@ absl::StatusOr<int> ReservePort();
 bool Connects(const std::string& host, int port);
 // The job's processes inherit this process's environment, as mpirun's and
 // torchrun's do (PATH, PYTHONPATH, HOME, ...), minus any job variables of an
-// enclosing job.
-std::map<std::string, std::string> InheritedEnv();
+// enclosing job. `as_another_user` (the central backend: deepnex-central
+// decides whom they run as): minus this user's identity too (HOME, USER, LOGNAME, MAIL,
+// XDG_RUNTIME_DIR), which the launcher sets for the user they run as.
+std::map<std::string, std::string> InheritedEnv(bool as_another_user);
 // A worker's exit as a process exit code: 128 + signal for a signal, 137 for
 // an OOM kill, 1 if lost or stopped.
 int ExitCodeOf(const launch::ExitStatus& e);

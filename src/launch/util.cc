@@ -1,6 +1,7 @@
 #include "launch/util.h"
 
 #include <fcntl.h>
+#include <pwd.h>
 #include <linux/openat2.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -70,11 +72,24 @@ std::string PathOf(const std::map<std::string, std::string>& env) {
   return own != nullptr && *own != '\0' ? own : kDefaultPath;
 }
 
+std::string HomeOf(const RunAs& run_as) {
+  if (!run_as.home.empty()) return run_as.home;
+  passwd entry{};
+  passwd* found = nullptr;
+  std::vector<char> buffer(16384);
+  if (getpwuid_r(run_as.uid, &entry, buffer.data(), buffer.size(), &found) == 0 &&
+      found != nullptr && found->pw_dir != nullptr && found->pw_dir[0] == '/') {
+    std::error_code ignored;
+    if (std::filesystem::is_directory(found->pw_dir, ignored)) return found->pw_dir;
+  }
+  return "/";
+}
+
 std::map<std::string, std::string> HostEnv(const ContainerSpec& spec) {
   std::map<std::string, std::string> env = spec.env;
   env.emplace("PATH", PathOf(spec.env));
   if (spec.run_as) {
-    env.emplace("HOME", spec.run_as->home.empty() ? "/" : spec.run_as->home);
+    env.emplace("HOME", HomeOf(*spec.run_as));
     if (!spec.run_as->user.empty()) env.emplace("USER", spec.run_as->user);
   }
   return env;
@@ -82,7 +97,7 @@ std::map<std::string, std::string> HostEnv(const ContainerSpec& spec) {
 
 std::string HostWorkingDir(const ContainerSpec& spec) {
   if (!spec.working_dir.empty()) return spec.working_dir;
-  if (spec.run_as) return spec.run_as->home.empty() ? "/" : spec.run_as->home;
+  if (spec.run_as) return HomeOf(*spec.run_as);
   return "";
 }
 

@@ -61,15 +61,20 @@ absl::StatusOr<std::string> FindOnPath(const std::string& command,
 // a default.
 std::string PathOf(const std::map<std::string, std::string>& env);
 
+// A user's home on this host: run_as.home, else the uid's in this host's
+// passwd where that directory exists (central maps users to uids and names
+// no home), else "/".
+std::string HomeOf(const RunAs& run_as);
+
 // The environment of a spec's processes on this host's own system (process,
 // slurm): its env, with PATH (PathOf) and, when it runs as another user,
-// that user's HOME ("/" when unknown) and USER, unless its env sets them.
+// that user's HOME (HomeOf) and USER, unless its env sets them.
 std::map<std::string, std::string> HostEnv(const ContainerSpec& spec);
 
 // Where a spec's processes start on this host's own system (process,
-// slurm): its working_dir; else, run as a user, that user's home ("/" when
-// unknown), as a login would, not the daemon's directory; else "" (the
-// launcher's own, for a launcher in the user's own program).
+// slurm): its working_dir; else, run as a user, that user's home (HomeOf),
+// as a login would, not the daemon's directory; else "" (the launcher's
+// own, for a launcher in the user's own program).
 std::string HostWorkingDir(const ContainerSpec& spec);
 
 // The most processes a spec's container may have: its pids_limit, else

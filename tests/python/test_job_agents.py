@@ -12,6 +12,7 @@ skips without root)."""
 
 import contextlib
 import os
+import pwd
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import sys
 import pytest
 
 import _agents
+import _central
 from _wait import wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -175,6 +177,25 @@ def test_ps_job_runs_its_server_through_an_agent(local_agents, tmp_path):
     assert record["state"] == "completed", record
     states = {c["role"]: c["state"] for c in record["containers"]}
     assert states["worker"] == "exited" and states["ps"] != "running", record
+
+
+def test_workers_run_as_the_mapped_user_have_that_users_home(local_agents):
+    """A new user's workers ran as the uid central maps her to with the
+    submitter's HOME (/root): every cache written there failed. Through
+    central they get the mapped user's home (passwd's where it exists,
+    else /); they start in the submitter's directory, as srun's do."""
+    address, _ = local_agents
+    code, out = finish(local_run(address, "--name", "j6", "--workers", "1", "--mode", "allreduce",
+                                 "--", "sh", "-c", 'echo "home $HOME"'))
+    assert code == 0, out
+    uid = int(_central.USER_IDS.split(":")[0])
+    try:
+        home = pwd.getpwuid(uid).pw_dir
+    except KeyError:
+        home = "/"
+    if not os.path.isdir(home):
+        home = "/"
+    assert f"[worker 0] home {home}\n" in out, out
 
 
 def test_a_parameter_server_that_does_not_fit_beside_the_workers(local_agents, tmp_path):

@@ -78,7 +78,8 @@ struct RunAs {
   // at most 32 characters); empty: "user".
   std::string user;
   // Its home: HOME unless the spec's env sets it, and /etc/passwd's.
-  // Absolute; empty: "/".
+  // Absolute; empty: on the host's system (process, slurm) the uid's home in
+  // the host's passwd where that directory exists, else "/".
   std::string home;
 };
 

@@ -2,6 +2,7 @@
 // (LaunchContract), the process backend's own behaviour, and the bad inputs
 // of the launch issue.
 #include <limits.h>
+#include <pwd.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -632,6 +633,19 @@ TEST_F(ProcessLauncherTest, RunAsTheLaunchersOwnIds) {
   spec.run_as = RunAs{geteuid(), getegid(), "me", "/nonexistent/home"};
   EXPECT_TRUE(Run(spec, &logs).ok()) << logs;
   EXPECT_EQ(logs, "/\n");
+  // None named (central maps users to uids only): the uid's in this host's
+  // passwd, where that directory exists. Central's users started in "/",
+  // HOME unwritable, though their home was there.
+  const passwd* entry = getpwuid(geteuid());
+  std::string home = entry != nullptr && entry->pw_dir != nullptr ? entry->pw_dir : "";
+  struct stat st;
+  if (home.empty() || home[0] != '/' || stat(home.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    home = "/";
+  }
+  spec = Spec("me3", "echo $HOME; pwd");
+  spec.run_as = RunAs{geteuid(), getegid(), "me", ""};
+  EXPECT_TRUE(Run(spec, &logs).ok()) << logs;
+  EXPECT_EQ(logs, absl::StrCat(home, "\n", home, "\n"));
 }
 
 // The process backend as central drives it: root's launcher runs a user's
