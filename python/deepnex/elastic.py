@@ -330,7 +330,7 @@ def _release_slot(job, slot):
     releasing = f"{job.worker_id}:releasing".encode()
     if job.store.compare_set(key, "", releasing) != releasing:
         return  # a joiner holds it already
-    ps.Client(job.ps_addrs, worker_id=slot, token=job.token).close()
+    ps.Client(job.ps_addrs, worker_id=slot, token=job.token).leave()
     job.store.compare_set(key, releasing, "")
 
 

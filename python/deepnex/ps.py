@@ -391,6 +391,11 @@ class Client:
         this client pushed nothing and the worker had not joined before)."""
         self._client.close()
 
+    def leave(self):
+        """close(), the worker leaving for good even if this client pushed
+        nothing (an elastic job releasing a slot)."""
+        self._client.leave()
+
     def __enter__(self):
         return self
 

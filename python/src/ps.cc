@@ -339,7 +339,8 @@ void RegisterPs(py::module_& parent) {
            },
            py::arg("name"))
       .def_property_readonly("worker_id", &Client::worker_id)
-      .def("close", [](Client& c) { CheckStatus(c.Close()); });
+      .def("close", [](Client& c) { CheckStatus(c.Close()); })
+      .def("leave", [](Client& c) { CheckStatus(c.Leave()); });
 }
 
 }  // namespace deepnex::python

@@ -285,6 +285,11 @@ class ClientImpl final : public Client {
 
   int worker_id() const override { return options_.worker_id; }
 
+  absl::Status Leave() override {
+    pushed_ = true;
+    return Close();
+  }
+
   absl::Status Close() override {
     if (absl::Status s = CheckForkSafe("ps client"); !s.ok()) {
       // A forked child: the heartbeat thread is the parent's, joining it

@@ -273,6 +273,11 @@ def test_a_client_that_never_pushed_leaves_its_worker_awaited():
             look.init({"w": np.zeros(4, np.float32)})
             assert look.describe(["w"])["w"] == ("float32", (4,))
         assert state(0) == "expected"
+        # leave(): gone for good though it pushed nothing (an elastic job's
+        # rank 0 releasing a slot its generation leaves empty); the join
+        # after it takes the slot again.
+        ps.Client([server.address], worker_id=1).leave()
+        assert state(1) == "left"
         clients = [ps.Client([server.address], worker_id=w, timeout=20) for w in range(2)]
         results = [None, None]
 

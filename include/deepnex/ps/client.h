@@ -180,6 +180,9 @@ class Client {
   // client that pushed nothing (made to describe or pull before training)
   // leaves a worker the servers had not seen yet still awaited.
   virtual absl::Status Close() = 0;
+  // Close(), the worker leaving for good whether or not this client pushed:
+  // how an elastic job's rank 0 releases the slots a generation leaves empty.
+  virtual absl::Status Leave() = 0;
 };
 
 }  // namespace deepnex::ps
