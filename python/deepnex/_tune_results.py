@@ -109,3 +109,13 @@ def load(out_dir):
     trials, _ = _trials_of(records)
     return Results(trials, head.get("metric", "accuracy"), head.get("mode", "max"),
                    os.path.join(out_dir, "results.csv"), note=head.get("note", {}))
+
+
+def _tail(path, n):
+    """The last n non-empty lines of the file at path."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [line.rstrip() for line in f if line.strip()]
+    except OSError:
+        return []
+    return lines[-n:]

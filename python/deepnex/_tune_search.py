@@ -12,7 +12,7 @@ import time
 
 from . import _tune_journal
 from ._tune_report import ENV_ATTEMPT, ENV_CHECKPOINT, ENV_CONFIG, ENV_STORE, ENV_TRIAL
-from ._tune_results import Interrupted, Results, Trial, _finite, _trials_of
+from ._tune_results import Interrupted, Results, Trial, _finite, _tail, _trials_of
 from ._tune_runners import job_runner, subprocess_runner
 from ._tune_sampler import _Sampler, default_search
 from ._tune_schedulers import (ASHA, Hyperband, adopt, make_scheduler, scheduler_label,
@@ -283,16 +283,6 @@ _POLL = 0.05
 
 # Start-up failures in this many first trials end the search.
 _EARLY = 3
-
-
-def _tail(path, n):
-    """The last n non-empty lines of the file at path."""
-    try:
-        with open(path, errors="replace") as f:
-            lines = [line.rstrip() for line in f if line.strip()]
-    except OSError:
-        return []
-    return lines[-n:]
 
 
 def _warm_wanted(command, warm):

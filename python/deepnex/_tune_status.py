@@ -9,7 +9,7 @@ import shutil
 import sys
 import threading
 
-from ._tune_results import _finite, load
+from ._tune_results import _finite, _tail, load
 
 
 def _shown(value):
@@ -236,6 +236,14 @@ def _print_best(results, out):
     best = results.best
     if best is None:
         print(f"\nno finished trial reported {results.metric}", file=out)
+        failed = [t for t in results.trials if t.status.startswith("failed")]
+        if failed:  # why, where fewer trials ran than stop a search early
+            t = failed[-1]
+            path = t.log_path or os.path.join(os.path.dirname(results.csv_path),
+                                              f"trial_{t.id}.log")
+            print(f"{len(failed)} trial(s) failed; the last lines of {path}:", file=out)
+            for line in _tail(path, 5):
+                print("  " + line, file=out)
         return
     shown_config = " ".join(f"{k}={_cell(v)}" for k, v in best.config.items())
     print(f"\nbest: trial {best.id} {results.metric}={best.last[results.metric]:.4f} "

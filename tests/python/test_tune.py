@@ -1138,6 +1138,21 @@ def test_the_same_start_up_failure_in_the_first_3_trials_stops_the_search(trial_
     assert [t.status for t in results.trials] == ["failed (exit 2)"] * 3
 
 
+def test_fewer_trials_than_stop_a_search_early_say_why_they_failed(trial_script, tmp_path,
+                                                                     capsys):
+    """A new user's 2 trials both failed: tune printed "no finished trial
+    reported" and nothing of why, nor where to look."""
+    from deepnex.__main__ import main
+    code = main(["tune", "--space", "x=uniform(0, 1)", "--space", "unknown=1", "--samples", "2",
+                 "--metric", "score", "--plain", "--max-concurrent", "1", "--search", "random",
+                 "--out", str(tmp_path), "--", *trial_script])
+    assert code == 1
+    out = capsys.readouterr().out
+    assert (f"\nno finished trial reported score\n2 trial(s) failed; the last lines of "
+            f"{tmp_path}/trial_1.log:\n") in out, out
+    assert "  trial.py: error: unrecognized arguments: --unknown 1\nresults: " in out, out
+
+
 def test_plain_trials_run_at_most_as_many_at_once_as_there_are_cores(
         trial_script, tmp_path, monkeypatch):
     """--plain without --max-concurrent: the local cores (1 here) bound the
