@@ -48,7 +48,9 @@ def _run(args) -> int:
     except ValueError as e:
         _notice(e)
         return 2
-    options = dict(mounts=mounts, working_dir=args.workdir, workers=workers,
+    # Relative to where deepnex run is, as --checkpoint-dir and --state-dir.
+    workdir = os.path.abspath(args.workdir) if args.workdir else None
+    options = dict(mounts=mounts, working_dir=workdir, workers=workers,
                    min_workers=min_workers,
                    nodes=args.nodes, advertise_address=args.advertise_address, ps=args.ps,
                    mode=args.mode, gpus_per_worker=args.gpus_per_worker, gpu_mode=args.gpu_mode,
@@ -258,7 +260,8 @@ def add_commands(commands) -> None:
                      help="bind host path SRC at DST in every container (repeatable): the code, "
                           "data and deepnex that a container backend's image lacks")
     run.add_argument("--workdir", default=None,
-                     help="the containers' working directory (default: the current one)")
+                     help="the containers' working directory, relative to the current one "
+                          "(default: the current one)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                      help="each worker's command and its arguments")
     run.set_defaults(func=_run)

@@ -125,6 +125,14 @@ class JobImpl : public Job {
     if (!(o_.cpus >= 0) || !std::isfinite(o_.cpus)) {
       return absl::InvalidArgumentError(absl::StrCat("cpus: ", o_.cpus, " is not >= 0"));
     }
+    // deepnex-central grants only what is asked, and a container needs
+    // memory: said before anything is allocated (a new user's job was
+    // granted, then failed naming spec.memory, or first waited in the queue).
+    if (!o_.central.empty() && o_.memory == 0) {
+      return absl::InvalidArgumentError(
+          "memory (--memory): required with central, which grants only what is asked, and a "
+          "container needs some (e.g. --memory 4GiB)");
+    }
     // Before anything is allocated or started: the servers would refuse it.
     if (!ps_mode_.empty()) DEEPNEX_RETURN_IF_ERROR(ps::ParseOptimizerKind(o_.optimizer).status());
     if (!(o_.lr > 0) || !std::isfinite(o_.lr)) {

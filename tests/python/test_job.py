@@ -214,6 +214,20 @@ def test_bad_options_are_refused_before_anything_starts(jobs):
     j = jobs(["--mode", "ssp:x"], ["true"])
     assert j.wait(60) == 2
     assert 'mode: "ssp:x"' in j.output()
+    # Central grants only what is asked: a job without --memory allocated,
+    # then failed naming spec.memory (or first waited in the queue).
+    j = jobs(["--central", "127.0.0.1:1", "--token", "x"], ["true"])
+    assert j.wait(60) == 2
+    assert "memory (--memory): required with central" in j.output(), j.output()
+
+
+def test_a_relative_workdir_is_the_current_directorys(jobs, tmp_path):
+    """--workdir sub was refused naming spec.working_dir, where
+    --checkpoint-dir and --state-dir take relative paths."""
+    (tmp_path / "sub").mkdir()  # deepnex run runs in tmp_path
+    j = jobs(["--workdir", "sub", "--mode", "allreduce"], ["pwd"])
+    assert j.wait(60) == 0, j.output()
+    assert f"[worker 0] {tmp_path}/sub\n" in j.output(), j.output()
 
 
 def test_more_workers_than_this_machine_could_ever_hold_are_refused_at_once(jobs):
