@@ -551,6 +551,7 @@ absl::Status CpuCommunicator::Publish(Transport transport, Joining& j,
   j.mine.nonce = (uint64_t{rd()} << 32) | rd();
   j.mine.shm = "-";
   j.mine.cpus = CpuMask();
+  j.mine.world_size = n;
   if (transport != Transport::kTcp) {
     // As many rings as any stripe count can use: auto's most, or the
     // channels asked for; connections_per_peer for a ring half-TCP.
@@ -569,6 +570,12 @@ absl::Status CpuCommunicator::Publish(Transport transport, Joining& j,
   DEEPNEX_ASSIGN_OR_RETURN(auto values, j.rendezvous->AllGather("rank", Encode(j.mine), deadline));
   for (int i = 0; i < n; ++i) {
     DEEPNEX_ASSIGN_OR_RETURN(RankInfo info, Decode(i, values[i]));
+    if (info.world_size != n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "world_size: this rank (", o_.rank, ") was given ", n, ", rank ", i, " ",
+          info.world_size, "; every rank of communicator \"", o_.prefix, "\" must be given the "
+          "same"));
+    }
     j.infos.push_back(std::move(info));
   }
   return absl::OkStatus();

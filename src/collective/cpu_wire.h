@@ -76,6 +76,7 @@ struct RankInfo {
   uint64_t nonce = 0;
   // The CPUs this rank may run on: a hex mask, CPU 0 in the last digit.
   std::string cpus = "1";
+  int world_size = 0;  // as this rank was told: every rank's must agree
 };
 
 // Shared-memory channels with shm_channels = 0, where the CPUs allow.
@@ -106,14 +107,15 @@ inline int ShmStripes(int shm_channels, const std::vector<RankInfo>& ranks) {
 
 inline std::string Encode(const RankInfo& info) {
   return absl::StrCat(info.host, " ", info.port, " ", info.host_id, " ", info.shm, " ", info.nonce,
-                      " ", info.cpus);
+                      " ", info.cpus, " ", info.world_size);
 }
 
 inline absl::StatusOr<RankInfo> Decode(int rank, const std::string& text) {
   std::vector<std::string> f = absl::StrSplit(text, ' ');
   RankInfo info;
-  if (f.size() != 6 || !absl::SimpleAtoi(f[1], &info.port) || !absl::SimpleAtoi(f[4], &info.nonce) ||
-      f[5].empty() || !std::all_of(f[5].begin(), f[5].end(), absl::ascii_isxdigit)) {
+  if (f.size() != 7 || !absl::SimpleAtoi(f[1], &info.port) || !absl::SimpleAtoi(f[4], &info.nonce) ||
+      f[5].empty() || !std::all_of(f[5].begin(), f[5].end(), absl::ascii_isxdigit) ||
+      !absl::SimpleAtoi(f[6], &info.world_size)) {
     return absl::InternalError(absl::StrCat("rank ", rank, " published a garbled address: \"",
                                             text, "\""));
   }

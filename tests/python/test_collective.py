@@ -188,6 +188,23 @@ def test_ranks_that_retry_together_after_a_lone_failed_start_meet_again(store):
     pair()
 
 
+def test_ranks_given_different_world_sizes_are_told_so(store):
+    """A probe's ranks given world sizes 2 and 3 both timed out, naming a
+    rank that did not connect or arrive and neither world_size."""
+    errors = {}
+
+    def rank_main(r):
+        try:
+            collective.Communicator(r, 2 + r, store=store.address, prefix="sizes", timeout=3.0)
+        except deepnex.DeepnexError as e:
+            errors[r] = e
+    run_threads(2, rank_main, what="a rank")
+    assert isinstance(errors[0], deepnex.InvalidArgumentError)
+    assert str(errors[0]) == ('world_size: this rank (0) was given 2, rank 1 3; every rank of '
+                              'communicator "sizes" must be given the same')
+    assert isinstance(errors[1], TimeoutError)  # it waits for a rank 2 that never comes
+
+
 def _listening_ports():
     """TCP ports this process listens on (its sockets among the netns')."""
     mine = set()

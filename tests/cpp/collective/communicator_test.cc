@@ -251,10 +251,12 @@ TEST(ShmStripesTest, AnExplicitCountIsKeptAndAutoGivesEachRankItsShareOfTheCpus)
 }
 
 TEST(ShmStripesTest, ARankPublishingAGarbledCpuMaskIsRefusedNamingIt) {
-  ASSERT_OK_AND_ASSIGN(RankInfo info, Decode(1, "10.77.0.2 4000 host-a /deepnex-coll-1 7 3f"));
+  ASSERT_OK_AND_ASSIGN(RankInfo info,
+                       Decode(1, "10.77.0.2 4000 host-a /deepnex-coll-1 7 3f 2"));
   EXPECT_EQ(info.cpus, "3f");
-  for (const char* bad : {"10.77.0.2 4000 host-a - 7 3g", "10.77.0.2 4000 host-a - 7 ",
-                          "10.77.0.2 4000 host-a - 7"}) {
+  EXPECT_EQ(info.world_size, 2);
+  for (const char* bad : {"10.77.0.2 4000 host-a - 7 3g 2", "10.77.0.2 4000 host-a - 7  2",
+                          "10.77.0.2 4000 host-a - 7 3f", "10.77.0.2 4000 host-a - 7 3f x"}) {
     EXPECT_THAT(Decode(1, bad), StatusIs(absl::StatusCode::kInternal,
                                          HasSubstr("rank 1 published a garbled address")))
         << bad;
