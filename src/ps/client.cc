@@ -733,12 +733,14 @@ class ClientImpl final : public Client {
     if (!token_.empty()) ctx->AddMetadata(kAuthorizationKey, BearerValue(token_));
   }
 
-  // Transport failures get the server's address; errors the server sent
-  // already say what was wrong.
+  // Transport failures and NotFound (which of several servers lost its
+  // tensors) get the server's address; other errors the server sent say
+  // what was wrong.
   absl::Status CallError(const grpc::Status& s, size_t server, const char* what) const {
     absl::Status status = ToAbslStatus(s);
     if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
-        s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+        s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+        s.error_code() == grpc::StatusCode::NOT_FOUND) {
       return absl::Status(status.code(),
                           absl::StrCat(what, " to ", options_.servers[server],
                                        ": ", status.message()));

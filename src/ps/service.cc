@@ -599,8 +599,9 @@ absl::Status Service::Resolve(const char* op,
       }
       if (part == nullptr) {
         return absl::NotFoundError(
-            absl::StrFormat("%s of \"%s\": no such tensor (part %d is not on this server; "
-                            "init it first)",
+            absl::StrFormat("%s of \"%s\": no such tensor (part %d is not on this server: "
+                            "init it first, or again if the server restarted without a "
+                            "checkpoint)",
                             op, slice.key(), slice.part()));
       }
       if (!IsValidDType(slice.dtype()) || static_cast<DType>(slice.dtype()) != part->dtype()) {

@@ -312,7 +312,13 @@ absl::StatusOr<std::shared_ptr<ShmSegment>> FetchSegment(const std::string& sock
   // The broker closes another uid's connection at once, maybe before the
   // ticket is sent: that is a refusal, not a broker out of reach.
   if (!sent && errno != EPIPE && errno != ECONNRESET) {
-    absl::Status s = Errno(absl::StrCat("reaching @", socket_name));
+    // The broker's socket is abstract, so per network namespace: a server
+    // that looks on this host (hostname, boot id) but is in another
+    // namespace or container cannot be reached (a probe's was InternalError).
+    absl::Status s = absl::FailedPreconditionError(absl::StrCat(
+        "shared memory: @", socket_name, " is out of reach (", std::strerror(errno),
+        "): the server is in another network namespace or container though on this host; use "
+        "transport tcp or auto"));
     close(fd);
     return s;
   }

@@ -245,6 +245,30 @@ def test_a_push_that_failed_on_one_server_is_finished_before_the_next_call(tmp_p
         second.stop()
 
 
+def test_a_server_restarted_without_a_checkpoint_is_named_and_init_recovers():
+    """A probe's server, killed and restarted on its port with nothing,
+    answered "no such tensor" without saying which of the servers."""
+    server = ps.Server(mode="async", optimizer=ps.SGD(lr=1.0))
+    address = server.address
+    try:
+        c = ps.Client([address], timeout=5)
+        c.init({"w": np.zeros(4, np.float32)})
+        c.push({"w": np.ones(4, np.float32)})
+        server.stop()
+        server = ps.Server(address=address, mode="async", optimizer=ps.SGD(lr=1.0))
+        with pytest.raises(deepnex.NotFoundError) as e:
+            c.push({"w": np.ones(4, np.float32)})
+        assert str(e.value) == (f'push to {address}: push of "w": no such tensor (part 0 is not '
+                                "on this server: init it first, or again if the server "
+                                "restarted without a checkpoint)")
+        c.init({"w": np.zeros(4, np.float32)})
+        c.push({"w": np.ones(4, np.float32)})
+        np.testing.assert_array_equal(c.pull("w")["w"], -np.ones(4, np.float32))
+        c.close()
+    finally:
+        server.stop()
+
+
 def test_checkpoint_restore_continues_exactly(tmp_path):
     """Sync Adam with 2 workers: a restored server continues bit for bit."""
     steps, cut = 12, 5

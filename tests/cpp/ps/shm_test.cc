@@ -109,6 +109,22 @@ TEST(PsShmTest, ForcingTcpByOptionOrEnvironment) {
   EXPECT_THAT(std::string(refused.message()), HasSubstr("transport=shm: server "));
 }
 
+// A server on this host by its hostname and boot id but in another network
+// namespace (a container): its broker's abstract socket is out of reach. A
+// probe's client with transport=shm got InternalError.
+TEST(PsShmTest, ABrokerOutOfReachIsAFailedPreconditionSayingWhy) {
+  auto broker = ShmBroker::Start(1 << 20);
+  ASSERT_THAT(broker.status(), IsOk());
+  auto offer = (*broker)->Open(0, 7, 4096);
+  ASSERT_THAT(offer.status(), IsOk());
+  absl::Status s = FetchSegment(offer->socket + "-elsewhere", offer->ticket,
+                                std::chrono::milliseconds(5000))
+                       .status();
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition,
+                          HasSubstr("-elsewhere is out of reach (Connection refused): the server "
+                                    "is in another network namespace or container")));
+}
+
 TEST(PsShmTest, ASegmentGoesOnceToItsTicketAndItsOwnersUidOnly) {
   auto broker = ShmBroker::Start(1 << 20);
   ASSERT_THAT(broker.status(), IsOk());
