@@ -143,3 +143,20 @@ def test_run_local_kills_workers_at_the_timeout():
     assert codes == [-9, -9]
     with pytest.raises(ValueError, match='mode: "ring"'):
         run_local(["true"], mode="ring")
+
+
+def _readme_python_blocks():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    return re.findall(r"^```python\n(.*?)^```$", text, re.M | re.S)
+
+
+@pytest.mark.parametrize("index", range(len(_readme_python_blocks())))
+def test_readme_python_blocks_run_as_written(index, tmp_path):
+    """A new user copied README's examples into files: every one failed on
+    names it never defined, one was not Python, one a second run refused."""
+    block = _readme_python_blocks()[index]
+    for attempt in range(2):  # and again, as a user runs a script twice
+        proc = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True,
+                              timeout=120, env=job_free_env(), cwd=str(tmp_path))
+        assert proc.returncode == 0, f"README block {index}:\n{block}\n{proc.stdout}{proc.stderr}"
