@@ -1,5 +1,6 @@
 // deepnex-store: a job's rendezvous store, as a daemon.
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 
@@ -20,7 +21,9 @@ flags:
   --advertise HOST        the host peers dial, printed in "listening on"
                           (default: the --listen host; for 0.0.0.0 or [::],
                           this host's primary address)
-  --token T               bearer token every call must carry
+  --token T               bearer token every call must carry (default
+                          $DEEPNEX_TOKEN, as deepnex-ps, which unlike a flag
+                          other users cannot read in /proc)
   --token-file F          file with the token, or lines "TOKEN NAME ROLE [JOB]";
                           a job-scoped token only reaches keys under "JOB/"
   --max-value SIZE        largest value accepted, e.g. 64MiB (default 64MiB)
@@ -48,6 +51,12 @@ int main(int argc, char** argv) {
     else flags.Unknown();
   }
   if (options.address.empty()) flags.Die("--listen is empty");
+  // A user who set DEEPNEX_TOKEN for deepnex-ps expects this store to need
+  // it too (a probe's store accepted any token).
+  if (options.token.empty() && options.token_file.empty()) {
+    const char* token = std::getenv("DEEPNEX_TOKEN");
+    if (token != nullptr) options.token = token;
+  }
 
   deepnex::tools::SignalStop signals;
   auto server = deepnex::collective::StoreServer::Create(options);

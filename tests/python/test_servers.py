@@ -86,6 +86,18 @@ def refused(name, *args):
     return r.returncode, r.stderr
 
 
+def test_the_store_daemon_takes_its_token_from_the_environment_as_deepnex_ps(daemons):
+    """A probe's deepnex-store started with DEEPNEX_TOKEN set, as
+    deepnex-ps takes it, accepted any client."""
+    store = daemons("deepnex-store", "--listen", "127.0.0.1:0",
+                    env=dict(os.environ, DEEPNEX_TOKEN="envtok"))
+    with pytest.raises(deepnex.UnauthenticatedError):
+        collective.StoreClient(store.address, token="x", timeout=5).set("k", b"v")
+    good = collective.StoreClient(store.address, token="envtok", timeout=5)
+    good.set("k", b"v")
+    assert good.get("k") == b"v"
+
+
 def test_a_start_whose_store_stops_answering_says_so_within_the_timeout(daemons):
     """A probe cut the store's host off while rank 0 waited for rank 1: the
     start failed after twice its timeout (the diagnosis waited a whole
