@@ -643,9 +643,34 @@ absl::Status Placement::Infeasible(const Request& r) const {
     if (parts >= r.replicas) return absl::OkStatus();  // Grant asks at each busy try
   }
   if (parts == 0) {
+    // Which of them no node has (a new user's --memory 1TiB and a GPU on a
+    // machine without one read alike), with the most that one node has.
+    int64_t most_gpus = 0, most_cpus = 0;
+    uint64_t most_memory = 0;
+    for (const NodeState* n : moded) {
+      int64_t gpus = 0;
+      for (const Gpu& g : n->spec.gpus) gpus += g.memory >= r.gpu_memory;
+      most_gpus = std::max(most_gpus, gpus);
+      most_cpus = std::max<int64_t>(most_cpus, n->spec.cpus);
+      most_memory = std::max(most_memory, n->spec.memory);
+    }
+    std::vector<std::string> short_of;
+    if (r.gpus > most_gpus) {
+      short_of.push_back(absl::StrCat(r.gpus, " GPUs", r.gpu_memory > 0 ? " of that memory" : "",
+                                      " (the most on one: ", most_gpus, ")"));
+    }
+    if (r.cpus > most_cpus) {
+      short_of.push_back(absl::StrCat(r.cpus, " cpus (the most on one: ", most_cpus, ")"));
+    }
+    if (r.memory > most_memory) {
+      short_of.push_back(absl::StrCat(FormatByteSize(r.memory), " memory (the most on one: ",
+                                      FormatByteSize(most_memory), ")"));
+    }
     return absl::ResourceExhaustedError(absl::StrCat(
         "no node can ever hold this request (", Describe(r), " per part): ", moded.size(),
-        " node(s) match, none has that many GPUs, cpus and memory"));
+        " node(s) match, none has ",
+        short_of.empty() ? "that many GPUs, cpus and memory together"
+                         : absl::StrJoin(short_of, ", ")));
   }
   return absl::ResourceExhaustedError(absl::StrCat(
       "no set of nodes can ever hold this request (", Describe(r), "): the ", moded.size(),

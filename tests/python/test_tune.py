@@ -462,8 +462,8 @@ def test_job_runner_on_central_fails_what_no_node_could_hold_and_waits_out_a_quo
     try:
         assert statuses(60, "never", gpus_per_worker=4) == [
             "failed (no node can ever hold this request (alice asks 4 exclusive GPUs, 1 cpus, "
-            "64MiB memory per part): 1 node(s) match, none has that many GPUs, cpus and "
-            "memory)"] * 2
+            "64MiB memory per part): 1 node(s) match, none has 4 GPUs (the most on one: "
+            "2))"] * 2
         # One trial's GPU at a time: the other's start is refused (quota),
         # retried, and runs once the first has ended.
         gpu.CentralClient(address, token="admintok", timeout=10).set_quota("alice", gpus=1)

@@ -201,8 +201,15 @@ TEST_F(PlacementTest, InfeasibleSaysWhyARequestCanNeverFit) {
   EXPECT_THAT(placement_.Infeasible(Exclusive("alice", 3)),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        "no node can ever hold this request (alice asks 3 exclusive GPUs, 0 cpus, "
-                       "0B memory per part): 1 node(s) match, none has that many GPUs, cpus and "
-                       "memory"));
+                       "0B memory per part): 1 node(s) match, none has 3 GPUs (the most on one: "
+                       "2)"));
+  // Each resource no node has is named, with the most one node has: a new
+  // user's --memory 1TiB read as a GPU shortage did.
+  EXPECT_THAT(placement_.Infeasible(Exclusive("alice", 0, 16, 1024 * kGiB)),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       "no node can ever hold this request (alice asks 0 exclusive GPUs, 16 cpus, 1TiB "
+                       "memory per part): 1 node(s) match, none has 16 cpus (the most on one: "
+                       "8), 1TiB memory (the most on one: 64GiB)"));
 }
 
 TEST_F(PlacementTest, ShortageNamesTheResourceThatIsShortNow) {
