@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -40,6 +41,13 @@ bool HasWhitespace(absl::string_view s) {
 }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  // An ifstream opens a directory and reads it as empty: a new user's
+  // --token-file /tmp read "the first line is empty".
+  std::error_code ignored;
+  if (std::filesystem::is_directory(path, ignored)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("token file ", Quote(path), ": is a directory, not a file"));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     int err = errno;

@@ -320,6 +320,11 @@ TEST(ResolveClientTokenTest, BadFiles) {
   std::string missing = ::testing::TempDir() + "deepnex_no_such_token_file";
   EXPECT_THAT(ResolveClientToken("", missing),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr(missing)));
+  // A directory read as an empty file: "the first line is empty".
+  const std::string dir = ::testing::TempDir();
+  EXPECT_THAT(ResolveClientToken("", dir),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       "token file \"" + dir + "\": is a directory, not a file"));
 }
 
 TEST(TokenTableTest, AuthErrorsNeverContainTheToken) {
