@@ -82,7 +82,8 @@ def _run(args) -> int:
     previous = signal.signal(signal.SIGTERM, on_signal)
     try:
         j.start()
-        _notice(f"job {j.name}: {args.workers} workers{' (elastic)' if min_workers else ''}, "
+        word = "worker" if str(args.workers) == "1" else "workers"
+        _notice(f"job {j.name}: {args.workers} {word}{' (elastic)' if min_workers else ''}, "
                 f"mode {args.mode}, "
                 f"backend {j.backend}")
         result = j.wait()

@@ -196,6 +196,7 @@ def test_workers_run_as_the_mapped_user_have_that_users_home(local_agents):
     if not os.path.isdir(home):
         home = "/"
     assert f"[worker 0] home {home}\n" in out, out
+    assert "deepnex run: job j6: 1 worker, mode allreduce, backend central\n" in out, out
 
 
 def test_a_parameter_server_that_does_not_fit_beside_the_workers(local_agents, tmp_path):
