@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -367,7 +368,17 @@ class JobImpl : public Job {
  private:
   absl::Status StartAll() {
     started_ = Clock::now();
-    DEEPNEX_ASSIGN_OR_RETURN(launcher_, launch::Launcher::Create(o_.launcher));
+    absl::StatusOr<std::unique_ptr<launch::Launcher>> launcher =
+        launch::Launcher::Create(o_.launcher);
+    // Its state directory is the job's: held, another run of this name is on
+    // (a new user read only "launcher state_dir ... is in use by pid N").
+    if (absl::IsFailedPrecondition(launcher.status()) &&
+        absl::StrContains(launcher.status().message(), " is in use by ")) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", o_.name, ": another deepnex run of this name is running (",
+          launcher.status().message(), "); give this one another name"));
+    }
+    DEEPNEX_ASSIGN_OR_RETURN(launcher_, std::move(launcher));
     // Slurm places on its nodes; the other backends run everything on this
     // host (the kubernetes one lists no nodes yet, and takes a job's
     // containers only with an image, which deepnex run does not give).

@@ -221,6 +221,20 @@ def test_bad_options_are_refused_before_anything_starts(jobs):
     assert "memory (--memory): required with central" in j.output(), j.output()
 
 
+def test_a_second_run_of_one_name_says_so(jobs):
+    """A new user's two runs of one --name: the second failed naming a
+    launcher state directory in use by a pid."""
+    first = jobs(["--mode", "allreduce"], ["sh", "-c", "echo up; sleep 60"])
+    first.await_line(r"^\[worker 0\] up$")
+    second = jobs(["--mode", "allreduce"], ["true"], name=first.name)
+    assert second.wait(60) != 0
+    assert (f"job {first.name}: another deepnex run of this name is running (launcher "
+            "state_dir ") in second.output(), second.output()
+    assert "give this one another name" in second.output(), second.output()
+    first.proc.terminate()
+    first.wait(60)
+
+
 def test_a_relative_workdir_is_the_current_directorys(jobs, tmp_path):
     """--workdir sub was refused naming spec.working_dir, where
     --checkpoint-dir and --state-dir take relative paths."""
