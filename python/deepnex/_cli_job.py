@@ -217,11 +217,12 @@ def add_commands(commands) -> None:
                      help="GPUs per worker (default 0: CPU only)")
     run.add_argument("--gpu-mode", default="exclusive", choices=["exclusive", "shared"],
                      help="whole GPUs, or a share of one's memory (default exclusive)")
-    run.add_argument("--gpu-memory", default=None, help="GPU memory per GPU, shared mode (8GiB)")
+    run.add_argument("--gpu-memory", default=None,
+                     help="GPU memory per GPU, required in shared mode (e.g. 8GiB)")
     run.add_argument("--cpus", type=float, default=1,
                      help="CPU cores per worker (default 1); OMP_NUM_THREADS follows it")
     run.add_argument("--memory", default=None,
-                     help="memory per worker (4GiB); default: an equal share of this "
+                     help="memory per worker (e.g. 4GiB); default: an equal share of this "
                           "machine's, and required with --central")
     run.add_argument("--backend", default="process",
                      choices=["process", "oci", "docker", "slurm", "kubernetes"],

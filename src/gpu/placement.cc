@@ -162,7 +162,9 @@ absl::Status ValidateRequest(const Request& r) {
     return bad("gpu_memory=0B: a shared request must give the GPU memory it needs per GPU");
   }
   if (r.gpus == 0 && r.gpu_memory > 0) {
-    return bad("gpu_memory=", FormatByteSize(r.gpu_memory), " with gpus=0");
+    return bad("gpu_memory=", FormatByteSize(r.gpu_memory),
+               " with gpus=0: GPU memory is asked per GPU (--gpu-memory with --gpus or "
+               "--gpus-per-worker); ask for GPUs, or leave it out");
   }
   if (r.gpus == 0 && r.cpus == 0 && r.memory == 0) {
     return bad("the request asks for nothing (gpus=0, cpus=0, memory=0B)");

@@ -144,6 +144,13 @@ TEST_F(BadInput, ZeroSizes) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("gpu_memory=0B")));
   EXPECT_THAT(alloc_->Allocate(Exclusive("bob", 0)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("asks for nothing")));
+  // GPU memory without GPUs: a new user's --gpu-memory 10gb alone read
+  // "gpu_memory=9.3GiB with gpus=0", naming neither flag nor remedy.
+  EXPECT_THAT(alloc_->Allocate(Shared("bob", 0, 10 * kGiB, 1)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("gpu_memory=10GiB with gpus=0: GPU memory is asked per GPU "
+                                 "(--gpu-memory with --gpus or --gpus-per-worker); ask for "
+                                 "GPUs, or leave it out")));
   ExpectUnchanged();
 }
 
