@@ -69,6 +69,15 @@ def job_context(args, script):
         if args.mode is None:
             args.mode = "ps" if ctx.ps_addrs else "allreduce"
         _default_momentum(args)
+        # The servers apply the launcher's optimizer: a new user's --lr here
+        # changed nothing, without a word.
+        given = [a.split("=")[0] for a in sys.argv[1:]
+                 if a.split("=")[0] in ("--lr", "--momentum")]
+        if ctx.ps_addrs and given and ctx.rank == 0:
+            verb = "is" if len(given) == 1 else "are"
+            print(f"{os.path.basename(script)}: {' and '.join(given)} here {verb} not used: the "
+                  f"parameter servers apply deepnex run's --optimizer, --lr and --momentum",
+                  file=sys.stderr)
         return ctx
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
         args.mode = args.mode or "allreduce"

@@ -2,7 +2,7 @@
 a parameter server (sync, ssp:S or async) or allreduce.
 
     python3 examples/digits/mlp_numpy.py --mode sync        # 2 workers + 1 server here
-    deepnex run --workers 2 --ps 1 --mode async -- python3 examples/digits/mlp_numpy.py --mode async
+    deepnex run --workers 2 --ps 1 --mode async --lr 0.1 -- python3 examples/digits/mlp_numpy.py
 
 Each worker trains on its deepnex.data.Sharder shard of the training set;
 rank 0 prints the loss and test accuracy every epoch and a summary line.

@@ -3,8 +3,8 @@ deepnex.torch.DistributedOptimizer (parameter server: sync, ssp:S, async) or
 deepnex.torch.DistributedDataParallel (allreduce).
 
     python3 examples/digits/mlp_torch.py --mode allreduce   # 2 workers here
-    deepnex run --workers 2 --ps 1 --mode sync -- python3 examples/digits/mlp_torch.py --mode sync
-    torchrun --nproc-per-node 2 examples/digits/mlp_torch.py --mode allreduce
+    deepnex run --workers 2 --ps 1 --mode sync --lr 0.1 -- python3 examples/digits/mlp_torch.py
+    torchrun --nproc_per_node 2 examples/digits/mlp_torch.py --mode allreduce
     deepnex run --workers 1:2 -- python3 examples/digits/mlp_torch.py   # elastic
 
 Each worker trains on its deepnex.data.Sharder shard of the training set;

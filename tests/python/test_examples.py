@@ -160,3 +160,15 @@ def test_readme_python_blocks_run_as_written(index, tmp_path):
         proc = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True,
                               timeout=120, env=job_free_env(), cwd=str(tmp_path))
         assert proc.returncode == 0, f"README block {index}:\n{block}\n{proc.stdout}{proc.stderr}"
+
+
+def test_a_scripts_lr_under_parameter_servers_is_said_to_be_unused():
+    """A new user's `deepnex run ... -- mlp_numpy.py --lr 0.1` trained at
+    deepnex run's lr without a word: the servers apply the optimizer."""
+    pytest.importorskip("sklearn")
+    code, out = run_example(["-m", "deepnex", "run", "--workers", "1", "--mode", "sync", "--",
+                             sys.executable, os.path.join(DIGITS, "mlp_numpy.py"), "--epochs",
+                             "1", "--lr", "0.5"])
+    assert code == 0, out
+    assert ("mlp_numpy.py: --lr here is not used: the parameter servers apply deepnex run's "
+            "--optimizer, --lr and --momentum") in out, out
