@@ -158,7 +158,18 @@ absl::StatusOr<pb::Reply> Hub::Call(const std::string& node, pb::Command command
                                     std::chrono::milliseconds timeout) {
   Pending p;
   p.node = node;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::unique_lock<std::mutex> lock(mu_);
+  // An agent away within its node's grace (central restarted, or the agent
+  // redials) is waited for, within the call's timeout: a job started just
+  // after central's restart failed at once on a node granted to it (a new
+  // user's probe). One past its grace (NotReady) fails now.
+  auto away = [&] {
+    auto it = links_.find(node);
+    return it != links_.end() && it->second.stream == nullptr && it->second.ready && !stopping_;
+  };
+  while (away() && cv_.wait_until(lock, deadline) != std::cv_status::timeout) {
+  }
   auto it = links_.find(node);
   if (it == links_.end() || it->second.stream == nullptr || stopping_) {
     return absl::UnavailableError(
@@ -174,7 +185,7 @@ absl::StatusOr<pb::Reply> Hub::Call(const std::string& node, pb::Command command
         absl::StrCat("node ", node, ": its deepnex-agent is disconnecting"));
   }
   pending_[id] = &p;
-  const bool answered = cv_.wait_for(lock, timeout, [&] { return p.done; });
+  const bool answered = cv_.wait_until(lock, deadline, [&] { return p.done; });
   pending_.erase(id);
   if (!answered) {
     return absl::DeadlineExceededError(absl::StrCat(
@@ -421,6 +432,7 @@ void Hub::SetReady(const std::string& node, bool ready, const std::string& why) 
     auto it = links_.find(node);
     if (it == links_.end() || it->second.ready == ready) return;
     it->second.ready = ready;
+    cv_.notify_all();  // a Call waiting for its agent gives up
   }
   absl::Status s = alloc_.SetNodeReady(node, ready);
   std::cerr << "deepnex-central: node " << node << " is " << (ready ? "Ready" : "NotReady")

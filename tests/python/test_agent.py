@@ -8,11 +8,12 @@ import glob
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
-from _agents import (AGENT_BIN, Agents, cli, client, http_get, pid_alive, require_binaries,
-                     start_central, status)
+from _agents import (AGENT_BIN, Agents, _cli_env, cli, client, http_get, pid_alive,
+                     require_binaries, start_central, status)
 from _wait import wait_for
 
 
@@ -145,6 +146,35 @@ def test_killed_central_gets_every_container_back(central_proc, agents, tmp_path
              timeout=20)
     for _, pid, _ in before.values():
         os.kill(int(pid), 0)  # still running: nothing killed them
+
+
+def test_a_launch_just_after_centrals_restart_waits_for_the_agent(central_proc, agents,
+                                                                     tmp_path):
+    """A new user's job started seconds after central's restart failed with
+    "node n1: its deepnex-agent is not connected" on a node granted to it.
+    A call to an agent away within its node's grace now waits for it."""
+    import signal
+    central = central_proc[1]
+    h1 = agents.start("h1", "h1tok")
+    agents.registered(h1, "h1")
+    h1.proc.send_signal(signal.SIGSTOP)  # away until the launch is under way
+    try:
+        central_proc[0].kill()
+        central_proc[0], again = start_central(tmp_path, listen=central, node_timeout=60)
+        from deepnex import gpu
+        a = client(central, "alicetok").allocate(
+            gpu.Request(user="alice", gpus=1, cpus=1, memory=256 << 20, node="h1"))
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "deepnex", "launch", "--alloc", a.id, "--name", "early",
+             "--", "true"], env=_cli_env(central, "alicetok"), text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        with pytest.raises(subprocess.TimeoutExpired):  # the old central failed at once
+            launch.wait(timeout=3)
+    finally:
+        h1.proc.send_signal(signal.SIGCONT)
+    out, err = launch.communicate(timeout=60)
+    assert launch.returncode == 0, out + err
+    assert out.startswith("early "), out
 
 
 def test_restarted_agent_reattaches_to_its_containers(central, agents, tmp_path):
