@@ -670,17 +670,23 @@ absl::Status CpuCommunicator::Connect(Joining& j, SteadyClock::time_point deadli
     Hello hello{kHelloMagic, r, static_cast<int32_t>(i), 0, j.infos[right].nonce};
     DEEPNEX_RETURN_IF_ERROR(WriteFully(j.out[i], &hello, sizeof(hello), deadline, RankName(right)));
   }
-  // Connections wait for their hellos side by side: a silent one (a stray
-  // client, a co-tenant holding a connection open) must not hold up the
-  // neighbour's behind it. The oldest goes when too many wait.
+  // Connections wait for their hellos side by side, each read as its bytes
+  // come: a silent connection, or one that sends part of a hello (a stray
+  // client, a co-tenant), must not hold up the neighbour's behind it. The
+  // oldest goes when too many wait.
   constexpr size_t kMaxWaiting = 64;
-  std::deque<int> waiting;
+  struct Waiting {
+    int fd;
+    Hello hello{};
+    size_t got = 0;  // bytes of `hello` read so far
+  };
+  std::deque<Waiting> waiting;
   absl::Cleanup close_waiting = [&waiting] {
-    for (int fd : waiting) close(fd);
+    for (const Waiting& w : waiting) close(w.fd);
   };
   for (size_t got = 0; got < j.in.size();) {
     std::vector<pollfd> fds{{j.listen_fd, POLLIN, 0}};
-    for (int fd : waiting) fds.push_back({fd, POLLIN, 0});
+    for (const Waiting& w : waiting) fds.push_back({w.fd, POLLIN, 0});
     if (SteadyClock::now() >= deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
           "rank ", r, ": rank ", left, " did not connect within ", o_.timeout.count(), " ms"));
@@ -690,28 +696,30 @@ absl::Status CpuCommunicator::Connect(Joining& j, SteadyClock::time_point deadli
     }
     for (size_t i = fds.size() - 1; i > 0; --i) {
       if (fds[i].revents == 0) continue;
-      const int fd = waiting[i - 1];
+      Waiting& w = waiting[i - 1];
+      const ssize_t n = recv(w.fd, reinterpret_cast<char*>(&w.hello) + w.got,
+                             sizeof(w.hello) - w.got, MSG_DONTWAIT);
+      if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+      if (n > 0) w.got += static_cast<size_t>(n);
+      if (n > 0 && w.got < sizeof(w.hello)) continue;
+      const Waiting done = w;
       waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(i - 1));
-      // Its first bytes are here: the rest of a hello follows at once.
-      Hello hello{};
-      absl::Status s = ReadFully(fd, &hello, sizeof(hello),
-                                 std::min(deadline, SteadyClock::now() + std::chrono::seconds(1)),
-                                 RankName(left));
-      if (!s.ok() || hello.magic != kHelloMagic || hello.rank != left ||
+      const Hello& hello = done.hello;
+      if (n <= 0 || hello.magic != kHelloMagic || hello.rank != left ||
           hello.nonce != j.mine.nonce || hello.index < 0 ||
           hello.index >= static_cast<int>(j.in.size()) || j.in[hello.index] >= 0) {
-        close(fd);  // a stray or stale connection
+        close(done.fd);  // a stray or stale connection, or one that went
         continue;
       }
-      j.in[hello.index] = fd;
+      j.in[hello.index] = done.fd;
       ++got;
     }
     if (fds[0].revents != 0) {
       auto fd = AcceptTcp(j.listen_fd, SteadyClock::now());
       if (!fd.ok() && !absl::IsDeadlineExceeded(fd.status())) return fd.status();
-      if (fd.ok()) waiting.push_back(*fd);
+      if (fd.ok()) waiting.push_back(Waiting{*fd});
       if (waiting.size() > kMaxWaiting) {
-        close(waiting.front());
+        close(waiting.front().fd);
         waiting.pop_front();
       }
     }

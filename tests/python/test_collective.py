@@ -228,7 +228,8 @@ def _listening_ports():
 def test_a_silent_connection_to_a_ranks_port_does_not_hold_up_its_neighbour(store, transport):
     """A co-tenant's idle connection to a rank's listening port held the
     rank's accept loop on its hello until the timeout: every communicator
-    started 20 s late (found by a probe, across simulated hosts)."""
+    started 20 s late (found by a probe, across simulated hosts); then
+    connections that sent one byte were read in turn, 1 s each."""
     before = _listening_ports()
     comms, silent = {}, []
 
@@ -240,13 +241,15 @@ def test_a_silent_connection_to_a_ranks_port_does_not_hold_up_its_neighbour(stor
     try:
         wait_for(lambda: _listening_ports() - before, "rank 0 to listen")
         for port in _listening_ports() - before:
-            for _ in range(3):
+            for i in range(13):
                 silent.append(socket.create_connection(("127.0.0.1", port)))
+                if i >= 3:  # part of a hello: read in turn, these held 1 s each
+                    silent[-1].send(b"\x01")
         start = time.monotonic()
         rank_main(1)
         first.join(timeout=30)
         assert not first.is_alive()
-        assert time.monotonic() - start < 10, "the silent connections held the rendezvous"
+        assert time.monotonic() - start < 8, "the silent connections held the rendezvous"
         out = [np.arange(4, dtype=np.float32) * (r + 1) for r in range(2)]
         run_threads(2, lambda r: comms[r].allreduce(out[r]), what="a rank")
         np.testing.assert_array_equal(out[0], np.arange(4, dtype=np.float32) * 3)
