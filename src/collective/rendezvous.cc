@@ -91,9 +91,9 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
       ++more;
     }
   }
-  // A rank that joined this prefix a different number of times (it failed
-  // to start on its own, and the others did not) waits under another
-  // generation: say so, as the cause.
+  // A rank that joined this prefix a different number of times waits under
+  // another generation (a rank killed while starting takes nothing back):
+  // say so, as the cause.
   std::string apart;
   if (first_missing >= 0) {
     const std::string other = count_key_.substr(0, count_key_.rfind('/') + 1) +
@@ -105,9 +105,10 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
                                           absl::NotFoundError("never joined"));
     if (count.ok() && (*count)[0] != absl::StrCat(generation_)) {
       apart = absl::StrCat(" (it has joined \"", o_.prefix, "\" ", (*count)[0],
-                           " time(s), this rank ", generation_,
-                           ": after a start that failed on some ranks only, start every rank "
-                           "again or use a new prefix)");
+                           " time(s) and this rank ", generation_,
+                           ": they wait under different generations, as after a rank was killed "
+                           "while starting or a start that failed on some ranks only; start "
+                           "every rank with a new prefix)");
     }
   }
   return absl::DeadlineExceededError(absl::StrCat(

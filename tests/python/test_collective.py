@@ -183,8 +183,9 @@ def test_ranks_that_retry_together_after_a_lone_failed_start_meet_again(store):
         collective.Communicator(0, 2, store=store.address, prefix="retry", timeout=1.0)
     assert str(e.value).endswith(
         'rank 1 did not arrive at the store ' + store.address + ' within 1000 ms (it has '
-        'joined "retry" 1 time(s), this rank 2: after a start that failed on some ranks only, '
-        'start every rank again or use a new prefix)'), e.value
+        'joined "retry" 1 time(s) and this rank 2: they wait under different generations, as '
+        'after a rank was killed while starting or a start that failed on some ranks only; '
+        'start every rank with a new prefix)'), e.value
     pair()
 
 
