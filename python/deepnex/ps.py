@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _C
 from ._convert import byte_size, options, to_buffer
-from .errors import InvalidArgumentError
+from .errors import DeepnexError, InvalidArgumentError
 
 __all__ = [
     "Server", "Client", "PendingOp",
@@ -388,7 +388,9 @@ class Client:
 
     def close(self):
         """Leaves the job: the servers stop waiting for this worker (unless
-        this client pushed nothing and the worker had not joined before)."""
+        this client pushed nothing and the worker had not joined before).
+        A push that failed unsure goes again first; an error if it cannot
+        (the servers may then hold it in part)."""
         self._client.close()
 
     def leave(self):
@@ -399,8 +401,12 @@ class Client:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            self.close()
+        except DeepnexError:
+            if exc_type is None:  # else the error that ended the block is the one to see
+                raise
 
     def _args(self, tensors):
         return _buffers(tensors, self._shapes)

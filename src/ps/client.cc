@@ -297,6 +297,10 @@ class ClientImpl final : public Client {
       if (heartbeat_.joinable()) heartbeat_.detach();
       return s;
     }
+    if (closed_) return absl::OkStatus();
+    // A push promised to go again before the next call goes now: there is
+    // none after this (a probe's close left the tensor half-applied).
+    absl::Status finished = FinishPushes();
     if (closed_.exchange(true)) return absl::OkStatus();
     {
       std::lock_guard<std::mutex> lock(heartbeat_mu_);
@@ -327,6 +331,10 @@ class ClientImpl final : public Client {
     }
     for (const auto& link : links) {
       if (link) link->stream->Join();
+    }
+    if (!finished.ok()) {
+      const char* part = AnyUnfinished() ? "; the servers may hold that push in part" : "";
+      return absl::Status(finished.code(), absl::StrCat("close: ", finished.message(), part));
     }
     return absl::OkStatus();
   }
@@ -900,7 +908,8 @@ class ClientImpl final : public Client {
                        bool pushing, std::vector<Piece>* pieces) {
     DEEPNEX_RETURN_IF_ERROR(CheckOpen());
     if (absl::Status s = FinishPushes(); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat(op, ": ", s.message()));
+      const char* again = AnyUnfinished() ? "; it goes again at the next call" : "";
+      return absl::Status(s.code(), absl::StrCat(op, ": ", s.message(), again));
     }
     DEEPNEX_RETURN_IF_ERROR(EnsureRegistered());
     std::vector<std::string> unknown;
@@ -1118,7 +1127,8 @@ class ClientImpl final : public Client {
     return absl::Status(
         status.code(),
         absl::StrCat(status.message(),
-                     "; the servers may have applied part of this push: the rest goes again "
+                     "; this push may have been taken in part or whole (a sync round also "
+                     "waits for every worker's push): what is unsure goes again, exactly once, "
                      "before this client's next call (do not push it again)"));
   }
 
@@ -1130,6 +1140,11 @@ class ClientImpl final : public Client {
     if (!fate->maybe_applied) return MarkStale();
     std::lock_guard<std::mutex> unfinished(unfinished_mu_);
     for (Unfinished& u : fate->failed) unfinished_.emplace(u.order, std::move(u));
+  }
+
+  bool AnyUnfinished() {
+    std::lock_guard<std::mutex> lock(unfinished_mu_);
+    return !unfinished_.empty();
   }
 
   // Sends the unfinished pushes again, in order, and waits for them.
@@ -1158,8 +1173,8 @@ class ClientImpl final : public Client {
         continue;
       }
       if (!absl::IsAborted(s) && !Refused(s)) {
-        return absl::Status(s.code(), absl::StrCat("an earlier push is still unfinished (",
-                                                   s.message(), "); it goes again at the next call"));
+        return absl::Status(s.code(),
+                            absl::StrCat("an earlier push is still unfinished (", s.message(), ")"));
       }
       // The servers dropped this incarnation, or refuse the rest: give up
       // on it and register anew.

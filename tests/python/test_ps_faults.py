@@ -233,13 +233,23 @@ def test_a_push_that_failed_on_one_server_is_finished_before_the_next_call(tmp_p
         second.checkpoint(tmp_path)  # the tensor and this client's registration
         second.stop()
         with pytest.raises(deepnex.UnavailableError,
-                           match=r"the rest goes again before this client's next call"):
+                           match=r"what is unsure goes again, exactly once, before this "
+                                 r"client's next call \(do not push it again\)"):
             c.push({"w": np.ones(64, np.float32)})
         second = ps.Server(address=address, name="b", restore=tmp_path, **opts)
         np.testing.assert_array_equal(c.push_pull({"w": np.full(64, 2, np.float32)})["w"],
                                       np.full(64, 3, np.float32))
         assert c.version("w") == 2
+        # close() finishes it too: there is no next call (a probe's close
+        # left the tensor half-applied without a word).
+        second.checkpoint(tmp_path)
+        second.stop()
+        with pytest.raises(deepnex.UnavailableError):
+            c.push({"w": np.ones(64, np.float32)})
+        second = ps.Server(address=address, name="b", restore=tmp_path, **opts)
         c.close()
+        with ps.Client([first.address, address], worker_id=-1, partition_bytes=64) as look:
+            np.testing.assert_array_equal(look.pull("w")["w"], np.full(64, 4, np.float32))
     finally:
         first.stop()
         second.stop()

@@ -120,10 +120,14 @@ class PendingOp {
 //
 // Each client is one incarnation of its worker id: it registers with every
 // server, holds a lease there by heartbeats, and numbers its pushes of each
-// key so that a retried push is applied once. When a push fails after it
-// was sent, or a server says the lease expired or that it restarted, the
-// client registers again as a new incarnation, which joins at the first
-// round it has not pushed into.
+// key so that a retried push is applied once. A push that fails while a
+// server may have taken part of it (a timeout, a server out of reach) says
+// so, and its unsure requests go again, with their seqs, at the start of
+// the client's next call (or in Close): every part of a tensor stays at the
+// same step. One every server refused outright took nothing. When a server
+// says the lease expired or that it restarted, the client registers again
+// as a new incarnation, which joins at the first round it has not pushed
+// into.
 // Thread-safe: operations may be issued from several threads; a push and
 // a pull of the same key from different threads are not ordered.
 class Client {
@@ -178,7 +182,9 @@ class Client {
   // Leaves the job cleanly (the servers stop waiting for this worker) and
   // ends the session; later calls are FailedPrecondition. Idempotent. A
   // client that pushed nothing (made to describe or pull before training)
-  // leaves a worker the servers had not seen yet still awaited.
+  // leaves a worker the servers had not seen yet still awaited. A push that
+  // failed unsure (see above) goes again first; the error, when it cannot,
+  // says the servers may hold it in part.
   virtual absl::Status Close() = 0;
   // Close(), the worker leaving for good whether or not this client pushed:
   // how an elastic job's rank 0 releases the slots a generation leaves empty.
