@@ -403,7 +403,7 @@ def test_run_with_central_allocates_as_the_tokens_user(jobs, central, tmp_path):
 def test_run_with_central_refuses_a_user_that_is_not_the_tokens(jobs, central):
     # The address and token from the environment, as `deepnex run --help` says.
     env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
-    j = jobs(["--user", "root", "--mode", "allreduce"], ["true"], env=env)
+    j = jobs(["--user", "root", "--mode", "allreduce", "--memory", "64MiB"], ["true"], env=env)
     assert j.wait(60) == 1, j.output()
     # Refused when the job registers with central, before it allocates.
     assert "user alice cannot run a job for user root" in j.output()
@@ -466,7 +466,8 @@ def test_run_with_central_refuses_a_node_that_is_not_this_host(jobs, tmp_path):
     proc, address = start_central(tmp_path, cpus=8, memory="16GiB", node="n1")
     try:
         env = dict(os.environ, DEEPNEX_CENTRAL=address, DEEPNEX_TOKEN="alicetok")
-        j = jobs(["--workers", "2", "--mode", "allreduce"], ["echo", "ran"], env=env)
+        j = jobs(["--workers", "2", "--mode", "allreduce", "--memory", "64MiB"], ["echo", "ran"],
+                 env=env)
         assert j.wait(60) == 1, j.output()
         assert re.search(
             r'worker 0: allocation \S+ is on node "n1", not on this host \("'
