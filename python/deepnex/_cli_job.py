@@ -49,7 +49,7 @@ def _run(args) -> int:
         _notice(e)
         return 2
     # Relative to where deepnex run is, as --checkpoint-dir and --state-dir.
-    workdir = os.path.abspath(args.workdir) if args.workdir else None
+    workdir = os.path.abspath(os.path.expanduser(args.workdir)) if args.workdir else None
     options = dict(mounts=mounts, working_dir=workdir, workers=workers,
                    min_workers=min_workers,
                    nodes=args.nodes, advertise_address=args.advertise_address, ps=args.ps,

@@ -177,7 +177,8 @@ class ServerImpl final : public Server {
     if (absl::IsFailedPrecondition(held.status())) {
       return absl::FailedPreconditionError(
           absl::StrCat(held.status().message(),
-                       "; servers that share a directory need names of their own"));
+                       "; stop that server, or give servers that share a directory names of "
+                       "their own"));
     }
     DEEPNEX_RETURN_IF_ERROR(held.status());
     checkpoint_locks_.emplace(key, *std::move(held));

@@ -242,6 +242,9 @@ def test_a_relative_workdir_is_the_current_directorys(jobs, tmp_path):
     j = jobs(["--workdir", "sub", "--mode", "allreduce"], ["pwd"])
     assert j.wait(60) == 0, j.output()
     assert f"[worker 0] {tmp_path}/sub\n" in j.output(), j.output()
+    j = jobs(["--workdir", "~", "--mode", "allreduce"], ["pwd"])  # the shell's ~, not ./~
+    assert j.wait(60) == 0, j.output()
+    assert f"[worker 0] {os.path.expanduser('~')}\n" in j.output(), j.output()
 
 
 def test_more_workers_than_this_machine_could_ever_hold_are_refused_at_once(jobs):

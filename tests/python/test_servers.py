@@ -184,8 +184,8 @@ def test_ps_checkpoint_dir_is_held_per_server_name(daemons, tmp_path):
     code, err = refused("deepnex-ps", "--listen", "127.0.0.1:0", "--checkpoint-dir", ckpt,
                         "--name", "ps0")
     assert (code, err) == (1, f'deepnex-ps: ps "ps0": checkpoint_dir "{ckpt}" is in use by '
-                              f"pid {first.pid} ({ckpt}/ps0.lock is locked); servers that "
-                              "share a directory need names of their own\n")
+                              f"pid {first.pid} ({ckpt}/ps0.lock is locked); stop that server, "
+                              "or give servers that share a directory names of their own\n")
     first.kill(signal.SIGKILL)
     daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--checkpoint-dir", ckpt, "--name", "ps0")
 
@@ -203,8 +203,8 @@ def test_servers_of_one_name_never_checkpoint_into_one_directory(tmp_path):
         with pytest.raises(deepnex.FailedPreconditionError) as e:
             b.checkpoint(ckpt)
         assert str(e.value) == (f'ps "ps": checkpoint directory "{ckpt}" is in use by pid '
-                                f"{os.getpid()} ({ckpt}/ps.lock is locked); servers that "
-                                "share a directory need names of their own")
+                                f"{os.getpid()} ({ckpt}/ps.lock is locked); stop that server, "
+                                "or give servers that share a directory names of their own")
         c.checkpoint(ckpt)
         b.checkpoint(str(tmp_path / "elsewhere"))
     with ps.Server(mode="async") as later:  # the lock goes with its holder
