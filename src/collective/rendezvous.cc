@@ -11,6 +11,12 @@ namespace deepnex::collective {
 // what was missing, and to take its join back.
 constexpr std::chrono::milliseconds kTakeBack{1000};
 
+// Where a rank counts the communicators of `backend` it joined under the
+// prefix: its generation.
+std::string CountKey(const std::string& backend, int rank) {
+  return absl::StrCat(backend, "_gen/", rank);
+}
+
 absl::StatusOr<std::unique_ptr<Rendezvous>> Rendezvous::Join(const CommunicatorOptions& options,
                                                              const std::string& backend,
                                                              const std::string& label) {
@@ -21,8 +27,7 @@ absl::StatusOr<std::unique_ptr<Rendezvous>> Rendezvous::Join(const CommunicatorO
   so.token = options.token;
   so.token_file = options.token_file;
   DEEPNEX_ASSIGN_OR_RETURN(auto store, StoreClient::Create(so));
-  DEEPNEX_ASSIGN_OR_RETURN(int64_t generation,
-                           store->Add(absl::StrCat(backend, "_gen/", options.rank), 1));
+  DEEPNEX_ASSIGN_OR_RETURN(int64_t generation, store->Add(CountKey(backend, options.rank), 1));
   return std::unique_ptr<Rendezvous>(
       new Rendezvous(options, std::move(store), backend, generation, label));
 }
@@ -33,7 +38,7 @@ Rendezvous::Rendezvous(const CommunicatorOptions& options, std::unique_ptr<Store
       store_(std::move(store)),
       base_(absl::StrCat(backend, generation, "/")),
       label_(std::move(label)),
-      count_key_(absl::StrCat(backend, "_gen/", options.rank)),
+      backend_(backend),
       generation_(generation) {}
 
 Rendezvous::~Rendezvous() {
@@ -50,7 +55,8 @@ Rendezvous::~Rendezvous() {
   if (!quick.ok()) return;
   for (const std::string& key : published_) (*quick)->Delete(key).IgnoreError();
   // Only while no later join of this rank took a number after it.
-  (*quick)->CompareSet(count_key_, absl::StrCat(generation_), absl::StrCat(generation_ - 1))
+  (*quick)->CompareSet(CountKey(backend_, o_.rank), absl::StrCat(generation_),
+                       absl::StrCat(generation_ - 1))
       .IgnoreError();
 }
 
@@ -80,7 +86,6 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
     kept_ = true;  // nothing to take back through a store out of reach
     return absl::DeadlineExceededError(absl::StrCat(what, ": ", values.status().message()));
   }
-  std::vector<std::string> counts;
   int first_missing = -1;
   for (int i = 0; i < n; ++i) {
     if ((*present)[i]) continue;
@@ -95,16 +100,14 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
   // another generation (a rank killed while starting takes nothing back):
   // say so, as the cause.
   std::string apart;
-  if (first_missing >= 0) {
-    const std::string other = count_key_.substr(0, count_key_.rfind('/') + 1) +
-                              absl::StrCat(first_missing);
-    absl::StatusOr<std::vector<bool>> joined = store_->Check({other}, kTakeBack);
-    absl::StatusOr<std::vector<std::string>> count =
-        joined.ok() && (*joined)[0] ? store_->MultiGet({other}, kTakeBack)
-                                    : absl::StatusOr<std::vector<std::string>>(
-                                          absl::NotFoundError("never joined"));
-    if (count.ok() && (*count)[0] != absl::StrCat(generation_)) {
-      apart = absl::StrCat(" (it has joined \"", o_.prefix, "\" ", (*count)[0],
+  const std::string other = CountKey(backend_, first_missing);
+  // Looked for first: Get waits for a key that is not there.
+  absl::StatusOr<std::vector<bool>> joined =
+      first_missing >= 0 ? store_->Check({other}, kTakeBack) : std::vector<bool>{false};
+  if (joined.ok() && (*joined)[0]) {
+    absl::StatusOr<std::string> count = store_->Get(other, kTakeBack);
+    if (count.ok() && *count != absl::StrCat(generation_)) {
+      apart = absl::StrCat(" (it has joined \"", o_.prefix, "\" ", *count,
                            " time(s) and this rank ", generation_,
                            ": they wait under different generations, as after a rank was killed "
                            "while starting or a start that failed on some ranks only; start "

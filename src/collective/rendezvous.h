@@ -47,7 +47,7 @@ class Rendezvous {
   std::unique_ptr<StoreClient> store_;
   std::string base_;  // "<backend><generation>/"
   std::string label_;
-  std::string count_key_;               // "<backend>_gen/<rank>"
+  std::string backend_;
   int64_t generation_ = 0;
   std::vector<std::string> published_;  // this rank's keys under base_
   bool kept_ = false;  // or the store is out of reach

@@ -298,8 +298,6 @@ class JobImpl : public Job {
     return Shutdown(signal, /*show_all_output=*/false);
   }
 
-  // Stop, or at Run's end (where the job ended by itself) with every line of
-  // the workers' output shown.
   // Stops every container of the job, the last started first, and waits
   // for their ends. Called with stop_mu_ held.
   absl::Status StopContainers() {
@@ -312,6 +310,8 @@ class JobImpl : public Job {
     return first;
   }
 
+  // Stop, or at Run's end (where the job ended by itself) with every line of
+  // the workers' output shown.
   absl::Status Shutdown(int signal, bool show_all_output) {
     std::lock_guard<std::mutex> lock(stop_mu_);
     // Stopped before its end: the record says by what (after Run's own

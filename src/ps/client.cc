@@ -1038,12 +1038,6 @@ class ClientImpl final : public Client {
       header.set_incarnation(incarnation_.load());
       for (const Piece* p : batch) *header.add_slices() = p->slice;
       auto r = NewRequest(op, server, kPushMethod, "push", deadline);
-      std::vector<std::pair<const char*, uint64_t>> spans;
-      for (const Piece* p : batch) spans.push_back({p->data, p->bytes});
-      r->on_done = [this, fate, server, again = header, spans = std::move(spans),
-                    order = next_push_.fetch_add(1)](absl::Status status) {
-        return Witness(fate.get(), {order, server, again, spans}, std::move(status));
-      };
       r->bulk_method = kBulkPush;
       std::shared_ptr<ShmRegions> shm = ShmTo(server);
       uint64_t bytes = 0;
@@ -1067,6 +1061,15 @@ class ClientImpl final : public Client {
       if (region) r->over_tcp = PushOverTcp(header, shm, *region);
       r->shm = shm;
       r->on_failure = on_failure;
+      // Sent, the header is what a resend of this request needs, as a plain push.
+      header.clear_shm();
+      header.clear_pull();
+      std::vector<std::pair<const char*, uint64_t>> spans;
+      for (const Piece* p : batch) spans.push_back({p->data, p->bytes});
+      r->on_done = [this, fate, server, again = std::move(header), spans = std::move(spans),
+                    order = next_push_.fetch_add(1)](absl::Status status) {
+        return Witness(fate.get(), {order, server, again, spans}, std::move(status));
+      };
       Send(std::move(r));
     }
   }

@@ -107,6 +107,13 @@ class Flags {
   bool has_value_ = false;
 };
 
+// A server's token when no flag gave one: $DEEPNEX_TOKEN, which unlike a
+// flag other users cannot read in /proc.
+inline void TokenFromEnvironment(std::string* token, const std::string& token_file) {
+  const char* env = std::getenv("DEEPNEX_TOKEN");
+  if (token->empty() && token_file.empty() && env != nullptr) *token = env;
+}
+
 // Blocks SIGINT and SIGTERM in every thread (construct it before any server
 // starts threads), so that only Serve's waiter takes them. Ignores SIGPIPE:
 // a peer that closed its end (a session's process that exited with its

@@ -158,10 +158,7 @@ int main(int argc, char** argv) {
     }
     else flags.Unknown();
   }
-  if (options.token.empty() && options.token_file.empty()) {
-    const char* token = getenv("DEEPNEX_TOKEN");
-    if (token != nullptr) options.token = token;
-  }
+  deepnex::tools::TokenFromEnvironment(&options.token, options.token_file);
   // A server that a launcher started with the job environment belongs to
   // that job, so a job-scoped token of another job is refused there too.
   if (options.job_id.empty()) {

@@ -1,6 +1,5 @@
 // deepnex-store: a job's rendezvous store, as a daemon.
 #include <cstdio>
-#include <cstdlib>
 #include <iostream>
 #include <string>
 
@@ -51,12 +50,9 @@ int main(int argc, char** argv) {
     else flags.Unknown();
   }
   if (options.address.empty()) flags.Die("--listen is empty");
-  // A user who set DEEPNEX_TOKEN for deepnex-ps expects this store to need
-  // it too (a probe's store accepted any token).
-  if (options.token.empty() && options.token_file.empty()) {
-    const char* token = std::getenv("DEEPNEX_TOKEN");
-    if (token != nullptr) options.token = token;
-  }
+  // As deepnex-ps: a user who set DEEPNEX_TOKEN for both expects the store
+  // to need it too (a probe's store accepted any token).
+  deepnex::tools::TokenFromEnvironment(&options.token, options.token_file);
 
   deepnex::tools::SignalStop signals;
   auto server = deepnex::collective::StoreServer::Create(options);
