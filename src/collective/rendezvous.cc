@@ -28,8 +28,12 @@ absl::StatusOr<std::unique_ptr<Rendezvous>> Rendezvous::Join(const CommunicatorO
   so.token_file = options.token_file;
   DEEPNEX_ASSIGN_OR_RETURN(auto store, StoreClient::Create(so));
   DEEPNEX_ASSIGN_OR_RETURN(int64_t generation, store->Add(CountKey(backend, options.rank), 1));
-  return std::unique_ptr<Rendezvous>(
+  std::unique_ptr<Rendezvous> r(
       new Rendezvous(options, std::move(store), backend, generation, label));
+  // A try taken back at this generation left its mark: this one has not
+  // given up.
+  DEEPNEX_RETURN_IF_ERROR(r->store_->Delete(r->LeftKey(options.rank)).status());
+  return r;
 }
 
 Rendezvous::Rendezvous(const CommunicatorOptions& options, std::unique_ptr<StoreClient> store,
@@ -53,6 +57,9 @@ Rendezvous::~Rendezvous() {
   so.token_file = o_.token_file;
   absl::StatusOr<std::unique_ptr<StoreClient>> quick = StoreClient::Create(so);
   if (!quick.ok()) return;
+  // Marked before its keys go, so that a rank still waiting names this one
+  // as having come and gone rather than as never come.
+  if (!published_.empty()) (*quick)->Set(LeftKey(o_.rank), "").IgnoreError();
   for (const std::string& key : published_) (*quick)->Delete(key).IgnoreError();
   // Only while no later join of this rank took a number after it.
   (*quick)->CompareSet(CountKey(backend_, o_.rank), absl::StrCat(generation_),
@@ -86,9 +93,25 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
     kept_ = true;  // nothing to take back through a store out of reach
     return absl::DeadlineExceededError(absl::StrCat(what, ": ", values.status().message()));
   }
-  int first_missing = -1;
+  // Of the absent, those that came and gave up at their own deadline (and
+  // took their keys back) are not missing.
+  std::vector<int> absent;
+  std::vector<std::string> left_keys;
   for (int i = 0; i < n; ++i) {
     if ((*present)[i]) continue;
+    absent.push_back(i);
+    left_keys.push_back(LeftKey(i));
+  }
+  absl::StatusOr<std::vector<bool>> gave_up_marks =
+      absent.empty() ? std::vector<bool>{} : store_->Check(left_keys, kTakeBack);
+  std::vector<std::string> gone;
+  int first_missing = -1;
+  for (size_t j = 0; j < absent.size(); ++j) {
+    const int i = absent[j];
+    if (gave_up_marks.ok() && (*gave_up_marks)[j]) {
+      gone.push_back(absl::StrCat(i));
+      continue;
+    }
     if (first_missing < 0) first_missing = i;
     if (missing.size() < kShown) {
       missing.push_back(absl::StrCat(i));
@@ -114,10 +137,29 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
                            "every rank with a new prefix)");
     }
   }
+  std::string gave_up;
+  if (!gone.empty()) {
+    if (gone.size() > kShown) {
+      const size_t rest = gone.size() - kShown;
+      gone.resize(kShown);
+      gone.push_back(absl::StrCat("and ", rest, " more"));
+    }
+    gave_up = absl::StrCat("rank ", absl::StrJoin(gone, ", "),
+                           " came and gave up before then (started that much earlier: its "
+                           "timeout ran out first)");
+  }
+  const std::string where =
+      absl::StrCat(" at the store ", o_.store_address, " within ", o_.timeout.count(), " ms");
+  if (missing.empty() && !gone.empty()) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(what, ": not every rank was there together", where, "; ", gave_up));
+  }
   return absl::DeadlineExceededError(absl::StrCat(
       what, ": rank ", missing.empty() ? "?" : absl::StrJoin(missing, ", "),
-      more > 0 ? absl::StrCat(" and ", more, " more") : "", " did not arrive at the store ",
-      o_.store_address, " within ", o_.timeout.count(), " ms", apart));
+      more > 0 ? absl::StrCat(" and ", more, " more") : "", " did not arrive", where, apart,
+      gave_up.empty() ? "" : "; ", gave_up));
 }
+
+std::string Rendezvous::LeftKey(int rank) const { return absl::StrCat(base_, "left/", rank); }
 
 }  // namespace deepnex::collective

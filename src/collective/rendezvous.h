@@ -42,6 +42,8 @@ class Rendezvous {
  private:
   Rendezvous(const CommunicatorOptions& options, std::unique_ptr<StoreClient> store,
              const std::string& backend, int64_t generation, std::string label);
+  // Marks a rank whose try at this generation was taken back.
+  std::string LeftKey(int rank) const;
 
   const CommunicatorOptions& o_;
   std::unique_ptr<StoreClient> store_;

@@ -26,6 +26,7 @@ using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
 using ::deepnex::test::WaitFor;
 using ::testing::AnyOf;
+using ::testing::EndsWith;
 using ::testing::HasSubstr;
 using std::chrono::milliseconds;
 
@@ -552,6 +553,34 @@ TEST_F(CommunicatorTest, MissingRankAtInitIsDeadlineExceededNamingIt) {
     EXPECT_THAT(comm, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("rank 2, 3")));
     EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(4000));
   });
+}
+
+// A rank whose timeout ran out first takes its keys back: a rank still
+// waiting named it as never come (CI: "rank 0, 2, 3" for two ranks that
+// failed together), and as a generation apart.
+TEST_F(CommunicatorTest, ARankThatGaveUpFirstIsNamedAsComeAndGone) {
+  const std::string store = store_->address();
+  ::deepnex::test::RunRanks(2, [&](int r) {
+    CommunicatorOptions o = Options(r, 3, "gave-up");
+    o.timeout = milliseconds(r == 0 ? 300 : 1500);
+    EXPECT_THAT(Communicator::Create(o),
+                StatusIs(absl::StatusCode::kDeadlineExceeded,
+                         r == 0 ? EndsWith(": rank 2 did not arrive at the store " + store + " within 300 ms")
+                                : EndsWith(": rank 2 did not arrive at the store " + store +
+                                           " within 1500 ms; rank 0 came and gave up before "
+                                           "then (started that much earlier: its timeout ran "
+                                           "out first)")));
+  });
+  // Rank 1 comes after rank 0 gave up.
+  CommunicatorOptions o = Options(0, 2, "too-late");
+  o.timeout = milliseconds(300);
+  EXPECT_THAT(Communicator::Create(o), StatusIs(absl::StatusCode::kDeadlineExceeded));
+  o.rank = 1;
+  EXPECT_THAT(Communicator::Create(o),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       EndsWith(": not every rank was there together at the store " + store +
+                                " within 300 ms; rank 0 came and gave up before then (started "
+                                "that much earlier: its timeout ran out first)")));
 }
 
 TEST_F(CommunicatorTest, RankLeavingMidCollectiveFailsTheOthersQuickly) {
