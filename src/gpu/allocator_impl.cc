@@ -531,13 +531,20 @@ void Allocator::Impl::Answer(Waiter w, Allocator::AllocateDone done) {
 absl::Status Allocator::Impl::ReleaseId(const std::string& id, uint64_t* seq) {
   uint64_t num;
   std::vector<uint64_t> nums;
-  if (ParseId(id, 'a', &num)) {
-    if (state_.allocs().count(num)) nums.push_back(num);
-  } else if (ParseId(id, 'g', &num)) {
-    nums = state_.GangParts(id);
-  } else {
+  const bool gang = !ParseId(id, 'a', &num);
+  if (gang && !ParseId(id, 'g', &num)) {
     return absl::InvalidArgumentError(
         absl::StrCat("id \"", id, "\" is not an allocation id (a<N>) or a gang id (g<N>)"));
+  }
+  // A typo must not read as done while the allocation meant stays held.
+  if (!state_.Issued(gang ? 'g' : 'a', num)) {
+    return absl::NotFoundError(absl::StrCat(gang ? "gang " : "allocation ", id,
+                                            " was never issued (see deepnex allocations)"));
+  }
+  if (gang) {
+    nums = state_.GangParts(id);
+  } else if (state_.allocs().count(num)) {
+    nums.push_back(num);
   }
   *seq = ReleaseLocked(nums, "released");
   return absl::OkStatus();

@@ -79,6 +79,11 @@ class AllocatorState {
   Placement& placement() { return placement_; }
   const Placement& placement() const { return placement_; }
   const std::map<uint64_t, AllocRec>& allocs() const { return allocs_; }
+  // Whether allocation (kind 'a') or gang ('g') number `num` was ever
+  // issued: released ones were, and a release of them is a no-op.
+  bool Issued(char kind, uint64_t num) const {
+    return num > 0 && num < (kind == 'a' ? next_id_ : next_gang_);
+  }
   // The numbers of the parts of gang `id`; empty when none is held.
   std::vector<uint64_t> GangParts(const std::string& id) const;
   // Leases in order of expiry: (expires at, allocation number).

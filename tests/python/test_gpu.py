@@ -370,6 +370,11 @@ def test_cli_against_central(central):
     denied = run_cli("release", "a1", central=central, token="bobtok")
     assert denied.returncode == 1 and "cannot release a1" in denied.stderr
     assert run_cli("release", "a1", central=central, token="alicetok").returncode == 0
+    # Again: a retry is a no-op. A typo of an id never issued said "released" too.
+    assert run_cli("release", "a1", central=central, token="alicetok").returncode == 0
+    typo = run_cli("release", "a11", central=central, token="alicetok")
+    assert (typo.returncode, typo.stdout) == (1, ""), typo
+    assert "allocation a11 was never issued (see deepnex allocations)" in typo.stderr
     out = run_cli("quota", "alice", "--gpus", "4", central=central)
     assert out.returncode == 0 and "quota of alice set" in out.stdout
     out = run_cli("node", "mode", "n1", "exclusive", central=central)

@@ -191,7 +191,8 @@ class Allocator {
   absl::StatusOr<std::vector<Allocation>> AllocateGang(
       const Request& request, const AllocateOptions& options = {});
   // Releases an allocation, or every part of a gang given the gang id.
-  // Idempotent: an id that was released (or never existed) is OK.
+  // Idempotent: an id that was released is OK. NotFound for one never
+  // issued, InvalidArgument for one that is not an id.
   absl::Status Release(const std::string& id);
   // Extends the lease by its length from now. NotFound for an unknown id,
   // FailedPrecondition for an allocation without a lease.

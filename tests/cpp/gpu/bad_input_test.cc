@@ -258,7 +258,11 @@ TEST_F(BadInput, OverQuotaRequest) {
 TEST_F(BadInput, MalformedReleaseId) {
   EXPECT_THAT(alloc_->Release("xyz"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("id \"xyz\"")));
-  EXPECT_OK(alloc_->Release("a999"));  // unknown but well-formed: idempotent no-op
+  // Well-formed but never issued: a typo, which must not read as released.
+  for (const char* id : {"a999", "a0", "g999"}) {
+    EXPECT_THAT(alloc_->Release(id),
+                StatusIs(absl::StatusCode::kNotFound, HasSubstr(std::string(id) + " was never issued")));
+  }
   ExpectUnchanged();
 }
 
