@@ -49,7 +49,28 @@ def build_parser(modules: tuple[str, ...] = _CLI_MODULES):
     for name in modules:
         __import__(f"deepnex.{name}")  # as `import`, which -X importtime reports
         sys.modules[f"deepnex.{name}"].add_commands(commands)
+    # A prefix of a flag is not that flag: `--worker 2` was taken as
+    # --workers, and a prefix shared later by a new flag would change meaning.
+    stack = [parser]
+    while stack:
+        p = stack.pop()
+        p.allow_abbrev = False
+        stack.extend(c for a in p._actions if isinstance(a, argparse._SubParsersAction)
+                     for c in a.choices.values())
     return parser
+
+
+def _innermost(parser, args):
+    """The parser of the (sub)command that `args` ran: the one whose usage
+    goes with an error about its arguments."""
+    import argparse
+
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if name not in (subs[0].choices if subs else ()):
+            return parser
+        parser = subs[0].choices[name]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
             _exec_shell(argv[1:])
     module = _COMMAND_MODULES.get(argv[0]) if argv else None
     parser = build_parser((module,) if module else _CLI_MODULES)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # Said by the subcommand's parser: argparse's own says the top-level
+        # usage, which does not name the flags of the command that was meant.
+        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

@@ -824,3 +824,24 @@ def test_version_and_cli():
                          text=True)
     assert out.returncode == 2
     assert "usage: deepnex" in out.stdout
+
+
+@pytest.mark.parametrize("argv, usage, error", [
+    # A misspelled flag was told with the top-level usage, naming no flag of
+    # the command meant.
+    (["run", "--wrkers", "2", "--", "true"], "usage: deepnex run [options]",
+     "deepnex run: error: unrecognized arguments: --wrkers"),
+    (["image", "share", "--wth", "bob", "img"], "usage: deepnex image share",
+     "deepnex image share: error: unrecognized arguments: --wth"),
+    (["release", "a1", "a2"], "usage: deepnex release",
+     "deepnex release: error: unrecognized arguments: a2"),
+    # A prefix was taken as the flag it begins (--workers).
+    (["run", "--worker", "2", "--", "true"], "usage: deepnex run [options]",
+     "deepnex run: error: unrecognized arguments: --worker"),
+])
+def test_a_bad_flag_is_told_with_its_commands_usage(argv, usage, error):
+    out = subprocess.run([sys.executable, "-m", "deepnex", *argv], capture_output=True,
+                         text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (2, ""), out
+    assert out.stderr.startswith(usage), out.stderr
+    assert out.stderr.splitlines()[-1].startswith(error), out.stderr
