@@ -181,9 +181,12 @@ def _top(args) -> int:
     if args.once:
         print(top_text(args.run_dir))
         return 0
+    # A terminal's screen is redrawn; into a pipe or file the screens follow
+    # one another, a blank line apart, as `top -b`'s.
+    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
     try:
         while True:
-            sys.stdout.write("\x1b[H\x1b[2J" + top_text(args.run_dir) + "\n")
+            sys.stdout.write(clear + top_text(args.run_dir) + ("\n" if clear else "\n\n"))
             sys.stdout.flush()
             time.sleep(args.interval)
     except KeyboardInterrupt:
@@ -269,7 +272,9 @@ def add_commands(commands) -> None:
     run.set_defaults(func=_run)
 
     top = commands.add_parser("top", help="the jobs running here: containers, GPUs, CPU, memory")
-    top.add_argument("--once", action="store_true", help="print once instead of refreshing")
+    top.add_argument("--once", action="store_true",
+                     help="print once instead of refreshing (into a pipe or file without it: "
+                          "a screen every --interval, one after another, as top -b)")
     top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     top.add_argument("--run-dir", default=None,
                      help="where jobs register (default $DEEPNEX_RUN_DIR or /tmp/deepnex-UID/jobs)")

@@ -377,6 +377,22 @@ def test_every_flag_of_run_and_top_has_help_and_run_names_its_environment():
     assert args.workers == 3
 
 
+def test_top_into_a_pipe_prints_screens_one_after_another(tmp_path):
+    """Into a pipe, `deepnex top` wrote a terminal's clear-screen codes
+    before every screen (probe, session 26)."""
+    proc = subprocess.Popen([sys.executable, "-m", "deepnex", "top", "--interval", "0.05",
+                             "--run-dir", str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(60, proc.kill)  # a silent top fails, not hangs
+    watchdog.start()
+    try:
+        screens = [proc.stdout.readline() for _ in range(6)]
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait(timeout=30)
+    assert screens == ["no deepnex jobs running\n", "\n"] * 3
+
+
 @pytest.fixture
 def central(tmp_path):
     """deepnex-central with a token file: alicetok is user alice. Its node is
