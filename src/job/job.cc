@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <charconv>
 #include <cmath>
 #include <condition_variable>
 #include <filesystem>
@@ -46,6 +47,13 @@ using Clock = std::chrono::steady_clock;
 constexpr char kReportKey[] = "deepnex/report";
 // The longest piece of a worker's output shown as one line.
 constexpr size_t kMaxLine = 1 << 20;
+
+// The shortest text that reads back as `v` (StrCat keeps six digits: an lr
+// of 0.0012345678 reached the servers as 0.00123457).
+std::string Exact(double v) {
+  char text[32];
+  return std::string(text, std::to_chars(text, text + sizeof(text), v).ptr);
+}
 
 class JobImpl : public Job {
  public:
@@ -134,13 +142,14 @@ class JobImpl : public Job {
           "memory (--memory): required with central, which grants only what is asked, and a "
           "container needs some (e.g. --memory 4GiB)");
     }
-    // Before anything is allocated or started: the servers would refuse it.
-    if (!ps_mode_.empty()) DEEPNEX_RETURN_IF_ERROR(ps::ParseOptimizerKind(o_.optimizer).status());
-    if (!(o_.lr > 0) || !std::isfinite(o_.lr)) {
-      return absl::InvalidArgumentError(absl::StrCat("lr: ", o_.lr, " is not > 0"));
-    }
-    if (!(o_.momentum >= 0 && o_.momentum < 1)) {
-      return absl::InvalidArgumentError(absl::StrCat("momentum: ", o_.momentum, " is not in [0, 1)"));
+    // Before anything is allocated or started, by the servers' own rules
+    // (the job had its own: it refused an lr of 0 that deepnex-ps takes).
+    if (!ps_mode_.empty()) {
+      ps::OptimizerConfig optimizer;
+      DEEPNEX_ASSIGN_OR_RETURN(optimizer.kind, ps::ParseOptimizerKind(o_.optimizer));
+      optimizer.lr = o_.lr;
+      optimizer.momentum = o_.momentum;
+      DEEPNEX_RETURN_IF_ERROR(optimizer.Validate());
     }
     // deepnex-central knows who the token is; only a local allocator needs
     // to be told.
@@ -755,8 +764,8 @@ class JobImpl : public Job {
     // same across jobs, so a new job can restore an old job's checkpoint.
     std::vector<std::string>& c = spec.command;
     c = {o_.ps_binary, "--listen", addr, "--mode", ps_mode_, "--workers",
-         absl::StrCat(o_.workers), "--optimizer", o_.optimizer, "--lr", absl::StrCat(o_.lr),
-         "--momentum", absl::StrCat(o_.momentum), "--job", o_.name,
+         absl::StrCat(o_.workers), "--optimizer", o_.optimizer, "--lr", Exact(o_.lr),
+         "--momentum", Exact(o_.momentum), "--job", o_.name,
          "--name", absl::StrCat("ps", i)};
     if (ps_mode_ == "ssp") {
       c.insert(c.end(), {"--staleness", absl::StrCat(staleness_)});

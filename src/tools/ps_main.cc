@@ -182,9 +182,10 @@ int main(int argc, char** argv) {
     std::cerr << "deepnex-ps: " << server.status().message() << "\n";
     return 1;
   }
-  std::printf("deepnex-ps listening on %s (mode %s, %d workers, %s)\n",
+  std::printf("deepnex-ps listening on %s (mode %s, %d worker%s, %s)\n",
               (*server)->address().c_str(), deepnex::ps::ModeName(options.mode),
-              options.num_workers, options.optimizer.ToString().c_str());
+              options.num_workers, options.num_workers == 1 ? "" : "s",
+              options.optimizer.ToString().c_str());
   if ((*server)->metrics_port() > 0) {
     std::printf("deepnex-ps metrics on http://%s:%d/metrics\n", host.c_str(),
                 (*server)->metrics_port());

@@ -151,6 +151,18 @@ def test_run_trains_digits_to_accuracy_through_sync_ps(jobs):
     assert "job " + j.name + " exited 0" in j.output()
 
 
+def test_the_servers_get_the_lr_given_exactly_and_an_lr_of_0(jobs):
+    """The servers' --lr was cut to six digits (0.0012345678 became
+    0.00123457), and `deepnex run` refused an lr of 0 that deepnex-ps takes."""
+    for lr in ("0.0012345678", "0"):
+        j = jobs(["--workers", "1", "--mode", "sync", "--lr", lr], ["sleep", "60"])
+        wait_for(lambda: ps_server_pids(j.name), "the job's parameter server")
+        command = _cmdline(ps_server_pids(j.name)[0])
+        assert command[command.index(b"--lr") + 1] == lr.encode(), command
+        j.proc.send_signal(signal.SIGINT)
+        j.wait(60)
+
+
 def test_the_job_exit_code_is_the_failing_workers(jobs):
     j = jobs(["--workers", "2", "--mode", "allreduce"],
              ["sh", "-c", 'if [ "$DEEPNEX_RANK" = 1 ]; then exit 7; fi; sleep 60'])

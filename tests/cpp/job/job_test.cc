@@ -285,7 +285,9 @@ TEST_F(JobTest, BadOptionsNameTheFieldAndValue) {
       {[](JobOptions& o) { o.name = "a\n" + std::string(300, 'b'); },
        "name: \"a\\n" + std::string(62, 'b') + "\"... is not a job name"},
       {[](JobOptions& o) { o.command.clear(); }, "command: empty"},
-      {[](JobOptions& o) { o.lr = -1; }, "lr: -1"},
+      // By the servers' own rules (the job's own refused an lr of 0).
+      {[](JobOptions& o) { o.lr = -1; }, "optimizer lr=-1: must be finite and >= 0"},
+      {[](JobOptions& o) { o.momentum = -0.5; }, "optimizer momentum=-0.5: must be"},
       // Once refused only by the started parameter servers, after allocating.
       {[](JobOptions& o) { o.optimizer = "adamm"; }, "optimizer: unknown \"adamm\""},
       {[](JobOptions& o) { o.ps = 0; }, "ps: 0"},
