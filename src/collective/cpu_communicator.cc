@@ -57,6 +57,14 @@ bool SupportedDType(DType d) {
 
 std::string RankName(int r) { return absl::StrCat("rank ", r); }
 
+// `s` saying `message`, its payloads kept (PeerOf's among them).
+absl::Status Reworded(const absl::Status& s, absl::string_view message) {
+  absl::Status out(s.code(), message);
+  s.ForEachPayload(
+      [&](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
 // The CPUs this thread may run on, as RankInfo::cpus.
 std::string CpuMask() {
   cpu_set_t set;
@@ -157,19 +165,38 @@ class CpuCommunicator final : public Communicator {
     absl::Status s = fn();
     // InvalidArgument comes from the header check, which left every rank in
     // step; anything else leaves the streams in an unknown state.
-    if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) Break(s);
+    if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) s = Break(s);
     if (aborted_.load() && s.ok()) s = absl::AbortedError("the communicator was aborted");
     return s;
   }
 
-  void Break(const absl::Status& s) {
+  // The first error ends the communicator. Before its links go, it is
+  // recorded in the store for the neighbours, which see only that this rank
+  // broke off (in a ring, the failure spreads rank by rank: a probe's ranks
+  // blamed healthy ones). An error that is a neighbour's breaking off says
+  // where the failure began, as that neighbour recorded it, and passes that
+  // on. Aborts (and destruction) record nothing. Returns `s` as said.
+  absl::Status Break(absl::Status s) {
+    bool first;
     {
       std::lock_guard<std::mutex> lock(broken_mu_);
-      if (broken_.ok()) broken_ = s;
+      first = broken_.ok();
+      if (first) broken_ = s;
+    }
+    if (first && !aborted_.load() && rendezvous_ != nullptr) {
+      std::optional<int> peer = PeerOf(s);
+      std::string began = peer ? rendezvous_->FailureOf({*peer}) : "";
+      rendezvous_->RecordFailure(began.empty() ? std::string(s.message()) : began);
+      if (!began.empty()) {
+        s = Reworded(s, absl::StrCat(s.message(), "; the failure began elsewhere: ", began));
+        std::lock_guard<std::mutex> lock(broken_mu_);
+        broken_ = s;
+      }
     }
     stop_.store(true);
     for (auto& link : links_) link->Interrupt();
     for (int fd : ctl_fds_) shutdown(fd, SHUT_RDWR);
+    return s;
   }
 
   SteadyClock::time_point Deadline() const { return SteadyClock::now() + o_.timeout; }
@@ -274,7 +301,7 @@ class CpuCommunicator final : public Communicator {
 
   absl::Status Annotate(const std::string& what, const absl::Status& s) const {
     if (stop_.load() && aborted_.load()) return absl::AbortedError("the communicator was aborted");
-    return absl::Status(s.code(), absl::StrCat(what, " on rank ", o_.rank, ": ", s.message()));
+    return Reworded(s, absl::StrCat(what, " on rank ", o_.rank, ": ", s.message()));
   }
 
   absl::Status CheckTensor(const char* what, const TensorView& t) const {
@@ -496,6 +523,7 @@ class CpuCommunicator final : public Communicator {
   std::atomic<bool> stop_{false};  // links are told to stop waiting
   std::mutex broken_mu_;
   absl::Status broken_;
+  std::unique_ptr<Rendezvous> rendezvous_;  // kept, for Break
 
   std::unique_ptr<SerialQueue> queue_;
 };
@@ -532,6 +560,7 @@ absl::Status CpuCommunicator::Init(Transport transport) {
   DEEPNEX_RETURN_IF_ERROR(Connect(j, deadline));
   DEEPNEX_RETURN_IF_ERROR(KeepSegments(j, deadline));
   j.rendezvous->Keep();
+  rendezvous_ = std::move(j.rendezvous);
   BuildLinks(j);
   pool_ = std::make_unique<StripePool>(static_cast<int>(links_.size()) - 1);
   queue_ = std::make_unique<SerialQueue>();
@@ -778,6 +807,8 @@ void CpuCommunicator::BuildLinks(Joining& j) {
     LinkConfig c;
     c.left_name = RankName(left);
     c.right_name = RankName(right);
+    c.left_rank = left;
+    c.right_rank = right;
     if (j.shm_out) {
       c.send_ring = right_seg_->ring(k);
       c.right_bell = right_seg_->bell(k);

@@ -7,8 +7,9 @@
 
 namespace deepnex::collective {
 
-// How long a failed start spends on the store after its deadline: to say
-// what was missing, and to take its join back.
+// How long a failed start spends on the store after its deadline (to say
+// what was missing, and to take its join back), and a failed collective
+// (to say why, and to learn why a neighbour broke off).
 constexpr std::chrono::milliseconds kTakeBack{1000};
 
 // Where a rank counts the communicators of `backend` it joined under the
@@ -45,17 +46,19 @@ Rendezvous::Rendezvous(const CommunicatorOptions& options, std::unique_ptr<Store
       backend_(backend),
       generation_(generation) {}
 
-Rendezvous::~Rendezvous() {
-  if (kept_) return;
-  // Through a client of its own with a short timeout: the start has failed
-  // already, perhaps because the store is out of reach.
+absl::StatusOr<std::unique_ptr<StoreClient>> Rendezvous::QuickStore() const {
   StoreClientOptions so;
   so.address = o_.store_address;
   so.prefix = o_.prefix;
   so.timeout = kTakeBack;
   so.token = o_.token;
   so.token_file = o_.token_file;
-  absl::StatusOr<std::unique_ptr<StoreClient>> quick = StoreClient::Create(so);
+  return StoreClient::Create(so);
+}
+
+Rendezvous::~Rendezvous() {
+  if (kept_) return;
+  absl::StatusOr<std::unique_ptr<StoreClient>> quick = QuickStore();
   if (!quick.ok()) return;
   // Marked before its keys go, so that a rank still waiting names this one
   // as having come and gone rather than as never come.
@@ -161,5 +164,29 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
 }
 
 std::string Rendezvous::LeftKey(int rank) const { return absl::StrCat(base_, "left/", rank); }
+
+std::string Rendezvous::FailedKey(int rank) const {
+  return absl::StrCat(base_, "failed/", rank);
+}
+
+void Rendezvous::RecordFailure(const std::string& why) {
+  absl::StatusOr<std::unique_ptr<StoreClient>> quick = QuickStore();
+  if (quick.ok()) (*quick)->Set(FailedKey(o_.rank), why).IgnoreError();
+}
+
+std::string Rendezvous::FailureOf(const std::vector<int>& ranks) {
+  absl::StatusOr<std::unique_ptr<StoreClient>> quick = QuickStore();
+  if (!quick.ok()) return "";
+  std::vector<std::string> keys;
+  for (int rank : ranks) keys.push_back(FailedKey(rank));
+  // Looked for first: Get waits for a key that is not there.
+  absl::StatusOr<std::vector<bool>> present = (*quick)->Check(keys, kTakeBack);
+  for (size_t i = 0; present.ok() && i < keys.size(); ++i) {
+    if (!(*present)[i]) continue;
+    absl::StatusOr<std::string> why = (*quick)->Get(keys[i], kTakeBack);
+    if (why.ok()) return *why;
+  }
+  return "";
+}
 
 }  // namespace deepnex::collective

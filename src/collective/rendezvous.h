@@ -36,14 +36,31 @@ class Rendezvous {
       const std::string& name, const std::string& value,
       std::chrono::steady_clock::time_point deadline);
 
-  // The communicator is up: its join stands.
-  void Keep() { kept_ = true; }
+  // The communicator is up: its join stands. The store is let go: what
+  // follows is on a failure, through a client of its own.
+  void Keep() {
+    kept_ = true;
+    store_.reset();
+  }
+  // Once the communicator is up. Records why this rank's collectives
+  // failed, for its neighbours: they see only that it broke off. Waits at
+  // most a second for a store out of reach.
+  void RecordFailure(const std::string& why);
+  // What the first of `ranks` to record a failure recorded; empty when none
+  // did (a rank that died records nothing).
+  std::string FailureOf(const std::vector<int>& ranks);
 
  private:
   Rendezvous(const CommunicatorOptions& options, std::unique_ptr<StoreClient> store,
              const std::string& backend, int64_t generation, std::string label);
   // Marks a rank whose try at this generation was taken back.
   std::string LeftKey(int rank) const;
+  // Where `rank` records why its collectives failed.
+  std::string FailedKey(int rank) const;
+  // A client of the store that waits at most a second: for a start or a
+  // communicator that has failed already, perhaps because the store is
+  // out of reach.
+  absl::StatusOr<std::unique_ptr<StoreClient>> QuickStore() const;
 
   const CommunicatorOptions& o_;
   std::unique_ptr<StoreClient> store_;

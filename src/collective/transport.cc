@@ -22,6 +22,8 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "core/net.h"
 #include "core/socket.h"
@@ -233,6 +235,25 @@ Link::~Link() {
   if (c_.recv_fd >= 0) close(c_.recv_fd);
 }
 
+namespace {
+
+constexpr char kPeerUrl[] = "deepnex.collective/peer";
+
+// `s`, marked as caused by neighbour `rank`.
+absl::Status FromPeer(int rank, absl::Status s) {
+  s.SetPayload(kPeerUrl, absl::Cord(absl::StrCat(rank)));
+  return s;
+}
+
+}  // namespace
+
+std::optional<int> PeerOf(const absl::Status& s) {
+  auto peer = s.GetPayload(kPeerUrl);
+  int rank;
+  if (!peer || !absl::SimpleAtoi(std::string(*peer), &rank) || rank < 0) return std::nullopt;
+  return rank;
+}
+
 void Link::Interrupt() {
   if (c_.send_fd >= 0) shutdown(c_.send_fd, SHUT_RDWR);
   if (c_.recv_fd >= 0) shutdown(c_.recv_fd, SHUT_RDWR);
@@ -267,7 +288,7 @@ absl::StatusOr<size_t> Link::TrySend(const char* data, size_t n) {
   ssize_t w = send(c_.send_fd, data, n, MSG_NOSIGNAL | MSG_DONTWAIT);
   if (w >= 0) return static_cast<size_t>(w);
   if (errno == EAGAIN || errno == EINTR) return 0;
-  return ErrnoUnavailable(absl::StrCat("send to ", c_.right_name));
+  return FromPeer(c_.right_rank, ErrnoUnavailable(absl::StrCat("send to ", c_.right_name)));
 }
 
 absl::StatusOr<size_t> Link::TryRecv(char* dst, size_t n) {
@@ -296,10 +317,11 @@ absl::StatusOr<size_t> Link::TryRecv(char* dst, size_t n) {
   ssize_t r = recv(c_.recv_fd, dst + got, n - got, MSG_DONTWAIT);
   if (r > 0) return got + r;
   if (r == 0) {
-    return absl::UnavailableError(absl::StrCat(c_.left_name, " closed the connection"));
+    return FromPeer(c_.left_rank,
+                    absl::UnavailableError(absl::StrCat(c_.left_name, " closed the connection")));
   }
   if (errno == EAGAIN || errno == EINTR) return got;
-  return ErrnoUnavailable(absl::StrCat("receive from ", c_.left_name));
+  return FromPeer(c_.left_rank, ErrnoUnavailable(absl::StrCat("receive from ", c_.left_name)));
 }
 
 absl::StatusOr<std::pair<const char*, size_t>> Link::Peek(size_t min_bytes) {
@@ -329,9 +351,10 @@ absl::StatusOr<std::pair<const char*, size_t>> Link::Peek(size_t min_bytes) {
     if (r > 0) {
       buf_end_ += r;
     } else if (r == 0) {
-      return absl::UnavailableError(absl::StrCat(c_.left_name, " closed the connection"));
+      return FromPeer(c_.left_rank,
+                      absl::UnavailableError(absl::StrCat(c_.left_name, " closed the connection")));
     } else if (errno != EAGAIN && errno != EINTR) {
-      return ErrnoUnavailable(absl::StrCat("receive from ", c_.left_name));
+      return FromPeer(c_.left_rank, ErrnoUnavailable(absl::StrCat("receive from ", c_.left_name)));
     }
   }
   size_t avail = buf_end_ - buf_begin_;
@@ -366,18 +389,22 @@ absl::Status Link::CheckCtl(bool check_send, bool check_recv) const {
   pollfd p[2];
   int n = 0;
   const std::string* names[2];
+  int ranks[2];
   if (check_send && c_.send_ring != nullptr && c_.send_ctl_fd >= 0) {
     names[n] = &c_.right_name;
+    ranks[n] = c_.right_rank;
     p[n++] = {c_.send_ctl_fd, POLLIN | POLLRDHUP, 0};
   }
   if (check_recv && c_.recv_ring != nullptr && c_.recv_ctl_fd >= 0) {
     names[n] = &c_.left_name;
+    ranks[n] = c_.left_rank;
     p[n++] = {c_.recv_ctl_fd, POLLIN | POLLRDHUP, 0};
   }
   if (n == 0 || poll(p, n, 0) <= 0) return absl::OkStatus();
   for (int i = 0; i < n; ++i) {
     if (p[i].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLIN)) {
-      return absl::UnavailableError(absl::StrCat(*names[i], " closed its connection (it left or died)"));
+      return FromPeer(ranks[i], absl::UnavailableError(absl::StrCat(
+                                    *names[i], " closed its connection (it left or died)")));
     }
   }
   return absl::OkStatus();

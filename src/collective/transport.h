@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -75,9 +76,16 @@ class ShmSegment {
 
 // ---- links
 
+// An error a Link returns because of a neighbour (it closed its
+// connection, or sending to it failed) names that neighbour's rank here,
+// as the status' payload: PeerOf reads it.
+std::optional<int> PeerOf(const absl::Status& s);
+
 struct LinkConfig {
   std::string left_name;   // "rank 3", for messages
   std::string right_name;
+  int left_rank = -1;
+  int right_rank = -1;
   // TCP halves: the connections (owned by the Link afterwards), or -1.
   int send_fd = -1;
   int recv_fd = -1;

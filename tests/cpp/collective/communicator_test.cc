@@ -611,6 +611,41 @@ TEST_F(CommunicatorTest, RankLeavingMidCollectiveFailsTheOthersQuickly) {
   }
 }
 
+// In a ring, a rank's failure spreads rank by rank: a probe's rank 0, two
+// hops from a killed rank 2, said only "rank 3 closed the connection",
+// blaming a healthy rank. Each rank that breaks off records why in the
+// store, and its neighbours say where the failure began.
+TEST_F(CommunicatorTest, ARankFarFromAFailureSaysWhereItBegan) {
+  for (const char* transport : {"tcp", "shm"}) {
+    std::atomic<int> waiting{0};
+    RunRanks(
+        4,
+        [&](int rank, Communicator& comm) {
+          std::vector<float> x(1 << 20, 1.0f);
+          TensorView t(x.data(), DType::kFloat32, {int64_t(x.size())});
+          if (rank == 2) {
+            // Once the others are in their collective: never one in flight.
+            ASSERT_TRUE(WaitFor([&] { return waiting.load() == 3; }, milliseconds(60000),
+                                "the other ranks' AllReduce"));
+            std::this_thread::sleep_for(milliseconds(50));
+            comm.Abort();  // as if the process died: its connections close
+            return;
+          }
+          auto work = comm.AllReduceAsync(t, ReduceOp::kSum);
+          ++waiting;
+          absl::Status s = work->Wait();
+          EXPECT_THAT(s.code(), absl::StatusCode::kUnavailable) << transport << " " << s;
+          // Two hops away, rank 0 learns it from a neighbour that broke off.
+          EXPECT_THAT(std::string(s.message()),
+                      ::testing::ContainsRegex(rank == 0 ? "; the failure began elsewhere: .*rank 2"
+                                                       : "rank 2"))
+              << transport << " rank " << rank;
+          EXPECT_THAT(comm.Barrier(), StatusIs(absl::StatusCode::kAborted, HasSubstr("rank 2")));
+        },
+        [&](CommunicatorOptions& o) { o.transport = *ParseTransport(transport); });
+  }
+}
+
 TEST_F(CommunicatorTest, StalledRankIsDeadlineExceeded) {
   // Rank 1 stalls until rank 0's collective has ended: had it left first (a
   // fixed stall, on a loaded machine), rank 0 would see it gone instead.
