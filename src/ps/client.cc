@@ -943,6 +943,15 @@ class ClientImpl final : public Client {
             "%s of \"%s\": got %d %s values, the tensor has %d", op, t.key,
             t.view.NumElements(), DTypeName(dtype), count));
       }
+      // The same count in another shape is another layout (a transposed
+      // weight's gradient was applied element by element, no error).
+      if (!std::equal(t.view.shape.begin(), t.view.shape.end(), k.meta.shape().begin(),
+                      k.meta.shape().end())) {
+        const std::vector<int64_t> shape(k.meta.shape().begin(), k.meta.shape().end());
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s of \"%s\": got shape %s, the tensor is %s (reshape it to match)", op, t.key,
+            DescribeShape(t.view.shape, dtype), DescribeShape(shape, dtype)));
+      }
       if (count > 0 && t.view.data == nullptr) {
         return absl::InvalidArgumentError(
             absl::StrFormat("%s of \"%s\": no data", op, t.key));

@@ -1,6 +1,7 @@
 """deepnex.ps from Python: servers and workers as threads and as processes."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -203,6 +204,22 @@ def test_bad_arrays_raise_without_copying():
         with pytest.raises(KeyError):
             c.pull(["missing"])
         np.testing.assert_array_equal(c.pull("w")["w"], np.zeros((4, 4), np.float32))
+
+
+def test_the_same_count_in_another_shape_is_refused():
+    """A probe's (3, 4) gradient of a (4, 3) weight, and a flat one, were
+    applied element by element without an error; pull_into filled them."""
+    with ps.Server(mode="async", optimizer=ps.Sum()) as server, ps.Client([server.address]) as c:
+        c.init({"w": np.arange(12, dtype=np.float32).reshape(4, 3)})
+        for shape in ((3, 4), (12,), (4, 3, 1)):
+            with pytest.raises(deepnex.InvalidArgumentError,
+                               match=re.escape(f'push of "w": got shape [{", ".join(map(str, shape))}] '
+                                               'float32, the tensor is [4, 3] float32 (reshape it '
+                                               'to match)')):
+                c.push({"w": np.ones(shape, np.float32)})
+            with pytest.raises(deepnex.InvalidArgumentError, match="got shape"):
+                c.pull_into({"w": np.empty(shape, np.float32)})
+        np.testing.assert_array_equal(c.pull("w")["w"], np.arange(12, dtype=np.float32).reshape(4, 3))
 
 
 def test_nonfinite_refused_or_accepted_by_option():
