@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
@@ -501,6 +502,19 @@ absl::Status JobStore::Commit(uint64_t ticket, const std::vector<JobEvent>& even
   return absl::OkStatus();
 }
 
+std::string JobStore::ArchivedNameLocked(const std::string& name) const {
+  const std::string prefix = name + "~";
+  int64_t last = 0;
+  for (auto it = jobs_.lower_bound(prefix);
+       it != jobs_.end() && absl::StartsWith(it->first, prefix); ++it) {
+    int64_t k;
+    if (absl::SimpleAtoi(absl::string_view(it->first).substr(prefix.size()), &k)) {
+      last = std::max(last, k);
+    }
+  }
+  return absl::StrCat(prefix, last + 1);
+}
+
 absl::StatusOr<pb::Job*> JobStore::FindLocked(const Identity& who, const std::string& name) {
   auto it = jobs_.find(name);
   if (it == jobs_.end() || !CanSee(who, it->second)) {
@@ -573,7 +587,14 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
           "job \"", in.name(), "\" exists: a job of that name ",
           Ended(it->second) ? "was run by another user" : "is running", "; choose another name"));
     } else {
-      // New, or a new run of the caller's ended job, which replaces it.
+      if (it != jobs_.end()) {
+        // A new run of the caller's ended job: the old run stays in the
+        // history, as sacct keeps every run of a name (a probe's rerun
+        // replaced a cancelled run without a word).
+        pb::Job old = it->second;
+        old.set_name(ArchivedNameLocked(in.name()));
+        PutLocked(old);
+      }
       j.set_name(in.name());
       j.set_user(user);
       j.set_run(in.run());

@@ -100,6 +100,10 @@ class JobStore {
   // After a failed write: rebuilds the jobs from what the ledger holds
   // (Ledger::Recover), which takes records again. Takes mu_.
   void RollBack();
+  // The name an ended run of `name` keeps in the history once a new run
+  // takes the name: <name>~<k>, k one past the last kept ('~' is in no job
+  // name, so no run reports under it).
+  std::string ArchivedNameLocked(const std::string& name) const;
   // The job `name` if `who` may see it, else NotFound.
   absl::StatusOr<pb::Job*> FindLocked(const Identity& who, const std::string& name);
   // The lost-runner watch: fails the jobs not heard from in time, and tells

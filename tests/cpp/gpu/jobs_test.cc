@@ -395,6 +395,35 @@ TEST_F(JobsTest, HistoryOutlivesARestart) {
   EXPECT_THAT(Names(*alice, All()), ElementsAre("j1", "j2"));
 }
 
+// A probe's second run of a cancelled job's name replaced the cancelled
+// run in the history. Each ended run stays, as sacct keeps every run of a
+// name, as <name>~<k>; the name is the newest run's.
+TEST_F(JobsTest, ANewRunOfAnEndedJobsNameKeepsTheEarlierRuns) {
+  Start();
+  {
+    auto alice = Jobs("alicetok");
+    JobRecord j = Job("j1", JobState::kRunning);
+    ASSERT_OK(alice->Report(j, "r1").status());
+    ASSERT_OK(alice->Cancel("j1").status());
+    j.state = JobState::kCompleted;
+    ASSERT_OK(alice->Report(Job("j1", JobState::kRunning), "r2").status());
+    ASSERT_OK(alice->Report(j, "r2").status());
+  }
+  Start();  // the same state directory
+  auto alice = Jobs("alicetok");
+  ASSERT_OK(alice->Report(Job("j1", JobState::kRunning), "r3").status());
+  EXPECT_THAT(Names(*alice, All()), ElementsAre("j1~1", "j1~2", "j1"));  // as submitted
+  ASSERT_OK_AND_ASSIGN(JobRecord first, alice->Get("j1~1"));
+  EXPECT_EQ(first.state, JobState::kCancelled);
+  ASSERT_OK_AND_ASSIGN(JobRecord second, alice->Get("j1~2"));
+  EXPECT_EQ(second.state, JobState::kCompleted);
+  ASSERT_OK_AND_ASSIGN(JobRecord now, alice->Get("j1"));
+  EXPECT_EQ(now.state, JobState::kRunning);
+  // Not a name a run may report under.
+  EXPECT_THAT(alice->Report(Job("j1~1", JobState::kRunning), "r4"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is not a job name")));
+}
+
 TEST_F(JobsTest, RetentionDropsTheOldestByCountAndByAge) {
   JobHistoryOptions history;
   history.max_count = 2;
