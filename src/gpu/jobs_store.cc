@@ -733,7 +733,10 @@ absl::StatusOr<pb::Job> JobStore::Cancel(const Identity& who, const std::string&
   {
     std::lock_guard<std::mutex> lock(mu_);
     DEEPNEX_ASSIGN_OR_RETURN(pb::Job * found, FindLocked(who, name));
-    if (Ended(*found)) {
+    // A lost job ended only in central's eyes: its allocations stay for a
+    // runner that was cut off, and cancelling it is how its user lets them
+    // go (a probe's lost job could only be released by allocation id).
+    if (Ended(*found) && !found->lost()) {
       return absl::FailedPreconditionError(
           absl::StrCat("job \"", name, "\" already ended: ", found->state()));
     }
@@ -742,7 +745,9 @@ absl::StatusOr<pb::Job> JobStore::Cancel(const Identity& who, const std::string&
     j.set_state("cancelled");
     j.set_ended_ms(now);
     j.set_cancelled_by(who.name);
-    j.set_message(absl::StrCat("cancelled by ", who.name));
+    j.set_message(absl::StrCat("cancelled by ", who.name,
+                               j.lost() ? absl::StrCat(" after it was ", j.message()) : ""));
+    j.set_lost(false);  // a runner that comes back finds it cancelled
     events.push_back(EventOf("cancelled", j));
     Note(&j, &events, 0);
     PutLocked(j);

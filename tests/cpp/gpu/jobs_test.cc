@@ -474,6 +474,43 @@ TEST_F(JobsTest, AJobWhoseRunnerFallsSilentFailsAsLostAndItsReportRevivesIt) {
   EXPECT_EQ(back.started, lost.started);
 }
 
+// A lost job keeps its allocations for a runner that was cut off; a probe's
+// `deepnex job cancel` of one answered "already ended: failed", leaving
+// its user to release them by allocation id.
+TEST_F(JobsTest, CancellingALostJobReleasesItsAllocations) {
+  JobHistoryOptions history;
+  history.runner_timeout = 300ms;
+  Start(history);
+  auto alice = Jobs("alicetok");
+  auto grants = Client("alicetok");
+  Request r = test::Exclusive("alice", 1, 1);
+  r.job = "j1";
+  ASSERT_OK_AND_ASSIGN(Allocation a, grants->Allocate(r));
+  const JobRecord running = Job("j1", JobState::kRunning, {{a.id, a.node, 1, 1, 0}});
+  ASSERT_OK(alice->Report(running, "r1").status());
+  ASSERT_TRUE(::deepnex::test::WaitFor(
+      [&] {
+        auto j = alice->Get("j1");
+        return j.ok() && j->lost;
+      },
+      10s, "j1 to fail as lost"));
+  ASSERT_OK_AND_ASSIGN(auto held, grants->Allocations());
+  EXPECT_EQ(held.size(), 1u);
+  ASSERT_OK_AND_ASSIGN(JobRecord cancelled, alice->Cancel("j1"));
+  EXPECT_EQ(cancelled.state, JobState::kCancelled);
+  EXPECT_FALSE(cancelled.lost);
+  EXPECT_EQ(cancelled.message,
+            "cancelled by alice after it was lost: its runner did not report for 0.3 s");
+  ASSERT_OK_AND_ASSIGN(auto left, grants->Allocations());
+  EXPECT_TRUE(left.empty());
+  // Its runner, back, hears it is cancelled rather than running again.
+  ASSERT_OK_AND_ASSIGN(JobRecord heard, alice->Report(running, "r1"));
+  EXPECT_EQ(heard.state, JobState::kCancelled);
+  EXPECT_THAT(alice->Cancel("j1"), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                            "job \"j1\" already ended: cancelled"));
+  EXPECT_THAT(events(), ElementsAre("queued j1", "started j1", "failed j1", "cancelled j1"));
+}
+
 TEST_F(JobsTest, SinceKeepsJobsNotEndedBeforeIt) {
   Start();
   auto alice = Jobs("alicetok");
