@@ -322,10 +322,13 @@ class Client:
         self._client.push(self._args(grads))
 
     def pull(self, keys):
-        """A dict of new arrays. Sync: waits for this worker's last round."""
+        """A dict of new arrays. Sync: waits for this worker's last round.
+        A bfloat16 tensor comes as float32 (numpy has no bfloat16; every
+        bfloat16 is a float32 exactly); pull_into fills a torch.bfloat16
+        tensor, or a uint16 array with the bits."""
         out = self._new_arrays(keys)
         self.pull_into(out)
-        return out
+        return self._widened(out)
 
     def pull_into(self, out):
         """Pulls into the caller's arrays (writable, contiguous, right dtype)."""
@@ -335,7 +338,7 @@ class Client:
         """Pushes, then pulls `keys` (default: the pushed keys) as a dict."""
         out = self._new_arrays(list(grads) if keys is None else keys)
         self.push_pull_into(grads, out)
-        return out
+        return self._widened(out)
 
     def push_pull_into(self, grads, out):
         """Pushes, then pulls into the caller's arrays `out` (as pull_into)."""
@@ -410,6 +413,14 @@ class Client:
 
     def _args(self, tensors):
         return _buffers(tensors, self._shapes)
+
+    def _widened(self, arrays):
+        """`arrays` with the bfloat16 ones' bits (uint16) made float32: a
+        probe's pull() gave [[48896, ...]] for [[-0.5, ...]]."""
+        for k, a in arrays.items():
+            if self._shapes[k][0] == "bfloat16":
+                arrays[k] = (a.astype(np.uint32) << 16).view(np.float32)
+        return arrays
 
     def _new_arrays(self, keys):
         if isinstance(keys, str):

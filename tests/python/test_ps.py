@@ -166,7 +166,7 @@ def test_pull_into_writes_the_callers_array_and_torch_tensors_work():
         assert torch.equal(out, torch.full((2, 3), 3.0))
 
 
-def test_bfloat16_tensors_and_their_uint16_stand_ins():
+def test_bfloat16_tensors_pulled_as_float32_and_pushed_as_uint16_bits():
     torch = pytest.importorskip("torch")
     with ps.Server(mode="async", optimizer=ps.Sum()) as server, \
             ps.Client([server.address]) as c:
@@ -176,13 +176,15 @@ def test_bfloat16_tensors_and_their_uint16_stand_ins():
         out = torch.zeros(4, dtype=torch.bfloat16)
         c.pull_into({"b": out})
         assert out.tolist() == [2.0, 3.0, 0.5, 5.0]
-        # numpy has no bfloat16: a pull gives, and a push takes, uint16 bits
-        # for a key the client knows is bfloat16.
-        bits = c.pull(["b"])["b"]
-        assert bits.dtype == np.uint16
-        c.push({"b": bits})
+        # numpy has no bfloat16: a pull gives the values as float32 (a
+        # probe's gave the bits, [16384, ...] for [2.0, ...]), and a push
+        # takes uint16 bits for a key the client knows is bfloat16.
+        values = c.pull(["b"])["b"]
+        assert values.dtype == np.float32 and values.tolist() == [2.0, 3.0, 0.5, 5.0]
+        assert c.push_pull({"b": out})["b"].tolist() == [4.0, 6.0, 1.0, 10.0]
+        c.push({"b": (values.view(np.uint32) >> 16).astype(np.uint16)})
         c.pull_into({"b": out})
-        assert out.tolist() == [4.0, 6.0, 1.0, 10.0]
+        assert out.tolist() == [6.0, 9.0, 1.5, 15.0]
         with pytest.raises(TypeError) as e:
             c.push({"b": [1.0, 2.0]})
         assert str(e.value) == "'b': expected a numpy array or a torch tensor, got list"
