@@ -63,6 +63,40 @@ def _modes(args):
 _RESUME_OWN = ("resume", "retries", "max_concurrent", "func")
 
 
+# The tune parser's defaults (add_commands): a flag whose value differs from
+# its default was given.
+_DEFAULTS = {}
+
+
+def _refuse_changes(args, recorded):
+    """Refuses flags and a command given with --resume that differ from the
+    search's own: a probe's `--resume r --samples 8 --space ...` ran the
+    recorded search, saying nothing of what it left out."""
+    import os
+
+    changed = []
+    for key, value in vars(args).items():
+        if key in _RESUME_OWN or key not in _DEFAULTS or value == _DEFAULTS[key]:
+            continue
+        if key == "out":
+            if os.path.abspath(value) != os.path.abspath(args.resume):
+                changed.append(f"--out {value} (it resumes in {args.resume})")
+        elif key == "command":
+            continue  # said last
+        elif value != recorded.get(key):
+            flag = "--" + key.replace("_", "-")
+            was = recorded.get(key, _DEFAULTS[key])
+            changed.append(f"{flag} {value} (the search's: {was})")
+    command = args.command[args.command[:1] == ["--"]:]
+    if command and command != recorded["command"][recorded["command"][:1] == ["--"]:]:
+        changed.append("another command")
+    if changed:
+        raise SystemExit(f"deepnex tune: --resume {args.resume} continues the search as it "
+                         f"was started, and was also given {', '.join(changed)}; leave them "
+                         "out (only --retries and --max-concurrent may change), or start a new "
+                         "search with another --out")
+
+
 def _scheduler(args):
     """--scheduler's value, with --asha / --no-asha (the older spelling)."""
     # getattr: a search journalled before --scheduler has no such flag.
@@ -104,6 +138,7 @@ def _tune_or_raise(args):
         if recorded is None:
             raise SystemExit(f"deepnex tune: --resume {args.resume}: the search there was "
                              "not started by deepnex tune (resume it with tune.run)")
+        _refuse_changes(args, recorded)
         own = {k: v for k, v in vars(args).items() if k in _RESUME_OWN and v is not None}
         args = argparse.Namespace(**{**recorded, **own, "out": args.resume})
         command = [w for w in args.command[args.command[:1] == ["--"]:]]
@@ -223,3 +258,4 @@ def add_commands(commands):
                    help="results directory (default tune-results)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     p.set_defaults(func=_tune)
+    _DEFAULTS.update({a.dest: a.default for a in p._actions if a.dest != "help"})

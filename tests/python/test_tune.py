@@ -1419,10 +1419,25 @@ def test_kill_9_then_resume_runs_each_trial_to_its_end_once(tmp_path):
         assert [(r["trial"], r["status"]) for r in csv.DictReader(f)] == [
             ("0", "completed"), ("1", "completed"), ("2", "completed"), ("3", "completed")]
     assert json.loads((out / "best.json").read_text())["trial"] == 3
-    # Resuming a finished search runs nothing.
-    done = subprocess.run([sys.executable, "-m", "deepnex", "tune", "--resume", str(out)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    # Resuming a finished search runs nothing, also with its own command line
+    # again.
+    for again in ([], argv[4:]):
+        done = subprocess.run([sys.executable, "-m", "deepnex", "tune", "--resume", str(out),
+                               *again], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert len((marks / "completed").read_text().split()) == 4
+    # What it would leave out is refused: a probe's --samples and --space
+    # given with --resume were dropped without a word.
+    changed = subprocess.run([sys.executable, "-m", "deepnex", "tune", "--resume", str(out),
+                              "--samples", "8", "--space", "x=uniform(5, 6)", "--", "true"],
+                             capture_output=True, text=True, timeout=120)
+    assert changed.returncode == 1, changed
+    assert changed.stderr == (
+        f"deepnex tune: --resume {out} continues the search as it was started, and was also "
+        f"given --space ['x=uniform(5, 6)'] (the search's: {argv[5:8:2]!r}), --samples 8 "
+        "(the search's: 1), another command; leave them "
+        "out (only --retries and --max-concurrent may change), or start a new search with "
+        "another --out\n"), changed.stderr
     assert len((marks / "completed").read_text().split()) == 4
 
 
