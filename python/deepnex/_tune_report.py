@@ -166,7 +166,8 @@ def _metric(step, name, value):
     """A metric as a float (NaN and infinities too); InvalidArgumentError
     naming it for a string or anything else that is not a number."""
     try:
-        if isinstance(value, str):
+        # A bool is no measure (a probe's accuracy=True ranked its trial best).
+        if isinstance(value, (str, bool)) or getattr(value, "dtype", None) == bool:
             raise ValueError
         return float(value)
     except (TypeError, ValueError):
@@ -178,6 +179,9 @@ def _job_step(step):
     try:
         if isinstance(step, bool) or int(step) != step:
             raise ValueError
-        return int(step)
     except (TypeError, ValueError, OverflowError):
         raise InvalidArgumentError(f"deepnex.report: step={step!r} is not an integer") from None
+    if step < 0:
+        # The schedulers' rungs count steps from 0 up.
+        raise InvalidArgumentError(f"deepnex.report: step={step!r} is below 0")
+    return int(step)

@@ -214,6 +214,15 @@ def test_a_non_numeric_metric_is_named_in_a_job(monkeypatch):
     with pytest.raises(deepnex.InvalidArgumentError,
                        match=r"^deepnex.report: step=1.5 is not an integer$"):
         deepnex.report(step=1.5, loss=1.0)
+    # A probe's accuracy=True ranked its trial best; step=-5 "completed at step -5".
+    import numpy as np
+    for flag in (True, np.bool_(False)):
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match=rf"^deepnex.report\(step=3\): metric accuracy={flag!r} is not a "
+                                 r"number$"):
+            deepnex.report(step=3, accuracy=flag)
+    with pytest.raises(deepnex.InvalidArgumentError, match=r"^deepnex.report: step=-5 is below 0$"):
+        deepnex.report(step=-5, loss=1.0)
     # Other ranks' reports are checked alike, and go nowhere (no store here).
     monkeypatch.setenv("DEEPNEX_RANK", "1")
     assert deepnex.report(step=3, loss=1.0) is False
