@@ -71,9 +71,12 @@ def options(struct: Any, **fields: Any) -> Any:
     lacks is an AttributeError, a bad value the struct's own error, or
     InvalidArgumentError naming the field where the binding refuses the
     value's type or range (pybind11 says only "incompatible function
-    arguments")."""
+    arguments") and for a bool where the field is not one."""
     o = struct()
     for name, value in fields.items():
+        # pybind11 takes True as 1: a probe's worker_id=True was worker 1.
+        if isinstance(value, bool) and not isinstance(getattr(o, name), bool):
+            raise InvalidArgumentError(f"{name}={value!r}: a bool, where a number is expected")
         try:
             setattr(o, name, value)
         except TypeError:

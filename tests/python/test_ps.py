@@ -208,6 +208,20 @@ def test_bad_arrays_raise_without_copying():
         np.testing.assert_array_equal(c.pull("w")["w"], np.zeros((4, 4), np.float32))
 
 
+def test_a_bool_is_not_taken_for_a_number():
+    """pybind11 took True as 1: a probe's worker_id=True was worker 1, and
+    num_workers=True and staleness=True made servers."""
+    for make, name in ((lambda: ps.Server(num_workers=True), "num_workers"),
+                       (lambda: ps.Server(mode="ssp", staleness=True), "staleness"),
+                       (lambda: ps.Client(["127.0.0.1:1"], worker_id=True), "worker_id")):
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match=rf"^{name}=True: a bool, where a number is expected$"):
+            make()
+    # A bool option still takes one.
+    with ps.Server(reject_nonfinite=False) as server:
+        assert server.address
+
+
 def test_the_same_count_in_another_shape_is_refused():
     """A probe's (3, 4) gradient of a (4, 3) weight, and a flat one, were
     applied element by element without an error; pull_into filled them."""
