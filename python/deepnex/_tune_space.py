@@ -192,12 +192,12 @@ def parse_space(specs):
                     raise ValueError(f"unknown function {node.func.id}")
                 if node.keywords:
                     raise ValueError(f"{node.func.id}() takes its arguments by position only")
-                args = [ast.literal_eval(a) for a in node.args]
+                args = [_literal(a) for a in node.args]
                 space[name] = _FUNCTIONS[node.func.id](*args)
             elif isinstance(node, ast.Name):
                 raise ValueError(f"{node.id} is no literal (a string is quoted: '{node.id}')")
             else:
-                space[name] = _plain(name, ast.literal_eval(node))
+                space[name] = _plain(name, _literal(node))
         except InvalidArgumentError as e:
             raise InvalidArgumentError(f'space: "{spec}": {e}') from None
         except (SyntaxError, ValueError, TypeError) as e:
@@ -206,6 +206,17 @@ def parse_space(specs):
                 f'space: "{spec}": {reason} (use a literal, uniform(a, b), loguniform(a, b), '
                 f'randint(a, b), choice([...]) or grid([...]))') from None
     return space
+
+
+def _literal(node):
+    """ast.literal_eval's value of `node`; a ValueError that shows the
+    expression otherwise (its own said "malformed node or string on line 1:
+    <ast.Name object at 0x...>" for a probe's uniform(0, inf))."""
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        raise ValueError(f"{ast.unparse(node)} is not a literal (a number, a quoted string, "
+                         "or a list or tuple of them)") from None
 
 
 def _space_json(space):

@@ -113,7 +113,12 @@ def test_parse_space():
             ("lr=uniform(0.1, 1e-3)", "uniform(0.1, 0.001): low must be below high"),
             ("s={1, 2}", "s: {1, 2} is not a JSON value (a trial gets its configuration as "
                          "JSON)"),
-            ("x=[1,", "'[' was never closed" + hint)):
+            ("x=[1,", "'[' was never closed" + hint),
+            # Was "malformed node or string on line 1: <ast.Name object at 0x...>".
+            ("lr=uniform(0, inf)", "inf is not a literal (a number, a quoted string, or a list "
+                                   "or tuple of them)" + hint),
+            ("x=[1, a + b]", "[1, a + b] is not a literal (a number, a quoted string, or a list "
+                             "or tuple of them)" + hint)):
         with pytest.raises(InvalidArgumentError) as info:
             tune.parse_space(["a=1", spec])
         assert str(info.value) == f'space: "{spec}": {message}'
