@@ -222,6 +222,21 @@ def test_a_bool_is_not_taken_for_a_number():
         assert server.address
 
 
+def test_a_request_over_the_servers_limit_names_the_limits():
+    """A probe's init over max_message_bytes said only gRPC's 'Received
+    message larger than max (400032 vs. 4096)'."""
+    with ps.Server(max_message_bytes=4096) as server, ps.Client([server.address]) as c:
+        with pytest.raises(deepnex.ResourceExhaustedError) as e:
+            c.init({"w": np.zeros(100000, np.float32)})
+        assert str(e.value) == (
+            f"init to {server.address}: Received message larger than max (400032 vs. 4096): a "
+            "request over the server's max_message_bytes; give the client partition_bytes and "
+            "request_bytes below it, or the server a larger max_message_bytes")
+    with ps.Server(max_message_bytes=4096) as server, \
+            ps.Client([server.address], partition_bytes=1024, request_bytes=2048) as c:
+        c.init({"w": np.zeros(100000, np.float32)})  # as it says
+
+
 def test_the_same_count_in_another_shape_is_refused():
     """A probe's (3, 4) gradient of a (4, 3) weight, and a flat one, were
     applied element by element without an error; pull_into filled them."""
