@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 #include <unordered_map>
 
@@ -34,6 +35,8 @@ namespace {
 namespace pb = ::deepnex::ps::proto;
 using Clock = std::chrono::system_clock;
 
+// How long a failed op spends asking the servers why.
+constexpr std::chrono::milliseconds kExplainTimeout{1000};
 constexpr char kPushMethod[] = "/deepnex.ps.proto.ParameterServer/Push";
 constexpr char kPullMethod[] = "/deepnex.ps.proto.ParameterServer/Pull";
 constexpr char kWritePartsMethod[] =
@@ -170,11 +173,11 @@ class ClientImpl final : public Client {
     return Led([&] { return PushAsync(grads); });
   }
   absl::Status Pull(const std::vector<NamedTensor>& out) override {
-    return Led([&] { return PullAsync(out); });
+    return WhoIsBehind(Led([&] { return PullAsync(out); }));
   }
   absl::Status PushPull(const std::vector<NamedTensor>& grads,
                         const std::vector<NamedTensor>& out) override {
-    return Led([&] { return PushPullAsync(grads, out); });
+    return WhoIsBehind(Led([&] { return PushPullAsync(grads, out); }));
   }
 
   std::shared_ptr<PendingOp> PushAsync(
@@ -514,6 +517,37 @@ class ClientImpl final : public Client {
   // Starts an op and waits for it, reading the replies of a bulk link it
   // went over on this thread, rather than waking the link's reader thread
   // to read them and then this one.
+  // A pull that timed out waits for a round that other workers have not
+  // pushed to: `s` with the workers that pushed fewer times than this one
+  // to any server, as the servers' stats say within a second (a probe's
+  // said only "Deadline Exceeded", naming nobody).
+  absl::Status WhoIsBehind(absl::Status s) {
+    if (s.code() != absl::StatusCode::kDeadlineExceeded || observer()) return s;
+    std::set<int> behind;
+    for (size_t server = 0; server < servers_.size(); ++server) {
+      pb::StatsReply r;
+      if (!Unary(server, "stats", pb::StatsRequest(), &r, &pb::ParameterServer::Stub::Stats,
+                 kExplainTimeout)
+               .ok() ||
+          r.mode() == "async") {
+        continue;
+      }
+      uint64_t mine = 0;
+      for (const auto& w : r.workers()) {
+        if (w.worker() == options_.worker_id) mine = w.pushes();
+      }
+      for (const auto& w : r.workers()) {
+        if (w.pushes() < mine && (w.state() == "expected" || w.state() == "live")) {
+          behind.insert(w.worker());
+        }
+      }
+    }
+    if (behind.empty()) return s;
+    return absl::Status(s.code(), absl::StrCat(s.message(), "; the round waits for worker ",
+                                               absl::StrJoin(behind, ", "),
+                                               " (fewer pushes than this worker's)"));
+  }
+
   absl::Status Led(const std::function<std::shared_ptr<PendingOp>()>& start) {
     std::vector<std::shared_ptr<BulkLink>> links;
     led_links_ = &links;
@@ -766,11 +800,14 @@ class ClientImpl final : public Client {
   }
 
   // A blocking control call with retries on Unavailable.
+  // `timeout`: 0 for options_.timeout.
   template <typename Req, typename Resp>
   absl::Status Unary(size_t server, const char* what, const Req& req, Resp* resp,
                      grpc::Status (pb::ParameterServer::Stub::*method)(
-                         grpc::ClientContext*, const Req&, Resp*)) {
-    const Clock::time_point deadline = Clock::now() + options_.timeout;
+                         grpc::ClientContext*, const Req&, Resp*),
+                     std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) {
+    const Clock::time_point deadline =
+        Clock::now() + (timeout.count() > 0 ? timeout : options_.timeout);
     auto backoff = options_.retry_backoff;
     while (true) {
       grpc::ClientContext ctx;

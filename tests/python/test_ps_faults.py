@@ -144,6 +144,25 @@ def test_dead_worker_aborts_the_round_under_abort_policy():
             assert float(m.group(2)) - died < lease + 1.0
 
 
+def test_a_sync_pull_that_times_out_names_the_workers_the_round_waits_for():
+    """A probe's pull waiting on a worker that never pushed said only
+    "pull to ADDR: Deadline Exceeded"."""
+    with ps.Server(mode="sync", num_workers=3) as server, \
+            ps.Client([server.address], worker_id=0, timeout=1) as c0, \
+            ps.Client([server.address], worker_id=2, timeout=1) as c2:
+        for c in (c0, c2):
+            c.init({"w": np.zeros(4, np.float32)})
+            c.push({"w": np.ones(4, np.float32)})
+        with pytest.raises(deepnex.DeadlineExceededError) as e:
+            c0.pull(["w"])
+        assert str(e.value) == (f"pull to {server.address}: Deadline Exceeded; the round waits "
+                                "for worker 1 (fewer pushes than this worker's)")
+        # Once it comes, the round completes.
+        with ps.Client([server.address], worker_id=1) as c1:
+            c1.push({"w": np.ones(4, np.float32)})
+        np.testing.assert_array_equal(c0.pull(["w"])["w"], np.full(4, -0.01, np.float32))
+
+
 def test_ssp_bounds_the_lead_of_fast_workers_and_values_stay_exact():
     workers, steps, s = 3, 24, 2
     with ps.Server(mode="ssp", staleness=s, num_workers=workers, optimizer=ps.SGD(lr=0.25),
