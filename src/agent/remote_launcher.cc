@@ -84,10 +84,14 @@ class RemoteHandle final : public launch::Handle {
 
 class RemoteLauncher final : public launch::Launcher {
  public:
-  RemoteLauncher(Hub& hub, std::string node)
-      : hub_(hub), node_(std::move(node)), backend_(hub.Backend(node_)) {}
+  RemoteLauncher(Hub& hub, std::string node) : hub_(hub), node_(std::move(node)) {}
 
-  const std::string& backend() const override { return backend_; }
+  // Asked each time: a launcher made while its agent was away (central
+  // just restarted) kept "" for good, and `deepnex launch` printed "( PID)".
+  std::string backend() const override {
+    std::string backend = hub_.Backend(node_);
+    return backend.empty() ? "agent" : backend;
+  }
   const std::string& id() const override { return node_; }
   // Its one node is the agent's; central places on it by the allocation.
   absl::StatusOr<std::vector<gpu::Node>> Nodes() override { return std::vector<gpu::Node>{}; }
@@ -143,7 +147,6 @@ class RemoteLauncher final : public launch::Launcher {
  private:
   Hub& hub_;
   const std::string node_;
-  const std::string backend_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<launch::Handle>> handles_;
 };

@@ -334,7 +334,7 @@ class CentralLauncher final : public Launcher {
     for (auto& h : List()) h->Stop(milliseconds(1000)).IgnoreError();
   }
 
-  const std::string& backend() const override { return backend_; }
+  std::string backend() const override { return backend_; }
   const std::string& id() const override { return id_; }
 
   absl::StatusOr<std::shared_ptr<Handle>> Start(const ContainerSpec& spec) override {

@@ -510,7 +510,7 @@ class LauncherImpl : public Launcher {
     }
   }
 
-  const std::string& backend() const override { return options_.backend; }
+  std::string backend() const override { return options_.backend; }
   const std::string& id() const override { return options_.id; }
 
   absl::StatusOr<std::shared_ptr<Handle>> Start(const ContainerSpec& given) override {

@@ -370,7 +370,9 @@ class Launcher {
   static absl::StatusOr<std::unique_ptr<Launcher>> Create(const LauncherOptions& options);
   virtual ~Launcher() = default;
 
-  virtual const std::string& backend() const = 0;
+  // By value: an agent's node has its agent's, which it learns (again) as
+  // the agent registers.
+  virtual std::string backend() const = 0;
   virtual const std::string& id() const = 0;
   // Validates the spec (bad input: InvalidArgument naming the field and
   // value; NotFound for a command or image that does not exist;

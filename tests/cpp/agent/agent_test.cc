@@ -525,9 +525,13 @@ TEST(AgentRunAsTest, AStartWithoutTheUidIsRefused) {
   a.launcher.backend = "process";
   a.launcher.state_dir = dir.path() + "/h1";
   a.gpus = ParseGpus("1x16GiB").value();
+  // Made before its agent registers, as after central's restart: it said
+  // "" for good, and `deepnex launch` printed "( PID)".
+  std::unique_ptr<launch::Launcher> h1 = NewRemoteLauncher(*hub, "h1");
+  EXPECT_EQ(h1->backend(), "agent");
   ASSERT_OK_AND_ASSIGN(auto agent, Agent::Create(a));
   ASSERT_OK(agent->WaitRegistered(10s));
-  std::unique_ptr<launch::Launcher> h1 = NewRemoteLauncher(*hub, "h1");
+  EXPECT_EQ(h1->backend(), "process");
   launch::ContainerSpec spec;
   spec.name = "alice.w";
   spec.command = {"true"};
