@@ -15,6 +15,7 @@ dtype, a non-contiguous array or a read-only output raises
 ``InvalidArgumentError`` (a ``ValueError``) instead of copying.
 """
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,12 +143,17 @@ class PendingOp:
     (a dict of arrays for pulls, None for pushes) or raises its error;
     ``TimeoutError`` (DeadlineExceededError) if it is still running then."""
 
-    def __init__(self, op, result=None):
+    def __init__(self, op, result=None, finish=None):
         self._op = op
         self._result = result
+        self._finish = finish  # applied to the result once, at the first wait that ends
+        self._lock = threading.Lock()
 
     def wait(self, timeout=None):
         self._op.wait(timeout)
+        with self._lock:
+            if self._finish is not None:
+                self._result, self._finish = self._finish(self._result), None
         return self._result
 
     def done(self):
@@ -355,14 +361,15 @@ class Client:
 
     def pull_async(self, keys):
         out = self._new_arrays(keys)
-        return PendingOp(self._client.pull_into_async(self._args(out)), out)
+        return PendingOp(self._client.pull_into_async(self._args(out)), out, self._widened)
 
     def pull_into_async(self, out):
         return PendingOp(self._client.pull_into_async(self._args(out)), out)
 
     def push_pull_async(self, grads, keys=None):
-        return self.push_pull_into_async(
-            grads, self._new_arrays(list(grads) if keys is None else keys))
+        out = self._new_arrays(list(grads) if keys is None else keys)
+        return PendingOp(self._client.push_pull_into_async(self._args(grads), self._args(out)),
+                         out, self._widened)
 
     def describe(self, keys):
         """{key: (dtype name, shape)} of tensors on the servers."""
@@ -417,10 +424,8 @@ class Client:
     def _widened(self, arrays):
         """`arrays` with the bfloat16 ones' bits (uint16) made float32: a
         probe's pull() gave [[48896, ...]] for [[-0.5, ...]]."""
-        for k, a in arrays.items():
-            if self._shapes[k][0] == "bfloat16":
-                arrays[k] = (a.astype(np.uint32) << 16).view(np.float32)
-        return arrays
+        return {k: (a.astype(np.uint32) << 16).view(np.float32)
+                if self._shapes[k][0] == "bfloat16" else a for k, a in arrays.items()}
 
     def _new_arrays(self, keys):
         if isinstance(keys, str):

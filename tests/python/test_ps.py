@@ -181,6 +181,11 @@ def test_bfloat16_tensors_pulled_as_float32_and_pushed_as_uint16_bits():
         # takes uint16 bits for a key the client knows is bfloat16.
         values = c.pull(["b"])["b"]
         assert values.dtype == np.float32 and values.tolist() == [2.0, 3.0, 0.5, 5.0]
+        op = c.pull_async(["b"])
+        for _ in range(2):  # the same values each wait
+            assert op.wait()["b"].tolist() == [2.0, 3.0, 0.5, 5.0]
+        assert c.push_pull_async({"b": torch.zeros(4, dtype=torch.bfloat16)}).wait()[
+            "b"].tolist() == [2.0, 3.0, 0.5, 5.0]
         assert c.push_pull({"b": out})["b"].tolist() == [4.0, 6.0, 1.0, 10.0]
         c.push({"b": (values.view(np.uint32) >> 16).astype(np.uint16)})
         c.pull_into({"b": out})
