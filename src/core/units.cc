@@ -108,6 +108,15 @@ absl::StatusOr<uint64_t> ParseByteSize(const std::string& text,
     for (const Unit& u : kUnits) {
       if (lower == u.name) unit = &u;
     }
+    // "1e9": a number written as C or Python would, not a unit.
+    if (unit == nullptr && lower.size() > 1 && lower[0] == 'e' &&
+        lower.find_first_not_of("0123456789", lower[1] == '+' || lower[1] == '-' ? 2 : 1) ==
+            std::string::npos &&
+        lower.size() > (lower[1] == '+' || lower[1] == '-' ? 2u : 1u)) {
+      return NotAByteSize(field, text,
+                          "an exponent is not taken; write the digits, or use a unit such as "
+                          "\"1G\" or \"1GB\"");
+    }
     if (unit == nullptr) {
       return NotAByteSize(
           field, text,
