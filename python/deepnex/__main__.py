@@ -60,17 +60,20 @@ def build_parser(modules: tuple[str, ...] = _CLI_MODULES):
     return parser
 
 
-def _innermost(parser, args):
-    """The parser of the (sub)command that `args` ran: the one whose usage
-    goes with an error about its arguments."""
+def _innermost(parser, argv):
+    """The parser of the (sub)command that `argv` runs: the one whose usage
+    goes with an error about its arguments. Found in argv, not in the
+    parsed arguments, where a command's own `command` (tune's) hides it."""
     import argparse
 
+    rest = list(argv)
     while True:
         subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-        name = getattr(args, subs[0].dest, None) if subs else None
-        if name not in (subs[0].choices if subs else ()):
+        names = subs[0].choices if subs else {}
+        at = next((i for i, word in enumerate(rest) if word in names), None)
+        if at is None:
             return parser
-        parser = subs[0].choices[name]
+        parser, rest = names[rest[at]], rest[at + 1:]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         # Said by the subcommand's parser: argparse's own says the top-level
         # usage, which does not name the flags of the command that was meant.
-        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
+        _innermost(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

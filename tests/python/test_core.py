@@ -838,6 +838,9 @@ def test_version_and_cli():
     # A prefix was taken as the flag it begins (--workers).
     (["run", "--worker", "2", "--", "true"], "usage: deepnex run [options]",
      "deepnex run: error: unrecognized arguments: --worker"),
+    # tune's own `command` hid which command ran: a traceback (probe).
+    (["tune", "--bogus", "--", "python3", "x.py"], "usage: deepnex tune",
+     "deepnex tune: error: unrecognized arguments: --bogus"),
 ])
 def test_a_bad_flag_is_told_with_its_commands_usage(argv, usage, error):
     out = subprocess.run([sys.executable, "-m", "deepnex", *argv], capture_output=True,
