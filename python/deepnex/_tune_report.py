@@ -167,7 +167,8 @@ def _metric(step, name, value):
     naming it for a string or anything else that is not a number."""
     try:
         # A bool is no measure (a probe's accuracy=True ranked its trial best).
-        if isinstance(value, (str, bool)) or getattr(value, "dtype", None) == bool:
+        if isinstance(value, (str, bool)) or str(getattr(value, "dtype", "")) in ("bool",
+                                                                                   "torch.bool"):
             raise ValueError
         return float(value)
     except (TypeError, ValueError):

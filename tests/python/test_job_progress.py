@@ -11,6 +11,7 @@ test steps the script with gate files: it reports step i once gate<i> exists.
 """
 
 import os
+import re
 import socket
 import sys
 import time
@@ -216,10 +217,11 @@ def test_a_non_numeric_metric_is_named_in_a_job(monkeypatch):
         deepnex.report(step=1.5, loss=1.0)
     # A probe's accuracy=True ranked its trial best; step=-5 "completed at step -5".
     import numpy as np
-    for flag in (True, np.bool_(False)):
+    import torch
+    for flag in (True, np.bool_(False), torch.tensor(True)):
         with pytest.raises(deepnex.InvalidArgumentError,
-                           match=rf"^deepnex.report\(step=3\): metric accuracy={flag!r} is not a "
-                                 r"number$"):
+                           match=rf"^deepnex.report\(step=3\): metric accuracy="
+                                 rf"{re.escape(repr(flag))} is not a number$"):
             deepnex.report(step=3, accuracy=flag)
     with pytest.raises(deepnex.InvalidArgumentError, match=r"^deepnex.report: step=-5 is below 0$"):
         deepnex.report(step=-5, loss=1.0)
