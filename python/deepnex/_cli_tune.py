@@ -63,30 +63,43 @@ def _modes(args):
 _RESUME_OWN = ("resume", "retries", "max_concurrent", "func")
 
 
-# The tune parser's defaults (add_commands): a flag whose value differs from
-# its default was given.
+# The tune parser's defaults (add_commands), by dest. The parser's own are
+# _UNSET, so that a flag given, even with its default value, is told from
+# one left out (_given).
 _DEFAULTS = {}
+_UNSET = object()
 
 
-def _refuse_changes(args, recorded):
+def _given(args):
+    """The dests of the flags given (--space: non-empty), each left-out one
+    set to its default in `args`."""
+    given = set()
+    for dest, default in _DEFAULTS.items():
+        value = getattr(args, dest)
+        if value is _UNSET:
+            setattr(args, dest, default)
+        elif value != [] or default != []:
+            given.add(dest)
+    return given
+
+
+def _refuse_changes(args, given, recorded):
     """Refuses flags and a command given with --resume that differ from the
     search's own: a probe's `--resume r --samples 8 --space ...` ran the
     recorded search, saying nothing of what it left out."""
     import os
 
     changed = []
-    for key, value in vars(args).items():
-        if key in _RESUME_OWN or key not in _DEFAULTS or value == _DEFAULTS[key]:
-            continue
+    for key in sorted(given - set(_RESUME_OWN), key=list(_DEFAULTS).index):
+        value = getattr(args, key)
         if key == "out":
             if os.path.abspath(value) != os.path.abspath(args.resume):
                 changed.append(f"--out {value} (it resumes in {args.resume})")
-        elif key == "command":
-            continue  # said last
         elif value != recorded.get(key):
-            flag = "--" + key.replace("_", "-")
-            was = recorded.get(key, _DEFAULTS[key])
-            changed.append(f"{flag} {value} (the search's: {was})")
+            was = recorded.get(key)
+            changed.append(f"--{key.replace('_', '-')} {value} (" + (
+                "the search was started without it" if was is None else f"the search's: {was}")
+                + ")")
     command = args.command[args.command[:1] == ["--"]:]
     if command and command != recorded["command"][recorded["command"][:1] == ["--"]:]:
         changed.append("another command")
@@ -122,6 +135,7 @@ def _tune(args):
 def _tune_or_raise(args):
     import argparse
     from deepnex import tune
+    given = _given(args)
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -138,7 +152,7 @@ def _tune_or_raise(args):
         if recorded is None:
             raise SystemExit(f"deepnex tune: --resume {args.resume}: the search there was "
                              "not started by deepnex tune (resume it with tune.run)")
-        _refuse_changes(args, recorded)
+        _refuse_changes(args, given, recorded)
         own = {k: v for k, v in vars(args).items() if k in _RESUME_OWN and v is not None}
         args = argparse.Namespace(**{**recorded, **own, "out": args.resume})
         command = [w for w in args.command[args.command[:1] == ["--"]:]]
@@ -258,4 +272,7 @@ def add_commands(commands):
                    help="results directory (default tune-results)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     p.set_defaults(func=_tune)
-    _DEFAULTS.update({a.dest: a.default for a in p._actions if a.dest != "help"})
+    _DEFAULTS.update({a.dest: a.default for a in p._actions
+                      if a.option_strings and a.dest != "help"})
+    # --space appends to its default, which stays a list.
+    p.set_defaults(**{dest: _UNSET for dest, default in _DEFAULTS.items() if default != []})

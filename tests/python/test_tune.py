@@ -1444,6 +1444,14 @@ def test_kill_9_then_resume_runs_each_trial_to_its_end_once(tmp_path):
         "out (only --retries and --max-concurrent may change), or start a new search with "
         "another --out\n"), changed.stderr
     assert len((marks / "completed").read_text().split()) == 4
+    # Also a flag given with its default value, or one the search left to
+    # its default (probe of 06e3d8e: --samples 4 went unsaid).
+    for flags, said in ((["--samples", "4"], "--samples 4 (the search's: 1)"),
+                        (["--search", "random"],
+                         "--search random (the search was started without it)")):
+        changed = subprocess.run([sys.executable, "-m", "deepnex", "tune", "--resume", str(out),
+                                  *flags], capture_output=True, text=True, timeout=120)
+        assert changed.returncode == 1 and f"was also given {said}; " in changed.stderr, changed
 
 
 RETRIED = textwrap.dedent("""
