@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -18,6 +19,10 @@ std::string CountKey(const std::string& backend, int rank) {
   return absl::StrCat(backend, "_gen/", rank);
 }
 
+// A counter every join and every give-up under the prefix takes a number
+// from: what happened in which order, as the store saw it.
+std::string TurnKey(const std::string& backend) { return absl::StrCat(backend, "_turn"); }
+
 absl::StatusOr<std::unique_ptr<Rendezvous>> Rendezvous::Join(const CommunicatorOptions& options,
                                                              const std::string& backend,
                                                              const std::string& label) {
@@ -29,11 +34,10 @@ absl::StatusOr<std::unique_ptr<Rendezvous>> Rendezvous::Join(const CommunicatorO
   so.token_file = options.token_file;
   DEEPNEX_ASSIGN_OR_RETURN(auto store, StoreClient::Create(so));
   DEEPNEX_ASSIGN_OR_RETURN(int64_t generation, store->Add(CountKey(backend, options.rank), 1));
+  DEEPNEX_ASSIGN_OR_RETURN(int64_t joined, store->Add(TurnKey(backend), 1));
   std::unique_ptr<Rendezvous> r(
       new Rendezvous(options, std::move(store), backend, generation, label));
-  // A try taken back at this generation left its mark: this one has not
-  // given up.
-  DEEPNEX_RETURN_IF_ERROR(r->store_->Delete(r->LeftKey(options.rank)).status());
+  r->joined_ = joined;
   return r;
 }
 
@@ -60,9 +64,13 @@ Rendezvous::~Rendezvous() {
   if (kept_) return;
   absl::StatusOr<std::unique_ptr<StoreClient>> quick = QuickStore();
   if (!quick.ok()) return;
-  // Marked before its keys go, so that a rank still waiting names this one
-  // as having come and gone rather than as never come.
-  if (!published_.empty()) (*quick)->Set(LeftKey(o_.rank), "").IgnoreError();
+  // Marked, with its turn, before its keys go: a rank still waiting, which
+  // joined before that turn, names this one as having come and gone
+  // rather than as never come.
+  if (!published_.empty()) {
+    absl::StatusOr<int64_t> turn = (*quick)->Add(TurnKey(backend_), 1);
+    if (turn.ok()) (*quick)->Set(LeftKey(o_.rank), absl::StrCat(*turn)).IgnoreError();
+  }
   for (const std::string& key : published_) (*quick)->Delete(key).IgnoreError();
   // Only while no later join of this rank took a number after it.
   (*quick)->CompareSet(CountKey(backend_, o_.rank), absl::StrCat(generation_),
@@ -96,8 +104,9 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
     kept_ = true;  // nothing to take back through a store out of reach
     return absl::DeadlineExceededError(absl::StrCat(what, ": ", values.status().message()));
   }
-  // Of the absent, those that came and gave up at their own deadline (and
-  // took their keys back) are not missing.
+  // Of the absent, those that came and gave up while this rank waited (and
+  // took their keys back) are not missing. A mark from before this rank
+  // joined is of an earlier try.
   std::vector<int> absent;
   std::vector<std::string> left_keys;
   for (int i = 0; i < n; ++i) {
@@ -105,13 +114,20 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
     absent.push_back(i);
     left_keys.push_back(LeftKey(i));
   }
-  absl::StatusOr<std::vector<bool>> gave_up_marks =
+  std::vector<bool> gave_up(absent.size(), false);
+  absl::StatusOr<std::vector<bool>> marked =
       absent.empty() ? std::vector<bool>{} : store_->Check(left_keys, kTakeBack);
+  for (size_t j = 0; marked.ok() && j < absent.size(); ++j) {
+    if (!(*marked)[j]) continue;
+    absl::StatusOr<std::string> turn = store_->Get(left_keys[j], kTakeBack);
+    int64_t t;
+    gave_up[j] = turn.ok() && absl::SimpleAtoi(*turn, &t) && t > joined_;
+  }
   std::vector<std::string> gone;
   int first_missing = -1;
   for (size_t j = 0; j < absent.size(); ++j) {
     const int i = absent[j];
-    if (gave_up_marks.ok() && (*gave_up_marks)[j]) {
+    if (gave_up[j]) {
       gone.push_back(absl::StrCat(i));
       continue;
     }
@@ -122,9 +138,10 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
       ++more;
     }
   }
-  // A rank that joined this prefix a different number of times waits under
-  // another generation (a rank killed while starting takes nothing back):
-  // say so, as the cause.
+  // A rank that joined this prefix a different number of times, and waits
+  // under that generation now (its key is there: a rank killed while
+  // starting takes nothing back), never meets this one: say so, as the
+  // cause. One that took its join back waits nowhere.
   std::string apart;
   const std::string other = CountKey(backend_, first_missing);
   // Looked for first: Get waits for a key that is not there.
@@ -132,7 +149,12 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
       first_missing >= 0 ? store_->Check({other}, kTakeBack) : std::vector<bool>{false};
   if (joined.ok() && (*joined)[0]) {
     absl::StatusOr<std::string> count = store_->Get(other, kTakeBack);
-    if (count.ok() && *count != absl::StrCat(generation_)) {
+    absl::StatusOr<std::vector<bool>> waiting =
+        count.ok() && *count != absl::StrCat(generation_)
+            ? store_->Check({absl::StrCat(backend_, *count, "/", name, "/", first_missing)},
+                            kTakeBack)
+            : std::vector<bool>{false};
+    if (waiting.ok() && (*waiting)[0]) {
       apart = absl::StrCat(" (it has joined \"", o_.prefix, "\" ", *count,
                            " time(s) and this rank ", generation_,
                            ": they wait under different generations, as after a rank was killed "
@@ -140,27 +162,26 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
                            "every rank with a new prefix)");
     }
   }
-  std::string gave_up;
+  std::string gave_up_said;
   if (!gone.empty()) {
     if (gone.size() > kShown) {
       const size_t rest = gone.size() - kShown;
       gone.resize(kShown);
       gone.push_back(absl::StrCat("and ", rest, " more"));
     }
-    gave_up = absl::StrCat("rank ", absl::StrJoin(gone, ", "),
-                           " came and gave up before then (started that much earlier: its "
-                           "timeout ran out first)");
+    gave_up_said = absl::StrCat("rank ", absl::StrJoin(gone, ", "),
+                                " came and left again (its own start failed first)");
   }
   const std::string where =
       absl::StrCat(" at the store ", o_.store_address, " within ", o_.timeout.count(), " ms");
   if (missing.empty() && !gone.empty()) {
     return absl::DeadlineExceededError(
-        absl::StrCat(what, ": not every rank was there together", where, "; ", gave_up));
+        absl::StrCat(what, ": not every rank was there together", where, "; ", gave_up_said));
   }
   return absl::DeadlineExceededError(absl::StrCat(
       what, ": rank ", missing.empty() ? "?" : absl::StrJoin(missing, ", "),
       more > 0 ? absl::StrCat(" and ", more, " more") : "", " did not arrive", where, apart,
-      gave_up.empty() ? "" : "; ", gave_up));
+      gave_up_said.empty() ? "" : "; ", gave_up_said));
 }
 
 std::string Rendezvous::LeftKey(int rank) const { return absl::StrCat(base_, "left/", rank); }

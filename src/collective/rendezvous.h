@@ -53,7 +53,8 @@ class Rendezvous {
  private:
   Rendezvous(const CommunicatorOptions& options, std::unique_ptr<StoreClient> store,
              const std::string& backend, int64_t generation, std::string label);
-  // Marks a rank whose try at this generation was taken back.
+  // Marks a rank whose try at this generation was taken back, with the
+  // turn it gave up at.
   std::string LeftKey(int rank) const;
   // Where `rank` records why its collectives failed.
   std::string FailedKey(int rank) const;
@@ -68,6 +69,7 @@ class Rendezvous {
   std::string label_;
   std::string backend_;
   int64_t generation_ = 0;
+  int64_t joined_ = 0;  // this join's turn (TurnKey)
   std::vector<std::string> published_;  // this rank's keys under base_
   bool kept_ = false;  // or the store is out of reach
 };
