@@ -184,9 +184,7 @@ class CpuCommunicator final : public Communicator {
       if (first) broken_ = s;
     }
     if (first && !aborted_.load() && rendezvous_ != nullptr) {
-      std::optional<int> peer = PeerOf(s);
-      std::string began = peer ? rendezvous_->FailureOf({*peer}) : "";
-      rendezvous_->RecordFailure(began.empty() ? std::string(s.message()) : began);
+      const std::string began = rendezvous_->Blame(std::string(s.message()), PeerOf(s));
       if (!began.empty()) {
         s = Reworded(s, absl::StrCat(s.message(), "; the failure began elsewhere: ", began));
         std::lock_guard<std::mutex> lock(broken_mu_);

@@ -8,9 +8,8 @@
 
 namespace deepnex::collective {
 
-// How long a failed start spends on the store after its deadline (to say
-// what was missing, and to take its join back), and a failed collective
-// (to say why, and to learn why a neighbour broke off).
+// How long a failed start spends on the store after its deadline: to say
+// what was missing, and to take its join back.
 constexpr std::chrono::milliseconds kTakeBack{1000};
 
 // Where a rank counts the communicators of `backend` it joined under the
@@ -50,11 +49,12 @@ Rendezvous::Rendezvous(const CommunicatorOptions& options, std::unique_ptr<Store
       backend_(backend),
       generation_(generation) {}
 
-absl::StatusOr<std::unique_ptr<StoreClient>> Rendezvous::QuickStore() const {
+absl::StatusOr<std::unique_ptr<StoreClient>> Rendezvous::QuickStore(
+    std::chrono::milliseconds timeout) const {
   StoreClientOptions so;
   so.address = o_.store_address;
   so.prefix = o_.prefix;
-  so.timeout = kTakeBack;
+  so.timeout = timeout;
   so.token = o_.token;
   so.token_file = o_.token_file;
   return StoreClient::Create(so);
@@ -62,7 +62,7 @@ absl::StatusOr<std::unique_ptr<StoreClient>> Rendezvous::QuickStore() const {
 
 Rendezvous::~Rendezvous() {
   if (kept_) return;
-  absl::StatusOr<std::unique_ptr<StoreClient>> quick = QuickStore();
+  absl::StatusOr<std::unique_ptr<StoreClient>> quick = QuickStore(kTakeBack);
   if (!quick.ok()) return;
   // Marked, with its turn, before its keys go: a rank still waiting, which
   // joined before that turn, names this one as having come and gone
@@ -190,24 +190,24 @@ std::string Rendezvous::FailedKey(int rank) const {
   return absl::StrCat(base_, "failed/", rank);
 }
 
-void Rendezvous::RecordFailure(const std::string& why) {
-  absl::StatusOr<std::unique_ptr<StoreClient>> quick = QuickStore();
-  if (quick.ok()) (*quick)->Set(FailedKey(o_.rank), why).IgnoreError();
-}
-
-std::string Rendezvous::FailureOf(const std::vector<int>& ranks) {
-  absl::StatusOr<std::unique_ptr<StoreClient>> quick = QuickStore();
+std::string Rendezvous::Blame(const std::string& why, std::optional<int> peer) {
+  // A store out of reach costs each rank on the way round the ring this
+  // much before it breaks off (a probe's ranks waited 2-3 s a hop).
+  constexpr std::chrono::milliseconds kBudget{200};
+  absl::StatusOr<std::unique_ptr<StoreClient>> quick = QuickStore(kBudget);
   if (!quick.ok()) return "";
-  std::vector<std::string> keys;
-  for (int rank : ranks) keys.push_back(FailedKey(rank));
-  // Looked for first: Get waits for a key that is not there.
-  absl::StatusOr<std::vector<bool>> present = (*quick)->Check(keys, kTakeBack);
-  for (size_t i = 0; present.ok() && i < keys.size(); ++i) {
-    if (!(*present)[i]) continue;
-    absl::StatusOr<std::string> why = (*quick)->Get(keys[i], kTakeBack);
-    if (why.ok()) return *why;
+  std::string began;
+  if (peer) {
+    // Looked for first: Get waits for a key that is not there.
+    absl::StatusOr<std::vector<bool>> present = (*quick)->Check({FailedKey(*peer)}, kBudget);
+    if (!present.ok()) return "";  // out of reach: nothing to learn or to record
+    if ((*present)[0]) {
+      absl::StatusOr<std::string> recorded = (*quick)->Get(FailedKey(*peer), kBudget);
+      if (recorded.ok()) began = *recorded;
+    }
   }
-  return "";
+  (*quick)->Set(FailedKey(o_.rank), began.empty() ? why : began).IgnoreError();
+  return began;
 }
 
 }  // namespace deepnex::collective

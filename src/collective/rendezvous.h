@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,13 +43,13 @@ class Rendezvous {
     kept_ = true;
     store_.reset();
   }
-  // Once the communicator is up. Records why this rank's collectives
-  // failed, for its neighbours: they see only that it broke off. Waits at
-  // most a second for a store out of reach.
-  void RecordFailure(const std::string& why);
-  // What the first of `ranks` to record a failure recorded; empty when none
-  // did (a rank that died records nothing).
-  std::string FailureOf(const std::vector<int>& ranks);
+  // Once the communicator is up, as its collectives fail with `why`,
+  // before its links go: its neighbours see only that it broke off. When
+  // `why` is neighbour `peer`'s breaking off, returns where the failure
+  // began as `peer` recorded it (empty when it recorded nothing: a rank
+  // that died records nothing), and records that rather than `why`. A store
+  // out of reach costs at most a few hundred milliseconds.
+  std::string Blame(const std::string& why, std::optional<int> peer);
 
  private:
   Rendezvous(const CommunicatorOptions& options, std::unique_ptr<StoreClient> store,
@@ -58,10 +59,11 @@ class Rendezvous {
   std::string LeftKey(int rank) const;
   // Where `rank` records why its collectives failed.
   std::string FailedKey(int rank) const;
-  // A client of the store that waits at most a second: for a start or a
-  // communicator that has failed already, perhaps because the store is
-  // out of reach.
-  absl::StatusOr<std::unique_ptr<StoreClient>> QuickStore() const;
+  // A client of the store whose calls wait at most `timeout`: for a start
+  // or a communicator that has failed already, perhaps because the store
+  // is out of reach.
+  absl::StatusOr<std::unique_ptr<StoreClient>> QuickStore(
+      std::chrono::milliseconds timeout) const;
 
   const CommunicatorOptions& o_;
   std::unique_ptr<StoreClient> store_;
