@@ -51,6 +51,14 @@ def to_buffer(x: Any, what: str) -> Tuple[Any, Optional["_C.DType"]]:
     return t.numpy(), None
 
 
+def number(value: Any, name: str) -> float:
+    """float(value); InvalidArgumentError naming ``name`` for a bool, which
+    float() takes as 0 or 1 (a probe's SGD(lr=True) trained at lr 1)."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{name}={value!r}: a bool, where a number is expected")
+    return float(value)
+
+
 def byte_size(value: Any, name: str) -> int:
     """An int of bytes from an int (numpy's too) or a string such as
     "80GiB"; InvalidArgumentError naming ``name`` and the value otherwise."""

@@ -16,12 +16,12 @@ dtype, a non-contiguous array or a read-only output raises
 """
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from . import _C
-from ._convert import byte_size, options, to_buffer
+from ._convert import byte_size, number, options, to_buffer
 from .errors import DeepnexError, InvalidArgumentError
 
 __all__ = [
@@ -36,8 +36,21 @@ _CLIENT = _C.ps.ClientOptions()
 
 # ---- optimizers (applied by the server)
 
+class _Optimizer:
+    """Refuses a bool for a number at construction: float() takes it, and
+    a probe's SGD(lr=True) trained at lr 1."""
+
+    def __post_init__(self):
+        for f in fields(self):
+            if f.type in (bool, "bool"):
+                continue
+            value = getattr(self, f.name)
+            for x in value if isinstance(value, tuple) else (value,):
+                number(x, f"{type(self).__name__}.{f.name}")
+
+
 @dataclass(frozen=True)
-class SGD:
+class SGD(_Optimizer):
     """torch.optim.SGD's rule: momentum, Nesterov and L2 weight decay."""
     lr: float = 0.01
     momentum: float = 0.0
@@ -51,7 +64,7 @@ class SGD:
 
 
 @dataclass(frozen=True)
-class Adam:
+class Adam(_Optimizer):
     """torch.optim.Adam's rule; weight_decay is L2 added to the gradient."""
     lr: float = 0.001
     betas: tuple = (0.9, 0.999)
@@ -73,7 +86,7 @@ class AdamW(Adam):
 
 
 @dataclass(frozen=True)
-class Adagrad:
+class Adagrad(_Optimizer):
     """torch.optim.Adagrad's rule."""
     lr: float = 0.01
     eps: float = 1e-10
@@ -87,7 +100,7 @@ class Adagrad:
 
 
 @dataclass(frozen=True)
-class Sum:
+class Sum(_Optimizer):
     """Pure aggregation: values += the round's aggregate (or each push)."""
 
     def _config(self):
@@ -95,7 +108,7 @@ class Sum:
 
 
 @dataclass(frozen=True)
-class Assign:
+class Assign(_Optimizer):
     """values = the round's aggregate (async: the latest push)."""
 
     def _config(self):
@@ -230,12 +243,12 @@ class Server:
                                               "max_deferred_push_bytes"),
             token=token or "", token_file=token_file or "", job_id=job_id or "",
             tls_cert_file=tls_cert_file or "", tls_key_file=tls_key_file or "",
-            lease_timeout=float(lease_timeout),
-            heartbeat_interval=float(heartbeat_interval), lease_policy=lease_policy,
+            lease_timeout=number(lease_timeout, "lease_timeout"),
+            heartbeat_interval=number(heartbeat_interval, "heartbeat_interval"), lease_policy=lease_policy,
             keep_dead_contributions=keep_dead_contributions, name=name,
             checkpoint_dir=str(checkpoint_dir or ""),
             checkpoint_every_rounds=checkpoint_every_rounds,
-            checkpoint_interval=float(checkpoint_interval),
+            checkpoint_interval=number(checkpoint_interval, "checkpoint_interval"),
             restore_dir=str(restore or ""), metrics_address=metrics_address or "",
             bulk_tcp=bool(bulk_tcp), drop_push_replies_for_testing=_drop_push_replies))
 
@@ -262,7 +275,7 @@ class Server:
         sync and ssp modes; returns the round it holds. The server holds
         <dir>/<name>.lock until it stops (FailedPreconditionError for
         another server of this name there)."""
-        return self._server.checkpoint(str(dir), float(timeout))
+        return self._server.checkpoint(str(dir), number(timeout, "timeout"))
 
     def stop(self):
         self._server.stop()
@@ -307,10 +320,10 @@ class Client:
             _C.ps.ClientOptions, servers=list(servers), worker_id=worker_id,
             partition_bytes=byte_size(partition_bytes, "partition_bytes"),
             request_bytes=byte_size(request_bytes, "request_bytes"),
-            timeout=float(timeout), connections_per_server=connections_per_server,
+            timeout=number(timeout, "timeout"), connections_per_server=connections_per_server,
             token=token or "", token_file=token_file or "",
             tls_ca_file=tls_ca_file or "", heartbeat=heartbeat,
-            retry_backoff=float(retry_backoff),
+            retry_backoff=number(retry_backoff, "retry_backoff"),
             # str(): a value of another type is refused naming it too.
             transport=str(transport), shm_bytes=byte_size(shm_bytes, "shm_bytes")))
         self._shapes = {}

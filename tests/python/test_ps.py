@@ -218,7 +218,12 @@ def test_a_bool_is_not_taken_for_a_number():
     num_workers=True and staleness=True made servers."""
     for make, name in ((lambda: ps.Server(num_workers=True), "num_workers"),
                        (lambda: ps.Server(mode="ssp", staleness=True), "staleness"),
-                       (lambda: ps.Client(["127.0.0.1:1"], worker_id=True), "worker_id")):
+                       (lambda: ps.Client(["127.0.0.1:1"], worker_id=True), "worker_id"),
+                       # float() took these (probe of b01f49f): SGD(lr=True) was lr 1.
+                       (lambda: ps.Server(lease_timeout=True), "lease_timeout"),
+                       (lambda: ps.Client(["127.0.0.1:1"], timeout=True), "timeout"),
+                       (lambda: ps.SGD(lr=True), r"SGD\.lr"),
+                       (lambda: ps.Adam(betas=(0.9, True)), r"Adam\.betas")):
         with pytest.raises(deepnex.InvalidArgumentError,
                            match=rf"^{name}=True: a bool, where a number is expected$"):
             make()
