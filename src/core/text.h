@@ -2,6 +2,7 @@
 #ifndef DEEPNEX_CORE_TEXT_H_
 #define DEEPNEX_CORE_TEXT_H_
 
+#include <charconv>
 #include <cstdint>
 #include <string>
 
@@ -9,6 +10,13 @@
 #include "absl/strings/str_cat.h"
 
 namespace deepnex {
+
+// The shortest text that reads back as `v` (%g keeps six digits: an lr of
+// 0.0012345678 showed, and went to the servers, as 0.00123457).
+inline std::string ShortestDouble(double v) {
+  char text[32];
+  return std::string(text, std::to_chars(text, text + sizeof(text), v).ptr);
+}
 
 // `text` kept to its first `max` bytes or fewer, never inside a UTF-8
 // character, with "... (N more bytes)" after it where it was cut: its start,

@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <charconv>
 #include <cmath>
 #include <condition_variable>
 #include <filesystem>
@@ -47,13 +46,6 @@ using Clock = std::chrono::steady_clock;
 constexpr char kReportKey[] = "deepnex/report";
 // The longest piece of a worker's output shown as one line.
 constexpr size_t kMaxLine = 1 << 20;
-
-// The shortest text that reads back as `v` (StrCat keeps six digits: an lr
-// of 0.0012345678 reached the servers as 0.00123457).
-std::string Exact(double v) {
-  char text[32];
-  return std::string(text, std::to_chars(text, text + sizeof(text), v).ptr);
-}
 
 class JobImpl : public Job {
  public:
@@ -764,8 +756,9 @@ class JobImpl : public Job {
     // same across jobs, so a new job can restore an old job's checkpoint.
     std::vector<std::string>& c = spec.command;
     c = {o_.ps_binary, "--listen", addr, "--mode", ps_mode_, "--workers",
-         absl::StrCat(o_.workers), "--optimizer", o_.optimizer, "--lr", Exact(o_.lr),
-         "--momentum", Exact(o_.momentum), "--job", o_.name,
+         absl::StrCat(o_.workers), "--optimizer", o_.optimizer,
+         "--lr", ShortestDouble(o_.lr), "--momentum", ShortestDouble(o_.momentum),
+         "--job", o_.name,
          "--name", absl::StrCat("ps", i)};
     if (ps_mode_ == "ssp") {
       c.insert(c.end(), {"--staleness", absl::StrCat(staleness_)});

@@ -3,6 +3,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/text.h"
 #include "deepnex/ps/optimizer.h"
 #include "ps/update.h"
 
@@ -55,20 +56,19 @@ absl::Status OptimizerConfig::Validate() const {
 }
 
 std::string OptimizerConfig::ToString() const {
+  const auto n = ShortestDouble;
   switch (kind) {
     case OptimizerKind::kSgd:
-      return absl::StrFormat("sgd(lr=%g, momentum=%g, nesterov=%s, weight_decay=%g)",
-                             lr, momentum, nesterov ? "true" : "false",
-                             weight_decay);
+      return absl::StrCat("sgd(lr=", n(lr), ", momentum=", n(momentum),
+                          ", nesterov=", nesterov ? "true" : "false",
+                          ", weight_decay=", n(weight_decay), ")");
     case OptimizerKind::kAdam:
     case OptimizerKind::kAdamW:
-      return absl::StrFormat("%s(lr=%g, betas=(%g, %g), eps=%g, weight_decay=%g)",
-                             OptimizerKindName(kind), lr, beta1, beta2, eps,
-                             weight_decay);
+      return absl::StrCat(OptimizerKindName(kind), "(lr=", n(lr), ", betas=(", n(beta1), ", ",
+                          n(beta2), "), eps=", n(eps), ", weight_decay=", n(weight_decay), ")");
     case OptimizerKind::kAdagrad:
-      return absl::StrFormat(
-          "adagrad(lr=%g, eps=%g, weight_decay=%g, initial_accumulator=%g)", lr,
-          eps, weight_decay, initial_accumulator);
+      return absl::StrCat("adagrad(lr=", n(lr), ", eps=", n(eps), ", weight_decay=",
+                          n(weight_decay), ", initial_accumulator=", n(initial_accumulator), ")");
     case OptimizerKind::kSum:
     case OptimizerKind::kAssign:
       return OptimizerKindName(kind);
