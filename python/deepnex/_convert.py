@@ -52,9 +52,10 @@ def to_buffer(x: Any, what: str) -> Tuple[Any, Optional["_C.DType"]]:
 
 
 def number(value: Any, name: str) -> float:
-    """float(value); InvalidArgumentError naming ``name`` for a bool, which
-    float() takes as 0 or 1 (a probe's SGD(lr=True) trained at lr 1)."""
-    if isinstance(value, bool):
+    """float(value); InvalidArgumentError naming ``name`` for a bool (numpy's
+    and torch's too), which float() takes as 0 or 1 (a probe's SGD(lr=True)
+    trained at lr 1)."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
         raise InvalidArgumentError(f"{name}={value!r}: a bool, where a number is expected")
     return float(value)
 

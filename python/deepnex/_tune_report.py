@@ -139,6 +139,10 @@ def _report_to_job(step, metrics):
     DEEPNEX_STORE_ADDR set); False, doing nothing, anywhere else."""
     address, job = os.environ.get("DEEPNEX_STORE_ADDR"), os.environ.get("DEEPNEX_JOB_ID")
     if not address or not job:
+        # Checked as in a search: a script tried on its own meets its bad
+        # metric now, not once a search runs it (probe).
+        for name, value in metrics.items():
+            _metric(step, name, value)
         return False
     record = {"step": step, "metrics": {}, "time_ms": int(time.time() * 1000)}
     for name, value in metrics.items():

@@ -230,9 +230,14 @@ def test_a_non_numeric_metric_is_named_in_a_job(monkeypatch):
     assert deepnex.report(step=3, loss=1.0) is False
 
 
-def test_a_report_outside_a_job_and_a_search_does_nothing(monkeypatch):
+def test_a_report_outside_a_job_and_a_search_checks_and_does_nothing(monkeypatch):
     for name in ("DEEPNEX_TUNE_STORE", "DEEPNEX_TUNE_TRIAL", "DEEPNEX_JOB_ID",
                  "DEEPNEX_STORE_ADDR"):
         monkeypatch.delenv(name, raising=False)
-    assert deepnex.report(step=1, accuracy="anything") is False
+    assert deepnex.report(step=1, accuracy=0.5) is False
+    # Checked as in a search, so that a script tried on its own meets a bad
+    # metric at once (a probe's accuracy=True passed here).
+    for bad in ("anything", True):
+        with pytest.raises(deepnex.InvalidArgumentError, match="is not a number"):
+            deepnex.report(step=1, accuracy=bad)
     assert deepnex.report is deepnex.tune.report

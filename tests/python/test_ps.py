@@ -223,6 +223,7 @@ def test_a_bool_is_not_taken_for_a_number():
                        (lambda: ps.Server(lease_timeout=True), "lease_timeout"),
                        (lambda: ps.Client(["127.0.0.1:1"], timeout=True), "timeout"),
                        (lambda: ps.SGD(lr=True), r"SGD\.lr"),
+                       (lambda: ps.SGD(lr=np.bool_(True)), r"SGD\.lr"),
                        (lambda: ps.Adam(betas=(0.9, True)), r"Adam\.betas")):
         with pytest.raises(deepnex.InvalidArgumentError,
                            match=rf"^{name}=True: a bool, where a number is expected$"):
