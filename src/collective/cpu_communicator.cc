@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <future>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -42,6 +43,10 @@ using std::chrono::milliseconds;
 
 // Below this many bytes per stripe a collective uses fewer stripes.
 constexpr size_t kMinStripeBytes = 256 << 10;
+// How long a rank that breaks off waits for the store to say where the
+// failure began and to record it. A live store answers in a millisecond or
+// so; one that does not costs each rank round the ring this much.
+constexpr std::chrono::milliseconds kBlameWait{100};
 
 bool SupportedDType(DType d) {
   switch (d) {
@@ -89,6 +94,7 @@ class CpuCommunicator final : public Communicator {
       // The links' sockets and segments are the parent's too: shutting one
       // down (or unlinking a segment) would end the parent's collectives.
       new std::vector<std::unique_ptr<Link>>(std::move(links_));  // left, not closed
+      rendezvous_.release();  // its store client is the parent's gRPC: left too
       return;  // queue_ leaves its thread (SerialQueue::Close)
     }
     // A collective in flight ends now, Aborted, not at its timeout (the
@@ -127,7 +133,7 @@ class CpuCommunicator final : public Communicator {
 
   void Abort() override {
     if (aborted_.exchange(true)) return;
-    Break(absl::AbortedError("the communicator was aborted"));
+    Break(absl::AbortedError("the communicator was aborted")).IgnoreError();
   }
 
   int rank() const override { return o_.rank; }
@@ -165,7 +171,10 @@ class CpuCommunicator final : public Communicator {
     absl::Status s = fn();
     // InvalidArgument comes from the header check, which left every rank in
     // step; anything else leaves the streams in an unknown state.
-    if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) s = Break(s);
+    if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) {
+      // The payload (PeerOf) was Break's; the caller gets the words.
+      s = absl::Status(s.code(), Break(s).message());
+    }
     if (aborted_.load() && s.ok()) s = absl::AbortedError("the communicator was aborted");
     return s;
   }
@@ -184,7 +193,15 @@ class CpuCommunicator final : public Communicator {
       if (first) broken_ = s;
     }
     if (first && !aborted_.load() && rendezvous_ != nullptr) {
-      const std::string began = rendezvous_->Blame(std::string(s.message()), PeerOf(s));
+      // On a thread of its own, waited for briefly: a store that does not
+      // answer holds each rank round the ring that long before it breaks
+      // off in turn (the thread ends within its calls' timeouts; the
+      // destructor waits for it).
+      blame_ = std::async(std::launch::async,
+                          [r = rendezvous_.get(), why = std::string(s.message()),
+                           peer = PeerOf(s)] { return r->Blame(why, peer); });
+      const std::string began =
+          blame_.wait_for(kBlameWait) == std::future_status::ready ? blame_.get() : "";
       if (!began.empty()) {
         s = Reworded(s, absl::StrCat(s.message(), "; the failure began elsewhere: ", began));
         std::lock_guard<std::mutex> lock(broken_mu_);
@@ -326,7 +343,7 @@ class CpuCommunicator final : public Communicator {
     for (int k = 0; k < stripes; ++k) {
       jobs.push_back([this, k, stripes, &job] {
         absl::Status s = job(*links_[k], k, stripes);
-        if (!s.ok()) Break(s);  // wakes the other stripes
+        if (!s.ok()) Break(s).IgnoreError();  // wakes the other stripes; said by RunStripes
         return s;
       });
     }
@@ -522,6 +539,7 @@ class CpuCommunicator final : public Communicator {
   std::mutex broken_mu_;
   absl::Status broken_;
   std::unique_ptr<Rendezvous> rendezvous_;  // kept, for Break
+  std::future<std::string> blame_;  // Break's lookup: ends before rendezvous_ goes
 
   std::unique_ptr<SerialQueue> queue_;
 };
@@ -557,7 +575,7 @@ absl::Status CpuCommunicator::Init(Transport transport) {
   DEEPNEX_RETURN_IF_ERROR(ProbeSharedMemory(transport, j, deadline));
   DEEPNEX_RETURN_IF_ERROR(Connect(j, deadline));
   DEEPNEX_RETURN_IF_ERROR(KeepSegments(j, deadline));
-  j.rendezvous->Keep();
+  j.rendezvous->Keep(/*blame=*/true);
   rendezvous_ = std::move(j.rendezvous);
   BuildLinks(j);
   pool_ = std::make_unique<StripePool>(static_cast<int>(links_.size()) - 1);

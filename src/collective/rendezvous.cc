@@ -190,23 +190,28 @@ std::string Rendezvous::FailedKey(int rank) const {
   return absl::StrCat(base_, "failed/", rank);
 }
 
+void Rendezvous::Keep(bool blame) {
+  kept_ = true;
+  store_.reset();
+  if (blame) {
+    absl::StatusOr<std::unique_ptr<StoreClient>> quick = QuickStore(kBlameTimeout);
+    if (quick.ok()) store_ = *std::move(quick);
+  }
+}
+
 std::string Rendezvous::Blame(const std::string& why, std::optional<int> peer) {
-  // A store out of reach costs each rank on the way round the ring this
-  // much before it breaks off (a probe's ranks waited 2-3 s a hop).
-  constexpr std::chrono::milliseconds kBudget{200};
-  absl::StatusOr<std::unique_ptr<StoreClient>> quick = QuickStore(kBudget);
-  if (!quick.ok()) return "";
+  if (store_ == nullptr) return "";
   std::string began;
   if (peer) {
     // Looked for first: Get waits for a key that is not there.
-    absl::StatusOr<std::vector<bool>> present = (*quick)->Check({FailedKey(*peer)}, kBudget);
+    absl::StatusOr<std::vector<bool>> present = store_->Check({FailedKey(*peer)}, kBlameTimeout);
     if (!present.ok()) return "";  // out of reach: nothing to learn or to record
     if ((*present)[0]) {
-      absl::StatusOr<std::string> recorded = (*quick)->Get(FailedKey(*peer), kBudget);
+      absl::StatusOr<std::string> recorded = store_->Get(FailedKey(*peer), kBlameTimeout);
       if (recorded.ok()) began = *recorded;
     }
   }
-  (*quick)->Set(FailedKey(o_.rank), began.empty() ? why : began).IgnoreError();
+  store_->Set(FailedKey(o_.rank), began.empty() ? why : began).IgnoreError();
   return began;
 }
 

@@ -37,19 +37,19 @@ class Rendezvous {
       const std::string& name, const std::string& value,
       std::chrono::steady_clock::time_point deadline);
 
-  // The communicator is up: its join stands. The store is let go: what
-  // follows is on a failure, through a client of its own.
-  void Keep() {
-    kept_ = true;
-    store_.reset();
-  }
-  // Once the communicator is up, as its collectives fail with `why`,
+  // The communicator is up: its join stands. With `blame`, a client of the
+  // store with a short timeout stays connected for Blame (a failure is no
+  // time to dial: with the store gone, each rank round the ring waited for
+  // it in turn); else the store is let go.
+  void Keep(bool blame = false);
+  // After Keep(true), as the communicator's collectives fail with `why`,
   // before its links go: its neighbours see only that it broke off. When
   // `why` is neighbour `peer`'s breaking off, returns where the failure
   // began as `peer` recorded it (empty when it recorded nothing: a rank
-  // that died records nothing), and records that rather than `why`. A store
-  // out of reach costs at most a few hundred milliseconds.
+  // that died records nothing), and records that rather than `why`. Each
+  // call to a store out of reach ends within kBlameTimeout.
   std::string Blame(const std::string& why, std::optional<int> peer);
+  static constexpr std::chrono::milliseconds kBlameTimeout{200};
 
  private:
   Rendezvous(const CommunicatorOptions& options, std::unique_ptr<StoreClient> store,
