@@ -698,6 +698,13 @@ int CpuCommunicator::Stripes(const Joining& j) const {
 
 // Connects to the right neighbour, then accepts the left one's connections:
 // one per stripe over TCP, one (to watch the neighbour) over shared memory.
+// Said when a neighbour found in the store does not connect or is not
+// there: a probe's restarted ranks met the entry of a rank killed while
+// starting, whose restart waited under the next generation.
+constexpr char kStaleEntry[] =
+    " (if that rank was killed while starting and started again, what the store holds of it "
+    "is from before: start every rank with a new prefix)";
+
 absl::Status CpuCommunicator::Connect(Joining& j, SteadyClock::time_point deadline) {
   const int n = o_.world_size, r = o_.rank;
   const int left = (r - 1 + n) % n, right = (r + 1) % n;
@@ -709,7 +716,7 @@ absl::Status CpuCommunicator::Connect(Joining& j, SteadyClock::time_point deadli
     if (!fd.ok()) {
       return absl::Status(fd.status().code(),
                           absl::StrCat("rank ", r, " connecting to rank ", right, ": ",
-                                       fd.status().message()));
+                                       fd.status().message(), kStaleEntry));
     }
     j.out[i] = *fd;
     Hello hello{kHelloMagic, r, static_cast<int32_t>(i), 0, j.infos[right].nonce};
@@ -733,8 +740,9 @@ absl::Status CpuCommunicator::Connect(Joining& j, SteadyClock::time_point deadli
     std::vector<pollfd> fds{{j.listen_fd, POLLIN, 0}};
     for (const Waiting& w : waiting) fds.push_back({w.fd, POLLIN, 0});
     if (SteadyClock::now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "rank ", r, ": rank ", left, " did not connect within ", o_.timeout.count(), " ms"));
+      return absl::DeadlineExceededError(absl::StrCat("rank ", r, ": rank ", left,
+                                                      " did not connect within ",
+                                                      o_.timeout.count(), " ms", kStaleEntry));
     }
     if (poll(fds.data(), fds.size(), MillisUntil(deadline, 1000)) < 0 && errno != EINTR) {
       return ErrnoUnavailable("poll");

@@ -138,24 +138,37 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
       ++more;
     }
   }
-  // A rank that joined this prefix a different number of times, and waits
-  // under that generation now (its key is there: a rank killed while
-  // starting takes nothing back), never meets this one: say so, as the
-  // cause. One that took its join back waits nowhere.
+  // A rank that joined this prefix a different number of times never meets
+  // this one: say so, as the cause, when it waits under its generation now
+  // (its key is there: a rank killed while starting takes nothing back) or
+  // came under another while this rank waited. One that took its join back
+  // before this rank came waits nowhere.
   std::string apart;
   const std::string other = CountKey(backend_, first_missing);
   // Looked for first: Get waits for a key that is not there.
   absl::StatusOr<std::vector<bool>> joined =
       first_missing >= 0 ? store_->Check({other}, kTakeBack) : std::vector<bool>{false};
-  if (joined.ok() && (*joined)[0]) {
-    absl::StatusOr<std::string> count = store_->Get(other, kTakeBack);
-    absl::StatusOr<std::vector<bool>> waiting =
-        count.ok() && *count != absl::StrCat(generation_)
-            ? store_->Check({absl::StrCat(backend_, *count, "/", name, "/", first_missing)},
-                            kTakeBack)
-            : std::vector<bool>{false};
-    if (waiting.ok() && (*waiting)[0]) {
-      apart = absl::StrCat(" (it has joined \"", o_.prefix, "\" ", *count,
+  absl::StatusOr<std::string> count =
+      joined.ok() && (*joined)[0] ? store_->Get(other, kTakeBack) : "";
+  int64_t theirs;
+  if (count.ok() && absl::SimpleAtoi(*count, &theirs) && theirs != generation_) {
+    // Waiting under its generation now, or it came under the next one
+    // while this rank waited and took its join back (a probe's restarted
+    // ranks, a generation behind a rank killed while starting, did so).
+    absl::StatusOr<std::vector<bool>> waiting = store_->Check(
+        {absl::StrCat(backend_, theirs, "/", name, "/", first_missing),
+         absl::StrCat(backend_, theirs + 1, "/left/", first_missing)},
+        kTakeBack);
+    bool apart_now = waiting.ok() && (*waiting)[0];
+    if (!apart_now && waiting.ok() && (*waiting)[1] && theirs + 1 != generation_) {
+      absl::StatusOr<std::string> turn =
+          store_->Get(absl::StrCat(backend_, theirs + 1, "/left/", first_missing), kTakeBack);
+      int64_t t;
+      apart_now = turn.ok() && absl::SimpleAtoi(*turn, &t) && t > joined_;
+      ++theirs;  // the join it took back
+    }
+    if (apart_now) {
+      apart = absl::StrCat(" (it has joined \"", o_.prefix, "\" ", theirs,
                            " time(s) and this rank ", generation_,
                            ": they wait under different generations, as after a rank was killed "
                            "while starting or a start that failed on some ranks only; start "

@@ -586,6 +586,30 @@ TEST_F(CommunicatorTest, ARankThatGaveUpFirstIsNamedAsComeAndGone) {
   }
 }
 
+// A rank killed while starting keeps its join: started again, it waits a
+// generation ahead of the others. A probe's restarted rank that waited
+// longest said only "rank 0, 2 did not arrive": they had come, under the
+// generation behind, and gone.
+TEST_F(CommunicatorTest, RanksAGenerationApartAreToldSoEitherWay) {
+  StoreClientOptions so;
+  so.address = store_->address();
+  so.prefix = "killed";
+  ASSERT_OK_AND_ASSIGN(auto store, StoreClient::Create(so));
+  ASSERT_OK(store->Add("c_gen/1", 1).status());  // rank 1's first start, killed
+  const std::string apart = " time(s) and this rank ";
+  ::deepnex::test::RunRanks(3, [&](int r) {
+    CommunicatorOptions o = Options(r, 3, "killed");
+    o.timeout = milliseconds(r == 1 ? 1500 : 500);
+    EXPECT_THAT(Communicator::Create(o),
+                StatusIs(absl::StatusCode::kDeadlineExceeded,
+                         HasSubstr(r == 1 ? "(it has joined \"killed\" 1" + apart + "2: they wait "
+                                            "under different generations"
+                                          : "(it has joined \"killed\" 2" + apart + "1: they wait "
+                                            "under different generations")))
+        << "rank " << r;
+  });
+}
+
 TEST_F(CommunicatorTest, RankLeavingMidCollectiveFailsTheOthersQuickly) {
   for (const char* transport : {"tcp", "shm"}) {
     RunRanks(
