@@ -488,12 +488,14 @@ TEST_F(JobsTest, CancellingALostJobReleasesItsAllocations) {
   ASSERT_OK_AND_ASSIGN(Allocation a, grants->Allocate(r));
   const JobRecord running = Job("j1", JobState::kRunning, {{a.id, a.node, 1, 1, 0}});
   ASSERT_OK(alice->Report(running, "r1").status());
+  // Its failed event published, not only its record marked: cancelling in
+  // between published "cancelled" first (CI).
   ASSERT_TRUE(::deepnex::test::WaitFor(
       [&] {
         auto j = alice->Get("j1");
-        return j.ok() && j->lost;
+        return j.ok() && j->lost && events().size() == 3;
       },
-      10s, "j1 to fail as lost"));
+      10s, "j1 to fail as lost, its event published"));
   ASSERT_OK_AND_ASSIGN(auto held, grants->Allocations());
   EXPECT_EQ(held.size(), 1u);
   ASSERT_OK_AND_ASSIGN(JobRecord cancelled, alice->Cancel("j1"));
