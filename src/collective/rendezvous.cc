@@ -22,6 +22,12 @@ std::string CountKey(const std::string& backend, int rank) {
 // from: what happened in which order, as the store saw it.
 std::string TurnKey(const std::string& backend) { return absl::StrCat(backend, "_turn"); }
 
+// Beside AllGather's names under a generation: a rank's mark of a try it
+// took back (holding the turn it gave up at), and why its collectives
+// failed (Blame).
+constexpr char kLeft[] = "left";
+constexpr char kFailed[] = "failed";
+
 absl::StatusOr<std::unique_ptr<Rendezvous>> Rendezvous::Join(const CommunicatorOptions& options,
                                                              const std::string& backend,
                                                              const std::string& label) {
@@ -44,7 +50,6 @@ Rendezvous::Rendezvous(const CommunicatorOptions& options, std::unique_ptr<Store
                        const std::string& backend, int64_t generation, std::string label)
     : o_(options),
       store_(std::move(store)),
-      base_(absl::StrCat(backend, generation, "/")),
       label_(std::move(label)),
       backend_(backend),
       generation_(generation) {}
@@ -69,7 +74,9 @@ Rendezvous::~Rendezvous() {
   // rather than as never come.
   if (!published_.empty()) {
     absl::StatusOr<int64_t> turn = (*quick)->Add(TurnKey(backend_), 1);
-    if (turn.ok()) (*quick)->Set(LeftKey(o_.rank), absl::StrCat(*turn)).IgnoreError();
+    if (turn.ok()) {
+      (*quick)->Set(KeyAt(generation_, kLeft, o_.rank), absl::StrCat(*turn)).IgnoreError();
+    }
   }
   for (const std::string& key : published_) (*quick)->Delete(key).IgnoreError();
   // Only while no later join of this rank took a number after it.
@@ -82,7 +89,7 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
     const std::string& name, const std::string& value,
     std::chrono::steady_clock::time_point deadline) {
   const int n = o_.world_size;
-  auto key = [&](int rank) { return absl::StrCat(base_, name, "/", rank); };
+  auto key = [&](int rank) { return KeyAt(generation_, name, rank); };
   DEEPNEX_RETURN_IF_ERROR(store_->Set(key(o_.rank), value));
   published_.push_back(key(o_.rank));
   std::vector<std::string> keys;
@@ -112,7 +119,7 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
   for (int i = 0; i < n; ++i) {
     if ((*present)[i]) continue;
     absent.push_back(i);
-    left_keys.push_back(LeftKey(i));
+    left_keys.push_back(KeyAt(generation_, kLeft, i));
   }
   std::vector<bool> gave_up(absent.size(), false);
   absl::StatusOr<std::vector<bool>> marked =
@@ -155,14 +162,12 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
     // Waiting under its generation now, or it came under the next one
     // while this rank waited and took its join back (a probe's restarted
     // ranks, a generation behind a rank killed while starting, did so).
-    absl::StatusOr<std::vector<bool>> waiting = store_->Check(
-        {absl::StrCat(backend_, theirs, "/", name, "/", first_missing),
-         absl::StrCat(backend_, theirs + 1, "/left/", first_missing)},
-        kTakeBack);
+    const std::string came = KeyAt(theirs + 1, kLeft, first_missing);
+    absl::StatusOr<std::vector<bool>> waiting =
+        store_->Check({KeyAt(theirs, name, first_missing), came}, kTakeBack);
     bool apart_now = waiting.ok() && (*waiting)[0];
     if (!apart_now && waiting.ok() && (*waiting)[1] && theirs + 1 != generation_) {
-      absl::StatusOr<std::string> turn =
-          store_->Get(absl::StrCat(backend_, theirs + 1, "/left/", first_missing), kTakeBack);
+      absl::StatusOr<std::string> turn = store_->Get(came, kTakeBack);
       int64_t t;
       apart_now = turn.ok() && absl::SimpleAtoi(*turn, &t) && t > joined_;
       ++theirs;  // the join it took back
@@ -197,10 +202,8 @@ absl::StatusOr<std::vector<std::string>> Rendezvous::AllGather(
       gave_up_said.empty() ? "" : "; ", gave_up_said));
 }
 
-std::string Rendezvous::LeftKey(int rank) const { return absl::StrCat(base_, "left/", rank); }
-
-std::string Rendezvous::FailedKey(int rank) const {
-  return absl::StrCat(base_, "failed/", rank);
+std::string Rendezvous::KeyAt(int64_t generation, const std::string& name, int rank) const {
+  return absl::StrCat(backend_, generation, "/", name, "/", rank);
 }
 
 void Rendezvous::Keep(bool blame) {
@@ -217,14 +220,15 @@ std::string Rendezvous::Blame(const std::string& why, std::optional<int> peer) {
   std::string began;
   if (peer) {
     // Looked for first: Get waits for a key that is not there.
-    absl::StatusOr<std::vector<bool>> present = store_->Check({FailedKey(*peer)}, kBlameTimeout);
+    const std::string theirs = KeyAt(generation_, kFailed, *peer);
+    absl::StatusOr<std::vector<bool>> present = store_->Check({theirs}, kBlameTimeout);
     if (!present.ok()) return "";  // out of reach: nothing to learn or to record
     if ((*present)[0]) {
-      absl::StatusOr<std::string> recorded = store_->Get(FailedKey(*peer), kBlameTimeout);
+      absl::StatusOr<std::string> recorded = store_->Get(theirs, kBlameTimeout);
       if (recorded.ok()) began = *recorded;
     }
   }
-  store_->Set(FailedKey(o_.rank), began.empty() ? why : began).IgnoreError();
+  store_->Set(KeyAt(generation_, kFailed, o_.rank), began.empty() ? why : began).IgnoreError();
   return began;
 }
 

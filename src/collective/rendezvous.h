@@ -20,7 +20,7 @@ namespace deepnex::collective {
 // never reads an earlier communicator's keys. A join that does not end in
 // Keep() is taken back when the Rendezvous goes (this rank's keys deleted,
 // its count lowered): ranks that retry together after a failed start meet
-// again rather than one attempt apart. Used by one thread.
+// again rather than one attempt apart. Used by one thread at a time.
 class Rendezvous {
  public:
   ~Rendezvous();
@@ -54,11 +54,8 @@ class Rendezvous {
  private:
   Rendezvous(const CommunicatorOptions& options, std::unique_ptr<StoreClient> store,
              const std::string& backend, int64_t generation, std::string label);
-  // Marks a rank whose try at this generation was taken back, with the
-  // turn it gave up at.
-  std::string LeftKey(int rank) const;
-  // Where `rank` records why its collectives failed.
-  std::string FailedKey(int rank) const;
+  // The key of `rank`'s `name` under `generation`: "<backend><gen>/<name>/<rank>".
+  std::string KeyAt(int64_t generation, const std::string& name, int rank) const;
   // A client of the store whose calls wait at most `timeout`: for a start
   // or a communicator that has failed already, perhaps because the store
   // is out of reach.
@@ -67,12 +64,11 @@ class Rendezvous {
 
   const CommunicatorOptions& o_;
   std::unique_ptr<StoreClient> store_;
-  std::string base_;  // "<backend><generation>/"
   std::string label_;
   std::string backend_;
   int64_t generation_ = 0;
   int64_t joined_ = 0;  // this join's turn (TurnKey)
-  std::vector<std::string> published_;  // this rank's keys under base_
+  std::vector<std::string> published_;  // this rank's keys under generation_
   bool kept_ = false;  // or the store is out of reach
 };
 
