@@ -407,9 +407,13 @@ def test_shell_on_a_given_allocation_with_keep_leaves_both(central):
     alice, _ = clients(central)
     a = alice.allocate(grant())
     env = shell_env(central)
-    # --kee: an abbreviation, which deepnex-shell hands back to argparse;
-    # argparse then execs deepnex-shell with --keep.
-    t = Terminal([PY, "-m", "deepnex", "shell", "--alloc", a.id, "--kee", "--name", "k1"], env)
+    # --kee, an abbreviation, deepnex-shell hands back to argparse, which
+    # refuses it as it refuses every flag's prefix (928e32b).
+    out = subprocess.run([PY, "-m", "deepnex", "shell", "--alloc", a.id, "--kee"], env=env,
+                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert out.returncode == 2, out
+    assert out.stderr.endswith("deepnex shell: error: unrecognized arguments: --kee\n"), out
+    t = Terminal([PY, "-m", "deepnex", "shell", "--alloc", a.id, "--keep", "--name", "k1"], env)
     try:
         t.expect(b"$ ")
         expect_native(t)
