@@ -73,32 +73,44 @@ def _run(args) -> int:
     stopped = {}
 
     def on_signal(signum, frame):
+        # Notes the signal and stops the job, which ends the start or the wait
+        # below; it raises nothing. An exception raised here lands wherever the
+        # main thread is, threading's weakref callbacks included, where Python
+        # drops it: the job then ended as if by itself (seen in CI).
+        if stopped:
+            return  # a second Ctrl-C while the first one stops the job
         stopped["signal"] = signum
-        # Before the KeyboardInterrupt: a start it interrupts would stop the
-        # job as by SIGINT.
-        j.stop(signum)
-        raise KeyboardInterrupt
+        try:
+            j.stop(signum)
+        except DeepnexError as e:
+            stopped["error"] = e
 
-    previous = signal.signal(signal.SIGTERM, on_signal)
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         j.start()
-        word = "worker" if str(args.workers) == "1" else "workers"
-        _notice(f"job {j.name}: {args.workers} {word}{' (elastic)' if min_workers else ''}, "
-                f"mode {args.mode}, "
-                f"backend {j.backend}")
-        result = j.wait()
-    except KeyboardInterrupt:
-        signum = stopped.get("signal", signal.SIGINT)
-        j.stop(signum)
-        _notice(f"job {j.name} stopped by {signal.Signals(signum).name}; "
-                "everything released")
-        return 128 + signum
+        if not stopped:
+            word = "worker" if str(args.workers) == "1" else "workers"
+            _notice(f"job {j.name}: {args.workers} {word}{' (elastic)' if min_workers else ''}, "
+                    f"mode {args.mode}, "
+                    f"backend {j.backend}")
+            result = j.wait()
     except DeepnexError as e:
-        j.stop()
-        _notice(e)
-        return 1
+        if not stopped:  # else the start ended because the job was stopped
+            j.stop()
+            _notice(e)
+            return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stopped:
+        signum = stopped["signal"]
+        if "error" in stopped:
+            _notice(f"job {j.name} stopped by {signal.Signals(signum).name}: "
+                    f"{stopped['error']}")
+        else:
+            _notice(f"job {j.name} stopped by {signal.Signals(signum).name}; "
+                    "everything released")
+        return 128 + signum
     for rank, e in enumerate(result.workers):
         _notice(f"worker {rank}: {e}")
     _notice(f"job {j.name} exited {result.exit_code} after {result.seconds:.1f} s")

@@ -72,12 +72,12 @@ def ps_server_pids(name):
 class RunningJob:
     """`deepnex run` in a subprocess; its output collected line by line."""
 
-    def __init__(self, tmp_path, args, command, name=None, env=None):
+    def __init__(self, tmp_path, args, command, name=None, env=None, cli=("-m", "deepnex")):
         self.name = name or "t" + uuid.uuid4().hex[:10]
         env = dict(os.environ if env is None else env, DEEPNEX_RUN_DIR=str(tmp_path / "run"),
                    PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "deepnex", "run", "--name", self.name] + args + ["--"] + command,
+            [sys.executable, *cli, "run", "--name", self.name] + args + ["--"] + command,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
             cwd=str(tmp_path))
         self.lines = []
@@ -186,6 +186,46 @@ def test_a_signal_stops_the_job_and_leaves_nothing_behind(jobs, tmp_path, signum
     j.proc.send_signal(signum)
     assert j.wait(60) == 128 + signum, j.output()
     assert "everything released" in j.output()
+    wait_for(lambda: job_processes(j.name) == [], "the job's processes to end")
+    assert not os.path.exists(tmp_path / "run" / j.name)
+
+
+# `deepnex run` whose first wait for the job first drops a weakref, whose
+# callback gets a SIGTERM: its handler runs inside that callback, where Python
+# drops what it raises (as threading's own weakref callbacks did in CI).
+SIGNAL_IN_A_WEAKREF_CALLBACK = """
+import os, signal, sys, weakref
+from deepnex import __main__ as cli, job
+
+def signal_myself(_):
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(1000):  # the handler runs at one of these jumps back
+        pass
+
+wait = job.Job.wait
+
+def wait_after_a_signal_in_a_callback(self, timeout=None):
+    class Thing:
+        pass
+    thing = Thing()
+    ref = weakref.ref(thing, signal_myself)
+    del thing
+    return wait(self, timeout)
+
+job.Job.wait = wait_after_a_signal_in_a_callback
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_signal_handled_inside_a_callback_still_stops_the_job(jobs, tmp_path):
+    """CI: SIGTERM's handler stopped the job and raised KeyboardInterrupt;
+    run inside one of threading's weakref callbacks, the exception was
+    dropped, and the job ended as if by itself (exit 143 by chance, and no
+    "everything released")."""
+    j = jobs(["--workers", "1", "--mode", "sync"], ["sleep", "600"],
+             cli=("-c", SIGNAL_IN_A_WEAKREF_CALLBACK))
+    assert j.wait(60) == 128 + signal.SIGTERM, j.output()
+    assert j.lines[-1] == f"deepnex run: job {j.name} stopped by SIGTERM; everything released"
     wait_for(lambda: job_processes(j.name) == [], "the job's processes to end")
     assert not os.path.exists(tmp_path / "run" / j.name)
 
