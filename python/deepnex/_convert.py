@@ -51,11 +51,16 @@ def to_buffer(x: Any, what: str) -> Tuple[Any, Optional["_C.DType"]]:
     return t.numpy(), None
 
 
-def number(value: Any, name: str) -> float:
-    """float(value); InvalidArgumentError naming ``name`` for a bool (numpy's
-    and torch's too), which float() takes as 0 or 1 (a probe's SGD(lr=True)
+def is_bool(value: Any) -> bool:
+    """A bool, numpy's and torch's included: float(), int() and pybind11 take
+    one as 0 or 1, where deepnex wants a number (a probe's SGD(lr=True)
     trained at lr 1)."""
-    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
+def number(value: Any, name: str) -> float:
+    """float(value); InvalidArgumentError naming ``name`` for a bool."""
+    if is_bool(value):
         raise InvalidArgumentError(f"{name}={value!r}: a bool, where a number is expected")
     return float(value)
 
@@ -84,7 +89,7 @@ def options(struct: Any, **fields: Any) -> Any:
     o = struct()
     for name, value in fields.items():
         # pybind11 takes True as 1: a probe's worker_id=True was worker 1.
-        if isinstance(value, bool) and not isinstance(getattr(o, name), bool):
+        if is_bool(value) and not isinstance(getattr(o, name), bool):
             raise InvalidArgumentError(f"{name}={value!r}: a bool, where a number is expected")
         try:
             setattr(o, name, value)

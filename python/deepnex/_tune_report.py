@@ -8,6 +8,7 @@ import math
 import os
 import time
 
+from ._convert import is_bool
 from .errors import CancelledError, DeadlineExceededError, InvalidArgumentError, UnavailableError
 
 
@@ -171,8 +172,7 @@ def _metric(step, name, value):
     naming it for a string or anything else that is not a number."""
     try:
         # A bool is no measure (a probe's accuracy=True ranked its trial best).
-        if isinstance(value, (str, bool)) or str(getattr(value, "dtype", "")) in ("bool",
-                                                                                   "torch.bool"):
+        if isinstance(value, str) or is_bool(value):
             raise ValueError
         return float(value)
     except (TypeError, ValueError):
@@ -182,7 +182,7 @@ def _metric(step, name, value):
 
 def _job_step(step):
     try:
-        if isinstance(step, bool) or int(step) != step:
+        if is_bool(step) or int(step) != step:
             raise ValueError
     except (TypeError, ValueError, OverflowError):
         raise InvalidArgumentError(f"deepnex.report: step={step!r} is not an integer") from None

@@ -241,31 +241,7 @@ class ClientImpl final : public Client {
     DEEPNEX_RETURN_IF_ERROR(CheckOpen());
     std::vector<ServerStats> all;
     for (size_t s = 0; s < servers_.size(); ++s) {
-      pb::StatsReply r;
-      DEEPNEX_RETURN_IF_ERROR(
-          Unary(s, "stats", pb::StatsRequest(), &r, &pb::ParameterServer::Stub::Stats));
-      ServerStats st;
-      st.address = options_.servers[s];
-      st.mode = r.mode();
-      st.staleness = r.staleness();
-      st.num_workers = r.num_workers();
-      st.live_workers = r.live_workers();
-      st.pushes = r.pushes();
-      st.pulls = r.pulls();
-      st.bytes_in = r.bytes_in();
-      st.bytes_out = r.bytes_out();
-      st.rounds = r.rounds();
-      st.round_latency_p50 = r.round_latency_p50();
-      st.round_latency_p99 = r.round_latency_p99();
-      st.lease_expiries = r.lease_expiries();
-      st.checkpoints = r.checkpoints();
-      st.checkpoint_round = r.checkpoint_round();
-      st.min_version = r.min_version();
-      st.max_version = r.max_version();
-      for (const auto& w : r.workers()) {
-        st.workers.push_back({w.worker(), w.state(), w.pushes(), w.max_lead(), w.late_pushes()});
-      }
-      st.prometheus = r.prometheus();
+      DEEPNEX_ASSIGN_OR_RETURN(ServerStats st, StatsOf(s));
       all.push_back(std::move(st));
     }
     return all;
@@ -525,20 +501,15 @@ class ClientImpl final : public Client {
     if (s.code() != absl::StatusCode::kDeadlineExceeded || observer()) return s;
     std::set<int> behind;
     for (size_t server = 0; server < servers_.size(); ++server) {
-      pb::StatsReply r;
-      if (!Unary(server, "stats", pb::StatsRequest(), &r, &pb::ParameterServer::Stub::Stats,
-                 kExplainTimeout)
-               .ok() ||
-          r.mode() == "async") {
-        continue;
-      }
+      absl::StatusOr<ServerStats> st = StatsOf(server, kExplainTimeout);
+      if (!st.ok() || st->mode == "async") continue;
       uint64_t mine = 0;
-      for (const auto& w : r.workers()) {
-        if (w.worker() == options_.worker_id) mine = w.pushes();
+      for (const auto& w : st->workers) {
+        if (w.worker == options_.worker_id) mine = w.pushes;
       }
-      for (const auto& w : r.workers()) {
-        if (w.pushes() < mine && (w.state() == "expected" || w.state() == "live")) {
-          behind.insert(w.worker());
+      for (const auto& w : st->workers) {
+        if (w.pushes < mine && (w.state == "expected" || w.state == "live")) {
+          behind.insert(w.worker);
         }
       }
     }
@@ -546,6 +517,37 @@ class ClientImpl final : public Client {
     return absl::Status(s.code(), absl::StrCat(s.message(), "; the round waits for worker ",
                                                absl::StrJoin(behind, ", "),
                                                " (fewer pushes than this worker's)"));
+  }
+
+  // Server `s`'s counters; `timeout` 0: the client's.
+  absl::StatusOr<ServerStats> StatsOf(
+      size_t s, std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) {
+    pb::StatsReply r;
+    DEEPNEX_RETURN_IF_ERROR(
+        Unary(s, "stats", pb::StatsRequest(), &r, &pb::ParameterServer::Stub::Stats, timeout));
+    ServerStats st;
+    st.address = options_.servers[s];
+    st.mode = r.mode();
+    st.staleness = r.staleness();
+    st.num_workers = r.num_workers();
+    st.live_workers = r.live_workers();
+    st.pushes = r.pushes();
+    st.pulls = r.pulls();
+    st.bytes_in = r.bytes_in();
+    st.bytes_out = r.bytes_out();
+    st.rounds = r.rounds();
+    st.round_latency_p50 = r.round_latency_p50();
+    st.round_latency_p99 = r.round_latency_p99();
+    st.lease_expiries = r.lease_expiries();
+    st.checkpoints = r.checkpoints();
+    st.checkpoint_round = r.checkpoint_round();
+    st.min_version = r.min_version();
+    st.max_version = r.max_version();
+    for (const auto& w : r.workers()) {
+      st.workers.push_back({w.worker(), w.state(), w.pushes(), w.max_lead(), w.late_pushes()});
+    }
+    st.prometheus = r.prometheus();
+    return st;
   }
 
   absl::Status Led(const std::function<std::shared_ptr<PendingOp>()>& start) {
