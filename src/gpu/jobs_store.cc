@@ -316,7 +316,7 @@ JobStore::~JobStore() {
 
 void JobStore::Watch() {
   // What the last central made durable but did not publish goes out first.
-  Commit(0, {}).IgnoreError();
+  Commit(0).IgnoreError();
   const auto timeout = options_.history.runner_timeout;
   std::unique_lock<std::mutex> lock(mu_);
   while (!cv_.wait_for(lock, std::min<milliseconds>(timeout / 4, milliseconds(1000)),
@@ -349,8 +349,9 @@ void JobStore::Watch() {
     }
     // With no event, what the observer refused goes again.
     const uint64_t ticket = events.empty() ? 0 : last_ticket_;
+    QueueLocked(std::move(events));
     lock.unlock();
-    Commit(ticket, events).IgnoreError();
+    Commit(ticket).IgnoreError();
     lock.lock();
   }
 }
@@ -442,6 +443,14 @@ void JobStore::RollBack() {
   jobs_.clear();
   absl::Status s = ledger_->Recover([this](const std::string& r) { return Apply(r); });
   if (!s.ok()) std::fprintf(stderr, "deepnex-central: job store: %s\n", s.ToString().c_str());
+  // A durable one's caller publishes it still.
+  made_.erase(std::remove_if(made_.begin(), made_.end(),
+                             [this](const auto& m) { return !ledger_->durable(m.first); }),
+              made_.end());
+}
+
+void JobStore::QueueLocked(std::vector<JobEvent> events) {
+  for (JobEvent& e : events) made_.emplace_back(last_ticket_, std::move(e));
 }
 
 void JobStore::SnapshotIfDueLocked() {
@@ -457,7 +466,7 @@ void JobStore::SnapshotIfDueLocked() {
   if (!s.ok()) std::fprintf(stderr, "deepnex-central: job store snapshot: %s\n", s.ToString().c_str());
 }
 
-absl::Status JobStore::Commit(uint64_t ticket, const std::vector<JobEvent>& events) {
+absl::Status JobStore::Commit(uint64_t ticket) {
   if (ticket != 0) {
     absl::Status synced = ledger_->Sync(ticket);
     if (!synced.ok()) {
@@ -470,7 +479,15 @@ absl::Status JobStore::Commit(uint64_t ticket, const std::vector<JobEvent>& even
   std::lock_guard<std::mutex> publishing(publish_mu_);
   std::vector<JobEvent> all = std::move(unpublished_);
   unpublished_.clear();
-  all.insert(all.end(), events.begin(), events.end());
+  {
+    // Those made up to `ticket` are durable with it (the ledger writes in
+    // order); those after it are their own callers'.
+    std::lock_guard<std::mutex> lock(mu_);
+    while (!made_.empty() && made_.front().first <= ticket) {
+      all.push_back(std::move(made_.front().second));
+      made_.pop_front();
+    }
+  }
   // A test's crash between a durable change and its Publish (issue 19's
   // "no event lost"): DEEPNEX_TEST_EXIT_BEFORE_PUBLISH=KIND.
   static const char* const exit_before = std::getenv("DEEPNEX_TEST_EXIT_BEFORE_PUBLISH");
@@ -667,9 +684,10 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
       heard_[j.name()] = std::chrono::steady_clock::now();
     }
     ticket = last_ticket_;
+    QueueLocked(std::move(events));
     SnapshotIfDueLocked();
   }
-  DEEPNEX_RETURN_IF_ERROR(Commit(ticket, events));
+  DEEPNEX_RETURN_IF_ERROR(Commit(ticket));
   return reply;
 }
 
@@ -753,9 +771,10 @@ absl::StatusOr<pb::Job> JobStore::Cancel(const Identity& who, const std::string&
     PutLocked(j);
     PruneLocked(now);
     ticket = last_ticket_;
+    QueueLocked(std::move(events));
     SnapshotIfDueLocked();
   }
-  DEEPNEX_RETURN_IF_ERROR(Commit(ticket, events));
+  DEEPNEX_RETURN_IF_ERROR(Commit(ticket));
   // What it waits for in the queue is never granted: its runner's
   // allocate fails at once.
   for (const PendingRequest& p : allocator_.Pending(j.user())) {

@@ -19,6 +19,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -91,14 +92,19 @@ class JobStore {
   void ProgressLocked(pb::Job* j, const std::optional<MetricThreshold>& when, int64_t now_ms,
                       std::vector<JobEvent>* events);
   void SnapshotIfDueLocked();
+  // Under mu_, after the records that made them (so under last_ticket_):
+  // `events` wait in made_ for a Commit.
+  void QueueLocked(std::vector<JobEvent> events);
   // Makes record `ticket` durable, then tells the observer unpublished_ and
-  // `events`, recording each as sent once the observer took it. One it
+  // the events made up to `ticket`, other callers' too, in the order they
+  // were made; records each as sent once the observer took it. One it
   // refused stays unsent and goes again, with those after it, at the next
   // Commit. A write that failed rolls the store back (RollBack) and is the
   // error.
-  absl::Status Commit(uint64_t ticket, const std::vector<JobEvent>& events);
+  absl::Status Commit(uint64_t ticket);
   // After a failed write: rebuilds the jobs from what the ledger holds
-  // (Ledger::Recover), which takes records again. Takes mu_.
+  // (Ledger::Recover), which takes records again, and drops the events of
+  // the records lost. Takes mu_.
   void RollBack();
   // The name an ended run of `name` keeps in the history once a new run
   // takes the name: <name>~<k>, k one past the last kept ('~' is in no job
@@ -115,6 +121,10 @@ class JobStore {
   std::unique_ptr<Ledger> ledger_;  // null: in memory
   std::mutex mu_;
   std::map<std::string, pb::Job> jobs_;  // by name
+  // Events with the ticket of their record, in the order made, until a
+  // Commit takes them: two callers' Commits may run in either order (a
+  // lost job's "failed" was published after its "cancelled").
+  std::deque<std::pair<uint64_t, JobEvent>> made_;
   // Serializes Commit's calls of the observer.
   std::mutex publish_mu_;
   // The events durable but not yet taken by the observer: those of the

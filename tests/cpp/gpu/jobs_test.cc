@@ -488,14 +488,15 @@ TEST_F(JobsTest, CancellingALostJobReleasesItsAllocations) {
   ASSERT_OK_AND_ASSIGN(Allocation a, grants->Allocate(r));
   const JobRecord running = Job("j1", JobState::kRunning, {{a.id, a.node, 1, 1, 0}});
   ASSERT_OK(alice->Report(running, "r1").status());
-  // Its failed event published, not only its record marked: cancelling in
-  // between published "cancelled" first (CI).
+  // Cancelled as soon as its record says lost, perhaps before the watch
+  // that failed it has published "failed": that was then told after
+  // "cancelled" (CI). Events go out in the order they were made.
   ASSERT_TRUE(::deepnex::test::WaitFor(
       [&] {
         auto j = alice->Get("j1");
-        return j.ok() && j->lost && events().size() == 3;
+        return j.ok() && j->lost;
       },
-      10s, "j1 to fail as lost, its event published"));
+      10s, "j1 to fail as lost"));
   ASSERT_OK_AND_ASSIGN(auto held, grants->Allocations());
   EXPECT_EQ(held.size(), 1u);
   ASSERT_OK_AND_ASSIGN(JobRecord cancelled, alice->Cancel("j1"));
