@@ -108,6 +108,8 @@ std::string GangId(uint64_t n) { return absl::StrCat("g", n); }
 
 bool ParseId(const std::string& id, char prefix, uint64_t* n) {
   if (id.size() < 2 || id.size() > 20 || id[0] != prefix) return false;
+  // Only the form ids are issued in: "a01" released a1.
+  if (id[1] == '0' && id.size() > 2) return false;
   uint64_t v = 0;
   for (size_t i = 1; i < id.size(); ++i) {
     if (!isdigit(static_cast<unsigned char>(id[i]))) return false;

@@ -47,7 +47,7 @@ struct AllocRec {
 // "a17" for allocation 17, "g3" for gang 3.
 std::string AllocId(uint64_t n);
 std::string GangId(uint64_t n);
-// "a17" -> 17 with prefix 'a'; false for anything else.
+// "a17" -> 17 with prefix 'a'; false for anything else ("a017" too).
 bool ParseId(const std::string& id, char prefix, uint64_t* n);
 
 // Every record type below: EncodeTo appends the whole record, type byte

@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "deepnex/gpu/allocator.h"
 #include "gmock/gmock.h"
 #include "gpu/gpu_test_util.h"
@@ -256,8 +257,12 @@ TEST_F(BadInput, OverQuotaRequest) {
 }
 
 TEST_F(BadInput, MalformedReleaseId) {
-  EXPECT_THAT(alloc_->Release("xyz"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("id \"xyz\"")));
+  // "a01" is no id of a1 (it released a1).
+  for (const char* id : {"xyz", "a01", "g007", "a1x"}) {
+    EXPECT_THAT(alloc_->Release(id),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(absl::StrCat("id \"", id, "\" is not an allocation id"))));
+  }
   // Well-formed but never issued: a typo, which must not read as released.
   for (const char* id : {"a999", "a0", "g999"}) {
     EXPECT_THAT(alloc_->Release(id),
