@@ -38,19 +38,21 @@ def _warn(message):
     print(f"deepnex tune: {message}", file=sys.stderr, flush=True)
 
 
-def _modes(args):
+def _modes(args, warn=True):
     """(training mode, direction) from --mode, --job-mode and --direction,
     with the old spellings (--mode max|min, --job-mode) warned about."""
     mode, direction = args.mode, args.direction
     if mode in ("max", "min"):
-        _warn(f"--mode {mode} is deprecated for the metric's direction: use --direction "
-              f"{mode} (--mode is now the trials' training mode)")
+        if warn:
+            _warn(f"--mode {mode} is deprecated for the metric's direction: use --direction "
+                  f"{mode} (--mode is now the trials' training mode)")
         if direction is not None and direction != mode:
             raise SystemExit(f"deepnex tune: --mode {mode} and --direction {direction} "
                              "disagree")
         mode, direction = None, mode
     if args.job_mode is not None:
-        _warn(f"--job-mode is deprecated: use --mode {args.job_mode}")
+        if warn:
+            _warn(f"--job-mode is deprecated: use --mode {args.job_mode}")
         if mode is not None and mode != args.job_mode:
             raise SystemExit(f"deepnex tune: --mode {mode} and --job-mode {args.job_mode} "
                              "disagree")
@@ -87,17 +89,32 @@ def _refuse_changes(args, given, recorded):
     """Refuses flags and a command given with --resume that differ from the
     search's own: a probe's `--resume r --samples 8 --space ...` ran the
     recorded search, saying nothing of what it left out."""
+    import argparse
     import os
 
+    # Flags that come to what the search resolved for itself are no change:
+    # --direction max where it was started without --direction, say.
+    before = argparse.Namespace(**{"job_mode": None, "scheduler": None, **recorded})
+    after = argparse.Namespace(**{**vars(before), **{k: getattr(args, k) for k in given}})
+    same = set()
+    if _modes(before, warn=False) == _modes(after, warn=False):
+        same |= {"mode", "job_mode", "direction"}
+    if _scheduler(before) == _scheduler(after):
+        same |= {"scheduler", "asha"}
     changed = []
-    for key in sorted(given - set(_RESUME_OWN), key=list(_DEFAULTS).index):
+    for key in sorted(given - set(_RESUME_OWN) - same, key=list(_DEFAULTS).index):
         value = getattr(args, key)
+        flag = "--" + key.replace("_", "-")
+        was = recorded.get(key)
         if key == "out":
             if os.path.abspath(value) != os.path.abspath(args.resume):
                 changed.append(f"--out {value} (it resumes in {args.resume})")
-        elif value != recorded.get(key):
-            was = recorded.get(key)
-            changed.append(f"--{key.replace('_', '-')} {value} (" + (
+        elif isinstance(value, bool) and value != was:
+            changed.append(f"{flag if value else '--no-' + flag[2:]} (" + (
+                "the search was started without it" if was is None
+                else f"the search's: {flag if was else '--no-' + flag[2:]}") + ")")
+        elif value != was:
+            changed.append(f"{flag} {value} (" + (
                 "the search was started without it" if was is None else f"the search's: {was}")
                 + ")")
     command = args.command[args.command[:1] == ["--"]:]

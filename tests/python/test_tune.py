@@ -1452,6 +1452,19 @@ def test_kill_9_then_resume_runs_each_trial_to_its_end_once(tmp_path):
         changed = subprocess.run([sys.executable, "-m", "deepnex", "tune", "--resume", str(out),
                                   *flags], capture_output=True, text=True, timeout=120)
         assert changed.returncode == 1 and f"was also given {said}; " in changed.stderr, changed
+    # What the search resolved for itself may be given (a probe's --direction
+    # max, the direction it had, was refused), and a switch is said as typed
+    # (it read "--asha True").
+    for flags in (["--direction", "max"], ["--scheduler", "none"], ["--mode", "allreduce"]):
+        same = subprocess.run([sys.executable, "-m", "deepnex", "tune", "--resume", str(out),
+                               *flags], capture_output=True, text=True, timeout=120)
+        assert same.returncode == 0, same
+    for flags, said in ((["--asha"], "--asha (the search's: --no-asha)"),
+                        (["--direction", "min"],
+                         "--direction min (the search was started without it)")):
+        changed = subprocess.run([sys.executable, "-m", "deepnex", "tune", "--resume", str(out),
+                                  *flags], capture_output=True, text=True, timeout=120)
+        assert changed.returncode == 1 and f"was also given {said}; " in changed.stderr, changed
 
 
 RETRIED = textwrap.dedent("""
