@@ -134,6 +134,14 @@ class JobImpl : public Job {
           "memory (--memory): required with central, which grants only what is asked, and a "
           "container needs some (e.g. --memory 4GiB)");
     }
+    // Said by its own name: the launcher's check, where the workers run on
+    // this host, named spec.working_dir.
+    std::error_code no_dir;
+    if (!o_.working_dir.empty() && o_.central.empty() && o_.launcher.backend == "process" &&
+        !std::filesystem::is_directory(o_.working_dir, no_dir)) {
+      return absl::NotFoundError(absl::StrCat("working_dir (--workdir): \"", o_.working_dir,
+                                              "\" is not a directory on this host"));
+    }
     // Before anything is allocated or started, by the servers' own rules
     // (the job had its own: it refused an lr of 0 that deepnex-ps takes).
     if (!ps_mode_.empty()) {

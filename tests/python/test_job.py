@@ -297,6 +297,12 @@ def test_a_relative_workdir_is_the_current_directorys(jobs, tmp_path):
     j = jobs(["--workdir", "~", "--mode", "allreduce"], ["pwd"])  # the shell's ~, not ./~
     assert j.wait(60) == 0, j.output()
     assert f"[worker 0] {os.path.expanduser('~')}\n" in j.output(), j.output()
+    # One that is not there is said by its flag (it read spec.working_dir),
+    # before anything starts.
+    j = jobs(["--workdir", "missing", "--mode", "allreduce"], ["pwd"])
+    assert j.wait(60) == 2, j.output()
+    assert j.output() == (f'deepnex run: working_dir (--workdir): "{tmp_path}/missing" is not '
+                          "a directory on this host"), j.output()
 
 
 def test_more_workers_than_this_machine_could_ever_hold_are_refused_at_once(jobs):
