@@ -21,6 +21,7 @@
 #include "core/text.h"
 #include "core/timer.h"
 #include "deepnex/ps.grpc.pb.h"
+#include "deepnex/units.h"
 #include "ps/bulk_channel.h"
 #include "ps/client_op.h"
 #include "ps/partition.h"
@@ -119,6 +120,16 @@ class ClientImpl final : public Client {
       DEEPNEX_RETURN_IF_ERROR(t.view.CheckShape(what));
       if (t.view.NumElements() > 0 && t.view.data == nullptr) {
         return absl::InvalidArgumentError(absl::StrCat(what, ": no data"));
+      }
+      // In 64 bits: NumParts' count is a uint32_t.
+      const uint64_t bytes = t.view.NumElements() * DTypeSize(t.view.dtype);
+      if (bytes > 0 && (bytes - 1) / std::max<uint64_t>(options_.partition_bytes,
+                                                        DTypeSize(t.view.dtype)) >= kMaxParts) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": partition_bytes=", options_.partition_bytes, " would cut its ",
+            FormatByteSize(bytes), " into more than ", kMaxParts,
+            " parts, the most a tensor has; give partition_bytes >= ",
+            (bytes + kMaxParts - 1) / kMaxParts));
       }
     }
     for (const NamedTensor& t : tensors) {

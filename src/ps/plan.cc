@@ -29,9 +29,10 @@ absl::StatusOr<uint64_t> CheckTensorMeta(const std::string& what, const proto::T
   if (__builtin_mul_overflow(elements, DTypeSize(static_cast<DType>(meta.dtype())), &bytes)) {
     return bad(absl::StrCat(elements, " elements are more than 2^64 bytes"));
   }
-  if (meta.num_parts() < 1 || meta.num_parts() > std::max<uint64_t>(1, elements)) {
+  const uint64_t most = std::min<uint64_t>(std::max<uint64_t>(1, elements), kMaxParts);
+  if (meta.num_parts() < 1 || meta.num_parts() > most) {
     return bad(absl::StrCat("num_parts ", meta.num_parts(), " for ", elements,
-                            " elements; must be 1..", std::max<uint64_t>(1, elements)));
+                            " elements; must be 1..", most));
   }
   return elements;
 }

@@ -21,6 +21,10 @@ struct PartRange {
   uint64_t count = 0;   // elements
 };
 
+// The most parts a tensor is cut into: a probe's partition_bytes=8 cut
+// 16 MiB into 2^21 parts, and its init took 21 s and 4 GB, its push timed out.
+inline constexpr uint32_t kMaxParts = 1 << 14;
+
 // Parts of at most `partition_bytes` (at least one part, even when empty).
 inline uint32_t NumParts(uint64_t num_elements, uint64_t elem_size,
                          uint64_t partition_bytes) {
@@ -59,7 +63,7 @@ inline int ServerOf(const std::string& key, uint32_t part, int num_servers) {
 // The elements of `meta`'s shape; InvalidArgument (after `what`: "init of
 // \"w\"") for an empty key, a dtype that is not a floating-point one, a
 // negative dimension, more than 2^64 bytes, or num_parts outside
-// 1..max(1, elements). What a client gives in Init, a checkpoint holds and a
+// 1..min(max(1, elements), kMaxParts). What a client gives in Init, a checkpoint holds and a
 // server describes all pass it before they are used.
 absl::StatusOr<uint64_t> CheckTensorMeta(const std::string& what, const proto::TensorMeta& meta);
 

@@ -402,6 +402,27 @@ TEST_F(BadInputTest, MessageOverTheSizeLimit) {
   EXPECT_EQ(got, std::vector<float>(8192, 0.5f));  // still serving, lr 1
 }
 
+// A probe's partition_bytes=8 cut a 16 MiB tensor into 2^21 parts: its init
+// took 21 s and 4 GB, and its push timed out. A tensor that would have more
+// than kMaxParts parts is refused at init, naming the least partition_bytes
+// that does.
+TEST_F(BadInputTest, PartsSoSmallThatATensorWouldHaveTooManyAreRefusedAtInit) {
+  ClientOptions co;
+  co.partition_bytes = 8;
+  auto tiny = Connect(cluster_, 1, co);
+  std::vector<float> v(1 << 16, 1.0f);  // 256 KiB: 32768 parts of 8 bytes
+  EXPECT_THAT(tiny->Init({View("v", v)}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("init of \"v\": partition_bytes=8 would cut its 256KiB into "
+                                 "more than 16384 parts, the most a tensor has; give "
+                                 "partition_bytes >= 16")));
+  ExpectUnchanged();
+  tiny.reset();
+  co.partition_bytes = 16;
+  co.request_bytes = 8 << 10;  // the servers' max_message_bytes is 64 KiB
+  EXPECT_THAT(Connect(cluster_, 1, co)->Init({View("v", v)}), IsOk());  // 16384 parts
+}
+
 TEST_F(BadInputTest, GarbledRequestBody) {
   auto channel = grpc::CreateChannel(cluster_.addresses[0],
                                      grpc::InsecureChannelCredentials());
