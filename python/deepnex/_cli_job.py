@@ -86,6 +86,7 @@ def _run(args) -> int:
             stopped["error"] = e
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    result = None
     try:
         j.start()
         if not stopped:
@@ -102,7 +103,9 @@ def _run(args) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    if stopped:
+    # A job that had ended by itself before the signal (a worker failed, and
+    # the signal came while the others were stopped) tells its own end.
+    if stopped and (result is None or result.stopped):
         signum = stopped["signal"]
         if "error" in stopped:
             _notice(f"job {j.name} stopped by {signal.Signals(signum).name}: "

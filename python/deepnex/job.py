@@ -152,8 +152,9 @@ class Job:
         return self
 
     def wait(self, timeout: Optional[float] = None) -> JobResult:
-        """Until every worker has ended; then the job is stopped and
-        released. Waits in short slices so that Ctrl-C reaches Python."""
+        """Until every worker has ended, or stop() was called (the result's
+        `stopped` says which); then the job is stopped and released. Waits in
+        short slices so that Ctrl-C reaches Python."""
         import time
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -185,7 +186,7 @@ class Job:
 
 def run(command: Sequence[str], **options) -> JobResult:
     """Starts a job, waits for it and returns its JobResult (exit_code,
-    workers' ExitStatus, seconds). Stops and releases everything on every
+    workers' ExitStatus, seconds, stopped). Stops and releases everything on every
     path, KeyboardInterrupt included. Options: see ``Job``."""
     job = Job(command, **options)
     try:

@@ -53,6 +53,7 @@ void RegisterJob(py::module_& parent) {
       .def_readonly("exit_code", &JobResult::exit_code)
       .def_readonly("workers", &JobResult::workers)
       .def_readonly("seconds", &JobResult::seconds)
+      .def_readonly("stopped", &JobResult::stopped)
       .def("__repr__", [](const JobResult& r) {
         return "JobResult(exit_code=" + std::to_string(r.exit_code) + ", " +
                std::to_string(r.workers.size()) + " workers)";

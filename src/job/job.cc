@@ -220,7 +220,17 @@ class JobImpl : public Job {
     // As torchrun does: once a worker has failed for good (its restart
     // policy gave up), the others are stopped rather than left to hang in a
     // collective or a shrunken round.
+    JobResult result;
+    int stop_signal = 0;
     for (;;) {
+      {
+        // Stopped: its containers go (or went) with Stop, and an elastic
+        // job's outcome never ends (a stopped elastic run waited for ever).
+        std::lock_guard<std::mutex> lock(start_mu_);
+        result.stopped = stop_asked_;
+        stop_signal = stop_signal_;
+      }
+      if (result.stopped) break;
       bool all_ended = true;
       bool failed = false;
       // Elastic: a failed worker that leaves enough is dropped, not the end.
@@ -247,13 +257,12 @@ class JobImpl : public Job {
     // A cancel through central stops the workers, and their end may be
     // seen before the report that tells of the cancel: asked now, it is the
     // job's end rather than a success.
-    if (reporter_) reporter_->ReportNow().IgnoreError();
-    if (reporter_ && reporter_->cancelled()) {
+    if (reporter_ && !result.stopped) reporter_->ReportNow().IgnoreError();
+    if (reporter_ && !result.stopped && reporter_->cancelled()) {
       reporter_->Finish(gpu::JobState::kFailed, 1, "cancelled").IgnoreError();
       Stop(0).IgnoreError();
       return absl::CancelledError(reporter_->cancel_message());
     }
-    JobResult result;
     std::optional<launch::ExitStatus> first_failure;
     if (elastic_) first_failure = elastic_->outcome().failure;
     // A worker that failed by itself first, else one stopped from outside
@@ -264,6 +273,7 @@ class JobImpl : public Job {
         if (st.last_exit.has_value() && !st.last_exit->ok() && !first_failure.has_value() &&
             st.state == ended) {
           first_failure = st.last_exit;
+          if (result.stopped) continue;  // the job's own Stop, not news
           if (ended == launch::State::kStopped) {
             o_.on_event(absl::StrCat("worker ", rank, " was stopped from outside the job: ",
                                      st.last_exit->ToString()));
@@ -274,7 +284,7 @@ class JobImpl : public Job {
         }
       }
     }
-    if (reporter_) {
+    if (reporter_ && !result.stopped) {
       // The parameter servers stop first: the final record shows none of
       // the job's containers running after its end.
       {
@@ -285,7 +295,8 @@ class JobImpl : public Job {
       reporter_->Finish(code == 0 ? gpu::JobState::kCompleted : gpu::JobState::kFailed, code, "")
           .IgnoreError();
     }
-    DEEPNEX_RETURN_IF_ERROR(Shutdown(0, /*show_all_output=*/true));
+    // After a Stop, as that Stop (whichever runs first, the record says it).
+    DEEPNEX_RETURN_IF_ERROR(Shutdown(stop_signal, /*show_all_output=*/!result.stopped));
     for (const auto& w : workers_) {
       DEEPNEX_ASSIGN_OR_RETURN(launch::ExitStatus e, w->Wait(milliseconds(10000)));
       result.workers.push_back(e);
@@ -300,6 +311,7 @@ class JobImpl : public Job {
       // A start in progress (waiting in deepnex-central's queue, say) stops
       // waiting and returns before the rest is stopped.
       std::unique_lock<std::mutex> lock(start_mu_);
+      if (!stop_asked_) stop_signal_ = signal;
       stop_asked_ = true;
       if (allocations_ != nullptr) allocations_->Cancel();
       start_cv_.wait(lock, [this] { return !starting_; });
@@ -334,8 +346,13 @@ class JobImpl : public Job {
     }
     // A probe's SIGTERM waited 76 s while 11 MB of output was printed.
     if (!show_all_output) quiet_ = true;
-    // No worker is added or dropped from here on.
-    if (elastic_) grants_ = elastic_->TakeAllocations();
+    // No worker is added or dropped from here on; the members' allocations
+    // are the job's again, to release below (they were left held).
+    if (elastic_) {
+      std::vector<gpu::Allocation> taken = elastic_->TakeAllocations();
+      std::lock_guard<std::mutex> lock(handles_mu_);
+      grants_.insert(grants_.end(), taken.begin(), taken.end());
+    }
     absl::Status first = StopContainers();
     if (allocations_ != nullptr) {
       for (const auto& a : Allocations()) {
@@ -346,7 +363,10 @@ class JobImpl : public Job {
         if (first.ok()) first = s;
       }
     }
-    grants_.clear();
+    {
+      std::lock_guard<std::mutex> lock(handles_mu_);
+      grants_.clear();
+    }
     ps_grants_.clear();
     if (store_ != nullptr) store_->Stop();
     // Last: the allocations go back while output is still printed.
@@ -368,7 +388,8 @@ class JobImpl : public Job {
     std::vector<gpu::Allocation> all;
     {
       std::lock_guard<std::mutex> lock(handles_mu_);
-      all = elastic_ ? elastic_->Allocations() : grants_;
+      // An elastic job's are its members' until Shutdown takes them.
+      all = elastic_ && grants_.empty() ? elastic_->Allocations() : grants_;
     }
     all.insert(all.end(), ps_grants_.begin(), ps_grants_.end());
     return all;
@@ -924,6 +945,7 @@ class JobImpl : public Job {
   std::condition_variable start_cv_;
   bool starting_ = false;
   bool stop_asked_ = false;
+  int stop_signal_ = 0;  // the first Stop's
   // With deepnex-central: keeps the job's record there (null without).
   std::unique_ptr<gpu::JobReporter> reporter_;
   // LastReport's; JobNow's callers never overlap (JobReporter).

@@ -101,6 +101,8 @@ def test_an_elastic_job_grows_as_capacity_frees_shrinks_and_grows_back(jobs, cen
         j.await_line(r"^\[worker 0\] w0 sees 4: w0,w2$")
         gate.write_text("")
         assert j.wait(120) == 0, j.output()
+        # Its members' allocations went back with it (they were left held).
+        assert alice.allocations() == []
     finally:
         receiver.close()
     resized = [line for line in j.lines if "job resized" in line]
@@ -124,6 +126,22 @@ def test_an_elastic_job_grows_as_capacity_frees_shrinks_and_grows_back(jobs, cen
     first = events[0]["data"]
     assert (first["from"], first["workers"]) == (1, 2)
     assert first["why"].startswith("resized from 1 to 2: worker w1 joined"), first
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_an_elastic_job_and_releases_what_it_held(jobs, central,  # noqa: F811
+                                                                 tmp_path, signum):
+    """A stopped elastic `deepnex run` waited for ever (its membership never
+    ended), and its allocations stayed held in central (probe)."""
+    alice = deepnex.gpu.CentralClient(central, token="alicetok", timeout=10)
+    j = run_elastic(jobs, central, "1:2", tmp_path / "gate")
+    j.await_line(r"^\[worker 1\] w1 sees 2: w0,w1$")
+    j.proc.send_signal(signum)
+    assert j.wait(60) == 128 + signum, j.output()
+    assert j.lines[-1] == (f"deepnex run: job {j.name} stopped by {signal.Signals(signum).name}; "
+                           "everything released"), j.output()
+    assert not [line for line in j.lines if "from outside the job" in line], j.output()
+    assert alice.allocations() == [] and alice.pending() == []
 
 
 def test_below_min_the_job_fails_with_the_workers_code(jobs, central, tmp_path):  # noqa: F811

@@ -185,7 +185,10 @@ def test_a_signal_stops_the_job_and_leaves_nothing_behind(jobs, tmp_path, signum
     wait_for(record.exists, f"{record}")
     j.proc.send_signal(signum)
     assert j.wait(60) == 128 + signum, j.output()
-    assert "everything released" in j.output()
+    assert j.lines[-1] == (f"deepnex run: job {j.name} stopped by {signal.Signals(signum).name}; "
+                           "everything released"), j.output()
+    # Its own stop is no worker "stopped from outside the job" (probe).
+    assert not [line for line in j.lines if "from outside the job" in line], j.output()
     wait_for(lambda: job_processes(j.name) == [], "the job's processes to end")
     assert not os.path.exists(tmp_path / "run" / j.name)
 

@@ -133,6 +133,8 @@ struct JobResult {
   int exit_code = 0;
   std::vector<launch::ExitStatus> workers;
   double seconds = 0;
+  // Stop ended it, not its workers: Stop came before Wait saw its end.
+  bool stopped = false;
 };
 
 // One job. Thread-safe: Stop may come from a signal-handling thread while
@@ -153,9 +155,9 @@ class Job {
   // With deepnex-central, a job that waits in its queue says where and why
   // through on_event.
   virtual absl::Status Start() = 0;
-  // Until every worker has ended for good; then stops the parameter servers
-  // and releases the allocations. DeadlineExceeded after `timeout` (the job
-  // keeps running).
+  // Until every worker has ended for good, or Stop was called (the result
+  // says which); then stops the parameter servers and releases the
+  // allocations. DeadlineExceeded after `timeout` (the job keeps running).
   virtual absl::StatusOr<JobResult> Wait(std::chrono::milliseconds timeout) = 0;
   // Stops every container and releases every allocation, then the workers'
   // output read by then is shown (the rest is not: a stop is for now).

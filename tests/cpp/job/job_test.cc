@@ -143,6 +143,7 @@ TEST_F(JobTest, AFailedWorkerEndsTheJobWithItsCodeAndStopsTheOthers) {
   ASSERT_OK_AND_ASSIGN(JobResult r, RunJob(o));
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
   EXPECT_EQ(r.exit_code, 3);
+  EXPECT_FALSE(r.stopped);
   EXPECT_EQ(r.workers[1].reason, launch::ExitReason::kExited);
   EXPECT_EQ(r.workers[1].code, 3);
   EXPECT_EQ(r.workers[0].reason, launch::ExitReason::kSignaled);
@@ -179,6 +180,11 @@ TEST_F(JobTest, StopEndsEveryProcessAndReleasesTheAllocations) {
   EXPECT_THAT(job->Wait(milliseconds(200)), StatusIs(absl::StatusCode::kDeadlineExceeded));
   ASSERT_THAT(job->Stop(0), IsOk());
   EXPECT_TRUE(job->Allocations().empty());
+  // A Wait after it (deepnex run's, after its signal handler's Stop) says
+  // so, and tells of no worker "stopped from outside the job".
+  ASSERT_OK_AND_ASSIGN(JobResult r, job->Wait(milliseconds(10000)));
+  EXPECT_TRUE(r.stopped);
+  EXPECT_THAT(out_.Events(), ::testing::IsEmpty());
   // Stop waits for each container's first process; the background sleeps
   // were killed, not waited for, and go a moment later.
   EXPECT_TRUE(WaitFor(
@@ -415,6 +421,22 @@ TEST_F(ElasticJobTest, GrowsToMaxShrinksWhenAWorkerFailsAndGrowsBack) {
   EXPECT_EQ(r.workers[1].code, 3);
   EXPECT_TRUE(r.workers[0].ok() && r.workers[2].ok());
   EXPECT_TRUE(job->Allocations().empty());
+}
+
+// A stopped elastic job's Wait never saw its membership end: `deepnex run
+// --workers 1:2` waited for ever after Ctrl-C (probe). Its allocations are
+// the job's again once it stops: the members' were left held.
+TEST_F(ElasticJobTest, AStoppedElasticJobsWaitReturnsAndItsAllocationsAreReleased) {
+  JobOptions o = Elastic(1, 2);
+  o.name = "elasticstop" + std::to_string(getpid());
+  ASSERT_OK_AND_ASSIGN(auto job, Job::Create(o));
+  ASSERT_THAT(job->Start(), IsOk());
+  EXPECT_EQ(Line(1, "w1 "), "w1 rank=1/2 gen=2 elastic=1:2");
+  EXPECT_EQ(job->Allocations().size(), 2u);
+  ASSERT_OK(job->Stop(SIGTERM));
+  EXPECT_TRUE(job->Allocations().empty());
+  ASSERT_OK_AND_ASSIGN(JobResult r, job->Wait(milliseconds(10000)));
+  EXPECT_TRUE(r.stopped);
 }
 
 // A worker that exits 0 has finished: not dropped, not replaced.
