@@ -92,28 +92,45 @@ def _refuse_changes(args, given, recorded):
     import argparse
     import os
 
-    # Flags that come to what the search resolved for itself are no change:
-    # --direction max where it was started without --direction, say.
     before = argparse.Namespace(**{"job_mode": None, "scheduler": None, **recorded})
-    after = argparse.Namespace(**{**vars(before), **{k: getattr(args, k) for k in given}})
-    same = set()
-    if _modes(before, warn=False) == _modes(after, warn=False):
-        same |= {"mode", "job_mode", "direction"}
-    if _scheduler(before) == _scheduler(after):
-        same |= {"scheduler", "asha"}
+    def modes(ns):
+        return _modes(ns, warn=False)
+    resolve = {"mode": modes, "job_mode": modes, "direction": modes,
+               "scheduler": _scheduler, "asha": _scheduler}
+
+    def same(key):
+        """Whether the flag comes to what the search resolved for itself:
+        --direction max where it was started without --direction, say. One
+        that disagrees with the search's other flags is a change."""
+        if key not in resolve:
+            return False
+        after = argparse.Namespace(**{**vars(before), key: getattr(args, key)})
+        try:
+            return resolve[key](after) == resolve[key](before)
+        except SystemExit:
+            return False
+
+    def switch(key, on):
+        flag = "--" + key.replace("_", "-")
+        return flag if on else "--no-" + flag[2:]
+
     changed = []
-    for key in sorted(given - set(_RESUME_OWN) - same, key=list(_DEFAULTS).index):
+    for key in sorted(given - set(_RESUME_OWN), key=list(_DEFAULTS).index):
         value = getattr(args, key)
         flag = "--" + key.replace("_", "-")
         was = recorded.get(key)
         if key == "out":
             if os.path.abspath(value) != os.path.abspath(args.resume):
                 changed.append(f"--out {value} (it resumes in {args.resume})")
-        elif isinstance(value, bool) and value != was:
-            changed.append(f"{flag if value else '--no-' + flag[2:]} (" + (
-                "the search was started without it" if was is None
-                else f"the search's: {flag if was else '--no-' + flag[2:]}") + ")")
-        elif value != was:
+        elif value == was or same(key):
+            continue
+        elif isinstance(value, bool):
+            # A store_true switch (default False) is off unless given.
+            off = was is None or (was is False and _DEFAULTS[key] is False)
+            changed.append(f"{switch(key, value)} (" + (
+                "the search was started without it" if off
+                else f"the search's: {switch(key, was)}") + ")")
+        else:
             changed.append(f"{flag} {value} (" + (
                 "the search was started without it" if was is None else f"the search's: {was}")
                 + ")")

@@ -1459,7 +1459,16 @@ def test_kill_9_then_resume_runs_each_trial_to_its_end_once(tmp_path):
         same = subprocess.run([sys.executable, "-m", "deepnex", "tune", "--resume", str(out),
                                *flags], capture_output=True, text=True, timeout=120)
         assert same.returncode == 0, same
+    # A flag that disagrees with the search's own is refused as a change, not
+    # as "--scheduler asha and --no-asha disagree" (flags not typed now); one
+    # that comes to the same is not listed with a real change; a store_true
+    # switch has no --no- form to quote.
     for flags, said in ((["--asha"], "--asha (the search's: --no-asha)"),
+                        (["--scheduler", "asha"], "--scheduler asha (the search was started "
+                                                  "without it)"),
+                        (["--direction", "max", "--mode", "sync"],
+                         "--mode sync (the search was started without it)"),
+                        (["--cold"], "--cold (the search was started without it)"),
                         (["--direction", "min"],
                          "--direction min (the search was started without it)")):
         changed = subprocess.run([sys.executable, "-m", "deepnex", "tune", "--resume", str(out),
