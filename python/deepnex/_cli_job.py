@@ -10,9 +10,9 @@
                 [--optimizer sgd|adam|adagrad --lr LR [--momentum M]] -- python3 train.py ARGS
     deepnex top                 the jobs running on this machine, their GPUs and usage
 
-``deepnex run`` exits with the job's exit code; Ctrl-C or SIGTERM stops the
-job, releases its allocations and exits 130 / 143. With --central it
-allocates as the token's user.
+``deepnex run`` exits with the job's exit code; Ctrl-C, SIGTERM or SIGHUP
+stops the job, releases its allocations and exits 130 / 143 / 129. With
+--central it allocates as the token's user.
 """
 
 import argparse
@@ -26,8 +26,11 @@ from deepnex._cli_common import central_address, central_token, format_table
 def _notice(message):
     # One write per line: print() writes the text and its newline separately, and a
     # worker's output line, written to the same pipe meanwhile, would land between.
-    sys.stderr.write(f"deepnex run: {message}\n")
-    sys.stderr.flush()
+    try:
+        sys.stderr.write(f"deepnex run: {message}\n")
+        sys.stderr.flush()
+    except OSError:
+        pass  # the terminal went away (SIGHUP): the job is stopped all the same
 
 
 def _run(args) -> int:
@@ -85,7 +88,9 @@ def _run(args) -> int:
         except DeepnexError as e:
             stopped["error"] = e
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP: a closed terminal or ssh session left the job running on.
+    previous = {s: signal.signal(s, on_signal)
+                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     result = None
     try:
         j.start()

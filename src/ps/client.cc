@@ -21,7 +21,6 @@
 #include "core/text.h"
 #include "core/timer.h"
 #include "deepnex/ps.grpc.pb.h"
-#include "deepnex/units.h"
 #include "ps/bulk_channel.h"
 #include "ps/client_op.h"
 #include "ps/partition.h"
@@ -126,8 +125,8 @@ class ClientImpl final : public Client {
       if (bytes > 0 && (bytes - 1) / std::max<uint64_t>(options_.partition_bytes,
                                                         DTypeSize(t.view.dtype)) >= kMaxParts) {
         return absl::InvalidArgumentError(absl::StrCat(
-            what, ": partition_bytes=", options_.partition_bytes, " would cut its ",
-            FormatByteSize(bytes), " into more than ", kMaxParts,
+            what, ": partition_bytes=", options_.partition_bytes, " would cut its ", bytes,
+            " bytes into more than ", kMaxParts,
             " parts, the most a tensor has; give partition_bytes >= ",
             (bytes + kMaxParts - 1) / kMaxParts));
       }

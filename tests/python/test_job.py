@@ -172,7 +172,8 @@ def test_the_job_exit_code_is_the_failing_workers(jobs):
     wait_for(lambda: job_processes(j.name) == [], "the job's processes to end")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+# SIGHUP: a closed terminal left the job running (probe).
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_stops_the_job_and_leaves_nothing_behind(jobs, tmp_path, signum):
     j = jobs(["--workers", "2", "--mode", "sync"],
              ["sh", "-c", "echo up; sleep 600 & sleep 600"])

@@ -413,8 +413,8 @@ TEST_F(BadInputTest, PartsSoSmallThatATensorWouldHaveTooManyAreRefusedAtInit) {
   std::vector<float> v(1 << 16, 1.0f);  // 256 KiB: 32768 parts of 8 bytes
   EXPECT_THAT(tiny->Init({View("v", v)}),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("init of \"v\": partition_bytes=8 would cut its 256KiB into "
-                                 "more than 16384 parts, the most a tensor has; give "
+                       HasSubstr("init of \"v\": partition_bytes=8 would cut its 262144 bytes "
+                                 "into more than 16384 parts, the most a tensor has; give "
                                  "partition_bytes >= 16")));
   ExpectUnchanged();
   tiny.reset();
