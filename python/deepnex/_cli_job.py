@@ -88,9 +88,11 @@ def _run(args) -> int:
         except DeepnexError as e:
             stopped["error"] = e
 
-    # SIGHUP: a closed terminal or ssh session left the job running on.
+    # SIGHUP: a closed terminal or ssh session left the job running on. One
+    # ignored stays so (`nohup deepnex run`, a shell's background job).
     previous = {s: signal.signal(s, on_signal)
-                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(s) is not signal.SIG_IGN}
     result = None
     try:
         j.start()

@@ -194,6 +194,28 @@ def test_a_signal_stops_the_job_and_leaves_nothing_behind(jobs, tmp_path, signum
     assert not os.path.exists(tmp_path / "run" / j.name)
 
 
+def test_nohup_keeps_the_job_through_a_hangup(jobs, tmp_path):
+    """An ignored SIGHUP (`nohup deepnex run`) stays ignored: the job runs
+    on to its own end."""
+    j = jobs(["--workers", "1", "--mode", "allreduce"],
+             ["sh", "-c", f"echo up; while [ ! -e {tmp_path}/gate ]; do sleep 0.05; done"],
+             cli=("-c", "import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+                        "from deepnex.__main__ import main; sys.exit(main(sys.argv[1:]))"))
+    j.await_line(r"^\[worker 0\] up")
+
+    def mask(field):
+        with open(f"/proc/{j.proc.pid}/status") as f:
+            line = next(x for x in f if x.startswith(field + ":"))
+        return int(line.split()[1], 16)
+    # Still ignored by the kernel once the job runs, not caught by deepnex run.
+    bit = 1 << (signal.SIGHUP - 1)
+    assert mask("SigIgn") & bit and not mask("SigCgt") & bit
+    j.proc.send_signal(signal.SIGHUP)
+    (tmp_path / "gate").write_text("")
+    assert j.wait(60) == 0, j.output()
+    assert not [line for line in j.lines if "stopped by" in line], j.output()
+
+
 # `deepnex run` whose first wait for the job first drops a weakref, whose
 # callback gets a SIGTERM: its handler runs inside that callback, where Python
 # drops what it raises (as threading's own weakref callbacks did in CI).
