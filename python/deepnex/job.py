@@ -110,7 +110,8 @@ class Job:
             backend=backend, restart=restart,
             checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
             optimizer=optimizer, lr=lr, momentum=momentum, ps_binary=_ps_binary() or "",
-            env=dict(env or {}), working_dir=working_dir or "", mounts=_mount_args(mounts),
+            env=dict(env or {}), mounts=_mount_args(mounts),
+            working_dir=os.path.abspath(working_dir) if working_dir else "",
             name=name or "", advertise_address=advertise_address or "")
         self._job = _C.job.Job(job, launcher=_options(launcher_options), output=output,
                                on_event=on_event)

@@ -331,6 +331,18 @@ def test_a_relative_workdir_is_the_current_directorys(jobs, tmp_path):
                           "a directory on this host"), j.output()
 
 
+def test_a_relative_working_dir_in_python_is_the_current_directorys(tmp_path, monkeypatch):
+    """deepnex.job took working_dir="sub" and its start then failed naming
+    spec.working_dir, "not an absolute path" (probe)."""
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DEEPNEX_RUN_DIR", str(tmp_path / "run"))
+    lines = []
+    result = deepnex.job.run(["pwd"], mode="allreduce", working_dir="sub",
+                             output=lambda who, line: lines.append(line))
+    assert (result.exit_code, lines) == (0, [f"{tmp_path}/sub"])
+
+
 def test_more_workers_than_this_machine_could_ever_hold_are_refused_at_once(jobs):
     """A new user's `deepnex run --workers N` on a machine of fewer cores
     (1 core a worker by default): refused at once, saying how many fit."""
