@@ -89,10 +89,12 @@ def _run(args) -> int:
             stopped["error"] = e
 
     # SIGHUP: a closed terminal or ssh session left the job running on. One
-    # ignored stays so (`nohup deepnex run`, a shell's background job).
-    previous = {s: signal.signal(s, on_signal)
-                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-                if signal.getsignal(s) is not signal.SIG_IGN}
+    # ignored stays so (`nohup deepnex run`, a shell's background job). The
+    # handlers stay until the process exits: put back at the end, a second
+    # signal took its default action, and its exit code (probe).
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            signal.signal(s, on_signal)
     result = None
     try:
         j.start()
@@ -107,9 +109,6 @@ def _run(args) -> int:
             j.stop()
             _notice(e)
             return 1
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     # A job that had ended by itself before the signal (a worker failed, and
     # the signal came while the others were stopped) tells its own end.
     if stopped and (result is None or result.stopped):

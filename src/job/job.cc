@@ -226,9 +226,10 @@ class JobImpl : public Job {
       {
         // Stopped: its containers go (or went) with Stop, and an elastic
         // job's outcome never ends (a stopped elastic run waited for ever).
+        // One that had ended by itself stays so for later Waits.
         std::lock_guard<std::mutex> lock(start_mu_);
-        result.stopped = stop_asked_;
-        stop_signal = stop_signal_;
+        result.stopped = stop_asked_ && !ended_;
+        stop_signal = result.stopped ? stop_signal_ : 0;
       }
       if (result.stopped) break;
       bool all_ended = true;
@@ -241,7 +242,11 @@ class JobImpl : public Job {
         all_ended = all_ended && ended;
         failed = failed || (ended && st.last_exit.has_value() && !st.last_exit->ok());
       }
-      if (all_ended || failed) break;
+      if (all_ended || failed) {
+        std::lock_guard<std::mutex> lock(start_mu_);
+        ended_ = true;
+        break;
+      }
       if (reporter_ && reporter_->cancelled()) {
         // Its allocations are gone already; its containers go now.
         reporter_->Finish(gpu::JobState::kFailed, 1, "cancelled").IgnoreError();
@@ -300,6 +305,11 @@ class JobImpl : public Job {
     for (const auto& w : workers_) {
       DEEPNEX_ASSIGN_OR_RETURN(launch::ExitStatus e, w->Wait(milliseconds(10000)));
       result.workers.push_back(e);
+    }
+    // Stopped: as its workers ended (an elastic job's outcome has no
+    // failure, and its stopped workers read as a success).
+    for (size_t i = 0; result.stopped && !first_failure && i < result.workers.size(); ++i) {
+      if (!result.workers[i].ok()) first_failure = result.workers[i];
     }
     if (first_failure.has_value()) result.exit_code = ExitCodeOf(*first_failure);
     result.seconds = std::chrono::duration<double>(Clock::now() - started_).count();
@@ -946,6 +956,7 @@ class JobImpl : public Job {
   bool starting_ = false;
   bool stop_asked_ = false;
   int stop_signal_ = 0;  // the first Stop's
+  bool ended_ = false;   // a Wait saw the job end by itself
   // With deepnex-central: keeps the job's record there (null without).
   std::unique_ptr<gpu::JobReporter> reporter_;
   // LastReport's; JobNow's callers never overlap (JobReporter).

@@ -194,6 +194,20 @@ def test_a_signal_stops_the_job_and_leaves_nothing_behind(jobs, tmp_path, signum
     assert not os.path.exists(tmp_path / "run" / j.name)
 
 
+def test_a_second_signal_after_the_stop_keeps_the_first_ones_code(jobs):
+    """A Ctrl-C just after a SIGTERM's stop, once deepnex run had put the old
+    handlers back, took its default action: exit 130, where the run had said
+    "stopped by SIGTERM" (probe). Here it comes as the run returns."""
+    j = jobs(["--workers", "1", "--mode", "allreduce"], ["sh", "-c", "echo up; sleep 600"],
+             cli=("-c", "import os, signal, sys; from deepnex.__main__ import main; "
+                        "code = main(sys.argv[1:]); os.kill(os.getpid(), signal.SIGINT); "
+                        "sys.exit(code)"))
+    j.await_line(r"^\[worker 0\] up")
+    j.proc.send_signal(signal.SIGTERM)
+    assert j.wait(60) == 128 + signal.SIGTERM, j.output()
+    assert j.lines[-1] == f"deepnex run: job {j.name} stopped by SIGTERM; everything released"
+
+
 def test_nohup_keeps_the_job_through_a_hangup(jobs, tmp_path):
     """An ignored SIGHUP (`nohup deepnex run`) stays ignored: the job runs
     on to its own end."""

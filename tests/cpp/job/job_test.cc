@@ -140,10 +140,18 @@ TEST_F(JobTest, AFailedWorkerEndsTheJobWithItsCodeAndStopsTheOthers) {
   JobOptions o = Options({"sh", "-c", "if [ $DEEPNEX_RANK = 1 ]; then exit 3; fi; sleep 60"});
   o.workers = 2;
   auto start = std::chrono::steady_clock::now();
-  ASSERT_OK_AND_ASSIGN(JobResult r, RunJob(o));
+  ASSERT_OK_AND_ASSIGN(auto job, Job::Create(o));
+  ASSERT_OK(job->Start());
+  ASSERT_OK_AND_ASSIGN(JobResult r, job->Wait(milliseconds(60000)));
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
   EXPECT_EQ(r.exit_code, 3);
   EXPECT_FALSE(r.stopped);
+  // A Stop after its end changes nothing a later Wait says (it said
+  // stopped, probe).
+  ASSERT_OK(job->Stop(SIGTERM));
+  ASSERT_OK_AND_ASSIGN(JobResult again, job->Wait(milliseconds(10000)));
+  EXPECT_EQ(again.exit_code, 3);
+  EXPECT_FALSE(again.stopped);
   EXPECT_EQ(r.workers[1].reason, launch::ExitReason::kExited);
   EXPECT_EQ(r.workers[1].code, 3);
   EXPECT_EQ(r.workers[0].reason, launch::ExitReason::kSignaled);
@@ -437,6 +445,8 @@ TEST_F(ElasticJobTest, AStoppedElasticJobsWaitReturnsAndItsAllocationsAreRelease
   EXPECT_TRUE(job->Allocations().empty());
   ASSERT_OK_AND_ASSIGN(JobResult r, job->Wait(milliseconds(10000)));
   EXPECT_TRUE(r.stopped);
+  // As a job of fixed size says (it said 0, a success, probe).
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM);
 }
 
 // A worker that exits 0 has finished: not dropped, not replaced.
