@@ -110,8 +110,7 @@ def _refuse_changes(args, given, recorded):
         except SystemExit:
             return False
 
-    def switch(key, on):
-        flag = "--" + key.replace("_", "-")
+    def switch(flag, on):
         return flag if on else "--no-" + flag[2:]
 
     changed = []
@@ -127,9 +126,9 @@ def _refuse_changes(args, given, recorded):
         elif isinstance(value, bool):
             # A store_true switch (default False) is off unless given.
             off = was is None or (was is False and _DEFAULTS[key] is False)
-            changed.append(f"{switch(key, value)} (" + (
+            changed.append(f"{switch(flag, value)} (" + (
                 "the search was started without it" if off
-                else f"the search's: {switch(key, was)}") + ")")
+                else f"the search's: {switch(flag, was)}") + ")")
         else:
             changed.append(f"{flag} {value} (" + (
                 "the search was started without it" if was is None else f"the search's: {was}")

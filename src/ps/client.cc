@@ -120,10 +120,9 @@ class ClientImpl final : public Client {
       if (t.view.NumElements() > 0 && t.view.data == nullptr) {
         return absl::InvalidArgumentError(absl::StrCat(what, ": no data"));
       }
-      // In 64 bits: NumParts' count is a uint32_t.
-      const uint64_t bytes = t.view.NumElements() * DTypeSize(t.view.dtype);
-      if (bytes > 0 && (bytes - 1) / std::max<uint64_t>(options_.partition_bytes,
-                                                        DTypeSize(t.view.dtype)) >= kMaxParts) {
+      if (NumParts(t.view.NumElements(), DTypeSize(t.view.dtype), options_.partition_bytes) >
+          kMaxParts) {
+        const uint64_t bytes = t.view.NumElements() * DTypeSize(t.view.dtype);
         return absl::InvalidArgumentError(absl::StrCat(
             what, ": partition_bytes=", options_.partition_bytes, " would cut its ", bytes,
             " bytes into more than ", kMaxParts,
@@ -138,8 +137,8 @@ class ClientImpl final : public Client {
       meta->set_key(t.key);
       meta->set_dtype(static_cast<int>(t.view.dtype));
       for (int64_t d : t.view.shape) meta->add_shape(d);
-      meta->set_num_parts(NumParts(t.view.NumElements(), DTypeSize(t.view.dtype),
-                                   options_.partition_bytes));
+      meta->set_num_parts(static_cast<uint32_t>(  // at most kMaxParts, checked above
+          NumParts(t.view.NumElements(), DTypeSize(t.view.dtype), options_.partition_bytes)));
       pb::ClaimReply reply;
       DEEPNEX_RETURN_IF_ERROR(Unary(Primary(t.key), "init", req, &reply,
                                     &pb::ParameterServer::Stub::Claim));

@@ -25,13 +25,13 @@ struct PartRange {
 // 16 MiB into 2^21 parts, and its init took 21 s and 4 GB, its push timed out.
 inline constexpr uint32_t kMaxParts = 1 << 14;
 
-// Parts of at most `partition_bytes` (at least one part, even when empty).
-inline uint32_t NumParts(uint64_t num_elements, uint64_t elem_size,
+// Parts of at most `partition_bytes` (at least one part, even when empty),
+// in 64 bits: more than kMaxParts is for the caller to refuse.
+inline uint64_t NumParts(uint64_t num_elements, uint64_t elem_size,
                          uint64_t partition_bytes) {
   uint64_t bytes = num_elements * elem_size;
   uint64_t per_part = partition_bytes < elem_size ? elem_size : partition_bytes;
-  uint64_t parts = (bytes + per_part - 1) / per_part;
-  return parts == 0 ? 1 : static_cast<uint32_t>(parts);
+  return bytes == 0 ? 1 : (bytes - 1) / per_part + 1;
 }
 
 // Part `part` of `num_parts` nearly equal parts (the first ones one larger).
