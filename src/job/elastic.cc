@@ -92,7 +92,7 @@ void Elastic::Loop() {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) return;
       grow = !done_ && !failure_.has_value() &&
-             static_cast<int>(members_.size()) < o_.max_workers;
+             static_cast<int>(members_.size()) < o_.max_workers && Clock::now() >= next_start_;
     }
     // Growth waits in the allocator's queue for a while (central), so it
     // also paces the loop; without it, the loop sleeps.
@@ -164,19 +164,33 @@ void Elastic::Watch() {
     if (!Ended(st)) m.handle->Stop(milliseconds(2000)).IgnoreError();
     o_.release(m.allocation);
     absl::Status published = Publish(left);
+    const bool replace = static_cast<int>(left.size()) < o_.min_workers;
+    milliseconds delay;
+    int step;
     {
       std::lock_guard<std::mutex> lock(mu_);
       members_ = left;
-      if (static_cast<int>(left.size()) < o_.min_workers) ++restarts_;
+      if (replace) ++restarts_;
+      // As kubelet's: a worker that ran long enough was healthy, and its
+      // failure starts the doubling over.
+      if (Clock::now() - m.started >= o_.launcher.restart_backoff_reset) backoff_step_ = 0;
+      step = ++backoff_step_;
+      delay = launch::RestartBackoff(o_.restart, o_.launcher, step);
+      next_start_ = Clock::now() + delay;
     }
     if (!published.ok()) {
       o_.on_event(absl::StrCat("elastic: publishing the members failed: ", published.ToString()));
     }
-    if (static_cast<int>(left.size()) < o_.min_workers) {
+    const std::string in = absl::StrCat(delay.count() / 1000.0, " s");
+    if (replace) {
       o_.on_event(absl::StrCat(why, "; restarting (", restarts_, "/",
                                o_.restart.max_restarts < 0 ? std::string("unlimited")
                                                            : absl::StrCat(o_.restart.max_restarts),
-                               "): a new worker is asked for"));
+                               ") in ", in, ": a new worker is asked for"));
+    } else if (step > 1) {
+      o_.on_event(absl::StrCat(why, "; ", step,
+                               " workers in a row failed soon after their start: the job grows "
+                               "again in ", in, " at the earliest (crash-loop backoff)"));
     }
     Resized(static_cast<int>(members.size()), static_cast<int>(left.size()), why);
     return;  // the next look starts from the new members

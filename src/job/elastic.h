@@ -56,6 +56,13 @@ struct ElasticOptions {
   // max_restarts times; above min_workers a failed worker is not replaced
   // but dropped.
   launch::RestartPolicy restart;
+  // Whose restart_backoff_* pace what follows a failed worker, its
+  // replacement or the growth back, as they pace a restart in place
+  // (launch::RestartBackoff): each worker that fails within
+  // restart_backoff_reset of its start is one more step of the doubling,
+  // so that one failing at once, again and again, is not replaced every
+  // second for as long as the job runs.
+  launch::LauncherOptions launcher;
   // A member whose node central has held NotReady this long is taken as
   // lost (stopped where it can be, dropped), before central itself declares
   // the node lost (--node-lost-after, 5 min by default).
@@ -127,13 +134,13 @@ class Elastic {
     int id = 0;
     std::shared_ptr<launch::Handle> handle;
     gpu::Allocation allocation;
+    // Made just before its worker starts.
+    std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
   };
 
   explicit Elastic(ElasticOptions options) : o_(std::move(options)) {}
   // Writes the members as generation `generation_ + 1`, then the generation.
   absl::Status Publish(const std::vector<Member>& members);
-  absl::StatusOr<Member> StartMember(const gpu::Allocation& a, int rank,
-                                     const std::vector<Member>& members);
   void Loop();
   // One look at the members: drops (or fails on) the ended ones.
   void Watch();
@@ -156,6 +163,10 @@ class Elastic {
   int resizes_ = 0;
   std::string last_resize_;
   int restarts_ = 0;
+  // The crash-loop backoff: failures since a member last ran
+  // restart_backoff_reset, and no start before next_start_.
+  int backoff_step_ = 0;
+  std::chrono::steady_clock::time_point next_start_;
   bool done_ = false;       // a member exited 0: the training is over, no growth
   bool completed_ = false;  // every member exited 0
   bool taken_ = false;      // TakeAllocations

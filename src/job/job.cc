@@ -625,6 +625,7 @@ class JobImpl : public Job {
     e.min_workers = o_.min_workers;
     e.max_workers = o_.workers;
     e.restart = o_.restart;
+    e.launcher = o_.launcher;
     e.store.address = store_->address();
     e.store.token = token_;
     e.store.timeout = milliseconds(5000);

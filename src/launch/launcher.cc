@@ -72,17 +72,6 @@ bool ShouldRestart(const RestartPolicy& policy, const ExitStatus& e, int restart
   return false;
 }
 
-// The crash-loop backoff before the `step`th restart since the last reset
-// (1, 2, ...): the policy's, but never below the launcher's floor and cap.
-std::chrono::milliseconds Backoff(const RestartPolicy& policy, const LauncherOptions& options,
-                                  int step) {
-  const auto base = std::max(policy.backoff, options.restart_backoff_floor);
-  const auto cap = std::max(policy.max_backoff, options.restart_backoff_cap);
-  double ms = static_cast<double>(base.count()) * std::ldexp(1.0, std::min(step, 64) - 1);
-  return std::chrono::milliseconds(
-      static_cast<int64_t>(std::min(ms, static_cast<double>(cap.count()))));
-}
-
 // Where a launcher keeps one container: its record and logs, and a directory
 // per run.
 struct Paths {
@@ -390,7 +379,7 @@ class Container : public Handle {
       if (Clock::now() - run_started_ >= info_.options.restart_backoff_reset) backoff_step_ = 0;
       ++backoff_step_;
       RestartEvent event{spec_.name, e, restarts_ + 1, spec_.restart.max_restarts,
-                         Backoff(spec_.restart, info_.options, backoff_step_)};
+                         RestartBackoff(spec_.restart, info_.options, backoff_step_)};
       lock.unlock();
       // Told as it happens, so that a crash loop is visible while it runs,
       // not only in the final status.
@@ -608,6 +597,15 @@ absl::StatusOr<std::string> MakeTempDir() {
 }
 
 }  // namespace
+
+std::chrono::milliseconds RestartBackoff(const RestartPolicy& policy,
+                                         const LauncherOptions& options, int step) {
+  const auto base = std::max(policy.backoff, options.restart_backoff_floor);
+  const auto cap = std::max(policy.max_backoff, options.restart_backoff_cap);
+  double ms = static_cast<double>(base.count()) * std::ldexp(1.0, std::min(step, 64) - 1);
+  return std::chrono::milliseconds(
+      static_cast<int64_t>(std::min(ms, static_cast<double>(cap.count()))));
+}
 
 absl::StatusOr<std::unique_ptr<Launcher>> Launcher::Create(const LauncherOptions& given) {
   LauncherOptions options = given;

@@ -360,6 +360,13 @@ struct LauncherOptions {
   CentralOptions central;
 };
 
+// The crash-loop backoff before the `step`th restart since the last reset
+// (1, 2, ...): `policy`'s, but never below `options`' restart_backoff_floor
+// and restart_backoff_cap. An elastic job paces its replacements and its
+// growth after a failed worker with the same.
+std::chrono::milliseconds RestartBackoff(const RestartPolicy& policy,
+                                         const LauncherOptions& options, int step);
+
 // Starts and supervises containers on one backend. Thread-safe. Destroying
 // it stops every container it still runs (grace 1 s).
 class Launcher {

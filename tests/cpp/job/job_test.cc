@@ -512,9 +512,61 @@ TEST_F(ElasticJobTest, BelowMinTheJobFailsOrRestartsByPolicy) {
     ASSERT_OK_AND_ASSIGN(JobResult r, job->Wait(milliseconds(60000)));
     EXPECT_EQ(r.exit_code, 0);
     EXPECT_THAT(out_.Events(),
-                ::testing::Contains("worker w1 exited(5); restarting (1/1): a new worker is "
-                                    "asked for"));
+                ::testing::Contains("worker w1 exited(5); restarting (1/1) in 1 s: a new "
+                                    "worker is asked for"));
   }
+}
+
+// Every worker after w0 fails at once: the job grows back after each under
+// the launcher's crash-loop backoff (floor 1 s doubling to its 2 s cap), not
+// every second for as long as it runs (probe), and a worker that ran
+// restart_backoff_reset starts the doubling over.
+TEST_F(ElasticJobTest, WorkersThatKeepFailingAreBackedOffAndAHealthyRunStartsOver) {
+  JobOptions o = Elastic(1, 2);
+  o.launcher.restart_backoff_floor = milliseconds(1000);
+  o.launcher.restart_backoff_cap = milliseconds(2000);
+  o.launcher.restart_backoff_reset = milliseconds(3000);
+  o.restart.max_backoff = milliseconds(2000);  // the policy's may lift the cap
+  std::mutex mu;
+  std::vector<std::pair<std::chrono::steady_clock::time_point, std::string>> told;
+  o.on_event = [&](const std::string& e) {
+    std::lock_guard<std::mutex> lock(mu);
+    told.emplace_back(std::chrono::steady_clock::now(), e);
+  };
+  for (const char* id : {"w1", "w2", "w3"}) Exit(id, 3);
+  ASSERT_OK_AND_ASSIGN(auto job, Job::Create(o));
+  ASSERT_THAT(job->Start(), IsOk());
+  EXPECT_EQ(Line(4, "w4 "), "w4 rank=1/2 gen=8 elastic=1:2");
+  // w4 runs past restart_backoff_reset, then fails: one step, no loop told.
+  std::this_thread::sleep_for(milliseconds(3500));
+  Exit("w4", 3);
+  EXPECT_EQ(Line(5, "w5 "), "w5 rank=1/2 gen=10 elastic=1:2");
+  std::ofstream(gate_) << "";
+  ASSERT_OK_AND_ASSIGN(JobResult r, job->Wait(milliseconds(60000)));
+  EXPECT_EQ(r.exit_code, 0);
+
+  std::lock_guard<std::mutex> lock(mu);
+  std::vector<std::string> events;
+  for (const auto& [at, e] : told) events.push_back(e);
+  auto joined = [&](int id) { return HasSubstr(absl::StrCat("worker w", id, " joined")); };
+  auto left = [&](int id) { return ::testing::EndsWith(absl::StrCat("worker w", id, " exited(3)")); };
+  const char* loop = " workers in a row failed soon after their start: the job grows again in ";
+  EXPECT_THAT(events,
+              ::testing::ElementsAre(
+                  joined(1), left(1), joined(2),
+                  absl::StrCat("worker w2 exited(3); 2", loop, "2 s at the earliest (crash-loop "
+                               "backoff)"),
+                  left(2), joined(3),
+                  absl::StrCat("worker w3 exited(3); 3", loop, "2 s at the earliest (crash-loop "
+                               "backoff)"),
+                  left(3), joined(4), left(4), joined(5)));
+  // Each growth back came no sooner than its backoff after the failure was
+  // told (the delay runs from before the telling).
+  auto at = [&](size_t i) { return told.at(i).first; };
+  EXPECT_GE(at(2) - at(1), milliseconds(1000));
+  EXPECT_GE(at(5) - at(4), milliseconds(2000));
+  EXPECT_GE(at(8) - at(7), milliseconds(2000));
+  EXPECT_GE(at(10) - at(9), milliseconds(1000));
 }
 
 // Room for one: MIN 1's only worker fails, and under on-failure the job
