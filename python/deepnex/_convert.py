@@ -55,7 +55,29 @@ def is_bool(value: Any) -> bool:
     """A bool, numpy's and torch's included: float(), int() and pybind11 take
     one as 0 or 1, where deepnex wants a number (a probe's SGD(lr=True)
     trained at lr 1)."""
-    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+    if isinstance(value, bool):
+        return True
+    dtype = str(getattr(value, "dtype", ""))
+    if dtype == "object" and getattr(value, "size", 0) == 1:
+        # np.array(True, dtype=object): float() takes its item.
+        return is_bool(value.item())
+    return dtype in ("bool", "torch.bool")
+
+
+def is_real(value: Any) -> bool:
+    """A real number that is no bool: an int or a float, numpy's and torch's
+    integers and floats included. float() also takes a complex number
+    (dropping its imaginary part), bytes, a string and numpy's durations."""
+    if is_bool(value):
+        return False
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return isinstance(value, numbers.Real)
+    if hasattr(dtype, "kind"):  # numpy's
+        if dtype.kind == "O" and getattr(value, "size", 0) == 1:
+            return is_real(value.item())
+        return dtype.kind in "iuf"
+    return not dtype.is_complex  # torch's
 
 
 def number(value: Any, name: str) -> float:

@@ -8,7 +8,7 @@ import math
 import os
 import time
 
-from ._convert import is_bool
+from ._convert import is_bool, is_real
 from .errors import CancelledError, DeadlineExceededError, InvalidArgumentError, UnavailableError
 
 
@@ -169,10 +169,12 @@ def _report_to_job(step, metrics):
 
 def _metric(step, name, value):
     """A metric as a float (NaN and infinities too); InvalidArgumentError
-    naming it for a string or anything else that is not a number."""
+    naming it for a string or anything else that is not a real number."""
     try:
-        # A bool is no measure (a probe's accuracy=True ranked its trial best).
-        if isinstance(value, str) or is_bool(value):
+        # A bool is no measure (a probe's accuracy=True ranked its trial
+        # best), nor is a complex number, bytes or a duration, all of which
+        # float() takes.
+        if not is_real(value):
             raise ValueError
         return float(value)
     except (TypeError, ValueError):

@@ -218,7 +218,10 @@ def test_a_non_numeric_metric_is_named_in_a_job(monkeypatch):
     # A probe's accuracy=True ranked its trial best; step=-5 "completed at step -5".
     import numpy as np
     import torch
-    for flag in (True, np.bool_(False), torch.tensor(True)):
+    # float() takes these too (probe): an object array's bool, a complex
+    # number's real part, bytes, a duration.
+    for flag in (True, np.bool_(False), torch.tensor(True), np.array(True, dtype=object),
+                 np.complex64(1 + 2j), torch.tensor(1 + 2j), b"0.5", np.timedelta64(5, "s")):
         with pytest.raises(deepnex.InvalidArgumentError,
                            match=rf"^deepnex.report\(step=3\): metric accuracy="
                                  rf"{re.escape(repr(flag))} is not a number$"):

@@ -228,6 +228,11 @@ def test_a_bool_is_not_taken_for_a_number():
         with pytest.raises(deepnex.InvalidArgumentError,
                            match=rf"^{name}=True: a bool, where a number is expected$"):
             make()
+    # float() takes its item (probe).
+    with pytest.raises(deepnex.InvalidArgumentError,
+                       match=r"^SGD\.lr=array\(True, dtype=object\): a bool, where a number is "
+                             r"expected$"):
+        ps.SGD(lr=np.array(True, dtype=object))
     # A bool option still takes one.
     with ps.Server(reject_nonfinite=False) as server:
         assert server.address
