@@ -182,11 +182,11 @@ class ClientImpl final : public Client {
     return Led([&] { return PushAsync(grads); });
   }
   absl::Status Pull(const std::vector<NamedTensor>& out) override {
-    return WhoIsBehind(Led([&] { return PullAsync(out); }));
+    return WhoIsBehind(out, Led([&] { return PullAsync(out); }));
   }
   absl::Status PushPull(const std::vector<NamedTensor>& grads,
                         const std::vector<NamedTensor>& out) override {
-    return WhoIsBehind(Led([&] { return PushPullAsync(grads, out); }));
+    return WhoIsBehind(out, Led([&] { return PushPullAsync(grads, out); }));
   }
 
   std::shared_ptr<PendingOp> PushAsync(
@@ -502,38 +502,37 @@ class ClientImpl final : public Client {
   // Starts an op and waits for it, reading the replies of a bulk link it
   // went over on this thread, rather than waking the link's reader thread
   // to read them and then this one.
-  // A pull that timed out waits for a round that other workers have not
-  // pushed to: `s` with the workers that pushed fewer times than this one
-  // to any server, as the servers' stats say within a second (a probe's
-  // said only "Deadline Exceeded", naming nobody).
-  absl::Status WhoIsBehind(absl::Status s) {
+  // A pull of `out` that timed out waits for a round that other workers
+  // have not pushed to: `s` with the workers that the next round of a
+  // partition of `out` waits for, as its servers say within a second (a
+  // probe's said only "Deadline Exceeded", naming nobody; counting pushes
+  // over all keys named workers that had pushed the key in question).
+  absl::Status WhoIsBehind(const std::vector<NamedTensor>& out, absl::Status s) {
     if (s.code() != absl::StatusCode::kDeadlineExceeded || observer()) return s;
+    pb::StatsRequest req;
+    for (const NamedTensor& t : out) req.add_keys(t.key);
     std::set<int> behind;
     for (size_t server = 0; server < servers_.size(); ++server) {
-      absl::StatusOr<ServerStats> st = StatsOf(server, kExplainTimeout);
-      if (!st.ok() || st->mode == "async") continue;
-      uint64_t mine = 0;
-      for (const auto& w : st->workers) {
-        if (w.worker == options_.worker_id) mine = w.pushes;
+      pb::StatsReply r;
+      if (!Unary(server, "stats", req, &r, &pb::ParameterServer::Stub::Stats, kExplainTimeout)
+               .ok()) {
+        continue;
       }
-      for (const auto& w : st->workers) {
-        if (w.pushes < mine && (w.state == "expected" || w.state == "live")) {
-          behind.insert(w.worker);
-        }
+      for (int w : r.awaited()) {
+        if (w != options_.worker_id) behind.insert(w);
       }
     }
     if (behind.empty()) return s;
     return absl::Status(s.code(), absl::StrCat(s.message(), "; the round waits for worker ",
                                                absl::StrJoin(behind, ", "),
-                                               " (fewer pushes than this worker's)"));
+                                               " (not pushed to it yet)"));
   }
 
-  // Server `s`'s counters; `timeout` 0: the client's.
-  absl::StatusOr<ServerStats> StatsOf(
-      size_t s, std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) {
+  // Server `s`'s counters.
+  absl::StatusOr<ServerStats> StatsOf(size_t s) {
     pb::StatsReply r;
     DEEPNEX_RETURN_IF_ERROR(
-        Unary(s, "stats", pb::StatsRequest(), &r, &pb::ParameterServer::Stub::Stats, timeout));
+        Unary(s, "stats", pb::StatsRequest(), &r, &pb::ParameterServer::Stub::Stats));
     ServerStats st;
     st.address = options_.servers[s];
     st.mode = r.mode();

@@ -212,6 +212,18 @@ class TypedPartition final : public Partition {
     return version_;
   }
 
+  std::vector<int> Awaited() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<int> out;
+    if (config_.mode == Mode::kAsync) return out;
+    const std::vector<char>* pushed = open_.empty() ? nullptr : &open_.front().contributed;
+    for (int w = 0; w < config_.num_workers; ++w) {
+      const bool in = pushed != nullptr && !pushed->empty() && (*pushed)[w];
+      if (!in && config_.membership->Required(w)) out.push_back(w);
+    }
+    return out;
+  }
+
  private:
   struct WorkerState {
     uint64_t incarnation = 0;  // the client whose seqs these are

@@ -193,6 +193,9 @@ class Partition {
   virtual void Restore(const PartitionState& state) = 0;
 
   virtual uint64_t version() const = 0;
+  // The workers the next round, version() + 1, waits for: the required
+  // ones that have not pushed into it (sync, ssp). None in async mode.
+  virtual std::vector<int> Awaited() const = 0;
 
  protected:
   Partition(DType dtype, uint64_t offset, uint64_t count)

@@ -157,10 +157,26 @@ grpc::ServerUnaryReactor* Service::Leave(grpc::CallbackServerContext* ctx,
   return Reply(ctx, s);
 }
 
-grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext* ctx, const pb::StatsRequest*,
-                                         pb::StatsReply* reply) {
+grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext* ctx,
+                                         const pb::StatsRequest* req, pb::StatsReply* reply) {
   absl::Status s = Authenticate(*ctx);
-  if (s.ok()) FillStats(reply);
+  if (s.ok()) {
+    FillStats(reply);
+    std::vector<Partition*> parts;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const std::string& key : req->keys()) {
+        auto t = tensors_.find(key);
+        if (t == tensors_.end()) continue;
+        for (auto& [part, p] : t->second.parts) parts.push_back(p.get());
+      }
+    }
+    std::set<int> awaited;
+    for (const Partition* p : parts) {
+      for (int w : p->Awaited()) awaited.insert(w);
+    }
+    for (int w : awaited) reply->add_awaited(w);
+  }
   return Reply(ctx, s);
 }
 

@@ -156,11 +156,38 @@ def test_a_sync_pull_that_times_out_names_the_workers_the_round_waits_for():
         with pytest.raises(deepnex.DeadlineExceededError) as e:
             c0.pull(["w"])
         assert str(e.value) == (f"pull to {server.address}: Deadline Exceeded; the round waits "
-                                "for worker 1 (fewer pushes than this worker's)")
+                                "for worker 1 (not pushed to it yet)")
         # Once it comes, the round completes.
         with ps.Client([server.address], worker_id=1) as c1:
             c1.push({"w": np.ones(4, np.float32)})
         np.testing.assert_array_equal(c0.pull(["w"])["w"], np.full(4, -0.01, np.float32))
+
+
+@pytest.mark.parametrize("mode, pushes, awaited", [
+    # Worker 1 pushed "b" only, worker 2 both: the round of "a" waits for
+    # worker 1 alone, though it pushed as often as worker 0 (named nobody).
+    ("sync", [(0, "a"), (1, "b"), (2, "a"), (2, "b")], "1"),
+    # Staleness 1: worker 0's pull after 3 rounds needs round 2, which
+    # worker 2 has pushed (it was named, being behind worker 0). Pushed in
+    # an order in which no push waits for a round.
+    ("ssp", [(1, "a"), (2, "a"), (2, "a"), (0, "a"), (0, "a"), (0, "a")], "1"),
+])
+def test_a_timed_out_pull_names_only_the_workers_its_keys_round_waits_for(mode, pushes, awaited):
+    """Counting each worker's pushes over all keys named the wrong workers
+    (probe)."""
+    with ps.Server(mode=mode, staleness=1 if mode == "ssp" else 0, num_workers=3) as server:
+        clients = [ps.Client([server.address], worker_id=w, timeout=1) for w in range(3)]
+        try:
+            clients[0].init({k: np.zeros(4, np.float32) for k in "ab"})
+            for w, k in pushes:
+                clients[w].push({k: np.ones(4, np.float32)})
+            with pytest.raises(deepnex.DeadlineExceededError) as e:
+                clients[0].pull(["a"])
+            assert str(e.value) == (f"pull to {server.address}: Deadline Exceeded; the round "
+                                    f"waits for worker {awaited} (not pushed to it yet)")
+        finally:
+            for c in clients:
+                c.close()
 
 
 def test_ssp_bounds_the_lead_of_fast_workers_and_values_stay_exact():
