@@ -6,9 +6,6 @@
 // ncclCommGetAsyncError against the deadline; so is every collective, and one
 // past its deadline ends with ncclCommAbort. Every NCCL or CUDA error becomes
 // a Status naming the call. Without a device, Create is FailedPrecondition.
-#include <cuda_runtime_api.h>
-#include <nccl.h>
-
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -16,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "collective/backends.h"
+#include "collective/cuda_api.h"
 #include "collective/rendezvous.h"
 #include "collective/work_queue.h"
 
@@ -27,18 +25,21 @@ using std::chrono::milliseconds;
 
 constexpr auto kSpin = std::chrono::microseconds(200);
 
+// The loaded calls; CreateNcclCommunicator has loaded them before any use.
+const CudaApi& Cu() { return **LoadCudaApi(); }
+
 absl::Status CudaError(const char* call, cudaError_t e) {
   absl::StatusCode code = e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver ||
                                   e == cudaErrorInvalidDevice
                               ? absl::StatusCode::kFailedPrecondition
                               : absl::StatusCode::kInternal;
-  return absl::Status(code, absl::StrCat(call, ": ", cudaGetErrorName(e), " (",
-                                         cudaGetErrorString(e), ")"));
+  return absl::Status(code, absl::StrCat(call, ": ", Cu().cudaGetErrorName(e), " (",
+                                         Cu().cudaGetErrorString(e), ")"));
 }
 
 #define DEEPNEX_CUDA(call)                                      \
   do {                                                          \
-    cudaError_t deepnex_cuda_e_ = (call);                       \
+    cudaError_t deepnex_cuda_e_ = Cu().call;                    \
     if (deepnex_cuda_e_ != cudaSuccess) return CudaError(#call, deepnex_cuda_e_); \
   } while (0)
 
@@ -46,14 +47,14 @@ absl::Status NcclError(const char* call, ncclResult_t r, ncclComm_t comm = nullp
   absl::StatusCode code = absl::StatusCode::kInternal;
   if (r == ncclInvalidArgument || r == ncclInvalidUsage) code = absl::StatusCode::kInvalidArgument;
   if (r == ncclRemoteError || r == ncclSystemError) code = absl::StatusCode::kUnavailable;
-  const char* last = comm != nullptr ? ncclGetLastError(comm) : ncclGetLastError(nullptr);
-  return absl::Status(code, absl::StrCat(call, ": ", ncclGetErrorString(r),
+  const char* last = comm != nullptr ? Cu().ncclGetLastError(comm) : Cu().ncclGetLastError(nullptr);
+  return absl::Status(code, absl::StrCat(call, ": ", Cu().ncclGetErrorString(r),
                                          last && *last ? absl::StrCat(" (", last, ")") : ""));
 }
 
 #define DEEPNEX_NCCL(call, comm)                                          \
   do {                                                                    \
-    ncclResult_t deepnex_nccl_r_ = (call);                                \
+    ncclResult_t deepnex_nccl_r_ = Cu().call;                             \
     if (deepnex_nccl_r_ != ncclSuccess && deepnex_nccl_r_ != ncclInProgress) \
       return NcclError(#call, deepnex_nccl_r_, comm);                     \
   } while (0)
@@ -98,38 +99,38 @@ class NcclCommunicator final : public Communicator {
     if (queue_ != nullptr) queue_->Close();
     if (comm_ != nullptr) {
       if (broken_) {
-        ncclCommAbort(comm_);
+        Cu().ncclCommAbort(comm_);
       } else {
         // Non-blocking communicators finalize asynchronously: wait (bounded)
         // before destroying, else abort.
-        ncclResult_t r = ncclCommFinalize(comm_);
+        ncclResult_t r = Cu().ncclCommFinalize(comm_);
         ncclResult_t state = ncclInProgress;
         auto until = Clock::now() + std::chrono::seconds(10);
         while (r == ncclSuccess || r == ncclInProgress) {
-          if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess || state != ncclInProgress ||
+          if (Cu().ncclCommGetAsyncError(comm_, &state) != ncclSuccess || state != ncclInProgress ||
               Clock::now() > until) {
             break;
           }
           std::this_thread::sleep_for(milliseconds(1));
         }
         if (state == ncclSuccess) {
-          ncclCommDestroy(comm_);
+          Cu().ncclCommDestroy(comm_);
         } else {
-          ncclCommAbort(comm_);
+          Cu().ncclCommAbort(comm_);
         }
       }
     }
-    if (header_dev_ != nullptr) cudaFree(header_dev_);
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    if (header_dev_ != nullptr) Cu().cudaFree(header_dev_);
+    if (stream_ != nullptr) Cu().cudaStreamDestroy(stream_);
   }
 
   absl::Status Init() {
     int count = 0;
-    cudaError_t e = cudaGetDeviceCount(&count);
+    cudaError_t e = Cu().cudaGetDeviceCount(&count);
     if (e != cudaSuccess || count == 0) {
       return absl::FailedPreconditionError(absl::StrCat(
           "backend nccl: no device (cudaGetDeviceCount: ",
-          e != cudaSuccess ? absl::StrCat(cudaGetErrorName(e), ", ", cudaGetErrorString(e))
+          e != cudaSuccess ? absl::StrCat(Cu().cudaGetErrorName(e), ", ", Cu().cudaGetErrorString(e))
                            : "0 devices",
           ")"));
     }
@@ -255,7 +256,7 @@ class NcclCommunicator final : public Communicator {
     if (aborted_) return;
     aborted_ = true;
     broken_ = true;
-    if (comm_ != nullptr) ncclCommAbort(comm_);
+    if (comm_ != nullptr) Cu().ncclCommAbort(comm_);
     comm_ = nullptr;
   }
 
@@ -275,10 +276,10 @@ class NcclCommunicator final : public Communicator {
             return absl::AbortedError("the nccl communicator is broken by an earlier error or abort");
           }
           int caller_device = -1;
-          cudaGetDevice(&caller_device);
+          Cu().cudaGetDevice(&caller_device);
           if (caller_device != device_) DEEPNEX_CUDA(cudaSetDevice(device_));
           absl::Status s = fn();
-          if (caller_device >= 0 && caller_device != device_) cudaSetDevice(caller_device);
+          if (caller_device >= 0 && caller_device != device_) Cu().cudaSetDevice(caller_device);
           if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) broken_ = true;
           return s;
         },
@@ -290,12 +291,12 @@ class NcclCommunicator final : public Communicator {
     DEEPNEX_RETURN_IF_ERROR(NcclType(t.dtype).status());
     if (t.NumElements() == 0) return absl::OkStatus();
     cudaPointerAttributes attr;
-    cudaError_t e = cudaPointerGetAttributes(&attr, t.data);
+    cudaError_t e = Cu().cudaPointerGetAttributes(&attr, t.data);
     if (e != cudaSuccess) {
-      cudaGetLastError();
+      Cu().cudaGetLastError();
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": the tensor is not CUDA memory (cudaPointerGetAttributes: ",
-                       cudaGetErrorName(e), ")"));
+                       Cu().cudaGetErrorName(e), ")"));
     }
     if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -351,7 +352,7 @@ class NcclCommunicator final : public Communicator {
   absl::Status Complete(const char* call, Clock::time_point deadline) {
     const auto spin_until = Clock::now() + kSpin;
     while (true) {
-      cudaError_t e = cudaStreamQuery(stream_);
+      cudaError_t e = Cu().cudaStreamQuery(stream_);
       if (e == cudaSuccess) return absl::OkStatus();
       if (e != cudaErrorNotReady) return CudaError(absl::StrCat("cudaStreamQuery after ", call).c_str(), e);
       DEEPNEX_RETURN_IF_ERROR(Settle(call, Clock::time_point::max(), /*once=*/true));
@@ -377,7 +378,7 @@ class NcclCommunicator final : public Communicator {
       }
       if (comm == nullptr) return absl::AbortedError("the nccl communicator was aborted");
       ncclResult_t state = ncclSuccess;
-      ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+      ncclResult_t r = Cu().ncclCommGetAsyncError(comm, &state);
       if (r != ncclSuccess) return NcclError("ncclCommGetAsyncError", r, comm);
       if (state == ncclSuccess || (once && state == ncclInProgress)) return absl::OkStatus();
       if (state != ncclInProgress) {
@@ -411,6 +412,7 @@ class NcclCommunicator final : public Communicator {
 
 absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
     const CommunicatorOptions& options) {
+  DEEPNEX_RETURN_IF_ERROR(LoadCudaApi().status());
   auto comm = std::make_unique<NcclCommunicator>(options);
   DEEPNEX_RETURN_IF_ERROR(comm->Init());
   return std::unique_ptr<Communicator>(std::move(comm));

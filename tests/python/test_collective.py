@@ -268,6 +268,45 @@ def test_nccl_without_a_device_is_failed_precondition(store):
     pytest.skip("a GPU is present")
 
 
+NO_CUDA_SCRIPT = r"""
+import numpy as np, deepnex
+from deepnex import collective
+store = collective.Store("127.0.0.1:0")
+x = np.arange(4, dtype=np.float32)
+collective.Communicator(0, 1, store=store.address, prefix="cpu").allreduce(x)
+try:
+    collective.Communicator(0, 1, store=store.address, prefix="gpu", backend="nccl")
+except deepnex.FailedPreconditionError as e:
+    print("refused:", e)
+store.stop()
+print("cpu:", x.tolist())
+"""
+
+
+def test_without_the_cuda_runtime_and_nccl_deepnex_loads_and_nccl_says_no_device():
+    """libdeepnex linked libcudart.so.13 and libnccl.so.2, so `import
+    deepnex` failed on a host without them (a CPU-only node, central's).
+    Here they are hidden in a mount namespace of the process's own."""
+    found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True,
+                           timeout=60).stdout
+    dirs = {os.path.dirname(os.path.realpath(line.split("=>")[1].strip()))
+            for line in found.splitlines()
+            if "=>" in line and line.split()[0] in ("libcudart.so.13", "libnccl.so.2")}
+    if not dirs:
+        pytest.skip("the CUDA runtime and NCCL are not installed: nothing to hide")
+    if os.geteuid() != 0:
+        pytest.skip("hiding them takes a mount namespace (root)")
+    hide = " && ".join(f"mount -t tmpfs none {d}" for d in sorted(dirs))
+    out = subprocess.run(["unshare", "--mount", "sh", "-c",
+                          f'{hide} && exec "$0" -c "$1"', sys.executable, NO_CUDA_SCRIPT],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "refused: backend nccl: no device (libcudart.so.13: cannot open shared object file: "
+        "No such file or directory)",
+        "cpu: [0.0, 1.0, 2.0, 3.0]"]
+
+
 def test_auto_backend_sends_host_arrays_through_cpu_and_cuda_tensors_through_nccl(store):
     comm = collective.Communicator(0, 1, store=store.address, prefix="auto1")
     assert comm.backend == "cpu"
