@@ -93,10 +93,16 @@ def _refuse_changes(args, given, recorded):
     import os
 
     before = argparse.Namespace(**{"job_mode": None, "scheduler": None, **recorded})
+    from deepnex import tune
+
     def modes(ns):
         return _modes(ns, warn=False)
+
+    def max_t(ns):
+        return ns.max_t or tune.command_epochs(ns.command[ns.command[:1] == ["--"]:]) or 100
     resolve = {"mode": modes, "job_mode": modes, "direction": modes,
-               "scheduler": _scheduler, "asha": _scheduler}
+               "scheduler": _scheduler, "asha": _scheduler, "max_t": max_t,
+               "search": lambda ns: ns.search or tune.default_search()}
 
     def same(key):
         """Whether the flag comes to what the search resolved for itself:
@@ -186,12 +192,16 @@ def _tune_or_raise(args):
             raise SystemExit(f"deepnex tune: --resume {args.resume}: the search there was "
                              "not started by deepnex tune (resume it with tune.run)")
         _refuse_changes(args, given, recorded)
+        # Old spellings are warned about as typed now, not as recorded (a
+        # probe's resume warned of the --mode max it had not typed).
+        if given & {"mode", "job_mode"}:
+            _modes(args)
         own = {k: v for k, v in vars(args).items() if k in _RESUME_OWN and v is not None}
         args = argparse.Namespace(**{**recorded, **own, "out": args.resume})
         command = [w for w in args.command[args.command[:1] == ["--"]:]]
     if not command:
         raise SystemExit("deepnex tune: no command (put it after --)")
-    mode, direction = _modes(args)
+    mode, direction = _modes(args, warn=not args.resume)
     if args.token and args.token_file:
         raise SystemExit(f"deepnex tune: --token and --token-file {args.token_file} were "
                          "both given; give one")

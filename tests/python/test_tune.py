@@ -911,6 +911,23 @@ def test_cli_parses_a_search(tmp_path, trial_script):
         assert [r["status"] for r in csv.DictReader(f)] == ["completed", "completed"]
 
 
+def test_a_resume_warns_of_old_spellings_typed_now_only(tmp_path, trial_script, capsys):
+    """It warned of the recorded --mode min on every resume, typed or not
+    (probe)."""
+    from deepnex.__main__ import main
+    out = str(tmp_path / "old")
+    assert main(["tune", "--space", "x=grid([1.0])", "--samples", "1", "--metric", "score",
+                 "--mode", "min", "--no-asha", "--plain", "--out", out,
+                 "--", *trial_script]) == 0
+    warning = ("deepnex tune: --mode min is deprecated for the metric's direction: use "
+               "--direction min (--mode is now the trials' training mode)\n")
+    assert capsys.readouterr().err == warning
+    assert main(["tune", "--resume", out]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["tune", "--resume", out, "--mode", "min"]) == 0
+    assert capsys.readouterr().err == warning
+
+
 def _tune_cli(monkeypatch, argv):
     """Runs `deepnex tune argv -- true` with tune.run and tune.job_runner
     replaced; returns (code, run's kwargs, job_runner's kwargs)."""
@@ -1455,7 +1472,10 @@ def test_kill_9_then_resume_runs_each_trial_to_its_end_once(tmp_path):
     # What the search resolved for itself may be given (a probe's --direction
     # max, the direction it had, was refused), and a switch is said as typed
     # (it read "--asha True").
-    for flags in (["--direction", "max"], ["--scheduler", "none"], ["--mode", "allreduce"]):
+    # So may the search method and --max-t it resolved (probe: --search tpe
+    # and --max-t 100 were refused as "started without it").
+    for flags in (["--direction", "max"], ["--scheduler", "none"], ["--mode", "allreduce"],
+                  ["--search", tune.default_search()], ["--max-t", "100"]):
         same = subprocess.run([sys.executable, "-m", "deepnex", "tune", "--resume", str(out),
                                *flags], capture_output=True, text=True, timeout=120)
         assert same.returncode == 0, same
@@ -1469,6 +1489,7 @@ def test_kill_9_then_resume_runs_each_trial_to_its_end_once(tmp_path):
                         (["--direction", "max", "--mode", "sync"],
                          "--mode sync (the search was started without it)"),
                         (["--cold"], "--cold (the search was started without it)"),
+                        (["--max-t", "50"], "--max-t 50 (the search was started without it)"),
                         (["--direction", "min"],
                          "--direction min (the search was started without it)")):
         changed = subprocess.run([sys.executable, "-m", "deepnex", "tune", "--resume", str(out),
