@@ -129,6 +129,9 @@ def _refuse_changes(args, given, recorded):
                 changed.append(f"--out {value} (it resumes in {args.resume})")
         elif value == was or same(key):
             continue
+        elif key == "mode" and value in ("max", "min"):
+            # The old spelling of --direction: it clashes with the direction.
+            changed.append(f"--mode {value} (the search's: --direction {modes(before)[1]})")
         elif isinstance(value, bool):
             # A store_true switch (default False) is off unless given.
             off = was is None or (was is False and _DEFAULTS[key] is False)

@@ -1491,7 +1491,10 @@ def test_kill_9_then_resume_runs_each_trial_to_its_end_once(tmp_path):
                         (["--cold"], "--cold (the search was started without it)"),
                         (["--max-t", "50"], "--max-t 50 (the search was started without it)"),
                         (["--direction", "min"],
-                         "--direction min (the search was started without it)")):
+                         "--direction min (the search was started without it)"),
+                        # The old spelling of --direction is told as one (it
+                        # quoted the search's training mode).
+                        (["--mode", "min"], "--mode min (the search's: --direction max)")):
         changed = subprocess.run([sys.executable, "-m", "deepnex", "tune", "--resume", str(out),
                                   *flags], capture_output=True, text=True, timeout=120)
         assert changed.returncode == 1 and f"was also given {said}; " in changed.stderr, changed
