@@ -1,6 +1,7 @@
 #include "core/grpc_util.h"
 
 #include "core/file_util.h"
+#include "core/grpc_listener.h"
 #include "core/net.h"
 #include "core/text.h"
 
@@ -98,42 +99,6 @@ absl::Status CheckListenPort(const std::string& what, const std::string& address
   return absl::OkStatus();
 }
 
-// Binds what `address` resolves to as gRPC would, and lets go again: the
-// first failure's errno (*err) and reason, e.g. "Address already in use";
-// err 0 when every bind worked or the address is not HOST:PORT.
-std::string ProbeBind(const std::string& address, int* err) {
-  *err = 0;
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos || address.rfind("unix:", 0) == 0) return "";
-  std::string host = address.substr(0, colon);
-  const std::string port = address.substr(colon + 1);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  addrinfo* found = nullptr;
-  if (int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found);
-      rc != 0) {
-    return gai_strerror(rc);
-  }
-  std::string why;
-  for (addrinfo* a = found; a != nullptr && *err == 0; a = a->ai_next) {
-    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) continue;
-    const int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // as gRPC does
-    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0) {
-      *err = errno;
-      why = std::strerror(errno);
-    }
-    close(fd);
-  }
-  freeaddrinfo(found);
-  return why;
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ServerHost>> ServerHost::Start(
@@ -142,17 +107,12 @@ absl::StatusOr<std::unique_ptr<ServerHost>> ServerHost::Start(
   DEEPNEX_ASSIGN_OR_RETURN(auto credentials,
                            MakeServerCredentials(options.tls_cert_file, options.tls_key_file));
   const std::string& address = options.address;
-  auto cannot = [&](const std::string& why) {
-    return absl::UnavailableError(absl::StrCat(options.what, ": cannot listen on \"", address,
-                                               "\": ",
-                                               why.empty() ? "gRPC could not bind it" : why));
-  };
   DEEPNEX_RETURN_IF_ERROR(CheckListenPort(options.what, address));
-  // Refused before gRPC tries: it would log lines of its own, and serve on
-  // the other addresses of a name (localhost) when one of them is taken.
-  int err = 0;
-  const std::string why = ProbeBind(address, &err);
-  if (err == EADDRINUSE) return cannot(why);
+  // HOST:PORT: our own accept loop (core/grpc_listener.h); unix: gRPC's.
+  std::unique_ptr<GrpcListener> listener;
+  if (!absl::StartsWith(address, "unix:")) {
+    DEEPNEX_ASSIGN_OR_RETURN(listener, GrpcListener::Bind(options.what, address));
+  }
   grpc::ServerBuilder builder;
   if (options.max_receive_bytes > 0) {
     builder.SetMaxReceiveMessageSize(
@@ -168,12 +128,31 @@ absl::StatusOr<std::unique_ptr<ServerHost>> ServerHost::Start(
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                              static_cast<int>(kMinKeepalive.count() / 2));
   int port = 0;
-  builder.AddListeningPort(address, credentials, &port);
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor;
+  if (listener == nullptr) {
+    builder.AddListeningPort(address, credentials, &port);
+  } else {
+    acceptor = builder.experimental().AddExternalConnectionAcceptor(
+        grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
+  }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) return cannot(why);
-  return std::unique_ptr<ServerHost>(new ServerHost(
-      std::move(server), AdvertisedAddress(address, options.advertise, port), port));
+  if (listener != nullptr) port = listener->port();
+  if (server == nullptr || port == 0) {
+    return absl::UnavailableError(absl::StrCat(options.what, ": cannot listen on \"", address,
+                                               "\": gRPC could not bind it"));
+  }
+  if (listener != nullptr) listener->Serve(std::move(acceptor));
+  return std::unique_ptr<ServerHost>(
+      new ServerHost(std::move(server), std::move(listener),
+                     AdvertisedAddress(address, options.advertise, port), port));
 }
+
+ServerHost::ServerHost(std::unique_ptr<grpc::Server> server,
+                       std::unique_ptr<GrpcListener> listener, std::string address, int port)
+    : server_(std::move(server)), listener_(std::move(listener)), address_(std::move(address)),
+      port_(port) {}
+
+ServerHost::~ServerHost() { Stop(); }
 
 grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status) {
   auto* reactor = ctx->DefaultReactor();
@@ -183,6 +162,7 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::St
 
 void ServerHost::Stop() {
   std::call_once(stop_once_, [this] {
+    listener_.reset();  // no connection comes to a server shutting down
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
     server_->Wait();
     std::lock_guard<std::mutex> lock(mu_);

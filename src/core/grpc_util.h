@@ -25,6 +25,8 @@ class MessageLite;
 
 namespace deepnex {
 
+class GrpcListener;
+
 // absl and gRPC share their status codes, so these only move the values.
 absl::Status ToAbslStatus(const grpc::Status& status);
 grpc::Status ToGrpcStatus(const absl::Status& status);
@@ -74,12 +76,13 @@ class ServerHost {
   // Refuses a process forked after gRPC started (CheckForkSafe), then serves
   // `services` on options.address. gRPC's SO_REUSEPORT is off: by default a
   // second server on a port another one serves would start too, and clients
-  // would alternate between the two. Unavailable naming `what` and the
-  // address when it cannot be bound:
+  // would alternate between the two. A HOST:PORT is served through
+  // GrpcListener (out of descriptors, it sheds connections and goes on).
+  // Unavailable naming `what` and the address when it cannot be bound:
   //   ps server: cannot listen on "127.0.0.1:7070": Address already in use
   static absl::StatusOr<std::unique_ptr<ServerHost>> Start(
       const ServerHostOptions& options, const std::vector<grpc::Service*>& services);
-  ~ServerHost() { Stop(); }
+  ~ServerHost();
 
   // The address peers dial, with the bound port, e.g. "127.0.0.1:41234";
   // never a wildcard.
@@ -94,10 +97,11 @@ class ServerHost {
   void Wait();
 
  private:
-  ServerHost(std::unique_ptr<grpc::Server> server, std::string address, int port)
-      : server_(std::move(server)), address_(std::move(address)), port_(port) {}
+  ServerHost(std::unique_ptr<grpc::Server> server, std::unique_ptr<GrpcListener> listener,
+             std::string address, int port);
 
   const std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<GrpcListener> listener_;  // null: gRPC's own (unix:)
   const std::string address_;
   const int port_;
   std::once_flag stop_once_;

@@ -4,6 +4,7 @@ the daemons deepnex-central, deepnex-ps and deepnex-store as subprocesses."""
 
 import os
 import re
+import resource
 import select
 import signal
 import socket
@@ -14,6 +15,8 @@ import time
 import urllib.request
 
 import pytest
+
+from _wait import wait_for
 
 import deepnex
 from _wait import wait_for
@@ -47,10 +50,13 @@ def read_line(stream, deadline):
 class Daemon:
     """A daemon started on its flags; `address` once it printed that it listens."""
 
-    def __init__(self, name, *args, env=None):
+    def __init__(self, name, *args, env=None, nofile=None):
         self.name = name
+        limit = None if nofile is None else (
+            lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
         self.proc = subprocess.Popen([binary(name), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True, env=env)
+                                     stderr=subprocess.PIPE, start_new_session=True, env=env,
+                                     preexec_fn=limit)
         line = read_line(self.proc.stdout, time.monotonic() + 30)
         m = re.match(rf"{name} listening on (\S+)", line)
         if not m:
@@ -71,8 +77,8 @@ class Daemon:
 def daemons():
     started = []
 
-    def start(name, *args, env=None):
-        d = Daemon(name, *args, env=env)
+    def start(name, *args, env=None, nofile=None):
+        d = Daemon(name, *args, env=env, nofile=nofile)
         started.append(d)
         return d
     yield start
@@ -161,6 +167,54 @@ def test_a_second_server_in_process_on_a_taken_port_fails():
             collective.Store(address=store.address)
         assert str(e.value) == (f'store server: cannot listen on "{store.address}": '
                                 "Address already in use")
+
+
+# ---- a flood of connections
+
+HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def greeted(address):
+    """Whether a new connection to `address` is answered with the server's
+    HTTP/2 SETTINGS (gRPC serves it); False when it is closed or ignored."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=2) as s:
+            s.sendall(HTTP2_HELLO)
+            frame = s.recv(9, socket.MSG_WAITALL)
+    except OSError:
+        return False
+    return len(frame) == 9 and frame[3] == 4
+
+
+@pytest.mark.parametrize("name, what", [("deepnex-central", "central server"),
+                                        ("deepnex-ps", "ps server"),
+                                        ("deepnex-store", "store server")])
+def test_a_daemon_out_of_descriptors_sheds_new_connections_and_then_serves_again(daemons,
+                                                                               name, what):
+    # gRPC 1.51's own listener stopped for good at its first EMFILE: idle
+    # connections from anyone who could reach the port locked every later
+    # client out, even once they had closed.
+    d = daemons(name, "--listen", "127.0.0.1:0", nofile=128)
+    assert greeted(d.address)
+    host, port = d.address.rsplit(":", 1)
+    flood = []
+    try:
+        for _ in range(300):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(HTTP2_HELLO)
+            flood.append(s)
+        said = ""
+        deadline = time.monotonic() + 30
+        while "out of file descriptors" not in said and time.monotonic() < deadline:
+            said = read_line(d.proc.stderr, deadline)
+        assert said == (f"{what}: out of file descriptors (Too many open files, limit 128): "
+                        "closing new connections until some are free\n")
+        assert not greeted(d.address)  # closed at once, not left waiting
+    finally:
+        for s in flood:
+            s.close()
+    wait_for(lambda: greeted(d.address), f"{name} to serve new connections again", timeout=30)
 
 
 # ---- one daemon per state directory
