@@ -220,10 +220,13 @@ void Elastic::Grow() {
   bool over;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // Stopped, ended or failed while it waited in the queue.
+    // Stopped, ended or failed while it waited in the queue; or a member
+    // failed meanwhile, and its backoff comes first (probe: the start came
+    // 0.2 s after "restarting (1/1) in 1 s").
     over = stopping_ || done_ || failure_.has_value() ||
-           static_cast<int>(members_.size()) >= o_.max_workers;
+           static_cast<int>(members_.size()) >= o_.max_workers || Clock::now() < next_start_;
     members = members_;
+    size = static_cast<int>(members.size());
   }
   if (over) {
     o_.release(*a);

@@ -388,7 +388,27 @@ class ElasticJobTest : public JobTest {
     return v.ok() ? *v : v.status().ToString();
   }
 
+  // Events with when they were told, for delays between them.
+  void TimeEvents(JobOptions* o) {
+    o->on_event = [this](const std::string& e) {
+      std::lock_guard<std::mutex> lock(told_mu_);
+      told_.emplace_back(std::chrono::steady_clock::now(), e);
+    };
+  }
+  std::vector<std::string> TimedEvents() {
+    std::lock_guard<std::mutex> lock(told_mu_);
+    std::vector<std::string> out;
+    for (const auto& [at, e] : told_) out.push_back(e);
+    return out;
+  }
+  std::chrono::steady_clock::time_point EventTime(size_t i) {
+    std::lock_guard<std::mutex> lock(told_mu_);
+    return told_.at(i).first;
+  }
+
   const std::string gate_ = dir_.path() + "/gate";
+  std::mutex told_mu_;
+  std::vector<std::pair<std::chrono::steady_clock::time_point, std::string>> told_;
 };
 
 // On this machine (room for both): w0 alone in generation 1, w1 joins in 2;
@@ -527,12 +547,7 @@ TEST_F(ElasticJobTest, WorkersThatKeepFailingAreBackedOffAndAHealthyRunStartsOve
   o.launcher.restart_backoff_cap = milliseconds(2000);
   o.launcher.restart_backoff_reset = milliseconds(3000);
   o.restart.max_backoff = milliseconds(2000);  // the policy's may lift the cap
-  std::mutex mu;
-  std::vector<std::pair<std::chrono::steady_clock::time_point, std::string>> told;
-  o.on_event = [&](const std::string& e) {
-    std::lock_guard<std::mutex> lock(mu);
-    told.emplace_back(std::chrono::steady_clock::now(), e);
-  };
+  TimeEvents(&o);
   for (const char* id : {"w1", "w2", "w3"}) Exit(id, 3);
   ASSERT_OK_AND_ASSIGN(auto job, Job::Create(o));
   ASSERT_THAT(job->Start(), IsOk());
@@ -545,9 +560,7 @@ TEST_F(ElasticJobTest, WorkersThatKeepFailingAreBackedOffAndAHealthyRunStartsOve
   ASSERT_OK_AND_ASSIGN(JobResult r, job->Wait(milliseconds(60000)));
   EXPECT_EQ(r.exit_code, 0);
 
-  std::lock_guard<std::mutex> lock(mu);
-  std::vector<std::string> events;
-  for (const auto& [at, e] : told) events.push_back(e);
+  const std::vector<std::string> events = TimedEvents();
   auto joined = [&](int id) { return HasSubstr(absl::StrCat("worker w", id, " joined")); };
   auto left = [&](int id) { return ::testing::EndsWith(absl::StrCat("worker w", id, " exited(3)")); };
   const char* loop = " workers in a row failed soon after their start: the job grows again in ";
@@ -562,11 +575,35 @@ TEST_F(ElasticJobTest, WorkersThatKeepFailingAreBackedOffAndAHealthyRunStartsOve
                   left(3), joined(4), left(4), joined(5)));
   // Each growth back came no sooner than its backoff after the failure was
   // told (the delay runs from before the telling).
-  auto at = [&](size_t i) { return told.at(i).first; };
+  auto at = [&](size_t i) { return EventTime(i); };
   EXPECT_GE(at(2) - at(1), milliseconds(1000));
   EXPECT_GE(at(5) - at(4), milliseconds(2000));
   EXPECT_GE(at(8) - at(7), milliseconds(2000));
   EXPECT_GE(at(10) - at(9), milliseconds(1000));
+}
+
+// w0 fails while the job's first growth waits to settle: that growth gives
+// its grant back, and the replacement comes after the backoff the restart
+// event told (probe: 0.2 s after "in 1 s"), as 0 to 1 (it said 1 to 2).
+TEST_F(ElasticJobTest, AFailureFoundWhileGrowingWaitsItsBackoffToo) {
+  JobOptions o = Elastic(1, 2);
+  ASSERT_OK_AND_ASSIGN(o.restart, launch::RestartPolicy::Parse("on-failure:1"));
+  TimeEvents(&o);
+  ASSERT_OK_AND_ASSIGN(auto job, Job::Create(o));
+  ASSERT_THAT(job->Start(), IsOk());
+  EXPECT_EQ(Line(0, "w0 "), "w0 rank=0/1 gen=1 elastic=1:2");
+  Exit("w0", 3);
+  EXPECT_THAT(Line(1, "w1 "), HasSubstr("w1 rank=0/1 gen="));
+  std::ofstream(gate_) << "";
+  ASSERT_OK_AND_ASSIGN(JobResult r, job->Wait(milliseconds(60000)));
+  EXPECT_EQ(r.exit_code, 0);
+  const std::vector<std::string> events = TimedEvents();
+  ASSERT_GE(events.size(), 3u);
+  EXPECT_EQ(events[0], "worker w0 exited(3); restarting (1/1) in 1 s: a new worker is asked for");
+  EXPECT_THAT(events[1], HasSubstr("resized from 1 to 0 workers"));
+  EXPECT_THAT(events[2], HasSubstr("resized from 0 to 1 workers"));
+  EXPECT_THAT(events[2], HasSubstr("worker w1 joined"));
+  EXPECT_GE(EventTime(2) - EventTime(0), milliseconds(1000));
 }
 
 // Room for one: MIN 1's only worker fails, and under on-failure the job
