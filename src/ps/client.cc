@@ -502,15 +502,16 @@ class ClientImpl final : public Client {
   // Starts an op and waits for it, reading the replies of a bulk link it
   // went over on this thread, rather than waking the link's reader thread
   // to read them and then this one.
-  // A pull of `out` that timed out waits for a round that other workers
-  // have not pushed to: `s` with the workers that the next round of a
-  // partition of `out` waits for, as its servers say within a second (a
+  // A pull of `out` that timed out waits for rounds that other workers
+  // have not pushed to: `s` with the workers that the rounds it needs of
+  // `out`'s partitions wait for, as its servers say within a second (a
   // probe's said only "Deadline Exceeded", naming nobody; counting pushes
   // over all keys named workers that had pushed the key in question).
   absl::Status WhoIsBehind(const std::vector<NamedTensor>& out, absl::Status s) {
     if (s.code() != absl::StatusCode::kDeadlineExceeded || observer()) return s;
     pb::StatsRequest req;
     for (const NamedTensor& t : out) req.add_keys(t.key);
+    req.set_worker(options_.worker_id);
     std::set<int> behind;
     for (size_t server = 0; server < servers_.size(); ++server) {
       pb::StatsReply r;

@@ -212,14 +212,27 @@ class TypedPartition final : public Partition {
     return version_;
   }
 
-  std::vector<int> Awaited() const override {
+  std::vector<int> Awaited(int worker) const override {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<int> out;
     if (config_.mode == Mode::kAsync) return out;
-    const std::vector<char>* pushed = open_.empty() ? nullptr : &open_.front().contributed;
+    const WorkerState& ws = workers_[worker];
+    if (ws.incarnation == 0 || ws.next_seq == 1) return out;  // nothing pushed
+    // As Ready: its pull needs the round of its last push, less staleness.
+    const uint64_t last = ws.first_round + ws.next_seq - 2;
+    const uint64_t staleness = static_cast<uint64_t>(config_.staleness);
+    if (last <= version_ + staleness) return out;
+    const uint64_t rounds = last - staleness - version_;
     for (int w = 0; w < config_.num_workers; ++w) {
-      const bool in = pushed != nullptr && !pushed->empty() && (*pushed)[w];
-      if (!in && config_.membership->Required(w)) out.push_back(w);
+      if (!config_.membership->Required(w)) continue;
+      for (uint64_t i = 0; i < rounds; ++i) {
+        const bool in = i < open_.size() && !open_[i].contributed.empty() &&
+                        open_[i].contributed[w];
+        if (!in) {
+          out.push_back(w);
+          break;
+        }
+      }
     }
     return out;
   }

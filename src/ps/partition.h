@@ -193,9 +193,10 @@ class Partition {
   virtual void Restore(const PartitionState& state) = 0;
 
   virtual uint64_t version() const = 0;
-  // The workers the next round, version() + 1, waits for: the required
-  // ones that have not pushed into it (sync, ssp). None in async mode.
-  virtual std::vector<int> Awaited() const = 0;
+  // The workers that a pull of `worker` after its last push waits for: the
+  // required ones that have not pushed into one of the rounds it needs
+  // (sync, ssp). None when such a pull would not wait, and in async mode.
+  virtual std::vector<int> Awaited(int worker) const = 0;
 
  protected:
   Partition(DType dtype, uint64_t offset, uint64_t count)

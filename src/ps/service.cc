@@ -162,10 +162,14 @@ grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext* ctx,
   absl::Status s = Authenticate(*ctx);
   if (s.ok()) {
     FillStats(reply);
+    // Each key once: a request naming one key a million times made a
+    // million lookups of its parts (probe).
+    const std::set<std::string> keys(req->keys().begin(), req->keys().end());
+    const int worker = req->worker();
     std::vector<Partition*> parts;
-    {
+    if (!keys.empty() && worker >= 0 && worker < options_.num_workers) {
       std::lock_guard<std::mutex> lock(mu_);
-      for (const std::string& key : req->keys()) {
+      for (const std::string& key : keys) {
         auto t = tensors_.find(key);
         if (t == tensors_.end()) continue;
         for (auto& [part, p] : t->second.parts) parts.push_back(p.get());
@@ -173,7 +177,7 @@ grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext* ctx,
     }
     std::set<int> awaited;
     for (const Partition* p : parts) {
-      for (int w : p->Awaited()) awaited.insert(w);
+      for (int w : p->Awaited(worker)) awaited.insert(w);
     }
     for (int w : awaited) reply->add_awaited(w);
   }

@@ -163,26 +163,30 @@ def test_a_sync_pull_that_times_out_names_the_workers_the_round_waits_for():
         np.testing.assert_array_equal(c0.pull(["w"])["w"], np.full(4, -0.01, np.float32))
 
 
-@pytest.mark.parametrize("mode, pushes, awaited", [
+@pytest.mark.parametrize("mode, staleness, pushes, pull, awaited", [
     # Worker 1 pushed "b" only, worker 2 both: the round of "a" waits for
     # worker 1 alone, though it pushed as often as worker 0 (named nobody).
-    ("sync", [(0, "a"), (1, "b"), (2, "a"), (2, "b")], "1"),
+    ("sync", 0, [(0, "a"), (1, "b"), (2, "a"), (2, "b")], ["a"], "1"),
     # Staleness 1: worker 0's pull after 3 rounds needs round 2, which
     # worker 2 has pushed (it was named, being behind worker 0). Pushed in
     # an order in which no push waits for a round.
-    ("ssp", [(1, "a"), (2, "a"), (2, "a"), (0, "a"), (0, "a"), (0, "a")], "1"),
+    ("ssp", 1, [(1, "a"), (2, "a"), (2, "a"), (0, "a"), (0, "a"), (0, "a")], ["a"], "1"),
+    # "b"'s round is complete: it waits for nobody (it named worker 1 too,
+    # the next round of "b" lacking everyone; probe of 0ca5721).
+    ("sync", 0, [(0, "a"), (0, "b"), (1, "a"), (1, "b"), (2, "b")], ["a", "b"], "2"),
 ])
-def test_a_timed_out_pull_names_only_the_workers_its_keys_round_waits_for(mode, pushes, awaited):
+def test_a_timed_out_pull_names_only_the_workers_its_keys_round_waits_for(mode, staleness,
+                                                                          pushes, pull, awaited):
     """Counting each worker's pushes over all keys named the wrong workers
     (probe)."""
-    with ps.Server(mode=mode, staleness=1 if mode == "ssp" else 0, num_workers=3) as server:
+    with ps.Server(mode=mode, staleness=staleness, num_workers=3) as server:
         clients = [ps.Client([server.address], worker_id=w, timeout=1) for w in range(3)]
         try:
             clients[0].init({k: np.zeros(4, np.float32) for k in "ab"})
             for w, k in pushes:
                 clients[w].push({k: np.ones(4, np.float32)})
             with pytest.raises(deepnex.DeadlineExceededError) as e:
-                clients[0].pull(["a"])
+                clients[0].pull(pull)
             assert str(e.value) == (f"pull to {server.address}: Deadline Exceeded; the round "
                                     f"waits for worker {awaited} (not pushed to it yet)")
         finally:

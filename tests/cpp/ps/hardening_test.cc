@@ -510,6 +510,36 @@ TEST(PsHardeningTest, AServerKeepsTheFirstPositionAClientGivesIt) {
   ASSERT_TRUE(wire.Register(0, 11, 1, 2).ok());  // still serving
 }
 
+// A stats request naming one key of 1024 parts 100000 times: the server
+// looked up its parts once per repeat (12 s, 0.8 GB; a million repeats in
+// 3 MB would have taken the machine's memory). Each key counts once.
+TEST(PsHardeningTest, AStatsRequestRepeatingAKeyCostsOneLookup) {
+  ServerOptions so;
+  so.num_workers = 2;
+  auto server = Start(so);
+  ClientOptions co;
+  co.partition_bytes = 64;
+  auto client = Connect(*server, 0, co);
+  std::vector<float> v(16384, 0.0f);
+  ASSERT_THAT(client->Init({View("a", v)}), IsOk());
+  ASSERT_THAT(client->Push({View("a", v)}), IsOk());
+  Wire wire(server->address());
+  pb::StatsRequest req;
+  for (int i = 0; i < 100000; ++i) req.add_keys("a");
+  req.set_worker(0);
+  pb::StatsReply reply;
+  grpc::ClientContext ctx;
+  // A bound a hundred times what it takes, so that the old lookups fail it.
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  ASSERT_TRUE(wire.stub().Stats(&ctx, req, &reply).ok());
+  EXPECT_THAT(reply.awaited(), ::testing::ElementsAre(1));  // worker 1 pushed nothing
+  // A worker id out of range asks nothing.
+  req.set_worker(7);
+  grpc::ClientContext again;
+  ASSERT_TRUE(wire.stub().Stats(&again, req, &reply).ok());
+  EXPECT_THAT(reply.awaited(), ::testing::IsEmpty());
+}
+
 TEST(PsHardeningTest, PushesOutOfOrderAreBoundedPerWorkerAndDroppedWhenTheirCallersGo) {
   ServerOptions so;
   so.mode = Mode::kAsync;
