@@ -66,25 +66,35 @@ def is_bool(value: Any) -> bool:
 
 def is_real(value: Any) -> bool:
     """A real number that is no bool: an int or a float, numpy's and torch's
-    integers and floats included. float() also takes a complex number
-    (dropping its imaginary part), bytes, a string and numpy's durations."""
+    integers and floats, a Decimal or anything else float() converts, but
+    not what float() also takes: a complex number (dropping its imaginary
+    part), bytes, a string, numpy's durations and dates."""
     if is_bool(value):
         return False
     dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        return isinstance(value, numbers.Real)
     if hasattr(dtype, "kind"):  # numpy's
         if dtype.kind == "O" and getattr(value, "size", 0) == 1:
             return is_real(value.item())
         return dtype.kind in "iuf"
-    return not dtype.is_complex  # torch's
+    if hasattr(dtype, "is_complex"):  # torch's
+        return not dtype.is_complex
+    if isinstance(value, numbers.Real):
+        return True
+    return (hasattr(value, "__float__") and
+            not isinstance(value, (numbers.Complex, str, bytes, bytearray)))
 
 
 def number(value: Any, name: str) -> float:
-    """float(value); InvalidArgumentError naming ``name`` for a bool."""
+    """float(value); InvalidArgumentError naming ``name`` for a bool or
+    anything else that is not a real number (is_real)."""
     if is_bool(value):
         raise InvalidArgumentError(f"{name}={value!r}: a bool, where a number is expected")
-    return float(value)
+    if not is_real(value):
+        raise InvalidArgumentError(f"{name}={value!r}: not a number")
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidArgumentError(f"{name}={value!r}: not a number a float holds") from None
 
 
 def byte_size(value: Any, name: str) -> int:

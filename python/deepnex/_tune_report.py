@@ -177,7 +177,7 @@ def _metric(step, name, value):
         if not is_real(value):
             raise ValueError
         return float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise InvalidArgumentError(
             f"deepnex.report(step={step}): metric {name}={value!r} is not a number") from None
 

@@ -19,7 +19,7 @@ import operator
 import numpy as np
 
 from . import _C
-from ._convert import byte_size, options, to_buffer
+from ._convert import byte_size, number, options, to_buffer
 from .errors import InvalidArgumentError
 
 __all__ = ["Store", "StoreClient", "Communicator", "Work", "GradientBucketer"]
@@ -32,7 +32,7 @@ _BUCKET = _C.collective.BucketOptions()
 
 
 def _seconds(timeout, default):
-    return float(default if timeout is None else timeout)
+    return number(default if timeout is None else timeout, "timeout")
 
 
 class Store:
@@ -81,7 +81,7 @@ class StoreClient:
 
     def __init__(self, address, prefix=_CLIENT.prefix, timeout=_CLIENT.timeout, token=None,
                  token_file=None):
-        self._timeout = float(timeout)
+        self._timeout = number(timeout, "timeout")
         self._client = _C.collective.StoreClient(options(
             _C.collective.StoreClientOptions, address=address, prefix=prefix,
             timeout=self._timeout, token=token or "", token_file=token_file or ""))
@@ -193,7 +193,7 @@ class Communicator:
                  shm_channels=_COMM.shm_channels, token=None, token_file=None,
                  device=_COMM.device, host=None):
         args = dict(rank=int(rank), world_size=int(world_size), store=store, prefix=prefix,
-                    backend=backend, timeout=float(timeout), transport=transport,
+                    backend=backend, timeout=number(timeout, "timeout"), transport=transport,
                     connections_per_peer=int(connections_per_peer),
                     shm_channels=int(shm_channels), token=token or "",
                     token_file=token_file or "", device=int(device), host=host or "")

@@ -226,11 +226,20 @@ def test_a_non_numeric_metric_is_named_in_a_job(monkeypatch):
                            match=rf"^deepnex.report\(step=3\): metric accuracy="
                                  rf"{re.escape(repr(flag))} is not a number$"):
             deepnex.report(step=3, accuracy=flag)
+    # What float() converts is taken, a Decimal too; a number past a
+    # float's range is refused naming it (it was a bare OverflowError).
+    with pytest.raises(deepnex.InvalidArgumentError,
+                       match=r"^deepnex.report\(step=3\): metric huge=1000.* is not a number$"):
+        deepnex.report(step=3, huge=10 ** 400)
     with pytest.raises(deepnex.InvalidArgumentError, match=r"^deepnex.report: step=-5 is below 0$"):
         deepnex.report(step=-5, loss=1.0)
     # Other ranks' reports are checked alike, and go nowhere (no store here).
     monkeypatch.setenv("DEEPNEX_RANK", "1")
     assert deepnex.report(step=3, loss=1.0) is False
+    from decimal import Decimal
+    from fractions import Fraction
+    assert deepnex.report(step=3, a=Decimal("0.5"), b=Fraction(1, 2), c=np.float16(0.5),
+                          d=torch.tensor([0.5]), e=np.array(2)) is False
 
 
 def test_a_report_outside_a_job_and_a_search_checks_and_does_nothing(monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 
 import deepnex
 from _wait import run_threads
-from deepnex import ps
+from deepnex import collective, ps
 
 BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
 PS_BIN = os.path.join(BUILD_DIR, "bin", "deepnex-ps")
@@ -228,6 +228,19 @@ def test_a_bool_is_not_taken_for_a_number():
         with pytest.raises(deepnex.InvalidArgumentError,
                            match=rf"^{name}=True: a bool, where a number is expected$"):
             make()
+    # float() takes these too, dropping an imaginary part or a duration's
+    # unit (probe of dc821b2).
+    for make, name, bad in ((lambda v: ps.SGD(lr=v), r"SGD\.lr", np.complex128(0.5 + 1j)),
+                            (lambda v: ps.Server(lease_timeout=v), "lease_timeout", b"0.5"),
+                            (lambda v: ps.Client(["127.0.0.1:1"], timeout=v), "timeout",
+                             np.timedelta64(5, "ns")),
+                            (lambda v: collective.StoreClient("127.0.0.1:1", timeout=v),
+                             "timeout", "0.5"),
+                            (lambda v: collective.StoreClient("127.0.0.1:1", timeout=v),
+                             "timeout", True)):
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match=rf"^{name}={re.escape(repr(bad))}: (not a number|a bool)"):
+            make(bad)
     # float() takes its item (probe).
     with pytest.raises(deepnex.InvalidArgumentError,
                        match=r"^SGD\.lr=array\(True, dtype=object\): a bool, where a number is "
