@@ -15,7 +15,8 @@ const std::string kCudart = absl::StrCat("libcudart.so.", CUDART_VERSION / 1000)
 const std::string kNccl = absl::StrCat("libnccl.so.", NCCL_MAJOR);
 
 absl::Status Unloadable(const std::string& what) {
-  return absl::FailedPreconditionError(absl::StrCat("backend nccl: no device (", what, ")"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("backend nccl: no CUDA runtime or NCCL here (", what, ")"));
 }
 
 absl::StatusOr<CudaApi> Load() {

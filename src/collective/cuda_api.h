@@ -1,7 +1,7 @@
 // The CUDA runtime and NCCL calls of the nccl backend, loaded with dlopen
 // when a nccl communicator is first made rather than linked: libdeepnex then
 // loads where they are not installed (a CPU-only node, deepnex-central's
-// host), and the nccl backend says "no device" there as it does on a host
+// host), and the nccl backend is FailedPrecondition there, as on a host
 // without a GPU. Built only with DEEPNEX_HAVE_NCCL. Private to libdeepnex.
 #ifndef DEEPNEX_COLLECTIVE_CUDA_API_H_
 #define DEEPNEX_COLLECTIVE_CUDA_API_H_
@@ -35,8 +35,9 @@ struct CudaApi {
 };
 
 // Loads libcudart.so.<major> and libnccl.so.<major> of the headers built
-// against, once per process; FailedPrecondition "no device (...)" naming
-// the library or call missing, every time after a failed load.
+// against, once per process; FailedPrecondition "backend nccl: no CUDA
+// runtime or NCCL here (...)" naming the library or call missing, every
+// time after a failed load.
 absl::StatusOr<const CudaApi*> LoadCudaApi();
 
 }  // namespace deepnex::collective

@@ -302,8 +302,8 @@ def test_without_the_cuda_runtime_and_nccl_deepnex_loads_and_nccl_says_no_device
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
-        "refused: backend nccl: no device (libcudart.so.13: cannot open shared object file: "
-        "No such file or directory)",
+        "refused: backend nccl: no CUDA runtime or NCCL here (libcudart.so.13: cannot open "
+        "shared object file: No such file or directory)",
         "cpu: [0.0, 1.0, 2.0, 3.0]"]
 
 
