@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -103,21 +104,44 @@ absl::StatusOr<std::unique_ptr<GrpcListener>> GrpcListener::Bind(const std::stri
         rc != 0) {
       return cannot(gai_strerror(rc));
     }
-    std::string why;
-    for (addrinfo* a = found; a != nullptr && why.empty(); a = a->ai_next) {
-      // Port 0: every address gets the port the first one was given.
-      if (port == 0 && !fds.empty()) SetPort(a->ai_addr, BoundPort(fds.front()));
-      const int fd = ListenOn(a->ai_addr, a->ai_addrlen);
-      if (fd >= 0) {
-        fds.push_back(fd);
-      } else if (errno != EAFNOSUPPORT && errno != EADDRNOTAVAIL) {
-        // An address family this host lacks ("localhost"'s ::1 without
-        // IPv6) is skipped, as gRPC skips it; anything else is an error.
-        why = std::strerror(errno);
+    // Each address once, and IPv4's wildcard not beside IPv6's, which takes
+    // IPv4 peers too: "*" and a name listed twice in /etc/hosts failed with
+    // "Address already in use" against themselves (probe).
+    std::vector<std::vector<char>> addrs;
+    bool any6 = false;
+    for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+      any6 = any6 || (a->ai_family == AF_INET6 &&
+                      IN6_IS_ADDR_UNSPECIFIED(
+                          &reinterpret_cast<const sockaddr_in6*>(a->ai_addr)->sin6_addr));
+    }
+    for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+      if (any6 && a->ai_family == AF_INET &&
+          reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr.s_addr == INADDR_ANY) {
+        continue;
       }
+      std::vector<char> bytes(reinterpret_cast<const char*>(a->ai_addr),
+                              reinterpret_cast<const char*>(a->ai_addr) + a->ai_addrlen);
+      if (std::find(addrs.begin(), addrs.end(), bytes) == addrs.end()) addrs.push_back(bytes);
     }
     freeaddrinfo(found);
-    if (why.empty() && fds.empty()) why = "no address of it could be bound";
+    std::string why, skipped;
+    for (std::vector<char>& bytes : addrs) {
+      auto* addr = reinterpret_cast<sockaddr*>(bytes.data());
+      // Port 0: every address gets the port the first one was given.
+      if (port == 0 && !fds.empty()) SetPort(addr, BoundPort(fds.front()));
+      const int fd = ListenOn(addr, static_cast<socklen_t>(bytes.size()));
+      if (fd >= 0) {
+        fds.push_back(fd);
+      } else if (errno == EAFNOSUPPORT || errno == EADDRNOTAVAIL) {
+        // An address family this host lacks ("localhost"'s ::1 without
+        // IPv6) is skipped, as gRPC skips it; anything else is an error.
+        skipped = std::strerror(errno);
+      } else {
+        why = std::strerror(errno);
+        break;
+      }
+    }
+    if (why.empty() && fds.empty()) why = absl::StrCat("no address of it could be bound (", skipped, ")");
     if (!why.empty()) {
       CloseAll(fds);
       return cannot(why);
@@ -154,16 +178,27 @@ void GrpcListener::Accept() {
   for (int fd : fds_) polled.push_back({fd, POLLIN, 0});
   polled.push_back({wake_[0], POLLIN, 0});
   constexpr std::chrono::seconds kSayEvery(10);
+  constexpr int kBatch = 64;
   auto last_said = std::chrono::steady_clock::now() - kSayEvery;
   while (true) {
     if (poll(polled.data(), polled.size(), -1) < 0 && errno != EINTR) return;
     if (polled.back().revents != 0) return;
     for (size_t i = 0; i + 1 < polled.size(); ++i) {
       if (polled[i].revents == 0) continue;
-      // Everything waiting, so that one listener's backlog drains in a pass.
-      while (true) {
+      // Up to a batch waiting, and then poll again: a backlog drains in a
+      // few passes, and a stop is seen between them (under a flood of
+      // connections, draining it all kept SIGTERM waiting for seconds).
+      for (int batch = 0; batch < kBatch; ++batch) {
         const int fd = AcceptOrShed(polled[i].fd, SOCK_NONBLOCK);
         if (fd >= 0) {
+          // Reset by its peer already: gRPC would log an error line for each
+          // (its getpeername fails), a line per connection of a scanner.
+          sockaddr_storage peer{};
+          socklen_t len = sizeof(peer);
+          if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) != 0) {
+            close(fd);
+            continue;
+          }
           TuneSocket(fd);
           // As gRPC's listener sets on its servers' connections (its
           // default, A18): data left unacknowledged for 20 s ends the

@@ -6,6 +6,10 @@
 #include "core/text.h"
 
 #include <google/protobuf/message_lite.h>
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <malloc.h>
 #include <netdb.h>
@@ -61,6 +65,48 @@ absl::StatusOr<Identity> AuthenticateCall(const TokenTable& tokens,
   return tokens.Authenticate(value, job, require_admin, allow_node);
 }
 
+namespace {
+
+// InvalidArgument unless `cert` starts with a PEM certificate whose public
+// key `key`'s PEM private key matches, as gRPC checks when it makes its TLS
+// context. gRPC's refusal then only logs a line, and a server handed its
+// connections (GrpcListener) served no one and leaked each of them (probe).
+absl::Status CheckKeyPair(const std::string& cert_file, const std::string& cert,
+                          const std::string& key_file, const std::string& key) {
+  auto refuse = [&](const std::string& what) {
+    const unsigned long e = ERR_get_error();
+    char why[256] = "";
+    if (e != 0) ERR_error_string_n(e, why, sizeof(why));
+    ERR_clear_error();
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, *why ? absl::StrCat(" (", why, ")") : std::string()));
+  };
+  // No passphrase asked for (OpenSSL's default asks the terminal): gRPC
+  // takes no encrypted key either.
+  pem_password_cb* none = [](char*, int, int, void*) { return 0; };
+  std::unique_ptr<BIO, decltype(&BIO_free)> cert_bio(
+      BIO_new_mem_buf(cert.data(), static_cast<int>(cert.size())), &BIO_free);
+  std::unique_ptr<X509, decltype(&X509_free)> x509(
+      PEM_read_bio_X509(cert_bio.get(), nullptr, none, nullptr), &X509_free);
+  if (x509 == nullptr) {
+    return refuse(absl::StrCat("tls_cert_file: ", cert_file, " holds no PEM certificate"));
+  }
+  std::unique_ptr<BIO, decltype(&BIO_free)> key_bio(
+      BIO_new_mem_buf(key.data(), static_cast<int>(key.size())), &BIO_free);
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> pkey(
+      PEM_read_bio_PrivateKey(key_bio.get(), nullptr, none, nullptr), &EVP_PKEY_free);
+  if (pkey == nullptr) {
+    return refuse(absl::StrCat("tls_key_file: ", key_file, " holds no PEM private key"));
+  }
+  if (X509_check_private_key(x509.get(), pkey.get()) != 1) {
+    return refuse(absl::StrCat("tls_key_file: ", key_file, " is not the private key of ",
+                               cert_file, "'s certificate"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const std::string& cert_file, const std::string& key_file) {
   if (cert_file.empty() && key_file.empty()) {
@@ -74,6 +120,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
                            ReadWholeFile(cert_file, "tls_cert_file"));
   DEEPNEX_ASSIGN_OR_RETURN(std::string key,
                            ReadWholeFile(key_file, "tls_key_file"));
+  DEEPNEX_RETURN_IF_ERROR(CheckKeyPair(cert_file, cert, key_file, key));
   grpc::SslServerCredentialsOptions options;
   options.pem_key_cert_pairs.push_back({key, cert});
   return grpc::SslServerCredentials(options);

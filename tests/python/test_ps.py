@@ -448,6 +448,21 @@ def test_tls(tmp_path):
             np.testing.assert_array_equal(c.pull("w")["w"], np.ones(3))
         with pytest.raises(deepnex.UnavailableError):
             ps.Client([server.address], timeout=1.0)  # plaintext to a TLS server
+    # A key of another certificate, or files that hold none, are refused at
+    # the start: the server came up, served no one and leaked each
+    # connection (probe of c282610).
+    other = tmp_path / "other.pem"
+    subprocess.run(["openssl", "genpkey", "-algorithm", "RSA", "-out", str(other)], check=True,
+                   capture_output=True)
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a pem\n")
+    for c, k, message in (
+            (cert, other, rf"^tls_key_file: {other} is not the private key of {cert}'s "
+                          r"certificate \(.*\)$"),
+            (junk, key, rf"^tls_cert_file: {junk} holds no PEM certificate \(.*\)$"),
+            (cert, junk, rf"^tls_key_file: {junk} holds no PEM private key \(.*\)$")):
+        with pytest.raises(deepnex.InvalidArgumentError, match=message):
+            ps.Server(tls_cert_file=str(c), tls_key_file=str(k))
 
 
 def test_optimizer_arguments_are_validated():

@@ -8,6 +8,7 @@ import resource
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -215,6 +216,26 @@ def test_a_daemon_out_of_descriptors_sheds_new_connections_and_then_serves_again
         for s in flood:
             s.close()
     wait_for(lambda: greeted(d.address), f"{name} to serve new connections again", timeout=30)
+
+
+def test_connections_reset_before_they_are_served_leave_the_daemon_quiet(daemons):
+    """gRPC logged "Failed getpeername" for each connection its peer had reset
+    before the handoff: a scanner's loop wrote 800 KB/s to stderr (probe of
+    c282610). Stopped, the daemon takes them all reset from its backlog."""
+    d = daemons("deepnex-store", "--listen", "127.0.0.1:0")
+    host, port = d.address.rsplit(":", 1)
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(100):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()  # a reset
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    wait_for(lambda: greeted(d.address), "the store to serve after its backlog")
+    d.proc.terminate()
+    assert d.proc.wait(timeout=30) == 0
+    assert d.proc.stderr.read() == b""
 
 
 # ---- one daemon per state directory

@@ -300,6 +300,17 @@ TEST(ServerHostTest, RequestsOverMaxReceiveBytesAreRefused) {
   EXPECT_EQ(Echo(channel, 70 << 10).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
 }
 
+// "*" resolves to IPv4's and IPv6's wildcards, and IPv6's (dual-stack)
+// takes IPv4 peers too: binding both failed with "Address already in use"
+// against itself (probe of c282610).
+TEST(ServerHostTest, AStarServesOnEveryAddress) {
+  EchoService service;
+  ASSERT_OK_AND_ASSIGN(auto host, ServerHost::Start(HostOptions("*:0"), {&service}));
+  ASSERT_OK_AND_ASSIGN(auto channel, Dial("test", absl::StrCat("127.0.0.1:", host->port()),
+                                          grpc::InsecureChannelCredentials()));
+  EXPECT_TRUE(Echo(channel, 16).ok());
+}
+
 TEST(ServerHostTest, TlsWithOnlyACertificateIsRefused) {
   EchoService service;
   ServerHostOptions o = HostOptions("127.0.0.1:0");
