@@ -155,9 +155,15 @@ absl::StatusOr<std::unique_ptr<ServerHost>> ServerHost::Start(
                            MakeServerCredentials(options.tls_cert_file, options.tls_key_file));
   const std::string& address = options.address;
   DEEPNEX_RETURN_IF_ERROR(CheckListenPort(options.what, address));
+  const bool unix_socket = absl::StartsWith(address, "unix:");
+  if (unix_socket && !options.advertise.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        options.what, ": advertise \"", options.advertise, "\" with listen address \"", address,
+        "\": a unix socket is dialed by its path, on its own host only"));
+  }
   // HOST:PORT: our own accept loop (core/grpc_listener.h); unix: gRPC's.
   std::unique_ptr<GrpcListener> listener;
-  if (!absl::StartsWith(address, "unix:")) {
+  if (!unix_socket) {
     DEEPNEX_ASSIGN_OR_RETURN(listener, GrpcListener::Bind(options.what, address));
   }
   grpc::ServerBuilder builder;
@@ -189,6 +195,10 @@ absl::StatusOr<std::unique_ptr<ServerHost>> ServerHost::Start(
                                                "\": gRPC could not bind it"));
   }
   if (listener != nullptr) listener->Serve(std::move(acceptor));
+  // gRPC reports a unix socket's port as 1; its peers dial the path.
+  if (unix_socket) {
+    return std::unique_ptr<ServerHost>(new ServerHost(std::move(server), nullptr, address, 0));
+  }
   return std::unique_ptr<ServerHost>(
       new ServerHost(std::move(server), std::move(listener),
                      AdvertisedAddress(address, options.advertise, port), port));

@@ -85,7 +85,7 @@ class ServerHost {
   ~ServerHost();
 
   // The address peers dial, with the bound port, e.g. "127.0.0.1:41234";
-  // never a wildcard.
+  // never a wildcard. A unix: server's is its own address, and its port 0.
   const std::string& address() const { return address_; }
   int port() const { return port_; }
 

@@ -6,6 +6,7 @@
 #include <optional>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/net.h"
@@ -39,8 +40,10 @@ Service::Service(const ServerOptions& options, TokenTable tokens, bool job_token
     absl::StatusOr<std::unique_ptr<ShmBroker>> broker = ShmBroker::Start(options.max_shm_bytes);
     if (broker.ok()) shm_ = *std::move(broker);
   }
-  // The bulk socket is plaintext: with TLS everything stays on gRPC.
-  if (options.bulk_tcp && options.tls_cert_file.empty()) {
+  // The bulk socket is plaintext: with TLS everything stays on gRPC. A
+  // unix: server has no TCP host to bind it on.
+  if (options.bulk_tcp && options.tls_cert_file.empty() &&
+      !absl::StartsWith(options.address, "unix:")) {
     absl::StatusOr<std::unique_ptr<BulkListener>> bulk = BulkListener::Start(
         HostOf(options.address),
         [this](std::shared_ptr<BulkStream> stream, int worker, uint64_t incarnation) {

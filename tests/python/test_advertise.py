@@ -87,6 +87,19 @@ def test_daemon_advertises_the_host_it_is_given(daemon):
         stop(proc)
 
 
+# A daemon on a unix socket said "listening on unix:1" (gRPC's stand-in
+# port joined to "unix"), which nobody can dial.
+@pytest.mark.parametrize("daemon", sorted(DAEMONS))
+def test_daemon_on_a_unix_socket_advertises_its_path(daemon, tmp_path):
+    path = tmp_path / "d.sock"
+    proc, address = start(daemon, "--listen", f"unix:{path}")
+    try:
+        assert address == f"unix:{path}"
+        DIAL[daemon](address)
+    finally:
+        stop(proc)
+
+
 def test_a_host_name_from_etc_hosts_is_dialed_through_the_system_resolver():
     # gRPC's own resolver (c-ares) does not read /etc/hosts; deepnex makes it
     # use getaddrinfo, which does.

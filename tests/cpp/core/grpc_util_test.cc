@@ -311,6 +311,31 @@ TEST(ServerHostTest, AStarServesOnEveryAddress) {
   EXPECT_TRUE(Echo(channel, 16).ok());
 }
 
+// A unix: server is dialed by its path: it said "listening on unix:1"
+// (gRPC's stand-in port joined to the host), an address nobody can dial.
+TEST(ServerHostTest, AUnixSocketServerAdvertisesItsOwnPath) {
+  EchoService service;
+  const std::string path = testing::TempDir() + "/grpc_util_test." + std::to_string(getpid());
+  unlink(path.c_str());
+  const std::string address = "unix:" + path;
+  ASSERT_OK_AND_ASSIGN(auto host, ServerHost::Start(HostOptions(address), {&service}));
+  EXPECT_EQ(host->address(), address);
+  EXPECT_EQ(host->port(), 0);
+  ASSERT_OK_AND_ASSIGN(auto channel,
+                       Dial("test", host->address(), grpc::InsecureChannelCredentials()));
+  EXPECT_TRUE(Echo(channel, 16).ok());
+  host->Stop();
+  unlink(path.c_str());
+  // No other host can dial a path: an advertised host is refused, not dropped.
+  ServerHostOptions o = HostOptions(address);
+  o.advertise = "node-7";
+  auto refused = ServerHost::Start(o, {&service});
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(refused.status().message(),
+            "test server: advertise \"node-7\" with listen address \"" + address +
+                "\": a unix socket is dialed by its path, on its own host only");
+}
+
 TEST(ServerHostTest, TlsWithOnlyACertificateIsRefused) {
   EchoService service;
   ServerHostOptions o = HostOptions("127.0.0.1:0");
