@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <random>
@@ -179,14 +180,14 @@ class ClientImpl final : public Client {
   }
 
   absl::Status Push(const std::vector<NamedTensor>& grads) override {
-    return Led([&] { return PushAsync(grads); });
+    return WhoIsBehind({&grads}, Led([&] { return PushAsync(grads); }));
   }
   absl::Status Pull(const std::vector<NamedTensor>& out) override {
-    return WhoIsBehind(out, Led([&] { return PullAsync(out); }));
+    return WhoIsBehind({&out}, Led([&] { return PullAsync(out); }));
   }
   absl::Status PushPull(const std::vector<NamedTensor>& grads,
                         const std::vector<NamedTensor>& out) override {
-    return WhoIsBehind(out, Led([&] { return PushPullAsync(grads, out); }));
+    return WhoIsBehind({&grads, &out}, Led([&] { return PushPullAsync(grads, out); }));
   }
 
   std::shared_ptr<PendingOp> PushAsync(
@@ -502,15 +503,20 @@ class ClientImpl final : public Client {
   // Starts an op and waits for it, reading the replies of a bulk link it
   // went over on this thread, rather than waking the link's reader thread
   // to read them and then this one.
-  // A pull of `out` that timed out waits for rounds that other workers
-  // have not pushed to: `s` with the workers that the rounds it needs of
-  // `out`'s partitions wait for, as its servers say within a second (a
+  // A push or pull of `tensors` that timed out waits for rounds that other
+  // workers have not pushed to (a pull for the round of its last push, a
+  // push for rounds enough that it may lead by no more than the mode
+  // allows): `s` with the workers that the rounds it needs of those
+  // tensors' partitions wait for, as its servers say within a second (a
   // probe's said only "Deadline Exceeded", naming nobody; counting pushes
   // over all keys named workers that had pushed the key in question).
-  absl::Status WhoIsBehind(const std::vector<NamedTensor>& out, absl::Status s) {
+  absl::Status WhoIsBehind(std::initializer_list<const std::vector<NamedTensor>*> tensors,
+                           absl::Status s) {
     if (s.code() != absl::StatusCode::kDeadlineExceeded || observer()) return s;
     pb::StatsRequest req;
-    for (const NamedTensor& t : out) req.add_keys(t.key);
+    for (const auto* list : tensors) {
+      for (const NamedTensor& t : *list) req.add_keys(t.key);
+    }
     req.set_worker(options_.worker_id);
     std::set<int> behind;
     for (size_t server = 0; server < servers_.size(); ++server) {

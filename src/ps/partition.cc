@@ -217,12 +217,23 @@ class TypedPartition final : public Partition {
     std::vector<int> out;
     if (config_.mode == Mode::kAsync) return out;
     const WorkerState& ws = workers_[worker];
-    if (ws.incarnation == 0 || ws.next_seq == 1) return out;  // nothing pushed
-    // As Ready: its pull needs the round of its last push, less staleness.
-    const uint64_t last = ws.first_round + ws.next_seq - 2;
+    if (ws.incarnation == 0) return out;
     const uint64_t staleness = static_cast<uint64_t>(config_.staleness);
-    if (last <= version_ + staleness) return out;
-    const uint64_t rounds = last - staleness - version_;
+    // The last round that must be complete: as Ready, its pull needs the
+    // round of its last push, less staleness; as Eligible, a push it
+    // deferred needs the round before its own, less staleness.
+    uint64_t needed = 0;
+    if (ws.next_seq > 1) {
+      const uint64_t last = RoundOf(worker, ws.next_seq - 1);
+      if (last > staleness) needed = last - staleness;
+    }
+    for (const Deferred& d : deferred_) {
+      if (d.worker != worker) continue;
+      const uint64_t round = RoundOf(worker, d.seq);
+      if (round > staleness + 1) needed = std::max(needed, round - 1 - staleness);
+    }
+    if (needed <= version_) return out;
+    const uint64_t rounds = needed - version_;
     for (int w = 0; w < config_.num_workers; ++w) {
       if (!config_.membership->Required(w)) continue;
       for (uint64_t i = 0; i < rounds; ++i) {

@@ -193,9 +193,10 @@ class Partition {
   virtual void Restore(const PartitionState& state) = 0;
 
   virtual uint64_t version() const = 0;
-  // The workers that a pull of `worker` after its last push waits for: the
-  // required ones that have not pushed into one of the rounds it needs
-  // (sync, ssp). None when such a pull would not wait, and in async mode.
+  // The workers that `worker`'s deferred pushes, and a pull of it after its
+  // last push, wait for: the required ones that have not pushed into one of
+  // the rounds these need (sync, ssp). None when nothing of it would wait,
+  // and in async mode.
   virtual std::vector<int> Awaited(int worker) const = 0;
 
  protected:

@@ -194,6 +194,30 @@ def test_a_timed_out_pull_names_only_the_workers_its_keys_round_waits_for(mode, 
                 c.close()
 
 
+@pytest.mark.parametrize("mode, staleness, ahead", [("sync", 0, 1), ("ssp", 1, 2)])
+def test_a_timed_out_push_names_the_workers_its_round_waits_for(mode, staleness, ahead):
+    """A push past the rounds the mode lets a worker lead by waits for the
+    others; its timeout named nobody, and a pull after it did not count
+    the round that push waits on (its seq not yet taken)."""
+    with ps.Server(mode=mode, staleness=staleness, num_workers=3) as server:
+        clients = [ps.Client([server.address], worker_id=w, timeout=1) for w in range(3)]
+        try:
+            clients[0].init({"w": np.zeros(4, np.float32)})
+            clients[1].push({"w": np.ones(4, np.float32)})  # worker 2 pushes nothing
+            for _ in range(ahead):
+                clients[0].push({"w": np.ones(4, np.float32)})
+            with pytest.raises(deepnex.DeadlineExceededError) as e:
+                clients[0].push({"w": np.ones(4, np.float32)})
+            assert str(e.value).startswith(f"push to {server.address}: Deadline Exceeded; ")
+            assert str(e.value).endswith("; the round waits for worker 2 (not pushed to it yet)")
+            # Once worker 2 pushes, the push that timed out goes again and is taken.
+            clients[2].push({"w": np.ones(4, np.float32)})
+            clients[0].close()
+        finally:
+            for c in clients:
+                c.close()
+
+
 def test_ssp_bounds_the_lead_of_fast_workers_and_values_stay_exact():
     workers, steps, s = 3, 24, 2
     with ps.Server(mode="ssp", staleness=s, num_workers=workers, optimizer=ps.SGD(lr=0.25),
