@@ -86,9 +86,13 @@ absl::StatusOr<std::vector<Allocation>> Allocator::AllocateGang(const Request& r
   return impl_->Allocate(request, options);
 }
 
-absl::Status Allocator::Release(const std::string& id) { return impl_->Release(id); }
+absl::Status Allocator::Release(const std::string& id, const Permit& permit) {
+  return impl_->Release(id, permit);
+}
 
-absl::StatusOr<Allocation> Allocator::Renew(const std::string& id) { return impl_->Renew(id); }
+absl::StatusOr<Allocation> Allocator::Renew(const std::string& id, const Permit& permit) {
+  return impl_->Renew(id, permit);
+}
 
 uint64_t Allocator::AllocateGangAsync(const Request& request, const AllocateOptions& options,
                                       AllocateDone done) {
@@ -97,8 +101,8 @@ uint64_t Allocator::AllocateGangAsync(const Request& request, const AllocateOpti
 
 bool Allocator::Withdraw(uint64_t ticket) { return impl_->Withdraw(ticket); }
 
-void Allocator::ReleaseAsync(const std::string& id, Done done) {
-  impl_->ReleaseAsync(id, std::move(done));
+void Allocator::ReleaseAsync(const std::string& id, Done done, const Permit& permit) {
+  impl_->ReleaseAsync(id, std::move(done), permit);
 }
 
 std::vector<NodeInfo> Allocator::Nodes() const {

@@ -264,27 +264,29 @@ bool Allocator::Impl::Withdraw(uint64_t ticket) {
   return true;
 }
 
-absl::Status Allocator::Impl::Release(const std::string& id) {
+absl::Status Allocator::Impl::Release(const std::string& id, const Allocator::Permit& permit) {
   uint64_t seq = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    DEEPNEX_RETURN_IF_ERROR(ReleaseId(id, &seq));
+    DEEPNEX_RETURN_IF_ERROR(ReleaseId(id, permit, &seq));
   }
   return Durable(seq);
 }
 
-void Allocator::Impl::ReleaseAsync(const std::string& id, Allocator::Done done) {
+void Allocator::Impl::ReleaseAsync(const std::string& id, Allocator::Done done,
+                                   const Allocator::Permit& permit) {
   uint64_t seq = 0;
   absl::Status s;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    s = ReleaseId(id, &seq);
+    s = ReleaseId(id, permit, &seq);
   }
   if (!s.ok() || !ledger_ || seq == 0) return done(s);
   WhenDurable(seq, std::move(done));
 }
 
-absl::StatusOr<Allocation> Allocator::Impl::Renew(const std::string& id) {
+absl::StatusOr<Allocation> Allocator::Impl::Renew(const std::string& id,
+                                                  const Allocator::Permit& permit) {
   uint64_t num;
   std::unique_lock<std::mutex> lock(mu_);
   const auto& allocs = state_.allocs();
@@ -293,6 +295,7 @@ absl::StatusOr<Allocation> Allocator::Impl::Renew(const std::string& id) {
     return absl::NotFoundError(absl::StrCat("allocation \"", id, "\" does not exist (released, "
                                             "or its lease expired)"));
   }
+  if (permit) DEEPNEX_RETURN_IF_ERROR(permit(it->second.a));
   if (it->second.a.lease_ms == 0) {
     return absl::FailedPreconditionError(absl::StrCat("allocation ", id, " has no lease"));
   }
@@ -528,7 +531,8 @@ void Allocator::Impl::Answer(Waiter w, Allocator::AllocateDone done) {
   });
 }
 
-absl::Status Allocator::Impl::ReleaseId(const std::string& id, uint64_t* seq) {
+absl::Status Allocator::Impl::ReleaseId(const std::string& id, const Allocator::Permit& permit,
+                                        uint64_t* seq) {
   uint64_t num;
   std::vector<uint64_t> nums;
   const bool gang = !ParseId(id, 'a', &num);
@@ -545,6 +549,9 @@ absl::Status Allocator::Impl::ReleaseId(const std::string& id, uint64_t* seq) {
     nums = state_.GangParts(id);
   } else if (state_.allocs().count(num)) {
     nums.push_back(num);
+  }
+  for (uint64_t part : nums) {
+    if (permit) DEEPNEX_RETURN_IF_ERROR(permit(state_.allocs().at(part).a));
   }
   *seq = ReleaseLocked(nums, "released");
   return absl::OkStatus();

@@ -83,11 +83,12 @@ class Allocator::Impl {
 
   bool Withdraw(uint64_t ticket);
 
-  absl::Status Release(const std::string& id);
+  absl::Status Release(const std::string& id, const Allocator::Permit& permit);
 
-  void ReleaseAsync(const std::string& id, Allocator::Done done);
+  void ReleaseAsync(const std::string& id, Allocator::Done done,
+                    const Allocator::Permit& permit);
 
-  absl::StatusOr<Allocation> Renew(const std::string& id);
+  absl::StatusOr<Allocation> Renew(const std::string& id, const Allocator::Permit& permit);
 
   // ---- views: each under mu_, of what is durable
 
@@ -184,9 +185,10 @@ class Allocator::Impl {
 
   // ---- releases
 
-  // Under mu_: releases allocation or gang `id`; *seq is what to make
-  // durable before acknowledging.
-  absl::Status ReleaseId(const std::string& id, uint64_t* seq);
+  // Under mu_: releases allocation or gang `id` if `permit` (when set)
+  // allows each of its parts; *seq is what to make durable before
+  // acknowledging.
+  absl::Status ReleaseId(const std::string& id, const Allocator::Permit& permit, uint64_t* seq);
 
   // Releases `nums`, applies pending mode switches they complete, grants
   // what the queue can now hold. Returns the seq to Sync.

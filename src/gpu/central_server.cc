@@ -269,9 +269,9 @@ class Service final : public pb::Central::CallbackService {
   grpc::ServerUnaryReactor* Renew(grpc::CallbackServerContext* ctx, const pb::IdRequest* req,
                                   pb::Allocation* reply) override {
     auto who = Who(*ctx);
-    absl::Status s = who.ok() ? Owner(*who, req->id(), "renew") : who.status();
+    absl::Status s = who.status();
     if (s.ok()) {
-      auto a = alloc_->Renew(req->id());
+      auto a = alloc_->Renew(req->id(), Owner(*who, req->id(), "renew"));
       if (a.ok()) ToProto(*a, reply);
       s = a.status();
     }
@@ -370,33 +370,17 @@ class Service final : public pb::Central::CallbackService {
   }
 
   // A user may act only on their own allocations (an admin on any), and a
-  // job's token only on that job's.
-  absl::Status Owner(const Identity& who, const std::string& id, const char* what) const {
-    auto a = alloc_->GetAllocation(id);
-    if (a.ok()) {
-      DEEPNEX_RETURN_IF_ERROR(CheckJob(who, a->job, "allocation " + id));
-    } else if (!who.job.empty()) {
-      for (const auto& x : alloc_->Allocations()) {
-        if (x.gang == id) {
-          DEEPNEX_RETURN_IF_ERROR(CheckJob(who, x.job, "allocation " + x.id + " of gang " + id));
-        }
-      }
-    }
-    if (who.role == AuthRole::kAdmin) return absl::OkStatus();
-    if (a.ok() && a->user != who.name) {
+  // job's token only on that job's: each part that `id` names, checked by
+  // the allocator as it acts (checked before, of what was durable, a grant
+  // not yet durable passed, and another user's release took it; probe).
+  static Allocator::Permit Owner(const Identity& who, const std::string& id, const char* what) {
+    return [who, id, what](const Allocation& a) -> absl::Status {
+      DEEPNEX_RETURN_IF_ERROR(CheckJob(
+          who, a.job, a.id == id ? "allocation " + id : "allocation " + a.id + " of gang " + id));
+      if (who.role == AuthRole::kAdmin || a.user == who.name) return absl::OkStatus();
       return absl::PermissionDeniedError(absl::StrCat("user ", who.name, " cannot ", what, " ",
-                                                      id, ": it belongs to ", a->user));
-    }
-    // A gang id: every part must be the caller's.
-    if (!a.ok() && !id.empty() && id[0] == 'g') {
-      for (const auto& x : alloc_->Allocations()) {
-        if (x.gang == id && x.user != who.name) {
-          return absl::PermissionDeniedError(absl::StrCat(
-              "user ", who.name, " cannot ", what, " ", id, ": it belongs to ", x.user));
-        }
-      }
-    }
-    return absl::OkStatus();
+                                                      id, ": it belongs to ", a.user));
+    };
   }
 
   // Allocate for `who` (a user allocates for themselves only). Returns the
@@ -433,12 +417,13 @@ class Service final : public pb::Central::CallbackService {
   }
 
   void ReleaseFor(const Identity& who, const std::string& id, Allocator::Done done) {
-    absl::Status s = Owner(who, id, "release");
-    if (!s.ok()) return done(s);
-    alloc_->ReleaseAsync(id, [this, done = std::move(done)](absl::Status s) {
-      if (s.ok()) releases_->Add();
-      done(s);
-    });
+    alloc_->ReleaseAsync(
+        id,
+        [this, done = std::move(done)](absl::Status s) {
+          if (s.ok()) releases_->Add();
+          done(s);
+        },
+        Owner(who, id, "release"));
   }
 
   std::unique_ptr<Allocator> alloc_;

@@ -190,13 +190,20 @@ class Allocator {
   // all the parts at once.
   absl::StatusOr<std::vector<Allocation>> AllocateGang(
       const Request& request, const AllocateOptions& options = {});
+  // Whether the caller may act on allocation `a`: asked, under the
+  // allocator's lock, of each part an id names before Release or Renew
+  // changes anything, and its error returned. A server's owner check
+  // (central's): asked beforehand of the views, it missed a grant not yet
+  // durable, and another user's release took that grant.
+  using Permit = std::function<absl::Status(const Allocation& a)>;
+
   // Releases an allocation, or every part of a gang given the gang id.
   // Idempotent: an id that was released is OK. NotFound for one never
   // issued, InvalidArgument for one that is not an id.
-  absl::Status Release(const std::string& id);
+  absl::Status Release(const std::string& id, const Permit& permit = nullptr);
   // Extends the lease by its length from now. NotFound for an unknown id,
   // FailedPrecondition for an allocation without a lease.
-  absl::StatusOr<Allocation> Renew(const std::string& id);
+  absl::StatusOr<Allocation> Renew(const std::string& id, const Permit& permit = nullptr);
 
   // ---- asynchronous forms, for a server that keeps many calls in flight
   // without a thread each: with the ledger on, their fsyncs are shared
@@ -215,7 +222,7 @@ class Allocator {
   // (its caller is gone, say); it is answered Cancelled. False when it waits
   // no more (granted, refused, timed out or withdrawn already).
   bool Withdraw(uint64_t ticket);
-  void ReleaseAsync(const std::string& id, Done done);
+  void ReleaseAsync(const std::string& id, Done done, const Permit& permit = nullptr);
 
   // ---- views
   std::vector<NodeInfo> Nodes() const;
