@@ -231,6 +231,9 @@ def _quota_rows(entries):
 
 
 def _quota(args):
+    if args.user is not None and not args.user.strip():
+        raise SystemExit(f"deepnex: quota: USER {args.user!r} is empty; name a user "
+                         "(or 'default')")
     c = client(args)
     default = args.user == "default"
 

@@ -51,6 +51,13 @@ def _int32(value, name):
     return value
 
 
+def _int64(value, name):
+    value = _int(value, name)
+    if not -2**63 <= value < 2**63:
+        raise InvalidArgumentError(f"{name}={value}: must fit in 64 bits")
+    return value
+
+
 def _seconds(value, name):
     if value is None:
         return 0.0
@@ -208,10 +215,10 @@ class Allocator:
         who = f"quota of {user or 'default'}"
         return self._a.set_quota(
             user=user,
-            gpus=None if gpus is None else _int(gpus, f"{who}: gpus"),
+            gpus=None if gpus is None else _int64(gpus, f"{who}: gpus"),
             gpu_memory=(None if gpu_memory is None
                         else byte_size(gpu_memory, f"{who}: gpu_memory")),
-            cpus=None if cpus is None else _int(cpus, f"{who}: cpus"),
+            cpus=None if cpus is None else _int64(cpus, f"{who}: cpus"),
             memory=None if memory is None else byte_size(memory, f"{who}: memory"),
             max_priority=_int32(max_priority, f"{who}: max_priority"))
 

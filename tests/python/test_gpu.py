@@ -304,6 +304,47 @@ def test_central_client_same_surface_and_ownership(central):
     assert (n.name, n.mode, n.gpus_free) == ("n1", "shared", 2)
 
 
+def test_another_users_release_or_renew_never_takes_a_grant_being_made(central):
+    """Ownership was checked against what the ledger had made durable: a
+    grant not yet fsynced read as unknown and passed, and bob's release of
+    the id alice was about to get took it (a probe lost 134 of 300)."""
+    import threading
+    admin = gpu.CentralClient(central, token="admintok")
+    alice = gpu.CentralClient(central, token="alicetok")
+    bob = gpu.CentralClient(central, token="bobtok")
+    taken = []
+    nxt = [1 + max([int(a.id[1:]) for a in admin.allocations()] or [0])]
+    stop = threading.Event()
+
+    def steal():  # bob keeps releasing and renewing the ids alice gets next
+        while not stop.is_set():
+            for k in (nxt[0], nxt[0] + 1):
+                for call in (bob.release, bob.renew):
+                    try:
+                        call(f"a{k}")
+                    except deepnex.DeepnexError as e:
+                        assert isinstance(e, (PermissionError, deepnex.NotFoundError)), e
+    thieves = [threading.Thread(target=steal) for _ in range(2)]
+    for t in thieves:
+        t.start()
+    try:
+        for _ in range(100):
+            a = alice.allocate(gpu.Request(user="alice", gpus=0, cpus=1, lease=600),
+                               wait=False)
+            nxt[0] = int(a.id[1:]) + 1
+            if a.id not in {x.id for x in alice.allocations()}:
+                taken.append(a.id)
+            else:
+                alice.release(a.id)
+    finally:
+        stop.set()
+        for t in thieves:
+            t.join()
+    assert taken == []
+    with pytest.raises(PermissionError, match=r"user bob cannot renew a\d+: it belongs to alice"):
+        bob.renew(alice.allocate(gpu.Request(user="alice", gpus=0, cpus=1, lease=600)).id)
+
+
 def test_a_job_token_on_central_reaches_only_its_job(central):
     alice = gpu.CentralClient(central, token="alicetok")
     job = gpu.CentralClient(central, token="j1tok")
@@ -526,6 +567,19 @@ def test_cli_quota_shows_sets_and_clears(central):
     bad = run_cli("quota", "alice", "--gpus", "many", central=central)
     assert bad.returncode == 2
     assert "argument --gpus: expected a count or none, got 'many'" in bad.stderr
+    # An empty USER is no user: it listed everyone's and crashed unpacking
+    # them (probe); a count past 64 bits raised pybind11's TypeError.
+    for user in ("", " "):
+        bad = run_cli("quota", user, "--gpus", "3", central=central)
+        assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
+        assert f"deepnex: quota: USER {user!r} is empty; name a user (or 'default')" in bad.stderr
+    bad = run_cli("quota", "alice", "--gpus", str(2**63), central=central)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
+    assert f"quota of alice: gpus={2**63}: must fit in 64 bits" in bad.stderr
+    for field in ("gpus", "cpus"):
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match=f"quota of alice: {field}=-{2**63 + 1}: must fit in 64 bits"):
+            admin.set_quota("alice", **{field: -2**63 - 1})
     assert admin.quotas(user="alice")[0]["quota"]["cpus"] == 8
     # --max-priority sets the cap alone; the limits stay.
     out = run_cli("quota", "alice", "--max-priority", "5", central=central)
