@@ -193,6 +193,22 @@ TEST_F(OciTest, ReadOnlyRootWritableTmpNoNewPrivilegesFewCapabilities) {
             "tmp-ok\ndevnull-ok\nCapEff:\t0000000020000420\nNoNewPrivs:\t1\nno-cgroupfs\n");
 }
 
+// runc gives the tmpfs on /tmp its mount point's mode: the host image's was
+// 0755, and a user's notebook could not mktemp there (probe).
+TEST_F(OciTest, AUserCanWriteTmp) {
+  const RunAs alice{4242, 4343, "alice", "/home/alice"};
+  ContainerSpec spec = Spec("tmp-user", {"sh", "-c", "touch /tmp/y && stat -c %a /tmp"});
+  EXPECT_EQ(OutputAs(spec, alice), "1777\n");
+  // A launcher finds the host root an older one made with a 0755 /tmp.
+  ASSERT_EQ(chmod((options_.state_dir + "/oci/host/tmp").c_str(), 0755), 0);
+  runs_.clear();  // each run goes before the backend it ran on
+  auto again = MakeOciBackend(options_);
+  ASSERT_THAT(again, IsOk());
+  backend_ = std::move(*again);
+  spec.name = "tmp-user2";
+  EXPECT_EQ(OutputAs(spec, alice), "1777\n");
+}
+
 TEST_F(OciTest, NoGpuDevicesWithoutAGrant) {
   auto [exit, logs] = RunToEnd(Spec("nogpu", {"sh", "-c", "ls /dev | grep -c nvidia"}));
   EXPECT_EQ(logs, "0\n");
@@ -802,6 +818,10 @@ echo "{\"imageLayoutVersion\":\"1.0.0\"}" > $L/oci-layout)");
     ++unpacked;
   }
   EXPECT_EQ(unpacked, 1);
+  // Its layers have no /tmp: the mount point is made writable by all.
+  spec.command = {"sh", "-c", "touch /tmp/y && stat -c %a /tmp"};
+  spec.name = "layout-user";
+  EXPECT_EQ(OutputAs(spec, RunAs{4242, 4343, "alice", "/home/alice"}), "1777\n");
   spec.command = {"python3"};
   EXPECT_THAT(backend_->Check(spec), StatusIs(absl::StatusCode::kNotFound));
 }
