@@ -184,6 +184,9 @@ def _answers(c, name, port, token):
     return reply.split(b"\r\n", 1)[0].split(b" ")[1:2] == [b"200"]
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def _notebook(args):
     import secrets
 
@@ -196,8 +199,17 @@ def _notebook(args):
     started = False
     fwd = None
     remote = None
-    # SIGTERM ends it as Ctrl-C does: forwarding stops, the container too.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # SIGTERM, and SIGHUP (its terminal closed), end it as Ctrl-C does:
+    # forwarding stops, the container too (SIGHUP's default left both).
+    # The first of them only: a second one cut the cleanup short, and the
+    # client hung at exit on the forwarder's threads; each of its calls has
+    # a deadline.
+    def stop(*_):
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, stop)
     try:
         # Inside: Ctrl-C while the request waits in the queue withdraws it.
         alloc, made = _allocation(c, args)

@@ -86,6 +86,20 @@ void OnSignal(int sig) {
 // container still stops and the allocation is released.
 constexpr int kSignals[] = {SIGWINCH, SIGHUP, SIGTERM, SIGINT};
 
+// The signal that asked to stop before Attach took the signals, from the
+// allocation on (0: none): it ends the start, which then cleans up. Their
+// default action had killed the client there, leaving the container and
+// the allocation (probe).
+volatile sig_atomic_t early_stop = 0;
+
+void OnEarlySignal(int sig) { early_stop = sig; }
+
+// Where a stop came early: 128 + its signal.
+absl::Status StoppedEarly() {
+  if (early_stop == 0) return absl::OkStatus();
+  return absl::CancelledError(absl::StrCat("stopped by signal ", early_stop, " while starting"));
+}
+
 // rows, cols of the terminal on `fd`; 0, 0 when it is none.
 std::pair<int, int> Window(int fd) {
   winsize w{};
@@ -174,6 +188,7 @@ absl::StatusOr<int> Attach(launch::CentralClient& client, const std::string& nam
     sa.sa_flags = SA_RESTART;
     sigaction(kSignals[i], &sa, &old[i]);
   }
+  if (early_stop != 0) OnSignal(early_stop);  // came while the session opened
   std::atomic<int> stopped_by{0};
   std::thread input(ForwardInput, session.get(), terminal, signals[0], stop[0], &stopped_by);
   absl::StatusOr<int> code = absl::UnknownError("no exit");
@@ -211,6 +226,7 @@ absl::Status WaitRunning(launch::CentralClient& client, const std::string& name)
       last_exit = c.last_exit;
     }
     if (state == "running") return absl::OkStatus();
+    DEEPNEX_RETURN_IF_ERROR(StoppedEarly());
     if (state == "stopped" || state == "exited" || state == "gone" ||
         std::chrono::steady_clock::now() > deadline) {
       std::string what = absl::StrCat("container ", name, " did not start: ", state);
@@ -376,9 +392,17 @@ int main(int argc, char** argv) {
   if (!client.ok()) return Fail(client.status());
   std::string made;  // the allocation made here, released at the end
   if (f.alloc.empty()) {
+    // A signal while the request waits ends the client, and central
+    // withdraws the request of the call it cancels.
     absl::StatusOr<gpu::Allocation> a = (*allocator)->Allocate(f.request);
     if (!a.ok()) return Fail(a.status());
     f.alloc = made = a->id;
+  }
+  for (int sig : {SIGHUP, SIGTERM, SIGINT}) {
+    struct sigaction sa {};
+    sa.sa_handler = OnEarlySignal;
+    sa.sa_flags = SA_RESTART;
+    sigaction(sig, &sa, nullptr);
   }
 
   bool started = false;
@@ -387,13 +411,19 @@ int main(int argc, char** argv) {
     spec.name = f.name;
     spec.image = f.image;
     spec.command = {"sleep", "infinity"};
+    DEEPNEX_RETURN_IF_ERROR(StoppedEarly());
     DEEPNEX_ASSIGN_OR_RETURN(launch::CentralContainer c, (*client)->StartContainer(spec, f.alloc));
     started = true;
     // The process backend's runs already: no call more.
     if (c.state != launch::State::kRunning) DEEPNEX_RETURN_IF_ERROR(WaitRunning(**client, f.name));
+    DEEPNEX_RETURN_IF_ERROR(StoppedEarly());
     return Attach(**client, f.name);
   }();
-  if (!code.ok()) Fail(code.status());
+  if (early_stop != 0 && absl::IsCancelled(code.status())) {
+    code = 128 + early_stop;  // said by the signal, as after Attach
+  } else if (!code.ok()) {
+    Fail(code.status());
+  }
 
   if (f.keep) {
     std::cerr << "deepnex: kept container " << f.name << " on allocation " << f.alloc

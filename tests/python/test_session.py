@@ -491,6 +491,35 @@ def test_native_shell_ended_by_a_signal_still_cleans_up(central, sig):
     assert_cleaned_up(alice, "sig1")
 
 
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_native_shell_signalled_while_it_starts_still_cleans_up(central_process, sig):
+    """Before it attached, the signals' default action ended deepnex-shell
+    with the container running and the allocation held (probe). Central is
+    held (SIGSTOP) once it started the container, so that the signal comes
+    while the client waits to attach: it ends the start with 128 + N, and
+    the container stops and the allocation goes."""
+    central, proc = central_process
+    alice, _ = clients(central)
+    t = Terminal([PY, "-m", "deepnex", "shell", "--cpus", "1", "--memory", "256MiB",
+                  "--name", "sig2"], shell_env(central))
+    try:
+        deadline = time.monotonic() + 60
+        while not any(c["name"] == "sig2" for c in alice.containers()):
+            assert time.monotonic() < deadline, "the container did not come"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(0.2)  # the client's next call waits for central
+            t.proc.send_signal(sig)
+            time.sleep(0.2)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert t.proc.wait(timeout=30) == 128 + sig
+    finally:
+        t.close()
+    assert_cleaned_up(alice, "sig2")
+
+
 def test_shell_errors_are_one_line_and_leave_nothing_behind(central):
     alice, _ = clients(central)
     env = shell_env(central)
