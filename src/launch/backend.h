@@ -89,6 +89,9 @@ struct ExecPlan {
   std::vector<std::string> argv;  // argv[0]: a path
   std::vector<std::string> env;   // "K=V"
   std::string working_dir;        // empty: the caller's
+  // A working_dir that cannot be entered: "/" (a home, as login(1) does),
+  // else the exec fails (126).
+  bool or_root = false;
   std::optional<RunAs> run_as;
   // Called with the child's pid before it runs anything (e.g. to put it in
   // the container's cgroup); an error kills it.

@@ -424,7 +424,10 @@ class ProcessBackend : public Backend {
     }
     auto run = std::make_unique<ProcessRun>(pid, std::move(pidfd), std::move(cgroup), log_path);
     run->exec_.env = envp.strings;
-    run->exec_.working_dir = spec.working_dir;
+    // Where the process started (not the launcher's own directory, which a
+    // spec naming none left an exec in; probe).
+    run->exec_.working_dir = dir;
+    run->exec_.or_root = spec.working_dir.empty();
     run->exec_.run_as = spec.run_as;
     run->exec_path_ = PathOf(spec.env);
     return std::unique_ptr<Run>(std::move(run));

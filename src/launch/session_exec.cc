@@ -166,6 +166,7 @@ absl::StatusOr<std::unique_ptr<ExecProcess>> SpawnExec(const ExecPlan& plan,
   const gid_t gid = become ? plan.run_as->gid : 0;
   const bool set_groups = become && geteuid() == 0;
   const char* workdir = plan.working_dir.empty() ? nullptr : plan.working_dir.c_str();
+  const bool or_root = plan.or_root;
   const bool tty = options.tty;
   std::vector<const char*> join_files;
   for (const std::string& f : plan.join_files) join_files.push_back(f.c_str());
@@ -198,7 +199,7 @@ absl::StatusOr<std::unique_ptr<ExecProcess>> SpawnExec(const ExecPlan& plan,
         _exit(126);
       }
     }
-    if (workdir != nullptr && chdir(workdir) != 0) _exit(126);
+    if (workdir != nullptr && chdir(workdir) != 0 && (!or_root || chdir("/") != 0)) _exit(126);
     syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC);
     execve(argv[0], argv.data(), envp.data());
     _exit(127);

@@ -68,6 +68,21 @@ def test_exec_streams_output_takes_stdin_and_returns_the_exit_code(central):
     assert alice.exec("box", ["sh", "-c", "kill -9 $$"]).exit_code == 137
 
 
+def test_exec_starts_where_the_containers_process_started(central):
+    """The process backend ran exec'd commands in central's own working
+    directory (probe), where the container's process starts in the user's
+    home, or "/" when that cannot be entered."""
+    alice, _ = clients(central)
+    a = alice.allocate(grant())
+    alice.start_container(
+        launch.ContainerSpec(name="wd", command=["sh", "-c", "pwd; exec sleep 600"]), a)
+    wait_for(lambda: alice.container_logs("wd").endswith("\n"), "the container's pwd")
+    started_in = alice.container_logs("wd")
+    assert started_in != os.getcwd() + "\n"  # central's
+    r = alice.exec("wd", ["pwd"])
+    assert (r.exit_code, r.stdout.decode()) == (0, started_in)
+
+
 def test_exec_runs_in_the_containers_cgroup(central):
     """The exec'd process is in the container's cgroup before it runs (on
     cgroup v1 it joins it itself, between fork and exec)."""
