@@ -2,6 +2,7 @@
 // under a lock, reads from one.
 #include "launch/session_client.h"
 
+#include <algorithm>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
@@ -47,8 +48,8 @@ class CentralSession final : public Session {
 
   absl::Status Resize(int rows, int cols) override {
     pb::SessionInput in;
-    in.mutable_resize()->set_rows(static_cast<uint32_t>(rows));
-    in.mutable_resize()->set_cols(static_cast<uint32_t>(cols));
+    in.mutable_resize()->set_rows(static_cast<uint32_t>(std::max(0, rows)));
+    in.mutable_resize()->set_cols(static_cast<uint32_t>(std::max(0, cols)));
     return Send(in);
   }
 

@@ -12,6 +12,7 @@
 #include <termios.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -24,6 +25,13 @@
 
 namespace deepnex::launch {
 namespace {
+
+// A window's side as a pty takes it: clamped to 0..65535, where a cast
+// wrapped (-1 rows gave 65535; 70000 gave 4464; probe).
+unsigned short WindowSide(int n) {
+  return static_cast<unsigned short>(std::clamp(n, 0, 65535));
+}
+
 
 absl::Status ErrnoError(const std::string& what) {
   return absl::InternalError(absl::StrCat(what, ": ", strerror(errno)));
@@ -73,8 +81,8 @@ void ExecProcess::CloseInput() {
 absl::Status ExecProcess::Resize(int rows, int cols) {
   if (!tty_) return absl::OkStatus();
   struct winsize w = {};
-  w.ws_row = static_cast<unsigned short>(rows);
-  w.ws_col = static_cast<unsigned short>(cols);
+  w.ws_row = WindowSide(rows);
+  w.ws_col = WindowSide(cols);
   if (ioctl(output_, TIOCSWINSZ, &w) != 0) return ErrnoError("TIOCSWINSZ");
   return absl::OkStatus();
 }
@@ -130,8 +138,8 @@ absl::StatusOr<std::unique_ptr<ExecProcess>> SpawnExec(const ExecPlan& plan,
     }
     if (options.rows > 0 && options.cols > 0) {
       struct winsize w = {};
-      w.ws_row = static_cast<unsigned short>(options.rows);
-      w.ws_col = static_cast<unsigned short>(options.cols);
+      w.ws_row = WindowSide(options.rows);
+      w.ws_col = WindowSide(options.cols);
       ioctl(master, TIOCSWINSZ, &w);
     }
     slave_in = slave_out = slave_err = slave;

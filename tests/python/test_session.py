@@ -112,6 +112,28 @@ def test_exec_whose_process_leaves_its_stdin_unread_ends_and_central_serves_on(c
     assert bob.allocations() == [] and alice.exec("box", ["true"]).exit_code == 0
 
 
+def test_a_window_size_out_of_a_ptys_range_is_clamped(central):
+    """-1 rows gave 65535 and 70000 columns 4464: a cast to 16 bits (probe)."""
+    alice, _ = clients(central)
+    start_sleeper(alice)
+    s = _session.open_session(alice._c, "box", ["sh", "-c", "stty size; read x; stty size"],
+                              tty=True, rows=24, cols=80)
+    out = b""
+    while b"24 80" not in out:
+        kind, data, _ = s.read()
+        assert kind == "stdout", (kind, data, out)
+        out += data
+    s.resize(-1, 70000)
+    s.write(b"\n")
+    while True:
+        kind, data, code = s.read()
+        if kind == "exit":
+            break
+        out += data
+    assert code == 0
+    assert out.decode().replace("\r", "").split("\n") == ["24 80", "", "0 65535", ""]
+
+
 def test_input_a_process_does_not_read_holds_its_sender_back_not_centrals_memory(central):
     """Central queues at most 1 MiB of a session's input; then gRPC's flow
     control holds the client. A probe's 512 MiB to a `sleep` all went into
