@@ -21,9 +21,9 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_replace.h"
 #include "core/call_pool.h"
 #include "core/file_util.h"
 #include "core/grpc_util.h"
@@ -315,6 +315,7 @@ class ContainersService final : public pb::Containers::CallbackService,
           "spec.mounts[0].source: \"", spec.mounts[0].source,
           "\": this deepnex-central allows no mounts (its --allow-mount is not set)"));
     }
+    const std::string image_name = spec.image;  // the catalog's name, as the user gave it
     DEEPNEX_RETURN_IF_ERROR(ApplyPolicy(a.user, &spec));
     const std::string name = spec.name;
     const std::string launcher_name = LauncherName(a.user, name);
@@ -373,11 +374,11 @@ class ContainersService final : public pb::Containers::CallbackService,
       std::lock_guard<std::mutex> lock(mu_);
       if (!handle.ok()) {
         entries_.erase(Key{a.user, name});
-        // Named as its user named it.
-        return absl::Status(handle.status().code(),
-                            absl::StrReplaceAll(handle.status().message(),
-                                                {{absl::StrCat("\"", launcher_name, "\""),
-                                                  absl::StrCat("\"", name, "\"")}}));
+        // Named as its user named them: the container, and a catalog image,
+        // whose source on the admin's host is none of the user's (probe).
+        return AsNamed(handle.status(),
+                       {{absl::StrCat("\"", launcher_name, "\""), absl::StrCat("\"", name, "\"")},
+                        {absl::StartsWith(spec.image, "/") ? spec.image : "", image_name}});
       }
       entry->handle = *handle;
       entry->watcher = std::thread([this, entry] { Watch(entry); });

@@ -504,7 +504,10 @@ class LauncherImpl : public Launcher {
 
   absl::StatusOr<std::shared_ptr<Handle>> Start(const ContainerSpec& given) override {
     DEEPNEX_ASSIGN_OR_RETURN(ContainerSpec spec, Resolve(options_, options_.id, given));
-    DEEPNEX_RETURN_IF_ERROR(backend_->Check(spec));
+    // A preset image is named, not its path on this host (a registry's
+    // reference stays: it says where the image comes from).
+    const std::string path = absl::StartsWith(spec.image, "/") ? spec.image : "";
+    DEEPNEX_RETURN_IF_ERROR(AsNamed(backend_->Check(spec), {{path, given.image}}));
     Paths paths{absl::StrCat(options_.state_dir, "/containers/", spec.name)};
     auto container = std::make_shared<Container>(
         spec, backend_.get(),
@@ -522,7 +525,7 @@ class LauncherImpl : public Launcher {
       container->RemoveFiles();
       std::lock_guard<std::mutex> lock(mu_);
       containers_.erase(spec.name);
-      return begun;
+      return AsNamed(begun, {{path, given.image}});
     }
     return std::shared_ptr<Handle>(container);
   }

@@ -270,7 +270,7 @@ class ProcessBackend : public Backend {
       }
       return absl::InvalidArgumentError(absl::StrCat(
           "spec.image: \"", spec.image,
-          "\" is a path; the process backend runs on the host and cannot use an image "
+          "\": the process backend runs on the host and cannot use an image's files "
           "(use image \"host\", or the oci backend)"));
     }
     // A process sees the host's files: a mount that would change nothing is

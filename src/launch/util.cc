@@ -18,6 +18,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 
 extern char** environ;
@@ -93,6 +94,17 @@ std::map<std::string, std::string> HostEnv(const ContainerSpec& spec) {
     if (!spec.run_as->user.empty()) env.emplace("USER", spec.run_as->user);
   }
   return env;
+}
+
+absl::Status AsNamed(const absl::Status& s,
+                     const std::vector<std::pair<std::string, std::string>>& names) {
+  if (s.ok()) return s;
+  std::vector<std::pair<std::string, std::string>> used;
+  for (const auto& [given, named] : names) {
+    if (!given.empty() && given != named) used.emplace_back(given, named);
+  }
+  if (used.empty()) return s;
+  return absl::Status(s.code(), absl::StrReplaceAll(s.message(), used));
 }
 
 std::string HostWorkingDir(const ContainerSpec& spec) {

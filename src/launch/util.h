@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "deepnex/launch/launcher.h"
 #include "deepnex/metrics.h"
 
@@ -76,6 +77,14 @@ std::map<std::string, std::string> HostEnv(const ContainerSpec& spec);
 // as a login would, not the daemon's directory; else "" (the launcher's
 // own, for a launcher in the user's own program).
 std::string HostWorkingDir(const ContainerSpec& spec);
+
+// `s` with each pair's first (what a backend was given: a launcher's run
+// name, an image's directory on the host) replaced in its message by the second
+// (what the user named), so that an error speaks the user's names and
+// shows no admin's paths. OK stays OK; a pair with an empty or an
+// unchanged first is skipped.
+absl::Status AsNamed(const absl::Status& s,
+                     const std::vector<std::pair<std::string, std::string>>& names);
 
 // The most processes a spec's container may have: its pids_limit, else
 // kDefaultPidsLimit (process, oci, docker).

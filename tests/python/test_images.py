@@ -143,6 +143,26 @@ def test_bad_names_and_calls_are_refused_naming_the_image(catalog):
     assert len(names(alice)) == 2
 
 
+def test_an_images_error_names_it_as_the_user_did_not_by_its_path(catalog, tmp_path):
+    """The launcher's errors named an image by its directory on central's
+    host, which a user never names (probe)."""
+    address, _, _ = catalog
+    alice, _ = clients(address)
+    rootfs = tmp_path / "dirimage"
+    rootfs.mkdir()
+    admin(address).register_image("t:v1", str(rootfs), owner="alice")
+    for image in ("base", "t:v1"):  # a preset, and a directory of the catalog
+        a = alice.allocate(grant())
+        with pytest.raises(deepnex.InvalidArgumentError) as e:
+            alice.start_container(launch.ContainerSpec(name="p", command=["true"], image=image),
+                                  a)
+        alice.release(a.id)
+        assert str(e.value) == (
+            f'spec.image: "{image}": the process backend runs on the host and cannot use an '
+            'image\'s files (use image "host", or the oci backend)')
+        assert str(tmp_path) not in str(e.value)
+
+
 def test_the_catalog_survives_a_restart(catalog, tmp_path):
     address, state, proc = catalog
     alice, _ = clients(address)

@@ -682,10 +682,15 @@ TEST_F(ProcessLauncherTest, NamedImages) {
   std::string logs;
   EXPECT_TRUE(Run(spec, &logs).ok());
   EXPECT_EQ(logs, "ran\n");
-  // The name stands for its directory, which a process cannot use.
+  // The name stands for its directory, which a process cannot use; the
+  // error names it as given, not the directory on this host.
   spec.image = "rootfs";
   ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
-                   "spec.image: \"" + scratch_.path() + "\" is a path");
+                   "spec.image: \"rootfs\": the process backend runs on the host and cannot use "
+                   "an image's files");
+  spec.image = scratch_.path();
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.image: \"" + scratch_.path() + "\": the process backend");
 }
 
 TEST_F(ProcessLauncherTest, AllocationChecks) {
