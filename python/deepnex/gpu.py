@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence
 
 from . import _C
 from ._convert import byte_size, options
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, NotFoundError
 
 __all__ = [
     "Allocator", "CentralClient", "Gpu", "Node", "Request", "Allocation", "GrantedGpu", "NodeInfo",
@@ -368,6 +368,37 @@ class CentralClient:
     allocations = Allocator.allocations
     quotas = Allocator.quotas
     pending = Allocator.pending
+
+    # The Allocator's single lookups, made of the lists above (the README
+    # promised them; they raised AttributeError). A user token sees its own.
+    def node(self, name) -> NodeInfo:
+        for n in self.nodes():
+            if n.name == name:
+                return n
+        raise NotFoundError(f'node: no node named "{name}"')
+
+    def allocation(self, id) -> Allocation:  # noqa: A002
+        for a in self.allocations():
+            if a.id == id:
+                return a
+        raise NotFoundError(f'allocation "{id}" does not exist')
+
+    def quota(self, user) -> dict:
+        return self._quota_entry(user)["quota"]
+
+    def usage(self, user) -> dict:
+        return self._quota_entry(user)["usage"]
+
+    def _quota_entry(self, user):
+        if not user:
+            raise InvalidArgumentError("user: empty (the default quota is quotas()[0])")
+        [entry] = self.quotas(user)
+        return entry
+
+    def queue_length(self) -> int:
+        """The requests waiting: all of them for an admin, a user's own for
+        a user token."""
+        return len(self.pending())
 
     def metrics(self) -> str:
         """Prometheus text: GPU memory per GPU, GPUs by mode, queue, counters."""

@@ -290,6 +290,19 @@ def test_central_client_same_surface_and_ownership(central):
         bob.release(a.id)
     assert bob.allocations() == []
     assert [x.id for x in alice.allocations()] == [a.id]
+    # The Allocator's lookups too (they were missing: AttributeError; probe).
+    assert alice.allocation(a.id).id == a.id
+    with pytest.raises(deepnex.NotFoundError, match=f'allocation "{a.id}" does not exist'):
+        bob.allocation(a.id)  # not bob's to see
+    assert admin.node("n1").name == "n1"
+    with pytest.raises(deepnex.NotFoundError, match='node: no node named "n9"'):
+        admin.node("n9")
+    assert alice.usage("alice")["gpus"] == 1 and alice.quota("alice")["gpus"] is None
+    assert admin.queue_length() == 0
+    in_process = {m for m in dir(gpu.Allocator) if not m.startswith("_")}
+    remote = {m for m in dir(gpu.CentralClient) if not m.startswith("_")}
+    # Clearing a user's quota and the ledger's upkeep are in-process only.
+    assert in_process - remote == {"clear_quota", "compact", "check_invariants"}
     with pytest.raises(deepnex.PermissionDeniedError):
         alice.set_node_mode("n1", "exclusive")
     with pytest.raises(deepnex.FailedPreconditionError, match="holds shared allocations a1"):
