@@ -9,6 +9,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/text.h"
 #include "gpu/ledger.h"
 
 namespace deepnex::launch {
@@ -17,6 +18,9 @@ namespace {
 // Records between snapshots of the catalog's ledger.
 constexpr uint64_t kSnapshotEvery = 1000;
 constexpr size_t kMaxPart = 128;
+// Users one image is shared with, at most: each share is a record in the
+// catalog's log and in every listing of the image.
+constexpr size_t kMaxSharedWith = 1024;
 
 // [A-Za-z0-9][A-Za-z0-9_.-]* (a tag may also start with '_'), as OCI
 // registries take them.
@@ -277,10 +281,15 @@ absl::StatusOr<CatalogImage> ImageCatalog::Share(const ImageCaller& caller,
     return absl::InvalidArgumentError(
         absl::StrCat("share of image \"", ref, "\": give users or public"));
   }
+  // A name that could own an image, as an owner's part of a reference: '*'
+  // (which is not "everyone": that is public), '../bob' and the like were
+  // kept (probe).
   for (const std::string& u : users) {
-    if (u.empty() || u.find(',') != std::string::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("share of image \"", ref, "\": user \"", u, "\" is not a user name"));
+    if (!PlainPart(u, false)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "share of image \"", ref, "\": user ", Quoted(u, 64),
+          " is not a user name (letters, digits, '_', '.', '-', at most ", kMaxPart,
+          " characters; public shares with everyone)"));
     }
   }
   std::unique_lock<std::mutex> lock(mu_);
@@ -291,6 +300,11 @@ absl::StatusOr<CatalogImage> ImageCatalog::Share(const ImageCaller& caller,
   }
   i.shared_with.insert(users.begin(), users.end());
   i.shared_with.erase(i.owner);
+  if (i.shared_with.size() > kMaxSharedWith) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "share of image \"", ref, "\": it would be shared with ", i.shared_with.size(),
+        " users, more than ", kMaxSharedWith, "; share it public"));
+  }
   i.is_public = i.is_public || make_public;
   DEEPNEX_RETURN_IF_ERROR(CommitLocked(lock, PutRecord(i)));
   return i;

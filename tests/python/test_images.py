@@ -121,6 +121,18 @@ def test_bad_names_and_calls_are_refused_naming_the_image(catalog):
     with pytest.raises(deepnex.InvalidArgumentError) as e:
         alice.share_image("tools:v1")
     assert str(e.value) == 'share of image "tools:v1": give users or public'
+    # Only what could be a user: '*' is not everyone (public is), and
+    # '../bob' no one (they were kept; probe).
+    for bad, shown in (("*", '"*"'), ("../bob", '"../bob"'), ("b\nx", '"b\\nx"'),
+                       ("x" * 3000, '"' + "x" * 64 + '"...')):
+        with pytest.raises(deepnex.InvalidArgumentError) as e:
+            alice.share_image("tools:v1", bad)
+        assert str(e.value) == (
+            f'share of image "tools:v1": user {shown} is not a user name (letters, digits, '
+            "'_', '.', '-', at most 128 characters; public shares with everyone)")
+    assert alice.images()[2]["shared_with"] == []
+    with pytest.raises(deepnex.ResourceExhaustedError, match="more than 1024; share it public"):
+        alice.share_image("tools:v1", [f"u{i}" for i in range(1025)])
     with pytest.raises(deepnex.PermissionDeniedError) as e:
         alice.remove_image("base")
     assert str(e.value) == 'image "base": user alice does not own it (a preset, an admin\'s)'
