@@ -28,9 +28,13 @@ absl::Status ValidateAllocate(const Request& r, const AllocateOptions& o) {
   return absl::OkStatus();
 }
 
-absl::Status Busy(const Request& r, size_t ahead) {
+// `shortage`: what it would wait for in the queue (Placement::Shortage), so
+// that a node switching mode or cordoned is named, not "no free capacity"
+// alone beside a free GPU (probe).
+absl::Status Busy(const Request& r, size_t ahead, const std::string& shortage) {
   return absl::ResourceExhaustedError(absl::StrCat(
       "no free capacity now for this request (", Describe(r), ") and wait=false",
+      shortage.empty() ? "" : absl::StrCat("; queued, it would be ", shortage),
       ahead > 0 ? absl::StrCat("; ", ahead, " request(s) are queued ahead of it") : ""));
 }
 
@@ -485,7 +489,7 @@ Allocator::Impl::Admission Allocator::Impl::Admit(const Request& r, const Alloca
   if (oc == Outcome::kGranted) return Admission::kGranted;
   if (oc == Outcome::kFailed) return Admission::kRefused;
   if (!o.wait) {
-    w->status = Busy(r, ahead);
+    w->status = Busy(r, ahead, placement().Shortage(r));
     return Admission::kRefused;
   }
   // As Slurm's MaxSubmitJobs: one user's flood of waiting requests would

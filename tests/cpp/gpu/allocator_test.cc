@@ -323,6 +323,12 @@ TEST(Allocator, PendingSaysWhereAndWhyEachRequestWaits) {
   ASSERT_OK(alloc->Cordon("n1"));
   EXPECT_EQ(alloc->Pending()[0].reason,
             "waiting for a node to take it (1 matching node(s), all cordoned or switching mode)");
+  // Refused for not waiting, it says why as the queue would (it said "no
+  // free capacity" alone beside a free GPU of a node switching mode; probe).
+  EXPECT_THAT(alloc->Allocate(Exclusive("dave", 1), NoWait()),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("and wait=false; queued, it would be waiting for a node to take "
+                                 "it (1 matching node(s), all cordoned or switching mode)")));
   ASSERT_OK(alloc->Uncordon("n1"));
   ASSERT_OK(alloc->Release(held.id));
   // eve (1 GPU); alice (2) waits for eve's GPU and bob's 4 cpus pass her.
