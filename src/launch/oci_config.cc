@@ -117,11 +117,17 @@ json Mounts(const Image& image, const ContainerSpec& spec, const Bundle& bundle)
        {"type", "sysfs"},
        {"source", "sysfs"},
        {"options", {"nosuid", "noexec", "nodev", "ro"}}},
-      // Scratch space in no image layer (a commit leaves it out).
+      // Scratch space in no image layer (a commit leaves it out), the
+      // container user's: runc gives a tmpfs its mount point's mode over
+      // mode=1777, and where the image's /tmp (or what its link names) was
+      // 0755, the user could not write there ('deepnex notebook' could not
+      // mktemp; probe).
       {{"destination", "/tmp"},
        {"type", "tmpfs"},
        {"source", "tmpfs"},
-       {"options", {"nosuid", "nodev", "mode=1777"}}},
+       {"options",
+        {"nosuid", "nodev", "mode=1777", absl::StrCat("uid=", bundle.uid),
+         absl::StrCat("gid=", bundle.gid)}}},
   };
   if (!bundle.init.empty()) mounts.push_back(Bind(bundle.init, kInitPath, true));
   if (image.host) {

@@ -349,28 +349,6 @@ absl::Status ApplyWhiteouts(const std::string& layer, const std::string& rootfs)
   return absl::OkStatus();
 }
 
-// Makes `rootfs`/tmp, the mount point of the containers' tmpfs, writable by
-// everyone (1777): runc gives the tmpfs its mount point's mode, over the
-// mode=1777 of the mount, and a user's notebook could not mktemp there
-// (probe). Made if missing; a link (an image's /tmp -> /var/tmp) is left for
-// runc to resolve inside the root, never followed here.
-absl::Status MakeTmpMountPoint(const std::string& rootfs) {
-  const std::string tmp = rootfs + "/tmp";
-  struct stat st;
-  if (lstat(tmp.c_str(), &st) != 0) {
-    if (errno != ENOENT) return absl::InternalError(absl::StrCat(tmp, ": ", Errno(errno)));
-    if (mkdir(tmp.c_str(), 01777) != 0 && errno != EEXIST) {
-      return absl::InternalError(absl::StrCat("cannot create ", tmp, ": ", Errno(errno)));
-    }
-  } else if (!S_ISDIR(st.st_mode)) {
-    return absl::OkStatus();
-  }
-  if (chmod(tmp.c_str(), 01777) != 0) {  // mkdir's mode is cut by the umask
-    return absl::InternalError(absl::StrCat("cannot chmod ", tmp, ": ", Errno(errno)));
-  }
-  return absl::OkStatus();
-}
-
 // Unpacks OCI image layout `dir` into a rootfs under `cache` named by the
 // manifest digest, once; later calls find it there.
 absl::StatusOr<std::string> UnpackLayout(const std::string& dir, const std::string& cache) {
@@ -402,7 +380,6 @@ absl::StatusOr<std::string> UnpackLayout(const std::string& dir, const std::stri
     if (!r.ok()) return fail(r.status());
     if (!r->ok()) return fail(absl::InvalidArgumentError(DescribeFailure(argv, *r)));
   }
-  if (absl::Status s = MakeTmpMountPoint(tmp); !s.ok()) return fail(s);
   std::error_code ec;
   fs::rename(tmp, rootfs, ec);
   if (ec) {
@@ -416,11 +393,9 @@ absl::StatusOr<std::string> UnpackLayout(const std::string& dir, const std::stri
 
 // The empty root of the "host" image, with mount points and symlinks.
 absl::Status MakeHostRootfs(const std::string& rootfs) {
-  for (const char* dir : {"usr", "etc", "opt", "proc", "dev", "sys"}) {
+  for (const char* dir : {"usr", "etc", "opt", "tmp", "proc", "dev", "sys"}) {
     DEEPNEX_RETURN_IF_ERROR(MakeDirectories(absl::StrCat(rootfs, "/", dir)));
   }
-  // Also where an older launcher made it 0755.
-  DEEPNEX_RETURN_IF_ERROR(MakeTmpMountPoint(rootfs));
   for (const auto& link : kHostLinks) {
     const std::string at = absl::StrCat(rootfs, "/", link[0]);
     if (symlink(link[1], at.c_str()) != 0 && errno != EEXIST) {
