@@ -18,7 +18,6 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 
 extern char** environ;
@@ -96,15 +95,38 @@ std::map<std::string, std::string> HostEnv(const ContainerSpec& spec) {
   return env;
 }
 
+namespace {
+
+// A character that continues a path or a name: where one is beside a match,
+// the match is part of something longer (the user's own "/img/a/x" holds the
+// image "/img/a"; every path holds an image at "/") and stays.
+bool Continues(char c) {
+  return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '/' || c == '.' ||
+         c == '_' || c == '-' || c == '~' || c == '+' || c == '@' || c == '%';
+}
+
+}  // namespace
+
 absl::Status AsNamed(const absl::Status& s,
                      const std::vector<std::pair<std::string, std::string>>& names) {
   if (s.ok()) return s;
-  std::vector<std::pair<std::string, std::string>> used;
+  std::string text(s.message());
   for (const auto& [given, named] : names) {
-    if (!given.empty() && given != named) used.emplace_back(given, named);
+    if (given.empty() || given == named) continue;
+    std::string out;
+    size_t from = 0;
+    for (size_t at = text.find(given); at != std::string::npos; at = text.find(given, at + 1)) {
+      const size_t end = at + given.size();
+      const bool whole = (!Continues(given.front()) || at == 0 || !Continues(text[at - 1])) &&
+                         (!Continues(given.back()) || end == text.size() ||
+                          !Continues(text[end]));
+      if (!whole || at < from) continue;
+      absl::StrAppend(&out, absl::string_view(text).substr(from, at - from), named);
+      from = end;
+    }
+    text = absl::StrCat(out, absl::string_view(text).substr(from));
   }
-  if (used.empty()) return s;
-  return absl::Status(s.code(), absl::StrReplaceAll(s.message(), used));
+  return absl::Status(s.code(), text);
 }
 
 std::string HostWorkingDir(const ContainerSpec& spec) {

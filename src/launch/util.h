@@ -81,8 +81,8 @@ std::string HostWorkingDir(const ContainerSpec& spec);
 // `s` with each pair's first (what a backend was given: a launcher's run
 // name, an image's directory on the host) replaced in its message by the second
 // (what the user named), so that an error speaks the user's names and
-// shows no admin's paths. OK stays OK; a pair with an empty or an
-// unchanged first is skipped.
+// shows no admin's paths: where it stands whole, not inside a longer path or
+// name. OK stays OK; a pair with an empty or an unchanged first is skipped.
 absl::Status AsNamed(const absl::Status& s,
                      const std::vector<std::pair<std::string, std::string>>& names);
 

@@ -1478,6 +1478,25 @@ TEST(LaunchUtilTest, FindOnPathAndExitStatus) {
   EXPECT_EQ(RunName("l1", "w0", 2), "l1-w0-2");
 }
 
+// The image's directory is replaced where it stands whole only: a re-probe
+// got 'command "rootimg:v1tmprootimg:v1..."' for an image at "/", and a
+// preset at /img/a named the user's own /img/a/x "base/x".
+TEST(LaunchUtilTest, AsNamedReplacesWholeNamesOnly) {
+  auto named = [](const std::string& message, const std::string& given, const std::string& as) {
+    return std::string(AsNamed(absl::NotFoundError(message), {{given, as}}).message());
+  };
+  EXPECT_EQ(named("command \"/tmp/a/nosuch\" not found in image /", "/", "root:v1"),
+            "command \"/tmp/a/nosuch\" not found in image root:v1");
+  EXPECT_EQ(named("command \"/img/a/x\" not found in image /img/a on PATH=/bin", "/img/a",
+                  "base"),
+            "command \"/img/a/x\" not found in image base on PATH=/bin");
+  EXPECT_EQ(named("spec.image: \"/img/a\": no", "/img/a", "base"), "spec.image: \"base\": no");
+  EXPECT_EQ(named("/img/a/img/a /img/ab /img/a", "/img/a", "b"), "/img/a/img/a /img/ab b");
+  EXPECT_EQ(named("container \"alice.w\" gone", "\"alice.w\"", "\"w\""),
+            "container \"w\" gone");
+  EXPECT_THAT(AsNamed(absl::OkStatus(), {{"/", "x"}}), IsOk());
+}
+
 TEST(LaunchUtilTest, ProcUsageOfThisProcess) {
   volatile uint64_t spin = 0;
   for (int i = 0; i < 50000000; ++i) spin = spin + i;
