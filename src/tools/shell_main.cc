@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <future>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -86,10 +87,10 @@ void OnSignal(int sig) {
 // container still stops and the allocation is released.
 constexpr int kSignals[] = {SIGWINCH, SIGHUP, SIGTERM, SIGINT};
 
-// The signal that asked to stop before Attach took the signals, from the
-// allocation on (0: none): it ends the start, which then cleans up. Their
-// default action had killed the client there, leaving the container and
-// the allocation (probe).
+// The signal that asked to stop before Attach took the signals (0: none):
+// it ends the start, which then cleans up. Their default action had killed
+// the client there, leaving the container and the allocation, or, while
+// the grant was on its way, the allocation (probes).
 volatile sig_atomic_t early_stop = 0;
 
 void OnEarlySignal(int sig) { early_stop = sig; }
@@ -390,19 +391,40 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<launch::CentralClient>> client =
       launch::CentralClient::Create(f.options);
   if (!client.ok()) return Fail(client.status());
-  std::string made;  // the allocation made here, released at the end
-  if (f.alloc.empty()) {
-    // A signal while the request waits ends the client, and central
-    // withdraws the request of the call it cancels.
-    absl::StatusOr<gpu::Allocation> a = (*allocator)->Allocate(f.request);
-    if (!a.ok()) return Fail(a.status());
-    f.alloc = made = a->id;
-  }
   for (int sig : {SIGHUP, SIGTERM, SIGINT}) {
     struct sigaction sa {};
     sa.sa_handler = OnEarlySignal;
     sa.sa_flags = SA_RESTART;
     sigaction(sig, &sa, nullptr);
+  }
+  std::string made;  // the allocation made here, released at the end
+  if (f.alloc.empty()) {
+    // A stop while the request waits in the queue withdraws it (central
+    // drops a queued request whose call is cancelled). Not at once: a grant
+    // already on its way would be lost with the call, and held for good (a
+    // re-probe's); one that comes within the grace is released below.
+    auto granted = std::make_shared<std::promise<absl::StatusOr<std::vector<gpu::Allocation>>>>();
+    std::future<absl::StatusOr<std::vector<gpu::Allocation>>> grant = granted->get_future();
+    const uint64_t ticket = (*allocator)->AllocateGangAsync(
+        f.request, gpu::AllocateOptions{},
+        [granted](absl::StatusOr<std::vector<gpu::Allocation>> parts) {
+          granted->set_value(std::move(parts));
+        });
+    constexpr auto kGrace = std::chrono::seconds(2);
+    std::optional<std::chrono::steady_clock::time_point> stop_seen;
+    bool withdrawn = false;
+    while (grant.wait_for(std::chrono::milliseconds(20)) != std::future_status::ready) {
+      if (early_stop == 0 || withdrawn) continue;
+      const auto now = std::chrono::steady_clock::now();
+      if (!stop_seen) stop_seen = now;
+      if (now - *stop_seen >= kGrace) {
+        (*allocator)->Withdraw(ticket);
+        withdrawn = true;
+      }
+    }
+    absl::StatusOr<std::vector<gpu::Allocation>> a = grant.get();
+    if (!a.ok()) return early_stop != 0 ? 128 + early_stop : Fail(a.status());
+    f.alloc = made = a->front().id;
   }
 
   bool started = false;

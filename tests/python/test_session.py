@@ -557,6 +557,51 @@ def test_native_shell_signalled_while_it_starts_still_cleans_up(central_process,
     assert_cleaned_up(alice, "sig2")
 
 
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT])
+def test_native_shell_signalled_as_its_grant_comes_releases_it(central_process, sig):
+    """A signal while the grant was on its way killed deepnex-shell before it
+    took signals, and the allocation stayed held (re-probe: 5 of 36). Central
+    is held (SIGSTOP) as soon as the grant is there, the signal sent, then
+    central let go: the client releases the grant and ends with 128 + N."""
+    central, proc = central_process
+    alice, _ = clients(central)
+    t = Terminal([PY, "-m", "deepnex", "shell", "--cpus", "1", "--memory", "256MiB",
+                  "--name", "sig3"], shell_env(central))
+    try:
+        deadline = time.monotonic() + 60
+        while not alice.allocations():
+            assert time.monotonic() < deadline, "no grant came"
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            t.proc.send_signal(sig)
+            time.sleep(0.2)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert t.proc.wait(timeout=30) == 128 + sig
+    finally:
+        t.close()
+    wait_for(lambda: alice.allocations() == [], "the grant released")
+    assert all(c["state"] != "running" for c in alice.containers())
+
+
+def test_native_shell_signalled_in_the_queue_withdraws_its_request(central):
+    """A stop while the request waits in the queue withdraws it (after a
+    grace of 2 s for a grant already on its way) and ends with 128 + N."""
+    alice, _ = clients(central)
+    held = alice.allocate(gpu.Request(user="", gpus=2, cpus=1, memory="256MiB"))
+    t = Terminal([PY, "-m", "deepnex", "shell", "--gpus", "1", "--cpus", "1", "--memory",
+                  "256MiB", "--name", "sig4"], shell_env(central))
+    try:
+        wait_for(lambda: len(alice.pending()) == 1, "the shell's request in the queue")
+        t.proc.send_signal(signal.SIGTERM)
+        assert t.proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        t.close()
+    assert alice.pending() == []
+    alice.release(held.id)
+    assert alice.allocations() == []
+
+
 def test_shell_errors_are_one_line_and_leave_nothing_behind(central):
     alice, _ = clients(central)
     env = shell_env(central)
