@@ -104,6 +104,8 @@ def byte_size(value: Any, name: str) -> int:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         if value < 0:
             raise InvalidArgumentError(f"{name}={value}: must be >= 0")
+        if value >= 2**64:  # as the strings' parser: bytes are 64-bit
+            raise InvalidArgumentError(f"{name}={value}: more bytes than 64 bits count")
         return int(value)
     if isinstance(value, str):
         return _C.parse_byte_size(value, name)

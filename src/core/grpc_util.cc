@@ -128,11 +128,16 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
 
 namespace {
 
-// InvalidArgument unless `address` (not a unix: one) ends in a port number
-// 0-65535: gRPC and getaddrinfo take one past 65535 modulo 65536 (asked for
-// 70000, a server served on 4464), and a service name ("http") as its port.
+// InvalidArgument unless `address` ends in a port number 0-65535: gRPC and
+// getaddrinfo take one past 65535 modulo 65536 (asked for 70000, a server
+// served on 4464), and a service name ("http") as its port. A unix: one
+// needs a path: "unix:" alone bound a socket no client can name (probe).
 absl::Status CheckListenPort(const std::string& what, const std::string& address) {
-  if (absl::StartsWith(address, "unix:")) return absl::OkStatus();
+  if (absl::StartsWith(address, "unix:")) {
+    if (address.size() > 5) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": listen address \"unix:\": no socket path after unix:"));
+  }
   const size_t colon = address.rfind(':');
   const std::string port = colon == std::string::npos ? "" : address.substr(colon + 1);
   int value = 0;

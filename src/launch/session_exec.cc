@@ -207,7 +207,14 @@ absl::StatusOr<std::unique_ptr<ExecProcess>> SpawnExec(const ExecPlan& plan,
         _exit(126);
       }
     }
-    if (workdir != nullptr && chdir(workdir) != 0 && (!or_root || chdir("/") != 0)) _exit(126);
+    if (workdir != nullptr && chdir(workdir) != 0 && (!or_root || chdir("/") != 0)) {
+      // Said on its stderr: a bare 126 left the caller guessing (probe).
+      static const char kNoDir[] = "deepnex exec: cannot enter the working directory ";
+      [[maybe_unused]] ssize_t n = write(2, kNoDir, sizeof(kNoDir) - 1);
+      n = write(2, workdir, strlen(workdir));
+      n = write(2, "\n", 1);
+      _exit(126);
+    }
     syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC);
     execve(argv[0], argv.data(), envp.data());
     _exit(127);

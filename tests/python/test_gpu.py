@@ -593,6 +593,10 @@ def test_cli_quota_shows_sets_and_clears(central):
         with pytest.raises(deepnex.InvalidArgumentError,
                            match=f"quota of alice: {field}=-{2**63 + 1}: must fit in 64 bits"):
             admin.set_quota("alice", **{field: -2**63 - 1})
+    for field in ("memory", "gpu_memory"):  # re-probe: pybind11's TypeError too
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match=f"quota of alice: {field}={2**64}: more bytes than 64 bits"):
+            admin.set_quota("alice", **{field: 2**64})
     assert admin.quotas(user="alice")[0]["quota"]["cpus"] == 8
     # --max-priority sets the cap alone; the limits stay.
     out = run_cli("quota", "alice", "--max-priority", "5", central=central)

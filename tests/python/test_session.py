@@ -81,6 +81,20 @@ def test_exec_starts_where_the_containers_process_started(central):
     assert started_in != os.getcwd() + "\n"  # central's
     r = alice.exec("wd", ["pwd"])
     assert (r.exit_code, r.stdout.decode()) == (0, started_in)
+    # A working_dir gone since the start is said, not a bare 126 (probe).
+    import tempfile
+    gone = tempfile.mkdtemp(prefix="deepnex-wd-")
+    os.chmod(gone, 0o755)
+    try:
+        alice.start_container(launch.ContainerSpec(name="wd2", command=["sleep", "600"],
+                                                   working_dir=gone), alice.allocate(grant()))
+        wait_for(lambda: next(c for c in alice.containers() if c["name"] == "wd2")["state"]
+                 == "running", "wd2 running")
+    finally:
+        os.rmdir(gone)
+    r = alice.exec("wd2", ["pwd"])
+    assert (r.exit_code, r.stdout, r.stderr.decode()) == (
+        126, b"", f"deepnex exec: cannot enter the working directory {gone}\n")
 
 
 def test_exec_runs_in_the_containers_cgroup(central):

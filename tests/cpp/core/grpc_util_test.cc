@@ -326,6 +326,11 @@ TEST(ServerHostTest, AUnixSocketServerAdvertisesItsOwnPath) {
   EXPECT_TRUE(Echo(channel, 16).ok());
   host->Stop();
   unlink(path.c_str());
+  // A path it needs: "unix:" alone bound a socket no client can name.
+  auto bare = ServerHost::Start(HostOptions("unix:"), {&service});
+  EXPECT_THAT(bare, StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(bare.status().message(),
+            "test server: listen address \"unix:\": no socket path after unix:");
   // No other host can dial a path: an advertised host is refused, not dropped.
   ServerHostOptions o = HostOptions(address);
   o.advertise = "node-7";
