@@ -56,10 +56,16 @@ class Notebook:
         self.token = self.url.split("?token=")[1]
 
     def stop(self):
-        """Ctrl-C; (exit code, stderr)."""
+        """Ctrl-C; (exit code, stderr). A client that does not end in 60 s
+        is killed (and the test fails): one left running outlived the test."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
-        code = self.proc.wait(timeout=60)
+        try:
+            code = self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
         err = self.proc.stderr.read().decode()
         self.proc.stdout.close()
         self.proc.stderr.close()
