@@ -542,22 +542,17 @@ def test_native_shell_ended_by_a_signal_still_cleans_up(central, sig):
     assert_cleaned_up(alice, "sig1")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
-def test_native_shell_signalled_while_it_starts_still_cleans_up(central_process, sig):
-    """Before it attached, the signals' default action ended deepnex-shell
-    with the container running and the allocation held (probe). Central is
-    held (SIGSTOP) once it started the container, so that the signal comes
-    while the client waits to attach: it ends the start with 128 + N, and
-    the container stops and the allocation goes."""
+def signal_shell_with_central_held(central_process, name, ready, sig):
+    """Starts `deepnex shell --name NAME` as alice; once ready() (polled
+    without pause), holds central (SIGSTOP), sends the client `sig` and lets
+    central go: the client's exit code."""
     central, proc = central_process
-    alice, _ = clients(central)
     t = Terminal([PY, "-m", "deepnex", "shell", "--cpus", "1", "--memory", "256MiB",
-                  "--name", "sig2"], shell_env(central))
+                  "--name", name], shell_env(central))
     try:
         deadline = time.monotonic() + 60
-        while not any(c["name"] == "sig2" for c in alice.containers()):
-            assert time.monotonic() < deadline, "the container did not come"
-            time.sleep(0.002)
+        while not ready():
+            assert time.monotonic() < deadline, f"{name}: not ready within 60 s"
         proc.send_signal(signal.SIGSTOP)
         try:
             time.sleep(0.2)  # the client's next call waits for central
@@ -565,9 +560,23 @@ def test_native_shell_signalled_while_it_starts_still_cleans_up(central_process,
             time.sleep(0.2)
         finally:
             proc.send_signal(signal.SIGCONT)
-        assert t.proc.wait(timeout=30) == 128 + sig
+        return t.proc.wait(timeout=30)
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_native_shell_signalled_while_it_starts_still_cleans_up(central_process, sig):
+    """Before it attached, the signals' default action ended deepnex-shell
+    with the container running and the allocation held (probe). Central is
+    held (SIGSTOP) once it started the container, so that the signal comes
+    while the client waits to attach: it ends the start with 128 + N, and
+    the container stops and the allocation goes."""
+    alice, _ = clients(central_process[0])
+    code = signal_shell_with_central_held(
+        central_process, "sig2", lambda: any(c["name"] == "sig2" for c in alice.containers()),
+        sig)
+    assert code == 128 + sig
     assert_cleaned_up(alice, "sig2")
 
 
@@ -577,23 +586,9 @@ def test_native_shell_signalled_as_its_grant_comes_releases_it(central_process, 
     took signals, and the allocation stayed held (re-probe: 5 of 36). Central
     is held (SIGSTOP) as soon as the grant is there, the signal sent, then
     central let go: the client releases the grant and ends with 128 + N."""
-    central, proc = central_process
-    alice, _ = clients(central)
-    t = Terminal([PY, "-m", "deepnex", "shell", "--cpus", "1", "--memory", "256MiB",
-                  "--name", "sig3"], shell_env(central))
-    try:
-        deadline = time.monotonic() + 60
-        while not alice.allocations():
-            assert time.monotonic() < deadline, "no grant came"
-        proc.send_signal(signal.SIGSTOP)
-        try:
-            t.proc.send_signal(sig)
-            time.sleep(0.2)
-        finally:
-            proc.send_signal(signal.SIGCONT)
-        assert t.proc.wait(timeout=30) == 128 + sig
-    finally:
-        t.close()
+    alice, _ = clients(central_process[0])
+    code = signal_shell_with_central_held(central_process, "sig3", alice.allocations, sig)
+    assert code == 128 + sig
     wait_for(lambda: alice.allocations() == [], "the grant released")
     assert all(c["state"] != "running" for c in alice.containers())
 
