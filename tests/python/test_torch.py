@@ -509,7 +509,8 @@ def test_ddp_bucket_size_is_named():
     comm = collective.Communicator(0, 1)
     for bad, why in [(0, "bucket_size: 0 must be at least 1 byte"),
                      ("12XB", 'bucket_size: "12XB" is not a byte size'),
-                     (2**70, "bucket_size: 1180591620717411303424 is not below 2\\^63 bytes")]:
+                     (2**63, "bucket_size: 9223372036854775808 is not below 2\\^63 bytes"),
+                     (2**70, "bucket_size=1180591620717411303424: more bytes than 64 bits")]:
         with pytest.raises(deepnex.InvalidArgumentError, match=why):
             dtorch.DistributedDataParallel(torch.nn.Linear(2, 1), communicator=comm,
                                            bucket_size=bad)
