@@ -249,16 +249,15 @@ void Elastic::Grow() {
   }
   members.back().handle = *h;
   {
+    // A member before the workers can learn of it: one that prints its rank
+    // is among the job's allocations (CI saw 1 of 2 just after w1's line).
     std::lock_guard<std::mutex> lock(mu_);
     all_.push_back(*h);
+    members_ = members;
   }
   absl::Status published = Publish(members);
   if (!published.ok()) {
     o_.on_event(absl::StrCat("elastic: publishing the members failed: ", published.ToString()));
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    members_ = members;
   }
   Resized(size, size + 1, absl::StrCat("worker w", m.id, " joined on node \"", a->node, "\""));
 }

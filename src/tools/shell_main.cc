@@ -18,10 +18,10 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <future>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <iostream>
 #include <iterator>
 #include <memory>
@@ -95,7 +95,7 @@ volatile sig_atomic_t early_stop = 0;
 
 void OnEarlySignal(int sig) { early_stop = sig; }
 
-// Where a stop came early: 128 + its signal.
+// Where a stop came early: Cancelled, naming the signal (main exits 128 + it).
 absl::Status StoppedEarly() {
   if (early_stop == 0) return absl::OkStatus();
   return absl::CancelledError(absl::StrCat("stopped by signal ", early_stop, " while starting"));
