@@ -131,6 +131,8 @@ NOTEBOOK = ("home=; pid=; trap '[ -n \"$pid\" ] && kill -TERM $pid || "
             "while kill -0 $pid 2>/dev/null; do wait $pid; code=$?; done; "
             "[ -z \"$home\" ] || rm -rf \"$home\"; exit $code")
 PORT_LINE = re.compile(r"^deepnex-notebook: port (\d+)$", re.M)
+# How often a forwarding notebook client looks whether its container ended.
+NOTEBOOK_POLL_S = 2.0
 
 
 def _notebook_port(c, name, deadline):
@@ -146,17 +148,22 @@ def _notebook_port(c, name, deadline):
 def _still_running(c, name, deadline, what):
     """An error, with the end of its log, when container `name` ended or the
     deadline passed before jupyter `what`."""
-    from deepnex import DeadlineExceededError, DeepnexError
-    info = next((x for x in c.containers() if x["name"] == name), None)
-    state = (info or {}).get("state", "gone")
-    if state not in ("stopped", "exited", "gone"):  # running, or about to
-        if time.monotonic() < deadline:
-            return
+    from deepnex import DeadlineExceededError
+    _raise_if_ended(c, name, f"before jupyter {what}")
+    if time.monotonic() >= deadline:
         raise DeadlineExceededError(f"notebook {name}: jupyter has not {what} "
                                     "within --start-timeout")
-    tail = c.container_logs(name).strip().splitlines()[-5:] if info else []
-    raise DeepnexError(f"notebook {name}: {state} before jupyter {what}"
-                       + "".join(f"\n  {line}" for line in tail))
+
+
+def _raise_if_ended(c, name, when):
+    """An error, with the end of its log, when container `name` ended."""
+    from deepnex import DeepnexError
+    info = next((x for x in c.containers() if x["name"] == name), None)
+    state = (info or {}).get("state", "gone")
+    if state in ("stopped", "exited", "gone"):
+        tail = c.container_logs(name).strip().splitlines()[-5:] if info else []
+        raise DeepnexError(f"notebook {name}: {state} {when}"
+                           + "".join(f"\n  {line}" for line in tail))
 
 
 def _answers(c, name, port, token):
@@ -227,8 +234,12 @@ def _notebook(args):
         except OSError as e:
             raise UnavailableError(f"--port {args.port} on {args.address}: {os.strerror(e.errno)}")
         print(f"Notebook {name}: http://{fwd.host}:{fwd.port}/?token={token}", flush=True)
+        # Forwarding to nothing helps nobody: the client ends with its
+        # container (stopped by `deepnex stop`, or jupyter ended), as
+        # kubectl port-forward does with its pod.
         while True:
-            time.sleep(3600)
+            time.sleep(NOTEBOOK_POLL_S)
+            _raise_if_ended(c, name, "while forwarding: jupyter ended")
     except KeyboardInterrupt:
         return 0 if fwd is not None else 130
     finally:

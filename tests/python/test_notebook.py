@@ -169,6 +169,22 @@ def test_notebook_whose_terminal_closes_still_cleans_up(central):
     assert alice.allocations() == []
 
 
+def test_notebook_ends_when_its_container_does(central):
+    """A notebook stopped by `deepnex stop` (or whose jupyter ended) left its
+    client forwarding to nothing until Ctrl-C (probe): it ends, saying so,
+    and releases the allocation it made."""
+    alice, _ = clients(central)
+    nb = Notebook(central, "--cpus", "1", "--memory", "1GiB", "--name", "nbgone")
+    alice.stop_container("nbgone", grace=1.0)
+    try:
+        nb.proc.wait(timeout=30)
+    finally:
+        code, err = nb.stop()
+    assert code == 1, err
+    assert "notebook nbgone: stopped while forwarding: jupyter ended" in err, err
+    assert alice.allocations() == []
+
+
 def png_pixels(data):
     """(width, height, rows of bytes) of an 8-bit, non-interlaced PNG."""
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
