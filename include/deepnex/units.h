@@ -43,6 +43,24 @@ std::string FormatByteSize(uint64_t bytes);
 // timeout of 1e300 s became -9223372036854775808 ms).
 inline constexpr double kMaxSeconds = 1e9;
 
+// kMaxSeconds as a C++ duration: the longest wait deepnex takes.
+inline constexpr std::chrono::milliseconds kMaxWait{int64_t{1000} * 1000 * 1000 * 1000};
+
+// A duration option (a timeout, a lease, an interval) checked as
+// SecondsToMillis checks seconds: InvalidArgument naming `field` and the
+// value when negative, 0 unless `zero_ok`, or over kMaxWait:
+//   timeout=0ms: must be positive
+//   lease_timeout=9223372036854775807ms: must be at most 1000000000000ms (about 31 years)
+absl::Status CheckMillis(std::chrono::milliseconds value, const std::string& field,
+                         bool zero_ok = false);
+
+// A caller's wait capped at kMaxWait, which is for ever in practice:
+// milliseconds::max(), C++'s usual "no limit", waits rather than
+// overflowing the clock into a deadline already past.
+inline std::chrono::milliseconds CappedWait(std::chrono::milliseconds wait) {
+  return wait < kMaxWait ? wait : kMaxWait;
+}
+
 // `seconds` (a flag's value, a Python float) as whole milliseconds, rounded
 // down, and at least 1 when positive. InvalidArgument naming `field` and the value for NaN, a negative
 // number, 0 unless `zero_ok`, and more than kMaxSeconds (inf included):

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "agent/report.h"
 #include "core/file_util.h"
+#include "deepnex/units.h"
 #include "launch/cgroup.h"
 #include "launch/command.h"
 #include "launch/docker.h"
@@ -99,6 +100,7 @@ class AdoptedBase : public launch::Handle {
   const launch::ContainerSpec& spec() const override { return spec_; }
 
   absl::StatusOr<launch::ExitStatus> Wait(std::chrono::milliseconds timeout) override {
+    timeout = CappedWait(timeout);
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (true) {
       launch::ContainerStatus st = Status();
@@ -165,6 +167,7 @@ class Adopted final : public AdoptedBase {
   }
 
   absl::Status Stop(std::chrono::milliseconds grace) override {
+    grace = CappedWait(grace);
     // An ended one's pid may be another process's by now.
     if (Ended()) return absl::OkStatus();
     bool first;
@@ -254,6 +257,7 @@ class AdoptedDocker final : public AdoptedBase {
   }
 
   absl::Status Stop(std::chrono::milliseconds grace) override {
+    grace = CappedWait(grace);
     if (Ended()) return absl::OkStatus();
     {
       std::lock_guard<std::mutex> lock(mu_);

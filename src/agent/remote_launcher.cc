@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "agent/report.h"
+#include "deepnex/units.h"
 #include "gpu/central_convert.h"
 #include "launch/central_wire.h"
 
@@ -32,6 +33,7 @@ class RemoteHandle final : public launch::Handle {
   }
 
   absl::StatusOr<launch::ExitStatus> Wait(std::chrono::milliseconds timeout) override {
+    timeout = CappedWait(timeout);
     auto r = hub_.WaitReport(node_, spec_.name, Ended, timeout);
     if (r && Ended(*r)) return ExitOf(*r);
     return absl::DeadlineExceededError(absl::StrCat("container \"", spec_.name, "\" on node ",
@@ -40,6 +42,7 @@ class RemoteHandle final : public launch::Handle {
   }
 
   absl::Status Stop(std::chrono::milliseconds grace) override {
+    grace = CappedWait(grace);
     proto::Command c;
     c.mutable_stop()->set_name(spec_.name);
     c.mutable_stop()->set_grace_ms(grace.count());

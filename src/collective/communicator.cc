@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "collective/backends.h"
 #include "core/net.h"
+#include "deepnex/units.h"
 
 namespace deepnex::collective {
 
@@ -81,10 +82,7 @@ absl::Status CommunicatorOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "transport=", static_cast<int>(transport), ": not a Transport (auto, tcp, shm)"));
   }
-  if (timeout.count() <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("timeout=", timeout.count(), " ms: must be positive"));
-  }
+  DEEPNEX_RETURN_IF_ERROR(CheckMillis(timeout, "timeout"));
   if (device < -1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "device=", device, ": must be a device index, or -1 for the local rank's"));
@@ -97,9 +95,12 @@ absl::Status CommunicatorOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("shm_channels=", shm_channels, ": must be 0 (auto) or 1..16"));
   }
-  if (shm_buffer_bytes < 4096) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shm_buffer_bytes=", shm_buffer_bytes, ": must be at least 4096"));
+  // Bounded: each rank maps up to 16 of them, and a probe's 2^40 filled the
+  // host's memory (/dev/shm) until the OOM killer came.
+  if (shm_buffer_bytes < 4096 || shm_buffer_bytes > kMaxShmBufferBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("shm_buffer_bytes=", shm_buffer_bytes,
+                                                   ": must be 4096..", kMaxShmBufferBytes,
+                                                   " (256MiB)"));
   }
   // Told to the other ranks, who dial it.
   return ValidateAdvertiseHost("host", host);

@@ -7,6 +7,7 @@
 #include "core/grpc_util.h"
 #include "deepnex/collective/store.h"
 #include "deepnex/store.grpc.pb.h"
+#include "deepnex/units.h"
 
 namespace deepnex::collective {
 namespace {
@@ -128,6 +129,7 @@ class StoreClientImpl final : public StoreClient {
   absl::Status DoGet(const char* what, const std::vector<std::string>& keys,
                      std::chrono::milliseconds timeout, bool values, pb::GetReply* reply) {
     if (keys.empty()) return absl::InvalidArgumentError(absl::StrCat(what, ": no keys given"));
+    timeout = CappedWait(timeout);
     pb::GetRequest req;
     for (const std::string& k : keys) req.add_keys(Full(k));
     req.set_wait_ms(std::max<int64_t>(timeout.count(), 1));
@@ -141,7 +143,7 @@ class StoreClientImpl final : public StoreClient {
   absl::Status Call(const char* what, std::chrono::milliseconds timeout, Fn&& fn) {
     DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("store client"));
     grpc::ClientContext ctx;
-    ctx.set_deadline(Clock::now() + timeout);
+    ctx.set_deadline(Clock::now() + CappedWait(timeout));
     ctx.set_wait_for_ready(true);
     if (!token_.empty()) ctx.AddMetadata(kAuthorizationKey, BearerValue(token_));
     grpc::Status s = fn(&ctx);
@@ -167,10 +169,7 @@ class StoreClientImpl final : public StoreClient {
 
 absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Create(
     const StoreClientOptions& options) {
-  if (options.timeout.count() <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("timeout=", options.timeout.count(), " ms: must be positive"));
-  }
+  DEEPNEX_RETURN_IF_ERROR(CheckMillis(options.timeout, "timeout"));
   DEEPNEX_ASSIGN_OR_RETURN(std::string token,
                            ResolveClientToken(options.token, options.token_file));
   auto client = std::make_unique<StoreClientImpl>(options, std::move(token));

@@ -17,6 +17,7 @@
 #include "deepnex/auth.h"
 #include "deepnex/collective/store.h"
 #include "deepnex/store.grpc.pb.h"
+#include "deepnex/units.h"
 
 namespace deepnex::collective {
 namespace {
@@ -118,7 +119,8 @@ class Service final : public pb::Store::CallbackService {
     auto* reactor = new WaiterReactor(waiter);
     WatchNext(waiter);
     lock.unlock();
-    expiry_.At(Clock::now() + std::chrono::milliseconds(req->wait_ms()),
+    // Capped: a client's 2^62 ms overflowed into a deadline already past.
+    expiry_.At(Clock::now() + CappedWait(std::chrono::milliseconds(req->wait_ms())),
                [this, weak = std::weak_ptr<Waiter>(waiter)] {
                  if (auto w = weak.lock()) Expire(w);
                });

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
+#include "deepnex/units.h"
 
 namespace deepnex::collective {
 
@@ -43,7 +44,7 @@ void WorkImpl::Finish(absl::Status status) {
 absl::Status WorkImpl::Wait(std::chrono::milliseconds timeout) {
   if (auto core = queue_.lock()) SerialQueue::Hurry(*core, this);
   std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_for(lock, timeout, [this] { return done_; })) {
+  if (!cv_.wait_for(lock, CappedWait(timeout), [this] { return done_; })) {
     return absl::DeadlineExceededError(
         absl::StrCat("collective still running after ", timeout.count(), " ms"));
   }

@@ -140,6 +140,7 @@ absl::StatusOr<Context> Context::FromEnv() {
 }
 
 absl::StatusOr<Context> Context::FromLookup(const Lookup& getenv) {
+  if (!getenv) return absl::InvalidArgumentError("FromLookup: the lookup function is empty");
   Context c;
   DEEPNEX_ASSIGN_OR_RETURN(c.job_id, Required(getenv, "DEEPNEX_JOB_ID"));
 

@@ -173,6 +173,20 @@ std::string FormatByteSize(uint64_t bytes) {
   return absl::StrCat(t / 10, ".", t % 10, kNames[unit]);
 }
 
+absl::Status CheckMillis(std::chrono::milliseconds value, const std::string& field,
+                         bool zero_ok) {
+  if (zero_ok ? value.count() < 0 : value.count() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, "=", value.count(), "ms: must be ",
+                                                   zero_ok ? ">= 0" : "positive"));
+  }
+  if (value > kMaxWait) {
+    return absl::InvalidArgumentError(absl::StrCat(field, "=", value.count(),
+                                                   "ms: must be at most ", kMaxWait.count(),
+                                                   "ms (about 31 years)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::chrono::milliseconds> SecondsToMillis(double seconds,
                                                           const std::string& field,
                                                           bool zero_ok) {

@@ -4,6 +4,7 @@
 #include "deepnex/gpu/allocator.h"
 
 #include "absl/strings/str_cat.h"
+#include "deepnex/units.h"
 #include "gpu/allocator_impl.h"
 
 namespace deepnex::gpu {
@@ -12,14 +13,8 @@ Allocator::Allocator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Allocator::~Allocator() = default;
 
 absl::StatusOr<std::unique_ptr<Allocator>> Allocator::Create(const AllocatorOptions& options) {
-  if (options.lease_check_interval.count() <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "lease_check_interval=", options.lease_check_interval.count(), "ms must be positive"));
-  }
-  if (options.reservation_after.count() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "reservation_after=", options.reservation_after.count(), "ms must be >= 0"));
-  }
+  DEEPNEX_RETURN_IF_ERROR(CheckMillis(options.lease_check_interval, "lease_check_interval"));
+  DEEPNEX_RETURN_IF_ERROR(CheckMillis(options.reservation_after, "reservation_after", true));
   auto impl = std::make_unique<Impl>(options);
   DEEPNEX_RETURN_IF_ERROR(impl->Open());
   return std::unique_ptr<Allocator>(new Allocator(std::move(impl)));

@@ -21,10 +21,7 @@ absl::Status Cancelled() {
 
 absl::Status ValidateAllocate(const Request& r, const AllocateOptions& o) {
   DEEPNEX_RETURN_IF_ERROR(ValidateRequest(r));
-  if (o.timeout.count() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("timeout=", o.timeout.count(), "ms must be >= 0"));
-  }
+  DEEPNEX_RETURN_IF_ERROR(CheckMillis(o.timeout, "timeout", true));
   return absl::OkStatus();
 }
 
@@ -116,6 +113,7 @@ absl::Status Allocator::Impl::RemoveNode(const std::string& name) {
 }
 
 absl::Status Allocator::Impl::SetNodeMode(const std::string& name, Mode mode, ModeSwitch when) {
+  DEEPNEX_RETURN_IF_ERROR(CheckMode(mode, "mode"));
   std::unique_lock<std::mutex> lock(mu_);
   NodeState* n = placement().Find(name);
   if (n == nullptr) return NoNode(name);

@@ -12,6 +12,7 @@
 #include "core/grpc_util.h"
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/gpu/central.h"
+#include "deepnex/units.h"
 #include "gpu/central_convert.h"
 
 namespace deepnex::gpu {
@@ -375,6 +376,7 @@ class CentralClientImpl final : public CentralClient {
 
 absl::StatusOr<std::unique_ptr<CentralClient>> CentralClient::Create(
     const CentralClientOptions& options) {
+  DEEPNEX_RETURN_IF_ERROR(CheckMillis(options.timeout, "timeout"));
   DEEPNEX_ASSIGN_OR_RETURN(std::string token,
                            ResolveClientToken(options.token, options.token_file));
   auto client = std::make_unique<CentralClientImpl>(options, std::move(token));

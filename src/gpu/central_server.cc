@@ -15,6 +15,7 @@
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/gpu/central.h"
 #include "deepnex/metrics.h"
+#include "deepnex/units.h"
 #include "gpu/central_convert.h"
 #include "gpu/central_server.h"
 #include "gpu/jobs_store.h"
@@ -559,19 +560,14 @@ absl::StatusOr<std::unique_ptr<CentralServer>> CreateCentralServer(
     // A single token is the administrator's.
     tokens = TokenTable::Single(options.token, "admin", AuthRole::kAdmin);
   }
-  if (options.node_timeout <= std::chrono::milliseconds(0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "node_timeout=", options.node_timeout.count(), "ms must be positive"));
-  }
+  DEEPNEX_RETURN_IF_ERROR(CheckMillis(options.node_timeout, "node_timeout"));
+  DEEPNEX_RETURN_IF_ERROR(CheckMillis(options.node_lost_after, "node_lost_after"));
   if (options.node_lost_after < options.node_timeout) {
     return absl::InvalidArgumentError(
         absl::StrCat("node_lost_after=", options.node_lost_after.count(),
                      "ms must be at least node_timeout=", options.node_timeout.count(), "ms"));
   }
-  if (options.agent_heartbeat <= std::chrono::milliseconds(0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "agent_heartbeat=", options.agent_heartbeat.count(), "ms must be positive"));
-  }
+  DEEPNEX_RETURN_IF_ERROR(CheckMillis(options.agent_heartbeat, "agent_heartbeat"));
   DEEPNEX_ASSIGN_OR_RETURN(auto alloc, Allocator::Create(options.allocator));
   agent::HubOptions hub;
   hub.node_timeout = options.node_timeout;

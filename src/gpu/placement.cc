@@ -141,6 +141,12 @@ absl::Status CheckLabel(const std::string& where, const std::string& key,
   return absl::OkStatus();
 }
 
+absl::Status CheckMode(Mode mode, const std::string& field) {
+  if (mode == Mode::kExclusive || mode == Mode::kShared) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, "=", static_cast<int>(mode), " is not a Mode (exclusive, shared)"));
+}
+
 absl::Status ValidateRequest(const Request& r) {
   auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
   if (!ValidName(r.user)) {
@@ -149,15 +155,13 @@ absl::Status ValidateRequest(const Request& r) {
   if (!r.job.empty() && !ValidName(r.job)) {
     return bad("job \"", r.job, "\": use 1-253 letters, digits, '-', '_', '.', '@'");
   }
-  if (r.mode != Mode::kExclusive && r.mode != Mode::kShared) {
-    return bad("mode=", static_cast<int>(r.mode), " is not a Mode (exclusive, shared)");
-  }
+  DEEPNEX_RETURN_IF_ERROR(CheckMode(r.mode, "mode"));
   if (r.gpus < 0) return bad("gpus=", r.gpus, " must be >= 0");
   if (r.gpus > 4096) return bad("gpus=", r.gpus, " is more than any node has");
   if (r.cpus < 0) return bad("cpus=", r.cpus, " must be >= 0");
   if (r.replicas < 1) return bad("replicas=", r.replicas, " must be >= 1");
   if (r.replicas > 100000) return bad("replicas=", r.replicas, " is too many");
-  if (r.lease.count() < 0) return bad("lease=", r.lease.count(), "ms must be >= 0");
+  DEEPNEX_RETURN_IF_ERROR(CheckMillis(r.lease, "lease", true));
   if (r.gpus > 0 && r.mode == Mode::kShared && r.gpu_memory == 0) {
     return bad("gpu_memory=0B: a shared request must give the GPU memory it needs per GPU");
   }
@@ -205,6 +209,7 @@ absl::Status Placement::Validate(Node* node) const {
   if (Find(name) != nullptr) {
     return absl::AlreadyExistsError(absl::StrCat("node ", name, " already exists"));
   }
+  DEEPNEX_RETURN_IF_ERROR(CheckMode(node->mode, absl::StrCat("node ", name, ": mode")));
   if (node->cpus <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("node ", name, ": cpus=", node->cpus, " must be positive"));

@@ -68,6 +68,10 @@ absl::Status CheckLabel(const std::string& where, const std::string& key,
 // sense of (a bad name, a negative or absurd count, a shared request without
 // its GPU memory, a request for nothing, a selector no label could match).
 absl::Status ValidateRequest(const Request& r);
+
+// InvalidArgument naming `field` for a value that is no Mode (a C++
+// caller's cast, Mode(9)).
+absl::Status CheckMode(Mode mode, const std::string& field);
 // "a1, a2, ... (12 in all)": at most `max` names.
 std::string NameList(const std::vector<std::string>& names, size_t max = 8);
 // "alice asks 2 x (1 exclusive GPUs, 4 cpus, 8GiB memory)", for messages.

@@ -215,8 +215,7 @@ class JobImpl : public Job {
   }
 
   absl::StatusOr<JobResult> Wait(milliseconds timeout) override {
-    // Clamped so that "forever" (milliseconds::max()) does not overflow.
-    auto deadline = Clock::now() + std::min(timeout, milliseconds(int64_t{1} << 40));
+    auto deadline = Clock::now() + CappedWait(timeout);
     // As torchrun does: once a worker has failed for good (its restart
     // policy gave up), the others are stopped rather than left to hang in a
     // collective or a shrunken round.

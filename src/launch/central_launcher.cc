@@ -23,6 +23,7 @@
 #include "core/random.h"
 #include "deepnex/gpu/central.h"
 #include "deepnex/launch/central.h"
+#include "deepnex/units.h"
 #include "launch/backend.h"
 #include "launch/util.h"
 
@@ -107,7 +108,7 @@ class CentralHandle final : public Handle {
   }
 
   absl::StatusOr<ExitStatus> Wait(milliseconds timeout) override {
-    const auto deadline = Clock::now() + std::min(timeout, milliseconds(int64_t{1} << 40));
+    const auto deadline = Clock::now() + CappedWait(timeout);
     for (;;) {
       ContainerStatus st = Status();
       if (Ended(st.state)) {
@@ -125,6 +126,7 @@ class CentralHandle final : public Handle {
   }
 
   absl::Status Stop(milliseconds grace) override {
+    grace = CappedWait(grace);
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;

@@ -22,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "core/file_util.h"
 #include "core/random.h"
+#include "deepnex/units.h"
 #include "launch/backend.h"
 #include "launch/record.h"
 #include "launch/rotating_log.h"
@@ -140,6 +141,7 @@ class Container : public Handle {
   }
 
   absl::StatusOr<ExitStatus> Wait(std::chrono::milliseconds timeout) override {
+    timeout = CappedWait(timeout);
     std::unique_lock<std::mutex> lock(mu_);
     if (!cv_.wait_for(lock, timeout, [&] { return final_.has_value(); })) {
       return absl::DeadlineExceededError(absl::StrCat("container \"", spec_.name,
@@ -150,6 +152,7 @@ class Container : public Handle {
   }
 
   absl::Status Stop(std::chrono::milliseconds grace) override {
+    grace = CappedWait(grace);
     DEEPNEX_RETURN_IF_ERROR(RequestStop(grace));
     // The backend's SIGKILL comes at `grace`; allow for the engine to notice.
     return Wait(grace + std::chrono::seconds(10)).status();

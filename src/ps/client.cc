@@ -10,6 +10,7 @@
 #include <set>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -63,8 +64,8 @@ class ClientImpl final : public Client {
   ClientImpl(const ClientOptions& options, std::string token, Transport transport)
       : options_(options), token_(std::move(token)), transport_(transport) {}
 
-  // Requests in flight call back into this object: wait for them (a closed
-  // client fails its pending retries at once).
+  // Requests in flight call back into this object: Close cancels them and
+  // waits (here too for a Close on another thread still at it).
   ~ClientImpl() override {
     Close().IgnoreError();
     std::unique_lock<std::mutex> lock(inflight_mu_);
@@ -322,6 +323,7 @@ class ClientImpl final : public Client {
     for (const auto& link : links) {
       if (link) link->stream->Join();
     }
+    CancelInflight();
     if (!finished.ok()) {
       const char* part = AnyUnfinished() ? "; the servers may hold that push in part" : "";
       return absl::Status(finished.code(), absl::StrCat("close: ", finished.message(), part));
@@ -363,15 +365,22 @@ class ClientImpl final : public Client {
     // Where a reply's values go, in order (none for shm): a bulk reply is
     // read straight into them.
     std::vector<std::pair<char*, uint64_t>> direct;
-    std::mutex mu;             // guards ctx, cancel_bulk and cancelled against Cancel()
+    std::mutex mu;  // guards ctx, cancel_bulk, cancelled and backing_off against Cancel()
     std::function<void()> cancel_bulk;
     bool cancelled = false;
+    bool backing_off = false;  // its next attempt waits on the timer
 
     void Cancel() {
       std::lock_guard<std::mutex> lock(mu);
       cancelled = true;
       if (ctx) ctx->TryCancel();
       if (cancel_bulk) cancel_bulk();
+    }
+    // Whether the caller took the request off the timer: the one that does
+    // goes on with it (the timer's next attempt, or Close's cancel).
+    bool TakeBackoff() {
+      std::lock_guard<std::mutex> lock(mu);
+      return std::exchange(backing_off, false);
     }
   };
 
@@ -844,6 +853,7 @@ class ClientImpl final : public Client {
     {
       std::lock_guard<std::mutex> lock(inflight_mu_);
       ++inflight_;
+      live_.insert(r);
     }
     Attempt(std::move(r));
   }
@@ -886,7 +896,13 @@ class ClientImpl final : public Client {
         Clock::now() + r->backoff < r->deadline) {
       auto delay = r->backoff;
       r->backoff *= 2;
-      timer_.After(delay, [this, r] { Attempt(r); });
+      {
+        std::lock_guard<std::mutex> lock(r->mu);
+        r->backing_off = true;
+      }
+      timer_.After(delay, [this, r] {
+        if (r->TakeBackoff()) Attempt(r);
+      });
       return;
     }
     Complete(r, CallError(s, r->server, r->what));
@@ -899,7 +915,27 @@ class ClientImpl final : public Client {
     r->op->RequestDone(status);
     if (on_failure) on_failure();
     std::lock_guard<std::mutex> lock(inflight_mu_);
+    live_.erase(r);
     if (--inflight_ == 0) inflight_cv_.notify_all();
+  }
+
+  // Cancels the requests still out and waits for them: once Close returns,
+  // none reads or writes the caller's tensors (a probe's async push read a
+  // freed gradient at its deadline, 3 s after Close said OK).
+  void CancelInflight() {
+    std::vector<std::shared_ptr<Request>> live;
+    {
+      std::lock_guard<std::mutex> lock(inflight_mu_);
+      live.assign(live_.begin(), live_.end());
+    }
+    for (const auto& r : live) {
+      r->Cancel();
+      if (r->TakeBackoff()) {
+        Complete(r, absl::CancelledError(absl::StrCat(r->what, ": the client was closed")));
+      }
+    }
+    std::unique_lock<std::mutex> lock(inflight_mu_);
+    inflight_cv_.wait(lock, [this] { return inflight_ == 0; });
   }
 
   std::shared_ptr<Request> NewRequest(std::shared_ptr<Op> op, size_t server,
@@ -1203,8 +1239,10 @@ class ClientImpl final : public Client {
         status.code(),
         absl::StrCat(status.message(),
                      "; this push may have been taken in part or whole (a sync round also "
-                     "waits for every worker's push): what is unsure goes again, exactly once, "
-                     "before this client's next call (do not push it again)"));
+                     "waits for every worker's push)",
+                     closed_ ? "; the client is closed: nothing goes again"
+                             : ": what is unsure goes again, exactly once, before this "
+                               "client's next call (do not push it again)"));
   }
 
   // A failed push: refused everywhere, it took nothing and this incarnation's
@@ -1349,6 +1387,7 @@ class ClientImpl final : public Client {
   std::mutex inflight_mu_;
   std::condition_variable inflight_cv_;
   int inflight_ = 0;  // requests sent and not yet completed
+  std::unordered_set<std::shared_ptr<Request>> live_;  // those requests; guarded by inflight_mu_
   std::atomic<uint64_t> incarnation_{0};
   bool stale_ = false;  // guarded by mu_
   std::mutex register_mu_;

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "deepnex/ps/client.h"
+#include "deepnex/units.h"
 
 namespace deepnex::ps {
 
@@ -56,7 +57,7 @@ class Op final : public PendingOp {
   }
   absl::Status Wait(std::chrono::milliseconds timeout) override {
     std::unique_lock<std::mutex> lock(mu_);
-    if (!cv_.wait_for(lock, timeout, [this] { return done_; })) {
+    if (!cv_.wait_for(lock, CappedWait(timeout), [this] { return done_; })) {
       return absl::DeadlineExceededError(absl::StrCat(
           "operation still running after ", timeout.count(), " ms"));
     }

@@ -2,6 +2,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
 #include "deepnex/ps/client.h"
+#include "deepnex/units.h"
 
 namespace deepnex::ps {
 
@@ -44,14 +45,12 @@ absl::Status ClientOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("retry_backoff=", retry_backoff.count(), "ms: must not be negative"));
   }
+  DEEPNEX_RETURN_IF_ERROR(CheckMillis(retry_backoff, "retry_backoff", true));
   if (TransportName(transport)[0] == '?') {
     return absl::InvalidArgumentError(absl::StrCat(
         "transport=", static_cast<int>(transport), ": not a Transport (auto, tcp, shm)"));
   }
-  if (timeout.count() <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "timeout=", timeout.count(), "ms: must be positive"));
-  }
+  DEEPNEX_RETURN_IF_ERROR(CheckMillis(timeout, "timeout"));
   return absl::OkStatus();
 }
 

@@ -14,6 +14,7 @@
 #include "core/net.h"
 #include "deepnex/auth.h"
 #include "deepnex/metrics.h"
+#include "deepnex/units.h"
 #include "ps/service.h"
 
 namespace deepnex::ps {
@@ -70,15 +71,17 @@ absl::Status ServerOptions::Validate() const {
   }
   if (max_pending_reply_bytes == 0) return bad("max_pending_reply_bytes=0: must be positive");
   if (max_deferred_push_bytes == 0) return bad("max_deferred_push_bytes=0: must be positive");
+  if (ModeName(mode)[0] == '?') {
+    return bad(absl::StrCat("mode=", static_cast<int>(mode), ": not a Mode (sync, ssp, async)"));
+  }
   if (staleness < 0) return bad(absl::StrCat("staleness=", staleness, ": must be >= 0"));
   if (staleness > 0 && mode != Mode::kSsp) {
     return bad(absl::StrCat("staleness=", staleness, ": only mode ssp takes a staleness (",
                             ModeName(mode), " is ", mode == Mode::kSync ? "0" : "unbounded",
                             ")"));
   }
-  if (lease_timeout.count() <= 0) {
-    return bad(absl::StrCat("lease_timeout=", lease_timeout.count(), "ms: must be positive"));
-  }
+  DEEPNEX_RETURN_IF_ERROR(CheckMillis(lease_timeout, "lease_timeout"));
+  DEEPNEX_RETURN_IF_ERROR(CheckMillis(checkpoint_interval, "checkpoint_interval", true));
   if (heartbeat_interval.count() < 0 || heartbeat_interval >= lease_timeout) {
     return bad(absl::StrCat("heartbeat_interval=", heartbeat_interval.count(),
                             "ms: must be >= 0 and below lease_timeout (",

@@ -81,8 +81,9 @@ struct CommunicatorOptions {
   int shm_channels = 0;
   // cpu backend: bytes of each shared-memory ring buffer: room for a whole
   // two-rank allreduce of up to 1 MiB, and small enough to stay in cache.
-  // Default: 1 MiB + 64 KiB
+  // At most kMaxShmBufferBytes. Default: 1 MiB + 64 KiB
   uint64_t shm_buffer_bytes = (1ull << 20) + (64 << 10);
+  static constexpr uint64_t kMaxShmBufferBytes = 256ull << 20;
   // cpu backend: the address other ranks reach this one at. Empty: the
   // local address of the route to the store's host. Default: ""
   std::string host;

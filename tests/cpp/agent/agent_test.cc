@@ -238,7 +238,7 @@ TEST(CentralOptionsTest, NodeTimeoutsAreChecked) {
   gpu::CentralServerOptions o;
   o.node_timeout = 0ms;
   EXPECT_THAT(gpu::CentralServer::Create(o).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument, "node_timeout=0ms must be positive"));
+              StatusIs(absl::StatusCode::kInvalidArgument, "node_timeout=0ms: must be positive"));
   o.node_timeout = 10s;
   o.node_lost_after = 5s;
   EXPECT_THAT(gpu::CentralServer::Create(o).status(),
@@ -248,7 +248,7 @@ TEST(CentralOptionsTest, NodeTimeoutsAreChecked) {
   o.agent_heartbeat = 0ms;
   EXPECT_THAT(gpu::CentralServer::Create(o).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       "agent_heartbeat=0ms must be positive"));
+                       "agent_heartbeat=0ms: must be positive"));
 }
 
 TEST_F(AgentTest, RegistersItsNodeAndHeartbeats) {

@@ -774,6 +774,21 @@ TEST(CommunicatorOptionsTest, Validation) {
   EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
                                      HasSubstr("device=-5: must be a device index, or -1")));
   o.device = -1;
+  // A probe's 2^40 made a 2 TiB segment in /dev/shm and filled the host's
+  // memory until the OOM killer came.
+  for (uint64_t bytes : {uint64_t{4095}, (uint64_t{256} << 20) + 1, uint64_t{1} << 40}) {
+    o.shm_buffer_bytes = bytes;
+    EXPECT_THAT(o.Validate(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(absl::StrCat("shm_buffer_bytes=", bytes,
+                                                ": must be 4096..268435456 (256MiB)"))));
+  }
+  o.shm_buffer_bytes = CommunicatorOptions::kMaxShmBufferBytes;
+  EXPECT_OK(o.Validate());
+  o.timeout = std::chrono::milliseconds::max();
+  EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                     HasSubstr("timeout=9223372036854775807ms: must be at most")));
+  o.timeout = std::chrono::seconds(10);
   EXPECT_THAT(ParseReduceOp("avg"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("avg")));
   EXPECT_THAT(ParseBackend("mpi"), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ParseTransport("rdma"), StatusIs(absl::StatusCode::kInvalidArgument));

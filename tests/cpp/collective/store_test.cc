@@ -79,6 +79,21 @@ TEST(StoreTest, GetWaitsForTheKey) {
   setter.join();
 }
 
+// milliseconds::max(), C++'s "no limit", waits: it overflowed into a
+// deadline already past, DeadlineExceeded at once (probe).
+TEST(StoreTest, AGetOfMillisecondsMaxWaitsForTheKey) {
+  auto server = StartServer();
+  auto a = Connect(server->address());
+  auto b = Connect(server->address());
+  std::thread setter([&] {
+    std::this_thread::sleep_for(milliseconds(100));
+    EXPECT_OK(b->Set("late", "here"));
+  });
+  ASSERT_OK_AND_ASSIGN(std::string v, a->Get("late", milliseconds::max()));
+  EXPECT_EQ(v, "here");
+  setter.join();
+}
+
 TEST(StoreTest, MultiGetAndWaitNameTheMissingKeys) {
   auto server = StartServer();
   auto c = Connect(server->address(), "job1");

@@ -235,5 +235,31 @@ TEST(SecondsToMillisTest, RefusesWhatIsNoDurationNamingTheField) {
   }
 }
 
+// Durations given as C++ milliseconds: the same rule (a probe's
+// lease_timeout=milliseconds::max() expired every lease at once).
+TEST(CheckMillisTest, RefusesNegativeZeroAndPastAbout31Years) {
+  using std::chrono::milliseconds;
+  EXPECT_OK(CheckMillis(milliseconds(1), "timeout"));
+  EXPECT_OK(CheckMillis(milliseconds(0), "interval", true));
+  EXPECT_OK(CheckMillis(kMaxWait, "timeout"));
+  EXPECT_THAT(CheckMillis(milliseconds(0), "timeout"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "timeout=0ms: must be positive"));
+  EXPECT_THAT(CheckMillis(milliseconds(-1), "interval", true),
+              StatusIs(absl::StatusCode::kInvalidArgument, "interval=-1ms: must be >= 0"));
+  EXPECT_THAT(CheckMillis(milliseconds::max(), "lease_timeout"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "lease_timeout=9223372036854775807ms: must be at most 1000000000000ms "
+                       "(about 31 years)"));
+}
+
+TEST(CappedWaitTest, ForEverIsAbout31Years) {
+  using std::chrono::milliseconds;
+  EXPECT_EQ(CappedWait(milliseconds(5)), milliseconds(5));
+  EXPECT_EQ(CappedWait(milliseconds::max()), kMaxWait);
+  // Now plus it stays a time to come.
+  EXPECT_GT(std::chrono::steady_clock::now() + CappedWait(milliseconds::max()),
+            std::chrono::steady_clock::now());
+}
+
 }  // namespace
 }  // namespace deepnex

@@ -137,6 +137,28 @@ TEST_F(BadInput, NegativeCounts) {
   r.lease = std::chrono::milliseconds(-5);
   EXPECT_THAT(alloc_->Allocate(r),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lease=-5ms")));
+  // Its expiry wrapped negative (probe).
+  r.lease = std::chrono::milliseconds::max();
+  EXPECT_THAT(alloc_->Allocate(r), StatusIs(absl::StatusCode::kInvalidArgument,
+                                            HasSubstr("lease=9223372036854775807ms: must be "
+                                                      "at most 1000000000000ms")));
+  r.lease = std::chrono::milliseconds(0);
+  AllocateOptions forever;
+  forever.timeout = std::chrono::milliseconds::max();
+  EXPECT_THAT(alloc_->Allocate(r, forever),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("timeout=9223372036854775807ms: must be at most")));
+  ExpectUnchanged();
+}
+
+// A cast integer is no Mode: a probe's node of Mode(9) was added.
+TEST_F(BadInput, NodeModeThatIsNoMode) {
+  Node n = MakeNode("n3", 2);
+  n.mode = static_cast<Mode>(9);
+  EXPECT_THAT(alloc_->AddNode(n), StatusIs(absl::StatusCode::kInvalidArgument,
+                                           HasSubstr("node n3: mode=9 is not a Mode")));
+  EXPECT_THAT(alloc_->SetNodeMode("n2", static_cast<Mode>(7)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("mode=7 is not a Mode")));
   ExpectUnchanged();
 }
 

@@ -102,6 +102,20 @@ TEST_F(Central, NodeModeAndQuotaChangesAreAdminOnly) {
   EXPECT_EQ(nodes[1].mode, Mode::kShared);
 }
 
+// A timeout of 0 or below was taken, and every call then failed at once.
+TEST_F(Central, AClientTimeoutOutOfRangeIsRefusedNamingIt) {
+  CentralClientOptions o;
+  o.address = server_->address();
+  for (auto [timeout, what] :
+       {std::pair{std::chrono::milliseconds(0), "timeout=0ms: must be positive"},
+        std::pair{std::chrono::milliseconds(-1), "timeout=-1ms: must be positive"},
+        std::pair{std::chrono::milliseconds::max(), "timeout=9223372036854775807ms: must be at most"}}) {
+    o.timeout = timeout;
+    EXPECT_THAT(CentralClient::Create(o).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(what)));
+  }
+}
+
 TEST_F(Central, QueueWaitsAcrossTheWireAndMetricsCount) {
   ASSERT_OK_AND_ASSIGN(Allocation held, alice_->Allocate(Exclusive("", 1)));
   AllocateOptions nowait;

@@ -628,7 +628,83 @@ TEST(PsTest, ClientOptionsOutOfRangeAreRefusedNamingThem) {
   refused("connections_per_server=1000000: must be 1..16");
   o.partition_bytes = 0;
   refused("partition_bytes=0: must be at least 8");
+  o.timeout = std::chrono::milliseconds::max();  // the deadline wrapped: DeadlineExceeded at once
+  refused("timeout=9223372036854775807ms: must be at most 1000000000000ms");
+  o.retry_backoff = std::chrono::milliseconds::max();
+  refused("retry_backoff=9223372036854775807ms: must be at most");
 }
+
+// A probe's lease_timeout=max expired every worker's lease at once, and
+// mode=Mode(7) served a mode that does not exist.
+TEST(PsTest, ServerOptionsOutOfRangeAreRefusedNamingThem) {
+  auto refused = [](const ServerOptions& o, const std::string& what) {
+    EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(what)));
+  };
+  ServerOptions o;
+  o.lease_timeout = std::chrono::milliseconds::max();
+  refused(o, "lease_timeout=9223372036854775807ms: must be at most 1000000000000ms");
+  o = ServerOptions();
+  o.mode = static_cast<Mode>(7);
+  refused(o, "mode=7: not a Mode (sync, ssp, async)");
+  o = ServerOptions();
+  o.checkpoint_interval = std::chrono::milliseconds(-1);
+  refused(o, "checkpoint_interval=-1ms: must be >= 0");
+}
+
+// milliseconds::max(), C++'s "no limit", waits: it overflowed into a
+// deadline already past, DeadlineExceeded at once (probe).
+TEST(PsTest, AWaitOfMillisecondsMaxWaitsForTheOp) {
+  ServerOptions so;
+  so.num_workers = 2;  // sync: worker 0's pull waits for worker 1
+  Cluster c = StartServers(1, so);
+  auto w0 = Connect(c, 0);
+  auto w1 = Connect(c, 1);
+  std::vector<float> v = {1, 2, 3}, g = {2, 2, 2}, got(3);
+  ASSERT_OK(w0->Init({View("w", v)}));
+  ASSERT_OK(w0->Push({View("w", g)}));
+  auto pull = w0->PullAsync({View("w", got)});
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_OK(w1->Push({View("w", g)}));
+  });
+  EXPECT_OK(pull->Wait(std::chrono::milliseconds::max()));
+  late.join();
+  EXPECT_EQ(got, (std::vector<float>{1 - 0.01f * 2, 2 - 0.01f * 2, 3 - 0.01f * 2}));
+}
+
+// Close ends what is in flight before it returns: a probe's async push went
+// on reading the caller's gradient until its deadline, 3 s after Close said
+// OK (a use after free once the caller let the gradient go).
+// Over gRPC, the bulk TCP connection and shared memory.
+class CloseTest : public ::testing::TestWithParam<std::pair<Transport, bool>> {};
+
+TEST_P(CloseTest, CloseEndsTheOpsInFlightBeforeItReturns) {
+  ServerOptions so;
+  so.num_workers = 2;  // sync: worker 0's round waits for worker 1, who never comes
+  so.bulk_tcp = GetParam().second;
+  Cluster c = StartServers(1, so);
+  ClientOptions co;
+  co.transport = GetParam().first;
+  co.timeout = std::chrono::seconds(60);
+  auto w0 = Connect(c, 0, co);
+  std::vector<float> v = {1, 2, 3}, g = {2, 2, 2}, got(3);
+  ASSERT_OK(w0->Init({View("w", v)}));
+  auto op = w0->PushPullAsync({View("w", g)}, {View("w", got)});
+  ASSERT_FALSE(op->Done());
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_OK(w0->Close());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  EXPECT_TRUE(op->Done());
+  absl::Status s = op->Wait(std::chrono::milliseconds(0));
+  EXPECT_FALSE(s.ok());
+  // Nothing promises to go again after a Close.
+  EXPECT_THAT(std::string(s.message()), ::testing::Not(HasSubstr("goes again, exactly once")));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, CloseTest,
+                         ::testing::Values(std::make_pair(Transport::kTcp, false),
+                                           std::make_pair(Transport::kTcp, true),
+                                           std::make_pair(Transport::kShm, true)));
 
 }  // namespace
 }  // namespace deepnex::ps
