@@ -26,6 +26,7 @@
 #include "deepnex/units.h"
 #include "gpu/central_convert.h"
 #include "launch/central_wire.h"
+#include "launch/spec.h"
 #include "launch/util.h"
 
 namespace deepnex::agent {
@@ -374,6 +375,11 @@ class AgentImpl final : public Agent {
                              spec.allocation->node, ", not on node ", node_.name));
           }
         }
+        // Central's mount roots, checked here where the paths are (this
+        // node's launcher has none, and took any host path).
+        const auto& roots = c.start().allowed_mount_roots();
+        DEEPNEX_RETURN_IF_ERROR(
+            launch::CheckMounts(std::vector<std::string>(roots.begin(), roots.end()), spec));
         // A run's end that a restart follows is told at once too, so that
         // central's record (and a job following it) sees each run's exit.
         spec.on_restart = [this](const launch::RestartEvent&) {

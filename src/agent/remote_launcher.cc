@@ -87,7 +87,8 @@ class RemoteHandle final : public launch::Handle {
 
 class RemoteLauncher final : public launch::Launcher {
  public:
-  RemoteLauncher(Hub& hub, std::string node) : hub_(hub), node_(std::move(node)) {}
+  RemoteLauncher(Hub& hub, std::string node, std::vector<std::string> allowed_mount_roots)
+      : hub_(hub), node_(std::move(node)), allowed_mount_roots_(std::move(allowed_mount_roots)) {}
 
   // Asked each time: a launcher made while its agent was away (central
   // just restarted) kept "" for good, and `deepnex launch` printed "( PID)".
@@ -110,6 +111,9 @@ class RemoteLauncher final : public launch::Launcher {
       r->set_gid(spec.run_as->gid);
       r->set_user(spec.run_as->user);
       r->set_home(spec.run_as->home);
+    }
+    for (const std::string& root : allowed_mount_roots_) {
+      c.mutable_start()->add_allowed_mount_roots(root);
     }
     DEEPNEX_RETURN_IF_ERROR(hub_.Call(node_, std::move(c), kCommandTimeout).status());
     auto h = std::make_shared<RemoteHandle>(hub_, node_, spec);
@@ -150,14 +154,16 @@ class RemoteLauncher final : public launch::Launcher {
  private:
   Hub& hub_;
   const std::string node_;
+  const std::vector<std::string> allowed_mount_roots_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<launch::Handle>> handles_;
 };
 
 }  // namespace
 
-std::unique_ptr<launch::Launcher> NewRemoteLauncher(Hub& hub, const std::string& node) {
-  return std::make_unique<RemoteLauncher>(hub, node);
+std::unique_ptr<launch::Launcher> NewRemoteLauncher(
+    Hub& hub, const std::string& node, const std::vector<std::string>& allowed_mount_roots) {
+  return std::make_unique<RemoteLauncher>(hub, node, allowed_mount_roots);
 }
 
 std::shared_ptr<launch::Handle> NewRemoteHandle(Hub& hub, const std::string& node,

@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "agent/hub.h"
 #include "deepnex/launch/launcher.h"
@@ -14,8 +15,10 @@
 namespace deepnex::agent {
 
 // Commands travel through `hub`, which outlives the launcher; status and
-// usage come from the agent's latest report. Thread-safe.
-std::unique_ptr<launch::Launcher> NewRemoteLauncher(Hub& hub, const std::string& node);
+// usage come from the agent's latest report. A start carries
+// `allowed_mount_roots` (central's), which the agent enforces. Thread-safe.
+std::unique_ptr<launch::Launcher> NewRemoteLauncher(
+    Hub& hub, const std::string& node, const std::vector<std::string>& allowed_mount_roots);
 // A handle on container spec.name, which runs on `node` already: what a
 // restarted central takes back from the agent's registration.
 std::shared_ptr<launch::Handle> NewRemoteHandle(Hub& hub, const std::string& node,

@@ -92,14 +92,15 @@ std::string LauncherName(const std::string& user, const std::string& name) {
 class ContainersService final : public pb::Containers::CallbackService,
                                 public gpu::CentralExtension {
  public:
-  // `mounts_allowed`: the launcher has allowed_mount_roots (which it
-  // enforces); without, deepnex-central refuses every mount.
+  // `mount_roots`: the launcher's allowed_mount_roots, which it enforces
+  // and agents enforce on their nodes (they had none, and took any host
+  // path: probe); without, deepnex-central refuses every mount.
   // `catalog`: the images users may run, served here too.
   ContainersService(gpu::Allocator& alloc, const TokenTable& tokens, agent::Hub& hub,
-                    std::unique_ptr<Launcher> launcher, bool mounts_allowed,
+                    std::unique_ptr<Launcher> launcher, std::vector<std::string> mount_roots,
                     std::unique_ptr<ImageCatalog> catalog, ContainerPolicy policy)
       : alloc_(alloc), tokens_(tokens), hub_(hub), launcher_(std::move(launcher)),
-        mounts_allowed_(mounts_allowed), catalog_(std::move(catalog)),
+        mount_roots_(std::move(mount_roots)), catalog_(std::move(catalog)),
         policy_(std::move(policy)), reaper_([this] { Reap(); }) {
     hub_.OnRegistered([this](const std::string& node,
                              const std::vector<agent::proto::ContainerReport>& running) {
@@ -310,7 +311,7 @@ class ContainersService final : public pb::Containers::CallbackService,
     }
     DEEPNEX_RETURN_IF_ERROR(CheckJob(who, a.job, "allocation " + a.id));
     DEEPNEX_ASSIGN_OR_RETURN(ContainerSpec spec, SpecFromProto(req.spec()));
-    if (!spec.mounts.empty() && !mounts_allowed_) {
+    if (!spec.mounts.empty() && mount_roots_.empty()) {
       return absl::PermissionDeniedError(absl::StrCat(
           "spec.mounts[0].source: \"", spec.mounts[0].source,
           "\": this deepnex-central allows no mounts (its --allow-mount is not set)"));
@@ -626,7 +627,7 @@ class ContainersService final : public pb::Containers::CallbackService,
     if (!hub_.HasAgent(node)) return *launcher_;
     std::lock_guard<std::mutex> lock(mu_);
     auto& remote = remote_[node];
-    if (!remote) remote = agent::NewRemoteLauncher(hub_, node);
+    if (!remote) remote = agent::NewRemoteLauncher(hub_, node, mount_roots_);
     return *remote;
   }
 
@@ -635,7 +636,7 @@ class ContainersService final : public pb::Containers::CallbackService,
   agent::Hub& hub_;
   const std::unique_ptr<Launcher> launcher_;
   std::map<std::string, std::unique_ptr<Launcher>> remote_;  // by node; guarded by mu_
-  const bool mounts_allowed_;
+  const std::vector<std::string> mount_roots_;
   const std::unique_ptr<ImageCatalog> catalog_;
   std::unique_ptr<grpc::Service> images_service_;  // set in the constructor
   const ContainerPolicy policy_;
@@ -763,7 +764,7 @@ absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
       DEEPNEX_RETURN_IF_ERROR(SweepOrphans(*l, alloc, launcher.state_dir, swept));
     }
     return std::make_unique<ContainersService>(alloc, tokens, hub, std::move(l),
-                                               !launcher.allowed_mount_roots.empty(),
+                                               launcher.allowed_mount_roots,
                                                std::move(catalog), policy);
   };
   return gpu::CreateCentralServer(options, extension);

@@ -160,6 +160,21 @@ absl::Status CheckRunAs(const std::string& backend, const RunAs& run_as) {
 
 }  // namespace
 
+absl::Status CheckMounts(const std::vector<std::string>& roots, ContainerSpec& spec) {
+  if (spec.mounts.empty()) return absl::OkStatus();
+  if (roots.empty()) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("spec.mounts[0].source: \"", spec.mounts[0].source,
+                     "\": no mount roots are allowed here"));
+  }
+  LauncherOptions options;
+  options.allowed_mount_roots = roots;
+  for (size_t i = 0; i < spec.mounts.size(); ++i) {
+    DEEPNEX_RETURN_IF_ERROR(CheckMount(options, i, spec.mounts[i]));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckName(const std::string& field, const std::string& name, size_t max) {
   bool ok = !name.empty() && name.size() <= max;
   for (size_t i = 0; ok && i < name.size(); ++i) ok = IsNameChar(name[i], i == 0);

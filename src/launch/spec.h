@@ -32,6 +32,12 @@ absl::Status CheckAbsoluteNormal(const std::string& field, const std::string& pa
 absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
                                       const std::string& launcher_id, ContainerSpec spec);
 
+// The mounts of `spec` checked against `roots` as a launcher checks them
+// against its allowed_mount_roots (each source set to its checked real
+// path), except that no roots allow no mount: an agent checks central's
+// roots on its own node, where the paths are.
+absl::Status CheckMounts(const std::vector<std::string>& roots, ContainerSpec& spec);
+
 // For the backends that run a spec on this host's files (process, slurm):
 // its working_dir is a directory here and its program is found on its PATH.
 absl::Status CheckRunsOnHost(const ContainerSpec& spec);

@@ -13,6 +13,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/str_cat.h"
 #include "agent/remote_launcher.h"
 #include "core/net.h"
 #include "gmock/gmock.h"
@@ -501,36 +502,51 @@ class NoExtension : public gpu::CentralExtension {
   grpc::Service service_;
 };
 
+// An agent of the process backend on h1, registered with a central whose
+// hub the test drives through remote launchers.
+class AgentOnCentral : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::ofstream(dir_.path() + "/tokens") << "h1tok h1 node\n";
+    gpu::CentralServerOptions o;
+    o.address = "127.0.0.1:0";
+    o.token_file = dir_.path() + "/tokens";
+    o.allocator.state_dir = dir_.path() + "/ledger";
+    ASSERT_OK_AND_ASSIGN(
+        server_,
+        gpu::CreateCentralServer(o, [&](gpu::Allocator&, const TokenTable&, Hub& h)
+                                        -> absl::StatusOr<std::unique_ptr<gpu::CentralExtension>> {
+          hub_ = &h;
+          return std::make_unique<NoExtension>();
+        }));
+    agent_options_.central = server_->address();
+    agent_options_.node = "h1";
+    agent_options_.token = "h1tok";
+    agent_options_.launcher.backend = "process";
+    agent_options_.launcher.state_dir = dir_.path() + "/h1";
+    agent_options_.gpus = ParseGpus("1x16GiB").value();
+  }
+  void StartAgent() {
+    ASSERT_OK_AND_ASSIGN(agent_, Agent::Create(agent_options_));
+    ASSERT_OK(agent_->WaitRegistered(10s));
+  }
+  void TearDown() override { agent_.reset(); }
+
+  TempDir dir_;
+  std::unique_ptr<gpu::CentralServer> server_;
+  Hub* hub_ = nullptr;
+  AgentOptions agent_options_;
+  std::unique_ptr<Agent> agent_;
+};
+
 // A start without the uid to run as would run the user's container as the
 // agent's own uid (root); the agent refuses it and starts nothing.
-TEST(AgentRunAsTest, AStartWithoutTheUidIsRefused) {
-  TempDir dir;
-  std::ofstream(dir.path() + "/tokens") << "h1tok h1 node\n";
-  gpu::CentralServerOptions o;
-  o.address = "127.0.0.1:0";
-  o.token_file = dir.path() + "/tokens";
-  o.allocator.state_dir = dir.path() + "/ledger";
-  Hub* hub = nullptr;
-  ASSERT_OK_AND_ASSIGN(
-      auto server,
-      gpu::CreateCentralServer(o, [&](gpu::Allocator&, const TokenTable&, Hub& h)
-                                      -> absl::StatusOr<std::unique_ptr<gpu::CentralExtension>> {
-        hub = &h;
-        return std::make_unique<NoExtension>();
-      }));
-  AgentOptions a;
-  a.central = server->address();
-  a.node = "h1";
-  a.token = "h1tok";
-  a.launcher.backend = "process";
-  a.launcher.state_dir = dir.path() + "/h1";
-  a.gpus = ParseGpus("1x16GiB").value();
+TEST_F(AgentOnCentral, AStartWithoutTheUidIsRefused) {
   // Made before its agent registers, as after central's restart: it said
   // "" for good, and `deepnex launch` printed "( PID)".
-  std::unique_ptr<launch::Launcher> h1 = NewRemoteLauncher(*hub, "h1");
+  std::unique_ptr<launch::Launcher> h1 = NewRemoteLauncher(*hub_, "h1", {});
   EXPECT_EQ(h1->backend(), "agent");
-  ASSERT_OK_AND_ASSIGN(auto agent, Agent::Create(a));
-  ASSERT_OK(agent->WaitRegistered(10s));
+  StartAgent();
   EXPECT_EQ(h1->backend(), "process");
   launch::ContainerSpec spec;
   spec.name = "alice.w";
@@ -539,9 +555,39 @@ TEST(AgentRunAsTest, AStartWithoutTheUidIsRefused) {
               StatusIs(absl::StatusCode::kPermissionDenied,
                        "node h1: container \"alice.w\" came without the uid to run it as; "
                        "deepnex-agent never runs a container as its own"));
-  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/h1/containers/alice.w"));
-  h1.reset();
-  agent.reset();
+  EXPECT_FALSE(std::filesystem::exists(dir_.path() + "/h1/containers/alice.w"));
+}
+
+// Central's --allow-mount roots hold on an agent's node: its launcher had
+// none, "/" to it, and a probe mounted /etc, /proc and a link out of an
+// allowed directory. The agent checks them where the paths are.
+TEST_F(AgentOnCentral, AMountOutsideCentralsRootsIsRefusedOnTheNode) {
+  const std::string allowed = dir_.path() + "/allowed", secret = dir_.path() + "/secret";
+  std::filesystem::create_directories(allowed + "/sub");
+  std::filesystem::create_directories(secret);
+  std::filesystem::create_directory_symlink(secret, allowed + "/link");
+  StartAgent();
+  std::unique_ptr<launch::Launcher> h1 = NewRemoteLauncher(*hub_, "h1", {allowed});
+  launch::ContainerSpec spec;
+  spec.command = {"true"};
+  spec.run_as = launch::RunAs{getuid(), getgid(), "root", "/"};
+  int n = 0;
+  for (const std::string& source : {std::string("/etc"), secret, allowed + "/link"}) {
+    spec.name = absl::StrCat("alice.m", n++);
+    spec.mounts = {launch::Mount{source, source, false}};
+    EXPECT_THAT(h1->Start(spec).status(),
+                StatusIs(absl::StatusCode::kPermissionDenied,
+                         HasSubstr("is outside the allowed mount roots [" + allowed + "]")))
+        << source;
+  }
+  spec.name = "alice.none";
+  spec.mounts = {launch::Mount{allowed + "/sub", allowed + "/sub", false}};
+  EXPECT_THAT(NewRemoteLauncher(*hub_, "h1", {})->Start(spec).status(),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("no mount roots are allowed here")));
+  spec.name = "alice.ok";
+  ASSERT_OK_AND_ASSIGN(auto h, h1->Start(spec));
+  EXPECT_OK(h->Wait(10s).status());
 }
 
 }  // namespace
