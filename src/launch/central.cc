@@ -329,6 +329,9 @@ class ContainersService final : public pb::Containers::CallbackService,
           kMaxNameLength - (launcher_name.size() - name.size()),
           " characters for user ", a.user));
     }
+    // Another user's name was dropped without a word (probe), the
+    // container running as the allocation's user.
+    if (!spec.user.empty()) DEEPNEX_RETURN_IF_ERROR(CheckSpecUser(spec.user, a));
     spec.name = launcher_name;
     spec.user = a.user;
     spec.allocation = a;

@@ -18,6 +18,7 @@ absl::StatusOr<ContainerSpec> SpecFromProto(const pb::ContainerSpec& p) {
   s.command.assign(p.command().begin(), p.command().end());
   for (const auto& [k, v] : p.env()) s.env[k] = v;
   s.working_dir = p.working_dir();
+  s.user = p.user();
   s.cpus = p.cpus();
   s.memory = p.memory();
   s.pids_limit = p.pids_limit();
@@ -38,6 +39,7 @@ void SpecToProto(const ContainerSpec& s, pb::ContainerSpec* p) {
   for (const auto& c : s.command) p->add_command(c);
   for (const auto& [k, v] : s.env) (*p->mutable_env())[k] = v;
   p->set_working_dir(s.working_dir);
+  p->set_user(s.user);
   p->set_cpus(s.cpus);
   p->set_memory(s.memory);
   p->set_pids_limit(s.pids_limit);

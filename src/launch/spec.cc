@@ -160,6 +160,12 @@ absl::Status CheckRunAs(const std::string& backend, const RunAs& run_as) {
 
 }  // namespace
 
+absl::Status CheckSpecUser(const std::string& user, const gpu::Allocation& a) {
+  if (user == a.user) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      "spec.user \"", user, "\" may not use allocation \"", a.id, "\" of user \"", a.user, "\""));
+}
+
 absl::Status CheckMounts(const std::vector<std::string>& roots, ContainerSpec& spec) {
   if (spec.mounts.empty()) return absl::OkStatus();
   if (roots.empty()) {
@@ -290,11 +296,7 @@ absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
 
   const gpu::Allocation& a = *spec.allocation;
   if (spec.user.empty()) spec.user = a.user;
-  if (spec.user != a.user) {
-    return absl::PermissionDeniedError(absl::StrCat("spec.user \"", spec.user,
-                                                    "\" may not use allocation \"", a.id,
-                                                    "\" of user \"", a.user, "\""));
-  }
+  DEEPNEX_RETURN_IF_ERROR(CheckSpecUser(spec.user, a));
   // A grant's CPUs and memory bound its containers: a grant of 0 is none,
   // never "unlimited" (a container without a limit would escape the quota
   // that the grant was counted against), and every container needs some.

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -31,6 +32,9 @@ absl::Status CheckAbsoluteNormal(const std::string& field, const std::string& pa
 // directory and each mount's source its checked real path.
 absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
                                       const std::string& launcher_id, ContainerSpec spec);
+
+// PermissionDenied unless `user` is the allocation's.
+absl::Status CheckSpecUser(const std::string& user, const gpu::Allocation& a);
 
 // The mounts of `spec` checked against `roots` as a launcher checks them
 // against its allowed_mount_roots (each source set to its checked real

@@ -108,7 +108,13 @@ def test_other_users_allocations_and_containers(central):
         alice.start_container(spec, "a999")
     with pytest.raises(deepnex.InvalidArgumentError, match="spec.allocation"):
         alice.start_container(launch.ContainerSpec(name="w0", command=["true"], allocation=a), a)
-    alice.start_container(spec, a)
+    # Another user's name was dropped without a word, the container running
+    # as alice (probe).
+    with pytest.raises(PermissionError, match=f'spec.user "bob" may not use allocation '
+                                              f'"{a.id}" of user "alice"'):
+        alice.start_container(launch.ContainerSpec(name="w0", command=["true"], user="bob"), a)
+    alice.start_container(launch.ContainerSpec(name="w0", command=["sleep", "60"], user="alice"),
+                          a)
     assert bob.containers() == []
     with pytest.raises(deepnex.NotFoundError, match='no container "w0" of user bob'):
         bob.stop_container("w0")
