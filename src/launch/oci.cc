@@ -351,6 +351,12 @@ class OciBackend : public Backend {
         images_(options.state_dir) {}
 
   absl::Status Check(const ContainerSpec& spec) override {
+    // The init (tini) forks the command: with one process allowed, the
+    // container started and died at once with tini's "fork failed" (probe).
+    if (spec.pids_limit == 1) {
+      return absl::InvalidArgumentError(
+          "spec.pids_limit: 1: the oci backend's init and the command need at least 2");
+    }
     DEEPNEX_ASSIGN_OR_RETURN(Image image, images_.Resolve(spec.image));
     return CheckInImage(image, Mounts(image, spec, MakeBundle(spec, nullptr)), spec);
   }

@@ -400,6 +400,12 @@ TEST_F(OciTest, BadImagesAndCommands) {
   spec.command = {"no-such-command-xyz"};
   EXPECT_THAT(backend_->Check(spec),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("no-such-command-xyz")));
+  // Started, then dead at once: tini could not fork the command (probe).
+  spec.command = {"true"};
+  spec.pids_limit = 1;
+  EXPECT_THAT(backend_->Check(spec), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstr("spec.pids_limit: 1: the oci backend")));
+  spec.pids_limit = 0;
   // On the host, not in the host image: /root is not bound in.
   const std::string script = dir_ + "/tool.sh";
   ASSERT_EQ(Bash("printf \"#!/bin/sh\\necho tool\\n\" > " + script + "; chmod +x " + script), 0);
