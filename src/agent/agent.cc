@@ -7,6 +7,7 @@
 
 #include <condition_variable>
 #include <fstream>
+#include <future>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -38,6 +39,7 @@ constexpr std::chrono::milliseconds kFirstBackoff{100};
 constexpr std::chrono::milliseconds kMaxBackoff{2000};
 constexpr uint64_t kMaxLogChunk = 1 << 20;
 constexpr std::chrono::milliseconds kStopGrace{1000};
+constexpr std::chrono::milliseconds kFinalReportWait{2000};
 constexpr int kMaxGpus = 1024;
 // How long the stream to central may go without an answered ping. Central
 // learns of a lost agent by heartbeat silence, but the agent would learn of
@@ -110,6 +112,12 @@ class AgentImpl final : public Agent {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopped_) return;
       stopped_ = true;
+    }
+    // Kept past the cancel below, which ends a write central does not read.
+    std::future<bool> report;
+    if (started_) report = StopContainersAndReport();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
       if (!done_) {
         done_ = true;
         final_ = absl::OkStatus();
@@ -202,6 +210,29 @@ class AgentImpl final : public Agent {
       cv_.wait_for(lock, backoff, [this] { return done_; });
       backoff = std::min(backoff * 2, kMaxBackoff);
     }
+  }
+
+  // On an orderly stop (SIGTERM), the containers end first and central
+  // hears how, on the stream still open: it showed them running and held
+  // their allocations until the node was lost, 300 s later (probe). The
+  // report waits at most kFinalReportWait for a central that does not read;
+  // the caller's cancel of the stream then ends it.
+  std::future<bool> StopContainersAndReport() {
+    std::vector<std::thread> stops;
+    for (auto& h : Containers()) {
+      stops.emplace_back([h] { h->Stop(kStopGrace).IgnoreError(); });
+    }
+    for (auto& t : stops) t.join();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!registered_) return {};
+    }
+    pb::AgentMessage m;
+    pb::Heartbeat* beat = m.mutable_heartbeat();
+    for (auto& h : Containers()) *beat->add_containers() = ReportOf(*h);
+    std::future<bool> sent = std::async(std::launch::async, [this, m] { return Write(m); });
+    sent.wait_for(kFinalReportWait);
+    return sent;
   }
 
   // Every heartbeat interval, and at once when a container ended.

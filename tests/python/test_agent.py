@@ -96,6 +96,27 @@ def test_agents_register_run_containers_and_go_not_ready(central, agents, tmp_pa
     wait_for(lambda: status(central)["h1"] == "Ready", "h1 Ready again", timeout=10)
 
 
+def test_an_agent_stopped_by_sigterm_tells_central_how_its_containers_ended(central, agents):
+    """An agent stops its containers on SIGTERM; central showed them running
+    and held their allocations until the node was lost, 300 s by default
+    (probe). It hears of their end before the stream closes."""
+    h1 = agents.start("h1", "h1tok")
+    agents.registered(h1, "h1")
+    alice = client(central, "alicetok")
+    from deepnex import gpu, launch
+    a = alice.allocate(gpu.Request(user="alice", gpus=1, cpus=1, memory=256 << 20, node="h1"))
+    alice.start_container(launch.ContainerSpec(name="box", command=["sleep", "600"]), a)
+
+    def state():
+        return next(c["state"] for c in alice.containers() if c["name"] == "box")
+    wait_for(lambda: state() == "running", "box running")
+    h1.proc.terminate()
+    assert h1.wait(timeout=30) == 0
+    # The node is lost only after --node-lost-after (300 s): this is the report.
+    wait_for(lambda: state() in ("stopped", "exited"), "central to see box's end", timeout=10)
+    wait_for(lambda: alice.allocations() == [], "box's allocation to be released", timeout=10)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="an agent runs users' containers only as root")
 def test_a_users_container_on_an_agent_runs_as_their_uid(central, agents, tmp_path):
     """An agent once ran every user's container as itself: root, with every

@@ -360,22 +360,24 @@ TEST_F(AgentTest, ContainerOnAnAgentsNodeRunsThere) {
   EXPECT_FALSE(server_->allocator().GetAllocation(a.id).ok());
 }
 
-// After node_lost_after of silence, its containers count as lost: they end
-// ("lost") and their allocations are released.
-TEST_F(AgentTest, LostNodesContainersEndAndReleaseTheirGrants) {
-  Serve(1500ms);
+// An agent that stops (SIGTERM, or its owner destroying it) stops its
+// containers and tells central how they ended before its stream closes:
+// central showed them running and held their grants until node_lost_after
+// (probe). A node lost in silence is the multi-host tests' (partitions).
+TEST_F(AgentTest, AStoppedAgentsContainersEndAtOnceAndReleaseTheirGrants) {
+  Serve(60s);
   auto h1 = Start("h1", "h1tok");
   ASSERT_OK(h1->WaitRegistered(10s));
   launch::CentralContainer c = Sleeper("h1", "w0");
-  h1.reset();  // the agent is gone, without a word to central
+  h1.reset();
   ASSERT_TRUE(WaitFor(
       [&] {
         auto list = alice_c_->ListContainers();
-        return list.ok() && list->size() == 1 && (*list)[0].state == launch::State::kExited &&
+        return list.ok() && list->size() == 1 && (*list)[0].state == launch::State::kStopped &&
                (*list)[0].allocation_released;
       },
-      20s, "w0 lost and its allocation released"));
-  EXPECT_EQ(alice_c_->ListContainers().value()[0].last_exit, "lost");
+      10s, "w0 stopped and its allocation released, long before node_lost_after"));
+  EXPECT_EQ(alice_c_->ListContainers().value()[0].last_exit, "signaled(SIGTERM)");
   EXPECT_FALSE(server_->allocator().GetAllocation(c.allocation_id).ok());
 }
 
