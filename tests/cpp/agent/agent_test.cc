@@ -117,6 +117,8 @@ class AgentTest : public ::testing::Test {
     r->stub = proto::Agents::NewStub(
         grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
     r->ctx.AddMetadata("authorization", "Bearer " + token);
+    // A read that nothing answers fails the test rather than stalling it.
+    r->ctx.set_deadline(std::chrono::system_clock::now() + 60s);
     r->stream = r->stub->Connect(&r->ctx);
     return r;
   }
@@ -460,6 +462,14 @@ TEST_F(AgentTest, OnlyTheNodesAgentServesItsSessions) {
   ASSERT_TRUE(agent->stream->Read(&in) && in.has_registered());
   first->ctx.TryCancel();
   first->stream->Finish().ok();
+  // Adopted after the registration's answer: a session opened before was
+  // NotFound, and this agent waited for ever for its command (CI).
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto list = alice_c_->ListContainers();
+        return list.ok() && list->size() == 1 && (*list)[0].name == "sh";
+      },
+      10s, "central to adopt sh"));
 
   launch::SessionOptions o;
   o.container = "sh";
