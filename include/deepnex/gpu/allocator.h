@@ -2,9 +2,11 @@
 // of nodes to users, with exclusive and shared node modes, quotas, a priority
 // queue, gangs and leases; optionally persistent through a crash-safe ledger.
 //
-//   ASSIGN_OR_RETURN(auto alloc, Allocator::Create({.state_dir = "/var/lib/x"}));
+//   AllocatorOptions options;
+//   options.state_dir = "/var/lib/x";
+//   DEEPNEX_ASSIGN_OR_RETURN(auto alloc, Allocator::Create(options));
 //   alloc->AddNode(node);
-//   ASSIGN_OR_RETURN(Allocation a, alloc->Allocate(request));
+//   DEEPNEX_ASSIGN_OR_RETURN(Allocation a, alloc->Allocate(request));
 //   ... launch with a.env ...
 //   alloc->Release(a.id);
 #ifndef DEEPNEX_GPU_ALLOCATOR_H_
