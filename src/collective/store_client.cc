@@ -5,6 +5,7 @@
 // deadline.
 #include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
+#include "core/text.h"
 #include "deepnex/collective/store.h"
 #include "deepnex/store.grpc.pb.h"
 #include "deepnex/units.h"
@@ -33,6 +34,7 @@ class StoreClientImpl final : public StoreClient {
   }
 
   absl::Status Set(const std::string& key, const std::string& value) override {
+    DEEPNEX_RETURN_IF_ERROR(CheckKeys("set", {key}));
     pb::SetRequest req;
     req.set_key(Full(key));
     req.set_value(value);
@@ -70,6 +72,7 @@ class StoreClientImpl final : public StoreClient {
   }
 
   absl::StatusOr<int64_t> Add(const std::string& key, int64_t delta) override {
+    DEEPNEX_RETURN_IF_ERROR(CheckKeys("add", {key}));
     pb::AddRequest req;
     req.set_key(Full(key));
     req.set_delta(delta);
@@ -82,6 +85,7 @@ class StoreClientImpl final : public StoreClient {
 
   absl::StatusOr<std::string> CompareSet(const std::string& key, const std::string& expected,
                                          const std::string& desired) override {
+    DEEPNEX_RETURN_IF_ERROR(CheckKeys("compare_set", {key}));
     pb::CompareSetRequest req;
     req.set_key(Full(key));
     req.set_expected(expected);
@@ -94,6 +98,7 @@ class StoreClientImpl final : public StoreClient {
   }
 
   absl::StatusOr<bool> Delete(const std::string& key) override {
+    DEEPNEX_RETURN_IF_ERROR(CheckKeys("delete", {key}));
     pb::DeleteRequest req;
     req.set_key(Full(key));
     pb::DeleteReply reply;
@@ -109,6 +114,7 @@ class StoreClientImpl final : public StoreClient {
 
   absl::StatusOr<std::vector<bool>> Check(const std::vector<std::string>& keys,
                                           std::chrono::milliseconds timeout) override {
+    DEEPNEX_RETURN_IF_ERROR(CheckKeys("check", keys));
     pb::CheckRequest req;
     for (const std::string& k : keys) req.add_keys(Full(k));
     pb::CheckReply reply;
@@ -122,6 +128,19 @@ class StoreClientImpl final : public StoreClient {
   const std::string& prefix() const override { return options_.prefix; }
 
  private:
+  // Keys travel as proto strings, which must be UTF-8: one that was not
+  // came back UNIMPLEMENTED with no message, after libprotobuf's log line
+  // (probe).
+  static absl::Status CheckKeys(const char* what, const std::vector<std::string>& keys) {
+    for (const std::string& k : keys) {
+      if (!IsUtf8(k)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, ": key ", Quoted(k), " is not UTF-8 text"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
   std::string Full(const std::string& key) const {
     return options_.prefix.empty() ? key : absl::StrCat(options_.prefix, "/", key);
   }
@@ -129,6 +148,7 @@ class StoreClientImpl final : public StoreClient {
   absl::Status DoGet(const char* what, const std::vector<std::string>& keys,
                      std::chrono::milliseconds timeout, bool values, pb::GetReply* reply) {
     if (keys.empty()) return absl::InvalidArgumentError(absl::StrCat(what, ": no keys given"));
+    DEEPNEX_RETURN_IF_ERROR(CheckKeys(what, keys));
     timeout = CappedWait(timeout);
     pb::GetRequest req;
     for (const std::string& k : keys) req.add_keys(Full(k));
@@ -170,6 +190,10 @@ class StoreClientImpl final : public StoreClient {
 absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Create(
     const StoreClientOptions& options) {
   DEEPNEX_RETURN_IF_ERROR(CheckMillis(options.timeout, "timeout"));
+  if (!IsUtf8(options.prefix)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix ", Quoted(options.prefix), " is not UTF-8 text"));
+  }
   DEEPNEX_ASSIGN_OR_RETURN(std::string token,
                            ResolveClientToken(options.token, options.token_file));
   auto client = std::make_unique<StoreClientImpl>(options, std::move(token));

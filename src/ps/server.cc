@@ -157,6 +157,10 @@ class ServerImpl final : public Server {
 
   absl::StatusOr<uint64_t> Checkpoint(const std::string& dir,
                                       std::chrono::milliseconds timeout) override {
+    // An empty directory was an Internal "cannot create directory" error,
+    // and a negative timeout DeadlineExceeded "within -5 ms" (probe).
+    if (dir.empty()) return absl::InvalidArgumentError("checkpoint: the directory is empty");
+    DEEPNEX_RETURN_IF_ERROR(CheckMillis(timeout, "checkpoint: timeout", /*zero_ok=*/true));
     DEEPNEX_RETURN_IF_ERROR(LockCheckpointDir(dir, "checkpoint directory"));
     return service_.WriteCheckpoint(dir, timeout);
   }

@@ -94,6 +94,31 @@ TEST(StoreTest, AGetOfMillisecondsMaxWaitsForTheKey) {
   setter.join();
 }
 
+// Keys are proto strings: one that is not UTF-8 came back UNIMPLEMENTED with
+// no message, after libprotobuf's log line (probe).
+TEST(StoreTest, AKeyOrPrefixThatIsNotUtf8IsRefusedNamingIt) {
+  auto server = StartServer();
+  auto c = Connect(server->address());
+  const std::string bad = "k\xff";
+  const auto refused = [](const std::string& what) {
+    return StatusIs(absl::StatusCode::kInvalidArgument,
+                    AllOf(HasSubstr(what + ": key \"k\\xff\""), HasSubstr("is not UTF-8 text")));
+  };
+  EXPECT_THAT(c->Set(bad, "v"), refused("set"));
+  EXPECT_THAT(c->Get(bad, milliseconds(100)), refused("get"));
+  EXPECT_THAT(c->Wait({"ok", bad}, milliseconds(100)), refused("wait"));
+  EXPECT_THAT(c->Add(bad, 1), refused("add"));
+  EXPECT_THAT(c->CompareSet(bad, "", "v"), refused("compare_set"));
+  EXPECT_THAT(c->Delete(bad), refused("delete"));
+  EXPECT_THAT(c->Check({bad}), refused("check"));
+  StoreClientOptions o;
+  o.address = server->address();
+  o.prefix = "job\xfe";
+  EXPECT_THAT(StoreClient::Create(o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is not UTF-8 text")));
+  EXPECT_OK(c->Set("ok", "v"));  // the store still serves
+}
+
 TEST(StoreTest, MultiGetAndWaitNameTheMissingKeys) {
   auto server = StartServer();
   auto c = Connect(server->address(), "job1");

@@ -651,6 +651,17 @@ TEST(PsTest, ServerOptionsOutOfRangeAreRefusedNamingThem) {
   refused(o, "checkpoint_interval=-1ms: must be >= 0");
 }
 
+// An empty directory was Internal ("cannot create directory"), a negative
+// timeout DeadlineExceeded "within -5 ms" (probe).
+TEST(PsTest, ACheckpointWithoutADirectoryOrWithANegativeTimeoutIsRefused) {
+  Cluster c = StartServers(1, {});
+  EXPECT_THAT(c.servers[0]->Checkpoint("", std::chrono::seconds(1)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "checkpoint: the directory is empty"));
+  EXPECT_THAT(c.servers[0]->Checkpoint("/tmp", std::chrono::milliseconds(-5)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "checkpoint: timeout=-5ms: must be >= 0"));
+}
+
 // milliseconds::max(), C++'s "no limit", waits: it overflowed into a
 // deadline already past, DeadlineExceeded at once (probe).
 TEST(PsTest, AWaitOfMillisecondsMaxWaitsForTheOp) {
