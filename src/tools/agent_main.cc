@@ -1,9 +1,11 @@
 // deepnex-agent: runs one GPU server's containers for deepnex-central.
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
-#include <thread>
 #include <iostream>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -35,8 +37,12 @@ flags:
   --backend B             process (default), oci or docker
   --docker-socket S       the Docker Engine API socket of the docker backend
                           (default /var/run/docker.sock)
-  --state-dir D           the launcher's logs and records (default: a
-                          temporary directory)
+  --state-dir D           the containers' logs and records, where a killed
+                          agent's successor finds the containers it left
+                          running (default: DIR/NODE, DIR being systemd's
+                          $STATE_DIRECTORY, else /var/lib/deepnex-agent as
+                          root, else $XDG_STATE_HOME/deepnex-agent or
+                          ~/.local/state/deepnex-agent)
   --gpus NxSIZE           offer N GPUs of SIZE each (e.g. 2x16GiB) instead
                           of those NVML finds; 0: none
   --cpus N                CPU cores to offer (default: this machine's)
@@ -56,6 +62,30 @@ flags:
   --help                  show this text
 )";
 
+// A directory that outlives the agent, as kubelet's /var/lib/kubelet: on a
+// temporary one, a killed agent's successor found none of the containers it
+// left running, and central regranted their GPUs while they ran on. One per
+// node, so that agents of simulated hosts on one machine do not share one.
+std::string DefaultStateDir(deepnex::tools::Flags& flags, const std::string& node) {
+  if (node.empty() || node == "." || node == ".." || node.find('/') != std::string::npos) {
+    flags.Die(absl::StrCat("--node: \"", node, "\" is not a node name"));
+  }
+  const auto env = [](const char* name) {
+    const char* value = std::getenv(name);
+    return std::string(value != nullptr ? value : "");
+  };
+  // systemd's StateDirectory= may list several, colon-separated.
+  std::string base = env("STATE_DIRECTORY");
+  base = base.substr(0, base.find(':'));
+  if (base.empty() && geteuid() == 0) base = "/var/lib/deepnex-agent";
+  if (base.empty() && !env("XDG_STATE_HOME").empty()) {
+    base = env("XDG_STATE_HOME") + "/deepnex-agent";
+  }
+  if (base.empty() && !env("HOME").empty()) base = env("HOME") + "/.local/state/deepnex-agent";
+  if (base.empty()) flags.Die("--state-dir: give one (no HOME to keep the default under)");
+  return absl::StrCat(base, "/", node);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -68,7 +98,10 @@ int main(int argc, char** argv) {
     else if (flags.Is("--token-file")) options.token_file = flags.Value();
     else if (flags.Is("--tls-ca")) options.tls_ca_file = flags.Value();
     else if (flags.Is("--backend")) options.launcher.backend = flags.Value();
-    else if (flags.Is("--state-dir")) options.launcher.state_dir = flags.Value();
+    else if (flags.Is("--state-dir")) {
+      options.launcher.state_dir = flags.Value();
+      if (options.launcher.state_dir.empty()) flags.Die("--state-dir: give a directory");
+    }
     else if (flags.Is("--docker-socket")) options.launcher.docker.socket = flags.Value();
     else if (flags.Is("--gpus")) {
       const std::string flag = flags.flag();
@@ -99,6 +132,9 @@ int main(int argc, char** argv) {
   }
   if (options.central.empty()) flags.Die("--central is required");
   if (options.node.empty()) flags.Die("--node is required");
+  if (options.launcher.state_dir.empty()) {
+    options.launcher.state_dir = DefaultStateDir(flags, options.node);
+  }
 
   deepnex::tools::SignalStop signals;
   auto agent = deepnex::agent::Agent::Create(options);

@@ -157,12 +157,14 @@ class Agents:
     def __init__(self, tmp_path, central):
         self.tmp_path, self.central, self.daemons = tmp_path, central, []
 
-    def start(self, node, token, flags=(), on=None):
+    def start(self, node, token, flags=(), on=None, default_state_dir=False):
         """deepnex-agent for `node` with AGENT_FLAGS, then `flags`, its
-        state in tmp_path/<node>; does not wait for its registration."""
+        state in tmp_path/<node> (default_state_dir: where the agent keeps
+        it by default); does not wait for its registration."""
         require_binaries()
+        state = [] if default_state_dir else ["--state-dir", self.tmp_path / node]
         d = Daemon([AGENT_BIN, "--central", self.central, "--node", node, "--token", token,
-                    *AGENT_FLAGS, "--state-dir", self.tmp_path / node, *flags],
+                    *AGENT_FLAGS, *state, *flags],
                    self.tmp_path / "logs" / f"agent-{node}.{len(self.daemons)}", on)
         self.daemons.append(d)
         return d

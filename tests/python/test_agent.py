@@ -7,8 +7,10 @@ node's are refused."""
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -198,8 +200,16 @@ def test_a_launch_just_after_centrals_restart_waits_for_the_agent(central_proc, 
     assert out.startswith("early "), out
 
 
-def test_restarted_agent_reattaches_to_its_containers(central, agents, tmp_path):
-    h1 = agents.start("h1", "h1tok")
+@pytest.mark.parametrize("default_state_dir", [False, True], ids=["given", "default"])
+def test_restarted_agent_reattaches_to_its_containers(central, agents, tmp_path, monkeypatch,
+                                                      default_state_dir):
+    # Without --state-dir too: on the temporary directory that was its
+    # default, a restarted agent found none of its containers, and central
+    # regranted the GPU of one that ran on. The default is systemd's
+    # $STATE_DIRECTORY/NODE where that is set.
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "var"))
+    state = tmp_path / "var" / "h1" if default_state_dir else tmp_path / "h1"
+    h1 = agents.start("h1", "h1tok", default_state_dir=default_state_dir)
     agents.registered(h1, "h1")
     from deepnex import gpu
     alice = client(central, "alicetok")
@@ -208,11 +218,12 @@ def test_restarted_agent_reattaches_to_its_containers(central, agents, tmp_path)
               "sh", "-c", "echo up; sleep 120", token="alicetok")
     assert out.returncode == 0, out.stderr
     pid = alice.containers()[0]["id"]
-    record = tmp_path / "h1" / "containers" / "alice.w0" / "record.json"
+    record = state / "containers" / "alice.w0" / "record.json"
     cgroup = json.loads(record.read_text()).get("cgroup", "")
+    assert os.stat(state).st_mode & 0o777 == 0o700
     h1.kill()
     wait_for(lambda: status(central)["h1"] == "NotReady", "h1 NotReady", timeout=7)
-    again = agents.start("h1", "h1tok")
+    again = agents.start("h1", "h1tok", default_state_dir=default_state_dir)
     agents.registered(again, "h1")
     wait_for(lambda: status(central)["h1"] == "Ready", "h1 Ready again", timeout=10)
     c = alice.containers()
@@ -401,6 +412,10 @@ def test_a_second_agent_for_a_node_takes_it_and_the_first_one_exits(central, age
     (["--image", "base=relative/dir"],
      '--image "base=relative/dir": "relative/dir" is not an absolute directory or "host"'),
     (["--image", "/x=host"], '--image "/x=host": expected NAME=DIR with a new NAME that is not a path'),
+    (["--state-dir", ""], "--state-dir: give a directory"),
+    # The default state directory is named after the node.
+    (["--node", ".."], '--node: ".." is not a node name'),
+    (["--node", "a/b"], '--node: "a/b" is not a node name'),
 ])
 def test_agent_flags_are_checked(flags, message):
     if not os.path.exists(AGENT_BIN):
@@ -416,9 +431,16 @@ def test_an_agent_that_cannot_make_cgroups_refuses_to_serve():
     if os.geteuid() != 0:
         pytest.skip("needs root, to run the agent as another user")
     require_binaries()
-    out = subprocess.run([AGENT_BIN, "--central", "127.0.0.1:1", "--node", "h1", "--token", "h1tok",
-                          "--gpus", "0"], user=65534, group=65534, extra_groups=[], cwd="/",
-                         capture_output=True, text=True, timeout=60)
+    # Its own (pytest's directories are root's alone).
+    state = tempfile.mkdtemp(prefix="deepnex-nobody-")
+    os.chown(state, 65534, 65534)
+    try:
+        out = subprocess.run([AGENT_BIN, "--central", "127.0.0.1:1", "--node", "h1", "--token",
+                              "h1tok", "--gpus", "0", "--state-dir", state], user=65534,
+                             group=65534, extra_groups=[], cwd="/", capture_output=True,
+                             text=True, timeout=60)
+    finally:
+        shutil.rmtree(state)
     assert out.returncode == 1, out
     assert out.stderr.startswith(
         "deepnex-agent: the process backend cannot make cgroups here, so containers would run "
