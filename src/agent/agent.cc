@@ -136,9 +136,9 @@ class AgentImpl final : public Agent {
     // An agent that failed to start took nothing over: what it adopted runs
     // on for the next one.
     if (!started_) return;
-    // Stops the containers, which lets their watchers go.
+    // StopContainersAndReport stopped every container, adopted ones
+    // included; this stops any a command started since.
     launcher_.reset();
-    for (auto& [name, h] : adopted_) h->Stop(kStopGrace).IgnoreError();
     for (auto& w : watchers_) w.join();
   }
 
@@ -227,12 +227,18 @@ class AgentImpl final : public Agent {
       std::lock_guard<std::mutex> lock(mu_);
       if (!registered_) return {};
     }
+    std::future<bool> sent = std::async(std::launch::async,
+                                        [this, m = HeartbeatMessage()] { return Write(m); });
+    sent.wait_for(kFinalReportWait);
+    return sent;
+  }
+
+  // A heartbeat reporting every container (set even with none).
+  pb::AgentMessage HeartbeatMessage() {
     pb::AgentMessage m;
     pb::Heartbeat* beat = m.mutable_heartbeat();
     for (auto& h : Containers()) *beat->add_containers() = ReportOf(*h);
-    std::future<bool> sent = std::async(std::launch::async, [this, m] { return Write(m); });
-    sent.wait_for(kFinalReportWait);
-    return sent;
+    return m;
   }
 
   // Every heartbeat interval, and at once when a container ended.
@@ -244,9 +250,8 @@ class AgentImpl final : public Agent {
       if (done_) return;
       if (!registered_) continue;
       lock.unlock();
-      pb::AgentMessage m;
-      pb::Heartbeat* beat = m.mutable_heartbeat();  // set even with no container
-      for (auto& h : Containers()) *beat->add_containers() = ReportOf(*h);
+      pb::AgentMessage m = HeartbeatMessage();
+      pb::Heartbeat* beat = m.mutable_heartbeat();
       MeasureNode(beat->mutable_usage());
       Write(m);
       lock.lock();

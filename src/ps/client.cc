@@ -69,7 +69,7 @@ class ClientImpl final : public Client {
   ~ClientImpl() override {
     Close().IgnoreError();
     std::unique_lock<std::mutex> lock(inflight_mu_);
-    inflight_cv_.wait(lock, [this] { return inflight_ == 0; });
+    inflight_cv_.wait(lock, [this] { return live_.empty(); });
   }
 
   absl::Status Connect() {
@@ -852,7 +852,6 @@ class ClientImpl final : public Client {
   void Send(std::shared_ptr<Request> r) {
     {
       std::lock_guard<std::mutex> lock(inflight_mu_);
-      ++inflight_;
       live_.insert(r);
     }
     Attempt(std::move(r));
@@ -916,7 +915,7 @@ class ClientImpl final : public Client {
     if (on_failure) on_failure();
     std::lock_guard<std::mutex> lock(inflight_mu_);
     live_.erase(r);
-    if (--inflight_ == 0) inflight_cv_.notify_all();
+    if (live_.empty()) inflight_cv_.notify_all();
   }
 
   // Cancels the requests still out and waits for them: once Close returns,
@@ -935,7 +934,7 @@ class ClientImpl final : public Client {
       }
     }
     std::unique_lock<std::mutex> lock(inflight_mu_);
-    inflight_cv_.wait(lock, [this] { return inflight_ == 0; });
+    inflight_cv_.wait(lock, [this] { return live_.empty(); });
   }
 
   std::shared_ptr<Request> NewRequest(std::shared_ptr<Op> op, size_t server,
@@ -1386,8 +1385,8 @@ class ClientImpl final : public Client {
   std::vector<std::shared_ptr<BulkLink>> retired_;
   std::mutex inflight_mu_;
   std::condition_variable inflight_cv_;
-  int inflight_ = 0;  // requests sent and not yet completed
-  std::unordered_set<std::shared_ptr<Request>> live_;  // those requests; guarded by inflight_mu_
+  // Requests sent and not yet completed; guarded by inflight_mu_.
+  std::unordered_set<std::shared_ptr<Request>> live_;
   std::atomic<uint64_t> incarnation_{0};
   bool stale_ = false;  // guarded by mu_
   std::mutex register_mu_;
