@@ -223,6 +223,9 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::St
 }
 
 void ServerHost::Stop() {
+  // A child forked from the serving process: the server is the parent's,
+  // and its threads were not forked (shutting it down here crashed).
+  if (InForkedChild()) return;
   std::call_once(stop_once_, [this] {
     listener_.reset();  // no connection comes to a server shutting down
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
@@ -234,6 +237,7 @@ void ServerHost::Stop() {
 }
 
 void ServerHost::Wait() {
+  if (InForkedChild()) return;  // nothing serves here: it would wait for ever
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return stopped_; });
 }

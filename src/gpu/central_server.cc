@@ -517,6 +517,7 @@ class CentralServerImpl final : public CentralServer {
   std::string MetricsText() const override { return service_->MetricsText(); }
 
   void Stop() override {
+    if (InForkedChild()) return;  // the parent's server (see ServerHost::Stop)
     std::call_once(stop_once_, [this] {
       // First: the containers on agents' nodes run on without central, and
       // their watchers (in the extension) wake up.

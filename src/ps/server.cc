@@ -135,6 +135,9 @@ class ServerImpl final : public Server {
   int port() const override { return host_->port(); }
 
   void Stop() override {
+    // A forked child's copy: its threads are the parent's (joining the
+    // background thread here crashed the child).
+    if (InForkedChild()) return;
     std::call_once(stop_once_, [this] {
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -160,6 +163,8 @@ class ServerImpl final : public Server {
     // An empty directory was an Internal "cannot create directory" error,
     // and a negative timeout DeadlineExceeded "within -5 ms" (probe).
     if (dir.empty()) return absl::InvalidArgumentError("checkpoint: the directory is empty");
+    // A forked child wrote its copy of the tensors and took the name's lock.
+    DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("ps server"));
     DEEPNEX_RETURN_IF_ERROR(CheckMillis(timeout, "checkpoint: timeout", /*zero_ok=*/true));
     DEEPNEX_RETURN_IF_ERROR(LockCheckpointDir(dir, "checkpoint directory"));
     return service_.WriteCheckpoint(dir, timeout);

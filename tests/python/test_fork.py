@@ -72,18 +72,20 @@ def run_script(tmp_path, body):
 
 def test_child_forked_after_a_store_is_refused_and_the_parent_goes_on(tmp_path):
     r = run_script(tmp_path, """
-        def child(address, client):
+        def child(address, client, store):
             return {
                 "new_client": attempt(lambda: collective.StoreClient(address, timeout=5)),
                 "inherited_client": attempt(lambda: client.get("k", timeout=1).decode()),
                 "new_store": attempt(lambda: collective.Store("127.0.0.1:0").address),
+                # The parent's: nothing to stop here (it crashed the child).
+                "inherited_store_stop": attempt(store.stop),
             }
 
         if __name__ == "__main__":
             store = collective.Store("127.0.0.1:0")
             client = collective.StoreClient(store.address, timeout=5)
             client.set("k", "parent")
-            r = run(multiprocessing.get_context("fork"), child, store.address, client)
+            r = run(multiprocessing.get_context("fork"), child, store.address, client, store)
             # The parent's store, client and new clients keep working.
             client.set("k2", "after")
             r["parent"] = [client.get("k").decode(),
@@ -98,24 +100,32 @@ def test_child_forked_after_a_store_is_refused_and_the_parent_goes_on(tmp_path):
         "new_client": ["FailedPreconditionError", f"dialing store at {r['address']}: {why}"],
         "inherited_client": ["FailedPreconditionError", f"store client: {why}"],
         "new_store": ["FailedPreconditionError", f"store server: {why}"],
+        "inherited_store_stop": ["ok", None],
     }
     assert r["parent"] == ["parent", "after"]
 
 
 def test_child_forked_after_a_ps_client_is_refused_and_the_parent_goes_on(tmp_path):
     r = run_script(tmp_path, """
-        def child(address, client):
-            return {
+        def child(address, client, server):
+            out = {
                 "inherited_pull": attempt(lambda: client.pull("w")["w"].tolist()),
                 "new_client": attempt(lambda: ps.Client([address], worker_id=1)),
                 "new_server": attempt(lambda: ps.Server(address="127.0.0.1:0").address),
+                # It wrote the child's copy of the tensors, under the name's lock.
+                "inherited_checkpoint": attempt(lambda: server.checkpoint("ckpt")),
             }
+            # The parent's server: nothing of it runs here to stop or wait for
+            # (stop crashed the child, joining a thread that was not forked).
+            with server:
+                out["inherited_wait"] = attempt(server.wait)
+            return out
 
         if __name__ == "__main__":
             server = ps.Server(address="127.0.0.1:0", mode="async", optimizer=ps.Sum())
             client = ps.Client([server.address], worker_id=0)
             client.init({"w": np.ones(4, np.float32)})
-            r = run(multiprocessing.get_context("fork"), child, server.address, client)
+            r = run(multiprocessing.get_context("fork"), child, server.address, client, server)
             client.push({"w": np.full(4, 2, np.float32)})
             with ps.Client([server.address], worker_id=-1) as observer:
                 r["parent"] = [client.pull("w")["w"].tolist(), observer.pull("w")["w"].tolist()]
@@ -129,8 +139,11 @@ def test_child_forked_after_a_ps_client_is_refused_and_the_parent_goes_on(tmp_pa
         "inherited_pull": ["FailedPreconditionError", f"ps client: {why}"],
         "new_client": ["FailedPreconditionError", f"dialing ps server at {r['address']}: {why}"],
         "new_server": ["FailedPreconditionError", f"ps server: {why}"],
+        "inherited_checkpoint": ["FailedPreconditionError", f"ps server: {why}"],
+        "inherited_wait": ["ok", None],
     }
     assert r["parent"] == [[3.0] * 4, [3.0] * 4]
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_child_forked_after_a_communicator_is_refused_and_the_parent_goes_on(tmp_path):
