@@ -5,6 +5,7 @@
 #include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -23,8 +24,9 @@ namespace {
 using std::chrono::milliseconds;
 using std::chrono::system_clock;
 
-// Log records (beyond one per job) after which the store snapshots.
-constexpr uint64_t kSnapshotEvery = 1000;
+// Log records (beyond one per job), or bytes (beyond the last snapshot's),
+// after which the store snapshots.
+constexpr uint64_t kSnapshotEvery = 1000, kSnapshotBytes = 64 << 20;
 
 int64_t NowMs() {
   return std::chrono::duration_cast<milliseconds>(system_clock::now().time_since_epoch()).count();
@@ -96,17 +98,49 @@ void Note(pb::Job* j, std::vector<JobEvent>* events, size_t from) {
 }
 
 // The parts of a report its runner writes freely, bounded: central keeps
-// every job's record (a probe's 4 MiB commands wrote 18 MB of history in
-// 2.4 s). No command line a user types comes near these.
-constexpr size_t kMaxCommand = 64 << 10, kMaxMessage = 4 << 10, kMaxMetrics = 256,
-                 kMaxMetricName = 128;  // a message past kMaxMessage is cut
+// every job's record in memory and writes it whole to its ledger at each
+// report. Probes: 4 MiB commands wrote 18 MB of history in 2.4 s; 200 jobs
+// of 3.5 MB container lists took 900 MB of memory and 700 MB of disk; one
+// job's 20000 notify URLs made 60000 POSTs. No job `deepnex run` reports
+// comes near these: a worker's container is about 100 bytes of a record.
+constexpr size_t kMaxCommand = 64 << 10, kMaxRecord = 256 << 10, kMaxMessage = 4 << 10,
+                 kMaxMetrics = 256, kMaxMetricName = 128, kMaxUrl = 2048;
+// Jobs not ended per user: records a runner need not back with allocations.
+constexpr size_t kMaxLiveJobs = 1024;
 
-absl::Status CheckReportSize(const pb::Job& in) {
+template <typename Parts>
+size_t BytesOf(const Parts& parts) {
+  size_t n = 0;
+  for (const auto& p : parts) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(p)>, std::string>) {
+      n += p.size();
+    } else {
+      n += p.ByteSizeLong();
+    }
+  }
+  return n;
+}
+
+absl::Status BelowZero(const std::string& field, int64_t value) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", value, " is below 0"));
+}
+
+absl::Status CheckReportBounds(const pb::Job& in) {
   size_t command = 0;
   for (const std::string& arg : in.command()) command += arg.size() + 1;
   if (command > kMaxCommand) {
     return absl::InvalidArgumentError(absl::StrCat("command: ", command, " bytes; at most ",
                                                    kMaxCommand));
+  }
+  if (in.notify_size() > static_cast<int>(kMaxJobNotifyUrls)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("notify: ", in.notify_size(), " URLs; at most ", kMaxJobNotifyUrls));
+  }
+  for (const std::string& url : in.notify()) {
+    if (url.size() > kMaxUrl) {
+      return absl::InvalidArgumentError(absl::StrCat("notify: ", Quoted(url), " is ",
+                                                     url.size(), " bytes; at most ", kMaxUrl));
+    }
   }
   if (in.report().metrics_size() > static_cast<int>(kMaxMetrics)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -117,6 +151,38 @@ absl::Status CheckReportSize(const pb::Job& in) {
       return absl::InvalidArgumentError(absl::StrCat(
           "report.metrics: ", Quoted(name), " is ", name.size(),
           " bytes; a metric's name is at most ", kMaxMetricName));
+    }
+  }
+  // The message is cut, not refused: it comes with the run's last report.
+  const size_t record = in.ByteSizeLong() - command - in.message().size();
+  if (record > kMaxRecord) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the report is ", record, " bytes besides its command and message; at most ",
+        kMaxRecord, " (containers ", BytesOf(in.containers()), ", allocations ",
+        BytesOf(in.allocations()), ", nodes ", BytesOf(in.nodes()), ")"));
+  }
+  // Counts, which the history sums into GPU- and CPU-hours (a probe's
+  // -1000000 GPUs showed as -2438 GPU-hours).
+  const std::pair<const char*, int> counts[] = {
+      {"workers", in.workers()},         {"ps", in.ps()},
+      {"min_workers", in.min_workers()}, {"max_workers", in.max_workers()},
+      {"restarts", in.restarts()},       {"resizes", in.resizes()}};
+  for (const auto& [field, value] : counts) {
+    if (value < 0) return BelowZero(field, value);
+  }
+  for (int i = 0; i < in.allocations_size(); ++i) {
+    const pb::JobAllocation& a = in.allocations(i);
+    if (a.gpus() < 0) return BelowZero(absl::StrCat("allocations[", i, "].gpus"), a.gpus());
+    if (a.cpus() < 0) return BelowZero(absl::StrCat("allocations[", i, "].cpus"), a.cpus());
+  }
+  for (int i = 0; i < in.containers_size(); ++i) {
+    const pb::JobContainer& c = in.containers(i);
+    if (c.restarts() < 0) {
+      return BelowZero(absl::StrCat("containers[", i, "].restarts"), c.restarts());
+    }
+    if (!(c.cpu_seconds() >= 0 && std::isfinite(c.cpu_seconds()))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "containers[", i, "].cpu_seconds: ", c.cpu_seconds(), " is not a count of seconds"));
     }
   }
   return absl::OkStatus();
@@ -410,28 +476,65 @@ void JobStore::PutLocked(const pb::Job& job) {
   if (!ledger_) return;
   pb::JobRecord r;
   *r.mutable_put() = job;
-  last_ticket_ = ledger_->Append(r.SerializeAsString());
+  AppendLocked(r);
 }
 
 void JobStore::PruneLocked(int64_t now_ms) {
-  const int64_t max_age = options_.history.max_age.count();
-  std::vector<std::pair<int64_t, std::string>> ended;  // (ended_ms, name)
+  const JobHistoryOptions& history = options_.history;
+  // Each user's ended records, oldest first: over the count or the bytes,
+  // the user holding the most loses their oldest, so that one user's flood
+  // of jobs pushes out only their own (a probe's 5 reports under a count
+  // of 5 erased another user's whole history).
+  struct Held {
+    std::vector<std::tuple<int64_t, size_t, std::string>> ended;  // (ended_ms, bytes, name)
+    size_t next = 0;                                               // ended[next] goes first
+    size_t bytes = 0;
+    size_t count() const { return ended.size() - next; }
+  };
+  std::map<std::string, Held> by_user;
+  std::vector<std::string> drop;
+  uint64_t count = 0, bytes = 0;
   for (const auto& [name, j] : jobs_) {
-    if (Ended(j)) ended.emplace_back(j.ended_ms(), name);
+    if (!Ended(j)) continue;
+    if (j.ended_ms() < now_ms - history.max_age.count()) {
+      drop.push_back(name);
+      continue;
+    }
+    Held& held = by_user[j.user()];
+    held.ended.emplace_back(j.ended_ms(), j.ByteSizeLong(), name);
+    held.bytes += std::get<1>(held.ended.back());
+    ++count;
+    bytes += std::get<1>(held.ended.back());
   }
-  std::sort(ended.begin(), ended.end());
-  size_t keep_from = ended.size() > options_.history.max_count
-                         ? ended.size() - options_.history.max_count
-                         : 0;
-  for (size_t i = 0; i < ended.size(); ++i) {
-    if (i >= keep_from && ended[i].first >= now_ms - max_age) continue;
-    jobs_.erase(ended[i].second);
+  for (auto& [user, held] : by_user) std::sort(held.ended.begin(), held.ended.end());
+  while (count > history.max_count || bytes > history.max_bytes) {
+    const bool by_count = count > history.max_count;
+    Held* most = nullptr;
+    for (auto& [user, held] : by_user) {
+      if (most == nullptr || (by_count ? held.count() > most->count() : held.bytes > most->bytes)) {
+        most = &held;
+      }
+    }
+    const auto& [ended_ms, size, name] = most->ended[most->next++];
+    most->bytes -= size;
+    --count;
+    bytes -= size;
+    drop.push_back(name);
+  }
+  for (const std::string& name : drop) {
+    jobs_.erase(name);
     if (ledger_) {
       pb::JobRecord r;
-      r.set_drop(ended[i].second);
-      last_ticket_ = ledger_->Append(r.SerializeAsString());
+      r.set_drop(name);
+      AppendLocked(r);
     }
   }
+}
+
+void JobStore::AppendLocked(const pb::JobRecord& r) {
+  const std::string bytes = r.SerializeAsString();
+  appended_bytes_ += bytes.size();
+  last_ticket_ = ledger_->Append(bytes);
 }
 
 void JobStore::RollBack() {
@@ -454,16 +557,28 @@ void JobStore::QueueLocked(std::vector<JobEvent> events) {
 }
 
 void JobStore::SnapshotIfDueLocked() {
-  if (!ledger_ || ledger_->records_since_snapshot() < kSnapshotEvery + jobs_.size()) return;
+  // By bytes too: every report writes its job's whole record (a probe's 100
+  // reports of one 3.5 MB job wrote 346 MB of log).
+  if (!ledger_ || (ledger_->records_since_snapshot() < kSnapshotEvery + jobs_.size() &&
+                   appended_bytes_ < kSnapshotBytes + snapshot_bytes_)) {
+    return;
+  }
   std::vector<std::string> records;
+  size_t bytes = 0;
   for (const auto& [name, j] : jobs_) {
     pb::JobRecord r;
     *r.mutable_put() = j;
     records.push_back(r.SerializeAsString());
+    bytes += records.back().size();
   }
   // A failed snapshot leaves the log, which still holds everything.
   absl::Status s = ledger_->Snapshot(records);
-  if (!s.ok()) std::fprintf(stderr, "deepnex-central: job store snapshot: %s\n", s.ToString().c_str());
+  if (!s.ok()) {
+    std::fprintf(stderr, "deepnex-central: job store snapshot: %s\n", s.ToString().c_str());
+    return;
+  }
+  appended_bytes_ = 0;
+  snapshot_bytes_ = bytes;
 }
 
 absl::Status JobStore::Commit(uint64_t ticket) {
@@ -513,7 +628,7 @@ absl::Status JobStore::Commit(uint64_t ticket) {
       pb::JobRecord r;
       r.mutable_sent()->set_name(e->job.name);
       r.mutable_sent()->set_id(e->id);
-      last_ticket_ = ledger_->Append(r.SerializeAsString());
+      AppendLocked(r);
     }
   }
   return absl::OkStatus();
@@ -555,7 +670,7 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
     return absl::InvalidArgumentError(absl::StrCat(
         "run: ", Quoted(in.run()), " is not a run id (1-64 letters, digits, '-' or '_')"));
   }
-  DEEPNEX_RETURN_IF_ERROR(CheckReportSize(in));
+  DEEPNEX_RETURN_IF_ERROR(CheckReportBounds(in));
   DEEPNEX_ASSIGN_OR_RETURN(JobState state, ParseJobState(in.state(), "state"));
   std::optional<MetricThreshold> when;
   if (!in.notify_when().empty()) {
@@ -604,6 +719,13 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
           "job \"", in.name(), "\" exists: a job of that name ",
           Ended(it->second) ? "was run by another user" : "is running", "; choose another name"));
     } else {
+      size_t live = 0;
+      for (const auto& [name, other] : jobs_) live += !Ended(other) && other.user() == user;
+      if (live >= kMaxLiveJobs) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "user ", user, " has ", live, " jobs that have not ended; at most ", kMaxLiveJobs,
+            " (deepnex job cancel ends one)"));
+      }
       if (it != jobs_.end()) {
         // A new run of the caller's ended job: the old run stays in the
         // history, as sacct keeps every run of a name (a probe's rerun

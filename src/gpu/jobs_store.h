@@ -87,6 +87,8 @@ class JobStore {
   // last_ticket_.
   void PutLocked(const pb::Job& job);
   void PruneLocked(int64_t now_ms);
+  // Under mu_: appends `r` to the ledger, setting last_ticket_.
+  void AppendLocked(const pb::JobRecord& r);
   // Under mu_: after `j` got a new report, the job.progress event that its
   // notify_every or `when` (its notify_when) asks for, if any.
   void ProgressLocked(pb::Job* j, const std::optional<MetricThreshold>& when, int64_t now_ms,
@@ -133,6 +135,9 @@ class JobStore {
   bool refusing_ = false;  // the observer's last answer was an error (under publish_mu_)
   // The ledger's ticket of the last record appended; 0: none (or no ledger).
   uint64_t last_ticket_ = 0;
+  // Bytes appended since the last snapshot, and that snapshot's size.
+  uint64_t appended_bytes_ = 0;
+  uint64_t snapshot_bytes_ = 0;
   // When each job that has not ended was last reported (or the store opened).
   std::map<std::string, std::chrono::steady_clock::time_point> heard_;
   std::condition_variable cv_;

@@ -79,6 +79,10 @@ class JobImpl : public Job {
           "nodes: ", o_.nodes, " is more than the ", o_.workers, " workers to spread over them"));
     }
     DEEPNEX_RETURN_IF_ERROR(ValidateAdvertiseHost("advertise_address", o_.advertise_address));
+    if (o_.notify.size() > gpu::kMaxJobNotifyUrls) {
+      return absl::InvalidArgumentError(absl::StrCat("notify: ", o_.notify.size(),
+                                                     " URLs; at most ", gpu::kMaxJobNotifyUrls));
+    }
     for (const std::string& url : o_.notify) {
       absl::Status ok = notify::CheckUrl(url);
       if (!ok.ok()) return absl::InvalidArgumentError(absl::StrCat("notify: ", ok.message()));

@@ -119,7 +119,11 @@ flags:
                           D/notify of --state-dir across restarts
   --job-history-age S     keep ended jobs' records (`deepnex jobs --all`) for S
                           seconds (default 2592000: 30 days)
-  --job-history-count N   and at most the N newest of them (default 10000)
+  --job-history-count N   and at most N of them (default 10000)
+  --job-history-bytes SIZE
+                          and at most SIZE of them (default 256MiB); past
+                          either, the user who holds the most loses their
+                          oldest first
   --job-runner-timeout S  a job whose `deepnex run` has not reported for S
                           seconds fails as lost (default 60)
   --help                  show this text
@@ -315,6 +319,8 @@ int main(int argc, char** argv) {
       const int n = flags.Int();
       if (n < 0) flags.Die(absl::StrCat(flag, ": ", n, " is below 0"));
       options.job_history.max_count = n;
+    } else if (flags.Is("--job-history-bytes")) {
+      options.job_history.max_bytes = flags.Bytes();
     } else {
       flags.Unknown();
     }

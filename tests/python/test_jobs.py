@@ -360,3 +360,8 @@ def test_bad_filters_and_names_are_named(central):
                          text=True, timeout=30)
     assert (bad.returncode, bad.stderr) == (
         2, "deepnex-central: --job-history-count: -1 is below 0 (see --help)\n")
+    bad = subprocess.run([CENTRAL_BIN, "--job-history-bytes", "lots"], capture_output=True,
+                         text=True, timeout=30)
+    assert (bad.returncode, bad.stderr) == (
+        2, 'deepnex-central: --job-history-bytes: "lots" is not a byte size (no number; write '
+           'e.g. "8GiB", "512M" or "4096") (see --help)\n')

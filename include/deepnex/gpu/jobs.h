@@ -140,13 +140,20 @@ struct JobFilter {
   std::chrono::system_clock::time_point since{};
 };
 
+// The webhook URLs a job may name (JobRecord::notify): central POSTs each
+// of its events to each.
+inline constexpr size_t kMaxJobNotifyUrls = 8;
+
 // How much history deepnex-central keeps: ended jobs older than max_age
-// are dropped, and the oldest beyond max_count. A job whose runner has not
+// are dropped, and beyond max_count records or max_bytes of them, the
+// oldest of the user who holds the most (records, or bytes), so that one
+// user's many jobs push out only their own. A job whose runner has not
 // reported for runner_timeout (runners report every 2 s) is failed as lost.
-// Defaults: 30 days, 10000, 60 s
+// Defaults: 30 days, 10000, 256 MiB, 60 s
 struct JobHistoryOptions {
   std::chrono::milliseconds max_age{std::chrono::hours(24 * 30)};
   uint64_t max_count = 10000;
+  uint64_t max_bytes = uint64_t{256} << 20;
   std::chrono::milliseconds runner_timeout{60000};
 };
 

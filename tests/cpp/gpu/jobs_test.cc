@@ -240,6 +240,38 @@ TEST_F(JobsTest, BadInputIsNamed) {
   EXPECT_THAT(alice->Report(big, "r1"),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("bytes; a metric's name is at most 128")));
+  // A probe's 20000 notify URLs made 60000 POSTs from one call.
+  JobRecord hooks = Job("j6", JobState::kPending);
+  hooks.notify.assign(9, "https://hooks.example.com/x");
+  EXPECT_THAT(alice->Report(hooks, "r1"), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                   "notify: 9 URLs; at most 8"));
+  hooks.notify = {"https://hooks.example.com/" + std::string(2100, 'p')};
+  EXPECT_THAT(alice->Report(hooks, "r1"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(" is 2126 bytes; at most 2048")));
+  // A probe's container lists of 3.5 MB: 200 jobs took 900 MB of central's
+  // memory and 700 MB of its disk.
+  JobRecord fat = Job("j6", JobState::kRunning);
+  fat.containers.assign(2000, JobContainer{"w", std::string(120, 'n'), "worker", "running"});
+  EXPECT_THAT(alice->Report(fat, "r1"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       ::testing::MatchesRegex("the report is [0-9]+ bytes besides its command and "
+                                               "message; at most 262144 \\(containers 2[0-9]{5}, "
+                                               "allocations 0, nodes 0\\)")));
+  // Counts that the history sums into GPU- and CPU-hours.
+  JobRecord faked = Job("j6", JobState::kRunning, {{"a1", "n1", -1000000, 1, 0}});
+  EXPECT_THAT(alice->Report(faked, "r1"), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                   "allocations[0].gpus: -1000000 is below 0"));
+  faked = Job("j6", JobState::kRunning);
+  faked.workers = -5;
+  EXPECT_THAT(alice->Report(faked, "r1"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "workers: -5 is below 0"));
+  faked.workers = 1;
+  faked.containers = {JobContainer{"w0", "n1", "worker", "running"}};
+  faked.containers[0].cpu_seconds = std::nan("");
+  EXPECT_THAT(alice->Report(faked, "r1"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "containers[0].cpu_seconds: nan is not a count of seconds"));
+  EXPECT_THAT(alice->Get("j6"), StatusIs(absl::StatusCode::kNotFound));
   big.report.metrics = {{std::string(128, 'n'), 1.0}};
   big.command = {std::string(65535, 'x')};
   EXPECT_OK(alice->Report(big, "r1").status());  // at the limits
@@ -449,6 +481,80 @@ TEST_F(JobsTest, RetentionDropsTheOldestByCountAndByAge) {
       "d to be older than 200 ms"));
   ASSERT_OK(alice->Report(Job("e", JobState::kCompleted), "r").status());
   EXPECT_THAT(Names(*alice, All()), ElementsAre("e"));
+}
+
+// Past the count or the bytes, the user who holds the most loses their
+// oldest: a probe's 5 reports under a count of 5 erased alice's history.
+TEST_F(JobsTest, OneUsersManyJobsPushOutOnlyTheirOwnHistory) {
+  JobHistoryOptions history;
+  history.max_count = 3;
+  Start(history);
+  auto alice = Jobs("alicetok");
+  auto bob = Jobs("bobtok");
+  ASSERT_OK(alice->Report(Job("a1", JobState::kCompleted), "r").status());
+  for (const char* name : {"b1", "b2", "b3", "b4"}) {
+    ASSERT_OK(bob->Report(Job(name, JobState::kCompleted), "r").status());
+  }
+  EXPECT_THAT(Names(*Jobs("admintok"), All()), ::testing::UnorderedElementsAre("a1", "b3", "b4"));
+
+  // By bytes: bob, with four records of 60 KiB commands, holds the most,
+  // and loses his oldest until the rest fit.
+  history.max_count = 100;
+  history.max_bytes = 200 << 10;
+  Start(history);
+  alice = Jobs("alicetok");
+  bob = Jobs("bobtok");
+  for (const char* name : {"b5", "b6", "b7", "b8"}) {
+    JobRecord j = Job(name, JobState::kCompleted);
+    j.command = {std::string(60 << 10, 'x')};
+    ASSERT_OK(bob->Report(j, "r").status());
+  }
+  ASSERT_OK(alice->Report(Job("a2", JobState::kCompleted), "r").status());
+  EXPECT_THAT(Names(*Jobs("admintok"), All()), ::testing::UnorderedElementsAre("a1", "b6", "b7", "b8", "a2"));
+  Start(history);  // the drops are in the ledger too
+  EXPECT_THAT(Names(*Jobs("admintok"), All()), ::testing::UnorderedElementsAre("a1", "b6", "b7", "b8", "a2"));
+}
+
+// Every report writes its job's whole record: the ledger snapshots by bytes
+// too, not only after 1000 records (a probe's 100 reports of one 3.5 MB job
+// wrote 346 MB of log).
+TEST_F(JobsTest, ReportsOfABigRecordDoNotGrowTheLogWithoutBound) {
+  Start();
+  auto alice = Jobs("alicetok");
+  JobRecord j = Job("big", JobState::kRunning);
+  j.command = {std::string(60 << 10, 'x')};
+  j.containers.assign(1500, JobContainer{"w", std::string(100, 'n'), "worker", "running"});
+  for (int i = 0; i < 500; ++i) {  // about 120 MiB of records
+    j.restarts = i;
+    ASSERT_OK(alice->Report(j, "r").status());
+  }
+  uint64_t bytes = 0;
+  for (const auto& f : std::filesystem::directory_iterator(dir_.path() + "/state/jobs")) {
+    if (f.is_regular_file()) bytes += f.file_size();
+  }
+  EXPECT_LT(bytes, uint64_t{70} << 20);
+  Start();  // and the snapshot holds the job
+  ASSERT_OK_AND_ASSIGN(JobRecord got, Jobs("alicetok")->Get("big"));
+  EXPECT_EQ(got.restarts, 499);
+}
+
+// Records a runner need not back with allocations: a user's jobs that have
+// not ended are bounded too.
+TEST_F(JobsTest, AUsersJobsThatHaveNotEndedAreBounded) {
+  Start();
+  auto bob = Jobs("bobtok");
+  for (int i = 0; i < 1024; ++i) {
+    ASSERT_OK(bob->Report(Job(absl::StrCat("b", i), JobState::kRunning), "r").status());
+  }
+  EXPECT_THAT(bob->Report(Job("more", JobState::kRunning), "r"),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       "user bob has 1024 jobs that have not ended; at most 1024 (deepnex job "
+                       "cancel ends one)"));
+  // Reports of those go on, another user's jobs too, and one that ended
+  // makes room.
+  ASSERT_OK(bob->Report(Job("b0", JobState::kCompleted), "r").status());
+  ASSERT_OK(bob->Report(Job("more", JobState::kRunning), "r").status());
+  ASSERT_OK(Jobs("alicetok")->Report(Job("a1", JobState::kRunning), "r").status());
 }
 
 TEST_F(JobsTest, AJobWhoseRunnerFallsSilentFailsAsLostAndItsReportRevivesIt) {
