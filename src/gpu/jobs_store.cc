@@ -5,6 +5,7 @@
 #include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <set>
 #include <type_traits>
 #include <utility>
 
@@ -121,6 +122,37 @@ size_t BytesOf(const Parts& parts) {
   return n;
 }
 
+// A job's allocations as central knows them, which the history sums into
+// GPU-hours: its grants now (allocations carry the job's name), and those
+// its runner still reports that the record had when central still held
+// them (released since). A runner's own figures are not taken: a probe's
+// reported -1000000 GPUs, or none while it held some.
+google::protobuf::RepeatedPtrField<pb::JobAllocation> AllocationsOf(
+    const pb::Job& in, const pb::Job& recorded, const std::vector<Allocation>& granted) {
+  google::protobuf::RepeatedPtrField<pb::JobAllocation> out;
+  std::set<std::string> ids;
+  for (const Allocation& a : granted) {
+    pb::JobAllocation* p = out.Add();
+    p->set_id(a.id);
+    p->set_node(a.node);
+    p->set_gpus(static_cast<int>(a.gpus.size()));
+    p->set_cpus(a.cpus);
+    p->set_memory(a.memory);
+    ids.insert(a.id);
+  }
+  for (const pb::JobAllocation& reported : in.allocations()) {
+    if (ids.count(reported.id()) != 0) continue;
+    for (const pb::JobAllocation& kept : recorded.allocations()) {
+      if (kept.id() == reported.id()) {
+        *out.Add() = kept;
+        ids.insert(kept.id());
+        break;
+      }
+    }
+  }
+  return out;
+}
+
 absl::Status BelowZero(const std::string& field, int64_t value) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", value, " is below 0"));
 }
@@ -161,19 +193,14 @@ absl::Status CheckReportBounds(const pb::Job& in) {
         kMaxRecord, " (containers ", BytesOf(in.containers()), ", allocations ",
         BytesOf(in.allocations()), ", nodes ", BytesOf(in.nodes()), ")"));
   }
-  // Counts, which the history sums into GPU- and CPU-hours (a probe's
-  // -1000000 GPUs showed as -2438 GPU-hours).
+  // Counts, and the CPU seconds the history sums into CPU-hours (its
+  // GPU-hours are central's: AllocationsOf).
   const std::pair<const char*, int> counts[] = {
       {"workers", in.workers()},         {"ps", in.ps()},
       {"min_workers", in.min_workers()}, {"max_workers", in.max_workers()},
       {"restarts", in.restarts()},       {"resizes", in.resizes()}};
   for (const auto& [field, value] : counts) {
     if (value < 0) return BelowZero(field, value);
-  }
-  for (int i = 0; i < in.allocations_size(); ++i) {
-    const pb::JobAllocation& a = in.allocations(i);
-    if (a.gpus() < 0) return BelowZero(absl::StrCat("allocations[", i, "].gpus"), a.gpus());
-    if (a.cpus() < 0) return BelowZero(absl::StrCat("allocations[", i, "].cpus"), a.cpus());
   }
   for (int i = 0; i < in.containers_size(); ++i) {
     const pb::JobContainer& c = in.containers(i);
@@ -690,6 +717,12 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
                                                     "\" is for job \"", who.job, "\", not \"",
                                                     in.name(), "\""));
   }
+  // The grants that carry the job's name, read before mu_ as Cancel
+  // releases them after it.
+  std::vector<Allocation> granted;
+  for (Allocation& a : allocator_.Allocations(user)) {
+    if (a.job == in.name()) granted.push_back(std::move(a));
+  }
   if (options_.check_notify_url && in.notify_size() > 0) {
     // Once per run: outside the lock, as it may ask the resolver. A run
     // already known had its URLs checked when it came.
@@ -765,7 +798,7 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
     j.set_resizes(in.resizes());
     j.set_last_resize(in.last_resize());
     j.set_ps(in.ps());
-    *j.mutable_allocations() = in.allocations();
+    *j.mutable_allocations() = AllocationsOf(in, j, granted);
     *j.mutable_nodes() = in.nodes();
     *j.mutable_containers() = in.containers();
     j.set_restarts(in.restarts());

@@ -96,6 +96,9 @@ struct JobRecord {
   int resizes = 0;
   std::string last_resize;
   int ps = 0;  // parameter servers
+  // Central's: its grants that carry the job's name (Request::job), and the
+  // released ones its runner still reports, as they were granted. What a
+  // report says of them is not taken.
   std::vector<JobAllocation> allocations;
   std::vector<std::string> nodes;
   JobState state = JobState::kPending;

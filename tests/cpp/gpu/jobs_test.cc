@@ -123,8 +123,13 @@ TEST_F(JobsTest, ARunnersReportsMakeTheRecordAndItsEvents) {
   EXPECT_EQ(pending.user, "alice");  // the token's
   EXPECT_EQ(pending.state, JobState::kPending);
   EXPECT_EQ(pending.started, std::chrono::system_clock::time_point{});
+  auto grants = Client("alicetok");
+  Request r = test::Exclusive("alice", 1, 2);
+  r.job = "j1";
+  ASSERT_OK_AND_ASSIGN(Allocation a1, grants->Allocate(r));
+  ASSERT_OK_AND_ASSIGN(Allocation a2, grants->Allocate(r));
   JobRecord running = Job("j1", JobState::kRunning,
-                          {{"a1", "n1", 1, 2, 0}, {"a2", "n1", 1, 2, 0}});
+                          {{a1.id, "n1", 1, 2, 0}, {a2.id, "n1", 1, 2, 0}});
   ASSERT_OK_AND_ASSIGN(JobRecord got, alice->Report(running, "r1"));
   EXPECT_EQ(got.state, JobState::kRunning);
   EXPECT_THAT(got.nodes, ElementsAre("n1"));
@@ -257,11 +262,8 @@ TEST_F(JobsTest, BadInputIsNamed) {
                        ::testing::MatchesRegex("the report is [0-9]+ bytes besides its command and "
                                                "message; at most 262144 \\(containers 2[0-9]{5}, "
                                                "allocations 0, nodes 0\\)")));
-  // Counts that the history sums into GPU- and CPU-hours.
-  JobRecord faked = Job("j6", JobState::kRunning, {{"a1", "n1", -1000000, 1, 0}});
-  EXPECT_THAT(alice->Report(faked, "r1"), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                   "allocations[0].gpus: -1000000 is below 0"));
-  faked = Job("j6", JobState::kRunning);
+  // Counts, and the CPU seconds that the history sums into CPU-hours.
+  JobRecord faked = Job("j6", JobState::kRunning);
   faked.workers = -5;
   EXPECT_THAT(alice->Report(faked, "r1"),
               StatusIs(absl::StatusCode::kInvalidArgument, "workers: -5 is below 0"));
@@ -536,6 +538,44 @@ TEST_F(JobsTest, ReportsOfABigRecordDoNotGrowTheLogWithoutBound) {
   Start();  // and the snapshot holds the job
   ASSERT_OK_AND_ASSIGN(JobRecord got, Jobs("alicetok")->Get("big"));
   EXPECT_EQ(got.restarts, 499);
+}
+
+// A job's allocations, which the history sums into GPU-hours, are central's
+// grants: a probe's runner reported -1000000 GPUs (-2438 GPU-hours), or
+// none while it held some.
+TEST_F(JobsTest, AJobsAllocationsAreCentralsGrants) {
+  Start();
+  auto alice = Jobs("alicetok");
+  auto grants = Client("alicetok");
+  Request r = test::Exclusive("alice", 1, 1);
+  r.job = "j1";
+  ASSERT_OK_AND_ASSIGN(Allocation a, grants->Allocate(r));
+  ASSERT_OK(grants->Allocate(test::Exclusive("alice", 1, 1)).status());  // not the job's
+  const auto ids = [](const JobRecord& j) {
+    std::vector<std::string> out;
+    for (const JobAllocation& x : j.allocations) {
+      out.push_back(absl::StrCat(x.id, " ", x.node, " ", x.gpus, " ", x.cpus));
+    }
+    return out;
+  };
+  const std::string grant = absl::StrCat(a.id, " ", a.node, " 1 1");
+  // Faked figures and an allocation central never made: central's grant.
+  JobRecord j = Job("j1", JobState::kRunning, {{a.id, "n9", -1000000, 64, 0}, {"zz", "n1", 8, 8, 0}});
+  ASSERT_OK_AND_ASSIGN(JobRecord got, alice->Report(j, "r1"));
+  EXPECT_THAT(ids(got), ElementsAre(grant));
+  // None reported: still its grant.
+  j.allocations.clear();
+  ASSERT_OK_AND_ASSIGN(got, alice->Report(j, "r1"));
+  EXPECT_THAT(ids(got), ElementsAre(grant));
+  // Released and still reported (a job's last report comes after it lets
+  // its grants go): as the record had it; once no longer reported, gone.
+  ASSERT_OK(grants->Release(a.id));
+  j.allocations = {{a.id, "n9", 7, 7, 0}};
+  ASSERT_OK_AND_ASSIGN(got, alice->Report(j, "r1"));
+  EXPECT_THAT(ids(got), ElementsAre(grant));
+  j.allocations.clear();
+  ASSERT_OK_AND_ASSIGN(got, alice->Report(j, "r1"));
+  EXPECT_THAT(ids(got), ElementsAre());
 }
 
 // Records a runner need not back with allocations: a user's jobs that have
