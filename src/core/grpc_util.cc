@@ -403,6 +403,52 @@ absl::Status CheckForkSafe(const std::string& what) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// The path of the first string field below `m` that is not UTF-8 (its
+// value in *value), else "".
+std::string NotUtf8(const google::protobuf::Message& m, const std::string& prefix,
+                    std::string* value) {
+  using google::protobuf::FieldDescriptor;
+  const google::protobuf::Reflection* reflection = m.GetReflection();
+  std::vector<const FieldDescriptor*> fields;
+  reflection->ListFields(m, &fields);
+  for (const FieldDescriptor* f : fields) {
+    const std::string name = prefix + f->name();
+    const int n = f->is_repeated() ? reflection->FieldSize(m, f) : 1;
+    for (int i = 0; i < n; ++i) {
+      const std::string at = f->is_repeated() ? absl::StrCat(name, "[", i, "]") : name;
+      if (f->type() == FieldDescriptor::TYPE_STRING) {
+        std::string scratch;
+        const std::string& s = f->is_repeated()
+                                   ? reflection->GetRepeatedStringReference(m, f, i, &scratch)
+                                   : reflection->GetStringReference(m, f, &scratch);
+        if (!IsUtf8(s)) {
+          *value = s;
+          return at;
+        }
+      } else if (f->type() == FieldDescriptor::TYPE_MESSAGE) {
+        const google::protobuf::Message& sub = f->is_repeated()
+                                                   ? reflection->GetRepeatedMessage(m, f, i)
+                                                   : reflection->GetMessage(m, f);
+        std::string found = NotUtf8(sub, at + ".", value);
+        if (!found.empty()) return found;
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+absl::Status CheckUtf8Fields(const google::protobuf::Message& request) {
+  std::string value;
+  const std::string field = NotUtf8(request, "", &value);
+  if (field.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": ", Quoted(value), " is not UTF-8 text"));
+}
+
 // ---- framing
 
 namespace {

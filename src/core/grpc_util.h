@@ -4,6 +4,7 @@
 #ifndef DEEPNEX_CORE_GRPC_UTIL_H_
 #define DEEPNEX_CORE_GRPC_UTIL_H_
 
+#include <google/protobuf/message.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/slice.h>
@@ -180,6 +181,12 @@ absl::Status CheckForkSafe(const std::string& what);
 // gRPC: its destructor leaves them, leaking what they hold, so that a child
 // that exits normally (or drops the object) neither crashes nor hangs.
 bool InForkedChild();
+
+// InvalidArgument naming the first string field of `request` that is not
+// UTF-8 ('spec.command[1]: "caf\xe9" is not UTF-8 text'), which a proto3
+// string must be: the server cannot parse such a request and answers
+// UNIMPLEMENTED with no message. OK otherwise.
+absl::Status CheckUtf8Fields(const google::protobuf::Message& request);
 
 // ---- Framed messages: `message M { Header header = 1; bytes payload = 2; }`
 //

@@ -35,11 +35,14 @@ class CentralCaller {
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
   const std::string& token() const { return token_; }
 
-  // fn(&ctx) -> grpc::Status, with the deadline options.timeout + `extra`;
-  // a deadline gRPC gives up on is Unavailable naming the address.
+  // fn(&ctx) -> grpc::Status, sending `request`, with the deadline
+  // options.timeout + `extra`; a deadline gRPC gives up on is Unavailable
+  // naming the address.
   template <class Fn>
-  absl::Status Call(Fn fn, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) const {
+  absl::Status Call(const google::protobuf::Message& request, Fn fn,
+                    std::chrono::milliseconds extra = std::chrono::milliseconds(0)) const {
     DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("central client"));
+    DEEPNEX_RETURN_IF_ERROR(CheckUtf8Fields(request));
     const std::chrono::milliseconds timeout = options_.timeout + extra;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + timeout);

@@ -28,7 +28,8 @@ class JobsClientImpl final : public JobsClient {
                          filter.since.time_since_epoch())
                          .count());
     pb::JobList reply;
-    DEEPNEX_RETURN_IF_ERROR(caller_.Call([&](auto* ctx) { return stub_->ListJobs(ctx, req, &reply); }));
+    DEEPNEX_RETURN_IF_ERROR(
+        caller_.Call(req, [&](auto* ctx) { return stub_->ListJobs(ctx, req, &reply); }));
     std::vector<JobRecord> out;
     for (const pb::Job& j : reply.jobs()) {
       DEEPNEX_ASSIGN_OR_RETURN(JobRecord r, FromProto(j));
@@ -41,7 +42,8 @@ class JobsClientImpl final : public JobsClient {
     pb::JobName req;
     req.set_name(name);
     pb::Job reply;
-    DEEPNEX_RETURN_IF_ERROR(caller_.Call([&](auto* ctx) { return stub_->GetJob(ctx, req, &reply); }));
+    DEEPNEX_RETURN_IF_ERROR(
+        caller_.Call(req, [&](auto* ctx) { return stub_->GetJob(ctx, req, &reply); }));
     return FromProto(reply);
   }
 
@@ -49,7 +51,8 @@ class JobsClientImpl final : public JobsClient {
     pb::JobName req;
     req.set_name(name);
     pb::Job reply;
-    DEEPNEX_RETURN_IF_ERROR(caller_.Call([&](auto* ctx) { return stub_->CancelJob(ctx, req, &reply); }));
+    DEEPNEX_RETURN_IF_ERROR(
+        caller_.Call(req, [&](auto* ctx) { return stub_->CancelJob(ctx, req, &reply); }));
     return FromProto(reply);
   }
 
@@ -58,7 +61,8 @@ class JobsClientImpl final : public JobsClient {
     ToProto(job, &req);
     req.set_run(run);
     pb::Job reply;
-    DEEPNEX_RETURN_IF_ERROR(caller_.Call([&](auto* ctx) { return stub_->ReportJob(ctx, req, &reply); }));
+    DEEPNEX_RETURN_IF_ERROR(
+        caller_.Call(req, [&](auto* ctx) { return stub_->ReportJob(ctx, req, &reply); }));
     return FromProto(reply);
   }
 

@@ -86,7 +86,7 @@ class CentralClientImpl final : public CentralClient {
     req.set_allocation_id(allocation_id);
     pb::ContainerInfo reply;
     DEEPNEX_RETURN_IF_ERROR(
-        Call([&](auto* ctx) { return stub_->StartContainer(ctx, req, &reply); }));
+        Call(req, [&](auto* ctx) { return stub_->StartContainer(ctx, req, &reply); }));
     return FromProto(reply);
   }
 
@@ -95,7 +95,7 @@ class CentralClientImpl final : public CentralClient {
     req.set_user(user);
     pb::ContainerList reply;
     DEEPNEX_RETURN_IF_ERROR(
-        Call([&](auto* ctx) { return stub_->ListContainers(ctx, req, &reply); }));
+        Call(req, [&](auto* ctx) { return stub_->ListContainers(ctx, req, &reply); }));
     std::vector<CentralContainer> out;
     for (const auto& c : reply.containers()) {
       DEEPNEX_ASSIGN_OR_RETURN(CentralContainer x, FromProto(c));
@@ -113,7 +113,7 @@ class CentralClientImpl final : public CentralClient {
     req.set_user(user);
     pb::ContainerInfo reply;
     DEEPNEX_RETURN_IF_ERROR(Call(
-        [&](auto* ctx) { return stub_->StopContainer(ctx, req, &reply); }, grace));
+        req, [&](auto* ctx) { return stub_->StopContainer(ctx, req, &reply); }, grace));
     return FromProto(reply);
   }
 
@@ -125,7 +125,7 @@ class CentralClientImpl final : public CentralClient {
     req.set_user(user);
     pb::ContainerLogsReply reply;
     DEEPNEX_RETURN_IF_ERROR(
-        Call([&](auto* ctx) { return stub_->ContainerLogs(ctx, req, &reply); }));
+        Call(req, [&](auto* ctx) { return stub_->ContainerLogs(ctx, req, &reply); }));
     return LogChunk{reply.data(), reply.next_offset(), reply.ended()};
   }
 
@@ -145,9 +145,10 @@ class CentralClientImpl final : public CentralClient {
   }
 
   absl::StatusOr<std::vector<CentralImage>> ListImages() override {
+    const pb::ListImagesRequest req;
     pb::ImageList reply;
-    DEEPNEX_RETURN_IF_ERROR(Call(
-        [&](auto* ctx) { return images_->ListImages(ctx, pb::ListImagesRequest(), &reply); }));
+    DEEPNEX_RETURN_IF_ERROR(
+        Call(req, [&](auto* ctx) { return images_->ListImages(ctx, req, &reply); }));
     std::vector<CentralImage> out;
     for (const auto& i : reply.images()) out.push_back(ImageFromProto(i));
     return out;
@@ -162,7 +163,7 @@ class CentralClientImpl final : public CentralClient {
     req.set_force(force);
     pb::CatalogImage reply;
     DEEPNEX_RETURN_IF_ERROR(
-        Call([&](auto* ctx) { return images_->RegisterImage(ctx, req, &reply); }));
+        Call(req, [&](auto* ctx) { return images_->RegisterImage(ctx, req, &reply); }));
     return ImageFromProto(reply);
   }
 
@@ -173,7 +174,7 @@ class CentralClientImpl final : public CentralClient {
     req.set_public_(make_public);
     pb::CatalogImage reply;
     DEEPNEX_RETURN_IF_ERROR(
-        Call([&](auto* ctx) { return images_->ShareImage(ctx, req, &reply); }));
+        Call(req, [&](auto* ctx) { return images_->ShareImage(ctx, req, &reply); }));
     return ImageFromProto(reply);
   }
 
@@ -182,7 +183,7 @@ class CentralClientImpl final : public CentralClient {
     pb::ShareImageRequest req = ShareRequest(name, users);
     pb::CatalogImage reply;
     DEEPNEX_RETURN_IF_ERROR(
-        Call([&](auto* ctx) { return images_->UnshareImage(ctx, req, &reply); }));
+        Call(req, [&](auto* ctx) { return images_->UnshareImage(ctx, req, &reply); }));
     return ImageFromProto(reply);
   }
 
@@ -191,7 +192,7 @@ class CentralClientImpl final : public CentralClient {
     req.set_name(name);
     pb::CatalogImage reply;
     DEEPNEX_RETURN_IF_ERROR(
-        Call([&](auto* ctx) { return images_->RemoveImage(ctx, req, &reply); }));
+        Call(req, [&](auto* ctx) { return images_->RemoveImage(ctx, req, &reply); }));
     return ImageFromProto(reply);
   }
 
@@ -201,7 +202,7 @@ class CentralClientImpl final : public CentralClient {
     req.set_container(container);
     req.set_name(name);
     pb::CatalogImage reply;
-    DEEPNEX_RETURN_IF_ERROR(Call([&](auto* ctx) { return images_->Commit(ctx, req, &reply); },
+    DEEPNEX_RETURN_IF_ERROR(Call(req, [&](auto* ctx) { return images_->Commit(ctx, req, &reply); },
                                  kCommitTime));
     return ImageFromProto(reply);
   }
@@ -221,8 +222,9 @@ class CentralClientImpl final : public CentralClient {
 
   // `extra`: time the call may take on top of the client's timeout.
   template <class Fn>
-  absl::Status Call(Fn fn, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) {
-    absl::Status s = caller_.Call(fn, extra);
+  absl::Status Call(const google::protobuf::Message& request, Fn fn,
+                    std::chrono::milliseconds extra = std::chrono::milliseconds(0)) {
+    absl::Status s = caller_.Call(request, fn, extra);
     if (s.code() == absl::StatusCode::kUnimplemented) {
       return absl::FailedPreconditionError(absl::StrCat(
           "deepnex-central at ", options_.address, " has no launcher: ", s.message()));

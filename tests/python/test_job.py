@@ -306,6 +306,11 @@ def test_bad_options_are_refused_before_anything_starts(jobs):
     j = jobs(["--mode", "ssp:x"], ["true"])
     assert j.wait(60) == 2
     assert 'mode: "ssp:x"' in j.output()
+    # An argument of bytes the locale does not decode (os.fsencode's
+    # b"caf\xe9") was "not a value of this option's type".
+    j = jobs(["--mode", "allreduce"], ["/bin/echo", "caf\udce9"])
+    assert j.wait(60) == 2
+    assert "command: 'caf\\udce9' is not UTF-8 text" in j.output(), j.output()
     # Central grants only what is asked: a job without --memory allocated,
     # then failed naming spec.memory (or first waited in the queue).
     j = jobs(["--central", "127.0.0.1:1", "--token", "x"], ["true"])

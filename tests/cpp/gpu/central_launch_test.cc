@@ -240,6 +240,13 @@ TEST_F(CentralLaunch, AnotherUsersAllocationIsRefusedAndAnUnknownOneNotFound) {
   EXPECT_THAT(alice_->StartContainer(Spec(std::string(58, 'x'), {"true"}), a.id),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("must be 1 to 57 characters for user alice")));
+  // Proto strings are UTF-8: such a spec read "deepnex-central ... has no
+  // launcher: " (central could not parse it: an empty UNIMPLEMENTED).
+  ContainerSpec latin = Spec("w0", {"true"});
+  latin.env["CITY"] = "S\xe3o Paulo";
+  EXPECT_THAT(alice_->StartContainer(latin, a.id),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(".value: \"S\\xe3o Paulo\" is not UTF-8 text")));
   // A spec the launcher refuses leaves nothing behind.
   EXPECT_THAT(alice_->StartContainer(Spec("w0", {"/no/such/command"}), a.id),
               StatusIs(absl::StatusCode::kNotFound));

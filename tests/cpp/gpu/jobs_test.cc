@@ -274,6 +274,13 @@ TEST_F(JobsTest, BadInputIsNamed) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        "containers[0].cpu_seconds: nan is not a count of seconds"));
   EXPECT_THAT(alice->Get("j6"), StatusIs(absl::StatusCode::kNotFound));
+  // Proto strings are UTF-8: central could not parse such a report and
+  // answered UNIMPLEMENTED with no message (probe).
+  JobRecord latin = Job("j7", JobState::kPending);
+  latin.command = {"echo", "caf\xe9"};
+  EXPECT_THAT(alice->Report(latin, "r1"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "command[1]: \"caf\\xe9\" is not UTF-8 text"));
   big.report.metrics = {{std::string(128, 'n'), 1.0}};
   big.command = {std::string(65535, 'x')};
   EXPECT_OK(alice->Report(big, "r1").status());  // at the limits
