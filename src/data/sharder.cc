@@ -105,6 +105,16 @@ std::vector<uint64_t> BlockPositions(const SharderOptions& options, int num_shar
   return out;
 }
 
+absl::Status CheckEpoch(uint64_t epoch, const char* field) {
+  // Past it a cursor could count to 2^63, a state that Seek from Python (and
+  // a checkpoint) refuses (probe).
+  if (epoch > kMaxEpoch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", epoch, " is past the last epoch, ", kMaxEpoch));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<Remainder> ParseRemainder(const std::string& text, const std::string& field) {
@@ -158,6 +168,7 @@ uint64_t Sharder::EpochLength(uint64_t epoch) const {
 }
 
 absl::Status Sharder::Seek(uint64_t epoch, uint64_t position) {
+  DEEPNEX_RETURN_IF_ERROR(CheckEpoch(epoch, "epoch"));
   const uint64_t length = EpochLength(epoch);
   if (position > length) {
     return absl::InvalidArgumentError(absl::StrCat("position: ", position,
@@ -184,6 +195,7 @@ ShardState Sharder::state() const {
 
 absl::Status Sharder::Reshard(const ShardState& from, int num_shards, int shard) {
   DEEPNEX_RETURN_IF_ERROR(CheckWorld(options_, num_shards, shard));
+  DEEPNEX_RETURN_IF_ERROR(CheckEpoch(from.epoch, "state.epoch"));
   // The old world's blocks are laid out one by one below; a world past the
   // dataset's size (or a job's) is no state this dataset's sharders made.
   const uint64_t max_shards = std::max<uint64_t>(options_.size, kMaxReshardFrom);

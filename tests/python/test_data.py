@@ -118,6 +118,15 @@ def test_bad_inputs_name_field_and_value():
     s = Sharder(10, 2, 0)
     with pytest.raises(ValueError, match="position: 6 is past"):
         s.load_state((0, 6))
+    # The cursor counted on to epoch 2**63, a state load_state refuses (probe).
+    with pytest.raises(deepnex.InvalidArgumentError,
+                       match="^epoch: 9223372036854775807 is past the last epoch, "
+                             "4611686018427387904$"):
+        s.load_state((2**63 - 1, 4))
+    s.load_state((2**62, 5))  # the last epoch, done: 2**62 more are left to count
+    assert s.state() == (2**62 + 1, 0)
+    assert len(s.indices()) == 5
+    s.load_state((0, 0))
     with pytest.raises(ValueError, match="batch_size: 0"):
         next(s.batches(0))
     with pytest.raises(deepnex.InvalidArgumentError,

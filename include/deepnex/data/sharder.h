@@ -63,6 +63,11 @@ struct ShardState {
 absl::StatusOr<Remainder> ParseRemainder(const std::string& text,
                                          const std::string& field = "remainder");
 
+// The last epoch a cursor moves to (Seek, Reshard): from there it counts
+// 2^62 epochs more before its state no longer fits a signed 64-bit int
+// (Python's, a checkpoint's).
+inline constexpr uint64_t kMaxEpoch = (uint64_t{1} << 62);
+
 // The largest world a Reshard continues from, beyond a dataset's size.
 inline constexpr uint64_t kMaxReshardFrom = 1 << 16;
 
@@ -106,7 +111,8 @@ class Sharder {
   uint64_t epoch() const { return epoch_; }
   uint64_t position() const { return position_; }
   // Moves the cursor. Seek(e, length) (epoch e done) is Seek(e + 1, 0);
-  // a position past epoch e's length is InvalidArgument.
+  // a position past epoch e's length, or an epoch past kMaxEpoch, is
+  // InvalidArgument.
   absl::Status Seek(uint64_t epoch, uint64_t position);
 
   // The cursor, the world, and the layout of a re-sharded cursor epoch.

@@ -128,6 +128,18 @@ TEST(SharderTest, SeekToTheEndIsTheNextEpoch) {
   EXPECT_EQ(s.position(), 0u);
   EXPECT_THAT(s.Seek(3, 6), StatusIs(absl::StatusCode::kInvalidArgument,
                                      HasSubstr("position: 6 is past the shard's 5")));
+  // Past the last epoch the cursor could count to 2^63, a state that a
+  // signed 64-bit checkpoint cannot hold.
+  EXPECT_THAT(s.Seek(kMaxEpoch + 1, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       absl::StrCat("epoch: ", kMaxEpoch + 1, " is past the last epoch, ",
+                                    kMaxEpoch)));
+  ShardState from = s.state();
+  from.epoch = uint64_t{1} << 63;
+  EXPECT_THAT(s.Reshard(from, 2, 0), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstr("state.epoch: 9223372036854775808")));
+  ASSERT_THAT(s.Seek(kMaxEpoch, 5), IsOk());
+  EXPECT_EQ(s.epoch(), kMaxEpoch + 1);
 }
 
 TEST(SharderTest, BadInputsNameTheFieldAndValue) {
