@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include <grpcpp/channel.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <unistd.h>
 
@@ -797,6 +798,17 @@ class ClientImpl final : public Client {
     return conns[next_conn_.fetch_add(1, std::memory_order_relaxed) % conns.size()];
   }
 
+  // Before a retry on Unavailable: the server's channels connect now rather
+  // than when gRPC's own backoff says (up to 2.4 s after the last failed
+  // connect), so that the retries' backoff alone paces them: a client with a
+  // 0.5 s timeout failed 5 times in 8 with "failed to connect" to a server
+  // back after a 4 s outage (and CI's 2 s one, once).
+  void Reconnect(size_t server) {
+    for (const Connection& c : servers_[server]) {
+      grpc::experimental::ChannelResetConnectionBackoff(c.channel.get());
+    }
+  }
+
   void PrepareContext(grpc::ClientContext* ctx, Clock::time_point deadline) const {
     ctx->set_deadline(deadline);
     if (!token_.empty()) ctx->AddMetadata(kAuthorizationKey, BearerValue(token_));
@@ -844,6 +856,7 @@ class ClientImpl final : public Client {
           Clock::now() + backoff >= deadline) {
         return CallError(s, server, what);
       }
+      Reconnect(server);
       std::this_thread::sleep_for(backoff);
       backoff *= 2;
     }
@@ -893,6 +906,7 @@ class ClientImpl final : public Client {
     }
     if (s.error_code() == grpc::StatusCode::UNAVAILABLE &&
         Clock::now() + r->backoff < r->deadline) {
+      Reconnect(r->server);
       auto delay = r->backoff;
       r->backoff *= 2;
       {

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -289,6 +290,36 @@ def test_a_push_retried_across_a_server_restart_is_applied_once(tmp_path):
         c.close()
     finally:
         server.stop()
+
+
+def test_a_client_reconnects_at_once_to_a_server_back_after_an_outage(tmp_path):
+    """After a server was down a few seconds, gRPC waited up to 2.4 s before
+    it tried to connect again, and every call until then failed at once
+    with "failed to connect": a client with a 1 s timeout failed against a
+    server already back (about half the time; CI's 2 s client, once). Its
+    retries now connect at once."""
+    opts = dict(mode="async", optimizer=ps.Sum(), reduction="sum")
+    server = ps.Server(**opts)
+    address = server.address
+    c = ps.Client([address], timeout=1)
+    try:
+        c.init({"w": np.zeros(4, np.float32)})
+        server.checkpoint(tmp_path)
+        for outage in range(4):
+            server.stop()
+            down = time.monotonic()
+            while time.monotonic() - down < 3:  # gRPC's backoff grows to its 2 s cap
+                with pytest.raises(deepnex.UnavailableError):
+                    c.pull("w")
+            server = ps.Server(address=address, restore=tmp_path, **opts)
+            c.push({"w": np.ones(4, np.float32)})
+            np.testing.assert_array_equal(c.pull("w")["w"], np.full(4, outage + 1, np.float32))
+            server.checkpoint(tmp_path)
+    finally:
+        try:
+            c.close()
+        finally:
+            server.stop()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
