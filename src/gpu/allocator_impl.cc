@@ -118,7 +118,7 @@ absl::Status Allocator::Impl::SetNodeMode(const std::string& name, Mode mode, Mo
   NodeState* n = placement().Find(name);
   if (n == nullptr) return NoNode(name);
   if (n->mode == mode) {
-    if (!n->pending) return absl::OkStatus();
+    if (!n->pending) return AfterPending(lock);
     placement().SetMode(n, mode, false);  // cancels the pending switch
   } else if (n->gpu_allocs == 0) {
     placement().SetMode(n, mode, false);
@@ -132,7 +132,7 @@ absl::Status Allocator::Impl::SetNodeMode(const std::string& name, Mode mode, Mo
         "node ", name, " holds ", ModeName(n->mode), " allocations ", NameList(ids),
         "; release them first, or switch when they are drained (--when-drained)"));
   } else {
-    if (n->pending && *n->pending == mode) return absl::OkStatus();
+    if (n->pending && *n->pending == mode) return AfterPending(lock);
     placement().SetMode(n, mode, true);
   }
   uint64_t seq = LogLocked(Encode(ModeRecord{name, mode, n->pending.has_value()}));
@@ -169,7 +169,7 @@ absl::Status Allocator::Impl::SetFlags(const std::string& name, bool cordoned, b
   NodeState* n = placement().Find(name);
   if (n == nullptr) return NoNode(name);
   if (keep_draining) draining = n->draining;
-  uint64_t seq = 0;
+  uint64_t seq = PendingLocked();
   if (n->cordoned != cordoned || n->draining != draining) {
     placement().SetFlags(n, cordoned, draining);
     seq = LogLocked(Encode(FlagsRecord{name, cordoned, draining}));
@@ -190,7 +190,7 @@ absl::StatusOr<std::string> Allocator::Impl::SetQuota(const std::string& user, c
   }
   DEEPNEX_RETURN_IF_ERROR(ValidateQuota(user, quota));
   std::unique_lock<std::mutex> lock(mu_);
-  uint64_t seq = 0;
+  uint64_t seq = PendingLocked();
   if (state_.SetQuota(user, quota)) seq = LogLocked(Encode(QuotaRecord{false, user, quota}));
   const Usage u = state_.UsageOf(user);
   Pump();
@@ -202,7 +202,7 @@ absl::StatusOr<std::string> Allocator::Impl::SetQuota(const std::string& user, c
 absl::StatusOr<std::string> Allocator::Impl::SetDefaultQuota(const Quota& quota) {
   DEEPNEX_RETURN_IF_ERROR(ValidateQuota("default", quota));
   std::unique_lock<std::mutex> lock(mu_);
-  uint64_t seq = 0;
+  uint64_t seq = PendingLocked();
   if (state_.SetDefaultQuota(quota)) seq = LogLocked(Encode(QuotaRecord{true, "", quota}));
   const std::vector<std::string> notes = state_.DefaultQuotaNotes(quota);
   Pump();
@@ -213,7 +213,7 @@ absl::StatusOr<std::string> Allocator::Impl::SetDefaultQuota(const Quota& quota)
 
 absl::Status Allocator::Impl::ClearQuota(const std::string& user) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (!state_.ClearQuota(user)) return absl::OkStatus();
+  if (!state_.ClearQuota(user)) return AfterPending(lock);
   uint64_t seq = LogLocked(Encode(ClearQuotaRecord{user}));
   Pump();
   lock.unlock();
@@ -360,6 +360,16 @@ uint64_t Allocator::Impl::LogLocked(const std::string& record) {
     ApplyDurableLocked();  // a snapshot writes out what was in flight
   }
   return seq;
+}
+
+uint64_t Allocator::Impl::PendingLocked() const {
+  return unapplied_.empty() ? 0 : unapplied_.back().first;
+}
+
+absl::Status Allocator::Impl::AfterPending(std::unique_lock<std::mutex>& lock) {
+  const uint64_t seq = PendingLocked();
+  lock.unlock();
+  return Durable(seq);
 }
 
 void Allocator::Impl::ApplyDurableLocked() {
@@ -555,7 +565,7 @@ absl::Status Allocator::Impl::ReleaseId(const std::string& id, const Allocator::
   for (uint64_t part : nums) {
     if (permit) DEEPNEX_RETURN_IF_ERROR(permit(state_.allocs().at(part).a));
   }
-  *seq = ReleaseLocked(nums, "released");
+  *seq = nums.empty() ? PendingLocked() : ReleaseLocked(nums, "released");
   return absl::OkStatus();
 }
 

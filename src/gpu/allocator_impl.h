@@ -127,6 +127,15 @@ class Allocator::Impl {
   // views see the change once that write is done (ApplyDurableLocked); if
   // it fails, RollBack drops it from state_ before anyone is told.
   uint64_t LogLocked(const std::string& record);
+  // Under mu_: the ticket of the last change not yet known durable (0: none).
+  // A call that changes nothing because state_ already holds what it asks
+  // (a second release of an id, a quota set again) waits for it before it
+  // answers OK: state_ runs ahead of the disk, and a crash before that
+  // write lost the change the OK vouched for (a probe's released
+  // allocations came back after a kill -9, 16 times in 21 races).
+  uint64_t PendingLocked() const;
+  // Unlocks and returns Durable(PendingLocked()): such a call's answer.
+  absl::Status AfterPending(std::unique_lock<std::mutex>& lock);
 
   // Under mu_: applies to durable_, in log order, every record now on disk.
   void ApplyDurableLocked();
