@@ -230,53 +230,79 @@ class Communicator:
     backend = property(lambda self: self._comm.backend)
     transport = property(lambda self: self._comm.transport)
 
+    def _issue(self, kind, x, issue):
+        """Returns issue(), which checks this rank's arguments and then
+        issues collective `kind`. Where it raises, nothing was issued: this
+        rank still takes its part, as a call every rank refuses, so that the
+        others fail with InvalidArgument too and all stay in step. (Skipped,
+        a probe's rank 1 met rank 0's next call: its sum of 1 + 2 came back
+        as 12 with no error, and rank 0's later sums were wrong too.)"""
+        try:
+            return issue()
+        except Exception:
+            try:
+                comm = self._cuda_comm() if _is_cuda(x) else self._comm
+            except Exception:  # x is not even a tensor
+                comm = self._comm
+            comm.refuse(kind)
+            raise
+
     def allreduce_async(self, x, op="sum"):
-        if _is_cuda(x):
-            ptr, dtype, n = _cuda(x)
-            return Work(self._cuda_comm().allreduce_raw_async(ptr, dtype, n, _op(op)), x)
-        b, dtype = to_buffer(x, "allreduce")
-        return Work(self._comm.allreduce_async(b, dtype, _op(op)), x)
+        def issue():
+            if _is_cuda(x):
+                ptr, dtype, n = _cuda(x)
+                return Work(self._cuda_comm().allreduce_raw_async(ptr, dtype, n, _op(op)), x)
+            b, dtype = to_buffer(x, "allreduce")
+            return Work(self._comm.allreduce_async(b, dtype, _op(op)), x)
+        return self._issue("allreduce", x, issue)
 
     def broadcast_async(self, x, root=0):
-        root = int(root)
-        # The communicator refuses a root outside the ranks on every rank; one
-        # past an int32 would not reach it.
-        if not -2**31 <= root < 2**31:
-            raise InvalidArgumentError(f"broadcast: root {root} is outside "
-                                       f"0..{self.world_size - 1}")
-        if _is_cuda(x):
-            ptr, dtype, n = _cuda(x)
-            return Work(self._cuda_comm().broadcast_raw_async(ptr, dtype, n, root), x)
-        b, dtype = to_buffer(x, "broadcast")
-        return Work(self._comm.broadcast_async(b, dtype, root), x)
+        def issue():
+            r = int(root)
+            # The communicator refuses a root outside the ranks on every rank;
+            # one past an int32 would not reach it.
+            if not -2**31 <= r < 2**31:
+                raise InvalidArgumentError(f"broadcast: root {r} is outside "
+                                           f"0..{self.world_size - 1}")
+            if _is_cuda(x):
+                ptr, dtype, n = _cuda(x)
+                return Work(self._cuda_comm().broadcast_raw_async(ptr, dtype, n, r), x)
+            b, dtype = to_buffer(x, "broadcast")
+            return Work(self._comm.broadcast_async(b, dtype, r), x)
+        return self._issue("broadcast", x, issue)
 
     def allgather_async(self, x):
-        if not _is_cuda(x):
-            to_buffer(x, "allgather")  # what x is not, before its shape is read
-        out = _empty_like(x, (self.world_size, *tuple(x.shape)))
-        if _is_cuda(x):
-            ptr, dtype, n = _cuda(x)
-            return Work(self._cuda_comm().allgather_raw_async(ptr, out.data_ptr(), dtype, n), out, keep=x)
-        bi, dtype = to_buffer(x, "allgather")
-        bo, _ = to_buffer(out, "allgather")
-        return Work(self._comm.allgather_async(bi, bo, dtype), out)
+        def issue():
+            if not _is_cuda(x):
+                to_buffer(x, "allgather")  # what x is not, before its shape is read
+            out = _empty_like(x, (self.world_size, *tuple(x.shape)))
+            if _is_cuda(x):
+                ptr, dtype, n = _cuda(x)
+                return Work(self._cuda_comm().allgather_raw_async(ptr, out.data_ptr(), dtype, n),
+                            out, keep=x)
+            bi, dtype = to_buffer(x, "allgather")
+            bo, _ = to_buffer(out, "allgather")
+            return Work(self._comm.allgather_async(bi, bo, dtype), out)
+        return self._issue("allgather", x, issue)
 
     def reduce_scatter_async(self, x, op="sum"):
-        if not _is_cuda(x):
-            to_buffer(x, "reduce_scatter")  # what x is not, before its shape is read
-        shape = tuple(x.shape)
-        if not shape or shape[0] % self.world_size:
-            raise InvalidArgumentError(
-                f"reduce_scatter: the first dimension of a {list(shape)} tensor must be a "
-                f"multiple of world_size {self.world_size}")
-        out = _empty_like(x, (shape[0] // self.world_size, *shape[1:]))
-        if _is_cuda(x):
-            ptr, dtype, _ = _cuda(x)
-            return Work(self._cuda_comm().reduce_scatter_raw_async(ptr, out.data_ptr(), dtype,
-                                                            out.numel(), _op(op)), out, keep=x)
-        bi, dtype = to_buffer(x, "reduce_scatter")
-        bo, _ = to_buffer(out, "reduce_scatter")
-        return Work(self._comm.reduce_scatter_async(bi, bo, dtype, _op(op)), out)
+        def issue():
+            if not _is_cuda(x):
+                to_buffer(x, "reduce_scatter")  # what x is not, before its shape is read
+            shape = tuple(x.shape)
+            if not shape or shape[0] % self.world_size:
+                raise InvalidArgumentError(
+                    f"reduce_scatter: the first dimension of a {list(shape)} tensor must be a "
+                    f"multiple of world_size {self.world_size}")
+            out = _empty_like(x, (shape[0] // self.world_size, *shape[1:]))
+            if _is_cuda(x):
+                ptr, dtype, _ = _cuda(x)
+                return Work(self._cuda_comm().reduce_scatter_raw_async(
+                    ptr, out.data_ptr(), dtype, out.numel(), _op(op)), out, keep=x)
+            bi, dtype = to_buffer(x, "reduce_scatter")
+            bo, _ = to_buffer(out, "reduce_scatter")
+            return Work(self._comm.reduce_scatter_async(bi, bo, dtype, _op(op)), out)
+        return self._issue("reduce_scatter", x, issue)
 
     def barrier_async(self):
         return Work(self._comm.barrier_async())

@@ -258,6 +258,27 @@ void RegisterCollective(py::module_& parent) {
            })
       .def("barrier_async",
            [](Communicator& c) { return std::make_unique<PyWork>(c.BarrierAsync(), std::vector<BufferView>{}); })
+      // Takes this rank's part in a collective `kind` that deepnex/collective.py
+      // could not issue (its arguments were refused here): as a tensor every
+      // backend refuses (a negative dimension), so that the other ranks' call
+      // fails with InvalidArgument too and every rank stays in step. It runs
+      // on the queue unwaited.
+      .def("refuse",
+           [](Communicator& c, const std::string& kind) {
+             const TensorView refused(nullptr, DType::kFloat32, {-1});
+             if (kind == "allreduce") {
+               c.AllReduceAsync(refused, collective::ReduceOp::kSum);
+             } else if (kind == "broadcast") {
+               c.BroadcastAsync(refused, 0);
+             } else if (kind == "allgather") {
+               c.AllGatherAsync(refused, refused);
+             } else if (kind == "reduce_scatter") {
+               c.ReduceScatterAsync(refused, refused, collective::ReduceOp::kSum);
+             } else {
+               ThrowStatus(absl::InvalidArgumentError("refuse: unknown collective " + kind));
+             }
+           },
+           py::call_guard<py::gil_scoped_release>())
       .def("allreduce_raw_async",
            [](Communicator& c, uintptr_t ptr, const std::string& dtype, int64_t count,
               const std::string& op) {

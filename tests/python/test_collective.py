@@ -157,6 +157,47 @@ def test_bad_input_and_mismatch_raise_on_every_rank(store):
     run_ranks(store, 2, body)
 
 
+def test_arguments_refused_on_one_rank_fail_every_rank_and_keep_them_in_step(store):
+    """An argument refused in Python or the binding on one rank (before the
+    communicator saw the call) left that rank out of the collective: a
+    probe's rank 1 then met rank 0's next call, and its sum of 1 + 2 came
+    back as 12 with no error, rank 0's next sums wrong too. The refused
+    call now takes its part: the other rank fails with InvalidArgument
+    naming rank 0, and the next call of both is exact."""
+    bad = [
+        ("allreduce", lambda c: c.allreduce(np.zeros((4, 4), np.float32)[:, 1])),
+        ("allreduce", lambda c: c.allreduce(np.zeros(4, np.float32), op="Sum")),
+        ("allreduce", lambda c: c.allreduce(np.zeros(4, np.float32), op=None)),
+        ("allreduce", lambda c: c.allreduce([1.0, 2.0])),
+        ("broadcast", lambda c: c.broadcast(np.zeros(4, np.float32), root=2**40)),
+        ("allgather", lambda c: c.allgather(np.zeros(4, np.float32)[::2])),
+        ("reduce_scatter", lambda c: c.reduce_scatter(np.zeros(3, np.float32))),
+    ]
+    good = {
+        "allreduce": lambda c: c.allreduce(np.zeros(4, np.float32)),
+        "broadcast": lambda c: c.broadcast(np.zeros(4, np.float32)),
+        "allgather": lambda c: c.allgather(np.zeros(2, np.float32)),
+        "reduce_scatter": lambda c: c.reduce_scatter(np.zeros(4, np.float32)),
+    }
+
+    def body(r, comm):
+        for step, (kind, call) in enumerate(bad):
+            if r == 0:
+                with pytest.raises((ValueError, TypeError)):
+                    call(comm)
+            else:
+                with pytest.raises(deepnex.InvalidArgumentError,
+                                   match=rf"^{kind}: invalid arguments on rank 0; nothing was "
+                                         r"done$"):
+                    good[kind](comm)
+            x = np.full(3, step + r + 1, np.float32)
+            comm.allreduce(x)
+            np.testing.assert_array_equal(x, np.full(3, 2 * step + 3, np.float32))
+    run_ranks(store, 2, body)
+    # Both transports between the ranks: the pair path and the ring.
+    run_ranks(store, 2, body, transport="tcp")
+
+
 def test_missing_rank_is_timeout_naming_it(store):
     with pytest.raises(TimeoutError, match="rank 1"):
         collective.Communicator(0, 2, store=store.address, prefix="lonely", timeout=0.5)
