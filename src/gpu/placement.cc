@@ -163,7 +163,8 @@ absl::Status ValidateRequest(const Request& r) {
   if (r.replicas > 100000) return bad("replicas=", r.replicas, " is too many");
   DEEPNEX_RETURN_IF_ERROR(CheckMillis(r.lease, "lease", true));
   if (r.gpus > 0 && r.mode == Mode::kShared && r.gpu_memory == 0) {
-    return bad("gpu_memory=0B: a shared request must give the GPU memory it needs per GPU");
+    return bad("gpu_memory=0B: a shared request must give the GPU memory it needs per GPU "
+               "(--gpu-memory)");
   }
   if (r.gpus == 0 && r.gpu_memory > 0) {
     return bad("gpu_memory=", FormatByteSize(r.gpu_memory),
@@ -185,10 +186,19 @@ std::string NameList(const std::vector<std::string>& names, size_t max) {
   return s;
 }
 
+namespace {
+
+// "1 exclusive GPU", "2 shared GPUs".
+std::string GpusOf(const Request& r) {
+  return absl::StrCat(r.gpus, " ", ModeName(r.mode), r.gpus == 1 ? " GPU" : " GPUs");
+}
+
+}  // namespace
+
 std::string Describe(const Request& r) {
   std::string s = absl::StrCat(r.user, " asks ");
   if (r.replicas > 1) absl::StrAppend(&s, r.replicas, " x (");
-  absl::StrAppend(&s, r.gpus, " ", ModeName(r.mode), " GPUs");
+  absl::StrAppend(&s, GpusOf(r));
   if (r.gpu_memory > 0) absl::StrAppend(&s, " of ", FormatByteSize(r.gpu_memory));
   absl::StrAppend(&s, ", ", r.cpus, " cpus, ", FormatByteSize(r.memory), " memory");
   if (r.replicas > 1) absl::StrAppend(&s, ")");
@@ -636,8 +646,9 @@ absl::Status Placement::Infeasible(const Request& r) const {
   }
   if (moded.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "mode=", ModeName(r.mode), ": a ", ModeName(r.mode), " request needs ",
-        r.mode == Mode::kExclusive ? "an " : "a ", ModeName(r.mode),
+        "mode=", ModeName(r.mode), ": ", r.mode == Mode::kExclusive ? "an " : "a ",
+        ModeName(r.mode), " request needs ", r.mode == Mode::kExclusive ? "an " : "a ",
+        ModeName(r.mode),
         " node, and every node that could take it is ",
         ModeName(r.mode == Mode::kShared ? Mode::kExclusive : Mode::kShared), " (",
         NameList(other), ")"));
@@ -745,7 +756,7 @@ std::string Placement::Shortage(const Request& r) const {
   if (short_of.empty()) {
     // Each resource is free somewhere, but on no node all together.
     std::vector<std::string> asked;
-    if (r.gpus > 0) asked.push_back(absl::StrCat(r.gpus, " ", ModeName(r.mode), " GPUs"));
+    if (r.gpus > 0) asked.push_back(GpusOf(r));
     if (r.cpus > 0) asked.push_back(absl::StrCat(r.cpus, " cpus"));
     if (r.memory > 0) asked.push_back(absl::StrCat(FormatByteSize(r.memory), " memory"));
     return absl::StrCat("waiting for one node with ", absl::StrJoin(asked, ", "),

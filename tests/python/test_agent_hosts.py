@@ -70,7 +70,7 @@ def test_killed_agent_goes_not_ready_then_reattaches(agent_hosts):
     refused = c.cli("alloc", "--gpus", "1", "--node", "h2", "--no-wait", token="alicetok")
     assert refused.returncode != 0
     assert refused.stderr == ("deepnex: no free capacity now for this request (alice asks 1 "
-                              "exclusive GPUs, 0 cpus, 0B memory) and wait=false; queued, it "
+                              "exclusive GPU, 0 cpus, 0B memory) and wait=false; queued, it "
                               "would be waiting for a node to take it (1 matching node(s), all "
                               "cordoned, not ready or switching mode)\n")
     assert c.status()["h3"] == "Ready"

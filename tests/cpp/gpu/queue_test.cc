@@ -116,7 +116,7 @@ TEST(RequestQueue, AsynchronousWaitersTimeOutAreWithdrawnAndCancelled) {
   EXPECT_EQ(next, later.deadline);
   EXPECT_THAT(soon.status,
               StatusIs(absl::StatusCode::kDeadlineExceeded,
-                       "timeout: waited 5ms in the queue (alice asks 1 exclusive GPUs, 0 cpus, 0B "
+                       "timeout: waited 5ms in the queue (alice asks 1 exclusive GPU, 0 cpus, 0B "
                        "memory; 1 request(s) ahead of it) without free capacity"));
   EXPECT_EQ(q.size(), 3u);
   EXPECT_FALSE(q.Withdraw(1));  // the blocking one: its caller leaves by itself
