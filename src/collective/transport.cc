@@ -25,6 +25,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/net.h"
 #include "core/socket.h"
 
@@ -434,7 +435,13 @@ absl::Status Link::Wait(bool want_send, bool want_recv, SteadyClock::time_point 
     if (aborted_->load()) return absl::AbortedError("the communicator was aborted");
     if ((shm_send && ShmSendReady()) || (shm_recv && ShmRecvReady())) return absl::OkStatus();
     if (SteadyClock::now() >= deadline) {
-      return absl::DeadlineExceededError("timed out waiting for a neighbour");
+      // Which neighbour and which way: a stalled or cut-off rank is then
+      // found from its neighbours' errors.
+      std::vector<std::string> what;
+      if (want_recv) what.push_back(absl::StrCat("data from ", c_.left_name));
+      if (want_send) what.push_back(absl::StrCat(c_.right_name, " to take data"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("timed out waiting for ", absl::StrJoin(what, " or ")));
     }
     if (tcp_send || tcp_recv) {
       pollfd p[2];

@@ -722,8 +722,12 @@ TEST_F(CommunicatorTest, StalledRankIsDeadlineExceeded) {
         }
         std::vector<float> x(1000, 1.0f);
         auto start = std::chrono::steady_clock::now();
+        // Naming the neighbour it waited on (a probe's stalls and cut links
+        // said only "a neighbour").
         EXPECT_THAT(comm.AllReduce(TensorView(x.data(), DType::kFloat32, {1000})),
-                    StatusIs(absl::StatusCode::kDeadlineExceeded));
+                    StatusIs(absl::StatusCode::kDeadlineExceeded,
+                             HasSubstr("allreduce on rank 0: timed out waiting for data "
+                                       "from rank 1")));
         EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(3000));
         ended = true;
       },
