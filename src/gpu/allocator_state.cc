@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <variant>
 
 #include "absl/strings/str_cat.h"
@@ -10,6 +11,15 @@
 #include "gpu/invariants.h"
 
 namespace deepnex::gpu {
+namespace {
+
+// a * b, or 2^64-1 past it: a request's total, compared with a quota.
+uint64_t Times(uint64_t a, uint64_t b) {
+  uint64_t p;
+  return __builtin_mul_overflow(a, b, &p) ? UINT64_MAX : p;
+}
+
+}  // namespace
 
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -240,8 +250,8 @@ Outcome AllocatorState::Grant(const Request& r, std::vector<uint64_t>* granted,
     return Outcome::kFailed;
   }
   absl::Status q = CheckQuota(r.user, int64_t{r.gpus} * parts,
-                              shared ? r.gpu_memory * r.gpus * parts : 0,
-                              int64_t{r.cpus} * parts, r.memory * parts);
+                              shared ? Times(r.gpu_memory, uint64_t(r.gpus) * parts) : 0,
+                              int64_t{r.cpus} * parts, Times(r.memory, parts));
   if (!q.ok()) {
     *status = q;
     return Outcome::kFailed;
@@ -354,7 +364,12 @@ absl::Status AllocatorState::CheckQuota(const std::string& user, int64_t gpus,
     return refuse("gpus", std::to_string(u.gpus), std::to_string(gpus),
                   std::to_string(*q.gpus), u.gpus > *q.gpus, gpus > *q.gpus);
   }
-  if (gpu_memory > 0 && q.gpu_memory && u.gpu_memory + gpu_memory > *q.gpu_memory) {
+  // Use is at most Placement::kMaxTotalBytes; what is asked may be near
+  // 2^64 (Times): compared so that neither wraps.
+  auto over = [](uint64_t used, uint64_t asked, uint64_t limit) {
+    return asked > limit || used > limit - asked;
+  };
+  if (gpu_memory > 0 && q.gpu_memory && over(u.gpu_memory, gpu_memory, *q.gpu_memory)) {
     return refuse("gpu_memory", FormatByteSize(u.gpu_memory), FormatByteSize(gpu_memory),
                   FormatByteSize(*q.gpu_memory), u.gpu_memory > *q.gpu_memory,
                   gpu_memory > *q.gpu_memory);
@@ -363,7 +378,7 @@ absl::Status AllocatorState::CheckQuota(const std::string& user, int64_t gpus,
     return refuse("cpus", std::to_string(u.cpus), std::to_string(cpus),
                   std::to_string(*q.cpus), u.cpus > *q.cpus, cpus > *q.cpus);
   }
-  if (memory > 0 && q.memory && u.memory + memory > *q.memory) {
+  if (memory > 0 && q.memory && over(u.memory, memory, *q.memory)) {
     return refuse("memory", FormatByteSize(u.memory), FormatByteSize(memory),
                   FormatByteSize(*q.memory), u.memory > *q.memory, memory > *q.memory);
   }

@@ -253,6 +253,17 @@ absl::Status Placement::Validate(Node* node) const {
                                                    other->second));
     }
   }
+  uint64_t gpu_memory = 0;
+  for (const Gpu& g : node->gpus) {
+    if (__builtin_add_overflow(gpu_memory, g.memory, &gpu_memory)) gpu_memory = UINT64_MAX;
+  }
+  if (gpu_memory > kMaxTotalBytes - gpu_memory_ || node->memory > kMaxTotalBytes - memory_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "node ", name, ": ", FormatByteSize(gpu_memory), " of GPU memory and ",
+        FormatByteSize(node->memory), " of memory would take the nodes' total past ",
+        FormatByteSize(kMaxTotalBytes), " (they hold ", FormatByteSize(gpu_memory_), " and ",
+        FormatByteSize(memory_), ")"));
+  }
   for (const auto& [k, v] : node->labels) {
     DEEPNEX_RETURN_IF_ERROR(CheckLabel(absl::StrCat("node ", name), k, v));
   }
@@ -266,7 +277,11 @@ void Placement::Add(std::unique_ptr<NodeState> n) {
   n->count.assign(g, 0);
   n->free_gpus = static_cast<int>(g);
   n->id = static_cast<int>(slots_.size());
-  for (const auto& gpu : n->spec.gpus) uuids_[gpu.uuid] = n->spec.name;
+  for (const auto& gpu : n->spec.gpus) {
+    uuids_[gpu.uuid] = n->spec.name;
+    gpu_memory_ += gpu.memory;
+  }
+  memory_ += n->spec.memory;
   by_name_[n->spec.name] = n.get();
   Index(n.get());
   slots_.push_back(std::move(n));
@@ -274,7 +289,11 @@ void Placement::Add(std::unique_ptr<NodeState> n) {
 
 void Placement::Remove(NodeState* n) {
   Unindex(n);
-  for (const auto& gpu : n->spec.gpus) uuids_.erase(gpu.uuid);
+  for (const auto& gpu : n->spec.gpus) {
+    uuids_.erase(gpu.uuid);
+    gpu_memory_ -= gpu.memory;
+  }
+  memory_ -= n->spec.memory;
   by_name_.erase(n->spec.name);
   slots_[n->id].reset();
 }

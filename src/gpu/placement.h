@@ -80,6 +80,10 @@ std::string Describe(const Request& r);
 // Thread-compatible: the Allocator calls it under its mutex.
 class Placement {
  public:
+  // The most GPU memory, and the most memory, of all nodes together: a
+  // node past it is refused (a probe's GPUs of 2^64-1 bytes wrapped a
+  // user's use past her quota to 0).
+  static constexpr uint64_t kMaxTotalBytes = uint64_t{1} << 62;
   using ExclusiveIndex = std::set<std::pair<int, int>>;             // (free GPUs, node id)
   using SharedIndex = std::set<std::tuple<uint64_t, int, int>>;    // (free memory, node id, GPU)
 
@@ -141,6 +145,10 @@ class Placement {
   std::vector<std::unique_ptr<NodeState>> slots_;  // by NodeState::id
   std::map<std::string, NodeState*> by_name_;
   std::unordered_map<std::string, std::string> uuids_;  // GPU UUID -> node
+  // Every node's GPU memory and memory, which bound any user's use, and so
+  // the sums of usage and quotas: at most kMaxTotalBytes each.
+  uint64_t gpu_memory_ = 0;
+  uint64_t memory_ = 0;
   ExclusiveIndex excl_;
   SharedIndex shared_;
   uint32_t try_gen_ = 0;

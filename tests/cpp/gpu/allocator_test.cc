@@ -783,6 +783,36 @@ TEST(Allocator, QuotaRefusesAndNamesIt) {
   EXPECT_OK(alloc->CheckInvariants());
 }
 
+// A probe's node of GPUs with 2^64-1 bytes took grants whose sums wrapped:
+// alice, with a 100 GiB quota, got 2 x 2^63 bytes and then read 0 in use.
+// The nodes together hold at most 2^62 bytes of each kind, and a request's
+// total saturates rather than wraps.
+TEST(Allocator, SizesNearTwoToTheSixtyFourNeitherWrapUseNorPassQuotas) {
+  auto alloc = NewAllocator();
+  EXPECT_THAT(alloc->AddNode(MakeNode("huge", 2, UINT64_MAX, Mode::kShared)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("node huge: 16.0EiB of GPU memory and 512GiB of memory would take "
+                                 "the nodes' total past 4EiB")));
+  const uint64_t big = uint64_t{1} << 60;
+  ASSERT_OK(alloc->AddNode(MakeNode("s1", 4, big, Mode::kShared)));  // 2^62 in all
+  EXPECT_THAT(alloc->AddNode(MakeNode("s2", 1, 80 * kGiB, Mode::kShared)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("node s2: ")));
+  EXPECT_THAT(alloc->AddNode(MakeNode("m1", 0, 80 * kGiB, Mode::kShared, 8, uint64_t{1} << 63)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("node m1: ")));
+  Quota q;
+  q.gpu_memory = 100 * kGiB;
+  ASSERT_OK(alloc->SetQuota("alice", q).status());
+  // 16 x 4 x 2^60 = 2^66 bytes, which wrapped to 0.
+  Request r = Shared("alice", 4, big);
+  r.replicas = 16;
+  EXPECT_THAT(alloc->AllocateGang(r, NoWait()),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("quota of alice: gpu_memory 0B in use + 16.0EiB requested > quota "
+                                 "100GiB (the request alone is over the quota")));
+  EXPECT_EQ(alloc->GetUsage("alice").gpu_memory, 0u);
+  EXPECT_OK(alloc->CheckInvariants());
+}
+
 TEST(Allocator, QuotaBelowCurrentUseIsAllowedAndBlocksNewGrants) {
   auto alloc = NewAllocator();
   ASSERT_OK(alloc->AddNode(MakeNode("n1", 8)));
