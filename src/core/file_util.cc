@@ -29,7 +29,13 @@ absl::Status Errno(const std::string& what, const std::string& path) {
 
 absl::Status WriteFileAtomically(const std::string& path, const std::string& data, mode_t mode) {
   std::string tmp = path + ".tmp";
-  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
+  // A new file of this process's own, never one that is there: a probe's
+  // symlink PATH.tmp into a root-owned file had a root ps overwrite that
+  // file with its checkpoint, then rename the link over PATH. What is there
+  // (a crash's leftover, or such a link) is unlinked, not followed.
+  constexpr int kFlags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+  int fd = open(tmp.c_str(), kFlags, mode);
+  if (fd < 0 && errno == EEXIST && unlink(tmp.c_str()) == 0) fd = open(tmp.c_str(), kFlags, mode);
   if (fd < 0) return Errno("cannot create", tmp);
   for (size_t done = 0; done < data.size();) {
     ssize_t n = write(fd, data.data() + done, data.size() - done);
@@ -101,10 +107,18 @@ absl::StatusOr<std::unique_ptr<DirectoryLock>> DirectoryLock::Acquire(const std:
                                                                       const std::string& what) {
   DEEPNEX_RETURN_IF_ERROR(MakeDirectories(dir));
   const std::string path = absl::StrCat(dir, "/", file);
-  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  // Not through a symlink, nor into a file with other names: a probe's
+  // ps.lock -> a root-owned file had a root server write its pid there.
+  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) {
     return absl::FailedPreconditionError(
         absl::StrCat(what, " \"", dir, "\": cannot open ", path, ": ", std::strerror(errno)));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_nlink != 1) {
+    close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, " \"", dir, "\": ", path, " is not a plain file of its own (a hard link?)"));
   }
   // The holder writes its pid just after it locks: give it a moment.
   pid_t holder = 0;

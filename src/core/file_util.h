@@ -15,7 +15,8 @@
 
 namespace deepnex {
 
-// Replaces `path` with `data` atomically: writes a temporary file beside it,
+// Replaces `path` with `data` atomically: writes a temporary file beside it
+// (`path`.tmp, made anew: whatever is there is unlinked, never followed),
 // fsyncs it, renames it over `path` and fsyncs the directory. A crash leaves
 // either the old file or the new one, never a mix. `mode`: its permissions
 // (less the umask).

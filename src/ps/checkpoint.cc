@@ -52,8 +52,10 @@ absl::Status WriteCheckpointFile(const std::string& dir, const proto::Checkpoint
         "checkpoint: the state does not fit one protobuf message (2 GiB)");
   }
   DEEPNEX_RETURN_IF_ERROR(MakeDirectories(dir));
+  // The job's parameters and optimizer state: its owner's alone (they were
+  // 0644, readable by every local user).
   return WriteFileAtomically(CheckpointPath(dir, file.name()),
-                             EncodeChecksummed(kCheckpointMagic, kCheckpointVersion, body));
+                             EncodeChecksummed(kCheckpointMagic, kCheckpointVersion, body), 0600);
 }
 
 absl::StatusOr<proto::CheckpointFile> ReadCheckpointFile(const std::string& dir,

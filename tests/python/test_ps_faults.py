@@ -574,6 +574,8 @@ def test_a_failed_checkpoint_keeps_the_previous_one(tmp_path):
         c.init({"w": np.ones(N, np.float32)})
         server.checkpoint(tmp_path)
         good = (tmp_path / "ps.ckpt").read_bytes()
+        # The job's parameters are its owner's alone (they were 0644).
+        assert (tmp_path / "ps.ckpt").stat().st_mode & 0o777 == 0o600
         (tmp_path / "ps.ckpt.tmp").mkdir()  # the next write cannot create its temp file
         c.push({"w": g(0, 1)})
         with pytest.raises(deepnex.DeepnexError):

@@ -1,6 +1,7 @@
 #include "core/file_util.h"
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -50,6 +51,34 @@ TEST(FileUtilTest, AtomicWriteReplacesTheFile) {
   EXPECT_EQ(*got, "two");
   EXPECT_THAT(ReadWholeFile(dir + "/missing", "test file").status(),
               StatusIs(absl::StatusCode::kNotFound, ::testing::HasSubstr("missing")));
+}
+
+// Another user's links where the files go (a probe, in a shared sticky
+// directory): PATH.tmp -> a file of root's had a root ps overwrite that file
+// with its checkpoint and rename the link over PATH; LOCK -> another had it
+// hold the server's pid. Links are unlinked or refused, never followed.
+TEST(FileUtilTest, LinksWhereTheFilesGoAreNeverFollowed) {
+  TempDir tmp;
+  const std::string victim = tmp.path() + "/victim";
+  ASSERT_THAT(WriteFileAtomically(victim, "precious", 0600), IsOk());
+  const std::string path = tmp.path() + "/ps.ckpt";
+  ASSERT_EQ(symlink(victim.c_str(), (path + ".tmp").c_str()), 0);
+  ASSERT_THAT(WriteFileAtomically(path, "checkpoint", 0600), IsOk());
+  EXPECT_EQ(ReadWholeFile(victim, "victim").value_or(""), "precious");
+  struct stat st;
+  ASSERT_EQ(lstat(path.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(ReadWholeFile(path, "checkpoint").value_or(""), "checkpoint");
+
+  ASSERT_EQ(symlink(victim.c_str(), (tmp.path() + "/a.lock").c_str()), 0);
+  EXPECT_THAT(DirectoryLock::Acquire(tmp.path(), "a.lock", "state"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("cannot open")));
+  ASSERT_EQ(link(victim.c_str(), (tmp.path() + "/b.lock").c_str()), 0);
+  EXPECT_THAT(DirectoryLock::Acquire(tmp.path(), "b.lock", "state"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("is not a plain file of its own")));
+  EXPECT_EQ(ReadWholeFile(victim, "victim").value_or(""), "precious");
 }
 
 TEST(DirectoryLockTest, ASecondHolderFailsNamingTheFirstsPid) {
