@@ -84,6 +84,21 @@ absl::Status MakeDirectories(const std::string& dir) {
   return absl::OkStatus();
 }
 
+absl::Status MakeOwnDirectory(const std::string& dir, const std::string& what) {
+  if (mkdir(dir.c_str(), 0711) != 0 && errno != EEXIST) return Errno("cannot create", dir);
+  struct stat st;
+  if (lstat(dir.c_str(), &st) != 0) return Errno("cannot stat", dir);
+  if (!S_ISDIR(st.st_mode) || st.st_uid != geteuid()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, " \"", dir, "\" is ", S_ISDIR(st.st_mode) ? "a directory" : "not a directory",
+        " of uid ", st.st_uid, ", not this user's (", geteuid(),
+        "): whoever made it could replace what is written there; remove it, or choose "
+        "another"));
+  }
+  if ((st.st_mode & 066) != 0 && chmod(dir.c_str(), 0711) != 0) return Errno("cannot chmod", dir);
+  return absl::OkStatus();
+}
+
 namespace {
 
 // The pid in a lock file if that process lives; 0 if the file holds none

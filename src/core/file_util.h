@@ -30,6 +30,14 @@ absl::StatusOr<std::string> ReadWholeFile(const std::string& path,
 // Creates `dir` and its parents if needed.
 absl::Status MakeDirectories(const std::string& dir);
 
+// Makes `dir` (whose parent exists) this user's own: created 0711, or, if it
+// is there, a directory (not a link) this user owns, made 0711 if others
+// could list or write it (they may pass through it to what they are given,
+// as a state directory's run directories). FailedPrecondition naming `what`
+// and the owner otherwise: where a shared directory (/tmp) holds a name we
+// use, another user who made it first could swap the files we write there.
+absl::Status MakeOwnDirectory(const std::string& dir, const std::string& what);
+
 // An exclusive hold on a state directory, so that two daemons never write
 // one ledger or checkpoint: flock() on the file `dir/file`, which holds the
 // holder's pid. The kernel releases a flock when its holder exits however it

@@ -181,9 +181,16 @@ class JobImpl : public Job {
     if (o_.launcher.id.empty()) o_.launcher.id = o_.name;
     if (o_.registry_dir.empty()) {
       const char* dir = getenv("DEEPNEX_RUN_DIR");
-      o_.registry_dir = dir != nullptr && *dir != '\0'
-                            ? dir
-                            : absl::StrCat("/tmp/deepnex-", getuid(), "/jobs");
+      if (dir != nullptr && *dir != '\0') {
+        o_.registry_dir = dir;
+      } else {
+        // In /tmp, whose names anyone may take first: a probe's user made
+        // another's /tmp/deepnex-UID, world-writable, and swapped the job
+        // script a slurm job then ran as its victim.
+        const std::string mine = absl::StrCat("/tmp/deepnex-", getuid());
+        DEEPNEX_RETURN_IF_ERROR(MakeOwnDirectory(mine, "the run directory"));
+        o_.registry_dir = mine + "/jobs";
+      }
     }
     job_dir_ = absl::StrCat(o_.registry_dir, "/", o_.name);
     if (o_.launcher.state_dir.empty()) o_.launcher.state_dir = job_dir_ + "/launch";

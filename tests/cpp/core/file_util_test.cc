@@ -81,6 +81,36 @@ TEST(FileUtilTest, LinksWhereTheFilesGoAreNeverFollowed) {
   EXPECT_EQ(ReadWholeFile(victim, "victim").value_or(""), "precious");
 }
 
+// /tmp/deepnex-UID made first by another user (a probe's, 0777) let them
+// swap the job script a slurm job then ran as its victim.
+TEST(FileUtilTest, AnOwnDirectoryIsThisUsersOrRefused) {
+  TempDir tmp;
+  const std::string made = tmp.path() + "/made";
+  ASSERT_THAT(MakeOwnDirectory(made, "the run directory"), IsOk());
+  struct stat st;
+  ASSERT_EQ(lstat(made.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0711u);
+  const std::string open_dir = tmp.path() + "/open";
+  ASSERT_EQ(mkdir(open_dir.c_str(), 0700), 0);
+  ASSERT_EQ(chmod(open_dir.c_str(), 0777), 0);
+  ASSERT_THAT(MakeOwnDirectory(open_dir, "the run directory"), IsOk());
+  ASSERT_EQ(lstat(open_dir.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0711u);
+  const std::string link = tmp.path() + "/link";
+  ASSERT_EQ(symlink(made.c_str(), link.c_str()), 0);
+  EXPECT_THAT(MakeOwnDirectory(link, "the run directory"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("the run directory \"" + link + "\" is not a directory")));
+  if (geteuid() != 0) GTEST_SKIP() << "giving a directory to another user needs root";
+  const std::string theirs = tmp.path() + "/theirs";
+  ASSERT_EQ(mkdir(theirs.c_str(), 0777), 0);
+  ASSERT_EQ(chown(theirs.c_str(), 65534, 65534), 0);
+  EXPECT_THAT(MakeOwnDirectory(theirs, "the run directory"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("is a directory of uid 65534, not this user's (0): whoever "
+                                 "made it could replace what is written there")));
+}
+
 TEST(DirectoryLockTest, ASecondHolderFailsNamingTheFirstsPid) {
   TempDir dir;
   ASSERT_FALSE(dir.path().empty());
