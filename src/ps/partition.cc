@@ -72,6 +72,12 @@ class TypedPartition final : public Partition {
       return;
     }
     if (seq > ws.next_seq && ws.restored) return fail(Lost(worker, ws));
+    // Under lease_policy abort a dead worker's round never completes: a push
+    // fails at once naming it, as a pull does (a probe's next push after the
+    // abort waited out its client's whole timeout, naming no one).
+    if (std::string reason = config_.membership->AbortReason(); !reason.empty()) {
+      return fail(absl::AbortedError(reason));
+    }
     if (!Eligible(worker, seq)) {
       // Pushes whose callers went are dropped here too, so that a worker
       // that keeps sending out of order is held to what is still wanted.

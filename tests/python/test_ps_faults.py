@@ -145,6 +145,29 @@ def test_dead_worker_aborts_the_round_under_abort_policy():
             assert float(m.group(2)) - died < lease + 1.0
 
 
+def test_calls_after_an_aborted_round_fail_at_once_naming_the_dead_worker():
+    """Under lease_policy="abort" a probe's next push after the round was
+    aborted waited out the client's whole timeout (60 s), then named no one;
+    so did every later call. They now fail at once, naming the worker."""
+    with ps.Server(mode="sync", num_workers=2, lease_timeout=1.0, heartbeat_interval=0.1,
+                   lease_policy="abort") as server, \
+            ps.Client([server.address], worker_id=0, timeout=30) as c:
+        c.init({"w": np.zeros(N, np.float32)})
+        victim = spawn(server.address, 1, 10, die_after=1)
+        round1 = c.push_pull({"w": g(0, 1)})["w"]  # with the victim
+        code, out = finish(victim)
+        assert code == -signal.SIGKILL, out
+        with pytest.raises(deepnex.AbortedError, match="worker 1's lease expired"):
+            c.push_pull({"w": g(0, 2)})
+        for call in (lambda: c.push({"w": g(0, 3)}), lambda: c.push_pull({"w": g(0, 3)})):
+            start = time.monotonic()
+            with pytest.raises(deepnex.AbortedError, match="worker 1's lease expired"):
+                call()
+            assert time.monotonic() - start < 10
+        # A pull reads the last round that completed.
+        np.testing.assert_array_equal(c.pull("w")["w"], round1)
+
+
 def test_a_sync_pull_that_times_out_names_the_workers_the_round_waits_for():
     """A probe's pull waiting on a worker that never pushed said only
     "pull to ADDR: Deadline Exceeded"."""
