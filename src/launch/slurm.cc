@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "absl/strings/ascii.h"
@@ -47,6 +48,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "core/file_util.h"
+#include "core/text.h"
 #include "launch/backend.h"
 #include "launch/command.h"
 #include "launch/spec.h"
@@ -393,6 +395,14 @@ class SlurmBackend : public Backend {
   absl::StatusOr<std::unique_ptr<Run>> Start(const ContainerSpec& spec,
                                              const RunContext& context) override {
     DEEPNEX_ASSIGN_OR_RETURN(std::string exe, FindOnPath(spec.command[0], PathOf(spec.env)));
+    // sbatch drops a backslash from --output and then expands no '%' (22.05): a
+    // probe's job in such a directory ended by signal 53 with no output.
+    if (context.dir.find('\\') != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "slurm: the run directory ", Quoted(context.dir),
+          " holds a '\\', which Slurm drops from a job's output path; choose a state "
+          "directory without one"));
+    }
     const size_t gpus = spec.allocation.has_value() ? spec.allocation->gpus.size() : 0;
     std::map<std::string, std::string> env = HostEnv(spec);
     env[kLauncherIdEnv] = context.launcher_id;
@@ -477,16 +487,37 @@ class SlurmBackend : public Backend {
   }
 
   absl::StatusOr<int> Cleanup(const std::string& launcher_id) override {
-    // squeue lists the jobs that have not ended.
-    DEEPNEX_ASSIGN_OR_RETURN(std::string out, client_->Call("squeue", {"-h", "-o", "%i %T %k"}));
+    // squeue lists the jobs that have not ended, every user's. A comment is
+    // its user's text, newlines included: a probe's job commented
+    // $'x\n<id> RUNNING deepnex.launcher=<ours>' forged a line, and root's
+    // sweep cancelled another user's job <id>. So a job a line names is asked
+    // for again alone, and is this launcher's only if that answer is one
+    // line whose comment is the label's.
+    DEEPNEX_ASSIGN_OR_RETURN(std::string out, client_->Call("squeue", {"-h", "-o", "%i %k"}));
     const std::string label = absl::StrCat(kLauncherLabel, "=", launcher_id);
-    std::vector<std::string> ids;
+    auto labelled = [&](absl::string_view comment) {
+      return comment == label || absl::StartsWith(comment, label + ",");
+    };
+    std::set<std::string> named;
     for (absl::string_view line : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
-      std::vector<absl::string_view> f = absl::StrSplit(line, absl::MaxSplits(' ', 2));
+      std::vector<absl::string_view> f = absl::StrSplit(line, absl::MaxSplits(' ', 1));
+      int64_t number;
+      if (f.size() == 2 && absl::SimpleAtoi(f[0], &number) && labelled(f[1])) {
+        named.emplace(f[0]);
+      }
+    }
+    std::vector<std::string> ids;
+    for (const std::string& id : named) {
+      // Gone since (squeue refuses an id it no longer knows): nothing to do.
+      absl::StatusOr<std::string> alone = client_->Call("squeue", {"-h", "-j", id, "-o", "%T %k"});
+      if (!alone.ok()) continue;
+      absl::string_view record = *alone;
+      absl::ConsumeSuffix(&record, "\n");
+      std::vector<absl::string_view> f = absl::StrSplit(record, absl::MaxSplits(' ', 1));
       // A job already completing is on its way out.
-      if (f.size() == 3 && f[1] != "COMPLETING" &&
-          (f[2] == label || absl::StartsWith(f[2], label + ","))) {
-        ids.emplace_back(f[0]);
+      if (f.size() == 2 && record.find('\n') == absl::string_view::npos &&
+          f[0] != "COMPLETING" && labelled(f[1])) {
+        ids.push_back(id);
       }
     }
     if (ids.empty()) return 0;

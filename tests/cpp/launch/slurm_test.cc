@@ -14,6 +14,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -402,6 +403,40 @@ TEST_F(SlurmTest, CleanupFindsJobsByLabel) {
   EXPECT_EQ(WaitEnd(*c).reason, ExitReason::kSignaled);
 }
 
+// A comment is any user's text, newlines included: a probe's own job
+// commented $'x\n<victim> RUNNING deepnex.launcher=<central's id>' forged a
+// line of squeue's output, and central's sweep (as root) cancelled the
+// victim, another user's job. Only jobs whose own record carries the label
+// are swept.
+TEST_F(SlurmTest, CleanupCancelsNoJobThatAForgedCommentNames) {
+  auto sbatch = [&](const std::string& comment) {
+    std::vector<std::string> argv = {"/usr/bin/sbatch", "--parsable", "--comment=" + comment,
+                                     "--output=/dev/null", "--wrap=sleep 120"};
+    absl::StatusOr<CommandResult> r = RunCommand(argv, {"SLURM_CONF=" + conf_}, 30s);
+    EXPECT_THAT(r, IsOk());
+    EXPECT_TRUE(r.ok() && r->ok()) << (r.ok() ? DescribeFailure(argv, *r) : "");
+    return r.ok() ? std::string(absl::StripAsciiWhitespace(r->out)) : "";
+  };
+  const std::string victim = sbatch("someone else's");
+  const std::string forger =
+      sbatch(absl::StrCat("x\n", victim, " RUNNING deepnex.launcher=", options_.id));
+  ASSERT_FALSE(victim.empty());
+  ASSERT_FALSE(forger.empty());
+  absl::Cleanup cancel = [&] {
+    RunCommand({"/usr/bin/scancel", victim, forger}, {"SLURM_CONF=" + conf_}, 30s)
+        .IgnoreError();
+  };
+  auto ours = StartOk(Sh("ours", "sleep 120"));
+  ASSERT_NE(ours, nullptr);
+  ASSERT_OK_AND_ASSIGN(int swept, backend_->Cleanup(options_.id));
+  EXPECT_EQ(swept, 1);
+  EXPECT_EQ(WaitEnd(*ours).reason, ExitReason::kSignaled);
+  for (const std::string& id : {victim, forger}) {
+    const std::string state = Squeue({"-j", id, "-o", "%T"});
+    EXPECT_TRUE(state == "RUNNING" || state == "PENDING") << id << ": " << state;
+  }
+}
+
 TEST_F(SlurmTest, EnvPassedExactly) {
   ASSERT_EQ(setenv("DEEPNEX_SLURM_TEST_CANARY", "leaked", 1), 0);
   ContainerSpec spec;
@@ -566,6 +601,13 @@ TEST_F(SlurmTest, PercentInTheRunDirAndEqualsInTheProgramsPathAreTakenLiterally)
   ASSERT_NE(run, nullptr);
   EXPECT_EQ(WaitEnd(*run).ToString(), "exited(0)");
   EXPECT_EQ(LogsOf(*run), "prog echo NOT THE PROGRAM\n");
+  // Slurm drops a backslash from the output path and then expands '%'
+  // again: refused, where the job ended by signal 53 with no output.
+  spec.name = "backslash";
+  RunContext context = ContextFor(spec, "", "run-a\\b");
+  EXPECT_THAT(backend_->Start(spec, context),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("holds a '\\', which Slurm drops from a job's output path")));
 }
 
 // Slurm takes a --comment of at most 1000 bytes; past that sbatch said
