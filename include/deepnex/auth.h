@@ -80,6 +80,17 @@ class TokenTable {
   std::map<std::string, Identity> tokens_;
 };
 
+// Authenticate for an HTTP request's Authorization header (`authorization`,
+// "" without one), as a server's GET /metrics takes it
+// (MetricsHttpServer's `authorize`): a missing token is Unauthenticated
+// naming the header and `whose` ("an admin's token of central's
+// --token-file"), the rest as Authenticate answers. With auth disabled
+// (empty table) every request is allowed.
+absl::StatusOr<Identity> AuthenticateHttp(const TokenTable& tokens,
+                                          const std::string& authorization,
+                                          const std::string& whose, const std::string& job = "",
+                                          bool require_admin = false, bool allow_node = false);
+
 // Confines a job-scoped token to its job: OK when `who` has no job or
 // `job` (the job of what the call acts on, "" for none) is its job, else
 // PermissionDenied naming both and `what` ("allocation a3"):

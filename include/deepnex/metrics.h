@@ -105,6 +105,12 @@ class MetricsRegistry {
 // Serves GET /metrics (the registry's Prometheus text), and GET /healthz when
 // given a health check, over plain HTTP/1.1 on its own thread, one request
 // per connection, many connections at once.
+// With an `authorize` check, /metrics is served only to a request whose
+// Authorization header it accepts (it gets the header's value, "" without
+// one): its Unauthenticated answers 401 with "WWW-Authenticate: Bearer",
+// any other error 403, each with the check's message. The series name every
+// user's containers and jobs, so a server with tokens passes one (kubelet's
+// /metrics needs a token too); /healthz stays open, for probes.
 // A client that has not sent its whole request within kRequestDeadline of
 // connecting is dropped, so slow or silent clients never stall a scrape.
 // Thread-safe; Stop() is idempotent.
@@ -115,14 +121,17 @@ class MetricsHttpServer {
 
   // `address` is "HOST:PORT" (an IPv4 address, "localhost", or empty or "*"
   // for every interface); port 0 picks a free one.
+  using Authorize = std::function<absl::Status(const std::string& authorization)>;
+
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Create(
-      const MetricsRegistry* registry, const std::string& address);
+      const MetricsRegistry* registry, const std::string& address,
+      Authorize authorize = nullptr);
   // Serves what `text` returns, called on the server's thread per request.
   // With `health`, GET /healthz answers 200 "ok" while it returns OK and 503
   // with its message otherwise (kubelet's /healthz, for probes).
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Create(
       std::function<std::string()> text, const std::string& address,
-      std::function<absl::Status()> health = nullptr);
+      std::function<absl::Status()> health = nullptr, Authorize authorize = nullptr);
   virtual ~MetricsHttpServer() = default;
   virtual int port() const = 0;
   virtual void Stop() = 0;

@@ -58,10 +58,12 @@ bool Refusal(grpc::StatusCode code) {
 class AgentImpl final : public Agent {
  public:
   AgentImpl(const AgentOptions& options, gpu::Node node, std::string address,
-            std::string token, std::unique_ptr<launch::Launcher> launcher,
+            std::string token, TokenTable metrics_tokens,
+            std::unique_ptr<launch::Launcher> launcher,
             std::vector<std::shared_ptr<launch::Handle>> adopted)
       : options_(options), node_(std::move(node)), address_(std::move(address)),
-        token_(std::move(token)), launcher_(std::move(launcher)) {
+        token_(std::move(token)), metrics_tokens_(std::move(metrics_tokens)),
+        launcher_(std::move(launcher)) {
     for (auto& h : adopted) adopted_[h->spec().name] = h;
   }
   ~AgentImpl() override { Stop(); }
@@ -73,8 +75,9 @@ class AgentImpl final : public Agent {
     stub_ = pb::Agents::NewStub(channel);
     sessions_ = std::make_unique<AgentSessions>(channel, token_);
     if (!options_.listen.empty()) {
-      auto http = MetricsHttpServer::Create([this] { return MetricsText(); }, options_.listen,
-                                            [this] { return Health(); });
+      auto http = MetricsHttpServer::Create(
+          [this] { return MetricsText(); }, options_.listen, [this] { return Health(); },
+          [this](const std::string& authorization) { return AuthorizeMetrics(authorization); });
       if (!http.ok()) {
         return absl::Status(http.status().code(),
                             absl::StrCat("listen: ", http.status().message()));
@@ -269,6 +272,20 @@ class AgentImpl final : public Agent {
     return absl::UnavailableError(absl::StrCat(
         "node ", node_.name, ": not registered with deepnex-central at ", options_.central,
         last_failure_.empty() ? "" : " (", last_failure_, last_failure_.empty() ? "" : ")"));
+  }
+
+  // Who may read /metrics (AgentOptions::metrics_token_file).
+  absl::Status AuthorizeMetrics(const std::string& authorization) const {
+    if (metrics_tokens_.enabled()) {
+      return AuthenticateHttp(metrics_tokens_, authorization,
+                              "a token of the agent's --metrics-token-file", "",
+                              /*require_admin=*/false, /*allow_node=*/true)
+          .status();
+    }
+    if (token_.empty()) return absl::OkStatus();  // central without tokens
+    return absl::PermissionDeniedError(
+        "this agent was started without --metrics-token-file: its /metrics names every "
+        "user's containers, and no token may read it");
   }
 
   // /metrics: the node's usage as the last heartbeat measured it, and each
@@ -476,6 +493,7 @@ class AgentImpl final : public Agent {
   const gpu::Node node_;
   const std::string address_;
   const std::string token_;
+  const TokenTable metrics_tokens_;
   std::unique_ptr<launch::Launcher> launcher_;
   std::unique_ptr<pb::Agents::Stub> stub_;
   std::unique_ptr<AgentSessions> sessions_;  // set by Start
@@ -535,6 +553,15 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(const AgentOptions& options
   if (options.node.empty()) return absl::InvalidArgumentError("node: the node needs a name");
   DEEPNEX_ASSIGN_OR_RETURN(std::string token,
                            ResolveClientToken(options.token, options.token_file));
+  TokenTable metrics_tokens;
+  if (!options.metrics_token_file.empty()) {
+    auto table = TokenTable::FromFile(options.metrics_token_file);
+    if (!table.ok()) {
+      return absl::Status(table.status().code(),
+                          absl::StrCat("metrics token file: ", table.status().message()));
+    }
+    metrics_tokens = std::move(*table);
+  }
   gpu::Node node;
   node.name = options.node;
   node.gpus = options.gpus ? *options.gpus : gpu::DiscoverLocalGpus().gpus;
@@ -564,7 +591,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(const AgentOptions& options
   std::vector<std::shared_ptr<launch::Handle>> adopted;
   adopted = AdoptOrphans(options.launcher, launcher->id());
   auto agent = std::make_unique<AgentImpl>(options, std::move(node), std::move(address),
-                                           std::move(token), std::move(launcher),
+                                           std::move(token), std::move(metrics_tokens),
+                                           std::move(launcher),
                                            std::move(adopted));
   DEEPNEX_RETURN_IF_ERROR(agent->Start());
   return std::unique_ptr<Agent>(std::move(agent));

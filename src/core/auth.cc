@@ -233,6 +233,18 @@ absl::StatusOr<Identity> TokenTable::Authenticate(
   return *found;
 }
 
+absl::StatusOr<Identity> AuthenticateHttp(const TokenTable& tokens,
+                                          const std::string& authorization,
+                                          const std::string& whose, const std::string& job,
+                                          bool require_admin, bool allow_node) {
+  if (tokens.enabled() && absl::StripAsciiWhitespace(authorization).empty()) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("missing bearer token: send \"Authorization: Bearer TOKEN\" with ", whose,
+                     " (Prometheus: authorization.credentials_file)"));
+  }
+  return tokens.Authenticate(authorization, job, require_admin, allow_node);
+}
+
 absl::Status CheckJob(const Identity& who, const std::string& job,
                       const std::string& what) {
   if (who.Reaches(job)) return absl::OkStatus();

@@ -13,6 +13,8 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -189,8 +191,27 @@ size_t HeadEnd(const std::string& request) {
   return std::string::npos;
 }
 
+// The value of the request head's `name` header (case-insensitive, as
+// RFC 9110 has it), trimmed; "" when it has none.
+std::string HeaderValue(const std::string& request, absl::string_view name) {
+  size_t at = request.find('\n');
+  while (at != std::string::npos && at + 1 < request.size()) {
+    const size_t end = request.find('\n', at + 1);
+    const absl::string_view line = absl::StripAsciiWhitespace(
+        absl::string_view(request).substr(at + 1, end == std::string::npos ? end : end - at - 1));
+    if (line.empty()) break;  // the head's end
+    const size_t colon = line.find(':');
+    if (colon != absl::string_view::npos && absl::EqualsIgnoreCase(line.substr(0, colon), name)) {
+      return std::string(absl::StripAsciiWhitespace(line.substr(colon + 1)));
+    }
+    at = end;
+  }
+  return "";
+}
+
 std::string Response(const std::string& request, const std::function<std::string()>& text,
-                     const std::function<absl::Status()>& health) {
+                     const std::function<absl::Status()>& health,
+                     const MetricsHttpServer::Authorize& authorize) {
   // The request line: METHOD TARGET VERSION; the target's query is ignored.
   const std::string line = request.substr(0, request.find_first_of("\r\n"));
   const size_t space = line.find(' ');
@@ -200,7 +221,7 @@ std::string Response(const std::string& request, const std::function<std::string
           ? ""
           : line.substr(space + 1, line.find_first_of(" ?", space + 1) - (space + 1));
   const bool metrics = path == "/metrics", healthz = health && path == "/healthz";
-  std::string status = "200 OK", body, allow;
+  std::string status = "200 OK", body, allow;  // allow: an extra header line
   if (!metrics && !healthz) {
     status = "404 Not Found";
     body = health ? "deepnex serves GET /metrics and GET /healthz\n"
@@ -210,7 +231,18 @@ std::string Response(const std::string& request, const std::function<std::string
     allow = "Allow: GET, HEAD\r\n";
     body = absl::StrCat(path, " answers GET and HEAD\n");
   } else if (metrics) {
-    body = text();
+    const absl::Status allowed =
+        authorize ? authorize(HeaderValue(request, "Authorization")) : absl::OkStatus();
+    if (allowed.ok()) {
+      body = text();
+    } else if (allowed.code() == absl::StatusCode::kUnauthenticated) {
+      status = "401 Unauthorized";
+      allow = "WWW-Authenticate: Bearer realm=\"deepnex\"\r\n";
+      body = absl::StrCat(allowed.message(), "\n");
+    } else {
+      status = "403 Forbidden";
+      body = absl::StrCat(allowed.message(), "\n");
+    }
   } else if (const absl::Status s = health(); s.ok()) {
     body = "ok\n";
   } else {
@@ -229,8 +261,9 @@ std::string Response(const std::string& request, const std::function<std::string
 class HttpServerImpl final : public MetricsHttpServer {
  public:
   HttpServerImpl(std::function<std::string()> text, std::function<absl::Status()> health,
-                 int fd, int port)
-      : text_(std::move(text)), health_(std::move(health)), fd_(fd), port_(port) {
+                 Authorize authorize, int fd, int port)
+      : text_(std::move(text)), health_(std::move(health)), authorize_(std::move(authorize)),
+        fd_(fd), port_(port) {
     if (pipe2(wake_, O_CLOEXEC) != 0) wake_[0] = wake_[1] = -1;
     thread_ = std::thread([this] { Serve(); });
   }
@@ -300,7 +333,7 @@ class HttpServerImpl final : public MetricsHttpServer {
       if (HeadEnd(c.request) == std::string::npos) {
         return c.request.size() <= kMaxRequestBytes;
       }
-      c.response = Response(c.request, text_, health_);
+      c.response = Response(c.request, text_, health_, authorize_);
       c.deadline = Clock::now() + kResponseDeadline;
     }
     const ssize_t n =
@@ -317,6 +350,7 @@ class HttpServerImpl final : public MetricsHttpServer {
 
   const std::function<std::string()> text_;
   const std::function<absl::Status()> health_;
+  const Authorize authorize_;
   const int fd_;
   const int port_;
   int wake_[2];
@@ -327,13 +361,14 @@ class HttpServerImpl final : public MetricsHttpServer {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Create(
-    const MetricsRegistry* registry, const std::string& address) {
-  return Create([registry] { return registry->PrometheusText(); }, address);
+    const MetricsRegistry* registry, const std::string& address, Authorize authorize) {
+  return Create([registry] { return registry->PrometheusText(); }, address, nullptr,
+                std::move(authorize));
 }
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Create(
     std::function<std::string()> text, const std::string& address,
-    std::function<absl::Status()> health) {
+    std::function<absl::Status()> health, Authorize authorize) {
   auto bad = [&](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat("metrics address \"", address, "\": ", why));
   };
@@ -368,7 +403,8 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Create(
   socklen_t len = sizeof(addr);
   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   return std::unique_ptr<MetricsHttpServer>(
-      new HttpServerImpl(std::move(text), std::move(health), fd, ntohs(addr.sin_port)));
+      new HttpServerImpl(std::move(text), std::move(health), std::move(authorize), fd,
+                         ntohs(addr.sin_port)));
 }
 
 }  // namespace deepnex

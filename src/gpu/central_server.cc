@@ -502,8 +502,16 @@ class CentralServerImpl final : public CentralServer {
     DEEPNEX_ASSIGN_OR_RETURN(host_, ServerHost::Start(host, services));
     if (!options.metrics_address.empty()) {
       DEEPNEX_ASSIGN_OR_RETURN(
-          metrics_, MetricsHttpServer::Create([this] { return service_->MetricsText(); },
-                                              options.metrics_address));
+          metrics_, MetricsHttpServer::Create(
+                        [this] { return service_->MetricsText(); }, options.metrics_address,
+                        nullptr, [this](const std::string& authorization) {
+                          // Every user's series: an admin's alone (a user
+                          // reads their own with `deepnex gpu metrics`).
+                          return AuthenticateHttp(service_->tokens(), authorization,
+                                                  "an admin's token of central's --token-file",
+                                                  "", /*require_admin=*/true)
+                              .status();
+                        }));
     }
     return absl::OkStatus();
   }

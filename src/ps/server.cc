@@ -124,8 +124,12 @@ class ServerImpl final : public Server {
     DEEPNEX_ASSIGN_OR_RETURN(host_, ServerHost::Start(host, {&service_}));
     if (!options_.metrics_address.empty()) {
       DEEPNEX_ASSIGN_OR_RETURN(
-          metrics_http_, MetricsHttpServer::Create(service_.registry(),
-                                                   options_.metrics_address));
+          metrics_http_,
+          MetricsHttpServer::Create(
+              service_.registry(), options_.metrics_address,
+              [this](const std::string& authorization) {
+                return service_.AuthorizeMetrics(authorization);
+              }));
     }
     background_ = std::thread([this] { Background(); });
     return absl::OkStatus();

@@ -475,6 +475,17 @@ void Service::FillStats(pb::StatsReply* reply) {
 
 absl::StatusOr<Identity> Service::Caller(const grpc::ServerContextBase& ctx) const {
   DEEPNEX_ASSIGN_OR_RETURN(Identity who, AuthenticateCall(tokens_, ctx, options_.job_id));
+  return OfThisServer(std::move(who));
+}
+
+absl::Status Service::AuthorizeMetrics(const std::string& authorization) const {
+  DEEPNEX_ASSIGN_OR_RETURN(Identity who, AuthenticateHttp(tokens_, authorization,
+                                                          "a token of this server's job",
+                                                          options_.job_id));
+  return OfThisServer(std::move(who)).status();
+}
+
+absl::StatusOr<Identity> Service::OfThisServer(Identity who) const {
   if (!who.job.empty() && options_.job_id.empty()) {
     return absl::PermissionDeniedError(
         absl::StrCat("the token of \"", who.name, "\" is for job \"", who.job,

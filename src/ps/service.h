@@ -146,6 +146,9 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
 
   std::string MetricsText() const { return metrics_.registry.PrometheusText(); }
   const MetricsRegistry* registry() const { return &metrics_.registry; }
+  // Whether an HTTP request with this Authorization header value may read
+  // /metrics: a token that may call this server.
+  absl::Status AuthorizeMetrics(const std::string& authorization) const;
 
  private:
   struct Tensor {
@@ -175,6 +178,7 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
   // the server names none; here a job's token reaches only its job's
   // servers, so without a job_id no job-scoped token is taken.
   absl::StatusOr<Identity> Caller(const grpc::ServerContextBase& ctx) const;
+  absl::StatusOr<Identity> OfThisServer(Identity who) const;
 
   absl::Status Authenticate(const grpc::ServerContextBase& ctx) const;
 

@@ -56,6 +56,11 @@ flags:
                           central, 503 otherwise) and GET /metrics (the
                           node's and its containers' usage, Prometheus text)
                           on HOST:PORT, as kubelet's port; port 0 picks one
+  --metrics-token-file F  tokens that may read /metrics (a token alone, or
+                          "TOKEN NAME ROLE" lines): a scraper sends
+                          "Authorization: Bearer TOKEN". Without it, /metrics
+                          (every user's containers) is served to no one
+                          where the agent has a token
   --advertise HOST        the host of this node that peers dial (a job's
                           addresses on it); default: this host's address on
                           the route to central
@@ -127,6 +132,7 @@ int main(int argc, char** argv) {
           deepnex::launch::AddImageMapping("--image", flags.Value(), &options.launcher.images);
       if (!added.ok()) flags.Die(std::string(added.message()));
     } else if (flags.Is("--listen")) options.listen = flags.Value();
+    else if (flags.Is("--metrics-token-file")) options.metrics_token_file = flags.Value();
     else if (flags.Is("--advertise")) options.advertise = flags.Value();
     else flags.Unknown();
   }

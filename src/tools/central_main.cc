@@ -59,7 +59,9 @@ flags:
                           allocations and containers; a node token is a
                           deepnex-agent's and acts only as node NAME
   --tls-cert F --tls-key F   serve TLS with this PEM certificate and key
-  --metrics-listen HOST:PORT  serve Prometheus text at GET /metrics (plain HTTP)
+  --metrics-listen HOST:PORT  serve Prometheus text at GET /metrics (plain HTTP;
+                          with tokens, to an admin's: "Authorization: Bearer
+                          TOKEN"; a user reads their own with `deepnex metrics`)
   --backend B             the launcher's backend: process (default), oci,
                           docker, slurm or kubernetes (engine options as the
                           launcher's defaults)

@@ -82,7 +82,8 @@ flags:
   --restore DIR           start from DIR/NAME.ckpt (values, optimizer state,
                           rounds, push sequences)
   --metrics-port P        serve Prometheus text at http://HOST:P/metrics, HOST
-                          that of --listen (0 picks a port)
+                          that of --listen (0 picks a port); with tokens, to a
+                          request with one ("Authorization: Bearer TOKEN")
   --help                  show this text
 )";
 

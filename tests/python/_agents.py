@@ -240,8 +240,11 @@ def call(central, token, expression, on):
 # GET of http://ADDRESS/PATH, run where the server is reachable.
 _GET = r"""
 import sys, urllib.error, urllib.request
+request = urllib.request.Request(f"http://{sys.argv[1]}{sys.argv[2]}")
+if len(sys.argv) > 3:
+    request.add_header("Authorization", f"Bearer {sys.argv[3]}")
 try:
-    r = urllib.request.urlopen(f"http://{sys.argv[1]}{sys.argv[2]}", timeout=10)
+    r = urllib.request.urlopen(request, timeout=10)
     code, body = r.status, r.read()
 except urllib.error.HTTPError as e:
     code, body = e.code, e.read()
@@ -249,10 +252,10 @@ sys.stdout.write(f"{code}\n{body.decode()}")
 """
 
 
-def http_get(address, path, on=None):
+def http_get(address, path, on=None, token=None):
     """(status, body) of GET http://address/path, from here or from a
-    simulated host (`on`)."""
-    argv = [sys.executable, "-c", _GET, address, path]
+    simulated host (`on`), with `token` as a bearer token if given."""
+    argv = [sys.executable, "-c", _GET, address, path, *([token] if token else [])]
     if on is None:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True)
     else:

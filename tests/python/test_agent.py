@@ -322,12 +322,22 @@ def test_restarted_agent_does_not_adopt_a_reused_pid(central, agents, tmp_path):
         other.wait()
 
 
-def test_agent_serves_healthz_and_metrics_and_advertises_its_host(central_proc, agents):
+def test_agent_serves_healthz_and_metrics_and_advertises_its_host(central_proc, agents,
+                                                                  tmp_path):
     central = central_proc[1]
-    h1 = agents.start("h1", "h1tok", ("--listen", "127.0.0.1:0", "--advertise", "h1.lab"))
+    scraper = tmp_path / "scraper-token"
+    scraper.write_text("promtok\n")
+    h1 = agents.start("h1", "h1tok", ("--listen", "127.0.0.1:0", "--advertise", "h1.lab",
+                                      "--metrics-token-file", str(scraper)))
     http = h1.wait_line("deepnex-agent: serving /healthz and /metrics on 127.0.0.1:").split()[-1]
     agents.registered(h1, "h1")
     assert http_get(http, "/healthz") == (200, "ok\n")
+    # /metrics names every user's containers: for a token of the file alone.
+    assert http_get(http, "/metrics") == (
+        401, 'missing bearer token: send "Authorization: Bearer TOKEN" with a token of the '
+             "agent's --metrics-token-file (Prometheus: authorization.credentials_file)\n")
+    for wrong in ("h1tok", "alicetok"):
+        assert http_get(http, "/metrics", token=wrong) == (401, "invalid token\n")
     # Central keeps the advertised host per node and shows it.
     assert [(n.name, n.address) for n in client(central, "admintok").nodes()] == [("h1", "h1.lab")]
     table = cli(central, "nodes").stdout.splitlines()
@@ -341,10 +351,10 @@ def test_agent_serves_healthz_and_metrics_and_advertises_its_host(central_proc, 
     # The node's usage (after a heartbeat measured it) and the container's.
     wanted = ('deepnex_agent_registered{node="h1"} 1\n',
               'deepnex_container_memory_bytes{container="alice.w0",node="h1",user="alice"} ')
-    wait_for(lambda: all(w in http_get(http, "/metrics")[1] for w in wanted)
+    wait_for(lambda: all(w in http_get(http, "/metrics", token="promtok")[1] for w in wanted)
              and 'deepnex_node_memory_in_use_bytes{node="h1"} 0\n'
-             not in http_get(http, "/metrics")[1],
-             lambda: f"the agent's metrics: {http_get(http, '/metrics')}")
+             not in http_get(http, "/metrics", token="promtok")[1],
+             lambda: f"the agent's metrics: {http_get(http, '/metrics', token='promtok')}")
     assert http_get(http, "/nothing") == (404, "deepnex serves GET /metrics and GET /healthz\n")
     # Central gone: unhealthy, as a kubelet that cannot reach its API server.
     central_proc[0].kill()
@@ -353,7 +363,20 @@ def test_agent_serves_healthz_and_metrics_and_advertises_its_host(central_proc, 
     code, body = http_get(http, "/healthz")
     assert code == 503 and body.startswith(
         f"node h1: not registered with deepnex-central at {central} ("), body
-    assert 'deepnex_agent_registered{node="h1"} 0\n' in http_get(http, "/metrics")[1]
+    assert 'deepnex_agent_registered{node="h1"} 0\n' in http_get(http, "/metrics",
+                                                                  token="promtok")[1]
+
+
+def test_an_agent_without_a_metrics_token_file_serves_its_metrics_to_no_one(central_proc,
+                                                                           agents):
+    h1 = agents.start("h1", "h1tok", ("--listen", "127.0.0.1:0"))
+    http = h1.wait_line("deepnex-agent: serving /healthz and /metrics on 127.0.0.1:").split()[-1]
+    agents.registered(h1, "h1")
+    assert http_get(http, "/healthz") == (200, "ok\n")
+    refused = (403, "this agent was started without --metrics-token-file: its /metrics names "
+                    "every user's containers, and no token may read it\n")
+    for token in (None, "h1tok", "admintok"):
+        assert http_get(http, "/metrics", token=token) == refused
 
 
 @pytest.mark.parametrize("flags,message", [

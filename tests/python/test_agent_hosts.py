@@ -155,15 +155,19 @@ def test_partitioned_node_comes_back_without_duplicates(agent_hosts, tmp_path):
     assert os.listdir(tmp_path / "h2" / "containers") == ["alice.w0"]
 
 
-def test_agent_on_a_host_serves_healthz_and_metrics(agent_hosts):
+def test_agent_on_a_host_serves_healthz_and_metrics(agent_hosts, tmp_path):
     c = agent_hosts
     c.kill_agent("h3")
-    h3 = c.start_agent("h3", flags=("--listen", "10.77.0.13:0"))
+    scraper = tmp_path / "scraper-token"
+    scraper.write_text("promtok\n")
+    h3 = c.start_agent("h3", flags=("--listen", "10.77.0.13:0",
+                                    "--metrics-token-file", str(scraper)))
     http = h3.wait_line("deepnex-agent: serving /healthz and /metrics on 10.77.0.13:")
     http = http.split()[-1]
     # Dialled from the head host, as a monitoring system would.
     assert http_get(http, "/healthz", on=c.on()) == (200, "ok\n")
-    assert 'deepnex_agent_registered{node="h3"} 1\n' in http_get(http, "/metrics", on=c.on())[1]
+    assert 'deepnex_agent_registered{node="h3"} 1\n' in http_get(http, "/metrics", on=c.on(),
+                                                                  token="promtok")[1]
     c.kill_central()
     wait_for(lambda: http_get(http, "/healthz", on=c.on())[0] == 503, "h3 unhealthy")
     # With the stream's last error, which depends on when gRPC saw central go.

@@ -11,6 +11,7 @@ the figures it reports are known exactly."""
 import re
 import shutil
 import subprocess
+import urllib.error
 import urllib.request
 
 import pytest
@@ -77,9 +78,10 @@ def start_nvml_agent(tmp_path, central, monkeypatch):
     return d
 
 
-def scrape(url):
-    """parse's samples of the Prometheus page at `url`."""
-    with urllib.request.urlopen(url, timeout=10) as r:
+def scrape(url, token="admintok"):
+    """parse's samples of the Prometheus page at `url`, read with `token`."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=10) as r:
         return prometheus.parse(r.read().decode())[0]
 
 
@@ -149,6 +151,26 @@ def test_agents_report_gpu_node_and_container_usage(cluster):
     assert set(prometheus.series(m, "deepnex_container_cpu_seconds")) == containers
     assert set(prometheus.series(m, "deepnex_container_memory_bytes")) == containers
     assert all(v >= 0 for v in prometheus.series(m, "deepnex_container_cpu_seconds").values())
+    # Every user's containers: for an admin's token alone; a user reads
+    # their own series with `deepnex metrics`.
+    for token, code, message in (
+            (None, 401, 'missing bearer token: send "Authorization: Bearer TOKEN" with an '
+                        "admin's token of central's --token-file "
+                        "(Prometheus: authorization.credentials_file)\n"),
+            ("nosuchtok", 401, "invalid token\n"),
+            ("alicetok", 403, '"alice" is not an admin (this call requires the admin role)\n'),
+            ("h2tok", 403, 'the token of "h2" is a node token: it may only act as its node '
+                           "(deepnex-agent)\n")):
+        request = urllib.request.Request(url)
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request, timeout=10)
+        assert (e.value.code, e.value.read().decode()) == (code, message), token
+        assert (e.value.headers.get("WWW-Authenticate") == 'Bearer realm="deepnex"') == (code == 401)
+    own = cli(address, "metrics", token="alicetok")
+    assert own.returncode == 0, own.stderr
+    assert 'user="bob"' not in own.stdout and 'user="alice"' in own.stdout
 
 
 def test_ps_all_lists_every_users_containers_for_admins_only(cluster):

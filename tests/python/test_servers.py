@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -20,7 +21,6 @@ import pytest
 from _wait import wait_for
 
 import deepnex
-from _wait import wait_for
 from deepnex import collective, launch, ps
 
 BUILD_DIR = os.environ.get("DEEPNEX_BUILD_DIR",
@@ -429,6 +429,35 @@ def test_ps_job_flag_wins_over_the_environment(daemons, tmp_path):
     assert len(ps_stats(server.address, "btok")) == 1
     with pytest.raises(deepnex.PermissionDeniedError, match='not job "job-b"'):
         ps_stats(server.address, "atok")
+
+
+def test_the_ps_metrics_are_for_a_token_that_may_call_the_server(daemons, tmp_path):
+    """The ps's /metrics (workers, keys, rounds) answered anyone who reached
+    its port, while every call needs a token of the server's job."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(PS_TOKENS)
+    server = daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--token-file", str(tokens),
+                     "--metrics-port", "0", env=ps_env(DEEPNEX_JOB_ID="job-a"))
+    url = re.fullmatch(r"deepnex-ps metrics on (http://\S+)\n",
+                       read_line(server.proc.stdout, time.monotonic() + 30)).group(1)
+
+    def get(token):
+        request = urllib.request.Request(url)
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+    for token in ("atok", "roottok"):
+        code, body = get(token)
+        assert code == 200 and "# TYPE deepnex_ps_" in body, (token, code, body)
+    assert get(None) == (401, 'missing bearer token: send "Authorization: Bearer TOKEN" with a '
+                              "token of this server's job "
+                              "(Prometheus: authorization.credentials_file)\n")
+    assert get("nosuchtok") == (401, "invalid token\n")
+    assert get("btok") == (403, 'the token of "runner-b" is for job "job-b", not job "job-a"\n')
 
 
 # ---- flags of the new caps

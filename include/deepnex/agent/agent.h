@@ -51,6 +51,11 @@ struct AgentOptions {
   // agent, 503 otherwise) and GET /metrics (the node's and its containers'
   // usage) on, as kubelet's port; port 0 picks one. Empty: not served.
   std::string listen;
+  // Tokens (TokenTable::FromFile's format, any role) that may read
+  // /metrics, whose series name every user's containers. Empty: /metrics is
+  // served to no one, or to anyone where the agent has no token (central
+  // without tokens). /healthz is open either way.
+  std::string metrics_token_file;
   // The host of this node that peers dial (a name or an address, no port),
   // sent to central in Register: a job's addresses on the node use it.
   // Empty: this host's address on the route to central (PrimaryAddress).

@@ -6,8 +6,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -18,6 +20,8 @@ namespace {
 
 using ::deepnex::test::IsOk;
 using ::deepnex::test::StatusIs;
+using ::testing::ElementsAre;
+using ::testing::EndsWith;
 using ::testing::HasSubstr;
 using Clock = std::chrono::steady_clock;
 
@@ -134,6 +138,47 @@ TEST(MetricsTest, HttpServerServesHealthzOnlyWithAHealthCheck) {
   ASSERT_OK_AND_ASSIGN(auto plain, MetricsHttpServer::Create(
                                        [] { return std::string("up 1\n"); }, "127.0.0.1:0"));
   EXPECT_THAT(Get(plain->port(), "/healthz"), HasSubstr("HTTP/1.1 404 Not Found\r\n"));
+}
+
+// The series name every user's containers: a server with tokens gives
+// /metrics only to a request whose Authorization header its check takes.
+TEST(MetricsTest, HttpServerServesMetricsOnlyToWhatItsCheckAccepts) {
+  std::mutex mu;
+  std::vector<std::string> seen;  // the header values the check got
+  ASSERT_OK_AND_ASSIGN(
+      auto server,
+      MetricsHttpServer::Create(
+          [] { return std::string("up 1\n"); }, "127.0.0.1:0",
+          [] { return absl::OkStatus(); },
+          [&](const std::string& authorization) {
+            std::lock_guard<std::mutex> lock(mu);
+            seen.push_back(authorization);
+            if (authorization.empty()) return absl::UnauthenticatedError("missing bearer token");
+            if (authorization != "Bearer good") return absl::PermissionDeniedError("not yours");
+            return absl::OkStatus();
+          }));
+  const int port = server->port();
+  const std::string missing = Get(port, "/metrics");
+  EXPECT_THAT(missing, HasSubstr("HTTP/1.1 401 Unauthorized\r\n"));
+  EXPECT_THAT(missing, HasSubstr("\r\nWWW-Authenticate: Bearer realm=\"deepnex\"\r\n"));
+  EXPECT_THAT(missing, EndsWith("\r\n\r\nmissing bearer token\n"));
+  const std::string other =
+      Exchange(port, "GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer bad\r\n\r\n");
+  EXPECT_THAT(other, HasSubstr("HTTP/1.1 403 Forbidden\r\n"));
+  EXPECT_THAT(other, EndsWith("\r\n\r\nnot yours\n"));
+  // The header's name in any case, its value trimmed, bare LFs as CRLFs; a
+  // line after the head's end is not a header.
+  for (const std::string request :
+       {"GET /metrics HTTP/1.1\r\nauthorization:   Bearer good \r\n\r\n",
+        "GET /metrics HTTP/1.1\nHost: x\nAUTHORIZATION: Bearer good\n\n"}) {
+    EXPECT_THAT(Exchange(port, request), EndsWith("\r\n\r\nup 1\n")) << request;
+  }
+  EXPECT_THAT(Exchange(port, "GET /metrics HTTP/1.1\r\n\r\nAuthorization: Bearer good\r\n"),
+              HasSubstr("HTTP/1.1 401 Unauthorized\r\n"));
+  // /healthz is for probes, asked without a token.
+  EXPECT_THAT(Get(port, "/healthz"), EndsWith("\r\n\r\nok\n"));
+  server->Stop();
+  EXPECT_THAT(seen, ElementsAre("", "Bearer bad", "Bearer good", "Bearer good", ""));
 }
 
 // A probe's `printf 'GET /metrics HTTP/1.1\n\n' | nc` waited for ever, and
