@@ -20,6 +20,17 @@ def add_central_args(p):
     p.add_argument("--call-timeout", type=float, default=30.0, help="seconds per call")
 
 
+def add_worker_resources(p):
+    """--cpus and --memory, what each worker of a job is allocated: deepnex
+    run's job's workers, deepnex tune's trials' (one definition, so that
+    the two commands take the same values)."""
+    p.add_argument("--cpus", type=float, default=1,
+                   help="CPU cores per worker (default 1); OMP_NUM_THREADS follows it")
+    p.add_argument("--memory", default=None,
+                   help="memory per worker (e.g. 4GiB); default: an equal share of this "
+                        "machine's, and required with --central")
+
+
 def central_address(args):
     """deepnex-central's host:port from --central or $DEEPNEX_CENTRAL; None
     when neither is set."""

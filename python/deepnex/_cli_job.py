@@ -20,7 +20,8 @@ import os
 import signal
 import sys
 
-from deepnex._cli_common import central_address, central_token, format_table
+from deepnex._cli_common import (add_worker_resources, central_address, central_token,
+                                 format_table)
 
 
 def _notice(message):
@@ -243,11 +244,7 @@ def add_commands(commands) -> None:
                      help="whole GPUs, or a share of one's memory (default exclusive)")
     run.add_argument("--gpu-memory", default=None,
                      help="GPU memory per GPU, required in shared mode (e.g. 8GiB)")
-    run.add_argument("--cpus", type=float, default=1,
-                     help="CPU cores per worker (default 1); OMP_NUM_THREADS follows it")
-    run.add_argument("--memory", default=None,
-                     help="memory per worker (e.g. 4GiB); default: an equal share of this "
-                          "machine's, and required with --central")
+    add_worker_resources(run)
     run.add_argument("--backend", default="process",
                      choices=["process", "oci", "docker", "slurm", "kubernetes"],
                      help="what starts the containers (default process)")

@@ -6,7 +6,8 @@
 
 Each trial runs the command with its configuration appended as --name value,
 as a job (deepnex run's): --workers-per-trial workers in --mode (sync,
-ssp:S, async, allreduce), each with --cpus cores and --gpus-per-worker GPUs.
+ssp:S, async, allreduce), each with --cpus cores, --memory (required with
+--central) and --gpus-per-worker GPUs.
 Trials run at once as far as the machine's cores and GPUs (and
 --max-concurrent) allow; the others wait. In the parameter-server modes a
 configuration's lr, momentum and optimizer also go to the servers. --plain
@@ -31,7 +32,7 @@ See deepnex.tune.
 
 import sys
 
-from deepnex._cli_common import central_address, central_token
+from deepnex._cli_common import add_worker_resources, central_address, central_token
 
 
 def _warn(message):
@@ -62,7 +63,12 @@ def _modes(args, warn=True):
 
 # The options a resumed search may take from its command line (where given)
 # rather than from the search it continues.
-_RESUME_OWN = ("resume", "retries", "max_concurrent", "func")
+_RESUME_OWN = ("resume", "retries", "max_concurrent", "func") + ("token", "token_file")
+
+# The credentials for --central: never journalled (the journal outlives the
+# search and may be shared), so each run, a resume too, gives them again
+# (--token, --token-file or $DEEPNEX_TOKEN).
+_SECRET = ("token", "token_file")
 
 
 # The tune parser's defaults (add_commands), by dest. The parser's own are
@@ -99,7 +105,7 @@ def _refuse_changes(args, given, recorded):
         return _modes(ns, warn=False)
 
     def max_t(ns):
-        return ns.max_t or tune.command_epochs(ns.command[ns.command[:1] == ["--"]:]) or 100
+        return _max_t(ns, ns.command[ns.command[:1] == ["--"]:])
     resolve = {"mode": modes, "job_mode": modes, "direction": modes,
                "scheduler": _scheduler, "asha": _scheduler, "max_t": max_t,
                "search": lambda ns: ns.search or tune.default_search()}
@@ -152,6 +158,15 @@ def _refuse_changes(args, given, recorded):
                          "search with another --out")
 
 
+def _max_t(args, command):
+    """--max-t, else the command's --epochs, else 100. A --max-t 0 given is
+    the scheduler's to refuse, not a flag left out."""
+    if args.max_t is not None:
+        return args.max_t
+    from deepnex import tune
+    return tune.command_epochs(command) or 100
+
+
 def _scheduler(args):
     """--scheduler's value, with --asha / --no-asha (the older spelling)."""
     # getattr: a search journalled before --scheduler has no such flag.
@@ -200,7 +215,11 @@ def _tune_or_raise(args):
         if given & {"mode", "job_mode"}:
             _modes(args)
         own = {k: v for k, v in vars(args).items() if k in _RESUME_OWN and v is not None}
-        args = argparse.Namespace(**{**recorded, **own, "out": args.resume})
+        # The defaults first: flags added since the search was journalled,
+        # and the credentials, which only the command line gives.
+        args = argparse.Namespace(**{**_DEFAULTS, **{k: v for k, v in recorded.items()
+                                                     if k not in _SECRET},
+                                     **own, "out": args.resume})
         command = [w for w in args.command[args.command[:1] == ["--"]:]]
     if not command:
         raise SystemExit("deepnex tune: no command (put it after --)")
@@ -210,7 +229,7 @@ def _tune_or_raise(args):
                          "both given; give one")
     space = tune.parse_space(args.space)
     scheduler = tune.make_scheduler(_scheduler(args), args.metric, direction,
-                                    args.max_t or tune.command_epochs(command) or 100,
+                                    _max_t(args, command),
                                     min_t=args.min_t, eta=args.eta)
     if args.plain:
         runner = tune.subprocess_runner
@@ -224,8 +243,8 @@ def _tune_or_raise(args):
             else:
                 options["central_token"] = central_token(args)
         runner = tune.job_runner(workers=args.workers_per_trial, mode=mode, ps=args.ps,
-                                 cpus=args.cpus, gpus_per_worker=args.gpus_per_worker,
-                                 **options)
+                                 cpus=args.cpus, memory=args.memory or 0,
+                                 gpus_per_worker=args.gpus_per_worker, **options)
     try:
         results = tune.run(command, space, metric=args.metric, mode=direction,
                            num_samples=args.samples, scheduler=scheduler,
@@ -234,7 +253,7 @@ def _tune_or_raise(args):
                            retries=args.retries or 0, resume=bool(args.resume),
                            warm=False if args.cold else None,
                            note={"cli": {k: v for k, v in vars(args).items()
-                                         if k not in ("resume", "func")}})
+                                         if k not in ("resume", "func") + _SECRET}})
     except tune.Interrupted as e:
         # The search has said what finished and where the results are.
         return e.exit_code
@@ -268,7 +287,7 @@ def add_commands(commands):
                    help="workers in each trial's job (default 1)")
     p.add_argument("--ps", type=int, default=None,
                    help="parameter servers per trial (default 1 in the PS modes)")
-    p.add_argument("--cpus", type=float, default=1, help="cores per worker (default 1)")
+    add_worker_resources(p)
     p.add_argument("--gpus-per-worker", type=int, default=0,
                    help="GPUs per worker (default 0)")
     p.add_argument("--backend", default="process",

@@ -13,12 +13,14 @@ A last line without its newline is a record torn by a kill: it is dropped
 naming the file and the line's byte offset.
 """
 
+import errno
 import fcntl
 import json
 import os
 import threading
 import time
 
+from . import _tune_files
 from .errors import AlreadyExistsError, DataLossError, FailedPreconditionError
 
 JOURNAL = "journal.jsonl"
@@ -61,10 +63,22 @@ class Journal:
         self.records and continued after (its torn tail cut off)."""
         self.path = path
         self._lock = threading.Lock()
+        # Mode 0600: the journal holds the search's command line and
+        # configurations. O_NOFOLLOW: a symlink planted under its name is
+        # refused, never written through (O_EXCL refuses one already).
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            self._file = open(path, "r+b" if resume else "xb")
+            fd = os.open(path, flags if resume else flags | os.O_CREAT | os.O_EXCL,
+                         _tune_files.FILE_MODE)
         except FileExistsError:
             raise AlreadyExistsError(f"{path} exists: another search began there") from None
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise FailedPreconditionError(f"{path} is a symlink, not a search's journal") from None
+        if resume:
+            os.fchmod(fd, _tune_files.FILE_MODE)   # one an older version made 0644
+        self._file = os.fdopen(fd, "r+b")
         try:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -13,6 +13,11 @@ from .errors import CancelledError, DeadlineExceededError, InvalidArgumentError,
 
 
 ENV_STORE = "DEEPNEX_TUNE_STORE"
+# The token of the search's store: without it a call is refused, so that
+# another local user cannot forge a trial's reports or the search's
+# decisions. A trial learns it with the store's address, from its
+# environment (which only its own user can read).
+ENV_STORE_TOKEN = "DEEPNEX_TUNE_STORE_TOKEN"
 ENV_TRIAL = "DEEPNEX_TUNE_TRIAL"
 ENV_CONFIG = "DEEPNEX_TUNE_CONFIG"
 ENV_CHECKPOINT = "DEEPNEX_TUNE_CHECKPOINT_DIR"
@@ -110,7 +115,8 @@ def report(step, timeout=600.0, **metrics):
             # Connecting is the first contact: a search already gone fails here.
             attempt = os.environ.get(ENV_ATTEMPT, "0")
             _report_state["client"] = StoreClient(address, prefix=f"tune/{trial}/{attempt}",
-                                                  timeout=_REACH_TIMEOUT)
+                                                  timeout=_REACH_TIMEOUT,
+                                                  token=os.environ.get(ENV_STORE_TOKEN) or None)
         client = _report_state["client"]
         if metrics:
             record = {"step": step, **{k: _metric(step, k, v) for k, v in metrics.items()}}

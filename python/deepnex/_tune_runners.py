@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 
+from . import _tune_files
 from ._tune_report import ENV_CONFIG
 from ._tune_warm import _END, _receive, _send
 from .errors import (CancelledError, DeadlineExceededError, InvalidArgumentError,
@@ -58,7 +59,7 @@ class _ProcessTrial:
 def subprocess_runner(trial_id, argv, env, log_path):
     """A runner: the trial as one child process (its own process group),
     output to log_path."""
-    with open(log_path, "w") as log:
+    with _tune_files.open_new(log_path) as log:
         return _ProcessTrial(subprocess.Popen(argv, env=env, stdout=log,
                                               stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL,
@@ -77,31 +78,47 @@ class _Capacity:
     trial waits, in arrival order, until its gang fits beside the running
     ones."""
 
-    def __init__(self, gpu_mode):
+    def __init__(self, gpu_mode, need):
         from . import gpu
         node = gpu.local_node(mode=gpu_mode)
         self.total = (node.cpus, len(node.gpus) if gpu_mode == "exclusive" else 0)
+        self.need = need   # a trial's (cores, GPUs)
         self.used = [0, 0]
         self.queue = []
         self.cond = threading.Condition()
 
-    def check(self, need):
-        """ResourceExhaustedError when `need` could never fit."""
+    def check(self):
+        """ResourceExhaustedError when a trial could never fit."""
+        need = self.need
         if any(n > t for n, t in zip(need, self.total)):
             raise ResourceExhaustedError(
                 f"a trial needs {need[0]} cores and {need[1]} GPUs; this machine has "
                 f"{self.total[0]} cores and {self.total[1]} GPUs")
 
-    def acquire(self, need, cancelled):
-        """Waits until `need` fits (check() said it can); CancelledError
-        once cancelled() is true (checked whenever wake() or a release wakes
-        the waiters)."""
+    @property
+    def trials(self):
+        """How many trials of `need` fit at once."""
+        return min(t // n for n, t in zip(self.need, self.total) if n > 0)
+
+    def acquire(self, need, cancelled, take=None):
+        """Waits until `need` fits (check() said it can) and takes it, or,
+        where take() gives something first (an idle trial slot, which holds
+        cores already), returns that; None when it took `need`. The waiters
+        are served in arrival order either way, so trials start in the order
+        they came. CancelledError once cancelled() is true (checked whenever
+        wake() or a release wakes the waiters)."""
         ticket = object()
         with self.cond:
             self.queue.append(ticket)
             try:
-                while not (self.queue[0] is ticket and all(
-                        u + n <= t for u, n, t in zip(self.used, need, self.total))):
+                while True:
+                    if self.queue[0] is ticket:
+                        taken = take() if take is not None else None
+                        if taken is not None:
+                            return taken
+                        if all(u + n <= t for u, n, t in zip(self.used, need, self.total)):
+                            self.used = [u + n for u, n in zip(self.used, need)]
+                            return None
                     if cancelled():
                         raise CancelledError("the trial's start was cancelled while it "
                                              "waited for cores and GPUs")
@@ -109,7 +126,6 @@ class _Capacity:
             finally:
                 self.queue.remove(ticket)
                 self.cond.notify_all()
-            self.used = [u + n for u, n in zip(self.used, need)]
 
     def release(self, need):
         with self.cond:
@@ -341,7 +357,7 @@ class _Log:
     """A trial's log file, written by the job's output threads."""
 
     def __init__(self, path):
-        self._file = open(path, "w")
+        self._file = _tune_files.open_new(path)
         self._lock = threading.Lock()
         self.closed = threading.Event()
 
@@ -392,13 +408,20 @@ class _JobRunner:
         job_module.Job(["true"], **self._job_options)
         self._capacity = None
         if not job_options.get("central"):
-            self._capacity = _Capacity(gpu_mode)
-            self._capacity.check(self._need)
+            self._capacity = _Capacity(gpu_mode, self._need)
+            self._capacity.check()
         self._lock = threading.Lock()
         # cancel() counts up; a start that began before a cancel() gives up.
         self._cancels = 0
         self._idle = []    # slots that run no trial now
         self._slots = []   # all of them, for close()
+
+    @property
+    def capacity(self):
+        """How many trials can run at once: as many as fit on this machine's
+        cores and GPUs; None with central, which queues them (and knows what
+        it can grant)."""
+        return self._capacity.trials if self._capacity is not None else None
 
     def cancel(self):
         """Starts in progress (waiting for cores and GPUs, or retrying a
@@ -423,7 +446,7 @@ class _JobRunner:
         warm = _warm_argv(argv)
         if warm is not None and options["workers"] == 1 and options["mode"] == "allreduce":
             return self._in_slot(trial_id, warm, extra, log_path, options, cancelled)
-        release = self._acquire(options, cancelled)
+        _, release = self._acquire(cancelled)
         log = _Log(log_path)
 
         def start():
@@ -453,13 +476,12 @@ class _JobRunner:
         trial_env = {k: v for k, v in env.items() if k.startswith("DEEPNEX_TUNE_")}
         shared = {k: v for k, v in env.items() if k not in trial_env}
         while True:
-            with self._lock:
-                slot = self._idle.pop() if self._idle else None
+            slot, release = self._acquire(cancelled, take=self._take_idle)
             if slot is not None:
                 break
             try:
                 slot = self._new_slot(trial_id, python, script, socket_path, shared, options,
-                                      cancelled)
+                                      cancelled, release)
                 break
             except CancelledError:
                 # A slot fell idle while this trial waited for cores or
@@ -475,20 +497,30 @@ class _JobRunner:
             raise
         return _SlotTrial(slot, log, self._slot_free)
 
-    def _acquire(self, options, cancelled):
-        """Waits for a trial's cores and GPUs (CancelledError once
-        cancelled() is true); returns what releases them, once."""
+    def _take_idle(self):
+        """An idle slot, taken; None when none is idle."""
+        with self._lock:
+            return self._idle.pop(0) if self._idle else None
+
+    def _acquire(self, cancelled, take=None):
+        """Waits for a trial's cores and GPUs, or for what take() gives
+        first (an idle slot), in the order the trials came (CancelledError
+        once cancelled() is true). Returns (what take() gave, None) or (None,
+        what releases the cores and GPUs, once)."""
         capacity = self._capacity
         if capacity is None:  # central queues the trial's gang
-            return lambda: None
-        capacity.acquire(self._need, cancelled)
+            taken = take() if take is not None else None
+            return (taken, None) if taken is not None else (None, lambda: None)
+        taken = capacity.acquire(self._need, cancelled, take)
+        if taken is not None:
+            return taken, None
         released = []
 
         def release():
             if not released:
                 released.append(True)
                 capacity.release(self._need)
-        return release
+        return None, release
 
     def _retrying(self, start, cancelled):
         """start(), again every retry_interval while resources are short.
@@ -506,12 +538,13 @@ class _JobRunner:
                                          "waited for resources") from None
                 time.sleep(self._retry_interval)
 
-    def _new_slot(self, trial_id, python, script, socket_path, env, options, cancelled):
-        # A slot that falls idle meanwhile ends the wait (for cores here, or
-        # for central's quota below): the trial takes that slot instead.
+    def _new_slot(self, trial_id, python, script, socket_path, env, options, cancelled,
+                  release):
+        """A new slot, on the cores and GPUs that release() gives back."""
+        # A slot that falls idle while central's quota is full ends the
+        # wait: the trial takes that slot instead.
         def give_up():
             return cancelled() or bool(self._idle)
-        release = self._acquire(options, give_up)
 
         def make_job(argv, output):
             from . import job as job_module

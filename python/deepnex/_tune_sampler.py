@@ -2,10 +2,11 @@
 (random, grid, or Optuna's tpe and cmaes by ask and tell)."""
 
 import itertools
+import json
 import math
 
 from ._tune_space import (_Choice, _Domain, _Grid, _LogUniform, _RandInt, _Uniform, _describe,
-                          check_search_size, generate_configs)
+                          check_names, check_search_size, generate_configs)
 from .errors import InvalidArgumentError
 
 
@@ -46,6 +47,7 @@ class _Sampler:
                     raise InvalidArgumentError(
                         f"space: {k} is {_describe(v)}, which search grid cannot enumerate "
                         f"(use grid([...]) or choice([...]), or search random or tpe)")
+        check_names(space)
         check_search_size(space, num_samples)
         self.space, self.num_samples = space, num_samples
         grid_keys = [k for k, v in space.items() if isinstance(v, _Grid)]
@@ -62,6 +64,10 @@ class _Sampler:
             raise InvalidArgumentError(
                 f"search: {search} needs Optuna (Debian: python3-optuna); use search "
                 "random") from None
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            # Optuna's samplers seed NumPy, which takes these only.
+            raise InvalidArgumentError(f"seed (--seed): {seed!r} is not a whole number in "
+                                       f"0..{2**32 - 1}, which {search} needs")
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self._optuna = optuna
         self._dists = {k: _distribution(optuna, v) for k, v in space.items()
@@ -138,10 +144,23 @@ class _Sampler:
         # intermediate one, where finite).
         if state == State.PRUNED and math.isfinite(last):
             value = last
-        params = {k: trial.config[k] for k in self._dists}
+        params = {k: _asked_value(d, trial.config[k]) for k, d in self._dists.items()}
         self._study.add_trial(optuna.trial.create_trial(
             params=params, distributions=self._dists, value=value, state=state,
             intermediate_values=steps))
+
+
+def _asked_value(distribution, value):
+    """A journalled configuration value as Optuna asked it: the journal's
+    JSON has made a choice()'s tuple a list, which is none of the
+    distribution's choices."""
+    choices = getattr(distribution, "choices", None)
+    if choices is None or value in choices:
+        return value
+    for choice in choices:
+        if json.loads(json.dumps(choice)) == value:
+            return choice
+    return value
 
 
 def _distribution(optuna, domain):

@@ -3,6 +3,7 @@ reports, asks the scheduler about each, and resumes a journalled search."""
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -10,15 +11,16 @@ import sys
 import threading
 import time
 
-from . import _tune_journal
-from ._tune_report import ENV_ATTEMPT, ENV_CHECKPOINT, ENV_CONFIG, ENV_STORE, ENV_TRIAL
+from . import _tune_files, _tune_journal
+from ._tune_report import (ENV_ATTEMPT, ENV_CHECKPOINT, ENV_CONFIG, ENV_STORE, ENV_STORE_TOKEN,
+                           ENV_TRIAL)
 from ._tune_results import Interrupted, Results, Trial, _finite, _tail, _trials_of
-from ._tune_runners import job_runner, subprocess_runner
+from ._tune_runners import job_runner
 from ._tune_sampler import _Sampler, default_search
 from ._tune_schedulers import (ASHA, Hyperband, adopt, make_scheduler, scheduler_label,
                                scheduler_spec)
 from ._tune_space import _space_json
-from ._tune_status import _Status, _write_results
+from ._tune_status import _Output, _Status, _write_results
 from .errors import (AlreadyExistsError, CancelledError, DeadlineExceededError,
                      FailedPreconditionError, InvalidArgumentError, NotFoundError)
 
@@ -35,6 +37,7 @@ def command_epochs(command):
 
 def _config_args(config):
     args = []
+    # The space's names map to distinct flags (_tune_space.check_names).
     for k, v in config.items():
         # repr: the shortest string that reads back as the same float.
         args += [f"--{k.replace('_', '-')}", repr(v) if isinstance(v, float) else str(v)]
@@ -46,11 +49,15 @@ class _Search:
                  status, sampler, journal, retries, warm):
         from .collective import Store
         self.command, self.metric, self.mode = list(command), metric, mode
-        self.scheduler, self.runner = scheduler, runner or job_runner()
+        self.scheduler, self.runner = scheduler, runner
         self.env, self.out_dir, self.stop_grace = env, out_dir, stop_grace
         self.status, self.sampler, self.journal = status, sampler, journal
         self.retries = retries
-        self.store = Store("127.0.0.1:0")
+        # Any local user can reach 127.0.0.1: the token (the trials get it
+        # in their environment, ENV_STORE_TOKEN) keeps the others from
+        # forging reports and decisions.
+        self.store_token = secrets.token_urlsafe(32)
+        self.store = Store("127.0.0.1:0", token=self.store_token)
         self.lock = threading.Lock()
         self.running = {}      # trial id -> handle
         self.interrupted = None   # the signal that ended the search early
@@ -131,12 +138,18 @@ class _Search:
             f"{trial.exit_code} before reporting; the last lines of {trial.log_path}:\n"
             + "\n".join("  " + line for line in _tail(trial.log_path, 5))))
 
-    def _run_attempt(self, trial):
+    def client(self, trial_id, attempt):
+        """A client of the search's store, in the keys of a trial's attempt."""
         from .collective import StoreClient
+        return StoreClient(self.store.address, prefix=f"tune/{trial_id}/{attempt}",
+                           token=self.store_token)
+
+    def _run_attempt(self, trial):
         attempt = trial.attempts
         env = dict(os.environ)
         env.update(self.env or {})
-        env.update({ENV_STORE: self.store.address, ENV_TRIAL: str(trial.id),
+        env.update({ENV_STORE: self.store.address, ENV_STORE_TOKEN: self.store_token,
+                    ENV_TRIAL: str(trial.id),
                     ENV_ATTEMPT: str(attempt), ENV_CONFIG: json.dumps(trial.config),
                     ENV_CHECKPOINT: os.path.join(self.out_dir, "checkpoints",
                                                  f"trial_{trial.id}")})
@@ -147,14 +160,27 @@ class _Search:
         argv = self.command + _config_args(trial.config)
         if self.warm is not None:
             argv = self.warm.wrap(argv)
-        handle = self.runner(trial.id, argv, env, trial.log_path)
+        try:
+            handle = self.runner(trial.id, argv, env, trial.log_path)
+        except CancelledError:
+            raise   # the search stopped while the start waited: not started
+        except Exception as e:  # noqa: BLE001 - the trial fails, the search goes on
+            # Journalled as an attempt that failed, so that show, load and a
+            # resume see what results.csv says (not a trial still pending,
+            # which a resume would run again).
+            trial.attempts += 1
+            trial.status, trial.results, trial.exit_code = f"failed ({e})", [], None
+            trial.nonfinite = False
+            self.journal.append({"event": "start", "trial": trial.id, "attempt": attempt})
+            self._ended(trial, attempt)
+            return
         with self.lock:
             self.running[trial.id] = handle
         trial.status, trial.results, trial.nonfinite = "running", [], False
         trial.attempts += 1
         self.journal.append({"event": "start", "trial": trial.id, "attempt": attempt})
         self.status.started(trial)
-        client = StoreClient(self.store.address, prefix=f"tune/{trial.id}/{attempt}")
+        client = self.client(trial.id, attempt)
         if hasattr(handle, "on_end"):
             handle.on_end(self._waker(trial, attempt))
         stopped_at = bad = None
@@ -216,6 +242,9 @@ class _Search:
             trial.status = "completed"
         else:
             trial.status = f"failed (exit {trial.exit_code})"
+        self._ended(trial, attempt)
+
+    def _ended(self, trial, attempt):
         self.journal.append({"event": "end", "trial": trial.id, "attempt": attempt,
                              "status": trial.status, "exit_code": trial.exit_code,
                              "nonfinite": trial.nonfinite})
@@ -225,8 +254,7 @@ class _Search:
         """A callback for a handle's on_end(): it puts an end record where
         the trial's thread waits for the next report, so that the thread
         learns of the end at once, not at its next poll of the handle."""
-        from .collective import StoreClient
-        client = StoreClient(self.store.address, prefix=f"tune/{trial.id}/{attempt}")
+        client = self.client(trial.id, attempt)
 
         def wake():
             # The trial's reports are all in (the trial waits for the
@@ -308,7 +336,7 @@ class _Warm:
         self.socket = os.path.join(self._dir, "warm.sock")
         self._script = _tune_warm.__file__
         self._python = command[0]
-        with open(os.path.join(out_dir, "warm.log"), "w") as log:
+        with _tune_files.open_new(os.path.join(out_dir, "warm.log")) as log:
             self._p = subprocess.Popen(
                 [self._python, self._script, "serve", self.socket, command[1]],
                 env={**os.environ, **(env or {})}, stdin=subprocess.PIPE, stdout=log,
@@ -373,9 +401,11 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
     stop_grace seconds after being told to stop is killed.
     runner: how a trial starts (default job_runner(): a 1-worker allreduce
     job). max_concurrent: a limit of the search's own; None: as many trials
-    at once as the runner admits (job_runner: what fits on the machine;
-    subprocess_runner: the local cores). retries: a failed trial is run
-    again up to this many times.
+    at once as the runner can run (default_concurrency(): job_runner: what
+    fits on the machine's cores and GPUs; subprocess_runner, a runner
+    without `capacity`, or job_runner with central: the local cores); each
+    trial's configuration is drawn when it can start. retries: a failed
+    trial is run again up to this many times.
 
     resume: continue the search journalled in out_dir (run() with the same
     command, space, metric, mode, num_samples, seed and search): finished
@@ -412,16 +442,17 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
         scheduler = make_scheduler(scheduler, metric, mode, command_epochs(command) or 100)
     elif isinstance(scheduler, (ASHA, Hyperband)):
         adopt(scheduler, metric, mode)
-    if max_concurrent is None and runner is subprocess_runner:
-        max_concurrent = os.cpu_count() or 1
-    out = out or sys.stdout
+    runner = runner or job_runner()
+    if max_concurrent is None:
+        max_concurrent = default_concurrency(runner)
+    out = _Output(out or sys.stdout)
     said = search is None
     search = search or default_search()
     sampler = _Sampler(space, num_samples, seed, search)
     head = {"event": "search", "command": list(command), "space": _space_json(space),
             "metric": metric, "mode": mode, "num_samples": num_samples, "seed": seed,
             "search": search, "scheduler": scheduler_spec(scheduler)}
-    os.makedirs(out_dir, exist_ok=True)
+    _tune_files.prepare_dir(out_dir)
     path = os.path.join(out_dir, _tune_journal.JOURNAL)
     trials = []
     if resume and not os.path.exists(path):
@@ -473,6 +504,17 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
     return results
 
 
+def default_concurrency(runner):
+    """How many trials run at once without max_concurrent: as many as the
+    runner can run at once, its `capacity` where it has one (job_runner: the
+    trials that fit on this machine's cores and GPUs), else (a plain
+    process each, or central, which queues what it cannot grant yet) this
+    machine's cores. A trial's configuration is drawn when it can start, not
+    before (tpe and cmaes then learn from every trial that ended), and the
+    search holds a thread per running trial only."""
+    return getattr(runner, "capacity", None) or os.cpu_count() or 1
+
+
 def _check_resume(path, recorded, head):
     for key, value in head.items():
         if recorded.get(key) != value:
@@ -509,14 +551,14 @@ def _run_trials(search, trials, max_concurrent, signals):
     first, then new ones, each configured by the sampler when its slot
     frees, so that it learns from every trial that ended before) and waits
     for them, acting on the signals received meanwhile."""
-    at_once = "up to capacity" if max_concurrent is None else f"{max_concurrent} at a time"
+    at_once = f"{max_concurrent} at a time"
     again = [t for t in trials if t.status == "pending"]
     done = len(trials) - len(again)
     resumed = f" ({done} finished before, {len(again)} to run again)" if trials else ""
     search.status.say(f"tune: {search.sampler.total} trials{resumed}, {at_once}, metric "
                       f"{search.metric} ({search.mode}), {search.sampler.label}"
                       f"{scheduler_label(search.scheduler)}")
-    slots = threading.Semaphore(max_concurrent or max(1, search.sampler.total))
+    slots = threading.Semaphore(max_concurrent)
     threads = []
 
     def body(trial):
@@ -525,6 +567,11 @@ def _run_trials(search, trials, max_concurrent, signals):
         except CancelledError:
             trial.status = "not started"
         except Exception as e:  # noqa: BLE001 - the search goes on without it
+            # A bug of the search's own: no trial process outlives it.
+            with search.lock:
+                handle = search.running.pop(trial.id, None)
+            if handle is not None:
+                handle.kill()
             trial.status = f"failed ({e})"
             search.status.ended(trial)
         finally:

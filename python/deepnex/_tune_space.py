@@ -70,8 +70,13 @@ def _check_range(name, low, high, kind=float):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             return None
         if kind is int:
-            return int(v) if float(v).is_integer() else None
-        return float(v) if math.isfinite(v) else None
+            # An int is whole however large (float() of one past 1e308
+            # overflows).
+            return int(v) if isinstance(v, int) or v.is_integer() else None
+        try:
+            return float(v) if math.isfinite(v) else None
+        except OverflowError:   # an int past a float's range: not finite as a float
+            return None
     lo, hi = number(low), number(high)
     if lo is None or hi is None:
         what = "whole numbers" if kind is int else "finite numbers"
@@ -134,6 +139,18 @@ def grid(values):
     return _Grid(values)
 
 
+def check_names(space):
+    """InvalidArgumentError for two names that reach a trial as the same
+    --flag (underscores become dashes): lr_a and lr-a."""
+    flags = {}
+    for name in space:
+        flag = "--" + name.replace("_", "-")
+        if flag in flags:
+            raise InvalidArgumentError(f"space: {flags[flag]} and {name} both reach the trial "
+                                       f"as {flag}; rename one")
+        flags[flag] = name
+
+
 def check_search_size(space, num_samples):
     """InvalidArgumentError unless num_samples >= 1 and the search has at most
     MAX_TRIALS trials (each grid() dimension's values multiplied, times
@@ -185,6 +202,9 @@ def parse_space(specs):
         name, expr = name.strip(), expr.strip()
         if not sep or not name or not expr:
             raise InvalidArgumentError(f'space: "{spec}" is not name=expression')
+        if name in space:
+            # The later one would silently replace the first.
+            raise InvalidArgumentError(f'space: "{spec}": {name} is given twice')
         try:
             node = ast.parse(expr, mode="eval").body
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):

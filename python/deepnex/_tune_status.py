@@ -3,12 +3,14 @@ summary and results.csv at the end, and show() and plot() of a journalled
 search."""
 
 import csv
+import io
 import json
 import os
 import shutil
 import sys
 import threading
 
+from . import _tune_files
 from ._tune_results import _finite, _tail, load
 
 
@@ -18,6 +20,47 @@ def _shown(value):
 
 def _params(config):
     return " ".join(f"{k}={_shown(v)}" for k, v in config.items())
+
+
+class _Output:
+    """The stream a search prints to (the status, the summary), whose reader
+    may go away (`deepnex tune ... | head -1`): from the first EPIPE on,
+    what is printed is dropped and the search goes on, its trials and files
+    as they would be. The stream's descriptor then points at /dev/null, so
+    that the interpreter's own flush of what is still buffered, at exit,
+    does not fail on the broken pipe too (Python's documented remedy)."""
+
+    def __init__(self, out):
+        self._out = out
+        self.gone = False
+
+    def write(self, text):
+        if not self.gone:
+            try:
+                self._out.write(text)
+            except BrokenPipeError:
+                self._went()
+        return len(text)
+
+    def flush(self):
+        if not self.gone:
+            try:
+                self._out.flush()
+            except BrokenPipeError:
+                self._went()
+
+    def isatty(self):
+        return self._out.isatty()
+
+    def _went(self):
+        self.gone = True
+        try:
+            fd = self._out.fileno()
+        except (AttributeError, OSError, ValueError):
+            return   # not a file (a StringIO): nothing is left to flush
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
 
 
 class _Status:
@@ -182,7 +225,9 @@ def plot(out_dir, path=None):
         coords.set_xticks(range(len(keys)), keys)
     coords.set(title=f"parallel coordinates (colour: {metric})", ylabel="scaled value")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90)
+    _tune_files.write_new(path, png.getvalue(), mode="wb")
     plt.close(fig)
     return path
 
@@ -253,16 +298,16 @@ def _print_best(results, out):
 def _write_results(results, out_dir, out):
     """results.csv, best.json and the summary (at most 20 lines)."""
     rows, header = _rows([t for t in results.trials if t.status != "not started"])
-    with open(results.csv_path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(header)
-        w.writerows(rows)
+    table = io.StringIO()
+    w = csv.writer(table)
+    w.writerow(header)
+    w.writerows(rows)
+    _tune_files.write_new(results.csv_path, table.getvalue(), newline="")
     _print_table(results, out, _SUMMARY_ROWS)
     best = results.best
     if best is not None:
-        with open(os.path.join(out_dir, "best.json"), "w") as f:
-            json.dump({"trial": best.id, "config": best.config, "result": best.last}, f,
-                      indent=1)
+        _tune_files.write_new(os.path.join(out_dir, "best.json"), json.dumps(
+            {"trial": best.id, "config": best.config, "result": best.last}, indent=1))
     _print_best(results, out)
     if results.interrupted:
         finished = sum(1 for t in results.trials if t.finished)

@@ -76,7 +76,7 @@ at once as there are cores, unless max_concurrent says otherwise).
 # status); this module is the public surface and re-exports their names,
 # and the private ones that tests reach through it.
 from ._tune_report import (ENV_ATTEMPT, ENV_CHECKPOINT, ENV_CONFIG, ENV_STORE,  # noqa: F401
-                           ENV_TRIAL, checkpoint_dir, get_config, report, warm)
+                           ENV_STORE_TOKEN, ENV_TRIAL, checkpoint_dir, get_config, report, warm)
 from ._tune_results import Interrupted, Results, Trial, load
 from ._tune_runners import job_runner, subprocess_runner
 from ._tune_sampler import SEARCHES, _Sampler, default_search  # noqa: F401

@@ -1106,7 +1106,8 @@ BAD_STEP = textwrap.dedent("""
         print(e, flush=True)
     # Past report(): a step the scheduler cannot compare.
     trial = os.environ["DEEPNEX_TUNE_TRIAL"]
-    StoreClient(os.environ["DEEPNEX_TUNE_STORE"], prefix=f"tune/{trial}/0").set(
+    StoreClient(os.environ["DEEPNEX_TUNE_STORE"], prefix=f"tune/{trial}/0",
+                token=os.environ["DEEPNEX_TUNE_STORE_TOKEN"]).set(
         "report/0", json.dumps({"step": "1", "score": 1.0}))
     time.sleep(600)
 """)
@@ -1693,6 +1694,7 @@ def _shown_run(tmp_path, name, warm):
         lines = open(t.log_path).read().splitlines()
         shown = json.loads(lines[0])
         shown["env"]["DEEPNEX_TUNE_STORE"] = "-"   # each search has its own
+        shown["env"]["DEEPNEX_TUNE_STORE_TOKEN"] = "-"
         shown["env"]["DEEPNEX_TUNE_CHECKPOINT_DIR"] = os.path.relpath(
             shown["env"]["DEEPNEX_TUNE_CHECKPOINT_DIR"], tmp_path / name)
         logs.append((t.status, t.exit_code, shown, lines[1:]))
@@ -1892,3 +1894,220 @@ def test_a_trial_slot_keeps_its_job_and_warm_worker_across_trials(tmp_path):
     assert len(allocations[0]) == 1 and allocations == [allocations[0]] * 4
     # The search closed the slot: its job stopped, its cores released.
     assert slots[0].job is None and runner._slots == [] and runner._capacity.used == [0, 0]
+
+
+# ---- the search's files, its store and its output
+
+def _mode(path):
+    return os.lstat(path).st_mode & 0o777
+
+
+def test_the_token_is_never_journalled_and_the_search_files_are_private(
+        tmp_path, trial_script, monkeypatch):
+    """--token went into journal.jsonl (0644) in clear (probe). A resume
+    takes the token from its own command line."""
+    from deepnex.__main__ import main
+    monkeypatch.delenv("DEEPNEX_TOKEN", raising=False)
+    out = tmp_path / "out"
+    assert main(["tune", "--plain", "--token", "SUPERSECRET-1", "--space", "x=grid([1.0])",
+                 "--samples", "1", "--metric", "score", "--no-asha", "--out", str(out),
+                 "--", *trial_script]) == 0
+    assert b"SUPERSECRET" not in (out / "journal.jsonl").read_bytes()
+    assert "token" not in tune.load(str(out)).note["cli"]
+    for name in ("journal.jsonl", "results.csv", "best.json", "trial_0.log"):
+        assert _mode(out / name) == 0o600, name
+    assert _mode(out) == 0o700
+    # Given again with --resume: taken, not refused as a change, not journalled.
+    assert main(["tune", "--resume", str(out), "--token", "SUPERSECRET-2"]) == 0
+    assert b"SUPERSECRET" not in (out / "journal.jsonl").read_bytes()
+
+
+FORGER = textwrap.dedent("""
+    import json, os
+    from deepnex import tune
+    from deepnex.collective import StoreClient
+    from deepnex.errors import PermissionDeniedError, UnauthenticatedError
+    trial = os.environ["DEEPNEX_TUNE_TRIAL"]
+    try:
+        StoreClient(os.environ["DEEPNEX_TUNE_STORE"], prefix=f"tune/{trial}/0",
+                    timeout=5).set("report/0", json.dumps({"step": 1, "score": 99.0}))
+        print("forged", flush=True)
+    except (UnauthenticatedError, PermissionDeniedError) as e:
+        print("refused", flush=True)
+    tune.report(step=1, score=1.0)
+""")
+
+
+def test_the_search_store_refuses_a_client_without_its_token(tmp_path):
+    """Any local user could write a trial's reports into the search's store
+    (probe): it takes only the trials, which have its token."""
+    script = tmp_path / "forger.py"
+    script.write_text(FORGER)
+    for warm in (False, True):
+        out = tmp_path / f"out{warm}"
+        results = tune.run([sys.executable, str(script)], {"x": 1.0}, metric="score",
+                           search="random", warm=warm, runner=tune.subprocess_runner,
+                           out_dir=str(out), out=io.StringIO())
+        assert (results.trials[0].status, results.trials[0].results) == (
+            "completed", [{"step": 1, "score": 1.0}])
+        assert (out / "trial_0.log").read_text().splitlines()[-1] == "refused"
+
+
+def test_out_files_replace_planted_symlinks_and_never_write_through_them(tmp_path):
+    """Another user's symlinks in --out were followed: the search overwrote
+    their targets (probe)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    victims = {}
+    for name in ("trial_0.log", "results.csv", "best.json", "warm.log"):
+        victim = tmp_path / f"victim-{name}"
+        victim.write_text("precious\n")
+        (out / name).symlink_to(victim)
+        victims[name] = victim
+    script = tmp_path / "reports.py"
+    script.write_text("from deepnex import tune\ntune.report(step=1, score=2.0)\n")
+    results = tune.run([sys.executable, str(script)], {"x": 1.0}, metric="score",
+                       search="random", warm=True, runner=tune.subprocess_runner,
+                       out_dir=str(out), out=io.StringIO())
+    assert results.best.last["score"] == 2.0
+    for name, victim in victims.items():
+        assert victim.read_text() == "precious\n", name
+        assert not (out / name).is_symlink() and _mode(out / name) == 0o600, name
+    assert json.loads((out / "best.json").read_text())["result"]["score"] == 2.0
+    # An out_dir that is a symlink, or another user's, is refused.
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(FailedPreconditionError, match="is a symlink"):
+        tune.run([sys.executable, str(script)], {"x": 1.0}, out_dir=str(tmp_path / "link"),
+                 runner=tune.subprocess_runner, out=io.StringIO())
+    assert os.listdir(tmp_path / "elsewhere") == []
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(PermissionError, match="belongs to user 65534"):
+            tune.run([sys.executable, str(script)], {"x": 1.0}, out_dir=str(theirs),
+                     runner=tune.subprocess_runner, out=io.StringIO())
+
+
+def test_cli_memory_goes_to_the_trials_jobs_and_is_required_with_central(monkeypatch):
+    """deepnex tune --central always failed: it had no --memory (probe)."""
+    monkeypatch.delenv("DEEPNEX_TOKEN", raising=False)
+    _, _, runner = _tune_cli(monkeypatch, ["--central", "h:1", "--token", "t", "--memory",
+                                           "2GiB", "--cpus", "2"])
+    assert (runner["central"], runner["memory"], runner["cpus"]) == ("h:1", "2GiB", 2.0)
+    monkeypatch.undo()
+    monkeypatch.delenv("DEEPNEX_CENTRAL", raising=False)
+    from deepnex.__main__ import main
+    with pytest.raises(SystemExit) as info:
+        main(["tune", "--central", "127.0.0.1:1", "--space", "x=1", "--", "true"])
+    assert str(info.value).startswith("deepnex tune: memory (--memory): required with central")
+
+
+def test_configurations_are_drawn_when_a_trial_can_start(tmp_path):
+    """Without max_concurrent every configuration was drawn (and a thread
+    started) before any trial ran (probe): the sampler learnt nothing."""
+    script = tmp_path / "reports.py"
+    script.write_text("import time\nfrom deepnex import tune\ntime.sleep(0.2)\n"
+                      "tune.report(step=1, score=tune.get_config()['x'])\n")
+
+    class OneAtATime:
+        capacity = 1
+
+        def __call__(self, *args):
+            return tune.subprocess_runner(*args)
+    out = tmp_path / "out"
+    results = tune.run([sys.executable, str(script)], {"x": tune.uniform(0, 1)},
+                       metric="score", num_samples=4, runner=OneAtATime(), warm=False,
+                       out_dir=str(out), out=io.StringIO())
+    assert [t.status for t in results.trials] == ["completed"] * 4
+    from deepnex import _tune_journal
+    events = [r["event"] for r in _tune_journal.read(str(out / "journal.jsonl"))[0]]
+    assert events[:events.index("end")].count("trial") == 1
+    # job_runner's capacity: the trials that fit on the machine's cores.
+    cores = _cores()
+    assert tune.job_runner(cpus=cores).capacity == 1
+    assert tune.job_runner().capacity == cores
+    assert tune.job_runner(central="h:1", memory="1GiB").capacity is None
+    from deepnex._tune_search import default_concurrency
+    assert default_concurrency(tune.subprocess_runner) == os.cpu_count()
+
+
+def test_a_closed_stdout_stops_the_status_not_the_search(tmp_path):
+    """`deepnex tune ... | head -1`: the trials' threads died of BrokenPipeError,
+    their trials marked failed, plain ones left running (probe)."""
+    script = tmp_path / "reports.py"
+    script.write_text("from deepnex import tune\ntune.report(step=1, score=2.0)\n")
+    r, w = os.pipe()
+    os.close(r)
+    out = os.fdopen(w, "w")
+    try:
+        results = tune.run([sys.executable, str(script)], {"x": tune.grid([1.0, 2.0])},
+                           metric="score", search="random", runner=tune.subprocess_runner,
+                           out_dir=str(tmp_path / "out"), out=out)
+    finally:
+        out.close()
+    assert [t.status for t in results.trials] == ["completed"] * 2
+    assert [t.status for t in tune.load(str(tmp_path / "out")).trials] == ["completed"] * 2
+
+
+def test_a_tpe_search_with_tuple_choices_resumes(tmp_path):
+    """The journal makes a choice()'s tuples lists, which the resumed
+    sampler did not take back (probe)."""
+    pytest.importorskip("optuna")
+    script = tmp_path / "reports.py"
+    script.write_text("from deepnex import tune\n"
+                      "tune.report(step=1, score=tune.get_config()['x'])\n")
+    space = {"x": tune.uniform(0, 1), "shape": tune.choice([(1, 2), (3, 4)])}
+    kwargs = dict(metric="score", num_samples=2, max_concurrent=1, search="tpe",
+                  runner=tune.subprocess_runner, out_dir=str(tmp_path / "out"),
+                  out=io.StringIO(), warm=False)
+    first = tune.run([sys.executable, str(script)], space, **kwargs)
+    again = tune.run([sys.executable, str(script)], space, resume=True, **kwargs)
+    # As the journal has them: tuples as lists.
+    assert [t.config for t in again.trials] == json.loads(json.dumps(
+        [t.config for t in first.trials]))
+    assert [t.status for t in again.trials] == ["completed"] * 2
+
+
+def test_a_trial_whose_runner_raises_ends_failed_in_the_journal_too(tmp_path):
+    """It had no end record: show and load said pending, a resume ran it
+    again (probe)."""
+    calls = []
+
+    def broken(trial_id, argv, env, log_path):
+        calls.append(trial_id)
+        raise InvalidArgumentError("backend: no such backend")
+    kwargs = dict(metric="score", search="random", runner=broken, out_dir=str(tmp_path),
+                  out=io.StringIO(), warm=False)
+    results = tune.run(["true"], {"x": tune.grid([1.0, 2.0])}, **kwargs)
+    failed = ["failed (backend: no such backend)"] * 2
+    assert [t.status for t in results.trials] == failed
+    assert [t.status for t in tune.load(str(tmp_path)).trials] == failed
+    with open(tmp_path / "results.csv") as f:
+        assert [r["status"] for r in csv.DictReader(f)] == failed
+    calls.clear()
+    again = tune.run(["true"], {"x": tune.grid([1.0, 2.0])}, resume=True, **kwargs)
+    assert (calls, [t.status for t in again.trials]) == ([], failed)
+
+
+def test_flags_and_spaces_that_were_taken_wrongly_are_refused(monkeypatch):
+    """--max-t 0 became 100, a seed past 2**32 - 1 a NumPy traceback, a
+    bound past a float an OverflowError, and a name given twice replaced the
+    first (probe)."""
+    with pytest.raises(SystemExit) as info:
+        _tune_cli(monkeypatch, ["--max-t", "0"])
+    assert str(info.value) == "deepnex tune: min_t=1, max_t=0: need 1 <= min_t <= max_t"
+    big = "1" + "0" * 400
+    with pytest.raises(InvalidArgumentError, match="low and high must be finite numbers"):
+        tune.parse_space([f"x=uniform(0, {big})"])
+    assert tune.parse_space([f"x=randint(0, {big})"])["x"].high == int(big)
+    with pytest.raises(InvalidArgumentError, match='^space: "lr=2": lr is given twice$'):
+        tune.parse_space(["lr=1", "lr=2"])
+    with pytest.raises(InvalidArgumentError,
+                       match="^space: lr_a and lr-a both reach the trial as --lr-a; rename one$"):
+        tune._Sampler({"lr_a": 1, "lr-a": 2}, 1, 0, "random")
+    pytest.importorskip("optuna")
+    for seed in (2**32, -1):
+        with pytest.raises(InvalidArgumentError, match=r"^seed \(--seed\): "):
+            tune._Sampler({"x": tune.uniform(0, 1)}, 1, seed, "tpe")
