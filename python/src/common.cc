@@ -26,7 +26,7 @@ constexpr char kSupported[] =
 // it is not one deepnex takes. A uint16/int16 buffer maps to bfloat16, which
 // ViewOf accepts only when asked for.
 DType FormatToDType(const std::string& what, const std::string& format,
-                    py::ssize_t itemsize) {
+                    py::ssize_t itemsize, const char* supported) {
   std::string f = format;
   if (!f.empty() && std::strchr("@=<>!", f[0]) != nullptr) {
     if (f[0] == '>' || f[0] == '!') {
@@ -66,7 +66,7 @@ DType FormatToDType(const std::string& what, const std::string& format,
   if (!IsValidDType(static_cast<int>(dtype)) ||
       static_cast<py::ssize_t>(DTypeSize(dtype)) != itemsize) {
     Invalid(what, absl::StrCat("buffer format \"", format, "\" (", itemsize,
-                               "-byte items) is not supported; ", kSupported));
+                               "-byte items) is not supported; ", supported));
   }
   return dtype;
 }
@@ -79,19 +79,20 @@ StatusError::StatusError(absl::Status status)
 void ThrowStatus(const absl::Status& status) { throw StatusError(status); }
 
 BufferView ViewOf(const py::buffer& buffer, bool writable,
-                  const std::string& what, std::optional<DType> as) {
+                  const std::string& what, std::optional<DType> as, const char* supported) {
+  if (supported == nullptr) supported = kSupported;
   // Ask for a read-only buffer and check writability ourselves, so that a
   // read-only output gets our error rather than a BufferError.
   BufferView result{buffer.request(/*writable=*/false), TensorView()};
   const py::buffer_info& info = result.info;
 
-  DType dtype = FormatToDType(what, info.format, info.itemsize);
+  DType dtype = FormatToDType(what, info.format, info.itemsize, supported);
   if (dtype == DType::kBFloat16 && as != DType::kBFloat16) {
     Invalid(what,
             absl::StrCat("a 16-bit integer buffer (format \"", info.format,
                          "\") is taken only as bfloat16 bits, with an "
                          "explicit bfloat16 dtype; ",
-                         kSupported));
+                         supported));
   }
   if (as.has_value() && *as != dtype) {
     Invalid(what, absl::StrCat("got ", DTypeName(dtype), " values, expected ",

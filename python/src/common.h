@@ -145,9 +145,12 @@ struct BufferView {
 // bfloat16: no Python type exports bfloat16 through the buffer protocol, so a
 // uint16 ('H') or int16 ('h') buffer is accepted only with as ==
 // DType::kBFloat16 and its bits are taken as bfloat16 values.
+// `supported` ends the message for a dtype deepnex does not take: what the
+// caller takes (default: every dtype above).
 BufferView ViewOf(const py::buffer& buffer, bool writable,
                   const std::string& what,
-                  std::optional<DType> as = std::nullopt);
+                  std::optional<DType> as = std::nullopt,
+                  const char* supported = nullptr);
 
 }  // namespace deepnex::python
 

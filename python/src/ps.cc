@@ -29,10 +29,15 @@ struct Views {
 };
 
 Views ViewsOf(const TensorArgs& args, bool writable, const char* op) {
+  // Not ViewOf's every dtype: a probe told to use int32 was refused next.
+  static constexpr char kParameters[] =
+      "parameters are float32, float64, float16 or bfloat16 (bfloat16 as uint16 bits with an "
+      "explicit bfloat16 dtype)";
   Views v;
   v.buffers.reserve(args.size());
   for (const auto& [key, buffer, as] : args) {
-    v.buffers.push_back(ViewOf(buffer, writable, std::string(op) + " of \"" + key + "\"", as));
+    v.buffers.push_back(
+        ViewOf(buffer, writable, std::string(op) + " of \"" + key + "\"", as, kParameters));
     v.tensors.push_back({key, v.buffers.back().view});
   }
   return v;

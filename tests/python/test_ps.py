@@ -195,6 +195,22 @@ def test_bfloat16_tensors_pulled_as_float32_and_pushed_as_uint16_bits():
         assert str(e.value) == "'b': expected a numpy array or a torch tensor, got list"
 
 
+def test_a_dtype_the_ps_does_not_take_is_refused_naming_the_ones_it_takes():
+    """The message of every binding told a probe to use int32, int64 or
+    uint8; an int32 parameter was then refused in turn."""
+    takes = ("parameters are float32, float64, float16 or bfloat16 (bfloat16 as uint16 bits "
+             "with an explicit bfloat16 dtype)")
+    with ps.Server(mode="async") as server, ps.Client([server.address]) as c:
+        for dtype, fmt, size in ((np.int8, "b", 1), (np.bool_, "?", 1), (np.complex64, "Zf", 8)):
+            with pytest.raises(deepnex.InvalidArgumentError) as e:
+                c.init({"w": np.zeros(4, dtype)})
+            assert str(e.value) == (f'init of "w": buffer format "{fmt}" ({size}-byte items) '
+                                    f"is not supported; {takes}")
+        with pytest.raises(deepnex.InvalidArgumentError) as e:
+            c.init({"w": np.zeros(4, np.int32)})
+        assert "parameters must be float32, float64, float16 or bfloat16" in str(e.value)
+
+
 def test_bad_arrays_raise_without_copying():
     with ps.Server(mode="async") as server, ps.Client([server.address]) as c:
         c.init({"w": np.zeros((4, 4), np.float32)})
