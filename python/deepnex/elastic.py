@@ -334,11 +334,22 @@ def _release_slot(job, slot):
     job.store.compare_set(key, releasing, "")
 
 
+def _stateful(value):
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None))
+
+
+def _state_of(value):
+    return value.state_dict() if _stateful(value) else value
+
+
 class State:
     """What a worker keeps across resizes: a deepnex.data.Sharder (optional)
     and user counters given as keywords (``State(sharder=s, epoch=0,
-    step=0)``, then ``state.epoch``). deepnex.torch.TorchState adds a model
-    and an optimizer.
+    step=0)``, then ``state.epoch``). A counter with state_dict() and
+    load_state_dict(), such as an LR scheduler, is restored in place, so
+    that it keeps acting on its optimizer. deepnex.torch.TorchState adds a
+    model and an optimizer.
 
     commit(): at a step boundary, keeps a copy and checks for a newer
     membership (the copy costs a model's size: with a large model commit
@@ -351,6 +362,12 @@ class State:
     """
 
     def __init__(self, sharder=None, **counters):
+        for name in counters:
+            # State(sync=0) replaced the method, and a resize failed later.
+            if name.startswith("_") or hasattr(type(self), name) or name in vars(self):
+                raise InvalidArgumentError(
+                    f"State({name}=...): {name!r} is a name of the state itself; "
+                    "give the counter another name")
         self.sharder = sharder
         self._counters = sorted(counters)
         for name, value in counters.items():
@@ -360,16 +377,24 @@ class State:
         self.save()
 
     # What a subclass adds to the state: picklable (full: also what the
-    # parameter servers keep in PS mode).
+    # parameter servers keep in PS mode). A counter with state_dict() and
+    # load_state_dict() (an LR scheduler, a GradScaler) is kept as its
+    # state_dict and restored into the same object, which the training loop
+    # and, for a scheduler, the optimizer still hold (as Horovod's state
+    # handlers do); a copy put in its place would step nothing.
     def _capture(self, full=True):
-        out = {"counters": {n: copy.deepcopy(getattr(self, n)) for n in self._counters}}
+        out = {"counters": {n: copy.deepcopy(_state_of(getattr(self, n)))
+                            for n in self._counters}}
         if self.sharder is not None:
             out["sharder"] = self.sharder.state_dict()
         return out
 
     def _apply(self, snapshot, world=None):
         for name, value in snapshot["counters"].items():
-            setattr(self, name, copy.deepcopy(value))
+            if _stateful(getattr(self, name)):
+                getattr(self, name).load_state_dict(copy.deepcopy(value))
+            else:
+                setattr(self, name, copy.deepcopy(value))
         if self.sharder is not None:
             num_shards, shard = world or (self.sharder.num_shards, self.sharder.shard)
             self.sharder.reshard(num_shards, shard, snapshot["sharder"])

@@ -178,7 +178,9 @@ class DistributedOptimizer:
         self.client = client
         # Host tensors the client reads and writes: the parameters themselves
         # on CPU, staging copies for CUDA ones.
-        self._host = {n: p.data if p.device.type == "cpu" else p.detach().cpu()
+        # (contiguous: a channels_last or transposed parameter was refused on
+        # root_rank while the other ranks waited for it.)
+        self._host = {n: p.data.contiguous() if p.device.type == "cpu" else p.detach().cpu()
                       for n, p in self._params}
         if client.worker_id == root_rank:
             client.init(self._host)
@@ -248,6 +250,11 @@ class DistributedOptimizer:
 
     def _take_grad(self, i):
         name, p = self._params[i]
+        if p.grad is not None and p.grad.is_sparse:
+            raise InvalidArgumentError(
+                f"DistributedOptimizer: parameter {name!r} got a sparse gradient "
+                f"(nn.Embedding(sparse=True)?), which the parameter servers do not take: "
+                f"make it dense (sparse=False)")
         if p.grad is None:
             g = torch.zeros(tuple(p.shape), dtype=p.dtype)
         elif p.grad.device.type == "cpu":

@@ -50,7 +50,11 @@ std::map<std::string, std::string> InheritedEnv(bool as_another_user) {
     size_t eq = kv.find('=');
     if (eq == std::string::npos) continue;
     std::string key = kv.substr(0, eq);
-    if (key.rfind("DEEPNEX_", 0) == 0 && key != "DEEPNEX_BUILD_DIR" && key != "DEEPNEX_PS_BIN") {
+    // The job's own DEEPNEX_ variables are the launcher's to set; the
+    // user's knobs pass (DEEPNEX_ELASTIC_TIMEOUT, which a worker reads and
+    // the runner sets not, was dropped: it could not be set at all).
+    if (key.rfind("DEEPNEX_", 0) == 0 && key != "DEEPNEX_BUILD_DIR" && key != "DEEPNEX_PS_BIN" &&
+        key != "DEEPNEX_ELASTIC_TIMEOUT") {
       continue;
     }
     if (as_another_user && (key == "HOME" || key == "USER" || key == "LOGNAME" ||

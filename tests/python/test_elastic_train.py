@@ -188,6 +188,43 @@ def test_torch_state_commits_and_restores_model_and_optimizer(job_env):
     assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], momentum)
 
 
+def test_a_scheduler_in_the_state_is_restored_in_place_and_keeps_its_optimizer(job_env):
+    """A probe's scheduler, kept as a counter, was replaced at restore() by
+    a copy bound to a copy of the optimizer: its steps left the real lr at
+    1.0 where 0.125 was due."""
+    torch = pytest.importorskip("torch")
+    import deepnex.torch
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    state = deepnex.torch.TorchState(model, opt, sched=sched, epoch=0)
+    opt.step()
+    sched.step()
+    state.commit()  # lr 0.5, the scheduler at epoch 1
+    opt.step()
+    sched.step()
+    state.restore()
+    assert state.sched is sched and sched.last_epoch == 1
+    assert opt.param_groups[0]["lr"] == 0.5
+    for _ in range(2):
+        opt.step()
+        state.sched.step()
+    assert opt.param_groups[0]["lr"] == 0.125
+
+
+@pytest.mark.parametrize("name", ["sync", "commit", "save", "restore", "rank", "world_size",
+                                  "communicator", "_counters"])
+def test_a_counter_named_as_the_states_own_attribute_is_refused(job_env, name):
+    """State(sync=0) replaced the method: the first resize failed with
+    'int' object is not callable."""
+    torch = pytest.importorskip("torch")
+    import deepnex.torch
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        deepnex.torch.TorchState(torch.nn.Linear(1, 1), None, **{name: 0})
+    assert str(e.value) == (f"State({name}=...): {name!r} is a name of the state itself; "
+                            "give the counter another name")
+
+
 # --- In-process: server slots and PS mode's rendezvous ---------------------
 
 

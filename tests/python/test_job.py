@@ -447,6 +447,19 @@ def test_torchrun_names_local_world_size_and_omp_threads(jobs):
     assert "[worker 0] local=0/1 omp=2" in j.lines, j.output()
 
 
+def test_the_elastic_timeout_of_the_callers_environment_reaches_the_workers(jobs):
+    """A probe's DEEPNEX_ELASTIC_TIMEOUT=8 (the knob the docs name) was
+    dropped with the job's own DEEPNEX_ variables; the job's id was not
+    taken from the caller."""
+    show = [sys.executable, "-c", "import os; print('timeout', "
+            "os.environ.get('DEEPNEX_ELASTIC_TIMEOUT'), os.environ['DEEPNEX_JOB_ID'])"]
+    j = jobs(["--workers", "1:2", "--mode", "allreduce"], show,
+             env=dict(os.environ, DEEPNEX_ELASTIC_TIMEOUT="8", DEEPNEX_JOB_ID="forged"))
+    assert j.wait(60) == 0, j.output()
+    assert [line.split()[-2:] for line in j.lines if " timeout " in line] == [["8", j.name]], \
+        j.output()
+
+
 def test_the_ps_token_is_in_its_environment_not_on_its_command_line(jobs, tmp_path):
     gate = tmp_path / "gate"
     j = jobs(["--workers", "1", "--mode", "sync"],

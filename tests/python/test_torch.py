@@ -72,6 +72,39 @@ def test_distributed_optimizer_averages_gradients_on_the_server():
     assert torch.equal(finals[0], expected) and torch.equal(finals[1], expected)
 
 
+def test_distributed_optimizer_takes_non_contiguous_parameters_and_names_sparse_gradients():
+    """A probe's channels_last and transposed parameters were refused on
+    rank 0 ("not C-contiguous ... pass x.contiguous()", which a model's
+    parameter cannot take) while rank 1 waited 60 s; a sparse gradient
+    failed inside backward with torch's "can't convert Sparse layout"."""
+    with deepnex.ps.Server(mode="sync", num_workers=1,
+                           optimizer=deepnex.ps.SGD(lr=0.5)) as server:
+        w = torch.nn.Parameter(torch.tensor([[1.0, 2.0], [3.0, 4.0]]).t())
+        assert not w.is_contiguous()
+        client = deepnex.ps.Client([server.address], worker_id=0)
+        opt = dtorch.DistributedOptimizer(torch.optim.SGD([w], lr=99.0),
+                                          named_parameters=[("w", w)], client=client)
+        (w * torch.tensor([[2.0, 4.0], [6.0, 8.0]])).sum().backward()
+        opt.step()
+        assert w.tolist() == [[0.0, 1.0], [-1.0, 0.0]]
+        assert client.pull(["w"])["w"].tolist() == [[0.0, 1.0], [-1.0, 0.0]]
+        client.close()
+    with deepnex.ps.Server(mode="sync", num_workers=1,
+                           optimizer=deepnex.ps.SGD(lr=0.5)) as server:
+        emb = torch.nn.Embedding(4, 2, sparse=True)
+        client = deepnex.ps.Client([server.address], worker_id=0)
+        opt = dtorch.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=99.0),
+                                          named_parameters=emb.named_parameters(),
+                                          client=client)
+        with pytest.raises(deepnex.InvalidArgumentError) as e:
+            emb(torch.tensor([1])).sum().backward()
+        assert str(e.value) == (
+            "DistributedOptimizer: parameter 'weight' got a sparse gradient "
+            "(nn.Embedding(sparse=True)?), which the parameter servers do not take: "
+            "make it dense (sparse=False)")
+        client.close()
+
+
 def _ps_optimizer(server_address, rank, **kwargs):
     """model(rank), its client and its DistributedOptimizer."""
     m = model(rank)
