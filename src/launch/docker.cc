@@ -354,8 +354,14 @@ absl::StatusOr<Engine> Connect(const LauncherOptions& options) {
 }  // namespace
 
 std::string DockerCreateBody(const ContainerSpec& spec, const RunContext& context) {
+  // Whom it runs as: run_as, else the launcher's own ids, never the
+  // image's user (root in most images).
+  const RunAs identity = ContainerRunAs(spec);
+  std::map<std::string, std::string> engine_env = EngineEnv(spec);
+  // The engine's HOME for a uid the image does not know is "/", read-only.
+  engine_env.emplace("HOME", ContainerHome(spec, identity.uid));
   json env = json::array();
-  for (const auto& [k, v] : EngineEnv(spec)) env.push_back(k + "=" + v);
+  for (const auto& [k, v] : engine_env) env.push_back(k + "=" + v);
   json host = json::object();
   host["ReadonlyRootfs"] = true;
   // What programs expect to write to on a read-only root.
@@ -371,10 +377,12 @@ std::string DockerCreateBody(const ContainerSpec& spec, const RunContext& contex
   // own. The engine's default bridge would put every user's containers on
   // one network, where a probe's container reached another user's server.
   host["NetworkMode"] = spec.host_network ? "host" : "none";
-  // The user's identity, numeric so that the image needs no passwd entry;
-  // with no capabilities, and no-new-privileges keeps setuid binaries from
-  // giving any back.
-  if (spec.run_as) host["CapDrop"] = json::array({"ALL"});
+  // The identity numeric, so that the image needs no passwd entry; no
+  // capabilities but ContainerCapabilities (none unless root), and
+  // no-new-privileges keeps setuid binaries from giving any back.
+  host["CapDrop"] = json::array({"ALL"});
+  const std::vector<std::string> caps = ContainerCapabilities(identity.uid);
+  if (!caps.empty()) host["CapAdd"] = caps;
   // Mounts, not Binds: a "SRC:DST[:OPTS]" string would read a ':' in a
   // target as the start of the engine's options (a probe's "/x:U" asked
   // podman to chown the source to the container's user).
@@ -404,7 +412,7 @@ std::string DockerCreateBody(const ContainerSpec& spec, const RunContext& contex
   body["Env"] = env;
   body["Labels"] = context.labels;
   body["HostConfig"] = host;
-  if (spec.run_as) body["User"] = absl::StrCat(spec.run_as->uid, ":", spec.run_as->gid);
+  body["User"] = absl::StrCat(identity.uid, ":", identity.gid);
   if (!spec.working_dir.empty()) body["WorkingDir"] = spec.working_dir;
   return body.dump();
 }

@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <mutex>
 
@@ -25,6 +26,7 @@
 #include "launch/engine_env.h"
 #include "launch/http.h"
 #include "launch/kubernetes.h"
+#include "launch/util.h"
 
 namespace deepnex::launch {
 namespace {
@@ -205,6 +207,16 @@ bool ValidLabelKey(const std::string& k) {
   return true;
 }
 
+// A namespace's (or an object's) name: [a-z0-9]([-a-z0-9]*[a-z0-9])?, at
+// most 63.
+bool IsDns1123Label(const std::string& name) {
+  if (name.empty() || name.size() > 63 || name.front() == '-' || name.back() == '-') return false;
+  for (char c : name) {
+    if (!(absl::ascii_islower(c) || absl::ascii_isdigit(c) || c == '-')) return false;
+  }
+  return true;
+}
+
 // A run name as an object name (a DNS-1123 label: lowercase alphanumerics
 // and '-', at most 63, alphanumeric at both ends).
 std::string ObjectName(const std::string& run_name) {
@@ -280,6 +292,11 @@ json PodSpec(const ContainerSpec& spec, const KubernetesOptions& options) {
   if (spec.allocation.has_value() && !spec.allocation->gpus.empty()) {
     engine_env.erase("NVIDIA_VISIBLE_DEVICES");
   }
+  // Whom it runs as: run_as, else the launcher's own ids, never the
+  // image's user (root in most images).
+  const RunAs identity = ContainerRunAs(spec);
+  // The runtime's HOME for a uid the image does not know is "/", read-only.
+  engine_env.emplace("HOME", ContainerHome(spec, identity.uid));
   json env = json::array();
   for (const auto& [name, value] : engine_env) {
     json var = json::object();
@@ -296,7 +313,10 @@ json PodSpec(const ContainerSpec& spec, const KubernetesOptions& options) {
   json security = json::object();
   security["allowPrivilegeEscalation"] = false;
   security["readOnlyRootFilesystem"] = true;
-  if (spec.run_as) security["capabilities"] = json::object({{"drop", json::array({"ALL"})}});
+  json capabilities = json::object({{"drop", json::array({"ALL"})}});
+  const std::vector<std::string> caps = ContainerCapabilities(identity.uid);
+  if (!caps.empty()) capabilities["add"] = caps;
+  security["capabilities"] = capabilities;
   container["securityContext"] = security;
 
   json volumes = json::array();
@@ -318,6 +338,11 @@ json PodSpec(const ContainerSpec& spec, const KubernetesOptions& options) {
     const Mount& m = spec.mounts[i];
     json host_path = json::object();
     host_path["path"] = m.source;
+    // A type, so that the kubelet mounts only what is there: with none it
+    // would make a missing path, as root, on its node. The launcher checked
+    // the source here, on the pod's node (Check).
+    std::error_code ignored;
+    host_path["type"] = std::filesystem::is_directory(m.source, ignored) ? "Directory" : "File";
     add_volume(absl::StrCat("mount-", i), host_path, "hostPath", m.target, m.read_only);
     tmp_mounted |= m.target == "/tmp";
   }
@@ -331,15 +356,16 @@ json PodSpec(const ContainerSpec& spec, const KubernetesOptions& options) {
   pod["automountServiceAccountToken"] = false;
   pod["containers"] = json::array({container});
   pod["volumes"] = volumes;
-  if (spec.run_as) {
-    // The user's identity, numeric so that the image needs no passwd entry;
-    // runAsNonRoot makes the kubelet refuse to start it as root anyway.
-    json identity = json::object();
-    identity["runAsUser"] = spec.run_as->uid;
-    identity["runAsGroup"] = spec.run_as->gid;
-    identity["runAsNonRoot"] = true;
-    pod["securityContext"] = identity;
-  }
+  // The identity numeric, so that the image needs no passwd entry;
+  // runAsNonRoot makes the kubelet refuse to start another uid as root
+  // anyway. The runtime's default seccomp profile: the "restricted" Pod
+  // Security Standard refuses a pod without one (Unconfined).
+  json pod_security = json::object();
+  pod_security["runAsUser"] = identity.uid;
+  pod_security["runAsGroup"] = identity.gid;
+  if (identity.uid != 0) pod_security["runAsNonRoot"] = true;
+  pod_security["seccompProfile"] = json::object({{"type", "RuntimeDefault"}});
+  pod["securityContext"] = pod_security;
   // The allocation decided the node (ARCHITECTURE: a launcher never decides
   // placement); nodeName binds the pod there without the scheduler.
   if (spec.allocation.has_value() && !spec.allocation->node.empty()) {
@@ -617,7 +643,15 @@ class KubernetesBackend : public Backend {
           "spec.network_none: a kubernetes pod cannot run without a network");
     }
     // The launcher checked each mount's source here (its allowed roots, its
-    // symlinks); the kubelet resolves a hostPath on the pod's node.
+    // symlinks); the kubelet resolves a hostPath on the pod's node. A pod
+    // the scheduler places could land on any node, where the path could be
+    // anything (another user's files, or nothing, which the kubelet made).
+    if (!spec.mounts.empty() && (!spec.allocation.has_value() || spec.allocation->node.empty())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.mounts[0]: \"", spec.mounts[0].source, "\": host mounts need the pod on the "
+          "launcher's host, where their paths were checked, but this pod has no allocation "
+          "naming its node and the scheduler could put it on any node"));
+    }
     if (!spec.mounts.empty() && spec.allocation.has_value() && !spec.allocation->node.empty() &&
         spec.allocation->node != HostName()) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -750,6 +784,12 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeKubernetesBackend(const LauncherOpt
         absl::StrCat("kubernetes.poll: ", o.poll.count(), " ms is not positive"));
   }
   DEEPNEX_ASSIGN_OR_RETURN(ApiConfig config, ResolveConfig(o));
+  // It goes into every URL: a '/' or '?' in it would name another path.
+  if (!IsDns1123Label(config.namespace_)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kubernetes namespace \"", config.namespace_, "\" is not a DNS-1123 label "
+        "(lowercase letters, digits and '-', a letter or digit at both ends, at most 63)"));
+  }
   DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<HttpClient> client, HttpClient::Create(config.http));
   // One cheap call that needs the token: a wrong one shows now, as
   // Unauthenticated, not at the first Start.

@@ -479,8 +479,9 @@ class OciBackend : public Backend {
       b.etc_dir = context->dir + "/etc";
     }
     b.init = init_;
-    b.uid = spec.run_as ? spec.run_as->uid : geteuid();
-    b.gid = spec.run_as ? spec.run_as->gid : getegid();
+    const RunAs identity = ContainerRunAs(spec);
+    b.uid = identity.uid;
+    b.gid = identity.gid;
     return b;
   }
 

@@ -72,11 +72,10 @@ json Bind(const std::string& source, const std::string& target, bool read_only) 
   return {{"destination", target}, {"type", "bind"}, {"source", source}, {"options", options}};
 }
 
-// runc spec's default set for root; everything else is dropped. Another
-// uid gets none: runc would otherwise hand it these.
+// ContainerCapabilities; everything else is dropped.
 json Capabilities(uint32_t uid) {
-  const json caps = uid == 0 ? json{"CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"}
-                             : json::array();
+  json caps = json::array();
+  for (const std::string& c : ContainerCapabilities(uid)) caps.push_back("CAP_" + c);
   return {{"bounding", caps}, {"effective", caps}, {"permitted", caps}};
 }
 
@@ -84,11 +83,6 @@ json Capabilities(uint32_t uid) {
 std::string UserName(const ContainerSpec& spec, uint32_t uid) {
   if (uid == 0) return "root";
   return spec.run_as && !spec.run_as->user.empty() ? spec.run_as->user : "user";
-}
-
-std::string Home(const ContainerSpec& spec, uint32_t uid) {
-  if (spec.run_as && !spec.run_as->home.empty()) return spec.run_as->home;
-  return uid == 0 ? "/root" : "/";
 }
 
 }  // namespace
@@ -162,7 +156,7 @@ json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext&
   json env = json::array();
   for (const auto& [k, v] : spec.env) env.push_back(absl::StrCat(k, "=", v));
   if (!spec.env.count("PATH")) env.push_back(absl::StrCat("PATH=", kContainerPath));
-  if (!spec.env.count("HOME")) env.push_back("HOME=" + Home(spec, bundle.uid));
+  if (!spec.env.count("HOME")) env.push_back("HOME=" + ContainerHome(spec, bundle.uid));
   // Never above the current hard limit: raising it needs CAP_SYS_RESOURCE.
   struct rlimit nofile;
   getrlimit(RLIMIT_NOFILE, &nofile);
@@ -240,7 +234,7 @@ std::map<std::string, std::string> EtcFiles(const ContainerSpec& spec, const Bun
   // mapped to nobody, so that `id -un` names them.
   if (bundle.uid != 0) {
     absl::StrAppend(&passwd, user, ":x:", bundle.uid, ":", bundle.gid, ":", user, ":",
-                    Home(spec, bundle.uid), ":/bin/sh\n");
+                    ContainerHome(spec, bundle.uid), ":/bin/sh\n");
   }
   if (bundle.gid != 0) absl::StrAppend(&group, user, ":x:", bundle.gid, ":\n");
   if (bundle.uid != kNobody) {

@@ -135,6 +135,24 @@ std::string HostWorkingDir(const ContainerSpec& spec) {
   return "";
 }
 
+RunAs ContainerRunAs(const ContainerSpec& spec) {
+  if (spec.run_as) return *spec.run_as;
+  RunAs own;
+  own.uid = geteuid();
+  own.gid = getegid();
+  return own;
+}
+
+std::string ContainerHome(const ContainerSpec& spec, uint32_t uid) {
+  if (spec.run_as && !spec.run_as->home.empty()) return spec.run_as->home;
+  return uid == 0 ? "/root" : "/";
+}
+
+std::vector<std::string> ContainerCapabilities(uint32_t uid) {
+  if (uid != 0) return {};
+  return {"AUDIT_WRITE", "KILL", "NET_BIND_SERVICE"};
+}
+
 int64_t PidsLimitOf(const ContainerSpec& spec) {
   return spec.pids_limit > 0 ? spec.pids_limit : kDefaultPidsLimit;
 }

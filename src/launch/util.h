@@ -86,6 +86,22 @@ std::string HostWorkingDir(const ContainerSpec& spec);
 absl::Status AsNamed(const absl::Status& s,
                      const std::vector<std::pair<std::string, std::string>>& names);
 
+// Whom a container's processes run as in an image (oci, docker, kubernetes):
+// spec.run_as, else this launcher's own effective uid and gid, as
+// ContainerSpec::run_as promises. An engine left to choose runs the image's
+// user, root in most images, with its default capabilities.
+RunAs ContainerRunAs(const ContainerSpec& spec);
+
+// HOME in a container's image (oci, docker, kubernetes) for `uid`: the
+// spec's run_as.home, else "/root" for root and "/" for any other uid (an
+// image has no passwd entry for it).
+std::string ContainerHome(const ContainerSpec& spec, uint32_t uid);
+
+// The capabilities, without "CAP_", that a container's processes keep (oci,
+// docker, kubernetes): runc's default set for root, none for any other uid
+// (an engine would otherwise hand it its defaults).
+std::vector<std::string> ContainerCapabilities(uint32_t uid);
+
 // The most processes a spec's container may have: its pids_limit, else
 // kDefaultPidsLimit (process, oci, docker).
 int64_t PidsLimitOf(const ContainerSpec& spec);

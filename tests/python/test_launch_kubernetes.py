@@ -396,9 +396,9 @@ def spec(name, command=("sh", "-c", "true"), **kw):
     return launch.ContainerSpec(name=name, command=list(command), **kw)
 
 
-def allocation(mode="exclusive", gpus=2, **request):
+def allocation(mode="exclusive", gpus=2, node="n1", **request):
     alloc = deepnex.gpu.Allocator()
-    alloc.add_node(deepnex.gpu.Node("n1", gpus=[deepnex.gpu.Gpu(memory="16GiB")] * 4,
+    alloc.add_node(deepnex.gpu.Node(node, gpus=[deepnex.gpu.Gpu(memory="16GiB")] * 4,
                                     cpus=8, memory="32GiB", mode=mode))
     return alloc.allocate(deepnex.gpu.Request(user="alice", gpus=gpus, mode=mode, cpus=2,
                                               memory="1GiB", **request))
@@ -419,7 +419,7 @@ def test_pod_runs_to_its_exit_code_with_the_manifest_asked_for(api, tmp_path):
         h = launcher.start(spec(
             "w0", ["sh", "-c", "echo $(HOME) $$ > /dev/null; echo hi; exit 3"],
             env={"A": "1", "B": "$(A)"}, working_dir="/work", cpus=0.5, memory="64MiB",
-            mounts=[(str(tmp_path), "/data")], labels={"team": "vision"}))
+            labels={"team": "vision"}))
         e = h.wait(timeout=30)
         assert (e.reason, e.code, e.restarts) == ("exited", 3, 0)
         assert h.logs() == "hi\n"
@@ -440,12 +440,19 @@ def test_pod_runs_to_its_exit_code_with_the_manifest_asked_for(api, tmp_path):
     assert c["workingDir"] == "/work"
     quantities = {"cpu": "500m", "memory": str(64 * MiB)}
     assert c["resources"] == {"requests": quantities, "limits": quantities}
+    # No run_as: the launcher's own identity, not the image's user.
+    uid, gid = os.geteuid(), os.getegid()
+    caps = {"drop": ["ALL"]}
+    if uid == 0:
+        caps["add"] = ["AUDIT_WRITE", "KILL", "NET_BIND_SERVICE"]
     assert c["securityContext"] == {"allowPrivilegeEscalation": False,
-                                    "readOnlyRootFilesystem": True}
-    assert c["volumeMounts"] == [{"name": "mount-0", "mountPath": "/data", "readOnly": True},
-                                 {"name": "tmp", "mountPath": "/tmp"}]
-    assert pod_spec["volumes"] == [{"name": "mount-0", "hostPath": {"path": str(tmp_path)}},
-                                   {"name": "tmp", "emptyDir": {}}]
+                                    "readOnlyRootFilesystem": True, "capabilities": caps}
+    assert pod_spec["securityContext"] == dict(
+        {"runAsUser": uid, "runAsGroup": gid, "seccompProfile": {"type": "RuntimeDefault"}},
+        **({"runAsNonRoot": True} if uid else {}))
+    assert env["HOME"] == ("/root" if uid == 0 else "/")
+    assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert pod_spec["volumes"] == [{"name": "tmp", "emptyDir": {}}]
     # Ended: the supervisor removed the pod.
     deletes = api.sent("DELETE", "/pods/kt1-w0-0")
     assert [d[2] for d in deletes] == [{"gracePeriodSeconds": "0"}]
@@ -559,6 +566,50 @@ def test_host_mounts_are_refused_for_a_pod_on_another_node(api, tmp_path):
             launcher.start(spec("mounted", allocation=allocation(gpus=1),
                                 mounts=[launch.Mount(str(tmp_path), "/data")]))
     assert api.sent("POST", "/api/v1/namespaces/team-a/pods") == []
+
+
+def test_host_mounts_are_refused_for_a_pod_the_scheduler_places(api, tmp_path):
+    """Without an allocation naming its node the pod could land on any
+    node, where the checked path could be anything, or nothing, which the
+    kubelet would make."""
+    with settled(api, k8s_launcher(api)) as launcher:
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match=rf'spec.mounts\[0\]: "{tmp_path}": host mounts need the pod on '
+                                 r"the launcher's host.*could put it on any node"):
+            launcher.start(spec("anywhere", mounts=[launch.Mount(str(tmp_path), "/data")]))
+    assert api.sent("POST") == []
+
+
+def test_host_mounts_of_a_pod_on_this_host_say_what_they_mount(api, tmp_path):
+    """hostPath.type Directory or File: the kubelet mounts only what is
+    there, instead of making a missing path."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_text("x")
+    api.outcomes["kt1-mounted-0"] = Outcome()
+    with settled(api, k8s_launcher(api)) as launcher:
+        h = launcher.start(spec("mounted", allocation=allocation(gpus=1, node=socket.gethostname()),
+                                mounts=[launch.Mount(str(tmp_path / "d"), "/data"),
+                                        launch.Mount(str(tmp_path / "f"), "/etc/x.conf")]))
+        assert h.wait(timeout=30).ok
+    pod_spec = created_pod(api)["spec"]
+    assert pod_spec["nodeName"] == socket.gethostname()
+    assert pod_spec["volumes"] == [
+        {"name": "mount-0", "hostPath": {"path": str(tmp_path / "d"), "type": "Directory"}},
+        {"name": "mount-1", "hostPath": {"path": str(tmp_path / "f"), "type": "File"}},
+        {"name": "tmp", "emptyDir": {}}]
+    assert pod_spec["containers"][0]["volumeMounts"] == [
+        {"name": "mount-0", "mountPath": "/data", "readOnly": True},
+        {"name": "mount-1", "mountPath": "/etc/x.conf", "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"}]
+
+
+def test_a_namespace_that_is_no_dns_label_is_refused_naming_it(api):
+    # It went into every URL as it was: "a/pods/x?" named another path.
+    for bad in ("team-a/../kube-system", "Team-A", "-a", "a" * 64, "a?b"):
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match=f'kubernetes namespace "{re.escape(bad)}" is not a DNS-1123 label'):
+            k8s_launcher(api, namespace=bad)
+    assert api.requests == []
 
 
 def test_pod_goes_to_the_allocations_node(api):

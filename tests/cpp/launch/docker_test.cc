@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "launch/backend.h"
 #include "launch/docker.h"
 #include "launch/http.h"
@@ -255,6 +256,28 @@ TEST_F(DockerTest, RunAsRunsAsTheUidWithNoCapabilities) {
   EXPECT_FALSE(info["HostConfig"]["CapDrop"].empty()) << info["HostConfig"];
 }
 
+// launcher.h: no run_as is the launcher's own uid and gid with
+// ContainerCapabilities, not the image's user with the engine's defaults;
+// HOME is the user's (the engine gave "/", read-only, to a uid the image
+// does not know).
+TEST_F(DockerTest, NoRunAsRunsAsTheLaunchersOwnIdentity) {
+  ContainerSpec spec = Spec("own", {"sh", "-c",
+                                    "id -u; id -g; echo $HOME; grep -E '^CapBnd' /proc/self/status"});
+  launch::Run* run = nullptr;
+  const std::string logs = RunToSuccess(spec, &run);
+  ASSERT_NE(run, nullptr);
+  // Root keeps runc's default set (AUDIT_WRITE, KILL, NET_BIND_SERVICE).
+  const std::string caps = geteuid() == 0 ? "0000000020000420" : "0000000000000000";
+  EXPECT_EQ(logs, absl::StrCat(geteuid(), "\n", getegid(), "\n",
+                               geteuid() == 0 ? "/root" : "/", "\nCapBnd:\t", caps, "\n"));
+  EXPECT_EQ(Inspect(run->id())["Config"]["User"].get<std::string>(),
+            absl::StrCat(geteuid(), ":", getegid()));
+
+  spec = Spec("home", {"sh", "-c", "echo $HOME"});
+  spec.run_as = RunAs{4242, 4343, "ann", "/home/ann"};
+  EXPECT_EQ(RunToSuccess(spec, &run), "/home/ann\n");
+}
+
 TEST_F(DockerTest, MemoryHogEndsAsTheEngineReportsIt) {
   ContainerSpec spec = Spec("hog", {"sh", "-c", "exec tail /dev/zero"});
   spec.memory = 16 << 20;
@@ -396,8 +419,9 @@ TEST(DockerBodyTest, TwoGpuAllocationGivesDeviceRequestsAndLimits) {
             json::parse(R"([{"Driver": "nvidia", "DeviceIDs": ["GPU-aaaa", "GPU-bbbb"],
                              "Capabilities": [["gpu"]]}])"));
   // Inside the container the two GPUs are 0 and 1.
-  EXPECT_EQ(body["Env"], json::parse(R"(["CUDA_VISIBLE_DEVICES=0,1", "DEEPNEX_RANK=0",
-                                         "NVIDIA_VISIBLE_DEVICES=GPU-aaaa,GPU-bbbb"])"));
+  const std::string home = geteuid() == 0 ? "/root" : "/";
+  EXPECT_EQ(body["Env"], json({"CUDA_VISIBLE_DEVICES=0,1", "DEEPNEX_RANK=0", "HOME=" + home,
+                               "NVIDIA_VISIBLE_DEVICES=GPU-aaaa,GPU-bbbb"}));
   EXPECT_EQ(body["Image"], spec.image);
   EXPECT_EQ(body["Cmd"], json::parse(R"(["python3", "train.py"])"));
   EXPECT_EQ(body["Labels"], json::parse(R"({"deepnex.launcher": "l1", "deepnex.name": "w0"})"));
@@ -417,9 +441,17 @@ TEST(DockerBodyTest, TwoGpuAllocationGivesDeviceRequestsAndLimits) {
   EXPECT_EQ(json::parse(DockerCreateBody(spec, context))["HostConfig"]["NetworkMode"], "host");
   spec.host_network = false;
 
-  // No run_as: the image's user, the engine's default capabilities.
-  EXPECT_FALSE(body.contains("User"));
-  EXPECT_FALSE(body["HostConfig"].contains("CapDrop"));
+  // No run_as: the launcher's own uid and gid (launcher.h), not the
+  // image's user with the engine's default capabilities.
+  EXPECT_EQ(body["User"], absl::StrCat(geteuid(), ":", getegid()));
+  EXPECT_EQ(body["HostConfig"]["CapDrop"], json::parse(R"(["ALL"])"));
+  if (geteuid() == 0) {
+    // Root keeps runc's default set, as an oci container's root does.
+    EXPECT_EQ(body["HostConfig"]["CapAdd"],
+              json::parse(R"(["AUDIT_WRITE", "KILL", "NET_BIND_SERVICE"])"));
+  } else {
+    EXPECT_FALSE(body["HostConfig"].contains("CapAdd"));
+  }
   EXPECT_EQ(body["HostConfig"]["SecurityOpt"], json::parse(R"(["no-new-privileges"])"));
 
   // Without GPUs: no DeviceRequests, the env as given.
@@ -440,6 +472,9 @@ TEST(DockerBodyTest, RunAsGivesTheUserNumericallyAndDropsEveryCapability) {
   json body = json::parse(DockerCreateBody(spec, context));
   EXPECT_EQ(body["User"], "1001:1002");
   EXPECT_EQ(body["HostConfig"]["CapDrop"], json::parse(R"(["ALL"])"));
+  EXPECT_FALSE(body["HostConfig"].contains("CapAdd"));
+  // HOME is the user's: the engine's "/" is read-only.
+  EXPECT_EQ(body["Env"], json::parse(R"(["HOME=/home/ann"])"));
   // No pids_limit in the spec: the default, not the engine's (none).
   EXPECT_EQ(body["HostConfig"]["PidsLimit"], kDefaultPidsLimit);
   EXPECT_EQ(body["HostConfig"]["SecurityOpt"], json::parse(R"(["no-new-privileges"])"));

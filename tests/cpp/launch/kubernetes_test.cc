@@ -4,6 +4,8 @@
 // Kubernetes models).
 #include "launch/kubernetes.h"
 
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
 #include "gtest/gtest.h"
@@ -28,19 +30,38 @@ RunContext Context() {
   return context;
 }
 
+// The value of `name` in the container's env, or "" when it has none.
+std::string EnvOf(const json& container, const std::string& name) {
+  for (const json& var : container.value("env", json::array())) {
+    if (var["name"] == name) return var["value"];
+  }
+  return "";
+}
+
 // deepnex-central's run_as: the pod runs as the user's uid and gid, never
-// as root, and its container holds no capability and cannot gain one.
+// as root, under the runtime's seccomp profile (the "restricted" Pod
+// Security Standard), and its container holds no capability and cannot
+// gain one; HOME is the user's (the runtime's "/" is read-only).
 TEST(KubernetesManifestTest, RunAsIsThePodsIdentityWithNoCapabilities) {
   ContainerSpec spec = Spec();
   spec.run_as = RunAs{1001, 1002, "ann", "/home/ann"};
   json pod = json::parse(KubernetesManifest(spec, Context(), {}, "l1-w0-0", "team-a"));
   EXPECT_EQ(pod["kind"], "Pod");
   EXPECT_EQ(pod["spec"]["securityContext"],
-            json::parse(R"({"runAsUser": 1001, "runAsGroup": 1002, "runAsNonRoot": true})"));
+            json::parse(R"({"runAsUser": 1001, "runAsGroup": 1002, "runAsNonRoot": true,
+                            "seccompProfile": {"type": "RuntimeDefault"}})"));
   ASSERT_EQ(pod["spec"]["containers"].size(), 1u);
   EXPECT_EQ(pod["spec"]["containers"][0]["securityContext"],
             json::parse(R"({"allowPrivilegeEscalation": false, "readOnlyRootFilesystem": true,
                             "capabilities": {"drop": ["ALL"]}})"));
+  EXPECT_EQ(EnvOf(pod["spec"]["containers"][0], "HOME"), "/home/ann");
+  // The spec's own HOME wins.
+  spec.env["HOME"] = "/scratch";
+  EXPECT_EQ(EnvOf(json::parse(KubernetesManifest(spec, Context(), {}, "l1-w0-0",
+                                                 "team-a"))["spec"]["containers"][0],
+                  "HOME"),
+            "/scratch");
+  spec.env.erase("HOME");
 
   // A Job's pod template carries the same.
   KubernetesOptions job;
@@ -53,12 +74,25 @@ TEST(KubernetesManifestTest, RunAsIsThePodsIdentityWithNoCapabilities) {
             pod["spec"]["containers"][0]["securityContext"]);
 }
 
-TEST(KubernetesManifestTest, NoRunAsLeavesTheImagesUser) {
+// launcher.h: an unset run_as is the launcher's own uid and gid, not the
+// image's user (root in most images) with the runtime's capabilities.
+TEST(KubernetesManifestTest, NoRunAsIsTheLaunchersOwnIdentity) {
   json pod = json::parse(KubernetesManifest(Spec(), Context(), {}, "l1-w0-0", "team-a"));
-  EXPECT_FALSE(pod["spec"].contains("securityContext"));
+  const uint32_t uid = geteuid(), gid = getegid();
+  json security = {{"runAsUser", uid}, {"runAsGroup", gid},
+                   {"seccompProfile", {{"type", "RuntimeDefault"}}}};
+  json capabilities = {{"drop", {"ALL"}}};
+  if (uid != 0) {
+    security["runAsNonRoot"] = true;
+  } else {
+    // Root keeps runc's default set, as an oci container's root does.
+    capabilities["add"] = {"AUDIT_WRITE", "KILL", "NET_BIND_SERVICE"};
+  }
+  EXPECT_EQ(pod["spec"]["securityContext"], security);
   EXPECT_EQ(pod["spec"]["containers"][0]["securityContext"],
-            json::parse(R"({"allowPrivilegeEscalation": false,
-                            "readOnlyRootFilesystem": true})"));
+            json({{"allowPrivilegeEscalation", false}, {"readOnlyRootFilesystem", true},
+                  {"capabilities", capabilities}}));
+  EXPECT_EQ(EnvOf(pod["spec"]["containers"][0], "HOME"), uid == 0 ? "/root" : "/");
 }
 
 }  // namespace
