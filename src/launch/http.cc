@@ -1,12 +1,14 @@
 #include "launch/http.h"
 
 #include <curl/curl.h>
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <climits>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -281,7 +283,8 @@ absl::Status HttpClient::Perform(const std::string& method, const std::string& p
                                  const std::string& body, std::chrono::milliseconds read_timeout,
                                  HttpCancel* cancel, HttpResponse* head,
                                  const std::function<bool(const std::string&)>& body_sink,
-                                 const std::vector<std::string>& headers) const {
+                                 const std::vector<std::string>& headers, bool* transient) const {
+  if (transient != nullptr) *transient = false;
   auto with_url = [&](const absl::Status& s) {
     return absl::Status(s.code(), absl::StrCat(method, " ", Url(path), ": ", s.message()));
   };
@@ -386,6 +389,7 @@ absl::Status HttpClient::Perform(const std::string& method, const std::string& p
       auto left = std::chrono::ceil<std::chrono::milliseconds>(transfer.last_bytes +
                                                                read_timeout - Clock::now());
       if (left.count() <= 0) {
+        if (transient != nullptr) *transient = true;
         return with_url(absl::DeadlineExceededError(absl::StrCat(
             what, ": no answer within ", read_timeout.count(), " ms while reading the response")));
       }
@@ -408,6 +412,12 @@ absl::Status HttpClient::Perform(const std::string& method, const std::string& p
   }
   if (rc == CURLE_OK || (rc == CURLE_WRITE_ERROR && transfer.sink_stopped)) return absl::OkStatus();
   if (!transfer.refused.ok()) return with_url(transfer.refused);
+  if (transient != nullptr) {
+    // Not a name that does not resolve, nor TLS: trying again changes nothing.
+    *transient = rc == CURLE_COULDNT_CONNECT || rc == CURLE_OPERATION_TIMEDOUT ||
+                 rc == CURLE_GOT_NOTHING || rc == CURLE_RECV_ERROR || rc == CURLE_SEND_ERROR ||
+                 rc == CURLE_PARTIAL_FILE;
+  }
   return with_url(CurlError(easy.get(), rc, detail, what, target_.host, options_.connect_timeout));
 }
 
@@ -415,14 +425,46 @@ absl::StatusOr<HttpResponse> HttpClient::Send(const std::string& method, const s
                                               const std::string& body,
                                               const std::vector<std::string>& headers,
                                               HttpCancel* cancel) {
-  HttpResponse response;
-  DEEPNEX_RETURN_IF_ERROR(Perform(method, path, body, options_.read_timeout, cancel, &response,
-                                  [&](const std::string& piece) {
-                                    response.body += piece;
-                                    return true;
-                                  },
-                                  headers));
-  return response;
+  const Clock::time_point deadline = Clock::now() + options_.retry_for;
+  std::chrono::milliseconds backoff = options_.retry_backoff;
+  while (true) {
+    HttpResponse response;
+    bool transient = false;
+    absl::Status sent = Perform(method, path, body, options_.read_timeout, cancel, &response,
+                                [&](const std::string& piece) {
+                                  response.body += piece;
+                                  return true;
+                                },
+                                headers, &transient);
+    std::chrono::milliseconds wait = backoff;
+    if (sent.ok()) {
+      const int s = response.status;
+      if (s != 429 && s != 500 && s != 502 && s != 503 && s != 504) return response;
+      auto after = response.headers.find("retry-after");
+      int64_t seconds = 0;
+      if (after != response.headers.end() && absl::SimpleAtoi(after->second, &seconds) &&
+          seconds >= 0) {
+        wait = std::chrono::seconds(seconds);
+      }
+    } else if (!transient) {
+      return sent;
+    }
+    // A wait that would end past the deadline would only delay the same
+    // error: the caller has its own plans for it.
+    if (Clock::now() + wait >= deadline) {
+      if (!sent.ok()) return sent;
+      return response;
+    }
+    if (cancel != nullptr) {
+      pollfd p{cancel->fd(), POLLIN, 0};
+      if (poll(&p, 1, static_cast<int>(wait.count())) > 0) {
+        return absl::CancelledError(absl::StrCat(method, " ", Url(path), ": cancelled"));
+      }
+    } else {
+      std::this_thread::sleep_for(wait);
+    }
+    backoff = std::min(backoff * 2, options_.retry_max_backoff);
+  }
 }
 
 absl::StatusOr<std::string> HttpClient::Call(const std::string& method, const std::string& path,

@@ -49,6 +49,19 @@ struct HttpClientOptions {
   std::chrono::milliseconds connect_timeout{5000};
   // The longest wait for the next bytes of a response.
   std::chrono::milliseconds read_timeout{30000};
+  // Send and Call try a request again when it failed on the way (no
+  // connection, no or a cut answer, read_timeout) or was answered 429, 500,
+  // 502, 503 or 504: after retry_backoff, doubling up to retry_max_backoff,
+  // or after the server's Retry-After (seconds), as long as that leaves the
+  // call within retry_for of its start; then the last error or answer is
+  // the call's. A busy or restarting API server answers so for a while, and
+  // one such answer used to fail a start or a restart for good. A request
+  // retried may have been done already (its answer lost): callers of a
+  // non-idempotent one (POST) must recognise their own work (409). Zero:
+  // one try. Stream never retries.
+  std::chrono::milliseconds retry_for{0};
+  std::chrono::milliseconds retry_backoff{100};
+  std::chrono::milliseconds retry_max_backoff{5000};
 };
 
 struct HttpResponse {
@@ -135,12 +148,15 @@ class HttpClient {
       : options_(std::move(options)), target_(std::move(target)), pems_(std::move(pems)) {}
   // Runs one request: the final response's status and headers into `head`,
   // its body piece by piece into `body` (which returns false to stop
-  // reading, not an error). Errors name the method and the URL.
+  // reading, not an error). Errors name the method and the URL. `transient`,
+  // if given, says whether a failure was on the way (no connection, no or a
+  // cut answer), which a retry may not meet.
   absl::Status Perform(const std::string& method, const std::string& path,
                        const std::string& body, std::chrono::milliseconds read_timeout,
                        HttpCancel* cancel, HttpResponse* head,
                        const std::function<bool(const std::string&)>& body_sink,
-                       const std::vector<std::string>& headers = {}) const;
+                       const std::vector<std::string>& headers = {},
+                       bool* transient = nullptr) const;
   std::string Url(const std::string& path) const;
 
   const HttpClientOptions options_;

@@ -22,6 +22,7 @@
 #include "absl/strings/str_replace.h"
 #include "core/file_util.h"
 #include "core/net.h"
+#include "core/random.h"
 #include "launch/backend.h"
 #include "launch/engine_env.h"
 #include "launch/http.h"
@@ -36,6 +37,8 @@ using Clock = std::chrono::steady_clock;
 
 constexpr char kServiceAccountDir[] = "/var/run/secrets/kubernetes.io/serviceaccount";
 constexpr char kNvidiaGpu[] = "nvidia.com/gpu";
+// The annotation that says which create made an object (Start).
+constexpr char kCreateAnnotation[] = "deepnex.io/create";
 
 // Where the API server is and how to authenticate to it.
 struct ApiConfig {
@@ -696,8 +699,21 @@ class KubernetesBackend : public Backend {
     const bool job = options_.kind == "job";
     const std::string path = job ? absl::StrCat("/apis/batch/v1/namespaces/", ns_, "/jobs")
                                  : absl::StrCat("/api/v1/namespaces/", ns_, "/pods");
-    const std::string manifest = KubernetesManifest(spec, context, options_, name, ns_);
-    DEEPNEX_RETURN_IF_ERROR(http_->Call("POST", path, manifest).status());
+    json manifest = json::parse(KubernetesManifest(spec, context, options_, name, ns_));
+    // Marks this create as ours: a POST the client retried after its answer
+    // was lost may have made the object already, and the retry's 409 must
+    // tell that apart from another object of the name (a leftover of a
+    // launcher that had this id before).
+    const std::string token = RandomHex(16);
+    manifest["metadata"]["annotations"] = json::object({{kCreateAnnotation, token}});
+    absl::Status created = Create(path, name, manifest.dump(), token, context.labels);
+    if (!created.ok()) {
+      // The create may have made the object all the same (an answer lost,
+      // a timeout): left, it would run unwatched and hold the name. Not when
+      // the name is another's.
+      if (!absl::IsAlreadyExists(created)) DeleteNamed(job, name).IgnoreError();
+      return created;
+    }
     return std::unique_ptr<Run>(new KubernetesRun(http_, ns_, job, name, options_.poll));
   }
 
@@ -715,6 +731,43 @@ class KubernetesBackend : public Backend {
   }
 
  private:
+  // POSTs `manifest` to `collection`. A 409 is this create's own object
+  // when the object of that name carries `token` and the run's labels: an
+  // earlier try, retried by the client, made it.
+  absl::Status Create(const std::string& collection, const std::string& name,
+                      const std::string& manifest, const std::string& token,
+                      const std::map<std::string, std::string>& labels) {
+    absl::StatusOr<HttpResponse> r = http_->Send("POST", collection, manifest);
+    if (!r.ok()) return r.status();
+    if (r->status >= 200 && r->status < 300) return absl::OkStatus();
+    const absl::Status error = http_->ErrorFor("POST", collection, *r);
+    if (r->status != 409) return error;
+    absl::StatusOr<std::string> got = http_->Call("GET", collection + "/" + name);
+    if (!got.ok()) return error;
+    const json object = json::parse(*got, nullptr, false);
+    const json& metadata = JsonField(object, "metadata");
+    if (JsonValue<std::string>(JsonField(metadata, "annotations"), kCreateAnnotation, "") != token) {
+      return error;
+    }
+    for (const auto& [key, value] : labels) {
+      if (JsonValue<std::string>(JsonField(metadata, "labels"), key, "") != value) return error;
+    }
+    return absl::OkStatus();
+  }
+
+  // Deletes the run `name` (a pod, or a job and its pod) at once; "already
+  // gone" is done. The client retries it through an outage.
+  absl::Status DeleteNamed(bool job, const std::string& name) {
+    const std::string path =
+        job ? absl::StrCat("/apis/batch/v1/namespaces/", ns_, "/jobs/", name,
+                           "?propagationPolicy=Background&gracePeriodSeconds=0")
+            : absl::StrCat("/api/v1/namespaces/", ns_, "/pods/", name, "?gracePeriodSeconds=0");
+    absl::StatusOr<HttpResponse> r = http_->Send("DELETE", path);
+    if (!r.ok()) return r.status();
+    if (r->status == 404 || (r->status >= 200 && r->status < 300)) return absl::OkStatus();
+    return http_->ErrorFor("DELETE", path, *r);
+  }
+
   // Deletes every object under `collection` that `selector` picks.
   absl::StatusOr<int> DeleteListed(const std::string& collection, const std::string& selector,
                                    const std::string& options) {
@@ -790,10 +843,11 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeKubernetesBackend(const LauncherOpt
         "kubernetes namespace \"", config.namespace_, "\" is not a DNS-1123 label "
         "(lowercase letters, digits and '-', a letter or digit at both ends, at most 63)"));
   }
-  DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<HttpClient> client, HttpClient::Create(config.http));
   // One cheap call that needs the token: a wrong one shows now, as
-  // Unauthenticated, not at the first Start.
-  absl::StatusOr<std::string> probe = client->Call(
+  // Unauthenticated, not at the first Start. Tried once: a server that
+  // does not answer is the caller's to hear about now.
+  DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<HttpClient> prober, HttpClient::Create(config.http));
+  absl::StatusOr<std::string> probe = prober->Call(
       "GET", absl::StrCat("/api/v1/namespaces/", config.namespace_, "/pods?limit=1"));
   if (absl::IsUnavailable(probe.status()) || absl::IsDeadlineExceeded(probe.status())) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -801,6 +855,11 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeKubernetesBackend(const LauncherOpt
         " does not answer: ", probe.status().message()));
   }
   DEEPNEX_RETURN_IF_ERROR(probe.status());
+  // Every later call rides out a busy or restarting API server for as long
+  // as a run's Wait does (EngineSilence), not failing a start or a restart
+  // on one 429 or 503.
+  config.http.retry_for = EngineSilence::kFor;
+  DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<HttpClient> client, HttpClient::Create(config.http));
   return std::unique_ptr<Backend>(new KubernetesBackend(
       std::shared_ptr<HttpClient>(std::move(client)), config.namespace_, o));
 }

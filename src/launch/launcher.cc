@@ -48,6 +48,8 @@ constexpr BackendEntry kBackends[] = {
 // How often FollowLogs looks at the log; the supervisor looks at a run (and
 // moves its output into the container's log) every 5 of these.
 constexpr std::chrono::milliseconds kPoll{100};
+// How long an ended run's Remove is tried again (Release).
+constexpr std::chrono::seconds kRemoveFor{60};
 // Where a backend that writes a run's output to a file writes it, in the
 // run's directory (process, oci, slurm); the others serve it through Logs.
 constexpr char kRunLogFile[] = "output.log";
@@ -352,10 +354,28 @@ class Container : public Handle {
   // final run this happens once Wait has been answered: runc's delete alone
   // costs a runc start, and waiters need not pay it. Join (which Remove and
   // the launcher's destructor call first) waits for it.
-  void Release(const std::shared_ptr<Run>& run, int attempt) {
-    run->Remove().IgnoreError();
+  // An engine's API that is down (a Kubernetes API server) fails it for a
+  // while: it is tried again, with a backoff, for up to kRemoveFor; an
+  // error then is in the log and returned. A run given up as lost after an
+  // outage may still be running, and it went on running beside its restart
+  // when one failed DELETE was ignored.
+  absl::Status Release(const std::shared_ptr<Run>& run, int attempt) {
+    const auto deadline = Clock::now() + kRemoveFor;
+    std::chrono::milliseconds backoff = kPoll;
+    absl::Status removed = run->Remove();
+    while (!removed.ok() && Clock::now() + backoff < deadline) {
+      std::this_thread::sleep_for(backoff);
+      backoff = std::min<std::chrono::milliseconds>(backoff * 2, std::chrono::seconds(5));
+      removed = run->Remove();
+    }
+    if (!removed.ok()) {
+      AppendLog(absl::StrCat("deepnex: run ", run->id(), " not removed: ", removed.ToString(),
+                             "\n"));
+      return removed;
+    }
     std::error_code ignored;
     std::filesystem::remove_all(paths_.run(attempt), ignored);
+    return absl::OkStatus();
   }
 
   void Supervise() {
@@ -387,8 +407,20 @@ class Container : public Handle {
       // Told as it happens, so that a crash loop is visible while it runs,
       // not only in the final status.
       if (spec_.on_restart) spec_.on_restart(event);
-      Release(run, attempt);
+      // Not another run while the last one may still be running: a worker
+      // must not run twice.
+      absl::Status released = Release(run, attempt);
       lock.lock();
+      if (!released.ok()) {
+        AppendLog(absl::StrCat("deepnex: restart ", restarts_ + 1,
+                               " not started: the run before it may still be running\n"));
+        ExitStatus lost;
+        lost.reason = ExitReason::kLost;
+        lost.restarts = restarts_;
+        last_exit_ = lost;
+        EndLocked(lost);
+        return;
+      }
       cv_.wait_for(lock, event.delay, [&] { return stop_requested_; });
       if (stop_requested_) {
         EndLocked(e);

@@ -124,7 +124,12 @@ class FakeApiServer:
         self.outcomes = {}   # pod name (a job's: the job's name) -> Outcome
         self.requests = []   # (method, path, query, body)
         self.errors = []     # what the server refused; a test fails on any
-        self.faults = []     # [method, path part, HTTP code, times]: the next calls fail
+        # [method, path part, HTTP code, times(, options)]: the next calls
+        # fail; options: "done": the call is done first and only its answer
+        # is the error (a proxy's 504 after the server acted), "retry_after":
+        # the Retry-After header sent with it.
+        self.faults = []
+        self.pods_at_post = {}  # pod name -> the pods there when it was POSTed
         server = self
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), type(
             "Handler", (_Handler,), {"api": server}))
@@ -225,9 +230,11 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-    def _reply(self, code, body, content_type="application/json"):
+    def _reply(self, code, body, content_type="application/json", retry_after=None):
         data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
         self.send_response(code)
+        if retry_after is not None:
+            self.send_header("Retry-After", retry_after)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -246,10 +253,16 @@ class _Handler(BaseHTTPRequestHandler):
                 self.connection.getpeercert()
             if self.headers.get("Authorization") != f"Bearer {TOKEN}" and not with_cert:
                 return self._reply(*_status(401, "Unauthorized", "Unauthorized"))
+            injected = None
             for fault in api.faults:
                 if fault[0] == method and fault[1] in url.path and fault[3] > 0:
                     fault[3] -= 1
-                    return self._reply(*_status(fault[2], "ServiceUnavailable", "injected"))
+                    injected = fault
+                    break
+            options = injected[4] if injected and len(injected) > 4 else {}
+            if injected and not options.get("done"):
+                return self._reply(*_status(injected[2], "ServiceUnavailable", "injected"),
+                                   retry_after=options.get("retry_after"))
             if body is not None and self.headers.get("Content-Type") != "application/json":
                 api.errors.append(f"{method} {url.path}: Content-Type "
                                   f"{self.headers.get('Content-Type')!r}")
@@ -258,6 +271,8 @@ class _Handler(BaseHTTPRequestHandler):
             except AssertionError as e:
                 api.errors.append(f"{method} {url.path}: {e}")
                 code, reply = _status(422, "Invalid", str(e))
+            if injected:
+                return self._reply(*_status(injected[2], "ServiceUnavailable", "injected"))
         if isinstance(reply, str):
             return self._reply(code, reply, "text/plain")
         return self._reply(code, reply)
@@ -293,6 +308,7 @@ class _Handler(BaseHTTPRequestHandler):
             assert body["apiVersion"] == "v1" and body["kind"] == "Pod", body
             assert body["metadata"]["namespace"] == ns, body["metadata"]
             name = body["metadata"]["name"]
+            api.pods_at_post.setdefault(name, sorted(n for _, n in api.pods))
             if (ns, name) in api.pods:
                 return _status(409, "AlreadyExists", f"pods \"{name}\" already exists")
             api.add_pod(ns, json.loads(json.dumps(body)))
@@ -426,7 +442,10 @@ def test_pod_runs_to_its_exit_code_with_the_manifest_asked_for(api, tmp_path):
 
     pod = created_pod(api)
     labels = {"deepnex.launcher": "kt1", "deepnex.name": "w0", "team": "vision"}
-    assert pod["metadata"] == {"name": "kt1-w0-0", "namespace": "team-a", "labels": labels}
+    # The annotation marks this create's object as its own (a retried POST's 409).
+    assert re.fullmatch("[0-9a-f]{32}", pod["metadata"]["annotations"].pop("deepnex.io/create"))
+    assert pod["metadata"] == {"name": "kt1-w0-0", "namespace": "team-a", "labels": labels,
+                               "annotations": {}}
     pod_spec = pod["spec"]
     assert pod_spec["restartPolicy"] == "Never"
     assert pod_spec["automountServiceAccountToken"] is False
@@ -520,6 +539,69 @@ def test_a_few_failed_polls_of_a_running_pod_do_not_end_it(api):
         assert (str(e), e.restarts) == ("exited(0)", 0)
         assert "lost run" not in h.logs()
     assert len(api.sent("POST", "/pods")) == 1  # no second pod
+
+
+def test_a_start_rides_out_busy_answers_and_honours_retry_after(api):
+    # One 429 or 503 used to fail the start.
+    api.outcomes["kt1-busy-0"] = Outcome()
+    api.faults.append(["POST", "/pods", 503, 2])
+    api.faults.append(["POST", "/pods", 429, 1, {"retry_after": "1"}])
+    with settled(api, k8s_launcher(api)) as launcher:
+        began = time.monotonic()
+        h = launcher.start(spec("busy"))
+        assert time.monotonic() - began >= 1.0  # Retry-After: 1
+        assert h.wait(timeout=30).ok
+    assert len(api.sent("POST", "/pods")) == 4
+
+
+def test_a_retried_create_whose_first_try_made_the_pod_takes_it_as_its_own(api):
+    # The first POST made the pod but its answer was a proxy's 504: the
+    # retry's 409 AlreadyExists is this create's own pod, not a failure.
+    api.outcomes["kt1-made-0"] = Outcome()
+    api.faults.append(["POST", "/pods", 504, 1, {"done": True}])
+    with settled(api, k8s_launcher(api)) as launcher:
+        assert launcher.start(spec("made")).wait(timeout=30).ok
+    assert len(api.sent("POST", "/pods")) == 2
+    assert api.pods == {}
+
+
+def test_a_pod_of_the_name_that_is_not_ours_is_already_exists_and_stays(api):
+    # A leftover of an earlier launcher with this id: the same name and
+    # labels, but not this create's.
+    api.add_pod("team-a", {"metadata": {"name": "kt1-w0-0", "labels": {
+        "deepnex.launcher": "kt1", "deepnex.name": "w0"}}, "spec": {}})
+    with k8s_launcher(api) as launcher:
+        with pytest.raises(deepnex.AlreadyExistsError, match="already exists"):
+            launcher.start(spec("w0"))
+    assert list(api.pods) == [("team-a", "kt1-w0-0")]
+    assert api.sent("DELETE") == []
+
+
+def test_a_failed_create_that_made_the_pod_deletes_it(api):
+    # The first POST made the pod, its answer was lost (504) and the retry
+    # was refused: the pod would have run unwatched and held the name.
+    api.faults.append(["POST", "/pods", 504, 1, {"done": True}])
+    api.faults.append(["POST", "/pods", 403, 1])
+    api.faults.append(["DELETE", "/pods/kt1-w0-0", 503, 1])  # retried too
+    with settled(api, k8s_launcher(api)) as launcher:
+        with pytest.raises(deepnex.PermissionDeniedError, match="HTTP 403"):
+            launcher.start(spec("w0"))
+    assert api.pods == {}
+    assert [d[2] for d in api.sent("DELETE", "/pods/kt1-w0-0")] == [{"gracePeriodSeconds": "0"}] * 2
+
+
+def test_a_restart_waits_until_the_last_pod_is_deleted(api):
+    # A DELETE that failed once was ignored: the next pod ran beside the
+    # old one, which was never deleted (an outage ran a worker twice).
+    api.outcomes["kt1-w0-0"] = Outcome(exit_code=1)
+    api.outcomes["kt1-w0-1"] = Outcome(exit_code=0)
+    api.faults.append(["DELETE", "/pods/kt1-w0-0", 503, 3])
+    api.faults.append(["DELETE", "/pods/kt1-w0-1", 500, 2])  # after the last run too
+    with settled(api, k8s_launcher(api)) as launcher:
+        e = launcher.start(spec("w0", restart="on-failure:1")).wait(timeout=60)
+        assert (str(e), e.restarts) == ("exited(0) after 1 restart", 1)
+    assert "kt1-w0-0" not in api.pods_at_post["kt1-w0-1"]
+    wait_for(lambda: api.pods == {}, "the last pod to be deleted")
 
 
 def test_stop_deletes_the_pod_with_the_grace(api):
@@ -649,6 +731,7 @@ def test_job_kind_runs_a_batch_job_of_one_pod(api):
     [post] = api.sent("POST", "/apis/batch/v1/namespaces/team-a/jobs")
     job = post[3]
     labels = {"deepnex.launcher": "kt1", "deepnex.name": "train", "team": "nlp"}
+    assert "deepnex.io/create" in job["metadata"].pop("annotations")
     assert job["metadata"] == {"name": "kt1-train-0", "namespace": "team-a", "labels": labels}
     assert job["spec"]["backoffLimit"] == 0
     assert job["spec"]["template"]["metadata"] == {"labels": labels}

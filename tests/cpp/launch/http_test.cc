@@ -87,6 +87,13 @@ class ScriptedServer {
               "\r\n\r\n" + request;
     } else if (path == "/hang") {
       reply = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
+    } else if (path == "/flaky") {
+      // 503, then 429 with Retry-After: 1, then 200.
+      const int n = flaky_calls_++;
+      reply = n == 0   ? "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"
+              : n == 1 ? "HTTP/1.1 429 Too Many Requests\r\nRetry-After: 1\r\n"
+                         "Content-Length: 0\r\n\r\n"
+                       : "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
     } else {
       auto it = responses_.find(path);
       reply = it != responses_.end() ? it->second
@@ -105,6 +112,9 @@ class ScriptedServer {
   std::string path_;
   std::atomic<bool> stopping_{false};
   std::thread thread_;
+
+ public:
+  std::atomic<int> flaky_calls_{0};
 };
 
 const std::map<std::string, std::string> kResponses = {
@@ -263,6 +273,60 @@ TEST(HttpClientTest, AllowAddressBypassesTheEnvironmentsProxy) {
   ASSERT_THAT(body, IsOk());
   EXPECT_EQ(*body, "hello");
   EXPECT_THAT(asked, ElementsAre(port_of(server.endpoint())));
+}
+
+std::unique_ptr<HttpClient> RetryingClient(const std::string& endpoint,
+                                           std::chrono::milliseconds retry_for) {
+  HttpClientOptions options;
+  options.endpoint = endpoint;
+  options.retry_for = retry_for;
+  options.retry_backoff = 50ms;
+  auto client = HttpClient::Create(options);
+  EXPECT_THAT(client, IsOk());
+  return client.ok() ? std::move(*client) : nullptr;
+}
+
+// A busy API server's 503 and 429 used to fail the call at once.
+TEST(HttpClientTest, RetriesBusyAnswersHonouringRetryAfter) {
+  ScriptedServer server(kResponses);
+  // Without retry_for: one try, the answer as it came.
+  auto once = Client(server.endpoint());
+  auto r = once->Send("GET", "/flaky");
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->status, 503);
+
+  server.flaky_calls_ = 0;
+  auto client = RetryingClient(server.endpoint(), 10s);
+  const auto began = std::chrono::steady_clock::now();
+  auto body = client->Call("GET", "/flaky");
+  ASSERT_THAT(body, IsOk());
+  EXPECT_EQ(*body, "ok");
+  EXPECT_EQ(server.flaky_calls_, 3);
+  EXPECT_GE(std::chrono::steady_clock::now() - began, 1s);  // Retry-After: 1
+
+  // A Retry-After past the call's deadline: the answer at once, not a wait.
+  server.flaky_calls_ = 1;
+  auto short_client = RetryingClient(server.endpoint(), 500ms);
+  r = short_client->Send("GET", "/flaky");
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->status, 429);
+  EXPECT_EQ(server.flaky_calls_, 2);
+
+  // Not what another try cannot change.
+  EXPECT_THAT(client->Call("GET", "/missing"), StatusIs(absl::StatusCode::kNotFound));
+}
+
+// A refused connection is tried again until the call's deadline.
+TEST(HttpClientTest, RetriesARefusedConnectionUntilTheDeadline) {
+  int port = 0;
+  const int fd = test::BindLoopback(&port);  // bound, never listening
+  auto client = RetryingClient("http://127.0.0.1:" + std::to_string(port), 600ms);
+  const auto began = std::chrono::steady_clock::now();
+  EXPECT_THAT(client->Call("GET", "/x"), StatusIs(absl::StatusCode::kUnavailable));
+  const auto took = std::chrono::steady_clock::now() - began;
+  EXPECT_GE(took, 300ms);
+  EXPECT_LT(took, 5s);
+  close(fd);
 }
 
 TEST(HttpClientTest, SilentServerIsDeadlineExceeded) {
