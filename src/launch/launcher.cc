@@ -412,13 +412,8 @@ class Container : public Handle {
       absl::Status released = Release(run, attempt);
       lock.lock();
       if (!released.ok()) {
-        AppendLog(absl::StrCat("deepnex: restart ", restarts_ + 1,
-                               " not started: the run before it may still be running\n"));
-        ExitStatus lost;
-        lost.reason = ExitReason::kLost;
-        lost.restarts = restarts_;
-        last_exit_ = lost;
-        EndLocked(lost);
+        EndLostLocked(absl::StrCat("deepnex: restart ", restarts_ + 1,
+                                   " not started: the run before it may still be running\n"));
         return;
       }
       cv_.wait_for(lock, event.delay, [&] { return stop_requested_; });
@@ -431,19 +426,25 @@ class Container : public Handle {
       absl::StatusOr<std::shared_ptr<Run>> next = StartRun(attempt + 1);
       lock.lock();
       if (!next.ok()) {
-        AppendLog(absl::StrCat("deepnex: restart ", restarts_, " failed: ",
-                               next.status().ToString(), "\n"));
-        ExitStatus lost;
-        lost.reason = ExitReason::kLost;
-        lost.restarts = restarts_;
-        last_exit_ = lost;
-        EndLocked(lost);
+        EndLostLocked(absl::StrCat("deepnex: restart ", restarts_, " failed: ",
+                                   next.status().ToString(), "\n"));
         return;
       }
       run = *next;
       SetRunLocked(run, attempt + 1);
       if (stop_requested_) run->Stop(std::chrono::milliseconds(0)).IgnoreError();
     }
+  }
+
+  // A restart that could not be made: the container ends lost, its log
+  // saying why.
+  void EndLostLocked(const std::string& why) {
+    AppendLog(why);
+    ExitStatus lost;
+    lost.reason = ExitReason::kLost;
+    lost.restarts = restarts_;
+    last_exit_ = lost;
+    EndLocked(lost);
   }
 
   void EndLocked(const ExitStatus& e) {

@@ -133,12 +133,16 @@ const std::map<std::string, std::string> kResponses = {
     {"/short", "HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\nonly this"},
 };
 
+// retry_for > 0: a client that retries, 50 ms apart at first.
 std::unique_ptr<HttpClient> Client(const std::string& endpoint,
-                                   std::chrono::milliseconds read_timeout = 5s) {
+                                   std::chrono::milliseconds read_timeout = 5s,
+                                   std::chrono::milliseconds retry_for = 0ms) {
   HttpClientOptions options;
   options.endpoint = endpoint;
   options.bearer_token = "s3cret";
   options.read_timeout = read_timeout;
+  options.retry_for = retry_for;
+  options.retry_backoff = 50ms;
   auto client = HttpClient::Create(options);
   EXPECT_THAT(client, IsOk());
   return client.ok() ? std::move(*client) : nullptr;
@@ -275,17 +279,6 @@ TEST(HttpClientTest, AllowAddressBypassesTheEnvironmentsProxy) {
   EXPECT_THAT(asked, ElementsAre(port_of(server.endpoint())));
 }
 
-std::unique_ptr<HttpClient> RetryingClient(const std::string& endpoint,
-                                           std::chrono::milliseconds retry_for) {
-  HttpClientOptions options;
-  options.endpoint = endpoint;
-  options.retry_for = retry_for;
-  options.retry_backoff = 50ms;
-  auto client = HttpClient::Create(options);
-  EXPECT_THAT(client, IsOk());
-  return client.ok() ? std::move(*client) : nullptr;
-}
-
 // A busy API server's 503 and 429 used to fail the call at once.
 TEST(HttpClientTest, RetriesBusyAnswersHonouringRetryAfter) {
   ScriptedServer server(kResponses);
@@ -296,7 +289,7 @@ TEST(HttpClientTest, RetriesBusyAnswersHonouringRetryAfter) {
   EXPECT_EQ(r->status, 503);
 
   server.flaky_calls_ = 0;
-  auto client = RetryingClient(server.endpoint(), 10s);
+  auto client = Client(server.endpoint(), 5s, 10s);
   const auto began = std::chrono::steady_clock::now();
   auto body = client->Call("GET", "/flaky");
   ASSERT_THAT(body, IsOk());
@@ -306,7 +299,7 @@ TEST(HttpClientTest, RetriesBusyAnswersHonouringRetryAfter) {
 
   // A Retry-After past the call's deadline: the answer at once, not a wait.
   server.flaky_calls_ = 1;
-  auto short_client = RetryingClient(server.endpoint(), 500ms);
+  auto short_client = Client(server.endpoint(), 5s, 500ms);
   r = short_client->Send("GET", "/flaky");
   ASSERT_THAT(r, IsOk());
   EXPECT_EQ(r->status, 429);
@@ -320,7 +313,7 @@ TEST(HttpClientTest, RetriesBusyAnswersHonouringRetryAfter) {
 TEST(HttpClientTest, RetriesARefusedConnectionUntilTheDeadline) {
   int port = 0;
   const int fd = test::BindLoopback(&port);  // bound, never listening
-  auto client = RetryingClient("http://127.0.0.1:" + std::to_string(port), 600ms);
+  auto client = Client("http://127.0.0.1:" + std::to_string(port), 5s, 600ms);
   const auto began = std::chrono::steady_clock::now();
   EXPECT_THAT(client->Call("GET", "/x"), StatusIs(absl::StatusCode::kUnavailable));
   const auto took = std::chrono::steady_clock::now() - began;
