@@ -25,7 +25,8 @@ DIR_MODE = 0o700
 def prepare_dir(path):
     """Creates `path` (mode 0700) where it is not there; refuses one that
     is a symlink, not a directory, or owned by another user, in which the
-    search's files could be replaced or read by that user."""
+    search's files could be replaced or read by that user; makes the
+    user's own that others could open 0700."""
     try:
         os.makedirs(path, mode=DIR_MODE, exist_ok=True)
     except FileExistsError:
@@ -40,6 +41,10 @@ def prepare_dir(path):
         raise PermissionDeniedError(
             f"out_dir: {path} belongs to user {st.st_uid}, not to this one ({os.geteuid()}); "
             "its owner could replace the search's files: choose another out_dir")
+    if st.st_mode & 0o077:
+        # One the user made open (mkdir -m 777) is the user's: closed, so
+        # that no one else can rename files in from now on.
+        os.chmod(path, DIR_MODE)
 
 
 def _create_beside(path):

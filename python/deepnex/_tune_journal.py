@@ -21,7 +21,8 @@ import threading
 import time
 
 from . import _tune_files
-from .errors import AlreadyExistsError, DataLossError, FailedPreconditionError
+from .errors import (AlreadyExistsError, DataLossError, FailedPreconditionError,
+                     PermissionDeniedError)
 
 JOURNAL = "journal.jsonl"
 
@@ -77,6 +78,14 @@ class Journal:
                 raise
             raise FailedPreconditionError(f"{path} is a symlink, not a search's journal") from None
         if resume:
+            # Its records say what to run: another user's (planted where
+            # they could write, as in an out dir left 0777) is refused.
+            owner = os.fstat(fd).st_uid
+            if owner != os.geteuid():
+                os.close(fd)
+                raise PermissionDeniedError(
+                    f"{path} belongs to user {owner}, not to this one ({os.geteuid()}): "
+                    "its commands are not resumed")
             os.fchmod(fd, _tune_files.FILE_MODE)   # one an older version made 0644
         self._file = os.fdopen(fd, "r+b")
         try:

@@ -1990,6 +1990,28 @@ def test_out_files_replace_planted_symlinks_and_never_write_through_them(tmp_pat
                      runner=tune.subprocess_runner, out=io.StringIO())
 
 
+def test_an_open_out_dir_is_closed_and_another_users_journal_is_not_resumed(tmp_path):
+    """A probe's user ran a search with --out made 0777: it stayed so, and
+    another user renamed a journal of their own command over the search's;
+    --resume ran that command as the search's user."""
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o777)
+    script = tmp_path / "reports.py"
+    script.write_text("from deepnex import tune\ntune.report(step=1, score=2.0)\n")
+    run = dict(metric="score", search="random", runner=tune.subprocess_runner,
+               out_dir=str(out), out=io.StringIO())
+    tune.run([sys.executable, str(script)], {"x": 1.0}, **run)
+    assert _mode(out) == 0o700
+    if os.geteuid() != 0:
+        return  # a journal of another user's needs root to make
+    os.chown(out / "journal.jsonl", 65534, 65534)
+    with pytest.raises(PermissionError) as e:
+        tune.run([sys.executable, str(script)], {"x": 1.0}, resume=True, **run)
+    assert str(e.value) == (f"{out / 'journal.jsonl'} belongs to user 65534, not to this one "
+                            "(0): its commands are not resumed")
+
+
 def test_cli_memory_goes_to_the_trials_jobs_and_is_required_with_central(monkeypatch):
     """deepnex tune --central always failed: it had no --memory (probe)."""
     monkeypatch.delenv("DEEPNEX_TOKEN", raising=False)
