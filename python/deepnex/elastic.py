@@ -383,18 +383,31 @@ class State:
     # and, for a scheduler, the optimizer still hold (as Horovod's state
     # handlers do); a copy put in its place would step nothing.
     def _capture(self, full=True):
-        out = {"counters": {n: copy.deepcopy(_state_of(getattr(self, n)))
-                            for n in self._counters}}
+        values = {n: getattr(self, n) for n in self._counters}
+        out = {"counters": {n: copy.deepcopy(_state_of(v)) for n, v in values.items()},
+               "stateful": sorted(n for n, v in values.items() if _stateful(v))}
         if self.sharder is not None:
             out["sharder"] = self.sharder.state_dict()
         return out
 
     def _apply(self, snapshot, world=None):
         for name, value in snapshot["counters"].items():
-            if _stateful(getattr(self, name)):
-                getattr(self, name).load_state_dict(copy.deepcopy(value))
-            else:
+            if name not in snapshot["stateful"]:
                 setattr(self, name, copy.deepcopy(value))
+                continue
+            # Saved as a state_dict: only the object it came from takes it
+            # (a plain value put in its place would become that dict).
+            target = getattr(self, name)
+            if not _stateful(target):
+                raise InvalidArgumentError(
+                    f"State.{name}: saved as the state_dict of an object, and it now holds "
+                    f"a {type(target).__name__}, which cannot load it: keep the object in "
+                    f"the counter and change its state instead")
+            try:
+                target.load_state_dict(copy.deepcopy(value))
+            except Exception as e:
+                raise InvalidArgumentError(
+                    f"State.{name}: its load_state_dict() failed: {e!r}") from e
         if self.sharder is not None:
             num_shards, shard = world or (self.sharder.num_shards, self.sharder.shard)
             self.sharder.reshard(num_shards, shard, snapshot["sharder"])

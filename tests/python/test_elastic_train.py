@@ -212,6 +212,25 @@ def test_a_scheduler_in_the_state_is_restored_in_place_and_keeps_its_optimizer(j
     assert opt.param_groups[0]["lr"] == 0.125
 
 
+def test_a_counter_saved_as_a_state_dict_is_restored_only_into_an_object(job_env):
+    """A probe put a plain value where a scheduler was saved: restore() made
+    the counter the scheduler's state_dict, silently."""
+    torch = pytest.importorskip("torch")
+    import deepnex.elastic
+    opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0)
+    state = deepnex.elastic.State(sched=torch.optim.lr_scheduler.StepLR(opt, 1), n=None)
+    state.sched, state.n = "x", torch.optim.lr_scheduler.StepLR(opt, 1)
+    with pytest.raises(deepnex.InvalidArgumentError) as e:
+        state.restore()
+    assert str(e.value) == (
+        "State.sched: saved as the state_dict of an object, and it now holds a str, which "
+        "cannot load it: keep the object in the counter and change its state instead")
+    # A plain value saved comes back as it was, over an object put there.
+    state.sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    state.restore()
+    assert state.n is None
+
+
 @pytest.mark.parametrize("name", ["sync", "commit", "save", "restore", "rank", "world_size",
                                   "communicator", "_counters"])
 def test_a_counter_named_as_the_states_own_attribute_is_refused(job_env, name):
