@@ -17,6 +17,7 @@ stops the job, releases its allocations and exits 130 / 143 / 129. With
 
 import argparse
 import os
+import re
 import signal
 import sys
 
@@ -129,10 +130,12 @@ def _run(args) -> int:
 
 def _workers_value(text):
     """--workers: N as a number, MIN:MAX as given (parse_workers checks it)."""
-    try:
-        return int(text)
-    except ValueError:
-        return text
+    return int(text) if _DIGITS.fullmatch(text) else text
+
+
+# ASCII digits alone: int() takes " 1", "+1", "1_0" and "١" too, which a
+# probe's job then echoed as its size ("job ...: ١:2 workers").
+_DIGITS = re.compile(r"[0-9]+")
 
 
 def parse_workers(text):
@@ -140,12 +143,9 @@ def parse_workers(text):
     elastic (N, or MIN == MAX). ValueError naming the flag and value for a
     MIN:MAX out of order or below 1, or anything else."""
     parts = text.split(":")
-    try:
-        if len(parts) > 2:
-            raise ValueError
-        numbers = [int(p) for p in parts]
-    except ValueError:
-        raise ValueError(f"--workers: {text!r} is not N or MIN:MAX (e.g. 2 or 1:4)") from None
+    if len(parts) > 2 or not all(_DIGITS.fullmatch(p) for p in parts):
+        raise ValueError(f"--workers: {text!r} is not N or MIN:MAX (e.g. 2 or 1:4)")
+    numbers = [int(p) for p in parts]
     low, high = numbers[0], numbers[-1]
     if len(numbers) == 1:
         return 0, high  # the job checks N

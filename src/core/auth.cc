@@ -202,7 +202,7 @@ absl::StatusOr<Identity> TokenTable::Authenticate(
   }
   if (!absl::StartsWithIgnoreCase(value, kScheme)) {
     return absl::UnauthenticatedError(
-        "authorization metadata is not \"Bearer <token>\"");
+        "the authorization is not \"Bearer <token>\"");
   }
   absl::string_view token =
       absl::StripLeadingAsciiWhitespace(value.substr(kScheme.size()));

@@ -165,6 +165,11 @@ def test_workers_min_max_is_elastic_only_below_max(text, parsed):
     ("0", "workers: 0 is below 1"),
     ("a:b", "--workers: 'a:b' is not N or MIN:MAX (e.g. 2 or 1:4)"),
     ("1:2:3", "--workers: '1:2:3' is not N or MIN:MAX (e.g. 2 or 1:4)"),
+    # int() took these, and the job echoed them as its size.
+    (" 1:2", "--workers: ' 1:2' is not N or MIN:MAX (e.g. 2 or 1:4)"),
+    ("1:+2", "--workers: '1:+2' is not N or MIN:MAX (e.g. 2 or 1:4)"),
+    ("\u0661:2", "--workers: '\u0661:2' is not N or MIN:MAX (e.g. 2 or 1:4)"),
+    ("1_0", "--workers: '1_0' is not N or MIN:MAX (e.g. 2 or 1:4)"),
     # Past the C++ int: named, not a pybind11 traceback.
     ("4611686018427387904",
      "workers=4611686018427387904: not a value of this option's type, or out of its range"),

@@ -88,7 +88,7 @@ TEST(TokenTableTest, NotABearerHeader) {
        {"s3cret", "Basic s3cret", "Bearers3cret", "Token s3cret"}) {
     EXPECT_THAT(table.Authenticate(authorization),
                 StatusIs(absl::StatusCode::kUnauthenticated,
-                         "authorization metadata is not \"Bearer <token>\""))
+                         "the authorization is not \"Bearer <token>\""))
         << authorization;
   }
 }
