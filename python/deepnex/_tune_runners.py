@@ -100,10 +100,10 @@ class _Capacity:
         """How many trials of `need` fit at once."""
         return min(t // n for n, t in zip(self.need, self.total) if n > 0)
 
-    def acquire(self, need, cancelled, take=None):
-        """Waits until `need` fits (check() said it can) and takes it, or,
-        where take() gives something first (an idle trial slot, which holds
-        cores already), returns that; None when it took `need`. The waiters
+    def acquire(self, cancelled, take=None):
+        """Waits until a trial's `need` fits (check() said it can) and takes
+        it, or, where take() gives something first (an idle trial slot, which
+        holds cores already), returns that; None when it took `need`. The waiters
         are served in arrival order either way, so trials start in the order
         they came. CancelledError once cancelled() is true (checked whenever
         wake() or a release wakes the waiters)."""
@@ -116,8 +116,8 @@ class _Capacity:
                         taken = take() if take is not None else None
                         if taken is not None:
                             return taken
-                        if all(u + n <= t for u, n, t in zip(self.used, need, self.total)):
-                            self.used = [u + n for u, n in zip(self.used, need)]
+                        if all(u + n <= t for u, n, t in zip(self.used, self.need, self.total)):
+                            self.used = [u + n for u, n in zip(self.used, self.need)]
                             return None
                     if cancelled():
                         raise CancelledError("the trial's start was cancelled while it "
@@ -127,9 +127,9 @@ class _Capacity:
                 self.queue.remove(ticket)
                 self.cond.notify_all()
 
-    def release(self, need):
+    def release(self):
         with self.cond:
-            self.used = [u - n for u, n in zip(self.used, need)]
+            self.used = [u - n for u, n in zip(self.used, self.need)]
             self.cond.notify_all()
 
     def wake(self):
@@ -511,7 +511,7 @@ class _JobRunner:
         if capacity is None:  # central queues the trial's gang
             taken = take() if take is not None else None
             return (taken, None) if taken is not None else (None, lambda: None)
-        taken = capacity.acquire(self._need, cancelled, take)
+        taken = capacity.acquire(cancelled, take)
         if taken is not None:
             return taken, None
         released = []
@@ -519,7 +519,7 @@ class _JobRunner:
         def release():
             if not released:
                 released.append(True)
-                capacity.release(self._need)
+                capacity.release()
         return None, release
 
     def _retrying(self, start, cancelled):

@@ -711,7 +711,9 @@ class KubernetesBackend : public Backend {
       // The create may have made the object all the same (an answer lost,
       // a timeout): left, it would run unwatched and hold the name. Not when
       // the name is another's.
-      if (!absl::IsAlreadyExists(created)) DeleteNamed(job, name).IgnoreError();
+      if (!absl::IsAlreadyExists(created)) {
+        KubernetesRun(http_, ns_, job, name, options_.poll).Remove().IgnoreError();
+      }
       return created;
     }
     return std::unique_ptr<Run>(new KubernetesRun(http_, ns_, job, name, options_.poll));
@@ -753,19 +755,6 @@ class KubernetesBackend : public Backend {
       if (JsonValue<std::string>(JsonField(metadata, "labels"), key, "") != value) return error;
     }
     return absl::OkStatus();
-  }
-
-  // Deletes the run `name` (a pod, or a job and its pod) at once; "already
-  // gone" is done. The client retries it through an outage.
-  absl::Status DeleteNamed(bool job, const std::string& name) {
-    const std::string path =
-        job ? absl::StrCat("/apis/batch/v1/namespaces/", ns_, "/jobs/", name,
-                           "?propagationPolicy=Background&gracePeriodSeconds=0")
-            : absl::StrCat("/api/v1/namespaces/", ns_, "/pods/", name, "?gracePeriodSeconds=0");
-    absl::StatusOr<HttpResponse> r = http_->Send("DELETE", path);
-    if (!r.ok()) return r.status();
-    if (r->status == 404 || (r->status >= 200 && r->status < 300)) return absl::OkStatus();
-    return http_->ErrorFor("DELETE", path, *r);
   }
 
   // Deletes every object under `collection` that `selector` picks.
