@@ -19,11 +19,15 @@
 
 The runner publishes each membership in the job's store ("elastic/members/<G>",
 then "elastic/generation"). ``state.commit()`` keeps a copy of the state and
-reads the generation key; when a newer generation is there
-(``HostsUpdatedInterrupt``), or when a collective fails because a peer died
-(the state is then restored to its last commit), ``run`` waits for the next
-membership (up to DEEPNEX_ELASTIC_TIMEOUT seconds, default 120;
-DeadlineExceededError naming the generation it waited for), re-forms the
+reads the generation key: a newer generation there is a
+``HostsUpdatedInterrupt``, and ``run`` resizes to it. When a collective fails
+(a peer died or stalled; the state is restored to its last commit), ``run``
+tells the runner (WAITING_KEY) and waits for the next membership (up to twice
+DEEPNEX_ELASTIC_TIMEOUT seconds, default 120; DeadlineExceededError naming
+the generation it waited for): the runner publishes one without the members
+that died or that reported nothing within DEEPNEX_ELASTIC_TIMEOUT of the
+first report (stalled: stopped, hung; it stops them), or, when every member
+reported, the same members again. ``run`` then re-forms the
 communicator with the new rank and world size under a prefix of that
 generation (``state.communicator``; the same timeout bounds each collective),
 and rank 0 (a survivor) broadcasts the parameters, the optimizer state, the
@@ -71,6 +75,11 @@ __all__ = ["run", "State", "HostsUpdatedInterrupt", "ps_worker_id", "enabled"]
 # Runner-written keys (the contract with `deepnex run --workers MIN:MAX`).
 GENERATION_KEY = "elastic/generation"
 MEMBERS_KEY = "elastic/members/{}"
+# Written by a worker whose collective failed in generation G before it waits
+# for G + 1: the runner drops the members that report nothing within
+# DEEPNEX_ELASTIC_TIMEOUT of the first report (stalled: alive, deaf), and
+# re-forms the same members when all report.
+WAITING_KEY = "elastic/waiting/{}/{}"
 
 # A failed collective: a peer died (the transport broke) or stalled.
 _PEER_ERRORS = (UnavailableError, AbortedError, DeadlineExceededError)
@@ -158,14 +167,16 @@ class _Job:
             raise InvalidArgumentError(f"the store's {GENERATION_KEY!r} is {value!r}, not a "
                                        f"generation number") from None
 
-    def wait_for(self, generation, why):
-        """Waits until membership `generation` is published; returns the
-        newest generation then."""
+    def wait_for(self, generation, why, timeout=None):
+        """Waits until membership `generation` is published, up to `timeout`
+        seconds (the job's timeout by default); returns the newest
+        generation then."""
+        timeout = timeout or self.timeout
         try:
-            self.store.wait([MEMBERS_KEY.format(generation)], timeout=self.timeout)
+            self.store.wait([MEMBERS_KEY.format(generation)], timeout=timeout)
         except DeadlineExceededError:
             raise DeadlineExceededError(
-                f"elastic worker {self.worker_id}: waited {self.timeout:g} s ({why}) for "
+                f"elastic worker {self.worker_id}: waited {timeout:g} s ({why}) for "
                 f"generation {generation}, which never came ({GENERATION_KEY} is "
                 f"{self.store.get(GENERATION_KEY).decode()}); DEEPNEX_ELASTIC_TIMEOUT sets "
                 f"the wait") from None
@@ -225,6 +236,16 @@ class _Job:
                 if newer == generation:
                     raise
                 generation = newer
+
+    def report_failure(self, error):
+        """After a failed collective: ends this worker's part in it (its
+        peers blocked on it fail now, and report too, instead of at their
+        timeout) and tells the runner (WAITING_KEY); returns how long to wait
+        for the next generation: the runner's wait for the other members'
+        reports, then the job's timeout for itself."""
+        self.abort()
+        self.store.set(WAITING_KEY.format(self.generation, self.worker_id), str(error)[:1024])
+        return 2 * self.timeout
 
     def abort(self):
         with self._lock:
@@ -557,8 +578,8 @@ def run(func):
                     continue
                 print(f"deepnex.elastic: worker {job.worker_id}: a collective failed in "
                       f"generation {job.generation} ({e}); back to the last commit, waiting "
-                      f"for generation {job.generation + 1}", file=sys.stderr, flush=True)
-                generation = job.wait_for(job.generation + 1,
-                                          "a collective failed: a peer left")
+                      f"for generation {following}", file=sys.stderr, flush=True)
+                generation = job.wait_for(following, "a collective failed: a peer left or "
+                                          "stalled", timeout=job.report_failure(e))
 
     return wrapper

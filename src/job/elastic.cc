@@ -1,5 +1,7 @@
 #include "job/elastic.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -81,6 +83,8 @@ absl::Status Elastic::Publish(const std::vector<Member>& members) {
   DEEPNEX_RETURN_IF_ERROR(store_->Set(kElasticGenerationKey, absl::StrCat(next)));
   std::lock_guard<std::mutex> lock(mu_);
   generation_ = next;
+  formed_ = Clock::now();
+  first_report_.reset();
   return absl::OkStatus();
 }
 
@@ -150,55 +154,127 @@ void Elastic::Watch() {
       all_done = all_done && exited_ok;
       continue;
     }
-    std::vector<Member> left = members;
-    left.erase(left.begin() + i);
-    const bool restart = o_.restart.kind != launch::RestartPolicy::Kind::kNever &&
-                         (o_.restart.max_restarts < 0 || restarts_ < o_.restart.max_restarts);
-    if (static_cast<int>(left.size()) < o_.min_workers && !restart) {
-      std::lock_guard<std::mutex> lock(mu_);
-      failure_ = st.last_exit.value_or(launch::ExitStatus{launch::ExitReason::kLost});
-      return;
-    }
-    // Reachable or not, it must not come back as a member (a healed
-    // partition): stopped, and its allocation goes back.
-    if (!Ended(st)) m.handle->Stop(milliseconds(2000)).IgnoreError();
-    o_.release(m.allocation);
-    absl::Status published = Publish(left);
-    const bool replace = static_cast<int>(left.size()) < o_.min_workers;
-    milliseconds delay;
-    int step;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      members_ = left;
-      if (replace) ++restarts_;
-      // As kubelet's: a worker that ran long enough was healthy, and its
-      // failure starts the doubling over.
-      if (Clock::now() - m.started >= o_.launcher.restart_backoff_reset) backoff_step_ = 0;
-      step = ++backoff_step_;
-      delay = launch::RestartBackoff(o_.restart, o_.launcher, step);
-      next_start_ = Clock::now() + delay;
-    }
-    if (!published.ok()) {
-      o_.on_event(absl::StrCat("elastic: publishing the members failed: ", published.ToString()));
-    }
-    const std::string in = absl::StrCat(delay.count() / 1000.0, " s");
-    if (replace) {
-      o_.on_event(absl::StrCat(why, "; restarting (", restarts_, "/",
-                               o_.restart.max_restarts < 0 ? std::string("unlimited")
-                                                           : absl::StrCat(o_.restart.max_restarts),
-                               ") in ", in, ": a new worker is asked for"));
-    } else if (step > 1) {
-      o_.on_event(absl::StrCat(why, "; ", step,
-                               " workers in a row failed soon after their start: the job grows "
-                               "again in ", in, " at the earliest (crash-loop backoff)"));
-    }
-    Resized(static_cast<int>(members.size()), static_cast<int>(left.size()), why);
+    Drop(members, {i}, why,
+         st.last_exit.value_or(launch::ExitStatus{launch::ExitReason::kLost}));
     return;  // the next look starts from the new members
   }
+  if (!all_done && Reported(members)) return;
   std::lock_guard<std::mutex> lock(mu_);
   // None left (all replaced under the policy, the new ones still to come)
   // is not done.
   completed_ = all_done && !members.empty();
+}
+
+void Elastic::Drop(const std::vector<Member>& members, const std::vector<size_t>& gone,
+                   const std::string& why, const launch::ExitStatus& exit) {
+  std::vector<Member> left;
+  bool ran_long = false;
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (std::find(gone.begin(), gone.end(), i) == gone.end()) {
+      left.push_back(members[i]);
+      continue;
+    }
+    // As kubelet's: a worker that ran long enough was healthy, and its
+    // failure starts the doubling over.
+    ran_long = ran_long || Clock::now() - members[i].started >= o_.launcher.restart_backoff_reset;
+  }
+  const bool restart = o_.restart.kind != launch::RestartPolicy::Kind::kNever &&
+                       (o_.restart.max_restarts < 0 || restarts_ < o_.restart.max_restarts);
+  if (static_cast<int>(left.size()) < o_.min_workers && !restart) {
+    std::lock_guard<std::mutex> lock(mu_);
+    failure_ = exit;
+    return;
+  }
+  // Reachable or not, they must not come back as members (a healed
+  // partition, a stopped worker continued): stopped, and their allocations
+  // go back.
+  for (size_t i : gone) {
+    if (!Ended(members[i].handle->Status())) members[i].handle->Stop(milliseconds(2000)).IgnoreError();
+    o_.release(members[i].allocation);
+  }
+  absl::Status published = Publish(left);
+  const bool replace = static_cast<int>(left.size()) < o_.min_workers;
+  milliseconds delay;
+  int step;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    members_ = left;
+    if (replace) ++restarts_;
+    if (ran_long) backoff_step_ = 0;
+    step = ++backoff_step_;
+    delay = launch::RestartBackoff(o_.restart, o_.launcher, step);
+    next_start_ = Clock::now() + delay;
+  }
+  if (!published.ok()) {
+    o_.on_event(absl::StrCat("elastic: publishing the members failed: ", published.ToString()));
+  }
+  const std::string in = absl::StrCat(delay.count() / 1000.0, " s");
+  if (replace) {
+    o_.on_event(absl::StrCat(why, "; restarting (", restarts_, "/",
+                             o_.restart.max_restarts < 0 ? std::string("unlimited")
+                                                         : absl::StrCat(o_.restart.max_restarts),
+                             ") in ", in, ": a new worker is asked for"));
+  } else if (step > 1) {
+    o_.on_event(absl::StrCat(why, "; ", step,
+                             " workers in a row failed soon after their start: the job grows "
+                             "again in ", in, " at the earliest (crash-loop backoff)"));
+  }
+  Resized(static_cast<int>(members.size()), static_cast<int>(left.size()), why);
+}
+
+bool Elastic::Reported(const std::vector<Member>& members) {
+  int generation;
+  {
+    // Over: the members still running finish, or fail as such.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return false;
+    generation = generation_;
+  }
+  std::vector<std::string> keys;
+  for (const Member& m : members) {
+    keys.push_back(absl::StrCat(kElasticWaitingPrefix, generation, "/w", m.id));
+  }
+  absl::StatusOr<std::vector<bool>> reported = store_->Check(keys);
+  if (!reported.ok()) return false;  // the store is the runner's: a blip
+  std::vector<size_t> silent;
+  std::vector<std::string> reporters;
+  for (size_t i = 0; i < members.size(); ++i) {
+    if ((*reported)[i]) {
+      reporters.push_back(absl::StrCat("w", members[i].id));
+    } else {
+      silent.push_back(i);
+    }
+  }
+  if (reporters.empty()) return false;
+  const Clock::time_point now = Clock::now();
+  if (!first_report_.has_value()) first_report_ = now;
+  if (silent.empty()) {
+    // A failure that reached every member (the network between them): the
+    // same members again, paced as failures are, so that one that keeps
+    // recurring ends when the workers' wait for it does.
+    if (now < next_start_) return false;
+    absl::Status published = Publish(members);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (now - formed_ >= o_.launcher.restart_backoff_reset) backoff_step_ = 0;
+    next_start_ = now + launch::RestartBackoff(o_.restart, o_.launcher, ++backoff_step_);
+    o_.on_event(published.ok()
+                    ? absl::StrCat("elastic: every member reported a failed collective in "
+                                   "generation ", generation, "; they form generation ",
+                                   generation_, " again")
+                    : absl::StrCat("elastic: publishing the members failed: ",
+                                   published.ToString()));
+    return true;
+  }
+  if (now - *first_report_ < o_.stalled_after) return false;
+  std::vector<std::string> names;
+  for (size_t i : silent) names.push_back(absl::StrCat("w", members[i].id));
+  Drop(members, silent,
+       absl::StrCat("worker", names.size() > 1 ? "s " : " ", absl::StrJoin(names, ", "),
+                    " stalled: no failed collective reported within ",
+                    o_.stalled_after.count() / 1000.0, " s of ", absl::StrJoin(reporters, ", "),
+                    "'s in generation ", generation),
+       launch::ExitStatus{launch::ExitReason::kLost});
+  return true;
 }
 
 void Elastic::Grow() {

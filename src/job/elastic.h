@@ -29,6 +29,11 @@ namespace deepnex::job {
 // (comma-separated worker ids in rank order) first, then the generation.
 inline constexpr char kElasticMembersPrefix[] = "elastic/members/";
 inline constexpr char kElasticGenerationKey[] = "elastic/generation";
+// Written by a worker whose collective failed in generation G, as
+// "elastic/waiting/G/<its id>" (the error in the value), before it waits
+// for generation G + 1: the runner's news of a member that is alive to the
+// launcher and deaf to its peers (stopped, hung).
+inline constexpr char kElasticWaitingPrefix[] = "elastic/waiting/";
 
 // InvalidArgument naming the field and value: min_workers is 0 (not
 // elastic) or 1..workers, and an elastic job places each worker where it
@@ -68,6 +73,13 @@ struct ElasticOptions {
   // the node lost (--node-lost-after, 5 min by default).
   // Default: 10 s
   std::chrono::milliseconds not_ready_after{10000};
+  // The workers' collective timeout (DEEPNEX_ELASTIC_TIMEOUT). The members
+  // of the current generation that report no failed collective this long
+  // after the first one did are stalled: stopped and dropped as a failed
+  // worker is (its peers wait for the next generation, which would never
+  // come). When every member reports, the same members form the next one.
+  // Default: 120 s
+  std::chrono::milliseconds stalled_after{120000};
   // How often the members are looked at.
   std::chrono::milliseconds poll{200};
   // How long a grant waits before its worker starts, so that the members'
@@ -144,6 +156,14 @@ class Elastic {
   void Loop();
   // One look at the members: drops (or fails on) the ended ones.
   void Watch();
+  // Drops the members at `gone` (stopped where still running, released),
+  // or fails the job with `exit` when too few would be left and no restart
+  // is; `why` says why they go.
+  void Drop(const std::vector<Member>& members, const std::vector<size_t>& gone,
+            const std::string& why, const launch::ExitStatus& exit);
+  // The members' reports of failed collectives (kElasticWaitingPrefix):
+  // drops the stalled or re-forms them. True when it did either.
+  bool Reported(const std::vector<Member>& members);
   // Asks for one more worker, and starts it when granted.
   void Grow();
   // Why member `m` is to go ("worker w1 exited(1)"); empty: it stays.
@@ -171,6 +191,10 @@ class Elastic {
   bool completed_ = false;  // every member exited 0
   bool taken_ = false;      // TakeAllocations
   std::optional<launch::ExitStatus> failure_;
+  // When the current generation was published, and when a report of a
+  // failed collective in it was first seen (the loop's own).
+  std::chrono::steady_clock::time_point formed_;
+  std::optional<std::chrono::steady_clock::time_point> first_report_;
   // Since when each node has been NotReady (the loop's own).
   std::map<std::string, std::chrono::steady_clock::time_point> not_ready_since_;
   std::thread thread_;

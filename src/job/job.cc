@@ -597,8 +597,7 @@ class JobImpl : public Job {
     ctx.token = token_;
     launch::ContainerSpec spec = SpecOf("worker", absl::StrCat(o_.name, "-worker", w.id));
     spec.command = o_.command;
-    spec.env = InheritedEnv(/*as_another_user=*/o_.launcher.backend == "central");
-    for (const auto& [k, v] : o_.env) spec.env[k] = v;
+    spec.env = UserEnv();
     // torchrun's default keeps N workers from each starting a thread per
     // core of the machine; here a worker gets the cores it was granted.
     if (!spec.env.count("OMP_NUM_THREADS")) {
@@ -628,12 +627,30 @@ class JobImpl : public Job {
     return h;
   }
 
+  // A worker's environment before the job's own variables: what passes
+  // of the runner's, then the job's env.
+  std::map<std::string, std::string> UserEnv() const {
+    std::map<std::string, std::string> env =
+        InheritedEnv(/*as_another_user=*/o_.launcher.backend == "central");
+    for (const auto& [k, v] : o_.env) env[k] = v;
+    return env;
+  }
+
   // How the job's Elastic grants, starts and releases workers like
   // `request`'s.
   ElasticOptions ElasticFor(gpu::Request request) {
     ElasticOptions e;
     e.min_workers = o_.min_workers;
     e.max_workers = o_.workers;
+    // The workers' collective timeout, as deepnex.elastic reads it (one it
+    // refuses fails the workers first).
+    const std::map<std::string, std::string> env = UserEnv();
+    auto timeout = env.find("DEEPNEX_ELASTIC_TIMEOUT");
+    double seconds;
+    if (timeout != env.end() && absl::SimpleAtod(timeout->second, &seconds) && seconds > 0 &&
+        std::isfinite(seconds)) {
+      e.stalled_after = milliseconds(static_cast<int64_t>(std::ceil(std::min(seconds, 1e9) * 1000)));
+    }
     e.restart = o_.restart;
     e.launcher = o_.launcher;
     e.store.address = store_->address();

@@ -10,6 +10,7 @@ is a "resized" job event in central's record and in a notification. Bad
 The workers are a tiny script that prints its generation and every membership
 it reads from the store."""
 
+import contextlib
 import os
 import re
 import signal
@@ -22,7 +23,7 @@ import pytest
 import deepnex
 from _central import start_central, stop_central
 from _wait import wait_for
-from test_job import jobs  # noqa: F401 - the fixture that runs and sweeps `deepnex run`
+from test_job import DIGITS, jobs  # noqa: F401 - the fixture that runs and sweeps `deepnex run`
 from test_notify import Receiver
 
 # Says who and where it is, then every membership from its own generation
@@ -151,6 +152,51 @@ def test_below_min_the_job_fails_with_the_workers_code(jobs, central, tmp_path):
     os.kill(pid_of(j, "w1"), signal.SIGKILL)
     assert j.wait(120) == 128 + signal.SIGKILL, j.output()
     assert not [line for line in j.lines if "resized" in line], j.output()
+
+
+def worker_pid(job_name, worker_id):
+    """The pid of elastic worker `worker_id` of job `job_name` (a script that
+    prints nothing of itself), from its environment."""
+    want = {f"DEEPNEX_JOB_ID={job_name}".encode(), f"DEEPNEX_WORKER_ID={worker_id}".encode()}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if want <= set(f.read().split(b"\0")):
+                    return int(pid)
+        except OSError:
+            continue
+    raise AssertionError(f"no process of {worker_id} in job {job_name}")
+
+
+def test_a_stalled_worker_is_dropped_and_the_job_trains_on_to_090(jobs, central,  # noqa: F811
+                                                                   tmp_path):
+    """w1 stops (SIGSTOP: alive to the launcher, deaf to its peer) while both
+    train: w0's allreduce times out (DEEPNEX_ELASTIC_TIMEOUT 3 s), it reports
+    and waits; the runner stops and drops w1, which reported nothing within 3
+    s, and the job trains on to its accuracy. Before, w0 waited for a
+    generation that never came and exited 1, and the runner dropped healthy
+    w0 and kept the stalled w1 (probe)."""
+    pytest.importorskip("sklearn")
+    env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_TOKEN"}
+    env.update(DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok", DEEPNEX_ELASTIC_TIMEOUT="3")
+    j = jobs(["--workers", "1:2", "--mode", "allreduce", "--cpus", "1", "--memory", "512MiB"],
+             [sys.executable, DIGITS, "--epochs", "300", "--min-accuracy", "0.9"], env=env)
+    j.await_line(r"^\[worker 1\] deepnex.elastic: worker w1 is rank 1 of 2 in generation 2$")
+    stalled = worker_pid(j.name, "w1")
+    os.kill(stalled, signal.SIGSTOP)
+    try:
+        j.await_line(r"^\[worker 0\] deepnex.elastic: worker w0: a collective failed in "
+                     r"generation 2 \(.*\); back to the last commit, waiting for generation 3$")
+        j.await_line(r"^deepnex run: job resized from 2 to 1 workers \(generation 3\): worker w1 "
+                     r"stalled: no failed collective reported within 3 s of w0's in generation 2$")
+        assert j.wait(180) == 0, j.output()
+    finally:
+        # Stopped by the runner (a stopped process takes SIGKILL); not left
+        # stopped whatever failed.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stalled, signal.SIGCONT)
+    summary = re.search(r"^\[worker 0\] summary: .* test_accuracy=([0-9.]+)", j.output(), re.M)
+    assert summary and float(summary.group(1)) >= 0.9, j.output()
 
 
 @pytest.mark.parametrize("text, parsed", [("3", (0, 3)), ("2:2", (0, 2)), ("1:4", (1, 4))])

@@ -576,9 +576,35 @@ def test_a_generation_that_never_comes_fails_within_the_deadline(runner):
     elapsed = time.monotonic() - start
     out = r.output("w0")
     assert code != 0, out
-    assert ("elastic worker w0: waited 4 s (a collective failed: a peer left) for "
+    # Twice the timeout: the runner's wait for the other members' reports,
+    # then its own.
+    assert ("elastic worker w0: waited 8 s (a collective failed: a peer left or stalled) for "
             "generation 2, which never came (elastic/generation is 1)") in out, out
-    assert elapsed < 4 + 10, elapsed
+    assert 8 <= elapsed < 8 + 10, elapsed
+
+
+def test_a_failed_collective_is_reported_and_the_wait_outlasts_the_runners(runner):
+    """w1 stalls (SIGSTOP) during w0's allreduce: w0's collective times out,
+    and w0 reports it in the store (elastic/waiting/<G>/<id>, the runner's
+    cue to drop the members that report nothing within the timeout) and
+    keeps waiting past its own timeout for the runner's next generation."""
+    r = runner(epochs=1, timeout=3)
+    r.publish(["w0", "w1"])
+    for w in ("w0", "w1"):
+        r.start(w, ["w0", "w1"], hold=[3])
+    r.wait_step("w0", 3)
+    r.wait_step("w1", 3)
+    r.procs["w1"].send_signal(signal.SIGSTOP)
+    r.release(3)
+    wait_for(lambda: r.client.check(["elastic/waiting/1/w0"])[0], "w0's report")
+    assert "timed out" in r.client.get("elastic/waiting/1/w0").decode()
+    # As the runner does after the timeout: the members without w1.
+    time.sleep(4)
+    assert r.procs["w0"].poll() is None, r.output("w0")
+    r.publish(["w0"])
+    assert r.finish("w0") == 0, r.output("w0")
+    assert "worker w0 is rank 0 of 1 in generation 2" in r.output("w0")
+    assert epoch_items(r, ["w0", "w1"], 0) == list(range(TRAIN_ITEMS))
 
 
 # --- The digits example under the fake runner ------------------------------

@@ -636,5 +636,78 @@ TEST_F(ElasticJobTest, TheOnlyWorkerFailingIsReplacedUnderThePolicy) {
   EXPECT_EQ(r.workers[0].code, 5);
 }
 
+// A member alive to the launcher and deaf to its peers (SIGSTOP, a hang):
+// their collectives fail, they report (kElasticWaitingPrefix) and wait for
+// the next generation. The runner stops and drops the members that reported
+// nothing within the workers' DEEPNEX_ELASTIC_TIMEOUT of the first report.
+// It kept them: the survivors timed out and exited 1, and the job dropped
+// its healthy rank 0 and kept the stalled one (probe). The shell worker w1
+// here is such a member: it never reports.
+TEST_F(ElasticJobTest, AMemberThatReportsNothingWhileItsPeersDoIsStoppedAndDropped) {
+  JobOptions o = Elastic(1, 2);
+  o.env["DEEPNEX_ELASTIC_TIMEOUT"] = "1.5";
+  ASSERT_OK_AND_ASSIGN(auto job, Job::Create(o));
+  ASSERT_THAT(job->Start(), IsOk());
+  std::unique_ptr<collective::StoreClient> store = Store();
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(Line(1, "w1 "), "w1 rank=1/2 gen=2 elastic=1:2");
+  ASSERT_TRUE(GenerationIs(store.get(), 2));
+  const auto reported = std::chrono::steady_clock::now();
+  ASSERT_THAT(store->Set(absl::StrCat(kElasticWaitingPrefix, "2/w0"), "timed out"), IsOk());
+  ASSERT_TRUE(GenerationIs(store.get(), 3));
+  EXPECT_GE(std::chrono::steady_clock::now() - reported, milliseconds(1500));
+  EXPECT_EQ(Members(store.get(), 3), "w0");
+  // Its capacity is free again: a new worker.
+  EXPECT_EQ(Line(2, "w2 "), "w2 rank=1/2 gen=4 elastic=1:2");
+  std::ofstream(gate_) << "";
+  ASSERT_OK_AND_ASSIGN(JobResult r, job->Wait(milliseconds(60000)));
+  EXPECT_EQ(r.exit_code, 0);
+  ASSERT_EQ(r.workers.size(), 3u);
+  EXPECT_FALSE(r.workers[1].ok());  // stopped
+  EXPECT_TRUE(r.workers[0].ok() && r.workers[2].ok());
+  EXPECT_THAT(out_.Events(),
+              ::testing::Contains("job resized from 2 to 1 workers (generation 3): worker w1 "
+                                  "stalled: no failed collective reported within 1.5 s of w0's "
+                                  "in generation 2"));
+}
+
+// Every member reports (the network between them failed, not one of them):
+// the same members form the next generation, no one is dropped; a failure
+// that recurs at once is paced by the crash-loop backoff (floor 1 s), so
+// that one that never heals ends when the workers' wait does.
+TEST_F(ElasticJobTest, EveryMemberReportingAFailedCollectiveFormsTheSameMembersAgain) {
+  JobOptions o = Elastic(1, 2);
+  o.env["DEEPNEX_ELASTIC_TIMEOUT"] = "1";
+  TimeEvents(&o);
+  ASSERT_OK_AND_ASSIGN(auto job, Job::Create(o));
+  ASSERT_THAT(job->Start(), IsOk());
+  std::unique_ptr<collective::StoreClient> store = Store();
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(Line(1, "w1 "), "w1 rank=1/2 gen=2 elastic=1:2");
+  for (int g : {2, 3}) {
+    ASSERT_TRUE(GenerationIs(store.get(), g));
+    for (const char* id : {"w0", "w1"}) {
+      ASSERT_THAT(store->Set(absl::StrCat(kElasticWaitingPrefix, g, "/", id), "reset"), IsOk());
+    }
+  }
+  ASSERT_TRUE(GenerationIs(store.get(), 4));
+  EXPECT_EQ(Members(store.get(), 3), "w0,w1");
+  EXPECT_EQ(Members(store.get(), 4), "w0,w1");
+  std::ofstream(gate_) << "";
+  ASSERT_OK_AND_ASSIGN(JobResult r, job->Wait(milliseconds(60000)));
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(r.workers.size(), 2u);
+  const std::vector<std::string> events = TimedEvents();
+  auto again = [](int from, int to) {
+    return absl::StrCat("elastic: every member reported a failed collective in generation ",
+                        from, "; they form generation ", to, " again");
+  };
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_THAT(events[0], HasSubstr("worker w1 joined"));
+  EXPECT_EQ(events[1], again(2, 3));
+  EXPECT_EQ(events[2], again(3, 4));
+  EXPECT_GE(EventTime(2) - EventTime(1), milliseconds(1000));
+}
+
 }  // namespace
 }  // namespace deepnex::job
