@@ -51,7 +51,18 @@ _default = {"comm": None}
 
 def default_communicator():
     """The job's communicator of all workers (from deepnex.init()), made on
-    first use and shared."""
+    first use and shared. In an elastic job: the current membership's
+    (state.communicator), which deepnex.elastic.run forms; the world of
+    deepnex.init() there is only the one a worker was started for, which
+    its peers never meet in."""
+    job = _elastic._current_job()
+    if job is not None:
+        if job.comm is None:
+            raise FailedPreconditionError(
+                "an elastic job's communicator is its current membership's, formed inside "
+                "deepnex.elastic.run (state.communicator); it has none yet (or none at all: "
+                "a parameter-server job)")
+        return job.comm
     if _default["comm"] is None:
         _default["comm"] = _collective.Communicator.from_context()
     return _default["comm"]
@@ -355,7 +366,9 @@ class DistributedDataParallel(torch.nn.Module):
     job's workers, allreducing them in buckets as they are produced.
 
     communicator: a deepnex.collective.Communicator (default: the job's,
-    default_communicator()). bucket_size: bytes or "25MiB".
+    default_communicator(); in an elastic job made before its first
+    membership, none until TorchState binds it to each). bucket_size: bytes
+    or "25MiB".
     sync_parameters: first copy rank 0's parameters and buffers to every
     worker (as torch's DDP does). One backward per optimizer step: gradient accumulation over
     several backward passes would allreduce each of them.
@@ -379,7 +392,11 @@ class DistributedDataParallel(torch.nn.Module):
         if self._bucketer_bytes >= 2**63:
             raise InvalidArgumentError(f"bucket_size: {bucket_size!r} is not below 2^63 bytes")
         self.module = module
-        self.communicator = communicator or default_communicator()
+        # An elastic job's, made before its first membership (a script
+        # written for a fixed world): TorchState binds it to each one.
+        job = _elastic._current_job()
+        unbound = communicator is None and job is not None and job.comm is None
+        self.communicator = None if unbound else communicator or default_communicator()
         self._params = [p for p in module.parameters() if p.requires_grad]
         if not self._params:
             raise InvalidArgumentError("DistributedDataParallel: the module has no "
@@ -389,9 +406,10 @@ class DistributedDataParallel(torch.nn.Module):
                 raise InvalidArgumentError(
                     f"DistributedDataParallel: {name or type(m).__name__!r} has sparse=True: "
                     f"sparse gradients are not supported (make it sparse=False)")
-        _check_same_parameters(self._params, self.communicator)
-        if sync_parameters:
-            broadcast_parameters(module.state_dict(), 0, self.communicator)
+        if not unbound:
+            _check_same_parameters(self._params, self.communicator)
+            if sync_parameters:
+                broadcast_parameters(module.state_dict(), 0, self.communicator)
         self._cuda = self._params[0].device.type == "cuda"
         if any((p.device.type == "cuda") != self._cuda for p in self._params):
             raise InvalidArgumentError("DistributedDataParallel: parameters on CPU and CUDA mixed")
@@ -401,13 +419,15 @@ class DistributedDataParallel(torch.nn.Module):
         # the bucketer reads them as flat arrays.
         self._grads = [torch.zeros_like(p, memory_format=torch.contiguous_format)
                        for p in self._params]
-        self._bucketer = None if self._cuda else _collective.GradientBucketer(
+        self._bucketer = None if self._cuda or unbound else _collective.GradientBucketer(
             self.communicator, self._grads, bucket_bytes=self._bucketer_bytes, op="mean")
         self._works = []
         self._ready = [False] * len(self._params)
         self._pending = False
         # Why this rank cannot go on (None: it can).
-        self._broken = None
+        self._broken = None if not unbound else (
+            "DistributedDataParallel: no communicator yet: in an elastic job it is bound to "
+            "each membership inside deepnex.elastic.run (give it to TorchState)")
         self._hooks = []
         for i, p in enumerate(self._params):
             # AccumulateGrad runs after the gradient has been added to p.grad.
@@ -543,9 +563,9 @@ class TorchState(_elastic.State):
     optimizer's state such as momentum buffers included).
 
     Allreduce mode: at the first membership ``state.model`` becomes a
-    DistributedDataParallel of the module (or stays the one given), bound
-    to that membership's communicator and re-bound at each resize: call
-    ``state.model(x)``. In PS mode the servers hold the parameters: only
+    DistributedDataParallel of the module (or stays the one given, which
+    may have been made before), bound to that membership's communicator
+    and re-bound at each resize: call ``state.model(x)``. In PS mode the servers hold the parameters: only
     the counters and the data position are synced."""
 
     def __init__(self, model=None, optimizer=None, sharder=None, **counters):

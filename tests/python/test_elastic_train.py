@@ -276,6 +276,23 @@ def elastic_job(monkeypatch):
     store.stop()
 
 
+def test_before_its_first_membership_an_elastic_ddp_is_unbound(elastic_job):
+    """The world of deepnex.init() is not the one an elastic worker trains
+    in: the default communicator is the membership's, which run() forms;
+    a DistributedDataParallel made before waits unbound for TorchState."""
+    torch = pytest.importorskip("torch")
+    import deepnex.torch
+    elastic_job("w1", 2)
+    with pytest.raises(deepnex.FailedPreconditionError,
+                       match=r"^an elastic job's communicator is its current membership's"):
+        deepnex.torch.default_communicator()
+    model = deepnex.torch.DistributedDataParallel(torch.nn.Linear(2, 1))
+    assert model.communicator is None
+    with pytest.raises(deepnex.FailedPreconditionError,
+                       match=r"^DistributedDataParallel: no communicator yet: in an elastic job"):
+        model(torch.zeros(1, 2))
+
+
 def test_ps_worker_ids_are_free_server_slots(elastic_job):
     import deepnex.elastic
     elastic_job.publish(1, "w0,w1")
@@ -463,8 +480,13 @@ def epoch_items(runner, wids, epoch):
     return sorted(i for w in wids for g, e, idx in runner.batches(w) if e == epoch for i in idx)
 
 
-def test_grow_syncs_parameters_exactly_and_covers_the_data_once(runner):
-    r = runner(epochs=2)
+@pytest.mark.parametrize("wrap", [False, True])
+def test_grow_syncs_parameters_exactly_and_covers_the_data_once(runner, wrap):
+    """wrap: the script makes the DistributedDataParallel itself, before
+    the state; the joiner's made a communicator of the world it was started
+    for, which w0 never met in: it timed out, exited 1, and was replaced
+    again and again (probe)."""
+    r = runner(epochs=2, extra_env={"TEST_WRAP": "1"} if wrap else None)
     r.publish(["w0"])
     r.start("w0", ["w0"], hold=[10])
     r.wait_step("w0", 10)
@@ -677,6 +699,9 @@ def _worker():
     x, y, xt, yt = (torch.from_numpy(a) for a in load_data())
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 10))
+    if os.environ.get("TEST_WRAP"):
+        # As a script written for a fixed world: wrapped before the state.
+        model = deepnex.torch.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sharder = Sharder(len(y), ctx.world_size, ctx.rank, seed=0)
     state = deepnex.torch.TorchState(model, opt, sharder=sharder, step=0)
