@@ -192,8 +192,11 @@ void Elastic::Drop(const std::vector<Member>& members, const std::vector<size_t>
     if (!Ended(members[i].handle->Status())) members[i].handle->Stop(milliseconds(2000)).IgnoreError();
     o_.release(members[i].allocation);
   }
-  absl::Status published = Publish(left);
+  // Below MIN the job does not train (as Horovod's min_np): the members
+  // are left waiting for the next generation, which comes with the
+  // replacement (Grow), and their reports wait for it too (Reported).
   const bool replace = static_cast<int>(left.size()) < o_.min_workers;
+  absl::Status published = replace ? absl::OkStatus() : Publish(left);
   milliseconds delay;
   int step;
   {
@@ -219,7 +222,7 @@ void Elastic::Drop(const std::vector<Member>& members, const std::vector<size_t>
                              " workers in a row failed soon after their start: the job grows "
                              "again in ", in, " at the earliest (crash-loop backoff)"));
   }
-  Resized(static_cast<int>(members.size()), static_cast<int>(left.size()), why);
+  Resized(static_cast<int>(members.size()), static_cast<int>(left.size()), why, !replace);
 }
 
 bool Elastic::Reported(const std::vector<Member>& members) {
@@ -230,6 +233,8 @@ bool Elastic::Reported(const std::vector<Member>& members) {
     if (done_) return false;
     generation = generation_;
   }
+  // Below MIN: the members wait for the replacement's generation.
+  if (static_cast<int>(members.size()) < o_.min_workers) return false;
   std::vector<std::string> keys;
   for (const Member& m : members) {
     keys.push_back(absl::StrCat(kElasticWaitingPrefix, generation, "/w", m.id));
@@ -335,18 +340,22 @@ void Elastic::Grow() {
   if (!published.ok()) {
     o_.on_event(absl::StrCat("elastic: publishing the members failed: ", published.ToString()));
   }
-  Resized(size, size + 1, absl::StrCat("worker w", m.id, " joined on node \"", a->node, "\""));
+  Resized(size, size + 1, absl::StrCat("worker w", m.id, " joined on node \"", a->node, "\""),
+          true);
 }
 
-void Elastic::Resized(int from, int to, const std::string& why) {
+void Elastic::Resized(int from, int to, const std::string& why, bool published) {
   const std::string text = absl::StrCat("resized from ", from, " to ", to, ": ", why);
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++resizes_;
     last_resize_ = text;
   }
-  o_.on_event(absl::StrCat("job resized from ", from, " to ", to, " workers (generation ",
-                           generation(), "): ", why));
+  o_.on_event(absl::StrCat("job resized from ", from, " to ", to, " workers (",
+                           published ? absl::StrCat("generation ", generation())
+                                     : absl::StrCat("below MIN ", o_.min_workers,
+                                                    ": the members wait for a replacement"),
+                           "): ", why));
   if (o_.on_resize) o_.on_resize();
 }
 

@@ -58,8 +58,9 @@ struct ElasticOptions {
   int max_workers = 1;
   // Applies when a worker's end would leave fewer than min_workers: a
   // replacement (a new id) is asked for at normal priority, up to
-  // max_restarts times; above min_workers a failed worker is not replaced
-  // but dropped.
+  // max_restarts times, and the members left are published with it, not
+  // before (the job does not train below min_workers); above min_workers a
+  // failed worker is not replaced but dropped.
   launch::RestartPolicy restart;
   // Whose restart_backoff_* pace what follows a failed worker, its
   // replacement or the growth back, as they pace a restart in place
@@ -169,7 +170,9 @@ class Elastic {
   // Why member `m` is to go ("worker w1 exited(1)"); empty: it stays.
   std::string Gone(const Member& m, const launch::ContainerStatus& st,
                    std::map<std::string, bool>* ready_now);
-  void Resized(int from, int to, const std::string& why);
+  // `published`: the new members are generation_ (else they wait below
+  // MIN for a replacement).
+  void Resized(int from, int to, const std::string& why, bool published);
 
   const ElasticOptions o_;
   std::unique_ptr<collective::StoreClient> store_;
