@@ -33,8 +33,10 @@ generation (``state.communicator``; the same timeout bounds each collective),
 and rank 0 (a survivor) broadcasts the parameters, the optimizer state, the
 counters and the data position; every sharder re-shards the epoch's
 remaining items over the new world, and train is called again. A worker that
-is not in the new membership exits with status 0. Each resize prints one
-line on stderr: the worker's id, rank, world size and generation.
+is not in the new membership exits with status 0, and so does one that
+would join after a worker's train returned (DONE_KEY: the training is over,
+and the runner grows the job no more). Each resize prints one line on
+stderr: the worker's id, rank, world size and generation.
 
 A peer partitioned away fails nothing (its connections stay open): a thread
 of each allreduce worker aborts the communicator as soon as the runner
@@ -80,6 +82,9 @@ MEMBERS_KEY = "elastic/members/{}"
 # DEEPNEX_ELASTIC_TIMEOUT of the first report (stalled: alive, deaf), and
 # re-forms the same members when all report.
 WAITING_KEY = "elastic/waiting/{}/{}"
+# Written by a worker whose training function returned: the job grows no
+# more, and a worker that has not joined yet exits 0 (its peers are done).
+DONE_KEY = "elastic/done"
 
 # A failed collective: a peer died (the transport broke) or stalled.
 _PEER_ERRORS = (UnavailableError, AbortedError, DeadlineExceededError)
@@ -521,8 +526,14 @@ class State:
         return job.comm if job is not None else None
 
     def _resize(self, job, generation):
-        """Joins `generation` (or a newer one) and takes rank 0's state."""
+        """Joins `generation` (or a newer one) and takes rank 0's state;
+        SystemExit(0) when the training is over (DONE_KEY)."""
         job.abort()
+        if job.store.check([DONE_KEY])[0]:
+            print(f"deepnex.elastic: worker {job.worker_id}: the training is over "
+                  f"({job.store.get(DONE_KEY).decode()} finished it); it is done",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(0)
         job.adopt(generation)
         job.formed = True
         job.watch()
@@ -563,7 +574,9 @@ def run(func):
         while True:
             try:
                 state._resize(job, generation)
-                return func(state, *args, **kwargs)
+                result = func(state, *args, **kwargs)
+                job.store.set(DONE_KEY, job.worker_id)
+                return result
             except HostsUpdatedInterrupt:
                 generation = job.latest_generation()
             except _PEER_ERRORS as e:

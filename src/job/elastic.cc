@@ -233,14 +233,21 @@ bool Elastic::Reported(const std::vector<Member>& members) {
     if (done_) return false;
     generation = generation_;
   }
-  // Below MIN: the members wait for the replacement's generation.
-  if (static_cast<int>(members.size()) < o_.min_workers) return false;
   std::vector<std::string> keys;
   for (const Member& m : members) {
     keys.push_back(absl::StrCat(kElasticWaitingPrefix, generation, "/w", m.id));
   }
+  keys.push_back(kElasticDoneKey);
   absl::StatusOr<std::vector<bool>> reported = store_->Check(keys);
   if (!reported.ok()) return false;  // the store is the runner's: a blip
+  if (reported->back()) {
+    // A joiner now would wait for peers that never form its generation.
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    return false;
+  }
+  // Below MIN: the members wait for the replacement's generation.
+  if (static_cast<int>(members.size()) < o_.min_workers) return false;
   std::vector<size_t> silent;
   std::vector<std::string> reporters;
   for (size_t i = 0; i < members.size(); ++i) {

@@ -34,6 +34,10 @@ inline constexpr char kElasticGenerationKey[] = "elastic/generation";
 // for generation G + 1: the runner's news of a member that is alive to the
 // launcher and deaf to its peers (stopped, hung).
 inline constexpr char kElasticWaitingPrefix[] = "elastic/waiting/";
+// Written by a worker whose training function returned (its id): the
+// training is over, the job grows no more, and a worker that has not yet
+// joined exits 0.
+inline constexpr char kElasticDoneKey[] = "elastic/done";
 
 // InvalidArgument naming the field and value: min_workers is 0 (not
 // elastic) or 1..workers, and an elastic job places each worker where it
@@ -162,8 +166,9 @@ class Elastic {
   // is; `why` says why they go.
   void Drop(const std::vector<Member>& members, const std::vector<size_t>& gone,
             const std::string& why, const launch::ExitStatus& exit);
-  // The members' reports of failed collectives (kElasticWaitingPrefix):
-  // drops the stalled or re-forms them. True when it did either.
+  // The workers' reports: kElasticDoneKey ends the growth (done_); the
+  // failed collectives (kElasticWaitingPrefix) drop the stalled members or
+  // re-form them. True when it did either.
   bool Reported(const std::vector<Member>& members);
   // Asks for one more worker, and starts it when granted.
   void Grow();
@@ -190,7 +195,7 @@ class Elastic {
   // restart_backoff_reset, and no start before next_start_.
   int backoff_step_ = 0;
   std::chrono::steady_clock::time_point next_start_;
-  bool done_ = false;       // a member exited 0: the training is over, no growth
+  bool done_ = false;  // a member exited 0 or wrote kElasticDoneKey: no growth
   bool completed_ = false;  // every member exited 0
   bool taken_ = false;      // TakeAllocations
   std::optional<launch::ExitStatus> failure_;

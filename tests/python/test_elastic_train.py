@@ -584,6 +584,25 @@ def test_a_worker_dropped_from_the_membership_exits_0(runner):
     assert epoch_items(r, ["w0", "w1"], 0) == list(range(TRAIN_ITEMS))
 
 
+def test_a_worker_that_would_join_after_the_training_is_over_exits_0(runner):
+    """w0's train returns (it says so in the store: elastic/done); w1, granted
+    just then, would wait for a peer that never forms its generation, time
+    out, fail and be replaced again and again (probe): it exits 0 at once."""
+    r = runner(epochs=1, timeout=30)
+    r.publish(["w0"])
+    r.start("w0", ["w0"])
+    assert r.finish("w0") == 0, r.output("w0")
+    assert r.client.get("elastic/done") == b"w0"
+    start = time.monotonic()
+    r.start("w1", ["w0", "w1"])
+    r.publish(["w0", "w1"])
+    assert r.finish("w1") == 0, r.output("w1")
+    assert time.monotonic() - start < 20
+    assert ("deepnex.elastic: worker w1: the training is over (w0 finished it); it is done"
+            in r.output("w1")), r.output("w1")
+    assert not (r.tmp / "w1" / "result.json").exists()
+
+
 def test_a_generation_that_never_comes_fails_within_the_deadline(runner):
     r = runner(epochs=1, timeout=4)
     r.publish(["w0", "w1"])

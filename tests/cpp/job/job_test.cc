@@ -712,5 +712,28 @@ TEST_F(ElasticJobTest, EveryMemberReportingAFailedCollectiveFormsTheSameMembersA
   EXPECT_GE(EventTime(2) - EventTime(1), milliseconds(1000));
 }
 
+// A worker's training function returned (kElasticDoneKey): a member that
+// fails after that frees capacity the job does not grow into, since a
+// joiner would wait for peers that never form its generation.
+TEST_F(ElasticJobTest, TheJobGrowsNoMoreOnceAWorkerSaysTheTrainingIsOver) {
+  JobOptions o = Elastic(1, 2);
+  ASSERT_OK_AND_ASSIGN(auto job, Job::Create(o));
+  ASSERT_THAT(job->Start(), IsOk());
+  std::unique_ptr<collective::StoreClient> store = Store();
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(Line(1, "w1 "), "w1 rank=1/2 gen=2 elastic=1:2");
+  ASSERT_THAT(store->Set(kElasticDoneKey, "w0"), IsOk());
+  // Read at the next look (every 200 ms), within w1's backoff (1 s).
+  Exit("w1", 3);
+  ASSERT_TRUE(GenerationIs(store.get(), 3));
+  EXPECT_EQ(Members(store.get(), 3), "w0");
+  // Past the settle (0.6 s) and backoff (1 s) a growth would wait.
+  std::this_thread::sleep_for(milliseconds(3000));
+  std::ofstream(gate_) << "";
+  ASSERT_OK_AND_ASSIGN(JobResult r, job->Wait(milliseconds(60000)));
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(r.workers.size(), 2u);
+}
+
 }  // namespace
 }  // namespace deepnex::job
