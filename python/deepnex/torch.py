@@ -84,10 +84,17 @@ def broadcast_parameters(params, root_rank=0, communicator=None):
     a dict or a list of tensors) with root_rank's, in place; every worker
     must pass the same names, shapes and dtypes in the same order."""
     comm = communicator or default_communicator()
-    for name, t in _named_tensors(params):
+    named = _named_tensors(params)
+    for name, t in named:
         if not torch.is_tensor(t):
             raise TypeError(f"broadcast_parameters: {name!r} is a {type(t).__name__}, "
                             f"not a tensor")
+    # A float32 tensor broadcast into a rank's float64 one took half its
+    # bytes, or hung the ranks (probe).
+    _check_same_layout([t for _, t in named], comm, [name for name, _ in named],
+                       "broadcast_parameters: the ranks pass different tensors", "tensors",
+                       "every rank must pass the same names, shapes and dtypes")
+    for name, t in named:
         with torch.no_grad():
             data = t.data
             if data.dtype not in _COLLECTIVE_DTYPES:
@@ -529,21 +536,28 @@ _UNFINISHED = ("the previous backward did not finish (it raised after some gradi
 def _check_same_parameters(params, communicator):
     """Every rank must wrap the same parameters, in the same order: bucket
     i of one rank is reduced with bucket i of the others whatever it holds
-    (torch's DDP checks this when it is made, too). InvalidArgumentError on
-    every rank where they differ."""
-    layout = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
-    mine = [len(params), sum(p.numel() for p in params), zlib.crc32(layout.encode())]
+    (torch's DDP checks this when it is made, too)."""
+    _check_same_layout(params, communicator, (),
+                       "DistributedDataParallel: the ranks wrap different parameters",
+                       "that require a gradient", "every rank must wrap the same model")
+
+
+def _check_same_layout(tensors, communicator, names, what, counted, must):
+    """InvalidArgumentError on every rank where the ranks' `tensors` (and
+    `names`) differ in count, elements, shapes or dtypes: one allreduce."""
+    layout = ";".join([*names, *(f"{tuple(t.shape)}:{t.dtype}" for t in tensors)])
+    mine = [len(tensors), sum(t.numel() for t in tensors), zlib.crc32(layout.encode())]
     # One allreduce: the max of each value and of its negation (the min).
-    both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=params[0].device)
+    device = tensors[0].device if tensors else "cpu"
+    both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=device)
     communicator.allreduce(both, op="max")
     high, low = both[:3].tolist(), [-v for v in both[3:].tolist()]
     if high != low:
         raise InvalidArgumentError(
-            f"DistributedDataParallel: the ranks wrap different parameters: this rank has "
-            f"{mine[0]} that require a gradient ({mine[1]} elements), the ranks "
+            f"{what}: this rank has {mine[0]} {counted} ({mine[1]} elements), the ranks "
             f"{low[0]}-{high[0]} ({low[1]}-{high[1]} elements)"
-            f"{', in different shapes or dtypes' if low[:2] == high[:2] else ''}; every rank "
-            f"must wrap the same model")
+            f"{', in different names, shapes or dtypes' if low[:2] == high[:2] else ''}; "
+            f"{must}")
 
 
 # --- Elastic training (deepnex.elastic) -------------------------------------

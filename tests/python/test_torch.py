@@ -373,6 +373,35 @@ def test_broadcast_parameters_state_dict_and_lists(store):
     assert got[0] == got[1] == ([2.0] * 3, [6.0] * 3, 8, [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]])
 
 
+@pytest.mark.parametrize("other, differ", [
+    ({"w": torch.zeros(2, dtype=torch.float64)}, ", in different names, shapes or dtypes"),
+    ({"v": torch.zeros(2)}, ", in different names, shapes or dtypes"),
+    ({"w": torch.zeros(3)}, ""),
+    ({}, ""),
+])
+def test_broadcast_parameters_of_different_tensors_is_refused_on_each_rank(store, other, differ):
+    """Rank 1's float64 tensor took rank 0's float32 bytes as half of its
+    values (probe); other names, shapes or counts are refused too, before
+    any tensor is overwritten."""
+    n = 2
+    communicator = communicators(store, n)
+    mine = {"w": torch.zeros(2)}
+
+    def worker(rank):
+        tensors = mine if rank == 0 else other
+        count, elements = len(tensors), sum(t.numel() for t in tensors.values())
+        with pytest.raises(deepnex.InvalidArgumentError) as e:
+            dtorch.broadcast_parameters(tensors, root_rank=0, communicator=communicator(rank))
+        low, high = sorted([1, len(other)]), sorted([2, sum(t.numel() for t in other.values())])
+        assert str(e.value) == (
+            f"broadcast_parameters: the ranks pass different tensors: this rank has {count} "
+            f"tensors ({elements} elements), the ranks {low[0]}-{low[1]} "
+            f"({high[0]}-{high[1]} elements){differ}; every rank must pass the same names, "
+            f"shapes and dtypes")
+
+    run_workers(n, worker)
+
+
 def test_ddp_takes_channels_last_and_transposed_parameters_and_any_buffer(store):
     # Its gradient buffers are contiguous whatever the parameters' layout,
     # and buffers of dtypes the collectives do not reduce (bool masks, uint8
