@@ -412,6 +412,14 @@ class FakeRunner:
                 [sys.executable] + (argv or [os.path.abspath(__file__)]), env=env,
                 stdout=out, stderr=subprocess.STDOUT)
 
+    def two_held_at(self, step):
+        """Generation 1: w0 and w1, both holding at `step`."""
+        self.publish(["w0", "w1"])
+        for w in ("w0", "w1"):
+            self.start(w, ["w0", "w1"], hold=[step])
+        for w in ("w0", "w1"):
+            self.wait_step(w, step)
+
     def members(self):
         if not self.generation:
             return []
@@ -570,11 +578,7 @@ def test_a_partitioned_peer_is_left_at_the_next_generation_not_the_timeout(runne
 
 def test_a_worker_dropped_from_the_membership_exits_0(runner):
     r = runner(epochs=1)
-    r.publish(["w0", "w1"])
-    for w in ("w0", "w1"):
-        r.start(w, ["w0", "w1"], hold=[3])
-    r.wait_step("w0", 3)
-    r.wait_step("w1", 3)
+    r.two_held_at(3)
     r.publish(["w0"])
     r.release(3)
     assert r.finish("w1") == 0, r.output("w1")
@@ -605,11 +609,7 @@ def test_a_worker_that_would_join_after_the_training_is_over_exits_0(runner):
 
 def test_a_generation_that_never_comes_fails_within_the_deadline(runner):
     r = runner(epochs=1, timeout=4)
-    r.publish(["w0", "w1"])
-    for w in ("w0", "w1"):
-        r.start(w, ["w0", "w1"], hold=[3])
-    r.wait_step("w0", 3)
-    r.wait_step("w1", 3)
+    r.two_held_at(3)
     r.kill("w1")
     start = time.monotonic()
     r.release(3)
@@ -630,11 +630,7 @@ def test_a_failed_collective_is_reported_and_the_wait_outlasts_the_runners(runne
     cue to drop the members that report nothing within the timeout) and
     keeps waiting past its own timeout for the runner's next generation."""
     r = runner(epochs=1, timeout=3)
-    r.publish(["w0", "w1"])
-    for w in ("w0", "w1"):
-        r.start(w, ["w0", "w1"], hold=[3])
-    r.wait_step("w0", 3)
-    r.wait_step("w1", 3)
+    r.two_held_at(3)
     r.procs["w1"].send_signal(signal.SIGSTOP)
     r.release(3)
     wait_for(lambda: r.client.check(["elastic/waiting/1/w0"])[0], "w0's report")
