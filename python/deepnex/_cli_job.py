@@ -263,7 +263,8 @@ def add_commands(commands) -> None:
                      help="parameter servers checkpoint here and restore when restarted")
     run.add_argument("--optimizer", default="sgd",
                      help="parameter servers' optimizer: sgd, adam, adamw or adagrad (default sgd)")
-    run.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    run.add_argument("--lr", type=float, default=None,
+                     help="learning rate (default: the optimizer's, 0.01; adam and adamw 0.001)")
     run.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
     run.add_argument("--name", default=None, help="job id (default job-<random>)")
     run.add_argument("--notify", action="append", metavar="URL",

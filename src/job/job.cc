@@ -151,7 +151,7 @@ class JobImpl : public Job {
     if (!ps_mode_.empty()) {
       ps::OptimizerConfig optimizer;
       DEEPNEX_ASSIGN_OR_RETURN(optimizer.kind, ps::ParseOptimizerKind(o_.optimizer));
-      optimizer.lr = o_.lr;
+      optimizer.lr = o_.lr.value_or(ps::DefaultLr(optimizer.kind));
       optimizer.momentum = o_.momentum;
       DEEPNEX_RETURN_IF_ERROR(optimizer.Validate());
     }
@@ -824,9 +824,10 @@ class JobImpl : public Job {
     std::vector<std::string>& c = spec.command;
     c = {o_.ps_binary, "--listen", addr, "--mode", ps_mode_, "--workers",
          absl::StrCat(o_.workers), "--optimizer", o_.optimizer,
-         "--lr", ShortestDouble(o_.lr), "--momentum", ShortestDouble(o_.momentum),
-         "--job", o_.name,
+         "--momentum", ShortestDouble(o_.momentum), "--job", o_.name,
          "--name", absl::StrCat("ps", i)};
+    // Else the server's default for its optimizer.
+    if (o_.lr.has_value()) c.insert(c.end(), {"--lr", ShortestDouble(*o_.lr)});
     if (ps_mode_ == "ssp") {
       c.insert(c.end(), {"--staleness", absl::StrCat(staleness_)});
     }

@@ -32,6 +32,10 @@ absl::StatusOr<OptimizerKind> ParseOptimizerKind(const std::string& name) {
       "\" (one of sgd, adam, adamw, adagrad, sum, assign)"));
 }
 
+double DefaultLr(OptimizerKind kind) {
+  return kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW ? 0.001 : 0.01;
+}
+
 absl::Status OptimizerConfig::Validate() const {
   auto bad = [](const char* field, double value, const char* rule) {
     return absl::InvalidArgumentError(

@@ -41,7 +41,7 @@ flags:
                           rounds (default: keep it)
   --reduction mean|sum    sync: how a round combines gradients (default mean)
   --optimizer NAME        sgd, adam, adamw, adagrad, sum or assign (default sgd)
-  --lr X                  learning rate (default 0.01)
+  --lr X                  learning rate (default 0.01; adam and adamw 0.001)
   --momentum X            SGD momentum (default 0)
   --nesterov              SGD: Nesterov momentum
   --weight-decay X        weight decay (default 0)
@@ -92,7 +92,7 @@ flags:
 int main(int argc, char** argv) {
   using deepnex::ps::ServerOptions;
   ServerOptions options;
-  bool eps_given = false;
+  bool lr_given = false, eps_given = false;
   int metrics_port = -1;
   bool restore_if_present = false;
   deepnex::tools::Flags flags("deepnex-ps", kUsage, argc, argv);
@@ -112,8 +112,10 @@ int main(int argc, char** argv) {
       options.reduction = flags.OrDie(deepnex::ps::ParseReduction(flags.Value()));
     else if (flags.Is("--optimizer"))
       options.optimizer.kind = flags.OrDie(deepnex::ps::ParseOptimizerKind(flags.Value()));
-    else if (flags.Is("--lr")) options.optimizer.lr = flags.Number();
-    else if (flags.Is("--momentum")) options.optimizer.momentum = flags.Number();
+    else if (flags.Is("--lr")) {
+      options.optimizer.lr = flags.Number();
+      lr_given = true;
+    } else if (flags.Is("--momentum")) options.optimizer.momentum = flags.Number();
     else if (flags.Is("--nesterov")) options.optimizer.nesterov = true;
     else if (flags.Is("--weight-decay")) options.optimizer.weight_decay = flags.Number();
     else if (flags.Is("--beta1")) options.optimizer.beta1 = flags.Number();
@@ -166,6 +168,7 @@ int main(int argc, char** argv) {
     const char* job = getenv("DEEPNEX_JOB_ID");
     if (job != nullptr) options.job_id = job;
   }
+  if (!lr_given) options.optimizer.lr = deepnex::ps::DefaultLr(options.optimizer.kind);
   if (options.optimizer.kind == deepnex::ps::OptimizerKind::kAdagrad && !eps_given) {
     options.optimizer.eps = 1e-10;
   }

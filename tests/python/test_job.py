@@ -153,12 +153,16 @@ def test_run_trains_digits_to_accuracy_through_sync_ps(jobs):
 
 def test_the_servers_get_the_lr_given_exactly_and_an_lr_of_0(jobs):
     """The servers' --lr was cut to six digits (0.0012345678 became
-    0.00123457), and `deepnex run` refused an lr of 0 that deepnex-ps takes."""
-    for lr in ("0.0012345678", "0"):
-        j = jobs(["--workers", "1", "--mode", "sync", "--lr", lr], ["sleep", "60"])
+    0.00123457), and `deepnex run` refused an lr of 0 that deepnex-ps takes.
+    Without --lr the servers take their optimizer's own (adam's 0.001: it
+    was sgd's 0.01 for every optimizer)."""
+    for flags, lr in ((["--lr", "0.0012345678"], b"0.0012345678"), (["--lr", "0"], b"0"),
+                      (["--optimizer", "adam"], None)):
+        j = jobs(["--workers", "1", "--mode", "sync", *flags], ["sleep", "60"])
         wait_for(lambda: ps_server_pids(j.name), "the job's parameter server")
         command = _cmdline(ps_server_pids(j.name)[0])
-        assert command[command.index(b"--lr") + 1] == lr.encode(), command
+        assert (command[command.index(b"--lr") + 1] if b"--lr" in command else None) == lr, \
+            command
         j.proc.send_signal(signal.SIGINT)
         j.wait(60)
 

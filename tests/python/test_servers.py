@@ -487,6 +487,27 @@ def test_a_bad_cap_flag_is_one_line_naming_it(name, args, message):
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize("flags, step", [
+    (("--optimizer", "sgd"), 0.01),
+    (("--optimizer", "adam"), 0.001),     # it took sgd's 0.01 (note 34)
+    (("--optimizer", "adamw"), 0.001),
+    (("--optimizer", "adam", "--lr", "0.5"), 0.5),
+])
+def test_ps_learning_rate_defaults_to_its_optimizers(daemons, flags, step):
+    """As torch.optim and deepnex.ps.Adam(): Adam's and AdamW's first step
+    of a gradient of 1 moves a weight by their default 0.001, SGD's by its
+    0.01."""
+    np = pytest.importorskip("numpy")
+    server = daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--workers", "1", *flags,
+                     env=ps_env())
+    c = ps.Client([server.address], timeout=10)
+    c.init({"w": np.zeros(1, np.float32)})
+    moved = -c.push_pull({"w": np.ones(1, np.float32)})["w"][0]
+    # Adam's step is lr * m_hat / (sqrt(v_hat) + eps), in float32: within
+    # 1e-5 of lr (the defaults differ tenfold).
+    assert moved == pytest.approx(step, rel=1e-4)
+
+
 def test_ps_pull_reply_cap_from_its_flag(daemons):
     server = daemons("deepnex-ps", "--listen", "127.0.0.1:0", "--max-pull-reply", "1KiB",
                      "--max-pending-replies", "64KiB", "--max-deferred-pushes", "64KiB",

@@ -17,6 +17,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -97,9 +98,9 @@ struct JobOptions {
   // when they restart. Empty: no checkpoints.
   std::string checkpoint_dir;
   // The parameter servers' optimizer: sgd, adam, adamw or adagrad, and its
-  // learning rate.
+  // learning rate. Default: the optimizer's (ps::DefaultLr)
   std::string optimizer = "sgd";
-  double lr = 0.01;
+  std::optional<double> lr;
   // SGD momentum (0: none).
   double momentum = 0;
   // The deepnex-ps program; empty: $DEEPNEX_PS_BIN, then the PATH.

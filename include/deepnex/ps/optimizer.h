@@ -20,7 +20,8 @@ enum class OptimizerKind {
 
 struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::kSgd;
-  // Learning rate. Default: 0.01
+  // Learning rate. Default: 0.01, SGD's DefaultLr (set DefaultLr(kind)
+  // with another kind: deepnex-ps and deepnex run do)
   double lr = 0.01;
   // SGD momentum; 0 disables the momentum buffer. Default: 0
   double momentum = 0.0;
@@ -43,6 +44,11 @@ struct OptimizerConfig {
   // "sgd(lr=0.1, momentum=0.9)"
   std::string ToString() const;
 };
+
+// The learning rate an optimizer takes when none is given, as torch.optim
+// and deepnex.ps (Python) have it: 0.001 for Adam and AdamW, 0.01 for the
+// others.
+double DefaultLr(OptimizerKind kind);
 
 // "sgd", "adam", "adamw", "adagrad", "sum", "assign".
 const char* OptimizerKindName(OptimizerKind kind);
