@@ -26,11 +26,12 @@ from deepnex._cli_common import (add_worker_resources, central_address, central_
 
 
 def _notice(message):
-    # One write per line: print() writes the text and its newline separately, and a
-    # worker's output line, written to the same pipe meanwhile, would land between.
+    # One write per line, as the workers' (job._write_line): print() writes the text
+    # and its newline separately, and a worker's output line, written to the same
+    # pipe meanwhile, would land between.
+    from deepnex.job import _write_line
     try:
-        sys.stderr.write(f"deepnex run: {message}\n")
-        sys.stderr.flush()
+        _write_line(sys.stderr, f"deepnex run: {message}")
     except OSError:
         pass  # the terminal went away (SIGHUP): the job is stopped all the same
 

@@ -18,6 +18,7 @@ import os
 import shutil
 import signal as _signal
 import sys
+import threading
 from typing import Callable, Dict, Optional, Sequence
 
 from . import _C
@@ -31,6 +32,21 @@ JobResult = _C.job.JobResult
 
 # C++'s defaults, which Job's keyword defaults show.
 _JOB = _C.job.JobOptions()
+
+
+# Serializes what the job's threads write to stdout and stderr: a long line
+# into a pipe is many write()s, and another thread's landed between them
+# (probe: two workers' 3 MB lines into `deepnex run ... | tee` came out in
+# 32 KiB pieces, most without their "[worker N]"). Reentrant: a signal
+# handler that stops the job tells it while the main thread may be writing.
+_write_lock = threading.RLock()
+
+
+def _write_line(stream, line: str) -> None:
+    """Writes line and a newline to stream, whole among the job's threads."""
+    with _write_lock:
+        stream.write(line + "\n")
+        stream.flush()
 
 
 def _ps_binary() -> Optional[str]:
@@ -89,12 +105,10 @@ class Job:
         default: stderr)."""
         if output is None:
             def output(who, line):
-                sys.stdout.write(f"[{who}] {line}\n")
-                sys.stdout.flush()
+                _write_line(sys.stdout, f"[{who}] {line}")
         if on_event is None:
             def on_event(message):
-                sys.stderr.write(message + "\n")
-                sys.stderr.flush()
+                _write_line(sys.stderr, message)
         if ps is not None and ps < 0:  # None is the default; -1 means it to C++ alone
             raise InvalidArgumentError(f"ps: {ps} is below 0")
         job = options(

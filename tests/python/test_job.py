@@ -176,6 +176,41 @@ def test_the_job_exit_code_is_the_failing_workers(jobs):
     wait_for(lambda: job_processes(j.name) == [], "the job's processes to end")
 
 
+def test_long_lines_of_two_workers_into_a_pipe_read_late_stay_whole(tmp_path):
+    """Two workers' 3 MB lines into a pipe that was read late (`deepnex run
+    ... | tee log` behind a slow disk) came out in 32 KiB pieces, most of them
+    without their "[worker N]": the job's threads' writes interleaved (probe)."""
+    name = "t" + uuid.uuid4().hex[:10]
+    worker = ("import os, sys; r = os.environ['RANK']; sys.stdout.write(r * 3000000 + '\\n'); "
+              f"sys.stdout.flush(); open(os.path.join({str(tmp_path)!r}, 'done' + r), 'w')")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "deepnex", "run", "--name", name, "--workers", "2", "--mode",
+         "allreduce", "--", sys.executable, "-c", worker],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path),
+        env=dict(os.environ, DEEPNEX_RUN_DIR=str(tmp_path / "run")))
+    try:
+        # Nothing is read until both have written: the job's writes of both
+        # lines wait on the full pipe together.
+        wait_for(lambda: (tmp_path / "done0").exists() and (tmp_path / "done1").exists(),
+                 "both workers' lines written")
+        time.sleep(1)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        with deepnex.launch.Launcher("process") as sweeper:
+            sweeper.cleanup(name)
+    assert p.returncode == 0, out[-2000:]
+    lines = out.splitlines()
+    pieces = [line for line in lines if not line.startswith("deepnex run: ")]
+    # Shown in pieces of at most 1 MiB, each with its worker's prefix.
+    bad = [line[:40] for line in pieces if not re.fullmatch(r"\[worker (0\] 0+|1\] 1+)", line)]
+    assert not bad, bad
+    assert [sum(len(line) - 11 for line in pieces if line.startswith(f"[worker {r}]"))
+            for r in "01"] == [3000000, 3000000]
+
+
 # SIGHUP: a closed terminal left the job running (probe).
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_stops_the_job_and_leaves_nothing_behind(jobs, tmp_path, signum):
