@@ -440,6 +440,10 @@ class ProcessBackend : public Backend {
     for (const std::string& child : Cgroup::Children(cgroup_parent_)) {
       if (!absl::StartsWith(child, prefix)) continue;
       auto cg = Cgroup::Open(cgroup_parent_ + "/" + child);
+      // "<id>-" also begins the runs of a launcher whose id extends this one's, as
+      // job names do ("a" and "a-b"): a cgroup with a process labelled by another
+      // launcher is that one's (probe: cleanup("amb") killed job amb-x's worker).
+      if (cg.ok() && RunsOfAnother(**cg, launcher_id)) continue;
       absl::Status removed = cg.ok() ? (*cg)->Remove() : cg.status();
       if (removed.ok()) ++swept;
       first.Update(removed);
@@ -455,6 +459,14 @@ class ProcessBackend : public Backend {
   }
 
  private:
+  static bool RunsOfAnother(Cgroup& cgroup, const std::string& launcher_id) {
+    for (pid_t pid : cgroup.Processes()) {
+      std::optional<std::string> label = EnvOf(pid, kLauncherIdEnv);
+      if (label && *label != launcher_id) return true;
+    }
+    return false;
+  }
+
   const std::string cgroup_parent_;
   const absl::Status cgroups_;
 };

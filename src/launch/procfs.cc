@@ -42,18 +42,20 @@ std::vector<std::string> StatFields(pid_t pid) {
 
 }  // namespace
 
+std::optional<std::string> EnvOf(pid_t pid, const std::string& key) {
+  const std::string prefix = key + "=";
+  std::ifstream in("/proc/" + std::to_string(pid) + "/environ", std::ios::binary);
+  std::string entry;
+  while (std::getline(in, entry, '\0')) {
+    if (absl::StartsWith(entry, prefix)) return entry.substr(prefix.size());
+  }
+  return std::nullopt;
+}
+
 std::vector<pid_t> ProcessesWithEnv(const std::string& key, const std::string& value) {
-  const std::string needle = key + "=" + value;
   std::vector<pid_t> found;
   for (pid_t pid : AllPids()) {
-    std::ifstream in("/proc/" + std::to_string(pid) + "/environ", std::ios::binary);
-    std::string entry;
-    while (std::getline(in, entry, '\0')) {
-      if (entry == needle) {
-        found.push_back(pid);
-        break;
-      }
-    }
+    if (EnvOf(pid, key) == value) found.push_back(pid);
   }
   return found;
 }

@@ -16,6 +16,10 @@
 
 namespace deepnex::launch {
 
+// The value of `key` in the environment `pid` started with; nullopt when it
+// has none, or the process is gone or unreadable to this one.
+std::optional<std::string> EnvOf(pid_t pid, const std::string& key);
+
 // The pids of the processes whose environment holds `key`=`value` (those
 // this process may read).
 std::vector<pid_t> ProcessesWithEnv(const std::string& key, const std::string& value);

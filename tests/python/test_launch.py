@@ -207,6 +207,18 @@ def test_cleanup_after_a_launcher_is_killed(tmp_path):
     wait_for(lambda: not alive(pid), f"pid {pid} to end")
 
 
+def test_cleanup_leaves_a_launcher_whose_id_extends_the_ones_swept(tmp_path):
+    """Runs are named "<launcher id>-<container>-<n>", so cleanup("amb") took
+    the cgroups of launcher "amb-x" too, and killed job amb-x's worker when a
+    killed job amb was swept (probe)."""
+    with launch.Launcher("process", id="amb-x", state_dir=str(tmp_path)) as other:
+        h = other.start(launch.ContainerSpec(name="amb-x-worker0", command=["sleep", "987653"]))
+        with launch.Launcher("process") as sweeper:
+            assert sweeper.cleanup("amb") == 0
+        # A swept cgroup is removed once its processes are gone.
+        assert alive(int(h.status().id)), h.status()
+
+
 def test_ps_table(tmp_path):
     state = tmp_path / "state"
     with launch.Launcher("process", state_dir=str(state)) as l:
