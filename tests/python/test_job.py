@@ -233,6 +233,23 @@ def test_a_signal_stops_the_job_and_leaves_nothing_behind(jobs, tmp_path, signum
     assert not os.path.exists(tmp_path / "run" / j.name)
 
 
+def test_a_killed_run_leaves_nothing_behind(jobs, tmp_path):
+    """A `deepnex run` killed by SIGKILL (or the OOM killer) left its workers,
+    a daemon of theirs and its parameter server running for ever, outside
+    any allocation, and a new run of its name failed on their cgroups (probe)."""
+    j = jobs(["--workers", "2", "--mode", "sync"],
+             ["sh", "-c", "echo up; setsid sleep 600 </dev/null >/dev/null 2>&1 & sleep 600"])
+    j.await_line(r"^\[worker 1\] up")
+    wait_for(lambda: len(job_processes(j.name)) >= 5,  # ps0, 2 x (sh + 2 sleeps)
+             lambda: f"5 processes of the job, saw {job_processes(j.name)}")
+    j.proc.kill()
+    assert j.wait(60) == -signal.SIGKILL
+    wait_for(lambda: job_processes(j.name) == [], "the killed run's processes to end")
+    again = jobs(["--workers", "1", "--mode", "allreduce"], ["echo", "again"], name=j.name)
+    assert again.wait(60) == 0, again.output()
+    assert "[worker 0] again" in again.lines, again.output()
+
+
 def test_a_second_signal_after_the_stop_keeps_the_first_ones_code(jobs):
     """A Ctrl-C just after a SIGTERM's stop, once deepnex run had put the old
     handlers back, took its default action: exit 130, where the run had said
