@@ -168,12 +168,20 @@ class Sharder:
 
     def batches(self, batch_size, drop_last=False):
         """Yields the rest of the current epoch as int64 arrays of at most
-        ``batch_size`` indices; ``drop_last`` skips a final short one. Only a
-        re-sharded epoch's shorter shard yields an empty last batch."""
+        ``batch_size`` indices, one per step of ``batch_size`` cursor
+        positions; ``drop_last`` skips a final step of fewer positions. Every
+        shard takes the same steps: only in a re-sharded epoch does a shorter
+        shard yield one index fewer at its last step (an empty batch when
+        that step has one position)."""
+        batch_size = _fits(batch_size, "batch_size")
         epoch = self.epoch
         while self.epoch == epoch:
-            batch = self._s.next(_fits(batch_size, "batch_size"))
-            if drop_last and len(batch) < batch_size:
+            # The shared cursor decides, not this shard's batch: a shorter
+            # shard's last full step is one index short, and dropping it there
+            # alone left its rank a step behind the others.
+            short = self.epoch_length - self.position < batch_size
+            batch = self._s.next(batch_size)
+            if drop_last and short:
                 continue
             yield batch
 

@@ -143,3 +143,23 @@ def test_from_context(job_env):
     s = Sharder.from_context(40, seed=1)   # rank 1 of 4
     assert s.indices(0).tolist() == Sharder(40, 4, 1, seed=1).indices(0).tolist()
     assert len(s) == 10
+
+
+def test_drop_last_drops_the_same_step_on_every_rank_of_a_resharded_epoch():
+    """drop_last dropped a batch shorter than batch_size: in a re-sharded
+    epoch the shorter shard's last full step is one index short, so its rank
+    alone dropped it and took a step fewer than the others (a collective
+    then waits for it forever)."""
+    one = Sharder(10, 1, 0, seed=1)
+    seen = one._s.next(1).tolist()
+    two = [Sharder(10, 1, 0, seed=1) for _ in range(2)]
+    for k, s in enumerate(two):
+        s.reshard(2, k, one.state_dict())
+    assert [s.epoch_length for s in two] == [5, 5]   # blocks of 5 and 4
+    steps = [[b.tolist() for b in s.batches(5, drop_last=True)] for s in two]
+    assert [len(b) for b in steps[0] + steps[1]] == [5, 4]
+    assert sorted(seen + steps[0][0] + steps[1][0]) == list(range(10))
+    # A step of fewer positions than batch_size is dropped on every rank.
+    for k, s in enumerate(two):
+        s.reshard(2, k, one.state_dict())
+    assert [[len(b) for b in s.batches(3, drop_last=True)] for s in two] == [[3], [3]]
