@@ -12,9 +12,11 @@ reshuffled every epoch the same way on every rank::
 Iterating (``for i in sharder``, ``sharder.batches(n)``) yields the rest of
 the current epoch, from the cursor ``state()`` = (epoch, position), and moves
 the cursor as it goes: to (epoch + 1, 0) once the epoch's last index has been
-handed out. Save ``state()`` with a checkpoint and pass it back
-(``Sharder(..., state=s)`` or ``load_state(s)``) to resume exactly where the
-job stopped.
+handed out. Save ``state_dict()`` with a checkpoint and pass it back
+(``Sharder(..., state=s)`` or ``load_state_dict(s)``) to resume exactly where
+the job stopped, in the same world or another. The cursor alone, ``state()``,
+is a position in this world's layout of the epoch: restored after a resize
+mid-epoch, or into another world, it points at other items.
 
 An elastic job whose world changes mid-epoch re-shards: ``state_dict()`` of
 any one rank (ranks that take a batch each per step share their cursor)
@@ -54,6 +56,9 @@ class Sharder:
     indices, repeating a few from the start of the permutation) or "drop"
     (floor(size / num_shards), leaving out the rest).
 
+    state: where to resume, a checkpoint's ``state_dict()`` (see
+    load_state_dict) or a cursor (epoch, position) (see load_state).
+
     Bad input (num_shards <= 0, shard out of range, size 0, size <
     num_shards with "drop") raises InvalidArgumentError (a ValueError)
     naming the field and the value.
@@ -65,7 +70,9 @@ class Sharder:
                                   "num_shards", 32), shard=_fits(shard, "shard", 32),
                                   shuffle=bool(shuffle),
                                   seed=int(seed) & (2**64 - 1), remainder=str(remainder))
-        if state is not None:
+        if isinstance(state, dict):
+            self.load_state_dict(state)
+        elif state is not None:
             self.load_state(state)
 
     @classmethod
@@ -107,8 +114,9 @@ class Sharder:
         return (self._s.epoch, self._s.position)
 
     def load_state(self, state):
-        """Moves the cursor to (epoch, position); position == len(self)
-        means the epoch is done."""
+        """Moves the cursor to (epoch, position) of this world's layout;
+        position == epoch_length means the epoch is done. A checkpoint is
+        resumed with load_state_dict, which knows the world it was saved in."""
         try:
             epoch, position = state
         except (TypeError, ValueError):

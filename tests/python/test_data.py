@@ -163,3 +163,27 @@ def test_drop_last_drops_the_same_step_on_every_rank_of_a_resharded_epoch():
     for k, s in enumerate(two):
         s.reshard(2, k, one.state_dict())
     assert [[len(b) for b in s.batches(3, drop_last=True)] for s in two] == [[3], [3]]
+
+
+def test_a_checkpoints_state_dict_resumes_exactly_after_a_resize_and_in_another_world():
+    """The docs said to checkpoint state(), (epoch, position), and resume with
+    Sharder(..., state=s): after a resize mid-epoch, or in another world, that
+    cursor pointed at other items (repeating and skipping some). A
+    state_dict() resumes exactly, and state= takes one."""
+    def resume(seen, state, world):
+        rest = [i for k in range(world) for i in Sharder(20, world, k, seed=1, remainder="drop",
+                                                         state=state)]
+        assert sorted(seen + rest) == list(range(20))
+
+    two = [Sharder(20, 2, k, seed=1, remainder="drop") for k in range(2)]
+    seen = [int(i) for s in two for i in s._s.next(3)]
+    three = [Sharder(20, 3, k, seed=1, remainder="drop") for k in range(3)]
+    for s in three:
+        s.load_state_dict(two[0].state_dict())
+    seen += [int(i) for s in three for i in s._s.next(2)]
+    assert three[0].state() == (0, 2) and three[0].state_dict()["ranges"]
+    for world in (3, 2, 5):
+        resume(seen, three[0].state_dict(), world)
+    # The bare cursor still seeks in the world's own layout.
+    assert Sharder(20, 3, 0, seed=1, remainder="drop", state=(0, 2)).state_dict() == {
+        "epoch": 0, "position": 2, "num_shards": 3, "ranges": []}
