@@ -28,22 +28,40 @@ exactly once; later epochs are laid out for the new world as usual::
     sharder.reshard(new_world_size, new_rank, state)
 """
 
+import operator
+
 from . import _C
 from .errors import InvalidArgumentError
 
 __all__ = ["Sharder"]
 
 
-def _fits(value, field, bits=64):
-    """int(value), or InvalidArgumentError naming `field` past a signed `bits`-bit int
-    (where pybind11 would raise a TypeError listing the binding's signature)."""
+def _integer(value, field):
+    """value as an int (numpy's included), or InvalidArgumentError naming
+    `field`: int() truncated a float, so Sharder(10.9) held 10 items."""
     try:
-        number = int(value)
-    except (TypeError, ValueError):
+        return operator.index(value)
+    except TypeError:
         raise InvalidArgumentError(f"{field}: {value!r} is not an integer") from None
+
+
+def _fits(value, field, bits=64):
+    """_integer(value), or InvalidArgumentError naming `field` past a signed `bits`-bit int
+    (where pybind11 would raise a TypeError listing the binding's signature)."""
+    number = _integer(value, field)
     if not -2**(bits - 1) <= number < 2**(bits - 1):
         raise InvalidArgumentError(f"{field}: {number} is out of range")
     return number
+
+
+def _seed(value):
+    """A seed as the generator's 64 bits: a negative one as its two's
+    complement, one past 64 bits refused (2**64 gave seed 0's order)."""
+    number = _integer(value, "seed")
+    if not -2**63 <= number < 2**64:
+        raise InvalidArgumentError(f"seed: {number} is out of range (a 64-bit int, signed "
+                                   "or unsigned)")
+    return number & (2**64 - 1)
 
 
 class Sharder:
@@ -52,6 +70,7 @@ class Sharder:
     shuffle: a new permutation every epoch, drawn from (seed, epoch) by
     splitmix64 and Fisher-Yates, identical on every rank and platform; the
     shard is a contiguous block of it. False keeps the dataset's order.
+    seed: a 64-bit int, signed or unsigned (-1 is 2**64 - 1).
     remainder: "pad" (default; every shard has ceil(size / num_shards)
     indices, repeating a few from the start of the permutation) or "drop"
     (floor(size / num_shards), leaving out the rest).
@@ -69,7 +88,7 @@ class Sharder:
         self._s = _C.data.Sharder(size=_fits(size, "size"), num_shards=_fits(num_shards,
                                   "num_shards", 32), shard=_fits(shard, "shard", 32),
                                   shuffle=bool(shuffle),
-                                  seed=int(seed) & (2**64 - 1), remainder=str(remainder))
+                                  seed=_seed(seed), remainder=str(remainder))
         if isinstance(state, dict):
             self.load_state_dict(state)
         elif state is not None:

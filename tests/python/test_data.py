@@ -187,3 +187,24 @@ def test_a_checkpoints_state_dict_resumes_exactly_after_a_resize_and_in_another_
     # The bare cursor still seeks in the world's own layout.
     assert Sharder(20, 3, 0, seed=1, remainder="drop", state=(0, 2)).state_dict() == {
         "epoch": 0, "position": 2, "num_shards": 3, "ranges": []}
+
+
+def test_a_float_or_a_seed_past_64_bits_is_refused_not_truncated():
+    """int() took these: Sharder(10.9) held 10 items, shard 0.9 was shard 0,
+    a cursor (0, 2.7) position 2, batches(2.5) batches of 2, and seeds 0.5
+    and 2**64 gave seed 0's order."""
+    import numpy as np
+    for call, message in (
+            (lambda: Sharder(10.9), r"^size: 10\.9 is not an integer$"),
+            (lambda: Sharder(10, 2, 0.9), r"^shard: 0\.9 is not an integer$"),
+            (lambda: Sharder(10, 2, 0, state=(0, 2.7)), r"^state\.position: 2\.7 is not an "),
+            (lambda: next(Sharder(10).batches(2.5)), r"^batch_size: 2\.5 is not an integer$"),
+            (lambda: Sharder(10, seed=0.5), r"^seed: 0\.5 is not an integer$"),
+            (lambda: Sharder(10, seed=None), r"^seed: None is not an integer$"),
+            (lambda: Sharder(10, seed=2**64), r"^seed: 18446744073709551616 is out of range"),
+            (lambda: Sharder(10, seed=-2**63 - 1), r"^seed: -9223372036854775809 is out of ")):
+        with pytest.raises(deepnex.InvalidArgumentError, match=message):
+            call()
+    # numpy's ints are ints; a negative seed is its 64 bits' two's complement.
+    s = Sharder(np.int64(10), np.int32(2), np.int64(1), seed=np.uint64(2**64 - 1))
+    assert s.indices(0).tolist() == Sharder(10, 2, 1, seed=-1).indices(0).tolist()
