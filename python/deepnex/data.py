@@ -85,10 +85,12 @@ class Sharder:
 
     def __init__(self, size, num_shards=1, shard=0, shuffle=True, seed=0,
                  remainder="pad", state=None):
-        self._s = _C.data.Sharder(size=_fits(size, "size"), num_shards=_fits(num_shards,
-                                  "num_shards", 32), shard=_fits(shard, "shard", 32),
-                                  shuffle=bool(shuffle),
-                                  seed=_seed(seed), remainder=str(remainder))
+        # The data set's side, which __reduce__ pickles with the world and state.
+        self._dataset = (_fits(size, "size"), bool(shuffle), _seed(seed), str(remainder))
+        size, shuffle, seed, remainder = self._dataset
+        self._s = _C.data.Sharder(size=size, num_shards=_fits(num_shards, "num_shards", 32),
+                                  shard=_fits(shard, "shard", 32), shuffle=shuffle, seed=seed,
+                                  remainder=remainder)
         if isinstance(state, dict):
             self.load_state_dict(state)
         elif state is not None:
@@ -101,6 +103,13 @@ class Sharder:
             from . import init
             context = init()
         return cls(size, context.world_size, context.rank, **kwargs)
+
+    def __reduce__(self):
+        """Pickles (and copies) as its options and state_dict(): the C++
+        sharder has no pickle of its own, and copy.copy shared its cursor."""
+        size, shuffle, seed, remainder = self._dataset
+        return (Sharder, (size, self.num_shards, self.shard, shuffle, seed, remainder,
+                          self.state_dict()))
 
     def __len__(self):
         """Indices per epoch (one that was not re-sharded)."""

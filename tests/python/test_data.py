@@ -208,3 +208,22 @@ def test_a_float_or_a_seed_past_64_bits_is_refused_not_truncated():
     # numpy's ints are ints; a negative seed is its 64 bits' two's complement.
     s = Sharder(np.int64(10), np.int32(2), np.int64(1), seed=np.uint64(2**64 - 1))
     assert s.indices(0).tolist() == Sharder(10, 2, 1, seed=-1).indices(0).tolist()
+
+
+def test_pickle_and_copies_carry_the_options_world_and_cursor():
+    """pickle.dumps and copy.deepcopy raised TypeError (the C++ sharder does
+    not pickle), and copy.copy shared the original's cursor."""
+    import copy
+    import pickle
+    two = [Sharder(30, 2, k, seed=-7, remainder="drop") for k in range(2)]
+    seen = [int(i) for s in two for i in s._s.next(4)]
+    three = [Sharder(30, 3, k, seed=-7, remainder="drop") for k in range(3)]
+    for s in three:
+        s.load_state_dict(two[0].state_dict())
+    seen += [int(i) for s in three for i in s._s.next(1)]
+    for clone in (lambda s: pickle.loads(pickle.dumps(s)), copy.deepcopy, copy.copy):
+        clones = [clone(s) for s in three]
+        assert [c.state_dict() for c in clones] == [s.state_dict() for s in three]
+        assert sorted(seen + [i for c in clones for i in c]) == list(range(30))
+        assert [c.indices(5).tolist() for c in clones] == [s.indices(5).tolist() for s in three]
+        assert all(s.state() == (0, 1) for s in three)   # the originals did not move
