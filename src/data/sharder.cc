@@ -76,34 +76,56 @@ uint64_t Total(const Ranges& ranges) {
   return total;
 }
 
-// The permutation positions of block `shard` of an epoch laid out for
-// num_shards: the usual contiguous block (wrapping around for kPad), or with
-// `ranges` the shard's block of their items (see ShardState::ranges).
-std::vector<uint64_t> BlockPositions(const SharderOptions& options, int num_shards,
-                                     const Ranges& ranges, int shard) {
-  const uint64_t k = static_cast<uint64_t>(shard), n = static_cast<uint64_t>(num_shards);
-  std::vector<uint64_t> out;
-  if (ranges.empty()) {
-    const uint64_t shard_size = ShardSize(options, num_shards);
-    out.reserve(shard_size);
-    // Padding wraps around the permutation (more than once when size < n).
-    for (uint64_t i = 0; i < shard_size; ++i) out.push_back((k * shard_size + i) % options.size);
+// The permutation positions of an epoch's blocks laid out for num_shards: the
+// usual contiguous blocks (wrapping around for kPad), or with `ranges` the
+// blocks of their items (see ShardState::ranges). Block(k) skips the whole
+// ranges before block k from where the block before it began, so one block
+// costs O(ranges + its length) and every block in turn O(ranges + items):
+// Reshard, which walks a world's blocks, took O(num_shards * ranges) when
+// each block skipped from the first range.
+class Layout {
+ public:
+  Layout(const SharderOptions& options, int num_shards, const Ranges& ranges)
+      : options_(options), n_(static_cast<uint64_t>(num_shards)), ranges_(ranges),
+        total_(Total(ranges)) {}
+
+  // REQUIRES: shard >= the shard of the call before.
+  std::vector<uint64_t> Block(int shard) {
+    const uint64_t k = static_cast<uint64_t>(shard);
+    std::vector<uint64_t> out;
+    if (ranges_.empty()) {
+      const uint64_t shard_size = ShardSize(options_, static_cast<int>(n_));
+      out.reserve(shard_size);
+      // Padding wraps around the permutation (more than once when size < n).
+      for (uint64_t i = 0; i < shard_size; ++i) out.push_back((k * shard_size + i) % options_.size);
+      return out;
+    }
+    const uint64_t q = total_ / n_, r = total_ % n_;
+    const uint64_t start = k * q + std::min(k, r), length = q + (k < r ? 1 : 0);
+    while (range_ < ranges_.size() &&
+           before_ + ranges_[range_].second - ranges_[range_].first <= start) {
+      before_ += ranges_[range_].second - ranges_[range_].first;
+      ++range_;
+    }
+    out.reserve(length);
+    uint64_t skip = start - before_;
+    for (size_t i = range_; i < ranges_.size() && out.size() < length; ++i) {
+      for (uint64_t p = ranges_[i].first + skip; p < ranges_[i].second && out.size() < length; ++p) {
+        out.push_back(p);
+      }
+      skip = 0;
+    }
     return out;
   }
-  const uint64_t total = Total(ranges), q = total / n, r = total % n;
-  uint64_t skip = k * q + std::min(k, r), length = q + (k < r ? 1 : 0);
-  out.reserve(length);
-  for (const auto& [first, second] : ranges) {
-    if (skip >= second - first) {  // whole ranges before the block: O(ranges), not O(items)
-      skip -= second - first;
-      continue;
-    }
-    for (uint64_t p = first + skip; p < second && out.size() < length; ++p) out.push_back(p);
-    skip = 0;
-    if (out.size() == length) break;
-  }
-  return out;
-}
+
+ private:
+  const SharderOptions& options_;
+  const uint64_t n_;
+  const Ranges& ranges_;
+  const uint64_t total_;  // items in ranges_
+  size_t range_ = 0;     // the first range that may hold the next block's items
+  uint64_t before_ = 0;  // items in the ranges before it
+};
 
 absl::Status CheckEpoch(uint64_t epoch, const char* field) {
   // Past it a cursor could count to 2^63, a state that Seek from Python (and
@@ -155,8 +177,10 @@ std::vector<uint64_t> Sharder::Permutation(uint64_t epoch) const {
 
 std::vector<uint64_t> Sharder::Indices(uint64_t epoch) const {
   std::vector<uint64_t> order = Permutation(epoch);
-  std::vector<uint64_t> out = BlockPositions(options_, options_.num_shards,
-                                             Resharded(epoch) ? ranges_ : Ranges(), options_.shard);
+  const Ranges none;
+  std::vector<uint64_t> out =
+      Layout(options_, options_.num_shards, Resharded(epoch) ? ranges_ : none)
+          .Block(options_.shard);
   for (uint64_t& p : out) p = order[p];
   return out;
 }
@@ -235,19 +259,22 @@ absl::Status Sharder::Reshard(const ShardState& from, int num_shards, int shard)
   } else if (from.position > 0 || !from.ranges.empty()) {
     // What no shard has handed out yet: the unread rest of every block, less
     // what a block read already (kPad repeats the permutation's start).
-    std::vector<bool> left(options_.size, false);
-    std::vector<std::vector<uint64_t>> blocks(n);
+    enum Seen : uint8_t { kNot, kUnread, kRead };
+    std::vector<uint8_t> seen(options_.size, kNot);
+    Layout layout(options_, from.num_shards, from.ranges);
     for (int k = 0; k < from.num_shards; ++k) {
-      blocks[k] = BlockPositions(options_, from.num_shards, from.ranges, k);
-      for (uint64_t i = std::min(from.position, blocks[k].size()); i < blocks[k].size(); ++i) {
-        left[blocks[k][i]] = true;
+      const std::vector<uint64_t> block = layout.Block(k);
+      for (uint64_t i = 0; i < block.size(); ++i) {
+        uint8_t& p = seen[block[i]];
+        if (i < from.position) {
+          p = kRead;
+        } else if (p == kNot) {
+          p = kUnread;
+        }
       }
     }
-    for (const std::vector<uint64_t>& block : blocks) {
-      for (uint64_t i = 0; i < std::min(from.position, block.size()); ++i) left[block[i]] = false;
-    }
     for (uint64_t p = 0; p < options_.size; ++p) {
-      if (!left[p]) continue;
+      if (seen[p] != kUnread) continue;
       if (!ranges.empty() && ranges.back().second == p) {
         ++ranges.back().second;
       } else {
