@@ -35,6 +35,9 @@ from .errors import InvalidArgumentError
 
 __all__ = ["Sharder"]
 
+# What a state_dict's positions are positions in: Sharder's own options.
+_DATASET = ("size", "shuffle", "seed", "remainder")
+
 
 def _integer(value, field):
     """value as an int (numpy's included), or InvalidArgumentError naming
@@ -85,7 +88,7 @@ class Sharder:
 
     def __init__(self, size, num_shards=1, shard=0, shuffle=True, seed=0,
                  remainder="pad", state=None):
-        # The data set's side, which __reduce__ pickles with the world and state.
+        # The data set's order (_DATASET): state_dict() carries it, __reduce__ rebuilds it.
         self._dataset = (_fits(size, "size"), bool(shuffle), _seed(seed), str(remainder))
         size, shuffle, seed, remainder = self._dataset
         self._s = _C.data.Sharder(size=size, num_shards=_fits(num_shards, "num_shards", 32),
@@ -153,10 +156,11 @@ class Sharder:
         self._s.seek(_fits(epoch, "state.epoch"), _fits(position, "state.position"))
 
     def state_dict(self):
-        """The cursor with the world it is for, and the layout of a
-        re-sharded current epoch: {"epoch", "position", "num_shards",
-        "ranges"} (ints and [first, last) pairs of permutation positions)."""
-        return self._s.state()
+        """The cursor with the world it is for, the layout of a re-sharded
+        current epoch, and the order they index: {"epoch", "position",
+        "num_shards", "ranges"} (ints and [first, last) pairs of permutation
+        positions) and this sharder's "size", "shuffle", "seed", "remainder"."""
+        return dict(self._s.state(), **dict(zip(_DATASET, self._dataset)))
 
     def load_state_dict(self, state):
         """Continues ``state`` (any shard's state_dict()) as this shard of
@@ -179,6 +183,13 @@ class Sharder:
         if missing:
             raise InvalidArgumentError(f"state: no {', '.join(missing)} (a state_dict() has "
                                        f"{', '.join(keys)})")
+        # Positions in another order are other items. (A state saved before
+        # state_dict() carried the order has none of these keys.)
+        for key, value in zip(_DATASET, self._dataset):
+            if key in state and state[key] != value:
+                raise InvalidArgumentError(f"state.{key}: {state[key]!r} is not this sharder's "
+                                           f"{value!r} (the state is a position in another "
+                                           "order of the data set)")
         try:
             pairs = [(a, b) for a, b in state["ranges"]]
         except (TypeError, ValueError):

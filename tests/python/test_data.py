@@ -186,7 +186,8 @@ def test_a_checkpoints_state_dict_resumes_exactly_after_a_resize_and_in_another_
         resume(seen, three[0].state_dict(), world)
     # The bare cursor still seeks in the world's own layout.
     assert Sharder(20, 3, 0, seed=1, remainder="drop", state=(0, 2)).state_dict() == {
-        "epoch": 0, "position": 2, "num_shards": 3, "ranges": []}
+        "epoch": 0, "position": 2, "num_shards": 3, "ranges": [], "size": 20, "shuffle": True,
+        "seed": 1, "remainder": "drop"}
 
 
 def test_a_float_or_a_seed_past_64_bits_is_refused_not_truncated():
@@ -227,3 +228,24 @@ def test_pickle_and_copies_carry_the_options_world_and_cursor():
         assert sorted(seen + [i for c in clones for i in c]) == list(range(30))
         assert [c.indices(5).tolist() for c in clones] == [s.indices(5).tolist() for s in three]
         assert all(s.state() == (0, 1) for s in three)   # the originals did not move
+
+
+def test_a_state_dict_of_another_order_is_refused():
+    """A state_dict's positions index one order of the data set, and it did
+    not say which: resumed with another seed, or after the data set grew, it
+    handed out other items (some twice, some never) without a word."""
+    saved = Sharder(20, 2, 0, seed=1)
+    saved._s.next(3)
+    state = saved.state_dict()
+    for other, message in ((Sharder(21, 2, 0, seed=1), "^state.size: 20 is not this sharder's 21 "),
+                           (Sharder(20, 2, 0, seed=2), "^state.seed: 1 is not this sharder's 2 "),
+                           (Sharder(20, 2, 0, seed=1, shuffle=False),
+                            "^state.shuffle: True is not this sharder's False "),
+                           (Sharder(20, 2, 0, seed=1, remainder="drop"),
+                            "^state.remainder: 'pad' is not this sharder's 'drop' ")):
+        with pytest.raises(deepnex.InvalidArgumentError, match=message):
+            other.load_state_dict(state)
+        assert other.state() == (0, 0)
+    # A state saved without them (before they were in it) still loads.
+    old = {k: state[k] for k in ("epoch", "position", "num_shards", "ranges")}
+    assert Sharder(20, 2, 1, seed=1, state=old).state() == (0, 3)

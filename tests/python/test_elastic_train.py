@@ -39,7 +39,8 @@ def test_reshard_from_python_splits_the_rest_of_the_epoch_exactly():
     world = [Sharder(100, 2, k, seed=3, remainder="drop") for k in range(2)]
     seen = [int(i) for s in world for i in s._s.next(7)]
     state = world[0].state_dict()
-    assert state == {"epoch": 0, "position": 7, "num_shards": 2, "ranges": []}
+    assert state == {"epoch": 0, "position": 7, "num_shards": 2, "ranges": [], "size": 100,
+                     "shuffle": True, "seed": 3, "remainder": "drop"}
     three = [Sharder(100, 1, 0, seed=3, remainder="drop") for _ in range(3)]
     for k, s in enumerate(three):
         s.reshard(3, k, state)
