@@ -30,6 +30,12 @@ exactly once; later epochs are laid out for the new world as usual::
 
 import operator
 
+# Imported before the first Sharder returns an array: pybind11 2.10 imports
+# numpy's C API inside a C++ static initializer, where a second thread then
+# waits holding the GIL that the import needs (two threads' first batches
+# deadlocked); with numpy loaded already that import never gives up the GIL.
+import numpy  # noqa: F401
+
 from . import _C
 from .errors import InvalidArgumentError
 

@@ -2,6 +2,10 @@
 shuffles (checked against an independent splitmix64 + Fisher-Yates), and
 exact resume."""
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 import deepnex
@@ -249,3 +253,28 @@ def test_a_state_dict_of_another_order_is_refused():
     # A state saved without them (before they were in it) still loads.
     old = {k: state[k] for k in ("epoch", "position", "num_shards", "ranges")}
     assert Sharder(20, 2, 1, seed=1, state=old).state() == (0, 3)
+
+
+def test_threads_first_batches_at_once_do_not_deadlock():
+    """In a process that had not imported numpy, two threads' first batches
+    hung for good: pybind11 imported numpy's C API in a C++ static
+    initializer, and the second thread waited there holding the GIL that the
+    first thread's import needed."""
+    code = textwrap.dedent("""
+        import sys, threading
+        from deepnex.data import Sharder
+        sharders = [Sharder(1000, 1, 0, seed=k) for k in range(4)]
+        start = threading.Barrier(4)
+        def first_batch(s):
+            start.wait()
+            next(s.batches(10))
+        threads = [threading.Thread(target=first_batch, args=(s,)) for s in sharders]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        print("done")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout == "done\n", out.stderr
