@@ -29,6 +29,7 @@ exactly once; later epochs are laid out for the new world as usual::
 """
 
 import operator
+import threading
 
 # Imported before the first Sharder returns an array: pybind11 2.10 imports
 # numpy's C API inside a C++ static initializer, where a second thread then
@@ -90,6 +91,9 @@ class Sharder:
     Bad input (num_shards <= 0, shard out of range, size 0, size <
     num_shards with "drop") raises InvalidArgumentError (a ValueError)
     naming the field and the value.
+
+    Threads may share one: each step of an iteration is taken whole, and
+    only from the epoch the iteration began in.
     """
 
     def __init__(self, size, num_shards=1, shard=0, shuffle=True, seed=0,
@@ -100,6 +104,9 @@ class Sharder:
         self._s = _C.data.Sharder(size=size, num_shards=_fits(num_shards, "num_shards", 32),
                                   shard=_fits(shard, "shard", 32), shuffle=shuffle, seed=seed,
                                   remainder=remainder)
+        # Threads may share it: a step's check of the epoch and its next()
+        # (and state()'s two reads) are taken under it, one thread at a time.
+        self._lock = threading.Lock()
         if isinstance(state, dict):
             self.load_state_dict(state)
         elif state is not None:
@@ -148,7 +155,8 @@ class Sharder:
 
     def state(self):
         """(epoch, position): what has been handed out so far."""
-        return (self._s.epoch, self._s.position)
+        with self._lock:
+            return (self._s.epoch, self._s.position)
 
     def load_state(self, state):
         """Moves the cursor to (epoch, position) of this world's layout;
@@ -228,12 +236,15 @@ class Sharder:
         that step has one position)."""
         batch_size = _fits(batch_size, "batch_size")
         epoch = self.epoch
-        while self.epoch == epoch:
-            # The shared cursor decides, not this shard's batch: a shorter
-            # shard's last full step is one index short, and dropping it there
-            # alone left its rank a step behind the others.
-            short = self.epoch_length - self.position < batch_size
-            batch = self._s.next(batch_size)
+        while True:
+            with self._lock:
+                if self.epoch != epoch:
+                    return
+                # The shared cursor decides, not this shard's batch: a shorter
+                # shard's last full step is one index short, and dropping it
+                # there alone left its rank a step behind the others.
+                short = self.epoch_length - self.position < batch_size
+                batch = self._s.next(batch_size)
             if drop_last and short:
                 continue
             yield batch

@@ -278,3 +278,20 @@ def test_threads_first_batches_at_once_do_not_deadlock():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.stdout == "done\n", out.stderr
+
+
+def test_threads_sharing_a_sharder_take_each_index_once_within_its_epoch():
+    """A step checked the epoch, then took next(): another thread could end
+    the epoch in between, and the step took the next epoch's first index,
+    leaving the cursor mid-epoch (9 runs in 30 on this test's sizes)."""
+    import threading
+    for trial in range(30):
+        s = Sharder(20000, 2, 1, seed=trial)
+        taken = []
+        threads = [threading.Thread(target=lambda: taken.extend(s)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert s.position == 0
+        assert sorted(taken) == sorted(i for e in range(s.epoch) for i in s.indices(e).tolist())
