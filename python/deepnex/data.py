@@ -98,7 +98,7 @@ class Sharder:
 
     def __init__(self, size, num_shards=1, shard=0, shuffle=True, seed=0,
                  remainder="pad", state=None):
-        # The data set's order (_DATASET): state_dict() carries it, __reduce__ rebuilds it.
+        # The data set's order (_DATASET): state_dict() carries it, a pickle rebuilds from it.
         self._dataset = (_fits(size, "size"), bool(shuffle), _seed(seed), str(remainder))
         size, shuffle, seed, remainder = self._dataset
         self._s = _C.data.Sharder(size=size, num_shards=_fits(num_shards, "num_shards", 32),
@@ -120,12 +120,21 @@ class Sharder:
             context = init()
         return cls(size, context.world_size, context.rank, **kwargs)
 
-    def __reduce__(self):
-        """Pickles (and copies) as its options and state_dict(): the C++
-        sharder has no pickle of its own, and copy.copy shared its cursor."""
-        size, shuffle, seed, remainder = self._dataset
-        return (Sharder, (size, self.num_shards, self.shard, shuffle, seed, remainder,
-                          self.state_dict()))
+    def __getstate__(self):
+        """Pickles (and copies) as its attributes, with the world and
+        state_dict() in place of the C++ sharder, which has no pickle of its
+        own (and which copy.copy shared), and of the lock."""
+        out = {k: v for k, v in self.__dict__.items() if k not in ("_s", "_lock")}
+        out["_s"] = (self.num_shards, self.shard, self.state_dict())
+        return out
+
+    def __setstate__(self, state):
+        state = dict(state)
+        num_shards, shard, sharder_state = state.pop("_s")
+        size, shuffle, seed, remainder = state["_dataset"]
+        # Sharder's own __init__, whatever a subclass's takes.
+        Sharder.__init__(self, size, num_shards, shard, shuffle, seed, remainder, sharder_state)
+        self.__dict__.update(state)
 
     def __len__(self):
         """Indices per epoch (one that was not re-sharded)."""

@@ -295,3 +295,21 @@ def test_threads_sharing_a_sharder_take_each_index_once_within_its_epoch():
             t.join()
         assert s.position == 0
         assert sorted(taken) == sorted(i for e in range(s.epoch) for i in s.indices(e).tolist())
+
+
+class _Labelled(Sharder):
+    def __init__(self, label, size):
+        super().__init__(size, seed=5)
+        self.label = label
+
+
+def test_a_subclass_pickles_as_itself_with_its_attributes():
+    """Sharder pickled as Sharder(options, state_dict()): a subclass came
+    back as a plain Sharder, without its own attributes."""
+    import copy
+    import pickle
+    s = _Labelled("train", 10)
+    s._s.next(3)
+    for clone in (pickle.loads(pickle.dumps(s)), copy.deepcopy(s)):
+        assert type(clone) is _Labelled and clone.label == "train"
+        assert clone.state_dict() == s.state_dict()
