@@ -382,9 +382,20 @@ absl::Status HttpClient::Perform(const std::string& method, const std::string& p
   // watches the cancel token and the read timeout is ours to the ms.
   curl_multi_add_handle(multi.get(), easy.get());
   curl_waitfd cancel_fd{cancel != nullptr ? cancel->fd() : -1, CURL_WAIT_POLLIN, 0};
+  const Clock::time_point start = Clock::now();
   int running = 1;
   while (running != 0) {
     int wait_ms = INT_MAX;  // libcurl shortens it to its own timers
+    if (options_.total_timeout.count() > 0) {
+      auto left = std::chrono::ceil<std::chrono::milliseconds>(start + options_.total_timeout -
+                                                               Clock::now());
+      if (left.count() <= 0) {
+        if (transient != nullptr) *transient = true;
+        return with_url(absl::DeadlineExceededError(absl::StrCat(
+            what, ": no whole answer within ", options_.total_timeout.count(), " ms")));
+      }
+      wait_ms = static_cast<int>(std::min<int64_t>(left.count(), INT_MAX));
+    }
     if (transfer.connected && read_timeout.count() > 0) {
       auto left = std::chrono::ceil<std::chrono::milliseconds>(transfer.last_bytes +
                                                                read_timeout - Clock::now());
@@ -393,7 +404,7 @@ absl::Status HttpClient::Perform(const std::string& method, const std::string& p
         return with_url(absl::DeadlineExceededError(absl::StrCat(
             what, ": no answer within ", read_timeout.count(), " ms while reading the response")));
       }
-      wait_ms = static_cast<int>(std::min<int64_t>(left.count(), INT_MAX));
+      wait_ms = std::min(wait_ms, static_cast<int>(std::min<int64_t>(left.count(), INT_MAX)));
     }
     cancel_fd.revents = 0;
     CURLMcode mc = curl_multi_poll(multi.get(), cancel != nullptr ? &cancel_fd : nullptr,
@@ -432,8 +443,15 @@ absl::StatusOr<HttpResponse> HttpClient::Send(const std::string& method, const s
     bool transient = false;
     absl::Status sent = Perform(method, path, body, options_.read_timeout, cancel, &response,
                                 [&](const std::string& piece) {
-                                  response.body += piece;
-                                  return true;
+                                  const uint64_t max = options_.max_body_bytes;
+                                  if (max == 0) {
+                                    response.body += piece;
+                                    return true;
+                                  }
+                                  response.body.append(
+                                      piece, 0, std::min<uint64_t>(piece.size(),
+                                                                   max - response.body.size()));
+                                  return response.body.size() < max;
                                 },
                                 headers, &transient);
     std::chrono::milliseconds wait = backoff;

@@ -49,6 +49,14 @@ struct HttpClientOptions {
   std::chrono::milliseconds connect_timeout{5000};
   // The longest wait for the next bytes of a response.
   std::chrono::milliseconds read_timeout{30000};
+  // The longest one request may take, from its start to the end of its
+  // response: read_timeout alone lets a server that sends a byte now and
+  // then hold a call for ever. Zero: no limit.
+  std::chrono::milliseconds total_timeout{0};
+  // Send and Call keep at most this many bytes of a response's body and
+  // end the transfer there, so that an answer that does not end cannot
+  // fill the memory. Zero: the whole body.
+  uint64_t max_body_bytes = 0;
   // Send and Call try a request again when it failed on the way (no
   // connection, no or a cut answer, read_timeout) or was answered 429, 500,
   // 502, 503 or 504: after retry_backoff, doubling up to retry_max_backoff,

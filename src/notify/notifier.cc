@@ -35,6 +35,10 @@ using Clock = std::chrono::steady_clock;
 // snapshot of the deliveries still pending.
 constexpr uint64_t kCompactAfter = 1024;
 
+// What is read of a receiver's answer: its status decides, and its start
+// names the reason in a log line.
+constexpr uint64_t kMaxAnswerBytes = 64 << 10;
+
 const std::set<std::string>& Kinds() {
   static const auto* const kinds = new std::set<std::string>{
       kJobQueued, kJobStarted, kJobWorkerRestarted, kJobResized, kJobCompleted, kJobFailed,
@@ -473,6 +477,8 @@ absl::StatusOr<launch::HttpClient*> Notifier::Client(const std::string& url) {
     o.endpoint = url;
     o.connect_timeout = options_.timeout;
     o.read_timeout = options_.timeout;
+    o.total_timeout = options_.timeout;
+    o.max_body_bytes = kMaxAnswerBytes;
     if (!options_.allow_private_job_urls && !AdminGiven(options_, url)) {
       o.allow_address = [url](const sockaddr* addr) { return PublicOnly(url, addr); };
     }

@@ -110,7 +110,8 @@ struct NotifierOptions {
   // An event older than this is dropped instead of retried (with a log
   // line). 0: retried forever. Default: 0
   std::chrono::milliseconds max_age{0};
-  // Connect and read timeout of each POST. Default: 10s
+  // The longest each POST may take, connecting and reading the answer
+  // included (of which the first 64 KiB are read). Default: 10s
   std::chrono::milliseconds timeout{10000};
   // POSTs in flight at once (to different jobs or URLs). Default: 4
   int threads = 4;

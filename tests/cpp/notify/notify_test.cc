@@ -348,6 +348,90 @@ TEST(Notifier, DropsWhatTheReceiverRefusesAndGoesOn) {
   EXPECT_EQ(n->stats().retried, 0u);
 }
 
+// A receiver that takes each POST and answers 200 with a body that never
+// ends: `bytes` every `every`, until the test ends. A hostile job's URL
+// does so; each held a delivery thread, and the bytes central's memory,
+// for as long as they came.
+class EndlessAnswer {
+ public:
+  EndlessAnswer(size_t bytes, std::chrono::milliseconds every) : bytes_(bytes), every_(every) {
+    fd_ = test::BindLoopback(&port_);
+    EXPECT_EQ(listen(fd_, 64), 0);
+    thread_ = std::thread([this] { Serve(); });
+  }
+  ~EndlessAnswer() {
+    stopping_ = true;
+    shutdown(fd_, SHUT_RDWR);
+    close(fd_);
+    thread_.join();
+  }
+  std::string url() const { return "http://127.0.0.1:" + std::to_string(port_) + "/hook"; }
+  int posts() const { return posts_; }
+
+ private:
+  void Serve() {
+    while (!stopping_) {
+      const int c = accept(fd_, nullptr, nullptr);
+      if (c < 0) break;
+      size_t header_end;
+      test::ReadHttpRequest(c, &header_end);
+      ++posts_;
+      const std::string head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n";
+      const std::string chunk(bytes_, 'x');
+      bool open = send(c, head.data(), head.size(), MSG_NOSIGNAL) > 0;
+      while (open && !stopping_) {
+        open = send(c, chunk.data(), chunk.size(), MSG_NOSIGNAL) > 0;
+        std::this_thread::sleep_for(every_);
+      }
+      close(c);
+    }
+  }
+
+  const size_t bytes_;
+  const std::chrono::milliseconds every_;
+  int fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::atomic<int> posts_{0};
+  std::thread thread_;
+};
+
+// One delivery thread, taken by a receiver that drips its answer (a byte
+// now and then, each within the read timeout): the POST ends at
+// NotifierOptions::timeout and is retried, and another user's event goes
+// out meanwhile. It held the thread for as long as the bytes came, so one
+// user's URL stopped every user's events.
+TEST(Notifier, AnAnswerThatNeverEndsIsCutAtTheTimeout) {
+  EndlessAnswer endless(1, 200ms);
+  Receiver receiver;
+  NotifierOptions o = Fast();
+  o.timeout = 1000ms;
+  o.threads = 1;
+  o.user_urls["mallory"] = {endless.url()};
+  o.user_urls["alice"] = {receiver.url()};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  Event e = JobEvent("j1", kJobQueued, 0);
+  e.user = "mallory";
+  ASSERT_THAT(n->Publish(e), IsOk());
+  ASSERT_TRUE(WaitFor([&] { return endless.posts() == 1; }, 30s, "mallory's POST"));
+  ASSERT_THAT(n->Publish(JobEvent("j1", kJobQueued, 0)), IsOk());
+  EXPECT_TRUE(WaitFor([&] { return receiver.count() >= 1; }, 30s, "alice's event"));
+}
+
+// A 200 whose body does not end is delivered: what the notifier reads of
+// an answer is its status and the start of its body. It read the body
+// whole, into memory, for as long as it came.
+TEST(Notifier, AnEndlessAnswerIsReadNoFurtherThanItsStart) {
+  EndlessAnswer endless(64 << 10, 10ms);
+  NotifierOptions o = Fast();
+  o.timeout = 5000ms;
+  o.user_urls["alice"] = {endless.url()};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  ASSERT_THAT(n->Publish(JobEvent("j1", kJobQueued, 0)), IsOk());
+  EXPECT_TRUE(WaitFor([&] { return n->stats().delivered == 1; }, 20s, "the event delivered"));
+  EXPECT_EQ(n->stats().retried, 0u);
+}
+
 TEST(Notifier, DropsAnEventOlderThanMaxAge) {
   Receiver receiver;
   receiver.set_answer([](const Request&) { return 503; });
