@@ -733,7 +733,7 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
       known = it != jobs_.end() && it->second.run() == in.run();
     }
     for (int i = 0; i < in.notify_size() && !known; ++i) {
-      DEEPNEX_RETURN_IF_ERROR(options_.check_notify_url(in.notify(i)));
+      DEEPNEX_RETURN_IF_ERROR(options_.check_notify_url(user, in.notify(i)));
     }
   }
   std::vector<JobEvent> events;

@@ -50,9 +50,9 @@ struct JobStoreOptions {
   bool fsync = true;
   JobHistoryOptions history;
   JobObserver on_event;
-  // Checks each notify URL of a job as it is first reported (its first run
+  // Checks each notify URL of a job of `user` as it is first reported (its first run
   // or a new one); an error refuses the job with it. Empty: none.
-  std::function<absl::Status(const std::string& url)> check_notify_url;
+  std::function<absl::Status(const std::string& user, const std::string& url)> check_notify_url;
 };
 
 // Thread-safe. Each call acts as `who`: a user on their own jobs, an admin

@@ -121,13 +121,14 @@ absl::Status CheckUrl(const std::string& url) {
 
 namespace {
 
-// An admin gave `url` (to every event of a user, or node events).
-bool AdminGiven(const NotifierOptions& options, const std::string& url) {
-  for (const auto& [user, urls] : options.user_urls) {
-    if (std::find(urls.begin(), urls.end(), url) != urls.end()) return true;
-  }
-  return std::find(options.admin_urls.begin(), options.admin_urls.end(), url) !=
-         options.admin_urls.end();
+// An admin gave `url` to every event of `user`'s jobs. Only that user's
+// jobs may name it as their own to reach a private address: another user's
+// default, or the node events' URL, took that user's events to the service
+// behind it.
+bool AdminGiven(const NotifierOptions& options, const std::string& user, const std::string& url) {
+  auto it = options.user_urls.find(user);
+  return it != options.user_urls.end() &&
+         std::find(it->second.begin(), it->second.end(), url) != it->second.end();
 }
 
 // OK for a public address; else PermissionDenied naming `url` and `addr`.
@@ -142,9 +143,10 @@ absl::Status PublicOnly(const std::string& url, const sockaddr* addr) {
 
 }  // namespace
 
-absl::Status CheckJobUrl(const NotifierOptions& options, const std::string& url) {
+absl::Status CheckJobUrl(const NotifierOptions& options, const std::string& user,
+                         const std::string& url) {
   DEEPNEX_RETURN_IF_ERROR(CheckUrl(url));
-  if (options.allow_private_job_urls || AdminGiven(options, url)) return absl::OkStatus();
+  if (options.allow_private_job_urls || AdminGiven(options, user, url)) return absl::OkStatus();
   launch::HttpClientOptions o;
   o.endpoint = url;
   DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<launch::HttpClient> client,
@@ -470,21 +472,19 @@ void Notifier::FinishLocked(Queue& q) {
   if (!s.ok()) std::cerr << "notify: compacting the outbox: " << s.message() << "\n";
 }
 
-absl::StatusOr<launch::HttpClient*> Notifier::Client(const std::string& url) {
-  auto& client = clients_[url];
-  if (client == nullptr) {
-    launch::HttpClientOptions o;
-    o.endpoint = url;
-    o.connect_timeout = options_.timeout;
-    o.read_timeout = options_.timeout;
-    o.total_timeout = options_.timeout;
-    o.max_body_bytes = kMaxAnswerBytes;
-    if (!options_.allow_private_job_urls && !AdminGiven(options_, url)) {
-      o.allow_address = [url](const sockaddr* addr) { return PublicOnly(url, addr); };
-    }
-    DEEPNEX_ASSIGN_OR_RETURN(client, launch::HttpClient::Create(o));
+absl::StatusOr<std::unique_ptr<launch::HttpClient>> Notifier::Client(const Delivery& d) const {
+  launch::HttpClientOptions o;
+  o.endpoint = d.url;
+  o.connect_timeout = options_.timeout;
+  o.read_timeout = options_.timeout;
+  o.total_timeout = options_.timeout;
+  o.max_body_bytes = kMaxAnswerBytes;
+  // A job event's signer is its user.
+  if (absl::StartsWith(d.group, "job:") && !options_.allow_private_job_urls &&
+      !AdminGiven(options_, d.signer, d.url)) {
+    o.allow_address = [url = d.url](const sockaddr* addr) { return PublicOnly(url, addr); };
   }
-  return client.get();
+  return launch::HttpClient::Create(o);
 }
 
 void Notifier::Work() {
@@ -517,12 +517,12 @@ void Notifier::Work() {
     Queue& q = ready->second;
     q.in_flight = true;
     const Delivery d = q.items.front();
-    absl::StatusOr<launch::HttpClient*> client = Client(d.url);
     std::vector<std::string> headers = {"X-Deepnex-Event-Id: " + d.event_id};
     if (auto it = options_.secrets.find(d.signer); it != options_.secrets.end()) {
       headers.push_back("X-Deepnex-Signature: " + Sign(it->second, d.body));
     }
     lock.unlock();
+    absl::StatusOr<std::unique_ptr<launch::HttpClient>> client = Client(d);
     const int64_t age_ms = absl::ToUnixMillis(absl::Now()) - d.time_ms;
     std::string drop;  // why it is dropped
     absl::Status failed;

@@ -165,7 +165,7 @@ class Notifier {
     uint64_t ticket = 0;  // the outbox's for its record; 0: durable already
     std::string group;    // "job:USER/JOB" or "node:NODE": ordered within
     std::string url;
-    std::string signer;  // whose secret signs it
+    std::string signer;  // whose secret signs it: a job event's user, else admin_user
     std::string event_id;
     int64_t time_ms = 0;
     std::string body;
@@ -185,8 +185,9 @@ class Notifier {
   // Under mu_: takes the head off `q`, records it done in the outbox and
   // compacts the outbox when it has grown.
   void FinishLocked(Queue& q);
-  // Under mu_: the client for `url`, made at its first use.
-  absl::StatusOr<launch::HttpClient*> Client(const std::string& url);
+  // The client that POSTs `d`: a job event's to a URL its user's admin did
+  // not give reaches only public addresses, unless allow_private_job_urls.
+  absl::StatusOr<std::unique_ptr<launch::HttpClient>> Client(const Delivery& d) const;
   // A delivery thread.
   void Work();
 
@@ -196,7 +197,6 @@ class Notifier {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::string, Queue> queues_;  // by URL and job/node
-  std::map<std::string, std::unique_ptr<launch::HttpClient>> clients_;  // by URL
   uint64_t next_seq_ = 1;
   NotifierStats stats_;
   bool stopping_ = false;
@@ -211,12 +211,15 @@ std::string Sign(const std::string& secret, const std::string& body);
 absl::Status CheckUrl(const std::string& url);
 
 // OK when a job may give `url` as its own (Event::urls): CheckUrl, then,
-// unless `options` allow private job URLs or an admin gave this URL, every
+// unless `options` allow private job URLs or an admin gave this URL to
+// `user`'s events (NotifierOptions::user_urls; not another user's, nor the
+// node events' admin_urls), every
 // address its host resolves to now is public. PermissionDenied naming the
 // URL, the address and what it is otherwise (InvalidArgument when the host
 // does not resolve). What deepnex-central checks as a job registers;
 // deliveries check again, the address they connect to.
-absl::Status CheckJobUrl(const NotifierOptions& options, const std::string& url);
+absl::Status CheckJobUrl(const NotifierOptions& options, const std::string& user,
+                         const std::string& url);
 
 // Flags and files of deepnex-central. Each error names the flag or the
 // file and line, and the value:

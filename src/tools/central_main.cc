@@ -383,8 +383,8 @@ int main(int argc, char** argv) {
     event.data = {{"reason", why}};
     sink.Publish(std::move(event), /*wait_open=*/false).IgnoreError();
   };
-  options.check_job_notify_url = [notify](const std::string& url) {
-    return deepnex::notify::CheckJobUrl(notify, url);
+  options.check_job_notify_url = [notify](const std::string& user, const std::string& url) {
+    return deepnex::notify::CheckJobUrl(notify, user, url);
   };
   options.on_job_event = [&sink](const deepnex::gpu::JobEvent& e) {
     deepnex::notify::Event event;

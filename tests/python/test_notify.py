@@ -261,16 +261,21 @@ def test_a_jobs_url_to_a_loopback_or_private_address_is_refused(tmp_path, receiv
     """A hostile user's `deepnex run --notify` would make central POST to
     the services beside it (a receiver on 127.0.0.1 stands for them, as
     169.254.169.254 for a cloud's metadata): central refuses the job, and
-    its admin's own URLs and --notify-allow-private are what may go there."""
+    its admin's own URLs and --notify-allow-private are what may go there.
+    The URL the admin gave alice's events takes bob's job there no more:
+    bob's events went to it."""
     from test_job import RunningJob
-    proc, address = _central.start_central(tmp_path, cpus=8, memory="16GiB",
-                                           node=socket.gethostname())
+    alices = "http://127.0.0.1:9/alices"
+    proc, address = _central.start_central(tmp_path, "--notify", f"alice={alices}", cpus=8,
+                                           memory="16GiB", node=socket.gethostname())
     try:
         env = {k: v for k, v in os.environ.items() if k != "DEEPNEX_TOKEN"}
-        env.update(DEEPNEX_CENTRAL=address, DEEPNEX_TOKEN="alicetok")
-        for url, address_is in [(receiver.url, "127.0.0.1 is a loopback address"),
-                                ("http://169.254.169.254/latest/meta-data/",
-                                 "169.254.169.254 is a link-local address")]:
+        env.update(DEEPNEX_CENTRAL=address)
+        for token, url, address_is in [("alicetok", receiver.url, "127.0.0.1 is a loopback address"),
+                                       ("alicetok", "http://169.254.169.254/latest/meta-data/",
+                                        "169.254.169.254 is a link-local address"),
+                                       ("bobtok", alices, "127.0.0.1 is a loopback address")]:
+            env.update(DEEPNEX_TOKEN=token)
             j = RunningJob(tmp_path, ["--mode", "allreduce", "--memory", "64MiB",
                                       "--notify", url], ["true"], env=env)
             assert j.wait(120) != 0, j.output()
@@ -278,7 +283,7 @@ def test_a_jobs_url_to_a_loopback_or_private_address_is_refused(tmp_path, receiv
                     "webhooks only to public addresses") in j.output()
         assert receiver.events() == []
         # Refused before it ran: central has no such job.
-        assert _central.clients(address)[0].jobs(all=True) == []
+        assert [c.jobs(all=True) for c in _central.clients(address)] == [[], []]
     finally:
         stop_central(proc)
 

@@ -65,10 +65,11 @@ struct CentralServerOptions {
   JobHistoryOptions job_history;
   // Told each job event (queued, started, ...; see JobObserver). Empty: none.
   JobObserver on_job_event;
-  // Checks each notify URL a job gives (`deepnex run --notify URL`) as the
-  // job is first reported; an error refuses the job with it (deepnex-central:
+  // Checks each notify URL a job of `user` gives (`deepnex run --notify
+  // URL`) as the job is first reported; an error refuses the job with it (deepnex-central:
   // notify::CheckJobUrl, public addresses only). Empty: any URL.
-  std::function<absl::Status(const std::string& url)> check_job_notify_url;
+  std::function<absl::Status(const std::string& user, const std::string& url)>
+      check_job_notify_url;
 };
 
 // A running service. Thread-safe; serves until Stop().

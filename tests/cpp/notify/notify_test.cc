@@ -245,33 +245,55 @@ TEST(Notifier, AJobsOwnUrlReachesNoLoopbackOrPrivateAddressUnlessAllowed) {
   }
 }
 
+// An admin's URL lets a job reach a private address only for the user it
+// was given to: bob's job that named alice's default URL, or the node
+// events', had bob's events POSTed to the private service behind it.
+TEST(Notifier, AnotherUsersOrTheAdminsUrlTakesNoJobToAPrivateAddress) {
+  Receiver alices, admins;
+  NotifierOptions o = Fast();
+  o.allow_private_job_urls = false;
+  o.user_urls["alice"] = {alices.url()};
+  o.admin_urls = {admins.url()};
+  EXPECT_THAT(CheckJobUrl(o, "alice", alices.url()), IsOk());
+  for (const std::string& url : {alices.url(), admins.url()}) {
+    EXPECT_THAT(CheckJobUrl(o, "bob", url), StatusIs(absl::StatusCode::kPermissionDenied));
+  }
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  Event e = JobEvent("j1", kJobStarted, 0);
+  e.user = "bob";
+  e.urls = {alices.url(), admins.url()};
+  ASSERT_THAT(n->Publish(e), IsOk());
+  ASSERT_TRUE(WaitFor([&] { return n->stats().dropped == 2; }, 30s, "both refused"));
+  EXPECT_EQ(alices.count() + admins.count(), 0u);
+}
+
 TEST(NotifyOptions, AJobsUrlIsCheckedAgainstWhatItsHostResolvesTo) {
   NotifierOptions o;
   const std::string rest =
       "; deepnex-central posts a job's own webhooks only to public addresses (its "
       "--notify-allow-private lets them reach others)";
-  EXPECT_THAT(CheckJobUrl(o, "http://127.0.0.1:8080/hook"),
+  EXPECT_THAT(CheckJobUrl(o, "alice", "http://127.0.0.1:8080/hook"),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        "notify URL \"http://127.0.0.1:8080/hook\": 127.0.0.1 is a loopback "
                        "address" + rest));
-  EXPECT_THAT(CheckJobUrl(o, "http://169.254.169.254/latest/meta-data"),
+  EXPECT_THAT(CheckJobUrl(o, "alice", "http://169.254.169.254/latest/meta-data"),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        HasSubstr("169.254.169.254 is a link-local address;")));
-  EXPECT_THAT(CheckJobUrl(o, "https://10.77.0.11:443/x"),
+  EXPECT_THAT(CheckJobUrl(o, "alice", "https://10.77.0.11:443/x"),
               StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("a private address")));
-  EXPECT_THAT(CheckJobUrl(o, "http://[::1]:80/"),
+  EXPECT_THAT(CheckJobUrl(o, "alice", "http://[::1]:80/"),
               StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("::1 is a loopback")));
-  EXPECT_THAT(CheckJobUrl(o, "http://localhost:1/"),  // a name: what it resolves to
+  EXPECT_THAT(CheckJobUrl(o, "alice", "http://localhost:1/"),  // a name: what it resolves to
               StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("is a loopback")));
-  EXPECT_THAT(CheckJobUrl(o, "ftp://example.com/x"),
+  EXPECT_THAT(CheckJobUrl(o, "alice", "ftp://example.com/x"),
               StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(CheckJobUrl(o, "http://8.8.8.8/hook"), IsOk());
+  EXPECT_THAT(CheckJobUrl(o, "alice", "http://8.8.8.8/hook"), IsOk());
   o.user_urls["alice"] = {"http://127.0.0.1:8080/hook"};  // an admin's
-  EXPECT_THAT(CheckJobUrl(o, "http://127.0.0.1:8080/hook"), IsOk());
-  EXPECT_THAT(CheckJobUrl(o, "http://127.0.0.1:8081/hook"),
+  EXPECT_THAT(CheckJobUrl(o, "alice", "http://127.0.0.1:8080/hook"), IsOk());
+  EXPECT_THAT(CheckJobUrl(o, "alice", "http://127.0.0.1:8081/hook"),
               StatusIs(absl::StatusCode::kPermissionDenied));
   o.allow_private_job_urls = true;
-  EXPECT_THAT(CheckJobUrl(o, "http://127.0.0.1:8081/hook"), IsOk());
+  EXPECT_THAT(CheckJobUrl(o, "alice", "http://127.0.0.1:8081/hook"), IsOk());
 }
 
 TEST(Notifier, NodeEventsGoToAdminsSignedWithTheAdminsSecret) {
