@@ -490,9 +490,14 @@ absl::StatusOr<std::unique_ptr<launch::HttpClient>> Notifier::Client(const Deliv
 void Notifier::Work() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
-    // The first queue whose head may go now; else the earliest retry.
+    // Of the queues whose head may go now, one of the user (signer) with the
+    // fewest POSTs in flight; else the earliest retry. The first in key
+    // order gave a user whose URLs hang (or are many) every thread that
+    // came free, as long as one of theirs was due, and other users' events
+    // waited on them.
     const auto now = Clock::now();
     auto ready = queues_.end();
+    int ready_busy = 0;  // its user's POSTs in flight
     std::optional<Clock::time_point> next;
     for (auto it = queues_.begin(); it != queues_.end(); ++it) {
       const Queue& q = it->second;
@@ -500,8 +505,13 @@ void Notifier::Work() {
       const Delivery& head = q.items.front();
       if (head.ticket != 0 && !outbox_->durable(head.ticket)) continue;
       if (q.next_try <= now) {
-        ready = it;
-        break;
+        auto b = busy_.find(head.signer);
+        const int busy = b == busy_.end() ? 0 : b->second;
+        if (ready == queues_.end() || busy < ready_busy) {
+          ready = it;
+          ready_busy = busy;
+        }
+        continue;
       }
       if (!next || q.next_try < *next) next = q.next_try;
     }
@@ -517,6 +527,7 @@ void Notifier::Work() {
     Queue& q = ready->second;
     q.in_flight = true;
     const Delivery d = q.items.front();
+    ++busy_[d.signer];
     std::vector<std::string> headers = {"X-Deepnex-Event-Id: " + d.event_id};
     if (auto it = options_.secrets.find(d.signer); it != options_.secrets.end()) {
       headers.push_back("X-Deepnex-Signature: " + Sign(it->second, d.body));
@@ -546,6 +557,7 @@ void Notifier::Work() {
     }
     lock.lock();
     q.in_flight = false;
+    if (--busy_[d.signer] == 0) busy_.erase(d.signer);
     // Shutting down: what was in flight stays in the outbox for the next
     // notifier.
     if (stopping_) break;

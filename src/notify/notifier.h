@@ -113,7 +113,8 @@ struct NotifierOptions {
   // The longest each POST may take, connecting and reading the answer
   // included (of which the first 64 KiB are read). Default: 10s
   std::chrono::milliseconds timeout{10000};
-  // POSTs in flight at once (to different jobs or URLs). Default: 4
+  // POSTs in flight at once (to different jobs or URLs); one that comes
+  // free goes to the user with the fewest in flight. Default: 4
   int threads = 4;
   // A job's own URLs (Event::urls, which any user may give) reach only
   // public addresses: a loopback, private, link-local (cloud metadata) or
@@ -197,6 +198,7 @@ class Notifier {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::string, Queue> queues_;  // by URL and job/node
+  std::map<std::string, int> busy_;      // POSTs in flight, by Delivery::signer
   uint64_t next_seq_ = 1;
   NotifierStats stats_;
   bool stopping_ = false;

@@ -440,6 +440,35 @@ TEST(Notifier, AnAnswerThatNeverEndsIsCutAtTheTimeout) {
   EXPECT_TRUE(WaitFor([&] { return receiver.count() >= 1; }, 30s, "alice's event"));
 }
 
+// Two delivery threads and a user whose 8 URLs take each POST and never
+// answer (a second each, the timeout), retried at once: another user's
+// event still goes out, on the first thread that comes free. Its queue
+// came after theirs in key order (127.0.0.1 before localhost), and each
+// thread took one of theirs again, so it never went.
+TEST(Notifier, AUserWhoseUrlsHangHoldsNotEveryThread) {
+  int port = 0;
+  const int silent = test::BindLoopback(&port);  // takes connections, never answers
+  ASSERT_EQ(listen(silent, 256), 0);
+  Receiver receiver;
+  NotifierOptions o = Fast();
+  o.timeout = 1000ms;
+  o.threads = 2;
+  o.user_urls["mallory"] = {"http://127.0.0.1:" + std::to_string(port) + "/hook"};
+  const std::string alices = "http://localhost:" + receiver.url().substr(17);
+  o.user_urls["alice"] = {alices};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  for (int j = 0; j < 8; ++j) {
+    Event e = JobEvent("j" + std::to_string(j), kJobQueued, 0);
+    e.user = "mallory";
+    ASSERT_THAT(n->Publish(e), IsOk());
+  }
+  ASSERT_TRUE(WaitFor([&] { return n->stats().retried >= 2; }, 30s, "mallory's POSTs"));
+  ASSERT_THAT(n->Publish(JobEvent("j1", kJobQueued, 0)), IsOk());
+  EXPECT_TRUE(WaitFor([&] { return receiver.count() == 1; }, 10s, "alice's event"));
+  n->Shutdown();
+  close(silent);
+}
+
 // A 200 whose body does not end is delivered: what the notifier reads of
 // an answer is its status and the start of its body. It read the body
 // whole, into memory, for as long as it came.
