@@ -723,6 +723,10 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
   for (Allocation& a : allocator_.Allocations(user)) {
     if (a.job == in.name()) granted.push_back(std::move(a));
   }
+  // This run of the caller's job. A run's id is no secret (it is in every
+  // event's id, at every URL the events go to): with another user's job's
+  // name and run, bob's reports were alice's job's, and told her URLs so.
+  auto same_run = [&](const pb::Job& j) { return j.run() == in.run() && j.user() == user; };
   if (options_.check_notify_url && in.notify_size() > 0) {
     // Once per run: outside the lock, as it may ask the resolver. A run
     // already known had its URLs checked when it came.
@@ -730,7 +734,7 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = jobs_.find(in.name());
-      known = it != jobs_.end() && it->second.run() == in.run();
+      known = it != jobs_.end() && same_run(it->second);
     }
     for (int i = 0; i < in.notify_size() && !known; ++i) {
       DEEPNEX_RETURN_IF_ERROR(options_.check_notify_url(user, in.notify(i)));
@@ -744,7 +748,7 @@ absl::StatusOr<pb::Job> JobStore::Report(const Identity& who, const pb::Job& in)
     const int64_t now = NowMs();
     auto it = jobs_.find(in.name());
     pb::Job j;
-    if (it != jobs_.end() && it->second.run() == in.run()) {
+    if (it != jobs_.end() && same_run(it->second)) {
       j = it->second;
     } else if (it != jobs_.end() && !(Ended(it->second) && it->second.user() == user)) {
       // Names are central-wide: allocations carry only the job's name.

@@ -180,6 +180,9 @@ TEST_F(JobsTest, UsersSeeAndCancelTheirOwnAdminsAnyones) {
   // A name is central's: bob cannot take alice's.
   EXPECT_THAT(bob->Report(Job("j1", JobState::kPending), "r2"),
               StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("job \"j1\" exists")));
+  // Nor with its run's id (in each event's id): his report was the job's.
+  EXPECT_THAT(bob->Report(Job("j1", JobState::kFailed), "r1"),
+              StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("job \"j1\" exists")));
 
   ASSERT_OK_AND_ASSIGN(JobRecord cancelled, alice->Cancel("j1"));
   EXPECT_EQ(cancelled.state, JobState::kCancelled);
