@@ -342,6 +342,7 @@ NotifierStats Notifier::stats() const {
 }
 
 void Notifier::EnqueueLocked(Delivery d) {
+  waiting_bytes_[d.signer] += d.body.size();
   Queue& q = queues_[d.url + "\n" + d.group];
   q.items.push_back(std::move(d));
   cv_.notify_all();
@@ -401,6 +402,15 @@ absl::Status Notifier::Publish(Event event) {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("notify: the notifier is shut down");
     for (const std::string& url : urls) {
+      auto waiting = waiting_bytes_.find(signer);
+      if (waiting != waiting_bytes_.end() &&
+          waiting->second + body.size() > options_.max_waiting_bytes_per_user) {
+        ++stats_.dropped;
+        std::cerr << "notify: event " << event.id << " to " << url << " dropped: the events of "
+                  << signer << " waiting for their receivers hold " << waiting->second
+                  << " bytes; at most " << options_.max_waiting_bytes_per_user << "\n";
+        continue;
+      }
       Delivery d;
       d.seq = next_seq_++;
       d.group = group;
@@ -419,7 +429,7 @@ absl::Status Notifier::Publish(Event event) {
       ++stats_.published;
     }
   }
-  if (outbox_ == nullptr) return absl::OkStatus();
+  if (outbox_ == nullptr || seqs.empty()) return absl::OkStatus();
   absl::Status synced = outbox_->Sync(ticket);
   std::lock_guard<std::mutex> lock(mu_);
   if (!synced.ok()) {
@@ -427,8 +437,12 @@ absl::Status Notifier::Publish(Event event) {
     for (auto& [key, q] : queues_) {
       q.items.erase(std::remove_if(q.items.begin(), q.items.end(),
                                    [&](const Delivery& d) {
-                                     return std::find(seqs.begin(), seqs.end(), d.seq) !=
-                                            seqs.end();
+                                     if (std::find(seqs.begin(), seqs.end(), d.seq) ==
+                                         seqs.end()) {
+                                       return false;
+                                     }
+                                     ForgetLocked(d);
+                                     return true;
                                    }),
                     q.items.end());
     }
@@ -447,8 +461,15 @@ absl::Status Notifier::Publish(Event event) {
   return absl::OkStatus();
 }
 
+void Notifier::ForgetLocked(const Delivery& d) {
+  auto it = waiting_bytes_.find(d.signer);
+  it->second -= d.body.size();
+  if (it->second == 0) waiting_bytes_.erase(it);
+}
+
 void Notifier::FinishLocked(Queue& q) {
   const uint64_t seq = q.items.front().seq;
+  ForgetLocked(q.items.front());
   q.items.pop_front();
   q.failures = 0;
   if (outbox_ == nullptr) return;

@@ -18,9 +18,10 @@
 // after a 2xx. A connection error, a timeout, a 5xx, 408 or 429 is retried
 // with exponential backoff (retry_initial doubling to retry_max), forever or
 // until the event is max_age old; any other answer drops it with a log
-// line. Events of one job (of one node) reach one URL in the order they
-// were published: one is in flight per job and URL, and a failed one is
-// retried before the next is sent.
+// line, as Publish does an event of a user who has
+// max_waiting_bytes_per_user waiting already. Events of one job (of one
+// node) reach one URL in the order they were published: one is in flight
+// per job and URL, and a failed one is retried before the next is sent.
 #ifndef DEEPNEX_NOTIFY_NOTIFIER_H_
 #define DEEPNEX_NOTIFY_NOTIFIER_H_
 
@@ -113,6 +114,12 @@ struct NotifierOptions {
   // The longest each POST may take, connecting and reading the answer
   // included (of which the first 64 KiB are read). Default: 10s
   std::chrono::milliseconds timeout{10000};
+  // Bytes of event bodies of one user (node events: admin_user's) that may
+  // wait for their receivers; Publish drops an event to a URL past it, with
+  // a log line (NotifierStats::dropped). Without it a URL that never took
+  // an event (retried forever) kept every later event of its user's jobs,
+  // in memory and in the outbox, for as long as central ran. Default: 64 MiB
+  uint64_t max_waiting_bytes_per_user = 64 << 20;
   // POSTs in flight at once (to different jobs or URLs); one that comes
   // free goes to the user with the fewest in flight. Default: 4
   int threads = 4;
@@ -183,6 +190,8 @@ class Notifier {
   // Opens the outbox and queues what it holds.
   absl::Status Open();
   void EnqueueLocked(Delivery d);
+  // Under mu_: `d`, queued, leaves the queues.
+  void ForgetLocked(const Delivery& d);
   // Under mu_: takes the head off `q`, records it done in the outbox and
   // compacts the outbox when it has grown.
   void FinishLocked(Queue& q);
@@ -199,6 +208,7 @@ class Notifier {
   std::condition_variable cv_;
   std::map<std::string, Queue> queues_;  // by URL and job/node
   std::map<std::string, int> busy_;      // POSTs in flight, by Delivery::signer
+  std::map<std::string, uint64_t> waiting_bytes_;  // of queued bodies, by Delivery::signer
   uint64_t next_seq_ = 1;
   NotifierStats stats_;
   bool stopping_ = false;

@@ -483,6 +483,30 @@ TEST(Notifier, AnEndlessAnswerIsReadNoFurtherThanItsStart) {
   EXPECT_EQ(n->stats().retried, 0u);
 }
 
+// A user whose URL never takes an event has at most
+// max_waiting_bytes_per_user of them waiting: later ones are dropped, and
+// other users' go on. They all waited, in memory and in the outbox.
+TEST(Notifier, AUsersEventsWaitingForTheirReceiverAreBounded) {
+  Receiver silent(/*listen=*/false), receiver;
+  TempDir dir;
+  NotifierOptions o = Fast();
+  o.state_dir = dir.path();
+  o.user_urls["mallory"] = {silent.url()};
+  o.user_urls["alice"] = {receiver.url()};
+  o.max_waiting_bytes_per_user = 4096;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  for (int i = 0; i < 10; ++i) {
+    Event e = JobEvent("j1", kJobProgress, i);
+    e.user = "mallory";
+    e.data["pad"] = std::string(1000, 'x');
+    ASSERT_THAT(n->Publish(e), IsOk());
+  }
+  EXPECT_EQ(n->stats().pending, 3u);  // each body is over 1 KB
+  EXPECT_EQ(n->stats().dropped, 7u);
+  ASSERT_THAT(n->Publish(JobEvent("j1", kJobQueued, 0)), IsOk());
+  EXPECT_TRUE(WaitFor([&] { return receiver.count() == 1; }, 30s, "alice's event"));
+}
+
 TEST(Notifier, DropsAnEventOlderThanMaxAge) {
   Receiver receiver;
   receiver.set_answer([](const Request&) { return 503; });
