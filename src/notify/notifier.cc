@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -69,6 +70,26 @@ std::string NewId() {
 // A retry is due for these; any other answer drops the event.
 bool Retryable(int http_status) {
   return http_status >= 500 || http_status == 408 || http_status == 429;
+}
+
+// `url` as a log line shows it: its scheme, host and port. A webhook's path
+// is often its secret (Slack's, Discord's, Teams'), and central's log has
+// more readers than the user who gave it.
+std::string Shown(const std::string& url) {
+  const size_t authority = url.find("://") + 3;  // CheckUrl passed it
+  const size_t path = url.find_first_of("/?#", authority);
+  std::string shown = url.substr(0, path);
+  if (const size_t at = shown.find('@', authority); at != std::string::npos) {
+    shown.erase(authority, at + 1 - authority);  // user:password@
+  }
+  return path == std::string::npos ? shown : shown + "/...";
+}
+
+// `message`, an HTTP client's or PublicOnly's that names `url`, with `url`
+// Shown (the client names it without its trailing slashes).
+std::string ShownIn(const std::string& message, const std::string& url) {
+  const size_t end = url.find_last_not_of('/');
+  return absl::StrReplaceAll(message, {{url.substr(0, end + 1), Shown(url)}});
 }
 
 std::string AddRecord(uint64_t seq, const std::string& group, const std::string& url,
@@ -406,7 +427,8 @@ absl::Status Notifier::Publish(Event event) {
       if (waiting != waiting_bytes_.end() &&
           waiting->second + body.size() > options_.max_waiting_bytes_per_user) {
         ++stats_.dropped;
-        std::cerr << "notify: event " << event.id << " to " << url << " dropped: the events of "
+        std::cerr << "notify: event " << event.id << " to " << Shown(url)
+                  << " dropped: the events of "
                   << signer << " waiting for their receivers hold " << waiting->second
                   << " bytes; at most " << options_.max_waiting_bytes_per_user << "\n";
         continue;
@@ -589,14 +611,14 @@ void Notifier::Work() {
       for (int i = 1; i < q.failures && wait < options_.retry_max; ++i) wait *= 2;
       wait = std::min(wait, options_.retry_max);
       q.next_try = Clock::now() + wait;
-      std::cerr << "notify: event " << d.event_id << " to " << d.url << ": " << failed.message()
-                << "; retry " << q.failures << " in " << wait.count() << " ms\n";
+      std::cerr << "notify: event " << d.event_id << " to " << Shown(d.url) << ": "
+                << ShownIn(std::string(failed.message()), d.url) << "; retry " << q.failures << " in " << wait.count() << " ms\n";
       continue;
     }
     if (!drop.empty()) {
       ++stats_.dropped;
-      std::cerr << "notify: event " << d.event_id << " to " << d.url << " dropped: " << drop
-                << "\n";
+      std::cerr << "notify: event " << d.event_id << " to " << Shown(d.url)
+                << " dropped: " << ShownIn(drop, d.url) << "\n";
     } else {
       ++stats_.delivered;
     }

@@ -507,6 +507,30 @@ TEST(Notifier, AUsersEventsWaitingForTheirReceiverAreBounded) {
   EXPECT_TRUE(WaitFor([&] { return receiver.count() == 1; }, 30s, "alice's event"));
 }
 
+// A webhook's path is often its secret (Slack's, Discord's): the log lines
+// of a retry and of a drop show the URL's scheme, host and port only. They
+// showed it whole, twice, to whoever reads central's log.
+TEST(Notifier, LogLinesShowNoUrlsPath) {
+  Receiver receiver;
+  receiver.set_answer([](const Request& r) { return r.event["data"]["n"] == 0 ? 503 : 404; });
+  const std::string url = receiver.url() + "/T0/B0/s3cr3t";
+  NotifierOptions o = Fast();
+  o.user_urls["alice"] = {url};
+  testing::internal::CaptureStderr();
+  {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+    ASSERT_THAT(n->Publish(JobEvent("j1", kJobQueued, 0)), IsOk());
+    ASSERT_THAT(n->Publish(JobEvent("j2", kJobQueued, 1)), IsOk());
+    EXPECT_TRUE(WaitFor([&] { return n->stats().dropped == 1 && n->stats().retried >= 1; }, 30s,
+                        "a retry and a drop"));
+  }
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_THAT(log, HasSubstr("http://127.0.0.1:" + url.substr(17, url.find('/', 17) - 17) +
+                             "/...: POST"));
+  EXPECT_THAT(log, HasSubstr(" dropped: POST http://127.0.0.1:"));
+  EXPECT_THAT(log, Not(HasSubstr("s3cr3t")));
+}
+
 TEST(Notifier, DropsAnEventOlderThanMaxAge) {
   Receiver receiver;
   receiver.set_answer([](const Request&) { return 503; });
