@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -268,6 +269,17 @@ absl::StatusOr<std::unique_ptr<HttpClient>> HttpClient::Create(const HttpClientO
   if (kGlobalInit != CURLE_OK) {
     return absl::InternalError(
         absl::StrCat("curl_global_init: ", curl_easy_strerror(kGlobalInit)));
+  }
+  if (!target.unix_socket) {
+    // What libcurl refuses at each request (a space, a control character)
+    // is refused here: the notifier took such a webhook URL and retried it
+    // for ever.
+    std::unique_ptr<CURLU, decltype(&curl_url_cleanup)> url(curl_url(), &curl_url_cleanup);
+    if (url == nullptr) return absl::InternalError("libcurl: no URL handle");
+    if (CURLUcode rc = curl_url_set(url.get(), CURLUPART_URL, e.c_str(), 0); rc != CURLUE_OK) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("endpoint \"", absl::CEscape(e), "\": ", curl_url_strerror(rc)));
+    }
   }
   return std::unique_ptr<HttpClient>(new HttpClient(options, std::move(target), std::move(pems)));
 }

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "gpu/ledger.h"
@@ -627,6 +628,25 @@ TEST(Notifier, RefusesBadEvents) {
   e.urls = {"http://127.0.0.1:99999/x"};
   EXPECT_THAT(n->Publish(e), StatusIs(absl::StatusCode::kInvalidArgument,
                                       HasSubstr("bad port \"99999\"")));
+  EXPECT_EQ(n->stats().published, 0u);
+}
+
+// A URL that libcurl refuses (a space, CR LF) is refused as the job gives
+// it, naming it. It was taken, and each POST failed before it went out and
+// was retried for ever.
+TEST(NotifyOptions, AUrlLibcurlRefusesIsRefusedNamingIt) {
+  NotifierOptions o = Fast();
+  o.user_urls["alice"] = {"http://127.0.0.1:9/hook"};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Notifier> n, Notifier::Create(o));
+  for (const std::string url : {"http://127.0.0.1:9/a b", "http://127.0.0.1:9/x\r\nX-Evil: 1"}) {
+    EXPECT_THAT(CheckJobUrl(o, "alice", url),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("endpoint \"" + absl::CEscape(url) + "\": ")));
+    Event e = JobEvent("j1", kJobQueued, 0);
+    e.urls = {url};
+    EXPECT_THAT(n->Publish(e), StatusIs(absl::StatusCode::kInvalidArgument,
+                                        HasSubstr("notify URL of job j1: URL \"" + url)));
+  }
   EXPECT_EQ(n->stats().published, 0u);
 }
 
