@@ -324,15 +324,23 @@ absl::Status Notifier::Open() {
   };
   DEEPNEX_ASSIGN_OR_RETURN(outbox_, gpu::Ledger::Open(options_.state_dir, lo, apply));
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [seq, d] : pending) {
+  for (auto it = pending.begin(); it != pending.end();) {
+    Delivery& d = it->second;
     absl::Status ok = CheckUrl(d.url);
-    if (!ok.ok()) {
-      return absl::DataLossError(
-          absl::StrCat("notify outbox ", options_.state_dir, ": event ", d.event_id, ": ",
-                       ok.message()));
+    if (ok.ok()) {
+      ++it;
+      continue;
     }
-    EnqueueLocked(std::move(d));
+    // A URL a stricter check refuses now (one libcurl never took): the
+    // event could never go, and central must still start.
+    std::cerr << "notify: event " << d.event_id << " to " << Shown(d.url)
+              << " in the outbox is dropped: " << ShownIn(std::string(ok.message()), d.url)
+              << "\n";
+    outbox_->Append(nlohmann::json{{"op", "done"}, {"seq", d.seq}}.dump());
+    ++stats_.dropped;
+    it = pending.erase(it);
   }
+  for (auto& [seq, d] : pending) EnqueueLocked(std::move(d));
   stats_.recovered = pending.size();
   if (!pending.empty()) {
     std::cerr << "notify: " << pending.size() << " undelivered event(s) in the outbox "
