@@ -71,8 +71,10 @@ class Service final : public pb::Central::CallbackService {
  public:
   friend class OpsReactor;
 
-  Service(std::unique_ptr<Allocator> alloc, TokenTable tokens, const agent::HubOptions& hub)
-      : alloc_(std::move(alloc)),
+  Service(std::unique_ptr<Allocator> alloc, TokenTable tokens, const agent::HubOptions& hub,
+          std::function<std::string()> more_metrics)
+      : more_metrics_(std::move(more_metrics)),
+        alloc_(std::move(alloc)),
         tokens_(std::move(tokens)),
         hub_(*alloc_, tokens_, hub),
         grants_(registry_.GetCounter("deepnex_grants_total", "Allocations granted.")),
@@ -126,7 +128,8 @@ class Service final : public pb::Central::CallbackService {
     }
     now.GetGauge("deepnex_queue_length", "Requests waiting for capacity.")
         ->Set(alloc_->QueueLength());
-    return registry_.PrometheusText() + now.PrometheusText() + hub_.MetricsText();
+    return registry_.PrometheusText() + now.PrometheusText() + hub_.MetricsText() +
+           (more_metrics_ ? more_metrics_() : "");
   }
 
   // ---- admin
@@ -427,6 +430,7 @@ class Service final : public pb::Central::CallbackService {
         Owner(who, id, "release"));
   }
 
+  const std::function<std::string()> more_metrics_;
   std::unique_ptr<Allocator> alloc_;
   const TokenTable tokens_;
   agent::Hub hub_;
@@ -591,7 +595,8 @@ absl::StatusOr<std::unique_ptr<CentralServer>> CreateCentralServer(
   jobs.check_notify_url = options.check_job_notify_url;
   DEEPNEX_ASSIGN_OR_RETURN(auto job_store, JobStore::Open(jobs, *alloc));
   auto server = std::make_unique<CentralServerImpl>(
-      std::make_unique<Service>(std::move(alloc), std::move(tokens), hub), std::move(job_store));
+      std::make_unique<Service>(std::move(alloc), std::move(tokens), hub, options.more_metrics),
+      std::move(job_store));
   DEEPNEX_RETURN_IF_ERROR(server->Start(options, extension));
   server->StartWatchingJobs();
   return std::unique_ptr<CentralServer>(std::move(server));

@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "core/file_util.h"
 #include "core/net.h"
+#include "deepnex/metrics.h"
 #include "gpu/ledger.h"
 #include "launch/http.h"
 
@@ -368,6 +369,21 @@ NotifierStats Notifier::stats() const {
   s.pending = 0;
   for (const auto& [key, q] : queues_) s.pending += q.items.size();
   return s;
+}
+
+std::string Notifier::MetricsText() const {
+  const NotifierStats s = stats();
+  MetricsRegistry r;
+  const char* help = "Webhook deliveries (an event to a URL) by outcome.";
+  for (const auto& [outcome, n] : {std::pair<const char*, uint64_t>{"published", s.published},
+                                   {"delivered", s.delivered},
+                                   {"retried", s.retried},
+                                   {"dropped", s.dropped}}) {
+    r.GetCounter("deepnex_notify_deliveries_total", help, {{"outcome", outcome}})->Add(n);
+  }
+  r.GetGauge("deepnex_notify_pending", "Webhook deliveries waiting in the outbox.")
+      ->Set(static_cast<double>(s.pending));
+  return r.PrometheusText();
 }
 
 void Notifier::EnqueueLocked(Delivery d) {

@@ -134,6 +134,7 @@ struct NotifierOptions {
 };
 
 // What a Notifier has done since it was created.
+// As deepnex_notify_* Prometheus series (MetricsText).
 struct NotifierStats {
   uint64_t published = 0;  // deliveries (event x URL) added
   uint64_t delivered = 0;  // 2xx
@@ -165,6 +166,10 @@ class Notifier {
   // again by the next Notifier on this outbox). Idempotent.
   void Shutdown();
   NotifierStats stats() const;
+  // stats() as Prometheus text: deepnex_notify_deliveries_total{outcome=
+  // published|delivered|retried|dropped} and deepnex_notify_pending, for
+  // an admin's alert on receivers that fail.
+  std::string MetricsText() const;
 
  private:
   // One event to one URL.

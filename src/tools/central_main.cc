@@ -165,6 +165,12 @@ class EventSink {
     return notifier_->Publish(std::move(event));
   }
 
+  // The notifier's series ("" until it is open, or when it failed to).
+  std::string MetricsText() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return notifier_ != nullptr ? notifier_->MetricsText() : "";
+  }
+
   // `notifier` null: central failed to start; events are dropped.
   void Open(deepnex::notify::Notifier* notifier) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -386,6 +392,7 @@ int main(int argc, char** argv) {
   options.check_job_notify_url = [notify](const std::string& user, const std::string& url) {
     return deepnex::notify::CheckJobUrl(notify, user, url);
   };
+  options.more_metrics = [&sink] { return sink.MetricsText(); };
   options.on_job_event = [&sink](const deepnex::gpu::JobEvent& e) {
     deepnex::notify::Event event;
     event.id = e.id;

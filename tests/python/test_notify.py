@@ -16,6 +16,8 @@ import threading
 
 import pytest
 
+from deepnex import gpu
+
 import _central
 from _central import CENTRAL_BIN, TOKENS, stop_central
 from _wait import wait_for
@@ -189,6 +191,13 @@ def test_job_events_reach_the_jobs_and_its_users_urls_in_order(tmp_path, receive
         # One event, one id, the same at both URLs.
         assert [e["id"] for _, _, e in receiver.events()] == \
             [e["id"] for _, _, e in defaults.events()]
+        # Counted on the admins' metrics, to alert on receivers that fail.
+        metrics = gpu.CentralClient(address, token="admintok", timeout=10).metrics()
+        for series in ('deepnex_notify_deliveries_total{outcome="published"} 8',
+                       'deepnex_notify_deliveries_total{outcome="delivered"} 8',
+                       'deepnex_notify_deliveries_total{outcome="dropped"} 0',
+                       "deepnex_notify_pending 0"):
+            assert series + "\n" in metrics, metrics
     finally:
         stop_central(proc)
         defaults.close()

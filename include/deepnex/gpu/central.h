@@ -70,6 +70,10 @@ struct CentralServerOptions {
   // notify::CheckJobUrl, public addresses only). Empty: any URL.
   std::function<absl::Status(const std::string& user, const std::string& url)>
       check_job_notify_url;
+  // More Prometheus text at the end of MetricsText, per scrape, on any
+  // thread (deepnex-central: its notifier's deepnex_notify_* series).
+  // Empty: none.
+  std::function<std::string()> more_metrics;
 };
 
 // A running service. Thread-safe; serves until Stop().
