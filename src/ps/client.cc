@@ -1069,22 +1069,23 @@ class ClientImpl final : public Client {
             absl::StrFormat("%s of \"%s\": no data", op, t.key));
       }
     }
-    if (!pushing) {
-      // The servers refuse a pull naming a partition twice.
-      std::unordered_map<std::string, int> seen;
-      for (const auto& t : tensors) {
-        if (++seen[t.key] == 2) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "%s: \"%s\" is named more than once; pull it once and copy", op, t.key));
-        }
+    // The servers refuse a pull naming a partition twice. A push naming a
+    // key twice pushed two rounds of it in one step (in sync mode, this
+    // worker's next two), the second with values meant for the same round.
+    std::unordered_set<std::string> seen;
+    for (const auto& t : tensors) {
+      if (!seen.insert(t.key).second) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: \"%s\" is named more than once; %s", op, t.key,
+            pushing ? "push the sum once" : "pull it once and copy"));
       }
     }
     if (pieces == nullptr) return absl::OkStatus();
-    std::unordered_map<std::string, uint64_t> rounds;  // pushing: each key's new ones
+    std::unordered_map<std::string, uint64_t> rounds;  // pushing: each key's new one
     for (const auto& t : tensors) {
       const KeyState& k = keys_.at(t.key);
       uint64_t seq = k.seq;
-      if (pushing) seq = ++rounds.emplace(t.key, k.seq).first->second;
+      if (pushing) rounds[t.key] = seq = k.seq + 1;
       CutIntoPieces(t, k.meta, seq, pieces);
     }
     // Each server refuses a bad gradient in what it is sent, whole; a push

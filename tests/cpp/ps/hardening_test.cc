@@ -301,6 +301,28 @@ TEST_F(PullLimitTest, APullNamingASliceTwiceIsRefused) {
                        HasSubstr("pull: \"w\" is named more than once")));
 }
 
+// A push naming a key twice pushed this worker's next two rounds of it in
+// one step (sync, one worker: both applied, version 2).
+TEST_F(PullLimitTest, APushNamingAKeyTwiceIsRefusedAndAppliesNothing) {
+  StartWith({});
+  std::vector<float> grad(kElements, 1.0f);
+  EXPECT_THAT(client_->Push({View("w", grad), View("w", grad)}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("push: \"w\" is named more than once; push the sum once")));
+  std::vector<float> got(kElements);
+  EXPECT_THAT(client_->PushPull({View("w", grad), View("w", grad)}, {View("w", got)}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  auto info = client_->Describe({"w"});
+  ASSERT_THAT(info.status(), IsOk());
+  EXPECT_EQ((*info)[0].version, 0u);
+  // The next push is this worker's round 1 (the pull waits for it).
+  ASSERT_THAT(client_->Push({View("w", grad)}), IsOk());
+  ASSERT_THAT(client_->Pull({View("w", got)}), IsOk());
+  info = client_->Describe({"w"});
+  ASSERT_THAT(info.status(), IsOk());
+  EXPECT_EQ((*info)[0].version, 1u);
+}
+
 // PushPull in one call: a push with PushHeader.pull replies, once its
 // round completes, with the values a pull of its seq would read.
 TEST_F(PullLimitTest, APushAskingForItsValuesRepliesWithTheRoundsValues) {
