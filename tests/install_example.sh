@@ -37,3 +37,9 @@ LD_LIBRARY_PATH="$libdir:${LD_LIBRARY_PATH:-}" "$work/trainer/cpp_trainer" --wor
 bash -c 'g++ -O1 "$0" -o "$1" $(pkg-config --cflags --libs deepnex)' \
   "$src/examples/cpp_trainer/trainer.cc" "$work/trainer-pc"
 LD_LIBRARY_PATH="$libdir:${LD_LIBRARY_PATH:-}" "$work/trainer-pc" --workers 2 --steps 50
+# A bad flag is a usage error, not an abort (--workers -1 was a
+# std::length_error, --workers 0 with --server a segfault).
+out=$(LD_LIBRARY_PATH="$libdir:${LD_LIBRARY_PATH:-}" "$work/trainer-pc" \
+      --workers 0 --server 127.0.0.1:1 2>&1) && rc=0 || rc=$?
+[[ $rc == 2 && $out == 'cpp_trainer: --workers "0": must be a number in 1..65536' ]] ||
+  { echo "cpp_trainer --workers 0: exit $rc: $out"; exit 1; }

@@ -5,7 +5,9 @@
 //   cpp_trainer [--workers N] [--steps S] [--mode sync|async] [--server HOST:PORT]
 //
 // Without --server it starts a server in-process on 127.0.0.1. Prints the
-// loss as it falls; exits 0 when the final loss is below 1e-3.
+// loss as it falls; exits 0 when the final loss is below 1e-3, and 2, saying
+// why, for a bad flag or value.
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -70,21 +72,49 @@ deepnex::TensorView View(std::vector<float>& v) {
                              {static_cast<int64_t>(v.size())});
 }
 
+// `text` as an int in [1, max], or 0 saying why on stderr.
+int Count(const char* flag, const char* text, int max) {
+  char* end = nullptr;
+  errno = 0;
+  long n = std::strtol(text, &end, 10);
+  if (errno != 0 || end == text || *end != '\0' || n < 1 || n > max) {
+    std::fprintf(stderr, "cpp_trainer: %s \"%s\": must be a number in 1..%d\n", flag, text, max);
+    return 0;
+  }
+  return static_cast<int>(n);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  const char* usage =
+      "usage: cpp_trainer [--workers N] [--steps S] [--mode sync|async] [--server HOST:PORT]\n";
   int workers = 2, steps = 200;
   std::string mode = "sync", server_address;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
     std::string flag = argv[i];
-    if (flag == "--workers") workers = std::atoi(argv[i + 1]);
-    else if (flag == "--steps") steps = std::atoi(argv[i + 1]);
-    else if (flag == "--mode") mode = argv[i + 1];
-    else if (flag == "--server") server_address = argv[i + 1];
-    else {
-      std::fprintf(stderr, "cpp_trainer: unknown flag %s\n", argv[i]);
+    if (flag == "--help") {
+      std::fputs(usage, stdout);
+      return 0;
+    }
+    if (i + 1 == argc) {
+      std::fprintf(stderr, "cpp_trainer: %s needs a value\n%s", argv[i], usage);
       return 2;
     }
+    const char* value = argv[i + 1];
+    if (flag == "--workers") {
+      workers = Count("--workers", value, deepnex::ps::ServerOptions::kMaxWorkers);
+    } else if (flag == "--steps") {
+      steps = Count("--steps", value, 1 << 30);
+    } else if (flag == "--mode") {
+      mode = value;
+    } else if (flag == "--server") {
+      server_address = value;
+    } else {
+      std::fprintf(stderr, "cpp_trainer: unknown flag %s\n%s", argv[i], usage);
+      return 2;
+    }
+    if (workers == 0 || steps == 0) return 2;
   }
 
   std::unique_ptr<deepnex::ps::Server> server;
