@@ -171,7 +171,20 @@ class ServerImpl final : public Server {
     DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("ps server"));
     DEEPNEX_RETURN_IF_ERROR(CheckMillis(timeout, "checkpoint: timeout", /*zero_ok=*/true));
     DEEPNEX_RETURN_IF_ERROR(LockCheckpointDir(dir, "checkpoint directory"));
-    return service_.WriteCheckpoint(dir, timeout);
+    bool stopped;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopped = stopping_;
+    }
+    if (!stopped) return service_.WriteCheckpoint(dir, timeout);
+    // A stopped server completes no more rounds: one behind was waited for
+    // until the timeout (60 s by default) for nothing.
+    absl::StatusOr<uint64_t> round = service_.WriteCheckpoint(dir, std::chrono::milliseconds(0));
+    if (absl::IsDeadlineExceeded(round.status())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          round.status().message(), "; the server is stopped and completes no more rounds"));
+    }
+    return round;
   }
 
   int metrics_port() const override { return metrics_http_ ? metrics_http_->port() : 0; }

@@ -157,8 +157,9 @@ class Server {
   // Writes a checkpoint to <dir>/<name>.ckpt atomically (temp file, fsync,
   // rename; the previous one stays until the new one is complete). In sync
   // and ssp modes it is cut at a round boundary: the latest round applied
-  // on any partition, waiting up to `timeout` for the others to reach it.
-  // Returns the round it holds. From the first checkpoint into `dir` until
+  // on any partition, waiting up to `timeout` for the others to reach it
+  // (after Stop(), which completes no more rounds, FailedPrecondition at
+  // once where one is behind). Returns the round it holds. From the first checkpoint into `dir` until
   // Stop, the server holds <dir>/<name>.lock: FailedPrecondition where
   // another server of this name holds it. `dir` is the embedding program's choice;
   // calls from the wire (Client::Checkpoint) only name a directory inside

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <string>
@@ -660,6 +661,31 @@ TEST(PsTest, ACheckpointWithoutADirectoryOrWithANegativeTimeoutIsRefused) {
   EXPECT_THAT(c.servers[0]->Checkpoint("/tmp", std::chrono::milliseconds(-5)),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        "checkpoint: timeout=-5ms: must be >= 0"));
+}
+
+// After Stop no round completes: a checkpoint with a tensor behind waited
+// its whole timeout (60 s by default) and then said DeadlineExceeded.
+TEST(PsTest, ACheckpointAfterStopDoesNotWaitForRoundsThatCannotComplete) {
+  ServerOptions so;
+  so.num_workers = 2;
+  Cluster c = StartServers(1, so);
+  auto w0 = Connect(c, 0);
+  auto w1 = Connect(c, 1);
+  std::vector<float> v(4, 1.0f);
+  ASSERT_THAT(w0->Init({View("a", v), View("b", v)}), IsOk());
+  // "a" completes round 1; "b" waits for worker 0's push, which never comes.
+  ASSERT_THAT(w0->Push({View("a", v)}), IsOk());
+  ASSERT_THAT(w1->Push({View("a", v), View("b", v)}), IsOk());
+  ASSERT_THAT(w0->Pull({View("a", v)}), IsOk());
+  const std::string dir = ::testing::TempDir() + "/ps_checkpoint_after_stop";
+  c.servers[0]->Stop();
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THAT(c.servers[0]->Checkpoint(dir, std::chrono::seconds(30)),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("\"b\" part 0 did not reach round 1 within 0 ms; the server "
+                                 "is stopped and completes no more rounds")));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  std::filesystem::remove_all(dir);
 }
 
 // milliseconds::max(), C++'s "no limit", waits: it overflowed into a
