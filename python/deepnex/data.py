@@ -35,7 +35,7 @@ import threading
 # numpy's C API inside a C++ static initializer, where a second thread then
 # waits holding the GIL that the import needs (two threads' first batches
 # deadlocked); with numpy loaded already that import never gives up the GIL.
-import numpy  # noqa: F401
+import numpy
 
 from . import _C
 from .errors import InvalidArgumentError
@@ -62,6 +62,14 @@ def _fits(value, field, bits=64):
     if not -2**(bits - 1) <= number < 2**(bits - 1):
         raise InvalidArgumentError(f"{field}: {number} is out of range")
     return number
+
+
+def _flag(value, field):
+    """A bool (numpy's too), or InvalidArgumentError naming `field`:
+    bool("false") is True, so shuffle="false" shuffled."""
+    if isinstance(value, (bool, numpy.bool_)):
+        return bool(value)
+    raise InvalidArgumentError(f"{field}: {value!r} is not True or False")
 
 
 def _seed(value):
@@ -99,7 +107,8 @@ class Sharder:
     def __init__(self, size, num_shards=1, shard=0, shuffle=True, seed=0,
                  remainder="pad", state=None):
         # The data set's order (_DATASET): state_dict() carries it, a pickle rebuilds from it.
-        self._dataset = (_fits(size, "size"), bool(shuffle), _seed(seed), str(remainder))
+        self._dataset = (_fits(size, "size"), _flag(shuffle, "shuffle"), _seed(seed),
+                         str(remainder))
         size, shuffle, seed, remainder = self._dataset
         self._s = _C.data.Sharder(size=size, num_shards=_fits(num_shards, "num_shards", 32),
                                   shard=_fits(shard, "shard", 32), shuffle=shuffle, seed=seed,

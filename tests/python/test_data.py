@@ -207,11 +207,15 @@ def test_a_float_or_a_seed_past_64_bits_is_refused_not_truncated():
             (lambda: Sharder(10, seed=0.5), r"^seed: 0\.5 is not an integer$"),
             (lambda: Sharder(10, seed=None), r"^seed: None is not an integer$"),
             (lambda: Sharder(10, seed=2**64), r"^seed: 18446744073709551616 is out of range"),
-            (lambda: Sharder(10, seed=-2**63 - 1), r"^seed: -9223372036854775809 is out of ")):
+            (lambda: Sharder(10, seed=-2**63 - 1), r"^seed: -9223372036854775809 is out of "),
+            # bool("false") is True: it shuffled.
+            (lambda: Sharder(10, shuffle="false"), r"^shuffle: 'false' is not True or False$"),
+            (lambda: Sharder(10, shuffle=0), r"^shuffle: 0 is not True or False$")):
         with pytest.raises(deepnex.InvalidArgumentError, match=message):
             call()
     # numpy's ints are ints; a negative seed is its 64 bits' two's complement.
-    s = Sharder(np.int64(10), np.int32(2), np.int64(1), seed=np.uint64(2**64 - 1))
+    s = Sharder(np.int64(10), np.int32(2), np.int64(1), seed=np.uint64(2**64 - 1),
+                shuffle=np.bool_(True))
     assert s.indices(0).tolist() == Sharder(10, 2, 1, seed=-1).indices(0).tolist()
 
 
