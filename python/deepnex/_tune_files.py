@@ -25,8 +25,10 @@ DIR_MODE = 0o700
 def prepare_dir(path):
     """Creates `path` (mode 0700) where it is not there; refuses one that
     is a symlink, not a directory, or owned by another user, in which the
-    search's files could be replaced or read by that user; makes the
-    user's own that others could open 0700."""
+    search's files could be replaced or read by that user, or one under a
+    directory another user could swap it out of (_check_ancestors); makes
+    the user's own that others could open 0700."""
+    _check_ancestors(path)
     try:
         os.makedirs(path, mode=DIR_MODE, exist_ok=True)
     except FileExistsError:
@@ -45,6 +47,31 @@ def prepare_dir(path):
         # One the user made open (mkdir -m 777) is the user's: closed, so
         # that no one else can rename files in from now on.
         os.chmod(path, DIR_MODE)
+
+
+def _check_ancestors(path):
+    """Refuses `path` when a directory above it is another user's (root's
+    aside) or writable by anyone without /tmp's sticky bit: that user could
+    move it away and put a directory of theirs in its place, into which the
+    search would then write (probe). A group's shared directory passes."""
+    me = os.geteuid()
+    parent = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    while not os.path.exists(parent):  # made below, 0700
+        parent = os.path.dirname(parent)
+    while True:
+        st = os.stat(parent)
+        if st.st_uid not in (0, me):
+            raise PermissionDeniedError(
+                f"out_dir: {path} is in {parent}, which belongs to user {st.st_uid}, who "
+                "could put a directory of theirs in its place: choose another out_dir")
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise PermissionDeniedError(
+                f"out_dir: {path} is in {parent} (mode {stat.S_IMODE(st.st_mode):o}), which "
+                "anyone may write without the sticky bit /tmp has: anyone could put a "
+                "directory of theirs in its place: choose another out_dir")
+        if parent == "/":
+            return
+        parent = os.path.dirname(parent)
 
 
 def _create_beside(path):

@@ -1988,6 +1988,20 @@ def test_out_files_replace_planted_symlinks_and_never_write_through_them(tmp_pat
         with pytest.raises(PermissionError, match="belongs to user 65534"):
             tune.run([sys.executable, str(script)], {"x": 1.0}, out_dir=str(theirs),
                      runner=tune.subprocess_runner, out=io.StringIO())
+        # Under a directory of theirs, they could swap in one of their own.
+        with pytest.raises(PermissionError, match=f"is in {theirs}, which belongs to user 65534"):
+            tune.run([sys.executable, str(script)], {"x": 1.0}, out_dir=str(theirs / "out"),
+                     runner=tune.subprocess_runner, out=io.StringIO())
+    # Under one anyone may write, likewise, unless it is sticky as /tmp is.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match=rf"is in {shared} \(mode 777\), which anyone may "):
+        tune.run([sys.executable, str(script)], {"x": 1.0}, out_dir=str(shared / "out"),
+                 runner=tune.subprocess_runner, out=io.StringIO())
+    shared.chmod(0o1777)
+    tune.run([sys.executable, str(script)], {"x": 1.0}, out_dir=str(shared / "out"),
+             metric="score", runner=tune.subprocess_runner, out=io.StringIO())
 
 
 def test_an_open_out_dir_is_closed_and_another_users_journal_is_not_resumed(tmp_path):
