@@ -95,7 +95,7 @@ class Job:
                  central_token_file: Optional[str] = None, notify: Sequence[str] = (),
                  notify_every: float = 0, notify_when: Optional[str] = None,
                  restart: str = _JOB.restart, checkpoint_dir: Optional[str] = None,
-                 optimizer: str = _JOB.optimizer, lr: Optional[float] = None,
+                 optimizer: str = _JOB.optimizer, lr: Optional[float] = _JOB.lr,
                  momentum: float = _JOB.momentum, name: Optional[str] = None,
                  user: Optional[str] = None, env: Optional[Dict[str, str]] = None,
                  working_dir: Optional[str] = None, mounts: Sequence = (),

@@ -649,7 +649,7 @@ def test_python_defaults_are_the_cpp_option_structs():
                               "backend", "restart", "optimizer", "lr", "momentum")} == {
         "workers": 1, "nodes": 0, "mode": "sync", "gpus_per_worker": 0,
         "gpu_mode": "exclusive", "cpus": 1.0, "backend": "process", "restart": "never",
-        "optimizer": "sgd", "lr": 0.01, "momentum": 0.0}
+        "optimizer": "sgd", "lr": None, "momentum": 0.0}  # lr: the optimizer's own
 
 
 def test_ps_python_defaults_are_the_cpp_option_structs():
