@@ -624,6 +624,10 @@ TEST_F(JobsTest, AJobWhoseRunnerFallsSilentFailsAsLostAndItsReportRevivesIt) {
   EXPECT_TRUE(lost.lost);
   EXPECT_EQ(lost.exit_code, 1);
   EXPECT_EQ(lost.message, "lost: its runner did not report for 0.3 s");
+  // The record is visible once stored; its event goes out just after (CI
+  // read the events in between).
+  ASSERT_TRUE(::deepnex::test::WaitFor([&] { return events().size() >= 3; }, 10s,
+                                       "the failed event"));
   EXPECT_THAT(events(), ElementsAre("queued j1", "started j1", "failed j1"));
   // Cut off, not gone: its next report makes it run again.
   ASSERT_OK_AND_ASSIGN(JobRecord back, alice->Report(running, "r1"));
