@@ -88,6 +88,21 @@ absl::Status Elastic::Publish(const std::vector<Member>& members) {
   return absl::OkStatus();
 }
 
+bool Elastic::Republish(const std::vector<Member>& members) {
+  absl::Status published = Publish(members);
+  if (!published.ok()) {
+    o_.on_event(absl::StrCat("elastic: publishing the members failed: ", published.ToString()));
+  }
+  return published.ok();
+}
+
+milliseconds Elastic::BackoffLocked(bool healthy) {
+  if (healthy) backoff_step_ = 0;
+  const milliseconds delay = launch::RestartBackoff(o_.restart, o_.launcher, ++backoff_step_);
+  next_start_ = Clock::now() + delay;
+  return delay;
+}
+
 void Elastic::Loop() {
   for (;;) {
     Watch();
@@ -196,20 +211,15 @@ void Elastic::Drop(const std::vector<Member>& members, const std::vector<size_t>
   // are left waiting for the next generation, which comes with the
   // replacement (Grow), and their reports wait for it too (Reported).
   const bool replace = static_cast<int>(left.size()) < o_.min_workers;
-  absl::Status published = replace ? absl::OkStatus() : Publish(left);
+  if (!replace) Republish(left);
   milliseconds delay;
   int step;
   {
     std::lock_guard<std::mutex> lock(mu_);
     members_ = left;
     if (replace) ++restarts_;
-    if (ran_long) backoff_step_ = 0;
-    step = ++backoff_step_;
-    delay = launch::RestartBackoff(o_.restart, o_.launcher, step);
-    next_start_ = Clock::now() + delay;
-  }
-  if (!published.ok()) {
-    o_.on_event(absl::StrCat("elastic: publishing the members failed: ", published.ToString()));
+    delay = BackoffLocked(ran_long);
+    step = backoff_step_;
   }
   const std::string in = absl::StrCat(delay.count() / 1000.0, " s");
   if (replace) {
@@ -265,16 +275,30 @@ bool Elastic::Reported(const std::vector<Member>& members) {
     // same members again, paced as failures are, so that one that keeps
     // recurring ends when the workers' wait for it does.
     if (now < next_start_) return false;
-    absl::Status published = Publish(members);
-    std::lock_guard<std::mutex> lock(mu_);
-    if (now - formed_ >= o_.launcher.restart_backoff_reset) backoff_step_ = 0;
-    next_start_ = now + launch::RestartBackoff(o_.restart, o_.launcher, ++backoff_step_);
-    o_.on_event(published.ok()
-                    ? absl::StrCat("elastic: every member reported a failed collective in "
-                                   "generation ", generation, "; they form generation ",
-                                   generation_, " again")
-                    : absl::StrCat("elastic: publishing the members failed: ",
-                                   published.ToString()));
+    bool healthy;
+    {
+      // Read before Publish forms the next generation.
+      std::lock_guard<std::mutex> lock(mu_);
+      healthy = now - formed_ >= o_.launcher.restart_backoff_reset;
+    }
+    const bool published = Republish(members);
+    milliseconds delay;
+    int step, formed;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      delay = BackoffLocked(healthy);
+      step = backoff_step_;
+      formed = generation_;
+    }
+    if (published) {
+      o_.on_event(absl::StrCat(
+          "elastic: every member reported a failed collective in generation ", generation,
+          "; they form generation ", formed, " again",
+          step > 1 ? absl::StrCat("; ", step,
+                                  " failures in a row soon after forming: the next re-form in ",
+                                  delay.count() / 1000.0, " s at the earliest (crash-loop backoff)")
+                   : ""));
+    }
     return true;
   }
   if (now - *first_report_ < o_.stalled_after) return false;
@@ -343,10 +367,7 @@ void Elastic::Grow() {
     all_.push_back(*h);
     members_ = members;
   }
-  absl::Status published = Publish(members);
-  if (!published.ok()) {
-    o_.on_event(absl::StrCat("elastic: publishing the members failed: ", published.ToString()));
-  }
+  Republish(members);
   Resized(size, size + 1, absl::StrCat("worker w", m.id, " joined on node \"", a->node, "\""),
           true);
 }

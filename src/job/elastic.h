@@ -158,6 +158,12 @@ class Elastic {
   explicit Elastic(ElasticOptions options) : o_(std::move(options)) {}
   // Writes the members as generation `generation_ + 1`, then the generation.
   absl::Status Publish(const std::vector<Member>& members);
+  // Publish for a running job: a failure is told as an event, and the
+  // workers go on waiting for the generation. True when published.
+  bool Republish(const std::vector<Member>& members);
+  // The next failure's step of the crash-loop backoff, from 1 again after
+  // a `healthy` run; no start before the delay it gives (next_start_).
+  std::chrono::milliseconds BackoffLocked(bool healthy);
   void Loop();
   // One look at the members: drops (or fails on) the ended ones.
   void Watch();
