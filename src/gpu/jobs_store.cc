@@ -440,11 +440,29 @@ void JobStore::Watch() {
       PutLocked(j);
       it = heard_.erase(it);
     }
+    // Lost for lost_release_after: its runner is gone for good, most likely
+    // (SIGKILL, its host down), and its allocations would be held for ever.
+    std::vector<std::string> abandoned;
+    const auto release_after = options_.history.lost_release_after;
+    if (release_after.count() > 0) {
+      const int64_t now_ms = NowMs();
+      for (const auto& [name, j] : jobs_) {
+        if (j.lost() && now_ms - j.ended_ms() >= release_after.count()) abandoned.push_back(name);
+      }
+    }
     // With no event, what the observer refused goes again.
     const uint64_t ticket = events.empty() ? 0 : last_ticket_;
     QueueLocked(std::move(events));
     lock.unlock();
     Commit(ticket).IgnoreError();
+    for (const std::string& name : abandoned) {
+      // Lost still: its runner may have been heard meanwhile.
+      Cancel(Identity{"deepnex-central", AuthRole::kAdmin, ""}, name,
+             absl::StrCat("; its allocations were held ", release_after.count() / 1000.0,
+                          " s more for it"),
+             /*lost_only=*/true)
+          .IgnoreError();
+    }
     lock.lock();
   }
 }
@@ -903,7 +921,8 @@ absl::StatusOr<pb::Job> JobStore::Get(const Identity& who, const std::string& na
   return Filled(*j, NowMs());
 }
 
-absl::StatusOr<pb::Job> JobStore::Cancel(const Identity& who, const std::string& name) {
+absl::StatusOr<pb::Job> JobStore::Cancel(const Identity& who, const std::string& name,
+                                         const std::string& why, bool lost_only) {
   pb::Job j;
   uint64_t ticket;
   std::vector<JobEvent> events;
@@ -913,7 +932,7 @@ absl::StatusOr<pb::Job> JobStore::Cancel(const Identity& who, const std::string&
     // A lost job ended only in central's eyes: its allocations stay for a
     // runner that was cut off, and cancelling it is how its user lets them
     // go (a probe's lost job could only be released by allocation id).
-    if (Ended(*found) && !found->lost()) {
+    if ((Ended(*found) || lost_only) && !found->lost()) {
       return absl::FailedPreconditionError(
           absl::StrCat("job \"", name, "\" already ended: ", found->state()));
     }
@@ -923,7 +942,7 @@ absl::StatusOr<pb::Job> JobStore::Cancel(const Identity& who, const std::string&
     j.set_ended_ms(now);
     j.set_cancelled_by(who.name);
     j.set_message(absl::StrCat("cancelled by ", who.name,
-                               j.lost() ? absl::StrCat(" after it was ", j.message()) : ""));
+                               j.lost() ? absl::StrCat(" after it was ", j.message()) : "", why));
     j.set_lost(false);  // a runner that comes back finds it cancelled
     events.push_back(EventOf("cancelled", j));
     Note(&j, &events, 0);

@@ -75,7 +75,9 @@ class JobStore {
   absl::StatusOr<pb::Job> Report(const Identity& who, const pb::Job& job);
   absl::StatusOr<std::vector<pb::Job>> List(const Identity& who, const pb::JobsRequest& req);
   absl::StatusOr<pb::Job> Get(const Identity& who, const std::string& name);
-  absl::StatusOr<pb::Job> Cancel(const Identity& who, const std::string& name);
+  absl::StatusOr<pb::Job> Cancel(const Identity& who, const std::string& name) {
+    return Cancel(who, name, "", /*lost_only=*/false);
+  }
 
   // Serves the store behind `tokens`, which outlive it.
   std::unique_ptr<grpc::Service> MakeService(const TokenTable& tokens);
@@ -114,8 +116,13 @@ class JobStore {
   std::string ArchivedNameLocked(const std::string& name) const;
   // The job `name` if `who` may see it, else NotFound.
   absl::StatusOr<pb::Job*> FindLocked(const Identity& who, const std::string& name);
-  // The lost-runner watch: fails the jobs not heard from in time, and tells
-  // the observer again what it refused, each second.
+  // Cancel, with `why` after its message; `lost_only`: only a job that is
+  // lost (else FailedPrecondition).
+  absl::StatusOr<pb::Job> Cancel(const Identity& who, const std::string& name,
+                                 const std::string& why, bool lost_only);
+  // The lost-runner watch: fails the jobs not heard from in time, cancels
+  // those lost for history.lost_release_after, and tells the observer again
+  // what it refused, each second.
   void Watch();
 
   const JobStoreOptions options_;

@@ -128,6 +128,11 @@ flags:
                           oldest first
   --job-runner-timeout S  a job whose `deepnex run` has not reported for S
                           seconds fails as lost (default 60)
+  --job-lost-release-after S
+                          a lost job's allocations are held S seconds for its
+                          runner (one cut off comes back); then it is
+                          cancelled and they are released (default 600; 0:
+                          held until `deepnex job cancel`)
   --help                  show this text
 )";
 
@@ -317,6 +322,8 @@ int main(int argc, char** argv) {
       options.job_history.max_age = flags.Seconds();
     } else if (flags.Is("--job-runner-timeout")) {
       options.job_history.runner_timeout = flags.Seconds();
+    } else if (flags.Is("--job-lost-release-after")) {
+      options.job_history.lost_release_after = flags.Seconds();
     } else if (flags.Is("--ended-containers")) {
       const std::string flag = flags.flag();
       const int n = flags.Int();

@@ -151,13 +151,18 @@ inline constexpr size_t kMaxJobNotifyUrls = 8;
 // are dropped, and beyond max_count records or max_bytes of them, the
 // oldest of the user who holds the most (records, or bytes), so that one
 // user's many jobs push out only their own. A job whose runner has not
-// reported for runner_timeout (runners report every 2 s) is failed as lost.
-// Defaults: 30 days, 10000, 256 MiB, 60 s
+// reported for runner_timeout (runners report every 2 s) is failed as lost;
+// its allocations are held for a runner that was only cut off, and
+// lost_release_after later, still unheard, it is cancelled by central and
+// they go back (its workers on central's agents stop with them: a runner
+// killed with SIGKILL held its GPUs for ever). 0: held until cancelled.
+// Defaults: 30 days, 10000, 256 MiB, 60 s, 600 s
 struct JobHistoryOptions {
   std::chrono::milliseconds max_age{std::chrono::hours(24 * 30)};
   uint64_t max_count = 10000;
   uint64_t max_bytes = uint64_t{256} << 20;
   std::chrono::milliseconds runner_timeout{60000};
+  std::chrono::milliseconds lost_release_after{600000};
 };
 
 // A change of a job's state, as the store records it. kind: "queued",

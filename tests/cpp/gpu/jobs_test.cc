@@ -677,6 +677,74 @@ TEST_F(JobsTest, CancellingALostJobReleasesItsAllocations) {
   EXPECT_THAT(events(), ElementsAre("queued j1", "started j1", "failed j1", "cancelled j1"));
 }
 
+// A runner killed with SIGKILL never comes back: its lost job's GPUs were
+// held (and its workers on central's agents ran) until its user noticed.
+// lost_release_after later central cancels it, and the allocations go back.
+TEST_F(JobsTest, AJobLostForLostReleaseAfterIsCancelledAndItsAllocationsReleased) {
+  JobHistoryOptions history;
+  history.runner_timeout = 300ms;
+  history.lost_release_after = 600ms;
+  Start(history);
+  auto alice = Jobs("alicetok");
+  auto grants = Client("alicetok");
+  Request r = test::Exclusive("alice", 1, 1);
+  r.job = "j1";
+  ASSERT_OK_AND_ASSIGN(Allocation a, grants->Allocate(r));
+  const JobRecord running = Job("j1", JobState::kRunning, {{a.id, a.node, 1, 1, 0}});
+  ASSERT_OK(alice->Report(running, "r1").status());
+  ASSERT_TRUE(::deepnex::test::WaitFor(
+      [&] {
+        auto j = alice->Get("j1");
+        return j.ok() && j->state == JobState::kCancelled;
+      },
+      10s, "j1 to be cancelled"));
+  ASSERT_OK_AND_ASSIGN(JobRecord cancelled, alice->Get("j1"));
+  EXPECT_FALSE(cancelled.lost);
+  EXPECT_EQ(cancelled.cancelled_by, "deepnex-central");
+  EXPECT_EQ(cancelled.message,
+            "cancelled by deepnex-central after it was lost: its runner did not report for "
+            "0.3 s; its allocations were held 0.6 s more for it");
+  ASSERT_OK_AND_ASSIGN(auto left, grants->Allocations());
+  EXPECT_TRUE(left.empty());
+  ASSERT_TRUE(::deepnex::test::WaitFor([&] { return events().size() >= 4; }, 10s,
+                                       "the cancelled event"));
+  EXPECT_THAT(events(), ElementsAre("queued j1", "started j1", "failed j1", "cancelled j1"));
+  // Its runner, back after all, hears it is cancelled.
+  ASSERT_OK_AND_ASSIGN(JobRecord heard, alice->Report(running, "r1"));
+  EXPECT_EQ(heard.state, JobState::kCancelled);
+}
+
+// A runner heard again within lost_release_after keeps its job and its
+// allocations.
+TEST_F(JobsTest, ALostJobRevivedInTimeIsNotCancelled) {
+  JobHistoryOptions history;
+  history.runner_timeout = 300ms;
+  history.lost_release_after = 2s;
+  Start(history);
+  auto alice = Jobs("alicetok");
+  auto grants = Client("alicetok");
+  Request r = test::Exclusive("alice", 1, 1);
+  r.job = "j1";
+  ASSERT_OK_AND_ASSIGN(Allocation a, grants->Allocate(r));
+  const JobRecord running = Job("j1", JobState::kRunning, {{a.id, a.node, 1, 1, 0}});
+  ASSERT_OK(alice->Report(running, "r1").status());
+  ASSERT_TRUE(::deepnex::test::WaitFor(
+      [&] {
+        auto j = alice->Get("j1");
+        return j.ok() && j->lost;
+      },
+      10s, "j1 to fail as lost"));
+  // Reported every 100 ms from now on, past when it would have been released.
+  const auto until = std::chrono::steady_clock::now() + 3s;
+  while (std::chrono::steady_clock::now() < until) {
+    ASSERT_OK_AND_ASSIGN(JobRecord j, alice->Report(running, "r1"));
+    ASSERT_EQ(j.state, JobState::kRunning);
+    std::this_thread::sleep_for(100ms);
+  }
+  ASSERT_OK_AND_ASSIGN(auto held, grants->Allocations());
+  EXPECT_EQ(held.size(), 1u);
+}
+
 TEST_F(JobsTest, SinceKeepsJobsNotEndedBeforeIt) {
   Start();
   auto alice = Jobs("alicetok");
