@@ -586,7 +586,6 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(const AgentOptions& options
   launch::LauncherOptions launcher_options = options.launcher;
   launcher_options.require_cgroups = true;
   DEEPNEX_ASSIGN_OR_RETURN(auto launcher, launch::Launcher::Create(launcher_options));
-  DEEPNEX_RETURN_IF_ERROR(launch::MakeStateDirPrivate(launcher_options));
   // A killed agent before this one stopped nothing: its containers run on.
   std::vector<std::shared_ptr<launch::Handle>> adopted;
   adopted = AdoptOrphans(options.launcher, launcher->id());

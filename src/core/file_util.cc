@@ -16,6 +16,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 
 namespace deepnex {
@@ -96,6 +97,38 @@ absl::Status MakeOwnDirectory(const std::string& dir, const std::string& what) {
         "another"));
   }
   if ((st.st_mode & 066) != 0 && chmod(dir.c_str(), 0711) != 0) return Errno("cannot chmod", dir);
+  return absl::OkStatus();
+}
+
+absl::Status MakeStateDirectory(const std::string& dir, const std::string& what,
+                                mode_t mode) {
+  const std::string parent = std::filesystem::path(dir).parent_path();
+  if (!parent.empty()) DEEPNEX_RETURN_IF_ERROR(MakeDirectories(parent));
+  // Made here with `mode` itself: under a umask of 0, a directory made with
+  // the default mode would be refused below the first time.
+  if (mkdir(dir.c_str(), mode) != 0 && errno != EEXIST) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": cannot create \"", dir, "\": ", std::strerror(errno)));
+  }
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": \"", dir, "\" is not a directory"));
+  }
+  if (st.st_uid != geteuid()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, " \"", dir, "\" belongs to uid ", st.st_uid, ", not to this user (", geteuid(),
+        "): its owner could put records there that this daemon would trust; chown it, or "
+        "choose another"));
+  }
+  if ((st.st_mode & 022) != 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s \"%s\" may be written by others (mode %04o): anyone could have put records there "
+        "that this daemon would trust; check what is in it, then chmod go-w it",
+        what, dir, st.st_mode & 07777));
+  }
+  if ((st.st_mode & 07777) != mode && chmod(dir.c_str(), mode) != 0) {
+    return Errno("cannot chmod", dir);
+  }
   return absl::OkStatus();
 }
 

@@ -38,6 +38,16 @@ absl::Status MakeDirectories(const std::string& dir);
 // use, another user who made it first could swap the files we write there.
 absl::Status MakeOwnDirectory(const std::string& dir, const std::string& what);
 
+// Makes `dir` (and its parents) a daemon's state directory with `mode`, or
+// takes the one there if this user owns it and nobody else may write in it.
+// A daemon trusts what it finds there at its next start (a ledger replays
+// its records, a launcher sweeps or adopts its containers'), so another
+// user's directory, or one others may write in, is FailedPrecondition naming
+// `what`, the directory and its owner or mode: making it private now would
+// not remove what they could already have put there. Follows a symlink (an
+// admin's /var/lib/x -> /data/x); InvalidArgument when `dir` is no directory.
+absl::Status MakeStateDirectory(const std::string& dir, const std::string& what, mode_t mode);
+
 // An exclusive hold on a state directory, so that two daemons never write
 // one ledger or checkpoint: flock() on the file `dir/file`, which holds the
 // holder's pid. The kernel releases a flock when its holder exits however it

@@ -251,16 +251,6 @@ absl::StatusOr<std::vector<std::string>> ReadSnapshot(const std::string& path, u
   return records;
 }
 
-absl::Status MakeDirs(const std::string& dir) {
-  absl::Status made = MakeDirectories(dir);
-  if (!made.ok()) return absl::InvalidArgumentError(absl::StrCat("state_dir: ", made.message()));
-  struct stat st;
-  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat("state_dir: \"", dir, "\" is not a directory"));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 std::string LedgerRecovery::ToString() const {
@@ -394,12 +384,11 @@ absl::StatusOr<std::unique_ptr<Ledger>> Ledger::Open(const std::string& dir,
                                                      const LedgerOptions& options,
                                                      const ApplyFn& apply,
                                                      LedgerRecovery* recovery) {
-  DEEPNEX_RETURN_IF_ERROR(MakeDirs(dir));
-  // The records are their service's alone: central's hold every user's job
-  // commands, which its 0755 directory showed to any local user.
-  if (chmod(dir.c_str(), 0700) != 0) {
-    return absl::InternalError(absl::StrCat("ledger: cannot chmod ", dir, ": ", strerror(errno)));
-  }
+  // The records are their service's alone (central's hold every user's job
+  // commands, which its 0755 directory showed to any local user), and a
+  // directory someone else owns or may write in could hold records of
+  // theirs, replayed as grants.
+  DEEPNEX_RETURN_IF_ERROR(MakeStateDirectory(dir, "state_dir", 0700));
   std::unique_ptr<Ledger> ledger(new Ledger(dir, options));
   DEEPNEX_ASSIGN_OR_RETURN(ledger->lock_,
                            DirectoryLock::Acquire(dir, "LOCK", "allocator state_dir"));

@@ -739,8 +739,6 @@ absl::StatusOr<std::unique_ptr<gpu::CentralServer>> CreateCentralServer(
     }
   }
   DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<Launcher> l, Launcher::Create(launcher));
-  // The process backend's containers run on this host's files.
-  DEEPNEX_RETURN_IF_ERROR(MakeStateDirPrivate(launcher));
   // The factory runs once, inside the call below, before the server serves.
   auto extension = [&](gpu::Allocator& alloc, const TokenTable& tokens, agent::Hub& hub)
       -> absl::StatusOr<std::unique_ptr<gpu::CentralExtension>> {

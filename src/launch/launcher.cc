@@ -692,8 +692,11 @@ absl::StatusOr<std::unique_ptr<Launcher>> Launcher::Create(const LauncherOptions
   std::unique_ptr<DirectoryLock> state_lock;
   if (owns_state_dir) {
     DEEPNEX_ASSIGN_OR_RETURN(options.state_dir, MakeTempDir());
-    DEEPNEX_RETURN_IF_ERROR(MakeStateDirPrivate(options));
-  } else {
+  }
+  // Before anything in it is read: its records are swept or adopted.
+  DEEPNEX_RETURN_IF_ERROR(MakeStateDirectory(options.state_dir, "launcher state_dir",
+                                             StateDirMode(options.backend)));
+  if (!owns_state_dir) {
     // Two launchers on one state_dir would take each other's container
     // records (and sweep each other's containers as orphans).
     DEEPNEX_ASSIGN_OR_RETURN(state_lock, DirectoryLock::Acquire(options.state_dir, "launcher.lock",

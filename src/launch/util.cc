@@ -205,15 +205,6 @@ absl::StatusOr<ContainerSpec> PinMountSources(const ContainerSpec& spec, const s
 
 mode_t StateDirMode(const std::string& backend) { return backend == "slurm" ? 0711 : 0700; }
 
-absl::Status MakeStateDirPrivate(const LauncherOptions& options) {
-  if (!options.state_dir.empty() &&
-      chmod(options.state_dir.c_str(), StateDirMode(options.backend)) != 0) {
-    return absl::InternalError(
-        absl::StrCat("cannot chmod ", options.state_dir, ": ", strerror(errno)));
-  }
-  return absl::OkStatus();
-}
-
 std::string CgroupParent(const LauncherOptions& options) {
   return options.cgroup_parent.empty() ? "deepnex" : options.cgroup_parent;
 }

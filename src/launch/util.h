@@ -136,10 +136,6 @@ absl::StatusOr<ContainerSpec> PinMountSources(const ContainerSpec& spec, const s
 // scripts are 0600, a job's output its user's, 0600.
 mode_t StateDirMode(const std::string& backend);
 
-// Gives a launcher's state_dir its StateDirMode (a daemon's, and the fresh
-// one Launcher::Create makes). Nothing for an empty one.
-absl::Status MakeStateDirPrivate(const LauncherOptions& options);
-
 // options.cgroup_parent, or "deepnex" when empty.
 std::string CgroupParent(const LauncherOptions& options);
 

@@ -145,6 +145,36 @@ TEST(Ledger, ItsDirectoryIsItsOwnersAlone) {
   EXPECT_EQ(st.st_mode & 0777, 0700u);
 }
 
+// A state directory another user owns, or one anyone may write in, could
+// hold records of theirs that a restart replays (grants made up, jobs
+// forged): chmod 0700 on open, all the old code did, leaves them there.
+TEST(Ledger, AStateDirectoryOthersCouldWriteIsRefused) {
+  TempDir dir;
+  const std::string open_dir = dir.path() + "/open";
+  ASSERT_EQ(mkdir(open_dir.c_str(), 0700), 0);
+  ASSERT_EQ(chmod(open_dir.c_str(), 0777), 0);
+  Collected c;
+  EXPECT_THAT(Ledger::Open(open_dir, {}, c.fn()).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("may be written by others (mode 0777)")));
+  // One it makes itself is private whatever the umask.
+  const mode_t old_mask = umask(0);
+  auto made = Ledger::Open(dir.path() + "/a/b", {}, c.fn());
+  umask(old_mask);
+  ASSERT_OK(made.status());
+  struct stat st;
+  ASSERT_EQ(stat((dir.path() + "/a/b").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  if (geteuid() != 0) GTEST_SKIP() << "giving a directory to another user needs root";
+  const std::string theirs = dir.path() + "/theirs";
+  ASSERT_EQ(mkdir(theirs.c_str(), 0700), 0);
+  ASSERT_EQ(chown(theirs.c_str(), 65534, 65534), 0);
+  EXPECT_THAT(Ledger::Open(theirs, {}, c.fn()).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("belongs to uid 65534, not to this user")));
+  EXPECT_TRUE(c.records.empty());
+}
+
 // A process killed while it wrote a snapshot leaves its temporary file;
 // each such crash left one more for good.
 TEST(Ledger, AHalfWrittenSnapshotOfACrashIsRemovedAtOpen) {

@@ -514,7 +514,7 @@ TEST_F(SlurmTest, RunAsSubmitsTheJobAsTheUser) {
 }
 
 // deepnex-central and its agents make their launcher's state directory
-// private (MakeStateDirPrivate; a fresh one is made so), and slurmstepd,
+// private (Launcher::Create gives it StateDirMode), and slurmstepd,
 // which opens a job's output as the job's user, could not reach it there:
 // every job of a mapped user failed. The slurm backend's state directory is
 // passable, not listable, and nothing in it but the user's own output is
@@ -524,8 +524,6 @@ TEST_F(SlurmTest, RunAsWorksInAPrivateStateDirWhereOthersReadNothing) {
   ASSERT_EQ(chmod(scratch_.path().c_str(), 0755), 0);
   LauncherOptions o = options_;
   o.state_dir = scratch_.path() + "/state";
-  ASSERT_THAT(MakeDirectories(o.state_dir), IsOk());
-  ASSERT_THAT(MakeStateDirPrivate(o), IsOk());
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Launcher> launcher, Launcher::Create(o));
   // Held running (its run directory goes when it ends) until the gate.
   const std::string gate = scratch_.path() + "/gate";
