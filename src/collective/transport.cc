@@ -25,6 +25,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/net.h"
 #include "core/socket.h"
@@ -172,6 +173,16 @@ absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Open(const std::string& 
     close(fd);
     return absl::UnavailableError(absl::StrCat("shared-memory segment ", name, " is truncated"));
   }
+  // The name comes from the store: a segment that is not this user's alone
+  // (Create makes them 0600) may be someone else's, who would read the
+  // tensors written into it and could set its rings' sizes past the mapping.
+  if (st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
+    close(fd);
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "shared-memory segment %s belongs to uid %d with mode %04o, not to this user (%d) "
+        "alone",
+        name, st.st_uid, st.st_mode & 07777, geteuid()));
+  }
   void* base =
       mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   close(fd);
@@ -183,6 +194,20 @@ absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Open(const std::string& 
   auto* header = reinterpret_cast<SegmentHeader*>(seg->base_);
   if (header->magic != kMagic) {
     return absl::UnavailableError(absl::StrCat("shared-memory segment ", name, " is not ready"));
+  }
+  // ring() and the Links trust these from here on: every ring must lie
+  // inside the mapping, with the capacity Create gave it.
+  const uint64_t stripes = header->stripes, ring_bytes = header->ring_bytes;
+  uint64_t end = 0;
+  bool fits = stripes >= 1 && stripes <= kMaxStripes && ring_bytes > 0 &&
+              !__builtin_add_overflow(sizeof(Ring), ring_bytes, &end) &&
+              !__builtin_mul_overflow(end, stripes, &end) &&
+              !__builtin_add_overflow(end, kRingsOffset, &end) && end <= seg->size_;
+  for (uint64_t k = 0; fits && k < stripes; ++k) fits = seg->ring(k)->capacity == ring_bytes;
+  if (!fits) {
+    return absl::UnavailableError(absl::StrCat(
+        "shared-memory segment ", name, " is garbled (", stripes, " rings of ", ring_bytes,
+        " bytes in ", seg->size_, " bytes)"));
   }
   return seg;
 }
