@@ -192,7 +192,16 @@ def test_job_events_reach_the_jobs_and_its_users_urls_in_order(tmp_path, receive
         assert [e["id"] for _, _, e in receiver.events()] == \
             [e["id"] for _, _, e in defaults.events()]
         # Counted on the admins' metrics, to alert on receivers that fail.
-        metrics = gpu.CentralClient(address, token="admintok", timeout=10).metrics()
+        # A delivery counts once central has read the receiver's answer,
+        # which comes after the receiver recorded the POST: waited for.
+        admin = gpu.CentralClient(address, token="admintok", timeout=10)
+        delivered = 'deepnex_notify_deliveries_total{outcome="delivered"} 8\n'
+
+        def counted():
+            m = admin.metrics()
+            return m if delivered in m else None
+        metrics = wait_for(counted, lambda: "8 deliveries counted:\n" + admin.metrics(),
+                           timeout=30)
         for series in ('deepnex_notify_deliveries_total{outcome="published"} 8',
                        'deepnex_notify_deliveries_total{outcome="delivered"} 8',
                        'deepnex_notify_deliveries_total{outcome="dropped"} 0',
