@@ -182,6 +182,10 @@ TEST(Notifier, SignsEachEventAndKeepsEachJobsOrder) {
     ASSERT_THAT(n->Publish(JobEvent("j2", kJobWorkerRestarted, i)), IsOk());
   }
   ASSERT_TRUE(WaitFor([&] { return receiver.count() == 2 * kPerJob; }, 30s, "40 events"));
+  // The receiver records a POST before it answers; the notifier counts it
+  // delivered once it has read that answer.
+  ASSERT_TRUE(WaitFor([&] { return n->stats().delivered == 2u * kPerJob; }, 30s,
+                      "40 deliveries counted"));
   std::map<std::string, int> next;
   std::set<std::string> ids;
   for (const Request& r : receiver.requests()) {
