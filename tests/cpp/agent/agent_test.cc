@@ -284,6 +284,14 @@ TEST_F(AgentTest, SilentNodeIsNotReadyAndGetsNoGrant) {
   ASSERT_OK(h1->WaitRegistered(10s));
   h1->Stop();
   ASSERT_TRUE(WaitFor([&] { return !Ready("h1"); }, 10s, "h1 NotReady"));
+  // The hub marks the node NotReady in the allocator first, then logs,
+  // tells the observer and counts it.
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return server_->MetricsText().find("deepnex_node_not_ready_total{node=\"h1\"} 1") !=
+               std::string::npos;
+      },
+      10s, "h1's NotReady counted"));
   gpu::AllocateOptions now;
   now.wait = false;
   EXPECT_THAT(alice_->Allocate(OnNode("h1"), now).status(),
