@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <cstdlib>
 #include <iostream>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -225,6 +226,26 @@ class JobImpl : public Job {
     return s;
   }
 
+  // Tells when worker `rank` has waited in its engine's queue for a while
+  // (`why`, its ContainerStatus::queued), and again when the engine gives
+  // another reason: behind jobs deepnex did not submit, a Slurm job was
+  // PENDING without a word. A start that is only queued briefly, as most
+  // are, is not news.
+  void Queued(size_t rank, const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lock(handles_mu_);
+      QueuedWorker& w = queued_[rank];
+      if (why.empty()) {
+        w = QueuedWorker{Clock::now(), ""};
+        return;
+      }
+      if (w.since == Clock::time_point{}) w.since = Clock::now();
+      if (w.told == why || Clock::now() - w.since < milliseconds(2000)) return;
+      w.told = why;
+    }
+    o_.on_event(absl::StrCat("worker ", rank, " is ", why));
+  }
+
   absl::StatusOr<JobResult> Wait(milliseconds timeout) override {
     auto deadline = Clock::now() + CappedWait(timeout);
     // As torchrun does: once a worker has failed for good (its restart
@@ -246,8 +267,9 @@ class JobImpl : public Job {
       bool failed = false;
       // Elastic: a failed worker that leaves enough is dropped, not the end.
       if (elastic_) all_ended = elastic_->outcome().ended;
-      for (const auto& w : elastic_ ? decltype(workers_){} : workers_) {
-        launch::ContainerStatus st = w->Status();
+      for (size_t rank = 0; !elastic_ && rank < workers_.size(); ++rank) {
+        launch::ContainerStatus st = workers_[rank]->Status();
+        Queued(rank, st.queued);
         bool ended = st.state == launch::State::kExited || st.state == launch::State::kStopped;
         all_ended = all_ended && ended;
         failed = failed || (ended && st.last_exit.has_value() && !st.last_exit->ok());
@@ -966,6 +988,13 @@ class JobImpl : public Job {
   std::unique_ptr<launch::Launcher> launcher_;
   std::vector<std::shared_ptr<launch::Handle>> handles_;
   std::vector<std::shared_ptr<launch::Handle>> workers_;
+  // Each worker's wait in its engine's queue (Queued), by rank: since
+  // when, and what was told of it.
+  struct QueuedWorker {
+    Clock::time_point since;
+    std::string told;
+  };
+  std::map<size_t, QueuedWorker> queued_;
   std::vector<std::string> ps_addrs_;  // the workers' DEEPNEX_PS_ADDRS
   int master_port_ = 0;
   std::string master_addr_;

@@ -63,9 +63,10 @@ class Run {
   // SIGTERM (or the engine's graceful stop) to every process of the run,
   // SIGKILL after `grace`. Returns without waiting for the end.
   virtual absl::Status Stop(std::chrono::milliseconds grace) = 0;
-  // Whether the engine, as last polled by Wait, holds the run queued, not
-  // yet started (a Slurm job PENDING): its container shows as starting.
-  virtual bool Queued() { return false; }
+  // Why the engine, as last polled by Wait, holds the run queued, not yet
+  // started, in its words (a Slurm job PENDING, with squeue's reason): its
+  // container shows as starting. Empty: not queued.
+  virtual std::string Queued() { return ""; }
   // This run's stdout and stderr so far.
   virtual absl::StatusOr<std::string> Logs() = 0;
   virtual absl::StatusOr<launch::Usage> Usage() = 0;

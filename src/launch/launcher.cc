@@ -464,7 +464,8 @@ class Container : public Handle {
     ContainerStatus s;
     s.name = spec_.name;
     s.id = run_id_;
-    s.state = state_ == State::kRunning && run_ && run_->Queued() ? State::kStarting : state_;
+    if (state_ == State::kRunning && run_) s.queued = run_->Queued();
+    s.state = s.queued.empty() ? state_ : State::kStarting;
     s.restarts = restarts_;
     s.last_exit = last_exit_;
     s.started_at = started_at_;

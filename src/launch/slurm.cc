@@ -295,7 +295,7 @@ class SlurmRun : public Run {
 
   absl::Status Remove() override { return Stop(std::chrono::milliseconds(0)); }
 
-  bool Queued() override {
+  std::string Queued() override {
     std::lock_guard<std::mutex> lock(mu_);
     return queued_;
   }
@@ -308,17 +308,25 @@ class SlurmRun : public Run {
 
   // The job's exit status once it has ended; nullopt while it has not.
   absl::StatusOr<std::optional<ExitStatus>> Poll() {
-    DEEPNEX_ASSIGN_OR_RETURN(CommandResult q,
-                             client_->Run("squeue", {"-h", "-t", "all", "-j", job_id_, "-o", "%T"}));
+    // The state, and why: Slurm's reason, a word ("Resources", "Priority",
+    // "QOSMaxGRESPerUser"), or "None".
+    const std::vector<std::string> args = {"-h", "-t", "all", "-j", job_id_, "-o", "%T %r"};
+    DEEPNEX_ASSIGN_OR_RETURN(CommandResult q, client_->Run("squeue", args));
     if (!q.ok() && !UnknownJob(q)) {
-      return absl::FailedPreconditionError(DescribeFailure(
-          client_->Argv("squeue", {"-h", "-t", "all", "-j", job_id_, "-o", "%T"}), q));
+      return absl::FailedPreconditionError(DescribeFailure(client_->Argv("squeue", args), q));
     }
-    std::string state(absl::StripAsciiWhitespace(q.out));
+    const std::pair<std::string, std::string> said =
+        absl::StrSplit(absl::StripAsciiWhitespace(q.out), absl::MaxSplits(' ', 1));
+    const std::string& state = said.first;
     if (q.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       // CONFIGURING: its nodes are booting.
-      queued_ = state == "PENDING" || state == "CONFIGURING";
+      queued_ = state != "PENDING" && state != "CONFIGURING"
+                    ? ""
+                    : absl::StrCat(state, " in Slurm's queue",
+                                   said.second.empty() || said.second == "None"
+                                       ? ""
+                                       : absl::StrCat(" (", said.second, ")"));
     }
     if (q.ok() && !state.empty() && !IsFinal(state)) return std::nullopt;
     DEEPNEX_ASSIGN_OR_RETURN(CommandResult record,
@@ -357,7 +365,8 @@ class SlurmRun : public Run {
   // When Slurm's commands began to fail, while they do.
   EngineSilence silence_;  // guarded by mu_
   uint64_t peak_ = 0;
-  bool queued_ = true;  // as squeue last said; sbatch queues it (guarded by mu_)
+  // Run::Queued as squeue last said; sbatch queues it (guarded by mu_).
+  std::string queued_ = "PENDING in Slurm's queue";
 };
 
 class SlurmBackend : public Backend {

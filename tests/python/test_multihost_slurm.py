@@ -110,3 +110,40 @@ def test_a_worker_lost_with_its_host_restarts_there_once_healed(slurm_two_nodes,
     assert "worker 1 exited(1); restarting (1/1)" in out, out
     assert re.findall(r"^\[worker 1\] rank 1 on (\S+)$", out, re.M) == ["n2", "n2"], out
     assert "[worker 0] rank 0 done" in out and "[worker 1] rank 1 done" in out, out
+
+
+def test_a_worker_slurm_holds_pending_is_told_with_slurms_reason(slurm_two_nodes):
+    """Behind a job deepnex did not submit, holding every GPU, worker 0 is
+    PENDING: deepnex run says so with Slurm's reason (it said nothing
+    while it waited), and the worker runs once the GPUs are free."""
+    import threading
+    hosts, env = slurm_two_nodes
+    holder = hosts.run("head", ["sbatch", "--parsable", "-N2", "--gres=gpu:2", "--wrap",
+                                "sleep 300"], env=env).stdout.strip().split(";")[0]
+    try:
+        wait_for(lambda: hosts.run("head", ["squeue", "-h", "-j", holder, "-o", "%T"],
+                                   env=env).stdout.strip() == "RUNNING", "the holder to run")
+        p = hosts.popen("head", [PY, "-m", "deepnex", "run", "--backend", "slurm",
+                                 "--workers", "1", "--ps", "0", "--mode", "allreduce",
+                                 "--gpus-per-worker", "1", "--", "sh", "-c", "echo ran"],
+                        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True)
+        lines = []
+        reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+        reader.start()
+        try:
+            told = "worker 0 is PENDING in Slurm's queue (Resources)\n"
+            wait_for(lambda: told in lines or p.poll() is not None, lambda: "".join(lines))
+            assert told in lines, "".join(lines)
+            hosts.run("head", ["scancel", holder], env=env)
+            assert p.wait(timeout=120) == 0, "".join(lines)
+        finally:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=60)
+            reader.join(timeout=60)
+        out = "".join(lines)
+        assert "[worker 0] ran" in out, out
+        assert out.count(told) == 1, out
+    finally:
+        hosts.run("head", ["scancel", holder], env=env, check=False)

@@ -200,6 +200,9 @@ struct ContainerStatus {
   int restarts = 0;
   std::optional<ExitStatus> last_exit;  // of the latest run that ended
   std::chrono::system_clock::time_point started_at{};
+  // Why its engine holds it queued (state is then kStarting), in the
+  // engine's words: "PENDING in Slurm's queue (Resources)". Empty: not.
+  std::string queued;
 };
 
 // What a container uses now. Fields a backend cannot see stay 0.

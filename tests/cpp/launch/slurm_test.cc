@@ -252,9 +252,9 @@ TEST_F(SlurmTest, ThirdTwoGpuJobWaitsUntilOneEnds) {
   ASSERT_THAT(third->Wait(2s), IsOk());
   EXPECT_EQ(JobState(*third), "PENDING");
   // Its container shows as starting, not running with no usage.
-  EXPECT_TRUE(third->Queued());
+  EXPECT_EQ(third->Queued(), "PENDING in Slurm's queue (Resources)");
   ASSERT_THAT(first->Wait(0ms), IsOk());
-  EXPECT_FALSE(first->Queued());
+  EXPECT_EQ(first->Queued(), "");
   EXPECT_THAT(Squeue({"-j", third->id(), "-o", "%r"}), HasSubstr("Resources"));
   EXPECT_EQ(LogsOf(*third), "");
 
@@ -303,6 +303,10 @@ TEST_F(SlurmTest, AQueuedJobsContainerShowsAsStartingUntilItRuns) {
   ASSERT_OK_AND_ASSIGN(auto h, launcher->Start(queued));
   ASSERT_TRUE(test::WaitUntil([&] { return JobState(*holder) == "RUNNING"; }, kJobEnd));
   EXPECT_EQ(h->Status().state, State::kStarting);
+  // Slurm's reason once its scheduler has looked.
+  EXPECT_TRUE(test::WaitUntil(
+      [&] { return h->Status().queued == "PENDING in Slurm's queue (Resources)"; }, kJobEnd))
+      << h->Status().queued;
   ASSERT_EQ(close(creat(go.c_str(), 0644)), 0);
   EXPECT_TRUE(WaitEnd(*holder).ok());
   EXPECT_TRUE(test::WaitUntil([&] { return h->Status().state == State::kRunning; }, kJobEnd))
