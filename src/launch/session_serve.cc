@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -25,10 +26,24 @@ constexpr size_t kChunk = 32 << 10;
 
 // Reads `fd` until EOF (EIO: a pty whose other side closed) and writes what
 // it reads as stdout or stderr; keeps draining when the peer is gone, so
-// that the process never blocks on a full pipe.
-void Pump(int fd, bool stderr_stream, SessionPeer& peer) {
+// that the process never blocks on a full pipe. With `ended_fd` (readable
+// once a tty's process has exited), it stops there too, after what the pty
+// still holds: processes the shell left in the background (`sleep 600 &`,
+// then `exit`) keep the pty's other side open, and the session, its
+// client's shell with it, waited for them (probe). sshd ends a pty session
+// with its shell too.
+void Pump(int fd, bool stderr_stream, SessionPeer& peer, int ended_fd = -1) {
   std::string buf(kChunk, '\0');
   while (true) {
+    if (ended_fd >= 0) {
+      pollfd fds[2] = {{fd, POLLIN, 0}, {ended_fd, POLLIN, 0}};
+      if (poll(fds, 2, -1) < 0) {
+        if (errno == EINTR) continue;
+        return;
+      }
+      // The kernel flushes the pty's pending output before poll answers.
+      if (fds[0].revents == 0) return;
+    }
     ssize_t n = read(fd, buf.data(), buf.size());
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return;
@@ -50,6 +65,10 @@ absl::Status ServeExec(Handle& h, const pb::SessionStart& start, SessionPeer& pe
   o.rows = static_cast<int>(start.window().rows());
   o.cols = static_cast<int>(start.window().cols());
   DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<ExecProcess> p, h.Exec(o));
+  int ended[2] = {-1, -1};  // a tty's: written once its process has exited
+  if (p->tty() && pipe2(ended, O_CLOEXEC) != 0) {
+    return absl::InternalError(absl::StrCat("pipe2: ", strerror(errno)));
+  }
   // The reader may be blocked writing input the process does not read.
   peer.OnGone([&p] { p->Kill(); });
   std::thread reader([&] {
@@ -69,9 +88,25 @@ absl::Status ServeExec(Handle& h, const pb::SessionStart& start, SessionPeer& pe
   });
   std::thread errors;
   if (p->error_fd() >= 0) errors = std::thread([&] { Pump(p->error_fd(), true, peer); });
-  Pump(p->output_fd(), false, peer);
+  // A tty's session ends with its process (see Pump); pipes end at EOF, as
+  // docker exec's do.
+  absl::StatusOr<int> code = absl::UnknownError("not waited for");
+  std::thread waiter;
+  if (p->tty()) {
+    waiter = std::thread([&] {
+      code = p->Wait();
+      (void)!write(ended[1], "x", 1);
+    });
+  }
+  Pump(p->output_fd(), false, peer, ended[0]);
   if (errors.joinable()) errors.join();
-  absl::StatusOr<int> code = p->Wait();
+  if (waiter.joinable()) {
+    waiter.join();
+    close(ended[0]);
+    close(ended[1]);
+  } else {
+    code = p->Wait();
+  }
   pb::SessionOutput last;
   last.set_exited(true);
   last.set_exit_code(code.ok() ? *code : 255);

@@ -126,6 +126,36 @@ def test_exec_whose_process_leaves_its_stdin_unread_ends_and_central_serves_on(c
     assert bob.allocations() == [] and alice.exec("box", ["true"]).exit_code == 0
 
 
+def test_a_tty_session_ends_with_its_process_not_with_what_it_left_in_the_background(central):
+    """A shell that exits leaving a job in the background that holds the
+    terminal ends its session, as sshd's does; the session waited for the
+    job, and `deepnex shell` hung after `exit` (probe). On pipes, EOF ends it."""
+    alice, _ = clients(central)
+    start_sleeper(alice)
+    # set -m: the job in a process group of its own, as an interactive
+    # shell puts it, which the shell's end does not hang up.
+    s = _session.open_session(
+        alice._c, "box", ["sh", "-c", "set -m; sleep 300 & echo left-$((1+1)); exit 3"], tty=True)
+    seen, ended = [], []
+
+    def read():
+        while True:
+            kind, data, code = s.read()
+            if kind == "exit":
+                ended.append(code)
+                return
+            seen.append(data)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: ended, lambda: f"the session's end; its output so far: {seen!r}",
+                 timeout=30)
+    finally:
+        s.cancel()
+        reader.join(timeout=30)
+    assert ended == [3] and b"left-2" in b"".join(seen)
+
+
 def test_a_window_size_out_of_a_ptys_range_is_clamped(central):
     """-1 rows gave 65535 and 70000 columns 4464: a cast to 16 bits (probe)."""
     alice, _ = clients(central)
