@@ -85,9 +85,15 @@ def attach(c, name: str, command: Sequence[str], tty: bool, interactive: bool,
     """Runs `command` in container `name` with this process's terminal: with
     `tty`, a pseudo-terminal there, this terminal in raw mode (Ctrl-C goes to
     the container), its size and every change of it (SIGWINCH) passed on;
-    with `interactive`, stdin forwarded until EOF. Returns the exit code."""
+    with `interactive`, stdin forwarded until EOF (on pipes, even with `tty`,
+    where stdin is not a terminal). Returns the exit code."""
     import termios
     import tty as tty_module
+    # Input that is not a terminal goes on pipes, as kubectl exec -it's
+    # does: a pty's EOF is a ^D that a process may not have set its
+    # terminal up to take yet, and `echo ls | deepnex exec box -it -- bash`
+    # hung forever (probe). Pipes carry the EOF.
+    tty = tty and (not interactive or os.isatty(stdin_fd))
     is_terminal = tty and os.isatty(stdin_fd)
     rows, cols = _window(stdin_fd) if is_terminal else (0, 0)
     s = open_session(c, name, command, tty=tty, rows=rows, cols=cols, user=user)

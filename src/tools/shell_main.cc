@@ -65,9 +65,11 @@ flags:
   --keep                  leave the container running and the allocation held
 )";
 
-// A shell the container has: bash where there is one (as _cli_session.SHELL).
+// A shell the container has: bash where there is one. A login shell, and
+// interactive where its input is a terminal (as sh decides without -i), so
+// that on pipes it runs what comes and ends at their EOF, as ssh's does.
 const std::vector<std::string> kShell = {
-    "/bin/sh", "-c", "command -v bash >/dev/null && exec bash -il || exec sh -il"};
+    "/bin/sh", "-c", "command -v bash >/dev/null && exec bash -l || exec sh -l"};
 
 constexpr size_t kChunk = 32 << 10;
 
@@ -165,7 +167,11 @@ absl::StatusOr<int> Attach(launch::CentralClient& client, const std::string& nam
   launch::SessionOptions o;
   o.container = name;
   o.command = kShell;
-  o.tty = true;
+  // On a pseudo-terminal only when this is one, as ssh and kubectl do: a
+  // pty's EOF is a ^D that a shell which has not set up its terminal yet
+  // loses, and `deepnex shell < /dev/null` or `echo ls | deepnex shell`
+  // then hung forever (probe). Pipes carry the EOF.
+  o.tty = terminal;
   if (terminal) std::tie(o.rows, o.cols) = Window(0);
   DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<launch::Session> session, client.OpenSession(o));
   int signals[2], stop[2];

@@ -680,6 +680,36 @@ def test_shell_errors_are_one_line_and_leave_nothing_behind(central):
         "usage: deepnex shell [-h] [--central CENTRAL]")
 
 
+def test_shell_and_exec_it_whose_input_is_not_a_terminal_run_on_pipes_and_end_at_its_eof(central):
+    """As ssh and kubectl do: a pty's EOF is a ^D that a shell which has not
+    set up its terminal yet loses, and `deepnex shell < /dev/null`, `echo ls
+    | deepnex shell` and `echo ls | deepnex exec box -it -- bash` hung
+    forever (probe)."""
+    alice, _ = clients(central)
+    env = shell_env(central)
+
+    def run(args, stdin):
+        p = subprocess.Popen([PY, "-m", "deepnex", *args], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            out, err = p.communicate(stdin, timeout=60)
+        except subprocess.TimeoutExpired:
+            p.terminate()  # it cleans up on SIGTERM
+            p.communicate(timeout=60)
+            raise
+        return p.returncode, out, err
+    shell = ["shell", "--cpus", "1", "--memory", "256MiB"]
+    code, out, _ = run(shell + ["--name", "p1"], b"")
+    assert (code, out) == (0, b"")
+    code, out, err = run(shell + ["--name", "p2"], b"echo piped-$((1+1)); tty; exit 5\n")
+    assert (code, out) == (5, b"piped-2\nnot a tty\n"), err
+    assert_cleaned_up(alice, "p2")
+    start_sleeper(alice)
+    code, out, err = run(["exec", "box", "-it", "--", "sh", "-c", "cat; echo read-all"],
+                         b"typed\n")
+    assert (code, out) == (0, b"typed\nread-all\n"), err
+
+
 def test_notebook_flags_are_checked_first_and_ctrl_c_withdraws_a_queued_request(central):
     alice, _ = clients(central)
     env = dict(os.environ, DEEPNEX_CENTRAL=central, DEEPNEX_TOKEN="alicetok")
