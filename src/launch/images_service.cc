@@ -105,8 +105,13 @@ class ImagesService final : public pb::Images::CallbackService {
               absl::StrCat("image \"", RefOf(i), "\" exists (force replaces it)"));
         }
         DEEPNEX_ASSIGN_OR_RETURN(std::string repository, RepositoryOf(i.owner, i.name));
-        const RegistryRef ref{registry_, repository, i.tag, ""};
+        RegistryRef ref{registry_, repository, i.tag, ""};
         DEEPNEX_RETURN_IF_ERROR(PushLayout(source, "", ref));
+        // Pinned to what was pushed, as a commit is: a site's registry
+        // takes pushes from whoever reaches it (a user's process on a
+        // node), and one pushed over library/NAME:TAG, so that every
+        // user's next start of the preset ran that user's files (probe).
+        DEEPNEX_ASSIGN_OR_RETURN(ref.digest, RegistryDigest(ref));
         i.source = ref.ToString();
       }
       DEEPNEX_RETURN_IF_ERROR(catalog_.Put(i, req->force()));

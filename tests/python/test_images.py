@@ -270,13 +270,36 @@ def test_a_registry_image_is_pulled_once_per_digest(tmp_path, registry):
                                                        image="bb:v1"), a)
         assert str(e.value).startswith(
             f"image registry {registry.address} is unreachable "
-            f"(docker://{registry.address}/library/bb:v1): ")
+            f"(docker://{registry.address}/library/bb:v1@sha256:")
         with pytest.raises(deepnex.UnavailableError) as e:
             root.register_image("bb:v2", str(layout))
         assert str(e.value).startswith(
             f"image registry {registry.address} is unreachable "
             f"(docker://{registry.address}/library/bb:v2): ")
         assert [i["tag"] for i in alice.images()] == ["v1"]
+    finally:
+        stop_central(proc)
+
+
+def test_a_registered_image_runs_what_was_pushed_not_what_was_pushed_over_it(tmp_path, registry):
+    """The registry takes pushes from whoever reaches it (a user's process on
+    a node): one pushed over library/bb:v1, and every user's next start of
+    preset bb:v1 ran that user's files (probe). Registration pins the digest
+    it pushed, as a commit does."""
+    from _registry import busybox_layout
+    oci_or_skip()
+    layout = busybox_layout(tmp_path / "layout", files={"/etc/motd": "the admin's\n"})
+    forged = busybox_layout(tmp_path / "forged", files={"/etc/motd": "a user's\n"})
+    proc, address = start_central_launcher(tmp_path, "--state-dir", str(tmp_path / "state"),
+                                           "--registry", registry.address, backend="oci")
+    try:
+        alice, _ = clients(address)
+        admin(address).register_image("bb:v1", str(layout))
+        subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{forged}:v1",
+                        f"docker://{registry.address}/library/bb:v1"], check=True,
+                       capture_output=True, timeout=120)
+        assert run(alice, "bb:v1", "pinned", ["busybox", "cat", "/etc/motd"]) == \
+            ("exited(0)", "the admin's\n")
     finally:
         stop_central(proc)
 
