@@ -27,6 +27,7 @@
 #include "core/call_pool.h"
 #include "core/file_util.h"
 #include "core/grpc_util.h"
+#include "core/text.h"
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/launch/central.h"
 #include "deepnex/units.h"
@@ -447,7 +448,7 @@ class ContainersService final : public pb::Containers::CallbackService,
                                        i.tag == kDefaultTag ? "" : ":" + i.tag));
         }
         return absl::PermissionDeniedError(absl::StrCat(
-            "spec.image: \"", spec->image, "\" is not an image that user ", user, " may run [",
+            "spec.image: ", Quoted(spec->image), " is not an image that user ", user, " may run [",
             absl::StrJoin(names, ", "), "] (deepnex images)"));
       }
       spec->image = image->source;

@@ -80,8 +80,8 @@ absl::StatusOr<ImageRef> ImageRef::Parse(const std::string& text, const std::str
   const bool owner_ok = text.find('/') == std::string::npos || PlainPart(r.owner, false);
   if (!owner_ok || !PlainPart(r.name, false) || !PlainPart(r.tag, true)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        field, ": \"", text,
-        "\" is not an image NAME[:TAG] or OWNER/NAME[:TAG] (each part [A-Za-z0-9][A-Za-z0-9_.-]*, "
+        field, ": ", Quoted(text),
+        " is not an image NAME[:TAG] or OWNER/NAME[:TAG] (each part [A-Za-z0-9][A-Za-z0-9_.-]*, "
         "at most ", kMaxPart, " characters; never a path)"));
   }
   return r;
@@ -326,7 +326,7 @@ absl::StatusOr<CatalogImage> ImageCatalog::Unshare(const ImageCaller& caller,
   for (const std::string& u : users) {
     if (!i.shared_with.erase(u)) {
       return absl::NotFoundError(
-          absl::StrCat("image \"", ref, "\" is not shared with user ", u, " (it is shared with [",
+          absl::StrCat("image \"", ref, "\" is not shared with user ", Quoted(u), " (it is shared with [",
                        absl::StrJoin(i.shared_with, ", "), "])"));
     }
   }

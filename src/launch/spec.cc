@@ -186,7 +186,7 @@ absl::Status CheckName(const std::string& field, const std::string& name, size_t
   for (size_t i = 0; ok && i < name.size(); ++i) ok = IsNameChar(name[i], i == 0);
   if (ok) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
-      field, ": \"", name, "\" is not a valid name ([a-zA-Z0-9][a-zA-Z0-9_.-]*, at most ", max,
+      field, ": ", Quoted(name), " is not a valid name ([a-zA-Z0-9][a-zA-Z0-9_.-]*, at most ", max,
       " characters)"));
 }
 
@@ -228,7 +228,7 @@ absl::StatusOr<ContainerSpec> Resolve(const LauncherOptions& options,
     if (key.empty() || key.find('=') != std::string::npos ||
         key.find('\0') != std::string::npos) {
       return absl::InvalidArgumentError(
-          absl::StrCat("spec.env: \"", key, "\" is not a variable name"));
+          absl::StrCat("spec.env: ", Quoted(key), " is not a variable name"));
     }
     if (value.find('\0') != std::string::npos) {
       return absl::InvalidArgumentError(

@@ -117,7 +117,7 @@ def test_bad_names_and_calls_are_refused_naming_the_image(catalog):
     assert str(e.value) == 'image "alice/tools:v1": no such image that user bob may see'
     with pytest.raises(deepnex.NotFoundError) as e:
         alice.unshare_image("tools:v1", "bob")
-    assert str(e.value) == 'image "tools:v1" is not shared with user bob (it is shared with [])'
+    assert str(e.value) == 'image "tools:v1" is not shared with user "bob" (it is shared with [])'
     with pytest.raises(deepnex.InvalidArgumentError) as e:
         alice.share_image("tools:v1")
     assert str(e.value) == 'share of image "tools:v1": give users or public'
@@ -153,6 +153,41 @@ def test_bad_names_and_calls_are_refused_naming_the_image(catalog):
     removed = alice.remove_image("tools:v1")
     assert (removed["name"], removed["tag"]) == ("tools", "v1")
     assert len(names(alice)) == 2
+
+
+def test_a_refused_image_or_container_name_is_quoted_escaped_and_cut(catalog):
+    """As the share's user above: an image, a container name or an
+    environment variable's name came back as the user typed it, so that an
+    escape sequence in it cleared the terminal that showed the error, and a
+    100 kB name came back whole (probe: `deepnex shell --image`, `--name`)."""
+    address, _, _ = catalog
+    alice, _ = clients(address)
+    root = admin(address)
+    for bad, shown in (("x\x1b[2Jy", '"x\\x1b[2Jy"'), ("a" * 100000, '"' + "a" * 64 + '"...')):
+        assert refused(alice, bad) == (
+            f"spec.image: {shown} is not an image that user alice may run "
+            "[base, host, tools:v1] (deepnex images)")
+        with pytest.raises(deepnex.InvalidArgumentError) as e:
+            root.register_image(bad, "host")
+        assert str(e.value).startswith(f"name: {shown} is not an image NAME[:TAG]")
+        with pytest.raises(deepnex.NotFoundError) as e:
+            alice.unshare_image("tools:v1", bad)
+        assert str(e.value) == (
+            f'image "tools:v1" is not shared with user {shown} (it is shared with [])')
+        a = alice.allocate(grant())
+        with pytest.raises(deepnex.InvalidArgumentError) as e:
+            alice.start_container(launch.ContainerSpec(name=bad, command=["true"]), a)
+        assert str(e.value) == (
+            f"spec.name: {shown} is not a valid name ([a-zA-Z0-9][a-zA-Z0-9_.-]*, at most 63 "
+            "characters)")
+        with pytest.raises(deepnex.InvalidArgumentError) as e:
+            alice.start_container(launch.ContainerSpec(name="e", command=["true"],
+                                                       env={bad + "=": "1"}), a)
+        message = str(e.value)
+        assert message.endswith(" is not a variable name") and "\x1b" not in message and \
+            len(message) < 200, message
+        alice.release(a.id)
+    assert alice.allocations() == [] and alice.containers() == []
 
 
 def test_an_images_error_names_it_as_the_user_did_not_by_its_path(catalog, tmp_path):
