@@ -132,7 +132,7 @@ def test_a_worker_slurm_holds_pending_is_told_with_slurms_reason(slurm_two_nodes
         reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
         reader.start()
         try:
-            told = "worker 0 is PENDING in Slurm's queue (Resources)\n"
+            told = "deepnex run: worker 0 is PENDING in Slurm's queue (Resources)\n"
             wait_for(lambda: told in lines or p.poll() is not None, lambda: "".join(lines))
             assert told in lines, "".join(lines)
             hosts.run("head", ["scancel", holder], env=env)
