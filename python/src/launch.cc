@@ -323,6 +323,7 @@ void RegisterLaunch(py::module_& parent) {
       .def_property_readonly("started_at", [](const launch::ContainerStatus& s) {
         return std::chrono::duration<double>(s.started_at.time_since_epoch()).count();
       })
+      .def_readonly("queued", &launch::ContainerStatus::queued)
       .def("__repr__", [](const launch::ContainerStatus& s) {
         return "ContainerStatus(" + s.name + ", " + launch::StateName(s.state) + ", restarts " +
                std::to_string(s.restarts) + ")";

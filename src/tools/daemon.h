@@ -71,9 +71,9 @@ class Flags {
     std::string text = Value();
     char* end = nullptr;
     long v = std::strtol(text.c_str(), &end, 10);
-    if (text.empty() || *end != '\0' || v < INT32_MIN || v > INT32_MAX) {
-      Die(flag_ + ": \"" + text + "\" is not an integer");
-    }
+    if (text.empty() || *end != '\0') Die(flag_ + ": \"" + text + "\" is not an integer");
+    // strtol's own overflow (ERANGE) is LONG_MIN or LONG_MAX, past these too.
+    if (v < INT32_MIN || v > INT32_MAX) Die(flag_ + ": " + text + " is out of range");
     return static_cast<int>(v);
   }
 

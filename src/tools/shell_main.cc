@@ -32,6 +32,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "deepnex/gpu/central.h"
@@ -309,7 +310,14 @@ std::string Parse(int argc, char** argv, ShellFlags* f) {
       f->alloc = value;
     } else if (flag == "--gpus" || flag == "--cpus") {
       int n = 0;
-      if (!absl::SimpleAtoi(value, &n)) return absl::StrCat(flag, ": \"", value, "\" is not an integer");
+      if (!absl::SimpleAtoi(value, &n)) {
+        // Digits too many for an int are no typo: say so.
+        const size_t sign = absl::StartsWith(value, "-") ? 1 : 0;
+        const bool digits = value.size() > sign &&
+                            value.find_first_not_of("0123456789", sign) == std::string::npos;
+        return digits ? absl::StrCat(flag, ": ", value, " is out of range")
+                      : absl::StrCat(flag, ": \"", value, "\" is not an integer");
+      }
       (flag == "--gpus" ? f->request.gpus : f->request.cpus) = n;
     } else if (flag == "--gpu-mode") {
       absl::StatusOr<gpu::Mode> mode = gpu::ParseMode(value, "--gpu-mode");

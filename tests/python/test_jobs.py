@@ -360,6 +360,11 @@ def test_bad_filters_and_names_are_named(central):
                          text=True, timeout=30)
     assert (bad.returncode, bad.stderr) == (
         2, "deepnex-central: --job-history-count: -1 is below 0 (see --help)\n")
+    # Past an int it is out of range; it said "not an integer".
+    bad = subprocess.run([CENTRAL_BIN, "--job-history-count", "99999999999"],
+                         capture_output=True, text=True, timeout=30)
+    assert (bad.returncode, bad.stderr) == (
+        2, "deepnex-central: --job-history-count: 99999999999 is out of range (see --help)\n")
     bad = subprocess.run([CENTRAL_BIN, "--job-history-bytes", "lots"], capture_output=True,
                          text=True, timeout=30)
     assert (bad.returncode, bad.stderr) == (

@@ -51,7 +51,7 @@ def test_issue_example(launcher):
     e = h.wait(timeout=60)
     assert (e.reason, e.code, e.signal, e.restarts, e.ok) == ("exited", 0, 0, 0, True)
     assert h.logs() == a.env["CUDA_VISIBLE_DEVICES"] + " y\n"
-    assert h.status().state == "exited"
+    assert (h.status().state, h.status().queued) == ("exited", "")  # no engine's queue
     assert h.env["NVIDIA_VISIBLE_DEVICES"] == a.env["NVIDIA_VISIBLE_DEVICES"]
     u = h.usage()
     assert u.cpu_seconds > 0 and u.memory_peak > 0

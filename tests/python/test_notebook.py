@@ -6,6 +6,7 @@ without jupyter-notebook (and python3-websocket, chromium where needed)."""
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -296,8 +297,11 @@ def test_notebook_errors(central):
     assert next(c for c in alice.containers() if c["name"] == "busy")["state"] == "stopped"
     assert alice.allocations() == []
     # Jupyter that does not answer in time: stopped, its allocation released.
+    # (Its port line may be in the log at the first look, a helper's run
+    # found: then it is the answer that the 1 ms runs out on.)
     out = deepnex("--cpus", "1", "--memory", "256MiB", "--name", "slow", "--start-timeout", "0.001")
-    assert (out.returncode, out.stdout, out.stderr) == (
-        1, "", "deepnex: notebook slow: jupyter has not said its port within --start-timeout\n")
+    assert (out.returncode, out.stdout) == (1, ""), out.stderr
+    assert re.fullmatch(r"deepnex: notebook slow: jupyter has not (said its port|answered) "
+                        r"within --start-timeout\n", out.stderr), out.stderr
     assert next(c for c in alice.containers() if c["name"] == "slow")["state"] == "stopped"
     assert alice.allocations() == []

@@ -1142,13 +1142,15 @@ TEST_F(ProcessLauncherTest, CrashLoopBackoffDoublesToTheCapAndResetsAfterAHealth
   LauncherOptions options;
   options.restart_backoff_floor = 10ms;
   options.restart_backoff_cap = 40ms;
-  options.restart_backoff_reset = 400ms;
+  // A run that fails at once took over 0.4 s on a loaded machine (a helper's
+  // run saw the doubling start over): the healthy run is 2.5 s, the reset 1.5 s.
+  options.restart_backoff_reset = 1500ms;
   Make(options);
   const std::string count = scratch_.path() + "/count";
-  // Runs 1-5 and 7 fail at once, run 6 after 0.8 s, run 8 succeeds.
+  // Runs 1-5 and 7 fail at once, run 6 after 2.5 s, run 8 succeeds.
   ContainerSpec spec = Spec("loop", "n=$(cat " + count + " 2>/dev/null || echo 0); n=$((n+1)); " +
                                         "echo $n > " + count + "; " +
-                                        "if [ $n -eq 6 ]; then sleep 0.8; fi; " +
+                                        "if [ $n -eq 6 ]; then sleep 2.5; fi; " +
                                         "if [ $n -ge 8 ]; then exit 0; fi; exit 1");
   ASSERT_OK_AND_ASSIGN(spec.restart, RestartPolicy::Parse("on-failure"));
   spec.restart.backoff = 1ms;
