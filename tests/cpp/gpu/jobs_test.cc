@@ -88,6 +88,23 @@ class JobsTest : public ::deepnex::test::CentralFixture {
     return events_;
   }
 
+  // Alice's job j1, running on a grant of its own as run r1 reports it
+  // once (after `history` with a runner_timeout of 0.3 s); its record as
+  // reported. Silent from then on, it fails as lost.
+  JobRecord ReportedOnceOnAGrant(JobHistoryOptions history) {
+    history.runner_timeout = std::chrono::milliseconds(300);
+    Start(history);
+    Request r = test::Exclusive("alice", 1, 1);
+    r.job = "j1";
+    absl::StatusOr<Allocation> a = Client("alicetok")->Allocate(r);
+    EXPECT_TRUE(a.ok()) << a.status();
+    if (!a.ok()) return {};
+    JobRecord running = Job("j1", JobState::kRunning, {{a->id, a->node, 1, 1, 0}});
+    absl::StatusOr<JobRecord> reported = Jobs("alicetok")->Report(running, "r1");
+    EXPECT_TRUE(reported.ok()) << reported.status();
+    return running;
+  }
+
   std::vector<std::string> ids() {
     std::lock_guard<std::mutex> lock(mu_);
     return ids_;
@@ -641,16 +658,9 @@ TEST_F(JobsTest, AJobWhoseRunnerFallsSilentFailsAsLostAndItsReportRevivesIt) {
 // `deepnex job cancel` of one answered "already ended: failed", leaving
 // its user to release them by allocation id.
 TEST_F(JobsTest, CancellingALostJobReleasesItsAllocations) {
-  JobHistoryOptions history;
-  history.runner_timeout = 300ms;
-  Start(history);
+  const JobRecord running = ReportedOnceOnAGrant({});
   auto alice = Jobs("alicetok");
   auto grants = Client("alicetok");
-  Request r = test::Exclusive("alice", 1, 1);
-  r.job = "j1";
-  ASSERT_OK_AND_ASSIGN(Allocation a, grants->Allocate(r));
-  const JobRecord running = Job("j1", JobState::kRunning, {{a.id, a.node, 1, 1, 0}});
-  ASSERT_OK(alice->Report(running, "r1").status());
   // Cancelled as soon as its record says lost, perhaps before the watch
   // that failed it has published "failed": that was then told after
   // "cancelled" (CI). Events go out in the order they were made.
@@ -682,16 +692,10 @@ TEST_F(JobsTest, CancellingALostJobReleasesItsAllocations) {
 // lost_release_after later central cancels it, and the allocations go back.
 TEST_F(JobsTest, AJobLostForLostReleaseAfterIsCancelledAndItsAllocationsReleased) {
   JobHistoryOptions history;
-  history.runner_timeout = 300ms;
   history.lost_release_after = 600ms;
-  Start(history);
+  const JobRecord running = ReportedOnceOnAGrant(history);
   auto alice = Jobs("alicetok");
   auto grants = Client("alicetok");
-  Request r = test::Exclusive("alice", 1, 1);
-  r.job = "j1";
-  ASSERT_OK_AND_ASSIGN(Allocation a, grants->Allocate(r));
-  const JobRecord running = Job("j1", JobState::kRunning, {{a.id, a.node, 1, 1, 0}});
-  ASSERT_OK(alice->Report(running, "r1").status());
   ASSERT_TRUE(::deepnex::test::WaitFor(
       [&] {
         auto j = alice->Get("j1");
@@ -718,16 +722,10 @@ TEST_F(JobsTest, AJobLostForLostReleaseAfterIsCancelledAndItsAllocationsReleased
 // allocations.
 TEST_F(JobsTest, ALostJobRevivedInTimeIsNotCancelled) {
   JobHistoryOptions history;
-  history.runner_timeout = 300ms;
   history.lost_release_after = 2s;
-  Start(history);
+  const JobRecord running = ReportedOnceOnAGrant(history);
   auto alice = Jobs("alicetok");
   auto grants = Client("alicetok");
-  Request r = test::Exclusive("alice", 1, 1);
-  r.job = "j1";
-  ASSERT_OK_AND_ASSIGN(Allocation a, grants->Allocate(r));
-  const JobRecord running = Job("j1", JobState::kRunning, {{a.id, a.node, 1, 1, 0}});
-  ASSERT_OK(alice->Report(running, "r1").status());
   ASSERT_TRUE(::deepnex::test::WaitFor(
       [&] {
         auto j = alice->Get("j1");
