@@ -88,6 +88,18 @@ class JobsTest : public ::deepnex::test::CentralFixture {
     return events_;
   }
 
+  // Waits until alice's job j1 `is` so (`what`: as the failure says).
+  ::testing::AssertionResult J1Becomes(const std::function<bool(const JobRecord&)>& is,
+                                       const std::string& what) {
+    auto alice = Jobs("alicetok");
+    return ::deepnex::test::WaitFor(
+        [&] {
+          absl::StatusOr<JobRecord> j = alice->Get("j1");
+          return j.ok() && is(*j);
+        },
+        std::chrono::seconds(10), what);
+  }
+
   // Alice's job j1, running on a grant of its own as run r1 reports it
   // once (after `history` with a runner_timeout of 0.3 s); its record as
   // reported. Silent from then on, it fails as lost.
@@ -631,12 +643,8 @@ TEST_F(JobsTest, AJobWhoseRunnerFallsSilentFailsAsLostAndItsReportRevivesIt) {
   auto alice = Jobs("alicetok");
   const JobRecord running = Job("j1", JobState::kRunning, {{"a1", "n1", 1, 1, 0}});
   ASSERT_OK(alice->Report(running, "r1").status());
-  ASSERT_TRUE(::deepnex::test::WaitFor(
-      [&] {
-        auto j = alice->Get("j1");
-        return j.ok() && j->state == JobState::kFailed;
-      },
-      10s, "j1 to fail as lost"));
+  ASSERT_TRUE(
+      J1Becomes([](const JobRecord& j) { return j.state == JobState::kFailed; }, "j1 to fail as lost"));
   ASSERT_OK_AND_ASSIGN(JobRecord lost, alice->Get("j1"));
   EXPECT_TRUE(lost.lost);
   EXPECT_EQ(lost.exit_code, 1);
@@ -664,12 +672,7 @@ TEST_F(JobsTest, CancellingALostJobReleasesItsAllocations) {
   // Cancelled as soon as its record says lost, perhaps before the watch
   // that failed it has published "failed": that was then told after
   // "cancelled" (CI). Events go out in the order they were made.
-  ASSERT_TRUE(::deepnex::test::WaitFor(
-      [&] {
-        auto j = alice->Get("j1");
-        return j.ok() && j->lost;
-      },
-      10s, "j1 to fail as lost"));
+  ASSERT_TRUE(J1Becomes([](const JobRecord& j) { return j.lost; }, "j1 to fail as lost"));
   ASSERT_OK_AND_ASSIGN(auto held, grants->Allocations());
   EXPECT_EQ(held.size(), 1u);
   ASSERT_OK_AND_ASSIGN(JobRecord cancelled, alice->Cancel("j1"));
@@ -696,20 +699,21 @@ TEST_F(JobsTest, AJobLostForLostReleaseAfterIsCancelledAndItsAllocationsReleased
   const JobRecord running = ReportedOnceOnAGrant(history);
   auto alice = Jobs("alicetok");
   auto grants = Client("alicetok");
-  ASSERT_TRUE(::deepnex::test::WaitFor(
-      [&] {
-        auto j = alice->Get("j1");
-        return j.ok() && j->state == JobState::kCancelled;
-      },
-      10s, "j1 to be cancelled"));
+  ASSERT_TRUE(J1Becomes([](const JobRecord& j) { return j.state == JobState::kCancelled; },
+                        "j1 to be cancelled"));
   ASSERT_OK_AND_ASSIGN(JobRecord cancelled, alice->Get("j1"));
   EXPECT_FALSE(cancelled.lost);
   EXPECT_EQ(cancelled.cancelled_by, "deepnex-central");
   EXPECT_EQ(cancelled.message,
             "cancelled by deepnex-central after it was lost: its runner did not report for "
             "0.3 s; its allocations were held 0.6 s more for it");
-  ASSERT_OK_AND_ASSIGN(auto left, grants->Allocations());
-  EXPECT_TRUE(left.empty());
+  // Released just after the record says cancelled, as a Cancel does.
+  EXPECT_TRUE(::deepnex::test::WaitFor(
+      [&] {
+        auto left = grants->Allocations();
+        return left.ok() && left->empty();
+      },
+      10s, "j1's allocation to be released"));
   ASSERT_TRUE(::deepnex::test::WaitFor([&] { return events().size() >= 4; }, 10s,
                                        "the cancelled event"));
   EXPECT_THAT(events(), ElementsAre("queued j1", "started j1", "failed j1", "cancelled j1"));
@@ -726,12 +730,7 @@ TEST_F(JobsTest, ALostJobRevivedInTimeIsNotCancelled) {
   const JobRecord running = ReportedOnceOnAGrant(history);
   auto alice = Jobs("alicetok");
   auto grants = Client("alicetok");
-  ASSERT_TRUE(::deepnex::test::WaitFor(
-      [&] {
-        auto j = alice->Get("j1");
-        return j.ok() && j->lost;
-      },
-      10s, "j1 to fail as lost"));
+  ASSERT_TRUE(J1Becomes([](const JobRecord& j) { return j.lost; }, "j1 to fail as lost"));
   // Reported every 100 ms from now on, past when it would have been released.
   const auto until = std::chrono::steady_clock::now() + 3s;
   while (std::chrono::steady_clock::now() < until) {
