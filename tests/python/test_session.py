@@ -529,7 +529,7 @@ def test_deepnex_shell_execs_the_native_client_before_argparse(central):
         2, 'deepnex shell: --gpus: "x" is not an integer (see --help)\n')
     # Past an int: out of range, not "not an integer" (probe).
     for big in ("99999999999", "-99999999999", "9" * 30):
-        out = subprocess.run([native_shell(), "--gpus", big], capture_output=True, text=True,
+        out = subprocess.run([native_shell(), f"--gpus={big}"], capture_output=True, text=True,
                              timeout=60)
         assert (out.returncode, out.stderr) == (
             2, f"deepnex shell: --gpus: {big} is out of range (see --help)\n")
