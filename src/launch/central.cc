@@ -447,8 +447,12 @@ class ContainersService final : public pb::Containers::CallbackService,
           names.push_back(absl::StrCat(ImageCatalog::DisplayName(caller, i),
                                        i.tag == kDefaultTag ? "" : ":" + i.tag));
         }
+        // Up to 1 KiB: a directory image is named by its path, and cut at
+        // Quoted's 64 bytes a CI run's tmp_path lost its end (the whole
+        // message is cut at 2 KiB on the wire).
         return absl::PermissionDeniedError(absl::StrCat(
-            "spec.image: ", Quoted(spec->image), " is not an image that user ", user, " may run [",
+            "spec.image: ", Quoted(spec->image, 1024), " is not an image that user ", user,
+            " may run [",
             absl::StrJoin(names, ", "), "] (deepnex images)"));
       }
       spec->image = image->source;

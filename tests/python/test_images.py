@@ -163,9 +163,11 @@ def test_a_refused_image_or_container_name_is_quoted_escaped_and_cut(catalog):
     address, _, _ = catalog
     alice, _ = clients(address)
     root = admin(address)
-    for bad, shown in (("x\x1b[2Jy", '"x\\x1b[2Jy"'), ("a" * 100000, '"' + "a" * 64 + '"...')):
+    for bad, shown, image in (("x\x1b[2Jy", '"x\\x1b[2Jy"', '"x\\x1b[2Jy"'),
+                              ("a" * 100000, '"' + "a" * 64 + '"...', '"' + "a" * 1024 + '"...')):
+        # An image may be a directory's path: shown whole up to 1 KiB.
         assert refused(alice, bad) == (
-            f"spec.image: {shown} is not an image that user alice may run "
+            f"spec.image: {image} is not an image that user alice may run "
             "[base, host, tools:v1] (deepnex images)")
         with pytest.raises(deepnex.InvalidArgumentError) as e:
             root.register_image(bad, "host")
