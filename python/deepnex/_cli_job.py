@@ -56,7 +56,7 @@ def _run(args) -> int:
         return 2
     # Relative to where deepnex run is, as --checkpoint-dir and --state-dir.
     workdir = os.path.abspath(os.path.expanduser(args.workdir)) if args.workdir else None
-    options = dict(mounts=mounts, working_dir=workdir, workers=workers,
+    options = dict(mounts=mounts, working_dir=workdir, image=args.image, workers=workers,
                    min_workers=min_workers,
                    nodes=args.nodes, advertise_address=args.advertise_address, ps=args.ps,
                    mode=args.mode, gpus_per_worker=args.gpus_per_worker, gpu_mode=args.gpu_mode,
@@ -284,6 +284,12 @@ def add_commands(commands) -> None:
     run.add_argument("--mount", action="append", metavar="SRC:DST[:ro]",
                      help="bind host path SRC at DST in every container (repeatable): the code, "
                           "data and deepnex that a container backend's image lacks")
+    run.add_argument("--image", default="host",
+                     help="what the workers run in (default host: this host's files and "
+                          "environment): an OCI layout or rootfs directory (oci), an image "
+                          "reference (docker, kubernetes), or with --central a catalog name; "
+                          "in an image the workers get the job's variables (RANK, "
+                          "DEEPNEX_*, ...), not this shell's environment")
     run.add_argument("--workdir", default=None,
                      help="the containers' working directory, relative to the current one "
                           "(default: the current one)")

@@ -99,6 +99,7 @@ class Job:
                  momentum: float = _JOB.momentum, name: Optional[str] = None,
                  user: Optional[str] = None, env: Optional[Dict[str, str]] = None,
                  working_dir: Optional[str] = None, mounts: Sequence = (),
+                 image: str = _JOB.image,
                  output: Optional[Callable[[str, str], None]] = None,
                  on_event: Optional[Callable[[str], None]] = None,
                  advertise_address: Optional[str] = None, **launcher_options):
@@ -109,7 +110,12 @@ class Job:
         remain; each membership is published to the job's store
         (``elastic/members/<G>``, ``elastic/generation``) and each resize is
         an event. ``nodes``: spread the workers over this many nodes (0: where they
-        fit). ``advertise_address``: the host the job's processes reach this
+        fit). ``image``: what the workers run in (``deepnex run --image``):
+        "host", or an image the backend takes (an OCI layout or rootfs
+        directory for oci, a reference for docker and kubernetes, a catalog
+        name with central's agents); in another image than "host" a worker
+        gets only ``env`` and the job's variables, not this process's
+        environment. ``advertise_address``: the host the job's processes reach this
         process's store at (default: 127.0.0.1 when the whole job is local,
         else this host's primary address).
         ``user``: empty with ``central``: the token's user. ``notify``: with
@@ -141,7 +147,7 @@ class Job:
             backend=backend, restart=restart,
             checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
             optimizer=optimizer, lr=lr, momentum=momentum, ps_binary=_ps_binary() or "",
-            env=dict(env or {}), mounts=_mount_args(mounts),
+            image=image, env=dict(env or {}), mounts=_mount_args(mounts),
             working_dir=os.path.abspath(working_dir) if working_dir else "",
             name=name or "", advertise_address=advertise_address or "")
         self._job = _C.job.Job(job, launcher=_options(launcher_options), output=output,

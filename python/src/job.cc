@@ -106,6 +106,7 @@ void RegisterJob(py::module_& parent) {
       .def_readwrite("lr", &JobOptions::lr)
       .def_readwrite("momentum", &JobOptions::momentum)
       .def_readwrite("ps_binary", &JobOptions::ps_binary)
+      .def_readwrite("image", &JobOptions::image)
       .def_readwrite("env", &JobOptions::env)
       .def_readwrite("working_dir", &JobOptions::working_dir)
       // deepnex._C.launch.Mount values.

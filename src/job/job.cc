@@ -139,6 +139,17 @@ class JobImpl : public Job {
           "memory (--memory): required with central, which grants only what is asked, and a "
           "container needs some (e.g. --memory 4GiB)");
     }
+    if (o_.image.empty()) {
+      return absl::InvalidArgumentError("image (--image): empty; \"host\" runs this host's files");
+    }
+    if (o_.image != "host" && !ps_mode_.empty() &&
+        ((o_.launcher.backend == "docker" && o_.central.empty()) ||
+         o_.launcher.backend == "kubernetes")) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "image (--image): ", Quoted(o_.image, 1024), " with mode \"", o_.mode,
+          "\": the parameter servers run deepnex-ps from this host's files, which the ",
+          o_.launcher.backend, " backend cannot run; use mode allreduce, or the oci backend"));
+    }
     // Said by its own name: the launcher's check, where the workers run on
     // this host, named spec.working_dir.
     std::error_code no_dir;
@@ -458,6 +469,14 @@ class JobImpl : public Job {
     if (backend_nodes.empty() && !o_.central.empty() && RunsHere(o_.launcher.backend)) {
       DEEPNEX_RETURN_IF_ERROR(UseAgents(&backend_nodes));
     }
+    // The process backend would run a worker on this host's files whatever
+    // its image says (it refuses only a directory).
+    if (o_.image != "host" && o_.launcher.backend == "process") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "image (--image): ", Quoted(o_.image, 1024),
+          ": the process backend runs this host's files (image \"host\"); an image needs the "
+          "oci, docker or kubernetes backend, or deepnex-central's agents"));
+    }
     placed_ = !backend_nodes.empty();
     if (!placed_ && o_.nodes > 1) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -618,6 +637,8 @@ class JobImpl : public Job {
     ctx.store_addr = store_->address();
     ctx.token = token_;
     launch::ContainerSpec spec = SpecOf("worker", absl::StrCat(o_.name, "-worker", w.id));
+    spec.image = o_.image;
+    if (o_.image != "host") spec.working_dir = o_.working_dir;
     spec.command = o_.command;
     spec.env = UserEnv();
     // torchrun's default keeps N workers from each starting a thread per
@@ -650,10 +671,10 @@ class JobImpl : public Job {
   }
 
   // A worker's environment before the job's own variables: what passes
-  // of the runner's, then the job's env.
+  // of the runner's (in the host image), then the job's env.
   std::map<std::string, std::string> UserEnv() const {
-    std::map<std::string, std::string> env =
-        InheritedEnv(/*as_another_user=*/o_.launcher.backend == "central");
+    std::map<std::string, std::string> env;
+    if (o_.image == "host") env = InheritedEnv(/*as_another_user=*/o_.launcher.backend == "central");
     for (const auto& [k, v] : o_.env) env[k] = v;
     return env;
   }

@@ -394,6 +394,54 @@ def test_run_trains_digits_in_oci_containers(tmp_path):
 
 
 @needs_oci
+def test_run_image_runs_the_workers_in_it_with_the_jobs_variables_only(tmp_path):
+    """`deepnex run --image`: the workers run in the image, in its directory,
+    with the job's variables and not the shell's (its PATH would hide the
+    image's; a secret in it is not the image's to read). Before it a job
+    could run only in the host image, so a kubernetes job could not run at
+    all. An image the backend cannot honour is refused, not ignored."""
+    from _registry import busybox_layout
+    layout = busybox_layout(tmp_path / "layout", files={"/srv/motd": "in the image\n"})
+    name = "img" + uuid.uuid4().hex[:8]
+    env = dict(os.environ, DEEPNEX_RUN_DIR=str(tmp_path / "run"), SECRET_FROM_SHELL="leaked")
+    script = ("echo rank=$RANK of $WORLD_SIZE in $(pwd) secret=${SECRET_FROM_SHELL:-none} "
+              "path=$PATH; cat /srv/motd")
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "deepnex", "run", "--name", name, "--backend", "oci",
+             "--state-dir", "state", "--image", str(layout), "--workers", "2",
+             "--mode", "allreduce", "--", "sh", "-c", script],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        text = out.stdout + out.stderr
+        assert out.returncode == 0, text
+        for rank in (0, 1):
+            assert (f"[worker {rank}] rank={rank} of 2 in / secret=none "
+                    "path=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n"
+                    f"[worker {rank}] in the image\n") in out.stdout, text
+    finally:
+        with launch.Launcher("oci", state_dir=str(tmp_path / "state")) as sweeper:
+            assert sweeper.cleanup(name) == 0
+    # The process backend runs the host's files whatever the image says.
+    refused = run_job_cli(tmp_path, "--image", str(layout), "--mode", "allreduce", "--", "true")
+    assert refused.returncode == 1, refused.stderr
+    assert (f'deepnex run: image (--image): "{layout}": the process backend runs this host\'s '
+            "files (image \"host\"); an image needs the oci, docker or kubernetes backend, or "
+            "deepnex-central's agents\n") in refused.stderr, refused.stderr
+    # deepnex-ps is this host's program: no parameter server in a kubernetes
+    # pod of the job's image, said before anything is asked of the cluster.
+    refused = run_job_cli(tmp_path, "--backend", "kubernetes", "--image", "busybox:1",
+                          "--mode", "sync", "--", "true")
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr == (
+        "deepnex run: image (--image): \"busybox:1\" with mode \"sync\": the parameter servers run "
+        "deepnex-ps from this host's files, which the kubernetes backend cannot run; use mode "
+        "allreduce, or the oci backend\n"), refused.stderr
+    empty = run_job_cli(tmp_path, "--image", "", "--mode", "allreduce", "--", "true")
+    assert (empty.returncode, empty.stderr) == (
+        2, "deepnex run: image (--image): empty; \"host\" runs this host's files\n")
+
+
+@needs_oci
 def test_oci_mounts_and_workdir(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

@@ -110,8 +110,20 @@ struct JobOptions {
   // state; removed when the job ends. Empty: $DEEPNEX_RUN_DIR, else
   // /tmp/deepnex-<uid>/jobs.
   std::string registry_dir;
+  // The image the workers run in, as ContainerSpec::image takes it: "host"
+  // (this host's files), a rootfs or OCI layout directory (oci), an image
+  // reference (docker, kubernetes), or with deepnex-central a catalog name.
+  // In "host" a worker gets this process's environment (less the job's own
+  // variables) and working directory, as mpirun's ranks do; in any other,
+  // only `env` and the job's variables, in `working_dir` or else the
+  // image's: this host's PATH or LD_LIBRARY_PATH would hide the image's.
+  // The parameter servers run deepnex-ps from this host's files whatever
+  // the image, so the PS modes take another image only on backends that
+  // also run "host" (oci, central's agents).
+  std::string image = "host";
   // Extra environment for every worker, and the working directory of the
-  // workers and parameter servers (empty: this process's).
+  // workers and parameter servers (empty: this process's, or for workers in
+  // another image than "host", the image's).
   std::map<std::string, std::string> env;
   std::string working_dir;
   // Bind mounts for every container of the job, workers and parameter
