@@ -561,8 +561,8 @@ class JobImpl : public Job {
     }
 
     // Everything local: loopback, as before. Otherwise every interface, and
-    // the address the other hosts reach this one at.
-    const bool local = !placed_ && o_.advertise_address.empty();
+    // the address the other hosts (or pods) reach this one at.
+    const bool local = !placed_ && !OnPodNetwork() && o_.advertise_address.empty();
     std::string advertise = o_.advertise_address;
     if (!local && advertise.empty()) advertise = PrimaryAddress(HostOf(o_.central));
     token_ = RandomHex(16);
@@ -719,6 +719,10 @@ class JobImpl : public Job {
   }
 
   // The backends that run every container on this host.
+  // Kubernetes runs pods on the pod network (its pods take no host network),
+  // where this host's loopback is the pod's own.
+  bool OnPodNetwork() const { return o_.launcher.backend == "kubernetes"; }
+
   static bool RunsHere(const std::string& backend) {
     return backend == "process" || backend == "oci" || backend == "docker";
   }
@@ -903,8 +907,9 @@ class JobImpl : public Job {
   absl::StatusOr<std::shared_ptr<launch::Handle>> StartContainer(launch::ContainerSpec spec,
                                                                  const std::string& who) {
     DEEPNEX_RETURN_IF_ERROR(StopAsked());
-    // The job's store and parameter servers listen on this host's addresses.
-    spec.host_network = true;
+    // The job's store and parameter servers listen on this host's
+    // addresses; a pod reaches them from the pod network.
+    spec.host_network = !OnPodNetwork();
     spec.on_restart = [this, who](const launch::RestartEvent& e) {
       if (reporter_) reporter_->Poke();
       o_.on_event(absl::StrCat(who, " ", e.ToString()));

@@ -20,9 +20,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "core/file_util.h"
 #include "core/net.h"
 #include "core/random.h"
+#include "core/text.h"
 #include "launch/backend.h"
 #include "launch/engine_env.h"
 #include "launch/http.h"
@@ -141,8 +143,8 @@ absl::StatusOr<ApiConfig> InCluster() {
   const char* port = std::getenv("KUBERNETES_SERVICE_PORT");
   if (host == nullptr || port == nullptr) {
     return absl::FailedPreconditionError(
-        "kubernetes: no kubeconfig or server given, and not inside a cluster "
-        "(KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT are unset)");
+        "kubernetes: no kubeconfig ($KUBECONFIG, ~/.kube/config) or server given, and not "
+        "inside a cluster (KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT are unset)");
   }
   ApiConfig config;
   const std::string h = host;
@@ -159,14 +161,39 @@ absl::StatusOr<ApiConfig> InCluster() {
   return config;
 }
 
-// The kubeconfig, else the in-cluster account (unless a server is given),
-// then the explicit overrides. The namespace: options.namespace_ unless it
-// is the default "default" and the kubeconfig context or the service
-// account names one.
+// Where kubectl looks when no kubeconfig is given: the first file of
+// $KUBECONFIG's list that exists (NotFound when none does: a user who set
+// it means it), else ~/.kube/config if it exists; empty: neither, so the
+// in-cluster account. kubectl merges the files of the list; one is taken
+// here, the one that says the current context in the usual single file.
+absl::StatusOr<std::string> DefaultKubeconfig() {
+  std::error_code error;
+  const char* list = std::getenv("KUBECONFIG");
+  if (list != nullptr && *list != '\0') {
+    for (absl::string_view file : absl::StrSplit(list, ':', absl::SkipEmpty())) {
+      if (std::filesystem::is_regular_file(std::string(file), error)) return std::string(file);
+    }
+    return absl::NotFoundError(
+        absl::StrCat("kubernetes: KUBECONFIG=", Quoted(list, 1024), ": none of its files exists"));
+  }
+  const char* home = std::getenv("HOME");
+  if (home == nullptr || *home == '\0') return std::string();
+  std::string file = absl::StrCat(home, "/.kube/config");
+  return std::filesystem::is_regular_file(file, error) ? file : std::string();
+}
+
+// The kubeconfig (the options', else kubectl's default), else the
+// in-cluster account (unless a server is given), then the explicit
+// overrides. The namespace: options.namespace_ unless it is the default
+// "default" and the kubeconfig context or the service account names one.
 absl::StatusOr<ApiConfig> ResolveConfig(const KubernetesOptions& o) {
   ApiConfig config;
-  if (!o.kubeconfig.empty()) {
-    DEEPNEX_ASSIGN_OR_RETURN(config, FromKubeconfig(o.kubeconfig));
+  std::string kubeconfig = o.kubeconfig;
+  if (kubeconfig.empty() && o.server.empty()) {
+    DEEPNEX_ASSIGN_OR_RETURN(kubeconfig, DefaultKubeconfig());
+  }
+  if (!kubeconfig.empty()) {
+    DEEPNEX_ASSIGN_OR_RETURN(config, FromKubeconfig(kubeconfig));
   } else if (o.server.empty()) {
     DEEPNEX_ASSIGN_OR_RETURN(config, InCluster());
   }

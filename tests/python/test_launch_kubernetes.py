@@ -12,6 +12,7 @@ import re
 import shutil
 import socket
 import ssl
+import sys
 import subprocess
 import threading
 import time
@@ -934,9 +935,85 @@ contexts: [{{name: c, context: {{cluster: k, user: u}}}}]
         api.close()
 
 
-def test_in_cluster_without_a_service_account_says_what_is_missing(monkeypatch):
+def plain_kubeconfig(path, server):
+    """A kubeconfig whose current context is `server` with TOKEN, namespace ml."""
+    path.write_text(f"""
+apiVersion: v1
+kind: Config
+current-context: ci
+clusters: [{{name: local, cluster: {{server: "{server}"}}}}]
+users: [{{name: robot, user: {{token: {TOKEN}}}}}]
+contexts: [{{name: ci, context: {{cluster: local, user: robot, namespace: ml}}}}]
+""")
+    return path
+
+
+def test_without_a_kubeconfig_option_it_is_kubectls(api, tmp_path, monkeypatch):
+    """No kubeconfig given: as kubectl, the first file of $KUBECONFIG that
+    exists, else ~/.kube/config. Only the in-cluster account was tried, so
+    a `deepnex run --backend kubernetes` (which gives no kubeconfig) could
+    not run from a workstation."""
+    home = tmp_path / "home"
+    (home / ".kube").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    plain_kubeconfig(home / ".kube" / "config", api.url)
+    with launch.Launcher("kubernetes", id="kt1") as launcher:
+        assert launcher.backend == "kubernetes"
+    assert api.sent("GET", "/api/v1/namespaces/ml/pods")
+    # $KUBECONFIG first; its files that do not exist are passed over.
+    other = FakeApiServer()
+    try:
+        monkeypatch.setenv("KUBECONFIG", f"{tmp_path}/missing::"
+                           f"{plain_kubeconfig(tmp_path / 'kc', other.url)}")
+        with launch.Launcher("kubernetes", id="kt2") as launcher:
+            assert launcher.backend == "kubernetes"
+        assert other.sent("GET", "/api/v1/namespaces/ml/pods")
+        assert other.errors == []
+    finally:
+        other.close()
+    # A $KUBECONFIG none of whose files exists is meant, and said.
+    monkeypatch.setenv("KUBECONFIG", f"{tmp_path}/missing")
+    with pytest.raises(deepnex.NotFoundError) as e:
+        launch.Launcher("kubernetes")
+    assert str(e.value) == (f'kubernetes: KUBECONFIG="{tmp_path}/missing": none of its files '
+                            "exists")
+
+
+def test_deepnex_run_runs_its_workers_as_pods_of_its_image(api, tmp_path):
+    """`deepnex run --backend kubernetes --image`, through the kubeconfig of
+    $KUBECONFIG: each worker a pod of the image with the job's variables
+    and not the shell's. Before --image a job's containers were of the host
+    image, which a pod cannot run, so no job ran on kubernetes."""
+    env = dict(os.environ, KUBECONFIG=str(plain_kubeconfig(tmp_path / "kc", api.url)),
+               DEEPNEX_RUN_DIR=str(tmp_path / "run"), SECRET_FROM_SHELL="leaked")
+    out = subprocess.run(
+        [sys.executable, "-m", "deepnex", "run", "--name", "k8s-job", "--backend", "kubernetes",
+         "--image", "busybox:1.36", "--workers", "2", "--mode", "allreduce", "--",
+         "sh", "-c", "true"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "job k8s-job: 2 workers, mode allreduce, backend kubernetes" in out.stderr
+    pods = sorted((p[3] for p in api.sent("POST", "/api/v1/namespaces/ml/pods")),
+                  key=lambda pod: pod["metadata"]["name"])
+    assert [pod["metadata"]["labels"]["deepnex.role"] for pod in pods] == ["worker"] * 2
+    for rank, pod in enumerate(pods):
+        [c] = pod["spec"]["containers"]
+        assert c["image"] == "busybox:1.36"
+        assert "workingDir" not in c  # the image's
+        variables = {v["name"]: v["value"] for v in c["env"]}
+        assert (variables["RANK"], variables["WORLD_SIZE"]) == (str(rank), "2")
+        assert "SECRET_FROM_SHELL" not in variables and "PATH" not in variables
+        # On the pod network, where this host's loopback is the pod's own.
+        assert "hostNetwork" not in pod["spec"]
+        assert not variables["DEEPNEX_STORE_ADDR"].startswith("127."), variables
+    api.wait_removed()
+
+
+def test_in_cluster_without_a_service_account_says_what_is_missing(monkeypatch, tmp_path):
     if os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount"):
         pytest.skip("this machine runs in a Kubernetes pod")
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.delenv("KUBERNETES_SERVICE_PORT", raising=False)
     with pytest.raises(deepnex.FailedPreconditionError, match="KUBERNETES_SERVICE_HOST"):

@@ -289,8 +289,10 @@ struct SlurmOptions {
 };
 
 struct KubernetesOptions {
-  // A kubeconfig file; empty: in-cluster (service-account token and CA
-  // under /var/run/secrets/kubernetes.io/serviceaccount), unless server is set.
+  // A kubeconfig file; empty, unless server is set: kubectl's (the first
+  // file of $KUBECONFIG that exists, else ~/.kube/config), else in-cluster
+  // (service-account token and CA under
+  // /var/run/secrets/kubernetes.io/serviceaccount).
   std::string kubeconfig;
   // Overrides: API server URL (http:// or https://), bearer token, CA file.
   std::string server;
