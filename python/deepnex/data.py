@@ -146,8 +146,24 @@ class Sharder:
         self.__dict__.update(state)
 
     def __len__(self):
-        """Indices per epoch (one that was not re-sharded)."""
-        return self._s.shard_size
+        """The indices iterating now yields, as with torch's samplers
+        (``len(self) == len(list(self))``; a DataLoader's len() follows it):
+        the rest of the current epoch from the cursor, this shard's whole
+        share at an epoch's start. Mid-epoch (after a resume, a reshard or
+        part of an iteration) that is less than a fresh epoch's, and in a
+        re-sharded epoch a shorter shard has one fewer than the others."""
+        return self._s.remaining
+
+    def num_batches(self, batch_size, drop_last=False):
+        """The steps ``batches(batch_size, drop_last)`` yields now, the same
+        on every shard: the current epoch's cursor positions left, divided by
+        ``batch_size`` (rounded down with ``drop_last``, else up)."""
+        batch_size = _fits(batch_size, "batch_size")
+        if batch_size < 1:
+            raise InvalidArgumentError(f"batch_size: {batch_size} must be at least 1")
+        with self._lock:
+            positions = self._s.epoch_length - self._s.position
+        return positions // batch_size if drop_last else -(-positions // batch_size)
 
     @property
     def num_shards(self):
@@ -269,7 +285,11 @@ class Sharder:
 
     def __iter__(self):
         """Yields the rest of the current epoch's indices as ints, moving the
-        cursor one index at a time so that state() is exact mid-epoch."""
+        cursor one index at a time so that state() is exact mid-epoch; as a
+        torch sampler (``DataLoader(data, batch_size, sampler=sharder)``).
+        Each of the epoch's items is yielded once: in a re-sharded epoch a
+        shorter shard yields one fewer than the others (len() says so), so a
+        loop that must take the same steps on every rank iterates batches()."""
         for batch in self.batches(1):
             if len(batch):  # a re-sharded epoch's shorter shard ends in an empty one
                 yield int(batch[0])

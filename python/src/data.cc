@@ -56,6 +56,7 @@ void RegisterData(py::module_& parent) {
            py::arg("seed"), py::arg("remainder"))
       .def_property_readonly("shard_size", &Sharder::shard_size)
       .def_property_readonly("epoch_length", &Sharder::epoch_length)
+      .def_property_readonly("remaining", &Sharder::remaining)
       .def_property_readonly("num_shards", [](const Sharder& s) { return s.options().num_shards; })
       .def_property_readonly("shard", [](const Sharder& s) { return s.options().shard; })
       .def_property_readonly("epoch", &Sharder::epoch)

@@ -76,6 +76,16 @@ uint64_t Total(const Ranges& ranges) {
   return total;
 }
 
+// Where block k of a re-sharded epoch's `total` items over n shards starts
+// among them, and its length: the first total % n blocks are one longer.
+struct Span {
+  uint64_t start, length;
+};
+Span BlockSpan(uint64_t total, uint64_t n, uint64_t k) {
+  const uint64_t q = total / n, r = total % n;
+  return {k * q + std::min(k, r), q + (k < r ? 1 : 0)};
+}
+
 // The permutation positions of an epoch's blocks laid out for num_shards: the
 // usual contiguous blocks (wrapping around for kPad), or with `ranges` the
 // blocks of their items (see ShardState::ranges). Block(k) skips the whole
@@ -100,8 +110,7 @@ class Layout {
       for (uint64_t i = 0; i < shard_size; ++i) out.push_back((k * shard_size + i) % options_.size);
       return out;
     }
-    const uint64_t q = total_ / n_, r = total_ % n_;
-    const uint64_t start = k * q + std::min(k, r), length = q + (k < r ? 1 : 0);
+    const auto [start, length] = BlockSpan(total_, n_, k);
     while (range_ < ranges_.size() &&
            before_ + ranges_[range_].second - ranges_[range_].first <= start) {
       before_ += ranges_[range_].second - ranges_[range_].first;
@@ -189,6 +198,15 @@ uint64_t Sharder::EpochLength(uint64_t epoch) const {
   if (!Resharded(epoch)) return shard_size_;
   const uint64_t n = static_cast<uint64_t>(options_.num_shards);
   return (Total(ranges_) + n - 1) / n;
+}
+
+uint64_t Sharder::remaining() const {
+  uint64_t length = shard_size_;  // Indices(epoch_).size()
+  if (Resharded(epoch_)) {
+    length = BlockSpan(Total(ranges_), static_cast<uint64_t>(options_.num_shards),
+                       static_cast<uint64_t>(options_.shard)).length;
+  }
+  return position_ < length ? length - position_ : 0;
 }
 
 absl::Status Sharder::Seek(uint64_t epoch, uint64_t position) {

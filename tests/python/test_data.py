@@ -317,3 +317,92 @@ def test_a_subclass_pickles_as_itself_with_its_attributes():
     for clone in (pickle.loads(pickle.dumps(s)), copy.deepcopy(s)):
         assert type(clone) is _Labelled and clone.label == "train"
         assert clone.state_dict() == s.state_dict()
+
+
+def _world(size, n, remainder):
+    return [Sharder(size, n, k, seed=3, remainder=remainder) for k in range(n)]
+
+
+def _resharded(world, n):
+    """World `world` (in lockstep) continued by n shards."""
+    out = _world(world[0]._dataset[0], n, world[0]._dataset[3])
+    for k, s in enumerate(out):
+        s.reshard(n, k, world[0].state_dict())
+    return out
+
+
+def test_iterating_every_rank_of_a_resharded_epoch_hands_out_its_remaining_items_once():
+    """Item by item, the ranks of an epoch re-sharded once or twice (from
+    any position, pad or drop) hand out exactly the items no rank had handed
+    out: none twice, none left out. A shorter shard yields one item fewer,
+    which len() tells; batches() takes the same steps on every rank."""
+    for remainder in ("pad", "drop"):
+        for size in (1, 2, 5, 7, 10):
+            for n in (1, 2, 3):
+                if remainder == "drop" and size < n:
+                    continue
+                for p in range(_world(size, n, remainder)[0].epoch_length + 1):
+                    for m in (1, 2, 3, 4):
+                        if remainder == "drop" and size < m:
+                            continue
+                        case = (remainder, size, n, p, m)
+                        world = _world(size, n, remainder)
+                        blocks = [s.indices(0).tolist() for s in world]
+                        if p:
+                            for s in world:
+                                s._s.next(p)
+                        moved = _resharded(world, m)
+                        if p == len(blocks[0]):
+                            assert all(s.state() == (1, 0) for s in moved), case
+                            continue
+                        # What no rank has handed out, each once (with pad,
+                        # the repeats of what one has are left out too).
+                        read = {i for b in blocks for i in b[:p]}
+                        left = [i for i in dict.fromkeys(i for b in blocks for i in b[p:])
+                                if i not in read]
+                        # Half of the rest handed out, then the first world again.
+                        half = (moved[0].epoch_length - moved[0].position) // 2
+                        taken = [int(i) for s in moved for i in s._s.next(half)] if half \
+                            else []
+                        again = _resharded(moved, n)
+                        lengths = [len(s) for s in again]
+                        steps = [s.num_batches(2) for s in again]
+                        rest = [list(s) for s in again]
+                        assert lengths == [len(r) for r in rest], case
+                        assert max(lengths) - min(lengths) <= 1, case
+                        assert all(s.state() == (1, 0) for s in again), case
+                        got = taken + [i for r in rest for i in r]
+                        if p and n != m:   # else a resume, or a fresh epoch laid out anew
+                            assert sorted(got) == sorted(left), case
+                        # batches() takes as many steps on every rank.
+                        again = _resharded(moved, n)
+                        assert [len(list(s.batches(2))) for s in again] == steps, case
+                        assert len(set(steps)) == 1, case
+
+
+def test_len_is_what_iterating_yields_after_a_resume_a_reshard_or_part_of_an_epoch():
+    """len() was the shard's size in a fresh epoch whatever the cursor:
+    after a resume, a reshard or part of an iteration mid-epoch it said more
+    than iterating yielded (a DataLoader's len() with it)."""
+    s = Sharder(20, 2, 1, seed=1)
+    assert len(s) == 10 == s.num_batches(4) * 4 - 2
+    it = iter(s)
+    [next(it) for _ in range(3)]
+    assert (len(s), s.num_batches(4), s.num_batches(4, drop_last=True)) == (7, 2, 1)
+    resumed = Sharder(20, 2, 1, seed=1, state=s.state_dict())
+    assert len(resumed) == 7 == len(list(resumed))
+    assert len(resumed) == 10   # the next epoch, whole
+    cursor = Sharder(20, 2, 1, seed=1, state=(0, 6))
+    assert len(cursor) == 4 == len(list(cursor))
+    # A re-sharded epoch: 2 x 7 items left over 3 shards, blocks of 5, 5, 4.
+    three = [Sharder(20, 3, k, seed=1) for k in range(3)]
+    for k, t in enumerate(three):
+        t.reshard(3, k, s.state_dict())
+    assert [len(t) for t in three] == [5, 5, 4]
+    assert [t.num_batches(2) for t in three] == [3, 3, 3]
+    assert [[len(b) for b in t.batches(2)] for t in three] == [[2, 2, 1], [2, 2, 1], [2, 2, 0]]
+    assert [len(t) for t in three] == [7, 7, 7]   # epoch 1 laid out for 3: ceil(20 / 3)
+    for call, message in ((lambda: s.num_batches(0), "^batch_size: 0 must be at least 1$"),
+                          (lambda: s.num_batches(2.5), r"^batch_size: 2\.5 is not an integer$")):
+        with pytest.raises(deepnex.InvalidArgumentError, match=message):
+            call()

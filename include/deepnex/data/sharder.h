@@ -100,6 +100,11 @@ class Sharder {
   // epoch the longest block's length (a shorter block's shard yields nothing
   // for its last position, so that every shard ends the epoch together).
   uint64_t epoch_length() const { return EpochLength(epoch_); }
+  // Indices Next yields from the cursor to the end of its epoch: this
+  // shard's Indices(epoch()).size() less position(), without laying the
+  // epoch out (a shorter block of a re-sharded epoch has one fewer than
+  // epoch_length() - position()).
+  uint64_t remaining() const;
 
   // The whole dataset's order in `epoch` (the identity without shuffle).
   std::vector<uint64_t> Permutation(uint64_t epoch) const;

@@ -320,6 +320,28 @@ TEST(SharderReshardTest, AShorterBlockYieldsAnEmptyBatchAtTheEnd) {
   EXPECT_EQ(four[0].epoch(), 1u);
 }
 
+TEST(SharderReshardTest, RemainingIsWhatNextYieldsToTheEpochsEnd) {
+  // Python's len() was shard_size() whatever the cursor.
+  Sharder s = Make(10, 2, 0);
+  EXPECT_EQ(s.remaining(), 5u);
+  s.Next(2);
+  EXPECT_EQ(s.remaining(), 3u);
+  s.Next(3);
+  EXPECT_EQ(s.remaining(), 5u);  // the next epoch, whole
+  // 2 shards of 5 took 2 each: 6 left over 4 shards, blocks 2, 2, 1, 1.
+  std::vector<Sharder> world = World(10, 2);
+  std::multiset<uint64_t> seen;
+  Step(world, 1, 2, &seen);
+  std::vector<Sharder> four = Reshard(world, 4);
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_EQ(four[k].remaining(), four[k].Indices(0).size()) << k;
+  }
+  EXPECT_EQ(four[3].remaining(), 1u);
+  four[3].Next(1);
+  EXPECT_EQ(four[3].remaining(), 0u);  // its last position has no index
+  EXPECT_EQ(four[3].position(), 1u);
+}
+
 TEST(SharderReshardTest, PadRepeatsAlreadyHandedOutAreLeftOut) {
   // 10 items, 4 shards of 3: shard 3's last two are the padding, repeating
   // permutation positions 0 and 1, which shard 0 has handed out.
