@@ -289,7 +289,9 @@ class Sharder:
         torch sampler (``DataLoader(data, batch_size, sampler=sharder)``).
         Each of the epoch's items is yielded once: in a re-sharded epoch a
         shorter shard yields one fewer than the others (len() says so), so a
-        loop that must take the same steps on every rank iterates batches()."""
+        loop that must take the same steps on every rank iterates batches().
+        A DataLoader's workers draw indices ahead of the loop: checkpoint
+        through deepnex.torch.ResumableLoader."""
         for batch in self.batches(1):
             if len(batch):  # a re-sharded epoch's shorter shard ends in an empty one
                 yield int(batch[0])

@@ -44,7 +44,7 @@ from . import ps as _ps
 from .errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 __all__ = ["DistributedOptimizer", "DistributedDataParallel", "broadcast_parameters",
-           "default_communicator", "TorchState"]
+           "default_communicator", "TorchState", "ResumableLoader"]
 
 _default = {"comm": None}
 
@@ -558,6 +558,123 @@ def _check_same_layout(tensors, communicator, names, what, counted, must):
             f"{low[0]}-{high[0]} ({low[1]}-{high[1]} elements)"
             f"{', in different names, shapes or dtypes' if low[:2] == high[:2] else ''}; "
             f"{must}")
+
+
+# --- Data loading (deepnex.data) -------------------------------------------
+
+
+from . import data as _data  # noqa: E402
+
+
+class ResumableLoader:
+    """A torch DataLoader over a deepnex.data.Sharder whose state_dict() is
+    that of the batches the loop has taken, not of those its workers drew::
+
+        loader = deepnex.torch.ResumableLoader(torch.utils.data.DataLoader(
+            dataset, batch_size=64, sampler=sharder, num_workers=4))
+        for x, y in loader:
+            ...
+            checkpoint["data"] = loader.state_dict()   # resumes at the next batch
+
+    A DataLoader with workers draws prefetch_factor * num_workers batches of
+    indices ahead of the loop, so the sharder's own state_dict() counts them
+    as handed out, and a resume from it skipped them. Here a pass over the
+    loader notes where the sharder stood when it began and counts the
+    batches taken, batch_size positions each (the last may be shorter), and
+    a pass left early (break) puts the sharder back at its first batch not
+    taken when the next pass begins. A resume is ``Sharder(..., state=s)``
+    or load_state_dict(s), in this world or another.
+
+    num_shards, shard, reshard() and load_state_dict() are the sharder's, so
+    the loader stands in for it in ``deepnex.elastic.State(sharder=loader)``
+    (TorchState too). len() is the batches a pass begun now yields.
+
+    In a re-sharded epoch a shorter shard has one item fewer, and when its
+    items are a multiple of batch_size its loader takes one batch fewer
+    than the others: a loop that must take the same steps on every rank
+    (DDP) compares len() across the ranks, or steps through
+    sharder.batches(), whose steps are the same on every rank.
+    """
+
+    def __init__(self, loader):
+        sampler = getattr(loader, "sampler", None)
+        if not isinstance(sampler, _data.Sharder):
+            raise InvalidArgumentError(
+                f"loader.sampler: a {type(sampler).__name__}, not a deepnex.data.Sharder "
+                "(DataLoader(dataset, batch_size, sampler=sharder))")
+        self.loader = loader
+        self.sharder = sampler
+        # batch_size None: no batching, one index a batch.
+        self._per_batch = loader.batch_size or 1
+        # The pass under way: {"start": the sharder's state_dict() when it
+        # began, "length": that epoch's positions, "len": its batches,
+        # "batches": those taken, "cursor": the sharder's state() after the
+        # last draw, to tell whether anyone else has moved it since}.
+        self._pass = None
+
+    @property
+    def num_shards(self):
+        return self.sharder.num_shards
+
+    @property
+    def shard(self):
+        return self.sharder.shard
+
+    def __len__(self):
+        taken = self._current()
+        return len(self.loader) if taken is None else taken["len"] - taken["batches"]
+
+    def __iter__(self):
+        self._rewind()
+        taken = {"start": self.sharder.state_dict(), "length": self.sharder.epoch_length,
+                 "len": len(self.loader), "batches": 0, "cursor": self.sharder.state()}
+        self._pass = taken
+        batches = iter(self.loader)  # workers start drawing here
+        taken["cursor"] = self.sharder.state()
+        for batch in batches:
+            taken["batches"] += 1
+            taken["cursor"] = self.sharder.state()
+            yield batch
+        if self._pass is taken:
+            self._pass = None
+
+    def _current(self):
+        """The pass under way, or None (none, or the sharder was moved since)."""
+        taken = self._pass
+        if taken is None or self.sharder.state() != taken["cursor"]:
+            return None
+        return taken
+
+    def _rewind(self):
+        """Puts the sharder back at the first batch a pass left early did not take."""
+        taken = self._current()
+        self._pass = None
+        if taken is not None:
+            self.sharder.load_state_dict(self._taken_state(taken))
+
+    def _taken_state(self, taken):
+        position = taken["start"]["position"] + taken["batches"] * self._per_batch
+        # The epoch's last position reached: its end, which a resume takes as
+        # the next epoch's start.
+        return dict(taken["start"], position=min(position, taken["length"]),
+                    ranges=list(taken["start"]["ranges"]))
+
+    def state_dict(self):
+        """The sharder's state_dict() after the batches the loop has taken."""
+        taken = self._current()
+        return self.sharder.state_dict() if taken is None else self._taken_state(taken)
+
+    def load_state_dict(self, state):
+        """The sharder's load_state_dict(); a pass under way is dropped."""
+        self._pass = None
+        self.sharder.load_state_dict(state)
+
+    def reshard(self, num_shards, shard, state=None):
+        """The sharder's reshard(), from state_dict() by default."""
+        if state is None:
+            state = self.state_dict()
+        self._pass = None
+        self.sharder.reshard(num_shards, shard, state)
 
 
 # --- Elastic training (deepnex.elastic) -------------------------------------

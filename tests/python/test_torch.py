@@ -630,3 +630,97 @@ def test_train_compare_phases_table():
     for row in rows:
         values = [float(c) for c in [c for c in row if c][2:]]
         assert len(values) == 4 and all(v >= 0 for v in values)
+
+
+# --- ResumableLoader --------------------------------------------------------
+
+
+def _loader(sharder, num_workers, batch_size=4, drop_last=False):
+    """A DataLoader over the indices themselves: each batch is the indices drawn."""
+    return torch.utils.data.DataLoader(list(range(sharder._dataset[0])), batch_size=batch_size,
+                                       sampler=sharder, num_workers=num_workers,
+                                       drop_last=drop_last)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_checkpoint_taken_mid_epoch_resumes_at_the_first_batch_the_loop_did_not_take(
+        num_workers):
+    """A DataLoader's workers draw prefetch_factor * num_workers batches
+    ahead of the loop: the sharder's own state_dict() counts them as handed
+    out, and a resume from it skipped them. The ResumableLoader's
+    state_dict() is that of the batches taken: what the loop saw before the
+    checkpoint and what it sees after the resume are the epoch, each once,
+    in the same world or in another."""
+    from deepnex.data import Sharder
+    for world in (2, 3):   # resumed in the same world, and in another
+        sharder = Sharder(100, 2, 0, seed=4)
+        loader = dtorch.ResumableLoader(_loader(sharder, num_workers))
+        assert len(loader) == 13
+        seen, it = [], iter(loader)
+        for _ in range(3):
+            seen += next(it).tolist()
+        state = loader.state_dict()
+        assert state["position"] == 12 and len(loader) == 10
+        # The symptom: with workers the sharder has drawn more (prefetch_factor
+        # 2 * 2 workers: 4 batches).
+        drawn = sharder.state()
+        assert drawn == (0, 12) if num_workers == 0 else drawn > (0, 12)
+        # Rank 1 of the same world took the same 3 steps.
+        seen += Sharder(100, 2, 1, seed=4).indices(0).tolist()[:12]
+        del it   # its workers
+        # Every rank of the resumed world takes a step, and a checkpoint of
+        # that (a re-sharded epoch's in the other world) is resumed by 2.
+        loaders = [dtorch.ResumableLoader(_loader(Sharder(100, world, k, seed=4, state=state),
+                                                  num_workers)) for k in range(world)]
+        steps = [iter(loader) for loader in loaders]
+        for step in steps:
+            seen += next(step).tolist()
+        state = loaders[0].state_dict()
+        del steps
+        for k in range(2):
+            s = Sharder(100, 2, k, seed=4, state=state)
+            for batch in dtorch.ResumableLoader(_loader(s, num_workers)):
+                seen += batch.tolist()
+            assert s.state() == (1, 0)
+        assert sorted(seen) == list(range(100))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_pass_left_early_goes_on_at_its_first_batch_not_taken(num_workers):
+    """Leaving a loop over a DataLoader with workers (break) and starting
+    another skipped the batches the workers had drawn."""
+    from deepnex.data import Sharder
+    sharder = Sharder(40, 1, 0, seed=2)
+    loader = dtorch.ResumableLoader(_loader(sharder, num_workers, batch_size=3,
+                                            drop_last=True))
+    seen = []
+    for batch in loader:
+        seen += batch.tolist()
+        if len(seen) == 9:
+            break
+    assert len(loader) == 10   # 13 batches of 3 in 40 items, 3 taken
+    for batch in loader:
+        seen += batch.tolist()
+    # drop_last: the last item, a short batch, is left out, as a DataLoader does.
+    assert seen == sharder.indices(0).tolist()[:39]
+    assert sharder.state() == (1, 0) and loader.state_dict()["epoch"] == 1
+
+
+def test_a_resumable_loader_stands_in_for_its_sharder_in_an_elastic_state(job_env):
+    """State(sharder=loader) saves what the loop took; restore() goes back there."""
+    from deepnex import elastic
+    from deepnex.data import Sharder
+    sharder = Sharder(30, 1, 0, seed=5)
+    loader = dtorch.ResumableLoader(_loader(sharder, 2, batch_size=5))
+    state = elastic.State(sharder=loader, step=0)
+    it = iter(loader)
+    next(it)
+    state.commit()
+    next(it)
+    state.restore()
+    assert sharder.state() == (0, 5)
+    assert [b.tolist() for b in loader] == [sharder.indices(0).tolist()[i:i + 5]
+                                            for i in range(5, 30, 5)]
+    with pytest.raises(deepnex.InvalidArgumentError, match="^loader.sampler: a "
+                       "SequentialSampler, not a deepnex.data.Sharder"):
+        dtorch.ResumableLoader(torch.utils.data.DataLoader(list(range(4))))
