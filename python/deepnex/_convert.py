@@ -128,7 +128,7 @@ def options(struct: Any, **fields: Any) -> Any:
         try:
             setattr(o, name, value)
         except TypeError:
-            bad = _not_utf8(value)
+            bad = not_utf8(value)
             if bad is not None:
                 raise InvalidArgumentError(f"{name}: {bad!r} is not UTF-8 text") from None
             raise InvalidArgumentError(
@@ -137,7 +137,7 @@ def options(struct: Any, **fields: Any) -> Any:
     return o
 
 
-def _not_utf8(value: Any) -> Any:
+def not_utf8(value: Any) -> Any:
     """The first str in `value` (a str, or a list, tuple or dict of them)
     that UTF-8 cannot encode (an argument with bytes the locale does not
     decode comes as lone surrogates), else None."""
@@ -151,7 +151,7 @@ def _not_utf8(value: Any) -> Any:
         value = [part for item in value.items() for part in item]
     if isinstance(value, (list, tuple)):
         for part in value:
-            bad = _not_utf8(part)
+            bad = not_utf8(part)
             if bad is not None:
                 return bad
     return None

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from . import _C
-from ._convert import byte_size, number, options, to_buffer
+from ._convert import byte_size, not_utf8, number, options, to_buffer
 from .errors import DeepnexError, InvalidArgumentError
 
 __all__ = [
@@ -135,12 +135,26 @@ def _optimizer_config(optimizer):
 
 # ---- arrays in and out
 
-def _buffers(tensors, known=None):
-    """The C++ layer's arguments; numpy has no bfloat16, so uint16 arrays
-    stand for the keys `known` says are bfloat16."""
+def _text(text, what):
+    """`text`, refused naming `what` where it is a str the C++ layer cannot
+    take: one with a lone surrogate (as os.fsdecode makes of bytes that are
+    not UTF-8) failed inside pybind11 with "incompatible function
+    arguments". Bytes go on to the C++ layer, which checks them."""
+    if isinstance(text, str) and not_utf8(text) is not None:
+        raise InvalidArgumentError(f"{what} {text!r} is not UTF-8 text")
+    return text
+
+
+def _key(key, op):
+    return _text(key, f"{op}: key")
+
+
+def _buffers(tensors, op, known=None):
+    """The C++ layer's arguments for `op`; numpy has no bfloat16, so uint16
+    arrays stand for the keys `known` says are bfloat16."""
     if not isinstance(tensors, dict):
         raise TypeError(f"expected a dict of name -> array, got {type(tensors).__name__}")
-    args = [(k, *to_buffer(v, repr(k))) for k, v in tensors.items()]
+    args = [(_key(k, op), *to_buffer(v, repr(k))) for k, v in tensors.items()]
     if known:
         args = [(k, b, _C.DType.bfloat16 if a is None and known.get(k, ("",))[0] == "bfloat16"
                  and b.dtype == np.uint16 else a) for k, b, a in args]
@@ -276,7 +290,8 @@ class Server:
         sync and ssp modes; returns the round it holds. The server holds
         <dir>/<name>.lock until it stops (FailedPreconditionError for
         another server of this name there)."""
-        return self._server.checkpoint(str(dir), number(timeout, "timeout"))
+        return self._server.checkpoint(_text(str(dir), "checkpoint: dir"),
+                                       number(timeout, "timeout"))
 
     def stop(self):
         self._server.stop()
@@ -335,11 +350,11 @@ class Client:
 
     def init(self, tensors):
         """Creates the tensors; the first init of each key wins."""
-        self._client.init(_buffers(tensors))
+        self._client.init(_buffers(tensors, "init"))
 
     def push(self, grads):
         """Sync: joins this worker's next round. Async: applied at once."""
-        self._client.push(self._args(grads))
+        self._client.push(self._args(grads, "push"))
 
     def pull(self, keys):
         """A dict of new arrays. Sync: waits for this worker's last round.
@@ -352,7 +367,7 @@ class Client:
 
     def pull_into(self, out):
         """Pulls into the caller's arrays (writable, contiguous, right dtype)."""
-        self._client.pull_into(self._args(out))
+        self._client.pull_into(self._args(out, "pull"))
 
     def push_pull(self, grads, keys=None):
         """Pushes, then pulls `keys` (default: the pushed keys) as a dict."""
@@ -362,39 +377,42 @@ class Client:
 
     def push_pull_into(self, grads, out):
         """Pushes, then pulls into the caller's arrays `out` (as pull_into)."""
-        self._client.push_pull_into(self._args(grads), self._args(out))
+        self._client.push_pull_into(self._args(grads, "push"), self._args(out, "pull"))
 
     def push_pull_into_async(self, grads, out):
         """push_pull_into in flight; `grads` and `out` stay untouched until
         it is done."""
-        return PendingOp(
-            self._client.push_pull_into_async(self._args(grads), self._args(out)), out)
+        return PendingOp(self._client.push_pull_into_async(self._args(grads, "push"),
+                                                           self._args(out, "pull")), out)
 
     def push_async(self, grads):
-        return PendingOp(self._client.push_async(self._args(grads)))
+        return PendingOp(self._client.push_async(self._args(grads, "push")))
 
     def pull_async(self, keys):
         out = self._new_arrays(keys)
-        return PendingOp(self._client.pull_into_async(self._args(out)), out, self._widened)
+        return PendingOp(self._client.pull_into_async(self._args(out, "pull")), out,
+                         self._widened)
 
     def pull_into_async(self, out):
-        return PendingOp(self._client.pull_into_async(self._args(out)), out)
+        return PendingOp(self._client.pull_into_async(self._args(out, "pull")), out)
 
     def push_pull_async(self, grads, keys=None):
         out = self._new_arrays(list(grads) if keys is None else keys)
-        return PendingOp(self._client.push_pull_into_async(self._args(grads), self._args(out)),
+        return PendingOp(self._client.push_pull_into_async(self._args(grads, "push"),
+                                                           self._args(out, "pull")),
                          out, self._widened)
 
     def describe(self, keys):
         """{key: (dtype name, shape)} of tensors on the servers."""
         return {k: (dtype, tuple(shape))
-                for k, dtype, shape, _ in self._client.describe(list(keys))}
+                for k, dtype, shape, _ in self._client.describe(
+                    [_key(k, "describe") for k in keys])}
 
     def version(self, key):
         """Updates applied to `key` (rounds in sync/ssp, pushes in async).
         After a server restart from a checkpoint, training resumes at
         version + 1."""
-        return self._client.describe([key])[0][3]
+        return self._client.describe([_key(key, "describe")])[0][3]
 
     def stats(self):
         """One dict of counters per server (pushes, pulls, bytes, rounds,
@@ -408,7 +426,7 @@ class Client:
         itself); returns their rounds. `name` is a plain name, never a path
         (``InvalidArgumentError``); it takes an admin token or the job's
         (``PermissionDeniedError``)."""
-        return self._client.checkpoint(str(name))
+        return self._client.checkpoint(_text(str(name), "checkpoint: name"))
 
     def close(self):
         """Leaves the job: the servers stop waiting for this worker (unless
@@ -432,8 +450,8 @@ class Client:
             if exc_type is None:  # else the error that ended the block is the one to see
                 raise
 
-    def _args(self, tensors):
-        return _buffers(tensors, self._shapes)
+    def _args(self, tensors, op):
+        return _buffers(tensors, op, self._shapes)
 
     def _widened(self, arrays):
         """`arrays` with the bfloat16 ones' bits (uint16) made float32: a

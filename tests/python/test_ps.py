@@ -398,6 +398,40 @@ def test_a_key_that_is_not_utf8_is_refused_naming_it():
         np.testing.assert_array_equal(c.pull("é/ok")["é/ok"], [0, 0])
 
 
+def test_a_key_with_a_lone_surrogate_is_refused_naming_it():
+    """A str key, checkpoint name or directory with a lone surrogate
+    (os.fsdecode of a file name that is not UTF-8) raised pybind11's
+    TypeError "incompatible function arguments" from every call; it is
+    refused naming it, and the server serves on."""
+    bad = "w\udc80"
+    a = np.zeros(2, np.float32)
+    with ps.Server(mode="async", optimizer=ps.Sum()) as server, \
+            ps.Client([server.address]) as c:
+        c.init({"w": a})
+        calls = {"init": lambda: c.init({bad: a}),
+                 "push": lambda: c.push({bad: a}),
+                 "pull": lambda: c.pull_into({bad: np.empty(2, np.float32)}),
+                 "describe": lambda: c.pull([bad])}
+        calls_too = [lambda: c.push_pull({bad: a}), lambda: c.push_async({bad: a}),
+                     lambda: c.pull_async(bad), lambda: c.version(bad),
+                     lambda: c.describe([bad]),
+                     lambda: c.push_pull_into({"w": a}, {bad: np.empty(2, np.float32)})]
+        for op, call in calls.items():
+            with pytest.raises(deepnex.InvalidArgumentError) as e:
+                call()
+            assert str(e.value) == f"{op}: key 'w\\udc80' is not UTF-8 text"
+        for call in calls_too:
+            with pytest.raises(deepnex.InvalidArgumentError, match=r"key 'w\\udc80' is not UTF-8"):
+                call()
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match=r"^checkpoint: name 'w\\udc80' is not UTF-8 text$"):
+            c.checkpoint(bad)
+        with pytest.raises(deepnex.InvalidArgumentError, match=r"^checkpoint: dir '/tmp/w\\udc80'"):
+            server.checkpoint("/tmp/" + bad)
+        c.push({"w": np.ones(2, np.float32)})
+        np.testing.assert_array_equal(c.pull("w")["w"], [1, 1])
+
+
 def test_worker_id_outside_range():
     with ps.Server(num_workers=2) as server:
         with pytest.raises(deepnex.InvalidArgumentError, match="worker_id 2 is outside 0..1"):
