@@ -38,23 +38,27 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& dat
   int fd = open(tmp.c_str(), kFlags, mode);
   if (fd < 0 && errno == EEXIST && unlink(tmp.c_str()) == 0) fd = open(tmp.c_str(), kFlags, mode);
   if (fd < 0) return Errno("cannot create", tmp);
+  // What a failed write wrote is removed: on a full disk a half checkpoint
+  // kept its space until the next write (another process's write failed too).
+  auto failed = [&](const char* what, const std::string& where) {
+    absl::Status s = Errno(what, where);
+    if (fd >= 0) close(fd);
+    unlink(tmp.c_str());
+    return s;
+  };
   for (size_t done = 0; done < data.size();) {
     ssize_t n = write(fd, data.data() + done, data.size() - done);
     if (n < 0) {
       if (errno == EINTR) continue;
-      absl::Status s = Errno("cannot write", tmp);
-      close(fd);
-      return s;
+      return failed("cannot write", tmp);
     }
     done += n;
   }
-  if (fsync(fd) != 0) {
-    absl::Status s = Errno("cannot fsync", tmp);
-    close(fd);
-    return s;
-  }
-  close(fd);
-  if (rename(tmp.c_str(), path.c_str()) != 0) return Errno("cannot rename onto", path);
+  if (fsync(fd) != 0) return failed("cannot fsync", tmp);
+  const int closed = close(fd);
+  fd = -1;
+  if (closed != 0) return failed("cannot close", tmp);
+  if (rename(tmp.c_str(), path.c_str()) != 0) return failed("cannot rename onto", path);
   std::string dir = std::filesystem::path(path).parent_path().string();
   int dfd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
@@ -73,6 +77,50 @@ absl::StatusOr<std::string> ReadWholeFile(const std::string& path, const std::st
   std::ostringstream contents;
   contents << in.rdbuf();
   return contents.str();
+}
+
+absl::StatusOr<std::string> ReadRegularFile(const std::string& path, const std::string& what,
+                                            uint64_t max_bytes) {
+  // O_NONBLOCK: opening a FIFO with no writer returns at once.
+  const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::NotFoundError(
+        absl::StrCat(what, " \"", path, "\" cannot be read: ", std::strerror(errno)));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    absl::Status s = Errno("cannot stat", path);
+    close(fd);
+    return s;
+  }
+  if (!S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) > max_bytes) {
+    close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, " \"", path, "\" is ",
+        S_ISREG(st.st_mode) ? absl::StrCat(st.st_size, " bytes, more than the ", max_bytes,
+                                           " one can be")
+        : S_ISDIR(st.st_mode) ? "a directory, not a file"
+                              : "not a regular file (a FIFO, socket or device)"));
+  }
+  std::string data;
+  // A file growing while it is read is read to the size it had, plus one
+  // byte to notice it: a checksummed file then fails its check.
+  data.resize(static_cast<size_t>(st.st_size) + 1);
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = read(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      absl::Status s = Errno("cannot read", path);
+      close(fd);
+      return s;
+    }
+    if (n == 0) break;
+    done += n;
+  }
+  close(fd);
+  data.resize(done);
+  return data;
 }
 
 absl::Status MakeDirectories(const std::string& dir) {

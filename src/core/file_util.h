@@ -18,14 +18,23 @@ namespace deepnex {
 // Replaces `path` with `data` atomically: writes a temporary file beside it
 // (`path`.tmp, made anew: whatever is there is unlinked, never followed),
 // fsyncs it, renames it over `path` and fsyncs the directory. A crash leaves
-// either the old file or the new one, never a mix. `mode`: its permissions
-// (less the umask).
+// either the old file or the new one, never a mix; a write that fails (a
+// full disk) leaves the old file and removes its temporary file. `mode`: its
+// permissions (less the umask).
 absl::Status WriteFileAtomically(const std::string& path, const std::string& data,
                                  mode_t mode = 0644);
 
 // The whole file; NotFound naming `what` and the path if it cannot be read.
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path,
                                           const std::string& what);
+
+// The whole of `path`, a regular file (or a link to one) of at most
+// `max_bytes`, for a file whose name another may have planted (a shared
+// checkpoint directory): NotFound as ReadWholeFile; FailedPrecondition
+// naming `what` and the path for a FIFO, device or directory (a FIFO there
+// blocked its reader for good, /dev/zero filled its memory) or a larger file.
+absl::StatusOr<std::string> ReadRegularFile(const std::string& path, const std::string& what,
+                                            uint64_t max_bytes);
 
 // Creates `dir` and its parents if needed.
 absl::Status MakeDirectories(const std::string& dir);

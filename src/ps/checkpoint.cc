@@ -1,12 +1,16 @@
 #include "ps/checkpoint.h"
 
+#include <filesystem>
 #include <map>
 #include <set>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "core/checksum.h"
 #include "core/file_util.h"
 #include "core/text.h"
@@ -17,6 +21,29 @@ namespace {
 
 constexpr char kCheckpointMagic[] = "DNXPSCK1";
 constexpr uint32_t kCheckpointVersion = 1;
+
+// What ends NotFound for `dir`/`name`.ckpt: the checkpoints of other names
+// there (a server restored without its --name found nothing, and said only
+// "No such file or directory").
+std::string OtherCheckpoints(const std::string& dir) {
+  std::error_code ec;
+  std::set<std::string> names;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string file = it->path().filename().string();
+    if (absl::EndsWith(file, ".ckpt")) names.insert(file.substr(0, file.size() - 5));
+  }
+  if (names.empty()) return "";
+  std::vector<std::string> quoted;
+  for (const std::string& n : names) {
+    if (quoted.size() == 4) {
+      quoted.push_back(absl::StrCat("and ", names.size() - 4, " more"));
+      break;
+    }
+    quoted.push_back(Quoted(n));
+  }
+  return absl::StrCat("; the directory holds the checkpoints of servers named ",
+                      absl::StrJoin(quoted, ", "), ": is this server's name one of them?");
+}
 
 }  // namespace
 
@@ -63,7 +90,14 @@ absl::StatusOr<proto::CheckpointFile> ReadCheckpointFile(const std::string& dir,
                                                          int num_workers,
                                                          OptimizerKind optimizer) {
   const std::string path = CheckpointPath(dir, name);
-  DEEPNEX_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path, "checkpoint"));
+  // At most what WriteCheckpointFile writes: a body of one protobuf
+  // message (2 GiB) and the checksummed header.
+  constexpr uint64_t kMaxCheckpointBytes = (uint64_t{2} << 30) + 64;
+  absl::StatusOr<std::string> read = ReadRegularFile(path, "checkpoint", kMaxCheckpointBytes);
+  if (absl::IsNotFound(read.status())) {
+    return absl::NotFoundError(absl::StrCat(read.status().message(), OtherCheckpoints(dir)));
+  }
+  DEEPNEX_ASSIGN_OR_RETURN(std::string bytes, std::move(read));
   DEEPNEX_ASSIGN_OR_RETURN(
       std::string body, DecodeChecksummed(kCheckpointMagic, kCheckpointVersion, bytes,
                                           absl::StrCat("checkpoint \"", path, "\"")));

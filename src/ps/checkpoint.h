@@ -28,7 +28,9 @@ void AddPartitionRecord(const std::string& key, uint32_t part, const Partition& 
 absl::Status WriteCheckpointFile(const std::string& dir, const proto::CheckpointFile& file);
 
 // Reads CheckpointPath(dir, name) for a server of `mode` with `num_workers`
-// and an `optimizer` of that kind: DataLoss for a file that is damaged,
+// and an `optimizer` of that kind: NotFound naming the checkpoints of other
+// names in `dir`; FailedPrecondition for a FIFO, device or directory in its
+// place (ReadRegularFile); DataLoss for a file that is damaged,
 // does not parse, or holds a tensor or a record that Init would refuse (a
 // meta that CheckTensorMeta refuses, a record of no tensor, of another
 // dtype or range than its meta's partitioning gives, or twice) or a record

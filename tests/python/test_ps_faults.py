@@ -606,6 +606,28 @@ def test_a_failed_checkpoint_keeps_the_previous_one(tmp_path):
         assert (tmp_path / "ps.ckpt").read_bytes() == good
 
 
+def test_a_checkpoint_that_is_not_a_file_is_refused_at_once(tmp_path):
+    """A FIFO planted where the checkpoint goes (a shared directory) held
+    the restoring server forever, a link to /dev/zero read until memory ran
+    out."""
+    if not os.path.exists(PS_BIN):
+        pytest.skip(f"{PS_BIN} not built")
+    fifo, zero = tmp_path / "fifo", tmp_path / "zero"
+    fifo.mkdir()
+    os.mkfifo(fifo / "ps.ckpt")
+    zero.mkdir()
+    (zero / "ps.ckpt").symlink_to("/dev/zero")
+    for d in (fifo, zero):
+        try:
+            out = subprocess.run([PS_BIN, "--listen", "127.0.0.1:0", "--restore", str(d)],
+                                 capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"restoring from {d / 'ps.ckpt'} hung")
+        assert out.returncode == 1, out
+        assert (f'checkpoint "{d}/ps.ckpt" is not a regular file (a FIFO, socket or device)'
+                in out.stderr), out.stderr
+
+
 def test_client_checkpoints_by_name_inside_the_daemons_checkpoint_dir(tmp_path):
     """A checkpoint call from the wire names a directory inside the server's
     --checkpoint-dir, never a path, and takes an admin or the job's token."""

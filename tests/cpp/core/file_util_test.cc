@@ -1,6 +1,7 @@
 #include "core/file_util.h"
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -51,6 +52,56 @@ TEST(FileUtilTest, AtomicWriteReplacesTheFile) {
   EXPECT_EQ(*got, "two");
   EXPECT_THAT(ReadWholeFile(dir + "/missing", "test file").status(),
               StatusIs(absl::StatusCode::kNotFound, ::testing::HasSubstr("missing")));
+}
+
+// A write that fails midway (a full disk, here a file size limit) left its
+// half file, PATH.tmp, taking the disk's last space until the next write.
+TEST(FileUtilTest, AFailedWriteKeepsTheOldFileAndLeavesNoTemporary) {
+  TempDir tmp;
+  const std::string path = tmp.path() + "/ps.ckpt";
+  ASSERT_THAT(WriteFileAtomically(path, "old"), IsOk());
+  struct rlimit was;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &was), 0);
+  struct sigaction ignore = {}, old_action;
+  ignore.sa_handler = SIG_IGN;
+  ASSERT_EQ(sigaction(SIGXFSZ, &ignore, &old_action), 0);  // write() fails with EFBIG
+  struct rlimit small = was;
+  small.rlim_cur = 4096;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  const absl::Status written = WriteFileAtomically(path, std::string(1 << 20, 'x'));
+  setrlimit(RLIMIT_FSIZE, &was);
+  sigaction(SIGXFSZ, &old_action, nullptr);
+  EXPECT_THAT(written, StatusIs(absl::StatusCode::kInternal,
+                                HasSubstr("cannot write \"" + path + ".tmp\": File too large")));
+  EXPECT_EQ(ReadWholeFile(path, "file").value_or(""), "old");
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+}
+
+// A name in a shared directory another user made first: a FIFO blocked its
+// reader for good, a link to /dev/zero read until memory ran out.
+TEST(FileUtilTest, ARegularFileIsReadAndAnythingElseRefusedAtOnce) {
+  TempDir tmp;
+  const std::string file = tmp.path() + "/file", fifo = tmp.path() + "/fifo",
+                    zero = tmp.path() + "/zero", link = tmp.path() + "/link";
+  ASSERT_THAT(WriteFileAtomically(file, "twelve bytes"), IsOk());
+  ASSERT_EQ(symlink(file.c_str(), link.c_str()), 0);
+  EXPECT_EQ(ReadRegularFile(file, "checkpoint", 12).value_or(""), "twelve bytes");
+  EXPECT_EQ(ReadRegularFile(link, "checkpoint", 12).value_or(""), "twelve bytes");
+  EXPECT_THAT(ReadRegularFile(file, "checkpoint", 11).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       "checkpoint \"" + file + "\" is 12 bytes, more than the 11 one can be"));
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_THAT(ReadRegularFile(fifo, "checkpoint", 1 << 20).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       "checkpoint \"" + fifo +
+                           "\" is not a regular file (a FIFO, socket or device)"));
+  ASSERT_EQ(symlink("/dev/zero", zero.c_str()), 0);
+  EXPECT_THAT(ReadRegularFile(zero, "checkpoint", 1 << 20).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not a regular file")));
+  EXPECT_THAT(ReadRegularFile(tmp.path(), "checkpoint", 1 << 20).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("a directory")));
+  EXPECT_THAT(ReadRegularFile(tmp.path() + "/missing", "checkpoint", 1).status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("missing")));
 }
 
 // Another user's links where the files go (a probe, in a shared sticky

@@ -122,6 +122,21 @@ TEST_F(CheckpointFileTest, MissingFileIsNotFound) {
               StatusIs(absl::StatusCode::kNotFound));
 }
 
+// A new user's server restored without its --name: "No such file or
+// directory", not a word of the ps0.ckpt beside it.
+TEST_F(CheckpointFileTest, MissingFileNamesTheOtherNamesThere) {
+  proto::CheckpointFile file = File();
+  for (const char* name : {"ps1", "ps0"}) {
+    file.set_name(name);
+    ASSERT_THAT(WriteCheckpointFile(dir_, file), IsOk());
+  }
+  EXPECT_THAT(ReadCheckpointFile(dir_, "ps", Mode::kSync, 2, OptimizerKind::kSgd),
+              StatusIs(absl::StatusCode::kNotFound,
+                       "checkpoint \"" + dir_ + "/ps.ckpt\" cannot be read: No such file or "
+                       "directory; the directory holds the checkpoints of servers named "
+                       "\"ps0\", \"ps1\": is this server's name one of them?"));
+}
+
 TEST_F(CheckpointFileTest, DamagedFileIsDataLoss) {
   ASSERT_THAT(WriteCheckpointFile(dir_, File()), IsOk());
   const std::string path = dir_ + "/ps.ckpt";
