@@ -237,12 +237,26 @@ class ServerImpl final : public Server {
   }
 
   // A periodic checkpoint that failed leaves the previous one in place;
-  // say so where an operator looks, and try again next time.
+  // say so where an operator looks, and try again next time. Once per
+  // failure, not per try: a full disk printed a line every tick (250 ms)
+  // until it was freed. deepnex_ps_checkpoint_failures_total counts them.
   void Report(const absl::Status& status) {
-    if (!status.ok()) {
-      std::fprintf(stderr, "deepnex ps %s: periodic checkpoint failed: %s\n",
-                   options_.name.c_str(), std::string(status.message()).c_str());
+    if (status.ok()) {
+      if (!last_failure_.empty() && service_.checkpoints_written() != written_at_failure_) {
+        std::fprintf(stderr, "deepnex ps %s: periodic checkpoints are written again\n",
+                     options_.name.c_str());
+        last_failure_.clear();
+      }
+      return;
     }
+    const std::string message(status.message());
+    if (message == last_failure_) return;
+    last_failure_ = message;
+    written_at_failure_ = service_.checkpoints_written();
+    std::fprintf(stderr,
+                 "deepnex ps %s: periodic checkpoint failed: %s (said again when that "
+                 "changes; deepnex_ps_checkpoint_failures_total counts every try)\n",
+                 options_.name.c_str(), message.c_str());
   }
 
   const ServerOptions options_;
@@ -257,6 +271,10 @@ class ServerImpl final : public Server {
   std::condition_variable cv_;
   bool stopping_ = false;  // guarded by mu_
   std::thread background_;
+  // Report's, on the background thread: the failure said last, and the
+  // checkpoints written when it was.
+  std::string last_failure_;
+  uint64_t written_at_failure_ = 0;
 };
 
 }  // namespace

@@ -18,6 +18,9 @@ ServerMetrics::ServerMetrics(int num_workers)
       lease_expiries(
           registry.GetCounter("deepnex_ps_lease_expiries_total", "Worker leases that expired.")),
       checkpoints(registry.GetCounter("deepnex_ps_checkpoints_total", "Checkpoints written.")),
+      checkpoint_failures(registry.GetCounter(
+          "deepnex_ps_checkpoint_failures_total",
+          "Checkpoints that could not be written (a full disk); the previous one stays.")),
       checkpoint_round(registry.GetGauge("deepnex_ps_checkpoint_round",
                                          "The round of the last checkpoint written.")),
       pending_reply_bytes(registry.GetGauge(

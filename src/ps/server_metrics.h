@@ -35,6 +35,7 @@ class ServerMetrics final : public PartitionObserver {
   Gauge* live_workers;
   Counter* lease_expiries;
   Counter* checkpoints;
+  Counter* checkpoint_failures;
   Gauge* checkpoint_round;
   Gauge* pending_reply_bytes;
   Gauge* deferred_push_bytes;

@@ -145,6 +145,7 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
   absl::Status Restore(const std::string& dir);
 
   std::string MetricsText() const { return metrics_.registry.PrometheusText(); }
+  uint64_t checkpoints_written() const { return metrics_.checkpoints->value(); }
   const MetricsRegistry* registry() const { return &metrics_.registry; }
   // Whether an HTTP request with this Authorization header value may read
   // /metrics: a token that may call this server.

@@ -156,7 +156,10 @@ absl::Status Service::Write(const std::string& dir, uint64_t round, pb::Checkpoi
   for (size_t i = 0; i < parts.size(); ++i) {
     AddPartitionRecord(names[i].first, names[i].second, *parts[i], std::move(states[i]), &file);
   }
-  DEEPNEX_RETURN_IF_ERROR(WriteCheckpointFile(dir, file));
+  if (absl::Status s = WriteCheckpointFile(dir, file); !s.ok()) {
+    metrics_.checkpoint_failures->Add();
+    return s;
+  }
   metrics_.checkpoints->Add();
   metrics_.checkpoint_round->Set(static_cast<double>(round));
   return absl::OkStatus();

@@ -3,6 +3,7 @@ staleness, lost replies, server crashes with checkpoints, and metrics."""
 
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -626,6 +627,54 @@ def test_a_checkpoint_that_is_not_a_file_is_refused_at_once(tmp_path):
         assert out.returncode == 1, out
         assert (f'checkpoint "{d}/ps.ckpt" is not a regular file (a FIFO, socket or device)'
                 in out.stderr), out.stderr
+
+
+def test_a_checkpoint_that_fills_the_disk_keeps_the_previous_one(tmp_path):
+    """On a full disk (here a file size limit) a failed checkpoint left its
+    half file, ps.ckpt.tmp, taking the space, and the periodic ones printed
+    a line every try. The last good checkpoint stays, the server serves on,
+    says it once and counts the failures."""
+    if not os.path.exists(PS_BIN):
+        pytest.skip(f"{PS_BIN} not built")
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+
+    daemon = subprocess.Popen([PS_BIN, "--listen", "127.0.0.1:0", "--checkpoint-dir",
+                               str(tmp_path), "--checkpoint-interval", "0.05", "--metrics-port",
+                               "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=limited)
+    try:
+        line = daemon.stdout.readline()
+        assert line.startswith("deepnex-ps listening on "), line + daemon.stderr.read()
+        metrics = re.search(r"metrics on (http://[\d.]+:\d+/metrics)", daemon.stdout.readline())
+
+        def counter(name):
+            text = urllib.request.urlopen(metrics.group(1), timeout=10).read().decode()
+            return prometheus.parse(text)[0].get((name, ()), 0)
+
+        with ps.Client([line.split()[3]], worker_id=0) as c:
+            c.init({"small": np.ones(N, np.float32)})
+            assert c.checkpoint() == [0]
+            c.init({"big": np.zeros(1 << 20, np.float32)})  # 4 MiB
+            with pytest.raises(deepnex.InternalError,
+                               match=r'cannot write ".*/ps\.ckpt\.tmp": File too large'):
+                c.checkpoint()
+            wait_for(lambda: counter("deepnex_ps_checkpoint_failures_total") >= 5,
+                     "5 failed periodic checkpoints")
+            c.push({"small": np.ones(N, np.float32)})
+            assert c.version("small") == 1
+        daemon.terminate()
+        _, err = daemon.communicate(timeout=30)
+    finally:
+        daemon.kill()
+        daemon.wait()
+    assert err.count("periodic checkpoint failed") == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["ps.ckpt", "ps.lock"]
+    with ps.Server(restore=tmp_path) as server, \
+            ps.Client([server.address], worker_id=-1) as c:
+        np.testing.assert_array_equal(c.pull("small")["small"], np.ones(N, np.float32))
 
 
 def test_client_checkpoints_by_name_inside_the_daemons_checkpoint_dir(tmp_path):
