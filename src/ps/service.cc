@@ -687,7 +687,11 @@ absl::Status Service::DoClaim(const grpc::ServerContextBase& ctx, const pb::Clai
           absl::StrFormat("init of \"%s\": %s differs from the existing %s", meta.key(),
                           ShapeString(meta), ShapeString(*t.meta)));
     }
-    // The claimer itself, restarted or retrying, writes again.
+    // The claimer itself, restarted or retrying, writes again; so does the
+    // first claimer of a tensor restored unready (a checkpoint cut between
+    // a claim and its values), which nobody claims: every init waited for
+    // the first initializer until its deadline.
+    if (!t.meta->ready() && t.claimed_by == -1) t.claimed_by = req.worker_id();
     reply->set_won(!t.meta->ready() && t.claimed_by == req.worker_id());
   }
   *reply->mutable_meta() = *t.meta;

@@ -157,7 +157,7 @@ class Service final : public ServiceBase, public SnapshotSink, public DeferredLi
     // On the other servers: the description their parts were written with,
     // which a checkpoint of them is read back against.
     std::unique_ptr<proto::TensorMeta> parts_meta;
-    int claimed_by = -1;
+    int claimed_by = -1;  // -1: nobody (restored from a checkpoint)
     std::map<uint32_t, std::unique_ptr<Partition>> parts;
   };
 

@@ -674,6 +674,40 @@ TEST_F(CheckpointTest, ANameIsWrittenInsideTheCheckpointDirAndAPathIsRefused) {
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no checkpoint_dir")));
 }
 
+// A checkpoint taken while an init was between its claim and its values (a
+// large tensor's write) held the tensor unready and claimed by nobody: after
+// a restore every init waited for "the first initializer" until its
+// deadline. The first init after the restore claims it anew.
+TEST_F(CheckpointTest, ATensorWhoseInitTheCheckpointCaughtMidwayIsClaimedAnew) {
+  ServerOptions so;
+  so.mode = Mode::kAsync;
+  auto server = Start(so);
+  {
+    Wire wire(server->address());
+    pb::ClaimRequest req;
+    req.set_worker_id(0);
+    req.mutable_meta()->set_key("w");
+    req.mutable_meta()->set_dtype(static_cast<int>(DType::kFloat32));
+    req.mutable_meta()->add_shape(2);
+    req.mutable_meta()->set_num_parts(1);
+    pb::ClaimReply reply;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(wire.stub().Claim(&ctx, req, &reply).ok());
+    ASSERT_TRUE(reply.won());
+  }
+  ASSERT_THAT(server->Checkpoint(dir_, std::chrono::seconds(10)).status(), IsOk());
+  server.reset();
+  so.restore_dir = dir_;
+  server = Start(so);
+  ClientOptions co;
+  co.timeout = std::chrono::seconds(5);
+  auto client = Connect(*server, 0, co);
+  std::vector<float> v = {1, 2}, got(2);
+  ASSERT_THAT(client->Init({View("w", v)}), IsOk());
+  ASSERT_THAT(client->Pull({View("w", got)}), IsOk());
+  EXPECT_EQ(got, v);
+}
+
 TEST_F(CheckpointTest, AtMostFourCheckpointCallsWaitAtOnce) {
   ServerOptions so;
   so.checkpoint_dir = dir_;
