@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/file_util.h"
 #include "core/grpc_util.h"
@@ -203,7 +204,11 @@ class ServerImpl final : public Server {
     if (checkpoint_locks_.count(key) != 0) return absl::OkStatus();
     absl::StatusOr<std::unique_ptr<DirectoryLock>> held = DirectoryLock::Acquire(
         dir, options_.name + ".lock", absl::StrCat("ps \"", options_.name, "\": ", what));
-    if (absl::IsFailedPrecondition(held.status())) {
+    // Only for a lock another holds: a read-only directory or a link
+    // planted as the lock file ("cannot open ...") was told to stop a server
+    // that was not there.
+    if (absl::IsFailedPrecondition(held.status()) &&
+        absl::StrContains(held.status().message(), " is in use by ")) {
       return absl::FailedPreconditionError(
           absl::StrCat(held.status().message(),
                        "; stop that server, or give servers that share a directory names of "

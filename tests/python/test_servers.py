@@ -290,6 +290,20 @@ def test_servers_of_one_name_never_checkpoint_into_one_directory(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["other.ckpt", "other.lock", "ps.ckpt", "ps.lock"]
 
 
+def test_a_checkpoint_dir_whose_lock_cannot_be_made_is_not_said_to_be_in_use(tmp_path):
+    """A link planted as ps.lock (or a read-only directory) was refused with
+    "stop that server, or give servers that share a directory names of
+    their own", where no server held it."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "ps.lock").symlink_to(tmp_path / "victim")
+    with pytest.raises(deepnex.FailedPreconditionError) as e:
+        ps.Server(mode="async", checkpoint_dir=ckpt)
+    assert str(e.value) == (f'ps "ps": checkpoint_dir "{ckpt}": cannot open {ckpt}/ps.lock: '
+                            "Too many levels of symbolic links")
+    assert not (tmp_path / "victim").exists()
+
+
 def test_a_second_launcher_on_a_state_dir_names_the_holder(tmp_path):
     state = str(tmp_path / "state")
     held = launch.Launcher("process", state_dir=state)
