@@ -40,6 +40,7 @@ import torch
 import deepnex
 from . import _convert
 from . import collective as _collective
+from . import data as _data
 from . import ps as _ps
 from .errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
@@ -561,9 +562,6 @@ def _check_same_layout(tensors, communicator, names, what, counted, must):
 
 
 # --- Data loading (deepnex.data) -------------------------------------------
-
-
-from . import data as _data  # noqa: E402
 
 
 class ResumableLoader:
