@@ -61,6 +61,11 @@ inline std::string Quoted(const std::string& text, size_t max = 64) {
                       text.size() > max ? "..." : "");
 }
 
+// A refused path quoted as Quoted does, but whole up to 1 KiB: cut at 64
+// bytes a real path (a CI run's tmp_path) lost the end that tells which file
+// it was.
+inline std::string QuotedPath(const std::string& path) { return Quoted(path, 1024); }
+
 }  // namespace deepnex
 
 #endif  // DEEPNEX_CORE_TEXT_H_

@@ -155,8 +155,9 @@ class JobImpl : public Job {
     std::error_code no_dir;
     if (!o_.working_dir.empty() && o_.central.empty() && o_.launcher.backend == "process" &&
         !std::filesystem::is_directory(o_.working_dir, no_dir)) {
-      return absl::NotFoundError(absl::StrCat("working_dir (--workdir): \"", o_.working_dir,
-                                              "\" is not a directory on this host"));
+      return absl::NotFoundError(absl::StrCat("working_dir (--workdir): ",
+                                              QuotedPath(o_.working_dir),
+                                              " is not a directory on this host"));
     }
     // Before anything is allocated or started, by the servers' own rules
     // (the job had its own: it refused an lr of 0 that deepnex-ps takes).

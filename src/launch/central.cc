@@ -314,8 +314,8 @@ class ContainersService final : public pb::Containers::CallbackService,
     DEEPNEX_ASSIGN_OR_RETURN(ContainerSpec spec, SpecFromProto(req.spec()));
     if (!spec.mounts.empty() && mount_roots_.empty()) {
       return absl::PermissionDeniedError(absl::StrCat(
-          "spec.mounts[0].source: \"", spec.mounts[0].source,
-          "\": this deepnex-central allows no mounts (its --allow-mount is not set)"));
+          "spec.mounts[0].source: ", QuotedPath(spec.mounts[0].source),
+          ": this deepnex-central allows no mounts (its --allow-mount is not set)"));
     }
     const std::string image_name = spec.image;  // the catalog's name, as the user gave it
     DEEPNEX_RETURN_IF_ERROR(ApplyPolicy(a.user, &spec));
@@ -447,11 +447,10 @@ class ContainersService final : public pb::Containers::CallbackService,
           names.push_back(absl::StrCat(ImageCatalog::DisplayName(caller, i),
                                        i.tag == kDefaultTag ? "" : ":" + i.tag));
         }
-        // Up to 1 KiB: a directory image is named by its path, and cut at
-        // Quoted's 64 bytes a CI run's tmp_path lost its end (the whole
-        // message is cut at 2 KiB on the wire).
+        // A directory image is named by its path (the whole message is
+        // cut at 2 KiB on the wire).
         return absl::PermissionDeniedError(absl::StrCat(
-            "spec.image: ", Quoted(spec->image, 1024), " is not an image that user ", user,
+            "spec.image: ", QuotedPath(spec->image), " is not an image that user ", user,
             " may run [",
             absl::StrJoin(names, ", "), "] (deepnex images)"));
       }

@@ -678,7 +678,8 @@ class KubernetesBackend : public Backend {
     // anything (another user's files, or nothing, which the kubelet made).
     if (!spec.mounts.empty() && (!spec.allocation.has_value() || spec.allocation->node.empty())) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "spec.mounts[0]: \"", spec.mounts[0].source, "\": host mounts need the pod on the "
+          "spec.mounts[0]: ", QuotedPath(spec.mounts[0].source),
+          ": host mounts need the pod on the "
           "launcher's host, where their paths were checked, but this pod has no allocation "
           "naming its node and the scheduler could put it on any node"));
     }

@@ -22,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "core/file_util.h"
 #include "core/random.h"
+#include "core/text.h"
 #include "launch/command.h"
 #include "launch/images.h"
 #include "launch/images_registry.h"
@@ -226,7 +227,8 @@ absl::Status CheckInTree(const ContainerTree& tree, const ContainerSpec& spec) {
     absl::StatusOr<struct stat> st = tree.Stat(spec.working_dir);
     if (!st.ok() || !S_ISDIR(st->st_mode)) {
       return absl::NotFoundError(absl::StrCat(
-          "spec.working_dir: \"", spec.working_dir, "\" is not a directory in image ", spec.image,
+          "spec.working_dir: ", QuotedPath(spec.working_dir), " is not a directory in image ",
+          spec.image,
           " (", st.ok() ? "not a directory" : st.status().message(),
           "); a mount can bring a host directory in"));
     }

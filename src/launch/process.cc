@@ -23,6 +23,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/file_util.h"
+#include "core/text.h"
 #include "launch/backend.h"
 #include "launch/cgroup.h"
 #include "launch/spec.h"
@@ -280,8 +281,8 @@ class ProcessBackend : public Backend {
       char target[PATH_MAX];
       if (m.read_only || realpath(m.target.c_str(), target) == nullptr || m.source != target) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "spec.mounts[", i, "]: the process backend runs on the host's files and cannot mount \"",
-            m.source, "\" at \"", m.target, "\"", m.read_only ? " read-only" : "",
+            "spec.mounts[", i, "]: the process backend runs on the host's files and cannot mount ",
+            QuotedPath(m.source), " at ", QuotedPath(m.target), m.read_only ? " read-only" : "",
             "; it takes only a writable mount of a path onto itself, which changes nothing"));
       }
     }
@@ -413,8 +414,9 @@ class ProcessBackend : public Backend {
             absl::StrCat("cannot join the container's cgroup: ", strerror(child.error)));
       }
       if (child.stage == ChildError::kChdir) {
-        return absl::NotFoundError(absl::StrCat("spec.working_dir: cannot enter \"",
-                                                spec.working_dir, "\": ", strerror(child.error)));
+        return absl::NotFoundError(absl::StrCat("spec.working_dir: cannot enter ",
+                                                QuotedPath(spec.working_dir), ": ",
+                                                strerror(child.error)));
       }
       std::string msg = absl::StrCat("command \"", spec.command[0], "\": exec ", exe,
                                      " failed: ", strerror(child.error));

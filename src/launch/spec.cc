@@ -69,19 +69,20 @@ absl::Status CheckMount(const LauncherOptions& options, size_t i, Mount& m) {
   while (target.size() > 1 && target.back() == '/') target.pop_back();
   if (target == "/") {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, ".target: \"", m.target, "\" would cover the container's root"));
+        absl::StrCat(field, ".target: ", QuotedPath(m.target),
+                     " would cover the container's root"));
   }
   for (const char* dir : kRuntimeDirs) {
     if (IsUnder(target, dir)) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ".target: \"", m.target,
-                                                     "\" is over the container's ", dir,
+      return absl::InvalidArgumentError(absl::StrCat(field, ".target: ", QuotedPath(m.target),
+                                                     " is over the container's ", dir,
                                                      ", which the runtime mounts"));
     }
   }
   std::optional<std::string> real = RealPath(m.source);
   if (!real) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, ".source: \"", m.source, "\" does not exist"));
+        absl::StrCat(field, ".source: ", QuotedPath(m.source), " does not exist"));
   }
   std::vector<std::string> roots = options.allowed_mount_roots;
   if (roots.empty()) roots.push_back("/");
@@ -93,7 +94,8 @@ absl::Status CheckMount(const LauncherOptions& options, size_t i, Mount& m) {
     }
   }
   return absl::PermissionDeniedError(absl::StrCat(
-      field, ".source: \"", m.source, "\"", *real == m.source ? "" : " (\"" + *real + "\")",
+      field, ".source: ", QuotedPath(m.source),
+      *real == m.source ? "" : " (" + QuotedPath(*real) + ")",
       " is outside the allowed mount roots [", absl::StrJoin(roots, ", "), "]"));
 }
 
@@ -140,8 +142,8 @@ absl::Status CheckLabels(const std::map<std::string, std::string>& labels) {
 // needs root, while docker and kubernetes have their engine do it.
 absl::Status CheckRunAs(const std::string& backend, const RunAs& run_as) {
   if (!run_as.user.empty() && !IsPasswdName(run_as.user)) {
-    return absl::InvalidArgumentError(absl::StrCat("spec.run_as.user: \"", run_as.user,
-                                                   "\" is not a user name ([a-z_][a-z0-9_-]*, "
+    return absl::InvalidArgumentError(absl::StrCat("spec.run_as.user: ", Quoted(run_as.user),
+                                                   " is not a user name ([a-z_][a-z0-9_-]*, "
                                                    "at most 32 characters)"));
   }
   if (!run_as.home.empty()) {
@@ -170,8 +172,8 @@ absl::Status CheckMounts(const std::vector<std::string>& roots, ContainerSpec& s
   if (spec.mounts.empty()) return absl::OkStatus();
   if (roots.empty()) {
     return absl::PermissionDeniedError(
-        absl::StrCat("spec.mounts[0].source: \"", spec.mounts[0].source,
-                     "\": no mount roots are allowed here"));
+        absl::StrCat("spec.mounts[0].source: ", QuotedPath(spec.mounts[0].source),
+                     ": no mount roots are allowed here"));
   }
   LauncherOptions options;
   options.allowed_mount_roots = roots;
@@ -193,12 +195,13 @@ absl::Status CheckName(const std::string& field, const std::string& name, size_t
 absl::Status CheckAbsoluteNormal(const std::string& field, const std::string& path) {
   if (!absl::StartsWith(path, "/")) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, ": \"", path, "\" is not an absolute path"));
+        absl::StrCat(field, ": ", QuotedPath(path), " is not an absolute path"));
   }
   for (absl::string_view part : absl::StrSplit(path, '/')) {
     if (part == "." || part == "..") {
       return absl::InvalidArgumentError(absl::StrCat(
-          field, ": \"", path, "\" is not lexically normal (has a \"", part, "\" component)"));
+          field, ": ", QuotedPath(path), " is not lexically normal (has a \"", part,
+          "\" component)"));
     }
   }
   return absl::OkStatus();
@@ -342,8 +345,8 @@ absl::Status CheckRunsOnHost(const ContainerSpec& spec) {
   if (!spec.working_dir.empty()) {
     struct stat st;
     if (stat(spec.working_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-      return absl::NotFoundError(absl::StrCat("spec.working_dir: \"", spec.working_dir,
-                                              "\" is not a directory on this host"));
+      return absl::NotFoundError(absl::StrCat("spec.working_dir: ", QuotedPath(spec.working_dir),
+                                              " is not a directory on this host"));
     }
   }
   return FindOnPath(spec.command[0], PathOf(spec.env)).status();

@@ -19,6 +19,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "core/text.h"
 
 extern char** environ;
 
@@ -170,7 +171,7 @@ absl::StatusOr<ContainerSpec> PinMountSources(const ContainerSpec& spec, const s
   ContainerSpec pinned = spec;
   for (size_t i = 0; i < pinned.mounts.size(); ++i) {
     Mount& m = pinned.mounts[i];
-    const std::string field = absl::StrCat("spec.mounts[", i, "].source: \"", m.source, "\"");
+    const std::string field = absl::StrCat("spec.mounts[", i, "].source: ", QuotedPath(m.source));
     open_how how{};
     how.flags = O_PATH | O_CLOEXEC;
     how.resolve = RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;

@@ -798,6 +798,48 @@ TEST_F(ProcessLauncherTest, MountsOutsideTheAllowedRootsOrNotNormal) {
   ExpectStartFails(spec, absl::StatusCode::kInvalidArgument, "the process backend");
 }
 
+// A refused path is shown escaped (a newline or an escape sequence in it
+// cannot forge a line or drive the terminal) and whole up to 1 KiB: cut at
+// 64 bytes, a path under a CI run's long tmp dir lost the part that named it.
+TEST_F(ProcessLauncherTest, RefusedPathsAndUsersAreEscapedAndWhole) {
+  LauncherOptions options;
+  options.allowed_mount_roots = {scratch_.path()};
+  Make(options);
+  const std::string odd = "/x\ny\x1b[2J";
+  const std::string shown = "\"/x\\ny\\x1b[2J\"";
+  const std::string missing = scratch_.path() + "/" + std::string(200, 'm');
+  ContainerSpec spec = Spec("p", "exit 0");
+  spec.mounts = {{missing, "/x", true}};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.mounts[0].source: \"" + missing + "\" does not exist");
+  spec.mounts = {{scratch_.path() + odd, "/x", true}};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.mounts[0].source: \"" + scratch_.path() +
+                       "/x\\ny\\x1b[2J\" does not exist");
+  spec.mounts = {{scratch_.path(), "/proc" + odd, true}};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.mounts[0].target: \"/proc/x\\ny\\x1b[2J\" is over the container's /proc");
+  spec.mounts = {{"rel" + odd, "/x", true}};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.mounts[0].source: \"rel/x\\ny\\x1b[2J\" is not an absolute path");
+  // The process backend's own refusal of a mount.
+  spec.mounts = {{scratch_.path(), odd + std::string(200, 't'), false}};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   " at \"/x\\ny\\x1b[2J" + std::string(200, 't') + "\";");
+  spec = Spec("p", "exit 0");
+  spec.working_dir = odd;
+  ExpectStartFails(spec, absl::StatusCode::kNotFound,
+                   "spec.working_dir: " + shown + " is not a directory on this host");
+  spec.working_dir = missing;
+  ExpectStartFails(spec, absl::StatusCode::kNotFound,
+                   "spec.working_dir: \"" + missing + "\" is not a directory on this host");
+  spec = Spec("p", "exit 0");
+  spec.run_as = RunAs{geteuid(), getegid(), "a\nb\x1b[2J", ""};
+  ExpectStartFails(spec, absl::StatusCode::kInvalidArgument,
+                   "spec.run_as.user: \"a\\nb\\x1b[2J\" is not a user name");
+  EXPECT_TRUE(Run(Spec("p", "exit 0")).ok());
+}
+
 // A process has the host's files: a mount is taken only where it changes
 // nothing, so that one command line serves the process and oci backends.
 TEST_F(ProcessLauncherTest, OnlyMountsOntoThemselves) {
