@@ -18,6 +18,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "deepnex/launch/launcher.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -1121,6 +1122,39 @@ TEST_F(ProcessLauncherTest, LogsStartEmptyInAReusedStateDir) {
   Make(options);
   ASSERT_TRUE(Run(Spec("w1", "echo second"), &logs).ok());
   EXPECT_EQ(logs, "second\n");
+}
+
+// A launcher's state_dir holds the records it adopts or sweeps at start:
+// one that others could write in (or that another user owns) could hold
+// records of theirs that it would trust. It is refused before anything in
+// it is read or written, naming it.
+TEST_F(ProcessLauncherTest, AStateDirOthersCouldWriteIsRefused) {
+  LauncherOptions options = Fast();
+  options.backend = "process";
+  options.state_dir = scratch_.path() + "/state";
+  ASSERT_EQ(mkdir(options.state_dir.c_str(), 0700), 0);
+  for (mode_t mode : {0770, 0707, 0777}) {
+    ASSERT_EQ(chmod(options.state_dir.c_str(), mode), 0);
+    EXPECT_THAT(Launcher::Create(options).status(),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr(absl::StrFormat("launcher state_dir \"%s\" may be written by "
+                                                   "others (mode %04o)",
+                                                   options.state_dir, mode))));
+    EXPECT_TRUE(std::filesystem::is_empty(options.state_dir));
+  }
+  ASSERT_EQ(chmod(options.state_dir.c_str(), 0755), 0);
+  Make(options);
+  EXPECT_TRUE(Run(Spec("ok", "exit 0")).ok());
+  launcher_.reset();
+  if (geteuid() != 0) GTEST_SKIP() << "giving a directory to another user needs root";
+  options.state_dir = scratch_.path() + "/theirs";
+  ASSERT_EQ(mkdir(options.state_dir.c_str(), 0700), 0);
+  ASSERT_EQ(chown(options.state_dir.c_str(), 65534, 65534), 0);
+  EXPECT_THAT(Launcher::Create(options).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("launcher state_dir \"" + options.state_dir +
+                                 "\" belongs to uid 65534, not to this user")));
+  EXPECT_TRUE(std::filesystem::is_empty(options.state_dir));
 }
 
 // A container its launcher could not record never runs: the record is how
