@@ -100,18 +100,13 @@ def attach(c, name: str, command: Sequence[str], tty: bool, interactive: bool,
     saved = None
     old_winch = None
     stop_r, stop_w = os.pipe()
-    if is_terminal:
-        saved = termios.tcgetattr(stdin_fd)
-        tty_module.setraw(stdin_fd)
 
-        def on_winch(signum, frame):
-            r, c_ = _window(stdin_fd)
-            try:
-                s.resize(r, c_)
-            except Exception:  # the session ended meanwhile
-                pass
-        if threading.current_thread() is threading.main_thread():
-            old_winch = signal.signal(signal.SIGWINCH, on_winch)
+    def on_winch(signum, frame):
+        r, c_ = _window(stdin_fd)
+        try:
+            s.resize(r, c_)
+        except Exception:  # the session ended meanwhile
+            pass
 
     def forward_stdin():
         try:
@@ -128,12 +123,19 @@ def attach(c, name: str, command: Sequence[str], tty: bool, interactive: bool,
             return
 
     reader = None
-    if interactive:
-        reader = threading.Thread(target=forward_stdin, daemon=True)
-        reader.start()
-    else:
-        _send_stdin(s, None)
     try:
+        if is_terminal:
+            saved = termios.tcgetattr(stdin_fd)
+            # TCSADRAIN, not setraw's default TCSAFLUSH: that discarded what
+            # was typed while the client started.
+            tty_module.setraw(stdin_fd, termios.TCSADRAIN)
+            if threading.current_thread() is threading.main_thread():
+                old_winch = signal.signal(signal.SIGWINCH, on_winch)
+        if interactive:
+            reader = threading.Thread(target=forward_stdin, daemon=True)
+            reader.start()
+        else:
+            _send_stdin(s, None)
         while True:
             kind, data, code = s.read()
             if kind == "exit":

@@ -185,7 +185,9 @@ absl::StatusOr<int> Attach(launch::CentralClient& client, const std::string& nam
     if (tcgetattr(0, &t) == 0) {
       saved = t;
       cfmakeraw(&t);
-      tcsetattr(0, TCSAFLUSH, &t);
+      // TCSADRAIN, not TCSAFLUSH: that discarded what was typed while the
+      // shell started (the allocation, the container); it goes to the shell.
+      tcsetattr(0, TCSADRAIN, &t);
     }
   }
   signal_fd = signals[1];

@@ -484,6 +484,34 @@ def test_shell_on_a_pty_runs_commands_resizes_interrupts_and_exits_with_its_code
     assert_cleaned_up(alice, "sh1")
 
 
+@pytest.mark.parametrize("how", ["shell", "exec"])
+def test_keys_typed_while_the_client_starts_reach_the_container(central, how):
+    """What was typed before the terminal attached (while Python, the
+    allocation, the container start) waits in this terminal's input: the
+    switch to raw mode with TCSAFLUSH discarded it, in deepnex-shell and in
+    `deepnex exec -it`."""
+    alice, _ = clients(central)
+    env = shell_env(central)
+    if how == "shell":
+        argv = ["shell", "--cpus", "1", "--memory", "256MiB", "--name", "ahead"]
+    else:
+        start_sleeper(alice)
+        argv = ["exec", "box", "-it", "--", "sh"]
+    t = Terminal([PY, "-m", "deepnex", *argv], env)
+    try:
+        # Before the client even runs: Popen returns once it exec'd Python.
+        # The marker is the shell's, so that this terminal's echo of the
+        # line does not match.
+        t.send("echo typed-$((6*7))\n")
+        t.expect(b"typed-42")
+        t.send("exit 3\n")
+        assert t.proc.wait(timeout=30) == 3
+    finally:
+        t.close()
+    if how == "shell":
+        assert_cleaned_up(alice, "ahead")
+
+
 def test_shell_on_a_given_allocation_with_keep_leaves_both(central):
     alice, _ = clients(central)
     a = alice.allocate(grant())
