@@ -78,6 +78,17 @@ class Service final : public pb::Store::CallbackService {
     return kv_.size();
   }
 
+  size_t waiting() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t n = 0;
+    // Each waiter is on the list of the one key it watches; a finished one
+    // (cancelled by its client) until that key is set or it expires.
+    for (const auto& [key, list] : watchers_) {
+      for (const auto& w : list) n += !w->finished.load();
+    }
+    return n;
+  }
+
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* ctx, const pb::SetRequest* req,
                                 pb::SetReply*) override {
     absl::Status s = CheckKeys(*ctx, {req->key()});
@@ -357,6 +368,7 @@ class StoreServerImpl final : public StoreServer {
   std::string address() const override { return host_->address(); }
   int port() const override { return host_->port(); }
   size_t size() const override { return service_.size(); }
+  size_t waiting() const override { return service_.waiting(); }
   void Stop() override {
     if (host_) host_->Stop();
   }

@@ -57,6 +57,8 @@ class StoreServer {
   virtual int port() const = 0;
   // Number of keys held (for tests and monitoring).
   virtual size_t size() const = 0;
+  // Number of reads waiting for keys (for tests and monitoring).
+  virtual size_t waiting() const = 0;
   // Stops serving; waiting reads end with an error. Idempotent.
   virtual void Stop() = 0;
   // Blocks until Stop().

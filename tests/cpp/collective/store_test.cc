@@ -353,18 +353,24 @@ TEST(StoreTest, ClientStartedBeforeTheServerWaitsForIt) {
 TEST(StoreTest, StopEndsWaitingReads) {
   auto server = StartServer();
   auto c = Connect(server->address());
-  // Connected first, so that the Get below is on the wire at once: one sent
-  // after the Stop would wait for the store to come back. (The server shows
-  // no waiting reads to wait for, hence the pause before the Stop.)
-  ASSERT_OK(c->Set("connected", "1"));
+  // Stopped once the Get below waits at the server: one sent after the Stop
+  // would wait for the store to come back. (A 500 ms pause stood for this,
+  // which a loaded machine's connection setup could outlast.)
+  std::atomic<bool> waited{false};
+  std::chrono::steady_clock::time_point stopped;
   std::thread stopper([&] {
-    std::this_thread::sleep_for(milliseconds(500));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!(waited = server->waiting() == 1) && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+    stopped = std::chrono::steady_clock::now();
     server->Stop();
   });
-  auto start = std::chrono::steady_clock::now();
   EXPECT_FALSE(c->Get("never", milliseconds(20000)).ok());
-  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(5000));
+  const auto returned = std::chrono::steady_clock::now();
   stopper.join();
+  EXPECT_TRUE(waited) << "the Get never waited at the server";
+  EXPECT_LT(returned - stopped, milliseconds(5000));
 }
 
 }  // namespace
