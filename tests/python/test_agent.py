@@ -119,6 +119,59 @@ def test_an_agent_stopped_by_sigterm_tells_central_how_its_containers_ended(cent
     wait_for(lambda: alice.allocations() == [], "box's allocation to be released", timeout=10)
 
 
+@pytest.mark.parametrize("backend", ["process", "oci"])
+def test_a_container_has_its_specs_environment_not_the_agents_or_the_clients(
+        central, agents, monkeypatch, backend):
+    """A container's environment is its spec's and its grant's with the
+    launcher's defaults: never what the agent that runs it has in its own
+    (tokens, DEEPNEX_*, LD_LIBRARY_PATH), nor the client that starts it or
+    runs a command in it (exec, shell)."""
+    from deepnex import gpu, launch
+    if backend == "oci":
+        why = launch.probe_backends().get("oci", "")
+        if why:
+            pytest.skip(f"oci backend: {why}")
+    monkeypatch.setenv("SECRET_FROM_AGENT", "1")
+    monkeypatch.setenv("DEEPNEX_FROM_AGENT", "1")
+    h1 = agents.start("h1", "h1tok", flags=("--backend", backend))
+    agents.registered(h1, "h1")
+    monkeypatch.delenv("SECRET_FROM_AGENT")
+    monkeypatch.delenv("DEEPNEX_FROM_AGENT")
+    monkeypatch.setenv("SECRET_FROM_CLIENT", "1")
+    alice = client(central, "alicetok")
+    a = alice.allocate(gpu.Request(user="alice", gpus=1, cpus=2, memory=512 << 20, node="h1"))
+    # box first: the allocation goes when its last container ends.
+    alice.start_container(launch.ContainerSpec(name="box", command=["sleep", "600"],
+                                               env={"FROM_SPEC": "1"}, cpus=1,
+                                               memory="256MiB"), a)
+    alice.start_container(launch.ContainerSpec(name="env", command=["env"],
+                                               env={"FROM_SPEC": "1"}, cpus=1,
+                                               memory="256MiB"), a)
+    wait_for(lambda: any(c["name"] == "env" and c.get("last_exit") == "exited(0)"
+                         for c in alice.containers()), "env's exit")
+    own = dict(line.split("=", 1) for line in alice.container_logs("env").splitlines())
+    wait_for(lambda: any(c["name"] == "box" and c["state"] == "running"
+                         for c in alice.containers()), "box running")
+    out = cli(central, "exec", "box", "--", "env", token="alicetok")
+    assert out.returncode == 0, out.stderr
+    execd = dict(line.split("=", 1) for line in out.stdout.splitlines())
+    granted = dict(a.env)
+    assert own == execd
+    assert {k: v for k, v in own.items() if k not in ("PATH", "HOME", "USER",
+                                                       "DEEPNEX_LAUNCHER_ID")} == {
+        "FROM_SPEC": "1", **granted}, own
+    assert not set(own) & {"SECRET_FROM_AGENT", "DEEPNEX_FROM_AGENT", "SECRET_FROM_CLIENT",
+                           "DEEPNEX_TOKEN", "DEEPNEX_CENTRAL", "LD_LIBRARY_PATH"}, own
+    # deepnex shell's login shell on pipes: it adds its own (PWD, SHLVL), no more.
+    shell = subprocess.run([sys.executable, "-m", "deepnex", "shell", "--cpus", "1", "--memory",
+                            "256MiB"], input="env\n", env=_cli_env(central, "alicetok"),
+                           capture_output=True, text=True, timeout=60)
+    assert shell.returncode == 0, shell.stderr
+    assert not {line.split("=", 1)[0] for line in shell.stdout.splitlines()} & {
+        "SECRET_FROM_AGENT", "DEEPNEX_FROM_AGENT", "SECRET_FROM_CLIENT", "DEEPNEX_TOKEN",
+        "DEEPNEX_CENTRAL", "LD_LIBRARY_PATH"}, shell.stdout
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="an agent runs users' containers only as root")
 def test_a_users_container_on_an_agent_runs_as_their_uid(central, agents, tmp_path):
     """An agent once ran every user's container as itself: root, with every
