@@ -37,6 +37,8 @@
 #include "launch/command.h"
 #include "launch/oci_config.h"
 #include "launch/oci_image.h"
+#include "launch/procfs.h"
+#include "launch/spec.h"
 #include "launch/util.h"
 
 extern char** environ;
@@ -337,6 +339,28 @@ class OciRun : public Run {
   std::thread killer_;  // Stop's SIGKILL at kill_at_
 };
 
+// The launcher whose container runs in `cgroup`, by the annotation in the
+// bundle that its `runc run` names: the parent of its init, the one process
+// there whose parent is outside it (a process inside could take any
+// arguments). "" when that runc or the bundle is gone.
+std::string LauncherOfRunning(Cgroup& cgroup) {
+  const std::vector<pid_t> pids = cgroup.Processes();
+  for (pid_t pid : pids) {
+    std::optional<pid_t> parent = ParentOf(pid);
+    if (!parent || std::find(pids.begin(), pids.end(), *parent) != pids.end()) continue;
+    const std::vector<std::string> args = ArgumentsOf(*parent);
+    auto bundle = std::find(args.begin(), args.end(), "--bundle");
+    if (bundle == args.end() || ++bundle == args.end()) continue;
+    absl::StatusOr<std::string> text = ReadWholeFile(*bundle + "/config.json", "bundle config");
+    const json config = text.ok() ? json::parse(*text, nullptr, false) : json();
+    if (config.is_object() && config.contains("annotations") &&
+        config["annotations"].is_object()) {
+      return config["annotations"].value(kLauncherLabel, "");
+    }
+  }
+  return "";
+}
+
 // ---------------------------------------------------------------------------
 // The backend.
 
@@ -440,12 +464,13 @@ class OciBackend : public Backend {
     int swept = 0;
     DEEPNEX_ASSIGN_OR_RETURN(std::string listed, runc_.Call({"list", "--format", "json"}));
     json containers = json::parse(listed, nullptr, false);
-    std::set<std::string> ids;
+    std::set<std::string> ids;  // every container runc has here, whoever's
     if (containers.is_array()) {
       for (const json& c : containers) {
-        const json& labels = c.contains("annotations") ? c["annotations"] : json::object();
-        if (!labels.is_object() || labels.value("deepnex.launcher", "") != launcher_id) continue;
         const std::string id = c.value("id", "");
+        ids.insert(id);
+        const json& labels = c.contains("annotations") ? c["annotations"] : json::object();
+        if (!labels.is_object() || labels.value(kLauncherLabel, "") != launcher_id) continue;
         KillContainer(runc_, id, absl::StrCat(cgroup_parent_, "/", id));
         runc_.Call({"delete", "--force", id}).IgnoreError();
         std::error_code ec;
@@ -454,17 +479,23 @@ class OciBackend : public Backend {
           UnmountOverlay(bundle);
           fs::remove_all(bundle, ec);
         }
-        ids.insert(id);
         ++swept;
       }
     }
     // Cgroups of containers whose runc state is gone (another --root, a
-    // state dir removed): found by the run name's launcher-id prefix.
+    // state dir removed): found by the run name's launcher-id prefix. But
+    // "<id>-" also begins the run names of a launcher whose id extends this
+    // one's ("a" and "a-b"): a container that runc has here, or whose bundle
+    // names another launcher, is not one of these (probe: Cleanup("a")
+    // killed launcher a-b's running container).
     for (const std::string& child : Cgroup::Children(cgroup_parent_)) {
       if (!absl::StartsWith(child, launcher_id + "-") || ids.count(child)) continue;
       absl::StatusOr<std::unique_ptr<Cgroup>> cg =
           Cgroup::Open(absl::StrCat(cgroup_parent_, "/", child));
-      if (cg.ok() && (*cg)->Remove().ok()) ++swept;
+      if (!cg.ok()) continue;
+      const std::string owner = LauncherOfRunning(**cg);
+      if (!owner.empty() && owner != launcher_id) continue;
+      if ((*cg)->Remove().ok()) ++swept;
     }
     return swept;
   }

@@ -130,4 +130,19 @@ std::vector<pid_t> ProcessGroupMembers(pid_t pgid) {
   return members;
 }
 
+std::optional<pid_t> ParentOf(pid_t pid) {
+  std::vector<std::string> f = StatFields(pid);
+  pid_t parent = 0;
+  if (f.size() <= 1 || !absl::SimpleAtoi(f[1], &parent)) return std::nullopt;  // field 4
+  return parent;
+}
+
+std::vector<std::string> ArgumentsOf(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline", std::ios::binary);
+  std::vector<std::string> args;
+  std::string arg;
+  while (std::getline(in, arg, '\0')) args.push_back(arg);
+  return args;
+}
+
 }  // namespace deepnex::launch

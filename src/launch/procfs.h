@@ -44,6 +44,13 @@ std::map<int, uint64_t> GpuMemoryOf(const std::vector<pid_t>& pids);
 // The live processes whose process group is `pgid`.
 std::vector<pid_t> ProcessGroupMembers(pid_t pgid);
 
+// The parent of `pid` (field 4 of /proc/<pid>/stat); nullopt when there is
+// no such process.
+std::optional<pid_t> ParentOf(pid_t pid);
+
+// The arguments `pid` runs with (/proc/<pid>/cmdline); empty when it is gone.
+std::vector<std::string> ArgumentsOf(pid_t pid);
+
 }  // namespace deepnex::launch
 
 #endif  // DEEPNEX_LAUNCH_PROCFS_H_

@@ -388,6 +388,44 @@ TEST_F(OciTest, CleanupSweepsWhatACrashedLauncherLeft) {
   EXPECT_FALSE(fs::exists(options_.state_dir + "/runs/" + RunName(options_.id, "a", 0)));
 }
 
+// Cleanup(id) finds the cgroups of containers that runc no longer has by
+// the run names' "<id>-" prefix, which also begins the run names of a
+// launcher whose id extends this one's ("a" and "a-b"): that one's running
+// container stays, whether runc keeps it in this launcher's root or in its
+// own, and is swept by its own id.
+TEST_F(OciTest, CleanupLeavesTheContainersOfALauncherWhoseIdExtendsThisOnes) {
+  for (bool same_root : {false, true}) {
+    SCOPED_TRACE(same_root ? "one runc root" : "a runc root each");
+    LauncherOptions other = options_;
+    other.id = options_.id + "-b";
+    other.state_dir = dir_ + (same_root ? "/other-in-this-root" : "/other");
+    if (same_root) other.oci.root = options_.state_dir + "/runc";
+    fs::create_directories(other.state_dir);
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Backend> backend, MakeOciBackend(other));
+    const ContainerSpec spec = Spec("w0", {"sleep", "1000"});
+    RunContext context;
+    context.launcher_id = other.id;
+    context.run_name = RunName(other.id, spec.name, 0);
+    context.dir = absl::StrCat(other.state_dir, "/runs/", context.run_name);
+    fs::create_directories(context.dir);
+    context.labels = {{"deepnex.launcher", other.id}, {"deepnex.name", spec.name}};
+    ASSERT_OK(backend->Check(spec));
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<launch::Run> run, backend->Start(spec, context));
+    ASSERT_OK_AND_ASSIGN(int swept, backend_->Cleanup(options_.id));
+    EXPECT_EQ(swept, 0);
+    ASSERT_OK_AND_ASSIGN(std::optional<ExitStatus> ended, run->Wait(milliseconds(0)));
+    EXPECT_FALSE(ended.has_value()) << ended->ToString();
+    ASSERT_OK_AND_ASSIGN(swept, backend_->Cleanup(other.id));
+    EXPECT_EQ(swept, 1);
+    ASSERT_OK_AND_ASSIGN(ended, run->Wait(seconds(10)));
+    EXPECT_TRUE(ended.has_value());
+    EXPECT_THAT(run->Remove(), IsOk());
+    EXPECT_THAT(backend->Cleanup(other.id), IsOk());
+    EXPECT_THAT(Cgroup::Open(options_.cgroup_parent + "/" + context.run_name),
+                StatusIs(absl::StatusCode::kNotFound));
+  }
+}
+
 TEST_F(OciTest, BadImagesAndCommands) {
   ContainerSpec spec = Spec("bad", {"true"});
   spec.image = dir_ + "/no-such-image";
