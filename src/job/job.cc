@@ -146,7 +146,7 @@ class JobImpl : public Job {
         ((o_.launcher.backend == "docker" && o_.central.empty()) ||
          o_.launcher.backend == "kubernetes")) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "image (--image): ", Quoted(o_.image, 1024), " with mode \"", o_.mode,
+          "image (--image): ", QuotedPath(o_.image), " with mode \"", o_.mode,
           "\": the parameter servers run deepnex-ps from this host's files, which the ",
           o_.launcher.backend, " backend cannot run; use mode allreduce, or the oci backend"));
     }
@@ -474,7 +474,7 @@ class JobImpl : public Job {
     // its image says (it refuses only a directory).
     if (o_.image != "host" && o_.launcher.backend == "process") {
       return absl::InvalidArgumentError(absl::StrCat(
-          "image (--image): ", Quoted(o_.image, 1024),
+          "image (--image): ", QuotedPath(o_.image),
           ": the process backend runs this host's files (image \"host\"); an image needs the "
           "oci, docker or kubernetes backend, or deepnex-central's agents"));
     }

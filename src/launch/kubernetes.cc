@@ -174,7 +174,7 @@ absl::StatusOr<std::string> DefaultKubeconfig() {
       if (std::filesystem::is_regular_file(std::string(file), error)) return std::string(file);
     }
     return absl::NotFoundError(
-        absl::StrCat("kubernetes: KUBECONFIG=", Quoted(list, 1024), ": none of its files exists"));
+        absl::StrCat("kubernetes: KUBECONFIG=", QuotedPath(list), ": none of its files exists"));
   }
   const char* home = std::getenv("HOME");
   if (home == nullptr || *home == '\0') return std::string();
