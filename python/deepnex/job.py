@@ -11,8 +11,9 @@ a launch backend with the job environment (DEEPNEX_RANK, DEEPNEX_PS_ADDRS,
 ... and torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), prints their
 output prefixed with "[worker 0]" / "[ps 0]", restarts them under
 ``restart`` and releases everything when the workers are done, on an error,
-or on KeyboardInterrupt. With the process backend a helper process sweeps
-the job's containers when the calling process ends without that (SIGKILL).
+or on KeyboardInterrupt. With the process backend a helper process (C++
+Job's) sweeps the job's containers when the calling process ends without
+that (SIGKILL).
 """
 
 import os
@@ -48,22 +49,6 @@ def _write_line(stream, line: str) -> None:
     with _write_lock:
         stream.write(line + "\n")
         stream.flush()
-
-
-# What sweeps a job's containers on this host once its process is gone
-# however it ended (SIGKILL, the OOM killer): they ran on for ever,
-# outside any allocation, and a new run of the name failed on their cgroups
-# (probe). It waits on a pipe that only the job's process writes: "done"
-# after the job was stopped and released, or EOF without it.
-_SWEEPER = """import signal, sys
-for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-    signal.signal(s, signal.SIG_IGN)
-if not sys.stdin.buffer.read().startswith(b"done"):
-    from deepnex import launch
-    launcher_id, options = sys.argv[1], dict(a.split("=", 1) for a in sys.argv[2:])
-    with launch.Launcher("process", **options) as launcher:
-        launcher.cleanup(launcher_id)
-"""
 
 
 def _ps_binary() -> Optional[str]:
@@ -152,13 +137,6 @@ class Job:
             name=name or "", advertise_address=advertise_address or "")
         self._job = _C.job.Job(job, launcher=_options(launcher_options), output=output,
                                on_event=on_event)
-        self._sweeper, self._sweeper_lock = None, threading.RLock()
-        if backend == "process":
-            parent = launcher_options.get("cgroup_parent")
-            self._sweep_args = [launcher_options.get("id") or self.name,
-                                *([f"cgroup_parent={parent}"] if parent else [])]
-        else:
-            self._sweep_args = None
 
     @property
     def name(self) -> str:
@@ -174,12 +152,6 @@ class Job:
         """Allocates and starts everything. With deepnex-central it may wait
         in the queue (on_event says where and why); Ctrl-C meanwhile stops
         the job, withdraws the request and is raised."""
-        import subprocess
-        import threading
-        if self._sweep_args is not None:
-            self._sweeper = subprocess.Popen(
-                [sys.executable, "-c", _SWEEPER, *self._sweep_args], stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         failed = []
 
         def start():
@@ -211,7 +183,6 @@ class Job:
             step = 0.2 if deadline is None else max(0.001, min(0.2, deadline - time.monotonic()))
             result = self._job.wait(step)
             if result is not None:
-                self._swept()
                 return result
             if deadline is not None and time.monotonic() >= deadline:
                 raise DeadlineExceededError(f"job {self.name} is still running")
@@ -221,21 +192,6 @@ class Job:
         the one that stopped the job, which its record in deepnex-central
         says (cancelled, exit 128 + signal); 0: failed, exit 1."""
         self._job.stop(int(signal))
-        self._swept()
-
-    def _swept(self):
-        """Tells the sweeper that the job was stopped and released."""
-        # stop() may come from any thread, and from a signal handler while
-        # the main thread is here: a second "done" does no harm.
-        with self._sweeper_lock:
-            sweeper, self._sweeper = self._sweeper, None
-        if sweeper is not None:
-            try:
-                sweeper.stdin.write(b"done")
-                sweeper.stdin.close()
-            except (OSError, ValueError):
-                pass  # told already, or it ended
-            sweeper.wait()  # at once: told, it sweeps nothing
 
     def containers(self):
         return self._job.containers()

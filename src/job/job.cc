@@ -29,6 +29,7 @@
 #include "job/allocations.h"
 #include "job/elastic.h"
 #include "job/job_util.h"
+#include "job/sweeper.h"
 #include "deepnex/gpu/discovery.h"
 #include "core/file_util.h"
 #include "core/net.h"
@@ -423,6 +424,8 @@ class JobImpl : public Job {
     }
     ps_grants_.clear();
     if (store_ != nullptr) store_->Stop();
+    // Stopped and released: nothing is left for it to sweep.
+    if (sweeper_ != nullptr) sweeper_->Done();
     // Last: the allocations go back while output is still printed.
     for (auto& t : log_threads_) t.join();
     log_threads_.clear();
@@ -479,6 +482,11 @@ class JobImpl : public Job {
           "oci, docker or kubernetes backend, or deepnex-central's agents"));
     }
     placed_ = !backend_nodes.empty();
+    // Before any container starts, for every program that runs a Job (a C++
+    // trainer's kill -9 left them running as `deepnex run`'s once did).
+    if (o_.launcher.backend == "process") {
+      DEEPNEX_ASSIGN_OR_RETURN(sweeper_, Sweeper::Start(o_.launcher));
+    }
     if (!placed_ && o_.nodes > 1) {
       return absl::InvalidArgumentError(absl::StrCat(
           "nodes: ", o_.nodes, ": the ", o_.launcher.backend,
@@ -1013,6 +1021,9 @@ class JobImpl : public Job {
   std::map<std::string, std::string> listening_;  // who -> the address it printed
   std::unique_ptr<collective::StoreServer> store_;
   std::unique_ptr<launch::Launcher> launcher_;
+  // The process backend's: sweeps the containers if this process is killed
+  // (set by StartAll, told by Shutdown).
+  std::unique_ptr<Sweeper> sweeper_;
   std::vector<std::shared_ptr<launch::Handle>> handles_;
   std::vector<std::shared_ptr<launch::Handle>> workers_;
   // Each worker's wait in its engine's queue (Queued), by rank: since

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -200,6 +201,63 @@ TEST_F(JobTest, StopEndsEveryProcessAndReleasesTheAllocations) {
       std::chrono::seconds(60), "the job's processes to end"))
       << launch::ProcessesWithEnv(launch::kLauncherIdEnv, o.name).size() << " left";
   EXPECT_THAT(job->Stop(0), IsOk());  // idempotent
+}
+
+// The live processes labelled with launcher id `name`.
+std::vector<pid_t> LiveProcessesOf(const std::string& name) {
+  std::vector<pid_t> live;
+  for (pid_t pid : launch::ProcessesWithEnv(launch::kLauncherIdEnv, name)) {
+    if (launch::ProcessAlive(pid)) live.push_back(pid);
+  }
+  return live;
+}
+
+// The child of the kill -9 test: a trainer that runs a job and is killed.
+void RunAJobAndDie(const std::string& name, const std::string& dir) {
+  JobOptions o;
+  o.name = name;
+  o.command = {"sh", "-c",
+               "echo up; setsid sleep 600 </dev/null >/dev/null 2>&1 & sleep 600"};
+  o.workers = 2;
+  o.cpus = 0;
+  o.ps_binary = DEEPNEX_PS_BIN;
+  o.registry_dir = dir + "/run";
+  o.launcher.state_dir = dir + "/state";
+  o.output = [](const std::string&, const std::string&) {};
+  o.on_event = [](const std::string&) {};
+  auto job = Job::Create(o);
+  if (!job.ok() || !(*job)->Start().ok()) _exit(1);
+  // ps0, and each worker's sh and two sleeps.
+  WaitFor([&] { return LiveProcessesOf(name).size() >= 5; }, std::chrono::seconds(60), "");
+  raise(SIGKILL);
+}
+
+// A C++ trainer killed with SIGKILL left its job's workers, a daemon of
+// theirs and its parameter server running for ever: only Python's Job swept
+// them (its own helper process). Now Job's sweeper does, for every program.
+TEST(JobKilled, ItsProcessBackendContainersAreSwept) {
+  // The death test's child is this test run again in a new process
+  // ("threadsafe"), where the job may start gRPC, which a forked copy of a
+  // process that had started it may not: it finds the name and directory
+  // here.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  std::optional<::deepnex::test::TempDir> made;
+  if (getenv("DEEPNEX_SWEPT_TEST_DIR") == nullptr) {
+    made.emplace();
+    setenv("DEEPNEX_SWEPT_TEST_DIR", made->path().c_str(), 1);
+    setenv("DEEPNEX_SWEPT_TEST_JOB", absl::StrCat("swept", getpid()).c_str(), 1);
+  }
+  const std::string dir = getenv("DEEPNEX_SWEPT_TEST_DIR");
+  const std::string name = getenv("DEEPNEX_SWEPT_TEST_JOB");
+  EXPECT_EXIT(RunAJobAndDie(name, dir), ::testing::KilledBySignal(SIGKILL), "");
+  unsetenv("DEEPNEX_SWEPT_TEST_DIR");
+  unsetenv("DEEPNEX_SWEPT_TEST_JOB");
+  EXPECT_TRUE(WaitFor([&] { return LiveProcessesOf(name).empty(); }, std::chrono::seconds(30),
+                      "the killed job's processes to end"))
+      << LiveProcessesOf(name).size() << " left";
+  // What the test leaves, swept or not.
+  ASSERT_OK_AND_ASSIGN(auto launcher, launch::Launcher::Create({}));
+  launcher->Cleanup(name).IgnoreError();
 }
 
 // A job whose start waits in deepnex-central's queue says where, and a Stop
