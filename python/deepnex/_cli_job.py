@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import sys
+import threading
 
 from deepnex._cli_common import (add_worker_resources, central_address, central_token,
                                  format_table)
@@ -77,19 +78,38 @@ def _run(args) -> int:
         return 2
 
     stopped = {}
+    stopper = []
 
-    def on_signal(signum, frame):
-        # Notes the signal and stops the job, which ends the start or the wait
-        # below; it raises nothing. An exception raised here lands wherever the
-        # main thread is, threading's weakref callbacks included, where Python
-        # drops it: the job then ended as if by itself (seen in CI).
-        if stopped:
-            return  # a second Ctrl-C while the first one stops the job
-        stopped["signal"] = signum
+    def stop(signum):
         try:
             j.stop(signum)
         except DeepnexError as e:
             stopped["error"] = e
+
+    def on_signal(signum, frame):
+        # Notes the signal and stops the job on a thread of its own, which
+        # ends the start or the wait below; it raises nothing. An exception
+        # raised here lands wherever the main thread is, threading's weakref
+        # callbacks included, where Python drops it: the job then ended as if
+        # by itself (seen in CI).
+        if stopped and not any(t.is_alive() for t in stopper):
+            return  # the stop is over, and the run is returning its code
+        if stopped:
+            # A second one while the first one's stop waits for hosts that do
+            # not answer: leave now, saying what may still run.
+            left = j.unstopped()
+            held = [a.id for a in j.allocations()]
+            _notice(f"job {j.name}: {signal.Signals(signum).name} again: exiting without "
+                    "waiting for the stop; "
+                    + (f"left running: {', '.join(left)}" if left else "no container left")
+                    + (f"; allocations not released: {', '.join(held)}" if held else ""))
+            os._exit(128 + stopped["signal"])
+        stopped["signal"] = signum
+        # Off the main thread, so that a second signal is taken meanwhile.
+        t = threading.Thread(target=stop, args=(signum,), name=f"deepnex stop {j.name}",
+                             daemon=True)
+        stopper.append(t)
+        t.start()
 
     # SIGHUP: a closed terminal or ssh session left the job running on. One
     # ignored stays so (`nohup deepnex run`, a shell's background job). The
@@ -112,6 +132,9 @@ def _run(args) -> int:
             j.stop()
             _notice(e)
             return 1
+    for t in stopper:
+        while t.is_alive():
+            t.join(0.2)  # in slices: a second signal is taken meanwhile
     # A job that had ended by itself before the signal (a worker failed, and
     # the signal came while the others were stopped) tells its own end.
     if stopped and (result is None or result.stopped):

@@ -193,6 +193,11 @@ class Job:
         says (cancelled, exit 128 + signal); 0: failed, exit 1."""
         self._job.stop(int(signal))
 
+    def unstopped(self):
+        """The containers a stop has not stopped (yet): "worker 1 on node
+        \"h2\"" for each one left to its unreachable node, or still stopping."""
+        return self._job.unstopped()
+
     def containers(self):
         return self._job.containers()
 

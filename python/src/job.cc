@@ -146,6 +146,7 @@ void RegisterJob(py::module_& parent) {
           py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
       .def("stop", [](Job& j, int signal) { CheckStatus(j.Stop(signal)); },
            py::arg("signal") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("unstopped", &Job::Unstopped, py::call_guard<py::gil_scoped_release>())
       .def("containers", &Job::Containers, py::call_guard<py::gil_scoped_release>())
       .def("allocations", &Job::Allocations, py::call_guard<py::gil_scoped_release>());
 }

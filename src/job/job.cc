@@ -10,6 +10,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "absl/strings/numbers.h"
@@ -48,6 +49,10 @@ using Clock = std::chrono::steady_clock;
 constexpr char kReportKey[] = "deepnex/report";
 // The longest piece of a worker's output shown as one line.
 constexpr size_t kMaxLine = 1 << 20;
+// How long a stop waits for each phase (the workers, then the parameter
+// servers) to end, all hosts at once: what a container's grace (2 s) and a
+// node's answer take.
+constexpr milliseconds kStopDeadline{6000};
 
 class JobImpl : public Job {
  public:
@@ -275,7 +280,16 @@ class JobImpl : public Job {
         result.stopped = stop_asked_ && !ended_;
         stop_signal = result.stopped ? stop_signal_ : 0;
       }
-      if (result.stopped) break;
+      if (result.stopped) {
+        // A Stop on another thread (deepnex run's signal handler's) may still
+        // be stopping: waited for no longer than `timeout`, so that the
+        // caller can still take a second Ctrl-C meanwhile.
+        std::unique_lock<std::mutex> lock(start_mu_);
+        if (!start_cv_.wait_until(lock, deadline, [this] { return stops_running_ == 0; })) {
+          return absl::DeadlineExceededError(absl::StrCat("job ", o_.name, " is stopping"));
+        }
+        break;
+      }
       bool all_ended = true;
       bool failed = false;
       // Elastic: a failed worker that leaves enough is dropped, not the end.
@@ -348,6 +362,16 @@ class JobImpl : public Job {
     // After a Stop, as that Stop (whichever runs first, the record says it).
     DEEPNEX_RETURN_IF_ERROR(Shutdown(stop_signal, /*show_all_output=*/!result.stopped));
     for (const auto& w : workers_) {
+      bool left;
+      {
+        std::lock_guard<std::mutex> lock(handles_mu_);
+        left = unstopped_.count(w.get()) > 0;
+      }
+      // Left to its node by the stop, which said so: not waited for again.
+      if (left) {
+        result.workers.push_back(launch::ExitStatus{launch::ExitReason::kLost});
+        continue;
+      }
       DEEPNEX_ASSIGN_OR_RETURN(launch::ExitStatus e, w->Wait(milliseconds(10000)));
       result.workers.push_back(e);
     }
@@ -368,22 +392,131 @@ class JobImpl : public Job {
       std::unique_lock<std::mutex> lock(start_mu_);
       if (!stop_asked_) stop_signal_ = signal;
       stop_asked_ = true;
+      ++stops_running_;
       if (allocations_ != nullptr) allocations_->Cancel();
       start_cv_.wait(lock, [this] { return !starting_; });
     }
-    return Shutdown(signal, /*show_all_output=*/false);
+    absl::Status s = Shutdown(signal, /*show_all_output=*/false);
+    {
+      std::lock_guard<std::mutex> lock(start_mu_);
+      --stops_running_;
+    }
+    start_cv_.notify_all();
+    return s;
   }
 
-  // Stops every container of the job, the last started first, and waits
-  // for their ends. Called with stop_mu_ held.
+  // Stops every container of the job and waits for their ends: the workers,
+  // then the parameter servers, each on a thread of its own, so that every
+  // host's stop runs at once and each phase ends within kStopDeadline. One
+  // after another, a host that did not answer held a Ctrl-C for 50 s
+  // (probe). A container not stopped by then is left to its node (with
+  // deepnex-central: central stops it once the node answers again), named
+  // by Unstopped() and in the status, which names it and its host too.
+  // Called with stop_mu_ held.
   absl::Status StopContainers() {
-    absl::Status first;
-    for (auto it = handles_.rbegin(); it != handles_.rend(); ++it) {
-      absl::Status s = (*it)->Stop(milliseconds(2000));
-      if (first.ok()) first = s;
+    std::vector<std::shared_ptr<launch::Handle>> workers, servers;
+    {
+      std::lock_guard<std::mutex> lock(handles_mu_);
+      for (auto it = handles_.rbegin(); it != handles_.rend(); ++it) {
+        // Left to its node by an earlier stop (Stop's, then Wait's and the
+        // destructor's Shutdown): not waited for again.
+        if (unstopped_.count(it->get())) continue;
+        const bool worker = std::find(workers_.begin(), workers_.end(), *it) != workers_.end();
+        (worker ? workers : servers).push_back(*it);
+      }
     }
-    for (auto& h : handles_) h->Wait(milliseconds(10000)).IgnoreError();
+    absl::Status first = StopInParallel(workers);
+    first.Update(StopInParallel(servers));
     return first;
+  }
+
+  // What StopContainers' threads share: they may outlive the job.
+  struct Stopping {
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t running = 0;
+  };
+
+  absl::Status StopInParallel(const std::vector<std::shared_ptr<launch::Handle>>& handles) {
+    auto stopping = std::make_shared<Stopping>();
+    std::vector<std::shared_ptr<absl::Status>> results;
+    const auto deadline = Clock::now() + kStopDeadline;
+    for (const auto& h : handles) {
+      auto result = std::make_shared<absl::Status>(absl::DeadlineExceededError(""));
+      results.push_back(result);
+      {
+        std::lock_guard<std::mutex> lock(stopping->mu);
+        ++stopping->running;
+      }
+      {
+        std::lock_guard<std::mutex> lock(handles_mu_);
+        unstopped_.insert(h.get());
+      }
+      std::thread([h, result, stopping, deadline] {
+        absl::Status s = h->Stop(milliseconds(2000));
+        const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+        absl::Status ended = h->Wait(std::max(left, milliseconds(0))).status();
+        if (s.ok()) s = ended;
+        std::lock_guard<std::mutex> lock(stopping->mu);
+        *result = s;
+        --stopping->running;
+        stopping->cv.notify_all();
+      }).detach();
+    }
+    {
+      std::unique_lock<std::mutex> lock(stopping->mu);
+      stopping->cv.wait_until(lock, deadline, [&] { return stopping->running == 0; });
+    }
+    absl::Status first;
+    for (size_t i = 0; i < handles.size(); ++i) {
+      absl::Status s;
+      {
+        std::lock_guard<std::mutex> lock(stopping->mu);
+        s = *results[i];
+      }
+      if (s.ok()) {
+        std::lock_guard<std::mutex> lock(handles_mu_);
+        unstopped_.erase(handles[i].get());
+        continue;
+      }
+      const std::string what = WhereIs(*handles[i]);
+      if (absl::IsDeadlineExceeded(s) && s.message().empty()) {
+        s = absl::DeadlineExceededError(
+            absl::StrCat(what, ": not stopped within ", kStopDeadline.count() / 1000,
+                         " s; left to its node"));
+      } else {
+        s = absl::Status(s.code(), absl::StrCat(what, ": not stopped: ", s.message()));
+      }
+      o_.on_event(std::string(s.message()));
+      first.Update(s);
+    }
+    return first;
+  }
+
+  // "worker 1 on node h2" ("on this host" where the backend runs here).
+  std::string WhereIs(const launch::Handle& h) {
+    std::string who = h.spec().name;
+    {
+      std::lock_guard<std::mutex> lock(handles_mu_);
+      auto it = who_.find(&h);
+      if (it != who_.end()) who = it->second;
+    }
+    const std::optional<gpu::Allocation>& a = h.spec().allocation;
+    if (!placed_ || !a.has_value()) return absl::StrCat(who, " on this host");
+    return absl::StrCat(who, " on node ", Quoted(a->node));
+  }
+
+  std::vector<std::string> Unstopped() override {
+    std::vector<std::shared_ptr<launch::Handle>> left;
+    {
+      std::lock_guard<std::mutex> lock(handles_mu_);
+      for (const auto& h : handles_) {
+        if (unstopped_.count(h.get())) left.push_back(h);
+      }
+    }
+    std::vector<std::string> out;
+    for (const auto& h : left) out.push_back(WhereIs(*h));
+    return out;
   }
 
   // Stop, or at Run's end (where the job ended by itself) with every line of
@@ -926,6 +1059,7 @@ class JobImpl : public Job {
     DEEPNEX_ASSIGN_OR_RETURN(std::shared_ptr<launch::Handle> h, launcher_->Start(spec));
     std::lock_guard<std::mutex> lock(handles_mu_);
     handles_.push_back(h);
+    who_[h.get()] = who;
     log_threads_.emplace_back([this, h, who] {
       std::string partial;
       h->FollowLogs([&](const std::string& chunk) {
@@ -1026,6 +1160,9 @@ class JobImpl : public Job {
   std::unique_ptr<Sweeper> sweeper_;
   std::vector<std::shared_ptr<launch::Handle>> handles_;
   std::vector<std::shared_ptr<launch::Handle>> workers_;
+  // Who each container is ("worker 0"), and those a stop left running.
+  std::map<const launch::Handle*, std::string> who_;
+  std::set<const launch::Handle*> unstopped_;
   // Each worker's wait in its engine's queue (Queued), by rank: since
   // when, and what was told of it.
   struct QueuedWorker {
@@ -1036,7 +1173,7 @@ class JobImpl : public Job {
   std::vector<std::string> ps_addrs_;  // the workers' DEEPNEX_PS_ADDRS
   int master_port_ = 0;
   std::string master_addr_;
-  // Guards handles_, workers_, log_threads_ and elastic_, which an elastic
+  // Guards handles_, workers_, who_, unstopped_, log_threads_ and elastic_, which an elastic
   // job's thread adds to while others read.
   std::mutex handles_mu_;
   // An elastic job's membership (null: a job of fixed size).
@@ -1052,6 +1189,7 @@ class JobImpl : public Job {
   bool starting_ = false;
   bool stop_asked_ = false;
   int stop_signal_ = 0;  // the first Stop's
+  int stops_running_ = 0;  // Stops between their start and their Shutdown's end
   bool ended_ = false;   // a Wait saw the job end by itself
   // With deepnex-central: keeps the job's record there (null without).
   std::unique_ptr<gpu::JobReporter> reporter_;

@@ -213,15 +213,16 @@ class CentralHandle final : public Handle {
     return allocation_.node;
   }
 
+  // Stop was asked, or no replacement is to come.
+  bool StopAsked() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stopping_;
+  }
+
  private:
   int Generation() {
     std::lock_guard<std::mutex> lock(mu_);
     return generation_;
-  }
-
-  bool StopAsked() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return stopping_;
   }
 
   // The container ended lost with its node, and its restart policy has a
@@ -332,8 +333,14 @@ class CentralLauncher final : public Launcher {
   CentralLauncher(std::string id, std::shared_ptr<Central> central)
       : id_(std::move(id)), central_(std::move(central)) {}
 
+  // Stops those not asked to stop yet: one asked is central's to stop (a
+  // job's stop left one to its unreachable node, and this waited for that
+  // node again).
   ~CentralLauncher() override {
-    for (auto& h : List()) h->Stop(milliseconds(1000)).IgnoreError();
+    for (auto& h : List()) {
+      auto& c = static_cast<CentralHandle&>(*h);
+      if (!c.StopAsked()) c.Stop(milliseconds(1000)).IgnoreError();
+    }
   }
 
   std::string backend() const override { return backend_; }

@@ -14,8 +14,10 @@ import contextlib
 import os
 import pwd
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -449,3 +451,39 @@ def test_a_partition_longer_than_node_lost_after_replaces_the_worker_once(make_c
     assert open(f"{gate}.{rank}.on").read().split() == ["h2", "h3"], out
     assert re.findall(rf"^\[worker {rank}\] rank {rank} on (\S+)$", out, re.M)[-1] == "h3", out
     assert len(re.findall(rf"^\[worker {rank}\] rank {rank} done$", out, re.M)) == 1, out
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_ctrl_c_with_a_node_cut_off_is_bounded_and_names_the_worker_left(make_cluster,
+                                                                           open_dir, twice):
+    """Ctrl-C with h2 cut off took 50 s: the containers were stopped one
+    after another, each waiting for central's answer from h2's agent, and
+    the error named the node alone ("node h2: its deepnex-agent went away
+    ..."). Now every host's stop runs at once, the one that does not answer
+    is left to its node after a deadline, and the worker and node are
+    named. A second Ctrl-C meanwhile leaves at once, saying what was left."""
+    cluster = make_cluster(node_timeout=2)
+    gate = open_dir / "gate"
+    with _waiting_job(cluster, gate) as p:
+        rank = "0" if cluster.containers()["cut-worker0"]["node"] == "h2" else "1"
+        cluster.hosts.partition("h2")
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        if twice:
+            # Once the first one's stop waits for h2.
+            time.sleep(1)
+            p.send_signal(signal.SIGINT)
+        code, out = finish(p, timeout=120)
+        took = time.monotonic() - t0
+    assert code == 130, out
+    if twice:
+        assert took < 5, (took, out)
+        assert re.search(r"^deepnex run: job cut: SIGINT again: exiting without waiting for "
+                         rf'the stop; left running: .*worker {rank} on node "h2"', out,
+                         re.M), out
+    else:
+        assert took < 25, (took, out)  # 2 phases of 6 s, and the exit
+        assert (f'deepnex run: worker {rank} on node "h2": not stopped within 6 s; '
+                "left to its node\n") in out, out
+        assert re.search(rf'^deepnex run: job cut stopped by SIGINT: worker {rank} on node '
+                         '"h2": not stopped', out, re.M), out

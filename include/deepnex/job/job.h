@@ -173,11 +173,19 @@ class Job {
   // allocations. DeadlineExceeded after `timeout` (the job keeps running).
   virtual absl::StatusOr<JobResult> Wait(std::chrono::milliseconds timeout) = 0;
   // Stops every container and releases every allocation, then the workers'
-  // output read by then is shown (the rest is not: a stop is for now).
+  // output read by then is shown (the rest is not: a stop is for now). Each
+  // host's containers are stopped at once; one that has not ended after
+  // about 6 s (its node unreachable) is left to its node, and the status
+  // and on_event name it and its node.
   // `signal`: the one that stopped the job (SIGINT, SIGTERM), which its
   // record in deepnex-central says (cancelled, exit 128 + signal); 0: an
   // error stopped it (failed, exit 1). Idempotent.
   virtual absl::Status Stop(int signal) = 0;
+  // The containers a Stop has not stopped (yet), as "worker 1 on node
+  // \"h2\"": those it left to their nodes after its deadline, and those it
+  // still stops. For a second Ctrl-C, which leaves without waiting, to say
+  // what it leaves. Asks nothing of any server.
+  virtual std::vector<std::string> Unstopped() = 0;
   // The job's containers (parameter servers first, then workers by rank).
   virtual std::vector<std::shared_ptr<launch::Handle>> Containers() = 0;
   // The workers' allocations by rank, then the parameter servers' (which
