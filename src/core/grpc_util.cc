@@ -357,7 +357,7 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(
     std::chrono::milliseconds connect_timeout) {
   DEEPNEX_RETURN_IF_ERROR(ValidateAddress(absl::StrCat(what, " address"), address));
   DEEPNEX_RETURN_IF_ERROR(CheckForkSafe(absl::StrCat("dialing ", what, " at ", address)));
-  std::shared_ptr<grpc::Channel> channel = MakeChannel(address, credentials);
+  std::shared_ptr<grpc::Channel> channel = MakeChannel(address, credentials, kClientKeepalive);
   if (channel->WaitForConnected(std::chrono::system_clock::now() + connect_timeout)) {
     return channel;
   }

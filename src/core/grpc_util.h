@@ -120,6 +120,13 @@ MakeChannelCredentials(const std::string& ca_file);
 // more with GOAWAY "too_many_pings").
 inline constexpr std::chrono::milliseconds kMinKeepalive{1000};
 
+// The keepalive of every client's channel (Dial): a server that goes silent
+// (its host cut off, its process stopped) fails the client's open calls
+// within about twice this. Without it a blocking call, a queued Allocate
+// with no timeout or a session's stream, waited for ever (probe: SIGSTOP of
+// deepnex-central).
+inline constexpr std::chrono::milliseconds kClientKeepalive{5000};
+
 // A channel with its own TCP connection (channels with equal arguments
 // otherwise share one), no receive-size limit, and reconnection attempts
 // from 100 ms apart up to 2 s apart (gRPC's default backoff grows to 120 s,
@@ -149,13 +156,13 @@ absl::Status ValidateAddress(const std::string& what, const std::string& address
 // in this time instead of each call's full deadline.
 inline constexpr std::chrono::milliseconds kConnectTimeout{5000};
 
-// A connected channel (see MakeChannel) to the server `what` (e.g.
-// "central", named so in errors) at `address`. Checks the address (ValidateAddress) and
-// fork safety (CheckForkSafe), then connects within `connect_timeout`,
-// retrying with the channel's backoff while nothing answers; then
-// Unavailable with gRPC's reason, e.g. "... Connection refused". Calls on
-// the channel keep their own deadlines and retries for a server that goes
-// away later.
+// A connected channel (see MakeChannel; keepalive kClientKeepalive) to the
+// server `what` (e.g. "central", named so in errors) at `address`. Checks
+// the address (ValidateAddress) and fork safety (CheckForkSafe), then
+// connects within `connect_timeout`, retrying with the channel's backoff
+// while nothing answers; then Unavailable with gRPC's reason, e.g. "...
+// Connection refused". Calls on the channel keep their own deadlines and
+// retries for a server that goes away later.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(
     const std::string& what, const std::string& address,
     const std::shared_ptr<grpc::ChannelCredentials>& credentials,

@@ -87,7 +87,7 @@ class ClientImpl final : public Client {
                                    Dial("ps server", address, credentials,
                                         std::min(options_.timeout, kConnectTimeout)));
         } else {
-          c.channel = MakeChannel(address, credentials);
+          c.channel = MakeChannel(address, credentials, kClientKeepalive);
         }
         c.generic = std::make_unique<grpc::GenericStub>(c.channel);
         c.stub = pb::ParameterServer::NewStub(c.channel);

@@ -13,11 +13,13 @@
 #include <chrono>
 #include <condition_variable>
 #include <fstream>
+#include <future>
 #include <mutex>
 #include <random>
 #include <set>
 #include <thread>
 
+#include "core/grpc_util.h"
 #include "gmock/gmock.h"
 #include "gpu/gpu_test_util.h"
 #include "gtest/gtest.h"
@@ -452,6 +454,44 @@ TEST(CentralCrash, AWaitingAllocateToAGoneCentralFailsAtOnce) {
                 StatusIs(absl::StatusCode::kUnavailable));
     EXPECT_LT(std::chrono::steady_clock::now() - t0, 30s) << "call " << i;
   }
+}
+
+// An Allocate waiting in the queue without a timeout, to a deepnex-central
+// that goes silent (stopped, or its host cut off: no reset, no FIN), fails
+// Unavailable within the client's keepalive (a ping unanswered for
+// kClientKeepalive after up to kClientKeepalive), where it waited for ever:
+// user clients dialed central without keepalive.
+TEST(CentralCrash, AWaitingAllocateToASilentCentralFailsWithinTheKeepalive) {
+  TempDir dir;
+  const std::string nodes = dir.path() + "/nodes.json";
+  std::ofstream(nodes) << R"({"nodes": [{"name": "n1", "cpus": 4, "memory": "1GiB",
+      "mode": "exclusive", "gpus": {"count": 1, "memory": "80GiB"}}]})";
+  const CentralDaemon daemon = StartCentralDaemon({"--nodes", nodes});
+  ASSERT_FALSE(daemon.address.empty());
+  CentralClientOptions o;
+  o.address = daemon.address;
+  ASSERT_OK_AND_ASSIGN(auto client, CentralClient::Create(o));
+  ASSERT_OK(client->Allocate(Exclusive("alice", 1, 1)).status());
+  std::promise<absl::Status> answer;
+  std::future<absl::Status> answered = answer.get_future();
+  std::thread waiting([&] { answer.set_value(client->Allocate(Exclusive("bob", 1, 1)).status()); });
+  ASSERT_TRUE(WaitFor([&] { return client->Pending().ok() && client->Pending()->size() == 1; },
+                      30s, "bob's request in the queue"));
+  kill(daemon.pid, SIGSTOP);
+  const auto stopped = std::chrono::steady_clock::now();
+  const bool in_time = answered.wait_for(4 * kClientKeepalive) == std::future_status::ready;
+  const auto took = std::chrono::steady_clock::now() - stopped;
+  // Gone for good: its sockets close, which ends a call that waited on.
+  kill(daemon.pid, SIGKILL);
+  kill(daemon.pid, SIGCONT);
+  int status = 0;
+  waitpid(daemon.pid, &status, 0);
+  waiting.join();
+  ASSERT_TRUE(in_time) << "still waiting "
+                       << std::chrono::duration_cast<std::chrono::seconds>(took).count()
+                       << " s after central stopped";
+  EXPECT_THAT(answered.get(), StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_LT(took, 2 * kClientKeepalive + 5s);
 }
 #endif
 
