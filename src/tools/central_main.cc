@@ -212,7 +212,11 @@ class EventSink {
     }
     // The same id if central dies before recording it and tells it again.
     event.id = absl::StrCat("node/", event.node, "/", told.seq + 1);
-    Report(notifier_->Publish(std::move(event)));
+    absl::Status published = notifier_->Publish(std::move(event));
+    // Not saved (the outbox's disk full): never sent, so not told either;
+    // recorded as told, the node's next change was judged against it (a
+    // "ready" went out after a "not_ready" nobody got).
+    if (!published.ok()) return Report(published);
     told = {state, told.seq + 1};
     if (nodes_file_.empty()) return;
     std::string text;
