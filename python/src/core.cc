@@ -19,15 +19,20 @@ namespace {
 // imported (e.g. _C loaded outside its package).
 void SetPythonError(const absl::Status& status) {
   std::string code = absl::StatusCodeToString(status.code());
-  std::string message(status.message());
+  // Bytes that are not UTF-8 (a path named in the error) as \xNN: a strict
+  // decode failed, and the caller got a UnicodeDecodeError instead.
+  const absl::string_view text = status.message();
+  PyObject* decoded = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()),
+                                           "backslashreplace");
+  if (decoded == nullptr) return;  // out of memory: that error is set
+  py::str message = py::reinterpret_steal<py::str>(decoded);
   try {
     py::object cls =
         py::module_::import("deepnex.errors").attr("error_for_code")(code);
     py::object error = cls(message);
     PyErr_SetObject(cls.ptr(), error.ptr());
   } catch (py::error_already_set&) {
-    PyErr_SetString(PyExc_RuntimeError,
-                    absl::StrCat(code, ": ", message).c_str());
+    PyErr_SetObject(PyExc_RuntimeError, py::str(py::str("{}: {}").format(code, message)).ptr());
   }
 }
 

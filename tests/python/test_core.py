@@ -219,6 +219,14 @@ def test_status_from_cpp_raises_the_matching_class(cls, name, value, builtin):
         assert isinstance(info.value, builtin)
 
 
+def test_a_message_that_is_not_utf8_is_still_its_codes_error():
+    """A C++ error naming a path of bytes that are not UTF-8: the strict
+    decode failed, and the caller got a UnicodeDecodeError, not the error."""
+    with pytest.raises(deepnex.NotFoundError) as info:
+        _C._raise_status(5, b'checkpoint "/tmp/caf\xe9.ckpt" cannot be read')
+    assert str(info.value) == 'checkpoint "/tmp/caf\\xe9.ckpt" cannot be read'
+
+
 def test_only_builtins_that_fit():
     assert not issubclass(errors.AlreadyExistsError, (ValueError, KeyError))
     assert not issubclass(errors.InternalError, RuntimeError)

@@ -118,8 +118,9 @@ def test_a_worker_slurm_holds_pending_is_told_with_slurms_reason(slurm_two_nodes
     while it waited), and the worker runs once the GPUs are free."""
     import threading
     hosts, env = slurm_two_nodes
-    holder = hosts.run("head", ["sbatch", "--parsable", "-N2", "--gres=gpu:2", "--wrap",
-                                "sleep 300"], env=env).stdout.strip().split(";")[0]
+    # --output: its slurm-N.out went to the checkout's top directory.
+    holder = hosts.run("head", ["sbatch", "--parsable", "-N2", "--gres=gpu:2",
+                                "--output=/dev/null", "--wrap", "sleep 300"], env=env).stdout.strip().split(";")[0]
     try:
         wait_for(lambda: hosts.run("head", ["squeue", "-h", "-j", holder, "-o", "%T"],
                                    env=env).stdout.strip() == "RUNNING", "the holder to run")
