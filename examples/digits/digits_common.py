@@ -136,9 +136,8 @@ class Progress:
 
 def train_elastic(state, args, progress, step, accuracy):
     """The examples' loop under an elastic job (DEEPNEX_ELASTIC): epochs of
-    state.sharder's batches, step(batch) -> loss for each (an empty batch,
-    in a re-sharded epoch's shorter shard, must still take part in the
-    step, with zero gradients), state.commit() after each, and a progress
+    state.sharder's batches, step(batch) -> loss for each, state.commit()
+    after each, and a progress
     line with accuracy() at each epoch's end. state holds the counters
     loss and batches. A resize continues from rank 0's last commit."""
 

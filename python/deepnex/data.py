@@ -21,8 +21,10 @@ mid-epoch, or into another world, it points at other items.
 An elastic job whose world changes mid-epoch re-shards: ``state_dict()`` of
 any one rank (ranks that take a batch each per step share their cursor)
 describes the whole world, and ``reshard(num_shards, shard, state)`` splits
-the items of that epoch that no rank has handed out over the new world, each
-exactly once; later epochs are laid out for the new world as usual::
+the items of that epoch that no rank has handed out over the new world, every
+rank as many as the others (with remainder "pad" a few repeated, with "drop"
+fewer than the world's size left out, as in any epoch); later epochs are
+laid out for the new world as usual::
 
     state = sharder.state_dict()                  # rank 0's, broadcast
     sharder.reshard(new_world_size, new_rank, state)
@@ -150,8 +152,8 @@ class Sharder:
         (``len(self) == len(list(self))``; a DataLoader's len() follows it):
         the rest of the current epoch from the cursor, this shard's whole
         share at an epoch's start. Mid-epoch (after a resume, a reshard or
-        part of an iteration) that is less than a fresh epoch's, and in a
-        re-sharded epoch a shorter shard has one fewer than the others."""
+        part of an iteration) that is less than a fresh epoch's; the same on
+        every shard."""
         return self._s.remaining
 
     def num_batches(self, batch_size, drop_last=False):
@@ -175,8 +177,8 @@ class Sharder:
 
     @property
     def epoch_length(self):
-        """Cursor positions in the current epoch: len(self), or in a
-        re-sharded epoch its longest shard's length."""
+        """Indices every shard yields in the current epoch (one re-sharded
+        mid-way: its share of what was left)."""
         return self._s.epoch_length
 
     @property
@@ -219,11 +221,13 @@ class Sharder:
         """Becomes shard ``shard`` of ``num_shards``, continuing ``state``
         (default: this sharder's own state_dict()). Within the same world
         that is a resume; in another one the items of state's epoch that
-        none of its shards has handed out are split over the new world, each
-        exactly once, and the cursor moves to their start. In such a
-        re-sharded epoch shards differ by at most one index: a shorter one
-        yields an empty batch at its end, so that all of them end the epoch
-        at the same step."""
+        none of its shards has handed out are split over the new world and
+        the cursor moves to their start. Every shard gets as many as the
+        others, as in a whole epoch: with remainder "pad" the shorter ones
+        end with a repeat of the first of them, with "drop" the longer ones'
+        last is left out, so that all of them take the same steps (a
+        DataLoader over a shard one item short took one batch fewer, and
+        DDP waited for it for ever)."""
         if state is None:
             state = self.state_dict()
         keys = ("epoch", "position", "num_shards", "ranges")
@@ -265,21 +269,15 @@ class Sharder:
         """Yields the rest of the current epoch as int64 arrays of at most
         ``batch_size`` indices, one per step of ``batch_size`` cursor
         positions; ``drop_last`` skips a final step of fewer positions. Every
-        shard takes the same steps: only in a re-sharded epoch does a shorter
-        shard yield one index fewer at its last step (an empty batch when
-        that step has one position)."""
+        shard takes the same steps."""
         batch_size = _fits(batch_size, "batch_size")
         epoch = self.epoch
         while True:
             with self._lock:
                 if self.epoch != epoch:
                     return
-                # The shared cursor decides, not this shard's batch: a shorter
-                # shard's last full step is one index short, and dropping it
-                # there alone left its rank a step behind the others.
-                short = self.epoch_length - self.position < batch_size
                 batch = self._s.next(batch_size)
-            if drop_last and short:
+            if drop_last and len(batch) < batch_size:
                 continue
             yield batch
 
@@ -287,11 +285,7 @@ class Sharder:
         """Yields the rest of the current epoch's indices as ints, moving the
         cursor one index at a time so that state() is exact mid-epoch; as a
         torch sampler (``DataLoader(data, batch_size, sampler=sharder)``).
-        Each of the epoch's items is yielded once: in a re-sharded epoch a
-        shorter shard yields one fewer than the others (len() says so), so a
-        loop that must take the same steps on every rank iterates batches().
         A DataLoader's workers draw indices ahead of the loop: checkpoint
         through deepnex.torch.ResumableLoader."""
         for batch in self.batches(1):
-            if len(batch):  # a re-sharded epoch's shorter shard ends in an empty one
-                yield int(batch[0])
+            yield int(batch[0])

@@ -585,13 +585,9 @@ class ResumableLoader:
 
     num_shards, shard, reshard() and load_state_dict() are the sharder's, so
     the loader stands in for it in ``deepnex.elastic.State(sharder=loader)``
-    (TorchState too). len() is the batches a pass begun now yields.
-
-    In a re-sharded epoch a shorter shard has one item fewer, and when its
-    items are a multiple of batch_size its loader takes one batch fewer
-    than the others: a loop that must take the same steps on every rank
-    (DDP) compares len() across the ranks, or steps through
-    sharder.batches(), whose steps are the same on every rank.
+    (TorchState too). len() is the batches a pass begun now yields, the
+    same on every rank (a re-sharded epoch's shards are as long as each
+    other), as DDP needs.
     """
 
     def __init__(self, loader):

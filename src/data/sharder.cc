@@ -45,10 +45,16 @@ uint64_t StreamStart(uint64_t seed, uint64_t epoch) {
   return a ^ (b * 0xff51afd7ed558ccdull);
 }
 
-// Indices per shard of an epoch laid out for num_shards >= 1 shards.
-uint64_t ShardSize(const SharderOptions& options, int num_shards) {
+// Indices per shard when `items` are split over num_shards >= 1 shards:
+// every shard gets as many, the rest left out (kDrop) or padded (kPad).
+uint64_t Share(uint64_t items, int num_shards, Remainder remainder) {
   const uint64_t n = static_cast<uint64_t>(num_shards);
-  return options.remainder == Remainder::kDrop ? options.size / n : (options.size + n - 1) / n;
+  return remainder == Remainder::kDrop ? items / n : (items + n - 1) / n;
+}
+
+// Indices per shard of an epoch laid out for num_shards shards.
+uint64_t ShardSize(const SharderOptions& options, int num_shards) {
+  return Share(options.size, num_shards, options.remainder);
 }
 
 absl::Status CheckWorld(const SharderOptions& options, int num_shards, int shard) {
@@ -77,7 +83,8 @@ uint64_t Total(const Ranges& ranges) {
 }
 
 // Where block k of a re-sharded epoch's `total` items over n shards starts
-// among them, and its length: the first total % n blocks are one longer.
+// among them, and how many of them it takes: the first total % n blocks one
+// more than the others (before the remainder policy evens them out).
 struct Span {
   uint64_t start, length;
 };
@@ -110,13 +117,21 @@ class Layout {
       for (uint64_t i = 0; i < shard_size; ++i) out.push_back((k * shard_size + i) % options_.size);
       return out;
     }
-    const auto [start, length] = BlockSpan(total_, n_, k);
-    while (range_ < ranges_.size() &&
-           before_ + ranges_[range_].second - ranges_[range_].first <= start) {
-      before_ += ranges_[range_].second - ranges_[range_].first;
+    auto [start, length] = BlockSpan(total_, n_, k);
+    // Every block as long as the others, as in a whole epoch (ranks that
+    // take one batch a step end the epoch together; a torch DataLoader over
+    // a shorter shard took one batch fewer, and DDP hung on it): kDrop
+    // leaves out the last item of the longer blocks, kPad ends the shorter
+    // ones with a repeat of the epoch's first items, as Horovod's
+    // ElasticSampler pads its remaining indices.
+    const uint64_t r = total_ % n_;
+    const bool pad = options_.remainder == Remainder::kPad && r != 0 && k >= r;
+    if (options_.remainder == Remainder::kDrop) length = total_ / n_;
+    while (range_ < ranges_.size() && before_ + Length(range_) <= start) {
+      before_ += Length(range_);
       ++range_;
     }
-    out.reserve(length);
+    out.reserve(length + (pad ? 1 : 0));
     uint64_t skip = start - before_;
     for (size_t i = range_; i < ranges_.size() && out.size() < length; ++i) {
       for (uint64_t p = ranges_[i].first + skip; p < ranges_[i].second && out.size() < length; ++p) {
@@ -124,16 +139,28 @@ class Layout {
       }
       skip = 0;
     }
+    if (pad) out.push_back(Item((k - r) % total_));
     return out;
   }
 
  private:
+  uint64_t Length(size_t range) const { return ranges_[range].second - ranges_[range].first; }
+  // The index-th item of the ranges; O(1) amortized for the pads of the
+  // blocks in turn, whose indices rise (wrapping only when total_ < n_).
+  uint64_t Item(uint64_t index) {
+    if (index < pad_before_) pad_range_ = pad_before_ = 0;
+    while (pad_before_ + Length(pad_range_) <= index) pad_before_ += Length(pad_range_++);
+    return ranges_[pad_range_].first + (index - pad_before_);
+  }
+
   const SharderOptions& options_;
   const uint64_t n_;
   const Ranges& ranges_;
   const uint64_t total_;  // items in ranges_
   size_t range_ = 0;     // the first range that may hold the next block's items
   uint64_t before_ = 0;  // items in the ranges before it
+  size_t pad_range_ = 0;  // the same for Item
+  uint64_t pad_before_ = 0;
 };
 
 absl::Status CheckEpoch(uint64_t epoch, const char* field) {
@@ -196,18 +223,10 @@ std::vector<uint64_t> Sharder::Indices(uint64_t epoch) const {
 
 uint64_t Sharder::EpochLength(uint64_t epoch) const {
   if (!Resharded(epoch)) return shard_size_;
-  const uint64_t n = static_cast<uint64_t>(options_.num_shards);
-  return (Total(ranges_) + n - 1) / n;
+  return Share(Total(ranges_), options_.num_shards, options_.remainder);
 }
 
-uint64_t Sharder::remaining() const {
-  uint64_t length = shard_size_;  // Indices(epoch_).size()
-  if (Resharded(epoch_)) {
-    length = BlockSpan(Total(ranges_), static_cast<uint64_t>(options_.num_shards),
-                       static_cast<uint64_t>(options_.shard)).length;
-  }
-  return position_ < length ? length - position_ : 0;
-}
+uint64_t Sharder::remaining() const { return EpochLength(epoch_) - position_; }
 
 absl::Status Sharder::Seek(uint64_t epoch, uint64_t position) {
   DEEPNEX_RETURN_IF_ERROR(CheckEpoch(epoch, "epoch"));
@@ -260,9 +279,9 @@ absl::Status Sharder::Reshard(const ShardState& from, int num_shards, int shard)
     }
     end = second;
   }
-  const uint64_t n = static_cast<uint64_t>(from.num_shards);
-  const uint64_t from_length = from.ranges.empty() ? ShardSize(options_, from.num_shards)
-                                                   : (Total(from.ranges) + n - 1) / n;
+  const uint64_t from_length =
+      Share(from.ranges.empty() ? options_.size : Total(from.ranges), from.num_shards,
+            options_.remainder);
   if (from.position > from_length) {
     return absl::InvalidArgumentError(absl::StrCat("state.position: ", from.position,
                                                    " is past the epoch's ", from_length,
@@ -299,7 +318,11 @@ absl::Status Sharder::Reshard(const ShardState& from, int num_shards, int shard)
         ranges.emplace_back(p, p + 1);
       }
     }
-    if (ranges.empty()) ++epoch;
+    // Nothing left, or with kDrop fewer items than shards: the next epoch.
+    if (Share(Total(ranges), num_shards, options_.remainder) == 0) {
+      ranges.clear();
+      ++epoch;
+    }
   }
   options_.num_shards = num_shards;
   options_.shard = shard;
@@ -323,10 +346,7 @@ std::vector<uint64_t> Sharder::Next(uint64_t max_count) {
   LoadEpoch();
   const uint64_t length = EpochLength(epoch_);
   const uint64_t count = std::min(std::max<uint64_t>(max_count, 1), length - position_);
-  // A re-sharded epoch's shorter blocks end one position early.
-  const uint64_t begin = std::min<uint64_t>(position_, current_.size());
-  const uint64_t end = std::min<uint64_t>(position_ + count, current_.size());
-  std::vector<uint64_t> out(current_.begin() + begin, current_.begin() + end);
+  std::vector<uint64_t> out(current_.begin() + position_, current_.begin() + position_ + count);
   position_ += count;
   if (position_ == length) {
     ++epoch_;

@@ -153,16 +153,18 @@ def test_drop_last_drops_the_same_step_on_every_rank_of_a_resharded_epoch():
     """drop_last dropped a batch shorter than batch_size: in a re-sharded
     epoch the shorter shard's last full step is one index short, so its rank
     alone dropped it and took a step fewer than the others (a collective
-    then waits for it forever)."""
+    then waits for it forever). Now every shard is as long as the others."""
     one = Sharder(10, 1, 0, seed=1)
     seen = one._s.next(1).tolist()
     two = [Sharder(10, 1, 0, seed=1) for _ in range(2)]
     for k, s in enumerate(two):
         s.reshard(2, k, one.state_dict())
-    assert [s.epoch_length for s in two] == [5, 5]   # blocks of 5 and 4
+    assert [s.epoch_length for s in two] == [5, 5]   # 9 left: the second padded
     steps = [[b.tolist() for b in s.batches(5, drop_last=True)] for s in two]
-    assert [len(b) for b in steps[0] + steps[1]] == [5, 4]
-    assert sorted(seen + steps[0][0] + steps[1][0]) == list(range(10))
+    assert [len(b) for b in steps[0] + steps[1]] == [5, 5]
+    got = seen + steps[0][0] + steps[1][0]
+    assert len(got) == 11 and sorted(set(got)) == list(range(10))
+    assert steps[1][0][-1] == steps[0][0][0]   # the rest's first item, again
     # A step of fewer positions than batch_size is dropped on every rank.
     for k, s in enumerate(two):
         s.reshard(2, k, one.state_dict())
@@ -179,14 +181,15 @@ def test_a_checkpoints_state_dict_resumes_exactly_after_a_resize_and_in_another_
                                                          state=state)]
         assert sorted(seen + rest) == list(range(20))
 
+    # Worlds that divide what is left, so that "drop" leaves nothing out.
     two = [Sharder(20, 2, k, seed=1, remainder="drop") for k in range(2)]
-    seen = [int(i) for s in two for i in s._s.next(3)]
+    seen = [int(i) for s in two for i in s._s.next(4)]
     three = [Sharder(20, 3, k, seed=1, remainder="drop") for k in range(3)]
     for s in three:
         s.load_state_dict(two[0].state_dict())
     seen += [int(i) for s in three for i in s._s.next(2)]
     assert three[0].state() == (0, 2) and three[0].state_dict()["ranges"]
-    for world in (3, 2, 5):
+    for world in (3, 2, 6):
         resume(seen, three[0].state_dict(), world)
     # The bare cursor still seeks in the world's own layout.
     assert Sharder(20, 3, 0, seed=1, remainder="drop", state=(0, 2)).state_dict() == {
@@ -225,7 +228,7 @@ def test_pickle_and_copies_carry_the_options_world_and_cursor():
     import copy
     import pickle
     two = [Sharder(30, 2, k, seed=-7, remainder="drop") for k in range(2)]
-    seen = [int(i) for s in two for i in s._s.next(4)]
+    seen = [int(i) for s in two for i in s._s.next(3)]   # 24 left: 8 a shard
     three = [Sharder(30, 3, k, seed=-7, remainder="drop") for k in range(3)]
     for s in three:
         s.load_state_dict(two[0].state_dict())
@@ -331,11 +334,13 @@ def _resharded(world, n):
     return out
 
 
-def test_iterating_every_rank_of_a_resharded_epoch_hands_out_its_remaining_items_once():
+def test_iterating_every_rank_of_a_resharded_epoch_hands_out_its_remaining_items_evenly():
     """Item by item, the ranks of an epoch re-sharded once or twice (from
-    any position, pad or drop) hand out exactly the items no rank had handed
-    out: none twice, none left out. A shorter shard yields one item fewer,
-    which len() tells; batches() takes the same steps on every rank."""
+    any position, pad or drop) hand out the items no rank had handed out,
+    every rank as many as the others (a DataLoader over a shard one item
+    short took a batch fewer, and DDP hung): with pad each of them, fewer
+    than a world's size twice; with drop fewer than a world's size left out,
+    none twice. len() tells; batches() takes the same steps on every rank."""
     for remainder in ("pad", "drop"):
         for size in (1, 2, 5, 7, 10):
             for n in (1, 2, 3):
@@ -355,6 +360,10 @@ def test_iterating_every_rank_of_a_resharded_epoch_hands_out_its_remaining_items
                         if p == len(blocks[0]):
                             assert all(s.state() == (1, 0) for s in moved), case
                             continue
+                        if moved[0].epoch == 1:   # "drop", fewer left than m shards
+                            assert remainder == "drop" and n != m, case
+                            assert all(s.state() == (1, 0) for s in moved), case
+                            continue
                         # What no rank has handed out, each once (with pad,
                         # the repeats of what one has are left out too).
                         read = {i for b in blocks for i in b[:p]}
@@ -365,15 +374,24 @@ def test_iterating_every_rank_of_a_resharded_epoch_hands_out_its_remaining_items
                         taken = [int(i) for s in moved for i in s._s.next(half)] if half \
                             else []
                         again = _resharded(moved, n)
-                        lengths = [len(s) for s in again]
+                        # "drop", fewer left than n shards: the next epoch.
+                        done = again[0].epoch == 1
+                        assert remainder == "drop" or not done, case
+                        lengths = [0 if done else len(s) for s in again]
                         steps = [s.num_batches(2) for s in again]
-                        rest = [list(s) for s in again]
+                        rest = [[] if done else list(s) for s in again]
                         assert lengths == [len(r) for r in rest], case
-                        assert max(lengths) - min(lengths) <= 1, case
+                        assert len(set(lengths)) == 1, case
                         assert all(s.state() == (1, 0) for s in again), case
                         got = taken + [i for r in rest for i in r]
                         if p and n != m:   # else a resume, or a fresh epoch laid out anew
-                            assert sorted(got) == sorted(left), case
+                            if remainder == "pad":
+                                assert sorted(set(got)) == sorted(left), case
+                                assert len(left) <= len(got) < len(left) + m + n, case
+                            else:
+                                assert len(set(got)) == len(got), case
+                                assert set(got) <= set(left), case
+                                assert len(left) - m - n < len(got) <= len(left), case
                         # batches() takes as many steps on every rank.
                         again = _resharded(moved, n)
                         assert [len(list(s.batches(2))) for s in again] == steps, case
@@ -394,13 +412,13 @@ def test_len_is_what_iterating_yields_after_a_resume_a_reshard_or_part_of_an_epo
     assert len(resumed) == 10   # the next epoch, whole
     cursor = Sharder(20, 2, 1, seed=1, state=(0, 6))
     assert len(cursor) == 4 == len(list(cursor))
-    # A re-sharded epoch: 2 x 7 items left over 3 shards, blocks of 5, 5, 4.
+    # A re-sharded epoch: 2 x 7 items left over 3 shards, 5 each (one padded).
     three = [Sharder(20, 3, k, seed=1) for k in range(3)]
     for k, t in enumerate(three):
         t.reshard(3, k, s.state_dict())
-    assert [len(t) for t in three] == [5, 5, 4]
+    assert [len(t) for t in three] == [5, 5, 5]
     assert [t.num_batches(2) for t in three] == [3, 3, 3]
-    assert [[len(b) for b in t.batches(2)] for t in three] == [[2, 2, 1], [2, 2, 1], [2, 2, 0]]
+    assert [[len(b) for b in t.batches(2)] for t in three] == [[2, 2, 1]] * 3
     assert [len(t) for t in three] == [7, 7, 7]   # epoch 1 laid out for 3: ceil(20 / 3)
     for call, message in ((lambda: s.num_batches(0), "^batch_size: 0 must be at least 1$"),
                           (lambda: s.num_batches(2.5), r"^batch_size: 2\.5 is not an integer$")):

@@ -685,6 +685,25 @@ def test_a_checkpoint_taken_mid_epoch_resumes_at_the_first_batch_the_loop_did_no
         assert sorted(seen) == list(range(100))
 
 
+def test_every_rank_of_a_resharded_epoch_takes_as_many_batches():
+    """DDP steps every rank together: in a re-sharded epoch a shard one item
+    shorter than the others took a batch fewer through a DataLoader (8
+    items left over 3 ranks were 3, 3 and 2: batches of 2 were 2, 2 and 1),
+    and the other ranks' last allreduce waited for it for ever. Now the
+    shorter shard ends with a repeat of the rest's first item."""
+    from deepnex.data import Sharder
+    two = [Sharder(10, 2, k, seed=1) for k in range(2)]
+    seen = [int(i) for s in two for i in s._s.next(1)]
+    loaders = [dtorch.ResumableLoader(_loader(Sharder(10, 3, k, seed=1,
+                                                      state=two[0].state_dict()), 0,
+                                              batch_size=2)) for k in range(3)]
+    assert [len(loader) for loader in loaders] == [2, 2, 2]
+    batches = [[b.tolist() for b in loader] for loader in loaders]
+    assert [len(b) for b in batches] == [2, 2, 2]
+    got = seen + [i for b in batches for batch in b for i in batch]
+    assert len(got) == 11 and sorted(set(got)) == list(range(10))
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_pass_left_early_goes_on_at_its_first_batch_not_taken(num_workers):
     """Leaving a loop over a DataLoader with workers (break) and starting

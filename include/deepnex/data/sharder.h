@@ -55,7 +55,10 @@ struct ShardState {
   // re-sharded mid-way: its items are the permutation positions in these
   // [first, second) ranges, in this order, and shard k of num_shards takes
   // the k-th of num_shards contiguous blocks of them, the first
-  // (total % num_shards) blocks one item longer than the others.
+  // r = total % num_shards blocks one item longer than the others. The
+  // remainder policy then makes them all as long: kDrop leaves out those r
+  // blocks' last items, kPad ends each other block k with the (k - r)-th
+  // item (mod total).
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
 };
 
@@ -84,8 +87,9 @@ inline constexpr uint64_t kMaxReshardFrom = 1 << 16;
 //
 // A job whose world changes mid-epoch (elastic training) re-shards: Reshard
 // splits the items of the epoch that no shard has handed out yet over the new
-// world, each exactly once (even with kPad: the padding's repeats already
-// seen are left out), and later epochs are laid out for the new world as
+// world (the padding's repeats already seen left out), every shard as many
+// as the others, as in any epoch: kPad repeats a few of them, kDrop leaves
+// fewer than num_shards out. Later epochs are laid out for the new world as
 // usual.
 //
 // Thread-compatible.
@@ -96,20 +100,16 @@ class Sharder {
   const SharderOptions& options() const { return options_; }
   // Indices this shard yields per epoch (one that was not re-sharded).
   uint64_t shard_size() const { return shard_size_; }
-  // Cursor positions in the cursor's epoch: shard_size(), or in a re-sharded
-  // epoch the longest block's length (a shorter block's shard yields nothing
-  // for its last position, so that every shard ends the epoch together).
+  // Indices every shard yields in the cursor's epoch: shard_size(), or the
+  // re-sharded epoch's share.
   uint64_t epoch_length() const { return EpochLength(epoch_); }
-  // Indices Next yields from the cursor to the end of its epoch: this
-  // shard's Indices(epoch()).size() less position(), without laying the
-  // epoch out (a shorter block of a re-sharded epoch has one fewer than
-  // epoch_length() - position()).
+  // Indices Next yields from the cursor to the end of its epoch:
+  // epoch_length() - position(), the same on every shard.
   uint64_t remaining() const;
 
   // The whole dataset's order in `epoch` (the identity without shuffle).
   std::vector<uint64_t> Permutation(uint64_t epoch) const;
-  // This shard's indices in `epoch`, in the order Next yields them (in a
-  // re-sharded epoch, its block: possibly one shorter than epoch_length()).
+  // This shard's indices in `epoch`, in the order Next yields them.
   std::vector<uint64_t> Indices(uint64_t epoch) const;
 
   // The cursor: the next index Next yields is Indices(epoch())[position()].
@@ -127,16 +127,16 @@ class Sharder {
   // Another world: from's epoch's items that no shard of that world has
   // handed out are split over the new world, in permutation order, and the
   // cursor is at their start (from position 0 of a laid-out epoch: that
-  // epoch laid out for the new world; nothing left: the next epoch).
+  // epoch laid out for the new world; nothing left, or with kDrop fewer
+  // items than num_shards: the next epoch).
   // InvalidArgument naming the field for a bad world or state (a range
   // outside [0, size) or overlapping another, a position past the epoch,
   // from.num_shards past max(size, kMaxReshardFrom)).
   absl::Status Reshard(const ShardState& from, int num_shards, int shard);
 
-  // Up to `max_count` (0 counts as 1) next positions' indices, never crossing
-  // into the next epoch; advances the cursor past them, to (epoch + 1, 0)
-  // when they end the epoch. Empty only in a re-sharded epoch, for a shard
-  // whose block is shorter than epoch_length(): a stream of epochs without end.
+  // The next `max_count` (0 counts as 1) indices, fewer only where the epoch
+  // ends (never crossing into the next one); advances the cursor past them,
+  // to (epoch + 1, 0) when they end the epoch: a stream of epochs without end.
   std::vector<uint64_t> Next(uint64_t max_count);
 
  private:

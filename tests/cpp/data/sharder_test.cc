@@ -209,7 +209,7 @@ std::vector<Sharder> Reshard(const std::vector<Sharder>& world, int m) {
 }
 
 // Takes the rest of the cursor's epoch from every shard in lockstep; checks
-// that they end it together and that no index comes twice.
+// that they end it together.
 std::multiset<uint64_t> RestOfEpoch(std::vector<Sharder>& world, uint64_t batch) {
   std::multiset<uint64_t> rest;
   const uint64_t epoch = world[0].epoch();
@@ -231,6 +231,23 @@ std::multiset<uint64_t> Unseen(uint64_t size, const std::multiset<uint64_t>& see
   return out;
 }
 
+// Checks what the m shards of a re-sharded epoch handed out (`rest`) against
+// the items no shard had (`unseen`): each once, every shard as many; kPad
+// repeats a few (fewer than m), kDrop leaves a few out (fewer than m).
+void ExpectEvenSplit(const std::multiset<uint64_t>& rest, const std::multiset<uint64_t>& unseen,
+                     int m, Remainder remainder) {
+  const uint64_t t = unseen.size(), n = static_cast<uint64_t>(m);
+  const std::set<uint64_t> distinct(rest.begin(), rest.end());
+  if (remainder == Remainder::kPad) {
+    EXPECT_EQ(rest.size(), (t + n - 1) / n * n);
+    EXPECT_EQ(distinct, std::set<uint64_t>(unseen.begin(), unseen.end()));
+  } else {
+    EXPECT_EQ(rest.size(), t / n * n);
+    EXPECT_EQ(distinct.size(), rest.size());
+    EXPECT_TRUE(std::includes(unseen.begin(), unseen.end(), rest.begin(), rest.end()));
+  }
+}
+
 TEST(SharderReshardTest, SplitsTheEpochsRestOverANewWorldExactly) {
   struct Case {
     uint64_t size;
@@ -246,13 +263,9 @@ TEST(SharderReshardTest, SplitsTheEpochsRestOverANewWorldExactly) {
     const uint64_t epoch = world[0].epoch();
     ASSERT_EQ(epoch, 0u);
     std::vector<Sharder> grown = Reshard(world, c.to);
-    std::vector<uint64_t> lengths;
-    for (const Sharder& s : grown) lengths.push_back(s.Indices(epoch).size());
-    EXPECT_LE(*std::max_element(lengths.begin(), lengths.end()) -
-                  *std::min_element(lengths.begin(), lengths.end()),
-              1u);
-    // Each index of the epoch not yet handed out, exactly once.
-    EXPECT_EQ(RestOfEpoch(grown, c.batch), Unseen(c.size, seen));
+    for (const Sharder& s : grown) EXPECT_EQ(s.Indices(epoch).size(), grown[0].epoch_length());
+    // Each index of the epoch not yet handed out, a few of them twice.
+    ExpectEvenSplit(RestOfEpoch(grown, c.batch), Unseen(c.size, seen), c.to, Remainder::kPad);
     // The next epoch is laid out for the new world as usual.
     for (int k = 0; k < c.to; ++k) {
       EXPECT_EQ(grown[k].Indices(epoch + 1), Make(c.size, c.to, k).Indices(epoch + 1));
@@ -281,8 +294,7 @@ TEST(SharderReshardTest, EverySmallWorldAndCursorTwiceOverIsExact) {
             if (second[0].epoch() == 0) Step(second, 1, 1, &seen);
             if (second[0].epoch() != 0) continue;  // that step ended the epoch
             std::vector<Sharder> third = Reshard(second, l);
-            std::multiset<uint64_t> rest = RestOfEpoch(third, 2);
-            ASSERT_EQ(rest, Unseen(size, seen));
+            ExpectEvenSplit(RestOfEpoch(third, 2), Unseen(size, seen), l, Remainder::kPad);
           }
         }
       }
@@ -299,25 +311,74 @@ TEST(SharderReshardTest, ASecondReshardInTheSameEpochIsExactToo) {
   Step(three, 2, 5, &seen);
   std::vector<Sharder> one = Reshard(three, 1);
   std::multiset<uint64_t> rest = RestOfEpoch(one, 4);
-  // kDrop left out permutation position 100 of the epoch's 101 items.
-  std::multiset<uint64_t> expected = Unseen(101, seen);
-  expected.erase(Make(101, 2, 0).Permutation(0)[100]);
-  EXPECT_EQ(rest, expected);
-  EXPECT_EQ(seen.size() + rest.size(), 100u);
+  // kDrop left out permutation position 100 of the epoch's 101 items, and
+  // the 3-shard world the 1 of its 76 that 3 shards could not take evenly.
+  std::multiset<uint64_t> unseen = Unseen(101, seen);
+  unseen.erase(Make(101, 2, 0).Permutation(0)[100]);
+  EXPECT_EQ(seen.size() + rest.size(), 99u);
+  EXPECT_EQ(std::set<uint64_t>(rest.begin(), rest.end()).size(), rest.size());
+  EXPECT_TRUE(std::includes(unseen.begin(), unseen.end(), rest.begin(), rest.end()));
 }
 
-TEST(SharderReshardTest, AShorterBlockYieldsAnEmptyBatchAtTheEnd) {
-  // 2 shards of 5 took 2 each: 6 left over 4 shards: blocks 2, 2, 1, 1.
-  std::vector<Sharder> world = World(10, 2);
+TEST(SharderReshardTest, EveryBlockOfAReshardedEpochIsAsLongAsTheOthers) {
+  // A torch DataLoader over a shard one item shorter took one batch fewer
+  // than the other ranks, and DDP hung on the missing step. Unshuffled, 2
+  // shards of 5 took 2 each (0, 1 and 5, 6): 2, 3, 4, 7, 8, 9 are left for 4
+  // shards, blocks 2, 2, 1, 1 before the policy evens them.
+  auto four = [](Remainder remainder) {
+    std::vector<Sharder> world;
+    for (int k = 0; k < 2; ++k) world.push_back(Make(10, 2, k, remainder, 7, false));
+    std::multiset<uint64_t> seen;
+    Step(world, 1, 2, &seen);
+    EXPECT_EQ(seen, (std::multiset<uint64_t>{0, 1, 5, 6}));
+    return Reshard(world, 4);
+  };
+  // kPad: the shorter blocks end with the rest's first items, as Horovod's
+  // ElasticSampler pads.
+  std::vector<Sharder> pad = four(Remainder::kPad);
+  const std::vector<std::vector<uint64_t>> padded = {{2, 3}, {4, 7}, {8, 2}, {9, 3}};
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_EQ(pad[k].epoch_length(), 2u);
+    EXPECT_EQ(pad[k].remaining(), 2u);
+    EXPECT_EQ(pad[k].Indices(0), padded[k]) << k;
+    EXPECT_EQ(pad[k].Next(1), std::vector<uint64_t>{padded[k][0]}) << k;
+    EXPECT_EQ(pad[k].remaining(), 1u);
+    EXPECT_EQ(pad[k].Next(1), std::vector<uint64_t>{padded[k][1]}) << k;
+    EXPECT_EQ(pad[k].epoch(), 1u);
+  }
+  // kDrop: the longer blocks' last items (3 and 7) are left out.
+  std::vector<Sharder> drop = four(Remainder::kDrop);
+  const std::vector<std::vector<uint64_t>> dropped = {{2}, {4}, {8}, {9}};
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_EQ(drop[k].epoch_length(), 1u);
+    EXPECT_EQ(drop[k].Next(5), dropped[k]) << k;
+    EXPECT_EQ(drop[k].epoch(), 1u);
+  }
+}
+
+TEST(SharderReshardTest, FewerItemsLeftThanShardsWithDropIsTheNextEpoch) {
+  // Unshuffled, 2 shards of 5 took 4 each: 4 and 9 are left, fewer than 3
+  // shards, and kDrop gives each shard as many: none. The cursor moves on
+  // instead of laying out an epoch of no positions.
+  std::vector<Sharder> world;
+  for (int k = 0; k < 2; ++k) world.push_back(Make(10, 2, k, Remainder::kDrop, 7, false));
   std::multiset<uint64_t> seen;
-  Step(world, 1, 2, &seen);
-  std::vector<Sharder> four = Reshard(world, 4);
-  EXPECT_EQ(four[3].epoch_length(), 2u);
-  EXPECT_EQ(four[3].Next(1).size(), 1u);
-  EXPECT_EQ(four[3].Next(1).size(), 0u);
-  EXPECT_EQ(four[3].epoch(), 1u);
-  EXPECT_EQ(four[0].Next(5).size(), 2u);
-  EXPECT_EQ(four[0].epoch(), 1u);
+  Step(world, 4, 1, &seen);
+  std::vector<Sharder> three = Reshard(world, 3);
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ(three[k].epoch(), 1u);
+    EXPECT_EQ(three[k].position(), 0u);
+    EXPECT_TRUE(three[k].state().ranges.empty());
+    EXPECT_EQ(three[k].Indices(1), Make(10, 3, k, Remainder::kDrop, 7, false).Indices(1));
+  }
+  // With kPad the two are split over 3 shards, the first repeated.
+  std::vector<Sharder> padded;
+  for (int k = 0; k < 2; ++k) padded.push_back(Make(10, 2, k, Remainder::kPad, 7, false));
+  Step(padded, 4, 1, &seen);
+  std::vector<Sharder> pad = Reshard(padded, 3);
+  EXPECT_EQ(pad[0].Indices(0), std::vector<uint64_t>{4});
+  EXPECT_EQ(pad[1].Indices(0), std::vector<uint64_t>{9});
+  EXPECT_EQ(pad[2].Indices(0), std::vector<uint64_t>{4});
 }
 
 TEST(SharderReshardTest, RemainingIsWhatNextYieldsToTheEpochsEnd) {
@@ -328,18 +389,17 @@ TEST(SharderReshardTest, RemainingIsWhatNextYieldsToTheEpochsEnd) {
   EXPECT_EQ(s.remaining(), 3u);
   s.Next(3);
   EXPECT_EQ(s.remaining(), 5u);  // the next epoch, whole
-  // 2 shards of 5 took 2 each: 6 left over 4 shards, blocks 2, 2, 1, 1.
+  // 2 shards of 5 took 2 each: 6 left over 4 shards, 2 each (kPad).
   std::vector<Sharder> world = World(10, 2);
   std::multiset<uint64_t> seen;
   Step(world, 1, 2, &seen);
   std::vector<Sharder> four = Reshard(world, 4);
   for (int k = 0; k < 4; ++k) {
-    EXPECT_EQ(four[k].remaining(), four[k].Indices(0).size()) << k;
+    EXPECT_EQ(four[k].remaining(), 2u) << k;
+    EXPECT_EQ(four[k].Indices(0).size(), 2u) << k;
   }
-  EXPECT_EQ(four[3].remaining(), 1u);
   four[3].Next(1);
-  EXPECT_EQ(four[3].remaining(), 0u);  // its last position has no index
-  EXPECT_EQ(four[3].position(), 1u);
+  EXPECT_EQ(four[3].remaining(), 1u);
 }
 
 TEST(SharderReshardTest, PadRepeatsAlreadyHandedOutAreLeftOut) {
@@ -352,7 +412,9 @@ TEST(SharderReshardTest, PadRepeatsAlreadyHandedOutAreLeftOut) {
   std::vector<uint64_t> p = world[0].Permutation(0);
   EXPECT_EQ(two[0].state().ranges, (std::vector<std::pair<uint64_t, uint64_t>>{{2, 3}, {5, 6},
                                                                                {8, 9}}));
-  EXPECT_EQ(RestOfEpoch(two, 1), (std::multiset<uint64_t>{p[2], p[5], p[8]}));
+  // Three left for 2 shards: the first of them pads the second shard.
+  EXPECT_EQ(two[1].Indices(0), (std::vector<uint64_t>{p[8], p[2]}));
+  EXPECT_EQ(RestOfEpoch(two, 1), (std::multiset<uint64_t>{p[2], p[5], p[8], p[2]}));
 }
 
 TEST(SharderReshardTest, TheSameWorldResumesAndAnEpochStartIsLaidOutAsUsual) {
