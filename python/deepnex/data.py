@@ -254,8 +254,15 @@ class Sharder:
                         _fits(num_shards, "num_shards", 32), _fits(shard, "shard", 32))
 
     def set_epoch(self, epoch):
-        """Starts ``epoch`` from its beginning (as torch's DistributedSampler)."""
-        self._s.seek(_fits(epoch, "epoch"), 0)
+        """Moves to the start of ``epoch``, as torch's DistributedSampler
+        takes the epoch's order, unless the cursor is in that epoch already:
+        a loop that calls ``set_epoch(epoch)`` at the top of every epoch
+        then goes on where a resume put it (restarting it repeated what the
+        checkpoint had seen). ``load_state((epoch, 0))`` restarts it."""
+        epoch = _fits(epoch, "epoch")
+        with self._lock:
+            if epoch != self._s.epoch:
+                self._s.seek(epoch, 0)
 
     def permutation(self, epoch=None):
         """The whole dataset's order in ``epoch`` (default: the current one)."""

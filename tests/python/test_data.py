@@ -85,6 +85,27 @@ def test_iteration_walks_epochs_and_batches():
     assert next(iter(s)) == e1[0]
 
 
+def test_set_epoch_at_the_top_of_a_resumed_epoch_goes_on_from_the_checkpoint():
+    """The DistributedSampler loop calls set_epoch(epoch) at the top of each
+    epoch; it moved a sharder resumed mid-epoch back to the epoch's start,
+    so the loop saw again what the checkpoint had seen."""
+    s = Sharder(20, 2, 0, seed=1)
+    first = [next(iter(s)) for _ in range(3)]
+    resumed = Sharder(20, 2, 0, seed=1, state=s.state_dict())
+    resumed.set_epoch(0)
+    assert first + list(resumed) == s.indices(0).tolist()
+    assert resumed.state() == (1, 0)
+    resumed.set_epoch(1)   # the cursor's epoch: unmoved
+    assert resumed.state() == (1, 0)
+    resumed.set_epoch(0)   # another: its start
+    assert resumed.state() == (0, 0)
+    # A re-sharded epoch keeps its layout and cursor too.
+    three = Sharder(20, 3, 1, seed=1, state=s.state_dict())
+    state = three.state_dict()
+    three.set_epoch(0)
+    assert three.state_dict() == state
+
+
 def test_resume_from_a_saved_state_gives_exactly_the_rest():
     s = Sharder(50, 3, 2, seed=5, remainder="drop")
     it = iter(s)
