@@ -32,7 +32,9 @@ absl::StatusOr<std::string> ReadWholeFile(const std::string& path,
 // `max_bytes`, for a file whose name another may have planted (a shared
 // checkpoint directory): NotFound as ReadWholeFile; FailedPrecondition
 // naming `what` and the path for a FIFO, device or directory (a FIFO there
-// blocked its reader for good, /dev/zero filled its memory) or a larger file.
+// blocked its reader for good, /dev/zero filled its memory) or a larger file;
+// PermissionDenied for a file of another user than this process's (or
+// root) or one that its group or others may write.
 absl::StatusOr<std::string> ReadRegularFile(const std::string& path, const std::string& what,
                                             uint64_t max_bytes);
 

@@ -629,6 +629,28 @@ def test_a_checkpoint_that_is_not_a_file_is_refused_at_once(tmp_path):
                 in out.stderr), out.stderr
 
 
+def test_a_checkpoint_another_user_may_have_written_is_not_restored(tmp_path):
+    """A checkpoint planted in a shared directory (another user's file, or
+    one the group may write) was restored, its parameters served."""
+    if not os.path.exists(PS_BIN):
+        pytest.skip(f"{PS_BIN} not built")
+    planted = tmp_path / "ps.ckpt"
+    planted.write_bytes(b"not yours")
+    planted.chmod(0o664)
+    cases = [("is writable by others than its owner (mode 0664)", None)]
+    if os.geteuid() == 0:
+        cases.append(("belongs to uid 65534, not to this process's 0", 65534))
+    for message, owner in cases:
+        if owner is not None:
+            planted.chmod(0o600)
+            os.chown(planted, owner, owner)
+        out = subprocess.run([PS_BIN, "--listen", "127.0.0.1:0", "--restore", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1, out
+        assert f'checkpoint "{planted}" {message}: another user may have written it' \
+            in out.stderr, out.stderr
+
+
 def test_a_checkpoint_that_fills_the_disk_keeps_the_previous_one(tmp_path):
     """On a full disk (here a file size limit) a failed checkpoint left its
     half file, ps.ckpt.tmp, taking the space, and the periodic ones printed

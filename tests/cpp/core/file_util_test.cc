@@ -104,6 +104,26 @@ TEST(FileUtilTest, ARegularFileIsReadAndAnythingElseRefusedAtOnce) {
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("missing")));
 }
 
+TEST(FileUtilTest, AFileAnotherUserMayHaveWrittenIsNotRead) {
+  // A checkpoint planted in a shared directory was restored whoever wrote it.
+  TempDir tmp;
+  const std::string file = tmp.path() + "/file";
+  ASSERT_THAT(WriteFileAtomically(file, "twelve bytes", 0600), IsOk());
+  ASSERT_EQ(chmod(file.c_str(), 0620), 0);
+  EXPECT_THAT(ReadRegularFile(file, "checkpoint", 12).status(),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       "checkpoint \"" + file +
+                           "\" is writable by others than its owner (mode 0620): another user "
+                           "may have written it (if it is yours: chown it, chmod go-w)"));
+  ASSERT_EQ(chmod(file.c_str(), 0644), 0);
+  EXPECT_EQ(ReadRegularFile(file, "checkpoint", 12).value_or(""), "twelve bytes");
+  if (geteuid() != 0) GTEST_SKIP() << "giving a file to another user needs root";
+  ASSERT_EQ(chown(file.c_str(), 65534, 65534), 0);
+  EXPECT_THAT(ReadRegularFile(file, "checkpoint", 12).status(),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("\" belongs to uid 65534, not to this process's 0: another")));
+}
+
 // Another user's links where the files go (a probe, in a shared sticky
 // directory): PATH.tmp -> a file of root's had a root ps overwrite that file
 // with its checkpoint and rename the link over PATH; LOCK -> another had it
