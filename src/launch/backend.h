@@ -85,6 +85,11 @@ class Run {
   virtual absl::StatusOr<std::string> NetworkNamespace() { return std::string(); }
 };
 
+// The terminal type of a process exec'd on a tty whose container's
+// environment names none, as docker exec -t gives it: less, vi and top
+// draw nothing sensible without one.
+inline constexpr char kExecTtyTerm[] = "TERM=xterm";
+
 // How to start an exec'd process (session_exec.cc spawns it).
 struct ExecPlan {
   std::vector<std::string> argv;  // argv[0]: a path

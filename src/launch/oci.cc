@@ -129,9 +129,10 @@ class OciRun : public Run {
  public:
   // `init`: the container's PID 1 is the init, with the command under it.
   // `image`: what it runs; `overlay`: on a writable layer (MountOverlay in
-  // `dir`), which the run unmounts when removed.
+  // `dir`), which the run unmounts when removed. `term`: its environment
+  // names a TERM.
   OciRun(Runc runc, std::string id, std::string dir, std::string cgroup_path, bool init,
-         Image image, bool overlay, pid_t pid, Fd pidfd)
+         Image image, bool overlay, bool term, pid_t pid, Fd pidfd)
       : runc_(std::move(runc)),
         id_(std::move(id)),
         dir_(std::move(dir)),
@@ -139,6 +140,7 @@ class OciRun : public Run {
         init_(init),
         image_(std::move(image)),
         overlay_(overlay),
+        term_(term),
         pid_(pid),
         pidfd_(std::move(pidfd)) {}
 
@@ -232,6 +234,7 @@ class OciRun : public Run {
     if (options.command.empty()) return absl::InvalidArgumentError("command is empty");
     std::vector<std::string> args = {"exec"};
     if (options.tty) args.push_back("--tty");
+    if (options.tty && !term_) args.insert(args.end(), {"--env", kExecTtyTerm});
     args.push_back(id_);
     args.insert(args.end(), options.command.begin(), options.command.end());
     ExecPlan plan;
@@ -326,6 +329,7 @@ class OciRun : public Run {
   const bool init_;
   const Image image_;
   const bool overlay_;
+  const bool term_;
   const pid_t pid_;  // of `runc run`
   Fd pidfd_;
 
@@ -432,7 +436,8 @@ class OciBackend : public Backend {
       return pid.ok() ? absl::InternalError("pidfd_open: " + Errno(err)) : pid.status();
     }
     auto run = std::make_unique<OciRun>(runc_, context.run_name, context.dir, bundle.cgroup_path,
-                                        !init_.empty(), image, overlay, *pid, std::move(pidfd));
+                                        !init_.empty(), image, overlay, spec.env.count("TERM") > 0,
+                                        *pid, std::move(pidfd));
 
     const auto deadline = std::chrono::steady_clock::now() + kStartTimeout;
     while (access(pid_file.c_str(), F_OK) != 0) {

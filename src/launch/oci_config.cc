@@ -157,6 +157,9 @@ json MakeConfig(const Image& image, const ContainerSpec& spec, const RunContext&
   for (const auto& [k, v] : spec.env) env.push_back(absl::StrCat(k, "=", v));
   if (!spec.env.count("PATH")) env.push_back(absl::StrCat("PATH=", kContainerPath));
   if (!spec.env.count("HOME")) env.push_back("HOME=" + ContainerHome(spec, bundle.uid));
+  // As docker's containers have it (a shell's prompt shows it; bash exports
+  // no HOSTNAME of its own to the programs it starts).
+  if (!spec.env.count("HOSTNAME")) env.push_back("HOSTNAME=" + spec.name);
   // Never above the current hard limit: raising it needs CAP_SYS_RESOURCE.
   struct rlimit nofile;
   getrlimit(RLIMIT_NOFILE, &nofile);

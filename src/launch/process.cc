@@ -16,6 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -158,6 +159,11 @@ class ProcessRun : public Run {
   absl::StatusOr<std::unique_ptr<ExecProcess>> Exec(const ExecOptions& options) override {
     if (options.command.empty()) return absl::InvalidArgumentError("command is empty");
     ExecPlan plan = exec_;
+    if (options.tty && std::none_of(plan.env.begin(), plan.env.end(), [](const std::string& e) {
+          return absl::StartsWith(e, "TERM=");
+        })) {
+      plan.env.push_back(kExecTtyTerm);
+    }
     DEEPNEX_ASSIGN_OR_RETURN(std::string exe, FindOnPath(options.command[0], exec_path_));
     plan.argv = options.command;
     plan.argv[0] = exe;

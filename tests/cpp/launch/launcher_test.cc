@@ -343,13 +343,14 @@ TEST_P(LaunchContract, ExecRunsBesideTheCommand) {
   auto h = StartOk(spec);
   ASSERT_NE(h, nullptr);
   ASSERT_TRUE(WaitFor([&] { return h->Status().state == State::kRunning; }, kWait, "box running"));
-  auto p = h->Exec({.command = {"sh", "-c", "echo $GREETING; cat; echo oops >&2; exit 3"}});
+  auto p = h->Exec(
+      {.command = {"sh", "-c", "echo $GREETING ${TERM:-no-term}; cat; echo oops >&2; exit 3"}});
   ASSERT_THAT(p, IsOk());
   ASSERT_THAT((*p)->WriteInput("in\n"), IsOk());
   (*p)->CloseInput();
   std::string err;
   std::thread errors([&] { err = ReadAll((*p)->error_fd()); });
-  EXPECT_EQ(ReadAll((*p)->output_fd()), "hello\nin\n");
+  EXPECT_EQ(ReadAll((*p)->output_fd()), "hello no-term\nin\n");
   errors.join();
   EXPECT_EQ(err, "oops\n");
   auto code = (*p)->Wait();
@@ -358,15 +359,17 @@ TEST_P(LaunchContract, ExecRunsBesideTheCommand) {
 
   // runc exec --tty sizes the container's console from ours only after it
   // started the process, so under oci the size can still be 0 0 at first:
-  // wait for it there, as a shell's SIGWINCH handler would see it.
-  std::vector<std::string> size = {"stty", "size"};
-  if (GetParam() == "oci") {
-    size = {"sh", "-c", "while [ \"$(stty size)\" = \"0 0\" ]; do sleep 0.01; done; stty size"};
-  }
-  auto tty = h->Exec({.command = size, .tty = true, .rows = 30, .cols = 100});
+  // wait for it there, as a shell's SIGWINCH handler would see it. On a tty
+  // a TERM, as docker exec -t gives (vi and less had none).
+  auto tty = h->Exec({.command = {"sh", "-c",
+                                  "while [ \"$(stty size)\" = \"0 0\" ]; do sleep 0.01; done; "
+                                  "echo $TERM; stty size"},
+                      .tty = true,
+                      .rows = 30,
+                      .cols = 100});
   ASSERT_THAT(tty, IsOk());
   EXPECT_EQ((*tty)->error_fd(), -1);
-  EXPECT_EQ(ReadAll((*tty)->output_fd()), "30 100\r\n");
+  EXPECT_EQ(ReadAll((*tty)->output_fd()), "xterm\r\n30 100\r\n");
   code = (*tty)->Wait();
   ASSERT_THAT(code, IsOk());
   EXPECT_EQ(*code, 0);
@@ -374,6 +377,22 @@ TEST_P(LaunchContract, ExecRunsBesideTheCommand) {
   ASSERT_THAT(h->Stop(1s), IsOk());
   EXPECT_THAT(h->Exec({.command = {"true"}}).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+TEST_P(LaunchContract, ATermOfTheContainersOwnIsKeptOnATty) {
+  if (GetParam() == "docker" || GetParam() == "slurm") {
+    GTEST_SKIP() << GetParam() << " has no exec";
+  }
+  ContainerSpec spec = Spec("term", "sleep 600");
+  spec.env["TERM"] = "vt100";
+  auto h = StartOk(spec);
+  ASSERT_NE(h, nullptr);
+  ASSERT_TRUE(WaitFor([&] { return h->Status().state == State::kRunning; }, kWait, "running"));
+  auto tty = h->Exec({.command = {"sh", "-c", "echo $TERM"}, .tty = true});
+  ASSERT_THAT(tty, IsOk());
+  EXPECT_EQ(ReadAll((*tty)->output_fd()), "vt100\r\n");
+  EXPECT_THAT((*tty)->Wait(), IsOk());
+  ASSERT_THAT(h->Stop(1s), IsOk());
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, LaunchContract,

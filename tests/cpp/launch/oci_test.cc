@@ -923,7 +923,7 @@ TEST(OciConfig, TheUserWithoutCapabilitiesPrivateNetworkAndDefaultPidsLimit) {
   EXPECT_TRUE(config["process"]["noNewPrivileges"].get<bool>());
   EXPECT_EQ(config["process"]["env"],
             json({"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                  "HOME=/home/alice"}));
+                  "HOME=/home/alice", "HOSTNAME=alice.w0"}));
   EXPECT_EQ(config["linux"]["namespaces"].dump(),
             R"([{"type":"pid"},{"type":"mount"},{"type":"uts"},{"type":"ipc"},{"type":"network"}])");
   EXPECT_EQ(config["linux"]["resources"]["pids"], json({{"limit", 4096}}));
