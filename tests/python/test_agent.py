@@ -16,6 +16,7 @@ import pytest
 
 from _agents import (AGENT_BIN, Agents, _cli_env, cli, client, http_get, pid_alive,
                      require_binaries, start_central, status)
+import _prometheus as prometheus
 from _wait import wait_for
 
 
@@ -408,6 +409,7 @@ def test_agent_serves_healthz_and_metrics_and_advertises_its_host(central_proc, 
              and 'deepnex_node_memory_in_use_bytes{node="h1"} 0\n'
              not in http_get(http, "/metrics", token="promtok")[1],
              lambda: f"the agent's metrics: {http_get(http, '/metrics', token='promtok')}")
+    prometheus.parse(http_get(http, "/metrics", token="promtok")[1])
     assert http_get(http, "/nothing") == (404, "deepnex serves GET /metrics and GET /healthz\n")
     # Central gone: unhealthy, as a kubelet that cannot reach its API server.
     central_proc[0].kill()
