@@ -11,6 +11,7 @@
 #include "agent/hub.h"
 #include "core/grpc_util.h"
 #include "core/net.h"
+#include "core/text.h"
 #include "deepnex/auth.h"
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/gpu/central.h"
@@ -316,17 +317,21 @@ class Service final : public pb::Central::CallbackService {
                                     pb::MetricsReply* reply) override {
     auto who = Who(*ctx);
     if (!who.ok()) return Reply(ctx, who.status());
-    reply->set_text(who->role == AuthRole::kAdmin ? MetricsText()
-                                                  : OwnSeries(MetricsText(), who->name));
+    reply->set_text(who->role == AuthRole::kAdmin && who->job.empty()
+                        ? MetricsText()
+                        : OwnSeries(MetricsText(), *who));
     return Reply(ctx, absl::OkStatus());
   }
 
  private:
-  // `text` without the series of users other than `user` (a user="..."
+  // `text` without the series of users other than `who` (a user="..."
   // label): a user sees their own containers' usage and the nodes', as
-  // ListContainers shows them only their own.
-  static std::string OwnSeries(const std::string& text, const std::string& user) {
-    const std::string own = absl::StrCat("user=\"", user, "\"");
+  // ListContainers shows them only their own. A job-scoped token (an
+  // admin's too) sees no user's: the series name no job, and its user's
+  // other jobs, as ListContainers, are not its to see.
+  static std::string OwnSeries(const std::string& text, const Identity& who) {
+    const std::string own =
+        who.job.empty() ? absl::StrCat("user=\"", who.name, "\"") : std::string();
     std::string out;
     for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
       const size_t brace = line.find('{');
@@ -335,7 +340,7 @@ class Service final : public pb::Central::CallbackService {
       const size_t at = labels.find("user=\"");
       // Names are plain (ValidName), so the label's value needs no unescaping.
       if (at != absl::string_view::npos && (at == 1 || labels[at - 1] == ',') &&
-          labels.substr(at, own.size()) != own) {
+          (own.empty() || labels.substr(at, own.size()) != own)) {
         continue;
       }
       absl::StrAppend(&out, line, "\n");
@@ -509,12 +514,18 @@ class CentralServerImpl final : public CentralServer {
           metrics_, MetricsHttpServer::Create(
                         [this] { return service_->MetricsText(); }, options.metrics_address,
                         nullptr, [this](const std::string& authorization) {
-                          // Every user's series: an admin's alone (a user
-                          // reads their own with `deepnex gpu metrics`).
-                          return AuthenticateHttp(service_->tokens(), authorization,
-                                                  "an admin's token of central's --token-file",
-                                                  "", /*require_admin=*/true)
-                              .status();
+                          // Every user's series: an admin's alone, and not a
+                          // job's (a user reads their own with `deepnex metrics`).
+                          DEEPNEX_ASSIGN_OR_RETURN(
+                              Identity who,
+                              AuthenticateHttp(service_->tokens(), authorization,
+                                               "an admin's token of central's --token-file",
+                                               "", /*require_admin=*/true));
+                          if (who.job.empty()) return absl::OkStatus();
+                          return absl::PermissionDeniedError(absl::StrCat(
+                              "the token of ", Quoted(who.name), " is for job ", Quoted(who.job),
+                              "; /metrics carries every job's series: it needs an admin's "
+                              "token without a job"));
                         }));
     }
     return absl::OkStatus();

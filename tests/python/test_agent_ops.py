@@ -160,7 +160,10 @@ def test_agents_report_gpu_node_and_container_usage(cluster):
             ("nosuchtok", 401, "invalid token\n"),
             ("alicetok", 403, '"alice" is not an admin (this call requires the admin role)\n'),
             ("h2tok", 403, 'the token of "h2" is a node token: it may only act as its node '
-                           "(deepnex-agent)\n")):
+                           "(deepnex-agent)\n"),
+            # A job's admin token reaches only its job; it once read everything.
+            ("j1admintok", 403, 'the token of "root" is for job "j1"; /metrics carries every '
+                                "job's series: it needs an admin's token without a job\n")):
         request = urllib.request.Request(url)
         if token:
             request.add_header("Authorization", f"Bearer {token}")
@@ -171,6 +174,13 @@ def test_agents_report_gpu_node_and_container_usage(cluster):
     own = cli(address, "metrics", token="alicetok")
     assert own.returncode == 0, own.stderr
     assert 'user="bob"' not in own.stdout and 'user="alice"' in own.stdout
+    # A job-scoped token reads no container's series (they name no job, and
+    # alice's w0 is of none), as `deepnex ps` shows it none; the job's admin
+    # token once read every user's, alice's job token alice's.
+    for token in ("j1tok", "j1admintok"):
+        job = cli(address, "metrics", token=token)
+        assert job.returncode == 0, job.stderr
+        assert "user=" not in job.stdout and 'deepnex_node_ready{node="h1"} 1' in job.stdout, token
 
 
 def test_ps_all_lists_every_users_containers_for_admins_only(cluster):
