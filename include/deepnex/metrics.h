@@ -80,6 +80,11 @@ class MetricsRegistry {
                       const Labels& labels = {});
   Gauge* GetGauge(const std::string& name, const std::string& help,
                   const Labels& labels = {});
+  // A counter that is kept elsewhere (a container's CPU seconds, which its
+  // cgroup counts): Set it to the latest reading; it is served as a counter
+  // (so `name` ends in _total), as client_golang's CounterFunc is.
+  Gauge* GetCounterReading(const std::string& name, const std::string& help,
+                           const Labels& labels = {});
   Histogram* GetHistogram(const std::string& name, const std::string& help,
                           const std::vector<double>& bounds,
                           const Labels& labels = {});

@@ -307,7 +307,8 @@ class AgentImpl final : public Agent {
       const pb::ContainerReport r = ReportOf(*h);
       if (Ended(r)) continue;
       const Labels labels{{"node", node_.name}, {"user", r.user()}, {"container", r.name()}};
-      now.GetGauge("deepnex_container_cpu_seconds", "CPU seconds a container has used.", labels)
+      now.GetCounterReading("deepnex_container_cpu_seconds_total",
+                            "CPU seconds a container has used.", labels)
           ->Set(r.usage().cpu_seconds());
       now.GetGauge("deepnex_container_memory_bytes", "Memory a container uses now.", labels)
           ->Set(static_cast<double>(r.usage().memory()));

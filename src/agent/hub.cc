@@ -265,15 +265,18 @@ std::string Hub::MetricsText() const {
       now.GetGauge("deepnex_gpu_memory_in_use_bytes",
                    "GPU memory in use (every process's), as the node's agent measures.", gpu)
           ->Set(g.memory_used());
-      now.GetGauge("deepnex_gpu_utilization_percent",
-                   "Percent of time a kernel ran on the GPU, as the node's agent measures.", gpu)
-          ->Set(g.utilization());
+      // A ratio, Prometheus' base unit (NVML's is percent).
+      now.GetGauge("deepnex_gpu_utilization_ratio",
+                   "Share of time (0-1) a kernel ran on the GPU, as the node's agent measures.",
+                   gpu)
+          ->Set(g.utilization() / 100.0);
     }
     // Per container, as its agent last reported it, with its user.
     for (const auto& [name, c] : link.containers) {
       if (Ended(c)) continue;
       const Labels labels{{"node", node}, {"user", c.user()}, {"container", name}};
-      now.GetGauge("deepnex_container_cpu_seconds", "CPU seconds a container has used.", labels)
+      now.GetCounterReading("deepnex_container_cpu_seconds_total",
+                            "CPU seconds a container has used.", labels)
           ->Set(c.usage().cpu_seconds());
       now.GetGauge("deepnex_container_memory_bytes", "Memory a container uses now.", labels)
           ->Set(c.usage().memory());

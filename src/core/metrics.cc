@@ -94,6 +94,14 @@ Gauge* MetricsRegistry::GetGauge(const std::string& name, const std::string& hel
   return slot.get();
 }
 
+Gauge* MetricsRegistry::GetCounterReading(const std::string& name, const std::string& help,
+                                          const Labels& labels) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& slot = FamilyOf(name, help, Kind::kCounter)->gauges[labels];
+  if (!slot) slot = std::make_unique<Gauge>();
+  return slot.get();
+}
+
 Histogram* MetricsRegistry::GetHistogram(const std::string& name,
                                          const std::string& help,
                                          const std::vector<double>& bounds,

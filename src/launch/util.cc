@@ -237,7 +237,9 @@ void ExportUsage(Launcher& launcher, MetricsRegistry& registry) {
     absl::StatusOr<launch::Usage> u = h->Usage();
     if (!u.ok()) continue;
     const Labels labels = {{"container", h->spec().name}, {"backend", launcher.backend()}};
-    registry.GetGauge("deepnex_container_cpu_seconds", "CPU time the container used.", labels)
+    registry
+        .GetCounterReading("deepnex_container_cpu_seconds_total", "CPU time the container used.",
+                           labels)
         ->Set(u->cpu_seconds);
     registry.GetGauge("deepnex_container_memory_bytes", "Memory the container uses now.", labels)
         ->Set(static_cast<double>(u->memory));

@@ -148,7 +148,7 @@ ExitStatus ExitStatusFromWait(int wait_status);
 // "SIGKILL" for 9; "signal 99" for one without a name.
 std::string SignalName(int signal);
 
-// Sets gauges deepnex_container_cpu_seconds, _memory_bytes,
+// Sets counter deepnex_container_cpu_seconds_total and gauges _memory_bytes,
 // _memory_peak_bytes and _pids, labelled container=<name>, from the usage of
 // each container `launcher` holds; for a server (deepnex-central) to call
 // before it renders its metrics.

@@ -78,11 +78,12 @@ def start_nvml_agent(tmp_path, central, monkeypatch):
     return d
 
 
-def scrape(url, token="admintok"):
-    """parse's samples of the Prometheus page at `url`, read with `token`."""
+def scrape(url, token="admintok", types=False):
+    """parse's samples (`types`: types) of the Prometheus page at `url`,
+    read with `token`."""
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(request, timeout=10) as r:
-        return prometheus.parse(r.read().decode())[0]
+        return prometheus.parse(r.read().decode())[1 if types else 0]
 
 
 @pytest.fixture
@@ -144,13 +145,18 @@ def test_agents_report_gpu_node_and_container_usage(cluster):
     assert all(0 <= v < 5 for v in prometheus.series(m, "deepnex_node_heartbeat_age_seconds").values())
     assert prometheus.series(m, "deepnex_gpu_memory_in_use_bytes") == {
         (("gpu", "0"), ("node", "h1")): 3 * GiB, (("gpu", "1"), ("node", "h1")): 0}
-    assert prometheus.series(m, "deepnex_gpu_utilization_percent") == {
-        (("gpu", "0"), ("node", "h1")): 42, (("gpu", "1"), ("node", "h1")): 0}
+    # A ratio, Prometheus' base unit; it was a percent.
+    assert prometheus.series(m, "deepnex_gpu_utilization_ratio") == {
+        (("gpu", "0"), ("node", "h1")): 0.42, (("gpu", "1"), ("node", "h1")): 0}
     containers = {(("container", "alice.w0"), ("node", "h1"), ("user", "alice")),
                   (("container", "bob.b0"), ("node", "h2"), ("user", "bob"))}
-    assert set(prometheus.series(m, "deepnex_container_cpu_seconds")) == containers
+    # CPU seconds only grow: a counter, named as one (it was a gauge without _total).
+    assert set(prometheus.series(m, "deepnex_container_cpu_seconds_total")) == containers
     assert set(prometheus.series(m, "deepnex_container_memory_bytes")) == containers
-    assert all(v >= 0 for v in prometheus.series(m, "deepnex_container_cpu_seconds").values())
+    assert all(v >= 0 for v in prometheus.series(m, "deepnex_container_cpu_seconds_total").values())
+    types = scrape(url, types=True)
+    assert (types["deepnex_container_cpu_seconds_total"], types["deepnex_container_memory_bytes"]) \
+        == ("counter", "gauge")
     # Every user's containers: for an admin's token alone; a user reads
     # their own series with `deepnex metrics`.
     for token, code, message in (

@@ -1044,9 +1044,13 @@ TEST_F(ProcessLauncherTest, UsageAsMetrics) {
   MetricsRegistry registry;
   ExportUsage(*launcher_, registry);
   const std::string text = registry.PrometheusText();
-  EXPECT_THAT(text, HasSubstr("deepnex_container_cpu_seconds{backend=\"process\",container=\"spin\"} "));
+  EXPECT_THAT(text, HasSubstr("# TYPE deepnex_container_cpu_seconds_total counter\n"
+                              "deepnex_container_cpu_seconds_total{backend=\"process\","
+                              "container=\"spin\"} "));
   EXPECT_THAT(text, HasSubstr("deepnex_container_pids{backend=\"process\",container=\"spin\"} 1\n"));
-  EXPECT_GT(registry.GetGauge("deepnex_container_cpu_seconds", "", {{"backend", "process"}, {"container", "spin"}})
+  EXPECT_GT(registry
+                .GetCounterReading("deepnex_container_cpu_seconds_total", "",
+                                   {{"backend", "process"}, {"container", "spin"}})
                 ->value(),
             0.05);
   ASSERT_THAT(h->Stop(0ms), IsOk());
