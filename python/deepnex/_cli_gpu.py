@@ -13,7 +13,7 @@
     deepnex quota USER --max-priority 10   the highest priority USER may ask for (default 0)
     deepnex node mode NAME exclusive|shared [--when-drained]
     deepnex node cordon|uncordon|remove NAME ; deepnex node drain NAME [--release]
-    deepnex metrics
+    deepnex metrics                     Prometheus text: the nodes', your containers' usage
 
 The address is --central or $DEEPNEX_CENTRAL; the token --token,
 --token-file or $DEEPNEX_TOKEN.
@@ -300,7 +300,7 @@ class _DeprecatedMode(argparse.Action):
 def add_commands(commands):
     """Adds the GPU subcommands to the CLI's subparsers."""
     def sub(name, fn, help):
-        p = commands.add_parser(name, help=help)
+        p = commands.add_parser(name, help=help, description=help)
         add_central_args(p)
         p.set_defaults(func=guard(fn))
         return p
@@ -371,4 +371,5 @@ def add_commands(commands):
                         "instead of refusing")
     p.add_argument("--release", action="store_true",
                    help="drain: also release every allocation on the node")
-    sub("metrics", _metrics, "Prometheus text metrics")
+    sub("metrics", _metrics, "deepnex-central's metrics as Prometheus text: the nodes' series and "
+                             "your containers' (an admin's token: every user's; a job's: none)")
