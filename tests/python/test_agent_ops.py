@@ -180,6 +180,7 @@ def test_agents_report_gpu_node_and_container_usage(cluster):
     own = cli(address, "metrics", token="alicetok")
     assert own.returncode == 0, own.stderr
     assert 'user="bob"' not in own.stdout and 'user="alice"' in own.stdout
+    prometheus.parse(own.stdout)  # what is left of the page is still one
     # A job-scoped token reads no container's series (they name no job, and
     # alice's w0 is of none), as `deepnex ps` shows it none; the job's admin
     # token once read every user's, alice's job token alice's.
@@ -187,6 +188,7 @@ def test_agents_report_gpu_node_and_container_usage(cluster):
         job = cli(address, "metrics", token=token)
         assert job.returncode == 0, job.stderr
         assert "user=" not in job.stdout and 'deepnex_node_ready{node="h1"} 1' in job.stdout, token
+        prometheus.parse(job.stdout)
 
 
 def test_ps_all_lists_every_users_containers_for_admins_only(cluster):
