@@ -213,7 +213,11 @@ class Container : public Handle {
       run = run_;
       if (!run) return last_usage_;
     }
-    return run->Usage();
+    absl::StatusOr<launch::Usage> usage = run->Usage();
+    if (!usage.ok()) return usage;
+    std::lock_guard<std::mutex> lock(mu_);
+    usage->cpu_seconds += ended_cpu_seconds_;
+    return usage;
   }
 
   absl::StatusOr<std::unique_ptr<ExecProcess>> Exec(const ExecOptions& options) override {
@@ -345,7 +349,11 @@ class Container : public Handle {
       logs_run_.reset();
     }
     std::lock_guard<std::mutex> lock(mu_);
-    if (usage.ok()) last_usage_ = *usage;
+    if (usage.ok()) {
+      ended_cpu_seconds_ += usage->cpu_seconds;
+      last_usage_ = *usage;
+      last_usage_.cpu_seconds = ended_cpu_seconds_;
+    }
     run_.reset();
     return e;
   }
@@ -502,6 +510,10 @@ class Container : public Handle {
   std::optional<ExitStatus> last_exit_, final_;
   std::chrono::system_clock::time_point started_at_;
   launch::Usage last_usage_;
+  // The CPU seconds of the runs that ended: Usage counts every run's, so
+  // that a restarted container's count (its metrics' counter, a job's
+  // CPU-hours) does not lose the runs before (each has its own cgroup).
+  double ended_cpu_seconds_ = 0;
   std::thread thread_;
 
   // Held while logs move from a run to the file, so Logs() never sees them

@@ -207,7 +207,7 @@ struct ContainerStatus {
 
 // What a container uses now. Fields a backend cannot see stay 0.
 struct Usage {
-  double cpu_seconds = 0;
+  double cpu_seconds = 0;    // every run's, a restarted container's included
   uint64_t memory = 0;       // bytes now
   uint64_t memory_peak = 0;  // bytes, highest seen
   int64_t pids = 0;

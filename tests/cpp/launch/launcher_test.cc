@@ -1038,6 +1038,26 @@ TEST_F(ProcessLauncherTest, DestructorStopsEverythingAtOnce) {
   EXPECT_THAT(CgroupsOf(id), IsEmpty());
 }
 
+// A restarted container's CPU seconds count every run's, as its metrics'
+// counter and its job's CPU-hours say: each run has its own cgroup, and
+// they counted the last run's alone. A fixed loop burns about the same CPU
+// time in each run however loaded the host is.
+TEST_F(ProcessLauncherTest, CpuSecondsCountEveryRunOfARestartedContainer) {
+  const std::string burn = "i=0; while [ $i -lt 150000 ]; do i=$((i+1)); done";
+  ContainerSpec thrice = Spec("thrice", burn + "; exit 1");
+  ASSERT_OK_AND_ASSIGN(thrice.restart, RestartPolicy::Parse("on-failure:2"));
+  thrice.restart.backoff = 10ms;
+  ASSERT_OK_AND_ASSIGN(auto three, launcher_->Start(thrice));
+  ASSERT_OK_AND_ASSIGN(auto one, launcher_->Start(Spec("once", burn + "; exit 1")));
+  ASSERT_OK_AND_ASSIGN(ExitStatus e, three->Wait(60s));
+  EXPECT_EQ(e.restarts, 2);
+  ASSERT_OK(one->Wait(60s).status());
+  ASSERT_OK_AND_ASSIGN(Usage u3, three->Usage());
+  ASSERT_OK_AND_ASSIGN(Usage u1, one->Usage());
+  EXPECT_GT(u1.cpu_seconds, 0.02);
+  EXPECT_GT(u3.cpu_seconds, 2 * u1.cpu_seconds) << "one run: " << u1.cpu_seconds;
+}
+
 TEST_F(ProcessLauncherTest, UsageAsMetrics) {
   ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(Spec("spin", "while :; do :; done")));
   ASSERT_TRUE(test::WaitUntil([&] { return h->Usage().value_or(Usage{}).cpu_seconds > 0.05; }, 30s));
