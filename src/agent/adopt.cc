@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iostream>
 #include <mutex>
@@ -130,8 +131,29 @@ class AdoptedBase : public launch::Handle {
     return st.state == launch::State::kStopped || st.state == launch::State::kExited;
   }
 
+  // What `read` measures while the container runs, else its last reading:
+  // an ended run's cgroup (or engine container) goes with it, and a usage
+  // that then fell to nothing took its CPU seconds (a counter, a job's
+  // CPU-hours) and memory peak with it.
+  absl::StatusOr<launch::Usage> Measured(
+      const std::function<absl::StatusOr<launch::Usage>()>& read) {
+    std::lock_guard<std::mutex> lock(usage_mu_);
+    if (!Ended()) {
+      absl::StatusOr<launch::Usage> now = read();
+      if (now.ok()) last_usage_ = *now;
+      return last_usage_;
+    }
+    launch::Usage ended = last_usage_;  // nothing of it runs now
+    ended.memory = 0;
+    ended.pids = 0;
+    ended.gpu_memory.clear();
+    return ended;
+  }
+
  private:
   const launch::ContainerSpec spec_;
+  std::mutex usage_mu_;
+  launch::Usage last_usage_;
 };
 
 // A process or oci container: its process, its log file and its cgroup.
@@ -208,10 +230,12 @@ class Adopted final : public AdoptedBase {
   }
 
   absl::StatusOr<launch::Usage> Usage() override {
-    if (reach_.cgroup.empty() || Ended()) return launch::Usage{};
-    absl::StatusOr<std::unique_ptr<launch::Cgroup>> cg = launch::Cgroup::Open(reach_.cgroup);
-    if (!cg.ok()) return launch::Usage{};
-    return (*cg)->ReadUsage();
+    if (reach_.cgroup.empty()) return launch::Usage{};
+    return Measured([&]() -> absl::StatusOr<launch::Usage> {
+      DEEPNEX_ASSIGN_OR_RETURN(std::unique_ptr<launch::Cgroup> cg,
+                               launch::Cgroup::Open(reach_.cgroup));
+      return cg->ReadUsage();
+    });
   }
 
  private:
@@ -283,8 +307,7 @@ class AdoptedDocker final : public AdoptedBase {
   }
 
   absl::StatusOr<launch::Usage> Usage() override {
-    if (Ended()) return launch::Usage{};
-    return run_->Usage();
+    return Measured([&] { return run_->Usage(); });
   }
 
  private:

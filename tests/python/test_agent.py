@@ -268,10 +268,14 @@ def test_restarted_agent_reattaches_to_its_containers(central, agents, tmp_path,
     from deepnex import gpu
     alice = client(central, "alicetok")
     a = alice.allocate(gpu.Request(user="alice", gpus=1, cpus=1, memory=256 << 20, node="h1"))
-    out = cli(central, "launch", "--alloc", a.id, "--name", "w0", "--",
-              "sh", "-c", "echo up; sleep 120", token="alicetok")
+    # It burns some CPU first: what it used must outlive the agent that
+    # started it.
+    out = cli(central, "launch", "--alloc", a.id, "--name", "w0", "--", "sh", "-c",
+              "i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done; echo up; sleep 120",
+              token="alicetok")
     assert out.returncode == 0, out.stderr
     pid = alice.containers()[0]["id"]
+    wait_for(lambda: cli(central, "logs", "w0", token="alicetok").stdout == "up\n", "w0 up")
     record = state / "containers" / "alice.w0" / "record.json"
     cgroup = json.loads(record.read_text()).get("cgroup", "")
     assert os.stat(state).st_mode & 0o777 == 0o700
@@ -292,6 +296,12 @@ def test_restarted_agent_reattaches_to_its_containers(central, agents, tmp_path,
     stop = cli(central, "stop", "w0", "--grace", "5", token="alicetok")
     assert (stop.returncode, stop.stdout) == (0, "w0 stopped signaled(SIGTERM), allocation released\n")
     wait_for(lambda: not pid_alive(pid), "w0's process gone")
+    # What it used is kept past its end; it fell to nothing (CPU seconds 0).
+    if cgroup:
+        usage = wait_for(lambda: [x["usage"] for x in alice.containers()
+                                  if x["state"] == "stopped"], "w0 stopped")[0]
+        assert usage["cpu_seconds"] > 0.02 and usage["memory_peak"] > 0, usage
+        assert (usage["memory"], usage["pids"]) == (0, 0), usage
     # The cgroup the first agent made for it goes with it too.
     if cgroup:
         wait_for(lambda: not glob.glob(f"/sys/fs/cgroup/{cgroup}")
