@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/text.h"
 #include "deepnex/units.h"
 #include "gpu/codec.h"
 
@@ -38,7 +39,7 @@ absl::Status Busy(const Request& r, size_t ahead, const std::string& shortage) {
 }  // namespace
 
 absl::Status Allocator::Impl::NoNode(const std::string& name) {
-  return absl::NotFoundError(absl::StrCat("node: no node named \"", name, "\""));
+  return absl::NotFoundError(absl::StrCat("node: no node named ", Quoted(name)));
 }
 
 absl::Status Allocator::Impl::Open() {
@@ -186,7 +187,7 @@ absl::Status Allocator::Impl::SetFlags(const std::string& name, bool cordoned, b
 absl::StatusOr<std::string> Allocator::Impl::SetQuota(const std::string& user, const Quota& quota) {
   if (!ValidName(user)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("user \"", user, "\": not a valid user name"));
+        absl::StrCat("user ", Quoted(user), ": not a valid user name"));
   }
   DEEPNEX_RETURN_IF_ERROR(ValidateQuota(user, quota));
   std::unique_lock<std::mutex> lock(mu_);
@@ -550,7 +551,7 @@ absl::Status Allocator::Impl::ReleaseId(const std::string& id, const Allocator::
   const bool gang = !ParseId(id, 'a', &num);
   if (gang && !ParseId(id, 'g', &num)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("id \"", id, "\" is not an allocation id (a<N>) or a gang id (g<N>)"));
+        absl::StrCat("id ", Quoted(id), " is not an allocation id (a<N>) or a gang id (g<N>)"));
   }
   // A typo must not read as done while the allocation meant stays held.
   if (!state_.Issued(gang ? 'g' : 'a', num)) {

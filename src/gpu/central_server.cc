@@ -292,7 +292,8 @@ class Service final : public pb::Central::CallbackService {
     if (who->role != AuthRole::kAdmin) {
       if (!user.empty() && user != who->name) {
         return Reply(ctx, absl::PermissionDeniedError(absl::StrCat(
-                              "user ", who->name, " cannot list the allocations of ", user)));
+                              "user ", who->name, " cannot list the allocations of ",
+                              Quoted(user))));
       }
       user = who->name;
     }
@@ -361,7 +362,7 @@ class Service final : public pb::Central::CallbackService {
     if (who.role == AuthRole::kAdmin) return user;
     if (!user.empty() && user != who.name) {
       return absl::PermissionDeniedError(
-          absl::StrCat("user ", who.name, " cannot ", what, " ", user));
+          absl::StrCat("user ", who.name, " cannot ", what, " ", Quoted(user)));
     }
     return who.name;
   }
@@ -404,7 +405,7 @@ class Service final : public pb::Central::CallbackService {
     if (request->user.empty()) request->user = who.name;
     if (who.role != AuthRole::kAdmin && request->user != who.name) {
       done(absl::PermissionDeniedError(
-          absl::StrCat("user ", who.name, " cannot allocate for user ", request->user)));
+          absl::StrCat("user ", who.name, " cannot allocate for user ", Quoted(request->user))));
       return 0;
     }
     // A job's token allocates for its job only.

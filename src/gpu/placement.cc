@@ -150,10 +150,10 @@ absl::Status CheckMode(Mode mode, const std::string& field) {
 absl::Status ValidateRequest(const Request& r) {
   auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
   if (!ValidName(r.user)) {
-    return bad("user \"", r.user, "\": use 1-253 letters, digits, '-', '_', '.', '@'");
+    return bad("user ", Quoted(r.user), ": use 1-253 letters, digits, '-', '_', '.', '@'");
   }
   if (!r.job.empty() && !ValidName(r.job)) {
-    return bad("job \"", r.job, "\": use 1-253 letters, digits, '-', '_', '.', '@'");
+    return bad("job ", Quoted(r.job), ": use 1-253 letters, digits, '-', '_', '.', '@'");
   }
   DEEPNEX_RETURN_IF_ERROR(CheckMode(r.mode, "mode"));
   if (r.gpus < 0) return bad("gpus=", r.gpus, " must be >= 0");
@@ -214,7 +214,7 @@ absl::Status Placement::Validate(Node* node) const {
   const std::string& name = node->name;
   if (!ValidName(name)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "node name \"", name, "\": use 1-253 letters, digits, '-', '_', '.'"));
+        "node name ", Quoted(name), ": use 1-253 letters, digits, '-', '_', '.'"));
   }
   if (Find(name) != nullptr) {
     return absl::AlreadyExistsError(absl::StrCat("node ", name, " already exists"));
@@ -634,7 +634,7 @@ absl::Status Placement::Infeasible(const Request& r) const {
   if (!r.node.empty()) {
     const NodeState* n = Find(r.node);
     if (n == nullptr) {
-      return absl::NotFoundError(absl::StrCat("node: no node named \"", r.node, "\""));
+      return absl::NotFoundError(absl::StrCat("node: no node named ", Quoted(r.node)));
     }
     matched.push_back(n);
   } else {

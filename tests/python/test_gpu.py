@@ -561,7 +561,7 @@ def test_cli_quota_shows_sets_and_clears(central):
     out = run_cli("quota", "alice", central=central, token="alicetok")
     assert out.returncode == 0 and _quota_row(out.stdout, "alice")[2] == "1/4"
     out = run_cli("quota", "bob", central=central, token="alicetok")
-    assert out.returncode == 1 and "user alice cannot see the quota of bob" in out.stderr
+    assert out.returncode == 1 and 'user alice cannot see the quota of "bob"' in out.stderr
     # Clearing needs an explicit none; the other limits stay.
     out = run_cli("quota", "alice", "--gpus", "none", central=central)
     assert out.returncode == 0, out.stderr

@@ -420,7 +420,7 @@ TEST_F(CentralAsync, EachOpIsAnsweredOnItsOwn) {
   }
   EXPECT_EQ(granted, 2);
   EXPECT_THAT(grants["for bob"], StatusIs(absl::StatusCode::kPermissionDenied,
-                                          HasSubstr("cannot allocate for user bob")));
+                                          HasSubstr("cannot allocate for user \"bob\"")));
   EXPECT_THAT(grants["invalid"], StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(releases["bob's"], StatusIs(absl::StatusCode::kPermissionDenied,
                                           HasSubstr("it belongs to bob")));

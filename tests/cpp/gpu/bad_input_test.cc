@@ -16,6 +16,7 @@ namespace {
 using ::deepnex::test::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using namespace ::deepnex::gpu::test;  // NOLINT
 
 class BadInput : public ::testing::Test {
@@ -290,6 +291,43 @@ TEST_F(BadInput, MalformedReleaseId) {
     EXPECT_THAT(alloc_->Release(id),
                 StatusIs(absl::StatusCode::kNotFound, HasSubstr(std::string(id) + " was never issued")));
   }
+  ExpectUnchanged();
+}
+
+// A hostile name (a newline, a terminal escape, bytes that are not UTF-8, a
+// path, megabytes) is quoted, C-escaped and cut in the error that refuses
+// it: it cannot forge a line of the CLI's output or of central's log, nor
+// make a huge reply. Each had gone into the message raw and whole.
+TEST_F(BadInput, HostileNamesAreQuotedInTheirErrors) {
+  const std::string hostile = "../n1\nGranted a7 \x1b[2J\xff/";
+  const std::string shown = "\"../n1\\nGranted a7 \\x1b[2J\\xff/\"";
+  const std::string huge(1 << 20, 'n');
+  auto quoted = [&](const std::string& prefix) {
+    return AllOf(HasSubstr(prefix + shown), Not(HasSubstr("\n")), Not(HasSubstr("\x1b")));
+  };
+  Request r = Exclusive("bob", 1);
+  r.node = hostile;
+  EXPECT_THAT(alloc_->Allocate(r), StatusIs(absl::StatusCode::kNotFound,
+                                            quoted("node: no node named ")));
+  r.node = huge;
+  const absl::Status cut = alloc_->Allocate(r).status();  // not printed: 1 MiB
+  EXPECT_EQ(cut.code(), absl::StatusCode::kNotFound);
+  EXPECT_LT(cut.message().size(), 200u);
+  EXPECT_THAT(alloc_->SetNodeMode(hostile, Mode::kShared),
+              StatusIs(absl::StatusCode::kNotFound, quoted("node: no node named ")));
+  EXPECT_THAT(alloc_->RemoveNode(hostile),
+              StatusIs(absl::StatusCode::kNotFound, quoted("node: no node named ")));
+  EXPECT_THAT(alloc_->AddNode(MakeNode(hostile, 1)),
+              StatusIs(absl::StatusCode::kInvalidArgument, quoted("node name ")));
+  EXPECT_THAT(alloc_->Allocate(Exclusive(hostile, 1)),
+              StatusIs(absl::StatusCode::kInvalidArgument, quoted("user ")));
+  Request job = Exclusive("bob", 1);
+  job.job = hostile;
+  EXPECT_THAT(alloc_->Allocate(job), StatusIs(absl::StatusCode::kInvalidArgument, quoted("job ")));
+  EXPECT_THAT(alloc_->SetQuota(hostile, Quota{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, quoted("user ")));
+  EXPECT_THAT(alloc_->Release(hostile),
+              StatusIs(absl::StatusCode::kInvalidArgument, quoted("id ")));
   ExpectUnchanged();
 }
 

@@ -71,7 +71,16 @@ TEST_F(Central, UsersActOnlyOnTheirOwnAllocations) {
   EXPECT_EQ(alices[0].id, a.id);
   Request for_bob = Shared("bob", 1, kGiB);
   EXPECT_THAT(alice_->Allocate(for_bob),
-              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("cannot allocate for")));
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("user alice cannot allocate for user \"bob\"")));
+  // A forged name is quoted: it cannot add a line to the caller's output.
+  for_bob.user = "bob\ngranted a9\x1b[2J";
+  EXPECT_THAT(alice_->Allocate(for_bob),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("cannot allocate for user \"bob\\ngranted a9\\x1b[2J\"")));
+  EXPECT_THAT(bob_->Allocations(for_bob.user),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("of \"bob\\ngranted a9\\x1b[2J\"")));
   ASSERT_OK(alice_->Release(a.id));
   ASSERT_OK(alice_->Release(a.id));  // idempotent
   ASSERT_OK_AND_ASSIGN(auto all, admin_->Allocations());
@@ -174,7 +183,7 @@ TEST_F(Central, QuotasAndQueueAreVisibleToTheirUsers) {
   EXPECT_EQ(mine[0].usage.gpu_memory, 80 * kGiB);
   EXPECT_THAT(alice_->Quotas("bob"),
               StatusIs(absl::StatusCode::kPermissionDenied,
-                       HasSubstr("user alice cannot see the quota of bob")));
+                       HasSubstr("user alice cannot see the quota of \"bob\"")));
   ASSERT_OK_AND_ASSIGN(std::vector<UserQuota> all, admin_->Quotas());
   ASSERT_EQ(all.size(), 2u);
   EXPECT_EQ(all[0].user, "");
@@ -210,7 +219,7 @@ TEST_F(Central, QuotasAndQueueAreVisibleToTheirUsers) {
   EXPECT_TRUE(alices.empty());
   EXPECT_THAT(alice_->Pending("bob"),
               StatusIs(absl::StatusCode::kPermissionDenied,
-                       HasSubstr("user alice cannot list the waiting requests of bob")));
+                       HasSubstr("user alice cannot list the waiting requests of \"bob\"")));
   ASSERT_OK_AND_ASSIGN(std::vector<PendingRequest> everyone, admin_->Pending());
   ASSERT_EQ(everyone.size(), 1u);
   ASSERT_OK(alice_->Release(held.id));
