@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
+#include "core/text.h"
 #include "deepnex/central.grpc.pb.h"
 #include "deepnex/gpu/central.h"
 #include "deepnex/units.h"
@@ -56,13 +57,14 @@ class CentralClientImpl final : public CentralClient {
     pb::Node req;
     ToProto(node, &req);
     pb::Empty reply;
-    return Call(options_.timeout, [&](auto* ctx) { return stub_->AddNode(ctx, req, &reply); });
+    return Call(req, options_.timeout, [&](auto* ctx) { return stub_->AddNode(ctx, req, &reply); });
   }
   absl::Status RemoveNode(const std::string& name) override {
     pb::NameRequest req;
     req.set_name(name);
     pb::Empty reply;
-    return Call(options_.timeout, [&](auto* ctx) { return stub_->RemoveNode(ctx, req, &reply); });
+    return Call(req, options_.timeout,
+                [&](auto* ctx) { return stub_->RemoveNode(ctx, req, &reply); });
   }
   absl::Status SetNodeMode(const std::string& name, Mode mode, ModeSwitch when) override {
     pb::ModeRequest req;
@@ -70,26 +72,28 @@ class CentralClientImpl final : public CentralClient {
     req.set_mode(ModeName(mode));
     req.set_when_drained(when == ModeSwitch::kWhenDrained);
     pb::Empty reply;
-    return Call(options_.timeout, [&](auto* ctx) { return stub_->SetNodeMode(ctx, req, &reply); });
+    return Call(req, options_.timeout,
+                [&](auto* ctx) { return stub_->SetNodeMode(ctx, req, &reply); });
   }
   absl::Status Cordon(const std::string& name) override {
     pb::NameRequest req;
     req.set_name(name);
     pb::Empty reply;
-    return Call(options_.timeout, [&](auto* ctx) { return stub_->Cordon(ctx, req, &reply); });
+    return Call(req, options_.timeout, [&](auto* ctx) { return stub_->Cordon(ctx, req, &reply); });
   }
   absl::Status Uncordon(const std::string& name) override {
     pb::NameRequest req;
     req.set_name(name);
     pb::Empty reply;
-    return Call(options_.timeout, [&](auto* ctx) { return stub_->Uncordon(ctx, req, &reply); });
+    return Call(req, options_.timeout,
+                [&](auto* ctx) { return stub_->Uncordon(ctx, req, &reply); });
   }
   absl::Status Drain(const std::string& name, bool release) override {
     pb::DrainRequest req;
     req.set_name(name);
     req.set_release(release);
     pb::Empty reply;
-    return Call(options_.timeout, [&](auto* ctx) { return stub_->Drain(ctx, req, &reply); });
+    return Call(req, options_.timeout, [&](auto* ctx) { return stub_->Drain(ctx, req, &reply); });
   }
   absl::StatusOr<std::string> SetQuota(const std::string& user, const Quota& quota) override {
     pb::QuotaRequest req;
@@ -97,7 +101,7 @@ class CentralClientImpl final : public CentralClient {
     ToProto(quota, req.mutable_quota());
     pb::NoteReply reply;
     DEEPNEX_RETURN_IF_ERROR(
-        Call(options_.timeout, [&](auto* ctx) { return stub_->SetQuota(ctx, req, &reply); }));
+        Call(req, options_.timeout, [&](auto* ctx) { return stub_->SetQuota(ctx, req, &reply); }));
     return reply.note();
   }
   absl::StatusOr<std::vector<UserQuota>> Quotas(const std::string& user) override {
@@ -105,7 +109,7 @@ class CentralClientImpl final : public CentralClient {
     req.set_user(user);
     pb::Quotas reply;
     DEEPNEX_RETURN_IF_ERROR(
-        Call(options_.timeout, [&](auto* ctx) { return stub_->GetQuotas(ctx, req, &reply); }));
+        Call(req, options_.timeout, [&](auto* ctx) { return stub_->GetQuotas(ctx, req, &reply); }));
     std::vector<UserQuota> out;
     for (const auto& q : reply.quotas()) out.push_back(FromProto(q));
     return out;
@@ -115,7 +119,8 @@ class CentralClientImpl final : public CentralClient {
     req.set_user(user);
     pb::PendingRequests reply;
     DEEPNEX_RETURN_IF_ERROR(
-        Call(options_.timeout, [&](auto* ctx) { return stub_->ListPending(ctx, req, &reply); }));
+        Call(req, options_.timeout,
+             [&](auto* ctx) { return stub_->ListPending(ctx, req, &reply); }));
     std::vector<PendingRequest> out;
     for (const auto& p : reply.pending()) {
       DEEPNEX_ASSIGN_OR_RETURN(PendingRequest r, FromProto(p));
@@ -137,7 +142,7 @@ class CentralClientImpl final : public CentralClient {
     pb::Request req;
     ToProto(request, options, &req);
     pb::Allocations reply;
-    DEEPNEX_RETURN_IF_ERROR(Call(AllocateDeadline(options),
+    DEEPNEX_RETURN_IF_ERROR(Call(req, AllocateDeadline(options),
                                  [&](auto* ctx) { return stub_->Allocate(ctx, req, &reply); }));
     if (reply.allocations_size() == 0) return NoneGranted();
     return AllocationsFrom(reply.allocations());
@@ -146,29 +151,30 @@ class CentralClientImpl final : public CentralClient {
     pb::IdRequest req;
     req.set_id(id);
     pb::Empty reply;
-    return Call(options_.timeout, [&](auto* ctx) { return stub_->Release(ctx, req, &reply); });
+    return Call(req, options_.timeout, [&](auto* ctx) { return stub_->Release(ctx, req, &reply); });
   }
   absl::StatusOr<Allocation> Renew(const std::string& id) override {
     pb::IdRequest req;
     req.set_id(id);
     pb::Allocation reply;
     DEEPNEX_RETURN_IF_ERROR(
-        Call(options_.timeout, [&](auto* ctx) { return stub_->Renew(ctx, req, &reply); }));
+        Call(req, options_.timeout, [&](auto* ctx) { return stub_->Renew(ctx, req, &reply); }));
     return FromProto(reply);
   }
   absl::StatusOr<std::vector<Allocation>> Allocations(const std::string& user) override {
     pb::AllocationsRequest req;
     req.set_user(user);
     pb::Allocations reply;
-    DEEPNEX_RETURN_IF_ERROR(Call(
-        options_.timeout, [&](auto* ctx) { return stub_->ListAllocations(ctx, req, &reply); }));
+    DEEPNEX_RETURN_IF_ERROR(Call(req, options_.timeout, [&](auto* ctx) {
+      return stub_->ListAllocations(ctx, req, &reply);
+    }));
     return AllocationsFrom(reply.allocations());
   }
   absl::StatusOr<std::vector<NodeInfo>> Nodes() override {
     pb::Empty req;
     pb::Nodes reply;
     DEEPNEX_RETURN_IF_ERROR(
-        Call(options_.timeout, [&](auto* ctx) { return stub_->ListNodes(ctx, req, &reply); }));
+        Call(req, options_.timeout, [&](auto* ctx) { return stub_->ListNodes(ctx, req, &reply); }));
     std::vector<NodeInfo> out;
     for (const auto& n : reply.nodes()) {
       DEEPNEX_ASSIGN_OR_RETURN(NodeInfo info, FromProto(n));
@@ -180,7 +186,7 @@ class CentralClientImpl final : public CentralClient {
     pb::Empty req;
     pb::MetricsReply reply;
     DEEPNEX_RETURN_IF_ERROR(
-        Call(options_.timeout, [&](auto* ctx) { return stub_->Metrics(ctx, req, &reply); }));
+        Call(req, options_.timeout, [&](auto* ctx) { return stub_->Metrics(ctx, req, &reply); }));
     return reply.text();
   }
 
@@ -192,6 +198,11 @@ class CentralClientImpl final : public CentralClient {
     }
     QueuedOp p;
     ToProto(request, options, p.op.mutable_allocate());
+    // Refused alone: in a batch it failed the other ops sent with it.
+    if (absl::Status s = CheckUtf8Fields(p.op.allocate()); !s.ok()) {
+      done(s);
+      return 0;
+    }
     p.done = [done = std::move(done)](absl::Status s, pb::BatchResult* r) {
       if (s.ok() && r->allocations_size() == 0) s = NoneGranted();
       if (!s.ok()) return done(s);
@@ -215,6 +226,10 @@ class CentralClientImpl final : public CentralClient {
 
   void ReleaseAsync(const std::string& id, Allocator::Done done) override {
     if (absl::Status s = CheckForkSafe("central client"); !s.ok()) return done(s);
+    if (!IsUtf8(id)) {
+      return done(
+          absl::InvalidArgumentError(absl::StrCat("id ", Quoted(id), " is not UTF-8 text")));
+    }
     QueuedOp p;
     p.op.set_release(id);
     p.done = [done = std::move(done)](const absl::Status& s, pb::BatchResult*) { done(s); };
@@ -258,9 +273,14 @@ class CentralClientImpl final : public CentralClient {
     return ToAbslStatus(s);
   }
 
+  // fn(&ctx) sends `request`: one with a string that is not UTF-8 is
+  // refused here, naming the field, since no proto string can carry it (the
+  // server could not parse the call and answered UNIMPLEMENTED, no message).
   template <class Fn>
-  absl::Status Call(std::chrono::milliseconds timeout, Fn fn) {
+  absl::Status Call(const google::protobuf::Message& request, std::chrono::milliseconds timeout,
+                    Fn fn) {
     DEEPNEX_RETURN_IF_ERROR(CheckForkSafe("central client"));
+    DEEPNEX_RETURN_IF_ERROR(CheckUtf8Fields(request));
     grpc::ClientContext ctx;
     Prepare(&ctx, timeout);
     {

@@ -81,6 +81,24 @@ TEST_F(Central, UsersActOnlyOnTheirOwnAllocations) {
   EXPECT_THAT(bob_->Allocations(for_bob.user),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        HasSubstr("of \"bob\\ngranted a9\\x1b[2J\"")));
+  // Not UTF-8: no proto string carries it; the client refuses it naming the
+  // field (central had answered UNIMPLEMENTED with no message), and an
+  // asynchronous one alone (in a batch it would fail the ops sent along).
+  for_bob.user = "bob\xff";
+  EXPECT_THAT(alice_->Allocate(for_bob),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("user: \"bob\\xff\" is not UTF-8 text")));
+  std::promise<absl::Status> async;
+  alice_->AllocateGangAsync(for_bob, NoWait(),
+                            [&](auto parts) { async.set_value(parts.status()); });
+  EXPECT_THAT(async.get_future().get(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is not UTF-8 text")));
+  EXPECT_THAT(alice_->Release("a1\xff"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("id: \"a1\\xff\"")));
+  std::promise<absl::Status> release;
+  alice_->ReleaseAsync("a1\xff", [&](absl::Status s) { release.set_value(s); });
+  EXPECT_THAT(release.get_future().get(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("\"a1\\xff\"")));
   ASSERT_OK(alice_->Release(a.id));
   ASSERT_OK(alice_->Release(a.id));  // idempotent
   ASSERT_OK_AND_ASSIGN(auto all, admin_->Allocations());
