@@ -137,6 +137,17 @@ def options(struct: Any, **fields: Any) -> Any:
     return o
 
 
+def text(value: Any, what: str) -> Any:
+    """`value`, refused naming `what` where it is a str the C++ layer cannot
+    take: one with a lone surrogate (as os.fsdecode, and so argv, makes of
+    bytes that are not UTF-8) failed inside pybind11 with "incompatible
+    function arguments" and a traceback. Anything else goes on to the C++
+    layer, which checks it."""
+    if isinstance(value, str) and not_utf8(value) is not None:
+        raise InvalidArgumentError(f"{what}: {value!r} is not UTF-8 text")
+    return value
+
+
 def not_utf8(value: Any) -> Any:
     """The first str in `value` (a str, or a list, tuple or dict of them)
     that UTF-8 cannot encode (an argument with bytes the locale does not

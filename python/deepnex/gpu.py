@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from . import _C
-from ._convert import byte_size, options
+from ._convert import byte_size, options, text
 from .errors import InvalidArgumentError, NotFoundError
 
 __all__ = [
@@ -163,36 +163,37 @@ class Allocator:
                 raise TypeError(f"{where}: gpus[{i}]: expected deepnex.gpu.Gpu, "
                                 f"got {type(g).__name__}")
             gpus.append(g._args(f"{where}: gpus[{i}]"))
-        self._a.add_node(name=node.name, gpus=gpus, cpus=_int32(node.cpus, f"{where}: cpus"),
+        self._a.add_node(name=text(node.name, "node name"), gpus=gpus, cpus=_int32(node.cpus, f"{where}: cpus"),
                          memory=byte_size(node.memory, f"{where}: memory"), mode=node.mode,
                          labels=dict(node.labels or {}))
 
     def remove_node(self, name):
         """Refused (FailedPreconditionError) while the node holds allocations."""
-        self._a.remove_node(name)
+        self._a.remove_node(text(name, "node"))
 
     def set_node_mode(self, name, mode, when_drained=False):
         """Switch a node to "exclusive" or "shared". A node holding GPU
         allocations of its current mode refuses (FailedPreconditionError naming
         them), or with ``when_drained=True`` switches once they are released."""
-        self._a.set_node_mode(name=name, mode=mode, when_drained=bool(when_drained))
+        self._a.set_node_mode(name=text(name, "node"), mode=text(mode, "mode"),
+                              when_drained=bool(when_drained))
 
     def cordon(self, name):
-        self._a.cordon(name)
+        self._a.cordon(text(name, "node"))
 
     def uncordon(self, name):
-        self._a.uncordon(name)
+        self._a.uncordon(text(name, "node"))
 
     def drain(self, name, release=False):
         """Cordon the node and mark it draining; ``release=True`` also
         releases its allocations."""
-        self._a.drain(name=name, release=bool(release))
+        self._a.drain(name=text(name, "node"), release=bool(release))
 
     def nodes(self) -> List[NodeInfo]:
         return self._a.nodes()
 
     def node(self, name) -> NodeInfo:
-        return self._a.node(name)
+        return self._a.node(text(name, "node"))
 
     # ---- quotas (admin)
 
@@ -214,7 +215,7 @@ class Allocator:
     def _set_quota(self, user, gpus, gpu_memory, cpus, memory, max_priority):
         who = f"quota of {user or 'default'}"
         return self._a.set_quota(
-            user=user,
+            user=text(user, "user"),
             gpus=None if gpus is None else _int64(gpus, f"{who}: gpus"),
             gpu_memory=(None if gpu_memory is None
                         else byte_size(gpu_memory, f"{who}: gpu_memory")),
@@ -223,13 +224,13 @@ class Allocator:
             max_priority=_int32(max_priority, f"{who}: max_priority"))
 
     def clear_quota(self, user):
-        self._a.clear_quota(user)
+        self._a.clear_quota(text(user, "user"))
 
     def quota(self, user) -> dict:
-        return self._a.quota(user)
+        return self._a.quota(text(user, "user"))
 
     def usage(self, user) -> dict:
-        return self._a.usage(user)
+        return self._a.usage(text(user, "user"))
 
     def quotas(self, user=None) -> List[dict]:
         """Quotas beside usage: dicts {"user", "own", "quota", "usage"},
@@ -239,7 +240,7 @@ class Allocator:
         the default quota first (user ""), then every user with a quota or
         holding something; otherwise that user alone. Through
         deepnex-central a user token sees only its own."""
-        return self._a.quotas(user or "")
+        return self._a.quotas(text(user or "", "user"))
 
     def pending(self, user=None) -> List[dict]:
         """The queue in order: dicts {"position" (1-based, in the whole
@@ -248,7 +249,7 @@ class Allocator:
         "reason"}; "reason" says why it waits, e.g. "waiting for 2 exclusive
         GPUs (0 free on any eligible node)" or "behind 3 requests". ``user``
         filters; through deepnex-central a user sees only their own."""
-        return self._a.pending(user or "")
+        return self._a.pending(text(user or "", "user"))
 
     # ---- allocations
 
@@ -275,16 +276,16 @@ class Allocator:
 
     def release(self, id):  # noqa: A002 - the issue's name
         """Release an allocation (or a whole gang by its gang id). Idempotent."""
-        self._a.release(id)
+        self._a.release(text(id, "id"))
 
     def renew(self, id) -> Allocation:  # noqa: A002
-        return self._a.renew(id)
+        return self._a.renew(text(id, "id"))
 
     def allocations(self, user=None) -> List[Allocation]:
-        return self._a.allocations(user or "")
+        return self._a.allocations(text(user or "", "user"))
 
     def allocation(self, id) -> Allocation:  # noqa: A002
-        return self._a.allocation(id)
+        return self._a.allocation(text(id, "id"))
 
     def queue_length(self) -> int:
         return self._a.queue_length()

@@ -539,6 +539,28 @@ def _quota_row(stdout, user):
     return row
 
 
+def test_cli_arguments_that_are_not_utf8_are_refused_naming_them(central):
+    # Bytes that are not UTF-8 on the command line come as lone surrogates;
+    # pybind11 refused them with "incompatible function arguments" and a
+    # traceback. Each is one line naming the argument, exit status 1.
+    bad = os.fsdecode(b"x\xff")
+    for args, token, field in [
+            (("release", bad), "alicetok", "id"),
+            (("allocations", "--user", bad), "alicetok", "user"),
+            (("queue", "--user", bad), "alicetok", "user"),
+            (("quota", bad), "admintok", "user"),
+            (("quota", bad, "--gpus", "2"), "admintok", "user"),
+            (("node", "cordon", bad), "admintok", "node"),
+            (("node", "mode", bad, "shared"), "admintok", "node")]:
+        out = run_cli(*args, central=central, token=token)
+        assert out.returncode == 1, (args, out.stderr)
+        assert out.stderr == f"deepnex: {field}: 'x\\udcff' is not UTF-8 text\n", (args, out.stderr)
+    with pytest.raises(deepnex.InvalidArgumentError, match="^id: 'x.udcff' is not UTF-8 text$"):
+        gpu.CentralClient(central, token="admintok").release(bad)
+    with pytest.raises(deepnex.InvalidArgumentError, match="^node: 'x.udcff' is not UTF-8 text$"):
+        gpu.Allocator().set_node_mode(bad, "shared")
+
+
 def test_cli_quota_shows_sets_and_clears(central):
     admin = gpu.CentralClient(central, token="admintok")
     out = run_cli("quota", "alice", "--gpus", "4", "--cpus", "8", central=central)
