@@ -163,7 +163,8 @@ class Allocator:
                 raise TypeError(f"{where}: gpus[{i}]: expected deepnex.gpu.Gpu, "
                                 f"got {type(g).__name__}")
             gpus.append(g._args(f"{where}: gpus[{i}]"))
-        self._a.add_node(name=text(node.name, "node name"), gpus=gpus, cpus=_int32(node.cpus, f"{where}: cpus"),
+        self._a.add_node(name=text(node.name, "node name"), gpus=gpus,
+                         cpus=_int32(node.cpus, f"{where}: cpus"),
                          memory=byte_size(node.memory, f"{where}: memory"), mode=node.mode,
                          labels=dict(node.labels or {}))
 
@@ -265,11 +266,11 @@ class Allocator:
                             f"got {type(request).__name__}")
         r = request
         parts = self._a.allocate(options(
-            _C.gpu.Request, user=r.user, job=r.job or "", gpus=_int(r.gpus, "gpus"),
+            _C.gpu.Request, user=r.user, job=r.job or "", gpus=_int32(r.gpus, "gpus"),
             mode=r.mode, gpu_memory=byte_size(r.gpu_memory, "gpu_memory"),
-            cpus=_int(r.cpus, "cpus"), memory=byte_size(r.memory, "memory"),
+            cpus=_int32(r.cpus, "cpus"), memory=byte_size(r.memory, "memory"),
             selector=dict(r.selector or {}), node=r.node or "",
-            priority=_int(r.priority, "priority"), replicas=_int(r.replicas, "replicas"),
+            priority=_int32(r.priority, "priority"), replicas=_int32(r.replicas, "replicas"),
             spread=bool(r.spread), lease=_seconds(r.lease, "lease")),
             wait=bool(wait), timeout=_seconds(timeout, "timeout"))
         return parts if r.replicas != 1 else parts[0]

@@ -241,6 +241,19 @@ def test_bad_nodes_change_nothing():
     assert alloc._digest() == before
 
 
+def test_request_counts_past_32_bits_are_named_as_a_nodes_are():
+    # 2**62 GPUs read "not a value of this option's type, or out of its
+    # range"; now as add_node's counts, and nothing is granted or queued.
+    alloc = gpu.Allocator()
+    alloc.add_node(shared_node())
+    before = alloc._digest()
+    for field in ("gpus", "cpus", "priority", "replicas"):
+        with pytest.raises(deepnex.InvalidArgumentError,
+                           match=f"^{field}=4611686018427387904: must fit in 32 bits$"):
+            alloc.allocate(gpu.Request(user="alice", **{"gpus": 1, field: 2**62}))
+    assert alloc._digest() == before and alloc.queue_length() == 0
+
+
 def test_discovery_and_node_files(tmp_path):
     found = gpu.discover()
     assert isinstance(found["summary"], str)
