@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <future>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -868,6 +869,47 @@ TEST(Allocator, ModeSwitchWhenDrainedTakesEffectAfterRelease) {
   ASSERT_OK_AND_ASSIGN(n, alloc->GetNode("n1"));
   EXPECT_EQ(n.mode, Mode::kExclusive);
   EXPECT_FALSE(n.pending_mode.has_value());
+  EXPECT_OK(alloc->CheckInvariants());
+}
+
+// A request waiting in the queue for a node that then switches to the other
+// mode can never be granted there: it is refused as a new one would be
+// (FailedPrecondition), at once or once a pending switch takes effect, as
+// when its node is removed, rather than wait for its timeout. Existing
+// grants stay (as a Slurm partition or Kubernetes label change leaves
+// running work alone).
+TEST(Allocator, AModeSwitchRefusesTheQueuedRequestsOnlyTheOldModeCouldHold) {
+  auto alloc = NewAllocator();
+  ASSERT_OK(alloc->AddNode(MakeNode("n1", 2, 80 * kGiB, Mode::kExclusive, 4)));
+  ASSERT_OK(alloc->AddNode(MakeNode("n2", 1, 80 * kGiB, Mode::kExclusive, 4)));
+  // n1's cores are taken, so bob's request for n1 waits; n2's GPU is taken.
+  ASSERT_OK(alloc->Allocate(Exclusive("alice", 0, 4)).status());
+  ASSERT_OK_AND_ASSIGN(Allocation held, alloc->Allocate(Exclusive("alice", 1)));
+  auto queued = [&](Request r) {
+    return std::async(std::launch::async, [&alloc, r] {
+      AllocateOptions o;
+      o.timeout = 60s;
+      return alloc->Allocate(r, o).status();
+    });
+  };
+  Request on_n1 = Exclusive("bob", 1, 1);
+  on_n1.node = "n1";
+  auto first = queued(on_n1);
+  ASSERT_TRUE(Eventually([&] { return alloc->QueueLength() == 1; }));
+  ASSERT_OK(alloc->SetNodeMode("n1", Mode::kShared));  // no GPU allocation: at once
+  EXPECT_THAT(first.get(), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                    HasSubstr("every node that could take it is shared (n1)")));
+  // A switch pending on n2: the request waits until it takes effect.
+  Request on_n2 = Exclusive("bob", 1);
+  on_n2.node = "n2";
+  auto second = queued(on_n2);
+  ASSERT_TRUE(Eventually([&] { return alloc->QueueLength() == 1; }));
+  ASSERT_OK(alloc->SetNodeMode("n2", Mode::kShared, ModeSwitch::kWhenDrained));
+  EXPECT_EQ(alloc->QueueLength(), 1u);
+  ASSERT_OK(alloc->Release(held.id));
+  EXPECT_THAT(second.get(), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                     HasSubstr("every node that could take it is shared (n2)")));
+  EXPECT_EQ(alloc->QueueLength(), 0u);
   EXPECT_OK(alloc->CheckInvariants());
 }
 

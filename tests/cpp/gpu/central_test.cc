@@ -14,11 +14,13 @@
 #include <condition_variable>
 #include <fstream>
 #include <future>
+#include <map>
 #include <mutex>
 #include <random>
 #include <set>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "core/grpc_util.h"
 #include "gmock/gmock.h"
 #include "gpu/gpu_test_util.h"
@@ -455,6 +457,151 @@ void KillNineDuringGrants(int window) {
 TEST(CentralCrash, KillNineKeepsEveryAcknowledgedGrant) { KillNineDuringGrants(0); }
 
 TEST(CentralCrash, KillNineKeepsEveryAcknowledgedAsyncGrant) { KillNineDuringGrants(16); }
+
+// kill -9 of the daemon at a random point while users race allocate and
+// release against their quotas and an admin switches node modes, six times
+// over one state directory; after each kill the ledger holds every
+// acknowledged grant not acknowledged released, none acknowledged released,
+// each node's acknowledged mode (or one still in flight), no user over a
+// quota and no GPU double-booked; then the next daemon starts on it.
+TEST(CentralCrash, KillNineAtRandomPointsLosesAndDoubleBooksNothing) {
+  TempDir dir;
+  const std::string nodes = dir.path() + "/nodes.json";
+  std::ofstream(nodes) << R"({"nodes": [
+      {"name": "x1", "cpus": 16, "memory": "64GiB", "mode": "exclusive",
+       "gpus": {"count": 4, "memory": "40GiB"}},
+      {"name": "s1", "cpus": 16, "memory": "64GiB", "mode": "shared",
+       "gpus": {"count": 4, "memory": "40GiB"}}]})";
+  const std::string state = dir.path() + "/state";
+  const std::vector<std::string> node_names = {"x1", "s1"};
+  std::mt19937_64 rng(2026);
+  for (int round = 0; round < 6; ++round) {
+    const CentralDaemon daemon = StartCentralDaemon({"--state-dir", state, "--nodes", nodes});
+    ASSERT_FALSE(daemon.address.empty()) << "round " << round;
+    CentralClientOptions o;
+    o.address = daemon.address;
+    o.timeout = 5s;
+    if (round == 0) {
+      ASSERT_OK_AND_ASSIGN(auto admin, CentralClient::Create(o));
+      Quota q;
+      q.gpus = 2;
+      q.gpu_memory = 60 * kGiB;
+      q.cpus = 6;
+      q.memory = 20 * kGiB;
+      for (const char* u : {"u0", "u1", "u2"}) ASSERT_OK(admin->SetQuota(u, q).status());
+    }
+    std::mutex mu;
+    std::set<std::string> acked, released, releasing;
+    // Per node: the target of the last acknowledged SetNodeMode, and one in flight.
+    std::map<std::string, std::set<Mode>> may_be;
+    std::atomic<bool> stop{false};
+    std::atomic<int> ops{0};
+    // Connected before any thread starts: the kill may come before a late
+    // thread would have dialed.
+    std::vector<std::unique_ptr<CentralClient>> clients;
+    for (int t = 0; t < 7; ++t) {
+      ASSERT_OK_AND_ASSIGN(auto c, CentralClient::Create(o));
+      clients.push_back(std::move(c));
+    }
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 6; ++t) {
+      threads.emplace_back([&, t, seed = rng()] {
+        CentralClient* client = clients[t].get();
+        std::mt19937_64 r(seed);
+        std::vector<std::string> held;
+        while (!stop) {
+          if (!held.empty() && r() % 2) {
+            const std::string id = held.back();
+            {
+              std::lock_guard<std::mutex> lock(mu);
+              releasing.insert(id);
+            }
+            if (!client->Release(id).ok()) return;  // the daemon is gone
+            std::lock_guard<std::mutex> lock(mu);
+            released.insert(id);
+            held.pop_back();
+            ++ops;
+            continue;
+          }
+          const std::string user = "u" + std::to_string(t % 3);
+          Request req = r() % 2 ? Shared(user, 1 + r() % 2, (1 + r() % 30) * kGiB, r() % 3)
+                                : Exclusive(user, r() % 2, 1 + r() % 2, (r() % 8) * kGiB);
+          auto a = client->Allocate(req, NoWait());
+          if (a.ok()) {
+            std::lock_guard<std::mutex> lock(mu);
+            acked.insert(a->id);
+            held.push_back(a->id);
+            ++ops;
+          } else if (a.status().code() != absl::StatusCode::kResourceExhausted &&
+                     a.status().code() != absl::StatusCode::kFailedPrecondition) {
+            return;  // the daemon is gone
+          }
+        }
+      });
+    }
+    threads.emplace_back([&, seed = rng()] {
+      CentralClient* client = clients[6].get();
+      std::mt19937_64 r(seed);
+      while (!stop) {
+        const std::string name = node_names[r() % 2];
+        const Mode mode = r() % 2 ? Mode::kShared : Mode::kExclusive;
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          may_be[name].insert(mode);
+        }
+        absl::Status s = client->SetNodeMode(
+            name, mode, r() % 2 ? ModeSwitch::kWhenDrained : ModeSwitch::kRefuse);
+        std::lock_guard<std::mutex> lock(mu);
+        if (s.ok()) {
+          may_be[name] = {mode};
+        } else if (s.code() == absl::StatusCode::kFailedPrecondition) {
+          may_be[name].erase(mode);  // refused: nothing changed
+          if (may_be[name].empty()) may_be.erase(name);
+        } else {
+          return;  // the daemon is gone
+        }
+      }
+    });
+    // Kill after a random number of acknowledged operations.
+    const int kill_after = 20 + static_cast<int>(rng() % 200);
+    ASSERT_TRUE(WaitFor([&] { return ops >= kill_after; }, 60s,
+                        absl::StrCat(kill_after, " acknowledged operations, round ", round)));
+    kill(daemon.pid, SIGKILL);
+    int status = 0;
+    waitpid(daemon.pid, &status, 0);
+    stop = true;
+    for (auto& t : threads) t.join();
+    AllocatorOptions ao;
+    ao.state_dir = state;
+    ASSERT_OK_AND_ASSIGN(auto alloc, Allocator::Create(ao));
+    ASSERT_OK(alloc->CheckInvariants()) << "round " << round;
+    EXPECT_EQ(OverQuota(alloc->Quotas()), "") << "round " << round;
+    std::set<std::string> present;
+    for (const auto& a : alloc->Allocations()) present.insert(a.id);
+    for (const auto& id : acked) {
+      if (released.count(id)) {
+        EXPECT_FALSE(present.count(id)) << id << " was released, round " << round;
+      } else if (!releasing.count(id)) {
+        EXPECT_TRUE(present.count(id)) << id << " was granted, round " << round;
+      }
+    }
+    for (const auto& n : alloc->Nodes()) {
+      const Mode target = n.pending_mode.value_or(n.mode);
+      auto it = may_be.find(n.node.name);
+      if (it != may_be.end() && it->second.size() == 1) {
+        EXPECT_EQ(target, *it->second.begin()) << n.node.name << ", round " << round;
+      }
+      int gpu_allocs = 0;
+      for (int c : n.gpu_allocations) gpu_allocs += c;
+      EXPECT_FALSE(n.pending_mode && gpu_allocs == 0)
+          << n.node.name << ": a switch pending with no allocation left, round " << round;
+    }
+    // The next daemon starts from a state with no grants.
+    for (const auto& id : present) ASSERT_OK(alloc->Release(id));
+    std::cout << "round " << round << ": killed after " << ops << " operations, "
+              << present.size() << " grants recovered\n";
+  }
+}
 
 // deepnex-central over one node of one GPU, its nodes file in `dir`.
 CentralDaemon OneGpuCentral(const TempDir& dir) {

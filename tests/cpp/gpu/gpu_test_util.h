@@ -65,6 +65,23 @@ inline AllocateOptions NoWait() {
   return o;
 }
 
+// Each user's use against the quota that applies to them, from one view of
+// the allocator's state (Quotas reads it under the allocator's lock): empty
+// when every user is within, else who is over and by what.
+inline std::string OverQuota(const std::vector<UserQuota>& quotas) {
+  for (const UserQuota& e : quotas) {
+    const Quota& q = e.quota;
+    const Usage& u = e.usage;
+    if ((q.gpus && u.gpus > *q.gpus) || (q.gpu_memory && u.gpu_memory > *q.gpu_memory) ||
+        (q.cpus && u.cpus > *q.cpus) || (q.memory && u.memory > *q.memory)) {
+      return "user " + e.user + " holds gpus=" + std::to_string(u.gpus) +
+             " gpu_memory=" + std::to_string(u.gpu_memory) + " cpus=" + std::to_string(u.cpus) +
+             " memory=" + std::to_string(u.memory) + " over " + q.ToString();
+    }
+  }
+  return "";
+}
+
 using TempDir = ::deepnex::test::TempDir;
 
 #ifdef DEEPNEX_CENTRAL_BIN

@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -178,6 +179,142 @@ TEST(Stress, PersistentClientsReplayToTheSameState) {
   ASSERT_OK_AND_ASSIGN(auto alloc, Allocator::Create(o));
   EXPECT_EQ(alloc->StateDigest(), digest);
   EXPECT_EQ(alloc->Allocations().size(), 10u);
+  EXPECT_OK(alloc->CheckInvariants());
+}
+
+// Three clients per user race for the same quota, and between grants switch
+// nodes between exclusive and shared (at once or when drained) and cordon
+// them as an admin would; a checker reads the quotas and the invariants from
+// the allocator's own state throughout. No user is ever over a quota, no GPU
+// is double-booked, and once everything is released no switch is pending.
+void QuotasHoldUnderRacesAndModeSwitches(Allocator& alloc) {
+  std::vector<Node> nodes;
+  for (int i = 0; i < 6; ++i) {
+    nodes.push_back(MakeNode("node" + std::to_string(i), 4, 40 * kGiB,
+                             i % 2 ? Mode::kShared : Mode::kExclusive, 32, 256 * kGiB));
+  }
+  for (const auto& n : nodes) ASSERT_OK(alloc.AddNode(n));
+  Quota q;
+  q.gpus = 3;
+  q.gpu_memory = 100 * kGiB;
+  q.cpus = 10;
+  q.memory = 40 * kGiB;
+  const int users = 4;
+  for (int u = 0; u < users; ++u) ASSERT_OK(alloc.SetQuota("u" + std::to_string(u), q).status());
+  std::atomic<bool> stop{false};
+  std::atomic<int> granted{0}, switched{0};
+  std::mutex problem_mu;
+  std::string problem;
+  auto report = [&](const std::string& p) {
+    std::lock_guard<std::mutex> lock(problem_mu);
+    if (problem.empty()) problem = p;
+  };
+  // An admin's change among the grants; the clients make them in turn, so
+  // that they land among grants however the threads are scheduled.
+  auto admin_change = [&](std::mt19937_64& rng) {
+    const std::string name = "node" + std::to_string(rng() % nodes.size());
+    const Mode mode = rng() % 2 ? Mode::kShared : Mode::kExclusive;
+    switch (rng() % 4) {
+      case 0:
+      case 1: {
+        absl::Status s = alloc.SetNodeMode(
+            name, mode, rng() % 2 ? ModeSwitch::kWhenDrained : ModeSwitch::kRefuse);
+        if (s.ok()) {
+          ++switched;
+        } else if (s.code() != absl::StatusCode::kFailedPrecondition) {
+          report("mode: " + s.ToString());
+        }
+        break;
+      }
+      case 2:
+        if (absl::Status s = alloc.Cordon(name); !s.ok()) report("cordon: " + s.ToString());
+        break;
+      default:
+        if (absl::Status s = alloc.Uncordon(name); !s.ok()) report("uncordon: " + s.ToString());
+    }
+  };
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 3 * users; ++c) {
+    clients.emplace_back([&, c] {
+      std::mt19937_64 rng(99 + c);
+      std::vector<std::string> held;
+      for (int op = 0; op < 1500; ++op) {
+        if (op % 20 == 19) admin_change(rng);
+        if (!held.empty() && (rng() % 2 == 0 || held.size() > 4)) {
+          size_t k = rng() % held.size();
+          absl::Status s = alloc.Release(held[k]);
+          if (!s.ok()) report("release " + held[k] + ": " + s.ToString());
+          held.erase(held.begin() + k);
+          continue;
+        }
+        Request r;
+        r.user = "u" + std::to_string(c % users);
+        r.mode = rng() % 2 ? Mode::kShared : Mode::kExclusive;
+        r.gpus = static_cast<int>(rng() % 3);
+        if (r.mode == Mode::kShared && r.gpus > 0) r.gpu_memory = (1 + rng() % 30) * kGiB;
+        r.cpus = static_cast<int>(rng() % 5);
+        r.memory = (rng() % 12) * kGiB;
+        if (r.gpus == 0 && r.cpus == 0 && r.memory == 0) r.cpus = 1;
+        AllocateOptions o;
+        o.wait = rng() % 4 == 0;
+        o.timeout = std::chrono::milliseconds(2);
+        auto a = alloc.Allocate(r, o);
+        if (a.ok()) {
+          held.push_back(a->id);
+          ++granted;
+        } else if (a.status().code() != absl::StatusCode::kResourceExhausted &&
+                   a.status().code() != absl::StatusCode::kDeadlineExceeded &&
+                   a.status().code() != absl::StatusCode::kFailedPrecondition) {
+          report("allocate: " + a.status().ToString());
+        }
+      }
+      for (const auto& id : held) {
+        absl::Status s = alloc.Release(id);
+        if (!s.ok()) report("release " + id + ": " + s.ToString());
+      }
+    });
+  }
+  std::thread checker([&] {
+    while (!stop) {
+      if (std::string over = OverQuota(alloc.Quotas()); !over.empty()) report(over);
+      if (absl::Status s = alloc.CheckInvariants(); !s.ok()) report(s.ToString());
+    }
+  });
+  for (auto& t : clients) t.join();
+  stop = true;
+  checker.join();
+  EXPECT_EQ(problem, "");
+  EXPECT_OK(alloc.CheckInvariants());
+  EXPECT_EQ(OverQuota(alloc.Quotas()), "");
+  EXPECT_TRUE(alloc.Allocations().empty());
+  for (const auto& n : alloc.Nodes()) {
+    EXPECT_FALSE(n.pending_mode.has_value()) << n.node.name << " has no allocation left";
+    EXPECT_EQ(n.gpus_free(), 4) << n.node.name;
+  }
+  EXPECT_GT(granted.load(), 1000);
+  EXPECT_GT(switched.load(), 100);  // the switches when drained never fail
+  std::cout << granted << " grants, " << switched << " mode changes\n";
+}
+
+TEST(Stress, QuotasHoldUnderRacesAndModeSwitches) {
+  ASSERT_OK_AND_ASSIGN(auto alloc, Allocator::Create());
+  QuotasHoldUnderRacesAndModeSwitches(*alloc);
+}
+
+TEST(Stress, PersistentQuotasHoldUnderRacesAndModeSwitchesAndReplay) {
+  TempDir dir;
+  AllocatorOptions o;
+  o.state_dir = dir.path();
+  o.fsync = false;  // a process crash loses nothing; the test is about the state
+  o.snapshot_every = 2000;
+  std::string digest;
+  {
+    ASSERT_OK_AND_ASSIGN(auto alloc, Allocator::Create(o));
+    QuotasHoldUnderRacesAndModeSwitches(*alloc);
+    digest = alloc->StateDigest();
+  }
+  ASSERT_OK_AND_ASSIGN(auto alloc, Allocator::Create(o));
+  EXPECT_EQ(alloc->StateDigest(), digest);
   EXPECT_OK(alloc->CheckInvariants());
 }
 
