@@ -182,7 +182,7 @@ class _Slot:
     The trial's exit code comes over the control socket; its output goes to
     its log, which the end line in the job's output closes."""
 
-    def __init__(self, make_job, python, warm_script, warm_socket, release):
+    def __init__(self, make_job, start_job, python, warm_script, warm_socket, release):
         import tempfile
         self._dir = tempfile.mkdtemp(prefix="deepnex-slot-")
         self._lock = threading.Lock()
@@ -197,7 +197,7 @@ class _Slot:
         self.job = make_job([python, "-S", warm_script, "slot", control, warm_socket],
                             self._output)
         try:
-            self.job.start()
+            start_job(self.job)
             # The slot's process connects as it starts; a job that ends
             # first (its process failed) fails the slot.
             listener.settimeout(0.05)
@@ -415,6 +415,10 @@ class _JobRunner:
         self._cancels = 0
         self._idle = []    # slots that run no trial now
         self._slots = []   # all of them, for close()
+        # The jobs whose start() is in progress, each with its give_up():
+        # central may queue a start for ever (another user's grants fill
+        # its nodes), and only a stop() ends that wait.
+        self._starting = {}
 
     @property
     def capacity(self):
@@ -430,6 +434,34 @@ class _JobRunner:
             self._cancels += 1
         if self._capacity is not None:
             self._capacity.wake()
+        self._stop_starts()
+
+    def _start_job(self, job, give_up):
+        """job.start(); CancelledError once give_up() is true, checked here
+        and whenever _stop_starts() runs (a cancel(), a slot falling idle),
+        which stops the job's start where central has queued it."""
+        with self._lock:
+            self._starting[job] = give_up
+        try:
+            if give_up():
+                raise CancelledError(f"job {job.name}'s start was cancelled")
+            return job.start()
+        except CancelledError:
+            raise
+        except BaseException:
+            if give_up():
+                raise CancelledError(f"job {job.name}'s start was cancelled") from None
+            raise
+        finally:
+            with self._lock:
+                del self._starting[job]
+
+    def _stop_starts(self):
+        """Stops the starts in progress whose give_up() is now true."""
+        with self._lock:
+            jobs = [job for job, give_up in self._starting.items() if give_up()]
+        for job in jobs:
+            job.stop()
 
     def __call__(self, trial_id, argv, env, log_path):
         from . import job as job_module
@@ -455,7 +487,7 @@ class _JobRunner:
                                  # Restarts go to the trial's log: stderr
                                  # would break the live status table.
                                  on_event=lambda message: log.write("job", message), **options)
-            return job.start()
+            return self._start_job(job, cancelled)
         try:
             job = self._retrying(start, cancelled)
         except BaseException:
@@ -554,8 +586,10 @@ class _JobRunner:
                                   output=output, on_event=lambda m: output("job", m),
                                   **options)
         try:
-            slot = self._retrying(lambda: _Slot(make_job, python, script, socket_path, release),
-                                  give_up)
+            slot = self._retrying(
+                lambda: _Slot(make_job, lambda job: self._start_job(job, give_up), python,
+                              script, socket_path, release),
+                give_up)
         except BaseException:
             release()
             raise
@@ -573,6 +607,11 @@ class _JobRunner:
             slot.close()
         if self._capacity is not None:
             self._capacity.wake()   # a trial waiting for cores may take the idle slot
+        else:
+            # A trial whose new slot waits in central's queue takes the idle
+            # one: the idle slot may hold the very GPUs that it waits for,
+            # until the search's end, which waits for that trial.
+            self._stop_starts()
 
     def close(self):
         """Ends the idle slots' jobs, releasing their allocations (the

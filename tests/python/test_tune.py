@@ -482,6 +482,77 @@ def test_job_runner_on_central_fails_what_no_node_could_hold_and_waits_out_a_quo
         stop_central(proc)
 
 
+def _central_with_one_free_gpu(tmp_path):
+    """deepnex-central of one node (this host, 2 GPUs), bob holding one GPU
+    of it: (its process, its address)."""
+    import socket
+    from _central import start_central
+    from deepnex import gpu
+    proc, address = start_central(tmp_path, cpus=8, memory="16GiB", node=socket.gethostname())
+    bob = gpu.CentralClient(address, token="bobtok", timeout=10)
+    bob.allocate(gpu.Request(user="bob", gpus=1, cpus=1, memory="64MiB"))
+    return proc, address
+
+
+def test_warm_trials_on_central_take_an_idle_slot_rather_than_wait_in_its_queue(
+        trial_script, tmp_path):
+    """Two warm trials at once on central's one free GPU: the second's new
+    slot waits in central's queue. The first's slot, idle once its trial
+    ended, held that GPU until the search's end, which waited for the
+    second trial: the search never ended. Now the waiting trial takes the
+    idle slot."""
+    from _central import stop_central
+    proc, address = _central_with_one_free_gpu(tmp_path)
+    try:
+        results = _run_within(120, command=trial_script, space={"x": tune.grid([1.0, 2.0, 3.0])},
+                              metric="score", out_dir=str(tmp_path / "out"), max_concurrent=2,
+                              out=io.StringIO(),
+                              runner=tune.job_runner(central=address, central_token="alicetok",
+                                                     memory="64MiB", gpus_per_worker=1))
+        assert [t.status for t in results.trials] == ["completed"] * 3
+    finally:
+        stop_central(proc)
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_sigint_ends_a_search_whose_trials_wait_in_centrals_queue(trial_script, tmp_path,
+                                                                   warm):
+    """Ctrl-C of a search whose trials' jobs wait in central's queue (the
+    GPU they need is another user's): the search ends at once, the trials
+    not started and their requests withdrawn. Their starts waited on and
+    the search with them, until central granted them."""
+    from _central import stop_central
+    from deepnex import gpu
+    proc, address = _central_with_one_free_gpu(tmp_path)
+    alice = gpu.CentralClient(address, token="alicetok", timeout=10)
+    try:
+        alice.allocate(gpu.Request(user="alice", gpus=1, cpus=1, memory="64MiB"))
+        ended = threading.Event()
+
+        def interrupt():
+            _wait_for(lambda: alice.pending(), "the trials to queue")
+            os.kill(os.getpid(), signal.SIGINT)
+            # A second SIGINT stops the search's wait for its trials, so
+            # that one that still waits fails rather than hangs.
+            if not ended.wait(30):
+                os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=interrupt, daemon=True).start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(tune.Interrupted) as info:
+                tune.run(trial_script, {"x": tune.grid([1.0, 2.0])}, metric="score",
+                         out_dir=str(tmp_path / "out"), out=io.StringIO(), warm=warm,
+                         runner=tune.job_runner(central=address, central_token="alicetok",
+                                                memory="64MiB", gpus_per_worker=1))
+        finally:
+            ended.set()
+        assert time.monotonic() - started < 30
+        assert [t.status for t in info.value.results.trials] == ["not started"] * 2
+        _wait_for(lambda: not alice.pending(), "the trials' requests to be withdrawn")
+    finally:
+        stop_central(proc)
+
+
 def test_job_runner_exit_code_stop_and_worker_prefix(trial_script, tmp_path):
     results = tune.run(trial_script, {"x": tune.grid([4.0, 3.0, 2.0]), "fail_at": 2.0},
                        metric="score", max_concurrent=1,
