@@ -399,13 +399,14 @@ class _JobRunner:
         self._job_options = dict(workers=workers, mode=_check_mode(mode), ps=ps, cpus=cpus,
                                  gpus_per_worker=gpus_per_worker, gpu_mode=gpu_mode,
                                  **job_options)
-        self._need = (workers * max(1, math.ceil(cpus)), workers * gpus_per_worker)
-        self._retry_interval = retry_interval
         # Bad job options, or trials that could never fit on this machine,
         # fail the search before it starts rather than every trial. A Job
-        # checks its options when made, before it starts anything.
+        # checks its options when made, before it starts anything (and
+        # before ceil() below meets a cpus of nan or inf).
         from . import job as job_module
         job_module.Job(["true"], **self._job_options)
+        self._need = (workers * max(1, math.ceil(cpus)), workers * gpus_per_worker)
+        self._retry_interval = retry_interval
         self._capacity = None
         if not job_options.get("central"):
             self._capacity = _Capacity(gpu_mode, self._need)

@@ -135,7 +135,8 @@ class JobImpl : public Job {
           absl::StrCat("gpus_per_worker: ", o_.gpus_per_worker, " is below 0"));
     }
     if (!(o_.cpus >= 0) || !std::isfinite(o_.cpus)) {
-      return absl::InvalidArgumentError(absl::StrCat("cpus: ", o_.cpus, " is not >= 0"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("cpus: ", o_.cpus, " is not a finite number >= 0"));
     }
     // deepnex-central grants only what is asked, and a container needs
     // memory: said before anything is allocated (a new user's job was

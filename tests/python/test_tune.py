@@ -428,8 +428,11 @@ def test_job_runner_waits_for_cores_and_refuses_what_never_fits(trial_script, tm
                              f"this machine has {cores} cores and "):
         tune.job_runner(workers=1, cpus=cores + 1)
     for options, message in [({"workers": 0}, "workers: 0 is below 1"),
-                             ({"cpus": -1}, "cpus: -1 is not >= 0"),
-                             ({"mode": "sync", "ps": -3}, "ps: -3 is below 0")]:
+                             ({"cpus": -1}, "cpus: -1 is not a finite number >= 0"),
+                             ({"mode": "sync", "ps": -3}, "ps: -3 is below 0"),
+                             # A ValueError and an OverflowError from math.ceil.
+                             ({"cpus": math.nan}, "cpus: nan is not a finite number >= 0"),
+                             ({"cpus": math.inf}, "cpus: inf is not a finite number >= 0")]:
         with pytest.raises(InvalidArgumentError, match=f"^{message}$"):
             tune.job_runner(**options)
 
