@@ -96,11 +96,23 @@ def _plain(name, value):
     if isinstance(value, numbers.Number) and hasattr(value, "item"):
         value = value.item()
     try:
-        json.dumps(value, allow_nan=True)
+        text = json.dumps(value, allow_nan=True, ensure_ascii=False)
     except (TypeError, ValueError):
         raise InvalidArgumentError(f"{name}: {value!r} is not a JSON value (a trial gets its "
                                    "configuration as JSON)") from None
+    if not _utf8(text):
+        # A command-line byte that is not UTF-8: results.csv and best.json
+        # (UTF-8) could not be written, after every trial had run.
+        raise InvalidArgumentError(f"{name}: {value!r} is not UTF-8 text")
     return value
+
+
+def _utf8(text):
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def uniform(low, high):
@@ -140,10 +152,17 @@ def grid(values):
 
 
 def check_names(space):
-    """InvalidArgumentError for two names that reach a trial as the same
-    --flag (underscores become dashes): lr_a and lr-a."""
+    """InvalidArgumentError for a name that is no flag name, and for two
+    names that reach a trial as the same --flag (underscores become
+    dashes): lr_a and lr-a."""
     flags = {}
     for name in space:
+        # A name is the trial's --flag and a column of the status table and
+        # results.csv: a newline broke the table, and bytes that are not
+        # UTF-8 failed the writing of the results once every trial had run.
+        if not isinstance(name, str) or not name or not name.isprintable() or not _utf8(name):
+            raise InvalidArgumentError(f"space: the name {name!r} is not printable UTF-8 text "
+                                       "(it is the trial's --flag and a column of results.csv)")
         flag = "--" + name.replace("_", "-")
         if flag in flags:
             raise InvalidArgumentError(f"space: {flags[flag]} and {name} both reach the trial "

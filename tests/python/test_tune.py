@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import struct
 import subprocess
@@ -2199,6 +2200,34 @@ def test_a_trial_whose_runner_raises_ends_failed_in_the_journal_too(tmp_path):
     calls.clear()
     again = tune.run(["true"], {"x": tune.grid([1.0, 2.0])}, resume=True, **kwargs)
     assert (calls, [t.status for t in again.trials]) == ([], failed)
+
+
+def test_names_and_values_that_are_no_printable_utf8_are_refused_before_any_trial(
+        tmp_path):
+    """A --space name or string of command-line bytes that are not UTF-8
+    (a surrogate escape) ran every trial, then failed writing results.csv
+    with a UnicodeEncodeError traceback; a name with a newline broke the
+    status table and the results' lines (probe)."""
+    from deepnex.__main__ import main
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as info:
+        main(["tune", "--plain", "--search", "random", "--space", "\udcff=1", "--out",
+              str(out), "--", "true"])
+    assert str(info.value) == ("deepnex tune: space: the name '\\udcff' is not printable "
+                               "UTF-8 text (it is the trial's --flag and a column of "
+                               "results.csv)")
+    assert not (out / "journal.jsonl").exists()
+    for name in ("a\nb", "", "\t"):
+        with pytest.raises(InvalidArgumentError, match=f"^space: the name {re.escape(repr(name))} "
+                                                       "is not printable UTF-8 text"):
+            tune._Sampler({name: 1}, 1, 0, "random")
+    # Values given in Python (parse_space's ast refuses such text itself).
+    with pytest.raises(InvalidArgumentError, match=r"^choice: '\\udcff' is not UTF-8 text$"):
+        tune.choice(["a", "\udcff"])
+    with pytest.raises(InvalidArgumentError, match=r"^grid: \['\\udcff'\] is not UTF-8 text$"):
+        tune.grid([["\udcff"]])
+    # What a trial's --flag and a column can carry still goes.
+    assert tune._Sampler({"a/b": 1, "..": 2, "a b": 3, "é": "ü"}, 1, 0, "random").total == 1
 
 
 def test_flags_and_spaces_that_were_taken_wrongly_are_refused(monkeypatch):
