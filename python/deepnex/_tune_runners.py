@@ -143,6 +143,7 @@ class _JobTrial:
     def __init__(self, job, on_end):
         self._job, self._on_end = job, on_end
         self._code = None
+        self.job_name = job.name   # journalled (see _JobRunner.cancel_jobs)
 
     def poll(self):
         if self._code is None:
@@ -317,6 +318,7 @@ class _SlotTrial:
     def __init__(self, slot, log, on_end):
         self._slot, self._log, self._on_end = slot, log, on_end
         self._code = None
+        self.job_name = slot.job.name   # journalled (see _JobRunner.cancel_jobs)
 
     def poll(self):
         if self._code is None and self._slot._ended.is_set():
@@ -613,6 +615,30 @@ class _JobRunner:
             # one: the idle slot may hold the very GPUs that it waits for,
             # until the search's end, which waits for that trial.
             self._stop_starts()
+
+    def cancel_jobs(self, names):
+        """Cancels those of `names` (trial and slot jobs that a killed
+        search started) that deepnex-central still has running: a resume's
+        trials would otherwise wait for their allocations, which central
+        holds for a lost runner for minutes (--job-lost-release-after).
+        Returns the names cancelled."""
+        central = self._job_options.get("central")
+        if not central or not names:
+            return []
+        from . import gpu
+        from .errors import FailedPreconditionError, NotFoundError
+        client = gpu.CentralClient(central, token=self._job_options.get("central_token"),
+                                   token_file=self._job_options.get("central_token_file"),
+                                   timeout=10)
+        cancelled = []
+        for job in client.jobs():
+            if job["name"] in names:
+                try:
+                    client.cancel_job(job["name"])
+                    cancelled.append(job["name"])
+                except (FailedPreconditionError, NotFoundError):
+                    pass   # it ended meanwhile
+        return cancelled
 
     def close(self):
         """Ends the idle slots' jobs, releasing their allocations (the

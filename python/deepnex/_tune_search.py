@@ -178,7 +178,11 @@ class _Search:
             self.running[trial.id] = handle
         trial.status, trial.results, trial.nonfinite = "running", [], False
         trial.attempts += 1
-        self.journal.append({"event": "start", "trial": trial.id, "attempt": attempt})
+        start = {"event": "start", "trial": trial.id, "attempt": attempt}
+        job = getattr(handle, "job_name", None)
+        if job is not None:
+            start["job"] = job   # what a resume cancels if this driver is killed
+        self.journal.append(start)
         self.status.started(trial)
         client = self.client(trial.id, attempt)
         if hasattr(handle, "on_end"):
@@ -470,6 +474,16 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
         else:
             _check_resume(path, journal.records[0], head)
             trials = _replay(journal.records, sampler, scheduler, metric, mode, retries)
+            # The jobs of a driver that was killed hold their allocations
+            # on central (the journal's lock says no driver runs now).
+            cancel_jobs = getattr(runner, "cancel_jobs", None)
+            if cancel_jobs is not None:
+                cancelled = cancel_jobs({r["job"] for r in journal.records
+                                         if r["event"] == "start" and "job" in r})
+                if cancelled:
+                    print(f"tune: cancelled {len(cancelled)} job(s) on central that the "
+                          f"search's last run left: {', '.join(sorted(cancelled))}",
+                          file=out, flush=True)
     except BaseException:
         journal.close()
         raise

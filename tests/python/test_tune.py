@@ -557,6 +557,59 @@ def test_sigint_ends_a_search_whose_trials_wait_in_centrals_queue(trial_script, 
         stop_central(proc)
 
 
+def test_resume_cancels_the_jobs_that_a_killed_search_left_on_central(tmp_path):
+    """A search killed (SIGKILL) while its trial's job held alice's whole
+    GPU quota on central: its resume waited for that allocation, which
+    central holds for a lost runner for 11 minutes (its runner timeout,
+    then --job-lost-release-after). The resume now cancels the jobs the
+    journal names that central still runs, and its trials start at once."""
+    import socket
+    from _central import start_central, stop_central
+    from deepnex import gpu
+    proc, address = start_central(tmp_path, cpus=8, memory="16GiB", node=socket.gethostname())
+    script, slow = tmp_path / "trial.py", tmp_path / "slow"
+    script.write_text(textwrap.dedent(f"""
+        import os, time
+        from deepnex import tune
+        tune.report(step=1, score=1.0)
+        while os.path.exists({str(slow)!r}):
+            time.sleep(0.1)
+    """))
+    slow.touch()
+    out = tmp_path / "out"
+    env = dict(os.environ, DEEPNEX_TOKEN="alicetok")
+    try:
+        gpu.CentralClient(address, token="admintok", timeout=10).set_quota("alice", gpus=1)
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "deepnex", "tune", "--central", address, "--memory", "64MiB",
+             "--gpus-per-worker", "1", "--search", "random", "--samples", "2", "--metric",
+             "score", "--no-asha", "--space", "x=uniform(0, 1)", "--out", str(out), "--",
+             sys.executable, str(script)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait_for(lambda: '"report"' in _read_or_empty(out / "journal.jsonl"),
+                      "trial 0 to report")
+        finally:
+            driver.kill()
+            driver.wait()
+        slow.unlink()
+        resumed = subprocess.run([sys.executable, "-m", "deepnex", "tune", "--resume", str(out)],
+                                 env=env, capture_output=True, text=True, timeout=60)
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert "tune: cancelled 1 job(s) on central that the search's last run left: " \
+            in resumed.stdout
+        assert [t.status for t in tune.load(str(out)).trials] == ["completed"] * 2
+    finally:
+        stop_central(proc)
+
+
+def _read_or_empty(path):
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
 def test_job_runner_exit_code_stop_and_worker_prefix(trial_script, tmp_path):
     results = tune.run(trial_script, {"x": tune.grid([4.0, 3.0, 2.0]), "fail_at": 2.0},
                        metric="score", max_concurrent=1,
