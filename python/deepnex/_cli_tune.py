@@ -65,6 +65,11 @@ def _modes(args, warn=True):
 # rather than from the search it continues.
 _RESUME_OWN = ("resume", "retries", "max_concurrent", "func") + ("token", "token_file")
 
+# The flags of the trials' jobs (--mode aside: also the old spelling of
+# --direction), which --plain trials do not have.
+_JOB_FLAGS = ("job_mode", "workers_per_trial", "ps", "cpus", "memory", "gpus_per_worker",
+              "backend", "central")
+
 # The credentials for --central: never journalled (the journal outlives the
 # search and may be shared), so each run, a resume too, gives them again
 # (--token, --token-file or $DEEPNEX_TOKEN).
@@ -224,6 +229,19 @@ def _tune_or_raise(args):
     if not command:
         raise SystemExit("deepnex tune: no command (put it after --)")
     mode, direction = _modes(args, warn=not args.resume)
+    if args.plain and not args.resume:
+        # They shape the trials' jobs, which --plain does not make: a
+        # probe's --plain --central ADDR ran every trial here, saying nothing.
+        # (A resume's were checked as the search started, and any given
+        # again as it resumed: the search's own, resolved, may be.)
+        job_flags = [f"--{dest.replace('_', '-')} {getattr(args, dest)}"
+                     for dest in _JOB_FLAGS if dest in given]
+        if "mode" in given and args.mode not in ("max", "min"):
+            job_flags.insert(0, f"--mode {args.mode}")
+        if job_flags:
+            raise SystemExit(f"deepnex tune: {', '.join(job_flags)}: --plain runs each trial "
+                             "as a plain process on this machine, not as a job; leave "
+                             f"{'it' if len(job_flags) == 1 else 'them'} out, or --plain")
     if args.token and args.token_file:
         raise SystemExit(f"deepnex tune: --token and --token-file {args.token_file} were "
                          "both given; give one")

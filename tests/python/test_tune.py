@@ -2154,6 +2154,24 @@ def test_an_open_out_dir_is_closed_and_another_users_journal_is_not_resumed(tmp_
                             "(0): its commands are not resumed")
 
 
+def test_cli_plain_refuses_the_flags_of_the_trials_jobs(monkeypatch):
+    """--plain --central ADDR ran every trial on this machine, and --plain
+    --mode foo, --workers-per-trial 2 or --cpus 2 were as silently ignored
+    (probe): a plain trial is no job."""
+    with pytest.raises(SystemExit) as info:
+        _tune_cli(monkeypatch, ["--plain", "--central", "h:1", "--cpus", "2"])
+    assert str(info.value) == ("deepnex tune: --cpus 2.0, --central h:1: --plain runs each "
+                               "trial as a plain process on this machine, not as a job; leave "
+                               "them out, or --plain")
+    for flags in (["--mode", "foo"], ["--workers-per-trial", "2"], ["--memory", "1GiB"]):
+        with pytest.raises(SystemExit, match=f"^deepnex tune: {' '.join(flags)}: --plain runs "):
+            _tune_cli(monkeypatch, ["--plain", *flags])
+    # --mode max is the old --direction max; the credentials may come from
+    # the environment, as they do for every command.
+    code, run, _ = _tune_cli(monkeypatch, ["--plain", "--mode", "max", "--token", "t"])
+    assert (code, run["mode"], run["runner"]) == (1, "max", tune.subprocess_runner)
+
+
 def test_cli_memory_goes_to_the_trials_jobs_and_is_required_with_central(monkeypatch):
     """deepnex tune --central always failed: it had no --memory (probe)."""
     monkeypatch.delenv("DEEPNEX_TOKEN", raising=False)
