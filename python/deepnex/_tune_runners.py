@@ -16,8 +16,8 @@ import time
 from . import _tune_files
 from ._tune_report import ENV_CONFIG
 from ._tune_warm import _END, _receive, _send
-from .errors import (CancelledError, DeadlineExceededError, InvalidArgumentError,
-                     ResourceExhaustedError, UnavailableError)
+from .errors import (AlreadyExistsError, CancelledError, DeadlineExceededError,
+                     InvalidArgumentError, ResourceExhaustedError, UnavailableError)
 
 
 # How long a trial has to end after SIGTERM before it is killed: as long as
@@ -392,6 +392,11 @@ def _check_mode(mode):
 # capacity or for the user's own grants to end.
 _NEVER_FITS = "can ever hold this request"
 
+# deepnex-central's refusal of a job name it has (src/gpu/jobs_store.cc),
+# and how many random names a trial's start tries.
+_NAME_TAKEN = "exists: a job of that name"
+_NAME_TRIES = 5
+
 
 class _JobRunner:
     """job_runner()'s runner: each call starts a trial's job."""
@@ -561,10 +566,17 @@ class _JobRunner:
         """start(), again every retry_interval while resources are short.
         A gang that deepnex-central says no set of its nodes, or no grant
         within the user's quota, could ever hold fails at once: waiting
-        would never end."""
+        would never end. start() names its job anew each time: a name that
+        central has already (its job names are central-wide, kept for the
+        job history, another user's too) is tried again at once."""
+        clashes = 0
         while True:
             try:
                 return start()
+            except AlreadyExistsError as e:
+                clashes += 1
+                if _NAME_TAKEN not in str(e) or clashes >= _NAME_TRIES:
+                    raise
             except ResourceExhaustedError as e:
                 if _NEVER_FITS in str(e):
                     raise

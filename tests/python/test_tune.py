@@ -557,6 +557,41 @@ def test_sigint_ends_a_search_whose_trials_wait_in_centrals_queue(trial_script, 
         stop_central(proc)
 
 
+def test_a_trial_whose_job_name_central_has_already_takes_another(trial_script, tmp_path,
+                                                                   monkeypatch):
+    """Job names are central-wide (another user's, ended, too) and a
+    trial's job is named trial-ID-<6 hex digits>: a trial that drew the name
+    of one that bob ran failed ("job ... exists"). It now takes another."""
+    import secrets
+    import socket
+    from _central import start_central, stop_central
+    from deepnex import job
+    proc, address = start_central(tmp_path, cpus=8, memory="16GiB", node=socket.gethostname())
+    try:
+        # One path (a cold trial's job; a warm one's slot is named and
+        # retried the same way): each job on central here is one more
+        # exposure to the store's rare bad_weak_ptr in Job.wait.
+        job.Job(["true"], name="trial-0-aaaaaa", central=address, central_token="bobtok",
+                memory="64MiB", output=lambda who, line: None,
+                on_event=lambda message: None).start().wait()
+        real = secrets.token_hex
+        drawn = []
+
+        def token_hex(n=None):
+            drawn.append(n)
+            return "aaaaaa" if n == 3 and drawn.count(3) == 1 else real(n)
+        monkeypatch.setattr(secrets, "token_hex", token_hex)
+        results = _run_within(60, command=trial_script, space={"x": tune.grid([1.0])},
+                              metric="score", out_dir=str(tmp_path / "out"), out=io.StringIO(),
+                              warm=False,
+                              runner=tune.job_runner(central=address, central_token="alicetok",
+                                                     memory="64MiB"))
+        assert [t.status for t in results.trials] == ["completed"]
+        assert drawn.count(3) == 2
+    finally:
+        stop_central(proc)
+
+
 def test_resume_cancels_the_jobs_that_a_killed_search_left_on_central(tmp_path):
     """A search killed (SIGKILL) while its trial's job held alice's whole
     GPU quota on central: its resume waited for that allocation, which
