@@ -437,10 +437,14 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
     """
     if mode not in ("max", "min"):
         raise InvalidArgumentError(f'mode: "{mode}" is not max or min')
-    if max_concurrent is not None and max_concurrent < 1:
-        raise InvalidArgumentError(f"max_concurrent: {max_concurrent} must be at least 1")
-    if retries < 0:
-        raise InvalidArgumentError(f"retries: {retries} must be at least 0")
+    # As the command line names them: a new user typed --samples, not
+    # num_samples (and None or "2" raised a TypeError from the comparison).
+    if max_concurrent is not None and not (_whole(max_concurrent) and max_concurrent >= 1):
+        raise InvalidArgumentError(f"max_concurrent (--max-concurrent): {max_concurrent!r} "
+                                   "must be a whole number, at least 1")
+    if not (_whole(retries) and retries >= 0):
+        raise InvalidArgumentError(f"retries (--retries): {retries!r} must be a whole number, "
+                                   "at least 0")
     warm = _warm_wanted(command, warm)
     if isinstance(scheduler, str):
         scheduler = make_scheduler(scheduler, metric, mode, command_epochs(command) or 100)
@@ -516,6 +520,10 @@ def run(command, space, metric="accuracy", mode="max", num_samples=1, scheduler=
     if state.aborted is not None:
         raise FailedPreconditionError(state.aborted)
     return results
+
+
+def _whole(value):
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def default_concurrency(runner):

@@ -176,7 +176,8 @@ def check_search_size(space, num_samples):
     num_samples); checked before anything is expanded."""
     if (isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or
             num_samples < 1):
-        raise InvalidArgumentError(f"num_samples: {num_samples} must be at least 1")
+        raise InvalidArgumentError(f"num_samples (--samples): {num_samples!r} must be a whole "
+                                   "number, at least 1")
     grids = [(k, len(v.values)) for k, v in space.items() if isinstance(v, _Grid)]
     trials = math.prod(n for _, n in grids) * num_samples
     if trials > MAX_TRIALS:

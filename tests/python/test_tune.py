@@ -50,7 +50,7 @@ def test_bad_domains_raise():
         tune.loguniform(0, 1)
     with pytest.raises(ValueError, match=r"choice\(\[\]\)"):
         tune.choice([])
-    with pytest.raises(ValueError, match="num_samples: 0"):
+    with pytest.raises(ValueError, match=r"^num_samples \(--samples\): 0 must be a whole "):
         tune.generate_configs({"a": 1}, 0)
     # Bounds that sample nothing sensible: inf gave inf, (-inf, inf) nan,
     # and randint(0.5, 3.7) drew 0, below its low.
@@ -2187,6 +2187,27 @@ def test_an_open_out_dir_is_closed_and_another_users_journal_is_not_resumed(tmp_
         tune.run([sys.executable, str(script)], {"x": 1.0}, resume=True, **run)
     assert str(e.value) == (f"{out / 'journal.jsonl'} belongs to user 65534, not to this one "
                             "(0): its commands are not resumed")
+
+
+def test_cli_errors_name_the_flag_a_user_typed(tmp_path):
+    """--samples 0 said "num_samples: 0", --max-concurrent 0 "max_concurrent:
+    0" (names a new user never typed); tune.run(retries=None) or
+    max_concurrent="2" raised a TypeError from the comparison (probe)."""
+    from deepnex.__main__ import main
+    for flag, dest, floor in (("--samples", "num_samples", 1),
+                              ("--max-concurrent", "max_concurrent", 1),
+                              ("--retries", "retries", 0)):
+        with pytest.raises(SystemExit) as info:
+            main(["tune", "--plain", "--search", "random", flag, str(floor - 1), "--space",
+                  "x=1", "--out", str(tmp_path / dest), "--", "true"])
+        assert str(info.value) == (f"deepnex tune: {dest} ({flag}): {floor - 1} must be a whole "
+                                   f"number, at least {floor}")
+    for kwargs, message in (({"retries": None}, r"^retries \(--retries\): None must be "),
+                            ({"max_concurrent": "2"},
+                             r"^max_concurrent \(--max-concurrent\): '2' must be ")):
+        with pytest.raises(InvalidArgumentError, match=message):
+            tune.run(["true"], {"x": 1}, out_dir=str(tmp_path / "api"),
+                     runner=tune.subprocess_runner, **kwargs)
 
 
 def test_cli_plain_refuses_the_flags_of_the_trials_jobs(monkeypatch):
