@@ -157,6 +157,8 @@ def test_a_container_has_its_specs_environment_not_the_agents_or_the_clients(
     assert out.returncode == 0, out.stderr
     execd = dict(line.split("=", 1) for line in out.stdout.splitlines())
     granted = dict(a.env)
+    if backend == "oci":   # each container's own host name, as docker's have
+        assert (own.pop("HOSTNAME"), execd.pop("HOSTNAME")) == ("alice.env", "alice.box")
     assert own == execd
     assert {k: v for k, v in own.items() if k not in ("PATH", "HOME", "USER",
                                                        "DEEPNEX_LAUNCHER_ID")} == {
