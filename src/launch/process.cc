@@ -448,6 +448,10 @@ class ProcessBackend : public Backend {
     for (const std::string& child : Cgroup::Children(cgroup_parent_)) {
       if (!absl::StartsWith(child, prefix)) continue;
       auto cg = Cgroup::Open(cgroup_parent_ + "/" + child);
+      // Gone since it was listed: an ended run's own removal, which goes on
+      // after its Wait was answered (README's example stopped a container
+      // and cleaned up at once, and failed on that NotFound in CI once).
+      if (absl::IsNotFound(cg.status())) continue;
       // "<id>-" also begins the runs of a launcher whose id extends this one's, as
       // job names do ("a" and "a-b"): a cgroup with a process labelled by another
       // launcher is that one's (probe: cleanup("amb") killed job amb-x's worker).
