@@ -106,12 +106,12 @@ absl::StatusOr<std::string> ReadRegularFile(const std::string& path, const std::
   // else chose: a checkpoint planted in a shared directory handed its
   // parameters to the server that restored it (ssh refuses such keys).
   const uid_t self = geteuid();
-  if ((st.st_uid != self && st.st_uid != 0) || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+  const bool foreign = st.st_uid != self && st.st_uid != 0;
+  if (foreign || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
     close(fd);
     return absl::PermissionDeniedError(absl::StrCat(
         what, " \"", path, "\" ",
-        st.st_uid != self && st.st_uid != 0
-            ? absl::StrCat("belongs to uid ", st.st_uid, ", not to this process's ", self)
+        foreign ? absl::StrCat("belongs to uid ", st.st_uid, ", not to this process's ", self)
             : absl::StrFormat("is writable by others than its owner (mode %04o)",
                               st.st_mode & 07777),
         ": another user may have written it (if it is yours: chown it, chmod go-w)"));
