@@ -127,7 +127,14 @@ void JobReporter::Run() {
   cv_.notify_all();
 }
 
-absl::Status JobReporter::ReportNow() { return Send(snapshot_()); }
+absl::Status JobReporter::ReportNow() {
+  std::lock_guard<std::mutex> reporting(report_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_) return absl::OkStatus();
+  }
+  return Send(snapshot_());
+}
 
 void JobReporter::Poke() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -143,8 +150,11 @@ void JobReporter::Loop() {
     poked_ = false;
     const bool running = running_;
     lock.unlock();
-    // Best effort: the next report carries the same and more.
-    Send(running ? snapshot_() : registered_).IgnoreError();
+    {
+      std::lock_guard<std::mutex> reporting(report_mu_);
+      // Best effort: the next report carries the same and more.
+      Send(running ? snapshot_() : registered_).IgnoreError();
+    }
     lock.lock();
   }
 }
@@ -166,6 +176,7 @@ absl::Status JobReporter::Finish(JobState state, int exit_code, const std::strin
     finished_ = true;
   }
   StopThread();
+  std::lock_guard<std::mutex> reporting(report_mu_);
   JobRecord job = snapshot_();
   job.state = state;
   job.exit_code = exit_code;

@@ -25,7 +25,8 @@ namespace deepnex::gpu {
 class JobReporter {
  public:
   // What the job is now (state pending or running); called on the
-  // reporter's thread once Run was called, else on the caller's.
+  // reporter's thread once Run was called, else on the caller's, and by
+  // ReportNow and Finish: never two calls at once.
   using Snapshot = std::function<JobRecord()>;
 
   // Registers the job as `snapshot` has it: its error (AlreadyExists for a
@@ -41,7 +42,8 @@ class JobReporter {
   // Reports soon (a container restarted). Any thread, any lock.
   void Poke();
   // Reports the snapshot now, on the caller's thread (after Run): what
-  // central answers, a cancel, is known when it returns.
+  // central answers, a cancel, is known when it returns. After Finish,
+  // nothing (a later report would undo the final one).
   absl::Status ReportNow();
   // Whether central says the job was cancelled, and by whom.
   bool cancelled() const { return cancelled_.load(); }
@@ -64,6 +66,10 @@ class JobReporter {
   const std::chrono::milliseconds every_;
   const std::string run_;  // this run's id
   std::atomic<bool> cancelled_{false};
+  // Held by whoever takes a snapshot and sends it (the thread, ReportNow,
+  // Finish), before mu_: a snapshot's reads (the job's report client) raced
+  // another's, and an older report could reach central after a newer one.
+  std::mutex report_mu_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool poked_ = false;

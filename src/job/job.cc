@@ -1194,7 +1194,7 @@ class JobImpl : public Job {
   bool ended_ = false;   // a Wait saw the job end by itself
   // With deepnex-central: keeps the job's record there (null without).
   std::unique_ptr<gpu::JobReporter> reporter_;
-  // LastReport's; JobNow's callers never overlap (JobReporter).
+  // LastReport's; JobNow's callers never overlap (JobReporter's snapshot).
   std::unique_ptr<collective::StoreClient> report_client_;
 };
 

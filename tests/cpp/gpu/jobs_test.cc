@@ -1,6 +1,7 @@
 // deepnex-central's job records (include/deepnex/gpu/jobs.h) through an
 // in-process server: registration and updates, who sees and cancels what,
 // the observer's events, history across a restart, and retention.
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <mutex>
@@ -13,6 +14,7 @@
 #include "deepnex/gpu/jobs.h"
 #include "gmock/gmock.h"
 #include "gpu/gpu_test_util.h"
+#include "gpu/jobs_reporter.h"
 #include "gtest/gtest.h"
 #include "test_matchers.h"
 #include "test_util.h"
@@ -660,6 +662,39 @@ TEST_F(JobsTest, AJobWhoseRunnerFallsSilentFailsAsLostAndItsReportRevivesIt) {
   EXPECT_FALSE(back.lost);
   EXPECT_EQ(back.ended, std::chrono::system_clock::time_point{});
   EXPECT_EQ(back.started, lost.started);
+}
+
+// The job runner's snapshot reads state that is not safe for two readers
+// (its report client, made on first use): the reporter's thread reporting
+// every 1 ms and the caller's ReportNow never run two snapshots at once.
+// The two did in CI, and the job's runner threw bad_weak_ptr or crashed.
+// After Finish, ReportNow sends nothing: the record stays final.
+TEST_F(JobsTest, AReportersSnapshotsNeverOverlapAndNoneFollowsTheFinalOne) {
+  Start();
+  std::atomic<int> inside{0}, taken{0};
+  std::atomic<bool> running{false}, overlapped{false};
+  ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<JobReporter> reporter,
+      JobReporter::Register(
+          ClientOptions("alicetok"),
+          [&] {
+            if (++inside > 1) overlapped = true;
+            std::this_thread::sleep_for(200us);  // widens a window of overlap
+            ++taken;
+            --inside;
+            return Job("j1", running ? JobState::kRunning : JobState::kPending);
+          },
+          1ms));
+  running = true;
+  reporter->Run();
+  for (int i = 0; i < 200; ++i) ASSERT_OK(reporter->ReportNow());
+  ASSERT_OK(reporter->Finish(JobState::kCompleted, 0, ""));
+  const int at_finish = taken.load();
+  ASSERT_OK(reporter->ReportNow());
+  EXPECT_EQ(taken.load(), at_finish);
+  EXPECT_FALSE(overlapped.load());
+  ASSERT_OK_AND_ASSIGN(JobRecord j1, Jobs("alicetok")->Get("j1"));
+  EXPECT_EQ(j1.state, JobState::kCompleted);
 }
 
 // A lost job keeps its allocations for a runner that was cut off; a probe's
