@@ -79,7 +79,10 @@ class OciTest : public ::testing::Test {
     options_.backend = "oci";
     options_.state_dir = dir_ + "/state";
     options_.id = "ocitest" + RandomHex(4);
-    options_.cgroup_parent = "deepnex-oci-test";
+    // Each test's own: one test's removal of a parent shared with the test
+    // running beside it (ctest -j2) raced that test's runc creating a
+    // cgroup under it ("unable to apply cgroup configuration: mkdir", CI).
+    options_.cgroup_parent = "deepnex-oci-test-" + options_.id;
     fs::create_directories(options_.state_dir);
     absl::StatusOr<std::unique_ptr<Backend>> backend = MakeOciBackend(options_);
     if (absl::IsFailedPrecondition(backend.status())) {
@@ -95,11 +98,8 @@ class OciTest : public ::testing::Test {
       EXPECT_THAT(backend_->Cleanup(options_.id), IsOk());
       EXPECT_THAT(RuncIds(options_.state_dir + "/runc"), ElementsAre());
       EXPECT_THAT(OurCgroups(), ElementsAre());
-      // The shared parent goes when empty; a test running beside keeps it.
       absl::StatusOr<std::unique_ptr<Cgroup>> parent = Cgroup::Open(options_.cgroup_parent);
-      if (parent.ok() && Cgroup::Children(options_.cgroup_parent).empty()) {
-        (*parent)->Remove().IgnoreError();
-      }
+      if (parent.ok()) EXPECT_THAT((*parent)->Remove(), IsOk());
     }
     std::error_code ec;
     fs::remove_all(dir_, ec);
@@ -258,7 +258,7 @@ TEST_F(OciTest, BundleCarriesLimitsNamespacesAndLabels) {
   EXPECT_EQ(lx["resources"]["memory"], json({{"limit", 64 << 20}, {"swap", 64 << 20}}));
   EXPECT_EQ(lx["resources"]["cpu"], json({{"period", 100000}, {"quota", 50000}}));
   EXPECT_EQ(lx["resources"]["pids"], json({{"limit", 50}}));
-  EXPECT_EQ(lx["cgroupsPath"], "deepnex-oci-test/" + Context(spec).run_name);
+  EXPECT_EQ(lx["cgroupsPath"], options_.cgroup_parent + "/" + Context(spec).run_name);
   EXPECT_EQ(lx["namespaces"].dump(),
             R"([{"type":"pid"},{"type":"mount"},{"type":"uts"},{"type":"ipc"},{"type":"network"}])");
   EXPECT_THAT(lx["maskedPaths"].dump(), HasSubstr("/proc/kcore"));
