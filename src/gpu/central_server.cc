@@ -388,8 +388,9 @@ class Service final : public pb::Central::CallbackService {
       DEEPNEX_RETURN_IF_ERROR(CheckJob(
           who, a.job, a.id == id ? "allocation " + id : "allocation " + a.id + " of gang " + id));
       if (who.role == AuthRole::kAdmin || a.user == who.name) return absl::OkStatus();
-      return absl::PermissionDeniedError(absl::StrCat("user ", who.name, " cannot ", what, " ",
-                                                      id, ": it belongs to ", a.user));
+      // Not whose: a user may not list another's allocations either.
+      return absl::PermissionDeniedError(
+          absl::StrCat("user ", who.name, " cannot ", what, " ", id, ": it is another user's"));
     };
   }
 

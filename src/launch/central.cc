@@ -307,8 +307,10 @@ class ContainersService final : public pb::Containers::CallbackService,
     }
     DEEPNEX_ASSIGN_OR_RETURN(gpu::Allocation a, alloc_.GetAllocation(req.allocation_id()));
     if (who.role != AuthRole::kAdmin && a.user != who.name) {
-      return absl::PermissionDeniedError(absl::StrCat("user ", who.name, " cannot start a container on allocation ",
-                                                      a.id, ": it belongs to ", a.user));
+      // Not whose: a user may not list another's allocations either.
+      return absl::PermissionDeniedError(absl::StrCat(
+          "user ", who.name, " cannot start a container on allocation ", a.id,
+          ": it is another user's"));
     }
     DEEPNEX_RETURN_IF_ERROR(CheckJob(who, a.job, "allocation " + a.id));
     DEEPNEX_ASSIGN_OR_RETURN(ContainerSpec spec, SpecFromProto(req.spec()));

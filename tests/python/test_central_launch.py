@@ -102,7 +102,7 @@ def test_other_users_allocations_and_containers(central):
     a = alice.allocate(grant())
     spec = launch.ContainerSpec(name="w0", command=["sleep", "60"])
     with pytest.raises(PermissionError, match=f"user bob cannot start a container on "
-                                              f"allocation {a.id}: it belongs to alice"):
+                                              f"allocation {a.id}: it is another user's$"):
         bob.start_container(spec, a.id)
     with pytest.raises(deepnex.NotFoundError, match='"a999" does not exist'):
         alice.start_container(spec, "a999")

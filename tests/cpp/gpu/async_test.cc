@@ -423,7 +423,7 @@ TEST_F(CentralAsync, EachOpIsAnsweredOnItsOwn) {
                                           HasSubstr("cannot allocate for user \"bob\"")));
   EXPECT_THAT(grants["invalid"], StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(releases["bob's"], StatusIs(absl::StatusCode::kPermissionDenied,
-                                          HasSubstr("it belongs to bob")));
+                                          HasSubstr("it is another user's")));
   EXPECT_THAT(releases["nonsense"], StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_TRUE(server_->allocator().GetAllocation(bobs.id).ok());
 

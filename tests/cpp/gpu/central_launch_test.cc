@@ -224,7 +224,7 @@ TEST_F(CentralLaunch, AnotherUsersAllocationIsRefusedAndAnUnknownOneNotFound) {
   EXPECT_THAT(bob_->StartContainer(Spec("w0", {"true"}), a.id),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        HasSubstr("user bob cannot start a container on allocation " + a.id +
-                                 ": it belongs to alice")));
+                                 ": it is another user's")));
   EXPECT_THAT(alice_->StartContainer(Spec("w0", {"true"}), "a999"),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("\"a999\" does not exist")));
   EXPECT_THAT(alice_->StartContainer(Spec("w0", {"true"}), ""),

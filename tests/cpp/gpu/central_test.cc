@@ -62,7 +62,7 @@ TEST_F(Central, UsersActOnlyOnTheirOwnAllocations) {
   const std::string before = server_->allocator().StateDigest();
   EXPECT_THAT(bob_->Release(a.id),
               StatusIs(absl::StatusCode::kPermissionDenied,
-                       HasSubstr("user bob cannot release a1: it belongs to alice")));
+                       HasSubstr("user bob cannot release a1: it is another user's")));
   EXPECT_THAT(bob_->Renew(a.id), StatusIs(absl::StatusCode::kPermissionDenied));
   EXPECT_EQ(server_->allocator().StateDigest(), before);
   ASSERT_OK_AND_ASSIGN(auto bobs, bob_->Allocations());
