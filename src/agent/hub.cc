@@ -212,6 +212,14 @@ std::optional<pb::ContainerReport> Hub::Report(const std::string& node,
   return c->second;
 }
 
+void Hub::Forget(const std::string& node, const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = links_.find(node);
+  if (it == links_.end()) return;
+  it->second.containers.erase(name);
+  it->second.forgotten.insert(name);
+}
+
 std::optional<pb::ContainerReport> Hub::WaitReport(
     const std::string& node, const std::string& name,
     const std::function<bool(const pb::ContainerReport&)>& done,
@@ -334,6 +342,7 @@ absl::Status Hub::OnRegister(Stream* s, const Identity& who, const pb::Register&
     // ever. One that had ended keeps its end.
     std::map<std::string, pb::ContainerReport> before = std::move(link.containers);
     link.containers.clear();
+    link.forgotten.clear();
     for (const auto& c : reg.containers()) link.containers[c.name()] = c;
     for (auto& [name, c] : before) {
       if (link.containers.count(name) != 0) continue;
@@ -386,8 +395,18 @@ void Hub::OnHeartbeat(Stream* s, const pb::Heartbeat& hb) {
     // Merged, not replaced: a heartbeat built just before a start's reply
     // was written can arrive after it, without the new container. What the
     // agent no longer runs at all is settled when it registers.
-    for (const auto& c : hb.containers()) it->second.containers[c.name()] = c;
-    it->second.usage = hb.usage();
+    Link& link = it->second;
+    std::set<std::string> forgotten;
+    for (const auto& c : hb.containers()) {
+      if (link.forgotten.count(c.name()) != 0) {
+        forgotten.insert(c.name());
+      } else {
+        link.containers[c.name()] = c;
+      }
+    }
+    // One no longer reported was removed before this heartbeat was built.
+    link.forgotten = std::move(forgotten);
+    link.usage = hb.usage();
     was_not_ready = HeardLocked(it->second);
     cv_.notify_all();
   }
@@ -404,6 +423,7 @@ void Hub::OnReply(Stream* s, const pb::Reply& reply) {
   it->second->done = true;
   auto link = links_.find(s->node());
   if (link != links_.end() && reply.has_container()) {
+    link->second.forgotten.erase(reply.container().name());
     link->second.containers[reply.container().name()] = reply.container();
   }
   cv_.notify_all();

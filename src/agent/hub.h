@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -80,6 +81,11 @@ class Hub {
   // The latest report of container `name` (the launcher's name) on `node`.
   std::optional<proto::ContainerReport> Report(const std::string& node,
                                                const std::string& name) const;
+  // Drops that report: its agent removed the container (RemoteLauncher::
+  // Remove). Kept, every container that ever ran on the node stayed in
+  // central's memory. A heartbeat the agent built before the removal does
+  // not bring it back; a start's reply of that name does.
+  void Forget(const std::string& node, const std::string& name);
   // Waits until `done` holds for that report or `timeout` passes; returns
   // the latest report (nullopt when there is none).
   std::optional<proto::ContainerReport> WaitReport(
@@ -110,6 +116,8 @@ class Hub {
     bool ready = true;
     bool lost = false;
     std::map<std::string, proto::ContainerReport> containers;
+    // Forgotten, until a heartbeat without them or a start of that name.
+    std::set<std::string> forgotten;
     proto::NodeUsage usage;  // the latest heartbeat's
   };
   struct Pending {

@@ -143,6 +143,7 @@ class RemoteLauncher final : public launch::Launcher {
     proto::Command c;
     c.mutable_remove()->set_name(name);
     DEEPNEX_RETURN_IF_ERROR(hub_.Call(node_, std::move(c), kCommandTimeout).status());
+    hub_.Forget(node_, name);
     std::lock_guard<std::mutex> lock(mu_);
     handles_.erase(name);
     return absl::OkStatus();

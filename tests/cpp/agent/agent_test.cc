@@ -10,11 +10,14 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "agent/hub.h"
 #include "agent/remote_launcher.h"
+#include "core/grpc_util.h"
 #include "core/net.h"
 #include "gmock/gmock.h"
 #include "gpu/central_server.h"
@@ -608,6 +611,95 @@ TEST_F(AgentOnCentral, AMountOutsideCentralsRootsIsRefusedOnTheNode) {
   spec.name = "alice.ok";
   ASSERT_OK_AND_ASSIGN(auto h, h1->Start(spec));
   EXPECT_OK(h->Wait(10s).status());
+}
+
+// A container its agent removed is forgotten (Hub::Forget, which
+// RemoteLauncher::Remove calls): central kept the report of every container
+// that ever ran on a node, for good. A heartbeat built before the removal
+// does not bring it back; after a heartbeat without it, or a start of that
+// name answered, the name's reports count again. On a hub of its own, whose
+// agent is this test's stream.
+TEST_F(AgentTest, ARemovedContainersReportIsForgotten) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<gpu::Allocator> alloc, gpu::Allocator::Create({}));
+  const TokenTable tokens = TokenTable::Single("h2tok", "h2", AuthRole::kNode);
+  Hub hub(*alloc, tokens, HubOptions{});
+  ServerHostOptions so;
+  so.what = "hub";
+  so.address = "127.0.0.1:0";
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ServerHost> host, ServerHost::Start(so, {hub.service()}));
+  auto stub = proto::Agents::NewStub(
+      grpc::CreateChannel(host->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", "Bearer h2tok");
+  ctx.set_deadline(std::chrono::system_clock::now() + 60s);
+  auto stream = stub->Connect(&ctx);
+  ASSERT_TRUE(stream->Write(RegisterH2("w0")));
+  proto::CentralMessage registered;
+  ASSERT_TRUE(stream->Read(&registered));
+  ASSERT_TRUE(registered.has_registered());
+  const std::string w0 = "alice.w0";
+  ASSERT_TRUE(hub.Report("h2", w0).has_value());
+
+  // A heartbeat reporting `names`, marked by its memory_used: returns once
+  // the hub has taken it.
+  uint64_t mark = 0;
+  auto beat = [&](const std::vector<std::string>& names) {
+    proto::AgentMessage m;
+    for (const std::string& name : names) {
+      proto::ContainerReport* c = m.mutable_heartbeat()->add_containers();
+      c->set_name(name);
+      c->set_state("running");
+      c->set_user("alice");
+    }
+    m.mutable_heartbeat()->mutable_usage()->set_memory_used(++mark);
+    return stream->Write(m) && WaitFor(
+                                   [&] {
+                                     gpu::NodeInfo info;
+                                     info.node.name = "h2";
+                                     hub.Fill(&info);
+                                     return info.memory_in_use == mark;
+                                   },
+                                   10s, "the heartbeat taken");
+  };
+  // Answers the next command, a reply of container `name` when not empty.
+  auto answer = [&](const std::string& name) {
+    proto::CentralMessage command;
+    if (!stream->Read(&command)) return proto::Command();
+    proto::AgentMessage reply;
+    reply.mutable_reply()->set_id(command.command().id());
+    if (!name.empty()) {
+      reply.mutable_reply()->mutable_container()->set_name(name);
+      reply.mutable_reply()->mutable_container()->set_state("running");
+    }
+    EXPECT_TRUE(stream->Write(reply));
+    return command.command();
+  };
+  std::unique_ptr<launch::Launcher> remote = NewRemoteLauncher(hub, "h2", {});
+  std::thread remove([&] { EXPECT_OK(remote->Remove(w0)); });
+  EXPECT_EQ(answer("").remove().name(), w0);
+  remove.join();
+  EXPECT_FALSE(hub.Report("h2", w0).has_value());
+  ASSERT_TRUE(beat({w0}));  // built before the removal
+  EXPECT_FALSE(hub.Report("h2", w0).has_value());
+  ASSERT_TRUE(beat({}));
+  ASSERT_TRUE(beat({w0}));  // a new container of that name
+  EXPECT_TRUE(hub.Report("h2", w0).has_value());
+
+  hub.Forget("h2", w0);
+  std::thread start([&] {
+    proto::Command c;
+    c.mutable_start();
+    EXPECT_OK(hub.Call("h2", std::move(c), 10s).status());
+  });
+  EXPECT_TRUE(answer(w0).has_start());
+  start.join();
+  EXPECT_TRUE(hub.Report("h2", w0).has_value());
+  ASSERT_TRUE(beat({w0}));
+  EXPECT_TRUE(hub.Report("h2", w0).has_value());
+
+  stream->WritesDone();
+  hub.Shutdown();
+  host->Stop();
 }
 
 }  // namespace
