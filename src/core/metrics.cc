@@ -114,10 +114,12 @@ Histogram* MetricsRegistry::GetHistogram(const std::string& name,
 
 namespace {
 
-std::string Escape(const std::string& v) {
+// The exposition format's escapes: a label value's (quoted) or a HELP
+// text's, where a raw line feed would end the line and '"' stays as it is.
+std::string Escape(const std::string& v, bool quoted = true) {
   std::string out;
   for (char c : v) {
-    if (c == '\\' || c == '"') out.push_back('\\');
+    if (c == '\\' || (quoted && c == '"')) out.push_back('\\');
     if (c == '\n') {
       out += "\\n";
       continue;
@@ -151,7 +153,8 @@ std::string MetricsRegistry::PrometheusText() const {
     const char* type = f.kind == Kind::kCounter ? "counter"
                        : f.kind == Kind::kGauge ? "gauge"
                                                 : "histogram";
-    absl::StrAppend(&out, "# HELP ", name, " ", f.help, "\n# TYPE ", name, " ", type, "\n");
+    absl::StrAppend(&out, "# HELP ", name, " ", Escape(f.help, /*quoted=*/false), "\n# TYPE ",
+                    name, " ", type, "\n");
     for (const auto& [labels, c] : f.counters) {
       absl::StrAppend(&out, name, LabelText(labels), " ", c->value(), "\n");
     }

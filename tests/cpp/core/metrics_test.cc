@@ -79,6 +79,17 @@ TEST(MetricsTest, PrometheusText) {
   EXPECT_EQ(s.Quantile(1.0), 5.0);
 }
 
+// As the exposition format escapes them: a HELP text's backslash and line
+// feed (a raw one ended the line, and a scraper read the rest as a sample),
+// a label value's quote too.
+TEST(MetricsTest, HelpTextsAndLabelValuesAreEscaped) {
+  MetricsRegistry r;
+  r.GetGauge("g", "a \\ \"b\"\nc", {{"path", "C:\\x \"y\"\nz"}})->Set(1);
+  EXPECT_EQ(r.PrometheusText(),
+            "# HELP g a \\\\ \"b\"\\nc\n# TYPE g gauge\n"
+            "g{path=\"C:\\\\x \\\"y\\\"\\nz\"} 1\n");
+}
+
 TEST(MetricsTest, HttpServerServesMetrics) {
   MetricsRegistry r;
   r.GetCounter("hits_total", "Hits.")->Add();
