@@ -215,12 +215,16 @@ grpc::ServerUnaryReactor* Service::Commit(grpc::CallbackServerContext* ctx,
   absl::Status s = Authenticate(*ctx);
   if (s.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = tensors_.find(req->key());
-    if (it == tensors_.end() || !it->second.meta) {
-      s = absl::NotFoundError(
-          absl::StrCat("commit of \"", req->key(), "\": the tensor was never claimed"));
-    } else {
-      it->second.meta->set_ready(true);
+    for (const std::string& key : req->keys()) {
+      auto it = tensors_.find(key);
+      if (it == tensors_.end() || !it->second.meta) {
+        s = absl::NotFoundError(
+            absl::StrCat("commit of \"", key, "\": the tensor was never claimed"));
+        break;
+      }
+    }
+    for (int i = 0; s.ok() && i < req->keys_size(); ++i) {
+      tensors_[req->keys(i)].meta->set_ready(true);
     }
   }
   return Reply(ctx, s);
@@ -669,32 +673,45 @@ absl::Status Service::Resolve(const char* op,
 absl::Status Service::DoClaim(const grpc::ServerContextBase& ctx, const pb::ClaimRequest& req,
                               pb::ClaimReply* reply) {
   DEEPNEX_RETURN_IF_ERROR(CheckCall(ctx, req.worker_id(), "init"));
-  const pb::TensorMeta& meta = req.meta();
-  DEEPNEX_RETURN_IF_ERROR(
-      CheckTensorMeta(absl::StrFormat("init of \"%s\"", meta.key()), meta).status());
+  for (const pb::TensorMeta& meta : req.metas()) {
+    DEEPNEX_RETURN_IF_ERROR(
+        CheckTensorMeta(absl::StrFormat("init of \"%s\"", meta.key()), meta).status());
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  Tensor& t = tensors_[meta.key()];
-  if (!t.meta) {
-    t.meta = std::make_unique<pb::TensorMeta>(meta);
-    t.meta->set_ready(false);
-    t.claimed_by = req.worker_id();
-    reply->set_won(true);
-  } else {
-    bool same = t.meta->dtype() == meta.dtype() && t.meta->shape_size() == meta.shape_size() &&
-                std::equal(meta.shape().begin(), meta.shape().end(), t.meta->shape().begin());
-    if (!same) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("init of \"%s\": %s differs from the existing %s", meta.key(),
-                          ShapeString(meta), ShapeString(*t.meta)));
+  // Every shape checked against the tensor as it stands (or as this request
+  // has it first) before anything is claimed: a claim won before a refused
+  // one would hold its tensor unready for values that never come.
+  std::unordered_map<std::string, const pb::TensorMeta*> standing;
+  for (const pb::TensorMeta& meta : req.metas()) {
+    auto it = tensors_.find(meta.key());
+    auto [s, first] = standing.try_emplace(
+        meta.key(), it != tensors_.end() && it->second.meta ? it->second.meta.get() : &meta);
+    const pb::TensorMeta& was = *s->second;
+    if (!first || &was != &meta) {
+      const bool same = was.dtype() == meta.dtype() && was.shape_size() == meta.shape_size() &&
+                        std::equal(meta.shape().begin(), meta.shape().end(), was.shape().begin());
+      if (!same) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("init of \"%s\": %s differs from the existing %s", meta.key(),
+                            ShapeString(meta), ShapeString(was)));
+      }
+    }
+  }
+  for (const pb::TensorMeta& meta : req.metas()) {
+    Tensor& t = tensors_[meta.key()];
+    if (!t.meta) {
+      t.meta = std::make_unique<pb::TensorMeta>(meta);
+      t.meta->set_ready(false);
+      t.claimed_by = req.worker_id();
     }
     // The claimer itself, restarted or retrying, writes again; so does the
     // first claimer of a tensor restored unready (a checkpoint cut between
     // a claim and its values), which nobody claims: every init waited for
     // the first initializer until its deadline.
     if (!t.meta->ready() && t.claimed_by == -1) t.claimed_by = req.worker_id();
-    reply->set_won(!t.meta->ready() && t.claimed_by == req.worker_id());
+    reply->add_won(!t.meta->ready() && t.claimed_by == req.worker_id());
+    *reply->add_metas() = *t.meta;
   }
-  *reply->mutable_meta() = *t.meta;
   return absl::OkStatus();
 }
 

@@ -686,14 +686,16 @@ TEST_F(CheckpointTest, ATensorWhoseInitTheCheckpointCaughtMidwayIsClaimedAnew) {
     Wire wire(server->address());
     pb::ClaimRequest req;
     req.set_worker_id(0);
-    req.mutable_meta()->set_key("w");
-    req.mutable_meta()->set_dtype(static_cast<int>(DType::kFloat32));
-    req.mutable_meta()->add_shape(2);
-    req.mutable_meta()->set_num_parts(1);
+    pb::TensorMeta* meta = req.add_metas();
+    meta->set_key("w");
+    meta->set_dtype(static_cast<int>(DType::kFloat32));
+    meta->add_shape(2);
+    meta->set_num_parts(1);
     pb::ClaimReply reply;
     grpc::ClientContext ctx;
     ASSERT_TRUE(wire.stub().Claim(&ctx, req, &reply).ok());
-    ASSERT_TRUE(reply.won());
+    ASSERT_EQ(reply.won_size(), 1);
+    ASSERT_TRUE(reply.won(0));
   }
   ASSERT_THAT(server->Checkpoint(dir_, std::chrono::seconds(10)).status(), IsOk());
   server.reset();

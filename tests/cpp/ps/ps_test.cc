@@ -139,6 +139,41 @@ TEST(PsTest, FirstInitWinsAndEveryWorkerSeesTheSameValues) {
   EXPECT_EQ(seen[0], std::vector<float>(1000, seen[0][0]));
 }
 
+// Init claims and commits in batches per server, request_bytes apart
+// (SmallParts: many of them): tensors that two workers init at once each
+// hold one worker's values, whole, across both servers.
+TEST(PsTest, ManyTensorsInitInBatchesAndEachHoldsOneWorkersValues) {
+  ServerOptions so;
+  so.num_workers = 2;
+  Cluster c = StartServers(2, so);
+  const int n = 3000;
+  std::vector<std::vector<std::vector<float>>> seen(2, std::vector<std::vector<float>>(n));
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 2; ++w) {
+    threads.emplace_back([&, w] {
+      auto client = Connect(c, w, SmallParts());
+      std::vector<std::vector<float>> mine(n);
+      std::vector<NamedTensor> init, out;
+      for (int i = 0; i < n; ++i) {
+        const std::string key = "k" + std::to_string(i);
+        mine[i].assign(i % 300 + 1, static_cast<float>(2 * i + w));  // up to 3 parts
+        seen[w][i].assign(mine[i].size(), -1.0f);
+        init.push_back(View(key, mine[i]));
+        out.push_back(View(key, seen[w][i]));
+      }
+      ASSERT_THAT(client->Init(init), IsOk());
+      ASSERT_THAT(client->Pull(out), IsOk());
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < n; ++i) {
+    const float first = seen[0][i][0];
+    EXPECT_TRUE(first == 2 * i || first == 2 * i + 1) << "k" << i << ": " << first;
+    EXPECT_EQ(seen[0][i], std::vector<float>(i % 300 + 1, first)) << "k" << i;
+    EXPECT_EQ(seen[1][i], seen[0][i]) << "k" << i;
+  }
+}
+
 TEST(PsTest, AsyncAppliesEveryPushExactly) {
   ServerOptions so;
   so.mode = Mode::kAsync;
@@ -358,6 +393,36 @@ TEST_F(BadInputTest, SecondInitWithAnotherShape) {
                HasSubstr("[64, 128] float32 differs from the existing [8192] float32")));
   // Same shape: a no-op, the first values stay.
   EXPECT_THAT(client_->Init({View("fc1.weight", other)}), IsOk());
+  ExpectUnchanged();
+}
+
+// A claim is all or none: an init refused for one tensor (another shape
+// than the existing one, or two shapes of one key) claims none of the
+// others, which another worker then inits at once. One claimed and never
+// written held every other init until its deadline.
+TEST_F(BadInputTest, AnInitRefusedForOneTensorClaimsNoneOfTheOthers) {
+  std::vector<float> fine(4, 2.0f), other(8192, 9.0f);
+  EXPECT_THAT(
+      client_->Init({View("n1", fine),
+                     {"fc1.weight", TensorView(other.data(), DType::kFloat32, {64, 128})}}),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("init of \"fc1.weight\": [64, 128] float32 differs from the existing "
+                         "[8192] float32")));
+  EXPECT_THAT(client_->Init({View("n2", fine),
+                             {"n2", TensorView(fine.data(), DType::kFloat32, {2, 2})}}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("init of \"n2\": [2, 2] float32 differs from the existing "
+                                 "[4] float32")));
+  ClientOptions co;
+  co.timeout = std::chrono::seconds(5);
+  auto w1 = Connect(cluster_, 1, co);
+  std::vector<float> mine(4, 3.0f);
+  ASSERT_THAT(w1->Init({View("n1", mine), View("n2", mine)}), IsOk());
+  for (const char* key : {"n1", "n2"}) {
+    std::vector<float> got(4);
+    ASSERT_THAT(client_->Pull({View(key, got)}), IsOk());
+    EXPECT_EQ(got, mine) << key;
+  }
   ExpectUnchanged();
 }
 
