@@ -18,12 +18,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "core/text.h"
 
 namespace deepnex {
 namespace {
 
 absl::Status Errno(const std::string& what, const std::string& path) {
-  return absl::InternalError(absl::StrCat(what, " \"", path, "\": ", std::strerror(errno)));
+  return absl::InternalError(absl::StrCat(what, " ", QuotedPath(path), ": ", std::strerror(errno)));
 }
 
 }  // namespace
@@ -72,7 +73,7 @@ absl::StatusOr<std::string> ReadWholeFile(const std::string& path, const std::st
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     return absl::NotFoundError(
-        absl::StrCat(what, " \"", path, "\" cannot be read: ", std::strerror(errno)));
+        absl::StrCat(what, " ", QuotedPath(path), " cannot be read: ", std::strerror(errno)));
   }
   std::ostringstream contents;
   contents << in.rdbuf();
@@ -85,7 +86,7 @@ absl::StatusOr<std::string> ReadRegularFile(const std::string& path, const std::
   const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
     return absl::NotFoundError(
-        absl::StrCat(what, " \"", path, "\" cannot be read: ", std::strerror(errno)));
+        absl::StrCat(what, " ", QuotedPath(path), " cannot be read: ", std::strerror(errno)));
   }
   struct stat st;
   if (fstat(fd, &st) != 0) {
@@ -96,7 +97,7 @@ absl::StatusOr<std::string> ReadRegularFile(const std::string& path, const std::
   if (!S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) > max_bytes) {
     close(fd);
     return absl::FailedPreconditionError(absl::StrCat(
-        what, " \"", path, "\" is ",
+        what, " ", QuotedPath(path), " is ",
         S_ISREG(st.st_mode) ? absl::StrCat(st.st_size, " bytes, more than the ", max_bytes,
                                            " one can be")
         : S_ISDIR(st.st_mode) ? "a directory, not a file"
@@ -110,7 +111,7 @@ absl::StatusOr<std::string> ReadRegularFile(const std::string& path, const std::
   if (foreign || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
     close(fd);
     return absl::PermissionDeniedError(absl::StrCat(
-        what, " \"", path, "\" ",
+        what, " ", QuotedPath(path), " ",
         foreign ? absl::StrCat("belongs to uid ", st.st_uid, ", not to this process's ", self)
             : absl::StrFormat("is writable by others than its owner (mode %04o)",
                               st.st_mode & 07777),
