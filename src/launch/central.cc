@@ -555,6 +555,14 @@ class ContainersService final : public pb::Containers::CallbackService,
   // Without `usage` (a container that just started has used nothing yet,
   // and an agent's start answer carries none), its usage is left zero.
   void Describe(Entry& e, pb::ContainerInfo* p, bool usage = true) {
+    // Read before the status: released only once it ended (Watch), so that
+    // a record that says released also says how it ended. Read after, the
+    // two could straddle the end (CI: released, and no last_exit).
+    bool released;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      released = e.allocation_released;
+    }
     const ContainerSpec& spec = e.handle->spec();
     ContainerStatus st = e.handle->Status();
     p->set_name(e.name);
@@ -579,8 +587,7 @@ class ContainersService final : public pb::Containers::CallbackService,
       p->mutable_usage()->set_pids(u->pids);
     }
     p->set_started_at(std::chrono::duration<double>(st.started_at.time_since_epoch()).count());
-    std::lock_guard<std::mutex> lock(mu_);
-    p->set_allocation_released(e.allocation_released);
+    p->set_allocation_released(released);
   }
 
   // A restarted central takes back what an agent reports running on its
