@@ -673,6 +673,11 @@ absl::Status Service::Resolve(const char* op,
 absl::Status Service::DoClaim(const grpc::ServerContextBase& ctx, const pb::ClaimRequest& req,
                               pb::ClaimReply* reply) {
   DEEPNEX_RETURN_IF_ERROR(CheckCall(ctx, req.worker_id(), "init"));
+  if (req.metas_size() == 0) {
+    // As an older client's (one tensor per claim, in a field now gone) reads.
+    return absl::InvalidArgumentError(
+        "init: the claim names no tensor (is the client older than this server?)");
+  }
   for (const pb::TensorMeta& meta : req.metas()) {
     DEEPNEX_RETURN_IF_ERROR(
         CheckTensorMeta(absl::StrFormat("init of \"%s\"", meta.key()), meta).status());

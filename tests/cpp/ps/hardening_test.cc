@@ -678,6 +678,22 @@ TEST_F(CheckpointTest, ANameIsWrittenInsideTheCheckpointDirAndAPathIsRefused) {
 // large tensor's write) held the tensor unready and claimed by nobody: after
 // a restore every init waited for "the first initializer" until its
 // deadline. The first init after the restore claims it anew.
+// A claim of no tensor is how an older client's claim reads (its one
+// tensor went in a field now gone): refused, saying so, not answered with
+// nothing won.
+TEST(ClaimTest, AClaimOfNoTensorIsRefused) {
+  auto server = Start({});
+  Wire wire(server->address());
+  pb::ClaimRequest req;
+  req.set_worker_id(0);
+  pb::ClaimReply reply;
+  grpc::ClientContext ctx;
+  grpc::Status s = wire.stub().Claim(&ctx, req, &reply);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(),
+            "init: the claim names no tensor (is the client older than this server?)");
+}
+
 TEST_F(CheckpointTest, ATensorWhoseInitTheCheckpointCaughtMidwayIsClaimedAnew) {
   ServerOptions so;
   so.mode = Mode::kAsync;
