@@ -306,12 +306,7 @@ class AgentImpl final : public Agent {
     for (auto& h : Containers()) {
       const pb::ContainerReport r = ReportOf(*h);
       if (Ended(r)) continue;
-      const Labels labels{{"node", node_.name}, {"user", r.user()}, {"container", r.name()}};
-      now.GetCounterReading("deepnex_container_cpu_seconds_total",
-                            "CPU seconds a container has used.", labels)
-          ->Set(r.usage().cpu_seconds());
-      now.GetGauge("deepnex_container_memory_bytes", "Memory a container uses now.", labels)
-          ->Set(static_cast<double>(r.usage().memory()));
+      launch::ExportContainerUsage(now, node_.name, r.user(), r.name(), UsageOf(r));
     }
     return now.PrometheusText();
   }

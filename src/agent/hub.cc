@@ -14,6 +14,7 @@
 #include "core/grpc_util.h"
 #include "core/net.h"
 #include "gpu/central_convert.h"
+#include "launch/util.h"
 
 namespace deepnex::agent {
 
@@ -250,7 +251,7 @@ void Hub::Fill(gpu::NodeInfo* info) const {
   for (const auto& g : it->second.usage.gpus()) info->gpu_usage.push_back(gpu::FromProto(g));
 }
 
-std::string Hub::MetricsText() const {
+std::string Hub::MetricsText(const std::function<void(MetricsRegistry&)>& more) const {
   MetricsRegistry now;
   const auto t = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> lock(mu_);
@@ -281,15 +282,10 @@ std::string Hub::MetricsText() const {
     }
     // Per container, as its agent last reported it, with its user.
     for (const auto& [name, c] : link.containers) {
-      if (Ended(c)) continue;
-      const Labels labels{{"node", node}, {"user", c.user()}, {"container", name}};
-      now.GetCounterReading("deepnex_container_cpu_seconds_total",
-                            "CPU seconds a container has used.", labels)
-          ->Set(c.usage().cpu_seconds());
-      now.GetGauge("deepnex_container_memory_bytes", "Memory a container uses now.", labels)
-          ->Set(c.usage().memory());
+      if (!Ended(c)) launch::ExportContainerUsage(now, node, c.user(), name, UsageOf(c));
     }
   }
+  if (more) more(now);
   return registry_.PrometheusText() + now.PrometheusText();
 }
 

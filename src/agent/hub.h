@@ -96,8 +96,10 @@ class Hub {
   // agent's node.
   void Fill(gpu::NodeInfo* info) const;
   // Per agent node: ready (1/0), seconds since heard, NotReady events, what
-  // its agent measures (cores, memory, per GPU), and per container.
-  std::string MetricsText() const;
+  // its agent measures (cores, memory, per GPU), and per container; `more`
+  // adds series of the same families (central's own containers') before
+  // they are rendered, once each.
+  std::string MetricsText(const std::function<void(MetricsRegistry&)>& more = {}) const;
   // Called with the containers an agent reports running when it registers
   // (a restarted central takes them back), on a gRPC thread, before the
   // agent is told it registered. Set once, before serving.

@@ -102,6 +102,8 @@ class Service final : public pb::Central::CallbackService {
   Allocator& allocator() { return *alloc_; }
   const TokenTable& tokens() const { return tokens_; }
   agent::Hub& hub() { return hub_; }
+  // Set once, before serving.
+  void SetExtension(CentralExtension* extension) { extension_ = extension; }
 
   std::string MetricsText() const {
     // The allocator's state goes into a registry made per scrape: a node
@@ -129,7 +131,10 @@ class Service final : public pb::Central::CallbackService {
     }
     now.GetGauge("deepnex_queue_length", "Requests waiting for capacity.")
         ->Set(alloc_->QueueLength());
-    return registry_.PrometheusText() + now.PrometheusText() + hub_.MetricsText() +
+    return registry_.PrometheusText() + now.PrometheusText() +
+           hub_.MetricsText([this](MetricsRegistry& containers) {
+             if (extension_ != nullptr) extension_->ExportMetrics(containers);
+           }) +
            (more_metrics_ ? more_metrics_() : "");
   }
 
@@ -438,6 +443,7 @@ class Service final : public pb::Central::CallbackService {
   }
 
   const std::function<std::string()> more_metrics_;
+  CentralExtension* extension_ = nullptr;
   std::unique_ptr<Allocator> alloc_;
   const TokenTable tokens_;
   agent::Hub hub_;
@@ -501,6 +507,7 @@ class CentralServerImpl final : public CentralServer {
     if (extension) {
       DEEPNEX_ASSIGN_OR_RETURN(
           extension_, extension(service_->allocator(), service_->tokens(), service_->hub()));
+      service_->SetExtension(extension_.get());
       services.push_back(extension_->service());
       for (grpc::Service* more : extension_->more_services()) services.push_back(more);
     }

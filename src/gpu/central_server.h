@@ -13,6 +13,7 @@
 #include "deepnex/auth.h"
 #include "deepnex/gpu/allocator.h"
 #include "deepnex/gpu/central.h"
+#include "deepnex/metrics.h"
 
 namespace deepnex::agent {
 class Hub;
@@ -27,6 +28,9 @@ class CentralExtension {
   // Services it serves besides service() (launch's image catalog and
   // sessions).
   virtual std::vector<grpc::Service*> more_services() { return {}; }
+  // Adds the series of what it runs itself (central's own launcher's
+  // containers) to central's metrics, at each scrape.
+  virtual void ExportMetrics(MetricsRegistry&) {}
   // The first step of CentralServer::Stop, while the allocator still serves
   // (so that what ends here can release its allocations). Idempotent.
   virtual void Shutdown() = 0;

@@ -590,6 +590,23 @@ class ContainersService final : public pb::Containers::CallbackService,
     p->set_allocation_released(released);
   }
 
+  // Central's own launcher's containers that run, as the hub exports an
+  // agent's (whose are the hub's). Usage is read outside mu_ (Describe).
+  void ExportMetrics(MetricsRegistry& registry) override {
+    std::vector<std::shared_ptr<Entry>> own;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [key, e] : entries_) {
+        if (e->launcher == launcher_.get() && e->handle != nullptr && !e->ended) own.push_back(e);
+      }
+    }
+    for (const std::shared_ptr<Entry>& e : own) {
+      absl::StatusOr<Usage> u = e->handle->Usage();
+      if (!u.ok()) continue;
+      ExportContainerUsage(registry, e->node, e->user, LauncherName(e->user, e->name), *u);
+    }
+  }
+
   // A restarted central takes back what an agent reports running on its
   // node (the records are the agent's, so none is lost with central). One
   // whose allocation is gone is stopped by Reap; one known already is left.

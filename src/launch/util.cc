@@ -232,24 +232,16 @@ std::string SignalName(int signal) {
   return absl::StrCat("SIG", abbrev);
 }
 
-void ExportUsage(Launcher& launcher, MetricsRegistry& registry) {
-  for (const std::shared_ptr<Handle>& h : launcher.List()) {
-    absl::StatusOr<launch::Usage> u = h->Usage();
-    if (!u.ok()) continue;
-    const Labels labels = {{"container", h->spec().name}, {"backend", launcher.backend()}};
-    registry
-        .GetCounterReading("deepnex_container_cpu_seconds_total", "CPU time the container used.",
-                           labels)
-        ->Set(u->cpu_seconds);
-    registry.GetGauge("deepnex_container_memory_bytes", "Memory the container uses now.", labels)
-        ->Set(static_cast<double>(u->memory));
-    registry
-        .GetGauge("deepnex_container_memory_peak_bytes", "The most memory the container used.",
-                  labels)
-        ->Set(static_cast<double>(u->memory_peak));
-    registry.GetGauge("deepnex_container_pids", "Processes in the container.", labels)
-        ->Set(static_cast<double>(u->pids));
-  }
+void ExportContainerUsage(MetricsRegistry& registry, const std::string& node,
+                          const std::string& user, const std::string& container,
+                          const Usage& usage) {
+  const Labels labels{{"node", node}, {"user", user}, {"container", container}};
+  registry
+      .GetCounterReading("deepnex_container_cpu_seconds_total",
+                         "CPU seconds a container has used.", labels)
+      ->Set(usage.cpu_seconds);
+  registry.GetGauge("deepnex_container_memory_bytes", "Memory a container uses now.", labels)
+      ->Set(static_cast<double>(usage.memory));
 }
 
 bool FollowedLog::Take(uint64_t offset, const LogChunk& chunk) {

@@ -148,11 +148,14 @@ ExitStatus ExitStatusFromWait(int wait_status);
 // "SIGKILL" for 9; "signal 99" for one without a name.
 std::string SignalName(int signal);
 
-// Sets counter deepnex_container_cpu_seconds_total and gauges _memory_bytes,
-// _memory_peak_bytes and _pids, labelled container=<name>, from the usage of
-// each container `launcher` holds; for a server (deepnex-central) to call
-// before it renders its metrics.
-void ExportUsage(Launcher& launcher, MetricsRegistry& registry);
+// The series of a container that runs, as deepnex-central exports those on
+// its own launcher and its agents' (and an agent its own): counter
+// deepnex_container_cpu_seconds_total and gauge
+// deepnex_container_memory_bytes, labelled by node, user and container (the
+// launcher's name).
+void ExportContainerUsage(MetricsRegistry& registry, const std::string& node,
+                          const std::string& user, const std::string& container,
+                          const Usage& usage);
 
 // Hands a follower's chunks to its sink as Handle::FollowLogs promises: what
 // the log limit dropped before it was read is said in a line of its own,

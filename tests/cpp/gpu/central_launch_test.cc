@@ -124,6 +124,14 @@ TEST_F(CentralLaunch, RunsListsLogsAndReleasesTheAllocationAtItsEnd) {
   EXPECT_EQ(running.restarts, 0);
   EXPECT_THAT(running.gpus, ElementsAre(a.gpus[0].index));
   EXPECT_FALSE(running.allocation_released);
+  // Its series on central's own launcher, labelled as an agent's are; once
+  // each family (a second HELP line would make the text invalid).
+  const std::string labels = "{container=\"alice.w0\",node=\"x1\",user=\"alice\"} ";
+  const std::string metrics = server_->MetricsText();
+  EXPECT_THAT(metrics, HasSubstr("\ndeepnex_container_cpu_seconds_total" + labels));
+  EXPECT_THAT(metrics, HasSubstr("\ndeepnex_container_memory_bytes" + labels));
+  EXPECT_EQ(metrics.find("# HELP deepnex_container_memory_bytes"),
+            metrics.rfind("# HELP deepnex_container_memory_bytes"));
   ASSERT_OK_AND_ASSIGN(auto held, alice_gpu_->Allocations());
   ASSERT_EQ(held.size(), 1u);
 
@@ -132,6 +140,7 @@ TEST_F(CentralLaunch, RunsListsLogsAndReleasesTheAllocationAtItsEnd) {
     return c.state == State::kExited && c.allocation_released;
   });
   EXPECT_EQ(ended.last_exit, "exited(3)");
+  EXPECT_THAT(server_->MetricsText(), Not(HasSubstr("container=\"alice.w0\"")));
   ASSERT_OK_AND_ASSIGN(LogChunk logs, alice_->ContainerLogs("w0"));
   EXPECT_EQ(logs.data, "hello " + a.env.at("CUDA_VISIBLE_DEVICES") + "\nbye\n");
   EXPECT_TRUE(logs.ended);

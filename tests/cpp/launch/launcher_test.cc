@@ -1058,24 +1058,6 @@ TEST_F(ProcessLauncherTest, CpuSecondsCountEveryRunOfARestartedContainer) {
   EXPECT_GT(u3.cpu_seconds, 2 * u1.cpu_seconds) << "one run: " << u1.cpu_seconds;
 }
 
-TEST_F(ProcessLauncherTest, UsageAsMetrics) {
-  ASSERT_OK_AND_ASSIGN(auto h, launcher_->Start(Spec("spin", "while :; do :; done")));
-  ASSERT_TRUE(test::WaitUntil([&] { return h->Usage().value_or(Usage{}).cpu_seconds > 0.05; }, 30s));
-  MetricsRegistry registry;
-  ExportUsage(*launcher_, registry);
-  const std::string text = registry.PrometheusText();
-  EXPECT_THAT(text, HasSubstr("# TYPE deepnex_container_cpu_seconds_total counter\n"
-                              "deepnex_container_cpu_seconds_total{backend=\"process\","
-                              "container=\"spin\"} "));
-  EXPECT_THAT(text, HasSubstr("deepnex_container_pids{backend=\"process\",container=\"spin\"} 1\n"));
-  EXPECT_GT(registry
-                .GetCounterReading("deepnex_container_cpu_seconds_total", "",
-                                   {{"backend", "process"}, {"container", "spin"}})
-                ->value(),
-            0.05);
-  ASSERT_THAT(h->Stop(0ms), IsOk());
-}
-
 // Device nodes of a driver that is not loaded: opening an allowed one fails
 // with ENXIO, a denied one with EPERM from the devices cgroup.
 TEST_F(ProcessLauncherTest, OnlyTheGrantedGpuDeviceNodes) {
