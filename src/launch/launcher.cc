@@ -400,7 +400,8 @@ class Container : public Handle {
       if (stop_requested_ || !ShouldRestart(spec_.restart, e, restarts_)) {
         EndLocked(e);
         lock.unlock();
-        Release(run, attempt);
+        // After Wait is answered; a failure is in the container's log.
+        Release(run, attempt).IgnoreError();
         return;
       }
       state_ = State::kRestarting;
