@@ -254,7 +254,7 @@ void Hub::Fill(gpu::NodeInfo* info) const {
 std::string Hub::MetricsText(const std::function<void(MetricsRegistry&)>& more) const {
   MetricsRegistry now;
   const auto t = std::chrono::steady_clock::now();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   for (const auto& [node, link] : links_) {
     now.GetGauge("deepnex_node_ready", "1 while the node's agent is heard from, else 0.",
                  {{"node", node}})
@@ -285,6 +285,9 @@ std::string Hub::MetricsText(const std::function<void(MetricsRegistry&)>& more) 
       if (!Ended(c)) launch::ExportContainerUsage(now, node, c.user(), name, UsageOf(c));
     }
   }
+  // Outside the hub's lock: `more` reads cgroups, and takes its own
+  // locks, which are held where the hub is called.
+  lock.unlock();
   if (more) more(now);
   return registry_.PrometheusText() + now.PrometheusText();
 }
