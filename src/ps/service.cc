@@ -689,17 +689,18 @@ absl::Status Service::DoClaim(const grpc::ServerContextBase& ctx, const pb::Clai
   std::unordered_map<std::string, const pb::TensorMeta*> standing;
   for (const pb::TensorMeta& meta : req.metas()) {
     auto it = tensors_.find(meta.key());
-    auto [s, first] = standing.try_emplace(
-        meta.key(), it != tensors_.end() && it->second.meta ? it->second.meta.get() : &meta);
-    const pb::TensorMeta& was = *s->second;
-    if (!first || &was != &meta) {
-      const bool same = was.dtype() == meta.dtype() && was.shape_size() == meta.shape_size() &&
-                        std::equal(meta.shape().begin(), meta.shape().end(), was.shape().begin());
-      if (!same) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("init of \"%s\": %s differs from the existing %s", meta.key(),
-                            ShapeString(meta), ShapeString(was)));
-      }
+    const pb::TensorMeta& was =
+        *standing
+             .try_emplace(meta.key(),
+                          it != tensors_.end() && it->second.meta ? it->second.meta.get() : &meta)
+             .first->second;
+    if (&was == &meta) continue;  // a new tensor's first meta
+    const bool same = was.dtype() == meta.dtype() && was.shape_size() == meta.shape_size() &&
+                      std::equal(meta.shape().begin(), meta.shape().end(), was.shape().begin());
+    if (!same) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("init of \"%s\": %s differs from the existing %s", meta.key(),
+                          ShapeString(meta), ShapeString(was)));
     }
   }
   for (const pb::TensorMeta& meta : req.metas()) {
