@@ -242,9 +242,10 @@ class ClientImpl final : public Client {
       const std::vector<NamedTensor>& grads,
       const std::vector<NamedTensor>& out) override {
     std::vector<Piece> push, pull;
+    bool finite_checked = false;
     absl::Status s = CheckWriter("push");
     if (s.ok()) s = Prepare("pull", out, /*pushing=*/false, nullptr);
-    if (s.ok()) s = Prepare("push", grads, /*pushing=*/true, &push);
+    if (s.ok()) s = Prepare("push", grads, /*pushing=*/true, &push, &finite_checked);
     if (s.ok()) s = Prepare("pull", out, /*pushing=*/false, &pull);
     if (!s.ok()) return FailedOp(s);
     auto op = NewOp();
@@ -253,11 +254,11 @@ class ClientImpl final : public Client {
         std::equal(grads.begin(), grads.end(), out.begin(),
                    [](const NamedTensor& a, const NamedTensor& b) { return a.key == b.key; });
     if (same_keys) {
-      SendPush(push, op, nullptr, &pull);
+      SendPush(push, finite_checked, op, nullptr, &pull);
       return Release(op);
     }
     auto pulls = SendPull(pull, op);
-    SendPush(push, op, [pulls] {
+    SendPush(push, finite_checked, op, [pulls] {
       for (const auto& r : pulls) r->Cancel();  // they would wait in vain
     });
     return Release(op);
@@ -1046,9 +1047,11 @@ class ClientImpl final : public Client {
 
   // Checks each tensor against what the servers hold (describing keys this
   // client has not seen) and cuts it into pieces; `pushing` takes a new
-  // round for each key.
+  // round for each key. `finite_checked` says whether this found no NaN or
+  // Inf in the whole push (one the servers take in several requests).
   absl::Status Prepare(const char* op, const std::vector<NamedTensor>& tensors,
-                       bool pushing, std::vector<Piece>* pieces) {
+                       bool pushing, std::vector<Piece>* pieces,
+                       bool* finite_checked = nullptr) {
     DEEPNEX_RETURN_IF_ERROR(CheckOpen());
     if (absl::Status s = FinishPushes(); !s.ok()) {
       const char* again = AnyUnfinished() ? "; it goes again at the next call" : "";
@@ -1122,7 +1125,8 @@ class ClientImpl final : public Client {
     // Each server refuses a bad gradient in what it is sent, whole; a push
     // the servers take in several requests is checked whole here, or one
     // refused after another was applied would leave the step half taken
-    // (and a sync round out of step across its partitions).
+    // (and a sync round out of step across its partitions). The requests
+    // say so, and the servers do not scan them again.
     if (pushing && reject_nonfinite_ &&
         Batch(*pieces, servers_.size(), options_.request_bytes).size() > 1) {
       for (const Piece& p : *pieces) {
@@ -1135,6 +1139,7 @@ class ClientImpl final : public Client {
         pieces->clear();
         return refused;
       }
+      if (finite_checked != nullptr) *finite_checked = true;
     }
     for (const auto& [key, seq] : rounds) keys_.at(key).seq = seq;
     return absl::OkStatus();
@@ -1142,11 +1147,12 @@ class ClientImpl final : public Client {
 
   std::shared_ptr<Op> StartPush(const std::vector<NamedTensor>& grads) {
     std::vector<Piece> pieces;
+    bool finite_checked = false;
     absl::Status s = CheckWriter("push");
-    if (s.ok()) s = Prepare("push", grads, /*pushing=*/true, &pieces);
+    if (s.ok()) s = Prepare("push", grads, /*pushing=*/true, &pieces, &finite_checked);
     if (!s.ok()) return FailedOp(s);
     auto op = NewOp();
-    SendPush(pieces, op, nullptr);
+    SendPush(pieces, finite_checked, op, nullptr);
     return Release(op);
   }
 
@@ -1176,9 +1182,11 @@ class ClientImpl final : public Client {
   }
 
   // With `pull` (the same pieces cut from the tensors to pull into), each
-  // push asks for the values back in its reply.
-  void SendPush(const std::vector<Piece>& pieces, const std::shared_ptr<Op>& op,
-                std::function<void()> on_failure, const std::vector<Piece>* pull = nullptr) {
+  // push asks for the values back in its reply. `finite_checked`: Prepare
+  // found no NaN or Inf in the whole push.
+  void SendPush(const std::vector<Piece>& pieces, bool finite_checked,
+                const std::shared_ptr<Op>& op, std::function<void()> on_failure,
+                const std::vector<Piece>* pull = nullptr) {
     auto batches = Batch(pieces, servers_.size(), options_.request_bytes);
     op->Add(static_cast<int>(batches.size()));
     pushed_ = true;
@@ -1189,6 +1197,7 @@ class ClientImpl final : public Client {
       pb::PushHeader header;
       header.set_worker_id(options_.worker_id);
       header.set_incarnation(incarnation_.load());
+      header.set_finite_checked(finite_checked);
       for (const Piece* p : batch) *header.add_slices() = p->slice;
       auto r = NewRequest(op, server, kPushMethod, "push", deadline);
       r->bulk_method = kBulkPush;

@@ -303,8 +303,10 @@ absl::Status Service::StartPush(CallSite* site, const grpc::ByteBuffer& request,
   }
   DEEPNEX_RETURN_IF_ERROR(Resolve("push", header.slices(), &parts, &payload));
   // A push of several slices is checked whole first, so that one bad slice
-  // refuses all; a single slice, by its partition in the pass taking it in.
-  const bool check_whole = options_.reject_nonfinite && parts.size() > 1;
+  // refuses all; a single slice, by its partition in the pass taking it in;
+  // none that its client checked whole (a push it sent in several requests).
+  const bool check = options_.reject_nonfinite && !header.finite_checked();
+  const bool check_whole = check && parts.size() > 1;
   if (check_whole) {
     PayloadReader check = payload;
     for (size_t i = 0; i < parts.size(); ++i) {
@@ -352,7 +354,7 @@ absl::Status Service::StartPush(CallSite* site, const grpc::ByteBuffer& request,
   Completions done;
   for (size_t i = 0; i < parts.size(); ++i) {
     parts[i]->Push(header.worker_id(), header.incarnation(), header.slices(i).seq(),
-                   header.slices(i).key(), options_.reject_nonfinite && !check_whole, &payload,
+                   header.slices(i).key(), check && !check_whole, &payload,
                    sink, i, &done);
   }
   RunAll(done);

@@ -76,29 +76,35 @@ bool NonFinite(const char* p, Bits exponent) {
 
 // Whether any of `n` elements at `p` is NaN or Inf. A value is when its
 // bits less the sign reach the exponent mask, that is when adding the
-// exponent's lowest bit carries into the sign bit; OR-ing those sums over
-// blocks of a fixed kLanes, lane by lane, is a loop GCC vectorizes at -O2
-// (one of unknown length it does not), so the check runs at memory speed.
+// exponent's lowest bit carries into the sign bit. The sums are OR-ed in
+// four 16-byte vectors (GCC's vector extension: SSE2 on x86-64, NEON on
+// Arm), each named so that it stays in a register: kept in an array (of
+// lanes or of vectors), GCC at -O2 left them in memory, and the check ran
+// at 20 GB/s in cache where this one runs at 45.
 template <typename Bits>
 bool AnyNonFinite(const char* p, size_t n, Bits exponent) {
-  constexpr size_t kLanes = 64 / sizeof(Bits);
+  typedef Bits Vec __attribute__((vector_size(16)));
+  constexpr size_t kPerVec = sizeof(Vec) / sizeof(Bits);
   constexpr Bits kSign = static_cast<Bits>(Bits(1) << (8 * sizeof(Bits) - 1));
+  const Bits magnitude = static_cast<Bits>(~kSign);
   const Bits low = static_cast<Bits>(exponent & (~exponent + 1));
-  Bits lane[kLanes] = {};
+  Vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
   size_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (size_t k = 0; k < kLanes; ++k) {
-      Bits b;
-      std::memcpy(&b, p + (i + k) * sizeof(Bits), sizeof(Bits));
-      lane[k] |= static_cast<Bits>((b & static_cast<Bits>(~kSign)) + low);
-    }
+  for (; i + 4 * kPerVec <= n; i += 4 * kPerVec) {
+    Vec b[4];
+    std::memcpy(b, p + i * sizeof(Bits), sizeof(b));
+    a0 |= (b[0] & magnitude) + low;
+    a1 |= (b[1] & magnitude) + low;
+    a2 |= (b[2] & magnitude) + low;
+    a3 |= (b[3] & magnitude) + low;
   }
+  const Vec all = a0 | a1 | a2 | a3;
   Bits any = 0;
-  for (size_t k = 0; k < kLanes; ++k) any |= lane[k];
+  for (size_t k = 0; k < kPerVec; ++k) any |= all[k];
   for (; i < n; ++i) {
     Bits b;
     std::memcpy(&b, p + i * sizeof(Bits), sizeof(Bits));
-    any |= static_cast<Bits>((b & static_cast<Bits>(~kSign)) + low);
+    any |= static_cast<Bits>((b & magnitude) + low);
   }
   return (any & kSign) != 0;
 }

@@ -372,6 +372,36 @@ TEST_F(PullLimitTest, APushAskingForItsValuesRepliesWithTheRoundsValues) {
               HasSubstr("push of \"w\" part 0: slices 0 and 1 name the same partition"));
 }
 
+// A request whose client checked the whole push for NaN and Inf says so,
+// and the server does not scan it a second time (a push of 64 MiB in 16
+// requests was scanned twice). Without the word, the server refuses it.
+TEST_F(PullLimitTest, APushItsClientCheckedWholeIsNotScannedAgain) {
+  ServerOptions so;
+  so.mode = Mode::kAsync;
+  so.num_workers = 2;
+  so.optimizer.kind = OptimizerKind::kSum;
+  StartWith(so);
+  Wire wire(server_->address());
+  ASSERT_TRUE(wire.Register(1, 7).ok());
+  std::vector<float> grad(kElements, 2.0f);
+  grad[5] = std::numeric_limits<float>::infinity();
+  auto push = [&](bool finite_checked) {
+    pb::PushHeader header = PushOf(1);
+    header.set_finite_checked(finite_checked);
+    std::vector<grpc::Slice> payload;
+    payload.emplace_back(grad.data(), kElements * 4, grpc::Slice::STATIC_SLICE);
+    return wire.Call1(kPushMethod, EncodeFramed(header, std::move(payload)));
+  };
+  grpc::Status s = push(false);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("element 5 is NaN or Inf"));
+  ASSERT_TRUE(push(true).ok());
+  std::vector<float> got(kElements), want(kElements, 3.0f);  // 1 + 2
+  want[5] = std::numeric_limits<float>::infinity();
+  ASSERT_THAT(client_->Pull({View("w", got)}), IsOk());
+  EXPECT_EQ(got, want);
+}
+
 TEST_F(PullLimitTest, APullSeqThatWouldWrapTheRoundIsRefused) {
   StartWith({});
   Wire wire(server_->address());

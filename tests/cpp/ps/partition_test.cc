@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "ps/calls.h"
 #include "ps/membership.h"
+#include "ps/values.h"
 
 namespace deepnex::ps {
 namespace {
@@ -281,6 +282,46 @@ TEST(PartitionTest, AHeldPushWithNaNIsRefusedAndLetGoAtOnce) {
   Push(*part, 1, 1, std::vector<float>(n, 4.0f), &log);
   EXPECT_TRUE(retry.released);
   EXPECT_EQ(Pulled(*part, 0, 1, &log), std::vector<float>(n, -5.0f));
+}
+
+// The finite check, for every dtype, on runs from empty to past four
+// vectors' worth (the unrolled blocks and the tail after them), at every
+// position, unaligned: NaN, +Inf and -Inf are found wherever they are; the
+// largest finite values of both signs, and the smallest denormal, are not.
+TEST(ValuesTest, TheFiniteCheckFindsNaNAndInfAtEveryPositionOfEveryDType) {
+  struct Kind {
+    DType dtype;
+    uint64_t finite_max, nan, inf, sign, denormal;
+  };
+  const Kind kinds[] = {
+      {DType::kFloat32, 0x7f7fffff, 0x7fc00000, 0x7f800000, 0x80000000, 1},
+      {DType::kFloat64, 0x7fefffffffffffff, 0x7ff8000000000001, 0x7ff0000000000000,
+       0x8000000000000000, 1},
+      {DType::kFloat16, 0x7bff, 0x7e00, 0x7c00, 0x8000, 1},
+      {DType::kBFloat16, 0x7f7f, 0x7fc1, 0x7f80, 0x8000, 1},
+  };
+  for (const Kind& k : kinds) {
+    const size_t elem = DTypeSize(k.dtype);
+    for (size_t n = 0; n <= 80; ++n) {
+      std::vector<char> buf(1 + n * elem);
+      char* p = buf.data() + 1;  // not aligned for the dtype
+      auto set = [&](size_t i, uint64_t bits) { std::memcpy(p + i * elem, &bits, elem); };
+      for (size_t i = 0; i < n; ++i) {
+        set(i, i % 3 == 0 ? k.finite_max : i % 3 == 1 ? (k.finite_max | k.sign) : k.denormal);
+      }
+      ASSERT_FALSE(AnyNonFiniteAt(k.dtype, p, n)) << static_cast<int>(k.dtype) << " n=" << n;
+      for (size_t at = 0; at < n; ++at) {
+        uint64_t was = 0;
+        std::memcpy(&was, p + at * elem, elem);
+        for (uint64_t bad : {k.nan, k.inf, k.inf | k.sign, k.nan | k.sign}) {
+          set(at, bad);
+          ASSERT_TRUE(AnyNonFiniteAt(k.dtype, p, n))
+              << static_cast<int>(k.dtype) << " n=" << n << " at=" << at << " bits=" << bad;
+        }
+        set(at, was);
+      }
+    }
+  }
 }
 
 // A reply of a copied slice, a shared one and another copied one: its
