@@ -1,7 +1,8 @@
 // How a partition reads the values a push carries: in place from the
 // received bytes where it can, as the compute type (float for float32,
 // float16 and bfloat16, double for float64), and how it finds NaN and Inf in
-// them. Private to ps/partition.cc, which builds with -O3 for these loops.
+// them. Private to the parameter server: ps/partition.cc (built with -O3
+// for these loops) and the client, which checks pushes with AnyNonFiniteAt.
 #ifndef DEEPNEX_PS_VALUES_H_
 #define DEEPNEX_PS_VALUES_H_
 
