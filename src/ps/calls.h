@@ -208,10 +208,15 @@ class PushPullCall final : public PullCall,
         worker_(header.worker_id()),
         incarnation_(header.incarnation()),
         parts_(std::move(parts)),
+        served_(parts_.size()),
         pushes_left_(parts_.size()),
         lose_reply_(lose_reply) {
     for (const proto::Slice& slice : header.slices()) seqs_.push_back(slice.seq());
   }
+  // Into shared memory the values are copied whichever way: the partition
+  // copies them as it applies the push, where it can.
+  char* ValuesAsApplied(size_t slice) override { return Shares() ? nullptr : Destination(slice); }
+  void SliceServed(size_t slice, uint64_t version) override { served_[slice] = version + 1; }
   void SliceApplied(size_t) override {
     if (pushes_left_.fetch_sub(1) != 1 || Finished()) return;
     if (lose_reply_) {
@@ -222,7 +227,11 @@ class PushPullCall final : public PullCall,
     }
     Completions done;
     for (size_t i = 0; i < parts_.size(); ++i) {
-      parts_[i]->Pull(worker_, incarnation_, seqs_[i], shared_from_this(), i, &done);
+      if (served_[i] != 0) {
+        SliceReady(i, served_[i] - 1);
+      } else {
+        parts_[i]->Pull(worker_, incarnation_, seqs_[i], shared_from_this(), i, &done);
+      }
     }
     RunAll(done);
   }
@@ -234,6 +243,10 @@ class PushPullCall final : public PullCall,
   const uint64_t incarnation_;
   const std::vector<Partition*> parts_;
   std::vector<uint64_t> seqs_;
+  // Per slice, 1 + the version its values were served at as its push was
+  // applied, else 0; each written by one partition, before pushes_left_
+  // counts that push.
+  std::vector<uint64_t> served_;
   std::atomic<size_t> pushes_left_;
   const bool lose_reply_;
 };

@@ -106,9 +106,15 @@ class TypedPartition final : public Partition {
       absl::Status finite = CheckFiniteBits(dtype_, offset_, count_, &scan);
       if (!finite.ok()) return fail(RefuseNonFinite(key, std::string(finite.message())));
     }
+    char* reply = config_.mode == Mode::kAsync && dtype_ == kStored
+                      ? sink->ValuesAsApplied(slice)
+                      : nullptr;
     int64_t bad = Accept(worker, payload, nullptr,
-                         check_finite && config_.mode != Mode::kAsync, done);
+                         check_finite && config_.mode != Mode::kAsync, done, reply);
     if (bad >= 0) return non_finite(bad);
+    if (reply != nullptr) {
+      done->push_back([sink, slice, v = version_] { sink->SliceServed(slice, v); });
+    }
     // What the push releases goes first: the pulls of the workers that
     // waited for this round are answered before this push's own reply
     // (in a PushPull, its values). Answered last, the push that closed the
@@ -340,10 +346,13 @@ class TypedPartition final : public Partition {
   // round already applied without it (its lease had expired) is dropped.
   // With `check` (sync, ssp), a push holding NaN or Inf is refused in the
   // pass that takes it in, leaving everything as it was: returns the first
-  // bad element's index, else -1.
+  // bad element's index, else -1. With `reply` (async), the values as the
+  // push leaves them are copied there too, a chunk at a time while it is in
+  // cache: a PushPull through shared memory, whose reply region is where
+  // its values came (each chunk is written after it was read).
   // REQUIRES: mu_ held, Eligible().
   int64_t Accept(int worker, PayloadReader* payload, const std::vector<T>* grad, bool check,
-                 Completions* done) {
+                 Completions* done, char* reply = nullptr) {
     WorkerState& ws = workers_[worker];
     uint64_t round = ws.first_round + ws.next_seq - 1;
     if (config_.mode == Mode::kAsync) {
@@ -353,6 +362,7 @@ class TypedPartition final : public Partition {
         ApplyUpdate<T>(config_.optimizer, step_ + 1, T(1), u.in + at, u.out + at, g,
                        m_.empty() ? nullptr : m_.data() + at,
                        v_.empty() ? nullptr : v_.data() + at, n);
+        if (reply != nullptr) std::memcpy(reply + at * sizeof(T), u.out + at, n * sizeof(T));
       });
       ++step_;
       ++version_;

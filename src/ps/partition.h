@@ -50,6 +50,13 @@ class PushSink {
   virtual void SliceApplied(size_t slice) = 0;
   virtual void Fail(const absl::Status& status) = 0;
   virtual bool Finished() const = 0;
+  // Where the push wants the slice's values as it leaves them, as a copy
+  // (a PushPull replying into shared memory): in async mode, where no
+  // round stands between a push and its pull, the partition writes them
+  // there chunk by chunk as it applies the push, from cache, and calls
+  // SliceServed before SliceApplied. Null: the values are pulled later.
+  virtual char* ValuesAsApplied(size_t /*slice*/) { return nullptr; }
+  virtual void SliceServed(size_t /*slice*/, uint64_t /*version*/) {}
 };
 
 // Callbacks to run once the partition's lock is released.

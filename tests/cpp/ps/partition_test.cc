@@ -284,6 +284,67 @@ TEST(PartitionTest, AHeldPushWithNaNIsRefusedAndLetGoAtOnce) {
   EXPECT_EQ(Pulled(*part, 0, 1, &log), std::vector<float>(n, -5.0f));
 }
 
+// A push that wants its values as it leaves them in `into` (as a PushPull
+// through shared memory does, where they came from).
+class ServedPush final : public PushSink {
+ public:
+  ServedPush(Log* log, char* into) : log_(log), into_(into) {}
+  void SliceApplied(size_t) override { log_->Add("push"); }
+  void Fail(const absl::Status& s) override { log_->Add("push failed: " + s.ToString()); }
+  bool Finished() const override { return false; }
+  char* ValuesAsApplied(size_t) override { return into_; }
+  void SliceServed(size_t, uint64_t version) override {
+    log_->Add("served at " + std::to_string(version));
+  }
+
+ private:
+  Log* const log_;
+  char* const into_;
+};
+
+// In async mode a push's values, as it leaves them, are written where its
+// sink asks as it is applied, over several chunks, even where they
+// overwrite the push's own values as they are read (shared memory replies
+// in the region the push came in); served before the push is reported.
+// A sync push's reply waits for its round, and is pulled as before.
+TEST(PartitionTest, AnAsyncPushWritesItsValuesAsAppliedWhereItsSinkAsks) {
+  Summing setup(1);
+  setup.config.mode = Mode::kAsync;
+  const size_t n = 40000;  // several chunks
+  std::unique_ptr<Partition> part = Partition::Create(setup.config, DType::kFloat32, 0, n);
+  Log log;
+  std::vector<float> region(n);
+  for (size_t i = 0; i < n; ++i) region[i] = static_cast<float>(i);
+  auto push = [&](uint64_t seq, std::shared_ptr<PushSink> sink) {
+    PayloadReader payload =
+        Payload(grpc::Slice(region.data(), n * sizeof(float), grpc::Slice::STATIC_SLICE));
+    Completions done;
+    part->Push(0, 1, seq, "k", true, &payload, std::move(sink), 0, &done);
+    RunAll(done);
+  };
+  push(1, std::make_shared<ServedPush>(&log, reinterpret_cast<char*>(region.data())));
+  std::vector<float> want(n);
+  for (size_t i = 0; i < n; ++i) want[i] = -static_cast<float>(i);  // 0 - 1 x g
+  EXPECT_EQ(region, want);
+  EXPECT_EQ(Pulled(*part, 0, 1, &log), want);
+  EXPECT_EQ(log.events, (std::vector<std::string>{"served at 1", "push", "pull 0 at 1"}));
+
+  // A push whose sink asks for nothing is only applied.
+  std::fill(region.begin(), region.end(), 1.0f);
+  push(2, std::make_shared<LoggedPush>(&log, 0));
+  EXPECT_EQ(log.events.back(), "push 0");
+  for (float& w : want) w -= 1;
+  EXPECT_EQ(Pulled(*part, 0, 2, &log), want);
+
+  // Sync: the reply waits for the round, and is pulled.
+  Summing sync(1);
+  part = Partition::Create(sync.config, DType::kFloat32, 0, n);
+  log.events.clear();
+  push(1, std::make_shared<ServedPush>(&log, reinterpret_cast<char*>(region.data())));
+  EXPECT_EQ(log.events, (std::vector<std::string>{"push"}));
+  EXPECT_EQ(region, std::vector<float>(n, 1.0f));
+}
+
 // The finite check, for every dtype, on runs from empty to past four
 // vectors' worth (the unrolled blocks and the tail after them), at every
 // position, unaligned: NaN, +Inf and -Inf are found wherever they are; the
